@@ -1,0 +1,201 @@
+//! A batch of samples in columnar form: labels, dense values, and for every
+//! (row, field) a "bag" of zero or more weighted keys (multi-hot fields).
+
+use serde::{Deserialize, Serialize};
+
+/// Where a data stream stands, so that a resumed run reads exactly the rows an
+/// uninterrupted run would have read next.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataPosition {
+    pub epoch: u64,
+    /// Byte offset (text formats) or row index (Parquet) of the next unread row.
+    pub offset: u64,
+    /// 1-based number of the next line (text) or row (Parquet), for error messages.
+    pub line: u64,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Batch {
+    pub num_fields: usize,
+    pub num_dense: usize,
+    /// One label (0.0 or 1.0) per row.
+    pub labels: Vec<f32>,
+    /// `rows × num_dense`, row-major.
+    pub dense: Vec<f32>,
+    /// All keys of all bags, bag after bag.
+    pub keys: Vec<u64>,
+    /// Per-key weight (the value of a libsvm/libffm feature); `None` means all 1.
+    pub key_weights: Option<Vec<f32>>,
+    /// `rows × num_fields + 1` offsets into `keys`: bag (r, f) is
+    /// `keys[bag_offsets[r*F+f] .. bag_offsets[r*F+f+1]]`.
+    pub bag_offsets: Vec<u32>,
+    /// Position of the first row after this batch.
+    pub end: DataPosition,
+}
+
+impl Batch {
+    pub fn rows(&self) -> usize {
+        self.labels.len()
+    }
+
+    #[inline]
+    pub fn bag(&self, row: usize, field: usize) -> std::ops::Range<usize> {
+        let i = row * self.num_fields + field;
+        self.bag_offsets[i] as usize..self.bag_offsets[i + 1] as usize
+    }
+
+    #[inline]
+    pub fn key_weight(&self, i: usize) -> f32 {
+        self.key_weights.as_ref().map_or(1.0, |w| w[i])
+    }
+}
+
+/// Builds a [`Batch`] row by row; a row that turns out malformed halfway is
+/// rolled back so the batch never holds part of a row.
+#[derive(Debug)]
+pub struct BatchBuilder {
+    batch: Batch,
+    weighted: bool,
+    row_start: (usize, usize, usize, usize),
+    current_field: usize,
+}
+
+impl BatchBuilder {
+    pub fn new(num_fields: usize, num_dense: usize, weighted: bool, capacity_rows: usize) -> Self {
+        let mut bag_offsets = Vec::with_capacity(capacity_rows * num_fields + 1);
+        bag_offsets.push(0);
+        BatchBuilder {
+            batch: Batch {
+                num_fields,
+                num_dense,
+                labels: Vec::with_capacity(capacity_rows),
+                dense: Vec::with_capacity(capacity_rows * num_dense),
+                keys: Vec::with_capacity(capacity_rows * num_fields),
+                key_weights: weighted.then(|| Vec::with_capacity(capacity_rows * num_fields)),
+                bag_offsets,
+                end: DataPosition::default(),
+            },
+            weighted,
+            row_start: (0, 0, 0, 1),
+            current_field: 0,
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.batch.labels.len()
+    }
+
+    pub fn num_fields(&self) -> usize {
+        self.batch.num_fields
+    }
+
+    pub fn num_dense(&self) -> usize {
+        self.batch.num_dense
+    }
+
+    /// Starts a row. Keys are then pushed field by field in increasing field
+    /// order via [`push_key`](Self::push_key) (fields may be skipped: empty bags).
+    pub fn begin_row(&mut self) {
+        let b = &self.batch;
+        self.row_start = (b.labels.len(), b.dense.len(), b.keys.len(), b.bag_offsets.len());
+        self.current_field = 0;
+    }
+
+    pub fn push_dense(&mut self, v: f32) {
+        self.batch.dense.push(v);
+    }
+
+    /// Adds a key to the bag of `field`. Returns false if `field` is out of
+    /// range or goes backwards (the caller reports the row as malformed).
+    pub fn push_key(&mut self, field: usize, key: u64, weight: f32) -> bool {
+        if field >= self.batch.num_fields || field < self.current_field {
+            return false;
+        }
+        self.close_bags_until(field);
+        self.batch.keys.push(key);
+        if let Some(w) = self.batch.key_weights.as_mut() {
+            w.push(weight);
+        }
+        true
+    }
+
+    fn close_bags_until(&mut self, field: usize) {
+        let n = self.batch.keys.len() as u32;
+        while self.current_field < field {
+            self.batch.bag_offsets.push(n);
+            self.current_field += 1;
+        }
+    }
+
+    /// Finishes the row. Fails (and rolls back) if the dense count is wrong.
+    pub fn end_row(&mut self, label: f32) -> bool {
+        let dense_pushed = self.batch.dense.len() - self.row_start.1;
+        if dense_pushed != self.batch.num_dense {
+            self.rollback_row();
+            return false;
+        }
+        let f = self.batch.num_fields;
+        self.close_bags_until(f);
+        self.batch.labels.push(label);
+        true
+    }
+
+    pub fn rollback_row(&mut self) {
+        let (l, d, k, o) = self.row_start;
+        self.batch.labels.truncate(l);
+        self.batch.dense.truncate(d);
+        self.batch.keys.truncate(k);
+        if let Some(w) = self.batch.key_weights.as_mut() {
+            w.truncate(k);
+        }
+        self.batch.bag_offsets.truncate(o);
+        self.current_field = 0;
+    }
+
+    pub fn is_weighted(&self) -> bool {
+        self.weighted
+    }
+
+    pub fn finish(self, end: DataPosition) -> Batch {
+        let mut b = self.batch;
+        b.end = end;
+        b
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_with_skipped_fields_and_rollback() {
+        let mut b = BatchBuilder::new(3, 1, false, 4);
+        b.begin_row();
+        b.push_dense(1.0);
+        assert!(b.push_key(0, 10, 1.0));
+        assert!(b.push_key(2, 12, 1.0));
+        assert!(b.push_key(2, 13, 1.0));
+        assert!(b.end_row(1.0));
+        // malformed: field goes backwards
+        b.begin_row();
+        b.push_dense(2.0);
+        assert!(b.push_key(1, 20, 1.0));
+        assert!(!b.push_key(0, 21, 1.0));
+        b.rollback_row();
+        // malformed: missing dense value
+        b.begin_row();
+        assert!(!b.end_row(0.0));
+        b.begin_row();
+        b.push_dense(3.0);
+        assert!(b.end_row(0.0));
+        let batch = b.finish(DataPosition::default());
+        assert_eq!(batch.rows(), 2);
+        assert_eq!(batch.dense, vec![1.0, 3.0]);
+        assert_eq!(batch.keys, vec![10, 12, 13]);
+        assert_eq!(batch.bag(0, 0), 0..1);
+        assert_eq!(batch.bag(0, 1), 1..1);
+        assert_eq!(batch.bag(0, 2), 1..3);
+        assert_eq!(batch.bag(1, 0), 3..3);
+        assert_eq!(batch.bag(1, 2), 3..3);
+    }
+}

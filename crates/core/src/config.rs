@@ -1,0 +1,483 @@
+//! The typed job config (TOML). Every section rejects unknown keys, every key
+//! has an explicit default, and units live in the names.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    #[error("config {source_name}: {message}")]
+    Parse { source_name: String, message: String },
+    #[error("--set {assignment:?}: expected KEY=VALUE, e.g. embedding.learning_rate=0.1")]
+    BadAssignment { assignment: String },
+    #[error("--set {key}: `{segment}` is a value, not a table")]
+    NotATable { key: String, segment: String },
+    #[error("config: {key}: {message}")]
+    Invalid { key: String, message: String },
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub data: DataConfig,
+    pub model: ModelConfig,
+    pub train: TrainConfig,
+    pub embedding: EmbeddingConfig,
+    pub dense_optimizer: DenseOptimizerConfig,
+    pub checkpoint: CheckpointConfig,
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DataFormat {
+    #[default]
+    Criteo,
+    Csv,
+    Parquet,
+    Libsvm,
+    Libffm,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    pub format: DataFormat,
+    pub train: Option<String>,
+    pub test: Option<String>,
+    pub schema: Option<Schema>,
+    /// Malformed rows skipped (and counted) before the job stops with an error.
+    pub max_bad_rows: u64,
+    /// How many malformed rows are reported one by one (file, line, reason).
+    pub report_bad_rows: u64,
+    /// libffm: number of fields (field indices must be below it).
+    pub num_fields: Option<usize>,
+    /// Batches parsed ahead of the training step (bounded memory).
+    pub prefetch_batches: usize,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig {
+            format: DataFormat::Criteo,
+            train: None,
+            test: None,
+            schema: None,
+            max_bad_rows: 1000,
+            report_bad_rows: 5,
+            num_fields: None,
+            prefetch_batches: 8,
+        }
+    }
+}
+
+/// Column mapping for CSV and Parquet.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Schema {
+    pub label: String,
+    pub dense: Vec<String>,
+    pub sparse: Vec<String>,
+    /// CSV only: one character.
+    pub delimiter: String,
+    /// CSV only: whether the first line names the columns. Without a header
+    /// the schema's names must be column numbers ("0", "1", …).
+    pub header: bool,
+    /// CSV only: splits one cell into several IDs of the same field (multi-hot).
+    pub multi_hot_separator: Option<String>,
+}
+
+impl Default for Schema {
+    fn default() -> Self {
+        Schema {
+            label: "label".into(),
+            dense: Vec::new(),
+            sparse: Vec::new(),
+            delimiter: ",".into(),
+            header: true,
+            multi_hot_separator: None,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelKind {
+    Lr,
+    Fm,
+    Mlp,
+    WideDeep,
+    Deepfm,
+    #[default]
+    Dlrm,
+    Dcn,
+}
+
+impl ModelKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            ModelKind::Lr => "lr",
+            ModelKind::Fm => "fm",
+            ModelKind::Mlp => "mlp",
+            ModelKind::WideDeep => "wide_deep",
+            ModelKind::Deepfm => "deepfm",
+            ModelKind::Dlrm => "dlrm",
+            ModelKind::Dcn => "dcn",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Pooling {
+    #[default]
+    Sum,
+    Mean,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    pub kind: ModelKind,
+    pub embedding_dim: usize,
+    /// Hidden layers of the MLP (mlp, wide_deep, deepfm, dcn) or of DLRM's top MLP.
+    pub hidden: Vec<usize>,
+    /// DLRM's bottom MLP on the dense values (its output layer is `embedding_dim`).
+    pub bottom_hidden: Vec<usize>,
+    /// DCN-v2 cross layers.
+    pub cross_layers: usize,
+    /// How the IDs of one multi-hot field are combined.
+    pub pooling: Pooling,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            kind: ModelKind::Dlrm,
+            embedding_dim: 16,
+            hidden: vec![256, 128],
+            bottom_hidden: vec![64],
+            cross_layers: 2,
+            pooling: Pooling::Sum,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    pub batch_size: usize,
+    pub epochs: u64,
+    pub threads: usize,
+    pub seed: u64,
+    /// Stop after this many steps (the run can be resumed from its checkpoint).
+    pub max_steps: Option<u64>,
+    /// Steps between metric lines (JSONL and plain progress).
+    pub log_interval_steps: u64,
+    /// Per-interval metrics file (JSON lines). Default: none.
+    pub metrics_path: Option<String>,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            batch_size: 1024,
+            epochs: 1,
+            threads: 2,
+            seed: 1,
+            max_steps: None,
+            log_interval_steps: 200,
+            metrics_path: None,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum SparseOptimizerKind {
+    Sgd,
+    #[default]
+    Adagrad,
+    Adam,
+    Ftrl,
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum InitKind {
+    #[default]
+    Uniform,
+    Normal,
+    Zeros,
+}
+
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct InitConfig {
+    pub kind: InitKind,
+    /// Half-width (uniform) or standard deviation (normal).
+    pub scale: f32,
+}
+
+impl Default for InitConfig {
+    fn default() -> Self {
+        InitConfig { kind: InitKind::Uniform, scale: 0.01 }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct EmbeddingConfig {
+    pub optimizer: SparseOptimizerKind,
+    pub learning_rate: f32,
+    pub init: InitConfig,
+    /// Adagrad / Adam epsilon.
+    pub eps: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    /// FTRL parameters (alpha is `learning_rate`).
+    pub ftrl_beta: f32,
+    pub ftrl_l1: f32,
+    pub ftrl_l2: f32,
+    /// Lock shards of the in-memory table (a power of two).
+    pub table_shards: usize,
+}
+
+impl Default for EmbeddingConfig {
+    fn default() -> Self {
+        EmbeddingConfig {
+            optimizer: SparseOptimizerKind::Adagrad,
+            learning_rate: 0.05,
+            init: InitConfig::default(),
+            eps: 1e-8,
+            beta1: 0.9,
+            beta2: 0.999,
+            ftrl_beta: 1.0,
+            ftrl_l1: 0.0,
+            ftrl_l2: 0.0,
+            table_shards: 64,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DenseOptimizerKind {
+    #[default]
+    Adam,
+    Sgd,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DenseOptimizerConfig {
+    pub kind: DenseOptimizerKind,
+    pub learning_rate: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+}
+
+impl Default for DenseOptimizerConfig {
+    fn default() -> Self {
+        DenseOptimizerConfig {
+            kind: DenseOptimizerKind::Adam,
+            learning_rate: 0.001,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointConfig {
+    /// Where checkpoints are written; none are written without it.
+    pub dir: Option<String>,
+    /// Also write one every this many steps (besides the one at the end).
+    pub every_steps: Option<u64>,
+    /// Versions kept in `dir` (older ones are removed after a new one lands).
+    pub keep: usize,
+    /// Resume from this checkpoint (a checkpoint root or one version directory).
+    pub resume_from: Option<String>,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        CheckpointConfig { dir: None, every_steps: None, keep: 2, resume_from: None }
+    }
+}
+
+impl Config {
+    /// Parses TOML text, applies `--set KEY=VALUE` overrides, and validates.
+    pub fn from_toml_with_overrides(
+        text: &str,
+        source_name: &str,
+        overrides: &[String],
+    ) -> Result<Config, ConfigError> {
+        let mut table: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            source_name: source_name.to_string(),
+            message: e.to_string(),
+        })?;
+        for assignment in overrides {
+            apply_override(&mut table, assignment)?;
+        }
+        let config: Config =
+            toml::Value::Table(table).try_into().map_err(|e: toml::de::Error| {
+                ConfigError::Parse { source_name: source_name.to_string(), message: e.to_string() }
+            })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |key: &str, message: &str| {
+            Err(ConfigError::Invalid { key: key.to_string(), message: message.to_string() })
+        };
+        if self.train.batch_size == 0 {
+            return invalid("train.batch_size", "must be at least 1");
+        }
+        if self.train.threads == 0 {
+            return invalid("train.threads", "must be at least 1");
+        }
+        if self.model.embedding_dim == 0 {
+            return invalid("model.embedding_dim", "must be at least 1");
+        }
+        if !self.embedding.table_shards.is_power_of_two() {
+            return invalid("embedding.table_shards", "must be a power of two");
+        }
+        if self.train.log_interval_steps == 0 {
+            return invalid("train.log_interval_steps", "must be at least 1");
+        }
+        if self.data.prefetch_batches == 0 {
+            return invalid("data.prefetch_batches", "must be at least 1");
+        }
+        if matches!(self.data.format, DataFormat::Csv | DataFormat::Parquet) {
+            match &self.data.schema {
+                None => return invalid("data.schema", "csv and parquet need [data.schema]"),
+                Some(s) if s.sparse.is_empty() && s.dense.is_empty() => {
+                    return invalid("data.schema", "names no dense or sparse column");
+                }
+                Some(s) if s.delimiter.chars().count() != 1 => {
+                    return invalid("data.schema.delimiter", "must be one character");
+                }
+                Some(_) => {}
+            }
+        }
+        if self.data.format == DataFormat::Libffm && self.data.num_fields.is_none() {
+            return invalid("data.num_fields", "libffm needs the number of fields");
+        }
+        Ok(())
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).unwrap_or_else(|e| format!("# config not serializable: {e}"))
+    }
+}
+
+/// `a.b.c=value`: the value is read as TOML; a bare word is taken as a string.
+fn apply_override(table: &mut toml::Table, assignment: &str) -> Result<(), ConfigError> {
+    let bad = || ConfigError::BadAssignment { assignment: assignment.to_string() };
+    let (key, raw) = assignment.split_once('=').ok_or_else(bad)?;
+    let key = key.trim();
+    if key.is_empty() || key.split('.').any(str::is_empty) {
+        return Err(bad());
+    }
+    let raw = raw.trim();
+    let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.to_string()));
+    let segments: Vec<&str> = key.split('.').collect();
+    let (last, parents) = segments.split_last().ok_or_else(bad)?;
+    let mut node = table;
+    for segment in parents {
+        let entry = node
+            .entry((*segment).to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        node = match entry {
+            toml::Value::Table(t) => t,
+            _ => {
+                return Err(ConfigError::NotATable {
+                    key: key.to_string(),
+                    segment: (*segment).to_string(),
+                });
+            }
+        };
+    }
+    node.insert((*last).to_string(), value);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str, sets: &[&str]) -> Result<Config, ConfigError> {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        Config::from_toml_with_overrides(text, "test.toml", &sets)
+    }
+
+    #[test]
+    fn issue_example_parses() {
+        let c = parse(
+            r#"
+            [data]
+            format = "criteo"
+            train = "a.tsv"
+            test = "b.tsv"
+            [model]
+            kind = "dlrm"
+            embedding_dim = 16
+            hidden = [256, 128]
+            [train]
+            batch_size = 1024
+            epochs = 1
+            threads = 2
+            seed = 1
+            [embedding]
+            optimizer = "adagrad"
+            learning_rate = 0.05
+            init = { kind = "uniform", scale = 0.01 }
+            [dense_optimizer]
+            kind = "adam"
+            learning_rate = 0.001
+            [checkpoint]
+            dir = "ck"
+            "#,
+            &[],
+        )
+        .expect("parses");
+        assert_eq!(c.model.kind, ModelKind::Dlrm);
+        assert_eq!(c.data.train.as_deref(), Some("a.tsv"));
+        assert_eq!(c.checkpoint.dir.as_deref(), Some("ck"));
+    }
+
+    #[test]
+    fn overrides_numbers_and_bare_words() {
+        let c = parse("", &["embedding.learning_rate=0.1", "embedding.optimizer=adam", "model.hidden=[8]"])
+            .expect("parses");
+        assert_eq!(c.embedding.learning_rate, 0.1);
+        assert_eq!(c.embedding.optimizer, SparseOptimizerKind::Adam);
+        assert_eq!(c.model.hidden, vec![8]);
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let err = parse("[train]\nbatch_sise = 3\n", &[]).expect_err("unknown key");
+        assert!(err.to_string().contains("batch_sise"), "{err}");
+        let err = parse("", &["embeding.learning_rate=1"]).expect_err("unknown section");
+        assert!(err.to_string().contains("embeding"), "{err}");
+    }
+
+    #[test]
+    fn wrong_type_is_reported() {
+        let err = parse("[train]\nbatch_size = \"big\"\n", &[]).expect_err("wrong type");
+        let msg = err.to_string();
+        assert!(msg.contains("batch_size") || msg.contains("invalid type"), "{msg}");
+        assert!(parse("", &["nokey"]).is_err());
+        assert!(parse("", &["train.batch_size=0"]).is_err());
+    }
+}

@@ -1,0 +1,12 @@
+//! Shared vocabulary of Sparrow: feature keys, batches, the typed config and a
+//! small deterministic RNG. No I/O happens here (the config parser reads text
+//! handed to it by the caller).
+
+pub mod batch;
+pub mod config;
+pub mod key;
+pub mod rng;
+
+pub use batch::{Batch, BatchBuilder, DataPosition};
+pub use config::{Config, ConfigError};
+pub use key::feature_key;

@@ -1,0 +1,14 @@
+//! Sparrow's embedding engine: a sharded concurrent hash table whose rows keep
+//! the vector and its optimizer state together, per-row sparse optimizers, and
+//! the batch path (dedup with inverse index → partition by shard → lookup →
+//! restore; backward: sum duplicate gradients → update once).
+//!
+//! Plain data structures and threads: no network, no async runtime.
+
+pub mod optimizer;
+pub mod plan;
+pub mod table;
+
+pub use optimizer::SparseOptimizer;
+pub use plan::KeyPlan;
+pub use table::{EmbeddingTable, Initializer, TableError};

@@ -1,0 +1,118 @@
+//! Per-row sparse optimizers. A row's optimizer state lives right after its
+//! weights, so one cache line fetch serves both (S3.7).
+
+use sparrow_core::config::{EmbeddingConfig, SparseOptimizerKind};
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum SparseOptimizer {
+    Sgd { lr: f32 },
+    /// Per-coordinate Adagrad: `acc += g²; w -= lr·g/(√acc + eps)`.
+    Adagrad { lr: f32, eps: f32 },
+    /// Lazy Adam: moments and the step count are per row, advanced only when
+    /// the row receives a gradient.
+    Adam { lr: f32, beta1: f32, beta2: f32, eps: f32 },
+    /// FTRL-Proximal (McMahan et al. 2013), per coordinate, `alpha` = learning rate.
+    Ftrl { alpha: f32, beta: f32, l1: f32, l2: f32 },
+}
+
+impl SparseOptimizer {
+    pub fn from_config(c: &EmbeddingConfig) -> Self {
+        match c.optimizer {
+            SparseOptimizerKind::Sgd => SparseOptimizer::Sgd { lr: c.learning_rate },
+            SparseOptimizerKind::Adagrad => SparseOptimizer::Adagrad { lr: c.learning_rate, eps: c.eps },
+            SparseOptimizerKind::Adam => SparseOptimizer::Adam {
+                lr: c.learning_rate,
+                beta1: c.beta1,
+                beta2: c.beta2,
+                eps: c.eps,
+            },
+            SparseOptimizerKind::Ftrl => SparseOptimizer::Ftrl {
+                alpha: c.learning_rate,
+                beta: c.ftrl_beta,
+                l1: c.ftrl_l1,
+                l2: c.ftrl_l2,
+            },
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            SparseOptimizer::Sgd { .. } => "sgd",
+            SparseOptimizer::Adagrad { .. } => "adagrad",
+            SparseOptimizer::Adam { .. } => "adam",
+            SparseOptimizer::Ftrl { .. } => "ftrl",
+        }
+    }
+
+    /// f32 slots of optimizer state per row of width `dim`.
+    pub fn state_len(&self, dim: usize) -> usize {
+        match self {
+            SparseOptimizer::Sgd { .. } => 0,
+            SparseOptimizer::Adagrad { .. } => dim,
+            SparseOptimizer::Adam { .. } => 2 * dim + 1,
+            SparseOptimizer::Ftrl { .. } => 2 * dim,
+        }
+    }
+
+    /// State of a freshly initialised row with weights `w`. For FTRL, `z` is
+    /// chosen so that the proximal step reproduces `w` (the random init is kept).
+    pub fn init_state(&self, w: &[f32], state: &mut [f32]) {
+        state.fill(0.0);
+        if let SparseOptimizer::Ftrl { alpha, beta, l1, l2 } = *self {
+            let denom = beta / alpha + l2;
+            let (z, _n) = state.split_at_mut(w.len());
+            for (z, &w) in z.iter_mut().zip(w) {
+                *z = -w * denom - w.signum() * l1 * f32::from(w != 0.0);
+            }
+        }
+    }
+
+    /// Applies one (already summed) gradient `g` to a row.
+    #[inline]
+    pub fn apply(&self, w: &mut [f32], state: &mut [f32], g: &[f32]) {
+        match *self {
+            SparseOptimizer::Sgd { lr } => {
+                for (w, &g) in w.iter_mut().zip(g) {
+                    *w -= lr * g;
+                }
+            }
+            SparseOptimizer::Adagrad { lr, eps } => {
+                for ((w, acc), &g) in w.iter_mut().zip(state.iter_mut()).zip(g) {
+                    *acc += g * g;
+                    *w -= lr * g / (acc.sqrt() + eps);
+                }
+            }
+            SparseOptimizer::Adam { lr, beta1, beta2, eps } => {
+                let dim = w.len();
+                let (m, rest) = state.split_at_mut(dim);
+                let (v, t) = rest.split_at_mut(dim);
+                t[0] += 1.0;
+                let step = t[0];
+                let c1 = 1.0 - beta1.powf(step);
+                let c2 = 1.0 - beta2.powf(step);
+                for i in 0..dim {
+                    m[i] = beta1 * m[i] + (1.0 - beta1) * g[i];
+                    v[i] = beta2 * v[i] + (1.0 - beta2) * g[i] * g[i];
+                    let m_hat = m[i] / c1;
+                    let v_hat = v[i] / c2;
+                    w[i] -= lr * m_hat / (v_hat.sqrt() + eps);
+                }
+            }
+            SparseOptimizer::Ftrl { alpha, beta, l1, l2 } => {
+                let dim = w.len();
+                let (z, n) = state.split_at_mut(dim);
+                for i in 0..dim {
+                    let n_new = n[i] + g[i] * g[i];
+                    let sigma = (n_new.sqrt() - n[i].sqrt()) / alpha;
+                    z[i] += g[i] - sigma * w[i];
+                    n[i] = n_new;
+                    w[i] = if z[i].abs() <= l1 {
+                        0.0
+                    } else {
+                        -(z[i] - z[i].signum() * l1) / ((beta + n[i].sqrt()) / alpha + l2)
+                    };
+                }
+            }
+        }
+    }
+}
