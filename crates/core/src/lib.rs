@@ -5,6 +5,7 @@
 pub mod batch;
 pub mod config;
 pub mod key;
+pub mod metrics;
 pub mod rng;
 
 pub use batch::{Batch, BatchBuilder, DataPosition};

@@ -1,1 +1,16 @@
-pub fn x(){}
+//! Sparrow's data layer: streaming readers for Criteo TSV, CSV, Parquet,
+//! libsvm and libffm; the bad-row budget; a background batch stream with
+//! bounded memory; and the synthetic generator with a known Bayes-optimal AUC.
+//!
+//! Nothing here knows about networks or embeddings.
+
+pub mod error;
+pub mod layout;
+pub mod parquet_source;
+pub mod stream;
+pub mod synth;
+pub mod text;
+
+pub use error::{BadRows, DataError};
+pub use layout::DataLayout;
+pub use stream::{open_source, BatchSource, BatchStream};

@@ -1,0 +1,124 @@
+//! Exact AUC (ties share their average rank) and log-loss.
+
+/// Area under the ROC curve of `scores` against 0/1 `labels`. Tied scores
+/// count half, as the Mann–Whitney statistic with average ranks does. NaN when
+/// one class is absent.
+pub fn auc(scores: &[f32], labels: &[f32]) -> f64 {
+    assert_eq!(scores.len(), labels.len(), "scores and labels differ in length");
+    let mut order: Vec<u32> = (0..scores.len() as u32).collect();
+    order.sort_unstable_by(|&a, &b| scores[a as usize].total_cmp(&scores[b as usize]));
+    let (mut pos, mut rank_sum) = (0f64, 0f64);
+    let mut i = 0;
+    while i < order.len() {
+        let mut j = i;
+        let s = scores[order[i] as usize];
+        let mut pos_in_group = 0f64;
+        while j < order.len() && scores[order[j] as usize] == s {
+            pos_in_group += f64::from(labels[order[j] as usize]);
+            j += 1;
+        }
+        // Ranks i+1 ..= j share their mean.
+        let mean_rank = (i + 1 + j) as f64 / 2.0;
+        rank_sum += pos_in_group * mean_rank;
+        pos += pos_in_group;
+        i = j;
+    }
+    let neg = scores.len() as f64 - pos;
+    if pos == 0.0 || neg == 0.0 {
+        return f64::NAN;
+    }
+    (rank_sum - pos * (pos + 1.0) / 2.0) / (pos * neg)
+}
+
+/// Stable logistic loss of one logit: max(x,0) − x·y + log(1+exp(−|x|)).
+#[inline]
+pub fn logistic_loss(logit: f64, label: f64) -> f64 {
+    logit.max(0.0) - logit * label + (-logit.abs()).exp().ln_1p()
+}
+
+/// Mean log-loss from logits (exact even where the sigmoid saturates).
+pub fn log_loss_from_logits(logits: &[f32], labels: &[f32]) -> f64 {
+    if logits.is_empty() {
+        return f64::NAN;
+    }
+    let s: f64 = logits.iter().zip(labels).map(|(&x, &y)| logistic_loss(f64::from(x), f64::from(y))).sum();
+    s / logits.len() as f64
+}
+
+/// Mean log-loss from probabilities, clamped away from 0 and 1.
+pub fn log_loss_from_probs(probs: &[f64], labels: &[f32]) -> f64 {
+    if probs.is_empty() {
+        return f64::NAN;
+    }
+    let eps = 1e-15;
+    let s: f64 = probs
+        .iter()
+        .zip(labels)
+        .map(|(&p, &y)| {
+            let p = p.clamp(eps, 1.0 - eps);
+            -(f64::from(y) * p.ln() + (1.0 - f64::from(y)) * (1.0 - p).ln())
+        })
+        .sum();
+    s / probs.len() as f64
+}
+
+#[inline]
+pub fn sigmoid(x: f64) -> f64 {
+    if x >= 0.0 {
+        1.0 / (1.0 + (-x).exp())
+    } else {
+        let e = x.exp();
+        e / (1.0 + e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// O(P·N) definition: P(score_pos > score_neg) + ½ P(tie).
+    fn naive_auc(scores: &[f32], labels: &[f32]) -> f64 {
+        let (mut num, mut den) = (0.0, 0.0);
+        for (i, &li) in labels.iter().enumerate() {
+            for (j, &lj) in labels.iter().enumerate() {
+                if li == 1.0 && lj == 0.0 {
+                    den += 1.0;
+                    if scores[i] > scores[j] {
+                        num += 1.0;
+                    } else if scores[i] == scores[j] {
+                        num += 0.5;
+                    }
+                }
+            }
+        }
+        num / den
+    }
+
+    #[test]
+    fn auc_matches_pairwise_definition_with_ties() {
+        let mut rng = crate::rng::Rng::new(5);
+        for _ in 0..50 {
+            let n = 2 + rng.below(60) as usize;
+            let scores: Vec<f32> = (0..n).map(|_| rng.below(6) as f32).collect();
+            let mut labels: Vec<f32> = (0..n).map(|_| rng.below(2) as f32).collect();
+            labels[0] = 0.0;
+            labels[1] = 1.0;
+            assert!((auc(&scores, &labels) - naive_auc(&scores, &labels)).abs() < 1e-12);
+        }
+        assert_eq!(auc(&[0.1, 0.9], &[0.0, 1.0]), 1.0);
+        assert_eq!(auc(&[0.5, 0.5], &[0.0, 1.0]), 0.5);
+        assert!(auc(&[0.5], &[1.0]).is_nan());
+    }
+
+    #[test]
+    fn logistic_loss_is_stable_and_correct() {
+        assert!((logistic_loss(0.0, 1.0) - 2f64.ln()).abs() < 1e-12);
+        assert!(logistic_loss(1000.0, 0.0).is_finite());
+        assert!((logistic_loss(1000.0, 0.0) - 1000.0).abs() < 1e-9);
+        assert!(logistic_loss(-1000.0, 0.0) < 1e-12);
+        let x: f64 = 0.7;
+        let p = sigmoid(x);
+        assert!((logistic_loss(x, 1.0) + p.ln()).abs() < 1e-12);
+        assert!((log_loss_from_probs(&[p], &[0.0]) - logistic_loss(x, 0.0)).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,185 @@
+//! Parquet input (arrow-rs `parquet` crate, record API): the same schema
+//! mapping as CSV; list columns are multi-hot fields. Rows are streamed row
+//! group by row group, so memory stays bounded by one row group.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use parquet::file::reader::{FileReader, SerializedFileReader};
+use parquet::record::{Field, Row};
+use parquet::record::reader::RowIter;
+use sparrow_core::batch::{BatchBuilder, DataPosition};
+use sparrow_core::config::DataConfig;
+use sparrow_core::{Batch, feature_key};
+
+use crate::error::{BadRows, DataError};
+use crate::layout::DataLayout;
+use crate::stream::BatchSource;
+use crate::text::parse_label;
+
+pub struct ParquetSource {
+    path: PathBuf,
+    rows: RowIter<'static>,
+    layout: DataLayout,
+    label: usize,
+    dense: Vec<(usize, String)>,
+    sparse: Vec<usize>,
+    /// Index of the next row (0-based).
+    next_row: u64,
+    bad: BadRows,
+}
+
+fn open_rows(path: &Path) -> Result<(RowIter<'static>, Vec<String>), DataError> {
+    let file = File::open(path).map_err(|e| DataError::io(path, e))?;
+    let reader = SerializedFileReader::new(file)
+        .map_err(|e| DataError::Parquet { path: path.to_path_buf(), message: e.to_string() })?;
+    let names = reader
+        .metadata()
+        .file_metadata()
+        .schema_descr()
+        .root_schema()
+        .get_fields()
+        .iter()
+        .map(|f| f.name().to_string())
+        .collect();
+    Ok((reader.into_iter(), names))
+}
+
+impl ParquetSource {
+    pub fn open(path: &Path, config: &DataConfig, bad: BadRows) -> Result<ParquetSource, DataError> {
+        let schema = config.schema.clone().unwrap_or_default();
+        let (rows, names) = open_rows(path)?;
+        let find = |name: &str| {
+            names.iter().position(|n| n == name).ok_or_else(|| DataError::Schema {
+                path: path.to_path_buf(),
+                message: format!("column `{name}` is not in the file ({})", names.join(",")),
+            })
+        };
+        let label = find(&schema.label)?;
+        let dense = schema.dense.iter().map(|n| Ok((find(n)?, n.clone()))).collect::<Result<_, DataError>>()?;
+        let sparse = schema.sparse.iter().map(|n| find(n)).collect::<Result<_, DataError>>()?;
+        Ok(ParquetSource {
+            path: path.to_path_buf(),
+            rows,
+            layout: DataLayout::from_config(config),
+            label,
+            dense,
+            sparse,
+            next_row: 0,
+            bad,
+        })
+    }
+
+    fn parse_row(&self, row: &Row, out: &mut BatchBuilder) -> Result<f32, String> {
+        let cols: Vec<&Field> = row.get_column_iter().map(|(_, f)| f).collect();
+        let label_field = cols.get(self.label).ok_or("row is shorter than the schema")?;
+        let label = match label_field {
+            Field::Str(s) => parse_label(s.as_bytes())?,
+            other => match number(other) {
+                Some(v) if v == 1.0 => 1.0,
+                Some(v) if v == 0.0 || v == -1.0 => 0.0,
+                _ => return Err(format!("label `{other}` is not 0/1 or -1/+1")),
+            },
+        };
+        for (col, name) in &self.dense {
+            let f = cols.get(*col).ok_or("row is shorter than the schema")?;
+            let v = match f {
+                Field::Null => 0.0,
+                Field::Str(s) => s.trim().parse::<f64>().map_err(|_| format!("column {name}: `{s}` is not a number"))?,
+                other => number(other).ok_or_else(|| format!("column {name}: `{other}` is not a number"))?,
+            };
+            if !v.is_finite() {
+                return Err(format!("column {name}: value is not finite"));
+            }
+            out.push_dense(v as f32);
+        }
+        for (fi, &col) in self.sparse.iter().enumerate() {
+            let f = cols.get(col).ok_or("row is shorter than the schema")?;
+            match f {
+                Field::ListInternal(list) => {
+                    for e in list.elements() {
+                        if !matches!(e, Field::Null) {
+                            out.push_key(fi, feature_key(fi as u32, &id_bytes(e)), 1.0);
+                        }
+                    }
+                }
+                other => {
+                    out.push_key(fi, feature_key(fi as u32, &id_bytes(other)), 1.0);
+                }
+            }
+        }
+        Ok(label)
+    }
+}
+
+fn number(f: &Field) -> Option<f64> {
+    Some(match *f {
+        Field::Bool(b) => f64::from(u8::from(b)),
+        Field::Byte(v) => f64::from(v),
+        Field::Short(v) => f64::from(v),
+        Field::Int(v) => f64::from(v),
+        Field::Long(v) => v as f64,
+        Field::UByte(v) => f64::from(v),
+        Field::UShort(v) => f64::from(v),
+        Field::UInt(v) => f64::from(v),
+        Field::ULong(v) => v as f64,
+        Field::Float(v) => f64::from(v),
+        Field::Double(v) => v,
+        _ => return None,
+    })
+}
+
+/// The raw value that is hashed into a key: strings and bytes as they are,
+/// everything else by its display form (so `7` in Int and Long is the same ID).
+fn id_bytes(f: &Field) -> Vec<u8> {
+    match f {
+        Field::Null => Vec::new(),
+        Field::Str(s) => s.as_bytes().to_vec(),
+        Field::Bytes(b) => b.data().to_vec(),
+        other => other.to_string().into_bytes(),
+    }
+}
+
+impl BatchSource for ParquetSource {
+    fn layout(&self) -> &DataLayout {
+        &self.layout
+    }
+
+    fn seek(&mut self, pos: DataPosition) -> Result<(), DataError> {
+        let (rows, _) = open_rows(&self.path)?;
+        self.rows = rows;
+        self.next_row = 0;
+        while self.next_row < pos.offset {
+            match self.rows.next() {
+                None => break,
+                Some(Err(e)) => return Err(DataError::Parquet { path: self.path.clone(), message: e.to_string() }),
+                Some(Ok(_)) => self.next_row += 1,
+            }
+        }
+        Ok(())
+    }
+
+    fn next_batch(&mut self, batch_size: usize, epoch: u64) -> Result<Option<Batch>, DataError> {
+        let mut b = BatchBuilder::new(self.layout.num_fields, self.layout.num_dense, false, batch_size);
+        while b.rows() < batch_size {
+            let row = match self.rows.next() {
+                None => break,
+                Some(Err(e)) => return Err(DataError::Parquet { path: self.path.clone(), message: e.to_string() }),
+                Some(Ok(row)) => row,
+            };
+            self.next_row += 1;
+            b.begin_row();
+            let ok = self
+                .parse_row(&row, &mut b)
+                .and_then(|label| b.end_row(label).then_some(()).ok_or_else(|| "wrong number of dense values".into()));
+            if let Err(reason) = ok {
+                b.rollback_row();
+                self.bad.record(&self.path, self.next_row, format!("row {}: {reason}", self.next_row))?;
+            }
+        }
+        if b.rows() == 0 {
+            return Ok(None);
+        }
+        Ok(Some(b.finish(DataPosition { epoch, offset: self.next_row, line: self.next_row + 1 })))
+    }
+}

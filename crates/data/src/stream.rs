@@ -1,0 +1,117 @@
+//! A batch source runs on a background thread and hands finished batches to
+//! the trainer through a bounded channel: parsing overlaps the training step
+//! and memory stays bounded by `prefetch_batches`.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, bounded};
+use sparrow_core::Batch;
+use sparrow_core::batch::DataPosition;
+use sparrow_core::config::{DataConfig, DataFormat};
+
+use crate::error::{BadRows, DataError};
+use crate::layout::DataLayout;
+use crate::parquet_source::ParquetSource;
+use crate::text::TextSource;
+
+pub trait BatchSource: Send {
+    fn layout(&self) -> &DataLayout;
+    /// Continue reading at `pos` (offset 0 = the first data row).
+    fn seek(&mut self, pos: DataPosition) -> Result<(), DataError>;
+    /// The next batch of at most `batch_size` good rows, `None` at the end.
+    fn next_batch(&mut self, batch_size: usize, epoch: u64) -> Result<Option<Batch>, DataError>;
+}
+
+/// Opens `path` as the configured format. A missing file fails here, at once.
+pub fn open_source(path: &Path, config: &DataConfig, bad: BadRows) -> Result<Box<dyn BatchSource>, DataError> {
+    Ok(match config.format {
+        DataFormat::Parquet => Box::new(ParquetSource::open(path, config, bad)?),
+        _ => Box::new(TextSource::open(path, config, bad)?),
+    })
+}
+
+pub struct BatchStream {
+    rx: Option<Receiver<Result<Batch, DataError>>>,
+    stop: Arc<AtomicBool>,
+    handle: Option<JoinHandle<()>>,
+    pub layout: DataLayout,
+}
+
+impl BatchStream {
+    /// Streams `epochs` passes over `path`, starting at `start`.
+    pub fn spawn(
+        path: &Path,
+        config: &DataConfig,
+        batch_size: usize,
+        start: DataPosition,
+        epochs: u64,
+        bad: BadRows,
+    ) -> Result<BatchStream, DataError> {
+        let mut source = open_source(path, config, bad)?;
+        let layout = source.layout().clone();
+        let (tx, rx) = bounded(config.prefetch_batches);
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop_flag = stop.clone();
+        let handle = std::thread::Builder::new()
+            .name("sparrow-reader".into())
+            .spawn(move || {
+                for epoch in start.epoch..epochs {
+                    let pos = if epoch == start.epoch { start } else { DataPosition { epoch, offset: 0, line: 1 } };
+                    if let Err(e) = source.seek(pos) {
+                        let _ = tx.send(Err(e));
+                        return;
+                    }
+                    loop {
+                        if stop_flag.load(Ordering::Relaxed) {
+                            return;
+                        }
+                        match source.next_batch(batch_size, epoch) {
+                            Ok(Some(b)) => {
+                                if tx.send(Ok(b)).is_err() {
+                                    return;
+                                }
+                            }
+                            Ok(None) => break,
+                            Err(e) => {
+                                let _ = tx.send(Err(e));
+                                return;
+                            }
+                        }
+                    }
+                }
+            })
+            .map_err(|e| DataError::io(path, e))?;
+        Ok(BatchStream { rx: Some(rx), stop, handle: Some(handle), layout })
+    }
+}
+
+impl Iterator for BatchStream {
+    type Item = Result<Batch, DataError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let item = self.rx.as_ref()?.recv().ok();
+        if item.is_none() {
+            // Channel closed: the reader finished, or died.
+            if let Some(h) = self.handle.take() {
+                if h.join().is_err() {
+                    return Some(Err(DataError::ReaderPanicked));
+                }
+            }
+        }
+        item
+    }
+}
+
+impl Drop for BatchStream {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // Dropping the receiver unblocks a reader waiting on a full channel.
+        self.rx.take();
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}

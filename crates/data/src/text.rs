@@ -1,0 +1,466 @@
+//! Line-oriented formats: Criteo TSV, CSV (with a schema), libsvm, libffm.
+//! Each parser turns one line into one row of a [`BatchBuilder`] or explains
+//! why it cannot; the caller counts the bad row and rolls it back.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+use sparrow_core::batch::{BatchBuilder, DataPosition};
+use sparrow_core::config::{DataConfig, DataFormat, Schema};
+use sparrow_core::{Batch, feature_key};
+
+use crate::error::{BadRows, DataError};
+use crate::layout::{CRITEO_DENSE, CRITEO_SPARSE, DataLayout};
+use crate::stream::BatchSource;
+
+pub trait LineParser: Send {
+    /// Parses `line` (no trailing newline) into the builder's current row.
+    fn parse(&mut self, line: &[u8], out: &mut BatchBuilder) -> Result<f32, String>;
+}
+
+/// `0`/`1` or `-1`/`+1`; anything else is a malformed row.
+pub fn parse_label(raw: &[u8]) -> Result<f32, String> {
+    match raw {
+        b"1" | b"+1" | b"1.0" => Ok(1.0),
+        b"0" | b"-1" | b"0.0" | b"-1.0" => Ok(0.0),
+        _ => Err(format!("label `{}` is not 0/1 or -1/+1", String::from_utf8_lossy(raw))),
+    }
+}
+
+fn ascii(raw: &[u8]) -> Result<&str, String> {
+    std::str::from_utf8(raw).map_err(|_| "not valid UTF-8".to_string())
+}
+
+/// Criteo's integer transform: log(1 + max(x, 0)).
+#[inline]
+pub fn criteo_dense(x: f64) -> f32 {
+    (x.max(0.0)).ln_1p() as f32
+}
+
+/// Criteo TSV: label, 13 integer columns, 26 categorical columns. Short rows
+/// are padded with empty (missing) values; an empty categorical value is the
+/// field's "missing" key, an empty integer is 0.
+pub struct CriteoParser;
+
+impl LineParser for CriteoParser {
+    fn parse(&mut self, line: &[u8], out: &mut BatchBuilder) -> Result<f32, String> {
+        let mut cols = line.split(|&b| b == b'\t');
+        let label = parse_label(cols.next().unwrap_or_default())?;
+        for i in 0..CRITEO_DENSE {
+            let raw = cols.next().unwrap_or_default();
+            let v = if raw.is_empty() {
+                0.0
+            } else {
+                ascii(raw)?
+                    .parse::<i64>()
+                    .map_err(|_| format!("column I{}: `{}` is not an integer", i + 1, String::from_utf8_lossy(raw)))?
+                    as f64
+            };
+            out.push_dense(criteo_dense(v));
+        }
+        for f in 0..CRITEO_SPARSE {
+            let raw = cols.next().unwrap_or_default();
+            out.push_key(f, feature_key(f as u32, raw), 1.0);
+        }
+        if cols.next().is_some() {
+            return Err(format!("more than {} columns", 1 + CRITEO_DENSE + CRITEO_SPARSE));
+        }
+        Ok(label)
+    }
+}
+
+/// Splits a CSV line on `delim`, honouring double quotes ("" is a quote).
+pub fn split_csv<'a>(line: &'a [u8], delim: u8, cells: &mut Vec<std::borrow::Cow<'a, [u8]>>) -> Result<(), String> {
+    use std::borrow::Cow;
+    cells.clear();
+    let mut i = 0;
+    loop {
+        if i < line.len() && line[i] == b'"' {
+            let mut cell = Vec::new();
+            i += 1;
+            loop {
+                match line.get(i) {
+                    None => return Err("unterminated quoted cell".into()),
+                    Some(b'"') if line.get(i + 1) == Some(&b'"') => {
+                        cell.push(b'"');
+                        i += 2;
+                    }
+                    Some(b'"') => {
+                        i += 1;
+                        break;
+                    }
+                    Some(&b) => {
+                        cell.push(b);
+                        i += 1;
+                    }
+                }
+            }
+            cells.push(Cow::Owned(cell));
+            match line.get(i) {
+                None => return Ok(()),
+                Some(&b) if b == delim => i += 1,
+                Some(_) => return Err("text after a closing quote".into()),
+            }
+        } else {
+            let end = line[i..].iter().position(|&b| b == delim).map(|p| i + p);
+            match end {
+                Some(e) => {
+                    cells.push(Cow::Borrowed(&line[i..e]));
+                    i = e + 1;
+                }
+                None => {
+                    cells.push(Cow::Borrowed(&line[i..]));
+                    return Ok(());
+                }
+            }
+        }
+    }
+}
+
+/// Where each schema column sits in a CSV row.
+pub struct CsvParser {
+    delim: u8,
+    label: usize,
+    dense: Vec<(usize, String)>,
+    sparse: Vec<usize>,
+    multi_hot: Option<Vec<u8>>,
+    width: usize,
+}
+
+impl CsvParser {
+    /// `header` is the first line when the schema says there is one.
+    pub fn new(path: &Path, schema: &Schema, header: Option<&[u8]>) -> Result<CsvParser, DataError> {
+        let delim = schema.delimiter.as_bytes()[0];
+        let schema_err = |message: String| DataError::Schema { path: path.to_path_buf(), message };
+        let names: Vec<String> = match header {
+            Some(h) => {
+                let mut cells = Vec::new();
+                split_csv(h, delim, &mut cells).map_err(|e| schema_err(format!("header: {e}")))?;
+                cells.iter().map(|c| String::from_utf8_lossy(c).trim().to_string()).collect()
+            }
+            None => Vec::new(),
+        };
+        let find = |name: &str| -> Result<usize, DataError> {
+            if header.is_some() {
+                names.iter().position(|n| n == name).ok_or_else(|| {
+                    schema_err(format!("column `{name}` is not in the header ({})", names.join(",")))
+                })
+            } else {
+                name.parse::<usize>()
+                    .map_err(|_| schema_err(format!("without a header, column `{name}` must be a column number")))
+            }
+        };
+        let label = find(&schema.label)?;
+        let dense = schema.dense.iter().map(|n| Ok((find(n)?, n.clone()))).collect::<Result<Vec<_>, DataError>>()?;
+        let sparse = schema.sparse.iter().map(|n| find(n)).collect::<Result<Vec<_>, DataError>>()?;
+        let width = std::iter::once(label).chain(dense.iter().map(|d| d.0)).chain(sparse.iter().copied()).max().unwrap_or(0) + 1;
+        Ok(CsvParser {
+            delim,
+            label,
+            dense,
+            sparse,
+            multi_hot: schema.multi_hot_separator.as_ref().map(|s| s.as_bytes().to_vec()),
+            width,
+        })
+    }
+}
+
+impl LineParser for CsvParser {
+    fn parse(&mut self, line: &[u8], out: &mut BatchBuilder) -> Result<f32, String> {
+        let mut cells = Vec::with_capacity(self.width);
+        split_csv(line, self.delim, &mut cells)?;
+        if cells.len() < self.width {
+            return Err(format!("{} columns, the schema needs at least {}", cells.len(), self.width));
+        }
+        let label = parse_label(cells[self.label].as_ref())?;
+        for (col, name) in &self.dense {
+            let raw = cells[*col].as_ref();
+            let v = if raw.is_empty() {
+                0.0
+            } else {
+                ascii(raw)?
+                    .trim()
+                    .parse::<f32>()
+                    .map_err(|_| format!("column {name}: `{}` is not a number", String::from_utf8_lossy(raw)))?
+            };
+            if !v.is_finite() {
+                return Err(format!("column {name}: value is not finite"));
+            }
+            out.push_dense(v);
+        }
+        for (f, &col) in self.sparse.iter().enumerate() {
+            let raw = cells[col].as_ref();
+            match &self.multi_hot {
+                Some(sep) => {
+                    for id in split_bytes(raw, sep).filter(|s| !s.is_empty()) {
+                        out.push_key(f, feature_key(f as u32, id), 1.0);
+                    }
+                }
+                None => {
+                    out.push_key(f, feature_key(f as u32, raw), 1.0);
+                }
+            }
+        }
+        Ok(label)
+    }
+}
+
+fn split_bytes<'a>(s: &'a [u8], sep: &'a [u8]) -> impl Iterator<Item = &'a [u8]> + 'a {
+    let mut rest = Some(s);
+    std::iter::from_fn(move || {
+        let r = rest?;
+        match r.windows(sep.len().max(1)).position(|w| w == sep) {
+            Some(p) if !sep.is_empty() => {
+                rest = Some(&r[p + sep.len()..]);
+                Some(&r[..p])
+            }
+            _ => {
+                rest = None;
+                Some(r)
+            }
+        }
+    })
+}
+
+/// libsvm (`label idx:val …`, one multi-hot field) and libffm
+/// (`label field:idx:val …`). Values become key weights.
+pub struct SvmParser {
+    /// `Some(n)` for libffm with n fields.
+    ffm_fields: Option<usize>,
+    scratch: Vec<(usize, u64, f32)>,
+}
+
+impl SvmParser {
+    pub fn libsvm() -> Self {
+        SvmParser { ffm_fields: None, scratch: Vec::new() }
+    }
+    pub fn libffm(num_fields: usize) -> Self {
+        SvmParser { ffm_fields: Some(num_fields), scratch: Vec::new() }
+    }
+}
+
+impl LineParser for SvmParser {
+    fn parse(&mut self, line: &[u8], out: &mut BatchBuilder) -> Result<f32, String> {
+        let text = ascii(line)?;
+        let mut tokens = text.split_ascii_whitespace();
+        let label = parse_label(tokens.next().unwrap_or_default().as_bytes())?;
+        self.scratch.clear();
+        for tok in tokens {
+            let (feature, val) = tok.rsplit_once(':').ok_or_else(|| format!("token `{tok}` is not idx:val"))?;
+            let w: f32 = val.parse().map_err(|_| format!("token `{tok}`: `{val}` is not a number"))?;
+            if !w.is_finite() {
+                return Err(format!("token `{tok}`: value is not finite"));
+            }
+            let (field, idx) = match self.ffm_fields {
+                None => (0, feature),
+                Some(n) => {
+                    let (f, idx) = feature.split_once(':').ok_or_else(|| format!("token `{tok}` is not field:idx:val"))?;
+                    let f: usize = f.parse().map_err(|_| format!("token `{tok}`: field `{f}` is not a number"))?;
+                    if f >= n {
+                        return Err(format!("token `{tok}`: field {f} is not below data.num_fields = {n}"));
+                    }
+                    (f, idx)
+                }
+            };
+            if idx.is_empty() {
+                return Err(format!("token `{tok}` has an empty index"));
+            }
+            self.scratch.push((field, feature_key(field as u32, idx.as_bytes()), w));
+        }
+        // Fields may come in any order; the builder wants them ascending.
+        self.scratch.sort_by_key(|e| e.0);
+        for &(f, k, w) in &self.scratch {
+            out.push_key(f, k, w);
+        }
+        Ok(label)
+    }
+}
+
+/// A line-oriented file read sequentially, with its position tracked so a
+/// resumed run can seek straight back to it.
+pub struct TextSource {
+    path: PathBuf,
+    reader: BufReader<File>,
+    parser: Box<dyn LineParser>,
+    layout: DataLayout,
+    /// Offset of the first data line (after a CSV header).
+    data_start: (u64, u64),
+    offset: u64,
+    line: u64,
+    buf: Vec<u8>,
+    bad: BadRows,
+}
+
+impl TextSource {
+    pub fn open(path: &Path, config: &DataConfig, bad: BadRows) -> Result<TextSource, DataError> {
+        let file = File::open(path).map_err(|e| DataError::io(path, e))?;
+        let mut reader = BufReader::with_capacity(1 << 20, file);
+        let layout = DataLayout::from_config(config);
+        let mut data_start = (0, 1);
+        let parser: Box<dyn LineParser> = match config.format {
+            DataFormat::Criteo => Box::new(CriteoParser),
+            DataFormat::Libsvm => Box::new(SvmParser::libsvm()),
+            DataFormat::Libffm => Box::new(SvmParser::libffm(layout.num_fields)),
+            DataFormat::Csv => {
+                let schema = config.schema.clone().unwrap_or_default();
+                let mut header = Vec::new();
+                if schema.header {
+                    let n = reader.read_until(b'\n', &mut header).map_err(|e| DataError::io(path, e))?;
+                    if n == 0 {
+                        return Err(DataError::Schema { path: path.to_path_buf(), message: "empty file, no header".into() });
+                    }
+                    data_start = (n as u64, 2);
+                }
+                let h = trim_eol(&header);
+                Box::new(CsvParser::new(path, &schema, schema.header.then_some(h))?)
+            }
+            DataFormat::Parquet => {
+                return Err(DataError::Schema { path: path.to_path_buf(), message: "parquet is not a text format".into() });
+            }
+        };
+        Ok(TextSource {
+            path: path.to_path_buf(),
+            reader,
+            parser,
+            layout,
+            data_start,
+            offset: data_start.0,
+            line: data_start.1,
+            buf: Vec::new(),
+            bad,
+        })
+    }
+}
+
+fn trim_eol(line: &[u8]) -> &[u8] {
+    let mut l = line;
+    while let Some((&last, rest)) = l.split_last() {
+        if last == b'\n' || last == b'\r' {
+            l = rest;
+        } else {
+            break;
+        }
+    }
+    l
+}
+
+impl BatchSource for TextSource {
+    fn layout(&self) -> &DataLayout {
+        &self.layout
+    }
+
+    fn seek(&mut self, pos: DataPosition) -> Result<(), DataError> {
+        let (offset, line) = if pos.offset == 0 { self.data_start } else { (pos.offset, pos.line) };
+        self.reader.seek(SeekFrom::Start(offset)).map_err(|e| DataError::io(&self.path, e))?;
+        self.offset = offset;
+        self.line = line;
+        Ok(())
+    }
+
+    fn next_batch(&mut self, batch_size: usize, epoch: u64) -> Result<Option<Batch>, DataError> {
+        let mut b = BatchBuilder::new(self.layout.num_fields, self.layout.num_dense, self.layout.weighted, batch_size);
+        while b.rows() < batch_size {
+            self.buf.clear();
+            let n = self.reader.read_until(b'\n', &mut self.buf).map_err(|e| DataError::io(&self.path, e))?;
+            if n == 0 {
+                break;
+            }
+            self.offset += n as u64;
+            let line_no = self.line;
+            self.line += 1;
+            let line = trim_eol(&self.buf);
+            if line.is_empty() {
+                continue;
+            }
+            b.begin_row();
+            let parsed = self.parser.parse(line, &mut b);
+            let ok = match parsed {
+                Ok(label) => b.end_row(label).then_some(()).ok_or_else(|| "wrong number of dense values".to_string()),
+                Err(e) => Err(e),
+            };
+            if let Err(reason) = ok {
+                b.rollback_row();
+                self.bad.record(&self.path, line_no, reason)?;
+            }
+        }
+        if b.rows() == 0 {
+            return Ok(None);
+        }
+        Ok(Some(b.finish(DataPosition { epoch, offset: self.offset, line: self.line })))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn one(parser: &mut dyn LineParser, fields: usize, dense: usize, weighted: bool, line: &str) -> Result<Batch, String> {
+        let mut b = BatchBuilder::new(fields, dense, weighted, 1);
+        b.begin_row();
+        let label = parser.parse(line.as_bytes(), &mut b)?;
+        if !b.end_row(label) {
+            return Err("dense count".into());
+        }
+        Ok(b.finish(DataPosition::default()))
+    }
+
+    #[test]
+    fn criteo_pads_short_rows_and_transforms_dense() {
+        let b = one(&mut CriteoParser, 26, 13, false, "1\t5\t\t-3\t\t\t\t\t\t\t\t\t\t\t68fd1e64\t80e26c9b").expect("parses");
+        assert_eq!(b.labels, vec![1.0]);
+        assert!((b.dense[0] - 6f32.ln()).abs() < 1e-6);
+        assert_eq!(b.dense[1], 0.0);
+        assert_eq!(b.dense[2], 0.0, "negative clipped to 0");
+        assert_eq!(b.keys.len(), 26);
+        assert_eq!(b.keys[0], feature_key(0, b"68fd1e64"));
+        assert_eq!(b.keys[25], feature_key(25, b""));
+    }
+
+    #[test]
+    fn criteo_rejects_bad_rows_with_reasons() {
+        let err = one(&mut CriteoParser, 26, 13, false, "2\t1").expect_err("bad label");
+        assert!(err.contains("label"), "{err}");
+        let err = one(&mut CriteoParser, 26, 13, false, "0\tx1").expect_err("bad int");
+        assert!(err.contains("I1"), "{err}");
+        let long = format!("0{}", "\t1".repeat(45));
+        assert!(one(&mut CriteoParser, 26, 13, false, &long).expect_err("too long").contains("columns"));
+    }
+
+    #[test]
+    fn csv_quotes_and_multi_hot() {
+        let mut cells = Vec::new();
+        split_csv(br#"a,"b,c","say ""hi""",,"#, b',', &mut cells).expect("splits");
+        let got: Vec<&[u8]> = cells.iter().map(|c| c.as_ref()).collect();
+        assert_eq!(got, vec![&b"a"[..], b"b,c", br#"say "hi""#, b"", b""]);
+        let schema = Schema {
+            label: "y".into(),
+            dense: vec!["x".into()],
+            sparse: vec!["tags".into(), "site".into()],
+            multi_hot_separator: Some("|".into()),
+            ..Schema::default()
+        };
+        let mut p = CsvParser::new(Path::new("t.csv"), &schema, Some(b"site,y,x,tags")).expect("schema");
+        let b = one(&mut p, 2, 1, false, "s1,1,2.5,a|b|c").expect("parses");
+        assert_eq!(b.dense, vec![2.5]);
+        assert_eq!(b.bag(0, 0).len(), 3);
+        assert_eq!(b.bag(0, 1).len(), 1);
+        assert!(one(&mut p, 2, 1, false, "s1,1").is_err());
+        assert!(CsvParser::new(Path::new("t.csv"), &schema, Some(b"site,y")).is_err());
+    }
+
+    #[test]
+    fn libsvm_and_libffm() {
+        let b = one(&mut SvmParser::libsvm(), 1, 0, true, "-1 3:0.5 7:1").expect("parses");
+        assert_eq!(b.labels, vec![0.0]);
+        assert_eq!(b.key_weights, Some(vec![0.5, 1.0]));
+        let b = one(&mut SvmParser::libffm(3), 3, 0, true, "+1 2:9:1 0:4:0.25").expect("parses");
+        assert_eq!(b.labels, vec![1.0]);
+        assert_eq!(b.bag(0, 0).len(), 1);
+        assert_eq!(b.bag(0, 1).len(), 0);
+        assert_eq!(b.bag(0, 2).len(), 1);
+        assert_eq!(b.key_weights, Some(vec![0.25, 1.0]));
+        assert!(one(&mut SvmParser::libffm(3), 3, 0, true, "1 5:1:1").expect_err("field").contains("num_fields"));
+        assert!(one(&mut SvmParser::libsvm(), 1, 0, true, "1 3").is_err());
+    }
+}
