@@ -1,11 +1,178 @@
-use std::path::PathBuf;
+//! The `sparrow` command: argument parsing and wiring only.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Context;
 use clap::{Parser, Subcommand};
+use sparrow_core::Config;
 
 #[derive(Parser)]
-struct Cli { #[command(subcommand)] cmd: Cmd }
+#[command(name = "sparrow", version, about = "Sparrow: training for CTR and recommendation models with huge embedding tables")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
 #[derive(Subcommand)]
-enum Cmd { Gen { #[arg(long)] out: PathBuf, #[arg(long, default_value_t = 100000)] train_rows: u64, #[arg(long, default_value_t = 20000)] test_rows: u64, #[arg(long, default_value_t = 1)] seed: u64 } }
-fn main() -> anyhow::Result<()> {
-    match Cli::parse().cmd { Cmd::Gen { out, train_rows, test_rows, seed } => { let t = sparrow_data::synth::generate(&out, train_rows, test_rows, seed)?; println!("{}", serde_json::to_string(&t)?); } }
+enum Command {
+    /// Generate Criteo-format train/test data whose true click probabilities are known.
+    Gen {
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 1_000_000)]
+        train_rows: u64,
+        #[arg(long, default_value_t = 100_000)]
+        test_rows: u64,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+    /// Train (and evaluate on data.test) as a TOML config says.
+    Train {
+        #[arg(long)]
+        config: PathBuf,
+        /// Override any config key, e.g. --set embedding.learning_rate=0.1
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
+        /// Resume from a checkpoint (same as --set checkpoint.resume_from=DIR).
+        #[arg(long)]
+        resume: Option<PathBuf>,
+        /// No progress output on stderr.
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// AUC and log-loss of a checkpoint on a data file.
+    Eval {
+        #[arg(long)]
+        checkpoint: PathBuf,
+        #[arg(long)]
+        data: PathBuf,
+        /// Override keys of the checkpoint's config (e.g. data.format=csv).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
+    },
+    /// Write one click probability per row of a data file.
+    Predict {
+        #[arg(long)]
+        checkpoint: PathBuf,
+        #[arg(long)]
+        data: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
+    },
+    /// Benchmarks: embedding lookup+update beside the gather ceiling, and the training step.
+    Bench {
+        /// Embedding dimensions to measure.
+        #[arg(long, value_delimiter = ',', default_value = "16,64")]
+        dims: Vec<usize>,
+        /// Distinct IDs in the table under test.
+        #[arg(long, default_value_t = 2_000_000)]
+        table_rows: usize,
+        /// Batches timed per embedding configuration.
+        #[arg(long, default_value_t = 200)]
+        batches: usize,
+        /// Thread counts to measure the embedding path with.
+        #[arg(long, value_delimiter = ',', default_value = "1,2")]
+        threads: Vec<usize>,
+        /// Training steps timed on the reference model (0 skips it).
+        #[arg(long, default_value_t = 300)]
+        train_steps: usize,
+        /// The C program that measures the random-gather ceiling.
+        #[arg(long, default_value = "../shared/tools/gather-limit.c")]
+        gather_limit: PathBuf,
+    },
+    /// Generate data (if missing) and train the default DLRM on it: the quick start.
+    Demo {
+        #[arg(long, default_value = "target/demo-data")]
+        dir: PathBuf,
+        #[arg(long, default_value_t = 1_000_000)]
+        train_rows: u64,
+        #[arg(long, default_value_t = 100_000)]
+        test_rows: u64,
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
+    },
+}
+
+const DEMO_CONFIG: &str = include_str!("../../../configs/dlrm.toml");
+
+fn print_json(value: &impl serde::Serialize) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{}", serde_json::to_string(value)?)?;
+    out.flush()?;
     Ok(())
+}
+
+fn load_config(path: &Path, set: &[String]) -> anyhow::Result<Config> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
+    Ok(Config::from_toml_with_overrides(&text, &path.display().to_string(), set)?)
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Gen { out, train_rows, test_rows, seed } => {
+            let truth = sparrow_data::synth::generate(&out, train_rows, test_rows, seed)?;
+            print_json(&truth)
+        }
+        Command::Train { config, mut set, resume, quiet } => {
+            if let Some(r) = resume {
+                set.push(format!("checkpoint.resume_from={:?}", r.display().to_string()));
+            }
+            let config = load_config(&config, &set)?;
+            print_json(&sparrow_trainer::train(&config, quiet)?)
+        }
+        Command::Eval { checkpoint, data, set } => {
+            print_json(&sparrow_trainer::evaluate_checkpoint(&checkpoint, &data, &set, None)?)
+        }
+        Command::Predict { checkpoint, data, out, set } => {
+            let summary = sparrow_trainer::predict_checkpoint(&checkpoint, &data, &out, &set)?;
+            print_json(&summary)
+        }
+        Command::Bench { dims, table_rows, batches, threads, train_steps, gather_limit } => {
+            let options = sparrow_trainer::bench::BenchOptions {
+                dims,
+                table_rows,
+                batches,
+                thread_counts: threads,
+                train_steps,
+                gather_limit_source: gather_limit,
+                ..Default::default()
+            };
+            print_json(&sparrow_trainer::bench::run(&options)?)
+        }
+        Command::Demo { dir, train_rows, test_rows, mut set } => {
+            let truth = dir.join("truth.json");
+            let have = std::fs::read_to_string(&truth)
+                .ok()
+                .and_then(|t| serde_json::from_str::<sparrow_data::synth::Truth>(&t).ok())
+                .is_some_and(|t| t.train_rows == train_rows && t.test_rows == test_rows);
+            if !have {
+                eprintln!("generating {train_rows} train and {test_rows} test rows in {}", dir.display());
+                sparrow_data::synth::generate(&dir, train_rows, test_rows, 1)?;
+            }
+            let d = dir.display().to_string();
+            let mut overrides = vec![
+                format!("data.train={:?}", format!("{d}/train.tsv")),
+                format!("data.test={:?}", format!("{d}/test.tsv")),
+                format!("train.metrics_path={:?}", format!("{d}/metrics.jsonl")),
+                format!("checkpoint.dir={:?}", format!("{d}/checkpoint")),
+            ];
+            overrides.append(&mut set);
+            let config = Config::from_toml_with_overrides(DEMO_CONFIG, "configs/dlrm.toml", &overrides)?;
+            print_json(&sparrow_trainer::train(&config, false)?)
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
 }

@@ -43,13 +43,14 @@ pub struct Truth {
 }
 
 /// Walker's alias table: O(1) draws from a fixed discrete distribution.
-struct Alias {
+pub struct Alias {
     prob: Vec<f32>,
     alias: Vec<u32>,
 }
 
 impl Alias {
-    fn zipf(n: usize, s: f64) -> Alias {
+    /// Zipf(s) over ranks 0..n (rank 0 most frequent).
+    pub fn zipf(n: usize, s: f64) -> Alias {
         let w: Vec<f64> = (1..=n).map(|r| (r as f64).powf(-s)).collect();
         let total: f64 = w.iter().sum();
         let mut scaled: Vec<f64> = w.iter().map(|x| x * n as f64 / total).collect();
@@ -69,7 +70,7 @@ impl Alias {
     }
 
     #[inline]
-    fn draw(&self, rng: &mut Rng) -> usize {
+    pub fn draw(&self, rng: &mut Rng) -> usize {
         let i = rng.below(self.prob.len() as u64) as usize;
         if (rng.next_f64() as f32) < self.prob[i] { i } else { self.alias[i] as usize }
     }

@@ -1,1 +1,25 @@
-pub fn x(){}
+//! Dense models on candle: LR, FM, MLP, Wide&Deep, DeepFM, DLRM and DCN-v2,
+//! the stable logistic loss, and a dense Adam/SGD whose state can be saved.
+//!
+//! A model sees pooled embeddings `[batch, fields, width]` and dense values
+//! `[batch, num_dense]`; it never knows how embeddings are stored. The gradient
+//! with respect to the pooled embeddings is handed back to the caller.
+
+pub mod models;
+pub mod optimizer;
+pub mod params;
+
+pub use models::{DenseModel, ModelShape, StepOutput};
+pub use optimizer::DenseOptimizer;
+pub use params::ParamStore;
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ModelError {
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+    #[error("dense weights: parameter `{name}` is missing from the file")]
+    MissingParam { name: String },
+    #[error("dense weights: parameter `{name}` has shape {found:?}, the model expects {expected:?}")]
+    ShapeMismatch { name: String, expected: Vec<usize>, found: Vec<usize> },
+}

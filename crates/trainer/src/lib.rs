@@ -1,1 +1,37 @@
-pub fn x(){}
+//! The single-process trainer: wires the data stream, the embedding table and
+//! the dense model into a training loop; checkpoints, evaluation, prediction
+//! and the built-in benchmark. Later the cluster roles reuse [`Trainer`]'s
+//! pieces (plan → lookup → pool → step → unpool → update).
+
+pub mod bench;
+pub mod checkpoint;
+pub mod error;
+pub mod pooling;
+pub mod progress;
+pub mod run;
+pub mod trainer;
+
+pub use error::TrainError;
+pub use run::{EvalSummary, TrainSummary, evaluate_checkpoint, predict_checkpoint, train};
+pub use trainer::Trainer;
+
+/// Peak resident set size of this process (VmHWM), 0 where unknown.
+pub fn peak_rss_bytes() -> u64 {
+    proc_status_kb("VmHWM:") * 1024
+}
+
+/// Current resident set size (VmRSS), 0 where unknown.
+pub fn rss_bytes() -> u64 {
+    proc_status_kb("VmRSS:") * 1024
+}
+
+fn proc_status_kb(field: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with(field))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
+        })
+        .unwrap_or(0)
+}

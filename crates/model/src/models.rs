@@ -1,0 +1,241 @@
+//! The model zoo. Embedding width per key is `embedding_dim`, plus one leading
+//! column for models with a first-order ("wide"/linear) term; LR uses width 1.
+
+use candle_core::{D, Device, Tensor, Var};
+use sparrow_core::config::{ModelConfig, ModelKind};
+use sparrow_core::metrics::{logistic_loss, sigmoid};
+
+use crate::ModelError;
+use crate::optimizer::DenseOptimizer;
+use crate::params::{Linear, Mlp, ParamStore};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModelShape {
+    pub num_fields: usize,
+    pub num_dense: usize,
+    pub embedding_dim: usize,
+}
+
+enum Net {
+    /// First-order terms only.
+    Lr { dense: Option<Linear> },
+    Fm { dense: Option<Linear> },
+    Mlp { mlp: Mlp },
+    WideDeep { dense: Option<Linear>, deep: Mlp },
+    DeepFm { dense: Option<Linear>, deep: Mlp },
+    Dlrm { bottom: Option<Mlp>, top: Mlp, pairs: Tensor, n: usize },
+    Dcn { cross: Vec<Linear>, deep: Mlp },
+}
+
+pub struct DenseModel {
+    pub kind: ModelKind,
+    pub shape: ModelShape,
+    pub params: ParamStore,
+    net: Net,
+    /// Scalar bias shared by the first-order models.
+    bias: Option<Var>,
+}
+
+pub struct StepOutput {
+    pub logits: Vec<f32>,
+    /// Mean logistic loss of the batch.
+    pub loss: f64,
+    /// d(mean loss)/d(pooled embeddings), `[batch, fields, width]` row-major.
+    pub emb_grad: Vec<f32>,
+}
+
+fn with_dense(ps: &mut ParamStore, num_dense: usize) -> Result<Option<Linear>, ModelError> {
+    if num_dense == 0 { Ok(None) } else { Linear::new(ps, "dense_linear", num_dense, 1).map(Some) }
+}
+
+fn head(hidden: &[usize]) -> Vec<usize> {
+    hidden.iter().copied().chain(std::iter::once(1)).collect()
+}
+
+impl DenseModel {
+    pub fn new(config: &ModelConfig, shape: ModelShape, seed: u64, device: Device) -> Result<DenseModel, ModelError> {
+        let mut ps = ParamStore::new(seed, device.clone());
+        let (f, nd, d) = (shape.num_fields, shape.num_dense, shape.embedding_dim);
+        let mut bias = None;
+        let net = match config.kind {
+            ModelKind::Lr => {
+                bias = Some(ps.zeros("bias".into(), &[1])?);
+                Net::Lr { dense: with_dense(&mut ps, nd)? }
+            }
+            ModelKind::Fm => {
+                bias = Some(ps.zeros("bias".into(), &[1])?);
+                Net::Fm { dense: with_dense(&mut ps, nd)? }
+            }
+            ModelKind::Mlp => Net::Mlp { mlp: Mlp::new(&mut ps, "mlp", f * d + nd, &head(&config.hidden), false)? },
+            ModelKind::WideDeep => {
+                bias = Some(ps.zeros("bias".into(), &[1])?);
+                Net::WideDeep {
+                    dense: with_dense(&mut ps, nd)?,
+                    deep: Mlp::new(&mut ps, "deep", f * d + nd, &head(&config.hidden), false)?,
+                }
+            }
+            ModelKind::Deepfm => {
+                bias = Some(ps.zeros("bias".into(), &[1])?);
+                Net::DeepFm {
+                    dense: with_dense(&mut ps, nd)?,
+                    deep: Mlp::new(&mut ps, "deep", f * d + nd, &head(&config.hidden), false)?,
+                }
+            }
+            ModelKind::Dlrm => {
+                let bottom = if nd == 0 {
+                    None
+                } else {
+                    let sizes: Vec<usize> = config.bottom_hidden.iter().copied().chain(std::iter::once(d)).collect();
+                    Some(Mlp::new(&mut ps, "bottom", nd, &sizes, true)?)
+                };
+                let n = f + usize::from(nd > 0);
+                // Upper triangle (i < j) of the n×n dot-product matrix, flattened.
+                let pairs: Vec<u32> =
+                    (0..n).flat_map(|i| ((i + 1)..n).map(move |j| (i * n + j) as u32)).collect();
+                let num_pairs = pairs.len();
+                let pairs = Tensor::from_vec(pairs, num_pairs, &device)?;
+                let top_in = num_pairs + if nd > 0 { d } else { 0 };
+                Net::Dlrm { bottom, top: Mlp::new(&mut ps, "top", top_in, &head(&config.hidden), false)?, pairs, n }
+            }
+            ModelKind::Dcn => {
+                let x_dim = f * d + nd;
+                let cross = (0..config.cross_layers)
+                    .map(|l| Linear::new(&mut ps, &format!("cross.{l}"), x_dim, x_dim))
+                    .collect::<Result<Vec<_>, _>>()?;
+                Net::Dcn { cross, deep: Mlp::new(&mut ps, "deep", x_dim, &head(&config.hidden), false)? }
+            }
+        };
+        Ok(DenseModel { kind: config.kind, shape, params: ps, net, bias })
+    }
+
+    /// Floats per embedding row this model reads.
+    pub fn embedding_width(kind: ModelKind, embedding_dim: usize) -> usize {
+        match kind {
+            ModelKind::Lr => 1,
+            ModelKind::Fm | ModelKind::WideDeep | ModelKind::Deepfm => 1 + embedding_dim,
+            ModelKind::Mlp | ModelKind::Dlrm | ModelKind::Dcn => embedding_dim,
+        }
+    }
+
+    pub fn width(&self) -> usize {
+        Self::embedding_width(self.kind, self.shape.embedding_dim)
+    }
+
+    /// Logits `[batch]` from pooled embeddings `[batch, fields, width]` and dense `[batch, num_dense]`.
+    pub fn forward(&self, emb: &Tensor, dense: &Tensor) -> Result<Tensor, ModelError> {
+        let b = emb.dim(0)?;
+        let (f, d) = (self.shape.num_fields, self.shape.embedding_dim);
+        let first_order = |dense_lin: &Option<Linear>| -> Result<Tensor, ModelError> {
+            // Σ_f w_f (the leading column) + dense·w + bias.
+            let mut t = emb.narrow(2, 0, 1)?.sum(1)?; // [B, 1]
+            if let Some(lin) = dense_lin {
+                t = (t + lin.forward(dense)?)?;
+            }
+            if let Some(bias) = &self.bias {
+                t = t.broadcast_add(bias.as_tensor())?;
+            }
+            Ok(t)
+        };
+        let fm_second = |v: &Tensor| -> Result<Tensor, ModelError> {
+            // ½ Σ_d [(Σ_f v_fd)² − Σ_f v_fd²]
+            let s = v.sum(1)?.sqr()?;
+            let q = v.sqr()?.sum(1)?;
+            Ok(((s - q)?.sum_keepdim(1)? * 0.5)?)
+        };
+        let flat_with_dense = |v: &Tensor| -> Result<Tensor, ModelError> {
+            let flat = v.reshape((b, f * d))?;
+            Ok(if self.shape.num_dense > 0 { Tensor::cat(&[&flat, dense], 1)? } else { flat })
+        };
+        let out = match &self.net {
+            Net::Lr { dense: lin } => first_order(lin)?,
+            Net::Fm { dense: lin } => {
+                let v = emb.narrow(2, 1, d)?;
+                (first_order(lin)? + fm_second(&v)?)?
+            }
+            Net::Mlp { mlp } => mlp.forward(&flat_with_dense(emb)?)?,
+            Net::WideDeep { dense: lin, deep } => {
+                let v = emb.narrow(2, 1, d)?.contiguous()?;
+                (first_order(lin)? + deep.forward(&flat_with_dense(&v)?)?)?
+            }
+            Net::DeepFm { dense: lin, deep } => {
+                let v = emb.narrow(2, 1, d)?.contiguous()?;
+                ((first_order(lin)? + fm_second(&v)?)? + deep.forward(&flat_with_dense(&v)?)?)?
+            }
+            Net::Dlrm { bottom, top, pairs, n } => {
+                let (t, bottom_out) = match bottom {
+                    Some(mlp) => {
+                        let x = mlp.forward(dense)?; // [B, d]
+                        (Tensor::cat(&[&x.unsqueeze(1)?, emb], 1)?, Some(x))
+                    }
+                    None => (emb.clone(), None),
+                };
+                let z = t.matmul(&t.t()?)?.reshape((b, n * n))?; // [B, n·n]
+                let inter = z.index_select(pairs, 1)?;
+                let top_in = match bottom_out {
+                    Some(x) => Tensor::cat(&[&x, &inter], 1)?,
+                    None => inter,
+                };
+                top.forward(&top_in)?
+            }
+            Net::Dcn { cross, deep } => {
+                let x0 = flat_with_dense(emb)?;
+                let mut x = x0.clone();
+                for layer in cross {
+                    x = ((&x0 * layer.forward(&x)?)? + &x)?;
+                }
+                deep.forward(&x)?
+            }
+        };
+        Ok(out.squeeze(D::Minus1)?)
+    }
+
+    fn inputs(&self, emb: Vec<f32>, dense: Vec<f32>, rows: usize) -> Result<(Tensor, Tensor), ModelError> {
+        let dev = self.params.device();
+        let emb = Tensor::from_vec(emb, (rows, self.shape.num_fields, self.width()), dev)?;
+        let dense = Tensor::from_vec(dense, (rows, self.shape.num_dense), dev)?;
+        Ok((emb, dense))
+    }
+
+    /// Forward only: logits of a batch.
+    pub fn predict(&self, emb: Vec<f32>, dense: Vec<f32>, rows: usize) -> Result<Vec<f32>, ModelError> {
+        let (emb, dense) = self.inputs(emb, dense, rows)?;
+        Ok(self.forward(&emb, &dense)?.to_vec1::<f32>()?)
+    }
+
+    /// Forward, backward and one dense optimizer step. The gradient of the
+    /// mean stable logistic loss w.r.t. the pooled embeddings is returned.
+    pub fn train_step(
+        &self,
+        emb: Vec<f32>,
+        dense: Vec<f32>,
+        labels: &[f32],
+        optimizer: &mut DenseOptimizer,
+    ) -> Result<StepOutput, ModelError> {
+        let rows = labels.len();
+        let (emb, dense) = self.inputs(emb, dense, rows)?;
+        let emb = Var::from_tensor(&emb)?;
+        let logits_t = self.forward(emb.as_tensor(), &dense)?;
+        let logits = logits_t.to_vec1::<f32>()?;
+        // d/dx of max(x,0) − x·y + log(1+e^{−|x|}) is σ(x) − y; seeding the
+        // backward pass with it (as a constant) gives the exact, stable gradient.
+        let inv_b = 1.0 / rows as f64;
+        let mut loss = 0.0;
+        let seed: Vec<f32> = logits
+            .iter()
+            .zip(labels)
+            .map(|(&x, &y)| {
+                loss += logistic_loss(f64::from(x), f64::from(y));
+                ((sigmoid(f64::from(x)) - f64::from(y)) * inv_b) as f32
+            })
+            .collect();
+        let seed = Tensor::from_vec(seed, rows, self.params.device())?;
+        let surrogate = (logits_t * seed)?.sum_all()?;
+        let grads = surrogate.backward()?;
+        optimizer.step(&self.params, &grads)?;
+        let emb_grad = match grads.get(emb.as_tensor()) {
+            Some(g) => g.flatten_all()?.to_vec1::<f32>()?,
+            None => vec![0.0; emb.elem_count()],
+        };
+        Ok(StepOutput { logits, loss: loss * inv_b, emb_grad })
+    }
+}

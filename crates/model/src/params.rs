@@ -1,0 +1,118 @@
+//! Named trainable tensors with deterministic initialisation.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor, Var};
+use sparrow_core::rng::Rng;
+
+use crate::ModelError;
+
+pub struct ParamStore {
+    vars: Vec<(String, Var)>,
+    rng: Rng,
+    device: Device,
+}
+
+impl ParamStore {
+    pub fn new(seed: u64, device: Device) -> Self {
+        ParamStore { vars: Vec::new(), rng: Rng::new(seed), device }
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn vars(&self) -> &[(String, Var)] {
+        &self.vars
+    }
+
+    /// A parameter drawn from U(−bound, bound) (PyTorch's default for Linear
+    /// uses bound = 1/√fan_in for both weight and bias).
+    pub fn uniform(&mut self, name: String, shape: &[usize], bound: f64) -> Result<Var, ModelError> {
+        let n: usize = shape.iter().product();
+        let data: Vec<f32> = (0..n).map(|_| self.rng.uniform(-bound, bound) as f32).collect();
+        let var = Var::from_tensor(&Tensor::from_vec(data, shape, &self.device)?)?;
+        self.vars.push((name, var.clone()));
+        Ok(var)
+    }
+
+    pub fn zeros(&mut self, name: String, shape: &[usize]) -> Result<Var, ModelError> {
+        let var = Var::zeros(shape, DType::F32, &self.device)?;
+        self.vars.push((name, var.clone()));
+        Ok(var)
+    }
+
+    pub fn to_map(&self) -> HashMap<String, Tensor> {
+        self.vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect()
+    }
+
+    /// Sets every parameter from `tensors`; all must be present with their shape.
+    pub fn load_map(&self, tensors: &HashMap<String, Tensor>) -> Result<(), ModelError> {
+        for (name, var) in &self.vars {
+            let t = tensors.get(name).ok_or_else(|| ModelError::MissingParam { name: name.clone() })?;
+            if t.dims() != var.dims() {
+                return Err(ModelError::ShapeMismatch {
+                    name: name.clone(),
+                    expected: var.dims().to_vec(),
+                    found: t.dims().to_vec(),
+                });
+            }
+            var.set(&t.to_dtype(DType::F32)?)?;
+        }
+        Ok(())
+    }
+
+    pub fn num_params(&self) -> usize {
+        self.vars.iter().map(|(_, v)| v.elem_count()).sum()
+    }
+}
+
+/// y = x·W + b, with W stored `[in, out]` so the forward matmul is contiguous.
+pub struct Linear {
+    w: Var,
+    b: Var,
+}
+
+impl Linear {
+    pub fn new(ps: &mut ParamStore, name: &str, fan_in: usize, fan_out: usize) -> Result<Linear, ModelError> {
+        let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
+        Ok(Linear {
+            w: ps.uniform(format!("{name}.weight"), &[fan_in, fan_out], bound)?,
+            b: ps.uniform(format!("{name}.bias"), &[fan_out], bound)?,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
+        Ok(x.matmul(self.w.as_tensor())?.broadcast_add(self.b.as_tensor())?)
+    }
+}
+
+/// Linear layers with ReLU between them; `relu_last` also after the last one.
+pub struct Mlp {
+    layers: Vec<Linear>,
+    relu_last: bool,
+}
+
+impl Mlp {
+    pub fn new(ps: &mut ParamStore, name: &str, input: usize, sizes: &[usize], relu_last: bool) -> Result<Mlp, ModelError> {
+        let mut layers = Vec::with_capacity(sizes.len());
+        let mut fan_in = input;
+        for (i, &out) in sizes.iter().enumerate() {
+            layers.push(Linear::new(ps, &format!("{name}.{i}"), fan_in, out)?);
+            fan_in = out;
+        }
+        Ok(Mlp { layers, relu_last })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
+        let mut h = x.clone();
+        let n = self.layers.len();
+        for (i, layer) in self.layers.iter().enumerate() {
+            h = layer.forward(&h)?;
+            if i + 1 < n || self.relu_last {
+                h = h.relu()?;
+            }
+        }
+        Ok(h)
+    }
+}

@@ -1,0 +1,259 @@
+//! `sparrow bench`: figures, never assertions. Embedding lookup+update on
+//! power-law keys beside this machine's random-gather ceiling (the C program
+//! `shared/tools/gather-limit.c`, compiled and run in the same invocation), and
+//! the training step of the reference model on batches already in memory.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use serde::Serialize;
+use sparrow_core::config::{InitConfig, ModelKind};
+use sparrow_core::key::mix64;
+use sparrow_core::rng::Rng;
+use sparrow_core::{Batch, Config};
+use sparrow_data::synth::Alias;
+use sparrow_data::{BadRows, BatchStream, DataLayout};
+use sparrow_embedding::{EmbeddingTable, Initializer, SparseOptimizer};
+
+use crate::TrainError;
+use crate::trainer::Trainer;
+
+/// What the peer (PyTorch + TorchRec FusedEmbeddingBagCollection) reaches in
+/// its training loop alone on this 2-core machine (issue figure).
+pub const PEER_TRAIN_LOOP_SAMPLES_PER_SEC: f64 = 106_800.0;
+
+#[derive(Clone, Debug)]
+pub struct BenchOptions {
+    pub dims: Vec<usize>,
+    /// Distinct IDs in the embedding table under test.
+    pub table_rows: usize,
+    /// Batches timed per embedding configuration.
+    pub batches: usize,
+    pub batch_size: usize,
+    pub fields: usize,
+    pub zipf_exponent: f64,
+    pub thread_counts: Vec<usize>,
+    /// Training steps timed on the reference model (0 skips it).
+    pub train_steps: usize,
+    pub gather_limit_source: PathBuf,
+    pub work_dir: PathBuf,
+}
+
+impl Default for BenchOptions {
+    fn default() -> Self {
+        BenchOptions {
+            dims: vec![16, 64],
+            table_rows: 2_000_000,
+            batches: 200,
+            batch_size: 1024,
+            fields: 26,
+            zipf_exponent: 1.05,
+            thread_counts: vec![1, 2],
+            train_steps: 300,
+            gather_limit_source: PathBuf::from("../shared/tools/gather-limit.c"),
+            work_dir: std::env::temp_dir().join("sparrow-bench"),
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct GatherLimit {
+    pub source: String,
+    /// dim → (plain, prefetched) rows/s.
+    pub rows_per_sec: Vec<(usize, f64, f64)>,
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct EmbeddingBench {
+    pub dim: usize,
+    pub threads: usize,
+    pub optimizer: &'static str,
+    pub table_rows: usize,
+    pub keys_per_batch: usize,
+    pub dedup_ratio: f64,
+    /// Batch keys (duplicates included) through dedup + lookup + update per second.
+    pub keys_per_sec: f64,
+    /// Unique rows looked up and updated per second.
+    pub unique_rows_per_sec: f64,
+    /// unique_rows_per_sec over the prefetched gather ceiling at this dim.
+    pub unique_rows_vs_gather_prefetched: Option<f64>,
+    pub keys_vs_gather_prefetched: Option<f64>,
+    pub table_bytes_per_row: f64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TrainBench {
+    pub model: &'static str,
+    pub batch_size: usize,
+    pub threads: usize,
+    pub steps: usize,
+    pub samples_per_sec: f64,
+    pub peer_train_loop_samples_per_sec: f64,
+    pub ratio_to_peer: f64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct BenchReport {
+    pub gather_limit: GatherLimit,
+    pub embedding: Vec<EmbeddingBench>,
+    pub train_step: Option<TrainBench>,
+}
+
+fn run_gather_limit(source: &Path, dims: &[usize], work: &Path) -> GatherLimit {
+    let mut out = GatherLimit { source: source.display().to_string(), rows_per_sec: Vec::new(), error: None };
+    let exe = work.join("gather-limit");
+    let compiled = Command::new("cc").arg("-O2").arg("-o").arg(&exe).arg(source).output();
+    match compiled {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => {
+            out.error = Some(format!("cc failed: {}", String::from_utf8_lossy(&o.stderr).trim()));
+            return out;
+        }
+        Err(e) => {
+            out.error = Some(format!("cannot run cc: {e}"));
+            return out;
+        }
+    }
+    let run = Command::new(&exe).args(dims.iter().map(|d| d.to_string())).output();
+    let text = match run {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).to_string(),
+        Ok(o) => {
+            out.error = Some(format!("gather-limit exited with {}", o.status));
+            return out;
+        }
+        Err(e) => {
+            out.error = Some(format!("cannot run gather-limit: {e}"));
+            return out;
+        }
+    };
+    // Lines: "dim 16 plain     : 5.0 M rows/s, 0.32 GB/s" / "dim 16 prefetched: 84.5 M rows/s, …"
+    for &dim in dims {
+        let figure = |kind: &str| {
+            text.lines()
+                .find(|l| l.starts_with(&format!("dim {dim} {kind}")))
+                .and_then(|l| l.split(':').nth(1))
+                .and_then(|r| r.split_whitespace().next())
+                .and_then(|v| v.parse::<f64>().ok())
+                .map(|m| m * 1e6)
+        };
+        if let (Some(plain), Some(pf)) = (figure("plain"), figure("prefetched")) {
+            out.rows_per_sec.push((dim, plain, pf));
+        }
+    }
+    if out.rows_per_sec.is_empty() {
+        out.error = Some(format!("could not read gather-limit output: {text}"));
+    }
+    out
+}
+
+fn bench_embedding(o: &BenchOptions, dim: usize, threads: usize, ceiling: Option<f64>) -> Result<EmbeddingBench, TrainError> {
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(|e| TrainError::ThreadPool(e.to_string()))?;
+    pool.install(|| {
+        let opt = SparseOptimizer::Adagrad { lr: 0.05, eps: 1e-8 };
+        let table = EmbeddingTable::new(dim, opt, Initializer::new(InitConfig::default(), 1), 64);
+        // Fill the table so lookups hit a table of the stated size.
+        let all: Vec<u64> = (0..o.table_rows as u64).map(|i| mix64(i ^ 0xabc)).collect();
+        for chunk in all.chunks(1 << 16) {
+            let plan = table.plan(chunk);
+            let mut rows = vec![0.0; plan.num_unique() * dim];
+            table.lookup_or_insert(&plan, &mut rows)?;
+        }
+        let zipf = Alias::zipf(o.table_rows, o.zipf_exponent);
+        let mut rng = Rng::new(7);
+        let keys_per_batch = o.batch_size * o.fields;
+        let batches: Vec<Vec<u64>> = (0..o.batches)
+            .map(|_| (0..keys_per_batch).map(|_| all[zipf.draw(&mut rng)]).collect())
+            .collect();
+        let grads_seed: Vec<f32> = (0..keys_per_batch * dim).map(|i| ((i % 13) as f32 - 6.0) * 1e-3).collect();
+        let (mut unique, mut rows, mut grads) = (0usize, Vec::new(), Vec::new());
+        let start = Instant::now();
+        for keys in &batches {
+            let plan = table.plan(keys);
+            rows.resize(plan.num_unique() * dim, 0.0);
+            table.lookup_or_insert(&plan, &mut rows)?;
+            grads.clear();
+            grads.extend_from_slice(&grads_seed[..plan.num_unique() * dim]);
+            table.apply_gradients(&plan, &grads)?;
+            unique += plan.num_unique();
+        }
+        let secs = start.elapsed().as_secs_f64();
+        let total_keys = (o.batches * keys_per_batch) as f64;
+        let unique_rate = unique as f64 / secs;
+        Ok(EmbeddingBench {
+            dim,
+            threads,
+            optimizer: "adagrad",
+            table_rows: o.table_rows,
+            keys_per_batch,
+            dedup_ratio: total_keys / unique as f64,
+            keys_per_sec: total_keys / secs,
+            unique_rows_per_sec: unique_rate,
+            unique_rows_vs_gather_prefetched: ceiling.map(|c| unique_rate / c),
+            keys_vs_gather_prefetched: ceiling.map(|c| total_keys / secs / c),
+            table_bytes_per_row: table.allocated_bytes() as f64 / table.len() as f64,
+        })
+    })
+}
+
+fn bench_train_step(o: &BenchOptions) -> Result<TrainBench, TrainError> {
+    let data_dir = o.work_dir.join("train-data");
+    let rows = (o.train_steps.min(200) * o.batch_size) as u64;
+    sparrow_data::synth::generate(&data_dir, rows, 1, 1)?;
+    let mut config = Config::default();
+    config.model.kind = ModelKind::Mlp;
+    config.model.hidden = vec![256, 128];
+    config.train.batch_size = o.batch_size;
+    let threads = 2;
+    config.train.threads = threads;
+    let layout = DataLayout::from_config(&config.data);
+    let bad = BadRows::new(0, 5);
+    let batches: Vec<Batch> = BatchStream::spawn(&data_dir.join("train.tsv"), &config.data, o.batch_size, Default::default(), 1, bad)?
+        .collect::<Result<_, _>>()?;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(|e| TrainError::ThreadPool(e.to_string()))?;
+    pool.install(|| {
+        let mut trainer = Trainer::new(&config, layout)?;
+        // Warm-up pass: first sight of every key (insertion) is not the steady state.
+        for b in batches.iter().take(20) {
+            trainer.train_batch(b)?;
+        }
+        let start = Instant::now();
+        let mut samples = 0usize;
+        for i in 0..o.train_steps {
+            let b = &batches[i % batches.len()];
+            trainer.train_batch(b)?;
+            samples += b.rows();
+        }
+        let rate = samples as f64 / start.elapsed().as_secs_f64();
+        Ok(TrainBench {
+            model: "mlp 429-256-128-1, dim 16, adagrad + adam",
+            batch_size: o.batch_size,
+            threads,
+            steps: o.train_steps,
+            samples_per_sec: rate,
+            peer_train_loop_samples_per_sec: PEER_TRAIN_LOOP_SAMPLES_PER_SEC,
+            ratio_to_peer: rate / PEER_TRAIN_LOOP_SAMPLES_PER_SEC,
+        })
+    })
+}
+
+pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
+    std::fs::create_dir_all(&o.work_dir).map_err(|e| TrainError::io(&o.work_dir, e))?;
+    let gather = run_gather_limit(&o.gather_limit_source, &o.dims, &o.work_dir);
+    let mut embedding = Vec::new();
+    for &dim in &o.dims {
+        let ceiling = gather.rows_per_sec.iter().find(|g| g.0 == dim).map(|g| g.2);
+        for &t in &o.thread_counts {
+            eprintln!("bench: embedding dim {dim}, {t} thread(s)");
+            embedding.push(bench_embedding(o, dim, t, ceiling)?);
+        }
+    }
+    let train_step = if o.train_steps > 0 {
+        eprintln!("bench: training step of the reference model");
+        Some(bench_train_step(o)?)
+    } else {
+        None
+    };
+    Ok(BenchReport { gather_limit: gather, embedding, train_step })
+}

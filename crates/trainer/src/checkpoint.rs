@@ -1,0 +1,380 @@
+//! Versioned, checksummed checkpoints written atomically.
+//!
+//! Layout of a checkpoint root:
+//! ```text
+//! ROOT/LATEST                      name of the newest complete version
+//! ROOT/ckpt-000000000123/manifest.json
+//!                       /dense.safetensors   dense weights + dense optimizer state
+//!                       /embeddings.bin      every embedding row with its optimizer state
+//! ```
+//! A version is written into a temporary directory, fsynced, then renamed into
+//! place; `LATEST` is replaced by rename as well. A crash at any point leaves
+//! the previous version intact and `LATEST` pointing at a complete one.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sparrow_core::Config;
+use sparrow_core::batch::DataPosition;
+use sparrow_data::DataLayout;
+use xxhash_rust::xxh3::{Xxh3, xxh3_64};
+
+use crate::TrainError;
+use crate::trainer::Trainer;
+
+pub const FORMAT_VERSION: u32 = 1;
+const EMB_MAGIC: &[u8; 8] = b"SPRWEMB\x01";
+const EMB_HEADER_BYTES: u64 = 8 + 4 + 4 + 8;
+const DENSE_FILE: &str = "dense.safetensors";
+const EMB_FILE: &str = "embeddings.bin";
+const MANIFEST_FILE: &str = "manifest.json";
+const LATEST_FILE: &str = "LATEST";
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FileEntry {
+    pub bytes: u64,
+    /// xxh3-64 of the whole file, hex.
+    pub xxh3: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format_version: u32,
+    pub model_kind: String,
+    pub num_fields: usize,
+    pub num_dense: usize,
+    pub embedding_dim: usize,
+    pub embedding_width: usize,
+    pub row_len: usize,
+    pub sparse_optimizer: String,
+    pub step: u64,
+    pub samples_trained: u64,
+    pub dense_optimizer_step: u64,
+    pub position: DataPosition,
+    pub embedding_rows: u64,
+    pub files: BTreeMap<String, FileEntry>,
+    /// The full config of the run that wrote it (TOML).
+    pub config: String,
+    pub created_unix_secs: u64,
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
+    move |e| TrainError::io(path, e)
+}
+
+fn fsync_dir(dir: &Path) -> Result<(), TrainError> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
+}
+
+/// A writer that hashes what passes through it.
+struct HashingWriter<W: Write> {
+    inner: W,
+    hasher: Xxh3,
+    bytes: u64,
+}
+
+impl<W: Write> Write for HashingWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        self.bytes += n as u64;
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+fn write_embeddings(trainer: &Trainer, path: &Path) -> Result<FileEntry, TrainError> {
+    let file = File::create(path).map_err(io(path))?;
+    let mut w = HashingWriter { inner: BufWriter::with_capacity(1 << 20, file), hasher: Xxh3::new(), bytes: 0 };
+    let table = &trainer.table;
+    let rows = table.len() as u64;
+    let mut header = Vec::with_capacity(EMB_HEADER_BYTES as usize);
+    header.extend_from_slice(EMB_MAGIC);
+    header.extend_from_slice(&(table.dim() as u32).to_le_bytes());
+    header.extend_from_slice(&(table.row_len() as u32).to_le_bytes());
+    header.extend_from_slice(&rows.to_le_bytes());
+    w.write_all(&header).map_err(io(path))?;
+    let mut record = Vec::with_capacity(8 + table.row_len() * 4);
+    table
+        .for_each_row(|key, row| {
+            record.clear();
+            record.extend_from_slice(&key.to_le_bytes());
+            for x in row {
+                record.extend_from_slice(&x.to_le_bytes());
+            }
+            w.write_all(&record)
+        })
+        .map_err(io(path))?;
+    w.flush().map_err(io(path))?;
+    let entry = FileEntry { bytes: w.bytes, xxh3: format!("{:016x}", w.hasher.digest()) };
+    let file = w.inner.into_inner().map_err(|e| TrainError::io(path, e.into_error()))?;
+    file.sync_all().map_err(io(path))?;
+    Ok(entry)
+}
+
+fn write_bytes_synced(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
+    let mut f = File::create(path).map_err(io(path))?;
+    f.write_all(bytes).map_err(io(path))?;
+    f.sync_all().map_err(io(path))
+}
+
+/// Writes a new version under `root` and points `LATEST` at it; keeps the
+/// newest `keep` versions. Returns the version directory.
+pub fn save(trainer: &Trainer, root: &Path, keep: usize) -> Result<PathBuf, TrainError> {
+    std::fs::create_dir_all(root).map_err(io(root))?;
+    let name = format!("ckpt-{:012}", trainer.step);
+    let final_dir = root.join(&name);
+    let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
+
+    let mut files = BTreeMap::new();
+    // Dense weights and dense optimizer state, one safetensors file.
+    let mut tensors = trainer.model.params.to_map();
+    tensors.extend(trainer.dense_optimizer.state_tensors());
+    let dense_path = tmp.join(DENSE_FILE);
+    let dense_bytes = safetensors_bytes(&tensors, &dense_path)?;
+    write_bytes_synced(&dense_path, &dense_bytes)?;
+    files.insert(
+        DENSE_FILE.to_string(),
+        FileEntry { bytes: dense_bytes.len() as u64, xxh3: format!("{:016x}", xxh3_64(&dense_bytes)) },
+    );
+    files.insert(EMB_FILE.to_string(), write_embeddings(trainer, &tmp.join(EMB_FILE))?);
+
+    let manifest = Manifest {
+        format_version: FORMAT_VERSION,
+        model_kind: trainer.config.model.kind.name().to_string(),
+        num_fields: trainer.layout.num_fields,
+        num_dense: trainer.layout.num_dense,
+        embedding_dim: trainer.config.model.embedding_dim,
+        embedding_width: trainer.table.dim(),
+        row_len: trainer.table.row_len(),
+        sparse_optimizer: trainer.table.optimizer().name().to_string(),
+        step: trainer.step,
+        samples_trained: trainer.samples_trained,
+        dense_optimizer_step: trainer.dense_optimizer.step,
+        position: trainer.position,
+        embedding_rows: trainer.table.len() as u64,
+        files,
+        config: trainer.config.to_toml(),
+        created_unix_secs: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+    };
+    let manifest_path = tmp.join(MANIFEST_FILE);
+    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| TrainError::checkpoint(&manifest_path, e.to_string()))?;
+    write_bytes_synced(&manifest_path, &json)?;
+    fsync_dir(&tmp)?;
+
+    if final_dir.exists() {
+        std::fs::remove_dir_all(&final_dir).map_err(io(&final_dir))?;
+    }
+    std::fs::rename(&tmp, &final_dir).map_err(io(&final_dir))?;
+    let latest_tmp = root.join(format!(".{LATEST_FILE}.tmp-{}", std::process::id()));
+    write_bytes_synced(&latest_tmp, format!("{name}\n").as_bytes())?;
+    std::fs::rename(&latest_tmp, root.join(LATEST_FILE)).map_err(io(root))?;
+    fsync_dir(root)?;
+    prune(root, &name, keep)?;
+    Ok(final_dir)
+}
+
+fn safetensors_bytes(
+    tensors: &HashMap<String, candle_core::Tensor>,
+    path: &Path,
+) -> Result<Vec<u8>, TrainError> {
+    // candle writes safetensors to a path; write to a scratch file and read it
+    // back so the bytes can be checksummed before they land.
+    let scratch = path.with_extension("scratch");
+    candle_core::safetensors::save(tensors, &scratch).map_err(|e| TrainError::checkpoint(path, e.to_string()))?;
+    let bytes = std::fs::read(&scratch).map_err(io(&scratch))?;
+    std::fs::remove_file(&scratch).map_err(io(&scratch))?;
+    Ok(bytes)
+}
+
+/// Removes versions older than the newest `keep` (never `current`) and stale temporaries.
+fn prune(root: &Path, current: &str, keep: usize) -> Result<(), TrainError> {
+    let mut versions = Vec::new();
+    for entry in std::fs::read_dir(root).map_err(io(root))? {
+        let entry = entry.map_err(io(root))?;
+        let name = entry.file_name().to_string_lossy().to_string();
+        if name.starts_with("ckpt-") {
+            versions.push(name);
+        } else if name.starts_with(".tmp-ckpt-") && !name.ends_with(&format!("-{}", std::process::id())) {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+    versions.sort();
+    let excess = versions.len().saturating_sub(keep.max(1));
+    for name in versions.into_iter().take(excess) {
+        if name != current {
+            let p = root.join(&name);
+            std::fs::remove_dir_all(&p).map_err(io(&p))?;
+        }
+    }
+    Ok(())
+}
+
+/// A checkpoint root (with `LATEST`) or one version directory → the version directory.
+pub fn resolve(path: &Path) -> Result<PathBuf, TrainError> {
+    if path.join(MANIFEST_FILE).is_file() {
+        return Ok(path.to_path_buf());
+    }
+    let latest = path.join(LATEST_FILE);
+    if latest.is_file() {
+        let name = std::fs::read_to_string(&latest).map_err(io(&latest))?;
+        let dir = path.join(name.trim());
+        if !dir.join(MANIFEST_FILE).is_file() {
+            return Err(TrainError::checkpoint(path, format!("LATEST names `{}`, which has no manifest.json", name.trim())));
+        }
+        return Ok(dir);
+    }
+    if !path.exists() {
+        return Err(TrainError::checkpoint(path, "does not exist"));
+    }
+    Err(TrainError::checkpoint(path, "is not a checkpoint (no manifest.json and no LATEST)"))
+}
+
+pub fn read_manifest(dir: &Path) -> Result<Manifest, TrainError> {
+    let path = dir.join(MANIFEST_FILE);
+    let bytes = std::fs::read(&path).map_err(io(&path))?;
+    let m: Manifest = serde_json::from_slice(&bytes)
+        .map_err(|e| TrainError::checkpoint(&path, format!("manifest is corrupt or truncated: {e}")))?;
+    if m.format_version != FORMAT_VERSION {
+        return Err(TrainError::checkpoint(
+            &path,
+            format!("format version {} is not supported (this build reads {FORMAT_VERSION})", m.format_version),
+        ));
+    }
+    Ok(m)
+}
+
+/// Checks size and checksum of one file named in the manifest.
+fn verify_entry(dir: &Path, name: &str, entry: &FileEntry, bytes_on_disk: u64, digest: Option<u64>) -> Result<(), TrainError> {
+    let path = dir.join(name);
+    if bytes_on_disk != entry.bytes {
+        return Err(TrainError::checkpoint(
+            &path,
+            format!("truncated or damaged: {bytes_on_disk} bytes on disk, the manifest says {}", entry.bytes),
+        ));
+    }
+    if let Some(d) = digest {
+        if format!("{d:016x}") != entry.xxh3 {
+            return Err(TrainError::checkpoint(&path, format!("checksum mismatch (xxh3 {d:016x}, manifest {})", entry.xxh3)));
+        }
+    }
+    Ok(())
+}
+
+fn entry<'a>(dir: &Path, m: &'a Manifest, name: &str) -> Result<&'a FileEntry, TrainError> {
+    m.files.get(name).ok_or_else(|| TrainError::checkpoint(dir, format!("manifest lists no {name}")))
+}
+
+/// Loads a checkpoint version into a fresh `trainer`, whose model must be of
+/// the same kind and shape. On error the trainer is partly loaded and must be
+/// discarded.
+pub fn load_into(trainer: &mut Trainer, dir: &Path) -> Result<Manifest, TrainError> {
+    let m = read_manifest(dir)?;
+    let want_kind = trainer.config.model.kind.name();
+    if m.model_kind != want_kind {
+        return Err(TrainError::checkpoint(
+            dir,
+            format!("holds a `{}` model, the config asks for `{want_kind}`", m.model_kind),
+        ));
+    }
+    let shape = (m.num_fields, m.num_dense, m.embedding_dim, m.row_len);
+    let ours = (trainer.layout.num_fields, trainer.layout.num_dense, trainer.config.model.embedding_dim, trainer.table.row_len());
+    if shape != ours {
+        return Err(TrainError::checkpoint(
+            dir,
+            format!(
+                "shape (fields, dense, embedding_dim, row floats) = {shape:?} differs from this run's {ours:?} \
+                 (different data layout, dimension or sparse optimizer)"
+            ),
+        ));
+    }
+
+    // Dense part: verify, then load.
+    let dense_path = dir.join(DENSE_FILE);
+    let dense_bytes = std::fs::read(&dense_path).map_err(io(&dense_path))?;
+    verify_entry(dir, DENSE_FILE, entry(dir, &m, DENSE_FILE)?, dense_bytes.len() as u64, Some(xxh3_64(&dense_bytes)))?;
+    let tensors = candle_core::safetensors::load_buffer(&dense_bytes, &candle_core::Device::Cpu)
+        .map_err(|e| TrainError::checkpoint(&dense_path, e.to_string()))?;
+    trainer.model.params.load_map(&tensors)?;
+    trainer.dense_optimizer.load_state(&tensors, m.dense_optimizer_step);
+
+    // Embedding rows: verify size first, then parse while hashing.
+    let emb_path = dir.join(EMB_FILE);
+    let emb_entry = entry(dir, &m, EMB_FILE)?;
+    let on_disk = std::fs::metadata(&emb_path).map_err(io(&emb_path))?.len();
+    verify_entry(dir, EMB_FILE, emb_entry, on_disk, None)?;
+    let rows = read_embeddings(&emb_path, trainer, emb_entry)?;
+    if rows != m.embedding_rows {
+        return Err(TrainError::checkpoint(&emb_path, format!("{rows} rows, the manifest says {}", m.embedding_rows)));
+    }
+    trainer.step = m.step;
+    trainer.samples_trained = m.samples_trained;
+    trainer.position = m.position;
+    Ok(m)
+}
+
+fn read_embeddings(path: &Path, trainer: &Trainer, entry: &FileEntry) -> Result<u64, TrainError> {
+    let file = File::open(path).map_err(io(path))?;
+    let mut r = BufReader::with_capacity(1 << 20, file);
+    let mut hasher = Xxh3::new();
+    let mut header = [0u8; EMB_HEADER_BYTES as usize];
+    r.read_exact(&mut header).map_err(|_| TrainError::checkpoint(path, "truncated header"))?;
+    hasher.update(&header);
+    if &header[..8] != EMB_MAGIC {
+        return Err(TrainError::checkpoint(path, "not a Sparrow embeddings file (bad magic)"));
+    }
+    let u32_at = |i: usize| u32::from_le_bytes([header[i], header[i + 1], header[i + 2], header[i + 3]]) as usize;
+    let (dim, row_len) = (u32_at(8), u32_at(12));
+    let rows = u64::from_le_bytes(header[16..24].try_into().map_err(|_| TrainError::checkpoint(path, "header"))?);
+    if dim != trainer.table.dim() || row_len != trainer.table.row_len() {
+        return Err(TrainError::checkpoint(
+            path,
+            format!("rows are {dim} wide with {row_len} floats, the table needs {} and {}", trainer.table.dim(), trainer.table.row_len()),
+        ));
+    }
+    let record_len = 8 + row_len * 4;
+    if EMB_HEADER_BYTES + rows * record_len as u64 != entry.bytes {
+        return Err(TrainError::checkpoint(path, "row count in the header does not match the file size"));
+    }
+    let mut record = vec![0u8; record_len];
+    let mut row = vec![0f32; row_len];
+    // Rows go straight into the table; a checksum failure at the end fails the
+    // load, and the caller discards the half-filled trainer (loads happen
+    // before any training, so nothing trained is lost).
+    for _ in 0..rows {
+        r.read_exact(&mut record).map_err(|_| TrainError::checkpoint(path, "truncated rows"))?;
+        hasher.update(&record);
+        let key = u64::from_le_bytes(record[..8].try_into().map_err(|_| TrainError::checkpoint(path, "record"))?);
+        for (x, b) in row.iter_mut().zip(record[8..].chunks_exact(4)) {
+            *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+        trainer.table.put_row(key, &row)?;
+    }
+    let digest = hasher.digest();
+    verify_entry(path.parent().unwrap_or(Path::new(".")), EMB_FILE, entry, entry.bytes, Some(digest))?;
+    Ok(rows)
+}
+
+/// Rebuilds a trainer (config, layout, model and table) from a checkpoint.
+/// `overrides` (`KEY=VALUE`) apply to the stored config, e.g. another data format.
+pub fn load_trainer(path: &Path, overrides: &[String]) -> Result<(Trainer, Manifest, PathBuf), TrainError> {
+    let dir = resolve(path)?;
+    let m = read_manifest(&dir)?;
+    let config = Config::from_toml_with_overrides(&m.config, &dir.join(MANIFEST_FILE).display().to_string(), overrides)?;
+    let layout = DataLayout { num_fields: m.num_fields, num_dense: m.num_dense, weighted: DataLayout::from_config(&config.data).weighted };
+    let mut trainer = Trainer::new(&config, layout)?;
+    let m = load_into(&mut trainer, &dir)?;
+    Ok((trainer, m, dir))
+}

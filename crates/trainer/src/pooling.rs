@@ -1,0 +1,96 @@
+//! Bags of keys ↔ one vector per (row, field): sum or mean pooling, weighted by
+//! the keys' values, and its exact adjoint for the backward pass.
+
+use rayon::prelude::*;
+use sparrow_core::Batch;
+use sparrow_core::config::Pooling;
+use sparrow_embedding::KeyPlan;
+
+#[inline]
+fn bag_scale(pooling: Pooling, len: usize) -> f32 {
+    match pooling {
+        Pooling::Sum => 1.0,
+        Pooling::Mean => 1.0 / len.max(1) as f32,
+    }
+}
+
+/// Pooled embeddings `[rows, fields, width]` from the unique rows of `plan`.
+pub fn pool(batch: &Batch, plan: &KeyPlan, unique_rows: &[f32], width: usize, pooling: Pooling) -> Vec<f32> {
+    let f = batch.num_fields;
+    let mut out = vec![0.0f32; batch.rows() * f * width];
+    out.par_chunks_mut(f * width * 64).enumerate().for_each(|(chunk, block)| {
+        for (j, slot) in block.chunks_mut(width).enumerate() {
+            let bag_index = chunk * 64 * f + j;
+            let (row, field) = (bag_index / f, bag_index % f);
+            let range = batch.bag(row, field);
+            let scale = bag_scale(pooling, range.len());
+            for i in range {
+                let u = plan.inverse[i] as usize;
+                let w = batch.key_weight(i) * scale;
+                let src = &unique_rows[u * width..(u + 1) * width];
+                if w == 1.0 {
+                    slot.iter_mut().zip(src).for_each(|(o, s)| *o += s);
+                } else {
+                    slot.iter_mut().zip(src).for_each(|(o, s)| *o += w * s);
+                }
+            }
+        }
+    });
+    out
+}
+
+/// Adjoint of [`pool`]: gradients per unique key, duplicates summed (S3.7).
+pub fn unpool(batch: &Batch, plan: &KeyPlan, grad: &[f32], width: usize, pooling: Pooling) -> Vec<f32> {
+    let f = batch.num_fields;
+    let mut out = vec![0.0f32; plan.num_unique() * width];
+    for row in 0..batch.rows() {
+        for field in 0..f {
+            let range = batch.bag(row, field);
+            let scale = bag_scale(pooling, range.len());
+            let g = &grad[(row * f + field) * width..(row * f + field + 1) * width];
+            for i in range {
+                let u = plan.inverse[i] as usize;
+                let w = batch.key_weight(i) * scale;
+                out[u * width..(u + 1) * width].iter_mut().zip(g).for_each(|(o, g)| *o += w * g);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sparrow_core::BatchBuilder;
+    use sparrow_core::batch::DataPosition;
+
+    #[test]
+    fn pool_and_unpool_are_adjoint() {
+        // <pool(x), g> == <x, unpool(g)> for any x, g: the backward is exact.
+        let mut b = BatchBuilder::new(2, 0, true, 3);
+        for (keys, label) in [(vec![(0, 1, 0.5), (0, 2, 2.0), (1, 1, 1.0)], 1.0), (vec![(1, 3, 1.0), (1, 3, 1.0)], 0.0)] {
+            b.begin_row();
+            for (f, k, w) in keys {
+                assert!(b.push_key(f, k, w));
+            }
+            assert!(b.end_row(label));
+        }
+        let batch = b.finish(DataPosition::default());
+        let plan = KeyPlan::new(&batch.keys, 1, |_| 0);
+        let width = 2;
+        let x: Vec<f32> = (0..plan.num_unique() * width).map(|i| i as f32 * 0.3 - 0.5).collect();
+        let g: Vec<f32> = (0..batch.rows() * 2 * width).map(|i| (i as f32).sin()).collect();
+        for pooling in [Pooling::Sum, Pooling::Mean] {
+            let px = pool(&batch, &plan, &x, width, pooling);
+            let ug = unpool(&batch, &plan, &g, width, pooling);
+            let lhs: f32 = px.iter().zip(&g).map(|(a, b)| a * b).sum();
+            let rhs: f32 = x.iter().zip(&ug).map(|(a, b)| a * b).sum();
+            assert!((lhs - rhs).abs() < 1e-5, "{pooling:?}: {lhs} vs {rhs}");
+        }
+        // Sum pooling of bag (row 0, field 0) = 0.5·x[key1] + 2·x[key2].
+        let px = pool(&batch, &plan, &x, width, Pooling::Sum);
+        let u1 = plan.inverse[0] as usize;
+        let u2 = plan.inverse[1] as usize;
+        assert!((px[0] - (0.5 * x[u1 * 2] + 2.0 * x[u2 * 2])).abs() < 1e-6);
+    }
+}

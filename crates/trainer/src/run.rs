@@ -1,0 +1,331 @@
+//! The `train`, `eval` and `predict` jobs.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::Serialize;
+use sparrow_core::Config;
+use sparrow_core::metrics::{auc, log_loss_from_logits, sigmoid};
+use sparrow_data::synth::Truth;
+use sparrow_data::{BadRows, BatchStream, DataError, DataLayout};
+
+use crate::checkpoint;
+use crate::progress::Progress;
+use crate::trainer::Trainer;
+use crate::{TrainError, peak_rss_bytes};
+
+/// The last stdout line of `sparrow train`: a contract read by scripts.
+#[derive(Clone, Debug, Serialize)]
+pub struct TrainSummary {
+    pub test_auc: Option<f64>,
+    pub test_logloss: Option<f64>,
+    /// Samples trained by this run.
+    pub train_rows: u64,
+    /// Training phase only (reading runs alongside in its own thread).
+    pub samples_per_sec: f64,
+    pub wall_secs: f64,
+    pub peak_rss_bytes: u64,
+    pub embedding_rows: u64,
+    pub bad_rows: u64,
+    pub model: String,
+    pub steps: u64,
+    pub train_secs: f64,
+    pub eval_secs: f64,
+    pub test_rows: u64,
+    /// Mean training log-loss over the last logging interval.
+    pub train_logloss: Option<f64>,
+    /// Keys per batch before / after the first dedup, averaged.
+    pub dedup_ratio: f64,
+    /// Bytes the table holds per row (arena + index).
+    pub embedding_bytes_per_row: f64,
+    pub checkpoint: Option<String>,
+    pub resumed_from_step: Option<u64>,
+    /// From `truth.json` beside the test file, when the data is generated.
+    pub bayes_auc: Option<f64>,
+    pub bayes_logloss: Option<f64>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct EvalSummary {
+    pub auc: f64,
+    pub logloss: f64,
+    pub rows: u64,
+    pub bad_rows: u64,
+    pub checkpoint_step: u64,
+    pub wall_secs: f64,
+}
+
+fn thread_pool(threads: usize) -> Result<rayon::ThreadPool, TrainError> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("sparrow-compute-{i}"))
+        .build()
+        .map_err(|e| TrainError::ThreadPool(e.to_string()))
+}
+
+fn data_path<'a>(p: &'a Option<String>, key: &'static str, what: &'static str) -> Result<&'a Path, TrainError> {
+    p.as_deref().map(Path::new).ok_or(TrainError::Data(DataError::MissingPath { key, what }))
+}
+
+struct MetricsLog {
+    file: Option<(PathBuf, BufWriter<File>)>,
+}
+
+impl MetricsLog {
+    fn open(path: Option<&str>, append: bool) -> Result<MetricsLog, TrainError> {
+        let file = match path {
+            None => None,
+            Some(p) => {
+                let p = PathBuf::from(p);
+                let f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(append)
+                    .write(true)
+                    .truncate(!append)
+                    .open(&p)
+                    .map_err(|e| TrainError::io(&p, e))?;
+                Some((p, BufWriter::new(f)))
+            }
+        };
+        Ok(MetricsLog { file })
+    }
+
+    fn write(&mut self, value: serde_json::Value) -> Result<(), TrainError> {
+        if let Some((p, w)) = &mut self.file {
+            writeln!(w, "{value}").and_then(|_| w.flush()).map_err(|e| TrainError::io(p, e))?;
+        }
+        Ok(())
+    }
+}
+
+/// Trains as configured, evaluates on `data.test`, writes the checkpoint.
+pub fn train(config: &Config, quiet: bool) -> Result<TrainSummary, TrainError> {
+    let wall = Instant::now();
+    let pool = thread_pool(config.train.threads)?;
+    pool.install(|| train_in_pool(config, quiet, wall))
+}
+
+fn train_in_pool(config: &Config, quiet: bool, wall: Instant) -> Result<TrainSummary, TrainError> {
+    let train_path = data_path(&config.data.train, "train", "the training data file")?;
+    let layout = DataLayout::from_config(&config.data);
+    let mut trainer = Trainer::new(config, layout)?;
+    let mut resumed_from_step = None;
+    if let Some(from) = &config.checkpoint.resume_from {
+        let dir = checkpoint::resolve(Path::new(from))?;
+        let m = checkpoint::load_into(&mut trainer, &dir)?;
+        resumed_from_step = Some(m.step);
+        if !quiet {
+            eprintln!("resumed from {} (step {}, {} embedding rows)", dir.display(), m.step, m.embedding_rows);
+        }
+    }
+    let bad = BadRows::new(config.data.max_bad_rows, config.data.report_bad_rows);
+    let stream = BatchStream::spawn(
+        train_path,
+        &config.data,
+        config.train.batch_size,
+        trainer.position,
+        config.train.epochs,
+        bad.clone(),
+    )?;
+    let file_bytes = std::fs::metadata(train_path).map(|m| m.len()).ok();
+    let progress = Progress::new(file_bytes.map(|b| b * config.train.epochs), quiet);
+    let mut metrics = MetricsLog::open(config.train.metrics_path.as_deref(), resumed_from_step.is_some())?;
+
+    let train_start = Instant::now();
+    let start_samples = trainer.samples_trained;
+    let (mut interval_loss, mut interval_rows, mut interval_start) = (0.0f64, 0u64, Instant::now());
+    let mut last_train_logloss = None;
+    let (mut keys_total, mut unique_total) = (0u64, 0u64);
+    let interval = config.train.log_interval_steps;
+    let stop_at = config.train.max_steps;
+    let mut outcome: Result<(), TrainError> = Ok(());
+    for batch in stream {
+        if stop_at.is_some_and(|m| trainer.step >= m) {
+            break;
+        }
+        let batch = match batch {
+            Ok(b) => b,
+            Err(e) => {
+                outcome = Err(e.into());
+                break;
+            }
+        };
+        let stats = match trainer.train_batch(&batch) {
+            Ok(s) => s,
+            Err(e) => {
+                outcome = Err(e);
+                break;
+            }
+        };
+        interval_loss += stats.loss * stats.rows as f64;
+        interval_rows += stats.rows as u64;
+        keys_total += stats.keys as u64;
+        unique_total += stats.unique_keys as u64;
+        let bytes_done = trainer.position.epoch * file_bytes.unwrap_or(0) + trainer.position.offset;
+        if trainer.step % interval == 0 {
+            let secs = interval_start.elapsed().as_secs_f64();
+            let loss = interval_loss / interval_rows.max(1) as f64;
+            let rate = interval_rows as f64 / secs.max(1e-9);
+            last_train_logloss = Some(loss);
+            progress.set_position(bytes_done, &format!("step {} loss {loss:.4} {rate:.0} samples/s", trainer.step));
+            progress.line(&format!(
+                "step {} epoch {} samples {} train_logloss {loss:.5} samples/s {rate:.0}",
+                trainer.step, trainer.position.epoch, trainer.samples_trained
+            ));
+            metrics.write(serde_json::json!({
+                "step": trainer.step,
+                "epoch": trainer.position.epoch,
+                "samples": trainer.samples_trained,
+                "train_logloss": loss,
+                "samples_per_sec": rate,
+                "elapsed_secs": wall.elapsed().as_secs_f64(),
+                "embedding_rows": trainer.table.len(),
+                "bad_rows": bad.total(),
+            }))?;
+            (interval_loss, interval_rows, interval_start) = (0.0, 0, Instant::now());
+        }
+        if let (Some(every), Some(dir)) = (config.checkpoint.every_steps, &config.checkpoint.dir) {
+            if every > 0 && trainer.step % every == 0 {
+                checkpoint::save(&trainer, Path::new(dir), config.checkpoint.keep)?;
+            }
+        }
+    }
+    progress.finish();
+    let train_secs = train_start.elapsed().as_secs_f64();
+    if interval_rows > 0 {
+        last_train_logloss = Some(interval_loss / interval_rows as f64);
+    }
+
+    // Whatever happened, what was trained is written before anything else.
+    let checkpoint_dir = match &config.checkpoint.dir {
+        Some(dir) if trainer.step > 0 || outcome.is_ok() => Some(checkpoint::save(&trainer, Path::new(dir), config.checkpoint.keep)?),
+        _ => None,
+    };
+    if let Err(e) = outcome {
+        if let Some(d) = &checkpoint_dir {
+            eprintln!("error after step {}; the model so far is saved in {}", trainer.step, d.display());
+        }
+        return Err(e);
+    }
+
+    let eval_start = Instant::now();
+    let (mut test_auc, mut test_logloss, mut test_rows, mut bayes) = (None, None, 0, None);
+    if let Some(test) = &config.data.test {
+        let test = Path::new(test);
+        let (logits, labels) = predict_file(&trainer, test, &config.data, &bad)?;
+        test_rows = labels.len() as u64;
+        test_auc = Some(auc(&logits, &labels));
+        test_logloss = Some(log_loss_from_logits(&logits, &labels));
+        bayes = read_truth(test);
+    }
+    let eval_secs = eval_start.elapsed().as_secs_f64();
+    metrics.write(serde_json::json!({
+        "step": trainer.step,
+        "event": "eval",
+        "test_auc": test_auc,
+        "test_logloss": test_logloss,
+        "test_rows": test_rows,
+    }))?;
+    let train_rows = trainer.samples_trained - start_samples;
+    let rows = trainer.table.len() as u64;
+    Ok(TrainSummary {
+        test_auc,
+        test_logloss,
+        train_rows,
+        samples_per_sec: train_rows as f64 / train_secs.max(1e-9),
+        wall_secs: wall.elapsed().as_secs_f64(),
+        peak_rss_bytes: peak_rss_bytes(),
+        embedding_rows: rows,
+        bad_rows: bad.total(),
+        model: config.model.kind.name().to_string(),
+        steps: trainer.step,
+        train_secs,
+        eval_secs,
+        test_rows,
+        train_logloss: last_train_logloss,
+        dedup_ratio: keys_total as f64 / unique_total.max(1) as f64,
+        embedding_bytes_per_row: trainer.table.allocated_bytes() as f64 / rows.max(1) as f64,
+        checkpoint: checkpoint_dir.map(|d| d.display().to_string()),
+        resumed_from_step,
+        bayes_auc: bayes.as_ref().map(|t| t.bayes_auc),
+        bayes_logloss: bayes.as_ref().map(|t| t.bayes_logloss),
+    })
+}
+
+/// `truth.json` of a generated data set, if `test` is its test file.
+fn read_truth(test: &Path) -> Option<Truth> {
+    let path = test.parent()?.join("truth.json");
+    let truth: Truth = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
+    (truth.test_rows > 0).then_some(truth)
+}
+
+/// Logits and labels of every good row of `path`.
+fn predict_file(
+    trainer: &Trainer,
+    path: &Path,
+    data: &sparrow_core::config::DataConfig,
+    bad: &BadRows,
+) -> Result<(Vec<f32>, Vec<f32>), TrainError> {
+    let stream = BatchStream::spawn(path, data, trainer.config.train.batch_size.max(1024), Default::default(), 1, bad.clone())?;
+    if stream.layout.num_fields != trainer.layout.num_fields || stream.layout.num_dense != trainer.layout.num_dense {
+        return Err(TrainError::checkpoint(
+            path,
+            format!(
+                "data has {} fields and {} dense values, the model was trained on {} and {}",
+                stream.layout.num_fields, stream.layout.num_dense, trainer.layout.num_fields, trainer.layout.num_dense
+            ),
+        ));
+    }
+    let (mut logits, mut labels) = (Vec::new(), Vec::new());
+    for batch in stream {
+        let batch = batch?;
+        logits.extend(trainer.predict_batch(&batch)?);
+        labels.extend_from_slice(&batch.labels);
+    }
+    Ok((logits, labels))
+}
+
+pub fn evaluate_checkpoint(checkpoint: &Path, data: &Path, overrides: &[String], threads: Option<usize>) -> Result<EvalSummary, TrainError> {
+    let wall = Instant::now();
+    let (trainer, manifest, _) = checkpoint::load_trainer(checkpoint, overrides)?;
+    let pool = thread_pool(threads.unwrap_or(trainer.config.train.threads))?;
+    let bad = BadRows::new(trainer.config.data.max_bad_rows, trainer.config.data.report_bad_rows);
+    let (logits, labels) = pool.install(|| predict_file(&trainer, data, &trainer.config.data, &bad))?;
+    Ok(EvalSummary {
+        auc: auc(&logits, &labels),
+        logloss: log_loss_from_logits(&logits, &labels),
+        rows: labels.len() as u64,
+        bad_rows: bad.total(),
+        checkpoint_step: manifest.step,
+        wall_secs: wall.elapsed().as_secs_f64(),
+    })
+}
+
+/// Writes one click probability per good input row to `out`.
+pub fn predict_checkpoint(checkpoint: &Path, data: &Path, out: &Path, overrides: &[String]) -> Result<EvalSummary, TrainError> {
+    let wall = Instant::now();
+    let (trainer, manifest, _) = checkpoint::load_trainer(checkpoint, overrides)?;
+    let pool = thread_pool(trainer.config.train.threads)?;
+    let bad = BadRows::new(trainer.config.data.max_bad_rows, trainer.config.data.report_bad_rows);
+    let (logits, labels) = pool.install(|| predict_file(&trainer, data, &trainer.config.data, &bad))?;
+    let tmp = out.with_extension("partial");
+    {
+        let f = File::create(&tmp).map_err(|e| TrainError::io(&tmp, e))?;
+        let mut w = BufWriter::new(f);
+        for &x in &logits {
+            writeln!(w, "{}", sigmoid(f64::from(x)) as f32).map_err(|e| TrainError::io(&tmp, e))?;
+        }
+        w.flush().map_err(|e| TrainError::io(&tmp, e))?;
+    }
+    std::fs::rename(&tmp, out).map_err(|e| TrainError::io(out, e))?;
+    Ok(EvalSummary {
+        auc: auc(&logits, &labels),
+        logloss: log_loss_from_logits(&logits, &labels),
+        rows: labels.len() as u64,
+        bad_rows: bad.total(),
+        checkpoint_step: manifest.step,
+        wall_secs: wall.elapsed().as_secs_f64(),
+    })
+}

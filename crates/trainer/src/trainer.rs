@@ -1,0 +1,94 @@
+//! One training step of the single-process path: first dedup + partition →
+//! lookup (insert on first sight) → pool → dense forward/backward/step →
+//! unpool (sum duplicate gradients) → sparse optimizer update.
+
+use candle_core::Device;
+use sparrow_core::batch::DataPosition;
+use sparrow_core::{Batch, Config};
+use sparrow_data::DataLayout;
+use sparrow_embedding::{EmbeddingTable, Initializer, SparseOptimizer};
+use sparrow_model::{DenseModel, DenseOptimizer, ModelShape};
+
+use crate::TrainError;
+use crate::pooling::{pool, unpool};
+
+pub struct Trainer {
+    pub config: Config,
+    pub layout: DataLayout,
+    pub table: EmbeddingTable,
+    pub model: DenseModel,
+    pub dense_optimizer: DenseOptimizer,
+    /// Steps taken so far (across resumes).
+    pub step: u64,
+    /// Where the training data continues after the last trained batch.
+    pub position: DataPosition,
+    /// Samples trained so far (across resumes).
+    pub samples_trained: u64,
+}
+
+pub struct StepStats {
+    pub rows: usize,
+    pub loss: f64,
+    pub keys: usize,
+    pub unique_keys: usize,
+}
+
+/// Seeds of the independent random streams, derived from `train.seed`.
+fn seeds(seed: u64) -> (u64, u64) {
+    (seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xe3b, seed.wrapping_mul(0xc2b2_ae3d_27d4_eb4f) ^ 0xd15)
+}
+
+impl Trainer {
+    pub fn new(config: &Config, layout: DataLayout) -> Result<Trainer, TrainError> {
+        let (emb_seed, dense_seed) = seeds(config.train.seed);
+        let width = DenseModel::embedding_width(config.model.kind, config.model.embedding_dim);
+        let table = EmbeddingTable::new(
+            width,
+            SparseOptimizer::from_config(&config.embedding),
+            Initializer::new(config.embedding.init, emb_seed),
+            config.embedding.table_shards,
+        );
+        let shape = ModelShape {
+            num_fields: layout.num_fields,
+            num_dense: layout.num_dense,
+            embedding_dim: config.model.embedding_dim,
+        };
+        let model = DenseModel::new(&config.model, shape, dense_seed, Device::Cpu)?;
+        Ok(Trainer {
+            config: config.clone(),
+            layout,
+            table,
+            model,
+            dense_optimizer: DenseOptimizer::new(config.dense_optimizer.clone()),
+            step: 0,
+            position: DataPosition::default(),
+            samples_trained: 0,
+        })
+    }
+
+    pub fn train_batch(&mut self, batch: &Batch) -> Result<StepStats, TrainError> {
+        let width = self.table.dim();
+        let plan = self.table.plan(&batch.keys);
+        let mut unique_rows = vec![0.0f32; plan.num_unique() * width];
+        self.table.lookup_or_insert(&plan, &mut unique_rows)?;
+        let pooled = pool(batch, &plan, &unique_rows, width, self.config.model.pooling);
+        let out = self.model.train_step(pooled, batch.dense.clone(), &batch.labels, &mut self.dense_optimizer)?;
+        let grads = unpool(batch, &plan, &out.emb_grad, width, self.config.model.pooling);
+        self.table.apply_gradients(&plan, &grads)?;
+        self.step += 1;
+        self.samples_trained += batch.rows() as u64;
+        self.position = batch.end;
+        Ok(StepStats { rows: batch.rows(), loss: out.loss, keys: batch.keys.len(), unique_keys: plan.num_unique() })
+    }
+
+    /// Logits of a batch; the table is only read (unseen keys read as their
+    /// initial vector and are not inserted).
+    pub fn predict_batch(&self, batch: &Batch) -> Result<Vec<f32>, TrainError> {
+        let width = self.table.dim();
+        let plan = self.table.plan(&batch.keys);
+        let mut unique_rows = vec![0.0f32; plan.num_unique() * width];
+        self.table.lookup(&plan, &mut unique_rows);
+        let pooled = pool(batch, &plan, &unique_rows, width, self.config.model.pooling);
+        Ok(self.model.predict(pooled, batch.dense.clone(), batch.rows())?)
+    }
+}
