@@ -5,8 +5,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum DataError {
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    // `error`, not `source`: the message already includes it, so it must not
+    // be printed a second time as the cause.
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("{path}: {bad_rows} malformed rows, more than data.max_bad_rows = {max_bad_rows} (last at line {line}: {reason})")]
     TooManyBadRows { path: PathBuf, bad_rows: u64, max_bad_rows: u64, line: u64, reason: String },
     #[error("{path}: schema: {message}")]
@@ -21,7 +23,7 @@ pub enum DataError {
 
 impl DataError {
     pub fn io(path: &std::path::Path, source: std::io::Error) -> Self {
-        DataError::Io { path: path.to_path_buf(), source }
+        DataError::Io { path: path.to_path_buf(), error: source }
     }
 }
 

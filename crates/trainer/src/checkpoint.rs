@@ -138,7 +138,7 @@ pub fn save(trainer: &Trainer, root: &Path, keep: usize) -> Result<PathBuf, Trai
     let mut files = BTreeMap::new();
     // Dense weights and dense optimizer state, one safetensors file.
     let mut tensors = trainer.model.params.to_map();
-    tensors.extend(trainer.dense_optimizer.state_tensors());
+    tensors.extend(trainer.dense_optimizer.state_tensors(&trainer.model.params)?);
     let dense_path = tmp.join(DENSE_FILE);
     let dense_bytes = safetensors_bytes(&tensors, &dense_path)?;
     write_bytes_synced(&dense_path, &dense_bytes)?;
@@ -308,7 +308,7 @@ pub fn load_into(trainer: &mut Trainer, dir: &Path) -> Result<Manifest, TrainErr
     let tensors = candle_core::safetensors::load_buffer(&dense_bytes, &candle_core::Device::Cpu)
         .map_err(|e| TrainError::checkpoint(&dense_path, e.to_string()))?;
     trainer.model.params.load_map(&tensors)?;
-    trainer.dense_optimizer.load_state(&tensors, m.dense_optimizer_step);
+    trainer.dense_optimizer.load_state(&tensors, m.dense_optimizer_step)?;
 
     // Embedding rows: verify size first, then parse while hashing.
     let emb_path = dir.join(EMB_FILE);

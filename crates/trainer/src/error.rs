@@ -13,15 +13,15 @@ pub enum TrainError {
     Table(#[from] sparrow_embedding::TableError),
     #[error("checkpoint {path}: {message}")]
     Checkpoint { path: PathBuf, message: String },
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("thread pool: {0}")]
     ThreadPool(String),
 }
 
 impl TrainError {
     pub fn io(path: &std::path::Path, source: std::io::Error) -> Self {
-        TrainError::Io { path: path.to_path_buf(), source }
+        TrainError::Io { path: path.to_path_buf(), error: source }
     }
 
     pub fn checkpoint(path: &std::path::Path, message: impl Into<String>) -> Self {

@@ -109,6 +109,10 @@ pub fn train(config: &Config, quiet: bool) -> Result<TrainSummary, TrainError> {
 
 fn train_in_pool(config: &Config, quiet: bool, wall: Instant) -> Result<TrainSummary, TrainError> {
     let train_path = data_path(&config.data.train, "train", "the training data file")?;
+    // Fail before training, not after it, when the test file is missing.
+    if let Some(test) = &config.data.test {
+        std::fs::File::open(test).map_err(|e| TrainError::io(Path::new(test), e))?;
+    }
     let layout = DataLayout::from_config(&config.data);
     let mut trainer = Trainer::new(config, layout)?;
     let mut resumed_from_step = None;
