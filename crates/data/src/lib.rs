@@ -13,4 +13,4 @@ pub mod text;
 
 pub use error::{BadRows, DataError};
 pub use layout::DataLayout;
-pub use stream::{open_source, BatchSource, BatchStream};
+pub use stream::{BatchSource, BatchStream, open_source};

@@ -6,8 +6,8 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use parquet::file::reader::{FileReader, SerializedFileReader};
-use parquet::record::{Field, Row};
 use parquet::record::reader::RowIter;
+use parquet::record::{Field, Row};
 use sparrow_core::batch::{BatchBuilder, DataPosition};
 use sparrow_core::config::DataConfig;
 use sparrow_core::{Batch, feature_key};
@@ -31,8 +31,10 @@ pub struct ParquetSource {
 
 fn open_rows(path: &Path) -> Result<(RowIter<'static>, Vec<String>), DataError> {
     let file = File::open(path).map_err(|e| DataError::io(path, e))?;
-    let reader = SerializedFileReader::new(file)
-        .map_err(|e| DataError::Parquet { path: path.to_path_buf(), message: e.to_string() })?;
+    let reader = SerializedFileReader::new(file).map_err(|e| DataError::Parquet {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })?;
     let names = reader
         .metadata()
         .file_metadata()
@@ -46,18 +48,33 @@ fn open_rows(path: &Path) -> Result<(RowIter<'static>, Vec<String>), DataError> 
 }
 
 impl ParquetSource {
-    pub fn open(path: &Path, config: &DataConfig, bad: BadRows) -> Result<ParquetSource, DataError> {
+    pub fn open(
+        path: &Path,
+        config: &DataConfig,
+        bad: BadRows,
+    ) -> Result<ParquetSource, DataError> {
         let schema = config.schema.clone().unwrap_or_default();
         let (rows, names) = open_rows(path)?;
         let find = |name: &str| {
-            names.iter().position(|n| n == name).ok_or_else(|| DataError::Schema {
-                path: path.to_path_buf(),
-                message: format!("column `{name}` is not in the file ({})", names.join(",")),
-            })
+            names
+                .iter()
+                .position(|n| n == name)
+                .ok_or_else(|| DataError::Schema {
+                    path: path.to_path_buf(),
+                    message: format!("column `{name}` is not in the file ({})", names.join(",")),
+                })
         };
         let label = find(&schema.label)?;
-        let dense = schema.dense.iter().map(|n| Ok((find(n)?, n.clone()))).collect::<Result<_, DataError>>()?;
-        let sparse = schema.sparse.iter().map(|n| find(n)).collect::<Result<_, DataError>>()?;
+        let dense = schema
+            .dense
+            .iter()
+            .map(|n| Ok((find(n)?, n.clone())))
+            .collect::<Result<_, DataError>>()?;
+        let sparse = schema
+            .sparse
+            .iter()
+            .map(|n| find(n))
+            .collect::<Result<_, DataError>>()?;
         Ok(ParquetSource {
             path: path.to_path_buf(),
             rows,
@@ -72,12 +89,14 @@ impl ParquetSource {
 
     fn parse_row(&self, row: &Row, out: &mut BatchBuilder) -> Result<f32, String> {
         let cols: Vec<&Field> = row.get_column_iter().map(|(_, f)| f).collect();
-        let label_field = cols.get(self.label).ok_or("row is shorter than the schema")?;
+        let label_field = cols
+            .get(self.label)
+            .ok_or("row is shorter than the schema")?;
         let label = match label_field {
             Field::Str(s) => parse_label(s.as_bytes())?,
             other => match number(other) {
-                Some(v) if v == 1.0 => 1.0,
-                Some(v) if v == 0.0 || v == -1.0 => 0.0,
+                Some(1.0) => 1.0,
+                Some(0.0 | -1.0) => 0.0,
                 _ => return Err(format!("label `{other}` is not 0/1 or -1/+1")),
             },
         };
@@ -85,8 +104,12 @@ impl ParquetSource {
             let f = cols.get(*col).ok_or("row is shorter than the schema")?;
             let v = match f {
                 Field::Null => 0.0,
-                Field::Str(s) => s.trim().parse::<f64>().map_err(|_| format!("column {name}: `{s}` is not a number"))?,
-                other => number(other).ok_or_else(|| format!("column {name}: `{other}` is not a number"))?,
+                Field::Str(s) => s
+                    .trim()
+                    .parse::<f64>()
+                    .map_err(|_| format!("column {name}: `{s}` is not a number"))?,
+                other => number(other)
+                    .ok_or_else(|| format!("column {name}: `{other}` is not a number"))?,
             };
             if !v.is_finite() {
                 return Err(format!("column {name}: value is not finite"));
@@ -152,7 +175,12 @@ impl BatchSource for ParquetSource {
         while self.next_row < pos.offset {
             match self.rows.next() {
                 None => break,
-                Some(Err(e)) => return Err(DataError::Parquet { path: self.path.clone(), message: e.to_string() }),
+                Some(Err(e)) => {
+                    return Err(DataError::Parquet {
+                        path: self.path.clone(),
+                        message: e.to_string(),
+                    });
+                }
                 Some(Ok(_)) => self.next_row += 1,
             }
         }
@@ -160,26 +188,46 @@ impl BatchSource for ParquetSource {
     }
 
     fn next_batch(&mut self, batch_size: usize, epoch: u64) -> Result<Option<Batch>, DataError> {
-        let mut b = BatchBuilder::new(self.layout.num_fields, self.layout.num_dense, false, batch_size);
+        let mut b = BatchBuilder::new(
+            self.layout.num_fields,
+            self.layout.num_dense,
+            false,
+            batch_size,
+        );
         while b.rows() < batch_size {
             let row = match self.rows.next() {
                 None => break,
-                Some(Err(e)) => return Err(DataError::Parquet { path: self.path.clone(), message: e.to_string() }),
+                Some(Err(e)) => {
+                    return Err(DataError::Parquet {
+                        path: self.path.clone(),
+                        message: e.to_string(),
+                    });
+                }
                 Some(Ok(row)) => row,
             };
             self.next_row += 1;
             b.begin_row();
-            let ok = self
-                .parse_row(&row, &mut b)
-                .and_then(|label| b.end_row(label).then_some(()).ok_or_else(|| "wrong number of dense values".into()));
+            let ok = self.parse_row(&row, &mut b).and_then(|label| {
+                b.end_row(label)
+                    .then_some(())
+                    .ok_or_else(|| "wrong number of dense values".into())
+            });
             if let Err(reason) = ok {
                 b.rollback_row();
-                self.bad.record(&self.path, self.next_row, format!("row {}: {reason}", self.next_row))?;
+                self.bad.record(
+                    &self.path,
+                    self.next_row,
+                    format!("row {}: {reason}", self.next_row),
+                )?;
             }
         }
         if b.rows() == 0 {
             return Ok(None);
         }
-        Ok(Some(b.finish(DataPosition { epoch, offset: self.next_row, line: self.next_row + 1 })))
+        Ok(Some(b.finish(DataPosition {
+            epoch,
+            offset: self.next_row,
+            line: self.next_row + 1,
+        })))
     }
 }

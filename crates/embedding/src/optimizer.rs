@@ -5,21 +5,41 @@ use sparrow_core::config::{EmbeddingConfig, SparseOptimizerKind};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum SparseOptimizer {
-    Sgd { lr: f32 },
+    Sgd {
+        lr: f32,
+    },
     /// Per-coordinate Adagrad: `acc += g²; w -= lr·g/(√acc + eps)`.
-    Adagrad { lr: f32, eps: f32 },
+    Adagrad {
+        lr: f32,
+        eps: f32,
+    },
     /// Lazy Adam: moments and the step count are per row, advanced only when
     /// the row receives a gradient.
-    Adam { lr: f32, beta1: f32, beta2: f32, eps: f32 },
+    Adam {
+        lr: f32,
+        beta1: f32,
+        beta2: f32,
+        eps: f32,
+    },
     /// FTRL-Proximal (McMahan et al. 2013), per coordinate, `alpha` = learning rate.
-    Ftrl { alpha: f32, beta: f32, l1: f32, l2: f32 },
+    Ftrl {
+        alpha: f32,
+        beta: f32,
+        l1: f32,
+        l2: f32,
+    },
 }
 
 impl SparseOptimizer {
     pub fn from_config(c: &EmbeddingConfig) -> Self {
         match c.optimizer {
-            SparseOptimizerKind::Sgd => SparseOptimizer::Sgd { lr: c.learning_rate },
-            SparseOptimizerKind::Adagrad => SparseOptimizer::Adagrad { lr: c.learning_rate, eps: c.eps },
+            SparseOptimizerKind::Sgd => SparseOptimizer::Sgd {
+                lr: c.learning_rate,
+            },
+            SparseOptimizerKind::Adagrad => SparseOptimizer::Adagrad {
+                lr: c.learning_rate,
+                eps: c.eps,
+            },
             SparseOptimizerKind::Adam => SparseOptimizer::Adam {
                 lr: c.learning_rate,
                 beta1: c.beta1,
@@ -58,7 +78,13 @@ impl SparseOptimizer {
     /// chosen so that the proximal step reproduces `w` (the random init is kept).
     pub fn init_state(&self, w: &[f32], state: &mut [f32]) {
         state.fill(0.0);
-        if let SparseOptimizer::Ftrl { alpha, beta, l1, l2 } = *self {
+        if let SparseOptimizer::Ftrl {
+            alpha,
+            beta,
+            l1,
+            l2,
+        } = *self
+        {
             let denom = beta / alpha + l2;
             let (z, _n) = state.split_at_mut(w.len());
             for (z, &w) in z.iter_mut().zip(w) {
@@ -82,7 +108,12 @@ impl SparseOptimizer {
                     *w -= lr * g / (acc.sqrt() + eps);
                 }
             }
-            SparseOptimizer::Adam { lr, beta1, beta2, eps } => {
+            SparseOptimizer::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+            } => {
                 let dim = w.len();
                 let (m, rest) = state.split_at_mut(dim);
                 let (v, t) = rest.split_at_mut(dim);
@@ -98,7 +129,12 @@ impl SparseOptimizer {
                     w[i] -= lr * m_hat / (v_hat.sqrt() + eps);
                 }
             }
-            SparseOptimizer::Ftrl { alpha, beta, l1, l2 } => {
+            SparseOptimizer::Ftrl {
+                alpha,
+                beta,
+                l1,
+                l2,
+            } => {
                 let dim = w.len();
                 let (z, n) = state.split_at_mut(dim);
                 for i in 0..dim {

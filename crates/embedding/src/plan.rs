@@ -51,7 +51,11 @@ impl KeyPlan {
         for idx in &mut inverse {
             *idx = moved_to[*idx as usize];
         }
-        KeyPlan { unique, shard_offsets, inverse }
+        KeyPlan {
+            unique,
+            shard_offsets,
+            inverse,
+        }
     }
 
     pub fn num_unique(&self) -> usize {

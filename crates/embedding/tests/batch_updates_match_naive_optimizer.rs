@@ -2,6 +2,9 @@
 //! the table's batch path (dedup → lookup → summed gradient → one update per
 //! key) equals a naive per-key optimizer written straight from the formulas.
 
+// The reference is written index by index, as the formulas are.
+#![allow(clippy::needless_range_loop)]
+
 use std::collections::HashMap;
 
 use proptest::prelude::*;
@@ -21,14 +24,32 @@ struct NaiveRow {
 fn naive_new(opt: &SparseOptimizer, w0: &[f32]) -> NaiveRow {
     let w: Vec<f64> = w0.iter().map(|&x| f64::from(x)).collect();
     let mut s1 = vec![0.0; DIM];
-    if let SparseOptimizer::Ftrl { alpha, beta, l1, l2 } = *opt {
+    if let SparseOptimizer::Ftrl {
+        alpha,
+        beta,
+        l1,
+        l2,
+    } = *opt
+    {
         // z such that the FTRL closed form gives back w (see init_state).
         for i in 0..DIM {
-            let sign = if w[i] > 0.0 { 1.0 } else if w[i] < 0.0 { -1.0 } else { 0.0 };
-            s1[i] = -w[i] * (f64::from(beta) / f64::from(alpha) + f64::from(l2)) - sign * f64::from(l1);
+            let sign = if w[i] > 0.0 {
+                1.0
+            } else if w[i] < 0.0 {
+                -1.0
+            } else {
+                0.0
+            };
+            s1[i] =
+                -w[i] * (f64::from(beta) / f64::from(alpha) + f64::from(l2)) - sign * f64::from(l1);
         }
     }
-    NaiveRow { w, s1, s2: vec![0.0; DIM], t: 0.0 }
+    NaiveRow {
+        w,
+        s1,
+        s2: vec![0.0; DIM],
+        t: 0.0,
+    }
 }
 
 fn naive_apply(opt: &SparseOptimizer, r: &mut NaiveRow, g: &[f64]) {
@@ -44,7 +65,12 @@ fn naive_apply(opt: &SparseOptimizer, r: &mut NaiveRow, g: &[f64]) {
                 r.w[i] -= f64::from(lr) * g[i] / (r.s1[i].sqrt() + f64::from(eps));
             }
         }
-        SparseOptimizer::Adam { lr, beta1, beta2, eps } => {
+        SparseOptimizer::Adam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+        } => {
             let (b1, b2) = (f64::from(beta1), f64::from(beta2));
             r.t += 1.0;
             for i in 0..DIM {
@@ -55,15 +81,29 @@ fn naive_apply(opt: &SparseOptimizer, r: &mut NaiveRow, g: &[f64]) {
                 r.w[i] -= f64::from(lr) * m / (v.sqrt() + f64::from(eps));
             }
         }
-        SparseOptimizer::Ftrl { alpha, beta, l1, l2 } => {
-            let (a, b, l1, l2) = (f64::from(alpha), f64::from(beta), f64::from(l1), f64::from(l2));
+        SparseOptimizer::Ftrl {
+            alpha,
+            beta,
+            l1,
+            l2,
+        } => {
+            let (a, b, l1, l2) = (
+                f64::from(alpha),
+                f64::from(beta),
+                f64::from(l1),
+                f64::from(l2),
+            );
             for i in 0..DIM {
                 let n_new = r.s2[i] + g[i] * g[i];
                 let sigma = (n_new.sqrt() - r.s2[i].sqrt()) / a;
                 r.s1[i] += g[i] - sigma * r.w[i];
                 r.s2[i] = n_new;
                 let z = r.s1[i];
-                r.w[i] = if z.abs() <= l1 { 0.0 } else { -(z - z.signum() * l1) / ((b + n_new.sqrt()) / a + l2) };
+                r.w[i] = if z.abs() <= l1 {
+                    0.0
+                } else {
+                    -(z - z.signum() * l1) / ((b + n_new.sqrt()) / a + l2)
+                };
             }
         }
     }
@@ -73,9 +113,20 @@ fn optimizers() -> impl Strategy<Value = SparseOptimizer> {
     prop_oneof![
         (0.01f32..0.5).prop_map(|lr| SparseOptimizer::Sgd { lr }),
         (0.01f32..0.5).prop_map(|lr| SparseOptimizer::Adagrad { lr, eps: 1e-8 }),
-        (0.001f32..0.1).prop_map(|lr| SparseOptimizer::Adam { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8 }),
-        (0.05f32..0.5, 0.0f32..0.05, 0.0f32..0.1)
-            .prop_map(|(alpha, l1, l2)| SparseOptimizer::Ftrl { alpha, beta: 1.0, l1, l2 }),
+        (0.001f32..0.1).prop_map(|lr| SparseOptimizer::Adam {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8
+        }),
+        (0.05f32..0.5, 0.0f32..0.05, 0.0f32..0.1).prop_map(|(alpha, l1, l2)| {
+            SparseOptimizer::Ftrl {
+                alpha,
+                beta: 1.0,
+                l1,
+                l2,
+            }
+        }),
     ]
 }
 

@@ -20,6 +20,12 @@ pub enum ModelError {
     Candle(#[from] candle_core::Error),
     #[error("dense weights: parameter `{name}` is missing from the file")]
     MissingParam { name: String },
-    #[error("dense weights: parameter `{name}` has shape {found:?}, the model expects {expected:?}")]
-    ShapeMismatch { name: String, expected: Vec<usize>, found: Vec<usize> },
+    #[error(
+        "dense weights: parameter `{name}` has shape {found:?}, the model expects {expected:?}"
+    )]
+    ShapeMismatch {
+        name: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
 }

@@ -15,7 +15,11 @@ pub struct ParamStore {
 
 impl ParamStore {
     pub fn new(seed: u64, device: Device) -> Self {
-        ParamStore { vars: Vec::new(), rng: Rng::new(seed), device }
+        ParamStore {
+            vars: Vec::new(),
+            rng: Rng::new(seed),
+            device,
+        }
     }
 
     pub fn device(&self) -> &Device {
@@ -28,9 +32,16 @@ impl ParamStore {
 
     /// A parameter drawn from U(−bound, bound) (PyTorch's default for Linear
     /// uses bound = 1/√fan_in for both weight and bias).
-    pub fn uniform(&mut self, name: String, shape: &[usize], bound: f64) -> Result<Var, ModelError> {
+    pub fn uniform(
+        &mut self,
+        name: String,
+        shape: &[usize],
+        bound: f64,
+    ) -> Result<Var, ModelError> {
         let n: usize = shape.iter().product();
-        let data: Vec<f32> = (0..n).map(|_| self.rng.uniform(-bound, bound) as f32).collect();
+        let data: Vec<f32> = (0..n)
+            .map(|_| self.rng.uniform(-bound, bound) as f32)
+            .collect();
         let var = Var::from_tensor(&Tensor::from_vec(data, shape, &self.device)?)?;
         self.vars.push((name, var.clone()));
         Ok(var)
@@ -43,13 +54,18 @@ impl ParamStore {
     }
 
     pub fn to_map(&self) -> HashMap<String, Tensor> {
-        self.vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect()
+        self.vars
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect()
     }
 
     /// Sets every parameter from `tensors`; all must be present with their shape.
     pub fn load_map(&self, tensors: &HashMap<String, Tensor>) -> Result<(), ModelError> {
         for (name, var) in &self.vars {
-            let t = tensors.get(name).ok_or_else(|| ModelError::MissingParam { name: name.clone() })?;
+            let t = tensors
+                .get(name)
+                .ok_or_else(|| ModelError::MissingParam { name: name.clone() })?;
             if t.dims() != var.dims() {
                 return Err(ModelError::ShapeMismatch {
                     name: name.clone(),
@@ -74,7 +90,12 @@ pub struct Linear {
 }
 
 impl Linear {
-    pub fn new(ps: &mut ParamStore, name: &str, fan_in: usize, fan_out: usize) -> Result<Linear, ModelError> {
+    pub fn new(
+        ps: &mut ParamStore,
+        name: &str,
+        fan_in: usize,
+        fan_out: usize,
+    ) -> Result<Linear, ModelError> {
         let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
         Ok(Linear {
             w: ps.uniform(format!("{name}.weight"), &[fan_in, fan_out], bound)?,
@@ -83,7 +104,8 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
-        Ok(x.matmul(self.w.as_tensor())?.broadcast_add(self.b.as_tensor())?)
+        Ok(x.matmul(self.w.as_tensor())?
+            .broadcast_add(self.b.as_tensor())?)
     }
 }
 
@@ -94,7 +116,13 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    pub fn new(ps: &mut ParamStore, name: &str, input: usize, sizes: &[usize], relu_last: bool) -> Result<Mlp, ModelError> {
+    pub fn new(
+        ps: &mut ParamStore,
+        name: &str,
+        input: usize,
+        sizes: &[usize],
+        relu_last: bool,
+    ) -> Result<Mlp, ModelError> {
         let mut layers = Vec::with_capacity(sizes.len());
         let mut fan_in = input;
         for (i, &out) in sizes.iter().enumerate() {

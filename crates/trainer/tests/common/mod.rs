@@ -1,0 +1,32 @@
+#![allow(dead_code)]
+//! Shared fixtures: a small generated data set and a small config.
+
+use std::path::Path;
+
+use sparrow_core::Config;
+
+pub fn small_data(dir: &Path, train_rows: u64, test_rows: u64) {
+    sparrow_data::synth::generate(dir, train_rows, test_rows, 5).expect("generate");
+}
+
+pub fn small_config(dir: &Path, kind: &str) -> Config {
+    let d = dir.display();
+    let text = format!(
+        r#"
+        [data]
+        train = "{d}/train.tsv"
+        test = "{d}/test.tsv"
+        [model]
+        kind = "{kind}"
+        embedding_dim = 4
+        hidden = [16, 8]
+        bottom_hidden = [8]
+        [train]
+        batch_size = 128
+        threads = 2
+        seed = 3
+        log_interval_steps = 5
+        "#
+    );
+    Config::from_toml_with_overrides(&text, "test", &[]).expect("config")
+}

@@ -1,0 +1,139 @@
+//! Truncated, corrupted or mismatched checkpoints give a clear error, never a
+//! silently wrong model.
+
+mod common;
+
+use std::fs::OpenOptions;
+use std::io::{Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use sparrow_trainer::checkpoint::{load_trainer, resolve};
+use sparrow_trainer::{evaluate_checkpoint, train};
+
+fn trained_checkpoint(tmp: &Path) -> (PathBuf, PathBuf) {
+    let data = tmp.join("data");
+    common::small_data(&data, 1500, 300);
+    let mut c = common::small_config(&data, "dlrm");
+    let ck = tmp.join("ck");
+    c.checkpoint.dir = Some(ck.display().to_string());
+    train(&c, true).expect("train");
+    (data, ck)
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).expect("mkdir");
+    for e in std::fs::read_dir(from).expect("read_dir") {
+        let e = e.expect("entry");
+        std::fs::copy(e.path(), to.join(e.file_name())).expect("copy");
+    }
+}
+
+fn load_err(dir: &Path) -> String {
+    match load_trainer(dir, &[]) {
+        Ok(_) => panic!("{} loaded although damaged", dir.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn damage_and_mismatch_are_reported() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let (data, ck) = trained_checkpoint(tmp.path());
+    let version = resolve(&ck).expect("resolve");
+    assert!(load_trainer(&ck, &[]).is_ok());
+    let eval = evaluate_checkpoint(&ck, &data.join("test.tsv"), &[], Some(1)).expect("eval");
+    assert_eq!(eval.rows, 300);
+    assert!(eval.auc > 0.5);
+
+    // Truncated embeddings file.
+    let cut = tmp.path().join("cut");
+    copy_dir(&version, &cut);
+    let f = OpenOptions::new()
+        .write(true)
+        .open(cut.join("embeddings.bin"))
+        .expect("open");
+    let len = f.metadata().expect("meta").len();
+    f.set_len(len - 7).expect("truncate");
+    let msg = load_err(&cut);
+    assert!(
+        msg.contains("embeddings.bin") && msg.contains("truncated"),
+        "{msg}"
+    );
+
+    // One flipped byte in the dense weights.
+    let flipped = tmp.path().join("flipped");
+    copy_dir(&version, &flipped);
+    let mut f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(flipped.join("dense.safetensors"))
+        .expect("open");
+    let at = f.metadata().expect("meta").len() - 5;
+    f.seek(SeekFrom::Start(at)).expect("seek");
+    f.write_all(&[0x5a]).expect("write");
+    drop(f);
+    let msg = load_err(&flipped);
+    assert!(
+        msg.contains("dense.safetensors") && msg.contains("checksum"),
+        "{msg}"
+    );
+
+    // One flipped byte in an embedding row.
+    let flipped_rows = tmp.path().join("flipped-rows");
+    copy_dir(&version, &flipped_rows);
+    let mut f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(flipped_rows.join("embeddings.bin"))
+        .expect("open");
+    f.seek(SeekFrom::Start(100)).expect("seek");
+    f.write_all(&[0xff, 0x00]).expect("write");
+    drop(f);
+    let msg = load_err(&flipped_rows);
+    assert!(msg.contains("checksum"), "{msg}");
+
+    // Truncated manifest.
+    let half = tmp.path().join("half-manifest");
+    copy_dir(&version, &half);
+    let text = std::fs::read(half.join("manifest.json")).expect("read");
+    std::fs::write(half.join("manifest.json"), &text[..text.len() / 2]).expect("write");
+    let msg = load_err(&half);
+    assert!(
+        msg.contains("manifest") && msg.contains("corrupt or truncated"),
+        "{msg}"
+    );
+
+    // Not a checkpoint at all.
+    let msg = load_err(&data);
+    assert!(msg.contains("not a checkpoint"), "{msg}");
+
+    // A checkpoint of another model kind cannot be resumed by this config.
+    let mut other = common::small_config(&data, "mlp");
+    other.checkpoint.resume_from = Some(ck.display().to_string());
+    let err = train(&other, true).expect_err("kind mismatch");
+    let msg = err.to_string();
+    assert!(msg.contains("`dlrm`") && msg.contains("`mlp`"), "{msg}");
+}
+
+#[test]
+fn keeps_the_newest_versions_and_latest_points_at_a_complete_one() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let data = tmp.path().join("data");
+    common::small_data(&data, 1500, 100);
+    let mut c = common::small_config(&data, "fm");
+    let ck = tmp.path().join("ck");
+    c.checkpoint.dir = Some(ck.display().to_string());
+    c.checkpoint.every_steps = Some(3);
+    c.checkpoint.keep = 2;
+    let s = train(&c, true).expect("train");
+    let mut versions: Vec<String> = std::fs::read_dir(&ck)
+        .expect("read")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().to_string())
+        .filter(|n| n.starts_with("ckpt-"))
+        .collect();
+    versions.sort();
+    assert_eq!(versions.len(), 2, "{versions:?}");
+    let latest = std::fs::read_to_string(ck.join("LATEST")).expect("LATEST");
+    assert_eq!(latest.trim(), format!("ckpt-{:012}", s.steps));
+    assert_eq!(versions.last().map(String::as_str), Some(latest.trim()));
+}
