@@ -116,68 +116,31 @@ fn print_json(value: &impl serde::Serialize) -> anyhow::Result<()> {
 }
 
 fn load_config(path: &Path, set: &[String]) -> anyhow::Result<Config> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading config {}", path.display()))?;
-    Ok(Config::from_toml_with_overrides(
-        &text,
-        &path.display().to_string(),
-        set,
-    )?)
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
+    Ok(Config::from_toml_with_overrides(&text, &path.display().to_string(), set)?)
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Gen {
-            out,
-            train_rows,
-            test_rows,
-            seed,
-        } => {
+        Command::Gen { out, train_rows, test_rows, seed } => {
             let truth = sparrow_data::synth::generate(&out, train_rows, test_rows, seed)?;
             print_json(&truth)
         }
-        Command::Train {
-            config,
-            mut set,
-            resume,
-            quiet,
-        } => {
+        Command::Train { config, mut set, resume, quiet } => {
             if let Some(r) = resume {
-                set.push(format!(
-                    "checkpoint.resume_from={:?}",
-                    r.display().to_string()
-                ));
+                set.push(format!("checkpoint.resume_from={:?}", r.display().to_string()));
             }
             let config = load_config(&config, &set)?;
             print_json(&sparrow_trainer::train(&config, quiet)?)
         }
-        Command::Eval {
-            checkpoint,
-            data,
-            set,
-        } => print_json(&sparrow_trainer::evaluate_checkpoint(
-            &checkpoint,
-            &data,
-            &set,
-            None,
-        )?),
-        Command::Predict {
-            checkpoint,
-            data,
-            out,
-            set,
-        } => {
+        Command::Eval { checkpoint, data, set } => {
+            print_json(&sparrow_trainer::evaluate_checkpoint(&checkpoint, &data, &set, None)?)
+        }
+        Command::Predict { checkpoint, data, out, set } => {
             let summary = sparrow_trainer::predict_checkpoint(&checkpoint, &data, &out, &set)?;
             print_json(&summary)
         }
-        Command::Bench {
-            dims,
-            table_rows,
-            batches,
-            threads,
-            train_steps,
-            gather_limit,
-        } => {
+        Command::Bench { dims, table_rows, batches, threads, train_steps, gather_limit } => {
             let options = sparrow_trainer::bench::BenchOptions {
                 dims,
                 table_rows,
@@ -189,22 +152,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             };
             print_json(&sparrow_trainer::bench::run(&options)?)
         }
-        Command::Demo {
-            dir,
-            train_rows,
-            test_rows,
-            mut set,
-        } => {
+        Command::Demo { dir, train_rows, test_rows, mut set } => {
             let truth = dir.join("truth.json");
             let have = std::fs::read_to_string(&truth)
                 .ok()
                 .and_then(|t| serde_json::from_str::<sparrow_data::synth::Truth>(&t).ok())
                 .is_some_and(|t| t.train_rows == train_rows && t.test_rows == test_rows);
             if !have {
-                eprintln!(
-                    "generating {train_rows} train and {test_rows} test rows in {}",
-                    dir.display()
-                );
+                eprintln!("generating {train_rows} train and {test_rows} test rows in {}", dir.display());
                 sparrow_data::synth::generate(&dir, train_rows, test_rows, 1)?;
             }
             let d = dir.display().to_string();
@@ -215,8 +170,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 format!("checkpoint.dir={:?}", format!("{d}/checkpoint")),
             ];
             overrides.append(&mut set);
-            let config =
-                Config::from_toml_with_overrides(DEMO_CONFIG, "configs/dlrm.toml", &overrides)?;
+            let config = Config::from_toml_with_overrides(DEMO_CONFIG, "configs/dlrm.toml", &overrides)?;
             print_json(&sparrow_trainer::train(&config, false)?)
         }
     }

@@ -5,34 +5,21 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 fn sparrow(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_sparrow"))
-        .args(args)
-        .output()
-        .expect("run sparrow")
+    Command::new(env!("CARGO_BIN_EXE_sparrow")).args(args).output().expect("run sparrow")
 }
 
 fn last_json(out: &Output) -> serde_json::Value {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let last = stdout.lines().last().unwrap_or_default();
-    serde_json::from_str(last)
-        .unwrap_or_else(|e| panic!("last stdout line is not JSON ({e}): {stdout}"))
+    serde_json::from_str(last).unwrap_or_else(|e| panic!("last stdout line is not JSON ({e}): {stdout}"))
 }
 
 fn ok(out: &Output) {
-    assert!(
-        out.status.success(),
-        "exit {:?}\nstderr: {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "exit {:?}\nstderr: {}", out.status, String::from_utf8_lossy(&out.stderr));
 }
 
 fn fails_with(out: &Output, needles: &[&str]) {
-    assert!(
-        !out.status.success(),
-        "expected failure, stdout: {}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    assert!(!out.status.success(), "expected failure, stdout: {}", String::from_utf8_lossy(&out.stdout));
     let err = String::from_utf8_lossy(&out.stderr);
     for n in needles {
         assert!(err.contains(n), "stderr lacks `{n}`: {err}");
@@ -92,8 +79,7 @@ fn gen_train_eval_predict() {
     ]);
     ok(&out);
     let truth: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(data.join("truth.json")).expect("truth"))
-            .expect("json");
+        serde_json::from_slice(&std::fs::read(data.join("truth.json")).expect("truth")).expect("json");
     let bayes = truth["bayes_auc"].as_f64().expect("bayes_auc");
     assert!(bayes > 0.75 && bayes < 0.95, "bayes_auc {bayes}");
     assert!(truth["bayes_logloss"].as_f64().is_some());
@@ -123,23 +109,14 @@ fn gen_train_eval_predict() {
         "embedding_rows",
         "bad_rows",
     ] {
-        assert!(
-            summary.get(key).is_some_and(|v| !v.is_null()),
-            "summary lacks {key}: {summary}"
-        );
+        assert!(summary.get(key).is_some_and(|v| !v.is_null()), "summary lacks {key}: {summary}");
     }
     assert_eq!(summary["train_rows"], 20000);
     assert_eq!(summary["bad_rows"], 0);
     let auc = summary["test_auc"].as_f64().expect("auc");
-    assert!(
-        auc > 0.6 && auc <= bayes + 0.01,
-        "test_auc {auc} vs bayes {bayes}"
-    );
+    assert!(auc > 0.6 && auc <= bayes + 0.01, "test_auc {auc} vs bayes {bayes}");
     let metrics = std::fs::read_to_string(tmp.path().join("metrics.jsonl")).expect("metrics");
-    assert!(
-        metrics.lines().count() >= 10,
-        "per-interval metrics: {metrics}"
-    );
+    assert!(metrics.lines().count() >= 10, "per-interval metrics: {metrics}");
     for line in metrics.lines() {
         serde_json::from_str::<serde_json::Value>(line).expect("JSON line");
     }
@@ -150,28 +127,14 @@ fn gen_train_eval_predict() {
     ok(&out);
     let eval = last_json(&out);
     assert_eq!(eval["rows"], 4000);
-    assert!(
-        (eval["auc"].as_f64().expect("auc") - auc).abs() < 1e-9,
-        "eval reproduces the training run's test AUC"
-    );
+    assert!((eval["auc"].as_f64().expect("auc") - auc).abs() < 1e-9, "eval reproduces the training run's test AUC");
     assert!(eval["logloss"].as_f64().is_some());
 
     let pred = tmp.path().join("pred.txt");
-    let out = sparrow(&[
-        "predict",
-        "--checkpoint",
-        &ck,
-        "--data",
-        &test,
-        "--out",
-        &pred.display().to_string(),
-    ]);
+    let out = sparrow(&["predict", "--checkpoint", &ck, "--data", &test, "--out", &pred.display().to_string()]);
     ok(&out);
-    let probs: Vec<f64> = std::fs::read_to_string(&pred)
-        .expect("pred")
-        .lines()
-        .map(|l| l.parse().expect("number"))
-        .collect();
+    let probs: Vec<f64> =
+        std::fs::read_to_string(&pred).expect("pred").lines().map(|l| l.parse().expect("number")).collect();
     assert_eq!(probs.len(), 4000);
     assert!(probs.iter().all(|p| *p > 0.0 && *p < 1.0));
 }
@@ -180,55 +143,17 @@ fn gen_train_eval_predict() {
 fn bad_config_and_inputs_fail_clearly() {
     let tmp = tempfile::tempdir().expect("tmp");
     let data = tmp.path().join("data");
-    ok(&sparrow(&[
-        "gen",
-        "--out",
-        &data.display().to_string(),
-        "--train-rows",
-        "600",
-        "--test-rows",
-        "100",
-    ]));
+    ok(&sparrow(&["gen", "--out", &data.display().to_string(), "--train-rows", "600", "--test-rows", "100"]));
 
     let config = write_config(tmp.path(), "job.toml", "");
-    fails_with(
-        &sparrow(&["train", "--config", &config, "--set", "train.bach_size=3"]),
-        &["bach_size"],
-    );
-    fails_with(
-        &sparrow(&[
-            "train",
-            "--config",
-            &config,
-            "--set",
-            "train.batch_size=\"big\"",
-        ]),
-        &["batch_size"],
-    );
-    fails_with(
-        &sparrow(&[
-            "train",
-            "--config",
-            &config,
-            "--set",
-            "model.kind=transformer",
-        ]),
-        &["transformer"],
-    );
+    fails_with(&sparrow(&["train", "--config", &config, "--set", "train.bach_size=3"]), &["bach_size"]);
+    fails_with(&sparrow(&["train", "--config", &config, "--set", "train.batch_size=\"big\""]), &["batch_size"]);
+    fails_with(&sparrow(&["train", "--config", &config, "--set", "model.kind=transformer"]), &["transformer"]);
     let unknown_key = write_config(tmp.path(), "unknown.toml", "[extra]\nfoo = 1\n");
     fails_with(&sparrow(&["train", "--config", &unknown_key]), &["extra"]);
+    fails_with(&sparrow(&["train", "--config", "/nonexistent/job.toml"]), &["/nonexistent/job.toml"]);
     fails_with(
-        &sparrow(&["train", "--config", "/nonexistent/job.toml"]),
-        &["/nonexistent/job.toml"],
-    );
-    fails_with(
-        &sparrow(&[
-            "train",
-            "--config",
-            &config,
-            "--set",
-            "data.train=\"/nonexistent/train.tsv\"",
-        ]),
+        &sparrow(&["train", "--config", &config, "--set", "data.train=\"/nonexistent/train.tsv\""]),
         &["/nonexistent/train.tsv"],
     );
 
@@ -238,43 +163,15 @@ fn bad_config_and_inputs_fail_clearly() {
     text.push_str("1\tnot-a-number\n2\t3\n");
     std::fs::write(&bad, text).expect("write");
     let bad_s = format!("data.train={:?}", bad.display().to_string());
-    let out = sparrow(&[
-        "train",
-        "--config",
-        &config,
-        "--set",
-        &bad_s,
-        "--set",
-        "data.max_bad_rows=5",
-    ]);
+    let out = sparrow(&["train", "--config", &config, "--set", &bad_s, "--set", "data.max_bad_rows=5"]);
     ok(&out);
     assert_eq!(last_json(&out)["bad_rows"], 2);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.contains("bad.tsv:601") && stderr.contains("bad.tsv:602"),
-        "{stderr}"
-    );
-    let out = sparrow(&[
-        "train",
-        "--config",
-        &config,
-        "--set",
-        &bad_s,
-        "--set",
-        "data.max_bad_rows=1",
-    ]);
+    assert!(stderr.contains("bad.tsv:601") && stderr.contains("bad.tsv:602"), "{stderr}");
+    let out = sparrow(&["train", "--config", &config, "--set", &bad_s, "--set", "data.max_bad_rows=1"]);
     fails_with(&out, &["bad.tsv", "max_bad_rows", "saved"]);
     // What was trained before the error is kept, and evaluates.
     let ck = tmp.path().join("ck").display().to_string();
-    ok(&sparrow(&[
-        "eval",
-        "--checkpoint",
-        &ck,
-        "--data",
-        &data.join("test.tsv").display().to_string(),
-    ]));
-    fails_with(
-        &sparrow(&["eval", "--checkpoint", "/nonexistent/ck", "--data", "x"]),
-        &["/nonexistent/ck"],
-    );
+    ok(&sparrow(&["eval", "--checkpoint", &ck, "--data", &data.join("test.tsv").display().to_string()]));
+    fails_with(&sparrow(&["eval", "--checkpoint", "/nonexistent/ck", "--data", "x"]), &["/nonexistent/ck"]);
 }

@@ -97,12 +97,7 @@ impl BatchBuilder {
     /// order via [`push_key`](Self::push_key) (fields may be skipped: empty bags).
     pub fn begin_row(&mut self) {
         let b = &self.batch;
-        self.row_start = (
-            b.labels.len(),
-            b.dense.len(),
-            b.keys.len(),
-            b.bag_offsets.len(),
-        );
+        self.row_start = (b.labels.len(), b.dense.len(), b.keys.len(), b.bag_offsets.len());
         self.current_field = 0;
     }
 

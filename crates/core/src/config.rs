@@ -7,10 +7,7 @@ use serde::{Deserialize, Serialize};
 #[non_exhaustive]
 pub enum ConfigError {
     #[error("config {source_name}: {message}")]
-    Parse {
-        source_name: String,
-        message: String,
-    },
+    Parse { source_name: String, message: String },
     #[error("--set {assignment:?}: expected KEY=VALUE, e.g. embedding.learning_rate=0.1")]
     BadAssignment { assignment: String },
     #[error("--set {key}: `{segment}` is a value, not a table")]
@@ -223,10 +220,7 @@ pub struct InitConfig {
 
 impl Default for InitConfig {
     fn default() -> Self {
-        InitConfig {
-            kind: InitKind::Uniform,
-            scale: 0.01,
-        }
+        InitConfig { kind: InitKind::Uniform, scale: 0.01 }
     }
 }
 
@@ -312,12 +306,7 @@ pub struct CheckpointConfig {
 
 impl Default for CheckpointConfig {
     fn default() -> Self {
-        CheckpointConfig {
-            dir: None,
-            every_steps: None,
-            keep: 2,
-            resume_from: None,
-        }
+        CheckpointConfig { dir: None, every_steps: None, keep: 2, resume_from: None }
     }
 }
 
@@ -328,31 +317,22 @@ impl Config {
         source_name: &str,
         overrides: &[String],
     ) -> Result<Config, ConfigError> {
-        let mut table: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Parse {
-            source_name: source_name.to_string(),
-            message: e.to_string(),
-        })?;
+        let mut table: toml::Table = toml::from_str(text)
+            .map_err(|e| ConfigError::Parse { source_name: source_name.to_string(), message: e.to_string() })?;
         for assignment in overrides {
             apply_override(&mut table, assignment)?;
         }
-        let config: Config =
-            toml::Value::Table(table)
-                .try_into()
-                .map_err(|e: toml::de::Error| ConfigError::Parse {
-                    source_name: source_name.to_string(),
-                    message: e.to_string(),
-                })?;
+        let config: Config = toml::Value::Table(table).try_into().map_err(|e: toml::de::Error| ConfigError::Parse {
+            source_name: source_name.to_string(),
+            message: e.to_string(),
+        })?;
         config.validate()?;
         Ok(config)
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let invalid = |key: &str, message: &str| {
-            Err(ConfigError::Invalid {
-                key: key.to_string(),
-                message: message.to_string(),
-            })
-        };
+        let invalid =
+            |key: &str, message: &str| Err(ConfigError::Invalid { key: key.to_string(), message: message.to_string() });
         if self.train.batch_size == 0 {
             return invalid("train.batch_size", "must be at least 1");
         }
@@ -396,9 +376,7 @@ impl Config {
 
 /// `a.b.c=value`: the value is read as TOML; a bare word is taken as a string.
 fn apply_override(table: &mut toml::Table, assignment: &str) -> Result<(), ConfigError> {
-    let bad = || ConfigError::BadAssignment {
-        assignment: assignment.to_string(),
-    };
+    let bad = || ConfigError::BadAssignment { assignment: assignment.to_string() };
     let (key, raw) = assignment.split_once('=').ok_or_else(bad)?;
     let key = key.trim();
     if key.is_empty() || key.split('.').any(str::is_empty) {
@@ -413,16 +391,11 @@ fn apply_override(table: &mut toml::Table, assignment: &str) -> Result<(), Confi
     let (last, parents) = segments.split_last().ok_or_else(bad)?;
     let mut node = table;
     for segment in parents {
-        let entry = node
-            .entry((*segment).to_string())
-            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        let entry = node.entry((*segment).to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
         node = match entry {
             toml::Value::Table(t) => t,
             _ => {
-                return Err(ConfigError::NotATable {
-                    key: key.to_string(),
-                    segment: (*segment).to_string(),
-                });
+                return Err(ConfigError::NotATable { key: key.to_string(), segment: (*segment).to_string() });
             }
         };
     }
@@ -476,15 +449,8 @@ mod tests {
 
     #[test]
     fn overrides_numbers_and_bare_words() {
-        let c = parse(
-            "",
-            &[
-                "embedding.learning_rate=0.1",
-                "embedding.optimizer=adam",
-                "model.hidden=[8]",
-            ],
-        )
-        .expect("parses");
+        let c = parse("", &["embedding.learning_rate=0.1", "embedding.optimizer=adam", "model.hidden=[8]"])
+            .expect("parses");
         assert_eq!(c.embedding.learning_rate, 0.1);
         assert_eq!(c.embedding.optimizer, SparseOptimizerKind::Adam);
         assert_eq!(c.model.hidden, vec![8]);
@@ -502,10 +468,7 @@ mod tests {
     fn wrong_type_is_reported() {
         let err = parse("[train]\nbatch_size = \"big\"\n", &[]).expect_err("wrong type");
         let msg = err.to_string();
-        assert!(
-            msg.contains("batch_size") || msg.contains("invalid type"),
-            "{msg}"
-        );
+        assert!(msg.contains("batch_size") || msg.contains("invalid type"), "{msg}");
         assert!(parse("", &["nokey"]).is_err());
         assert!(parse("", &["train.batch_size=0"]).is_err());
     }

@@ -4,11 +4,7 @@
 /// count half, as the Mann–Whitney statistic with average ranks does. NaN when
 /// one class is absent.
 pub fn auc(scores: &[f32], labels: &[f32]) -> f64 {
-    assert_eq!(
-        scores.len(),
-        labels.len(),
-        "scores and labels differ in length"
-    );
+    assert_eq!(scores.len(), labels.len(), "scores and labels differ in length");
     let mut order: Vec<u32> = (0..scores.len() as u32).collect();
     order.sort_unstable_by(|&a, &b| scores[a as usize].total_cmp(&scores[b as usize]));
     let (mut pos, mut rank_sum) = (0f64, 0f64);
@@ -45,11 +41,7 @@ pub fn log_loss_from_logits(logits: &[f32], labels: &[f32]) -> f64 {
     if logits.is_empty() {
         return f64::NAN;
     }
-    let s: f64 = logits
-        .iter()
-        .zip(labels)
-        .map(|(&x, &y)| logistic_loss(f64::from(x), f64::from(y)))
-        .sum();
+    let s: f64 = logits.iter().zip(labels).map(|(&x, &y)| logistic_loss(f64::from(x), f64::from(y))).sum();
     s / logits.len() as f64
 }
 

@@ -31,10 +31,8 @@ pub struct ParquetSource {
 
 fn open_rows(path: &Path) -> Result<(RowIter<'static>, Vec<String>), DataError> {
     let file = File::open(path).map_err(|e| DataError::io(path, e))?;
-    let reader = SerializedFileReader::new(file).map_err(|e| DataError::Parquet {
-        path: path.to_path_buf(),
-        message: e.to_string(),
-    })?;
+    let reader = SerializedFileReader::new(file)
+        .map_err(|e| DataError::Parquet { path: path.to_path_buf(), message: e.to_string() })?;
     let names = reader
         .metadata()
         .file_metadata()
@@ -48,33 +46,18 @@ fn open_rows(path: &Path) -> Result<(RowIter<'static>, Vec<String>), DataError> 
 }
 
 impl ParquetSource {
-    pub fn open(
-        path: &Path,
-        config: &DataConfig,
-        bad: BadRows,
-    ) -> Result<ParquetSource, DataError> {
+    pub fn open(path: &Path, config: &DataConfig, bad: BadRows) -> Result<ParquetSource, DataError> {
         let schema = config.schema.clone().unwrap_or_default();
         let (rows, names) = open_rows(path)?;
         let find = |name: &str| {
-            names
-                .iter()
-                .position(|n| n == name)
-                .ok_or_else(|| DataError::Schema {
-                    path: path.to_path_buf(),
-                    message: format!("column `{name}` is not in the file ({})", names.join(",")),
-                })
+            names.iter().position(|n| n == name).ok_or_else(|| DataError::Schema {
+                path: path.to_path_buf(),
+                message: format!("column `{name}` is not in the file ({})", names.join(",")),
+            })
         };
         let label = find(&schema.label)?;
-        let dense = schema
-            .dense
-            .iter()
-            .map(|n| Ok((find(n)?, n.clone())))
-            .collect::<Result<_, DataError>>()?;
-        let sparse = schema
-            .sparse
-            .iter()
-            .map(|n| find(n))
-            .collect::<Result<_, DataError>>()?;
+        let dense = schema.dense.iter().map(|n| Ok((find(n)?, n.clone()))).collect::<Result<_, DataError>>()?;
+        let sparse = schema.sparse.iter().map(|n| find(n)).collect::<Result<_, DataError>>()?;
         Ok(ParquetSource {
             path: path.to_path_buf(),
             rows,
@@ -89,9 +72,7 @@ impl ParquetSource {
 
     fn parse_row(&self, row: &Row, out: &mut BatchBuilder) -> Result<f32, String> {
         let cols: Vec<&Field> = row.get_column_iter().map(|(_, f)| f).collect();
-        let label_field = cols
-            .get(self.label)
-            .ok_or("row is shorter than the schema")?;
+        let label_field = cols.get(self.label).ok_or("row is shorter than the schema")?;
         let label = match label_field {
             Field::Str(s) => parse_label(s.as_bytes())?,
             other => match number(other) {
@@ -104,12 +85,10 @@ impl ParquetSource {
             let f = cols.get(*col).ok_or("row is shorter than the schema")?;
             let v = match f {
                 Field::Null => 0.0,
-                Field::Str(s) => s
-                    .trim()
-                    .parse::<f64>()
-                    .map_err(|_| format!("column {name}: `{s}` is not a number"))?,
-                other => number(other)
-                    .ok_or_else(|| format!("column {name}: `{other}` is not a number"))?,
+                Field::Str(s) => {
+                    s.trim().parse::<f64>().map_err(|_| format!("column {name}: `{s}` is not a number"))?
+                }
+                other => number(other).ok_or_else(|| format!("column {name}: `{other}` is not a number"))?,
             };
             if !v.is_finite() {
                 return Err(format!("column {name}: value is not finite"));
@@ -176,10 +155,7 @@ impl BatchSource for ParquetSource {
             match self.rows.next() {
                 None => break,
                 Some(Err(e)) => {
-                    return Err(DataError::Parquet {
-                        path: self.path.clone(),
-                        message: e.to_string(),
-                    });
+                    return Err(DataError::Parquet { path: self.path.clone(), message: e.to_string() });
                 }
                 Some(Ok(_)) => self.next_row += 1,
             }
@@ -188,46 +164,28 @@ impl BatchSource for ParquetSource {
     }
 
     fn next_batch(&mut self, batch_size: usize, epoch: u64) -> Result<Option<Batch>, DataError> {
-        let mut b = BatchBuilder::new(
-            self.layout.num_fields,
-            self.layout.num_dense,
-            false,
-            batch_size,
-        );
+        let mut b = BatchBuilder::new(self.layout.num_fields, self.layout.num_dense, false, batch_size);
         while b.rows() < batch_size {
             let row = match self.rows.next() {
                 None => break,
                 Some(Err(e)) => {
-                    return Err(DataError::Parquet {
-                        path: self.path.clone(),
-                        message: e.to_string(),
-                    });
+                    return Err(DataError::Parquet { path: self.path.clone(), message: e.to_string() });
                 }
                 Some(Ok(row)) => row,
             };
             self.next_row += 1;
             b.begin_row();
-            let ok = self.parse_row(&row, &mut b).and_then(|label| {
-                b.end_row(label)
-                    .then_some(())
-                    .ok_or_else(|| "wrong number of dense values".into())
-            });
+            let ok = self
+                .parse_row(&row, &mut b)
+                .and_then(|label| b.end_row(label).then_some(()).ok_or_else(|| "wrong number of dense values".into()));
             if let Err(reason) = ok {
                 b.rollback_row();
-                self.bad.record(
-                    &self.path,
-                    self.next_row,
-                    format!("row {}: {reason}", self.next_row),
-                )?;
+                self.bad.record(&self.path, self.next_row, format!("row {}: {reason}", self.next_row))?;
             }
         }
         if b.rows() == 0 {
             return Ok(None);
         }
-        Ok(Some(b.finish(DataPosition {
-            epoch,
-            offset: self.next_row,
-            line: self.next_row + 1,
-        })))
+        Ok(Some(b.finish(DataPosition { epoch, offset: self.next_row, line: self.next_row + 1 })))
     }
 }

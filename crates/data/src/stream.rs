@@ -26,11 +26,7 @@ pub trait BatchSource: Send {
 }
 
 /// Opens `path` as the configured format. A missing file fails here, at once.
-pub fn open_source(
-    path: &Path,
-    config: &DataConfig,
-    bad: BadRows,
-) -> Result<Box<dyn BatchSource>, DataError> {
+pub fn open_source(path: &Path, config: &DataConfig, bad: BadRows) -> Result<Box<dyn BatchSource>, DataError> {
     Ok(match config.format {
         DataFormat::Parquet => Box::new(ParquetSource::open(path, config, bad)?),
         _ => Box::new(TextSource::open(path, config, bad)?),
@@ -63,15 +59,7 @@ impl BatchStream {
             .name("sparrow-reader".into())
             .spawn(move || {
                 for epoch in start.epoch..epochs {
-                    let pos = if epoch == start.epoch {
-                        start
-                    } else {
-                        DataPosition {
-                            epoch,
-                            offset: 0,
-                            line: 1,
-                        }
-                    };
+                    let pos = if epoch == start.epoch { start } else { DataPosition { epoch, offset: 0, line: 1 } };
                     if let Err(e) = source.seek(pos) {
                         let _ = tx.send(Err(e));
                         return;
@@ -96,12 +84,7 @@ impl BatchStream {
                 }
             })
             .map_err(|e| DataError::io(path, e))?;
-        Ok(BatchStream {
-            rx: Some(rx),
-            stop,
-            handle: Some(handle),
-            layout,
-        })
+        Ok(BatchStream { rx: Some(rx), stop, handle: Some(handle), layout })
     }
 }
 

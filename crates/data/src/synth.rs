@@ -56,8 +56,7 @@ impl Alias {
         let mut scaled: Vec<f64> = w.iter().map(|x| x * n as f64 / total).collect();
         let mut prob = vec![1.0f32; n];
         let mut alias: Vec<u32> = (0..n as u32).collect();
-        let (mut small, mut large): (Vec<usize>, Vec<usize>) =
-            (0..n).partition(|&i| scaled[i] < 1.0);
+        let (mut small, mut large): (Vec<usize>, Vec<usize>) = (0..n).partition(|&i| scaled[i] < 1.0);
         while let (Some(s), Some(&l)) = (small.pop(), large.last()) {
             prob[s] = scaled[s] as f32;
             alias[s] = l as u32;
@@ -73,11 +72,7 @@ impl Alias {
     #[inline]
     pub fn draw(&self, rng: &mut Rng) -> usize {
         let i = rng.below(self.prob.len() as u64) as usize;
-        if (rng.next_f64() as f32) < self.prob[i] {
-            i
-        } else {
-            self.alias[i] as usize
-        }
+        if (rng.next_f64() as f32) < self.prob[i] { i } else { self.alias[i] as usize }
     }
 }
 
@@ -112,9 +107,7 @@ impl World {
         let mut vocab: Vec<usize> = (0..CRITEO_SPARSE)
             .map(|f| {
                 let t = f as f64 / (CRITEO_SPARSE - 1) as f64;
-                (MIN_VOCAB.ln() + t * (MAX_VOCAB.ln() - MIN_VOCAB.ln()))
-                    .exp()
-                    .round() as usize
+                (MIN_VOCAB.ln() + t * (MAX_VOCAB.ln() - MIN_VOCAB.ln())).exp().round() as usize
             })
             .collect();
         for i in (1..vocab.len()).rev() {
@@ -128,19 +121,11 @@ impl World {
                 let mut prng = Rng::new(mix64(seed ^ ((f as u64 + 1) << 40)));
                 let params = (0..n * (1 + RANK))
                     .map(|i| {
-                        let sigma = if i % (1 + RANK) == 0 {
-                            SIGMA_ID
-                        } else {
-                            SIGMA_U
-                        };
+                        let sigma = if i % (1 + RANK) == 0 { SIGMA_ID } else { SIGMA_U };
                         (prng.normal() * sigma) as f32
                     })
                     .collect();
-                let missing_rate = if f % 4 == 1 {
-                    rng.uniform(0.05, 0.4)
-                } else {
-                    0.0
-                };
+                let missing_rate = if f % 4 == 1 { rng.uniform(0.05, 0.4) } else { 0.0 };
                 let mut missing_params = [0.0f32; 1 + RANK];
                 for p in &mut missing_params {
                     *p = (prng.normal() * 0.3) as f32;
@@ -169,21 +154,9 @@ impl World {
         for j in 0..CRITEO_DENSE {
             dense_mu[j] = rng.uniform(0.0, 4.0);
             dense_beta[j] = rng.normal() * 0.25;
-            dense_missing[j] = if j % 3 == 0 {
-                rng.uniform(0.0, 0.3)
-            } else {
-                0.0
-            };
+            dense_missing[j] = if j % 3 == 0 { rng.uniform(0.0, 0.3) } else { 0.0 };
         }
-        World {
-            seed,
-            fields,
-            pairs,
-            dense_mu,
-            dense_beta,
-            dense_missing,
-            bias: -1.5,
-        }
+        World { seed, fields, pairs, dense_mu, dense_beta, dense_missing, bias: -1.5 }
     }
 
     /// Appends one Criteo TSV row to `out`; returns the true click probability and the label.
@@ -196,9 +169,7 @@ impl World {
             if rng.next_f64() < self.dense_missing[j] {
                 continue;
             }
-            let x = ((self.dense_mu[j] + 1.2 * rng.normal()).exp() - 1.0)
-                .floor()
-                .max(0.0) as u64;
+            let x = ((self.dense_mu[j] + 1.2 * rng.normal()).exp() - 1.0).floor().max(0.0) as u64;
             dense_text[j] = Some(x);
             z[j] = (x as f64).ln_1p();
         }
@@ -220,11 +191,7 @@ impl World {
             logit += field.importance * f64::from(params[f][0]);
         }
         for &(a, b, c) in &self.pairs {
-            let dot: f32 = params[a][1..]
-                .iter()
-                .zip(&params[b][1..])
-                .map(|(x, y)| x * y)
-                .sum();
+            let dot: f32 = params[a][1..].iter().zip(&params[b][1..]).map(|(x, y)| x * y).sum();
             logit += c * f64::from(dot);
         }
         let p = sigmoid(logit);
@@ -249,12 +216,7 @@ impl World {
 }
 
 /// Writes `rows` rows to `path`; returns the true probabilities and labels.
-fn write_split(
-    world: &World,
-    path: &Path,
-    rows: u64,
-    stream: u64,
-) -> Result<(Vec<f64>, Vec<f32>), DataError> {
+fn write_split(world: &World, path: &Path, rows: u64, stream: u64) -> Result<(Vec<f64>, Vec<f32>), DataError> {
     let file = File::create(path).map_err(|e| DataError::io(path, e))?;
     let mut w = BufWriter::with_capacity(1 << 20, file);
     let chunks = rows.div_ceil(CHUNK_ROWS);
@@ -290,23 +252,14 @@ fn write_split(
 }
 
 /// Writes `dir/train.tsv`, `dir/test.tsv` and `dir/truth.json`.
-pub fn generate(
-    dir: &Path,
-    train_rows: u64,
-    test_rows: u64,
-    seed: u64,
-) -> Result<Truth, DataError> {
+pub fn generate(dir: &Path, train_rows: u64, test_rows: u64, seed: u64) -> Result<Truth, DataError> {
     std::fs::create_dir_all(dir).map_err(|e| DataError::io(dir, e))?;
     let world = World::new(seed);
     let (train_p, train_l) = write_split(&world, &dir.join("train.tsv"), train_rows, 1)?;
     let (test_p, test_l) = write_split(&world, &dir.join("test.tsv"), test_rows, 2)?;
     drop(train_p);
     let mean = |v: &[f32]| {
-        if v.is_empty() {
-            f64::NAN
-        } else {
-            v.iter().map(|&x| f64::from(x)).sum::<f64>() / v.len() as f64
-        }
+        if v.is_empty() { f64::NAN } else { v.iter().map(|&x| f64::from(x)).sum::<f64>() / v.len() as f64 }
     };
     let truth = Truth {
         generator: GENERATOR.into(),
@@ -317,16 +270,11 @@ pub fn generate(
         bayes_logloss: log_loss_from_probs(&test_p, &test_l),
         test_ctr: mean(&test_l),
         train_ctr: mean(&train_l),
-        vocab_sizes: world
-            .fields
-            .iter()
-            .map(|f| f.sampler.prob.len() as u64)
-            .collect(),
+        vocab_sizes: world.fields.iter().map(|f| f.sampler.prob.len() as u64).collect(),
         interaction_pairs: world.pairs.iter().map(|&(a, b, _)| (a, b)).collect(),
     };
     let path = dir.join("truth.json");
-    let json = serde_json::to_string_pretty(&truth)
-        .map_err(|e| DataError::io(&path, std::io::Error::other(e)))?;
+    let json = serde_json::to_string_pretty(&truth).map_err(|e| DataError::io(&path, std::io::Error::other(e)))?;
     std::fs::write(&path, json + "\n").map_err(|e| DataError::io(&path, e))?;
     Ok(truth)
 }

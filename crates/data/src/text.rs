@@ -24,10 +24,7 @@ pub fn parse_label(raw: &[u8]) -> Result<f32, String> {
     match raw {
         b"1" | b"+1" | b"1.0" => Ok(1.0),
         b"0" | b"-1" | b"0.0" | b"-1.0" => Ok(0.0),
-        _ => Err(format!(
-            "label `{}` is not 0/1 or -1/+1",
-            String::from_utf8_lossy(raw)
-        )),
+        _ => Err(format!("label `{}` is not 0/1 or -1/+1", String::from_utf8_lossy(raw))),
     }
 }
 
@@ -55,13 +52,10 @@ impl LineParser for CriteoParser {
             let v = if raw.is_empty() {
                 0.0
             } else {
-                ascii(raw)?.parse::<i64>().map_err(|_| {
-                    format!(
-                        "column I{}: `{}` is not an integer",
-                        i + 1,
-                        String::from_utf8_lossy(raw)
-                    )
-                })? as f64
+                ascii(raw)?
+                    .parse::<i64>()
+                    .map_err(|_| format!("column I{}: `{}` is not an integer", i + 1, String::from_utf8_lossy(raw)))?
+                    as f64
             };
             out.push_dense(criteo_dense(v));
         }
@@ -70,21 +64,14 @@ impl LineParser for CriteoParser {
             out.push_key(f, feature_key(f as u32, raw), 1.0);
         }
         if cols.next().is_some() {
-            return Err(format!(
-                "more than {} columns",
-                1 + CRITEO_DENSE + CRITEO_SPARSE
-            ));
+            return Err(format!("more than {} columns", 1 + CRITEO_DENSE + CRITEO_SPARSE));
         }
         Ok(label)
     }
 }
 
 /// Splits a CSV line on `delim`, honouring double quotes ("" is a quote).
-pub fn split_csv<'a>(
-    line: &'a [u8],
-    delim: u8,
-    cells: &mut Vec<std::borrow::Cow<'a, [u8]>>,
-) -> Result<(), String> {
+pub fn split_csv<'a>(line: &'a [u8], delim: u8, cells: &mut Vec<std::borrow::Cow<'a, [u8]>>) -> Result<(), String> {
     use std::borrow::Cow;
     cells.clear();
     let mut i = 0;
@@ -143,69 +130,40 @@ pub struct CsvParser {
 
 impl CsvParser {
     /// `header` is the first line when the schema says there is one.
-    pub fn new(
-        path: &Path,
-        schema: &Schema,
-        header: Option<&[u8]>,
-    ) -> Result<CsvParser, DataError> {
+    pub fn new(path: &Path, schema: &Schema, header: Option<&[u8]>) -> Result<CsvParser, DataError> {
         let delim = schema.delimiter.as_bytes()[0];
-        let schema_err = |message: String| DataError::Schema {
-            path: path.to_path_buf(),
-            message,
-        };
+        let schema_err = |message: String| DataError::Schema { path: path.to_path_buf(), message };
         let names: Vec<String> = match header {
             Some(h) => {
                 let mut cells = Vec::new();
                 split_csv(h, delim, &mut cells).map_err(|e| schema_err(format!("header: {e}")))?;
-                cells
-                    .iter()
-                    .map(|c| String::from_utf8_lossy(c).trim().to_string())
-                    .collect()
+                cells.iter().map(|c| String::from_utf8_lossy(c).trim().to_string()).collect()
             }
             None => Vec::new(),
         };
         let find = |name: &str| -> Result<usize, DataError> {
             if header.is_some() {
-                names.iter().position(|n| n == name).ok_or_else(|| {
-                    schema_err(format!(
-                        "column `{name}` is not in the header ({})",
-                        names.join(",")
-                    ))
-                })
+                names
+                    .iter()
+                    .position(|n| n == name)
+                    .ok_or_else(|| schema_err(format!("column `{name}` is not in the header ({})", names.join(","))))
             } else {
-                name.parse::<usize>().map_err(|_| {
-                    schema_err(format!(
-                        "without a header, column `{name}` must be a column number"
-                    ))
-                })
+                name.parse::<usize>()
+                    .map_err(|_| schema_err(format!("without a header, column `{name}` must be a column number")))
             }
         };
         let label = find(&schema.label)?;
-        let dense = schema
-            .dense
-            .iter()
-            .map(|n| Ok((find(n)?, n.clone())))
-            .collect::<Result<Vec<_>, DataError>>()?;
-        let sparse = schema
-            .sparse
-            .iter()
-            .map(|n| find(n))
-            .collect::<Result<Vec<_>, DataError>>()?;
-        let width = std::iter::once(label)
-            .chain(dense.iter().map(|d| d.0))
-            .chain(sparse.iter().copied())
-            .max()
-            .unwrap_or(0)
-            + 1;
+        let dense = schema.dense.iter().map(|n| Ok((find(n)?, n.clone()))).collect::<Result<Vec<_>, DataError>>()?;
+        let sparse = schema.sparse.iter().map(|n| find(n)).collect::<Result<Vec<_>, DataError>>()?;
+        let width =
+            std::iter::once(label).chain(dense.iter().map(|d| d.0)).chain(sparse.iter().copied()).max().unwrap_or(0)
+                + 1;
         Ok(CsvParser {
             delim,
             label,
             dense,
             sparse,
-            multi_hot: schema
-                .multi_hot_separator
-                .as_ref()
-                .map(|s| s.as_bytes().to_vec()),
+            multi_hot: schema.multi_hot_separator.as_ref().map(|s| s.as_bytes().to_vec()),
             width,
         })
     }
@@ -216,11 +174,7 @@ impl LineParser for CsvParser {
         let mut cells = Vec::with_capacity(self.width);
         split_csv(line, self.delim, &mut cells)?;
         if cells.len() < self.width {
-            return Err(format!(
-                "{} columns, the schema needs at least {}",
-                cells.len(),
-                self.width
-            ));
+            return Err(format!("{} columns, the schema needs at least {}", cells.len(), self.width));
         }
         let label = parse_label(cells[self.label].as_ref())?;
         for (col, name) in &self.dense {
@@ -228,12 +182,10 @@ impl LineParser for CsvParser {
             let v = if raw.is_empty() {
                 0.0
             } else {
-                ascii(raw)?.trim().parse::<f32>().map_err(|_| {
-                    format!(
-                        "column {name}: `{}` is not a number",
-                        String::from_utf8_lossy(raw)
-                    )
-                })?
+                ascii(raw)?
+                    .trim()
+                    .parse::<f32>()
+                    .map_err(|_| format!("column {name}: `{}` is not a number", String::from_utf8_lossy(raw)))?
             };
             if !v.is_finite() {
                 return Err(format!("column {name}: value is not finite"));
@@ -284,16 +236,10 @@ pub struct SvmParser {
 
 impl SvmParser {
     pub fn libsvm() -> Self {
-        SvmParser {
-            ffm_fields: None,
-            scratch: Vec::new(),
-        }
+        SvmParser { ffm_fields: None, scratch: Vec::new() }
     }
     pub fn libffm(num_fields: usize) -> Self {
-        SvmParser {
-            ffm_fields: Some(num_fields),
-            scratch: Vec::new(),
-        }
+        SvmParser { ffm_fields: Some(num_fields), scratch: Vec::new() }
     }
 }
 
@@ -304,28 +250,19 @@ impl LineParser for SvmParser {
         let label = parse_label(tokens.next().unwrap_or_default().as_bytes())?;
         self.scratch.clear();
         for tok in tokens {
-            let (feature, val) = tok
-                .rsplit_once(':')
-                .ok_or_else(|| format!("token `{tok}` is not idx:val"))?;
-            let w: f32 = val
-                .parse()
-                .map_err(|_| format!("token `{tok}`: `{val}` is not a number"))?;
+            let (feature, val) = tok.rsplit_once(':').ok_or_else(|| format!("token `{tok}` is not idx:val"))?;
+            let w: f32 = val.parse().map_err(|_| format!("token `{tok}`: `{val}` is not a number"))?;
             if !w.is_finite() {
                 return Err(format!("token `{tok}`: value is not finite"));
             }
             let (field, idx) = match self.ffm_fields {
                 None => (0, feature),
                 Some(n) => {
-                    let (f, idx) = feature
-                        .split_once(':')
-                        .ok_or_else(|| format!("token `{tok}` is not field:idx:val"))?;
-                    let f: usize = f
-                        .parse()
-                        .map_err(|_| format!("token `{tok}`: field `{f}` is not a number"))?;
+                    let (f, idx) =
+                        feature.split_once(':').ok_or_else(|| format!("token `{tok}` is not field:idx:val"))?;
+                    let f: usize = f.parse().map_err(|_| format!("token `{tok}`: field `{f}` is not a number"))?;
                     if f >= n {
-                        return Err(format!(
-                            "token `{tok}`: field {f} is not below data.num_fields = {n}"
-                        ));
+                        return Err(format!("token `{tok}`: field {f} is not below data.num_fields = {n}"));
                     }
                     (f, idx)
                 }
@@ -333,8 +270,7 @@ impl LineParser for SvmParser {
             if idx.is_empty() {
                 return Err(format!("token `{tok}` has an empty index"));
             }
-            self.scratch
-                .push((field, feature_key(field as u32, idx.as_bytes()), w));
+            self.scratch.push((field, feature_key(field as u32, idx.as_bytes()), w));
         }
         // Fields may come in any order; the builder wants them ascending.
         self.scratch.sort_by_key(|e| e.0);
@@ -374,9 +310,7 @@ impl TextSource {
                 let schema = config.schema.clone().unwrap_or_default();
                 let mut header = Vec::new();
                 if schema.header {
-                    let n = reader
-                        .read_until(b'\n', &mut header)
-                        .map_err(|e| DataError::io(path, e))?;
+                    let n = reader.read_until(b'\n', &mut header).map_err(|e| DataError::io(path, e))?;
                     if n == 0 {
                         return Err(DataError::Schema {
                             path: path.to_path_buf(),
@@ -427,32 +361,18 @@ impl BatchSource for TextSource {
     }
 
     fn seek(&mut self, pos: DataPosition) -> Result<(), DataError> {
-        let (offset, line) = if pos.offset == 0 {
-            self.data_start
-        } else {
-            (pos.offset, pos.line)
-        };
-        self.reader
-            .seek(SeekFrom::Start(offset))
-            .map_err(|e| DataError::io(&self.path, e))?;
+        let (offset, line) = if pos.offset == 0 { self.data_start } else { (pos.offset, pos.line) };
+        self.reader.seek(SeekFrom::Start(offset)).map_err(|e| DataError::io(&self.path, e))?;
         self.offset = offset;
         self.line = line;
         Ok(())
     }
 
     fn next_batch(&mut self, batch_size: usize, epoch: u64) -> Result<Option<Batch>, DataError> {
-        let mut b = BatchBuilder::new(
-            self.layout.num_fields,
-            self.layout.num_dense,
-            self.layout.weighted,
-            batch_size,
-        );
+        let mut b = BatchBuilder::new(self.layout.num_fields, self.layout.num_dense, self.layout.weighted, batch_size);
         while b.rows() < batch_size {
             self.buf.clear();
-            let n = self
-                .reader
-                .read_until(b'\n', &mut self.buf)
-                .map_err(|e| DataError::io(&self.path, e))?;
+            let n = self.reader.read_until(b'\n', &mut self.buf).map_err(|e| DataError::io(&self.path, e))?;
             if n == 0 {
                 break;
             }
@@ -466,10 +386,7 @@ impl BatchSource for TextSource {
             b.begin_row();
             let parsed = self.parser.parse(line, &mut b);
             let ok = match parsed {
-                Ok(label) => b
-                    .end_row(label)
-                    .then_some(())
-                    .ok_or_else(|| "wrong number of dense values".to_string()),
+                Ok(label) => b.end_row(label).then_some(()).ok_or_else(|| "wrong number of dense values".to_string()),
                 Err(e) => Err(e),
             };
             if let Err(reason) = ok {
@@ -480,11 +397,7 @@ impl BatchSource for TextSource {
         if b.rows() == 0 {
             return Ok(None);
         }
-        Ok(Some(b.finish(DataPosition {
-            epoch,
-            offset: self.offset,
-            line: self.line,
-        })))
+        Ok(Some(b.finish(DataPosition { epoch, offset: self.offset, line: self.line })))
     }
 }
 
@@ -510,14 +423,8 @@ mod tests {
 
     #[test]
     fn criteo_pads_short_rows_and_transforms_dense() {
-        let b = one(
-            &mut CriteoParser,
-            26,
-            13,
-            false,
-            "1\t5\t\t-3\t\t\t\t\t\t\t\t\t\t\t68fd1e64\t80e26c9b",
-        )
-        .expect("parses");
+        let b = one(&mut CriteoParser, 26, 13, false, "1\t5\t\t-3\t\t\t\t\t\t\t\t\t\t\t68fd1e64\t80e26c9b")
+            .expect("parses");
         assert_eq!(b.labels, vec![1.0]);
         assert!((b.dense[0] - 6f32.ln()).abs() < 1e-6);
         assert_eq!(b.dense[1], 0.0);
@@ -534,11 +441,7 @@ mod tests {
         let err = one(&mut CriteoParser, 26, 13, false, "0\tx1").expect_err("bad int");
         assert!(err.contains("I1"), "{err}");
         let long = format!("0{}", "\t1".repeat(45));
-        assert!(
-            one(&mut CriteoParser, 26, 13, false, &long)
-                .expect_err("too long")
-                .contains("columns")
-        );
+        assert!(one(&mut CriteoParser, 26, 13, false, &long).expect_err("too long").contains("columns"));
     }
 
     #[test]
@@ -554,8 +457,7 @@ mod tests {
             multi_hot_separator: Some("|".into()),
             ..Schema::default()
         };
-        let mut p =
-            CsvParser::new(Path::new("t.csv"), &schema, Some(b"site,y,x,tags")).expect("schema");
+        let mut p = CsvParser::new(Path::new("t.csv"), &schema, Some(b"site,y,x,tags")).expect("schema");
         let b = one(&mut p, 2, 1, false, "s1,1,2.5,a|b|c").expect("parses");
         assert_eq!(b.dense, vec![2.5]);
         assert_eq!(b.bag(0, 0).len(), 3);
@@ -575,11 +477,7 @@ mod tests {
         assert_eq!(b.bag(0, 1).len(), 0);
         assert_eq!(b.bag(0, 2).len(), 1);
         assert_eq!(b.key_weights, Some(vec![0.25, 1.0]));
-        assert!(
-            one(&mut SvmParser::libffm(3), 3, 0, true, "1 5:1:1")
-                .expect_err("field")
-                .contains("num_fields")
-        );
+        assert!(one(&mut SvmParser::libffm(3), 3, 0, true, "1 5:1:1").expect_err("field").contains("num_fields"));
         assert!(one(&mut SvmParser::libsvm(), 1, 0, true, "1 3").is_err());
     }
 }

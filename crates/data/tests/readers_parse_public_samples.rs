@@ -9,17 +9,10 @@ use sparrow_core::config::{DataConfig, DataFormat, Schema};
 use sparrow_data::{BadRows, BatchStream, DataError};
 
 fn testdata(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../testdata")
-        .join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata").join(name)
 }
 
-fn read_all(
-    path: &Path,
-    config: &DataConfig,
-    batch: usize,
-    bad: &BadRows,
-) -> Result<Vec<Batch>, DataError> {
+fn read_all(path: &Path, config: &DataConfig, batch: usize, bad: &BadRows) -> Result<Vec<Batch>, DataError> {
     BatchStream::spawn(path, config, batch, Default::default(), 1, bad.clone())?.collect()
 }
 
@@ -35,42 +28,26 @@ fn criteo_schema() -> Schema {
 #[test]
 fn criteo_kaggle_rows_with_cut_off_trailing_fields_all_parse() {
     let bad = BadRows::new(0, 5);
-    let batches = read_all(
-        &testdata("criteo-kaggle-first1000.tsv"),
-        &DataConfig::default(),
-        128,
-        &bad,
-    )
-    .expect("reads");
+    let batches = read_all(&testdata("criteo-kaggle-first1000.tsv"), &DataConfig::default(), 128, &bad).expect("reads");
     let rows: usize = batches.iter().map(Batch::rows).sum();
     assert_eq!(rows, 1000);
     assert_eq!(bad.total(), 0);
     assert_eq!(batches.len(), 8);
     let b = &batches[0];
     assert_eq!((b.num_fields, b.num_dense), (26, 13));
-    assert_eq!(
-        b.keys.len(),
-        b.rows() * 26,
-        "one key per field, missing values included"
-    );
+    assert_eq!(b.keys.len(), b.rows() * 26, "one key per field, missing values included");
     let positives: f32 = batches.iter().flat_map(|b| b.labels.iter()).sum();
     assert!(positives > 100.0 && positives < 500.0, "{positives} clicks");
     assert!(b.dense.iter().all(|x| x.is_finite() && *x >= 0.0));
     // The stream reports where it stands: the last batch ends at the file's end.
-    let len = std::fs::metadata(testdata("criteo-kaggle-first1000.tsv"))
-        .expect("size")
-        .len();
+    let len = std::fs::metadata(testdata("criteo-kaggle-first1000.tsv")).expect("size").len();
     assert_eq!(batches.last().map(|b| b.end.offset), Some(len));
     assert_eq!(batches.last().map(|b| b.end.line), Some(1001));
 }
 
 #[test]
 fn criteo_csv_with_header_and_schema() {
-    let config = DataConfig {
-        format: DataFormat::Csv,
-        schema: Some(criteo_schema()),
-        ..Default::default()
-    };
+    let config = DataConfig { format: DataFormat::Csv, schema: Some(criteo_schema()), ..Default::default() };
     let bad = BadRows::new(0, 5);
     let batches = read_all(&testdata("criteo-sample-200.csv"), &config, 64, &bad).expect("reads");
     assert_eq!(batches.iter().map(Batch::rows).sum::<usize>(), 200);
@@ -99,11 +76,7 @@ fn avazu_csv_all_categorical() {
         .collect(),
         ..Schema::default()
     };
-    let config = DataConfig {
-        format: DataFormat::Csv,
-        schema: Some(schema),
-        ..Default::default()
-    };
+    let config = DataConfig { format: DataFormat::Csv, schema: Some(schema), ..Default::default() };
     let bad = BadRows::new(0, 5);
     let batches = read_all(&testdata("avazu-sample-100.csv"), &config, 1000, &bad).expect("reads");
     assert_eq!(batches[0].rows(), 100);
@@ -114,22 +87,9 @@ fn avazu_csv_all_categorical() {
 fn schema_column_missing_from_header_is_named() {
     let mut schema = criteo_schema();
     schema.sparse.push("C99".into());
-    let config = DataConfig {
-        format: DataFormat::Csv,
-        schema: Some(schema),
-        ..Default::default()
-    };
-    let err = read_all(
-        &testdata("criteo-sample-200.csv"),
-        &config,
-        64,
-        &BadRows::new(0, 5),
-    )
-    .expect_err("C99");
-    assert!(
-        err.to_string().contains("C99") && err.to_string().contains("criteo-sample-200.csv"),
-        "{err}"
-    );
+    let config = DataConfig { format: DataFormat::Csv, schema: Some(schema), ..Default::default() };
+    let err = read_all(&testdata("criteo-sample-200.csv"), &config, 64, &BadRows::new(0, 5)).expect_err("C99");
+    assert!(err.to_string().contains("C99") && err.to_string().contains("criteo-sample-200.csv"), "{err}");
 }
 
 #[test]
@@ -147,10 +107,7 @@ fn malformed_rows_are_skipped_within_budget_and_stop_the_job_past_it() {
     let tight = BadRows::new(1, 5);
     let err = read_all(&path, &DataConfig::default(), 10, &tight).expect_err("over budget");
     let msg = err.to_string();
-    assert!(
-        msg.contains("bad.tsv") && msg.contains("line 4") && msg.contains("I1"),
-        "{msg}"
-    );
+    assert!(msg.contains("bad.tsv") && msg.contains("line 4") && msg.contains("I1"), "{msg}");
 }
 
 #[test]
@@ -173,11 +130,10 @@ fn stream_resumes_exactly_at_a_batch_boundary() {
     let path = testdata("criteo-kaggle-first1000.tsv");
     let config = DataConfig::default();
     let all = read_all(&path, &config, 100, &BadRows::new(0, 1)).expect("reads");
-    let resumed: Vec<Batch> =
-        BatchStream::spawn(&path, &config, 100, all[3].end, 1, BadRows::new(0, 1))
-            .expect("opens")
-            .collect::<Result<_, _>>()
-            .expect("reads");
+    let resumed: Vec<Batch> = BatchStream::spawn(&path, &config, 100, all[3].end, 1, BadRows::new(0, 1))
+        .expect("opens")
+        .collect::<Result<_, _>>()
+        .expect("reads");
     assert_eq!(resumed.len(), all.len() - 4);
     for (a, b) in all[4..].iter().zip(&resumed) {
         assert_eq!(a.keys, b.keys);
@@ -191,21 +147,14 @@ fn libsvm_and_libffm_files() {
     let dir = tempfile::tempdir().expect("tmp");
     let svm = dir.path().join("a.libsvm");
     std::fs::write(&svm, "+1 1:0.5 7:1\n-1 3:2\n0 2:1 9:0.25 11:1\n").expect("write");
-    let config = DataConfig {
-        format: DataFormat::Libsvm,
-        ..Default::default()
-    };
+    let config = DataConfig { format: DataFormat::Libsvm, ..Default::default() };
     let b = read_all(&svm, &config, 10, &BadRows::new(0, 1)).expect("reads");
     assert_eq!(b[0].labels, vec![1.0, 0.0, 0.0]);
     assert_eq!(b[0].bag(2, 0).len(), 3, "multi-hot field");
 
     let ffm = dir.path().join("a.libffm");
     std::fs::write(&ffm, "1 0:1:1 1:5:1 1:6:0.5\n0 2:3:1\n").expect("write");
-    let config = DataConfig {
-        format: DataFormat::Libffm,
-        num_fields: Some(3),
-        ..Default::default()
-    };
+    let config = DataConfig { format: DataFormat::Libffm, num_fields: Some(3), ..Default::default() };
     let b = read_all(&ffm, &config, 10, &BadRows::new(0, 1)).expect("reads");
     assert_eq!(b[0].bag(0, 1).len(), 2);
     assert_eq!(b[0].bag(1, 2).len(), 1);
@@ -232,24 +181,17 @@ fn write_parquet(path: &Path, rows: &[(i32, f64, &str, Vec<&str>)]) {
     );
     let file = std::fs::File::create(path).expect("create");
     let mut writer =
-        SerializedFileWriter::new(file, schema, Arc::new(WriterProperties::builder().build()))
-            .expect("writer");
+        SerializedFileWriter::new(file, schema, Arc::new(WriterProperties::builder().build())).expect("writer");
     let mut rg = writer.next_row_group().expect("row group");
     let mut col = rg.next_column().expect("col").expect("label");
-    col.typed::<Int32Type>()
-        .write_batch(&rows.iter().map(|r| r.0).collect::<Vec<_>>(), None, None)
-        .expect("label");
+    col.typed::<Int32Type>().write_batch(&rows.iter().map(|r| r.0).collect::<Vec<_>>(), None, None).expect("label");
     col.close().expect("close");
     let mut col = rg.next_column().expect("col").expect("price");
-    col.typed::<DoubleType>()
-        .write_batch(&rows.iter().map(|r| r.1).collect::<Vec<_>>(), None, None)
-        .expect("price");
+    col.typed::<DoubleType>().write_batch(&rows.iter().map(|r| r.1).collect::<Vec<_>>(), None, None).expect("price");
     col.close().expect("close");
     let mut col = rg.next_column().expect("col").expect("site");
     let sites: Vec<ByteArray> = rows.iter().map(|r| ByteArray::from(r.2)).collect();
-    col.typed::<ByteArrayType>()
-        .write_batch(&sites, None, None)
-        .expect("site");
+    col.typed::<ByteArrayType>().write_batch(&sites, None, None).expect("site");
     col.close().expect("close");
     // List: definition level 3 = present element, 1 = empty list; repetition 0 starts a row.
     let (mut values, mut def, mut rep) = (Vec::new(), Vec::new(), Vec::new());
@@ -265,9 +207,7 @@ fn write_parquet(path: &Path, rows: &[(i32, f64, &str, Vec<&str>)]) {
         }
     }
     let mut col = rg.next_column().expect("col").expect("tags");
-    col.typed::<ByteArrayType>()
-        .write_batch(&values, Some(&def), Some(&rep))
-        .expect("tags");
+    col.typed::<ByteArrayType>().write_batch(&values, Some(&def), Some(&rep)).expect("tags");
     col.close().expect("close");
     rg.close().expect("row group");
     writer.close().expect("file");
@@ -277,25 +217,14 @@ fn write_parquet(path: &Path, rows: &[(i32, f64, &str, Vec<&str>)]) {
 fn parquet_with_schema_mapping_and_list_column() {
     let dir = tempfile::tempdir().expect("tmp");
     let path = dir.path().join("ctr.parquet");
-    write_parquet(
-        &path,
-        &[
-            (1, 2.5, "a.com", vec!["x", "y"]),
-            (0, 0.0, "b.com", vec![]),
-            (1, 1.0, "a.com", vec!["z"]),
-        ],
-    );
+    write_parquet(&path, &[(1, 2.5, "a.com", vec!["x", "y"]), (0, 0.0, "b.com", vec![]), (1, 1.0, "a.com", vec!["z"])]);
     let schema = Schema {
         label: "label".into(),
         dense: vec!["price".into()],
         sparse: vec!["site".into(), "tags".into()],
         ..Schema::default()
     };
-    let config = DataConfig {
-        format: DataFormat::Parquet,
-        schema: Some(schema.clone()),
-        ..Default::default()
-    };
+    let config = DataConfig { format: DataFormat::Parquet, schema: Some(schema.clone()), ..Default::default() };
     let b = read_all(&path, &config, 2, &BadRows::new(0, 1)).expect("reads");
     assert_eq!(b.len(), 2);
     assert_eq!(b[0].labels, vec![1.0, 0.0]);
@@ -313,11 +242,7 @@ fn parquet_with_schema_mapping_and_list_column() {
     // A column the file lacks is named.
     let mut wrong = schema;
     wrong.sparse.push("user".into());
-    let config = DataConfig {
-        format: DataFormat::Parquet,
-        schema: Some(wrong),
-        ..Default::default()
-    };
+    let config = DataConfig { format: DataFormat::Parquet, schema: Some(wrong), ..Default::default() };
     let err = read_all(&path, &config, 2, &BadRows::new(0, 1)).expect_err("no user column");
     assert!(err.to_string().contains("user"), "{err}");
 }

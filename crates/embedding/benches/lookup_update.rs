@@ -15,22 +15,14 @@ const KEYS_PER_BATCH: usize = 1024 * 26;
 fn bench(c: &mut Criterion) {
     let zipf = Alias::zipf(TABLE_ROWS, 1.05);
     let mut rng = Rng::new(1);
-    let batches: Vec<Vec<u64>> = (0..32)
-        .map(|_| {
-            (0..KEYS_PER_BATCH)
-                .map(|_| mix64(zipf.draw(&mut rng) as u64))
-                .collect()
-        })
-        .collect();
+    let batches: Vec<Vec<u64>> =
+        (0..32).map(|_| (0..KEYS_PER_BATCH).map(|_| mix64(zipf.draw(&mut rng) as u64)).collect()).collect();
     let mut group = c.benchmark_group("lookup_update");
     group.throughput(Throughput::Elements(KEYS_PER_BATCH as u64));
     for dim in [16usize, 64] {
         let table = EmbeddingTable::new(
             dim,
-            SparseOptimizer::Adagrad {
-                lr: 0.05,
-                eps: 1e-8,
-            },
+            SparseOptimizer::Adagrad { lr: 0.05, eps: 1e-8 },
             Initializer::new(InitConfig::default(), 1),
             64,
         );
@@ -46,8 +38,8 @@ fn bench(c: &mut Criterion) {
                 let plan = table.plan(&batches[i % batches.len()]);
                 i += 1;
                 let mut rows = vec![0.0; plan.num_unique() * dim];
-                table.lookup_or_insert(&plan, &mut rows).expect("lookup");
-                table.apply_gradients(&plan, &rows).expect("update");
+                let slots = table.lookup_or_insert(&plan, &mut rows).expect("lookup");
+                table.apply_gradients_at(&plan, &slots, &rows);
                 plan.num_unique()
             })
         });

@@ -33,25 +33,14 @@ pub enum SparseOptimizer {
 impl SparseOptimizer {
     pub fn from_config(c: &EmbeddingConfig) -> Self {
         match c.optimizer {
-            SparseOptimizerKind::Sgd => SparseOptimizer::Sgd {
-                lr: c.learning_rate,
-            },
-            SparseOptimizerKind::Adagrad => SparseOptimizer::Adagrad {
-                lr: c.learning_rate,
-                eps: c.eps,
-            },
-            SparseOptimizerKind::Adam => SparseOptimizer::Adam {
-                lr: c.learning_rate,
-                beta1: c.beta1,
-                beta2: c.beta2,
-                eps: c.eps,
-            },
-            SparseOptimizerKind::Ftrl => SparseOptimizer::Ftrl {
-                alpha: c.learning_rate,
-                beta: c.ftrl_beta,
-                l1: c.ftrl_l1,
-                l2: c.ftrl_l2,
-            },
+            SparseOptimizerKind::Sgd => SparseOptimizer::Sgd { lr: c.learning_rate },
+            SparseOptimizerKind::Adagrad => SparseOptimizer::Adagrad { lr: c.learning_rate, eps: c.eps },
+            SparseOptimizerKind::Adam => {
+                SparseOptimizer::Adam { lr: c.learning_rate, beta1: c.beta1, beta2: c.beta2, eps: c.eps }
+            }
+            SparseOptimizerKind::Ftrl => {
+                SparseOptimizer::Ftrl { alpha: c.learning_rate, beta: c.ftrl_beta, l1: c.ftrl_l1, l2: c.ftrl_l2 }
+            }
         }
     }
 
@@ -78,13 +67,7 @@ impl SparseOptimizer {
     /// chosen so that the proximal step reproduces `w` (the random init is kept).
     pub fn init_state(&self, w: &[f32], state: &mut [f32]) {
         state.fill(0.0);
-        if let SparseOptimizer::Ftrl {
-            alpha,
-            beta,
-            l1,
-            l2,
-        } = *self
-        {
+        if let SparseOptimizer::Ftrl { alpha, beta, l1, l2 } = *self {
             let denom = beta / alpha + l2;
             let (z, _n) = state.split_at_mut(w.len());
             for (z, &w) in z.iter_mut().zip(w) {
@@ -108,12 +91,7 @@ impl SparseOptimizer {
                     *w -= lr * g / (acc.sqrt() + eps);
                 }
             }
-            SparseOptimizer::Adam {
-                lr,
-                beta1,
-                beta2,
-                eps,
-            } => {
+            SparseOptimizer::Adam { lr, beta1, beta2, eps } => {
                 let dim = w.len();
                 let (m, rest) = state.split_at_mut(dim);
                 let (v, t) = rest.split_at_mut(dim);
@@ -129,12 +107,7 @@ impl SparseOptimizer {
                     w[i] -= lr * m_hat / (v_hat.sqrt() + eps);
                 }
             }
-            SparseOptimizer::Ftrl {
-                alpha,
-                beta,
-                l1,
-                l2,
-            } => {
+            SparseOptimizer::Ftrl { alpha, beta, l1, l2 } => {
                 let dim = w.len();
                 let (z, n) = state.split_at_mut(dim);
                 for i in 0..dim {

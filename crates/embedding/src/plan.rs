@@ -2,6 +2,7 @@
 //! S3.3): the plan keeps the inverse index that restores the batch order.
 
 use hashbrown::HashMap;
+use rayon::prelude::*;
 
 /// The unique keys of a batch grouped by shard, and the map back.
 #[derive(Clone, Debug, Default)]
@@ -15,47 +16,61 @@ pub struct KeyPlan {
 }
 
 impl KeyPlan {
-    /// `shard_of` must return a value below `shards`.
-    pub fn new(keys: &[u64], shards: usize, shard_of: impl Fn(u64) -> usize) -> KeyPlan {
-        // First dedup: order of first sight, inverse index into it.
-        let mut first_index: HashMap<u64, u32> = HashMap::with_capacity(keys.len());
-        let mut seen: Vec<u64> = Vec::with_capacity(keys.len());
-        let mut inverse: Vec<u32> = Vec::with_capacity(keys.len());
-        for &k in keys {
-            let next = seen.len() as u32;
-            let idx = *first_index.entry(k).or_insert_with(|| {
-                seen.push(k);
-                next
-            });
-            inverse.push(idx);
-        }
-        // Partition by shard with a counting sort: counts first, so every
-        // shard's range is sized exactly (never n × shards).
-        let owners: Vec<usize> = seen.iter().map(|&k| shard_of(k)).collect();
-        let mut shard_offsets = vec![0usize; shards + 1];
+    /// `shard_of` must return a value below `shards`. Keys are first
+    /// partitioned by owner (a counting sort: counts first, so every shard's
+    /// range is sized exactly, never n × shards), then each shard's keys are
+    /// de-duplicated independently and in parallel. Within a shard, unique
+    /// keys keep the order of first sight.
+    pub fn new(keys: &[u64], shards: usize, shard_of: impl Fn(u64) -> usize + Sync) -> KeyPlan {
+        let owners: Vec<u32> = keys.iter().map(|&k| shard_of(k) as u32).collect();
+        let mut starts = vec![0usize; shards + 1];
         for &s in &owners {
-            shard_offsets[s + 1] += 1;
+            starts[s as usize + 1] += 1;
         }
         for s in 0..shards {
-            shard_offsets[s + 1] += shard_offsets[s];
+            starts[s + 1] += starts[s];
         }
-        let mut cursor = shard_offsets.clone();
-        let mut unique = vec![0u64; seen.len()];
-        let mut moved_to = vec![0u32; seen.len()];
-        for (i, (&k, &s)) in seen.iter().zip(&owners).enumerate() {
-            let dst = cursor[s];
-            cursor[s] += 1;
-            unique[dst] = k;
-            moved_to[i] = dst as u32;
+        // by_owner[starts[s]..starts[s+1]] = positions (in `keys`) of shard s's keys, in order.
+        let mut cursor = starts.clone();
+        let mut by_owner = vec![0u32; keys.len()];
+        for (i, &s) in owners.iter().enumerate() {
+            by_owner[cursor[s as usize]] = i as u32;
+            cursor[s as usize] += 1;
         }
-        for idx in &mut inverse {
-            *idx = moved_to[*idx as usize];
+        let per_shard: Vec<(Vec<u64>, Vec<u32>)> = (0..shards)
+            .into_par_iter()
+            .map(|s| {
+                let positions = &by_owner[starts[s]..starts[s + 1]];
+                let mut first: HashMap<u64, u32> = HashMap::with_capacity(positions.len());
+                let mut unique = Vec::with_capacity(positions.len());
+                let local: Vec<u32> = positions
+                    .iter()
+                    .map(|&p| {
+                        let k = keys[p as usize];
+                        let next = unique.len() as u32;
+                        *first.entry(k).or_insert_with(|| {
+                            unique.push(k);
+                            next
+                        })
+                    })
+                    .collect();
+                (unique, local)
+            })
+            .collect();
+        let mut shard_offsets = Vec::with_capacity(shards + 1);
+        shard_offsets.push(0);
+        for (u, _) in &per_shard {
+            shard_offsets.push(shard_offsets.last().copied().unwrap_or(0) + u.len());
         }
-        KeyPlan {
-            unique,
-            shard_offsets,
-            inverse,
+        let mut unique = Vec::with_capacity(shard_offsets[shards]);
+        let mut inverse = vec![0u32; keys.len()];
+        for (s, (u, local)) in per_shard.into_iter().enumerate() {
+            unique.extend_from_slice(&u);
+            for (&p, &l) in by_owner[starts[s]..starts[s + 1]].iter().zip(&local) {
+                inverse[p as usize] = (shard_offsets[s] + l as usize) as u32;
+            }
         }
+        KeyPlan { unique, shard_offsets, inverse }
     }
 
     pub fn num_unique(&self) -> usize {

@@ -20,11 +20,7 @@ use crate::plan::KeyPlan;
 #[non_exhaustive]
 pub enum TableError {
     #[error("embedding row for key {key:#018x} has {found} floats, the table expects {expected}")]
-    RowWidth {
-        key: u64,
-        expected: usize,
-        found: usize,
-    },
+    RowWidth { key: u64, expected: usize, found: usize },
     #[error("the table holds more than {max} rows in one shard")]
     ShardFull { max: u64 },
 }
@@ -69,11 +65,7 @@ pub struct Initializer {
 
 impl Initializer {
     pub fn new(config: InitConfig, seed: u64) -> Self {
-        Initializer {
-            kind: config.kind,
-            scale: config.scale,
-            seed,
-        }
+        Initializer { kind: config.kind, scale: config.scale, seed }
     }
 
     pub fn fill(&self, key: u64, w: &mut [f32]) {
@@ -128,13 +120,10 @@ impl TableShard {
     fn allocate(&mut self, layout: Layout) -> Result<u32, TableError> {
         let slot = self.rows;
         if slot >= u32::MAX as usize {
-            return Err(TableError::ShardFull {
-                max: u64::from(u32::MAX),
-            });
+            return Err(TableError::ShardFull { max: u64::from(u32::MAX) });
         }
         if slot / layout.chunk_rows == self.chunks.len() {
-            self.chunks
-                .push(vec![0.0f32; layout.chunk_rows * layout.row_len].into_boxed_slice());
+            self.chunks.push(vec![0.0f32; layout.chunk_rows * layout.row_len].into_boxed_slice());
         }
         self.rows += 1;
         Ok(slot as u32)
@@ -180,39 +169,32 @@ impl std::fmt::Debug for EmbeddingTable {
     }
 }
 
-/// Bytes of one arena chunk; small enough that a shard's tail waste stays low.
-const CHUNK_BYTES: usize = 256 * 1024;
+/// Bytes of one arena chunk; small enough that a shard's tail waste stays low
+/// (≤ shards × 64 KiB for the whole table).
+const CHUNK_BYTES: usize = 64 * 1024;
+
+/// The slots of a lookup's unique keys, so the update that follows does not
+/// probe the hash index again. Valid for the table that produced it: rows never
+/// move or disappear (see the module invariant).
+#[derive(Debug, Default)]
+pub struct RowSlots {
+    table_id: usize,
+    slots: Vec<u32>,
+}
 
 impl EmbeddingTable {
     /// `shards` must be a power of two.
     pub fn new(dim: usize, optimizer: SparseOptimizer, init: Initializer, shards: usize) -> Self {
-        assert!(
-            shards.is_power_of_two(),
-            "table shards must be a power of two"
-        );
+        assert!(shards.is_power_of_two(), "table shards must be a power of two");
         let row_len = dim + optimizer.state_len(dim);
         let chunk_rows = (CHUNK_BYTES / (row_len * 4)).max(1);
         let shard_mask = shards as u64 - 1;
         let shards = (0..shards)
             .map(|_| {
-                RwLock::new(TableShard {
-                    index: HashMap::with_hasher(MixHasherBuilder),
-                    chunks: Vec::new(),
-                    rows: 0,
-                })
+                RwLock::new(TableShard { index: HashMap::with_hasher(MixHasherBuilder), chunks: Vec::new(), rows: 0 })
             })
             .collect();
-        EmbeddingTable {
-            layout: Layout {
-                row_len,
-                dim,
-                chunk_rows,
-            },
-            optimizer,
-            init,
-            shards,
-            shard_mask,
-        }
+        EmbeddingTable { layout: Layout { row_len, dim, chunk_rows }, optimizer, init, shards, shard_mask }
     }
 
     pub fn dim(&self) -> usize {
@@ -251,12 +233,7 @@ impl EmbeddingTable {
     }
 
     /// Splits `out` (one `dim`-wide row per unique key) into per-shard slices.
-    fn shard_slices<'a, T>(
-        &self,
-        plan: &KeyPlan,
-        out: &'a mut [T],
-        width: usize,
-    ) -> Vec<(usize, &'a mut [T])> {
+    fn shard_slices<'a, T>(&self, plan: &KeyPlan, out: &'a mut [T], width: usize) -> Vec<(usize, &'a mut [T])> {
         let mut slices = Vec::with_capacity(self.shards.len());
         let mut rest = out;
         for s in 0..self.shards.len() {
@@ -272,20 +249,50 @@ impl EmbeddingTable {
 
     /// Training lookup: copies the weights of every unique key of `plan` into
     /// `out` (`num_unique × dim`), inserting unseen keys.
-    pub fn lookup_or_insert(&self, plan: &KeyPlan, out: &mut [f32]) -> Result<(), TableError> {
+    pub fn lookup_or_insert(&self, plan: &KeyPlan, out: &mut [f32]) -> Result<RowSlots, TableError> {
         let layout = self.layout;
         let dim = layout.dim;
         assert_eq!(out.len(), plan.num_unique() * dim, "output size");
-        self.shard_slices(plan, out, dim)
-            .into_par_iter()
-            .try_for_each(|(s, out)| {
-                let mut shard = self.shards[s].write();
-                for (i, &key) in plan.shard_keys(s).iter().enumerate() {
-                    let slot = shard.slot_or_insert(layout, key, &self.init, &self.optimizer)?;
-                    out[i * dim..(i + 1) * dim].copy_from_slice(&shard.row(layout, slot)[..dim]);
-                }
-                Ok(())
-            })
+        let mut slots = vec![0u32; plan.num_unique()];
+        let out_parts = self.shard_slices(plan, out, dim);
+        let slot_parts = self.shard_slices(plan, &mut slots, 1);
+        out_parts.into_par_iter().zip(slot_parts).try_for_each(|((s, out), (_, slots))| {
+            let mut shard = self.shards[s].write();
+            for (i, &key) in plan.shard_keys(s).iter().enumerate() {
+                let slot = shard.slot_or_insert(layout, key, &self.init, &self.optimizer)?;
+                slots[i] = slot;
+                out[i * dim..(i + 1) * dim].copy_from_slice(&shard.row(layout, slot)[..dim]);
+            }
+            Ok(())
+        })?;
+        Ok(RowSlots { table_id: self.id(), slots })
+    }
+
+    /// Identity of this table (its address), tying [`RowSlots`] to it.
+    fn id(&self) -> usize {
+        std::ptr::from_ref(self) as usize
+    }
+
+    /// Applies summed gradients (`num_unique × dim`, plan order) to the rows a
+    /// preceding [`lookup_or_insert`](Self::lookup_or_insert) of the same plan
+    /// found, without probing the index again.
+    pub fn apply_gradients_at(&self, plan: &KeyPlan, slots: &RowSlots, grads: &[f32]) {
+        let layout = self.layout;
+        let dim = layout.dim;
+        assert_eq!(slots.table_id, self.id(), "slots come from another table");
+        assert_eq!(slots.slots.len(), plan.num_unique(), "slots of another plan");
+        assert_eq!(grads.len(), plan.num_unique() * dim, "gradient size");
+        (0..self.shards.len()).into_par_iter().for_each(|s| {
+            let (lo, hi) = (plan.shard_offsets[s], plan.shard_offsets[s + 1]);
+            if lo == hi {
+                return;
+            }
+            let mut shard = self.shards[s].write();
+            for u in lo..hi {
+                let (w, state) = shard.row_mut(layout, slots.slots[u]).split_at_mut(dim);
+                self.optimizer.apply(w, state, &grads[u * dim..(u + 1) * dim]);
+            }
+        });
     }
 
     /// Read-only lookup (evaluation): an unseen key reads as its initial
@@ -294,18 +301,16 @@ impl EmbeddingTable {
         let layout = self.layout;
         let dim = layout.dim;
         assert_eq!(out.len(), plan.num_unique() * dim, "output size");
-        self.shard_slices(plan, out, dim)
-            .into_par_iter()
-            .for_each(|(s, out)| {
-                let shard = self.shards[s].read();
-                for (i, &key) in plan.shard_keys(s).iter().enumerate() {
-                    let dst = &mut out[i * dim..(i + 1) * dim];
-                    match shard.index.get(&key) {
-                        Some(&slot) => dst.copy_from_slice(&shard.row(layout, slot)[..dim]),
-                        None => self.init.fill(key, dst),
-                    }
+        self.shard_slices(plan, out, dim).into_par_iter().for_each(|(s, out)| {
+            let shard = self.shards[s].read();
+            for (i, &key) in plan.shard_keys(s).iter().enumerate() {
+                let dst = &mut out[i * dim..(i + 1) * dim];
+                match shard.index.get(&key) {
+                    Some(&slot) => dst.copy_from_slice(&shard.row(layout, slot)[..dim]),
+                    None => self.init.fill(key, dst),
                 }
-            });
+            }
+        });
     }
 
     /// Applies summed gradients (`num_unique × dim`, in plan order) once per
@@ -334,20 +339,13 @@ impl EmbeddingTable {
     /// Full row (weights and optimizer state) of `key`, if present.
     pub fn get_row(&self, key: u64) -> Option<Vec<f32>> {
         let shard = self.shards[self.shard_of(key)].read();
-        shard
-            .index
-            .get(&key)
-            .map(|&slot| shard.row(self.layout, slot).to_vec())
+        shard.index.get(&key).map(|&slot| shard.row(self.layout, slot).to_vec())
     }
 
     /// Inserts or overwrites a full row (checkpoint restore).
     pub fn put_row(&self, key: u64, row: &[f32]) -> Result<(), TableError> {
         if row.len() != self.layout.row_len {
-            return Err(TableError::RowWidth {
-                key,
-                expected: self.layout.row_len,
-                found: row.len(),
-            });
+            return Err(TableError::RowWidth { key, expected: self.layout.row_len, found: row.len() });
         }
         let mut shard = self.shards[self.shard_of(key)].write();
         let slot = match shard.index.get(&key) {
@@ -364,10 +362,7 @@ impl EmbeddingTable {
 
     /// Visits every row, shard by shard, in a deterministic order (sorted by key
     /// within a shard) so that checkpoints of equal tables are byte-identical.
-    pub fn for_each_row(
-        &self,
-        mut f: impl FnMut(u64, &[f32]) -> std::io::Result<()>,
-    ) -> std::io::Result<()> {
+    pub fn for_each_row(&self, mut f: impl FnMut(u64, &[f32]) -> std::io::Result<()>) -> std::io::Result<()> {
         for shard in self.shards.iter() {
             let shard = shard.read();
             let mut entries: Vec<(u64, u32)> = shard.index.iter().map(|(&k, &s)| (k, s)).collect();
@@ -413,10 +408,7 @@ mod tests {
         let mut out = vec![0.0; plan.num_unique() * 4];
         t.lookup_or_insert(&plan, &mut out).expect("lookup");
         assert_eq!(t.len(), 3);
-        assert_eq!(
-            ro, out,
-            "read-only lookup of an unseen key equals its initial value"
-        );
+        assert_eq!(ro, out, "read-only lookup of an unseen key equals its initial value");
         assert!(out.iter().all(|x| x.abs() <= 0.01) && out.iter().any(|&x| x != 0.0));
     }
 
@@ -424,9 +416,6 @@ mod tests {
     fn put_row_rejects_wrong_width() {
         let t = table(SparseOptimizer::Adagrad { lr: 0.1, eps: 1e-8 });
         assert!(t.put_row(1, &[0.0; 8]).is_ok());
-        assert!(matches!(
-            t.put_row(1, &[0.0; 3]),
-            Err(TableError::RowWidth { .. })
-        ));
+        assert!(matches!(t.put_row(1, &[0.0; 3]), Err(TableError::RowWidth { .. })));
     }
 }

@@ -24,13 +24,7 @@ struct NaiveRow {
 fn naive_new(opt: &SparseOptimizer, w0: &[f32]) -> NaiveRow {
     let w: Vec<f64> = w0.iter().map(|&x| f64::from(x)).collect();
     let mut s1 = vec![0.0; DIM];
-    if let SparseOptimizer::Ftrl {
-        alpha,
-        beta,
-        l1,
-        l2,
-    } = *opt
-    {
+    if let SparseOptimizer::Ftrl { alpha, beta, l1, l2 } = *opt {
         // z such that the FTRL closed form gives back w (see init_state).
         for i in 0..DIM {
             let sign = if w[i] > 0.0 {
@@ -40,16 +34,10 @@ fn naive_new(opt: &SparseOptimizer, w0: &[f32]) -> NaiveRow {
             } else {
                 0.0
             };
-            s1[i] =
-                -w[i] * (f64::from(beta) / f64::from(alpha) + f64::from(l2)) - sign * f64::from(l1);
+            s1[i] = -w[i] * (f64::from(beta) / f64::from(alpha) + f64::from(l2)) - sign * f64::from(l1);
         }
     }
-    NaiveRow {
-        w,
-        s1,
-        s2: vec![0.0; DIM],
-        t: 0.0,
-    }
+    NaiveRow { w, s1, s2: vec![0.0; DIM], t: 0.0 }
 }
 
 fn naive_apply(opt: &SparseOptimizer, r: &mut NaiveRow, g: &[f64]) {
@@ -65,12 +53,7 @@ fn naive_apply(opt: &SparseOptimizer, r: &mut NaiveRow, g: &[f64]) {
                 r.w[i] -= f64::from(lr) * g[i] / (r.s1[i].sqrt() + f64::from(eps));
             }
         }
-        SparseOptimizer::Adam {
-            lr,
-            beta1,
-            beta2,
-            eps,
-        } => {
+        SparseOptimizer::Adam { lr, beta1, beta2, eps } => {
             let (b1, b2) = (f64::from(beta1), f64::from(beta2));
             r.t += 1.0;
             for i in 0..DIM {
@@ -81,29 +64,15 @@ fn naive_apply(opt: &SparseOptimizer, r: &mut NaiveRow, g: &[f64]) {
                 r.w[i] -= f64::from(lr) * m / (v.sqrt() + f64::from(eps));
             }
         }
-        SparseOptimizer::Ftrl {
-            alpha,
-            beta,
-            l1,
-            l2,
-        } => {
-            let (a, b, l1, l2) = (
-                f64::from(alpha),
-                f64::from(beta),
-                f64::from(l1),
-                f64::from(l2),
-            );
+        SparseOptimizer::Ftrl { alpha, beta, l1, l2 } => {
+            let (a, b, l1, l2) = (f64::from(alpha), f64::from(beta), f64::from(l1), f64::from(l2));
             for i in 0..DIM {
                 let n_new = r.s2[i] + g[i] * g[i];
                 let sigma = (n_new.sqrt() - r.s2[i].sqrt()) / a;
                 r.s1[i] += g[i] - sigma * r.w[i];
                 r.s2[i] = n_new;
                 let z = r.s1[i];
-                r.w[i] = if z.abs() <= l1 {
-                    0.0
-                } else {
-                    -(z - z.signum() * l1) / ((b + n_new.sqrt()) / a + l2)
-                };
+                r.w[i] = if z.abs() <= l1 { 0.0 } else { -(z - z.signum() * l1) / ((b + n_new.sqrt()) / a + l2) };
             }
         }
     }
@@ -113,30 +82,16 @@ fn optimizers() -> impl Strategy<Value = SparseOptimizer> {
     prop_oneof![
         (0.01f32..0.5).prop_map(|lr| SparseOptimizer::Sgd { lr }),
         (0.01f32..0.5).prop_map(|lr| SparseOptimizer::Adagrad { lr, eps: 1e-8 }),
-        (0.001f32..0.1).prop_map(|lr| SparseOptimizer::Adam {
-            lr,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8
-        }),
-        (0.05f32..0.5, 0.0f32..0.05, 0.0f32..0.1).prop_map(|(alpha, l1, l2)| {
-            SparseOptimizer::Ftrl {
-                alpha,
-                beta: 1.0,
-                l1,
-                l2,
-            }
-        }),
+        (0.001f32..0.1).prop_map(|lr| SparseOptimizer::Adam { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8 }),
+        (0.05f32..0.5, 0.0f32..0.05, 0.0f32..0.1)
+            .prop_map(|(alpha, l1, l2)| { SparseOptimizer::Ftrl { alpha, beta: 1.0, l1, l2 } }),
     ]
 }
 
 type Batches = Vec<Vec<(u64, [f32; DIM])>>;
 
 fn batches() -> impl Strategy<Value = Batches> {
-    proptest::collection::vec(
-        proptest::collection::vec((0u64..40, prop::array::uniform3(-1.0f32..1.0)), 1..60),
-        1..6,
-    )
+    proptest::collection::vec(proptest::collection::vec((0u64..40, prop::array::uniform3(-1.0f32..1.0)), 1..60), 1..6)
 }
 
 fn close(a: f64, b: f64) -> bool {
@@ -152,13 +107,13 @@ proptest! {
         let table = EmbeddingTable::new(DIM, opt, init, 1 << shard_pow);
         let mut naive: HashMap<u64, NaiveRow> = HashMap::new();
 
-        for batch in &batches {
+        for (b, batch) in batches.iter().enumerate() {
             let keys: Vec<u64> = batch.iter().map(|(k, _)| *k).collect();
             let plan = table.plan(&keys);
 
             // Lookup restores every key's current weights.
             let mut unique_rows = vec![0.0f32; plan.num_unique() * DIM];
-            table.lookup_or_insert(&plan, &mut unique_rows).expect("lookup");
+            let slots = table.lookup_or_insert(&plan, &mut unique_rows).expect("lookup");
             let mut rows = Vec::new();
             plan.restore(&unique_rows, DIM, &mut rows);
             for (i, &k) in keys.iter().enumerate() {
@@ -180,7 +135,12 @@ proptest! {
                     grads[u * DIM + d] += g[d];
                 }
             }
-            table.apply_gradients(&plan, &grads).expect("update");
+            // Both update paths: by the lookup's slots, and by probing the keys.
+            if b % 2 == 0 {
+                table.apply_gradients_at(&plan, &slots, &grads);
+            } else {
+                table.apply_gradients(&plan, &grads).expect("update");
+            }
 
             let mut summed: HashMap<u64, [f64; DIM]> = HashMap::new();
             for (k, g) in batch {

@@ -5,6 +5,7 @@
 //! `[batch, num_dense]`; it never knows how embeddings are stored. The gradient
 //! with respect to the pooled embeddings is handed back to the caller.
 
+pub mod fused;
 pub mod models;
 pub mod optimizer;
 pub mod params;
@@ -20,12 +21,6 @@ pub enum ModelError {
     Candle(#[from] candle_core::Error),
     #[error("dense weights: parameter `{name}` is missing from the file")]
     MissingParam { name: String },
-    #[error(
-        "dense weights: parameter `{name}` has shape {found:?}, the model expects {expected:?}"
-    )]
-    ShapeMismatch {
-        name: String,
-        expected: Vec<usize>,
-        found: Vec<usize>,
-    },
+    #[error("dense weights: parameter `{name}` has shape {found:?}, the model expects {expected:?}")]
+    ShapeMismatch { name: String, expected: Vec<usize>, found: Vec<usize> },
 }

@@ -65,11 +65,7 @@ pub struct StepOutput {
 }
 
 fn with_dense(ps: &mut ParamStore, num_dense: usize) -> Result<Option<Linear>, ModelError> {
-    if num_dense == 0 {
-        Ok(None)
-    } else {
-        Linear::new(ps, "dense_linear", num_dense, 1).map(Some)
-    }
+    if num_dense == 0 { Ok(None) } else { Linear::new(ps, "dense_linear", num_dense, 1).map(Some) }
 }
 
 fn head(hidden: &[usize]) -> Vec<usize> {
@@ -77,31 +73,20 @@ fn head(hidden: &[usize]) -> Vec<usize> {
 }
 
 impl DenseModel {
-    pub fn new(
-        config: &ModelConfig,
-        shape: ModelShape,
-        seed: u64,
-        device: Device,
-    ) -> Result<DenseModel, ModelError> {
+    pub fn new(config: &ModelConfig, shape: ModelShape, seed: u64, device: Device) -> Result<DenseModel, ModelError> {
         let mut ps = ParamStore::new(seed, device.clone());
         let (f, nd, d) = (shape.num_fields, shape.num_dense, shape.embedding_dim);
         let mut bias = None;
         let net = match config.kind {
             ModelKind::Lr => {
                 bias = Some(ps.zeros("bias".into(), &[1])?);
-                Net::Lr {
-                    dense: with_dense(&mut ps, nd)?,
-                }
+                Net::Lr { dense: with_dense(&mut ps, nd)? }
             }
             ModelKind::Fm => {
                 bias = Some(ps.zeros("bias".into(), &[1])?);
-                Net::Fm {
-                    dense: with_dense(&mut ps, nd)?,
-                }
+                Net::Fm { dense: with_dense(&mut ps, nd)? }
             }
-            ModelKind::Mlp => Net::Mlp {
-                mlp: Mlp::new(&mut ps, "mlp", f * d + nd, &head(&config.hidden), false)?,
-            },
+            ModelKind::Mlp => Net::Mlp { mlp: Mlp::new(&mut ps, "mlp", f * d + nd, &head(&config.hidden), false)? },
             ModelKind::WideDeep => {
                 bias = Some(ps.zeros("bias".into(), &[1])?);
                 Net::WideDeep {
@@ -120,47 +105,26 @@ impl DenseModel {
                 let bottom = if nd == 0 {
                     None
                 } else {
-                    let sizes: Vec<usize> = config
-                        .bottom_hidden
-                        .iter()
-                        .copied()
-                        .chain(std::iter::once(d))
-                        .collect();
+                    let sizes: Vec<usize> = config.bottom_hidden.iter().copied().chain(std::iter::once(d)).collect();
                     Some(Mlp::new(&mut ps, "bottom", nd, &sizes, true)?)
                 };
                 let n = f + usize::from(nd > 0);
                 // Upper triangle (i < j) of the n×n dot-product matrix, flattened.
-                let pairs: Vec<u32> = (0..n)
-                    .flat_map(|i| ((i + 1)..n).map(move |j| (i * n + j) as u32))
-                    .collect();
+                let pairs: Vec<u32> = (0..n).flat_map(|i| ((i + 1)..n).map(move |j| (i * n + j) as u32)).collect();
                 let num_pairs = pairs.len();
                 let pairs = Tensor::from_vec(pairs, num_pairs, &device)?;
                 let top_in = num_pairs + if nd > 0 { d } else { 0 };
-                Net::Dlrm {
-                    bottom,
-                    top: Mlp::new(&mut ps, "top", top_in, &head(&config.hidden), false)?,
-                    pairs,
-                    n,
-                }
+                Net::Dlrm { bottom, top: Mlp::new(&mut ps, "top", top_in, &head(&config.hidden), false)?, pairs, n }
             }
             ModelKind::Dcn => {
                 let x_dim = f * d + nd;
                 let cross = (0..config.cross_layers)
                     .map(|l| Linear::new(&mut ps, &format!("cross.{l}"), x_dim, x_dim))
                     .collect::<Result<Vec<_>, _>>()?;
-                Net::Dcn {
-                    cross,
-                    deep: Mlp::new(&mut ps, "deep", x_dim, &head(&config.hidden), false)?,
-                }
+                Net::Dcn { cross, deep: Mlp::new(&mut ps, "deep", x_dim, &head(&config.hidden), false)? }
             }
         };
-        Ok(DenseModel {
-            kind: config.kind,
-            shape,
-            params: ps,
-            net,
-            bias,
-        })
+        Ok(DenseModel { kind: config.kind, shape, params: ps, net, bias })
     }
 
     /// Floats per embedding row this model reads.
@@ -199,11 +163,7 @@ impl DenseModel {
         };
         let flat_with_dense = |v: &Tensor| -> Result<Tensor, ModelError> {
             let flat = v.reshape((b, f * d))?;
-            Ok(if self.shape.num_dense > 0 {
-                Tensor::cat(&[&flat, dense], 1)?
-            } else {
-                flat
-            })
+            Ok(if self.shape.num_dense > 0 { Tensor::cat(&[&flat, dense], 1)? } else { flat })
         };
         let out = match &self.net {
             Net::Lr { dense: lin } => first_order(lin)?,
@@ -220,12 +180,7 @@ impl DenseModel {
                 let v = emb.narrow(2, 1, d)?.contiguous()?;
                 ((first_order(lin)? + fm_second(&v)?)? + deep.forward(&flat_with_dense(&v)?)?)?
             }
-            Net::Dlrm {
-                bottom,
-                top,
-                pairs,
-                n,
-            } => {
+            Net::Dlrm { bottom, top, pairs, n } => {
                 let (t, bottom_out) = match bottom {
                     Some(mlp) => {
                         let x = mlp.forward(dense)?; // [B, d]
@@ -253,12 +208,7 @@ impl DenseModel {
         Ok(out.squeeze(D::Minus1)?)
     }
 
-    fn inputs(
-        &self,
-        emb: Vec<f32>,
-        dense: Vec<f32>,
-        rows: usize,
-    ) -> Result<(Tensor, Tensor), ModelError> {
+    fn inputs(&self, emb: Vec<f32>, dense: Vec<f32>, rows: usize) -> Result<(Tensor, Tensor), ModelError> {
         let dev = self.params.device();
         let emb = Tensor::from_vec(emb, (rows, self.shape.num_fields, self.width()), dev)?;
         let dense = Tensor::from_vec(dense, (rows, self.shape.num_dense), dev)?;
@@ -266,12 +216,7 @@ impl DenseModel {
     }
 
     /// Forward only: logits of a batch.
-    pub fn predict(
-        &self,
-        emb: Vec<f32>,
-        dense: Vec<f32>,
-        rows: usize,
-    ) -> Result<Vec<f32>, ModelError> {
+    pub fn predict(&self, emb: Vec<f32>, dense: Vec<f32>, rows: usize) -> Result<Vec<f32>, ModelError> {
         let (emb, dense) = self.inputs(emb, dense, rows)?;
         Ok(self.forward(&emb, &dense)?.to_vec1::<f32>()?)
     }
@@ -310,10 +255,6 @@ impl DenseModel {
             Some(g) => g.flatten_all()?.to_vec1::<f32>()?,
             None => vec![0.0; emb.elem_count()],
         };
-        Ok(StepOutput {
-            logits,
-            loss: loss * inv_b,
-            emb_grad,
-        })
+        Ok(StepOutput { logits, loss: loss * inv_b, emb_grad })
     }
 }

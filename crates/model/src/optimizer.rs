@@ -21,11 +21,7 @@ pub struct DenseOptimizer {
 
 impl DenseOptimizer {
     pub fn new(config: DenseOptimizerConfig) -> Self {
-        DenseOptimizer {
-            config,
-            moments: HashMap::new(),
-            step: 0,
-        }
+        DenseOptimizer { config, moments: HashMap::new(), step: 0 }
     }
 
     pub fn step(&mut self, params: &ParamStore, grads: &GradStore) -> Result<(), ModelError> {
@@ -49,10 +45,8 @@ impl DenseOptimizer {
                     }
                 }
                 DenseOptimizerKind::Adam => {
-                    let (m, v) = self
-                        .moments
-                        .entry(name.clone())
-                        .or_insert_with(|| (vec![0.0; w.len()], vec![0.0; w.len()]));
+                    let (m, v) =
+                        self.moments.entry(name.clone()).or_insert_with(|| (vec![0.0; w.len()], vec![0.0; w.len()]));
                     for i in 0..w.len() {
                         let g = g[i] + wd * w[i];
                         m[i] = b1 * m[i] + (1.0 - b1) * g;
@@ -67,46 +61,26 @@ impl DenseOptimizer {
     }
 
     /// Optimizer state as named tensors (for the checkpoint).
-    pub fn state_tensors(
-        &self,
-        params: &ParamStore,
-    ) -> Result<HashMap<String, Tensor>, ModelError> {
+    pub fn state_tensors(&self, params: &ParamStore) -> Result<HashMap<String, Tensor>, ModelError> {
         let mut out = HashMap::new();
         for (name, var) in params.vars() {
             if let Some((m, v)) = self.moments.get(name) {
-                out.insert(
-                    format!("adam.m.{name}"),
-                    Tensor::from_vec(m.clone(), var.shape(), &Device::Cpu)?,
-                );
-                out.insert(
-                    format!("adam.v.{name}"),
-                    Tensor::from_vec(v.clone(), var.shape(), &Device::Cpu)?,
-                );
+                out.insert(format!("adam.m.{name}"), Tensor::from_vec(m.clone(), var.shape(), &Device::Cpu)?);
+                out.insert(format!("adam.v.{name}"), Tensor::from_vec(v.clone(), var.shape(), &Device::Cpu)?);
             }
         }
         Ok(out)
     }
 
-    pub fn load_state(
-        &mut self,
-        tensors: &HashMap<String, Tensor>,
-        step: u64,
-    ) -> Result<(), ModelError> {
+    pub fn load_state(&mut self, tensors: &HashMap<String, Tensor>, step: u64) -> Result<(), ModelError> {
         self.moments.clear();
         for (k, m) in tensors {
             if let Some(name) = k.strip_prefix("adam.m.") {
-                let v = tensors.get(&format!("adam.v.{name}")).ok_or_else(|| {
-                    ModelError::MissingParam {
-                        name: format!("adam.v.{name}"),
-                    }
-                })?;
-                self.moments.insert(
-                    name.to_string(),
-                    (
-                        m.flatten_all()?.to_vec1::<f32>()?,
-                        v.flatten_all()?.to_vec1::<f32>()?,
-                    ),
-                );
+                let v = tensors
+                    .get(&format!("adam.v.{name}"))
+                    .ok_or_else(|| ModelError::MissingParam { name: format!("adam.v.{name}") })?;
+                self.moments
+                    .insert(name.to_string(), (m.flatten_all()?.to_vec1::<f32>()?, v.flatten_all()?.to_vec1::<f32>()?));
             }
         }
         self.step = step;

@@ -6,6 +6,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use sparrow_core::rng::Rng;
 
 use crate::ModelError;
+use crate::fused::BiasRelu;
 
 pub struct ParamStore {
     vars: Vec<(String, Var)>,
@@ -15,11 +16,7 @@ pub struct ParamStore {
 
 impl ParamStore {
     pub fn new(seed: u64, device: Device) -> Self {
-        ParamStore {
-            vars: Vec::new(),
-            rng: Rng::new(seed),
-            device,
-        }
+        ParamStore { vars: Vec::new(), rng: Rng::new(seed), device }
     }
 
     pub fn device(&self) -> &Device {
@@ -32,16 +29,9 @@ impl ParamStore {
 
     /// A parameter drawn from U(−bound, bound) (PyTorch's default for Linear
     /// uses bound = 1/√fan_in for both weight and bias).
-    pub fn uniform(
-        &mut self,
-        name: String,
-        shape: &[usize],
-        bound: f64,
-    ) -> Result<Var, ModelError> {
+    pub fn uniform(&mut self, name: String, shape: &[usize], bound: f64) -> Result<Var, ModelError> {
         let n: usize = shape.iter().product();
-        let data: Vec<f32> = (0..n)
-            .map(|_| self.rng.uniform(-bound, bound) as f32)
-            .collect();
+        let data: Vec<f32> = (0..n).map(|_| self.rng.uniform(-bound, bound) as f32).collect();
         let var = Var::from_tensor(&Tensor::from_vec(data, shape, &self.device)?)?;
         self.vars.push((name, var.clone()));
         Ok(var)
@@ -54,18 +44,13 @@ impl ParamStore {
     }
 
     pub fn to_map(&self) -> HashMap<String, Tensor> {
-        self.vars
-            .iter()
-            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
-            .collect()
+        self.vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect()
     }
 
     /// Sets every parameter from `tensors`; all must be present with their shape.
     pub fn load_map(&self, tensors: &HashMap<String, Tensor>) -> Result<(), ModelError> {
         for (name, var) in &self.vars {
-            let t = tensors
-                .get(name)
-                .ok_or_else(|| ModelError::MissingParam { name: name.clone() })?;
+            let t = tensors.get(name).ok_or_else(|| ModelError::MissingParam { name: name.clone() })?;
             if t.dims() != var.dims() {
                 return Err(ModelError::ShapeMismatch {
                     name: name.clone(),
@@ -90,12 +75,7 @@ pub struct Linear {
 }
 
 impl Linear {
-    pub fn new(
-        ps: &mut ParamStore,
-        name: &str,
-        fan_in: usize,
-        fan_out: usize,
-    ) -> Result<Linear, ModelError> {
+    pub fn new(ps: &mut ParamStore, name: &str, fan_in: usize, fan_out: usize) -> Result<Linear, ModelError> {
         let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
         Ok(Linear {
             w: ps.uniform(format!("{name}.weight"), &[fan_in, fan_out], bound)?,
@@ -104,8 +84,12 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
-        Ok(x.matmul(self.w.as_tensor())?
-            .broadcast_add(self.b.as_tensor())?)
+        Ok(x.matmul(self.w.as_tensor())?.broadcast_add(self.b.as_tensor())?)
+    }
+
+    /// relu(x·W + b), bias and ReLU fused into one op.
+    pub fn forward_relu(&self, x: &Tensor) -> Result<Tensor, ModelError> {
+        Ok(x.matmul(self.w.as_tensor())?.apply_op2(self.b.as_tensor(), BiasRelu)?)
     }
 }
 
@@ -136,10 +120,7 @@ impl Mlp {
         let mut h = x.clone();
         let n = self.layers.len();
         for (i, layer) in self.layers.iter().enumerate() {
-            h = layer.forward(&h)?;
-            if i + 1 < n || self.relu_last {
-                h = h.relu()?;
-            }
+            h = if i + 1 < n || self.relu_last { layer.forward_relu(&h)? } else { layer.forward(&h)? };
         }
         Ok(h)
     }

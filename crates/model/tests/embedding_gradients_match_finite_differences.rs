@@ -18,24 +18,14 @@ const KINDS: [ModelKind; 7] = [
 ];
 
 fn mean_loss(model: &DenseModel, emb: &[f32], dense: &[f32], labels: &[f32]) -> f64 {
-    let logits = model
-        .predict(emb.to_vec(), dense.to_vec(), labels.len())
-        .expect("forward");
-    logits
-        .iter()
-        .zip(labels)
-        .map(|(&x, &y)| logistic_loss(f64::from(x), f64::from(y)))
-        .sum::<f64>()
+    let logits = model.predict(emb.to_vec(), dense.to_vec(), labels.len()).expect("forward");
+    logits.iter().zip(labels).map(|(&x, &y)| logistic_loss(f64::from(x), f64::from(y))).sum::<f64>()
         / labels.len() as f64
 }
 
 #[test]
 fn embedding_gradient_is_exact_for_every_model() {
-    let shape = ModelShape {
-        num_fields: 3,
-        num_dense: 2,
-        embedding_dim: 4,
-    };
+    let shape = ModelShape { num_fields: 3, num_dense: 2, embedding_dim: 4 };
     for kind in KINDS {
         let config = ModelConfig {
             kind,
@@ -49,44 +39,23 @@ fn embedding_gradient_is_exact_for_every_model() {
         let width = model.width();
         let rows = 5;
         let mut rng = Rng::new(3);
-        let emb: Vec<f32> = (0..rows * 3 * width)
-            .map(|_| rng.uniform(-0.5, 0.5) as f32)
-            .collect();
-        let dense: Vec<f32> = (0..rows * 2)
-            .map(|_| rng.uniform(0.0, 2.0) as f32)
-            .collect();
+        let emb: Vec<f32> = (0..rows * 3 * width).map(|_| rng.uniform(-0.5, 0.5) as f32).collect();
+        let dense: Vec<f32> = (0..rows * 2).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
         let labels: Vec<f32> = (0..rows).map(|i| (i % 2) as f32).collect();
 
         // A zero learning rate keeps the weights fixed while we probe them.
-        let frozen = DenseOptimizerConfig {
-            kind: DenseOptimizerKind::Sgd,
-            learning_rate: 0.0,
-            ..Default::default()
-        };
-        let out = model
-            .train_step(
-                emb.clone(),
-                dense.clone(),
-                &labels,
-                &mut DenseOptimizer::new(frozen),
-            )
-            .expect("step");
-        assert!(
-            (out.loss - mean_loss(&model, &emb, &dense, &labels)).abs() < 1e-5,
-            "{kind:?}: loss"
-        );
-        assert!(
-            out.emb_grad.iter().any(|&g| g != 0.0),
-            "{kind:?}: gradient is all zero"
-        );
+        let frozen = DenseOptimizerConfig { kind: DenseOptimizerKind::Sgd, learning_rate: 0.0, ..Default::default() };
+        let out =
+            model.train_step(emb.clone(), dense.clone(), &labels, &mut DenseOptimizer::new(frozen)).expect("step");
+        assert!((out.loss - mean_loss(&model, &emb, &dense, &labels)).abs() < 1e-5, "{kind:?}: loss");
+        assert!(out.emb_grad.iter().any(|&g| g != 0.0), "{kind:?}: gradient is all zero");
 
         let h = 1e-2f32;
         for i in (0..emb.len()).step_by(3) {
             let (mut plus, mut minus) = (emb.clone(), emb.clone());
             plus[i] += h;
             minus[i] -= h;
-            let numeric = (mean_loss(&model, &plus, &dense, &labels)
-                - mean_loss(&model, &minus, &dense, &labels))
+            let numeric = (mean_loss(&model, &plus, &dense, &labels) - mean_loss(&model, &minus, &dense, &labels))
                 / (2.0 * f64::from(h));
             let analytic = f64::from(out.emb_grad[i]);
             assert!(
@@ -99,23 +68,13 @@ fn embedding_gradient_is_exact_for_every_model() {
 
 #[test]
 fn loss_is_finite_when_logits_saturate() {
-    let shape = ModelShape {
-        num_fields: 2,
-        num_dense: 0,
-        embedding_dim: 1,
-    };
-    let config = ModelConfig {
-        kind: ModelKind::Lr,
-        embedding_dim: 1,
-        ..Default::default()
-    };
+    let shape = ModelShape { num_fields: 2, num_dense: 0, embedding_dim: 1 };
+    let config = ModelConfig { kind: ModelKind::Lr, embedding_dim: 1, ..Default::default() };
     let model = DenseModel::new(&config, shape, 1, Device::Cpu).expect("model");
     // Huge first-order weights push the logit to ±1e4: σ saturates in f32.
     let emb = vec![5e3f32, 5e3, -5e3, -5e3];
     let mut opt = DenseOptimizer::new(DenseOptimizerConfig::default());
-    let out = model
-        .train_step(emb, vec![], &[0.0, 1.0], &mut opt)
-        .expect("step");
+    let out = model.train_step(emb, vec![], &[0.0, 1.0], &mut opt).expect("step");
     assert!(out.loss.is_finite() && out.loss > 1e3, "loss {}", out.loss);
     assert!(out.emb_grad.iter().all(|g| g.is_finite()));
 }

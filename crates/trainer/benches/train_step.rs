@@ -12,33 +12,19 @@ fn bench(c: &mut Criterion) {
     sparrow_data::synth::generate(&dir, 64 * 1024, 1, 1).expect("generate");
     let mut config = Config::default();
     config.model.kind = ModelKind::Mlp;
-    let batches: Vec<Batch> = BatchStream::spawn(
-        &dir.join("train.tsv"),
-        &config.data,
-        1024,
-        Default::default(),
-        1,
-        BadRows::new(0, 1),
-    )
-    .expect("open")
-    .collect::<Result<_, _>>()
-    .expect("read");
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(2)
-        .build()
-        .expect("pool");
-    let mut trainer =
-        Trainer::new(&config, DataLayout::from_config(&config.data)).expect("trainer");
+    let batches: Vec<Batch> =
+        BatchStream::spawn(&dir.join("train.tsv"), &config.data, 1024, Default::default(), 1, BadRows::new(0, 1))
+            .expect("open")
+            .collect::<Result<_, _>>()
+            .expect("read");
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
+    let mut trainer = Trainer::new(&config, DataLayout::from_config(&config.data)).expect("trainer");
     let mut group = c.benchmark_group("train_step");
     group.throughput(Throughput::Elements(1024));
     let mut i = 0;
     group.bench_function("mlp_ref_batch1024", |b| {
         b.iter(|| {
-            pool.install(|| {
-                trainer
-                    .train_batch(&batches[i % batches.len()])
-                    .expect("step")
-            });
+            pool.install(|| trainer.train_batch(&batches[i % batches.len()]).expect("step"));
             i += 1;
         })
     });

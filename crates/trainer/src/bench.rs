@@ -102,25 +102,13 @@ pub struct BenchReport {
 }
 
 fn run_gather_limit(source: &Path, dims: &[usize], work: &Path) -> GatherLimit {
-    let mut out = GatherLimit {
-        source: source.display().to_string(),
-        rows_per_sec: Vec::new(),
-        error: None,
-    };
+    let mut out = GatherLimit { source: source.display().to_string(), rows_per_sec: Vec::new(), error: None };
     let exe = work.join("gather-limit");
-    let compiled = Command::new("cc")
-        .arg("-O2")
-        .arg("-o")
-        .arg(&exe)
-        .arg(source)
-        .output();
+    let compiled = Command::new("cc").arg("-O2").arg("-o").arg(&exe).arg(source).output();
     match compiled {
         Ok(o) if o.status.success() => {}
         Ok(o) => {
-            out.error = Some(format!(
-                "cc failed: {}",
-                String::from_utf8_lossy(&o.stderr).trim()
-            ));
+            out.error = Some(format!("cc failed: {}", String::from_utf8_lossy(&o.stderr).trim()));
             return out;
         }
         Err(e) => {
@@ -128,9 +116,7 @@ fn run_gather_limit(source: &Path, dims: &[usize], work: &Path) -> GatherLimit {
             return out;
         }
     }
-    let run = Command::new(&exe)
-        .args(dims.iter().map(|d| d.to_string()))
-        .output();
+    let run = Command::new(&exe).args(dims.iter().map(|d| d.to_string())).output();
     let text = match run {
         Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).to_string(),
         Ok(o) => {
@@ -173,10 +159,7 @@ fn bench_embedding(
         .build()
         .map_err(|e| TrainError::ThreadPool(e.to_string()))?;
     pool.install(|| {
-        let opt = SparseOptimizer::Adagrad {
-            lr: 0.05,
-            eps: 1e-8,
-        };
+        let opt = SparseOptimizer::Adagrad { lr: 0.05, eps: 1e-8 };
         let table = EmbeddingTable::new(dim, opt, Initializer::new(InitConfig::default(), 1), 64);
         // Fill the table so lookups hit a table of the stated size.
         let all: Vec<u64> = (0..o.table_rows as u64).map(|i| mix64(i ^ 0xabc)).collect();
@@ -188,25 +171,18 @@ fn bench_embedding(
         let zipf = Alias::zipf(o.table_rows, o.zipf_exponent);
         let mut rng = Rng::new(7);
         let keys_per_batch = o.batch_size * o.fields;
-        let batches: Vec<Vec<u64>> = (0..o.batches)
-            .map(|_| {
-                (0..keys_per_batch)
-                    .map(|_| all[zipf.draw(&mut rng)])
-                    .collect()
-            })
-            .collect();
-        let grads_seed: Vec<f32> = (0..keys_per_batch * dim)
-            .map(|i| ((i % 13) as f32 - 6.0) * 1e-3)
-            .collect();
+        let batches: Vec<Vec<u64>> =
+            (0..o.batches).map(|_| (0..keys_per_batch).map(|_| all[zipf.draw(&mut rng)]).collect()).collect();
+        let grads_seed: Vec<f32> = (0..keys_per_batch * dim).map(|i| ((i % 13) as f32 - 6.0) * 1e-3).collect();
         let (mut unique, mut rows, mut grads) = (0usize, Vec::new(), Vec::new());
         let start = Instant::now();
         for keys in &batches {
             let plan = table.plan(keys);
             rows.resize(plan.num_unique() * dim, 0.0);
-            table.lookup_or_insert(&plan, &mut rows)?;
+            let slots = table.lookup_or_insert(&plan, &mut rows)?;
             grads.clear();
             grads.extend_from_slice(&grads_seed[..plan.num_unique() * dim]);
-            table.apply_gradients(&plan, &grads)?;
+            table.apply_gradients_at(&plan, &slots, &grads);
             unique += plan.num_unique();
         }
         let secs = start.elapsed().as_secs_f64();
@@ -240,15 +216,9 @@ fn bench_train_step(o: &BenchOptions) -> Result<TrainBench, TrainError> {
     config.train.threads = threads;
     let layout = DataLayout::from_config(&config.data);
     let bad = BadRows::new(0, 5);
-    let batches: Vec<Batch> = BatchStream::spawn(
-        &data_dir.join("train.tsv"),
-        &config.data,
-        o.batch_size,
-        Default::default(),
-        1,
-        bad,
-    )?
-    .collect::<Result<_, _>>()?;
+    let batches: Vec<Batch> =
+        BatchStream::spawn(&data_dir.join("train.tsv"), &config.data, o.batch_size, Default::default(), 1, bad)?
+            .collect::<Result<_, _>>()?;
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
@@ -296,9 +266,5 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
     } else {
         None
     };
-    Ok(BenchReport {
-        gather_limit: gather,
-        embedding,
-        train_step,
-    })
+    Ok(BenchReport { gather_limit: gather, embedding, train_step })
 }

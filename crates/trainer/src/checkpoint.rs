@@ -90,11 +90,7 @@ impl<W: Write> Write for HashingWriter<W> {
 
 fn write_embeddings(trainer: &Trainer, path: &Path) -> Result<FileEntry, TrainError> {
     let file = File::create(path).map_err(io(path))?;
-    let mut w = HashingWriter {
-        inner: BufWriter::with_capacity(1 << 20, file),
-        hasher: Xxh3::new(),
-        bytes: 0,
-    };
+    let mut w = HashingWriter { inner: BufWriter::with_capacity(1 << 20, file), hasher: Xxh3::new(), bytes: 0 };
     let table = &trainer.table;
     let rows = table.len() as u64;
     let mut header = Vec::with_capacity(EMB_HEADER_BYTES as usize);
@@ -115,14 +111,8 @@ fn write_embeddings(trainer: &Trainer, path: &Path) -> Result<FileEntry, TrainEr
         })
         .map_err(io(path))?;
     w.flush().map_err(io(path))?;
-    let entry = FileEntry {
-        bytes: w.bytes,
-        xxh3: format!("{:016x}", w.hasher.digest()),
-    };
-    let file = w
-        .inner
-        .into_inner()
-        .map_err(|e| TrainError::io(path, e.into_error()))?;
+    let entry = FileEntry { bytes: w.bytes, xxh3: format!("{:016x}", w.hasher.digest()) };
+    let file = w.inner.into_inner().map_err(|e| TrainError::io(path, e.into_error()))?;
     file.sync_all().map_err(io(path))?;
     Ok(entry)
 }
@@ -148,25 +138,15 @@ pub fn save(trainer: &Trainer, root: &Path, keep: usize) -> Result<PathBuf, Trai
     let mut files = BTreeMap::new();
     // Dense weights and dense optimizer state, one safetensors file.
     let mut tensors = trainer.model.params.to_map();
-    tensors.extend(
-        trainer
-            .dense_optimizer
-            .state_tensors(&trainer.model.params)?,
-    );
+    tensors.extend(trainer.dense_optimizer.state_tensors(&trainer.model.params)?);
     let dense_path = tmp.join(DENSE_FILE);
     let dense_bytes = safetensors_bytes(&tensors, &dense_path)?;
     write_bytes_synced(&dense_path, &dense_bytes)?;
     files.insert(
         DENSE_FILE.to_string(),
-        FileEntry {
-            bytes: dense_bytes.len() as u64,
-            xxh3: format!("{:016x}", xxh3_64(&dense_bytes)),
-        },
+        FileEntry { bytes: dense_bytes.len() as u64, xxh3: format!("{:016x}", xxh3_64(&dense_bytes)) },
     );
-    files.insert(
-        EMB_FILE.to_string(),
-        write_embeddings(trainer, &tmp.join(EMB_FILE))?,
-    );
+    files.insert(EMB_FILE.to_string(), write_embeddings(trainer, &tmp.join(EMB_FILE))?);
 
     let manifest = Manifest {
         format_version: FORMAT_VERSION,
@@ -190,8 +170,8 @@ pub fn save(trainer: &Trainer, root: &Path, keep: usize) -> Result<PathBuf, Trai
             .unwrap_or(0),
     };
     let manifest_path = tmp.join(MANIFEST_FILE);
-    let json = serde_json::to_vec_pretty(&manifest)
-        .map_err(|e| TrainError::checkpoint(&manifest_path, e.to_string()))?;
+    let json =
+        serde_json::to_vec_pretty(&manifest).map_err(|e| TrainError::checkpoint(&manifest_path, e.to_string()))?;
     write_bytes_synced(&manifest_path, &json)?;
     fsync_dir(&tmp)?;
 
@@ -207,15 +187,11 @@ pub fn save(trainer: &Trainer, root: &Path, keep: usize) -> Result<PathBuf, Trai
     Ok(final_dir)
 }
 
-fn safetensors_bytes(
-    tensors: &HashMap<String, candle_core::Tensor>,
-    path: &Path,
-) -> Result<Vec<u8>, TrainError> {
+fn safetensors_bytes(tensors: &HashMap<String, candle_core::Tensor>, path: &Path) -> Result<Vec<u8>, TrainError> {
     // candle writes safetensors to a path; write to a scratch file and read it
     // back so the bytes can be checksummed before they land.
     let scratch = path.with_extension("scratch");
-    candle_core::safetensors::save(tensors, &scratch)
-        .map_err(|e| TrainError::checkpoint(path, e.to_string()))?;
+    candle_core::safetensors::save(tensors, &scratch).map_err(|e| TrainError::checkpoint(path, e.to_string()))?;
     let bytes = std::fs::read(&scratch).map_err(io(&scratch))?;
     std::fs::remove_file(&scratch).map_err(io(&scratch))?;
     Ok(bytes)
@@ -229,9 +205,7 @@ fn prune(root: &Path, current: &str, keep: usize) -> Result<(), TrainError> {
         let name = entry.file_name().to_string_lossy().to_string();
         if name.starts_with("ckpt-") {
             versions.push(name);
-        } else if name.starts_with(".tmp-ckpt-")
-            && !name.ends_with(&format!("-{}", std::process::id()))
-        {
+        } else if name.starts_with(".tmp-ckpt-") && !name.ends_with(&format!("-{}", std::process::id())) {
             let _ = std::fs::remove_dir_all(entry.path());
         }
     }
@@ -266,25 +240,18 @@ pub fn resolve(path: &Path) -> Result<PathBuf, TrainError> {
     if !path.exists() {
         return Err(TrainError::checkpoint(path, "does not exist"));
     }
-    Err(TrainError::checkpoint(
-        path,
-        "is not a checkpoint (no manifest.json and no LATEST)",
-    ))
+    Err(TrainError::checkpoint(path, "is not a checkpoint (no manifest.json and no LATEST)"))
 }
 
 pub fn read_manifest(dir: &Path) -> Result<Manifest, TrainError> {
     let path = dir.join(MANIFEST_FILE);
     let bytes = std::fs::read(&path).map_err(io(&path))?;
-    let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| {
-        TrainError::checkpoint(&path, format!("manifest is corrupt or truncated: {e}"))
-    })?;
+    let m: Manifest = serde_json::from_slice(&bytes)
+        .map_err(|e| TrainError::checkpoint(&path, format!("manifest is corrupt or truncated: {e}")))?;
     if m.format_version != FORMAT_VERSION {
         return Err(TrainError::checkpoint(
             &path,
-            format!(
-                "format version {} is not supported (this build reads {FORMAT_VERSION})",
-                m.format_version
-            ),
+            format!("format version {} is not supported (this build reads {FORMAT_VERSION})", m.format_version),
         ));
     }
     Ok(m)
@@ -302,10 +269,7 @@ fn verify_entry(
     if bytes_on_disk != entry.bytes {
         return Err(TrainError::checkpoint(
             &path,
-            format!(
-                "truncated or damaged: {bytes_on_disk} bytes on disk, the manifest says {}",
-                entry.bytes
-            ),
+            format!("truncated or damaged: {bytes_on_disk} bytes on disk, the manifest says {}", entry.bytes),
         ));
     }
     if let Some(d) = digest
@@ -320,9 +284,7 @@ fn verify_entry(
 }
 
 fn entry<'a>(dir: &Path, m: &'a Manifest, name: &str) -> Result<&'a FileEntry, TrainError> {
-    m.files
-        .get(name)
-        .ok_or_else(|| TrainError::checkpoint(dir, format!("manifest lists no {name}")))
+    m.files.get(name).ok_or_else(|| TrainError::checkpoint(dir, format!("manifest lists no {name}")))
 }
 
 /// Loads a checkpoint version into a fresh `trainer`, whose model must be of
@@ -334,10 +296,7 @@ pub fn load_into(trainer: &mut Trainer, dir: &Path) -> Result<Manifest, TrainErr
     if m.model_kind != want_kind {
         return Err(TrainError::checkpoint(
             dir,
-            format!(
-                "holds a `{}` model, the config asks for `{want_kind}`",
-                m.model_kind
-            ),
+            format!("holds a `{}` model, the config asks for `{want_kind}`", m.model_kind),
         ));
     }
     let shape = (m.num_fields, m.num_dense, m.embedding_dim, m.row_len);
@@ -360,19 +319,11 @@ pub fn load_into(trainer: &mut Trainer, dir: &Path) -> Result<Manifest, TrainErr
     // Dense part: verify, then load.
     let dense_path = dir.join(DENSE_FILE);
     let dense_bytes = std::fs::read(&dense_path).map_err(io(&dense_path))?;
-    verify_entry(
-        dir,
-        DENSE_FILE,
-        entry(dir, &m, DENSE_FILE)?,
-        dense_bytes.len() as u64,
-        Some(xxh3_64(&dense_bytes)),
-    )?;
+    verify_entry(dir, DENSE_FILE, entry(dir, &m, DENSE_FILE)?, dense_bytes.len() as u64, Some(xxh3_64(&dense_bytes)))?;
     let tensors = candle_core::safetensors::load_buffer(&dense_bytes, &candle_core::Device::Cpu)
         .map_err(|e| TrainError::checkpoint(&dense_path, e.to_string()))?;
     trainer.model.params.load_map(&tensors)?;
-    trainer
-        .dense_optimizer
-        .load_state(&tensors, m.dense_optimizer_step)?;
+    trainer.dense_optimizer.load_state(&tensors, m.dense_optimizer_step)?;
 
     // Embedding rows: verify size first, then parse while hashing.
     let emb_path = dir.join(EMB_FILE);
@@ -381,10 +332,7 @@ pub fn load_into(trainer: &mut Trainer, dir: &Path) -> Result<Manifest, TrainErr
     verify_entry(dir, EMB_FILE, emb_entry, on_disk, None)?;
     let rows = read_embeddings(&emb_path, trainer, emb_entry)?;
     if rows != m.embedding_rows {
-        return Err(TrainError::checkpoint(
-            &emb_path,
-            format!("{rows} rows, the manifest says {}", m.embedding_rows),
-        ));
+        return Err(TrainError::checkpoint(&emb_path, format!("{rows} rows, the manifest says {}", m.embedding_rows)));
     }
     trainer.step = m.step;
     trainer.samples_trained = m.samples_trained;
@@ -397,24 +345,14 @@ fn read_embeddings(path: &Path, trainer: &Trainer, entry: &FileEntry) -> Result<
     let mut r = BufReader::with_capacity(1 << 20, file);
     let mut hasher = Xxh3::new();
     let mut header = [0u8; EMB_HEADER_BYTES as usize];
-    r.read_exact(&mut header)
-        .map_err(|_| TrainError::checkpoint(path, "truncated header"))?;
+    r.read_exact(&mut header).map_err(|_| TrainError::checkpoint(path, "truncated header"))?;
     hasher.update(&header);
     if &header[..8] != EMB_MAGIC {
-        return Err(TrainError::checkpoint(
-            path,
-            "not a Sparrow embeddings file (bad magic)",
-        ));
+        return Err(TrainError::checkpoint(path, "not a Sparrow embeddings file (bad magic)"));
     }
-    let u32_at = |i: usize| {
-        u32::from_le_bytes([header[i], header[i + 1], header[i + 2], header[i + 3]]) as usize
-    };
+    let u32_at = |i: usize| u32::from_le_bytes([header[i], header[i + 1], header[i + 2], header[i + 3]]) as usize;
     let (dim, row_len) = (u32_at(8), u32_at(12));
-    let rows = u64::from_le_bytes(
-        header[16..24]
-            .try_into()
-            .map_err(|_| TrainError::checkpoint(path, "header"))?,
-    );
+    let rows = u64::from_le_bytes(header[16..24].try_into().map_err(|_| TrainError::checkpoint(path, "header"))?);
     if dim != trainer.table.dim() || row_len != trainer.table.row_len() {
         return Err(TrainError::checkpoint(
             path,
@@ -427,10 +365,7 @@ fn read_embeddings(path: &Path, trainer: &Trainer, entry: &FileEntry) -> Result<
     }
     let record_len = 8 + row_len * 4;
     if EMB_HEADER_BYTES + rows * record_len as u64 != entry.bytes {
-        return Err(TrainError::checkpoint(
-            path,
-            "row count in the header does not match the file size",
-        ));
+        return Err(TrainError::checkpoint(path, "row count in the header does not match the file size"));
     }
     let mut record = vec![0u8; record_len];
     let mut row = vec![0f32; row_len];
@@ -438,43 +373,26 @@ fn read_embeddings(path: &Path, trainer: &Trainer, entry: &FileEntry) -> Result<
     // load, and the caller discards the half-filled trainer (loads happen
     // before any training, so nothing trained is lost).
     for _ in 0..rows {
-        r.read_exact(&mut record)
-            .map_err(|_| TrainError::checkpoint(path, "truncated rows"))?;
+        r.read_exact(&mut record).map_err(|_| TrainError::checkpoint(path, "truncated rows"))?;
         hasher.update(&record);
-        let key = u64::from_le_bytes(
-            record[..8]
-                .try_into()
-                .map_err(|_| TrainError::checkpoint(path, "record"))?,
-        );
+        let key = u64::from_le_bytes(record[..8].try_into().map_err(|_| TrainError::checkpoint(path, "record"))?);
         for (x, b) in row.iter_mut().zip(record[8..].chunks_exact(4)) {
             *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         }
         trainer.table.put_row(key, &row)?;
     }
     let digest = hasher.digest();
-    verify_entry(
-        path.parent().unwrap_or(Path::new(".")),
-        EMB_FILE,
-        entry,
-        entry.bytes,
-        Some(digest),
-    )?;
+    verify_entry(path.parent().unwrap_or(Path::new(".")), EMB_FILE, entry, entry.bytes, Some(digest))?;
     Ok(rows)
 }
 
 /// Rebuilds a trainer (config, layout, model and table) from a checkpoint.
 /// `overrides` (`KEY=VALUE`) apply to the stored config, e.g. another data format.
-pub fn load_trainer(
-    path: &Path,
-    overrides: &[String],
-) -> Result<(Trainer, Manifest, PathBuf), TrainError> {
+pub fn load_trainer(path: &Path, overrides: &[String]) -> Result<(Trainer, Manifest, PathBuf), TrainError> {
     let dir = resolve(path)?;
     let m = read_manifest(&dir)?;
-    let config = Config::from_toml_with_overrides(
-        &m.config,
-        &dir.join(MANIFEST_FILE).display().to_string(),
-        overrides,
-    )?;
+    let config =
+        Config::from_toml_with_overrides(&m.config, &dir.join(MANIFEST_FILE).display().to_string(), overrides)?;
     let layout = DataLayout {
         num_fields: m.num_fields,
         num_dense: m.num_dense,

@@ -14,26 +14,17 @@ pub enum TrainError {
     #[error("checkpoint {path}: {message}")]
     Checkpoint { path: PathBuf, message: String },
     #[error("{path}: {error}")]
-    Io {
-        path: PathBuf,
-        error: std::io::Error,
-    },
+    Io { path: PathBuf, error: std::io::Error },
     #[error("thread pool: {0}")]
     ThreadPool(String),
 }
 
 impl TrainError {
     pub fn io(path: &std::path::Path, source: std::io::Error) -> Self {
-        TrainError::Io {
-            path: path.to_path_buf(),
-            error: source,
-        }
+        TrainError::Io { path: path.to_path_buf(), error: source }
     }
 
     pub fn checkpoint(path: &std::path::Path, message: impl Into<String>) -> Self {
-        TrainError::Checkpoint {
-            path: path.to_path_buf(),
-            message: message.into(),
-        }
+        TrainError::Checkpoint { path: path.to_path_buf(), message: message.into() }
     }
 }

@@ -15,46 +15,32 @@ fn bag_scale(pooling: Pooling, len: usize) -> f32 {
 }
 
 /// Pooled embeddings `[rows, fields, width]` from the unique rows of `plan`.
-pub fn pool(
-    batch: &Batch,
-    plan: &KeyPlan,
-    unique_rows: &[f32],
-    width: usize,
-    pooling: Pooling,
-) -> Vec<f32> {
+pub fn pool(batch: &Batch, plan: &KeyPlan, unique_rows: &[f32], width: usize, pooling: Pooling) -> Vec<f32> {
     let f = batch.num_fields;
     let mut out = vec![0.0f32; batch.rows() * f * width];
-    out.par_chunks_mut(f * width * 64)
-        .enumerate()
-        .for_each(|(chunk, block)| {
-            for (j, slot) in block.chunks_mut(width).enumerate() {
-                let bag_index = chunk * 64 * f + j;
-                let (row, field) = (bag_index / f, bag_index % f);
-                let range = batch.bag(row, field);
-                let scale = bag_scale(pooling, range.len());
-                for i in range {
-                    let u = plan.inverse[i] as usize;
-                    let w = batch.key_weight(i) * scale;
-                    let src = &unique_rows[u * width..(u + 1) * width];
-                    if w == 1.0 {
-                        slot.iter_mut().zip(src).for_each(|(o, s)| *o += s);
-                    } else {
-                        slot.iter_mut().zip(src).for_each(|(o, s)| *o += w * s);
-                    }
+    out.par_chunks_mut(f * width * 64).enumerate().for_each(|(chunk, block)| {
+        for (j, slot) in block.chunks_mut(width).enumerate() {
+            let bag_index = chunk * 64 * f + j;
+            let (row, field) = (bag_index / f, bag_index % f);
+            let range = batch.bag(row, field);
+            let scale = bag_scale(pooling, range.len());
+            for i in range {
+                let u = plan.inverse[i] as usize;
+                let w = batch.key_weight(i) * scale;
+                let src = &unique_rows[u * width..(u + 1) * width];
+                if w == 1.0 {
+                    slot.iter_mut().zip(src).for_each(|(o, s)| *o += s);
+                } else {
+                    slot.iter_mut().zip(src).for_each(|(o, s)| *o += w * s);
                 }
             }
-        });
+        }
+    });
     out
 }
 
 /// Adjoint of [`pool`]: gradients per unique key, duplicates summed (S3.7).
-pub fn unpool(
-    batch: &Batch,
-    plan: &KeyPlan,
-    grad: &[f32],
-    width: usize,
-    pooling: Pooling,
-) -> Vec<f32> {
+pub fn unpool(batch: &Batch, plan: &KeyPlan, grad: &[f32], width: usize, pooling: Pooling) -> Vec<f32> {
     let f = batch.num_fields;
     let mut out = vec![0.0f32; plan.num_unique() * width];
     for row in 0..batch.rows() {
@@ -65,10 +51,7 @@ pub fn unpool(
             for i in range {
                 let u = plan.inverse[i] as usize;
                 let w = batch.key_weight(i) * scale;
-                out[u * width..(u + 1) * width]
-                    .iter_mut()
-                    .zip(g)
-                    .for_each(|(o, g)| *o += w * g);
+                out[u * width..(u + 1) * width].iter_mut().zip(g).for_each(|(o, g)| *o += w * g);
             }
         }
     }
@@ -85,10 +68,8 @@ mod tests {
     fn pool_and_unpool_are_adjoint() {
         // <pool(x), g> == <x, unpool(g)> for any x, g: the backward is exact.
         let mut b = BatchBuilder::new(2, 0, true, 3);
-        for (keys, label) in [
-            (vec![(0, 1, 0.5), (0, 2, 2.0), (1, 1, 1.0)], 1.0),
-            (vec![(1, 3, 1.0), (1, 3, 1.0)], 0.0),
-        ] {
+        for (keys, label) in [(vec![(0, 1, 0.5), (0, 2, 2.0), (1, 1, 1.0)], 1.0), (vec![(1, 3, 1.0), (1, 3, 1.0)], 0.0)]
+        {
             b.begin_row();
             for (f, k, w) in keys {
                 assert!(b.push_key(f, k, w));
@@ -98,12 +79,8 @@ mod tests {
         let batch = b.finish(DataPosition::default());
         let plan = KeyPlan::new(&batch.keys, 1, |_| 0);
         let width = 2;
-        let x: Vec<f32> = (0..plan.num_unique() * width)
-            .map(|i| i as f32 * 0.3 - 0.5)
-            .collect();
-        let g: Vec<f32> = (0..batch.rows() * 2 * width)
-            .map(|i| (i as f32).sin())
-            .collect();
+        let x: Vec<f32> = (0..plan.num_unique() * width).map(|i| i as f32 * 0.3 - 0.5).collect();
+        let g: Vec<f32> = (0..batch.rows() * 2 * width).map(|i| (i as f32).sin()).collect();
         for pooling in [Pooling::Sum, Pooling::Mean] {
             let px = pool(&batch, &plan, &x, width, pooling);
             let ug = unpool(&batch, &plan, &g, width, pooling);

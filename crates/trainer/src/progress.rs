@@ -14,10 +14,8 @@ impl Progress {
     pub fn new(total: Option<u64>, quiet: bool) -> Progress {
         let bar = (!quiet && std::io::stderr().is_terminal()).then(|| {
             let bar = ProgressBar::new(total.unwrap_or(0));
-            let style = ProgressStyle::with_template(
-                "{spinner} [{elapsed_precise}] {wide_bar} {percent:>3}% {msg}",
-            )
-            .unwrap_or_else(|_| ProgressStyle::default_bar());
+            let style = ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_bar} {percent:>3}% {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar());
             bar.set_style(style);
             bar
         });

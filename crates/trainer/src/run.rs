@@ -65,14 +65,8 @@ fn thread_pool(threads: usize) -> Result<rayon::ThreadPool, TrainError> {
         .map_err(|e| TrainError::ThreadPool(e.to_string()))
 }
 
-fn data_path<'a>(
-    p: &'a Option<String>,
-    key: &'static str,
-    what: &'static str,
-) -> Result<&'a Path, TrainError> {
-    p.as_deref()
-        .map(Path::new)
-        .ok_or(TrainError::Data(DataError::MissingPath { key, what }))
+fn data_path<'a>(p: &'a Option<String>, key: &'static str, what: &'static str) -> Result<&'a Path, TrainError> {
+    p.as_deref().map(Path::new).ok_or(TrainError::Data(DataError::MissingPath { key, what }))
 }
 
 struct MetricsLog {
@@ -100,9 +94,7 @@ impl MetricsLog {
 
     fn write(&mut self, value: serde_json::Value) -> Result<(), TrainError> {
         if let Some((p, w)) = &mut self.file {
-            writeln!(w, "{value}")
-                .and_then(|_| w.flush())
-                .map_err(|e| TrainError::io(p, e))?;
+            writeln!(w, "{value}").and_then(|_| w.flush()).map_err(|e| TrainError::io(p, e))?;
         }
         Ok(())
     }
@@ -129,12 +121,7 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant) -> Result<TrainSum
         let m = checkpoint::load_into(&mut trainer, &dir)?;
         resumed_from_step = Some(m.step);
         if !quiet {
-            eprintln!(
-                "resumed from {} (step {}, {} embedding rows)",
-                dir.display(),
-                m.step,
-                m.embedding_rows
-            );
+            eprintln!("resumed from {} (step {}, {} embedding rows)", dir.display(), m.step, m.embedding_rows);
         }
     }
     let bad = BadRows::new(config.data.max_bad_rows, config.data.report_bad_rows);
@@ -148,10 +135,7 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant) -> Result<TrainSum
     )?;
     let file_bytes = std::fs::metadata(train_path).map(|m| m.len()).ok();
     let progress = Progress::new(file_bytes.map(|b| b * config.train.epochs), quiet);
-    let mut metrics = MetricsLog::open(
-        config.train.metrics_path.as_deref(),
-        resumed_from_step.is_some(),
-    )?;
+    let mut metrics = MetricsLog::open(config.train.metrics_path.as_deref(), resumed_from_step.is_some())?;
 
     let train_start = Instant::now();
     let start_samples = trainer.samples_trained;
@@ -189,10 +173,7 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant) -> Result<TrainSum
             let loss = interval_loss / interval_rows.max(1) as f64;
             let rate = interval_rows as f64 / secs.max(1e-9);
             last_train_logloss = Some(loss);
-            progress.set_position(
-                bytes_done,
-                &format!("step {} loss {loss:.4} {rate:.0} samples/s", trainer.step),
-            );
+            progress.set_position(bytes_done, &format!("step {} loss {loss:.4} {rate:.0} samples/s", trainer.step));
             progress.line(&format!(
                 "step {} epoch {} samples {} train_logloss {loss:.5} samples/s {rate:.0}",
                 trainer.step, trainer.position.epoch, trainer.samples_trained
@@ -224,20 +205,14 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant) -> Result<TrainSum
 
     // Whatever happened, what was trained is written before anything else.
     let checkpoint_dir = match &config.checkpoint.dir {
-        Some(dir) if trainer.step > 0 || outcome.is_ok() => Some(checkpoint::save(
-            &trainer,
-            Path::new(dir),
-            config.checkpoint.keep,
-        )?),
+        Some(dir) if trainer.step > 0 || outcome.is_ok() => {
+            Some(checkpoint::save(&trainer, Path::new(dir), config.checkpoint.keep)?)
+        }
         _ => None,
     };
     if let Err(e) = outcome {
         if let Some(d) = &checkpoint_dir {
-            eprintln!(
-                "error after step {}; the model so far is saved in {}",
-                trainer.step,
-                d.display()
-            );
+            eprintln!("error after step {}; the model so far is saved in {}", trainer.step, d.display());
         }
         return Err(e);
     }
@@ -300,25 +275,14 @@ fn predict_file(
     data: &sparrow_core::config::DataConfig,
     bad: &BadRows,
 ) -> Result<(Vec<f32>, Vec<f32>), TrainError> {
-    let stream = BatchStream::spawn(
-        path,
-        data,
-        trainer.config.train.batch_size.max(1024),
-        Default::default(),
-        1,
-        bad.clone(),
-    )?;
-    if stream.layout.num_fields != trainer.layout.num_fields
-        || stream.layout.num_dense != trainer.layout.num_dense
-    {
+    let stream =
+        BatchStream::spawn(path, data, trainer.config.train.batch_size.max(1024), Default::default(), 1, bad.clone())?;
+    if stream.layout.num_fields != trainer.layout.num_fields || stream.layout.num_dense != trainer.layout.num_dense {
         return Err(TrainError::checkpoint(
             path,
             format!(
                 "data has {} fields and {} dense values, the model was trained on {} and {}",
-                stream.layout.num_fields,
-                stream.layout.num_dense,
-                trainer.layout.num_fields,
-                trainer.layout.num_dense
+                stream.layout.num_fields, stream.layout.num_dense, trainer.layout.num_fields, trainer.layout.num_dense
             ),
         ));
     }
@@ -340,12 +304,8 @@ pub fn evaluate_checkpoint(
     let wall = Instant::now();
     let (trainer, manifest, _) = checkpoint::load_trainer(checkpoint, overrides)?;
     let pool = thread_pool(threads.unwrap_or(trainer.config.train.threads))?;
-    let bad = BadRows::new(
-        trainer.config.data.max_bad_rows,
-        trainer.config.data.report_bad_rows,
-    );
-    let (logits, labels) =
-        pool.install(|| predict_file(&trainer, data, &trainer.config.data, &bad))?;
+    let bad = BadRows::new(trainer.config.data.max_bad_rows, trainer.config.data.report_bad_rows);
+    let (logits, labels) = pool.install(|| predict_file(&trainer, data, &trainer.config.data, &bad))?;
     Ok(EvalSummary {
         auc: auc(&logits, &labels),
         logloss: log_loss_from_logits(&logits, &labels),
@@ -366,12 +326,8 @@ pub fn predict_checkpoint(
     let wall = Instant::now();
     let (trainer, manifest, _) = checkpoint::load_trainer(checkpoint, overrides)?;
     let pool = thread_pool(trainer.config.train.threads)?;
-    let bad = BadRows::new(
-        trainer.config.data.max_bad_rows,
-        trainer.config.data.report_bad_rows,
-    );
-    let (logits, labels) =
-        pool.install(|| predict_file(&trainer, data, &trainer.config.data, &bad))?;
+    let bad = BadRows::new(trainer.config.data.max_bad_rows, trainer.config.data.report_bad_rows);
+    let (logits, labels) = pool.install(|| predict_file(&trainer, data, &trainer.config.data, &bad))?;
     let tmp = out.with_extension("partial");
     {
         let f = File::create(&tmp).map_err(|e| TrainError::io(&tmp, e))?;

@@ -35,10 +35,7 @@ pub struct StepStats {
 
 /// Seeds of the independent random streams, derived from `train.seed`.
 fn seeds(seed: u64) -> (u64, u64) {
-    (
-        seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xe3b,
-        seed.wrapping_mul(0xc2b2_ae3d_27d4_eb4f) ^ 0xd15,
-    )
+    (seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xe3b, seed.wrapping_mul(0xc2b2_ae3d_27d4_eb4f) ^ 0xd15)
 }
 
 impl Trainer {
@@ -73,31 +70,15 @@ impl Trainer {
         let width = self.table.dim();
         let plan = self.table.plan(&batch.keys);
         let mut unique_rows = vec![0.0f32; plan.num_unique() * width];
-        self.table.lookup_or_insert(&plan, &mut unique_rows)?;
+        let slots = self.table.lookup_or_insert(&plan, &mut unique_rows)?;
         let pooled = pool(batch, &plan, &unique_rows, width, self.config.model.pooling);
-        let out = self.model.train_step(
-            pooled,
-            batch.dense.clone(),
-            &batch.labels,
-            &mut self.dense_optimizer,
-        )?;
-        let grads = unpool(
-            batch,
-            &plan,
-            &out.emb_grad,
-            width,
-            self.config.model.pooling,
-        );
-        self.table.apply_gradients(&plan, &grads)?;
+        let out = self.model.train_step(pooled, batch.dense.clone(), &batch.labels, &mut self.dense_optimizer)?;
+        let grads = unpool(batch, &plan, &out.emb_grad, width, self.config.model.pooling);
+        self.table.apply_gradients_at(&plan, &slots, &grads);
         self.step += 1;
         self.samples_trained += batch.rows() as u64;
         self.position = batch.end;
-        Ok(StepStats {
-            rows: batch.rows(),
-            loss: out.loss,
-            keys: batch.keys.len(),
-            unique_keys: plan.num_unique(),
-        })
+        Ok(StepStats { rows: batch.rows(), loss: out.loss, keys: batch.keys.len(), unique_keys: plan.num_unique() })
     }
 
     /// Logits of a batch; the table is only read (unseen keys read as their
@@ -108,8 +89,6 @@ impl Trainer {
         let mut unique_rows = vec![0.0f32; plan.num_unique() * width];
         self.table.lookup(&plan, &mut unique_rows);
         let pooled = pool(batch, &plan, &unique_rows, width, self.config.model.pooling);
-        Ok(self
-            .model
-            .predict(pooled, batch.dense.clone(), batch.rows())?)
+        Ok(self.model.predict(pooled, batch.dense.clone(), batch.rows())?)
     }
 }

@@ -48,44 +48,27 @@ fn damage_and_mismatch_are_reported() {
     // Truncated embeddings file.
     let cut = tmp.path().join("cut");
     copy_dir(&version, &cut);
-    let f = OpenOptions::new()
-        .write(true)
-        .open(cut.join("embeddings.bin"))
-        .expect("open");
+    let f = OpenOptions::new().write(true).open(cut.join("embeddings.bin")).expect("open");
     let len = f.metadata().expect("meta").len();
     f.set_len(len - 7).expect("truncate");
     let msg = load_err(&cut);
-    assert!(
-        msg.contains("embeddings.bin") && msg.contains("truncated"),
-        "{msg}"
-    );
+    assert!(msg.contains("embeddings.bin") && msg.contains("truncated"), "{msg}");
 
     // One flipped byte in the dense weights.
     let flipped = tmp.path().join("flipped");
     copy_dir(&version, &flipped);
-    let mut f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(flipped.join("dense.safetensors"))
-        .expect("open");
+    let mut f = OpenOptions::new().read(true).write(true).open(flipped.join("dense.safetensors")).expect("open");
     let at = f.metadata().expect("meta").len() - 5;
     f.seek(SeekFrom::Start(at)).expect("seek");
     f.write_all(&[0x5a]).expect("write");
     drop(f);
     let msg = load_err(&flipped);
-    assert!(
-        msg.contains("dense.safetensors") && msg.contains("checksum"),
-        "{msg}"
-    );
+    assert!(msg.contains("dense.safetensors") && msg.contains("checksum"), "{msg}");
 
     // One flipped byte in an embedding row.
     let flipped_rows = tmp.path().join("flipped-rows");
     copy_dir(&version, &flipped_rows);
-    let mut f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(flipped_rows.join("embeddings.bin"))
-        .expect("open");
+    let mut f = OpenOptions::new().read(true).write(true).open(flipped_rows.join("embeddings.bin")).expect("open");
     f.seek(SeekFrom::Start(100)).expect("seek");
     f.write_all(&[0xff, 0x00]).expect("write");
     drop(f);
@@ -98,10 +81,7 @@ fn damage_and_mismatch_are_reported() {
     let text = std::fs::read(half.join("manifest.json")).expect("read");
     std::fs::write(half.join("manifest.json"), &text[..text.len() / 2]).expect("write");
     let msg = load_err(&half);
-    assert!(
-        msg.contains("manifest") && msg.contains("corrupt or truncated"),
-        "{msg}"
-    );
+    assert!(msg.contains("manifest") && msg.contains("corrupt or truncated"), "{msg}");
 
     // Not a checkpoint at all.
     let msg = load_err(&data);

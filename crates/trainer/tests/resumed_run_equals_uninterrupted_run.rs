@@ -19,15 +19,7 @@ fn dense_values(t: &sparrow_trainer::Trainer) -> Vec<(String, Vec<f32>)> {
         .params
         .vars()
         .iter()
-        .map(|(n, v)| {
-            (
-                n.clone(),
-                v.as_tensor()
-                    .flatten_all()
-                    .and_then(|t| t.to_vec1::<f32>())
-                    .expect("values"),
-            )
-        })
+        .map(|(n, v)| (n.clone(), v.as_tensor().flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("values")))
         .collect()
 }
 
@@ -71,32 +63,17 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
         let (b, mb, _) = load_trainer(&part_dir, &[]).expect("load resumed");
         assert_eq!(ma.step, mb.step);
         assert_eq!(ma.position, mb.position);
-        assert_eq!(
-            dense_values(&a),
-            dense_values(&b),
-            "{kind}: dense weights differ"
-        );
+        assert_eq!(dense_values(&a), dense_values(&b), "{kind}: dense weights differ");
         assert_eq!(rows(&a), rows(&b), "{kind}: embedding rows differ");
-        assert_eq!(
-            full.test_auc.map(f64::to_bits),
-            resumed.test_auc.map(f64::to_bits)
-        );
+        assert_eq!(full.test_auc.map(f64::to_bits), resumed.test_auc.map(f64::to_bits));
         // Dense optimizer state too: one more identical step must keep them equal.
-        let tensors_a = a
-            .dense_optimizer
-            .state_tensors(&a.model.params)
-            .expect("state");
-        let tensors_b = b
-            .dense_optimizer
-            .state_tensors(&b.model.params)
-            .expect("state");
+        let tensors_a = a.dense_optimizer.state_tensors(&a.model.params).expect("state");
+        let tensors_b = b.dense_optimizer.state_tensors(&b.model.params).expect("state");
         assert_eq!(tensors_a.len(), tensors_b.len());
         for (k, t) in &tensors_a {
             let u = &tensors_b[k];
-            let (x, y) = (
-                t.flatten_all().and_then(|t| t.to_vec1::<f32>()),
-                u.flatten_all().and_then(|t| t.to_vec1::<f32>()),
-            );
+            let (x, y) =
+                (t.flatten_all().and_then(|t| t.to_vec1::<f32>()), u.flatten_all().and_then(|t| t.to_vec1::<f32>()));
             assert_eq!(x.expect("a"), y.expect("b"), "{kind}: optimizer state {k}");
         }
     }
