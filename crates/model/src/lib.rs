@@ -6,6 +6,7 @@
 //! with respect to the pooled embeddings is handed back to the caller.
 
 pub mod fused;
+pub mod mlp;
 pub mod models;
 pub mod optimizer;
 pub mod params;

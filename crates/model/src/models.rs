@@ -7,7 +7,8 @@ use sparrow_core::metrics::{logistic_loss, sigmoid};
 
 use crate::ModelError;
 use crate::optimizer::DenseOptimizer;
-use crate::params::{Linear, Mlp, ParamStore};
+use crate::mlp::Mlp;
+use crate::params::{Linear, ParamStore};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ModelShape {

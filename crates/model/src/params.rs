@@ -37,6 +37,18 @@ impl ParamStore {
         Ok(var)
     }
 
+    /// `n` draws from U(−bound, bound), in the store's deterministic sequence.
+    pub fn draw_uniform(&mut self, n: usize, bound: f64) -> Vec<f32> {
+        (0..n).map(|_| self.rng.uniform(-bound, bound) as f32).collect()
+    }
+
+    /// Registers a parameter with the given values.
+    pub fn push(&mut self, name: String, data: Vec<f32>, shape: &[usize]) -> Result<Var, ModelError> {
+        let var = Var::from_tensor(&Tensor::from_vec(data, shape, &self.device)?)?;
+        self.vars.push((name, var.clone()));
+        Ok(var)
+    }
+
     pub fn zeros(&mut self, name: String, shape: &[usize]) -> Result<Var, ModelError> {
         let var = Var::zeros(shape, DType::F32, &self.device)?;
         self.vars.push((name, var.clone()));
@@ -90,38 +102,5 @@ impl Linear {
     /// relu(x·W + b), bias and ReLU fused into one op.
     pub fn forward_relu(&self, x: &Tensor) -> Result<Tensor, ModelError> {
         Ok(x.matmul(self.w.as_tensor())?.apply_op2(self.b.as_tensor(), BiasRelu)?)
-    }
-}
-
-/// Linear layers with ReLU between them; `relu_last` also after the last one.
-pub struct Mlp {
-    layers: Vec<Linear>,
-    relu_last: bool,
-}
-
-impl Mlp {
-    pub fn new(
-        ps: &mut ParamStore,
-        name: &str,
-        input: usize,
-        sizes: &[usize],
-        relu_last: bool,
-    ) -> Result<Mlp, ModelError> {
-        let mut layers = Vec::with_capacity(sizes.len());
-        let mut fan_in = input;
-        for (i, &out) in sizes.iter().enumerate() {
-            layers.push(Linear::new(ps, &format!("{name}.{i}"), fan_in, out)?);
-            fan_in = out;
-        }
-        Ok(Mlp { layers, relu_last })
-    }
-
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
-        let mut h = x.clone();
-        let n = self.layers.len();
-        for (i, layer) in self.layers.iter().enumerate() {
-            h = if i + 1 < n || self.relu_last { layer.forward_relu(&h)? } else { layer.forward(&h)? };
-        }
-        Ok(h)
     }
 }

@@ -1,0 +1,303 @@
+//! Multi-layer perceptrons: `relu(x·W₁ + b₁) → … → x·W_L + b_L`.
+//!
+//! On CPU the whole stack is one candle op ([`FusedMlp`]): the forward pass
+//! calls gemm directly and adds bias + ReLU in the same pass; the backward pass
+//! is written out by hand (two gemms, a ReLU mask and a column sum per layer).
+//! Built from candle's own ops, the same stack spent more time allocating,
+//! zero-filling and accumulating intermediate gradients than in its matmuls.
+//! Other devices use the layer-by-layer candle path ([`Mlp::forward_ops`]),
+//! which gives the same values (tested), so callers never branch on the device.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor, Var};
+
+use crate::ModelError;
+use crate::params::ParamStore;
+
+/// Where each layer's weights live in the flat parameter vector.
+#[derive(Clone, Debug)]
+struct LayerSlot {
+    fan_in: usize,
+    fan_out: usize,
+    /// `W` is `[fan_in, fan_out]` row-major at `w`, `b` is `[fan_out]` at `b`.
+    w: usize,
+    b: usize,
+    relu: bool,
+}
+
+#[derive(Debug)]
+struct MlpShape {
+    layers: Vec<LayerSlot>,
+    num_params: usize,
+}
+
+/// An MLP whose weights are one flat variable (one gradient, one optimizer pass).
+pub struct Mlp {
+    shape: Arc<MlpShape>,
+    params: Var,
+}
+
+impl Mlp {
+    /// Layers `input → sizes[0] → … → sizes[n-1]`, ReLU between them and, if
+    /// `relu_last`, after the last. Weights and biases are drawn from
+    /// U(±1/√fan_in), PyTorch's default for `Linear`.
+    pub fn new(ps: &mut ParamStore, name: &str, input: usize, sizes: &[usize], relu_last: bool) -> Result<Mlp, ModelError> {
+        let mut layers = Vec::with_capacity(sizes.len());
+        let mut data = Vec::new();
+        let mut fan_in = input;
+        for (i, &fan_out) in sizes.iter().enumerate() {
+            let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
+            let w = data.len();
+            data.extend(ps.draw_uniform(fan_in * fan_out, bound));
+            let b = data.len();
+            data.extend(ps.draw_uniform(fan_out, bound));
+            layers.push(LayerSlot { fan_in, fan_out, w, b, relu: i + 1 < sizes.len() || relu_last });
+            fan_in = fan_out;
+        }
+        let num_params = data.len();
+        let params = ps.push(format!("{name}.params"), data, &[num_params])?;
+        Ok(Mlp { shape: Arc::new(MlpShape { layers, num_params }), params })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
+        if x.device().is_cpu() && x.dtype() == DType::F32 {
+            let op = FusedMlp { shape: self.shape.clone(), hidden: Mutex::new(Vec::new()) };
+            Ok(x.contiguous()?.apply_op2(self.params.as_tensor(), op)?)
+        } else {
+            self.forward_ops(x)
+        }
+    }
+
+    /// The same function from candle's ops, layer by layer (any device).
+    pub fn forward_ops(&self, x: &Tensor) -> Result<Tensor, ModelError> {
+        let p = self.params.as_tensor();
+        let mut h = x.clone();
+        for l in &self.shape.layers {
+            let w = p.narrow(0, l.w, l.fan_in * l.fan_out)?.reshape((l.fan_in, l.fan_out))?;
+            let b = p.narrow(0, l.b, l.fan_out)?;
+            h = h.matmul(&w)?.broadcast_add(&b)?;
+            if l.relu {
+                h = h.relu()?;
+            }
+        }
+        Ok(h)
+    }
+
+    pub fn params(&self) -> &Var {
+        &self.params
+    }
+}
+
+/// `dst (m×n) = op(a)·op(b)`, all row-major; `op` transposes when `*_t`.
+/// `a` is `m×k` (`k×m` when transposed), `b` is `k×n` (`n×k` when transposed).
+/// Runs on the current rayon pool.
+pub fn sgemm(m: usize, n: usize, k: usize, a: &[f32], a_t: bool, b: &[f32], b_t: bool, dst: &mut [f32]) {
+    assert_eq!(a.len(), m * k, "sgemm: lhs size");
+    assert_eq!(b.len(), k * n, "sgemm: rhs size");
+    assert_eq!(dst.len(), m * n, "sgemm: dst size");
+    if m == 0 || n == 0 {
+        return;
+    }
+    // Element (i, p) of op(a) sits at i·rs + p·cs.
+    let (a_rs, a_cs) = if a_t { (1, m as isize) } else { (k as isize, 1) };
+    let (b_rs, b_cs) = if b_t { (1, k as isize) } else { (n as isize, 1) };
+    let threads = rayon::current_num_threads();
+    let parallelism = if threads > 1 && m * n * k >= 1 << 15 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    #[expect(unsafe_code, reason = "gemm's raw-pointer API; bounds are asserted above")]
+    // SAFETY: the asserts above guarantee that every (row, column) the strides
+    // address lies inside `a` (m·k), `b` (k·n) and `dst` (m·n); `dst` is a
+    // unique borrow, so it aliases neither input. read_dst = false: dst is
+    // only written, with beta = 1 (dst := a·b).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.as_ptr(),
+            a_cs,
+            a_rs,
+            b.as_ptr(),
+            b_cs,
+            b_rs,
+            0.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
+/// The CPU op: inputs `x: [rows, in]` and the flat parameters.
+struct FusedMlp {
+    shape: Arc<MlpShape>,
+    /// Outputs of the hidden layers (after ReLU), kept for the backward pass.
+    hidden: Mutex<Vec<Vec<f32>>>,
+}
+
+fn err(msg: impl Into<String>) -> candle_core::Error {
+    candle_core::Error::Msg(format!("fused-mlp: {}", msg.into()))
+}
+
+fn contiguous<'a>(s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
+    let (start, end) = l.contiguous_offsets().ok_or_else(|| err("input must be contiguous"))?;
+    Ok(&s.as_slice::<f32>()?[start..end])
+}
+
+fn cpu<'a>(s: &'a Storage, l: &Layout) -> candle_core::Result<&'a [f32]> {
+    match s {
+        Storage::Cpu(c) => contiguous(c, l),
+        _ => Err(err("runs on CPU only")),
+    }
+}
+
+fn add_bias(out: &mut [f32], b: &[f32], relu: bool) {
+    for row in out.chunks_exact_mut(b.len()) {
+        if relu {
+            row.iter_mut().zip(b).for_each(|(o, b)| *o = (*o + b).max(0.0));
+        } else {
+            row.iter_mut().zip(b).for_each(|(o, b)| *o += b);
+        }
+    }
+}
+
+impl CustomOp2 for FusedMlp {
+    fn name(&self) -> &'static str {
+        "fused-mlp"
+    }
+
+    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ps: &CpuStorage, pl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = contiguous(xs, xl)?;
+        let p = contiguous(ps, pl)?;
+        let layers = &self.shape.layers;
+        let (Some(first), Some(last)) = (layers.first(), layers.last()) else { return Err(err("no layers")) };
+        if p.len() != self.shape.num_params || xl.dims().len() != 2 || xl.dims()[1] != first.fan_in {
+            return Err(err(format!("input {:?} / params {} do not fit the layers", xl.dims(), p.len())));
+        }
+        let rows = xl.dims()[0];
+        let mut hidden: Vec<Vec<f32>> = Vec::with_capacity(layers.len() - 1);
+        let mut output = Vec::new();
+        for (i, l) in layers.iter().enumerate() {
+            let input: &[f32] = if i == 0 { x } else { &hidden[i - 1] };
+            let mut out = vec![0.0f32; rows * l.fan_out];
+            sgemm(rows, l.fan_out, l.fan_in, input, false, &p[l.w..l.w + l.fan_in * l.fan_out], false, &mut out);
+            add_bias(&mut out, &p[l.b..l.b + l.fan_out], l.relu);
+            if i + 1 < layers.len() {
+                hidden.push(out);
+            } else {
+                output = out;
+            }
+        }
+        *self.hidden.lock().map_err(|_| err("poisoned"))? = hidden;
+        Ok((CpuStorage::F32(output), Shape::from((rows, last.fan_out))))
+    }
+
+    fn bwd(&self, x: &Tensor, params: &Tensor, res: &Tensor, grad_res: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let hidden = std::mem::take(&mut *self.hidden.lock().map_err(|_| err("poisoned"))?);
+        let layers = &self.shape.layers;
+        if hidden.len() + 1 != layers.len() {
+            return Err(err("backward without a matching forward"));
+        }
+        let (xs, xl) = x.storage_and_layout();
+        let (ps, pl) = params.storage_and_layout();
+        let (rs, rl) = res.storage_and_layout();
+        let (gs, gl) = grad_res.storage_and_layout();
+        let (x_data, p, out) = (cpu(&xs, xl)?, cpu(&ps, pl)?, cpu(&rs, rl)?);
+        let rows = xl.dims()[0];
+        // Gradient at the output of the current layer, before its ReLU.
+        let mut g: Vec<f32> = cpu(&gs, gl)?.to_vec();
+        if layers.last().is_some_and(|l| l.relu) {
+            g.iter_mut().zip(out).for_each(|(g, &o)| *g = if o > 0.0 { *g } else { 0.0 });
+        }
+        let mut grad_p = vec![0.0f32; self.shape.num_params];
+        for (i, l) in layers.iter().enumerate().rev() {
+            let input: &[f32] = if i == 0 { x_data } else { &hidden[i - 1] };
+            let (fi, fo) = (l.fan_in, l.fan_out);
+            // dW = inputᵀ · g
+            sgemm(fi, fo, rows, input, true, &g, false, &mut grad_p[l.w..l.w + fi * fo]);
+            // db = Σ_rows g
+            let db = &mut grad_p[l.b..l.b + fo];
+            for row in g.chunks_exact(fo) {
+                db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
+            }
+            // d input = g · Wᵀ, then through the previous layer's ReLU.
+            let mut g_in = vec![0.0f32; rows * fi];
+            sgemm(rows, fi, fo, &g, false, &p[l.w..l.w + fi * fo], true, &mut g_in);
+            if i > 0 {
+                g_in.iter_mut().zip(input).for_each(|(g, &a)| *g = if a > 0.0 { *g } else { 0.0 });
+            }
+            g = g_in;
+        }
+        let grad_x = Tensor::from_vec(g, x.shape(), x.device())?;
+        let grad_p = Tensor::from_vec(grad_p, params.shape(), params.device())?;
+        Ok((Some(grad_x), Some(grad_p)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+    use sparrow_core::rng::Rng;
+
+    #[test]
+    fn sgemm_handles_every_transpose() {
+        let (m, n, k) = (3, 4, 5);
+        let mut rng = Rng::new(1);
+        let a: Vec<f32> = (0..m * k).map(|_| rng.normal() as f32).collect();
+        let b: Vec<f32> = (0..k * n).map(|_| rng.normal() as f32).collect();
+        let naive = |i: usize, j: usize| (0..k).map(|p| a[i * k + p] * b[p * n + j]).sum::<f32>();
+        // aᵀ stored as k×m, bᵀ stored as n×k.
+        let at: Vec<f32> = (0..k * m).map(|idx| a[(idx % m) * k + idx / m]).collect();
+        let bt: Vec<f32> = (0..n * k).map(|idx| b[(idx % k) * n + idx / k]).collect();
+        for (lhs, lt, rhs, rt) in [(&a, false, &b, false), (&at, true, &b, false), (&a, false, &bt, true), (&at, true, &bt, true)] {
+            let mut dst = vec![9.0; m * n];
+            sgemm(m, n, k, lhs, lt, rhs, rt, &mut dst);
+            for i in 0..m {
+                for j in 0..n {
+                    assert!((dst[i * n + j] - naive(i, j)).abs() < 1e-5, "a_t={lt} b_t={rt}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fused_path_equals_candle_ops_forward_and_backward() {
+        let dev = Device::Cpu;
+        for relu_last in [false, true] {
+            let mut ps = ParamStore::new(7, dev.clone());
+            let mlp = Mlp::new(&mut ps, "m", 6, &[5, 4, 3], relu_last).expect("mlp");
+            let mut rng = Rng::new(2);
+            let x: Vec<f32> = (0..7 * 6).map(|_| rng.normal() as f32).collect();
+            let x = Var::from_tensor(&Tensor::from_vec(x, (7, 6), &dev).expect("x")).expect("var");
+            let w = Tensor::from_vec((0..7 * 3).map(|i| (i as f32 * 0.37).sin()).collect::<Vec<f32>>(), (7, 3), &dev)
+                .expect("w");
+            let fused = mlp.forward(x.as_tensor()).expect("fused");
+            let plain = mlp.forward_ops(x.as_tensor()).expect("plain");
+            let (f, p) = (fused.to_vec2::<f32>().expect("v"), plain.to_vec2::<f32>().expect("v"));
+            for (a, b) in f.iter().flatten().zip(p.iter().flatten()) {
+                assert!((a - b).abs() < 1e-5, "forward {a} vs {b}");
+            }
+            let gf = (fused * &w).and_then(|t| t.sum_all()).and_then(|t| t.backward()).expect("bwd");
+            let gp = (plain * &w).and_then(|t| t.sum_all()).and_then(|t| t.backward()).expect("bwd");
+            for t in [x.as_tensor(), mlp.params().as_tensor()] {
+                let a = gf.get(t).expect("grad").flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("v");
+                let b = gp.get(t).expect("grad").flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("v");
+                assert_eq!(a.len(), b.len());
+                for (a, b) in a.iter().zip(&b) {
+                    assert!((a - b).abs() < 1e-5, "relu_last={relu_last}: gradient {a} vs {b}");
+                }
+            }
+        }
+    }
+}
