@@ -84,6 +84,9 @@ enum Command {
         /// Training steps timed on the reference model (0 skips it).
         #[arg(long, default_value_t = 300)]
         train_steps: usize,
+        /// Rows inserted to measure resident bytes per embedding row (0 skips it).
+        #[arg(long, default_value_t = 4_000_000)]
+        memory_rows: usize,
         /// The C program that measures the random-gather ceiling.
         #[arg(long, default_value = "../shared/tools/gather-limit.c")]
         gather_limit: PathBuf,
@@ -140,13 +143,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let summary = sparrow_trainer::predict_checkpoint(&checkpoint, &data, &out, &set)?;
             print_json(&summary)
         }
-        Command::Bench { dims, table_rows, batches, threads, train_steps, gather_limit } => {
+        Command::Bench { dims, table_rows, batches, threads, train_steps, memory_rows, gather_limit } => {
             let options = sparrow_trainer::bench::BenchOptions {
                 dims,
                 table_rows,
                 batches,
                 thread_counts: threads,
                 train_steps,
+                memory_rows,
                 gather_limit_source: gather_limit,
                 ..Default::default()
             };

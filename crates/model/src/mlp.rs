@@ -42,7 +42,13 @@ impl Mlp {
     /// Layers `input → sizes[0] → … → sizes[n-1]`, ReLU between them and, if
     /// `relu_last`, after the last. Weights and biases are drawn from
     /// U(±1/√fan_in), PyTorch's default for `Linear`.
-    pub fn new(ps: &mut ParamStore, name: &str, input: usize, sizes: &[usize], relu_last: bool) -> Result<Mlp, ModelError> {
+    pub fn new(
+        ps: &mut ParamStore,
+        name: &str,
+        input: usize,
+        sizes: &[usize],
+        relu_last: bool,
+    ) -> Result<Mlp, ModelError> {
         let mut layers = Vec::with_capacity(sizes.len());
         let mut data = Vec::new();
         let mut fan_in = input;
@@ -103,11 +109,8 @@ pub fn sgemm(m: usize, n: usize, k: usize, a: &[f32], a_t: bool, b: &[f32], b_t:
     let (a_rs, a_cs) = if a_t { (1, m as isize) } else { (k as isize, 1) };
     let (b_rs, b_cs) = if b_t { (1, k as isize) } else { (n as isize, 1) };
     let threads = rayon::current_num_threads();
-    let parallelism = if threads > 1 && m * n * k >= 1 << 15 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
+    let parallelism =
+        if threads > 1 && m * n * k >= 1 << 15 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
     #[expect(unsafe_code, reason = "gemm's raw-pointer API; bounds are asserted above")]
     // SAFETY: the asserts above guarantee that every (row, column) the strides
     // address lies inside `a` (m·k), `b` (k·n) and `dst` (m·n); `dst` is a
@@ -176,7 +179,13 @@ impl CustomOp2 for FusedMlp {
         "fused-mlp"
     }
 
-    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ps: &CpuStorage, pl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ps: &CpuStorage,
+        pl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = contiguous(xs, xl)?;
         let p = contiguous(ps, pl)?;
         let layers = &self.shape.layers;
@@ -202,7 +211,13 @@ impl CustomOp2 for FusedMlp {
         Ok((CpuStorage::F32(output), Shape::from((rows, last.fan_out))))
     }
 
-    fn bwd(&self, x: &Tensor, params: &Tensor, res: &Tensor, grad_res: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        x: &Tensor,
+        params: &Tensor,
+        res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let hidden = std::mem::take(&mut *self.hidden.lock().map_err(|_| err("poisoned"))?);
         let layers = &self.shape.layers;
         if hidden.len() + 1 != layers.len() {
@@ -260,7 +275,9 @@ mod tests {
         // aᵀ stored as k×m, bᵀ stored as n×k.
         let at: Vec<f32> = (0..k * m).map(|idx| a[(idx % m) * k + idx / m]).collect();
         let bt: Vec<f32> = (0..n * k).map(|idx| b[(idx % k) * n + idx / k]).collect();
-        for (lhs, lt, rhs, rt) in [(&a, false, &b, false), (&at, true, &b, false), (&a, false, &bt, true), (&at, true, &bt, true)] {
+        for (lhs, lt, rhs, rt) in
+            [(&a, false, &b, false), (&at, true, &b, false), (&a, false, &bt, true), (&at, true, &bt, true)]
+        {
             let mut dst = vec![9.0; m * n];
             sgemm(m, n, k, lhs, lt, rhs, rt, &mut dst);
             for i in 0..m {

@@ -6,8 +6,8 @@ use sparrow_core::config::{ModelConfig, ModelKind};
 use sparrow_core::metrics::{logistic_loss, sigmoid};
 
 use crate::ModelError;
-use crate::optimizer::DenseOptimizer;
 use crate::mlp::Mlp;
+use crate::optimizer::DenseOptimizer;
 use crate::params::{Linear, ParamStore};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

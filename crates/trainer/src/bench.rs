@@ -36,6 +36,8 @@ pub struct BenchOptions {
     pub thread_counts: Vec<usize>,
     /// Training steps timed on the reference model (0 skips it).
     pub train_steps: usize,
+    /// Rows inserted for the resident-memory measurement (0 skips it).
+    pub memory_rows: usize,
     pub gather_limit_source: PathBuf,
     pub work_dir: PathBuf,
 }
@@ -51,6 +53,7 @@ impl Default for BenchOptions {
             zipf_exponent: 1.05,
             thread_counts: vec![1, 2],
             train_steps: 300,
+            memory_rows: 4_000_000,
             gather_limit_source: PathBuf::from("../shared/tools/gather-limit.c"),
             work_dir: std::env::temp_dir().join("sparrow-bench"),
         }
@@ -81,6 +84,15 @@ pub struct EmbeddingBench {
     pub unique_rows_vs_gather_prefetched: Option<f64>,
     pub keys_vs_gather_prefetched: Option<f64>,
     pub table_bytes_per_row: f64,
+    /// Fractions of the time in dedup + partition, lookup, and update.
+    pub phase_share: PhaseShare,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PhaseShare {
+    pub plan: f64,
+    pub lookup: f64,
+    pub update: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -95,10 +107,54 @@ pub struct TrainBench {
 }
 
 #[derive(Debug, Serialize)]
+pub struct MemoryBench {
+    pub rows: usize,
+    pub dim: usize,
+    pub optimizer: &'static str,
+    /// Resident set growth while the rows were inserted, over the row count.
+    pub resident_bytes_per_row: f64,
+    /// 8-byte key + vector + optimizer state, in f32.
+    pub payload_bytes_per_row: usize,
+    pub ratio_to_payload: f64,
+}
+
+#[derive(Debug, Serialize)]
 pub struct BenchReport {
     pub gather_limit: GatherLimit,
     pub embedding: Vec<EmbeddingBench>,
+    pub memory: Option<MemoryBench>,
     pub train_step: Option<TrainBench>,
+}
+
+/// Resident bytes per row of a table of `rows` Adagrad rows at `dim`,
+/// measured as the growth of this process's RSS.
+fn bench_memory(rows: usize, dim: usize) -> Result<MemoryBench, TrainError> {
+    let pool =
+        rayon::ThreadPoolBuilder::new().num_threads(2).build().map_err(|e| TrainError::ThreadPool(e.to_string()))?;
+    pool.install(|| {
+        let before = crate::rss_bytes();
+        let opt = SparseOptimizer::Adagrad { lr: 0.05, eps: 1e-8 };
+        let table = EmbeddingTable::new(dim, opt, Initializer::new(InitConfig::default(), 1), 64);
+        let mut scratch = Vec::new();
+        for first in (0..rows as u64).step_by(1 << 16) {
+            let keys: Vec<u64> = (first..(first + (1 << 16)).min(rows as u64)).map(|i| mix64(i ^ 0x77)).collect();
+            let plan = table.plan(&keys);
+            scratch.resize(plan.num_unique() * dim, 0.0);
+            table.lookup_or_insert(&plan, &mut scratch)?;
+        }
+        drop(scratch);
+        let grown = crate::rss_bytes().saturating_sub(before);
+        let payload = 8 + 4 * (dim + opt.state_len(dim));
+        let per_row = grown as f64 / table.len() as f64;
+        Ok(MemoryBench {
+            rows: table.len(),
+            dim,
+            optimizer: "adagrad",
+            resident_bytes_per_row: per_row,
+            payload_bytes_per_row: payload,
+            ratio_to_payload: per_row / payload as f64,
+        })
+    })
 }
 
 fn run_gather_limit(source: &Path, dims: &[usize], work: &Path) -> GatherLimit {
@@ -175,15 +231,23 @@ fn bench_embedding(
             (0..o.batches).map(|_| (0..keys_per_batch).map(|_| all[zipf.draw(&mut rng)]).collect()).collect();
         let grads_seed: Vec<f32> = (0..keys_per_batch * dim).map(|i| ((i % 13) as f32 - 6.0) * 1e-3).collect();
         let (mut unique, mut rows, mut grads) = (0usize, Vec::new(), Vec::new());
+        let (mut plan_secs, mut lookup_secs, mut update_secs) = (0.0, 0.0, 0.0);
         let start = Instant::now();
         for keys in &batches {
+            let t0 = Instant::now();
             let plan = table.plan(keys);
+            let t1 = Instant::now();
             rows.resize(plan.num_unique() * dim, 0.0);
             let slots = table.lookup_or_insert(&plan, &mut rows)?;
+            let t2 = Instant::now();
             grads.clear();
             grads.extend_from_slice(&grads_seed[..plan.num_unique() * dim]);
             table.apply_gradients_at(&plan, &slots, &grads);
+            let t3 = Instant::now();
             unique += plan.num_unique();
+            plan_secs += (t1 - t0).as_secs_f64();
+            lookup_secs += (t2 - t1).as_secs_f64();
+            update_secs += (t3 - t2).as_secs_f64();
         }
         let secs = start.elapsed().as_secs_f64();
         let total_keys = (o.batches * keys_per_batch) as f64;
@@ -200,6 +264,7 @@ fn bench_embedding(
             unique_rows_vs_gather_prefetched: ceiling.map(|c| unique_rate / c),
             keys_vs_gather_prefetched: ceiling.map(|c| total_keys / secs / c),
             table_bytes_per_row: table.allocated_bytes() as f64 / table.len() as f64,
+            phase_share: PhaseShare { plan: plan_secs / secs, lookup: lookup_secs / secs, update: update_secs / secs },
         })
     })
 }
@@ -251,6 +316,14 @@ fn bench_train_step(o: &BenchOptions) -> Result<TrainBench, TrainError> {
 
 pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
     std::fs::create_dir_all(&o.work_dir).map_err(|e| TrainError::io(&o.work_dir, e))?;
+    // First, while nothing has been allocated and freed yet: later phases
+    // leave freed memory that the allocator keeps and a new table would reuse.
+    let memory = if o.memory_rows > 0 {
+        eprintln!("bench: resident memory of {} rows", o.memory_rows);
+        Some(bench_memory(o.memory_rows, 16)?)
+    } else {
+        None
+    };
     let gather = run_gather_limit(&o.gather_limit_source, &o.dims, &o.work_dir);
     let mut embedding = Vec::new();
     for &dim in &o.dims {
@@ -266,5 +339,5 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
     } else {
         None
     };
-    Ok(BenchReport { gather_limit: gather, embedding, train_step })
+    Ok(BenchReport { gather_limit: gather, embedding, memory, train_step })
 }
