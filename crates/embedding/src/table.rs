@@ -550,7 +550,7 @@ mod tests {
     fn slot_split_by_multiply_shift_equals_division() {
         for row_len in [1usize, 2, 3, 17, 32, 33, 63, 130, 1000, 40_000] {
             let layout = Layout::new(row_len, 1);
-            let d = layout.chunk_rows as u32;
+            let d = layout.chunk_rows;
             for slot in (0..200_000u32).chain([u32::MAX - 1, u32::MAX - d, 1 << 31, (1 << 31) + 7]) {
                 let (chunk, start) = layout.locate(slot);
                 assert_eq!(

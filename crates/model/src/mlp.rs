@@ -95,10 +95,28 @@ impl Mlp {
     }
 }
 
-/// `dst (m×n) = op(a)·op(b)`, all row-major; `op` transposes when `*_t`.
-/// `a` is `m×k` (`k×m` when transposed), `b` is `k×n` (`n×k` when transposed).
-/// Runs on the current rayon pool.
-pub fn sgemm(m: usize, n: usize, k: usize, a: &[f32], a_t: bool, b: &[f32], b_t: bool, dst: &mut [f32]) {
+/// A row-major matrix operand, used as stored or transposed.
+#[derive(Clone, Copy)]
+pub struct Operand<'a> {
+    pub data: &'a [f32],
+    pub transposed: bool,
+}
+
+impl<'a> Operand<'a> {
+    pub fn plain(data: &'a [f32]) -> Self {
+        Operand { data, transposed: false }
+    }
+    pub fn t(data: &'a [f32]) -> Self {
+        Operand { data, transposed: true }
+    }
+}
+
+/// `dst (m×n) = op(a)·op(b)`, all row-major. `a` is `m×k` (stored `k×m` when
+/// transposed), `b` is `k×n` (stored `n×k` when transposed). Runs on the
+/// current rayon pool.
+pub fn sgemm(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_>, dst: &mut [f32]) {
+    let (a_t, b_t) = (a.transposed, b.transposed);
+    let (a, b) = (a.data, b.data);
     assert_eq!(a.len(), m * k, "sgemm: lhs size");
     assert_eq!(b.len(), k * n, "sgemm: rhs size");
     assert_eq!(dst.len(), m * n, "sgemm: dst size");
@@ -199,7 +217,14 @@ impl CustomOp2 for FusedMlp {
         for (i, l) in layers.iter().enumerate() {
             let input: &[f32] = if i == 0 { x } else { &hidden[i - 1] };
             let mut out = vec![0.0f32; rows * l.fan_out];
-            sgemm(rows, l.fan_out, l.fan_in, input, false, &p[l.w..l.w + l.fan_in * l.fan_out], false, &mut out);
+            sgemm(
+                rows,
+                l.fan_out,
+                l.fan_in,
+                Operand::plain(input),
+                Operand::plain(&p[l.w..l.w + l.fan_in * l.fan_out]),
+                &mut out,
+            );
             add_bias(&mut out, &p[l.b..l.b + l.fan_out], l.relu);
             if i + 1 < layers.len() {
                 hidden.push(out);
@@ -239,7 +264,7 @@ impl CustomOp2 for FusedMlp {
             let input: &[f32] = if i == 0 { x_data } else { &hidden[i - 1] };
             let (fi, fo) = (l.fan_in, l.fan_out);
             // dW = inputᵀ · g
-            sgemm(fi, fo, rows, input, true, &g, false, &mut grad_p[l.w..l.w + fi * fo]);
+            sgemm(fi, fo, rows, Operand::t(input), Operand::plain(&g), &mut grad_p[l.w..l.w + fi * fo]);
             // db = Σ_rows g
             let db = &mut grad_p[l.b..l.b + fo];
             for row in g.chunks_exact(fo) {
@@ -247,7 +272,7 @@ impl CustomOp2 for FusedMlp {
             }
             // d input = g · Wᵀ, then through the previous layer's ReLU.
             let mut g_in = vec![0.0f32; rows * fi];
-            sgemm(rows, fi, fo, &g, false, &p[l.w..l.w + fi * fo], true, &mut g_in);
+            sgemm(rows, fi, fo, Operand::plain(&g), Operand::t(&p[l.w..l.w + fi * fo]), &mut g_in);
             if i > 0 {
                 g_in.iter_mut().zip(input).for_each(|(g, &a)| *g = if a > 0.0 { *g } else { 0.0 });
             }
@@ -279,7 +304,7 @@ mod tests {
             [(&a, false, &b, false), (&at, true, &b, false), (&a, false, &bt, true), (&at, true, &bt, true)]
         {
             let mut dst = vec![9.0; m * n];
-            sgemm(m, n, k, lhs, lt, rhs, rt, &mut dst);
+            sgemm(m, n, k, Operand { data: lhs, transposed: lt }, Operand { data: rhs, transposed: rt }, &mut dst);
             for i in 0..m {
                 for j in 0..n {
                     assert!((dst[i * n + j] - naive(i, j)).abs() < 1e-5, "a_t={lt} b_t={rt}");
