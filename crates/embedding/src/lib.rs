@@ -11,4 +11,4 @@ pub mod table;
 
 pub use optimizer::SparseOptimizer;
 pub use plan::KeyPlan;
-pub use table::{EmbeddingTable, Initializer, RowSlots, TableError};
+pub use table::{EmbeddingTable, Initializer, Partitioner, RowSlots, TableError};

@@ -15,13 +15,42 @@ pub struct KeyPlan {
     pub inverse: Vec<u32>,
 }
 
+/// Dedup of one shard's keys: its unique keys in order of first sight, and for
+/// each of its key positions the index into them.
+fn dedup_shard(keys: &[u64], positions: &[u32]) -> (Vec<u64>, Vec<u32>) {
+    let mut first: HashMap<u64, u32> = HashMap::with_capacity(positions.len());
+    let mut unique = Vec::with_capacity(positions.len());
+    let local = positions
+        .iter()
+        .map(|&p| {
+            let k = keys[p as usize];
+            let next = unique.len() as u32;
+            *first.entry(k).or_insert_with(|| {
+                unique.push(k);
+                next
+            })
+        })
+        .collect();
+    (unique, local)
+}
+
 impl KeyPlan {
     /// `shard_of` must return a value below `shards`. Keys are first
     /// partitioned by owner (a counting sort: counts first, so every shard's
     /// range is sized exactly, never n × shards), then each shard's keys are
-    /// de-duplicated independently and in parallel. Within a shard, unique
-    /// keys keep the order of first sight.
+    /// de-duplicated independently, in parallel on the current rayon pool.
+    /// Within a shard, unique keys keep the order of first sight.
     pub fn new(keys: &[u64], shards: usize, shard_of: impl Fn(u64) -> usize + Sync) -> KeyPlan {
+        Self::build(keys, shards, shard_of, true)
+    }
+
+    /// The same plan, computed on the calling thread only (for a pipeline
+    /// stage that must not take threads from the compute pool).
+    pub fn new_sequential(keys: &[u64], shards: usize, shard_of: impl Fn(u64) -> usize + Sync) -> KeyPlan {
+        Self::build(keys, shards, shard_of, false)
+    }
+
+    fn build(keys: &[u64], shards: usize, shard_of: impl Fn(u64) -> usize + Sync, parallel: bool) -> KeyPlan {
         let owners: Vec<u32> = keys.iter().map(|&k| shard_of(k) as u32).collect();
         let mut starts = vec![0usize; shards + 1];
         for &s in &owners {
@@ -37,26 +66,9 @@ impl KeyPlan {
             by_owner[cursor[s as usize]] = i as u32;
             cursor[s as usize] += 1;
         }
-        let per_shard: Vec<(Vec<u64>, Vec<u32>)> = (0..shards)
-            .into_par_iter()
-            .map(|s| {
-                let positions = &by_owner[starts[s]..starts[s + 1]];
-                let mut first: HashMap<u64, u32> = HashMap::with_capacity(positions.len());
-                let mut unique = Vec::with_capacity(positions.len());
-                let local: Vec<u32> = positions
-                    .iter()
-                    .map(|&p| {
-                        let k = keys[p as usize];
-                        let next = unique.len() as u32;
-                        *first.entry(k).or_insert_with(|| {
-                            unique.push(k);
-                            next
-                        })
-                    })
-                    .collect();
-                (unique, local)
-            })
-            .collect();
+        let shard = |s: usize| dedup_shard(keys, &by_owner[starts[s]..starts[s + 1]]);
+        let per_shard: Vec<(Vec<u64>, Vec<u32>)> =
+            if parallel { (0..shards).into_par_iter().map(shard).collect() } else { (0..shards).map(shard).collect() };
         let mut shard_offsets = Vec::with_capacity(shards + 1);
         shard_offsets.push(0);
         for (u, _) in &per_shard {
@@ -101,6 +113,9 @@ mod tests {
         #[test]
         fn plan_restores_every_key(keys in proptest::collection::vec(0u64..50, 0..300), shards in 1usize..9) {
             let plan = KeyPlan::new(&keys, shards, |k| (k % shards as u64) as usize);
+            let seq = KeyPlan::new_sequential(&keys, shards, |k| (k % shards as u64) as usize);
+            prop_assert_eq!(&plan.unique, &seq.unique);
+            prop_assert_eq!(&plan.inverse, &seq.inverse);
             // unique really is unique and covers every input key
             let mut sorted = plan.unique.clone();
             sorted.sort_unstable();

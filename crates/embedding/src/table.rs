@@ -275,6 +275,33 @@ impl TableShard {
     }
 }
 
+/// Which shard owns a key (S3.1: by hash; the bits differ from the bucket bits).
+#[derive(Clone, Copy, Debug)]
+pub struct Partitioner {
+    mask: u64,
+}
+
+impl Partitioner {
+    #[inline]
+    pub fn shard_of(self, key: u64) -> usize {
+        ((mix64(key) >> 32) & self.mask) as usize
+    }
+
+    pub fn shards(self) -> usize {
+        self.mask as usize + 1
+    }
+
+    /// Dedup + partition on the current rayon pool.
+    pub fn plan(self, keys: &[u64]) -> KeyPlan {
+        KeyPlan::new(keys, self.shards(), |k| self.shard_of(k))
+    }
+
+    /// Dedup + partition on the calling thread.
+    pub fn plan_sequential(self, keys: &[u64]) -> KeyPlan {
+        KeyPlan::new_sequential(keys, self.shards(), |k| self.shard_of(k))
+    }
+}
+
 pub struct EmbeddingTable {
     layout: Layout,
     optimizer: SparseOptimizer,
@@ -337,12 +364,17 @@ impl EmbeddingTable {
 
     #[inline]
     pub fn shard_of(&self, key: u64) -> usize {
-        ((mix64(key) >> 32) & self.shard_mask) as usize
+        self.partitioner().shard_of(key)
+    }
+
+    /// The key → shard map, as a value another thread can hold.
+    pub fn partitioner(&self) -> Partitioner {
+        Partitioner { mask: self.shard_mask }
     }
 
     /// Dedup + partition a batch's keys for this table.
     pub fn plan(&self, keys: &[u64]) -> KeyPlan {
-        KeyPlan::new(keys, self.shards.len(), |k| self.shard_of(k))
+        self.partitioner().plan(keys)
     }
 
     pub fn len(&self) -> usize {

@@ -6,6 +6,7 @@
 pub mod bench;
 pub mod checkpoint;
 pub mod error;
+pub mod pipeline;
 pub mod pooling;
 pub mod progress;
 pub mod run;

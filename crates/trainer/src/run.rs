@@ -12,6 +12,7 @@ use sparrow_data::synth::Truth;
 use sparrow_data::{BadRows, BatchStream, DataError, DataLayout};
 
 use crate::checkpoint;
+use crate::pipeline::PlannedBatches;
 use crate::progress::Progress;
 use crate::trainer::Trainer;
 use crate::{TrainError, peak_rss_bytes};
@@ -133,6 +134,8 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant) -> Result<TrainSum
         config.train.epochs,
         bad.clone(),
     )?;
+    let stream = PlannedBatches::spawn(stream, trainer.table.partitioner(), config.data.prefetch_batches)
+        .map_err(|e| TrainError::io(train_path, e))?;
     let file_bytes = std::fs::metadata(train_path).map(|m| m.len()).ok();
     let progress = Progress::new(file_bytes.map(|b| b * config.train.epochs), quiet);
     let mut metrics = MetricsLog::open(config.train.metrics_path.as_deref(), resumed_from_step.is_some())?;
@@ -145,18 +148,18 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant) -> Result<TrainSum
     let interval = config.train.log_interval_steps;
     let stop_at = config.train.max_steps;
     let mut outcome: Result<(), TrainError> = Ok(());
-    for batch in stream {
+    for item in stream {
         if stop_at.is_some_and(|m| trainer.step >= m) {
             break;
         }
-        let batch = match batch {
+        let (batch, plan) = match item {
             Ok(b) => b,
             Err(e) => {
                 outcome = Err(e.into());
                 break;
             }
         };
-        let stats = match trainer.train_batch(&batch) {
+        let stats = match trainer.train_planned(&batch, &plan) {
             Ok(s) => s,
             Err(e) => {
                 outcome = Err(e);

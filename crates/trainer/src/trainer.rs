@@ -6,7 +6,7 @@ use candle_core::Device;
 use sparrow_core::batch::DataPosition;
 use sparrow_core::{Batch, Config};
 use sparrow_data::DataLayout;
-use sparrow_embedding::{EmbeddingTable, Initializer, SparseOptimizer};
+use sparrow_embedding::{EmbeddingTable, Initializer, KeyPlan, SparseOptimizer};
 use sparrow_model::{DenseModel, DenseOptimizer, ModelShape};
 
 use crate::TrainError;
@@ -67,14 +67,20 @@ impl Trainer {
     }
 
     pub fn train_batch(&mut self, batch: &Batch) -> Result<StepStats, TrainError> {
-        let width = self.table.dim();
         let plan = self.table.plan(&batch.keys);
+        self.train_planned(batch, &plan)
+    }
+
+    /// A step with the batch's dedup + partition already done (by a pipeline
+    /// stage, see `PlannedBatches`); `plan` must be this table's plan of `batch.keys`.
+    pub fn train_planned(&mut self, batch: &Batch, plan: &KeyPlan) -> Result<StepStats, TrainError> {
+        let width = self.table.dim();
         let mut unique_rows = vec![0.0f32; plan.num_unique() * width];
-        let slots = self.table.lookup_or_insert(&plan, &mut unique_rows)?;
-        let pooled = pool(batch, &plan, &unique_rows, width, self.config.model.pooling);
+        let slots = self.table.lookup_or_insert(plan, &mut unique_rows)?;
+        let pooled = pool(batch, plan, &unique_rows, width, self.config.model.pooling);
         let out = self.model.train_step(pooled, batch.dense.clone(), &batch.labels, &mut self.dense_optimizer)?;
-        let grads = unpool(batch, &plan, &out.emb_grad, width, self.config.model.pooling);
-        self.table.apply_gradients_at(&plan, &slots, &grads);
+        let grads = unpool(batch, plan, &out.emb_grad, width, self.config.model.pooling);
+        self.table.apply_gradients_at(plan, &slots, &grads);
         self.step += 1;
         self.samples_trained += batch.rows() as u64;
         self.position = batch.end;
