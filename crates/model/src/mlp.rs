@@ -192,6 +192,108 @@ fn add_bias(out: &mut [f32], b: &[f32], relu: bool) {
     }
 }
 
+/// Forward pass on slices: the hidden layers' outputs (after ReLU) and the
+/// last layer's output.
+fn forward_slices(layers: &[LayerSlot], p: &[f32], x: &[f32], rows: usize) -> (Vec<Vec<f32>>, Vec<f32>) {
+    let mut hidden: Vec<Vec<f32>> = Vec::with_capacity(layers.len().saturating_sub(1));
+    let mut output = Vec::new();
+    for (i, l) in layers.iter().enumerate() {
+        let input: &[f32] = if i == 0 { x } else { &hidden[i - 1] };
+        let mut out = vec![0.0f32; rows * l.fan_out];
+        sgemm(
+            rows,
+            l.fan_out,
+            l.fan_in,
+            Operand::plain(input),
+            Operand::plain(&p[l.w..l.w + l.fan_in * l.fan_out]),
+            &mut out,
+        );
+        add_bias(&mut out, &p[l.b..l.b + l.fan_out], l.relu);
+        if i + 1 < layers.len() {
+            hidden.push(out);
+        } else {
+            output = out;
+        }
+    }
+    (hidden, output)
+}
+
+/// Backward pass on slices: from d loss / d output to (d x, d params).
+fn backward_slices(
+    layers: &[LayerSlot],
+    num_params: usize,
+    p: &[f32],
+    x: &[f32],
+    hidden: &[Vec<f32>],
+    output: &[f32],
+    mut g: Vec<f32>,
+    rows: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    // `g` is the gradient at the current layer's output, first through its ReLU.
+    if layers.last().is_some_and(|l| l.relu) {
+        g.iter_mut().zip(output).for_each(|(g, &o)| *g = if o > 0.0 { *g } else { 0.0 });
+    }
+    let mut grad_p = vec![0.0f32; num_params];
+    for (i, l) in layers.iter().enumerate().rev() {
+        let input: &[f32] = if i == 0 { x } else { &hidden[i - 1] };
+        let (fi, fo) = (l.fan_in, l.fan_out);
+        // dW = inputᵀ · g
+        sgemm(fi, fo, rows, Operand::t(input), Operand::plain(&g), &mut grad_p[l.w..l.w + fi * fo]);
+        // db = Σ_rows g
+        let db = &mut grad_p[l.b..l.b + fo];
+        for row in g.chunks_exact(fo) {
+            db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
+        }
+        // d input = g · Wᵀ, then through the previous layer's ReLU.
+        let mut g_in = vec![0.0f32; rows * fi];
+        sgemm(rows, fi, fo, Operand::plain(&g), Operand::t(&p[l.w..l.w + fi * fo]), &mut g_in);
+        if i > 0 {
+            g_in.iter_mut().zip(input).for_each(|(g, &a)| *g = if a > 0.0 { *g } else { 0.0 });
+        }
+        g = g_in;
+    }
+    (g, grad_p)
+}
+
+/// One forward pass of [`Mlp::forward_cpu`], kept for its backward pass.
+pub struct MlpPass {
+    hidden: Vec<Vec<f32>>,
+    pub output: Vec<f32>,
+    rows: usize,
+}
+
+impl Mlp {
+    fn check_input(&self, x_len: usize, rows: usize) -> Result<(), ModelError> {
+        let fan_in = self.shape.layers.first().map_or(0, |l| l.fan_in);
+        if x_len != rows * fan_in {
+            return Err(ModelError::Candle(err(format!("input of {x_len} values is not {rows} rows of {fan_in}"))));
+        }
+        Ok(())
+    }
+
+    /// Forward pass on a CPU slice `x: [rows, in]`, outside candle's graph.
+    pub fn forward_cpu(&self, x: &[f32], rows: usize) -> Result<MlpPass, ModelError> {
+        self.check_input(x.len(), rows)?;
+        let (ps, pl) = self.params.storage_and_layout();
+        let (hidden, output) = forward_slices(&self.shape.layers, cpu(&ps, pl)?, x, rows);
+        Ok(MlpPass { hidden, output, rows })
+    }
+
+    /// Backward pass of [`forward_cpu`](Self::forward_cpu): (d x, d params).
+    pub fn backward_cpu(
+        &self,
+        x: &[f32],
+        pass: &MlpPass,
+        grad_out: Vec<f32>,
+    ) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
+        self.check_input(x.len(), pass.rows)?;
+        let (ps, pl) = self.params.storage_and_layout();
+        let p = cpu(&ps, pl)?;
+        let layers = &self.shape.layers;
+        Ok(backward_slices(layers, self.shape.num_params, p, x, &pass.hidden, &pass.output, grad_out, pass.rows))
+    }
+}
+
 impl CustomOp2 for FusedMlp {
     fn name(&self) -> &'static str {
         "fused-mlp"
@@ -212,26 +314,7 @@ impl CustomOp2 for FusedMlp {
             return Err(err(format!("input {:?} / params {} do not fit the layers", xl.dims(), p.len())));
         }
         let rows = xl.dims()[0];
-        let mut hidden: Vec<Vec<f32>> = Vec::with_capacity(layers.len() - 1);
-        let mut output = Vec::new();
-        for (i, l) in layers.iter().enumerate() {
-            let input: &[f32] = if i == 0 { x } else { &hidden[i - 1] };
-            let mut out = vec![0.0f32; rows * l.fan_out];
-            sgemm(
-                rows,
-                l.fan_out,
-                l.fan_in,
-                Operand::plain(input),
-                Operand::plain(&p[l.w..l.w + l.fan_in * l.fan_out]),
-                &mut out,
-            );
-            add_bias(&mut out, &p[l.b..l.b + l.fan_out], l.relu);
-            if i + 1 < layers.len() {
-                hidden.push(out);
-            } else {
-                output = out;
-            }
-        }
+        let (hidden, output) = forward_slices(layers, p, x, rows);
         *self.hidden.lock().map_err(|_| err("poisoned"))? = hidden;
         Ok((CpuStorage::F32(output), Shape::from((rows, last.fan_out))))
     }
@@ -253,32 +336,9 @@ impl CustomOp2 for FusedMlp {
         let (rs, rl) = res.storage_and_layout();
         let (gs, gl) = grad_res.storage_and_layout();
         let (x_data, p, out) = (cpu(&xs, xl)?, cpu(&ps, pl)?, cpu(&rs, rl)?);
-        let rows = xl.dims()[0];
-        // Gradient at the output of the current layer, before its ReLU.
-        let mut g: Vec<f32> = cpu(&gs, gl)?.to_vec();
-        if layers.last().is_some_and(|l| l.relu) {
-            g.iter_mut().zip(out).for_each(|(g, &o)| *g = if o > 0.0 { *g } else { 0.0 });
-        }
-        let mut grad_p = vec![0.0f32; self.shape.num_params];
-        for (i, l) in layers.iter().enumerate().rev() {
-            let input: &[f32] = if i == 0 { x_data } else { &hidden[i - 1] };
-            let (fi, fo) = (l.fan_in, l.fan_out);
-            // dW = inputᵀ · g
-            sgemm(fi, fo, rows, Operand::t(input), Operand::plain(&g), &mut grad_p[l.w..l.w + fi * fo]);
-            // db = Σ_rows g
-            let db = &mut grad_p[l.b..l.b + fo];
-            for row in g.chunks_exact(fo) {
-                db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
-            }
-            // d input = g · Wᵀ, then through the previous layer's ReLU.
-            let mut g_in = vec![0.0f32; rows * fi];
-            sgemm(rows, fi, fo, Operand::plain(&g), Operand::t(&p[l.w..l.w + fi * fo]), &mut g_in);
-            if i > 0 {
-                g_in.iter_mut().zip(input).for_each(|(g, &a)| *g = if a > 0.0 { *g } else { 0.0 });
-            }
-            g = g_in;
-        }
-        let grad_x = Tensor::from_vec(g, x.shape(), x.device())?;
+        let g = cpu(&gs, gl)?.to_vec();
+        let (grad_x, grad_p) = backward_slices(layers, self.shape.num_params, p, x_data, &hidden, out, g, xl.dims()[0]);
+        let grad_x = Tensor::from_vec(grad_x, x.shape(), x.device())?;
         let grad_p = Tensor::from_vec(grad_p, params.shape(), params.device())?;
         Ok((Some(grad_x), Some(grad_p)))
     }

@@ -218,8 +218,48 @@ impl DenseModel {
 
     /// Forward only: logits of a batch.
     pub fn predict(&self, emb: Vec<f32>, dense: Vec<f32>, rows: usize) -> Result<Vec<f32>, ModelError> {
+        if let Some(mlp) = self.direct_mlp() {
+            let x = self.concat_rows(&emb, &dense, rows);
+            return Ok(mlp.forward_cpu(&x, rows)?.output);
+        }
         let (emb, dense) = self.inputs(emb, dense, rows)?;
         Ok(self.forward(&emb, &dense)?.to_vec1::<f32>()?)
+    }
+
+    /// The MLP of an `mlp` model on CPU: such a model is exactly the fused MLP
+    /// on `[embeddings | dense]`, so its step skips candle's graph entirely.
+    fn direct_mlp(&self) -> Option<&Mlp> {
+        match &self.net {
+            Net::Mlp { mlp } if self.params.device().is_cpu() => Some(mlp),
+            _ => None,
+        }
+    }
+
+    /// `[rows, F·W + num_dense]`: each row's embeddings, then its dense values.
+    fn concat_rows(&self, emb: &[f32], dense: &[f32], rows: usize) -> Vec<f32> {
+        let (fw, nd) = (self.shape.num_fields * self.width(), self.shape.num_dense);
+        let mut x = Vec::with_capacity(rows * (fw + nd));
+        for r in 0..rows {
+            x.extend_from_slice(&emb[r * fw..(r + 1) * fw]);
+            x.extend_from_slice(&dense[r * nd..(r + 1) * nd]);
+        }
+        x
+    }
+
+    /// Mean stable logistic loss and its gradient w.r.t. the logits:
+    /// d/dx [max(x,0) − x·y + log(1+e^{−|x|})] = σ(x) − y, over the batch size.
+    fn loss_and_seed(logits: &[f32], labels: &[f32]) -> (f64, Vec<f32>) {
+        let inv_b = 1.0 / labels.len().max(1) as f64;
+        let mut loss = 0.0;
+        let seed = logits
+            .iter()
+            .zip(labels)
+            .map(|(&x, &y)| {
+                loss += logistic_loss(f64::from(x), f64::from(y));
+                ((sigmoid(f64::from(x)) - f64::from(y)) * inv_b) as f32
+            })
+            .collect();
+        (loss * inv_b, seed)
     }
 
     /// Forward, backward and one dense optimizer step. The gradient of the
@@ -231,23 +271,28 @@ impl DenseModel {
         labels: &[f32],
         optimizer: &mut DenseOptimizer,
     ) -> Result<StepOutput, ModelError> {
+        match self.direct_mlp() {
+            Some(mlp) => self.train_step_direct(mlp, &emb, &dense, labels, optimizer),
+            None => self.train_step_autograd(emb, dense, labels, optimizer),
+        }
+    }
+
+    /// The step through candle's autograd: every model, every device.
+    pub fn train_step_autograd(
+        &self,
+        emb: Vec<f32>,
+        dense: Vec<f32>,
+        labels: &[f32],
+        optimizer: &mut DenseOptimizer,
+    ) -> Result<StepOutput, ModelError> {
         let rows = labels.len();
         let (emb, dense) = self.inputs(emb, dense, rows)?;
         let emb = Var::from_tensor(&emb)?;
         let logits_t = self.forward(emb.as_tensor(), &dense)?;
         let logits = logits_t.to_vec1::<f32>()?;
-        // d/dx of max(x,0) − x·y + log(1+e^{−|x|}) is σ(x) − y; seeding the
-        // backward pass with it (as a constant) gives the exact, stable gradient.
-        let inv_b = 1.0 / rows as f64;
-        let mut loss = 0.0;
-        let seed: Vec<f32> = logits
-            .iter()
-            .zip(labels)
-            .map(|(&x, &y)| {
-                loss += logistic_loss(f64::from(x), f64::from(y));
-                ((sigmoid(f64::from(x)) - f64::from(y)) * inv_b) as f32
-            })
-            .collect();
+        // Seeding the backward pass with the loss gradient (as a constant)
+        // gives the exact, stable gradient without building the loss in candle.
+        let (loss, seed) = Self::loss_and_seed(&logits, labels);
         let seed = Tensor::from_vec(seed, rows, self.params.device())?;
         let surrogate = (logits_t * seed)?.sum_all()?;
         let grads = surrogate.backward()?;
@@ -256,6 +301,37 @@ impl DenseModel {
             Some(g) => g.flatten_all()?.to_vec1::<f32>()?,
             None => vec![0.0; emb.elem_count()],
         };
-        Ok(StepOutput { logits, loss: loss * inv_b, emb_grad })
+        Ok(StepOutput { logits, loss, emb_grad })
+    }
+
+    /// The `mlp` model's step on CPU, outside candle's graph: the same math as
+    /// [`train_step_autograd`](Self::train_step_autograd) (tested), without its
+    /// concat, per-node gradient buffers and accumulation passes.
+    fn train_step_direct(
+        &self,
+        mlp: &Mlp,
+        emb: &[f32],
+        dense: &[f32],
+        labels: &[f32],
+        optimizer: &mut DenseOptimizer,
+    ) -> Result<StepOutput, ModelError> {
+        let rows = labels.len();
+        let x = self.concat_rows(emb, dense, rows);
+        let pass = mlp.forward_cpu(&x, rows)?;
+        let logits = pass.output.clone();
+        let (loss, seed) = Self::loss_and_seed(&logits, labels);
+        let (grad_x, grad_p) = mlp.backward_cpu(&x, &pass, seed)?;
+        let mut grad_p = Some(grad_p);
+        let mlp_params = mlp.params().as_tensor().id();
+        optimizer.step_with(&self.params, |_, var| {
+            Ok(if var.as_tensor().id() == mlp_params { grad_p.take() } else { None })
+        })?;
+        let (fw, width) =
+            (self.shape.num_fields * self.width(), self.shape.num_fields * self.width() + self.shape.num_dense);
+        let mut emb_grad = Vec::with_capacity(rows * fw);
+        for row in grad_x.chunks_exact(width) {
+            emb_grad.extend_from_slice(&row[..fw]);
+        }
+        Ok(StepOutput { logits, loss, emb_grad })
     }
 }

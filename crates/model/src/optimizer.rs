@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Tensor};
+use candle_core::{Device, Tensor, Var};
 use rayon::prelude::*;
 use sparrow_core::config::{DenseOptimizerConfig, DenseOptimizerKind};
 
@@ -25,7 +25,21 @@ impl DenseOptimizer {
         DenseOptimizer { config, moments: HashMap::new(), step: 0 }
     }
 
+    /// One step with the gradients of candle's backward pass.
     pub fn step(&mut self, params: &ParamStore, grads: &GradStore) -> Result<(), ModelError> {
+        self.step_with(params, |_, var| match grads.get(var.as_tensor()) {
+            Some(g) => Ok(Some(g.flatten_all()?.to_vec1::<f32>()?)),
+            None => Ok(None),
+        })
+    }
+
+    /// One step with gradients from any source: `grad_of(name, var)` gives a
+    /// parameter's flat gradient, or `None` to leave the parameter unchanged.
+    pub fn step_with(
+        &mut self,
+        params: &ParamStore,
+        mut grad_of: impl FnMut(&str, &Var) -> Result<Option<Vec<f32>>, ModelError>,
+    ) -> Result<(), ModelError> {
         self.step += 1;
         let c = &self.config;
         let lr = c.learning_rate as f32;
@@ -34,10 +48,9 @@ impl DenseOptimizer {
         let (b1, b2, eps) = (c.beta1 as f32, c.beta2 as f32, c.eps as f32);
         let (c1, c2) = (1.0 - c.beta1.powi(t) as f32, 1.0 - c.beta2.powi(t) as f32);
         for (name, var) in params.vars() {
-            let Some(g) = grads.get(var.as_tensor()) else {
+            let Some(g) = grad_of(name, var)? else {
                 continue;
             };
-            let g = g.flatten_all()?.to_vec1::<f32>()?;
             let mut w = var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
             // Chunks in parallel on the caller's pool: the layers are up to
             // ~110k weights, a few tens of microseconds per chunk.

@@ -78,3 +78,34 @@ fn loss_is_finite_when_logits_saturate() {
     assert!(out.loss.is_finite() && out.loss > 1e3, "loss {}", out.loss);
     assert!(out.emb_grad.iter().all(|g| g.is_finite()));
 }
+
+#[test]
+fn mlp_direct_path_equals_autograd_path() {
+    let shape = ModelShape { num_fields: 4, num_dense: 3, embedding_dim: 5 };
+    let config = ModelConfig { kind: ModelKind::Mlp, embedding_dim: 5, hidden: vec![16, 8], ..Default::default() };
+    let direct = DenseModel::new(&config, shape, 21, Device::Cpu).expect("model");
+    let graph = DenseModel::new(&config, shape, 21, Device::Cpu).expect("model");
+    let (mut opt_d, mut opt_g) =
+        (DenseOptimizer::new(DenseOptimizerConfig::default()), DenseOptimizer::new(DenseOptimizerConfig::default()));
+    let mut rng = Rng::new(9);
+    let rows = 6;
+    for _ in 0..2 {
+        let emb: Vec<f32> = (0..rows * 4 * 5).map(|_| rng.uniform(-0.5, 0.5) as f32).collect();
+        let dense: Vec<f32> = (0..rows * 3).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
+        let labels: Vec<f32> = (0..rows).map(|i| (i % 3 == 0) as u8 as f32).collect();
+        let a = direct.train_step(emb.clone(), dense.clone(), &labels, &mut opt_d).expect("direct");
+        let b = graph.train_step_autograd(emb, dense, &labels, &mut opt_g).expect("autograd");
+        assert!((a.loss - b.loss).abs() < 1e-6);
+        for (x, y) in a.logits.iter().zip(&b.logits).chain(a.emb_grad.iter().zip(&b.emb_grad)) {
+            assert!((x - y).abs() < 1e-5, "{x} vs {y}");
+        }
+        assert_eq!(a.emb_grad.len(), b.emb_grad.len());
+    }
+    for ((_, v), (_, w)) in direct.params.vars().iter().zip(graph.params.vars()) {
+        let (v, w) =
+            (v.flatten_all().and_then(|t| t.to_vec1::<f32>()), w.flatten_all().and_then(|t| t.to_vec1::<f32>()));
+        for (x, y) in v.expect("v").iter().zip(&w.expect("w")) {
+            assert!((x - y).abs() < 1e-5, "weights after two steps: {x} vs {y}");
+        }
+    }
+}
