@@ -218,22 +218,23 @@ fn forward_slices(layers: &[LayerSlot], p: &[f32], x: &[f32], rows: usize) -> (V
     (hidden, output)
 }
 
-/// Backward pass on slices: from d loss / d output to (d x, d params).
-fn backward_slices(
-    layers: &[LayerSlot],
-    num_params: usize,
-    p: &[f32],
-    x: &[f32],
-    hidden: &[Vec<f32>],
-    output: &[f32],
-    mut g: Vec<f32>,
+/// What the backward pass needs of a forward pass.
+struct Activations<'a> {
+    x: &'a [f32],
+    hidden: &'a [Vec<f32>],
+    output: &'a [f32],
     rows: usize,
-) -> (Vec<f32>, Vec<f32>) {
+}
+
+/// Backward pass on slices: from d loss / d output to (d x, d params).
+fn backward_slices(shape: &MlpShape, p: &[f32], acts: Activations<'_>, mut g: Vec<f32>) -> (Vec<f32>, Vec<f32>) {
+    let Activations { x, hidden, output, rows } = acts;
+    let layers = &shape.layers;
     // `g` is the gradient at the current layer's output, first through its ReLU.
     if layers.last().is_some_and(|l| l.relu) {
         g.iter_mut().zip(output).for_each(|(g, &o)| *g = if o > 0.0 { *g } else { 0.0 });
     }
-    let mut grad_p = vec![0.0f32; num_params];
+    let mut grad_p = vec![0.0f32; shape.num_params];
     for (i, l) in layers.iter().enumerate().rev() {
         let input: &[f32] = if i == 0 { x } else { &hidden[i - 1] };
         let (fi, fo) = (l.fan_in, l.fan_out);
@@ -289,8 +290,8 @@ impl Mlp {
         self.check_input(x.len(), pass.rows)?;
         let (ps, pl) = self.params.storage_and_layout();
         let p = cpu(&ps, pl)?;
-        let layers = &self.shape.layers;
-        Ok(backward_slices(layers, self.shape.num_params, p, x, &pass.hidden, &pass.output, grad_out, pass.rows))
+        let acts = Activations { x, hidden: &pass.hidden, output: &pass.output, rows: pass.rows };
+        Ok(backward_slices(&self.shape, p, acts, grad_out))
     }
 }
 
@@ -337,7 +338,8 @@ impl CustomOp2 for FusedMlp {
         let (gs, gl) = grad_res.storage_and_layout();
         let (x_data, p, out) = (cpu(&xs, xl)?, cpu(&ps, pl)?, cpu(&rs, rl)?);
         let g = cpu(&gs, gl)?.to_vec();
-        let (grad_x, grad_p) = backward_slices(layers, self.shape.num_params, p, x_data, &hidden, out, g, xl.dims()[0]);
+        let acts = Activations { x: x_data, hidden: &hidden, output: out, rows: xl.dims()[0] };
+        let (grad_x, grad_p) = backward_slices(&self.shape, p, acts, g);
         let grad_x = Tensor::from_vec(grad_x, x.shape(), x.device())?;
         let grad_p = Tensor::from_vec(grad_p, params.shape(), params.device())?;
         Ok((Some(grad_x), Some(grad_p)))
