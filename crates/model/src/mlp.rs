@@ -68,7 +68,7 @@ impl Mlp {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
         if x.device().is_cpu() && x.dtype() == DType::F32 {
-            let op = FusedMlp { shape: self.shape.clone(), hidden: Mutex::new(Vec::new()) };
+            let op = FusedMlp { shape: self.shape.clone(), scratch: Mutex::new(MlpScratch::default()) };
             Ok(x.contiguous()?.apply_op2(self.params.as_tensor(), op)?)
         } else {
             self.forward_ops(x)
@@ -162,8 +162,8 @@ pub fn sgemm(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_>, dst: 
 /// The CPU op: inputs `x: [rows, in]` and the flat parameters.
 struct FusedMlp {
     shape: Arc<MlpShape>,
-    /// Outputs of the hidden layers (after ReLU), kept for the backward pass.
-    hidden: Mutex<Vec<Vec<f32>>>,
+    /// The forward pass's buffers, kept for the backward pass.
+    scratch: Mutex<MlpScratch>,
 }
 
 fn err(msg: impl Into<String>) -> candle_core::Error {
@@ -192,51 +192,57 @@ fn add_bias(out: &mut [f32], b: &[f32], relu: bool) {
     }
 }
 
-/// Forward pass on slices: the hidden layers' outputs (after ReLU) and the
-/// last layer's output.
-fn forward_slices(layers: &[LayerSlot], p: &[f32], x: &[f32], rows: usize) -> (Vec<Vec<f32>>, Vec<f32>) {
-    let mut hidden: Vec<Vec<f32>> = Vec::with_capacity(layers.len().saturating_sub(1));
-    let mut output = Vec::new();
-    for (i, l) in layers.iter().enumerate() {
-        let input: &[f32] = if i == 0 { x } else { &hidden[i - 1] };
-        let mut out = vec![0.0f32; rows * l.fan_out];
-        sgemm(
-            rows,
-            l.fan_out,
-            l.fan_in,
-            Operand::plain(input),
-            Operand::plain(&p[l.w..l.w + l.fan_in * l.fan_out]),
-            &mut out,
-        );
-        add_bias(&mut out, &p[l.b..l.b + l.fan_out], l.relu);
-        if i + 1 < layers.len() {
-            hidden.push(out);
-        } else {
-            output = out;
-        }
-    }
-    (hidden, output)
-}
-
-/// What the backward pass needs of a forward pass.
-struct Activations<'a> {
-    x: &'a [f32],
-    hidden: &'a [Vec<f32>],
-    output: &'a [f32],
+/// Buffers of one MLP step, kept between steps: a step reuses them instead of
+/// allocating and zero-filling ~5 MB (at batch 1024) every time.
+#[derive(Default)]
+pub struct MlpScratch {
+    /// Outputs of the hidden layers (after ReLU).
+    hidden: Vec<Vec<f32>>,
+    /// Output of the last layer.
+    pub output: Vec<f32>,
+    /// Gradient at the current layer while going backward; d input at the end.
+    pub grad_input: Vec<f32>,
+    grad_next: Vec<f32>,
     rows: usize,
 }
 
-/// Backward pass on slices: from d loss / d output to (d x, d params).
-fn backward_slices(shape: &MlpShape, p: &[f32], acts: Activations<'_>, mut g: Vec<f32>) -> (Vec<f32>, Vec<f32>) {
-    let Activations { x, hidden, output, rows } = acts;
+/// `buf` with exactly `n` elements; only newly grown elements are written.
+fn sized(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    buf.resize(n, 0.0);
+    buf
+}
+
+/// Forward pass into `scratch`.
+fn forward_into(layers: &[LayerSlot], p: &[f32], x: &[f32], rows: usize, scratch: &mut MlpScratch) {
+    scratch.hidden.resize_with(layers.len().saturating_sub(1), Vec::new);
+    scratch.rows = rows;
+    for (i, l) in layers.iter().enumerate() {
+        let w = &p[l.w..l.w + l.fan_in * l.fan_out];
+        let (done, rest) = scratch.hidden.split_at_mut(i.min(layers.len() - 1));
+        let input: &[f32] = if i == 0 { x } else { &done[i - 1] };
+        // gemm overwrites every element of `out`, stale values included.
+        let out = if i + 1 < layers.len() { sized(&mut rest[0], rows * l.fan_out) } else { sized(&mut scratch.output, rows * l.fan_out) };
+        sgemm(rows, l.fan_out, l.fan_in, Operand::plain(input), Operand::plain(w), out);
+        add_bias(out, &p[l.b..l.b + l.fan_out], l.relu);
+    }
+}
+
+/// Backward pass from `grad_out` (d loss / d output): d params is returned,
+/// d x is left in `scratch.grad_input`.
+fn backward_into(shape: &MlpShape, p: &[f32], x: &[f32], grad_out: &[f32], scratch: &mut MlpScratch) -> Vec<f32> {
     let layers = &shape.layers;
+    let rows = scratch.rows;
+    let mut g = std::mem::take(&mut scratch.grad_input);
+    g.clear();
+    g.extend_from_slice(grad_out);
     // `g` is the gradient at the current layer's output, first through its ReLU.
     if layers.last().is_some_and(|l| l.relu) {
-        g.iter_mut().zip(output).for_each(|(g, &o)| *g = if o > 0.0 { *g } else { 0.0 });
+        g.iter_mut().zip(&scratch.output).for_each(|(g, &o)| *g = if o > 0.0 { *g } else { 0.0 });
     }
     let mut grad_p = vec![0.0f32; shape.num_params];
+    let mut g_in = std::mem::take(&mut scratch.grad_next);
     for (i, l) in layers.iter().enumerate().rev() {
-        let input: &[f32] = if i == 0 { x } else { &hidden[i - 1] };
+        let input: &[f32] = if i == 0 { x } else { &scratch.hidden[i - 1] };
         let (fi, fo) = (l.fan_in, l.fan_out);
         // dW = inputᵀ · g
         sgemm(fi, fo, rows, Operand::t(input), Operand::plain(&g), &mut grad_p[l.w..l.w + fi * fo]);
@@ -246,21 +252,16 @@ fn backward_slices(shape: &MlpShape, p: &[f32], acts: Activations<'_>, mut g: Ve
             db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
         }
         // d input = g · Wᵀ, then through the previous layer's ReLU.
-        let mut g_in = vec![0.0f32; rows * fi];
-        sgemm(rows, fi, fo, Operand::plain(&g), Operand::t(&p[l.w..l.w + fi * fo]), &mut g_in);
+        let gi = sized(&mut g_in, rows * fi);
+        sgemm(rows, fi, fo, Operand::plain(&g), Operand::t(&p[l.w..l.w + fi * fo]), gi);
         if i > 0 {
-            g_in.iter_mut().zip(input).for_each(|(g, &a)| *g = if a > 0.0 { *g } else { 0.0 });
+            gi.iter_mut().zip(input).for_each(|(g, &a)| *g = if a > 0.0 { *g } else { 0.0 });
         }
-        g = g_in;
+        std::mem::swap(&mut g, &mut g_in);
     }
-    (g, grad_p)
-}
-
-/// One forward pass of [`Mlp::forward_cpu`], kept for its backward pass.
-pub struct MlpPass {
-    hidden: Vec<Vec<f32>>,
-    pub output: Vec<f32>,
-    rows: usize,
+    scratch.grad_input = g;
+    scratch.grad_next = g_in;
+    grad_p
 }
 
 impl Mlp {
@@ -272,26 +273,21 @@ impl Mlp {
         Ok(())
     }
 
-    /// Forward pass on a CPU slice `x: [rows, in]`, outside candle's graph.
-    pub fn forward_cpu(&self, x: &[f32], rows: usize) -> Result<MlpPass, ModelError> {
+    /// Forward pass on a CPU slice `x: [rows, in]`, outside candle's graph;
+    /// the output is `scratch.output`.
+    pub fn forward_cpu(&self, x: &[f32], rows: usize, scratch: &mut MlpScratch) -> Result<(), ModelError> {
         self.check_input(x.len(), rows)?;
         let (ps, pl) = self.params.storage_and_layout();
-        let (hidden, output) = forward_slices(&self.shape.layers, cpu(&ps, pl)?, x, rows);
-        Ok(MlpPass { hidden, output, rows })
+        forward_into(&self.shape.layers, cpu(&ps, pl)?, x, rows, scratch);
+        Ok(())
     }
 
-    /// Backward pass of [`forward_cpu`](Self::forward_cpu): (d x, d params).
-    pub fn backward_cpu(
-        &self,
-        x: &[f32],
-        pass: &MlpPass,
-        grad_out: Vec<f32>,
-    ) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
-        self.check_input(x.len(), pass.rows)?;
+    /// Backward pass of the last [`forward_cpu`](Self::forward_cpu) on the
+    /// same `x` and scratch: returns d params; d x is `scratch.grad_input`.
+    pub fn backward_cpu(&self, x: &[f32], grad_out: &[f32], scratch: &mut MlpScratch) -> Result<Vec<f32>, ModelError> {
+        self.check_input(x.len(), scratch.rows)?;
         let (ps, pl) = self.params.storage_and_layout();
-        let p = cpu(&ps, pl)?;
-        let acts = Activations { x, hidden: &pass.hidden, output: &pass.output, rows: pass.rows };
-        Ok(backward_slices(&self.shape, p, acts, grad_out))
+        Ok(backward_into(&self.shape, cpu(&ps, pl)?, x, grad_out, scratch))
     }
 }
 
@@ -315,31 +311,28 @@ impl CustomOp2 for FusedMlp {
             return Err(err(format!("input {:?} / params {} do not fit the layers", xl.dims(), p.len())));
         }
         let rows = xl.dims()[0];
-        let (hidden, output) = forward_slices(layers, p, x, rows);
-        *self.hidden.lock().map_err(|_| err("poisoned"))? = hidden;
-        Ok((CpuStorage::F32(output), Shape::from((rows, last.fan_out))))
+        let mut scratch = self.scratch.lock().map_err(|_| err("poisoned"))?;
+        forward_into(layers, p, x, rows, &mut scratch);
+        Ok((CpuStorage::F32(scratch.output.clone()), Shape::from((rows, last.fan_out))))
     }
 
     fn bwd(
         &self,
         x: &Tensor,
         params: &Tensor,
-        res: &Tensor,
+        _res: &Tensor,
         grad_res: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let hidden = std::mem::take(&mut *self.hidden.lock().map_err(|_| err("poisoned"))?);
-        let layers = &self.shape.layers;
-        if hidden.len() + 1 != layers.len() {
+        let mut scratch = self.scratch.lock().map_err(|_| err("poisoned"))?;
+        if scratch.hidden.len() + 1 != self.shape.layers.len() || scratch.rows != x.dims().first().copied().unwrap_or(0) {
             return Err(err("backward without a matching forward"));
         }
         let (xs, xl) = x.storage_and_layout();
         let (ps, pl) = params.storage_and_layout();
-        let (rs, rl) = res.storage_and_layout();
         let (gs, gl) = grad_res.storage_and_layout();
-        let (x_data, p, out) = (cpu(&xs, xl)?, cpu(&ps, pl)?, cpu(&rs, rl)?);
-        let g = cpu(&gs, gl)?.to_vec();
-        let acts = Activations { x: x_data, hidden: &hidden, output: out, rows: xl.dims()[0] };
-        let (grad_x, grad_p) = backward_slices(&self.shape, p, acts, g);
+        let (x_data, p, g) = (cpu(&xs, xl)?, cpu(&ps, pl)?, cpu(&gs, gl)?);
+        let grad_p = backward_into(&self.shape, p, x_data, g, &mut scratch);
+        let grad_x = std::mem::take(&mut scratch.grad_input);
         let grad_x = Tensor::from_vec(grad_x, x.shape(), x.device())?;
         let grad_p = Tensor::from_vec(grad_p, params.shape(), params.device())?;
         Ok((Some(grad_x), Some(grad_p)))

@@ -6,7 +6,7 @@ use sparrow_core::config::{ModelConfig, ModelKind};
 use sparrow_core::metrics::{logistic_loss, sigmoid};
 
 use crate::ModelError;
-use crate::mlp::Mlp;
+use crate::mlp::{Mlp, MlpScratch};
 use crate::optimizer::DenseOptimizer;
 use crate::params::{Linear, ParamStore};
 
@@ -55,6 +55,8 @@ pub struct DenseModel {
     net: Net,
     /// Scalar bias shared by the first-order models.
     bias: Option<Var>,
+    /// Buffers of the direct MLP step, reused across steps.
+    scratch: std::sync::Mutex<MlpScratch>,
 }
 
 pub struct StepOutput {
@@ -125,7 +127,7 @@ impl DenseModel {
                 Net::Dcn { cross, deep: Mlp::new(&mut ps, "deep", x_dim, &head(&config.hidden), false)? }
             }
         };
-        Ok(DenseModel { kind: config.kind, shape, params: ps, net, bias })
+        Ok(DenseModel { kind: config.kind, shape, params: ps, net, bias, scratch: Default::default() })
     }
 
     /// Floats per embedding row this model reads.
@@ -220,7 +222,9 @@ impl DenseModel {
     pub fn predict(&self, emb: Vec<f32>, dense: Vec<f32>, rows: usize) -> Result<Vec<f32>, ModelError> {
         if let Some(mlp) = self.direct_mlp() {
             let x = self.concat_rows(&emb, &dense, rows);
-            return Ok(mlp.forward_cpu(&x, rows)?.output);
+            let mut scratch = MlpScratch::default();
+            mlp.forward_cpu(&x, rows, &mut scratch)?;
+            return Ok(scratch.output);
         }
         let (emb, dense) = self.inputs(emb, dense, rows)?;
         Ok(self.forward(&emb, &dense)?.to_vec1::<f32>()?)
@@ -317,11 +321,12 @@ impl DenseModel {
     ) -> Result<StepOutput, ModelError> {
         let rows = labels.len();
         let x = self.concat_rows(emb, dense, rows);
-        let pass = mlp.forward_cpu(&x, rows)?;
-        let logits = pass.output.clone();
+        let mut scratch = self.scratch.lock().map_err(|_| ModelError::Poisoned)?;
+        mlp.forward_cpu(&x, rows, &mut scratch)?;
+        let logits = scratch.output.clone();
         let (loss, seed) = Self::loss_and_seed(&logits, labels);
-        let (grad_x, grad_p) = mlp.backward_cpu(&x, &pass, seed)?;
-        let mut grad_p = Some(grad_p);
+        let mut grad_p = Some(mlp.backward_cpu(&x, &seed, &mut scratch)?);
+        let grad_x = &scratch.grad_input;
         let mlp_params = mlp.params().as_tensor().id();
         optimizer.step_with(&self.params, |_, var| {
             Ok(if var.as_tensor().id() == mlp_params { grad_p.take() } else { None })
