@@ -84,6 +84,27 @@ pub struct Schema {
     pub header: bool,
     /// CSV only: splits one cell into several IDs of the same field (multi-hot).
     pub multi_hot_separator: Option<String>,
+    /// Applied to every dense value: `none`, or `log1p` = log(1 + max(x, 0))
+    /// as the Criteo reader does (for raw counts).
+    pub dense_transform: DenseTransform,
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DenseTransform {
+    #[default]
+    None,
+    Log1p,
+}
+
+impl DenseTransform {
+    #[inline]
+    pub fn apply(self, x: f64) -> f64 {
+        match self {
+            DenseTransform::None => x,
+            DenseTransform::Log1p => x.max(0.0).ln_1p(),
+        }
+    }
 }
 
 impl Default for Schema {
@@ -95,6 +116,7 @@ impl Default for Schema {
             delimiter: ",".into(),
             header: true,
             multi_hot_separator: None,
+            dense_transform: DenseTransform::None,
         }
     }
 }

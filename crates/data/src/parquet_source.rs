@@ -9,7 +9,7 @@ use parquet::file::reader::{FileReader, SerializedFileReader};
 use parquet::record::reader::RowIter;
 use parquet::record::{Field, Row};
 use sparrow_core::batch::{BatchBuilder, DataPosition};
-use sparrow_core::config::DataConfig;
+use sparrow_core::config::{DataConfig, DenseTransform};
 use sparrow_core::{Batch, feature_key};
 
 use crate::error::{BadRows, DataError};
@@ -24,6 +24,7 @@ pub struct ParquetSource {
     label: usize,
     dense: Vec<(usize, String)>,
     sparse: Vec<usize>,
+    transform: DenseTransform,
     /// Index of the next row (0-based).
     next_row: u64,
     bad: BadRows,
@@ -65,6 +66,7 @@ impl ParquetSource {
             label,
             dense,
             sparse,
+            transform: schema.dense_transform,
             next_row: 0,
             bad,
         })
@@ -93,7 +95,7 @@ impl ParquetSource {
             if !v.is_finite() {
                 return Err(format!("column {name}: value is not finite"));
             }
-            out.push_dense(v as f32);
+            out.push_dense(self.transform.apply(v) as f32);
         }
         for (fi, &col) in self.sparse.iter().enumerate() {
             let f = cols.get(col).ok_or("row is shorter than the schema")?;

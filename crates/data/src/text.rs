@@ -7,7 +7,7 @@ use std::io::{BufRead, BufReader, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use sparrow_core::batch::{BatchBuilder, DataPosition};
-use sparrow_core::config::{DataConfig, DataFormat, Schema};
+use sparrow_core::config::{DataConfig, DataFormat, DenseTransform, Schema};
 use sparrow_core::{Batch, feature_key};
 
 use crate::error::{BadRows, DataError};
@@ -171,6 +171,7 @@ pub struct CsvParser {
     dense: Vec<(usize, String)>,
     sparse: Vec<usize>,
     multi_hot: Option<Vec<u8>>,
+    transform: DenseTransform,
     width: usize,
 }
 
@@ -210,6 +211,7 @@ impl CsvParser {
             dense,
             sparse,
             multi_hot: schema.multi_hot_separator.as_ref().map(|s| s.as_bytes().to_vec()),
+            transform: schema.dense_transform,
             width,
         })
     }
@@ -236,7 +238,7 @@ impl LineParser for CsvParser {
             if !v.is_finite() {
                 return Err(format!("column {name}: value is not finite"));
             }
-            out.push_dense(v);
+            out.push_dense(self.transform.apply(f64::from(v)) as f32);
         }
         for (f, &col) in self.sparse.iter().enumerate() {
             let raw = cells[col].as_ref();

@@ -52,6 +52,13 @@ fn criteo_csv_with_header_and_schema() {
     let batches = read_all(&testdata("criteo-sample-200.csv"), &config, 64, &bad).expect("reads");
     assert_eq!(batches.iter().map(Batch::rows).sum::<usize>(), 200);
     assert_eq!(batches[0].num_dense, 13);
+    // First row: I1 empty, I2 = 3, I3 = 260.0 — raw by default, log1p on request.
+    assert_eq!(&batches[0].dense[..3], &[0.0, 3.0, 260.0]);
+    let mut schema = criteo_schema();
+    schema.dense_transform = sparrow_core::config::DenseTransform::Log1p;
+    let config = DataConfig { format: DataFormat::Csv, schema: Some(schema), ..Default::default() };
+    let logged = read_all(&testdata("criteo-sample-200.csv"), &config, 64, &bad).expect("reads");
+    assert_eq!(&logged[0].dense[..3], &[0.0, 4f32.ln(), 261f32.ln()]);
 }
 
 #[test]
