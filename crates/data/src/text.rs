@@ -99,9 +99,8 @@ impl LineParser for CriteoParser {
             let v = if raw.is_empty() {
                 0
             } else {
-                parse_int(raw).ok_or_else(|| {
-                    format!("column I{}: `{}` is not an integer", i + 1, String::from_utf8_lossy(raw))
-                })?
+                parse_int(raw)
+                    .ok_or_else(|| format!("column I{}: `{}` is not an integer", i + 1, String::from_utf8_lossy(raw)))?
             };
             out.push_dense(self.log1p.get(v));
         }

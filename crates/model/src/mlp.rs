@@ -221,7 +221,11 @@ fn forward_into(layers: &[LayerSlot], p: &[f32], x: &[f32], rows: usize, scratch
         let (done, rest) = scratch.hidden.split_at_mut(i.min(layers.len() - 1));
         let input: &[f32] = if i == 0 { x } else { &done[i - 1] };
         // gemm overwrites every element of `out`, stale values included.
-        let out = if i + 1 < layers.len() { sized(&mut rest[0], rows * l.fan_out) } else { sized(&mut scratch.output, rows * l.fan_out) };
+        let out = if i + 1 < layers.len() {
+            sized(&mut rest[0], rows * l.fan_out)
+        } else {
+            sized(&mut scratch.output, rows * l.fan_out)
+        };
         sgemm(rows, l.fan_out, l.fan_in, Operand::plain(input), Operand::plain(w), out);
         add_bias(out, &p[l.b..l.b + l.fan_out], l.relu);
     }
@@ -324,7 +328,8 @@ impl CustomOp2 for FusedMlp {
         grad_res: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let mut scratch = self.scratch.lock().map_err(|_| err("poisoned"))?;
-        if scratch.hidden.len() + 1 != self.shape.layers.len() || scratch.rows != x.dims().first().copied().unwrap_or(0) {
+        if scratch.hidden.len() + 1 != self.shape.layers.len() || scratch.rows != x.dims().first().copied().unwrap_or(0)
+        {
             return Err(err("backward without a matching forward"));
         }
         let (xs, xl) = x.storage_and_layout();

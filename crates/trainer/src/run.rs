@@ -298,6 +298,40 @@ fn predict_file(
     Ok((logits, labels))
 }
 
+/// Logits and labels of every good row of `data` under a checkpoint's model.
+struct Scored {
+    logits: Vec<f32>,
+    labels: Vec<f32>,
+    bad_rows: u64,
+    step: u64,
+}
+
+fn score_checkpoint(
+    checkpoint: &Path,
+    data: &Path,
+    overrides: &[String],
+    threads: Option<usize>,
+) -> Result<Scored, TrainError> {
+    let (trainer, manifest, _) = checkpoint::load_trainer(checkpoint, overrides)?;
+    let pool = thread_pool(threads.unwrap_or(trainer.config.train.threads))?;
+    let bad = BadRows::new(trainer.config.data.max_bad_rows, trainer.config.data.report_bad_rows);
+    let (logits, labels) = pool.install(|| predict_file(&trainer, data, &trainer.config.data, &bad))?;
+    Ok(Scored { logits, labels, bad_rows: bad.total(), step: manifest.step })
+}
+
+impl EvalSummary {
+    fn new(s: &Scored, wall: Instant) -> Self {
+        EvalSummary {
+            auc: auc(&s.logits, &s.labels),
+            logloss: log_loss_from_logits(&s.logits, &s.labels),
+            rows: s.labels.len() as u64,
+            bad_rows: s.bad_rows,
+            checkpoint_step: s.step,
+            wall_secs: wall.elapsed().as_secs_f64(),
+        }
+    }
+}
+
 pub fn evaluate_checkpoint(
     checkpoint: &Path,
     data: &Path,
@@ -305,21 +339,11 @@ pub fn evaluate_checkpoint(
     threads: Option<usize>,
 ) -> Result<EvalSummary, TrainError> {
     let wall = Instant::now();
-    let (trainer, manifest, _) = checkpoint::load_trainer(checkpoint, overrides)?;
-    let pool = thread_pool(threads.unwrap_or(trainer.config.train.threads))?;
-    let bad = BadRows::new(trainer.config.data.max_bad_rows, trainer.config.data.report_bad_rows);
-    let (logits, labels) = pool.install(|| predict_file(&trainer, data, &trainer.config.data, &bad))?;
-    Ok(EvalSummary {
-        auc: auc(&logits, &labels),
-        logloss: log_loss_from_logits(&logits, &labels),
-        rows: labels.len() as u64,
-        bad_rows: bad.total(),
-        checkpoint_step: manifest.step,
-        wall_secs: wall.elapsed().as_secs_f64(),
-    })
+    let scored = score_checkpoint(checkpoint, data, overrides, threads)?;
+    Ok(EvalSummary::new(&scored, wall))
 }
 
-/// Writes one click probability per good input row to `out`.
+/// Writes one click probability per good input row to `out` (atomically).
 pub fn predict_checkpoint(
     checkpoint: &Path,
     data: &Path,
@@ -327,26 +351,16 @@ pub fn predict_checkpoint(
     overrides: &[String],
 ) -> Result<EvalSummary, TrainError> {
     let wall = Instant::now();
-    let (trainer, manifest, _) = checkpoint::load_trainer(checkpoint, overrides)?;
-    let pool = thread_pool(trainer.config.train.threads)?;
-    let bad = BadRows::new(trainer.config.data.max_bad_rows, trainer.config.data.report_bad_rows);
-    let (logits, labels) = pool.install(|| predict_file(&trainer, data, &trainer.config.data, &bad))?;
+    let scored = score_checkpoint(checkpoint, data, overrides, None)?;
     let tmp = out.with_extension("partial");
     {
         let f = File::create(&tmp).map_err(|e| TrainError::io(&tmp, e))?;
         let mut w = BufWriter::new(f);
-        for &x in &logits {
+        for &x in &scored.logits {
             writeln!(w, "{}", sigmoid(f64::from(x)) as f32).map_err(|e| TrainError::io(&tmp, e))?;
         }
         w.flush().map_err(|e| TrainError::io(&tmp, e))?;
     }
     std::fs::rename(&tmp, out).map_err(|e| TrainError::io(out, e))?;
-    Ok(EvalSummary {
-        auc: auc(&logits, &labels),
-        logloss: log_loss_from_logits(&logits, &labels),
-        rows: labels.len() as u64,
-        bad_rows: bad.total(),
-        checkpoint_step: manifest.step,
-        wall_secs: wall.elapsed().as_secs_f64(),
-    })
+    Ok(EvalSummary::new(&scored, wall))
 }
