@@ -3,6 +3,8 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -118,6 +120,23 @@ fn print_json(value: &impl serde::Serialize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Set by the first Ctrl-C (training stops after the step and checkpoints);
+/// a second Ctrl-C exits at once.
+fn interrupt_flag() -> Arc<AtomicBool> {
+    let flag = Arc::new(AtomicBool::new(false));
+    let seen = flag.clone();
+    let installed = ctrlc::set_handler(move || {
+        if seen.swap(true, Ordering::SeqCst) {
+            std::process::exit(130);
+        }
+        eprintln!("interrupt: stopping after this step (Ctrl-C again to quit at once)");
+    });
+    if let Err(e) = installed {
+        eprintln!("warning: Ctrl-C will not checkpoint: {e}");
+    }
+    flag
+}
+
 fn load_config(path: &Path, set: &[String]) -> anyhow::Result<Config> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
     Ok(Config::from_toml_with_overrides(&text, &path.display().to_string(), set)?)
@@ -134,7 +153,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 set.push(format!("checkpoint.resume_from={:?}", r.display().to_string()));
             }
             let config = load_config(&config, &set)?;
-            print_json(&sparrow_trainer::train(&config, quiet)?)
+            print_json(&sparrow_trainer::train_until(&config, quiet, &interrupt_flag())?)
         }
         Command::Eval { checkpoint, data, set } => {
             print_json(&sparrow_trainer::evaluate_checkpoint(&checkpoint, &data, &set, None)?)
@@ -175,7 +194,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             ];
             overrides.append(&mut set);
             let config = Config::from_toml_with_overrides(DEMO_CONFIG, "configs/dlrm.toml", &overrides)?;
-            print_json(&sparrow_trainer::train(&config, false)?)
+            print_json(&sparrow_trainer::train_until(&config, false, &interrupt_flag())?)
         }
     }
 }
@@ -207,7 +226,10 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::from(2)
+            let interrupted = e
+                .downcast_ref::<sparrow_trainer::TrainError>()
+                .is_some_and(|t| matches!(t, sparrow_trainer::TrainError::Interrupted { .. }));
+            ExitCode::from(if interrupted { 130 } else { 2 })
         }
     }
 }

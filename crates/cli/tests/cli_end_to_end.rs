@@ -175,3 +175,45 @@ fn bad_config_and_inputs_fail_clearly() {
     ok(&sparrow(&["eval", "--checkpoint", &ck, "--data", &data.join("test.tsv").display().to_string()]));
     fails_with(&sparrow(&["eval", "--checkpoint", "/nonexistent/ck", "--data", "x"]), &["/nonexistent/ck"]);
 }
+
+#[test]
+fn ctrl_c_checkpoints_and_the_run_resumes() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let data = tmp.path().join("data");
+    ok(&sparrow(&["gen", "--out", &data.display().to_string(), "--train-rows", "4000", "--test-rows", "500"]));
+    // Many epochs: the run is still training when the interrupt arrives.
+    let config = write_config(tmp.path(), "job.toml", "");
+    let child = Command::new(env!("CARGO_BIN_EXE_sparrow"))
+        .args(["train", "--config", &config, "--set", "train.epochs=100000", "--set", "train.log_interval_steps=1"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let metrics = tmp.path().join("metrics.jsonl");
+    let started = std::time::Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(true, |m| m.lines().count() < 3) {
+        assert!(started.elapsed().as_secs() < 60, "training did not start");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let killed = Command::new("kill").args(["-INT", &child.id().to_string()]).status().expect("kill");
+    assert!(killed.success());
+    let out = child.wait_with_output().expect("wait");
+    assert_eq!(out.status.code(), Some(130), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("saved in") && stderr.contains("--resume"), "{stderr}");
+    let ck = tmp.path().join("ck");
+    let out = sparrow(&[
+        "eval",
+        "--checkpoint",
+        &ck.display().to_string(),
+        "--data",
+        &data.join("test.tsv").display().to_string(),
+    ]);
+    ok(&out);
+    assert!(last_json(&out)["checkpoint_step"].as_u64().expect("step") >= 3);
+    // A run resumes from the interrupted one's checkpoint.
+    let out =
+        sparrow(&["train", "--config", &config, "--resume", &ck.display().to_string(), "--set", "train.max_steps=100"]);
+    ok(&out);
+    assert!(last_json(&out)["resumed_from_step"].as_u64().is_some());
+}

@@ -15,6 +15,8 @@ pub enum TrainError {
     Checkpoint { path: PathBuf, message: String },
     #[error("{path}: {error}")]
     Io { path: PathBuf, error: std::io::Error },
+    #[error("interrupted after step {step}")]
+    Interrupted { step: u64 },
     #[error("thread pool: {0}")]
     ThreadPool(String),
 }

@@ -13,7 +13,7 @@ pub mod run;
 pub mod trainer;
 
 pub use error::TrainError;
-pub use run::{EvalSummary, TrainSummary, evaluate_checkpoint, predict_checkpoint, train};
+pub use run::{EvalSummary, TrainSummary, evaluate_checkpoint, predict_checkpoint, train, train_until};
 pub use trainer::Trainer;
 
 /// Peak resident set size of this process (VmHWM), 0 where unknown.

@@ -3,6 +3,7 @@
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use serde::Serialize;
@@ -103,12 +104,18 @@ impl MetricsLog {
 
 /// Trains as configured, evaluates on `data.test`, writes the checkpoint.
 pub fn train(config: &Config, quiet: bool) -> Result<TrainSummary, TrainError> {
-    let wall = Instant::now();
-    let pool = thread_pool(config.train.threads)?;
-    pool.install(|| train_in_pool(config, quiet, wall))
+    train_until(config, quiet, &AtomicBool::new(false))
 }
 
-fn train_in_pool(config: &Config, quiet: bool, wall: Instant) -> Result<TrainSummary, TrainError> {
+/// [`train`], stopping after the current step once `stop` is set (Ctrl-C):
+/// the checkpoint is written and [`TrainError::Interrupted`] returned.
+pub fn train_until(config: &Config, quiet: bool, stop: &AtomicBool) -> Result<TrainSummary, TrainError> {
+    let wall = Instant::now();
+    let pool = thread_pool(config.train.threads)?;
+    pool.install(|| train_in_pool(config, quiet, wall, stop))
+}
+
+fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool) -> Result<TrainSummary, TrainError> {
     let train_path = data_path(&config.data.train, "train", "the training data file")?;
     // Fail before training, not after it, when the test file is missing.
     if let Some(test) = &config.data.test {
@@ -150,6 +157,10 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant) -> Result<TrainSum
     let mut outcome: Result<(), TrainError> = Ok(());
     for item in stream {
         if stop_at.is_some_and(|m| trainer.step >= m) {
+            break;
+        }
+        if stop.load(Ordering::Relaxed) {
+            outcome = Err(TrainError::Interrupted { step: trainer.step });
             break;
         }
         let (batch, plan) = match item {
@@ -214,8 +225,14 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant) -> Result<TrainSum
         _ => None,
     };
     if let Err(e) = outcome {
-        if let Some(d) = &checkpoint_dir {
-            eprintln!("error after step {}; the model so far is saved in {}", trainer.step, d.display());
+        match &checkpoint_dir {
+            Some(d) => eprintln!(
+                "stopped after step {}; the model so far is saved in {} (continue with --resume {})",
+                trainer.step,
+                d.display(),
+                config.checkpoint.dir.as_deref().unwrap_or_default()
+            ),
+            None => eprintln!("stopped after step {}; no checkpoint.dir is set, so nothing was saved", trainer.step),
         }
         return Err(e);
     }
