@@ -1,24 +1,24 @@
 //! The in-memory embedding table: `shards` independently locked shards, each a
-//! chunked arena of rows `[key | weights | optimizer state]` and a hash index of
-//! `u32` slots into it.
+//! chunked arena of rows `[key | weights | optimizer state]` and a
+//! [`SlotIndex`] from key to slot.
 //!
 //! The full key lives in its row; an index entry is the slot plus a 32-bit
-//! fingerprint of the key (8 bytes + 1 control byte per bucket, against 17 for
-//! a `(u64, u32)` map). The fingerprint lets a batch probe the index without
-//! touching rows, so the rows it found can be prefetched several keys ahead;
-//! the full key in the row is checked before the row is used. At dim 16 with
-//! Adagrad a row is 136 bytes, exactly key + vector + state.
+//! fingerprint of the key (8 bytes, no control bytes). A batch lookup is a
+//! software pipeline: it prefetches the index bucket of key i + 2D, probes key
+//! i + D and prefetches its row, and finishes key i (full key checked in the
+//! row, or the row inserted). At dim 16 with Adagrad a row is 136 bytes,
+//! exactly key + vector + state.
 //!
 //! Invariant: a row never moves once allocated (chunks are never reallocated),
 //! and rows are only added, so a slot stays valid for the table's lifetime.
 
-use hashbrown::HashTable;
 use parking_lot::RwLock;
 use rayon::prelude::*;
 use sparrow_core::config::{InitConfig, InitKind};
 use sparrow_core::key::mix64;
 use sparrow_core::rng::Rng;
 
+use crate::index::{Probe, SlotIndex};
 use crate::optimizer::SparseOptimizer;
 use crate::plan::KeyPlan;
 
@@ -35,38 +35,28 @@ pub enum TableError {
 const KEY_FLOATS: usize = 2;
 
 /// How many keys ahead a batch lookup probes the index and prefetches rows.
-const PREFETCH_DISTANCE: usize = 16;
+const PREFETCH_DISTANCE: usize = 8;
 
-/// Index entry: the row's slot and a fingerprint of its key.
-#[derive(Clone, Copy)]
-struct IndexEntry {
-    slot: u32,
-    fingerprint: u32,
-}
-
-/// Independent of the bucket hash (`mix64(key)`, a bijection of the key).
+/// Asks the CPU to start loading the cache line holding `*x`.
 #[inline]
-fn fingerprint(key: u64) -> u32 {
-    key as u32
-}
-
-/// Marks "not in the index" in a slot array.
-const NO_SLOT: u32 = u32::MAX;
-
-/// Asks the CPU to start loading the cache lines of `data`.
-#[inline]
-fn prefetch(data: &[f32]) {
+fn prefetch<T>(x: &T) {
     #[cfg(target_arch = "x86_64")]
-    for line in data.chunks(16) {
-        #[expect(unsafe_code, reason = "prefetch intrinsic; measured: see `sparrow bench` lookup figures")]
-        // SAFETY: a prefetch is only a hint: it never faults, reads nothing into
-        // the program and writes nothing; SSE is part of the x86_64 baseline.
-        unsafe {
-            core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(line.as_ptr().cast());
-        }
+    #[expect(unsafe_code, reason = "prefetch intrinsic; measured: see `sparrow bench` lookup figures")]
+    // SAFETY: a prefetch is only a hint: it never faults, reads nothing into
+    // the program and writes nothing; SSE is part of the x86_64 baseline.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(std::ptr::from_ref(x).cast());
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = data;
+    let _ = x;
+}
+
+/// Prefetches every cache line of `data` (a row spans two or three).
+#[inline]
+fn prefetch_lines(data: &[f32]) {
+    for line in data.chunks(16) {
+        prefetch(&line[0]);
+    }
 }
 
 #[inline]
@@ -78,13 +68,6 @@ fn key_of(stored: &[f32]) -> u64 {
 fn set_key(stored: &mut [f32], key: u64) {
     stored[0] = f32::from_bits(key as u32);
     stored[1] = f32::from_bits((key >> 32) as u32);
-}
-
-/// Bucket hash of a key. Keys are already hashes; mixing decorrelates the
-/// bucket bits from the shard bits (both come from `mix64`, at different bits).
-#[inline]
-fn bucket_hash(key: u64) -> u64 {
-    mix64(key)
 }
 
 /// Deterministic per-key initialisation: the same key gets the same initial
@@ -120,8 +103,8 @@ impl Initializer {
 }
 
 struct TableShard {
-    /// Slots of the rows (with key fingerprints), hashed by their key.
-    index: HashTable<IndexEntry>,
+    /// Slots of the rows (with key fingerprints), by key.
+    index: SlotIndex,
     chunks: Vec<Box<[f32]>>,
     rows: usize,
 }
@@ -172,39 +155,18 @@ fn stored_in(chunks: &[Box<[f32]>], layout: Layout, slot: u32) -> &[f32] {
 }
 
 impl TableShard {
-    /// The slot whose fingerprint matches, without touching any row. It is
-    /// `key`'s slot unless two keys share hash bucket chain and fingerprint;
-    /// [`confirm`](Self::confirm) tells.
     #[inline]
-    fn probe(&self, key: u64) -> u32 {
-        let fp = fingerprint(key);
-        self.index.find(bucket_hash(key), |e| e.fingerprint == fp).map_or(NO_SLOT, |e| e.slot)
-    }
-
-    /// `key`'s slot given a [`probe`](Self::probe) result: checks the full key
-    /// in the row, and searches exactly on a fingerprint collision.
-    #[inline]
-    fn confirm(&self, layout: Layout, key: u64, probed: u32) -> Option<u32> {
-        if probed == NO_SLOT {
-            return None;
-        }
-        if key_of(stored_in(&self.chunks, layout, probed)) == key {
-            return Some(probed);
-        }
-        let fp = fingerprint(key);
-        self.index
-            .iter_hash(bucket_hash(key))
-            .find(|e| e.fingerprint == fp && key_of(stored_in(&self.chunks, layout, e.slot)) == key)
-            .map(|e| e.slot)
+    fn key_at(&self, layout: Layout, slot: u32) -> u64 {
+        key_of(stored_in(&self.chunks, layout, slot))
     }
 
     #[inline]
     fn find(&self, layout: Layout, key: u64) -> Option<u32> {
-        self.confirm(layout, key, self.probe(key))
+        self.index.find(key, |s| self.key_at(layout, s))
     }
 
     fn prefetch_row(&self, layout: Layout, slot: u32) {
-        prefetch(stored_in(&self.chunks, layout, slot));
+        prefetch_lines(stored_in(&self.chunks, layout, slot));
     }
 
     /// Weights and optimizer state of a slot (the key is not part of it).
@@ -234,9 +196,8 @@ impl TableShard {
         self.rows += 1;
         set_key(&mut self.chunks[chunk][start..start + KEY_FLOATS], key);
         let chunks = &self.chunks;
-        let entry = IndexEntry { slot, fingerprint: fingerprint(key) };
         // Growing the index rehashes every entry from the key in its row.
-        self.index.insert_unique(bucket_hash(key), entry, |e| bucket_hash(key_of(stored_in(chunks, layout, e.slot))));
+        self.index.insert(key, slot, |s| key_of(stored_in(chunks, layout, s)));
         Ok(slot)
     }
 
@@ -249,8 +210,8 @@ impl TableShard {
         init: &Initializer,
         opt: &SparseOptimizer,
     ) -> Result<u32, TableError> {
-        let probed = self.probe(key);
-        self.confirm_or_insert(layout, key, probed, init, opt)
+        let probe = self.index.probe(key);
+        self.confirm_or_insert(layout, key, probe, init, opt)
     }
 
     /// [`slot_or_insert`](Self::slot_or_insert) with the probe already done.
@@ -259,11 +220,11 @@ impl TableShard {
         &mut self,
         layout: Layout,
         key: u64,
-        probed: u32,
+        probe: Probe,
         init: &Initializer,
         opt: &SparseOptimizer,
     ) -> Result<u32, TableError> {
-        if let Some(slot) = self.confirm(layout, key, probed) {
+        if let Some(slot) = self.index.confirm(key, probe, |s| self.key_at(layout, s)) {
             return Ok(slot);
         }
         let slot = self.add(layout, key)?;
@@ -340,7 +301,7 @@ impl EmbeddingTable {
         let layout = Layout::new(dim + optimizer.state_len(dim), dim);
         let shard_mask = shards as u64 - 1;
         let shards = (0..shards)
-            .map(|_| RwLock::new(TableShard { index: HashTable::new(), chunks: Vec::new(), rows: 0 }))
+            .map(|_| RwLock::new(TableShard { index: SlotIndex::default(), chunks: Vec::new(), rows: 0 }))
             .collect();
         EmbeddingTable { layout, optimizer, init, shards, shard_mask }
     }
@@ -412,17 +373,23 @@ impl EmbeddingTable {
         out_parts.into_par_iter().zip(slot_parts).try_for_each(|((s, out), (_, slots))| {
             let mut shard = self.shards[s].write();
             let keys = plan.shard_keys(s);
-            // Software pipeline: probe key i + D and prefetch its row while key
-            // i is finished (its row has been in flight for D keys).
-            for i in 0..keys.len() + PREFETCH_DISTANCE {
-                if let Some(&ahead) = keys.get(i) {
-                    slots[i] = shard.probe(ahead);
-                    if slots[i] != NO_SLOT {
-                        shard.prefetch_row(layout, slots[i]);
+            // Software pipeline, D = PREFETCH_DISTANCE: prefetch the index
+            // bucket of key i + 2D, probe key i + D and prefetch its row, and
+            // finish key i, whose row has been in flight for D keys.
+            const D: usize = PREFETCH_DISTANCE;
+            let mut probes = vec![Probe::Vacant; keys.len()];
+            for i in 0..keys.len() + 2 * D {
+                if let Some(bucket) = keys.get(i).and_then(|&k| shard.index.home(k)) {
+                    prefetch(bucket);
+                }
+                if let Some(j) = i.checked_sub(D).filter(|&j| j < keys.len()) {
+                    probes[j] = shard.index.probe(keys[j]);
+                    if let Probe::Candidate { slot, .. } = probes[j] {
+                        shard.prefetch_row(layout, slot);
                     }
                 }
-                if let Some(j) = i.checked_sub(PREFETCH_DISTANCE) {
-                    let slot = shard.confirm_or_insert(layout, keys[j], slots[j], &self.init, &self.optimizer)?;
+                if let Some(j) = i.checked_sub(2 * D) {
+                    let slot = shard.confirm_or_insert(layout, keys[j], probes[j], &self.init, &self.optimizer)?;
                     slots[j] = slot;
                     out[j * dim..(j + 1) * dim].copy_from_slice(&shard.row(layout, slot)[..dim]);
                 }
@@ -546,9 +513,7 @@ impl EmbeddingTable {
             .map(|s| {
                 let s = s.read();
                 let arena: usize = s.chunks.iter().map(|c| c.len() * 4).sum();
-                // hashbrown: one entry plus one control byte per bucket
-                // (capacity is 7/8 of the buckets).
-                let index = s.index.capacity() * (std::mem::size_of::<IndexEntry>() + 1) * 8 / 7;
+                let index = s.index.allocated_bytes();
                 arena + index
             })
             .sum()

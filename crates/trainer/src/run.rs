@@ -15,7 +15,7 @@ use sparrow_data::{BadRows, BatchStream, DataError, DataLayout};
 use crate::checkpoint;
 use crate::pipeline::PlannedBatches;
 use crate::progress::Progress;
-use crate::trainer::Trainer;
+use crate::trainer::{PhaseSecs, Trainer};
 use crate::{TrainError, peak_rss_bytes};
 
 /// The last stdout line of `sparrow train`: a contract read by scripts.
@@ -44,6 +44,8 @@ pub struct TrainSummary {
     pub embedding_bytes_per_row: f64,
     pub checkpoint: Option<String>,
     pub resumed_from_step: Option<u64>,
+    /// Wall seconds per phase of the training step (where the time goes).
+    pub step_phase_secs: PhaseSecs,
     /// From `truth.json` beside the test file, when the data is generated.
     pub bayes_auc: Option<f64>,
     pub bayes_logloss: Option<f64>,
@@ -276,6 +278,7 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
         embedding_bytes_per_row: trainer.table.allocated_bytes() as f64 / rows.max(1) as f64,
         checkpoint: checkpoint_dir.map(|d| d.display().to_string()),
         resumed_from_step,
+        step_phase_secs: trainer.phase_secs,
         bayes_auc: bayes.as_ref().map(|t| t.bayes_auc),
         bayes_logloss: bayes.as_ref().map(|t| t.bayes_logloss),
     })

@@ -2,6 +2,8 @@
 //! lookup (insert on first sight) → pool → dense forward/backward/step →
 //! unpool (sum duplicate gradients) → sparse optimizer update.
 
+use std::time::Instant;
+
 use candle_core::Device;
 use sparrow_core::batch::DataPosition;
 use sparrow_core::{Batch, Config};
@@ -24,6 +26,17 @@ pub struct Trainer {
     pub position: DataPosition,
     /// Samples trained so far (across resumes).
     pub samples_trained: u64,
+    pub phase_secs: PhaseSecs,
+}
+
+/// Wall time spent in each phase of the training step (this process).
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct PhaseSecs {
+    pub lookup: f64,
+    pub pool: f64,
+    pub dense: f64,
+    pub unpool: f64,
+    pub update: f64,
 }
 
 pub struct StepStats {
@@ -63,6 +76,7 @@ impl Trainer {
             step: 0,
             position: DataPosition::default(),
             samples_trained: 0,
+            phase_secs: PhaseSecs::default(),
         })
     }
 
@@ -75,12 +89,24 @@ impl Trainer {
     /// stage, see `PlannedBatches`); `plan` must be this table's plan of `batch.keys`.
     pub fn train_planned(&mut self, batch: &Batch, plan: &KeyPlan) -> Result<StepStats, TrainError> {
         let width = self.table.dim();
+        let t0 = Instant::now();
         let mut unique_rows = vec![0.0f32; plan.num_unique() * width];
         let slots = self.table.lookup_or_insert(plan, &mut unique_rows)?;
+        let t1 = Instant::now();
         let pooled = pool(batch, plan, &unique_rows, width, self.config.model.pooling);
+        let t2 = Instant::now();
         let out = self.model.train_step(pooled, batch.dense.clone(), &batch.labels, &mut self.dense_optimizer)?;
+        let t3 = Instant::now();
         let grads = unpool(batch, plan, &out.emb_grad, width, self.config.model.pooling);
+        let t4 = Instant::now();
         self.table.apply_gradients_at(plan, &slots, &grads);
+        let t5 = Instant::now();
+        let p = &mut self.phase_secs;
+        p.lookup += (t1 - t0).as_secs_f64();
+        p.pool += (t2 - t1).as_secs_f64();
+        p.dense += (t3 - t2).as_secs_f64();
+        p.unpool += (t4 - t3).as_secs_f64();
+        p.update += (t5 - t4).as_secs_f64();
         self.step += 1;
         self.samples_trained += batch.rows() as u64;
         self.position = batch.end;
