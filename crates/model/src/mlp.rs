@@ -128,7 +128,7 @@ pub fn sgemm(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_>, dst: 
     let (b_rs, b_cs) = if b_t { (1, k as isize) } else { (n as isize, 1) };
     let threads = rayon::current_num_threads();
     let parallelism =
-        if threads > 1 && m * n * k >= 1 << 15 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+        if threads > 1 && m * n * k >= 1 << 20 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
     #[expect(unsafe_code, reason = "gemm's raw-pointer API; bounds are asserted above")]
     // SAFETY: the asserts above guarantee that every (row, column) the strides
     // address lies inside `a` (m·k), `b` (k·n) and `dst` (m·n); `dst` is a

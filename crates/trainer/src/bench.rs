@@ -104,6 +104,8 @@ pub struct TrainBench {
     pub samples_per_sec: f64,
     pub peer_train_loop_samples_per_sec: f64,
     pub ratio_to_peer: f64,
+    /// Where the timed steps' wall time went.
+    pub step_phase_secs: crate::trainer::PhaseSecs,
 }
 
 #[derive(Debug, Serialize)]
@@ -294,6 +296,7 @@ fn bench_train_step(o: &BenchOptions) -> Result<TrainBench, TrainError> {
         for b in batches.iter().take(20) {
             trainer.train_batch(b)?;
         }
+        trainer.phase_secs = Default::default();
         let start = Instant::now();
         let mut samples = 0usize;
         for i in 0..o.train_steps {
@@ -310,6 +313,7 @@ fn bench_train_step(o: &BenchOptions) -> Result<TrainBench, TrainError> {
             samples_per_sec: rate,
             peer_train_loop_samples_per_sec: PEER_TRAIN_LOOP_SAMPLES_PER_SEC,
             ratio_to_peer: rate / PEER_TRAIN_LOOP_SAMPLES_PER_SEC,
+            step_phase_secs: trainer.phase_secs,
         })
     })
 }
