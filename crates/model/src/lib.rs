@@ -20,6 +20,8 @@ pub use params::ParamStore;
 pub enum ModelError {
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
+    #[error("a `{kind}` model does not take packed input")]
+    NotPacked { kind: &'static str },
     #[error("a thread panicked while holding the model's step buffers")]
     Poisoned,
     #[error("dense weights: parameter `{name}` is missing from the file")]

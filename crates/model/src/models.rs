@@ -276,7 +276,7 @@ impl DenseModel {
         optimizer: &mut DenseOptimizer,
     ) -> Result<StepOutput, ModelError> {
         match self.direct_mlp() {
-            Some(mlp) => self.train_step_direct(mlp, &emb, &dense, labels, optimizer),
+            Some(_) => self.train_step_direct(&emb, &dense, labels, optimizer),
             None => self.train_step_autograd(emb, dense, labels, optimizer),
         }
     }
@@ -309,11 +309,9 @@ impl DenseModel {
     }
 
     /// The `mlp` model's step on CPU, outside candle's graph: the same math as
-    /// [`train_step_autograd`](Self::train_step_autograd) (tested), without its
-    /// concat, per-node gradient buffers and accumulation passes.
+    /// [`train_step_autograd`](Self::train_step_autograd) (tested).
     fn train_step_direct(
         &self,
-        mlp: &Mlp,
         emb: &[f32],
         dense: &[f32],
         labels: &[f32],
@@ -321,22 +319,48 @@ impl DenseModel {
     ) -> Result<StepOutput, ModelError> {
         let rows = labels.len();
         let x = self.concat_rows(emb, dense, rows);
+        let fw = self.shape.num_fields * self.width();
+        let stride = fw + self.shape.num_dense;
+        let (loss, logits, emb_grad) = self.train_step_packed(&x, labels, optimizer, |grad_x| {
+            let mut emb_grad = Vec::with_capacity(rows * fw);
+            for row in grad_x.chunks_exact(stride) {
+                emb_grad.extend_from_slice(&row[..fw]);
+            }
+            emb_grad
+        })?;
+        Ok(StepOutput { logits, loss, emb_grad })
+    }
+
+    /// Floats per input row if this model takes its input packed, each row
+    /// `[pooled embeddings | dense values]`, through
+    /// [`train_step_packed`](Self::train_step_packed); `None` otherwise.
+    pub fn packed_row_len(&self) -> Option<usize> {
+        self.direct_mlp().map(|_| self.shape.num_fields * self.width() + self.shape.num_dense)
+    }
+
+    /// A step on a packed input `x` (see [`packed_row_len`](Self::packed_row_len)):
+    /// no concatenation, and d loss / d x (same layout) is handed to
+    /// `on_input_grad` in place instead of being copied out. Returns the mean
+    /// loss, the logits and what `on_input_grad` returned.
+    pub fn train_step_packed<R>(
+        &self,
+        x: &[f32],
+        labels: &[f32],
+        optimizer: &mut DenseOptimizer,
+        on_input_grad: impl FnOnce(&[f32]) -> R,
+    ) -> Result<(f64, Vec<f32>, R), ModelError> {
+        let mlp = self.direct_mlp().ok_or(ModelError::NotPacked { kind: self.kind.name() })?;
+        let rows = labels.len();
         let mut scratch = self.scratch.lock().map_err(|_| ModelError::Poisoned)?;
-        mlp.forward_cpu(&x, rows, &mut scratch)?;
+        mlp.forward_cpu(x, rows, &mut scratch)?;
         let logits = scratch.output.clone();
         let (loss, seed) = Self::loss_and_seed(&logits, labels);
-        let mut grad_p = Some(mlp.backward_cpu(&x, &seed, &mut scratch)?);
-        let grad_x = &scratch.grad_input;
+        let mut grad_p = Some(mlp.backward_cpu(x, &seed, &mut scratch)?);
         let mlp_params = mlp.params().as_tensor().id();
         optimizer.step_with(&self.params, |_, var| {
             Ok(if var.as_tensor().id() == mlp_params { grad_p.take() } else { None })
         })?;
-        let (fw, width) =
-            (self.shape.num_fields * self.width(), self.shape.num_fields * self.width() + self.shape.num_dense);
-        let mut emb_grad = Vec::with_capacity(rows * fw);
-        for row in grad_x.chunks_exact(width) {
-            emb_grad.extend_from_slice(&row[..fw]);
-        }
-        Ok(StepOutput { logits, loss, emb_grad })
+        let result = on_input_grad(&scratch.grad_input);
+        Ok((loss, logits, result))
     }
 }

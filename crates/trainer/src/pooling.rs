@@ -14,40 +14,70 @@ fn bag_scale(pooling: Pooling, len: usize) -> f32 {
     }
 }
 
-/// Pooled embeddings `[rows, fields, width]` from the unique rows of `plan`.
-pub fn pool(batch: &Batch, plan: &KeyPlan, unique_rows: &[f32], width: usize, pooling: Pooling) -> Vec<f32> {
+/// Pools into `out`, whose rows are `row_stride` floats apart: row r's
+/// fields fill `out[r·row_stride .. r·row_stride + fields·width]` and the rest
+/// of the row is left alone (dense values go there). Every pooled value is
+/// written, so `out` needs no zeroing and can be reused across steps.
+pub fn pool_into(
+    batch: &Batch,
+    plan: &KeyPlan,
+    unique_rows: &[f32],
+    width: usize,
+    pooling: Pooling,
+    out: &mut [f32],
+    row_stride: usize,
+) {
     let f = batch.num_fields;
-    let mut out = vec![0.0f32; batch.rows() * f * width];
-    out.par_chunks_mut(f * width * 64).enumerate().for_each(|(chunk, block)| {
-        for (j, slot) in block.chunks_mut(width).enumerate() {
-            let bag_index = chunk * 64 * f + j;
-            let (row, field) = (bag_index / f, bag_index % f);
-            let range = batch.bag(row, field);
-            let scale = bag_scale(pooling, range.len());
-            for i in range {
-                let u = plan.inverse[i] as usize;
-                let w = batch.key_weight(i) * scale;
-                let src = &unique_rows[u * width..(u + 1) * width];
-                if w == 1.0 {
-                    slot.iter_mut().zip(src).for_each(|(o, s)| *o += s);
-                } else {
-                    slot.iter_mut().zip(src).for_each(|(o, s)| *o += w * s);
+    assert!(row_stride >= f * width && out.len() == batch.rows() * row_stride, "pool_into: output layout");
+    const ROWS_PER_TASK: usize = 64;
+    out.par_chunks_mut(row_stride * ROWS_PER_TASK).enumerate().for_each(|(chunk, rows)| {
+        for (r, row_out) in rows.chunks_mut(row_stride).enumerate() {
+            let row = chunk * ROWS_PER_TASK + r;
+            for (field, slot) in row_out[..f * width].chunks_mut(width).enumerate() {
+                let range = batch.bag(row, field);
+                let scale = bag_scale(pooling, range.len());
+                slot.fill(0.0);
+                for i in range {
+                    let u = plan.inverse[i] as usize;
+                    let w = batch.key_weight(i) * scale;
+                    let src = &unique_rows[u * width..(u + 1) * width];
+                    if w == 1.0 {
+                        slot.iter_mut().zip(src).for_each(|(o, s)| *o += s);
+                    } else {
+                        slot.iter_mut().zip(src).for_each(|(o, s)| *o += w * s);
+                    }
                 }
             }
         }
     });
+}
+
+/// Pooled embeddings `[rows, fields, width]` from the unique rows of `plan`.
+pub fn pool(batch: &Batch, plan: &KeyPlan, unique_rows: &[f32], width: usize, pooling: Pooling) -> Vec<f32> {
+    let stride = batch.num_fields * width;
+    let mut out = vec![0.0f32; batch.rows() * stride];
+    pool_into(batch, plan, unique_rows, width, pooling, &mut out, stride);
     out
 }
 
-/// Adjoint of [`pool`]: gradients per unique key, duplicates summed (S3.7).
-pub fn unpool(batch: &Batch, plan: &KeyPlan, grad: &[f32], width: usize, pooling: Pooling) -> Vec<f32> {
+/// Adjoint of [`pool_into`]: gradients per unique key, duplicates summed
+/// (S3.7), from `grad` laid out like `pool_into`'s output.
+pub fn unpool_strided(
+    batch: &Batch,
+    plan: &KeyPlan,
+    grad: &[f32],
+    row_stride: usize,
+    width: usize,
+    pooling: Pooling,
+) -> Vec<f32> {
     let f = batch.num_fields;
     let mut out = vec![0.0f32; plan.num_unique() * width];
     for row in 0..batch.rows() {
         for field in 0..f {
             let range = batch.bag(row, field);
             let scale = bag_scale(pooling, range.len());
-            let g = &grad[(row * f + field) * width..(row * f + field + 1) * width];
+            let at = row * row_stride + field * width;
+            let g = &grad[at..at + width];
             for i in range {
                 let u = plan.inverse[i] as usize;
                 let w = batch.key_weight(i) * scale;
@@ -56,6 +86,11 @@ pub fn unpool(batch: &Batch, plan: &KeyPlan, grad: &[f32], width: usize, pooling
         }
     }
     out
+}
+
+/// Adjoint of [`pool`].
+pub fn unpool(batch: &Batch, plan: &KeyPlan, grad: &[f32], width: usize, pooling: Pooling) -> Vec<f32> {
+    unpool_strided(batch, plan, grad, batch.num_fields * width, width, pooling)
 }
 
 #[cfg(test)]
@@ -88,6 +123,23 @@ mod tests {
             let rhs: f32 = x.iter().zip(&ug).map(|(a, b)| a * b).sum();
             assert!((lhs - rhs).abs() < 1e-5, "{pooling:?}: {lhs} vs {rhs}");
         }
+        // Strided layout (as the packed model input): same values, same adjoint.
+        let stride = 2 * width + 3;
+        let mut packed = vec![7.0f32; batch.rows() * stride];
+        pool_into(&batch, &plan, &x, width, Pooling::Mean, &mut packed, stride);
+        let plain = pool(&batch, &plan, &x, width, Pooling::Mean);
+        for r in 0..batch.rows() {
+            assert_eq!(&packed[r * stride..r * stride + 2 * width], &plain[r * 2 * width..(r + 1) * 2 * width]);
+            assert_eq!(&packed[r * stride + 2 * width..(r + 1) * stride], &[7.0; 3], "dense part untouched");
+        }
+        let mut g_packed = vec![0.0f32; batch.rows() * stride];
+        for r in 0..batch.rows() {
+            g_packed[r * stride..r * stride + 2 * width].copy_from_slice(&g[r * 2 * width..(r + 1) * 2 * width]);
+        }
+        assert_eq!(
+            unpool_strided(&batch, &plan, &g_packed, stride, width, Pooling::Mean),
+            unpool(&batch, &plan, &g, width, Pooling::Mean)
+        );
         // Sum pooling of bag (row 0, field 0) = 0.5·x[key1] + 2·x[key2].
         let px = pool(&batch, &plan, &x, width, Pooling::Sum);
         let u1 = plan.inverse[0] as usize;

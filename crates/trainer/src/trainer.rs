@@ -12,7 +12,7 @@ use sparrow_embedding::{EmbeddingTable, Initializer, KeyPlan, SparseOptimizer};
 use sparrow_model::{DenseModel, DenseOptimizer, ModelShape};
 
 use crate::TrainError;
-use crate::pooling::{pool, unpool};
+use crate::pooling::{pool, pool_into, unpool, unpool_strided};
 
 pub struct Trainer {
     pub config: Config,
@@ -27,6 +27,8 @@ pub struct Trainer {
     /// Samples trained so far (across resumes).
     pub samples_trained: u64,
     pub phase_secs: PhaseSecs,
+    /// Input buffer of models that take packed rows, reused across steps.
+    packed_input: Vec<f32>,
 }
 
 /// Wall time spent in each phase of the training step (this process).
@@ -77,6 +79,7 @@ impl Trainer {
             position: DataPosition::default(),
             samples_trained: 0,
             phase_secs: PhaseSecs::default(),
+            packed_input: Vec::new(),
         })
     }
 
@@ -93,11 +96,37 @@ impl Trainer {
         let mut unique_rows = vec![0.0f32; plan.num_unique() * width];
         let slots = self.table.lookup_or_insert(plan, &mut unique_rows)?;
         let t1 = Instant::now();
-        let pooled = pool(batch, plan, &unique_rows, width, self.config.model.pooling);
-        let t2 = Instant::now();
-        let out = self.model.train_step(pooled, batch.dense.clone(), &batch.labels, &mut self.dense_optimizer)?;
-        let t3 = Instant::now();
-        let grads = unpool(batch, plan, &out.emb_grad, width, self.config.model.pooling);
+        let pooling = self.config.model.pooling;
+        let (loss, grads, t2, t3) = match self.model.packed_row_len() {
+            // The model reads [embeddings | dense] rows: pool straight into
+            // that buffer (reused across steps) and unpool straight from the
+            // input gradient.
+            Some(stride) => {
+                let mut x = std::mem::take(&mut self.packed_input);
+                x.resize(batch.rows() * stride, 0.0);
+                pool_into(batch, plan, &unique_rows, width, pooling, &mut x, stride);
+                let fw = batch.num_fields * width;
+                for (row, dense) in x.chunks_exact_mut(stride).zip(batch.dense.chunks_exact(batch.num_dense.max(1))) {
+                    row[fw..].copy_from_slice(&dense[..batch.num_dense]);
+                }
+                let t2 = Instant::now();
+                let (loss, _, (grads, t3)) =
+                    self.model.train_step_packed(&x, &batch.labels, &mut self.dense_optimizer, |grad_x| {
+                        let t3 = Instant::now();
+                        (unpool_strided(batch, plan, grad_x, stride, width, pooling), t3)
+                    })?;
+                self.packed_input = x;
+                (loss, grads, t2, t3)
+            }
+            None => {
+                let pooled = pool(batch, plan, &unique_rows, width, pooling);
+                let t2 = Instant::now();
+                let out =
+                    self.model.train_step(pooled, batch.dense.clone(), &batch.labels, &mut self.dense_optimizer)?;
+                let t3 = Instant::now();
+                (out.loss, unpool(batch, plan, &out.emb_grad, width, pooling), t2, t3)
+            }
+        };
         let t4 = Instant::now();
         self.table.apply_gradients_at(plan, &slots, &grads);
         let t5 = Instant::now();
@@ -110,7 +139,7 @@ impl Trainer {
         self.step += 1;
         self.samples_trained += batch.rows() as u64;
         self.position = batch.end;
-        Ok(StepStats { rows: batch.rows(), loss: out.loss, keys: batch.keys.len(), unique_keys: plan.num_unique() })
+        Ok(StepStats { rows: batch.rows(), loss, keys: batch.keys.len(), unique_keys: plan.num_unique() })
     }
 
     /// Logits of a batch; the table is only read (unseen keys read as their
