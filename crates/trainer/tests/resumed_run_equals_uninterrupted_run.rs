@@ -39,7 +39,7 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
     let tmp = tempfile::tempdir().expect("tmp");
     let data = tmp.path().join("data");
     common::small_data(&data, 4000, 500);
-    for kind in ["dlrm", "deepfm"] {
+    for kind in ["dlrm", "deepfm", "mlp"] {
         let mut base = common::small_config(&data, kind);
         base.train.epochs = 2; // the stop falls in the first epoch, the end in the second
 
