@@ -58,6 +58,8 @@ impl Mlp {
             data.extend(ps.draw_uniform(fan_in * fan_out, bound));
             let b = data.len();
             data.extend(ps.draw_uniform(fan_out, bound));
+            // The backward pass splits [W | b] of a layer as one slice.
+            debug_assert_eq!(b, w + fan_in * fan_out);
             layers.push(LayerSlot { fan_in, fan_out, w, b, relu: i + 1 < sizes.len() || relu_last });
             fan_in = fan_out;
         }
@@ -115,6 +117,11 @@ impl<'a> Operand<'a> {
 /// transposed), `b` is `k×n` (stored `n×k` when transposed). Runs on the
 /// current rayon pool.
 pub fn sgemm(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_>, dst: &mut [f32]) {
+    sgemm_threads(m, n, k, a, b, dst, rayon::current_num_threads());
+}
+
+/// [`sgemm`] on at most `threads` threads of the current pool.
+pub fn sgemm_threads(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_>, dst: &mut [f32], threads: usize) {
     let (a_t, b_t) = (a.transposed, b.transposed);
     let (a, b) = (a.data, b.data);
     assert_eq!(a.len(), m * k, "sgemm: lhs size");
@@ -126,7 +133,6 @@ pub fn sgemm(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_>, dst: 
     // Element (i, p) of op(a) sits at i·rs + p·cs.
     let (a_rs, a_cs) = if a_t { (1, m as isize) } else { (k as isize, 1) };
     let (b_rs, b_cs) = if b_t { (1, k as isize) } else { (n as isize, 1) };
-    let threads = rayon::current_num_threads();
     let parallelism =
         if threads > 1 && m * n * k >= 1 << 20 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
     #[expect(unsafe_code, reason = "gemm's raw-pointer API; bounds are asserted above")]
@@ -248,16 +254,25 @@ fn backward_into(shape: &MlpShape, p: &[f32], x: &[f32], grad_out: &[f32], scrat
     for (i, l) in layers.iter().enumerate().rev() {
         let input: &[f32] = if i == 0 { x } else { &scratch.hidden[i - 1] };
         let (fi, fo) = (l.fan_in, l.fan_out);
-        // dW = inputᵀ · g
-        sgemm(fi, fo, rows, Operand::t(input), Operand::plain(&g), &mut grad_p[l.w..l.w + fi * fo]);
-        // db = Σ_rows g
-        let db = &mut grad_p[l.b..l.b + fo];
-        for row in g.chunks_exact(fo) {
-            db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
-        }
-        // d input = g · Wᵀ, then through the previous layer's ReLU.
+        // W and b are adjacent in the parameter vector (see `Mlp::new`).
+        let (dw, db) = grad_p[l.w..l.b + fo].split_at_mut(fi * fo);
         let gi = sized(&mut g_in, rows * fi);
-        sgemm(rows, fi, fo, Operand::plain(&g), Operand::t(&p[l.w..l.w + fi * fo]), gi);
+        let w = &p[l.w..l.w + fi * fo];
+        // dW = inputᵀ · g and d input = g · Wᵀ are independent and equally
+        // large: two single-threaded gemms side by side scale better than two
+        // two-threaded gemms one after the other.
+        let g_ref = &g;
+        rayon::join(
+            || {
+                sgemm_threads(fi, fo, rows, Operand::t(input), Operand::plain(g_ref), dw, 1);
+                // db = Σ_rows g
+                for row in g_ref.chunks_exact(fo) {
+                    db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
+                }
+            },
+            || sgemm_threads(rows, fi, fo, Operand::plain(g_ref), Operand::t(w), gi, 1),
+        );
+        // Through the previous layer's ReLU.
         if i > 0 {
             gi.iter_mut().zip(input).for_each(|(g, &a)| *g = if a > 0.0 { *g } else { 0.0 });
         }
