@@ -7,6 +7,7 @@
 //! `cuda_fwd` without touching callers.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
+use rayon::prelude::*;
 
 fn contiguous_f32<'a>(op: &str, s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
     match l.contiguous_offsets() {
@@ -126,6 +127,146 @@ mod tests {
             let a = gf.get(v.as_tensor()).expect("grad").flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("v");
             let e = gp.get(v.as_tensor()).expect("grad").flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("v");
             assert_eq!(a, e);
+        }
+    }
+}
+
+/// DLRM's interaction: for `t: [rows, n, d]`, the dot product of every pair
+/// `i < j` of the n vectors of a row, `[rows, n(n-1)/2]`, pairs in row-major
+/// upper-triangle order. As candle ops (a batched n×d·d×n matmul, then an
+/// index_select of the upper triangle) a step spent more in a thousand tiny
+/// matmuls and in index_add than in the whole top MLP.
+pub struct PairwiseDots;
+
+fn rows_n_d(op: &str, l: &Layout) -> candle_core::Result<(usize, usize, usize)> {
+    match l.dims() {
+        [rows, n, d] => Ok((*rows, *n, *d)),
+        dims => Err(candle_core::Error::Msg(format!("{op}: expected [rows, n, d], got {dims:?}"))),
+    }
+}
+
+/// Dot product with 8 independent accumulators: a plain `sum()` is one long
+/// dependency chain of float adds, which the compiler may not reorder.
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for k in 0..8 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+impl CustomOp1 for PairwiseDots {
+    fn name(&self) -> &'static str {
+        "pairwise-dots"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let t = contiguous_f32(self.name(), s, l)?;
+        let (rows, n, d) = rows_n_d(self.name(), l)?;
+        let pairs = n * n.saturating_sub(1) / 2;
+        let mut out = vec![0.0f32; rows * pairs];
+        if pairs > 0 {
+            out.par_chunks_mut(pairs).zip(t.par_chunks(n * d)).for_each(|(out, v)| {
+                let mut k = 0;
+                for i in 0..n {
+                    for j in i + 1..n {
+                        out[k] = dot(&v[i * d..(i + 1) * d], &v[j * d..(j + 1) * d]);
+                        k += 1;
+                    }
+                }
+            });
+        }
+        Ok((CpuStorage::F32(out), Shape::from((rows, pairs))))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(arg.apply_op2_no_bwd(grad_res, &PairwiseDotsGrad)?))
+    }
+}
+
+/// d loss / d t of [`PairwiseDots`]: `grad[i] += g_ij · t[j]`, `grad[j] += g_ij · t[i]`.
+struct PairwiseDotsGrad;
+
+impl CustomOp2 for PairwiseDotsGrad {
+    fn name(&self) -> &'static str {
+        "pairwise-dots-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let t = contiguous_f32(self.name(), s1, l1)?;
+        let g = contiguous_f32(self.name(), s2, l2)?;
+        let (rows, n, d) = rows_n_d(self.name(), l1)?;
+        let pairs = n * n.saturating_sub(1) / 2;
+        if g.len() != rows * pairs {
+            return Err(candle_core::Error::Msg(format!("pairwise-dots-grad: gradient {:?}", l2.dims())));
+        }
+        let mut grad = vec![0.0f32; rows * n * d];
+        if pairs > 0 {
+            grad.par_chunks_mut(n * d).zip(t.par_chunks(n * d)).zip(g.par_chunks(pairs)).for_each(|((grad, v), g)| {
+                let mut k = 0;
+                for i in 0..n {
+                    for j in i + 1..n {
+                        let gij = g[k];
+                        k += 1;
+                        let (lo, hi) = grad.split_at_mut(j * d);
+                        let (gi, gj) = (&mut lo[i * d..(i + 1) * d], &mut hi[..d]);
+                        gi.iter_mut().zip(&v[j * d..(j + 1) * d]).for_each(|(a, b)| *a += gij * b);
+                        gj.iter_mut().zip(&v[i * d..(i + 1) * d]).for_each(|(a, b)| *a += gij * b);
+                    }
+                }
+            });
+        }
+        Ok((CpuStorage::F32(grad), l1.shape().clone()))
+    }
+}
+
+#[cfg(test)]
+mod pairwise_tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    #[test]
+    fn pairwise_dots_equal_the_candle_ops_version() {
+        let dev = Device::Cpu;
+        let (rows, n, d) = (3, 5, 4);
+        let data: Vec<f32> = (0..rows * n * d).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.1).collect();
+        let t = Var::from_tensor(&Tensor::from_vec(data, (rows, n, d), &dev).expect("t")).expect("var");
+        let pairs: Vec<u32> = (0..n).flat_map(|i| ((i + 1)..n).map(move |j| (i * n + j) as u32)).collect();
+        let idx = Tensor::from_vec(pairs.clone(), pairs.len(), &dev).expect("idx");
+        let fused = t.as_tensor().apply_op1(PairwiseDots).expect("fused");
+        let plain = t
+            .as_tensor()
+            .matmul(&t.as_tensor().t().expect("t"))
+            .and_then(|z| z.reshape((rows, n * n)))
+            .and_then(|z| z.index_select(&idx, 1))
+            .expect("plain");
+        let (a, b) = (fused.to_vec2::<f32>().expect("a"), plain.to_vec2::<f32>().expect("b"));
+        for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
+            assert!((x - y).abs() < 1e-5, "{x} vs {y}");
+        }
+        let w = Tensor::from_vec(
+            (0..rows * pairs.len()).map(|i| (i as f32).cos()).collect::<Vec<f32>>(),
+            (rows, pairs.len()),
+            &dev,
+        )
+        .expect("w");
+        let ga = (fused * &w).and_then(|x| x.sum_all()).and_then(|x| x.backward()).expect("bwd");
+        let gb = (plain * &w).and_then(|x| x.sum_all()).and_then(|x| x.backward()).expect("bwd");
+        let a = ga.get(t.as_tensor()).expect("g").flatten_all().and_then(|x| x.to_vec1::<f32>()).expect("a");
+        let b = gb.get(t.as_tensor()).expect("g").flatten_all().and_then(|x| x.to_vec1::<f32>()).expect("b");
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() < 1e-5, "gradient {x} vs {y}");
         }
     }
 }

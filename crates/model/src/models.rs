@@ -6,6 +6,7 @@ use sparrow_core::config::{ModelConfig, ModelKind};
 use sparrow_core::metrics::{logistic_loss, sigmoid};
 
 use crate::ModelError;
+use crate::fused::PairwiseDots;
 use crate::mlp::{Mlp, MlpScratch};
 use crate::optimizer::DenseOptimizer;
 use crate::params::{Linear, ParamStore};
@@ -191,8 +192,12 @@ impl DenseModel {
                     }
                     None => (emb.clone(), None),
                 };
-                let z = t.matmul(&t.t()?)?.reshape((b, n * n))?; // [B, n·n]
-                let inter = z.index_select(pairs, 1)?;
+                let inter = if t.device().is_cpu() {
+                    t.contiguous()?.apply_op1(PairwiseDots)?
+                } else {
+                    // [B, n, n] dot products, then their upper triangle.
+                    t.matmul(&t.t()?)?.reshape((b, n * n))?.index_select(pairs, 1)?
+                };
                 let top_in = match bottom_out {
                     Some(x) => Tensor::cat(&[&x, &inter], 1)?,
                     None => inter,
