@@ -55,7 +55,6 @@ impl Batch {
 #[derive(Debug)]
 pub struct BatchBuilder {
     batch: Batch,
-    weighted: bool,
     row_start: (usize, usize, usize, usize),
     current_field: usize,
 }
@@ -75,7 +74,6 @@ impl BatchBuilder {
                 bag_offsets,
                 end: DataPosition::default(),
             },
-            weighted,
             row_start: (0, 0, 0, 1),
             current_field: 0,
         }
@@ -150,10 +148,6 @@ impl BatchBuilder {
         }
         self.batch.bag_offsets.truncate(o);
         self.current_field = 0;
-    }
-
-    pub fn is_weighted(&self) -> bool {
-        self.weighted
     }
 
     pub fn finish(self, end: DataPosition) -> Batch {

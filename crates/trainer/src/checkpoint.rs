@@ -127,7 +127,13 @@ fn write_bytes_synced(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
 /// newest `keep` versions. Returns the version directory.
 pub fn save(trainer: &Trainer, root: &Path, keep: usize) -> Result<PathBuf, TrainError> {
     std::fs::create_dir_all(root).map_err(io(root))?;
-    let name = format!("ckpt-{:012}", trainer.step);
+    // A version is never replaced in place (LATEST may name it): a second
+    // checkpoint of the same step gets a suffix, which sorts after it.
+    let base = format!("ckpt-{:012}", trainer.step);
+    let name = (0..)
+        .map(|n| if n == 0 { base.clone() } else { format!("{base}-{n}") })
+        .find(|n| !root.join(n).exists())
+        .unwrap_or(base);
     let final_dir = root.join(&name);
     let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
     if tmp.exists() {
@@ -175,9 +181,6 @@ pub fn save(trainer: &Trainer, root: &Path, keep: usize) -> Result<PathBuf, Trai
     write_bytes_synced(&manifest_path, &json)?;
     fsync_dir(&tmp)?;
 
-    if final_dir.exists() {
-        std::fs::remove_dir_all(&final_dir).map_err(io(&final_dir))?;
-    }
     std::fs::rename(&tmp, &final_dir).map_err(io(&final_dir))?;
     let latest_tmp = root.join(format!(".{LATEST_FILE}.tmp-{}", std::process::id()));
     write_bytes_synced(&latest_tmp, format!("{name}\n").as_bytes())?;

@@ -157,6 +157,7 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
     let interval = config.train.log_interval_steps;
     let stop_at = config.train.max_steps;
     let mut outcome: Result<(), TrainError> = Ok(());
+    let mut last_saved: Option<(u64, PathBuf)> = None;
     for item in stream {
         if stop_at.is_some_and(|m| trainer.step >= m) {
             break;
@@ -210,7 +211,7 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
             && every > 0
             && trainer.step % every == 0
         {
-            checkpoint::save(&trainer, Path::new(dir), config.checkpoint.keep)?;
+            last_saved = Some((trainer.step, checkpoint::save(&trainer, Path::new(dir), config.checkpoint.keep)?));
         }
     }
     progress.finish();
@@ -219,9 +220,11 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
         last_train_logloss = Some(interval_loss / interval_rows as f64);
     }
 
-    // Whatever happened, what was trained is written before anything else.
-    let checkpoint_dir = match &config.checkpoint.dir {
-        Some(dir) if trainer.step > 0 || outcome.is_ok() => {
+    // Whatever happened, what was trained is written before anything else
+    // (unless the periodic checkpoint of this very step already holds it).
+    let checkpoint_dir = match (&config.checkpoint.dir, last_saved) {
+        (Some(_), Some((step, dir))) if step == trainer.step => Some(dir),
+        (Some(dir), _) if trainer.step > 0 || outcome.is_ok() => {
             Some(checkpoint::save(&trainer, Path::new(dir), config.checkpoint.keep)?)
         }
         _ => None,

@@ -116,4 +116,13 @@ fn keeps_the_newest_versions_and_latest_points_at_a_complete_one() {
     let latest = std::fs::read_to_string(ck.join("LATEST")).expect("LATEST");
     assert_eq!(latest.trim(), format!("ckpt-{:012}", s.steps));
     assert_eq!(versions.last().map(String::as_str), Some(latest.trim()));
+
+    // Resuming a finished run into the same directory checkpoints the same
+    // step again: a new version, never the one LATEST names replaced in place.
+    c.checkpoint.resume_from = Some(ck.display().to_string());
+    let again = train(&c, true).expect("resume");
+    assert_eq!(again.steps, s.steps);
+    let latest = std::fs::read_to_string(ck.join("LATEST")).expect("LATEST");
+    assert_eq!(latest.trim(), format!("ckpt-{:012}-1", s.steps));
+    assert!(sparrow_trainer::checkpoint::load_trainer(&ck, &[]).is_ok());
 }
