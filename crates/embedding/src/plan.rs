@@ -1,8 +1,8 @@
 //! First dedup (S3.2) and partition of the unique keys by owning shard (S3.1,
 //! S3.3): the plan keeps the inverse index that restores the batch order.
 
-use hashbrown::HashMap;
 use rayon::prelude::*;
+use sparrow_core::key::mix64;
 
 /// The unique keys of a batch grouped by shard, and the map back.
 #[derive(Clone, Debug, Default)]
@@ -15,23 +15,47 @@ pub struct KeyPlan {
     pub inverse: Vec<u32>,
 }
 
-/// Dedup of one shard's keys: its unique keys in order of first sight, and for
-/// each of its key positions the index into them.
-fn dedup_shard(keys: &[u64], positions: &[u32]) -> (Vec<u64>, Vec<u32>) {
-    let mut first: HashMap<u64, u32> = HashMap::with_capacity(positions.len());
-    let mut unique = Vec::with_capacity(positions.len());
-    let local = positions
-        .iter()
-        .map(|&p| {
+/// A small open-addressing set reused from shard to shard (and batch to
+/// batch on one worker): a fresh hash map per shard per batch cost more in
+/// allocation and setup than the dedup itself.
+#[derive(Default)]
+struct DedupScratch {
+    keys: Vec<u64>,
+    /// Index into the shard's unique keys; `u32::MAX` = empty bucket.
+    slots: Vec<u32>,
+}
+
+impl DedupScratch {
+    /// Unique keys of `positions` (indices into `keys`) in order of first
+    /// sight; `local[i]` receives position i's index into them.
+    fn dedup(&mut self, keys: &[u64], positions: &[u32], local: &mut [u32]) -> Vec<u64> {
+        let buckets = (positions.len() * 2).next_power_of_two().max(16);
+        self.keys.resize(buckets, 0);
+        self.slots.clear();
+        self.slots.resize(buckets, u32::MAX);
+        let mask = buckets - 1;
+        let mut unique = Vec::with_capacity(positions.len());
+        for (&p, out) in positions.iter().zip(local.iter_mut()) {
             let k = keys[p as usize];
-            let next = unique.len() as u32;
-            *first.entry(k).or_insert_with(|| {
-                unique.push(k);
-                next
-            })
-        })
-        .collect();
-    (unique, local)
+            // Low bits of mix64: independent of the shard bits (32..).
+            let mut b = mix64(k) as usize & mask;
+            *out = loop {
+                let slot = self.slots[b];
+                if slot == u32::MAX {
+                    let idx = unique.len() as u32;
+                    unique.push(k);
+                    self.keys[b] = k;
+                    self.slots[b] = idx;
+                    break idx;
+                }
+                if self.keys[b] == k {
+                    break slot;
+                }
+                b = (b + 1) & mask;
+            };
+        }
+        unique
+    }
 }
 
 impl KeyPlan {
@@ -66,19 +90,34 @@ impl KeyPlan {
             by_owner[cursor[s as usize]] = i as u32;
             cursor[s as usize] += 1;
         }
-        let shard = |s: usize| dedup_shard(keys, &by_owner[starts[s]..starts[s + 1]]);
-        let per_shard: Vec<(Vec<u64>, Vec<u32>)> =
-            if parallel { (0..shards).into_par_iter().map(shard).collect() } else { (0..shards).map(shard).collect() };
+        // Each shard's local indices land in `local` at its own range of `by_owner`.
+        let mut local = vec![0u32; keys.len()];
+        let mut parts: Vec<(usize, &mut [u32])> = Vec::with_capacity(shards);
+        let mut rest: &mut [u32] = &mut local;
+        for s in 0..shards {
+            let (head, tail) = rest.split_at_mut(starts[s + 1] - starts[s]);
+            parts.push((s, head));
+            rest = tail;
+        }
+        let dedup = |scratch: &mut DedupScratch, (s, local): (usize, &mut [u32])| {
+            scratch.dedup(keys, &by_owner[starts[s]..starts[s + 1]], local)
+        };
+        let per_shard: Vec<Vec<u64>> = if parallel {
+            parts.into_par_iter().map_init(DedupScratch::default, dedup).collect()
+        } else {
+            let mut scratch = DedupScratch::default();
+            parts.into_iter().map(|part| dedup(&mut scratch, part)).collect()
+        };
         let mut shard_offsets = Vec::with_capacity(shards + 1);
         shard_offsets.push(0);
-        for (u, _) in &per_shard {
+        for u in &per_shard {
             shard_offsets.push(shard_offsets.last().copied().unwrap_or(0) + u.len());
         }
         let mut unique = Vec::with_capacity(shard_offsets[shards]);
         let mut inverse = vec![0u32; keys.len()];
-        for (s, (u, local)) in per_shard.into_iter().enumerate() {
+        for (s, u) in per_shard.into_iter().enumerate() {
             unique.extend_from_slice(&u);
-            for (&p, &l) in by_owner[starts[s]..starts[s + 1]].iter().zip(&local) {
+            for (&p, &l) in by_owner[starts[s]..starts[s + 1]].iter().zip(&local[starts[s]..starts[s + 1]]) {
                 inverse[p as usize] = (shard_offsets[s] + l as usize) as u32;
             }
         }
