@@ -35,16 +35,24 @@ pub fn pool_into(
             let row = chunk * ROWS_PER_TASK + r;
             for (field, slot) in row_out[..f * width].chunks_mut(width).enumerate() {
                 let range = batch.bag(row, field);
+                if range.is_empty() {
+                    slot.fill(0.0);
+                    continue;
+                }
                 let scale = bag_scale(pooling, range.len());
-                slot.fill(0.0);
+                // The first key's vector is written, the others added: no
+                // zero-fill per slot (a memset call for 64 bytes cost more than
+                // the pooling itself).
+                let first = range.start;
                 for i in range {
                     let u = plan.inverse[i] as usize;
                     let w = batch.key_weight(i) * scale;
                     let src = &unique_rows[u * width..(u + 1) * width];
-                    if w == 1.0 {
-                        slot.iter_mut().zip(src).for_each(|(o, s)| *o += s);
-                    } else {
-                        slot.iter_mut().zip(src).for_each(|(o, s)| *o += w * s);
+                    match (i == first, w == 1.0) {
+                        (true, true) => slot.copy_from_slice(src),
+                        (true, false) => slot.iter_mut().zip(src).for_each(|(o, s)| *o = w * s),
+                        (false, true) => slot.iter_mut().zip(src).for_each(|(o, s)| *o += s),
+                        (false, false) => slot.iter_mut().zip(src).for_each(|(o, s)| *o += w * s),
                     }
                 }
             }
