@@ -3,7 +3,7 @@
 //! why it cannot; the caller counts the bad row and rolls it back.
 
 use std::fs::File;
-use std::io::{BufRead, BufReader, Seek, SeekFrom};
+use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use sparrow_core::batch::{BatchBuilder, DataPosition};
@@ -328,6 +328,10 @@ impl LineParser for SvmParser {
     }
 }
 
+/// Longest line accepted; a longer one is a malformed row (a file that is
+/// not line-oriented at all must not be read into memory in one piece).
+pub const MAX_LINE_BYTES: u64 = 1 << 20;
+
 /// A line-oriented file read sequentially, with its position tracked so a
 /// resumed run can seek straight back to it.
 pub struct TextSource {
@@ -419,13 +423,35 @@ impl BatchSource for TextSource {
         let mut b = BatchBuilder::new(self.layout.num_fields, self.layout.num_dense, self.layout.weighted, batch_size);
         while b.rows() < batch_size {
             self.buf.clear();
-            let n = self.reader.read_until(b'\n', &mut self.buf).map_err(|e| DataError::io(&self.path, e))?;
+            let n = (&mut self.reader)
+                .take(MAX_LINE_BYTES + 1)
+                .read_until(b'\n', &mut self.buf)
+                .map_err(|e| DataError::io(&self.path, e))?;
             if n == 0 {
                 break;
             }
             self.offset += n as u64;
             let line_no = self.line;
             self.line += 1;
+            if n as u64 > MAX_LINE_BYTES && self.buf.last() != Some(&b'\n') {
+                // Skip the rest of the line without holding it in memory.
+                let mut skipped = n as u64;
+                loop {
+                    self.buf.clear();
+                    let m = (&mut self.reader)
+                        .take(1 << 20)
+                        .read_until(b'\n', &mut self.buf)
+                        .map_err(|e| DataError::io(&self.path, e))?;
+                    self.offset += m as u64;
+                    skipped += m as u64;
+                    if m == 0 || self.buf.last() == Some(&b'\n') {
+                        break;
+                    }
+                }
+                let reason = format!("line of {skipped} bytes, more than the {MAX_LINE_BYTES}-byte limit");
+                self.bad.record(&self.path, line_no, reason)?;
+                continue;
+            }
             let line = trim_eol(&self.buf);
             if line.is_empty() {
                 continue;

@@ -118,6 +118,22 @@ fn malformed_rows_are_skipped_within_budget_and_stop_the_job_past_it() {
 }
 
 #[test]
+fn an_oversized_line_is_a_bad_row_and_reading_goes_on() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let path = dir.path().join("huge.tsv");
+    let good = "1\t1\t2\t3\t4\t5\t6\t7\t8\t9\t10\t11\t12\t13\ta\tb";
+    let huge = "x".repeat(3 << 20);
+    std::fs::write(&path, format!("{good}\n{huge}\n{good}\n")).expect("write");
+    let bad = BadRows::new(5, 5);
+    let batches = read_all(&path, &DataConfig::default(), 10, &bad).expect("reads");
+    assert_eq!(batches.iter().map(Batch::rows).sum::<usize>(), 2);
+    assert_eq!(bad.total(), 1);
+    assert_eq!(batches.last().map(|b| b.end.line), Some(4), "line numbers stay right after the skip");
+    let err = read_all(&path, &DataConfig::default(), 10, &BadRows::new(0, 5)).expect_err("over budget");
+    assert!(err.to_string().contains("line 2") && err.to_string().contains("limit"), "{err}");
+}
+
+#[test]
 fn missing_file_is_an_error_naming_it() {
     let err = BatchStream::spawn(
         Path::new("/nonexistent/train.tsv"),
