@@ -195,7 +195,7 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
                 "step {} epoch {} samples {} train_logloss {loss:.5} samples/s {rate:.0}",
                 trainer.step, trainer.position.epoch, trainer.samples_trained
             ));
-            metrics.write(serde_json::json!({
+            let written = metrics.write(serde_json::json!({
                 "step": trainer.step,
                 "epoch": trainer.position.epoch,
                 "samples": trainer.samples_trained,
@@ -204,14 +204,25 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
                 "elapsed_secs": wall.elapsed().as_secs_f64(),
                 "embedding_rows": trainer.table.len(),
                 "bad_rows": bad.total(),
-            }))?;
+            }));
             (interval_loss, interval_rows, interval_start) = (0.0, 0, Instant::now());
+            // Errors leave the loop through `outcome`, so the model is still saved.
+            if let Err(e) = written {
+                outcome = Err(e);
+                break;
+            }
         }
         if let (Some(every), Some(dir)) = (config.checkpoint.every_steps, &config.checkpoint.dir)
             && every > 0
             && trainer.step % every == 0
         {
-            last_saved = Some((trainer.step, checkpoint::save(&trainer, Path::new(dir), config.checkpoint.keep)?));
+            match checkpoint::save(&trainer, Path::new(dir), config.checkpoint.keep) {
+                Ok(saved) => last_saved = Some((trainer.step, saved)),
+                Err(e) => {
+                    outcome = Err(e);
+                    break;
+                }
+            }
         }
     }
     progress.finish();
