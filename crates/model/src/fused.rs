@@ -104,33 +104,6 @@ impl CustomOp2 for ReluMask {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use candle_core::{Device, Var};
-
-    #[test]
-    fn fused_op_matches_separate_ops_forward_and_backward() {
-        let dev = Device::Cpu;
-        let z =
-            Var::from_tensor(&Tensor::new(&[[0.5f32, -1.0, 2.0], [-0.2, 0.3, -3.0]], &dev).expect("z")).expect("var");
-        let b = Var::from_tensor(&Tensor::new(&[0.1f32, 0.5, -2.5], &dev).expect("b")).expect("var");
-        let w = Tensor::new(&[[1.0f32, 2.0, 3.0], [4.0, 5.0, 6.0]], &dev).expect("w");
-
-        let fused = z.as_tensor().apply_op2(b.as_tensor(), BiasRelu).expect("fused");
-        let plain = z.as_tensor().broadcast_add(b.as_tensor()).and_then(|t| t.relu()).expect("plain");
-        assert_eq!(fused.to_vec2::<f32>().expect("v"), plain.to_vec2::<f32>().expect("v"));
-
-        let gf = (fused * &w).and_then(|t| t.sum_all()).and_then(|t| t.backward()).expect("backward");
-        let gp = (plain * &w).and_then(|t| t.sum_all()).and_then(|t| t.backward()).expect("backward");
-        for v in [&z, &b] {
-            let a = gf.get(v.as_tensor()).expect("grad").flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("v");
-            let e = gp.get(v.as_tensor()).expect("grad").flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("v");
-            assert_eq!(a, e);
-        }
-    }
-}
-
 /// DLRM's interaction: for `t: [rows, n, d]`, the dot product of every pair
 /// `i < j` of the n vectors of a row, `[rows, n(n-1)/2]`, pairs in row-major
 /// upper-triangle order. As candle ops (a batched n×d·d×n matmul, then an
@@ -231,10 +204,43 @@ impl CustomOp2 for PairwiseDotsGrad {
     }
 }
 
+/// Test helper: `a` and `b` (the same function built two ways) agree in
+/// value, and in the gradients of `sum(out · weights)` w.r.t. `vars`.
 #[cfg(test)]
-mod pairwise_tests {
+pub(crate) fn assert_same_forward_and_backward(a: &Tensor, b: &Tensor, vars: &[&candle_core::Var]) {
+    let flat = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("values");
+    let close = |x: &[f32], y: &[f32], what: &str| {
+        assert_eq!(x.len(), y.len(), "{what}: lengths");
+        for (x, y) in x.iter().zip(y) {
+            assert!((x - y).abs() < 1e-5, "{what}: {x} vs {y}");
+        }
+    };
+    close(&flat(a), &flat(b), "forward");
+    let n = a.elem_count();
+    let w = Tensor::from_vec((0..n).map(|i| (i as f32 * 0.37).sin()).collect::<Vec<f32>>(), a.shape(), a.device())
+        .expect("weights");
+    let ga = (a * &w).and_then(|t| t.sum_all()).and_then(|t| t.backward()).expect("backward");
+    let gb = (b * &w).and_then(|t| t.sum_all()).and_then(|t| t.backward()).expect("backward");
+    for v in vars {
+        close(&flat(ga.get(v.as_tensor()).expect("grad")), &flat(gb.get(v.as_tensor()).expect("grad")), "gradient");
+    }
+}
+
+#[cfg(test)]
+mod tests {
     use super::*;
     use candle_core::{Device, Var};
+
+    #[test]
+    fn bias_relu_equals_separate_ops() {
+        let dev = Device::Cpu;
+        let z =
+            Var::from_tensor(&Tensor::new(&[[0.5f32, -1.0, 2.0], [-0.2, 0.3, -3.0]], &dev).expect("z")).expect("var");
+        let b = Var::from_tensor(&Tensor::new(&[0.1f32, 0.5, -2.5], &dev).expect("b")).expect("var");
+        let fused = z.as_tensor().apply_op2(b.as_tensor(), BiasRelu).expect("fused");
+        let plain = z.as_tensor().broadcast_add(b.as_tensor()).and_then(|t| t.relu()).expect("plain");
+        assert_same_forward_and_backward(&fused, &plain, &[&z, &b]);
+    }
 
     #[test]
     fn pairwise_dots_equal_the_candle_ops_version() {
@@ -251,22 +257,6 @@ mod pairwise_tests {
             .and_then(|z| z.reshape((rows, n * n)))
             .and_then(|z| z.index_select(&idx, 1))
             .expect("plain");
-        let (a, b) = (fused.to_vec2::<f32>().expect("a"), plain.to_vec2::<f32>().expect("b"));
-        for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
-            assert!((x - y).abs() < 1e-5, "{x} vs {y}");
-        }
-        let w = Tensor::from_vec(
-            (0..rows * pairs.len()).map(|i| (i as f32).cos()).collect::<Vec<f32>>(),
-            (rows, pairs.len()),
-            &dev,
-        )
-        .expect("w");
-        let ga = (fused * &w).and_then(|x| x.sum_all()).and_then(|x| x.backward()).expect("bwd");
-        let gb = (plain * &w).and_then(|x| x.sum_all()).and_then(|x| x.backward()).expect("bwd");
-        let a = ga.get(t.as_tensor()).expect("g").flatten_all().and_then(|x| x.to_vec1::<f32>()).expect("a");
-        let b = gb.get(t.as_tensor()).expect("g").flatten_all().and_then(|x| x.to_vec1::<f32>()).expect("b");
-        for (x, y) in a.iter().zip(&b) {
-            assert!((x - y).abs() < 1e-5, "gradient {x} vs {y}");
-        }
+        assert_same_forward_and_backward(&fused, &plain, &[&t]);
     }
 }

@@ -397,24 +397,9 @@ mod tests {
             let mut rng = Rng::new(2);
             let x: Vec<f32> = (0..7 * 6).map(|_| rng.normal() as f32).collect();
             let x = Var::from_tensor(&Tensor::from_vec(x, (7, 6), &dev).expect("x")).expect("var");
-            let w = Tensor::from_vec((0..7 * 3).map(|i| (i as f32 * 0.37).sin()).collect::<Vec<f32>>(), (7, 3), &dev)
-                .expect("w");
             let fused = mlp.forward(x.as_tensor()).expect("fused");
             let plain = mlp.forward_ops(x.as_tensor()).expect("plain");
-            let (f, p) = (fused.to_vec2::<f32>().expect("v"), plain.to_vec2::<f32>().expect("v"));
-            for (a, b) in f.iter().flatten().zip(p.iter().flatten()) {
-                assert!((a - b).abs() < 1e-5, "forward {a} vs {b}");
-            }
-            let gf = (fused * &w).and_then(|t| t.sum_all()).and_then(|t| t.backward()).expect("bwd");
-            let gp = (plain * &w).and_then(|t| t.sum_all()).and_then(|t| t.backward()).expect("bwd");
-            for t in [x.as_tensor(), mlp.params().as_tensor()] {
-                let a = gf.get(t).expect("grad").flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("v");
-                let b = gp.get(t).expect("grad").flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("v");
-                assert_eq!(a.len(), b.len());
-                for (a, b) in a.iter().zip(&b) {
-                    assert!((a - b).abs() < 1e-5, "relu_last={relu_last}: gradient {a} vs {b}");
-                }
-            }
+            crate::fused::assert_same_forward_and_backward(&fused, &plain, &[&x, mlp.params()]);
         }
     }
 }
