@@ -6,6 +6,46 @@ use sparrow_core::Batch;
 use sparrow_core::config::Pooling;
 use sparrow_embedding::KeyPlan;
 
+/// What pooling needs of a batch: its bags, and for every key position the
+/// index of that key among the batch's unique keys. No raw keys: a cluster
+/// worker pools from this without ever seeing an ID (S0.1).
+#[derive(Clone, Copy, Debug)]
+pub struct Bags<'a> {
+    pub rows: usize,
+    pub num_fields: usize,
+    /// `rows × num_fields + 1` offsets into the key positions.
+    pub bag_offsets: &'a [u32],
+    /// Per key position; `None` = all 1.
+    pub key_weights: Option<&'a [f32]>,
+    /// Per key position: index into the unique keys (and their rows).
+    pub inverse: &'a [u32],
+    pub num_unique: usize,
+}
+
+impl<'a> Bags<'a> {
+    pub fn of(batch: &'a Batch, plan: &'a KeyPlan) -> Bags<'a> {
+        Bags {
+            rows: batch.rows(),
+            num_fields: batch.num_fields,
+            bag_offsets: &batch.bag_offsets,
+            key_weights: batch.key_weights.as_deref(),
+            inverse: &plan.inverse,
+            num_unique: plan.num_unique(),
+        }
+    }
+
+    #[inline]
+    fn bag(&self, row: usize, field: usize) -> std::ops::Range<usize> {
+        let i = row * self.num_fields + field;
+        self.bag_offsets[i] as usize..self.bag_offsets[i + 1] as usize
+    }
+
+    #[inline]
+    fn weight(&self, i: usize) -> f32 {
+        self.key_weights.map_or(1.0, |w| w[i])
+    }
+}
+
 #[inline]
 fn bag_scale(pooling: Pooling, len: usize) -> f32 {
     match pooling {
@@ -19,22 +59,21 @@ fn bag_scale(pooling: Pooling, len: usize) -> f32 {
 /// of the row is left alone (dense values go there). Every pooled value is
 /// written, so `out` needs no zeroing and can be reused across steps.
 pub fn pool_into(
-    batch: &Batch,
-    plan: &KeyPlan,
+    bags: &Bags<'_>,
     unique_rows: &[f32],
     width: usize,
     pooling: Pooling,
     out: &mut [f32],
     row_stride: usize,
 ) {
-    let f = batch.num_fields;
-    assert!(row_stride >= f * width && out.len() == batch.rows() * row_stride, "pool_into: output layout");
+    let f = bags.num_fields;
+    assert!(row_stride >= f * width && out.len() == bags.rows * row_stride, "pool_into: output layout");
     const ROWS_PER_TASK: usize = 64;
     out.par_chunks_mut(row_stride * ROWS_PER_TASK).enumerate().for_each(|(chunk, rows)| {
         for (r, row_out) in rows.chunks_mut(row_stride).enumerate() {
             let row = chunk * ROWS_PER_TASK + r;
             for (field, slot) in row_out[..f * width].chunks_mut(width).enumerate() {
-                let range = batch.bag(row, field);
+                let range = bags.bag(row, field);
                 if range.is_empty() {
                     slot.fill(0.0);
                     continue;
@@ -45,8 +84,8 @@ pub fn pool_into(
                 // the pooling itself).
                 let first = range.start;
                 for i in range {
-                    let u = plan.inverse[i] as usize;
-                    let w = batch.key_weight(i) * scale;
+                    let u = bags.inverse[i] as usize;
+                    let w = bags.weight(i) * scale;
                     let src = &unique_rows[u * width..(u + 1) * width];
                     match (i == first, w == 1.0) {
                         (true, true) => slot.copy_from_slice(src),
@@ -60,35 +99,28 @@ pub fn pool_into(
     });
 }
 
-/// Pooled embeddings `[rows, fields, width]` from the unique rows of `plan`.
-pub fn pool(batch: &Batch, plan: &KeyPlan, unique_rows: &[f32], width: usize, pooling: Pooling) -> Vec<f32> {
-    let stride = batch.num_fields * width;
-    let mut out = vec![0.0f32; batch.rows() * stride];
-    pool_into(batch, plan, unique_rows, width, pooling, &mut out, stride);
+/// Pooled embeddings `[rows, fields, width]` from the unique rows.
+pub fn pool(bags: &Bags<'_>, unique_rows: &[f32], width: usize, pooling: Pooling) -> Vec<f32> {
+    let stride = bags.num_fields * width;
+    let mut out = vec![0.0f32; bags.rows * stride];
+    pool_into(bags, unique_rows, width, pooling, &mut out, stride);
     out
 }
 
 /// Adjoint of [`pool_into`]: gradients per unique key, duplicates summed
 /// (S3.7), from `grad` laid out like `pool_into`'s output.
-pub fn unpool_strided(
-    batch: &Batch,
-    plan: &KeyPlan,
-    grad: &[f32],
-    row_stride: usize,
-    width: usize,
-    pooling: Pooling,
-) -> Vec<f32> {
-    let f = batch.num_fields;
-    let mut out = vec![0.0f32; plan.num_unique() * width];
-    for row in 0..batch.rows() {
+pub fn unpool_strided(bags: &Bags<'_>, grad: &[f32], row_stride: usize, width: usize, pooling: Pooling) -> Vec<f32> {
+    let f = bags.num_fields;
+    let mut out = vec![0.0f32; bags.num_unique * width];
+    for row in 0..bags.rows {
         for field in 0..f {
-            let range = batch.bag(row, field);
+            let range = bags.bag(row, field);
             let scale = bag_scale(pooling, range.len());
             let at = row * row_stride + field * width;
             let g = &grad[at..at + width];
             for i in range {
-                let u = plan.inverse[i] as usize;
-                let w = batch.key_weight(i) * scale;
+                let u = bags.inverse[i] as usize;
+                let w = bags.weight(i) * scale;
                 out[u * width..(u + 1) * width].iter_mut().zip(g).for_each(|(o, g)| *o += w * g);
             }
         }
@@ -97,8 +129,8 @@ pub fn unpool_strided(
 }
 
 /// Adjoint of [`pool`].
-pub fn unpool(batch: &Batch, plan: &KeyPlan, grad: &[f32], width: usize, pooling: Pooling) -> Vec<f32> {
-    unpool_strided(batch, plan, grad, batch.num_fields * width, width, pooling)
+pub fn unpool(bags: &Bags<'_>, grad: &[f32], width: usize, pooling: Pooling) -> Vec<f32> {
+    unpool_strided(bags, grad, bags.num_fields * width, width, pooling)
 }
 
 #[cfg(test)]
@@ -121,12 +153,13 @@ mod tests {
         }
         let batch = b.finish(DataPosition::default());
         let plan = KeyPlan::new(&batch.keys, 1, |_| 0);
+        let bags = Bags::of(&batch, &plan);
         let width = 2;
         let x: Vec<f32> = (0..plan.num_unique() * width).map(|i| i as f32 * 0.3 - 0.5).collect();
         let g: Vec<f32> = (0..batch.rows() * 2 * width).map(|i| (i as f32).sin()).collect();
         for pooling in [Pooling::Sum, Pooling::Mean] {
-            let px = pool(&batch, &plan, &x, width, pooling);
-            let ug = unpool(&batch, &plan, &g, width, pooling);
+            let px = pool(&bags, &x, width, pooling);
+            let ug = unpool(&bags, &g, width, pooling);
             let lhs: f32 = px.iter().zip(&g).map(|(a, b)| a * b).sum();
             let rhs: f32 = x.iter().zip(&ug).map(|(a, b)| a * b).sum();
             assert!((lhs - rhs).abs() < 1e-5, "{pooling:?}: {lhs} vs {rhs}");
@@ -134,8 +167,8 @@ mod tests {
         // Strided layout (as the packed model input): same values, same adjoint.
         let stride = 2 * width + 3;
         let mut packed = vec![7.0f32; batch.rows() * stride];
-        pool_into(&batch, &plan, &x, width, Pooling::Mean, &mut packed, stride);
-        let plain = pool(&batch, &plan, &x, width, Pooling::Mean);
+        pool_into(&bags, &x, width, Pooling::Mean, &mut packed, stride);
+        let plain = pool(&bags, &x, width, Pooling::Mean);
         for r in 0..batch.rows() {
             assert_eq!(&packed[r * stride..r * stride + 2 * width], &plain[r * 2 * width..(r + 1) * 2 * width]);
             assert_eq!(&packed[r * stride + 2 * width..(r + 1) * stride], &[7.0; 3], "dense part untouched");
@@ -145,11 +178,11 @@ mod tests {
             g_packed[r * stride..r * stride + 2 * width].copy_from_slice(&g[r * 2 * width..(r + 1) * 2 * width]);
         }
         assert_eq!(
-            unpool_strided(&batch, &plan, &g_packed, stride, width, Pooling::Mean),
-            unpool(&batch, &plan, &g, width, Pooling::Mean)
+            unpool_strided(&bags, &g_packed, stride, width, Pooling::Mean),
+            unpool(&bags, &g, width, Pooling::Mean)
         );
         // Sum pooling of bag (row 0, field 0) = 0.5·x[key1] + 2·x[key2].
-        let px = pool(&batch, &plan, &x, width, Pooling::Sum);
+        let px = pool(&bags, &x, width, Pooling::Sum);
         let u1 = plan.inverse[0] as usize;
         let u2 = plan.inverse[1] as usize;
         assert!((px[0] - (0.5 * x[u1 * 2] + 2.0 * x[u2 * 2])).abs() < 1e-6);

@@ -6,13 +6,14 @@ use std::time::Instant;
 
 use candle_core::Device;
 use sparrow_core::batch::DataPosition;
+use sparrow_core::config::Pooling;
 use sparrow_core::{Batch, Config};
 use sparrow_data::DataLayout;
 use sparrow_embedding::{EmbeddingTable, Initializer, KeyPlan, SparseOptimizer};
 use sparrow_model::{DenseModel, DenseOptimizer, ModelShape};
 
 use crate::TrainError;
-use crate::pooling::{pool, pool_into, unpool, unpool_strided};
+use crate::pooling::{Bags, pool, pool_into, unpool, unpool_strided};
 
 pub struct Trainer {
     pub config: Config,
@@ -29,6 +30,69 @@ pub struct Trainer {
     pub phase_secs: PhaseSecs,
     /// Input buffer of models that take packed rows, reused across steps.
     packed_input: Vec<f32>,
+}
+
+/// A batch as the dense half of a step sees it: no raw keys.
+pub struct DenseInputs<'a> {
+    pub bags: Bags<'a>,
+    /// The unique keys' embedding rows (`bags.num_unique × width`).
+    pub unique_rows: &'a [f32],
+    pub dense: &'a [f32],
+    pub labels: &'a [f32],
+}
+
+pub struct DenseStepOut {
+    pub loss: f64,
+    /// Summed gradient per unique key (`num_unique × width`).
+    pub grads: Vec<f32>,
+    pub pooled_at: Instant,
+    pub stepped_at: Instant,
+}
+
+/// Pool → dense forward/backward/optimizer step → unpool: the worker's half
+/// of a step, shared by the single-process [`Trainer`] and cluster workers.
+/// `packed_input` is a buffer reused across steps.
+pub fn dense_step(
+    model: &DenseModel,
+    optimizer: &mut DenseOptimizer,
+    packed_input: &mut Vec<f32>,
+    inputs: DenseInputs<'_>,
+    pooling: Pooling,
+) -> Result<DenseStepOut, TrainError> {
+    let DenseInputs { bags, unique_rows, dense, labels } = inputs;
+    let width = model.width();
+    let num_dense = model.shape.num_dense;
+    match model.packed_row_len() {
+        // The model reads [embeddings | dense] rows: pool straight into that
+        // buffer and unpool straight from the input gradient.
+        Some(stride) => {
+            packed_input.resize(bags.rows * stride, 0.0);
+            pool_into(&bags, unique_rows, width, pooling, packed_input, stride);
+            let fw = bags.num_fields * width;
+            for (row, d) in packed_input.chunks_exact_mut(stride).zip(dense.chunks_exact(num_dense.max(1))) {
+                row[fw..].copy_from_slice(&d[..num_dense]);
+            }
+            let pooled_at = Instant::now();
+            let (loss, _, (grads, stepped_at)) =
+                model.train_step_packed(packed_input, labels, optimizer, |grad_x| {
+                    let stepped_at = Instant::now();
+                    (unpool_strided(&bags, grad_x, stride, width, pooling), stepped_at)
+                })?;
+            Ok(DenseStepOut { loss, grads, pooled_at, stepped_at })
+        }
+        None => {
+            let pooled = pool(&bags, unique_rows, width, pooling);
+            let pooled_at = Instant::now();
+            let out = model.train_step(pooled, dense.to_vec(), labels, optimizer)?;
+            let stepped_at = Instant::now();
+            Ok(DenseStepOut {
+                loss: out.loss,
+                grads: unpool(&bags, &out.emb_grad, width, pooling),
+                pooled_at,
+                stepped_at,
+            })
+        }
+    }
 }
 
 /// Wall time spent in each phase of the training step (this process).
@@ -96,37 +160,19 @@ impl Trainer {
         let mut unique_rows = vec![0.0f32; plan.num_unique() * width];
         let slots = self.table.lookup_or_insert(plan, &mut unique_rows)?;
         let t1 = Instant::now();
-        let pooling = self.config.model.pooling;
-        let (loss, grads, t2, t3) = match self.model.packed_row_len() {
-            // The model reads [embeddings | dense] rows: pool straight into
-            // that buffer (reused across steps) and unpool straight from the
-            // input gradient.
-            Some(stride) => {
-                let mut x = std::mem::take(&mut self.packed_input);
-                x.resize(batch.rows() * stride, 0.0);
-                pool_into(batch, plan, &unique_rows, width, pooling, &mut x, stride);
-                let fw = batch.num_fields * width;
-                for (row, dense) in x.chunks_exact_mut(stride).zip(batch.dense.chunks_exact(batch.num_dense.max(1))) {
-                    row[fw..].copy_from_slice(&dense[..batch.num_dense]);
-                }
-                let t2 = Instant::now();
-                let (loss, _, (grads, t3)) =
-                    self.model.train_step_packed(&x, &batch.labels, &mut self.dense_optimizer, |grad_x| {
-                        let t3 = Instant::now();
-                        (unpool_strided(batch, plan, grad_x, stride, width, pooling), t3)
-                    })?;
-                self.packed_input = x;
-                (loss, grads, t2, t3)
-            }
-            None => {
-                let pooled = pool(batch, plan, &unique_rows, width, pooling);
-                let t2 = Instant::now();
-                let out =
-                    self.model.train_step(pooled, batch.dense.clone(), &batch.labels, &mut self.dense_optimizer)?;
-                let t3 = Instant::now();
-                (out.loss, unpool(batch, plan, &out.emb_grad, width, pooling), t2, t3)
-            }
-        };
+        let step = dense_step(
+            &self.model,
+            &mut self.dense_optimizer,
+            &mut self.packed_input,
+            DenseInputs {
+                bags: Bags::of(batch, plan),
+                unique_rows: &unique_rows,
+                dense: &batch.dense,
+                labels: &batch.labels,
+            },
+            self.config.model.pooling,
+        )?;
+        let (loss, grads, t2, t3) = (step.loss, step.grads, step.pooled_at, step.stepped_at);
         let t4 = Instant::now();
         self.table.apply_gradients_at(plan, &slots, &grads);
         let t5 = Instant::now();
@@ -149,7 +195,7 @@ impl Trainer {
         let plan = self.table.plan(&batch.keys);
         let mut unique_rows = vec![0.0f32; plan.num_unique() * width];
         self.table.lookup(&plan, &mut unique_rows);
-        let pooled = pool(batch, &plan, &unique_rows, width, self.config.model.pooling);
+        let pooled = pool(&Bags::of(batch, &plan), &unique_rows, width, self.config.model.pooling);
         Ok(self.model.predict(pooled, batch.dense.clone(), batch.rows())?)
     }
 }
