@@ -112,8 +112,10 @@ pub struct StepStats {
     pub unique_keys: usize,
 }
 
-/// Seeds of the independent random streams, derived from `train.seed`.
-fn seeds(seed: u64) -> (u64, u64) {
+/// Seeds of the independent random streams (embedding init, dense init),
+/// derived from `train.seed`. Every role that builds a part of the model uses
+/// these, so a cluster and a single process start from the same model.
+pub fn seeds(seed: u64) -> (u64, u64) {
     (seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xe3b, seed.wrapping_mul(0xc2b2_ae3d_27d4_eb4f) ^ 0xd15)
 }
 

@@ -1,0 +1,48 @@
+//! What crosses the wire between roles.
+
+use sparrow_core::batch::DataPosition;
+
+/// Why a batch's keys are queued on a shard: a training batch inserts unseen
+/// keys and expects a gradient push; an evaluation batch only reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Train,
+    Eval,
+}
+
+/// The worker's part of a batch (S0.1): dense values, labels and the bag
+/// structure, with every key replaced by its index among the batch's unique
+/// keys. The unique keys are ordered by owning shard; `shard_counts[s]` of
+/// them belong to shard `s`, in the order that shard will return their rows.
+#[derive(Clone, Debug, Default)]
+pub struct WorkerBatch {
+    pub batch_id: u64,
+    pub rows: usize,
+    pub num_fields: usize,
+    pub num_dense: usize,
+    pub labels: Vec<f32>,
+    pub dense: Vec<f32>,
+    pub bag_offsets: Vec<u32>,
+    pub key_weights: Option<Vec<f32>>,
+    pub inverse: Vec<u32>,
+    pub shard_counts: Vec<u32>,
+    /// Where the loader's input continues after this batch.
+    pub end: DataPosition,
+}
+
+impl WorkerBatch {
+    pub fn num_unique(&self) -> usize {
+        self.shard_counts.iter().map(|&c| c as usize).sum()
+    }
+
+    /// Bytes of this message's payload (for the bytes-per-sample accounting).
+    pub fn payload_bytes(&self) -> usize {
+        4 * (self.labels.len()
+            + self.dense.len()
+            + self.bag_offsets.len()
+            + self.key_weights.as_ref().map_or(0, Vec::len)
+            + self.inverse.len()
+            + self.shard_counts.len())
+            + 8
+    }
+}

@@ -1,0 +1,112 @@
+//! An embedding shard (S0.5, S3.4): its part of the key space, and the keys of
+//! the batches queued for it by batch id (S0.2).
+
+use parking_lot::Mutex;
+use std::collections::HashMap;
+
+use sparrow_embedding::{EmbeddingTable, KeyPlan, RowSlots};
+
+use crate::messages::Mode;
+use crate::transport::{ClusterError, ShardService};
+
+enum Pending {
+    Queued {
+        keys: Vec<u64>,
+        mode: Mode,
+    },
+    /// Pulled for training: the second dedup's plan and the rows it found.
+    Pulled {
+        plan: KeyPlan,
+        slots: RowSlots,
+    },
+}
+
+pub struct ShardServer {
+    index: usize,
+    table: EmbeddingTable,
+    pending: Mutex<HashMap<u64, Pending>>,
+}
+
+impl ShardServer {
+    pub fn new(index: usize, table: EmbeddingTable) -> Self {
+        ShardServer { index, table, pending: Mutex::new(HashMap::new()) }
+    }
+
+    pub fn table(&self) -> &EmbeddingTable {
+        &self.table
+    }
+
+    fn take(&self, batch_id: u64) -> Result<Pending, ClusterError> {
+        self.pending.lock().remove(&batch_id).ok_or(ClusterError::UnknownBatch { shard: self.index, batch_id })
+    }
+}
+
+impl ShardService for ShardServer {
+    fn enqueue(&self, batch_id: u64, keys: Vec<u64>, mode: Mode) -> Result<(), ClusterError> {
+        self.pending.lock().insert(batch_id, Pending::Queued { keys, mode });
+        Ok(())
+    }
+
+    fn pull(&self, batch_id: u64) -> Result<Vec<f32>, ClusterError> {
+        let (keys, mode) = match self.take(batch_id)? {
+            Pending::Queued { keys, mode } => (keys, mode),
+            pulled @ Pending::Pulled { .. } => {
+                self.pending.lock().insert(batch_id, pulled);
+                return Err(ClusterError::UnknownBatch { shard: self.index, batch_id });
+            }
+        };
+        let dim = self.table.dim();
+        // Second dedup (S3.4): keys from several loaders may repeat.
+        let plan = self.table.plan(&keys);
+        let mut unique_rows = vec![0.0f32; plan.num_unique() * dim];
+        let mut rows = Vec::new();
+        match mode {
+            Mode::Eval => {
+                self.table.lookup(&plan, &mut unique_rows);
+                plan.restore(&unique_rows, dim, &mut rows);
+            }
+            Mode::Train => {
+                let slots = self
+                    .table
+                    .lookup_or_insert(&plan, &mut unique_rows)
+                    .map_err(|source| ClusterError::Table { shard: self.index, source })?;
+                plan.restore(&unique_rows, dim, &mut rows);
+                self.pending.lock().insert(batch_id, Pending::Pulled { plan, slots });
+            }
+        }
+        Ok(rows)
+    }
+
+    fn push(&self, batch_id: u64, grads: Vec<f32>) -> Result<(), ClusterError> {
+        let dim = self.table.dim();
+        let (plan, slots) = {
+            let mut pending = self.pending.lock();
+            // Checked before the batch is taken: a bad push leaves it queued.
+            let expected = match pending.get(&batch_id) {
+                Some(Pending::Pulled { plan, .. }) => plan.inverse.len() * dim,
+                _ => return Err(ClusterError::UnknownBatch { shard: self.index, batch_id }),
+            };
+            if grads.len() != expected {
+                return Err(ClusterError::WrongSize {
+                    shard: self.index,
+                    batch_id,
+                    what: "gradients",
+                    expected,
+                    found: grads.len(),
+                });
+            }
+            match pending.remove(&batch_id) {
+                Some(Pending::Pulled { plan, slots }) => (plan, slots),
+                _ => return Err(ClusterError::UnknownBatch { shard: self.index, batch_id }),
+            }
+        };
+        // Back to this shard's unique order, duplicates summed (S3.7).
+        let mut summed = vec![0.0f32; plan.num_unique() * dim];
+        for (i, &u) in plan.inverse.iter().enumerate() {
+            let u = u as usize;
+            summed[u * dim..(u + 1) * dim].iter_mut().zip(&grads[i * dim..(i + 1) * dim]).for_each(|(s, g)| *s += g);
+        }
+        self.table.apply_gradients_at(&plan, &slots, &summed);
+        Ok(())
+    }
+}
