@@ -1,26 +1,29 @@
-//! Sparrow's cluster roles (SPEC S0): the loader, the embedding shards and the
-//! workers as library types that talk only through the [`transport`] traits.
+//! Sparrow's cluster roles (SPEC S0): the loader, the embedding shards, the
+//! workers and the coordinator, as library types that talk only through the
+//! [`transport`] traits.
 //!
 //! The split data path (S0.1–S0.4): the loader reads and batches, gives every
 //! batch an id, de-duplicates its keys and sends each shard only the keys it
 //! owns; it keeps the batch's dense values, labels and bag structure queued for
-//! a worker. A worker takes the next batch from the loader (never a raw ID),
+//! the workers. A worker takes the next batch from the loader (never a raw ID),
 //! pulls that batch's rows from the shards by batch id, trains, and pushes the
-//! gradients of the batch's unique keys back to their shards.
+//! gradients of the batch's unique keys back to their shards. Workers sum
+//! their dense gradients every step (S0.6).
 //!
-//! This crate has the roles and an in-process transport (direct calls); a
-//! gRPC transport and separate processes come next (issue 3).
+//! The same roles run in one process ([`local`], direct calls) or as
+//! processes over gRPC ([`grpc`], [`roles`], [`launch`]).
 
 pub mod loader;
 pub mod local;
 pub mod messages;
 pub mod shard;
+pub mod sync;
 pub mod transport;
 pub mod worker;
 
-pub use loader::Loader;
+pub use loader::{Loader, LoaderServer};
 pub use local::{LocalSummary, train_local};
 pub use messages::{Mode, WorkerBatch};
 pub use shard::ShardServer;
-pub use transport::{ClusterError, ShardService};
+pub use transport::{ClusterError, LoaderService, ShardService};
 pub use worker::Worker;

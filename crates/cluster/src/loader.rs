@@ -1,14 +1,21 @@
 //! The loader (S0.1–S0.3): reads and batches, numbers the batches, sends each
-//! shard the unique keys it owns, and keeps the rest for a worker.
+//! shard the unique keys it owns, and queues the rest for the workers, who
+//! take batches one at a time at their own pace (S2.2).
 
+use std::path::Path;
 use std::sync::Arc;
+use std::thread::JoinHandle;
 
+use crossbeam_channel::{Receiver, Sender, bounded};
+use parking_lot::Mutex;
+use sparrow_core::Config;
+use sparrow_core::config::ClusterMode;
 use sparrow_core::key::mix64;
-use sparrow_data::BatchStream;
+use sparrow_data::{BadRows, BatchStream, DataError};
 use sparrow_embedding::KeyPlan;
 
 use crate::messages::{Mode, WorkerBatch};
-use crate::transport::{ClusterError, ShardService};
+use crate::transport::{ClusterError, LoaderService, ShardService};
 
 /// Which shard owns a key (S3.1): by hash, on bits independent of the ones a
 /// shard's own table uses for its lock shards and buckets.
@@ -16,36 +23,37 @@ pub fn owner(key: u64, shards: usize) -> usize {
     ((mix64(key) >> 40) % shards as u64) as usize
 }
 
+/// Batch ids of evaluation batches start here, so they never collide with training ones.
+pub const FIRST_EVAL_BATCH_ID: u64 = 1 << 62;
+
+/// Turns one batch stream into worker batches.
 pub struct Loader {
     stream: BatchStream,
     shards: Vec<Arc<dyn ShardService>>,
     mode: Mode,
+    cluster_mode: ClusterMode,
     next_id: u64,
 }
 
 impl Loader {
-    /// `first_id` keeps batch ids unique across loaders (train and eval).
-    pub fn new(stream: BatchStream, shards: Vec<Arc<dyn ShardService>>, mode: Mode, first_id: u64) -> Self {
-        Loader { stream, shards, mode, next_id: first_id }
+    /// `first_id` keeps batch ids unique across streams (train and eval).
+    pub fn new(
+        stream: BatchStream,
+        shards: Vec<Arc<dyn ShardService>>,
+        mode: Mode,
+        cluster_mode: ClusterMode,
+        first_id: u64,
+    ) -> Self {
+        Loader { stream, shards, mode, cluster_mode, next_id: first_id }
     }
 
-    /// The next batch: its keys go to their shards, the rest is returned.
+    /// The next batch: in S0 mode its keys go to their shards and the worker
+    /// gets only their positions; in worker_lookup mode the worker gets the keys.
     pub fn next_batch(&mut self) -> Result<Option<WorkerBatch>, ClusterError> {
         let Some(batch) = self.stream.next().transpose()? else { return Ok(None) };
         let batch_id = self.next_id;
         self.next_id += 1;
-        let n = self.shards.len();
-        // First dedup (S3.2) and partition by owner, counts first (S3.3).
-        let plan = KeyPlan::new(&batch.keys, n, |k| owner(k, n));
-        let mut shard_counts = Vec::with_capacity(n);
-        for (s, shard) in self.shards.iter().enumerate() {
-            let keys = plan.shard_keys(s);
-            shard_counts.push(keys.len() as u32);
-            if !keys.is_empty() {
-                shard.enqueue(batch_id, keys.to_vec(), self.mode)?;
-            }
-        }
-        Ok(Some(WorkerBatch {
+        let mut out = WorkerBatch {
             batch_id,
             rows: batch.rows(),
             num_fields: batch.num_fields,
@@ -54,9 +62,126 @@ impl Loader {
             dense: batch.dense,
             bag_offsets: batch.bag_offsets,
             key_weights: batch.key_weights,
-            inverse: plan.inverse,
-            shard_counts,
+            inverse: Vec::new(),
+            shard_counts: Vec::new(),
+            keys: Vec::new(),
             end: batch.end,
-        }))
+        };
+        match self.cluster_mode {
+            ClusterMode::WorkerLookup => out.keys = batch.keys,
+            ClusterMode::S0 => {
+                let n = self.shards.len();
+                // First dedup (S3.2) and partition by owner, counts first (S3.3).
+                let plan = KeyPlan::new(&batch.keys, n, |k| owner(k, n));
+                for (s, shard) in self.shards.iter().enumerate() {
+                    let keys = plan.shard_keys(s);
+                    out.shard_counts.push(keys.len() as u32);
+                    if !keys.is_empty() {
+                        shard.enqueue(batch_id, keys.to_vec(), self.mode)?;
+                    }
+                }
+                out.inverse = plan.inverse;
+            }
+        }
+        Ok(Some(out))
+    }
+}
+
+/// The loader role: a thread runs the training stream (then the evaluation
+/// stream) through a [`Loader`] into bounded queues the workers take from.
+pub struct LoaderServer {
+    train: Receiver<WorkerBatch>,
+    eval: Receiver<WorkerBatch>,
+    /// Set when the reading thread stopped on an error (bad data, a shard down).
+    error: Arc<Mutex<Option<String>>>,
+    pub bad_rows: BadRows,
+    _thread: JoinHandle<()>,
+}
+
+impl LoaderServer {
+    /// Opens the data files (errors here are the caller's) and starts reading.
+    pub fn start(config: &Config, shards: Vec<Arc<dyn ShardService>>) -> Result<LoaderServer, ClusterError> {
+        let train_path = config
+            .data
+            .train
+            .as_deref()
+            .map(Path::new)
+            .ok_or(DataError::MissingPath { key: "train", what: "the training data file" })?;
+        let bad = BadRows::new(config.data.max_bad_rows, config.data.report_bad_rows);
+        let train_stream = BatchStream::spawn(
+            train_path,
+            &config.data,
+            config.train.batch_size,
+            Default::default(),
+            config.train.epochs,
+            bad.clone(),
+        )?;
+        let cluster_mode = config.cluster.mode;
+        let mut train = Loader::new(train_stream, shards.clone(), Mode::Train, cluster_mode, 0);
+        let depth = config.cluster.loader_queue_batches;
+        let (train_tx, train_rx) = bounded(depth);
+        let (eval_tx, eval_rx) = bounded(depth);
+        let error = Arc::new(Mutex::new(None));
+        let max_batches = config.train.max_steps;
+        let test = config.data.test.clone();
+        let (data, eval_batch) = (config.data.clone(), config.train.batch_size.max(1024));
+        let (thread_error, thread_bad) = (error.clone(), bad.clone());
+        let thread = std::thread::Builder::new()
+            .name("sparrow-loader".into())
+            .spawn(move || {
+                let result = (|| -> Result<(), ClusterError> {
+                    if !pump(&mut train, &train_tx, max_batches)? {
+                        return Ok(());
+                    }
+                    drop(train_tx);
+                    if let Some(test) = test {
+                        let stream =
+                            BatchStream::spawn(Path::new(&test), &data, eval_batch, Default::default(), 1, thread_bad)?;
+                        let mut eval = Loader::new(stream, shards, Mode::Eval, cluster_mode, FIRST_EVAL_BATCH_ID);
+                        pump(&mut eval, &eval_tx, None)?;
+                    }
+                    Ok(())
+                })();
+                if let Err(e) = result {
+                    tracing::error!("loader: {e}");
+                    *thread_error.lock() = Some(e.to_string());
+                }
+            })
+            .map_err(|e| ClusterError::Io { what: "starting the loader thread".into(), source: e })?;
+        Ok(LoaderServer { train: train_rx, eval: eval_rx, error, bad_rows: bad, _thread: thread })
+    }
+
+    /// Batches ready in the queues (for the metrics).
+    pub fn queued(&self) -> usize {
+        self.train.len() + self.eval.len()
+    }
+}
+
+/// Moves batches into the queue; false if the workers went away.
+fn pump(loader: &mut Loader, tx: &Sender<WorkerBatch>, max_batches: Option<u64>) -> Result<bool, ClusterError> {
+    let mut sent = 0u64;
+    while max_batches.is_none_or(|m| sent < m) {
+        let Some(batch) = loader.next_batch()? else { break };
+        if tx.send(batch).is_err() {
+            return Ok(false);
+        }
+        sent += 1;
+    }
+    Ok(true)
+}
+
+impl LoaderService for LoaderServer {
+    fn next_batch(&self, _worker: usize, mode: Mode) -> Result<Option<WorkerBatch>, ClusterError> {
+        let queue = match mode {
+            Mode::Train => &self.train,
+            Mode::Eval => &self.eval,
+        };
+        match queue.recv() {
+            Ok(batch) => Ok(Some(batch)),
+            Err(_) => match self.error.lock().as_ref() {
+                Some(e) => Err(ClusterError::Loader(e.clone())),
+                None => Ok(None),
+            },
+        }
     }
 }

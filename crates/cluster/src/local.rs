@@ -1,124 +1,136 @@
 //! All roles in one process over the in-process transport: the harness that
 //! tests the distributed logic before any network is involved.
 
-use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::Device;
 use sparrow_core::Config;
 use sparrow_core::metrics::{auc, log_loss_from_logits};
-use sparrow_data::{BadRows, BatchStream, DataLayout};
+use sparrow_data::DataLayout;
 use sparrow_embedding::{EmbeddingTable, Initializer, SparseOptimizer};
 use sparrow_model::{DenseModel, DenseOptimizer, ModelShape};
 use sparrow_trainer::TrainError;
 use sparrow_trainer::trainer::seeds;
 
-use crate::loader::Loader;
-use crate::messages::Mode;
+use crate::loader::LoaderServer;
 use crate::shard::ShardServer;
-use crate::transport::{ClusterError, ShardService};
-use crate::worker::Worker;
+use crate::sync::{RoundSum, WorkerSync};
+use crate::transport::{ClusterError, LoaderService, ShardService};
+use crate::worker::{Worker, WorkerStats};
+
+/// Logits and labels of the test data.
+type Evaluation = (Vec<f32>, Vec<f32>);
 
 #[derive(Clone, Debug)]
 pub struct LocalSummary {
     pub test_auc: Option<f64>,
     pub test_logloss: Option<f64>,
     pub train_rows: u64,
-    pub steps: u64,
     pub embedding_rows: u64,
-    /// Bytes a worker received per trained sample, from the loader and from the shards.
-    pub worker_in_bytes_per_sample_loader: f64,
-    pub worker_in_bytes_per_sample_shards: f64,
+    /// Each worker's counters, in worker order.
+    pub workers: Vec<WorkerStats>,
+    /// Each worker's dense weights fingerprint (equal for replicas in sync).
+    pub dense_checksums: Vec<u64>,
 }
 
-/// Trains with `num_shards` in-process shards and one worker, then evaluates
-/// on `data.test`. With the same config and seed it ends with the same model
-/// as `sparrow_trainer::train` (tested).
-pub fn train_local(config: &Config, num_shards: usize) -> Result<LocalSummary, ClusterError> {
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(config.train.threads)
-        .build()
-        .map_err(|e| TrainError::ThreadPool(e.to_string()))?;
-    pool.install(|| run(config, num_shards.max(1)))
-}
-
-fn run(config: &Config, num_shards: usize) -> Result<LocalSummary, ClusterError> {
-    let (emb_seed, dense_seed) = seeds(config.train.seed);
-    let layout = DataLayout::from_config(&config.data);
+/// A shard role's table, built from the config the way every shard builds it.
+pub fn shard_table(config: &Config) -> EmbeddingTable {
+    let (emb_seed, _) = seeds(config.train.seed);
     let width = DenseModel::embedding_width(config.model.kind, config.model.embedding_dim);
-    let servers: Vec<Arc<ShardServer>> = (0..num_shards)
-        .map(|i| {
-            let table = EmbeddingTable::new(
-                width,
-                SparseOptimizer::from_config(&config.embedding),
-                Initializer::new(config.embedding.init, emb_seed),
-                config.embedding.table_shards,
-            );
-            Arc::new(ShardServer::new(i, table))
-        })
-        .collect();
-    let shards: Vec<Arc<dyn ShardService>> = servers.iter().map(|s| s.clone() as Arc<dyn ShardService>).collect();
+    EmbeddingTable::new(
+        width,
+        SparseOptimizer::from_config(&config.embedding),
+        Initializer::new(config.embedding.init, emb_seed),
+        config.embedding.table_shards,
+    )
+}
+
+/// A worker role, built from the config (every worker starts from the same
+/// dense weights); with `summer`, its dense optimizer sums across workers.
+pub fn new_worker(
+    config: &Config,
+    layout: &DataLayout,
+    index: usize,
+    summer: Option<Arc<dyn crate::sync::RoundSummer>>,
+) -> Result<Worker, ClusterError> {
+    let (_, dense_seed) = seeds(config.train.seed);
     let shape = ModelShape {
         num_fields: layout.num_fields,
         num_dense: layout.num_dense,
         embedding_dim: config.model.embedding_dim,
     };
     let model = DenseModel::new(&config.model, shape, dense_seed, Device::Cpu).map_err(TrainError::from)?;
-    let mut worker = Worker::new(model, DenseOptimizer::new(config.dense_optimizer.clone()), config.model.pooling);
-
-    let train_path = config
-        .data
-        .train
-        .as_deref()
-        .map(Path::new)
-        .ok_or(sparrow_data::DataError::MissingPath { key: "train", what: "the training data file" })?;
-    let bad = BadRows::new(config.data.max_bad_rows, config.data.report_bad_rows);
-    let stream = BatchStream::spawn(
-        train_path,
-        &config.data,
-        config.train.batch_size,
-        Default::default(),
-        config.train.epochs,
-        bad.clone(),
-    )?;
-    let mut loader = Loader::new(stream, shards.clone(), Mode::Train, 0);
-    let (mut steps, mut rows) = (0u64, 0u64);
-    while let Some(batch) = loader.next_batch()? {
-        if config.train.max_steps.is_some_and(|m| steps >= m) {
-            break;
+    let optimizer = match summer {
+        Some(summer) => {
+            DenseOptimizer::with_sync(config.dense_optimizer.clone(), Box::new(WorkerSync::new(index, summer)))
         }
-        worker.train(&batch, &shards)?;
-        steps += 1;
-        rows += batch.rows as u64;
-    }
-    let (from_loader, from_shards) = (worker.bytes_from_loader, worker.bytes_from_shards);
+        None => DenseOptimizer::new(config.dense_optimizer.clone()),
+    };
+    Ok(Worker::new(index, model, optimizer, config.model.pooling))
+}
 
+/// Trains with `num_shards` in-process shards and `num_workers` worker
+/// threads, then worker 0 evaluates on `data.test`. With one worker and the
+/// same config and seed it ends with the same model as
+/// `sparrow_trainer::train` (tested).
+pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Result<LocalSummary, ClusterError> {
+    let num_workers = num_workers.max(1);
+    let servers: Vec<Arc<ShardServer>> =
+        (0..num_shards.max(1)).map(|i| Arc::new(ShardServer::new(i, shard_table(config)))).collect();
+    let shards: Vec<Arc<dyn ShardService>> = servers.iter().map(|s| s.clone() as Arc<dyn ShardService>).collect();
+    let layout = DataLayout::from_config(&config.data);
+    let loader = LoaderServer::start(config, shards.clone())?;
+    let rounds = Arc::new(RoundSum::new(num_workers));
+    let summer = (num_workers > 1).then(|| rounds.clone() as Arc<dyn crate::sync::RoundSummer>);
+
+    let results: Vec<Result<(Worker, Option<Evaluation>), ClusterError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..num_workers)
+            .map(|index| {
+                let (loader, shards, layout, summer, rounds) = (&loader, &shards, &layout, summer.clone(), &rounds);
+                scope.spawn(move || {
+                    let result = (|| {
+                        let pool = rayon::ThreadPoolBuilder::new()
+                            .num_threads(config.train.threads)
+                            .build()
+                            .map_err(|e| TrainError::ThreadPool(e.to_string()))?;
+                        pool.install(|| {
+                            let mut worker = new_worker(config, layout, index, summer)?;
+                            worker.run_training(loader as &dyn LoaderService, shards)?;
+                            let eval = match (index, &config.data.test) {
+                                (0, Some(_)) => Some(worker.run_eval(loader as &dyn LoaderService, shards)?),
+                                _ => None,
+                            };
+                            Ok((worker, eval))
+                        })
+                    })();
+                    if let Err(e) = &result {
+                        rounds.fail(format!("worker {index}: {e}"));
+                    }
+                    result
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(ClusterError::Setup("a worker thread panicked".into()))))
+            .collect()
+    });
+    let mut workers = Vec::with_capacity(num_workers);
     let (mut test_auc, mut test_logloss) = (None, None);
-    if let Some(test) = config.data.test.as_deref() {
-        let stream = BatchStream::spawn(
-            Path::new(test),
-            &config.data,
-            config.train.batch_size.max(1024),
-            Default::default(),
-            1,
-            bad,
-        )?;
-        let mut eval_loader = Loader::new(stream, shards.clone(), Mode::Eval, 1 << 62);
-        let (mut logits, mut labels) = (Vec::new(), Vec::new());
-        while let Some(batch) = eval_loader.next_batch()? {
-            logits.extend(worker.predict(&batch, &shards)?);
-            labels.extend_from_slice(&batch.labels);
+    for result in results {
+        let (worker, eval) = result?;
+        if let Some((logits, labels)) = eval {
+            test_auc = Some(auc(&logits, &labels));
+            test_logloss = Some(log_loss_from_logits(&logits, &labels));
         }
-        test_auc = Some(auc(&logits, &labels));
-        test_logloss = Some(log_loss_from_logits(&logits, &labels));
+        workers.push(worker);
     }
     Ok(LocalSummary {
         test_auc,
         test_logloss,
-        train_rows: rows,
-        steps,
+        train_rows: workers.iter().map(|w| w.stats.rows).sum(),
         embedding_rows: servers.iter().map(|s| s.table().len() as u64).sum(),
-        worker_in_bytes_per_sample_loader: from_loader as f64 / rows.max(1) as f64,
-        worker_in_bytes_per_sample_shards: from_shards as f64 / rows.max(1) as f64,
+        dense_checksums: workers.iter().map(Worker::dense_checksum).collect::<Result<_, _>>()?,
+        workers: workers.into_iter().map(|w| w.stats).collect(),
     })
 }

@@ -26,6 +26,9 @@ pub struct WorkerBatch {
     pub key_weights: Option<Vec<f32>>,
     pub inverse: Vec<u32>,
     pub shard_counts: Vec<u32>,
+    /// The raw keys, in `cluster.mode = "worker_lookup"` only (the baseline
+    /// S0 improves on); then `inverse` and `shard_counts` are left to the worker.
+    pub keys: Vec<u64>,
     /// Where the loader's input continues after this batch.
     pub end: DataPosition,
 }
@@ -43,6 +46,7 @@ impl WorkerBatch {
             + self.key_weights.as_ref().map_or(0, Vec::len)
             + self.inverse.len()
             + self.shard_counts.len())
+            + 8 * self.keys.len()
             + 8
     }
 }

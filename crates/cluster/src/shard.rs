@@ -32,6 +32,11 @@ impl ShardServer {
         ShardServer { index, table, pending: Mutex::new(HashMap::new()) }
     }
 
+    /// Batches queued or pulled and not yet pushed.
+    pub fn pending_batches(&self) -> usize {
+        self.pending.lock().len()
+    }
+
     pub fn table(&self) -> &EmbeddingTable {
         &self.table
     }
@@ -108,5 +113,9 @@ impl ShardService for ShardServer {
         }
         self.table.apply_gradients_at(&plan, &slots, &summed);
         Ok(())
+    }
+
+    fn num_rows(&self) -> Result<u64, ClusterError> {
+        Ok(self.table.len() as u64)
     }
 }

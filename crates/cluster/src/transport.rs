@@ -1,8 +1,9 @@
 //! The interfaces roles call each other through. The in-process transport is
 //! a direct call on the role itself (`ShardServer` implements
-//! [`ShardService`]); a network transport implements the same trait.
+//! [`ShardService`], `LoaderServer` implements [`LoaderService`]); the gRPC
+//! clients in [`crate::grpc`] implement the same traits.
 
-use crate::messages::Mode;
+use crate::messages::{Mode, WorkerBatch};
 
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -13,10 +14,29 @@ pub enum ClusterError {
     WrongSize { shard: usize, batch_id: u64, what: &'static str, expected: usize, found: usize },
     #[error("shard {shard}: {source}")]
     Table { shard: usize, source: sparrow_embedding::TableError },
+    /// A call to another role failed: `peer` names it (`shard 1 at 10.0.0.5:7001`).
+    #[error("{peer}: {method}: {message}")]
+    Rpc { peer: String, method: &'static str, message: String },
+    #[error("{peer}: unreachable after {waited_ms} ms of retries: {message}")]
+    Unreachable { peer: String, waited_ms: u64, message: String },
+    #[error("malformed message from {peer}: {what}")]
+    Malformed { peer: String, what: String },
+    #[error("the loader stopped: {0}")]
+    Loader(String),
+    #[error("the job failed: {0}")]
+    JobFailed(String),
+    #[error("{0}")]
+    Setup(String),
     #[error(transparent)]
     Data(#[from] sparrow_data::DataError),
     #[error(transparent)]
     Train(#[from] sparrow_trainer::TrainError),
+    #[error(transparent)]
+    Model(#[from] sparrow_model::ModelError),
+    #[error(transparent)]
+    Config(#[from] sparrow_core::config::ConfigError),
+    #[error("{what}: {source}")]
+    Io { what: String, source: std::io::Error },
 }
 
 /// An embedding shard as seen by the loader and the workers.
@@ -31,4 +51,13 @@ pub trait ShardService: Send + Sync {
     /// Applies the summed gradients of a pulled training batch (enqueue
     /// order) once per key, then forgets the batch.
     fn push(&self, batch_id: u64, grads: Vec<f32>) -> Result<(), ClusterError>;
+    /// Rows the shard holds.
+    fn num_rows(&self) -> Result<u64, ClusterError>;
+}
+
+/// The loader as seen by the workers: a queue of batches each worker pulls
+/// from at its own pace (S2.2), training data first, then evaluation data.
+pub trait LoaderService: Send + Sync {
+    /// The next batch of the phase, `None` once its data is exhausted.
+    fn next_batch(&self, worker: usize, mode: Mode) -> Result<Option<WorkerBatch>, ClusterError>;
 }

@@ -1,6 +1,7 @@
 //! The split data path (S0) over the in-process transport: loader, 3 shards
-//! and one worker end with exactly the model `sparrow train` produces, and the
-//! shards refuse batches they do not hold.
+//! and one worker end with exactly the model `sparrow train` produces (in S0
+//! and in worker_lookup mode); data-parallel workers keep identical dense
+//! weights; the shards refuse batches they do not hold.
 
 use std::sync::Arc;
 
@@ -10,6 +11,10 @@ use sparrow_core::config::InitConfig;
 use sparrow_embedding::{EmbeddingTable, Initializer, SparseOptimizer};
 
 fn config(dir: &std::path::Path, kind: &str) -> Config {
+    config_with(dir, kind, &[])
+}
+
+fn config_with(dir: &std::path::Path, kind: &str, overrides: &[&str]) -> Config {
     let d = dir.display();
     let text = format!(
         r#"
@@ -26,7 +31,8 @@ fn config(dir: &std::path::Path, kind: &str) -> Config {
         seed = 3
         "#
     );
-    Config::from_toml_with_overrides(&text, "test", &[]).expect("config")
+    let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+    Config::from_toml_with_overrides(&text, "test", &overrides).expect("config")
 }
 
 #[test]
@@ -36,7 +42,7 @@ fn three_shards_one_worker_equals_train() {
     for kind in ["dlrm", "mlp"] {
         let c = config(tmp.path(), kind);
         let single = sparrow_trainer::train(&c, true).expect("train");
-        let cluster = train_local(&c, 3).expect("cluster");
+        let cluster = train_local(&c, 3, 1).expect("cluster");
         assert_eq!(cluster.train_rows, single.train_rows);
         assert_eq!(cluster.embedding_rows, single.embedding_rows, "{kind}: rows across shards");
         assert_eq!(
@@ -48,8 +54,45 @@ fn three_shards_one_worker_equals_train() {
         );
         // The worker's inbound traffic: dense + labels + bag structure from
         // the loader, embedding rows from the shards — no raw IDs.
-        assert!(cluster.worker_in_bytes_per_sample_loader > 0.0);
-        assert!(cluster.worker_in_bytes_per_sample_shards > 0.0);
+        let w = &cluster.workers[0];
+        assert!(w.bytes_from_loader > 0 && w.bytes_from_shards > 0);
+        // Per sample from the loader: label + 13 dense + 26 key positions + 26 bag ends, 4 bytes each.
+        let per_sample = w.bytes_from_loader as f64 / w.rows as f64;
+        assert!((4.0 * 66.0..4.0 * 67.0).contains(&per_sample), "{per_sample} bytes per sample");
+    }
+}
+
+#[test]
+fn worker_lookup_mode_trains_the_same_model_with_raw_ids_sent_to_the_worker() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    sparrow_data::synth::generate(tmp.path(), 2000, 400, 5).expect("generate");
+    let s0 = train_local(&config(tmp.path(), "dlrm"), 2, 1).expect("s0");
+    let baseline =
+        train_local(&config_with(tmp.path(), "dlrm", &["cluster.mode=\"worker_lookup\""]), 2, 1).expect("baseline");
+    assert_eq!(s0.test_auc.map(f64::to_bits), baseline.test_auc.map(f64::to_bits));
+    let (a, b) = (&s0.workers[0], &baseline.workers[0]);
+    assert_eq!(a.bytes_from_shards, b.bytes_from_shards, "the same rows come back");
+    // The baseline's loader message carries 8-byte IDs instead of 4-byte
+    // positions and no per-shard counts (2 per batch).
+    assert_eq!(b.bytes_from_loader - a.bytes_from_loader, 4 * a.keys - 4 * 2 * a.batches);
+}
+
+#[test]
+fn data_parallel_workers_hold_identical_dense_weights() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    sparrow_data::synth::generate(tmp.path(), 4000, 800, 11).expect("generate");
+    for kind in ["dlrm", "mlp"] {
+        let c = config(tmp.path(), kind);
+        let single = train_local(&c, 2, 1).expect("one worker");
+        let pair = train_local(&c, 2, 3).expect("three workers");
+        let sums = &pair.dense_checksums;
+        assert!(sums.iter().all(|&s| s == sums[0]), "{kind}: replicas diverged: {sums:x?}");
+        assert_ne!(sums[0], single.dense_checksums[0], "{kind}: three workers trained a different schedule");
+        assert_eq!(pair.train_rows, 4000, "{kind}: every sample trained once");
+        assert!(pair.workers.iter().all(|w| w.batches > 0), "{kind}: every worker took batches");
+        // Every worker stepped in every round, with or without a batch.
+        assert!(pair.workers.iter().all(|w| w.steps == pair.workers[0].steps), "{kind}");
+        assert!(pair.test_auc.is_some_and(|a| a.is_finite()), "{kind}: worker 0 evaluated");
     }
 }
 

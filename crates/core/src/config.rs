@@ -25,6 +25,7 @@ pub struct Config {
     pub embedding: EmbeddingConfig,
     pub dense_optimizer: DenseOptimizerConfig,
     pub checkpoint: CheckpointConfig,
+    pub cluster: ClusterConfig,
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -332,6 +333,60 @@ impl Default for CheckpointConfig {
     }
 }
 
+/// How the split data path runs (SPEC S0).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ClusterMode {
+    /// The loader sends each shard the keys it owns; workers get no raw IDs.
+    #[default]
+    S0,
+    /// Baseline: workers receive whole samples (IDs included) and look the keys up themselves.
+    WorkerLookup,
+}
+
+impl ClusterMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            ClusterMode::S0 => "s0",
+            ClusterMode::WorkerLookup => "worker_lookup",
+        }
+    }
+}
+
+/// Settings of `sparrow launch` and of the separate roles.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterConfig {
+    pub mode: ClusterMode,
+    /// How often every role tells the coordinator it is alive.
+    pub heartbeat_interval_ms: u64,
+    /// A role silent for this long is reported dead and the job stops.
+    pub heartbeat_timeout_ms: u64,
+    /// How long a role keeps retrying (with backoff) a peer that is not up yet.
+    pub connect_timeout_ms: u64,
+    /// Largest message a role sends or accepts; larger ones are refused with an error.
+    pub max_message_bytes: usize,
+    /// Shared secret checked on every RPC; required to listen on a non-loopback
+    /// address. The environment variable `SPARROW_AUTH_TOKEN` overrides it.
+    pub auth_token: Option<String>,
+    /// Batches the loader prepares ahead of the workers (their keys already queued on the shards).
+    pub loader_queue_batches: usize,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            mode: ClusterMode::S0,
+            heartbeat_interval_ms: 500,
+            heartbeat_timeout_ms: 5000,
+            connect_timeout_ms: 20_000,
+            max_message_bytes: 64 << 20,
+            auth_token: None,
+            loader_queue_batches: 4,
+        }
+    }
+}
+
 impl Config {
     /// Parses TOML text, applies `--set KEY=VALUE` overrides, and validates.
     pub fn from_toml_with_overrides(
@@ -369,6 +424,20 @@ impl Config {
         }
         if self.train.log_interval_steps == 0 {
             return invalid("train.log_interval_steps", "must be at least 1");
+        }
+        if self.cluster.loader_queue_batches == 0 {
+            return invalid("cluster.loader_queue_batches", "must be at least 1");
+        }
+        if self.cluster.heartbeat_interval_ms == 0
+            || self.cluster.heartbeat_timeout_ms <= self.cluster.heartbeat_interval_ms
+        {
+            return invalid(
+                "cluster.heartbeat_timeout_ms",
+                "must be above cluster.heartbeat_interval_ms (which must be above 0)",
+            );
+        }
+        if self.cluster.max_message_bytes < 1024 {
+            return invalid("cluster.max_message_bytes", "must be at least 1024");
         }
         if self.data.prefetch_batches == 0 {
             return invalid("data.prefetch_batches", "must be at least 1");

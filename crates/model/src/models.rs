@@ -286,6 +286,12 @@ impl DenseModel {
         }
     }
 
+    /// A data-parallel replica's step without a batch (see
+    /// [`DenseOptimizer::idle_step`]); false when no replica had one.
+    pub fn idle_step(&self, optimizer: &mut DenseOptimizer) -> Result<bool, ModelError> {
+        optimizer.idle_step(&self.params)
+    }
+
     /// The step through candle's autograd: every model, every device.
     pub fn train_step_autograd(
         &self,
@@ -305,7 +311,7 @@ impl DenseModel {
         let seed = Tensor::from_vec(seed, rows, self.params.device())?;
         let surrogate = (logits_t * seed)?.sum_all()?;
         let grads = surrogate.backward()?;
-        optimizer.step(&self.params, &grads)?;
+        optimizer.step(&self.params, &grads, rows)?;
         let emb_grad = match grads.get(emb.as_tensor()) {
             Some(g) => g.flatten_all()?.to_vec1::<f32>()?,
             None => vec![0.0; emb.elem_count()],
@@ -362,7 +368,7 @@ impl DenseModel {
         let (loss, seed) = Self::loss_and_seed(&logits, labels);
         let mut grad_p = Some(mlp.backward_cpu(x, &seed, &mut scratch)?);
         let mlp_params = mlp.params().as_tensor().id();
-        optimizer.step_with(&self.params, |_, var| {
+        optimizer.step_with(&self.params, rows, |_, var| {
             Ok(if var.as_tensor().id() == mlp_params { grad_p.take() } else { None })
         })?;
         let result = on_input_grad(&scratch.grad_input);

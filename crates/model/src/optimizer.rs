@@ -13,33 +13,107 @@ use sparrow_core::config::{DenseOptimizerConfig, DenseOptimizerKind};
 use crate::ModelError;
 use crate::params::ParamStore;
 
+/// Combines dense gradients across data-parallel replicas (SPEC S0.6).
+pub trait GradientSync: Send + Sync {
+    /// `grads` holds this replica's gradient of the summed loss over its
+    /// `rows` samples (0: no batch this round), every parameter flattened in
+    /// [`ParamStore`] order. On return it holds the elementwise sum over all
+    /// replicas, added in replica order, so every replica gets the same bits;
+    /// the result is the total number of rows (0: no replica had a batch).
+    fn sum(&mut self, grads: &mut [f32], rows: u64) -> Result<u64, ModelError>;
+}
+
 pub struct DenseOptimizer {
     config: DenseOptimizerConfig,
     /// Adam first and second moments per parameter name.
     moments: HashMap<String, (Vec<f32>, Vec<f32>)>,
     pub step: u64,
+    /// Set on data-parallel replicas: every step applies the combined gradient.
+    sync: Option<Box<dyn GradientSync>>,
 }
 
 impl DenseOptimizer {
     pub fn new(config: DenseOptimizerConfig) -> Self {
-        DenseOptimizer { config, moments: HashMap::new(), step: 0 }
+        DenseOptimizer { config, moments: HashMap::new(), step: 0, sync: None }
     }
 
-    /// One step with the gradients of candle's backward pass.
-    pub fn step(&mut self, params: &ParamStore, grads: &GradStore) -> Result<(), ModelError> {
-        self.step_with(params, |_, var| match grads.get(var.as_tensor()) {
+    /// A replica's optimizer: each step first sums the gradients of all
+    /// replicas through `sync` and applies Σ rows·grad / Σ rows.
+    pub fn with_sync(config: DenseOptimizerConfig, sync: Box<dyn GradientSync>) -> Self {
+        DenseOptimizer { sync: Some(sync), ..Self::new(config) }
+    }
+
+    /// One step with the gradients of candle's backward pass over `rows` samples.
+    pub fn step(&mut self, params: &ParamStore, grads: &GradStore, rows: usize) -> Result<bool, ModelError> {
+        self.step_with(params, rows, |_, var| match grads.get(var.as_tensor()) {
             Some(g) => Ok(Some(g.flatten_all()?.to_vec1::<f32>()?)),
             None => Ok(None),
         })
     }
 
+    /// A replica without a batch this round still joins the gradient sum (so
+    /// the others are not kept waiting) and applies the same update. Returns
+    /// false, changing nothing, when no replica had a batch (or there is no sync).
+    pub fn idle_step(&mut self, params: &ParamStore) -> Result<bool, ModelError> {
+        if self.sync.is_none() {
+            return Ok(false);
+        }
+        self.step_with(params, 0, |_, _| Ok(None))
+    }
+
+    /// With a sync: gather every parameter's gradient (zeros where there is
+    /// none), scale by this replica's rows, sum across replicas, scale back by
+    /// the total. `None` when no replica had rows.
+    fn combined(
+        sync: &mut dyn GradientSync,
+        params: &ParamStore,
+        rows: usize,
+        grad_of: &mut impl FnMut(&str, &Var) -> Result<Option<Vec<f32>>, ModelError>,
+    ) -> Result<Option<Vec<Vec<f32>>>, ModelError> {
+        let mut flat = Vec::with_capacity(params.num_params());
+        for (name, var) in params.vars() {
+            match grad_of(name, var)? {
+                Some(g) => flat.extend(g.iter().map(|&g| g * rows as f32)),
+                None => flat.resize(flat.len() + var.elem_count(), 0.0),
+            }
+        }
+        let total = sync.sum(&mut flat, rows as u64)?;
+        if total == 0 {
+            return Ok(None);
+        }
+        let inv = 1.0 / total as f32;
+        let mut rest = flat.as_mut_slice();
+        let mut out = Vec::with_capacity(params.vars().len());
+        for (_, var) in params.vars() {
+            let (mine, tail) = rest.split_at_mut(var.elem_count());
+            mine.iter_mut().for_each(|g| *g *= inv);
+            out.push(mine.to_vec());
+            rest = tail;
+        }
+        Ok(Some(out))
+    }
+
     /// One step with gradients from any source: `grad_of(name, var)` gives a
-    /// parameter's flat gradient, or `None` to leave the parameter unchanged.
+    /// parameter's flat gradient of the mean loss over `rows` samples, or
+    /// `None` to leave the parameter unchanged. Returns whether a step was
+    /// taken (always, unless a sync reports that no replica had rows).
     pub fn step_with(
         &mut self,
         params: &ParamStore,
+        rows: usize,
         mut grad_of: impl FnMut(&str, &Var) -> Result<Option<Vec<f32>>, ModelError>,
-    ) -> Result<(), ModelError> {
+    ) -> Result<bool, ModelError> {
+        let mut combined = match self.sync.as_deref_mut() {
+            Some(sync) => match Self::combined(sync, params, rows, &mut grad_of)? {
+                Some(grads) => Some(grads.into_iter()),
+                None => return Ok(false),
+            },
+            None => None,
+        };
+        let mut grad_of = |name: &str, var: &Var| match combined.as_mut() {
+            Some(grads) => Ok(grads.next()),
+            None => grad_of(name, var),
+        };
         self.step += 1;
         let c = &self.config;
         let lr = c.learning_rate as f32;
@@ -82,7 +156,7 @@ impl DenseOptimizer {
             }
             var.set(&Tensor::from_vec(w, var.shape(), var.device())?)?;
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Optimizer state as named tensors (for the checkpoint).
