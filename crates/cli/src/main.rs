@@ -1,6 +1,7 @@
 //! The `sparrow` command: argument parsing and wiring only.
 
 use std::io::Write;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -93,6 +94,66 @@ enum Command {
         #[arg(long, default_value = "../shared/tools/gather-limit.c")]
         gather_limit: PathBuf,
     },
+    /// Run a whole cluster on this machine: a coordinator, a loader, N shards
+    /// and M workers as separate processes on loopback.
+    Launch {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long, default_value_t = 2)]
+        shards: usize,
+        #[arg(long, default_value_t = 1)]
+        workers: usize,
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
+        /// Do not forward the roles' logs to stderr.
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// The coordinator role: membership, shard map, heartbeats, the workers'
+    /// gradient rounds. The other roles receive its config.
+    Coordinator {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
+        #[arg(long)]
+        shards: usize,
+        #[arg(long)]
+        workers: usize,
+        /// gRPC address (a non-loopback address needs an auth token).
+        #[arg(long, default_value = "127.0.0.1:7000")]
+        listen: SocketAddr,
+        /// Prometheus metrics endpoint.
+        #[arg(long)]
+        metrics_listen: Option<SocketAddr>,
+    },
+    /// An embedding shard role.
+    Shard {
+        #[command(flatten)]
+        role: RoleFlags,
+        /// Ask for this shard index (e.g. a StatefulSet ordinal); default: the next free one.
+        #[arg(long)]
+        index: Option<usize>,
+        /// Prometheus metrics endpoint.
+        #[arg(long)]
+        metrics_listen: Option<SocketAddr>,
+    },
+    /// The loader role: reads, batches, de-duplicates and routes keys to the shards.
+    Loader {
+        #[command(flatten)]
+        role: RoleFlags,
+        /// Prometheus metrics endpoint.
+        #[arg(long)]
+        metrics_listen: Option<SocketAddr>,
+    },
+    /// A worker role: trains the dense model; worker 0 also evaluates. Its
+    /// --listen address serves its Prometheus metrics.
+    Worker {
+        #[command(flatten)]
+        role: RoleFlags,
+        #[arg(long)]
+        index: Option<usize>,
+    },
     /// Generate data (if missing) and train the default DLRM on it: the quick start.
     Demo {
         #[arg(long, default_value = "target/demo-data")]
@@ -104,6 +165,56 @@ enum Command {
         #[arg(long = "set", value_name = "KEY=VALUE")]
         set: Vec<String>,
     },
+}
+
+#[derive(clap::Args)]
+struct RoleFlags {
+    /// The coordinator's address.
+    #[arg(long)]
+    coordinator: String,
+    /// Address to bind (port 0: any free port; a non-loopback address needs an auth token).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: SocketAddr,
+    /// Address the other roles use to reach this one (default: the bound address).
+    #[arg(long)]
+    advertise: Option<String>,
+}
+
+impl RoleFlags {
+    fn args(self, index: Option<usize>, metrics_listen: Option<SocketAddr>) -> sparrow_cluster::roles::RoleArgs {
+        sparrow_cluster::roles::RoleArgs {
+            coordinator: self.coordinator,
+            listen: self.listen,
+            advertise: self.advertise,
+            metrics_listen,
+            index,
+        }
+    }
+}
+
+/// Role processes log with `tracing` to stderr (`RUST_LOG` filters, default info).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,h2=warn,tower=warn,hyper=warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .try_init();
+}
+
+/// A child of `sparrow launch` exits when the launcher goes away (its stdin
+/// pipe closes), so no role outlives a killed launcher.
+fn exit_with_parent() {
+    if std::env::var_os(sparrow_cluster::launch::EXIT_WITH_PARENT_ENV).is_some() {
+        std::thread::spawn(|| {
+            let mut sink = Vec::new();
+            let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
+            eprintln!("error: the launcher went away; stopping");
+            std::process::exit(3);
+        });
+    }
 }
 
 // Tensor-sized allocations (MBs, freed every step) made glibc map and unmap
@@ -175,6 +286,37 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             };
             print_json(&sparrow_trainer::bench::run(&options)?)
         }
+        Command::Launch { config: path, shards, workers, set, quiet } => {
+            let config = load_config(&path, &set)?;
+            let options = sparrow_cluster::launch::LaunchOptions { config_path: path, set, shards, workers, quiet };
+            let interrupted = Arc::new(AtomicBool::new(false));
+            let flag = interrupted.clone();
+            if let Err(e) = ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst)) {
+                eprintln!("warning: Ctrl-C handler: {e}");
+            }
+            print_json(&sparrow_cluster::launch::launch(&options, &config, &interrupted)?)
+        }
+        Command::Coordinator { config, set, shards, workers, listen, metrics_listen } => {
+            init_logging();
+            let config = load_config(&config, &set)?;
+            sparrow_cluster::roles::run_coordinator(&config, shards, workers, listen, metrics_listen, |bound| {
+                println!("listening on {bound}");
+                let _ = std::io::stdout().flush();
+            })?;
+            Ok(())
+        }
+        Command::Shard { role, index, metrics_listen } => {
+            init_logging();
+            Ok(sparrow_cluster::roles::run_shard(&role.args(index, metrics_listen))?)
+        }
+        Command::Loader { role, metrics_listen } => {
+            init_logging();
+            Ok(sparrow_cluster::roles::run_loader(&role.args(None, metrics_listen))?)
+        }
+        Command::Worker { role, index } => {
+            init_logging();
+            print_json(&sparrow_cluster::roles::run_worker(&role.args(index, None))?)
+        }
         Command::Demo { dir, train_rows, test_rows, mut set } => {
             let truth = dir.join("truth.json");
             let have = std::fs::read_to_string(&truth)
@@ -222,6 +364,7 @@ fn configure_process_env() {
 
 fn main() -> ExitCode {
     configure_process_env();
+    exit_with_parent();
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

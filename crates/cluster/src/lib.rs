@@ -13,9 +13,13 @@
 //! The same roles run in one process ([`local`], direct calls) or as
 //! processes over gRPC ([`grpc`], [`roles`], [`launch`]).
 
+pub mod grpc;
+pub mod launch;
 pub mod loader;
 pub mod local;
 pub mod messages;
+pub mod metrics;
+pub mod roles;
 pub mod shard;
 pub mod sync;
 pub mod transport;

@@ -299,7 +299,7 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
 }
 
 /// `truth.json` of a generated data set, if `test` is its test file.
-fn read_truth(test: &Path) -> Option<Truth> {
+pub fn read_truth(test: &Path) -> Option<Truth> {
     let path = test.parent()?.join("truth.json");
     let truth: Truth = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
     (truth.test_rows > 0).then_some(truth)

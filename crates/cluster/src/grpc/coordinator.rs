@@ -1,0 +1,429 @@
+//! The coordinator (S0.5): membership, the shard map, heartbeats, the job's
+//! state, and the workers' gradient rounds (S0.6). Every other role registers
+//! here first and receives the job's config; a role silent for longer than
+//! `cluster.heartbeat_timeout_ms` fails the job, naming it.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use sparrow_core::Config;
+use sparrow_proto::v1 as pb;
+use tokio::runtime::Handle;
+use tonic::service::interceptor::InterceptedService;
+use tonic::{Request, Response, Status};
+
+use super::{AuthedChannel, CheckToken, NetSettings, Peer, blocking, bytes_to_f32s, connect, f32s_to_bytes};
+use crate::metrics::RoleMetrics;
+use crate::sync::{RoundResult, RoundSum, RoundSummer};
+use crate::transport::ClusterError;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RoleKind {
+    Shard,
+    Loader,
+    Worker,
+}
+
+impl RoleKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            RoleKind::Shard => "shard",
+            RoleKind::Loader => "loader",
+            RoleKind::Worker => "worker",
+        }
+    }
+
+    fn to_proto(self) -> pb::Role {
+        match self {
+            RoleKind::Shard => pb::Role::Shard,
+            RoleKind::Loader => pb::Role::Loader,
+            RoleKind::Worker => pb::Role::Worker,
+        }
+    }
+
+    fn from_proto(role: i32) -> Result<RoleKind, Status> {
+        match pb::Role::try_from(role) {
+            Ok(pb::Role::Shard) => Ok(RoleKind::Shard),
+            Ok(pb::Role::Loader) => Ok(RoleKind::Loader),
+            Ok(pb::Role::Worker) => Ok(RoleKind::Worker),
+            _ => Err(Status::invalid_argument(format!("unknown role {role}"))),
+        }
+    }
+}
+
+/// Where the job stands, as every role learns it from its heartbeats.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum JobState {
+    Running,
+    Done,
+    Failed(String),
+}
+
+struct Member {
+    address: String,
+    last_seen: Instant,
+    /// A worker that finished stops sending heartbeats.
+    finished: bool,
+}
+
+struct Members {
+    shards: Vec<Option<Member>>,
+    loader: Option<Member>,
+    workers: Vec<Option<Member>>,
+}
+
+impl Members {
+    fn slots(&mut self, kind: RoleKind) -> &mut [Option<Member>] {
+        match kind {
+            RoleKind::Shard => &mut self.shards,
+            RoleKind::Loader => std::slice::from_mut(&mut self.loader),
+            RoleKind::Worker => &mut self.workers,
+        }
+    }
+}
+
+/// The coordinator's state (the gRPC service is a thin layer over it).
+pub struct Coordinator {
+    config_toml: String,
+    num_shards: usize,
+    num_workers: usize,
+    heartbeat_timeout: Duration,
+    registration_deadline: Instant,
+    members: Mutex<Members>,
+    state: Mutex<JobState>,
+    rounds: RoundSum,
+}
+
+impl Coordinator {
+    pub fn new(config: &Config, num_shards: usize, num_workers: usize) -> Result<Coordinator, ClusterError> {
+        if num_shards == 0 || num_workers == 0 {
+            return Err(ClusterError::Setup("a job needs at least one shard and one worker".into()));
+        }
+        let config_toml =
+            toml::to_string(config).map_err(|e| ClusterError::Setup(format!("serializing the config: {e}")))?;
+        Ok(Coordinator {
+            config_toml,
+            num_shards,
+            num_workers,
+            heartbeat_timeout: Duration::from_millis(config.cluster.heartbeat_timeout_ms),
+            registration_deadline: Instant::now() + Duration::from_millis(config.cluster.connect_timeout_ms),
+            members: Mutex::new(Members {
+                shards: (0..num_shards).map(|_| None).collect(),
+                loader: None,
+                workers: (0..num_workers).map(|_| None).collect(),
+            }),
+            state: Mutex::new(JobState::Running),
+            rounds: RoundSum::new(num_workers),
+        })
+    }
+
+    pub fn state(&self) -> JobState {
+        self.state.lock().clone()
+    }
+
+    /// Fails the job (the first reason wins) and wakes the workers' rounds.
+    pub fn fail(&self, reason: String) {
+        let mut state = self.state.lock();
+        if *state == JobState::Running {
+            tracing::error!("job failed: {reason}");
+            *state = JobState::Failed(reason.clone());
+            self.rounds.fail(reason);
+        }
+    }
+
+    /// A role joins; `index` asks for a slot (a StatefulSet ordinal), else the first free one.
+    pub fn register(&self, kind: RoleKind, address: String, index: Option<usize>) -> Result<usize, ClusterError> {
+        let mut members = self.members.lock();
+        let slots = members.slots(kind);
+        let n = slots.len();
+        let slot = match index {
+            Some(i) if i >= n => {
+                return Err(ClusterError::Setup(format!("{} {i}: the job has only {n}", kind.name())));
+            }
+            Some(i) if slots[i].is_some() => {
+                return Err(ClusterError::Setup(format!("{} {i} is already registered", kind.name())));
+            }
+            Some(i) => i,
+            None => slots.iter().position(Option::is_none).ok_or_else(|| {
+                ClusterError::Setup(format!(
+                    "all {n} {} slots are taken (--shards/--workers of the coordinator)",
+                    kind.name()
+                ))
+            })?,
+        };
+        tracing::info!("{} {slot} registered at {address}", kind.name());
+        slots[slot] = Some(Member { address, last_seen: Instant::now(), finished: false });
+        Ok(slot)
+    }
+
+    pub fn heartbeat(&self, kind: RoleKind, index: usize) -> Result<JobState, ClusterError> {
+        let mut members = self.members.lock();
+        match members.slots(kind).get_mut(index) {
+            Some(Some(m)) => m.last_seen = Instant::now(),
+            _ => return Err(ClusterError::Setup(format!("{} {index} never registered", kind.name()))),
+        }
+        Ok(self.state())
+    }
+
+    /// The shard map and the loader's address, once all of them registered.
+    pub fn view(&self) -> (bool, Vec<String>, String) {
+        let members = self.members.lock();
+        let shards: Vec<String> = members.shards.iter().flatten().map(|m| m.address.clone()).collect();
+        let loader = members.loader.as_ref().map(|m| m.address.clone()).unwrap_or_default();
+        (shards.len() == self.num_shards && members.loader.is_some(), shards, loader)
+    }
+
+    /// A worker is done (or a role failed); the job is done once all workers are.
+    pub fn finish(&self, kind: RoleKind, index: usize, error: Option<String>) {
+        if let Some(error) = error {
+            self.fail(format!("{} {index}: {error}", kind.name()));
+            return;
+        }
+        if kind != RoleKind::Worker {
+            return;
+        }
+        let worker = index;
+        let mut members = self.members.lock();
+        if let Some(Some(m)) = members.workers.get_mut(worker) {
+            m.finished = true;
+        }
+        if members.workers.iter().all(|m| m.as_ref().is_some_and(|m| m.finished)) {
+            let mut state = self.state.lock();
+            if *state == JobState::Running {
+                tracing::info!("all {} workers finished", self.num_workers);
+                *state = JobState::Done;
+            }
+        }
+    }
+
+    /// Fails the job if a registered role went silent, or if roles are still
+    /// missing after the connect timeout.
+    pub fn check_liveness(&self) {
+        if self.state() != JobState::Running {
+            return;
+        }
+        let members = self.members.lock();
+        let groups = [
+            (RoleKind::Shard, &members.shards[..]),
+            (RoleKind::Loader, std::slice::from_ref(&members.loader)),
+            (RoleKind::Worker, &members.workers[..]),
+        ];
+        let mut problem = None;
+        for (kind, slots) in groups {
+            for (i, slot) in slots.iter().enumerate() {
+                match slot {
+                    Some(m) if !m.finished && m.last_seen.elapsed() > self.heartbeat_timeout => {
+                        problem = Some(format!(
+                            "{} {i} at {} stopped answering: no heartbeat for {} ms (cluster.heartbeat_timeout_ms = {})",
+                            kind.name(),
+                            m.address,
+                            m.last_seen.elapsed().as_millis(),
+                            self.heartbeat_timeout.as_millis()
+                        ));
+                    }
+                    None if Instant::now() > self.registration_deadline => {
+                        problem =
+                            Some(format!("{} {i} never registered within cluster.connect_timeout_ms", kind.name()));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        drop(members);
+        if let Some(problem) = problem {
+            self.fail(problem);
+        }
+    }
+
+    pub fn sum(&self, worker: usize, round: u64, grads: Vec<f32>, rows: u64) -> Result<RoundResult, ClusterError> {
+        self.rounds.sum(worker, round, grads, rows)
+    }
+}
+
+struct CoordinatorGrpc {
+    coordinator: Arc<Coordinator>,
+    metrics: RoleMetrics,
+}
+
+fn status(e: ClusterError) -> Status {
+    super::to_status(&e)
+}
+
+#[tonic::async_trait]
+impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
+    async fn register(&self, request: Request<pb::RegisterRequest>) -> Result<Response<pb::RegisterReply>, Status> {
+        let r = request.into_inner();
+        let kind = RoleKind::from_proto(r.role)?;
+        let index = usize::try_from(r.index).ok();
+        let index = self.coordinator.register(kind, r.address, index).map_err(status)?;
+        Ok(Response::new(pb::RegisterReply {
+            index: index as u32,
+            num_shards: self.coordinator.num_shards as u32,
+            num_workers: self.coordinator.num_workers as u32,
+            config_toml: self.coordinator.config_toml.clone(),
+        }))
+    }
+
+    async fn heartbeat(&self, request: Request<pb::HeartbeatRequest>) -> Result<Response<pb::HeartbeatReply>, Status> {
+        let r = request.into_inner();
+        let state = self.coordinator.heartbeat(RoleKind::from_proto(r.role)?, r.index as usize).map_err(status)?;
+        Ok(Response::new(state_reply(&state)))
+    }
+
+    async fn view(&self, _: Request<pb::Empty>) -> Result<Response<pb::ViewReply>, Status> {
+        let (complete, shards, loader) = self.coordinator.view();
+        let state = state_reply(&self.coordinator.state());
+        Ok(Response::new(pb::ViewReply { complete, shards, loader, state: state.state, message: state.message }))
+    }
+
+    async fn sum_gradients(&self, request: Request<pb::SumRequest>) -> Result<Response<pb::SumReply>, Status> {
+        let start = Instant::now();
+        let r = request.into_inner();
+        self.metrics.count_bytes("in", "worker", r.grads.len());
+        let grads = bytes_to_f32s(&r.grads, &format!("worker {}", r.worker), "gradients").map_err(status)?;
+        let coordinator = self.coordinator.clone();
+        let result = blocking(move || coordinator.sum(r.worker as usize, r.round, grads, r.rows)).await?;
+        let reply = pb::SumReply { grads: f32s_to_bytes(&result.0), rows: result.1 };
+        self.metrics.count_bytes("out", "worker", reply.grads.len());
+        self.metrics.observe("server", "sum_gradients", start.elapsed().as_secs_f64());
+        Ok(Response::new(reply))
+    }
+
+    async fn finish(&self, request: Request<pb::FinishRequest>) -> Result<Response<pb::Empty>, Status> {
+        let r = request.into_inner();
+        let kind = RoleKind::from_proto(r.role).unwrap_or(RoleKind::Worker);
+        self.coordinator.finish(kind, r.worker as usize, (!r.error.is_empty()).then_some(r.error));
+        Ok(Response::new(pb::Empty {}))
+    }
+}
+
+fn state_reply(state: &JobState) -> pb::HeartbeatReply {
+    let (state, message) = match state {
+        JobState::Running => (pb::JobState::Running, String::new()),
+        JobState::Done => (pb::JobState::Done, String::new()),
+        JobState::Failed(m) => (pb::JobState::Failed, m.clone()),
+    };
+    pb::HeartbeatReply { state: state as i32, message }
+}
+
+fn state_from(state: i32, message: String) -> JobState {
+    match pb::JobState::try_from(state) {
+        Ok(pb::JobState::Done) => JobState::Done,
+        Ok(pb::JobState::Failed) => JobState::Failed(message),
+        _ => JobState::Running,
+    }
+}
+
+pub fn service(
+    coordinator: Arc<Coordinator>,
+    settings: &NetSettings,
+    metrics: RoleMetrics,
+) -> InterceptedService<pb::coordinator_server::CoordinatorServer<impl pb::coordinator_server::Coordinator>, CheckToken>
+{
+    let inner = pb::coordinator_server::CoordinatorServer::new(CoordinatorGrpc { coordinator, metrics })
+        .max_decoding_message_size(settings.max_message_bytes)
+        .max_encoding_message_size(settings.max_message_bytes);
+    InterceptedService::new(inner, CheckToken::new(settings))
+}
+
+type Client = pb::coordinator_client::CoordinatorClient<AuthedChannel>;
+
+/// What registration returns to a role.
+pub struct Registration {
+    pub index: usize,
+    pub num_shards: usize,
+    pub num_workers: usize,
+    pub config: Config,
+}
+
+/// The coordinator as the other roles see it.
+#[derive(Clone)]
+pub struct CoordinatorClient {
+    peer: Peer<Client>,
+}
+
+impl CoordinatorClient {
+    pub fn connect(
+        addr: &str,
+        settings: &NetSettings,
+        handle: &Handle,
+        metrics: RoleMetrics,
+    ) -> Result<CoordinatorClient, ClusterError> {
+        let name = format!("coordinator at {addr}");
+        let (channel, token) = handle.block_on(connect(addr, &name, settings))?;
+        let client = pb::coordinator_client::CoordinatorClient::with_interceptor(channel, token)
+            .max_decoding_message_size(settings.max_message_bytes)
+            .max_encoding_message_size(settings.max_message_bytes);
+        Ok(CoordinatorClient { peer: Peer::new(name, "coordinator", client, handle.clone(), metrics) })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.peer.name
+    }
+
+    pub fn register(&self, kind: RoleKind, address: &str, index: Option<usize>) -> Result<Registration, ClusterError> {
+        let request = pb::RegisterRequest {
+            role: kind.to_proto() as i32,
+            address: address.to_string(),
+            index: index.map_or(-1, |i| i as i64),
+        };
+        let reply = self.peer.call("register", request, |mut c, r| async move { c.register(r).await })?;
+        let config = Config::from_toml_with_overrides(&reply.config_toml, "the coordinator's config", &[])?;
+        Ok(Registration {
+            index: reply.index as usize,
+            num_shards: reply.num_shards as usize,
+            num_workers: reply.num_workers as usize,
+            config,
+        })
+    }
+
+    pub fn heartbeat(&self, kind: RoleKind, index: usize) -> Result<JobState, ClusterError> {
+        let request = pb::HeartbeatRequest { role: kind.to_proto() as i32, index: index as u32 };
+        let reply = self.peer.call("heartbeat", request, |mut c, r| async move { c.heartbeat(r).await })?;
+        Ok(state_from(reply.state, reply.message))
+    }
+
+    /// Waits (polling with backoff, up to `timeout`) until every shard and
+    /// the loader registered; returns the shard addresses and the loader's.
+    pub fn wait_for_view(&self, timeout: Duration) -> Result<(Vec<String>, String), ClusterError> {
+        let start = Instant::now();
+        let mut wait = Duration::from_millis(20);
+        loop {
+            let view = self.peer.call("view", pb::Empty {}, |mut c, r| async move { c.view(r).await })?;
+            if let JobState::Failed(m) = state_from(view.state, view.message) {
+                return Err(ClusterError::JobFailed(m));
+            }
+            if view.complete {
+                return Ok((view.shards, view.loader));
+            }
+            if start.elapsed() > timeout {
+                return Err(ClusterError::Setup(format!(
+                    "{}: only {} shard(s){} registered after {} ms",
+                    self.peer.name,
+                    view.shards.len(),
+                    if view.loader.is_empty() { " and no loader" } else { " and the loader" },
+                    start.elapsed().as_millis()
+                )));
+            }
+            std::thread::sleep(wait);
+            wait = (wait * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    /// Reports a worker's end, or any role's failure (`error`).
+    pub fn finish(&self, kind: RoleKind, index: usize, error: Option<String>) -> Result<(), ClusterError> {
+        let request =
+            pb::FinishRequest { worker: index as u32, error: error.unwrap_or_default(), role: kind.to_proto() as i32 };
+        self.peer.call("finish", request, |mut c, r| async move { c.finish(r).await })?;
+        Ok(())
+    }
+}
+
+impl RoundSummer for CoordinatorClient {
+    fn sum_round(&self, worker: usize, round: u64, grads: Vec<f32>, rows: u64) -> Result<RoundResult, ClusterError> {
+        let request = pb::SumRequest { worker: worker as u32, round, grads: f32s_to_bytes(&grads), rows };
+        let reply = self.peer.call("sum_gradients", request, |mut c, r| async move { c.sum_gradients(r).await })?;
+        Ok(Arc::new((bytes_to_f32s(&reply.grads, &self.peer.name, "summed gradients")?, reply.rows)))
+    }
+}

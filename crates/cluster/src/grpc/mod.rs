@@ -1,0 +1,299 @@
+//! The gRPC transport (tonic + prost): servers that wrap the roles, and
+//! clients that implement the role traits ([`ShardService`](crate::ShardService),
+//! [`LoaderService`](crate::LoaderService), [`RoundSummer`](crate::sync::RoundSummer)).
+//! Protobuf types stop here: everything past this module sees the role types.
+//!
+//! Every server and client caps message sizes at `cluster.max_message_bytes`;
+//! with a token configured every RPC must carry it (`authorization: Bearer …`),
+//! and a server refuses to listen off loopback without one.
+
+pub mod coordinator;
+pub mod loader;
+pub mod shard;
+
+use std::error::Error as StdError;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::runtime::Handle;
+use tonic::metadata::MetadataValue;
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request, Status};
+
+use crate::metrics::RoleMetrics;
+use crate::transport::ClusterError;
+
+/// The environment variable that carries the shared token (overrides `cluster.auth_token`).
+pub const TOKEN_ENV: &str = "SPARROW_AUTH_TOKEN";
+
+/// What every connection and listener of a role needs.
+#[derive(Clone)]
+pub struct NetSettings {
+    pub token: Option<Arc<str>>,
+    pub max_message_bytes: usize,
+    pub connect_timeout: Duration,
+}
+
+impl NetSettings {
+    /// From the cluster config, the token from [`TOKEN_ENV`] taking precedence.
+    pub fn new(cluster: &sparrow_core::config::ClusterConfig) -> NetSettings {
+        let token = std::env::var(TOKEN_ENV).ok().or_else(|| cluster.auth_token.clone()).filter(|t| !t.is_empty());
+        NetSettings {
+            token: token.map(Arc::from),
+            max_message_bytes: cluster.max_message_bytes,
+            connect_timeout: Duration::from_millis(cluster.connect_timeout_ms),
+        }
+    }
+
+    /// Refuses a listener off loopback without a token.
+    pub fn check_listen(&self, addr: SocketAddr) -> Result<(), ClusterError> {
+        if !addr.ip().is_loopback() && self.token.is_none() {
+            return Err(ClusterError::Setup(format!(
+                "refusing to listen on {addr} without a shared token: set cluster.auth_token or {TOKEN_ENV} \
+                 (only loopback addresses may run without one)"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Server side: refuses a request whose token is missing or wrong.
+#[derive(Clone)]
+pub struct CheckToken {
+    expected: Option<Arc<str>>,
+}
+
+impl CheckToken {
+    pub fn new(settings: &NetSettings) -> Self {
+        CheckToken { expected: settings.token.clone() }
+    }
+}
+
+/// Compares without an early exit, so timing does not leak the token.
+fn same_bytes(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+impl Interceptor for CheckToken {
+    fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
+        let Some(expected) = &self.expected else { return Ok(request) };
+        let given = request.metadata().get("authorization").map(|v| v.as_bytes()).unwrap_or_default();
+        let given = given.strip_prefix(b"Bearer ").unwrap_or_default();
+        if same_bytes(given, expected.as_bytes()) {
+            Ok(request)
+        } else {
+            Err(Status::unauthenticated(format!("missing or wrong auth token (cluster.auth_token / {TOKEN_ENV})")))
+        }
+    }
+}
+
+/// Client side: attaches the token to every request.
+#[derive(Clone)]
+pub struct AttachToken {
+    header: Option<MetadataValue<tonic::metadata::Ascii>>,
+}
+
+impl Interceptor for AttachToken {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(header) = &self.header {
+            request.metadata_mut().insert("authorization", header.clone());
+        }
+        Ok(request)
+    }
+}
+
+pub type AuthedChannel = InterceptedService<Channel, AttachToken>;
+
+/// `e` and its sources, one after another (tonic's own Display is terse).
+pub fn error_chain(e: &dyn StdError) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+/// Connects to `addr`, retrying with exponential backoff (50 ms → 1 s) for
+/// up to the connect timeout, then fails naming `peer`.
+pub async fn connect(addr: &str, peer: &str, settings: &NetSettings) -> Result<(Channel, AttachToken), ClusterError> {
+    let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+        .map_err(|e| ClusterError::Setup(format!("{peer}: bad address `{addr}`: {e}")))?
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(2))
+        .initial_stream_window_size(8 << 20)
+        .initial_connection_window_size(16 << 20);
+    let header = match &settings.token {
+        Some(t) => Some(
+            format!("Bearer {t}")
+                .parse()
+                .map_err(|_| ClusterError::Setup("the auth token must be printable ASCII".into()))?,
+        ),
+        None => None,
+    };
+    let start = Instant::now();
+    let mut wait = Duration::from_millis(50);
+    loop {
+        match endpoint.connect().await {
+            Ok(channel) => return Ok((channel, AttachToken { header })),
+            Err(e) if start.elapsed() + wait > settings.connect_timeout => {
+                return Err(ClusterError::Unreachable {
+                    peer: peer.to_string(),
+                    waited_ms: start.elapsed().as_millis() as u64,
+                    message: error_chain(&e),
+                });
+            }
+            Err(e) => {
+                tracing::debug!("{peer} at {addr} not reachable yet ({}), retrying in {wait:?}", error_chain(&e));
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+/// A client error as a [`ClusterError`] naming the peer.
+pub fn rpc_error(peer: &str, method: &'static str, status: &Status) -> ClusterError {
+    let mut message = format!("{:?}: {}", status.code(), status.message());
+    if matches!(status.code(), tonic::Code::OutOfRange | tonic::Code::ResourceExhausted)
+        && status.message().contains("message length too large")
+    {
+        message.push_str(" (the cap is cluster.max_message_bytes)");
+    }
+    if status.code() == tonic::Code::Unavailable {
+        message = format!("unreachable (it stopped or the network failed): {message}");
+    }
+    ClusterError::Rpc { peer: peer.to_string(), method, message }
+}
+
+/// A role error as the status a server answers with.
+pub fn to_status(e: &ClusterError) -> Status {
+    match e {
+        ClusterError::UnknownBatch { .. } => Status::failed_precondition(e.to_string()),
+        ClusterError::WrongSize { .. } | ClusterError::Malformed { .. } => Status::invalid_argument(e.to_string()),
+        ClusterError::JobFailed(_) => Status::aborted(e.to_string()),
+        _ => Status::internal(e.to_string()),
+    }
+}
+
+/// A connected peer: blocking calls from the roles' plain threads, timed and
+/// counted in the role's metrics.
+#[derive(Clone)]
+pub struct Peer<C> {
+    pub name: String,
+    /// The peer's kind for the byte counters (`shard`, `loader`, `coordinator`).
+    kind: &'static str,
+    client: C,
+    handle: Handle,
+    metrics: RoleMetrics,
+}
+
+impl<C: Clone> Peer<C> {
+    pub fn new(name: String, kind: &'static str, client: C, handle: Handle, metrics: RoleMetrics) -> Self {
+        Peer { name, kind, client, handle, metrics }
+    }
+
+    /// Calls `method` and waits for the answer (must not run on a runtime thread).
+    pub fn call<Req, Resp, Fut>(
+        &self,
+        method: &'static str,
+        request: Req,
+        rpc: impl FnOnce(C, Request<Req>) -> Fut,
+    ) -> Result<Resp, ClusterError>
+    where
+        Req: prost::Message,
+        Resp: prost::Message,
+        Fut: Future<Output = Result<tonic::Response<Resp>, Status>>,
+    {
+        let start = Instant::now();
+        self.metrics.count_bytes("out", self.kind, request.encoded_len());
+        let reply = self
+            .handle
+            .block_on(rpc(self.client.clone(), Request::new(request)))
+            .map_err(|status| rpc_error(&self.name, method, &status))?
+            .into_inner();
+        self.metrics.count_bytes("in", self.kind, reply.encoded_len());
+        self.metrics.observe("client", method, start.elapsed().as_secs_f64());
+        Ok(reply)
+    }
+}
+
+/// Runs `work` on the blocking pool (role code blocks: table lookups, queues, rounds).
+pub async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, ClusterError> + Send + 'static,
+) -> Result<T, Status> {
+    match tokio::task::spawn_blocking(work).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(to_status(&e)),
+        Err(e) => Err(Status::internal(format!("a request handler panicked: {e}"))),
+    }
+}
+
+// Arrays travel as little-endian bytes.
+
+pub fn f32s_to_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+pub fn u32s_to_bytes(values: &[u32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+pub fn u64s_to_bytes(values: &[u64]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn decode_array<const N: usize, T>(
+    bytes: &[u8],
+    peer: &str,
+    what: &str,
+    from: impl Fn([u8; N]) -> T,
+) -> Result<Vec<T>, ClusterError> {
+    if !bytes.len().is_multiple_of(N) {
+        return Err(ClusterError::Malformed {
+            peer: peer.to_string(),
+            what: format!("{what}: {} bytes is not a whole number of {N}-byte values", bytes.len()),
+        });
+    }
+    Ok(bytes.chunks_exact(N).map(|c| from(c.try_into().unwrap_or([0; N]))).collect())
+}
+
+pub fn bytes_to_f32s(bytes: &[u8], peer: &str, what: &str) -> Result<Vec<f32>, ClusterError> {
+    decode_array(bytes, peer, what, f32::from_le_bytes)
+}
+
+pub fn bytes_to_u32s(bytes: &[u8], peer: &str, what: &str) -> Result<Vec<u32>, ClusterError> {
+    decode_array(bytes, peer, what, u32::from_le_bytes)
+}
+
+pub fn bytes_to_u64s(bytes: &[u8], peer: &str, what: &str) -> Result<Vec<u64>, ClusterError> {
+    decode_array(bytes, peer, what, u64::from_le_bytes)
+}
+
+/// Binds `addr` (port 0 picks a free one) for a gRPC server; returns the
+/// listener and the address it got.
+pub async fn bind(
+    addr: SocketAddr,
+    settings: &NetSettings,
+) -> Result<(tokio::net::TcpListener, SocketAddr), ClusterError> {
+    settings.check_listen(addr)?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| ClusterError::Io { what: format!("binding {addr}"), source: e })?;
+    let bound = listener.local_addr().map_err(|e| ClusterError::Io { what: format!("binding {addr}"), source: e })?;
+    Ok((listener, bound))
+}
+
+/// The server options every role uses.
+pub fn server_builder() -> tonic::transport::Server {
+    tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .initial_stream_window_size(8 << 20)
+        .initial_connection_window_size(16 << 20)
+}

@@ -1,0 +1,136 @@
+//! A shard over gRPC: the server wraps [`ShardServer`]; [`ShardClient`] is a
+//! [`ShardService`] for the loader and the workers.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use sparrow_proto::v1 as pb;
+use tokio::runtime::Handle;
+use tonic::service::interceptor::InterceptedService;
+use tonic::{Request, Response, Status};
+
+use super::{
+    AuthedChannel, CheckToken, NetSettings, Peer, blocking, bytes_to_f32s, bytes_to_u64s, connect, f32s_to_bytes,
+    u64s_to_bytes,
+};
+use crate::messages::Mode;
+use crate::metrics::RoleMetrics;
+use crate::shard::ShardServer;
+use crate::transport::{ClusterError, ShardService};
+
+struct ShardGrpc {
+    shard: Arc<ShardServer>,
+    metrics: RoleMetrics,
+    peer: String,
+}
+
+impl ShardGrpc {
+    fn done(&self, method: &str, start: Instant) {
+        self.metrics.observe("server", method, start.elapsed().as_secs_f64());
+        self.metrics.batches_in_flight.set(self.shard.pending_batches() as i64);
+    }
+}
+
+#[tonic::async_trait]
+impl pb::shard_server::Shard for ShardGrpc {
+    async fn enqueue(&self, request: Request<pb::EnqueueRequest>) -> Result<Response<pb::Empty>, Status> {
+        let start = Instant::now();
+        let r = request.into_inner();
+        self.metrics.count_bytes("in", "loader", r.keys.len());
+        let keys = bytes_to_u64s(&r.keys, &self.peer, "keys").map_err(|e| super::to_status(&e))?;
+        let mode = if r.eval { Mode::Eval } else { Mode::Train };
+        self.shard.enqueue(r.batch_id, keys, mode).map_err(|e| super::to_status(&e))?;
+        self.done("enqueue", start);
+        Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn pull(&self, request: Request<pb::PullRequest>) -> Result<Response<pb::Rows>, Status> {
+        let start = Instant::now();
+        let batch_id = request.into_inner().batch_id;
+        let shard = self.shard.clone();
+        let rows = blocking(move || shard.pull(batch_id)).await?;
+        let rows = f32s_to_bytes(&rows);
+        self.metrics.count_bytes("out", "worker", rows.len());
+        self.done("pull", start);
+        Ok(Response::new(pb::Rows { rows }))
+    }
+
+    async fn push(&self, request: Request<pb::PushRequest>) -> Result<Response<pb::Empty>, Status> {
+        let start = Instant::now();
+        let r = request.into_inner();
+        self.metrics.count_bytes("in", "worker", r.grads.len());
+        let grads = bytes_to_f32s(&r.grads, &self.peer, "gradients").map_err(|e| super::to_status(&e))?;
+        let shard = self.shard.clone();
+        blocking(move || shard.push(r.batch_id, grads)).await?;
+        self.done("push", start);
+        Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn stats(&self, _: Request<pb::Empty>) -> Result<Response<pb::ShardStats>, Status> {
+        Ok(Response::new(pb::ShardStats {
+            rows: self.shard.table().len() as u64,
+            pending_batches: self.shard.pending_batches() as u64,
+        }))
+    }
+}
+
+/// The shard's gRPC service, size-capped and token-checked.
+pub fn service(
+    shard: Arc<ShardServer>,
+    settings: &NetSettings,
+    metrics: RoleMetrics,
+) -> InterceptedService<pb::shard_server::ShardServer<impl pb::shard_server::Shard>, CheckToken> {
+    let peer = "a client of this shard".to_string();
+    let inner = pb::shard_server::ShardServer::new(ShardGrpc { shard, metrics, peer })
+        .max_decoding_message_size(settings.max_message_bytes)
+        .max_encoding_message_size(settings.max_message_bytes);
+    InterceptedService::new(inner, CheckToken::new(settings))
+}
+
+type Client = pb::shard_client::ShardClient<AuthedChannel>;
+
+/// A remote shard as a [`ShardService`].
+pub struct ShardClient {
+    peer: Peer<Client>,
+}
+
+impl ShardClient {
+    /// Connects (with retries) to shard `index` at `addr`.
+    pub fn connect(
+        index: usize,
+        addr: &str,
+        settings: &NetSettings,
+        handle: &Handle,
+        metrics: RoleMetrics,
+    ) -> Result<ShardClient, ClusterError> {
+        let name = format!("shard {index} at {addr}");
+        let (channel, token) = handle.block_on(connect(addr, &name, settings))?;
+        let client = pb::shard_client::ShardClient::with_interceptor(channel, token)
+            .max_decoding_message_size(settings.max_message_bytes)
+            .max_encoding_message_size(settings.max_message_bytes);
+        Ok(ShardClient { peer: Peer::new(name, "shard", client, handle.clone(), metrics) })
+    }
+}
+
+impl ShardService for ShardClient {
+    fn enqueue(&self, batch_id: u64, keys: Vec<u64>, mode: Mode) -> Result<(), ClusterError> {
+        let request = pb::EnqueueRequest { batch_id, keys: u64s_to_bytes(&keys), eval: mode == Mode::Eval };
+        self.peer.call("enqueue", request, |mut c, r| async move { c.enqueue(r).await })?;
+        Ok(())
+    }
+
+    fn pull(&self, batch_id: u64) -> Result<Vec<f32>, ClusterError> {
+        let reply = self.peer.call("pull", pb::PullRequest { batch_id }, |mut c, r| async move { c.pull(r).await })?;
+        bytes_to_f32s(&reply.rows, &self.peer.name, "rows")
+    }
+
+    fn push(&self, batch_id: u64, grads: Vec<f32>) -> Result<(), ClusterError> {
+        let request = pb::PushRequest { batch_id, grads: f32s_to_bytes(&grads) };
+        self.peer.call("push", request, |mut c, r| async move { c.push(r).await })?;
+        Ok(())
+    }
+
+    fn num_rows(&self) -> Result<u64, ClusterError> {
+        Ok(self.peer.call("stats", pb::Empty {}, |mut c, r| async move { c.stats(r).await })?.rows)
+    }
+}

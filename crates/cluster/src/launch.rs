@@ -1,0 +1,273 @@
+//! `sparrow launch`: a coordinator, a loader, N shards and M workers as child
+//! processes of this one on loopback, their logs forwarded with a `[role]`
+//! prefix, their summaries merged into one JSON object. Every child is killed
+//! and reaped when this returns, however it returns (success, a child's
+//! failure, Ctrl-C); each child also exits on its own if this process dies
+//! (it watches its stdin, see [`EXIT_WITH_PARENT_ENV`]).
+
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use serde_json::json;
+use sparrow_core::Config;
+
+use crate::roles::WorkerSummary;
+use crate::transport::ClusterError;
+
+/// Set on children: they exit when their stdin (a pipe from the launcher) closes.
+pub const EXIT_WITH_PARENT_ENV: &str = "SPARROW_EXIT_WITH_PARENT";
+
+pub struct LaunchOptions {
+    pub config_path: PathBuf,
+    pub set: Vec<String>,
+    pub shards: usize,
+    pub workers: usize,
+    /// Do not forward the children's logs.
+    pub quiet: bool,
+}
+
+struct Running {
+    name: String,
+    child: Child,
+    stdout: Arc<Mutex<Vec<String>>>,
+    stderr_tail: Arc<Mutex<VecDeque<String>>>,
+    status: Option<ExitStatus>,
+}
+
+impl Running {
+    fn last_error(&self) -> String {
+        let tail = self.stderr_tail.lock();
+        tail.iter().rev().find(|l| l.contains("error")).or(tail.back()).cloned().unwrap_or_default()
+    }
+}
+
+/// The children; dropping it kills and reaps whatever still runs.
+struct Children {
+    list: Vec<Running>,
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for r in &mut self.list {
+            if r.status.is_none() {
+                let _ = r.child.kill();
+                let _ = r.child.wait();
+            }
+        }
+    }
+}
+
+impl Children {
+    fn spawn(&mut self, name: String, args: &[String], quiet: bool) -> Result<usize, ClusterError> {
+        let exe = std::env::current_exe()
+            .map_err(|e| ClusterError::Io { what: "finding the sparrow binary".into(), source: e })?;
+        let mut child = Command::new(exe)
+            .args(args)
+            .env(EXIT_WITH_PARENT_ENV, "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| ClusterError::Io { what: format!("starting {name}"), source: e })?;
+        let stdout = Arc::new(Mutex::new(Vec::new()));
+        let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
+        if let Some(out) = child.stdout.take() {
+            let lines = stdout.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(out).lines().map_while(Result::ok) {
+                    lines.lock().push(line);
+                }
+            });
+        }
+        if let Some(err) = child.stderr.take() {
+            let (tail, prefix) = (stderr_tail.clone(), format!("[{name}] "));
+            std::thread::spawn(move || {
+                for line in BufReader::new(err).lines().map_while(Result::ok) {
+                    if !quiet {
+                        let _ = writeln!(std::io::stderr().lock(), "{prefix}{line}");
+                    }
+                    let mut tail = tail.lock();
+                    if tail.len() == 40 {
+                        tail.pop_front();
+                    }
+                    tail.push_back(line);
+                }
+            });
+        }
+        self.list.push(Running { name, child, stdout, stderr_tail, status: None });
+        Ok(self.list.len() - 1)
+    }
+
+    /// Reaps children that exited; returns the first that failed.
+    fn poll(&mut self) -> Option<usize> {
+        let mut failed = None;
+        for (i, r) in self.list.iter_mut().enumerate() {
+            if r.status.is_none()
+                && let Ok(Some(status)) = r.child.try_wait()
+            {
+                r.status = Some(status);
+                if !status.success() && failed.is_none() {
+                    failed = Some(i);
+                }
+            }
+        }
+        failed
+    }
+
+    fn describe_failure(&self, i: usize) -> String {
+        let r = &self.list[i];
+        let status = r.status.map(|s| s.to_string()).unwrap_or_default();
+        let mut out = format!("{} exited ({status}): {}", r.name, r.last_error());
+        for other in self.list.iter().filter(|o| o.name != r.name && o.status.is_some_and(|s| !s.success())) {
+            out.push_str(&format!("\n  {} then exited: {}", other.name, other.last_error()));
+        }
+        out
+    }
+}
+
+/// Runs the job; returns `train`'s summary fields plus the cluster's.
+pub fn launch(
+    options: &LaunchOptions,
+    config: &Config,
+    interrupted: &AtomicBool,
+) -> Result<serde_json::Value, ClusterError> {
+    let wall = Instant::now();
+    let mut children = Children { list: Vec::new() };
+    let local = "127.0.0.1:0".to_string();
+    let mut args: Vec<String> =
+        vec!["coordinator".into(), "--config".into(), options.config_path.display().to_string()];
+    for s in &options.set {
+        args.extend(["--set".into(), s.clone()]);
+    }
+    args.extend([
+        "--shards".into(),
+        options.shards.to_string(),
+        "--workers".into(),
+        options.workers.to_string(),
+        "--listen".into(),
+        local.clone(),
+        "--metrics-listen".into(),
+        local.clone(),
+    ]);
+    let coordinator = children.spawn("coordinator".into(), &args, options.quiet)?;
+    // The coordinator prints `listening on ADDR` first.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let address = loop {
+        if let Some(addr) =
+            children.list[coordinator].stdout.lock().iter().find_map(|l| l.strip_prefix("listening on "))
+        {
+            break addr.to_string();
+        }
+        if let Some(i) = children.poll() {
+            return Err(ClusterError::Setup(children.describe_failure(i)));
+        }
+        if Instant::now() > deadline {
+            return Err(ClusterError::Setup("the coordinator did not start within 30 s".into()));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let role = |kind: &str, index: Option<usize>| {
+        let mut a = vec![kind.to_string(), "--coordinator".into(), address.clone(), "--listen".into(), local.clone()];
+        if kind != "worker" {
+            a.extend(["--metrics-listen".into(), local.clone()]);
+        }
+        if let Some(i) = index {
+            a.extend(["--index".into(), i.to_string()]);
+        }
+        a
+    };
+    for i in 0..options.shards {
+        children.spawn(format!("shard {i}"), &role("shard", Some(i)), options.quiet)?;
+    }
+    children.spawn("loader".into(), &role("loader", None), options.quiet)?;
+    let workers: Vec<usize> = (0..options.workers)
+        .map(|w| children.spawn(format!("worker {w}"), &role("worker", Some(w)), options.quiet))
+        .collect::<Result<_, _>>()?;
+
+    // Until every worker is done, any failure ends the job.
+    while !workers.iter().all(|&w| children.list[w].status.is_some()) {
+        if interrupted.load(Ordering::SeqCst) {
+            return Err(ClusterError::Setup("interrupted (Ctrl-C): every role was stopped".into()));
+        }
+        if let Some(i) = children.poll() {
+            // Let the others report what they saw (a worker names the shard it lost).
+            std::thread::sleep(Duration::from_millis(300));
+            children.poll();
+            return Err(ClusterError::JobFailed(children.describe_failure(i)));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The other roles leave after their next heartbeat sees the job done.
+    let grace = Instant::now() + Duration::from_millis(config.cluster.heartbeat_interval_ms * 4 + 3000);
+    while children.list.iter().any(|r| r.status.is_none()) && Instant::now() < grace {
+        if let Some(i) = children.poll() {
+            return Err(ClusterError::JobFailed(children.describe_failure(i)));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let summaries: Vec<WorkerSummary> = workers
+        .iter()
+        .map(|&w| {
+            let r = &children.list[w];
+            let line = r.stdout.lock().last().cloned().unwrap_or_default();
+            serde_json::from_str(&line)
+                .map_err(|e| ClusterError::Setup(format!("{}: no summary on stdout ({e}): `{line}`", r.name)))
+        })
+        .collect::<Result<_, _>>()?;
+    drop(children);
+    Ok(merge(config, options, &summaries, wall.elapsed().as_secs_f64()))
+}
+
+/// One summary in `train`'s shape (fields a cluster run cannot know are null)
+/// plus `shards`, `workers`, `mode` and `worker_in_bytes_per_sample`.
+fn merge(config: &Config, options: &LaunchOptions, workers: &[WorkerSummary], wall_secs: f64) -> serde_json::Value {
+    let first = workers.first().cloned().unwrap_or_default();
+    let rows: u64 = workers.iter().map(|w| w.train_rows).sum();
+    let train_secs = workers.iter().map(|w| w.train_secs).fold(0.0, f64::max);
+    let per_sample = |bytes: u64| bytes as f64 / rows.max(1) as f64;
+    let (keys, unique): (u64, u64) = workers.iter().fold((0, 0), |(k, u), w| (k + w.keys, u + w.unique_keys));
+    let bayes = config.data.test.as_deref().and_then(|t| sparrow_trainer::run::read_truth(std::path::Path::new(t)));
+    let checksums: Vec<&str> = workers.iter().map(|w| w.dense_checksum.as_str()).collect();
+    json!({
+        "test_auc": first.test_auc,
+        "test_logloss": first.test_logloss,
+        "train_rows": rows,
+        "samples_per_sec": rows as f64 / train_secs.max(1e-9),
+        "wall_secs": wall_secs,
+        "peak_rss_bytes": workers.iter().map(|w| w.peak_rss_bytes).max().unwrap_or(0),
+        "embedding_rows": first.embedding_rows,
+        "bad_rows": null,
+        "model": config.model.kind.name(),
+        "steps": workers.iter().map(|w| w.steps).max().unwrap_or(0),
+        "train_secs": train_secs,
+        "eval_secs": first.eval_secs,
+        "test_rows": first.test_rows,
+        "train_logloss": first.train_logloss,
+        "dedup_ratio": keys as f64 / unique.max(1) as f64,
+        "embedding_bytes_per_row": null,
+        "checkpoint": null,
+        "resumed_from_step": null,
+        "step_phase_secs": null,
+        "bayes_auc": bayes.as_ref().map(|t| t.bayes_auc),
+        "bayes_logloss": bayes.as_ref().map(|t| t.bayes_logloss),
+        "shards": options.shards,
+        "workers": options.workers,
+        "mode": config.cluster.mode.name(),
+        "worker_in_bytes_per_sample": {
+            "loader": per_sample(workers.iter().map(|w| w.bytes_from_loader).sum()),
+            "shards": per_sample(workers.iter().map(|w| w.bytes_from_shards).sum()),
+        },
+        // Per worker: quantiles of different processes do not combine.
+        "pull_latency_ms": workers.iter().map(|w| w.pull_latency_ms).collect::<Vec<_>>(),
+        "push_latency_ms": workers.iter().map(|w| w.push_latency_ms).collect::<Vec<_>>(),
+        "batches_per_worker": workers.iter().map(|w| w.batches).collect::<Vec<_>>(),
+        "dense_checksums": checksums,
+        "replicas_identical": checksums.windows(2).all(|w| w[0] == w[1]),
+    })
+}
