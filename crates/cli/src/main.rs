@@ -178,6 +178,9 @@ struct RoleFlags {
     /// Address the other roles use to reach this one (default: the bound address).
     #[arg(long)]
     advertise: Option<String>,
+    /// How long to keep retrying the coordinator (with backoff) before giving up.
+    #[arg(long, default_value_t = 20_000)]
+    connect_timeout_ms: u64,
 }
 
 impl RoleFlags {
@@ -188,6 +191,7 @@ impl RoleFlags {
             advertise: self.advertise,
             metrics_listen,
             index,
+            connect_timeout_ms: self.connect_timeout_ms,
         }
     }
 }

@@ -43,7 +43,8 @@ struct Running {
 impl Running {
     fn last_error(&self) -> String {
         let tail = self.stderr_tail.lock();
-        tail.iter().rev().find(|l| l.contains("error")).or(tail.back()).cloned().unwrap_or_default()
+        let line = tail.iter().rev().find(|l| l.contains("error") || l.contains("ERROR"));
+        line.cloned().unwrap_or_else(|| "no error message (killed or crashed)".into())
     }
 }
 
@@ -75,6 +76,7 @@ impl Children {
             .stderr(Stdio::piped())
             .spawn()
             .map_err(|e| ClusterError::Io { what: format!("starting {name}"), source: e })?;
+        eprintln!("launch: {name} is pid {}", child.id());
         let stdout = Arc::new(Mutex::new(Vec::new()));
         let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
         if let Some(out) = child.stdout.take() {
@@ -253,7 +255,8 @@ fn merge(config: &Config, options: &LaunchOptions, workers: &[WorkerSummary], wa
         "embedding_bytes_per_row": null,
         "checkpoint": null,
         "resumed_from_step": null,
-        "step_phase_secs": null,
+        // Worker 0's training time by phase (next_batch, pull, dense, push).
+        "step_phase_secs": first.phase_secs,
         "bayes_auc": bayes.as_ref().map(|t| t.bayes_auc),
         "bayes_logloss": bayes.as_ref().map(|t| t.bayes_logloss),
         "shards": options.shards,

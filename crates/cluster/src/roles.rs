@@ -46,6 +46,8 @@ pub struct RoleArgs {
     pub metrics_listen: Option<SocketAddr>,
     /// Ask for this shard index (a StatefulSet ordinal) instead of the next free one.
     pub index: Option<usize>,
+    /// How long to retry the coordinator before giving up (before its config is known).
+    pub connect_timeout_ms: u64,
 }
 
 fn runtime() -> Result<Runtime, ClusterError> {
@@ -143,9 +145,10 @@ fn heartbeat_until_end(
     Ok(())
 }
 
-/// Token and limits before the job's config is known: the defaults, the token from the environment.
-fn bootstrap_settings() -> NetSettings {
-    NetSettings::new(&ClusterConfig::default())
+/// Token and limits before the job's config is known: the defaults, the
+/// token from the environment.
+fn bootstrap_settings(args: &RoleArgs) -> NetSettings {
+    NetSettings::new(&ClusterConfig { connect_timeout_ms: args.connect_timeout_ms, ..ClusterConfig::default() })
 }
 
 fn connect_shards(
@@ -168,7 +171,7 @@ fn connect_shards(
 pub fn run_shard(args: &RoleArgs) -> Result<(), ClusterError> {
     let rt = runtime()?;
     let metrics = RoleMetrics::new("shard");
-    let boot = bootstrap_settings();
+    let boot = bootstrap_settings(args);
     let (listener, bound) = rt.block_on(bind(args.listen, &boot))?;
     let advertise = args.advertise.clone().unwrap_or_else(|| bound.to_string());
     let coordinator = CoordinatorClient::connect(&args.coordinator, &boot, rt.handle(), metrics.clone())?;
@@ -193,7 +196,7 @@ pub fn run_shard(args: &RoleArgs) -> Result<(), ClusterError> {
 pub fn run_loader(args: &RoleArgs) -> Result<(), ClusterError> {
     let rt = runtime()?;
     let metrics = RoleMetrics::new("loader");
-    let boot = bootstrap_settings();
+    let boot = bootstrap_settings(args);
     let (listener, bound) = rt.block_on(bind(args.listen, &boot))?;
     let advertise = args.advertise.clone().unwrap_or_else(|| bound.to_string());
     let coordinator = CoordinatorClient::connect(&args.coordinator, &boot, rt.handle(), metrics.clone())?;
@@ -265,13 +268,14 @@ pub struct WorkerSummary {
     pub push_latency_ms: LatencyMs,
     pub dense_checksum: String,
     pub peak_rss_bytes: u64,
+    pub phase_secs: crate::worker::WorkerPhaseSecs,
 }
 
 /// Trains as one worker of the job; worker 0 also evaluates.
 pub fn run_worker(args: &RoleArgs) -> Result<WorkerSummary, ClusterError> {
     let rt = runtime()?;
     let metrics = RoleMetrics::new("worker");
-    let boot = bootstrap_settings();
+    let boot = bootstrap_settings(args);
     let coordinator = CoordinatorClient::connect(&args.coordinator, &boot, rt.handle(), metrics.clone())?;
     let advertise = args.advertise.clone().unwrap_or_else(|| "-".into());
     let reg = coordinator.register(RoleKind::Worker, &advertise, args.index)?;
@@ -338,6 +342,7 @@ fn worker_job(
     summary.unique_keys = s.unique_keys;
     summary.pull_latency_ms = LatencyMs::of(&s.pull_secs);
     summary.push_latency_ms = LatencyMs::of(&s.push_secs);
+    summary.phase_secs = s.phase_secs;
     summary.dense_checksum = format!("{:016x}", worker.dense_checksum()?);
     summary.peak_rss_bytes = sparrow_trainer::peak_rss_bytes();
     Ok(summary)

@@ -17,6 +17,8 @@ pub enum ClusterError {
     /// A call to another role failed: `peer` names it (`shard 1 at 10.0.0.5:7001`).
     #[error("{peer}: {method}: {message}")]
     Rpc { peer: String, method: &'static str, message: String },
+    #[error("{peer}: {method}: a {bytes}-byte message is too large: the cap is cluster.max_message_bytes = {limit}")]
+    TooLarge { peer: String, method: &'static str, bytes: usize, limit: usize },
     #[error("{peer}: unreachable after {waited_ms} ms of retries: {message}")]
     Unreachable { peer: String, waited_ms: u64, message: String },
     #[error("malformed message from {peer}: {what}")]

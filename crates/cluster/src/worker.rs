@@ -35,6 +35,8 @@ pub struct WorkerStats {
     pub pull_secs: Vec<f32>,
     pub push_secs: Vec<f32>,
     pub train_secs: f64,
+    /// Where the training time went (seconds), summed over steps.
+    pub phase_secs: WorkerPhaseSecs,
     recent_losses: VecDeque<f64>,
 }
 
@@ -44,6 +46,18 @@ impl WorkerStats {
         (!self.recent_losses.is_empty())
             .then(|| self.recent_losses.iter().sum::<f64>() / self.recent_losses.len() as f64)
     }
+}
+
+/// Seconds of a worker's training time by phase.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct WorkerPhaseSecs {
+    /// Waiting for the loader's next batch.
+    pub next_batch: f64,
+    /// Pulling rows (plus, in worker_lookup mode, dedup and sending keys).
+    pub pull: f64,
+    /// Pool, dense forward/backward, gradient sum across workers, optimizer, unpool.
+    pub dense: f64,
+    pub push: f64,
 }
 
 pub struct Worker {
@@ -135,12 +149,15 @@ impl Worker {
     pub fn train(&mut self, mut batch: WorkerBatch, shards: &[Arc<dyn ShardService>]) -> Result<f64, ClusterError> {
         self.stats.bytes_from_loader += batch.payload_bytes() as u64;
         self.stats.keys += batch.bag_offsets.last().copied().unwrap_or(0) as u64;
+        let t0 = Instant::now();
         Self::look_up_keys(&mut batch, shards, Mode::Train)?;
         self.stats.unique_keys += batch.num_unique() as u64;
         let unique_rows = self.pull(&batch, shards, true)?;
+        let t1 = Instant::now();
         let inputs =
             DenseInputs { bags: bags(&batch), unique_rows: &unique_rows, dense: &batch.dense, labels: &batch.labels };
         let out = dense_step(&self.model, &mut self.optimizer, &mut self.packed_input, inputs, self.pooling)?;
+        let t2 = Instant::now();
         let width = self.model.width();
         let mut parts = Vec::with_capacity(shards.len());
         let mut grads = out.grads.as_slice();
@@ -151,6 +168,10 @@ impl Worker {
         }
         let pushed = each_shard(shards, &batch.shard_counts, |s, shard| shard.push(batch.batch_id, parts[s].to_vec()))?;
         self.stats.push_secs.extend(pushed.iter().map(|(_, secs)| secs));
+        let phases = &mut self.stats.phase_secs;
+        phases.pull += (t1 - t0).as_secs_f64();
+        phases.dense += (t2 - t1).as_secs_f64();
+        phases.push += t2.elapsed().as_secs_f64();
         self.stats.batches += 1;
         self.stats.steps += 1;
         self.stats.rows += batch.rows as u64;
@@ -161,28 +182,55 @@ impl Worker {
         Ok(out.loss)
     }
 
-    /// Trains until no worker has a batch left; `max_steps` bounds this
-    /// worker's optimizer steps (the loader bounds the batches).
+    /// Trains until no worker has a batch left. The next batch is fetched
+    /// from the loader while this one trains (it carries no embeddings, so
+    /// fetching early changes nothing in the model).
     pub fn run_training(
         &mut self,
         loader: &dyn LoaderService,
         shards: &[Arc<dyn ShardService>],
     ) -> Result<(), ClusterError> {
         let start = Instant::now();
-        loop {
-            match loader.next_batch(self.index, Mode::Train)? {
-                Some(batch) => {
-                    self.train(batch, shards)?;
-                }
-                // Joins the rounds with nothing until every worker is out of data.
-                None => {
-                    if !self.model.idle_step(&mut self.optimizer)? {
-                        break;
+        let index = self.index;
+        std::thread::scope(|scope| {
+            let (tx, rx) = crossbeam_channel::bounded(1);
+            let prefetch = scope.spawn(move || -> Result<(), ClusterError> {
+                loop {
+                    let batch = loader.next_batch(index, Mode::Train)?;
+                    let end = batch.is_none();
+                    if tx.send(batch).is_err() || end {
+                        return Ok(());
                     }
-                    self.stats.steps += 1;
                 }
-            }
-        }
+            });
+            let trained = (|| {
+                let mut exhausted = false;
+                loop {
+                    let waited = Instant::now();
+                    let next = if exhausted { None } else { rx.recv().ok().flatten() };
+                    self.stats.phase_secs.next_batch += waited.elapsed().as_secs_f64();
+                    match next {
+                        Some(batch) => {
+                            self.train(batch, shards)?;
+                        }
+                        // Joins the rounds with nothing until every worker is out of data.
+                        None => {
+                            exhausted = true;
+                            if !self.model.idle_step(&mut self.optimizer)? {
+                                return Ok(());
+                            }
+                            self.stats.steps += 1;
+                        }
+                    }
+                }
+            })();
+            drop(rx);
+            // A loader error ends the prefetch thread first; report it over the
+            // symptom (the queue closing early).
+            let fetched =
+                prefetch.join().unwrap_or_else(|_| Err(ClusterError::Setup("the prefetch thread panicked".into())));
+            fetched.and(trained)
+        })?;
         self.stats.train_secs = start.elapsed().as_secs_f64();
         Ok(())
     }

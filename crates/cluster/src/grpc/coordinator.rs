@@ -355,7 +355,7 @@ impl CoordinatorClient {
         let client = pb::coordinator_client::CoordinatorClient::with_interceptor(channel, token)
             .max_decoding_message_size(settings.max_message_bytes)
             .max_encoding_message_size(settings.max_message_bytes);
-        Ok(CoordinatorClient { peer: Peer::new(name, "coordinator", client, handle.clone(), metrics) })
+        Ok(CoordinatorClient { peer: Peer::new(name, "coordinator", client, handle.clone(), metrics, settings) })
     }
 
     pub fn name(&self) -> &str {

@@ -137,7 +137,7 @@ impl LoaderClient {
         let client = pb::loader_client::LoaderClient::with_interceptor(channel, token)
             .max_decoding_message_size(settings.max_message_bytes)
             .max_encoding_message_size(settings.max_message_bytes);
-        Ok(LoaderClient { peer: Peer::new(name, "loader", client, handle.clone(), metrics) })
+        Ok(LoaderClient { peer: Peer::new(name, "loader", client, handle.clone(), metrics, settings) })
     }
 }
 

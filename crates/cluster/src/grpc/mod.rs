@@ -142,7 +142,7 @@ pub async fn connect(addr: &str, peer: &str, settings: &NetSettings) -> Result<(
     loop {
         match endpoint.connect().await {
             Ok(channel) => return Ok((channel, AttachToken { header })),
-            Err(e) if start.elapsed() + wait > settings.connect_timeout => {
+            Err(e) if start.elapsed() >= settings.connect_timeout => {
                 return Err(ClusterError::Unreachable {
                     peer: peer.to_string(),
                     waited_ms: start.elapsed().as_millis() as u64,
@@ -151,7 +151,7 @@ pub async fn connect(addr: &str, peer: &str, settings: &NetSettings) -> Result<(
             }
             Err(e) => {
                 tracing::debug!("{peer} at {addr} not reachable yet ({}), retrying in {wait:?}", error_chain(&e));
-                tokio::time::sleep(wait).await;
+                tokio::time::sleep(wait.min(settings.connect_timeout.saturating_sub(start.elapsed()))).await;
                 wait = (wait * 2).min(Duration::from_secs(1));
             }
         }
@@ -166,7 +166,10 @@ pub fn rpc_error(peer: &str, method: &'static str, status: &Status) -> ClusterEr
     {
         message.push_str(" (the cap is cluster.max_message_bytes)");
     }
-    if status.code() == tonic::Code::Unavailable {
+    if let Some(source) = std::error::Error::source(status) {
+        message = format!("{message}: {}", error_chain(source));
+    }
+    if status.code() == tonic::Code::Unavailable || status.message() == "transport error" {
         message = format!("unreachable (it stopped or the network failed): {message}");
     }
     ClusterError::Rpc { peer: peer.to_string(), method, message }
@@ -192,11 +195,19 @@ pub struct Peer<C> {
     client: C,
     handle: Handle,
     metrics: RoleMetrics,
+    max_message_bytes: usize,
 }
 
 impl<C: Clone> Peer<C> {
-    pub fn new(name: String, kind: &'static str, client: C, handle: Handle, metrics: RoleMetrics) -> Self {
-        Peer { name, kind, client, handle, metrics }
+    pub fn new(
+        name: String,
+        kind: &'static str,
+        client: C,
+        handle: Handle,
+        metrics: RoleMetrics,
+        settings: &NetSettings,
+    ) -> Self {
+        Peer { name, kind, client, handle, metrics, max_message_bytes: settings.max_message_bytes }
     }
 
     /// Calls `method` and waits for the answer (must not run on a runtime thread).
@@ -212,7 +223,17 @@ impl<C: Clone> Peer<C> {
         Fut: Future<Output = Result<tonic::Response<Resp>, Status>>,
     {
         let start = Instant::now();
-        self.metrics.count_bytes("out", self.kind, request.encoded_len());
+        let size = request.encoded_len();
+        // Checked here for a clear error (tonic's own check surfaces as an HTTP/2 error).
+        if size > self.max_message_bytes {
+            return Err(ClusterError::TooLarge {
+                peer: self.name.clone(),
+                method,
+                bytes: size,
+                limit: self.max_message_bytes,
+            });
+        }
+        self.metrics.count_bytes("out", self.kind, size);
         let reply = self
             .handle
             .block_on(rpc(self.client.clone(), Request::new(request)))

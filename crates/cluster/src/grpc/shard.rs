@@ -108,7 +108,7 @@ impl ShardClient {
         let client = pb::shard_client::ShardClient::with_interceptor(channel, token)
             .max_decoding_message_size(settings.max_message_bytes)
             .max_encoding_message_size(settings.max_message_bytes);
-        Ok(ShardClient { peer: Peer::new(name, "shard", client, handle.clone(), metrics) })
+        Ok(ShardClient { peer: Peer::new(name, "shard", client, handle.clone(), metrics, settings) })
     }
 }
 

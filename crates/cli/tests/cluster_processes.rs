@@ -1,0 +1,265 @@
+//! Real processes on loopback (ephemeral ports): `sparrow launch` trains the
+//! same model as `sparrow train`, keeps data-parallel replicas identical, and
+//! leaves no process behind — after success, after a shard is killed, and
+//! when a message exceeds its cap. Roles refuse unauthenticated requests and
+//! report an unreachable coordinator after retrying.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+fn sparrow() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_sparrow"))
+}
+
+fn last_json(out: &Output) -> serde_json::Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let last = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str(last).unwrap_or_else(|e| {
+        panic!("last stdout line is not JSON ({e}): {stdout}\nstderr: {}", String::from_utf8_lossy(&out.stderr))
+    })
+}
+
+fn write_config(dir: &Path, extra: &str) -> String {
+    let d = dir.display();
+    let path = dir.join("job.toml");
+    std::fs::write(
+        &path,
+        format!(
+            r#"
+[data]
+train = "{d}/data/train.tsv"
+test = "{d}/data/test.tsv"
+[model]
+kind = "dlrm"
+embedding_dim = 8
+hidden = [32, 16]
+bottom_hidden = [16]
+[train]
+batch_size = 256
+[embedding]
+optimizer = "adagrad"
+learning_rate = 0.05
+[cluster]
+heartbeat_interval_ms = 100
+heartbeat_timeout_ms = 2000
+{extra}
+"#
+        ),
+    )
+    .expect("write config");
+    path.display().to_string()
+}
+
+/// The child pids `launch` reported on stderr.
+fn child_pids(stderr: &str) -> Vec<u32> {
+    stderr.lines().filter_map(|l| l.strip_prefix("launch: ")?.rsplit_once(" is pid ")?.1.trim().parse().ok()).collect()
+}
+
+fn assert_all_gone(pids: &[u32]) {
+    assert!(!pids.is_empty(), "launch reported no children");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let alive: Vec<_> = pids.iter().filter(|p| Path::new(&format!("/proc/{p}")).exists()).collect();
+        if alive.is_empty() {
+            return;
+        }
+        assert!(Instant::now() < deadline, "processes left behind: {alive:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn generate(dir: &Path, train_rows: &str) {
+    let out = sparrow()
+        .args([
+            "gen",
+            "--out",
+            &dir.join("data").display().to_string(),
+            "--train-rows",
+            train_rows,
+            "--test-rows",
+            "3000",
+        ])
+        .output()
+        .expect("gen");
+    assert!(out.status.success());
+}
+
+#[test]
+fn launch_trains_the_same_model_as_train_and_leaves_nothing_behind() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "20000");
+    let config = write_config(tmp.path(), "");
+    let single = sparrow().args(["train", "--config", &config, "--quiet"]).output().expect("train");
+    assert!(single.status.success(), "{}", String::from_utf8_lossy(&single.stderr));
+    let single = last_json(&single);
+
+    // One shard, one worker: the same arithmetic in the same order as `train`.
+    let one =
+        sparrow().args(["launch", "--config", &config, "--shards", "1", "--workers", "1"]).output().expect("launch");
+    let stderr = String::from_utf8_lossy(&one.stderr);
+    assert!(one.status.success(), "{stderr}");
+    assert_all_gone(&child_pids(&stderr));
+    let one = last_json(&one);
+    assert_eq!(one["test_auc"], single["test_auc"], "1 shard + 1 worker vs train");
+    assert_eq!(one["train_rows"], 20000);
+    assert_eq!(one["embedding_rows"], single["embedding_rows"]);
+
+    let two = sparrow()
+        .args(["launch", "--config", &config, "--shards", "2", "--workers", "2", "--quiet"])
+        .output()
+        .expect("launch");
+    let stderr = String::from_utf8_lossy(&two.stderr);
+    assert!(two.status.success(), "{stderr}");
+    assert_all_gone(&child_pids(&stderr));
+    let two = last_json(&two);
+    assert_eq!(two["shards"], 2);
+    assert_eq!(two["workers"], 2);
+    assert_eq!(two["mode"], "s0");
+    assert_eq!(two["train_rows"], 20000, "every sample trained once");
+    assert_eq!(two["replicas_identical"], true, "{}", two["dense_checksums"]);
+    assert_eq!(two["embedding_rows"], single["embedding_rows"], "every key lives on exactly one shard");
+    let auc = two["test_auc"].as_f64().expect("auc");
+    assert!(auc > 0.6, "two workers learned: {auc}");
+    // Workers receive dense + labels + key positions from the loader and rows from the shards.
+    let bytes = &two["worker_in_bytes_per_sample"];
+    assert!(bytes["loader"].as_f64().expect("loader bytes") > 0.0);
+    assert!(bytes["shards"].as_f64().expect("shard bytes") > 0.0);
+}
+
+#[test]
+fn a_killed_shard_stops_the_job_with_an_error_naming_it() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "20000");
+    // Enough epochs to still be training when the shard dies.
+    let config = write_config(tmp.path(), "");
+    let mut launch = sparrow()
+        .args(["launch", "--config", &config, "--shards", "2", "--workers", "1", "--set", "train.epochs=200"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("launch");
+    let log = Arc::new(Mutex::new(String::new()));
+    let reader = {
+        let (log, stderr) = (log.clone(), launch.stderr.take().expect("stderr"));
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut log = log.lock().expect("log");
+                log.push_str(&line);
+                log.push('\n');
+            }
+        })
+    };
+    // Wait until the worker is training (the loader has served batches).
+    let started = Instant::now();
+    let shard_pid = loop {
+        let text = log.lock().expect("log").clone();
+        let pid = text.lines().find_map(|l| l.strip_prefix("launch: shard 1 is pid ")?.trim().parse::<u32>().ok());
+        if text.contains("[worker 0]") && text.contains("metrics on") && pid.is_some() {
+            break pid.expect("pid");
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "never started: {text}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    std::thread::sleep(Duration::from_millis(800));
+    let killed = Command::new("kill").args(["-9", &shard_pid.to_string()]).status().expect("kill");
+    assert!(killed.success());
+    let status = wait_with_timeout(&mut launch, Duration::from_secs(30));
+    reader.join().expect("reader");
+    let text = log.lock().expect("log").clone();
+    assert!(!status.success(), "the job must fail: {text}");
+    let last = text.lines().rev().find(|l| l.starts_with("error:")).unwrap_or_default();
+    assert!(last.contains("shard 1"), "the error names the dead shard: {last}\n{text}");
+    assert_all_gone(&child_pids(&text));
+}
+
+fn wait_with_timeout(child: &mut Child, timeout: Duration) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            return status;
+        }
+        if start.elapsed() > timeout {
+            let _ = child.kill();
+            panic!("launch did not stop within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn an_oversized_message_is_refused_naming_the_cap() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "3000");
+    let config = write_config(tmp.path(), "max_message_bytes = 4096");
+    let out =
+        sparrow().args(["launch", "--config", &config, "--shards", "1", "--workers", "1"]).output().expect("launch");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    let last = stderr.lines().rev().find(|l| l.starts_with("error:")).unwrap_or_default();
+    assert!(last.contains("too large") && last.contains("cluster.max_message_bytes"), "{last}\n{stderr}");
+    assert_all_gone(&child_pids(&stderr));
+}
+
+/// Starts a coordinator and returns it with its address.
+fn coordinator(config: &str, token: Option<&str>) -> (Child, String) {
+    let mut cmd = sparrow();
+    cmd.args(["coordinator", "--config", config, "--shards", "1", "--workers", "1", "--listen", "127.0.0.1:0"]);
+    cmd.env_remove("SPARROW_AUTH_TOKEN");
+    if let Some(t) = token {
+        cmd.env("SPARROW_AUTH_TOKEN", t);
+    }
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().expect("coordinator");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("read");
+    let addr = line.trim().strip_prefix("listening on ").expect("address line").to_string();
+    (child, addr)
+}
+
+#[test]
+fn roles_require_the_token_off_loopback_and_on_every_rpc_when_set() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let config = write_config(tmp.path(), "");
+    let open = sparrow()
+        .args(["coordinator", "--config", &config, "--shards", "1", "--workers", "1", "--listen", "0.0.0.0:0"])
+        .env_remove("SPARROW_AUTH_TOKEN")
+        .output()
+        .expect("coordinator");
+    assert!(!open.status.success());
+    assert!(String::from_utf8_lossy(&open.stderr).contains("refusing to listen on 0.0.0.0"));
+
+    let (mut coord, addr) = coordinator(&config, Some("s3cret"));
+    let shard = |token: Option<&str>| {
+        let mut cmd = sparrow();
+        cmd.args(["shard", "--coordinator", &addr, "--connect-timeout-ms", "2000"]).env_remove("SPARROW_AUTH_TOKEN");
+        if let Some(t) = token {
+            cmd.env("SPARROW_AUTH_TOKEN", t);
+        }
+        cmd.output().expect("shard")
+    };
+    for token in [None, Some("wrong")] {
+        let out = shard(token);
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("Unauthenticated") && err.contains("coordinator at"), "{token:?}: {err}");
+    }
+    let _ = coord.kill();
+    let _ = coord.wait();
+}
+
+#[test]
+fn an_unreachable_coordinator_is_retried_then_reported() {
+    // A port nothing listens on: bind one and drop it.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+    let addr = format!("127.0.0.1:{port}");
+    let start = Instant::now();
+    let out =
+        sparrow().args(["worker", "--coordinator", &addr, "--connect-timeout-ms", "1500"]).output().expect("worker");
+    let waited = start.elapsed();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("coordinator at {addr}")) && err.contains("unreachable after"), "{err}");
+    assert!(waited >= Duration::from_millis(1000), "gave up after {waited:?} without retrying");
+}
