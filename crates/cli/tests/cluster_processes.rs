@@ -157,8 +157,11 @@ fn a_killed_shard_stops_the_job_with_an_error_naming_it() {
     let shard_pid = loop {
         let text = log.lock().expect("log").clone();
         let pid = text.lines().find_map(|l| l.strip_prefix("launch: shard 1 is pid ")?.trim().parse::<u32>().ok());
-        if text.contains("[worker 0]") && text.contains("metrics on") && pid.is_some() {
-            break pid.expect("pid");
+        if let Some(pid) = pid
+            && text.contains("[worker 0]")
+            && text.contains("metrics on")
+        {
+            break pid;
         }
         assert!(started.elapsed() < Duration::from_secs(30), "never started: {text}");
         std::thread::sleep(Duration::from_millis(50));
