@@ -38,11 +38,18 @@ impl WorkerBatch {
         self.shard_counts.iter().map(|&c| c as usize).sum()
     }
 
-    /// Bytes of this message's payload (for the bytes-per-sample accounting).
+    /// True when every bag holds exactly one key (one-hot fields): the bag
+    /// offsets are then `0, 1, 2, …` and are not sent.
+    pub fn one_key_per_bag(&self) -> bool {
+        self.bag_offsets.iter().enumerate().all(|(i, &o)| o as usize == i)
+    }
+
+    /// Bytes of this message's payload on the wire (for the bytes-per-sample accounting).
     pub fn payload_bytes(&self) -> usize {
+        let offsets = if self.one_key_per_bag() { 0 } else { self.bag_offsets.len() };
         4 * (self.labels.len()
             + self.dense.len()
-            + self.bag_offsets.len()
+            + offsets
             + self.key_weights.as_ref().map_or(0, Vec::len)
             + self.inverse.len()
             + self.shard_counts.len())

@@ -21,14 +21,16 @@ use crate::transport::{ClusterError, LoaderService};
 
 /// A worker batch on the wire.
 pub fn to_proto(b: WorkerBatch) -> pb::WorkerBatch {
+    let one_key_per_bag = b.one_key_per_bag();
     pb::WorkerBatch {
+        one_key_per_bag,
         batch_id: b.batch_id,
         rows: b.rows as u32,
         num_fields: b.num_fields as u32,
         num_dense: b.num_dense as u32,
         labels: f32s_to_bytes(&b.labels),
         dense: f32s_to_bytes(&b.dense),
-        bag_offsets: u32s_to_bytes(&b.bag_offsets),
+        bag_offsets: if one_key_per_bag { Vec::new() } else { u32s_to_bytes(&b.bag_offsets) },
         has_key_weights: b.key_weights.is_some(),
         key_weights: b.key_weights.as_deref().map(f32s_to_bytes).unwrap_or_default(),
         inverse: u32s_to_bytes(&b.inverse),
@@ -50,7 +52,19 @@ pub fn from_proto(b: pb::WorkerBatch, peer: &str) -> Result<WorkerBatch, Cluster
         num_dense,
         labels: bytes_to_f32s(&b.labels, peer, "labels")?,
         dense: bytes_to_f32s(&b.dense, peer, "dense")?,
-        bag_offsets: bytes_to_u32s(&b.bag_offsets, peer, "bag_offsets")?,
+        bag_offsets: if b.one_key_per_bag {
+            // Sized by the message's own key positions, never by a claimed count.
+            let positions = if b.keys.is_empty() { b.inverse.len() / 4 } else { b.keys.len() / 8 };
+            if rows.checked_mul(num_fields) != Some(positions) {
+                return Err(malformed(format!(
+                    "batch {}: {positions} keys for {rows} rows × {num_fields} one-key bags",
+                    b.batch_id
+                )));
+            }
+            (0..=positions as u32).collect()
+        } else {
+            bytes_to_u32s(&b.bag_offsets, peer, "bag_offsets")?
+        },
         key_weights: if b.has_key_weights { Some(bytes_to_f32s(&b.key_weights, peer, "key_weights")?) } else { None },
         inverse: bytes_to_u32s(&b.inverse, peer, "inverse")?,
         shard_counts: b.shard_counts,
@@ -146,5 +160,67 @@ impl LoaderService for LoaderClient {
         let request = pb::NextBatchRequest { worker: worker as u32, eval: mode == Mode::Eval };
         let reply = self.peer.call("next_batch", request, |mut c, r| async move { c.next_batch(r).await })?;
         reply.batch.map(|b| from_proto(b, &self.peer.name)).transpose()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn batch(rows: usize, fields: usize, bag: usize, unique: usize, weights: bool) -> WorkerBatch {
+        let keys = rows * fields * bag;
+        WorkerBatch {
+            batch_id: 3,
+            rows,
+            num_fields: fields,
+            num_dense: 2,
+            labels: vec![1.0; rows],
+            dense: vec![0.5; rows * 2],
+            bag_offsets: (0..=rows * fields).map(|b| (b * bag) as u32).collect(),
+            key_weights: weights.then(|| vec![2.0; keys]),
+            inverse: (0..keys).map(|i| (i % unique.max(1)) as u32).collect(),
+            shard_counts: vec![unique as u32],
+            keys: Vec::new(),
+            end: DataPosition { epoch: 1, offset: 2, line: 3 },
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn a_batch_survives_the_wire(rows in 0usize..20, fields in 1usize..5, bag in 1usize..3, unique in 1usize..30, weights: bool) {
+            let b = batch(rows, fields, bag, unique.min((rows * fields * bag).max(1)), weights);
+            let bytes = prost::Message::encode_to_vec(&to_proto(b.clone()));
+            let back = from_proto(prost::Message::decode(bytes.as_slice()).expect("decode"), "test").expect("valid");
+            prop_assert_eq!(back.bag_offsets, b.bag_offsets);
+            prop_assert_eq!(back.inverse, b.inverse);
+            prop_assert_eq!(back.key_weights, b.key_weights);
+            prop_assert_eq!(back.labels, b.labels);
+            prop_assert_eq!(back.end, b.end);
+        }
+
+        /// A damaged or hostile message is refused with an error, never a panic
+        /// or an allocation sized by a claimed count.
+        #[test]
+        fn a_mangled_batch_is_an_error_not_a_panic(
+            rows in 0u32..1 << 31, fields in 0u32..1 << 31, dense in 0u32..64, one_key: bool,
+            inverse in proptest::collection::vec(any::<u8>(), 0..64),
+            offsets in proptest::collection::vec(any::<u8>(), 0..64),
+            counts in proptest::collection::vec(any::<u32>(), 0..4),
+        ) {
+            let message = pb::WorkerBatch {
+                rows, num_fields: fields, num_dense: dense, one_key_per_bag: one_key,
+                inverse, bag_offsets: offsets, shard_counts: counts, labels: vec![0; 4], ..Default::default()
+            };
+            let _ = from_proto(message, "test");
+        }
+    }
+
+    #[test]
+    fn positions_past_the_unique_keys_are_refused() {
+        let mut b = batch(4, 2, 1, 3, false);
+        b.inverse[5] = 3;
+        let err = from_proto(to_proto(b), "loader at x").expect_err("out of range");
+        assert!(err.to_string().contains("loader at x"), "{err}");
     }
 }
