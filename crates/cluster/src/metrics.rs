@@ -94,3 +94,31 @@ impl RoleMetrics {
         Ok(bound)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+
+    use super::*;
+
+    #[test]
+    fn the_endpoint_serves_prometheus_text() {
+        let metrics = RoleMetrics::new("shard");
+        metrics.observe("server", "pull", 0.002);
+        metrics.count_bytes("out", "worker", 4096);
+        metrics.batches_in_flight.set(3);
+        let addr = metrics.serve("127.0.0.1:0".parse().expect("addr")).expect("serve");
+        let mut stream = std::net::TcpStream::connect(addr).expect("connect");
+        stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").expect("request");
+        let mut response = String::new();
+        stream.read_to_string(&mut response).expect("response");
+        assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
+        for line in [
+            r#"sparrow_rpc_seconds_bucket{method="pull",role="shard",side="server",le="0.0032"} 1"#,
+            r#"sparrow_bytes_total{direction="out",peer="worker",role="shard"} 4096"#,
+            r#"sparrow_batches_in_flight{role="shard"} 3"#,
+        ] {
+            assert!(response.contains(line), "missing `{line}` in\n{response}");
+        }
+    }
+}
