@@ -114,7 +114,8 @@ mod tests {
         stream.read_to_string(&mut response).expect("response");
         assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
         for line in [
-            r#"sparrow_rpc_seconds_bucket{method="pull",role="shard",side="server",le="0.0032"} 1"#,
+            r#"sparrow_rpc_seconds_bucket{method="pull",side="server",role="shard",le="0.0032"} 1"#,
+            r#"sparrow_rpc_seconds_bucket{method="pull",side="server",role="shard",le="0.0016"} 0"#,
             r#"sparrow_bytes_total{direction="out",peer="worker",role="shard"} 4096"#,
             r#"sparrow_batches_in_flight{role="shard"} 3"#,
         ] {
