@@ -215,7 +215,8 @@ fn exit_with_parent() {
         std::thread::spawn(|| {
             let mut sink = Vec::new();
             let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
-            eprintln!("error: the launcher went away; stopping");
+            // The launcher held our stderr too: writing may fail (no panic here).
+            let _ = writeln!(std::io::stderr(), "error: the launcher went away; stopping");
             std::process::exit(3);
         });
     }
@@ -375,7 +376,9 @@ fn main() -> ExitCode {
             eprintln!("error: {e:#}");
             let interrupted = e
                 .downcast_ref::<sparrow_trainer::TrainError>()
-                .is_some_and(|t| matches!(t, sparrow_trainer::TrainError::Interrupted { .. }));
+                .is_some_and(|t| matches!(t, sparrow_trainer::TrainError::Interrupted { .. }))
+                || e.downcast_ref::<sparrow_cluster::ClusterError>()
+                    .is_some_and(|c| matches!(c, sparrow_cluster::ClusterError::Interrupted));
             ExitCode::from(if interrupted { 130 } else { 2 })
         }
     }

@@ -178,6 +178,43 @@ fn a_killed_shard_stops_the_job_with_an_error_naming_it() {
     assert_all_gone(&child_pids(&text));
 }
 
+#[test]
+fn every_role_exits_when_the_launcher_is_killed() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "20000");
+    let config = write_config(tmp.path(), "");
+    let mut launch = sparrow()
+        .args(["launch", "--config", &config, "--shards", "2", "--workers", "1", "--set", "train.epochs=200"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("launch");
+    let log = Arc::new(Mutex::new(String::new()));
+    let reader = {
+        let (log, stderr) = (log.clone(), launch.stderr.take().expect("stderr"));
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut log = log.lock().expect("log");
+                log.push_str(&line);
+                log.push('\n');
+            }
+        })
+    };
+    let started = Instant::now();
+    while !log.lock().expect("log").contains("[worker 0]") {
+        assert!(started.elapsed() < Duration::from_secs(30), "never started");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    launch.kill().expect("kill -9 the launcher");
+    launch.wait().expect("reap");
+    // The children's stderr pipes close once they are all gone.
+    reader.join().expect("reader");
+    let pids = child_pids(&log.lock().expect("log"));
+    assert_eq!(pids.len(), 5, "coordinator, 2 shards, loader, worker");
+    assert_all_gone(&pids);
+}
+
 fn wait_with_timeout(child: &mut Child, timeout: Duration) -> std::process::ExitStatus {
     let start = Instant::now();
     loop {

@@ -195,7 +195,7 @@ pub fn launch(
     // Until every worker is done, any failure ends the job.
     while !workers.iter().all(|&w| children.list[w].status.is_some()) {
         if interrupted.load(Ordering::SeqCst) {
-            return Err(ClusterError::Setup("interrupted (Ctrl-C): every role was stopped".into()));
+            return Err(ClusterError::Interrupted);
         }
         if let Some(i) = children.poll() {
             // Let the others report what they saw (a worker names the shard it lost).

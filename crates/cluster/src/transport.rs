@@ -29,6 +29,8 @@ pub enum ClusterError {
     JobFailed(String),
     #[error("{0}")]
     Setup(String),
+    #[error("interrupted (Ctrl-C): every role was stopped")]
+    Interrupted,
     #[error(transparent)]
     Data(#[from] sparrow_data::DataError),
     #[error(transparent)]

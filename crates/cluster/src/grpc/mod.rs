@@ -222,6 +222,7 @@ impl<C: Clone> Peer<C> {
         Resp: prost::Message,
         Fut: Future<Output = Result<tonic::Response<Resp>, Status>>,
     {
+        let _span = tracing::debug_span!("rpc", peer = %self.name, method).entered();
         let start = Instant::now();
         let size = request.encoded_len();
         // Checked here for a clear error (tonic's own check surfaces as an HTTP/2 error).
