@@ -229,6 +229,56 @@ fn wait_with_timeout(child: &mut Child, timeout: Duration) -> std::process::Exit
     }
 }
 
+/// A shard that hangs (SIGSTOP) rather than dies: its heartbeats stop, the
+/// coordinator fails the job within the timeout naming it, nothing is left.
+#[test]
+fn a_hung_shard_is_reported_within_the_heartbeat_timeout() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "20000");
+    let config = write_config(tmp.path(), "");
+    let mut launch = sparrow()
+        .args(["launch", "--config", &config, "--shards", "2", "--workers", "1", "--set", "train.epochs=200"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("launch");
+    let log = Arc::new(Mutex::new(String::new()));
+    let reader = {
+        let (log, stderr) = (log.clone(), launch.stderr.take().expect("stderr"));
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut log = log.lock().expect("log");
+                log.push_str(&line);
+                log.push('\n');
+            }
+        })
+    };
+    let started = Instant::now();
+    let shard_pid = loop {
+        let text = log.lock().expect("log").clone();
+        let pid = text.lines().find_map(|l| l.strip_prefix("launch: shard 1 is pid ")?.trim().parse::<u32>().ok());
+        if let Some(pid) = pid
+            && text.contains("[worker 0]")
+        {
+            break pid;
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "never started: {text}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(Command::new("kill").args(["-STOP", &shard_pid.to_string()]).status().expect("kill").success());
+    let stopped = Instant::now();
+    let status = wait_with_timeout(&mut launch, Duration::from_secs(30));
+    let took = stopped.elapsed();
+    reader.join().expect("reader");
+    let text = log.lock().expect("log").clone();
+    assert!(!status.success(), "{text}");
+    assert!(text.contains("shard 1 at") && text.contains("stopped answering"), "{text}");
+    // heartbeat_timeout_ms = 2000, plus the coordinator's grace and launch's reaping.
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+    assert_all_gone(&child_pids(&text));
+}
+
 #[test]
 fn an_oversized_message_is_refused_naming_the_cap() {
     let tmp = tempfile::tempdir().expect("tmp");

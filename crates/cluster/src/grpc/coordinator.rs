@@ -427,3 +427,57 @@ impl RoundSummer for CoordinatorClient {
         Ok(Arc::new((bytes_to_f32s(&reply.grads, &self.peer.name, "summed gradients")?, reply.rows)))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(overrides: &[&str]) -> Config {
+        let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        Config::from_toml_with_overrides("", "test", &overrides).expect("config")
+    }
+
+    #[test]
+    fn a_silent_role_fails_the_job_naming_it_after_the_timeout() {
+        let c =
+            Coordinator::new(&config(&["cluster.heartbeat_interval_ms=20", "cluster.heartbeat_timeout_ms=150"]), 2, 1)
+                .expect("coordinator");
+        assert_eq!(c.register(RoleKind::Shard, "10.0.0.5:7001".into(), Some(1)).expect("shard 1"), 1);
+        assert_eq!(c.register(RoleKind::Shard, "10.0.0.4:7001".into(), None).expect("shard 0"), 0);
+        assert!(c.register(RoleKind::Shard, "x".into(), None).is_err(), "only two shard slots");
+        c.register(RoleKind::Loader, "l".into(), None).expect("loader");
+        c.register(RoleKind::Worker, "w".into(), None).expect("worker");
+        assert!(c.view().0, "complete");
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_millis(400) {
+            // Everyone but shard 1 keeps beating.
+            for (kind, i) in [(RoleKind::Shard, 0), (RoleKind::Loader, 0), (RoleKind::Worker, 0)] {
+                c.heartbeat(kind, i).expect("beat");
+            }
+            c.check_liveness();
+            if c.state() != JobState::Running {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        match c.state() {
+            JobState::Failed(m) => assert!(m.contains("shard 1 at 10.0.0.5:7001 stopped answering"), "{m}"),
+            other => panic!("still {other:?} after {:?}", start.elapsed()),
+        }
+        assert!(start.elapsed() >= Duration::from_millis(140), "reported before the timeout");
+        // Waiting workers are released with the reason.
+        let err = c.sum(0, 0, vec![1.0], 1).expect_err("the job failed");
+        assert!(err.to_string().contains("shard 1"), "{err}");
+    }
+
+    #[test]
+    fn the_job_is_done_when_every_worker_finished() {
+        let c = Coordinator::new(&config(&[]), 1, 2).expect("coordinator");
+        c.register(RoleKind::Worker, "a".into(), None).expect("w0");
+        c.register(RoleKind::Worker, "b".into(), None).expect("w1");
+        c.finish(RoleKind::Worker, 0, None);
+        assert_eq!(c.state(), JobState::Running);
+        c.finish(RoleKind::Worker, 1, None);
+        assert_eq!(c.state(), JobState::Done);
+    }
+}

@@ -36,6 +36,9 @@ pub struct NetSettings {
     pub token: Option<Arc<str>>,
     pub max_message_bytes: usize,
     pub connect_timeout: Duration,
+    /// A call unanswered this long fails (a stopped peer cannot hang its
+    /// callers): twice the heartbeat timeout.
+    pub rpc_timeout: Duration,
 }
 
 impl NetSettings {
@@ -46,6 +49,7 @@ impl NetSettings {
             token: token.map(Arc::from),
             max_message_bytes: cluster.max_message_bytes,
             connect_timeout: Duration::from_millis(cluster.connect_timeout_ms),
+            rpc_timeout: Duration::from_millis(2 * cluster.heartbeat_timeout_ms),
         }
     }
 
@@ -127,6 +131,7 @@ pub async fn connect(addr: &str, peer: &str, settings: &NetSettings) -> Result<(
         .map_err(|e| ClusterError::Setup(format!("{peer}: bad address `{addr}`: {e}")))?
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(2))
+        .timeout(settings.rpc_timeout)
         .initial_stream_window_size(8 << 20)
         .initial_connection_window_size(16 << 20);
     let header = match &settings.token {
