@@ -91,6 +91,11 @@ fn generate(dir: &Path, train_rows: &str) {
 fn launch_trains_the_same_model_as_train_and_leaves_nothing_behind() {
     let tmp = tempfile::tempdir().expect("tmp");
     generate(tmp.path(), "20000");
+    // Three malformed rows: both paths skip and count them.
+    let train = tmp.path().join("data/train.tsv");
+    let mut text = std::fs::read_to_string(&train).expect("read");
+    text.push_str("not a row\n1\tx\n\n");
+    std::fs::write(&train, text).expect("write");
     let config = write_config(tmp.path(), "");
     let single = sparrow().args(["train", "--config", &config, "--quiet"]).output().expect("train");
     assert!(single.status.success(), "{}", String::from_utf8_lossy(&single.stderr));
@@ -106,6 +111,8 @@ fn launch_trains_the_same_model_as_train_and_leaves_nothing_behind() {
     assert_eq!(one["test_auc"], single["test_auc"], "1 shard + 1 worker vs train");
     assert_eq!(one["train_rows"], 20000);
     assert_eq!(one["embedding_rows"], single["embedding_rows"]);
+    assert_eq!(one["bad_rows"], single["bad_rows"]);
+    assert!(single["bad_rows"].as_u64().is_some_and(|n| n >= 2), "{}", single["bad_rows"]);
 
     let two = sparrow()
         .args(["launch", "--config", &config, "--shards", "2", "--workers", "2", "--quiet"])

@@ -244,7 +244,7 @@ fn merge(config: &Config, options: &LaunchOptions, workers: &[WorkerSummary], wa
         "wall_secs": wall_secs,
         "peak_rss_bytes": workers.iter().map(|w| w.peak_rss_bytes).max().unwrap_or(0),
         "embedding_rows": first.embedding_rows,
-        "bad_rows": null,
+        "bad_rows": workers.iter().map(|w| w.bad_rows).max().unwrap_or(0),
         "model": config.model.kind.name(),
         "steps": workers.iter().map(|w| w.steps).max().unwrap_or(0),
         "train_secs": train_secs,

@@ -33,6 +33,7 @@ pub struct Loader {
     mode: Mode,
     cluster_mode: ClusterMode,
     next_id: u64,
+    bad_rows: BadRows,
 }
 
 impl Loader {
@@ -43,8 +44,9 @@ impl Loader {
         mode: Mode,
         cluster_mode: ClusterMode,
         first_id: u64,
+        bad_rows: BadRows,
     ) -> Self {
-        Loader { stream, shards, mode, cluster_mode, next_id: first_id }
+        Loader { stream, shards, mode, cluster_mode, next_id: first_id, bad_rows }
     }
 
     /// The next batch: in S0 mode its keys go to their shards and the worker
@@ -66,6 +68,7 @@ impl Loader {
             shard_counts: Vec::new(),
             keys: Vec::new(),
             end: batch.end,
+            bad_rows: self.bad_rows.total(),
         };
         match self.cluster_mode {
             ClusterMode::WorkerLookup => out.keys = batch.keys,
@@ -117,7 +120,7 @@ impl LoaderServer {
             bad.clone(),
         )?;
         let cluster_mode = config.cluster.mode;
-        let mut train = Loader::new(train_stream, shards.clone(), Mode::Train, cluster_mode, 0);
+        let mut train = Loader::new(train_stream, shards.clone(), Mode::Train, cluster_mode, 0, bad.clone());
         let depth = config.cluster.loader_queue_batches;
         let (train_tx, train_rx) = bounded(depth);
         let (eval_tx, eval_rx) = bounded(depth);
@@ -135,9 +138,16 @@ impl LoaderServer {
                     }
                     drop(train_tx);
                     if let Some(test) = test {
-                        let stream =
-                            BatchStream::spawn(Path::new(&test), &data, eval_batch, Default::default(), 1, thread_bad)?;
-                        let mut eval = Loader::new(stream, shards, Mode::Eval, cluster_mode, FIRST_EVAL_BATCH_ID);
+                        let stream = BatchStream::spawn(
+                            Path::new(&test),
+                            &data,
+                            eval_batch,
+                            Default::default(),
+                            1,
+                            thread_bad.clone(),
+                        )?;
+                        let mut eval =
+                            Loader::new(stream, shards, Mode::Eval, cluster_mode, FIRST_EVAL_BATCH_ID, thread_bad);
                         pump(&mut eval, &eval_tx, None)?;
                     }
                     Ok(())

@@ -31,6 +31,8 @@ pub struct WorkerBatch {
     pub keys: Vec<u64>,
     /// Where the loader's input continues after this batch.
     pub end: DataPosition,
+    /// Malformed rows the loader skipped so far (train and test data).
+    pub bad_rows: u64,
 }
 
 impl WorkerBatch {
@@ -54,6 +56,6 @@ impl WorkerBatch {
             + self.inverse.len()
             + self.shard_counts.len())
             + 8 * self.keys.len()
-            + 8
+            + 16
     }
 }

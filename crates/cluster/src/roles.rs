@@ -269,6 +269,8 @@ pub struct WorkerSummary {
     pub dense_checksum: String,
     pub peak_rss_bytes: u64,
     pub phase_secs: crate::worker::WorkerPhaseSecs,
+    /// The loader's malformed-row count as of this worker's last batch.
+    pub bad_rows: u64,
 }
 
 /// Trains as one worker of the job; worker 0 also evaluates.
@@ -343,6 +345,7 @@ fn worker_job(
     summary.pull_latency_ms = LatencyMs::of(&s.pull_secs);
     summary.push_latency_ms = LatencyMs::of(&s.push_secs);
     summary.phase_secs = s.phase_secs;
+    summary.bad_rows = s.bad_rows;
     summary.dense_checksum = format!("{:016x}", worker.dense_checksum()?);
     summary.peak_rss_bytes = sparrow_trainer::peak_rss_bytes();
     Ok(summary)

@@ -35,6 +35,8 @@ pub struct WorkerStats {
     pub pull_secs: Vec<f32>,
     pub push_secs: Vec<f32>,
     pub train_secs: f64,
+    /// The loader's count of malformed rows, as of the latest batch seen.
+    pub bad_rows: u64,
     /// Where the training time went (seconds), summed over steps.
     pub phase_secs: WorkerPhaseSecs,
     recent_losses: VecDeque<f64>,
@@ -148,6 +150,7 @@ impl Worker {
     /// One training step on `batch`; returns its mean loss.
     pub fn train(&mut self, mut batch: WorkerBatch, shards: &[Arc<dyn ShardService>]) -> Result<f64, ClusterError> {
         self.stats.bytes_from_loader += batch.payload_bytes() as u64;
+        self.stats.bad_rows = self.stats.bad_rows.max(batch.bad_rows);
         self.stats.keys += batch.bag_offsets.last().copied().unwrap_or(0) as u64;
         let t0 = Instant::now();
         Self::look_up_keys(&mut batch, shards, Mode::Train)?;
@@ -255,6 +258,7 @@ impl Worker {
     ) -> Result<(Vec<f32>, Vec<f32>), ClusterError> {
         let (mut logits, mut labels) = (Vec::new(), Vec::new());
         while let Some(batch) = loader.next_batch(self.index, Mode::Eval)? {
+            self.stats.bad_rows = self.stats.bad_rows.max(batch.bad_rows);
             labels.extend_from_slice(&batch.labels);
             logits.extend(self.predict(batch, shards)?);
         }

@@ -37,6 +37,7 @@ pub fn to_proto(b: WorkerBatch) -> pb::WorkerBatch {
         shard_counts: b.shard_counts,
         keys: u64s_to_bytes(&b.keys),
         end: Some(pb::DataPosition { epoch: b.end.epoch, offset: b.end.offset, line: b.end.line }),
+        bad_rows: b.bad_rows,
     }
 }
 
@@ -70,6 +71,7 @@ pub fn from_proto(b: pb::WorkerBatch, peer: &str) -> Result<WorkerBatch, Cluster
         shard_counts: b.shard_counts,
         keys: bytes_to_u64s(&b.keys, peer, "keys")?,
         end: b.end.map(|e| DataPosition { epoch: e.epoch, offset: e.offset, line: e.line }).unwrap_or_default(),
+        bad_rows: b.bad_rows,
     };
     let keys = out.bag_offsets.last().copied().unwrap_or(0) as usize;
     // Bag b of the batch holds keys bag_offsets[b]..bag_offsets[b + 1].
@@ -183,6 +185,7 @@ mod tests {
             shard_counts: vec![unique as u32],
             keys: Vec::new(),
             end: DataPosition { epoch: 1, offset: 2, line: 3 },
+            bad_rows: 5,
         }
     }
 
