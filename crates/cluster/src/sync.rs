@@ -1,21 +1,38 @@
-//! Dense gradient combination across data-parallel workers (S0.6): every
-//! round each worker contributes its gradient (zeros and 0 rows when it had
-//! no batch); the sum is formed in worker order, so all workers receive the
-//! same bits and, applying the same optimizer step, keep identical weights.
+//! Dense gradient combination across data-parallel workers (S0.6 with S2.2).
+//!
+//! A round is one dense optimizer step. While a round is open (some worker has
+//! not contributed yet) a worker that finished its batch takes another and
+//! adds its gradient, computed at the same weights, to the round: a faster
+//! worker trains more batches instead of waiting. A worker's contribution is
+//! its last for the round once every worker has contributed (or when it has no
+//! data left); the round closes when every worker made its last contribution.
+//! The sum is formed once, per worker in contribution order and then in
+//! worker order, and every worker receives the same bits: applying the same
+//! optimizer step, they keep identical weights.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex};
-use sparrow_model::{GradientSync, ModelError};
+use sparrow_model::{GradientSync, ModelError, RoundOutcome};
 
 use crate::transport::ClusterError;
 
 /// The sum of one round: gradients and total rows.
 pub type RoundResult = Arc<(Vec<f32>, u64)>;
 
+/// What a contribution to a round gets back.
+#[derive(Clone, Debug)]
+pub enum RoundReply {
+    /// Not every worker has contributed: train another batch at these weights.
+    Open,
+    Closed(RoundResult),
+}
+
 struct Round {
+    /// Each worker's accumulated contribution (None: nothing yet).
     parts: Vec<Option<(Vec<f32>, u64)>>,
+    last_made: Vec<bool>,
     result: Option<RoundResult>,
     taken: usize,
 }
@@ -38,20 +55,26 @@ impl RoundSum {
         RoundSum { workers, state: Mutex::new(State::default()), ready: Condvar::new() }
     }
 
-    /// Adds `worker`'s part of `round` and waits for the sum of all parts.
-    pub fn sum(&self, worker: usize, round: u64, grads: Vec<f32>, rows: u64) -> Result<RoundResult, ClusterError> {
-        if worker >= self.workers {
-            return Err(ClusterError::Setup(format!("worker {worker}: only {} workers are expected", self.workers)));
+    /// Adds `worker`'s gradient over `rows` samples to `round`. Returns
+    /// `Open` while another worker has not contributed (and `rows > 0`);
+    /// otherwise waits for the round to close and returns its sum.
+    pub fn sum(&self, worker: usize, round: u64, grads: Vec<f32>, rows: u64) -> Result<RoundReply, ClusterError> {
+        let workers = self.workers;
+        if worker >= workers {
+            return Err(ClusterError::Setup(format!("worker {worker}: only {workers} workers are expected")));
         }
         let mut state = self.state.lock();
-        let workers = self.workers;
+        if let Some(reason) = &state.failed {
+            return Err(ClusterError::JobFailed(reason.clone()));
+        }
         let entry = state.rounds.entry(round).or_insert_with(|| Round {
             parts: (0..workers).map(|_| None).collect(),
+            last_made: vec![false; workers],
             result: None,
             taken: 0,
         });
-        if entry.parts[worker].is_some() || entry.result.is_some() {
-            return Err(ClusterError::Setup(format!("worker {worker} sent round {round} twice")));
+        if entry.last_made[worker] {
+            return Err(ClusterError::Setup(format!("worker {worker} contributed to round {round} after its last")));
         }
         if let Some((first, _)) = entry.parts.iter().flatten().next()
             && first.len() != grads.len()
@@ -62,8 +85,18 @@ impl RoundSum {
                 first.len()
             )));
         }
-        entry.parts[worker] = Some((grads, rows));
-        if entry.parts.iter().all(Option::is_some) {
+        match &mut entry.parts[worker] {
+            Some((acc, acc_rows)) => {
+                acc.iter_mut().zip(&grads).for_each(|(a, g)| *a += g);
+                *acc_rows += rows;
+            }
+            slot @ None => *slot = Some((grads, rows)),
+        }
+        if rows > 0 && entry.parts.iter().any(Option::is_none) {
+            return Ok(RoundReply::Open);
+        }
+        entry.last_made[worker] = true;
+        if entry.last_made.iter().all(|&d| d) {
             let mut parts = entry.parts.iter_mut().map(|p| p.take().unwrap_or_default());
             let (mut total, mut total_rows) = parts.next().unwrap_or_default();
             for (g, r) in parts {
@@ -84,7 +117,7 @@ impl RoundSum {
                 if round_state.taken == workers {
                     state.rounds.remove(&round);
                 }
-                return Ok(result);
+                return Ok(RoundReply::Closed(result));
             }
             self.ready.wait(&mut state);
         }
@@ -100,11 +133,11 @@ impl RoundSum {
 /// Anything that can sum a round: the in-process [`RoundSum`] or the
 /// coordinator over gRPC.
 pub trait RoundSummer: Send + Sync {
-    fn sum_round(&self, worker: usize, round: u64, grads: Vec<f32>, rows: u64) -> Result<RoundResult, ClusterError>;
+    fn sum_round(&self, worker: usize, round: u64, grads: Vec<f32>, rows: u64) -> Result<RoundReply, ClusterError>;
 }
 
 impl RoundSummer for RoundSum {
-    fn sum_round(&self, worker: usize, round: u64, grads: Vec<f32>, rows: u64) -> Result<RoundResult, ClusterError> {
+    fn sum_round(&self, worker: usize, round: u64, grads: Vec<f32>, rows: u64) -> Result<RoundReply, ClusterError> {
         self.sum(worker, round, grads, rows)
     }
 }
@@ -123,21 +156,22 @@ impl WorkerSync {
 }
 
 impl GradientSync for WorkerSync {
-    fn sum(&mut self, grads: &mut [f32], rows: u64) -> Result<u64, ModelError> {
-        let result = self
+    fn sum(&mut self, grads: &mut [f32], rows: u64) -> Result<RoundOutcome, ModelError> {
+        let reply = self
             .summer
             .sum_round(self.worker, self.round, grads.to_vec(), rows)
             .map_err(|e| ModelError::GradientSync(e.to_string()))?;
-        self.round += 1;
+        let RoundReply::Closed(result) = reply else { return Ok(RoundOutcome::Open) };
         if result.0.len() != grads.len() {
             return Err(ModelError::GradientSync(format!(
                 "round {}: the sum has {} values, this worker has {}",
-                self.round - 1,
+                self.round,
                 result.0.len(),
                 grads.len()
             )));
         }
+        self.round += 1;
         grads.copy_from_slice(&result.0);
-        Ok(result.1)
+        Ok(RoundOutcome::Closed { rows: result.1 })
     }
 }

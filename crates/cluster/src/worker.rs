@@ -23,7 +23,8 @@ pub struct WorkerStats {
     /// Batches this worker trained and their samples.
     pub batches: u64,
     pub rows: u64,
-    /// Optimizer steps (with several workers, also the rounds without a batch).
+    /// Dense optimizer steps: with several workers, the rounds (a round may
+    /// hold several of a worker's batches, or none).
     pub steps: u64,
     /// Payload bytes received while training, by source.
     pub bytes_from_loader: u64,
@@ -176,7 +177,6 @@ impl Worker {
         phases.dense += (t2 - t1).as_secs_f64();
         phases.push += t2.elapsed().as_secs_f64();
         self.stats.batches += 1;
-        self.stats.steps += 1;
         self.stats.rows += batch.rows as u64;
         if self.stats.recent_losses.len() == 100 {
             self.stats.recent_losses.pop_front();
@@ -222,7 +222,6 @@ impl Worker {
                             if !self.model.idle_step(&mut self.optimizer)? {
                                 return Ok(());
                             }
-                            self.stats.steps += 1;
                         }
                     }
                 }
@@ -235,6 +234,7 @@ impl Worker {
             fetched.and(trained)
         })?;
         self.stats.train_secs = start.elapsed().as_secs_f64();
+        self.stats.steps = self.optimizer.step;
         Ok(())
     }
 

@@ -5,7 +5,10 @@
 
 use std::sync::Arc;
 
-use sparrow_cluster::{ClusterError, Mode, ShardServer, ShardService, train_local};
+use sparrow_cluster::local::{new_worker, shard_table};
+use sparrow_cluster::sync::{RoundSum, RoundSummer};
+use sparrow_cluster::worker::WorkerStats;
+use sparrow_cluster::{ClusterError, LoaderServer, LoaderService, Mode, ShardServer, ShardService, train_local};
 use sparrow_core::Config;
 use sparrow_core::config::InitConfig;
 use sparrow_embedding::{EmbeddingTable, Initializer, SparseOptimizer};
@@ -116,4 +119,51 @@ fn shards_refuse_batches_they_do_not_hold() {
     shard.enqueue(8, vec![1, 99], Mode::Eval).expect("enqueue");
     assert_eq!(shard.pull(8).expect("pull").len(), 8);
     assert_eq!(shard.table().len(), 3);
+}
+
+/// Worker 1 waits 15 ms for each batch: worker 0 trains more batches per
+/// round instead of waiting for it (S2.2), and the replicas stay identical.
+#[test]
+fn a_faster_worker_takes_more_batches_and_replicas_stay_identical() {
+    struct SlowFor<'a> {
+        inner: &'a dyn LoaderService,
+        slow_worker: usize,
+    }
+    impl LoaderService for SlowFor<'_> {
+        fn next_batch(&self, worker: usize, mode: Mode) -> Result<Option<sparrow_cluster::WorkerBatch>, ClusterError> {
+            if worker == self.slow_worker {
+                std::thread::sleep(std::time::Duration::from_millis(15));
+            }
+            self.inner.next_batch(worker, mode)
+        }
+    }
+    let tmp = tempfile::tempdir().expect("tmp");
+    sparrow_data::synth::generate(tmp.path(), 4000, 100, 13).expect("generate");
+    let c = config(tmp.path(), "dlrm");
+    let layout = sparrow_data::DataLayout::from_config(&c.data);
+    let shards: Vec<Arc<dyn ShardService>> =
+        (0..2).map(|i| Arc::new(ShardServer::new(i, shard_table(&c))) as Arc<dyn ShardService>).collect();
+    let loader = LoaderServer::start(&c, shards.clone()).expect("loader");
+    let slow = SlowFor { inner: &loader, slow_worker: 1 };
+    let rounds = Arc::new(RoundSum::new(2));
+    let results: Vec<(WorkerStats, u64)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..2)
+            .map(|w| {
+                let (layout, shards, slow, rounds) = (&layout, &shards, &slow, rounds.clone());
+                let c = &c;
+                scope.spawn(move || {
+                    let mut worker = new_worker(c, layout, w, Some(rounds as Arc<dyn RoundSummer>)).expect("worker");
+                    worker.run_training(slow, shards).expect("train");
+                    (worker.stats.clone(), worker.dense_checksum().expect("checksum"))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("join")).collect()
+    });
+    let (fast, slow) = (&results[0].0, &results[1].0);
+    assert_eq!(fast.rows + slow.rows, 4000, "every sample trained once");
+    assert!(fast.batches > 2 * slow.batches, "fast {} batches, slow {}", fast.batches, slow.batches);
+    assert_eq!(fast.steps, slow.steps, "one optimizer step per round on both");
+    assert!(fast.steps < fast.batches, "rounds held several of the fast worker's batches");
+    assert_eq!(results[0].1, results[1].1, "replicas diverged");
 }

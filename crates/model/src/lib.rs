@@ -12,7 +12,7 @@ pub mod optimizer;
 pub mod params;
 
 pub use models::{DenseModel, ModelShape, StepOutput};
-pub use optimizer::{DenseOptimizer, GradientSync};
+pub use optimizer::{DenseOptimizer, GradientSync, RoundOutcome};
 pub use params::ParamStore;
 
 #[derive(Debug, thiserror::Error)]

@@ -13,14 +13,26 @@ use sparrow_core::config::{DenseOptimizerConfig, DenseOptimizerKind};
 use crate::ModelError;
 use crate::params::ParamStore;
 
-/// Combines dense gradients across data-parallel replicas (SPEC S0.6).
+/// What a replica's contribution to a round of gradient sums led to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RoundOutcome {
+    /// The round is still open (another replica has not contributed yet): no
+    /// step now; the next batch's gradient, at the same weights, adds to it.
+    Open,
+    /// The round closed: the buffer holds the sum over all replicas' batches,
+    /// `rows` in total (0: no replica had a batch).
+    Closed { rows: u64 },
+}
+
+/// Combines dense gradients across data-parallel replicas (SPEC S0.6, with
+/// S2.2: a faster replica contributes more batches to a round).
 pub trait GradientSync: Send + Sync {
     /// `grads` holds this replica's gradient of the summed loss over its
-    /// `rows` samples (0: no batch this round), every parameter flattened in
-    /// [`ParamStore`] order. On return it holds the elementwise sum over all
-    /// replicas, added in replica order, so every replica gets the same bits;
-    /// the result is the total number of rows (0: no replica had a batch).
-    fn sum(&mut self, grads: &mut [f32], rows: u64) -> Result<u64, ModelError>;
+    /// `rows` samples (0: no batch left), every parameter flattened in
+    /// [`ParamStore`] order. When the round closes it holds the elementwise
+    /// sum over all contributions, added in a fixed order, so every replica
+    /// gets the same bits.
+    fn sum(&mut self, grads: &mut [f32], rows: u64) -> Result<RoundOutcome, ModelError>;
 }
 
 pub struct DenseOptimizer {
@@ -51,9 +63,9 @@ impl DenseOptimizer {
         })
     }
 
-    /// A replica without a batch this round still joins the gradient sum (so
-    /// the others are not kept waiting) and applies the same update. Returns
-    /// false, changing nothing, when no replica had a batch (or there is no sync).
+    /// A replica without a batch left still joins each round (so the others
+    /// are not kept waiting) and applies the same update. Returns false,
+    /// changing nothing, when no replica had a batch (or there is no sync).
     pub fn idle_step(&mut self, params: &ParamStore) -> Result<bool, ModelError> {
         if self.sync.is_none() {
             return Ok(false);
@@ -63,7 +75,7 @@ impl DenseOptimizer {
 
     /// With a sync: gather every parameter's gradient (zeros where there is
     /// none), scale by this replica's rows, sum across replicas, scale back by
-    /// the total. `None` when no replica had rows.
+    /// the total. `None` when the round is still open or no replica had rows.
     fn combined(
         sync: &mut dyn GradientSync,
         params: &ParamStore,
@@ -77,10 +89,10 @@ impl DenseOptimizer {
                 None => flat.resize(flat.len() + var.elem_count(), 0.0),
             }
         }
-        let total = sync.sum(&mut flat, rows as u64)?;
-        if total == 0 {
-            return Ok(None);
-        }
+        let total = match sync.sum(&mut flat, rows as u64)? {
+            RoundOutcome::Closed { rows } if rows > 0 => rows,
+            _ => return Ok(None),
+        };
         let inv = 1.0 / total as f32;
         let mut rest = flat.as_mut_slice();
         let mut out = Vec::with_capacity(params.vars().len());
@@ -96,7 +108,7 @@ impl DenseOptimizer {
     /// One step with gradients from any source: `grad_of(name, var)` gives a
     /// parameter's flat gradient of the mean loss over `rows` samples, or
     /// `None` to leave the parameter unchanged. Returns whether a step was
-    /// taken (always, unless a sync reports that no replica had rows).
+    /// taken (always without a sync; with one, when the round closed with rows).
     pub fn step_with(
         &mut self,
         params: &ParamStore,

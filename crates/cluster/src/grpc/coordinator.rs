@@ -15,7 +15,7 @@ use tonic::{Request, Response, Status};
 
 use super::{AuthedChannel, CheckToken, NetSettings, Peer, blocking, bytes_to_f32s, connect, f32s_to_bytes};
 use crate::metrics::RoleMetrics;
-use crate::sync::{RoundResult, RoundSum, RoundSummer};
+use crate::sync::{RoundReply, RoundSum, RoundSummer};
 use crate::transport::ClusterError;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -236,7 +236,7 @@ impl Coordinator {
         }
     }
 
-    pub fn sum(&self, worker: usize, round: u64, grads: Vec<f32>, rows: u64) -> Result<RoundResult, ClusterError> {
+    pub fn sum(&self, worker: usize, round: u64, grads: Vec<f32>, rows: u64) -> Result<RoundReply, ClusterError> {
         self.rounds.sum(worker, round, grads, rows)
     }
 }
@@ -283,8 +283,10 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
         self.metrics.count_bytes("in", "worker", r.grads.len());
         let grads = bytes_to_f32s(&r.grads, &format!("worker {}", r.worker), "gradients").map_err(status)?;
         let coordinator = self.coordinator.clone();
-        let result = blocking(move || coordinator.sum(r.worker as usize, r.round, grads, r.rows)).await?;
-        let reply = pb::SumReply { grads: f32s_to_bytes(&result.0), rows: result.1 };
+        let reply = match blocking(move || coordinator.sum(r.worker as usize, r.round, grads, r.rows)).await? {
+            RoundReply::Open => pb::SumReply { open: true, grads: Vec::new(), rows: 0 },
+            RoundReply::Closed(result) => pb::SumReply { open: false, grads: f32s_to_bytes(&result.0), rows: result.1 },
+        };
         self.metrics.count_bytes("out", "worker", reply.grads.len());
         self.metrics.observe("server", "sum_gradients", start.elapsed().as_secs_f64());
         Ok(Response::new(reply))
@@ -421,10 +423,16 @@ impl CoordinatorClient {
 }
 
 impl RoundSummer for CoordinatorClient {
-    fn sum_round(&self, worker: usize, round: u64, grads: Vec<f32>, rows: u64) -> Result<RoundResult, ClusterError> {
+    fn sum_round(&self, worker: usize, round: u64, grads: Vec<f32>, rows: u64) -> Result<RoundReply, ClusterError> {
         let request = pb::SumRequest { worker: worker as u32, round, grads: f32s_to_bytes(&grads), rows };
         let reply = self.peer.call("sum_gradients", request, |mut c, r| async move { c.sum_gradients(r).await })?;
-        Ok(Arc::new((bytes_to_f32s(&reply.grads, &self.peer.name, "summed gradients")?, reply.rows)))
+        if reply.open {
+            return Ok(RoundReply::Open);
+        }
+        Ok(RoundReply::Closed(Arc::new((
+            bytes_to_f32s(&reply.grads, &self.peer.name, "summed gradients")?,
+            reply.rows,
+        ))))
     }
 }
 
