@@ -1,9 +1,11 @@
 //! Dense gradient combination across data-parallel workers (S0.6 with S2.2).
 //!
-//! A round is one dense optimizer step. While a round is open (some worker has
-//! not contributed yet) a worker that finished its batch takes another and
-//! adds its gradient, computed at the same weights, to the round: a faster
-//! worker trains more batches instead of waiting. A worker's contribution is
+//! A round is one dense optimizer step. A worker that contributed waits for
+//! the others for a while (its `patience`: half its own batch time, so
+//! workers of equal speed meet with one batch each); if some worker still has
+//! not contributed, it takes another batch and adds its gradient, computed at
+//! the same weights, to the round: a faster worker trains more batches
+//! instead of waiting. A worker's contribution is
 //! its last for the round once every worker has contributed (or when it has no
 //! data left); the round closes when every worker made its last contribution.
 //! The sum is formed once, per worker in contribution order and then in
@@ -12,6 +14,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 use sparrow_model::{GradientSync, ModelError, RoundOutcome};
@@ -56,9 +59,16 @@ impl RoundSum {
     }
 
     /// Adds `worker`'s gradient over `rows` samples to `round`. Returns
-    /// `Open` while another worker has not contributed (and `rows > 0`);
-    /// otherwise waits for the round to close and returns its sum.
-    pub fn sum(&self, worker: usize, round: u64, grads: Vec<f32>, rows: u64) -> Result<RoundReply, ClusterError> {
+    /// `Open` if another worker has still not contributed after `patience`
+    /// (and `rows > 0`); otherwise waits for the round to close and returns its sum.
+    pub fn sum(
+        &self,
+        worker: usize,
+        round: u64,
+        grads: Vec<f32>,
+        rows: u64,
+        patience: Duration,
+    ) -> Result<RoundReply, ClusterError> {
         let workers = self.workers;
         if worker >= workers {
             return Err(ClusterError::Setup(format!("worker {worker}: only {workers} workers are expected")));
@@ -92,9 +102,18 @@ impl RoundSum {
             }
             slot @ None => *slot = Some((grads, rows)),
         }
-        if rows > 0 && entry.parts.iter().any(Option::is_none) {
-            return Ok(RoundReply::Open);
+        self.ready.notify_all();
+        let deadline = Instant::now() + patience;
+        let missing = |state: &State| state.rounds.get(&round).is_some_and(|r| r.parts.iter().any(Option::is_none));
+        while rows > 0 && missing(&state) && state.failed.is_none() {
+            if self.ready.wait_until(&mut state, deadline).timed_out() {
+                if missing(&state) {
+                    return Ok(RoundReply::Open);
+                }
+                break;
+            }
         }
+        let entry = state.rounds.get_mut(&round).ok_or(ClusterError::Setup(format!("round {round} vanished")))?;
         entry.last_made[worker] = true;
         if entry.last_made.iter().all(|&d| d) {
             let mut parts = entry.parts.iter_mut().map(|p| p.take().unwrap_or_default());
@@ -133,12 +152,26 @@ impl RoundSum {
 /// Anything that can sum a round: the in-process [`RoundSum`] or the
 /// coordinator over gRPC.
 pub trait RoundSummer: Send + Sync {
-    fn sum_round(&self, worker: usize, round: u64, grads: Vec<f32>, rows: u64) -> Result<RoundReply, ClusterError>;
+    fn sum_round(
+        &self,
+        worker: usize,
+        round: u64,
+        grads: Vec<f32>,
+        rows: u64,
+        patience: Duration,
+    ) -> Result<RoundReply, ClusterError>;
 }
 
 impl RoundSummer for RoundSum {
-    fn sum_round(&self, worker: usize, round: u64, grads: Vec<f32>, rows: u64) -> Result<RoundReply, ClusterError> {
-        self.sum(worker, round, grads, rows)
+    fn sum_round(
+        &self,
+        worker: usize,
+        round: u64,
+        grads: Vec<f32>,
+        rows: u64,
+        patience: Duration,
+    ) -> Result<RoundReply, ClusterError> {
+        self.sum(worker, round, grads, rows, patience)
     }
 }
 
@@ -147,20 +180,26 @@ pub struct WorkerSync {
     worker: usize,
     round: u64,
     summer: Arc<dyn RoundSummer>,
+    /// When this worker's previous contribution was answered: the time since
+    /// is what one batch takes it.
+    last_answer: Option<Instant>,
 }
 
 impl WorkerSync {
     pub fn new(worker: usize, summer: Arc<dyn RoundSummer>) -> Self {
-        WorkerSync { worker, round: 0, summer }
+        WorkerSync { worker, round: 0, summer, last_answer: None }
     }
 }
 
 impl GradientSync for WorkerSync {
     fn sum(&mut self, grads: &mut [f32], rows: u64) -> Result<RoundOutcome, ModelError> {
+        let batch_time = self.last_answer.map_or(Duration::ZERO, |t| t.elapsed());
         let reply = self
             .summer
-            .sum_round(self.worker, self.round, grads.to_vec(), rows)
-            .map_err(|e| ModelError::GradientSync(e.to_string()))?;
+            .sum_round(self.worker, self.round, grads.to_vec(), rows, batch_time / 2)
+            .map_err(|e| ModelError::GradientSync(e.to_string()));
+        self.last_answer = Some(Instant::now());
+        let reply = reply?;
         let RoundReply::Closed(result) = reply else { return Ok(RoundOutcome::Open) };
         if result.0.len() != grads.len() {
             return Err(ModelError::GradientSync(format!(

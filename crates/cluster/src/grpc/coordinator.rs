@@ -236,8 +236,15 @@ impl Coordinator {
         }
     }
 
-    pub fn sum(&self, worker: usize, round: u64, grads: Vec<f32>, rows: u64) -> Result<RoundReply, ClusterError> {
-        self.rounds.sum(worker, round, grads, rows)
+    pub fn sum(
+        &self,
+        worker: usize,
+        round: u64,
+        grads: Vec<f32>,
+        rows: u64,
+        patience: Duration,
+    ) -> Result<RoundReply, ClusterError> {
+        self.rounds.sum(worker, round, grads, rows, patience)
     }
 }
 
@@ -283,7 +290,9 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
         self.metrics.count_bytes("in", "worker", r.grads.len());
         let grads = bytes_to_f32s(&r.grads, &format!("worker {}", r.worker), "gradients").map_err(status)?;
         let coordinator = self.coordinator.clone();
-        let reply = match blocking(move || coordinator.sum(r.worker as usize, r.round, grads, r.rows)).await? {
+        let patience = Duration::from_micros(r.patience_us);
+        let reply = match blocking(move || coordinator.sum(r.worker as usize, r.round, grads, r.rows, patience)).await?
+        {
             RoundReply::Open => pb::SumReply { open: true, grads: Vec::new(), rows: 0 },
             RoundReply::Closed(result) => pb::SumReply { open: false, grads: f32s_to_bytes(&result.0), rows: result.1 },
         };
@@ -423,8 +432,16 @@ impl CoordinatorClient {
 }
 
 impl RoundSummer for CoordinatorClient {
-    fn sum_round(&self, worker: usize, round: u64, grads: Vec<f32>, rows: u64) -> Result<RoundReply, ClusterError> {
-        let request = pb::SumRequest { worker: worker as u32, round, grads: f32s_to_bytes(&grads), rows };
+    fn sum_round(
+        &self,
+        worker: usize,
+        round: u64,
+        grads: Vec<f32>,
+        rows: u64,
+        patience: Duration,
+    ) -> Result<RoundReply, ClusterError> {
+        let patience_us = patience.as_micros() as u64;
+        let request = pb::SumRequest { worker: worker as u32, round, grads: f32s_to_bytes(&grads), rows, patience_us };
         let reply = self.peer.call("sum_gradients", request, |mut c, r| async move { c.sum_gradients(r).await })?;
         if reply.open {
             return Ok(RoundReply::Open);
@@ -474,7 +491,7 @@ mod tests {
         }
         assert!(start.elapsed() >= Duration::from_millis(140), "reported before the timeout");
         // Waiting workers are released with the reason.
-        let err = c.sum(0, 0, vec![1.0], 1).expect_err("the job failed");
+        let err = c.sum(0, 0, vec![1.0], 1, Duration::ZERO).expect_err("the job failed");
         assert!(err.to_string().contains("shard 1"), "{err}");
     }
 
