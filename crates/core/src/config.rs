@@ -198,6 +198,11 @@ pub struct TrainConfig {
     pub log_interval_steps: u64,
     /// Per-interval metrics file (JSON lines). Default: none.
     pub metrics_path: Option<String>,
+    /// How many batches ahead the embedding lookup runs (S3.10). 0: each
+    /// batch's lookup sees every earlier batch's update (the exact,
+    /// unpipelined model). 1: batch t+1's rows are looked up while batch t's
+    /// dense step runs, so they miss batch t's update of shared keys.
+    pub pipeline_depth: usize,
 }
 
 impl Default for TrainConfig {
@@ -210,6 +215,7 @@ impl Default for TrainConfig {
             max_steps: None,
             log_interval_steps: 200,
             metrics_path: None,
+            pipeline_depth: 0,
         }
     }
 }
@@ -424,6 +430,12 @@ impl Config {
         }
         if self.train.log_interval_steps == 0 {
             return invalid("train.log_interval_steps", "must be at least 1");
+        }
+        if self.train.pipeline_depth > 1 {
+            return invalid(
+                "train.pipeline_depth",
+                "0 (exact) or 1 (lookup one batch ahead); deeper is not implemented yet",
+            );
         }
         if self.cluster.loader_queue_batches == 0 {
             return invalid("cluster.loader_queue_batches", "must be at least 1");

@@ -7,15 +7,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use serde::Serialize;
-use sparrow_core::Config;
 use sparrow_core::metrics::{auc, log_loss_from_logits, sigmoid};
+use sparrow_core::{Batch, Config};
 use sparrow_data::synth::Truth;
 use sparrow_data::{BadRows, BatchStream, DataError, DataLayout};
+use sparrow_embedding::KeyPlan;
 
 use crate::checkpoint;
 use crate::pipeline::PlannedBatches;
 use crate::progress::Progress;
-use crate::trainer::{PhaseSecs, Trainer};
+use crate::trainer::{LookedUp, PhaseSecs, Trainer};
 use crate::{TrainError, peak_rss_bytes};
 
 /// The last stdout line of `sparrow train`: a contract read by scripts.
@@ -158,7 +159,12 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
     let stop_at = config.train.max_steps;
     let mut outcome: Result<(), TrainError> = Ok(());
     let mut last_saved: Option<(u64, PathBuf)> = None;
-    for item in stream {
+    let mut stream = stream;
+    // pipeline_depth = 1: the next batch, already looked up.
+    let mut lookahead: Option<(Batch, KeyPlan, LookedUp)> = None;
+    // A read error met while looking ahead: reported after the batch in hand trains.
+    let mut deferred_error: Option<TrainError> = None;
+    loop {
         if stop_at.is_some_and(|m| trainer.step >= m) {
             break;
         }
@@ -166,14 +172,41 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
             outcome = Err(TrainError::Interrupted { step: trainer.step });
             break;
         }
-        let (batch, plan) = match item {
-            Ok(b) => b,
-            Err(e) => {
-                outcome = Err(e.into());
-                break;
-            }
+        let step = if config.train.pipeline_depth == 0 {
+            let Some(item) = stream.next() else { break };
+            item.map_err(TrainError::from).and_then(|(batch, plan)| trainer.train_planned(&batch, &plan))
+        } else {
+            let current = match lookahead.take() {
+                Some(c) => Ok(c),
+                None => {
+                    let Some(item) = stream.next() else { break };
+                    item.map_err(TrainError::from)
+                        .and_then(|(batch, plan)| trainer.look_up(&plan).map(|rows| (batch, plan, rows)))
+                }
+            };
+            // No lookahead past the last step: its keys would be inserted untrained.
+            let last = stop_at.is_some_and(|m| trainer.step + 1 >= m);
+            let next = match (last, current.is_ok()) {
+                (false, true) => match stream.next() {
+                    Some(Ok(next)) => Some(next),
+                    Some(Err(e)) => {
+                        deferred_error = Some(e.into());
+                        None
+                    }
+                    None => None,
+                },
+                _ => None,
+            };
+            current.and_then(|(batch, plan, rows)| {
+                let (stats, next_rows) =
+                    trainer.train_overlapped(&batch, &plan, rows, next.as_ref().map(|(_, p)| p))?;
+                if let (Some((b, p)), Some(r)) = (next, next_rows) {
+                    lookahead = Some((b, p, r));
+                }
+                Ok(stats)
+            })
         };
-        let stats = match trainer.train_planned(&batch, &plan) {
+        let stats = match step {
             Ok(s) => s,
             Err(e) => {
                 outcome = Err(e);
@@ -223,6 +256,10 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
                     break;
                 }
             }
+        }
+        if let Some(e) = deferred_error.take() {
+            outcome = Err(e);
+            break;
         }
     }
     progress.finish();

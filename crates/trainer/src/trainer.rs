@@ -105,6 +105,12 @@ pub struct PhaseSecs {
     pub update: f64,
 }
 
+/// A batch's rows as looked up, with their slots for the update.
+pub struct LookedUp {
+    pub unique_rows: Vec<f32>,
+    pub slots: sparrow_embedding::RowSlots,
+}
+
 pub struct StepStats {
     pub rows: usize,
     pub loss: f64,
@@ -147,6 +153,62 @@ impl Trainer {
             phase_secs: PhaseSecs::default(),
             packed_input: Vec::new(),
         })
+    }
+
+    /// Looks a planned batch up (inserting unseen keys): its unique rows and
+    /// their slots for the update.
+    pub fn look_up(&self, plan: &KeyPlan) -> Result<LookedUp, TrainError> {
+        let mut unique_rows = vec![0.0f32; plan.num_unique() * self.table.dim()];
+        let slots = self.table.lookup_or_insert(plan, &mut unique_rows)?;
+        Ok(LookedUp { unique_rows, slots })
+    }
+
+    /// A step of the pipelined path (`train.pipeline_depth = 1`): `batch` was
+    /// looked up already (`looked_up`, one step earlier), and the lookup of
+    /// `next` runs beside this batch's dense step, before this batch's
+    /// update, so `next` misses it on the keys they share. Returns `next`'s
+    /// lookup for the following call.
+    pub fn train_overlapped(
+        &mut self,
+        batch: &Batch,
+        plan: &KeyPlan,
+        looked_up: LookedUp,
+        next: Option<&KeyPlan>,
+    ) -> Result<(StepStats, Option<LookedUp>), TrainError> {
+        let t1 = Instant::now();
+        let (model, optimizer, packed_input, table) =
+            (&self.model, &mut self.dense_optimizer, &mut self.packed_input, &self.table);
+        let pooling = self.config.model.pooling;
+        let inputs = DenseInputs {
+            bags: Bags::of(batch, plan),
+            unique_rows: &looked_up.unique_rows,
+            dense: &batch.dense,
+            labels: &batch.labels,
+        };
+        let (step, next_lookup) = rayon::join(
+            || dense_step(model, optimizer, packed_input, inputs, pooling),
+            || {
+                next.map(|p| {
+                    let mut unique_rows = vec![0.0f32; p.num_unique() * table.dim()];
+                    table.lookup_or_insert(p, &mut unique_rows).map(|slots| LookedUp { unique_rows, slots })
+                })
+                .transpose()
+            },
+        );
+        let (step, next_lookup) = (step?, next_lookup?);
+        let t4 = Instant::now();
+        self.table.apply_gradients_at(plan, &looked_up.slots, &step.grads);
+        let t5 = Instant::now();
+        let p = &mut self.phase_secs;
+        // The lookup overlaps the dense step: it is counted there.
+        p.dense += (t4 - t1).as_secs_f64();
+        p.update += (t5 - t4).as_secs_f64();
+        self.step += 1;
+        self.samples_trained += batch.rows() as u64;
+        self.position = batch.end;
+        let stats =
+            StepStats { rows: batch.rows(), loss: step.loss, keys: batch.keys.len(), unique_keys: plan.num_unique() };
+        Ok((stats, next_lookup))
     }
 
     pub fn train_batch(&mut self, batch: &Batch) -> Result<StepStats, TrainError> {
