@@ -114,8 +114,10 @@ fn launch_trains_the_same_model_as_train_and_leaves_nothing_behind() {
     assert_eq!(one["bad_rows"], single["bad_rows"]);
     assert!(single["bad_rows"].as_u64().is_some_and(|n| n >= 2), "{}", single["bad_rows"]);
 
+    let ckpt = tmp.path().join("ckpt");
+    let ckpt_set = format!("checkpoint.dir={:?}", ckpt.display().to_string());
     let two = sparrow()
-        .args(["launch", "--config", &config, "--shards", "2", "--workers", "2", "--quiet"])
+        .args(["launch", "--config", &config, "--shards", "2", "--workers", "2", "--quiet", "--set", &ckpt_set])
         .output()
         .expect("launch");
     let stderr = String::from_utf8_lossy(&two.stderr);
@@ -134,6 +136,15 @@ fn launch_trains_the_same_model_as_train_and_leaves_nothing_behind() {
     let bytes = &two["worker_in_bytes_per_sample"];
     assert!(bytes["loader"].as_f64().expect("loader bytes") > 0.0);
     assert!(bytes["shards"].as_f64().expect("shard bytes") > 0.0);
+
+    // The cluster's model is saved in train's format: eval reads it and finds
+    // the AUC the job reported.
+    let saved = two["checkpoint"].as_str().expect("checkpoint path");
+    let test = tmp.path().join("data/test.tsv").display().to_string();
+    let eval = sparrow().args(["eval", "--checkpoint", saved, "--data", &test]).output().expect("eval");
+    assert!(eval.status.success(), "{}", String::from_utf8_lossy(&eval.stderr));
+    let eval = last_json(&eval);
+    assert_eq!(eval["auc"], two["test_auc"], "the checkpoint holds the evaluated model");
 }
 
 #[test]

@@ -253,7 +253,7 @@ fn merge(config: &Config, options: &LaunchOptions, workers: &[WorkerSummary], wa
         "train_logloss": first.train_logloss,
         "dedup_ratio": keys as f64 / unique.max(1) as f64,
         "embedding_bytes_per_row": null,
-        "checkpoint": null,
+        "checkpoint": first.checkpoint,
         "resumed_from_step": null,
         // Worker 0's training time by phase (next_batch, pull, dense, push).
         "step_phase_secs": first.phase_secs,

@@ -13,6 +13,7 @@
 //! The same roles run in one process ([`local`], direct calls) or as
 //! processes over gRPC ([`grpc`], [`roles`], [`launch`]).
 
+pub mod checkpoint;
 pub mod grpc;
 pub mod launch;
 pub mod loader;

@@ -11,6 +11,7 @@
 //! otherwise); a role that cannot reach the coordinator for the timeout exits too.
 
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -271,6 +272,8 @@ pub struct WorkerSummary {
     pub phase_secs: crate::worker::WorkerPhaseSecs,
     /// The loader's malformed-row count as of this worker's last batch.
     pub bad_rows: u64,
+    /// Worker 0 writes the model here when `checkpoint.dir` is set.
+    pub checkpoint: Option<String>,
 }
 
 /// Trains as one worker of the job; worker 0 also evaluates.
@@ -347,6 +350,11 @@ fn worker_job(
     summary.phase_secs = s.phase_secs;
     summary.bad_rows = s.bad_rows;
     summary.dense_checksum = format!("{:016x}", worker.dense_checksum()?);
+    if let (0, Some(dir)) = (index, &config.checkpoint.dir) {
+        let saved = crate::checkpoint::save(config, Path::new(dir), worker, shards)?;
+        tracing::info!("worker 0: checkpoint written to {}", saved.display());
+        summary.checkpoint = Some(saved.display().to_string());
+    }
     summary.peak_rss_bytes = sparrow_trainer::peak_rss_bytes();
     Ok(summary)
 }

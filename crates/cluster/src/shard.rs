@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use sparrow_embedding::{EmbeddingTable, KeyPlan, RowSlots};
 
 use crate::messages::Mode;
-use crate::transport::{ClusterError, ShardService};
+use crate::transport::{ClusterError, ExportPage, ShardService};
 
 enum Pending {
     Queued {
@@ -117,5 +117,14 @@ impl ShardService for ShardServer {
 
     fn num_rows(&self) -> Result<u64, ClusterError> {
         Ok(self.table.len() as u64)
+    }
+
+    fn export(&self, cursor: (usize, usize), max_rows: usize) -> Result<ExportPage, ClusterError> {
+        let mut page = ExportPage::default();
+        page.next = self.table.rows_from(cursor, max_rows, |key, row| {
+            page.keys.push(key);
+            page.rows.extend_from_slice(row);
+        });
+        Ok(page)
     }
 }

@@ -43,6 +43,14 @@ pub enum ClusterError {
     Io { what: String, source: std::io::Error },
 }
 
+/// Rows exported from a shard: keys and their full rows, and where to go on.
+#[derive(Clone, Debug, Default)]
+pub struct ExportPage {
+    pub keys: Vec<u64>,
+    pub rows: Vec<f32>,
+    pub next: Option<(usize, usize)>,
+}
+
 /// An embedding shard as seen by the loader and the workers.
 pub trait ShardService: Send + Sync {
     /// Queues a batch's keys owned by this shard (unique, in the order the
@@ -57,6 +65,9 @@ pub trait ShardService: Send + Sync {
     fn push(&self, batch_id: u64, grads: Vec<f32>) -> Result<(), ClusterError>;
     /// Rows the shard holds.
     fn num_rows(&self) -> Result<u64, ClusterError>;
+    /// A page of at most `max_rows` full rows (vector + optimizer state) from
+    /// `cursor`, and the cursor after it (`None`: done).
+    fn export(&self, cursor: (usize, usize), max_rows: usize) -> Result<ExportPage, ClusterError>;
 }
 
 /// The loader as seen by the workers: a queue of batches each worker pulls

@@ -38,6 +38,8 @@ pub struct WorkerStats {
     pub train_secs: f64,
     /// The loader's count of malformed rows, as of the latest batch seen.
     pub bad_rows: u64,
+    /// The furthest data position among the batches this worker trained.
+    pub last_end: sparrow_core::batch::DataPosition,
     /// Where the training time went (seconds), summed over steps.
     pub phase_secs: WorkerPhaseSecs,
     recent_losses: VecDeque<f64>,
@@ -177,6 +179,7 @@ impl Worker {
         phases.dense += (t2 - t1).as_secs_f64();
         phases.push += t2.elapsed().as_secs_f64();
         self.stats.batches += 1;
+        self.stats.last_end = crate::checkpoint::later(self.stats.last_end, batch.end);
         self.stats.rows += batch.rows as u64;
         if self.stats.recent_losses.len() == 100 {
             self.stats.recent_losses.pop_front();

@@ -40,13 +40,15 @@ pub struct DenseOptimizer {
     /// Adam first and second moments per parameter name.
     moments: HashMap<String, (Vec<f32>, Vec<f32>)>,
     pub step: u64,
+    /// Samples behind the steps taken (with a sync: every replica's rows).
+    pub samples_stepped: u64,
     /// Set on data-parallel replicas: every step applies the combined gradient.
     sync: Option<Box<dyn GradientSync>>,
 }
 
 impl DenseOptimizer {
     pub fn new(config: DenseOptimizerConfig) -> Self {
-        DenseOptimizer { config, moments: HashMap::new(), step: 0, sync: None }
+        DenseOptimizer { config, moments: HashMap::new(), step: 0, samples_stepped: 0, sync: None }
     }
 
     /// A replica's optimizer: each step first sums the gradients of all
@@ -81,7 +83,7 @@ impl DenseOptimizer {
         params: &ParamStore,
         rows: usize,
         grad_of: &mut impl FnMut(&str, &Var) -> Result<Option<Vec<f32>>, ModelError>,
-    ) -> Result<Option<Vec<Vec<f32>>>, ModelError> {
+    ) -> Result<Option<(Vec<Vec<f32>>, u64)>, ModelError> {
         let mut flat = Vec::with_capacity(params.num_params());
         for (name, var) in params.vars() {
             match grad_of(name, var)? {
@@ -102,7 +104,7 @@ impl DenseOptimizer {
             out.push(mine.to_vec());
             rest = tail;
         }
-        Ok(Some(out))
+        Ok(Some((out, total)))
     }
 
     /// One step with gradients from any source: `grad_of(name, var)` gives a
@@ -117,10 +119,16 @@ impl DenseOptimizer {
     ) -> Result<bool, ModelError> {
         let mut combined = match self.sync.as_deref_mut() {
             Some(sync) => match Self::combined(sync, params, rows, &mut grad_of)? {
-                Some(grads) => Some(grads.into_iter()),
+                Some((grads, total)) => {
+                    self.samples_stepped += total;
+                    Some(grads.into_iter())
+                }
                 None => return Ok(false),
             },
-            None => None,
+            None => {
+                self.samples_stepped += rows as u64;
+                None
+            }
         };
         let mut grad_of = |name: &str, var: &Var| match combined.as_mut() {
             Some(grads) => Ok(grads.next()),

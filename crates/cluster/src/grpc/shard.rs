@@ -16,7 +16,7 @@ use super::{
 use crate::messages::Mode;
 use crate::metrics::RoleMetrics;
 use crate::shard::ShardServer;
-use crate::transport::{ClusterError, ShardService};
+use crate::transport::{ClusterError, ExportPage, ShardService};
 
 struct ShardGrpc {
     shard: Arc<ShardServer>,
@@ -64,6 +64,23 @@ impl pb::shard_server::Shard for ShardGrpc {
         blocking(move || shard.push(r.batch_id, grads)).await?;
         self.done("push", start);
         Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn export(&self, request: Request<pb::ExportRequest>) -> Result<Response<pb::ExportReply>, Status> {
+        let r = request.into_inner();
+        let shard = self.shard.clone();
+        let cursor = (r.shard_cursor as usize, r.slot_cursor as usize);
+        let page = blocking(move || shard.export(cursor, r.max_rows as usize)).await?;
+        let (next_shard_cursor, next_slot_cursor) = page.next.unwrap_or_default();
+        let reply = pb::ExportReply {
+            keys: u64s_to_bytes(&page.keys),
+            rows: f32s_to_bytes(&page.rows),
+            done: page.next.is_none(),
+            next_shard_cursor: next_shard_cursor as u64,
+            next_slot_cursor: next_slot_cursor as u64,
+        };
+        self.metrics.count_bytes("out", "worker", reply.rows.len() + reply.keys.len());
+        Ok(Response::new(reply))
     }
 
     async fn stats(&self, _: Request<pb::Empty>) -> Result<Response<pb::ShardStats>, Status> {
@@ -132,5 +149,20 @@ impl ShardService for ShardClient {
 
     fn num_rows(&self) -> Result<u64, ClusterError> {
         Ok(self.peer.call("stats", pb::Empty {}, |mut c, r| async move { c.stats(r).await })?.rows)
+    }
+
+    fn export(&self, cursor: (usize, usize), max_rows: usize) -> Result<ExportPage, ClusterError> {
+        let request = pb::ExportRequest {
+            shard_cursor: cursor.0 as u64,
+            slot_cursor: cursor.1 as u64,
+            max_rows: max_rows as u32,
+        };
+        let reply = self.peer.call("export", request, |mut c, r| async move { c.export(r).await })?;
+        let next = (!reply.done).then_some((reply.next_shard_cursor as usize, reply.next_slot_cursor as usize));
+        Ok(ExportPage {
+            keys: bytes_to_u64s(&reply.keys, &self.peer.name, "keys")?,
+            rows: bytes_to_f32s(&reply.rows, &self.peer.name, "rows")?,
+            next,
+        })
     }
 }

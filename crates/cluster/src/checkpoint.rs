@@ -1,0 +1,51 @@
+//! Cluster checkpoints in `sparrow train`'s format: worker 0 gathers every
+//! shard's rows (paged, within the message cap) and its own dense model and
+//! optimizer state, and writes one checkpoint version. `sparrow eval`,
+//! `predict` and `train --resume` read it like any other.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use sparrow_core::Config;
+use sparrow_core::batch::DataPosition;
+use sparrow_data::DataLayout;
+use sparrow_trainer::Trainer;
+
+use crate::transport::{ClusterError, ShardService};
+use crate::worker::Worker;
+
+/// Writes the job's model under `checkpoint.dir`; returns the version's directory.
+pub fn save(
+    config: &Config,
+    root: &Path,
+    worker: Worker,
+    shards: &[Arc<dyn ShardService>],
+) -> Result<PathBuf, ClusterError> {
+    let layout = DataLayout::from_config(&config.data);
+    let mut trainer = Trainer::new(config, layout)?;
+    let position = worker.stats.last_end;
+    trainer.model = worker.model;
+    trainer.dense_optimizer = worker.optimizer;
+    trainer.step = trainer.dense_optimizer.step;
+    trainer.samples_trained = trainer.dense_optimizer.samples_stepped;
+    trainer.position = position;
+    // Pages of about a quarter of the message cap.
+    let row_bytes = 8 + 4 * trainer.table.row_len();
+    let page = (config.cluster.max_message_bytes / 4 / row_bytes).max(1);
+    for shard in shards {
+        let mut cursor = Some((0, 0));
+        while let Some(at) = cursor {
+            let exported = shard.export(at, page)?;
+            for (key, row) in exported.keys.iter().zip(exported.rows.chunks_exact(trainer.table.row_len())) {
+                trainer.table.put_row(*key, row).map_err(|e| ClusterError::Train(e.into()))?;
+            }
+            cursor = exported.next;
+        }
+    }
+    Ok(sparrow_trainer::checkpoint::save(&trainer, root, config.checkpoint.keep)?)
+}
+
+/// The later of two data positions (workers see batches in any order).
+pub fn later(a: DataPosition, b: DataPosition) -> DataPosition {
+    if (b.epoch, b.offset) > (a.epoch, a.offset) { b } else { a }
+}
