@@ -35,6 +35,9 @@ pub trait GradientSync: Send + Sync {
     fn sum(&mut self, grads: &mut [f32], rows: u64) -> Result<RoundOutcome, ModelError>;
 }
 
+/// Each parameter's combined gradient (in [`ParamStore`] order) and the rows behind it.
+type Combined = (Vec<Vec<f32>>, u64);
+
 pub struct DenseOptimizer {
     config: DenseOptimizerConfig,
     /// Adam first and second moments per parameter name.
@@ -83,7 +86,7 @@ impl DenseOptimizer {
         params: &ParamStore,
         rows: usize,
         grad_of: &mut impl FnMut(&str, &Var) -> Result<Option<Vec<f32>>, ModelError>,
-    ) -> Result<Option<(Vec<Vec<f32>>, u64)>, ModelError> {
+    ) -> Result<Option<Combined>, ModelError> {
         let mut flat = Vec::with_capacity(params.num_params());
         for (name, var) in params.vars() {
             match grad_of(name, var)? {
