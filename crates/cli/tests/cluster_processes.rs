@@ -147,6 +147,39 @@ fn launch_trains_the_same_model_as_train_and_leaves_nothing_behind() {
     assert_eq!(eval["auc"], two["test_auc"], "the checkpoint holds the evaluated model");
 }
 
+/// A job stopped after 30 steps on one shard resumes on three shards and
+/// ends with exactly the model of an uninterrupted single-process run.
+#[test]
+fn a_checkpoint_resumes_in_a_cluster_with_another_shard_count() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "20000");
+    let config = write_config(tmp.path(), "");
+    let whole = sparrow().args(["train", "--config", &config, "--quiet"]).output().expect("train");
+    assert!(whole.status.success(), "{}", String::from_utf8_lossy(&whole.stderr));
+    let whole = last_json(&whole);
+
+    let ckpt = format!("checkpoint.dir={:?}", tmp.path().join("ckpt").display().to_string());
+    let first = sparrow()
+        .args(["launch", "--config", &config, "--shards", "1", "--workers", "1", "--quiet"])
+        .args(["--set", &ckpt, "--set", "train.max_steps=30"])
+        .output()
+        .expect("first part");
+    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    let first = last_json(&first);
+    assert_eq!(first["train_rows"], 30 * 256);
+
+    let resume = format!("checkpoint.resume_from={:?}", tmp.path().join("ckpt").display().to_string());
+    let second = sparrow()
+        .args(["launch", "--config", &config, "--shards", "3", "--workers", "1", "--quiet", "--set", &resume])
+        .output()
+        .expect("second part");
+    assert!(second.status.success(), "{}", String::from_utf8_lossy(&second.stderr));
+    let second = last_json(&second);
+    assert_eq!(second["train_rows"], 20000 - 30 * 256);
+    assert_eq!(second["test_auc"], whole["test_auc"], "resumed on 3 shards vs uninterrupted train");
+    assert_eq!(second["embedding_rows"], whole["embedding_rows"]);
+}
+
 #[test]
 fn a_killed_shard_stops_the_job_with_an_error_naming_it() {
     let tmp = tempfile::tempdir().expect("tmp");

@@ -49,3 +49,37 @@ pub fn save(
 pub fn later(a: DataPosition, b: DataPosition) -> DataPosition {
     if (b.epoch, b.offset) > (a.epoch, a.offset) { b } else { a }
 }
+
+/// The checkpoint version to resume from, if `checkpoint.resume_from` is set.
+pub fn resume_dir(config: &Config) -> Result<Option<PathBuf>, ClusterError> {
+    match &config.checkpoint.resume_from {
+        Some(from) => Ok(Some(sparrow_trainer::checkpoint::resolve(Path::new(from))?)),
+        None => Ok(None),
+    }
+}
+
+/// Shard `index` of `num_shards`, restored from a checkpoint: only the keys it
+/// owns (whatever the shard count that wrote it).
+pub fn restore_shard_table(
+    config: &Config,
+    dir: &Path,
+    index: usize,
+    num_shards: usize,
+) -> Result<sparrow_embedding::EmbeddingTable, ClusterError> {
+    let mut trainer = Trainer::new(config, DataLayout::from_config(&config.data))?;
+    sparrow_trainer::checkpoint::load_into_filtered(&mut trainer, dir, |key| {
+        crate::loader::owner(key, num_shards) == index
+    })?;
+    Ok(trainer.table)
+}
+
+/// A worker's dense model and optimizer state, restored from a checkpoint.
+pub fn restore_worker(config: &Config, dir: &Path, worker: &mut Worker) -> Result<(), ClusterError> {
+    let mut trainer = Trainer::new(config, DataLayout::from_config(&config.data))?;
+    let manifest = sparrow_trainer::checkpoint::load_into_filtered(&mut trainer, dir, |_| false)?;
+    worker.model = trainer.model;
+    worker.optimizer.take_state_from(trainer.dense_optimizer);
+    worker.optimizer.samples_stepped = manifest.samples_trained;
+    worker.stats.last_end = manifest.position;
+    Ok(())
+}

@@ -111,11 +111,19 @@ impl LoaderServer {
             .map(Path::new)
             .ok_or(DataError::MissingPath { key: "train", what: "the training data file" })?;
         let bad = BadRows::new(config.data.max_bad_rows, config.data.report_bad_rows);
+        // Resuming: the data continues where the checkpoint's run stopped.
+        let (start, steps_done) = match crate::checkpoint::resume_dir(config)? {
+            Some(dir) => {
+                let m = sparrow_trainer::checkpoint::read_manifest(&dir)?;
+                (m.position, m.step)
+            }
+            None => (Default::default(), 0),
+        };
         let train_stream = BatchStream::spawn(
             train_path,
             &config.data,
             config.train.batch_size,
-            Default::default(),
+            start,
             config.train.epochs,
             bad.clone(),
         )?;
@@ -125,7 +133,8 @@ impl LoaderServer {
         let (train_tx, train_rx) = bounded(depth);
         let (eval_tx, eval_rx) = bounded(depth);
         let error = Arc::new(Mutex::new(None));
-        let max_batches = config.train.max_steps;
+        // train.max_steps counts the resumed run's steps too.
+        let max_batches = config.train.max_steps.map(|m| m.saturating_sub(steps_done));
         let test = config.data.test.clone();
         let (data, eval_batch) = (config.data.clone(), config.train.batch_size.max(1024));
         let (thread_error, thread_bad) = (error.clone(), bad.clone());

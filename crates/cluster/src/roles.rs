@@ -179,16 +179,40 @@ pub fn run_shard(args: &RoleArgs) -> Result<(), ClusterError> {
     let reg = coordinator.register(RoleKind::Shard, &advertise, args.index)?;
     let settings = NetSettings::new(&reg.config.cluster);
     tracing::info!("shard {}: listening on {bound} (advertised as {advertise})", reg.index);
-    serve_metrics(&metrics, args.metrics_listen, "shard")?;
-    let shard = Arc::new(ShardServer::new(reg.index, shard_table(&reg.config)));
-    let service = crate::grpc::shard::service(shard, &settings, metrics);
-    let server = rt.spawn(
-        server_builder()
-            .add_service(service)
-            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))),
-    );
-    let result =
-        heartbeat_until_end(&coordinator, RoleKind::Shard, reg.index, &reg.config.cluster, &AtomicBool::new(false));
+    // Heartbeats start now: restoring a large table must not read as silence.
+    let stop = Arc::new(AtomicBool::new(false));
+    let heartbeat = {
+        let (coordinator, cluster, stop, index) =
+            (coordinator.clone(), reg.config.cluster.clone(), stop.clone(), reg.index);
+        std::thread::spawn(move || heartbeat_until_end(&coordinator, RoleKind::Shard, index, &cluster, &stop))
+    };
+    let started = (|| -> Result<_, ClusterError> {
+        serve_metrics(&metrics, args.metrics_listen, "shard")?;
+        let table = match crate::checkpoint::resume_dir(&reg.config)? {
+            Some(dir) => {
+                let table = crate::checkpoint::restore_shard_table(&reg.config, &dir, reg.index, reg.num_shards)?;
+                tracing::info!("shard {}: restored {} rows from {}", reg.index, table.len(), dir.display());
+                table
+            }
+            None => shard_table(&reg.config),
+        };
+        let shard = Arc::new(ShardServer::new(reg.index, table));
+        let service = crate::grpc::shard::service(shard, &settings, metrics);
+        Ok(rt.spawn(
+            server_builder()
+                .add_service(service)
+                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))),
+        ))
+    })();
+    let server = match started {
+        Ok(server) => server,
+        Err(e) => {
+            stop.store(true, Ordering::Relaxed);
+            let _ = coordinator.finish(RoleKind::Shard, reg.index, Some(e.to_string()));
+            return Err(e);
+        }
+    };
+    let result = heartbeat.join().unwrap_or_else(|_| Err(ClusterError::Setup("the heartbeat thread panicked".into())));
     server.abort();
     result
 }
@@ -322,6 +346,9 @@ fn worker_job(
 ) -> Result<WorkerSummary, ClusterError> {
     let layout = DataLayout::from_config(&config.data);
     let mut worker = new_worker(config, &layout, index, summer)?;
+    if let Some(dir) = crate::checkpoint::resume_dir(config)? {
+        crate::checkpoint::restore_worker(config, &dir, &mut worker)?;
+    }
     worker.run_training(loader, shards)?;
     let mut summary = WorkerSummary { worker: index, ..Default::default() };
     if index == 0 {

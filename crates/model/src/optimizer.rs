@@ -182,6 +182,14 @@ impl DenseOptimizer {
         Ok(true)
     }
 
+    /// Takes the state (moments, step counts) of `other`, keeping this
+    /// optimizer's config and sync (a replica resuming from a checkpoint).
+    pub fn take_state_from(&mut self, other: DenseOptimizer) {
+        self.moments = other.moments;
+        self.step = other.step;
+        self.samples_stepped = other.samples_stepped;
+    }
+
     /// Optimizer state as named tensors (for the checkpoint).
     pub fn state_tensors(&self, params: &ParamStore) -> Result<HashMap<String, Tensor>, ModelError> {
         let mut out = HashMap::new();

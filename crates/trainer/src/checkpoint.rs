@@ -294,6 +294,16 @@ fn entry<'a>(dir: &Path, m: &'a Manifest, name: &str) -> Result<&'a FileEntry, T
 /// the same kind and shape. On error the trainer is partly loaded and must be
 /// discarded.
 pub fn load_into(trainer: &mut Trainer, dir: &Path) -> Result<Manifest, TrainError> {
+    load_into_filtered(trainer, dir, |_| true)
+}
+
+/// [`load_into`], keeping only the embedding rows whose key passes `keep`
+/// (a cluster shard keeps the keys it owns; every row is still read and verified).
+pub fn load_into_filtered(
+    trainer: &mut Trainer,
+    dir: &Path,
+    keep: impl Fn(u64) -> bool,
+) -> Result<Manifest, TrainError> {
     let m = read_manifest(dir)?;
     let want_kind = trainer.config.model.kind.name();
     if m.model_kind != want_kind {
@@ -333,7 +343,7 @@ pub fn load_into(trainer: &mut Trainer, dir: &Path) -> Result<Manifest, TrainErr
     let emb_entry = entry(dir, &m, EMB_FILE)?;
     let on_disk = std::fs::metadata(&emb_path).map_err(io(&emb_path))?.len();
     verify_entry(dir, EMB_FILE, emb_entry, on_disk, None)?;
-    let rows = read_embeddings(&emb_path, trainer, emb_entry)?;
+    let rows = read_embeddings(&emb_path, trainer, emb_entry, keep)?;
     if rows != m.embedding_rows {
         return Err(TrainError::checkpoint(&emb_path, format!("{rows} rows, the manifest says {}", m.embedding_rows)));
     }
@@ -343,7 +353,12 @@ pub fn load_into(trainer: &mut Trainer, dir: &Path) -> Result<Manifest, TrainErr
     Ok(m)
 }
 
-fn read_embeddings(path: &Path, trainer: &Trainer, entry: &FileEntry) -> Result<u64, TrainError> {
+fn read_embeddings(
+    path: &Path,
+    trainer: &Trainer,
+    entry: &FileEntry,
+    keep: impl Fn(u64) -> bool,
+) -> Result<u64, TrainError> {
     let file = File::open(path).map_err(io(path))?;
     let mut r = BufReader::with_capacity(1 << 20, file);
     let mut hasher = Xxh3::new();
@@ -379,6 +394,9 @@ fn read_embeddings(path: &Path, trainer: &Trainer, entry: &FileEntry) -> Result<
         r.read_exact(&mut record).map_err(|_| TrainError::checkpoint(path, "truncated rows"))?;
         hasher.update(&record);
         let key = u64::from_le_bytes(record[..8].try_into().map_err(|_| TrainError::checkpoint(path, "record"))?);
+        if !keep(key) {
+            continue;
+        }
         for (x, b) in row.iter_mut().zip(record[8..].chunks_exact(4)) {
             *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         }
