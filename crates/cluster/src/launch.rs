@@ -252,6 +252,8 @@ fn merge(config: &Config, options: &LaunchOptions, workers: &[WorkerSummary], wa
         "test_rows": first.test_rows,
         "train_logloss": first.train_logloss,
         "dedup_ratio": keys as f64 / unique.max(1) as f64,
+        // Keys the loader sent to the shards per sample (8 bytes per unique key).
+        "shuffle_bytes_per_sample": 8.0 * unique as f64 / rows.max(1) as f64,
         "embedding_bytes_per_row": null,
         "checkpoint": first.checkpoint,
         "resumed_from_step": null,

@@ -41,6 +41,10 @@ pub struct TrainSummary {
     pub train_logloss: Option<f64>,
     /// Keys per batch before / after the first dedup, averaged.
     pub dedup_ratio: f64,
+    /// Bytes of keys per sample a shuffle to their owners carries after the
+    /// first dedup (8 per unique key); without the dedup it would be
+    /// `dedup_ratio` times this.
+    pub shuffle_bytes_per_sample: f64,
     /// Bytes the table holds per row (arena + index).
     pub embedding_bytes_per_row: f64,
     pub checkpoint: Option<String>,
@@ -326,6 +330,7 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
         test_rows,
         train_logloss: last_train_logloss,
         dedup_ratio: keys_total as f64 / unique_total.max(1) as f64,
+        shuffle_bytes_per_sample: 8.0 * unique_total as f64 / train_rows.max(1) as f64,
         embedding_bytes_per_row: trainer.table.allocated_bytes() as f64 / rows.max(1) as f64,
         checkpoint: checkpoint_dir.map(|d| d.display().to_string()),
         resumed_from_step,
