@@ -6,8 +6,9 @@
 //! bucket's address before probing, which hashbrown does not expose. Entries
 //! hold only a 32-bit fingerprint of the key; the full key lives in its row, so
 //! a fingerprint match is a candidate the caller confirms (and on a collision
-//! probing continues from the next bucket). Rows are never removed, so there
-//! are no tombstones.
+//! probing continues from the next bucket). Removal (a cache tier evicting a
+//! row) shifts the following entries of the probe run back, so there are no
+//! tombstones either.
 
 use sparrow_core::key::mix64;
 
@@ -155,6 +156,45 @@ impl SlotIndex {
         }
     }
 
+    /// Removes `key` (present at `slot`): the entries after it in its probe
+    /// run move back to close the gap (backward-shift deletion), so every
+    /// other key stays reachable from its home bucket without tombstones.
+    /// `key_of` gives the key of any indexed slot.
+    pub fn remove(&mut self, key: u64, slot: u32, key_of: impl Fn(u32) -> u64) -> bool {
+        if self.entries.is_empty() {
+            return false;
+        }
+        let mask = self.mask();
+        let target = pack(fingerprint(key), slot);
+        let mut gap = bucket_hash(key) as usize & mask;
+        loop {
+            match self.entries[gap] {
+                0 => return false,
+                e if e == target => break,
+                _ => gap = (gap + 1) & mask,
+            }
+        }
+        let mut next = (gap + 1) & mask;
+        loop {
+            let e = self.entries[next];
+            if e == 0 {
+                break;
+            }
+            let home = bucket_hash(key_of((e as u32).wrapping_sub(1))) as usize & mask;
+            // The entry may move into the gap unless its home lies cyclically
+            // after the gap and at or before its position.
+            let stays = if gap <= next { gap < home && home <= next } else { gap < home || home <= next };
+            if !stays {
+                self.entries[gap] = e;
+                gap = next;
+            }
+            next = (next + 1) & mask;
+        }
+        self.entries[gap] = 0;
+        self.len -= 1;
+        true
+    }
+
     /// Bytes held by the index.
     pub fn allocated_bytes(&self) -> usize {
         self.entries.capacity() * 8
@@ -190,6 +230,39 @@ mod tests {
                 prop_assert_eq!(index.find(k, |s| by_slot[s as usize]), Some(slot));
             }
             prop_assert_eq!(index.find(0x1234_5678_9abc, |s| by_slot[s as usize]), reference.get(&0x1234_5678_9abc).copied());
+        }
+
+        /// Inserts and removals in any order, slots reused as a cache reuses
+        /// them: the index answers like a map throughout.
+        #[test]
+        fn removal_keeps_every_other_key_reachable(ops in proptest::collection::vec((0u64..300, any::<bool>()), 0..600)) {
+            let mut index = SlotIndex::default();
+            let mut key_at: Vec<u64> = Vec::new();
+            let mut free: Vec<u32> = Vec::new();
+            let mut reference: HashMap<u64, u32> = HashMap::new();
+            for (k, insert) in ops {
+                // Low 32 bits shared by pairs of keys: fingerprint collisions too.
+                let k = (k % 150) | ((k / 150) << 40);
+                match (insert, reference.get(&k).copied()) {
+                    (true, None) => {
+                        let slot = free.pop().unwrap_or_else(|| { key_at.push(0); key_at.len() as u32 - 1 });
+                        key_at[slot as usize] = k;
+                        index.insert(k, slot, |s| key_at[s as usize]);
+                        reference.insert(k, slot);
+                    }
+                    (false, Some(slot)) => {
+                        prop_assert!(index.remove(k, slot, |s| key_at[s as usize]));
+                        reference.remove(&k);
+                        free.push(slot);
+                    }
+                    _ => {}
+                }
+                prop_assert_eq!(index.len(), reference.len());
+            }
+            for k in 0..300u64 {
+                let k = (k % 150) | ((k / 150) << 40);
+                prop_assert_eq!(index.find(k, |s| key_at[s as usize]), reference.get(&k).copied());
+            }
         }
     }
 }
