@@ -5,6 +5,7 @@
 //!
 //! Plain data structures and threads: no network, no async runtime.
 
+pub mod disk;
 pub mod index;
 pub mod optimizer;
 pub mod plan;

@@ -1,0 +1,236 @@
+//! The SSD tier's store (S3.8): an open-addressing hash table in a file, one
+//! per table lock shard. Record = `[tag u64 | key u64 | row f32 × row_len]`,
+//! little-endian, at bucket `mix64(key) & mask`, linear probing; tag 0 = empty.
+//!
+//! Why this and not an index in memory (OneEmbedding's persistent table) or an
+//! LSM (fjall): the key index of a file-with-index costs memory per row, so
+//! resident memory would grow with the table, and an LSM rewrites every row
+//! several times (compaction) for a workload that updates rows in place. Here
+//! nothing per row lives in memory; a lookup is one `pread` of a few records
+//! (from the page cache when warm, which does not count as resident memory).
+//!
+//! The file is working storage, rebuilt at every start: durability is the
+//! checkpoint's job (it copies every row, see the table's `for_each_row`).
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use sparrow_core::key::mix64;
+
+/// Grow (double and rehash) before more than 3/5 of the buckets are used.
+const MAX_LOAD_NUM: u64 = 3;
+const MAX_LOAD_DEN: u64 = 5;
+/// Records read per probe window (one `pread`).
+const WINDOW_BYTES: usize = 4096;
+
+pub struct DiskStore {
+    file: File,
+    path: PathBuf,
+    row_len: usize,
+    record_bytes: usize,
+    buckets: u64,
+    len: u64,
+    buf: Vec<u8>,
+}
+
+fn err(path: &Path, what: &str, e: std::io::Error) -> std::io::Error {
+    std::io::Error::new(e.kind(), format!("{}: {what}: {e}", path.display()))
+}
+
+impl DiskStore {
+    /// Creates (or truncates) the store at `path` for rows of `row_len` floats.
+    pub fn create(path: &Path, row_len: usize) -> std::io::Result<DiskStore> {
+        let record_bytes = 16 + 4 * row_len;
+        let buckets = 1024;
+        let file = Self::new_file(path, buckets, record_bytes)?;
+        Ok(DiskStore { file, path: path.to_path_buf(), row_len, record_bytes, buckets, len: 0, buf: Vec::new() })
+    }
+
+    fn new_file(path: &Path, buckets: u64, record_bytes: usize) -> std::io::Result<File> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)
+            .map_err(|e| err(path, "creating the SSD store", e))?;
+        // Sparse: unwritten buckets read as zeros (empty) and take no disk space.
+        file.set_len(buckets * record_bytes as u64).map_err(|e| err(path, "sizing the SSD store", e))?;
+        Ok(file)
+    }
+
+    /// Rows stored.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn window(&self) -> u64 {
+        (WINDOW_BYTES / self.record_bytes).max(1) as u64
+    }
+
+    /// Probes for `key` from its home bucket: `(bucket, found)` — the bucket
+    /// holding `key`, or the first empty one. Fills `buf` with that record.
+    fn probe(&self, key: u64, buf: &mut Vec<u8>) -> std::io::Result<(u64, bool)> {
+        let mask = self.buckets - 1;
+        let mut bucket = mix64(key) & mask;
+        let rb = self.record_bytes;
+        loop {
+            // A window of records, not past the end of the file.
+            let n = self.window().min(self.buckets - bucket);
+            buf.resize(n as usize * rb, 0);
+            self.file.read_exact_at(buf, bucket * rb as u64).map_err(|e| err(&self.path, "reading", e))?;
+            for i in 0..n as usize {
+                let rec = &buf[i * rb..(i + 1) * rb];
+                let tag = u64::from_le_bytes(rec[..8].try_into().unwrap_or_default());
+                let at = bucket + i as u64;
+                if tag == 0 {
+                    buf.drain(..i * rb);
+                    buf.truncate(rb);
+                    return Ok((at, false));
+                }
+                if u64::from_le_bytes(rec[8..16].try_into().unwrap_or_default()) == key {
+                    buf.drain(..i * rb);
+                    buf.truncate(rb);
+                    return Ok((at, true));
+                }
+            }
+            bucket = (bucket + n) & mask;
+        }
+    }
+
+    /// Copies `key`'s row into `out`; false if the store does not hold it.
+    pub fn get(&self, key: u64, out: &mut [f32]) -> std::io::Result<bool> {
+        let mut buf = Vec::with_capacity(WINDOW_BYTES);
+        let (_, found) = self.probe(key, &mut buf)?;
+        if found {
+            for (x, b) in out.iter_mut().zip(buf[16..].chunks_exact(4)) {
+                *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        Ok(found)
+    }
+
+    /// Stores (inserts or overwrites) `key`'s row.
+    pub fn put(&mut self, key: u64, row: &[f32]) -> std::io::Result<()> {
+        debug_assert_eq!(row.len(), self.row_len);
+        if (self.len + 1) * MAX_LOAD_DEN > self.buckets * MAX_LOAD_NUM {
+            self.grow()?;
+        }
+        let mut buf = std::mem::take(&mut self.buf);
+        let (bucket, found) = self.probe(key, &mut buf)?;
+        encode(&mut buf, key, row);
+        self.file.write_all_at(&buf, bucket * self.record_bytes as u64).map_err(|e| err(&self.path, "writing", e))?;
+        self.buf = buf;
+        if !found {
+            self.len += 1;
+        }
+        Ok(())
+    }
+
+    /// Every stored row, in bucket order.
+    pub fn for_each(&self, mut f: impl FnMut(u64, &[f32])) -> std::io::Result<()> {
+        let rb = self.record_bytes;
+        let per_read = ((1 << 20) / rb).max(1) as u64;
+        let mut buf = Vec::new();
+        let mut row = vec![0.0f32; self.row_len];
+        let mut bucket = 0;
+        while bucket < self.buckets {
+            let n = per_read.min(self.buckets - bucket);
+            buf.resize(n as usize * rb, 0);
+            self.file.read_exact_at(&mut buf, bucket * rb as u64).map_err(|e| err(&self.path, "reading", e))?;
+            for rec in buf.chunks_exact(rb) {
+                if u64::from_le_bytes(rec[..8].try_into().unwrap_or_default()) != 0 {
+                    for (x, b) in row.iter_mut().zip(rec[16..].chunks_exact(4)) {
+                        *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    }
+                    f(u64::from_le_bytes(rec[8..16].try_into().unwrap_or_default()), &row);
+                }
+            }
+            bucket += n;
+        }
+        Ok(())
+    }
+
+    /// Doubles the buckets: every row is re-placed in a new file (placement
+    /// tracked in a bitmap, so nothing is read back), which then replaces the old.
+    fn grow(&mut self) -> std::io::Result<()> {
+        let buckets = self.buckets * 2;
+        let tmp = self.path.with_extension("grow");
+        let file = Self::new_file(&tmp, buckets, self.record_bytes)?;
+        let mut used = vec![0u64; buckets.div_ceil(64) as usize];
+        let rb = self.record_bytes;
+        let mut rec = Vec::with_capacity(rb);
+        let mut result = Ok(());
+        self.for_each(|key, row| {
+            if result.is_err() {
+                return;
+            }
+            let mut b = mix64(key) & (buckets - 1);
+            while used[(b / 64) as usize] & (1 << (b % 64)) != 0 {
+                b = (b + 1) & (buckets - 1);
+            }
+            used[(b / 64) as usize] |= 1 << (b % 64);
+            encode(&mut rec, key, row);
+            result = file.write_all_at(&rec, b * rb as u64).map_err(|e| err(&tmp, "writing", e));
+        })?;
+        result?;
+        std::fs::rename(&tmp, &self.path).map_err(|e| err(&self.path, "replacing after growth", e))?;
+        self.file = file;
+        self.buckets = buckets;
+        Ok(())
+    }
+}
+
+fn encode(buf: &mut Vec<u8>, key: u64, row: &[f32]) {
+    buf.clear();
+    buf.extend_from_slice(&1u64.to_le_bytes());
+    buf.extend_from_slice(&key.to_le_bytes());
+    for x in row {
+        buf.extend_from_slice(&x.to_le_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(30))]
+
+        /// Puts and gets in any order, across growths: answers like a map.
+        #[test]
+        fn behaves_like_a_map(ops in proptest::collection::vec((any::<u64>(), -1.0f32..1.0), 0..3000), small in 0u64..40) {
+            let dir = tempfile::tempdir().expect("tmp");
+            let mut store = DiskStore::create(&dir.path().join("s.bin"), 3).expect("create");
+            let mut reference: HashMap<u64, [f32; 3]> = HashMap::new();
+            for (i, (k, v)) in ops.iter().enumerate() {
+                // Some keys repeat (overwrites), the rest are random.
+                let k = if i % 3 == 0 { k % (small + 1) } else { *k };
+                let row = [*v, v * 2.0, i as f32];
+                store.put(k, &row).expect("put");
+                reference.insert(k, row);
+            }
+            prop_assert_eq!(store.len(), reference.len() as u64);
+            let mut out = [0.0f32; 3];
+            for (k, row) in &reference {
+                prop_assert!(store.get(*k, &mut out).expect("get"));
+                prop_assert_eq!(&out, row);
+            }
+            prop_assert!(!store.get(0xfeed_f00d_dead_beef, &mut out).expect("get") || reference.contains_key(&0xfeed_f00d_dead_beef));
+            let mut seen = HashMap::new();
+            store.for_each(|k, row| { seen.insert(k, [row[0], row[1], row[2]]); }).expect("scan");
+            prop_assert_eq!(seen, reference);
+        }
+    }
+}
