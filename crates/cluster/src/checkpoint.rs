@@ -22,7 +22,9 @@ pub fn save(
     shards: &[Arc<dyn ShardService>],
 ) -> Result<PathBuf, ClusterError> {
     let layout = DataLayout::from_config(&config.data);
-    let mut trainer = Trainer::new(config, layout)?;
+    // The gathered rows sit in memory while they are written (never in the
+    // shards' SSD files).
+    let mut trainer = Trainer::new(&in_memory(config), layout)?;
     let position = worker.stats.last_end;
     trainer.model = worker.model;
     trainer.dense_optimizer = worker.optimizer;
@@ -43,6 +45,14 @@ pub fn save(
         }
     }
     Ok(sparrow_trainer::checkpoint::save(&trainer, root, config.checkpoint.keep)?)
+}
+
+/// `config` with its table in memory: for the helper tables of save and
+/// restore, which must not touch a shard's SSD files.
+fn in_memory(config: &Config) -> Config {
+    let mut c = config.clone();
+    c.embedding.storage = sparrow_core::config::Storage::Memory;
+    c
 }
 
 /// The later of two data positions (workers see batches in any order).
@@ -66,7 +76,8 @@ pub fn restore_shard_table(
     index: usize,
     num_shards: usize,
 ) -> Result<sparrow_embedding::EmbeddingTable, ClusterError> {
-    let mut trainer = Trainer::new(config, DataLayout::from_config(&config.data))?;
+    let mut trainer = Trainer::new(&in_memory(config), DataLayout::from_config(&config.data))?;
+    trainer.table = crate::local::shard_table(config, index)?;
     sparrow_trainer::checkpoint::load_into_filtered(&mut trainer, dir, |key| {
         crate::loader::owner(key, num_shards) == index
     })?;
@@ -75,7 +86,7 @@ pub fn restore_shard_table(
 
 /// A worker's dense model and optimizer state, restored from a checkpoint.
 pub fn restore_worker(config: &Config, dir: &Path, worker: &mut Worker) -> Result<(), ClusterError> {
-    let mut trainer = Trainer::new(config, DataLayout::from_config(&config.data))?;
+    let mut trainer = Trainer::new(&in_memory(config), DataLayout::from_config(&config.data))?;
     let manifest = sparrow_trainer::checkpoint::load_into_filtered(&mut trainer, dir, |_| false)?;
     worker.model = trainer.model;
     worker.optimizer.take_state_from(trainer.dense_optimizer);

@@ -7,7 +7,7 @@ use candle_core::Device;
 use sparrow_core::Config;
 use sparrow_core::metrics::{auc, log_loss_from_logits};
 use sparrow_data::DataLayout;
-use sparrow_embedding::{EmbeddingTable, Initializer, SparseOptimizer};
+use sparrow_embedding::{EmbeddingTable, Initializer};
 use sparrow_model::{DenseModel, DenseOptimizer, ModelShape};
 use sparrow_trainer::TrainError;
 use sparrow_trainer::trainer::seeds;
@@ -33,16 +33,23 @@ pub struct LocalSummary {
     pub dense_checksums: Vec<u64>,
 }
 
-/// A shard role's table, built from the config the way every shard builds it.
-pub fn shard_table(config: &Config) -> EmbeddingTable {
+/// A shard role's table, built from the config the way every shard builds
+/// it (an SSD tier goes to `embedding.path/shard-<index>`).
+pub fn shard_table(config: &Config, index: usize) -> Result<EmbeddingTable, ClusterError> {
     let (emb_seed, _) = seeds(config.train.seed);
     let width = DenseModel::embedding_width(config.model.kind, config.model.embedding_dim);
-    EmbeddingTable::new(
+    // Batches pulled and not yet pushed keep their rows: the loader's queue
+    // and every worker's batch in hand, with room to spare.
+    let in_flight = 4 * config.cluster.loader_queue_batches as u64 + 64;
+    let table = EmbeddingTable::from_config(
         width,
-        SparseOptimizer::from_config(&config.embedding),
+        &config.embedding,
         Initializer::new(config.embedding.init, emb_seed),
-        config.embedding.table_shards,
+        Some(&format!("shard-{index}")),
+        in_flight,
     )
+    .map_err(|source| ClusterError::Table { shard: index, source })?;
+    Ok(table)
 }
 
 /// A worker role, built from the config (every worker starts from the same
@@ -75,8 +82,9 @@ pub fn new_worker(
 /// `sparrow_trainer::train` (tested).
 pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Result<LocalSummary, ClusterError> {
     let num_workers = num_workers.max(1);
-    let servers: Vec<Arc<ShardServer>> =
-        (0..num_shards.max(1)).map(|i| Arc::new(ShardServer::new(i, shard_table(config)))).collect();
+    let servers: Vec<Arc<ShardServer>> = (0..num_shards.max(1))
+        .map(|i| Ok(Arc::new(ShardServer::new(i, shard_table(config, i)?))))
+        .collect::<Result<_, ClusterError>>()?;
     let shards: Vec<Arc<dyn ShardService>> = servers.iter().map(|s| s.clone() as Arc<dyn ShardService>).collect();
     let layout = DataLayout::from_config(&config.data);
     let loader = LoaderServer::start(config, shards.clone())?;

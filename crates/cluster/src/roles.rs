@@ -194,7 +194,7 @@ pub fn run_shard(args: &RoleArgs) -> Result<(), ClusterError> {
                 tracing::info!("shard {}: restored {} rows from {}", reg.index, table.len(), dir.display());
                 table
             }
-            None => shard_table(&reg.config),
+            None => shard_table(&reg.config, reg.index)?,
         };
         let shard = Arc::new(ShardServer::new(reg.index, table));
         let service = crate::grpc::shard::service(shard, &settings, metrics);

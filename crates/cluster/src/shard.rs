@@ -67,7 +67,9 @@ impl ShardService for ShardServer {
         let mut rows = Vec::new();
         match mode {
             Mode::Eval => {
-                self.table.lookup(&plan, &mut unique_rows);
+                self.table
+                    .lookup(&plan, &mut unique_rows)
+                    .map_err(|source| ClusterError::Table { shard: self.index, source })?;
                 plan.restore(&unique_rows, dim, &mut rows);
             }
             Mode::Train => {
@@ -120,11 +122,14 @@ impl ShardService for ShardServer {
     }
 
     fn export(&self, cursor: (usize, usize), max_rows: usize) -> Result<ExportPage, ClusterError> {
-        let mut page = ExportPage::default();
-        page.next = self.table.rows_from(cursor, max_rows, |key, row| {
-            page.keys.push(key);
-            page.rows.extend_from_slice(row);
-        });
-        Ok(page)
+        let (mut keys, mut rows) = (Vec::new(), Vec::new());
+        let next = self
+            .table
+            .rows_from(cursor, max_rows, |key, row| {
+                keys.push(key);
+                rows.extend_from_slice(row);
+            })
+            .map_err(|source| ClusterError::Table { shard: self.index, source })?;
+        Ok(ExportPage { keys, rows, next })
     }
 }

@@ -141,8 +141,9 @@ fn a_faster_worker_takes_more_batches_and_replicas_stay_identical() {
     sparrow_data::synth::generate(tmp.path(), 4000, 100, 13).expect("generate");
     let c = config(tmp.path(), "dlrm");
     let layout = sparrow_data::DataLayout::from_config(&c.data);
-    let shards: Vec<Arc<dyn ShardService>> =
-        (0..2).map(|i| Arc::new(ShardServer::new(i, shard_table(&c))) as Arc<dyn ShardService>).collect();
+    let shards: Vec<Arc<dyn ShardService>> = (0..2)
+        .map(|i| Arc::new(ShardServer::new(i, shard_table(&c, i).expect("table"))) as Arc<dyn ShardService>)
+        .collect();
     let loader = LoaderServer::start(&c, shards.clone()).expect("loader");
     let slow = SlowFor { inner: &loader, slow_worker: 1 };
     let rounds = Arc::new(RoundSum::new(2));

@@ -269,6 +269,32 @@ pub struct EmbeddingConfig {
     pub ftrl_l2: f32,
     /// Lock shards of the in-memory table (a power of two).
     pub table_shards: usize,
+    /// Where rows live: all in memory, or on SSD behind a memory cache (S3.8).
+    pub storage: Storage,
+    /// The SSD tier's directory (`storage = "ssd"`); its files are working
+    /// storage, rebuilt at every start (checkpoints hold the durable copy).
+    pub path: Option<String>,
+    /// Rows the memory cache in front of the SSD tier holds.
+    pub cache_capacity_rows: usize,
+    pub cache_policy: CachePolicy,
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Storage {
+    #[default]
+    Memory,
+    Ssd,
+}
+
+/// Which cached row the SSD tier's cache evicts: the least recently or the
+/// least frequently used (approximated by sampling).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum CachePolicy {
+    #[default]
+    Lru,
+    Lfu,
 }
 
 impl Default for EmbeddingConfig {
@@ -284,6 +310,10 @@ impl Default for EmbeddingConfig {
             ftrl_l1: 0.0,
             ftrl_l2: 0.0,
             table_shards: 64,
+            storage: Storage::Memory,
+            path: None,
+            cache_capacity_rows: 1_000_000,
+            cache_policy: CachePolicy::Lru,
         }
     }
 }
@@ -430,6 +460,14 @@ impl Config {
         }
         if self.train.log_interval_steps == 0 {
             return invalid("train.log_interval_steps", "must be at least 1");
+        }
+        if self.embedding.storage == Storage::Ssd {
+            if self.embedding.path.is_none() {
+                return invalid("embedding.path", "storage = \"ssd\" needs a directory for the SSD tier");
+            }
+            if self.embedding.cache_capacity_rows < self.embedding.table_shards {
+                return invalid("embedding.cache_capacity_rows", "must be at least embedding.table_shards");
+            }
         }
         if self.train.pipeline_depth > 1 {
             return invalid(

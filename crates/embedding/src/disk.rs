@@ -160,6 +160,41 @@ impl DiskStore {
         Ok(())
     }
 
+    /// Calls `f` for stored rows from `bucket` on until it has accepted
+    /// (returned true for) `max` of them; returns the bucket to continue from
+    /// and how many were accepted, or `None` at the end of the file.
+    pub fn scan_from(
+        &self,
+        bucket: u64,
+        max: usize,
+        mut f: impl FnMut(u64, &[f32]) -> bool,
+    ) -> std::io::Result<Option<(u64, usize)>> {
+        let rb = self.record_bytes;
+        let per_read = ((1 << 20) / rb).max(1) as u64;
+        let (mut buf, mut row) = (Vec::new(), vec![0.0f32; self.row_len]);
+        let (mut at, mut accepted) = (bucket, 0);
+        while at < self.buckets {
+            let n = per_read.min(self.buckets - at);
+            buf.resize(n as usize * rb, 0);
+            self.file.read_exact_at(&mut buf, at * rb as u64).map_err(|e| err(&self.path, "reading", e))?;
+            for (i, rec) in buf.chunks_exact(rb).enumerate() {
+                if accepted == max {
+                    return Ok(Some((at + i as u64, accepted)));
+                }
+                if u64::from_le_bytes(rec[..8].try_into().unwrap_or_default()) != 0 {
+                    for (x, b) in row.iter_mut().zip(rec[16..].chunks_exact(4)) {
+                        *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    }
+                    if f(u64::from_le_bytes(rec[8..16].try_into().unwrap_or_default()), &row) {
+                        accepted += 1;
+                    }
+                }
+            }
+            at += n;
+        }
+        Ok(if accepted > 0 { Some((self.buckets, accepted)) } else { None })
+    }
+
     /// Doubles the buckets: every row is re-placed in a new file (placement
     /// tracked in a bitmap, so nothing is read back), which then replaces the old.
     fn grow(&mut self) -> std::io::Result<()> {

@@ -12,12 +12,16 @@
 //! Invariant: a row never moves once allocated (chunks are never reallocated),
 //! and rows are only added, so a slot stays valid for the table's lifetime.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use parking_lot::RwLock;
 use rayon::prelude::*;
+use sparrow_core::config::CachePolicy;
 use sparrow_core::config::{InitConfig, InitKind};
 use sparrow_core::key::mix64;
 use sparrow_core::rng::Rng;
 
+use crate::disk::DiskStore;
 use crate::index::{Probe, SlotIndex};
 use crate::optimizer::SparseOptimizer;
 use crate::plan::KeyPlan;
@@ -29,7 +33,12 @@ pub enum TableError {
     RowWidth { key: u64, expected: usize, found: usize },
     #[error("the table holds more than {max} rows in one shard")]
     ShardFull { max: u64 },
+    #[error("SSD tier: {0}")]
+    Ssd(#[from] std::io::Error),
 }
+
+/// [`EmbeddingTable::rows_from`] positions at or past this walk a shard's SSD store.
+pub const STORE_CURSOR: usize = 1 << 40;
 
 /// f32 slots that hold a row's key (its two 32-bit halves, as bit patterns).
 const KEY_FLOATS: usize = 2;
@@ -107,6 +116,76 @@ struct TableShard {
     index: SlotIndex,
     chunks: Vec<Box<[f32]>>,
     rows: usize,
+    /// With an SSD tier, the rows above are a cache in front of it.
+    tier: Option<Tier>,
+}
+
+/// A shard's cache bookkeeping when its table has an SSD tier (S3.8).
+struct Tier {
+    store: DiskStore,
+    /// Rows this shard's cache holds before it starts evicting.
+    capacity: usize,
+    policy: CachePolicy,
+    /// Rows used by the last `protect` lookups are never evicted: their slots
+    /// may be in flight between a lookup and its update.
+    protect: u64,
+    last_use: Vec<u64>,
+    uses: Vec<u32>,
+    dirty: Vec<bool>,
+    /// Keys in the store and not in the cache.
+    stored_only: usize,
+    rng: u64,
+    stats: TierStats,
+}
+
+/// Lookups of a table with an SSD tier, by outcome.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierStats {
+    /// Found in the memory cache.
+    pub hits: u64,
+    /// Read from the SSD store into the cache.
+    pub loads: u64,
+    /// Keys seen for the first time (initialised, nothing to read).
+    pub inits: u64,
+    /// Rows written back to the store on eviction.
+    pub writebacks: u64,
+}
+
+impl Tier {
+    /// A slot to evict: the least recently (or frequently) used of a few
+    /// sampled unprotected slots, as Redis approximates LRU; `None` if every
+    /// sample was protected (the cache then grows past its capacity).
+    fn pick_victim(&mut self, rows: usize, tick: u64) -> Option<u32> {
+        let mut best: Option<(u64, u32)> = None;
+        let mut candidates = 0;
+        for _ in 0..64 {
+            self.rng ^= self.rng << 13;
+            self.rng ^= self.rng >> 7;
+            self.rng ^= self.rng << 17;
+            let slot = (self.rng % rows as u64) as usize;
+            if self.last_use[slot] + self.protect > tick {
+                continue;
+            }
+            let age_or_uses = match self.policy {
+                CachePolicy::Lru => self.last_use[slot],
+                CachePolicy::Lfu => (u64::from(self.uses[slot]) << 32) | (self.last_use[slot] & 0xffff_ffff),
+            };
+            if best.is_none_or(|(b, _)| age_or_uses < b) {
+                best = Some((age_or_uses, slot as u32));
+            }
+            candidates += 1;
+            if candidates == 8 {
+                break;
+            }
+        }
+        best.map(|(_, slot)| slot)
+    }
+
+    fn touch(&mut self, slot: u32, tick: u64) {
+        let s = slot as usize;
+        self.last_use[s] = tick;
+        self.uses[s] = self.uses[s].saturating_add(1);
+    }
 }
 
 /// Which rows of a shard's arena live in which chunk.
@@ -194,6 +273,11 @@ impl TableShard {
             self.chunks.push(vec![0.0f32; layout.chunk_rows() * layout.stored_len].into_boxed_slice());
         }
         self.rows += 1;
+        if let Some(t) = &mut self.tier {
+            t.last_use.push(0);
+            t.uses.push(0);
+            t.dirty.push(true);
+        }
         set_key(&mut self.chunks[chunk][start..start + KEY_FLOATS], key);
         let chunks = &self.chunks;
         // Growing the index rehashes every entry from the key in its row.
@@ -209,12 +293,15 @@ impl TableShard {
         key: u64,
         init: &Initializer,
         opt: &SparseOptimizer,
+        tick: u64,
     ) -> Result<u32, TableError> {
         let probe = self.index.probe(key);
-        self.confirm_or_insert(layout, key, probe, init, opt)
+        self.confirm_or_insert(layout, key, probe, init, opt, tick)
     }
 
     /// [`slot_or_insert`](Self::slot_or_insert) with the probe already done.
+    /// With an SSD tier, a key missing from the cache is read from the store
+    /// (or initialised on first sight) into a free or evicted slot.
     #[inline]
     fn confirm_or_insert(
         &mut self,
@@ -223,16 +310,82 @@ impl TableShard {
         probe: Probe,
         init: &Initializer,
         opt: &SparseOptimizer,
+        tick: u64,
     ) -> Result<u32, TableError> {
         if let Some(slot) = self.index.confirm(key, probe, |s| self.key_at(layout, s)) {
+            if let Some(t) = &mut self.tier {
+                t.touch(slot, tick);
+                t.stats.hits += 1;
+            }
             return Ok(slot);
         }
-        let slot = self.add(layout, key)?;
-        let row = self.row_mut(layout, slot);
-        let (w, state) = row.split_at_mut(layout.dim);
-        init.fill(key, w);
-        opt.init_state(w, state);
+        let slot = self.free_slot(layout, key, tick)?;
+        let (chunk, start) = layout.locate(slot);
+        let row = &mut self.chunks[chunk][start + KEY_FLOATS..start + layout.stored_len];
+        let loaded = match &mut self.tier {
+            Some(t) => {
+                t.touch(slot, tick);
+                let loaded = t.store.get(key, row)?;
+                t.dirty[slot as usize] = !loaded;
+                if loaded {
+                    t.stored_only -= 1;
+                    t.stats.loads += 1;
+                } else {
+                    t.stats.inits += 1;
+                }
+                loaded
+            }
+            None => false,
+        };
+        if !loaded {
+            let (w, state) = row.split_at_mut(layout.dim);
+            init.fill(key, w);
+            opt.init_state(w, state);
+        }
         Ok(slot)
+    }
+
+    /// A slot for a new `key`, indexed: a fresh one while the cache is under
+    /// capacity, else an evicted one (its row written back if dirty).
+    fn free_slot(&mut self, layout: Layout, key: u64, tick: u64) -> Result<u32, TableError> {
+        let rows = self.rows;
+        let victim = match &mut self.tier {
+            Some(t) if rows >= t.capacity => t.pick_victim(rows, tick),
+            _ => None,
+        };
+        let Some(slot) = victim else { return self.add(layout, key) };
+        let TableShard { index, chunks, tier, .. } = self;
+        let Some(tier) = tier.as_mut() else { return Err(TableError::ShardFull { max: 0 }) };
+        let old = key_of(stored_in(chunks, layout, slot));
+        if tier.dirty[slot as usize] {
+            tier.store.put(old, &stored_in(chunks, layout, slot)[KEY_FLOATS..])?;
+            tier.stats.writebacks += 1;
+        }
+        tier.stored_only += 1;
+        index.remove(old, slot, |s| key_of(stored_in(chunks, layout, s)));
+        let (chunk, start) = layout.locate(slot);
+        set_key(&mut chunks[chunk][start..start + KEY_FLOATS], key);
+        tier.uses[slot as usize] = 0;
+        index.insert(key, slot, |s| key_of(stored_in(chunks, layout, s)));
+        Ok(slot)
+    }
+
+    /// `key`'s full row from the cache or the store, without inserting it.
+    fn read_row(&self, layout: Layout, key: u64, out: &mut [f32]) -> Result<bool, TableError> {
+        if let Some(slot) = self.find(layout, key) {
+            out.copy_from_slice(self.row(layout, slot));
+            return Ok(true);
+        }
+        match &self.tier {
+            Some(t) => Ok(t.store.get(key, out)?),
+            None => Ok(false),
+        }
+    }
+
+    fn mark_dirty(&mut self, slot: u32) {
+        if let Some(t) = &mut self.tier {
+            t.dirty[slot as usize] = true;
+        }
     }
 }
 
@@ -269,6 +422,20 @@ pub struct EmbeddingTable {
     init: Initializer,
     shards: Box<[RwLock<TableShard>]>,
     shard_mask: u64,
+    /// Counts training lookups: a cached row's age for eviction.
+    tick: AtomicU64,
+}
+
+/// The SSD tier of a table (S3.8): where its files go and the cache in front.
+#[derive(Clone, Debug)]
+pub struct SsdOptions {
+    pub dir: std::path::PathBuf,
+    /// Rows the memory cache holds (split evenly across the lock shards).
+    pub cache_capacity_rows: usize,
+    pub policy: CachePolicy,
+    /// Rows used by the last this-many training lookups are never evicted
+    /// (2 covers a lookup running one batch ahead of the previous update).
+    pub protect_lookups: u64,
 }
 
 impl std::fmt::Debug for EmbeddingTable {
@@ -301,9 +468,89 @@ impl EmbeddingTable {
         let layout = Layout::new(dim + optimizer.state_len(dim), dim);
         let shard_mask = shards as u64 - 1;
         let shards = (0..shards)
-            .map(|_| RwLock::new(TableShard { index: SlotIndex::default(), chunks: Vec::new(), rows: 0 }))
+            .map(|_| RwLock::new(TableShard { index: SlotIndex::default(), chunks: Vec::new(), rows: 0, tier: None }))
             .collect();
-        EmbeddingTable { layout, optimizer, init, shards, shard_mask }
+        EmbeddingTable { layout, optimizer, init, shards, shard_mask, tick: AtomicU64::new(1) }
+    }
+
+    /// A table whose rows live in files under `ssd.dir` (one per lock shard),
+    /// with at most `ssd.cache_capacity_rows` of them in memory.
+    pub fn with_ssd(
+        dim: usize,
+        optimizer: SparseOptimizer,
+        init: Initializer,
+        shards: usize,
+        ssd: &SsdOptions,
+    ) -> Result<Self, TableError> {
+        let table = Self::new(dim, optimizer, init, shards);
+        std::fs::create_dir_all(&ssd.dir)
+            .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", ssd.dir.display())))?;
+        let capacity = ssd.cache_capacity_rows.div_ceil(shards).max(1);
+        for (i, shard) in table.shards.iter().enumerate() {
+            let store = DiskStore::create(&ssd.dir.join(format!("shard-{i:03}.bin")), table.layout.row_len)?;
+            shard.write().tier = Some(Tier {
+                store,
+                capacity,
+                policy: ssd.policy,
+                protect: ssd.protect_lookups.max(1),
+                last_use: Vec::new(),
+                uses: Vec::new(),
+                dirty: Vec::new(),
+                stored_only: 0,
+                rng: 0x9e37_79b9_7f4a_7c15 ^ (i as u64 + 1),
+                stats: TierStats::default(),
+            });
+        }
+        Ok(table)
+    }
+
+    /// The table `embedding.*` describes: in memory, or with its SSD tier in
+    /// `embedding.path` (joined with `subdir`, so several tables of one
+    /// machine do not share files). `protect_lookups`: see [`SsdOptions`].
+    pub fn from_config(
+        dim: usize,
+        config: &sparrow_core::config::EmbeddingConfig,
+        init: Initializer,
+        subdir: Option<&str>,
+        protect_lookups: u64,
+    ) -> Result<Self, TableError> {
+        let optimizer = SparseOptimizer::from_config(config);
+        match (config.storage, &config.path) {
+            (sparrow_core::config::Storage::Ssd, Some(path)) => {
+                let mut dir = std::path::PathBuf::from(path);
+                if let Some(sub) = subdir {
+                    dir.push(sub);
+                }
+                let ssd = SsdOptions {
+                    dir,
+                    cache_capacity_rows: config.cache_capacity_rows,
+                    policy: config.cache_policy,
+                    protect_lookups,
+                };
+                Self::with_ssd(dim, optimizer, init, config.table_shards, &ssd)
+            }
+            _ => Ok(Self::new(dim, optimizer, init, config.table_shards)),
+        }
+    }
+
+    /// Lookup outcomes of the SSD tier, summed over shards (`None` in memory).
+    pub fn tier_stats(&self) -> Option<TierStats> {
+        let mut total: Option<TierStats> = None;
+        for shard in self.shards.iter() {
+            if let Some(t) = &shard.read().tier {
+                let s = total.get_or_insert_with(TierStats::default);
+                s.hits += t.stats.hits;
+                s.loads += t.stats.loads;
+                s.inits += t.stats.inits;
+                s.writebacks += t.stats.writebacks;
+            }
+        }
+        total
+    }
+
+    /// Rows held in memory (all of them without an SSD tier).
+    pub fn cached_rows(&self) -> usize {
+        self.shards.iter().map(|s| s.read().index.len()).sum()
     }
 
     pub fn dim(&self) -> usize {
@@ -338,8 +585,15 @@ impl EmbeddingTable {
         self.partitioner().plan(keys)
     }
 
+    /// Distinct keys held, in memory and on SSD.
     pub fn len(&self) -> usize {
-        self.shards.iter().map(|s| s.read().index.len()).sum()
+        self.shards
+            .iter()
+            .map(|s| {
+                let s = s.read();
+                s.index.len() + s.tier.as_ref().map_or(0, |t| t.stored_only)
+            })
+            .sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -368,6 +622,7 @@ impl EmbeddingTable {
         let dim = layout.dim;
         assert_eq!(out.len(), plan.num_unique() * dim, "output size");
         let mut slots = vec![0u32; plan.num_unique()];
+        let tick = self.tick.fetch_add(1, Ordering::Relaxed) + 1;
         let out_parts = self.shard_slices(plan, out, dim);
         let slot_parts = self.shard_slices(plan, &mut slots, 1);
         out_parts.into_par_iter().zip(slot_parts).try_for_each(|((s, out), (_, slots))| {
@@ -389,12 +644,13 @@ impl EmbeddingTable {
                     }
                 }
                 if let Some(j) = i.checked_sub(2 * D) {
-                    let slot = shard.confirm_or_insert(layout, keys[j], probes[j], &self.init, &self.optimizer)?;
+                    let slot =
+                        shard.confirm_or_insert(layout, keys[j], probes[j], &self.init, &self.optimizer, tick)?;
                     slots[j] = slot;
                     out[j * dim..(j + 1) * dim].copy_from_slice(&shard.row(layout, slot)[..dim]);
                 }
             }
-            Ok(())
+            Ok::<(), TableError>(())
         })?;
         Ok(RowSlots { table_id: self.id(), slots })
     }
@@ -425,26 +681,30 @@ impl EmbeddingTable {
                 }
                 let (w, state) = shard.row_mut(layout, slots.slots[u]).split_at_mut(dim);
                 self.optimizer.apply(w, state, &grads[u * dim..(u + 1) * dim]);
+                shard.mark_dirty(slots.slots[u]);
             }
         });
     }
 
     /// Read-only lookup (evaluation): an unseen key reads as its initial
-    /// vector and is not inserted.
-    pub fn lookup(&self, plan: &KeyPlan, out: &mut [f32]) {
+    /// vector and is not inserted (nor moved into the cache).
+    pub fn lookup(&self, plan: &KeyPlan, out: &mut [f32]) -> Result<(), TableError> {
         let layout = self.layout;
         let dim = layout.dim;
         assert_eq!(out.len(), plan.num_unique() * dim, "output size");
-        self.shard_slices(plan, out, dim).into_par_iter().for_each(|(s, out)| {
+        self.shard_slices(plan, out, dim).into_par_iter().try_for_each(|(s, out)| {
             let shard = self.shards[s].read();
+            let mut full = vec![0.0f32; layout.row_len];
             for (i, &key) in plan.shard_keys(s).iter().enumerate() {
                 let dst = &mut out[i * dim..(i + 1) * dim];
                 match shard.find(layout, key) {
                     Some(slot) => dst.copy_from_slice(&shard.row(layout, slot)[..dim]),
+                    None if shard.read_row(layout, key, &mut full)? => dst.copy_from_slice(&full[..dim]),
                     None => self.init.fill(key, dst),
                 }
             }
-        });
+            Ok(())
+        })
     }
 
     /// Applies summed gradients (`num_unique × dim`, in plan order) once per
@@ -460,11 +720,13 @@ impl EmbeddingTable {
             }
             let base = plan.shard_offsets[s];
             let mut shard = self.shards[s].write();
+            let tick = self.tick.load(Ordering::Relaxed);
             for (i, &key) in keys.iter().enumerate() {
-                let slot = shard.slot_or_insert(layout, key, &self.init, &self.optimizer)?;
+                let slot = shard.slot_or_insert(layout, key, &self.init, &self.optimizer, tick)?;
                 let g = &grads[(base + i) * dim..(base + i + 1) * dim];
                 let (w, state) = shard.row_mut(layout, slot).split_at_mut(dim);
                 self.optimizer.apply(w, state, g);
+                shard.mark_dirty(slot);
             }
             Ok(())
         })
@@ -473,36 +735,62 @@ impl EmbeddingTable {
     /// Full row (weights and optimizer state) of `key`, if present.
     pub fn get_row(&self, key: u64) -> Option<Vec<f32>> {
         let shard = self.shards[self.shard_of(key)].read();
-        shard.find(self.layout, key).map(|slot| shard.row(self.layout, slot).to_vec())
+        let mut row = vec![0.0f32; self.layout.row_len];
+        // A store read error reads as absent here; training paths report it.
+        shard.read_row(self.layout, key, &mut row).ok()?.then_some(row)
     }
 
     /// Up to `max` rows in storage order starting at `cursor` (lock shard,
-    /// slot), each with its key; returns the cursor after them, `None` once
-    /// every row was visited. Rows never move, so a walk from `(0, 0)` visits
-    /// every row present when it started exactly once (export in pages).
+    /// position), each with its key; returns the cursor after them, `None`
+    /// once every row was visited. For a table that is not being trained, a
+    /// walk from `(0, 0)` visits every row exactly once (export in pages):
+    /// a shard's cached rows first, then (SSD tier) its stored rows that are
+    /// not cached, at positions from [`STORE_CURSOR`] on.
     pub fn rows_from(
         &self,
         cursor: (usize, usize),
         max: usize,
         mut f: impl FnMut(u64, &[f32]),
-    ) -> Option<(usize, usize)> {
-        let (mut shard_index, mut slot) = cursor;
+    ) -> Result<Option<(usize, usize)>, TableError> {
+        let (mut shard_index, mut pos) = cursor;
         let mut visited = 0;
         while shard_index < self.shards.len() {
             let shard = self.shards[shard_index].read();
-            while slot < shard.rows {
+            while pos < shard.rows && pos < STORE_CURSOR {
                 if visited == max {
-                    return Some((shard_index, slot));
+                    return Ok(Some((shard_index, pos)));
                 }
-                let stored = stored_in(&shard.chunks, self.layout, slot as u32);
+                let stored = stored_in(&shard.chunks, self.layout, pos as u32);
                 f(key_of(stored), &stored[KEY_FLOATS..]);
-                slot += 1;
+                pos += 1;
                 visited += 1;
             }
+            if let Some(t) = &shard.tier {
+                let mut bucket = pos.saturating_sub(STORE_CURSOR) as u64;
+                loop {
+                    if visited == max {
+                        return Ok(Some((shard_index, STORE_CURSOR + bucket as usize)));
+                    }
+                    let next = t.store.scan_from(bucket, max - visited, |key, row| {
+                        if shard.find(self.layout, key).is_none() {
+                            f(key, row);
+                            return true;
+                        }
+                        false
+                    })?;
+                    match next {
+                        Some((b, n)) => {
+                            visited += n;
+                            bucket = b;
+                        }
+                        None => break,
+                    }
+                }
+            }
             shard_index += 1;
-            slot = 0;
+            pos = 0;
         }
-        None
+        Ok(None)
     }
 
     /// Inserts or overwrites a full row (checkpoint restore).
@@ -513,9 +801,19 @@ impl EmbeddingTable {
         let mut shard = self.shards[self.shard_of(key)].write();
         let slot = match shard.find(self.layout, key) {
             Some(slot) => slot,
-            None => shard.add(self.layout, key)?,
+            None => {
+                let tick = self.tick.load(Ordering::Relaxed);
+                let mut scratch = vec![0.0f32; self.layout.row_len];
+                if let Some(t) = &mut shard.tier
+                    && t.store.get(key, &mut scratch)?
+                {
+                    t.stored_only -= 1;
+                }
+                shard.free_slot(self.layout, key, tick)?
+            }
         };
         shard.row_mut(self.layout, slot).copy_from_slice(row);
+        shard.mark_dirty(slot);
         Ok(())
     }
 
@@ -527,9 +825,23 @@ impl EmbeddingTable {
             let mut entries: Vec<(u64, u32)> = (0..shard.rows as u32)
                 .map(|slot| (key_of(stored_in(&shard.chunks, self.layout, slot)), slot))
                 .collect();
-            entries.sort_unstable_by_key(|e| e.0);
-            for (key, slot) in entries {
-                f(key, shard.row(self.layout, slot))?;
+            // SSD tier: the stored rows that are not cached (the cache's copy is newer).
+            let mut stored: Vec<(u64, Vec<f32>)> = Vec::new();
+            if let Some(t) = &shard.tier {
+                t.store.for_each(|key, row| {
+                    if shard.find(self.layout, key).is_none() {
+                        stored.push((key, row.to_vec()));
+                    }
+                })?;
+            }
+            let mut all: Vec<(u64, Result<u32, usize>)> = entries.drain(..).map(|(k, s)| (k, Ok(s))).collect();
+            all.extend(stored.iter().enumerate().map(|(i, (k, _))| (*k, Err(i))));
+            all.sort_unstable_by_key(|e| e.0);
+            for (key, at) in all {
+                match at {
+                    Ok(slot) => f(key, shard.row(self.layout, slot))?,
+                    Err(i) => f(key, &stored[i].1)?,
+                }
             }
         }
         Ok(())
@@ -567,10 +879,12 @@ mod tests {
         }
         let (mut seen, mut cursor) = (Vec::new(), Some((0, 0)));
         while let Some(at) = cursor {
-            cursor = t.rows_from(at, 37, |key, row| {
-                assert_eq!(Some(row.to_vec()), t.get_row(key));
-                seen.push(key);
-            });
+            cursor = t
+                .rows_from(at, 37, |key, row| {
+                    assert_eq!(Some(row.to_vec()), t.get_row(key));
+                    seen.push(key);
+                })
+                .expect("walk");
         }
         seen.sort_unstable();
         let mut expected: Vec<u64> = (0..1000).map(mix).collect();
@@ -587,7 +901,7 @@ mod tests {
         let t = table(SparseOptimizer::Sgd { lr: 0.1 });
         let plan = t.plan(&[5, 7, 5, 9]);
         let mut ro = vec![0.0; plan.num_unique() * 4];
-        t.lookup(&plan, &mut ro);
+        t.lookup(&plan, &mut ro).expect("lookup");
         assert!(t.is_empty());
         let mut out = vec![0.0; plan.num_unique() * 4];
         t.lookup_or_insert(&plan, &mut out).expect("lookup");

@@ -45,6 +45,15 @@ pub struct TrainSummary {
     /// first dedup (8 per unique key); without the dedup it would be
     /// `dedup_ratio` times this.
     pub shuffle_bytes_per_sample: f64,
+    /// SSD tier (`embedding.storage = "ssd"`; null in memory): lookups of
+    /// known keys served by the memory cache, hits / (hits + store reads).
+    pub cache_hit_rate: Option<f64>,
+    /// Store reads made during a training lookup (no prefetch stage yet, so
+    /// every miss of a known key counts).
+    pub lookup_misses_after_prefetch: Option<u64>,
+    /// Rows the SSD tier's cache holds at the end, and rows written back to the store.
+    pub cached_rows: Option<u64>,
+    pub ssd_writebacks: Option<u64>,
     /// Bytes the table holds per row (arena + index).
     pub embedding_bytes_per_row: f64,
     pub checkpoint: Option<String>,
@@ -314,6 +323,8 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
     }))?;
     let train_rows = trainer.samples_trained - start_samples;
     let rows = trainer.table.len() as u64;
+    // Taken after evaluation, which reads the store without counting.
+    let tier = trainer.table.tier_stats();
     Ok(TrainSummary {
         test_auc,
         test_logloss,
@@ -331,6 +342,10 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
         train_logloss: last_train_logloss,
         dedup_ratio: keys_total as f64 / unique_total.max(1) as f64,
         shuffle_bytes_per_sample: 8.0 * unique_total as f64 / train_rows.max(1) as f64,
+        cache_hit_rate: tier.map(|t| t.hits as f64 / (t.hits + t.loads).max(1) as f64),
+        lookup_misses_after_prefetch: tier.map(|t| t.loads),
+        cached_rows: tier.map(|_| trainer.table.cached_rows() as u64),
+        ssd_writebacks: tier.map(|t| t.writebacks),
         embedding_bytes_per_row: trainer.table.allocated_bytes() as f64 / rows.max(1) as f64,
         checkpoint: checkpoint_dir.map(|d| d.display().to_string()),
         resumed_from_step,

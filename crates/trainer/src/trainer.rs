@@ -9,7 +9,7 @@ use sparrow_core::batch::DataPosition;
 use sparrow_core::config::Pooling;
 use sparrow_core::{Batch, Config};
 use sparrow_data::DataLayout;
-use sparrow_embedding::{EmbeddingTable, Initializer, KeyPlan, SparseOptimizer};
+use sparrow_embedding::{EmbeddingTable, Initializer, KeyPlan};
 use sparrow_model::{DenseModel, DenseOptimizer, ModelShape};
 
 use crate::TrainError;
@@ -129,12 +129,14 @@ impl Trainer {
     pub fn new(config: &Config, layout: DataLayout) -> Result<Trainer, TrainError> {
         let (emb_seed, dense_seed) = seeds(config.train.seed);
         let width = DenseModel::embedding_width(config.model.kind, config.model.embedding_dim);
-        let table = EmbeddingTable::new(
+        // Two lookups in flight at most: pipeline_depth 1 looks up one batch ahead.
+        let table = EmbeddingTable::from_config(
             width,
-            SparseOptimizer::from_config(&config.embedding),
+            &config.embedding,
             Initializer::new(config.embedding.init, emb_seed),
-            config.embedding.table_shards,
-        );
+            None,
+            2,
+        )?;
         let shape = ModelShape {
             num_fields: layout.num_fields,
             num_dense: layout.num_dense,
@@ -258,7 +260,7 @@ impl Trainer {
         let width = self.table.dim();
         let plan = self.table.plan(&batch.keys);
         let mut unique_rows = vec![0.0f32; plan.num_unique() * width];
-        self.table.lookup(&plan, &mut unique_rows);
+        self.table.lookup(&plan, &mut unique_rows)?;
         let pooled = pool(&Bags::of(batch, &plan), &unique_rows, width, self.config.model.pooling);
         Ok(self.model.predict(pooled, batch.dense.clone(), batch.rows())?)
     }

@@ -1,0 +1,52 @@
+//! `embedding.storage = "ssd"`: a memory cache far smaller than the table in
+//! front of the SSD store trains exactly the model of the all-in-memory table
+//! (rows evicted and read back keep every bit), writes the same checkpoint
+//! rows, and keeps only the cache's rows in memory.
+
+mod common;
+
+use sparrow_core::config::{CachePolicy, Storage};
+use sparrow_trainer::train;
+
+fn embeddings_digest(dir: &std::path::Path) -> String {
+    let m = sparrow_trainer::checkpoint::read_manifest(&sparrow_trainer::checkpoint::resolve(dir).expect("resolve"))
+        .expect("manifest");
+    m.files["embeddings.bin"].xxh3.clone()
+}
+
+#[test]
+fn a_small_cache_over_ssd_trains_the_in_memory_model() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let data = tmp.path().join("data");
+    common::small_data(&data, 3000, 500);
+    let mut base = common::small_config(&data, "dlrm");
+    base.train.batch_size = 32;
+    base.embedding.table_shards = 4;
+    base.checkpoint.dir = Some(tmp.path().join("mem-ckpt").display().to_string());
+    let memory = train(&base, true).expect("memory");
+    assert_eq!(memory.cache_hit_rate, None);
+
+    for policy in [CachePolicy::Lru, CachePolicy::Lfu] {
+        let mut ssd = base.clone();
+        ssd.embedding.storage = Storage::Ssd;
+        ssd.embedding.path = Some(tmp.path().join(format!("ssd-{policy:?}")).display().to_string());
+        ssd.embedding.cache_capacity_rows = 1200;
+        ssd.embedding.cache_policy = policy;
+        ssd.checkpoint.dir = Some(tmp.path().join(format!("ssd-ckpt-{policy:?}")).display().to_string());
+        let s = train(&ssd, true).expect("ssd");
+        assert!(s.embedding_rows > 5 * 1200, "the table ({} rows) is much larger than the cache", s.embedding_rows);
+        assert_eq!(s.embedding_rows, memory.embedding_rows, "{policy:?}");
+        assert_eq!(s.test_auc.map(f64::to_bits), memory.test_auc.map(f64::to_bits), "{policy:?}: same model");
+        let cached = s.cached_rows.expect("cached rows");
+        assert!(cached < s.embedding_rows / 3, "{policy:?}: {cached} rows cached of {}", s.embedding_rows);
+        assert!(s.ssd_writebacks.expect("writebacks") > 0 && s.lookup_misses_after_prefetch.expect("loads") > 0);
+        let hit = s.cache_hit_rate.expect("hit rate");
+        assert!(hit > 0.0 && hit < 1.0, "{policy:?}: hit rate {hit}");
+        // The checkpoint walks cache and store: the same rows, byte for byte.
+        assert_eq!(
+            embeddings_digest(std::path::Path::new(s.checkpoint.as_deref().expect("ckpt"))),
+            embeddings_digest(std::path::Path::new(memory.checkpoint.as_deref().expect("ckpt"))),
+            "{policy:?}"
+        );
+    }
+}
