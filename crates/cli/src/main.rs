@@ -154,6 +154,27 @@ enum Command {
         #[arg(long)]
         index: Option<usize>,
     },
+    /// The reference model's training loop over a large table, in memory or
+    /// on SSD behind a cache (run each storage separately: peak RSS is per process).
+    BenchTier {
+        /// Keys in the table (power-law access).
+        #[arg(long, default_value_t = 20_000_000)]
+        rows: usize,
+        /// memory | ssd
+        #[arg(long, default_value = "ssd")]
+        storage: String,
+        #[arg(long, default_value_t = 2_000_000)]
+        cache_rows: usize,
+        /// lru | lfu
+        #[arg(long, default_value = "lru")]
+        policy: String,
+        #[arg(long, default_value = "target/bench-tier")]
+        path: PathBuf,
+        #[arg(long, default_value_t = 300)]
+        steps: usize,
+        #[arg(long, default_value_t = 100)]
+        warmup_steps: usize,
+    },
     /// Generate data (if missing) and train the default DLRM on it: the quick start.
     Demo {
         #[arg(long, default_value = "target/demo-data")]
@@ -321,6 +342,29 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Worker { role, index } => {
             init_logging();
             print_json(&sparrow_cluster::roles::run_worker(&role.args(index, None))?)
+        }
+        Command::BenchTier { rows, storage, cache_rows, policy, path, steps, warmup_steps } => {
+            let storage = match storage.as_str() {
+                "memory" => sparrow_core::config::Storage::Memory,
+                "ssd" => sparrow_core::config::Storage::Ssd,
+                other => anyhow::bail!("--storage: `{other}` is not memory or ssd"),
+            };
+            let policy = match policy.as_str() {
+                "lru" => sparrow_core::config::CachePolicy::Lru,
+                "lfu" => sparrow_core::config::CachePolicy::Lfu,
+                other => anyhow::bail!("--policy: `{other}` is not lru or lfu"),
+            };
+            let options = sparrow_trainer::bench::TierBenchOptions {
+                rows,
+                storage,
+                cache_rows,
+                policy,
+                path,
+                steps,
+                warmup_steps,
+                zipf_exponent: 1.05,
+            };
+            print_json(&sparrow_trainer::bench::bench_tier(&options)?)
         }
         Command::Demo { dir, train_rows, test_rows, mut set } => {
             let truth = dir.join("truth.json");

@@ -21,7 +21,7 @@ use sparrow_core::config::{InitConfig, InitKind};
 use sparrow_core::key::mix64;
 use sparrow_core::rng::Rng;
 
-use crate::disk::DiskStore;
+use crate::disk::{DiskStore, StorePos};
 use crate::index::{Probe, SlotIndex};
 use crate::optimizer::SparseOptimizer;
 use crate::plan::KeyPlan;
@@ -132,6 +132,9 @@ struct Tier {
     last_use: Vec<u64>,
     uses: Vec<u32>,
     dirty: Vec<bool>,
+    /// Where a cached row read from the store sits there: its write-back
+    /// skips the probe.
+    pos: Vec<Option<StorePos>>,
     /// Keys in the store and not in the cache.
     stored_only: usize,
     rng: u64,
@@ -277,6 +280,7 @@ impl TableShard {
             t.last_use.push(0);
             t.uses.push(0);
             t.dirty.push(true);
+            t.pos.push(None);
         }
         set_key(&mut self.chunks[chunk][start..start + KEY_FLOATS], key);
         let chunks = &self.chunks;
@@ -325,7 +329,9 @@ impl TableShard {
         let loaded = match &mut self.tier {
             Some(t) => {
                 t.touch(slot, tick);
-                let loaded = t.store.get(key, row)?;
+                let pos = t.store.get_pos(key, row)?;
+                let loaded = pos.is_some();
+                t.pos[slot as usize] = pos;
                 t.dirty[slot as usize] = !loaded;
                 if loaded {
                     t.stored_only -= 1;
@@ -358,9 +364,10 @@ impl TableShard {
         let Some(tier) = tier.as_mut() else { return Err(TableError::ShardFull { max: 0 }) };
         let old = key_of(stored_in(chunks, layout, slot));
         if tier.dirty[slot as usize] {
-            tier.store.put(old, &stored_in(chunks, layout, slot)[KEY_FLOATS..])?;
+            tier.store.put_at(old, &stored_in(chunks, layout, slot)[KEY_FLOATS..], tier.pos[slot as usize])?;
             tier.stats.writebacks += 1;
         }
+        tier.pos[slot as usize] = None;
         tier.stored_only += 1;
         index.remove(old, slot, |s| key_of(stored_in(chunks, layout, s)));
         let (chunk, start) = layout.locate(slot);
@@ -496,6 +503,7 @@ impl EmbeddingTable {
                 last_use: Vec::new(),
                 uses: Vec::new(),
                 dirty: Vec::new(),
+                pos: Vec::new(),
                 stored_only: 0,
                 rng: 0x9e37_79b9_7f4a_7c15 ^ (i as u64 + 1),
                 stats: TierStats::default(),
