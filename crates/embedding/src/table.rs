@@ -152,6 +152,20 @@ pub struct TierStats {
     pub inits: u64,
     /// Rows written back to the store on eviction.
     pub writebacks: u64,
+    /// Rows read from the store (or initialised) ahead of their lookup by
+    /// [`EmbeddingTable::prefetch`] (S3.5).
+    pub prefetch_loads: u64,
+    pub prefetch_inits: u64,
+}
+
+impl TierStats {
+    /// Lookups of known keys served from memory without reading the store
+    /// on their behalf: prefetched rows are hits at lookup but count as misses here.
+    pub fn cache_hit_rate(&self) -> f64 {
+        let known = (self.hits + self.loads).saturating_sub(self.prefetch_inits);
+        let served = self.hits.saturating_sub(self.prefetch_loads + self.prefetch_inits);
+        served as f64 / known.max(1) as f64
+    }
 }
 
 impl Tier {
@@ -300,7 +314,7 @@ impl TableShard {
         tick: u64,
     ) -> Result<u32, TableError> {
         let probe = self.index.probe(key);
-        self.confirm_or_insert(layout, key, probe, init, opt, tick)
+        self.confirm_or_insert(layout, key, probe, init, opt, tick, false)
     }
 
     /// [`slot_or_insert`](Self::slot_or_insert) with the probe already done.
@@ -315,11 +329,17 @@ impl TableShard {
         init: &Initializer,
         opt: &SparseOptimizer,
         tick: u64,
+        prefetching: bool,
     ) -> Result<u32, TableError> {
         if let Some(slot) = self.index.confirm(key, probe, |s| self.key_at(layout, s)) {
             if let Some(t) = &mut self.tier {
-                t.touch(slot, tick);
-                t.stats.hits += 1;
+                if prefetching {
+                    // Protected until the lookup it is staged for, not counted as a use.
+                    t.last_use[slot as usize] = t.last_use[slot as usize].max(tick);
+                } else {
+                    t.touch(slot, tick);
+                    t.stats.hits += 1;
+                }
             }
             return Ok(slot);
         }
@@ -335,9 +355,12 @@ impl TableShard {
                 t.dirty[slot as usize] = !loaded;
                 if loaded {
                     t.stored_only -= 1;
-                    t.stats.loads += 1;
-                } else {
-                    t.stats.inits += 1;
+                }
+                match (prefetching, loaded) {
+                    (false, true) => t.stats.loads += 1,
+                    (false, false) => t.stats.inits += 1,
+                    (true, true) => t.stats.prefetch_loads += 1,
+                    (true, false) => t.stats.prefetch_inits += 1,
                 }
                 loaded
             }
@@ -551,6 +574,8 @@ impl EmbeddingTable {
                 s.loads += t.stats.loads;
                 s.inits += t.stats.inits;
                 s.writebacks += t.stats.writebacks;
+                s.prefetch_loads += t.stats.prefetch_loads;
+                s.prefetch_inits += t.stats.prefetch_inits;
             }
         }
         total
@@ -652,8 +677,15 @@ impl EmbeddingTable {
                     }
                 }
                 if let Some(j) = i.checked_sub(2 * D) {
-                    let slot =
-                        shard.confirm_or_insert(layout, keys[j], probes[j], &self.init, &self.optimizer, tick)?;
+                    let slot = shard.confirm_or_insert(
+                        layout,
+                        keys[j],
+                        probes[j],
+                        &self.init,
+                        &self.optimizer,
+                        tick,
+                        false,
+                    )?;
                     slots[j] = slot;
                     out[j * dim..(j + 1) * dim].copy_from_slice(&shard.row(layout, slot)[..dim]);
                 }
@@ -661,6 +693,37 @@ impl EmbeddingTable {
             Ok::<(), TableError>(())
         })?;
         Ok(RowSlots { table_id: self.id(), slots })
+    }
+
+    /// S3.5: brings the rows of `plan`'s keys that are not cached into the
+    /// cache (read from the store, or initialised on first sight) without
+    /// copying them out, so the lookup that follows finds them in memory. Run
+    /// beside the previous batch's dense step: it touches only rows that batch
+    /// does not use (those are cached and protected), so the model is the
+    /// same as without it. A no-op without an SSD tier.
+    pub fn prefetch(&self, plan: &KeyPlan) -> Result<(), TableError> {
+        if self.shards[0].read().tier.is_none() {
+            return Ok(());
+        }
+        let layout = self.layout;
+        let tick = self.tick.load(Ordering::Relaxed);
+        (0..self.shards.len()).into_par_iter().try_for_each(|s| {
+            let keys = plan.shard_keys(s);
+            if keys.is_empty() {
+                return Ok(());
+            }
+            let mut shard = self.shards[s].write();
+            for &key in keys {
+                let probe = shard.index.probe(key);
+                shard.confirm_or_insert(layout, key, probe, &self.init, &self.optimizer, tick, true)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Whether rows live on SSD behind a cache (so [`prefetch`](Self::prefetch) pays).
+    pub fn is_tiered(&self) -> bool {
+        self.shards[0].read().tier.is_some()
     }
 
     /// Identity of this table (its address), tying [`RowSlots`] to it.

@@ -441,23 +441,40 @@ pub fn bench_tier(o: &TierBenchOptions) -> Result<TierBench, TrainError> {
             }
         }
         let fill_secs = fill.elapsed().as_secs_f64();
-        for b in batches.iter().take(o.warmup_steps) {
-            trainer.train_batch(b)?;
+        // The loop `sparrow train` runs: each step prefetches the next
+        // batch's rows (planning, on its own thread there, is timed here).
+        let partitioner = trainer.table.partitioner();
+        let mut next_plan = batches.first().map(|b| partitioner.plan(&b.keys));
+        let mut step = |trainer: &mut Trainer, i: usize| -> Result<(), TrainError> {
+            let plan = next_plan.take().ok_or(TrainError::ThreadPool("no plan".into()))?;
+            next_plan = batches.get(i + 1).map(|b| partitioner.plan(&b.keys));
+            trainer.train_prefetched(&batches[i], &plan, next_plan.as_ref())?;
+            Ok(())
+        };
+        for i in 0..o.warmup_steps {
+            step(&mut trainer, i)?;
         }
         trainer.phase_secs = Default::default();
         let before = trainer.table.tier_stats();
         let start = Instant::now();
         let mut samples = 0usize;
-        for b in batches.iter().skip(o.warmup_steps) {
-            trainer.train_batch(b)?;
-            samples += b.rows();
+        for i in o.warmup_steps..batches.len() {
+            step(&mut trainer, i)?;
+            samples += batches[i].rows();
         }
         let samples_per_sec = samples as f64 / start.elapsed().as_secs_f64();
         let after = trainer.table.tier_stats();
         let (hit_rate, misses) = match (before, after) {
             (Some(b), Some(a)) => {
-                let (hits, loads) = (a.hits - b.hits, a.loads - b.loads);
-                (Some(hits as f64 / (hits + loads).max(1) as f64), Some(loads))
+                let timed = sparrow_embedding::table::TierStats {
+                    hits: a.hits - b.hits,
+                    loads: a.loads - b.loads,
+                    inits: a.inits - b.inits,
+                    writebacks: a.writebacks - b.writebacks,
+                    prefetch_loads: a.prefetch_loads - b.prefetch_loads,
+                    prefetch_inits: a.prefetch_inits - b.prefetch_inits,
+                };
+                (Some(timed.cache_hit_rate()), Some(timed.loads))
             }
             _ => (None, None),
         };

@@ -175,6 +175,9 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
     let mut stream = stream;
     // pipeline_depth = 1: the next batch, already looked up.
     let mut lookahead: Option<(Batch, KeyPlan, LookedUp)> = None;
+    // SSD tier at depth 0: the next batch, its rows already prefetched.
+    let tiered = trainer.table.is_tiered();
+    let mut prefetch_ahead: Option<(Batch, KeyPlan)> = None;
     // A read error met while looking ahead: reported after the batch in hand trains.
     let mut deferred_error: Option<TrainError> = None;
     loop {
@@ -185,9 +188,35 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
             outcome = Err(TrainError::Interrupted { step: trainer.step });
             break;
         }
-        let step = if config.train.pipeline_depth == 0 {
+        let step = if config.train.pipeline_depth == 0 && !tiered {
             let Some(item) = stream.next() else { break };
             item.map_err(TrainError::from).and_then(|(batch, plan)| trainer.train_planned(&batch, &plan))
+        } else if config.train.pipeline_depth == 0 {
+            // SSD tier: look one batch ahead to prefetch its rows (exact).
+            let current = match prefetch_ahead.take() {
+                Some(c) => Ok(c),
+                None => {
+                    let Some(item) = stream.next() else { break };
+                    item.map_err(TrainError::from)
+                }
+            };
+            let last = stop_at.is_some_and(|m| trainer.step + 1 >= m);
+            let next = match (last, current.is_ok()) {
+                (false, true) => match stream.next() {
+                    Some(Ok(next)) => Some(next),
+                    Some(Err(e)) => {
+                        deferred_error = Some(e.into());
+                        None
+                    }
+                    None => None,
+                },
+                _ => None,
+            };
+            current.and_then(|(batch, plan)| {
+                let stats = trainer.train_prefetched(&batch, &plan, next.as_ref().map(|(_, p)| p))?;
+                prefetch_ahead = next;
+                Ok(stats)
+            })
         } else {
             let current = match lookahead.take() {
                 Some(c) => Ok(c),
@@ -342,7 +371,7 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
         train_logloss: last_train_logloss,
         dedup_ratio: keys_total as f64 / unique_total.max(1) as f64,
         shuffle_bytes_per_sample: 8.0 * unique_total as f64 / train_rows.max(1) as f64,
-        cache_hit_rate: tier.map(|t| t.hits as f64 / (t.hits + t.loads).max(1) as f64),
+        cache_hit_rate: tier.map(|t| t.cache_hit_rate()),
         lookup_misses_after_prefetch: tier.map(|t| t.loads),
         cached_rows: tier.map(|_| trainer.table.cached_rows() as u64),
         ssd_writebacks: tier.map(|t| t.writebacks),

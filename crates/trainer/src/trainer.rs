@@ -213,6 +213,47 @@ impl Trainer {
         Ok((stats, next_lookup))
     }
 
+    /// A step of the exact path whose table has an SSD tier: the rows of
+    /// `next` that are not cached are brought into the cache beside this
+    /// batch's dense step (S3.5), so its lookup does not wait for the store.
+    /// The model is the one of [`train_planned`](Self::train_planned).
+    pub fn train_prefetched(
+        &mut self,
+        batch: &Batch,
+        plan: &KeyPlan,
+        next: Option<&KeyPlan>,
+    ) -> Result<StepStats, TrainError> {
+        let t0 = Instant::now();
+        let looked_up = self.look_up(plan)?;
+        let t1 = Instant::now();
+        let (model, optimizer, packed_input, table) =
+            (&self.model, &mut self.dense_optimizer, &mut self.packed_input, &self.table);
+        let inputs = DenseInputs {
+            bags: Bags::of(batch, plan),
+            unique_rows: &looked_up.unique_rows,
+            dense: &batch.dense,
+            labels: &batch.labels,
+        };
+        let pooling = self.config.model.pooling;
+        let (step, prefetched) = rayon::join(
+            || dense_step(model, optimizer, packed_input, inputs, pooling),
+            || next.map_or(Ok(()), |p| table.prefetch(p)),
+        );
+        let (step, ()) = (step?, prefetched?);
+        let t4 = Instant::now();
+        self.table.apply_gradients_at(plan, &looked_up.slots, &step.grads);
+        let t5 = Instant::now();
+        let p = &mut self.phase_secs;
+        p.lookup += (t1 - t0).as_secs_f64();
+        // The prefetch overlaps the dense step: it is counted there.
+        p.dense += (t4 - t1).as_secs_f64();
+        p.update += (t5 - t4).as_secs_f64();
+        self.step += 1;
+        self.samples_trained += batch.rows() as u64;
+        self.position = batch.end;
+        Ok(StepStats { rows: batch.rows(), loss: step.loss, keys: batch.keys.len(), unique_keys: plan.num_unique() })
+    }
+
     pub fn train_batch(&mut self, batch: &Batch) -> Result<StepStats, TrainError> {
         let plan = self.table.plan(&batch.keys);
         self.train_planned(batch, &plan)
