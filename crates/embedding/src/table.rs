@@ -120,6 +120,16 @@ struct TableShard {
     tier: Option<Tier>,
 }
 
+/// How a missing row is made (initialiser, optimizer state) and for which
+/// access (the lookup's tick; a prefetch stages rows without counting a use).
+#[derive(Clone, Copy)]
+struct Access<'a> {
+    init: &'a Initializer,
+    opt: &'a SparseOptimizer,
+    tick: u64,
+    prefetching: bool,
+}
+
 /// A shard's cache bookkeeping when its table has an SSD tier (S3.8).
 struct Tier {
     store: DiskStore,
@@ -305,16 +315,9 @@ impl TableShard {
 
     /// Slot of `key`, inserting an initialised row on first sight (S3.9).
     #[inline]
-    fn slot_or_insert(
-        &mut self,
-        layout: Layout,
-        key: u64,
-        init: &Initializer,
-        opt: &SparseOptimizer,
-        tick: u64,
-    ) -> Result<u32, TableError> {
+    fn slot_or_insert(&mut self, layout: Layout, key: u64, how: &Access<'_>) -> Result<u32, TableError> {
         let probe = self.index.probe(key);
-        self.confirm_or_insert(layout, key, probe, init, opt, tick, false)
+        self.confirm_or_insert(layout, key, probe, how)
     }
 
     /// [`slot_or_insert`](Self::slot_or_insert) with the probe already done.
@@ -326,11 +329,9 @@ impl TableShard {
         layout: Layout,
         key: u64,
         probe: Probe,
-        init: &Initializer,
-        opt: &SparseOptimizer,
-        tick: u64,
-        prefetching: bool,
+        how: &Access<'_>,
     ) -> Result<u32, TableError> {
+        let Access { init, opt, tick, prefetching } = *how;
         if let Some(slot) = self.index.confirm(key, probe, |s| self.key_at(layout, s)) {
             if let Some(t) = &mut self.tier {
                 if prefetching {
@@ -656,6 +657,7 @@ impl EmbeddingTable {
         assert_eq!(out.len(), plan.num_unique() * dim, "output size");
         let mut slots = vec![0u32; plan.num_unique()];
         let tick = self.tick.fetch_add(1, Ordering::Relaxed) + 1;
+        let access = Access { init: &self.init, opt: &self.optimizer, tick, prefetching: false };
         let out_parts = self.shard_slices(plan, out, dim);
         let slot_parts = self.shard_slices(plan, &mut slots, 1);
         out_parts.into_par_iter().zip(slot_parts).try_for_each(|((s, out), (_, slots))| {
@@ -677,15 +679,7 @@ impl EmbeddingTable {
                     }
                 }
                 if let Some(j) = i.checked_sub(2 * D) {
-                    let slot = shard.confirm_or_insert(
-                        layout,
-                        keys[j],
-                        probes[j],
-                        &self.init,
-                        &self.optimizer,
-                        tick,
-                        false,
-                    )?;
+                    let slot = shard.confirm_or_insert(layout, keys[j], probes[j], &access)?;
                     slots[j] = slot;
                     out[j * dim..(j + 1) * dim].copy_from_slice(&shard.row(layout, slot)[..dim]);
                 }
@@ -707,6 +701,7 @@ impl EmbeddingTable {
         }
         let layout = self.layout;
         let tick = self.tick.load(Ordering::Relaxed);
+        let access = Access { init: &self.init, opt: &self.optimizer, tick, prefetching: true };
         (0..self.shards.len()).into_par_iter().try_for_each(|s| {
             let keys = plan.shard_keys(s);
             if keys.is_empty() {
@@ -715,7 +710,7 @@ impl EmbeddingTable {
             let mut shard = self.shards[s].write();
             for &key in keys {
                 let probe = shard.index.probe(key);
-                shard.confirm_or_insert(layout, key, probe, &self.init, &self.optimizer, tick, true)?;
+                shard.confirm_or_insert(layout, key, probe, &access)?;
             }
             Ok(())
         })
@@ -793,7 +788,8 @@ impl EmbeddingTable {
             let mut shard = self.shards[s].write();
             let tick = self.tick.load(Ordering::Relaxed);
             for (i, &key) in keys.iter().enumerate() {
-                let slot = shard.slot_or_insert(layout, key, &self.init, &self.optimizer, tick)?;
+                let access = Access { init: &self.init, opt: &self.optimizer, tick, prefetching: false };
+                let slot = shard.slot_or_insert(layout, key, &access)?;
                 let g = &grads[(base + i) * dim..(base + i + 1) * dim];
                 let (w, state) = shard.row_mut(layout, slot).split_at_mut(dim);
                 self.optimizer.apply(w, state, g);

@@ -458,9 +458,9 @@ pub fn bench_tier(o: &TierBenchOptions) -> Result<TierBench, TrainError> {
         let before = trainer.table.tier_stats();
         let start = Instant::now();
         let mut samples = 0usize;
-        for i in o.warmup_steps..batches.len() {
+        for (i, batch) in batches.iter().enumerate().skip(o.warmup_steps) {
             step(&mut trainer, i)?;
-            samples += batches[i].rows();
+            samples += batch.rows();
         }
         let samples_per_sec = samples as f64 / start.elapsed().as_secs_f64();
         let after = trainer.table.tier_stats();
