@@ -180,49 +180,78 @@ fn a_checkpoint_resumes_in_a_cluster_with_another_shard_count() {
     assert_eq!(second["embedding_rows"], whole["embedding_rows"]);
 }
 
+/// A long `launch` (2 shards, 1 worker, many epochs) whose stderr is collected.
+struct LoggedLaunch {
+    child: Child,
+    log: Arc<Mutex<String>>,
+    reader: std::thread::JoinHandle<()>,
+}
+
+impl LoggedLaunch {
+    fn start(config: &str) -> LoggedLaunch {
+        let mut child = sparrow()
+            .args(["launch", "--config", config, "--shards", "2", "--workers", "1", "--set", "train.epochs=200"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("launch");
+        let log = Arc::new(Mutex::new(String::new()));
+        let (sink, stderr) = (log.clone(), child.stderr.take().expect("stderr"));
+        let reader = std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut log = sink.lock().expect("log");
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
+        LoggedLaunch { child, log, reader }
+    }
+
+    fn text(&self) -> String {
+        self.log.lock().expect("log").clone()
+    }
+
+    /// Waits until worker 0 is training; returns shard 1's pid.
+    fn wait_training(&self) -> u32 {
+        let started = Instant::now();
+        loop {
+            let text = self.text();
+            let pid = text.lines().find_map(|l| l.strip_prefix("launch: shard 1 is pid ")?.trim().parse::<u32>().ok());
+            if let Some(pid) = pid
+                && text.contains("[worker 0]")
+                && text.contains("metrics on")
+            {
+                return pid;
+            }
+            assert!(started.elapsed() < Duration::from_secs(30), "never started: {text}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Waits for launch to exit (30 s at most) and for every child's stderr to close.
+    fn finish(mut self) -> (std::process::ExitStatus, String) {
+        let status = wait_with_timeout(&mut self.child, Duration::from_secs(30));
+        let text = {
+            self.reader.join().expect("reader");
+            self.log.lock().expect("log").clone()
+        };
+        (status, text)
+    }
+}
+
+fn signal(pid: u32, sig: &str) {
+    assert!(Command::new("kill").args([sig, &pid.to_string()]).status().expect("kill").success());
+}
+
 #[test]
 fn a_killed_shard_stops_the_job_with_an_error_naming_it() {
     let tmp = tempfile::tempdir().expect("tmp");
     generate(tmp.path(), "20000");
-    // Enough epochs to still be training when the shard dies.
-    let config = write_config(tmp.path(), "");
-    let mut launch = sparrow()
-        .args(["launch", "--config", &config, "--shards", "2", "--workers", "1", "--set", "train.epochs=200"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("launch");
-    let log = Arc::new(Mutex::new(String::new()));
-    let reader = {
-        let (log, stderr) = (log.clone(), launch.stderr.take().expect("stderr"));
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let mut log = log.lock().expect("log");
-                log.push_str(&line);
-                log.push('\n');
-            }
-        })
-    };
-    // Wait until the worker is training (the loader has served batches).
-    let started = Instant::now();
-    let shard_pid = loop {
-        let text = log.lock().expect("log").clone();
-        let pid = text.lines().find_map(|l| l.strip_prefix("launch: shard 1 is pid ")?.trim().parse::<u32>().ok());
-        if let Some(pid) = pid
-            && text.contains("[worker 0]")
-            && text.contains("metrics on")
-        {
-            break pid;
-        }
-        assert!(started.elapsed() < Duration::from_secs(30), "never started: {text}");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let launch = LoggedLaunch::start(&write_config(tmp.path(), ""));
+    let shard_pid = launch.wait_training();
     std::thread::sleep(Duration::from_millis(800));
-    let killed = Command::new("kill").args(["-9", &shard_pid.to_string()]).status().expect("kill");
-    assert!(killed.success());
-    let status = wait_with_timeout(&mut launch, Duration::from_secs(30));
-    reader.join().expect("reader");
-    let text = log.lock().expect("log").clone();
+    signal(shard_pid, "-9");
+    let (status, text) = launch.finish();
     assert!(!status.success(), "the job must fail: {text}");
     let last = text.lines().rev().find(|l| l.starts_with("error:")).unwrap_or_default();
     assert!(last.contains("shard 1"), "the error names the dead shard: {last}\n{text}");
@@ -233,35 +262,13 @@ fn a_killed_shard_stops_the_job_with_an_error_naming_it() {
 fn every_role_exits_when_the_launcher_is_killed() {
     let tmp = tempfile::tempdir().expect("tmp");
     generate(tmp.path(), "20000");
-    let config = write_config(tmp.path(), "");
-    let mut launch = sparrow()
-        .args(["launch", "--config", &config, "--shards", "2", "--workers", "1", "--set", "train.epochs=200"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("launch");
-    let log = Arc::new(Mutex::new(String::new()));
-    let reader = {
-        let (log, stderr) = (log.clone(), launch.stderr.take().expect("stderr"));
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let mut log = log.lock().expect("log");
-                log.push_str(&line);
-                log.push('\n');
-            }
-        })
-    };
-    let started = Instant::now();
-    while !log.lock().expect("log").contains("[worker 0]") {
-        assert!(started.elapsed() < Duration::from_secs(30), "never started");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let mut launch = LoggedLaunch::start(&write_config(tmp.path(), ""));
+    launch.wait_training();
     std::thread::sleep(Duration::from_millis(300));
-    launch.kill().expect("kill -9 the launcher");
-    launch.wait().expect("reap");
-    // The children's stderr pipes close once they are all gone.
-    reader.join().expect("reader");
-    let pids = child_pids(&log.lock().expect("log"));
+    launch.child.kill().expect("kill -9 the launcher");
+    // finish() returns once the children's stderr pipes closed: all gone.
+    let (_, text) = launch.finish();
+    let pids = child_pids(&text);
     assert_eq!(pids.len(), 5, "coordinator, 2 shards, loader, worker");
     assert_all_gone(&pids);
 }
@@ -286,43 +293,13 @@ fn wait_with_timeout(child: &mut Child, timeout: Duration) -> std::process::Exit
 fn a_hung_shard_is_reported_within_the_heartbeat_timeout() {
     let tmp = tempfile::tempdir().expect("tmp");
     generate(tmp.path(), "20000");
-    let config = write_config(tmp.path(), "");
-    let mut launch = sparrow()
-        .args(["launch", "--config", &config, "--shards", "2", "--workers", "1", "--set", "train.epochs=200"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("launch");
-    let log = Arc::new(Mutex::new(String::new()));
-    let reader = {
-        let (log, stderr) = (log.clone(), launch.stderr.take().expect("stderr"));
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let mut log = log.lock().expect("log");
-                log.push_str(&line);
-                log.push('\n');
-            }
-        })
-    };
-    let started = Instant::now();
-    let shard_pid = loop {
-        let text = log.lock().expect("log").clone();
-        let pid = text.lines().find_map(|l| l.strip_prefix("launch: shard 1 is pid ")?.trim().parse::<u32>().ok());
-        if let Some(pid) = pid
-            && text.contains("[worker 0]")
-        {
-            break pid;
-        }
-        assert!(started.elapsed() < Duration::from_secs(30), "never started: {text}");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let launch = LoggedLaunch::start(&write_config(tmp.path(), ""));
+    let shard_pid = launch.wait_training();
     std::thread::sleep(Duration::from_millis(500));
-    assert!(Command::new("kill").args(["-STOP", &shard_pid.to_string()]).status().expect("kill").success());
+    signal(shard_pid, "-STOP");
     let stopped = Instant::now();
-    let status = wait_with_timeout(&mut launch, Duration::from_secs(30));
+    let (status, text) = launch.finish();
     let took = stopped.elapsed();
-    reader.join().expect("reader");
-    let text = log.lock().expect("log").clone();
     assert!(!status.success(), "{text}");
     assert!(text.contains("shard 1 at") && text.contains("stopped answering"), "{text}");
     // heartbeat_timeout_ms = 2000, plus the coordinator's grace and launch's reaping.

@@ -24,6 +24,18 @@ use crate::transport::ClusterError;
 /// The sum of one round: gradients and total rows.
 pub type RoundResult = Arc<(Vec<f32>, u64)>;
 
+/// A worker's gradient of the summed loss over its `rows` samples (0: no
+/// batch left), for `round`; `patience`: how long to wait for the other
+/// workers before answering `Open`.
+#[derive(Clone, Debug)]
+pub struct Contribution {
+    pub worker: usize,
+    pub round: u64,
+    pub grads: Vec<f32>,
+    pub rows: u64,
+    pub patience: Duration,
+}
+
 /// What a contribution to a round gets back.
 #[derive(Clone, Debug)]
 pub enum RoundReply {
@@ -58,17 +70,11 @@ impl RoundSum {
         RoundSum { workers, state: Mutex::new(State::default()), ready: Condvar::new() }
     }
 
-    /// Adds `worker`'s gradient over `rows` samples to `round`. Returns
-    /// `Open` if another worker has still not contributed after `patience`
-    /// (and `rows > 0`); otherwise waits for the round to close and returns its sum.
-    pub fn sum(
-        &self,
-        worker: usize,
-        round: u64,
-        grads: Vec<f32>,
-        rows: u64,
-        patience: Duration,
-    ) -> Result<RoundReply, ClusterError> {
+    /// Adds a worker's contribution to its round. Returns `Open` if another
+    /// worker has still not contributed after `patience` (and `rows > 0`);
+    /// otherwise waits for the round to close and returns its sum.
+    pub fn sum(&self, c: Contribution) -> Result<RoundReply, ClusterError> {
+        let Contribution { worker, round, grads, rows, patience } = c;
         let workers = self.workers;
         if worker >= workers {
             return Err(ClusterError::Setup(format!("worker {worker}: only {workers} workers are expected")));
@@ -152,26 +158,12 @@ impl RoundSum {
 /// Anything that can sum a round: the in-process [`RoundSum`] or the
 /// coordinator over gRPC.
 pub trait RoundSummer: Send + Sync {
-    fn sum_round(
-        &self,
-        worker: usize,
-        round: u64,
-        grads: Vec<f32>,
-        rows: u64,
-        patience: Duration,
-    ) -> Result<RoundReply, ClusterError>;
+    fn sum_round(&self, c: Contribution) -> Result<RoundReply, ClusterError>;
 }
 
 impl RoundSummer for RoundSum {
-    fn sum_round(
-        &self,
-        worker: usize,
-        round: u64,
-        grads: Vec<f32>,
-        rows: u64,
-        patience: Duration,
-    ) -> Result<RoundReply, ClusterError> {
-        self.sum(worker, round, grads, rows, patience)
+    fn sum_round(&self, c: Contribution) -> Result<RoundReply, ClusterError> {
+        self.sum(c)
     }
 }
 
@@ -196,7 +188,13 @@ impl GradientSync for WorkerSync {
         let batch_time = self.last_answer.map_or(Duration::ZERO, |t| t.elapsed());
         let reply = self
             .summer
-            .sum_round(self.worker, self.round, grads.to_vec(), rows, batch_time / 2)
+            .sum_round(Contribution {
+                worker: self.worker,
+                round: self.round,
+                grads: grads.to_vec(),
+                rows,
+                patience: batch_time / 2,
+            })
             .map_err(|e| ModelError::GradientSync(e.to_string()));
         self.last_answer = Some(Instant::now());
         let reply = reply?;

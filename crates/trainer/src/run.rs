@@ -201,17 +201,7 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
                 }
             };
             let last = stop_at.is_some_and(|m| trainer.step + 1 >= m);
-            let next = match (last, current.is_ok()) {
-                (false, true) => match stream.next() {
-                    Some(Ok(next)) => Some(next),
-                    Some(Err(e)) => {
-                        deferred_error = Some(e.into());
-                        None
-                    }
-                    None => None,
-                },
-                _ => None,
-            };
+            let next = if current.is_ok() { peek_next(&mut stream, last, &mut deferred_error) } else { None };
             current.and_then(|(batch, plan)| {
                 let stats = trainer.train_prefetched(&batch, &plan, next.as_ref().map(|(_, p)| p))?;
                 prefetch_ahead = next;
@@ -226,19 +216,8 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
                         .and_then(|(batch, plan)| trainer.look_up(&plan).map(|rows| (batch, plan, rows)))
                 }
             };
-            // No lookahead past the last step: its keys would be inserted untrained.
             let last = stop_at.is_some_and(|m| trainer.step + 1 >= m);
-            let next = match (last, current.is_ok()) {
-                (false, true) => match stream.next() {
-                    Some(Ok(next)) => Some(next),
-                    Some(Err(e)) => {
-                        deferred_error = Some(e.into());
-                        None
-                    }
-                    None => None,
-                },
-                _ => None,
-            };
+            let next = if current.is_ok() { peek_next(&mut stream, last, &mut deferred_error) } else { None };
             current.and_then(|(batch, plan, rows)| {
                 let (stats, next_rows) =
                     trainer.train_overlapped(&batch, &plan, rows, next.as_ref().map(|(_, p)| p))?;
@@ -382,6 +361,26 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
         bayes_auc: bayes.as_ref().map(|t| t.bayes_auc),
         bayes_logloss: bayes.as_ref().map(|t| t.bayes_logloss),
     })
+}
+
+/// The batch after the current one, for a stage working one batch ahead:
+/// none past the last step (its keys would be inserted untrained); a read
+/// error is kept in `deferred` to report once the current batch trained.
+fn peek_next(
+    stream: &mut PlannedBatches,
+    last_step: bool,
+    deferred: &mut Option<TrainError>,
+) -> Option<(Batch, KeyPlan)> {
+    if last_step {
+        return None;
+    }
+    match stream.next()? {
+        Ok(next) => Some(next),
+        Err(e) => {
+            *deferred = Some(e.into());
+            None
+        }
+    }
 }
 
 /// `truth.json` of a generated data set, if `test` is its test file.

@@ -15,7 +15,7 @@ use tonic::{Request, Response, Status};
 
 use super::{AuthedChannel, CheckToken, NetSettings, Peer, blocking, bytes_to_f32s, connect, f32s_to_bytes};
 use crate::metrics::RoleMetrics;
-use crate::sync::{RoundReply, RoundSum, RoundSummer};
+use crate::sync::{Contribution, RoundReply, RoundSum, RoundSummer};
 use crate::transport::ClusterError;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -236,15 +236,8 @@ impl Coordinator {
         }
     }
 
-    pub fn sum(
-        &self,
-        worker: usize,
-        round: u64,
-        grads: Vec<f32>,
-        rows: u64,
-        patience: Duration,
-    ) -> Result<RoundReply, ClusterError> {
-        self.rounds.sum(worker, round, grads, rows, patience)
+    pub fn sum(&self, c: Contribution) -> Result<RoundReply, ClusterError> {
+        self.rounds.sum(c)
     }
 }
 
@@ -291,8 +284,8 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
         let grads = bytes_to_f32s(&r.grads, &format!("worker {}", r.worker), "gradients").map_err(status)?;
         let coordinator = self.coordinator.clone();
         let patience = Duration::from_micros(r.patience_us);
-        let reply = match blocking(move || coordinator.sum(r.worker as usize, r.round, grads, r.rows, patience)).await?
-        {
+        let c = Contribution { worker: r.worker as usize, round: r.round, grads, rows: r.rows, patience };
+        let reply = match blocking(move || coordinator.sum(c)).await? {
             RoundReply::Open => pb::SumReply { open: true, grads: Vec::new(), rows: 0 },
             RoundReply::Closed(result) => pb::SumReply { open: false, grads: f32s_to_bytes(&result.0), rows: result.1 },
         };
@@ -432,16 +425,14 @@ impl CoordinatorClient {
 }
 
 impl RoundSummer for CoordinatorClient {
-    fn sum_round(
-        &self,
-        worker: usize,
-        round: u64,
-        grads: Vec<f32>,
-        rows: u64,
-        patience: Duration,
-    ) -> Result<RoundReply, ClusterError> {
-        let patience_us = patience.as_micros() as u64;
-        let request = pb::SumRequest { worker: worker as u32, round, grads: f32s_to_bytes(&grads), rows, patience_us };
+    fn sum_round(&self, c: Contribution) -> Result<RoundReply, ClusterError> {
+        let request = pb::SumRequest {
+            worker: c.worker as u32,
+            round: c.round,
+            grads: f32s_to_bytes(&c.grads),
+            rows: c.rows,
+            patience_us: c.patience.as_micros() as u64,
+        };
         let reply = self.peer.call("sum_gradients", request, |mut c, r| async move { c.sum_gradients(r).await })?;
         if reply.open {
             return Ok(RoundReply::Open);
@@ -491,7 +482,8 @@ mod tests {
         }
         assert!(start.elapsed() >= Duration::from_millis(140), "reported before the timeout");
         // Waiting workers are released with the reason.
-        let err = c.sum(0, 0, vec![1.0], 1, Duration::ZERO).expect_err("the job failed");
+        let contribution = Contribution { worker: 0, round: 0, grads: vec![1.0], rows: 1, patience: Duration::ZERO };
+        let err = c.sum(contribution).expect_err("the job failed");
         assert!(err.to_string().contains("shard 1"), "{err}");
     }
 
