@@ -97,7 +97,6 @@ pub struct LoaderServer {
     eval: Receiver<WorkerBatch>,
     /// Set when the reading thread stopped on an error (bad data, a shard down).
     error: Arc<Mutex<Option<String>>>,
-    pub bad_rows: BadRows,
     _thread: JoinHandle<()>,
 }
 
@@ -167,7 +166,7 @@ impl LoaderServer {
                 }
             })
             .map_err(|e| ClusterError::Io { what: "starting the loader thread".into(), source: e })?;
-        Ok(LoaderServer { train: train_rx, eval: eval_rx, error, bad_rows: bad, _thread: thread })
+        Ok(LoaderServer { train: train_rx, eval: eval_rx, error, _thread: thread })
     }
 
     /// Batches ready in the queues (for the metrics).

@@ -33,8 +33,16 @@ pub enum TableError {
     RowWidth { key: u64, expected: usize, found: usize },
     #[error("the table holds more than {max} rows in one shard")]
     ShardFull { max: u64 },
+    /// The message already names the file; not a `source`, so an error
+    /// chain does not print it twice.
     #[error("SSD tier: {0}")]
-    Ssd(#[from] std::io::Error),
+    Ssd(std::io::Error),
+}
+
+impl From<std::io::Error> for TableError {
+    fn from(e: std::io::Error) -> Self {
+        TableError::Ssd(e)
+    }
 }
 
 /// [`EmbeddingTable::rows_from`] positions at or past this walk a shard's SSD store.

@@ -7,10 +7,12 @@ pub enum TrainError {
     Config(#[from] sparrow_core::ConfigError),
     #[error(transparent)]
     Data(#[from] sparrow_data::DataError),
+    // Displayed with their cause, and not `source`s, so an error chain
+    // (`{:#}`) does not repeat it.
     #[error("dense model: {0}")]
-    Model(#[from] sparrow_model::ModelError),
+    Model(sparrow_model::ModelError),
     #[error("embedding table: {0}")]
-    Table(#[from] sparrow_embedding::TableError),
+    Table(sparrow_embedding::TableError),
     #[error("checkpoint {path}: {message}")]
     Checkpoint { path: PathBuf, message: String },
     #[error("{path}: {error}")]
@@ -28,5 +30,17 @@ impl TrainError {
 
     pub fn checkpoint(path: &std::path::Path, message: impl Into<String>) -> Self {
         TrainError::Checkpoint { path: path.to_path_buf(), message: message.into() }
+    }
+}
+
+impl From<sparrow_model::ModelError> for TrainError {
+    fn from(e: sparrow_model::ModelError) -> Self {
+        TrainError::Model(e)
+    }
+}
+
+impl From<sparrow_embedding::TableError> for TrainError {
+    fn from(e: sparrow_embedding::TableError) -> Self {
+        TrainError::Table(e)
     }
 }
