@@ -236,6 +236,7 @@ fn merge(config: &Config, options: &LaunchOptions, workers: &[WorkerSummary], wa
     let (keys, unique): (u64, u64) = workers.iter().fold((0, 0), |(k, u), w| (k + w.keys, u + w.unique_keys));
     let bayes = config.data.test.as_deref().and_then(|t| sparrow_trainer::run::read_truth(std::path::Path::new(t)));
     let checksums: Vec<&str> = workers.iter().map(|w| w.dense_checksum.as_str()).collect();
+    let table = first.table.clone().unwrap_or_default();
     json!({
         "test_auc": first.test_auc,
         "test_logloss": first.test_logloss,
@@ -254,6 +255,14 @@ fn merge(config: &Config, options: &LaunchOptions, workers: &[WorkerSummary], wa
         "dedup_ratio": keys as f64 / unique.max(1) as f64,
         // Keys the loader sent to the shards per sample (8 bytes per unique key).
         "shuffle_bytes_per_sample": 8.0 * unique as f64 / rows.max(1) as f64,
+        // The shards' SSD tiers and feature filters, summed.
+        "cache_hit_rate": table.cache_hit_rate,
+        "lookup_misses_after_prefetch": table.lookup_misses_after_prefetch,
+        "cached_rows": table.cached_rows,
+        "ssd_writebacks": table.ssd_writebacks,
+        "admitted_keys": table.admitted_keys,
+        "not_admitted_lookups": table.not_admitted_lookups,
+        "expired_rows": table.expired_rows,
         "embedding_bytes_per_row": null,
         "checkpoint": first.checkpoint,
         "resumed_from_step": null,

@@ -15,7 +15,7 @@ use sparrow_trainer::trainer::seeds;
 use crate::loader::LoaderServer;
 use crate::shard::ShardServer;
 use crate::sync::{RoundSum, WorkerSync};
-use crate::transport::{ClusterError, LoaderService, ShardService};
+use crate::transport::{ClusterError, LoaderService, ShardReport, ShardService};
 use crate::worker::{Worker, WorkerStats};
 
 /// Logits and labels of the test data.
@@ -27,6 +27,8 @@ pub struct LocalSummary {
     pub test_logloss: Option<f64>,
     pub train_rows: u64,
     pub embedding_rows: u64,
+    /// The shards' SSD tier and feature-filter counters, summed.
+    pub table: sparrow_trainer::run::TableReport,
     /// Each worker's counters, in worker order.
     pub workers: Vec<WorkerStats>,
     /// Each worker's dense weights fingerprint (equal for replicas in sync).
@@ -138,6 +140,7 @@ pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Re
         test_logloss,
         train_rows: workers.iter().map(|w| w.stats.rows).sum(),
         embedding_rows: servers.iter().map(|s| s.table().len() as u64).sum(),
+        table: ShardReport::sum(&servers.iter().map(|s| ShardReport::of(s.table())).collect::<Vec<_>>()).table_report(),
         dense_checksums: workers.iter().map(Worker::dense_checksum).collect::<Result<_, _>>()?,
         workers: workers.into_iter().map(|w| w.stats).collect(),
     })

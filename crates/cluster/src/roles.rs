@@ -32,7 +32,7 @@ use crate::local::{new_worker, shard_table};
 use crate::metrics::RoleMetrics;
 use crate::shard::ShardServer;
 use crate::sync::RoundSummer;
-use crate::transport::{ClusterError, LoaderService, ShardService};
+use crate::transport::{ClusterError, LoaderService, ShardReport, ShardService};
 
 /// Where a role listens and whom it reports to.
 #[derive(Clone, Debug)]
@@ -285,6 +285,8 @@ pub struct WorkerSummary {
     pub train_logloss: Option<f64>,
     /// Shard rows after training (worker 0 asks the shards).
     pub embedding_rows: Option<u64>,
+    /// The shards' SSD tier and filter counters, summed (worker 0).
+    pub table: Option<sparrow_trainer::run::TableReport>,
     pub bytes_from_loader: u64,
     pub bytes_from_shards: u64,
     pub keys: u64,
@@ -360,7 +362,10 @@ fn worker_job(
             summary.test_rows = labels.len() as u64;
         }
         summary.eval_secs = start.elapsed().as_secs_f64();
-        summary.embedding_rows = Some(shards.iter().map(|s| s.num_rows()).sum::<Result<u64, _>>()?);
+        let reports = shards.iter().map(|s| s.report()).collect::<Result<Vec<_>, _>>()?;
+        let total = ShardReport::sum(&reports);
+        summary.embedding_rows = Some(total.rows);
+        summary.table = Some(total.table_report());
     }
     let s = &worker.stats;
     summary.train_rows = s.rows;

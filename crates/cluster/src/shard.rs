@@ -7,18 +7,17 @@ use std::collections::HashMap;
 use sparrow_embedding::{EmbeddingTable, KeyPlan, RowSlots};
 
 use crate::messages::Mode;
-use crate::transport::{ClusterError, ExportPage, ShardService};
+use crate::transport::{ClusterError, ExportPage, ShardReport, ShardService};
 
 enum Pending {
     Queued {
         keys: Vec<u64>,
         mode: Mode,
+        /// The second dedup, made at enqueue when the rows were prefetched.
+        plan: Option<KeyPlan>,
     },
     /// Pulled for training: the second dedup's plan and the rows it found.
-    Pulled {
-        plan: KeyPlan,
-        slots: RowSlots,
-    },
+    Pulled { plan: KeyPlan, slots: RowSlots },
 }
 
 pub struct ShardServer {
@@ -48,13 +47,23 @@ impl ShardServer {
 
 impl ShardService for ShardServer {
     fn enqueue(&self, batch_id: u64, keys: Vec<u64>, mode: Mode) -> Result<(), ClusterError> {
-        self.pending.lock().insert(batch_id, Pending::Queued { keys, mode });
+        // S3.5: with an SSD tier, a training batch's rows are staged into the
+        // cache while it waits in the queue, so its pull reads memory only.
+        let plan = match mode {
+            Mode::Train if self.table.is_tiered() => {
+                let plan = self.table.plan(&keys);
+                self.table.prefetch(&plan).map_err(|source| ClusterError::Table { shard: self.index, source })?;
+                Some(plan)
+            }
+            _ => None,
+        };
+        self.pending.lock().insert(batch_id, Pending::Queued { keys, mode, plan });
         Ok(())
     }
 
     fn pull(&self, batch_id: u64) -> Result<Vec<f32>, ClusterError> {
-        let (keys, mode) = match self.take(batch_id)? {
-            Pending::Queued { keys, mode } => (keys, mode),
+        let (keys, mode, plan) = match self.take(batch_id)? {
+            Pending::Queued { keys, mode, plan } => (keys, mode, plan),
             pulled @ Pending::Pulled { .. } => {
                 self.pending.lock().insert(batch_id, pulled);
                 return Err(ClusterError::UnknownBatch { shard: self.index, batch_id });
@@ -62,7 +71,7 @@ impl ShardService for ShardServer {
         };
         let dim = self.table.dim();
         // Second dedup (S3.4): keys from several loaders may repeat.
-        let plan = self.table.plan(&keys);
+        let plan = plan.unwrap_or_else(|| self.table.plan(&keys));
         let mut unique_rows = vec![0.0f32; plan.num_unique() * dim];
         let mut rows = Vec::new();
         match mode {
@@ -117,8 +126,8 @@ impl ShardService for ShardServer {
         Ok(())
     }
 
-    fn num_rows(&self) -> Result<u64, ClusterError> {
-        Ok(self.table.len() as u64)
+    fn report(&self) -> Result<ShardReport, ClusterError> {
+        Ok(ShardReport::of(&self.table))
     }
 
     fn export(&self, cursor: (usize, usize), max_rows: usize) -> Result<ExportPage, ClusterError> {

@@ -51,6 +51,46 @@ pub struct ExportPage {
     pub next: Option<(usize, usize)>,
 }
 
+/// A shard's table counters (rows, SSD tier, feature filters).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ShardReport {
+    pub rows: u64,
+    pub cached_rows: u64,
+    /// `None` for a table in memory.
+    pub tier: Option<sparrow_embedding::TierStats>,
+    pub filters: sparrow_embedding::FilterStats,
+}
+
+impl ShardReport {
+    pub fn of(table: &sparrow_embedding::EmbeddingTable) -> ShardReport {
+        ShardReport {
+            rows: table.len() as u64,
+            cached_rows: table.cached_rows() as u64,
+            tier: table.tier_stats(),
+            filters: table.filter_stats(),
+        }
+    }
+
+    /// The counters of several shards, summed.
+    pub fn sum(reports: &[ShardReport]) -> ShardReport {
+        let mut total = ShardReport::default();
+        for r in reports {
+            total.rows += r.rows;
+            total.cached_rows += r.cached_rows;
+            if let Some(t) = r.tier {
+                *total.tier.get_or_insert_default() += t;
+            }
+            total.filters += r.filters;
+        }
+        total
+    }
+
+    /// As `train`'s JSON reports a table.
+    pub fn table_report(&self) -> sparrow_trainer::run::TableReport {
+        sparrow_trainer::run::TableReport::new(self.tier, self.cached_rows, self.filters)
+    }
+}
+
 /// An embedding shard as seen by the loader and the workers.
 pub trait ShardService: Send + Sync {
     /// Queues a batch's keys owned by this shard (unique, in the order the
@@ -63,8 +103,8 @@ pub trait ShardService: Send + Sync {
     /// Applies the summed gradients of a pulled training batch (enqueue
     /// order) once per key, then forgets the batch.
     fn push(&self, batch_id: u64, grads: Vec<f32>) -> Result<(), ClusterError>;
-    /// Rows the shard holds.
-    fn num_rows(&self) -> Result<u64, ClusterError>;
+    /// The shard table's counters: rows held, SSD tier, feature filters.
+    fn report(&self) -> Result<ShardReport, ClusterError>;
     /// A page of at most `max_rows` full rows (vector + optimizer state) from
     /// `cursor`, and the cursor after it (`None`: done).
     fn export(&self, cursor: (usize, usize), max_rows: usize) -> Result<ExportPage, ClusterError>;

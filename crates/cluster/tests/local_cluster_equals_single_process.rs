@@ -168,3 +168,16 @@ fn a_faster_worker_takes_more_batches_and_replicas_stay_identical() {
     assert!(fast.steps < fast.batches, "rounds held several of the fast worker's batches");
     assert_eq!(results[0].1, results[1].1, "replicas diverged");
 }
+
+#[test]
+fn the_admission_filter_gives_the_cluster_the_single_process_model() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    sparrow_data::synth::generate(tmp.path(), 3000, 600, 9).expect("generate");
+    let c = config_with(tmp.path(), "dlrm", &["embedding.admit_min_count=2"]);
+    let single = sparrow_trainer::train(&c, true).expect("train");
+    let cluster = train_local(&c, 3, 1).expect("cluster");
+    assert!(single.table.not_admitted_lookups > 0 && single.table.admitted_keys > 0);
+    assert_eq!(cluster.table, single.table, "each shard filtered its own keys the same way");
+    assert_eq!(cluster.embedding_rows, single.embedding_rows);
+    assert_eq!(cluster.test_auc.map(f64::to_bits), single.test_auc.map(f64::to_bits));
+}

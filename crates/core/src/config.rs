@@ -277,6 +277,16 @@ pub struct EmbeddingConfig {
     /// Rows the memory cache in front of the SSD tier holds.
     pub cache_capacity_rows: usize,
     pub cache_policy: CachePolicy,
+    /// Feature filter (Monolith-style): a new ID gets a row only once it was
+    /// seen in this many training batches; until then it reads as its initial
+    /// vector and its gradients are dropped. 0 or 1: every ID is admitted.
+    pub admit_min_count: u32,
+    /// Counters of the admission sketch (one byte each, split across the lock
+    /// shards): bounds the memory spent on IDs not admitted yet.
+    pub admit_sketch_counters: usize,
+    /// Rows not looked up for this many training batches are deleted (their
+    /// ID starts afresh if it comes back). 0: rows never expire.
+    pub ttl_steps: u64,
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -313,6 +323,9 @@ impl Default for EmbeddingConfig {
             storage: Storage::Memory,
             path: None,
             cache_capacity_rows: 1_000_000,
+            admit_min_count: 0,
+            admit_sketch_counters: 1 << 22,
+            ttl_steps: 0,
             cache_policy: CachePolicy::Lru,
         }
     }
@@ -469,6 +482,18 @@ impl Config {
                 return invalid("embedding.cache_capacity_rows", "must be at least embedding.table_shards");
             }
         }
+        if self.embedding.admit_min_count > 255 {
+            return invalid("embedding.admit_min_count", "at most 255 (the sketch counts in bytes)");
+        }
+        if self.embedding.admit_min_count > 1 && self.embedding.admit_sketch_counters < self.embedding.table_shards {
+            return invalid("embedding.admit_sketch_counters", "must be at least embedding.table_shards");
+        }
+        if self.embedding.ttl_steps > 0 && self.embedding.storage == Storage::Ssd {
+            return invalid(
+                "embedding.ttl_steps",
+                "row expiry is implemented for storage = \"memory\"; the SSD tier keeps every row",
+            );
+        }
         if self.train.pipeline_depth > 1 {
             return invalid(
                 "train.pipeline_depth",
@@ -612,5 +637,16 @@ mod tests {
         assert!(msg.contains("batch_size") || msg.contains("invalid type"), "{msg}");
         assert!(parse("", &["nokey"]).is_err());
         assert!(parse("", &["train.batch_size=0"]).is_err());
+    }
+
+    #[test]
+    fn feature_filter_limits_are_named() {
+        let c = parse("", &["embedding.admit_min_count=5", "embedding.ttl_steps=1000"]).expect("parses");
+        assert_eq!((c.embedding.admit_min_count, c.embedding.ttl_steps), (5, 1000));
+        let err = parse("", &["embedding.admit_min_count=300"]).expect_err("too many");
+        assert!(err.to_string().contains("embedding.admit_min_count"), "{err}");
+        let ssd = ["embedding.storage=ssd", "embedding.path=\"x\"", "embedding.ttl_steps=10"];
+        let err = parse("", &ssd).expect_err("ttl on ssd");
+        assert!(err.to_string().contains("embedding.ttl_steps"), "{err}");
     }
 }

@@ -130,6 +130,12 @@ impl DiskStore {
         Ok(self.get_pos(key, out)?.is_some())
     }
 
+    /// Whether the store holds `key` (one probe, the row not decoded).
+    pub fn contains(&self, key: u64) -> std::io::Result<bool> {
+        let mut buf = Vec::with_capacity(WINDOW_BYTES);
+        Ok(self.probe(key, &mut buf)?.1)
+    }
+
     /// [`get`](Self::get), also telling where the record is (for a later
     /// [`put_at`](Self::put_at) that skips the probe).
     pub fn get_pos(&self, key: u64, out: &mut [f32]) -> std::io::Result<Option<StorePos>> {

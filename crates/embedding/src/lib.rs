@@ -13,4 +13,6 @@ pub mod table;
 
 pub use optimizer::SparseOptimizer;
 pub use plan::KeyPlan;
-pub use table::{EmbeddingTable, Initializer, Partitioner, RowSlots, TableError};
+pub use table::{
+    EmbeddingTable, FeatureFilters, FilterStats, Initializer, Partitioner, RowSlots, TableError, TierStats,
+};

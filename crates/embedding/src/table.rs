@@ -9,8 +9,10 @@
 //! row, or the row inserted). At dim 16 with Adagrad a row is 136 bytes,
 //! exactly key + vector + state.
 //!
-//! Invariant: a row never moves once allocated (chunks are never reallocated),
-//! and rows are only added, so a slot stays valid for the table's lifetime.
+//! Invariant: a row never moves once allocated (chunks are never reallocated).
+//! A slot changes hands only by eviction (SSD tier) or expiry (`ttl_steps`),
+//! never while its row was used by one of the last `protect` lookups, so the
+//! slots a lookup returns stay valid until the update that follows it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -37,6 +39,8 @@ pub enum TableError {
     /// chain does not print it twice.
     #[error("SSD tier: {0}")]
     Ssd(std::io::Error),
+    #[error("row expiry (ttl_steps) is not available with an SSD tier: stored rows would outlive it")]
+    TtlWithSsd,
 }
 
 impl From<std::io::Error> for TableError {
@@ -123,9 +127,118 @@ struct TableShard {
     /// Slots of the rows (with key fingerprints), by key.
     index: SlotIndex,
     chunks: Vec<Box<[f32]>>,
+    /// Slots allocated so far (some may be vacant after expiry).
     rows: usize,
     /// With an SSD tier, the rows above are a cache in front of it.
     tier: Option<Tier>,
+    /// `admit_min_count`: sightings of keys without a row.
+    admit: Option<AdmitSketch>,
+    /// `ttl_steps`: when each row was last used; vacant slots.
+    expiry: Option<Expiry>,
+    filter_stats: FilterStats,
+}
+
+/// The slot a lookup reports for a key the admission filter turned away:
+/// its update is skipped. Never a real slot (a shard holds < u32::MAX rows).
+const NOT_ADMITTED: u32 = u32::MAX;
+
+/// Feature filters of a table (Monolith-style); both off by default.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FeatureFilters {
+    /// A key gets a row once seen in this many training lookups (0, 1: always).
+    pub admit_min_count: u32,
+    /// Byte counters of the admission sketch, over all lock shards.
+    pub admit_sketch_counters: usize,
+    /// Rows not used by this many training lookups are deleted (0: never).
+    pub ttl_steps: u64,
+    /// Rows used by the last this-many lookups never expire (in flight).
+    pub protect_lookups: u64,
+}
+
+/// What the feature filters did, summed over lock shards.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct FilterStats {
+    /// Training lookups of keys not admitted yet (answered with the initial
+    /// vector; their gradients dropped).
+    pub not_admitted: u64,
+    /// Keys given a row once they reached `admit_min_count`.
+    pub admitted: u64,
+    /// Rows deleted by `ttl_steps`.
+    pub expired: u64,
+}
+
+impl std::ops::AddAssign for FilterStats {
+    fn add_assign(&mut self, o: FilterStats) {
+        self.not_admitted += o.not_admitted;
+        self.admitted += o.admitted;
+        self.expired += o.expired;
+    }
+}
+
+/// Counts sightings of keys that have no row, in bounded memory: a count-min
+/// sketch of saturating byte counters with two hashes and conservative update
+/// (only the smallest counters grow). It can over-count (a key admitted a
+/// little early when counters collide), never under-count.
+struct AdmitSketch {
+    min_count: u8,
+    counters: Vec<u8>,
+    mask: u64,
+}
+
+impl AdmitSketch {
+    fn new(min_count: u32, counters: usize) -> AdmitSketch {
+        let n = counters.next_power_of_two().max(64);
+        AdmitSketch { min_count: min_count.min(255) as u8, counters: vec![0; n], mask: n as u64 - 1 }
+    }
+
+    fn cells(&self, key: u64) -> [usize; 2] {
+        // Bits unrelated to the shard and index bucket bits (another mix).
+        let h = mix64(key ^ 0x5bd1_e995_ad5f_3c6b);
+        [(h & self.mask) as usize, ((h >> 32) & self.mask) as usize]
+    }
+
+    fn estimate(&self, key: u64) -> u8 {
+        let [a, b] = self.cells(key);
+        self.counters[a].min(self.counters[b])
+    }
+
+    /// Whether `key` has already been seen `min_count` times.
+    fn admitted(&self, key: u64) -> bool {
+        self.estimate(key) >= self.min_count
+    }
+
+    /// Whether the next sighting of `key` admits it.
+    fn admits_next(&self, key: u64) -> bool {
+        self.estimate(key).saturating_add(1) >= self.min_count
+    }
+
+    /// Counts a sighting of `key`; whether it is admitted now.
+    fn count(&mut self, key: u64) -> bool {
+        let cells = self.cells(key);
+        let low = self.estimate(key);
+        for c in cells {
+            if self.counters[c] == low {
+                self.counters[c] = low.saturating_add(1);
+            }
+        }
+        low.saturating_add(1) >= self.min_count
+    }
+}
+
+/// Row expiry (`ttl_steps`): each row's last training lookup; slots freed by
+/// expiry are reused before the arena grows.
+struct Expiry {
+    ttl: u64,
+    protect: u64,
+    last_use: Vec<u64>,
+    vacant: Vec<bool>,
+    free: Vec<u32>,
+}
+
+impl Expiry {
+    fn is_vacant(&self, slot: usize) -> bool {
+        self.vacant[slot]
+    }
 }
 
 /// How a missing row is made (initialiser, optimizer state) and for which
@@ -160,7 +273,7 @@ struct Tier {
 }
 
 /// Lookups of a table with an SSD tier, by outcome.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TierStats {
     /// Found in the memory cache.
     pub hits: u64,
@@ -174,6 +287,17 @@ pub struct TierStats {
     /// [`EmbeddingTable::prefetch`] (S3.5).
     pub prefetch_loads: u64,
     pub prefetch_inits: u64,
+}
+
+impl std::ops::AddAssign for TierStats {
+    fn add_assign(&mut self, o: TierStats) {
+        self.hits += o.hits;
+        self.loads += o.loads;
+        self.inits += o.inits;
+        self.writebacks += o.writebacks;
+        self.prefetch_loads += o.prefetch_loads;
+        self.prefetch_inits += o.prefetch_inits;
+    }
 }
 
 impl TierStats {
@@ -298,12 +422,29 @@ impl TableShard {
     /// A new row for `key` (which must not be present), indexed; its weights
     /// and state are zero until the caller fills them.
     fn add(&mut self, layout: Layout, key: u64) -> Result<u32, TableError> {
+        let slot = match self.expiry.as_mut().and_then(|e| e.free.pop().map(|slot| (e, slot))) {
+            Some((e, slot)) => {
+                e.vacant[slot as usize] = false;
+                slot
+            }
+            None => self.allocate(layout)?,
+        };
+        let (chunk, start) = layout.locate(slot);
+        set_key(&mut self.chunks[chunk][start..start + KEY_FLOATS], key);
+        let chunks = &self.chunks;
+        // Growing the index rehashes every entry from the key in its row.
+        self.index.insert(key, slot, |s| key_of(stored_in(chunks, layout, s)));
+        Ok(slot)
+    }
+
+    /// A new slot at the end of the arena.
+    fn allocate(&mut self, layout: Layout) -> Result<u32, TableError> {
         let slot = self.rows;
-        if slot >= u32::MAX as usize {
-            return Err(TableError::ShardFull { max: u64::from(u32::MAX) });
+        if slot >= NOT_ADMITTED as usize {
+            return Err(TableError::ShardFull { max: u64::from(NOT_ADMITTED) });
         }
         let slot = slot as u32;
-        let (chunk, start) = layout.locate(slot);
+        let (chunk, _) = layout.locate(slot);
         if chunk == self.chunks.len() {
             self.chunks.push(vec![0.0f32; layout.chunk_rows() * layout.stored_len].into_boxed_slice());
         }
@@ -314,16 +455,64 @@ impl TableShard {
             t.dirty.push(true);
             t.pos.push(None);
         }
-        set_key(&mut self.chunks[chunk][start..start + KEY_FLOATS], key);
-        let chunks = &self.chunks;
-        // Growing the index rehashes every entry from the key in its row.
-        self.index.insert(key, slot, |s| key_of(stored_in(chunks, layout, s)));
+        if let Some(e) = &mut self.expiry {
+            e.last_use.push(0);
+            e.vacant.push(false);
+        }
         Ok(slot)
     }
 
-    /// Slot of `key`, inserting an initialised row on first sight (S3.9).
+    fn is_vacant(&self, slot: usize) -> bool {
+        self.expiry.as_ref().is_some_and(|e| e.is_vacant(slot))
+    }
+
+    /// Admission filter: whether a key with no cached row gets one now. A
+    /// key on the SSD tier was admitted before (or restored from a checkpoint).
+    /// A prefetch only predicts the lookup's answer; the lookup counts.
+    fn admits(&mut self, key: u64, prefetching: bool) -> Result<bool, TableError> {
+        let Some(sketch) = &mut self.admit else { return Ok(true) };
+        if sketch.admitted(key) {
+            return Ok(true);
+        }
+        if let Some(t) = &self.tier
+            && t.store.contains(key)?
+        {
+            return Ok(true);
+        }
+        if prefetching {
+            return Ok(sketch.admits_next(key));
+        }
+        let now = sketch.count(key);
+        if now {
+            self.filter_stats.admitted += 1;
+        } else {
+            self.filter_stats.not_admitted += 1;
+        }
+        Ok(now)
+    }
+
+    /// `ttl_steps`: deletes the rows that no lookup used in the last `ttl`
+    /// lookups (rows in flight never qualify).
+    fn expire(&mut self, layout: Layout, tick: u64) {
+        let TableShard { index, chunks, rows, expiry, filter_stats, .. } = self;
+        let Some(e) = expiry else { return };
+        let used_since = tick.saturating_sub(e.ttl.max(e.protect));
+        for slot in 0..*rows {
+            if e.vacant[slot] || e.last_use[slot] >= used_since {
+                continue;
+            }
+            let key = key_of(stored_in(chunks, layout, slot as u32));
+            index.remove(key, slot as u32, |s| key_of(stored_in(chunks, layout, s)));
+            e.vacant[slot] = true;
+            e.free.push(slot as u32);
+            filter_stats.expired += 1;
+        }
+    }
+
+    /// Slot of `key`, inserting an initialised row on first sight (S3.9);
+    /// `None` if the admission filter turns the key away.
     #[inline]
-    fn slot_or_insert(&mut self, layout: Layout, key: u64, how: &Access<'_>) -> Result<u32, TableError> {
+    fn slot_or_insert(&mut self, layout: Layout, key: u64, how: &Access<'_>) -> Result<Option<u32>, TableError> {
         let probe = self.index.probe(key);
         self.confirm_or_insert(layout, key, probe, how)
     }
@@ -338,9 +527,15 @@ impl TableShard {
         key: u64,
         probe: Probe,
         how: &Access<'_>,
-    ) -> Result<u32, TableError> {
+    ) -> Result<Option<u32>, TableError> {
         let Access { init, opt, tick, prefetching } = *how;
-        if let Some(slot) = self.index.confirm(key, probe, |s| self.key_at(layout, s)) {
+        let found = self.index.confirm(key, probe, |s| self.key_at(layout, s));
+        if let Some(e) = &mut self.expiry
+            && let Some(slot) = found
+        {
+            e.last_use[slot as usize] = tick;
+        }
+        if let Some(slot) = found {
             if let Some(t) = &mut self.tier {
                 if prefetching {
                     // Protected until the lookup it is staged for, not counted as a use.
@@ -350,9 +545,15 @@ impl TableShard {
                     t.stats.hits += 1;
                 }
             }
-            return Ok(slot);
+            return Ok(Some(slot));
+        }
+        if !self.admits(key, prefetching)? {
+            return Ok(None);
         }
         let slot = self.free_slot(layout, key, tick)?;
+        if let Some(e) = &mut self.expiry {
+            e.last_use[slot as usize] = tick;
+        }
         let (chunk, start) = layout.locate(slot);
         let row = &mut self.chunks[chunk][start + KEY_FLOATS..start + layout.stored_len];
         let loaded = match &mut self.tier {
@@ -380,7 +581,7 @@ impl TableShard {
             init.fill(key, w);
             opt.init_state(w, state);
         }
-        Ok(slot)
+        Ok(Some(slot))
     }
 
     /// A slot for a new `key`, indexed: a fresh one while the cache is under
@@ -463,6 +664,9 @@ pub struct EmbeddingTable {
     shard_mask: u64,
     /// Counts training lookups: a cached row's age for eviction.
     tick: AtomicU64,
+    /// `ttl_steps`: lookups between sweeps for expired rows, ⌈ttl/8⌉ (a row
+    /// goes between ttl and 9/8 ttl lookups after its last use); 0: never.
+    sweep_every: u64,
 }
 
 /// The SSD tier of a table (S3.8): where its files go and the cache in front.
@@ -507,9 +711,19 @@ impl EmbeddingTable {
         let layout = Layout::new(dim + optimizer.state_len(dim), dim);
         let shard_mask = shards as u64 - 1;
         let shards = (0..shards)
-            .map(|_| RwLock::new(TableShard { index: SlotIndex::default(), chunks: Vec::new(), rows: 0, tier: None }))
+            .map(|_| {
+                RwLock::new(TableShard {
+                    index: SlotIndex::default(),
+                    chunks: Vec::new(),
+                    rows: 0,
+                    tier: None,
+                    admit: None,
+                    expiry: None,
+                    filter_stats: FilterStats::default(),
+                })
+            })
             .collect();
-        EmbeddingTable { layout, optimizer, init, shards, shard_mask, tick: AtomicU64::new(1) }
+        EmbeddingTable { layout, optimizer, init, shards, shard_mask, tick: AtomicU64::new(1), sweep_every: 0 }
     }
 
     /// A table whose rows live in files under `ssd.dir` (one per lock shard),
@@ -555,7 +769,13 @@ impl EmbeddingTable {
         protect_lookups: u64,
     ) -> Result<Self, TableError> {
         let optimizer = SparseOptimizer::from_config(config);
-        match (config.storage, &config.path) {
+        let filters = FeatureFilters {
+            admit_min_count: config.admit_min_count,
+            admit_sketch_counters: config.admit_sketch_counters,
+            ttl_steps: config.ttl_steps,
+            protect_lookups,
+        };
+        let table = match (config.storage, &config.path) {
             (sparrow_core::config::Storage::Ssd, Some(path)) => {
                 let mut dir = std::path::PathBuf::from(path);
                 if let Some(sub) = subdir {
@@ -567,10 +787,46 @@ impl EmbeddingTable {
                     policy: config.cache_policy,
                     protect_lookups,
                 };
-                Self::with_ssd(dim, optimizer, init, config.table_shards, &ssd)
+                Self::with_ssd(dim, optimizer, init, config.table_shards, &ssd)?
             }
-            _ => Ok(Self::new(dim, optimizer, init, config.table_shards)),
+            _ => Self::new(dim, optimizer, init, config.table_shards),
+        };
+        table.with_filters(filters)
+    }
+
+    /// Turns on the feature filters (admission by count, expiry by age).
+    pub fn with_filters(mut self, filters: FeatureFilters) -> Result<Self, TableError> {
+        if filters.ttl_steps > 0 && self.is_tiered() {
+            return Err(TableError::TtlWithSsd);
         }
+        let shards = self.shards.len();
+        for shard in self.shards.iter() {
+            let mut shard = shard.write();
+            assert_eq!(shard.rows, 0, "filters are set on an empty table");
+            if filters.admit_min_count > 1 {
+                shard.admit = Some(AdmitSketch::new(filters.admit_min_count, filters.admit_sketch_counters / shards));
+            }
+            if filters.ttl_steps > 0 {
+                shard.expiry = Some(Expiry {
+                    ttl: filters.ttl_steps,
+                    protect: filters.protect_lookups,
+                    last_use: Vec::new(),
+                    vacant: Vec::new(),
+                    free: Vec::new(),
+                });
+            }
+        }
+        self.sweep_every = filters.ttl_steps.div_ceil(8);
+        Ok(self)
+    }
+
+    /// What the feature filters did, summed over lock shards.
+    pub fn filter_stats(&self) -> FilterStats {
+        let mut total = FilterStats::default();
+        for shard in self.shards.iter() {
+            total += shard.read().filter_stats;
+        }
+        total
     }
 
     /// Lookup outcomes of the SSD tier, summed over shards (`None` in memory).
@@ -578,13 +834,7 @@ impl EmbeddingTable {
         let mut total: Option<TierStats> = None;
         for shard in self.shards.iter() {
             if let Some(t) = &shard.read().tier {
-                let s = total.get_or_insert_with(TierStats::default);
-                s.hits += t.stats.hits;
-                s.loads += t.stats.loads;
-                s.inits += t.stats.inits;
-                s.writebacks += t.stats.writebacks;
-                s.prefetch_loads += t.stats.prefetch_loads;
-                s.prefetch_inits += t.stats.prefetch_inits;
+                *total.get_or_insert_with(TierStats::default) += t.stats;
             }
         }
         total
@@ -665,6 +915,9 @@ impl EmbeddingTable {
         assert_eq!(out.len(), plan.num_unique() * dim, "output size");
         let mut slots = vec![0u32; plan.num_unique()];
         let tick = self.tick.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.sweep_every > 0 && tick.is_multiple_of(self.sweep_every) {
+            self.shards.par_iter().for_each(|shard| shard.write().expire(layout, tick));
+        }
         let access = Access { init: &self.init, opt: &self.optimizer, tick, prefetching: false };
         let out_parts = self.shard_slices(plan, out, dim);
         let slot_parts = self.shard_slices(plan, &mut slots, 1);
@@ -687,9 +940,17 @@ impl EmbeddingTable {
                     }
                 }
                 if let Some(j) = i.checked_sub(2 * D) {
-                    let slot = shard.confirm_or_insert(layout, keys[j], probes[j], &access)?;
-                    slots[j] = slot;
-                    out[j * dim..(j + 1) * dim].copy_from_slice(&shard.row(layout, slot)[..dim]);
+                    let dst = &mut out[j * dim..(j + 1) * dim];
+                    match shard.confirm_or_insert(layout, keys[j], probes[j], &access)? {
+                        Some(slot) => {
+                            slots[j] = slot;
+                            dst.copy_from_slice(&shard.row(layout, slot)[..dim]);
+                        }
+                        None => {
+                            slots[j] = NOT_ADMITTED;
+                            self.init.fill(keys[j], dst);
+                        }
+                    }
                 }
             }
             Ok::<(), TableError>(())
@@ -718,7 +979,8 @@ impl EmbeddingTable {
             let mut shard = self.shards[s].write();
             for &key in keys {
                 let probe = shard.index.probe(key);
-                shard.confirm_or_insert(layout, key, probe, &access)?;
+                // A key the filter will not admit stays out (the lookup says so).
+                let _staged = shard.confirm_or_insert(layout, key, probe, &access)?;
             }
             Ok(())
         })
@@ -750,12 +1012,18 @@ impl EmbeddingTable {
             }
             let mut shard = self.shards[s].write();
             for u in lo..hi {
-                if let Some(&ahead) = slots.slots.get(u + PREFETCH_DISTANCE).filter(|_| u + PREFETCH_DISTANCE < hi) {
+                if let Some(&ahead) =
+                    slots.slots.get(u + PREFETCH_DISTANCE).filter(|&&a| u + PREFETCH_DISTANCE < hi && a != NOT_ADMITTED)
+                {
                     shard.prefetch_row(layout, ahead);
                 }
-                let (w, state) = shard.row_mut(layout, slots.slots[u]).split_at_mut(dim);
+                let slot = slots.slots[u];
+                if slot == NOT_ADMITTED {
+                    continue;
+                }
+                let (w, state) = shard.row_mut(layout, slot).split_at_mut(dim);
                 self.optimizer.apply(w, state, &grads[u * dim..(u + 1) * dim]);
-                shard.mark_dirty(slots.slots[u]);
+                shard.mark_dirty(slot);
             }
         });
     }
@@ -782,7 +1050,8 @@ impl EmbeddingTable {
     }
 
     /// Applies summed gradients (`num_unique × dim`, in plan order) once per
-    /// unique key (S3.7). A key not in the table is inserted first.
+    /// unique key (S3.7). A key not in the table is inserted first (if the
+    /// admission filter lets it in).
     pub fn apply_gradients(&self, plan: &KeyPlan, grads: &[f32]) -> Result<(), TableError> {
         let layout = self.layout;
         let dim = layout.dim;
@@ -797,7 +1066,7 @@ impl EmbeddingTable {
             let tick = self.tick.load(Ordering::Relaxed);
             for (i, &key) in keys.iter().enumerate() {
                 let access = Access { init: &self.init, opt: &self.optimizer, tick, prefetching: false };
-                let slot = shard.slot_or_insert(layout, key, &access)?;
+                let Some(slot) = shard.slot_or_insert(layout, key, &access)? else { continue };
                 let g = &grads[(base + i) * dim..(base + i + 1) * dim];
                 let (w, state) = shard.row_mut(layout, slot).split_at_mut(dim);
                 self.optimizer.apply(w, state, g);
@@ -835,10 +1104,12 @@ impl EmbeddingTable {
                 if visited == max {
                     return Ok(Some((shard_index, pos)));
                 }
-                let stored = stored_in(&shard.chunks, self.layout, pos as u32);
-                f(key_of(stored), &stored[KEY_FLOATS..]);
+                if !shard.is_vacant(pos) {
+                    let stored = stored_in(&shard.chunks, self.layout, pos as u32);
+                    f(key_of(stored), &stored[KEY_FLOATS..]);
+                    visited += 1;
+                }
                 pos += 1;
-                visited += 1;
             }
             if let Some(t) = &shard.tier {
                 let mut bucket = pos.saturating_sub(STORE_CURSOR) as u64;
@@ -887,6 +1158,10 @@ impl EmbeddingTable {
                 shard.free_slot(self.layout, key, tick)?
             }
         };
+        if let Some(e) = &mut shard.expiry {
+            // Ages are not checkpointed: a restored row counts as just used.
+            e.last_use[slot as usize] = self.tick.load(Ordering::Relaxed);
+        }
         shard.row_mut(self.layout, slot).copy_from_slice(row);
         shard.mark_dirty(slot);
         Ok(())
@@ -898,6 +1173,7 @@ impl EmbeddingTable {
         for shard in self.shards.iter() {
             let shard = shard.read();
             let mut entries: Vec<(u64, u32)> = (0..shard.rows as u32)
+                .filter(|&slot| !shard.is_vacant(slot as usize))
                 .map(|slot| (key_of(stored_in(&shard.chunks, self.layout, slot)), slot))
                 .collect();
             // SSD tier: the stored rows that are not cached (the cache's copy is newer).

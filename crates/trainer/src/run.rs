@@ -6,12 +6,12 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use sparrow_core::metrics::{auc, log_loss_from_logits, sigmoid};
 use sparrow_core::{Batch, Config};
 use sparrow_data::synth::Truth;
 use sparrow_data::{BadRows, BatchStream, DataError, DataLayout};
-use sparrow_embedding::KeyPlan;
+use sparrow_embedding::{EmbeddingTable, FilterStats, KeyPlan, TierStats};
 
 use crate::checkpoint;
 use crate::pipeline::PlannedBatches;
@@ -45,15 +45,9 @@ pub struct TrainSummary {
     /// first dedup (8 per unique key); without the dedup it would be
     /// `dedup_ratio` times this.
     pub shuffle_bytes_per_sample: f64,
-    /// SSD tier (`embedding.storage = "ssd"`; null in memory): lookups of
-    /// known keys served by the memory cache, hits / (hits + store reads).
-    pub cache_hit_rate: Option<f64>,
-    /// Store reads made during a training lookup (no prefetch stage yet, so
-    /// every miss of a known key counts).
-    pub lookup_misses_after_prefetch: Option<u64>,
-    /// Rows the SSD tier's cache holds at the end, and rows written back to the store.
-    pub cached_rows: Option<u64>,
-    pub ssd_writebacks: Option<u64>,
+    /// The SSD tier and the feature filters.
+    #[serde(flatten)]
+    pub table: TableReport,
     /// Bytes the table holds per row (arena + index).
     pub embedding_bytes_per_row: f64,
     pub checkpoint: Option<String>,
@@ -63,6 +57,46 @@ pub struct TrainSummary {
     /// From `truth.json` beside the test file, when the data is generated.
     pub bayes_auc: Option<f64>,
     pub bayes_logloss: Option<f64>,
+}
+
+/// What the embedding table's SSD tier and feature filters did: part of
+/// `train`'s and `launch`'s JSON (a cluster sums its shards' counters).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct TableReport {
+    /// SSD tier (`embedding.storage = "ssd"`; null in memory): lookups of
+    /// known keys served by the memory cache without a store read on their
+    /// behalf (a prefetched row counts as a miss).
+    pub cache_hit_rate: Option<f64>,
+    /// Store reads a training lookup had to make itself (the prefetch stage
+    /// missed them); 0 in steady state.
+    pub lookup_misses_after_prefetch: Option<u64>,
+    /// Rows the SSD tier's cache holds at the end, and rows written back to the store.
+    pub cached_rows: Option<u64>,
+    pub ssd_writebacks: Option<u64>,
+    /// `embedding.admit_min_count`: keys given a row after enough sightings,
+    /// and training lookups of keys not admitted yet.
+    pub admitted_keys: u64,
+    pub not_admitted_lookups: u64,
+    /// `embedding.ttl_steps`: rows deleted for not being used.
+    pub expired_rows: u64,
+}
+
+impl TableReport {
+    pub fn new(tier: Option<TierStats>, cached_rows: u64, filters: FilterStats) -> TableReport {
+        TableReport {
+            cache_hit_rate: tier.map(|t| t.cache_hit_rate()),
+            lookup_misses_after_prefetch: tier.map(|t| t.loads),
+            cached_rows: tier.map(|_| cached_rows),
+            ssd_writebacks: tier.map(|t| t.writebacks),
+            admitted_keys: filters.admitted,
+            not_admitted_lookups: filters.not_admitted,
+            expired_rows: filters.expired,
+        }
+    }
+
+    pub fn of(table: &EmbeddingTable) -> TableReport {
+        TableReport::new(table.tier_stats(), table.cached_rows() as u64, table.filter_stats())
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -332,7 +366,7 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
     let train_rows = trainer.samples_trained - start_samples;
     let rows = trainer.table.len() as u64;
     // Taken after evaluation, which reads the store without counting.
-    let tier = trainer.table.tier_stats();
+    let report = TableReport::of(&trainer.table);
     Ok(TrainSummary {
         test_auc,
         test_logloss,
@@ -350,10 +384,7 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
         train_logloss: last_train_logloss,
         dedup_ratio: keys_total as f64 / unique_total.max(1) as f64,
         shuffle_bytes_per_sample: 8.0 * unique_total as f64 / train_rows.max(1) as f64,
-        cache_hit_rate: tier.map(|t| t.cache_hit_rate()),
-        lookup_misses_after_prefetch: tier.map(|t| t.loads),
-        cached_rows: tier.map(|_| trainer.table.cached_rows() as u64),
-        ssd_writebacks: tier.map(|t| t.writebacks),
+        table: report,
         embedding_bytes_per_row: trainer.table.allocated_bytes() as f64 / rows.max(1) as f64,
         checkpoint: checkpoint_dir.map(|d| d.display().to_string()),
         resumed_from_step,

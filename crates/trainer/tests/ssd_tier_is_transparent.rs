@@ -26,7 +26,7 @@ fn a_small_cache_over_ssd_trains_the_in_memory_model() {
     base.embedding.table_shards = 4;
     base.checkpoint.dir = Some(tmp.path().join("mem-ckpt").display().to_string());
     let memory = train(&base, true).expect("memory");
-    assert_eq!(memory.cache_hit_rate, None);
+    assert_eq!(memory.table.cache_hit_rate, None);
 
     for policy in [CachePolicy::Lru, CachePolicy::Lfu] {
         let mut ssd = base.clone();
@@ -39,12 +39,12 @@ fn a_small_cache_over_ssd_trains_the_in_memory_model() {
         assert!(s.embedding_rows > 5 * 1200, "the table ({} rows) is much larger than the cache", s.embedding_rows);
         assert_eq!(s.embedding_rows, memory.embedding_rows, "{policy:?}");
         assert_eq!(s.test_auc.map(f64::to_bits), memory.test_auc.map(f64::to_bits), "{policy:?}: same model");
-        let cached = s.cached_rows.expect("cached rows");
+        let cached = s.table.cached_rows.expect("cached rows");
         assert!(cached < s.embedding_rows / 3, "{policy:?}: {cached} rows cached of {}", s.embedding_rows);
-        assert!(s.ssd_writebacks.expect("writebacks") > 0);
+        assert!(s.table.ssd_writebacks.expect("writebacks") > 0);
         // Each batch's rows were staged beside the previous dense step (S3.5).
-        assert_eq!(s.lookup_misses_after_prefetch, Some(0), "{policy:?}");
-        let hit = s.cache_hit_rate.expect("hit rate");
+        assert_eq!(s.table.lookup_misses_after_prefetch, Some(0), "{policy:?}");
+        let hit = s.table.cache_hit_rate.expect("hit rate");
         assert!(hit > 0.0 && hit < 1.0, "{policy:?}: hit rate {hit}");
         // The checkpoint walks cache and store: the same rows, byte for byte.
         assert_eq!(

@@ -16,7 +16,8 @@ use super::{
 use crate::messages::Mode;
 use crate::metrics::RoleMetrics;
 use crate::shard::ShardServer;
-use crate::transport::{ClusterError, ExportPage, ShardService};
+use crate::transport::{ClusterError, ExportPage, ShardReport, ShardService};
+use sparrow_embedding::{FilterStats, TierStats};
 
 struct ShardGrpc {
     shard: Arc<ShardServer>,
@@ -84,9 +85,22 @@ impl pb::shard_server::Shard for ShardGrpc {
     }
 
     async fn stats(&self, _: Request<pb::Empty>) -> Result<Response<pb::ShardStats>, Status> {
+        let r = ShardReport::of(self.shard.table());
+        let t = r.tier.unwrap_or_default();
         Ok(Response::new(pb::ShardStats {
-            rows: self.shard.table().len() as u64,
+            rows: r.rows,
             pending_batches: self.shard.pending_batches() as u64,
+            cached_rows: r.cached_rows,
+            tiered: r.tier.is_some(),
+            hits: t.hits,
+            loads: t.loads,
+            inits: t.inits,
+            writebacks: t.writebacks,
+            prefetch_loads: t.prefetch_loads,
+            prefetch_inits: t.prefetch_inits,
+            admitted: r.filters.admitted,
+            not_admitted: r.filters.not_admitted,
+            expired: r.filters.expired,
         }))
     }
 }
@@ -147,8 +161,18 @@ impl ShardService for ShardClient {
         Ok(())
     }
 
-    fn num_rows(&self) -> Result<u64, ClusterError> {
-        Ok(self.peer.call("stats", pb::Empty {}, |mut c, r| async move { c.stats(r).await })?.rows)
+    fn report(&self) -> Result<ShardReport, ClusterError> {
+        let s = self.peer.call("stats", pb::Empty {}, |mut c, r| async move { c.stats(r).await })?;
+        let tier = s.tiered.then_some(TierStats {
+            hits: s.hits,
+            loads: s.loads,
+            inits: s.inits,
+            writebacks: s.writebacks,
+            prefetch_loads: s.prefetch_loads,
+            prefetch_inits: s.prefetch_inits,
+        });
+        let filters = FilterStats { admitted: s.admitted, not_admitted: s.not_admitted, expired: s.expired };
+        Ok(ShardReport { rows: s.rows, cached_rows: s.cached_rows, tier, filters })
     }
 
     fn export(&self, cursor: (usize, usize), max_rows: usize) -> Result<ExportPage, ClusterError> {

@@ -1,0 +1,161 @@
+//! Feature filters (`embedding.admit_min_count`, `embedding.ttl_steps`): a key
+//! gets a row only after enough sightings, and rows nobody uses expire; the
+//! training path (lookup → update) sees neither filtered key nor expired row.
+
+use sparrow_core::config::{CachePolicy, InitConfig};
+use sparrow_embedding::table::SsdOptions;
+use sparrow_embedding::{EmbeddingTable, FeatureFilters, Initializer, SparseOptimizer, TableError};
+
+const DIM: usize = 4;
+
+fn opt() -> SparseOptimizer {
+    SparseOptimizer::Adagrad { lr: 0.1, eps: 1e-8 }
+}
+
+fn init() -> Initializer {
+    Initializer::new(InitConfig::default(), 7)
+}
+
+fn filtered(filters: FeatureFilters) -> EmbeddingTable {
+    EmbeddingTable::new(DIM, opt(), init(), 4).with_filters(filters).expect("filters")
+}
+
+/// One training step over `keys`: lookup, then a gradient of ones per unique key.
+fn step(table: &EmbeddingTable, keys: &[u64]) -> Vec<f32> {
+    let plan = table.plan(keys);
+    let mut rows = vec![0.0; plan.num_unique() * DIM];
+    let slots = table.lookup_or_insert(&plan, &mut rows).expect("lookup");
+    table.apply_gradients_at(&plan, &slots, &vec![1.0; rows.len()]);
+    rows
+}
+
+fn initial(key: u64) -> Vec<f32> {
+    let mut w = vec![0.0; DIM];
+    init().fill(key, &mut w);
+    w
+}
+
+#[test]
+fn a_key_gets_a_row_on_its_third_sighting() {
+    let t = filtered(FeatureFilters { admit_min_count: 3, admit_sketch_counters: 4096, ..Default::default() });
+    for sighting in 1..=2 {
+        // Not admitted: reads as its initial vector, its gradient is dropped.
+        assert_eq!(step(&t, &[42, 42]), initial(42), "sighting {sighting}");
+        assert_eq!(t.len(), 0);
+        assert_eq!(t.get_row(42), None);
+    }
+    assert_eq!(step(&t, &[42]), initial(42), "admitted with a fresh row");
+    assert_eq!(t.len(), 1);
+    let row = t.get_row(42).expect("row");
+    assert!(row[..DIM].iter().zip(initial(42)).all(|(w, w0)| *w < w0), "the third update was applied");
+    // From now on the trained row is what a lookup returns.
+    assert_eq!(step(&t, &[42]), row[..DIM].to_vec());
+    let s = t.filter_stats();
+    assert_eq!((s.not_admitted, s.admitted, s.expired), (2, 1, 0));
+}
+
+#[test]
+fn without_filters_every_key_is_admitted_at_once() {
+    let t = filtered(FeatureFilters::default());
+    step(&t, &[1, 2, 3]);
+    assert_eq!(t.len(), 3);
+    assert_eq!(t.filter_stats(), Default::default());
+}
+
+#[test]
+fn rows_unused_for_ttl_steps_expire_and_come_back_fresh() {
+    let ttl = 8;
+    let t = filtered(FeatureFilters { ttl_steps: ttl, protect_lookups: 2, ..Default::default() });
+    let cold: Vec<u64> = (100..140).collect();
+    step(&t, &cold);
+    let trained = t.get_row(100).expect("row");
+    assert_ne!(trained[..DIM], initial(100)[..]);
+    for _ in 0..ttl {
+        step(&t, &[1, 2]);
+    }
+    assert_eq!(t.len(), 42, "ttl lookups later the cold rows are still there");
+    // A sweep runs every ttl/8 lookups: within 9/8 ttl + 1 they are gone.
+    for _ in 0..ttl / 8 + 2 {
+        step(&t, &[1, 2]);
+    }
+    assert_eq!(t.len(), 2, "only the rows in use are left");
+    assert_eq!(t.filter_stats().expired, 40);
+    assert_eq!(t.get_row(100), None);
+    // A paged walk (checkpoints, cluster export) sees only live rows.
+    let mut seen = Vec::new();
+    let mut cursor = Some((0, 0));
+    while let Some(at) = cursor {
+        cursor = t.rows_from(at, 3, |key, _| seen.push(key)).expect("walk");
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, vec![1, 2]);
+    // The freed slots are reused; the key returns as a new row.
+    let bytes = t.allocated_bytes();
+    assert_eq!(step(&t, &cold)[..DIM], initial(100)[..]);
+    assert_eq!(t.len(), 42);
+    assert_eq!(t.allocated_bytes(), bytes, "no new memory for returning keys");
+    let mut rows = 0;
+    t.for_each_row(|_, _| {
+        rows += 1;
+        Ok(())
+    })
+    .expect("rows");
+    assert_eq!(rows, 42);
+}
+
+#[test]
+fn a_row_looked_up_but_not_yet_updated_never_expires() {
+    let t = filtered(FeatureFilters { ttl_steps: 1, protect_lookups: 2, ..Default::default() });
+    step(&t, &[5]);
+    for _ in 0..5 {
+        step(&t, &[6]);
+    }
+    // Key 7's lookup is in flight while another lookup sweeps (pipeline depth 1).
+    let plan = t.plan(&[7]);
+    let mut rows = vec![0.0; DIM];
+    let slots = t.lookup_or_insert(&plan, &mut rows).expect("lookup");
+    step(&t, &[6]);
+    t.apply_gradients_at(&plan, &slots, &[1.0; DIM]);
+    assert!(t.get_row(7).expect("still there")[..DIM].iter().zip(initial(7)).all(|(w, w0)| *w < w0));
+    assert_eq!(t.get_row(5), None, "the old row expired");
+}
+
+#[test]
+fn a_key_restored_onto_the_ssd_tier_counts_as_admitted() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let ssd = SsdOptions {
+        dir: tmp.path().to_path_buf(),
+        cache_capacity_rows: 4,
+        policy: CachePolicy::Lru,
+        protect_lookups: 1,
+    };
+    let filters = FeatureFilters { admit_min_count: 5, admit_sketch_counters: 4096, ..Default::default() };
+    let t = EmbeddingTable::with_ssd(DIM, opt(), init(), 4, &ssd).expect("ssd").with_filters(filters).expect("f");
+    let restored: Vec<f32> = (0..t.row_len()).map(|i| i as f32 + 0.5).collect();
+    for key in 0..64u64 {
+        t.put_row(key, &restored).expect("restore");
+    }
+    assert!(t.cached_rows() < 64, "most restored rows went to the store");
+    assert_eq!(step(&t, &(0..64).collect::<Vec<_>>()), restored[..DIM].repeat(64));
+    assert_eq!(t.len(), 64);
+    assert_eq!(t.filter_stats().not_admitted, 0);
+    // A new key on the same table is still filtered.
+    step(&t, &[1000]);
+    assert_eq!(t.len(), 64);
+}
+
+#[test]
+fn row_expiry_is_refused_on_the_ssd_tier() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let ssd = SsdOptions {
+        dir: tmp.path().to_path_buf(),
+        cache_capacity_rows: 4,
+        policy: CachePolicy::Lru,
+        protect_lookups: 1,
+    };
+    let t = EmbeddingTable::with_ssd(DIM, opt(), init(), 4, &ssd).expect("ssd");
+    assert!(matches!(
+        t.with_filters(FeatureFilters { ttl_steps: 10, ..Default::default() }),
+        Err(TableError::TtlWithSsd)
+    ));
+}
