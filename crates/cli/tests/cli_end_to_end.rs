@@ -217,3 +217,101 @@ fn ctrl_c_checkpoints_and_the_run_resumes() {
     ok(&out);
     assert!(last_json(&out)["resumed_from_step"].as_u64().is_some());
 }
+
+/// An SSD-tier run killed (SIGKILL) while writing a checkpoint: the version
+/// being written is ignored, `LATEST` still names the previous complete one,
+/// and a run resumed from it ends with the uninterrupted run's model.
+#[test]
+fn a_kill_during_a_checkpoint_of_an_ssd_table_keeps_the_previous_one() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let data = tmp.path().join("data");
+    ok(&sparrow(&["gen", "--out", &data.display().to_string(), "--train-rows", "30000", "--test-rows", "500"]));
+    let config = write_config(tmp.path(), "job.toml", "every_steps = 20");
+    let ssd = |name: &str| {
+        let path = tmp.path().join(name).display().to_string();
+        vec![
+            "--set".to_string(),
+            "embedding.storage=\"ssd\"".to_string(),
+            "--set".to_string(),
+            format!("embedding.path=\"{path}\""),
+            "--set".to_string(),
+            "embedding.cache_capacity_rows=4096".to_string(),
+            "--set".to_string(),
+            "train.batch_size=64".to_string(),
+        ]
+    };
+    let ck = tmp.path().join("ck");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sparrow"))
+        .args(["train", "--config", &config])
+        .args(ssd("ssd-killed"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn");
+    // Wait for a complete checkpoint, then kill the process as soon as the
+    // next one is being written (its temporary directory exists).
+    let started = std::time::Instant::now();
+    let writing = |dir: &Path| {
+        std::fs::read_dir(dir)
+            .map(|entries| entries.flatten().any(|e| e.file_name().to_string_lossy().starts_with(".tmp-ckpt")))
+            .unwrap_or(false)
+    };
+    while !ck.join("LATEST").exists() {
+        assert!(started.elapsed().as_secs() < 120, "no checkpoint was written");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    // Freeze the process while a checkpoint is being written; if the write
+    // finished before the freeze took hold, let it run to the next one.
+    let signal = |sig: &str| {
+        assert!(Command::new("kill").args([sig, &child.id().to_string()]).status().expect("kill").success());
+    };
+    loop {
+        while !writing(&ck) {
+            assert!(started.elapsed().as_secs() < 120, "no second checkpoint started");
+            std::thread::yield_now();
+        }
+        signal("-STOP");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        if writing(&ck) {
+            break;
+        }
+        signal("-CONT");
+    }
+    signal("-KILL");
+    child.wait().expect("reap");
+    assert!(writing(&ck), "the incomplete version is left behind, unnamed");
+    let latest = std::fs::read_to_string(ck.join("LATEST")).expect("LATEST");
+    let step: u64 = latest.trim().trim_start_matches("ckpt-").parse().expect("step in the name");
+    assert!(step >= 20 && step % 20 == 0, "LATEST names {latest}");
+
+    // The previous version loads and verifies (sizes and hashes).
+    let test = data.join("test.tsv").display().to_string();
+    let out = sparrow(&["eval", "--checkpoint", &ck.display().to_string(), "--data", &test]);
+    ok(&out);
+    assert_eq!(last_json(&out)["checkpoint_step"].as_u64(), Some(step));
+
+    // Resumed (onto a fresh SSD tier) = never interrupted.
+    let stop = format!("train.max_steps={}", step + 30);
+    let resumed = sparrow(
+        &[
+            &["train", "--config", &config, "--resume", &ck.display().to_string(), "--set", &stop][..],
+            &ssd("ssd-resumed").iter().map(String::as_str).collect::<Vec<_>>(),
+        ]
+        .concat(),
+    );
+    ok(&resumed);
+    let full_ck = format!("checkpoint.dir=\"{}\"", tmp.path().join("ck-full").display());
+    let full = sparrow(
+        &[
+            &["train", "--config", &config, "--set", &stop, "--set", &full_ck][..],
+            &ssd("ssd-full").iter().map(String::as_str).collect::<Vec<_>>(),
+        ]
+        .concat(),
+    );
+    ok(&full);
+    let (r, f) = (last_json(&resumed), last_json(&full));
+    assert_eq!(r["resumed_from_step"].as_u64(), Some(step));
+    assert_eq!(r["steps"], f["steps"]);
+    assert_eq!(r["test_auc"], f["test_auc"], "resumed {r}\nuninterrupted {f}");
+    assert_eq!(r["embedding_rows"], f["embedding_rows"]);
+}
