@@ -127,7 +127,8 @@ impl DiskStore {
 
     /// Copies `key`'s row into `out`; false if the store does not hold it.
     pub fn get(&self, key: u64, out: &mut [f32]) -> std::io::Result<bool> {
-        Ok(self.get_pos(key, out)?.is_some())
+        let mut buf = Vec::with_capacity(WINDOW_BYTES);
+        Ok(self.read(key, out, &mut buf)?.is_some())
     }
 
     /// Whether the store holds `key` (one probe, the row not decoded).
@@ -138,9 +139,16 @@ impl DiskStore {
 
     /// [`get`](Self::get), also telling where the record is (for a later
     /// [`put_at`](Self::put_at) that skips the probe).
-    pub fn get_pos(&self, key: u64, out: &mut [f32]) -> std::io::Result<Option<StorePos>> {
-        let mut buf = Vec::with_capacity(WINDOW_BYTES);
-        let (bucket, found) = self.probe(key, &mut buf)?;
+    /// Reuses the store's buffer (no allocation per read).
+    pub fn get_pos(&mut self, key: u64, out: &mut [f32]) -> std::io::Result<Option<StorePos>> {
+        let mut buf = std::mem::take(&mut self.buf);
+        let pos = self.read(key, out, &mut buf);
+        self.buf = buf;
+        pos
+    }
+
+    fn read(&self, key: u64, out: &mut [f32], buf: &mut Vec<u8>) -> std::io::Result<Option<StorePos>> {
+        let (bucket, found) = self.probe(key, buf)?;
         if !found {
             return Ok(None);
         }

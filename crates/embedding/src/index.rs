@@ -6,9 +6,10 @@
 //! bucket's address before probing, which hashbrown does not expose. Entries
 //! hold only a 32-bit fingerprint of the key; the full key lives in its row, so
 //! a fingerprint match is a candidate the caller confirms (and on a collision
-//! probing continues from the next bucket). Removal (a cache tier evicting a
-//! row) shifts the following entries of the probe run back, so there are no
-//! tombstones either.
+//! probing continues from the next bucket). A key's home bucket is a hash of
+//! its fingerprint, so an entry alone tells where its probe run starts:
+//! growing and removal (a cache tier evicting a row, shifting the following
+//! entries of the run back, so no tombstones) never read a row.
 
 use sparrow_core::key::mix64;
 
@@ -17,15 +18,22 @@ use sparrow_core::key::mix64;
 const MAX_LOAD_NUM: usize = 4;
 const MAX_LOAD_DEN: usize = 5;
 
-#[inline]
-pub fn bucket_hash(key: u64) -> u64 {
-    mix64(key)
-}
-
-/// Independent of the bucket position (low bits of `mix64(key)`, a bijection).
+/// Keys are already hashes (xxh3 of field and value), so their low 32 bits
+/// serve as the fingerprint.
 #[inline]
 pub fn fingerprint(key: u64) -> u32 {
     key as u32
+}
+
+/// Where a fingerprint's probe run starts (before masking).
+#[inline]
+fn home_hash(fp: u32) -> u64 {
+    mix64(u64::from(fp))
+}
+
+#[inline]
+pub fn bucket_hash(key: u64) -> u64 {
+    home_hash(fingerprint(key))
 }
 
 #[inline]
@@ -127,12 +135,11 @@ impl SlotIndex {
         }
     }
 
-    /// Adds `key` → `slot`; `key` must not be present. `key_of` gives the key
-    /// of any slot already indexed (needed to rehash when the index grows).
-    pub fn insert(&mut self, key: u64, slot: u32, key_of: impl Fn(u32) -> u64) {
+    /// Adds `key` → `slot`; `key` must not be present.
+    pub fn insert(&mut self, key: u64, slot: u32) {
         assert!(slot < u32::MAX, "slot {slot} out of range");
         if (self.len + 1) * MAX_LOAD_DEN > self.entries.len() * MAX_LOAD_NUM {
-            self.grow(&key_of);
+            self.grow();
         }
         self.place(pack(fingerprint(key), slot), bucket_hash(key) as usize);
         self.len += 1;
@@ -147,20 +154,18 @@ impl SlotIndex {
         self.entries[pos] = entry;
     }
 
-    fn grow(&mut self, key_of: &impl Fn(u32) -> u64) {
+    fn grow(&mut self) {
         let buckets = (self.entries.len() * 2).max(16);
         let old = std::mem::replace(&mut self.entries, vec![0; buckets]);
         for e in old.into_iter().filter(|&e| e != 0) {
-            let slot = (e as u32).wrapping_sub(1);
-            self.place(e, bucket_hash(key_of(slot)) as usize);
+            self.place(e, home_hash((e >> 32) as u32) as usize);
         }
     }
 
     /// Removes `key` (present at `slot`): the entries after it in its probe
     /// run move back to close the gap (backward-shift deletion), so every
     /// other key stays reachable from its home bucket without tombstones.
-    /// `key_of` gives the key of any indexed slot.
-    pub fn remove(&mut self, key: u64, slot: u32, key_of: impl Fn(u32) -> u64) -> bool {
+    pub fn remove(&mut self, key: u64, slot: u32) -> bool {
         if self.entries.is_empty() {
             return false;
         }
@@ -180,7 +185,7 @@ impl SlotIndex {
             if e == 0 {
                 break;
             }
-            let home = bucket_hash(key_of((e as u32).wrapping_sub(1))) as usize & mask;
+            let home = home_hash((e >> 32) as u32) as usize & mask;
             // The entry may move into the gap unless its home lies cyclically
             // after the gap and at or before its position.
             let stays = if gap <= next { gap < home && home <= next } else { gap < home || home <= next };
@@ -221,7 +226,7 @@ mod tests {
                 if found.is_none() {
                     let slot = by_slot.len() as u32;
                     by_slot.push(k);
-                    index.insert(k, slot, |s| by_slot[s as usize]);
+                    index.insert(k, slot);
                     reference.insert(k, slot);
                 }
             }
@@ -247,11 +252,11 @@ mod tests {
                     (true, None) => {
                         let slot = free.pop().unwrap_or_else(|| { key_at.push(0); key_at.len() as u32 - 1 });
                         key_at[slot as usize] = k;
-                        index.insert(k, slot, |s| key_at[s as usize]);
+                        index.insert(k, slot);
                         reference.insert(k, slot);
                     }
                     (false, Some(slot)) => {
-                        prop_assert!(index.remove(k, slot, |s| key_at[s as usize]));
+                        prop_assert!(index.remove(k, slot));
                         reference.remove(&k);
                         free.push(slot);
                     }

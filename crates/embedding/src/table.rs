@@ -260,9 +260,8 @@ struct Tier {
     /// Rows used by the last `protect` lookups are never evicted: their slots
     /// may be in flight between a lookup and its update.
     protect: u64,
-    last_use: Vec<u64>,
-    uses: Vec<u32>,
-    dirty: Vec<bool>,
+    /// Per cached slot, in one cache line: eviction reads them together.
+    meta: Vec<SlotMeta>,
     /// Where a cached row read from the store sits there: its write-back
     /// skips the probe.
     pos: Vec<Option<StorePos>>,
@@ -270,6 +269,16 @@ struct Tier {
     stored_only: usize,
     rng: u64,
     stats: TierStats,
+}
+
+/// A cached row's use record (16 bytes).
+#[derive(Clone, Copy)]
+struct SlotMeta {
+    /// The lookup (tick) that last used the row.
+    last_use: u64,
+    uses: u32,
+    /// Changed since it was read from the store (or never stored).
+    dirty: bool,
 }
 
 /// Lookups of a table with an SSD tier, by outcome.
@@ -322,12 +331,13 @@ impl Tier {
             self.rng ^= self.rng >> 7;
             self.rng ^= self.rng << 17;
             let slot = (self.rng % rows as u64) as usize;
-            if self.last_use[slot] + self.protect > tick {
+            let m = self.meta[slot];
+            if m.last_use + self.protect > tick {
                 continue;
             }
             let age_or_uses = match self.policy {
-                CachePolicy::Lru => self.last_use[slot],
-                CachePolicy::Lfu => (u64::from(self.uses[slot]) << 32) | (self.last_use[slot] & 0xffff_ffff),
+                CachePolicy::Lru => m.last_use,
+                CachePolicy::Lfu => (u64::from(m.uses) << 32) | (m.last_use & 0xffff_ffff),
             };
             if best.is_none_or(|(b, _)| age_or_uses < b) {
                 best = Some((age_or_uses, slot as u32));
@@ -342,8 +352,9 @@ impl Tier {
 
     fn touch(&mut self, slot: u32, tick: u64) {
         let s = slot as usize;
-        self.last_use[s] = tick;
-        self.uses[s] = self.uses[s].saturating_add(1);
+        let m = &mut self.meta[s];
+        m.last_use = tick;
+        m.uses = m.uses.saturating_add(1);
     }
 }
 
@@ -431,9 +442,7 @@ impl TableShard {
         };
         let (chunk, start) = layout.locate(slot);
         set_key(&mut self.chunks[chunk][start..start + KEY_FLOATS], key);
-        let chunks = &self.chunks;
-        // Growing the index rehashes every entry from the key in its row.
-        self.index.insert(key, slot, |s| key_of(stored_in(chunks, layout, s)));
+        self.index.insert(key, slot);
         Ok(slot)
     }
 
@@ -450,9 +459,7 @@ impl TableShard {
         }
         self.rows += 1;
         if let Some(t) = &mut self.tier {
-            t.last_use.push(0);
-            t.uses.push(0);
-            t.dirty.push(true);
+            t.meta.push(SlotMeta { last_use: 0, uses: 0, dirty: true });
             t.pos.push(None);
         }
         if let Some(e) = &mut self.expiry {
@@ -502,7 +509,7 @@ impl TableShard {
                 continue;
             }
             let key = key_of(stored_in(chunks, layout, slot as u32));
-            index.remove(key, slot as u32, |s| key_of(stored_in(chunks, layout, s)));
+            index.remove(key, slot as u32);
             e.vacant[slot] = true;
             e.free.push(slot as u32);
             filter_stats.expired += 1;
@@ -539,7 +546,8 @@ impl TableShard {
             if let Some(t) = &mut self.tier {
                 if prefetching {
                     // Protected until the lookup it is staged for, not counted as a use.
-                    t.last_use[slot as usize] = t.last_use[slot as usize].max(tick);
+                    let m = &mut t.meta[slot as usize];
+                    m.last_use = m.last_use.max(tick);
                 } else {
                     t.touch(slot, tick);
                     t.stats.hits += 1;
@@ -562,7 +570,7 @@ impl TableShard {
                 let pos = t.store.get_pos(key, row)?;
                 let loaded = pos.is_some();
                 t.pos[slot as usize] = pos;
-                t.dirty[slot as usize] = !loaded;
+                t.meta[slot as usize].dirty = !loaded;
                 if loaded {
                     t.stored_only -= 1;
                 }
@@ -596,17 +604,17 @@ impl TableShard {
         let TableShard { index, chunks, tier, .. } = self;
         let Some(tier) = tier.as_mut() else { return Err(TableError::ShardFull { max: 0 }) };
         let old = key_of(stored_in(chunks, layout, slot));
-        if tier.dirty[slot as usize] {
+        if tier.meta[slot as usize].dirty {
             tier.store.put_at(old, &stored_in(chunks, layout, slot)[KEY_FLOATS..], tier.pos[slot as usize])?;
             tier.stats.writebacks += 1;
         }
         tier.pos[slot as usize] = None;
         tier.stored_only += 1;
-        index.remove(old, slot, |s| key_of(stored_in(chunks, layout, s)));
+        index.remove(old, slot);
         let (chunk, start) = layout.locate(slot);
         set_key(&mut chunks[chunk][start..start + KEY_FLOATS], key);
-        tier.uses[slot as usize] = 0;
-        index.insert(key, slot, |s| key_of(stored_in(chunks, layout, s)));
+        tier.meta[slot as usize].uses = 0;
+        index.insert(key, slot);
         Ok(slot)
     }
 
@@ -624,7 +632,7 @@ impl TableShard {
 
     fn mark_dirty(&mut self, slot: u32) {
         if let Some(t) = &mut self.tier {
-            t.dirty[slot as usize] = true;
+            t.meta[slot as usize].dirty = true;
         }
     }
 }
@@ -746,9 +754,7 @@ impl EmbeddingTable {
                 capacity,
                 policy: ssd.policy,
                 protect: ssd.protect_lookups.max(1),
-                last_use: Vec::new(),
-                uses: Vec::new(),
-                dirty: Vec::new(),
+                meta: Vec::new(),
                 pos: Vec::new(),
                 stored_only: 0,
                 rng: 0x9e37_79b9_7f4a_7c15 ^ (i as u64 + 1),
