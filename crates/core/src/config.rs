@@ -200,8 +200,8 @@ pub struct TrainConfig {
     pub metrics_path: Option<String>,
     /// How many batches ahead the embedding lookup runs (S3.10). 0: each
     /// batch's lookup sees every earlier batch's update (the exact,
-    /// unpipelined model). 1: batch t+1's rows are looked up while batch t's
-    /// dense step runs, so they miss batch t's update of shared keys.
+    /// unpipelined model). d ≥ 1: batch t+d's rows are looked up while batch
+    /// t's dense step runs, so they miss the updates of batches t..t+d-1.
     pub pipeline_depth: usize,
 }
 
@@ -494,11 +494,8 @@ impl Config {
                 "row expiry is implemented for storage = \"memory\"; the SSD tier keeps every row",
             );
         }
-        if self.train.pipeline_depth > 1 {
-            return invalid(
-                "train.pipeline_depth",
-                "0 (exact) or 1 (lookup one batch ahead); deeper is not implemented yet",
-            );
+        if self.train.pipeline_depth > 16 {
+            return invalid("train.pipeline_depth", "at most 16 (each level keeps one more batch's rows in flight)");
         }
         if self.cluster.loader_queue_batches == 0 {
             return invalid("cluster.loader_queue_batches", "must be at least 1");

@@ -1,5 +1,6 @@
 //! The `train`, `eval` and `predict` jobs.
 
+use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -207,8 +208,10 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
     let mut outcome: Result<(), TrainError> = Ok(());
     let mut last_saved: Option<(u64, PathBuf)> = None;
     let mut stream = stream;
-    // pipeline_depth = 1: the next batch, already looked up.
-    let mut lookahead: Option<(Batch, KeyPlan, LookedUp)> = None;
+    // pipeline_depth = d ≥ 1: the next d batches, already looked up (each
+    // before the updates of the d batches ahead of it).
+    let depth = config.train.pipeline_depth;
+    let mut lookahead: VecDeque<(Batch, KeyPlan, LookedUp)> = VecDeque::with_capacity(depth);
     // SSD tier at depth 0: the next batch, its rows already prefetched.
     let tiered = trainer.table.is_tiered();
     let mut prefetch_ahead: Option<(Batch, KeyPlan)> = None;
@@ -242,23 +245,34 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
                 Ok(stats)
             })
         } else {
-            let current = match lookahead.take() {
-                Some(c) => Ok(c),
-                None => {
-                    let Some(item) = stream.next() else { break };
-                    item.map_err(TrainError::from)
-                        .and_then(|(batch, plan)| trainer.look_up(&plan).map(|rows| (batch, plan, rows)))
+            // Start-up: the first d batches are looked up one after another.
+            while lookahead.len() < depth && deferred_error.is_none() {
+                if stop_at.is_some_and(|m| trainer.step + lookahead.len() as u64 >= m) {
+                    break;
                 }
+                let Some(item) = stream.next() else { break };
+                match item
+                    .map_err(TrainError::from)
+                    .and_then(|(batch, plan)| trainer.look_up(&plan).map(|rows| (batch, plan, rows)))
+                {
+                    Ok(ready) => lookahead.push_back(ready),
+                    Err(e) => deferred_error = Some(e),
+                }
+            }
+            let Some((batch, plan, rows)) = lookahead.pop_front() else {
+                if let Some(e) = deferred_error.take() {
+                    outcome = Err(e);
+                }
+                break;
             };
-            let last = stop_at.is_some_and(|m| trainer.step + 1 >= m);
-            let next = if current.is_ok() { peek_next(&mut stream, last, &mut deferred_error) } else { None };
-            current.and_then(|(batch, plan, rows)| {
-                let (stats, next_rows) =
-                    trainer.train_overlapped(&batch, &plan, rows, next.as_ref().map(|(_, p)| p))?;
+            // The batch d ahead is looked up beside this dense step.
+            let last = stop_at.is_some_and(|m| trainer.step + 1 + lookahead.len() as u64 >= m);
+            let next = peek_next(&mut stream, last || deferred_error.is_some(), &mut deferred_error);
+            trainer.train_overlapped(&batch, &plan, rows, next.as_ref().map(|(_, p)| p)).map(|(stats, next_rows)| {
                 if let (Some((b, p)), Some(r)) = (next, next_rows) {
-                    lookahead = Some((b, p, r));
+                    lookahead.push_back((b, p, r));
                 }
-                Ok(stats)
+                stats
             })
         };
         let stats = match step {

@@ -129,13 +129,13 @@ impl Trainer {
     pub fn new(config: &Config, layout: DataLayout) -> Result<Trainer, TrainError> {
         let (emb_seed, dense_seed) = seeds(config.train.seed);
         let width = DenseModel::embedding_width(config.model.kind, config.model.embedding_dim);
-        // Two lookups in flight at most: pipeline_depth 1 looks up one batch ahead.
+        // Lookups in flight: the batch in hand and the pipeline_depth ahead of it.
         let table = EmbeddingTable::from_config(
             width,
             &config.embedding,
             Initializer::new(config.embedding.init, emb_seed),
             None,
-            2,
+            config.train.pipeline_depth as u64 + 2,
         )?;
         let shape = ModelShape {
             num_fields: layout.num_fields,

@@ -1,6 +1,6 @@
 //! `train.pipeline_depth`: at 0 a batch's lookup sees the previous batch's
-//! update (the exact, unpipelined model); at 1 the next batch is looked up
-//! beside the current dense step, so it sees rows from before that update.
+//! update (the exact, unpipelined model); at d ≥ 1 the batch d ahead is looked
+//! up beside the current dense step, so it sees rows from before that update.
 
 mod common;
 
@@ -59,10 +59,10 @@ fn depth_0_sees_the_previous_update_and_depth_1_does_not() {
 }
 
 #[test]
-fn depth_1_trains_every_row_to_a_close_model() {
+fn deeper_pipelines_train_every_row_to_a_close_model() {
     let tmp = tempfile::tempdir().expect("tmp");
     let data = tmp.path().join("data");
-    common::small_data(&data, 6000, 1500);
+    common::small_data(&data, 30000, 3000);
     let base = common::small_config(&data, "dlrm");
     let exact = train(&base, true).expect("depth 0");
     let mut piped = base.clone();
@@ -75,13 +75,24 @@ fn depth_1_trains_every_row_to_a_close_model() {
     assert_ne!(a.to_bits(), b.to_bits(), "stale-by-one lookups change the model");
     assert!((a - b).abs() < 0.01, "depth 0 {a}, depth 1 {b}");
 
-    let mut stopped = base.clone();
-    stopped.train.pipeline_depth = 1;
-    stopped.train.max_steps = Some(7);
-    let s = train(&stopped, true).expect("max_steps");
-    assert_eq!(s.steps, 7);
-    let mut seven = base;
+    let mut deeper = base.clone();
+    deeper.train.pipeline_depth = 3;
+    let deeper = train(&deeper, true).expect("depth 3");
+    assert_eq!((deeper.train_rows, deeper.steps), (exact.train_rows, exact.steps));
+    assert_eq!(deeper.embedding_rows, exact.embedding_rows);
+    let c = deeper.test_auc.expect("auc");
+    assert_ne!(c.to_bits(), b.to_bits(), "stale by three is another model than stale by one");
+    assert!((a - c).abs() < 0.01, "depth 0 {a}, depth 3 {c}");
+
+    let mut seven = base.clone();
     seven.train.max_steps = Some(7);
     let e = train(&seven, true).expect("max_steps");
-    assert_eq!(s.embedding_rows, e.embedding_rows, "no lookahead past the last step");
+    for depth in [1, 3] {
+        let mut stopped = base.clone();
+        stopped.train.pipeline_depth = depth;
+        stopped.train.max_steps = Some(7);
+        let s = train(&stopped, true).expect("max_steps");
+        assert_eq!(s.steps, 7);
+        assert_eq!(s.embedding_rows, e.embedding_rows, "depth {depth}: no lookahead past the last step");
+    }
 }
