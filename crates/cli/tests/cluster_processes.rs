@@ -113,6 +113,13 @@ fn launch_trains_the_same_model_as_train_and_leaves_nothing_behind() {
     assert_eq!(one["embedding_rows"], single["embedding_rows"]);
     assert_eq!(one["bad_rows"], single["bad_rows"]);
     assert!(single["bad_rows"].as_u64().is_some_and(|n| n >= 2), "{}", single["bad_rows"]);
+    // launch's JSON is train's plus cluster fields; the same batches give the same dedup.
+    for key in single.as_object().expect("object").keys() {
+        assert!(one.get(key).is_some(), "launch's JSON lacks `{key}`");
+    }
+    assert_eq!(one["dedup_ratio"], single["dedup_ratio"]);
+    assert_eq!(one["shuffle_bytes_per_sample"], single["shuffle_bytes_per_sample"]);
+    assert_eq!(one["cache_hit_rate"], serde_json::Value::Null, "no SSD tier");
 
     let ckpt = tmp.path().join("ckpt");
     let ckpt_set = format!("checkpoint.dir={:?}", ckpt.display().to_string());

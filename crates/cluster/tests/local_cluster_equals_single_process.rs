@@ -181,3 +181,34 @@ fn the_admission_filter_gives_the_cluster_the_single_process_model() {
     assert_eq!(cluster.embedding_rows, single.embedding_rows);
     assert_eq!(cluster.test_auc.map(f64::to_bits), single.test_auc.map(f64::to_bits));
 }
+
+#[test]
+fn ssd_shards_prefetch_queued_batches_and_train_the_same_model() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    sparrow_data::synth::generate(tmp.path(), 3000, 600, 9).expect("generate");
+    // Small batches: rows stay protected for the 80 lookups a shard may have
+    // in flight, so the cache evicts only in a run of many more batches.
+    let memory = config_with(tmp.path(), "dlrm", &["train.batch_size=8"]);
+    let ssd_dir = tmp.path().join("ssd");
+    let ssd = config_with(
+        tmp.path(),
+        "dlrm",
+        &[
+            "train.batch_size=8",
+            "embedding.storage=\"ssd\"",
+            &format!("embedding.path=\"{}\"", ssd_dir.display()),
+            "embedding.cache_capacity_rows=1024",
+            "embedding.table_shards=4",
+        ],
+    );
+    let single = sparrow_trainer::train(&memory, true).expect("train");
+    let cluster = train_local(&ssd, 2, 1).expect("cluster");
+    assert!(cluster.embedding_rows > 4 * 2 * 1024, "{} rows", cluster.embedding_rows);
+    assert_eq!(cluster.embedding_rows, single.embedding_rows);
+    assert_eq!(cluster.test_auc.map(f64::to_bits), single.test_auc.map(f64::to_bits));
+    // Each shard staged a batch's rows when the loader queued it (S3.5).
+    assert_eq!(cluster.table.lookup_misses_after_prefetch, Some(0));
+    let hit = cluster.table.cache_hit_rate.expect("hit rate");
+    assert!(hit > 0.0 && hit < 1.0, "hit rate {hit}");
+    assert!(cluster.table.ssd_writebacks.expect("writebacks") > 0);
+}
