@@ -324,26 +324,35 @@ impl Tier {
     /// sampled unprotected slots, as Redis approximates LRU; `None` if every
     /// sample was protected (the cache then grows past its capacity).
     fn pick_victim(&mut self, rows: usize, tick: u64) -> Option<u32> {
+        const SAMPLES: usize = 8;
         let mut best: Option<(u64, u32)> = None;
         let mut candidates = 0;
-        for _ in 0..64 {
-            self.rng ^= self.rng << 13;
-            self.rng ^= self.rng >> 7;
-            self.rng ^= self.rng << 17;
-            let slot = (self.rng % rows as u64) as usize;
-            let m = self.meta[slot];
-            if m.last_use + self.protect > tick {
-                continue;
+        for _round in 0..8 {
+            // Draw a round of samples and prefetch their use records first:
+            // they are random cache lines.
+            let mut slots = [0usize; SAMPLES];
+            for slot in &mut slots {
+                self.rng ^= self.rng << 13;
+                self.rng ^= self.rng >> 7;
+                self.rng ^= self.rng << 17;
+                *slot = (self.rng % rows as u64) as usize;
+                prefetch(&self.meta[*slot]);
             }
-            let age_or_uses = match self.policy {
-                CachePolicy::Lru => m.last_use,
-                CachePolicy::Lfu => (u64::from(m.uses) << 32) | (m.last_use & 0xffff_ffff),
-            };
-            if best.is_none_or(|(b, _)| age_or_uses < b) {
-                best = Some((age_or_uses, slot as u32));
+            for slot in slots {
+                let m = self.meta[slot];
+                if m.last_use + self.protect > tick {
+                    continue;
+                }
+                let age_or_uses = match self.policy {
+                    CachePolicy::Lru => m.last_use,
+                    CachePolicy::Lfu => (u64::from(m.uses) << 32) | (m.last_use & 0xffff_ffff),
+                };
+                if best.is_none_or(|(b, _)| age_or_uses < b) {
+                    best = Some((age_or_uses, slot as u32));
+                }
+                candidates += 1;
             }
-            candidates += 1;
-            if candidates == 8 {
+            if candidates >= SAMPLES {
                 break;
             }
         }
@@ -414,8 +423,44 @@ impl TableShard {
         self.index.find(key, |s| self.key_at(layout, s))
     }
 
+    /// Prefetches a slot's row and (SSD tier) its use record.
     fn prefetch_row(&self, layout: Layout, slot: u32) {
         prefetch_lines(stored_in(&self.chunks, layout, slot));
+        if let Some(meta) = self.tier.as_ref().and_then(|t| t.meta.get(slot as usize)) {
+            prefetch(meta);
+        }
+    }
+
+    /// [`confirm_or_insert`](Self::confirm_or_insert) for every key in order,
+    /// calling `done(shard, j, slot)` after key j, as a software pipeline
+    /// (D = [`PREFETCH_DISTANCE`]): prefetch the index bucket of key i + 2D,
+    /// probe key i + D and prefetch its row, and finish key i, whose row has
+    /// been in flight for D keys.
+    fn resolve_all(
+        &mut self,
+        layout: Layout,
+        keys: &[u64],
+        how: &Access<'_>,
+        mut done: impl FnMut(&Self, usize, Option<u32>),
+    ) -> Result<(), TableError> {
+        const D: usize = PREFETCH_DISTANCE;
+        let mut probes = vec![Probe::Vacant; keys.len()];
+        for i in 0..keys.len() + 2 * D {
+            if let Some(bucket) = keys.get(i).and_then(|&k| self.index.home(k)) {
+                prefetch(bucket);
+            }
+            if let Some(j) = i.checked_sub(D).filter(|&j| j < keys.len()) {
+                probes[j] = self.index.probe(keys[j]);
+                if let Probe::Candidate { slot, .. } = probes[j] {
+                    self.prefetch_row(layout, slot);
+                }
+            }
+            if let Some(j) = i.checked_sub(2 * D) {
+                let slot = self.confirm_or_insert(layout, keys[j], probes[j], how)?;
+                done(self, j, slot);
+            }
+        }
+        Ok(())
     }
 
     /// Weights and optimizer state of a slot (the key is not part of it).
@@ -928,38 +973,20 @@ impl EmbeddingTable {
         let out_parts = self.shard_slices(plan, out, dim);
         let slot_parts = self.shard_slices(plan, &mut slots, 1);
         out_parts.into_par_iter().zip(slot_parts).try_for_each(|((s, out), (_, slots))| {
-            let mut shard = self.shards[s].write();
             let keys = plan.shard_keys(s);
-            // Software pipeline, D = PREFETCH_DISTANCE: prefetch the index
-            // bucket of key i + 2D, probe key i + D and prefetch its row, and
-            // finish key i, whose row has been in flight for D keys.
-            const D: usize = PREFETCH_DISTANCE;
-            let mut probes = vec![Probe::Vacant; keys.len()];
-            for i in 0..keys.len() + 2 * D {
-                if let Some(bucket) = keys.get(i).and_then(|&k| shard.index.home(k)) {
-                    prefetch(bucket);
-                }
-                if let Some(j) = i.checked_sub(D).filter(|&j| j < keys.len()) {
-                    probes[j] = shard.index.probe(keys[j]);
-                    if let Probe::Candidate { slot, .. } = probes[j] {
-                        shard.prefetch_row(layout, slot);
+            self.shards[s].write().resolve_all(layout, keys, &access, |shard, j, slot| {
+                let dst = &mut out[j * dim..(j + 1) * dim];
+                match slot {
+                    Some(slot) => {
+                        slots[j] = slot;
+                        dst.copy_from_slice(&shard.row(layout, slot)[..dim]);
+                    }
+                    None => {
+                        slots[j] = NOT_ADMITTED;
+                        self.init.fill(keys[j], dst);
                     }
                 }
-                if let Some(j) = i.checked_sub(2 * D) {
-                    let dst = &mut out[j * dim..(j + 1) * dim];
-                    match shard.confirm_or_insert(layout, keys[j], probes[j], &access)? {
-                        Some(slot) => {
-                            slots[j] = slot;
-                            dst.copy_from_slice(&shard.row(layout, slot)[..dim]);
-                        }
-                        None => {
-                            slots[j] = NOT_ADMITTED;
-                            self.init.fill(keys[j], dst);
-                        }
-                    }
-                }
-            }
-            Ok::<(), TableError>(())
+            })
         })?;
         Ok(RowSlots { table_id: self.id(), slots })
     }
@@ -982,13 +1009,8 @@ impl EmbeddingTable {
             if keys.is_empty() {
                 return Ok(());
             }
-            let mut shard = self.shards[s].write();
-            for &key in keys {
-                let probe = shard.index.probe(key);
-                // A key the filter will not admit stays out (the lookup says so).
-                let _staged = shard.confirm_or_insert(layout, key, probe, &access)?;
-            }
-            Ok(())
+            // A key the filter will not admit stays out (the lookup says so).
+            self.shards[s].write().resolve_all(layout, keys, &access, |_, _, _| {})
         })
     }
 
