@@ -1305,6 +1305,38 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        /// The admission sketch may admit a key early when counters collide
+        /// (64 counters for up to 200 keys here), never late: a key is
+        /// admitted by its `min_count`-th sighting at the latest.
+        #[test]
+        fn the_admission_sketch_never_admits_late(
+            sightings in proptest::collection::vec(0u64..200, 0..2000),
+            min_count in 2u32..6,
+        ) {
+            let mut sketch = AdmitSketch::new(min_count, 64);
+            let mut seen = std::collections::HashMap::<u64, u32>::new();
+            let mut admitted = std::collections::HashSet::new();
+            for key in sightings {
+                let key = mix64(key);
+                let n = seen.entry(key).or_insert(0);
+                *n += 1;
+                if admitted.contains(&key) {
+                    proptest::prop_assert!(sketch.admitted(key));
+                    continue;
+                }
+                let predicted = sketch.admits_next(key);
+                let now = sketch.count(key);
+                proptest::prop_assert_eq!(predicted, now, "a prefetch predicts the lookup");
+                if now {
+                    admitted.insert(key);
+                } else {
+                    proptest::prop_assert!(*n < min_count, "key seen {} times, not admitted", n);
+                }
+            }
+        }
+    }
+
     #[test]
     fn put_row_rejects_wrong_width() {
         let t = table(SparseOptimizer::Adagrad { lr: 0.1, eps: 1e-8 });
