@@ -645,5 +645,8 @@ mod tests {
         let ssd = ["embedding.storage=ssd", "embedding.path=\"x\"", "embedding.ttl_steps=10"];
         let err = parse("", &ssd).expect_err("ttl on ssd");
         assert!(err.to_string().contains("embedding.ttl_steps"), "{err}");
+        assert_eq!(parse("", &["train.pipeline_depth=16"]).expect("parses").train.pipeline_depth, 16);
+        let err = parse("", &["train.pipeline_depth=17"]).expect_err("too deep");
+        assert!(err.to_string().contains("train.pipeline_depth"), "{err}");
     }
 }

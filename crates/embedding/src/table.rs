@@ -235,12 +235,6 @@ struct Expiry {
     free: Vec<u32>,
 }
 
-impl Expiry {
-    fn is_vacant(&self, slot: usize) -> bool {
-        self.vacant[slot]
-    }
-}
-
 /// How a missing row is made (initialiser, optimizer state) and for which
 /// access (the lookup's tick; a prefetch stages rows without counting a use).
 #[derive(Clone, Copy)]
@@ -515,7 +509,7 @@ impl TableShard {
     }
 
     fn is_vacant(&self, slot: usize) -> bool {
-        self.expiry.as_ref().is_some_and(|e| e.is_vacant(slot))
+        self.expiry.as_ref().is_some_and(|e| e.vacant[slot])
     }
 
     /// Admission filter: whether a key with no cached row gets one now. A

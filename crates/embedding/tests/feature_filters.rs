@@ -29,6 +29,13 @@ fn step(table: &EmbeddingTable, keys: &[u64]) -> Vec<f32> {
     rows
 }
 
+/// A table on the SSD tier with a 4-row cache (one per lock shard).
+fn tiny_ssd_table(dir: &std::path::Path) -> EmbeddingTable {
+    let ssd =
+        SsdOptions { dir: dir.to_path_buf(), cache_capacity_rows: 4, policy: CachePolicy::Lru, protect_lookups: 1 };
+    EmbeddingTable::with_ssd(DIM, opt(), init(), 4, &ssd).expect("ssd")
+}
+
 fn initial(key: u64) -> Vec<f32> {
     let mut w = vec![0.0; DIM];
     init().fill(key, &mut w);
@@ -123,14 +130,8 @@ fn a_row_looked_up_but_not_yet_updated_never_expires() {
 #[test]
 fn a_key_restored_onto_the_ssd_tier_counts_as_admitted() {
     let tmp = tempfile::tempdir().expect("tmp");
-    let ssd = SsdOptions {
-        dir: tmp.path().to_path_buf(),
-        cache_capacity_rows: 4,
-        policy: CachePolicy::Lru,
-        protect_lookups: 1,
-    };
     let filters = FeatureFilters { admit_min_count: 5, admit_sketch_counters: 4096, ..Default::default() };
-    let t = EmbeddingTable::with_ssd(DIM, opt(), init(), 4, &ssd).expect("ssd").with_filters(filters).expect("f");
+    let t = tiny_ssd_table(tmp.path()).with_filters(filters).expect("filters");
     let restored: Vec<f32> = (0..t.row_len()).map(|i| i as f32 + 0.5).collect();
     for key in 0..64u64 {
         t.put_row(key, &restored).expect("restore");
@@ -147,15 +148,8 @@ fn a_key_restored_onto_the_ssd_tier_counts_as_admitted() {
 #[test]
 fn row_expiry_is_refused_on_the_ssd_tier() {
     let tmp = tempfile::tempdir().expect("tmp");
-    let ssd = SsdOptions {
-        dir: tmp.path().to_path_buf(),
-        cache_capacity_rows: 4,
-        policy: CachePolicy::Lru,
-        protect_lookups: 1,
-    };
-    let t = EmbeddingTable::with_ssd(DIM, opt(), init(), 4, &ssd).expect("ssd");
     assert!(matches!(
-        t.with_filters(FeatureFilters { ttl_steps: 10, ..Default::default() }),
+        tiny_ssd_table(tmp.path()).with_filters(FeatureFilters { ttl_steps: 10, ..Default::default() }),
         Err(TableError::TtlWithSsd)
     ));
 }
