@@ -262,8 +262,17 @@ struct Tier {
     /// Keys in the store and not in the cache.
     stored_only: usize,
     rng: u64,
+    /// Eviction runs one miss ahead, so that its random reads are in flight
+    /// while the store is read: slots sampled (use records prefetched) at the
+    /// previous miss, and the victim chosen then (row prefetched).
+    sampled: [u32; VICTIM_SAMPLES],
+    sampled_len: usize,
+    next_victim: Option<u32>,
     stats: TierStats,
 }
+
+/// Slots an eviction compares (Redis's approximated LRU/LFU).
+const VICTIM_SAMPLES: usize = 8;
 
 /// A cached row's use record (16 bytes).
 #[derive(Clone, Copy)]
@@ -314,43 +323,77 @@ impl TierStats {
 }
 
 impl Tier {
+    fn draw(&mut self, rows: usize) -> usize {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        (self.rng % rows as u64) as usize
+    }
+
+    fn evictable(&self, slot: usize, tick: u64) -> bool {
+        self.meta[slot].last_use + self.protect <= tick
+    }
+
+    /// The policy's order: lower goes first.
+    fn eviction_rank(&self, slot: usize) -> u64 {
+        let m = self.meta[slot];
+        match self.policy {
+            CachePolicy::Lru => m.last_use,
+            CachePolicy::Lfu => (u64::from(m.uses) << 32) | (m.last_use & 0xffff_ffff),
+        }
+    }
+
+    /// The lowest-ranked unprotected slot of `slots`.
+    fn best_of(&self, slots: impl Iterator<Item = usize>, tick: u64) -> Option<u32> {
+        slots.filter(|&s| self.evictable(s, tick)).min_by_key(|&s| self.eviction_rank(s)).map(|s| s as u32)
+    }
+
     /// A slot to evict: the least recently (or frequently) used of a few
     /// sampled unprotected slots, as Redis approximates LRU; `None` if every
     /// sample was protected (the cache then grows past its capacity).
+    ///
+    /// Normally the victim chosen at the previous miss; then the samples of
+    /// the previous miss are compared (their use records have arrived) and
+    /// new ones drawn, so no miss waits on these random reads.
+    /// The caller prefetches the row of the staged [`next_victim`](Self::next_victim).
     fn pick_victim(&mut self, rows: usize, tick: u64) -> Option<u32> {
-        const SAMPLES: usize = 8;
-        let mut best: Option<(u64, u32)> = None;
+        let ready = self.next_victim.take().filter(|&v| (v as usize) < rows && self.evictable(v as usize, tick));
+        let victim = match ready {
+            Some(v) => Some(v),
+            None => self.pick_now(rows, tick),
+        };
+        // Stage the next eviction: compare the samples drawn last time…
+        let sampled = self.sampled;
+        self.next_victim =
+            self.best_of(sampled[..self.sampled_len].iter().map(|&s| s as usize), tick).filter(|&s| Some(s) != victim);
+        // …and draw the samples for the one after.
+        for i in 0..VICTIM_SAMPLES {
+            let slot = self.draw(rows);
+            prefetch(&self.meta[slot]);
+            self.sampled[i] = slot as u32;
+        }
+        self.sampled_len = VICTIM_SAMPLES;
+        victim
+    }
+
+    /// [`pick_victim`](Self::pick_victim) without the staged one: draws
+    /// rounds of samples until enough of them are unprotected.
+    fn pick_now(&mut self, rows: usize, tick: u64) -> Option<u32> {
+        let mut best: Option<u32> = None;
         let mut candidates = 0;
         for _round in 0..8 {
-            // Draw a round of samples and prefetch their use records first:
-            // they are random cache lines.
-            let mut slots = [0usize; SAMPLES];
+            let mut slots = [0usize; VICTIM_SAMPLES];
             for slot in &mut slots {
-                self.rng ^= self.rng << 13;
-                self.rng ^= self.rng >> 7;
-                self.rng ^= self.rng << 17;
-                *slot = (self.rng % rows as u64) as usize;
+                *slot = self.draw(rows);
                 prefetch(&self.meta[*slot]);
             }
-            for slot in slots {
-                let m = self.meta[slot];
-                if m.last_use + self.protect > tick {
-                    continue;
-                }
-                let age_or_uses = match self.policy {
-                    CachePolicy::Lru => m.last_use,
-                    CachePolicy::Lfu => (u64::from(m.uses) << 32) | (m.last_use & 0xffff_ffff),
-                };
-                if best.is_none_or(|(b, _)| age_or_uses < b) {
-                    best = Some((age_or_uses, slot as u32));
-                }
-                candidates += 1;
-            }
-            if candidates >= SAMPLES {
+            candidates += slots.iter().filter(|&&s| self.evictable(s, tick)).count();
+            best = self.best_of(slots.into_iter().chain(best.map(|b| b as usize)), tick);
+            if candidates >= VICTIM_SAMPLES {
                 break;
             }
         }
-        best.map(|(_, slot)| slot)
+        best
     }
 
     fn touch(&mut self, slot: u32, tick: u64) {
@@ -605,10 +648,17 @@ impl TableShard {
         let row = &mut self.chunks[chunk][start + KEY_FLOATS..start + layout.stored_len];
         let loaded = match &mut self.tier {
             Some(t) => {
-                t.touch(slot, tick);
-                let pos = t.store.get_pos(key, row)?;
-                let loaded = pos.is_some();
-                t.pos[slot as usize] = pos;
+                let stored = t.store.get_pos(key, row)?;
+                let loaded = stored.is_some();
+                t.pos[slot as usize] = stored.map(|(pos, _)| pos);
+                // A row read back resumes the use count it was evicted with.
+                t.meta[slot as usize].uses = stored.map_or(0, |(_, uses)| uses);
+                if prefetching {
+                    // Protected until its lookup, which counts the use.
+                    t.meta[slot as usize].last_use = tick;
+                } else {
+                    t.touch(slot, tick);
+                }
                 t.meta[slot as usize].dirty = !loaded;
                 if loaded {
                     t.stored_only -= 1;
@@ -642,9 +692,14 @@ impl TableShard {
         let Some(slot) = victim else { return self.add(layout, key) };
         let TableShard { index, chunks, tier, .. } = self;
         let Some(tier) = tier.as_mut() else { return Err(TableError::ShardFull { max: 0 }) };
+        if let Some(next) = tier.next_victim {
+            prefetch_lines(stored_in(chunks, layout, next));
+        }
         let old = key_of(stored_in(chunks, layout, slot));
-        if tier.meta[slot as usize].dirty {
-            tier.store.put_at(old, &stored_in(chunks, layout, slot)[KEY_FLOATS..], tier.pos[slot as usize])?;
+        let meta = tier.meta[slot as usize];
+        if meta.dirty {
+            let row = &stored_in(chunks, layout, slot)[KEY_FLOATS..];
+            tier.store.put_at(old, row, meta.uses, tier.pos[slot as usize])?;
             tier.stats.writebacks += 1;
         }
         tier.pos[slot as usize] = None;
@@ -797,6 +852,9 @@ impl EmbeddingTable {
                 pos: Vec::new(),
                 stored_only: 0,
                 rng: 0x9e37_79b9_7f4a_7c15 ^ (i as u64 + 1),
+                sampled: [0; VICTIM_SAMPLES],
+                sampled_len: 0,
+                next_victim: None,
                 stats: TierStats::default(),
             });
         }
@@ -1241,6 +1299,42 @@ mod tests {
 
     fn table(opt: SparseOptimizer) -> EmbeddingTable {
         EmbeddingTable::new(4, opt, Initializer::new(InitConfig::default(), 9), 4)
+    }
+
+    /// LFU: a row evicted to the store and read back resumes its use count,
+    /// so a warm row does not restart as cold as a key never seen before.
+    #[test]
+    fn an_lfu_row_read_back_from_the_store_keeps_its_use_count() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let ssd = SsdOptions {
+            dir: dir.path().to_path_buf(),
+            cache_capacity_rows: 1,
+            policy: CachePolicy::Lfu,
+            protect_lookups: 1,
+        };
+        let opt = SparseOptimizer::Sgd { lr: 0.1 };
+        let t = EmbeddingTable::with_ssd(4, opt, Initializer::new(InitConfig::default(), 9), 1, &ssd).expect("ssd");
+        let look = |key: u64| {
+            let plan = t.plan(&[key]);
+            let mut rows = vec![0.0; t.row_len()];
+            let slots = t.lookup_or_insert(&plan, &mut rows).expect("lookup");
+            t.apply_gradients_at(&plan, &slots, &[0.5; 4]);
+        };
+        let uses_of = |key: u64| {
+            let shard = t.shards[0].read();
+            let slot = shard.find(t.layout, key).expect("cached");
+            shard.tier.as_ref().map(|tier| tier.meta[slot as usize].uses)
+        };
+        for _ in 0..3 {
+            look(7);
+        }
+        assert_eq!(uses_of(7), Some(3));
+        // One cached row: 8 evicts 7 (written back with its count), 7 evicts 8.
+        look(8);
+        assert_eq!(uses_of(8), Some(1));
+        look(7);
+        assert_eq!(uses_of(7), Some(4), "3 uses before the eviction, 1 after");
+        assert_eq!(t.tier_stats().map(|s| s.writebacks), Some(2));
     }
 
     #[test]
