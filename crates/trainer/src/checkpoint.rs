@@ -126,6 +126,7 @@ fn write_bytes_synced(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
 /// Writes a new version under `root` and points `LATEST` at it; keeps the
 /// newest `keep` versions. Returns the version directory.
 pub fn save(trainer: &Trainer, root: &Path, keep: usize) -> Result<PathBuf, TrainError> {
+    assert!(!trainer.has_pending_update(), "a checkpoint must hold every trained step's update (flush_update first)");
     std::fs::create_dir_all(root).map_err(io(root))?;
     // A version is never replaced in place (LATEST may name it): a second
     // checkpoint of the same step gets a suffix, which sorts after it.

@@ -268,7 +268,7 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
             // The batch d ahead is looked up beside this dense step.
             let last = stop_at.is_some_and(|m| trainer.step + 1 + lookahead.len() as u64 >= m);
             let next = peek_next(&mut stream, last || deferred_error.is_some(), &mut deferred_error);
-            trainer.train_overlapped(&batch, &plan, rows, next.as_ref().map(|(_, p)| p)).map(|(stats, next_rows)| {
+            trainer.train_overlapped(&batch, plan, rows, next.as_ref().map(|(_, p)| p)).map(|(stats, next_rows)| {
                 if let (Some((b, p)), Some(r)) = (next, next_rows) {
                     lookahead.push_back((b, p, r));
                 }
@@ -318,6 +318,7 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
             && every > 0
             && trainer.step % every == 0
         {
+            trainer.flush_update();
             match checkpoint::save(&trainer, Path::new(dir), config.checkpoint.keep) {
                 Ok(saved) => last_saved = Some((trainer.step, saved)),
                 Err(e) => {
@@ -331,6 +332,7 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
             break;
         }
     }
+    trainer.flush_update();
     progress.finish();
     let train_secs = train_start.elapsed().as_secs_f64();
     if interval_rows > 0 {

@@ -30,6 +30,16 @@ pub struct Trainer {
     pub phase_secs: PhaseSecs,
     /// Input buffer of models that take packed rows, reused across steps.
     packed_input: Vec<f32>,
+    /// Pipelined path: the last batch's sparse update, applied beside the
+    /// next dense step (see [`train_overlapped`](Self::train_overlapped)).
+    pending_update: Option<SparseUpdate>,
+}
+
+/// A batch's summed gradients, waiting to be applied to its rows.
+struct SparseUpdate {
+    plan: KeyPlan,
+    slots: sparrow_embedding::RowSlots,
+    grads: Vec<f32>,
 }
 
 /// A batch as the dense half of a step sees it: no raw keys.
@@ -154,6 +164,7 @@ impl Trainer {
             samples_trained: 0,
             phase_secs: PhaseSecs::default(),
             packed_input: Vec::new(),
+            pending_update: None,
         })
     }
 
@@ -165,52 +176,79 @@ impl Trainer {
         Ok(LookedUp { unique_rows, slots })
     }
 
-    /// A step of the pipelined path (`train.pipeline_depth = 1`): `batch` was
-    /// looked up already (`looked_up`, one step earlier), and the lookup of
-    /// `next` runs beside this batch's dense step, before this batch's
-    /// update, so `next` misses it on the keys they share. Returns `next`'s
-    /// lookup for the following call.
+    /// A step of the pipelined path (`train.pipeline_depth = d ≥ 1`): `batch`
+    /// was looked up d steps earlier (`looked_up`). Beside this batch's dense
+    /// step, one sparse branch applies the previous batch's update and then
+    /// looks `next` (the batch d ahead) up, so `next` sees every update up to
+    /// the previous batch's and misses this one's on the keys they share
+    /// (stale by d, the same model on every run). This batch's update waits
+    /// for the next call, or for [`flush_update`](Self::flush_update).
+    /// Returns `next`'s lookup.
     pub fn train_overlapped(
         &mut self,
         batch: &Batch,
-        plan: &KeyPlan,
+        plan: KeyPlan,
         looked_up: LookedUp,
         next: Option<&KeyPlan>,
     ) -> Result<(StepStats, Option<LookedUp>), TrainError> {
         let t1 = Instant::now();
+        let previous = self.pending_update.take();
         let (model, optimizer, packed_input, table) =
             (&self.model, &mut self.dense_optimizer, &mut self.packed_input, &self.table);
         let pooling = self.config.model.pooling;
         let inputs = DenseInputs {
-            bags: Bags::of(batch, plan),
+            bags: Bags::of(batch, &plan),
             unique_rows: &looked_up.unique_rows,
             dense: &batch.dense,
             labels: &batch.labels,
         };
-        let (step, next_lookup) = rayon::join(
+        let (step, (update_secs, next_lookup)) = rayon::join(
             || dense_step(model, optimizer, packed_input, inputs, pooling),
             || {
-                next.map(|p| {
-                    let mut unique_rows = vec![0.0f32; p.num_unique() * table.dim()];
-                    table.lookup_or_insert(p, &mut unique_rows).map(|slots| LookedUp { unique_rows, slots })
-                })
-                .transpose()
+                let t = Instant::now();
+                if let Some(u) = &previous {
+                    table.apply_gradients_at(&u.plan, &u.slots, &u.grads);
+                }
+                let update_secs = t.elapsed().as_secs_f64();
+                let next_lookup = next
+                    .map(|p| {
+                        let mut unique_rows = vec![0.0f32; p.num_unique() * table.dim()];
+                        table.lookup_or_insert(p, &mut unique_rows).map(|slots| LookedUp { unique_rows, slots })
+                    })
+                    .transpose();
+                (update_secs, next_lookup)
             },
         );
         let (step, next_lookup) = (step?, next_lookup?);
         let t4 = Instant::now();
-        self.table.apply_gradients_at(plan, &looked_up.slots, &step.grads);
-        let t5 = Instant::now();
         let p = &mut self.phase_secs;
-        // The lookup overlaps the dense step: it is counted there.
+        // The update and the lookup overlap the dense step: counted there,
+        // the update also on its own.
         p.dense += (t4 - t1).as_secs_f64();
-        p.update += (t5 - t4).as_secs_f64();
+        p.update += update_secs;
         self.step += 1;
         self.samples_trained += batch.rows() as u64;
         self.position = batch.end;
         let stats =
             StepStats { rows: batch.rows(), loss: step.loss, keys: batch.keys.len(), unique_keys: plan.num_unique() };
+        self.pending_update = Some(SparseUpdate { plan, slots: looked_up.slots, grads: step.grads });
         Ok((stats, next_lookup))
+    }
+
+    /// Applies the update [`train_overlapped`](Self::train_overlapped) left
+    /// waiting: before the table is read as trained (checkpoint, evaluation).
+    pub fn flush_update(&mut self) {
+        if let Some(u) = self.pending_update.take() {
+            let t = Instant::now();
+            self.table.apply_gradients_at(&u.plan, &u.slots, &u.grads);
+            self.phase_secs.update += t.elapsed().as_secs_f64();
+        }
+    }
+
+    /// Whether a batch's update is still waiting (the table is not yet the
+    /// model of [`step`](Self::step) steps).
+    pub fn has_pending_update(&self) -> bool {
+        self.pending_update.is_some()
     }
 
     /// A step of the exact path whose table has an SSD tier: the rows of

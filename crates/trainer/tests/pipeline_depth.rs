@@ -35,8 +35,10 @@ fn depth_0_sees_the_previous_update_and_depth_1_does_not() {
     // Depth 1: batch 2 is looked up beside batch 1's dense step.
     let mut piped = Trainer::new(&config, layout).expect("trainer");
     let first = piped.look_up(&p1).expect("lookup");
-    let (_, next) = piped.train_overlapped(b1, &p1, first, Some(&p2)).expect("step");
+    let (_, next) = piped.train_overlapped(b1, p1.clone(), first, Some(&p2)).expect("step");
     let before = next.expect("batch 2 looked up");
+    assert!(piped.has_pending_update(), "batch 1's update waits for the next dense step");
+    piped.flush_update();
 
     let dim = exact.table.dim();
     let b1_keys: std::collections::HashSet<u64> = b1.keys.iter().copied().collect();
