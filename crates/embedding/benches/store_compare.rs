@@ -116,7 +116,8 @@ fn main() {
     };
     let rows: u64 = arg("--rows").map_or(2_000_000, |r| r.parse().expect("--rows"));
     let ops: u64 = arg("--ops").map_or(1_000_000, |r| r.parse().expect("--ops"));
-    let tmp = tempfile::tempdir_in(arg("--dir").unwrap_or_else(|| "target".into())).expect("tmp");
+    // Default: cargo's scratch directory for benches (under target/, on disk).
+    let tmp = tempfile::tempdir_in(arg("--dir").unwrap_or_else(|| env!("CARGO_TARGET_TMPDIR").into())).expect("tmp");
     let rss0 = rss_bytes();
     let mut store: Box<dyn Store> = match which.as_str() {
         "hashfile" => Box::new(DiskStore::create(&tmp.path().join("store.bin"), ROW_FLOATS).expect("create")),
