@@ -488,12 +488,6 @@ impl Config {
         if self.embedding.admit_min_count > 1 && self.embedding.admit_sketch_counters < self.embedding.table_shards {
             return invalid("embedding.admit_sketch_counters", "must be at least embedding.table_shards");
         }
-        if self.embedding.ttl_steps > 0 && self.embedding.storage == Storage::Ssd {
-            return invalid(
-                "embedding.ttl_steps",
-                "row expiry is implemented for storage = \"memory\"; the SSD tier keeps every row",
-            );
-        }
         if self.train.pipeline_depth > 16 {
             return invalid("train.pipeline_depth", "at most 16 (each level keeps one more batch's rows in flight)");
         }
@@ -643,8 +637,7 @@ mod tests {
         let err = parse("", &["embedding.admit_min_count=300"]).expect_err("too many");
         assert!(err.to_string().contains("embedding.admit_min_count"), "{err}");
         let ssd = ["embedding.storage=ssd", "embedding.path=\"x\"", "embedding.ttl_steps=10"];
-        let err = parse("", &ssd).expect_err("ttl on ssd");
-        assert!(err.to_string().contains("embedding.ttl_steps"), "{err}");
+        assert_eq!(parse("", &ssd).expect("ttl on ssd").embedding.ttl_steps, 10);
         assert_eq!(parse("", &["train.pipeline_depth=16"]).expect("parses").train.pipeline_depth, 16);
         let err = parse("", &["train.pipeline_depth=17"]).expect_err("too deep");
         assert!(err.to_string().contains("train.pipeline_depth"), "{err}");

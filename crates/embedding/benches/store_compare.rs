@@ -33,7 +33,7 @@ impl Store for DiskStore {
         DiskStore::put(self, key, row).expect("put");
     }
     fn get(&mut self, key: u64, out: &mut [f32]) -> bool {
-        DiskStore::get(self, key, out).expect("get")
+        DiskStore::get(self, key, out).expect("get").is_some()
     }
 }
 

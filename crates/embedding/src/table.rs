@@ -23,7 +23,7 @@ use sparrow_core::config::{InitConfig, InitKind};
 use sparrow_core::key::mix64;
 use sparrow_core::rng::Rng;
 
-use crate::disk::{DiskStore, StorePos};
+use crate::disk::{DiskStore, StorePos, Use};
 use crate::index::{Probe, SlotIndex};
 use crate::optimizer::SparseOptimizer;
 use crate::plan::KeyPlan;
@@ -39,8 +39,6 @@ pub enum TableError {
     /// chain does not print it twice.
     #[error("SSD tier: {0}")]
     Ssd(std::io::Error),
-    #[error("row expiry (ttl_steps) is not available with an SSD tier: stored rows would outlive it")]
-    TtlWithSsd,
 }
 
 impl From<std::io::Error> for TableError {
@@ -268,6 +266,10 @@ struct Tier {
     sampled: [u32; VICTIM_SAMPLES],
     sampled_len: usize,
     next_victim: Option<u32>,
+    /// `ttl_steps` (0: off): stored rows unused for longer read as absent
+    /// and are deleted by a sweep of the store, a quarter per expiry pass.
+    ttl: u64,
+    sweep_cursor: u64,
     stats: TierStats,
 }
 
@@ -330,8 +332,14 @@ impl Tier {
         (self.rng % rows as u64) as usize
     }
 
+    /// Unprotected, and not a slot whose row expired (`last_use` = `u64::MAX`).
     fn evictable(&self, slot: usize, tick: u64) -> bool {
-        self.meta[slot].last_use + self.protect <= tick
+        self.meta[slot].last_use.saturating_add(self.protect) <= tick
+    }
+
+    /// Whether a stored row last used at `last_use` has outlived `ttl_steps`.
+    fn expired(&self, last_use: u64, tick: u64) -> bool {
+        self.ttl > 0 && last_use < tick.saturating_sub(self.ttl.max(self.protect))
     }
 
     /// The policy's order: lower goes first.
@@ -558,13 +566,13 @@ impl TableShard {
     /// Admission filter: whether a key with no cached row gets one now. A
     /// key on the SSD tier was admitted before (or restored from a checkpoint).
     /// A prefetch only predicts the lookup's answer; the lookup counts.
-    fn admits(&mut self, key: u64, prefetching: bool) -> Result<bool, TableError> {
+    fn admits(&mut self, key: u64, prefetching: bool, tick: u64) -> Result<bool, TableError> {
         let Some(sketch) = &mut self.admit else { return Ok(true) };
         if sketch.admitted(key) {
             return Ok(true);
         }
         if let Some(t) = &self.tier
-            && t.store.contains(key)?
+            && t.store.last_use(key)?.is_some_and(|last| !t.expired(last, tick))
         {
             return Ok(true);
         }
@@ -581,10 +589,11 @@ impl TableShard {
     }
 
     /// `ttl_steps`: deletes the rows that no lookup used in the last `ttl`
-    /// lookups (rows in flight never qualify).
-    fn expire(&mut self, layout: Layout, tick: u64) {
-        let TableShard { index, chunks, rows, expiry, filter_stats, .. } = self;
-        let Some(e) = expiry else { return };
+    /// lookups (rows in flight never qualify); with an SSD tier, also the
+    /// stored rows of the next quarter of the store.
+    fn expire(&mut self, layout: Layout, tick: u64) -> Result<(), TableError> {
+        let TableShard { index, chunks, rows, expiry, filter_stats, tier, .. } = self;
+        let Some(e) = expiry else { return Ok(()) };
         let used_since = tick.saturating_sub(e.ttl.max(e.protect));
         for slot in 0..*rows {
             if e.vacant[slot] || e.last_use[slot] >= used_since {
@@ -594,8 +603,39 @@ impl TableShard {
             index.remove(key, slot as u32);
             e.vacant[slot] = true;
             e.free.push(slot as u32);
-            filter_stats.expired += 1;
+            match tier.as_mut() {
+                Some(t) => {
+                    t.meta[slot] = SlotMeta { last_use: u64::MAX, uses: 0, dirty: false };
+                    if t.pos[slot].take().is_some() {
+                        // Its stored copy is older still: the sweep deletes and counts it.
+                        t.stored_only += 1;
+                    } else {
+                        filter_stats.expired += 1;
+                    }
+                }
+                None => filter_stats.expired += 1,
+            }
         }
+        self.sweep_store(layout, tick, false)
+    }
+
+    /// Deletes the expired rows of the next quarter of the SSD store (of all
+    /// of it if `whole`), except the keys cached (their cached row decides).
+    fn sweep_store(&mut self, layout: Layout, tick: u64, whole: bool) -> Result<(), TableError> {
+        let TableShard { index, chunks, filter_stats, tier, .. } = self;
+        let Some(t) = tier.as_mut().filter(|t| t.ttl > 0) else { return Ok(()) };
+        let (from, count) =
+            if whole { (0, t.store.buckets()) } else { (t.sweep_cursor, t.store.buckets().div_ceil(4)) };
+        let cached = |key: u64| index.find(key, |s| key_of(stored_in(chunks, layout, s))).is_some();
+        let ttl = (t.ttl, t.protect);
+        let expired = |last: u64| last < tick.saturating_sub(ttl.0.max(ttl.1));
+        let (next, deleted) = t.store.sweep(from, count, |key, last| expired(last) && !cached(key))?;
+        if !whole {
+            t.sweep_cursor = next;
+        }
+        t.stored_only -= deleted as usize;
+        filter_stats.expired += deleted;
+        Ok(())
     }
 
     /// Slot of `key`, inserting an initialised row on first sight (S3.9);
@@ -637,7 +677,7 @@ impl TableShard {
             }
             return Ok(Some(slot));
         }
-        if !self.admits(key, prefetching)? {
+        if !self.admits(key, prefetching, tick)? {
             return Ok(None);
         }
         let slot = self.free_slot(layout, key, tick)?;
@@ -649,10 +689,13 @@ impl TableShard {
         let loaded = match &mut self.tier {
             Some(t) => {
                 let stored = t.store.get_pos(key, row)?;
-                let loaded = stored.is_some();
-                t.pos[slot as usize] = stored.map(|(pos, _)| pos);
+                // A row past `ttl_steps` is gone: it starts afresh (its
+                // record is overwritten at the next write-back).
+                let live = stored.filter(|s| !t.expired(s.how.last_use, tick));
+                let loaded = live.is_some();
+                t.pos[slot as usize] = stored.map(|s| s.pos);
                 // A row read back resumes the use count it was evicted with.
-                t.meta[slot as usize].uses = stored.map_or(0, |(_, uses)| uses);
+                t.meta[slot as usize].uses = live.map_or(0, |s| s.how.uses);
                 if prefetching {
                     // Protected until its lookup, which counts the use.
                     t.meta[slot as usize].last_use = tick;
@@ -660,8 +703,11 @@ impl TableShard {
                     t.touch(slot, tick);
                 }
                 t.meta[slot as usize].dirty = !loaded;
-                if loaded {
+                if stored.is_some() {
                     t.stored_only -= 1;
+                    if !loaded {
+                        self.filter_stats.expired += 1;
+                    }
                 }
                 match (prefetching, loaded) {
                     (false, true) => t.stats.loads += 1,
@@ -685,8 +731,10 @@ impl TableShard {
     /// capacity, else an evicted one (its row written back if dirty).
     fn free_slot(&mut self, layout: Layout, key: u64, tick: u64) -> Result<u32, TableError> {
         let rows = self.rows;
+        // Slots of expired rows are refilled before anything is evicted.
+        let vacant = self.expiry.as_ref().is_some_and(|e| !e.free.is_empty());
         let victim = match &mut self.tier {
-            Some(t) if rows >= t.capacity => t.pick_victim(rows, tick),
+            Some(t) if rows >= t.capacity && !vacant => t.pick_victim(rows, tick),
             _ => None,
         };
         let Some(slot) = victim else { return self.add(layout, key) };
@@ -699,7 +747,8 @@ impl TableShard {
         let meta = tier.meta[slot as usize];
         if meta.dirty {
             let row = &stored_in(chunks, layout, slot)[KEY_FLOATS..];
-            tier.store.put_at(old, row, meta.uses, tier.pos[slot as usize])?;
+            let how = Use { uses: meta.uses, last_use: meta.last_use };
+            tier.store.put_at(old, row, how, tier.pos[slot as usize])?;
             tier.stats.writebacks += 1;
         }
         tier.pos[slot as usize] = None;
@@ -712,14 +761,15 @@ impl TableShard {
         Ok(slot)
     }
 
-    /// `key`'s full row from the cache or the store, without inserting it.
-    fn read_row(&self, layout: Layout, key: u64, out: &mut [f32]) -> Result<bool, TableError> {
+    /// `key`'s full row from the cache or the store, without inserting it;
+    /// false if absent (or expired on the store, as of lookup `tick`).
+    fn read_row(&self, layout: Layout, key: u64, out: &mut [f32], tick: u64) -> Result<bool, TableError> {
         if let Some(slot) = self.find(layout, key) {
             out.copy_from_slice(self.row(layout, slot));
             return Ok(true);
         }
         match &self.tier {
-            Some(t) => Ok(t.store.get(key, out)?),
+            Some(t) => Ok(t.store.get(key, out)?.is_some_and(|s| !t.expired(s.how.last_use, tick))),
             None => Ok(false),
         }
     }
@@ -855,6 +905,8 @@ impl EmbeddingTable {
                 sampled: [0; VICTIM_SAMPLES],
                 sampled_len: 0,
                 next_victim: None,
+                ttl: 0,
+                sweep_cursor: 0,
                 stats: TierStats::default(),
             });
         }
@@ -899,9 +951,6 @@ impl EmbeddingTable {
 
     /// Turns on the feature filters (admission by count, expiry by age).
     pub fn with_filters(mut self, filters: FeatureFilters) -> Result<Self, TableError> {
-        if filters.ttl_steps > 0 && self.is_tiered() {
-            return Err(TableError::TtlWithSsd);
-        }
         let shards = self.shards.len();
         for shard in self.shards.iter() {
             let mut shard = shard.write();
@@ -910,6 +959,9 @@ impl EmbeddingTable {
                 shard.admit = Some(AdmitSketch::new(filters.admit_min_count, filters.admit_sketch_counters / shards));
             }
             if filters.ttl_steps > 0 {
+                if let Some(t) = &mut shard.tier {
+                    t.ttl = filters.ttl_steps;
+                }
                 shard.expiry = Some(Expiry {
                     ttl: filters.ttl_steps,
                     protect: filters.protect_lookups,
@@ -921,6 +973,17 @@ impl EmbeddingTable {
         }
         self.sweep_every = filters.ttl_steps.div_ceil(8);
         Ok(self)
+    }
+
+    /// `ttl_steps` with an SSD tier: deletes every expired row from the
+    /// store now (lookups already read them as absent), so that `len()` counts
+    /// exactly the rows a walk visits. Checkpoints call it first.
+    pub fn sweep_expired(&self) -> Result<(), TableError> {
+        if self.sweep_every == 0 {
+            return Ok(());
+        }
+        let (layout, tick) = (self.layout, self.tick.load(Ordering::Relaxed));
+        self.shards.par_iter().try_for_each(|shard| shard.write().sweep_store(layout, tick, true))
     }
 
     /// What the feature filters did, summed over lock shards.
@@ -1019,7 +1082,7 @@ impl EmbeddingTable {
         let mut slots = vec![0u32; plan.num_unique()];
         let tick = self.tick.fetch_add(1, Ordering::Relaxed) + 1;
         if self.sweep_every > 0 && tick.is_multiple_of(self.sweep_every) {
-            self.shards.par_iter().for_each(|shard| shard.write().expire(layout, tick));
+            self.shards.par_iter().try_for_each(|shard| shard.write().expire(layout, tick))?;
         }
         let access = Access { init: &self.init, opt: &self.optimizer, tick, prefetching: false };
         let out_parts = self.shard_slices(plan, out, dim);
@@ -1114,6 +1177,7 @@ impl EmbeddingTable {
         let layout = self.layout;
         let dim = layout.dim;
         assert_eq!(out.len(), plan.num_unique() * dim, "output size");
+        let tick = self.tick.load(Ordering::Relaxed);
         self.shard_slices(plan, out, dim).into_par_iter().try_for_each(|(s, out)| {
             let shard = self.shards[s].read();
             let mut full = vec![0.0f32; layout.row_len];
@@ -1121,7 +1185,7 @@ impl EmbeddingTable {
                 let dst = &mut out[i * dim..(i + 1) * dim];
                 match shard.find(layout, key) {
                     Some(slot) => dst.copy_from_slice(&shard.row(layout, slot)[..dim]),
-                    None if shard.read_row(layout, key, &mut full)? => dst.copy_from_slice(&full[..dim]),
+                    None if shard.read_row(layout, key, &mut full, tick)? => dst.copy_from_slice(&full[..dim]),
                     None => self.init.fill(key, dst),
                 }
             }
@@ -1161,7 +1225,8 @@ impl EmbeddingTable {
         let shard = self.shards[self.shard_of(key)].read();
         let mut row = vec![0.0f32; self.layout.row_len];
         // A store read error reads as absent here; training paths report it.
-        shard.read_row(self.layout, key, &mut row).ok()?.then_some(row)
+        let tick = self.tick.load(Ordering::Relaxed);
+        shard.read_row(self.layout, key, &mut row, tick).ok()?.then_some(row)
     }
 
     /// Up to `max` rows in storage order starting at `cursor` (lock shard,
@@ -1178,6 +1243,7 @@ impl EmbeddingTable {
     ) -> Result<Option<(usize, usize)>, TableError> {
         let (mut shard_index, mut pos) = cursor;
         let mut visited = 0;
+        let tick = self.tick.load(Ordering::Relaxed);
         while shard_index < self.shards.len() {
             let shard = self.shards[shard_index].read();
             while pos < shard.rows && pos < STORE_CURSOR {
@@ -1197,8 +1263,8 @@ impl EmbeddingTable {
                     if visited == max {
                         return Ok(Some((shard_index, STORE_CURSOR + bucket as usize)));
                     }
-                    let next = t.store.scan_from(bucket, max - visited, |key, row| {
-                        if shard.find(self.layout, key).is_none() {
+                    let next = t.store.scan_from(bucket, max - visited, |key, how, row| {
+                        if shard.find(self.layout, key).is_none() && !t.expired(how.last_use, tick) {
                             f(key, row);
                             return true;
                         }
@@ -1230,12 +1296,22 @@ impl EmbeddingTable {
             None => {
                 let tick = self.tick.load(Ordering::Relaxed);
                 let mut scratch = vec![0.0f32; self.layout.row_len];
-                if let Some(t) = &mut shard.tier
-                    && t.store.get(key, &mut scratch)?
-                {
-                    t.stored_only -= 1;
+                let stored = match &mut shard.tier {
+                    Some(t) => t.store.get(key, &mut scratch)?,
+                    None => None,
+                };
+                let slot = shard.free_slot(self.layout, key, tick)?;
+                if let Some(t) = &mut shard.tier {
+                    if stored.is_some() {
+                        t.stored_only -= 1;
+                    }
+                    // Its record (if any) is overwritten at the write-back.
+                    t.pos[slot as usize] = stored.map(|s| s.pos);
+                    // Counts as just used (ttl_steps), yet evictable at once.
+                    let last_use = tick.saturating_sub(t.protect);
+                    t.meta[slot as usize] = SlotMeta { last_use, uses: 0, dirty: true };
                 }
-                shard.free_slot(self.layout, key, tick)?
+                slot
             }
         };
         if let Some(e) = &mut shard.expiry {
@@ -1250,6 +1326,7 @@ impl EmbeddingTable {
     /// Visits every row, shard by shard, in a deterministic order (sorted by key
     /// within a shard) so that checkpoints of equal tables are byte-identical.
     pub fn for_each_row(&self, mut f: impl FnMut(u64, &[f32]) -> std::io::Result<()>) -> std::io::Result<()> {
+        let tick = self.tick.load(Ordering::Relaxed);
         for shard in self.shards.iter() {
             let shard = shard.read();
             let mut entries: Vec<(u64, u32)> = (0..shard.rows as u32)
@@ -1259,8 +1336,8 @@ impl EmbeddingTable {
             // SSD tier: the stored rows that are not cached (the cache's copy is newer).
             let mut stored: Vec<(u64, Vec<f32>)> = Vec::new();
             if let Some(t) = &shard.tier {
-                t.store.for_each(|key, row| {
-                    if shard.find(self.layout, key).is_none() {
+                t.store.for_each(|key, how, row| {
+                    if shard.find(self.layout, key).is_none() && !t.expired(how.last_use, tick) {
                         stored.push((key, row.to_vec()));
                     }
                 })?;

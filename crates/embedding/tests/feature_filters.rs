@@ -4,7 +4,7 @@
 
 use sparrow_core::config::{CachePolicy, InitConfig};
 use sparrow_embedding::table::SsdOptions;
-use sparrow_embedding::{EmbeddingTable, FeatureFilters, Initializer, SparseOptimizer, TableError};
+use sparrow_embedding::{EmbeddingTable, FeatureFilters, Initializer, SparseOptimizer};
 
 const DIM: usize = 4;
 
@@ -145,11 +145,90 @@ fn a_key_restored_onto_the_ssd_tier_counts_as_admitted() {
     assert_eq!(t.len(), 64);
 }
 
+fn walk_keys(t: &EmbeddingTable) -> Vec<u64> {
+    let mut seen = Vec::new();
+    let mut cursor = Some((0, 0));
+    while let Some(at) = cursor {
+        cursor = t.rows_from(at, 3, |key, _| seen.push(key)).expect("walk");
+    }
+    seen.sort_unstable();
+    seen
+}
+
+fn store_bytes(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir).expect("dir").map(|e| e.expect("entry").metadata().expect("meta").len()).sum()
+}
+
+/// `ttl_steps` on the SSD tier: rows written to the store expire there too
+/// (deleted by the sweep), and their records are reused.
 #[test]
-fn row_expiry_is_refused_on_the_ssd_tier() {
+fn rows_on_the_ssd_tier_expire_and_their_records_are_reused() {
     let tmp = tempfile::tempdir().expect("tmp");
-    assert!(matches!(
-        tiny_ssd_table(tmp.path()).with_filters(FeatureFilters { ttl_steps: 10, ..Default::default() }),
-        Err(TableError::TtlWithSsd)
-    ));
+    let ttl = 64;
+    let t =
+        tiny_ssd_table(tmp.path()).with_filters(FeatureFilters { ttl_steps: ttl, ..Default::default() }).expect("ttl");
+    let cold: Vec<u64> = (100..140).collect();
+    // One key per lookup, so that each evicts the last one of its lock shard.
+    for &k in &cold {
+        step(&t, &[k]);
+    }
+    assert_eq!(t.len(), 40);
+    assert!(t.len() - t.cached_rows() >= 30, "{} of 40 rows cached", t.cached_rows());
+    let trained = t.get_row(100).expect("used within ttl_steps: read back from the store");
+    assert_ne!(trained[..DIM], initial(100)[..]);
+    // Past the ttl, plus a whole sweep of the store (a quarter every ttl/8
+    // lookups). Key 100 is read back and used all along: its old stored copy
+    // is not its age.
+    for _ in 0..ttl + 4 * (ttl / 8) + 2 {
+        step(&t, &[1, 2, 100]);
+    }
+    assert_eq!(t.len(), 3, "only the rows in use are left");
+    assert_eq!(t.filter_stats().expired, 39);
+    assert_eq!(t.get_row(101), None);
+    assert_ne!(t.get_row(100).expect("in use")[..DIM], trained[..DIM], "trained on");
+    assert_eq!(walk_keys(&t), vec![1, 2, 100]);
+    // The keys return as new rows, in the deleted records: the store does not grow.
+    let (bytes, writebacks) = (store_bytes(tmp.path()), t.tier_stats().expect("tier").writebacks);
+    for &k in &cold[1..] {
+        assert_eq!(step(&t, &[k])[..DIM], initial(k)[..]);
+    }
+    assert_eq!(t.len(), 42);
+    assert!(t.tier_stats().expect("tier").writebacks >= writebacks + 30, "the returning rows went to the store");
+    assert_eq!(store_bytes(tmp.path()), bytes);
+}
+
+/// A row expired on the store reads as absent even before the sweep reaches
+/// it, each expired row is counted once, and a checkpoint (which sweeps all of
+/// the store first) counts exactly the rows its walk visits.
+#[test]
+fn an_expired_stored_row_is_absent_before_the_sweep_reaches_it() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let ttl = 64;
+    let t =
+        tiny_ssd_table(tmp.path()).with_filters(FeatureFilters { ttl_steps: ttl, ..Default::default() }).expect("ttl");
+    let cold: Vec<u64> = (100..140).collect();
+    // Lookup ticks 2..=41, one key each (most end up on the store)…
+    for &k in &cold {
+        step(&t, &[k]);
+    }
+    // …then ticks 42..=74: rows last used before tick 74 - ttl = 10 are expired.
+    for _ in 0..33 {
+        step(&t, &[1, 2]);
+    }
+    for k in 100..108 {
+        assert_eq!(t.get_row(k), None, "key {k} expired");
+    }
+    assert!(t.get_row(108).is_some(), "used at tick 10: not yet expired");
+    // Used at tick 9: no sweep has deleted it yet, a lookup (tick 75) starts it afresh.
+    assert_eq!(step(&t, &[107])[..DIM], initial(107)[..]);
+    t.sweep_expired().expect("sweep");
+    // At tick 75 the rows of ticks 2..=10 (keys 100..=108) are expired.
+    assert_eq!(t.filter_stats().expired, 9, "each expired row counted once");
+    let mut walked = 0;
+    t.for_each_row(|_, _| {
+        walked += 1;
+        Ok(())
+    })
+    .expect("walk");
+    assert_eq!((t.len(), walked), (42 - 9 + 1, 42 - 9 + 1));
 }

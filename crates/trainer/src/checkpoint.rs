@@ -92,6 +92,8 @@ fn write_embeddings(trainer: &Trainer, path: &Path) -> Result<FileEntry, TrainEr
     let file = File::create(path).map_err(io(path))?;
     let mut w = HashingWriter { inner: BufWriter::with_capacity(1 << 20, file), hasher: Xxh3::new(), bytes: 0 };
     let table = &trainer.table;
+    // The walk skips expired rows still on the SSD store: delete them first.
+    table.sweep_expired()?;
     let rows = table.len() as u64;
     let mut header = Vec::with_capacity(EMB_HEADER_BYTES as usize);
     header.extend_from_slice(EMB_MAGIC);
