@@ -225,15 +225,8 @@ impl DiskStore {
     /// The row, where it is, and its use record.
     fn read(&self, key: u64, out: &mut [f32], buf: &mut Vec<u8>) -> std::io::Result<Option<Stored>> {
         let p = self.probe(key, buf)?;
-        if !p.found {
-            return Ok(None);
-        }
-        for (x, b) in out.iter_mut().zip(buf[16..].chunks_exact(4)) {
-            *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        }
-        let uses = u32::from_le_bytes(buf[4..8].try_into().unwrap_or_default());
         let pos = StorePos { generation: self.generation, bucket: p.bucket };
-        Ok(Some(Stored { pos, how: Use { uses, last_use: record_tick(buf) } }))
+        Ok(p.found.then(|| decode(buf, out)).flatten().map(|(_, how)| Stored { pos, how }))
     }
 
     /// Stores (inserts or overwrites) `key`'s row.

@@ -264,7 +264,6 @@ struct Tier {
     /// while the store is read: slots sampled (use records prefetched) at the
     /// previous miss, and the victim chosen then (row prefetched).
     sampled: [u32; VICTIM_SAMPLES],
-    sampled_len: usize,
     next_victim: Option<u32>,
     /// `ttl_steps` (0: off): stored rows unused for longer read as absent
     /// and are deleted by a sweep of the store, a quarter per expiry pass.
@@ -337,9 +336,14 @@ impl Tier {
         self.meta[slot].last_use.saturating_add(self.protect) <= tick
     }
 
-    /// Whether a stored row last used at `last_use` has outlived `ttl_steps`.
+    /// As of `tick`, rows last used before this have outlived `ttl_steps`
+    /// (`None`: no expiry).
+    fn expiry_cutoff(&self, tick: u64) -> Option<u64> {
+        (self.ttl > 0).then(|| tick.saturating_sub(self.ttl.max(self.protect)))
+    }
+
     fn expired(&self, last_use: u64, tick: u64) -> bool {
-        self.ttl > 0 && last_use < tick.saturating_sub(self.ttl.max(self.protect))
+        self.expiry_cutoff(tick).is_some_and(|cutoff| last_use < cutoff)
     }
 
     /// The policy's order: lower goes first.
@@ -371,16 +375,15 @@ impl Tier {
             None => self.pick_now(rows, tick),
         };
         // Stage the next eviction: compare the samples drawn last time…
+        // (Before the first miss they are all slot 0, which exists by then.)
         let sampled = self.sampled;
-        self.next_victim =
-            self.best_of(sampled[..self.sampled_len].iter().map(|&s| s as usize), tick).filter(|&s| Some(s) != victim);
+        self.next_victim = self.best_of(sampled.iter().map(|&s| s as usize), tick).filter(|&s| Some(s) != victim);
         // …and draw the samples for the one after.
         for i in 0..VICTIM_SAMPLES {
             let slot = self.draw(rows);
             prefetch(&self.meta[slot]);
             self.sampled[i] = slot as u32;
         }
-        self.sampled_len = VICTIM_SAMPLES;
         victim
     }
 
@@ -623,13 +626,12 @@ impl TableShard {
     /// of it if `whole`), except the keys cached (their cached row decides).
     fn sweep_store(&mut self, layout: Layout, tick: u64, whole: bool) -> Result<(), TableError> {
         let TableShard { index, chunks, filter_stats, tier, .. } = self;
-        let Some(t) = tier.as_mut().filter(|t| t.ttl > 0) else { return Ok(()) };
+        let Some(t) = tier.as_mut() else { return Ok(()) };
+        let Some(cutoff) = t.expiry_cutoff(tick) else { return Ok(()) };
         let (from, count) =
             if whole { (0, t.store.buckets()) } else { (t.sweep_cursor, t.store.buckets().div_ceil(4)) };
         let cached = |key: u64| index.find(key, |s| key_of(stored_in(chunks, layout, s))).is_some();
-        let ttl = (t.ttl, t.protect);
-        let expired = |last: u64| last < tick.saturating_sub(ttl.0.max(ttl.1));
-        let (next, deleted) = t.store.sweep(from, count, |key, last| expired(last) && !cached(key))?;
+        let (next, deleted) = t.store.sweep(from, count, |key, last| last < cutoff && !cached(key))?;
         if !whole {
             t.sweep_cursor = next;
         }
@@ -903,7 +905,6 @@ impl EmbeddingTable {
                 stored_only: 0,
                 rng: 0x9e37_79b9_7f4a_7c15 ^ (i as u64 + 1),
                 sampled: [0; VICTIM_SAMPLES],
-                sampled_len: 0,
                 next_victim: None,
                 ttl: 0,
                 sweep_cursor: 0,

@@ -159,19 +159,26 @@ fn store_bytes(dir: &std::path::Path) -> u64 {
     std::fs::read_dir(dir).expect("dir").map(|e| e.expect("entry").metadata().expect("meta").len()).sum()
 }
 
+const TTL: u64 = 64;
+
+/// An SSD-tier table with `ttl_steps = ttl` and keys 100..140 trained one per
+/// lookup (ticks 2..=41), so that each evicts the last one of its lock shard.
+fn ssd_table_with_cold_rows(dir: &std::path::Path, ttl: u64) -> (EmbeddingTable, Vec<u64>) {
+    let t = tiny_ssd_table(dir).with_filters(FeatureFilters { ttl_steps: ttl, ..Default::default() }).expect("ttl");
+    let cold: Vec<u64> = (100..140).collect();
+    for &k in &cold {
+        step(&t, &[k]);
+    }
+    (t, cold)
+}
+
 /// `ttl_steps` on the SSD tier: rows written to the store expire there too
 /// (deleted by the sweep), and their records are reused.
 #[test]
 fn rows_on_the_ssd_tier_expire_and_their_records_are_reused() {
     let tmp = tempfile::tempdir().expect("tmp");
-    let ttl = 64;
-    let t =
-        tiny_ssd_table(tmp.path()).with_filters(FeatureFilters { ttl_steps: ttl, ..Default::default() }).expect("ttl");
-    let cold: Vec<u64> = (100..140).collect();
-    // One key per lookup, so that each evicts the last one of its lock shard.
-    for &k in &cold {
-        step(&t, &[k]);
-    }
+    let (t, cold) = ssd_table_with_cold_rows(tmp.path(), TTL);
+    let ttl = TTL;
     assert_eq!(t.len(), 40);
     assert!(t.len() - t.cached_rows() >= 30, "{} of 40 rows cached", t.cached_rows());
     let trained = t.get_row(100).expect("used within ttl_steps: read back from the store");
@@ -203,15 +210,9 @@ fn rows_on_the_ssd_tier_expire_and_their_records_are_reused() {
 #[test]
 fn an_expired_stored_row_is_absent_before_the_sweep_reaches_it() {
     let tmp = tempfile::tempdir().expect("tmp");
-    let ttl = 64;
-    let t =
-        tiny_ssd_table(tmp.path()).with_filters(FeatureFilters { ttl_steps: ttl, ..Default::default() }).expect("ttl");
-    let cold: Vec<u64> = (100..140).collect();
     // Lookup ticks 2..=41, one key each (most end up on the store)…
-    for &k in &cold {
-        step(&t, &[k]);
-    }
-    // …then ticks 42..=74: rows last used before tick 74 - ttl = 10 are expired.
+    let (t, _) = ssd_table_with_cold_rows(tmp.path(), TTL);
+    // …then ticks 42..=74: rows last used before tick 74 - TTL = 10 are expired.
     for _ in 0..33 {
         step(&t, &[1, 2]);
     }
