@@ -121,6 +121,20 @@ fn launch_trains_the_same_model_as_train_and_leaves_nothing_behind() {
     assert_eq!(one["shuffle_bytes_per_sample"], single["shuffle_bytes_per_sample"]);
     assert_eq!(one["cache_hit_rate"], serde_json::Value::Null, "no SSD tier");
 
+    // Pulled one batch ahead (train.pipeline_depth = 1): still train's model at that depth.
+    let depth_1 = ["--set", "train.pipeline_depth=1"];
+    let single_1 = sparrow().args(["train", "--config", &config, "--quiet"]).args(depth_1).output().expect("train");
+    assert!(single_1.status.success(), "{}", String::from_utf8_lossy(&single_1.stderr));
+    let one_1 = sparrow()
+        .args(["launch", "--config", &config, "--shards", "1", "--workers", "1", "--quiet"])
+        .args(depth_1)
+        .output()
+        .expect("launch");
+    assert!(one_1.status.success(), "{}", String::from_utf8_lossy(&one_1.stderr));
+    let (single_1, one_1) = (last_json(&single_1), last_json(&one_1));
+    assert_eq!(one_1["test_auc"], single_1["test_auc"], "depth 1: launch vs train");
+    assert_ne!(one_1["test_auc"], one["test_auc"], "depth 1 trained on stale rows");
+
     let ckpt = tmp.path().join("ckpt");
     let ckpt_set = format!("checkpoint.dir={:?}", ckpt.display().to_string());
     let two = sparrow()

@@ -190,11 +190,17 @@ pub fn run_shard(args: &RoleArgs) -> Result<(), ClusterError> {
         serve_metrics(&metrics, args.metrics_listen, "shard")?;
         let table = match crate::checkpoint::resume_dir(&reg.config)? {
             Some(dir) => {
-                let table = crate::checkpoint::restore_shard_table(&reg.config, &dir, reg.index, reg.num_shards)?;
+                let table = crate::checkpoint::restore_shard_table(
+                    &reg.config,
+                    &dir,
+                    reg.index,
+                    reg.num_shards,
+                    reg.num_workers,
+                )?;
                 tracing::info!("shard {}: restored {} rows from {}", reg.index, table.len(), dir.display());
                 table
             }
-            None => shard_table(&reg.config, reg.index)?,
+            None => shard_table(&reg.config, reg.index, reg.num_workers)?,
         };
         let shard = Arc::new(ShardServer::new(reg.index, table));
         let service = crate::grpc::shard::service(shard, &settings, metrics);

@@ -7,6 +7,8 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crossbeam_channel::Receiver;
+
 use sparrow_core::config::Pooling;
 use sparrow_embedding::KeyPlan;
 use sparrow_model::{DenseModel, DenseOptimizer};
@@ -59,6 +61,8 @@ pub struct WorkerPhaseSecs {
     /// Waiting for the loader's next batch.
     pub next_batch: f64,
     /// Pulling rows (plus, in worker_lookup mode, dedup and sending keys).
+    /// At `pipeline_depth ≥ 1`: the wait for the push-then-pull branch after
+    /// the dense step (the part the overlap did not hide), pushes included.
     pub pull: f64,
     /// Pool, dense forward/backward, gradient sum across workers, optimizer, unpool.
     pub dense: f64,
@@ -70,6 +74,8 @@ pub struct Worker {
     pub model: DenseModel,
     pub optimizer: DenseOptimizer,
     pooling: Pooling,
+    /// `train.pipeline_depth`.
+    pipeline_depth: usize,
     packed_input: Vec<f32>,
     pub stats: WorkerStats,
 }
@@ -110,87 +116,174 @@ fn each_shard<T: Send>(
     })
 }
 
+/// A batch whose rows were pulled from the shards, waiting for its dense step.
+struct PulledBatch {
+    batch: WorkerBatch,
+    unique_rows: Vec<f32>,
+    /// The loader message's payload, as received (before worker_lookup
+    /// mode replaced its keys by an inverse index).
+    loader_bytes: u64,
+}
+
+/// A trained batch's embedding gradients, split by shard, waiting to be pushed.
+struct PendingPush {
+    batch_id: u64,
+    shard_counts: Vec<u32>,
+    parts: Vec<Vec<f32>>,
+}
+
+/// What the shard calls of a step carried and took (merged into
+/// [`WorkerStats`] by the worker's thread).
+#[derive(Default)]
+struct ShardTraffic {
+    bytes_from_shards: u64,
+    pull_secs: Vec<f32>,
+    push_secs: Vec<f32>,
+}
+
+impl ShardTraffic {
+    fn add_to(self, stats: &mut WorkerStats) {
+        stats.bytes_from_shards += self.bytes_from_shards;
+        stats.pull_secs.extend(self.pull_secs);
+        stats.push_secs.extend(self.push_secs);
+    }
+}
+
+/// In worker_lookup mode the worker does the loader's S0 work itself:
+/// dedup, partition, and sending each shard its keys.
+fn look_up_keys(batch: &mut WorkerBatch, shards: &[Arc<dyn ShardService>], mode: Mode) -> Result<(), ClusterError> {
+    if batch.keys.is_empty() {
+        return Ok(());
+    }
+    let n = shards.len();
+    let plan = KeyPlan::new(&batch.keys, n, |k| owner(k, n));
+    batch.shard_counts = (0..n).map(|s| plan.shard_keys(s).len() as u32).collect();
+    each_shard(shards, &batch.shard_counts, |s, shard| {
+        shard.enqueue(batch.batch_id, plan.shard_keys(s).to_vec(), mode)
+    })?;
+    batch.inverse = plan.inverse;
+    Ok(())
+}
+
+/// The batch's unique rows, shard by shard (the loader's order).
+fn pull_rows(
+    batch: &WorkerBatch,
+    width: usize,
+    shards: &[Arc<dyn ShardService>],
+    mut traffic: Option<&mut ShardTraffic>,
+) -> Result<Vec<f32>, ClusterError> {
+    let parts = each_shard(shards, &batch.shard_counts, |_, shard| shard.pull(batch.batch_id))?;
+    let mut rows = Vec::with_capacity(batch.num_unique() * width);
+    for (part, secs) in parts {
+        if let Some(t) = traffic.as_deref_mut() {
+            t.bytes_from_shards += 4 * part.len() as u64;
+            t.pull_secs.push(secs);
+        }
+        rows.extend_from_slice(&part);
+    }
+    Ok(rows)
+}
+
+/// A training batch's keys sent (worker_lookup mode) and its rows pulled.
+fn fetch_rows(
+    mut batch: WorkerBatch,
+    width: usize,
+    shards: &[Arc<dyn ShardService>],
+    traffic: &mut ShardTraffic,
+) -> Result<PulledBatch, ClusterError> {
+    let loader_bytes = batch.payload_bytes() as u64;
+    look_up_keys(&mut batch, shards, Mode::Train)?;
+    let unique_rows = pull_rows(&batch, width, shards, Some(traffic))?;
+    Ok(PulledBatch { batch, unique_rows, loader_bytes })
+}
+
+fn push_grads(
+    push: PendingPush,
+    shards: &[Arc<dyn ShardService>],
+    traffic: &mut ShardTraffic,
+) -> Result<(), ClusterError> {
+    let pushed = each_shard(shards, &push.shard_counts, |s, shard| shard.push(push.batch_id, push.parts[s].clone()))?;
+    traffic.push_secs.extend(pushed.iter().map(|(_, secs)| secs));
+    Ok(())
+}
+
 impl Worker {
     pub fn new(index: usize, model: DenseModel, optimizer: DenseOptimizer, pooling: Pooling) -> Self {
-        Worker { index, model, optimizer, pooling, packed_input: Vec::new(), stats: WorkerStats::default() }
-    }
-
-    /// In worker_lookup mode the worker does the loader's S0 work itself:
-    /// dedup, partition, and sending each shard its keys.
-    fn look_up_keys(batch: &mut WorkerBatch, shards: &[Arc<dyn ShardService>], mode: Mode) -> Result<(), ClusterError> {
-        if batch.keys.is_empty() {
-            return Ok(());
+        Worker {
+            index,
+            model,
+            optimizer,
+            pooling,
+            pipeline_depth: 0,
+            packed_input: Vec::new(),
+            stats: WorkerStats::default(),
         }
-        let n = shards.len();
-        let plan = KeyPlan::new(&batch.keys, n, |k| owner(k, n));
-        batch.shard_counts = (0..n).map(|s| plan.shard_keys(s).len() as u32).collect();
-        each_shard(shards, &batch.shard_counts, |s, shard| {
-            shard.enqueue(batch.batch_id, plan.shard_keys(s).to_vec(), mode)
-        })?;
-        batch.inverse = plan.inverse;
-        Ok(())
     }
 
-    /// The batch's unique rows, shard by shard (the loader's order).
-    fn pull(
-        &mut self,
-        batch: &WorkerBatch,
-        shards: &[Arc<dyn ShardService>],
-        record: bool,
-    ) -> Result<Vec<f32>, ClusterError> {
-        let parts = each_shard(shards, &batch.shard_counts, |_, shard| shard.pull(batch.batch_id))?;
-        let mut rows = Vec::with_capacity(batch.num_unique() * self.model.width());
-        for (part, secs) in parts {
-            if record {
-                self.stats.bytes_from_shards += 4 * part.len() as u64;
-                self.stats.pull_secs.push(secs);
-            }
-            rows.extend_from_slice(&part);
-        }
-        Ok(rows)
+    /// `train.pipeline_depth`: how many batches ahead of its dense step a
+    /// batch's rows are pulled (see [`run_training`](Self::run_training)).
+    pub fn with_pipeline_depth(mut self, depth: usize) -> Self {
+        self.pipeline_depth = depth;
+        self
     }
 
-    /// One training step on `batch`; returns its mean loss.
-    pub fn train(&mut self, mut batch: WorkerBatch, shards: &[Arc<dyn ShardService>]) -> Result<f64, ClusterError> {
-        self.stats.bytes_from_loader += batch.payload_bytes() as u64;
-        self.stats.bad_rows = self.stats.bad_rows.max(batch.bad_rows);
-        self.stats.keys += batch.bag_offsets.last().copied().unwrap_or(0) as u64;
-        let t0 = Instant::now();
-        Self::look_up_keys(&mut batch, shards, Mode::Train)?;
-        self.stats.unique_keys += batch.num_unique() as u64;
-        let unique_rows = self.pull(&batch, shards, true)?;
-        let t1 = Instant::now();
+    /// The dense step of a pulled batch: its loss and the gradients to push.
+    fn dense(&mut self, pulled: PulledBatch) -> Result<(f64, PendingPush), ClusterError> {
+        let PulledBatch { batch, unique_rows, loader_bytes } = pulled;
         let inputs =
             DenseInputs { bags: bags(&batch), unique_rows: &unique_rows, dense: &batch.dense, labels: &batch.labels };
         let out = dense_step(&self.model, &mut self.optimizer, &mut self.packed_input, inputs, self.pooling)?;
-        let t2 = Instant::now();
         let width = self.model.width();
-        let mut parts = Vec::with_capacity(shards.len());
+        let mut parts = Vec::with_capacity(batch.shard_counts.len());
         let mut grads = out.grads.as_slice();
         for &count in &batch.shard_counts {
             let (mine, rest) = grads.split_at(count as usize * width);
-            parts.push(mine);
+            parts.push(mine.to_vec());
             grads = rest;
         }
-        let pushed = each_shard(shards, &batch.shard_counts, |s, shard| shard.push(batch.batch_id, parts[s].to_vec()))?;
-        self.stats.push_secs.extend(pushed.iter().map(|(_, secs)| secs));
+        let stats = &mut self.stats;
+        stats.bytes_from_loader += loader_bytes;
+        stats.bad_rows = stats.bad_rows.max(batch.bad_rows);
+        stats.keys += batch.bag_offsets.last().copied().unwrap_or(0) as u64;
+        stats.unique_keys += batch.num_unique() as u64;
+        stats.batches += 1;
+        stats.last_end = crate::checkpoint::later(stats.last_end, batch.end);
+        stats.rows += batch.rows as u64;
+        if stats.recent_losses.len() == 100 {
+            stats.recent_losses.pop_front();
+        }
+        stats.recent_losses.push_back(out.loss);
+        Ok((out.loss, PendingPush { batch_id: batch.batch_id, shard_counts: batch.shard_counts, parts }))
+    }
+
+    /// One training step on `batch` (pull, dense step, push); returns its mean loss.
+    pub fn train(&mut self, batch: WorkerBatch, shards: &[Arc<dyn ShardService>]) -> Result<f64, ClusterError> {
+        let mut traffic = ShardTraffic::default();
+        let t0 = Instant::now();
+        let pulled = fetch_rows(batch, self.model.width(), shards, &mut traffic)?;
+        let t1 = Instant::now();
+        let (loss, push) = self.dense(pulled)?;
+        let t2 = Instant::now();
+        push_grads(push, shards, &mut traffic)?;
+        traffic.add_to(&mut self.stats);
         let phases = &mut self.stats.phase_secs;
         phases.pull += (t1 - t0).as_secs_f64();
         phases.dense += (t2 - t1).as_secs_f64();
         phases.push += t2.elapsed().as_secs_f64();
-        self.stats.batches += 1;
-        self.stats.last_end = crate::checkpoint::later(self.stats.last_end, batch.end);
-        self.stats.rows += batch.rows as u64;
-        if self.stats.recent_losses.len() == 100 {
-            self.stats.recent_losses.pop_front();
-        }
-        self.stats.recent_losses.push_back(out.loss);
-        Ok(out.loss)
+        Ok(loss)
     }
 
     /// Trains until no worker has a batch left. The next batch is fetched
     /// from the loader while this one trains (it carries no embeddings, so
     /// fetching early changes nothing in the model).
+    ///
+    /// At `train.pipeline_depth = d ≥ 1` (S3.10) a batch's rows are pulled d
+    /// batches ahead: beside batch t's dense step, one branch pushes batch
+    /// t−1's gradients and then pulls batch t+d. Batch t+d thus sees every
+    /// update up to batch t−1's and misses those of t … t+d−1 on the keys they
+    /// share — the staleness of `sparrow train` at the same depth. The last
+    /// batch's push is made before the worker joins the rounds idle, so the
+    /// shards hold every update when training ends.
     pub fn run_training(
         &mut self,
         loader: &dyn LoaderService,
@@ -209,26 +302,16 @@ impl Worker {
                     }
                 }
             });
-            let trained = (|| {
-                let mut exhausted = false;
-                loop {
-                    let waited = Instant::now();
-                    let next = if exhausted { None } else { rx.recv().ok().flatten() };
-                    self.stats.phase_secs.next_batch += waited.elapsed().as_secs_f64();
-                    match next {
-                        Some(batch) => {
-                            self.train(batch, shards)?;
-                        }
-                        // Joins the rounds with nothing until every worker is out of data.
-                        None => {
-                            exhausted = true;
-                            if !self.model.idle_step(&mut self.optimizer)? {
-                                return Ok(());
-                            }
-                        }
-                    }
-                }
-            })();
+            let trained = if self.pipeline_depth == 0 {
+                self.train_in_turn(&rx, shards)
+            } else {
+                self.train_pipelined(&rx, shards)
+            }
+            .and_then(|()| {
+                // Joins the rounds with nothing until every worker is out of data.
+                while self.model.idle_step(&mut self.optimizer)? {}
+                Ok(())
+            });
             drop(rx);
             // A loader error ends the prefetch thread first; report it over the
             // symptom (the queue closing early).
@@ -241,14 +324,99 @@ impl Worker {
         Ok(())
     }
 
+    /// The loader's next batch (`None` at the end of the data, or when the
+    /// prefetch thread stopped on an error it reports itself).
+    fn receive(&mut self, batches: &Receiver<Option<WorkerBatch>>) -> Option<WorkerBatch> {
+        let waited = Instant::now();
+        let next = batches.recv().ok().flatten();
+        self.stats.phase_secs.next_batch += waited.elapsed().as_secs_f64();
+        next
+    }
+
+    /// Depth 0: each batch is pulled after the previous one was pushed.
+    fn train_in_turn(
+        &mut self,
+        batches: &Receiver<Option<WorkerBatch>>,
+        shards: &[Arc<dyn ShardService>],
+    ) -> Result<(), ClusterError> {
+        while let Some(batch) = self.receive(batches) {
+            self.train(batch, shards)?;
+        }
+        Ok(())
+    }
+
+    /// Depth d ≥ 1 (see [`run_training`](Self::run_training)). The phase
+    /// `pull` counts the time a step waited for its push-then-pull branch
+    /// after the dense step was done (the part the overlap did not hide).
+    fn train_pipelined(
+        &mut self,
+        batches: &Receiver<Option<WorkerBatch>>,
+        shards: &[Arc<dyn ShardService>],
+    ) -> Result<(), ClusterError> {
+        let width = self.model.width();
+        let mut traffic = ShardTraffic::default();
+        let mut ahead = VecDeque::with_capacity(self.pipeline_depth);
+        let mut exhausted = false;
+        while ahead.len() < self.pipeline_depth && !exhausted {
+            match self.receive(batches) {
+                Some(batch) => {
+                    let t = Instant::now();
+                    ahead.push_back(fetch_rows(batch, width, shards, &mut traffic)?);
+                    self.stats.phase_secs.pull += t.elapsed().as_secs_f64();
+                }
+                None => exhausted = true,
+            }
+        }
+        let mut pending: Option<PendingPush> = None;
+        while let Some(pulled) = ahead.pop_front() {
+            let previous = pending.take();
+            let t0 = Instant::now();
+            let (dense, dense_done, branch) = std::thread::scope(|scope| {
+                let branch = scope.spawn(move || -> Result<(Option<PulledBatch>, ShardTraffic), ClusterError> {
+                    let mut traffic = ShardTraffic::default();
+                    if let Some(push) = previous {
+                        push_grads(push, shards, &mut traffic)?;
+                    }
+                    let next = if exhausted { None } else { batches.recv().ok().flatten() };
+                    let next = next.map(|batch| fetch_rows(batch, width, shards, &mut traffic)).transpose()?;
+                    Ok((next, traffic))
+                });
+                let dense = self.dense(pulled);
+                let dense_done = Instant::now();
+                let branch = branch
+                    .join()
+                    .unwrap_or_else(|_| Err(ClusterError::Setup("the push-and-pull branch panicked".into())));
+                (dense, dense_done, branch)
+            });
+            let (_, push) = dense?;
+            let (next, step_traffic) = branch?;
+            step_traffic.add_to(&mut self.stats);
+            let phases = &mut self.stats.phase_secs;
+            phases.dense += (dense_done - t0).as_secs_f64();
+            phases.pull += dense_done.elapsed().as_secs_f64();
+            match next {
+                Some(next) => ahead.push_back(next),
+                None => exhausted = true,
+            }
+            pending = Some(push);
+        }
+        if let Some(push) = pending {
+            let t = Instant::now();
+            push_grads(push, shards, &mut traffic)?;
+            self.stats.phase_secs.push += t.elapsed().as_secs_f64();
+        }
+        traffic.add_to(&mut self.stats);
+        Ok(())
+    }
+
     /// Logits of an evaluation batch.
     pub fn predict(
         &mut self,
         mut batch: WorkerBatch,
         shards: &[Arc<dyn ShardService>],
     ) -> Result<Vec<f32>, ClusterError> {
-        Self::look_up_keys(&mut batch, shards, Mode::Eval)?;
-        let unique_rows = self.pull(&batch, shards, false)?;
+        look_up_keys(&mut batch, shards, Mode::Eval)?;
+        let unique_rows = pull_rows(&batch, self.model.width(), shards, None)?;
         let pooled = pool(&bags(&batch), &unique_rows, self.model.width(), self.pooling);
         Ok(self.model.predict(pooled, batch.dense, batch.rows).map_err(sparrow_trainer::TrainError::from)?)
     }

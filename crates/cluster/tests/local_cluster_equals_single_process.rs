@@ -81,6 +81,35 @@ fn worker_lookup_mode_trains_the_same_model_with_raw_ids_sent_to_the_worker() {
     assert_eq!(b.bytes_from_loader - a.bytes_from_loader, 4 * a.keys - 4 * 2 * a.batches);
 }
 
+/// `train.pipeline_depth = d`: the worker pulls batch t+d beside batch t's
+/// dense step, after pushing batch t−1 — the staleness of `sparrow train` at
+/// depth d, so one worker over 3 shards ends with train's exact model.
+#[test]
+fn a_pipelined_worker_trains_the_single_process_model_of_the_same_depth() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    sparrow_data::synth::generate(tmp.path(), 3000, 600, 9).expect("generate");
+    let exact = train_local(&config(tmp.path(), "dlrm"), 3, 1).expect("depth 0");
+    for depth in [1, 2] {
+        let c = config_with(tmp.path(), "dlrm", &[&format!("train.pipeline_depth={depth}")]);
+        let single = sparrow_trainer::train(&c, true).expect("train");
+        let cluster = train_local(&c, 3, 1).expect("cluster");
+        assert_eq!(cluster.train_rows, 3000, "depth {depth}: every sample trained once");
+        assert_eq!(cluster.embedding_rows, single.embedding_rows, "depth {depth}");
+        assert_eq!(
+            cluster.test_auc.map(f64::to_bits),
+            single.test_auc.map(f64::to_bits),
+            "depth {depth}: {:?} vs {:?}",
+            cluster.test_auc,
+            single.test_auc
+        );
+        assert_ne!(cluster.dense_checksums, exact.dense_checksums, "depth {depth} trained with stale rows");
+        // Replicas stay identical when several workers pull ahead.
+        let pair = train_local(&c, 2, 2).expect("two workers");
+        assert_eq!(pair.train_rows, 3000, "depth {depth}");
+        assert_eq!(pair.dense_checksums[0], pair.dense_checksums[1], "depth {depth}: replicas diverged");
+    }
+}
+
 #[test]
 fn data_parallel_workers_hold_identical_dense_weights() {
     let tmp = tempfile::tempdir().expect("tmp");
@@ -142,7 +171,7 @@ fn a_faster_worker_takes_more_batches_and_replicas_stay_identical() {
     let c = config(tmp.path(), "dlrm");
     let layout = sparrow_data::DataLayout::from_config(&c.data);
     let shards: Vec<Arc<dyn ShardService>> = (0..2)
-        .map(|i| Arc::new(ShardServer::new(i, shard_table(&c, i).expect("table"))) as Arc<dyn ShardService>)
+        .map(|i| Arc::new(ShardServer::new(i, shard_table(&c, i, 1).expect("table"))) as Arc<dyn ShardService>)
         .collect();
     let loader = LoaderServer::start(&c, shards.clone()).expect("loader");
     let slow = SlowFor { inner: &loader, slow_worker: 1 };

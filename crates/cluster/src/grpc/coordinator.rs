@@ -100,14 +100,6 @@ impl Coordinator {
         if num_shards == 0 || num_workers == 0 {
             return Err(ClusterError::Setup("a job needs at least one shard and one worker".into()));
         }
-        if config.train.pipeline_depth > 0 {
-            // Refused rather than ignored: the user asked for stale lookups.
-            return Err(ClusterError::Setup(format!(
-                "train.pipeline_depth = {}: a cluster job runs depth 0 (each pull after the previous push; \
-                 shards prefetch queued batches); pipelined lookups are implemented in `sparrow train` only",
-                config.train.pipeline_depth
-            )));
-        }
         let config_toml =
             toml::to_string(config).map_err(|e| ClusterError::Setup(format!("serializing the config: {e}")))?;
         Ok(Coordinator {
@@ -459,13 +451,6 @@ mod tests {
     fn config(overrides: &[&str]) -> Config {
         let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
         Config::from_toml_with_overrides("", "test", &overrides).expect("config")
-    }
-
-    #[test]
-    fn a_pipelined_config_is_refused_naming_the_key() {
-        let Err(e) = Coordinator::new(&config(&["train.pipeline_depth=1"]), 1, 1) else { panic!("accepted") };
-        assert!(e.to_string().contains("train.pipeline_depth = 1"), "{e}");
-        assert!(Coordinator::new(&config(&[]), 1, 1).is_ok());
     }
 
     #[test]
