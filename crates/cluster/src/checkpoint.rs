@@ -38,8 +38,14 @@ pub fn save(
         let mut cursor = Some((0, 0));
         while let Some(at) = cursor {
             let exported = shard.export(at, page)?;
-            for (key, row) in exported.keys.iter().zip(exported.rows.chunks_exact(trainer.table.row_len())) {
-                trainer.table.put_row(*key, row).map_err(|e| ClusterError::Train(e.into()))?;
+            // Each shard's filter state is merged in (the later clock, the
+            // larger admission counters) before its rows.
+            if let Some(filters) = &exported.filters {
+                trainer.table.restore_filter_state(filters);
+            }
+            let rows = exported.rows.chunks_exact(trainer.table.row_len());
+            for ((key, row), &last_use) in exported.keys.iter().zip(rows).zip(&exported.last_uses) {
+                trainer.table.put_row_used(*key, row, last_use).map_err(|e| ClusterError::Train(e.into()))?;
             }
             cursor = exported.next;
         }

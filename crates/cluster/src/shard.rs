@@ -131,14 +131,16 @@ impl ShardService for ShardServer {
     }
 
     fn export(&self, cursor: (usize, usize), max_rows: usize) -> Result<ExportPage, ClusterError> {
-        let (mut keys, mut rows) = (Vec::new(), Vec::new());
+        let (mut keys, mut rows, mut last_uses) = (Vec::new(), Vec::new(), Vec::new());
         let next = self
             .table
-            .rows_from(cursor, max_rows, |key, row| {
+            .rows_from(cursor, max_rows, |key, last_use, row| {
                 keys.push(key);
+                last_uses.push(last_use);
                 rows.extend_from_slice(row);
             })
             .map_err(|source| ClusterError::Table { shard: self.index, source })?;
-        Ok(ExportPage { keys, rows, next })
+        let filters = (cursor == (0, 0)).then(|| self.table.filter_state());
+        Ok(ExportPage { keys, rows, last_uses, filters, next })
     }
 }

@@ -48,6 +48,11 @@ pub enum ClusterError {
 pub struct ExportPage {
     pub keys: Vec<u64>,
     pub rows: Vec<f32>,
+    /// Each row's last use, in the shard's lookup clock (`ttl_steps`).
+    pub last_uses: Vec<u64>,
+    /// The shard's feature-filter state (clock, admission sketches): on
+    /// the first page only.
+    pub filters: Option<sparrow_embedding::FilterState>,
     pub next: Option<(usize, usize)>,
 }
 

@@ -241,3 +241,50 @@ fn ssd_shards_prefetch_queued_batches_and_train_the_same_model() {
     assert!(hit > 0.0 && hit < 1.0, "hit rate {hit}");
     assert!(cluster.table.ssd_writebacks.expect("writebacks") > 0);
 }
+
+/// A cluster checkpoint keeps the shards' feature-filter state: every row's
+/// last use (`ttl_steps`), the lookup clock and the admission counters, so a
+/// resumed job (on any shard count) ages and admits keys where it stopped.
+#[test]
+fn a_cluster_checkpoint_keeps_the_shards_filter_state() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    sparrow_data::synth::generate(tmp.path(), 3000, 100, 9).expect("generate");
+    let c = config_with(tmp.path(), "dlrm", &["embedding.admit_min_count=3", "embedding.ttl_steps=200"]);
+    let layout = sparrow_data::DataLayout::from_config(&c.data);
+    let servers: Vec<Arc<ShardServer>> =
+        (0..2).map(|i| Arc::new(ShardServer::new(i, shard_table(&c, i, 1).expect("table")))).collect();
+    let shards: Vec<Arc<dyn ShardService>> = servers.iter().map(|s| s.clone() as Arc<dyn ShardService>).collect();
+    let loader = LoaderServer::start(&c, shards.clone()).expect("loader");
+    let mut worker = new_worker(&c, &layout, 0, None).expect("worker");
+    worker.run_training(&loader, &shards).expect("train");
+    let saved = sparrow_cluster::checkpoint::save(&c, &tmp.path().join("ck"), worker, &shards).expect("save");
+    let (restored, _, _) = sparrow_trainer::checkpoint::load_trainer(&saved, &[]).expect("load");
+
+    let uses = |t: &EmbeddingTable| {
+        let mut out = Vec::new();
+        t.for_each_row(|key, last_use, _| {
+            out.push((key, last_use));
+            Ok(())
+        })
+        .expect("walk");
+        out
+    };
+    let mut on_shards: Vec<(u64, u64)> = servers.iter().flat_map(|s| uses(s.table())).collect();
+    on_shards.sort_unstable();
+    let mut in_checkpoint = uses(&restored.table);
+    in_checkpoint.sort_unstable();
+    assert_eq!(in_checkpoint, on_shards, "every row with its last use");
+    assert!(on_shards.iter().any(|&(_, used)| used > 1), "rows were used after the first lookup");
+
+    let state = restored.table.filter_state();
+    let shard_states: Vec<_> = servers.iter().map(|s| s.table().filter_state()).collect();
+    assert_eq!(state.tick, shard_states.iter().map(|s| s.tick).max().expect("two shards"), "the later clock");
+    // Per lock shard, each counter is the larger of the two shards'.
+    for (i, sketch) in state.sketches.iter().enumerate() {
+        for (j, &counter) in sketch.iter().enumerate() {
+            let larger = shard_states.iter().map(|s| s.sketches[i][j]).max().expect("two shards");
+            assert_eq!(counter, larger, "lock shard {i}, counter {j}");
+        }
+    }
+    assert!(state.sketches.iter().flatten().any(|&c| c > 0), "keys were counted");
+}

@@ -14,5 +14,5 @@ pub mod table;
 pub use optimizer::SparseOptimizer;
 pub use plan::KeyPlan;
 pub use table::{
-    EmbeddingTable, FeatureFilters, FilterStats, Initializer, Partitioner, RowSlots, TableError, TierStats,
+    EmbeddingTable, FeatureFilters, FilterState, FilterStats, Initializer, Partitioner, RowSlots, TableError, TierStats,
 };

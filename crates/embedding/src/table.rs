@@ -173,6 +173,39 @@ impl std::ops::AddAssign for FilterStats {
     }
 }
 
+/// The feature filters' state that is not in the rows (checkpointed beside
+/// them): the table's lookup clock and each lock shard's admission sketch.
+/// A row's last use travels with the row (walks report it,
+/// [`EmbeddingTable::put_row_used`] restores it).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FilterState {
+    /// Training lookups so far: the clock `ttl_steps` and last uses count in.
+    pub tick: u64,
+    /// Each lock shard's admission counters (none without `admit_min_count`).
+    pub sketches: Vec<Vec<u8>>,
+}
+
+/// One sketch of `len` counters (a power of two) that estimates at least
+/// what any of `sketches` did for every key: a counter of a smaller target
+/// takes the maximum of the cells that share its low bits, a larger target
+/// repeats the cells (a key's cells are its hash's low bits).
+fn fold_sketches<'a>(sketches: impl Iterator<Item = &'a Vec<u8>>, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    for s in sketches.filter(|s| !s.is_empty()) {
+        let n = s.len();
+        if n >= len {
+            for (i, &c) in s.iter().enumerate() {
+                out[i & (len - 1)] = out[i & (len - 1)].max(c);
+            }
+        } else {
+            for (j, o) in out.iter_mut().enumerate() {
+                *o = (*o).max(s[j & (n - 1)]);
+            }
+        }
+    }
+    out
+}
+
 /// Counts sightings of keys that have no row, in bounded memory: a count-min
 /// sketch of saturating byte counters with two hashes and conservative update
 /// (only the smallest counters grow). It can over-count (a key admitted a
@@ -566,9 +599,14 @@ impl TableShard {
         self.expiry.as_ref().is_some_and(|e| e.vacant[slot])
     }
 
+    /// The lookup that last used a cached row, for `ttl_steps` (`now`
+    /// without expiry, where nothing ages).
+    fn last_use(&self, slot: usize, now: u64) -> u64 {
+        self.expiry.as_ref().map_or(now, |e| e.last_use[slot])
+    }
+
     /// Admission filter: whether a key with no cached row gets one now. A
     /// key on the SSD tier was admitted before (or restored from a checkpoint).
-    /// A prefetch only predicts the lookup's answer; the lookup counts.
     fn admits(&mut self, key: u64, prefetching: bool, tick: u64) -> Result<bool, TableError> {
         let Some(sketch) = &mut self.admit else { return Ok(true) };
         if sketch.admitted(key) {
@@ -579,9 +617,13 @@ impl TableShard {
         {
             return Ok(true);
         }
-        if prefetching {
-            return Ok(sketch.admits_next(key));
+        if prefetching && !sketch.admits_next(key) {
+            // Its lookup counts the sighting (and turns it away).
+            return Ok(false);
         }
+        // A prefetch that stages the row counts the sighting for the lookup
+        // that follows (it finds the row cached): the sketch is the same with
+        // or without the prefetch.
         let now = sketch.count(key);
         if now {
             self.filter_stats.admitted += 1;
@@ -661,12 +703,31 @@ impl TableShard {
     ) -> Result<Option<u32>, TableError> {
         let Access { init, opt, tick, prefetching } = *how;
         let found = self.index.confirm(key, probe, |s| self.key_at(layout, s));
+        // ttl_steps: a cached row past its age is gone as a stored one is
+        // when read, whether the sweep reached it yet or not, so which rows
+        // were cached never changes the model.
+        // A prefetch is not a use: the lookup it stages for decides.
+        let mut aged_out = false;
         if let Some(e) = &mut self.expiry
             && let Some(slot) = found
+            && !prefetching
         {
+            aged_out = e.last_use[slot as usize] < tick.saturating_sub(e.ttl.max(e.protect));
             e.last_use[slot as usize] = tick;
         }
         if let Some(slot) = found {
+            if aged_out {
+                let (chunk, start) = layout.locate(slot);
+                let (w, state) =
+                    self.chunks[chunk][start + KEY_FLOATS..start + layout.stored_len].split_at_mut(layout.dim);
+                init.fill(key, w);
+                opt.init_state(w, state);
+                self.filter_stats.expired += 1;
+                if let Some(t) = &mut self.tier {
+                    let m = &mut t.meta[slot as usize];
+                    (m.uses, m.dirty) = (0, true);
+                }
+            }
             if let Some(t) = &mut self.tier {
                 if prefetching {
                     // Protected until the lookup it is staged for, not counted as a use.
@@ -683,9 +744,7 @@ impl TableShard {
             return Ok(None);
         }
         let slot = self.free_slot(layout, key, tick)?;
-        if let Some(e) = &mut self.expiry {
-            e.last_use[slot as usize] = tick;
-        }
+        let mut last_use = tick;
         let (chunk, start) = layout.locate(slot);
         let row = &mut self.chunks[chunk][start + KEY_FLOATS..start + layout.stored_len];
         let loaded = match &mut self.tier {
@@ -695,6 +754,10 @@ impl TableShard {
                 // record is overwritten at the next write-back).
                 let live = stored.filter(|s| !t.expired(s.how.last_use, tick));
                 let loaded = live.is_some();
+                if let (Some(s), true) = (live, prefetching) {
+                    // Staged, not used: it keeps its age until its lookup.
+                    last_use = s.how.last_use;
+                }
                 t.pos[slot as usize] = stored.map(|s| s.pos);
                 // A row read back resumes the use count it was evicted with.
                 t.meta[slot as usize].uses = live.map_or(0, |s| s.how.uses);
@@ -725,6 +788,9 @@ impl TableShard {
             let (w, state) = row.split_at_mut(layout.dim);
             init.fill(key, w);
             opt.init_state(w, state);
+        }
+        if let Some(e) = &mut self.expiry {
+            e.last_use[slot as usize] = last_use;
         }
         Ok(Some(slot))
     }
@@ -987,6 +1053,41 @@ impl EmbeddingTable {
         self.shards.par_iter().try_for_each(|shard| shard.write().sweep_store(layout, tick, true))
     }
 
+    /// The filters' state a checkpoint keeps beside the rows.
+    pub fn filter_state(&self) -> FilterState {
+        let sketches = self.shards.iter().filter_map(|shard| shard.read().admit.as_ref().map(|a| a.counters.clone()));
+        FilterState { tick: self.tick.load(Ordering::Relaxed), sketches: sketches.collect() }
+    }
+
+    /// Restores a checkpoint's filter state into this table before its rows
+    /// are put back: the clock moves on to `state.tick` (so restored last uses
+    /// keep their age), and the admission counters are copied lock shard by
+    /// lock shard when the layout is the same, or else folded into one sketch
+    /// that every lock shard takes (it can only over-count). Counters are
+    /// merged by maximum, so restoring several tables' states (a cluster's
+    /// shards) leaves no key needing more sightings than on its own shard.
+    /// Restored into another layout, the sketch keeps every key's sightings
+    /// but not the old layout's collisions: a key may then be admitted a
+    /// sighting later than in an uninterrupted run whose counters it shared.
+    /// Without an admission filter here, the counters are dropped.
+    pub fn restore_filter_state(&self, state: &FilterState) {
+        self.tick.fetch_max(state.tick, Ordering::Relaxed);
+        if state.sketches.is_empty() {
+            return;
+        }
+        let same_layout = state.sketches.len() == self.shards.len();
+        for (i, shard) in self.shards.iter().enumerate() {
+            let mut shard = shard.write();
+            let Some(admit) = &mut shard.admit else { continue };
+            let len = admit.counters.len();
+            let saved = match state.sketches.get(i) {
+                Some(s) if same_layout && s.len() == len => s.clone(),
+                _ => fold_sketches(state.sketches.iter(), len),
+            };
+            admit.counters.iter_mut().zip(&saved).for_each(|(a, &b)| *a = (*a).max(b));
+        }
+    }
+
     /// What the feature filters did, summed over lock shards.
     pub fn filter_stats(&self) -> FilterStats {
         let mut total = FilterStats::default();
@@ -1240,7 +1341,7 @@ impl EmbeddingTable {
         &self,
         cursor: (usize, usize),
         max: usize,
-        mut f: impl FnMut(u64, &[f32]),
+        mut f: impl FnMut(u64, u64, &[f32]),
     ) -> Result<Option<(usize, usize)>, TableError> {
         let (mut shard_index, mut pos) = cursor;
         let mut visited = 0;
@@ -1253,7 +1354,7 @@ impl EmbeddingTable {
                 }
                 if !shard.is_vacant(pos) {
                     let stored = stored_in(&shard.chunks, self.layout, pos as u32);
-                    f(key_of(stored), &stored[KEY_FLOATS..]);
+                    f(key_of(stored), shard.last_use(pos, tick), &stored[KEY_FLOATS..]);
                     visited += 1;
                 }
                 pos += 1;
@@ -1266,7 +1367,7 @@ impl EmbeddingTable {
                     }
                     let next = t.store.scan_from(bucket, max - visited, |key, how, row| {
                         if shard.find(self.layout, key).is_none() && !t.expired(how.last_use, tick) {
-                            f(key, row);
+                            f(key, how.last_use, row);
                             return true;
                         }
                         false
@@ -1286,8 +1387,19 @@ impl EmbeddingTable {
         Ok(None)
     }
 
-    /// Inserts or overwrites a full row (checkpoint restore).
+    /// Inserts or overwrites a full row, as just used.
     pub fn put_row(&self, key: u64, row: &[f32]) -> Result<(), TableError> {
+        self.put(key, row, None)
+    }
+
+    /// Inserts or overwrites a full row last used at lookup `last_use`
+    /// (checkpoint restore, after [`restore_filter_state`](Self::restore_filter_state)
+    /// set the clock): `ttl_steps` expires it when it would have.
+    pub fn put_row_used(&self, key: u64, row: &[f32], last_use: u64) -> Result<(), TableError> {
+        self.put(key, row, Some(last_use))
+    }
+
+    fn put(&self, key: u64, row: &[f32], last_use: Option<u64>) -> Result<(), TableError> {
         if row.len() != self.layout.row_len {
             return Err(TableError::RowWidth { key, expected: self.layout.row_len, found: row.len() });
         }
@@ -1308,25 +1420,27 @@ impl EmbeddingTable {
                     }
                     // Its record (if any) is overwritten at the write-back.
                     t.pos[slot as usize] = stored.map(|s| s.pos);
-                    // Counts as just used (ttl_steps), yet evictable at once.
-                    let last_use = tick.saturating_sub(t.protect);
+                    // A row of unknown use is evictable at once (never
+                    // counted as in flight); a restored last use is kept, as
+                    // its record's age when it is written back.
+                    let last_use = last_use.unwrap_or(tick.saturating_sub(t.protect));
                     t.meta[slot as usize] = SlotMeta { last_use, uses: 0, dirty: true };
                 }
                 slot
             }
         };
         if let Some(e) = &mut shard.expiry {
-            // Ages are not checkpointed: a restored row counts as just used.
-            e.last_use[slot as usize] = self.tick.load(Ordering::Relaxed);
+            e.last_use[slot as usize] = last_use.unwrap_or(self.tick.load(Ordering::Relaxed));
         }
         shard.row_mut(self.layout, slot).copy_from_slice(row);
         shard.mark_dirty(slot);
         Ok(())
     }
 
-    /// Visits every row, shard by shard, in a deterministic order (sorted by key
+    /// Visits every row with its last use (the lookup tick; `ttl_steps` ages
+    /// rows by it), shard by shard, in a deterministic order (sorted by key
     /// within a shard) so that checkpoints of equal tables are byte-identical.
-    pub fn for_each_row(&self, mut f: impl FnMut(u64, &[f32]) -> std::io::Result<()>) -> std::io::Result<()> {
+    pub fn for_each_row(&self, mut f: impl FnMut(u64, u64, &[f32]) -> std::io::Result<()>) -> std::io::Result<()> {
         let tick = self.tick.load(Ordering::Relaxed);
         for shard in self.shards.iter() {
             let shard = shard.read();
@@ -1335,21 +1449,21 @@ impl EmbeddingTable {
                 .map(|slot| (key_of(stored_in(&shard.chunks, self.layout, slot)), slot))
                 .collect();
             // SSD tier: the stored rows that are not cached (the cache's copy is newer).
-            let mut stored: Vec<(u64, Vec<f32>)> = Vec::new();
+            let mut stored: Vec<(u64, u64, Vec<f32>)> = Vec::new();
             if let Some(t) = &shard.tier {
                 t.store.for_each(|key, how, row| {
                     if shard.find(self.layout, key).is_none() && !t.expired(how.last_use, tick) {
-                        stored.push((key, row.to_vec()));
+                        stored.push((key, how.last_use, row.to_vec()));
                     }
                 })?;
             }
             let mut all: Vec<(u64, Result<u32, usize>)> = entries.drain(..).map(|(k, s)| (k, Ok(s))).collect();
-            all.extend(stored.iter().enumerate().map(|(i, (k, _))| (*k, Err(i))));
+            all.extend(stored.iter().enumerate().map(|(i, (k, _, _))| (*k, Err(i))));
             all.sort_unstable_by_key(|e| e.0);
             for (key, at) in all {
                 match at {
-                    Ok(slot) => f(key, shard.row(self.layout, slot))?,
-                    Err(i) => f(key, &stored[i].1)?,
+                    Ok(slot) => f(key, shard.last_use(slot as usize, tick), shard.row(self.layout, slot))?,
+                    Err(i) => f(key, stored[i].1, &stored[i].2)?,
                 }
             }
         }
@@ -1425,7 +1539,7 @@ mod tests {
         let (mut seen, mut cursor) = (Vec::new(), Some((0, 0)));
         while let Some(at) = cursor {
             cursor = t
-                .rows_from(at, 37, |key, row| {
+                .rows_from(at, 37, |key, _, row| {
                     assert_eq!(Some(row.to_vec()), t.get_row(key));
                     seen.push(key);
                 })

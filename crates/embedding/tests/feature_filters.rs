@@ -92,7 +92,7 @@ fn rows_unused_for_ttl_steps_expire_and_come_back_fresh() {
     let mut seen = Vec::new();
     let mut cursor = Some((0, 0));
     while let Some(at) = cursor {
-        cursor = t.rows_from(at, 3, |key, _| seen.push(key)).expect("walk");
+        cursor = t.rows_from(at, 3, |key, _, _| seen.push(key)).expect("walk");
     }
     seen.sort_unstable();
     assert_eq!(seen, vec![1, 2]);
@@ -102,7 +102,7 @@ fn rows_unused_for_ttl_steps_expire_and_come_back_fresh() {
     assert_eq!(t.len(), 42);
     assert_eq!(t.allocated_bytes(), bytes, "no new memory for returning keys");
     let mut rows = 0;
-    t.for_each_row(|_, _| {
+    t.for_each_row(|_, _, _| {
         rows += 1;
         Ok(())
     })
@@ -149,7 +149,7 @@ fn walk_keys(t: &EmbeddingTable) -> Vec<u64> {
     let mut seen = Vec::new();
     let mut cursor = Some((0, 0));
     while let Some(at) = cursor {
-        cursor = t.rows_from(at, 3, |key, _| seen.push(key)).expect("walk");
+        cursor = t.rows_from(at, 3, |key, _, _| seen.push(key)).expect("walk");
     }
     seen.sort_unstable();
     seen
@@ -226,7 +226,7 @@ fn an_expired_stored_row_is_absent_before_the_sweep_reaches_it() {
     // At tick 75 the rows of ticks 2..=10 (keys 100..=108) are expired.
     assert_eq!(t.filter_stats().expired, 9, "each expired row counted once");
     let mut walked = 0;
-    t.for_each_row(|_, _| {
+    t.for_each_row(|_, _, _| {
         walked += 1;
         Ok(())
     })

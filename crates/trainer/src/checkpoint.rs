@@ -6,6 +6,9 @@
 //! ROOT/ckpt-000000000123/manifest.json
 //!                       /dense.safetensors   dense weights + dense optimizer state
 //!                       /embeddings.bin      every embedding row with its optimizer state
+//!                       /filters.bin         feature-filter state (only with admit_min_count
+//!                                            or ttl_steps): the lookup clock, the admission
+//!                                            sketches, each row's last use (embeddings.bin's order)
 //! ```
 //! A version is written into a temporary directory, fsynced, then renamed into
 //! place; `LATEST` is replaced by rename as well. A crash at any point leaves
@@ -30,6 +33,8 @@ const EMB_MAGIC: &[u8; 8] = b"SPRWEMB\x01";
 const EMB_HEADER_BYTES: u64 = 8 + 4 + 4 + 8;
 const DENSE_FILE: &str = "dense.safetensors";
 const EMB_FILE: &str = "embeddings.bin";
+const FILTERS_MAGIC: &[u8; 8] = b"SPRWFLT\x01";
+const FILTERS_FILE: &str = "filters.bin";
 const MANIFEST_FILE: &str = "manifest.json";
 const LATEST_FILE: &str = "LATEST";
 
@@ -88,9 +93,25 @@ impl<W: Write> Write for HashingWriter<W> {
     }
 }
 
-fn write_embeddings(trainer: &Trainer, path: &Path) -> Result<FileEntry, TrainError> {
+fn hashing_writer(path: &Path) -> Result<HashingWriter<BufWriter<File>>, TrainError> {
     let file = File::create(path).map_err(io(path))?;
-    let mut w = HashingWriter { inner: BufWriter::with_capacity(1 << 20, file), hasher: Xxh3::new(), bytes: 0 };
+    Ok(HashingWriter { inner: BufWriter::with_capacity(1 << 20, file), hasher: Xxh3::new(), bytes: 0 })
+}
+
+fn finish_synced(w: HashingWriter<BufWriter<File>>, path: &Path) -> Result<FileEntry, TrainError> {
+    let mut w = w;
+    w.flush().map_err(io(path))?;
+    let entry = FileEntry { bytes: w.bytes, xxh3: format!("{:016x}", w.hasher.digest()) };
+    let file = w.inner.into_inner().map_err(|e| TrainError::io(path, e.into_error()))?;
+    file.sync_all().map_err(io(path))?;
+    Ok(entry)
+}
+
+/// Writes embeddings.bin and, when the table has feature filters,
+/// filters.bin (its last-use list follows embeddings.bin's row order).
+fn write_embeddings(trainer: &Trainer, dir: &Path) -> Result<Vec<(&'static str, FileEntry)>, TrainError> {
+    let path = &dir.join(EMB_FILE);
+    let mut w = hashing_writer(path)?;
     let table = &trainer.table;
     // The walk skips expired rows still on the SSD store: delete them first.
     table.sweep_expired()?;
@@ -101,22 +122,48 @@ fn write_embeddings(trainer: &Trainer, path: &Path) -> Result<FileEntry, TrainEr
     header.extend_from_slice(&(table.row_len() as u32).to_le_bytes());
     header.extend_from_slice(&rows.to_le_bytes());
     w.write_all(&header).map_err(io(path))?;
+
+    let embedding = &trainer.config.embedding;
+    let ages = embedding.ttl_steps > 0;
+    let filters_path = &dir.join(FILTERS_FILE);
+    let mut filters = match ages || embedding.admit_min_count > 1 {
+        true => Some(hashing_writer(filters_path)?),
+        false => None,
+    };
+    if let Some(f) = &mut filters {
+        let state = table.filter_state();
+        let sketch_len = state.sketches.first().map_or(0, Vec::len);
+        let mut head = Vec::new();
+        head.extend_from_slice(FILTERS_MAGIC);
+        head.extend_from_slice(&state.tick.to_le_bytes());
+        head.extend_from_slice(&(state.sketches.len() as u32).to_le_bytes());
+        head.extend_from_slice(&(sketch_len as u32).to_le_bytes());
+        f.write_all(&head).map_err(io(filters_path))?;
+        for sketch in &state.sketches {
+            f.write_all(sketch).map_err(io(filters_path))?;
+        }
+        f.write_all(&(if ages { rows } else { 0 }).to_le_bytes()).map_err(io(filters_path))?;
+    }
+
     let mut record = Vec::with_capacity(8 + table.row_len() * 4);
     table
-        .for_each_row(|key, row| {
+        .for_each_row(|key, last_use, row| {
             record.clear();
             record.extend_from_slice(&key.to_le_bytes());
             for x in row {
                 record.extend_from_slice(&x.to_le_bytes());
             }
+            if ages && let Some(f) = &mut filters {
+                f.write_all(&last_use.to_le_bytes())?;
+            }
             w.write_all(&record)
         })
         .map_err(io(path))?;
-    w.flush().map_err(io(path))?;
-    let entry = FileEntry { bytes: w.bytes, xxh3: format!("{:016x}", w.hasher.digest()) };
-    let file = w.inner.into_inner().map_err(|e| TrainError::io(path, e.into_error()))?;
-    file.sync_all().map_err(io(path))?;
-    Ok(entry)
+    let mut entries = vec![(EMB_FILE, finish_synced(w, path)?)];
+    if let Some(f) = filters {
+        entries.push((FILTERS_FILE, finish_synced(f, filters_path)?));
+    }
+    Ok(entries)
 }
 
 fn write_bytes_synced(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
@@ -155,7 +202,9 @@ pub fn save(trainer: &Trainer, root: &Path, keep: usize) -> Result<PathBuf, Trai
         DENSE_FILE.to_string(),
         FileEntry { bytes: dense_bytes.len() as u64, xxh3: format!("{:016x}", xxh3_64(&dense_bytes)) },
     );
-    files.insert(EMB_FILE.to_string(), write_embeddings(trainer, &tmp.join(EMB_FILE))?);
+    for (name, entry) in write_embeddings(trainer, &tmp)? {
+        files.insert(name.to_string(), entry);
+    }
 
     let manifest = Manifest {
         format_version: FORMAT_VERSION,
@@ -346,7 +395,14 @@ pub fn load_into_filtered(
     let emb_entry = entry(dir, &m, EMB_FILE)?;
     let on_disk = std::fs::metadata(&emb_path).map_err(io(&emb_path))?.len();
     verify_entry(dir, EMB_FILE, emb_entry, on_disk, None)?;
-    let rows = read_embeddings(&emb_path, trainer, emb_entry, keep)?;
+    let mut filters = match m.files.get(FILTERS_FILE) {
+        Some(entry) => Some(FiltersReader::open(dir, entry, trainer)?),
+        None => None,
+    };
+    let rows = read_embeddings(&emb_path, trainer, emb_entry, filters.as_mut(), keep)?;
+    if let Some(f) = filters {
+        f.finish(rows)?;
+    }
     if rows != m.embedding_rows {
         return Err(TrainError::checkpoint(&emb_path, format!("{rows} rows, the manifest says {}", m.embedding_rows)));
     }
@@ -356,10 +412,88 @@ pub fn load_into_filtered(
     Ok(m)
 }
 
+/// filters.bin, read beside embeddings.bin: its header is checked and its
+/// filter state given to the table at open; the last uses follow row by row.
+struct FiltersReader {
+    path: PathBuf,
+    entry: FileEntry,
+    reader: BufReader<File>,
+    hasher: Xxh3,
+    /// Rows with a last use listed (0, or embeddings.bin's row count).
+    age_rows: u64,
+}
+
+impl FiltersReader {
+    fn open(dir: &Path, entry: &FileEntry, trainer: &Trainer) -> Result<FiltersReader, TrainError> {
+        let path = dir.join(FILTERS_FILE);
+        let on_disk = std::fs::metadata(&path).map_err(io(&path))?.len();
+        verify_entry(dir, FILTERS_FILE, entry, on_disk, None)?;
+        let file = File::open(&path).map_err(io(&path))?;
+        let mut r = FiltersReader {
+            path,
+            entry: entry.clone(),
+            reader: BufReader::with_capacity(1 << 20, file),
+            hasher: Xxh3::new(),
+            age_rows: 0,
+        };
+        let head = r.read_bytes(8 + 8 + 4 + 4, "header")?;
+        if &head[..8] != FILTERS_MAGIC {
+            return Err(TrainError::checkpoint(&r.path, "not a Sparrow filters file (bad magic)"));
+        }
+        let tick = u64::from_le_bytes(head[8..16].try_into().expect("8 bytes"));
+        let count = u32::from_le_bytes(head[16..20].try_into().expect("4 bytes")) as u64;
+        let len = u32::from_le_bytes(head[20..24].try_into().expect("4 bytes")) as u64;
+        if (count > 0 && !len.is_power_of_two()) || 24 + count * len + 8 > entry.bytes {
+            return Err(TrainError::checkpoint(&r.path, format!("{count} sketches of {len} counters do not fit")));
+        }
+        let mut sketches = Vec::with_capacity(count as usize);
+        for _ in 0..count {
+            sketches.push(r.read_bytes(len as usize, "sketches")?);
+        }
+        r.age_rows = u64::from_le_bytes(r.read_bytes(8, "row count")?.try_into().expect("8 bytes"));
+        if 24 + count * len + 8 + 8 * r.age_rows != entry.bytes {
+            return Err(TrainError::checkpoint(&r.path, "row count in the header does not match the file size"));
+        }
+        trainer.table.restore_filter_state(&sparrow_embedding::FilterState { tick, sketches });
+        Ok(r)
+    }
+
+    fn read_bytes(&mut self, n: usize, what: &str) -> Result<Vec<u8>, TrainError> {
+        let mut buf = vec![0u8; n];
+        self.reader
+            .read_exact(&mut buf)
+            .map_err(|_| TrainError::checkpoint(&self.path, format!("truncated {what}")))?;
+        self.hasher.update(&buf);
+        Ok(buf)
+    }
+
+    /// The next row's last use, if the file lists them.
+    fn next_last_use(&mut self) -> Result<Option<u64>, TrainError> {
+        if self.age_rows == 0 {
+            return Ok(None);
+        }
+        let bytes = self.read_bytes(8, "last uses")?;
+        Ok(Some(u64::from_le_bytes(bytes.try_into().expect("8 bytes"))))
+    }
+
+    /// Checks the row count against embeddings.bin's and the checksum.
+    fn finish(self, rows: u64) -> Result<(), TrainError> {
+        if self.age_rows != 0 && self.age_rows != rows {
+            return Err(TrainError::checkpoint(
+                &self.path,
+                format!("lists {} last uses for {rows} rows", self.age_rows),
+            ));
+        }
+        let dir = self.path.parent().unwrap_or(Path::new("."));
+        verify_entry(dir, FILTERS_FILE, &self.entry, self.entry.bytes, Some(self.hasher.digest()))
+    }
+}
+
 fn read_embeddings(
     path: &Path,
     trainer: &Trainer,
     entry: &FileEntry,
+    mut filters: Option<&mut FiltersReader>,
     keep: impl Fn(u64) -> bool,
 ) -> Result<u64, TrainError> {
     let file = File::open(path).map_err(io(path))?;
@@ -396,6 +530,10 @@ fn read_embeddings(
     for _ in 0..rows {
         r.read_exact(&mut record).map_err(|_| TrainError::checkpoint(path, "truncated rows"))?;
         hasher.update(&record);
+        let last_use = match filters.as_deref_mut() {
+            Some(f) => f.next_last_use()?,
+            None => None,
+        };
         let key = u64::from_le_bytes(record[..8].try_into().map_err(|_| TrainError::checkpoint(path, "record"))?);
         if !keep(key) {
             continue;
@@ -403,7 +541,10 @@ fn read_embeddings(
         for (x, b) in row.iter_mut().zip(record[8..].chunks_exact(4)) {
             *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         }
-        trainer.table.put_row(key, &row)?;
+        match last_use {
+            Some(last_use) => trainer.table.put_row_used(key, &row, last_use)?,
+            None => trainer.table.put_row(key, &row)?,
+        }
     }
     let digest = hasher.digest();
     verify_entry(path.parent().unwrap_or(Path::new(".")), EMB_FILE, entry, entry.bytes, Some(digest))?;

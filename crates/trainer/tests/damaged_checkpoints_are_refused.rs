@@ -126,3 +126,37 @@ fn keeps_the_newest_versions_and_latest_points_at_a_complete_one() {
     assert_eq!(latest.trim(), format!("ckpt-{:012}-1", s.steps));
     assert!(sparrow_trainer::checkpoint::load_trainer(&ck, &[]).is_ok());
 }
+
+/// The feature-filter state is checked like the rows: a truncated or
+/// altered filters.bin is refused naming it.
+#[test]
+fn damaged_filter_state_is_refused() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let data = tmp.path().join("data");
+    common::small_data(&data, 1500, 300);
+    let mut c = common::small_config(&data, "dlrm");
+    c.embedding.admit_min_count = 2;
+    c.embedding.ttl_steps = 5;
+    let ck = tmp.path().join("ck");
+    c.checkpoint.dir = Some(ck.display().to_string());
+    train(&c, true).expect("train");
+    let version = resolve(&ck).expect("resolve");
+    assert!(version.join("filters.bin").is_file());
+    assert!(load_trainer(&ck, &[]).is_ok());
+
+    let cut = tmp.path().join("cut");
+    copy_dir(&version, &cut);
+    let f = OpenOptions::new().write(true).open(cut.join("filters.bin")).expect("open");
+    f.set_len(f.metadata().expect("meta").len() - 8).expect("truncate");
+    let msg = load_err(&cut);
+    assert!(msg.contains("filters.bin") && msg.contains("truncated"), "{msg}");
+
+    let flipped = tmp.path().join("flipped");
+    copy_dir(&version, &flipped);
+    let mut f = OpenOptions::new().read(true).write(true).open(flipped.join("filters.bin")).expect("open");
+    f.seek(SeekFrom::Start(30)).expect("seek");
+    f.write_all(&[0x7f]).expect("write");
+    drop(f);
+    let msg = load_err(&flipped);
+    assert!(msg.contains("filters.bin") && msg.contains("checksum"), "{msg}");
+}

@@ -26,7 +26,7 @@ fn dense_values(t: &sparrow_trainer::Trainer) -> Vec<(String, Vec<f32>)> {
 fn rows(t: &sparrow_trainer::Trainer) -> Vec<(u64, Vec<u32>)> {
     let mut out = Vec::new();
     t.table
-        .for_each_row(|k, r| {
+        .for_each_row(|k, _, r| {
             out.push((k, r.iter().map(|x| x.to_bits()).collect()));
             Ok(())
         })
@@ -77,4 +77,67 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
             assert_eq!(x.expect("a"), y.expect("b"), "{kind}: optimizer state {k}");
         }
     }
+}
+
+/// With both feature filters on, the checkpoint keeps their state (the
+/// lookup clock, the admission sketch, each row's last use): the resumed run
+/// admits and expires exactly the keys the uninterrupted one does — in memory
+/// and on the SSD tier, whose cache holds other rows after the restore.
+#[test]
+fn feature_filters_resume_where_they_stopped() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let data = tmp.path().join("data");
+    common::small_data(&data, 4000, 500);
+    for storage in ["memory", "ssd"] {
+        let mut base = common::small_config(&data, "dlrm");
+        base.train.epochs = 2;
+        base.embedding.admit_min_count = 3;
+        base.embedding.ttl_steps = 12;
+        if storage == "ssd" {
+            base.embedding.storage = sparrow_core::config::Storage::Ssd;
+            base.embedding.cache_capacity_rows = 512;
+        }
+        filters_resume(&tmp.path().join(storage), base);
+    }
+}
+
+fn filters_resume(tmp: &Path, mut base: Config) {
+    let storage = format!("{:?}", base.embedding.storage);
+    if base.embedding.storage == sparrow_core::config::Storage::Ssd {
+        base.embedding.path = Some(tmp.join("store-full").display().to_string());
+    }
+
+    let full_dir = tmp.join("full");
+    let full = train(&with_checkpoint(base.clone(), &full_dir), true).expect("full run");
+    let part_dir = tmp.join("part");
+    if base.embedding.storage == sparrow_core::config::Storage::Ssd {
+        base.embedding.path = Some(tmp.join("store-part").display().to_string());
+    }
+    let mut first = with_checkpoint(base.clone(), &part_dir);
+    first.train.max_steps = Some(20);
+    let stopped = train(&first, true).expect("first half");
+    assert!(stopped.table.expired_rows > 0 && stopped.table.not_admitted_lookups > 0, "{:?}", stopped.table);
+    let mut second = with_checkpoint(base.clone(), &part_dir);
+    second.checkpoint.resume_from = Some(part_dir.display().to_string());
+    let resumed = train(&second, true).expect("second half");
+    assert_eq!(resumed.steps, full.steps);
+
+    let (a, _, _) = load_trainer(&full_dir, &[]).expect("load full");
+    let (b, _, _) = load_trainer(&part_dir, &[]).expect("load resumed");
+    let (rows_a, rows_b) = (rows(&a), rows(&b));
+    let differ = rows_a.iter().zip(&rows_b).filter(|(x, y)| x != y).count();
+    assert!(
+        rows_a.len() == rows_b.len() && differ == 0,
+        "{storage}: {} vs {} rows, {differ} differ: the same keys must be admitted and expired, with the same rows",
+        rows_a.len(),
+        rows_b.len()
+    );
+    let (fa, fb) = (a.table.filter_state(), b.table.filter_state());
+    assert_eq!(fa.tick, fb.tick, "{storage}: the lookup clock");
+    let counters = |f: &sparrow_embedding::FilterState| f.sketches.concat();
+    let (ca, cb) = (counters(&fa), counters(&fb));
+    let differ: Vec<(u8, u8)> = ca.iter().zip(&cb).filter(|(x, y)| x != y).map(|(x, y)| (*x, *y)).collect();
+    assert!(ca.len() == cb.len() && differ.is_empty(), "{storage}: admission counters differ: {differ:?}");
+    assert_eq!(dense_values(&a), dense_values(&b));
+    assert_eq!(full.test_auc.map(f64::to_bits), resumed.test_auc.map(f64::to_bits));
 }

@@ -100,6 +100,19 @@ impl Coordinator {
         if num_shards == 0 || num_workers == 0 {
             return Err(ClusterError::Setup("a job needs at least one shard and one worker".into()));
         }
+        let e = &config.embedding;
+        if e.admit_min_count > 1 {
+            // A shard's admission sketches travel in one export reply at checkpoint.
+            let per_lock_shard = (e.admit_sketch_counters / e.table_shards).next_power_of_two().max(64);
+            let sketch_bytes = per_lock_shard * e.table_shards;
+            if 2 * sketch_bytes > config.cluster.max_message_bytes {
+                return Err(ClusterError::Setup(format!(
+                    "embedding.admit_sketch_counters = {} ({sketch_bytes} bytes per shard) must fit in half of \
+                     cluster.max_message_bytes = {}: a shard sends its sketch in one message at checkpoint",
+                    e.admit_sketch_counters, config.cluster.max_message_bytes
+                )));
+            }
+        }
         let config_toml =
             toml::to_string(config).map_err(|e| ClusterError::Setup(format!("serializing the config: {e}")))?;
         Ok(Coordinator {
@@ -451,6 +464,15 @@ mod tests {
     fn config(overrides: &[&str]) -> Config {
         let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
         Config::from_toml_with_overrides("", "test", &overrides).expect("config")
+    }
+
+    #[test]
+    fn an_admission_sketch_larger_than_half_a_message_is_refused_naming_both_keys() {
+        let big = ["embedding.admit_min_count=2", "cluster.max_message_bytes=4194304"];
+        let Err(e) = Coordinator::new(&config(&big), 1, 1) else { panic!("accepted") };
+        let msg = e.to_string();
+        assert!(msg.contains("embedding.admit_sketch_counters") && msg.contains("cluster.max_message_bytes"), "{msg}");
+        assert!(Coordinator::new(&config(&["embedding.admit_min_count=2"]), 1, 1).is_ok(), "the defaults fit");
     }
 
     #[test]

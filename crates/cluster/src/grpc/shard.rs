@@ -73,12 +73,18 @@ impl pb::shard_server::Shard for ShardGrpc {
         let cursor = (r.shard_cursor as usize, r.slot_cursor as usize);
         let page = blocking(move || shard.export(cursor, r.max_rows as usize)).await?;
         let (next_shard_cursor, next_slot_cursor) = page.next.unwrap_or_default();
+        let filters = page.filters.unwrap_or_default();
         let reply = pb::ExportReply {
             keys: u64s_to_bytes(&page.keys),
             rows: f32s_to_bytes(&page.rows),
             done: page.next.is_none(),
             next_shard_cursor: next_shard_cursor as u64,
             next_slot_cursor: next_slot_cursor as u64,
+            last_uses: u64s_to_bytes(&page.last_uses),
+            has_filters: cursor == (0, 0),
+            filter_tick: filters.tick,
+            sketch_count: filters.sketches.len() as u32,
+            sketches: filters.sketches.concat(),
         };
         self.metrics.count_bytes("out", "worker", reply.rows.len() + reply.keys.len());
         Ok(Response::new(reply))
@@ -183,9 +189,27 @@ impl ShardService for ShardClient {
         };
         let reply = self.peer.call("export", request, |mut c, r| async move { c.export(r).await })?;
         let next = (!reply.done).then_some((reply.next_shard_cursor as usize, reply.next_slot_cursor as usize));
+        let filters = match reply.has_filters {
+            false => None,
+            true => {
+                let count = reply.sketch_count as usize;
+                if count > 0 && !reply.sketches.len().is_multiple_of(count) {
+                    return Err(ClusterError::Setup(format!(
+                        "{}: {} sketch bytes do not split into {count} sketches",
+                        self.peer.name,
+                        reply.sketches.len()
+                    )));
+                }
+                let len = reply.sketches.len().checked_div(count).unwrap_or(0);
+                let sketches = reply.sketches.chunks(len.max(1)).take(count).map(<[u8]>::to_vec).collect();
+                Some(sparrow_embedding::FilterState { tick: reply.filter_tick, sketches })
+            }
+        };
         Ok(ExportPage {
             keys: bytes_to_u64s(&reply.keys, &self.peer.name, "keys")?,
             rows: bytes_to_f32s(&reply.rows, &self.peer.name, "rows")?,
+            last_uses: bytes_to_u64s(&reply.last_uses, &self.peer.name, "last uses")?,
+            filters,
             next,
         })
     }
