@@ -138,12 +138,13 @@ pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Re
         }
         workers.push(worker);
     }
+    let reports = ShardReport::sum(&servers.iter().map(|s| s.report()).collect::<Result<Vec<_>, _>>()?);
     Ok(LocalSummary {
         test_auc,
         test_logloss,
         train_rows: workers.iter().map(|w| w.stats.rows).sum(),
-        embedding_rows: servers.iter().map(|s| s.table().len() as u64).sum(),
-        table: ShardReport::sum(&servers.iter().map(|s| ShardReport::of(s.table())).collect::<Vec<_>>()).table_report(),
+        embedding_rows: reports.rows,
+        table: reports.table_report(),
         dense_checksums: workers.iter().map(Worker::dense_checksum).collect::<Result<_, _>>()?,
         workers: workers.into_iter().map(|w| w.stats).collect(),
     })

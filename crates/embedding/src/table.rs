@@ -633,10 +633,16 @@ impl TableShard {
         Ok(now)
     }
 
+    /// `ttl_steps`: whether the cached row in `slot` outlived its age as of
+    /// lookup `tick` (it then reads as absent until the sweep deletes it).
+    fn aged_out(&self, slot: usize, tick: u64) -> bool {
+        self.expiry.as_ref().is_some_and(|e| e.last_use[slot] < tick.saturating_sub(e.ttl.max(e.protect)))
+    }
+
     /// `ttl_steps`: deletes the rows that no lookup used in the last `ttl`
     /// lookups (rows in flight never qualify); with an SSD tier, also the
-    /// stored rows of the next quarter of the store.
-    fn expire(&mut self, layout: Layout, tick: u64) -> Result<(), TableError> {
+    /// stored rows of the next quarter of the store (of all of it if `whole`).
+    fn expire(&mut self, layout: Layout, tick: u64, whole: bool) -> Result<(), TableError> {
         let TableShard { index, chunks, rows, expiry, filter_stats, tier, .. } = self;
         let Some(e) = expiry else { return Ok(()) };
         let used_since = tick.saturating_sub(e.ttl.max(e.protect));
@@ -661,7 +667,7 @@ impl TableShard {
                 None => filter_stats.expired += 1,
             }
         }
-        self.sweep_store(layout, tick, false)
+        self.sweep_store(layout, tick, whole)
     }
 
     /// Deletes the expired rows of the next quarter of the SSD store (of all
@@ -708,12 +714,13 @@ impl TableShard {
         // were cached never changes the model.
         // A prefetch is not a use: the lookup it stages for decides.
         let mut aged_out = false;
-        if let Some(e) = &mut self.expiry
-            && let Some(slot) = found
+        if let Some(slot) = found
             && !prefetching
         {
-            aged_out = e.last_use[slot as usize] < tick.saturating_sub(e.ttl.max(e.protect));
-            e.last_use[slot as usize] = tick;
+            aged_out = self.aged_out(slot as usize, tick);
+            if let Some(e) = &mut self.expiry {
+                e.last_use[slot as usize] = tick;
+            }
         }
         if let Some(slot) = found {
             if aged_out {
@@ -834,7 +841,7 @@ impl TableShard {
     fn read_row(&self, layout: Layout, key: u64, out: &mut [f32], tick: u64) -> Result<bool, TableError> {
         if let Some(slot) = self.find(layout, key) {
             out.copy_from_slice(self.row(layout, slot));
-            return Ok(true);
+            return Ok(!self.aged_out(slot as usize, tick));
         }
         match &self.tier {
             Some(t) => Ok(t.store.get(key, out)?.is_some_and(|s| !t.expired(s.how.last_use, tick))),
@@ -1042,15 +1049,15 @@ impl EmbeddingTable {
         Ok(self)
     }
 
-    /// `ttl_steps` with an SSD tier: deletes every expired row from the
-    /// store now (lookups already read them as absent), so that `len()` counts
-    /// exactly the rows a walk visits. Checkpoints call it first.
+    /// `ttl_steps`: deletes every row past its age now, cached or stored
+    /// (lookups already read them as absent), so that `len()` counts exactly
+    /// the rows a walk visits. Training calls it at the end, checkpoints first.
     pub fn sweep_expired(&self) -> Result<(), TableError> {
         if self.sweep_every == 0 {
             return Ok(());
         }
         let (layout, tick) = (self.layout, self.tick.load(Ordering::Relaxed));
-        self.shards.par_iter().try_for_each(|shard| shard.write().sweep_store(layout, tick, true))
+        self.shards.par_iter().try_for_each(|shard| shard.write().expire(layout, tick, true))
     }
 
     /// The filters' state a checkpoint keeps beside the rows.
@@ -1184,7 +1191,7 @@ impl EmbeddingTable {
         let mut slots = vec![0u32; plan.num_unique()];
         let tick = self.tick.fetch_add(1, Ordering::Relaxed) + 1;
         if self.sweep_every > 0 && tick.is_multiple_of(self.sweep_every) {
-            self.shards.par_iter().try_for_each(|shard| shard.write().expire(layout, tick))?;
+            self.shards.par_iter().try_for_each(|shard| shard.write().expire(layout, tick, false))?;
         }
         let access = Access { init: &self.init, opt: &self.optimizer, tick, prefetching: false };
         let out_parts = self.shard_slices(plan, out, dim);
@@ -1286,7 +1293,10 @@ impl EmbeddingTable {
             for (i, &key) in plan.shard_keys(s).iter().enumerate() {
                 let dst = &mut out[i * dim..(i + 1) * dim];
                 match shard.find(layout, key) {
-                    Some(slot) => dst.copy_from_slice(&shard.row(layout, slot)[..dim]),
+                    Some(slot) if !shard.aged_out(slot as usize, tick) => {
+                        dst.copy_from_slice(&shard.row(layout, slot)[..dim])
+                    }
+                    Some(_) => self.init.fill(key, dst),
                     None if shard.read_row(layout, key, &mut full, tick)? => dst.copy_from_slice(&full[..dim]),
                     None => self.init.fill(key, dst),
                 }

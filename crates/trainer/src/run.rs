@@ -333,6 +333,14 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
         }
     }
     trainer.flush_update();
+    // Rows past ttl_steps leave the table before it is evaluated, reported
+    // and saved.
+    let swept = trainer.table.sweep_expired();
+    if outcome.is_ok()
+        && let Err(e) = swept
+    {
+        outcome = Err(e.into());
+    }
     progress.finish();
     let train_secs = train_start.elapsed().as_secs_f64();
     if interval_rows > 0 {

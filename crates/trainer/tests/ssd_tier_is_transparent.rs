@@ -54,3 +54,32 @@ fn a_small_cache_over_ssd_trains_the_in_memory_model() {
         );
     }
 }
+
+/// With both feature filters on, the SSD tier still trains the in-memory
+/// model bit for bit: a row past `ttl_steps` is gone whether it was cached or
+/// stored when next read, and a prefetch neither ages nor re-counts a row.
+#[test]
+fn feature_filters_give_the_same_model_in_memory_and_on_ssd() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let data = tmp.path().join("data");
+    common::small_data(&data, 3000, 500);
+    let mut base = common::small_config(&data, "dlrm");
+    base.train.batch_size = 32;
+    base.embedding.admit_min_count = 2;
+    base.embedding.ttl_steps = 20;
+    let memory = train(&base, true).expect("memory");
+    assert!(memory.table.expired_rows > 0 && memory.table.not_admitted_lookups > 0, "{:?}", memory.table);
+
+    let mut ssd = base.clone();
+    ssd.embedding.storage = Storage::Ssd;
+    ssd.embedding.path = Some(tmp.path().join("ssd").display().to_string());
+    ssd.embedding.cache_capacity_rows = 300;
+    let s = train(&ssd, true).expect("ssd");
+    assert!(s.table.ssd_writebacks.expect("writebacks") > 0, "rows went through the store");
+    assert_eq!(s.test_auc.map(f64::to_bits), memory.test_auc.map(f64::to_bits), "same model");
+    assert_eq!(s.embedding_rows, memory.embedding_rows);
+    assert_eq!(
+        (s.table.expired_rows, s.table.admitted_keys, s.table.not_admitted_lookups),
+        (memory.table.expired_rows, memory.table.admitted_keys, memory.table.not_admitted_lookups)
+    );
+}
