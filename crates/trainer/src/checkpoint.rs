@@ -98,8 +98,7 @@ fn hashing_writer(path: &Path) -> Result<HashingWriter<BufWriter<File>>, TrainEr
     Ok(HashingWriter { inner: BufWriter::with_capacity(1 << 20, file), hasher: Xxh3::new(), bytes: 0 })
 }
 
-fn finish_synced(w: HashingWriter<BufWriter<File>>, path: &Path) -> Result<FileEntry, TrainError> {
-    let mut w = w;
+fn finish_synced(mut w: HashingWriter<BufWriter<File>>, path: &Path) -> Result<FileEntry, TrainError> {
     w.flush().map_err(io(path))?;
     let entry = FileEntry { bytes: w.bytes, xxh3: format!("{:016x}", w.hasher.digest()) };
     let file = w.inner.into_inner().map_err(|e| TrainError::io(path, e.into_error()))?;
@@ -126,10 +125,7 @@ fn write_embeddings(trainer: &Trainer, dir: &Path) -> Result<Vec<(&'static str, 
     let embedding = &trainer.config.embedding;
     let ages = embedding.ttl_steps > 0;
     let filters_path = &dir.join(FILTERS_FILE);
-    let mut filters = match ages || embedding.admit_min_count > 1 {
-        true => Some(hashing_writer(filters_path)?),
-        false => None,
-    };
+    let mut filters = if ages || embedding.admit_min_count > 1 { Some(hashing_writer(filters_path)?) } else { None };
     if let Some(f) = &mut filters {
         let state = table.filter_state();
         let sketch_len = state.sketches.first().map_or(0, Vec::len);
@@ -146,19 +142,20 @@ fn write_embeddings(trainer: &Trainer, dir: &Path) -> Result<Vec<(&'static str, 
     }
 
     let mut record = Vec::with_capacity(8 + table.row_len() * 4);
-    table
-        .for_each_row(|key, last_use, row| {
-            record.clear();
-            record.extend_from_slice(&key.to_le_bytes());
-            for x in row {
-                record.extend_from_slice(&x.to_le_bytes());
-            }
-            if ages && let Some(f) = &mut filters {
-                f.write_all(&last_use.to_le_bytes())?;
-            }
-            w.write_all(&record)
-        })
-        .map_err(io(path))?;
+    // The walk reports one error: remember which file it came from.
+    let mut filters_failed = false;
+    let walked = table.for_each_row(|key, last_use, row| {
+        record.clear();
+        record.extend_from_slice(&key.to_le_bytes());
+        for x in row {
+            record.extend_from_slice(&x.to_le_bytes());
+        }
+        if ages && let Some(f) = &mut filters {
+            f.write_all(&last_use.to_le_bytes()).inspect_err(|_| filters_failed = true)?;
+        }
+        w.write_all(&record)
+    });
+    walked.map_err(io(if filters_failed { filters_path } else { path }))?;
     let mut entries = vec![(EMB_FILE, finish_synced(w, path)?)];
     if let Some(f) = filters {
         entries.push((FILTERS_FILE, finish_synced(f, filters_path)?));
