@@ -129,7 +129,9 @@ struct PulledBatch {
 struct PendingPush {
     batch_id: u64,
     shard_counts: Vec<u32>,
-    parts: Vec<Vec<f32>>,
+    /// Summed gradient per unique key, shard by shard (`width` floats each).
+    grads: Vec<f32>,
+    width: usize,
 }
 
 /// What the shard calls of a step carried and took (merged into
@@ -202,7 +204,20 @@ fn push_grads(
     shards: &[Arc<dyn ShardService>],
     traffic: &mut ShardTraffic,
 ) -> Result<(), ClusterError> {
-    let pushed = each_shard(shards, &push.shard_counts, |s, shard| shard.push(push.batch_id, push.parts[s].clone()))?;
+    // Where each shard's part starts: the counts before it.
+    let starts: Vec<usize> = push
+        .shard_counts
+        .iter()
+        .scan(0, |at, &count| {
+            let start = *at;
+            *at += count as usize * push.width;
+            Some(start)
+        })
+        .collect();
+    let pushed = each_shard(shards, &push.shard_counts, |s, shard| {
+        let part = &push.grads[starts[s]..starts[s] + push.shard_counts[s] as usize * push.width];
+        shard.push(push.batch_id, part.to_vec())
+    })?;
     traffic.push_secs.extend(pushed.iter().map(|(_, secs)| secs));
     Ok(())
 }
@@ -233,14 +248,6 @@ impl Worker {
         let inputs =
             DenseInputs { bags: bags(&batch), unique_rows: &unique_rows, dense: &batch.dense, labels: &batch.labels };
         let out = dense_step(&self.model, &mut self.optimizer, &mut self.packed_input, inputs, self.pooling)?;
-        let width = self.model.width();
-        let mut parts = Vec::with_capacity(batch.shard_counts.len());
-        let mut grads = out.grads.as_slice();
-        for &count in &batch.shard_counts {
-            let (mine, rest) = grads.split_at(count as usize * width);
-            parts.push(mine.to_vec());
-            grads = rest;
-        }
         let stats = &mut self.stats;
         stats.bytes_from_loader += loader_bytes;
         stats.bad_rows = stats.bad_rows.max(batch.bad_rows);
@@ -253,7 +260,13 @@ impl Worker {
             stats.recent_losses.pop_front();
         }
         stats.recent_losses.push_back(out.loss);
-        Ok((out.loss, PendingPush { batch_id: batch.batch_id, shard_counts: batch.shard_counts, parts }))
+        let push = PendingPush {
+            batch_id: batch.batch_id,
+            shard_counts: batch.shard_counts,
+            grads: out.grads,
+            width: self.model.width(),
+        };
+        Ok((out.loss, push))
     }
 
     /// One training step on `batch` (pull, dense step, push); returns its mean loss.
