@@ -26,6 +26,7 @@ pub fn save(
     // shards' SSD files).
     let mut trainer = Trainer::new(&in_memory(config), layout)?;
     let position = worker.stats.last_end;
+    let progress = worker.progress.clone();
     trainer.model = worker.model;
     trainer.dense_optimizer = worker.optimizer;
     trainer.step = trainer.dense_optimizer.step;
@@ -48,6 +49,7 @@ pub fn save(
                 trainer.table.put_row_used(*key, row, last_use).map_err(|e| ClusterError::Train(e.into()))?;
             }
             cursor = exported.next;
+            progress.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
     }
     Ok(sparrow_trainer::checkpoint::save(&trainer, root, config.checkpoint.keep)?)

@@ -251,6 +251,9 @@ fn merge(config: &Config, options: &LaunchOptions, workers: &[WorkerSummary], wa
         "train_secs": train_secs,
         "eval_secs": first.eval_secs,
         "test_rows": first.test_rows,
+        "test_nan_predictions": first.test_nan_predictions,
+        // train.on_non_finite = "skip_batch" is refused in a cluster job.
+        "skipped_batches": 0,
         "train_logloss": first.train_logloss,
         "dedup_ratio": keys as f64 / unique.max(1) as f64,
         // Keys the loader sent to the shards per sample (8 bytes per unique key).

@@ -13,7 +13,7 @@
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -123,13 +123,14 @@ fn heartbeat_until_end(
     index: usize,
     cluster: &ClusterConfig,
     stop: &AtomicBool,
+    progress: &AtomicU64,
 ) -> Result<(), ClusterError> {
     let interval = Duration::from_millis(cluster.heartbeat_interval_ms);
     let timeout = Duration::from_millis(cluster.heartbeat_timeout_ms);
     let mut last_answer = Instant::now();
     while !stop.load(Ordering::Relaxed) {
         std::thread::sleep(interval);
-        match coordinator.heartbeat(kind, index) {
+        match coordinator.heartbeat(kind, index, progress.load(Ordering::Relaxed)) {
             Ok(JobState::Running) => last_answer = Instant::now(),
             Ok(JobState::Done) => return Ok(()),
             Ok(JobState::Failed(reason)) => return Err(ClusterError::JobFailed(reason)),
@@ -184,7 +185,9 @@ pub fn run_shard(args: &RoleArgs) -> Result<(), ClusterError> {
     let heartbeat = {
         let (coordinator, cluster, stop, index) =
             (coordinator.clone(), reg.config.cluster.clone(), stop.clone(), reg.index);
-        std::thread::spawn(move || heartbeat_until_end(&coordinator, RoleKind::Shard, index, &cluster, &stop))
+        std::thread::spawn(move || {
+            heartbeat_until_end(&coordinator, RoleKind::Shard, index, &cluster, &stop, &AtomicU64::new(0))
+        })
     };
     let started = (|| -> Result<_, ClusterError> {
         serve_metrics(&metrics, args.metrics_listen, "shard")?;
@@ -251,7 +254,14 @@ pub fn run_loader(args: &RoleArgs) -> Result<(), ClusterError> {
             .add_service(service)
             .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))),
     );
-    let result = heartbeat_until_end(&coordinator, RoleKind::Loader, 0, &reg.config.cluster, &AtomicBool::new(false));
+    let result = heartbeat_until_end(
+        &coordinator,
+        RoleKind::Loader,
+        0,
+        &reg.config.cluster,
+        &AtomicBool::new(false),
+        &AtomicU64::new(0),
+    );
     server.abort();
     result
 }
@@ -283,6 +293,8 @@ pub struct WorkerSummary {
     pub test_auc: Option<f64>,
     pub test_logloss: Option<f64>,
     pub test_rows: u64,
+    /// Test rows whose prediction was NaN (ranked last by `test_auc`).
+    pub test_nan_predictions: u64,
     pub train_rows: u64,
     pub batches: u64,
     pub steps: u64,
@@ -325,15 +337,19 @@ pub fn run_worker(args: &RoleArgs) -> Result<WorkerSummary, ClusterError> {
         let loader = LoaderClient::connect(&loader_address, &settings, rt.handle(), metrics.clone())?;
         let summer = (reg.num_workers > 1).then(|| Arc::new(coordinator.clone()) as Arc<dyn RoundSummer>);
         let stop = Arc::new(AtomicBool::new(false));
+        let progress = Arc::new(AtomicU64::new(0));
         let heartbeat = {
             let (coordinator, cluster, stop) = (coordinator.clone(), reg.config.cluster.clone(), stop.clone());
-            std::thread::spawn(move || heartbeat_until_end(&coordinator, RoleKind::Worker, index, &cluster, &stop))
+            let progress = progress.clone();
+            std::thread::spawn(move || {
+                heartbeat_until_end(&coordinator, RoleKind::Worker, index, &cluster, &stop, &progress)
+            })
         };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(reg.config.train.threads)
             .build()
             .map_err(|e| sparrow_trainer::TrainError::ThreadPool(e.to_string()))?;
-        let summary = pool.install(|| worker_job(&reg.config, index, summer, &loader, &shards));
+        let summary = pool.install(|| worker_job(&reg.config, index, summer, &loader, &shards, progress));
         stop.store(true, Ordering::Relaxed);
         if let Ok(Err(e)) = heartbeat.join() {
             tracing::warn!("worker {index}: {e}");
@@ -351,9 +367,11 @@ fn worker_job(
     summer: Option<Arc<dyn RoundSummer>>,
     loader: &dyn LoaderService,
     shards: &[Arc<dyn ShardService>],
+    progress: Arc<AtomicU64>,
 ) -> Result<WorkerSummary, ClusterError> {
     let layout = DataLayout::from_config(&config.data);
     let mut worker = new_worker(config, &layout, index, summer)?;
+    worker.progress = progress;
     if let Some(dir) = crate::checkpoint::resume_dir(config)? {
         crate::checkpoint::restore_worker(config, &dir, &mut worker)?;
     }
@@ -366,6 +384,7 @@ fn worker_job(
             summary.test_auc = Some(auc(&logits, &labels));
             summary.test_logloss = Some(log_loss_from_logits(&logits, &labels));
             summary.test_rows = labels.len() as u64;
+            summary.test_nan_predictions = sparrow_core::metrics::count_nan(&logits);
         }
         summary.eval_secs = start.elapsed().as_secs_f64();
         let reports = shards.iter().map(|s| s.report()).collect::<Result<Vec<_>, _>>()?;

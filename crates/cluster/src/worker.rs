@@ -5,6 +5,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use crossbeam_channel::Receiver;
@@ -78,6 +79,9 @@ pub struct Worker {
     pipeline_depth: usize,
     packed_input: Vec<f32>,
     pub stats: WorkerStats,
+    /// Moves with every batch trained or evaluated and every idle round: the
+    /// heartbeat carries it, so a worker stuck in a loop is seen as stuck.
+    pub progress: Arc<AtomicU64>,
 }
 
 fn bags(batch: &WorkerBatch) -> Bags<'_> {
@@ -232,6 +236,7 @@ impl Worker {
             pipeline_depth: 0,
             packed_input: Vec::new(),
             stats: WorkerStats::default(),
+            progress: Arc::default(),
         }
     }
 
@@ -247,7 +252,20 @@ impl Worker {
         let PulledBatch { batch, unique_rows, loader_bytes } = pulled;
         let inputs =
             DenseInputs { bags: bags(&batch), unique_rows: &unique_rows, dense: &batch.dense, labels: &batch.labels };
-        let out = dense_step(&self.model, &mut self.optimizer, &mut self.packed_input, inputs, self.pooling)?;
+        let out = dense_step(&self.model, &mut self.optimizer, &mut self.packed_input, inputs, self.pooling)
+            .and_then(|out| {
+                sparrow_model::check_finite(&out.grads, || "embedding gradients".into())
+                    .map_err(sparrow_trainer::TrainError::from)?;
+                Ok(out)
+            })
+            .map_err(|e| match e {
+                // Named with the step, as `sparrow train` does; the model was not updated.
+                sparrow_trainer::TrainError::Model(sparrow_model::ModelError::NonFinite { what }) => {
+                    sparrow_trainer::TrainError::NonFinite { step: self.stats.batches + 1, what }
+                }
+                other => other,
+            })?;
+        self.progress.fetch_add(1, Ordering::Relaxed);
         let stats = &mut self.stats;
         stats.bytes_from_loader += loader_bytes;
         stats.bad_rows = stats.bad_rows.max(batch.bad_rows);
@@ -322,7 +340,9 @@ impl Worker {
             }
             .and_then(|()| {
                 // Joins the rounds with nothing until every worker is out of data.
-                while self.model.idle_step(&mut self.optimizer)? {}
+                while self.model.idle_step(&mut self.optimizer)? {
+                    self.progress.fetch_add(1, Ordering::Relaxed);
+                }
                 Ok(())
             });
             drop(rx);
@@ -445,6 +465,7 @@ impl Worker {
             self.stats.bad_rows = self.stats.bad_rows.max(batch.bad_rows);
             labels.extend_from_slice(&batch.labels);
             logits.extend(self.predict(batch, shards)?);
+            self.progress.fetch_add(1, Ordering::Relaxed);
         }
         Ok((logits, labels))
     }

@@ -203,6 +203,18 @@ pub struct TrainConfig {
     /// unpipelined model). d ≥ 1: batch t+d's rows are looked up while batch
     /// t's dense step runs, so they miss the updates of batches t..t+d-1.
     pub pipeline_depth: usize,
+    /// What a non-finite loss, gradient or weight does: stop the run with an
+    /// error naming the step and the parameter (the model saved is the one
+    /// before that batch), or skip the batch (no update) and go on.
+    pub on_non_finite: OnNonFinite,
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum OnNonFinite {
+    #[default]
+    Stop,
+    SkipBatch,
 }
 
 impl Default for TrainConfig {
@@ -216,6 +228,7 @@ impl Default for TrainConfig {
             log_interval_steps: 200,
             metrics_path: None,
             pipeline_depth: 0,
+            on_non_finite: OnNonFinite::Stop,
         }
     }
 }
@@ -420,6 +433,10 @@ pub struct ClusterConfig {
     pub auth_token: Option<String>,
     /// Batches the loader prepares ahead of the workers (their keys already queued on the shards).
     pub loader_queue_batches: usize,
+    /// A worker whose heartbeats go on but whose progress (steps, evaluated
+    /// batches, checkpoint pages) has not moved for this long fails the job:
+    /// a live heartbeat must not hide a hung role.
+    pub progress_timeout_ms: u64,
 }
 
 impl Default for ClusterConfig {
@@ -432,6 +449,7 @@ impl Default for ClusterConfig {
             max_message_bytes: 64 << 20,
             auth_token: None,
             loader_queue_batches: 4,
+            progress_timeout_ms: 300_000,
         }
     }
 }
@@ -461,6 +479,43 @@ impl Config {
             |key: &str, message: &str| Err(ConfigError::Invalid { key: key.to_string(), message: message.to_string() });
         if self.train.batch_size == 0 {
             return invalid("train.batch_size", "must be at least 1");
+        }
+        if self.train.epochs == 0 {
+            return invalid("train.epochs", "must be at least 1");
+        }
+        if self.checkpoint.keep == 0 {
+            return invalid("checkpoint.keep", "must be at least 1 (the version just written is kept)");
+        }
+        if self.data.num_fields == Some(0) {
+            return invalid("data.num_fields", "must be at least 1");
+        }
+        for (key, rate) in [
+            ("embedding.learning_rate", f64::from(self.embedding.learning_rate)),
+            ("dense_optimizer.learning_rate", self.dense_optimizer.learning_rate),
+        ] {
+            if !rate.is_finite() || rate < 0.0 {
+                return invalid(key, &format!("must be a finite number >= 0, not {rate}"));
+            }
+        }
+        for (key, value) in [
+            ("embedding.eps", f64::from(self.embedding.eps)),
+            ("embedding.beta1", f64::from(self.embedding.beta1)),
+            ("embedding.beta2", f64::from(self.embedding.beta2)),
+            ("embedding.ftrl_beta", f64::from(self.embedding.ftrl_beta)),
+            ("embedding.ftrl_l1", f64::from(self.embedding.ftrl_l1)),
+            ("embedding.ftrl_l2", f64::from(self.embedding.ftrl_l2)),
+            ("embedding.init.scale", f64::from(self.embedding.init.scale)),
+            ("dense_optimizer.beta1", self.dense_optimizer.beta1),
+            ("dense_optimizer.beta2", self.dense_optimizer.beta2),
+            ("dense_optimizer.eps", self.dense_optimizer.eps),
+            ("dense_optimizer.weight_decay", self.dense_optimizer.weight_decay),
+        ] {
+            if !value.is_finite() || value < 0.0 {
+                return invalid(key, &format!("must be a finite number >= 0, not {value}"));
+            }
+        }
+        if self.cluster.progress_timeout_ms <= self.cluster.heartbeat_interval_ms {
+            return invalid("cluster.progress_timeout_ms", "must be above cluster.heartbeat_interval_ms");
         }
         if self.train.threads == 0 {
             return invalid("train.threads", "must be at least 1");
@@ -641,5 +696,26 @@ mod tests {
         assert_eq!(parse("", &["train.pipeline_depth=16"]).expect("parses").train.pipeline_depth, 16);
         let err = parse("", &["train.pipeline_depth=17"]).expect_err("too deep");
         assert!(err.to_string().contains("train.pipeline_depth"), "{err}");
+    }
+
+    #[test]
+    fn nonsense_numbers_are_refused_naming_the_key() {
+        for (set, key) in [
+            ("embedding.learning_rate=nan", "embedding.learning_rate"),
+            ("embedding.learning_rate=inf", "embedding.learning_rate"),
+            ("embedding.learning_rate=-0.1", "embedding.learning_rate"),
+            ("dense_optimizer.learning_rate=-inf", "dense_optimizer.learning_rate"),
+            ("dense_optimizer.learning_rate=nan", "dense_optimizer.learning_rate"),
+            ("dense_optimizer.eps=-1.0", "dense_optimizer.eps"),
+            ("train.epochs=0", "train.epochs"),
+            ("data.num_fields=0", "data.num_fields"),
+            ("checkpoint.keep=0", "checkpoint.keep"),
+        ] {
+            let err = parse("", &[set]).expect_err(set);
+            assert!(err.to_string().contains(key), "{set}: {err}");
+        }
+        let c = parse("", &["train.on_non_finite=skip_batch"]).expect("parses");
+        assert_eq!(c.train.on_non_finite, OnNonFinite::SkipBatch);
+        assert!(parse("", &["train.on_non_finite=ignore"]).is_err());
     }
 }

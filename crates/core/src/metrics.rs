@@ -2,18 +2,29 @@
 
 /// Area under the ROC curve of `scores` against 0/1 `labels`. Tied scores
 /// count half, as the Mann–Whitney statistic with average ranks does. NaN when
-/// one class is absent.
+/// one class is absent. Total on any input: NaN scores (a diverged model) rank
+/// below every number and tie with each other, whatever their bit patterns;
+/// [`count_nan`] says how many there were.
 pub fn auc(scores: &[f32], labels: &[f32]) -> f64 {
     assert_eq!(scores.len(), labels.len(), "scores and labels differ in length");
+    let rank_key = |i: u32| {
+        let s = scores[i as usize];
+        (!s.is_nan(), if s.is_nan() { 0.0 } else { s })
+    };
     let mut order: Vec<u32> = (0..scores.len() as u32).collect();
-    order.sort_unstable_by(|&a, &b| scores[a as usize].total_cmp(&scores[b as usize]));
+    order.sort_unstable_by(|&a, &b| {
+        let (ka, kb) = (rank_key(a), rank_key(b));
+        ka.0.cmp(&kb.0).then(ka.1.total_cmp(&kb.1))
+    });
     let (mut pos, mut rank_sum) = (0f64, 0f64);
     let mut i = 0;
     while i < order.len() {
         let mut j = i;
-        let s = scores[order[i] as usize];
+        let group = rank_key(order[i]);
         let mut pos_in_group = 0f64;
-        while j < order.len() && scores[order[j] as usize] == s {
+        // `==` on the canonical key: every NaN is one group, and each step
+        // of this loop advances `j`, so the walk ends.
+        while j < order.len() && rank_key(order[j]) == group {
             pos_in_group += f64::from(labels[order[j] as usize]);
             j += 1;
         }
@@ -28,6 +39,11 @@ pub fn auc(scores: &[f32], labels: &[f32]) -> f64 {
         return f64::NAN;
     }
     (rank_sum - pos * (pos + 1.0) / 2.0) / (pos * neg)
+}
+
+/// How many scores are NaN (reported beside an AUC that ranked them last).
+pub fn count_nan(scores: &[f32]) -> u64 {
+    scores.iter().filter(|s| s.is_nan()).count() as u64
 }
 
 /// Stable logistic loss of one logit: max(x,0) − x·y + log(1+exp(−|x|)).
@@ -108,6 +124,20 @@ mod tests {
         assert_eq!(auc(&[0.1, 0.9], &[0.0, 1.0]), 1.0);
         assert_eq!(auc(&[0.5, 0.5], &[0.0, 1.0]), 0.5);
         assert!(auc(&[0.5], &[1.0]).is_nan());
+    }
+
+    #[test]
+    fn auc_is_total_on_nan_scores() {
+        // A diverged model: NaN scores (two bit patterns) rank below every
+        // number and tie with each other. This used to loop forever.
+        let other_nan = f32::from_bits(f32::NAN.to_bits() ^ 1);
+        assert!(other_nan.is_nan());
+        let scores = [f32::NAN, 0.2, other_nan, 0.9, f32::NAN, -0.0, 0.0];
+        let labels = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0];
+        let as_lowest: Vec<f32> = scores.iter().map(|&s| if s.is_nan() { -1e30 } else { s }).collect();
+        assert_eq!(auc(&scores, &labels), naive_auc(&as_lowest, &labels));
+        assert_eq!(count_nan(&scores), 3);
+        assert_eq!(auc(&[f32::NAN, f32::NAN], &[0.0, 1.0]), 0.5);
     }
 
     #[test]

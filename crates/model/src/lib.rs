@@ -12,7 +12,7 @@ pub mod optimizer;
 pub mod params;
 
 pub use models::{DenseModel, ModelShape, StepOutput};
-pub use optimizer::{DenseOptimizer, GradientSync, RoundOutcome};
+pub use optimizer::{DenseOptimizer, GradientSync, RoundOutcome, check_finite};
 pub use params::ParamStore;
 
 #[derive(Debug, thiserror::Error)]
@@ -30,4 +30,7 @@ pub enum ModelError {
     MissingParam { name: String },
     #[error("dense weights: parameter `{name}` has shape {found:?}, the model expects {expected:?}")]
     ShapeMismatch { name: String, expected: Vec<usize>, found: Vec<usize> },
+    /// A NaN or an infinity where training needs numbers; nothing was updated.
+    #[error("non-finite {what}")]
+    NonFinite { what: String },
 }

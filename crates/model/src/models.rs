@@ -271,6 +271,32 @@ impl DenseModel {
         (loss * inv_b, seed)
     }
 
+    /// A NaN or infinite loss stops the step before anything is updated.
+    /// Names the dense parameter with the largest magnitude: where finite
+    /// weights overflowed the forward pass, it is the one that blew up.
+    fn check_loss(&self, loss: f64) -> Result<(), ModelError> {
+        if loss.is_finite() {
+            return Ok(());
+        }
+        let mut largest: Option<(&str, f32)> = None;
+        for (name, var) in self.params.vars() {
+            let w = var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
+            let m = w.iter().fold(0.0f32, |m, v| if v.is_nan() || v.abs() > m { v.abs() } else { m });
+            if largest.is_none_or(|(_, l)| m > l || m.is_nan()) {
+                largest = Some((name, m));
+            }
+        }
+        let blame = largest.map_or_else(String::new, |(name, m)| {
+            format!("; the largest dense parameter is `{name}`, with |w| up to {m:e}")
+        });
+        Err(ModelError::NonFinite { what: format!("training loss ({loss}: a logit is NaN or infinite{blame})") })
+    }
+
+    /// The first dense parameter or optimizer moment that is NaN or infinite, named.
+    pub fn check_finite(&self, optimizer: &DenseOptimizer) -> Result<(), ModelError> {
+        optimizer.check_finite(&self.params)
+    }
+
     /// Forward, backward and one dense optimizer step. The gradient of the
     /// mean stable logistic loss w.r.t. the pooled embeddings is returned.
     pub fn train_step(
@@ -308,6 +334,7 @@ impl DenseModel {
         // Seeding the backward pass with the loss gradient (as a constant)
         // gives the exact, stable gradient without building the loss in candle.
         let (loss, seed) = Self::loss_and_seed(&logits, labels);
+        self.check_loss(loss)?;
         let seed = Tensor::from_vec(seed, rows, self.params.device())?;
         let surrogate = (logits_t * seed)?.sum_all()?;
         let grads = surrogate.backward()?;
@@ -366,6 +393,7 @@ impl DenseModel {
         mlp.forward_cpu(x, rows, &mut scratch)?;
         let logits = scratch.output.clone();
         let (loss, seed) = Self::loss_and_seed(&logits, labels);
+        self.check_loss(loss)?;
         let mut grad_p = Some(mlp.backward_cpu(x, &seed, &mut scratch)?);
         let mlp_params = mlp.params().as_tensor().id();
         optimizer.step_with(&self.params, rows, |_, var| {

@@ -35,6 +35,23 @@ pub trait GradientSync: Send + Sync {
     fn sum(&mut self, grads: &mut [f32], rows: u64) -> Result<RoundOutcome, ModelError>;
 }
 
+/// `Err(NonFinite)` naming `what` (built only on failure) if `values` holds a NaN or an infinity.
+pub fn check_finite(values: &[f32], what: impl FnOnce() -> String) -> Result<(), ModelError> {
+    // A float is NaN or infinite exactly when its exponent bits are all
+    // ones; OR-ing that test over chunks has no early exit, so it vectorises.
+    const EXPONENT: u32 = 0x7f80_0000;
+    let all_finite = values
+        .chunks(256)
+        .all(|c| !c.iter().fold(false, |bad, v| bad | (v.to_bits() & EXPONENT == EXPONENT)));
+    if all_finite {
+        return Ok(());
+    }
+    match values.iter().position(|v| !v.is_finite()) {
+        Some(i) => Err(ModelError::NonFinite { what: format!("{} (element {i} is {})", what(), values[i]) }),
+        None => Ok(()),
+    }
+}
+
 /// Each parameter's combined gradient (in [`ParamStore`] order) and the rows behind it.
 type Combined = (Vec<Vec<f32>>, u64);
 
@@ -90,7 +107,10 @@ impl DenseOptimizer {
         let mut flat = Vec::with_capacity(params.num_params());
         for (name, var) in params.vars() {
             match grad_of(name, var)? {
-                Some(g) => flat.extend(g.iter().map(|&g| g * rows as f32)),
+                Some(g) => {
+                    check_finite(&g, || format!("gradient of dense parameter `{name}`"))?;
+                    flat.extend(g.iter().map(|&g| g * rows as f32))
+                }
                 None => flat.resize(flat.len() + var.elem_count(), 0.0),
             }
         }
@@ -133,10 +153,17 @@ impl DenseOptimizer {
                 None
             }
         };
-        let mut grad_of = |name: &str, var: &Var| match combined.as_mut() {
-            Some(grads) => Ok(grads.next()),
-            None => grad_of(name, var),
+        // Every gradient is checked before any weight moves: a non-finite
+        // one leaves the model and the optimizer state as they were.
+        let grads: Vec<Option<Vec<f32>>> = match combined.as_mut() {
+            Some(grads) => params.vars().iter().map(|_| grads.next()).collect(),
+            None => params.vars().iter().map(|(name, var)| grad_of(name, var)).collect::<Result<_, _>>()?,
         };
+        for ((name, _), g) in params.vars().iter().zip(&grads) {
+            if let Some(g) = g {
+                check_finite(g, || format!("gradient of dense parameter `{name}`"))?;
+            }
+        }
         self.step += 1;
         let c = &self.config;
         let lr = c.learning_rate as f32;
@@ -144,8 +171,8 @@ impl DenseOptimizer {
         let t = self.step as i32;
         let (b1, b2, eps) = (c.beta1 as f32, c.beta2 as f32, c.eps as f32);
         let (c1, c2) = (1.0 - c.beta1.powi(t) as f32, 1.0 - c.beta2.powi(t) as f32);
-        for (name, var) in params.vars() {
-            let Some(g) = grad_of(name, var)? else {
+        for ((name, var), g) in params.vars().iter().zip(grads) {
+            let Some(g) = g else {
                 continue;
             };
             let mut w = var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
@@ -180,6 +207,21 @@ impl DenseOptimizer {
             var.set(&Tensor::from_vec(w, var.shape(), var.device())?)?;
         }
         Ok(true)
+    }
+
+    /// The first parameter or optimizer moment holding a NaN or an infinity,
+    /// named (checked once per log interval: the per-step checks cover the
+    /// gradients, this covers an update that overflowed).
+    pub fn check_finite(&self, params: &ParamStore) -> Result<(), ModelError> {
+        for (name, var) in params.vars() {
+            let w = var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
+            check_finite(&w, || format!("dense parameter `{name}`"))?;
+            if let Some((m, v)) = self.moments.get(name) {
+                check_finite(m, || format!("Adam first moment of `{name}`"))?;
+                check_finite(v, || format!("Adam second moment of `{name}`"))?;
+            }
+        }
+        Ok(())
     }
 
     /// Takes the state (moments, step counts) of `other`, keeping this

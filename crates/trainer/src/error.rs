@@ -19,6 +19,10 @@ pub enum TrainError {
     Io { path: PathBuf, error: std::io::Error },
     #[error("interrupted after step {step}")]
     Interrupted { step: u64 },
+    #[error(
+        "non-finite {what} at step {step}: the model diverged (lower the learning rates, or set train.on_non_finite = \"skip_batch\" to skip such batches)"
+    )]
+    NonFinite { step: u64, what: String },
     #[error("thread pool: {0}")]
     ThreadPool(String),
 }

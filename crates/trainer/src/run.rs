@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
-use sparrow_core::metrics::{auc, log_loss_from_logits, sigmoid};
+use sparrow_core::metrics::{auc, count_nan, log_loss_from_logits, sigmoid};
 use sparrow_core::{Batch, Config};
 use sparrow_data::synth::Truth;
 use sparrow_data::{BadRows, BatchStream, DataError, DataLayout};
@@ -38,6 +38,10 @@ pub struct TrainSummary {
     pub train_secs: f64,
     pub eval_secs: f64,
     pub test_rows: u64,
+    /// Test rows whose prediction was NaN (ranked last by `test_auc`).
+    pub test_nan_predictions: u64,
+    /// Batches skipped for a non-finite loss or gradient (`train.on_non_finite = "skip_batch"`).
+    pub skipped_batches: u64,
     /// Mean training log-loss over the last logging interval.
     pub train_logloss: Option<f64>,
     /// Keys per batch before / after the first dedup, averaged.
@@ -105,6 +109,8 @@ pub struct EvalSummary {
     pub auc: f64,
     pub logloss: f64,
     pub rows: u64,
+    /// Rows whose prediction was NaN (a diverged model): ranked last by `auc`.
+    pub nan_predictions: u64,
     pub bad_rows: u64,
     pub checkpoint_step: u64,
     pub wall_secs: f64,
@@ -288,6 +294,12 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
         unique_total += stats.unique_keys as u64;
         let bytes_done = trainer.position.epoch * file_bytes.unwrap_or(0) + trainer.position.offset;
         if trainer.step % interval == 0 {
+            // A weight an update overflowed is caught within one interval
+            // (the per-step checks cover the loss and the gradients).
+            if let Err(e) = trainer.check_weights() {
+                outcome = Err(e);
+                break;
+            }
             let secs = interval_start.elapsed().as_secs_f64();
             let loss = interval_loss / interval_rows.max(1) as f64;
             let rate = interval_rows as f64 / secs.max(1e-9);
@@ -371,11 +383,14 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
 
     let eval_start = Instant::now();
     let (mut test_auc, mut test_logloss, mut test_rows, mut bayes) = (None, None, 0, None);
+    let mut test_nan_predictions = 0;
     if let Some(test) = &config.data.test {
         let test = Path::new(test);
         let (logits, labels) = predict_file(&trainer, test, &config.data, &bad)?;
         test_rows = labels.len() as u64;
         test_auc = Some(auc(&logits, &labels));
+        test_nan_predictions = count_nan(&logits);
+        warn_nan_predictions(test_nan_predictions, test);
         test_logloss = Some(log_loss_from_logits(&logits, &labels));
         bayes = read_truth(test);
     }
@@ -405,6 +420,8 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
         train_secs,
         eval_secs,
         test_rows,
+        test_nan_predictions,
+        skipped_batches: trainer.skipped_batches,
         train_logloss: last_train_logloss,
         dedup_ratio: keys_total as f64 / unique_total.max(1) as f64,
         shuffle_bytes_per_sample: 8.0 * unique_total as f64 / train_rows.max(1) as f64,
@@ -493,12 +510,25 @@ fn score_checkpoint(
     Ok(Scored { logits, labels, bad_rows: bad.total(), step: manifest.step })
 }
 
+/// Says on stderr how many predictions were NaN, if any.
+fn warn_nan_predictions(count: u64, data: &Path) {
+    if count > 0 {
+        eprintln!(
+            "warning: {count} predictions on {} are NaN (the model diverged); AUC ranks them below every other score",
+            data.display()
+        );
+    }
+}
+
 impl EvalSummary {
-    fn new(s: &Scored, wall: Instant) -> Self {
+    fn new(s: &Scored, data: &Path, wall: Instant) -> Self {
+        let nan_predictions = count_nan(&s.logits);
+        warn_nan_predictions(nan_predictions, data);
         EvalSummary {
             auc: auc(&s.logits, &s.labels),
             logloss: log_loss_from_logits(&s.logits, &s.labels),
             rows: s.labels.len() as u64,
+            nan_predictions,
             bad_rows: s.bad_rows,
             checkpoint_step: s.step,
             wall_secs: wall.elapsed().as_secs_f64(),
@@ -514,7 +544,7 @@ pub fn evaluate_checkpoint(
 ) -> Result<EvalSummary, TrainError> {
     let wall = Instant::now();
     let scored = score_checkpoint(checkpoint, data, overrides, threads)?;
-    Ok(EvalSummary::new(&scored, wall))
+    Ok(EvalSummary::new(&scored, data, wall))
 }
 
 /// Writes one click probability per good input row to `out` (atomically).
@@ -536,5 +566,5 @@ pub fn predict_checkpoint(
         w.flush().map_err(|e| TrainError::io(&tmp, e))?;
     }
     std::fs::rename(&tmp, out).map_err(|e| TrainError::io(out, e))?;
-    Ok(EvalSummary::new(&scored, wall))
+    Ok(EvalSummary::new(&scored, data, wall))
 }

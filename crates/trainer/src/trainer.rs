@@ -6,11 +6,11 @@ use std::time::Instant;
 
 use candle_core::Device;
 use sparrow_core::batch::DataPosition;
-use sparrow_core::config::Pooling;
+use sparrow_core::config::{OnNonFinite, Pooling};
 use sparrow_core::{Batch, Config};
 use sparrow_data::DataLayout;
 use sparrow_embedding::{EmbeddingTable, Initializer, KeyPlan};
-use sparrow_model::{DenseModel, DenseOptimizer, ModelShape};
+use sparrow_model::{DenseModel, DenseOptimizer, ModelError, ModelShape, check_finite};
 
 use crate::TrainError;
 use crate::pooling::{Bags, pool, pool_into, unpool, unpool_strided};
@@ -33,6 +33,9 @@ pub struct Trainer {
     /// Pipelined path: the last batch's sparse update, applied beside the
     /// next dense step (see [`train_overlapped`](Self::train_overlapped)).
     pending_update: Option<SparseUpdate>,
+    /// Batches skipped for a non-finite loss or gradient
+    /// (`train.on_non_finite = "skip_batch"`), by this run.
+    pub skipped_batches: u64,
 }
 
 /// A batch's summed gradients, waiting to be applied to its rows.
@@ -122,10 +125,52 @@ pub struct LookedUp {
 }
 
 pub struct StepStats {
+    /// Samples trained (0 for a skipped batch).
     pub rows: usize,
     pub loss: f64,
     pub keys: usize,
     pub unique_keys: usize,
+    /// The batch was skipped for a non-finite loss or gradient (nothing updated).
+    pub skipped: bool,
+}
+
+impl StepStats {
+    fn trained(batch: &Batch, plan: &KeyPlan, loss: f64) -> StepStats {
+        StepStats { rows: batch.rows(), loss, keys: batch.keys.len(), unique_keys: plan.num_unique(), skipped: false }
+    }
+}
+
+/// A step's dense half with its gradients checked: `Err(NonFinite)` (from
+/// the model, which then updated nothing, or for the embedding gradients)
+/// is named here, with the step and the embedding row at fault if any.
+fn checked_step(
+    step: Result<DenseStepOut, TrainError>,
+    step_number: u64,
+    plan: &KeyPlan,
+    unique_rows: &[f32],
+    width: usize,
+) -> Result<DenseStepOut, TrainError> {
+    let non_finite_row = |rows: &[f32]| {
+        rows.chunks_exact(width.max(1))
+            .position(|r| r.iter().any(|v| !v.is_finite()))
+            .map(|i| format!("embedding row of key {:#018x}", plan.unique[i]))
+    };
+    let step = match step {
+        Err(TrainError::Model(ModelError::NonFinite { what })) => {
+            // The loss is where a bad input shows: name the row behind it.
+            let what = match non_finite_row(unique_rows) {
+                Some(row) => format!("{row} (looked up for this batch; the loss was {what})"),
+                None => what,
+            };
+            return Err(TrainError::NonFinite { step: step_number, what });
+        }
+        other => other?,
+    };
+    if check_finite(&step.grads, String::new).is_err() {
+        let what = non_finite_row(&step.grads).map_or_else(String::new, |row| format!("gradient of the {row}"));
+        return Err(TrainError::NonFinite { step: step_number, what });
+    }
+    Ok(step)
 }
 
 /// Seeds of the independent random streams (embedding init, dense init),
@@ -165,6 +210,7 @@ impl Trainer {
             phase_secs: PhaseSecs::default(),
             packed_input: Vec::new(),
             pending_update: None,
+            skipped_batches: 0,
         })
     }
 
@@ -219,20 +265,65 @@ impl Trainer {
                 (update_secs, next_lookup)
             },
         );
-        let (step, next_lookup) = (step?, next_lookup?);
+        let next_lookup = next_lookup?;
+        let step = checked_step(step, self.step + 1, &plan, &looked_up.unique_rows, table.dim());
         let t4 = Instant::now();
         let p = &mut self.phase_secs;
         // The update and the lookup overlap the dense step: counted there,
         // the update also on its own.
         p.dense += (t4 - t1).as_secs_f64();
         p.update += update_secs;
+        let step = match self.skip_or_stop(step, batch, &plan)? {
+            Ok(step) => step,
+            Err(skipped) => return Ok((skipped, next_lookup)),
+        };
         self.step += 1;
         self.samples_trained += batch.rows() as u64;
         self.position = batch.end;
-        let stats =
-            StepStats { rows: batch.rows(), loss: step.loss, keys: batch.keys.len(), unique_keys: plan.num_unique() };
+        let stats = StepStats::trained(batch, &plan, step.loss);
         self.pending_update = Some(SparseUpdate { plan, slots: looked_up.slots, grads: step.grads });
         Ok((stats, next_lookup))
+    }
+
+    /// `train.on_non_finite`: a non-finite step either stops the run (the
+    /// error) or, with `skip_batch`, is counted and passed over: the batch is
+    /// consumed (step and data position advance) and nothing is updated.
+    /// `Ok(Err(stats))` is a skipped batch.
+    fn skip_or_stop(
+        &mut self,
+        step: Result<DenseStepOut, TrainError>,
+        batch: &Batch,
+        plan: &KeyPlan,
+    ) -> Result<Result<DenseStepOut, StepStats>, TrainError> {
+        match step {
+            Err(TrainError::NonFinite { step, what }) if self.config.train.on_non_finite == OnNonFinite::SkipBatch => {
+                if self.skipped_batches < 5 {
+                    eprintln!("warning: skipping the batch of step {step}: non-finite {what}");
+                } else if self.skipped_batches == 5 {
+                    eprintln!("warning: more batches skipped; the final JSON's skipped_batches counts them all");
+                }
+                self.skipped_batches += 1;
+                self.step += 1;
+                self.position = batch.end;
+                Ok(Err(StepStats {
+                    rows: 0,
+                    loss: 0.0,
+                    keys: batch.keys.len(),
+                    unique_keys: plan.num_unique(),
+                    skipped: true,
+                }))
+            }
+            other => other.map(Ok),
+        }
+    }
+
+    /// The first dense weight or optimizer moment that is not finite, as a
+    /// [`TrainError::NonFinite`] at this step (checked once per log interval).
+    pub fn check_weights(&self) -> Result<(), TrainError> {
+        self.model.check_finite(&self.dense_optimizer).map_err(|e| match e {
+            ModelError::NonFinite { what } => TrainError::NonFinite { step: self.step, what },
+            other => other.into(),
+        })
     }
 
     /// Applies the update [`train_overlapped`](Self::train_overlapped) left
@@ -277,7 +368,12 @@ impl Trainer {
             || dense_step(model, optimizer, packed_input, inputs, pooling),
             || next.map_or(Ok(()), |p| table.prefetch(p)),
         );
-        let (step, ()) = (step?, prefetched?);
+        prefetched?;
+        let step = checked_step(step, self.step + 1, plan, &looked_up.unique_rows, self.table.dim());
+        let step = match self.skip_or_stop(step, batch, plan)? {
+            Ok(step) => step,
+            Err(skipped) => return Ok(skipped),
+        };
         let t4 = Instant::now();
         self.table.apply_gradients_at(plan, &looked_up.slots, &step.grads);
         let t5 = Instant::now();
@@ -289,7 +385,7 @@ impl Trainer {
         self.step += 1;
         self.samples_trained += batch.rows() as u64;
         self.position = batch.end;
-        Ok(StepStats { rows: batch.rows(), loss: step.loss, keys: batch.keys.len(), unique_keys: plan.num_unique() })
+        Ok(StepStats::trained(batch, plan, step.loss))
     }
 
     pub fn train_batch(&mut self, batch: &Batch) -> Result<StepStats, TrainError> {
@@ -316,7 +412,12 @@ impl Trainer {
                 labels: &batch.labels,
             },
             self.config.model.pooling,
-        )?;
+        );
+        let step = checked_step(step, self.step + 1, plan, &unique_rows, width);
+        let step = match self.skip_or_stop(step, batch, plan)? {
+            Ok(step) => step,
+            Err(skipped) => return Ok(skipped),
+        };
         let (loss, grads, t2, t3) = (step.loss, step.grads, step.pooled_at, step.stepped_at);
         let t4 = Instant::now();
         self.table.apply_gradients_at(plan, &slots, &grads);
@@ -330,7 +431,7 @@ impl Trainer {
         self.step += 1;
         self.samples_trained += batch.rows() as u64;
         self.position = batch.end;
-        Ok(StepStats { rows: batch.rows(), loss, keys: batch.keys.len(), unique_keys: plan.num_unique() })
+        Ok(StepStats::trained(batch, plan, loss))
     }
 
     /// Logits of a batch; the table is only read (unseen keys read as their

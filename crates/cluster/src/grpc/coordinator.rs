@@ -65,6 +65,9 @@ struct Member {
     last_seen: Instant,
     /// A worker that finished stops sending heartbeats.
     finished: bool,
+    /// The role's progress count, and when it last moved.
+    progress: u64,
+    progress_at: Instant,
 }
 
 struct Members {
@@ -89,6 +92,7 @@ pub struct Coordinator {
     num_shards: usize,
     num_workers: usize,
     heartbeat_timeout: Duration,
+    progress_timeout: Duration,
     registration_deadline: Instant,
     members: Mutex<Members>,
     state: Mutex<JobState>,
@@ -99,6 +103,13 @@ impl Coordinator {
     pub fn new(config: &Config, num_shards: usize, num_workers: usize) -> Result<Coordinator, ClusterError> {
         if num_shards == 0 || num_workers == 0 {
             return Err(ClusterError::Setup("a job needs at least one shard and one worker".into()));
+        }
+        if config.train.on_non_finite == sparrow_core::config::OnNonFinite::SkipBatch {
+            return Err(ClusterError::Setup(
+                "train.on_non_finite = \"skip_batch\" is not available in a cluster job yet (a skipped batch \
+                 would still owe its shards a push); use \"stop\", or sparrow train"
+                    .into(),
+            ));
         }
         let e = &config.embedding;
         if e.admit_min_count > 1 {
@@ -120,6 +131,7 @@ impl Coordinator {
             num_shards,
             num_workers,
             heartbeat_timeout: Duration::from_millis(config.cluster.heartbeat_timeout_ms),
+            progress_timeout: Duration::from_millis(config.cluster.progress_timeout_ms),
             registration_deadline: Instant::now() + Duration::from_millis(config.cluster.connect_timeout_ms),
             members: Mutex::new(Members {
                 shards: (0..num_shards).map(|_| None).collect(),
@@ -166,14 +178,22 @@ impl Coordinator {
             })?,
         };
         tracing::info!("{} {slot} registered at {address}", kind.name());
-        slots[slot] = Some(Member { address, last_seen: Instant::now(), finished: false });
+        let now = Instant::now();
+        slots[slot] = Some(Member { address, last_seen: now, finished: false, progress: 0, progress_at: now });
         Ok(slot)
     }
 
-    pub fn heartbeat(&self, kind: RoleKind, index: usize) -> Result<JobState, ClusterError> {
+    /// A role is alive; `progress` is its work count (see `HeartbeatRequest`).
+    pub fn heartbeat(&self, kind: RoleKind, index: usize, progress: u64) -> Result<JobState, ClusterError> {
         let mut members = self.members.lock();
         match members.slots(kind).get_mut(index) {
-            Some(Some(m)) => m.last_seen = Instant::now(),
+            Some(Some(m)) => {
+                let now = Instant::now();
+                m.last_seen = now;
+                if progress != m.progress {
+                    (m.progress, m.progress_at) = (progress, now);
+                }
+            }
             _ => return Err(ClusterError::Setup(format!("{} {index} never registered", kind.name()))),
         }
         Ok(self.state())
@@ -235,6 +255,22 @@ impl Coordinator {
                             self.heartbeat_timeout.as_millis()
                         ));
                     }
+                    // Workers drive the job: one that answers but gets
+                    // nothing done is as stuck as a silent one.
+                    Some(m)
+                        if kind == RoleKind::Worker
+                            && !m.finished
+                            && m.progress_at.elapsed() > self.progress_timeout =>
+                    {
+                        problem = Some(format!(
+                            "{} {i} at {} answers heartbeats but made no progress for {} ms (cluster.progress_timeout_ms = {}; progress count {})",
+                            kind.name(),
+                            m.address,
+                            m.progress_at.elapsed().as_millis(),
+                            self.progress_timeout.as_millis(),
+                            m.progress
+                        ));
+                    }
                     None if Instant::now() > self.registration_deadline => {
                         problem =
                             Some(format!("{} {i} never registered within cluster.connect_timeout_ms", kind.name()));
@@ -280,7 +316,8 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
 
     async fn heartbeat(&self, request: Request<pb::HeartbeatRequest>) -> Result<Response<pb::HeartbeatReply>, Status> {
         let r = request.into_inner();
-        let state = self.coordinator.heartbeat(RoleKind::from_proto(r.role)?, r.index as usize).map_err(status)?;
+        let state =
+            self.coordinator.heartbeat(RoleKind::from_proto(r.role)?, r.index as usize, r.progress).map_err(status)?;
         Ok(Response::new(state_reply(&state)))
     }
 
@@ -395,8 +432,8 @@ impl CoordinatorClient {
         })
     }
 
-    pub fn heartbeat(&self, kind: RoleKind, index: usize) -> Result<JobState, ClusterError> {
-        let request = pb::HeartbeatRequest { role: kind.to_proto() as i32, index: index as u32 };
+    pub fn heartbeat(&self, kind: RoleKind, index: usize, progress: u64) -> Result<JobState, ClusterError> {
+        let request = pb::HeartbeatRequest { role: kind.to_proto() as i32, index: index as u32, progress };
         let reply = self.peer.call("heartbeat", request, |mut c, r| async move { c.heartbeat(r).await })?;
         Ok(state_from(reply.state, reply.message))
     }
@@ -490,7 +527,7 @@ mod tests {
         while start.elapsed() < Duration::from_millis(400) {
             // Everyone but shard 1 keeps beating.
             for (kind, i) in [(RoleKind::Shard, 0), (RoleKind::Loader, 0), (RoleKind::Worker, 0)] {
-                c.heartbeat(kind, i).expect("beat");
+                c.heartbeat(kind, i, start.elapsed().as_millis() as u64).expect("beat");
             }
             c.check_liveness();
             if c.state() != JobState::Running {
@@ -507,6 +544,45 @@ mod tests {
         let contribution = Contribution { worker: 0, round: 0, grads: vec![1.0], rows: 1, patience: Duration::ZERO };
         let err = c.sum(contribution).expect_err("the job failed");
         assert!(err.to_string().contains("shard 1"), "{err}");
+    }
+
+    #[test]
+    fn a_worker_that_beats_but_makes_no_progress_fails_the_job_naming_it() {
+        // The hang of a NaN evaluation: the heartbeat thread beats on while
+        // the worker's loop is stuck. Worker 0 progresses, worker 1 does not.
+        let c = Coordinator::new(
+            &config(&[
+                "cluster.heartbeat_interval_ms=20",
+                "cluster.heartbeat_timeout_ms=5000",
+                "cluster.progress_timeout_ms=300",
+            ]),
+            1,
+            2,
+        )
+        .expect("coordinator");
+        c.register(RoleKind::Shard, "s".into(), None).expect("shard");
+        c.register(RoleKind::Loader, "l".into(), None).expect("loader");
+        c.register(RoleKind::Worker, "10.0.0.7:9101".into(), Some(0)).expect("worker 0");
+        c.register(RoleKind::Worker, "10.0.0.8:9101".into(), Some(1)).expect("worker 1");
+        let start = Instant::now();
+        let mut steps = 0;
+        while start.elapsed() < Duration::from_millis(1500) && c.state() == JobState::Running {
+            steps += 1;
+            c.heartbeat(RoleKind::Shard, 0, 0).expect("beat");
+            c.heartbeat(RoleKind::Loader, 0, 0).expect("beat");
+            c.heartbeat(RoleKind::Worker, 0, steps).expect("beat");
+            c.heartbeat(RoleKind::Worker, 1, 7).expect("beat");
+            c.check_liveness();
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        match c.state() {
+            JobState::Failed(m) => {
+                assert!(m.contains("worker 1 at 10.0.0.8:9101") && m.contains("no progress"), "{m}");
+                assert!(m.contains("cluster.progress_timeout_ms"), "{m}");
+            }
+            other => panic!("still {other:?} after {:?}", start.elapsed()),
+        }
+        assert!(start.elapsed() >= Duration::from_millis(290), "reported before the timeout");
     }
 
     #[test]
