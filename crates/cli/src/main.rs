@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -260,21 +260,59 @@ fn print_json(value: &impl serde::Serialize) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Set by the first Ctrl-C (training stops after the step and checkpoints);
-/// a second Ctrl-C exits at once.
-fn interrupt_flag() -> Arc<AtomicBool> {
-    let flag = Arc::new(AtomicBool::new(false));
-    let seen = flag.clone();
-    let installed = ctrlc::set_handler(move || {
-        if seen.swap(true, Ordering::SeqCst) {
-            std::process::exit(130);
-        }
-        eprintln!("interrupt: stopping after this step (Ctrl-C again to quit at once)");
-    });
-    if let Err(e) = installed {
-        eprintln!("warning: Ctrl-C will not checkpoint: {e}");
+/// The signal that stopped the run (0: none), for the exit code 128 + n.
+static STOP_SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+fn signal_name(signal: i32) -> &'static str {
+    match signal {
+        signal_hook::consts::SIGINT => "SIGINT",
+        signal_hook::consts::SIGTERM => "SIGTERM",
+        signal_hook::consts::SIGHUP => "SIGHUP",
+        _ => "a signal",
     }
+}
+
+/// SIGINT (Ctrl-C), SIGTERM (Kubernetes, Docker, systemd, `timeout`) and
+/// SIGHUP (a closed terminal) all stop a run the same way: the returned flag
+/// is set, training stops after the current step and checkpoints, and the
+/// process exits with 128 + the signal's number. A second signal exits at once.
+fn stop_on_signals() -> Arc<AtomicBool> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let flag = Arc::new(AtomicBool::new(false));
+    let mut signals = match signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP]) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("warning: signals will not checkpoint: {e}");
+            return flag;
+        }
+    };
+    let seen = flag.clone();
+    std::thread::spawn(move || {
+        for signal in signals.forever() {
+            if seen.swap(true, Ordering::SeqCst) {
+                std::process::exit(128 + signal);
+            }
+            STOP_SIGNAL.store(signal, Ordering::SeqCst);
+            eprintln!("{}: stopping after this step (send it again to quit at once)", signal_name(signal));
+        }
+    });
     flag
+}
+
+/// A cluster role holds no state of its own to save yet (checkpoints are
+/// written by worker 0 at the end of the job), so a stop signal ends it at
+/// once, saying why, with 128 + the signal's number; the coordinator (or
+/// `launch`) then reports the role as gone.
+fn exit_on_signals(role: &'static str) {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    if let Ok(mut signals) = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP]) {
+        std::thread::spawn(move || {
+            if let Some(signal) = signals.forever().next() {
+                let _ = writeln!(std::io::stderr(), "error: {role} stopped by {}", signal_name(signal));
+                std::process::exit(128 + signal);
+            }
+        });
+    }
 }
 
 fn load_config(path: &Path, set: &[String]) -> anyhow::Result<Config> {
@@ -293,7 +331,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 set.push(format!("checkpoint.resume_from={:?}", r.display().to_string()));
             }
             let config = load_config(&config, &set)?;
-            print_json(&sparrow_trainer::train_until(&config, quiet, &interrupt_flag())?)
+            print_json(&sparrow_trainer::train_until(&config, quiet, &stop_on_signals())?)
         }
         Command::Eval { checkpoint, data, set } => {
             print_json(&sparrow_trainer::evaluate_checkpoint(&checkpoint, &data, &set, None)?)
@@ -318,15 +356,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Launch { config: path, shards, workers, set, quiet } => {
             let config = load_config(&path, &set)?;
             let options = sparrow_cluster::launch::LaunchOptions { config_path: path, set, shards, workers, quiet };
-            let interrupted = Arc::new(AtomicBool::new(false));
-            let flag = interrupted.clone();
-            if let Err(e) = ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst)) {
-                eprintln!("warning: Ctrl-C handler: {e}");
-            }
-            print_json(&sparrow_cluster::launch::launch(&options, &config, &interrupted)?)
+            print_json(&sparrow_cluster::launch::launch(&options, &config, &stop_on_signals())?)
         }
         Command::Coordinator { config, set, shards, workers, listen, metrics_listen } => {
             init_logging();
+            exit_on_signals("coordinator");
             let config = load_config(&config, &set)?;
             sparrow_cluster::roles::run_coordinator(&config, shards, workers, listen, metrics_listen, |bound| {
                 println!("listening on {bound}");
@@ -336,14 +370,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Shard { role, index, metrics_listen } => {
             init_logging();
+            exit_on_signals("shard");
             Ok(sparrow_cluster::roles::run_shard(&role.args(index, metrics_listen))?)
         }
         Command::Loader { role, metrics_listen } => {
             init_logging();
+            exit_on_signals("loader");
             Ok(sparrow_cluster::roles::run_loader(&role.args(None, metrics_listen))?)
         }
         Command::Worker { role, index } => {
             init_logging();
+            exit_on_signals("worker");
             print_json(&sparrow_cluster::roles::run_worker(&role.args(index, None))?)
         }
         Command::BenchTier { rows, storage, cache_rows, policy, path, steps, warmup_steps } => {
@@ -388,7 +425,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             ];
             overrides.append(&mut set);
             let config = Config::from_toml_with_overrides(DEMO_CONFIG, "configs/dlrm.toml", &overrides)?;
-            print_json(&sparrow_trainer::train_until(&config, false, &interrupt_flag())?)
+            print_json(&sparrow_trainer::train_until(&config, false, &stop_on_signals())?)
         }
     }
 }
@@ -426,7 +463,12 @@ fn main() -> ExitCode {
                 .is_some_and(|t| matches!(t, sparrow_trainer::TrainError::Interrupted { .. }))
                 || e.downcast_ref::<sparrow_cluster::ClusterError>()
                     .is_some_and(|c| matches!(c, sparrow_cluster::ClusterError::Interrupted));
-            ExitCode::from(if interrupted { 130 } else { 2 })
+            let signal = STOP_SIGNAL.load(Ordering::SeqCst);
+            ExitCode::from(match (interrupted, signal) {
+                (true, 0) => 130,
+                (true, n) => (128 + n) as u8,
+                (false, _) => 2,
+            })
         }
     }
 }

@@ -209,3 +209,195 @@ fn a_diverging_cluster_job_ends_with_the_workers_error() {
     ]);
     fails_with(&out, &["the job failed", "non-finite", "at step"]);
 }
+
+// ---- 3. One run per checkpoint directory --------------------------------
+
+/// Starts `sparrow args…` in `dir` in the background (stdout and stderr to files).
+fn spawn_in(dir: &Path, args: &[&str]) -> std::process::Child {
+    let log = |name: &str| std::fs::File::create(dir.join(name)).expect("log file");
+    Command::new(sparrow_bin())
+        .args(args)
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .stdout(log("bg.stdout"))
+        .stderr(log("bg.stderr"))
+        .spawn()
+        .expect("spawn sparrow")
+}
+
+/// Waits until `path` has at least `lines` lines (a run's metrics).
+fn wait_for_lines(path: &Path, lines: usize) {
+    let start = Instant::now();
+    while std::fs::read_to_string(path).map_or(true, |m| m.lines().count() < lines) {
+        assert!(start.elapsed() < MINUTE, "{} never reached {lines} lines", path.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn signal(pid: u32, sig: &str) {
+    let sent = Command::new("kill").args([sig, &pid.to_string()]).status().expect("kill");
+    assert!(sent.success());
+}
+
+#[test]
+fn a_second_run_on_a_checkpoint_directory_in_use_is_refused_naming_the_holder() {
+    let job = Job::new(4000);
+    let long = job.write_config("long.toml", "");
+    let mut first = spawn_in(
+        job.dir(),
+        &[
+            "train",
+            "--config",
+            &long,
+            "--set",
+            "train.epochs=100000",
+            "--set",
+            "train.metrics_path=\"m.jsonl\"",
+            "--set",
+            "checkpoint.every_steps=3",
+        ],
+    );
+    wait_for_lines(&job.path("m.jsonl"), 2);
+    let second = job.run(&["train", "--config", "job.toml", "--quiet"]);
+    let pid = first.id().to_string();
+    let launch = job.run(&["launch", "--config", "job.toml", "--shards", "1", "--workers", "1", "--quiet"]);
+    signal(first.id(), "-KILL");
+    let _ = first.wait();
+    fails_with(&second, &["checkpoint.dir", "in use by another run", &format!("pid {pid}")]);
+    fails_with(&launch, &["checkpoint.dir", "in use by another run", &format!("pid {pid}")]);
+    // The lock died with its holder: the directory is usable at once, and the
+    // temporaries a killed run may have left are gone.
+    ok(&job.run(&["train", "--config", "job.toml", "--set", "train.max_steps=2", "--quiet"]));
+    let leftovers: Vec<String> = std::fs::read_dir(job.path("ck"))
+        .expect("ck")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .filter(|n| n.contains(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+// ---- 4. predict never overwrites its input ------------------------------
+
+#[test]
+fn predict_refuses_an_out_that_is_the_input_or_a_directory() {
+    let job = Job::new(3000);
+    ok(&job.run(&["train", "--config", "job.toml", "--quiet"]));
+    let before = std::fs::read(job.path("data/test.tsv")).expect("test data");
+    let same = job.run(&["predict", "--checkpoint", "ck", "--data", "data/test.tsv", "--out", "data/test.tsv"]);
+    fails_with(&same, &["--out data/test.tsv", "is the input file"]);
+    // Another spelling of the same file.
+    let same = job.run(&["predict", "--checkpoint", "ck", "--data", "data/test.tsv", "--out", "./data/../data/test.tsv"]);
+    fails_with(&same, &["is the input file"]);
+    assert_eq!(std::fs::read(job.path("data/test.tsv")).expect("test data"), before, "the input was changed");
+    let dir = job.run(&["predict", "--checkpoint", "ck", "--data", "data/test.tsv", "--out", "data"]);
+    fails_with(&dir, &["--out data", "is a directory"]);
+    let names: Vec<String> = std::fs::read_dir(job.dir())
+        .expect("dir")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .collect();
+    assert!(!names.iter().any(|n| n.contains("partial")), "{names:?}");
+}
+
+// ---- 5. SIGTERM and SIGHUP stop like Ctrl-C ------------------------------
+
+#[test]
+fn sigterm_and_sighup_checkpoint_and_exit_like_ctrl_c() {
+    for (sig, code) in [("-TERM", 143), ("-HUP", 129)] {
+        let job = Job::new(4000);
+        let mut child = spawn_in(
+            job.dir(),
+            &["train", "--config", "job.toml", "--set", "train.epochs=100000", "--set", "train.metrics_path=\"m.jsonl\""],
+        );
+        wait_for_lines(&job.path("m.jsonl"), 3);
+        signal(child.id(), sig);
+        let status = child.wait().expect("wait");
+        let err = std::fs::read_to_string(job.path("bg.stderr")).expect("stderr");
+        assert_eq!(status.code(), Some(code), "{sig}: {err}");
+        assert!(err.contains("saved in") && err.contains("--resume"), "{sig}: {err}");
+        let eval = job.run(&["eval", "--checkpoint", "ck", "--data", "data/test.tsv"]);
+        ok(&eval);
+        assert!(last_json(&eval)["checkpoint_step"].as_u64().expect("step") >= 12, "{sig}");
+    }
+}
+
+// ---- 6. launch checks its checkpoint directory first ---------------------
+
+#[test]
+fn launch_refuses_an_unwritable_checkpoint_directory_before_training() {
+    let job = Job::new(3000);
+    // A regular file where the directory should be: no one (root included) can create it.
+    std::fs::write(job.path("blocker"), "x").expect("file");
+    let config = job.write_config("bad.toml", "");
+    let started = Instant::now();
+    let out = job.run(&[
+        "launch",
+        "--config",
+        &config,
+        "--shards",
+        "1",
+        "--workers",
+        "1",
+        "--set",
+        "checkpoint.dir=\"blocker/ck\"",
+        "--quiet",
+    ]);
+    fails_with(&out, &["checkpoint.dir", "blocker/ck"]);
+    assert!(!stderr(&out).contains("is pid"), "children were started: {}", stderr(&out));
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
+
+// ---- 7, 8, 10. Tokens: never stored, handed to children, made up if absent
+
+#[test]
+fn a_configured_token_reaches_launchs_children_and_never_a_checkpoint() {
+    let job = Job::new(4000);
+    let token = "s3cr3t-token-0123456789abcdef";
+    let config = job.write_config("tok.toml", &format!("auth_token = \"{token}\""));
+    let out = job.run(&["launch", "--config", &config, "--shards", "1", "--workers", "1", "--quiet"]);
+    ok(&out);
+    // The checkpoint worker 0 wrote, and one from `train`, hold no token.
+    ok(&job.run(&["train", "--config", &config, "--set", "checkpoint.dir=\"ck2\"", "--quiet"]));
+    for dir in ["ck", "ck2"] {
+        let mut stack = vec![job.path(dir)];
+        let mut files = 0;
+        while let Some(p) = stack.pop() {
+            if p.is_dir() {
+                stack.extend(std::fs::read_dir(&p).expect("read").flatten().map(|e| e.path()));
+            } else {
+                files += 1;
+                let bytes = std::fs::read(&p).expect("read");
+                assert!(!bytes.windows(token.len()).any(|w| w == token.as_bytes()), "token in {}", p.display());
+            }
+        }
+        assert!(files >= 3, "{dir}: {files} files");
+    }
+}
+
+#[test]
+fn launch_gives_its_children_a_random_token_in_their_environment_only() {
+    let job = Job::new(200_000);
+    let mut child = spawn_in(job.dir(), &["launch", "--config", "job.toml", "--shards", "1", "--workers", "1"]);
+    let start = Instant::now();
+    let pid = loop {
+        let err = std::fs::read_to_string(job.path("bg.stderr")).unwrap_or_default();
+        if let Some(pid) = err.lines().find_map(|l| l.strip_prefix("launch: coordinator is pid ")) {
+            break pid.trim().to_string();
+        }
+        assert!(start.elapsed() < MINUTE, "no coordinator: {err}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    signal(child.id(), "-TERM");
+    let _ = child.wait();
+    let token = environ
+        .split(|&b| b == 0)
+        .find_map(|var| var.strip_prefix(b"SPARROW_AUTH_TOKEN="))
+        .map(|t| String::from_utf8_lossy(t).to_string())
+        .expect("the coordinator has a token in its environment");
+    assert_eq!(token.len(), 32, "{token}");
+    assert!(token.chars().all(|c| c.is_ascii_hexdigit()), "{token}");
+    assert!(!cmdline.windows(token.len()).any(|w| w == token.as_bytes()), "token on the command line");
+}

@@ -17,6 +17,7 @@ use parking_lot::Mutex;
 use serde_json::json;
 use sparrow_core::Config;
 
+use crate::grpc::TOKEN_ENV;
 use crate::roles::WorkerSummary;
 use crate::transport::ClusterError;
 
@@ -51,6 +52,9 @@ impl Running {
 /// The children; dropping it kills and reaps whatever still runs.
 struct Children {
     list: Vec<Running>,
+    /// The job's shared token, handed to every child in its environment
+    /// (never on a command line, which every local user can read).
+    token: String,
 }
 
 impl Drop for Children {
@@ -71,6 +75,7 @@ impl Children {
         let mut child = Command::new(exe)
             .args(args)
             .env(EXIT_WITH_PARENT_ENV, "1")
+            .env(TOKEN_ENV, &self.token)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -133,6 +138,16 @@ impl Children {
     }
 }
 
+/// 128 random bits from the kernel, as hex.
+fn random_token() -> Result<String, ClusterError> {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .map_err(|e| ClusterError::Io { what: "reading /dev/urandom for the job's token".into(), source: e })?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
 /// Runs the job; returns `train`'s summary fields plus the cluster's.
 pub fn launch(
     options: &LaunchOptions,
@@ -140,7 +155,23 @@ pub fn launch(
     interrupted: &AtomicBool,
 ) -> Result<serde_json::Value, ClusterError> {
     let wall = Instant::now();
-    let mut children = Children { list: Vec::new() };
+    // Found now, not after training: a checkpoint directory we cannot write,
+    // or one another run is using (held until the job ends).
+    let _lock = config
+        .checkpoint
+        .dir
+        .as_deref()
+        .map(|dir| sparrow_trainer::dir_lock::DirLock::acquire(std::path::Path::new(dir), "checkpoint.dir"))
+        .transpose()?;
+    // Loopback is no trust boundary on a shared host: without a configured
+    // token the job gets a fresh random one, so no other local user can call
+    // its roles.
+    let token = std::env::var(TOKEN_ENV)
+        .ok()
+        .or_else(|| config.cluster.auth_token.clone())
+        .filter(|t| !t.is_empty())
+        .map_or_else(random_token, Ok)?;
+    let mut children = Children { list: Vec::new(), token };
     let local = "127.0.0.1:0".to_string();
     let mut args: Vec<String> =
         vec!["coordinator".into(), "--config".into(), options.config_path.display().to_string()];

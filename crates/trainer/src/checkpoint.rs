@@ -218,7 +218,7 @@ pub fn save(trainer: &Trainer, root: &Path, keep: usize) -> Result<PathBuf, Trai
         position: trainer.position,
         embedding_rows: trainer.table.len() as u64,
         files,
-        config: trainer.config.to_toml(),
+        config: without_secrets(&trainer.config).to_toml(),
         created_unix_secs: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
@@ -237,6 +237,14 @@ pub fn save(trainer: &Trainer, root: &Path, keep: usize) -> Result<PathBuf, Trai
     fsync_dir(root)?;
     prune(root, &name, keep)?;
     Ok(final_dir)
+}
+
+/// The config as a checkpoint stores it: a checkpoint is copied and shared,
+/// so it holds no secret (the cluster's token is dropped).
+fn without_secrets(config: &Config) -> Config {
+    let mut c = config.clone();
+    c.cluster.auth_token = None;
+    c
 }
 
 fn safetensors_bytes(tensors: &HashMap<String, candle_core::Tensor>, path: &Path) -> Result<Vec<u8>, TrainError> {

@@ -23,6 +23,9 @@ pub enum TrainError {
         "non-finite {what} at step {step}: the model diverged (lower the learning rates, or set train.on_non_finite = \"skip_batch\" to skip such batches)"
     )]
     NonFinite { step: u64, what: String },
+    /// A command-line argument that cannot be right (names the flag).
+    #[error("{flag} {value}: {message}")]
+    Argument { flag: &'static str, value: String, message: String },
     #[error("thread pool: {0}")]
     ThreadPool(String),
 }

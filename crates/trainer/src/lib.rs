@@ -5,6 +5,7 @@
 
 pub mod bench;
 pub mod checkpoint;
+pub mod dir_lock;
 pub mod error;
 pub mod pipeline;
 pub mod pooling;

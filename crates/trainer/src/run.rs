@@ -178,6 +178,14 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
     if let Some(test) = &config.data.test {
         std::fs::File::open(test).map_err(|e| TrainError::io(Path::new(test), e))?;
     }
+    // One run per checkpoint directory, and a directory we cannot write is
+    // found now, not after training.
+    let _lock = config
+        .checkpoint
+        .dir
+        .as_deref()
+        .map(|dir| crate::dir_lock::DirLock::acquire(Path::new(dir), "checkpoint.dir"))
+        .transpose()?;
     let layout = DataLayout::from_config(&config.data);
     let mut trainer = Trainer::new(config, layout)?;
     let mut resumed_from_step = None;
@@ -547,6 +555,26 @@ pub fn evaluate_checkpoint(
     Ok(EvalSummary::new(&scored, data, wall))
 }
 
+/// `predict --out` must name a file that is not the input: refused before
+/// anything is read or written.
+fn check_predict_out(data: &Path, out: &Path) -> Result<(), TrainError> {
+    let refuse = |message: &str| TrainError::Argument {
+        flag: "--out",
+        value: out.display().to_string(),
+        message: message.to_string(),
+    };
+    if out.is_dir() || out.as_os_str().to_string_lossy().ends_with('/') || out.file_name().is_none() {
+        return Err(refuse("is a directory; name the file to write the predictions to"));
+    }
+    if let (Ok(a), Ok(b)) = (std::fs::metadata(data), std::fs::metadata(out)) {
+        use std::os::unix::fs::MetadataExt;
+        if (a.dev(), a.ino()) == (b.dev(), b.ino()) {
+            return Err(refuse("is the input file (--data); the predictions would overwrite it"));
+        }
+    }
+    Ok(())
+}
+
 /// Writes one click probability per good input row to `out` (atomically).
 pub fn predict_checkpoint(
     checkpoint: &Path,
@@ -555,8 +583,12 @@ pub fn predict_checkpoint(
     overrides: &[String],
 ) -> Result<EvalSummary, TrainError> {
     let wall = Instant::now();
+    check_predict_out(data, out)?;
     let scored = score_checkpoint(checkpoint, data, overrides, None)?;
-    let tmp = out.with_extension("partial");
+    // Beside `out` (same file system, so the rename is atomic), named so it
+    // cannot be any input's name.
+    let file_name = out.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+    let tmp = out.with_file_name(format!(".{file_name}.partial-{}", std::process::id()));
     {
         let f = File::create(&tmp).map_err(|e| TrainError::io(&tmp, e))?;
         let mut w = BufWriter::new(f);
