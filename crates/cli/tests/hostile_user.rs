@@ -49,11 +49,7 @@ fn run_in(dir: &Path, args: &[&str], limit: Duration) -> Output {
         }
         std::thread::sleep(Duration::from_millis(20));
     };
-    Output {
-        status,
-        stdout: out_thread.join().unwrap_or_default(),
-        stderr: err_thread.join().unwrap_or_default(),
-    }
+    Output { status, stdout: out_thread.join().unwrap_or_default(), stderr: err_thread.join().unwrap_or_default() }
 }
 
 const MINUTE: Duration = Duration::from_secs(60);
@@ -287,7 +283,8 @@ fn predict_refuses_an_out_that_is_the_input_or_a_directory() {
     let same = job.run(&["predict", "--checkpoint", "ck", "--data", "data/test.tsv", "--out", "data/test.tsv"]);
     fails_with(&same, &["--out data/test.tsv", "is the input file"]);
     // Another spelling of the same file.
-    let same = job.run(&["predict", "--checkpoint", "ck", "--data", "data/test.tsv", "--out", "./data/../data/test.tsv"]);
+    let same =
+        job.run(&["predict", "--checkpoint", "ck", "--data", "data/test.tsv", "--out", "./data/../data/test.tsv"]);
     fails_with(&same, &["is the input file"]);
     assert_eq!(std::fs::read(job.path("data/test.tsv")).expect("test data"), before, "the input was changed");
     let dir = job.run(&["predict", "--checkpoint", "ck", "--data", "data/test.tsv", "--out", "data"]);
@@ -308,7 +305,15 @@ fn sigterm_and_sighup_checkpoint_and_exit_like_ctrl_c() {
         let job = Job::new(4000);
         let mut child = spawn_in(
             job.dir(),
-            &["train", "--config", "job.toml", "--set", "train.epochs=100000", "--set", "train.metrics_path=\"m.jsonl\""],
+            &[
+                "train",
+                "--config",
+                "job.toml",
+                "--set",
+                "train.epochs=100000",
+                "--set",
+                "train.metrics_path=\"m.jsonl\"",
+            ],
         );
         wait_for_lines(&job.path("m.jsonl"), 3);
         signal(child.id(), sig);
@@ -400,4 +405,213 @@ fn launch_gives_its_children_a_random_token_in_their_environment_only() {
     assert_eq!(token.len(), 32, "{token}");
     assert!(token.chars().all(|c| c.is_ascii_hexdigit()), "{token}");
     assert!(!cmdline.windows(token.len()).any(|w| w == token.as_bytes()), "token on the command line");
+}
+
+// ---- 12. Data cannot drive the terminal ----------------------------------
+
+#[test]
+fn warnings_escape_control_bytes_from_the_data() {
+    let job = Job::new(3000);
+    let mut text = std::fs::read_to_string(job.path("data/train.tsv")).expect("train");
+    // A label that sets an xterm's title, then rings the bell.
+    text.insert_str(0, "\u{1b}]0;pwned\u{7}\t1\t2\n");
+    std::fs::write(job.path("data/train.tsv"), text).expect("write");
+    let out = job.run(&["train", "--config", "job.toml", "--quiet"]);
+    ok(&out);
+    let err = stderr(&out);
+    assert!(err.contains("skipped malformed row") && err.contains("\\x1b]0;pwned\\x07"), "{err}");
+    assert!(!err.contains('\u{1b}') && !err.contains('\u{7}'), "raw control bytes on stderr: {err:?}");
+}
+
+// ---- 15. Nothing trained is not a success --------------------------------
+
+#[test]
+fn an_empty_or_all_bad_training_file_fails_instead_of_training_nothing() {
+    let job = Job::new(3000);
+    std::fs::write(job.path("empty.tsv"), "").expect("write");
+    let bad_rows: String = (0..300).map(|i| format!("label{i}\tnot a row\n")).collect();
+    std::fs::write(job.path("bad.tsv"), bad_rows).expect("write");
+    let empty = job.run(&["train", "--config", "job.toml", "--set", "data.train=\"empty.tsv\"", "--quiet"]);
+    fails_with(&empty, &["empty.tsv", "no training row", "holds no row"]);
+    let all_bad = job.run(&[
+        "train",
+        "--config",
+        "job.toml",
+        "--set",
+        "data.train=\"bad.tsv\"",
+        "--set",
+        "data.max_bad_rows=1000000",
+        "--quiet",
+    ]);
+    fails_with(&all_bad, &["bad.tsv", "no training row", "all 300 rows were malformed"]);
+    let cluster = job.run(&[
+        "launch",
+        "--config",
+        "job.toml",
+        "--shards",
+        "1",
+        "--workers",
+        "1",
+        "--set",
+        "data.train=\"empty.tsv\"",
+        "--set",
+        "checkpoint.dir=\"ck-launch\"",
+        "--quiet",
+    ]);
+    fails_with(&cluster, &["no training row", "empty.tsv"]);
+    // A fraction: 300 bad rows among 3000 good ones is 9%.
+    let mut mixed = std::fs::read_to_string(job.path("data/train.tsv")).expect("train");
+    mixed.push_str(&std::fs::read_to_string(job.path("bad.tsv")).expect("bad"));
+    std::fs::write(job.path("mixed.tsv"), mixed).expect("write");
+    let over = |fraction: &str| {
+        job.run(&[
+            "train",
+            "--config",
+            "job.toml",
+            "--set",
+            "data.train=\"mixed.tsv\"",
+            "--set",
+            "data.max_bad_rows=1000000",
+            "--set",
+            &format!("data.max_bad_fraction={fraction}"),
+            "--set",
+            "checkpoint.dir=\"ck-fraction\"",
+            "--quiet",
+        ])
+    };
+    fails_with(&over("0.05"), &["mixed.tsv", "300 of 3300 rows malformed", "data.max_bad_fraction = 0.05"]);
+    ok(&over("0.1"));
+}
+
+// ---- 16. Compressed input ------------------------------------------------
+
+#[test]
+fn gzip_and_zstd_files_train_the_same_model_as_the_plain_file_and_resume_inside_them() {
+    use std::io::Write;
+    let job = Job::new(6000);
+    let plain = std::fs::read(job.path("data/train.tsv")).expect("train");
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    gz.write_all(&plain).expect("gzip");
+    // Named like the plain file: the magic bytes decide.
+    std::fs::write(job.path("train-gz.tsv"), gz.finish().expect("gzip")).expect("write");
+    let zst = ruzstd::encoding::compress_to_vec(&plain[..], ruzstd::encoding::CompressionLevel::Fastest);
+    std::fs::write(job.path("train.tsv.zst"), zst).expect("write");
+    let auc = |train: &str, extra: &[&str]| {
+        let mut args = vec!["train", "--config", "job.toml", "--set", train, "--quiet"];
+        args.extend_from_slice(extra);
+        let out = job.run(&args);
+        ok(&out);
+        let json = last_json(&out);
+        assert_eq!(json["bad_rows"], 0, "{train}: {json}");
+        json["test_auc"].as_f64().expect("auc")
+    };
+    let reference = auc("data.train=\"data/train.tsv\"", &["--set", "checkpoint.dir=\"ck-plain\""]);
+    let gz_auc = auc("data.train=\"train-gz.tsv\"", &["--set", "checkpoint.dir=\"ck-gz\""]);
+    assert_eq!(gz_auc, reference, "gzip");
+    assert_eq!(auc("data.train=\"train.tsv.zst\"", &["--set", "checkpoint.dir=\"ck-zst\""]), reference, "zstd");
+    // Stopped inside the compressed file and resumed: the same model.
+    ok(&job.run(&[
+        "train",
+        "--config",
+        "job.toml",
+        "--set",
+        "data.train=\"train-gz.tsv\"",
+        "--set",
+        "checkpoint.dir=\"ck-split\"",
+        "--set",
+        "train.max_steps=9",
+        "--quiet",
+    ]));
+    let resumed = auc("data.train=\"train-gz.tsv\"", &["--set", "checkpoint.dir=\"ck-split\"", "--resume", "ck-split"]);
+    assert_eq!(resumed, reference, "resumed inside the gzip stream");
+}
+
+// ---- 17. A byte-order mark, a truncated last line, stale temporaries ------
+
+#[test]
+fn a_byte_order_mark_is_no_bad_row_and_a_cut_off_last_line_is_one() {
+    let job = Job::new(3000);
+    let text = std::fs::read_to_string(job.path("data/train.tsv")).expect("train");
+    std::fs::write(job.path("bom.tsv"), format!("\u{feff}{text}")).expect("write");
+    let out = job.run(&["train", "--config", "job.toml", "--set", "data.train=\"bom.tsv\"", "--quiet"]);
+    ok(&out);
+    assert_eq!(last_json(&out)["bad_rows"], 0, "{}", stderr(&out));
+    assert_eq!(last_json(&out)["train_rows"], 3000);
+    // libsvm: a last line without its newline may be cut anywhere (`3:0.` of
+    // `3:0.25`): counted as malformed, named by its line.
+    let svm = "1 1:0.5 7:1\n0 2:1 9:0.25\n1 3:0.";
+    std::fs::write(job.path("cut.svm"), svm).expect("write");
+    let config = job.write_config("svm.toml", "");
+    let out = job.run(&[
+        "train",
+        "--config",
+        &config,
+        "--set",
+        "data.format=libsvm",
+        "--set",
+        "data.train=\"cut.svm\"",
+        "--set",
+        "data.test=\"cut.svm\"",
+        "--set",
+        "model.kind=lr",
+        "--quiet",
+    ]);
+    ok(&out);
+    assert_eq!(last_json(&out)["train_rows"], 2, "{}", stderr(&out));
+    assert!(stderr(&out).contains("cut.svm:3: the last line has no newline"), "{}", stderr(&out));
+    // CSV: a last line without newline is whole when every column is there.
+    let csv_config = job.write_config("csv.toml", "");
+    std::fs::write(job.path("rows.csv"), "label,a,b\n1,x,y\n0,x,z\n1,w").expect("write");
+    let out = job.run(&[
+        "train",
+        "--config",
+        &csv_config,
+        "--set",
+        "data.format=csv",
+        "--set",
+        "data.train=\"rows.csv\"",
+        "--set",
+        "data.test=\"rows.csv\"",
+        "--set",
+        "data.schema={sparse=[\"a\",\"b\"]}",
+        "--set",
+        "model.kind=lr",
+        "--quiet",
+    ]);
+    ok(&out);
+    assert_eq!(last_json(&out)["train_rows"], 2, "{}", stderr(&out));
+    std::fs::write(job.path("rows.csv"), "label,a,b\n1,x,y\n0,x,z\n1,w,q").expect("write");
+    let out = job.run(&[
+        "train",
+        "--config",
+        &csv_config,
+        "--set",
+        "data.format=csv",
+        "--set",
+        "data.train=\"rows.csv\"",
+        "--set",
+        "data.test=\"rows.csv\"",
+        "--set",
+        "data.schema={sparse=[\"a\",\"b\"]}",
+        "--set",
+        "model.kind=lr",
+        "--set",
+        "checkpoint.dir=\"ck-csv2\"",
+        "--quiet",
+    ]);
+    ok(&out);
+    assert_eq!(last_json(&out)["train_rows"], 3, "{}", stderr(&out));
+}
+
+/// A full disk leaves `.tmp-ckpt-*` behind; the next run on the directory removes them.
+#[test]
+fn temporaries_left_by_a_failed_checkpoint_are_removed_at_the_next_start() {
+    let job = Job::new(3000);
+    let stale = job.path("ck/.tmp-ckpt-000000000007-424242");
+    std::fs::create_dir_all(&stale).expect("stale");
+    std::fs::write(stale.join("embeddings.bin"), vec![0u8; 4096]).expect("partial file");
+    std::fs::write(job.path("ck/.LATEST.tmp-424242"), "ckpt-000000000007\n").expect("partial LATEST");
+    ok(&job.run(&["train", "--config", "job.toml", "--set", "train.max_steps=2", "--quiet"]));
+    assert!(!stale.exists() && !job.path("ck/.LATEST.tmp-424242").exists());
+    assert!(job.path("ck/LATEST").exists());
 }

@@ -254,6 +254,15 @@ pub fn launch(
         })
         .collect::<Result<_, _>>()?;
     drop(children);
+    let rows: u64 = summaries.iter().map(|w| w.train_rows).sum();
+    if rows == 0 && config.checkpoint.resume_from.is_none() {
+        let bad = summaries.iter().map(|w| w.bad_rows).max().unwrap_or(0);
+        return Err(ClusterError::Setup(format!(
+            "no training row in data.train = {}: {}",
+            config.data.train.as_deref().unwrap_or_default(),
+            if bad == 0 { "the file holds no row".to_string() } else { format!("all {bad} rows were malformed") }
+        )));
+    }
     Ok(merge(config, options, &summaries, wall.elapsed().as_secs_f64()))
 }
 

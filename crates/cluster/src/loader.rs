@@ -109,7 +109,7 @@ impl LoaderServer {
             .as_deref()
             .map(Path::new)
             .ok_or(DataError::MissingPath { key: "train", what: "the training data file" })?;
-        let bad = BadRows::new(config.data.max_bad_rows, config.data.report_bad_rows);
+        let bad = BadRows::from_config(&config.data);
         // Resuming: the data continues where the checkpoint's run stopped.
         let (start, steps_done) = match crate::checkpoint::resume_dir(config)? {
             Some(dir) => {

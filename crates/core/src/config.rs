@@ -48,6 +48,9 @@ pub struct DataConfig {
     pub schema: Option<Schema>,
     /// Malformed rows skipped (and counted) before the job stops with an error.
     pub max_bad_rows: u64,
+    /// Also stop when more than this fraction of a pass's rows were malformed
+    /// (checked at the end of each pass over the file). Default: no limit.
+    pub max_bad_fraction: Option<f64>,
     /// How many malformed rows are reported one by one (file, line, reason).
     pub report_bad_rows: u64,
     /// libffm: number of fields (field indices must be below it).
@@ -64,6 +67,7 @@ impl Default for DataConfig {
             test: None,
             schema: None,
             max_bad_rows: 1000,
+            max_bad_fraction: None,
             report_bad_rows: 5,
             num_fields: None,
             prefetch_batches: 8,
@@ -485,6 +489,9 @@ impl Config {
         }
         if self.checkpoint.keep == 0 {
             return invalid("checkpoint.keep", "must be at least 1 (the version just written is kept)");
+        }
+        if self.data.max_bad_fraction.is_some_and(|f| !(0.0..=1.0).contains(&f)) {
+            return invalid("data.max_bad_fraction", "must be between 0 and 1");
         }
         if self.data.num_fields == Some(0) {
             return invalid("data.num_fields", "must be at least 1");

@@ -6,8 +6,10 @@ pub mod batch;
 pub mod config;
 pub mod key;
 pub mod metrics;
+pub mod printable;
 pub mod rng;
 
 pub use batch::{Batch, BatchBuilder, DataPosition};
 pub use config::{Config, ConfigError};
 pub use key::feature_key;
+pub use printable::printable;

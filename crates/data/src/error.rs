@@ -13,6 +13,10 @@ pub enum DataError {
         "{path}: {bad_rows} malformed rows, more than data.max_bad_rows = {max_bad_rows} (last at line {line}: {reason})"
     )]
     TooManyBadRows { path: PathBuf, bad_rows: u64, max_bad_rows: u64, line: u64, reason: String },
+    #[error("{path}: {bad_rows} of {rows} rows malformed, more than data.max_bad_fraction = {max_bad_fraction}")]
+    TooLargeBadFraction { path: PathBuf, bad_rows: u64, rows: u64, max_bad_fraction: f64 },
+    #[error("{path}: no training row: {why}")]
+    NoRows { path: PathBuf, why: String },
     #[error("{path}: schema: {message}")]
     Schema { path: PathBuf, message: String },
     #[error("{path}: parquet: {message}")]
@@ -36,11 +40,46 @@ pub struct BadRows {
     pub count: Arc<AtomicU64>,
     pub max_bad_rows: u64,
     pub report_first: u64,
+    /// Malformed and good rows of the pass in progress, for `max_bad_fraction`.
+    pass: Arc<(AtomicU64, AtomicU64)>,
+    pub max_bad_fraction: Option<f64>,
 }
 
 impl BadRows {
     pub fn new(max_bad_rows: u64, report_first: u64) -> Self {
-        BadRows { count: Arc::new(AtomicU64::new(0)), max_bad_rows, report_first }
+        BadRows {
+            count: Arc::new(AtomicU64::new(0)),
+            max_bad_rows,
+            report_first,
+            pass: Arc::default(),
+            max_bad_fraction: None,
+        }
+    }
+
+    /// The budget `[data]` sets: `max_bad_rows`, `report_bad_rows`, `max_bad_fraction`.
+    pub fn from_config(data: &sparrow_core::config::DataConfig) -> Self {
+        BadRows { max_bad_fraction: data.max_bad_fraction, ..BadRows::new(data.max_bad_rows, data.report_bad_rows) }
+    }
+
+    /// Good rows read (the denominator of `max_bad_fraction`).
+    pub fn record_good(&self, rows: u64) {
+        self.pass.1.fetch_add(rows, Ordering::Relaxed);
+    }
+
+    /// At the end of a pass over `path`: fails past `max_bad_fraction`, then
+    /// starts counting the next pass.
+    pub fn end_pass(&self, path: &std::path::Path) -> Result<(), DataError> {
+        let bad = self.pass.0.swap(0, Ordering::Relaxed);
+        let rows = bad + self.pass.1.swap(0, Ordering::Relaxed);
+        match self.max_bad_fraction {
+            Some(max) if rows > 0 && bad as f64 > max * rows as f64 => Err(DataError::TooLargeBadFraction {
+                path: path.to_path_buf(),
+                bad_rows: bad,
+                rows,
+                max_bad_fraction: max,
+            }),
+            _ => Ok(()),
+        }
     }
 
     pub fn total(&self) -> u64 {
@@ -49,8 +88,12 @@ impl BadRows {
 
     pub fn record(&self, path: &std::path::Path, line: u64, reason: String) -> Result<(), DataError> {
         let n = self.count.fetch_add(1, Ordering::Relaxed) + 1;
+        self.pass.0.fetch_add(1, Ordering::Relaxed);
+        // The reason quotes the data: escaped, so a row cannot drive the terminal.
+        let reason = sparrow_core::printable(&reason).into_owned();
         if n <= self.report_first {
-            eprintln!("warning: skipped malformed row {}:{line}: {reason}", path.display());
+            let shown = sparrow_core::printable(&path.display().to_string()).into_owned();
+            eprintln!("warning: skipped malformed row {shown}:{line}: {reason}");
         }
         if n > self.max_bad_rows {
             return Err(DataError::TooManyBadRows {

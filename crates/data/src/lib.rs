@@ -5,6 +5,7 @@
 //! Nothing here knows about networks or embeddings.
 
 pub mod error;
+pub mod input;
 pub mod layout;
 pub mod parquet_source;
 pub mod stream;

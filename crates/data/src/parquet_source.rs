@@ -30,26 +30,57 @@ pub struct ParquetSource {
     bad: BadRows,
 }
 
+/// A label or dense column must hold one number (or a string of one) per
+/// row: any other type is refused once, for the schema, instead of once per row.
+fn check_scalar_column(
+    path: &Path,
+    names: &[String],
+    types: &[ColumnType],
+    col: usize,
+    role: &str,
+) -> Result<(), DataError> {
+    use parquet::basic::{Repetition, Type as Physical};
+    let t = &types[col];
+    let problem = if !t.is_primitive() {
+        Some("a group or list".to_string())
+    } else if t.get_basic_info().repetition() == Repetition::REPEATED {
+        Some("a repeated column".to_string())
+    } else {
+        match t.get_physical_type() {
+            Physical::BOOLEAN | Physical::INT32 | Physical::INT64 | Physical::FLOAT | Physical::DOUBLE => None,
+            Physical::BYTE_ARRAY => None,
+            other => Some(format!("of type {other}")),
+        }
+    };
+    match problem {
+        None => Ok(()),
+        Some(p) => Err(DataError::Schema {
+            path: path.to_path_buf(),
+            message: format!("column `{}` ({role}) is {p}; it must hold a number or a string per row", names[col]),
+        }),
+    }
+}
+
+type ColumnType = std::sync::Arc<parquet::schema::types::Type>;
+
 fn open_rows(path: &Path) -> Result<(RowIter<'static>, Vec<String>), DataError> {
+    let (rows, names, _) = open_rows_typed(path)?;
+    Ok((rows, names))
+}
+
+fn open_rows_typed(path: &Path) -> Result<(RowIter<'static>, Vec<String>, Vec<ColumnType>), DataError> {
     let file = File::open(path).map_err(|e| DataError::io(path, e))?;
     let reader = SerializedFileReader::new(file)
         .map_err(|e| DataError::Parquet { path: path.to_path_buf(), message: e.to_string() })?;
-    let names = reader
-        .metadata()
-        .file_metadata()
-        .schema_descr()
-        .root_schema()
-        .get_fields()
-        .iter()
-        .map(|f| f.name().to_string())
-        .collect();
-    Ok((reader.into_iter(), names))
+    let types: Vec<ColumnType> = reader.metadata().file_metadata().schema_descr().root_schema().get_fields().to_vec();
+    let names = types.iter().map(|f| f.name().to_string()).collect();
+    Ok((reader.into_iter(), names, types))
 }
 
 impl ParquetSource {
     pub fn open(path: &Path, config: &DataConfig, bad: BadRows) -> Result<ParquetSource, DataError> {
         let schema = config.schema.clone().unwrap_or_default();
-        let (rows, names) = open_rows(path)?;
+        let (rows, names, types) = open_rows_typed(path)?;
         let find = |name: &str| {
             names.iter().position(|n| n == name).ok_or_else(|| DataError::Schema {
                 path: path.to_path_buf(),
@@ -57,8 +88,13 @@ impl ParquetSource {
             })
         };
         let label = find(&schema.label)?;
-        let dense = schema.dense.iter().map(|n| Ok((find(n)?, n.clone()))).collect::<Result<_, DataError>>()?;
+        let dense: Vec<(usize, String)> =
+            schema.dense.iter().map(|n| Ok((find(n)?, n.clone()))).collect::<Result<_, DataError>>()?;
         let sparse = schema.sparse.iter().map(|n| find(n)).collect::<Result<_, DataError>>()?;
+        check_scalar_column(path, &names, &types, label, "the label")?;
+        for (col, _) in &dense {
+            check_scalar_column(path, &names, &types, *col, "a dense value")?;
+        }
         Ok(ParquetSource {
             path: path.to_path_buf(),
             rows,
@@ -188,6 +224,7 @@ impl BatchSource for ParquetSource {
         if b.rows() == 0 {
             return Ok(None);
         }
+        self.bad.record_good(b.rows() as u64);
         Ok(Some(b.finish(DataPosition { epoch, offset: self.next_row, line: self.next_row + 1 })))
     }
 }

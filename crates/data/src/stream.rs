@@ -50,7 +50,8 @@ impl BatchStream {
         epochs: u64,
         bad: BadRows,
     ) -> Result<BatchStream, DataError> {
-        let mut source = open_source(path, config, bad)?;
+        let mut source = open_source(path, config, bad.clone())?;
+        let source_path = path.to_path_buf();
         let layout = source.layout().clone();
         let (tx, rx) = bounded(config.prefetch_batches);
         let stop = Arc::new(AtomicBool::new(false));
@@ -74,7 +75,13 @@ impl BatchStream {
                                     return;
                                 }
                             }
-                            Ok(None) => break,
+                            Ok(None) => {
+                                if let Err(e) = bad.end_pass(&source_path) {
+                                    let _ = tx.send(Err(e));
+                                    return;
+                                }
+                                break;
+                            }
                             Err(e) => {
                                 let _ = tx.send(Err(e));
                                 return;

@@ -2,8 +2,7 @@
 //! Each parser turns one line into one row of a [`BatchBuilder`] or explains
 //! why it cannot; the caller counts the bad row and rolls it back.
 
-use std::fs::File;
-use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
+use std::io::{BufRead, Read};
 use std::path::{Path, PathBuf};
 
 use sparrow_core::batch::{BatchBuilder, DataPosition};
@@ -11,12 +10,21 @@ use sparrow_core::config::{DataConfig, DataFormat, DenseTransform, Schema};
 use sparrow_core::{Batch, feature_key};
 
 use crate::error::{BadRows, DataError};
+use crate::input::TextInput;
 use crate::layout::{CRITEO_DENSE, CRITEO_SPARSE, DataLayout};
 use crate::stream::BatchSource;
 
 pub trait LineParser: Send {
     /// Parses `line` (no trailing newline) into the builder's current row.
     fn parse(&mut self, line: &[u8], out: &mut BatchBuilder) -> Result<f32, String>;
+
+    /// Whether a last line that ends without a newline is whole rather than
+    /// cut off by a truncated file (then it counts as malformed): Criteo, when
+    /// it parses; CSV, when every column of the header is there; never for
+    /// libsvm/libffm, whose rows have no fixed length (a cut one looks whole).
+    fn whole_without_newline(&self, _line: &[u8]) -> bool {
+        false
+    }
 }
 
 /// `0`/`1` or `-1`/`+1`; anything else is a malformed row.
@@ -113,6 +121,14 @@ impl LineParser for CriteoParser {
         }
         Ok(label)
     }
+
+    /// Criteo's own files end without a newline and cut trailing empty
+    /// columns (the Kaggle sample in `testdata/` does both), so a last line
+    /// is whole when it parses: a file cut exactly at a tab cannot be told
+    /// from such a row.
+    fn whole_without_newline(&self, _line: &[u8]) -> bool {
+        true
+    }
 }
 
 /// Splits a CSV line on `delim`, honouring double quotes ("" is a quote).
@@ -172,6 +188,8 @@ pub struct CsvParser {
     multi_hot: Option<Vec<u8>>,
     transform: DenseTransform,
     width: usize,
+    /// Columns a whole row has: the header's, else the schema's widest.
+    columns: usize,
 }
 
 impl CsvParser {
@@ -204,7 +222,9 @@ impl CsvParser {
         let width =
             std::iter::once(label).chain(dense.iter().map(|d| d.0)).chain(sparse.iter().copied()).max().unwrap_or(0)
                 + 1;
+        let columns = if header.is_some() { names.len().max(width) } else { width };
         Ok(CsvParser {
+            columns,
             delim,
             label,
             dense,
@@ -253,6 +273,11 @@ impl LineParser for CsvParser {
             }
         }
         Ok(label)
+    }
+
+    fn whole_without_newline(&self, line: &[u8]) -> bool {
+        let mut cells = Vec::new();
+        split_csv(line, self.delim, &mut cells).is_ok() && cells.len() >= self.columns
     }
 }
 
@@ -332,11 +357,13 @@ impl LineParser for SvmParser {
 /// not line-oriented at all must not be read into memory in one piece).
 pub const MAX_LINE_BYTES: u64 = 1 << 20;
 
+const UTF8_BOM: &[u8] = b"\xef\xbb\xbf";
+
 /// A line-oriented file read sequentially, with its position tracked so a
 /// resumed run can seek straight back to it.
 pub struct TextSource {
     path: PathBuf,
-    reader: BufReader<File>,
+    reader: TextInput,
     parser: Box<dyn LineParser>,
     layout: DataLayout,
     /// Offset of the first data line (after a CSV header).
@@ -349,10 +376,13 @@ pub struct TextSource {
 
 impl TextSource {
     pub fn open(path: &Path, config: &DataConfig, bad: BadRows) -> Result<TextSource, DataError> {
-        let file = File::open(path).map_err(|e| DataError::io(path, e))?;
-        let mut reader = BufReader::with_capacity(1 << 20, file);
+        let mut reader = TextInput::open(path)?;
         let layout = DataLayout::from_config(config);
-        let mut data_start = (0, 1);
+        // A UTF-8 byte-order mark (Excel, Notepad) is not part of the first row.
+        let head = reader.fill_buf().map_err(|e| DataError::io(path, e))?;
+        let bom = if head.starts_with(UTF8_BOM) { UTF8_BOM.len() } else { 0 };
+        reader.consume(bom);
+        let mut data_start = (bom as u64, 1);
         let parser: Box<dyn LineParser> = match config.format {
             DataFormat::Criteo => Box::new(CriteoParser::default()),
             DataFormat::Libsvm => Box::new(SvmParser::libsvm()),
@@ -368,7 +398,7 @@ impl TextSource {
                             message: "empty file, no header".into(),
                         });
                     }
-                    data_start = (n as u64, 2);
+                    data_start = (bom as u64 + n as u64, 2);
                 }
                 let h = trim_eol(&header);
                 Box::new(CsvParser::new(path, &schema, schema.header.then_some(h))?)
@@ -413,7 +443,7 @@ impl BatchSource for TextSource {
 
     fn seek(&mut self, pos: DataPosition) -> Result<(), DataError> {
         let (offset, line) = if pos.offset == 0 { self.data_start } else { (pos.offset, pos.line) };
-        self.reader.seek(SeekFrom::Start(offset)).map_err(|e| DataError::io(&self.path, e))?;
+        self.reader.seek(offset)?;
         self.offset = offset;
         self.line = line;
         Ok(())
@@ -452,8 +482,14 @@ impl BatchSource for TextSource {
                 self.bad.record(&self.path, line_no, reason)?;
                 continue;
             }
+            let cut_short = self.buf.last() != Some(&b'\n');
             let line = trim_eol(&self.buf);
             if line.is_empty() {
+                continue;
+            }
+            if cut_short && !self.parser.whole_without_newline(line) {
+                let reason = "the last line has no newline and is not a whole row (a truncated file?)".to_string();
+                self.bad.record(&self.path, line_no, reason)?;
                 continue;
             }
             b.begin_row();
@@ -470,6 +506,7 @@ impl BatchSource for TextSource {
         if b.rows() == 0 {
             return Ok(None);
         }
+        self.bad.record_good(b.rows() as u64);
         Ok(Some(b.finish(DataPosition { epoch, offset: self.offset, line: self.line })))
     }
 }

@@ -269,3 +269,22 @@ fn parquet_with_schema_mapping_and_list_column() {
     let err = read_all(&path, &config, 2, &BadRows::new(0, 1)).expect_err("no user column");
     assert!(err.to_string().contains("user"), "{err}");
 }
+
+/// A dense column of the wrong type used to fail every row (one warning per
+/// row until the bad-row budget ran out); it is one schema error now.
+#[test]
+fn a_parquet_type_mismatch_is_one_schema_error_not_one_per_row() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let path = dir.path().join("ctr.parquet");
+    write_parquet(&path, &[(1, 2.5, "a.com", vec!["x"]), (0, 0.0, "b.com", vec![])]);
+    for (label, dense) in [("label", "tags"), ("tags", "price")] {
+        let schema =
+            Schema { label: label.into(), dense: vec![dense.into()], sparse: vec!["site".into()], ..Schema::default() };
+        let config = DataConfig { format: DataFormat::Parquet, schema: Some(schema), ..Default::default() };
+        let bad = BadRows::new(1_000_000, 5);
+        let err = read_all(&path, &config, 2, &bad).expect_err("a list is no number");
+        let msg = err.to_string();
+        assert!(msg.contains("column `tags`") && msg.contains("group or list"), "{msg}");
+        assert_eq!(bad.total(), 0, "no row was tried");
+    }
+}

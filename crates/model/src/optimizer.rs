@@ -40,9 +40,8 @@ pub fn check_finite(values: &[f32], what: impl FnOnce() -> String) -> Result<(),
     // A float is NaN or infinite exactly when its exponent bits are all
     // ones; OR-ing that test over chunks has no early exit, so it vectorises.
     const EXPONENT: u32 = 0x7f80_0000;
-    let all_finite = values
-        .chunks(256)
-        .all(|c| !c.iter().fold(false, |bad, v| bad | (v.to_bits() & EXPONENT == EXPONENT)));
+    let all_finite =
+        values.chunks(256).all(|c| !c.iter().fold(false, |bad, v| bad | (v.to_bits() & EXPONENT == EXPONENT)));
     if all_finite {
         return Ok(());
     }

@@ -197,7 +197,7 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
             eprintln!("resumed from {} (step {}, {} embedding rows)", dir.display(), m.step, m.embedding_rows);
         }
     }
-    let bad = BadRows::new(config.data.max_bad_rows, config.data.report_bad_rows);
+    let bad = BadRows::from_config(&config.data);
     let stream = BatchStream::spawn(
         train_path,
         &config.data,
@@ -351,6 +351,19 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
             outcome = Err(e);
             break;
         }
+    }
+    // A run that trained nothing did not succeed: an empty file, or one whose
+    // every row was malformed (a resumed run may find its data used up).
+    if outcome.is_ok()
+        && trainer.samples_trained == start_samples
+        && trainer.skipped_batches == 0
+        && resumed_from_step.is_none()
+    {
+        let why = match bad.total() {
+            0 => "the file holds no row".to_string(),
+            n => format!("all {n} rows were malformed (the first ones are reported above)"),
+        };
+        outcome = Err(DataError::NoRows { path: train_path.to_path_buf(), why }.into());
     }
     trainer.flush_update();
     // Rows past ttl_steps leave the table before it is evaluated, reported
@@ -513,7 +526,7 @@ fn score_checkpoint(
 ) -> Result<Scored, TrainError> {
     let (trainer, manifest, _) = checkpoint::load_trainer(checkpoint, overrides)?;
     let pool = thread_pool(threads.unwrap_or(trainer.config.train.threads))?;
-    let bad = BadRows::new(trainer.config.data.max_bad_rows, trainer.config.data.report_bad_rows);
+    let bad = BadRows::from_config(&trainer.config.data);
     let (logits, labels) = pool.install(|| predict_file(&trainer, data, &trainer.config.data, &bad))?;
     Ok(Scored { logits, labels, bad_rows: bad.total(), step: manifest.step })
 }
