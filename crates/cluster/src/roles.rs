@@ -205,7 +205,8 @@ pub fn run_shard(args: &RoleArgs) -> Result<(), ClusterError> {
             }
             None => shard_table(&reg.config, reg.index, reg.num_workers)?,
         };
-        let shard = Arc::new(ShardServer::new(reg.index, table));
+        let shard =
+            Arc::new(ShardServer::new(reg.index, table).with_max_reply_bytes(reg.config.cluster.max_message_bytes));
         let service = crate::grpc::shard::service(shard, &settings, metrics);
         Ok(rt.spawn(
             server_builder()

@@ -24,11 +24,26 @@ pub struct ShardServer {
     index: usize,
     table: EmbeddingTable,
     pending: Mutex<HashMap<u64, Pending>>,
+    /// `cluster.max_message_bytes`: a pull whose reply would not fit is
+    /// refused from its key count, before any row is copied.
+    max_reply_bytes: usize,
+}
+
+/// Bytes a pull reply of `keys` rows of `dim` floats takes on the wire (the
+/// rows plus protobuf's field header).
+fn pull_reply_bytes(keys: usize, dim: usize) -> usize {
+    keys.saturating_mul(dim).saturating_mul(4).saturating_add(16)
 }
 
 impl ShardServer {
     pub fn new(index: usize, table: EmbeddingTable) -> Self {
-        ShardServer { index, table, pending: Mutex::new(HashMap::new()) }
+        ShardServer { index, table, pending: Mutex::new(HashMap::new()), max_reply_bytes: usize::MAX }
+    }
+
+    /// Caps pull replies at `bytes` (the job's `cluster.max_message_bytes`).
+    pub fn with_max_reply_bytes(mut self, bytes: usize) -> Self {
+        self.max_reply_bytes = bytes;
+        self
     }
 
     /// Batches queued or pulled and not yet pushed.
@@ -62,14 +77,22 @@ impl ShardService for ShardServer {
     }
 
     fn pull(&self, batch_id: u64) -> Result<Vec<f32>, ClusterError> {
+        let dim = self.table.dim();
         let (keys, mode, plan) = match self.take(batch_id)? {
+            Pending::Queued { keys, .. } if pull_reply_bytes(keys.len(), dim) > self.max_reply_bytes => {
+                return Err(ClusterError::TooLarge {
+                    peer: format!("shard {}", self.index),
+                    method: "pull",
+                    bytes: pull_reply_bytes(keys.len(), dim),
+                    limit: self.max_reply_bytes,
+                });
+            }
             Pending::Queued { keys, mode, plan } => (keys, mode, plan),
             pulled @ Pending::Pulled { .. } => {
                 self.pending.lock().insert(batch_id, pulled);
                 return Err(ClusterError::UnknownBatch { shard: self.index, batch_id });
             }
         };
-        let dim = self.table.dim();
         // Second dedup (S3.4): keys from several loaders may repeat.
         let plan = plan.unwrap_or_else(|| self.table.plan(&keys));
         let mut unique_rows = vec![0.0f32; plan.num_unique() * dim];
@@ -144,5 +167,28 @@ impl ShardService for ShardServer {
             .map_err(|source| ClusterError::Table { shard: self.index, source })?;
         let filters = (cursor == (0, 0)).then(|| self.table.filter_state());
         Ok(ExportPage { keys, rows, last_uses, filters, next })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sparrow_core::config::InitConfig;
+    use sparrow_embedding::{Initializer, SparseOptimizer};
+
+    /// A 503 MB reply used to be built in full before tonic refused it.
+    #[test]
+    fn a_pull_too_large_for_a_message_is_refused_from_its_key_count() {
+        let optimizer = SparseOptimizer::Sgd { lr: 0.1 };
+        let table = EmbeddingTable::new(16, optimizer, Initializer::new(InitConfig::default(), 1), 4);
+        let shard = ShardServer::new(3, table).with_max_reply_bytes(64 * 1024);
+        // 1024 keys × 16 floats × 4 bytes = 64 KiB of rows, plus the header: one key too many.
+        shard.enqueue(7, (0..1024).collect(), Mode::Train).expect("queued");
+        let err = shard.pull(7).expect_err("too large");
+        let msg = err.to_string();
+        assert!(msg.contains("shard 3") && msg.contains("pull") && msg.contains("cluster.max_message_bytes"), "{msg}");
+        assert_eq!(shard.table().len(), 0, "no row was looked up or inserted");
+        shard.enqueue(8, (0..1000).collect(), Mode::Train).expect("queued");
+        assert_eq!(shard.pull(8).expect("fits").len(), 1000 * 16);
     }
 }
