@@ -615,3 +615,49 @@ fn temporaries_left_by_a_failed_checkpoint_are_removed_at_the_next_start() {
     assert!(!stale.exists() && !job.path("ck/.LATEST.tmp-424242").exists());
     assert!(job.path("ck/LATEST").exists());
 }
+
+// ---- 13. Sizes: validated, never a panic or an allocation abort ----------
+
+#[test]
+fn impossible_sizes_are_refused_naming_the_key() {
+    let job = Job::new(1000);
+    for (set, key) in [
+        ("model.hidden=[0]", "model.hidden"),
+        ("model.bottom_hidden=[0]", "model.bottom_hidden"),
+        ("train.batch_size=1000000000", "train.batch_size"),
+        ("data.prefetch_batches=1000000000", "data.prefetch_batches"),
+        ("embedding.table_shards=1073741824", "embedding.table_shards"),
+        ("model.embedding_dim=100000", "model.embedding_dim"),
+        ("embedding.learning_rate=nan", "embedding.learning_rate"),
+        ("train.epochs=0", "train.epochs"),
+        ("checkpoint.keep=0", "checkpoint.keep"),
+    ] {
+        let out = job.run(&["train", "--config", "job.toml", "--set", set, "--quiet"]);
+        fails_with(&out, &[key]);
+        assert_eq!(out.status.code(), Some(2), "{set}: {}", stderr(&out));
+    }
+    let out = job.run(&[
+        "train",
+        "--config",
+        "job.toml",
+        "--set",
+        "model.kind=dcn",
+        "--set",
+        "model.cross_layers=100000",
+        "--quiet",
+    ]);
+    fails_with(&out, &["model.cross_layers", "too large"]);
+    let out = job.run(&[
+        "launch",
+        "--config",
+        "job.toml",
+        "--shards",
+        "1",
+        "--workers",
+        "1",
+        "--set",
+        "train.batch_size=1000000000",
+        "--quiet",
+    ]);
+    fails_with(&out, &["train.batch_size", "too large"]);
+}

@@ -458,6 +458,10 @@ impl Default for ClusterConfig {
     }
 }
 
+/// Longest embedding vector accepted (a row of a CTR table is tens to
+/// hundreds of floats; 4096 leaves room, and keeps a row within a chunk).
+pub const MAX_EMBEDDING_DIM: usize = 4096;
+
 impl Config {
     /// Parses TOML text, applies `--set KEY=VALUE` overrides, and validates.
     pub fn from_toml_with_overrides(
@@ -527,8 +531,13 @@ impl Config {
         if self.train.threads == 0 {
             return invalid("train.threads", "must be at least 1");
         }
-        if self.model.embedding_dim == 0 {
-            return invalid("model.embedding_dim", "must be at least 1");
+        if self.model.embedding_dim == 0 || self.model.embedding_dim > MAX_EMBEDDING_DIM {
+            return invalid("model.embedding_dim", &format!("must be between 1 and {MAX_EMBEDDING_DIM}"));
+        }
+        for (key, sizes) in [("model.hidden", &self.model.hidden), ("model.bottom_hidden", &self.model.bottom_hidden)] {
+            if sizes.contains(&0) {
+                return invalid(key, "every layer needs at least 1 unit");
+            }
         }
         if !self.embedding.table_shards.is_power_of_two() {
             return invalid("embedding.table_shards", "must be a power of two");

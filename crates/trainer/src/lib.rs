@@ -11,6 +11,7 @@ pub mod pipeline;
 pub mod pooling;
 pub mod progress;
 pub mod run;
+pub mod sizes;
 pub mod trainer;
 
 pub use error::TrainError;

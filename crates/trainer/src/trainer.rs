@@ -182,6 +182,7 @@ pub fn seeds(seed: u64) -> (u64, u64) {
 
 impl Trainer {
     pub fn new(config: &Config, layout: DataLayout) -> Result<Trainer, TrainError> {
+        crate::sizes::check(config, &layout)?;
         let (emb_seed, dense_seed) = seeds(config.train.seed);
         let width = DenseModel::embedding_width(config.model.kind, config.model.embedding_dim);
         // Lookups in flight: the batch in hand and the pipeline_depth ahead of it.

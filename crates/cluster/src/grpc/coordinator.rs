@@ -104,6 +104,9 @@ impl Coordinator {
         if num_shards == 0 || num_workers == 0 {
             return Err(ClusterError::Setup("a job needs at least one shard and one worker".into()));
         }
+        // Sizes beyond the machine fail here, before any role allocates.
+        let layout = sparrow_data::DataLayout::from_config(&config.data);
+        sparrow_trainer::sizes::check(config, &layout).map_err(|e| ClusterError::Train(e.into()))?;
         if config.train.on_non_finite == sparrow_core::config::OnNonFinite::SkipBatch {
             return Err(ClusterError::Setup(
                 "train.on_non_finite = \"skip_batch\" is not available in a cluster job yet (a skipped batch \

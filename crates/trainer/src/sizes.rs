@@ -1,0 +1,167 @@
+//! Sizes checked against the machine before anything is allocated: a config
+//! asking for more memory than the machine has fails naming the key, instead
+//! of aborting on an allocation (exit 134) or being killed.
+
+use sparrow_core::config::{ModelKind, Storage};
+use sparrow_core::{Config, ConfigError};
+use sparrow_data::DataLayout;
+use sparrow_model::DenseModel;
+
+/// Bytes of memory this machine has (`MemTotal`), if the kernel says.
+pub fn machine_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: u64 =
+        text.lines().find_map(|l| l.strip_prefix("MemTotal:"))?.trim().strip_suffix("kB")?.trim().parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Dense parameters of the configured model (weights and biases).
+fn dense_params(config: &Config, layout: &DataLayout) -> u128 {
+    let m = &config.model;
+    let (f, nd) = (layout.num_fields as u128, layout.num_dense as u128);
+    let d = m.embedding_dim as u128;
+    let w = DenseModel::embedding_width(m.kind, m.embedding_dim) as u128;
+    let mlp = |input: u128, sizes: &[usize]| {
+        let mut fan_in = input;
+        let mut n = 0u128;
+        for &s in sizes.iter().chain(std::iter::once(&1)) {
+            n += (fan_in + 1) * s as u128;
+            fan_in = s as u128;
+        }
+        n
+    };
+    match m.kind {
+        ModelKind::Lr | ModelKind::Fm => nd + 1,
+        ModelKind::Mlp | ModelKind::WideDeep | ModelKind::Deepfm => mlp(f * w + nd, &m.hidden) + nd + 1,
+        ModelKind::Dlrm => {
+            let n = f + u128::from(nd > 0);
+            let bottom = if nd > 0 { mlp(nd, &m.bottom_hidden) + (d + 1) * d } else { 0 };
+            bottom + mlp(n * n.saturating_sub(1) / 2 + d, &m.hidden)
+        }
+        ModelKind::Dcn => {
+            let x = f * d + nd;
+            m.cross_layers as u128 * (x * x + x) + mlp(x, &m.hidden)
+        }
+    }
+}
+
+/// The dense model in memory: weights, gradient and two Adam moments.
+fn dense_bytes(config: &Config, layout: &DataLayout) -> u128 {
+    dense_params(config, layout) * 4 * 4
+}
+
+/// The key that makes the dense model large: the one whose default would
+/// shrink it most.
+fn dense_culprit(config: &Config, layout: &DataLayout) -> &'static str {
+    let defaults = sparrow_core::config::ModelConfig::default();
+    let candidates: [(&'static str, Box<dyn Fn(&mut Config)>); 4] = [
+        ("model.embedding_dim", Box::new(|c| c.model.embedding_dim = defaults.embedding_dim)),
+        ("model.hidden", Box::new(|c| c.model.hidden = defaults.hidden.clone())),
+        ("model.cross_layers", Box::new(|c| c.model.cross_layers = defaults.cross_layers)),
+        ("model.bottom_hidden", Box::new(|c| c.model.bottom_hidden = defaults.bottom_hidden.clone())),
+    ];
+    candidates
+        .iter()
+        .map(|(key, reset)| {
+            let mut c = config.clone();
+            reset(&mut c);
+            (*key, dense_bytes(&c, layout))
+        })
+        .min_by_key(|&(_, bytes)| bytes)
+        .map_or("model.hidden", |(key, _)| key)
+}
+
+/// What each key asks for, in bytes (rough, on the low side: an estimate
+/// that is too large must be far too large).
+fn estimates(config: &Config, layout: &DataLayout) -> Vec<(&'static str, u128)> {
+    let m = &config.model;
+    let f = layout.num_fields as u128;
+    let w = DenseModel::embedding_width(m.kind, m.embedding_dim) as u128;
+    let batch = config.train.batch_size as u128;
+    let widest = m.hidden.iter().chain(&m.bottom_hidden).copied().max().unwrap_or(1) as u128;
+    // A parsed batch: a key, an inverse index and an offset per field, the
+    // dense values and the label per row.
+    let raw_batch = batch * (f * 16 + layout.num_dense as u128 * 4 + 4);
+    // The step: pooled rows and their gradients, the widest layer's
+    // activations and gradients, the (DCN) cross input.
+    let step = batch
+        * 4
+        * (2 * f * w + 2 * widest + 2 * (f * w + layout.num_dense as u128) * u128::from(m.kind == ModelKind::Dcn));
+    let mut out = vec![
+        ("train.batch_size", raw_batch + step),
+        ("data.prefetch_batches", 2 * config.data.prefetch_batches as u128 * raw_batch),
+        (dense_culprit(config, layout), dense_bytes(config, layout)),
+        // A lock shard's bookkeeping, before any row.
+        ("embedding.table_shards", config.embedding.table_shards as u128 * 256),
+        ("embedding.admit_sketch_counters", config.embedding.admit_sketch_counters as u128),
+    ];
+    if config.embedding.storage == Storage::Ssd {
+        let row = (w * 2 + 2) * 4 + 64;
+        out.push(("embedding.cache_capacity_rows", config.embedding.cache_capacity_rows as u128 * row));
+    }
+    out
+}
+
+fn gib(bytes: u128) -> String {
+    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+/// Refuses a config one of whose sizes alone needs more than `memory` bytes,
+/// naming the key (the first in the order above whose share is too large).
+pub fn check_against(config: &Config, layout: &DataLayout, memory: u64) -> Result<(), ConfigError> {
+    let all = estimates(config, layout);
+    let total: u128 = all.iter().map(|e| e.1).sum();
+    for (key, bytes) in &all {
+        if *bytes > u128::from(memory) || (total > u128::from(memory) && *bytes * 2 > total) {
+            return Err(ConfigError::Invalid {
+                key: key.to_string(),
+                message: format!(
+                    "too large: this job would need about {} for it, and this machine has {}",
+                    gib(*bytes),
+                    gib(u128::from(memory))
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// [`check_against`] this machine's memory (no check where it is unknown).
+pub fn check(config: &Config, layout: &DataLayout) -> Result<(), ConfigError> {
+    match machine_memory_bytes() {
+        Some(memory) => check_against(config, layout, memory),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(sets: &[&str]) -> Config {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        Config::from_toml_with_overrides("", "test", &sets).expect("config")
+    }
+
+    #[test]
+    fn sizes_beyond_the_machine_are_refused_naming_the_key() {
+        let layout = DataLayout { num_fields: 26, num_dense: 13, weighted: false };
+        let memory = 24 << 30;
+        check_against(&config(&[]), &layout, memory).expect("the defaults fit");
+        for (set, key) in [
+            ("train.batch_size=1000000000", "train.batch_size"),
+            ("data.prefetch_batches=1000000000", "data.prefetch_batches"),
+            ("embedding.table_shards=1073741824", "embedding.table_shards"),
+            ("model.hidden=[100000, 100000]", "model.hidden"),
+            ("embedding.admit_sketch_counters=100000000000", "embedding.admit_sketch_counters"),
+        ] {
+            let err = check_against(&config(&[set]), &layout, memory).expect_err(set);
+            assert!(err.to_string().contains(key), "{set}: {err}");
+        }
+        let dcn = config(&["model.kind=dcn", "model.cross_layers=100000"]);
+        let err = check_against(&dcn, &layout, memory).expect_err("cross layers");
+        assert!(err.to_string().contains("model.cross_layers"), "{err}");
+        // Large but possible: a batch of 65536 rows.
+        check_against(&config(&["train.batch_size=65536"]), &layout, memory).expect("fits");
+    }
+}
