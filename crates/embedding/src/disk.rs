@@ -240,8 +240,8 @@ impl DiskStore {
     pub fn put_at(&mut self, key: u64, row: &[f32], how: Use, pos: Option<StorePos>) -> std::io::Result<()> {
         debug_assert_eq!(row.len(), self.row_len);
         let mut buf = std::mem::take(&mut self.buf);
-        let bucket = match pos {
-            Some(p) if p.generation == self.generation => p.bucket,
+        let (bucket, new_record, reuses_tombstone) = match pos {
+            Some(p) if p.generation == self.generation => (p.bucket, false, false),
             _ => {
                 if (self.len + self.tombstones + 1) * MAX_LOAD_DEN > self.buckets * MAX_LOAD_NUM {
                     // Mostly tombstones: rebuild at the same size; else double.
@@ -249,17 +249,24 @@ impl DiskStore {
                     self.rebuild(if live_half_full { self.buckets } else { self.buckets * 2 })?;
                 }
                 let p = self.probe(key, &mut buf)?;
-                if !p.found {
-                    self.len += 1;
-                    if p.reuses_tombstone {
-                        self.tombstones -= 1;
-                    }
-                }
-                p.bucket
+                (p.bucket, !p.found, p.reuses_tombstone)
             }
         };
         encode(&mut buf, key, how, row);
+        // A full disk: the test of a failed write-back (the caller keeps the row).
+        fail::fail_point!("disk_store::write", |_| Err(err(
+            &self.path,
+            "writing",
+            std::io::Error::other("no space left on device (injected)")
+        )));
         self.file.write_all_at(&buf, self.geometry.offset(bucket)).map_err(|e| err(&self.path, "writing", e))?;
+        // Counted once the record is on the store, so a failed write leaves the count true.
+        if new_record {
+            self.len += 1;
+            if reuses_tombstone {
+                self.tombstones -= 1;
+            }
+        }
         self.buf = buf;
         Ok(())
     }

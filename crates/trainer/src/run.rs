@@ -382,8 +382,12 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
 
     // Whatever happened, what was trained is written before anything else
     // (unless the periodic checkpoint of this very step already holds it).
+    // A failure that left the table between two steps writes nothing: a
+    // checkpoint is exactly the state of one step, or it is not written.
+    let consistent = trainer.is_consistent();
     let checkpoint_dir = match (&config.checkpoint.dir, last_saved) {
         (Some(_), Some((step, dir))) if step == trainer.step => Some(dir),
+        (Some(_), _) if !consistent => None,
         (Some(dir), _) if trainer.step > 0 || outcome.is_ok() => {
             Some(checkpoint::save(&trainer, Path::new(dir), config.checkpoint.keep)?)
         }
@@ -396,6 +400,12 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
                 trainer.step,
                 d.display(),
                 config.checkpoint.dir.as_deref().unwrap_or_default()
+            ),
+            None if !consistent => eprintln!(
+                "stopped during step {}; no checkpoint was written: the failed lookup (or prefetch) had already counted its \
+                 keys in the feature filters, so the table is not the state of any one step (the last \
+                 checkpoint written, if any, is the one LATEST names)",
+                trainer.step + 1
             ),
             None => eprintln!("stopped after step {}; no checkpoint.dir is set, so nothing was saved", trainer.step),
         }

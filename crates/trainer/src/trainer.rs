@@ -36,6 +36,8 @@ pub struct Trainer {
     /// Batches skipped for a non-finite loss or gradient
     /// (`train.on_non_finite = "skip_batch"`), by this run.
     pub skipped_batches: u64,
+    /// A failed table operation left the table between two steps.
+    torn: bool,
 }
 
 /// A batch's summed gradients, waiting to be applied to its rows.
@@ -212,15 +214,34 @@ impl Trainer {
             packed_input: Vec::new(),
             pending_update: None,
             skipped_batches: 0,
+            torn: false,
         })
     }
 
     /// Looks a planned batch up (inserting unseen keys): its unique rows and
     /// their slots for the update.
-    pub fn look_up(&self, plan: &KeyPlan) -> Result<LookedUp, TrainError> {
+    pub fn look_up(&mut self, plan: &KeyPlan) -> Result<LookedUp, TrainError> {
         let mut unique_rows = vec![0.0f32; plan.num_unique() * self.table.dim()];
-        let slots = self.table.lookup_or_insert(plan, &mut unique_rows)?;
+        let slots = self.table.lookup_or_insert(plan, &mut unique_rows).inspect_err(|_| self.note_failed_table_op())?;
         Ok(LookedUp { unique_rows, slots })
+    }
+
+    /// A lookup or prefetch failed part way. Rows it inserted hold their
+    /// initial vectors, which is what a resumed run would insert, so the
+    /// table is still exactly a step's — unless a feature filter counted
+    /// the sightings or ages of that partial lookup.
+    fn note_failed_table_op(&mut self) {
+        let e = &self.config.embedding;
+        if e.admit_min_count > 1 || e.ttl_steps > 0 {
+            self.torn = true;
+        }
+    }
+
+    /// False after a failure left the table between two steps (see
+    /// [`note_failed_table_op`](Self::note_failed_table_op)): no checkpoint
+    /// may be written from it.
+    pub fn is_consistent(&self) -> bool {
+        !self.torn
     }
 
     /// A step of the pipelined path (`train.pipeline_depth = d ≥ 1`): `batch`
@@ -266,8 +287,25 @@ impl Trainer {
                 (update_secs, next_lookup)
             },
         );
-        let next_lookup = next_lookup?;
         let step = checked_step(step, self.step + 1, &plan, &looked_up.unique_rows, table.dim());
+        // The lookahead failed (a full disk under the SSD tier): this step's
+        // dense update is made, so the step is completed (its sparse update
+        // left pending) before the error is reported — a checkpoint then
+        // holds exactly this step. A failed lookup may have counted
+        // sightings or ages (feature filters): then no step's state is exact.
+        let next_lookup = match next_lookup {
+            Ok(next) => next,
+            Err(e) => {
+                self.note_failed_table_op();
+                if let Ok(step) = step {
+                    self.step += 1;
+                    self.samples_trained += batch.rows() as u64;
+                    self.position = batch.end;
+                    self.pending_update = Some(SparseUpdate { plan, slots: looked_up.slots, grads: step.grads });
+                }
+                return Err(e.into());
+            }
+        };
         let t4 = Instant::now();
         let p = &mut self.phase_secs;
         // The update and the lookup overlap the dense step: counted there,
@@ -369,8 +407,19 @@ impl Trainer {
             || dense_step(model, optimizer, packed_input, inputs, pooling),
             || next.map_or(Ok(()), |p| table.prefetch(p)),
         );
-        prefetched?;
         let step = checked_step(step, self.step + 1, plan, &looked_up.unique_rows, self.table.dim());
+        if let Err(e) = prefetched {
+            // As in train_overlapped: the dense update is made, so the step
+            // is completed before the prefetch's error is reported.
+            self.note_failed_table_op();
+            if let Ok(step) = step {
+                self.table.apply_gradients_at(plan, &looked_up.slots, &step.grads);
+                self.step += 1;
+                self.samples_trained += batch.rows() as u64;
+                self.position = batch.end;
+            }
+            return Err(e.into());
+        }
         let step = match self.skip_or_stop(step, batch, plan)? {
             Ok(step) => step,
             Err(skipped) => return Ok(skipped),
@@ -400,7 +449,7 @@ impl Trainer {
         let width = self.table.dim();
         let t0 = Instant::now();
         let mut unique_rows = vec![0.0f32; plan.num_unique() * width];
-        let slots = self.table.lookup_or_insert(plan, &mut unique_rows)?;
+        let slots = self.table.lookup_or_insert(plan, &mut unique_rows).inspect_err(|_| self.note_failed_table_op())?;
         let t1 = Instant::now();
         let step = dense_step(
             &self.model,
