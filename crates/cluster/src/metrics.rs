@@ -3,12 +3,18 @@
 //! One registry per role instance: no global registry, so several roles can
 //! live in one test process.
 
-use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
 
+use crate::grpc::NetSettings;
 use crate::transport::ClusterError;
 
 #[derive(Clone)]
@@ -63,55 +69,130 @@ impl RoleMetrics {
         String::from_utf8(out).unwrap_or_default()
     }
 
-    /// Serves `GET /metrics` (any path) on `addr` from a background thread;
-    /// returns the bound address (`addr` may use port 0).
-    pub fn serve(&self, addr: SocketAddr) -> Result<SocketAddr, ClusterError> {
-        let listener = TcpListener::bind(addr)
+    /// Serves `GET /metrics` (any path) on `addr` from the role's runtime;
+    /// returns the bound address (`addr` may use port 0). The listen rule is
+    /// the RPCs': off loopback only with a token, and with a token every
+    /// scrape must carry it (`Authorization: Bearer TOKEN`). A scrape is
+    /// HTTP/1.1 served by hyper with small limits, so a client cannot grow
+    /// the role's memory or hold the endpoint: request heads up to
+    /// [`MAX_HEAD_BYTES`], [`HEAD_TIMEOUT`] to send one, [`MAX_CONNECTIONS`] at
+    /// once (more are closed at once), [`CONNECTION_TIMEOUT`] per connection.
+    pub fn serve(
+        &self,
+        addr: SocketAddr,
+        settings: &NetSettings,
+        rt: &tokio::runtime::Handle,
+    ) -> Result<SocketAddr, ClusterError> {
+        settings.check_listen(addr)?;
+        let listener = rt
+            .block_on(tokio::net::TcpListener::bind(addr))
             .map_err(|e| ClusterError::Io { what: format!("metrics: binding {addr}"), source: e })?;
         let bound = listener.local_addr().map_err(|e| ClusterError::Io { what: "metrics".into(), source: e })?;
         let metrics = self.clone();
-        std::thread::Builder::new()
-            .name("sparrow-metrics".into())
-            .spawn(move || {
-                for stream in listener.incoming().flatten() {
-                    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
-                    let mut reader = BufReader::new(&stream);
-                    // Read the request head; the answer is the same for every path.
-                    let mut line = String::new();
-                    while reader.read_line(&mut line).is_ok_and(|n| n > 0) && line != "\r\n" {
-                        line.clear();
-                    }
-                    let body = metrics.render();
-                    let mut stream = &stream;
-                    let _ = write!(
-                        stream,
-                        "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                        body.len()
-                    );
-                }
-            })
-            .map_err(|e| ClusterError::Io { what: "starting the metrics thread".into(), source: e })?;
+        let token = settings.token.clone();
+        let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+        rt.spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { continue };
+                // Over the limit: closed at once, nothing read.
+                let Ok(slot) = slots.clone().try_acquire_owned() else { continue };
+                let (metrics, token) = (metrics.clone(), token.clone());
+                tokio::spawn(async move {
+                    let service = service_fn(move |request| {
+                        let reply = metrics.answer(&request, token.as_deref());
+                        async move { Ok::<_, std::convert::Infallible>(reply) }
+                    });
+                    let connection = http1::Builder::new()
+                        .timer(TokioTimer::new())
+                        .header_read_timeout(HEAD_TIMEOUT)
+                        .max_buf_size(MAX_HEAD_BYTES)
+                        .keep_alive(false)
+                        .serve_connection(TokioIo::new(stream), service);
+                    let _ = tokio::time::timeout(CONNECTION_TIMEOUT, connection).await;
+                    drop(slot);
+                });
+            }
+        });
         Ok(bound)
     }
+
+    /// The reply to one scrape: the metrics, or 401 without the token.
+    fn answer(
+        &self,
+        request: &hyper::Request<hyper::body::Incoming>,
+        token: Option<&str>,
+    ) -> hyper::Response<Full<Bytes>> {
+        let authorized = token.is_none_or(|t| {
+            let expected = format!("Bearer {t}");
+            request.headers().get(hyper::header::AUTHORIZATION).is_some_and(|v| v.as_bytes() == expected.as_bytes())
+        });
+        let (status, content_type, body) = if authorized {
+            (hyper::StatusCode::OK, "text/plain; version=0.0.4", self.render())
+        } else {
+            let body = "missing or wrong token: send `Authorization: Bearer TOKEN` (cluster.auth_token)\n";
+            (hyper::StatusCode::UNAUTHORIZED, "text/plain", body.to_string())
+        };
+        let mut reply = hyper::Response::new(Full::new(Bytes::from(body)));
+        *reply.status_mut() = status;
+        if let Ok(v) = hyper::header::HeaderValue::from_str(content_type) {
+            reply.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+        }
+        reply
+    }
 }
+
+/// The largest request head a scrape may send (hyper's smallest buffer).
+pub const MAX_HEAD_BYTES: usize = 8192;
+/// Time a client has to send its request head.
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(5);
+/// Time a connection may stay open, whatever it does.
+pub const CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
+/// Scrapes served at once.
+pub const MAX_CONNECTIONS: usize = 16;
 
 #[cfg(test)]
 mod tests {
     use std::io::{Read, Write};
+    use std::net::TcpStream;
+    use std::time::Instant;
 
     use super::*;
 
+    fn settings(token: Option<&str>) -> NetSettings {
+        NetSettings {
+            token: token.map(Arc::from),
+            max_message_bytes: 1 << 20,
+            connect_timeout: Duration::from_secs(1),
+            rpc_timeout: Duration::from_secs(1),
+        }
+    }
+
+    fn serve(token: Option<&str>) -> (tokio::runtime::Runtime, RoleMetrics, SocketAddr) {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("rt");
+        let metrics = RoleMetrics::new("shard");
+        let addr = metrics.serve("127.0.0.1:0".parse().expect("addr"), &settings(token), rt.handle()).expect("serve");
+        (rt, metrics, addr)
+    }
+
+    /// One request; the whole response (the server closes the connection).
+    fn scrape(addr: SocketAddr, head: &str) -> String {
+        let mut stream = TcpStream::connect(addr).expect("connect");
+        stream.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        stream.write_all(head.as_bytes()).expect("request");
+        let mut response = String::new();
+        let _ = stream.read_to_string(&mut response);
+        response
+    }
+
+    const GET: &str = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+
     #[test]
     fn the_endpoint_serves_prometheus_text() {
-        let metrics = RoleMetrics::new("shard");
+        let (_rt, metrics, addr) = serve(None);
         metrics.observe("server", "pull", 0.002);
         metrics.count_bytes("out", "worker", 4096);
         metrics.batches_in_flight.set(3);
-        let addr = metrics.serve("127.0.0.1:0".parse().expect("addr")).expect("serve");
-        let mut stream = std::net::TcpStream::connect(addr).expect("connect");
-        stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").expect("request");
-        let mut response = String::new();
-        stream.read_to_string(&mut response).expect("response");
+        let response = scrape(addr, GET);
         assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
         for line in [
             r#"sparrow_rpc_seconds_bucket{method="pull",side="server",role="shard",le="0.0032"} 1"#,
@@ -121,5 +202,63 @@ mod tests {
         ] {
             assert!(response.contains(line), "missing `{line}` in\n{response}");
         }
+    }
+
+    /// 600 MB without a newline grew a shard to 1.4 GB: the head is capped.
+    #[test]
+    fn a_request_head_past_the_cap_is_refused_without_being_read() {
+        let (_rt, _metrics, addr) = serve(None);
+        let mut stream = TcpStream::connect(addr).expect("connect");
+        stream.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        let junk = vec![b'A'; 64 * 1024];
+        let mut sent = 0;
+        for _ in 0..64 {
+            match stream.write(&junk) {
+                Ok(n) => sent += n,
+                Err(_) => break,
+            }
+        }
+        let mut response = String::new();
+        let _ = stream.read_to_string(&mut response);
+        assert!(
+            response.is_empty() || response.starts_with("HTTP/1.1 431") || response.starts_with("HTTP/1.1 400"),
+            "after {sent} bytes: {response}"
+        );
+        assert!(!response.contains("sparrow_"), "served a 4 MB request line");
+        assert!(scrape(addr, GET).starts_with("HTTP/1.1 200 OK"), "the endpoint still serves");
+    }
+
+    /// A client sending a byte at a time used to block every scrape.
+    #[test]
+    fn a_slow_client_neither_blocks_scrapes_nor_stays_connected() {
+        let (_rt, _metrics, addr) = serve(None);
+        let mut slow = TcpStream::connect(addr).expect("connect");
+        slow.write_all(b"GET /met").expect("a few bytes");
+        let start = Instant::now();
+        assert!(scrape(addr, GET).starts_with("HTTP/1.1 200 OK"));
+        assert!(start.elapsed() < Duration::from_secs(2), "a scrape waited {:?}", start.elapsed());
+        // The slow head is cut off after HEAD_TIMEOUT.
+        slow.set_read_timeout(Some(HEAD_TIMEOUT + Duration::from_secs(5))).expect("timeout");
+        let mut rest = Vec::new();
+        let read = slow.read_to_end(&mut rest);
+        assert!(read.is_ok(), "not closed by the server: {read:?}");
+        assert!(start.elapsed() < HEAD_TIMEOUT + Duration::from_secs(3), "closed after {:?}", start.elapsed());
+    }
+
+    #[test]
+    fn the_endpoint_keeps_the_rpcs_listen_rule_and_token() {
+        let rt = tokio::runtime::Runtime::new().expect("rt");
+        let metrics = RoleMetrics::new("loader");
+        let open = "0.0.0.0:0".parse().expect("addr");
+        let err = metrics.serve(open, &settings(None), rt.handle()).expect_err("off loopback without a token");
+        assert!(err.to_string().contains("without a shared token"), "{err}");
+        drop(rt);
+        let (_rt, _metrics, addr) = serve(Some("t0ken"));
+        assert!(scrape(addr, GET).starts_with("HTTP/1.1 401"), "no token");
+        let wrong = "GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n\r\n";
+        assert!(scrape(addr, wrong).starts_with("HTTP/1.1 401"), "wrong token");
+        let right = "GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t0ken\r\n\r\n";
+        let response = scrape(addr, right);
+        assert!(response.starts_with("HTTP/1.1 200 OK") && response.contains("# TYPE sparrow_"), "{response}");
     }
 }

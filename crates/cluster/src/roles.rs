@@ -60,9 +60,15 @@ fn runtime() -> Result<Runtime, ClusterError> {
         .map_err(|e| ClusterError::Io { what: "starting the async runtime".into(), source: e })
 }
 
-fn serve_metrics(metrics: &RoleMetrics, addr: Option<SocketAddr>, role: &str) -> Result<(), ClusterError> {
+fn serve_metrics(
+    metrics: &RoleMetrics,
+    addr: Option<SocketAddr>,
+    role: &str,
+    settings: &NetSettings,
+    rt: &Runtime,
+) -> Result<(), ClusterError> {
     if let Some(addr) = addr {
-        let bound = metrics.serve(addr)?;
+        let bound = metrics.serve(addr, settings, rt.handle())?;
         tracing::info!("{role}: metrics on http://{bound}/metrics");
     }
     Ok(())
@@ -82,7 +88,7 @@ pub fn run_coordinator(
     let settings = NetSettings::new(&config.cluster);
     let coordinator = Arc::new(Coordinator::new(config, num_shards, num_workers)?);
     let metrics = RoleMetrics::new("coordinator");
-    serve_metrics(&metrics, metrics_listen, "coordinator")?;
+    serve_metrics(&metrics, metrics_listen, "coordinator", &settings, &rt)?;
     let (listener, bound) = rt.block_on(bind(listen, &settings))?;
     on_bound(bound);
     tracing::info!("coordinator: listening on {bound}, expecting {num_shards} shard(s) and {num_workers} worker(s)");
@@ -190,7 +196,7 @@ pub fn run_shard(args: &RoleArgs) -> Result<(), ClusterError> {
         })
     };
     let started = (|| -> Result<_, ClusterError> {
-        serve_metrics(&metrics, args.metrics_listen, "shard")?;
+        serve_metrics(&metrics, args.metrics_listen, "shard", &settings, &rt)?;
         let table = match crate::checkpoint::resume_dir(&reg.config)? {
             Some(dir) => {
                 let table = crate::checkpoint::restore_shard_table(
@@ -237,7 +243,7 @@ pub fn run_loader(args: &RoleArgs) -> Result<(), ClusterError> {
     let coordinator = CoordinatorClient::connect(&args.coordinator, &boot, rt.handle(), metrics.clone())?;
     let reg = coordinator.register(RoleKind::Loader, &advertise, None)?;
     let settings = NetSettings::new(&reg.config.cluster);
-    serve_metrics(&metrics, args.metrics_listen, "loader")?;
+    serve_metrics(&metrics, args.metrics_listen, "loader", &settings, &rt)?;
     let (shard_addresses, _) = coordinator.wait_for_view(settings.connect_timeout)?;
     let shards = connect_shards(&shard_addresses, &settings, &rt, &metrics)?;
     let loader = match LoaderServer::start(&reg.config, shards) {
@@ -331,8 +337,8 @@ pub fn run_worker(args: &RoleArgs) -> Result<WorkerSummary, ClusterError> {
     let reg = coordinator.register(RoleKind::Worker, &advertise, args.index)?;
     let index = reg.index;
     let result = (|| {
-        serve_metrics(&metrics, Some(args.listen), "worker")?;
         let settings = NetSettings::new(&reg.config.cluster);
+        serve_metrics(&metrics, Some(args.listen), "worker", &settings, &rt)?;
         let (shard_addresses, loader_address) = coordinator.wait_for_view(settings.connect_timeout)?;
         let shards = connect_shards(&shard_addresses, &settings, &rt, &metrics)?;
         let loader = LoaderClient::connect(&loader_address, &settings, rt.handle(), metrics.clone())?;
