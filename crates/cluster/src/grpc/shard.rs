@@ -111,6 +111,47 @@ impl pb::shard_server::Shard for ShardGrpc {
     }
 }
 
+/// An export page off the wire, its arrays checked (a page from a bad peer
+/// is an error, never a panic).
+pub fn export_page_from_proto(reply: pb::ExportReply, peer: &str) -> Result<ExportPage, ClusterError> {
+    let next = (!reply.done).then_some((reply.next_shard_cursor as usize, reply.next_slot_cursor as usize));
+    let filters = match reply.has_filters {
+        false => None,
+        true => {
+            let count = reply.sketch_count as usize;
+            if count > 0 && !reply.sketches.len().is_multiple_of(count) {
+                return Err(ClusterError::Setup(format!(
+                    "{peer}: {} sketch bytes do not split into {count} sketches",
+                    reply.sketches.len()
+                )));
+            }
+            let len = reply.sketches.len().checked_div(count).unwrap_or(0);
+            let sketches = reply.sketches.chunks(len.max(1)).take(count).map(<[u8]>::to_vec).collect();
+            Some(sparrow_embedding::FilterState { tick: reply.filter_tick, sketches })
+        }
+    };
+    let page = ExportPage {
+        keys: bytes_to_u64s(&reply.keys, peer, "keys")?,
+        rows: bytes_to_f32s(&reply.rows, peer, "rows")?,
+        last_uses: bytes_to_u64s(&reply.last_uses, peer, "last uses")?,
+        filters,
+        next,
+    };
+    let rows_fit = if page.keys.is_empty() { page.rows.is_empty() } else { page.rows.len() % page.keys.len() == 0 };
+    if page.last_uses.len() != page.keys.len() || !rows_fit {
+        return Err(ClusterError::Malformed {
+            peer: peer.to_string(),
+            what: format!(
+                "export page of {} keys with {} last uses and {} row values",
+                page.keys.len(),
+                page.last_uses.len(),
+                page.rows.len()
+            ),
+        });
+    }
+    Ok(page)
+}
+
 /// The shard's gRPC service, size-capped and token-checked.
 pub fn service(
     shard: Arc<ShardServer>,
@@ -188,29 +229,6 @@ impl ShardService for ShardClient {
             max_rows: max_rows as u32,
         };
         let reply = self.peer.call("export", request, |mut c, r| async move { c.export(r).await })?;
-        let next = (!reply.done).then_some((reply.next_shard_cursor as usize, reply.next_slot_cursor as usize));
-        let filters = match reply.has_filters {
-            false => None,
-            true => {
-                let count = reply.sketch_count as usize;
-                if count > 0 && !reply.sketches.len().is_multiple_of(count) {
-                    return Err(ClusterError::Setup(format!(
-                        "{}: {} sketch bytes do not split into {count} sketches",
-                        self.peer.name,
-                        reply.sketches.len()
-                    )));
-                }
-                let len = reply.sketches.len().checked_div(count).unwrap_or(0);
-                let sketches = reply.sketches.chunks(len.max(1)).take(count).map(<[u8]>::to_vec).collect();
-                Some(sparrow_embedding::FilterState { tick: reply.filter_tick, sketches })
-            }
-        };
-        Ok(ExportPage {
-            keys: bytes_to_u64s(&reply.keys, &self.peer.name, "keys")?,
-            rows: bytes_to_f32s(&reply.rows, &self.peer.name, "rows")?,
-            last_uses: bytes_to_u64s(&reply.last_uses, &self.peer.name, "last uses")?,
-            filters,
-            next,
-        })
+        export_page_from_proto(reply, &self.peer.name)
     }
 }
