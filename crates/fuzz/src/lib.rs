@@ -15,8 +15,11 @@ use sparrow_data::stream::open_source;
 use sparrow_data::text::{CriteoParser, CsvParser, LineParser, SvmParser};
 use sparrow_proto::v1 as pb;
 
+/// A target: takes any bytes, returns nothing, must not panic.
+pub type Target = fn(&[u8]);
+
 /// The targets, by the name of their corpus directory under `fuzz/corpus/`.
-pub const TARGETS: &[(&str, fn(&[u8]))] = &[
+pub const TARGETS: &[(&str, Target)] = &[
     ("line_parsers", line_parsers),
     ("text_file", text_file),
     ("parquet_file", parquet_file),

@@ -2,7 +2,7 @@
 //! asking for more memory than the machine has fails naming the key, instead
 //! of aborting on an allocation (exit 134) or being killed.
 
-use sparrow_core::config::{ModelKind, Storage};
+use sparrow_core::config::{ModelConfig, ModelKind, Storage};
 use sparrow_core::{Config, ConfigError};
 use sparrow_data::DataLayout;
 use sparrow_model::DenseModel;
@@ -53,12 +53,13 @@ fn dense_bytes(config: &Config, layout: &DataLayout) -> u128 {
 /// The key that makes the dense model large: the one whose default would
 /// shrink it most.
 fn dense_culprit(config: &Config, layout: &DataLayout) -> &'static str {
-    let defaults = sparrow_core::config::ModelConfig::default();
-    let candidates: [(&'static str, Box<dyn Fn(&mut Config)>); 4] = [
-        ("model.embedding_dim", Box::new(|c| c.model.embedding_dim = defaults.embedding_dim)),
-        ("model.hidden", Box::new(|c| c.model.hidden = defaults.hidden.clone())),
-        ("model.cross_layers", Box::new(|c| c.model.cross_layers = defaults.cross_layers)),
-        ("model.bottom_hidden", Box::new(|c| c.model.bottom_hidden = defaults.bottom_hidden.clone())),
+    /// Sets one key back to its default.
+    type Reset = fn(&mut Config);
+    let candidates: [(&'static str, Reset); 4] = [
+        ("model.embedding_dim", |c| c.model.embedding_dim = ModelConfig::default().embedding_dim),
+        ("model.hidden", |c| c.model.hidden = ModelConfig::default().hidden),
+        ("model.cross_layers", |c| c.model.cross_layers = ModelConfig::default().cross_layers),
+        ("model.bottom_hidden", |c| c.model.bottom_hidden = ModelConfig::default().bottom_hidden),
     ];
     candidates
         .iter()

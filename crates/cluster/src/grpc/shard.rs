@@ -137,7 +137,8 @@ pub fn export_page_from_proto(reply: pb::ExportReply, peer: &str) -> Result<Expo
         filters,
         next,
     };
-    let rows_fit = if page.keys.is_empty() { page.rows.is_empty() } else { page.rows.len() % page.keys.len() == 0 };
+    // `n.is_multiple_of(0)` holds only for 0: no keys, no rows.
+    let rows_fit = page.rows.len().is_multiple_of(page.keys.len());
     if page.last_uses.len() != page.keys.len() || !rows_fit {
         return Err(ClusterError::Malformed {
             peer: peer.to_string(),
