@@ -661,3 +661,49 @@ fn impossible_sizes_are_refused_naming_the_key() {
     ]);
     fails_with(&out, &["train.batch_size", "too large"]);
 }
+
+/// SIGTERM to `launch` stops the job like Ctrl-C (exit 143, no child left);
+/// SIGTERM to one role ends it with 143, and the job fails naming it.
+#[test]
+fn sigterm_stops_launch_and_its_roles_cleanly() {
+    let job = Job::new(200_000);
+    let pids_of = |job: &Job| -> Vec<(String, u32)> {
+        let err = std::fs::read_to_string(job.path("bg.stderr")).unwrap_or_default();
+        err.lines()
+            .filter_map(|l| {
+                let (name, pid) = l.strip_prefix("launch: ")?.rsplit_once(" is pid ")?;
+                Some((name.to_string(), pid.trim().parse().ok()?))
+            })
+            .collect()
+    };
+    let wait_for_workers = |job: &Job| {
+        let start = Instant::now();
+        while !std::fs::read_to_string(job.path("bg.stderr")).unwrap_or_default().contains("[worker 0]") {
+            assert!(start.elapsed() < MINUTE, "no worker started");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let gone = |pid: u32| !Path::new(&format!("/proc/{pid}")).exists();
+
+    let mut launch = spawn_in(job.dir(), &["launch", "--config", "job.toml", "--shards", "1", "--workers", "1"]);
+    wait_for_workers(&job);
+    signal(launch.id(), "-TERM");
+    let status = launch.wait().expect("wait");
+    assert_eq!(status.code(), Some(143), "{}", std::fs::read_to_string(job.path("bg.stderr")).unwrap_or_default());
+    let children = pids_of(&job);
+    assert_eq!(children.len(), 4, "{children:?}");
+    let start = Instant::now();
+    while !children.iter().all(|(_, pid)| gone(*pid)) {
+        assert!(start.elapsed() < Duration::from_secs(5), "children left behind: {children:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    let mut launch = spawn_in(job.dir(), &["launch", "--config", "job.toml", "--shards", "1", "--workers", "1"]);
+    wait_for_workers(&job);
+    let shard = pids_of(&job).into_iter().find(|(name, _)| name == "shard 0").expect("shard 0").1;
+    signal(shard, "-TERM");
+    let status = launch.wait().expect("wait");
+    let err = std::fs::read_to_string(job.path("bg.stderr")).unwrap_or_default();
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(err.contains("shard 0 exited (exit status: 143)") && err.contains("shard stopped by SIGTERM"), "{err}");
+}
