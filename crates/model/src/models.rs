@@ -338,11 +338,13 @@ impl DenseModel {
         let seed = Tensor::from_vec(seed, rows, self.params.device())?;
         let surrogate = (logits_t * seed)?.sum_all()?;
         let grads = surrogate.backward()?;
-        optimizer.step(&self.params, &grads, rows)?;
         let emb_grad = match grads.get(emb.as_tensor()) {
             Some(g) => g.flatten_all()?.to_vec1::<f32>()?,
             None => vec![0.0; emb.elem_count()],
         };
+        // Checked before any weight moves, like the dense gradients.
+        crate::optimizer::check_finite(&emb_grad, || "gradient of the embedding inputs".into())?;
+        optimizer.step(&self.params, &grads, rows)?;
         Ok(StepOutput { logits, loss, emb_grad })
     }
 
@@ -395,6 +397,8 @@ impl DenseModel {
         let (loss, seed) = Self::loss_and_seed(&logits, labels);
         self.check_loss(loss)?;
         let mut grad_p = Some(mlp.backward_cpu(x, &seed, &mut scratch)?);
+        // Checked before any weight moves, like the dense gradients.
+        crate::optimizer::check_finite(&scratch.grad_input, || "gradient of the embedding inputs".into())?;
         let mlp_params = mlp.params().as_tensor().id();
         optimizer.step_with(&self.params, rows, |_, var| {
             Ok(if var.as_tensor().id() == mlp_params { grad_p.take() } else { None })

@@ -151,6 +151,8 @@ fn checked_step(
     plan: &KeyPlan,
     unique_rows: &[f32],
     width: usize,
+    policy: OnNonFinite,
+    torn: &mut bool,
 ) -> Result<DenseStepOut, TrainError> {
     let non_finite_row = |rows: &[f32]| {
         rows.chunks_exact(width.max(1))
@@ -168,7 +170,12 @@ fn checked_step(
         }
         other => other?,
     };
+    // The model checked the input gradients before stepping; only summing
+    // duplicates (unpool) could overflow them here, after the dense update.
+    // Skipping makes that a step without its sparse update; stopping would
+    // leave no step's exact state, so nothing may be saved.
     if check_finite(&step.grads, String::new).is_err() {
+        *torn |= policy == OnNonFinite::Stop;
         let what = non_finite_row(&step.grads).map_or_else(String::new, |row| format!("gradient of the {row}"));
         return Err(TrainError::NonFinite { step: step_number, what });
     }
@@ -287,7 +294,16 @@ impl Trainer {
                 (update_secs, next_lookup)
             },
         );
-        let step = checked_step(step, self.step + 1, &plan, &looked_up.unique_rows, table.dim());
+        let width = table.dim();
+        let step = checked_step(
+            step,
+            self.step + 1,
+            &plan,
+            &looked_up.unique_rows,
+            width,
+            self.config.train.on_non_finite,
+            &mut self.torn,
+        );
         // The lookahead failed (a full disk under the SSD tier): this step's
         // dense update is made, so the step is completed (its sparse update
         // left pending) before the error is reported — a checkpoint then
@@ -407,7 +423,16 @@ impl Trainer {
             || dense_step(model, optimizer, packed_input, inputs, pooling),
             || next.map_or(Ok(()), |p| table.prefetch(p)),
         );
-        let step = checked_step(step, self.step + 1, plan, &looked_up.unique_rows, self.table.dim());
+        let width = self.table.dim();
+        let step = checked_step(
+            step,
+            self.step + 1,
+            plan,
+            &looked_up.unique_rows,
+            width,
+            self.config.train.on_non_finite,
+            &mut self.torn,
+        );
         if let Err(e) = prefetched {
             // As in train_overlapped: the dense update is made, so the step
             // is completed before the prefetch's error is reported.
@@ -463,7 +488,15 @@ impl Trainer {
             },
             self.config.model.pooling,
         );
-        let step = checked_step(step, self.step + 1, plan, &unique_rows, width);
+        let step = checked_step(
+            step,
+            self.step + 1,
+            plan,
+            &unique_rows,
+            width,
+            self.config.train.on_non_finite,
+            &mut self.torn,
+        );
         let step = match self.skip_or_stop(step, batch, plan)? {
             Ok(step) => step,
             Err(skipped) => return Ok(skipped),
