@@ -68,10 +68,30 @@ fn open_rows(path: &Path) -> Result<(RowIter<'static>, Vec<String>), DataError> 
     Ok((rows, names))
 }
 
+/// Runs a call into the parquet library, turning a panic into an error: the
+/// library panics on some malformed files (fuzzing found a footer whose
+/// schema length overflows an allocation), and a bad file must be an error
+/// naming it, never a crash. Its state is dropped with the failed call.
+fn guarded<T>(path: &Path, f: impl FnOnce() -> Result<T, DataError>) -> Result<T, DataError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let why = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        Err(DataError::Parquet {
+            path: path.to_path_buf(),
+            message: format!("malformed file (the parquet reader failed: {why})"),
+        })
+    })
+}
+
 fn open_rows_typed(path: &Path) -> Result<(RowIter<'static>, Vec<String>, Vec<ColumnType>), DataError> {
     let file = File::open(path).map_err(|e| DataError::io(path, e))?;
-    let reader = SerializedFileReader::new(file)
-        .map_err(|e| DataError::Parquet { path: path.to_path_buf(), message: e.to_string() })?;
+    let reader = guarded(path, || {
+        SerializedFileReader::new(file)
+            .map_err(|e| DataError::Parquet { path: path.to_path_buf(), message: e.to_string() })
+    })?;
     let types: Vec<ColumnType> = reader.metadata().file_metadata().schema_descr().root_schema().get_fields().to_vec();
     let names = types.iter().map(|f| f.name().to_string()).collect();
     Ok((reader.into_iter(), names, types))
@@ -190,7 +210,7 @@ impl BatchSource for ParquetSource {
         self.rows = rows;
         self.next_row = 0;
         while self.next_row < pos.offset {
-            match self.rows.next() {
+            match guarded(&self.path, || Ok(self.rows.next()))? {
                 None => break,
                 Some(Err(e)) => {
                     return Err(DataError::Parquet { path: self.path.clone(), message: e.to_string() });
@@ -204,7 +224,7 @@ impl BatchSource for ParquetSource {
     fn next_batch(&mut self, batch_size: usize, epoch: u64) -> Result<Option<Batch>, DataError> {
         let mut b = BatchBuilder::new(self.layout.num_fields, self.layout.num_dense, false, batch_size);
         while b.rows() < batch_size {
-            let row = match self.rows.next() {
+            let row = match guarded(&self.path, || Ok(self.rows.next()))? {
                 None => break,
                 Some(Err(e)) => {
                     return Err(DataError::Parquet { path: self.path.clone(), message: e.to_string() });

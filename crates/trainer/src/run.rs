@@ -402,9 +402,10 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
                 config.checkpoint.dir.as_deref().unwrap_or_default()
             ),
             None if !consistent => eprintln!(
-                "stopped during step {}; no checkpoint was written: the failed lookup (or prefetch) had already counted its \
-                 keys in the feature filters, so the table is not the state of any one step (the last \
-                 checkpoint written, if any, is the one LATEST names)",
+                "stopped during step {}; no checkpoint was written: the failure came after part of the step was \
+                 applied (a failed lookup or prefetch had counted its keys in the feature filters, or the dense \
+                 update was made before the embedding gradients overflowed), so the model is not the state of \
+                 any one step (the last checkpoint written, if any, is the one LATEST names)",
                 trainer.step + 1
             ),
             None => eprintln!("stopped after step {}; no checkpoint.dir is set, so nothing was saved", trainer.step),

@@ -259,10 +259,13 @@ impl Coordinator {
                         ));
                     }
                     // Workers drive the job: one that answers but gets
-                    // nothing done is as stuck as a silent one.
+                    // nothing done is as stuck as a silent one. Counted from
+                    // its first batch (shards restoring a large checkpoint
+                    // may keep a worker waiting before it).
                     Some(m)
                         if kind == RoleKind::Worker
                             && !m.finished
+                            && m.progress > 0
                             && m.progress_at.elapsed() > self.progress_timeout =>
                     {
                         problem = Some(format!(
