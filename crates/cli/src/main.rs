@@ -451,8 +451,20 @@ fn configure_process_env() {
     }
 }
 
+/// A panic the parquet reader raises on a malformed file becomes an error
+/// naming the file; its message would only be noise before that error.
+fn quiet_handled_panics() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if !sparrow_data::parquet_source::panic_is_handled() {
+            default(info);
+        }
+    }));
+}
+
 fn main() -> ExitCode {
     configure_process_env();
+    quiet_handled_panics();
     exit_with_parent();
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,

@@ -707,3 +707,26 @@ fn sigterm_stops_launch_and_its_roles_cleanly() {
     assert_eq!(status.code(), Some(2), "{err}");
     assert!(err.contains("shard 0 exited (exit status: 143)") && err.contains("shard stopped by SIGTERM"), "{err}");
 }
+
+/// A Parquet footer that made the parquet reader panic (found by fuzzing):
+/// an error naming the file, and no panic message.
+#[test]
+fn a_malformed_parquet_file_is_an_error_not_a_panic() {
+    let job = Job::new(1000);
+    let bad = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fuzz/corpus/parquet_file/regression-footer-capacity-overflow");
+    std::fs::copy(&bad, job.path("bad.parquet")).expect("copy");
+    let out = job.run(&[
+        "train",
+        "--config",
+        "job.toml",
+        "--set",
+        "data.format=parquet",
+        "--set",
+        "data.train=\"bad.parquet\"",
+        "--set",
+        "data.schema={label=\"y\",sparse=[\"a\"]}",
+        "--quiet",
+    ]);
+    fails_with(&out, &["bad.parquet", "malformed file"]);
+}

@@ -68,12 +68,26 @@ fn open_rows(path: &Path) -> Result<(RowIter<'static>, Vec<String>), DataError> 
     Ok((rows, names))
 }
 
+thread_local! {
+    static GUARDING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is inside a call into the parquet library whose panic
+/// becomes an error: a binary's panic hook may stay silent for it (the error
+/// that follows says what happened).
+pub fn panic_is_handled() -> bool {
+    GUARDING.get()
+}
+
 /// Runs a call into the parquet library, turning a panic into an error: the
 /// library panics on some malformed files (fuzzing found a footer whose
 /// schema length overflows an allocation), and a bad file must be an error
 /// naming it, never a crash. Its state is dropped with the failed call.
 fn guarded<T>(path: &Path, f: impl FnOnce() -> Result<T, DataError>) -> Result<T, DataError> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+    GUARDING.set(true);
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    GUARDING.set(false);
+    outcome.unwrap_or_else(|panic| {
         let why = panic
             .downcast_ref::<&str>()
             .map(|s| s.to_string())
