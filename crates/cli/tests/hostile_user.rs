@@ -140,6 +140,26 @@ heartbeat_timeout_ms = 2000
     fn run(&self, args: &[&str]) -> Output {
         run_in(self.dir(), args, 2 * MINUTE)
     }
+
+    /// `sparrow train --config job.toml --set S… --quiet`.
+    fn train(&self, sets: &[&str]) -> Output {
+        self.run(&with_sets(&["train", "--config", "job.toml"], sets))
+    }
+
+    /// `sparrow launch --config job.toml --shards S --workers W --set S… --quiet`.
+    fn launch(&self, shards: &str, workers: &str, sets: &[&str]) -> Output {
+        self.run(&with_sets(&["launch", "--config", "job.toml", "--shards", shards, "--workers", workers], sets))
+    }
+}
+
+/// `command` with `--set S` for each of `sets`, then `--quiet`.
+fn with_sets<'a>(command: &[&'a str], sets: &[&'a str]) -> Vec<&'a str> {
+    let mut args = command.to_vec();
+    for set in sets {
+        args.extend(["--set", set]);
+    }
+    args.push("--quiet");
+    args
 }
 
 // ---- 1. A NaN output hangs nothing --------------------------------------
@@ -150,7 +170,7 @@ heartbeat_timeout_ms = 2000
 #[test]
 fn a_diverging_run_stops_naming_the_step_and_keeps_the_last_finite_model() {
     let job = Job::new(8000);
-    let out = job.run(&["train", "--config", "job.toml", "--set", "dense_optimizer.learning_rate=1e10", "--quiet"]);
+    let out = job.train(&["dense_optimizer.learning_rate=1e10"]);
     fails_with(&out, &["non-finite", "at step 2", "top.params", "train.on_non_finite"]);
     // The model saved is step 1's: finite, so evaluation is meaningful.
     let latest = std::fs::read_to_string(job.path("ck/LATEST")).expect("a checkpoint was written");
@@ -165,16 +185,7 @@ fn a_diverging_run_stops_naming_the_step_and_keeps_the_last_finite_model() {
 #[test]
 fn skip_batch_goes_on_past_non_finite_batches_and_counts_them() {
     let job = Job::new(8000);
-    let out = job.run(&[
-        "train",
-        "--config",
-        "job.toml",
-        "--set",
-        "dense_optimizer.learning_rate=1e10",
-        "--set",
-        "train.on_non_finite=skip_batch",
-        "--quiet",
-    ]);
+    let out = job.train(&["dense_optimizer.learning_rate=1e10", "train.on_non_finite=skip_batch"]);
     ok(&out);
     let json = last_json(&out);
     let steps = json["steps"].as_u64().expect("steps");
@@ -191,18 +202,7 @@ fn skip_batch_goes_on_past_non_finite_batches_and_counts_them() {
 #[test]
 fn a_diverging_cluster_job_ends_with_the_workers_error() {
     let job = Job::new(8000);
-    let out = job.run(&[
-        "launch",
-        "--config",
-        "job.toml",
-        "--shards",
-        "1",
-        "--workers",
-        "2",
-        "--set",
-        "dense_optimizer.learning_rate=1e10",
-        "--quiet",
-    ]);
+    let out = job.launch("1", "2", &["dense_optimizer.learning_rate=1e10"]);
     fails_with(&out, &["the job failed", "non-finite", "at step"]);
 }
 
@@ -254,16 +254,16 @@ fn a_second_run_on_a_checkpoint_directory_in_use_is_refused_naming_the_holder() 
         ],
     );
     wait_for_lines(&job.path("m.jsonl"), 2);
-    let second = job.run(&["train", "--config", "job.toml", "--quiet"]);
+    let second = job.train(&[]);
     let pid = first.id().to_string();
-    let launch = job.run(&["launch", "--config", "job.toml", "--shards", "1", "--workers", "1", "--quiet"]);
+    let launch = job.launch("1", "1", &[]);
     signal(first.id(), "-KILL");
     let _ = first.wait();
     fails_with(&second, &["checkpoint.dir", "in use by another run", &format!("pid {pid}")]);
     fails_with(&launch, &["checkpoint.dir", "in use by another run", &format!("pid {pid}")]);
     // The lock died with its holder: the directory is usable at once, and the
     // temporaries a killed run may have left are gone.
-    ok(&job.run(&["train", "--config", "job.toml", "--set", "train.max_steps=2", "--quiet"]));
+    ok(&job.train(&["train.max_steps=2"]));
     let leftovers: Vec<String> = std::fs::read_dir(job.path("ck"))
         .expect("ck")
         .flatten()
@@ -278,7 +278,7 @@ fn a_second_run_on_a_checkpoint_directory_in_use_is_refused_naming_the_holder() 
 #[test]
 fn predict_refuses_an_out_that_is_the_input_or_a_directory() {
     let job = Job::new(3000);
-    ok(&job.run(&["train", "--config", "job.toml", "--quiet"]));
+    ok(&job.train(&[]));
     let before = std::fs::read(job.path("data/test.tsv")).expect("test data");
     let same = job.run(&["predict", "--checkpoint", "ck", "--data", "data/test.tsv", "--out", "data/test.tsv"]);
     fails_with(&same, &["--out data/test.tsv", "is the input file"]);
@@ -416,7 +416,7 @@ fn warnings_escape_control_bytes_from_the_data() {
     // A label that sets an xterm's title, then rings the bell.
     text.insert_str(0, "\u{1b}]0;pwned\u{7}\t1\t2\n");
     std::fs::write(job.path("data/train.tsv"), text).expect("write");
-    let out = job.run(&["train", "--config", "job.toml", "--quiet"]);
+    let out = job.train(&[]);
     ok(&out);
     let err = stderr(&out);
     assert!(err.contains("skipped malformed row") && err.contains("\\x1b]0;pwned\\x07"), "{err}");
@@ -431,52 +431,22 @@ fn an_empty_or_all_bad_training_file_fails_instead_of_training_nothing() {
     std::fs::write(job.path("empty.tsv"), "").expect("write");
     let bad_rows: String = (0..300).map(|i| format!("label{i}\tnot a row\n")).collect();
     std::fs::write(job.path("bad.tsv"), bad_rows).expect("write");
-    let empty = job.run(&["train", "--config", "job.toml", "--set", "data.train=\"empty.tsv\"", "--quiet"]);
+    let empty = job.train(&["data.train=\"empty.tsv\""]);
     fails_with(&empty, &["empty.tsv", "no training row", "holds no row"]);
-    let all_bad = job.run(&[
-        "train",
-        "--config",
-        "job.toml",
-        "--set",
-        "data.train=\"bad.tsv\"",
-        "--set",
-        "data.max_bad_rows=1000000",
-        "--quiet",
-    ]);
+    let all_bad = job.train(&["data.train=\"bad.tsv\"", "data.max_bad_rows=1000000"]);
     fails_with(&all_bad, &["bad.tsv", "no training row", "all 300 rows were malformed"]);
-    let cluster = job.run(&[
-        "launch",
-        "--config",
-        "job.toml",
-        "--shards",
-        "1",
-        "--workers",
-        "1",
-        "--set",
-        "data.train=\"empty.tsv\"",
-        "--set",
-        "checkpoint.dir=\"ck-launch\"",
-        "--quiet",
-    ]);
+    let cluster = job.launch("1", "1", &["data.train=\"empty.tsv\"", "checkpoint.dir=\"ck-launch\""]);
     fails_with(&cluster, &["no training row", "empty.tsv"]);
     // A fraction: 300 bad rows among 3000 good ones is 9%.
     let mut mixed = std::fs::read_to_string(job.path("data/train.tsv")).expect("train");
     mixed.push_str(&std::fs::read_to_string(job.path("bad.tsv")).expect("bad"));
     std::fs::write(job.path("mixed.tsv"), mixed).expect("write");
     let over = |fraction: &str| {
-        job.run(&[
-            "train",
-            "--config",
-            "job.toml",
-            "--set",
+        job.train(&[
             "data.train=\"mixed.tsv\"",
-            "--set",
             "data.max_bad_rows=1000000",
-            "--set",
             &format!("data.max_bad_fraction={fraction}"),
-            "--set",
             "checkpoint.dir=\"ck-fraction\"",
-            "--quiet",
         ])
     };
     fails_with(&over("0.05"), &["mixed.tsv", "300 of 3300 rows malformed", "data.max_bad_fraction = 0.05"]);
@@ -510,18 +480,7 @@ fn gzip_and_zstd_files_train_the_same_model_as_the_plain_file_and_resume_inside_
     assert_eq!(gz_auc, reference, "gzip");
     assert_eq!(auc("data.train=\"train.tsv.zst\"", &["--set", "checkpoint.dir=\"ck-zst\""]), reference, "zstd");
     // Stopped inside the compressed file and resumed: the same model.
-    ok(&job.run(&[
-        "train",
-        "--config",
-        "job.toml",
-        "--set",
-        "data.train=\"train-gz.tsv\"",
-        "--set",
-        "checkpoint.dir=\"ck-split\"",
-        "--set",
-        "train.max_steps=9",
-        "--quiet",
-    ]));
+    ok(&job.train(&["data.train=\"train-gz.tsv\"", "checkpoint.dir=\"ck-split\"", "train.max_steps=9"]));
     let resumed = auc("data.train=\"train-gz.tsv\"", &["--set", "checkpoint.dir=\"ck-split\"", "--resume", "ck-split"]);
     assert_eq!(resumed, reference, "resumed inside the gzip stream");
 }
@@ -533,7 +492,7 @@ fn a_byte_order_mark_is_no_bad_row_and_a_cut_off_last_line_is_one() {
     let job = Job::new(3000);
     let text = std::fs::read_to_string(job.path("data/train.tsv")).expect("train");
     std::fs::write(job.path("bom.tsv"), format!("\u{feff}{text}")).expect("write");
-    let out = job.run(&["train", "--config", "job.toml", "--set", "data.train=\"bom.tsv\"", "--quiet"]);
+    let out = job.train(&["data.train=\"bom.tsv\""]);
     ok(&out);
     assert_eq!(last_json(&out)["bad_rows"], 0, "{}", stderr(&out));
     assert_eq!(last_json(&out)["train_rows"], 3000);
@@ -561,44 +520,31 @@ fn a_byte_order_mark_is_no_bad_row_and_a_cut_off_last_line_is_one() {
     assert!(stderr(&out).contains("cut.svm:3: the last line has no newline"), "{}", stderr(&out));
     // CSV: a last line without newline is whole when every column is there.
     let csv_config = job.write_config("csv.toml", "");
-    std::fs::write(job.path("rows.csv"), "label,a,b\n1,x,y\n0,x,z\n1,w").expect("write");
-    let out = job.run(&[
-        "train",
-        "--config",
-        &csv_config,
-        "--set",
-        "data.format=csv",
-        "--set",
-        "data.train=\"rows.csv\"",
-        "--set",
-        "data.test=\"rows.csv\"",
-        "--set",
-        "data.schema={sparse=[\"a\",\"b\"]}",
-        "--set",
-        "model.kind=lr",
-        "--quiet",
-    ]);
+    let train_csv = |text: &str, checkpoint: &str| {
+        std::fs::write(job.path("rows.csv"), text).expect("write");
+        job.run(&[
+            "train",
+            "--config",
+            &csv_config,
+            "--set",
+            "data.format=csv",
+            "--set",
+            "data.train=\"rows.csv\"",
+            "--set",
+            "data.test=\"rows.csv\"",
+            "--set",
+            "data.schema={sparse=[\"a\",\"b\"]}",
+            "--set",
+            "model.kind=lr",
+            "--set",
+            &format!("checkpoint.dir=\"{checkpoint}\""),
+            "--quiet",
+        ])
+    };
+    let out = train_csv("label,a,b\n1,x,y\n0,x,z\n1,w", "ck-csv1");
     ok(&out);
     assert_eq!(last_json(&out)["train_rows"], 2, "{}", stderr(&out));
-    std::fs::write(job.path("rows.csv"), "label,a,b\n1,x,y\n0,x,z\n1,w,q").expect("write");
-    let out = job.run(&[
-        "train",
-        "--config",
-        &csv_config,
-        "--set",
-        "data.format=csv",
-        "--set",
-        "data.train=\"rows.csv\"",
-        "--set",
-        "data.test=\"rows.csv\"",
-        "--set",
-        "data.schema={sparse=[\"a\",\"b\"]}",
-        "--set",
-        "model.kind=lr",
-        "--set",
-        "checkpoint.dir=\"ck-csv2\"",
-        "--quiet",
-    ]);
+    let out = train_csv("label,a,b\n1,x,y\n0,x,z\n1,w,q", "ck-csv2");
     ok(&out);
     assert_eq!(last_json(&out)["train_rows"], 3, "{}", stderr(&out));
 }
@@ -611,7 +557,7 @@ fn temporaries_left_by_a_failed_checkpoint_are_removed_at_the_next_start() {
     std::fs::create_dir_all(&stale).expect("stale");
     std::fs::write(stale.join("embeddings.bin"), vec![0u8; 4096]).expect("partial file");
     std::fs::write(job.path("ck/.LATEST.tmp-424242"), "ckpt-000000000007\n").expect("partial LATEST");
-    ok(&job.run(&["train", "--config", "job.toml", "--set", "train.max_steps=2", "--quiet"]));
+    ok(&job.train(&["train.max_steps=2"]));
     assert!(!stale.exists() && !job.path("ck/.LATEST.tmp-424242").exists());
     assert!(job.path("ck/LATEST").exists());
 }
@@ -636,29 +582,9 @@ fn impossible_sizes_are_refused_naming_the_key() {
         fails_with(&out, &[key]);
         assert_eq!(out.status.code(), Some(2), "{set}: {}", stderr(&out));
     }
-    let out = job.run(&[
-        "train",
-        "--config",
-        "job.toml",
-        "--set",
-        "model.kind=dcn",
-        "--set",
-        "model.cross_layers=100000",
-        "--quiet",
-    ]);
+    let out = job.train(&["model.kind=dcn", "model.cross_layers=100000"]);
     fails_with(&out, &["model.cross_layers", "too large"]);
-    let out = job.run(&[
-        "launch",
-        "--config",
-        "job.toml",
-        "--shards",
-        "1",
-        "--workers",
-        "1",
-        "--set",
-        "train.batch_size=1000000000",
-        "--quiet",
-    ]);
+    let out = job.launch("1", "1", &["train.batch_size=1000000000"]);
     fails_with(&out, &["train.batch_size", "too large"]);
 }
 
@@ -716,17 +642,7 @@ fn a_malformed_parquet_file_is_an_error_not_a_panic() {
     let bad = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../fuzz/corpus/parquet_file/regression-footer-capacity-overflow");
     std::fs::copy(&bad, job.path("bad.parquet")).expect("copy");
-    let out = job.run(&[
-        "train",
-        "--config",
-        "job.toml",
-        "--set",
-        "data.format=parquet",
-        "--set",
-        "data.train=\"bad.parquet\"",
-        "--set",
-        "data.schema={label=\"y\",sparse=[\"a\"]}",
-        "--quiet",
-    ]);
+    let out =
+        job.train(&["data.format=parquet", "data.train=\"bad.parquet\"", "data.schema={label=\"y\",sparse=[\"a\"]}"]);
     fails_with(&out, &["bad.parquet", "malformed file"]);
 }
