@@ -289,10 +289,12 @@ fn stop_on_signals() -> Arc<AtomicBool> {
     let seen = flag.clone();
     std::thread::spawn(move || {
         for signal in signals.forever() {
-            if seen.swap(true, Ordering::SeqCst) {
+            if seen.load(Ordering::SeqCst) {
                 std::process::exit(128 + signal);
             }
+            // The signal first: the run may see the flag and end at once.
             STOP_SIGNAL.store(signal, Ordering::SeqCst);
+            seen.store(true, Ordering::SeqCst);
             eprintln!("{}: stopping after this step (send it again to quit at once)", signal_name(signal));
         }
     });

@@ -208,7 +208,10 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
     )?;
     let stream = PlannedBatches::spawn(stream, trainer.table.partitioner(), config.data.prefetch_batches)
         .map_err(|e| TrainError::io(train_path, e))?;
-    let file_bytes = std::fs::metadata(train_path).map(|m| m.len()).ok();
+    // Positions are offsets in the text: a compressed file's size says
+    // nothing about them, so its progress has no total.
+    let plain = sparrow_data::input::Codec::sniff(train_path).is_ok_and(|c| c == sparrow_data::input::Codec::Plain);
+    let file_bytes = std::fs::metadata(train_path).ok().filter(|_| plain).map(|m| m.len());
     let progress = Progress::new(file_bytes.map(|b| b * config.train.epochs), quiet);
     let mut metrics = MetricsLog::open(config.train.metrics_path.as_deref(), resumed_from_step.is_some())?;
 
