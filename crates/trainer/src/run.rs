@@ -411,6 +411,9 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
                  any one step (the last checkpoint written, if any, is the one LATEST names)",
                 trainer.step + 1
             ),
+            None if config.checkpoint.dir.is_some() => {
+                eprintln!("stopped after step {}; nothing was trained, so no checkpoint was written", trainer.step)
+            }
             None => eprintln!("stopped after step {}; no checkpoint.dir is set, so nothing was saved", trainer.step),
         }
         return Err(e);
