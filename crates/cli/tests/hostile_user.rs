@@ -640,8 +640,8 @@ fn sigterm_stops_launch_and_its_roles_cleanly() {
 #[test]
 fn a_malformed_parquet_file_is_an_error_not_a_panic() {
     let job = Job::new(1000);
-    for name in ["regression-footer-capacity-overflow", "regression-footer-21gb-schema-list"] {
-        let bad = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/parquet_file").join(name);
+    for name in ["footer-capacity-overflow", "footer-21gb-schema-list"] {
+        let bad = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/regressions/parquet_file").join(name);
         std::fs::copy(&bad, job.path("bad.parquet")).expect("copy");
         let out = job.train(&[
             "data.format=parquet",

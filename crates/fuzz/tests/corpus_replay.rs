@@ -1,22 +1,26 @@
-//! Replays every input under `fuzz/corpus/<target>/` through its target (the
-//! seeds, and what earlier fuzzing runs kept): a short, deterministic check
-//! that no input a fuzzer once found interesting panics today.
+//! Replays every input under `fuzz/corpus/<target>/` (the seeds, and what
+//! fuzzing runs kept; `cargo fuzz cmin` may rename or drop any of them) and
+//! `fuzz/regressions/<target>/` (inputs that once broke something, kept by
+//! name) through its target: a short, deterministic check that none panics.
 
 use std::path::Path;
 
 #[test]
 fn every_corpus_input_is_handled_without_a_panic() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus");
+    let fuzz = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz");
     let mut replayed = 0;
     for (target, run) in sparrow_fuzz::TARGETS {
-        let dir = root.join(target);
-        let mut inputs: Vec<_> = std::fs::read_dir(&dir)
-            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        let corpus = fuzz.join("corpus").join(target);
+        let mut inputs: Vec<_> = std::fs::read_dir(&corpus)
+            .unwrap_or_else(|e| panic!("{}: {e}", corpus.display()))
             .flatten()
             .map(|e| e.path())
             .collect();
-        inputs.sort();
         assert!(!inputs.is_empty(), "{target}: no corpus");
+        if let Ok(regressions) = std::fs::read_dir(fuzz.join("regressions").join(target)) {
+            inputs.extend(regressions.flatten().map(|e| e.path()));
+        }
+        inputs.sort();
         for input in inputs {
             let data = std::fs::read(&input).expect("read input");
             let outcome = std::panic::catch_unwind(|| run(&data));
