@@ -216,8 +216,24 @@ impl RoleFlags {
             metrics_listen,
             index,
             connect_timeout_ms: self.connect_timeout_ms,
+            token: env_token(),
         }
     }
+}
+
+/// The shared token from `SPARROW_AUTH_TOKEN` (how `launch` hands it to its
+/// children); read here, once, so the library never looks at the environment.
+fn env_token() -> Option<String> {
+    std::env::var(sparrow_cluster::grpc::TOKEN_ENV).ok().filter(|t| !t.is_empty())
+}
+
+/// A cluster job's config with the environment's token in place of
+/// `cluster.auth_token` (the environment takes precedence).
+fn with_env_token(mut config: Config) -> Config {
+    if let Some(token) = env_token() {
+        config.cluster.auth_token = Some(token);
+    }
+    config
 }
 
 /// Role processes log with `tracing` to stderr (`RUST_LOG` filters, default info).
@@ -356,14 +372,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             print_json(&sparrow_trainer::bench::run(&options)?)
         }
         Command::Launch { config: path, shards, workers, set, quiet } => {
-            let config = load_config(&path, &set)?;
+            let config = with_env_token(load_config(&path, &set)?);
             let options = sparrow_cluster::launch::LaunchOptions { config_path: path, set, shards, workers, quiet };
             print_json(&sparrow_cluster::launch::launch(&options, &config, &stop_on_signals())?)
         }
         Command::Coordinator { config, set, shards, workers, listen, metrics_listen } => {
             init_logging();
             exit_on_signals("coordinator");
-            let config = load_config(&config, &set)?;
+            let config = with_env_token(load_config(&config, &set)?);
             sparrow_cluster::roles::run_coordinator(&config, shards, workers, listen, metrics_listen, |bound| {
                 println!("listening on {bound}");
                 let _ = std::io::stdout().flush();
@@ -427,28 +443,45 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             ];
             overrides.append(&mut set);
             let config = Config::from_toml_with_overrides(DEMO_CONFIG, "configs/dlrm.toml", &overrides)?;
-            print_json(&sparrow_trainer::train_until(&config, false, &stop_on_signals())?)
+            let summary = sparrow_trainer::train_until(&config, false, &stop_on_signals())?;
+            eprintln!("{}", demo_line(&summary));
+            print_json(&summary)
         }
     }
 }
 
-/// Process-wide tuning that only environment variables reach, set unless the
-/// user set them:
-/// - candle 0.11 runs elementwise ops on its own spinning thread pool sized to
-///   the cores; on top of our compute pool (whose threads run the matmuls) it
-///   oversubscribes the CPU. One candle thread runs those ops inline instead.
-/// - mimalloc returns freed pages to the OS after 10 ms; the next step then
-///   faults them back in (zeroing 2 MiB huge pages). Steps reuse the same
-///   sizes, so freed memory is kept.
-fn configure_process_env() {
-    for (key, value) in [("CANDLE_NUM_THREADS", "1"), ("MIMALLOC_PURGE_DELAY", "-1")] {
-        if std::env::var_os(key).is_none() {
-            #[expect(unsafe_code, reason = "set_var before any thread exists")]
-            // SAFETY: called first thing in main, while the process has one
-            // thread, so no other thread can read the environment concurrently.
-            unsafe {
-                std::env::set_var(key, value);
-            }
+/// candle 0.11 runs elementwise ops on its own spinning thread pool sized to
+/// the cores; on top of our compute pool (whose threads run the matmuls) it
+/// oversubscribes the CPU. One candle thread runs those ops inline instead.
+/// Only the environment reaches that setting (candle reads it when its pool
+/// starts, after this), so it is set unless the user set it.
+fn configure_candle() {
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        #[expect(unsafe_code, reason = "set_var before any thread exists")]
+        // SAFETY: called first thing in main, while the process has one
+        // thread, so no other thread can read the environment concurrently.
+        unsafe {
+            std::env::set_var("CANDLE_NUM_THREADS", "1");
+        }
+    }
+}
+
+/// `mi_option_purge_delay`: its place in mimalloc.h's `mi_option_e` (v2 and
+/// v3 alike); libmimalloc-sys names no constant for it.
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// mimalloc returns freed pages to the OS after a delay (1 s in v3); the next step then
+/// faults them back in (zeroing 2 MiB huge pages). Steps reuse the same
+/// sizes, so freed memory is kept (unless the user set
+/// `MIMALLOC_PURGE_DELAY`, which mimalloc reads before `main`). Set through
+/// mimalloc's API: an environment variable set now would not be read.
+fn configure_allocator() {
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+        #[expect(unsafe_code, reason = "FFI call into mimalloc")]
+        // SAFETY: mi_option_set takes any option id and value and only
+        // stores the value (options are plain integers read at each purge).
+        unsafe {
+            libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1);
         }
     }
 }
@@ -464,8 +497,21 @@ fn quiet_handled_panics() {
     }));
 }
 
+/// What a first-time user reads at the end of `sparrow demo`, before the JSON.
+fn demo_line(s: &sparrow_trainer::TrainSummary) -> String {
+    let auc = |a: Option<f64>| a.map_or_else(|| "-".to_string(), |a| format!("{a:.4}"));
+    let saved = s.checkpoint.as_deref().map_or_else(|| "no checkpoint".to_string(), |c| format!("checkpoint: {c}"));
+    format!(
+        "demo: test AUC {} (the best possible on this data: {}), {:.0} samples/s; {saved}",
+        auc(s.test_auc),
+        auc(s.bayes_auc),
+        s.samples_per_sec
+    )
+}
+
 fn main() -> ExitCode {
-    configure_process_env();
+    configure_candle();
+    configure_allocator();
     quiet_handled_panics();
     exit_with_parent();
     match run(Cli::parse()) {
@@ -484,5 +530,25 @@ fn main() -> ExitCode {
                 (false, _) => 2,
             })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Option 15 is the purge delay: mimalloc v3's default (1000 ms, in its
+    /// options.c) before, and no purging (-1) once the binary set it.
+    #[test]
+    fn the_allocator_keeps_freed_memory_through_its_api() {
+        if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
+            return;
+        }
+        #[expect(unsafe_code, reason = "FFI call into mimalloc")]
+        // SAFETY: mi_option_get only reads an option's value.
+        let get = || unsafe { libmimalloc_sys::mi_option_get(MI_OPTION_PURGE_DELAY) };
+        assert_eq!(get(), 1000, "mimalloc's default purge delay");
+        configure_allocator();
+        assert_eq!(get(), -1);
     }
 }

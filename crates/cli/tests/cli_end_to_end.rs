@@ -315,3 +315,37 @@ fn a_kill_during_a_checkpoint_of_an_ssd_table_keeps_the_previous_one() {
     assert_eq!(r["test_auc"], f["test_auc"], "resumed {r}\nuninterrupted {f}");
     assert_eq!(r["embedding_rows"], f["embedding_rows"]);
 }
+
+/// `configs/dlrm.toml` on fresh data: `train.metrics_path` in a folder that
+/// does not exist yet is made, as `checkpoint.dir` is.
+#[test]
+fn a_metrics_path_in_a_new_folder_is_created() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let d = tmp.path().display().to_string();
+    ok(&sparrow(&["gen", "--out", &format!("{d}/data"), "--train-rows", "1500", "--test-rows", "300"]));
+    let config = write_config(tmp.path(), "m.toml", "");
+    let metrics = format!("{d}/runs/today/metrics.jsonl");
+    let out = sparrow(&["train", "--config", &config, "--quiet", "--set", &format!("train.metrics_path={metrics:?}")]);
+    ok(&out);
+    let lines = std::fs::read_to_string(&metrics).expect("metrics written");
+    assert!(lines.lines().count() > 1, "{lines}");
+}
+
+/// `sparrow demo` ends with one line a person reads (test AUC beside the
+/// best possible, speed, where the checkpoint is), then the JSON.
+#[test]
+fn the_demo_ends_with_a_line_for_people_before_its_json() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let dir = tmp.path().join("demo");
+    let out = sparrow(&["demo", "--dir", &dir.display().to_string(), "--train-rows", "3000", "--test-rows", "600"]);
+    ok(&out);
+    let json = last_json(&out);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let line = stderr.lines().last().expect("a last line");
+    let auc = json["test_auc"].as_f64().expect("auc");
+    let bayes = json["bayes_auc"].as_f64().expect("bayes");
+    let checkpoint = json["checkpoint"].as_str().expect("checkpoint");
+    assert!(line.starts_with("demo: test AUC "), "{line}");
+    assert!(line.contains(&format!("{auc:.4}")) && line.contains(&format!("{bayes:.4}")), "{line}");
+    assert!(line.contains("samples/s") && line.contains(checkpoint), "{line}");
+}

@@ -83,10 +83,9 @@ pub fn restore_shard_table(
     dir: &Path,
     index: usize,
     num_shards: usize,
-    num_workers: usize,
 ) -> Result<sparrow_embedding::EmbeddingTable, ClusterError> {
     let mut trainer = Trainer::new(&in_memory(config), DataLayout::from_config(&config.data))?;
-    trainer.table = crate::local::shard_table(config, index, num_workers)?;
+    trainer.table = crate::local::shard_table(config, index)?;
     sparrow_trainer::checkpoint::load_into_filtered(&mut trainer, dir, |key| {
         crate::loader::owner(key, num_shards) == index
     })?;

@@ -166,11 +166,7 @@ pub fn launch(
     // Loopback is no trust boundary on a shared host: without a configured
     // token the job gets a fresh random one, so no other local user can call
     // its roles.
-    let token = std::env::var(TOKEN_ENV)
-        .ok()
-        .or_else(|| config.cluster.auth_token.clone())
-        .filter(|t| !t.is_empty())
-        .map_or_else(random_token, Ok)?;
+    let token = config.cluster.auth_token.clone().filter(|t| !t.is_empty()).map_or_else(random_token, Ok)?;
     let mut children = Children { list: Vec::new(), token };
     let local = "127.0.0.1:0".to_string();
     let mut args: Vec<String> =

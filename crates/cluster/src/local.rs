@@ -36,22 +36,17 @@ pub struct LocalSummary {
 }
 
 /// A shard role's table, built from the config the way every shard builds
-/// it (an SSD tier goes to `embedding.path/shard-<index>`). `num_workers`
-/// sizes how many pulled batches may wait for their push.
-pub fn shard_table(config: &Config, index: usize, num_workers: usize) -> Result<EmbeddingTable, ClusterError> {
+/// it (an SSD tier goes to `embedding.path/shard-<index>`), with the same
+/// `ttl_steps` floor as `sparrow train`'s table.
+pub fn shard_table(config: &Config, index: usize) -> Result<EmbeddingTable, ClusterError> {
     let (emb_seed, _) = seeds(config.train.seed);
     let width = DenseModel::embedding_width(config.model.kind, config.model.embedding_dim);
-    // Batches pulled and not yet pushed keep their rows: the loader's queue,
-    // every worker's batch in hand and the pipeline_depth it pulled ahead,
-    // with room to spare.
-    let per_worker = config.train.pipeline_depth as u64 + 2;
-    let in_flight = 4 * config.cluster.loader_queue_batches as u64 + per_worker * num_workers as u64 + 64;
     let table = EmbeddingTable::from_config(
         width,
         &config.embedding,
         Initializer::new(config.embedding.init, emb_seed),
         Some(&format!("shard-{index}")),
-        in_flight,
+        sparrow_trainer::ttl_floor(config),
     )
     .map_err(|source| ClusterError::Table { shard: index, source })?;
     Ok(table)
@@ -88,7 +83,7 @@ pub fn new_worker(
 pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Result<LocalSummary, ClusterError> {
     let num_workers = num_workers.max(1);
     let servers: Vec<Arc<ShardServer>> = (0..num_shards.max(1))
-        .map(|i| Ok(Arc::new(ShardServer::new(i, shard_table(config, i, num_workers)?))))
+        .map(|i| Ok(Arc::new(ShardServer::new(i, shard_table(config, i)?))))
         .collect::<Result<_, ClusterError>>()?;
     let shards: Vec<Arc<dyn ShardService>> = servers.iter().map(|s| s.clone() as Arc<dyn ShardService>).collect();
     let layout = DataLayout::from_config(&config.data);

@@ -49,6 +49,9 @@ pub struct RoleArgs {
     pub index: Option<usize>,
     /// How long to retry the coordinator before giving up (before its config is known).
     pub connect_timeout_ms: u64,
+    /// The shared token (the binary reads it from `SPARROW_AUTH_TOKEN`); it
+    /// takes precedence over the job's `cluster.auth_token`.
+    pub token: Option<String>,
 }
 
 fn runtime() -> Result<Runtime, ClusterError> {
@@ -85,7 +88,7 @@ pub fn run_coordinator(
     on_bound: impl FnOnce(SocketAddr),
 ) -> Result<(), ClusterError> {
     let rt = runtime()?;
-    let settings = NetSettings::new(&config.cluster);
+    let settings = NetSettings::new(&config.cluster, None);
     let coordinator = Arc::new(Coordinator::new(config, num_shards, num_workers)?);
     let metrics = RoleMetrics::new("coordinator");
     serve_metrics(&metrics, metrics_listen, "coordinator", &settings, &rt)?;
@@ -156,7 +159,8 @@ fn heartbeat_until_end(
 /// Token and limits before the job's config is known: the defaults, the
 /// token from the environment.
 fn bootstrap_settings(args: &RoleArgs) -> NetSettings {
-    NetSettings::new(&ClusterConfig { connect_timeout_ms: args.connect_timeout_ms, ..ClusterConfig::default() })
+    let cluster = ClusterConfig { connect_timeout_ms: args.connect_timeout_ms, ..ClusterConfig::default() };
+    NetSettings::new(&cluster, args.token.as_deref())
 }
 
 fn connect_shards(
@@ -184,7 +188,7 @@ pub fn run_shard(args: &RoleArgs) -> Result<(), ClusterError> {
     let advertise = args.advertise.clone().unwrap_or_else(|| bound.to_string());
     let coordinator = CoordinatorClient::connect(&args.coordinator, &boot, rt.handle(), metrics.clone())?;
     let reg = coordinator.register(RoleKind::Shard, &advertise, args.index)?;
-    let settings = NetSettings::new(&reg.config.cluster);
+    let settings = NetSettings::new(&reg.config.cluster, args.token.as_deref());
     tracing::info!("shard {}: listening on {bound} (advertised as {advertise})", reg.index);
     // Heartbeats start now: restoring a large table must not read as silence.
     let stop = Arc::new(AtomicBool::new(false));
@@ -199,17 +203,11 @@ pub fn run_shard(args: &RoleArgs) -> Result<(), ClusterError> {
         serve_metrics(&metrics, args.metrics_listen, "shard", &settings, &rt)?;
         let table = match crate::checkpoint::resume_dir(&reg.config)? {
             Some(dir) => {
-                let table = crate::checkpoint::restore_shard_table(
-                    &reg.config,
-                    &dir,
-                    reg.index,
-                    reg.num_shards,
-                    reg.num_workers,
-                )?;
+                let table = crate::checkpoint::restore_shard_table(&reg.config, &dir, reg.index, reg.num_shards)?;
                 tracing::info!("shard {}: restored {} rows from {}", reg.index, table.len(), dir.display());
                 table
             }
-            None => shard_table(&reg.config, reg.index, reg.num_workers)?,
+            None => shard_table(&reg.config, reg.index)?,
         };
         let shard =
             Arc::new(ShardServer::new(reg.index, table).with_max_reply_bytes(reg.config.cluster.max_message_bytes));
@@ -242,7 +240,7 @@ pub fn run_loader(args: &RoleArgs) -> Result<(), ClusterError> {
     let advertise = args.advertise.clone().unwrap_or_else(|| bound.to_string());
     let coordinator = CoordinatorClient::connect(&args.coordinator, &boot, rt.handle(), metrics.clone())?;
     let reg = coordinator.register(RoleKind::Loader, &advertise, None)?;
-    let settings = NetSettings::new(&reg.config.cluster);
+    let settings = NetSettings::new(&reg.config.cluster, args.token.as_deref());
     serve_metrics(&metrics, args.metrics_listen, "loader", &settings, &rt)?;
     let (shard_addresses, _) = coordinator.wait_for_view(settings.connect_timeout)?;
     let shards = connect_shards(&shard_addresses, &settings, &rt, &metrics)?;
@@ -337,7 +335,7 @@ pub fn run_worker(args: &RoleArgs) -> Result<WorkerSummary, ClusterError> {
     let reg = coordinator.register(RoleKind::Worker, &advertise, args.index)?;
     let index = reg.index;
     let result = (|| {
-        let settings = NetSettings::new(&reg.config.cluster);
+        let settings = NetSettings::new(&reg.config.cluster, args.token.as_deref());
         serve_metrics(&metrics, Some(args.listen), "worker", &settings, &rt)?;
         let (shard_addresses, loader_address) = coordinator.wait_for_view(settings.connect_timeout)?;
         let shards = connect_shards(&shard_addresses, &settings, &rt, &metrics)?;

@@ -4,7 +4,7 @@
 use parking_lot::Mutex;
 use std::collections::HashMap;
 
-use sparrow_embedding::{EmbeddingTable, KeyPlan, RowSlots};
+use sparrow_embedding::{EmbeddingTable, KeyPlan, RowSlots, Staged};
 
 use crate::messages::Mode;
 use crate::transport::{ClusterError, ExportPage, ShardReport, ShardService};
@@ -15,6 +15,8 @@ enum Pending {
         mode: Mode,
         /// The second dedup, made at enqueue when the rows were prefetched.
         plan: Option<KeyPlan>,
+        /// Keeps the prefetched rows cached until the pull has looked them up.
+        staged: Staged,
     },
     /// Pulled for training: the second dedup's plan and the rows it found.
     Pulled { plan: KeyPlan, slots: RowSlots },
@@ -64,21 +66,22 @@ impl ShardService for ShardServer {
     fn enqueue(&self, batch_id: u64, keys: Vec<u64>, mode: Mode) -> Result<(), ClusterError> {
         // S3.5: with an SSD tier, a training batch's rows are staged into the
         // cache while it waits in the queue, so its pull reads memory only.
-        let plan = match mode {
+        let (plan, staged) = match mode {
             Mode::Train if self.table.is_tiered() => {
                 let plan = self.table.plan(&keys);
-                self.table.prefetch(&plan).map_err(|source| ClusterError::Table { shard: self.index, source })?;
-                Some(plan)
+                let staged =
+                    self.table.prefetch(&plan).map_err(|source| ClusterError::Table { shard: self.index, source })?;
+                (Some(plan), staged)
             }
-            _ => None,
+            _ => (None, Staged::default()),
         };
-        self.pending.lock().insert(batch_id, Pending::Queued { keys, mode, plan });
+        self.pending.lock().insert(batch_id, Pending::Queued { keys, mode, plan, staged });
         Ok(())
     }
 
     fn pull(&self, batch_id: u64) -> Result<Vec<f32>, ClusterError> {
         let dim = self.table.dim();
-        let (keys, mode, plan) = match self.take(batch_id)? {
+        let (keys, mode, plan, _staged) = match self.take(batch_id)? {
             Pending::Queued { keys, .. } if pull_reply_bytes(keys.len(), dim) > self.max_reply_bytes => {
                 return Err(ClusterError::TooLarge {
                     peer: format!("shard {}", self.index),
@@ -87,7 +90,7 @@ impl ShardService for ShardServer {
                     limit: self.max_reply_bytes,
                 });
             }
-            Pending::Queued { keys, mode, plan } => (keys, mode, plan),
+            Pending::Queued { keys, mode, plan, staged } => (keys, mode, plan, staged),
             pulled @ Pending::Pulled { .. } => {
                 self.pending.lock().insert(batch_id, pulled);
                 return Err(ClusterError::UnknownBatch { shard: self.index, batch_id });
@@ -145,8 +148,9 @@ impl ShardService for ShardServer {
             let u = u as usize;
             summed[u * dim..(u + 1) * dim].iter_mut().zip(&grads[i * dim..(i + 1) * dim]).for_each(|(s, g)| *s += g);
         }
-        self.table.apply_gradients_at(&plan, &slots, &summed);
-        Ok(())
+        self.table
+            .apply_gradients_at(&plan, &slots, &summed)
+            .map_err(|source| ClusterError::Table { shard: self.index, source })
     }
 
     fn report(&self) -> Result<ShardReport, ClusterError> {
@@ -190,5 +194,73 @@ mod tests {
         assert_eq!(shard.table().len(), 0, "no row was looked up or inserted");
         shard.enqueue(8, (0..1000).collect(), Mode::Train).expect("queued");
         assert_eq!(shard.pull(8).expect("fits").len(), 1000 * 16);
+    }
+
+    const DIM: usize = 4;
+
+    fn skew_shard(ssd: Option<&std::path::Path>) -> ShardServer {
+        let optimizer = SparseOptimizer::Adagrad { lr: 0.05, eps: 1e-8 };
+        let init = Initializer::new(InitConfig::default(), 3);
+        let table = match ssd {
+            None => EmbeddingTable::new(DIM, optimizer, init, 4),
+            Some(dir) => {
+                let ssd = sparrow_embedding::table::SsdOptions {
+                    dir: dir.to_path_buf(),
+                    cache_capacity_rows: 16,
+                    policy: sparrow_core::config::CachePolicy::Lru,
+                };
+                EmbeddingTable::with_ssd(DIM, optimizer, init, 4, &ssd).expect("ssd table")
+            }
+        };
+        ShardServer::new(0, table)
+    }
+
+    /// Batch `b`'s keys: 24 of 400 (batches 1000 on: of the next 400), with repeats.
+    fn skew_keys(b: u64) -> Vec<u64> {
+        let base = if b >= 1000 { 400 } else { 0 };
+        (0..24).map(|i| sparrow_core::key::mix64(base + (b * 7 + i * 13) % 400)).collect()
+    }
+
+    /// A gradient that depends on the rows pulled, so a row read or updated
+    /// in the wrong place changes the model.
+    fn skew_grads(rows: &[f32]) -> Vec<f32> {
+        rows.iter().enumerate().map(|(i, w)| 0.5 * w + 0.01 * (i % 5) as f32 - 0.02).collect()
+    }
+
+    fn train_batches(shard: &ShardServer, batches: std::ops::Range<u64>) {
+        for b in batches {
+            shard.enqueue(b, skew_keys(b), Mode::Train).expect("queued");
+            let rows = shard.pull(b).expect("pulled");
+            shard.push(b, skew_grads(&rows)).expect("pushed");
+        }
+    }
+
+    /// S2.2 lets a fast worker take any number of batches while a slow one
+    /// holds its rows: batch 0 is pulled, 300 batches are pulled and pushed
+    /// through a 16-row cache, then batch 0 is pushed. Its rows stayed in
+    /// place (protected while in flight), so the SSD shard ends with exactly
+    /// the model of a shard in memory. A count of protected lookups (the old
+    /// rule) let them be evicted and the push land on other keys' rows.
+    #[test]
+    fn a_stalled_workers_rows_stay_its_own_while_another_trains_hundreds_of_batches() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let tiered = skew_shard(Some(tmp.path()));
+        let memory = skew_shard(None);
+        for shard in [&tiered, &memory] {
+            train_batches(shard, 500..600);
+            shard.enqueue(0, skew_keys(0), Mode::Train).expect("queued");
+            let stalled = shard.pull(0).expect("pulled");
+            train_batches(shard, 1..301);
+            shard.push(0, skew_grads(&stalled)).expect("the stalled batch's push lands on its own rows");
+            // Eviction goes on once nothing is in flight.
+            train_batches(shard, 1000..1100);
+        }
+        let writebacks = tiered.table().tier_stats().expect("tiered").writebacks;
+        assert!(writebacks > 100, "the cache evicted: {writebacks} write-backs");
+        assert_eq!(tiered.table().len(), memory.table().len());
+        for k in 0..800 {
+            let key = sparrow_core::key::mix64(k);
+            assert_eq!(tiered.table().get_row(key), memory.table().get_row(key), "row of key {k}");
+        }
     }
 }

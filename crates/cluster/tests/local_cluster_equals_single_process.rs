@@ -171,7 +171,7 @@ fn a_faster_worker_takes_more_batches_and_replicas_stay_identical() {
     let c = config(tmp.path(), "dlrm");
     let layout = sparrow_data::DataLayout::from_config(&c.data);
     let shards: Vec<Arc<dyn ShardService>> = (0..2)
-        .map(|i| Arc::new(ShardServer::new(i, shard_table(&c, i, 1).expect("table"))) as Arc<dyn ShardService>)
+        .map(|i| Arc::new(ShardServer::new(i, shard_table(&c, i).expect("table"))) as Arc<dyn ShardService>)
         .collect();
     let loader = LoaderServer::start(&c, shards.clone()).expect("loader");
     let slow = SlowFor { inner: &loader, slow_worker: 1 };
@@ -215,8 +215,6 @@ fn the_admission_filter_gives_the_cluster_the_single_process_model() {
 fn ssd_shards_prefetch_queued_batches_and_train_the_same_model() {
     let tmp = tempfile::tempdir().expect("tmp");
     sparrow_data::synth::generate(tmp.path(), 3000, 600, 9).expect("generate");
-    // Small batches: rows stay protected for the 80 lookups a shard may have
-    // in flight, so the cache evicts only in a run of many more batches.
     let memory = config_with(tmp.path(), "dlrm", &["train.batch_size=8"]);
     let ssd_dir = tmp.path().join("ssd");
     let ssd = config_with(
@@ -252,7 +250,7 @@ fn a_cluster_checkpoint_keeps_the_shards_filter_state() {
     let c = config_with(tmp.path(), "dlrm", &["embedding.admit_min_count=3", "embedding.ttl_steps=200"]);
     let layout = sparrow_data::DataLayout::from_config(&c.data);
     let servers: Vec<Arc<ShardServer>> =
-        (0..2).map(|i| Arc::new(ShardServer::new(i, shard_table(&c, i, 1).expect("table")))).collect();
+        (0..2).map(|i| Arc::new(ShardServer::new(i, shard_table(&c, i).expect("table")))).collect();
     let shards: Vec<Arc<dyn ShardService>> = servers.iter().map(|s| s.clone() as Arc<dyn ShardService>).collect();
     let loader = LoaderServer::start(&c, shards.clone()).expect("loader");
     let mut worker = new_worker(&c, &layout, 0, None).expect("worker");

@@ -39,7 +39,7 @@ fn bench(c: &mut Criterion) {
                 i += 1;
                 let mut rows = vec![0.0; plan.num_unique() * dim];
                 let slots = table.lookup_or_insert(&plan, &mut rows).expect("lookup");
-                table.apply_gradients_at(&plan, &slots, &rows);
+                table.apply_gradients_at(&plan, &slots, &rows).expect("update");
                 plan.num_unique()
             })
         });

@@ -6,6 +6,7 @@
 //! Plain data structures and threads: no network, no async runtime.
 
 pub mod disk;
+mod in_flight;
 pub mod index;
 pub mod optimizer;
 pub mod plan;
@@ -14,5 +15,6 @@ pub mod table;
 pub use optimizer::SparseOptimizer;
 pub use plan::KeyPlan;
 pub use table::{
-    EmbeddingTable, FeatureFilters, FilterState, FilterStats, Initializer, Partitioner, RowSlots, TableError, TierStats,
+    EmbeddingTable, FeatureFilters, FilterState, FilterStats, Initializer, Partitioner, RowSlots, Staged, TableError,
+    TierStats,
 };

@@ -11,9 +11,11 @@
 //!
 //! Invariant: a row never moves once allocated (chunks are never reallocated).
 //! A slot changes hands only by eviction (SSD tier) or expiry (`ttl_steps`),
-//! never while its row was used by one of the last `protect` lookups, so the
-//! slots a lookup returns stay valid until the update that follows it.
+//! never while a lookup that used its row is in flight (`in_flight.rs`), so
+//! the slots a lookup returns stay valid until the update that follows it;
+//! the update checks each row's key all the same and refuses a stale slot.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::RwLock;
@@ -24,6 +26,7 @@ use sparrow_core::key::mix64;
 use sparrow_core::rng::Rng;
 
 use crate::disk::{DiskStore, StorePos, Use};
+use crate::in_flight::{InFlight, Lease};
 use crate::index::{Probe, SlotIndex};
 use crate::optimizer::SparseOptimizer;
 use crate::plan::KeyPlan;
@@ -35,6 +38,12 @@ pub enum TableError {
     RowWidth { key: u64, expected: usize, found: usize },
     #[error("the table holds more than {max} rows in one shard")]
     ShardFull { max: u64 },
+    /// An update's slot no longer holds the key it was looked up for: the
+    /// lookup's slots went stale (a bug; the update is refused, not misapplied).
+    #[error(
+        "lock shard {shard}: the row looked up for key {key:#018x} now holds key {found:#018x}; its update is refused"
+    )]
+    SlotReused { shard: usize, key: u64, found: u64 },
     /// The message already names the file; not a `source`, so an error
     /// chain does not print it twice.
     #[error("SSD tier: {0}")]
@@ -149,8 +158,10 @@ pub struct FeatureFilters {
     pub admit_sketch_counters: usize,
     /// Rows not used by this many training lookups are deleted (0: never).
     pub ttl_steps: u64,
-    /// Rows used by the last this-many lookups never expire (in flight).
-    pub protect_lookups: u64,
+    /// A `ttl_steps` below this counts as this: the lookups a run may have
+    /// in flight, so that a pipelined run's model does not depend on
+    /// expiries inside its window. (A row in flight never expires anyway.)
+    pub ttl_floor: u64,
 }
 
 /// What the feature filters did, summed over lock shards.
@@ -259,8 +270,8 @@ impl AdmitSketch {
 /// Row expiry (`ttl_steps`): each row's last training lookup; slots freed by
 /// expiry are reused before the arena grows.
 struct Expiry {
+    /// `ttl_steps`, at least the floor.
     ttl: u64,
-    protect: u64,
     last_use: Vec<u64>,
     vacant: Vec<bool>,
     free: Vec<u32>,
@@ -273,6 +284,8 @@ struct Access<'a> {
     init: &'a Initializer,
     opt: &'a SparseOptimizer,
     tick: u64,
+    /// Rows used at or after this tick may be in flight: never evicted.
+    oldest_in_flight: u64,
     prefetching: bool,
 }
 
@@ -282,9 +295,6 @@ struct Tier {
     /// Rows this shard's cache holds before it starts evicting.
     capacity: usize,
     policy: CachePolicy,
-    /// Rows used by the last `protect` lookups are never evicted: their slots
-    /// may be in flight between a lookup and its update.
-    protect: u64,
     /// Per cached slot, in one cache line: eviction reads them together.
     meta: Vec<SlotMeta>,
     /// Where a cached row read from the store sits there: its write-back
@@ -298,7 +308,7 @@ struct Tier {
     /// previous miss, and the victim chosen then (row prefetched).
     sampled: [u32; VICTIM_SAMPLES],
     next_victim: Option<u32>,
-    /// `ttl_steps` (0: off): stored rows unused for longer read as absent
+    /// `ttl_steps` (0: off; at least the floor): stored rows unused for longer read as absent
     /// and are deleted by a sweep of the store, a quarter per expiry pass.
     ttl: u64,
     sweep_cursor: u64,
@@ -364,15 +374,15 @@ impl Tier {
         (self.rng % rows as u64) as usize
     }
 
-    /// Unprotected, and not a slot whose row expired (`last_use` = `u64::MAX`).
-    fn evictable(&self, slot: usize, tick: u64) -> bool {
-        self.meta[slot].last_use.saturating_add(self.protect) <= tick
+    /// Not in flight, and not a slot whose row expired (`last_use` = `u64::MAX`).
+    fn evictable(&self, slot: usize, oldest_in_flight: u64) -> bool {
+        self.meta[slot].last_use < oldest_in_flight
     }
 
     /// As of `tick`, rows last used before this have outlived `ttl_steps`
     /// (`None`: no expiry).
     fn expiry_cutoff(&self, tick: u64) -> Option<u64> {
-        (self.ttl > 0).then(|| tick.saturating_sub(self.ttl.max(self.protect)))
+        (self.ttl > 0).then(|| tick.saturating_sub(self.ttl))
     }
 
     fn expired(&self, last_use: u64, tick: u64) -> bool {
@@ -388,9 +398,9 @@ impl Tier {
         }
     }
 
-    /// The lowest-ranked unprotected slot of `slots`.
-    fn best_of(&self, slots: impl Iterator<Item = usize>, tick: u64) -> Option<u32> {
-        slots.filter(|&s| self.evictable(s, tick)).min_by_key(|&s| self.eviction_rank(s)).map(|s| s as u32)
+    /// The lowest-ranked evictable slot of `slots`.
+    fn best_of(&self, slots: impl Iterator<Item = usize>, oldest_in_flight: u64) -> Option<u32> {
+        slots.filter(|&s| self.evictable(s, oldest_in_flight)).min_by_key(|&s| self.eviction_rank(s)).map(|s| s as u32)
     }
 
     /// A slot to evict: the least recently (or frequently) used of a few
@@ -401,16 +411,18 @@ impl Tier {
     /// the previous miss are compared (their use records have arrived) and
     /// new ones drawn, so no miss waits on these random reads.
     /// The caller prefetches the row of the staged [`next_victim`](Self::next_victim).
-    fn pick_victim(&mut self, rows: usize, tick: u64) -> Option<u32> {
-        let ready = self.next_victim.take().filter(|&v| (v as usize) < rows && self.evictable(v as usize, tick));
+    fn pick_victim(&mut self, rows: usize, oldest_in_flight: u64) -> Option<u32> {
+        let ready =
+            self.next_victim.take().filter(|&v| (v as usize) < rows && self.evictable(v as usize, oldest_in_flight));
         let victim = match ready {
             Some(v) => Some(v),
-            None => self.pick_now(rows, tick),
+            None => self.pick_now(rows, oldest_in_flight),
         };
         // Stage the next eviction: compare the samples drawn last time…
         // (Before the first miss they are all slot 0, which exists by then.)
         let sampled = self.sampled;
-        self.next_victim = self.best_of(sampled.iter().map(|&s| s as usize), tick).filter(|&s| Some(s) != victim);
+        self.next_victim =
+            self.best_of(sampled.iter().map(|&s| s as usize), oldest_in_flight).filter(|&s| Some(s) != victim);
         // …and draw the samples for the one after.
         for i in 0..VICTIM_SAMPLES {
             let slot = self.draw(rows);
@@ -422,7 +434,7 @@ impl Tier {
 
     /// [`pick_victim`](Self::pick_victim) without the staged one: draws
     /// rounds of samples until enough of them are unprotected.
-    fn pick_now(&mut self, rows: usize, tick: u64) -> Option<u32> {
+    fn pick_now(&mut self, rows: usize, oldest_in_flight: u64) -> Option<u32> {
         let mut best: Option<u32> = None;
         let mut candidates = 0;
         for _round in 0..8 {
@@ -431,8 +443,8 @@ impl Tier {
                 *slot = self.draw(rows);
                 prefetch(&self.meta[*slot]);
             }
-            candidates += slots.iter().filter(|&&s| self.evictable(s, tick)).count();
-            best = self.best_of(slots.into_iter().chain(best.map(|b| b as usize)), tick);
+            candidates += slots.iter().filter(|&&s| self.evictable(s, oldest_in_flight)).count();
+            best = self.best_of(slots.into_iter().chain(best.map(|b| b as usize)), oldest_in_flight);
             if candidates >= VICTIM_SAMPLES {
                 break;
             }
@@ -440,10 +452,13 @@ impl Tier {
         best
     }
 
+    /// A use by lookup `tick`. Lookups of one shard may finish out of tick
+    /// order (concurrent pulls): a row keeps its latest use, so it stays
+    /// protected while the newest lookup that used it is in flight.
     fn touch(&mut self, slot: u32, tick: u64) {
         let s = slot as usize;
         let m = &mut self.meta[s];
-        m.last_use = tick;
+        m.last_use = m.last_use.max(tick);
         m.uses = m.uses.saturating_add(1);
     }
 }
@@ -562,6 +577,10 @@ impl TableShard {
         let slot = match self.expiry.as_mut().and_then(|e| e.free.pop().map(|slot| (e, slot))) {
             Some((e, slot)) => {
                 e.vacant[slot as usize] = false;
+                if let Some(t) = &mut self.tier {
+                    // It was marked expired (never evictable); the caller sets its use.
+                    t.meta[slot as usize] = SlotMeta { last_use: 0, uses: 0, dirty: true };
+                }
                 slot
             }
             None => self.allocate(layout)?,
@@ -636,16 +655,17 @@ impl TableShard {
     /// `ttl_steps`: whether the cached row in `slot` outlived its age as of
     /// lookup `tick` (it then reads as absent until the sweep deletes it).
     fn aged_out(&self, slot: usize, tick: u64) -> bool {
-        self.expiry.as_ref().is_some_and(|e| e.last_use[slot] < tick.saturating_sub(e.ttl.max(e.protect)))
+        self.expiry.as_ref().is_some_and(|e| e.last_use[slot] < tick.saturating_sub(e.ttl))
     }
 
     /// `ttl_steps`: deletes the rows that no lookup used in the last `ttl`
-    /// lookups (rows in flight never qualify); with an SSD tier, also the
-    /// stored rows of the next quarter of the store (of all of it if `whole`).
-    fn expire(&mut self, layout: Layout, tick: u64, whole: bool) -> Result<(), TableError> {
+    /// lookups, except rows in flight (they read as absent, and go at a later
+    /// sweep); with an SSD tier, also the stored rows of the next quarter of
+    /// the store (of all of it if `whole`).
+    fn expire(&mut self, layout: Layout, tick: u64, oldest_in_flight: u64, whole: bool) -> Result<(), TableError> {
         let TableShard { index, chunks, rows, expiry, filter_stats, tier, .. } = self;
         let Some(e) = expiry else { return Ok(()) };
-        let used_since = tick.saturating_sub(e.ttl.max(e.protect));
+        let used_since = tick.saturating_sub(e.ttl).min(oldest_in_flight);
         for slot in 0..*rows {
             if e.vacant[slot] || e.last_use[slot] >= used_since {
                 continue;
@@ -688,15 +708,8 @@ impl TableShard {
         Ok(())
     }
 
-    /// Slot of `key`, inserting an initialised row on first sight (S3.9);
-    /// `None` if the admission filter turns the key away.
-    #[inline]
-    fn slot_or_insert(&mut self, layout: Layout, key: u64, how: &Access<'_>) -> Result<Option<u32>, TableError> {
-        let probe = self.index.probe(key);
-        self.confirm_or_insert(layout, key, probe, how)
-    }
-
-    /// [`slot_or_insert`](Self::slot_or_insert) with the probe already done.
+    /// Slot of `key` (probed already), inserting an initialised row on first
+    /// sight (S3.9); `None` if the admission filter turns the key away.
     /// With an SSD tier, a key missing from the cache is read from the store
     /// (or initialised on first sight) into a free or evicted slot.
     #[inline]
@@ -707,7 +720,7 @@ impl TableShard {
         probe: Probe,
         how: &Access<'_>,
     ) -> Result<Option<u32>, TableError> {
-        let Access { init, opt, tick, prefetching } = *how;
+        let Access { init, opt, tick, oldest_in_flight, prefetching } = *how;
         let found = self.index.confirm(key, probe, |s| self.key_at(layout, s));
         // ttl_steps: a cached row past its age is gone as a stored one is
         // when read, whether the sweep reached it yet or not, so which rows
@@ -719,7 +732,8 @@ impl TableShard {
         {
             aged_out = self.aged_out(slot as usize, tick);
             if let Some(e) = &mut self.expiry {
-                e.last_use[slot as usize] = tick;
+                let last = &mut e.last_use[slot as usize];
+                *last = (*last).max(tick);
             }
         }
         if let Some(slot) = found {
@@ -750,7 +764,7 @@ impl TableShard {
         if !self.admits(key, prefetching, tick)? {
             return Ok(None);
         }
-        let slot = self.free_slot(layout, key, tick)?;
+        let slot = self.free_slot(layout, key, oldest_in_flight)?;
         let mut last_use = tick;
         let (chunk, start) = layout.locate(slot);
         let row = &mut self.chunks[chunk][start + KEY_FLOATS..start + layout.stored_len];
@@ -804,12 +818,12 @@ impl TableShard {
 
     /// A slot for a new `key`, indexed: a fresh one while the cache is under
     /// capacity, else an evicted one (its row written back if dirty).
-    fn free_slot(&mut self, layout: Layout, key: u64, tick: u64) -> Result<u32, TableError> {
+    fn free_slot(&mut self, layout: Layout, key: u64, oldest_in_flight: u64) -> Result<u32, TableError> {
         let rows = self.rows;
         // Slots of expired rows are refilled before anything is evicted.
         let vacant = self.expiry.as_ref().is_some_and(|e| !e.free.is_empty());
         let victim = match &mut self.tier {
-            Some(t) if rows >= t.capacity && !vacant => t.pick_victim(rows, tick),
+            Some(t) if rows >= t.capacity && !vacant => t.pick_victim(rows, oldest_in_flight),
             _ => None,
         };
         let Some(slot) = victim else { return self.add(layout, key) };
@@ -891,6 +905,8 @@ pub struct EmbeddingTable {
     shard_mask: u64,
     /// Counts training lookups: a cached row's age for eviction.
     tick: AtomicU64,
+    /// The lookups (and prefetches) whose rows are still in flight.
+    in_flight: Arc<InFlight>,
     /// `ttl_steps`: lookups between sweeps for expired rows, ⌈ttl/8⌉ (a row
     /// goes between ttl and 9/8 ttl lookups after its last use); 0: never.
     sweep_every: u64,
@@ -903,9 +919,6 @@ pub struct SsdOptions {
     /// Rows the memory cache holds (split evenly across the lock shards).
     pub cache_capacity_rows: usize,
     pub policy: CachePolicy,
-    /// Rows used by the last this-many training lookups are never evicted
-    /// (2 covers a lookup running one batch ahead of the previous update).
-    pub protect_lookups: u64,
 }
 
 impl std::fmt::Debug for EmbeddingTable {
@@ -923,12 +936,22 @@ impl std::fmt::Debug for EmbeddingTable {
 const CHUNK_BYTES: usize = 64 * 1024;
 
 /// The slots of a lookup's unique keys, so the update that follows does not
-/// probe the hash index again. Valid for the table that produced it: rows never
-/// move or disappear (see the module invariant).
+/// probe the hash index again. Valid for the table that produced it: while it
+/// lives, its lookup is in flight and none of its rows is evicted or expired.
+/// Drop it once its update is applied (or abandoned).
 #[derive(Debug, Default)]
 pub struct RowSlots {
     table_id: usize,
     slots: Vec<u32>,
+    _lease: Option<Lease>,
+}
+
+/// Rows a [`EmbeddingTable::prefetch`] staged into the cache stay there
+/// while this lives: keep it until the lookup they were staged for.
+#[derive(Debug, Default)]
+#[must_use = "staged rows may be evicted again once this is dropped"]
+pub struct Staged {
+    _lease: Option<Lease>,
 }
 
 impl EmbeddingTable {
@@ -950,7 +973,16 @@ impl EmbeddingTable {
                 })
             })
             .collect();
-        EmbeddingTable { layout, optimizer, init, shards, shard_mask, tick: AtomicU64::new(1), sweep_every: 0 }
+        EmbeddingTable {
+            layout,
+            optimizer,
+            init,
+            shards,
+            shard_mask,
+            tick: AtomicU64::new(1),
+            in_flight: Arc::default(),
+            sweep_every: 0,
+        }
     }
 
     /// A table whose rows live in files under `ssd.dir` (one per lock shard),
@@ -972,7 +1004,6 @@ impl EmbeddingTable {
                 store,
                 capacity,
                 policy: ssd.policy,
-                protect: ssd.protect_lookups.max(1),
                 meta: Vec::new(),
                 pos: Vec::new(),
                 stored_only: 0,
@@ -989,20 +1020,20 @@ impl EmbeddingTable {
 
     /// The table `embedding.*` describes: in memory, or with its SSD tier in
     /// `embedding.path` (joined with `subdir`, so several tables of one
-    /// machine do not share files). `protect_lookups`: see [`SsdOptions`].
+    /// machine do not share files). `ttl_floor`: see [`FeatureFilters`].
     pub fn from_config(
         dim: usize,
         config: &sparrow_core::config::EmbeddingConfig,
         init: Initializer,
         subdir: Option<&str>,
-        protect_lookups: u64,
+        ttl_floor: u64,
     ) -> Result<Self, TableError> {
         let optimizer = SparseOptimizer::from_config(config);
         let filters = FeatureFilters {
             admit_min_count: config.admit_min_count,
             admit_sketch_counters: config.admit_sketch_counters,
             ttl_steps: config.ttl_steps,
-            protect_lookups,
+            ttl_floor,
         };
         let table = match (config.storage, &config.path) {
             (sparrow_core::config::Storage::Ssd, Some(path)) => {
@@ -1010,12 +1041,8 @@ impl EmbeddingTable {
                 if let Some(sub) = subdir {
                     dir.push(sub);
                 }
-                let ssd = SsdOptions {
-                    dir,
-                    cache_capacity_rows: config.cache_capacity_rows,
-                    policy: config.cache_policy,
-                    protect_lookups,
-                };
+                let ssd =
+                    SsdOptions { dir, cache_capacity_rows: config.cache_capacity_rows, policy: config.cache_policy };
                 Self::with_ssd(dim, optimizer, init, config.table_shards, &ssd)?
             }
             _ => Self::new(dim, optimizer, init, config.table_shards),
@@ -1033,16 +1060,11 @@ impl EmbeddingTable {
                 shard.admit = Some(AdmitSketch::new(filters.admit_min_count, filters.admit_sketch_counters / shards));
             }
             if filters.ttl_steps > 0 {
+                let ttl = filters.ttl_steps.max(filters.ttl_floor);
                 if let Some(t) = &mut shard.tier {
-                    t.ttl = filters.ttl_steps;
+                    t.ttl = ttl;
                 }
-                shard.expiry = Some(Expiry {
-                    ttl: filters.ttl_steps,
-                    protect: filters.protect_lookups,
-                    last_use: Vec::new(),
-                    vacant: Vec::new(),
-                    free: Vec::new(),
-                });
+                shard.expiry = Some(Expiry { ttl, last_use: Vec::new(), vacant: Vec::new(), free: Vec::new() });
             }
         }
         self.sweep_every = filters.ttl_steps.div_ceil(8);
@@ -1057,7 +1079,8 @@ impl EmbeddingTable {
             return Ok(());
         }
         let (layout, tick) = (self.layout, self.tick.load(Ordering::Relaxed));
-        self.shards.par_iter().try_for_each(|shard| shard.write().expire(layout, tick, true))
+        let oldest = self.in_flight.oldest(&self.tick);
+        self.shards.par_iter().try_for_each(|shard| shard.write().expire(layout, tick, oldest, true))
     }
 
     /// The filters' state a checkpoint keeps beside the rows.
@@ -1189,11 +1212,13 @@ impl EmbeddingTable {
         let dim = layout.dim;
         assert_eq!(out.len(), plan.num_unique() * dim, "output size");
         let mut slots = vec![0u32; plan.num_unique()];
-        let tick = self.tick.fetch_add(1, Ordering::Relaxed) + 1;
+        let lease = self.in_flight.begin_lookup(&self.tick);
+        let tick = lease.tick();
+        let oldest_in_flight = self.in_flight.oldest(&self.tick);
         if self.sweep_every > 0 && tick.is_multiple_of(self.sweep_every) {
-            self.shards.par_iter().try_for_each(|shard| shard.write().expire(layout, tick, false))?;
+            self.shards.par_iter().try_for_each(|shard| shard.write().expire(layout, tick, oldest_in_flight, false))?;
         }
-        let access = Access { init: &self.init, opt: &self.optimizer, tick, prefetching: false };
+        let access = Access { init: &self.init, opt: &self.optimizer, tick, oldest_in_flight, prefetching: false };
         let out_parts = self.shard_slices(plan, out, dim);
         let slot_parts = self.shard_slices(plan, &mut slots, 1);
         out_parts.into_par_iter().zip(slot_parts).try_for_each(|((s, out), (_, slots))| {
@@ -1212,7 +1237,7 @@ impl EmbeddingTable {
                 }
             })
         })?;
-        Ok(RowSlots { table_id: self.id(), slots })
+        Ok(RowSlots { table_id: self.id(), slots, _lease: Some(lease) })
     }
 
     /// S3.5: brings the rows of `plan`'s keys that are not cached into the
@@ -1220,14 +1245,17 @@ impl EmbeddingTable {
     /// copying them out, so the lookup that follows finds them in memory. Run
     /// beside the previous batch's dense step: it touches only rows that batch
     /// does not use (those are cached and protected), so the model is the
-    /// same as without it. A no-op without an SSD tier.
-    pub fn prefetch(&self, plan: &KeyPlan) -> Result<(), TableError> {
+    /// same as without it. The staged rows stay cached while the returned
+    /// [`Staged`] lives. A no-op without an SSD tier.
+    pub fn prefetch(&self, plan: &KeyPlan) -> Result<Staged, TableError> {
         if self.shards[0].read().tier.is_none() {
-            return Ok(());
+            return Ok(Staged::default());
         }
         let layout = self.layout;
-        let tick = self.tick.load(Ordering::Relaxed);
-        let access = Access { init: &self.init, opt: &self.optimizer, tick, prefetching: true };
+        let lease = self.in_flight.begin_prefetch(&self.tick);
+        let tick = lease.tick();
+        let oldest_in_flight = self.in_flight.oldest(&self.tick);
+        let access = Access { init: &self.init, opt: &self.optimizer, tick, oldest_in_flight, prefetching: true };
         (0..self.shards.len()).into_par_iter().try_for_each(|s| {
             let keys = plan.shard_keys(s);
             if keys.is_empty() {
@@ -1235,7 +1263,8 @@ impl EmbeddingTable {
             }
             // A key the filter will not admit stays out (the lookup says so).
             self.shards[s].write().resolve_all(layout, keys, &access, |_, _, _| {})
-        })
+        })?;
+        Ok(Staged { _lease: Some(lease) })
     }
 
     /// Whether rows live on SSD behind a cache (so [`prefetch`](Self::prefetch) pays).
@@ -1250,19 +1279,24 @@ impl EmbeddingTable {
 
     /// Applies summed gradients (`num_unique × dim`, plan order) to the rows a
     /// preceding [`lookup_or_insert`](Self::lookup_or_insert) of the same plan
-    /// found, without probing the index again.
-    pub fn apply_gradients_at(&self, plan: &KeyPlan, slots: &RowSlots, grads: &[f32]) {
+    /// found, without probing the index again. Each row's key is checked
+    /// before its update (it shares the row's first cache line): a slot that
+    /// no longer holds its key stops the update with
+    /// [`TableError::SlotReused`] (rows before it in its lock shard were
+    /// updated: the table is then not any step's state).
+    pub fn apply_gradients_at(&self, plan: &KeyPlan, slots: &RowSlots, grads: &[f32]) -> Result<(), TableError> {
         let layout = self.layout;
         let dim = layout.dim;
         assert_eq!(slots.table_id, self.id(), "slots come from another table");
         assert_eq!(slots.slots.len(), plan.num_unique(), "slots of another plan");
         assert_eq!(grads.len(), plan.num_unique() * dim, "gradient size");
-        (0..self.shards.len()).into_par_iter().for_each(|s| {
+        (0..self.shards.len()).into_par_iter().try_for_each(|s| {
             let (lo, hi) = (plan.shard_offsets[s], plan.shard_offsets[s + 1]);
             if lo == hi {
-                return;
+                return Ok(());
             }
             let mut shard = self.shards[s].write();
+            let keys = plan.shard_keys(s);
             for u in lo..hi {
                 if let Some(&ahead) =
                     slots.slots.get(u + PREFETCH_DISTANCE).filter(|&&a| u + PREFETCH_DISTANCE < hi && a != NOT_ADMITTED)
@@ -1273,11 +1307,16 @@ impl EmbeddingTable {
                 if slot == NOT_ADMITTED {
                     continue;
                 }
+                let (key, found) = (keys[u - lo], shard.key_at(layout, slot));
+                if found != key {
+                    return Err(TableError::SlotReused { shard: s, key, found });
+                }
                 let (w, state) = shard.row_mut(layout, slot).split_at_mut(dim);
                 self.optimizer.apply(w, state, &grads[u * dim..(u + 1) * dim]);
                 shard.mark_dirty(slot);
             }
-        });
+            Ok(())
+        })
     }
 
     /// Read-only lookup (evaluation): an unseen key reads as its initial
@@ -1300,33 +1339,6 @@ impl EmbeddingTable {
                     None if shard.read_row(layout, key, &mut full, tick)? => dst.copy_from_slice(&full[..dim]),
                     None => self.init.fill(key, dst),
                 }
-            }
-            Ok(())
-        })
-    }
-
-    /// Applies summed gradients (`num_unique × dim`, in plan order) once per
-    /// unique key (S3.7). A key not in the table is inserted first (if the
-    /// admission filter lets it in).
-    pub fn apply_gradients(&self, plan: &KeyPlan, grads: &[f32]) -> Result<(), TableError> {
-        let layout = self.layout;
-        let dim = layout.dim;
-        assert_eq!(grads.len(), plan.num_unique() * dim, "gradient size");
-        (0..self.shards.len()).into_par_iter().try_for_each(|s| {
-            let keys = plan.shard_keys(s);
-            if keys.is_empty() {
-                return Ok(());
-            }
-            let base = plan.shard_offsets[s];
-            let mut shard = self.shards[s].write();
-            let tick = self.tick.load(Ordering::Relaxed);
-            for (i, &key) in keys.iter().enumerate() {
-                let access = Access { init: &self.init, opt: &self.optimizer, tick, prefetching: false };
-                let Some(slot) = shard.slot_or_insert(layout, key, &access)? else { continue };
-                let g = &grads[(base + i) * dim..(base + i + 1) * dim];
-                let (w, state) = shard.row_mut(layout, slot).split_at_mut(dim);
-                self.optimizer.apply(w, state, g);
-                shard.mark_dirty(slot);
             }
             Ok(())
         })
@@ -1362,7 +1374,7 @@ impl EmbeddingTable {
                 if visited == max {
                     return Ok(Some((shard_index, pos)));
                 }
-                if !shard.is_vacant(pos) {
+                if !shard.is_vacant(pos) && !shard.aged_out(pos, tick) {
                     let stored = stored_in(&shard.chunks, self.layout, pos as u32);
                     f(key_of(stored), shard.last_use(pos, tick), &stored[KEY_FLOATS..]);
                     visited += 1;
@@ -1417,13 +1429,13 @@ impl EmbeddingTable {
         let slot = match shard.find(self.layout, key) {
             Some(slot) => slot,
             None => {
-                let tick = self.tick.load(Ordering::Relaxed);
                 let mut scratch = vec![0.0f32; self.layout.row_len];
                 let stored = match &mut shard.tier {
                     Some(t) => t.store.get(key, &mut scratch)?,
                     None => None,
                 };
-                let slot = shard.free_slot(self.layout, key, tick)?;
+                let oldest_in_flight = self.in_flight.oldest(&self.tick);
+                let slot = shard.free_slot(self.layout, key, oldest_in_flight)?;
                 if let Some(t) = &mut shard.tier {
                     if stored.is_some() {
                         t.stored_only -= 1;
@@ -1433,7 +1445,7 @@ impl EmbeddingTable {
                     // A row of unknown use is evictable at once (never
                     // counted as in flight); a restored last use is kept, as
                     // its record's age when it is written back.
-                    let last_use = last_use.unwrap_or(tick.saturating_sub(t.protect));
+                    let last_use = last_use.unwrap_or(oldest_in_flight.saturating_sub(1));
                     t.meta[slot as usize] = SlotMeta { last_use, uses: 0, dirty: true };
                 }
                 slot
@@ -1455,7 +1467,7 @@ impl EmbeddingTable {
         for shard in self.shards.iter() {
             let shard = shard.read();
             let mut entries: Vec<(u64, u32)> = (0..shard.rows as u32)
-                .filter(|&slot| !shard.is_vacant(slot as usize))
+                .filter(|&slot| !shard.is_vacant(slot as usize) && !shard.aged_out(slot as usize, tick))
                 .map(|slot| (key_of(stored_in(&shard.chunks, self.layout, slot)), slot))
                 .collect();
             // SSD tier: the stored rows that are not cached (the cache's copy is newer).
@@ -1508,19 +1520,14 @@ mod tests {
     #[test]
     fn an_lfu_row_read_back_from_the_store_keeps_its_use_count() {
         let dir = tempfile::tempdir().expect("tmp");
-        let ssd = SsdOptions {
-            dir: dir.path().to_path_buf(),
-            cache_capacity_rows: 1,
-            policy: CachePolicy::Lfu,
-            protect_lookups: 1,
-        };
+        let ssd = SsdOptions { dir: dir.path().to_path_buf(), cache_capacity_rows: 1, policy: CachePolicy::Lfu };
         let opt = SparseOptimizer::Sgd { lr: 0.1 };
         let t = EmbeddingTable::with_ssd(4, opt, Initializer::new(InitConfig::default(), 9), 1, &ssd).expect("ssd");
         let look = |key: u64| {
             let plan = t.plan(&[key]);
             let mut rows = vec![0.0; t.row_len()];
             let slots = t.lookup_or_insert(&plan, &mut rows).expect("lookup");
-            t.apply_gradients_at(&plan, &slots, &[0.5; 4]);
+            t.apply_gradients_at(&plan, &slots, &[0.5; 4]).expect("update");
         };
         let uses_of = |key: u64| {
             let shard = t.shards[0].read();

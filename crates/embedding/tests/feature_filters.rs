@@ -25,14 +25,13 @@ fn step(table: &EmbeddingTable, keys: &[u64]) -> Vec<f32> {
     let plan = table.plan(keys);
     let mut rows = vec![0.0; plan.num_unique() * DIM];
     let slots = table.lookup_or_insert(&plan, &mut rows).expect("lookup");
-    table.apply_gradients_at(&plan, &slots, &vec![1.0; rows.len()]);
+    table.apply_gradients_at(&plan, &slots, &vec![1.0; rows.len()]).expect("update");
     rows
 }
 
 /// A table on the SSD tier with a 4-row cache (one per lock shard).
 fn tiny_ssd_table(dir: &std::path::Path) -> EmbeddingTable {
-    let ssd =
-        SsdOptions { dir: dir.to_path_buf(), cache_capacity_rows: 4, policy: CachePolicy::Lru, protect_lookups: 1 };
+    let ssd = SsdOptions { dir: dir.to_path_buf(), cache_capacity_rows: 4, policy: CachePolicy::Lru };
     EmbeddingTable::with_ssd(DIM, opt(), init(), 4, &ssd).expect("ssd")
 }
 
@@ -72,7 +71,7 @@ fn without_filters_every_key_is_admitted_at_once() {
 #[test]
 fn rows_unused_for_ttl_steps_expire_and_come_back_fresh() {
     let ttl = 8;
-    let t = filtered(FeatureFilters { ttl_steps: ttl, protect_lookups: 2, ..Default::default() });
+    let t = filtered(FeatureFilters { ttl_steps: ttl, ttl_floor: 2, ..Default::default() });
     let cold: Vec<u64> = (100..140).collect();
     step(&t, &cold);
     let trained = t.get_row(100).expect("row");
@@ -112,7 +111,7 @@ fn rows_unused_for_ttl_steps_expire_and_come_back_fresh() {
 
 #[test]
 fn a_row_looked_up_but_not_yet_updated_never_expires() {
-    let t = filtered(FeatureFilters { ttl_steps: 1, protect_lookups: 2, ..Default::default() });
+    let t = filtered(FeatureFilters { ttl_steps: 1, ttl_floor: 2, ..Default::default() });
     step(&t, &[5]);
     for _ in 0..5 {
         step(&t, &[6]);
@@ -122,7 +121,7 @@ fn a_row_looked_up_but_not_yet_updated_never_expires() {
     let mut rows = vec![0.0; DIM];
     let slots = t.lookup_or_insert(&plan, &mut rows).expect("lookup");
     step(&t, &[6]);
-    t.apply_gradients_at(&plan, &slots, &[1.0; DIM]);
+    t.apply_gradients_at(&plan, &slots, &[1.0; DIM]).expect("update");
     assert!(t.get_row(7).expect("still there")[..DIM].iter().zip(initial(7)).all(|(w, w0)| *w < w0));
     assert_eq!(t.get_row(5), None, "the old row expired");
 }

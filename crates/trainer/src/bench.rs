@@ -245,7 +245,7 @@ fn bench_embedding(
             let t2 = Instant::now();
             grads.clear();
             grads.extend_from_slice(&grads_seed[..plan.num_unique() * dim]);
-            table.apply_gradients_at(&plan, &slots, &grads);
+            table.apply_gradients_at(&plan, &slots, &grads)?;
             let t3 = Instant::now();
             unique += plan.num_unique();
             plan_secs += (t1 - t0).as_secs_f64();

@@ -138,6 +138,10 @@ impl MetricsLog {
             None => None,
             Some(p) => {
                 let p = PathBuf::from(p);
+                // Made like checkpoint.dir: a fresh data folder has no place for it yet.
+                if let Some(parent) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
+                    std::fs::create_dir_all(parent).map_err(|e| TrainError::io(parent, e))?;
+                }
                 let f = std::fs::OpenOptions::new()
                     .create(true)
                     .append(append)
@@ -341,7 +345,10 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
             && every > 0
             && trainer.step % every == 0
         {
-            trainer.flush_update();
+            if let Err(e) = trainer.flush_update() {
+                outcome = Err(e);
+                break;
+            }
             match checkpoint::save(&trainer, Path::new(dir), config.checkpoint.keep) {
                 Ok(saved) => last_saved = Some((trainer.step, saved)),
                 Err(e) => {
@@ -368,7 +375,12 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
         };
         outcome = Err(DataError::NoRows { path: train_path.to_path_buf(), why }.into());
     }
-    trainer.flush_update();
+    let flushed = trainer.flush_update();
+    if outcome.is_ok()
+        && let Err(e) = flushed
+    {
+        outcome = Err(e);
+    }
     // Rows past ttl_steps leave the table before it is evaluated, reported
     // and saved.
     let swept = trainer.table.sweep_expired();

@@ -33,11 +33,22 @@ pub struct Trainer {
     /// Pipelined path: the last batch's sparse update, applied beside the
     /// next dense step (see [`train_overlapped`](Self::train_overlapped)).
     pending_update: Option<SparseUpdate>,
+    /// SSD tier, exact path: the next batch's rows, staged by a prefetch,
+    /// stay cached until its lookup.
+    staged: sparrow_embedding::Staged,
     /// Batches skipped for a non-finite loss or gradient
     /// (`train.on_non_finite = "skip_batch"`), by this run.
     pub skipped_batches: u64,
     /// A failed table operation left the table between two steps.
     torn: bool,
+}
+
+/// What failed in the sparse branch beside a pipelined dense step.
+enum SparseFailure {
+    /// The previous batch's update (the table is then in no step's state).
+    Update(sparrow_embedding::TableError),
+    /// The next batch's lookup.
+    Lookup(sparrow_embedding::TableError),
 }
 
 /// A batch's summed gradients, waiting to be applied to its rows.
@@ -182,6 +193,14 @@ fn checked_step(
     Ok(step)
 }
 
+/// The shortest `ttl_steps` a table counts: the lookups one trainer keeps
+/// ahead of its updates (the batch in hand, `pipeline_depth` ahead of it,
+/// one more being prefetched). One formula for `train` and every shard, so
+/// both expire rows alike.
+pub fn ttl_floor(config: &Config) -> u64 {
+    config.train.pipeline_depth as u64 + 2
+}
+
 /// Seeds of the independent random streams (embedding init, dense init),
 /// derived from `train.seed`. Every role that builds a part of the model uses
 /// these, so a cluster and a single process start from the same model.
@@ -194,13 +213,12 @@ impl Trainer {
         crate::sizes::check(config, &layout)?;
         let (emb_seed, dense_seed) = seeds(config.train.seed);
         let width = DenseModel::embedding_width(config.model.kind, config.model.embedding_dim);
-        // Lookups in flight: the batch in hand and the pipeline_depth ahead of it.
         let table = EmbeddingTable::from_config(
             width,
             &config.embedding,
             Initializer::new(config.embedding.init, emb_seed),
             None,
-            config.train.pipeline_depth as u64 + 2,
+            ttl_floor(config),
         )?;
         let shape = ModelShape {
             num_fields: layout.num_fields,
@@ -220,6 +238,7 @@ impl Trainer {
             phase_secs: PhaseSecs::default(),
             packed_input: Vec::new(),
             pending_update: None,
+            staged: sparrow_embedding::Staged::default(),
             skipped_batches: 0,
             torn: false,
         })
@@ -281,8 +300,10 @@ impl Trainer {
             || dense_step(model, optimizer, packed_input, inputs, pooling),
             || {
                 let t = Instant::now();
-                if let Some(u) = &previous {
-                    table.apply_gradients_at(&u.plan, &u.slots, &u.grads);
+                if let Some(u) = &previous
+                    && let Err(e) = table.apply_gradients_at(&u.plan, &u.slots, &u.grads)
+                {
+                    return (0.0, Err(SparseFailure::Update(e)));
                 }
                 let update_secs = t.elapsed().as_secs_f64();
                 let next_lookup = next
@@ -290,7 +311,8 @@ impl Trainer {
                         let mut unique_rows = vec![0.0f32; p.num_unique() * table.dim()];
                         table.lookup_or_insert(p, &mut unique_rows).map(|slots| LookedUp { unique_rows, slots })
                     })
-                    .transpose();
+                    .transpose()
+                    .map_err(SparseFailure::Lookup);
                 (update_secs, next_lookup)
             },
         );
@@ -311,7 +333,11 @@ impl Trainer {
         // sightings or ages (feature filters): then no step's state is exact.
         let next_lookup = match next_lookup {
             Ok(next) => next,
-            Err(e) => {
+            Err(SparseFailure::Update(e)) => {
+                self.torn = true;
+                return Err(e.into());
+            }
+            Err(SparseFailure::Lookup(e)) => {
                 self.note_failed_table_op();
                 if let Ok(step) = step {
                     self.step += 1;
@@ -383,12 +409,27 @@ impl Trainer {
 
     /// Applies the update [`train_overlapped`](Self::train_overlapped) left
     /// waiting: before the table is read as trained (checkpoint, evaluation).
-    pub fn flush_update(&mut self) {
+    pub fn flush_update(&mut self) -> Result<(), TrainError> {
         if let Some(u) = self.pending_update.take() {
             let t = Instant::now();
-            self.table.apply_gradients_at(&u.plan, &u.slots, &u.grads);
+            self.apply_update(&u.plan, &u.slots, &u.grads)?;
             self.phase_secs.update += t.elapsed().as_secs_f64();
         }
+        Ok(())
+    }
+
+    /// A batch's sparse update; one that fails part way leaves the table in
+    /// no step's state (see [`is_consistent`](Self::is_consistent)).
+    fn apply_update(
+        &mut self,
+        plan: &KeyPlan,
+        slots: &sparrow_embedding::RowSlots,
+        grads: &[f32],
+    ) -> Result<(), TrainError> {
+        self.table.apply_gradients_at(plan, slots, grads).map_err(|e| {
+            self.torn = true;
+            e.into()
+        })
     }
 
     /// Whether a batch's update is still waiting (the table is not yet the
@@ -409,6 +450,8 @@ impl Trainer {
     ) -> Result<StepStats, TrainError> {
         let t0 = Instant::now();
         let looked_up = self.look_up(plan)?;
+        // Its staged rows are looked up: they need no more protection.
+        self.staged = sparrow_embedding::Staged::default();
         let t1 = Instant::now();
         let (model, optimizer, packed_input, table) =
             (&self.model, &mut self.dense_optimizer, &mut self.packed_input, &self.table);
@@ -421,7 +464,7 @@ impl Trainer {
         let pooling = self.config.model.pooling;
         let (step, prefetched) = rayon::join(
             || dense_step(model, optimizer, packed_input, inputs, pooling),
-            || next.map_or(Ok(()), |p| table.prefetch(p)),
+            || next.map_or(Ok(sparrow_embedding::Staged::default()), |p| table.prefetch(p)),
         );
         let width = self.table.dim();
         let step = checked_step(
@@ -433,24 +476,27 @@ impl Trainer {
             self.config.train.on_non_finite,
             &mut self.torn,
         );
-        if let Err(e) = prefetched {
-            // As in train_overlapped: the dense update is made, so the step
-            // is completed before the prefetch's error is reported.
-            self.note_failed_table_op();
-            if let Ok(step) = step {
-                self.table.apply_gradients_at(plan, &looked_up.slots, &step.grads);
-                self.step += 1;
-                self.samples_trained += batch.rows() as u64;
-                self.position = batch.end;
+        match prefetched {
+            Ok(staged) => self.staged = staged,
+            Err(e) => {
+                // As in train_overlapped: the dense update is made, so the step
+                // is completed before the prefetch's error is reported.
+                self.note_failed_table_op();
+                if let Ok(step) = step {
+                    self.apply_update(plan, &looked_up.slots, &step.grads)?;
+                    self.step += 1;
+                    self.samples_trained += batch.rows() as u64;
+                    self.position = batch.end;
+                }
+                return Err(e.into());
             }
-            return Err(e.into());
         }
         let step = match self.skip_or_stop(step, batch, plan)? {
             Ok(step) => step,
             Err(skipped) => return Ok(skipped),
         };
         let t4 = Instant::now();
-        self.table.apply_gradients_at(plan, &looked_up.slots, &step.grads);
+        self.apply_update(plan, &looked_up.slots, &step.grads)?;
         let t5 = Instant::now();
         let p = &mut self.phase_secs;
         p.lookup += (t1 - t0).as_secs_f64();
@@ -503,7 +549,7 @@ impl Trainer {
         };
         let (loss, grads, t2, t3) = (step.loss, step.grads, step.pooled_at, step.stepped_at);
         let t4 = Instant::now();
-        self.table.apply_gradients_at(plan, &slots, &grads);
+        self.apply_update(plan, &slots, &grads)?;
         let t5 = Instant::now();
         let p = &mut self.phase_secs;
         p.lookup += (t1 - t0).as_secs_f64();

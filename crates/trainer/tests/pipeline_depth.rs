@@ -38,7 +38,7 @@ fn depth_0_sees_the_previous_update_and_depth_1_does_not() {
     let (_, next) = piped.train_overlapped(b1, p1.clone(), first, Some(&p2)).expect("step");
     let before = next.expect("batch 2 looked up");
     assert!(piped.has_pending_update(), "batch 1's update waits for the next dense step");
-    piped.flush_update();
+    piped.flush_update().expect("update");
 
     let dim = exact.table.dim();
     let b1_keys: std::collections::HashSet<u64> = b1.keys.iter().copied().collect();

@@ -27,7 +27,8 @@ use tonic::{Request, Status};
 use crate::metrics::RoleMetrics;
 use crate::transport::ClusterError;
 
-/// The environment variable that carries the shared token (overrides `cluster.auth_token`).
+/// The environment variable that carries the shared token (overrides
+/// `cluster.auth_token`). The binary reads it; `launch` sets it for its children.
 pub const TOKEN_ENV: &str = "SPARROW_AUTH_TOKEN";
 
 /// What every connection and listener of a role needs.
@@ -42,9 +43,10 @@ pub struct NetSettings {
 }
 
 impl NetSettings {
-    /// From the cluster config, the token from [`TOKEN_ENV`] taking precedence.
-    pub fn new(cluster: &sparrow_core::config::ClusterConfig) -> NetSettings {
-        let token = std::env::var(TOKEN_ENV).ok().or_else(|| cluster.auth_token.clone()).filter(|t| !t.is_empty());
+    /// From the cluster config; `token` (the process's own, from [`TOKEN_ENV`])
+    /// takes precedence over `cluster.auth_token`.
+    pub fn new(cluster: &sparrow_core::config::ClusterConfig, token: Option<&str>) -> NetSettings {
+        let token = token.or(cluster.auth_token.as_deref()).filter(|t| !t.is_empty()).map(str::to_owned);
         NetSettings {
             token: token.map(Arc::from),
             max_message_bytes: cluster.max_message_bytes,
