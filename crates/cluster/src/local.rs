@@ -97,10 +97,7 @@ pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Re
                 let (loader, shards, layout, summer, rounds) = (&loader, &shards, &layout, summer.clone(), &rounds);
                 scope.spawn(move || {
                     let result = (|| {
-                        let pool = rayon::ThreadPoolBuilder::new()
-                            .num_threads(config.train.threads)
-                            .build()
-                            .map_err(|e| TrainError::ThreadPool(e.to_string()))?;
+                        let pool = sparrow_trainer::run::compute_pool(config.train.threads)?;
                         pool.install(|| {
                             let mut worker = new_worker(config, layout, index, summer)?;
                             worker.run_training(loader as &dyn LoaderService, shards)?;

@@ -350,10 +350,7 @@ pub fn run_worker(args: &RoleArgs) -> Result<WorkerSummary, ClusterError> {
                 heartbeat_until_end(&coordinator, RoleKind::Worker, index, &cluster, &stop, &progress)
             })
         };
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(reg.config.train.threads)
-            .build()
-            .map_err(|e| sparrow_trainer::TrainError::ThreadPool(e.to_string()))?;
+        let pool = sparrow_trainer::run::compute_pool(reg.config.train.threads)?;
         let summary = pool.install(|| worker_job(&reg.config, index, summer, &loader, &shards, progress));
         stop.store(true, Ordering::Relaxed);
         if let Ok(Err(e)) = heartbeat.join() {

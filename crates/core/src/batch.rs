@@ -43,11 +43,6 @@ impl Batch {
         let i = row * self.num_fields + field;
         self.bag_offsets[i] as usize..self.bag_offsets[i + 1] as usize
     }
-
-    #[inline]
-    pub fn key_weight(&self, i: usize) -> f32 {
-        self.key_weights.as_ref().map_or(1.0, |w| w[i])
-    }
 }
 
 /// Builds a [`Batch`] row by row; a row that turns out malformed halfway is

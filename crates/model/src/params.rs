@@ -6,7 +6,6 @@ use candle_core::{DType, Device, Tensor, Var};
 use sparrow_core::rng::Rng;
 
 use crate::ModelError;
-use crate::fused::BiasRelu;
 
 pub struct ParamStore {
     vars: Vec<(String, Var)>,
@@ -97,10 +96,5 @@ impl Linear {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
         Ok(x.matmul(self.w.as_tensor())?.broadcast_add(self.b.as_tensor())?)
-    }
-
-    /// relu(x·W + b), bias and ReLU fused into one op.
-    pub fn forward_relu(&self, x: &Tensor) -> Result<Tensor, ModelError> {
-        Ok(x.matmul(self.w.as_tensor())?.apply_op2(self.b.as_tensor(), BiasRelu)?)
     }
 }

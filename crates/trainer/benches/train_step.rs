@@ -17,7 +17,7 @@ fn bench(c: &mut Criterion) {
             .expect("open")
             .collect::<Result<_, _>>()
             .expect("read");
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
+    let pool = sparrow_trainer::run::compute_pool(2).expect("pool");
     let mut trainer = Trainer::new(&config, DataLayout::from_config(&config.data)).expect("trainer");
     let mut group = c.benchmark_group("train_step");
     group.throughput(Throughput::Elements(1024));

@@ -132,8 +132,7 @@ pub struct BenchReport {
 /// Resident bytes per row of a table of `rows` Adagrad rows at `dim`,
 /// measured as the growth of this process's RSS.
 fn bench_memory(rows: usize, dim: usize) -> Result<MemoryBench, TrainError> {
-    let pool =
-        rayon::ThreadPoolBuilder::new().num_threads(2).build().map_err(|e| TrainError::ThreadPool(e.to_string()))?;
+    let pool = crate::run::compute_pool(2)?;
     pool.install(|| {
         let before = crate::rss_bytes();
         let opt = SparseOptimizer::Adagrad { lr: 0.05, eps: 1e-8 };
@@ -213,10 +212,7 @@ fn bench_embedding(
     threads: usize,
     ceiling: Option<f64>,
 ) -> Result<EmbeddingBench, TrainError> {
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .map_err(|e| TrainError::ThreadPool(e.to_string()))?;
+    let pool = crate::run::compute_pool(threads)?;
     pool.install(|| {
         let opt = SparseOptimizer::Adagrad { lr: 0.05, eps: 1e-8 };
         let table = EmbeddingTable::new(dim, opt, Initializer::new(InitConfig::default(), 1), 64);
@@ -287,10 +283,7 @@ fn bench_train_step(o: &BenchOptions) -> Result<TrainBench, TrainError> {
     let batches: Vec<Batch> =
         BatchStream::spawn(&data_dir.join("train.tsv"), &config.data, o.batch_size, Default::default(), 1, bad)?
             .collect::<Result<_, _>>()?;
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .map_err(|e| TrainError::ThreadPool(e.to_string()))?;
+    let pool = crate::run::compute_pool(threads)?;
     pool.install(|| {
         let mut trainer = Trainer::new(&config, layout)?;
         // Warm-up pass: first sight of every key (insertion) is not the steady state.
@@ -425,8 +418,7 @@ pub fn bench_tier(o: &TierBenchOptions) -> Result<TierBench, TrainError> {
         })
         .collect();
     let baseline_rss_bytes = current_rss_bytes();
-    let pool =
-        rayon::ThreadPoolBuilder::new().num_threads(2).build().map_err(|e| TrainError::ThreadPool(e.to_string()))?;
+    let pool = crate::run::compute_pool(2)?;
     pool.install(|| {
         let mut trainer = Trainer::new(&config, layout)?;
         let fill = Instant::now();
@@ -446,7 +438,7 @@ pub fn bench_tier(o: &TierBenchOptions) -> Result<TierBench, TrainError> {
         let partitioner = trainer.table.partitioner();
         let mut next_plan = batches.first().map(|b| partitioner.plan(&b.keys));
         let mut step = |trainer: &mut Trainer, i: usize| -> Result<(), TrainError> {
-            let plan = next_plan.take().ok_or(TrainError::ThreadPool("no plan".into()))?;
+            let plan = next_plan.take().unwrap_or_else(|| partitioner.plan(&batches[i].keys));
             next_plan = batches.get(i + 1).map(|b| partitioner.plan(&b.keys));
             trainer.train_prefetched(&batches[i], &plan, next_plan.as_ref())?;
             Ok(())

@@ -26,8 +26,8 @@ pub enum TrainError {
     /// A command-line argument that cannot be right (names the flag).
     #[error("{flag} {value}: {message}")]
     Argument { flag: &'static str, value: String, message: String },
-    #[error("thread pool: {0}")]
-    ThreadPool(String),
+    #[error("starting the compute thread pool")]
+    ThreadPool(#[source] rayon::ThreadPoolBuildError),
 }
 
 impl TrainError {

@@ -40,17 +40,6 @@ impl Progress {
         }
     }
 
-    /// A line that is always shown (above the bar when there is one).
-    pub fn note(&self, text: &str) {
-        if self.quiet {
-            return;
-        }
-        match &self.bar {
-            Some(bar) => bar.println(text),
-            None => eprintln!("{text}"),
-        }
-    }
-
     pub fn finish(&self) {
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();

@@ -116,12 +116,14 @@ pub struct EvalSummary {
     pub wall_secs: f64,
 }
 
-fn thread_pool(threads: usize) -> Result<rayon::ThreadPool, TrainError> {
+/// The rayon pool a job's compute runs in (`train.threads` threads: matmuls,
+/// table shards, pooling): the one place such a pool is built.
+pub fn compute_pool(threads: usize) -> Result<rayon::ThreadPool, TrainError> {
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .thread_name(|i| format!("sparrow-compute-{i}"))
         .build()
-        .map_err(|e| TrainError::ThreadPool(e.to_string()))
+        .map_err(TrainError::ThreadPool)
 }
 
 fn data_path<'a>(p: &'a Option<String>, key: &'static str, what: &'static str) -> Result<&'a Path, TrainError> {
@@ -172,7 +174,7 @@ pub fn train(config: &Config, quiet: bool) -> Result<TrainSummary, TrainError> {
 /// the checkpoint is written and [`TrainError::Interrupted`] returned.
 pub fn train_until(config: &Config, quiet: bool, stop: &AtomicBool) -> Result<TrainSummary, TrainError> {
     let wall = Instant::now();
-    let pool = thread_pool(config.train.threads)?;
+    let pool = compute_pool(config.train.threads)?;
     pool.install(|| train_in_pool(config, quiet, wall, stop))
 }
 
@@ -554,7 +556,7 @@ fn score_checkpoint(
     threads: Option<usize>,
 ) -> Result<Scored, TrainError> {
     let (trainer, manifest, _) = checkpoint::load_trainer(checkpoint, overrides)?;
-    let pool = thread_pool(threads.unwrap_or(trainer.config.train.threads))?;
+    let pool = compute_pool(threads.unwrap_or(trainer.config.train.threads))?;
     let bad = BadRows::from_config(&trainer.config.data);
     let (logits, labels) = pool.install(|| predict_file(&trainer, data, &trainer.config.data, &bad))?;
     Ok(Scored { logits, labels, bad_rows: bad.total(), step: manifest.step })
