@@ -10,11 +10,12 @@ use sparrow_data::DataLayout;
 use sparrow_embedding::{EmbeddingTable, Initializer};
 use sparrow_model::{DenseModel, DenseOptimizer, ModelShape};
 use sparrow_trainer::TrainError;
+use sparrow_trainer::dense_sync::{DenseSync, LocalSync};
 use sparrow_trainer::trainer::seeds;
 
 use crate::loader::LoaderServer;
 use crate::shard::ShardServer;
-use crate::sync::{RoundSum, WorkerSync};
+use crate::sync::{RoundSum, RoundSync};
 use crate::transport::{ClusterError, LoaderService, ShardReport, ShardService};
 use crate::worker::{Worker, WorkerStats};
 
@@ -53,7 +54,7 @@ pub fn shard_table(config: &Config, index: usize) -> Result<EmbeddingTable, Clus
 }
 
 /// A worker role, built from the config (every worker starts from the same
-/// dense weights); with `summer`, its dense optimizer sums across workers.
+/// dense weights); with `summer`, its dense sync sums across workers each step.
 pub fn new_worker(
     config: &Config,
     layout: &DataLayout,
@@ -67,13 +68,13 @@ pub fn new_worker(
         embedding_dim: config.model.embedding_dim,
     };
     let model = DenseModel::new(&config.model, shape, dense_seed, Device::Cpu).map_err(TrainError::from)?;
-    let optimizer = match summer {
-        Some(summer) => {
-            DenseOptimizer::with_sync(config.dense_optimizer.clone(), Box::new(WorkerSync::new(index, summer)))
-        }
-        None => DenseOptimizer::new(config.dense_optimizer.clone()),
+    let sync: Box<dyn DenseSync> = match summer {
+        Some(summer) => Box::new(RoundSync::new(index, summer)),
+        None => Box::new(LocalSync),
     };
-    Ok(Worker::new(index, model, optimizer, config.model.pooling).with_pipeline_depth(config.train.pipeline_depth))
+    let optimizer = DenseOptimizer::new(config.dense_optimizer.clone());
+    Ok(Worker::new(index, model, optimizer, sync, config.model.pooling)
+        .with_pipeline_depth(config.train.pipeline_depth))
 }
 
 /// Trains with `num_shards` in-process shards and `num_workers` worker

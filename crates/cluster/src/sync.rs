@@ -17,7 +17,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
-use sparrow_model::{GradientSync, ModelError, RoundOutcome};
+use sparrow_model::{DenseGrads, ParamStore};
+use sparrow_trainer::TrainError;
+use sparrow_trainer::dense_sync::DenseSync;
 
 use crate::transport::ClusterError;
 
@@ -167,8 +169,9 @@ impl RoundSummer for RoundSum {
     }
 }
 
-/// A worker's side of the rounds, as the dense optimizer's [`GradientSync`].
-pub struct WorkerSync {
+/// A worker's side of the rounds: the step engine's [`DenseSync`] policy for
+/// the every-step sum across workers (S0.6 with S2.2).
+pub struct RoundSync {
     worker: usize,
     round: u64,
     summer: Arc<dyn RoundSummer>,
@@ -177,38 +180,37 @@ pub struct WorkerSync {
     last_answer: Option<Instant>,
 }
 
-impl WorkerSync {
+impl RoundSync {
     pub fn new(worker: usize, summer: Arc<dyn RoundSummer>) -> Self {
-        WorkerSync { worker, round: 0, summer, last_answer: None }
+        RoundSync { worker, round: 0, summer, last_answer: None }
     }
 }
 
-impl GradientSync for WorkerSync {
-    fn sum(&mut self, grads: &mut [f32], rows: u64) -> Result<RoundOutcome, ModelError> {
+impl DenseSync for RoundSync {
+    fn combine(&mut self, params: &ParamStore, grads: DenseGrads) -> Result<Option<DenseGrads>, TrainError> {
+        // A non-finite gradient stops this worker before it reaches the others.
+        grads.check_finite(params)?;
         let batch_time = self.last_answer.map_or(Duration::ZERO, |t| t.elapsed());
-        let reply = self
-            .summer
-            .sum_round(Contribution {
-                worker: self.worker,
-                round: self.round,
-                grads: grads.to_vec(),
-                rows,
-                patience: batch_time / 2,
-            })
-            .map_err(|e| ModelError::GradientSync(e.to_string()));
+        let reply = self.summer.sum_round(Contribution {
+            worker: self.worker,
+            round: self.round,
+            grads: grads.flat_sum_terms(params),
+            rows: grads.rows,
+            patience: batch_time / 2,
+        });
         self.last_answer = Some(Instant::now());
-        let reply = reply?;
-        let RoundReply::Closed(result) = reply else { return Ok(RoundOutcome::Open) };
-        if result.0.len() != grads.len() {
-            return Err(ModelError::GradientSync(format!(
+        let reply = reply.map_err(|e| TrainError::DenseSync(Box::new(e)))?;
+        let RoundReply::Closed(result) = reply else { return Ok(None) };
+        let (sum, rows) = (&result.0, result.1);
+        if sum.len() != params.num_params() {
+            return Err(TrainError::DenseSync(Box::new(ClusterError::Setup(format!(
                 "round {}: the sum has {} values, this worker has {}",
                 self.round,
-                result.0.len(),
-                grads.len()
-            )));
+                sum.len(),
+                params.num_params()
+            )))));
         }
         self.round += 1;
-        grads.copy_from_slice(&result.0);
-        Ok(RoundOutcome::Closed { rows: result.1 })
+        Ok((rows > 0).then(|| DenseGrads::from_flat_sum(params, sum, rows)))
     }
 }

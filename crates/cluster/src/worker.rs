@@ -1,20 +1,22 @@
 //! A worker (S0.4): takes a batch from the loader, pulls its rows from the
 //! shards by batch id, trains the dense model, pushes the embedding gradients.
-//! With several workers the dense optimizer sums gradients across them every
-//! step (S0.6, see [`crate::sync`]).
+//! The steps run through the same step engine as `sparrow train`
+//! (`sparrow_trainer::engine`), with the shards as its row source; with
+//! several workers its dense sync policy sums gradients across them every
+//! step (S0.6, [`crate::sync::RoundSync`]).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use crossbeam_channel::Receiver;
-
+use parking_lot::Mutex;
 use sparrow_core::config::Pooling;
 use sparrow_embedding::KeyPlan;
 use sparrow_model::{DenseModel, DenseOptimizer};
+use sparrow_trainer::dense_sync::DenseSync;
+use sparrow_trainer::engine::{DenseInputs, Looked, RowSource, StepEngine, dense_step, idle_step};
 use sparrow_trainer::pooling::{Bags, pool};
-use sparrow_trainer::trainer::{DenseInputs, dense_step};
 
 use crate::loader::owner;
 use crate::messages::{Mode, WorkerBatch};
@@ -63,10 +65,11 @@ pub struct WorkerPhaseSecs {
     pub next_batch: f64,
     /// Pulling rows (plus, in worker_lookup mode, dedup and sending keys).
     /// At `pipeline_depth ≥ 1`: the wait for the push-then-pull branch after
-    /// the dense step (the part the overlap did not hide), pushes included.
+    /// the dense step (the part the overlap did not hide).
     pub pull: f64,
     /// Pool, dense forward/backward, gradient sum across workers, optimizer, unpool.
     pub dense: f64,
+    /// Pushing gradients (beside the dense step at `pipeline_depth ≥ 1`).
     pub push: f64,
 }
 
@@ -74,6 +77,8 @@ pub struct Worker {
     pub index: usize,
     pub model: DenseModel,
     pub optimizer: DenseOptimizer,
+    /// How this worker agrees with the others on each dense step.
+    sync: Box<dyn DenseSync>,
     pooling: Pooling,
     /// `train.pipeline_depth`.
     pipeline_depth: usize,
@@ -120,35 +125,26 @@ fn each_shard<T: Send>(
     })
 }
 
-/// A batch whose rows were pulled from the shards, waiting for its dense step.
-struct PulledBatch {
-    batch: WorkerBatch,
-    unique_rows: Vec<f32>,
-    /// The loader message's payload, as received (before worker_lookup
-    /// mode replaced its keys by an inverse index).
-    loader_bytes: u64,
-}
-
-/// A trained batch's embedding gradients, split by shard, waiting to be pushed.
-struct PendingPush {
-    batch_id: u64,
-    shard_counts: Vec<u32>,
-    /// Summed gradient per unique key, shard by shard (`width` floats each).
-    grads: Vec<f32>,
-    width: usize,
-}
-
 /// What the shard calls of a step carried and took (merged into
 /// [`WorkerStats`] by the worker's thread).
 #[derive(Default)]
 struct ShardTraffic {
+    bytes_from_loader: u64,
     bytes_from_shards: u64,
     pull_secs: Vec<f32>,
     push_secs: Vec<f32>,
 }
 
 impl ShardTraffic {
+    fn merge(&mut self, other: ShardTraffic) {
+        self.bytes_from_loader += other.bytes_from_loader;
+        self.bytes_from_shards += other.bytes_from_shards;
+        self.pull_secs.extend(other.pull_secs);
+        self.push_secs.extend(other.push_secs);
+    }
+
     fn add_to(self, stats: &mut WorkerStats) {
+        stats.bytes_from_loader += self.bytes_from_loader;
         stats.bytes_from_shards += self.bytes_from_shards;
         stats.pull_secs.extend(self.pull_secs);
         stats.push_secs.extend(self.push_secs);
@@ -190,48 +186,84 @@ fn pull_rows(
     Ok(rows)
 }
 
-/// A training batch's keys sent (worker_lookup mode) and its rows pulled.
-fn fetch_rows(
-    mut batch: WorkerBatch,
+/// The shards as the step engine's [`RowSource`]: a lookup sends the keys
+/// (worker_lookup mode) and pulls the rows by batch id; an update pushes
+/// each shard its part of the gradients. Network calls: they run beside the
+/// dense step on a thread of their own.
+struct RemoteRows<'a> {
+    shards: &'a [Arc<dyn ShardService>],
     width: usize,
-    shards: &[Arc<dyn ShardService>],
-    traffic: &mut ShardTraffic,
-) -> Result<PulledBatch, ClusterError> {
-    let loader_bytes = batch.payload_bytes() as u64;
-    look_up_keys(&mut batch, shards, Mode::Train)?;
-    let unique_rows = pull_rows(&batch, width, shards, Some(traffic))?;
-    Ok(PulledBatch { batch, unique_rows, loader_bytes })
+    traffic: Mutex<ShardTraffic>,
 }
 
+impl RowSource for RemoteRows<'_> {
+    type Batch = WorkerBatch;
+    type Ticket = ();
+    type Error = ClusterError;
+
+    fn look_up(&self, mut batch: WorkerBatch) -> Result<Looked<WorkerBatch, ()>, ClusterError> {
+        let loader_bytes = batch.payload_bytes() as u64;
+        look_up_keys(&mut batch, self.shards, Mode::Train)?;
+        let mut traffic = ShardTraffic { bytes_from_loader: loader_bytes, ..ShardTraffic::default() };
+        let unique_rows = pull_rows(&batch, self.width, self.shards, Some(&mut traffic))?;
+        self.traffic.lock().merge(traffic);
+        Ok(Looked { batch, unique_rows, ticket: () })
+    }
+
+    fn update(&self, batch: &WorkerBatch, _: (), grads: Vec<f32>) -> Result<(), ClusterError> {
+        let mut traffic = ShardTraffic::default();
+        push_grads(batch, &grads, self.width, self.shards, &mut traffic)?;
+        self.traffic.lock().merge(traffic);
+        Ok(())
+    }
+
+    fn blocks(&self) -> bool {
+        true
+    }
+}
+
+/// Pushes each shard its part of a batch's summed gradients (per unique
+/// key, shard by shard, `width` floats each).
 fn push_grads(
-    push: PendingPush,
+    batch: &WorkerBatch,
+    grads: &[f32],
+    width: usize,
     shards: &[Arc<dyn ShardService>],
     traffic: &mut ShardTraffic,
 ) -> Result<(), ClusterError> {
     // Where each shard's part starts: the counts before it.
-    let starts: Vec<usize> = push
+    let starts: Vec<usize> = batch
         .shard_counts
         .iter()
         .scan(0, |at, &count| {
             let start = *at;
-            *at += count as usize * push.width;
+            *at += count as usize * width;
             Some(start)
         })
         .collect();
-    let pushed = each_shard(shards, &push.shard_counts, |s, shard| {
-        let part = &push.grads[starts[s]..starts[s] + push.shard_counts[s] as usize * push.width];
-        shard.push(push.batch_id, part.to_vec())
+    let pushed = each_shard(shards, &batch.shard_counts, |s, shard| {
+        let part = &grads[starts[s]..starts[s] + batch.shard_counts[s] as usize * width];
+        shard.push(batch.batch_id, part.to_vec())
     })?;
     traffic.push_secs.extend(pushed.iter().map(|(_, secs)| secs));
     Ok(())
 }
 
 impl Worker {
-    pub fn new(index: usize, model: DenseModel, optimizer: DenseOptimizer, pooling: Pooling) -> Self {
+    /// A worker with its dense sync policy: `LocalSync` alone,
+    /// [`RoundSync`](crate::sync::RoundSync) beside other workers.
+    pub fn new(
+        index: usize,
+        model: DenseModel,
+        optimizer: DenseOptimizer,
+        sync: Box<dyn DenseSync>,
+        pooling: Pooling,
+    ) -> Self {
         Worker {
             index,
             model,
             optimizer,
+            sync,
             pooling,
             pipeline_depth: 0,
             packed_input: Vec::new(),
@@ -247,27 +279,33 @@ impl Worker {
         self
     }
 
-    /// The dense step of a pulled batch: its loss and the gradients to push.
-    fn dense(&mut self, pulled: PulledBatch) -> Result<(f64, PendingPush), ClusterError> {
-        let PulledBatch { batch, unique_rows, loader_bytes } = pulled;
-        let inputs =
-            DenseInputs { bags: bags(&batch), unique_rows: &unique_rows, dense: &batch.dense, labels: &batch.labels };
-        let out = dense_step(&self.model, &mut self.optimizer, &mut self.packed_input, inputs, self.pooling)
-            .and_then(|out| {
-                sparrow_model::check_finite(&out.grads, || "embedding gradients".into())
-                    .map_err(sparrow_trainer::TrainError::from)?;
-                Ok(out)
-            })
-            .map_err(|e| match e {
-                // Named with the step, as `sparrow train` does; the model was not updated.
-                sparrow_trainer::TrainError::Model(sparrow_model::ModelError::NonFinite { what }) => {
-                    sparrow_trainer::TrainError::NonFinite { step: self.stats.batches + 1, what }
-                }
-                other => other,
-            })?;
+    /// The dense half of a pulled batch (the step engine's `dense`): its
+    /// loss, and the gradients to push.
+    fn dense(&mut self, looked: &Looked<WorkerBatch, ()>) -> Result<(f64, Vec<f32>), ClusterError> {
+        let batch = &looked.batch;
+        let inputs = DenseInputs {
+            bags: bags(batch),
+            unique_rows: &looked.unique_rows,
+            dense: &batch.dense,
+            labels: &batch.labels,
+        };
+        let out = dense_step(
+            &self.model,
+            &mut self.optimizer,
+            self.sync.as_mut(),
+            &mut self.packed_input,
+            inputs,
+            self.pooling,
+        )
+        .map_err(|e| match e {
+            // Named with the step, as `sparrow train` does; the model was not updated.
+            sparrow_trainer::TrainError::Model(sparrow_model::ModelError::NonFinite { what }) => {
+                sparrow_trainer::TrainError::NonFinite { step: self.stats.batches + 1, what }
+            }
+            other => other,
+        })?;
         self.progress.fetch_add(1, Ordering::Relaxed);
         let stats = &mut self.stats;
-        stats.bytes_from_loader += loader_bytes;
         stats.bad_rows = stats.bad_rows.max(batch.bad_rows);
         stats.keys += batch.bag_offsets.last().copied().unwrap_or(0) as u64;
         stats.unique_keys += batch.num_unique() as u64;
@@ -278,42 +316,15 @@ impl Worker {
             stats.recent_losses.pop_front();
         }
         stats.recent_losses.push_back(out.loss);
-        let push = PendingPush {
-            batch_id: batch.batch_id,
-            shard_counts: batch.shard_counts,
-            grads: out.grads,
-            width: self.model.width(),
-        };
-        Ok((out.loss, push))
+        Ok((out.loss, out.grads))
     }
 
-    /// One training step on `batch` (pull, dense step, push); returns its mean loss.
-    pub fn train(&mut self, batch: WorkerBatch, shards: &[Arc<dyn ShardService>]) -> Result<f64, ClusterError> {
-        let mut traffic = ShardTraffic::default();
-        let t0 = Instant::now();
-        let pulled = fetch_rows(batch, self.model.width(), shards, &mut traffic)?;
-        let t1 = Instant::now();
-        let (loss, push) = self.dense(pulled)?;
-        let t2 = Instant::now();
-        push_grads(push, shards, &mut traffic)?;
-        traffic.add_to(&mut self.stats);
-        let phases = &mut self.stats.phase_secs;
-        phases.pull += (t1 - t0).as_secs_f64();
-        phases.dense += (t2 - t1).as_secs_f64();
-        phases.push += t2.elapsed().as_secs_f64();
-        Ok(loss)
-    }
-
-    /// Trains until no worker has a batch left. The next batch is fetched
-    /// from the loader while this one trains (it carries no embeddings, so
-    /// fetching early changes nothing in the model).
-    ///
-    /// At `train.pipeline_depth = d ≥ 1` (S3.10) a batch's rows are pulled d
-    /// batches ahead: beside batch t's dense step, one branch pushes batch
-    /// t−1's gradients and then pulls batch t+d. Batch t+d thus sees every
-    /// update up to batch t−1's and misses those of t … t+d−1 on the keys they
-    /// share — the staleness of `sparrow train` at the same depth. The last
-    /// batch's push is made before the worker joins the rounds idle, so the
+    /// Trains until no worker has a batch left, through the step engine at
+    /// `train.pipeline_depth` (at d ≥ 1 a batch's rows are pulled d batches
+    /// ahead, the staleness of `sparrow train` at the same depth). The next
+    /// batch is fetched from the loader while this one trains (it carries no
+    /// embeddings, so fetching early changes nothing in the model). The last
+    /// update is pushed before the worker joins the rounds idle, so the
     /// shards hold every update when training ends.
     pub fn run_training(
         &mut self,
@@ -322,6 +333,7 @@ impl Worker {
     ) -> Result<(), ClusterError> {
         let start = Instant::now();
         let index = self.index;
+        let rows = RemoteRows { shards, width: self.model.width(), traffic: Mutex::default() };
         std::thread::scope(|scope| {
             let (tx, rx) = crossbeam_channel::bounded(1);
             let prefetch = scope.spawn(move || -> Result<(), ClusterError> {
@@ -333,14 +345,9 @@ impl Worker {
                     }
                 }
             });
-            let trained = if self.pipeline_depth == 0 {
-                self.train_in_turn(&rx, shards)
-            } else {
-                self.train_pipelined(&rx, shards)
-            }
-            .and_then(|()| {
+            let trained = self.train_steps(&rows, &rx).and_then(|()| {
                 // Joins the rounds with nothing until every worker is out of data.
-                while self.model.idle_step(&mut self.optimizer)? {
+                while idle_step(&self.model, &mut self.optimizer, self.sync.as_mut())? {
                     self.progress.fetch_add(1, Ordering::Relaxed);
                 }
                 Ok(())
@@ -352,93 +359,44 @@ impl Worker {
                 prefetch.join().unwrap_or_else(|_| Err(ClusterError::Setup("the prefetch thread panicked".into())));
             fetched.and(trained)
         })?;
+        std::mem::take(&mut *rows.traffic.lock()).add_to(&mut self.stats);
         self.stats.train_secs = start.elapsed().as_secs_f64();
         self.stats.steps = self.optimizer.step;
         Ok(())
     }
 
-    /// The loader's next batch (`None` at the end of the data, or when the
-    /// prefetch thread stopped on an error it reports itself).
-    fn receive(&mut self, batches: &Receiver<Option<WorkerBatch>>) -> Option<WorkerBatch> {
-        let waited = Instant::now();
-        let next = batches.recv().ok().flatten();
-        self.stats.phase_secs.next_batch += waited.elapsed().as_secs_f64();
-        next
-    }
-
-    /// Depth 0: each batch is pulled after the previous one was pushed.
-    fn train_in_turn(
+    /// Every batch of `batches` through the step engine, then the update left waiting.
+    fn train_steps(
         &mut self,
-        batches: &Receiver<Option<WorkerBatch>>,
-        shards: &[Arc<dyn ShardService>],
+        rows: &RemoteRows<'_>,
+        batches: &crossbeam_channel::Receiver<Option<WorkerBatch>>,
     ) -> Result<(), ClusterError> {
-        while let Some(batch) = self.receive(batches) {
-            self.train(batch, shards)?;
-        }
-        Ok(())
-    }
-
-    /// Depth d ≥ 1 (see [`run_training`](Self::run_training)). The phase
-    /// `pull` counts the time a step waited for its push-then-pull branch
-    /// after the dense step was done (the part the overlap did not hide).
-    fn train_pipelined(
-        &mut self,
-        batches: &Receiver<Option<WorkerBatch>>,
-        shards: &[Arc<dyn ShardService>],
-    ) -> Result<(), ClusterError> {
-        let width = self.model.width();
-        let mut traffic = ShardTraffic::default();
-        let mut ahead = VecDeque::with_capacity(self.pipeline_depth);
-        let mut exhausted = false;
-        while ahead.len() < self.pipeline_depth && !exhausted {
-            match self.receive(batches) {
-                Some(batch) => {
-                    let t = Instant::now();
-                    ahead.push_back(fetch_rows(batch, width, shards, &mut traffic)?);
-                    self.stats.phase_secs.pull += t.elapsed().as_secs_f64();
-                }
-                None => exhausted = true,
-            }
-        }
-        let mut pending: Option<PendingPush> = None;
-        while let Some(pulled) = ahead.pop_front() {
-            let previous = pending.take();
-            let t0 = Instant::now();
-            let (dense, dense_done, branch) = std::thread::scope(|scope| {
-                let branch = scope.spawn(move || -> Result<(Option<PulledBatch>, ShardTraffic), ClusterError> {
-                    let mut traffic = ShardTraffic::default();
-                    if let Some(push) = previous {
-                        push_grads(push, shards, &mut traffic)?;
-                    }
-                    let next = if exhausted { None } else { batches.recv().ok().flatten() };
-                    let next = next.map(|batch| fetch_rows(batch, width, shards, &mut traffic)).transpose()?;
-                    Ok((next, traffic))
-                });
-                let dense = self.dense(pulled);
-                let dense_done = Instant::now();
-                let branch = branch
-                    .join()
-                    .unwrap_or_else(|_| Err(ClusterError::Setup("the push-and-pull branch panicked".into())));
-                (dense, dense_done, branch)
-            });
-            let (_, push) = dense?;
-            let (next, step_traffic) = branch?;
-            step_traffic.add_to(&mut self.stats);
+        let mut engine = StepEngine::new(self.pipeline_depth);
+        let mut next_batch_secs = 0.0;
+        loop {
+            let mut next = |_: usize| {
+                let waited = Instant::now();
+                // `None` at the end of the data, or when the prefetch thread
+                // stopped on an error it reports itself.
+                let next = batches.recv().ok().flatten();
+                next_batch_secs += waited.elapsed().as_secs_f64();
+                next.map(Ok)
+            };
+            let stepped = engine.step(rows, &mut next, |looked| {
+                let (_, grads) = self.dense(looked)?;
+                Ok(((), Some(grads)))
+            })?;
+            let Some(stepped) = stepped else { break };
             let phases = &mut self.stats.phase_secs;
-            phases.dense += (dense_done - t0).as_secs_f64();
-            phases.pull += dense_done.elapsed().as_secs_f64();
-            match next {
-                Some(next) => ahead.push_back(next),
-                None => exhausted = true,
+            phases.pull += stepped.lookup_secs;
+            phases.dense += stepped.dense_secs;
+            phases.push += stepped.update_secs;
+            if let Some(e) = stepped.deferred {
+                return Err(e);
             }
-            pending = Some(push);
         }
-        if let Some(push) = pending {
-            let t = Instant::now();
-            push_grads(push, shards, &mut traffic)?;
-            self.stats.phase_secs.push += t.elapsed().as_secs_f64();
-        }
-        traffic.add_to(&mut self.stats);
+        self.stats.phase_secs.push += engine.flush(rows)?;
+        self.stats.phase_secs.next_batch += next_batch_secs;
         Ok(())
     }
 

@@ -12,7 +12,7 @@ pub mod optimizer;
 pub mod params;
 
 pub use models::{DenseModel, ModelShape, StepOutput};
-pub use optimizer::{DenseOptimizer, GradientSync, RoundOutcome, check_finite};
+pub use optimizer::{DenseGrads, DenseOptimizer, check_finite};
 pub use params::ParamStore;
 
 #[derive(Debug, thiserror::Error)]
@@ -24,8 +24,6 @@ pub enum ModelError {
     NotPacked { kind: &'static str },
     #[error("a thread panicked while holding the model's step buffers")]
     Poisoned,
-    #[error("dense gradient sync: {0}")]
-    GradientSync(String),
     #[error("dense weights: parameter `{name}` is missing from the file")]
     MissingParam { name: String },
     #[error("dense weights: parameter `{name}` has shape {found:?}, the model expects {expected:?}")]

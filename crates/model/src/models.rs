@@ -8,7 +8,7 @@ use sparrow_core::metrics::{logistic_loss, sigmoid};
 use crate::ModelError;
 use crate::fused::PairwiseDots;
 use crate::mlp::{Mlp, MlpScratch};
-use crate::optimizer::DenseOptimizer;
+use crate::optimizer::{DenseGrads, DenseOptimizer};
 use crate::params::{Linear, ParamStore};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -297,35 +297,30 @@ impl DenseModel {
         optimizer.check_finite(&self.params)
     }
 
-    /// Forward, backward and one dense optimizer step. The gradient of the
-    /// mean stable logistic loss w.r.t. the pooled embeddings is returned.
-    pub fn train_step(
+    /// Forward and backward of one batch: its logits, mean stable logistic
+    /// loss and d loss / d pooled embeddings, and the dense gradients for
+    /// the optimizer (the step engine syncs and applies them). The loss and
+    /// the embedding gradient are checked finite here.
+    pub fn forward_backward(
         &self,
         emb: Vec<f32>,
         dense: Vec<f32>,
         labels: &[f32],
-        optimizer: &mut DenseOptimizer,
-    ) -> Result<StepOutput, ModelError> {
+    ) -> Result<(StepOutput, DenseGrads), ModelError> {
         match self.direct_mlp() {
-            Some(_) => self.train_step_direct(&emb, &dense, labels, optimizer),
-            None => self.train_step_autograd(emb, dense, labels, optimizer),
+            Some(_) => self.forward_backward_direct(&emb, &dense, labels),
+            None => self.forward_backward_autograd(emb, dense, labels),
         }
     }
 
-    /// A data-parallel replica's step without a batch (see
-    /// [`DenseOptimizer::idle_step`]); false when no replica had one.
-    pub fn idle_step(&self, optimizer: &mut DenseOptimizer) -> Result<bool, ModelError> {
-        optimizer.idle_step(&self.params)
-    }
-
-    /// The step through candle's autograd: every model, every device.
-    pub fn train_step_autograd(
+    /// [`forward_backward`](Self::forward_backward) through candle's
+    /// autograd: every model, every device.
+    pub fn forward_backward_autograd(
         &self,
         emb: Vec<f32>,
         dense: Vec<f32>,
         labels: &[f32],
-        optimizer: &mut DenseOptimizer,
-    ) -> Result<StepOutput, ModelError> {
+    ) -> Result<(StepOutput, DenseGrads), ModelError> {
         let rows = labels.len();
         let (emb, dense) = self.inputs(emb, dense, rows)?;
         let emb = Var::from_tensor(&emb)?;
@@ -342,33 +337,36 @@ impl DenseModel {
             Some(g) => g.flatten_all()?.to_vec1::<f32>()?,
             None => vec![0.0; emb.elem_count()],
         };
-        // Checked before any weight moves, like the dense gradients.
         crate::optimizer::check_finite(&emb_grad, || "gradient of the embedding inputs".into())?;
-        optimizer.step(&self.params, &grads, rows)?;
-        Ok(StepOutput { logits, loss, emb_grad })
+        let dense_grads = self
+            .params
+            .vars()
+            .iter()
+            .map(|(_, var)| grads.get(var.as_tensor()).map(|g| g.flatten_all()?.to_vec1::<f32>()).transpose())
+            .collect::<Result<_, _>>()?;
+        Ok((StepOutput { logits, loss, emb_grad }, DenseGrads { grads: dense_grads, rows: rows as u64 }))
     }
 
-    /// The `mlp` model's step on CPU, outside candle's graph: the same math as
-    /// [`train_step_autograd`](Self::train_step_autograd) (tested).
-    fn train_step_direct(
+    /// The `mlp` model's forward and backward on CPU, outside candle's graph:
+    /// the same math as [`forward_backward_autograd`](Self::forward_backward_autograd) (tested).
+    fn forward_backward_direct(
         &self,
         emb: &[f32],
         dense: &[f32],
         labels: &[f32],
-        optimizer: &mut DenseOptimizer,
-    ) -> Result<StepOutput, ModelError> {
+    ) -> Result<(StepOutput, DenseGrads), ModelError> {
         let rows = labels.len();
         let x = self.concat_rows(emb, dense, rows);
         let fw = self.shape.num_fields * self.width();
         let stride = fw + self.shape.num_dense;
-        let (loss, logits, emb_grad) = self.train_step_packed(&x, labels, optimizer, |grad_x| {
+        let (loss, logits, emb_grad, grads) = self.forward_backward_packed(&x, labels, |grad_x| {
             let mut emb_grad = Vec::with_capacity(rows * fw);
             for row in grad_x.chunks_exact(stride) {
                 emb_grad.extend_from_slice(&row[..fw]);
             }
             emb_grad
         })?;
-        Ok(StepOutput { logits, loss, emb_grad })
+        Ok((StepOutput { logits, loss, emb_grad }, grads))
     }
 
     /// Floats per input row if this model takes its input packed, each row
@@ -378,17 +376,17 @@ impl DenseModel {
         self.direct_mlp().map(|_| self.shape.num_fields * self.width() + self.shape.num_dense)
     }
 
-    /// A step on a packed input `x` (see [`packed_row_len`](Self::packed_row_len)):
-    /// no concatenation, and d loss / d x (same layout) is handed to
-    /// `on_input_grad` in place instead of being copied out. Returns the mean
-    /// loss, the logits and what `on_input_grad` returned.
-    pub fn train_step_packed<R>(
+    /// Forward and backward on a packed input `x` (see
+    /// [`packed_row_len`](Self::packed_row_len)): no concatenation, and
+    /// d loss / d x (same layout) is handed to `on_input_grad` in place
+    /// instead of being copied out. Returns the mean loss, the logits, what
+    /// `on_input_grad` returned and the dense gradients.
+    pub fn forward_backward_packed<R>(
         &self,
         x: &[f32],
         labels: &[f32],
-        optimizer: &mut DenseOptimizer,
         on_input_grad: impl FnOnce(&[f32]) -> R,
-    ) -> Result<(f64, Vec<f32>, R), ModelError> {
+    ) -> Result<(f64, Vec<f32>, R, DenseGrads), ModelError> {
         let mlp = self.direct_mlp().ok_or(ModelError::NotPacked { kind: self.kind.name() })?;
         let rows = labels.len();
         let mut scratch = self.scratch.lock().map_err(|_| ModelError::Poisoned)?;
@@ -397,13 +395,15 @@ impl DenseModel {
         let (loss, seed) = Self::loss_and_seed(&logits, labels);
         self.check_loss(loss)?;
         let mut grad_p = Some(mlp.backward_cpu(x, &seed, &mut scratch)?);
-        // Checked before any weight moves, like the dense gradients.
         crate::optimizer::check_finite(&scratch.grad_input, || "gradient of the embedding inputs".into())?;
         let mlp_params = mlp.params().as_tensor().id();
-        optimizer.step_with(&self.params, rows, |_, var| {
-            Ok(if var.as_tensor().id() == mlp_params { grad_p.take() } else { None })
-        })?;
+        let grads = self
+            .params
+            .vars()
+            .iter()
+            .map(|(_, var)| if var.as_tensor().id() == mlp_params { grad_p.take() } else { None })
+            .collect();
         let result = on_input_grad(&scratch.grad_input);
-        Ok((loss, logits, result))
+        Ok((loss, logits, result, DenseGrads { grads, rows: rows as u64 }))
     }
 }

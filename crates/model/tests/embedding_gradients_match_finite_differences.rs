@@ -2,7 +2,7 @@
 //! equals the finite-difference derivative of the mean logistic loss.
 
 use candle_core::Device;
-use sparrow_core::config::{DenseOptimizerConfig, DenseOptimizerKind, ModelConfig, ModelKind};
+use sparrow_core::config::{DenseOptimizerConfig, ModelConfig, ModelKind};
 use sparrow_core::metrics::logistic_loss;
 use sparrow_core::rng::Rng;
 use sparrow_model::{DenseModel, DenseOptimizer, ModelShape};
@@ -43,10 +43,8 @@ fn embedding_gradient_is_exact_for_every_model() {
         let dense: Vec<f32> = (0..rows * 2).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
         let labels: Vec<f32> = (0..rows).map(|i| (i % 2) as f32).collect();
 
-        // A zero learning rate keeps the weights fixed while we probe them.
-        let frozen = DenseOptimizerConfig { kind: DenseOptimizerKind::Sgd, learning_rate: 0.0, ..Default::default() };
-        let out =
-            model.train_step(emb.clone(), dense.clone(), &labels, &mut DenseOptimizer::new(frozen)).expect("step");
+        // No optimizer step: the weights stay fixed while we probe them.
+        let (out, _) = model.forward_backward(emb.clone(), dense.clone(), &labels).expect("step");
         assert!((out.loss - mean_loss(&model, &emb, &dense, &labels)).abs() < 1e-5, "{kind:?}: loss");
         assert!(out.emb_grad.iter().any(|&g| g != 0.0), "{kind:?}: gradient is all zero");
 
@@ -73,8 +71,7 @@ fn loss_is_finite_when_logits_saturate() {
     let model = DenseModel::new(&config, shape, 1, Device::Cpu).expect("model");
     // Huge first-order weights push the logit to ±1e4: σ saturates in f32.
     let emb = vec![5e3f32, 5e3, -5e3, -5e3];
-    let mut opt = DenseOptimizer::new(DenseOptimizerConfig::default());
-    let out = model.train_step(emb, vec![], &[0.0, 1.0], &mut opt).expect("step");
+    let (out, _) = model.forward_backward(emb, vec![], &[0.0, 1.0]).expect("step");
     assert!(out.loss.is_finite() && out.loss > 1e3, "loss {}", out.loss);
     assert!(out.emb_grad.iter().all(|g| g.is_finite()));
 }
@@ -93,8 +90,10 @@ fn mlp_direct_path_equals_autograd_path() {
         let emb: Vec<f32> = (0..rows * 4 * 5).map(|_| rng.uniform(-0.5, 0.5) as f32).collect();
         let dense: Vec<f32> = (0..rows * 3).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
         let labels: Vec<f32> = (0..rows).map(|i| (i % 3 == 0) as u8 as f32).collect();
-        let a = direct.train_step(emb.clone(), dense.clone(), &labels, &mut opt_d).expect("direct");
-        let b = graph.train_step_autograd(emb, dense, &labels, &mut opt_g).expect("autograd");
+        let (a, grads_a) = direct.forward_backward(emb.clone(), dense.clone(), &labels).expect("direct");
+        let (b, grads_b) = graph.forward_backward_autograd(emb, dense, &labels).expect("autograd");
+        opt_d.apply(&direct.params, grads_a).expect("step");
+        opt_g.apply(&graph.params, grads_b).expect("step");
         assert!((a.loss - b.loss).abs() < 1e-6);
         for (x, y) in a.logits.iter().zip(&b.logits).chain(a.emb_grad.iter().zip(&b.emb_grad)) {
             assert!((x - y).abs() < 1e-5, "{x} vs {y}");

@@ -436,22 +436,29 @@ pub fn bench_tier(o: &TierBenchOptions) -> Result<TierBench, TrainError> {
         // The loop `sparrow train` runs: each step prefetches the next
         // batch's rows (planning, on its own thread there, is timed here).
         let partitioner = trainer.table.partitioner();
-        let mut next_plan = batches.first().map(|b| partitioner.plan(&b.keys));
-        let mut step = |trainer: &mut Trainer, i: usize| -> Result<(), TrainError> {
-            let plan = next_plan.take().unwrap_or_else(|| partitioner.plan(&batches[i].keys));
-            next_plan = batches.get(i + 1).map(|b| partitioner.plan(&b.keys));
-            trainer.train_prefetched(&batches[i], &plan, next_plan.as_ref())?;
+        let mut taken = 0usize;
+        let mut step = |trainer: &mut Trainer, limit: usize| -> Result<(), TrainError> {
+            let mut next = |_: usize| {
+                let batch = batches.get(taken).filter(|_| taken < limit)?;
+                taken += 1;
+                Some(Ok((batch.clone(), partitioner.plan(&batch.keys))))
+            };
+            if let Some(report) = trainer.step(&mut next)?
+                && let Some(e) = report.deferred
+            {
+                return Err(e);
+            }
             Ok(())
         };
-        for i in 0..o.warmup_steps {
-            step(&mut trainer, i)?;
+        for _ in 0..o.warmup_steps {
+            step(&mut trainer, o.warmup_steps)?;
         }
         trainer.phase_secs = Default::default();
         let before = trainer.table.tier_stats();
         let start = Instant::now();
         let mut samples = 0usize;
-        for (i, batch) in batches.iter().enumerate().skip(o.warmup_steps) {
-            step(&mut trainer, i)?;
+        for batch in batches.iter().skip(o.warmup_steps) {
+            step(&mut trainer, batches.len())?;
             samples += batch.rows();
         }
         let samples_per_sec = samples as f64 / start.elapsed().as_secs_f64();

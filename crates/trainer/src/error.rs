@@ -26,6 +26,10 @@ pub enum TrainError {
     /// A command-line argument that cannot be right (names the flag).
     #[error("{flag} {value}: {message}")]
     Argument { flag: &'static str, value: String, message: String },
+    /// The data-parallel sync of the dense gradients failed (in a cluster:
+    /// the coordinator's round, with the transport's error kept inside).
+    #[error("dense gradient sync: {0}")]
+    DenseSync(Box<dyn std::error::Error + Send + Sync>),
     #[error("starting the compute thread pool")]
     ThreadPool(#[source] rayon::ThreadPoolBuildError),
 }

@@ -5,7 +5,9 @@
 
 pub mod bench;
 pub mod checkpoint;
+pub mod dense_sync;
 pub mod dir_lock;
+pub mod engine;
 pub mod error;
 pub mod pipeline;
 pub mod pooling;

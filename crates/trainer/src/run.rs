@@ -1,6 +1,5 @@
 //! The `train`, `eval` and `predict` jobs.
 
-use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -8,16 +7,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
+use sparrow_core::Config;
 use sparrow_core::metrics::{auc, count_nan, log_loss_from_logits, sigmoid};
-use sparrow_core::{Batch, Config};
 use sparrow_data::synth::Truth;
 use sparrow_data::{BadRows, BatchStream, DataError, DataLayout};
-use sparrow_embedding::{EmbeddingTable, FilterStats, KeyPlan, TierStats};
+use sparrow_embedding::{EmbeddingTable, FilterStats, TierStats};
 
 use crate::checkpoint;
 use crate::pipeline::PlannedBatches;
 use crate::progress::Progress;
-use crate::trainer::{LookedUp, PhaseSecs, Trainer};
+use crate::trainer::{PhaseSecs, PlannedBatch, Trainer};
 use crate::{TrainError, peak_rss_bytes};
 
 /// The last stdout line of `sparrow train`: a contract read by scripts.
@@ -231,15 +230,8 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
     let mut outcome: Result<(), TrainError> = Ok(());
     let mut last_saved: Option<(u64, PathBuf)> = None;
     let mut stream = stream;
-    // pipeline_depth = d ≥ 1: the next d batches, already looked up (each
-    // before the updates of the d batches ahead of it).
-    let depth = config.train.pipeline_depth;
-    let mut lookahead: VecDeque<(Batch, KeyPlan, LookedUp)> = VecDeque::with_capacity(depth);
-    // SSD tier at depth 0: the next batch, its rows already prefetched.
-    let tiered = trainer.table.is_tiered();
-    let mut prefetch_ahead: Option<(Batch, KeyPlan)> = None;
-    // A read error met while looking ahead: reported after the batch in hand trains.
-    let mut deferred_error: Option<TrainError> = None;
+    // The step engine takes batches from the planner as it needs them; no
+    // lookahead goes past max_steps (its keys would be inserted untrained).
     loop {
         if stop_at.is_some_and(|m| trainer.step >= m) {
             break;
@@ -248,58 +240,16 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
             outcome = Err(TrainError::Interrupted { step: trainer.step });
             break;
         }
-        let step = if config.train.pipeline_depth == 0 && !tiered {
-            let Some(item) = stream.next() else { break };
-            item.map_err(TrainError::from).and_then(|(batch, plan)| trainer.train_planned(&batch, &plan))
-        } else if config.train.pipeline_depth == 0 {
-            // SSD tier: look one batch ahead to prefetch its rows (exact).
-            let current = match prefetch_ahead.take() {
-                Some(c) => Ok(c),
-                None => {
-                    let Some(item) = stream.next() else { break };
-                    item.map_err(TrainError::from)
-                }
-            };
-            let last = stop_at.is_some_and(|m| trainer.step + 1 >= m);
-            let next = if current.is_ok() { peek_next(&mut stream, last, &mut deferred_error) } else { None };
-            current.and_then(|(batch, plan)| {
-                let stats = trainer.train_prefetched(&batch, &plan, next.as_ref().map(|(_, p)| p))?;
-                prefetch_ahead = next;
-                Ok(stats)
-            })
-        } else {
-            // Start-up: the first d batches are looked up one after another.
-            while lookahead.len() < depth && deferred_error.is_none() {
-                if stop_at.is_some_and(|m| trainer.step + lookahead.len() as u64 >= m) {
-                    break;
-                }
-                let Some(item) = stream.next() else { break };
-                match item
-                    .map_err(TrainError::from)
-                    .and_then(|(batch, plan)| trainer.look_up(&plan).map(|rows| (batch, plan, rows)))
-                {
-                    Ok(ready) => lookahead.push_back(ready),
-                    Err(e) => deferred_error = Some(e),
-                }
+        let step_now = trainer.step;
+        let mut next = |taken: usize| -> Option<Result<PlannedBatch, TrainError>> {
+            if stop_at.is_some_and(|m| step_now + taken as u64 >= m) {
+                return None;
             }
-            let Some((batch, plan, rows)) = lookahead.pop_front() else {
-                if let Some(e) = deferred_error.take() {
-                    outcome = Err(e);
-                }
-                break;
-            };
-            // The batch d ahead is looked up beside this dense step.
-            let last = stop_at.is_some_and(|m| trainer.step + 1 + lookahead.len() as u64 >= m);
-            let next = peek_next(&mut stream, last || deferred_error.is_some(), &mut deferred_error);
-            trainer.train_overlapped(&batch, plan, rows, next.as_ref().map(|(_, p)| p)).map(|(stats, next_rows)| {
-                if let (Some((b, p)), Some(r)) = (next, next_rows) {
-                    lookahead.push_back((b, p, r));
-                }
-                stats
-            })
+            stream.next().map(|item| item.map_err(TrainError::from))
         };
-        let stats = match step {
-            Ok(s) => s,
+        let (stats, mut deferred_error) = match trainer.step(&mut next) {
+            Ok(Some(report)) => (report.stats, report.deferred),
+            Ok(None) => break,
             Err(e) => {
                 outcome = Err(e);
                 break;
@@ -490,23 +440,6 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
 /// The batch after the current one, for a stage working one batch ahead:
 /// none past the last step (its keys would be inserted untrained); a read
 /// error is kept in `deferred` to report once the current batch trained.
-fn peek_next(
-    stream: &mut PlannedBatches,
-    last_step: bool,
-    deferred: &mut Option<TrainError>,
-) -> Option<(Batch, KeyPlan)> {
-    if last_step {
-        return None;
-    }
-    match stream.next()? {
-        Ok(next) => Some(next),
-        Err(e) => {
-            *deferred = Some(e.into());
-            None
-        }
-    }
-}
-
 /// `truth.json` of a generated data set, if `test` is its test file.
 pub fn read_truth(test: &Path) -> Option<Truth> {
     let path = test.parent()?.join("truth.json");

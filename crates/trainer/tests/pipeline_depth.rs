@@ -16,48 +16,50 @@ fn first_batches(config: &sparrow_core::Config, n: usize) -> Vec<sparrow_core::B
     stream.take(n).map(|b| b.expect("batch")).collect()
 }
 
+/// Trains `batches` one step each at `depth`, then applies the update left waiting.
+fn trained(config: &sparrow_core::Config, depth: usize, batches: &[sparrow_core::Batch]) -> Trainer {
+    let mut config = config.clone();
+    config.train.pipeline_depth = depth;
+    let mut trainer = Trainer::new(&config, DataLayout::from_config(&config.data)).expect("trainer");
+    let partitioner = trainer.table.partitioner();
+    let mut queue = batches.iter();
+    let mut next = |_: usize| queue.next().map(|b| Ok((b.clone(), partitioner.plan(&b.keys))));
+    while let Some(report) = trainer.step(&mut next).expect("step") {
+        assert!(report.deferred.is_none());
+    }
+    assert_eq!(trainer.has_pending_update(), depth > 0, "the last update waits at depth {depth}");
+    trainer.flush_update().expect("update");
+    trainer
+}
+
 #[test]
 fn depth_0_sees_the_previous_update_and_depth_1_does_not() {
     let tmp = tempfile::tempdir().expect("tmp");
     let data = tmp.path().join("data");
     common::small_data(&data, 1000, 100);
     let config = common::small_config(&data, "dlrm");
-    let layout = DataLayout::from_config(&config.data);
     let batches = first_batches(&config, 2);
     let (b1, b2) = (&batches[0], &batches[1]);
-
-    // Depth 0: train batch 1, then look batch 2 up.
-    let mut exact = Trainer::new(&config, layout.clone()).expect("trainer");
-    let (p1, p2) = (exact.table.plan(&b1.keys), exact.table.plan(&b2.keys));
-    exact.train_planned(b1, &p1).expect("step");
-    let after = exact.look_up(&p2).expect("lookup");
-
-    // Depth 1: batch 2 is looked up beside batch 1's dense step.
-    let mut piped = Trainer::new(&config, layout).expect("trainer");
-    let first = piped.look_up(&p1).expect("lookup");
-    let (_, next) = piped.train_overlapped(b1, p1.clone(), first, Some(&p2)).expect("step");
-    let before = next.expect("batch 2 looked up");
-    assert!(piped.has_pending_update(), "batch 1's update waits for the next dense step");
-    piped.flush_update().expect("update");
-
-    let dim = exact.table.dim();
-    let b1_keys: std::collections::HashSet<u64> = b1.keys.iter().copied().collect();
-    let (mut shared, mut fresh) = (0, 0);
-    for (u, key) in p2.unique.iter().enumerate() {
-        let (a, b) = (&after.unique_rows[u * dim..(u + 1) * dim], &before.unique_rows[u * dim..(u + 1) * dim]);
-        if b1_keys.contains(key) {
-            assert_ne!(a, b, "key {key:x}: depth 0 must see batch 1's update, depth 1 must not");
+    let exact = trained(&config, 0, &batches);
+    let piped = trained(&config, 1, &batches);
+    assert_eq!(exact.step, 2);
+    assert_eq!(piped.step, 2);
+    // At depth 1 batch 2 was looked up beside batch 1's dense step, before
+    // its update: a key of both got batch 2's gradient at other weights. A
+    // key of batch 1 alone got batch 1's update only, the same either way.
+    let b2_keys: std::collections::HashSet<u64> = b2.keys.iter().copied().collect();
+    let (mut shared, mut own) = (0, 0);
+    for key in b1.keys.iter().collect::<std::collections::HashSet<_>>() {
+        let (a, b) = (exact.table.get_row(*key), piped.table.get_row(*key));
+        if b2_keys.contains(key) {
+            assert_ne!(a, b, "key {key:x}: depth 0 saw batch 1's update, depth 1 did not");
             shared += 1;
         } else {
-            assert_eq!(a, b, "key {key:x} is not in batch 1: same row either way");
-            fresh += 1;
+            assert_eq!(a, b, "key {key:x} is in batch 1 only: the same row either way");
+            own += 1;
         }
     }
-    assert!(shared > 0 && fresh > 0, "the batches share {shared} keys and have {fresh} of their own");
-    // Both end with batch 1's update applied to the same rows.
-    for key in &b1_keys {
-        assert_eq!(exact.table.get_row(*key), piped.table.get_row(*key));
-    }
+    assert!(shared > 0 && own > 0, "the batches share {shared} keys and have {own} of their own");
 }
 
 #[test]
