@@ -236,6 +236,22 @@ fn with_env_token(mut config: Config) -> Config {
     config
 }
 
+/// What the libraries say while a job runs (progress lines, warnings about
+/// the data, where the model was saved) goes to stderr as plain lines, as a
+/// person reads them (`RUST_LOG` filters, default info).
+fn init_plain_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .without_time()
+        .with_level(false)
+        .with_target(false)
+        .try_init();
+}
+
 /// Role processes log with `tracing` to stderr (`RUST_LOG` filters, default info).
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -339,6 +355,13 @@ fn load_config(path: &Path, set: &[String]) -> anyhow::Result<Config> {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
+    let role = matches!(
+        cli.command,
+        Command::Coordinator { .. } | Command::Shard { .. } | Command::Loader { .. } | Command::Worker { .. }
+    );
+    if !role {
+        init_plain_logging();
+    }
     match cli.command {
         Command::Gen { out, train_rows, test_rows, seed } => {
             let truth = sparrow_data::synth::generate(&out, train_rows, test_rows, seed)?;

@@ -81,7 +81,7 @@ impl Children {
             .stderr(Stdio::piped())
             .spawn()
             .map_err(|e| ClusterError::Io { what: format!("starting {name}"), source: e })?;
-        eprintln!("launch: {name} is pid {}", child.id());
+        tracing::info!("launch: {name} is pid {}", child.id());
         let stdout = Arc::new(Mutex::new(Vec::new()));
         let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
         if let Some(out) = child.stdout.take() {

@@ -95,8 +95,9 @@ impl Loader {
 pub struct LoaderServer {
     train: Receiver<WorkerBatch>,
     eval: Receiver<WorkerBatch>,
-    /// Set when the reading thread stopped on an error (bad data, a shard down).
-    error: Arc<Mutex<Option<String>>>,
+    /// Set when the reading thread stopped on an error (bad data, a shard
+    /// down): every worker that asks then gets it, as itself.
+    error: Arc<Mutex<Option<Arc<ClusterError>>>>,
     _thread: JoinHandle<()>,
 }
 
@@ -162,7 +163,7 @@ impl LoaderServer {
                 })();
                 if let Err(e) = result {
                     tracing::error!("loader: {e}");
-                    *thread_error.lock() = Some(e.to_string());
+                    *thread_error.lock() = Some(Arc::new(e));
                 }
             })
             .map_err(|e| ClusterError::Io { what: "starting the loader thread".into(), source: e })?;

@@ -23,8 +23,13 @@ pub enum ClusterError {
     Unreachable { peer: String, waited_ms: u64, message: String },
     #[error("malformed message from {peer}: {what}")]
     Malformed { peer: String, what: String },
+    /// The loader's reading thread stopped on this error (shared by every
+    /// worker that asks for a batch after it).
     #[error("the loader stopped: {0}")]
-    Loader(String),
+    Loader(std::sync::Arc<ClusterError>),
+    /// The coordinator's verdict on the job, as every role receives it: the
+    /// text of a failure that happened in another role (another process),
+    /// naming that role.
     #[error("the job failed: {0}")]
     JobFailed(String),
     #[error("{0}")]

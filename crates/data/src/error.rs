@@ -93,7 +93,7 @@ impl BadRows {
         let reason = sparrow_core::printable(&reason).into_owned();
         if n <= self.report_first {
             let shown = sparrow_core::printable(&path.display().to_string()).into_owned();
-            eprintln!("warning: skipped malformed row {shown}:{line}: {reason}");
+            tracing::warn!("warning: skipped malformed row {shown}:{line}: {reason}");
         }
         if n > self.max_bad_rows {
             return Err(DataError::TooManyBadRows {

@@ -317,7 +317,7 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
     // First, while nothing has been allocated and freed yet: later phases
     // leave freed memory that the allocator keeps and a new table would reuse.
     let memory = if o.memory_rows > 0 {
-        eprintln!("bench: resident memory of {} rows", o.memory_rows);
+        tracing::info!("bench: resident memory of {} rows", o.memory_rows);
         Some(bench_memory(o.memory_rows, 16)?)
     } else {
         None
@@ -327,12 +327,12 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
     for &dim in &o.dims {
         let ceiling = gather.rows_per_sec.iter().find(|g| g.0 == dim).map(|g| g.2);
         for &t in &o.thread_counts {
-            eprintln!("bench: embedding dim {dim}, {t} thread(s)");
+            tracing::info!("bench: embedding dim {dim}, {t} thread(s)");
             embedding.push(bench_embedding(o, dim, t, ceiling)?);
         }
     }
     let train_step = if o.train_steps > 0 {
-        eprintln!("bench: training step of the reference model");
+        tracing::info!("bench: training step of the reference model");
         Some(bench_train_step(o)?)
     } else {
         None

@@ -369,19 +369,18 @@ pub fn load_into_filtered(
             format!("holds a `{}` model, the config asks for `{want_kind}`", m.model_kind),
         ));
     }
-    let shape = (m.num_fields, m.num_dense, m.embedding_dim, m.row_len);
-    let ours = (
-        trainer.layout.num_fields,
-        trainer.layout.num_dense,
-        trainer.config.model.embedding_dim,
-        trainer.table.row_len(),
-    );
+    let data = (trainer.layout.num_fields, trainer.layout.num_dense);
+    if (m.num_fields, m.num_dense) != data {
+        return Err(TrainError::DataShape { checkpoint: dir.to_path_buf(), saved: (m.num_fields, m.num_dense), data });
+    }
+    let shape = (m.embedding_dim, m.row_len);
+    let ours = (trainer.config.model.embedding_dim, trainer.table.row_len());
     if shape != ours {
         return Err(TrainError::checkpoint(
             dir,
             format!(
-                "shape (fields, dense, embedding_dim, row floats) = {shape:?} differs from this run's {ours:?} \
-                 (different data layout, dimension or sparse optimizer)"
+                "(embedding_dim, row floats) = {shape:?} differs from this run's {ours:?} \
+                 (a different model.embedding_dim or embedding.optimizer)"
             ),
         ));
     }

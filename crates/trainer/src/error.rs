@@ -13,6 +13,12 @@ pub enum TrainError {
     Model(sparrow_model::ModelError),
     #[error("embedding table: {0}")]
     Table(sparrow_embedding::TableError),
+    /// The data's layout is not the one the checkpoint was trained on.
+    #[error(
+        "the data has {} fields and {} dense values; the checkpoint {} was trained on {} and {} (data.* differs)",
+        data.0, data.1, checkpoint.display(), saved.0, saved.1
+    )]
+    DataShape { checkpoint: PathBuf, saved: (usize, usize), data: (usize, usize) },
     #[error("checkpoint {path}: {message}")]
     Checkpoint { path: PathBuf, message: String },
     #[error("{path}: {error}")]

@@ -36,7 +36,7 @@ impl Progress {
         }
         match &self.bar {
             Some(_) => {}
-            None => eprintln!("{text}"),
+            None => tracing::info!("{text}"),
         }
     }
 

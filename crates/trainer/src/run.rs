@@ -199,7 +199,7 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
         let m = checkpoint::load_into(&mut trainer, &dir)?;
         resumed_from_step = Some(m.step);
         if !quiet {
-            eprintln!("resumed from {} (step {}, {} embedding rows)", dir.display(), m.step, m.embedding_rows);
+            tracing::info!("resumed from {} (step {}, {} embedding rows)", dir.display(), m.step, m.embedding_rows);
         }
     }
     let bad = BadRows::from_config(&config.data);
@@ -362,13 +362,13 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
     };
     if let Err(e) = outcome {
         match &checkpoint_dir {
-            Some(d) => eprintln!(
+            Some(d) => tracing::info!(
                 "stopped after step {}; the model so far is saved in {} (continue with --resume {})",
                 trainer.step,
                 d.display(),
                 config.checkpoint.dir.as_deref().unwrap_or_default()
             ),
-            None if !consistent => eprintln!(
+            None if !consistent => tracing::info!(
                 "stopped during step {}; no checkpoint was written: the failure came after part of the step was \
                  applied (a failed lookup or prefetch had counted its keys in the feature filters, or the dense \
                  update was made before the embedding gradients overflowed), so the model is not the state of \
@@ -376,9 +376,11 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
                 trainer.step + 1
             ),
             None if config.checkpoint.dir.is_some() => {
-                eprintln!("stopped after step {}; nothing was trained, so no checkpoint was written", trainer.step)
+                tracing::info!("stopped after step {}; nothing was trained, so no checkpoint was written", trainer.step)
             }
-            None => eprintln!("stopped after step {}; no checkpoint.dir is set, so nothing was saved", trainer.step),
+            None => {
+                tracing::info!("stopped after step {}; no checkpoint.dir is set, so nothing was saved", trainer.step)
+            }
         }
         return Err(e);
     }
@@ -498,7 +500,7 @@ fn score_checkpoint(
 /// Says on stderr how many predictions were NaN, if any.
 fn warn_nan_predictions(count: u64, data: &Path) {
     if count > 0 {
-        eprintln!(
+        tracing::warn!(
             "warning: {count} predictions on {} are NaN (the model diverged); AUC ranks them below every other score",
             data.display()
         );

@@ -306,9 +306,9 @@ impl Trainer {
             }
             DenseOutcome::Skipped { step, what } => {
                 if self.skipped_batches < 5 {
-                    eprintln!("warning: skipping the batch of step {step}: non-finite {what}");
+                    tracing::warn!("warning: skipping the batch of step {step}: non-finite {what}");
                 } else if self.skipped_batches == 5 {
-                    eprintln!("warning: more batches skipped; the final JSON's skipped_batches counts them all");
+                    tracing::warn!("warning: more batches skipped; the final JSON's skipped_batches counts them all");
                 }
                 self.skipped_batches += 1;
                 StepStats { rows: 0, loss: 0.0, keys: counts.keys, unique_keys: counts.unique_keys, skipped: true }

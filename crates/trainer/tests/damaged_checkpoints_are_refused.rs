@@ -160,3 +160,19 @@ fn damaged_filter_state_is_refused() {
     let msg = load_err(&flipped);
     assert!(msg.contains("filters.bin") && msg.contains("checksum"), "{msg}");
 }
+
+/// Data of another layout than the checkpoint's is a data error naming
+/// both layouts, not a damaged checkpoint.
+#[test]
+fn data_of_another_layout_is_named_as_such() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let (data, ck) = trained_checkpoint(tmp.path());
+    let dir = resolve(&ck).expect("latest");
+    let c = common::small_config(&data, "dlrm");
+    let layout = sparrow_data::DataLayout { num_fields: 20, num_dense: 13, weighted: false };
+    let mut trainer = sparrow_trainer::Trainer::new(&c, layout).expect("trainer");
+    let err = sparrow_trainer::checkpoint::load_into(&mut trainer, &dir).expect_err("another layout");
+    assert!(matches!(err, sparrow_trainer::TrainError::DataShape { saved: (26, 13), data: (20, 13), .. }), "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("20 fields") && msg.contains("26 and 13"), "{msg}");
+}
