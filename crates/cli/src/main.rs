@@ -224,7 +224,7 @@ impl RoleFlags {
 /// The shared token from `SPARROW_AUTH_TOKEN` (how `launch` hands it to its
 /// children); read here, once, so the library never looks at the environment.
 fn env_token() -> Option<String> {
-    std::env::var(sparrow_cluster::grpc::TOKEN_ENV).ok().filter(|t| !t.is_empty())
+    std::env::var(sparrow_cluster::net::TOKEN_ENV).ok().filter(|t| !t.is_empty())
 }
 
 /// A cluster job's config with the environment's token in place of

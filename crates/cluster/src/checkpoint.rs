@@ -5,33 +5,43 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 
 use sparrow_core::Config;
 use sparrow_core::batch::DataPosition;
 use sparrow_data::DataLayout;
+use sparrow_model::{DenseModel, DenseOptimizer};
 use sparrow_trainer::Trainer;
 
 use crate::transport::{ClusterError, ShardService};
-use crate::worker::Worker;
 
-/// Writes the job's model under `checkpoint.dir`; returns the version's directory.
+/// A worker's part of a checkpoint: its dense model, the optimizer's state
+/// (steps and samples behind them) and where the data continues.
+pub struct DenseState {
+    pub model: DenseModel,
+    pub optimizer: DenseOptimizer,
+    pub position: DataPosition,
+}
+
+/// Writes the job's model (`dense` from worker 0, the rows from every
+/// shard) under `checkpoint.dir`; returns the version's directory. Each page
+/// gathered moves `progress` (the worker's heartbeat progress).
 pub fn save(
     config: &Config,
     root: &Path,
-    worker: Worker,
+    dense: DenseState,
+    progress: &AtomicU64,
     shards: &[Arc<dyn ShardService>],
 ) -> Result<PathBuf, ClusterError> {
     let layout = DataLayout::from_config(&config.data);
     // The gathered rows sit in memory while they are written (never in the
     // shards' SSD files).
     let mut trainer = Trainer::new(&in_memory(config), layout)?;
-    let position = worker.stats.last_end;
-    let progress = worker.progress.clone();
-    trainer.model = worker.model;
-    trainer.dense_optimizer = worker.optimizer;
+    trainer.model = dense.model;
+    trainer.dense_optimizer = dense.optimizer;
     trainer.step = trainer.dense_optimizer.step;
     trainer.samples_trained = trainer.dense_optimizer.samples_stepped;
-    trainer.position = position;
+    trainer.position = dense.position;
     // Pages of about a quarter of the message cap.
     let row_bytes = 8 + 4 * trainer.table.row_len();
     let page = (config.cluster.max_message_bytes / 4 / row_bytes).max(1);
@@ -63,19 +73,6 @@ fn in_memory(config: &Config) -> Config {
     c
 }
 
-/// The later of two data positions (workers see batches in any order).
-pub fn later(a: DataPosition, b: DataPosition) -> DataPosition {
-    if (b.epoch, b.offset) > (a.epoch, a.offset) { b } else { a }
-}
-
-/// The checkpoint version to resume from, if `checkpoint.resume_from` is set.
-pub fn resume_dir(config: &Config) -> Result<Option<PathBuf>, ClusterError> {
-    match &config.checkpoint.resume_from {
-        Some(from) => Ok(Some(sparrow_trainer::checkpoint::resolve(Path::new(from))?)),
-        None => Ok(None),
-    }
-}
-
 /// Shard `index` of `num_shards`, restored from a checkpoint: only the keys it
 /// owns (whatever the shard count that wrote it).
 pub fn restore_shard_table(
@@ -85,20 +82,18 @@ pub fn restore_shard_table(
     num_shards: usize,
 ) -> Result<sparrow_embedding::EmbeddingTable, ClusterError> {
     let mut trainer = Trainer::new(&in_memory(config), DataLayout::from_config(&config.data))?;
-    trainer.table = crate::local::shard_table(config, index)?;
+    trainer.table = crate::shard::shard_table(config, index)?;
     sparrow_trainer::checkpoint::load_into_filtered(&mut trainer, dir, |key| {
-        crate::loader::owner(key, num_shards) == index
+        sparrow_embedding::owner(key, num_shards) == index
     })?;
     Ok(trainer.table)
 }
 
 /// A worker's dense model and optimizer state, restored from a checkpoint.
-pub fn restore_worker(config: &Config, dir: &Path, worker: &mut Worker) -> Result<(), ClusterError> {
+pub fn restore_dense(config: &Config, dir: &Path) -> Result<DenseState, ClusterError> {
     let mut trainer = Trainer::new(&in_memory(config), DataLayout::from_config(&config.data))?;
     let manifest = sparrow_trainer::checkpoint::load_into_filtered(&mut trainer, dir, |_| false)?;
-    worker.model = trainer.model;
-    worker.optimizer.take_state_from(trainer.dense_optimizer);
-    worker.optimizer.samples_stepped = manifest.samples_trained;
-    worker.stats.last_end = manifest.position;
-    Ok(())
+    let mut optimizer = trainer.dense_optimizer;
+    optimizer.samples_stepped = manifest.samples_trained;
+    Ok(DenseState { model: trainer.model, optimizer, position: manifest.position })
 }

@@ -14,12 +14,14 @@
 //! processes over gRPC ([`grpc`], [`roles`], [`launch`]).
 
 pub mod checkpoint;
+pub mod coordinator;
 pub mod grpc;
 pub mod launch;
 pub mod loader;
 pub mod local;
 pub mod messages;
 pub mod metrics;
+pub mod net;
 pub mod roles;
 pub mod shard;
 pub mod sync;

@@ -10,18 +10,11 @@ use crossbeam_channel::{Receiver, Sender, bounded};
 use parking_lot::Mutex;
 use sparrow_core::Config;
 use sparrow_core::config::ClusterMode;
-use sparrow_core::key::mix64;
 use sparrow_data::{BadRows, BatchStream, DataError};
-use sparrow_embedding::KeyPlan;
+use sparrow_embedding::{KeyPlan, owner};
 
 use crate::messages::{Mode, WorkerBatch};
 use crate::transport::{ClusterError, LoaderService, ShardService};
-
-/// Which shard owns a key (S3.1): by hash, on bits independent of the ones a
-/// shard's own table uses for its lock shards and buckets.
-pub fn owner(key: u64, shards: usize) -> usize {
-    ((mix64(key) >> 40) % shards as u64) as usize
-}
 
 /// Batch ids of evaluation batches start here, so they never collide with training ones.
 pub const FIRST_EVAL_BATCH_ID: u64 = 1 << 62;
@@ -112,7 +105,7 @@ impl LoaderServer {
             .ok_or(DataError::MissingPath { key: "train", what: "the training data file" })?;
         let bad = BadRows::from_config(&config.data);
         // Resuming: the data continues where the checkpoint's run stopped.
-        let (start, steps_done) = match crate::checkpoint::resume_dir(config)? {
+        let (start, steps_done) = match sparrow_trainer::checkpoint::resume_dir(config)? {
             Some(dir) => {
                 let m = sparrow_trainer::checkpoint::read_manifest(&dir)?;
                 (m.position, m.step)

@@ -3,21 +3,15 @@
 
 use std::sync::Arc;
 
-use candle_core::Device;
 use sparrow_core::Config;
 use sparrow_core::metrics::{auc, log_loss_from_logits};
 use sparrow_data::DataLayout;
-use sparrow_embedding::{EmbeddingTable, Initializer};
-use sparrow_model::{DenseModel, DenseOptimizer, ModelShape};
-use sparrow_trainer::TrainError;
-use sparrow_trainer::dense_sync::{DenseSync, LocalSync};
-use sparrow_trainer::trainer::seeds;
 
 use crate::loader::LoaderServer;
-use crate::shard::ShardServer;
-use crate::sync::{RoundSum, RoundSync};
+use crate::shard::{ShardServer, shard_table};
+use crate::sync::RoundSum;
 use crate::transport::{ClusterError, LoaderService, ShardReport, ShardService};
-use crate::worker::{Worker, WorkerStats};
+use crate::worker::{Worker, WorkerStats, new_worker};
 
 /// Logits and labels of the test data.
 type Evaluation = (Vec<f32>, Vec<f32>);
@@ -34,47 +28,6 @@ pub struct LocalSummary {
     pub workers: Vec<WorkerStats>,
     /// Each worker's dense weights fingerprint (equal for replicas in sync).
     pub dense_checksums: Vec<u64>,
-}
-
-/// A shard role's table, built from the config the way every shard builds
-/// it (an SSD tier goes to `embedding.path/shard-<index>`), with the same
-/// `ttl_steps` floor as `sparrow train`'s table.
-pub fn shard_table(config: &Config, index: usize) -> Result<EmbeddingTable, ClusterError> {
-    let (emb_seed, _) = seeds(config.train.seed);
-    let width = DenseModel::embedding_width(config.model.kind, config.model.embedding_dim);
-    let table = EmbeddingTable::from_config(
-        width,
-        &config.embedding,
-        Initializer::new(config.embedding.init, emb_seed),
-        Some(&format!("shard-{index}")),
-        sparrow_trainer::ttl_floor(config),
-    )
-    .map_err(|source| ClusterError::Table { shard: index, source })?;
-    Ok(table)
-}
-
-/// A worker role, built from the config (every worker starts from the same
-/// dense weights); with `summer`, its dense sync sums across workers each step.
-pub fn new_worker(
-    config: &Config,
-    layout: &DataLayout,
-    index: usize,
-    summer: Option<Arc<dyn crate::sync::RoundSummer>>,
-) -> Result<Worker, ClusterError> {
-    let (_, dense_seed) = seeds(config.train.seed);
-    let shape = ModelShape {
-        num_fields: layout.num_fields,
-        num_dense: layout.num_dense,
-        embedding_dim: config.model.embedding_dim,
-    };
-    let model = DenseModel::new(&config.model, shape, dense_seed, Device::Cpu).map_err(TrainError::from)?;
-    let sync: Box<dyn DenseSync> = match summer {
-        Some(summer) => Box::new(RoundSync::new(index, summer)),
-        None => Box::new(LocalSync),
-    };
-    let optimizer = DenseOptimizer::new(config.dense_optimizer.clone());
-    Ok(Worker::new(index, model, optimizer, sync, config.model.pooling)
-        .with_pipeline_depth(config.train.pipeline_depth))
 }
 
 /// Trains with `num_shards` in-process shards and `num_workers` worker

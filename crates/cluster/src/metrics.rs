@@ -14,7 +14,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
 
-use crate::grpc::NetSettings;
+use crate::net::NetSettings;
 use crate::transport::ClusterError;
 
 #[derive(Clone)]

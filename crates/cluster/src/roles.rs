@@ -23,16 +23,18 @@ use sparrow_core::metrics::{auc, log_loss_from_logits};
 use sparrow_data::DataLayout;
 use tokio::runtime::Runtime;
 
-use crate::grpc::coordinator::{Coordinator, CoordinatorClient, JobState, RoleKind};
+use crate::coordinator::{Coordinator, JobState, RoleKind};
+use crate::grpc::coordinator::CoordinatorClient;
 use crate::grpc::loader::LoaderClient;
 use crate::grpc::shard::ShardClient;
 use crate::grpc::{NetSettings, bind, server_builder};
 use crate::loader::LoaderServer;
-use crate::local::{new_worker, shard_table};
 use crate::metrics::RoleMetrics;
 use crate::shard::ShardServer;
+use crate::shard::shard_table;
 use crate::sync::RoundSummer;
 use crate::transport::{ClusterError, LoaderService, ShardReport, ShardService};
+use crate::worker::new_worker;
 
 /// Where a role listens and whom it reports to.
 #[derive(Clone, Debug)]
@@ -201,7 +203,7 @@ pub fn run_shard(args: &RoleArgs) -> Result<(), ClusterError> {
     };
     let started = (|| -> Result<_, ClusterError> {
         serve_metrics(&metrics, args.metrics_listen, "shard", &settings, &rt)?;
-        let table = match crate::checkpoint::resume_dir(&reg.config)? {
+        let table = match sparrow_trainer::checkpoint::resume_dir(&reg.config)? {
             Some(dir) => {
                 let table = crate::checkpoint::restore_shard_table(&reg.config, &dir, reg.index, reg.num_shards)?;
                 tracing::info!("shard {}: restored {} rows from {}", reg.index, table.len(), dir.display());
@@ -374,8 +376,8 @@ fn worker_job(
     let layout = DataLayout::from_config(&config.data);
     let mut worker = new_worker(config, &layout, index, summer)?;
     worker.progress = progress;
-    if let Some(dir) = crate::checkpoint::resume_dir(config)? {
-        crate::checkpoint::restore_worker(config, &dir, &mut worker)?;
+    if let Some(dir) = sparrow_trainer::checkpoint::resume_dir(config)? {
+        worker.resume(crate::checkpoint::restore_dense(config, &dir)?);
     }
     worker.run_training(loader, shards)?;
     let mut summary = WorkerSummary { worker: index, ..Default::default() };
@@ -410,7 +412,8 @@ fn worker_job(
     summary.bad_rows = s.bad_rows;
     summary.dense_checksum = format!("{:016x}", worker.dense_checksum()?);
     if let (0, Some(dir)) = (index, &config.checkpoint.dir) {
-        let saved = crate::checkpoint::save(config, Path::new(dir), worker, shards)?;
+        let progress = worker.progress.clone();
+        let saved = crate::checkpoint::save(config, Path::new(dir), worker.into_dense_state(), &progress, shards)?;
         tracing::info!("worker 0: checkpoint written to {}", saved.display());
         summary.checkpoint = Some(saved.display().to_string());
     }

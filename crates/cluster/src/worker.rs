@@ -10,16 +10,22 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use candle_core::Device;
 use parking_lot::Mutex;
+use sparrow_core::Config;
 use sparrow_core::config::Pooling;
-use sparrow_embedding::KeyPlan;
-use sparrow_model::{DenseModel, DenseOptimizer};
-use sparrow_trainer::dense_sync::DenseSync;
+use sparrow_data::DataLayout;
+use sparrow_embedding::{KeyPlan, owner};
+use sparrow_model::{DenseModel, DenseOptimizer, ModelShape};
+use sparrow_trainer::TrainError;
+use sparrow_trainer::dense_sync::{DenseSync, LocalSync};
 use sparrow_trainer::engine::{DenseInputs, Looked, RowSource, StepEngine, dense_step, idle_step};
 use sparrow_trainer::pooling::{Bags, pool};
+use sparrow_trainer::trainer::seeds;
 
-use crate::loader::owner;
+use crate::checkpoint::DenseState;
 use crate::messages::{Mode, WorkerBatch};
+use crate::sync::{RoundSummer, RoundSync};
 use crate::transport::{ClusterError, LoaderService, ShardService};
 
 /// What a worker counted while training.
@@ -98,6 +104,30 @@ fn bags(batch: &WorkerBatch) -> Bags<'_> {
         inverse: &batch.inverse,
         num_unique: batch.num_unique(),
     }
+}
+
+/// A worker role, built from the config (every worker starts from the same
+/// dense weights); with `summer`, its dense sync sums across workers each step.
+pub fn new_worker(
+    config: &Config,
+    layout: &DataLayout,
+    index: usize,
+    summer: Option<Arc<dyn RoundSummer>>,
+) -> Result<Worker, ClusterError> {
+    let (_, dense_seed) = seeds(config.train.seed);
+    let shape = ModelShape {
+        num_fields: layout.num_fields,
+        num_dense: layout.num_dense,
+        embedding_dim: config.model.embedding_dim,
+    };
+    let model = DenseModel::new(&config.model, shape, dense_seed, Device::Cpu).map_err(TrainError::from)?;
+    let sync: Box<dyn DenseSync> = match summer {
+        Some(summer) => Box::new(RoundSync::new(index, summer)),
+        None => Box::new(LocalSync),
+    };
+    let optimizer = DenseOptimizer::new(config.dense_optimizer.clone());
+    Ok(Worker::new(index, model, optimizer, sync, config.model.pooling)
+        .with_pipeline_depth(config.train.pipeline_depth))
 }
 
 /// Runs `call` for every shard with a non-empty part, concurrently when
@@ -272,6 +302,18 @@ impl Worker {
         }
     }
 
+    /// Takes a checkpoint's dense state (a resumed job).
+    pub fn resume(&mut self, dense: DenseState) {
+        self.model = dense.model;
+        self.optimizer.take_state_from(dense.optimizer);
+        self.stats.last_end = dense.position;
+    }
+
+    /// This worker's part of a checkpoint.
+    pub fn into_dense_state(self) -> DenseState {
+        DenseState { model: self.model, optimizer: self.optimizer, position: self.stats.last_end }
+    }
+
     /// `train.pipeline_depth`: how many batches ahead of its dense step a
     /// batch's rows are pulled (see [`run_training`](Self::run_training)).
     pub fn with_pipeline_depth(mut self, depth: usize) -> Self {
@@ -310,7 +352,7 @@ impl Worker {
         stats.keys += batch.bag_offsets.last().copied().unwrap_or(0) as u64;
         stats.unique_keys += batch.num_unique() as u64;
         stats.batches += 1;
-        stats.last_end = crate::checkpoint::later(stats.last_end, batch.end);
+        stats.last_end = stats.last_end.later(batch.end);
         stats.rows += batch.rows as u64;
         if stats.recent_losses.len() == 100 {
             stats.recent_losses.pop_front();

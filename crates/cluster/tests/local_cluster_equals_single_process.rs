@@ -5,9 +5,10 @@
 
 use std::sync::Arc;
 
-use sparrow_cluster::local::{new_worker, shard_table};
+use sparrow_cluster::shard::shard_table;
 use sparrow_cluster::sync::{RoundSum, RoundSummer};
 use sparrow_cluster::worker::WorkerStats;
+use sparrow_cluster::worker::new_worker;
 use sparrow_cluster::{ClusterError, LoaderServer, LoaderService, Mode, ShardServer, ShardService, train_local};
 use sparrow_core::Config;
 use sparrow_core::config::InitConfig;
@@ -255,7 +256,10 @@ fn a_cluster_checkpoint_keeps_the_shards_filter_state() {
     let loader = LoaderServer::start(&c, shards.clone()).expect("loader");
     let mut worker = new_worker(&c, &layout, 0, None).expect("worker");
     worker.run_training(&loader, &shards).expect("train");
-    let saved = sparrow_cluster::checkpoint::save(&c, &tmp.path().join("ck"), worker, &shards).expect("save");
+    let progress = worker.progress.clone();
+    let saved =
+        sparrow_cluster::checkpoint::save(&c, &tmp.path().join("ck"), worker.into_dense_state(), &progress, &shards)
+            .expect("save");
     let (restored, _, _) = sparrow_trainer::checkpoint::load_trainer(&saved, &[]).expect("load");
 
     let uses = |t: &EmbeddingTable| {

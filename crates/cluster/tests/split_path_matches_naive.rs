@@ -11,9 +11,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use proptest::prelude::*;
-use sparrow_cluster::loader::owner;
 use sparrow_cluster::{Mode, ShardServer, ShardService};
 use sparrow_core::config::{InitConfig, InitKind};
+use sparrow_embedding::owner;
 use sparrow_embedding::{EmbeddingTable, Initializer, KeyPlan, SparseOptimizer};
 
 const DIM: usize = 3;

@@ -14,6 +14,13 @@ pub struct DataPosition {
     pub line: u64,
 }
 
+impl DataPosition {
+    /// The further of two positions (workers see batches in any order).
+    pub fn later(self, other: DataPosition) -> DataPosition {
+        if (other.epoch, other.offset) > (self.epoch, self.offset) { other } else { self }
+    }
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct Batch {
     pub num_fields: usize,

@@ -8,10 +8,12 @@ pub mod error;
 pub mod input;
 pub mod layout;
 pub mod parquet_source;
+pub mod source;
 pub mod stream;
 pub mod synth;
 pub mod text;
 
 pub use error::{BadRows, DataError};
 pub use layout::DataLayout;
-pub use stream::{BatchSource, BatchStream, open_source};
+pub use source::BatchSource;
+pub use stream::{BatchStream, open_source};

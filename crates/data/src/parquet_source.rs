@@ -14,7 +14,7 @@ use sparrow_core::{Batch, feature_key};
 
 use crate::error::{BadRows, DataError};
 use crate::layout::DataLayout;
-use crate::stream::BatchSource;
+use crate::source::BatchSource;
 use crate::text::parse_label;
 
 pub struct ParquetSource {

@@ -15,15 +15,8 @@ use sparrow_core::config::{DataConfig, DataFormat};
 use crate::error::{BadRows, DataError};
 use crate::layout::DataLayout;
 use crate::parquet_source::ParquetSource;
+use crate::source::BatchSource;
 use crate::text::TextSource;
-
-pub trait BatchSource: Send {
-    fn layout(&self) -> &DataLayout;
-    /// Continue reading at `pos` (offset 0 = the first data row).
-    fn seek(&mut self, pos: DataPosition) -> Result<(), DataError>;
-    /// The next batch of at most `batch_size` good rows, `None` at the end.
-    fn next_batch(&mut self, batch_size: usize, epoch: u64) -> Result<Option<Batch>, DataError>;
-}
 
 /// Opens `path` as the configured format. A missing file fails here, at once.
 pub fn open_source(path: &Path, config: &DataConfig, bad: BadRows) -> Result<Box<dyn BatchSource>, DataError> {

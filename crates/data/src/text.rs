@@ -12,7 +12,7 @@ use sparrow_core::{Batch, feature_key};
 use crate::error::{BadRows, DataError};
 use crate::input::TextInput;
 use crate::layout::{CRITEO_DENSE, CRITEO_SPARSE, DataLayout};
-use crate::stream::BatchSource;
+use crate::source::BatchSource;
 
 pub trait LineParser: Send {
     /// Parses `line` (no trailing newline) into the builder's current row.

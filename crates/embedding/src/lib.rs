@@ -9,12 +9,13 @@ pub mod disk;
 mod in_flight;
 pub mod index;
 pub mod optimizer;
+pub mod partition;
 pub mod plan;
 pub mod table;
 
 pub use optimizer::SparseOptimizer;
+pub use partition::{Partitioner, owner};
 pub use plan::KeyPlan;
 pub use table::{
-    EmbeddingTable, FeatureFilters, FilterState, FilterStats, Initializer, Partitioner, RowSlots, Staged, TableError,
-    TierStats,
+    EmbeddingTable, FeatureFilters, FilterState, FilterStats, Initializer, RowSlots, Staged, TableError, TierStats,
 };

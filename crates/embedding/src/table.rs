@@ -29,6 +29,7 @@ use crate::disk::{DiskStore, StorePos, Use};
 use crate::in_flight::{InFlight, Lease};
 use crate::index::{Probe, SlotIndex};
 use crate::optimizer::SparseOptimizer;
+use crate::partition::Partitioner;
 use crate::plan::KeyPlan;
 
 #[derive(Debug, thiserror::Error)]
@@ -867,33 +868,6 @@ impl TableShard {
         if let Some(t) = &mut self.tier {
             t.meta[slot as usize].dirty = true;
         }
-    }
-}
-
-/// Which shard owns a key (S3.1: by hash; the bits differ from the bucket bits).
-#[derive(Clone, Copy, Debug)]
-pub struct Partitioner {
-    mask: u64,
-}
-
-impl Partitioner {
-    #[inline]
-    pub fn shard_of(self, key: u64) -> usize {
-        ((mix64(key) >> 32) & self.mask) as usize
-    }
-
-    pub fn shards(self) -> usize {
-        self.mask as usize + 1
-    }
-
-    /// Dedup + partition on the current rayon pool.
-    pub fn plan(self, keys: &[u64]) -> KeyPlan {
-        KeyPlan::new(keys, self.shards(), |k| self.shard_of(k))
-    }
-
-    /// Dedup + partition on the calling thread.
-    pub fn plan_sequential(self, keys: &[u64]) -> KeyPlan {
-        KeyPlan::new_sequential(keys, self.shards(), |k| self.shard_of(k))
     }
 }
 

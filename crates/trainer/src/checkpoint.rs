@@ -280,6 +280,11 @@ fn prune(root: &Path, current: &str, keep: usize) -> Result<(), TrainError> {
     Ok(())
 }
 
+/// The checkpoint version to resume from, if `checkpoint.resume_from` is set.
+pub fn resume_dir(config: &Config) -> Result<Option<PathBuf>, TrainError> {
+    config.checkpoint.resume_from.as_deref().map(|from| resolve(Path::new(from))).transpose()
+}
+
 /// A checkpoint root (with `LATEST`) or one version directory → the version directory.
 pub fn resolve(path: &Path) -> Result<PathBuf, TrainError> {
     if path.join(MANIFEST_FILE).is_file() {

@@ -40,7 +40,9 @@ impl pb::shard_server::Shard for ShardGrpc {
         self.metrics.count_bytes("in", "loader", r.keys.len());
         let keys = bytes_to_u64s(&r.keys, &self.peer, "keys").map_err(|e| super::to_status(&e))?;
         let mode = if r.eval { Mode::Eval } else { Mode::Train };
-        self.shard.enqueue(r.batch_id, keys, mode).map_err(|e| super::to_status(&e))?;
+        // With an SSD tier the enqueue prefetches rows from disk: off the runtime.
+        let shard = self.shard.clone();
+        blocking(move || shard.enqueue(r.batch_id, keys, mode)).await?;
         self.done("enqueue", start);
         Ok(Response::new(pb::Empty {}))
     }
@@ -91,11 +93,13 @@ impl pb::shard_server::Shard for ShardGrpc {
     }
 
     async fn stats(&self, _: Request<pb::Empty>) -> Result<Response<pb::ShardStats>, Status> {
-        let r = ShardReport::of(self.shard.table());
+        let shard = self.shard.clone();
+        let (r, pending) =
+            blocking(move || Ok((ShardReport::of(shard.table()), shard.pending_batches() as u64))).await?;
         let t = r.tier.unwrap_or_default();
         Ok(Response::new(pb::ShardStats {
             rows: r.rows,
-            pending_batches: self.shard.pending_batches() as u64,
+            pending_batches: pending,
             cached_rows: r.cached_rows,
             tiered: r.tier.is_some(),
             hits: t.hits,

@@ -1,0 +1,169 @@
+//! The shape of the code, checked the way rust-analyzer keeps its
+//! architecture: module graphs without cycles, protobuf types only in the
+//! gRPC layer, libraries that log through `tracing`, crates that inherit the
+//! workspace's settings. Each check names the file and line it objects to.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("workspace root")
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("read_dir").flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// Source lines that are code (not comments), with their 1-based numbers.
+fn code_lines(path: &Path) -> Vec<(usize, String)> {
+    let text = std::fs::read_to_string(path).expect("read source");
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim_start().starts_with("//"))
+        .map(|(i, l)| (i + 1, l.to_string()))
+        .collect()
+}
+
+/// The library crates (everything under `crates/` but the binary and the fuzz bodies).
+fn library_crates() -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = std::fs::read_dir(workspace().join("crates"))
+        .expect("crates")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.join("src/lib.rs").exists() && !p.ends_with("fuzz"))
+        .collect();
+    out.sort();
+    out
+}
+
+/// A crate's top-level module (`src/x.rs` or `src/x/…`) of a source file.
+fn top_module(src: &Path, file: &Path) -> String {
+    let rel = file.strip_prefix(src).expect("in src");
+    let first = rel.components().next().expect("a component").as_os_str().to_string_lossy().to_string();
+    first.trim_end_matches(".rs").to_string()
+}
+
+/// The first cycle in a graph, as a path `a -> b -> … -> a`.
+fn find_cycle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
+    fn visit(
+        node: &str,
+        graph: &BTreeMap<String, BTreeSet<String>>,
+        stack: &mut Vec<String>,
+        done: &mut BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(at) = stack.iter().position(|n| n == node) {
+            let mut cycle = stack[at..].to_vec();
+            cycle.push(node.to_string());
+            return Some(cycle);
+        }
+        if done.contains(node) {
+            return None;
+        }
+        stack.push(node.to_string());
+        for next in graph.get(node).into_iter().flatten() {
+            if let Some(c) = visit(next, graph, stack, done) {
+                return Some(c);
+            }
+        }
+        stack.pop();
+        done.insert(node.to_string());
+        None
+    }
+    let mut done = BTreeSet::new();
+    graph.keys().find_map(|n| visit(n, graph, &mut Vec::new(), &mut done))
+}
+
+#[test]
+fn the_modules_of_every_library_crate_form_no_cycle() {
+    for krate in library_crates() {
+        let src = krate.join("src");
+        let mut files = Vec::new();
+        rust_files(&src, &mut files);
+        let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for file in &files {
+            let from = top_module(&src, file);
+            if from == "lib" {
+                continue;
+            }
+            let deps = graph.entry(from.clone()).or_default();
+            for (_, line) in code_lines(file) {
+                for part in line.split("crate::").skip(1) {
+                    let to: String = part.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+                    let is_module = src.join(format!("{to}.rs")).exists() || src.join(&to).is_dir();
+                    if is_module && to != from {
+                        deps.insert(to);
+                    }
+                }
+            }
+        }
+        assert_eq!(find_cycle(&graph), None, "{}: modules that use each other", krate.display());
+    }
+}
+
+#[test]
+fn protobuf_types_stay_in_the_grpc_layer() {
+    let root = workspace();
+    let grpc = root.join("crates/cluster/src/grpc");
+    let mut files = Vec::new();
+    rust_files(&root.join("crates"), &mut files);
+    // The fuzz bodies and the wire benchmark feed bytes to the gRPC layer's codecs.
+    let exempt = [grpc, root.join("crates/proto"), root.join("crates/fuzz"), root.join("crates/cluster/benches")];
+    // Spelled in parts, so this file does not match itself.
+    let (krate, module) = (["sparrow", "_proto"].concat(), ["pb", "::"].concat());
+    for file in files.iter().filter(|f| !exempt.iter().any(|e| f.starts_with(e))) {
+        for (n, line) in code_lines(file) {
+            assert!(
+                !line.contains(&krate) && !line.contains(&module),
+                "{}:{n}: a protobuf type outside crates/cluster/src/grpc/: {}",
+                file.display(),
+                line.trim()
+            );
+        }
+    }
+    for krate in library_crates().iter().filter(|k| !k.ends_with("cluster") && !k.ends_with("proto")) {
+        let manifest = std::fs::read_to_string(krate.join("Cargo.toml")).expect("manifest");
+        assert!(
+            !manifest.contains("sparrow-proto"),
+            "{}: only sparrow-cluster may depend on sparrow-proto",
+            krate.display()
+        );
+    }
+}
+
+#[test]
+fn libraries_log_through_tracing() {
+    for krate in library_crates() {
+        let mut files = Vec::new();
+        rust_files(&krate.join("src"), &mut files);
+        for file in &files {
+            for (n, line) in code_lines(file) {
+                assert!(
+                    !line.contains("eprintln!(") && !line.contains("println!("),
+                    "{}:{n}: a library prints; use tracing: {}",
+                    file.display(),
+                    line.trim()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn every_crate_inherits_the_workspace_settings() {
+    let mut crates: Vec<PathBuf> =
+        std::fs::read_dir(workspace().join("crates")).expect("crates").flatten().map(|e| e.path()).collect();
+    crates.sort();
+    for krate in crates {
+        let manifest = std::fs::read_to_string(krate.join("Cargo.toml")).expect("manifest");
+        for needed in ["rust-version.workspace = true", "publish = false", "[lints]\nworkspace = true"] {
+            assert!(manifest.contains(needed), "{}/Cargo.toml lacks `{needed}`", krate.display());
+        }
+    }
+}
