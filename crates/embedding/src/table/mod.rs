@@ -21,11 +21,22 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use parking_lot::RwLock;
 use rayon::prelude::*;
 use sparrow_core::config::CachePolicy;
-use sparrow_core::config::{InitConfig, InitKind};
-use sparrow_core::key::mix64;
-use sparrow_core::rng::Rng;
 
-use crate::disk::{DiskStore, StorePos, Use};
+mod arena;
+mod cache;
+mod filters;
+mod init;
+mod walk;
+
+use arena::{KEY_FLOATS, Layout, PREFETCH_DISTANCE, key_of, prefetch, prefetch_lines, set_key, stored_in};
+pub use cache::TierStats;
+use cache::{SlotMeta, Tier, VICTIM_SAMPLES};
+use filters::{AdmitSketch, Expiry, fold_sketches};
+pub use filters::{FeatureFilters, FilterState, FilterStats};
+pub use init::Initializer;
+pub use walk::STORE_CURSOR;
+
+use crate::disk::{DiskStore, Use};
 use crate::in_flight::{InFlight, Lease};
 use crate::index::{Probe, SlotIndex};
 use crate::optimizer::SparseOptimizer;
@@ -57,80 +68,6 @@ impl From<std::io::Error> for TableError {
     }
 }
 
-/// [`EmbeddingTable::rows_from`] positions at or past this walk a shard's SSD store.
-pub const STORE_CURSOR: usize = 1 << 40;
-
-/// f32 slots that hold a row's key (its two 32-bit halves, as bit patterns).
-const KEY_FLOATS: usize = 2;
-
-/// How many keys ahead a batch lookup probes the index and prefetches rows.
-const PREFETCH_DISTANCE: usize = 8;
-
-/// Asks the CPU to start loading the cache line holding `*x`.
-#[inline]
-fn prefetch<T>(x: &T) {
-    #[cfg(target_arch = "x86_64")]
-    #[expect(unsafe_code, reason = "prefetch intrinsic; measured: see `sparrow bench` lookup figures")]
-    // SAFETY: a prefetch is only a hint: it never faults, reads nothing into
-    // the program and writes nothing; SSE is part of the x86_64 baseline.
-    unsafe {
-        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(std::ptr::from_ref(x).cast());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = x;
-}
-
-/// Prefetches every cache line of `data` (a row spans two or three).
-#[inline]
-fn prefetch_lines(data: &[f32]) {
-    for line in data.chunks(16) {
-        prefetch(&line[0]);
-    }
-}
-
-#[inline]
-fn key_of(stored: &[f32]) -> u64 {
-    u64::from(stored[0].to_bits()) | (u64::from(stored[1].to_bits()) << 32)
-}
-
-#[inline]
-fn set_key(stored: &mut [f32], key: u64) {
-    stored[0] = f32::from_bits(key as u32);
-    stored[1] = f32::from_bits((key >> 32) as u32);
-}
-
-/// Deterministic per-key initialisation: the same key gets the same initial
-/// vector whatever the insertion order or thread, so runs are reproducible.
-#[derive(Clone, Copy, Debug)]
-pub struct Initializer {
-    pub kind: InitKind,
-    pub scale: f32,
-    pub seed: u64,
-}
-
-impl Initializer {
-    pub fn new(config: InitConfig, seed: u64) -> Self {
-        Initializer { kind: config.kind, scale: config.scale, seed }
-    }
-
-    pub fn fill(&self, key: u64, w: &mut [f32]) {
-        let mut rng = Rng::new(self.seed ^ mix64(key));
-        match self.kind {
-            InitKind::Zeros => w.fill(0.0),
-            InitKind::Uniform => {
-                for x in w {
-                    *x = ((rng.next_f64() * 2.0 - 1.0) as f32) * self.scale;
-                }
-            }
-            InitKind::Normal => {
-                for x in w {
-                    *x = rng.normal() as f32 * self.scale;
-                }
-            }
-        }
-    }
-}
-
 struct TableShard {
     /// Slots of the rows (with key fingerprints), by key.
     index: SlotIndex,
@@ -150,134 +87,6 @@ struct TableShard {
 /// its update is skipped. Never a real slot (a shard holds < u32::MAX rows).
 const NOT_ADMITTED: u32 = u32::MAX;
 
-/// Feature filters of a table (Monolith-style); both off by default.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct FeatureFilters {
-    /// A key gets a row once seen in this many training lookups (0, 1: always).
-    pub admit_min_count: u32,
-    /// Byte counters of the admission sketch, over all lock shards.
-    pub admit_sketch_counters: usize,
-    /// Rows not used by this many training lookups are deleted (0: never).
-    pub ttl_steps: u64,
-    /// A `ttl_steps` below this counts as this: the lookups a run may have
-    /// in flight, so that a pipelined run's model does not depend on
-    /// expiries inside its window. (A row in flight never expires anyway.)
-    pub ttl_floor: u64,
-}
-
-/// What the feature filters did, summed over lock shards.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct FilterStats {
-    /// Training lookups of keys not admitted yet (answered with the initial
-    /// vector; their gradients dropped).
-    pub not_admitted: u64,
-    /// Keys given a row once they reached `admit_min_count`.
-    pub admitted: u64,
-    /// Rows deleted by `ttl_steps`.
-    pub expired: u64,
-}
-
-impl std::ops::AddAssign for FilterStats {
-    fn add_assign(&mut self, o: FilterStats) {
-        self.not_admitted += o.not_admitted;
-        self.admitted += o.admitted;
-        self.expired += o.expired;
-    }
-}
-
-/// The feature filters' state that is not in the rows (checkpointed beside
-/// them): the table's lookup clock and each lock shard's admission sketch.
-/// A row's last use travels with the row (walks report it,
-/// [`EmbeddingTable::put_row_used`] restores it).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct FilterState {
-    /// Training lookups so far: the clock `ttl_steps` and last uses count in.
-    pub tick: u64,
-    /// Each lock shard's admission counters (none without `admit_min_count`).
-    pub sketches: Vec<Vec<u8>>,
-}
-
-/// One sketch of `len` counters (a power of two) that estimates at least
-/// what any of `sketches` did for every key: a counter of a smaller target
-/// takes the maximum of the cells that share its low bits, a larger target
-/// repeats the cells (a key's cells are its hash's low bits).
-fn fold_sketches<'a>(sketches: impl Iterator<Item = &'a Vec<u8>>, len: usize) -> Vec<u8> {
-    let mut out = vec![0u8; len];
-    for s in sketches.filter(|s| !s.is_empty()) {
-        let n = s.len();
-        if n >= len {
-            for (i, &c) in s.iter().enumerate() {
-                out[i & (len - 1)] = out[i & (len - 1)].max(c);
-            }
-        } else {
-            for (j, o) in out.iter_mut().enumerate() {
-                *o = (*o).max(s[j & (n - 1)]);
-            }
-        }
-    }
-    out
-}
-
-/// Counts sightings of keys that have no row, in bounded memory: a count-min
-/// sketch of saturating byte counters with two hashes and conservative update
-/// (only the smallest counters grow). It can over-count (a key admitted a
-/// little early when counters collide), never under-count.
-struct AdmitSketch {
-    min_count: u8,
-    counters: Vec<u8>,
-    mask: u64,
-}
-
-impl AdmitSketch {
-    fn new(min_count: u32, counters: usize) -> AdmitSketch {
-        let n = counters.next_power_of_two().max(64);
-        AdmitSketch { min_count: min_count.min(255) as u8, counters: vec![0; n], mask: n as u64 - 1 }
-    }
-
-    fn cells(&self, key: u64) -> [usize; 2] {
-        // Bits unrelated to the shard and index bucket bits (another mix).
-        let h = mix64(key ^ 0x5bd1_e995_ad5f_3c6b);
-        [(h & self.mask) as usize, ((h >> 32) & self.mask) as usize]
-    }
-
-    fn estimate(&self, key: u64) -> u8 {
-        let [a, b] = self.cells(key);
-        self.counters[a].min(self.counters[b])
-    }
-
-    /// Whether `key` has already been seen `min_count` times.
-    fn admitted(&self, key: u64) -> bool {
-        self.estimate(key) >= self.min_count
-    }
-
-    /// Whether the next sighting of `key` admits it.
-    fn admits_next(&self, key: u64) -> bool {
-        self.estimate(key).saturating_add(1) >= self.min_count
-    }
-
-    /// Counts a sighting of `key`; whether it is admitted now.
-    fn count(&mut self, key: u64) -> bool {
-        let cells = self.cells(key);
-        let low = self.estimate(key);
-        for c in cells {
-            if self.counters[c] == low {
-                self.counters[c] = low.saturating_add(1);
-            }
-        }
-        low.saturating_add(1) >= self.min_count
-    }
-}
-
-/// Row expiry (`ttl_steps`): each row's last training lookup; slots freed by
-/// expiry are reused before the arena grows.
-struct Expiry {
-    /// `ttl_steps`, at least the floor.
-    ttl: u64,
-    last_use: Vec<u64>,
-    vacant: Vec<bool>,
-    free: Vec<u32>,
-}
-
 /// How a missing row is made (initialiser, optimizer state) and for which
 /// access (the lookup's tick; a prefetch stages rows without counting a use).
 #[derive(Clone, Copy)]
@@ -288,225 +97,6 @@ struct Access<'a> {
     /// Rows used at or after this tick may be in flight: never evicted.
     oldest_in_flight: u64,
     prefetching: bool,
-}
-
-/// A shard's cache bookkeeping when its table has an SSD tier (S3.8).
-struct Tier {
-    store: DiskStore,
-    /// Rows this shard's cache holds before it starts evicting.
-    capacity: usize,
-    policy: CachePolicy,
-    /// Per cached slot, in one cache line: eviction reads them together.
-    meta: Vec<SlotMeta>,
-    /// Where a cached row read from the store sits there: its write-back
-    /// skips the probe.
-    pos: Vec<Option<StorePos>>,
-    /// Keys in the store and not in the cache.
-    stored_only: usize,
-    rng: u64,
-    /// Eviction runs one miss ahead, so that its random reads are in flight
-    /// while the store is read: slots sampled (use records prefetched) at the
-    /// previous miss, and the victim chosen then (row prefetched).
-    sampled: [u32; VICTIM_SAMPLES],
-    next_victim: Option<u32>,
-    /// `ttl_steps` (0: off; at least the floor): stored rows unused for longer read as absent
-    /// and are deleted by a sweep of the store, a quarter per expiry pass.
-    ttl: u64,
-    sweep_cursor: u64,
-    stats: TierStats,
-}
-
-/// Slots an eviction compares (Redis's approximated LRU/LFU).
-const VICTIM_SAMPLES: usize = 8;
-
-/// A cached row's use record (16 bytes).
-#[derive(Clone, Copy)]
-struct SlotMeta {
-    /// The lookup (tick) that last used the row.
-    last_use: u64,
-    uses: u32,
-    /// Changed since it was read from the store (or never stored).
-    dirty: bool,
-}
-
-/// Lookups of a table with an SSD tier, by outcome.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct TierStats {
-    /// Found in the memory cache.
-    pub hits: u64,
-    /// Read from the SSD store into the cache.
-    pub loads: u64,
-    /// Keys seen for the first time (initialised, nothing to read).
-    pub inits: u64,
-    /// Rows written back to the store on eviction.
-    pub writebacks: u64,
-    /// Rows read from the store (or initialised) ahead of their lookup by
-    /// [`EmbeddingTable::prefetch`] (S3.5).
-    pub prefetch_loads: u64,
-    pub prefetch_inits: u64,
-}
-
-impl std::ops::AddAssign for TierStats {
-    fn add_assign(&mut self, o: TierStats) {
-        self.hits += o.hits;
-        self.loads += o.loads;
-        self.inits += o.inits;
-        self.writebacks += o.writebacks;
-        self.prefetch_loads += o.prefetch_loads;
-        self.prefetch_inits += o.prefetch_inits;
-    }
-}
-
-impl TierStats {
-    /// Lookups of known keys served from memory without reading the store
-    /// on their behalf: prefetched rows are hits at lookup but count as misses here.
-    pub fn cache_hit_rate(&self) -> f64 {
-        let known = (self.hits + self.loads).saturating_sub(self.prefetch_inits);
-        let served = self.hits.saturating_sub(self.prefetch_loads + self.prefetch_inits);
-        served as f64 / known.max(1) as f64
-    }
-}
-
-impl Tier {
-    fn draw(&mut self, rows: usize) -> usize {
-        self.rng ^= self.rng << 13;
-        self.rng ^= self.rng >> 7;
-        self.rng ^= self.rng << 17;
-        (self.rng % rows as u64) as usize
-    }
-
-    /// Not in flight, and not a slot whose row expired (`last_use` = `u64::MAX`).
-    fn evictable(&self, slot: usize, oldest_in_flight: u64) -> bool {
-        self.meta[slot].last_use < oldest_in_flight
-    }
-
-    /// As of `tick`, rows last used before this have outlived `ttl_steps`
-    /// (`None`: no expiry).
-    fn expiry_cutoff(&self, tick: u64) -> Option<u64> {
-        (self.ttl > 0).then(|| tick.saturating_sub(self.ttl))
-    }
-
-    fn expired(&self, last_use: u64, tick: u64) -> bool {
-        self.expiry_cutoff(tick).is_some_and(|cutoff| last_use < cutoff)
-    }
-
-    /// The policy's order: lower goes first.
-    fn eviction_rank(&self, slot: usize) -> u64 {
-        let m = self.meta[slot];
-        match self.policy {
-            CachePolicy::Lru => m.last_use,
-            CachePolicy::Lfu => (u64::from(m.uses) << 32) | (m.last_use & 0xffff_ffff),
-        }
-    }
-
-    /// The lowest-ranked evictable slot of `slots`.
-    fn best_of(&self, slots: impl Iterator<Item = usize>, oldest_in_flight: u64) -> Option<u32> {
-        slots.filter(|&s| self.evictable(s, oldest_in_flight)).min_by_key(|&s| self.eviction_rank(s)).map(|s| s as u32)
-    }
-
-    /// A slot to evict: the least recently (or frequently) used of a few
-    /// sampled unprotected slots, as Redis approximates LRU; `None` if every
-    /// sample was protected (the cache then grows past its capacity).
-    ///
-    /// Normally the victim chosen at the previous miss; then the samples of
-    /// the previous miss are compared (their use records have arrived) and
-    /// new ones drawn, so no miss waits on these random reads.
-    /// The caller prefetches the row of the staged [`next_victim`](Self::next_victim).
-    fn pick_victim(&mut self, rows: usize, oldest_in_flight: u64) -> Option<u32> {
-        let ready =
-            self.next_victim.take().filter(|&v| (v as usize) < rows && self.evictable(v as usize, oldest_in_flight));
-        let victim = match ready {
-            Some(v) => Some(v),
-            None => self.pick_now(rows, oldest_in_flight),
-        };
-        // Stage the next eviction: compare the samples drawn last time…
-        // (Before the first miss they are all slot 0, which exists by then.)
-        let sampled = self.sampled;
-        self.next_victim =
-            self.best_of(sampled.iter().map(|&s| s as usize), oldest_in_flight).filter(|&s| Some(s) != victim);
-        // …and draw the samples for the one after.
-        for i in 0..VICTIM_SAMPLES {
-            let slot = self.draw(rows);
-            prefetch(&self.meta[slot]);
-            self.sampled[i] = slot as u32;
-        }
-        victim
-    }
-
-    /// [`pick_victim`](Self::pick_victim) without the staged one: draws
-    /// rounds of samples until enough of them are unprotected.
-    fn pick_now(&mut self, rows: usize, oldest_in_flight: u64) -> Option<u32> {
-        let mut best: Option<u32> = None;
-        let mut candidates = 0;
-        for _round in 0..8 {
-            let mut slots = [0usize; VICTIM_SAMPLES];
-            for slot in &mut slots {
-                *slot = self.draw(rows);
-                prefetch(&self.meta[*slot]);
-            }
-            candidates += slots.iter().filter(|&&s| self.evictable(s, oldest_in_flight)).count();
-            best = self.best_of(slots.into_iter().chain(best.map(|b| b as usize)), oldest_in_flight);
-            if candidates >= VICTIM_SAMPLES {
-                break;
-            }
-        }
-        best
-    }
-
-    /// A use by lookup `tick`. Lookups of one shard may finish out of tick
-    /// order (concurrent pulls): a row keeps its latest use, so it stays
-    /// protected while the newest lookup that used it is in flight.
-    fn touch(&mut self, slot: u32, tick: u64) {
-        let s = slot as usize;
-        let m = &mut self.meta[s];
-        m.last_use = m.last_use.max(tick);
-        m.uses = m.uses.saturating_add(1);
-    }
-}
-
-/// Which rows of a shard's arena live in which chunk.
-#[derive(Clone, Copy)]
-struct Layout {
-    /// Floats the caller sees per row: weights + optimizer state.
-    row_len: usize,
-    /// Floats stored per row: key + weights + optimizer state.
-    stored_len: usize,
-    dim: usize,
-    /// Rows per chunk: as many as fill [`CHUNK_BYTES`], so a chunk lands
-    /// exactly in an allocator size class (a power-of-two row count left up
-    /// to 15% of every chunk unused).
-    chunk_rows: u32,
-    /// ⌈2⁶⁴ / chunk_rows⌉: `slot / chunk_rows` as a multiply-shift, exact for
-    /// 32-bit slots (Lemire, Kaser, Kurz 2019). A hardware division by a
-    /// run-time value cost ~25 cycles on every row access.
-    chunk_magic: u64,
-}
-
-impl Layout {
-    fn new(row_len: usize, dim: usize) -> Layout {
-        let stored_len = KEY_FLOATS + row_len;
-        let chunk_rows = (CHUNK_BYTES / (stored_len * 4)).clamp(2, 1 << 20) as u32;
-        Layout { row_len, stored_len, dim, chunk_rows, chunk_magic: u64::MAX / u64::from(chunk_rows) + 1 }
-    }
-
-    #[inline]
-    fn chunk_rows(self) -> usize {
-        self.chunk_rows as usize
-    }
-
-    /// (chunk index, float offset of the row in the chunk)
-    #[inline]
-    fn locate(self, slot: u32) -> (usize, usize) {
-        let chunk = ((u128::from(slot) * u128::from(self.chunk_magic)) >> 64) as u32;
-        let row = slot - chunk * self.chunk_rows;
-        (chunk as usize, row as usize * self.stored_len)
-    }
-}
-
-#[inline]
-fn stored_in(chunks: &[Box<[f32]>], layout: Layout, slot: u32) -> &[f32] {
-    let (chunk, start) = layout.locate(slot);
-    &chunks[chunk][start..start + layout.stored_len]
 }
 
 impl TableShard {
@@ -904,10 +494,6 @@ impl std::fmt::Debug for EmbeddingTable {
             .finish()
     }
 }
-
-/// Bytes of one arena chunk; small enough that a shard's tail waste stays low
-/// (≤ shards × 64 KiB for the whole table).
-const CHUNK_BYTES: usize = 64 * 1024;
 
 /// The slots of a lookup's unique keys, so the update that follows does not
 /// probe the hash index again. Valid for the table that produced it: while it
@@ -1327,62 +913,6 @@ impl EmbeddingTable {
         shard.read_row(self.layout, key, &mut row, tick).ok()?.then_some(row)
     }
 
-    /// Up to `max` rows in storage order starting at `cursor` (lock shard,
-    /// position), each with its key; returns the cursor after them, `None`
-    /// once every row was visited. For a table that is not being trained, a
-    /// walk from `(0, 0)` visits every row exactly once (export in pages):
-    /// a shard's cached rows first, then (SSD tier) its stored rows that are
-    /// not cached, at positions from [`STORE_CURSOR`] on.
-    pub fn rows_from(
-        &self,
-        cursor: (usize, usize),
-        max: usize,
-        mut f: impl FnMut(u64, u64, &[f32]),
-    ) -> Result<Option<(usize, usize)>, TableError> {
-        let (mut shard_index, mut pos) = cursor;
-        let mut visited = 0;
-        let tick = self.tick.load(Ordering::Relaxed);
-        while shard_index < self.shards.len() {
-            let shard = self.shards[shard_index].read();
-            while pos < shard.rows && pos < STORE_CURSOR {
-                if visited == max {
-                    return Ok(Some((shard_index, pos)));
-                }
-                if !shard.is_vacant(pos) && !shard.aged_out(pos, tick) {
-                    let stored = stored_in(&shard.chunks, self.layout, pos as u32);
-                    f(key_of(stored), shard.last_use(pos, tick), &stored[KEY_FLOATS..]);
-                    visited += 1;
-                }
-                pos += 1;
-            }
-            if let Some(t) = &shard.tier {
-                let mut bucket = pos.saturating_sub(STORE_CURSOR) as u64;
-                loop {
-                    if visited == max {
-                        return Ok(Some((shard_index, STORE_CURSOR + bucket as usize)));
-                    }
-                    let next = t.store.scan_from(bucket, max - visited, |key, how, row| {
-                        if shard.find(self.layout, key).is_none() && !t.expired(how.last_use, tick) {
-                            f(key, how.last_use, row);
-                            return true;
-                        }
-                        false
-                    })?;
-                    match next {
-                        Some((b, n)) => {
-                            visited += n;
-                            bucket = b;
-                        }
-                        None => break,
-                    }
-                }
-            }
-            shard_index += 1;
-            pos = 0;
-        }
-        Ok(None)
-    }
-
     /// Inserts or overwrites a full row, as just used.
     pub fn put_row(&self, key: u64, row: &[f32]) -> Result<(), TableError> {
         self.put(key, row, None)
@@ -1430,39 +960,6 @@ impl EmbeddingTable {
         }
         shard.row_mut(self.layout, slot).copy_from_slice(row);
         shard.mark_dirty(slot);
-        Ok(())
-    }
-
-    /// Visits every row with its last use (the lookup tick; `ttl_steps` ages
-    /// rows by it), shard by shard, in a deterministic order (sorted by key
-    /// within a shard) so that checkpoints of equal tables are byte-identical.
-    pub fn for_each_row(&self, mut f: impl FnMut(u64, u64, &[f32]) -> std::io::Result<()>) -> std::io::Result<()> {
-        let tick = self.tick.load(Ordering::Relaxed);
-        for shard in self.shards.iter() {
-            let shard = shard.read();
-            let mut entries: Vec<(u64, u32)> = (0..shard.rows as u32)
-                .filter(|&slot| !shard.is_vacant(slot as usize) && !shard.aged_out(slot as usize, tick))
-                .map(|slot| (key_of(stored_in(&shard.chunks, self.layout, slot)), slot))
-                .collect();
-            // SSD tier: the stored rows that are not cached (the cache's copy is newer).
-            let mut stored: Vec<(u64, u64, Vec<f32>)> = Vec::new();
-            if let Some(t) = &shard.tier {
-                t.store.for_each(|key, how, row| {
-                    if shard.find(self.layout, key).is_none() && !t.expired(how.last_use, tick) {
-                        stored.push((key, how.last_use, row.to_vec()));
-                    }
-                })?;
-            }
-            let mut all: Vec<(u64, Result<u32, usize>)> = entries.drain(..).map(|(k, s)| (k, Ok(s))).collect();
-            all.extend(stored.iter().enumerate().map(|(i, (k, _, _))| (*k, Err(i))));
-            all.sort_unstable_by_key(|e| e.0);
-            for (key, at) in all {
-                match at {
-                    Ok(slot) => f(key, shard.last_use(slot as usize, tick), shard.row(self.layout, slot))?,
-                    Err(i) => f(key, stored[i].1, &stored[i].2)?,
-                }
-            }
-        }
         Ok(())
     }
 
@@ -1521,32 +1018,6 @@ mod tests {
     }
 
     #[test]
-    fn a_paged_walk_visits_every_row_once() {
-        let t = table(SparseOptimizer::Adagrad { lr: 0.1, eps: 1e-8 });
-        for key in 0..1000u64 {
-            let row: Vec<f32> = (0..t.row_len()).map(|i| (key * 10 + i as u64) as f32).collect();
-            t.put_row(mix(key), &row).expect("put");
-        }
-        let (mut seen, mut cursor) = (Vec::new(), Some((0, 0)));
-        while let Some(at) = cursor {
-            cursor = t
-                .rows_from(at, 37, |key, _, row| {
-                    assert_eq!(Some(row.to_vec()), t.get_row(key));
-                    seen.push(key);
-                })
-                .expect("walk");
-        }
-        seen.sort_unstable();
-        let mut expected: Vec<u64> = (0..1000).map(mix).collect();
-        expected.sort_unstable();
-        assert_eq!(seen, expected);
-    }
-
-    fn mix(k: u64) -> u64 {
-        sparrow_core::key::mix64(k)
-    }
-
-    #[test]
     fn lookup_inserts_deterministically_and_readonly_does_not() {
         let t = table(SparseOptimizer::Sgd { lr: 0.1 });
         let plan = t.plan(&[5, 7, 5, 9]);
@@ -1560,52 +1031,24 @@ mod tests {
         assert!(out.iter().all(|x| x.abs() <= 0.01) && out.iter().any(|&x| x != 0.0));
     }
 
+    /// The update checks each row's key: slots that hold other keys (here a
+    /// lookup's slots given with another batch's plan) are refused, naming
+    /// the lock shard and both keys, instead of training the wrong rows.
     #[test]
-    fn slot_split_by_multiply_shift_equals_division() {
-        for row_len in [1usize, 2, 3, 17, 32, 33, 63, 130, 1000, 40_000] {
-            let layout = Layout::new(row_len, 1);
-            let d = layout.chunk_rows;
-            for slot in (0..200_000u32).chain([u32::MAX - 1, u32::MAX - d, 1 << 31, (1 << 31) + 7]) {
-                let (chunk, start) = layout.locate(slot);
-                assert_eq!(
-                    (chunk as u32, start),
-                    (slot / d, (slot % d) as usize * layout.stored_len),
-                    "d={d} slot={slot}"
-                );
-            }
-        }
-    }
-
-    proptest::proptest! {
-        /// The admission sketch may admit a key early when counters collide
-        /// (64 counters for up to 200 keys here), never late: a key is
-        /// admitted by its `min_count`-th sighting at the latest.
-        #[test]
-        fn the_admission_sketch_never_admits_late(
-            sightings in proptest::collection::vec(0u64..200, 0..2000),
-            min_count in 2u32..6,
-        ) {
-            let mut sketch = AdmitSketch::new(min_count, 64);
-            let mut seen = std::collections::HashMap::<u64, u32>::new();
-            let mut admitted = std::collections::HashSet::new();
-            for key in sightings {
-                let key = mix64(key);
-                let n = seen.entry(key).or_insert(0);
-                *n += 1;
-                if admitted.contains(&key) {
-                    proptest::prop_assert!(sketch.admitted(key));
-                    continue;
-                }
-                let predicted = sketch.admits_next(key);
-                let now = sketch.count(key);
-                proptest::prop_assert_eq!(predicted, now, "a prefetch predicts the lookup");
-                if now {
-                    admitted.insert(key);
-                } else {
-                    proptest::prop_assert!(*n < min_count, "key seen {} times, not admitted", n);
-                }
-            }
-        }
+    fn an_update_through_slots_that_hold_other_keys_is_refused() {
+        let t = EmbeddingTable::new(4, SparseOptimizer::Sgd { lr: 0.1 }, Initializer::new(InitConfig::default(), 9), 1);
+        let (a, b) = (t.plan(&[11, 12]), t.plan(&[21, 22]));
+        let mut rows = vec![0.0; 8];
+        let slots_a = t.lookup_or_insert(&a, &mut rows).expect("lookup a");
+        let _slots_b = t.lookup_or_insert(&b, &mut rows).expect("lookup b");
+        let before = t.get_row(11);
+        let err = t.apply_gradients_at(&b, &slots_a, &[1.0; 8]).expect_err("stale slots");
+        assert!(matches!(err, TableError::SlotReused { shard: 0, key: 21 | 22, found: 11 | 12 }), "{err:?}");
+        let msg = err.to_string();
+        assert!(msg.contains("lock shard 0") && msg.contains("refused"), "{msg}");
+        assert_eq!(t.get_row(11), before, "the other key's row is untouched");
+        t.apply_gradients_at(&a, &slots_a, &[1.0; 8]).expect("its own plan");
+        assert_ne!(t.get_row(11), before);
     }
 
     #[test]

@@ -1,0 +1,182 @@
+//! The memory cache in front of a lock shard's SSD store (S3.8): which
+//! cached rows are used when, which are dirty, and which one to evict
+//! (Redis-style sampled LRU/LFU, staged one miss ahead).
+
+use sparrow_core::config::CachePolicy;
+
+use super::arena::prefetch;
+use crate::disk::{DiskStore, StorePos};
+
+/// A shard's cache bookkeeping when its table has an SSD tier (S3.8).
+pub(super) struct Tier {
+    pub(super) store: DiskStore,
+    /// Rows this shard's cache holds before it starts evicting.
+    pub(super) capacity: usize,
+    pub(super) policy: CachePolicy,
+    /// Per cached slot, in one cache line: eviction reads them together.
+    pub(super) meta: Vec<SlotMeta>,
+    /// Where a cached row read from the store sits there: its write-back
+    /// skips the probe.
+    pub(super) pos: Vec<Option<StorePos>>,
+    /// Keys in the store and not in the cache.
+    pub(super) stored_only: usize,
+    pub(super) rng: u64,
+    /// Eviction runs one miss ahead, so that its random reads are in flight
+    /// while the store is read: slots sampled (use records prefetched) at the
+    /// previous miss, and the victim chosen then (row prefetched).
+    pub(super) sampled: [u32; VICTIM_SAMPLES],
+    pub(super) next_victim: Option<u32>,
+    /// `ttl_steps` (0: off; at least the floor): stored rows unused for longer read as absent
+    /// and are deleted by a sweep of the store, a quarter per expiry pass.
+    pub(super) ttl: u64,
+    pub(super) sweep_cursor: u64,
+    pub(super) stats: TierStats,
+}
+
+/// Slots an eviction compares (Redis's approximated LRU/LFU).
+pub(super) const VICTIM_SAMPLES: usize = 8;
+
+/// A cached row's use record (16 bytes).
+#[derive(Clone, Copy)]
+pub(super) struct SlotMeta {
+    /// The lookup (tick) that last used the row.
+    pub(super) last_use: u64,
+    pub(super) uses: u32,
+    /// Changed since it was read from the store (or never stored).
+    pub(super) dirty: bool,
+}
+
+/// Lookups of a table with an SSD tier, by outcome.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TierStats {
+    /// Found in the memory cache.
+    pub hits: u64,
+    /// Read from the SSD store into the cache.
+    pub loads: u64,
+    /// Keys seen for the first time (initialised, nothing to read).
+    pub inits: u64,
+    /// Rows written back to the store on eviction.
+    pub writebacks: u64,
+    /// Rows read from the store (or initialised) ahead of their lookup by
+    /// [`EmbeddingTable::prefetch`] (S3.5).
+    pub prefetch_loads: u64,
+    pub prefetch_inits: u64,
+}
+
+impl std::ops::AddAssign for TierStats {
+    fn add_assign(&mut self, o: TierStats) {
+        self.hits += o.hits;
+        self.loads += o.loads;
+        self.inits += o.inits;
+        self.writebacks += o.writebacks;
+        self.prefetch_loads += o.prefetch_loads;
+        self.prefetch_inits += o.prefetch_inits;
+    }
+}
+
+impl TierStats {
+    /// Lookups of known keys served from memory without reading the store
+    /// on their behalf: prefetched rows are hits at lookup but count as misses here.
+    pub fn cache_hit_rate(&self) -> f64 {
+        let known = (self.hits + self.loads).saturating_sub(self.prefetch_inits);
+        let served = self.hits.saturating_sub(self.prefetch_loads + self.prefetch_inits);
+        served as f64 / known.max(1) as f64
+    }
+}
+
+impl Tier {
+    pub(super) fn draw(&mut self, rows: usize) -> usize {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        (self.rng % rows as u64) as usize
+    }
+
+    /// Not in flight, and not a slot whose row expired (`last_use` = `u64::MAX`).
+    pub(super) fn evictable(&self, slot: usize, oldest_in_flight: u64) -> bool {
+        self.meta[slot].last_use < oldest_in_flight
+    }
+
+    /// As of `tick`, rows last used before this have outlived `ttl_steps`
+    /// (`None`: no expiry).
+    pub(super) fn expiry_cutoff(&self, tick: u64) -> Option<u64> {
+        (self.ttl > 0).then(|| tick.saturating_sub(self.ttl))
+    }
+
+    pub(super) fn expired(&self, last_use: u64, tick: u64) -> bool {
+        self.expiry_cutoff(tick).is_some_and(|cutoff| last_use < cutoff)
+    }
+
+    /// The policy's order: lower goes first.
+    pub(super) fn eviction_rank(&self, slot: usize) -> u64 {
+        let m = self.meta[slot];
+        match self.policy {
+            CachePolicy::Lru => m.last_use,
+            CachePolicy::Lfu => (u64::from(m.uses) << 32) | (m.last_use & 0xffff_ffff),
+        }
+    }
+
+    /// The lowest-ranked evictable slot of `slots`.
+    pub(super) fn best_of(&self, slots: impl Iterator<Item = usize>, oldest_in_flight: u64) -> Option<u32> {
+        slots.filter(|&s| self.evictable(s, oldest_in_flight)).min_by_key(|&s| self.eviction_rank(s)).map(|s| s as u32)
+    }
+
+    /// A slot to evict: the least recently (or frequently) used of a few
+    /// sampled unprotected slots, as Redis approximates LRU; `None` if every
+    /// sample was protected (the cache then grows past its capacity).
+    ///
+    /// Normally the victim chosen at the previous miss; then the samples of
+    /// the previous miss are compared (their use records have arrived) and
+    /// new ones drawn, so no miss waits on these random reads.
+    /// The caller prefetches the row of the staged [`next_victim`](Self::next_victim).
+    pub(super) fn pick_victim(&mut self, rows: usize, oldest_in_flight: u64) -> Option<u32> {
+        let ready =
+            self.next_victim.take().filter(|&v| (v as usize) < rows && self.evictable(v as usize, oldest_in_flight));
+        let victim = match ready {
+            Some(v) => Some(v),
+            None => self.pick_now(rows, oldest_in_flight),
+        };
+        // Stage the next eviction: compare the samples drawn last time…
+        // (Before the first miss they are all slot 0, which exists by then.)
+        let sampled = self.sampled;
+        self.next_victim =
+            self.best_of(sampled.iter().map(|&s| s as usize), oldest_in_flight).filter(|&s| Some(s) != victim);
+        // …and draw the samples for the one after.
+        for i in 0..VICTIM_SAMPLES {
+            let slot = self.draw(rows);
+            prefetch(&self.meta[slot]);
+            self.sampled[i] = slot as u32;
+        }
+        victim
+    }
+
+    /// [`pick_victim`](Self::pick_victim) without the staged one: draws
+    /// rounds of samples until enough of them are unprotected.
+    pub(super) fn pick_now(&mut self, rows: usize, oldest_in_flight: u64) -> Option<u32> {
+        let mut best: Option<u32> = None;
+        let mut candidates = 0;
+        for _round in 0..8 {
+            let mut slots = [0usize; VICTIM_SAMPLES];
+            for slot in &mut slots {
+                *slot = self.draw(rows);
+                prefetch(&self.meta[*slot]);
+            }
+            candidates += slots.iter().filter(|&&s| self.evictable(s, oldest_in_flight)).count();
+            best = self.best_of(slots.into_iter().chain(best.map(|b| b as usize)), oldest_in_flight);
+            if candidates >= VICTIM_SAMPLES {
+                break;
+            }
+        }
+        best
+    }
+
+    /// A use by lookup `tick`. Lookups of one shard may finish out of tick
+    /// order (concurrent pulls): a row keeps its latest use, so it stays
+    /// protected while the newest lookup that used it is in flight.
+    pub(super) fn touch(&mut self, slot: u32, tick: u64) {
+        let s = slot as usize;
+        let m = &mut self.meta[s];
+        m.last_use = m.last_use.max(tick);
+        m.uses = m.uses.saturating_add(1);
+    }
+}
