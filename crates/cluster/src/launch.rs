@@ -14,11 +14,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use serde_json::json;
+use serde::Serialize;
 use sparrow_core::Config;
+use sparrow_trainer::run::RunSummary;
 
 use crate::grpc::TOKEN_ENV;
-use crate::roles::WorkerSummary;
+use crate::roles::{LatencyMs, WorkerSummary};
 use crate::transport::ClusterError;
 
 /// Set on children: they exit when their stdin (a pipe from the launcher) closes.
@@ -153,7 +154,7 @@ pub fn launch(
     options: &LaunchOptions,
     config: &Config,
     interrupted: &AtomicBool,
-) -> Result<serde_json::Value, ClusterError> {
+) -> Result<LaunchSummary, ClusterError> {
     let wall = Instant::now();
     // Found now, not after training: a checkpoint directory we cannot write,
     // or one another run is using (held until the job ends).
@@ -262,65 +263,84 @@ pub fn launch(
     Ok(merge(config, options, &summaries, wall.elapsed().as_secs_f64()))
 }
 
-/// One summary in `train`'s shape (fields a cluster run cannot know are null)
-/// plus `shards`, `workers`, `mode` and `worker_in_bytes_per_sample`.
-fn merge(config: &Config, options: &LaunchOptions, workers: &[WorkerSummary], wall_secs: f64) -> serde_json::Value {
+/// What `sparrow launch` prints: `train`'s summary (fields a cluster run
+/// cannot know are null) with worker 0's phases and the cluster's fields.
+pub type LaunchSummary = RunSummary<crate::worker::WorkerPhaseSecs, ClusterFields>;
+
+/// The fields only a cluster run has.
+#[derive(Clone, Debug, Serialize)]
+pub struct ClusterFields {
+    pub shards: usize,
+    pub workers: usize,
+    pub mode: &'static str,
+    /// What a worker received per sample trained, by source.
+    pub worker_in_bytes_per_sample: InBytes,
+    /// Per worker: quantiles of different processes do not combine.
+    pub pull_latency_ms: Vec<LatencyMs>,
+    pub push_latency_ms: Vec<LatencyMs>,
+    pub batches_per_worker: Vec<u64>,
+    pub dense_checksums: Vec<String>,
+    pub replicas_identical: bool,
+}
+
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct InBytes {
+    pub loader: f64,
+    pub shards: f64,
+}
+
+/// One summary from the workers' summaries.
+fn merge(config: &Config, options: &LaunchOptions, workers: &[WorkerSummary], wall_secs: f64) -> LaunchSummary {
     let first = workers.first().cloned().unwrap_or_default();
     let rows: u64 = workers.iter().map(|w| w.train_rows).sum();
     let train_secs = workers.iter().map(|w| w.train_secs).fold(0.0, f64::max);
     let per_sample = |bytes: u64| bytes as f64 / rows.max(1) as f64;
     let (keys, unique): (u64, u64) = workers.iter().fold((0, 0), |(k, u), w| (k + w.keys, u + w.unique_keys));
     let bayes = config.data.test.as_deref().and_then(|t| sparrow_trainer::run::read_truth(std::path::Path::new(t)));
-    let checksums: Vec<&str> = workers.iter().map(|w| w.dense_checksum.as_str()).collect();
-    let table = first.table.clone().unwrap_or_default();
-    json!({
-        "test_auc": first.test_auc,
-        "test_logloss": first.test_logloss,
-        "train_rows": rows,
-        "samples_per_sec": rows as f64 / train_secs.max(1e-9),
-        "wall_secs": wall_secs,
-        "peak_rss_bytes": workers.iter().map(|w| w.peak_rss_bytes).max().unwrap_or(0),
-        "embedding_rows": first.embedding_rows,
-        "bad_rows": workers.iter().map(|w| w.bad_rows).max().unwrap_or(0),
-        "model": config.model.kind.name(),
-        "steps": workers.iter().map(|w| w.steps).max().unwrap_or(0),
-        "train_secs": train_secs,
-        "eval_secs": first.eval_secs,
-        "test_rows": first.test_rows,
-        "test_nan_predictions": first.test_nan_predictions,
+    let checksums: Vec<String> = workers.iter().map(|w| w.dense_checksum.clone()).collect();
+    RunSummary {
+        test_auc: first.test_auc,
+        test_logloss: first.test_logloss,
+        train_rows: rows,
+        samples_per_sec: rows as f64 / train_secs.max(1e-9),
+        wall_secs,
+        peak_rss_bytes: workers.iter().map(|w| w.peak_rss_bytes).max().unwrap_or(0),
+        embedding_rows: first.embedding_rows.unwrap_or(0),
+        bad_rows: workers.iter().map(|w| w.bad_rows).max().unwrap_or(0),
+        model: config.model.kind.name().to_string(),
+        steps: workers.iter().map(|w| w.steps).max().unwrap_or(0),
+        train_secs,
+        eval_secs: first.eval_secs,
+        test_rows: first.test_rows,
+        test_nan_predictions: first.test_nan_predictions,
         // train.on_non_finite = "skip_batch" is refused in a cluster job.
-        "skipped_batches": 0,
-        "train_logloss": first.train_logloss,
-        "dedup_ratio": keys as f64 / unique.max(1) as f64,
+        skipped_batches: 0,
+        train_logloss: first.train_logloss,
+        dedup_ratio: keys as f64 / unique.max(1) as f64,
         // Keys the loader sent to the shards per sample (8 bytes per unique key).
-        "shuffle_bytes_per_sample": 8.0 * unique as f64 / rows.max(1) as f64,
+        shuffle_bytes_per_sample: 8.0 * unique as f64 / rows.max(1) as f64,
         // The shards' SSD tiers and feature filters, summed.
-        "cache_hit_rate": table.cache_hit_rate,
-        "lookup_misses_after_prefetch": table.lookup_misses_after_prefetch,
-        "cached_rows": table.cached_rows,
-        "ssd_writebacks": table.ssd_writebacks,
-        "admitted_keys": table.admitted_keys,
-        "not_admitted_lookups": table.not_admitted_lookups,
-        "expired_rows": table.expired_rows,
-        "embedding_bytes_per_row": null,
-        "checkpoint": first.checkpoint,
-        "resumed_from_step": null,
+        table: first.table.clone().unwrap_or_default(),
+        embedding_bytes_per_row: None,
+        checkpoint: first.checkpoint.clone(),
+        resumed_from_step: None,
         // Worker 0's training time by phase (next_batch, pull, dense, push).
-        "step_phase_secs": first.phase_secs,
-        "bayes_auc": bayes.as_ref().map(|t| t.bayes_auc),
-        "bayes_logloss": bayes.as_ref().map(|t| t.bayes_logloss),
-        "shards": options.shards,
-        "workers": options.workers,
-        "mode": config.cluster.mode.name(),
-        "worker_in_bytes_per_sample": {
-            "loader": per_sample(workers.iter().map(|w| w.bytes_from_loader).sum()),
-            "shards": per_sample(workers.iter().map(|w| w.bytes_from_shards).sum()),
+        step_phase_secs: first.phase_secs,
+        bayes_auc: bayes.as_ref().map(|t| t.bayes_auc),
+        bayes_logloss: bayes.as_ref().map(|t| t.bayes_logloss),
+        extra: ClusterFields {
+            shards: options.shards,
+            workers: options.workers,
+            mode: config.cluster.mode.name(),
+            worker_in_bytes_per_sample: InBytes {
+                loader: per_sample(workers.iter().map(|w| w.bytes_from_loader).sum()),
+                shards: per_sample(workers.iter().map(|w| w.bytes_from_shards).sum()),
+            },
+            pull_latency_ms: workers.iter().map(|w| w.pull_latency_ms).collect(),
+            push_latency_ms: workers.iter().map(|w| w.push_latency_ms).collect(),
+            batches_per_worker: workers.iter().map(|w| w.batches).collect(),
+            replicas_identical: checksums.windows(2).all(|w| w[0] == w[1]),
+            dense_checksums: checksums,
         },
-        // Per worker: quantiles of different processes do not combine.
-        "pull_latency_ms": workers.iter().map(|w| w.pull_latency_ms).collect::<Vec<_>>(),
-        "push_latency_ms": workers.iter().map(|w| w.push_latency_ms).collect::<Vec<_>>(),
-        "batches_per_worker": workers.iter().map(|w| w.batches).collect::<Vec<_>>(),
-        "dense_checksums": checksums,
-        "replicas_identical": checksums.windows(2).all(|w| w[0] == w[1]),
-    })
+    }
 }

@@ -19,9 +19,12 @@ use crate::progress::Progress;
 use crate::trainer::{PhaseSecs, PlannedBatch, Trainer};
 use crate::{TrainError, peak_rss_bytes};
 
-/// The last stdout line of `sparrow train`: a contract read by scripts.
+/// The last stdout line of `sparrow train` and of `sparrow launch`: a
+/// contract read by scripts. One type for both: `phases` is how the step's
+/// time is broken down where it ran, `extra` the fields only one of them has
+/// (flattened into the same JSON object).
 #[derive(Clone, Debug, Serialize)]
-pub struct TrainSummary {
+pub struct RunSummary<P, X> {
     pub test_auc: Option<f64>,
     pub test_logloss: Option<f64>,
     /// Samples trained by this run.
@@ -49,19 +52,29 @@ pub struct TrainSummary {
     /// first dedup (8 per unique key); without the dedup it would be
     /// `dedup_ratio` times this.
     pub shuffle_bytes_per_sample: f64,
-    /// The SSD tier and the feature filters.
+    /// The SSD tier and the feature filters (a cluster sums its shards').
     #[serde(flatten)]
     pub table: TableReport,
-    /// Bytes the table holds per row (arena + index).
-    pub embedding_bytes_per_row: f64,
+    /// Bytes the table holds per row (arena + index); null where the table
+    /// is in other processes.
+    pub embedding_bytes_per_row: Option<f64>,
     pub checkpoint: Option<String>,
     pub resumed_from_step: Option<u64>,
     /// Wall seconds per phase of the training step (where the time goes).
-    pub step_phase_secs: PhaseSecs,
+    pub step_phase_secs: P,
     /// From `truth.json` beside the test file, when the data is generated.
     pub bayes_auc: Option<f64>,
     pub bayes_logloss: Option<f64>,
+    #[serde(flatten)]
+    pub extra: X,
 }
+
+/// `sparrow train` has no fields beyond the common ones.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct NoExtra {}
+
+/// What `sparrow train` prints.
+pub type TrainSummary = RunSummary<PhaseSecs, NoExtra>;
 
 /// What the embedding table's SSD tier and feature filters did: part of
 /// `train`'s and `launch`'s JSON (a cluster sums its shards' counters).
@@ -410,7 +423,7 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
     let rows = trainer.table.len() as u64;
     // Taken after evaluation, which reads the store without counting.
     let report = TableReport::of(&trainer.table);
-    Ok(TrainSummary {
+    Ok(RunSummary {
         test_auc,
         test_logloss,
         train_rows,
@@ -430,12 +443,13 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
         dedup_ratio: keys_total as f64 / unique_total.max(1) as f64,
         shuffle_bytes_per_sample: 8.0 * unique_total as f64 / train_rows.max(1) as f64,
         table: report,
-        embedding_bytes_per_row: trainer.table.allocated_bytes() as f64 / rows.max(1) as f64,
+        embedding_bytes_per_row: Some(trainer.table.allocated_bytes() as f64 / rows.max(1) as f64),
         checkpoint: checkpoint_dir.map(|d| d.display().to_string()),
         resumed_from_step,
         step_phase_secs: trainer.phase_secs,
         bayes_auc: bayes.as_ref().map(|t| t.bayes_auc),
         bayes_logloss: bayes.as_ref().map(|t| t.bayes_logloss),
+        extra: NoExtra {},
     })
 }
 
