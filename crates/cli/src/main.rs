@@ -236,32 +236,20 @@ fn with_env_token(mut config: Config) -> Config {
     config
 }
 
-/// What the libraries say while a job runs (progress lines, warnings about
-/// the data, where the model was saved) goes to stderr as plain lines, as a
-/// person reads them (`RUST_LOG` filters, default info).
-fn init_plain_logging() {
+/// Where the libraries' `tracing` goes: stderr (`RUST_LOG` filters, default
+/// info). A job (`train`, `launch`, …) prints plain lines, as a person reads
+/// them (progress, warnings about the data, where the model was saved); a
+/// role process logs with time and level.
+fn init_logging(role: bool) {
+    let default = if role { "info,h2=warn,tower=warn,hyper=warn" } else { "info" };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .without_time()
-        .with_level(false)
-        .with_target(false)
-        .try_init();
-}
-
-/// Role processes log with `tracing` to stderr (`RUST_LOG` filters, default info).
-fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,h2=warn,tower=warn,hyper=warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
-        .try_init();
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let fmt = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false);
+    let _ = if role {
+        fmt.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).try_init()
+    } else {
+        fmt.with_ansi(false).without_time().with_level(false).try_init()
+    };
 }
 
 /// A child of `sparrow launch` exits when the launcher goes away (its stdin
@@ -359,9 +347,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         cli.command,
         Command::Coordinator { .. } | Command::Shard { .. } | Command::Loader { .. } | Command::Worker { .. }
     );
-    if !role {
-        init_plain_logging();
-    }
+    init_logging(role);
     match cli.command {
         Command::Gen { out, train_rows, test_rows, seed } => {
             let truth = sparrow_data::synth::generate(&out, train_rows, test_rows, seed)?;
@@ -400,7 +386,6 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             print_json(&sparrow_cluster::launch::launch(&options, &config, &stop_on_signals())?)
         }
         Command::Coordinator { config, set, shards, workers, listen, metrics_listen } => {
-            init_logging();
             exit_on_signals("coordinator");
             let config = with_env_token(load_config(&config, &set)?);
             sparrow_cluster::roles::run_coordinator(&config, shards, workers, listen, metrics_listen, |bound| {
@@ -410,17 +395,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Shard { role, index, metrics_listen } => {
-            init_logging();
             exit_on_signals("shard");
             Ok(sparrow_cluster::roles::run_shard(&role.args(index, metrics_listen))?)
         }
         Command::Loader { role, metrics_listen } => {
-            init_logging();
             exit_on_signals("loader");
             Ok(sparrow_cluster::roles::run_loader(&role.args(None, metrics_listen))?)
         }
         Command::Worker { role, index } => {
-            init_logging();
             exit_on_signals("worker");
             print_json(&sparrow_cluster::roles::run_worker(&role.args(index, None))?)
         }

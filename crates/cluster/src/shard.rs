@@ -5,9 +5,7 @@ use parking_lot::Mutex;
 use std::collections::HashMap;
 
 use sparrow_core::Config;
-use sparrow_embedding::{EmbeddingTable, Initializer, KeyPlan, RowSlots, Staged};
-use sparrow_model::DenseModel;
-use sparrow_trainer::trainer::seeds;
+use sparrow_embedding::{EmbeddingTable, KeyPlan, RowSlots, Staged};
 
 use crate::messages::Mode;
 use crate::transport::{ClusterError, ExportPage, ShardReport, ShardService};
@@ -16,17 +14,8 @@ use crate::transport::{ClusterError, ExportPage, ShardReport, ShardService};
 /// it (an SSD tier goes to `embedding.path/shard-<index>`), with the same
 /// `ttl_steps` floor as `sparrow train`'s table.
 pub fn shard_table(config: &Config, index: usize) -> Result<EmbeddingTable, ClusterError> {
-    let (emb_seed, _) = seeds(config.train.seed);
-    let width = DenseModel::embedding_width(config.model.kind, config.model.embedding_dim);
-    let table = EmbeddingTable::from_config(
-        width,
-        &config.embedding,
-        Initializer::new(config.embedding.init, emb_seed),
-        Some(&format!("shard-{index}")),
-        sparrow_trainer::ttl_floor(config),
-    )
-    .map_err(|source| ClusterError::Table { shard: index, source })?;
-    Ok(table)
+    sparrow_trainer::trainer::model_table(config, Some(&format!("shard-{index}")))
+        .map_err(|source| ClusterError::Table { shard: index, source })
 }
 
 enum Pending {

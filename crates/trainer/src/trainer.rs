@@ -199,18 +199,21 @@ pub fn seeds(seed: u64) -> (u64, u64) {
     (seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xe3b, seed.wrapping_mul(0xc2b2_ae3d_27d4_eb4f) ^ 0xd15)
 }
 
+/// The embedding table `embedding.*` describes, built the same way by
+/// `sparrow train` (`subdir` none) and by every cluster shard (its SSD tier
+/// in `embedding.path/<subdir>`): the same widths, initial rows and floor.
+pub fn model_table(config: &Config, subdir: Option<&str>) -> Result<EmbeddingTable, sparrow_embedding::TableError> {
+    let (emb_seed, _) = seeds(config.train.seed);
+    let width = DenseModel::embedding_width(config.model.kind, config.model.embedding_dim);
+    let init = Initializer::new(config.embedding.init, emb_seed);
+    EmbeddingTable::from_config(width, &config.embedding, init, subdir, ttl_floor(config))
+}
+
 impl Trainer {
     pub fn new(config: &Config, layout: DataLayout) -> Result<Trainer, TrainError> {
         crate::sizes::check(config, &layout)?;
-        let (emb_seed, dense_seed) = seeds(config.train.seed);
-        let width = DenseModel::embedding_width(config.model.kind, config.model.embedding_dim);
-        let table = EmbeddingTable::from_config(
-            width,
-            &config.embedding,
-            Initializer::new(config.embedding.init, emb_seed),
-            None,
-            ttl_floor(config),
-        )?;
+        let (_, dense_seed) = seeds(config.train.seed);
+        let table = model_table(config, None)?;
         let shape = ModelShape {
             num_fields: layout.num_fields,
             num_dense: layout.num_dense,
