@@ -36,14 +36,26 @@ pub(super) struct Tier {
 /// Slots an eviction compares (Redis's approximated LRU/LFU).
 pub(super) const VICTIM_SAMPLES: usize = 8;
 
-/// A cached row's use record (16 bytes).
+/// A cached row's use record (24 bytes).
 #[derive(Clone, Copy)]
 pub(super) struct SlotMeta {
-    /// The lookup (tick) that last used the row.
+    /// The training lookup (tick) that last used the row: its recency for
+    /// eviction and, with `ttl_steps`, its age. The slot's one clock.
     pub(super) last_use: u64,
+    /// The latest prefetch that staged the row for a lookup still to come
+    /// (a prefetch is not a use): kept while that prefetch's `Staged` lease
+    /// holds its tick in flight. 0: never staged.
+    pub(super) staged_at: u64,
     pub(super) uses: u32,
     /// Changed since it was read from the store (or never stored).
     pub(super) dirty: bool,
+    /// Its row expired (`ttl_steps`); the slot waits to be reused.
+    pub(super) vacant: bool,
+}
+
+impl SlotMeta {
+    /// A slot about to receive a new row (the caller sets its use).
+    pub(super) const FRESH: SlotMeta = SlotMeta { last_use: 0, staged_at: 0, uses: 0, dirty: true, vacant: false };
 }
 
 /// Lookups of a table with an SSD tier, by outcome.
@@ -92,9 +104,10 @@ impl Tier {
         (self.rng % rows as u64) as usize
     }
 
-    /// Not in flight, and not a slot whose row expired (`last_use` = `u64::MAX`).
+    /// Not used by a lookup in flight, not staged for one, not vacant.
     pub(super) fn evictable(&self, slot: usize, oldest_in_flight: u64) -> bool {
-        self.meta[slot].last_use < oldest_in_flight
+        let m = &self.meta[slot];
+        !m.vacant && m.last_use < oldest_in_flight && m.staged_at < oldest_in_flight
     }
 
     /// As of `tick`, rows last used before this have outlived `ttl_steps`

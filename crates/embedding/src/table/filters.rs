@@ -122,11 +122,13 @@ impl AdmitSketch {
     }
 }
 
-/// Row expiry (`ttl_steps`): each row's last training lookup; slots freed by
-/// expiry are reused before the arena grows.
+/// Row expiry (`ttl_steps`); slots freed by expiry are reused before the
+/// arena grows.
 pub(super) struct Expiry {
     /// `ttl_steps`, at least the floor.
     pub(super) ttl: u64,
+    /// Each row's last training lookup, when the table has no SSD tier (the
+    /// tier's use record keeps that clock otherwise; see `TableShard::last_use`).
     pub(super) last_use: Vec<u64>,
     pub(super) vacant: Vec<bool>,
     pub(super) free: Vec<u32>,

@@ -169,8 +169,7 @@ impl TableShard {
             Some((e, slot)) => {
                 e.vacant[slot as usize] = false;
                 if let Some(t) = &mut self.tier {
-                    // It was marked expired (never evictable); the caller sets its use.
-                    t.meta[slot as usize] = SlotMeta { last_use: 0, uses: 0, dirty: true };
+                    t.meta[slot as usize] = SlotMeta::FRESH;
                 }
                 slot
             }
@@ -195,11 +194,13 @@ impl TableShard {
         }
         self.rows += 1;
         if let Some(t) = &mut self.tier {
-            t.meta.push(SlotMeta { last_use: 0, uses: 0, dirty: true });
+            t.meta.push(SlotMeta::FRESH);
             t.pos.push(None);
         }
         if let Some(e) = &mut self.expiry {
-            e.last_use.push(0);
+            if self.tier.is_none() {
+                e.last_use.push(0);
+            }
             e.vacant.push(false);
         }
         Ok(slot)
@@ -209,10 +210,33 @@ impl TableShard {
         self.expiry.as_ref().is_some_and(|e| e.vacant[slot])
     }
 
-    /// The lookup that last used a cached row, for `ttl_steps` (`now`
-    /// without expiry, where nothing ages).
+    /// The training lookup that last used a cached row, for `ttl_steps`
+    /// (`now` without expiry, where nothing ages). One clock per slot: the
+    /// SSD tier's use record when there is one, else the expiry state's.
     fn last_use(&self, slot: usize, now: u64) -> u64 {
-        self.expiry.as_ref().map_or(now, |e| e.last_use[slot])
+        match (&self.expiry, &self.tier) {
+            (None, _) => now,
+            (Some(_), Some(t)) => t.meta[slot].last_use,
+            (Some(e), None) => e.last_use[slot],
+        }
+    }
+
+    /// A training lookup at `tick` used the row in `slot` (kept if later).
+    fn note_use(&mut self, slot: usize, tick: u64) {
+        match (&mut self.expiry, &mut self.tier) {
+            (_, Some(t)) => t.touch(slot as u32, tick),
+            (Some(e), None) => e.last_use[slot] = e.last_use[slot].max(tick),
+            (None, None) => {}
+        }
+    }
+
+    /// Sets the clock of a slot that just received a row.
+    fn set_last_use(&mut self, slot: usize, last_use: u64) {
+        match (&mut self.expiry, &mut self.tier) {
+            (_, Some(t)) => t.meta[slot].last_use = last_use,
+            (Some(e), None) => e.last_use[slot] = last_use,
+            (None, None) => {}
+        }
     }
 
     /// Admission filter: whether a key with no cached row gets one now. A
@@ -246,7 +270,7 @@ impl TableShard {
     /// `ttl_steps`: whether the cached row in `slot` outlived its age as of
     /// lookup `tick` (it then reads as absent until the sweep deletes it).
     fn aged_out(&self, slot: usize, tick: u64) -> bool {
-        self.expiry.as_ref().is_some_and(|e| e.last_use[slot] < tick.saturating_sub(e.ttl))
+        self.expiry.as_ref().is_some_and(|e| self.last_use(slot, tick) < tick.saturating_sub(e.ttl))
     }
 
     /// `ttl_steps`: deletes the rows that no lookup used in the last `ttl`
@@ -254,20 +278,20 @@ impl TableShard {
     /// sweep); with an SSD tier, also the stored rows of the next quarter of
     /// the store (of all of it if `whole`).
     fn expire(&mut self, layout: Layout, tick: u64, oldest_in_flight: u64, whole: bool) -> Result<(), TableError> {
-        let TableShard { index, chunks, rows, expiry, filter_stats, tier, .. } = self;
+        let Some(ttl) = self.expiry.as_ref().map(|e| e.ttl) else { return Ok(()) };
+        let used_since = tick.saturating_sub(ttl).min(oldest_in_flight);
+        let old: Vec<usize> =
+            (0..self.rows).filter(|&s| !self.is_vacant(s) && self.last_use(s, tick) < used_since).collect();
+        let TableShard { index, chunks, expiry, filter_stats, tier, .. } = self;
         let Some(e) = expiry else { return Ok(()) };
-        let used_since = tick.saturating_sub(e.ttl).min(oldest_in_flight);
-        for slot in 0..*rows {
-            if e.vacant[slot] || e.last_use[slot] >= used_since {
-                continue;
-            }
+        for slot in old {
             let key = key_of(stored_in(chunks, layout, slot as u32));
             index.remove(key, slot as u32);
             e.vacant[slot] = true;
             e.free.push(slot as u32);
             match tier.as_mut() {
                 Some(t) => {
-                    t.meta[slot] = SlotMeta { last_use: u64::MAX, uses: 0, dirty: false };
+                    t.meta[slot] = SlotMeta { vacant: true, dirty: false, ..SlotMeta::FRESH };
                     if t.pos[slot].take().is_some() {
                         // Its stored copy is older still: the sweep deletes and counts it.
                         t.stored_only += 1;
@@ -317,16 +341,7 @@ impl TableShard {
         // when read, whether the sweep reached it yet or not, so which rows
         // were cached never changes the model.
         // A prefetch is not a use: the lookup it stages for decides.
-        let mut aged_out = false;
-        if let Some(slot) = found
-            && !prefetching
-        {
-            aged_out = self.aged_out(slot as usize, tick);
-            if let Some(e) = &mut self.expiry {
-                let last = &mut e.last_use[slot as usize];
-                *last = (*last).max(tick);
-            }
-        }
+        let aged_out = found.is_some_and(|slot| !prefetching && self.aged_out(slot as usize, tick));
         if let Some(slot) = found {
             if aged_out {
                 let (chunk, start) = layout.locate(slot);
@@ -340,13 +355,15 @@ impl TableShard {
                     (m.uses, m.dirty) = (0, true);
                 }
             }
-            if let Some(t) = &mut self.tier {
-                if prefetching {
-                    // Protected until the lookup it is staged for, not counted as a use.
+            if prefetching {
+                // Kept until the lookup it is staged for, which counts the use.
+                if let Some(t) = &mut self.tier {
                     let m = &mut t.meta[slot as usize];
-                    m.last_use = m.last_use.max(tick);
-                } else {
-                    t.touch(slot, tick);
+                    m.staged_at = m.staged_at.max(tick);
+                }
+            } else {
+                self.note_use(slot as usize, tick);
+                if let Some(t) = &mut self.tier {
                     t.stats.hits += 1;
                 }
             }
@@ -373,13 +390,12 @@ impl TableShard {
                 t.pos[slot as usize] = stored.map(|s| s.pos);
                 // A row read back resumes the use count it was evicted with.
                 t.meta[slot as usize].uses = live.map_or(0, |s| s.how.uses);
+                let m = &mut t.meta[slot as usize];
+                (m.vacant, m.dirty) = (false, !loaded);
                 if prefetching {
-                    // Protected until its lookup, which counts the use.
-                    t.meta[slot as usize].last_use = tick;
-                } else {
-                    t.touch(slot, tick);
+                    // Kept for its lookup, which counts the use.
+                    m.staged_at = tick;
                 }
-                t.meta[slot as usize].dirty = !loaded;
                 if stored.is_some() {
                     t.stored_only -= 1;
                     if !loaded {
@@ -401,8 +417,9 @@ impl TableShard {
             init.fill(key, w);
             opt.init_state(w, state);
         }
-        if let Some(e) = &mut self.expiry {
-            e.last_use[slot as usize] = last_use;
+        self.set_last_use(slot as usize, last_use);
+        if !prefetching && let Some(t) = &mut self.tier {
+            t.touch(slot, tick);
         }
         Ok(Some(slot))
     }
@@ -436,7 +453,7 @@ impl TableShard {
         index.remove(old, slot);
         let (chunk, start) = layout.locate(slot);
         set_key(&mut chunks[chunk][start..start + KEY_FLOATS], key);
-        tier.meta[slot as usize].uses = 0;
+        tier.meta[slot as usize] = SlotMeta::FRESH;
         index.insert(key, slot);
         Ok(slot)
     }
@@ -931,7 +948,6 @@ impl EmbeddingTable {
         }
         let mut shard = self.shards[self.shard_of(key)].write();
         let slot = match shard.find(self.layout, key) {
-            Some(slot) => slot,
             None => {
                 let mut scratch = vec![0.0f32; self.layout.row_len];
                 let stored = match &mut shard.tier {
@@ -950,14 +966,19 @@ impl EmbeddingTable {
                     // counted as in flight); a restored last use is kept, as
                     // its record's age when it is written back.
                     let last_use = last_use.unwrap_or(oldest_in_flight.saturating_sub(1));
-                    t.meta[slot as usize] = SlotMeta { last_use, uses: 0, dirty: true };
+                    t.meta[slot as usize] = SlotMeta { last_use, ..SlotMeta::FRESH };
+                } else {
+                    shard.set_last_use(slot as usize, last_use.unwrap_or(self.tick.load(Ordering::Relaxed)));
+                }
+                slot
+            }
+            Some(slot) => {
+                if shard.expiry.is_some() {
+                    shard.set_last_use(slot as usize, last_use.unwrap_or(self.tick.load(Ordering::Relaxed)));
                 }
                 slot
             }
         };
-        if let Some(e) = &mut shard.expiry {
-            e.last_use[slot as usize] = last_use.unwrap_or(self.tick.load(Ordering::Relaxed));
-        }
         shard.row_mut(self.layout, slot).copy_from_slice(row);
         shard.mark_dirty(slot);
         Ok(())
