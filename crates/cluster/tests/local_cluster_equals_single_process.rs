@@ -151,8 +151,9 @@ fn shards_refuse_batches_they_do_not_hold() {
     assert_eq!(shard.table().len(), 3);
 }
 
-/// Worker 1 waits 15 ms for each batch: worker 0 trains more batches per
-/// round instead of waiting for it (S2.2), and the replicas stay identical.
+/// Worker 1 waits 40 ms for each batch (well above a batch's training time,
+/// even on a loaded 2-core machine): worker 0 trains more batches per round
+/// instead of waiting for it (S2.2), and the replicas stay identical.
 #[test]
 fn a_faster_worker_takes_more_batches_and_replicas_stay_identical() {
     struct SlowFor<'a> {
@@ -162,7 +163,7 @@ fn a_faster_worker_takes_more_batches_and_replicas_stay_identical() {
     impl LoaderService for SlowFor<'_> {
         fn next_batch(&self, worker: usize, mode: Mode) -> Result<Option<sparrow_cluster::WorkerBatch>, ClusterError> {
             if worker == self.slow_worker {
-                std::thread::sleep(std::time::Duration::from_millis(15));
+                std::thread::sleep(std::time::Duration::from_millis(40));
             }
             self.inner.next_batch(worker, mode)
         }
@@ -193,7 +194,8 @@ fn a_faster_worker_takes_more_batches_and_replicas_stay_identical() {
     });
     let (fast, slow) = (&results[0].0, &results[1].0);
     assert_eq!(fast.rows + slow.rows, 4000, "every sample trained once");
-    assert!(fast.batches > 2 * slow.batches, "fast {} batches, slow {}", fast.batches, slow.batches);
+    // More, not a fixed ratio: how many more depends on the machine's load.
+    assert!(fast.batches > slow.batches, "fast {} batches, slow {}", fast.batches, slow.batches);
     assert_eq!(fast.steps, slow.steps, "one optimizer step per round on both");
     assert!(fast.steps < fast.batches, "rounds held several of the fast worker's batches");
     assert_eq!(results[0].1, results[1].1, "replicas diverged");
