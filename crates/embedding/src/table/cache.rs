@@ -4,8 +4,122 @@
 
 use sparrow_core::config::CachePolicy;
 
+use super::TableError;
 use super::arena::prefetch;
+use super::filters::FilterStats;
 use crate::disk::{DiskStore, StorePos};
+
+/// Where a lock shard's rows live besides its arena: nowhere (the arena is
+/// the table), or an SSD store with the arena as its cache. A lookup calls
+/// the same hooks either way; a memory table's do nothing.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one per lock shard; the tier inline saves a pointer chase on every lookup"
+)]
+pub(super) enum Backing {
+    Memory,
+    Ssd(Tier),
+}
+
+/// A new row's contents as [`Backing::fill`] left them.
+pub(super) struct Fill {
+    /// Read back from the store (otherwise the caller initialises it).
+    pub(super) loaded: bool,
+    /// Its clock: the lookup's tick, or (staged by a prefetch) the stored
+    /// row's own last use, since a prefetch is not a use.
+    pub(super) last_use: u64,
+}
+
+impl Backing {
+    pub(super) fn tier(&self) -> Option<&Tier> {
+        match self {
+            Backing::Memory => None,
+            Backing::Ssd(t) => Some(t),
+        }
+    }
+
+    pub(super) fn tier_mut(&mut self) -> Option<&mut Tier> {
+        match self {
+            Backing::Memory => None,
+            Backing::Ssd(t) => Some(t),
+        }
+    }
+
+    /// A cached row found by a lookup.
+    pub(super) fn count_hit(&mut self) {
+        if let Backing::Ssd(t) = self {
+            t.stats.hits += 1;
+        }
+    }
+
+    /// A cached row found by a prefetch: kept for the lookup it is staged for.
+    pub(super) fn stage(&mut self, slot: u32, tick: u64) {
+        if let Backing::Ssd(t) = self {
+            let m = &mut t.meta[slot as usize];
+            m.staged_at = m.staged_at.max(tick);
+        }
+    }
+
+    /// A cached row that aged out starts afresh in its slot.
+    pub(super) fn restarted(&mut self, slot: u32) {
+        if let Backing::Ssd(t) = self {
+            let m = &mut t.meta[slot as usize];
+            (m.uses, m.dirty) = (0, true);
+        }
+    }
+
+    /// A lookup used the row in `slot` (a new one, or found).
+    pub(super) fn touch(&mut self, slot: u32, tick: u64) {
+        if let Backing::Ssd(t) = self {
+            t.touch(slot, tick);
+        }
+    }
+
+    /// Fills a new slot for `key`: from the store if it holds a live row
+    /// (one past `ttl_steps` is gone: it starts afresh, its record
+    /// overwritten at the next write-back), else nothing to read.
+    pub(super) fn fill(
+        &mut self,
+        slot: u32,
+        key: u64,
+        row: &mut [f32],
+        tick: u64,
+        prefetching: bool,
+        filter_stats: &mut FilterStats,
+    ) -> Result<Fill, TableError> {
+        let Backing::Ssd(t) = self else { return Ok(Fill { loaded: false, last_use: tick }) };
+        let stored = t.store.get_pos(key, row)?;
+        let live = stored.filter(|s| !t.expired(s.how.last_use, tick));
+        let loaded = live.is_some();
+        // Staged, not used: a row read back keeps its age until its lookup.
+        let last_use = match (live, prefetching) {
+            (Some(s), true) => s.how.last_use,
+            _ => tick,
+        };
+        t.pos[slot as usize] = stored.map(|s| s.pos);
+        let m = &mut t.meta[slot as usize];
+        // A row read back resumes the use count it was evicted with.
+        m.uses = live.map_or(0, |s| s.how.uses);
+        (m.vacant, m.dirty) = (false, !loaded);
+        if prefetching {
+            // Kept for its lookup, which counts the use.
+            m.staged_at = tick;
+        }
+        if stored.is_some() {
+            t.stored_only -= 1;
+            if !loaded {
+                filter_stats.expired += 1;
+            }
+        }
+        match (prefetching, loaded) {
+            (false, true) => t.stats.loads += 1,
+            (false, false) => t.stats.inits += 1,
+            (true, true) => t.stats.prefetch_loads += 1,
+            (true, false) => t.stats.prefetch_inits += 1,
+        }
+        Ok(Fill { loaded, last_use })
+    }
+}
 
 /// A shard's cache bookkeeping when its table has an SSD tier (S3.8).
 pub(super) struct Tier {
@@ -191,5 +305,44 @@ impl Tier {
         let m = &mut self.meta[s];
         m.last_use = m.last_use.max(tick);
         m.uses = m.uses.saturating_add(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use sparrow_core::config::{CachePolicy, InitConfig};
+
+    use crate::optimizer::SparseOptimizer;
+    use crate::table::{EmbeddingTable, Initializer, SsdOptions};
+
+    /// LFU: a row evicted to the store and read back resumes its use count,
+    /// so a warm row does not restart as cold as a key never seen before.
+    #[test]
+    fn an_lfu_row_read_back_from_the_store_keeps_its_use_count() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let ssd = SsdOptions { dir: dir.path().to_path_buf(), cache_capacity_rows: 1, policy: CachePolicy::Lfu };
+        let opt = SparseOptimizer::Sgd { lr: 0.1 };
+        let t = EmbeddingTable::with_ssd(4, opt, Initializer::new(InitConfig::default(), 9), 1, &ssd).expect("ssd");
+        let look = |key: u64| {
+            let plan = t.plan(&[key]);
+            let mut rows = vec![0.0; t.row_len()];
+            let slots = t.lookup_or_insert(&plan, &mut rows).expect("lookup");
+            t.apply_gradients_at(&plan, &slots, &[0.5; 4]).expect("update");
+        };
+        let uses_of = |key: u64| {
+            let shard = t.shards[0].read();
+            let slot = shard.find(t.layout, key).expect("cached");
+            shard.backing.tier().map(|tier| tier.meta[slot as usize].uses)
+        };
+        for _ in 0..3 {
+            look(7);
+        }
+        assert_eq!(uses_of(7), Some(3));
+        // One cached row: 8 evicts 7 (written back with its count), 7 evicts 8.
+        look(8);
+        assert_eq!(uses_of(8), Some(1));
+        look(7);
+        assert_eq!(uses_of(7), Some(4), "3 uses before the eviction, 1 after");
+        assert_eq!(t.tier_stats().map(|s| s.writebacks), Some(2));
     }
 }

@@ -35,3 +35,30 @@ impl Initializer {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vector(init: &Initializer, key: u64) -> Vec<f32> {
+        let mut w = vec![0.0; 8];
+        init.fill(key, &mut w);
+        w
+    }
+
+    /// A key's initial vector depends on (seed, key) only: asked twice, in
+    /// any order, it is the same; another key or another seed gives another.
+    #[test]
+    fn a_keys_initial_vector_depends_on_the_seed_and_the_key_only() {
+        let config = InitConfig { kind: InitKind::Uniform, scale: 0.05 };
+        let init = Initializer::new(config, 7);
+        let (a, b) = (vector(&init, 1), vector(&init, 2));
+        assert_eq!(vector(&init, 2), b);
+        assert_eq!(vector(&init, 1), a);
+        assert_ne!(a, b);
+        assert_ne!(vector(&Initializer::new(config, 8), 1), a);
+        assert!(a.iter().all(|x| x.abs() <= 0.05) && a.iter().any(|&x| x != 0.0));
+        let zeros = Initializer::new(InitConfig { kind: InitKind::Zeros, scale: 0.05 }, 7);
+        assert_eq!(vector(&zeros, 1), vec![0.0; 8]);
+    }
+}

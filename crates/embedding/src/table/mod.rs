@@ -30,7 +30,7 @@ mod walk;
 
 use arena::{KEY_FLOATS, Layout, PREFETCH_DISTANCE, key_of, prefetch, prefetch_lines, set_key, stored_in};
 pub use cache::TierStats;
-use cache::{SlotMeta, Tier, VICTIM_SAMPLES};
+use cache::{Backing, SlotMeta, Tier, VICTIM_SAMPLES};
 use filters::{AdmitSketch, Expiry, fold_sketches};
 pub use filters::{FeatureFilters, FilterState, FilterStats};
 pub use init::Initializer;
@@ -75,7 +75,7 @@ struct TableShard {
     /// Slots allocated so far (some may be vacant after expiry).
     rows: usize,
     /// With an SSD tier, the rows above are a cache in front of it.
-    tier: Option<Tier>,
+    backing: Backing,
     /// `admit_min_count`: sightings of keys without a row.
     admit: Option<AdmitSketch>,
     /// `ttl_steps`: when each row was last used; vacant slots.
@@ -113,7 +113,7 @@ impl TableShard {
     /// Prefetches a slot's row and (SSD tier) its use record.
     fn prefetch_row(&self, layout: Layout, slot: u32) {
         prefetch_lines(stored_in(&self.chunks, layout, slot));
-        if let Some(meta) = self.tier.as_ref().and_then(|t| t.meta.get(slot as usize)) {
+        if let Some(meta) = self.backing.tier().and_then(|t| t.meta.get(slot as usize)) {
             prefetch(meta);
         }
     }
@@ -168,7 +168,7 @@ impl TableShard {
         let slot = match self.expiry.as_mut().and_then(|e| e.free.pop().map(|slot| (e, slot))) {
             Some((e, slot)) => {
                 e.vacant[slot as usize] = false;
-                if let Some(t) = &mut self.tier {
+                if let Some(t) = self.backing.tier_mut() {
                     t.meta[slot as usize] = SlotMeta::FRESH;
                 }
                 slot
@@ -193,12 +193,12 @@ impl TableShard {
             self.chunks.push(vec![0.0f32; layout.chunk_rows() * layout.stored_len].into_boxed_slice());
         }
         self.rows += 1;
-        if let Some(t) = &mut self.tier {
+        if let Some(t) = self.backing.tier_mut() {
             t.meta.push(SlotMeta::FRESH);
             t.pos.push(None);
         }
         if let Some(e) = &mut self.expiry {
-            if self.tier.is_none() {
+            if self.backing.tier().is_none() {
                 e.last_use.push(0);
             }
             e.vacant.push(false);
@@ -214,7 +214,7 @@ impl TableShard {
     /// (`now` without expiry, where nothing ages). One clock per slot: the
     /// SSD tier's use record when there is one, else the expiry state's.
     fn last_use(&self, slot: usize, now: u64) -> u64 {
-        match (&self.expiry, &self.tier) {
+        match (&self.expiry, self.backing.tier()) {
             (None, _) => now,
             (Some(_), Some(t)) => t.meta[slot].last_use,
             (Some(e), None) => e.last_use[slot],
@@ -223,7 +223,7 @@ impl TableShard {
 
     /// A training lookup at `tick` used the row in `slot` (kept if later).
     fn note_use(&mut self, slot: usize, tick: u64) {
-        match (&mut self.expiry, &mut self.tier) {
+        match (&mut self.expiry, self.backing.tier_mut()) {
             (_, Some(t)) => t.touch(slot as u32, tick),
             (Some(e), None) => e.last_use[slot] = e.last_use[slot].max(tick),
             (None, None) => {}
@@ -232,7 +232,7 @@ impl TableShard {
 
     /// Sets the clock of a slot that just received a row.
     fn set_last_use(&mut self, slot: usize, last_use: u64) {
-        match (&mut self.expiry, &mut self.tier) {
+        match (&mut self.expiry, self.backing.tier_mut()) {
             (_, Some(t)) => t.meta[slot].last_use = last_use,
             (Some(e), None) => e.last_use[slot] = last_use,
             (None, None) => {}
@@ -246,7 +246,7 @@ impl TableShard {
         if sketch.admitted(key) {
             return Ok(true);
         }
-        if let Some(t) = &self.tier
+        if let Some(t) = self.backing.tier()
             && t.store.last_use(key)?.is_some_and(|last| !t.expired(last, tick))
         {
             return Ok(true);
@@ -282,14 +282,14 @@ impl TableShard {
         let used_since = tick.saturating_sub(ttl).min(oldest_in_flight);
         let old: Vec<usize> =
             (0..self.rows).filter(|&s| !self.is_vacant(s) && self.last_use(s, tick) < used_since).collect();
-        let TableShard { index, chunks, expiry, filter_stats, tier, .. } = self;
+        let TableShard { index, chunks, expiry, filter_stats, backing, .. } = self;
         let Some(e) = expiry else { return Ok(()) };
         for slot in old {
             let key = key_of(stored_in(chunks, layout, slot as u32));
             index.remove(key, slot as u32);
             e.vacant[slot] = true;
             e.free.push(slot as u32);
-            match tier.as_mut() {
+            match backing.tier_mut() {
                 Some(t) => {
                     t.meta[slot] = SlotMeta { vacant: true, dirty: false, ..SlotMeta::FRESH };
                     if t.pos[slot].take().is_some() {
@@ -308,8 +308,8 @@ impl TableShard {
     /// Deletes the expired rows of the next quarter of the SSD store (of all
     /// of it if `whole`), except the keys cached (their cached row decides).
     fn sweep_store(&mut self, layout: Layout, tick: u64, whole: bool) -> Result<(), TableError> {
-        let TableShard { index, chunks, filter_stats, tier, .. } = self;
-        let Some(t) = tier.as_mut() else { return Ok(()) };
+        let TableShard { index, chunks, filter_stats, backing, .. } = self;
+        let Some(t) = backing.tier_mut() else { return Ok(()) };
         let Some(cutoff) = t.expiry_cutoff(tick) else { return Ok(()) };
         let (from, count) =
             if whole { (0, t.store.buckets()) } else { (t.sweep_cursor, t.store.buckets().div_ceil(4)) };
@@ -350,22 +350,14 @@ impl TableShard {
                 init.fill(key, w);
                 opt.init_state(w, state);
                 self.filter_stats.expired += 1;
-                if let Some(t) = &mut self.tier {
-                    let m = &mut t.meta[slot as usize];
-                    (m.uses, m.dirty) = (0, true);
-                }
+                self.backing.restarted(slot);
             }
             if prefetching {
                 // Kept until the lookup it is staged for, which counts the use.
-                if let Some(t) = &mut self.tier {
-                    let m = &mut t.meta[slot as usize];
-                    m.staged_at = m.staged_at.max(tick);
-                }
+                self.backing.stage(slot, tick);
             } else {
                 self.note_use(slot as usize, tick);
-                if let Some(t) = &mut self.tier {
-                    t.stats.hits += 1;
-                }
+                self.backing.count_hit();
             }
             return Ok(Some(slot));
         }
@@ -373,53 +365,17 @@ impl TableShard {
             return Ok(None);
         }
         let slot = self.free_slot(layout, key, oldest_in_flight)?;
-        let mut last_use = tick;
         let (chunk, start) = layout.locate(slot);
         let row = &mut self.chunks[chunk][start + KEY_FLOATS..start + layout.stored_len];
-        let loaded = match &mut self.tier {
-            Some(t) => {
-                let stored = t.store.get_pos(key, row)?;
-                // A row past `ttl_steps` is gone: it starts afresh (its
-                // record is overwritten at the next write-back).
-                let live = stored.filter(|s| !t.expired(s.how.last_use, tick));
-                let loaded = live.is_some();
-                if let (Some(s), true) = (live, prefetching) {
-                    // Staged, not used: it keeps its age until its lookup.
-                    last_use = s.how.last_use;
-                }
-                t.pos[slot as usize] = stored.map(|s| s.pos);
-                // A row read back resumes the use count it was evicted with.
-                t.meta[slot as usize].uses = live.map_or(0, |s| s.how.uses);
-                let m = &mut t.meta[slot as usize];
-                (m.vacant, m.dirty) = (false, !loaded);
-                if prefetching {
-                    // Kept for its lookup, which counts the use.
-                    m.staged_at = tick;
-                }
-                if stored.is_some() {
-                    t.stored_only -= 1;
-                    if !loaded {
-                        self.filter_stats.expired += 1;
-                    }
-                }
-                match (prefetching, loaded) {
-                    (false, true) => t.stats.loads += 1,
-                    (false, false) => t.stats.inits += 1,
-                    (true, true) => t.stats.prefetch_loads += 1,
-                    (true, false) => t.stats.prefetch_inits += 1,
-                }
-                loaded
-            }
-            None => false,
-        };
-        if !loaded {
+        let filled = self.backing.fill(slot, key, row, tick, prefetching, &mut self.filter_stats)?;
+        if !filled.loaded {
             let (w, state) = row.split_at_mut(layout.dim);
             init.fill(key, w);
             opt.init_state(w, state);
         }
-        self.set_last_use(slot as usize, last_use);
-        if !prefetching && let Some(t) = &mut self.tier {
-            t.touch(slot, tick);
+        self.set_last_use(slot as usize, filled.last_use);
+        if !prefetching {
+            self.backing.touch(slot, tick);
         }
         Ok(Some(slot))
     }
@@ -430,13 +386,13 @@ impl TableShard {
         let rows = self.rows;
         // Slots of expired rows are refilled before anything is evicted.
         let vacant = self.expiry.as_ref().is_some_and(|e| !e.free.is_empty());
-        let victim = match &mut self.tier {
+        let victim = match self.backing.tier_mut() {
             Some(t) if rows >= t.capacity && !vacant => t.pick_victim(rows, oldest_in_flight),
             _ => None,
         };
         let Some(slot) = victim else { return self.add(layout, key) };
-        let TableShard { index, chunks, tier, .. } = self;
-        let Some(tier) = tier.as_mut() else { return Err(TableError::ShardFull { max: 0 }) };
+        let TableShard { index, chunks, backing, .. } = self;
+        let Some(tier) = backing.tier_mut() else { return Err(TableError::ShardFull { max: 0 }) };
         if let Some(next) = tier.next_victim {
             prefetch_lines(stored_in(chunks, layout, next));
         }
@@ -465,14 +421,14 @@ impl TableShard {
             out.copy_from_slice(self.row(layout, slot));
             return Ok(!self.aged_out(slot as usize, tick));
         }
-        match &self.tier {
+        match self.backing.tier() {
             Some(t) => Ok(t.store.get(key, out)?.is_some_and(|s| !t.expired(s.how.last_use, tick))),
             None => Ok(false),
         }
     }
 
     fn mark_dirty(&mut self, slot: u32) {
-        if let Some(t) = &mut self.tier {
+        if let Some(t) = self.backing.tier_mut() {
             t.meta[slot as usize].dirty = true;
         }
     }
@@ -543,7 +499,7 @@ impl EmbeddingTable {
                     index: SlotIndex::default(),
                     chunks: Vec::new(),
                     rows: 0,
-                    tier: None,
+                    backing: Backing::Memory,
                     admit: None,
                     expiry: None,
                     filter_stats: FilterStats::default(),
@@ -577,7 +533,7 @@ impl EmbeddingTable {
         let capacity = ssd.cache_capacity_rows.div_ceil(shards).max(1);
         for (i, shard) in table.shards.iter().enumerate() {
             let store = DiskStore::create(&ssd.dir.join(format!("shard-{i:03}.bin")), table.layout.row_len)?;
-            shard.write().tier = Some(Tier {
+            shard.write().backing = Backing::Ssd(Tier {
                 store,
                 capacity,
                 policy: ssd.policy,
@@ -638,7 +594,7 @@ impl EmbeddingTable {
             }
             if filters.ttl_steps > 0 {
                 let ttl = filters.ttl_steps.max(filters.ttl_floor);
-                if let Some(t) = &mut shard.tier {
+                if let Some(t) = shard.backing.tier_mut() {
                     t.ttl = ttl;
                 }
                 shard.expiry = Some(Expiry { ttl, last_use: Vec::new(), vacant: Vec::new(), free: Vec::new() });
@@ -708,7 +664,7 @@ impl EmbeddingTable {
     pub fn tier_stats(&self) -> Option<TierStats> {
         let mut total: Option<TierStats> = None;
         for shard in self.shards.iter() {
-            if let Some(t) = &shard.read().tier {
+            if let Some(t) = shard.read().backing.tier() {
                 *total.get_or_insert_with(TierStats::default) += t.stats;
             }
         }
@@ -758,7 +714,7 @@ impl EmbeddingTable {
             .iter()
             .map(|s| {
                 let s = s.read();
-                s.index.len() + s.tier.as_ref().map_or(0, |t| t.stored_only)
+                s.index.len() + s.backing.tier().map_or(0, |t| t.stored_only)
             })
             .sum()
     }
@@ -825,7 +781,7 @@ impl EmbeddingTable {
     /// same as without it. The staged rows stay cached while the returned
     /// [`Staged`] lives. A no-op without an SSD tier.
     pub fn prefetch(&self, plan: &KeyPlan) -> Result<Staged, TableError> {
-        if self.shards[0].read().tier.is_none() {
+        if self.shards[0].read().backing.tier().is_none() {
             return Ok(Staged::default());
         }
         let layout = self.layout;
@@ -846,7 +802,7 @@ impl EmbeddingTable {
 
     /// Whether rows live on SSD behind a cache (so [`prefetch`](Self::prefetch) pays).
     pub fn is_tiered(&self) -> bool {
-        self.shards[0].read().tier.is_some()
+        self.shards[0].read().backing.tier().is_some()
     }
 
     /// Identity of this table (its address), tying [`RowSlots`] to it.
@@ -950,13 +906,13 @@ impl EmbeddingTable {
         let slot = match shard.find(self.layout, key) {
             None => {
                 let mut scratch = vec![0.0f32; self.layout.row_len];
-                let stored = match &mut shard.tier {
+                let stored = match shard.backing.tier_mut() {
                     Some(t) => t.store.get(key, &mut scratch)?,
                     None => None,
                 };
                 let oldest_in_flight = self.in_flight.oldest(&self.tick);
                 let slot = shard.free_slot(self.layout, key, oldest_in_flight)?;
-                if let Some(t) = &mut shard.tier {
+                if let Some(t) = shard.backing.tier_mut() {
                     if stored.is_some() {
                         t.stored_only -= 1;
                     }
@@ -1005,37 +961,6 @@ mod tests {
 
     fn table(opt: SparseOptimizer) -> EmbeddingTable {
         EmbeddingTable::new(4, opt, Initializer::new(InitConfig::default(), 9), 4)
-    }
-
-    /// LFU: a row evicted to the store and read back resumes its use count,
-    /// so a warm row does not restart as cold as a key never seen before.
-    #[test]
-    fn an_lfu_row_read_back_from_the_store_keeps_its_use_count() {
-        let dir = tempfile::tempdir().expect("tmp");
-        let ssd = SsdOptions { dir: dir.path().to_path_buf(), cache_capacity_rows: 1, policy: CachePolicy::Lfu };
-        let opt = SparseOptimizer::Sgd { lr: 0.1 };
-        let t = EmbeddingTable::with_ssd(4, opt, Initializer::new(InitConfig::default(), 9), 1, &ssd).expect("ssd");
-        let look = |key: u64| {
-            let plan = t.plan(&[key]);
-            let mut rows = vec![0.0; t.row_len()];
-            let slots = t.lookup_or_insert(&plan, &mut rows).expect("lookup");
-            t.apply_gradients_at(&plan, &slots, &[0.5; 4]).expect("update");
-        };
-        let uses_of = |key: u64| {
-            let shard = t.shards[0].read();
-            let slot = shard.find(t.layout, key).expect("cached");
-            shard.tier.as_ref().map(|tier| tier.meta[slot as usize].uses)
-        };
-        for _ in 0..3 {
-            look(7);
-        }
-        assert_eq!(uses_of(7), Some(3));
-        // One cached row: 8 evicts 7 (written back with its count), 7 evicts 8.
-        look(8);
-        assert_eq!(uses_of(8), Some(1));
-        look(7);
-        assert_eq!(uses_of(7), Some(4), "3 uses before the eviction, 1 after");
-        assert_eq!(t.tier_stats().map(|s| s.writebacks), Some(2));
     }
 
     #[test]

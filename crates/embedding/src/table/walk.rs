@@ -39,7 +39,7 @@ impl EmbeddingTable {
                 }
                 pos += 1;
             }
-            if let Some(t) = &shard.tier {
+            if let Some(t) = shard.backing.tier() {
                 let mut bucket = pos.saturating_sub(STORE_CURSOR) as u64;
                 loop {
                     if visited == max {
@@ -80,7 +80,7 @@ impl EmbeddingTable {
                 .collect();
             // SSD tier: the stored rows that are not cached (the cache's copy is newer).
             let mut stored: Vec<(u64, u64, Vec<f32>)> = Vec::new();
-            if let Some(t) = &shard.tier {
+            if let Some(t) = shard.backing.tier() {
                 t.store.for_each(|key, how, row| {
                     if shard.find(self.layout, key).is_none() && !t.expired(how.last_use, tick) {
                         stored.push((key, how.last_use, row.to_vec()));
