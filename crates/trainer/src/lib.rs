@@ -1,7 +1,9 @@
-//! The single-process trainer: wires the data stream, the embedding table and
-//! the dense model into a training loop; checkpoints, evaluation, prediction
-//! and the built-in benchmark. Later the cluster roles reuse [`Trainer`]'s
-//! pieces (plan → lookup → pool → step → unpool → update).
+//! The step engine every training step runs through ([`engine`]: lookup →
+//! pool → forward/backward → [`dense_sync`] → optimizer → unpool → update,
+//! with a lookahead of `train.pipeline_depth`), and the single-process
+//! trainer built on it: the data stream, the local table as the engine's row
+//! source, checkpoints, evaluation, prediction and the built-in benchmark.
+//! Cluster workers run the same engine with the shards as their row source.
 
 pub mod bench;
 pub mod checkpoint;
