@@ -61,7 +61,12 @@ struct LocalRows<'a> {
     filtered: bool,
 }
 
-impl LocalRows<'_> {
+impl<'a> LocalRows<'a> {
+    fn new(config: &Config, table: &'a EmbeddingTable, staged: &'a Mutex<Staged>, torn: &'a AtomicBool) -> Self {
+        let filtered = config.embedding.admit_min_count > 1 || config.embedding.ttl_steps > 0;
+        LocalRows { table, staged, torn, filtered }
+    }
+
     /// A lookup or prefetch failed part way. Rows it inserted hold their
     /// initial vectors, which is what a resumed run would insert, so the
     /// table is still exactly a step's, unless a feature filter counted
@@ -254,12 +259,7 @@ impl Trainer {
     ) -> Result<Option<StepReport>, TrainError> {
         let Trainer { config, table, model, dense_optimizer, engine, dense_sync, packed_input, staged, torn, .. } =
             self;
-        let rows = LocalRows {
-            table,
-            staged,
-            torn,
-            filtered: config.embedding.admit_min_count > 1 || config.embedding.ttl_steps > 0,
-        };
+        let rows = LocalRows::new(config, table, staged, torn);
         let (pooling, policy, step_number, width) =
             (config.model.pooling, config.train.on_non_finite, self.step + 1, table.dim());
         let stepped = engine.step(&rows, next, |looked: &Looked<PlannedBatch, RowSlots>| {
@@ -346,12 +346,7 @@ impl Trainer {
     /// Applies the update the engine left waiting (`pipeline_depth ≥ 1`):
     /// before the table is read as trained (checkpoint, evaluation).
     pub fn flush_update(&mut self) -> Result<(), TrainError> {
-        let rows = LocalRows {
-            table: &self.table,
-            staged: &self.staged,
-            torn: &self.torn,
-            filtered: self.config.embedding.admit_min_count > 1 || self.config.embedding.ttl_steps > 0,
-        };
+        let rows = LocalRows::new(&self.config, &self.table, &self.staged, &self.torn);
         self.phase_secs.update += self.engine.flush(&rows)?;
         Ok(())
     }
