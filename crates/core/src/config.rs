@@ -391,11 +391,16 @@ pub struct CheckpointConfig {
     pub keep: usize,
     /// Resume from this checkpoint (a checkpoint root or one version directory).
     pub resume_from: Option<String>,
+    /// `sparrow launch`: a checkpoint holds only the rows updated (or
+    /// expired) since the previous one; restoring applies base + deltas.
+    pub incremental: bool,
+    /// With `incremental`: every this many checkpoints one is full (1: all).
+    pub full_every: u64,
 }
 
 impl Default for CheckpointConfig {
     fn default() -> Self {
-        CheckpointConfig { dir: None, every_steps: None, keep: 2, resume_from: None }
+        CheckpointConfig { dir: None, every_steps: None, keep: 2, resume_from: None, incremental: false, full_every: 8 }
     }
 }
 
@@ -441,6 +446,11 @@ pub struct ClusterConfig {
     /// batches, checkpoint pages) has not moved for this long fails the job:
     /// a live heartbeat must not hide a hung role.
     pub progress_timeout_ms: u64,
+    /// `sparrow launch` (and the coordinator of a multi-host job) restarts a
+    /// role that died or stopped answering at most this many times per role;
+    /// every role then goes back to the last committed checkpoint. 0: a dead
+    /// role stops the job.
+    pub max_restarts: u32,
 }
 
 impl Default for ClusterConfig {
@@ -454,6 +464,7 @@ impl Default for ClusterConfig {
             auth_token: None,
             loader_queue_batches: 4,
             progress_timeout_ms: 300_000,
+            max_restarts: 3,
         }
     }
 }
@@ -490,6 +501,9 @@ impl Config {
         }
         if self.train.epochs == 0 {
             return invalid("train.epochs", "must be at least 1");
+        }
+        if self.checkpoint.full_every == 0 {
+            return invalid("checkpoint.full_every", "must be at least 1 (1: every checkpoint is full)");
         }
         if self.checkpoint.keep == 0 {
             return invalid("checkpoint.keep", "must be at least 1 (the version just written is kept)");

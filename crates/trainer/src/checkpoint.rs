@@ -13,6 +13,13 @@
 //! A version is written into a temporary directory, fsynced, then renamed into
 //! place; `LATEST` is replaced by rename as well. A crash at any point leaves
 //! the previous version intact and `LATEST` pointing at a complete one.
+//!
+//! A cluster version (`sparrow launch`) holds the rows in parts, one per
+//! shard, each written by its shard ([`write_part`]: `part-0000.embeddings.bin`
+//! and `part-0000.filters.bin`, the same formats), and its manifest lists them
+//! under `parts`. An incremental version names the version it adds to
+//! (`base`) and its parts hold only the rows used since that version's cut;
+//! readers apply the chain from its full version on.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -23,6 +30,8 @@ use serde::{Deserialize, Serialize};
 use sparrow_core::Config;
 use sparrow_core::batch::DataPosition;
 use sparrow_data::DataLayout;
+use sparrow_embedding::EmbeddingTable;
+use sparrow_model::{DenseModel, DenseOptimizer};
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use crate::TrainError;
@@ -45,6 +54,23 @@ pub struct FileEntry {
     pub xxh3: String,
 }
 
+/// One cluster shard's rows in a version: its files, and the clock the
+/// next incremental version starts from.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Part {
+    /// File names in the version directory.
+    pub embeddings: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub filters: Option<String>,
+    /// Rows in this part's file.
+    pub rows: u64,
+    /// The shard's clock at the cut: rows used after it have a later last use.
+    pub clock: u64,
+    /// An incremental part: it holds the rows used after this clock only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since: Option<u64>,
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Manifest {
     pub format_version: u32,
@@ -64,6 +90,12 @@ pub struct Manifest {
     /// The full config of the run that wrote it (TOML).
     pub config: String,
     pub created_unix_secs: u64,
+    /// A cluster version's rows, one part per shard (no `embeddings.bin`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub parts: Vec<Part>,
+    /// An incremental version: the version directory (a sibling) it adds to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<String>,
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
@@ -174,35 +206,17 @@ fn write_bytes_synced(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
 pub fn save(trainer: &Trainer, root: &Path, keep: usize) -> Result<PathBuf, TrainError> {
     assert!(!trainer.has_pending_update(), "a checkpoint must hold every trained step's update (flush_update first)");
     std::fs::create_dir_all(root).map_err(io(root))?;
-    // A version is never replaced in place (LATEST may name it): a second
-    // checkpoint of the same step gets a suffix, which sorts after it.
-    let base = format!("ckpt-{:012}", trainer.step);
-    let name = (0..)
-        .map(|n| if n == 0 { base.clone() } else { format!("{base}-{n}") })
-        .find(|n| !root.join(n).exists())
-        .unwrap_or(base);
-    let final_dir = root.join(&name);
-    let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
+    let tmp = root.join(format!(".tmp-ckpt-{:012}-{}", trainer.step, std::process::id()));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
     }
     std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
 
     let mut files = BTreeMap::new();
-    // Dense weights and dense optimizer state, one safetensors file.
-    let mut tensors = trainer.model.params.to_map();
-    tensors.extend(trainer.dense_optimizer.state_tensors(&trainer.model.params)?);
-    let dense_path = tmp.join(DENSE_FILE);
-    let dense_bytes = safetensors_bytes(&tensors, &dense_path)?;
-    write_bytes_synced(&dense_path, &dense_bytes)?;
-    files.insert(
-        DENSE_FILE.to_string(),
-        FileEntry { bytes: dense_bytes.len() as u64, xxh3: format!("{:016x}", xxh3_64(&dense_bytes)) },
-    );
+    files.insert(DENSE_FILE.to_string(), write_dense(&trainer.model, &trainer.dense_optimizer, &tmp)?);
     for (name, entry) in write_embeddings(trainer, &tmp)? {
         files.insert(name.to_string(), entry);
     }
-
     let manifest = Manifest {
         format_version: FORMAT_VERSION,
         model_kind: trainer.config.model.kind.name().to_string(),
@@ -218,19 +232,47 @@ pub fn save(trainer: &Trainer, root: &Path, keep: usize) -> Result<PathBuf, Trai
         position: trainer.position,
         embedding_rows: trainer.table.len() as u64,
         files,
-        config: without_secrets(&trainer.config).to_toml(),
-        created_unix_secs: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0),
+        config: stored_config(&trainer.config),
+        created_unix_secs: unix_secs(),
+        parts: Vec::new(),
+        base: None,
     };
-    let manifest_path = tmp.join(MANIFEST_FILE);
-    let json =
-        serde_json::to_vec_pretty(&manifest).map_err(|e| TrainError::checkpoint(&manifest_path, e.to_string()))?;
-    write_bytes_synced(&manifest_path, &json)?;
-    fsync_dir(&tmp)?;
+    commit(root, &tmp, &manifest, keep)
+}
 
-    std::fs::rename(&tmp, &final_dir).map_err(io(&final_dir))?;
+pub fn unix_secs() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// Dense weights and dense optimizer state, one safetensors file in `dir`.
+pub fn write_dense(model: &DenseModel, optimizer: &DenseOptimizer, dir: &Path) -> Result<FileEntry, TrainError> {
+    let mut tensors = model.params.to_map();
+    tensors.extend(optimizer.state_tensors(&model.params)?);
+    let path = dir.join(DENSE_FILE);
+    let bytes = safetensors_bytes(&tensors, &path)?;
+    write_bytes_synced(&path, &bytes)?;
+    Ok(FileEntry { bytes: bytes.len() as u64, xxh3: format!("{:016x}", xxh3_64(&bytes)) })
+}
+
+/// Makes the version written into `staging` (a directory under `root`) the
+/// newest: its manifest is written and synced, the directory renamed to
+/// `ckpt-<step>` (with a suffix if that name is taken: a version is never
+/// replaced in place, `LATEST` may name it), and `LATEST` replaced by
+/// rename. Then versions beyond the newest `keep` are removed, except those
+/// an incremental version still builds on. Returns the version directory.
+pub fn commit(root: &Path, staging: &Path, manifest: &Manifest, keep: usize) -> Result<PathBuf, TrainError> {
+    let manifest_path = staging.join(MANIFEST_FILE);
+    let json =
+        serde_json::to_vec_pretty(manifest).map_err(|e| TrainError::checkpoint(&manifest_path, e.to_string()))?;
+    write_bytes_synced(&manifest_path, &json)?;
+    fsync_dir(staging)?;
+    let base = format!("ckpt-{:012}", manifest.step);
+    let name = (0..)
+        .map(|n| if n == 0 { base.clone() } else { format!("{base}-{n}") })
+        .find(|n| !root.join(n).exists())
+        .unwrap_or(base);
+    let final_dir = root.join(&name);
+    std::fs::rename(staging, &final_dir).map_err(io(&final_dir))?;
     let latest_tmp = root.join(format!(".{LATEST_FILE}.tmp-{}", std::process::id()));
     write_bytes_synced(&latest_tmp, format!("{name}\n").as_bytes())?;
     std::fs::rename(&latest_tmp, root.join(LATEST_FILE)).map_err(io(root))?;
@@ -239,12 +281,145 @@ pub fn save(trainer: &Trainer, root: &Path, keep: usize) -> Result<PathBuf, Trai
     Ok(final_dir)
 }
 
-/// The config as a checkpoint stores it: a checkpoint is copied and shared,
-/// so it holds no secret (the cluster's token is dropped).
-fn without_secrets(config: &Config) -> Config {
+/// xxh3 and size of a file, read in a stream (the committer's check of a part).
+pub fn hash_file(path: &Path) -> Result<FileEntry, TrainError> {
+    let mut file = BufReader::with_capacity(1 << 20, File::open(path).map_err(io(path))?);
+    let (mut hasher, mut bytes, mut buf) = (Xxh3::new(), 0u64, vec![0u8; 1 << 20]);
+    loop {
+        let n = file.read(&mut buf).map_err(io(path))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        bytes += n as u64;
+    }
+    Ok(FileEntry { bytes, xxh3: format!("{:016x}", hasher.digest()) })
+}
+
+/// A file written front to back whose header counts are patched in at the
+/// end (a part does not know its row count before the walk).
+struct PatchedFile {
+    path: PathBuf,
+    writer: BufWriter<File>,
+    bytes: u64,
+}
+
+impl PatchedFile {
+    fn create(path: PathBuf) -> Result<PatchedFile, TrainError> {
+        let file = File::create(&path).map_err(io(&path))?;
+        Ok(PatchedFile { path, writer: BufWriter::with_capacity(1 << 20, file), bytes: 0 })
+    }
+
+    fn write(&mut self, bytes: &[u8]) -> Result<(), TrainError> {
+        self.writer.write_all(bytes).map_err(io(&self.path))?;
+        self.bytes += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// Writes `value` at `offset`, syncs; returns the file's size.
+    fn finish(self, offset: u64, value: u64) -> Result<u64, TrainError> {
+        use std::io::{Seek, SeekFrom};
+        let path = self.path;
+        let mut file = self.writer.into_inner().map_err(|e| TrainError::io(&path, e.into_error()))?;
+        file.seek(SeekFrom::Start(offset)).map_err(io(&path))?;
+        file.write_all(&value.to_le_bytes()).map_err(io(&path))?;
+        file.sync_all().map_err(io(&path))?;
+        Ok(self.bytes)
+    }
+}
+
+/// Part `index`'s file names (embeddings, filters).
+pub fn part_files(index: usize) -> (String, String) {
+    (format!("part-{index:04}.embeddings.bin"), format!("part-{index:04}.filters.bin"))
+}
+
+/// What a shard wrote for a version: its part and each file's size (the
+/// committer checksums them).
+#[derive(Clone, Debug)]
+pub struct WrittenPart {
+    pub part: Part,
+    pub files: Vec<(String, u64)>,
+}
+
+/// Writes a cluster shard's rows into `dir` as part `index`, in the formats
+/// of `embeddings.bin` and `filters.bin`: every row, or (`since`) only the
+/// rows used after that clock (an incremental part). Pages of rows stream
+/// from the table to the files; no copy of the table is made. The caller
+/// keeps every update out while it runs (a consistent cut). Rows past
+/// `ttl_steps` are deleted first, as the live table reads them; a reader of
+/// an incremental chain deletes them the same way after the last delta.
+pub fn write_part(
+    table: &EmbeddingTable,
+    dir: &Path,
+    index: usize,
+    since: Option<u64>,
+    config: &Config,
+) -> Result<WrittenPart, TrainError> {
+    table.sweep_expired()?;
+    let clock = table.settled_clock();
+    let (emb_name, filters_name) = part_files(index);
+    let embedding = &config.embedding;
+    let ages = embedding.ttl_steps > 0 || config.checkpoint.incremental;
+    let mut emb = PatchedFile::create(dir.join(&emb_name))?;
+    let mut header = Vec::with_capacity(EMB_HEADER_BYTES as usize);
+    header.extend_from_slice(EMB_MAGIC);
+    header.extend_from_slice(&(table.dim() as u32).to_le_bytes());
+    header.extend_from_slice(&(table.row_len() as u32).to_le_bytes());
+    header.extend_from_slice(&0u64.to_le_bytes());
+    emb.write(&header)?;
+    let mut filters = None;
+    if ages || embedding.admit_min_count > 1 {
+        let mut f = PatchedFile::create(dir.join(&filters_name))?;
+        let state = table.filter_state();
+        let sketch_len = state.sketches.first().map_or(0, Vec::len);
+        let mut head = Vec::new();
+        head.extend_from_slice(FILTERS_MAGIC);
+        head.extend_from_slice(&state.tick.to_le_bytes());
+        head.extend_from_slice(&(state.sketches.len() as u32).to_le_bytes());
+        head.extend_from_slice(&(sketch_len as u32).to_le_bytes());
+        f.write(&head)?;
+        for sketch in &state.sketches {
+            f.write(sketch)?;
+        }
+        let count_at = f.bytes;
+        f.write(&0u64.to_le_bytes())?;
+        filters = Some((f, count_at));
+    }
+    let (mut rows, mut cursor) = (0u64, Some((0, 0)));
+    let (mut page, mut uses) = (Vec::new(), Vec::new());
+    while let Some(at) = cursor {
+        page.clear();
+        uses.clear();
+        cursor = table.rows_from(at, 4096, |key, last_use, row| {
+            if since.is_some_and(|s| last_use <= s) {
+                return;
+            }
+            page.extend_from_slice(&key.to_le_bytes());
+            row.iter().for_each(|x| page.extend_from_slice(&x.to_le_bytes()));
+            uses.extend_from_slice(&last_use.to_le_bytes());
+            rows += 1;
+        })?;
+        emb.write(&page)?;
+        if let (true, Some((f, _))) = (ages, &mut filters) {
+            f.write(&uses)?;
+        }
+    }
+    let mut files = vec![(emb_name.clone(), emb.finish(16, rows)?)];
+    let mut part = Part { embeddings: emb_name, filters: None, rows, clock, since };
+    if let Some((f, count_at)) = filters {
+        files.push((filters_name.clone(), f.finish(count_at, if ages { rows } else { 0 })?));
+        part.filters = Some(filters_name);
+    }
+    fsync_dir(dir)?;
+    Ok(WrittenPart { part, files })
+}
+
+/// The config as a checkpoint stores it (TOML): a checkpoint is copied and
+/// shared, so it holds no secret (the cluster's token is dropped).
+pub fn stored_config(config: &Config) -> String {
     let mut c = config.clone();
     c.cluster.auth_token = None;
-    c
+    c.to_toml()
 }
 
 fn safetensors_bytes(tensors: &HashMap<String, candle_core::Tensor>, path: &Path) -> Result<Vec<u8>, TrainError> {
@@ -257,7 +432,8 @@ fn safetensors_bytes(tensors: &HashMap<String, candle_core::Tensor>, path: &Path
     Ok(bytes)
 }
 
-/// Removes versions older than the newest `keep` (never `current`) and stale temporaries.
+/// Removes versions older than the newest `keep` (never `current`, nor a
+/// version a kept incremental one builds on) and stale temporaries.
 fn prune(root: &Path, current: &str, keep: usize) -> Result<(), TrainError> {
     let mut versions = Vec::new();
     for entry in std::fs::read_dir(root).map_err(io(root))? {
@@ -271,8 +447,19 @@ fn prune(root: &Path, current: &str, keep: usize) -> Result<(), TrainError> {
     }
     versions.sort();
     let excess = versions.len().saturating_sub(keep.max(1));
+    let mut needed: std::collections::HashSet<String> = versions[excess..].iter().cloned().collect();
+    needed.insert(current.to_string());
+    let mut chain: Vec<String> = needed.iter().cloned().collect();
+    while let Some(name) = chain.pop() {
+        if let Ok(m) = read_manifest(&root.join(&name))
+            && let Some(base) = m.base
+            && needed.insert(base.clone())
+        {
+            chain.push(base);
+        }
+    }
     for name in versions.into_iter().take(excess) {
-        if name != current {
+        if !needed.contains(&name) {
             let p = root.join(&name);
             std::fs::remove_dir_all(&p).map_err(io(&p))?;
         }
@@ -360,13 +547,46 @@ pub fn load_into(trainer: &mut Trainer, dir: &Path) -> Result<Manifest, TrainErr
 }
 
 /// [`load_into`], keeping only the embedding rows whose key passes `keep`
-/// (a cluster shard keeps the keys it owns; every row is still read and verified).
+/// (a cluster shard keeps the keys it owns; every row is still read and
+/// verified). A cluster version's parts are read one after another, their
+/// filter states merged.
 pub fn load_into_filtered(
     trainer: &mut Trainer,
     dir: &Path,
     keep: impl Fn(u64) -> bool,
 ) -> Result<Manifest, TrainError> {
+    load_rows(trainer, dir, &keep, None)
+}
+
+/// The rows of cluster shard `index` of `num_shards` (its keys pass `keep`).
+/// From a version written by as many shards it reads its own part only,
+/// whose filter state (clock, admission counters) is then exactly the
+/// shard's at the cut; otherwise as [`load_into_filtered`].
+pub fn load_shard_into(
+    trainer: &mut Trainer,
+    dir: &Path,
+    index: usize,
+    num_shards: usize,
+    keep: impl Fn(u64) -> bool,
+) -> Result<Manifest, TrainError> {
     let m = read_manifest(dir)?;
+    let own = (m.parts.len() == num_shards).then_some(index);
+    load_rows(trainer, dir, &keep, own)
+}
+
+/// The dense model, its optimizer state and the run's position, without
+/// the rows (a cluster worker's part of a restore).
+pub fn load_dense_into(trainer: &mut Trainer, dir: &Path) -> Result<Manifest, TrainError> {
+    let m = read_manifest(dir)?;
+    check_compatible(trainer, dir, &m)?;
+    load_dense(trainer, dir, &m)?;
+    trainer.step = m.step;
+    trainer.samples_trained = m.samples_trained;
+    trainer.position = m.position;
+    Ok(m)
+}
+
+fn check_compatible(trainer: &Trainer, dir: &Path, m: &Manifest) -> Result<(), TrainError> {
     let want_kind = trainer.config.model.kind.name();
     if m.model_kind != want_kind {
         return Err(TrainError::checkpoint(
@@ -389,31 +609,50 @@ pub fn load_into_filtered(
             ),
         ));
     }
+    Ok(())
+}
 
-    // Dense part: verify, then load.
+/// Dense part: verify, then load.
+fn load_dense(trainer: &mut Trainer, dir: &Path, m: &Manifest) -> Result<(), TrainError> {
     let dense_path = dir.join(DENSE_FILE);
     let dense_bytes = std::fs::read(&dense_path).map_err(io(&dense_path))?;
-    verify_entry(dir, DENSE_FILE, entry(dir, &m, DENSE_FILE)?, dense_bytes.len() as u64, Some(xxh3_64(&dense_bytes)))?;
+    verify_entry(dir, DENSE_FILE, entry(dir, m, DENSE_FILE)?, dense_bytes.len() as u64, Some(xxh3_64(&dense_bytes)))?;
     let tensors = candle_core::safetensors::load_buffer(&dense_bytes, &candle_core::Device::Cpu)
         .map_err(|e| TrainError::checkpoint(&dense_path, e.to_string()))?;
     trainer.model.params.load_map(&tensors)?;
     trainer.dense_optimizer.load_state(&tensors, m.dense_optimizer_step)?;
+    Ok(())
+}
 
-    // Embedding rows: verify size first, then parse while hashing.
-    let emb_path = dir.join(EMB_FILE);
-    let emb_entry = entry(dir, &m, EMB_FILE)?;
-    let on_disk = std::fs::metadata(&emb_path).map_err(io(&emb_path))?.len();
-    verify_entry(dir, EMB_FILE, emb_entry, on_disk, None)?;
-    let mut filters = match m.files.get(FILTERS_FILE) {
-        Some(entry) => Some(FiltersReader::open(dir, entry, trainer)?),
-        None => None,
-    };
-    let rows = read_embeddings(&emb_path, trainer, emb_entry, filters.as_mut(), keep)?;
-    if let Some(f) = filters {
-        f.finish(rows)?;
-    }
-    if rows != m.embedding_rows {
-        return Err(TrainError::checkpoint(&emb_path, format!("{rows} rows, the manifest says {}", m.embedding_rows)));
+fn load_rows(
+    trainer: &mut Trainer,
+    dir: &Path,
+    keep: &dyn Fn(u64) -> bool,
+    own_part: Option<usize>,
+) -> Result<Manifest, TrainError> {
+    let m = read_manifest(dir)?;
+    check_compatible(trainer, dir, &m)?;
+    load_dense(trainer, dir, &m)?;
+    if m.parts.is_empty() {
+        // Embedding rows: verify size first, then parse while hashing.
+        let emb_path = dir.join(EMB_FILE);
+        let emb_entry = entry(dir, &m, EMB_FILE)?;
+        let mut filters = match m.files.get(FILTERS_FILE) {
+            Some(entry) => Some(FiltersReader::open(dir, FILTERS_FILE, entry, trainer)?),
+            None => None,
+        };
+        let rows = read_embeddings(&emb_path, trainer, emb_entry, filters.as_mut(), keep)?;
+        if let Some(f) = filters {
+            f.finish(rows)?;
+        }
+        if rows != m.embedding_rows {
+            return Err(TrainError::checkpoint(
+                &emb_path,
+                format!("{rows} rows, the manifest says {}", m.embedding_rows),
+            ));
+        }
+    } else {
+        load_parts(trainer, dir, &m, keep, own_part)?;
     }
     trainer.step = m.step;
     trainer.samples_trained = m.samples_trained;
@@ -421,10 +660,75 @@ pub fn load_into_filtered(
     Ok(m)
 }
 
+/// The versions an incremental version builds on, from its full version to
+/// itself.
+pub fn chain(dir: &Path, m: &Manifest) -> Result<Vec<(PathBuf, Manifest)>, TrainError> {
+    let mut out = vec![(dir.to_path_buf(), m.clone())];
+    while let Some(base) = out.last().and_then(|(_, m)| m.base.clone()) {
+        let (last_dir, _) = out.last().expect("not empty");
+        let base_dir = last_dir.parent().unwrap_or(Path::new(".")).join(&base);
+        if !base_dir.join(MANIFEST_FILE).is_file() {
+            return Err(TrainError::checkpoint(
+                last_dir,
+                format!("is incremental on `{base}`, which is missing (removed or never copied)"),
+            ));
+        }
+        if out.len() > 100_000 {
+            return Err(TrainError::checkpoint(dir, "the chain of incremental versions loops"));
+        }
+        let base_m = read_manifest(&base_dir)?;
+        out.push((base_dir, base_m));
+    }
+    out.reverse();
+    Ok(out)
+}
+
+/// A cluster version's rows: each version of its chain in turn (a later
+/// row replaces an earlier one), then rows past `ttl_steps` deleted as of
+/// the restored clock, as the live table had deleted them.
+fn load_parts(
+    trainer: &mut Trainer,
+    dir: &Path,
+    m: &Manifest,
+    keep: &dyn Fn(u64) -> bool,
+    own_part: Option<usize>,
+) -> Result<(), TrainError> {
+    for (version, vm) in chain(dir, m)? {
+        if vm.parts.len() != m.parts.len() {
+            return Err(TrainError::checkpoint(
+                &version,
+                format!("has {} parts, the version built on it {}", vm.parts.len(), m.parts.len()),
+            ));
+        }
+        let parts: Vec<&Part> = match own_part {
+            Some(i) => vm.parts.get(i).into_iter().collect(),
+            None => vm.parts.iter().collect(),
+        };
+        for part in parts {
+            let mut filters = match &part.filters {
+                Some(name) => Some(FiltersReader::open(&version, name, entry(&version, &vm, name)?, trainer)?),
+                None => None,
+            };
+            let emb_path = version.join(&part.embeddings);
+            let emb_entry = entry(&version, &vm, &part.embeddings)?;
+            let rows = read_embeddings(&emb_path, trainer, emb_entry, filters.as_mut(), keep)?;
+            if let Some(f) = filters {
+                f.finish(rows)?;
+            }
+            if rows != part.rows {
+                return Err(TrainError::checkpoint(&emb_path, format!("{rows} rows, the manifest says {}", part.rows)));
+            }
+        }
+    }
+    trainer.table.sweep_expired()?;
+    Ok(())
+}
+
 /// filters.bin, read beside embeddings.bin: its header is checked and its
 /// filter state given to the table at open; the last uses follow row by row.
 struct FiltersReader {
     path: PathBuf,
+    name: String,
     entry: FileEntry,
     reader: BufReader<File>,
     hasher: Xxh3,
@@ -433,13 +737,14 @@ struct FiltersReader {
 }
 
 impl FiltersReader {
-    fn open(dir: &Path, entry: &FileEntry, trainer: &Trainer) -> Result<FiltersReader, TrainError> {
-        let path = dir.join(FILTERS_FILE);
+    fn open(dir: &Path, name: &str, entry: &FileEntry, trainer: &Trainer) -> Result<FiltersReader, TrainError> {
+        let path = dir.join(name);
         let on_disk = std::fs::metadata(&path).map_err(io(&path))?.len();
-        verify_entry(dir, FILTERS_FILE, entry, on_disk, None)?;
+        verify_entry(dir, name, entry, on_disk, None)?;
         let file = File::open(&path).map_err(io(&path))?;
         let mut r = FiltersReader {
             path,
+            name: name.to_string(),
             entry: entry.clone(),
             reader: BufReader::with_capacity(1 << 20, file),
             hasher: Xxh3::new(),
@@ -494,7 +799,7 @@ impl FiltersReader {
             ));
         }
         let dir = self.path.parent().unwrap_or(Path::new("."));
-        verify_entry(dir, FILTERS_FILE, &self.entry, self.entry.bytes, Some(self.hasher.digest()))
+        verify_entry(dir, &self.name, &self.entry, self.entry.bytes, Some(self.hasher.digest()))
     }
 }
 
@@ -503,8 +808,12 @@ fn read_embeddings(
     trainer: &Trainer,
     entry: &FileEntry,
     mut filters: Option<&mut FiltersReader>,
-    keep: impl Fn(u64) -> bool,
+    keep: &dyn Fn(u64) -> bool,
 ) -> Result<u64, TrainError> {
+    let on_disk = std::fs::metadata(path).map_err(io(path))?.len();
+    let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+    let dir = path.parent().unwrap_or(Path::new("."));
+    verify_entry(dir, &name, entry, on_disk, None)?;
     let file = File::open(path).map_err(io(path))?;
     let mut r = BufReader::with_capacity(1 << 20, file);
     let mut hasher = Xxh3::new();
@@ -556,7 +865,7 @@ fn read_embeddings(
         }
     }
     let digest = hasher.digest();
-    verify_entry(path.parent().unwrap_or(Path::new(".")), EMB_FILE, entry, entry.bytes, Some(digest))?;
+    verify_entry(dir, &name, entry, entry.bytes, Some(digest))?;
     Ok(rows)
 }
 

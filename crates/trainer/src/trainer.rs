@@ -211,7 +211,9 @@ pub fn model_table(config: &Config, subdir: Option<&str>) -> Result<EmbeddingTab
     let (emb_seed, _) = seeds(config.train.seed);
     let width = DenseModel::embedding_width(config.model.kind, config.model.embedding_dim);
     let init = Initializer::new(config.embedding.init, emb_seed);
-    EmbeddingTable::from_config(width, &config.embedding, init, subdir, ttl_floor(config))
+    let table = EmbeddingTable::from_config(width, &config.embedding, init, subdir, ttl_floor(config))?;
+    // Incremental checkpoints write the rows used since the previous one.
+    Ok(if config.checkpoint.incremental { table.track_last_use() } else { table })
 }
 
 impl Trainer {

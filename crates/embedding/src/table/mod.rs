@@ -604,6 +604,30 @@ impl EmbeddingTable {
         Ok(self)
     }
 
+    /// Keeps each row's last training lookup even without `ttl_steps` (a
+    /// table in memory has no clock otherwise; the SSD tier always keeps
+    /// one): incremental checkpoints write only the rows used since the
+    /// previous one. Rows never age (an infinite `ttl`).
+    pub fn track_last_use(self) -> Self {
+        for shard in self.shards.iter() {
+            let mut shard = shard.write();
+            assert_eq!(shard.rows, 0, "the clock is set on an empty table");
+            if shard.expiry.is_none() && shard.backing.tier().is_none() {
+                shard.expiry = Some(Expiry { ttl: u64::MAX, last_use: Vec::new(), vacant: Vec::new(), free: Vec::new() });
+            }
+        }
+        self
+    }
+
+    /// A clock reading below every use still to come: rows used (looked up
+    /// for training) after this call have a last use above it, including
+    /// the rows of lookups in flight now, whose updates are still to land.
+    /// An incremental checkpoint taken later writes the rows above it.
+    pub fn settled_clock(&self) -> u64 {
+        let now = self.tick.load(Ordering::Relaxed);
+        now.min(self.in_flight.oldest(&self.tick).saturating_sub(1))
+    }
+
     /// `ttl_steps`: deletes every row past its age now, cached or stored
     /// (lookups already read them as absent), so that `len()` counts exactly
     /// the rows a walk visits. Training calls it at the end, checkpoints first.
