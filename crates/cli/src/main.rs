@@ -253,17 +253,23 @@ fn init_logging(role: bool) {
 }
 
 /// A child of `sparrow launch` exits when the launcher goes away (its stdin
-/// pipe closes), so no role outlives a killed launcher.
-fn exit_with_parent() {
-    if std::env::var_os(sparrow_cluster::launch::EXIT_WITH_PARENT_ENV).is_some() {
-        std::thread::spawn(|| {
-            let mut sink = Vec::new();
-            let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
-            // The launcher held our stderr too: writing may fail (no panic here).
-            let _ = writeln!(std::io::stderr(), "error: the launcher went away; stopping");
-            std::process::exit(3);
-        });
+/// pipe closes), so no role outlives a killed launcher. The lines the
+/// launcher writes meanwhile (to the coordinator: which role died) come out
+/// of the returned channel.
+fn exit_with_parent() -> Option<crossbeam_channel::Receiver<String>> {
+    if std::env::var_os(sparrow_cluster::launch::EXIT_WITH_PARENT_ENV).is_none() {
+        return None;
     }
+    let (tx, rx) = crossbeam_channel::unbounded();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+        // The launcher held our stderr too: writing may fail (no panic here).
+        let _ = writeln!(std::io::stderr(), "error: the launcher went away; stopping");
+        std::process::exit(3);
+    });
+    Some(rx)
 }
 
 // Tensor-sized allocations (MBs, freed every step) made glibc map and unmap
@@ -342,7 +348,7 @@ fn load_config(path: &Path, set: &[String]) -> anyhow::Result<Config> {
     Ok(Config::from_toml_with_overrides(&text, &path.display().to_string(), set)?)
 }
 
-fn run(cli: Cli) -> anyhow::Result<()> {
+fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> anyhow::Result<()> {
     let role = matches!(
         cli.command,
         Command::Coordinator { .. } | Command::Shard { .. } | Command::Loader { .. } | Command::Worker { .. }
@@ -388,7 +394,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Coordinator { config, set, shards, workers, listen, metrics_listen } => {
             exit_on_signals("coordinator");
             let config = with_env_token(load_config(&config, &set)?);
-            sparrow_cluster::roles::run_coordinator(&config, shards, workers, listen, metrics_listen, |bound| {
+            let notices = from_launcher;
+            sparrow_cluster::roles::run_coordinator(&config, shards, workers, listen, metrics_listen, notices, |bound| {
                 println!("listening on {bound}");
                 let _ = std::io::stdout().flush();
             })?;
@@ -518,8 +525,10 @@ fn main() -> ExitCode {
     configure_candle();
     configure_allocator();
     quiet_handled_panics();
-    exit_with_parent();
-    match run(Cli::parse()) {
+    // Failure injection for the recovery tests: off unless FAILPOINTS names points.
+    let _failpoints = std::env::var_os("FAILPOINTS").is_some().then(fail::FailScenario::setup);
+    let from_launcher = exit_with_parent();
+    match run(Cli::parse(), from_launcher) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");

@@ -1,19 +1,23 @@
-//! Cluster checkpoints in `sparrow train`'s format: worker 0 gathers every
-//! shard's rows (paged, within the message cap) and its own dense model and
-//! optimizer state, and writes one checkpoint version. `sparrow eval`,
-//! `predict` and `train --resume` read it like any other.
+//! Cluster checkpoints in `sparrow train`'s format, in parts: each shard
+//! streams its own rows into the version's staging directory
+//! ([`sparrow_trainer::checkpoint::write_part`]), worker 0 its dense model
+//! and optimizer state, and the coordinator checks every file and commits the
+//! version ([`crate::coordinator`]). `sparrow eval`, `predict` and
+//! `train --resume` read it like any other; a shard restores its own part,
+//! a worker the dense part, the loader the data position.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
 
 use sparrow_core::Config;
 use sparrow_core::batch::DataPosition;
 use sparrow_data::DataLayout;
 use sparrow_model::{DenseModel, DenseOptimizer};
 use sparrow_trainer::Trainer;
+use sparrow_trainer::checkpoint::{FORMAT_VERSION, FileEntry, Manifest, hash_file, stored_config};
 
-use crate::transport::{ClusterError, ShardService};
+use crate::coordinator::WorkerCut;
+use crate::transport::{ClusterError, PartWritten};
 
 /// A worker's part of a checkpoint: its dense model, the optimizer's state
 /// (steps and samples behind them) and where the data continues.
@@ -21,48 +25,6 @@ pub struct DenseState {
     pub model: DenseModel,
     pub optimizer: DenseOptimizer,
     pub position: DataPosition,
-}
-
-/// Writes the job's model (`dense` from worker 0, the rows from every
-/// shard) under `checkpoint.dir`; returns the version's directory. Each page
-/// gathered moves `progress` (the worker's heartbeat progress).
-pub fn save(
-    config: &Config,
-    root: &Path,
-    dense: DenseState,
-    progress: &AtomicU64,
-    shards: &[Arc<dyn ShardService>],
-) -> Result<PathBuf, ClusterError> {
-    let layout = DataLayout::from_config(&config.data);
-    // The gathered rows sit in memory while they are written (never in the
-    // shards' SSD files).
-    let mut trainer = Trainer::new(&in_memory(config), layout)?;
-    trainer.model = dense.model;
-    trainer.dense_optimizer = dense.optimizer;
-    trainer.step = trainer.dense_optimizer.step;
-    trainer.samples_trained = trainer.dense_optimizer.samples_stepped;
-    trainer.position = dense.position;
-    // Pages of about a quarter of the message cap.
-    let row_bytes = 8 + 4 * trainer.table.row_len();
-    let page = (config.cluster.max_message_bytes / 4 / row_bytes).max(1);
-    for shard in shards {
-        let mut cursor = Some((0, 0));
-        while let Some(at) = cursor {
-            let exported = shard.export(at, page)?;
-            // Each shard's filter state is merged in (the later clock, the
-            // larger admission counters) before its rows.
-            if let Some(filters) = &exported.filters {
-                trainer.table.restore_filter_state(filters);
-            }
-            let rows = exported.rows.chunks_exact(trainer.table.row_len());
-            for ((key, row), &last_use) in exported.keys.iter().zip(rows).zip(&exported.last_uses) {
-                trainer.table.put_row_used(*key, row, last_use).map_err(|e| ClusterError::Train(e.into()))?;
-            }
-            cursor = exported.next;
-            progress.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-    Ok(sparrow_trainer::checkpoint::save(&trainer, root, config.checkpoint.keep)?)
 }
 
 /// `config` with its table in memory: for the helper tables of save and
@@ -73,17 +35,76 @@ fn in_memory(config: &Config) -> Config {
     c
 }
 
+/// The manifest of a version whose parts the shards wrote into `staging`:
+/// every file is checked against the size its writer reported and
+/// checksummed here (a part whose writer died before reporting is never
+/// listed). `base`: the version an incremental one adds to.
+pub fn manifest(
+    config: &Config,
+    cuts: &[WorkerCut],
+    parts: &[PartWritten],
+    base: Option<&Path>,
+    staging: &Path,
+) -> Result<Manifest, ClusterError> {
+    let first = cuts.first().ok_or_else(|| ClusterError::Setup("a checkpoint without workers".into()))?;
+    let shape = parts.first().ok_or_else(|| ClusterError::Setup("a checkpoint without shards".into()))?;
+    let mut files = BTreeMap::new();
+    let dense = cuts.iter().any(|c| c.wrote_dense);
+    if !dense {
+        return Err(ClusterError::Setup("no worker wrote the dense part".into()));
+    }
+    files.insert("dense.safetensors".to_string(), hash_file(&staging.join("dense.safetensors"))?);
+    for part in parts {
+        for (name, bytes) in &part.written.files {
+            let entry: FileEntry = hash_file(&staging.join(name))?;
+            if entry.bytes != *bytes {
+                return Err(ClusterError::Setup(format!(
+                    "{}: {} bytes on disk, its shard wrote {bytes}",
+                    staging.join(name).display(),
+                    entry.bytes
+                )));
+            }
+            files.insert(name.clone(), entry);
+        }
+    }
+    let layout = DataLayout::from_config(&config.data);
+    let position = cuts.iter().fold(first.position, |p, c| p.later(c.position));
+    Ok(Manifest {
+        format_version: FORMAT_VERSION,
+        model_kind: config.model.kind.name().to_string(),
+        num_fields: layout.num_fields,
+        num_dense: layout.num_dense,
+        embedding_dim: config.model.embedding_dim,
+        embedding_width: shape.dim,
+        row_len: shape.row_len,
+        sparse_optimizer: sparrow_embedding::SparseOptimizer::from_config(&config.embedding).name().to_string(),
+        step: first.step,
+        samples_trained: first.samples_trained,
+        dense_optimizer_step: first.dense_optimizer_step,
+        position,
+        embedding_rows: parts.iter().map(|p| p.total_rows).sum(),
+        files,
+        config: stored_config(config),
+        created_unix_secs: sparrow_trainer::checkpoint::unix_secs(),
+        parts: parts.iter().map(|p| p.written.part.clone()).collect(),
+        base: base.and_then(|b| b.file_name()).map(|n| n.to_string_lossy().to_string()),
+    })
+}
+
 /// Shard `index` of `num_shards`, restored from a checkpoint: only the keys it
-/// owns (whatever the shard count that wrote it).
+/// owns (whatever the shard count that wrote it; from a version written by as
+/// many shards, its own part, filter state included). `subdir`: where its
+/// SSD tier goes (a fresh one: never the files of a dead process).
 pub fn restore_shard_table(
     config: &Config,
     dir: &Path,
     index: usize,
     num_shards: usize,
+    subdir: &str,
 ) -> Result<sparrow_embedding::EmbeddingTable, ClusterError> {
     let mut trainer = Trainer::new(&in_memory(config), DataLayout::from_config(&config.data))?;
-    trainer.table = crate::shard::shard_table(config, index)?;
-    sparrow_trainer::checkpoint::load_into_filtered(&mut trainer, dir, |key| {
+    trainer.table = crate::shard::shard_table_in(config, index, subdir)?;
+    sparrow_trainer::checkpoint::load_shard_into(&mut trainer, dir, index, num_shards, |key| {
         sparrow_embedding::owner(key, num_shards) == index
     })?;
     Ok(trainer.table)
@@ -91,9 +112,28 @@ pub fn restore_shard_table(
 
 /// A worker's dense model and optimizer state, restored from a checkpoint.
 pub fn restore_dense(config: &Config, dir: &Path) -> Result<DenseState, ClusterError> {
-    let mut trainer = Trainer::new(&in_memory(config), DataLayout::from_config(&config.data))?;
-    let manifest = sparrow_trainer::checkpoint::load_into_filtered(&mut trainer, dir, |_| false)?;
+    let mut c = in_memory(config);
+    // The helper's table is never filled: keep it small.
+    c.embedding.table_shards = 1;
+    let mut trainer = Trainer::new(&c, DataLayout::from_config(&config.data))?;
+    let manifest = sparrow_trainer::checkpoint::load_dense_into(&mut trainer, dir)?;
     let mut optimizer = trainer.dense_optimizer;
     optimizer.samples_stepped = manifest.samples_trained;
     Ok(DenseState { model: trainer.model, optimizer, position: manifest.position })
+}
+
+/// Worker 0's part of the checkpoint at `step` of `generation`: the dense
+/// model and optimizer state, written into the staging directory.
+pub fn write_dense(
+    root: &Path,
+    step: u64,
+    generation: u64,
+    model: &DenseModel,
+    optimizer: &DenseOptimizer,
+) -> Result<PathBuf, ClusterError> {
+    let staging = crate::coordinator::staging_dir(root, step, generation);
+    std::fs::create_dir_all(&staging)
+        .map_err(|e| ClusterError::Io { what: format!("creating {}", staging.display()), source: e })?;
+    sparrow_trainer::checkpoint::write_dense(model, optimizer, &staging)?;
+    Ok(staging)
 }

@@ -1,19 +1,45 @@
 //! The coordinator role (S0.5): membership, the shard map, heartbeats and
-//! liveness, the job's state, and the workers' gradient rounds (S0.6). Every
-//! other role registers here first and receives the job's config; a role
-//! silent for longer than `cluster.heartbeat_timeout_ms` (or a worker whose
-//! progress stands still for `cluster.progress_timeout_ms`) fails the job,
-//! naming it. Transport-free: `grpc::coordinator` serves it over the network.
+//! liveness, the job's state, the workers' gradient rounds (S0.6), the
+//! job's checkpoints and its recovery. Every other role registers here first
+//! and receives the job's config. Transport-free: `grpc::coordinator` serves
+//! it over the network.
+//!
+//! **Generations.** The job runs in attempts numbered from 1. When a role
+//! dies (its process exits, `sparrow launch` says so; or it goes silent for
+//! `cluster.heartbeat_timeout_ms`; or it registers again, restarted from
+//! outside), a new generation starts: every role learns it from its next
+//! heartbeat, drops what it was doing and restores the last committed
+//! checkpoint (the job's start if none), and training goes on once every
+//! role serves the new generation. Requests carry their generation, so
+//! nothing of an abandoned attempt reaches a restored role. Each role may be
+//! restarted `cluster.max_restarts` times; past that the job fails as it
+//! would without recovery, its last checkpoint intact.
+//!
+//! **Checkpoints.** Every `checkpoint.every_steps` steps (and at the end)
+//! each worker, its updates pushed, calls [`Coordinator::checkpoint`]; when
+//! all have, the coordinator asks every shard to write its part into a
+//! staging directory (worker 0 wrote the dense part there), checks each
+//! file's size and checksum, and commits the version (manifest, then
+//! `LATEST`, both by rename). The workers go on only after the commit, so
+//! the version is a cut: every shard's rows, the dense state and the data
+//! position at the same step, no update in flight.
 
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
+use serde::Serialize;
 use sparrow_core::Config;
+use sparrow_core::batch::DataPosition;
 
+use crate::faults;
 use crate::sync::{Contribution, RoundReply, RoundSum};
-use crate::transport::ClusterError;
+use crate::transport::{ClusterError, PartWritten, ShardService};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum RoleKind {
     Shard,
     Loader,
@@ -28,6 +54,15 @@ impl RoleKind {
             RoleKind::Worker => "worker",
         }
     }
+
+    pub fn parse(name: &str) -> Option<RoleKind> {
+        match name {
+            "shard" => Some(RoleKind::Shard),
+            "loader" => Some(RoleKind::Loader),
+            "worker" => Some(RoleKind::Worker),
+            _ => None,
+        }
+    }
 }
 
 /// Where the job stands, as every role learns it from its heartbeats.
@@ -38,20 +73,70 @@ pub enum JobState {
     Failed(String),
 }
 
+/// One attempt of the job, as roles learn it: restore `restore` (none: the
+/// job's start) and serve requests of `number` only.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Generation {
+    pub number: u64,
+    pub restore: Option<PathBuf>,
+    /// The newest checkpoint the job committed (a role that outlives a
+    /// coordinator hands it to the next one).
+    pub committed: Option<PathBuf>,
+}
+
+/// What a role that outlived a coordinator tells the next one when it
+/// registers again.
+#[derive(Clone, Debug, Default)]
+pub struct Known {
+    pub generation: u64,
+    pub committed: Option<PathBuf>,
+    /// A worker's step.
+    pub step: u64,
+}
+
+/// What the coordinator reports as it goes (`sparrow launch` reads them
+/// from its stdout and sums them over coordinator restarts).
+#[derive(Clone, Debug, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Event {
+    /// A new generation: `replayed` steps will be trained again.
+    Generation { number: u64, reason: String, replayed: u64, restore: Option<String> },
+    /// A worker that outlived the coordinator had trained `steps` more steps
+    /// than the generation it goes back from was known to have.
+    Replayed { steps: u64 },
+    /// A role stopped answering: its process must be restarted.
+    Lost { role: String, index: usize },
+    /// Every role serves the new generation, `secs` after the death was noticed.
+    Resumed { number: u64, secs: f64 },
+    /// A checkpoint was committed.
+    Committed { step: u64, dir: String, bytes: u64, secs: f64, incremental: bool, shard_mb_per_sec: Vec<f64> },
+}
+
+/// Connects to the shards of a generation (the coordinator writes
+/// checkpoints through them).
+pub trait ShardDialer: Send + Sync {
+    fn dial(&self, addresses: &[String]) -> Result<Vec<Arc<dyn ShardService>>, ClusterError>;
+}
+
 struct Member {
     address: String,
     last_seen: Instant,
-    /// A worker that finished stops sending heartbeats.
+    /// A worker that finished its work in the current generation.
     finished: bool,
     /// The role's progress count, and when it last moved.
     progress: u64,
     progress_at: Instant,
+    /// The generation it has restored and serves (0: none yet).
+    ready: u64,
 }
 
 struct Members {
     shards: Vec<Option<Member>>,
     loader: Option<Member>,
     workers: Vec<Option<Member>>,
+    /// When a lost role's slot fell vacant (its replacement must register
+    /// within `cluster.connect_timeout_ms` of it).
+    vacant_since: HashMap<(RoleKind, usize), Instant>,
 }
 
 impl Members {
@@ -64,17 +149,81 @@ impl Members {
     }
 }
 
+/// The job's attempts, what they cost, and its committed checkpoints.
+struct Recovery {
+    generation: u64,
+    /// What the current generation restores (none: the job's start).
+    restore: Option<PathBuf>,
+    restore_step: u64,
+    /// `checkpoint.resume_from`: where the job started.
+    start: Option<(PathBuf, u64)>,
+    /// The newest committed checkpoint and its step.
+    committed: Option<(PathBuf, u64)>,
+    /// Incremental checkpoints since the last full one.
+    deltas_since_full: u64,
+    restarts: HashMap<(RoleKind, usize), u32>,
+    /// The highest step a worker reported in the current generation.
+    high_step: u64,
+    /// The step up to which replayed steps were counted at the last rollback.
+    counted_to: u64,
+    /// When the death behind the current recovery was noticed (none: no recovery under way).
+    noticed: Option<Instant>,
+    // Totals of this coordinator's life, for its summary.
+    checkpoints_committed: u64,
+    steps_replayed: u64,
+    recovery_secs: f64,
+}
+
+/// A checkpoint being gathered: the workers that arrived at `step`.
+struct CheckpointRound {
+    generation: u64,
+    step: u64,
+    cuts: Vec<Option<WorkerCut>>,
+    /// Set once committed (or failed): every waiting worker takes it.
+    outcome: Option<Result<PathBuf, String>>,
+    taken: usize,
+}
+
+/// A worker at a checkpoint step, its updates pushed.
+#[derive(Clone, Debug)]
+pub struct WorkerCut {
+    pub worker: usize,
+    pub generation: u64,
+    pub step: u64,
+    pub samples_trained: u64,
+    pub dense_optimizer_step: u64,
+    pub position: DataPosition,
+    /// Worker 0 wrote `dense.safetensors` into the staging directory.
+    pub wrote_dense: bool,
+}
+
+/// The staging directory of the checkpoint at `step` of `generation`
+/// (worker 0 writes the dense part there, the shards their parts).
+pub fn staging_dir(root: &Path, step: u64, generation: u64) -> PathBuf {
+    root.join(format!(".tmp-ckpt-{step:012}-g{generation}"))
+}
+
 /// The coordinator's state (the gRPC service is a thin layer over it).
 pub struct Coordinator {
+    config: Config,
     config_toml: String,
     num_shards: usize,
     num_workers: usize,
     heartbeat_timeout: Duration,
     progress_timeout: Duration,
+    connect_timeout: Duration,
     registration_deadline: Instant,
     members: Mutex<Members>,
     state: Mutex<JobState>,
-    rounds: RoundSum,
+    /// The current generation's rounds (a new generation gets fresh ones).
+    rounds: Mutex<Arc<RoundSum>>,
+    recovery: Mutex<Recovery>,
+    /// `recovery.generation`, readable under other locks.
+    current: AtomicU64,
+    checkpoint: Mutex<Option<CheckpointRound>>,
+    checkpoint_done: Condvar,
+    dialer: Option<Arc<dyn ShardDialer>>,
+    events: Box<dyn Fn(&Event) + Send + Sync>,
 }
 
 impl Coordinator {
@@ -105,114 +254,320 @@ impl Coordinator {
                     .into(),
             ));
         }
-        let e = &config.embedding;
-        if e.admit_min_count > 1 {
-            // A shard's admission sketches travel in one export reply at checkpoint.
-            let per_lock_shard = (e.admit_sketch_counters / e.table_shards).next_power_of_two().max(64);
-            let sketch_bytes = per_lock_shard * e.table_shards;
-            if 2 * sketch_bytes > config.cluster.max_message_bytes {
-                return Err(ClusterError::Setup(format!(
-                    "embedding.admit_sketch_counters = {} ({sketch_bytes} bytes per shard) must fit in half of \
-                     cluster.max_message_bytes = {}: a shard sends its sketch in one message at checkpoint",
-                    e.admit_sketch_counters, config.cluster.max_message_bytes
-                )));
-            }
-        }
         let config_toml =
             toml::to_string(config).map_err(|e| ClusterError::Setup(format!("serializing the config: {e}")))?;
+        let start = match sparrow_trainer::checkpoint::resume_dir(config)? {
+            Some(dir) => {
+                let step = sparrow_trainer::checkpoint::read_manifest(&dir)?.step;
+                Some((dir, step))
+            }
+            None => None,
+        };
         Ok(Coordinator {
+            config: config.clone(),
             config_toml,
             num_shards,
             num_workers,
             heartbeat_timeout: Duration::from_millis(config.cluster.heartbeat_timeout_ms),
             progress_timeout: Duration::from_millis(config.cluster.progress_timeout_ms),
+            connect_timeout: Duration::from_millis(config.cluster.connect_timeout_ms),
             registration_deadline: Instant::now() + Duration::from_millis(config.cluster.connect_timeout_ms),
             members: Mutex::new(Members {
                 shards: (0..num_shards).map(|_| None).collect(),
                 loader: None,
                 workers: (0..num_workers).map(|_| None).collect(),
+                vacant_since: HashMap::new(),
             }),
             state: Mutex::new(JobState::Running),
-            rounds: RoundSum::new(num_workers),
+            rounds: Mutex::new(Arc::new(RoundSum::new(num_workers))),
+            recovery: Mutex::new(Recovery {
+                generation: 1,
+                restore: start.as_ref().map(|(d, _)| d.clone()),
+                restore_step: start.as_ref().map_or(0, |(_, s)| *s),
+                start,
+                committed: None,
+                deltas_since_full: 0,
+                restarts: HashMap::new(),
+                high_step: 0,
+                counted_to: 0,
+                noticed: None,
+                checkpoints_committed: 0,
+                steps_replayed: 0,
+                recovery_secs: 0.0,
+            }),
+            current: AtomicU64::new(1),
+            checkpoint: Mutex::new(None),
+            checkpoint_done: Condvar::new(),
+            dialer: None,
+            events: Box::new(|_| {}),
         })
+    }
+
+    /// How checkpoints reach the shards (without one, none are written).
+    pub fn with_dialer(mut self, dialer: Arc<dyn ShardDialer>) -> Self {
+        self.dialer = Some(dialer);
+        self
+    }
+
+    /// Where the coordinator's [`Event`]s go.
+    pub fn with_events(mut self, events: impl Fn(&Event) + Send + Sync + 'static) -> Self {
+        self.events = Box::new(events);
+        self
     }
 
     pub fn state(&self) -> JobState {
         self.state.lock().clone()
     }
 
-    /// Fails the job (the first reason wins) and wakes the workers' rounds.
+    pub fn generation(&self) -> Generation {
+        let r = self.recovery.lock();
+        Generation {
+            number: r.generation,
+            restore: r.restore.clone(),
+            committed: r.committed.as_ref().map(|(d, _)| d.clone()),
+        }
+    }
+
+    /// Fails the job (the first reason wins) and wakes every waiting worker.
     pub fn fail(&self, reason: String) {
         let mut state = self.state.lock();
         if *state == JobState::Running {
             tracing::error!("job failed: {reason}");
             *state = JobState::Failed(reason.clone());
-            self.rounds.fail(reason);
+            drop(state);
+            self.rounds.lock().fail(reason.clone());
+            self.end_checkpoint_round(Err(reason));
         }
     }
 
-    /// A role joins; `index` asks for a slot (a StatefulSet ordinal), else the first free one.
-    pub fn register(&self, kind: RoleKind, address: String, index: Option<usize>) -> Result<usize, ClusterError> {
-        let mut members = self.members.lock();
-        let slots = members.slots(kind);
-        let n = slots.len();
+    /// Starts the next generation (the caller holds `recovery`): every role
+    /// goes back to the last committed checkpoint.
+    fn next_generation(&self, r: &mut Recovery, reason: String) {
+        r.generation += 1;
+        self.current.store(r.generation, Ordering::SeqCst);
+        let (restore, step) = match (&r.committed, &r.start) {
+            (Some((dir, step)), _) | (None, Some((dir, step))) => (Some(dir.clone()), *step),
+            (None, None) => (None, 0),
+        };
+        let replayed = r.high_step.saturating_sub(step);
+        r.steps_replayed += replayed;
+        r.counted_to = r.high_step.max(step);
+        (r.restore, r.restore_step, r.high_step) = (restore, step, step);
+        r.noticed.get_or_insert_with(Instant::now);
+        tracing::warn!(
+            "generation {}: {reason}; every role goes back to {}",
+            r.generation,
+            r.restore.as_ref().map_or("the job's start".to_string(), |d| d.display().to_string())
+        );
+        (self.events)(&Event::Generation {
+            number: r.generation,
+            reason,
+            replayed,
+            restore: r.restore.as_ref().map(|d| d.display().to_string()),
+        });
+        {
+            let mut members = self.members.lock();
+            for m in members.workers.iter_mut().flatten() {
+                m.finished = false;
+            }
+        }
+        let old = std::mem::replace(&mut *self.rounds.lock(), Arc::new(RoundSum::new(self.num_workers)));
+        old.fail(format!("generation {} started", r.generation));
+        self.end_checkpoint_round(Err(format!("generation {} started", r.generation)));
+    }
+
+    /// Role `index` of `kind` died (its process exited, or it went silent):
+    /// its slot waits for a replacement and every role goes back to the last
+    /// committed checkpoint, unless its restart budget is spent (then the
+    /// job fails). Idempotent until the replacement registers.
+    pub fn lost(&self, kind: RoleKind, index: usize, reason: &str) {
+        if self.state() != JobState::Running {
+            return;
+        }
+        {
+            let mut members = self.members.lock();
+            let Some(slot) = members.slots(kind).get_mut(index) else { return };
+            if slot.take().is_none() {
+                return;
+            }
+            members.vacant_since.insert((kind, index), Instant::now());
+        }
+        self.count_restart(kind, index, reason);
+    }
+
+    fn count_restart(&self, kind: RoleKind, index: usize, reason: &str) {
+        let max = self.config.cluster.max_restarts;
+        let mut r = self.recovery.lock();
+        let count = r.restarts.entry((kind, index)).or_insert(0);
+        *count += 1;
+        let count = *count;
+        let what = format!("{} {index} {reason}", kind.name());
+        if count > max {
+            drop(r);
+            self.fail(format!(
+                "{what}; it was restarted {} time(s) already (cluster.max_restarts = {max}): the last committed \
+                 checkpoint is intact",
+                count - 1
+            ));
+            return;
+        }
+        self.next_generation(&mut r, what);
+    }
+
+    /// A role joins; `index` asks for a slot (a StatefulSet ordinal), else the
+    /// first free one. A slot already held means its role was restarted: the
+    /// job goes back to the last checkpoint. `known`: what a role that
+    /// outlived the previous coordinator knew (this coordinator is a restart).
+    pub fn register(
+        &self,
+        kind: RoleKind,
+        address: String,
+        index: Option<usize>,
+        known: Option<Known>,
+    ) -> Result<(usize, Generation), ClusterError> {
+        if let JobState::Failed(reason) = self.state() {
+            return Err(ClusterError::JobFailed(reason));
+        }
+        let n = self.members.lock().slots(kind).len();
         let slot = match index {
             Some(i) if i >= n => {
                 return Err(ClusterError::Setup(format!("{} {i}: the job has only {n}", kind.name())));
             }
-            Some(i) if slots[i].is_some() => {
-                return Err(ClusterError::Setup(format!("{} {i} is already registered", kind.name())));
-            }
             Some(i) => i,
-            None => slots.iter().position(Option::is_none).ok_or_else(|| {
+            None => self.members.lock().slots(kind).iter().position(Option::is_none).ok_or_else(|| {
                 ClusterError::Setup(format!(
                     "all {n} {} slots are taken (--shards/--workers of the coordinator)",
                     kind.name()
                 ))
             })?,
         };
+        let taken = self.members.lock().slots(kind)[slot].is_some();
+        if taken {
+            if self.config.cluster.max_restarts == 0 {
+                return Err(ClusterError::Setup(format!("{} {slot} is already registered", kind.name())));
+            }
+            self.lost(kind, slot, "registered again (it was restarted)");
+            if let JobState::Failed(reason) = self.state() {
+                return Err(ClusterError::JobFailed(reason));
+            }
+        }
+        if let Some(known) = known {
+            self.adopt(kind, slot, known);
+        }
         tracing::info!("{} {slot} registered at {address}", kind.name());
         let now = Instant::now();
-        slots[slot] = Some(Member { address, last_seen: now, finished: false, progress: 0, progress_at: now });
-        Ok(slot)
-    }
-
-    /// A role is alive; `progress` is its work count (see `HeartbeatRequest`).
-    pub fn heartbeat(&self, kind: RoleKind, index: usize, progress: u64) -> Result<JobState, ClusterError> {
         let mut members = self.members.lock();
-        match members.slots(kind).get_mut(index) {
-            Some(Some(m)) => {
-                let now = Instant::now();
-                m.last_seen = now;
-                if progress != m.progress {
-                    (m.progress, m.progress_at) = (progress, now);
-                }
-            }
-            _ => return Err(ClusterError::Setup(format!("{} {index} never registered", kind.name()))),
+        members.vacant_since.remove(&(kind, slot));
+        members.slots(kind)[slot] =
+            Some(Member { address, last_seen: now, finished: false, progress: 0, progress_at: now, ready: 0 });
+        drop(members);
+        Ok((slot, self.generation()))
+    }
+
+    /// A role that outlived the previous coordinator: its generation is over
+    /// (this coordinator cannot know what the others did since), the job's
+    /// committed checkpoint is the newest any such role knew.
+    fn adopt(&self, kind: RoleKind, index: usize, known: Known) {
+        let mut r = self.recovery.lock();
+        if let Some(dir) = known.committed
+            && let Ok(m) = sparrow_trainer::checkpoint::read_manifest(&dir)
+            && r.committed.as_ref().is_none_or(|(_, step)| m.step > *step)
+        {
+            r.committed = Some((dir, m.step));
         }
-        Ok(self.state())
+        if kind == RoleKind::Worker {
+            if known.generation < r.generation {
+                // Its generation was already given up (another role registered
+                // first): the steps it trained past what was counted are replayed too.
+                let extra = known.step.saturating_sub(r.counted_to);
+                if extra > 0 {
+                    r.steps_replayed += extra;
+                    r.counted_to += extra;
+                    (self.events)(&Event::Replayed { steps: extra });
+                }
+            } else {
+                r.high_step = r.high_step.max(known.step);
+            }
+        }
+        if known.generation >= r.generation {
+            r.generation = known.generation;
+            let reason = format!("the coordinator restarted ({} {index} registered again)", kind.name());
+            self.next_generation(&mut r, reason);
+        }
     }
 
-    /// The shard map and the loader's address, once all of them registered.
-    pub fn view(&self) -> (bool, Vec<String>, String) {
+    /// A role is alive; `progress` is its work count (see
+    /// `HeartbeatRequest`), `ready` the generation it serves, `step` a
+    /// worker's step in it.
+    pub fn heartbeat(
+        &self,
+        kind: RoleKind,
+        index: usize,
+        progress: u64,
+        ready: u64,
+        step: u64,
+    ) -> Result<(JobState, Generation), ClusterError> {
+        {
+            let mut members = self.members.lock();
+            match members.slots(kind).get_mut(index) {
+                Some(Some(m)) => {
+                    let now = Instant::now();
+                    m.last_seen = now;
+                    if progress != m.progress {
+                        (m.progress, m.progress_at) = (progress, now);
+                    }
+                    m.ready = ready;
+                }
+                _ => return Err(ClusterError::Setup(format!("{} {index} never registered", kind.name()))),
+            }
+        }
+        let mut r = self.recovery.lock();
+        if kind == RoleKind::Worker && ready == r.generation {
+            r.high_step = r.high_step.max(step);
+        }
+        if r.noticed.is_some() && self.all_ready(r.generation) {
+            let secs = r.noticed.take().map_or(0.0, |t| t.elapsed().as_secs_f64());
+            r.recovery_secs += secs;
+            tracing::info!("generation {}: every role is back, {secs:.3} s after the death was noticed", r.generation);
+            (self.events)(&Event::Resumed { number: r.generation, secs });
+        }
+        drop(r);
+        Ok((self.state(), self.generation()))
+    }
+
+    fn all_ready(&self, generation: u64) -> bool {
         let members = self.members.lock();
-        let shards: Vec<String> = members.shards.iter().flatten().map(|m| m.address.clone()).collect();
-        let loader = members.loader.as_ref().map(|m| m.address.clone()).unwrap_or_default();
-        (shards.len() == self.num_shards && members.loader.is_some(), shards, loader)
+        let ready = |slots: &[Option<Member>]| slots.iter().all(|m| m.as_ref().is_some_and(|m| m.ready == generation));
+        ready(&members.shards) && ready(std::slice::from_ref(&members.loader)) && ready(&members.workers)
     }
 
-    /// A worker is done (or a role failed); the job is done once all workers are.
-    pub fn finish(&self, kind: RoleKind, index: usize, error: Option<String>) {
+    /// The shard map and the loader's address of `generation`, and whether
+    /// they serve it: (every shard and the loader, every shard, the map, the
+    /// loader's address).
+    pub fn view(&self, generation: u64) -> View {
+        let members = self.members.lock();
+        let serves = |m: &Option<Member>| m.as_ref().is_some_and(|m| m.ready == generation);
+        let shards_ready = members.shards.iter().all(serves);
+        View {
+            complete: shards_ready && serves(&members.loader),
+            shards_ready,
+            shards: members.shards.iter().map(|m| m.as_ref().map(|m| m.address.clone()).unwrap_or_default()).collect(),
+            loader: members.loader.as_ref().map(|m| m.address.clone()).unwrap_or_default(),
+        }
+    }
+
+    /// A worker is done in `generation` (or a role failed); the job is done
+    /// once every worker is done in the current one.
+    pub fn finish(&self, kind: RoleKind, index: usize, error: Option<String>, generation: u64) {
         if let Some(error) = error {
             self.fail(format!("{} {index}: {error}", kind.name()));
             return;
         }
-        if kind != RoleKind::Worker {
+        if kind != RoleKind::Worker || generation != self.recovery.lock().generation {
             return;
         }
-        let worker = index;
         let mut members = self.members.lock();
-        if let Some(Some(m)) = members.workers.get_mut(worker) {
+        if let Some(Some(m)) = members.workers.get_mut(index) {
             m.finished = true;
         }
         if members.workers.iter().all(|m| m.as_ref().is_some_and(|m| m.finished)) {
@@ -224,67 +579,306 @@ impl Coordinator {
         }
     }
 
-    /// Fails the job if a registered role went silent, or if roles are still
-    /// missing after the connect timeout.
+    /// A registered role that went silent (or a worker whose progress stands
+    /// still) is lost: restarted within the budget (an [`Event::Lost`] asks
+    /// the launcher to), else the job fails naming it. Roles still missing
+    /// after the connect timeout fail the job.
     pub fn check_liveness(&self) {
         if self.state() != JobState::Running {
             return;
         }
-        let members = self.members.lock();
-        let groups = [
-            (RoleKind::Shard, &members.shards[..]),
-            (RoleKind::Loader, std::slice::from_ref(&members.loader)),
-            (RoleKind::Worker, &members.workers[..]),
-        ];
-        let mut problem = None;
-        for (kind, slots) in groups {
-            for (i, slot) in slots.iter().enumerate() {
-                match slot {
-                    Some(m) if !m.finished && m.last_seen.elapsed() > self.heartbeat_timeout => {
-                        problem = Some(format!(
-                            "{} {i} at {} stopped answering: no heartbeat for {} ms (cluster.heartbeat_timeout_ms = {})",
-                            kind.name(),
-                            m.address,
-                            m.last_seen.elapsed().as_millis(),
-                            self.heartbeat_timeout.as_millis()
-                        ));
+        let mut problems = Vec::new();
+        let mut missing = None;
+        {
+            let members = self.members.lock();
+            let groups = [
+                (RoleKind::Shard, &members.shards[..]),
+                (RoleKind::Loader, std::slice::from_ref(&members.loader)),
+                (RoleKind::Worker, &members.workers[..]),
+            ];
+            for (kind, slots) in groups {
+                for (i, slot) in slots.iter().enumerate() {
+                    match slot {
+                        Some(m) if !m.finished && m.last_seen.elapsed() > self.heartbeat_timeout => {
+                            problems.push((kind, i, format!(
+                                "at {} stopped answering: no heartbeat for {} ms (cluster.heartbeat_timeout_ms = {})",
+                                m.address,
+                                m.last_seen.elapsed().as_millis(),
+                                self.heartbeat_timeout.as_millis()
+                            )));
+                        }
+                        // Workers drive the job: one that answers but gets
+                        // nothing done is as stuck as a silent one. Counted from
+                        // its first batch (shards restoring a large checkpoint
+                        // may keep a worker waiting before it).
+                        Some(m)
+                            if kind == RoleKind::Worker
+                                && !m.finished
+                                && m.progress > 0
+                                && m.progress_at.elapsed() > self.progress_timeout =>
+                        {
+                            problems.push((kind, i, format!(
+                                "at {} answers heartbeats but made no progress for {} ms (cluster.progress_timeout_ms = {}; progress count {})",
+                                m.address,
+                                m.progress_at.elapsed().as_millis(),
+                                self.progress_timeout.as_millis(),
+                                m.progress
+                            )));
+                        }
+                        None => {
+                            let deadline = members
+                                .vacant_since
+                                .get(&(kind, i))
+                                .map_or(self.registration_deadline, |t| *t + self.connect_timeout);
+                            if Instant::now() > deadline {
+                                missing = Some(format!(
+                                    "{} {i} never registered within cluster.connect_timeout_ms",
+                                    kind.name()
+                                ));
+                            }
+                        }
+                        _ => {}
                     }
-                    // Workers drive the job: one that answers but gets
-                    // nothing done is as stuck as a silent one. Counted from
-                    // its first batch (shards restoring a large checkpoint
-                    // may keep a worker waiting before it).
-                    Some(m)
-                        if kind == RoleKind::Worker
-                            && !m.finished
-                            && m.progress > 0
-                            && m.progress_at.elapsed() > self.progress_timeout =>
-                    {
-                        problem = Some(format!(
-                            "{} {i} at {} answers heartbeats but made no progress for {} ms (cluster.progress_timeout_ms = {}; progress count {})",
-                            kind.name(),
-                            m.address,
-                            m.progress_at.elapsed().as_millis(),
-                            self.progress_timeout.as_millis(),
-                            m.progress
-                        ));
-                    }
-                    None if Instant::now() > self.registration_deadline => {
-                        problem =
-                            Some(format!("{} {i} never registered within cluster.connect_timeout_ms", kind.name()));
-                    }
-                    _ => {}
                 }
             }
         }
-        drop(members);
-        if let Some(problem) = problem {
+        if let Some(problem) = missing {
             self.fail(problem);
+            return;
+        }
+        for (kind, index, problem) in problems {
+            if self.config.cluster.max_restarts == 0 {
+                self.fail(format!("{} {index} {problem}", kind.name()));
+                return;
+            }
+            (self.events)(&Event::Lost { role: kind.name().to_string(), index });
+            self.lost(kind, index, &problem);
         }
     }
 
     pub fn sum(&self, c: Contribution) -> Result<RoundReply, ClusterError> {
-        self.rounds.sum(c)
+        faults::point("coordinator.sum");
+        let generation = self.recovery.lock().generation;
+        if c.generation != generation {
+            return Err(ClusterError::StaleGeneration {
+                peer: "the coordinator".into(),
+                what: format!("worker {}'s gradients", c.worker),
+                found: c.generation,
+                serving: generation,
+            });
+        }
+        let rounds = self.rounds.lock().clone();
+        rounds.sum(c).map_err(|e| match self.current.load(Ordering::SeqCst) {
+            // Woken because the job moved on, not because it failed.
+            now if now != generation => ClusterError::GenerationChanged { generation: now },
+            _ => e,
+        })
     }
+
+    fn end_checkpoint_round(&self, outcome: Result<PathBuf, String>) {
+        let mut round = self.checkpoint.lock();
+        if let Some(r) = round.as_mut()
+            && r.outcome.is_none()
+        {
+            r.outcome = Some(outcome);
+        }
+        self.checkpoint_done.notify_all();
+    }
+
+    /// A worker at a checkpoint step: returns the committed version once every
+    /// worker reached the step and every shard wrote its part.
+    pub fn checkpoint(&self, cut: WorkerCut) -> Result<PathBuf, ClusterError> {
+        let current = self.recovery.lock().generation;
+        if cut.generation != current {
+            return Err(ClusterError::GenerationChanged { generation: current });
+        }
+        let mut round = self.checkpoint.lock();
+        if let Some(r) = round.as_ref()
+            && (r.generation != cut.generation || r.step != cut.step)
+            && r.outcome.is_none()
+        {
+            return Err(ClusterError::Setup(format!(
+                "worker {}: checkpoint at step {} while the workers gather at step {} (generation {})",
+                cut.worker, cut.step, r.step, r.generation
+            )));
+        }
+        if round.as_ref().is_none_or(|r| r.outcome.is_some()) {
+            *round = Some(CheckpointRound {
+                generation: cut.generation,
+                step: cut.step,
+                cuts: vec![None; self.num_workers],
+                outcome: None,
+                taken: 0,
+            });
+        }
+        let r = round.as_mut().expect("just set");
+        let worker = cut.worker;
+        if worker >= self.num_workers {
+            return Err(ClusterError::Setup(format!("worker {worker}: only {} workers", self.num_workers)));
+        }
+        r.cuts[worker] = Some(cut);
+        if r.cuts.iter().all(Option::is_some) {
+            let cuts: Vec<WorkerCut> = r.cuts.iter().flatten().cloned().collect();
+            drop(round);
+            let outcome = self.commit(&cuts).map_err(|e| e.to_string());
+            if let Err(e) = &outcome {
+                tracing::error!("checkpoint at step {}: {e}", cuts[0].step);
+            }
+            self.end_checkpoint_round(outcome);
+            round = self.checkpoint.lock();
+        }
+        loop {
+            let r = round.as_mut().ok_or_else(|| ClusterError::Setup("the checkpoint round vanished".into()))?;
+            if let Some(outcome) = r.outcome.clone() {
+                r.taken += 1;
+                if r.taken == self.num_workers {
+                    *round = None;
+                }
+                let generation = self.current.load(Ordering::SeqCst);
+                return match outcome {
+                    Ok(dir) => Ok(dir),
+                    Err(_) if generation != current => Err(ClusterError::GenerationChanged { generation }),
+                    Err(e) => Err(ClusterError::Setup(format!("the checkpoint failed: {e}"))),
+                };
+            }
+            let generation = self.current.load(Ordering::SeqCst);
+            if generation != current {
+                return Err(ClusterError::GenerationChanged { generation });
+            }
+            self.checkpoint_done.wait(&mut round);
+        }
+    }
+
+    /// Writes and commits the checkpoint the workers' `cuts` describe.
+    fn commit(&self, cuts: &[WorkerCut]) -> Result<PathBuf, ClusterError> {
+        let start = Instant::now();
+        let first = &cuts[0];
+        let (generation, step) = (first.generation, first.step);
+        let root = PathBuf::from(
+            self.config.checkpoint.dir.as_deref().ok_or_else(|| ClusterError::Setup("no checkpoint.dir".into()))?,
+        );
+        let dialer = self.dialer.as_ref().ok_or_else(|| ClusterError::Setup("no way to reach the shards".into()))?;
+        let staging = staging_dir(&root, step, generation);
+        std::fs::create_dir_all(&staging)
+            .map_err(|e| ClusterError::Io { what: format!("creating {}", staging.display()), source: e })?;
+        let addresses = self.view(generation).shards;
+        let shards = dialer.dial(&addresses)?;
+        // Incremental on the last commit when it has a part per shard and
+        // the full version is not due.
+        let (base, since) = {
+            let r = self.recovery.lock();
+            let incremental = self.config.checkpoint.incremental
+                && r.deltas_since_full + 1 < self.config.checkpoint.full_every;
+            match (&r.committed, incremental) {
+                (Some((dir, _)), true) => match sparrow_trainer::checkpoint::read_manifest(dir) {
+                    Ok(m) if m.parts.len() == self.num_shards => {
+                        (Some(dir.clone()), m.parts.iter().map(|p| Some(p.clock)).collect::<Vec<_>>())
+                    }
+                    _ => (None, vec![None; self.num_shards]),
+                },
+                _ => (None, vec![None; self.num_shards]),
+            }
+        };
+        let written: Vec<PartWritten> = std::thread::scope(|scope| {
+            let handles: Vec<_> = shards
+                .iter()
+                .enumerate()
+                .map(|(i, shard)| {
+                    let (staging, since) = (&staging, since[i]);
+                    scope.spawn(move || shard.write_part(generation, staging, since))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(ClusterError::Setup("a part writer panicked".into()))))
+                .collect::<Result<Vec<_>, _>>()
+        })?;
+        let manifest = crate::checkpoint::manifest(&self.config, cuts, &written, base.as_deref(), &staging)?;
+        faults::point("coordinator.commit");
+        let dir = sparrow_trainer::checkpoint::commit(&root, &staging, &manifest, self.config.checkpoint.keep)?;
+        let bytes: u64 = manifest.files.values().map(|f| f.bytes).sum();
+        let secs = start.elapsed().as_secs_f64();
+        let shard_mb_per_sec: Vec<f64> = written
+            .iter()
+            .map(|w| w.written.files.iter().map(|(_, b)| *b).sum::<u64>() as f64 / 1e6 / w.secs.max(1e-9))
+            .collect();
+        let mut r = self.recovery.lock();
+        r.committed = Some((dir.clone(), step));
+        r.checkpoints_committed += 1;
+        r.deltas_since_full = if base.is_some() { r.deltas_since_full + 1 } else { 0 };
+        drop(r);
+        tracing::info!(
+            "checkpoint at step {step} committed: {} ({bytes} bytes{}, {secs:.3} s)",
+            dir.display(),
+            if base.is_some() { ", incremental" } else { "" }
+        );
+        (self.events)(&Event::Committed {
+            step,
+            dir: dir.display().to_string(),
+            bytes,
+            secs,
+            incremental: base.is_some(),
+            shard_mb_per_sec,
+        });
+        Ok(dir)
+    }
+
+    /// Restarts by role kind, checkpoints committed, steps replayed and
+    /// recovery seconds over this coordinator's life.
+    pub fn recovery_report(&self) -> RecoveryReport {
+        let r = self.recovery.lock();
+        let mut restarts: BTreeMap<String, u64> =
+            ["coordinator", "loader", "shard", "worker"].iter().map(|k| (k.to_string(), 0)).collect();
+        for ((kind, _), n) in &r.restarts {
+            *restarts.entry(kind.name().to_string()).or_default() += u64::from(*n);
+        }
+        RecoveryReport {
+            restarts,
+            checkpoints_committed: r.checkpoints_committed,
+            steps_replayed: r.steps_replayed,
+            recovery_secs: r.recovery_secs,
+            checkpoint: r.committed.as_ref().map(|(d, _)| d.display().to_string()),
+        }
+    }
+}
+
+impl crate::worker::CheckpointSink for Coordinator {
+    fn checkpoint(&self, cut: WorkerCut) -> Result<PathBuf, ClusterError> {
+        Coordinator::checkpoint(self, cut)
+    }
+}
+
+/// Shards in this process, as the coordinator reaches them (tests, `local`).
+pub struct LocalShards(pub Vec<Arc<dyn ShardService>>);
+
+impl ShardDialer for LocalShards {
+    fn dial(&self, _: &[String]) -> Result<Vec<Arc<dyn ShardService>>, ClusterError> {
+        Ok(self.0.clone())
+    }
+}
+
+/// What the job's recovery did (the final JSON's fields).
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize, PartialEq)]
+pub struct RecoveryReport {
+    /// Role kind → restarts (`coordinator`, `loader`, `shard`, `worker`).
+    pub restarts: BTreeMap<String, u64>,
+    pub checkpoints_committed: u64,
+    /// Training steps done twice because of failures.
+    pub steps_replayed: u64,
+    /// From each death being noticed to every role serving the next generation, summed.
+    pub recovery_secs: f64,
+    /// The newest committed checkpoint.
+    #[serde(skip)]
+    pub checkpoint: Option<String>,
+}
+
+/// A generation's shard map (see [`Coordinator::view`]).
+#[derive(Clone, Debug, Default)]
+pub struct View {
+    pub complete: bool,
+    pub shards_ready: bool,
+    pub shards: Vec<String>,
+    pub loader: String,
 }
 
 #[cfg(test)]
@@ -297,30 +891,21 @@ mod tests {
     }
 
     #[test]
-    fn an_admission_sketch_larger_than_half_a_message_is_refused_naming_both_keys() {
-        let big = ["embedding.admit_min_count=2", "cluster.max_message_bytes=4194304"];
-        let Err(e) = Coordinator::new(&config(&big), 1, 1) else { panic!("accepted") };
-        let msg = e.to_string();
-        assert!(msg.contains("embedding.admit_sketch_counters") && msg.contains("cluster.max_message_bytes"), "{msg}");
-        assert!(Coordinator::new(&config(&["embedding.admit_min_count=2"]), 1, 1).is_ok(), "the defaults fit");
-    }
-
-    #[test]
     fn a_silent_role_fails_the_job_naming_it_after_the_timeout() {
         let c =
-            Coordinator::new(&config(&["cluster.heartbeat_interval_ms=20", "cluster.heartbeat_timeout_ms=150"]), 2, 1)
+            Coordinator::new(&config(&["cluster.heartbeat_interval_ms=20", "cluster.heartbeat_timeout_ms=150", "cluster.max_restarts=0"]), 2, 1)
                 .expect("coordinator");
-        assert_eq!(c.register(RoleKind::Shard, "10.0.0.5:7001".into(), Some(1)).expect("shard 1"), 1);
-        assert_eq!(c.register(RoleKind::Shard, "10.0.0.4:7001".into(), None).expect("shard 0"), 0);
-        assert!(c.register(RoleKind::Shard, "x".into(), None).is_err(), "only two shard slots");
-        c.register(RoleKind::Loader, "l".into(), None).expect("loader");
-        c.register(RoleKind::Worker, "w".into(), None).expect("worker");
-        assert!(c.view().0, "complete");
+        assert_eq!(c.register(RoleKind::Shard, "10.0.0.5:7001".into(), Some(1), None).expect("shard 1").0, 1);
+        assert_eq!(c.register(RoleKind::Shard, "10.0.0.4:7001".into(), None, None).expect("shard 0").0, 0);
+        assert!(c.register(RoleKind::Shard, "x".into(), None, None).is_err(), "only two shard slots");
+        c.register(RoleKind::Loader, "l".into(), None, None).expect("loader");
+        c.register(RoleKind::Worker, "w".into(), None, None).expect("worker");
+        assert!(c.view(1).shards.iter().all(|a| !a.is_empty()), "every shard registered");
         let start = Instant::now();
         while start.elapsed() < Duration::from_millis(400) {
             // Everyone but shard 1 keeps beating.
             for (kind, i) in [(RoleKind::Shard, 0), (RoleKind::Loader, 0), (RoleKind::Worker, 0)] {
-                c.heartbeat(kind, i, start.elapsed().as_millis() as u64).expect("beat");
+                c.heartbeat(kind, i, start.elapsed().as_millis() as u64, 0, 0).expect("beat");
             }
             c.check_liveness();
             if c.state() != JobState::Running {
@@ -334,7 +919,7 @@ mod tests {
         }
         assert!(start.elapsed() >= Duration::from_millis(140), "reported before the timeout");
         // Waiting workers are released with the reason.
-        let contribution = Contribution { worker: 0, round: 0, grads: vec![1.0], rows: 1, patience: Duration::ZERO };
+        let contribution = Contribution { worker: 0, generation: 1, round: 0, grads: vec![1.0], rows: 1, patience: Duration::ZERO };
         let err = c.sum(contribution).expect_err("the job failed");
         assert!(err.to_string().contains("shard 1"), "{err}");
     }
@@ -348,23 +933,24 @@ mod tests {
                 "cluster.heartbeat_interval_ms=20",
                 "cluster.heartbeat_timeout_ms=5000",
                 "cluster.progress_timeout_ms=300",
+                "cluster.max_restarts=0",
             ]),
             1,
             2,
         )
         .expect("coordinator");
-        c.register(RoleKind::Shard, "s".into(), None).expect("shard");
-        c.register(RoleKind::Loader, "l".into(), None).expect("loader");
-        c.register(RoleKind::Worker, "10.0.0.7:9101".into(), Some(0)).expect("worker 0");
-        c.register(RoleKind::Worker, "10.0.0.8:9101".into(), Some(1)).expect("worker 1");
+        c.register(RoleKind::Shard, "s".into(), None, None).expect("shard");
+        c.register(RoleKind::Loader, "l".into(), None, None).expect("loader");
+        c.register(RoleKind::Worker, "10.0.0.7:9101".into(), Some(0), None).expect("worker 0");
+        c.register(RoleKind::Worker, "10.0.0.8:9101".into(), Some(1), None).expect("worker 1");
         let start = Instant::now();
         let mut steps = 0;
         while start.elapsed() < Duration::from_millis(1500) && c.state() == JobState::Running {
             steps += 1;
-            c.heartbeat(RoleKind::Shard, 0, 0).expect("beat");
-            c.heartbeat(RoleKind::Loader, 0, 0).expect("beat");
-            c.heartbeat(RoleKind::Worker, 0, steps).expect("beat");
-            c.heartbeat(RoleKind::Worker, 1, 7).expect("beat");
+            c.heartbeat(RoleKind::Shard, 0, 0, 0, 0).expect("beat");
+            c.heartbeat(RoleKind::Loader, 0, 0, 0, 0).expect("beat");
+            c.heartbeat(RoleKind::Worker, 0, steps, 0, 0).expect("beat");
+            c.heartbeat(RoleKind::Worker, 1, 7, 0, 0).expect("beat");
             c.check_liveness();
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -381,11 +967,88 @@ mod tests {
     #[test]
     fn the_job_is_done_when_every_worker_finished() {
         let c = Coordinator::new(&config(&[]), 1, 2).expect("coordinator");
-        c.register(RoleKind::Worker, "a".into(), None).expect("w0");
-        c.register(RoleKind::Worker, "b".into(), None).expect("w1");
-        c.finish(RoleKind::Worker, 0, None);
+        c.register(RoleKind::Worker, "a".into(), None, None).expect("w0");
+        c.register(RoleKind::Worker, "b".into(), None, None).expect("w1");
+        c.finish(RoleKind::Worker, 0, None, 1);
         assert_eq!(c.state(), JobState::Running);
-        c.finish(RoleKind::Worker, 1, None);
+        c.finish(RoleKind::Worker, 1, None, 1);
         assert_eq!(c.state(), JobState::Done);
+    }
+
+    fn beat_all(c: &Coordinator, generation: u64, except: Option<(RoleKind, usize)>) {
+        for (kind, i) in [(RoleKind::Shard, 0), (RoleKind::Shard, 1), (RoleKind::Loader, 0), (RoleKind::Worker, 0)] {
+            if Some((kind, i)) != except {
+                c.heartbeat(kind, i, 1, generation, 0).expect("beat");
+            }
+        }
+    }
+
+    /// Within the restart budget a silent role starts the next generation
+    /// (the launcher is asked to restart it), its replacement brings the
+    /// job back; the death after the budget fails the job naming the key.
+    #[test]
+    fn a_lost_role_starts_a_generation_until_its_restart_budget_is_spent() {
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let sink = events.clone();
+        let c = Coordinator::new(
+            &config(&["cluster.heartbeat_interval_ms=20", "cluster.heartbeat_timeout_ms=100", "cluster.max_restarts=1"]),
+            2,
+            1,
+        )
+        .expect("coordinator")
+        .with_events(move |e| sink.lock().push(serde_json::to_string(e).expect("json")));
+        for (kind, i) in [(RoleKind::Shard, 0), (RoleKind::Shard, 1), (RoleKind::Loader, 0), (RoleKind::Worker, 0)] {
+            let (_, generation) = c.register(kind, format!("{}-{i}", kind.name()), Some(i), None).expect("register");
+            assert_eq!(generation.number, 1);
+        }
+        beat_all(&c, 1, None);
+        assert!(c.view(1).complete);
+        // Shard 1 goes silent.
+        let start = Instant::now();
+        while c.generation().number == 1 {
+            assert!(start.elapsed() < Duration::from_secs(5), "never noticed");
+            beat_all(&c, 1, Some((RoleKind::Shard, 1)));
+            c.check_liveness();
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(c.state(), JobState::Running, "recovered, not failed");
+        assert!(events.lock().iter().any(|e| e.contains("\"lost\"") && e.contains("\"shard\"")), "{:?}", events.lock());
+        assert!(!c.view(2).complete, "the old roles serve generation 1");
+        // Its replacement registers; every role serves generation 2.
+        let (_, generation) = c.register(RoleKind::Shard, "shard-1b".into(), Some(1), None).expect("replacement");
+        assert_eq!(generation.number, 2);
+        beat_all(&c, 2, None);
+        assert!(c.view(2).complete);
+        assert!(events.lock().iter().any(|e| e.contains("\"resumed\"")), "{:?}", events.lock());
+        let report = c.recovery_report();
+        assert_eq!(report.restarts["shard"], 1);
+        // A second death of the same shard is past the budget.
+        c.lost(RoleKind::Shard, 1, "exited (its process died)");
+        match c.state() {
+            JobState::Failed(m) => assert!(m.contains("shard 1") && m.contains("cluster.max_restarts = 1"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A gradient round of an abandoned generation is refused; a worker
+    /// waiting in one is woken when the next generation starts.
+    #[test]
+    fn a_new_generation_releases_waiting_rounds_and_refuses_stale_ones() {
+        let c = Arc::new(Coordinator::new(&config(&[]), 1, 2).expect("coordinator"));
+        for (kind, i) in [(RoleKind::Shard, 0), (RoleKind::Loader, 0), (RoleKind::Worker, 0), (RoleKind::Worker, 1)] {
+            c.register(kind, "a".into(), Some(i), None).expect("register");
+        }
+        let waiting = {
+            let c = c.clone();
+            std::thread::spawn(move || {
+                c.sum(Contribution { worker: 0, generation: 1, round: 0, grads: vec![1.0], rows: 1, patience: Duration::from_secs(60) })
+            })
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        c.lost(RoleKind::Worker, 1, "exited (its process died)");
+        let err = waiting.join().expect("thread").expect_err("released");
+        assert!(err.may_be_a_death(), "{err}");
+        let stale = Contribution { worker: 0, generation: 1, round: 0, grads: vec![1.0], rows: 1, patience: Duration::ZERO };
+        assert!(matches!(c.sum(stale), Err(ClusterError::StaleGeneration { .. })));
     }
 }

@@ -4,11 +4,21 @@
 //! and reaped when this returns, however it returns (success, a child's
 //! failure, Ctrl-C); each child also exits on its own if this process dies
 //! (it watches its stdin, see [`EXIT_WITH_PARENT_ENV`]).
+//!
+//! A child that dies (killed by a signal, or crashed) is started again with
+//! the same arguments, at most `cluster.max_restarts` times per role: the
+//! coordinator is told on its stdin (`lost shard 1`) and takes the job to its
+//! next generation, every role back to the last committed checkpoint; a
+//! restarted coordinator listens on the same address and the others register
+//! with it again. A role the coordinator reports as hung (`event` lines on its
+//! stdout) is killed and restarted the same way. A child that exits with an
+//! error (the job failed, bad input) is not restarted.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -36,6 +46,13 @@ pub struct LaunchOptions {
 
 struct Running {
     name: String,
+    /// The role kind (`coordinator`, `shard`, `loader`, `worker`) and index.
+    kind: &'static str,
+    index: usize,
+    args: Vec<String>,
+    restarts: u32,
+    /// The child's end of the pipe it watches (the coordinator reads notices from it).
+    stdin: Option<ChildStdin>,
     child: Child,
     stdout: Arc<Mutex<Vec<String>>>,
     stderr_tail: Arc<Mutex<VecDeque<String>>>,
@@ -69,19 +86,61 @@ impl Drop for Children {
     }
 }
 
+/// Whether a child's end was a death (a signal, a crash, a failpoint's
+/// exit) rather than a role's deliberate stop with an error.
+fn died(status: ExitStatus) -> bool {
+    status.signal().is_some() || matches!(status.code(), Some(101 | 134 | 137 | 143))
+}
+
 impl Children {
-    fn spawn(&mut self, name: String, args: &[String], quiet: bool) -> Result<usize, ClusterError> {
+    fn spawn(
+        &mut self,
+        name: String,
+        (kind, index): (&'static str, usize),
+        args: &[String],
+        quiet: bool,
+    ) -> Result<usize, ClusterError> {
+        let running = self.start(name, kind, index, args, quiet, false)?;
+        self.list.push(running);
+        Ok(self.list.len() - 1)
+    }
+
+    /// Starts child `i` again with its arguments (`args` when given).
+    fn restart(&mut self, i: usize, args: Option<Vec<String>>, quiet: bool) -> Result<(), ClusterError> {
+        let old = &self.list[i];
+        let (name, kind, index) = (old.name.clone(), old.kind, old.index);
+        let args = args.unwrap_or_else(|| old.args.clone());
+        let mut running = self.start(name, kind, index, &args, quiet, true)?;
+        running.restarts = old.restarts + 1;
+        self.list[i] = running;
+        Ok(())
+    }
+
+    fn start(
+        &self,
+        name: String,
+        kind: &'static str,
+        index: usize,
+        args: &[String],
+        quiet: bool,
+        restarted: bool,
+    ) -> Result<Running, ClusterError> {
         let exe = std::env::current_exe()
             .map_err(|e| ClusterError::Io { what: "finding the sparrow binary".into(), source: e })?;
-        let mut child = Command::new(exe)
+        let mut command = Command::new(exe);
+        command
             .args(args)
             .env(EXIT_WITH_PARENT_ENV, "1")
             .env(TOKEN_ENV, &self.token)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| ClusterError::Io { what: format!("starting {name}"), source: e })?;
+            .stderr(Stdio::piped());
+        // Injected failures hit the first process of a role only (see `faults`).
+        if restarted && std::env::var_os("SPARROW_FAILPOINTS_ON_RESTART").is_none() {
+            command.env_remove("FAILPOINTS");
+        }
+        let mut child =
+            command.spawn().map_err(|e| ClusterError::Io { what: format!("starting {name}"), source: e })?;
         tracing::info!("launch: {name} is pid {}", child.id());
         let stdout = Arc::new(Mutex::new(Vec::new()));
         let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
@@ -108,24 +167,42 @@ impl Children {
                 }
             });
         }
-        self.list.push(Running { name, child, stdout, stderr_tail, status: None });
-        Ok(self.list.len() - 1)
+        let stdin = child.stdin.take();
+        Ok(Running {
+            name,
+            kind,
+            index,
+            args: args.to_vec(),
+            restarts: 0,
+            stdin,
+            child,
+            stdout,
+            stderr_tail,
+            status: None,
+        })
     }
 
-    /// Reaps children that exited; returns the first that failed.
-    fn poll(&mut self) -> Option<usize> {
-        let mut failed = None;
+    /// Reaps children that exited; returns those that failed.
+    fn poll(&mut self) -> Vec<usize> {
+        let mut failed = Vec::new();
         for (i, r) in self.list.iter_mut().enumerate() {
             if r.status.is_none()
                 && let Ok(Some(status)) = r.child.try_wait()
             {
                 r.status = Some(status);
-                if !status.success() && failed.is_none() {
-                    failed = Some(i);
+                if !status.success() {
+                    failed.push(i);
                 }
             }
         }
         failed
+    }
+
+    /// Tells the coordinator (child 0) a line; it may be restarting.
+    fn tell_coordinator(&mut self, line: &str) {
+        if let Some(stdin) = self.list[0].stdin.as_mut() {
+            let _ = writeln!(stdin, "{line}").and_then(|()| stdin.flush());
+        }
     }
 
     fn describe_failure(&self, i: usize) -> String {
@@ -185,7 +262,7 @@ pub fn launch(
         "--metrics-listen".into(),
         local.clone(),
     ]);
-    let coordinator = children.spawn("coordinator".into(), &args, options.quiet)?;
+    let coordinator = children.spawn("coordinator".into(), ("coordinator", 0), &args, options.quiet)?;
     // The coordinator prints `listening on ADDR` first.
     let deadline = Instant::now() + Duration::from_secs(30);
     let address = loop {
@@ -194,7 +271,7 @@ pub fn launch(
         {
             break addr.to_string();
         }
-        if let Some(i) = children.poll() {
+        if let Some(&i) = children.poll().first() {
             return Err(ClusterError::Setup(children.describe_failure(i)));
         }
         if Instant::now() > deadline {
@@ -213,34 +290,83 @@ pub fn launch(
         a
     };
     for i in 0..options.shards {
-        children.spawn(format!("shard {i}"), &role("shard", Some(i)), options.quiet)?;
+        children.spawn(format!("shard {i}"), ("shard", i), &role("shard", Some(i)), options.quiet)?;
     }
-    children.spawn("loader".into(), &role("loader", None), options.quiet)?;
+    children.spawn("loader".into(), ("loader", 0), &role("loader", None), options.quiet)?;
     let workers: Vec<usize> = (0..options.workers)
-        .map(|w| children.spawn(format!("worker {w}"), &role("worker", Some(w)), options.quiet))
+        .map(|w| children.spawn(format!("worker {w}"), ("worker", w), &role("worker", Some(w)), options.quiet))
         .collect::<Result<_, _>>()?;
+    // A restarted coordinator must be where the others look for it.
+    let coordinator_args: Vec<String> = {
+        let mut a = children.list[coordinator].args.clone();
+        if let Some(at) = a.iter().position(|x| x == "--listen") {
+            a[at + 1] = address.clone();
+        }
+        a
+    };
+    let mut events = Events::default();
+    let max_restarts = config.cluster.max_restarts;
 
-    // Until every worker is done, any failure ends the job.
-    while !workers.iter().all(|&w| children.list[w].status.is_some()) {
+    // Until every worker is done, a death is recovered from (within the
+    // budget) and any other failure ends the job.
+    while !workers.iter().all(|&w| children.list[w].status.is_some_and(|s| s.success())) {
         if interrupted.load(Ordering::SeqCst) {
             return Err(ClusterError::Interrupted);
         }
-        if let Some(i) = children.poll() {
-            // Let the others report what they saw (a worker names the shard it lost).
-            std::thread::sleep(Duration::from_millis(300));
-            children.poll();
-            return Err(ClusterError::JobFailed(children.describe_failure(i)));
+        for lost in events.read(&children.list[coordinator]) {
+            // A role the coordinator found hung: kill it, the restart follows.
+            if let Some(r) = children.list.iter_mut().find(|r| r.kind == lost.0 && r.index == lost.1 && r.status.is_none())
+            {
+                tracing::warn!("launch: {} stopped answering; killing it", r.name);
+                let _ = r.child.kill();
+            }
+        }
+        let failed = children.poll();
+        for &i in &failed {
+            let r = &children.list[i];
+            let status = r.status.unwrap_or_default();
+            if interrupted.load(Ordering::SeqCst) {
+                return Err(ClusterError::Interrupted);
+            }
+            if !died(status) || r.restarts >= max_restarts {
+                // Let the others report what they saw (a worker names the shard it lost).
+                std::thread::sleep(Duration::from_millis(300));
+                children.poll();
+                let mut message = children.describe_failure(i);
+                if died(status) {
+                    message.push_str(&format!(
+                        "\n  {} died {} time(s): cluster.max_restarts = {max_restarts} is spent{}",
+                        children.list[i].name,
+                        children.list[i].restarts + 1,
+                        events.last_committed.as_ref().map_or(String::new(), |d| format!(
+                            "; the last committed checkpoint is {d}"
+                        ))
+                    ));
+                }
+                return Err(ClusterError::JobFailed(message));
+            }
+            tracing::warn!("launch: {} died ({status}); restarting it", r.name);
+            events.restarts.entry(r.kind.to_string()).and_modify(|n| *n += 1).or_insert(1);
+            if i == coordinator {
+                children.restart(i, Some(coordinator_args.clone()), options.quiet)?;
+                events.coordinator_restarted();
+            } else {
+                let line = format!("lost {} {}", r.kind, r.index);
+                children.tell_coordinator(&line);
+                children.restart(i, None, options.quiet)?;
+            }
         }
         std::thread::sleep(Duration::from_millis(20));
     }
     // The other roles leave after their next heartbeat sees the job done.
     let grace = Instant::now() + Duration::from_millis(config.cluster.heartbeat_interval_ms * 4 + 3000);
     while children.list.iter().any(|r| r.status.is_none()) && Instant::now() < grace {
-        if let Some(i) = children.poll() {
+        if let Some(&i) = children.poll().first() {
             return Err(ClusterError::JobFailed(children.describe_failure(i)));
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+    events.read(&children.list[coordinator]);
     let summaries: Vec<WorkerSummary> = workers
         .iter()
         .map(|&w| {
@@ -260,7 +386,59 @@ pub fn launch(
             if bad == 0 { "the file holds no row".to_string() } else { format!("all {bad} rows were malformed") }
         )));
     }
-    Ok(merge(config, options, &summaries, wall.elapsed().as_secs_f64()))
+    Ok(merge(config, options, &summaries, &events, wall.elapsed().as_secs_f64()))
+}
+
+/// What the coordinator reported on stdout (`event {json}` lines), summed
+/// over its restarts, and what launch restarted.
+#[derive(Default)]
+struct Events {
+    /// Lines of the current coordinator process already read.
+    read_lines: usize,
+    restarts: BTreeMap<String, u64>,
+    checkpoints_committed: u64,
+    steps_replayed: u64,
+    recovery_secs: f64,
+    last_committed: Option<String>,
+}
+
+impl Events {
+    /// Reads the coordinator's new event lines; returns the roles it reported hung.
+    fn read(&mut self, coordinator: &Running) -> Vec<(&'static str, usize)> {
+        let lines = coordinator.stdout.lock();
+        let mut lost = Vec::new();
+        for line in lines.iter().skip(self.read_lines) {
+            let Some(json) = line.strip_prefix("event ") else { continue };
+            let Ok(serde_json::Value::Object(event)) = serde_json::from_str::<serde_json::Value>(json) else { continue };
+            for (kind, body) in event {
+                match kind.as_str() {
+                    "generation" => self.steps_replayed += body["replayed"].as_u64().unwrap_or(0),
+                    "replayed" => self.steps_replayed += body["steps"].as_u64().unwrap_or(0),
+                    "resumed" => self.recovery_secs += body["secs"].as_f64().unwrap_or(0.0),
+                    "committed" => {
+                        self.checkpoints_committed += 1;
+                        self.last_committed = body["dir"].as_str().map(str::to_string);
+                    }
+                    "lost" => {
+                        let role = match body["role"].as_str() {
+                            Some("shard") => "shard",
+                            Some("loader") => "loader",
+                            _ => "worker",
+                        };
+                        lost.push((role, body["index"].as_u64().unwrap_or(0) as usize));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        self.read_lines = lines.len();
+        lost
+    }
+
+    /// A new coordinator process: its stdout starts afresh.
+    fn coordinator_restarted(&mut self) {
+        self.read_lines = 0;
+    }
 }
 
 /// What `sparrow launch` prints: `train`'s summary (fields a cluster run
@@ -281,6 +459,14 @@ pub struct ClusterFields {
     pub batches_per_worker: Vec<u64>,
     pub dense_checksums: Vec<String>,
     pub replicas_identical: bool,
+    /// Role kind → how many times launch restarted it (`cluster.max_restarts`).
+    pub restarts: BTreeMap<String, u64>,
+    pub checkpoints_committed: u64,
+    /// Training steps done twice because of failures.
+    pub steps_replayed: u64,
+    /// From each death being noticed to every role serving the job's next
+    /// generation, summed.
+    pub recovery_secs: f64,
 }
 
 #[derive(Clone, Copy, Debug, Serialize)]
@@ -290,7 +476,13 @@ pub struct InBytes {
 }
 
 /// One summary from the workers' summaries.
-fn merge(config: &Config, options: &LaunchOptions, workers: &[WorkerSummary], wall_secs: f64) -> LaunchSummary {
+fn merge(
+    config: &Config,
+    options: &LaunchOptions,
+    workers: &[WorkerSummary],
+    events: &Events,
+    wall_secs: f64,
+) -> LaunchSummary {
     let first = workers.first().cloned().unwrap_or_default();
     let rows: u64 = workers.iter().map(|w| w.train_rows).sum();
     let train_secs = workers.iter().map(|w| w.train_secs).fold(0.0, f64::max);
@@ -322,7 +514,7 @@ fn merge(config: &Config, options: &LaunchOptions, workers: &[WorkerSummary], wa
         // The shards' SSD tiers and feature filters, summed.
         table: first.table.clone().unwrap_or_default(),
         embedding_bytes_per_row: None,
-        checkpoint: first.checkpoint.clone(),
+        checkpoint: first.checkpoint.clone().or_else(|| events.last_committed.clone()),
         resumed_from_step: None,
         // Worker 0's training time by phase (next_batch, pull, dense, push).
         step_phase_secs: first.phase_secs,
@@ -341,6 +533,13 @@ fn merge(config: &Config, options: &LaunchOptions, workers: &[WorkerSummary], wa
             batches_per_worker: workers.iter().map(|w| w.batches).collect(),
             replicas_identical: checksums.windows(2).all(|w| w[0] == w[1]),
             dense_checksums: checksums,
+            restarts: ["coordinator", "loader", "shard", "worker"]
+                .iter()
+                .map(|k| (k.to_string(), events.restarts.get(*k).copied().unwrap_or(0)))
+                .collect(),
+            checkpoints_committed: events.checkpoints_committed,
+            steps_replayed: events.steps_replayed,
+            recovery_secs: events.recovery_secs,
         },
     }
 }

@@ -15,6 +15,7 @@
 
 pub mod checkpoint;
 pub mod coordinator;
+pub mod faults;
 pub mod grpc;
 pub mod launch;
 pub mod loader;

@@ -2,7 +2,7 @@
 //! shard the unique keys it owns, and queues the rest for the workers, who
 //! take batches one at a time at their own pace (S2.2).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -13,7 +13,8 @@ use sparrow_core::config::ClusterMode;
 use sparrow_data::{BadRows, BatchStream, DataError};
 use sparrow_embedding::{KeyPlan, owner};
 
-use crate::messages::{Mode, WorkerBatch};
+use crate::faults;
+use crate::messages::{Mode, WorkerBatch, first_batch_id};
 use crate::transport::{ClusterError, LoaderService, ShardService};
 
 /// Batch ids of evaluation batches start here, so they never collide with training ones.
@@ -86,6 +87,8 @@ impl Loader {
 /// The loader role: a thread runs the training stream (then the evaluation
 /// stream) through a [`Loader`] into bounded queues the workers take from.
 pub struct LoaderServer {
+    /// The job's attempt this stream belongs to (its batch ids carry it).
+    generation: u64,
     train: Receiver<WorkerBatch>,
     eval: Receiver<WorkerBatch>,
     /// Set when the reading thread stopped on an error (bad data, a shard
@@ -95,8 +98,22 @@ pub struct LoaderServer {
 }
 
 impl LoaderServer {
-    /// Opens the data files (errors here are the caller's) and starts reading.
+    /// Opens the data files (errors here are the caller's) and starts reading
+    /// where `checkpoint.resume_from` continues (or at the start).
     pub fn start(config: &Config, shards: Vec<Arc<dyn ShardService>>) -> Result<LoaderServer, ClusterError> {
+        let restore = sparrow_trainer::checkpoint::resume_dir(config)?;
+        LoaderServer::start_generation(config, shards, 0, restore)
+    }
+
+    /// [`start`](Self::start) for one attempt of the job: `generation` goes
+    /// into every batch id, and the data continues where the checkpoint
+    /// `restore` stopped (the job's start if none).
+    pub fn start_generation(
+        config: &Config,
+        shards: Vec<Arc<dyn ShardService>>,
+        generation: u64,
+        restore: Option<PathBuf>,
+    ) -> Result<LoaderServer, ClusterError> {
         let train_path = config
             .data
             .train
@@ -105,7 +122,7 @@ impl LoaderServer {
             .ok_or(DataError::MissingPath { key: "train", what: "the training data file" })?;
         let bad = BadRows::from_config(&config.data);
         // Resuming: the data continues where the checkpoint's run stopped.
-        let (start, steps_done) = match sparrow_trainer::checkpoint::resume_dir(config)? {
+        let (start, steps_done) = match restore {
             Some(dir) => {
                 let m = sparrow_trainer::checkpoint::read_manifest(&dir)?;
                 (m.position, m.step)
@@ -121,7 +138,10 @@ impl LoaderServer {
             bad.clone(),
         )?;
         let cluster_mode = config.cluster.mode;
-        let mut train = Loader::new(train_stream, shards.clone(), Mode::Train, cluster_mode, 0, bad.clone());
+        let first_train_id = first_batch_id(generation, 0);
+        let first_eval_id = first_batch_id(generation, FIRST_EVAL_BATCH_ID);
+        let mut train =
+            Loader::new(train_stream, shards.clone(), Mode::Train, cluster_mode, first_train_id, bad.clone());
         let depth = config.cluster.loader_queue_batches;
         let (train_tx, train_rx) = bounded(depth);
         let (eval_tx, eval_rx) = bounded(depth);
@@ -149,7 +169,7 @@ impl LoaderServer {
                             thread_bad.clone(),
                         )?;
                         let mut eval =
-                            Loader::new(stream, shards, Mode::Eval, cluster_mode, FIRST_EVAL_BATCH_ID, thread_bad);
+                            Loader::new(stream, shards, Mode::Eval, cluster_mode, first_eval_id, thread_bad);
                         pump(&mut eval, &eval_tx, None)?;
                     }
                     Ok(())
@@ -160,7 +180,7 @@ impl LoaderServer {
                 }
             })
             .map_err(|e| ClusterError::Io { what: "starting the loader thread".into(), source: e })?;
-        Ok(LoaderServer { train: train_rx, eval: eval_rx, error, _thread: thread })
+        Ok(LoaderServer { generation, train: train_rx, eval: eval_rx, error, _thread: thread })
     }
 
     /// Batches ready in the queues (for the metrics).
@@ -183,7 +203,16 @@ fn pump(loader: &mut Loader, tx: &Sender<WorkerBatch>, max_batches: Option<u64>)
 }
 
 impl LoaderService for LoaderServer {
-    fn next_batch(&self, _worker: usize, mode: Mode) -> Result<Option<WorkerBatch>, ClusterError> {
+    fn next_batch(&self, _worker: usize, mode: Mode, generation: u64) -> Result<Option<WorkerBatch>, ClusterError> {
+        faults::point("loader.next_batch");
+        if generation != self.generation {
+            return Err(ClusterError::StaleGeneration {
+                peer: "the loader".into(),
+                what: "a batch request".into(),
+                found: generation,
+                serving: self.generation,
+            });
+        }
         let queue = match mode {
             Mode::Train => &self.train,
             Mode::Eval => &self.eval,

@@ -59,3 +59,21 @@ impl WorkerBatch {
             + 16
     }
 }
+
+/// Bits 40..62 of a batch id hold the job's generation (one attempt of the
+/// job, see [`crate::coordinator`]): a shard serves the batches of its own
+/// generation only, so a batch of an attempt that was given up (a stale
+/// enqueue, pull or push still in the network) never touches a restored table.
+const GENERATION_SHIFT: u32 = 40;
+const GENERATION_MASK: u64 = (1 << 22) - 1;
+
+/// The first batch id of a generation's stream starting at `first` (the
+/// sequence number, with the evaluation bit when it is one).
+pub fn first_batch_id(generation: u64, first: u64) -> u64 {
+    first | ((generation & GENERATION_MASK) << GENERATION_SHIFT)
+}
+
+/// The generation a batch id belongs to.
+pub fn generation_of(batch_id: u64) -> u64 {
+    (batch_id >> GENERATION_SHIFT) & GENERATION_MASK
+}

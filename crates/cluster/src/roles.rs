@@ -11,7 +11,7 @@
 //! otherwise); a role that cannot reach the coordinator for the timeout exits too.
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -23,18 +23,18 @@ use sparrow_core::metrics::{auc, log_loss_from_logits};
 use sparrow_data::DataLayout;
 use tokio::runtime::Runtime;
 
-use crate::coordinator::{Coordinator, JobState, RoleKind};
+use crate::coordinator::{Coordinator, Generation, JobState, Known, RoleKind};
+use crate::faults;
 use crate::grpc::coordinator::CoordinatorClient;
 use crate::grpc::loader::LoaderClient;
 use crate::grpc::shard::ShardClient;
 use crate::grpc::{NetSettings, bind, server_builder};
 use crate::loader::LoaderServer;
 use crate::metrics::RoleMetrics;
-use crate::shard::ShardServer;
-use crate::shard::shard_table;
+use crate::shard::{ShardServer, shard_table_in};
 use crate::sync::RoundSummer;
-use crate::transport::{ClusterError, LoaderService, ShardReport, ShardService};
-use crate::worker::new_worker;
+use crate::transport::{ClusterError, Serving, ShardReport, ShardService};
+use crate::worker::new_worker_in;
 
 /// Where a role listens and whom it reports to.
 #[derive(Clone, Debug)]
@@ -79,20 +79,84 @@ fn serve_metrics(
     Ok(())
 }
 
+/// Events go to stdout as `event {json}` lines (`sparrow launch` reads them).
+fn print_event(event: &crate::coordinator::Event) {
+    if let Ok(json) = serde_json::to_string(event) {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "event {json}");
+        let _ = out.flush();
+    }
+}
+
+/// The coordinator's shard clients for checkpoints, connected per shard map.
+struct GrpcDialer {
+    settings: NetSettings,
+    handle: tokio::runtime::Handle,
+    metrics: RoleMetrics,
+    cached: parking_lot::Mutex<Option<(Vec<String>, Vec<Arc<dyn ShardService>>)>>,
+}
+
+impl crate::coordinator::ShardDialer for GrpcDialer {
+    fn dial(&self, addresses: &[String]) -> Result<Vec<Arc<dyn ShardService>>, ClusterError> {
+        let mut cached = self.cached.lock();
+        if let Some((known, shards)) = cached.as_ref()
+            && known == addresses
+        {
+            return Ok(shards.clone());
+        }
+        let shards = addresses
+            .iter()
+            .enumerate()
+            .map(|(i, addr)| {
+                ShardClient::connect(i, addr, &self.settings, &self.handle, self.metrics.clone())
+                    .map(|c| Arc::new(c) as Arc<dyn ShardService>)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        *cached = Some((addresses.to_vec(), shards.clone()));
+        Ok(shards)
+    }
+}
+
+/// A line from the launcher: `lost <role> <index>` (that role's process
+/// exited; launch restarts it).
+fn note_launcher(coordinator: &Coordinator, line: &str) {
+    let mut words = line.split_whitespace();
+    if let (Some("lost"), Some(kind), Some(index)) = (words.next(), words.next(), words.next())
+        && let (Some(kind), Ok(index)) = (RoleKind::parse(kind), index.parse::<usize>())
+    {
+        coordinator.lost(kind, index, "exited (its process died)");
+    } else {
+        tracing::warn!("coordinator: ignoring `{line}` from the launcher");
+    }
+}
+
 /// Runs the coordinator until the job ends; `on_bound` gets the bound
-/// address (launch reads it from stdout). Errors if the job failed.
+/// address (launch reads it from stdout). `notices`: lines from the
+/// launcher (`lost <role> <index>`: that role's process exited, launch
+/// restarts it). Prints [`crate::coordinator::Event`]s and, at the end, its
+/// recovery report as `event {"report": …}`. Errors if the job failed.
 pub fn run_coordinator(
     config: &Config,
     num_shards: usize,
     num_workers: usize,
     listen: SocketAddr,
     metrics_listen: Option<SocketAddr>,
+    notices: Option<crossbeam_channel::Receiver<String>>,
     on_bound: impl FnOnce(SocketAddr),
 ) -> Result<(), ClusterError> {
     let rt = runtime()?;
     let settings = NetSettings::new(&config.cluster, None);
-    let coordinator = Arc::new(Coordinator::new(config, num_shards, num_workers)?);
     let metrics = RoleMetrics::new("coordinator");
+    let dialer = GrpcDialer {
+        settings: settings.clone(),
+        handle: rt.handle().clone(),
+        metrics: metrics.clone(),
+        cached: parking_lot::Mutex::new(None),
+    };
+    let coordinator = Arc::new(
+        Coordinator::new(config, num_shards, num_workers)?.with_dialer(Arc::new(dialer)).with_events(print_event),
+    );
     serve_metrics(&metrics, metrics_listen, "coordinator", &settings, &rt)?;
     let (listener, bound) = rt.block_on(bind(listen, &settings))?;
     on_bound(bound);
@@ -107,7 +171,14 @@ pub fn run_coordinator(
     ));
     let interval = Duration::from_millis(config.cluster.heartbeat_interval_ms);
     let state = loop {
-        std::thread::sleep(interval / 2);
+        match &notices {
+            Some(notices) => {
+                if let Ok(line) = notices.recv_timeout(interval / 2) {
+                    note_launcher(&coordinator, &line);
+                }
+            }
+            None => std::thread::sleep(interval / 2),
+        }
         coordinator.check_liveness();
         if server.is_finished() {
             break JobState::Failed("the coordinator's server stopped".into());
@@ -117,6 +188,17 @@ pub fn run_coordinator(
             ended => break ended,
         }
     };
+    let report = coordinator.recovery_report();
+    tracing::info!(
+        "coordinator: {} checkpoint(s) committed, restarts {:?}, {} step(s) replayed, {:.3} s recovering",
+        report.checkpoints_committed,
+        report.restarts,
+        report.steps_replayed,
+        report.recovery_secs
+    );
+    if let Ok(json) = serde_json::to_string(&report) {
+        println!("event {{\"report\":{json}}}");
+    }
     // Let every role see the end in a heartbeat before the server goes away.
     std::thread::sleep(interval * 2 + Duration::from_millis(300));
     let _ = stop_tx.send(());
@@ -127,35 +209,177 @@ pub fn run_coordinator(
     }
 }
 
-/// Heartbeats until the job ends (`Ok` when done) or `stop` is set.
-fn heartbeat_until_end(
-    coordinator: &CoordinatorClient,
+/// A role's link to the coordinator: its registration, and heartbeats on a
+/// thread of their own that keep what the coordinator last said (the job's
+/// state and generation). A role that outlives a coordinator registers
+/// again with the next one (same index), telling it what it knew.
+struct Link {
+    client: CoordinatorClient,
     kind: RoleKind,
     index: usize,
+    shared: Arc<LinkShared>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+struct LinkShared {
+    heard: parking_lot::Mutex<(JobState, Generation)>,
+    changed: parking_lot::Condvar,
+    /// The generation number last heard (read by a worker between steps).
+    generation: Arc<AtomicU64>,
+    /// The generation this role serves (0: restoring).
+    ready: AtomicU64,
+    step: Arc<AtomicU64>,
+    progress: Arc<AtomicU64>,
+    beat_now: parking_lot::Mutex<bool>,
+    wake: parking_lot::Condvar,
+    stop: AtomicBool,
+}
+
+impl Link {
+    fn register(
+        client: CoordinatorClient,
+        kind: RoleKind,
+        advertise: &str,
+        index: Option<usize>,
+    ) -> Result<(Link, crate::grpc::coordinator::Registration), ClusterError> {
+        let reg = client.register(kind, advertise, index, None)?;
+        let shared = Arc::new(LinkShared {
+            heard: parking_lot::Mutex::new((JobState::Running, reg.generation.clone())),
+            changed: parking_lot::Condvar::new(),
+            generation: Arc::new(AtomicU64::new(reg.generation.number)),
+            ready: AtomicU64::new(0),
+            step: Arc::default(),
+            progress: Arc::default(),
+            beat_now: parking_lot::Mutex::new(false),
+            wake: parking_lot::Condvar::new(),
+            stop: AtomicBool::new(false),
+        });
+        let thread = {
+            let (client, shared, cluster) = (client.clone(), shared.clone(), reg.config.cluster.clone());
+            let (index, advertise) = (reg.index, advertise.to_string());
+            std::thread::Builder::new()
+                .name("sparrow-heartbeat".into())
+                .spawn(move || heartbeats(&client, kind, index, &advertise, &cluster, &shared))
+                .map_err(|e| ClusterError::Io { what: "starting the heartbeat thread".into(), source: e })?
+        };
+        Ok((Link { client, kind, index: reg.index, shared, thread: Some(thread) }, reg))
+    }
+
+    fn heard(&self) -> (JobState, Generation) {
+        self.shared.heard.lock().clone()
+    }
+
+    /// This role serves `generation` now (the coordinator hears it at once).
+    fn set_ready(&self, generation: u64) {
+        self.shared.ready.store(generation, Ordering::Relaxed);
+        self.beat();
+    }
+
+    fn beat(&self) {
+        *self.shared.beat_now.lock() = true;
+        self.shared.wake.notify_all();
+    }
+
+    /// Waits until the job leaves generation `number` or ends (or `timeout`
+    /// passes); returns what was heard last.
+    fn wait_change(&self, number: u64, timeout: Duration) -> (JobState, Generation) {
+        let deadline = Instant::now() + timeout;
+        let mut heard = self.shared.heard.lock();
+        while heard.0 == JobState::Running && heard.1.number == number {
+            if self.shared.changed.wait_until(&mut heard, deadline).timed_out() {
+                break;
+            }
+        }
+        heard.clone()
+    }
+
+    /// Reports this role's end in `generation`, or its failure.
+    fn finish(&self, error: Option<String>, generation: u64) {
+        if let Err(e) = self.client.finish(self.kind, self.index, error, generation) {
+            tracing::warn!("{} {}: reporting to the coordinator: {e}", self.kind.name(), self.index);
+        }
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        self.shared.wake.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The heartbeat thread: beats every `heartbeat_interval_ms` (or at once
+/// when asked), keeps the answers. A coordinator that does not know this
+/// role (it restarted) gets it registered again; one silent for
+/// `heartbeat_timeout_ms` ends the job for this role.
+fn heartbeats(
+    client: &CoordinatorClient,
+    kind: RoleKind,
+    index: usize,
+    advertise: &str,
     cluster: &ClusterConfig,
-    stop: &AtomicBool,
-    progress: &AtomicU64,
-) -> Result<(), ClusterError> {
+    shared: &LinkShared,
+) {
     let interval = Duration::from_millis(cluster.heartbeat_interval_ms);
     let timeout = Duration::from_millis(cluster.heartbeat_timeout_ms);
     let mut last_answer = Instant::now();
-    while !stop.load(Ordering::Relaxed) {
-        std::thread::sleep(interval);
-        match coordinator.heartbeat(kind, index, progress.load(Ordering::Relaxed)) {
-            Ok(JobState::Running) => last_answer = Instant::now(),
-            Ok(JobState::Done) => return Ok(()),
-            Ok(JobState::Failed(reason)) => return Err(ClusterError::JobFailed(reason)),
+    let set = |state: JobState, generation: Generation| {
+        shared.generation.store(generation.number, Ordering::Relaxed);
+        *shared.heard.lock() = (state, generation);
+        shared.changed.notify_all();
+    };
+    while !shared.stop.load(Ordering::Relaxed) {
+        {
+            let mut now = shared.beat_now.lock();
+            if !*now {
+                shared.wake.wait_for(&mut now, interval);
+            }
+            *now = false;
+        }
+        if shared.stop.load(Ordering::Relaxed) {
+            return;
+        }
+        let (ready, step) = (shared.ready.load(Ordering::Relaxed), shared.step.load(Ordering::Relaxed));
+        match client.heartbeat(kind, index, shared.progress.load(Ordering::Relaxed), ready, step) {
+            Ok((state, generation)) => {
+                last_answer = Instant::now();
+                let ended = state != JobState::Running;
+                set(state, generation);
+                if ended {
+                    return;
+                }
+            }
+            Err(ClusterError::Rpc { message, .. }) if message.contains("never registered") => {
+                let known = {
+                    let heard = shared.heard.lock();
+                    Known { generation: heard.1.number, committed: heard.1.committed.clone(), step }
+                };
+                match client.register(kind, advertise, Some(index), Some(&known)) {
+                    Ok(reg) => {
+                        tracing::info!("{} {index}: registered again with the coordinator", kind.name());
+                        last_answer = Instant::now();
+                        set(JobState::Running, reg.generation);
+                    }
+                    Err(e) => tracing::warn!("{} {index}: registering again: {e}", kind.name()),
+                }
+            }
             Err(e) if last_answer.elapsed() > timeout => {
-                return Err(ClusterError::Setup(format!(
-                    "{}: no answer for {} ms, stopping: {e}",
-                    coordinator.name(),
-                    last_answer.elapsed().as_millis()
-                )));
+                set(
+                    JobState::Failed(format!(
+                        "{}: no answer for {} ms, stopping: {e}",
+                        client.name(),
+                        last_answer.elapsed().as_millis()
+                    )),
+                    shared.heard.lock().1.clone(),
+                );
+                return;
             }
             Err(e) => tracing::warn!("heartbeat: {e}"),
         }
     }
-    Ok(())
 }
 
 /// Token and limits before the job's config is known: the defaults, the
@@ -181,7 +405,45 @@ fn connect_shards(
         .collect()
 }
 
-/// Serves a shard until the job ends.
+/// How long a role whose peer failed waits for the job's next generation
+/// before it calls the failure its own: a death is noticed within the
+/// heartbeat timeout, and the new generation follows at once.
+fn recovery_wait(cluster: &ClusterConfig) -> Duration {
+    Duration::from_millis(2 * cluster.heartbeat_timeout_ms + cluster.heartbeat_interval_ms)
+}
+
+/// What an ended job means for a role: `Ok` when done.
+fn ended(state: JobState) -> Result<(), ClusterError> {
+    match state {
+        JobState::Failed(reason) => Err(ClusterError::JobFailed(reason)),
+        _ => Ok(()),
+    }
+}
+
+/// The SSD tier's directory of shard `index` in `generation` (the first
+/// keeps the plain name).
+fn shard_subdir(index: usize, generation: u64) -> String {
+    if generation <= 1 { format!("shard-{index}") } else { format!("shard-{index}-g{generation}") }
+}
+
+/// Removes the SSD tier directories of shard `index` other than `current`
+/// (a dead process's or an abandoned generation's working files).
+fn remove_stale_tiers(config: &Config, index: usize, current: &str) {
+    let Some(root) = config.embedding.path.as_deref() else { return };
+    let Ok(entries) = std::fs::read_dir(root) else { return };
+    let plain = format!("shard-{index}");
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().to_string();
+        let ours = name == plain || name.strip_prefix(&format!("{plain}-g")).is_some_and(|g| g.parse::<u64>().is_ok());
+        if ours && name != current {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+/// Serves a shard until the job ends: each generation of the job gets a
+/// table restored from its checkpoint (or a fresh one), with its SSD tier in
+/// a fresh directory.
 pub fn run_shard(args: &RoleArgs) -> Result<(), ClusterError> {
     let rt = runtime()?;
     let metrics = RoleMetrics::new("shard");
@@ -189,51 +451,69 @@ pub fn run_shard(args: &RoleArgs) -> Result<(), ClusterError> {
     let (listener, bound) = rt.block_on(bind(args.listen, &boot))?;
     let advertise = args.advertise.clone().unwrap_or_else(|| bound.to_string());
     let coordinator = CoordinatorClient::connect(&args.coordinator, &boot, rt.handle(), metrics.clone())?;
-    let reg = coordinator.register(RoleKind::Shard, &advertise, args.index)?;
-    let settings = NetSettings::new(&reg.config.cluster, args.token.as_deref());
-    tracing::info!("shard {}: listening on {bound} (advertised as {advertise})", reg.index);
     // Heartbeats start now: restoring a large table must not read as silence.
-    let stop = Arc::new(AtomicBool::new(false));
-    let heartbeat = {
-        let (coordinator, cluster, stop, index) =
-            (coordinator.clone(), reg.config.cluster.clone(), stop.clone(), reg.index);
-        std::thread::spawn(move || {
-            heartbeat_until_end(&coordinator, RoleKind::Shard, index, &cluster, &stop, &AtomicU64::new(0))
-        })
-    };
-    let started = (|| -> Result<_, ClusterError> {
+    let (link, reg) = Link::register(coordinator, RoleKind::Shard, &advertise, args.index)?;
+    let (config, index) = (reg.config, reg.index);
+    let settings = NetSettings::new(&config.cluster, args.token.as_deref());
+    tracing::info!("shard {index}: listening on {bound} (advertised as {advertise})");
+    let serving = Arc::new(Serving::new(format!("shard {index}")));
+    let server = (|| -> Result<_, ClusterError> {
         serve_metrics(&metrics, args.metrics_listen, "shard", &settings, &rt)?;
-        let table = match sparrow_trainer::checkpoint::resume_dir(&reg.config)? {
-            Some(dir) => {
-                let table = crate::checkpoint::restore_shard_table(&reg.config, &dir, reg.index, reg.num_shards)?;
-                tracing::info!("shard {}: restored {} rows from {}", reg.index, table.len(), dir.display());
-                table
-            }
-            None => shard_table(&reg.config, reg.index)?,
-        };
-        let shard =
-            Arc::new(ShardServer::new(reg.index, table).with_max_reply_bytes(reg.config.cluster.max_message_bytes));
-        let service = crate::grpc::shard::service(shard, &settings, metrics);
+        let service = crate::grpc::shard::service(serving.clone(), &settings, metrics);
         Ok(rt.spawn(
             server_builder()
                 .add_service(service)
                 .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))),
         ))
     })();
-    let server = match started {
+    let server = match server {
         Ok(server) => server,
         Err(e) => {
-            stop.store(true, Ordering::Relaxed);
-            let _ = coordinator.finish(RoleKind::Shard, reg.index, Some(e.to_string()));
+            link.finish(Some(e.to_string()), 0);
             return Err(e);
         }
     };
-    let result = heartbeat.join().unwrap_or_else(|_| Err(ClusterError::Setup("the heartbeat thread panicked".into())));
+    let mut served = 0;
+    let result = loop {
+        let (state, generation) = link.heard();
+        if state != JobState::Running {
+            break ended(state);
+        }
+        if generation.number != served {
+            drop(serving.set(None));
+            let subdir = shard_subdir(index, generation.number);
+            let table = match &generation.restore {
+                Some(dir) => {
+                    faults::point("shard.restore");
+                    crate::checkpoint::restore_shard_table(&config, dir, index, reg.num_shards, &subdir).inspect(|t| {
+                        tracing::info!("shard {index}: restored {} rows from {}", t.len(), dir.display())
+                    })
+                }
+                None => shard_table_in(&config, index, &subdir),
+            };
+            let table = match table {
+                Ok(table) => table,
+                Err(e) => {
+                    link.finish(Some(e.to_string()), generation.number);
+                    break Err(e);
+                }
+            };
+            let shard = ShardServer::new(index, table)
+                .with_max_reply_bytes(config.cluster.max_message_bytes)
+                .for_generation(generation.number, &config);
+            serving.set(Some(Arc::new(shard)));
+            remove_stale_tiers(&config, index, &subdir);
+            served = generation.number;
+            link.set_ready(served);
+        }
+        link.wait_change(served, Duration::from_secs(3600));
+    };
     server.abort();
     result
 }
 
-/// Serves the loader until the job ends.
+/// Serves the loader until the job ends: each generation of the job reads
+/// the data on from its checkpoint's position, once every shard serves it.
 pub fn run_loader(args: &RoleArgs) -> Result<(), ClusterError> {
     let rt = runtime()?;
     let metrics = RoleMetrics::new("loader");
@@ -241,34 +521,57 @@ pub fn run_loader(args: &RoleArgs) -> Result<(), ClusterError> {
     let (listener, bound) = rt.block_on(bind(args.listen, &boot))?;
     let advertise = args.advertise.clone().unwrap_or_else(|| bound.to_string());
     let coordinator = CoordinatorClient::connect(&args.coordinator, &boot, rt.handle(), metrics.clone())?;
-    let reg = coordinator.register(RoleKind::Loader, &advertise, None)?;
-    let settings = NetSettings::new(&reg.config.cluster, args.token.as_deref());
+    let (link, reg) = Link::register(coordinator.clone(), RoleKind::Loader, &advertise, None)?;
+    let config = reg.config;
+    let settings = NetSettings::new(&config.cluster, args.token.as_deref());
     serve_metrics(&metrics, args.metrics_listen, "loader", &settings, &rt)?;
-    let (shard_addresses, _) = coordinator.wait_for_view(settings.connect_timeout)?;
-    let shards = connect_shards(&shard_addresses, &settings, &rt, &metrics)?;
-    let loader = match LoaderServer::start(&reg.config, shards) {
-        Ok(loader) => Arc::new(loader),
-        Err(e) => {
-            // Workers are waiting for this loader: fail the job with the cause.
-            let _ = coordinator.finish(RoleKind::Loader, 0, Some(e.to_string()));
-            return Err(e);
-        }
-    };
-    tracing::info!("loader: listening on {bound}, {} shard(s)", shard_addresses.len());
-    let service = crate::grpc::loader::service(loader, &settings, metrics);
+    let serving = Arc::new(Serving::new("the loader".to_string()));
+    let service = crate::grpc::loader::service(serving.clone(), &settings, metrics.clone());
     let server = rt.spawn(
         server_builder()
             .add_service(service)
             .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))),
     );
-    let result = heartbeat_until_end(
-        &coordinator,
-        RoleKind::Loader,
-        0,
-        &reg.config.cluster,
-        &AtomicBool::new(false),
-        &AtomicU64::new(0),
-    );
+    tracing::info!("loader: listening on {bound}");
+    let mut served = 0;
+    let result = loop {
+        let (state, generation) = link.heard();
+        if state != JobState::Running {
+            break ended(state);
+        }
+        if generation.number != served {
+            drop(serving.set(None));
+            let started = coordinator
+                .wait_for_view(generation.number, true, settings.connect_timeout)
+                .and_then(|view| connect_shards(&view.shards, &settings, &rt, &metrics))
+                .and_then(|shards| {
+                    LoaderServer::start_generation(&config, shards, generation.number, generation.restore.clone())
+                });
+            match started {
+                Ok(loader) => {
+                    serving.set(Some(Arc::new(loader)));
+                    served = generation.number;
+                    link.set_ready(served);
+                }
+                // A shard died while this generation started: the next one comes.
+                Err(e) if e.may_be_a_death() => {
+                    tracing::warn!("loader: generation {}: {e}", generation.number);
+                    let (_, next) = link.wait_change(generation.number, recovery_wait(&config.cluster));
+                    if next.number == generation.number && link.heard().0 == JobState::Running {
+                        // Workers are waiting for this loader: fail the job with the cause.
+                        link.finish(Some(e.to_string()), generation.number);
+                        break Err(e);
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    link.finish(Some(e.to_string()), generation.number);
+                    break Err(e);
+                }
+            }
+        }
+        link.wait_change(served, Duration::from_secs(3600));
+    };
     server.abort();
     result
 }
@@ -327,64 +630,99 @@ pub struct WorkerSummary {
     pub checkpoint: Option<String>,
 }
 
-/// Trains as one worker of the job; worker 0 also evaluates.
+/// Trains as one worker of the job until it is done; worker 0 also
+/// evaluates. When the job moves to a new generation (a role died) the
+/// worker starts again from the checkpoint the generation restores.
 pub fn run_worker(args: &RoleArgs) -> Result<WorkerSummary, ClusterError> {
     let rt = runtime()?;
     let metrics = RoleMetrics::new("worker");
     let boot = bootstrap_settings(args);
     let coordinator = CoordinatorClient::connect(&args.coordinator, &boot, rt.handle(), metrics.clone())?;
     let advertise = args.advertise.clone().unwrap_or_else(|| "-".into());
-    let reg = coordinator.register(RoleKind::Worker, &advertise, args.index)?;
-    let index = reg.index;
-    let result = (|| {
-        let settings = NetSettings::new(&reg.config.cluster, args.token.as_deref());
-        serve_metrics(&metrics, Some(args.listen), "worker", &settings, &rt)?;
-        let (shard_addresses, loader_address) = coordinator.wait_for_view(settings.connect_timeout)?;
-        let shards = connect_shards(&shard_addresses, &settings, &rt, &metrics)?;
-        let loader = LoaderClient::connect(&loader_address, &settings, rt.handle(), metrics.clone())?;
-        let summer = (reg.num_workers > 1).then(|| Arc::new(coordinator.clone()) as Arc<dyn RoundSummer>);
-        let stop = Arc::new(AtomicBool::new(false));
-        let progress = Arc::new(AtomicU64::new(0));
-        let heartbeat = {
-            let (coordinator, cluster, stop) = (coordinator.clone(), reg.config.cluster.clone(), stop.clone());
-            let progress = progress.clone();
-            std::thread::spawn(move || {
-                heartbeat_until_end(&coordinator, RoleKind::Worker, index, &cluster, &stop, &progress)
-            })
-        };
-        let pool = sparrow_trainer::run::compute_pool(reg.config.train.threads)?;
-        let summary = pool.install(|| worker_job(&reg.config, index, summer, &loader, &shards, progress));
-        stop.store(true, Ordering::Relaxed);
-        if let Ok(Err(e)) = heartbeat.join() {
-            tracing::warn!("worker {index}: {e}");
+    let (link, reg) = Link::register(coordinator.clone(), RoleKind::Worker, &advertise, args.index)?;
+    let (config, index) = (reg.config, reg.index);
+    let settings = NetSettings::new(&config.cluster, args.token.as_deref());
+    serve_metrics(&metrics, Some(args.listen), "worker", &settings, &rt)?;
+    let pool = sparrow_trainer::run::compute_pool(config.train.threads)?;
+    let mut done: Option<(u64, WorkerSummary)> = None;
+    loop {
+        let (state, generation) = link.heard();
+        match state {
+            JobState::Done => {
+                return done
+                    .filter(|(g, _)| *g == generation.number)
+                    .map(|(_, summary)| summary)
+                    .ok_or_else(|| ClusterError::Setup(format!("worker {index}: the job ended before this worker did")));
+            }
+            JobState::Failed(reason) => return Err(ClusterError::JobFailed(reason)),
+            JobState::Running => {}
         }
-        summary
-    })();
-    // The coordinator learns the outcome either way (an error fails the job).
-    let _ = coordinator.finish(RoleKind::Worker, index, result.as_ref().err().map(ToString::to_string));
-    result
+        if done.as_ref().is_some_and(|(g, _)| *g == generation.number) {
+            link.wait_change(generation.number, Duration::from_secs(3600));
+            continue;
+        }
+        let attempt = pool.install(|| {
+            worker_generation(&config, index, reg.num_workers, &generation, &coordinator, &link, &settings, &rt, &metrics)
+        });
+        match attempt {
+            Ok(summary) => {
+                link.finish(None, generation.number);
+                done = Some((generation.number, summary));
+            }
+            Err(e) if e.may_be_a_death() || link.heard().1.number != generation.number => {
+                tracing::warn!("worker {index}: generation {}: {e}", generation.number);
+                let (_, next) = link.wait_change(generation.number, recovery_wait(&config.cluster));
+                if next.number == generation.number && link.heard().0 == JobState::Running {
+                    link.finish(Some(e.to_string()), generation.number);
+                    return Err(e);
+                }
+            }
+            Err(e) => {
+                link.finish(Some(e.to_string()), generation.number);
+                return Err(e);
+            }
+        }
+    }
 }
 
-fn worker_job(
+/// One generation of a worker: waits for the shards and the loader to serve
+/// it, restores the dense state, trains, takes part in checkpoints, and
+/// (worker 0) evaluates.
+#[allow(clippy::too_many_arguments)]
+fn worker_generation(
     config: &Config,
     index: usize,
-    summer: Option<Arc<dyn RoundSummer>>,
-    loader: &dyn LoaderService,
-    shards: &[Arc<dyn ShardService>],
-    progress: Arc<AtomicU64>,
+    num_workers: usize,
+    generation: &Generation,
+    coordinator: &CoordinatorClient,
+    link: &Link,
+    settings: &NetSettings,
+    rt: &Runtime,
+    metrics: &RoleMetrics,
 ) -> Result<WorkerSummary, ClusterError> {
+    let view = coordinator.wait_for_view(generation.number, false, settings.connect_timeout)?;
+    let shards = connect_shards(&view.shards, settings, rt, metrics)?;
+    let loader = LoaderClient::connect(&view.loader, settings, rt.handle(), metrics.clone())?;
+    let summer = (num_workers > 1).then(|| Arc::new(coordinator.clone()) as Arc<dyn RoundSummer>);
     let layout = DataLayout::from_config(&config.data);
-    let mut worker = new_worker(config, &layout, index, summer)?;
-    worker.progress = progress;
-    if let Some(dir) = sparrow_trainer::checkpoint::resume_dir(config)? {
-        worker.resume(crate::checkpoint::restore_dense(config, &dir)?);
+    let mut worker = new_worker_in(config, &layout, index, summer, generation.number)?;
+    worker.progress = link.shared.progress.clone();
+    worker.reported_step = link.shared.step.clone();
+    worker.watch_generation(link.shared.generation.clone());
+    if let Some(dir) = &config.checkpoint.dir {
+        let sink = Arc::new(coordinator.clone()) as Arc<dyn crate::worker::CheckpointSink>;
+        worker.with_checkpoints(sink, PathBuf::from(dir), config.checkpoint.every_steps);
     }
-    worker.run_training(loader, shards)?;
+    if let Some(dir) = &generation.restore {
+        worker.resume(crate::checkpoint::restore_dense(config, dir)?);
+    }
+    link.set_ready(generation.number);
+    worker.run_training(&loader, &shards)?;
     let mut summary = WorkerSummary { worker: index, ..Default::default() };
     if index == 0 {
         let start = Instant::now();
         if config.data.test.is_some() {
-            let (logits, labels) = worker.run_eval(loader, shards)?;
+            let (logits, labels) = worker.run_eval(&loader, &shards)?;
             summary.test_auc = Some(auc(&logits, &labels));
             summary.test_logloss = Some(log_loss_from_logits(&logits, &labels));
             summary.test_rows = labels.len() as u64;
@@ -411,12 +749,7 @@ fn worker_job(
     summary.phase_secs = s.phase_secs;
     summary.bad_rows = s.bad_rows;
     summary.dense_checksum = format!("{:016x}", worker.dense_checksum()?);
-    if let (0, Some(dir)) = (index, &config.checkpoint.dir) {
-        let progress = worker.progress.clone();
-        let saved = crate::checkpoint::save(config, Path::new(dir), worker.into_dense_state(), &progress, shards)?;
-        tracing::info!("worker 0: checkpoint written to {}", saved.display());
-        summary.checkpoint = Some(saved.display().to_string());
-    }
+    summary.checkpoint = worker.last_checkpoint().map(|d| d.display().to_string());
     summary.peak_rss_bytes = sparrow_trainer::peak_rss_bytes();
     Ok(summary)
 }

@@ -1,20 +1,30 @@
 //! An embedding shard (S0.5, S3.4): its part of the key space, and the keys of
 //! the batches queued for it by batch id (S0.2).
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
+use std::path::Path;
+use std::time::Instant;
 
 use sparrow_core::Config;
 use sparrow_embedding::{EmbeddingTable, KeyPlan, RowSlots, Staged};
 
-use crate::messages::Mode;
-use crate::transport::{ClusterError, ExportPage, ShardReport, ShardService};
+use crate::faults;
+use crate::messages::{Mode, generation_of};
+use crate::transport::{ClusterError, ExportPage, PartWritten, ShardReport, ShardService};
 
 /// A shard role's table, built from the config the way every shard builds
 /// it (an SSD tier goes to `embedding.path/shard-<index>`), with the same
 /// `ttl_steps` floor as `sparrow train`'s table.
 pub fn shard_table(config: &Config, index: usize) -> Result<EmbeddingTable, ClusterError> {
-    sparrow_trainer::trainer::model_table(config, Some(&format!("shard-{index}")))
+    shard_table_in(config, index, &format!("shard-{index}"))
+}
+
+/// [`shard_table`] with its SSD tier in `embedding.path/<subdir>`: a
+/// restarted generation builds a fresh tier beside the old one (whose files
+/// a request of the abandoned attempt may still be writing).
+pub fn shard_table_in(config: &Config, index: usize, subdir: &str) -> Result<EmbeddingTable, ClusterError> {
+    sparrow_trainer::trainer::model_table(config, Some(subdir))
         .map_err(|source| ClusterError::Table { shard: index, source })
 }
 
@@ -38,6 +48,13 @@ pub struct ShardServer {
     /// `cluster.max_message_bytes`: a pull whose reply would not fit is
     /// refused from its key count, before any row is copied.
     max_reply_bytes: usize,
+    /// The job's attempt this table belongs to: batch ids of another are refused.
+    generation: u64,
+    /// Enqueue, pull and push share it; writing a checkpoint part takes it
+    /// alone, so the part is a cut (no row moves while the walk runs).
+    cut: RwLock<()>,
+    /// The job's config, for checkpoint parts (none: this shard writes none).
+    config: Option<Config>,
 }
 
 /// Bytes a pull reply of `keys` rows of `dim` floats takes on the wire (the
@@ -48,7 +65,41 @@ fn pull_reply_bytes(keys: usize, dim: usize) -> usize {
 
 impl ShardServer {
     pub fn new(index: usize, table: EmbeddingTable) -> Self {
-        ShardServer { index, table, pending: Mutex::new(HashMap::new()), max_reply_bytes: usize::MAX }
+        ShardServer {
+            index,
+            table,
+            pending: Mutex::new(HashMap::new()),
+            max_reply_bytes: usize::MAX,
+            generation: 0,
+            cut: RwLock::new(()),
+            config: None,
+        }
+    }
+
+    /// Serves generation `generation` of the job, writing checkpoint parts as
+    /// `config` says.
+    pub fn for_generation(mut self, generation: u64, config: &Config) -> Self {
+        self.generation = generation;
+        self.config = Some(config.clone());
+        self
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Refuses a batch id of another generation (a request of an abandoned attempt).
+    fn check_generation(&self, batch_id: u64) -> Result<(), ClusterError> {
+        let found = generation_of(batch_id);
+        if found != self.generation {
+            return Err(ClusterError::StaleGeneration {
+                peer: format!("shard {}", self.index),
+                what: format!("batch {batch_id}"),
+                found,
+                serving: self.generation,
+            });
+        }
+        Ok(())
     }
 
     /// Caps pull replies at `bytes` (the job's `cluster.max_message_bytes`).
@@ -73,6 +124,8 @@ impl ShardServer {
 
 impl ShardService for ShardServer {
     fn enqueue(&self, batch_id: u64, keys: Vec<u64>, mode: Mode) -> Result<(), ClusterError> {
+        self.check_generation(batch_id)?;
+        let _cut = self.cut.read();
         // S3.5: with an SSD tier, a training batch's rows are staged into the
         // cache while it waits in the queue, so its pull reads memory only.
         let (plan, staged) = match mode {
@@ -89,6 +142,9 @@ impl ShardService for ShardServer {
     }
 
     fn pull(&self, batch_id: u64) -> Result<Vec<f32>, ClusterError> {
+        faults::point("shard.pull");
+        self.check_generation(batch_id)?;
+        let _cut = self.cut.read();
         let dim = self.table.dim();
         let (keys, mode, plan, _staged) = match self.take(batch_id)? {
             Pending::Queued { keys, .. } if pull_reply_bytes(keys.len(), dim) > self.max_reply_bytes => {
@@ -129,6 +185,9 @@ impl ShardService for ShardServer {
     }
 
     fn push(&self, batch_id: u64, grads: Vec<f32>) -> Result<(), ClusterError> {
+        faults::point("shard.push");
+        self.check_generation(batch_id)?;
+        let _cut = self.cut.read();
         let dim = self.table.dim();
         let (plan, slots) = {
             let mut pending = self.pending.lock();
@@ -180,6 +239,43 @@ impl ShardService for ShardServer {
             .map_err(|source| ClusterError::Table { shard: self.index, source })?;
         let filters = (cursor == (0, 0)).then(|| self.table.filter_state());
         Ok(ExportPage { keys, rows, last_uses, filters, next })
+    }
+
+    fn write_part(&self, generation: u64, dir: &Path, since: Option<u64>) -> Result<PartWritten, ClusterError> {
+        if generation != self.generation {
+            return Err(ClusterError::StaleGeneration {
+                peer: format!("shard {}", self.index),
+                what: "a checkpoint request".into(),
+                found: generation,
+                serving: self.generation,
+            });
+        }
+        let config = self
+            .config
+            .as_ref()
+            .ok_or_else(|| ClusterError::Setup(format!("shard {}: not set up to write checkpoints", self.index)))?;
+        faults::point("shard.write_part");
+        let start = Instant::now();
+        let written = {
+            let _cut = self.cut.write();
+            sparrow_trainer::checkpoint::write_part(&self.table, dir, self.index, since, config)?
+        };
+        let secs = start.elapsed().as_secs_f64();
+        faults::point("shard.part_written");
+        tracing::info!(
+            "shard {}: wrote {} rows ({} bytes) into {} in {secs:.3} s",
+            self.index,
+            written.part.rows,
+            written.files.iter().map(|(_, b)| b).sum::<u64>(),
+            dir.display()
+        );
+        Ok(PartWritten {
+            written,
+            secs,
+            dim: self.table.dim(),
+            row_len: self.table.row_len(),
+            total_rows: self.table.len() as u64,
+        })
     }
 }
 

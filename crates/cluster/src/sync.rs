@@ -32,6 +32,8 @@ pub type RoundResult = Arc<(Vec<f32>, u64)>;
 #[derive(Clone, Debug)]
 pub struct Contribution {
     pub worker: usize,
+    /// The job's attempt the worker trains in (a coordinator refuses another).
+    pub generation: u64,
     pub round: u64,
     pub grads: Vec<f32>,
     pub rows: u64,
@@ -76,7 +78,7 @@ impl RoundSum {
     /// worker has still not contributed after `patience` (and `rows > 0`);
     /// otherwise waits for the round to close and returns its sum.
     pub fn sum(&self, c: Contribution) -> Result<RoundReply, ClusterError> {
-        let Contribution { worker, round, grads, rows, patience } = c;
+        let Contribution { worker, round, grads, rows, patience, .. } = c;
         let workers = self.workers;
         if worker >= workers {
             return Err(ClusterError::Setup(format!("worker {worker}: only {workers} workers are expected")));
@@ -173,6 +175,7 @@ impl RoundSummer for RoundSum {
 /// the every-step sum across workers (S0.6 with S2.2).
 pub struct RoundSync {
     worker: usize,
+    generation: u64,
     round: u64,
     summer: Arc<dyn RoundSummer>,
     /// When this worker's previous contribution was answered: the time since
@@ -182,7 +185,13 @@ pub struct RoundSync {
 
 impl RoundSync {
     pub fn new(worker: usize, summer: Arc<dyn RoundSummer>) -> Self {
-        RoundSync { worker, round: 0, summer, last_answer: None }
+        RoundSync { worker, generation: 0, round: 0, summer, last_answer: None }
+    }
+
+    /// Contributes to the rounds of the job's attempt `generation`.
+    pub fn in_generation(mut self, generation: u64) -> Self {
+        self.generation = generation;
+        self
     }
 }
 
@@ -193,6 +202,7 @@ impl DenseSync for RoundSync {
         let batch_time = self.last_answer.map_or(Duration::ZERO, |t| t.elapsed());
         let reply = self.summer.sum_round(Contribution {
             worker: self.worker,
+            generation: self.generation,
             round: self.round,
             grads: grads.flat_sum_terms(params),
             rows: grads.rows,

@@ -36,6 +36,14 @@ pub enum ClusterError {
     Setup(String),
     #[error("interrupted (Ctrl-C): every role was stopped")]
     Interrupted,
+    /// A request of an attempt the job gave up (a role died; every role went
+    /// back to the last committed checkpoint).
+    #[error("{peer}: {what} belongs to generation {found}, this role serves generation {serving}")]
+    StaleGeneration { peer: String, what: String, found: u64, serving: u64 },
+    /// This role's attempt was given up while it worked: the job goes on in
+    /// `generation`, from the last committed checkpoint.
+    #[error("the job moved to generation {generation} (a role died): going back to the last checkpoint")]
+    GenerationChanged { generation: u64 },
     #[error(transparent)]
     Data(#[from] sparrow_data::DataError),
     #[error(transparent)]
@@ -46,6 +54,26 @@ pub enum ClusterError {
     Config(#[from] sparrow_core::config::ConfigError),
     #[error("{what}: {source}")]
     Io { what: String, source: std::io::Error },
+}
+
+impl ClusterError {
+    /// Whether this error may be the symptom of another role's death (a
+    /// peer gone, a request of an abandoned attempt): a role that gets it
+    /// waits for the job's next generation before calling it a failure.
+    pub fn may_be_a_death(&self) -> bool {
+        match self {
+            ClusterError::Rpc { .. }
+            | ClusterError::Unreachable { .. }
+            | ClusterError::UnknownBatch { .. }
+            | ClusterError::StaleGeneration { .. }
+            | ClusterError::GenerationChanged { .. } => true,
+            ClusterError::Loader(inner) => inner.may_be_a_death(),
+            ClusterError::Train(sparrow_trainer::TrainError::DenseSync(e)) => {
+                e.downcast_ref::<ClusterError>().is_some_and(ClusterError::may_be_a_death)
+            }
+            _ => false,
+        }
+    }
 }
 
 /// Rows exported from a shard: keys and their full rows, and where to go on.
@@ -118,11 +146,54 @@ pub trait ShardService: Send + Sync {
     /// A page of at most `max_rows` full rows (vector + optimizer state) from
     /// `cursor`, and the cursor after it (`None`: done).
     fn export(&self, cursor: (usize, usize), max_rows: usize) -> Result<ExportPage, ClusterError>;
+    /// Writes this shard's part of a checkpoint into `dir` (every row, or
+    /// those used after clock `since`), with no update running meanwhile.
+    fn write_part(&self, generation: u64, dir: &std::path::Path, since: Option<u64>)
+    -> Result<PartWritten, ClusterError>;
+}
+
+/// A shard's reply to [`ShardService::write_part`].
+#[derive(Clone, Debug)]
+pub struct PartWritten {
+    pub written: sparrow_trainer::checkpoint::WrittenPart,
+    pub secs: f64,
+    pub dim: usize,
+    pub row_len: usize,
+    /// Rows the shard holds (the part may hold fewer: incremental).
+    pub total_rows: u64,
 }
 
 /// The loader as seen by the workers: a queue of batches each worker pulls
 /// from at its own pace (S2.2), training data first, then evaluation data.
 pub trait LoaderService: Send + Sync {
     /// The next batch of the phase, `None` once its data is exhausted.
-    fn next_batch(&self, worker: usize, mode: Mode) -> Result<Option<WorkerBatch>, ClusterError>;
+    /// `generation`: the worker's; a loader serving another refuses.
+    fn next_batch(&self, worker: usize, mode: Mode, generation: u64) -> Result<Option<WorkerBatch>, ClusterError>;
+}
+
+/// What a role's server answers with: the role object of the generation it
+/// serves, swapped when the job moves to a new one (none while it restores).
+pub struct Serving<T> {
+    what: String,
+    current: parking_lot::RwLock<Option<std::sync::Arc<T>>>,
+}
+
+impl<T> Serving<T> {
+    /// `what` names the role in the error a request gets while it restores.
+    pub fn new(what: String) -> Self {
+        Serving { what, current: parking_lot::RwLock::new(None) }
+    }
+
+    pub fn get(&self) -> Result<std::sync::Arc<T>, ClusterError> {
+        self.current.read().clone().ok_or_else(|| ClusterError::Rpc {
+            peer: self.what.clone(),
+            method: "serve",
+            message: "restoring the last checkpoint, not serving yet".into(),
+        })
+    }
+
+    /// Replaces what is served; returns the previous one.
+    pub fn set(&self, next: Option<std::sync::Arc<T>>) -> Option<std::sync::Arc<T>> {
+        std::mem::replace(&mut *self.current.write(), next)
+    }
 }

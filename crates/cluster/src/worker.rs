@@ -6,6 +6,7 @@
 //! step (S0.6, [`crate::sync::RoundSync`]).
 
 use std::collections::VecDeque;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -24,6 +25,8 @@ use sparrow_trainer::pooling::{Bags, pool};
 use sparrow_trainer::trainer::seeds;
 
 use crate::checkpoint::DenseState;
+use crate::coordinator::WorkerCut;
+use crate::faults;
 use crate::messages::{Mode, WorkerBatch};
 use crate::sync::{RoundSummer, RoundSync};
 use crate::transport::{ClusterError, LoaderService, ShardService};
@@ -93,6 +96,30 @@ pub struct Worker {
     /// Moves with every batch trained or evaluated and every idle round: the
     /// heartbeat carries it, so a worker stuck in a loop is seen as stuck.
     pub progress: Arc<AtomicU64>,
+    /// The job's attempt this worker trains in, and the newest generation
+    /// its heartbeats heard of: when they differ the attempt was given up.
+    generation: u64,
+    heard_generation: Option<Arc<AtomicU64>>,
+    /// This worker's dense step, for its heartbeats.
+    pub reported_step: Arc<AtomicU64>,
+    checkpoints: Option<Checkpoints>,
+}
+
+/// Where a worker's checkpoints go: the coordinator gathers every worker at
+/// the step and commits the version once the shards wrote their parts.
+pub trait CheckpointSink: Send + Sync {
+    fn checkpoint(&self, cut: WorkerCut) -> Result<PathBuf, ClusterError>;
+}
+
+/// `checkpoint.every_steps` and the job's end, as a worker takes part in them.
+struct Checkpoints {
+    sink: Arc<dyn CheckpointSink>,
+    root: PathBuf,
+    every: Option<u64>,
+    /// The step of the last checkpoint this worker took part in (or restored).
+    last_step: u64,
+    /// The last version committed.
+    last: Option<PathBuf>,
 }
 
 fn bags(batch: &WorkerBatch) -> Bags<'_> {
@@ -114,6 +141,17 @@ pub fn new_worker(
     index: usize,
     summer: Option<Arc<dyn RoundSummer>>,
 ) -> Result<Worker, ClusterError> {
+    new_worker_in(config, layout, index, summer, 0)
+}
+
+/// [`new_worker`] for generation `generation` of the job.
+pub fn new_worker_in(
+    config: &Config,
+    layout: &DataLayout,
+    index: usize,
+    summer: Option<Arc<dyn RoundSummer>>,
+    generation: u64,
+) -> Result<Worker, ClusterError> {
     let (_, dense_seed) = seeds(config.train.seed);
     let shape = ModelShape {
         num_fields: layout.num_fields,
@@ -122,12 +160,14 @@ pub fn new_worker(
     };
     let model = DenseModel::new(&config.model, shape, dense_seed, Device::Cpu).map_err(TrainError::from)?;
     let sync: Box<dyn DenseSync> = match summer {
-        Some(summer) => Box::new(RoundSync::new(index, summer)),
+        Some(summer) => Box::new(RoundSync::new(index, summer).in_generation(generation)),
         None => Box::new(LocalSync),
     };
     let optimizer = DenseOptimizer::new(config.dense_optimizer.clone());
-    Ok(Worker::new(index, model, optimizer, sync, config.model.pooling)
-        .with_pipeline_depth(config.train.pipeline_depth))
+    let mut worker = Worker::new(index, model, optimizer, sync, config.model.pooling)
+        .with_pipeline_depth(config.train.pipeline_depth);
+    worker.generation = generation;
+    Ok(worker)
 }
 
 /// Runs `call` for every shard with a non-empty part, concurrently when
@@ -299,14 +339,107 @@ impl Worker {
             packed_input: Vec::new(),
             stats: WorkerStats::default(),
             progress: Arc::default(),
+            generation: 0,
+            heard_generation: None,
+            reported_step: Arc::default(),
+            checkpoints: None,
         }
     }
 
-    /// Takes a checkpoint's dense state (a resumed job).
+    /// Takes a checkpoint's dense state (a resumed job, or a generation
+    /// restarted from it). Worker 0 counts the checkpoint's samples and
+    /// steps as trained (the job's totals stay those of an uninterrupted run).
     pub fn resume(&mut self, dense: DenseState) {
         self.model = dense.model;
         self.optimizer.take_state_from(dense.optimizer);
         self.stats.last_end = dense.position;
+        if self.index == 0 {
+            self.stats.rows = self.optimizer.samples_stepped;
+            self.stats.batches = self.optimizer.step;
+        }
+        if let Some(c) = &mut self.checkpoints {
+            c.last_step = self.optimizer.step;
+        }
+        self.reported_step.store(self.optimizer.step, Ordering::Relaxed);
+    }
+
+    /// Gives up training when `heard` (the newest generation the heartbeats
+    /// heard of) leaves this worker's generation.
+    pub fn watch_generation(&mut self, heard: Arc<AtomicU64>) {
+        self.heard_generation = Some(heard);
+    }
+
+    /// Takes part in the job's checkpoints under `root`: every `every`
+    /// steps and at the end of training.
+    pub fn with_checkpoints(&mut self, sink: Arc<dyn CheckpointSink>, root: PathBuf, every: Option<u64>) {
+        let last_step = self.optimizer.step;
+        self.checkpoints = Some(Checkpoints { sink, root, every, last_step, last: None });
+    }
+
+    /// The last checkpoint this worker took part in.
+    pub fn last_checkpoint(&self) -> Option<&PathBuf> {
+        self.checkpoints.as_ref().and_then(|c| c.last.as_ref())
+    }
+
+    fn check_generation(&self) -> Result<(), ClusterError> {
+        match &self.heard_generation {
+            Some(heard) if heard.load(Ordering::Relaxed) != self.generation => {
+                Err(ClusterError::GenerationChanged { generation: heard.load(Ordering::Relaxed) })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether the step just made is a checkpoint step (`every_steps`).
+    fn checkpoint_due(&self) -> bool {
+        let step = self.optimizer.step;
+        self.checkpoints.as_ref().is_some_and(|c| {
+            step > c.last_step && c.every.is_some_and(|every| every > 0 && step.is_multiple_of(every))
+        })
+    }
+
+    /// Takes part in a checkpoint at the current step (every update pushed).
+    fn checkpoint_now(&mut self) -> Result<(), ClusterError> {
+        faults::point("worker.checkpoint");
+        let Some(c) = &self.checkpoints else { return Ok(()) };
+        let step = self.optimizer.step;
+        let wrote_dense = self.index == 0;
+        if wrote_dense {
+            crate::checkpoint::write_dense(&c.root, step, self.generation, &self.model, &self.optimizer)?;
+        }
+        let cut = WorkerCut {
+            worker: self.index,
+            generation: self.generation,
+            step,
+            samples_trained: self.optimizer.samples_stepped,
+            dense_optimizer_step: self.optimizer.step,
+            position: self.stats.last_end,
+            wrote_dense,
+        };
+        let dir = c.sink.checkpoint(cut)?;
+        if let Some(c) = &mut self.checkpoints {
+            c.last_step = step;
+            c.last = Some(dir);
+        }
+        self.progress.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// After a step: gives up if the job moved on, checkpoints when due.
+    fn after_step<S: RowSource<Batch = WorkerBatch, Ticket = (), Error = ClusterError>>(
+        &mut self,
+        engine: Option<(&mut StepEngine<WorkerBatch, ()>, &S)>,
+    ) -> Result<(), ClusterError> {
+        self.reported_step.store(self.optimizer.step, Ordering::Relaxed);
+        faults::point("worker.step");
+        self.check_generation()?;
+        if self.checkpoint_due() {
+            if let Some((engine, rows)) = engine {
+                self.stats.phase_secs.push += engine.flush(rows)?;
+            }
+            self.checkpoint_now()?;
+        }
+        Ok(())
     }
 
     /// This worker's part of a checkpoint.
@@ -376,11 +509,12 @@ impl Worker {
         let start = Instant::now();
         let index = self.index;
         let rows = RemoteRows { shards, width: self.model.width(), traffic: Mutex::default() };
+        let generation = self.generation;
         std::thread::scope(|scope| {
             let (tx, rx) = crossbeam_channel::bounded(1);
             let prefetch = scope.spawn(move || -> Result<(), ClusterError> {
                 loop {
-                    let batch = loader.next_batch(index, Mode::Train)?;
+                    let batch = loader.next_batch(index, Mode::Train, generation)?;
                     let end = batch.is_none();
                     if tx.send(batch).is_err() || end {
                         return Ok(());
@@ -391,8 +525,11 @@ impl Worker {
                 // Joins the rounds with nothing until every worker is out of data.
                 while idle_step(&self.model, &mut self.optimizer, self.sync.as_mut())? {
                     self.progress.fetch_add(1, Ordering::Relaxed);
+                    self.after_step::<RemoteRows<'_>>(None)?;
                 }
-                Ok(())
+                // The job's last checkpoint (unless the last step made one).
+                let end = self.checkpoints.as_ref().is_some_and(|c| self.optimizer.step > c.last_step);
+                if end { self.checkpoint_now() } else { Ok(()) }
             });
             drop(rx);
             // A loader error ends the prefetch thread first; report it over the
@@ -436,6 +573,7 @@ impl Worker {
             if let Some(e) = stepped.deferred {
                 return Err(e);
             }
+            self.after_step(Some((&mut engine, rows)))?;
         }
         self.stats.phase_secs.push += engine.flush(rows)?;
         self.stats.phase_secs.next_batch += next_batch_secs;
@@ -461,7 +599,7 @@ impl Worker {
         shards: &[Arc<dyn ShardService>],
     ) -> Result<(Vec<f32>, Vec<f32>), ClusterError> {
         let (mut logits, mut labels) = (Vec::new(), Vec::new());
-        while let Some(batch) = loader.next_batch(self.index, Mode::Eval)? {
+        while let Some(batch) = loader.next_batch(self.index, Mode::Eval, self.generation)? {
             self.stats.bad_rows = self.stats.bad_rows.max(batch.bad_rows);
             labels.extend_from_slice(&batch.labels);
             logits.extend(self.predict(batch, shards)?);

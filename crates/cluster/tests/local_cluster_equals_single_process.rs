@@ -161,11 +161,16 @@ fn a_faster_worker_takes_more_batches_and_replicas_stay_identical() {
         slow_worker: usize,
     }
     impl LoaderService for SlowFor<'_> {
-        fn next_batch(&self, worker: usize, mode: Mode) -> Result<Option<sparrow_cluster::WorkerBatch>, ClusterError> {
+        fn next_batch(
+            &self,
+            worker: usize,
+            mode: Mode,
+            generation: u64,
+        ) -> Result<Option<sparrow_cluster::WorkerBatch>, ClusterError> {
             if worker == self.slow_worker {
                 std::thread::sleep(std::time::Duration::from_millis(40));
             }
-            self.inner.next_batch(worker, mode)
+            self.inner.next_batch(worker, mode, generation)
         }
     }
     let tmp = tempfile::tempdir().expect("tmp");
@@ -246,22 +251,34 @@ fn ssd_shards_prefetch_queued_batches_and_train_the_same_model() {
 /// A cluster checkpoint keeps the shards' feature-filter state: every row's
 /// last use (`ttl_steps`), the lookup clock and the admission counters, so a
 /// resumed job (on any shard count) ages and admits keys where it stopped.
+/// Written the way a job writes it: the worker, its updates pushed, meets the
+/// coordinator, which has each shard write its part and commits the version.
 #[test]
 fn a_cluster_checkpoint_keeps_the_shards_filter_state() {
     let tmp = tempfile::tempdir().expect("tmp");
     sparrow_data::synth::generate(tmp.path(), 3000, 100, 9).expect("generate");
-    let c = config_with(tmp.path(), "dlrm", &["embedding.admit_min_count=3", "embedding.ttl_steps=200"]);
+    let root = tmp.path().join("ck");
+    let c = config_with(
+        tmp.path(),
+        "dlrm",
+        &["embedding.admit_min_count=3", "embedding.ttl_steps=200", &format!("checkpoint.dir={:?}", root.display().to_string())],
+    );
     let layout = sparrow_data::DataLayout::from_config(&c.data);
-    let servers: Vec<Arc<ShardServer>> =
-        (0..2).map(|i| Arc::new(ShardServer::new(i, shard_table(&c, i).expect("table")))).collect();
+    let servers: Vec<Arc<ShardServer>> = (0..2)
+        .map(|i| Arc::new(ShardServer::new(i, shard_table(&c, i).expect("table")).for_generation(1, &c)))
+        .collect();
     let shards: Vec<Arc<dyn ShardService>> = servers.iter().map(|s| s.clone() as Arc<dyn ShardService>).collect();
-    let loader = LoaderServer::start(&c, shards.clone()).expect("loader");
-    let mut worker = new_worker(&c, &layout, 0, None).expect("worker");
+    let coordinator = Arc::new(
+        sparrow_cluster::coordinator::Coordinator::new(&c, 2, 1)
+            .expect("coordinator")
+            .with_dialer(Arc::new(sparrow_cluster::coordinator::LocalShards(shards.clone()))),
+    );
+    let loader = LoaderServer::start_generation(&c, shards.clone(), 1, None).expect("loader");
+    let mut worker = sparrow_cluster::worker::new_worker_in(&c, &layout, 0, None, 1).expect("worker");
+    worker.with_checkpoints(coordinator.clone(), root.clone(), None);
     worker.run_training(&loader, &shards).expect("train");
-    let progress = worker.progress.clone();
-    let saved =
-        sparrow_cluster::checkpoint::save(&c, &tmp.path().join("ck"), worker.into_dense_state(), &progress, &shards)
-            .expect("save");
+    let saved = worker.last_checkpoint().expect("the end of training is checkpointed").clone();
+    assert_eq!(sparrow_trainer::checkpoint::resolve(&root).expect("LATEST"), saved);
     let (restored, _, _) = sparrow_trainer::checkpoint::load_trainer(&saved, &[]).expect("load");
 
     let uses = |t: &EmbeddingTable| {

@@ -14,7 +14,7 @@ use sparrow_data::DataLayout;
 use sparrow_embedding::{EmbeddingTable, owner};
 use sparrow_trainer::Trainer;
 use sparrow_trainer::checkpoint::{
-    FORMAT_VERSION, Manifest, Part, commit, hash_file, load_into, load_shard_into, resolve, stored_config, write_part,
+    FORMAT_VERSION, Manifest, commit, hash_file, load_into, load_shard_into, resolve, stored_config, write_part,
 };
 
 const SHARDS: usize = 2;

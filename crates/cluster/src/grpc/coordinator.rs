@@ -12,10 +12,31 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 
 use super::{AuthedChannel, CheckToken, NetSettings, Peer, blocking, bytes_to_f32s, connect, f32s_to_bytes};
-use crate::coordinator::{Coordinator, JobState, RoleKind};
+use crate::coordinator::{Coordinator, Generation, JobState, Known, RoleKind, View, WorkerCut};
 use crate::metrics::RoleMetrics;
 use crate::sync::{Contribution, RoundReply, RoundSummer};
 use crate::transport::ClusterError;
+use crate::worker::CheckpointSink;
+
+fn generation_to_proto(g: &Generation) -> pb::Generation {
+    let path = |p: &Option<std::path::PathBuf>| p.as_ref().map(|d| d.display().to_string()).unwrap_or_default();
+    pb::Generation { number: g.number, restore: path(&g.restore), committed: path(&g.committed) }
+}
+
+fn generation_from(g: Option<pb::Generation>) -> Generation {
+    let g = g.unwrap_or_default();
+    let path = |p: String| (!p.is_empty()).then(|| std::path::PathBuf::from(p));
+    Generation { number: g.number, restore: path(g.restore), committed: path(g.committed) }
+}
+
+fn position_to_proto(p: sparrow_core::batch::DataPosition) -> pb::DataPosition {
+    pb::DataPosition { epoch: p.epoch, offset: p.offset, line: p.line }
+}
+
+fn position_from(p: Option<pb::DataPosition>) -> sparrow_core::batch::DataPosition {
+    let p = p.unwrap_or_default();
+    sparrow_core::batch::DataPosition { epoch: p.epoch, offset: p.offset, line: p.line }
+}
 
 fn role_to_proto(kind: RoleKind) -> pb::Role {
     match kind {
@@ -49,13 +70,19 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
         let r = request.into_inner();
         let kind = role_from_proto(r.role)?;
         let index = usize::try_from(r.index).ok();
+        let known = (r.generation > 0).then(|| Known {
+            generation: r.generation,
+            committed: (!r.committed.is_empty()).then(|| std::path::PathBuf::from(&r.committed)),
+            step: r.step,
+        });
         let coordinator = self.coordinator.clone();
-        let index = blocking(move || coordinator.register(kind, r.address, index)).await?;
+        let (index, generation) = blocking(move || coordinator.register(kind, r.address, index, known)).await?;
         Ok(Response::new(pb::RegisterReply {
             index: index as u32,
             num_shards: self.coordinator.num_shards() as u32,
             num_workers: self.coordinator.num_workers() as u32,
             config_toml: self.coordinator.config_toml().to_string(),
+            generation: Some(generation_to_proto(&generation)),
         }))
     }
 
@@ -63,19 +90,51 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
         let r = request.into_inner();
         let kind = role_from_proto(r.role)?;
         let coordinator = self.coordinator.clone();
-        let state = blocking(move || coordinator.heartbeat(kind, r.index as usize, r.progress)).await?;
-        Ok(Response::new(state_reply(&state)))
+        let (state, generation) = blocking(move || {
+            coordinator.heartbeat(kind, r.index as usize, r.progress, r.ready_generation, r.step)
+        })
+        .await?;
+        let mut reply = state_reply(&state);
+        reply.generation = Some(generation_to_proto(&generation));
+        Ok(Response::new(reply))
     }
 
-    async fn view(&self, _: Request<pb::Empty>) -> Result<Response<pb::ViewReply>, Status> {
+    async fn view(&self, request: Request<pb::ViewRequest>) -> Result<Response<pb::ViewReply>, Status> {
+        let asked = request.into_inner().generation;
         let coordinator = self.coordinator.clone();
-        let (complete, shards, loader, state) = blocking(move || {
-            let (complete, shards, loader) = coordinator.view();
-            Ok((complete, shards, loader, coordinator.state()))
+        let (view, state, current) = blocking(move || {
+            Ok((coordinator.view(asked), coordinator.state(), coordinator.generation().number))
         })
         .await?;
         let state = state_reply(&state);
-        Ok(Response::new(pb::ViewReply { complete, shards, loader, state: state.state, message: state.message }))
+        Ok(Response::new(pb::ViewReply {
+            complete: view.complete,
+            shards: view.shards,
+            loader: view.loader,
+            state: state.state,
+            message: state.message,
+            shards_ready: view.shards_ready,
+            generation: current,
+        }))
+    }
+
+    async fn checkpoint(
+        &self,
+        request: Request<pb::CheckpointRequest>,
+    ) -> Result<Response<pb::CheckpointReply>, Status> {
+        let r = request.into_inner();
+        let cut = WorkerCut {
+            worker: r.worker as usize,
+            generation: r.generation,
+            step: r.step,
+            samples_trained: r.samples_trained,
+            dense_optimizer_step: r.dense_optimizer_step,
+            position: position_from(r.position),
+            wrote_dense: r.wrote_dense,
+        };
+        let coordinator = self.coordinator.clone();
+        let dir = blocking(move || coordinator.checkpoint(cut)).await?;
+        Ok(Response::new(pb::CheckpointReply { committed: dir.display().to_string() }))
     }
 
     async fn sum_gradients(&self, request: Request<pb::SumRequest>) -> Result<Response<pb::SumReply>, Status> {
@@ -85,7 +144,14 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
         let grads = bytes_to_f32s(&r.grads, &format!("worker {}", r.worker), "gradients").map_err(status)?;
         let coordinator = self.coordinator.clone();
         let patience = Duration::from_micros(r.patience_us);
-        let c = Contribution { worker: r.worker as usize, round: r.round, grads, rows: r.rows, patience };
+        let c = Contribution {
+            worker: r.worker as usize,
+            generation: r.generation,
+            round: r.round,
+            grads,
+            rows: r.rows,
+            patience,
+        };
         let reply = match blocking(move || coordinator.sum(c)).await? {
             RoundReply::Open => pb::SumReply { open: true, grads: Vec::new(), rows: 0 },
             RoundReply::Closed(result) => pb::SumReply { open: false, grads: f32s_to_bytes(&result.0), rows: result.1 },
@@ -101,7 +167,7 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
         let coordinator = self.coordinator.clone();
         let error = (!r.error.is_empty()).then_some(r.error);
         blocking(move || {
-            coordinator.finish(kind, r.worker as usize, error);
+            coordinator.finish(kind, r.worker as usize, error, r.generation);
             Ok(())
         })
         .await?;
@@ -115,7 +181,7 @@ fn state_reply(state: &JobState) -> pb::HeartbeatReply {
         JobState::Done => (pb::JobState::Done, String::new()),
         JobState::Failed(m) => (pb::JobState::Failed, m.clone()),
     };
-    pb::HeartbeatReply { state: state as i32, message }
+    pb::HeartbeatReply { state: state as i32, message, generation: None }
 }
 
 fn state_from(state: i32, message: String) -> JobState {
@@ -146,6 +212,15 @@ pub struct Registration {
     pub num_shards: usize,
     pub num_workers: usize,
     pub config: Config,
+    pub generation: Generation,
+}
+
+/// A generation's view, as a role polls it.
+pub struct ViewAnswer {
+    pub view: View,
+    pub state: JobState,
+    /// The job's current generation.
+    pub generation: u64,
 }
 
 /// The coordinator as the other roles see it.
@@ -162,22 +237,38 @@ impl CoordinatorClient {
         metrics: RoleMetrics,
     ) -> Result<CoordinatorClient, ClusterError> {
         let name = format!("coordinator at {addr}");
-        let (channel, token) = handle.block_on(connect(addr, &name, settings))?;
-        let client = pb::coordinator_client::CoordinatorClient::with_interceptor(channel, token)
-            .max_decoding_message_size(settings.max_message_bytes)
-            .max_encoding_message_size(settings.max_message_bytes);
-        Ok(CoordinatorClient { peer: Peer::new(name, "coordinator", client, handle.clone(), metrics, settings) })
+        let channels = handle.block_on(connect(addr, &name, settings))?;
+        let make = |channel| {
+            pb::coordinator_client::CoordinatorClient::with_interceptor(channel, channels.token.clone())
+                .max_decoding_message_size(settings.max_message_bytes)
+                .max_encoding_message_size(settings.max_message_bytes)
+        };
+        let (client, untimed) = (make(channels.timed.clone()), make(channels.untimed.clone()));
+        Ok(CoordinatorClient { peer: Peer::new(name, "coordinator", client, handle.clone(), metrics, settings).with_untimed(untimed) })
     }
 
     pub fn name(&self) -> &str {
         &self.peer.name
     }
 
-    pub fn register(&self, kind: RoleKind, address: &str, index: Option<usize>) -> Result<Registration, ClusterError> {
+    /// Registers a role; `known`: what a role that outlived a coordinator knew.
+    pub fn register(
+        &self,
+        kind: RoleKind,
+        address: &str,
+        index: Option<usize>,
+        known: Option<&Known>,
+    ) -> Result<Registration, ClusterError> {
         let request = pb::RegisterRequest {
             role: role_to_proto(kind) as i32,
             address: address.to_string(),
             index: index.map_or(-1, |i| i as i64),
+            generation: known.map_or(0, |k| k.generation),
+            committed: known
+                .and_then(|k| k.committed.as_ref())
+                .map(|d| d.display().to_string())
+                .unwrap_or_default(),
+            step: known.map_or(0, |k| k.step),
         };
         let reply = self.peer.call("register", request, |mut c, r| async move { c.register(r).await })?;
         let config = Config::from_toml_with_overrides(&reply.config_toml, "the coordinator's config", &[])?;
@@ -186,48 +277,92 @@ impl CoordinatorClient {
             num_shards: reply.num_shards as usize,
             num_workers: reply.num_workers as usize,
             config,
+            generation: generation_from(reply.generation),
         })
     }
 
-    pub fn heartbeat(&self, kind: RoleKind, index: usize, progress: u64) -> Result<JobState, ClusterError> {
-        let request = pb::HeartbeatRequest { role: role_to_proto(kind) as i32, index: index as u32, progress };
+    /// A heartbeat: this role serves generation `ready` (0: none yet), a
+    /// worker is at `step`. Answers the job's state and generation.
+    pub fn heartbeat(
+        &self,
+        kind: RoleKind,
+        index: usize,
+        progress: u64,
+        ready: u64,
+        step: u64,
+    ) -> Result<(JobState, Generation), ClusterError> {
+        let request = pb::HeartbeatRequest {
+            role: role_to_proto(kind) as i32,
+            index: index as u32,
+            progress,
+            ready_generation: ready,
+            step,
+        };
         let reply = self.peer.call("heartbeat", request, |mut c, r| async move { c.heartbeat(r).await })?;
-        Ok(state_from(reply.state, reply.message))
+        Ok((state_from(reply.state, reply.message), generation_from(reply.generation)))
     }
 
-    /// Waits (polling with backoff, up to `timeout`) until every shard and
-    /// the loader registered; returns the shard addresses and the loader's.
-    pub fn wait_for_view(&self, timeout: Duration) -> Result<(Vec<String>, String), ClusterError> {
+    /// Generation `generation`'s view, once.
+    pub fn view(&self, generation: u64) -> Result<ViewAnswer, ClusterError> {
+        let request = pb::ViewRequest { generation };
+        let view = self.peer.call("view", request, |mut c, r| async move { c.view(r).await })?;
+        Ok(ViewAnswer {
+            state: state_from(view.state, view.message),
+            generation: view.generation,
+            view: View {
+                complete: view.complete,
+                shards_ready: view.shards_ready,
+                shards: view.shards,
+                loader: view.loader,
+            },
+        })
+    }
+
+    /// Waits (polling with backoff, up to `timeout`) until every shard (and,
+    /// unless `shards_only`, the loader) serves `generation`; returns its
+    /// view. Gives up when the job moves to another generation or ends.
+    pub fn wait_for_view(&self, generation: u64, shards_only: bool, timeout: Duration) -> Result<View, ClusterError> {
         let start = Instant::now();
-        let mut wait = Duration::from_millis(20);
+        let mut wait = Duration::from_millis(5);
         loop {
-            let view = self.peer.call("view", pb::Empty {}, |mut c, r| async move { c.view(r).await })?;
-            if let JobState::Failed(m) = state_from(view.state, view.message) {
+            let answer = self.view(generation)?;
+            if let JobState::Failed(m) = answer.state {
                 return Err(ClusterError::JobFailed(m));
             }
-            if view.complete {
-                return Ok((view.shards, view.loader));
+            if answer.generation != generation {
+                return Err(ClusterError::GenerationChanged { generation: answer.generation });
+            }
+            let view = answer.view;
+            if view.complete || (shards_only && view.shards_ready) {
+                return Ok(view);
             }
             if start.elapsed() > timeout {
+                let ready = view.shards.iter().filter(|a| !a.is_empty()).count();
                 return Err(ClusterError::Setup(format!(
-                    "{}: only {} shard(s){} registered after {} ms",
+                    "{}: only {ready} shard(s){} serve generation {generation} after {} ms",
                     self.peer.name,
-                    view.shards.len(),
-                    if view.loader.is_empty() { " and no loader" } else { " and the loader" },
+                    if view.loader.is_empty() { " and no loader" } else { "" },
                     start.elapsed().as_millis()
                 )));
             }
             std::thread::sleep(wait);
-            wait = (wait * 2).min(Duration::from_millis(500));
+            wait = (wait * 2).min(Duration::from_millis(200));
         }
     }
 
-    /// Reports a worker's end, or any role's failure (`error`).
-    pub fn finish(&self, kind: RoleKind, index: usize, error: Option<String>) -> Result<(), ClusterError> {
+    /// Reports a worker's end in `generation`, or any role's failure (`error`).
+    pub fn finish(
+        &self,
+        kind: RoleKind,
+        index: usize,
+        error: Option<String>,
+        generation: u64,
+    ) -> Result<(), ClusterError> {
         let request = pb::FinishRequest {
             worker: index as u32,
             error: error.unwrap_or_default(),
             role: role_to_proto(kind) as i32,
+            generation,
         };
         self.peer.call("finish", request, |mut c, r| async move { c.finish(r).await })?;
         Ok(())
@@ -242,6 +377,7 @@ impl RoundSummer for CoordinatorClient {
             grads: f32s_to_bytes(&c.grads),
             rows: c.rows,
             patience_us: c.patience.as_micros() as u64,
+            generation: c.generation,
         };
         let reply = self.peer.call("sum_gradients", request, |mut c, r| async move { c.sum_gradients(r).await })?;
         if reply.open {
@@ -251,5 +387,22 @@ impl RoundSummer for CoordinatorClient {
             bytes_to_f32s(&reply.grads, &self.peer.name, "summed gradients")?,
             reply.rows,
         ))))
+    }
+}
+
+impl CheckpointSink for CoordinatorClient {
+    fn checkpoint(&self, cut: WorkerCut) -> Result<std::path::PathBuf, ClusterError> {
+        let request = pb::CheckpointRequest {
+            worker: cut.worker as u32,
+            generation: cut.generation,
+            step: cut.step,
+            samples_trained: cut.samples_trained,
+            dense_optimizer_step: cut.dense_optimizer_step,
+            position: Some(position_to_proto(cut.position)),
+            wrote_dense: cut.wrote_dense,
+        };
+        // Writing every part takes as long as the table is large: no RPC deadline.
+        let reply = self.peer.call_unbounded("checkpoint", request, |mut c, r| async move { c.checkpoint(r).await })?;
+        Ok(std::path::PathBuf::from(reply.committed))
     }
 }

@@ -17,7 +17,7 @@ use super::{
 use crate::loader::LoaderServer;
 use crate::messages::{Mode, WorkerBatch};
 use crate::metrics::RoleMetrics;
-use crate::transport::{ClusterError, LoaderService};
+use crate::transport::{ClusterError, LoaderService, Serving};
 
 /// A worker batch on the wire.
 pub fn to_proto(b: WorkerBatch) -> pb::WorkerBatch {
@@ -103,7 +103,7 @@ pub fn from_proto(b: pb::WorkerBatch, peer: &str) -> Result<WorkerBatch, Cluster
 }
 
 struct LoaderGrpc {
-    loader: Arc<LoaderServer>,
+    loader: Arc<Serving<LoaderServer>>,
     metrics: RoleMetrics,
 }
 
@@ -113,18 +113,19 @@ impl pb::loader_server::Loader for LoaderGrpc {
         let start = Instant::now();
         let r = request.into_inner();
         let mode = if r.eval { Mode::Eval } else { Mode::Train };
-        let loader = self.loader.clone();
-        let batch = blocking(move || loader.next_batch(r.worker as usize, mode)).await?;
+        let loader = self.loader.get().map_err(|e| super::to_status(&e))?;
+        let queued = loader.clone();
+        let batch = blocking(move || loader.next_batch(r.worker as usize, mode, r.generation)).await?;
         let reply = pb::NextBatchReply { batch: batch.map(to_proto) };
         self.metrics.count_bytes("out", "worker", prost::Message::encoded_len(&reply));
         self.metrics.observe("server", "next_batch", start.elapsed().as_secs_f64());
-        self.metrics.batches_in_flight.set(self.loader.queued() as i64);
+        self.metrics.batches_in_flight.set(queued.queued() as i64);
         Ok(Response::new(reply))
     }
 }
 
 pub fn service(
-    loader: Arc<LoaderServer>,
+    loader: Arc<Serving<LoaderServer>>,
     settings: &NetSettings,
     metrics: RoleMetrics,
 ) -> InterceptedService<pb::loader_server::LoaderServer<impl pb::loader_server::Loader>, CheckToken> {
@@ -149,17 +150,20 @@ impl LoaderClient {
         metrics: RoleMetrics,
     ) -> Result<LoaderClient, ClusterError> {
         let name = format!("loader at {addr}");
-        let (channel, token) = handle.block_on(connect(addr, &name, settings))?;
-        let client = pb::loader_client::LoaderClient::with_interceptor(channel, token)
-            .max_decoding_message_size(settings.max_message_bytes)
-            .max_encoding_message_size(settings.max_message_bytes);
-        Ok(LoaderClient { peer: Peer::new(name, "loader", client, handle.clone(), metrics, settings) })
+        let channels = handle.block_on(connect(addr, &name, settings))?;
+        let make = |channel| {
+            pb::loader_client::LoaderClient::with_interceptor(channel, channels.token.clone())
+                .max_decoding_message_size(settings.max_message_bytes)
+                .max_encoding_message_size(settings.max_message_bytes)
+        };
+        let (client, untimed) = (make(channels.timed.clone()), make(channels.untimed.clone()));
+        Ok(LoaderClient { peer: Peer::new(name, "loader", client, handle.clone(), metrics, settings).with_untimed(untimed) })
     }
 }
 
 impl LoaderService for LoaderClient {
-    fn next_batch(&self, worker: usize, mode: Mode) -> Result<Option<WorkerBatch>, ClusterError> {
-        let request = pb::NextBatchRequest { worker: worker as u32, eval: mode == Mode::Eval };
+    fn next_batch(&self, worker: usize, mode: Mode, generation: u64) -> Result<Option<WorkerBatch>, ClusterError> {
+        let request = pb::NextBatchRequest { worker: worker as u32, eval: mode == Mode::Eval, generation };
         let reply = self.peer.call("next_batch", request, |mut c, r| async move { c.next_batch(r).await })?;
         reply.batch.map(|b| from_proto(b, &self.peer.name)).transpose()
     }

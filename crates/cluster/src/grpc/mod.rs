@@ -88,16 +88,25 @@ pub fn error_chain(e: &dyn StdError) -> String {
     out
 }
 
+/// A peer's channels: one whose calls time out after `cluster`'s RPC
+/// timeout, and one without a deadline (connected on first use) for calls
+/// whose length grows with the table (writing a checkpoint part).
+pub struct Channels {
+    pub timed: Channel,
+    pub untimed: Channel,
+    pub token: AttachToken,
+}
+
 /// Connects to `addr`, retrying with exponential backoff (50 ms → 1 s) for
 /// up to the connect timeout, then fails naming `peer`.
-pub async fn connect(addr: &str, peer: &str, settings: &NetSettings) -> Result<(Channel, AttachToken), ClusterError> {
-    let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+pub async fn connect(addr: &str, peer: &str, settings: &NetSettings) -> Result<Channels, ClusterError> {
+    let untimed = Endpoint::from_shared(format!("http://{addr}"))
         .map_err(|e| ClusterError::Setup(format!("{peer}: bad address `{addr}`: {e}")))?
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(2))
-        .timeout(settings.rpc_timeout)
         .initial_stream_window_size(8 << 20)
         .initial_connection_window_size(16 << 20);
+    let endpoint = untimed.clone().timeout(settings.rpc_timeout);
     let header = match &settings.token {
         Some(t) => Some(
             format!("Bearer {t}")
@@ -110,7 +119,9 @@ pub async fn connect(addr: &str, peer: &str, settings: &NetSettings) -> Result<(
     let mut wait = Duration::from_millis(50);
     loop {
         match endpoint.connect().await {
-            Ok(channel) => return Ok((channel, AttachToken { header })),
+            Ok(timed) => {
+                return Ok(Channels { timed, untimed: untimed.connect_lazy(), token: AttachToken { header } });
+            }
             Err(e) if start.elapsed() >= settings.connect_timeout => {
                 return Err(ClusterError::Unreachable {
                     peer: peer.to_string(),
@@ -162,6 +173,8 @@ pub struct Peer<C> {
     /// The peer's kind for the byte counters (`shard`, `loader`, `coordinator`).
     kind: &'static str,
     client: C,
+    /// The same peer without a deadline (see [`Channels`]).
+    untimed: Option<C>,
     handle: Handle,
     metrics: RoleMetrics,
     max_message_bytes: usize,
@@ -176,12 +189,49 @@ impl<C: Clone> Peer<C> {
         metrics: RoleMetrics,
         settings: &NetSettings,
     ) -> Self {
-        Peer { name, kind, client, handle, metrics, max_message_bytes: settings.max_message_bytes }
+        Peer { name, kind, client, untimed: None, handle, metrics, max_message_bytes: settings.max_message_bytes }
+    }
+
+    /// Adds the client without a deadline for [`call_unbounded`](Self::call_unbounded).
+    pub fn with_untimed(mut self, client: C) -> Self {
+        self.untimed = Some(client);
+        self
+    }
+
+    /// [`call`](Self::call) without the RPC deadline.
+    pub fn call_unbounded<Req, Resp, Fut>(
+        &self,
+        method: &'static str,
+        request: Req,
+        rpc: impl FnOnce(C, Request<Req>) -> Fut,
+    ) -> Result<Resp, ClusterError>
+    where
+        Req: prost::Message,
+        Resp: prost::Message,
+        Fut: Future<Output = Result<tonic::Response<Resp>, Status>>,
+    {
+        let client = self.untimed.clone().unwrap_or_else(|| self.client.clone());
+        self.call_with(client, method, request, rpc)
     }
 
     /// Calls `method` and waits for the answer (must not run on a runtime thread).
     pub fn call<Req, Resp, Fut>(
         &self,
+        method: &'static str,
+        request: Req,
+        rpc: impl FnOnce(C, Request<Req>) -> Fut,
+    ) -> Result<Resp, ClusterError>
+    where
+        Req: prost::Message,
+        Resp: prost::Message,
+        Fut: Future<Output = Result<tonic::Response<Resp>, Status>>,
+    {
+        self.call_with(self.client.clone(), method, request, rpc)
+    }
+
+    fn call_with<Req, Resp, Fut>(
+        &self,
+        client: C,
         method: &'static str,
         request: Req,
         rpc: impl FnOnce(C, Request<Req>) -> Fut,
@@ -206,7 +256,7 @@ impl<C: Clone> Peer<C> {
         self.metrics.count_bytes("out", self.kind, size);
         let reply = self
             .handle
-            .block_on(rpc(self.client.clone(), Request::new(request)))
+            .block_on(rpc(client, Request::new(request)))
             .map_err(|status| rpc_error(&self.name, method, &status))?
             .into_inner();
         self.metrics.count_bytes("in", self.kind, reply.encoded_len());

@@ -16,11 +16,11 @@ use super::{
 use crate::messages::Mode;
 use crate::metrics::RoleMetrics;
 use crate::shard::ShardServer;
-use crate::transport::{ClusterError, ExportPage, ShardReport, ShardService};
+use crate::transport::{ClusterError, ExportPage, PartWritten, Serving, ShardReport, ShardService};
 use sparrow_embedding::{FilterStats, TierStats};
 
 struct ShardGrpc {
-    shard: Arc<ShardServer>,
+    shard: Arc<Serving<ShardServer>>,
     metrics: RoleMetrics,
     peer: String,
 }
@@ -28,7 +28,13 @@ struct ShardGrpc {
 impl ShardGrpc {
     fn done(&self, method: &str, start: Instant) {
         self.metrics.observe("server", method, start.elapsed().as_secs_f64());
-        self.metrics.batches_in_flight.set(self.shard.pending_batches() as i64);
+        if let Ok(shard) = self.shard.get() {
+            self.metrics.batches_in_flight.set(shard.pending_batches() as i64);
+        }
+    }
+
+    fn shard(&self) -> Result<Arc<ShardServer>, Status> {
+        self.shard.get().map_err(|e| super::to_status(&e))
     }
 }
 
@@ -41,7 +47,7 @@ impl pb::shard_server::Shard for ShardGrpc {
         let keys = bytes_to_u64s(&r.keys, &self.peer, "keys").map_err(|e| super::to_status(&e))?;
         let mode = if r.eval { Mode::Eval } else { Mode::Train };
         // With an SSD tier the enqueue prefetches rows from disk: off the runtime.
-        let shard = self.shard.clone();
+        let shard = self.shard()?;
         blocking(move || shard.enqueue(r.batch_id, keys, mode)).await?;
         self.done("enqueue", start);
         Ok(Response::new(pb::Empty {}))
@@ -50,7 +56,7 @@ impl pb::shard_server::Shard for ShardGrpc {
     async fn pull(&self, request: Request<pb::PullRequest>) -> Result<Response<pb::Rows>, Status> {
         let start = Instant::now();
         let batch_id = request.into_inner().batch_id;
-        let shard = self.shard.clone();
+        let shard = self.shard()?;
         let rows = blocking(move || shard.pull(batch_id)).await?;
         let rows = f32s_to_bytes(&rows);
         self.metrics.count_bytes("out", "worker", rows.len());
@@ -63,7 +69,7 @@ impl pb::shard_server::Shard for ShardGrpc {
         let r = request.into_inner();
         self.metrics.count_bytes("in", "worker", r.grads.len());
         let grads = bytes_to_f32s(&r.grads, &self.peer, "gradients").map_err(|e| super::to_status(&e))?;
-        let shard = self.shard.clone();
+        let shard = self.shard()?;
         blocking(move || shard.push(r.batch_id, grads)).await?;
         self.done("push", start);
         Ok(Response::new(pb::Empty {}))
@@ -71,7 +77,7 @@ impl pb::shard_server::Shard for ShardGrpc {
 
     async fn export(&self, request: Request<pb::ExportRequest>) -> Result<Response<pb::ExportReply>, Status> {
         let r = request.into_inner();
-        let shard = self.shard.clone();
+        let shard = self.shard()?;
         let cursor = (r.shard_cursor as usize, r.slot_cursor as usize);
         let page = blocking(move || shard.export(cursor, r.max_rows as usize)).await?;
         let (next_shard_cursor, next_slot_cursor) = page.next.unwrap_or_default();
@@ -92,8 +98,30 @@ impl pb::shard_server::Shard for ShardGrpc {
         Ok(Response::new(reply))
     }
 
+    async fn write_part(
+        &self,
+        request: Request<pb::WritePartRequest>,
+    ) -> Result<Response<pb::WritePartReply>, Status> {
+        let r = request.into_inner();
+        let shard = self.shard()?;
+        let since = r.has_since.then_some(r.since);
+        let p = blocking(move || shard.write_part(r.generation, std::path::Path::new(&r.dir), since)).await?;
+        let part = &p.written.part;
+        Ok(Response::new(pb::WritePartReply {
+            embeddings: part.embeddings.clone(),
+            filters: part.filters.clone().unwrap_or_default(),
+            rows: part.rows,
+            clock: part.clock,
+            files: p.written.files.iter().map(|(name, bytes)| pb::PartFile { name: name.clone(), bytes: *bytes }).collect(),
+            secs: p.secs,
+            dim: p.dim as u32,
+            row_len: p.row_len as u32,
+            total_rows: p.total_rows,
+        }))
+    }
+
     async fn stats(&self, _: Request<pb::Empty>) -> Result<Response<pb::ShardStats>, Status> {
-        let shard = self.shard.clone();
+        let shard = self.shard()?;
         let (r, pending) =
             blocking(move || Ok((ShardReport::of(shard.table()), shard.pending_batches() as u64))).await?;
         let t = r.tier.unwrap_or_default();
@@ -159,7 +187,7 @@ pub fn export_page_from_proto(reply: pb::ExportReply, peer: &str) -> Result<Expo
 
 /// The shard's gRPC service, size-capped and token-checked.
 pub fn service(
-    shard: Arc<ShardServer>,
+    shard: Arc<Serving<ShardServer>>,
     settings: &NetSettings,
     metrics: RoleMetrics,
 ) -> InterceptedService<pb::shard_server::ShardServer<impl pb::shard_server::Shard>, CheckToken> {
@@ -187,11 +215,14 @@ impl ShardClient {
         metrics: RoleMetrics,
     ) -> Result<ShardClient, ClusterError> {
         let name = format!("shard {index} at {addr}");
-        let (channel, token) = handle.block_on(connect(addr, &name, settings))?;
-        let client = pb::shard_client::ShardClient::with_interceptor(channel, token)
-            .max_decoding_message_size(settings.max_message_bytes)
-            .max_encoding_message_size(settings.max_message_bytes);
-        Ok(ShardClient { peer: Peer::new(name, "shard", client, handle.clone(), metrics, settings) })
+        let channels = handle.block_on(connect(addr, &name, settings))?;
+        let make = |channel| {
+            pb::shard_client::ShardClient::with_interceptor(channel, channels.token.clone())
+                .max_decoding_message_size(settings.max_message_bytes)
+                .max_encoding_message_size(settings.max_message_bytes)
+        };
+        let (client, untimed) = (make(channels.timed.clone()), make(channels.untimed.clone()));
+        Ok(ShardClient { peer: Peer::new(name, "shard", client, handle.clone(), metrics, settings).with_untimed(untimed) })
     }
 }
 
@@ -235,5 +266,45 @@ impl ShardService for ShardClient {
         };
         let reply = self.peer.call("export", request, |mut c, r| async move { c.export(r).await })?;
         export_page_from_proto(reply, &self.peer.name)
+    }
+
+    fn write_part(
+        &self,
+        generation: u64,
+        dir: &std::path::Path,
+        since: Option<u64>,
+    ) -> Result<PartWritten, ClusterError> {
+        let request = pb::WritePartRequest {
+            generation,
+            dir: dir.display().to_string(),
+            has_since: since.is_some(),
+            since: since.unwrap_or(0),
+        };
+        let r =
+            self.peer.call_unbounded("write_part", request, |mut c, r| async move { c.write_part(r).await })?;
+        let part = sparrow_trainer::checkpoint::Part {
+            embeddings: r.embeddings,
+            filters: (!r.filters.is_empty()).then_some(r.filters),
+            rows: r.rows,
+            clock: r.clock,
+            since,
+        };
+        // File names come back into a path under the checkpoint directory: plain names only.
+        let names = std::iter::once(&part.embeddings).chain(part.filters.iter()).chain(r.files.iter().map(|f| &f.name));
+        for name in names {
+            if name.is_empty() || name.contains('/') || name.contains("..") {
+                return Err(ClusterError::Malformed { peer: self.peer.name.clone(), what: format!("part file name `{name}`") });
+            }
+        }
+        Ok(PartWritten {
+            written: sparrow_trainer::checkpoint::WrittenPart {
+                part,
+                files: r.files.into_iter().map(|f| (f.name, f.bytes)).collect(),
+            },
+            secs: r.secs,
+            dim: r.dim as usize,
+            row_len: r.row_len as usize,
+            total_rows: r.total_rows,
+        })
     }
 }

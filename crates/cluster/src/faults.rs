@@ -1,0 +1,33 @@
+//! Failure injection by name in the roles' code paths (the `fail` crate, as
+//! TiKV uses it). Every point is off unless a test (`fail::cfg`) or the
+//! `FAILPOINTS` environment variable of a role process switches it on, e.g.
+//! `FAILPOINTS='shard.push=20*off->return'`: the 21st push kills the shard.
+//! Action `return` ends the process on the spot, as SIGKILL would (exit code
+//! 137, no cleanup, nothing flushed); `panic` panics there.
+//!
+//! The points: `shard.pull`, `shard.push`, `shard.write_part` (before the
+//! part is written), `shard.part_written` (written, not yet reported: a death
+//! in the middle of a checkpoint), `shard.restore`, `loader.next_batch`,
+//! `worker.step` (after a step), `worker.checkpoint`, `coordinator.commit`
+//! (every part verified, the manifest not yet renamed into place),
+//! `coordinator.sum`.
+//!
+//! `sparrow launch` hands `FAILPOINTS` to the first process of each role
+//! only: a restarted role runs without it (set `SPARROW_FAILPOINTS_ON_RESTART=1`
+//! to keep it, e.g. to spend the restart budget).
+
+/// Evaluates failpoint `name` (nothing without the crate's `failpoints`
+/// feature, which the `sparrow` binary turns on).
+#[cfg(feature = "failpoints")]
+pub fn point(name: &str) {
+    fail::fail_point!(name, |_| die(name));
+}
+
+#[cfg(not(feature = "failpoints"))]
+pub fn point(_name: &str) {}
+
+#[cfg(feature = "failpoints")]
+fn die(name: &str) {
+    tracing::error!("failpoint {name}: this process dies here");
+    std::process::exit(137);
+}
