@@ -395,10 +395,28 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             exit_on_signals("coordinator");
             let config = with_env_token(load_config(&config, &set)?);
             let notices = from_launcher;
-            sparrow_cluster::roles::run_coordinator(&config, shards, workers, listen, metrics_listen, notices, |bound| {
+            let on_bound = |bound| {
                 println!("listening on {bound}");
                 let _ = std::io::stdout().flush();
-            })?;
+            };
+            // `sparrow launch` reads these lines (checkpoints, recoveries, hung roles).
+            let on_event = |event: &sparrow_cluster::coordinator::Event| {
+                if let Ok(json) = serde_json::to_string(event) {
+                    let mut out = std::io::stdout().lock();
+                    let _ = writeln!(out, "event {json}");
+                    let _ = out.flush();
+                }
+            };
+            sparrow_cluster::roles::run_coordinator(
+                &config,
+                shards,
+                workers,
+                listen,
+                metrics_listen,
+                notices,
+                on_bound,
+                on_event,
+            )?;
             Ok(())
         }
         Command::Shard { role, index, metrics_listen } => {

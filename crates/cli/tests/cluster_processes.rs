@@ -264,11 +264,13 @@ fn signal(pid: u32, sig: &str) {
     assert!(Command::new("kill").args([sig, &pid.to_string()]).status().expect("kill").success());
 }
 
+/// With no restart budget (`cluster.max_restarts = 0`) a dead role stops the
+/// job as it did before recovery existed (see `recovery.rs` for the rest).
 #[test]
-fn a_killed_shard_stops_the_job_with_an_error_naming_it() {
+fn a_killed_shard_without_a_restart_budget_stops_the_job_naming_it() {
     let tmp = tempfile::tempdir().expect("tmp");
     generate(tmp.path(), "20000");
-    let launch = LoggedLaunch::start(&write_config(tmp.path(), ""));
+    let launch = LoggedLaunch::start(&write_config(tmp.path(), "max_restarts = 0"));
     let shard_pid = launch.wait_training();
     std::thread::sleep(Duration::from_millis(800));
     signal(shard_pid, "-9");
@@ -309,12 +311,13 @@ fn wait_with_timeout(child: &mut Child, timeout: Duration) -> std::process::Exit
 }
 
 /// A shard that hangs (SIGSTOP) rather than dies: its heartbeats stop, the
-/// coordinator fails the job within the timeout naming it, nothing is left.
+/// coordinator (no restart budget) fails the job within the timeout naming
+/// it, nothing is left.
 #[test]
 fn a_hung_shard_is_reported_within_the_heartbeat_timeout() {
     let tmp = tempfile::tempdir().expect("tmp");
     generate(tmp.path(), "20000");
-    let launch = LoggedLaunch::start(&write_config(tmp.path(), ""));
+    let launch = LoggedLaunch::start(&write_config(tmp.path(), "max_restarts = 0"));
     let shard_pid = launch.wait_training();
     std::thread::sleep(Duration::from_millis(500));
     signal(shard_pid, "-STOP");

@@ -16,7 +16,6 @@ use sparrow_model::{DenseModel, DenseOptimizer};
 use sparrow_trainer::Trainer;
 use sparrow_trainer::checkpoint::{FORMAT_VERSION, FileEntry, Manifest, hash_file, stored_config};
 
-use crate::coordinator::WorkerCut;
 use crate::transport::{ClusterError, PartWritten};
 
 /// A worker's part of a checkpoint: its dense model, the optimizer's state
@@ -25,6 +24,31 @@ pub struct DenseState {
     pub model: DenseModel,
     pub optimizer: DenseOptimizer,
     pub position: DataPosition,
+}
+
+/// A worker at a checkpoint step, its updates pushed.
+#[derive(Clone, Debug)]
+pub struct WorkerCut {
+    pub worker: usize,
+    pub generation: u64,
+    pub step: u64,
+    pub samples_trained: u64,
+    pub dense_optimizer_step: u64,
+    pub position: DataPosition,
+    /// Worker 0 wrote `dense.safetensors` into the staging directory.
+    pub wrote_dense: bool,
+}
+
+/// The staging directory of the checkpoint at `step` of `generation`
+/// (worker 0 writes the dense part there, the shards their parts).
+pub fn staging_dir(root: &Path, step: u64, generation: u64) -> PathBuf {
+    root.join(format!(".tmp-ckpt-{step:012}-g{generation}"))
+}
+
+/// Where a worker's checkpoints go: the coordinator gathers every worker at
+/// the step and commits the version once the shards wrote their parts.
+pub trait CheckpointSink: Send + Sync {
+    fn checkpoint(&self, cut: WorkerCut) -> Result<PathBuf, ClusterError>;
 }
 
 /// `config` with its table in memory: for the helper tables of save and
@@ -131,7 +155,7 @@ pub fn write_dense(
     model: &DenseModel,
     optimizer: &DenseOptimizer,
 ) -> Result<PathBuf, ClusterError> {
-    let staging = crate::coordinator::staging_dir(root, step, generation);
+    let staging = staging_dir(root, step, generation);
     std::fs::create_dir_all(&staging)
         .map_err(|e| ClusterError::Io { what: format!("creating {}", staging.display()), source: e })?;
     sparrow_trainer::checkpoint::write_dense(model, optimizer, &staging)?;

@@ -25,7 +25,7 @@
 //! position at the same step, no update in flight.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -33,8 +33,8 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 use serde::Serialize;
 use sparrow_core::Config;
-use sparrow_core::batch::DataPosition;
 
+use crate::checkpoint::{CheckpointSink, WorkerCut, staging_dir};
 use crate::faults;
 use crate::sync::{Contribution, RoundReply, RoundSum};
 use crate::transport::{ClusterError, PartWritten, ShardService};
@@ -110,6 +110,8 @@ pub enum Event {
     Resumed { number: u64, secs: f64 },
     /// A checkpoint was committed.
     Committed { step: u64, dir: String, bytes: u64, secs: f64, incremental: bool, shard_mb_per_sec: Vec<f64> },
+    /// The coordinator's totals, as it stops.
+    Report(RecoveryReport),
 }
 
 /// Connects to the shards of a generation (the coordinator writes
@@ -182,25 +184,6 @@ struct CheckpointRound {
     /// Set once committed (or failed): every waiting worker takes it.
     outcome: Option<Result<PathBuf, String>>,
     taken: usize,
-}
-
-/// A worker at a checkpoint step, its updates pushed.
-#[derive(Clone, Debug)]
-pub struct WorkerCut {
-    pub worker: usize,
-    pub generation: u64,
-    pub step: u64,
-    pub samples_trained: u64,
-    pub dense_optimizer_step: u64,
-    pub position: DataPosition,
-    /// Worker 0 wrote `dense.safetensors` into the staging directory.
-    pub wrote_dense: bool,
-}
-
-/// The staging directory of the checkpoint at `step` of `generation`
-/// (worker 0 writes the dense part there, the shards their parts).
-pub fn staging_dir(root: &Path, step: u64, generation: u64) -> PathBuf {
-    root.join(format!(".tmp-ckpt-{step:012}-g{generation}"))
 }
 
 /// The coordinator's state (the gRPC service is a thin layer over it).
@@ -842,7 +825,7 @@ impl Coordinator {
     }
 }
 
-impl crate::worker::CheckpointSink for Coordinator {
+impl CheckpointSink for Coordinator {
     fn checkpoint(&self, cut: WorkerCut) -> Result<PathBuf, ClusterError> {
         Coordinator::checkpoint(self, cut)
     }

@@ -86,10 +86,11 @@ impl Drop for Children {
     }
 }
 
-/// Whether a child's end was a death (a signal, a crash, a failpoint's
-/// exit) rather than a role's deliberate stop with an error.
+/// Whether a child's end was a death (killed by a signal it does not
+/// handle, a crash, a failpoint's exit) rather than a stop: an error exit,
+/// or SIGTERM/SIGINT/SIGHUP, which a role handles by stopping the job.
 fn died(status: ExitStatus) -> bool {
-    status.signal().is_some() || matches!(status.code(), Some(101 | 134 | 137 | 143))
+    status.signal().is_some() || matches!(status.code(), Some(101 | 134 | 137))
 }
 
 impl Children {

@@ -23,7 +23,7 @@ use sparrow_core::metrics::{auc, log_loss_from_logits};
 use sparrow_data::DataLayout;
 use tokio::runtime::Runtime;
 
-use crate::coordinator::{Coordinator, Generation, JobState, Known, RoleKind};
+use crate::coordinator::{Coordinator, Event, Generation, JobState, Known, RoleKind};
 use crate::faults;
 use crate::grpc::coordinator::CoordinatorClient;
 use crate::grpc::loader::LoaderClient;
@@ -79,16 +79,6 @@ fn serve_metrics(
     Ok(())
 }
 
-/// Events go to stdout as `event {json}` lines (`sparrow launch` reads them).
-fn print_event(event: &crate::coordinator::Event) {
-    if let Ok(json) = serde_json::to_string(event) {
-        use std::io::Write;
-        let mut out = std::io::stdout().lock();
-        let _ = writeln!(out, "event {json}");
-        let _ = out.flush();
-    }
-}
-
 /// The coordinator's shard clients for checkpoints, connected per shard map.
 struct GrpcDialer {
     settings: NetSettings,
@@ -134,8 +124,9 @@ fn note_launcher(coordinator: &Coordinator, line: &str) {
 /// Runs the coordinator until the job ends; `on_bound` gets the bound
 /// address (launch reads it from stdout). `notices`: lines from the
 /// launcher (`lost <role> <index>`: that role's process exited, launch
-/// restarts it). Prints [`crate::coordinator::Event`]s and, at the end, its
-/// recovery report as `event {"report": …}`. Errors if the job failed.
+/// restarts it). `on_event` gets the coordinator's [`Event`]s, the last one
+/// its [`Event::Report`] (the binary prints them for launch). Errors if the
+/// job failed.
 pub fn run_coordinator(
     config: &Config,
     num_shards: usize,
@@ -144,7 +135,9 @@ pub fn run_coordinator(
     metrics_listen: Option<SocketAddr>,
     notices: Option<crossbeam_channel::Receiver<String>>,
     on_bound: impl FnOnce(SocketAddr),
+    on_event: impl Fn(&Event) + Send + Sync + 'static,
 ) -> Result<(), ClusterError> {
+    let on_event = Arc::new(on_event);
     let rt = runtime()?;
     let settings = NetSettings::new(&config.cluster, None);
     let metrics = RoleMetrics::new("coordinator");
@@ -155,7 +148,10 @@ pub fn run_coordinator(
         cached: parking_lot::Mutex::new(None),
     };
     let coordinator = Arc::new(
-        Coordinator::new(config, num_shards, num_workers)?.with_dialer(Arc::new(dialer)).with_events(print_event),
+        Coordinator::new(config, num_shards, num_workers)?.with_dialer(Arc::new(dialer)).with_events({
+            let on_event = on_event.clone();
+            move |e| on_event(e)
+        }),
     );
     serve_metrics(&metrics, metrics_listen, "coordinator", &settings, &rt)?;
     let (listener, bound) = rt.block_on(bind(listen, &settings))?;
@@ -196,9 +192,7 @@ pub fn run_coordinator(
         report.steps_replayed,
         report.recovery_secs
     );
-    if let Ok(json) = serde_json::to_string(&report) {
-        println!("event {{\"report\":{json}}}");
-    }
+    on_event(&Event::Report(report));
     // Let every role see the end in a heartbeat before the server goes away.
     std::thread::sleep(interval * 2 + Duration::from_millis(300));
     let _ = stop_tx.send(());
@@ -710,11 +704,24 @@ fn worker_generation(
     worker.reported_step = link.shared.step.clone();
     worker.watch_generation(link.shared.generation.clone());
     if let Some(dir) = &config.checkpoint.dir {
-        let sink = Arc::new(coordinator.clone()) as Arc<dyn crate::worker::CheckpointSink>;
+        let sink = Arc::new(coordinator.clone()) as Arc<dyn crate::checkpoint::CheckpointSink>;
         worker.with_checkpoints(sink, PathBuf::from(dir), config.checkpoint.every_steps);
     }
     if let Some(dir) = &generation.restore {
         worker.resume(crate::checkpoint::restore_dense(config, dir)?);
+        // After a recovery worker 0 counts what the job trained before the
+        // checkpoint (not what a resumed job's earlier run trained).
+        if index == 0 {
+            let before = |d: &std::path::Path| {
+                sparrow_trainer::checkpoint::read_manifest(d).map(|m| (m.samples_trained, m.step))
+            };
+            let (rows, steps) = before(dir)?;
+            let (start_rows, start_steps) = match sparrow_trainer::checkpoint::resume_dir(config)? {
+                Some(start) => before(&start)?,
+                None => (0, 0),
+            };
+            worker.count_trained_before(rows.saturating_sub(start_rows), steps.saturating_sub(start_steps));
+        }
     }
     link.set_ready(generation.number);
     worker.run_training(&loader, &shards)?;

@@ -24,8 +24,7 @@ use sparrow_trainer::engine::{DenseInputs, Looked, RowSource, StepEngine, dense_
 use sparrow_trainer::pooling::{Bags, pool};
 use sparrow_trainer::trainer::seeds;
 
-use crate::checkpoint::DenseState;
-use crate::coordinator::WorkerCut;
+use crate::checkpoint::{CheckpointSink, DenseState, WorkerCut};
 use crate::faults;
 use crate::messages::{Mode, WorkerBatch};
 use crate::sync::{RoundSummer, RoundSync};
@@ -103,12 +102,6 @@ pub struct Worker {
     /// This worker's dense step, for its heartbeats.
     pub reported_step: Arc<AtomicU64>,
     checkpoints: Option<Checkpoints>,
-}
-
-/// Where a worker's checkpoints go: the coordinator gathers every worker at
-/// the step and commits the version once the shards wrote their parts.
-pub trait CheckpointSink: Send + Sync {
-    fn checkpoint(&self, cut: WorkerCut) -> Result<PathBuf, ClusterError>;
 }
 
 /// `checkpoint.every_steps` and the job's end, as a worker takes part in them.
@@ -347,20 +340,23 @@ impl Worker {
     }
 
     /// Takes a checkpoint's dense state (a resumed job, or a generation
-    /// restarted from it). Worker 0 counts the checkpoint's samples and
-    /// steps as trained (the job's totals stay those of an uninterrupted run).
+    /// restarted from it).
     pub fn resume(&mut self, dense: DenseState) {
         self.model = dense.model;
         self.optimizer.take_state_from(dense.optimizer);
         self.stats.last_end = dense.position;
-        if self.index == 0 {
-            self.stats.rows = self.optimizer.samples_stepped;
-            self.stats.batches = self.optimizer.step;
-        }
         if let Some(c) = &mut self.checkpoints {
             c.last_step = self.optimizer.step;
         }
         self.reported_step.store(self.optimizer.step, Ordering::Relaxed);
+    }
+
+    /// Counts `rows` samples in `batches` batches as trained by this job
+    /// before its current generation (worker 0 after a recovery: the job's
+    /// totals stay those of an uninterrupted run).
+    pub fn count_trained_before(&mut self, rows: u64, batches: u64) {
+        self.stats.rows += rows;
+        self.stats.batches += batches;
     }
 
     /// Gives up training when `heard` (the newest generation the heartbeats

@@ -12,11 +12,11 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 
 use super::{AuthedChannel, CheckToken, NetSettings, Peer, blocking, bytes_to_f32s, connect, f32s_to_bytes};
-use crate::coordinator::{Coordinator, Generation, JobState, Known, RoleKind, View, WorkerCut};
+use crate::checkpoint::{CheckpointSink, WorkerCut};
+use crate::coordinator::{Coordinator, Generation, JobState, Known, RoleKind, View};
 use crate::metrics::RoleMetrics;
 use crate::sync::{Contribution, RoundReply, RoundSummer};
 use crate::transport::ClusterError;
-use crate::worker::CheckpointSink;
 
 fn generation_to_proto(g: &Generation) -> pb::Generation {
     let path = |p: &Option<std::path::PathBuf>| p.as_ref().map(|d| d.display().to_string()).unwrap_or_default();
