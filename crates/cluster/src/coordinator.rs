@@ -166,8 +166,9 @@ struct Recovery {
     restarts: HashMap<(RoleKind, usize), u32>,
     /// The highest step a worker reported in the current generation.
     high_step: u64,
-    /// The step up to which replayed steps were counted at the last rollback.
-    counted_to: u64,
+    /// Generations given up → the step up to which their replayed steps
+    /// are counted (a worker's last report of one may come late).
+    counted_to: BTreeMap<u64, u64>,
     /// When the death behind the current recovery was noticed (none: no recovery under way).
     noticed: Option<Instant>,
     // Totals of this coordinator's life, for its summary.
@@ -272,7 +273,7 @@ impl Coordinator {
                 deltas_since_full: 0,
                 restarts: HashMap::new(),
                 high_step: 0,
-                counted_to: 0,
+                counted_to: BTreeMap::new(),
                 noticed: None,
                 checkpoints_committed: 0,
                 steps_replayed: 0,
@@ -334,7 +335,12 @@ impl Coordinator {
         };
         let replayed = r.high_step.saturating_sub(step);
         r.steps_replayed += replayed;
-        r.counted_to = r.high_step.max(step);
+        let given_up = r.generation - 1;
+        let counted = r.high_step.max(step);
+        r.counted_to.insert(given_up, counted);
+        while r.counted_to.len() > 64 {
+            r.counted_to.pop_first();
+        }
         (r.restore, r.restore_step, r.high_step) = (restore, step, step);
         r.noticed.get_or_insert_with(Instant::now);
         tracing::warn!(
@@ -460,14 +466,8 @@ impl Coordinator {
         }
         if kind == RoleKind::Worker {
             if known.generation < r.generation {
-                // Its generation was already given up (another role registered
-                // first): the steps it trained past what was counted are replayed too.
-                let extra = known.step.saturating_sub(r.counted_to);
-                if extra > 0 {
-                    r.steps_replayed += extra;
-                    r.counted_to += extra;
-                    (self.events)(&Event::Replayed { steps: extra });
-                }
+                // Its generation was already given up (another role registered first).
+                self.late_step(&mut r, known.generation, known.step);
             } else {
                 r.high_step = r.high_step.max(known.step);
             }
@@ -516,6 +516,26 @@ impl Coordinator {
         }
         drop(r);
         Ok((self.state(), self.generation()))
+    }
+
+    /// A worker's last step in an earlier `generation` (reported once it
+    /// moved on): the steps past what was counted at the rollback were
+    /// trained twice.
+    pub fn previous_step(&self, kind: RoleKind, generation: u64, step: u64) {
+        if kind == RoleKind::Worker && generation > 0 {
+            let mut r = self.recovery.lock();
+            self.late_step(&mut r, generation, step);
+        }
+    }
+
+    fn late_step(&self, r: &mut Recovery, generation: u64, step: u64) {
+        let Some(counted) = r.counted_to.get_mut(&generation) else { return };
+        let extra = step.saturating_sub(*counted);
+        if extra > 0 {
+            *counted = step;
+            r.steps_replayed += extra;
+            (self.events)(&Event::Replayed { steps: extra });
+        }
     }
 
     fn all_ready(&self, generation: u64) -> bool {
@@ -750,8 +770,8 @@ impl Coordinator {
         // the full version is not due.
         let (base, since) = {
             let r = self.recovery.lock();
-            let incremental = self.config.checkpoint.incremental
-                && r.deltas_since_full + 1 < self.config.checkpoint.full_every;
+            let incremental =
+                self.config.checkpoint.incremental && r.deltas_since_full + 1 < self.config.checkpoint.full_every;
             match (&r.committed, incremental) {
                 (Some((dir, _)), true) => match sparrow_trainer::checkpoint::read_manifest(dir) {
                     Ok(m) if m.parts.len() == self.num_shards => {
@@ -875,9 +895,16 @@ mod tests {
 
     #[test]
     fn a_silent_role_fails_the_job_naming_it_after_the_timeout() {
-        let c =
-            Coordinator::new(&config(&["cluster.heartbeat_interval_ms=20", "cluster.heartbeat_timeout_ms=150", "cluster.max_restarts=0"]), 2, 1)
-                .expect("coordinator");
+        let c = Coordinator::new(
+            &config(&[
+                "cluster.heartbeat_interval_ms=20",
+                "cluster.heartbeat_timeout_ms=150",
+                "cluster.max_restarts=0",
+            ]),
+            2,
+            1,
+        )
+        .expect("coordinator");
         assert_eq!(c.register(RoleKind::Shard, "10.0.0.5:7001".into(), Some(1), None).expect("shard 1").0, 1);
         assert_eq!(c.register(RoleKind::Shard, "10.0.0.4:7001".into(), None, None).expect("shard 0").0, 0);
         assert!(c.register(RoleKind::Shard, "x".into(), None, None).is_err(), "only two shard slots");
@@ -902,7 +929,8 @@ mod tests {
         }
         assert!(start.elapsed() >= Duration::from_millis(140), "reported before the timeout");
         // Waiting workers are released with the reason.
-        let contribution = Contribution { worker: 0, generation: 1, round: 0, grads: vec![1.0], rows: 1, patience: Duration::ZERO };
+        let contribution =
+            Contribution { worker: 0, generation: 1, round: 0, grads: vec![1.0], rows: 1, patience: Duration::ZERO };
         let err = c.sum(contribution).expect_err("the job failed");
         assert!(err.to_string().contains("shard 1"), "{err}");
     }
@@ -974,7 +1002,11 @@ mod tests {
         let events = Arc::new(Mutex::new(Vec::new()));
         let sink = events.clone();
         let c = Coordinator::new(
-            &config(&["cluster.heartbeat_interval_ms=20", "cluster.heartbeat_timeout_ms=100", "cluster.max_restarts=1"]),
+            &config(&[
+                "cluster.heartbeat_interval_ms=20",
+                "cluster.heartbeat_timeout_ms=100",
+                "cluster.max_restarts=1",
+            ]),
             2,
             1,
         )
@@ -1024,14 +1056,22 @@ mod tests {
         let waiting = {
             let c = c.clone();
             std::thread::spawn(move || {
-                c.sum(Contribution { worker: 0, generation: 1, round: 0, grads: vec![1.0], rows: 1, patience: Duration::from_secs(60) })
+                c.sum(Contribution {
+                    worker: 0,
+                    generation: 1,
+                    round: 0,
+                    grads: vec![1.0],
+                    rows: 1,
+                    patience: Duration::from_secs(60),
+                })
             })
         };
         std::thread::sleep(Duration::from_millis(50));
         c.lost(RoleKind::Worker, 1, "exited (its process died)");
         let err = waiting.join().expect("thread").expect_err("released");
         assert!(err.may_be_a_death(), "{err}");
-        let stale = Contribution { worker: 0, generation: 1, round: 0, grads: vec![1.0], rows: 1, patience: Duration::ZERO };
+        let stale =
+            Contribution { worker: 0, generation: 1, round: 0, grads: vec![1.0], rows: 1, patience: Duration::ZERO };
         assert!(matches!(c.sum(stale), Err(ClusterError::StaleGeneration { .. })));
     }
 }

@@ -316,7 +316,8 @@ pub fn launch(
         }
         for lost in events.read(&children.list[coordinator]) {
             // A role the coordinator found hung: kill it, the restart follows.
-            if let Some(r) = children.list.iter_mut().find(|r| r.kind == lost.0 && r.index == lost.1 && r.status.is_none())
+            if let Some(r) =
+                children.list.iter_mut().find(|r| r.kind == lost.0 && r.index == lost.1 && r.status.is_none())
             {
                 tracing::warn!("launch: {} stopped answering; killing it", r.name);
                 let _ = r.child.kill();
@@ -339,9 +340,10 @@ pub fn launch(
                         "\n  {} died {} time(s): cluster.max_restarts = {max_restarts} is spent{}",
                         children.list[i].name,
                         children.list[i].restarts + 1,
-                        events.last_committed.as_ref().map_or(String::new(), |d| format!(
-                            "; the last committed checkpoint is {d}"
-                        ))
+                        events
+                            .last_committed
+                            .as_ref()
+                            .map_or(String::new(), |d| format!("; the last committed checkpoint is {d}"))
                     ));
                 }
                 return Err(ClusterError::JobFailed(message));
@@ -410,7 +412,9 @@ impl Events {
         let mut lost = Vec::new();
         for line in lines.iter().skip(self.read_lines) {
             let Some(json) = line.strip_prefix("event ") else { continue };
-            let Ok(serde_json::Value::Object(event)) = serde_json::from_str::<serde_json::Value>(json) else { continue };
+            let Ok(serde_json::Value::Object(event)) = serde_json::from_str::<serde_json::Value>(json) else {
+                continue;
+            };
             for (kind, body) in event {
                 match kind.as_str() {
                     "generation" => self.steps_replayed += body["replayed"].as_u64().unwrap_or(0),

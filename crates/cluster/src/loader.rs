@@ -168,8 +168,7 @@ impl LoaderServer {
                             1,
                             thread_bad.clone(),
                         )?;
-                        let mut eval =
-                            Loader::new(stream, shards, Mode::Eval, cluster_mode, first_eval_id, thread_bad);
+                        let mut eval = Loader::new(stream, shards, Mode::Eval, cluster_mode, first_eval_id, thread_bad);
                         pump(&mut eval, &eval_tx, None)?;
                     }
                     Ok(())

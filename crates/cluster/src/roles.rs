@@ -147,12 +147,11 @@ pub fn run_coordinator(
         metrics: metrics.clone(),
         cached: parking_lot::Mutex::new(None),
     };
-    let coordinator = Arc::new(
-        Coordinator::new(config, num_shards, num_workers)?.with_dialer(Arc::new(dialer)).with_events({
+    let coordinator =
+        Arc::new(Coordinator::new(config, num_shards, num_workers)?.with_dialer(Arc::new(dialer)).with_events({
             let on_event = on_event.clone();
             move |e| on_event(e)
-        }),
-    );
+        }));
     serve_metrics(&metrics, metrics_listen, "coordinator", &settings, &rt)?;
     let (listener, bound) = rt.block_on(bind(listen, &settings))?;
     on_bound(bound);
@@ -223,6 +222,8 @@ struct LinkShared {
     /// The generation this role serves (0: restoring).
     ready: AtomicU64,
     step: Arc<AtomicU64>,
+    /// The generation served before and the step reached in it.
+    previous: parking_lot::Mutex<(u64, u64)>,
     progress: Arc<AtomicU64>,
     beat_now: parking_lot::Mutex<bool>,
     wake: parking_lot::Condvar,
@@ -243,6 +244,7 @@ impl Link {
             generation: Arc::new(AtomicU64::new(reg.generation.number)),
             ready: AtomicU64::new(0),
             step: Arc::default(),
+            previous: parking_lot::Mutex::new((0, 0)),
             progress: Arc::default(),
             beat_now: parking_lot::Mutex::new(false),
             wake: parking_lot::Condvar::new(),
@@ -261,6 +263,15 @@ impl Link {
 
     fn heard(&self) -> (JobState, Generation) {
         self.shared.heard.lock().clone()
+    }
+
+    /// A new attempt starts: what the last one served and reached is kept
+    /// for the coordinator (a worker's steps past the checkpoint are replayed).
+    fn begin_attempt(&self) {
+        let ready = self.shared.ready.load(Ordering::Relaxed);
+        if ready > 0 {
+            *self.shared.previous.lock() = (ready, self.shared.step.load(Ordering::Relaxed));
+        }
     }
 
     /// This role serves `generation` now (the coordinator hears it at once).
@@ -337,7 +348,8 @@ fn heartbeats(
             return;
         }
         let (ready, step) = (shared.ready.load(Ordering::Relaxed), shared.step.load(Ordering::Relaxed));
-        match client.heartbeat(kind, index, shared.progress.load(Ordering::Relaxed), ready, step) {
+        let previous = *shared.previous.lock();
+        match client.heartbeat(kind, index, shared.progress.load(Ordering::Relaxed), ready, step, previous) {
             Ok((state, generation)) => {
                 last_answer = Instant::now();
                 let ended = state != JobState::Running;
@@ -479,9 +491,8 @@ pub fn run_shard(args: &RoleArgs) -> Result<(), ClusterError> {
             let table = match &generation.restore {
                 Some(dir) => {
                     faults::point("shard.restore");
-                    crate::checkpoint::restore_shard_table(&config, dir, index, reg.num_shards, &subdir).inspect(|t| {
-                        tracing::info!("shard {index}: restored {} rows from {}", t.len(), dir.display())
-                    })
+                    crate::checkpoint::restore_shard_table(&config, dir, index, reg.num_shards, &subdir)
+                        .inspect(|t| tracing::info!("shard {index}: restored {} rows from {}", t.len(), dir.display()))
                 }
                 None => shard_table_in(&config, index, &subdir),
             };
@@ -643,10 +654,9 @@ pub fn run_worker(args: &RoleArgs) -> Result<WorkerSummary, ClusterError> {
         let (state, generation) = link.heard();
         match state {
             JobState::Done => {
-                return done
-                    .filter(|(g, _)| *g == generation.number)
-                    .map(|(_, summary)| summary)
-                    .ok_or_else(|| ClusterError::Setup(format!("worker {index}: the job ended before this worker did")));
+                return done.filter(|(g, _)| *g == generation.number).map(|(_, summary)| summary).ok_or_else(|| {
+                    ClusterError::Setup(format!("worker {index}: the job ended before this worker did"))
+                });
             }
             JobState::Failed(reason) => return Err(ClusterError::JobFailed(reason)),
             JobState::Running => {}
@@ -655,8 +665,19 @@ pub fn run_worker(args: &RoleArgs) -> Result<WorkerSummary, ClusterError> {
             link.wait_change(generation.number, Duration::from_secs(3600));
             continue;
         }
+        link.begin_attempt();
         let attempt = pool.install(|| {
-            worker_generation(&config, index, reg.num_workers, &generation, &coordinator, &link, &settings, &rt, &metrics)
+            worker_generation(
+                &config,
+                index,
+                reg.num_workers,
+                &generation,
+                &coordinator,
+                &link,
+                &settings,
+                &rt,
+                &metrics,
+            )
         });
         match attempt {
             Ok(summary) => {

@@ -148,8 +148,12 @@ pub trait ShardService: Send + Sync {
     fn export(&self, cursor: (usize, usize), max_rows: usize) -> Result<ExportPage, ClusterError>;
     /// Writes this shard's part of a checkpoint into `dir` (every row, or
     /// those used after clock `since`), with no update running meanwhile.
-    fn write_part(&self, generation: u64, dir: &std::path::Path, since: Option<u64>)
-    -> Result<PartWritten, ClusterError>;
+    fn write_part(
+        &self,
+        generation: u64,
+        dir: &std::path::Path,
+        since: Option<u64>,
+    ) -> Result<PartWritten, ClusterError>;
 }
 
 /// A shard's reply to [`ShardService::write_part`].

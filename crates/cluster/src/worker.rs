@@ -389,9 +389,9 @@ impl Worker {
     /// Whether the step just made is a checkpoint step (`every_steps`).
     fn checkpoint_due(&self) -> bool {
         let step = self.optimizer.step;
-        self.checkpoints.as_ref().is_some_and(|c| {
-            step > c.last_step && c.every.is_some_and(|every| every > 0 && step.is_multiple_of(every))
-        })
+        self.checkpoints
+            .as_ref()
+            .is_some_and(|c| step > c.last_step && c.every.is_some_and(|every| every > 0 && step.is_multiple_of(every)))
     }
 
     /// Takes part in a checkpoint at the current step (every update pushed).

@@ -261,7 +261,11 @@ fn a_cluster_checkpoint_keeps_the_shards_filter_state() {
     let c = config_with(
         tmp.path(),
         "dlrm",
-        &["embedding.admit_min_count=3", "embedding.ttl_steps=200", &format!("checkpoint.dir={:?}", root.display().to_string())],
+        &[
+            "embedding.admit_min_count=3",
+            "embedding.ttl_steps=200",
+            &format!("checkpoint.dir={:?}", root.display().to_string()),
+        ],
     );
     let layout = sparrow_data::DataLayout::from_config(&c.data);
     let servers: Vec<Arc<ShardServer>> = (0..2)

@@ -90,10 +90,9 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
         let r = request.into_inner();
         let kind = role_from_proto(r.role)?;
         let coordinator = self.coordinator.clone();
-        let (state, generation) = blocking(move || {
-            coordinator.heartbeat(kind, r.index as usize, r.progress, r.ready_generation, r.step)
-        })
-        .await?;
+        let (state, generation) =
+            blocking(move || coordinator.heartbeat(kind, r.index as usize, r.progress, r.ready_generation, r.step))
+                .await?;
         let mut reply = state_reply(&state);
         reply.generation = Some(generation_to_proto(&generation));
         Ok(Response::new(reply))
@@ -102,10 +101,9 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
     async fn view(&self, request: Request<pb::ViewRequest>) -> Result<Response<pb::ViewReply>, Status> {
         let asked = request.into_inner().generation;
         let coordinator = self.coordinator.clone();
-        let (view, state, current) = blocking(move || {
-            Ok((coordinator.view(asked), coordinator.state(), coordinator.generation().number))
-        })
-        .await?;
+        let (view, state, current) =
+            blocking(move || Ok((coordinator.view(asked), coordinator.state(), coordinator.generation().number)))
+                .await?;
         let state = state_reply(&state);
         Ok(Response::new(pb::ViewReply {
             complete: view.complete,
@@ -244,7 +242,9 @@ impl CoordinatorClient {
                 .max_encoding_message_size(settings.max_message_bytes)
         };
         let (client, untimed) = (make(channels.timed.clone()), make(channels.untimed.clone()));
-        Ok(CoordinatorClient { peer: Peer::new(name, "coordinator", client, handle.clone(), metrics, settings).with_untimed(untimed) })
+        Ok(CoordinatorClient {
+            peer: Peer::new(name, "coordinator", client, handle.clone(), metrics, settings).with_untimed(untimed),
+        })
     }
 
     pub fn name(&self) -> &str {
@@ -264,10 +264,7 @@ impl CoordinatorClient {
             address: address.to_string(),
             index: index.map_or(-1, |i| i as i64),
             generation: known.map_or(0, |k| k.generation),
-            committed: known
-                .and_then(|k| k.committed.as_ref())
-                .map(|d| d.display().to_string())
-                .unwrap_or_default(),
+            committed: known.and_then(|k| k.committed.as_ref()).map(|d| d.display().to_string()).unwrap_or_default(),
             step: known.map_or(0, |k| k.step),
         };
         let reply = self.peer.call("register", request, |mut c, r| async move { c.register(r).await })?;
@@ -290,6 +287,7 @@ impl CoordinatorClient {
         progress: u64,
         ready: u64,
         step: u64,
+        previous: (u64, u64),
     ) -> Result<(JobState, Generation), ClusterError> {
         let request = pb::HeartbeatRequest {
             role: role_to_proto(kind) as i32,
@@ -297,6 +295,8 @@ impl CoordinatorClient {
             progress,
             ready_generation: ready,
             step,
+            previous_generation: previous.0,
+            previous_step: previous.1,
         };
         let reply = self.peer.call("heartbeat", request, |mut c, r| async move { c.heartbeat(r).await })?;
         Ok((state_from(reply.state, reply.message), generation_from(reply.generation)))

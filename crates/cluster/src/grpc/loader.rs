@@ -157,7 +157,9 @@ impl LoaderClient {
                 .max_encoding_message_size(settings.max_message_bytes)
         };
         let (client, untimed) = (make(channels.timed.clone()), make(channels.untimed.clone()));
-        Ok(LoaderClient { peer: Peer::new(name, "loader", client, handle.clone(), metrics, settings).with_untimed(untimed) })
+        Ok(LoaderClient {
+            peer: Peer::new(name, "loader", client, handle.clone(), metrics, settings).with_untimed(untimed),
+        })
     }
 }
 

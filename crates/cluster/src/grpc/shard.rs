@@ -98,10 +98,7 @@ impl pb::shard_server::Shard for ShardGrpc {
         Ok(Response::new(reply))
     }
 
-    async fn write_part(
-        &self,
-        request: Request<pb::WritePartRequest>,
-    ) -> Result<Response<pb::WritePartReply>, Status> {
+    async fn write_part(&self, request: Request<pb::WritePartRequest>) -> Result<Response<pb::WritePartReply>, Status> {
         let r = request.into_inner();
         let shard = self.shard()?;
         let since = r.has_since.then_some(r.since);
@@ -112,7 +109,12 @@ impl pb::shard_server::Shard for ShardGrpc {
             filters: part.filters.clone().unwrap_or_default(),
             rows: part.rows,
             clock: part.clock,
-            files: p.written.files.iter().map(|(name, bytes)| pb::PartFile { name: name.clone(), bytes: *bytes }).collect(),
+            files: p
+                .written
+                .files
+                .iter()
+                .map(|(name, bytes)| pb::PartFile { name: name.clone(), bytes: *bytes })
+                .collect(),
             secs: p.secs,
             dim: p.dim as u32,
             row_len: p.row_len as u32,
@@ -222,7 +224,9 @@ impl ShardClient {
                 .max_encoding_message_size(settings.max_message_bytes)
         };
         let (client, untimed) = (make(channels.timed.clone()), make(channels.untimed.clone()));
-        Ok(ShardClient { peer: Peer::new(name, "shard", client, handle.clone(), metrics, settings).with_untimed(untimed) })
+        Ok(ShardClient {
+            peer: Peer::new(name, "shard", client, handle.clone(), metrics, settings).with_untimed(untimed),
+        })
     }
 }
 
@@ -280,8 +284,7 @@ impl ShardService for ShardClient {
             has_since: since.is_some(),
             since: since.unwrap_or(0),
         };
-        let r =
-            self.peer.call_unbounded("write_part", request, |mut c, r| async move { c.write_part(r).await })?;
+        let r = self.peer.call_unbounded("write_part", request, |mut c, r| async move { c.write_part(r).await })?;
         let part = sparrow_trainer::checkpoint::Part {
             embeddings: r.embeddings,
             filters: (!r.filters.is_empty()).then_some(r.filters),
@@ -293,7 +296,10 @@ impl ShardService for ShardClient {
         let names = std::iter::once(&part.embeddings).chain(part.filters.iter()).chain(r.files.iter().map(|f| &f.name));
         for name in names {
             if name.is_empty() || name.contains('/') || name.contains("..") {
-                return Err(ClusterError::Malformed { peer: self.peer.name.clone(), what: format!("part file name `{name}`") });
+                return Err(ClusterError::Malformed {
+                    peer: self.peer.name.clone(),
+                    what: format!("part file name `{name}`"),
+                });
             }
         }
         Ok(PartWritten {

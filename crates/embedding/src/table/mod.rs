@@ -613,7 +613,8 @@ impl EmbeddingTable {
             let mut shard = shard.write();
             assert_eq!(shard.rows, 0, "the clock is set on an empty table");
             if shard.expiry.is_none() && shard.backing.tier().is_none() {
-                shard.expiry = Some(Expiry { ttl: u64::MAX, last_use: Vec::new(), vacant: Vec::new(), free: Vec::new() });
+                shard.expiry =
+                    Some(Expiry { ttl: u64::MAX, last_use: Vec::new(), vacant: Vec::new(), free: Vec::new() });
             }
         }
         self
