@@ -257,9 +257,7 @@ fn init_logging(role: bool) {
 /// launcher writes meanwhile (to the coordinator: which role died) come out
 /// of the returned channel.
 fn exit_with_parent() -> Option<crossbeam_channel::Receiver<String>> {
-    if std::env::var_os(sparrow_cluster::launch::EXIT_WITH_PARENT_ENV).is_none() {
-        return None;
-    }
+    std::env::var_os(sparrow_cluster::launch::EXIT_WITH_PARENT_ENV)?;
     let (tx, rx) = crossbeam_channel::unbounded();
     std::thread::spawn(move || {
         for line in std::io::stdin().lines().map_while(Result::ok) {
@@ -407,16 +405,14 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
                     let _ = out.flush();
                 }
             };
-            sparrow_cluster::roles::run_coordinator(
-                &config,
-                shards,
-                workers,
+            let args = sparrow_cluster::roles::CoordinatorArgs {
+                num_shards: shards,
+                num_workers: workers,
                 listen,
                 metrics_listen,
                 notices,
-                on_bound,
-                on_event,
-            )?;
+            };
+            sparrow_cluster::roles::run_coordinator(&config, args, on_bound, on_event)?;
             Ok(())
         }
         Command::Shard { role, index, metrics_listen } => {

@@ -291,8 +291,74 @@ fn two_workers_recover_within_the_spread_of_uninterrupted_runs() {
     assert!((a - b).abs() < 0.02, "{a} vs {b}");
 }
 
+/// A launch whose stderr is collected while it runs.
+struct Running {
+    child: std::process::Child,
+    log: Arc<Mutex<String>>,
+    reader: std::thread::JoinHandle<()>,
+}
+
+impl Running {
+    fn start(config: &str) -> Running {
+        let mut child = sparrow()
+            .args(["launch", "--config", config, "--shards", "2", "--workers", "1"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("launch");
+        let log = Arc::new(Mutex::new(String::new()));
+        let reader = {
+            let (log, stderr) = (log.clone(), child.stderr.take().expect("stderr"));
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    let mut log = log.lock().expect("log");
+                    log.push_str(&line);
+                    log.push('\n');
+                }
+            })
+        };
+        Running { child, log, reader }
+    }
+
+    /// Shard 1's pid once the checkpoint at step 100 is committed.
+    fn shard_after_checkpoint(&self) -> u32 {
+        let start = Instant::now();
+        loop {
+            let text = self.log.lock().expect("log").clone();
+            let pid = text.lines().find_map(|l| l.strip_prefix("launch: shard 1 is pid ")?.trim().parse::<u32>().ok());
+            if let Some(pid) = pid
+                && text.contains("checkpoint at step 100 committed")
+            {
+                return pid;
+            }
+            assert!(start.elapsed() < Duration::from_secs(60), "no checkpoint: {text}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// The final JSON and the log, once launch exited (successfully).
+    fn finish(mut self) -> (serde_json::Value, String) {
+        let stdout = {
+            use std::io::Read;
+            let mut s = String::new();
+            self.child.stdout.take().expect("stdout").read_to_string(&mut s).expect("read");
+            s
+        };
+        let status = self.child.wait().expect("wait");
+        self.reader.join().expect("reader");
+        let text = self.log.lock().expect("log").clone();
+        assert!(status.success(), "{text}");
+        (serde_json::from_str(stdout.lines().last().unwrap_or_default()).expect("json"), text)
+    }
+}
+
+fn signal(pid: u32, sig: &str) {
+    assert!(Command::new("kill").args([sig, &pid.to_string()]).status().expect("kill").success());
+}
+
 /// The one real signal: a shard killed with SIGKILL once a checkpoint is
-/// committed, wherever the job is then.
+/// committed, wherever the job is then. Its replacement listens on another
+/// port; the others find it through the coordinator.
 #[test]
 fn a_shard_killed_with_sigkill_after_a_checkpoint_leaves_the_model_exact() {
     let tmp = tempfile::tempdir().expect("tmp");
@@ -301,50 +367,35 @@ fn a_shard_killed_with_sigkill_after_a_checkpoint_leaves_the_model_exact() {
     let text = std::fs::read_to_string(&config).expect("read").replace("epochs = 4", "epochs = 10");
     std::fs::write(&config, text).expect("write");
     let whole = uninterrupted(&config);
-    let mut child = sparrow()
-        .args(["launch", "--config", &config, "--shards", "2", "--workers", "1"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("launch");
-    let log = Arc::new(Mutex::new(String::new()));
-    let reader = {
-        let (log, stderr) = (log.clone(), child.stderr.take().expect("stderr"));
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let mut log = log.lock().expect("log");
-                log.push_str(&line);
-                log.push('\n');
-            }
-        })
-    };
-    let start = Instant::now();
-    let pid = loop {
-        let text = log.lock().expect("log").clone();
-        let pid = text.lines().find_map(|l| l.strip_prefix("launch: shard 1 is pid ")?.trim().parse::<u32>().ok());
-        if let Some(pid) = pid
-            && text.contains("checkpoint at step 100 committed")
-        {
-            break pid;
-        }
-        assert!(start.elapsed() < Duration::from_secs(60), "no checkpoint: {text}");
-        std::thread::sleep(Duration::from_millis(5));
-    };
-    assert!(Command::new("kill").args(["-9", &pid.to_string()]).status().expect("kill").success());
-    let stdout = {
-        use std::io::Read;
-        let mut s = String::new();
-        child.stdout.take().expect("stdout").read_to_string(&mut s).expect("read");
-        s
-    };
-    let status = child.wait().expect("wait");
-    reader.join().expect("reader");
-    let text = log.lock().expect("log").clone();
-    assert!(status.success(), "{text}");
-    let json: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or_default()).expect("json");
+    let job = Running::start(&config);
+    signal(job.shard_after_checkpoint(), "-9");
+    let (json, text) = job.finish();
     assert_eq!(json["test_auc"], whole["test_auc"], "{text}");
     assert_eq!(json["embedding_rows"], whole["embedding_rows"]);
     assert_eq!(json["train_rows"], whole["train_rows"]);
     assert_eq!(json["restarts"]["shard"], 1);
     assert!(text.contains("shard 1 died (signal: 9 (SIGKILL)); restarting it"), "{text}");
+    let addresses: Vec<&str> =
+        text.lines().filter_map(|l| l.strip_prefix("[shard 1] ")?.split("shard 1: listening on ").nth(1)).collect();
+    assert_eq!(addresses.len(), 2, "{text}");
+    assert_ne!(addresses[0], addresses[1], "the replacement listens elsewhere");
+}
+
+/// A shard that hangs (SIGSTOP) stops answering heartbeats: the coordinator
+/// reports it, launch kills and restarts it, the model is exact.
+#[test]
+fn a_hung_shard_is_restarted_and_the_model_stays_exact() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    data(tmp.path());
+    let config = config(tmp.path(), "");
+    let text = std::fs::read_to_string(&config).expect("read").replace("epochs = 4", "epochs = 10");
+    std::fs::write(&config, text).expect("write");
+    let whole = uninterrupted(&config);
+    let job = Running::start(&config);
+    signal(job.shard_after_checkpoint(), "-STOP");
+    let (json, text) = job.finish();
+    assert_eq!(json["test_auc"], whole["test_auc"], "{text}");
+    assert_eq!(json["train_rows"], whole["train_rows"]);
+    assert_eq!(json["restarts"]["shard"], 1);
+    assert!(text.contains("shard 1 stopped answering; killing it"), "{text}");
 }

@@ -400,6 +400,7 @@ struct Events {
     read_lines: usize,
     restarts: BTreeMap<String, u64>,
     checkpoints_committed: u64,
+    checkpoints: Vec<serde_json::Value>,
     steps_replayed: u64,
     recovery_secs: f64,
     last_committed: Option<String>,
@@ -423,6 +424,11 @@ impl Events {
                     "committed" => {
                         self.checkpoints_committed += 1;
                         self.last_committed = body["dir"].as_str().map(str::to_string);
+                        let mut entry = body.clone();
+                        if let Some(e) = entry.as_object_mut() {
+                            e.remove("dir");
+                        }
+                        self.checkpoints.push(entry);
                     }
                     "lost" => {
                         let role = match body["role"].as_str() {
@@ -467,6 +473,9 @@ pub struct ClusterFields {
     /// Role kind → how many times launch restarted it (`cluster.max_restarts`).
     pub restarts: BTreeMap<String, u64>,
     pub checkpoints_committed: u64,
+    /// Each committed checkpoint: step, bytes written, full or incremental,
+    /// seconds from the workers' meeting to the commit, each shard's MB/s.
+    pub checkpoints: Vec<serde_json::Value>,
     /// Training steps done twice because of failures.
     pub steps_replayed: u64,
     /// From each death being noticed to every role serving the job's next
@@ -543,6 +552,7 @@ fn merge(
                 .map(|k| (k.to_string(), events.restarts.get(*k).copied().unwrap_or(0)))
                 .collect(),
             checkpoints_committed: events.checkpoints_committed,
+            checkpoints: events.checkpoints.clone(),
             steps_replayed: events.steps_replayed,
             recovery_secs: events.recovery_secs,
         },

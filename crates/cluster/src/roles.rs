@@ -84,8 +84,11 @@ struct GrpcDialer {
     settings: NetSettings,
     handle: tokio::runtime::Handle,
     metrics: RoleMetrics,
-    cached: parking_lot::Mutex<Option<(Vec<String>, Vec<Arc<dyn ShardService>>)>>,
+    cached: parking_lot::Mutex<Option<Dialed>>,
 }
+
+/// A shard map and the clients connected to it.
+type Dialed = (Vec<String>, Vec<Arc<dyn ShardService>>);
 
 impl crate::coordinator::ShardDialer for GrpcDialer {
     fn dial(&self, addresses: &[String]) -> Result<Vec<Arc<dyn ShardService>>, ClusterError> {
@@ -121,22 +124,28 @@ fn note_launcher(coordinator: &Coordinator, line: &str) {
     }
 }
 
+/// How the coordinator process runs (`sparrow coordinator`'s arguments).
+pub struct CoordinatorArgs {
+    pub num_shards: usize,
+    pub num_workers: usize,
+    pub listen: SocketAddr,
+    pub metrics_listen: Option<SocketAddr>,
+    /// Lines from the launcher (`lost <role> <index>`: that role's process
+    /// exited, launch restarts it).
+    pub notices: Option<crossbeam_channel::Receiver<String>>,
+}
+
 /// Runs the coordinator until the job ends; `on_bound` gets the bound
-/// address (launch reads it from stdout). `notices`: lines from the
-/// launcher (`lost <role> <index>`: that role's process exited, launch
-/// restarts it). `on_event` gets the coordinator's [`Event`]s, the last one
-/// its [`Event::Report`] (the binary prints them for launch). Errors if the
-/// job failed.
+/// address (launch reads it from stdout). `on_event` gets the coordinator's
+/// [`Event`]s, the last one its [`Event::Report`] (the binary prints them for
+/// launch). Errors if the job failed.
 pub fn run_coordinator(
     config: &Config,
-    num_shards: usize,
-    num_workers: usize,
-    listen: SocketAddr,
-    metrics_listen: Option<SocketAddr>,
-    notices: Option<crossbeam_channel::Receiver<String>>,
+    args: CoordinatorArgs,
     on_bound: impl FnOnce(SocketAddr),
     on_event: impl Fn(&Event) + Send + Sync + 'static,
 ) -> Result<(), ClusterError> {
+    let CoordinatorArgs { num_shards, num_workers, listen, metrics_listen, notices } = args;
     let on_event = Arc::new(on_event);
     let rt = runtime()?;
     let settings = NetSettings::new(&config.cluster, None);
@@ -666,19 +675,17 @@ pub fn run_worker(args: &RoleArgs) -> Result<WorkerSummary, ClusterError> {
             continue;
         }
         link.begin_attempt();
-        let attempt = pool.install(|| {
-            worker_generation(
-                &config,
-                index,
-                reg.num_workers,
-                &generation,
-                &coordinator,
-                &link,
-                &settings,
-                &rt,
-                &metrics,
-            )
-        });
+        let env = WorkerEnv {
+            config: &config,
+            index,
+            num_workers: reg.num_workers,
+            coordinator: &coordinator,
+            link: &link,
+            settings: &settings,
+            rt: &rt,
+            metrics: &metrics,
+        };
+        let attempt = pool.install(|| worker_generation(&env, &generation));
         match attempt {
             Ok(summary) => {
                 link.finish(None, generation.number);
@@ -700,21 +707,23 @@ pub fn run_worker(args: &RoleArgs) -> Result<WorkerSummary, ClusterError> {
     }
 }
 
+/// What a worker process keeps across generations.
+struct WorkerEnv<'a> {
+    config: &'a Config,
+    index: usize,
+    num_workers: usize,
+    coordinator: &'a CoordinatorClient,
+    link: &'a Link,
+    settings: &'a NetSettings,
+    rt: &'a Runtime,
+    metrics: &'a RoleMetrics,
+}
+
 /// One generation of a worker: waits for the shards and the loader to serve
 /// it, restores the dense state, trains, takes part in checkpoints, and
 /// (worker 0) evaluates.
-#[allow(clippy::too_many_arguments)]
-fn worker_generation(
-    config: &Config,
-    index: usize,
-    num_workers: usize,
-    generation: &Generation,
-    coordinator: &CoordinatorClient,
-    link: &Link,
-    settings: &NetSettings,
-    rt: &Runtime,
-    metrics: &RoleMetrics,
-) -> Result<WorkerSummary, ClusterError> {
+fn worker_generation(env: &WorkerEnv<'_>, generation: &Generation) -> Result<WorkerSummary, ClusterError> {
+    let WorkerEnv { config, index, num_workers, coordinator, link, settings, rt, metrics } = *env;
     let view = coordinator.wait_for_view(generation.number, false, settings.connect_timeout)?;
     let shards = connect_shards(&view.shards, settings, rt, metrics)?;
     let loader = LoaderClient::connect(&view.loader, settings, rt.handle(), metrics.clone())?;

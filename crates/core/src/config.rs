@@ -443,8 +443,8 @@ pub struct ClusterConfig {
     /// Batches the loader prepares ahead of the workers (their keys already queued on the shards).
     pub loader_queue_batches: usize,
     /// A worker whose heartbeats go on but whose progress (steps, evaluated
-    /// batches, checkpoint pages) has not moved for this long fails the job:
-    /// a live heartbeat must not hide a hung role.
+    /// batches, checkpoints) has not moved for this long is lost (restarted,
+    /// see `max_restarts`): a live heartbeat must not hide a hung role.
     pub progress_timeout_ms: u64,
     /// `sparrow launch` (and the coordinator of a multi-host job) restarts a
     /// role that died or stopped answering at most this many times per role;

@@ -90,9 +90,12 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
         let r = request.into_inner();
         let kind = role_from_proto(r.role)?;
         let coordinator = self.coordinator.clone();
-        let (state, generation) =
-            blocking(move || coordinator.heartbeat(kind, r.index as usize, r.progress, r.ready_generation, r.step))
-                .await?;
+        let (state, generation) = blocking(move || {
+            let answer = coordinator.heartbeat(kind, r.index as usize, r.progress, r.ready_generation, r.step)?;
+            coordinator.previous_step(kind, r.previous_generation, r.previous_step);
+            Ok(answer)
+        })
+        .await?;
         let mut reply = state_reply(&state);
         reply.generation = Some(generation_to_proto(&generation));
         Ok(Response::new(reply))

@@ -110,11 +110,14 @@ impl TableShard {
         self.index.find(key, |s| self.key_at(layout, s))
     }
 
-    /// Prefetches a slot's row and (SSD tier) its use record.
+    /// Prefetches a slot's row and its use record (the SSD tier's, or the
+    /// clock `ttl_steps` and incremental checkpoints keep).
     fn prefetch_row(&self, layout: Layout, slot: u32) {
         prefetch_lines(stored_in(&self.chunks, layout, slot));
         if let Some(meta) = self.backing.tier().and_then(|t| t.meta.get(slot as usize)) {
             prefetch(meta);
+        } else if let Some(last_use) = self.expiry.as_ref().and_then(|e| e.last_use.get(slot as usize)) {
+            prefetch(last_use);
         }
     }
 
@@ -270,7 +273,9 @@ impl TableShard {
     /// `ttl_steps`: whether the cached row in `slot` outlived its age as of
     /// lookup `tick` (it then reads as absent until the sweep deletes it).
     fn aged_out(&self, slot: usize, tick: u64) -> bool {
-        self.expiry.as_ref().is_some_and(|e| self.last_use(slot, tick) < tick.saturating_sub(e.ttl))
+        // Nothing is older than `ttl` before tick `ttl` (and a clock kept for
+        // incremental checkpoints has an infinite one): no load then.
+        self.expiry.as_ref().is_some_and(|e| tick > e.ttl && self.last_use(slot, tick) < tick - e.ttl)
     }
 
     /// `ttl_steps`: deletes the rows that no lookup used in the last `ttl`
