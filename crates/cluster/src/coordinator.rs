@@ -1074,4 +1074,23 @@ mod tests {
             Contribution { worker: 0, generation: 1, round: 0, grads: vec![1.0], rows: 1, patience: Duration::ZERO };
         assert!(matches!(c.sum(stale), Err(ClusterError::StaleGeneration { .. })));
     }
+
+    /// A role restarted from outside (Kubernetes) registers again before its
+    /// silence was noticed: that is its death, and the job's next generation.
+    #[test]
+    fn a_role_registering_again_starts_the_next_generation() {
+        let c = Coordinator::new(&config(&[]), 1, 1).expect("coordinator");
+        for (kind, i) in [(RoleKind::Shard, 0), (RoleKind::Loader, 0), (RoleKind::Worker, 0)] {
+            c.register(kind, "a".into(), Some(i), None).expect("register");
+        }
+        let (index, generation) = c.register(RoleKind::Shard, "b".into(), Some(0), None).expect("again");
+        assert_eq!((index, generation.number), (0, 2));
+        assert_eq!(c.recovery_report().restarts["shard"], 1);
+        assert_eq!(c.view(2).shards, ["b"], "the new address is the shard map");
+        // Without a budget the slot is simply taken.
+        let strict = Coordinator::new(&config(&["cluster.max_restarts=0"]), 1, 1).expect("coordinator");
+        strict.register(RoleKind::Shard, "a".into(), Some(0), None).expect("register");
+        let err = strict.register(RoleKind::Shard, "b".into(), Some(0), None).expect_err("taken");
+        assert!(err.to_string().contains("already registered"), "{err}");
+    }
 }

@@ -192,6 +192,9 @@ pub fn train_until(config: &Config, quiet: bool, stop: &AtomicBool) -> Result<Tr
 
 fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool) -> Result<TrainSummary, TrainError> {
     let train_path = data_path(&config.data.train, "train", "the training data file")?;
+    if config.checkpoint.incremental {
+        tracing::warn!("checkpoint.incremental applies to sparrow launch; sparrow train writes full checkpoints");
+    }
     // Fail before training, not after it, when the test file is missing.
     if let Some(test) = &config.data.test {
         std::fs::File::open(test).map_err(|e| TrainError::io(Path::new(test), e))?;
