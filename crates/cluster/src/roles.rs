@@ -659,6 +659,8 @@ pub fn run_worker(args: &RoleArgs) -> Result<WorkerSummary, ClusterError> {
     serve_metrics(&metrics, Some(args.listen), "worker", &settings, &rt)?;
     let pool = sparrow_trainer::run::compute_pool(config.train.threads)?;
     let mut done: Option<(u64, WorkerSummary)> = None;
+    // Seconds this process spent in attempts the job gave up.
+    let mut given_up_secs = 0.0;
     loop {
         let (state, generation) = link.heard();
         match state {
@@ -685,13 +687,17 @@ pub fn run_worker(args: &RoleArgs) -> Result<WorkerSummary, ClusterError> {
             rt: &rt,
             metrics: &metrics,
         };
+        let started = Instant::now();
         let attempt = pool.install(|| worker_generation(&env, &generation));
         match attempt {
-            Ok(summary) => {
+            Ok(mut summary) => {
+                // The job's training time includes the attempts given up.
+                summary.train_secs += given_up_secs;
                 link.finish(None, generation.number);
                 done = Some((generation.number, summary));
             }
             Err(e) if e.may_be_a_death() || link.heard().1.number != generation.number => {
+                given_up_secs += started.elapsed().as_secs_f64();
                 tracing::warn!("worker {index}: generation {}: {e}", generation.number);
                 let (_, next) = link.wait_change(generation.number, recovery_wait(&config.cluster));
                 if next.number == generation.number && link.heard().0 == JobState::Running {

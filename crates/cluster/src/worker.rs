@@ -438,11 +438,6 @@ impl Worker {
         Ok(())
     }
 
-    /// This worker's part of a checkpoint.
-    pub fn into_dense_state(self) -> DenseState {
-        DenseState { model: self.model, optimizer: self.optimizer, position: self.stats.last_end }
-    }
-
     /// `train.pipeline_depth`: how many batches ahead of its dense step a
     /// batch's rows are pulled (see [`run_training`](Self::run_training)).
     pub fn with_pipeline_depth(mut self, depth: usize) -> Self {
