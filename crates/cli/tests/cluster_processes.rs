@@ -405,3 +405,48 @@ fn an_unreachable_coordinator_is_retried_then_reported() {
     assert!(err.contains(&format!("coordinator at {addr}")) && err.contains("unreachable after"), "{err}");
     assert!(waited >= Duration::from_millis(1000), "gave up after {waited:?} without retrying");
 }
+
+/// A role whose coordinator is gone for good (killed, nobody restarts it)
+/// stops within the heartbeat timeout, naming it. (Its heartbeat thread used
+/// to lock the state it was reporting from, and the role hung instead.)
+#[test]
+fn a_role_whose_coordinator_is_gone_stops_within_the_heartbeat_timeout() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let config = write_config(tmp.path(), "");
+    let (mut coord, addr) = coordinator(&config, None);
+    let mut shard = sparrow()
+        .args(["shard", "--coordinator", &addr, "--listen", "127.0.0.1:0"])
+        .env_remove("SPARROW_AUTH_TOKEN")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("shard");
+    let stderr = shard.stderr.take().expect("stderr");
+    let log = Arc::new(Mutex::new(String::new()));
+    let reader = {
+        let log = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut log = log.lock().expect("log");
+                log.push_str(&line);
+                log.push('\n');
+            }
+        })
+    };
+    let start = Instant::now();
+    while !log.lock().expect("log").contains("listening on") {
+        assert!(start.elapsed() < Duration::from_secs(20), "the shard never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    coord.kill().expect("kill the coordinator");
+    let _ = coord.wait();
+    let killed = Instant::now();
+    // heartbeat_timeout_ms = 2000 in this config, heartbeats every 100 ms.
+    let status = wait_with_timeout(&mut shard, Duration::from_secs(15));
+    let took = killed.elapsed();
+    reader.join().expect("reader");
+    let text = log.lock().expect("log").clone();
+    assert!(!status.success(), "{text}");
+    assert!(text.contains(&format!("coordinator at {addr}")) && text.contains("no answer for"), "{text}");
+    assert!(took < Duration::from_secs(8), "took {took:?}: {text}");
+}

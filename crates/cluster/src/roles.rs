@@ -345,6 +345,13 @@ fn heartbeats(
         *shared.heard.lock() = (state, generation);
         shared.changed.notify_all();
     };
+    // The job ends for this role with `reason`, in the generation last heard.
+    let fail = |reason: String| {
+        let mut heard = shared.heard.lock();
+        heard.0 = JobState::Failed(reason);
+        drop(heard);
+        shared.changed.notify_all();
+    };
     while !shared.stop.load(Ordering::Relaxed) {
         {
             let mut now = shared.beat_now.lock();
@@ -378,18 +385,22 @@ fn heartbeats(
                         last_answer = Instant::now();
                         set(JobState::Running, reg.generation);
                     }
-                    Err(e) => tracing::warn!("{} {index}: registering again: {e}", kind.name()),
+                    Err(e) if matches!(e, ClusterError::Rpc { .. }) && last_answer.elapsed() <= timeout => {
+                        tracing::warn!("{} {index}: registering again: {e}", kind.name());
+                    }
+                    // Refused (the job failed, the slot is gone) or too long without an answer.
+                    Err(e) => {
+                        fail(format!("{}: registering again: {e}", client.name()));
+                        return;
+                    }
                 }
             }
             Err(e) if last_answer.elapsed() > timeout => {
-                set(
-                    JobState::Failed(format!(
-                        "{}: no answer for {} ms, stopping: {e}",
-                        client.name(),
-                        last_answer.elapsed().as_millis()
-                    )),
-                    shared.heard.lock().1.clone(),
-                );
+                fail(format!(
+                    "{}: no answer for {} ms, stopping: {e}",
+                    client.name(),
+                    last_answer.elapsed().as_millis()
+                ));
                 return;
             }
             Err(e) => tracing::warn!("heartbeat: {e}"),
