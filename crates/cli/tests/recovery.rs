@@ -83,6 +83,28 @@ fn uninterrupted(config: &str) -> serde_json::Value {
     last_json(&out)
 }
 
+/// A job's directory (data, config) and the uninterrupted job's figures.
+struct Scenario {
+    tmp: tempfile::TempDir,
+    config: String,
+    whole: serde_json::Value,
+}
+
+/// The job of this file, `edit` applied to its config text (given the job's directory).
+fn scenario(edit: impl Fn(String, &Path) -> String) -> Scenario {
+    let tmp = tempfile::tempdir().expect("tmp");
+    data(tmp.path());
+    let config = config(tmp.path(), "");
+    let text = edit(std::fs::read_to_string(&config).expect("read"), tmp.path());
+    std::fs::write(&config, text).expect("write");
+    let whole = uninterrupted(&config);
+    Scenario { tmp, config, whole }
+}
+
+fn as_is(text: String, _: &Path) -> String {
+    text
+}
+
 /// `sparrow launch` (2 shards, 1 worker) with `FAILPOINTS` set.
 fn launch(config: &str, failpoints: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut command = sparrow();
@@ -113,10 +135,7 @@ fn assert_recovered_exactly(out: &Output, whole: &serde_json::Value, role: &str,
 
 #[test]
 fn a_shard_that_dies_mid_training_leaves_the_model_exact() {
-    let tmp = tempfile::tempdir().expect("tmp");
-    data(tmp.path());
-    let config = config(tmp.path(), "");
-    let whole = uninterrupted(&config);
+    let Scenario { config, whole, tmp: _tmp } = scenario(as_is);
     // Both shards die at their 171st push (step 171): back to step 150.
     let out = launch(&config, "shard.push=170*off->return", &[], &[]);
     let json = assert_recovered_exactly(&out, &whole, "shard", 2);
@@ -125,10 +144,7 @@ fn a_shard_that_dies_mid_training_leaves_the_model_exact() {
 
 #[test]
 fn a_worker_that_dies_mid_training_leaves_the_model_exact() {
-    let tmp = tempfile::tempdir().expect("tmp");
-    data(tmp.path());
-    let config = config(tmp.path(), "");
-    let whole = uninterrupted(&config);
+    let Scenario { config, whole, tmp: _tmp } = scenario(as_is);
     let out = launch(&config, "worker.step=120*off->return", &[], &[]);
     let json = assert_recovered_exactly(&out, &whole, "worker", 1);
     // It died after step 121; the coordinator counts what its heartbeats
@@ -139,20 +155,14 @@ fn a_worker_that_dies_mid_training_leaves_the_model_exact() {
 
 #[test]
 fn the_loader_dying_mid_training_leaves_the_model_exact() {
-    let tmp = tempfile::tempdir().expect("tmp");
-    data(tmp.path());
-    let config = config(tmp.path(), "");
-    let whole = uninterrupted(&config);
+    let Scenario { config, whole, tmp: _tmp } = scenario(as_is);
     let out = launch(&config, "loader.next_batch=230*off->return", &[], &[]);
     assert_recovered_exactly(&out, &whole, "loader", 1);
 }
 
 #[test]
 fn the_coordinator_dying_mid_checkpoint_leaves_the_model_exact() {
-    let tmp = tempfile::tempdir().expect("tmp");
-    data(tmp.path());
-    let config = config(tmp.path(), "");
-    let whole = uninterrupted(&config);
+    let Scenario { config, whole, tmp: _tmp } = scenario(as_is);
     // The third checkpoint (step 150): every part written and verified, the
     // manifest not yet renamed into place. The version is never read.
     let out = launch(&config, "coordinator.commit=2*off->return", &[], &[]);
@@ -163,10 +173,7 @@ fn the_coordinator_dying_mid_checkpoint_leaves_the_model_exact() {
 
 #[test]
 fn a_shard_dying_while_writing_its_part_leaves_the_model_exact() {
-    let tmp = tempfile::tempdir().expect("tmp");
-    data(tmp.path());
-    let config = config(tmp.path(), "");
-    let whole = uninterrupted(&config);
+    let Scenario { config, whole, tmp: _tmp } = scenario(as_is);
     // The shards' parts of the second checkpoint are on disk, not reported.
     let out = launch(&config, "shard.part_written=1*off->return", &[], &[]);
     assert_recovered_exactly(&out, &whole, "shard", 2);
@@ -174,10 +181,7 @@ fn a_shard_dying_while_writing_its_part_leaves_the_model_exact() {
 
 #[test]
 fn a_second_death_during_recovery_leaves_the_model_exact() {
-    let tmp = tempfile::tempdir().expect("tmp");
-    data(tmp.path());
-    let config = config(tmp.path(), "");
-    let whole = uninterrupted(&config);
+    let Scenario { config, whole, tmp: _tmp } = scenario(as_is);
     // The worker dies; restoring the checkpoint, both shards die too.
     let out = launch(&config, "worker.step=120*off->return;shard.restore=return", &[], &[]);
     let json = assert_recovered_exactly(&out, &whole, "worker", 1);
@@ -213,18 +217,11 @@ fn a_role_that_keeps_dying_spends_the_budget_and_the_last_checkpoint_stays_intac
 
 #[test]
 fn a_shard_on_the_ssd_tier_restarts_from_the_checkpoint() {
-    let tmp = tempfile::tempdir().expect("tmp");
-    data(tmp.path());
-    let ssd = format!(
-        "storage = \"ssd\"\npath = {:?}\ncache_capacity_rows = 4000",
-        tmp.path().join("ssd").display().to_string()
-    );
-    let config = config(tmp.path(), "");
-    let text = std::fs::read_to_string(&config)
-        .expect("read")
-        .replace("learning_rate = 0.05", &format!("learning_rate = 0.05\n{ssd}"));
-    std::fs::write(&config, text).expect("write");
-    let whole = uninterrupted(&config);
+    let Scenario { config, whole, tmp } = scenario(|text, dir| {
+        let path = dir.join("ssd").display().to_string();
+        let tier = format!("storage = \"ssd\"\npath = {path:?}\ncache_capacity_rows = 4000");
+        text.replace("learning_rate = 0.05", &format!("learning_rate = 0.05\n{tier}"))
+    });
     // The baseline's tier went to the same path: start the job's afresh.
     std::fs::remove_dir_all(tmp.path().join("ssd")).expect("remove");
     let out = launch(&config, "shard.push=170*off->return", &[], &[]);
@@ -242,14 +239,8 @@ fn a_shard_on_the_ssd_tier_restarts_from_the_checkpoint() {
 
 #[test]
 fn incremental_checkpoints_recover_exactly_and_write_less() {
-    let tmp = tempfile::tempdir().expect("tmp");
-    data(tmp.path());
-    let config = config(tmp.path(), "");
-    let text = std::fs::read_to_string(&config)
-        .expect("read")
-        .replace("every_steps = 50", "every_steps = 50\nincremental = true\nfull_every = 4");
-    std::fs::write(&config, text).expect("write");
-    let whole = uninterrupted(&config);
+    let Scenario { config, whole, tmp } =
+        scenario(|text, _| text.replace("every_steps = 50", "every_steps = 50\nincremental = true\nfull_every = 4"));
     let out = launch(&config, "shard.push=270*off->return", &["--set", "checkpoint.keep=1"], &[]);
     assert_recovered_exactly(&out, &whole, "shard", 2);
     // Its generation 2 went back to an incremental version (step 250: full at
@@ -361,12 +352,7 @@ fn signal(pid: u32, sig: &str) {
 /// port; the others find it through the coordinator.
 #[test]
 fn a_shard_killed_with_sigkill_after_a_checkpoint_leaves_the_model_exact() {
-    let tmp = tempfile::tempdir().expect("tmp");
-    data(tmp.path());
-    let config = config(tmp.path(), "");
-    let text = std::fs::read_to_string(&config).expect("read").replace("epochs = 4", "epochs = 10");
-    std::fs::write(&config, text).expect("write");
-    let whole = uninterrupted(&config);
+    let Scenario { config, whole, tmp: _tmp } = scenario(|text, _| text.replace("epochs = 4", "epochs = 10"));
     let job = Running::start(&config);
     signal(job.shard_after_checkpoint(), "-9");
     let (json, text) = job.finish();
@@ -385,12 +371,7 @@ fn a_shard_killed_with_sigkill_after_a_checkpoint_leaves_the_model_exact() {
 /// reports it, launch kills and restarts it, the model is exact.
 #[test]
 fn a_hung_shard_is_restarted_and_the_model_stays_exact() {
-    let tmp = tempfile::tempdir().expect("tmp");
-    data(tmp.path());
-    let config = config(tmp.path(), "");
-    let text = std::fs::read_to_string(&config).expect("read").replace("epochs = 4", "epochs = 10");
-    std::fs::write(&config, text).expect("write");
-    let whole = uninterrupted(&config);
+    let Scenario { config, whole, tmp: _tmp } = scenario(|text, _| text.replace("epochs = 4", "epochs = 10"));
     let job = Running::start(&config);
     signal(job.shard_after_checkpoint(), "-STOP");
     let (json, text) = job.finish();

@@ -467,6 +467,47 @@ fn remove_stale_tiers(config: &Config, index: usize, current: &str) {
     }
 }
 
+/// Serves the job's generations until it ends: `start` sets this role up for
+/// each new one (then it reports it serves it). A start that fails as a
+/// peer's death would (a shard gone while the loader connects) waits for the
+/// next generation; any other failure, or no next generation within the
+/// recovery wait, fails the job with it.
+fn each_generation(
+    link: &Link,
+    cluster: &ClusterConfig,
+    mut start: impl FnMut(&Generation) -> Result<(), ClusterError>,
+) -> Result<(), ClusterError> {
+    let mut served = 0;
+    loop {
+        let (state, generation) = link.heard();
+        if state != JobState::Running {
+            return ended(state);
+        }
+        if generation.number != served {
+            match start(&generation) {
+                Ok(()) => {
+                    served = generation.number;
+                    link.set_ready(served);
+                }
+                Err(e) if e.may_be_a_death() => {
+                    tracing::warn!("{} {}: generation {}: {e}", link.kind.name(), link.index, generation.number);
+                    let (_, next) = link.wait_change(generation.number, recovery_wait(cluster));
+                    if next.number == generation.number && link.heard().0 == JobState::Running {
+                        link.finish(Some(e.to_string()), generation.number);
+                        return Err(e);
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    link.finish(Some(e.to_string()), generation.number);
+                    return Err(e);
+                }
+            }
+        }
+        link.wait_change(served, Duration::from_secs(3600));
+    }
+}
+
 /// Serves a shard until the job ends: each generation of the job gets a
 /// table restored from its checkpoint (or a fresh one), with its SSD tier in
 /// a fresh directory.
@@ -499,40 +540,24 @@ pub fn run_shard(args: &RoleArgs) -> Result<(), ClusterError> {
             return Err(e);
         }
     };
-    let mut served = 0;
-    let result = loop {
-        let (state, generation) = link.heard();
-        if state != JobState::Running {
-            break ended(state);
-        }
-        if generation.number != served {
-            drop(serving.set(None));
-            let subdir = shard_subdir(index, generation.number);
-            let table = match &generation.restore {
-                Some(dir) => {
-                    faults::point("shard.restore");
-                    crate::checkpoint::restore_shard_table(&config, dir, index, reg.num_shards, &subdir)
-                        .inspect(|t| tracing::info!("shard {index}: restored {} rows from {}", t.len(), dir.display()))
-                }
-                None => shard_table_in(&config, index, &subdir),
-            };
-            let table = match table {
-                Ok(table) => table,
-                Err(e) => {
-                    link.finish(Some(e.to_string()), generation.number);
-                    break Err(e);
-                }
-            };
-            let shard = ShardServer::new(index, table)
-                .with_max_reply_bytes(config.cluster.max_message_bytes)
-                .for_generation(generation.number, &config);
-            serving.set(Some(Arc::new(shard)));
-            remove_stale_tiers(&config, index, &subdir);
-            served = generation.number;
-            link.set_ready(served);
-        }
-        link.wait_change(served, Duration::from_secs(3600));
-    };
+    let result = each_generation(&link, &config.cluster, |generation| {
+        drop(serving.set(None));
+        let subdir = shard_subdir(index, generation.number);
+        let table = match &generation.restore {
+            Some(dir) => {
+                faults::point("shard.restore");
+                crate::checkpoint::restore_shard_table(&config, dir, index, reg.num_shards, &subdir)
+                    .inspect(|t| tracing::info!("shard {index}: restored {} rows from {}", t.len(), dir.display()))
+            }
+            None => shard_table_in(&config, index, &subdir),
+        }?;
+        let shard = ShardServer::new(index, table)
+            .with_max_reply_bytes(config.cluster.max_message_bytes)
+            .for_generation(generation.number, &config);
+        serving.set(Some(Arc::new(shard)));
+        remove_stale_tiers(&config, index, &subdir);
+        Ok(())
+    });
     server.abort();
     result
 }
@@ -558,45 +583,14 @@ pub fn run_loader(args: &RoleArgs) -> Result<(), ClusterError> {
             .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))),
     );
     tracing::info!("loader: listening on {bound}");
-    let mut served = 0;
-    let result = loop {
-        let (state, generation) = link.heard();
-        if state != JobState::Running {
-            break ended(state);
-        }
-        if generation.number != served {
-            drop(serving.set(None));
-            let started = coordinator
-                .wait_for_view(generation.number, true, settings.connect_timeout)
-                .and_then(|view| connect_shards(&view.shards, &settings, &rt, &metrics))
-                .and_then(|shards| {
-                    LoaderServer::start_generation(&config, shards, generation.number, generation.restore.clone())
-                });
-            match started {
-                Ok(loader) => {
-                    serving.set(Some(Arc::new(loader)));
-                    served = generation.number;
-                    link.set_ready(served);
-                }
-                // A shard died while this generation started: the next one comes.
-                Err(e) if e.may_be_a_death() => {
-                    tracing::warn!("loader: generation {}: {e}", generation.number);
-                    let (_, next) = link.wait_change(generation.number, recovery_wait(&config.cluster));
-                    if next.number == generation.number && link.heard().0 == JobState::Running {
-                        // Workers are waiting for this loader: fail the job with the cause.
-                        link.finish(Some(e.to_string()), generation.number);
-                        break Err(e);
-                    }
-                    continue;
-                }
-                Err(e) => {
-                    link.finish(Some(e.to_string()), generation.number);
-                    break Err(e);
-                }
-            }
-        }
-        link.wait_change(served, Duration::from_secs(3600));
-    };
+    let result = each_generation(&link, &config.cluster, |generation| {
+        drop(serving.set(None));
+        let view = coordinator.wait_for_view(generation.number, true, settings.connect_timeout)?;
+        let shards = connect_shards(&view.shards, &settings, &rt, &metrics)?;
+        let loader = LoaderServer::start_generation(&config, shards, generation.number, generation.restore.clone())?;
+        serving.set(Some(Arc::new(loader)));
+        Ok(())
+    });
     server.abort();
     result
 }
