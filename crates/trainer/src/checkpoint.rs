@@ -159,17 +159,7 @@ fn write_embeddings(trainer: &Trainer, dir: &Path) -> Result<Vec<(&'static str, 
     let filters_path = &dir.join(FILTERS_FILE);
     let mut filters = if ages || embedding.admit_min_count > 1 { Some(hashing_writer(filters_path)?) } else { None };
     if let Some(f) = &mut filters {
-        let state = table.filter_state();
-        let sketch_len = state.sketches.first().map_or(0, Vec::len);
-        let mut head = Vec::new();
-        head.extend_from_slice(FILTERS_MAGIC);
-        head.extend_from_slice(&state.tick.to_le_bytes());
-        head.extend_from_slice(&(state.sketches.len() as u32).to_le_bytes());
-        head.extend_from_slice(&(sketch_len as u32).to_le_bytes());
-        f.write_all(&head).map_err(io(filters_path))?;
-        for sketch in &state.sketches {
-            f.write_all(sketch).map_err(io(filters_path))?;
-        }
+        f.write_all(&filters_head(table)).map_err(io(filters_path))?;
         f.write_all(&(if ages { rows } else { 0 }).to_le_bytes()).map_err(io(filters_path))?;
     }
 
@@ -193,6 +183,22 @@ fn write_embeddings(trainer: &Trainer, dir: &Path) -> Result<Vec<(&'static str, 
         entries.push((FILTERS_FILE, finish_synced(f, filters_path)?));
     }
     Ok(entries)
+}
+
+/// filters.bin up to its row count: magic, the table's lookup clock, its
+/// admission sketches.
+fn filters_head(table: &EmbeddingTable) -> Vec<u8> {
+    let state = table.filter_state();
+    let sketch_len = state.sketches.first().map_or(0, Vec::len);
+    let mut head = Vec::new();
+    head.extend_from_slice(FILTERS_MAGIC);
+    head.extend_from_slice(&state.tick.to_le_bytes());
+    head.extend_from_slice(&(state.sketches.len() as u32).to_le_bytes());
+    head.extend_from_slice(&(sketch_len as u32).to_le_bytes());
+    for sketch in &state.sketches {
+        head.extend_from_slice(sketch);
+    }
+    head
 }
 
 fn write_bytes_synced(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
@@ -370,17 +376,7 @@ pub fn write_part(
     let mut filters = None;
     if ages || embedding.admit_min_count > 1 {
         let mut f = PatchedFile::create(dir.join(&filters_name))?;
-        let state = table.filter_state();
-        let sketch_len = state.sketches.first().map_or(0, Vec::len);
-        let mut head = Vec::new();
-        head.extend_from_slice(FILTERS_MAGIC);
-        head.extend_from_slice(&state.tick.to_le_bytes());
-        head.extend_from_slice(&(state.sketches.len() as u32).to_le_bytes());
-        head.extend_from_slice(&(sketch_len as u32).to_le_bytes());
-        f.write(&head)?;
-        for sketch in &state.sketches {
-            f.write(sketch)?;
-        }
+        f.write(&filters_head(table))?;
         let count_at = f.bytes;
         f.write(&0u64.to_le_bytes())?;
         filters = Some((f, count_at));
