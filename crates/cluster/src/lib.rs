@@ -12,6 +12,12 @@
 //!
 //! The same roles run in one process ([`local`], direct calls) or as
 //! processes over gRPC ([`grpc`], [`roles`], [`launch`]).
+//!
+//! Checkpoints and recovery: the coordinator gathers the workers at a
+//! checkpoint step, has every shard write its part and commits the version
+//! ([`checkpoint`]); a role's death takes the job to its next generation, every
+//! role back to the last committed checkpoint ([`coordinator`]). Failures can
+//! be injected by name ([`faults`]).
 
 pub mod checkpoint;
 pub mod coordinator;

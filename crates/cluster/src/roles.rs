@@ -3,12 +3,16 @@
 //! on plain threads and calls peers through blocking clients.
 //!
 //! Life cycle: every role but the coordinator registers with the coordinator
-//! (receiving its index and the job's config), waits for the shard map, then
-//! sends heartbeats every `cluster.heartbeat_interval_ms`. The job is done
-//! when every worker finished; it fails when a role reports an error or goes
-//! silent past `cluster.heartbeat_timeout_ms`. Either way every role learns it
-//! from its next heartbeat and exits (0 when done, an error naming the cause
-//! otherwise); a role that cannot reach the coordinator for the timeout exits too.
+//! (receiving its index, the job's config and its generation) and heartbeats
+//! every `cluster.heartbeat_interval_ms` from a thread of its own (`Link`).
+//! It serves one generation of the job at a time, set up from that
+//! generation's checkpoint; when the coordinator starts the next one (a role
+//! died, see [`crate::coordinator`]) it drops its work and sets up again. The
+//! job is done when every worker finished in the current generation; it fails
+//! when a role reports an error or the restart budget is spent. Either way
+//! every role learns it from its next heartbeat and exits (0 when done, an
+//! error naming the cause otherwise); a role that cannot reach the coordinator
+//! for `cluster.heartbeat_timeout_ms` exits too.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
