@@ -380,3 +380,89 @@ fn a_hung_shard_is_restarted_and_the_model_stays_exact() {
     assert_eq!(json["restarts"]["shard"], 1);
     assert!(text.contains("shard 1 stopped answering; killing it"), "{text}");
 }
+
+/// A multi-host job (every role started by hand, no `launch`): a shard is
+/// killed and started again from outside with the same command line, as
+/// Kubernetes would. It registers again under its index, the job goes back
+/// to the last checkpoint and ends with the uninterrupted model.
+#[test]
+fn a_shard_restarted_from_outside_rejoins_a_job_without_launch() {
+    let Scenario { config, whole, tmp: _tmp } = scenario(|text, _| text.replace("epochs = 4", "epochs = 10"));
+    let role = |args: &[&str]| {
+        sparrow().args(args).env_remove("SPARROW_AUTH_TOKEN").stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()
+    };
+    let mut coordinator =
+        role(&["coordinator", "--config", &config, "--shards", "2", "--workers", "1"]).expect("coordinator");
+    let log = Arc::new(Mutex::new(String::new()));
+    let collect = |stream: Box<dyn std::io::Read + Send>, log: Arc<Mutex<String>>| {
+        std::thread::spawn(move || {
+            for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                let mut log = log.lock().expect("log");
+                log.push_str(&line);
+                log.push('\n');
+            }
+        })
+    };
+    let coordinator_out = Arc::new(Mutex::new(String::new()));
+    collect(Box::new(coordinator.stdout.take().expect("stdout")), coordinator_out.clone());
+    collect(Box::new(coordinator.stderr.take().expect("stderr")), log.clone());
+    let start = Instant::now();
+    let address = loop {
+        let out = coordinator_out.lock().expect("out").clone();
+        if let Some(a) = out.lines().find_map(|l| l.strip_prefix("listening on ")) {
+            break a.to_string();
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "no coordinator");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let shard_args = |i: &'static str| {
+        vec!["shard".to_string(), "--coordinator".into(), address.clone(), "--index".into(), i.into()]
+    };
+    let start_role = |args: Vec<String>| {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut child = role(&args).expect("role");
+        collect(Box::new(child.stderr.take().expect("stderr")), log.clone());
+        child
+    };
+    let mut shard0 = start_role(shard_args("0"));
+    let mut shard1 = start_role(shard_args("1"));
+    let mut loader = start_role(vec!["loader".into(), "--coordinator".into(), address.clone()]);
+    let mut worker = role(&["worker", "--coordinator", &address, "--index", "0"]).expect("worker");
+    collect(Box::new(worker.stderr.take().expect("stderr")), log.clone());
+    let worker_out = Arc::new(Mutex::new(String::new()));
+    let reader = collect(Box::new(worker.stdout.take().expect("stdout")), worker_out.clone());
+    while !log.lock().expect("log").contains("checkpoint at step 100 committed") {
+        assert!(start.elapsed() < Duration::from_secs(60), "no checkpoint: {}", log.lock().expect("log"));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    shard1.kill().expect("kill shard 1");
+    let _ = shard1.wait();
+    let mut shard1 = start_role(shard_args("1"));
+    let status = wait_for(&mut worker, Duration::from_secs(120));
+    reader.join().expect("reader");
+    let text = log.lock().expect("log").clone();
+    assert!(status.success(), "{text}");
+    let summary: serde_json::Value =
+        serde_json::from_str(worker_out.lock().expect("out").lines().last().unwrap_or_default()).expect("json");
+    assert_eq!(summary["test_auc"], whole["test_auc"], "{text}");
+    assert_eq!(summary["train_rows"], whole["train_rows"]);
+    assert_eq!(summary["embedding_rows"], whole["embedding_rows"]);
+    assert!(text.contains("every role goes back to"), "{text}");
+    for child in [&mut coordinator, &mut shard0, &mut shard1, &mut loader] {
+        assert!(wait_for(child, Duration::from_secs(20)).success(), "{text}");
+    }
+}
+
+fn wait_for(child: &mut std::process::Child, timeout: Duration) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            return status;
+        }
+        if start.elapsed() > timeout {
+            let _ = child.kill();
+            panic!("a role did not stop within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
