@@ -535,12 +535,29 @@ fn demo_line(s: &sparrow_trainer::TrainSummary) -> String {
     )
 }
 
+/// Failure injection for the recovery tests: off unless `FAILPOINTS` names
+/// points (`name=actions;name=actions`, the `fail` crate's syntax). A
+/// malformed value is an error naming the entry, not a panic.
+fn failpoints_from_env() -> anyhow::Result<()> {
+    let Some(value) = std::env::var_os("FAILPOINTS") else { return Ok(()) };
+    let value = value.into_string().map_err(|_| anyhow::anyhow!("FAILPOINTS is not UTF-8"))?;
+    for entry in value.split(';').map(str::trim).filter(|e| !e.is_empty()) {
+        let (name, actions) = entry.split_once('=').ok_or_else(|| {
+            anyhow::anyhow!("FAILPOINTS: `{entry}` is not NAME=ACTIONS (e.g. shard.push=20*off->return)")
+        })?;
+        fail::cfg(name.trim(), actions.trim()).map_err(|e| anyhow::anyhow!("FAILPOINTS: `{entry}`: {e}"))?;
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     configure_candle();
     configure_allocator();
     quiet_handled_panics();
-    // Failure injection for the recovery tests: off unless FAILPOINTS names points.
-    let _failpoints = std::env::var_os("FAILPOINTS").is_some().then(fail::FailScenario::setup);
+    if let Err(e) = failpoints_from_env() {
+        eprintln!("error: {e:#}");
+        return ExitCode::from(2);
+    }
     let from_launcher = exit_with_parent();
     match run(Cli::parse(), from_launcher) {
         Ok(()) => ExitCode::SUCCESS,

@@ -4,54 +4,14 @@
 //! when a message exceeds its cap. Roles refuse unauthenticated requests and
 //! report an unreachable coordinator after retrying.
 
+mod common;
+
+use common::{collect_lines, generate, last_json, signal, sparrow, wait_with_timeout, write_config};
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-fn sparrow() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_sparrow"))
-}
-
-fn last_json(out: &Output) -> serde_json::Value {
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let last = stdout.lines().last().unwrap_or_default();
-    serde_json::from_str(last).unwrap_or_else(|e| {
-        panic!("last stdout line is not JSON ({e}): {stdout}\nstderr: {}", String::from_utf8_lossy(&out.stderr))
-    })
-}
-
-fn write_config(dir: &Path, extra: &str) -> String {
-    let d = dir.display();
-    let path = dir.join("job.toml");
-    std::fs::write(
-        &path,
-        format!(
-            r#"
-[data]
-train = "{d}/data/train.tsv"
-test = "{d}/data/test.tsv"
-[model]
-kind = "dlrm"
-embedding_dim = 8
-hidden = [32, 16]
-bottom_hidden = [16]
-[train]
-batch_size = 256
-[embedding]
-optimizer = "adagrad"
-learning_rate = 0.05
-[cluster]
-heartbeat_interval_ms = 100
-heartbeat_timeout_ms = 2000
-{extra}
-"#
-        ),
-    )
-    .expect("write config");
-    path.display().to_string()
-}
 
 /// The child pids `launch` reported on stderr.
 fn child_pids(stderr: &str) -> Vec<u32> {
@@ -69,22 +29,6 @@ fn assert_all_gone(pids: &[u32]) {
         assert!(Instant::now() < deadline, "processes left behind: {alive:?}");
         std::thread::sleep(Duration::from_millis(50));
     }
-}
-
-fn generate(dir: &Path, train_rows: &str) {
-    let out = sparrow()
-        .args([
-            "gen",
-            "--out",
-            &dir.join("data").display().to_string(),
-            "--train-rows",
-            train_rows,
-            "--test-rows",
-            "3000",
-        ])
-        .output()
-        .expect("gen");
-    assert!(out.status.success());
 }
 
 #[test]
@@ -217,14 +161,7 @@ impl LoggedLaunch {
             .spawn()
             .expect("launch");
         let log = Arc::new(Mutex::new(String::new()));
-        let (sink, stderr) = (log.clone(), child.stderr.take().expect("stderr"));
-        let reader = std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let mut log = sink.lock().expect("log");
-                log.push_str(&line);
-                log.push('\n');
-            }
-        });
+        let reader = collect_lines(child.stderr.take().expect("stderr"), log.clone());
         LoggedLaunch { child, log, reader }
     }
 
@@ -260,12 +197,6 @@ impl LoggedLaunch {
     }
 }
 
-fn signal(pid: u32, sig: &str) {
-    assert!(Command::new("kill").args([sig, &pid.to_string()]).status().expect("kill").success());
-}
-
-/// With no restart budget (`cluster.max_restarts = 0`) a dead role stops the
-/// job as it did before recovery existed (see `recovery.rs` for the rest).
 #[test]
 fn a_killed_shard_without_a_restart_budget_stops_the_job_naming_it() {
     let tmp = tempfile::tempdir().expect("tmp");
@@ -294,20 +225,6 @@ fn every_role_exits_when_the_launcher_is_killed() {
     let pids = child_pids(&text);
     assert_eq!(pids.len(), 5, "coordinator, 2 shards, loader, worker");
     assert_all_gone(&pids);
-}
-
-fn wait_with_timeout(child: &mut Child, timeout: Duration) -> std::process::ExitStatus {
-    let start = Instant::now();
-    loop {
-        if let Some(status) = child.try_wait().expect("wait") {
-            return status;
-        }
-        if start.elapsed() > timeout {
-            let _ = child.kill();
-            panic!("launch did not stop within {timeout:?}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// A shard that hangs (SIGSTOP) rather than dies: its heartbeats stop, the
@@ -423,16 +340,7 @@ fn a_role_whose_coordinator_is_gone_stops_within_the_heartbeat_timeout() {
         .expect("shard");
     let stderr = shard.stderr.take().expect("stderr");
     let log = Arc::new(Mutex::new(String::new()));
-    let reader = {
-        let log = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let mut log = log.lock().expect("log");
-                log.push_str(&line);
-                log.push('\n');
-            }
-        })
-    };
+    let reader = collect_lines(stderr, log.clone());
     let start = Instant::now();
     while !log.lock().expect("log").contains("listening on") {
         assert!(start.elapsed() < Duration::from_secs(20), "the shard never started");

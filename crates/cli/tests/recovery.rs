@@ -7,68 +7,28 @@
 //! `crates/cluster/src/faults.rs`) so that they land at a known step, not at
 //! a time racing the job; one test kills a shard with a real SIGKILL.
 
-use std::io::{BufRead, BufReader};
+mod common;
+
+use common::{collect_lines, generate, last_json, signal, sparrow, wait_with_timeout, write_config};
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-fn sparrow() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_sparrow"))
-}
-
-fn last_json(out: &Output) -> serde_json::Value {
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let last = stdout.lines().last().unwrap_or_default();
-    serde_json::from_str(last).unwrap_or_else(|e| {
-        panic!("last stdout line is not JSON ({e}): {stdout}\nstderr: {}", String::from_utf8_lossy(&out.stderr))
-    })
-}
-
 /// 20 000 generated training rows, 3 000 test rows.
 fn data(dir: &Path) {
-    let out = sparrow()
-        .args(["gen", "--out", &dir.join("data").display().to_string(), "--train-rows", "20000", "--test-rows", "3000"])
-        .output()
-        .expect("gen");
-    assert!(out.status.success());
+    generate(dir, "20000");
 }
 
 /// Four epochs of 79 batches (316 steps), a checkpoint every 50 steps.
 fn config(dir: &Path, extra: &str) -> String {
-    let d = dir.display();
-    let path = dir.join("job.toml");
-    std::fs::write(
-        &path,
-        format!(
-            r#"
-[data]
-train = "{d}/data/train.tsv"
-test = "{d}/data/test.tsv"
-[model]
-kind = "dlrm"
-embedding_dim = 8
-hidden = [32, 16]
-bottom_hidden = [16]
-[train]
-batch_size = 256
-epochs = 4
-pipeline_depth = 0
-[embedding]
-optimizer = "adagrad"
-learning_rate = 0.05
-[checkpoint]
-dir = "{d}/ckpt"
-every_steps = 50
-[cluster]
-heartbeat_interval_ms = 100
-heartbeat_timeout_ms = 2000
-{extra}
-"#
-        ),
-    )
-    .expect("write config");
-    path.display().to_string()
+    let path = write_config(dir, extra);
+    let text = std::fs::read_to_string(&path)
+        .expect("read")
+        .replace("batch_size = 256", "batch_size = 256\nepochs = 4\npipeline_depth = 0");
+    let checkpoint = format!("\n[checkpoint]\ndir = {:?}\nevery_steps = 50\n", dir.join("ckpt").display().to_string());
+    std::fs::write(&path, text + &checkpoint).expect("write config");
+    path
 }
 
 /// The uninterrupted job's figures (`sparrow train` on the same config).
@@ -298,16 +258,7 @@ impl Running {
             .spawn()
             .expect("launch");
         let log = Arc::new(Mutex::new(String::new()));
-        let reader = {
-            let (log, stderr) = (log.clone(), child.stderr.take().expect("stderr"));
-            std::thread::spawn(move || {
-                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                    let mut log = log.lock().expect("log");
-                    log.push_str(&line);
-                    log.push('\n');
-                }
-            })
-        };
+        let reader = collect_lines(child.stderr.take().expect("stderr"), log.clone());
         Running { child, log, reader }
     }
 
@@ -341,10 +292,6 @@ impl Running {
         assert!(status.success(), "{text}");
         (serde_json::from_str(stdout.lines().last().unwrap_or_default()).expect("json"), text)
     }
-}
-
-fn signal(pid: u32, sig: &str) {
-    assert!(Command::new("kill").args([sig, &pid.to_string()]).status().expect("kill").success());
 }
 
 /// The one real signal: a shard killed with SIGKILL once a checkpoint is
@@ -394,18 +341,9 @@ fn a_shard_restarted_from_outside_rejoins_a_job_without_launch() {
     let mut coordinator =
         role(&["coordinator", "--config", &config, "--shards", "2", "--workers", "1"]).expect("coordinator");
     let log = Arc::new(Mutex::new(String::new()));
-    let collect = |stream: Box<dyn std::io::Read + Send>, log: Arc<Mutex<String>>| {
-        std::thread::spawn(move || {
-            for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                let mut log = log.lock().expect("log");
-                log.push_str(&line);
-                log.push('\n');
-            }
-        })
-    };
     let coordinator_out = Arc::new(Mutex::new(String::new()));
-    collect(Box::new(coordinator.stdout.take().expect("stdout")), coordinator_out.clone());
-    collect(Box::new(coordinator.stderr.take().expect("stderr")), log.clone());
+    collect_lines(coordinator.stdout.take().expect("stdout"), coordinator_out.clone());
+    collect_lines(coordinator.stderr.take().expect("stderr"), log.clone());
     let start = Instant::now();
     let address = loop {
         let out = coordinator_out.lock().expect("out").clone();
@@ -421,16 +359,16 @@ fn a_shard_restarted_from_outside_rejoins_a_job_without_launch() {
     let start_role = |args: Vec<String>| {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let mut child = role(&args).expect("role");
-        collect(Box::new(child.stderr.take().expect("stderr")), log.clone());
+        collect_lines(child.stderr.take().expect("stderr"), log.clone());
         child
     };
     let mut shard0 = start_role(shard_args("0"));
     let mut shard1 = start_role(shard_args("1"));
     let mut loader = start_role(vec!["loader".into(), "--coordinator".into(), address.clone()]);
     let mut worker = role(&["worker", "--coordinator", &address, "--index", "0"]).expect("worker");
-    collect(Box::new(worker.stderr.take().expect("stderr")), log.clone());
+    collect_lines(worker.stderr.take().expect("stderr"), log.clone());
     let worker_out = Arc::new(Mutex::new(String::new()));
-    let reader = collect(Box::new(worker.stdout.take().expect("stdout")), worker_out.clone());
+    let reader = collect_lines(worker.stdout.take().expect("stdout"), worker_out.clone());
     while !log.lock().expect("log").contains("checkpoint at step 100 committed") {
         assert!(start.elapsed() < Duration::from_secs(60), "no checkpoint: {}", log.lock().expect("log"));
         std::thread::sleep(Duration::from_millis(5));
@@ -438,7 +376,7 @@ fn a_shard_restarted_from_outside_rejoins_a_job_without_launch() {
     shard1.kill().expect("kill shard 1");
     let _ = shard1.wait();
     let mut shard1 = start_role(shard_args("1"));
-    let status = wait_for(&mut worker, Duration::from_secs(120));
+    let status = wait_with_timeout(&mut worker, Duration::from_secs(120));
     reader.join().expect("reader");
     let text = log.lock().expect("log").clone();
     assert!(status.success(), "{text}");
@@ -449,20 +387,18 @@ fn a_shard_restarted_from_outside_rejoins_a_job_without_launch() {
     assert_eq!(summary["embedding_rows"], whole["embedding_rows"]);
     assert!(text.contains("every role goes back to"), "{text}");
     for child in [&mut coordinator, &mut shard0, &mut shard1, &mut loader] {
-        assert!(wait_for(child, Duration::from_secs(20)).success(), "{text}");
+        assert!(wait_with_timeout(child, Duration::from_secs(20)).success(), "{text}");
     }
 }
 
-fn wait_for(child: &mut std::process::Child, timeout: Duration) -> std::process::ExitStatus {
-    let start = Instant::now();
-    loop {
-        if let Some(status) = child.try_wait().expect("wait") {
-            return status;
-        }
-        if start.elapsed() > timeout {
-            let _ = child.kill();
-            panic!("a role did not stop within {timeout:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
+/// A malformed `FAILPOINTS` value is an error naming the entry (it used to panic).
+#[test]
+fn a_malformed_failpoints_value_is_an_error_naming_it() {
+    for (value, says) in [("shard.push=garbage", "unrecognized command"), ("nonsense", "is not NAME=ACTIONS")] {
+        let out = sparrow().args(["gen", "--help"]).env("FAILPOINTS", value).output().expect("sparrow");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains(&format!("FAILPOINTS: `{value}`")) && stderr.contains(says), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
     }
 }

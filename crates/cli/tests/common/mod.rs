@@ -1,0 +1,106 @@
+#![allow(dead_code)]
+//! Helpers the process tests share: the binary, its JSON line, generated
+//! data, the small cluster job's config, waiting for and signalling children,
+//! collecting a child's output while it runs.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Output};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub fn sparrow() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_sparrow"))
+}
+
+pub fn last_json(out: &Output) -> serde_json::Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let last = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str(last).unwrap_or_else(|e| {
+        panic!("last stdout line is not JSON ({e}): {stdout}\nstderr: {}", String::from_utf8_lossy(&out.stderr))
+    })
+}
+
+/// The small cluster job (DLRM, dim 8, batch 256, heartbeats every 100 ms,
+/// a 2 s timeout) on `dir/data`; `extra` goes into `[cluster]`, the last table.
+pub fn write_config(dir: &Path, extra: &str) -> String {
+    let d = dir.display();
+    let path = dir.join("job.toml");
+    std::fs::write(
+        &path,
+        format!(
+            r#"
+[data]
+train = "{d}/data/train.tsv"
+test = "{d}/data/test.tsv"
+[model]
+kind = "dlrm"
+embedding_dim = 8
+hidden = [32, 16]
+bottom_hidden = [16]
+[train]
+batch_size = 256
+[embedding]
+optimizer = "adagrad"
+learning_rate = 0.05
+[cluster]
+heartbeat_interval_ms = 100
+heartbeat_timeout_ms = 2000
+{extra}
+"#
+        ),
+    )
+    .expect("write config");
+    path.display().to_string()
+}
+
+/// `train_rows` generated training rows and 3 000 test rows in `dir/data`.
+pub fn generate(dir: &Path, train_rows: &str) {
+    let out = sparrow()
+        .args([
+            "gen",
+            "--out",
+            &dir.join("data").display().to_string(),
+            "--train-rows",
+            train_rows,
+            "--test-rows",
+            "3000",
+        ])
+        .output()
+        .expect("gen");
+    assert!(out.status.success());
+}
+
+pub fn signal(pid: u32, sig: &str) {
+    assert!(Command::new("kill").args([sig, &pid.to_string()]).status().expect("kill").success());
+}
+
+/// With no restart budget (`cluster.max_restarts = 0`) a dead role stops the
+/// job as it did before recovery existed (see `recovery.rs` for the rest).
+pub fn wait_with_timeout(child: &mut Child, timeout: Duration) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            return status;
+        }
+        if start.elapsed() > timeout {
+            let _ = child.kill();
+            panic!("launch did not stop within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Appends each line `stream` yields to `log` until it closes.
+pub fn collect_lines(
+    stream: impl std::io::Read + Send + 'static,
+    log: Arc<Mutex<String>>,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream).lines().map_while(Result::ok) {
+            let mut log = log.lock().expect("log");
+            log.push_str(&line);
+            log.push('\n');
+        }
+    })
+}
