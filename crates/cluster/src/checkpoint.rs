@@ -24,6 +24,8 @@ pub struct DenseState {
     pub model: DenseModel,
     pub optimizer: DenseOptimizer,
     pub position: DataPosition,
+    /// The checkpoint's step (in rounds: the batches the job trained).
+    pub step: u64,
 }
 
 /// A worker at a checkpoint step, its updates pushed.
@@ -143,7 +145,7 @@ pub fn restore_dense(config: &Config, dir: &Path) -> Result<DenseState, ClusterE
     let manifest = sparrow_trainer::checkpoint::load_dense_into(&mut trainer, dir)?;
     let mut optimizer = trainer.dense_optimizer;
     optimizer.samples_stepped = manifest.samples_trained;
-    Ok(DenseState { model: trainer.model, optimizer, position: manifest.position })
+    Ok(DenseState { model: trainer.model, optimizer, position: manifest.position, step: manifest.step })
 }
 
 /// Worker 0's part of the checkpoint at `step` of `generation`: the dense

@@ -36,6 +36,7 @@ use sparrow_core::Config;
 
 use crate::checkpoint::{CheckpointSink, WorkerCut, staging_dir};
 use crate::faults;
+use crate::rounds::{MergedRound, RoundMerge, RoundUpdate};
 use crate::sync::{Contribution, RoundReply, RoundSum};
 use crate::transport::{ClusterError, PartWritten, ShardService};
 
@@ -201,6 +202,8 @@ pub struct Coordinator {
     state: Mutex<JobState>,
     /// The current generation's rounds (a new generation gets fresh ones).
     rounds: Mutex<Arc<RoundSum>>,
+    /// The current generation's round merges (`sync = "round"`).
+    merges: Mutex<Arc<RoundMerge>>,
     recovery: Mutex<Recovery>,
     /// `recovery.generation`, readable under other locks.
     current: AtomicU64,
@@ -264,6 +267,7 @@ impl Coordinator {
             }),
             state: Mutex::new(JobState::Running),
             rounds: Mutex::new(Arc::new(RoundSum::new(num_workers))),
+            merges: Mutex::new(Arc::new(RoundMerge::new(num_workers, config.cluster.round_merge))),
             recovery: Mutex::new(Recovery {
                 generation: 1,
                 restore: start.as_ref().map(|(d, _)| d.clone()),
@@ -320,6 +324,7 @@ impl Coordinator {
             *state = JobState::Failed(reason.clone());
             drop(state);
             self.rounds.lock().fail(reason.clone());
+            self.merges.lock().fail(reason.clone());
             self.end_checkpoint_round(Err(reason));
         }
     }
@@ -362,6 +367,8 @@ impl Coordinator {
         }
         let old = std::mem::replace(&mut *self.rounds.lock(), Arc::new(RoundSum::new(self.num_workers)));
         old.fail(format!("generation {} started", r.generation));
+        let merges = Arc::new(RoundMerge::new(self.num_workers, self.config.cluster.round_merge));
+        std::mem::replace(&mut *self.merges.lock(), merges).fail(format!("generation {} started", r.generation));
         self.end_checkpoint_round(Err(format!("generation {} started", r.generation)));
     }
 
@@ -673,6 +680,26 @@ impl Coordinator {
         let rounds = self.rounds.lock().clone();
         rounds.sum(c).map_err(|e| match self.current.load(Ordering::SeqCst) {
             // Woken because the job moved on, not because it failed.
+            now if now != generation => ClusterError::GenerationChanged { generation: now },
+            _ => e,
+        })
+    }
+
+    /// A worker's end of a round (`sync = "round"`): waits for every
+    /// worker's and returns the merged round.
+    pub fn merge_round(&self, u: RoundUpdate) -> Result<Arc<MergedRound>, ClusterError> {
+        faults::point("coordinator.merge");
+        let generation = self.recovery.lock().generation;
+        if u.generation != generation {
+            return Err(ClusterError::StaleGeneration {
+                peer: "the coordinator".into(),
+                what: format!("worker {}'s round update", u.worker),
+                found: u.generation,
+                serving: generation,
+            });
+        }
+        let merges = self.merges.lock().clone();
+        merges.merge_round(u).map_err(|e| match self.current.load(Ordering::SeqCst) {
             now if now != generation => ClusterError::GenerationChanged { generation: now },
             _ => e,
         })

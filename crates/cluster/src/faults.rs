@@ -10,7 +10,9 @@
 //! in the middle of a checkpoint), `shard.restore`, `loader.next_batch`,
 //! `worker.step` (after a step), `worker.checkpoint`, `coordinator.commit`
 //! (every part verified, the manifest not yet renamed into place),
-//! `coordinator.sum`.
+//! `coordinator.sum`, `coordinator.merge`, `worker.round` (a round's items
+//! trained, its update not yet sent), and `worker.<i>.step`: after each step
+//! of worker i only, e.g. `worker.1.step=sleep(20)` makes worker 1 slower.
 //!
 //! `sparrow launch` hands `FAILPOINTS` to the first process of each role
 //! only: a restarted role runs without it (set `SPARROW_FAILPOINTS_ON_RESTART=1`
@@ -25,6 +27,15 @@ pub fn point(name: &str) {
 
 #[cfg(not(feature = "failpoints"))]
 pub fn point(_name: &str) {}
+
+/// Failpoint `worker.<index>.step`: one worker's steps only.
+#[cfg(feature = "failpoints")]
+pub fn worker_step(index: usize) {
+    point(&format!("worker.{index}.step"));
+}
+
+#[cfg(not(feature = "failpoints"))]
+pub fn worker_step(_index: usize) {}
 
 #[cfg(feature = "failpoints")]
 fn die(name: &str) {

@@ -462,6 +462,14 @@ pub struct ClusterFields {
     pub shards: usize,
     pub workers: usize,
     pub mode: &'static str,
+    /// `cluster.sync`: step, round or lazy.
+    pub sync: &'static str,
+    /// Bytes the workers sent and received to agree on the dense weights,
+    /// all workers, per sample trained.
+    pub dense_sync_bytes_per_sample: f64,
+    /// `sync = "round"`: rounds merged, and each worker's mean items per round.
+    pub rounds: Option<u64>,
+    pub items_per_round: Option<Vec<f64>>,
     /// What a worker received per sample trained, by source.
     pub worker_in_bytes_per_sample: InBytes,
     /// Per worker: quantiles of different processes do not combine.
@@ -538,6 +546,11 @@ fn merge(
             shards: options.shards,
             workers: options.workers,
             mode: config.cluster.mode.name(),
+            sync: config.cluster.sync.name(),
+            dense_sync_bytes_per_sample: per_sample(workers.iter().map(|w| w.dense_sync_bytes).sum()),
+            rounds: (config.cluster.sync == sparrow_core::config::SyncMode::Round).then_some(first.rounds),
+            items_per_round: (config.cluster.sync == sparrow_core::config::SyncMode::Round)
+                .then(|| first.round_items.iter().map(|&m| m as f64 / first.rounds.max(1) as f64).collect()),
             worker_in_bytes_per_sample: InBytes {
                 loader: per_sample(workers.iter().map(|w| w.bytes_from_loader).sum()),
                 shards: per_sample(workers.iter().map(|w| w.bytes_from_shards).sum()),

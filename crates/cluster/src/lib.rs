@@ -30,6 +30,7 @@ pub mod messages;
 pub mod metrics;
 pub mod net;
 pub mod roles;
+pub mod rounds;
 pub mod shard;
 pub mod sync;
 pub mod transport;

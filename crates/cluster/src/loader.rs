@@ -9,7 +9,7 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{Receiver, Sender, bounded};
 use parking_lot::Mutex;
 use sparrow_core::Config;
-use sparrow_core::config::ClusterMode;
+use sparrow_core::config::{ClusterMode, SyncMode};
 use sparrow_data::{BadRows, BatchStream, DataError};
 use sparrow_embedding::{KeyPlan, owner};
 
@@ -94,7 +94,65 @@ pub struct LoaderServer {
     /// Set when the reading thread stopped on an error (bad data, a shard
     /// down): every worker that asks then gets it, as itself.
     error: Arc<Mutex<Option<Arc<ClusterError>>>>,
+    /// `sync = "round"`: the round queue over the training stream.
+    rounds: Option<Mutex<RoundQueue>>,
     _thread: JoinHandle<()>,
+}
+
+/// One round's share of the training stream (S2.1–S2.2): `capacity` items,
+/// one at a time to whichever worker asks, each worker at least one.
+#[derive(Debug)]
+pub struct RoundQueue {
+    capacity: u64,
+    round: u64,
+    /// Items each worker took in `round`.
+    taken: Vec<u64>,
+    /// The training data ended.
+    ended: bool,
+}
+
+impl RoundQueue {
+    /// `workers` × 1 batch per worker step × `round_iterations`.
+    pub fn new(workers: usize, round_iterations: u64) -> RoundQueue {
+        let workers = workers.max(1);
+        RoundQueue {
+            capacity: workers as u64 * round_iterations.max(1),
+            round: 0,
+            taken: vec![0; workers],
+            ended: false,
+        }
+    }
+
+    /// Whether `worker` may take another item of `round` (moving the queue
+    /// to `round` if it is the next one). An item is held back for every
+    /// other worker that has none yet, so each gets at least one (M ≥ 1).
+    pub fn may_take(&mut self, worker: usize, round: u64) -> Result<bool, ClusterError> {
+        if worker >= self.taken.len() {
+            return Err(ClusterError::Setup(format!(
+                "worker {worker}: the round queue serves {} workers",
+                self.taken.len()
+            )));
+        }
+        if round < self.round {
+            return Err(ClusterError::Setup(format!(
+                "worker {worker} asked for round {round}, the queue is at round {}",
+                self.round
+            )));
+        }
+        if round > self.round {
+            self.round = round;
+            self.taken.iter_mut().for_each(|t| *t = 0);
+        }
+        let total: u64 = self.taken.iter().sum();
+        let waiting = self.taken.iter().enumerate().filter(|&(w, &t)| w != worker && t == 0).count() as u64;
+        let left = self.capacity.saturating_sub(total);
+        let mine = if self.taken[worker] == 0 { 1 } else { 0 };
+        Ok(!self.ended && left > 0 && left + mine > waiting)
+    }
+
+    pub fn took(&mut self, worker: usize) {
+        self.taken[worker] += 1;
+    }
 }
 
 impl LoaderServer {
@@ -113,6 +171,18 @@ impl LoaderServer {
         shards: Vec<Arc<dyn ShardService>>,
         generation: u64,
         restore: Option<PathBuf>,
+    ) -> Result<LoaderServer, ClusterError> {
+        Self::start_for(config, shards, generation, restore, 1)
+    }
+
+    /// [`start_generation`](Self::start_generation) for a job of
+    /// `num_workers` workers (the size of a round queue, `sync = "round"`).
+    pub fn start_for(
+        config: &Config,
+        shards: Vec<Arc<dyn ShardService>>,
+        generation: u64,
+        restore: Option<PathBuf>,
+        num_workers: usize,
     ) -> Result<LoaderServer, ClusterError> {
         let train_path = config
             .data
@@ -179,7 +249,9 @@ impl LoaderServer {
                 }
             })
             .map_err(|e| ClusterError::Io { what: "starting the loader thread".into(), source: e })?;
-        Ok(LoaderServer { generation, train: train_rx, eval: eval_rx, error, _thread: thread })
+        let rounds = (config.cluster.sync == SyncMode::Round)
+            .then(|| Mutex::new(RoundQueue::new(num_workers, config.cluster.round_iterations)));
+        Ok(LoaderServer { generation, train: train_rx, eval: eval_rx, error, rounds, _thread: thread })
     }
 
     /// Batches ready in the queues (for the metrics).
@@ -201,9 +273,8 @@ fn pump(loader: &mut Loader, tx: &Sender<WorkerBatch>, max_batches: Option<u64>)
     Ok(true)
 }
 
-impl LoaderService for LoaderServer {
-    fn next_batch(&self, _worker: usize, mode: Mode, generation: u64) -> Result<Option<WorkerBatch>, ClusterError> {
-        faults::point("loader.next_batch");
+impl LoaderServer {
+    fn check_generation(&self, generation: u64) -> Result<(), ClusterError> {
         if generation != self.generation {
             return Err(ClusterError::StaleGeneration {
                 peer: "the loader".into(),
@@ -212,10 +283,10 @@ impl LoaderService for LoaderServer {
                 serving: self.generation,
             });
         }
-        let queue = match mode {
-            Mode::Train => &self.train,
-            Mode::Eval => &self.eval,
-        };
+        Ok(())
+    }
+
+    fn take(&self, queue: &Receiver<WorkerBatch>) -> Result<Option<WorkerBatch>, ClusterError> {
         match queue.recv() {
             Ok(batch) => Ok(Some(batch)),
             Err(_) => match self.error.lock().as_ref() {
@@ -223,5 +294,68 @@ impl LoaderService for LoaderServer {
                 None => Ok(None),
             },
         }
+    }
+}
+
+impl LoaderService for LoaderServer {
+    fn next_batch(&self, _worker: usize, mode: Mode, generation: u64) -> Result<Option<WorkerBatch>, ClusterError> {
+        faults::point("loader.next_batch");
+        self.check_generation(generation)?;
+        match mode {
+            Mode::Train if self.rounds.is_some() => {
+                Err(ClusterError::Setup("cluster.sync = \"round\": training items come from the round queue".into()))
+            }
+            Mode::Train => self.take(&self.train),
+            Mode::Eval => self.take(&self.eval),
+        }
+    }
+
+    fn next_round_item(&self, worker: usize, generation: u64, round: u64) -> Result<Option<WorkerBatch>, ClusterError> {
+        faults::point("loader.next_batch");
+        self.check_generation(generation)?;
+        let Some(rounds) = &self.rounds else {
+            return Err(ClusterError::Setup(
+                "this job's loader serves no round queue (cluster.sync is not \"round\")".into(),
+            ));
+        };
+        // Held while the item is taken: the count and the item move together.
+        let mut queue = rounds.lock();
+        if !queue.may_take(worker, round)? {
+            return Ok(None);
+        }
+        match self.take(&self.train)? {
+            Some(batch) => {
+                queue.took(worker);
+                Ok(Some(batch))
+            }
+            None => {
+                queue.ended = true;
+                Ok(None)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RoundQueue;
+
+    #[test]
+    fn a_round_holds_workers_times_iterations_items_and_each_worker_gets_one() {
+        let mut q = RoundQueue::new(2, 3);
+        // Worker 0 is fast: it may take 5 of the 6, the last is worker 1's.
+        let mut fast = 0;
+        while q.may_take(0, 0).unwrap() {
+            q.took(0);
+            fast += 1;
+        }
+        assert_eq!(fast, 5);
+        assert!(q.may_take(1, 0).unwrap());
+        q.took(1);
+        assert!(!q.may_take(1, 0).unwrap(), "the queue is empty");
+        // The next round starts full again.
+        assert!(q.may_take(1, 1).unwrap());
+        assert!(q.may_take(0, 0).is_err(), "round 0 is over");
+        assert!(q.may_take(2, 1).is_err(), "no worker 2");
     }
 }

@@ -8,10 +8,12 @@ use sparrow_core::metrics::{auc, log_loss_from_logits};
 use sparrow_data::DataLayout;
 
 use crate::loader::LoaderServer;
+use crate::rounds::RoundMerge;
 use crate::shard::{ShardServer, shard_table};
 use crate::sync::RoundSum;
 use crate::transport::{ClusterError, LoaderService, ShardReport, ShardService};
 use crate::worker::{Worker, WorkerStats, new_worker};
+use sparrow_core::config::SyncMode;
 
 /// Logits and labels of the test data.
 type Evaluation = (Vec<f32>, Vec<f32>);
@@ -41,19 +43,26 @@ pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Re
         .collect::<Result<_, ClusterError>>()?;
     let shards: Vec<Arc<dyn ShardService>> = servers.iter().map(|s| s.clone() as Arc<dyn ShardService>).collect();
     let layout = DataLayout::from_config(&config.data);
-    let loader = LoaderServer::start(config, shards.clone())?;
+    let restore = sparrow_trainer::checkpoint::resume_dir(config)?;
+    let loader = LoaderServer::start_for(config, shards.clone(), 0, restore, num_workers)?;
     let rounds = Arc::new(RoundSum::new(num_workers));
-    let summer = (num_workers > 1).then(|| rounds.clone() as Arc<dyn crate::sync::RoundSummer>);
+    let merges = Arc::new(RoundMerge::new(num_workers, config.cluster.round_merge));
+    let in_rounds = config.cluster.sync == SyncMode::Round;
+    let summer = (num_workers > 1 && !in_rounds).then(|| rounds.clone() as Arc<dyn crate::sync::RoundSummer>);
 
     let results: Vec<Result<(Worker, Option<Evaluation>), ClusterError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..num_workers)
             .map(|index| {
-                let (loader, shards, layout, summer, rounds) = (&loader, &shards, &layout, summer.clone(), &rounds);
+                let (loader, shards, layout, summer, rounds, merges) =
+                    (&loader, &shards, &layout, summer.clone(), &rounds, &merges);
                 scope.spawn(move || {
                     let result = (|| {
                         let pool = sparrow_trainer::run::compute_pool(config.train.threads)?;
                         pool.install(|| {
                             let mut worker = new_worker(config, layout, index, summer)?;
+                            if in_rounds {
+                                worker.in_rounds(merges.clone(), num_workers);
+                            }
                             worker.run_training(loader as &dyn LoaderService, shards)?;
                             let eval = match (index, &config.data.test) {
                                 (0, Some(_)) => Some(worker.run_eval(loader as &dyn LoaderService, shards)?),
@@ -64,6 +73,7 @@ pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Re
                     })();
                     if let Err(e) = &result {
                         rounds.fail(format!("worker {index}: {e}"));
+                        merges.fail(format!("worker {index}: {e}"));
                     }
                     result
                 })

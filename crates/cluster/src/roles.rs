@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use sparrow_core::Config;
 use sparrow_core::config::ClusterConfig;
+use sparrow_core::config::SyncMode;
 use sparrow_core::metrics::{auc, log_loss_from_logits};
 use sparrow_data::DataLayout;
 use tokio::runtime::Runtime;
@@ -591,7 +592,8 @@ pub fn run_loader(args: &RoleArgs) -> Result<(), ClusterError> {
         drop(serving.set(None));
         let view = coordinator.wait_for_view(generation.number, true, settings.connect_timeout)?;
         let shards = connect_shards(&view.shards, &settings, &rt, &metrics)?;
-        let loader = LoaderServer::start_generation(&config, shards, generation.number, generation.restore.clone())?;
+        let loader =
+            LoaderServer::start_for(&config, shards, generation.number, generation.restore.clone(), reg.num_workers)?;
         serving.set(Some(Arc::new(loader)));
         Ok(())
     });
@@ -651,6 +653,11 @@ pub struct WorkerSummary {
     pub bad_rows: u64,
     /// Worker 0 writes the model here when `checkpoint.dir` is set.
     pub checkpoint: Option<String>,
+    /// Bytes sent and received to agree on the dense weights.
+    pub dense_sync_bytes: u64,
+    /// `sync = "round"`: rounds merged and every worker's items over them.
+    pub rounds: u64,
+    pub round_items: Vec<u64>,
 }
 
 /// Trains as one worker of the job until it is done; worker 0 also
@@ -744,7 +751,11 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Generation) -> Result<Wor
     let loader = LoaderClient::connect(&view.loader, settings, rt.handle(), metrics.clone())?;
     let summer = (num_workers > 1).then(|| Arc::new(coordinator.clone()) as Arc<dyn RoundSummer>);
     let layout = DataLayout::from_config(&config.data);
+    let summer = summer.filter(|_| config.cluster.sync == SyncMode::Step);
     let mut worker = new_worker_in(config, &layout, index, summer, generation.number)?;
+    if config.cluster.sync == SyncMode::Round {
+        worker.in_rounds(Arc::new(coordinator.clone()), num_workers);
+    }
     worker.progress = link.shared.progress.clone();
     worker.reported_step = link.shared.step.clone();
     worker.watch_generation(link.shared.generation.clone());
@@ -800,6 +811,9 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Generation) -> Result<Wor
     summary.push_latency_ms = LatencyMs::of(&s.push_secs);
     summary.phase_secs = s.phase_secs;
     summary.bad_rows = s.bad_rows;
+    summary.dense_sync_bytes = s.dense_sync_bytes;
+    summary.rounds = s.rounds;
+    summary.round_items = s.round_items.clone();
     summary.dense_checksum = format!("{:016x}", worker.dense_checksum()?);
     summary.checkpoint = worker.last_checkpoint().map(|d| d.display().to_string());
     summary.peak_rss_bytes = sparrow_trainer::peak_rss_bytes();

@@ -14,6 +14,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
@@ -181,11 +182,19 @@ pub struct RoundSync {
     /// When this worker's previous contribution was answered: the time since
     /// is what one batch takes it.
     last_answer: Option<Instant>,
+    /// Gradient bytes sent and sums received.
+    bytes: Arc<AtomicU64>,
 }
 
 impl RoundSync {
     pub fn new(worker: usize, summer: Arc<dyn RoundSummer>) -> Self {
-        RoundSync { worker, generation: 0, round: 0, summer, last_answer: None }
+        RoundSync { worker, generation: 0, round: 0, summer, last_answer: None, bytes: Arc::default() }
+    }
+
+    /// Adds the bytes of every contribution and sum to `bytes`.
+    pub fn counting_bytes(mut self, bytes: Arc<AtomicU64>) -> Self {
+        self.bytes = bytes;
+        self
     }
 
     /// Contributes to the rounds of the job's attempt `generation`.
@@ -200,11 +209,13 @@ impl DenseSync for RoundSync {
         // A non-finite gradient stops this worker before it reaches the others.
         grads.check_finite(params)?;
         let batch_time = self.last_answer.map_or(Duration::ZERO, |t| t.elapsed());
+        let flat = grads.flat_sum_terms(params);
+        self.bytes.fetch_add(4 * flat.len() as u64, Ordering::Relaxed);
         let reply = self.summer.sum_round(Contribution {
             worker: self.worker,
             generation: self.generation,
             round: self.round,
-            grads: grads.flat_sum_terms(params),
+            grads: flat,
             rows: grads.rows,
             patience: batch_time / 2,
         });
@@ -212,6 +223,7 @@ impl DenseSync for RoundSync {
         let reply = reply.map_err(|e| TrainError::DenseSync(Box::new(e)))?;
         let RoundReply::Closed(result) = reply else { return Ok(None) };
         let (sum, rows) = (&result.0, result.1);
+        self.bytes.fetch_add(4 * sum.len() as u64, Ordering::Relaxed);
         if sum.len() != params.num_params() {
             return Err(TrainError::DenseSync(Box::new(ClusterError::Setup(format!(
                 "round {}: the sum has {} values, this worker has {}",

@@ -173,6 +173,14 @@ pub trait LoaderService: Send + Sync {
     /// The next batch of the phase, `None` once its data is exhausted.
     /// `generation`: the worker's; a loader serving another refuses.
     fn next_batch(&self, worker: usize, mode: Mode, generation: u64) -> Result<Option<WorkerBatch>, ClusterError>;
+
+    /// `sync = "round"` (S2.1–S2.2): the next training item of `round` from
+    /// the round queue, `None` once the round's queue is empty for this
+    /// worker (or the data ended).
+    fn next_round_item(&self, worker: usize, generation: u64, round: u64) -> Result<Option<WorkerBatch>, ClusterError> {
+        let _ = (worker, generation, round);
+        Err(ClusterError::Setup("this loader serves no round queue (cluster.sync = \"round\")".into()))
+    }
 }
 
 /// What a role's server answers with: the role object of the generation it

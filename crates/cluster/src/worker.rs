@@ -27,6 +27,7 @@ use sparrow_trainer::trainer::seeds;
 use crate::checkpoint::{CheckpointSink, DenseState, WorkerCut};
 use crate::faults;
 use crate::messages::{Mode, WorkerBatch};
+use crate::rounds::{RoundMerger, RoundUpdate};
 use crate::sync::{RoundSummer, RoundSync};
 use crate::transport::{ClusterError, LoaderService, ShardService};
 
@@ -55,6 +56,13 @@ pub struct WorkerStats {
     pub last_end: sparrow_core::batch::DataPosition,
     /// Where the training time went (seconds), summed over steps.
     pub phase_secs: WorkerPhaseSecs,
+    /// Bytes this worker sent and received to agree on the dense weights
+    /// (gradients summed every step, round updates, lazy aggregations).
+    pub dense_sync_bytes: u64,
+    /// `sync = "round"`: rounds merged, and each worker's items over them
+    /// (from the merges, so every worker holds the job's counts).
+    pub rounds: u64,
+    pub round_items: Vec<u64>,
     recent_losses: VecDeque<f64>,
 }
 
@@ -102,6 +110,20 @@ pub struct Worker {
     /// This worker's dense step, for its heartbeats.
     pub reported_step: Arc<AtomicU64>,
     checkpoints: Option<Checkpoints>,
+    /// `sync = "round"`: where rounds merge, and the job's position in them.
+    rounds: Option<Rounds>,
+    /// Bytes the step sums moved (shared with the [`RoundSync`] policy).
+    step_sync_bytes: Arc<AtomicU64>,
+}
+
+/// A worker's part in the job's rounds (S2).
+struct Rounds {
+    merger: Arc<dyn RoundMerger>,
+    num_workers: usize,
+    /// Batches and samples the job trained (all workers, every merged round,
+    /// the restored checkpoint's included): the step of its checkpoints.
+    job_batches: u64,
+    job_samples: u64,
 }
 
 /// `checkpoint.every_steps` and the job's end, as a worker takes part in them.
@@ -152,13 +174,17 @@ pub fn new_worker_in(
         embedding_dim: config.model.embedding_dim,
     };
     let model = DenseModel::new(&config.model, shape, dense_seed, Device::Cpu).map_err(TrainError::from)?;
+    let step_sync_bytes = Arc::new(AtomicU64::new(0));
     let sync: Box<dyn DenseSync> = match summer {
-        Some(summer) => Box::new(RoundSync::new(index, summer).in_generation(generation)),
+        Some(summer) => {
+            Box::new(RoundSync::new(index, summer).in_generation(generation).counting_bytes(step_sync_bytes.clone()))
+        }
         None => Box::new(LocalSync),
     };
     let optimizer = DenseOptimizer::new(config.dense_optimizer.clone());
     let mut worker = Worker::new(index, model, optimizer, sync, config.model.pooling)
         .with_pipeline_depth(config.train.pipeline_depth);
+    worker.step_sync_bytes = step_sync_bytes;
     worker.generation = generation;
     Ok(worker)
 }
@@ -336,7 +362,26 @@ impl Worker {
             heard_generation: None,
             reported_step: Arc::default(),
             checkpoints: None,
+            rounds: None,
+            step_sync_bytes: Arc::default(),
         }
+    }
+
+    /// Trains in rounds (`sync = "round"`, S2): local dense steps on this
+    /// worker's replica between round merges at `merger`.
+    pub fn in_rounds(&mut self, merger: Arc<dyn RoundMerger>, num_workers: usize) {
+        self.sync = Box::new(LocalSync);
+        self.rounds = Some(Rounds { merger, num_workers, job_batches: 0, job_samples: 0 });
+    }
+
+    /// The job's step as its checkpoints count it: dense steps, or in
+    /// rounds the batches every worker trained.
+    fn job_step(&self) -> u64 {
+        self.rounds.as_ref().map_or(self.optimizer.step, |r| r.job_batches)
+    }
+
+    fn job_samples(&self) -> u64 {
+        self.rounds.as_ref().map_or(self.optimizer.samples_stepped, |r| r.job_samples)
     }
 
     /// Takes a checkpoint's dense state (a resumed job, or a generation
@@ -345,10 +390,14 @@ impl Worker {
         self.model = dense.model;
         self.optimizer.take_state_from(dense.optimizer);
         self.stats.last_end = dense.position;
-        if let Some(c) = &mut self.checkpoints {
-            c.last_step = self.optimizer.step;
+        if let Some(r) = &mut self.rounds {
+            (r.job_batches, r.job_samples) = (dense.step, self.optimizer.samples_stepped);
         }
-        self.reported_step.store(self.optimizer.step, Ordering::Relaxed);
+        let step = self.job_step();
+        if let Some(c) = &mut self.checkpoints {
+            c.last_step = step;
+        }
+        self.reported_step.store(step, Ordering::Relaxed);
     }
 
     /// Counts `rows` samples in `batches` batches as trained by this job
@@ -368,7 +417,7 @@ impl Worker {
     /// Takes part in the job's checkpoints under `root`: every `every`
     /// steps and at the end of training.
     pub fn with_checkpoints(&mut self, sink: Arc<dyn CheckpointSink>, root: PathBuf, every: Option<u64>) {
-        let last_step = self.optimizer.step;
+        let last_step = self.job_step();
         self.checkpoints = Some(Checkpoints { sink, root, every, last_step, last: None });
     }
 
@@ -386,19 +435,20 @@ impl Worker {
         }
     }
 
-    /// Whether the step just made is a checkpoint step (`every_steps`).
+    /// Whether the step just made reached a multiple of `every_steps` (a
+    /// round may pass one: its end is the checkpoint).
     fn checkpoint_due(&self) -> bool {
-        let step = self.optimizer.step;
+        let step = self.job_step();
         self.checkpoints
             .as_ref()
-            .is_some_and(|c| step > c.last_step && c.every.is_some_and(|every| every > 0 && step.is_multiple_of(every)))
+            .is_some_and(|c| c.every.is_some_and(|every| every > 0 && step / every > c.last_step / every))
     }
 
     /// Takes part in a checkpoint at the current step (every update pushed).
     fn checkpoint_now(&mut self) -> Result<(), ClusterError> {
         faults::point("worker.checkpoint");
         let Some(c) = &self.checkpoints else { return Ok(()) };
-        let step = self.optimizer.step;
+        let step = self.job_step();
         let wrote_dense = self.index == 0;
         if wrote_dense {
             crate::checkpoint::write_dense(&c.root, step, self.generation, &self.model, &self.optimizer)?;
@@ -407,7 +457,7 @@ impl Worker {
             worker: self.index,
             generation: self.generation,
             step,
-            samples_trained: self.optimizer.samples_stepped,
+            samples_trained: self.job_samples(),
             dense_optimizer_step: self.optimizer.step,
             position: self.stats.last_end,
             wrote_dense,
@@ -426,8 +476,9 @@ impl Worker {
         &mut self,
         engine: Option<(&mut StepEngine<WorkerBatch, ()>, &S)>,
     ) -> Result<(), ClusterError> {
-        self.reported_step.store(self.optimizer.step, Ordering::Relaxed);
+        self.reported_step.store(self.job_step(), Ordering::Relaxed);
         faults::point("worker.step");
+        faults::worker_step(self.index);
         self.check_generation()?;
         if self.checkpoint_due() {
             if let Some((engine, rows)) = engine {
@@ -500,6 +551,13 @@ impl Worker {
         let start = Instant::now();
         let index = self.index;
         let rows = RemoteRows { shards, width: self.model.width(), traffic: Mutex::default() };
+        if self.rounds.is_some() {
+            self.train_rounds(loader, &rows)?;
+            std::mem::take(&mut *rows.traffic.lock()).add_to(&mut self.stats);
+            self.stats.train_secs = start.elapsed().as_secs_f64();
+            self.stats.steps = self.optimizer.step;
+            return Ok(());
+        }
         let generation = self.generation;
         std::thread::scope(|scope| {
             let (tx, rx) = crossbeam_channel::bounded(1);
@@ -532,7 +590,99 @@ impl Worker {
         std::mem::take(&mut *rows.traffic.lock()).add_to(&mut self.stats);
         self.stats.train_secs = start.elapsed().as_secs_f64();
         self.stats.steps = self.optimizer.step;
+        self.stats.dense_sync_bytes += self.step_sync_bytes.load(Ordering::Relaxed);
         Ok(())
+    }
+
+    /// `sync = "round"` (S2): takes items of each round from the loader's
+    /// round queue one at a time, stepping this replica after each; at the
+    /// round's end sends its update and starts the next round from the
+    /// merged weights, until a round in which no worker had an item.
+    fn train_rounds(&mut self, loader: &dyn LoaderService, rows: &RemoteRows<'_>) -> Result<(), ClusterError> {
+        let (index, generation) = (self.index, self.generation);
+        let mut round = 0u64;
+        loop {
+            let begin = self.model.params.flat_values().map_err(TrainError::from)?;
+            let (items, samples) =
+                self.train_round_items(rows, |_| loader.next_round_item(index, generation, round))?;
+            let now = self.model.params.flat_values().map_err(TrainError::from)?;
+            let delta: Vec<f32> = now.iter().zip(&begin).map(|(w, s)| w - s).collect();
+            faults::point("worker.round");
+            let Some(r) = &self.rounds else { return Ok(()) };
+            let (merger, num_workers) = (r.merger.clone(), r.num_workers);
+            let sent = 4 * delta.len() as u64;
+            let merged = merger.merge_round(RoundUpdate { worker: index, generation, round, delta, items, samples })?;
+            self.stats.dense_sync_bytes += sent + 4 * merged.delta.len() as u64;
+            if merged.delta.len() != begin.len() {
+                return Err(ClusterError::Setup(format!(
+                    "round {round}: the merged update has {} values, this worker has {}",
+                    merged.delta.len(),
+                    begin.len()
+                )));
+            }
+            // Alone, a worker's weights are the merge (start + Δ could round
+            // differently); replicas take start + merged Δ, the same bits each.
+            if num_workers > 1 {
+                let next: Vec<f32> = begin.iter().zip(&merged.delta).map(|(s, d)| s + d).collect();
+                self.model.params.set_flat(&next).map_err(TrainError::from)?;
+            }
+            round += 1;
+            if merged.total_items() == 0 {
+                break;
+            }
+            self.stats.rounds += 1;
+            self.stats.round_items.resize(merged.items.len(), 0);
+            self.stats.round_items.iter_mut().zip(&merged.items).for_each(|(t, m)| *t += m);
+            if let Some(r) = &mut self.rounds {
+                r.job_batches += merged.total_items();
+                r.job_samples += merged.samples;
+            }
+            self.progress.fetch_add(1, Ordering::Relaxed);
+            self.after_step::<RemoteRows<'_>>(None)?;
+        }
+        let end = self.checkpoints.as_ref().is_some_and(|c| self.job_step() > c.last_step);
+        if end { self.checkpoint_now() } else { Ok(()) }
+    }
+
+    /// The items of one round through the step engine (every update pushed
+    /// at its end): how many, and their samples.
+    fn train_round_items(
+        &mut self,
+        rows: &RemoteRows<'_>,
+        mut take: impl FnMut(usize) -> Result<Option<WorkerBatch>, ClusterError>,
+    ) -> Result<(u64, u64), ClusterError> {
+        let mut engine = StepEngine::new(self.pipeline_depth);
+        let (mut items, mut samples) = (0u64, 0u64);
+        let mut next_batch_secs = 0.0;
+        loop {
+            let mut next = |i: usize| {
+                let waited = Instant::now();
+                let next = take(i).transpose();
+                next_batch_secs += waited.elapsed().as_secs_f64();
+                next
+            };
+            let stepped = engine.step(rows, &mut next, |looked| {
+                items += 1;
+                samples += looked.batch.rows as u64;
+                let (_, grads) = self.dense(looked)?;
+                Ok(((), Some(grads)))
+            })?;
+            let Some(stepped) = stepped else { break };
+            let phases = &mut self.stats.phase_secs;
+            phases.pull += stepped.lookup_secs;
+            phases.dense += stepped.dense_secs;
+            phases.push += stepped.update_secs;
+            if let Some(e) = stepped.deferred {
+                return Err(e);
+            }
+            self.reported_step.store(self.job_step(), Ordering::Relaxed);
+            faults::point("worker.step");
+            faults::worker_step(self.index);
+            self.check_generation()?;
+        }
+        self.stats.phase_secs.push += engine.flush(rows)?;
+        self.stats.phase_secs.next_batch += next_batch_secs;
+        Ok((items, samples))
     }
 
     /// Every batch of `batches` through the step engine, then the update left waiting.

@@ -451,6 +451,134 @@ pub struct ClusterConfig {
     /// every role then goes back to the last committed checkpoint. 0: a dead
     /// role stops the job.
     pub max_restarts: u32,
+    /// How the workers' dense replicas agree (S0.6, S2, S4).
+    pub sync: SyncMode,
+    /// `sync = "round"`: items (batches) per worker per round; a round's
+    /// queue holds workers × 1 batch per worker step × this many.
+    pub round_iterations: u64,
+    /// `sync = "round"`: how the coordinator merges the workers' updates.
+    pub round_merge: RoundMergeRule,
+    /// `sync = "lazy"`: the workers' local iterations, the scheduler, the aggregators.
+    pub lazy: LazyConfig,
+}
+
+/// How the workers' dense replicas agree on the weights (`cluster.sync`).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum SyncMode {
+    /// Every dense step sums every worker's gradient (S0.6; a faster worker
+    /// adds more batches to a step, S2.2).
+    #[default]
+    Step,
+    /// Round queue on the loader, local updates, one summed push per round (S2).
+    Round,
+    /// Local iterations under a scheduler, weighted aggregation (S4).
+    Lazy,
+}
+
+impl SyncMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            SyncMode::Step => "step",
+            SyncMode::Round => "round",
+            SyncMode::Lazy => "lazy",
+        }
+    }
+}
+
+/// `cluster.round_merge`: what a round's merged update is.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum RoundMergeRule {
+    /// Σ M_k·Δ_k / Σ M_k: each worker's update weighted by the items it trained.
+    #[default]
+    Mean,
+    /// Σ Δ_k: the seed's plain accumulation.
+    Sum,
+}
+
+/// What a worker sends when an aggregation instruction names round r (S4.3).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum LazySend {
+    /// Its weights' change since the last aggregation (local SGD).
+    #[default]
+    Delta,
+    /// The seed read literally: the gradient it computed at round r.
+    RoundGradient,
+}
+
+/// How the scheduler's two conditions combine (S4.2).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Combine {
+    #[default]
+    And,
+    Or,
+}
+
+/// How network utilisation is measured (S4.2).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Utilisation {
+    /// All roles' bytes over all roles' link capacity.
+    #[default]
+    Total,
+    /// The mean of per-role ratios, weighted by each role's bytes.
+    Mean,
+}
+
+/// Which roles the scheduler's failure rate counts (S4.2).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ProbeRoles {
+    #[default]
+    Workers,
+    All,
+}
+
+/// `[cluster.lazy]`: lazy aggregation under a scheduler (S4).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LazyConfig {
+    /// Iterations a worker trains since the last aggregation before it waits for one.
+    pub max_local_iterations: u64,
+    pub send: LazySend,
+    /// Utilisation strictly below this lets an instruction go.
+    pub max_net_utilisation: f64,
+    /// Failure rate strictly below this lets an instruction go.
+    pub max_failure_rate: f64,
+    pub combine: Combine,
+    pub utilisation: Utilisation,
+    /// One role's link capacity (bytes per second, each way summed).
+    pub link_bytes_per_sec: f64,
+    pub probe_interval_ms: u64,
+    pub probe_timeout_ms: u64,
+    pub probe_roles: ProbeRoles,
+    /// Worker k sends to aggregator `aggregator_of[k]`; empty: worker k % aggregators.
+    pub aggregator_of: Vec<usize>,
+    /// A backup (and serving export) is written when the weights moved by at
+    /// least this relative L2 distance since the last one.
+    pub backup_min_change: f64,
+}
+
+impl Default for LazyConfig {
+    fn default() -> Self {
+        LazyConfig {
+            max_local_iterations: 3,
+            send: LazySend::Delta,
+            max_net_utilisation: 0.3,
+            max_failure_rate: 0.05,
+            combine: Combine::And,
+            utilisation: Utilisation::Total,
+            link_bytes_per_sec: 1.25e9,
+            probe_interval_ms: 100,
+            probe_timeout_ms: 50,
+            probe_roles: ProbeRoles::Workers,
+            aggregator_of: Vec::new(),
+            backup_min_change: 0.05,
+        }
+    }
 }
 
 impl Default for ClusterConfig {
@@ -465,6 +593,10 @@ impl Default for ClusterConfig {
             loader_queue_batches: 4,
             progress_timeout_ms: 300_000,
             max_restarts: 3,
+            sync: SyncMode::Step,
+            round_iterations: 4,
+            round_merge: RoundMergeRule::Mean,
+            lazy: LazyConfig::default(),
         }
     }
 }
@@ -575,6 +707,29 @@ impl Config {
         }
         if self.train.pipeline_depth > 16 {
             return invalid("train.pipeline_depth", "at most 16 (each level keeps one more batch's rows in flight)");
+        }
+        if self.cluster.round_iterations == 0 {
+            return invalid("cluster.round_iterations", "must be at least 1 (items each worker takes per round)");
+        }
+        let lazy = &self.cluster.lazy;
+        if lazy.max_local_iterations == 0 {
+            return invalid("cluster.lazy.max_local_iterations", "must be at least 1");
+        }
+        for (key, value) in
+            [("max_net_utilisation", lazy.max_net_utilisation), ("max_failure_rate", lazy.max_failure_rate)]
+        {
+            if !(value.is_finite() && value >= 0.0) {
+                return invalid(&format!("cluster.lazy.{key}"), "must be a number ≥ 0 (a share: 0.3 is 30%)");
+            }
+        }
+        if !(lazy.link_bytes_per_sec.is_finite() && lazy.link_bytes_per_sec > 0.0) {
+            return invalid("cluster.lazy.link_bytes_per_sec", "must be above 0");
+        }
+        if lazy.probe_interval_ms == 0 || lazy.probe_timeout_ms == 0 {
+            return invalid("cluster.lazy.probe_interval_ms", "probe_interval_ms and probe_timeout_ms must be above 0");
+        }
+        if !(lazy.backup_min_change.is_finite() && lazy.backup_min_change >= 0.0) {
+            return invalid("cluster.lazy.backup_min_change", "must be a number ≥ 0 (0.05: 5% relative L2 change)");
         }
         if self.cluster.loader_queue_batches == 0 {
             return invalid("cluster.loader_queue_batches", "must be at least 1");

@@ -74,6 +74,33 @@ impl ParamStore {
         Ok(())
     }
 
+    /// Every parameter's values, flattened in store order.
+    pub fn flat_values(&self) -> Result<Vec<f32>, ModelError> {
+        let mut flat = Vec::with_capacity(self.num_params());
+        for (_, var) in &self.vars {
+            flat.extend(var.as_tensor().flatten_all()?.to_vec1::<f32>()?);
+        }
+        Ok(flat)
+    }
+
+    /// Sets every parameter from `flat` (store order, [`num_params`](Self::num_params) values).
+    pub fn set_flat(&self, flat: &[f32]) -> Result<(), ModelError> {
+        if flat.len() != self.num_params() {
+            return Err(ModelError::ShapeMismatch {
+                name: "all dense parameters".into(),
+                expected: vec![self.num_params()],
+                found: vec![flat.len()],
+            });
+        }
+        let mut rest = flat;
+        for (_, var) in &self.vars {
+            let (mine, tail) = rest.split_at(var.elem_count());
+            var.set(&Tensor::from_slice(mine, var.shape(), var.device())?)?;
+            rest = tail;
+        }
+        Ok(())
+    }
+
     pub fn num_params(&self) -> usize {
         self.vars.iter().map(|(_, v)| v.elem_count()).sum()
     }

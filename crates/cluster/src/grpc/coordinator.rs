@@ -15,6 +15,7 @@ use super::{AuthedChannel, CheckToken, NetSettings, Peer, blocking, bytes_to_f32
 use crate::checkpoint::{CheckpointSink, WorkerCut};
 use crate::coordinator::{Coordinator, Generation, JobState, Known, RoleKind, View};
 use crate::metrics::RoleMetrics;
+use crate::rounds::{MergedRound, RoundMerger, RoundUpdate};
 use crate::sync::{Contribution, RoundReply, RoundSummer};
 use crate::transport::ClusterError;
 
@@ -159,6 +160,31 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
         };
         self.metrics.count_bytes("out", "worker", reply.grads.len());
         self.metrics.observe("server", "sum_gradients", start.elapsed().as_secs_f64());
+        Ok(Response::new(reply))
+    }
+
+    async fn merge_round(&self, request: Request<pb::MergeRequest>) -> Result<Response<pb::MergeReply>, Status> {
+        let start = Instant::now();
+        let r = request.into_inner();
+        self.metrics.count_bytes("in", "worker", r.delta.len());
+        let delta = bytes_to_f32s(&r.delta, &format!("worker {}", r.worker), "round update").map_err(status)?;
+        let update = RoundUpdate {
+            worker: r.worker as usize,
+            generation: r.generation,
+            round: r.round,
+            delta,
+            items: r.items,
+            samples: r.samples,
+        };
+        let coordinator = self.coordinator.clone();
+        let merged = blocking(move || coordinator.merge_round(update)).await?;
+        let reply = pb::MergeReply {
+            delta: f32s_to_bytes(&merged.delta),
+            items: merged.items.clone(),
+            samples: merged.samples,
+        };
+        self.metrics.count_bytes("out", "worker", reply.delta.len());
+        self.metrics.observe("server", "merge_round", start.elapsed().as_secs_f64());
         Ok(Response::new(reply))
     }
 
@@ -390,6 +416,28 @@ impl RoundSummer for CoordinatorClient {
             bytes_to_f32s(&reply.grads, &self.peer.name, "summed gradients")?,
             reply.rows,
         ))))
+    }
+}
+
+impl RoundMerger for CoordinatorClient {
+    fn merge_round(&self, u: RoundUpdate) -> Result<Arc<MergedRound>, ClusterError> {
+        let request = pb::MergeRequest {
+            worker: u.worker as u32,
+            generation: u.generation,
+            round: u.round,
+            delta: f32s_to_bytes(&u.delta),
+            items: u.items,
+            samples: u.samples,
+        };
+        // A round lasts as long as its slowest worker: no RPC deadline (a
+        // dead worker ends the wait through the next generation).
+        let reply =
+            self.peer.call_unbounded("merge_round", request, |mut c, r| async move { c.merge_round(r).await })?;
+        Ok(Arc::new(MergedRound {
+            delta: bytes_to_f32s(&reply.delta, &self.peer.name, "merged round")?,
+            items: reply.items,
+            samples: reply.samples,
+        }))
     }
 }
 

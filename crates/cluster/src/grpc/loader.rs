@@ -115,7 +115,11 @@ impl pb::loader_server::Loader for LoaderGrpc {
         let mode = if r.eval { Mode::Eval } else { Mode::Train };
         let loader = self.loader.get().map_err(|e| super::to_status(&e))?;
         let queued = loader.clone();
-        let batch = blocking(move || loader.next_batch(r.worker as usize, mode, r.generation)).await?;
+        let batch = blocking(move || match r.in_round {
+            true => loader.next_round_item(r.worker as usize, r.generation, r.round),
+            false => loader.next_batch(r.worker as usize, mode, r.generation),
+        })
+        .await?;
         let reply = pb::NextBatchReply { batch: batch.map(to_proto) };
         self.metrics.count_bytes("out", "worker", prost::Message::encoded_len(&reply));
         self.metrics.observe("server", "next_batch", start.elapsed().as_secs_f64());
@@ -165,7 +169,14 @@ impl LoaderClient {
 
 impl LoaderService for LoaderClient {
     fn next_batch(&self, worker: usize, mode: Mode, generation: u64) -> Result<Option<WorkerBatch>, ClusterError> {
-        let request = pb::NextBatchRequest { worker: worker as u32, eval: mode == Mode::Eval, generation };
+        let request =
+            pb::NextBatchRequest { worker: worker as u32, eval: mode == Mode::Eval, generation, ..Default::default() };
+        let reply = self.peer.call("next_batch", request, |mut c, r| async move { c.next_batch(r).await })?;
+        reply.batch.map(|b| from_proto(b, &self.peer.name)).transpose()
+    }
+
+    fn next_round_item(&self, worker: usize, generation: u64, round: u64) -> Result<Option<WorkerBatch>, ClusterError> {
+        let request = pb::NextBatchRequest { worker: worker as u32, eval: false, generation, in_round: true, round };
         let reply = self.peer.call("next_batch", request, |mut c, r| async move { c.next_batch(r).await })?;
         reply.batch.map(|b| from_proto(b, &self.peer.name)).transpose()
     }

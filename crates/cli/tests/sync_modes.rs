@@ -1,0 +1,83 @@
+//! `cluster.sync`: the round queue with local updates (S2) beside the
+//! every-step sum (S0.6), as real processes on loopback.
+
+mod common;
+
+use common::{generate, last_json, sparrow, write_config};
+
+fn launch(config: &str, workers: &str, sets: &[&str], failpoints: Option<&str>) -> serde_json::Value {
+    let mut command = sparrow();
+    command.args(["launch", "--config", config, "--shards", "2", "--workers", workers, "--quiet"]);
+    for set in sets {
+        command.args(["--set", set]);
+    }
+    if let Some(f) = failpoints {
+        command.env("FAILPOINTS", f);
+    }
+    let out = command.output().expect("launch");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    last_json(&out)
+}
+
+#[test]
+fn a_round_of_one_worker_is_sequential_training_and_workers_of_unequal_speed_share_rounds_by_speed() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "12000");
+    let config = write_config(tmp.path(), "");
+    let single = sparrow().args(["train", "--config", &config, "--quiet"]).output().expect("train");
+    assert!(single.status.success(), "{}", String::from_utf8_lossy(&single.stderr));
+    let single = last_json(&single);
+
+    // One worker: its replica is the round's merge, bit for bit `train`, by either rule.
+    for rule in ["mean", "sum"] {
+        let merge = format!("cluster.round_merge={rule:?}");
+        let one = launch(&config, "1", &["cluster.sync=\"round\"", &merge], None);
+        assert_eq!(one["sync"], "round");
+        assert_eq!(one["test_auc"], single["test_auc"], "one worker in rounds ({rule}) vs train");
+        assert_eq!(one["train_rows"], 12000);
+        // 12000 rows in batches of 256: 47 items, 4 per round.
+        assert_eq!(one["rounds"], 12, "{one}");
+    }
+
+    // Two workers, the second slowed by a failpoint (20 ms after each step):
+    // the fast one takes more of every round, each takes at least one, the
+    // replicas end identical and every sample is trained once.
+    let two = launch(&config, "2", &["cluster.sync=\"round\""], Some("worker.1.step=sleep(20)"));
+    assert_eq!(two["replicas_identical"], true, "{}", two["dense_checksums"]);
+    assert_eq!(two["train_rows"], 12000);
+    let items: Vec<f64> = two["items_per_round"].as_array().expect("items").iter().filter_map(|v| v.as_f64()).collect();
+    let rounds = two["rounds"].as_f64().expect("rounds");
+    assert_eq!(items.len(), 2);
+    assert!(items[1] >= 1.0 && items[0] > items[1], "items per round by worker: {items:?}");
+    assert!((items.iter().sum::<f64>() * rounds - 47.0).abs() < 1e-9, "every item once: {items:?} × {rounds}");
+    assert!(two["test_auc"].as_f64().expect("auc") > 0.55, "learned: {}", two["test_auc"]);
+    // One update and one merge per worker per round, against a sum every step.
+    let step = launch(&config, "2", &[], None);
+    let (round_bytes, step_bytes) = (
+        two["dense_sync_bytes_per_sample"].as_f64().expect("bytes"),
+        step["dense_sync_bytes_per_sample"].as_f64().expect("bytes"),
+    );
+    assert!(round_bytes > 0.0 && round_bytes < step_bytes / 2.0, "round {round_bytes} vs step {step_bytes}");
+}
+
+#[test]
+fn bad_sync_settings_are_refused_naming_the_key() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "1000");
+    for (set, key) in [
+        ("cluster.sync=\"rounds\"", "sync"),
+        ("cluster.round_iterations=0", "cluster.round_iterations"),
+        ("cluster.round_merge=\"median\"", "round_merge"),
+        ("cluster.lazy.send=\"all\"", "send"),
+        ("cluster.lazy.combine=\"xor\"", "combine"),
+    ] {
+        let config = write_config(tmp.path(), "");
+        let out = sparrow()
+            .args(["launch", "--config", &config, "--shards", "1", "--workers", "1", "--set", set])
+            .output()
+            .expect("launch");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{set} was accepted");
+        assert!(stderr.contains(key), "{set}: the error names `{key}`: {stderr}");
+    }
+}
