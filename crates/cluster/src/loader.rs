@@ -345,16 +345,16 @@ mod tests {
         let mut q = RoundQueue::new(2, 3);
         // Worker 0 is fast: it may take 5 of the 6, the last is worker 1's.
         let mut fast = 0;
-        while q.may_take(0, 0).unwrap() {
+        while q.may_take(0, 0).expect("round queue") {
             q.took(0);
             fast += 1;
         }
         assert_eq!(fast, 5);
-        assert!(q.may_take(1, 0).unwrap());
+        assert!(q.may_take(1, 0).expect("round queue"));
         q.took(1);
-        assert!(!q.may_take(1, 0).unwrap(), "the queue is empty");
+        assert!(!q.may_take(1, 0).expect("round queue"), "the queue is empty");
         // The next round starts full again.
-        assert!(q.may_take(1, 1).unwrap());
+        assert!(q.may_take(1, 1).expect("round queue"));
         assert!(q.may_take(0, 0).is_err(), "round 0 is over");
         assert!(q.may_take(2, 1).is_err(), "no worker 2");
     }

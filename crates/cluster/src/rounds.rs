@@ -210,8 +210,8 @@ mod tests {
         };
         let mine = m
             .merge_round(RoundUpdate { worker: 0, generation: 1, round: 0, delta: vec![0.0], items: 3, samples: 30 })
-            .unwrap();
-        let theirs = other.join().unwrap().unwrap();
+            .expect("merged");
+        let theirs = other.join().expect("thread").expect("merged");
         assert_eq!(mine, theirs);
         assert_eq!(mine.items, vec![3, 1]);
         assert_eq!(mine.samples, 40);
