@@ -103,6 +103,10 @@ enum Command {
         shards: usize,
         #[arg(long, default_value_t = 1)]
         workers: usize,
+        /// `cluster.sync = "lazy"`: aggregators (in the coordinator's
+        /// process); worker k goes to `cluster.lazy.aggregator_of[k]`, or k mod K.
+        #[arg(long, default_value_t = 1)]
+        aggregators: usize,
         #[arg(long = "set", value_name = "KEY=VALUE")]
         set: Vec<String>,
         /// Do not forward the roles' logs to stderr.
@@ -120,6 +124,9 @@ enum Command {
         shards: usize,
         #[arg(long)]
         workers: usize,
+        /// `cluster.sync = "lazy"`: aggregators run in this process, with the scheduler.
+        #[arg(long, default_value_t = 1)]
+        aggregators: usize,
         /// gRPC address (a non-loopback address needs an auth token).
         #[arg(long, default_value = "127.0.0.1:7000")]
         listen: SocketAddr,
@@ -384,12 +391,13 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             };
             print_json(&sparrow_trainer::bench::run(&options)?)
         }
-        Command::Launch { config: path, shards, workers, set, quiet } => {
+        Command::Launch { config: path, shards, workers, aggregators, set, quiet } => {
             let config = with_env_token(load_config(&path, &set)?);
-            let options = sparrow_cluster::launch::LaunchOptions { config_path: path, set, shards, workers, quiet };
+            let options =
+                sparrow_cluster::launch::LaunchOptions { config_path: path, set, shards, workers, aggregators, quiet };
             print_json(&sparrow_cluster::launch::launch(&options, &config, &stop_on_signals())?)
         }
-        Command::Coordinator { config, set, shards, workers, listen, metrics_listen } => {
+        Command::Coordinator { config, set, shards, workers, aggregators, listen, metrics_listen } => {
             exit_on_signals("coordinator");
             let config = with_env_token(load_config(&config, &set)?);
             let notices = from_launcher;
@@ -408,6 +416,7 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             let args = sparrow_cluster::roles::CoordinatorArgs {
                 num_shards: shards,
                 num_workers: workers,
+                aggregators,
                 listen,
                 metrics_listen,
                 notices,

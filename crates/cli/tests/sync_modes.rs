@@ -81,3 +81,48 @@ fn bad_sync_settings_are_refused_naming_the_key() {
         assert!(stderr.contains(key), "{set}: the error names `{key}`: {stderr}");
     }
 }
+
+#[test]
+fn lazy_aggregation_ends_with_one_model_on_every_worker_with_one_or_two_aggregators() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "12000");
+    let config = write_config(tmp.path(), "");
+    for (aggregators, send) in [("1", "delta"), ("2", "delta"), ("1", "round_gradient")] {
+        let send = format!("cluster.lazy.send={send:?}");
+        let mut command = sparrow();
+        command.args(["launch", "--config", &config, "--shards", "2", "--workers", "2", "--quiet"]);
+        command.args(["--aggregators", aggregators, "--set", "cluster.sync=\"lazy\"", "--set", &send]);
+        let out = command.output().expect("launch");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let lazy = last_json(&out);
+        assert_eq!(lazy["sync"], "lazy");
+        assert_eq!(lazy["aggregators"].as_u64(), aggregators.parse().ok());
+        assert_eq!(lazy["replicas_identical"], true, "{}", lazy["dense_checksums"]);
+        assert_eq!(lazy["train_rows"], 12000, "every sample once");
+        // Every local iteration was aggregated, at most max_local_iterations (3) per worker each time.
+        assert_eq!(lazy["local_iterations"], 47, "{lazy}");
+        let aggregations = lazy["aggregations"].as_u64().expect("aggregations");
+        assert!((47u64.div_ceil(6)..=47).contains(&aggregations), "{aggregations} aggregations");
+        assert!(lazy["dense_sync_bytes_per_sample"].as_f64().expect("bytes") > 0.0);
+    }
+}
+
+#[test]
+fn an_aggregator_mapping_must_name_every_worker_and_only_aggregators_that_exist() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "1000");
+    let config = write_config(tmp.path(), "");
+    for (mapping, aggregators, says) in
+        [("[0]", "1", "names 1 workers, the job has 2"), ("[0, 2]", "2", "worker 1 goes to aggregator 2")]
+    {
+        let set = format!("cluster.lazy.aggregator_of={mapping}");
+        let out = sparrow()
+            .args(["launch", "--config", &config, "--shards", "1", "--workers", "2", "--quiet"])
+            .args(["--aggregators", aggregators, "--set", "cluster.sync=\"lazy\"", "--set", &set])
+            .output()
+            .expect("launch");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{mapping} was accepted");
+        assert!(stderr.contains("cluster.lazy.aggregator_of") && stderr.contains(says), "{mapping}: {stderr}");
+    }
+}

@@ -33,9 +33,11 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 use serde::Serialize;
 use sparrow_core::Config;
+use sparrow_core::config::SyncMode;
 
 use crate::checkpoint::{CheckpointSink, WorkerCut, staging_dir};
 use crate::faults;
+use crate::lazy::{FinalWeights, Instruction, Lazy, LazyLink};
 use crate::rounds::{MergedRound, RoundMerge, RoundUpdate};
 use crate::sync::{Contribution, RoundReply, RoundSum};
 use crate::transport::{ClusterError, PartWritten, ShardService};
@@ -131,6 +133,13 @@ struct Member {
     progress_at: Instant,
     /// The generation it has restored and serves (0: none yet).
     ready: u64,
+    /// Its payload bytes so far, when it reported them, and its bytes per
+    /// second between its last two reports (S4.2 utilisation).
+    bytes: u64,
+    bytes_at: Instant,
+    byte_rate: f64,
+    /// Where it answers the scheduler's probes.
+    probe: Option<String>,
 }
 
 struct Members {
@@ -204,6 +213,9 @@ pub struct Coordinator {
     rounds: Mutex<Arc<RoundSum>>,
     /// The current generation's round merges (`sync = "round"`).
     merges: Mutex<Arc<RoundMerge>>,
+    /// `sync = "lazy"`: the scheduler and the aggregators of the current generation.
+    lazy: Mutex<Option<Arc<Lazy>>>,
+    aggregators: usize,
     recovery: Mutex<Recovery>,
     /// `recovery.generation`, readable under other locks.
     current: AtomicU64,
@@ -241,6 +253,13 @@ impl Coordinator {
                     .into(),
             ));
         }
+        if config.cluster.sync == SyncMode::Lazy && config.checkpoint.every_steps.is_some() {
+            return Err(ClusterError::Setup(
+                "checkpoint.every_steps with cluster.sync = \"lazy\" is not available yet: a lazy job's checkpoint \
+                 is taken at its end"
+                    .into(),
+            ));
+        }
         let config_toml =
             toml::to_string(config).map_err(|e| ClusterError::Setup(format!("serializing the config: {e}")))?;
         let start = match sparrow_trainer::checkpoint::resume_dir(config)? {
@@ -268,6 +287,8 @@ impl Coordinator {
             state: Mutex::new(JobState::Running),
             rounds: Mutex::new(Arc::new(RoundSum::new(num_workers))),
             merges: Mutex::new(Arc::new(RoundMerge::new(num_workers, config.cluster.round_merge))),
+            lazy: Mutex::new(lazy_for(config, num_workers, 1, start.as_ref().map(|(d, _)| d.as_path()))?),
+            aggregators: 1,
             recovery: Mutex::new(Recovery {
                 generation: 1,
                 restore: start.as_ref().map(|(d, _)| d.clone()),
@@ -289,6 +310,40 @@ impl Coordinator {
             dialer: None,
             events: Box::new(|_| {}),
         })
+    }
+
+    /// `sync = "lazy"` with `k` aggregators (worker → aggregator by
+    /// `cluster.lazy.aggregator_of`, checked here).
+    pub fn with_aggregators(mut self, k: usize) -> Result<Self, ClusterError> {
+        let restore = self.recovery.lock().restore.clone();
+        self.lazy = Mutex::new(lazy_for(&self.config, self.num_workers, k, restore.as_deref())?);
+        self.aggregators = k;
+        Ok(self)
+    }
+
+    /// The scheduler of the current generation (`sync = "lazy"`).
+    pub fn lazy(&self) -> Option<Arc<Lazy>> {
+        self.lazy.lock().clone()
+    }
+
+    fn lazy_in(&self, worker: usize, generation: u64) -> Result<Arc<Lazy>, ClusterError> {
+        let current = self.recovery.lock().generation;
+        if generation != current {
+            return Err(ClusterError::StaleGeneration {
+                peer: "the scheduler".into(),
+                what: format!("worker {worker}'s request"),
+                found: generation,
+                serving: current,
+            });
+        }
+        self.lazy().ok_or_else(|| ClusterError::Setup("this job's cluster.sync is not \"lazy\"".into()))
+    }
+
+    fn woken(&self, generation: u64, e: ClusterError) -> ClusterError {
+        match self.current.load(Ordering::SeqCst) {
+            now if now != generation => ClusterError::GenerationChanged { generation: now },
+            _ => e,
+        }
     }
 
     /// How checkpoints reach the shards (without one, none are written).
@@ -325,6 +380,9 @@ impl Coordinator {
             drop(state);
             self.rounds.lock().fail(reason.clone());
             self.merges.lock().fail(reason.clone());
+            if let Some(lazy) = self.lazy() {
+                lazy.fail(reason.clone());
+            }
             self.end_checkpoint_round(Err(reason));
         }
     }
@@ -369,6 +427,14 @@ impl Coordinator {
         old.fail(format!("generation {} started", r.generation));
         let merges = Arc::new(RoundMerge::new(self.num_workers, self.config.cluster.round_merge));
         std::mem::replace(&mut *self.merges.lock(), merges).fail(format!("generation {} started", r.generation));
+        match lazy_for(&self.config, self.num_workers, self.aggregators, r.restore.as_deref()) {
+            Ok(next) => {
+                if let Some(old) = std::mem::replace(&mut *self.lazy.lock(), next) {
+                    old.fail(format!("generation {} started", r.generation));
+                }
+            }
+            Err(e) => tracing::error!("generation {}: the scheduler could not restart: {e}", r.generation),
+        }
         self.end_checkpoint_round(Err(format!("generation {} started", r.generation)));
     }
 
@@ -454,8 +520,18 @@ impl Coordinator {
         let now = Instant::now();
         let mut members = self.members.lock();
         members.vacant_since.remove(&(kind, slot));
-        members.slots(kind)[slot] =
-            Some(Member { address, last_seen: now, finished: false, progress: 0, progress_at: now, ready: 0 });
+        members.slots(kind)[slot] = Some(Member {
+            address,
+            last_seen: now,
+            finished: false,
+            progress: 0,
+            progress_at: now,
+            ready: 0,
+            bytes: 0,
+            bytes_at: now,
+            byte_rate: 0.0,
+            probe: None,
+        });
         drop(members);
         Ok((slot, self.generation()))
     }
@@ -523,6 +599,52 @@ impl Coordinator {
         }
         drop(r);
         Ok((self.state(), self.generation()))
+    }
+
+    /// A role's traffic so far (`bytes`) and its probe address, from a heartbeat.
+    pub fn traffic(&self, kind: RoleKind, index: usize, bytes: u64, probe: &str) {
+        let mut members = self.members.lock();
+        if let Some(Some(m)) = members.slots(kind).get_mut(index) {
+            let now = Instant::now();
+            let secs = now.duration_since(m.bytes_at).as_secs_f64();
+            if bytes >= m.bytes && secs > 0.0 {
+                m.byte_rate = (bytes - m.bytes) as f64 / secs;
+            }
+            (m.bytes, m.bytes_at) = (bytes, now);
+            if !probe.is_empty() {
+                m.probe = Some(probe.to_string());
+            }
+        }
+    }
+
+    /// Every registered role's bytes per second (S4.2 utilisation).
+    pub fn byte_rates(&self) -> Vec<f64> {
+        let mut members = self.members.lock();
+        let mut rates = Vec::new();
+        for kind in [RoleKind::Shard, RoleKind::Loader, RoleKind::Worker] {
+            rates.extend(members.slots(kind).iter().flatten().map(|m| m.byte_rate));
+        }
+        rates
+    }
+
+    /// The roles the scheduler probes (`cluster.lazy.probe_roles`), finished workers aside.
+    pub fn probe_targets(&self, all: bool) -> Vec<crate::lazy::ProbeTarget> {
+        let mut members = self.members.lock();
+        let kinds: &[RoleKind] =
+            if all { &[RoleKind::Shard, RoleKind::Loader, RoleKind::Worker] } else { &[RoleKind::Worker] };
+        let mut targets = Vec::new();
+        for &kind in kinds {
+            for (i, m) in members.slots(kind).iter().enumerate() {
+                if !m.as_ref().is_some_and(|m| m.finished) {
+                    targets.push(crate::lazy::ProbeTarget {
+                        name: format!("{} {i}", kind.name()),
+                        vacant: m.is_none(),
+                        address: m.as_ref().and_then(|m| m.probe.clone()),
+                    });
+                }
+            }
+        }
+        targets
     }
 
     /// A worker's last step in an earlier `generation` (reported once it
@@ -909,6 +1031,57 @@ pub struct View {
     pub shards_ready: bool,
     pub shards: Vec<String>,
     pub loader: String,
+}
+
+/// The scheduler and aggregators for `sync = "lazy"` (none otherwise),
+/// holding every replica's starting weights: the checkpoint's, or the
+/// config's seed's.
+fn lazy_for(
+    config: &Config,
+    workers: usize,
+    aggregators: usize,
+    restore: Option<&std::path::Path>,
+) -> Result<Option<Arc<Lazy>>, ClusterError> {
+    if config.cluster.sync != SyncMode::Lazy {
+        return Ok(None);
+    }
+    Lazy::check_mapping(&config.cluster.lazy, workers, aggregators)?;
+    let model = match restore {
+        Some(dir) => crate::checkpoint::restore_dense(config, dir)?.model,
+        None => {
+            let layout = sparrow_data::DataLayout::from_config(&config.data);
+            crate::worker::new_worker(config, &layout, 0, None)?.model
+        }
+    };
+    let weights = model.params.flat_values().map_err(sparrow_trainer::TrainError::from)?;
+    let lr = config.dense_optimizer.learning_rate;
+    Ok(Some(Arc::new(Lazy::new(&config.cluster.lazy, workers, aggregators, lr, weights))))
+}
+
+impl LazyLink for Coordinator {
+    fn poll(
+        &self,
+        worker: usize,
+        generation: u64,
+        since: u64,
+        finished: bool,
+        wait: bool,
+    ) -> Result<Option<Instruction>, ClusterError> {
+        let lazy = self.lazy_in(worker, generation)?;
+        lazy.poll(worker, since, finished, wait).map_err(|e| self.woken(generation, e))
+    }
+
+    fn contribute(&self, c: crate::lazy::Contribution) -> Result<Option<Arc<Vec<f32>>>, ClusterError> {
+        faults::point("coordinator.aggregate");
+        let generation = c.generation;
+        let lazy = self.lazy_in(c.worker, generation)?;
+        LazyLink::contribute(&*lazy, c).map_err(|e| self.woken(generation, e))
+    }
+
+    fn final_weights(&self, generation: u64) -> Result<FinalWeights, ClusterError> {
+        let lazy = self.lazy_in(0, generation)?;
+        lazy.final_weights().map_err(|e| self.woken(generation, e))
+    }
 }
 
 #[cfg(test)]

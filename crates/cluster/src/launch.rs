@@ -40,6 +40,8 @@ pub struct LaunchOptions {
     pub set: Vec<String>,
     pub shards: usize,
     pub workers: usize,
+    /// `sync = "lazy"`: aggregators (in the coordinator's process).
+    pub aggregators: usize,
     /// Do not forward the children's logs.
     pub quiet: bool,
 }
@@ -258,6 +260,8 @@ pub fn launch(
         options.shards.to_string(),
         "--workers".into(),
         options.workers.to_string(),
+        "--aggregators".into(),
+        options.aggregators.to_string(),
         "--listen".into(),
         local.clone(),
         "--metrics-listen".into(),
@@ -470,6 +474,13 @@ pub struct ClusterFields {
     /// `sync = "round"`: rounds merged, and each worker's mean items per round.
     pub rounds: Option<u64>,
     pub items_per_round: Option<Vec<f64>>,
+    /// `sync = "lazy"`: aggregators, aggregations, the iterations the
+    /// workers trained locally, and how often each scheduler condition held
+    /// an instruction back.
+    pub aggregators: Option<usize>,
+    pub aggregations: Option<u64>,
+    pub local_iterations: Option<u64>,
+    pub scheduler: Option<crate::lazy::LazyReport>,
     /// What a worker received per sample trained, by source.
     pub worker_in_bytes_per_sample: InBytes,
     /// Per worker: quantiles of different processes do not combine.
@@ -551,6 +562,10 @@ fn merge(
             rounds: (config.cluster.sync == sparrow_core::config::SyncMode::Round).then_some(first.rounds),
             items_per_round: (config.cluster.sync == sparrow_core::config::SyncMode::Round)
                 .then(|| first.round_items.iter().map(|&m| m as f64 / first.rounds.max(1) as f64).collect()),
+            aggregators: first.lazy.as_ref().map(|_| options.aggregators),
+            aggregations: first.lazy.as_ref().map(|r| r.aggregations),
+            local_iterations: first.lazy.as_ref().map(|r| r.local_iterations),
+            scheduler: first.lazy.clone(),
             worker_in_bytes_per_sample: InBytes {
                 loader: per_sample(workers.iter().map(|w| w.bytes_from_loader).sum()),
                 shards: per_sample(workers.iter().map(|w| w.bytes_from_shards).sum()),

@@ -24,6 +24,7 @@ pub mod coordinator;
 pub mod faults;
 pub mod grpc;
 pub mod launch;
+pub mod lazy;
 pub mod loader;
 pub mod local;
 pub mod messages;

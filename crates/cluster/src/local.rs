@@ -7,6 +7,7 @@ use sparrow_core::Config;
 use sparrow_core::metrics::{auc, log_loss_from_logits};
 use sparrow_data::DataLayout;
 
+use crate::lazy::Lazy;
 use crate::loader::LoaderServer;
 use crate::rounds::RoundMerge;
 use crate::shard::{ShardServer, shard_table};
@@ -14,6 +15,7 @@ use crate::sync::RoundSum;
 use crate::transport::{ClusterError, LoaderService, ShardReport, ShardService};
 use crate::worker::{Worker, WorkerStats, new_worker};
 use sparrow_core::config::SyncMode;
+use sparrow_trainer::TrainError;
 
 /// Logits and labels of the test data.
 type Evaluation = (Vec<f32>, Vec<f32>);
@@ -48,13 +50,22 @@ pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Re
     let rounds = Arc::new(RoundSum::new(num_workers));
     let merges = Arc::new(RoundMerge::new(num_workers, config.cluster.round_merge));
     let in_rounds = config.cluster.sync == SyncMode::Round;
-    let summer = (num_workers > 1 && !in_rounds).then(|| rounds.clone() as Arc<dyn crate::sync::RoundSummer>);
+    let lazy = match config.cluster.sync {
+        SyncMode::Lazy => {
+            let start = new_worker(config, &layout, 0, None)?.model.params.flat_values().map_err(TrainError::from)?;
+            let lr = config.dense_optimizer.learning_rate;
+            Some(Arc::new(Lazy::new(&config.cluster.lazy, num_workers, 1, lr, start)))
+        }
+        _ => None,
+    };
+    let step_sync = config.cluster.sync == SyncMode::Step;
+    let summer = (num_workers > 1 && step_sync).then(|| rounds.clone() as Arc<dyn crate::sync::RoundSummer>);
 
     let results: Vec<Result<(Worker, Option<Evaluation>), ClusterError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..num_workers)
             .map(|index| {
-                let (loader, shards, layout, summer, rounds, merges) =
-                    (&loader, &shards, &layout, summer.clone(), &rounds, &merges);
+                let (loader, shards, layout, summer, rounds, merges, lazy) =
+                    (&loader, &shards, &layout, summer.clone(), &rounds, &merges, &lazy);
                 scope.spawn(move || {
                     let result = (|| {
                         let pool = sparrow_trainer::run::compute_pool(config.train.threads)?;
@@ -62,6 +73,9 @@ pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Re
                             let mut worker = new_worker(config, layout, index, summer)?;
                             if in_rounds {
                                 worker.in_rounds(merges.clone(), num_workers);
+                            }
+                            if let Some(lazy) = lazy {
+                                worker.in_lazy(lazy.clone(), &config.cluster.lazy);
                             }
                             worker.run_training(loader as &dyn LoaderService, shards)?;
                             let eval = match (index, &config.data.test) {
@@ -74,6 +88,9 @@ pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Re
                     if let Err(e) = &result {
                         rounds.fail(format!("worker {index}: {e}"));
                         merges.fail(format!("worker {index}: {e}"));
+                        if let Some(lazy) = lazy {
+                            lazy.fail(format!("worker {index}: {e}"));
+                        }
                     }
                     result
                 })

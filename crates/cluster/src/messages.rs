@@ -36,6 +36,11 @@ pub struct WorkerBatch {
 }
 
 impl WorkerBatch {
+    /// The sum of the batch's sample weights (each sample weighs 1).
+    pub fn weight_sum(&self) -> f64 {
+        self.rows as f64
+    }
+
     pub fn num_unique(&self) -> usize {
         self.shard_counts.iter().map(|&c| c as usize).sum()
     }

@@ -26,6 +26,8 @@ pub struct RoleMetrics {
     pub bytes: IntCounterVec,
     /// Batches queued or being worked on by this role.
     pub batches_in_flight: IntGauge,
+    /// Payload bytes in and out, all peers (the scheduler's utilisation).
+    total_bytes: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl RoleMetrics {
@@ -51,7 +53,7 @@ impl RoleMetrics {
             // Registering distinct names in a fresh registry cannot collide.
             let _ = registry.register(collector);
         }
-        RoleMetrics { registry, rpc_seconds, bytes, batches_in_flight }
+        RoleMetrics { registry, rpc_seconds, bytes, batches_in_flight, total_bytes: Arc::default() }
     }
 
     pub fn observe(&self, side: &str, method: &str, secs: f64) {
@@ -60,6 +62,12 @@ impl RoleMetrics {
 
     pub fn count_bytes(&self, direction: &str, peer: &str, bytes: usize) {
         self.bytes.with_label_values(&[direction, peer]).inc_by(bytes as u64);
+        self.total_bytes.fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Payload bytes this role sent and received so far.
+    pub fn total_bytes(&self) -> u64 {
+        self.total_bytes.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The Prometheus text exposition of every metric.

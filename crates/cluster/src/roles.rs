@@ -76,12 +76,11 @@ fn serve_metrics(
     role: &str,
     settings: &NetSettings,
     rt: &Runtime,
-) -> Result<(), ClusterError> {
-    if let Some(addr) = addr {
-        let bound = metrics.serve(addr, settings, rt.handle())?;
-        tracing::info!("{role}: metrics on http://{bound}/metrics");
-    }
-    Ok(())
+) -> Result<Option<SocketAddr>, ClusterError> {
+    let Some(addr) = addr else { return Ok(None) };
+    let bound = metrics.serve(addr, settings, rt.handle())?;
+    tracing::info!("{role}: metrics on http://{bound}/metrics");
+    Ok(Some(bound))
 }
 
 /// The coordinator's shard clients for checkpoints, connected per shard map.
@@ -133,6 +132,8 @@ fn note_launcher(coordinator: &Coordinator, line: &str) {
 pub struct CoordinatorArgs {
     pub num_shards: usize,
     pub num_workers: usize,
+    /// `sync = "lazy"`: aggregators in this process.
+    pub aggregators: usize,
     pub listen: SocketAddr,
     pub metrics_listen: Option<SocketAddr>,
     /// Lines from the launcher (`lost <role> <index>`: that role's process
@@ -150,7 +151,7 @@ pub fn run_coordinator(
     on_bound: impl FnOnce(SocketAddr),
     on_event: impl Fn(&Event) + Send + Sync + 'static,
 ) -> Result<(), ClusterError> {
-    let CoordinatorArgs { num_shards, num_workers, listen, metrics_listen, notices } = args;
+    let CoordinatorArgs { num_shards, num_workers, aggregators, listen, metrics_listen, notices } = args;
     let on_event = Arc::new(on_event);
     let rt = runtime()?;
     let settings = NetSettings::new(&config.cluster, None);
@@ -161,11 +162,15 @@ pub fn run_coordinator(
         metrics: metrics.clone(),
         cached: parking_lot::Mutex::new(None),
     };
-    let coordinator =
-        Arc::new(Coordinator::new(config, num_shards, num_workers)?.with_dialer(Arc::new(dialer)).with_events({
-            let on_event = on_event.clone();
-            move |e| on_event(e)
-        }));
+    let coordinator = Arc::new(
+        Coordinator::new(config, num_shards, num_workers)?
+            .with_aggregators(aggregators)?
+            .with_dialer(Arc::new(dialer))
+            .with_events({
+                let on_event = on_event.clone();
+                move |e| on_event(e)
+            }),
+    );
     serve_metrics(&metrics, metrics_listen, "coordinator", &settings, &rt)?;
     let (listener, bound) = rt.block_on(bind(listen, &settings))?;
     on_bound(bound);
@@ -179,6 +184,10 @@ pub fn run_coordinator(
         },
     ));
     let interval = Duration::from_millis(config.cluster.heartbeat_interval_ms);
+    let scheduler = (config.cluster.sync == SyncMode::Lazy).then(|| {
+        let (coordinator, cfg, token) = (coordinator.clone(), config.cluster.lazy.clone(), settings.token.clone());
+        std::thread::spawn(move || measure_conditions(&coordinator, &cfg, token.as_deref()))
+    });
     let state = loop {
         match &notices {
             Some(notices) => {
@@ -197,6 +206,9 @@ pub fn run_coordinator(
             ended => break ended,
         }
     };
+    if let Some(scheduler) = scheduler {
+        let _ = scheduler.join();
+    }
     let report = coordinator.recovery_report();
     tracing::info!(
         "coordinator: {} checkpoint(s) committed, restarts {:?}, {} step(s) replayed, {:.3} s recovering",
@@ -213,6 +225,26 @@ pub fn run_coordinator(
     match state {
         JobState::Failed(reason) => Err(ClusterError::JobFailed(reason)),
         _ => Ok(()),
+    }
+}
+
+/// The scheduler's monitor (S4.2), while the job runs: every
+/// `probe_interval_ms` it probes the roles and measures the network
+/// utilisation over the roles' last heartbeat intervals, for the
+/// instructions' conditions.
+fn measure_conditions(coordinator: &Coordinator, cfg: &sparrow_core::config::LazyConfig, token: Option<&str>) {
+    use crate::lazy::{Conditions, failure_rate, utilisation};
+    let interval = Duration::from_millis(cfg.probe_interval_ms);
+    let timeout = Duration::from_millis(cfg.probe_timeout_ms);
+    let all = cfg.probe_roles == sparrow_core::config::ProbeRoles::All;
+    while coordinator.state() == JobState::Running {
+        let started = Instant::now();
+        let failures = failure_rate(&coordinator.probe_targets(all), token, timeout);
+        let net = utilisation(cfg.utilisation, &coordinator.byte_rates(), cfg.link_bytes_per_sec);
+        if let Some(lazy) = coordinator.lazy() {
+            lazy.set_conditions(Conditions { utilisation: net, failure_rate: failures });
+        }
+        std::thread::sleep(interval.saturating_sub(started.elapsed()));
     }
 }
 
@@ -524,13 +556,15 @@ pub fn run_shard(args: &RoleArgs) -> Result<(), ClusterError> {
     let advertise = args.advertise.clone().unwrap_or_else(|| bound.to_string());
     let coordinator = CoordinatorClient::connect(&args.coordinator, &boot, rt.handle(), metrics.clone())?;
     // Heartbeats start now: restoring a large table must not read as silence.
-    let (link, reg) = Link::register(coordinator, RoleKind::Shard, &advertise, args.index)?;
+    let (link, reg) = Link::register(coordinator.clone(), RoleKind::Shard, &advertise, args.index)?;
     let (config, index) = (reg.config, reg.index);
     let settings = NetSettings::new(&config.cluster, args.token.as_deref());
     tracing::info!("shard {index}: listening on {bound} (advertised as {advertise})");
     let serving = Arc::new(Serving::new(format!("shard {index}")));
     let server = (|| -> Result<_, ClusterError> {
-        serve_metrics(&metrics, args.metrics_listen, "shard", &settings, &rt)?;
+        if let Some(bound) = serve_metrics(&metrics, args.metrics_listen, "shard", &settings, &rt)? {
+            coordinator.set_probe_address(bound);
+        }
         let service = crate::grpc::shard::service(serving.clone(), &settings, metrics);
         Ok(rt.spawn(
             server_builder()
@@ -579,7 +613,9 @@ pub fn run_loader(args: &RoleArgs) -> Result<(), ClusterError> {
     let (link, reg) = Link::register(coordinator.clone(), RoleKind::Loader, &advertise, None)?;
     let config = reg.config;
     let settings = NetSettings::new(&config.cluster, args.token.as_deref());
-    serve_metrics(&metrics, args.metrics_listen, "loader", &settings, &rt)?;
+    if let Some(bound) = serve_metrics(&metrics, args.metrics_listen, "loader", &settings, &rt)? {
+        coordinator.set_probe_address(bound);
+    }
     let serving = Arc::new(Serving::new("the loader".to_string()));
     let service = crate::grpc::loader::service(serving.clone(), &settings, metrics.clone());
     let server = rt.spawn(
@@ -658,6 +694,8 @@ pub struct WorkerSummary {
     /// `sync = "round"`: rounds merged and every worker's items over them.
     pub rounds: u64,
     pub round_items: Vec<u64>,
+    /// `sync = "lazy"`: what the scheduler counted (from the final weights).
+    pub lazy: Option<crate::lazy::LazyReport>,
 }
 
 /// Trains as one worker of the job until it is done; worker 0 also
@@ -672,7 +710,9 @@ pub fn run_worker(args: &RoleArgs) -> Result<WorkerSummary, ClusterError> {
     let (link, reg) = Link::register(coordinator.clone(), RoleKind::Worker, &advertise, args.index)?;
     let (config, index) = (reg.config, reg.index);
     let settings = NetSettings::new(&config.cluster, args.token.as_deref());
-    serve_metrics(&metrics, Some(args.listen), "worker", &settings, &rt)?;
+    if let Some(bound) = serve_metrics(&metrics, Some(args.listen), "worker", &settings, &rt)? {
+        coordinator.set_probe_address(bound);
+    }
     let pool = sparrow_trainer::run::compute_pool(config.train.threads)?;
     let mut done: Option<(u64, WorkerSummary)> = None;
     // Seconds this process spent in attempts the job gave up.
@@ -753,8 +793,10 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Generation) -> Result<Wor
     let layout = DataLayout::from_config(&config.data);
     let summer = summer.filter(|_| config.cluster.sync == SyncMode::Step);
     let mut worker = new_worker_in(config, &layout, index, summer, generation.number)?;
-    if config.cluster.sync == SyncMode::Round {
-        worker.in_rounds(Arc::new(coordinator.clone()), num_workers);
+    match config.cluster.sync {
+        SyncMode::Round => worker.in_rounds(Arc::new(coordinator.clone()), num_workers),
+        SyncMode::Lazy => worker.in_lazy(Arc::new(coordinator.clone()), &config.cluster.lazy),
+        SyncMode::Step => {}
     }
     worker.progress = link.shared.progress.clone();
     worker.reported_step = link.shared.step.clone();
@@ -814,6 +856,7 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Generation) -> Result<Wor
     summary.dense_sync_bytes = s.dense_sync_bytes;
     summary.rounds = s.rounds;
     summary.round_items = s.round_items.clone();
+    summary.lazy = worker.lazy_report.clone();
     summary.dense_checksum = format!("{:016x}", worker.dense_checksum()?);
     summary.checkpoint = worker.last_checkpoint().map(|d| d.display().to_string());
     summary.peak_rss_bytes = sparrow_trainer::peak_rss_bytes();

@@ -14,7 +14,7 @@ use std::time::Instant;
 use candle_core::Device;
 use parking_lot::Mutex;
 use sparrow_core::Config;
-use sparrow_core::config::Pooling;
+use sparrow_core::config::{LazyConfig, LazySend, Pooling};
 use sparrow_data::DataLayout;
 use sparrow_embedding::{KeyPlan, owner};
 use sparrow_model::{DenseModel, DenseOptimizer, ModelShape};
@@ -26,6 +26,7 @@ use sparrow_trainer::trainer::seeds;
 
 use crate::checkpoint::{CheckpointSink, DenseState, WorkerCut};
 use crate::faults;
+use crate::lazy::{Contribution as LazyContribution, LazyLink, LazyReport};
 use crate::messages::{Mode, WorkerBatch};
 use crate::rounds::{RoundMerger, RoundUpdate};
 use crate::sync::{RoundSummer, RoundSync};
@@ -63,6 +64,10 @@ pub struct WorkerStats {
     /// (from the merges, so every worker holds the job's counts).
     pub rounds: u64,
     pub round_items: Vec<u64>,
+    /// `sync = "lazy"`: aggregations this worker took part in, and seconds
+    /// it spent asking for and waiting on instructions.
+    pub aggregations: u64,
+    pub lazy_wait_secs: f64,
     recent_losses: VecDeque<f64>,
 }
 
@@ -112,6 +117,10 @@ pub struct Worker {
     checkpoints: Option<Checkpoints>,
     /// `sync = "round"`: where rounds merge, and the job's position in them.
     rounds: Option<Rounds>,
+    /// `sync = "lazy"`: the scheduler and aggregators, and what they counted.
+    lazy: Option<LazyPart>,
+    pub lazy_report: Option<LazyReport>,
+    job: Option<JobCount>,
     /// Bytes the step sums moved (shared with the [`RoundSync`] policy).
     step_sync_bytes: Arc<AtomicU64>,
 }
@@ -120,10 +129,44 @@ pub struct Worker {
 struct Rounds {
     merger: Arc<dyn RoundMerger>,
     num_workers: usize,
-    /// Batches and samples the job trained (all workers, every merged round,
-    /// the restored checkpoint's included): the step of its checkpoints.
-    job_batches: u64,
-    job_samples: u64,
+}
+
+/// A worker's part in lazy aggregation (S4).
+struct LazyPart {
+    link: Arc<dyn LazyLink>,
+    cfg: LazyConfig,
+    /// `send = "round_gradient"`: each iteration's mean gradient since the
+    /// last aggregation, as the dense step computed it.
+    recorded: Option<Arc<Mutex<Vec<Vec<f32>>>>>,
+}
+
+/// Batches and samples the job trained (all workers, the restored
+/// checkpoint's included): the step of its checkpoints when workers step
+/// their own replicas (rounds, lazy aggregation).
+#[derive(Clone, Copy, Debug, Default)]
+struct JobCount {
+    batches: u64,
+    samples: u64,
+}
+
+/// The step engine's dense policy for a replica of its own that keeps each
+/// step's mean gradient (`cluster.lazy.send = "round_gradient"`).
+struct RecordingSync(Arc<Mutex<Vec<Vec<f32>>>>);
+
+impl DenseSync for RecordingSync {
+    fn combine(
+        &mut self,
+        params: &sparrow_model::ParamStore,
+        grads: sparrow_model::DenseGrads,
+    ) -> Result<Option<sparrow_model::DenseGrads>, TrainError> {
+        if grads.rows > 0 {
+            let mut flat = grads.flat_sum_terms(params);
+            let inv = 1.0 / grads.rows as f32;
+            flat.iter_mut().for_each(|g| *g *= inv);
+            self.0.lock().push(flat);
+        }
+        LocalSync.combine(params, grads)
+    }
 }
 
 /// `checkpoint.every_steps` and the job's end, as a worker takes part in them.
@@ -363,6 +406,9 @@ impl Worker {
             reported_step: Arc::default(),
             checkpoints: None,
             rounds: None,
+            lazy: None,
+            lazy_report: None,
+            job: None,
             step_sync_bytes: Arc::default(),
         }
     }
@@ -371,17 +417,30 @@ impl Worker {
     /// worker's replica between round merges at `merger`.
     pub fn in_rounds(&mut self, merger: Arc<dyn RoundMerger>, num_workers: usize) {
         self.sync = Box::new(LocalSync);
-        self.rounds = Some(Rounds { merger, num_workers, job_batches: 0, job_samples: 0 });
+        self.rounds = Some(Rounds { merger, num_workers });
+        self.job = Some(JobCount::default());
     }
 
-    /// The job's step as its checkpoints count it: dense steps, or in
-    /// rounds the batches every worker trained.
+    /// Trains under lazy aggregation (`sync = "lazy"`, S4): local dense
+    /// steps until the scheduler (at `link`) has the workers aggregate.
+    pub fn in_lazy(&mut self, link: Arc<dyn LazyLink>, cfg: &LazyConfig) {
+        let recorded = (cfg.send == LazySend::RoundGradient).then(Arc::default);
+        self.sync = match &recorded {
+            Some(r) => Box::new(RecordingSync(Arc::clone(r))),
+            None => Box::new(LocalSync),
+        };
+        self.lazy = Some(LazyPart { link, cfg: cfg.clone(), recorded });
+        self.job = Some(JobCount::default());
+    }
+
+    /// The job's step as its checkpoints count it: dense steps, or (each
+    /// worker stepping its own replica) the batches every worker trained.
     fn job_step(&self) -> u64 {
-        self.rounds.as_ref().map_or(self.optimizer.step, |r| r.job_batches)
+        self.job.map_or(self.optimizer.step, |j| j.batches)
     }
 
     fn job_samples(&self) -> u64 {
-        self.rounds.as_ref().map_or(self.optimizer.samples_stepped, |r| r.job_samples)
+        self.job.map_or(self.optimizer.samples_stepped, |j| j.samples)
     }
 
     /// Takes a checkpoint's dense state (a resumed job, or a generation
@@ -390,8 +449,8 @@ impl Worker {
         self.model = dense.model;
         self.optimizer.take_state_from(dense.optimizer);
         self.stats.last_end = dense.position;
-        if let Some(r) = &mut self.rounds {
-            (r.job_batches, r.job_samples) = (dense.step, self.optimizer.samples_stepped);
+        if let Some(j) = &mut self.job {
+            (j.batches, j.samples) = (dense.step, self.optimizer.samples_stepped);
         }
         let step = self.job_step();
         if let Some(c) = &mut self.checkpoints {
@@ -551,8 +610,11 @@ impl Worker {
         let start = Instant::now();
         let index = self.index;
         let rows = RemoteRows { shards, width: self.model.width(), traffic: Mutex::default() };
-        if self.rounds.is_some() {
-            self.train_rounds(loader, &rows)?;
+        if self.rounds.is_some() || self.lazy.is_some() {
+            match self.rounds.is_some() {
+                true => self.train_rounds(loader, &rows)?,
+                false => self.train_lazy(loader, &rows)?,
+            }
             std::mem::take(&mut *rows.traffic.lock()).add_to(&mut self.stats);
             self.stats.train_secs = start.elapsed().as_secs_f64();
             self.stats.steps = self.optimizer.step;
@@ -633,13 +695,126 @@ impl Worker {
             self.stats.rounds += 1;
             self.stats.round_items.resize(merged.items.len(), 0);
             self.stats.round_items.iter_mut().zip(&merged.items).for_each(|(t, m)| *t += m);
-            if let Some(r) = &mut self.rounds {
-                r.job_batches += merged.total_items();
-                r.job_samples += merged.samples;
+            if let Some(j) = &mut self.job {
+                j.batches += merged.total_items();
+                j.samples += merged.samples;
             }
             self.progress.fetch_add(1, Ordering::Relaxed);
             self.after_step::<RemoteRows<'_>>(None)?;
         }
+        let end = self.checkpoints.as_ref().is_some_and(|c| self.job_step() > c.last_step);
+        if end { self.checkpoint_now() } else { Ok(()) }
+    }
+
+    /// `sync = "lazy"` (S4): trains batch after batch on this replica,
+    /// asking the scheduler after each whether to aggregate (waiting at
+    /// `max_local_iterations`, or once its data is finished and it still has
+    /// iterations to send); sends its delta or round gradient for each
+    /// instruction and takes the new weights. After the last, every worker
+    /// takes the final weights (the model the job evaluates and saves).
+    fn train_lazy(&mut self, loader: &dyn LoaderService, rows: &RemoteRows<'_>) -> Result<(), ClusterError> {
+        let (index, generation) = (self.index, self.generation);
+        let Some(part) = &self.lazy else { return Ok(()) };
+        let (link, max_local, recorded) = (part.link.clone(), part.cfg.max_local_iterations, part.recorded.clone());
+        let mut at_last = self.model.params.flat_values().map_err(TrainError::from)?;
+        let (mut since, mut coefficient, mut samples, mut finished) = (0u64, 0f64, 0u64, false);
+        let mut engine = StepEngine::new(self.pipeline_depth);
+        let mut next_batch_secs = 0.0;
+        loop {
+            if !finished {
+                let mut next = |_: usize| {
+                    let waited = Instant::now();
+                    let next = loader.next_batch(index, Mode::Train, generation).transpose();
+                    next_batch_secs += waited.elapsed().as_secs_f64();
+                    next
+                };
+                let mut trained = (0u64, 0f64);
+                let stepped = engine.step(rows, &mut next, |looked| {
+                    trained = (looked.batch.rows as u64, looked.batch.weight_sum());
+                    let (_, grads) = self.dense(looked)?;
+                    Ok(((), Some(grads)))
+                })?;
+                match stepped {
+                    Some(stepped) => {
+                        let phases = &mut self.stats.phase_secs;
+                        phases.pull += stepped.lookup_secs;
+                        phases.dense += stepped.dense_secs;
+                        phases.push += stepped.update_secs;
+                        if let Some(e) = stepped.deferred {
+                            return Err(e);
+                        }
+                        since += 1;
+                        samples += trained.0;
+                        coefficient += trained.1;
+                        faults::point("worker.step");
+                        faults::worker_step(index);
+                        self.check_generation()?;
+                    }
+                    None => {
+                        finished = true;
+                        self.stats.phase_secs.push += engine.flush(rows)?;
+                    }
+                }
+            }
+            let wait = finished || since >= max_local;
+            let waited = Instant::now();
+            let instruction = link.poll(index, generation, since, finished, wait)?;
+            self.stats.lazy_wait_secs += waited.elapsed().as_secs_f64();
+            let Some(instruction) = instruction else {
+                if finished {
+                    break;
+                }
+                continue;
+            };
+            let values = match &recorded {
+                Some(grads) => {
+                    let mut grads = grads.lock();
+                    let at = (instruction.round as usize).clamp(1, grads.len().max(1)) - 1;
+                    let g = grads.get(at).cloned().ok_or_else(|| {
+                        ClusterError::Setup(format!("worker {index}: no gradient for round {}", instruction.round))
+                    })?;
+                    grads.clear();
+                    g
+                }
+                None => {
+                    let now = self.model.params.flat_values().map_err(TrainError::from)?;
+                    now.iter().zip(&at_last).map(|(w, x)| w - x).collect()
+                }
+            };
+            self.stats.dense_sync_bytes += 4 * values.len() as u64;
+            let weights = link.contribute(LazyContribution {
+                worker: index,
+                generation,
+                instruction: instruction.id,
+                values,
+                coefficient,
+                finished,
+                iterations: since,
+                samples,
+            })?;
+            self.stats.aggregations += 1;
+            (since, coefficient, samples) = (0, 0.0, 0);
+            match weights {
+                Some(w) => {
+                    self.stats.dense_sync_bytes += 4 * w.len() as u64;
+                    self.model.params.set_flat(&w).map_err(TrainError::from)?;
+                    at_last = w.to_vec();
+                }
+                None => break,
+            }
+            self.progress.fetch_add(1, Ordering::Relaxed);
+        }
+        self.stats.phase_secs.push += engine.flush(rows)?;
+        self.stats.phase_secs.next_batch += next_batch_secs;
+        // Every worker ends with the aggregated model.
+        let done = link.final_weights(generation)?;
+        self.stats.dense_sync_bytes += 4 * done.weights.len() as u64;
+        self.model.params.set_flat(&done.weights).map_err(TrainError::from)?;
+        if let Some(j) = &mut self.job {
+            j.batches += done.report.local_iterations;
+            j.samples += done.report.samples;
+        }
+        self.lazy_report = Some(done.report);
         let end = self.checkpoints.as_ref().is_some_and(|c| self.job_step() > c.last_step);
         if end { self.checkpoint_now() } else { Ok(()) }
     }

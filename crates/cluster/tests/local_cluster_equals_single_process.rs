@@ -313,3 +313,19 @@ fn a_cluster_checkpoint_keeps_the_shards_filter_state() {
     }
     assert!(state.sketches.iter().flatten().any(|&c| c > 0), "keys were counted");
 }
+
+#[test]
+fn rounds_and_lazy_aggregation_keep_replicas_identical_in_process() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    sparrow_data::synth::generate(tmp.path(), 3000, 600, 9).expect("generate");
+    let single = sparrow_trainer::train(&config(tmp.path(), "dlrm"), true).expect("train");
+    // One worker in rounds: sequential training, the same AUC bit for bit.
+    let one = train_local(&config_with(tmp.path(), "dlrm", &["cluster.sync=\"round\""]), 2, 1).expect("rounds");
+    assert_eq!(one.test_auc.map(f64::to_bits), single.test_auc.map(f64::to_bits));
+    for sync in ["round", "lazy"] {
+        let set = format!("cluster.sync={sync:?}");
+        let three = train_local(&config_with(tmp.path(), "dlrm", &[&set]), 2, 3).expect("cluster");
+        assert_eq!(three.train_rows, 3000, "{sync}: every sample once");
+        assert!(three.dense_checksums.windows(2).all(|w| w[0] == w[1]), "{sync}: {:?}", three.dense_checksums);
+    }
+}

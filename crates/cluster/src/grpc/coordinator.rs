@@ -14,6 +14,7 @@ use tonic::{Request, Response, Status};
 use super::{AuthedChannel, CheckToken, NetSettings, Peer, blocking, bytes_to_f32s, connect, f32s_to_bytes};
 use crate::checkpoint::{CheckpointSink, WorkerCut};
 use crate::coordinator::{Coordinator, Generation, JobState, Known, RoleKind, View};
+use crate::lazy::{Contribution as LazyContribution, FinalWeights, Instruction, LazyLink};
 use crate::metrics::RoleMetrics;
 use crate::rounds::{MergedRound, RoundMerger, RoundUpdate};
 use crate::sync::{Contribution, RoundReply, RoundSummer};
@@ -93,6 +94,7 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
         let coordinator = self.coordinator.clone();
         let (state, generation) = blocking(move || {
             let answer = coordinator.heartbeat(kind, r.index as usize, r.progress, r.ready_generation, r.step)?;
+            coordinator.traffic(kind, r.index as usize, r.bytes, &r.probe_address);
             coordinator.previous_step(kind, r.previous_generation, r.previous_step);
             Ok(answer)
         })
@@ -188,6 +190,57 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
         Ok(Response::new(reply))
     }
 
+    async fn lazy(&self, request: Request<pb::LazyRequest>) -> Result<Response<pb::LazyReply>, Status> {
+        let r = request.into_inner();
+        self.metrics.count_bytes("in", "worker", r.values.len());
+        let coordinator = self.coordinator.clone();
+        let (worker, generation) = (r.worker as usize, r.generation);
+        let kind = pb::lazy_request::Kind::try_from(r.kind)
+            .map_err(|_| Status::invalid_argument(format!("worker {worker}: unknown lazy request kind {}", r.kind)))?;
+        let reply = match kind {
+            pb::lazy_request::Kind::Poll => {
+                let (since, finished, wait) = (r.since, r.finished, r.wait);
+                let i =
+                    blocking(move || LazyLink::poll(&*coordinator, worker, generation, since, finished, wait)).await?;
+                pb::LazyReply {
+                    instruction: i.map_or(0, |i| i.id),
+                    round: i.map_or(0, |i| i.round),
+                    ..Default::default()
+                }
+            }
+            pb::lazy_request::Kind::Contribute => {
+                let values = bytes_to_f32s(&r.values, &format!("worker {worker}"), "contribution").map_err(status)?;
+                let c = LazyContribution {
+                    worker,
+                    generation,
+                    instruction: r.instruction,
+                    values,
+                    coefficient: r.coefficient,
+                    finished: r.finished,
+                    iterations: r.iterations,
+                    samples: r.samples,
+                };
+                let weights = blocking(move || LazyLink::contribute(&*coordinator, c)).await?;
+                pb::LazyReply {
+                    has_weights: weights.is_some(),
+                    weights: weights.map(|w| f32s_to_bytes(&w)).unwrap_or_default(),
+                    ..Default::default()
+                }
+            }
+            pb::lazy_request::Kind::Final => {
+                let done = blocking(move || LazyLink::final_weights(&*coordinator, generation)).await?;
+                pb::LazyReply {
+                    has_weights: true,
+                    weights: f32s_to_bytes(&done.weights),
+                    report_json: serde_json::to_string(&done.report).unwrap_or_default(),
+                    ..Default::default()
+                }
+            }
+        };
+        self.metrics.count_bytes("out", "worker", reply.weights.len());
+        Ok(Response::new(reply))
+    }
+
     async fn finish(&self, request: Request<pb::FinishRequest>) -> Result<Response<pb::Empty>, Status> {
         let r = request.into_inner();
         let kind = role_from_proto(r.role).unwrap_or(RoleKind::Worker);
@@ -254,6 +307,9 @@ pub struct ViewAnswer {
 #[derive(Clone)]
 pub struct CoordinatorClient {
     peer: Peer<Client>,
+    /// Where this role answers the scheduler's probes (its metrics endpoint).
+    probe_address: Arc<parking_lot::Mutex<String>>,
+    metrics: RoleMetrics,
 }
 
 impl CoordinatorClient {
@@ -272,8 +328,16 @@ impl CoordinatorClient {
         };
         let (client, untimed) = (make(channels.timed.clone()), make(channels.untimed.clone()));
         Ok(CoordinatorClient {
-            peer: Peer::new(name, "coordinator", client, handle.clone(), metrics, settings).with_untimed(untimed),
+            peer: Peer::new(name, "coordinator", client, handle.clone(), metrics.clone(), settings)
+                .with_untimed(untimed),
+            probe_address: Arc::default(),
+            metrics,
         })
+    }
+
+    /// Heartbeats from now on tell the coordinator this role answers probes at `addr`.
+    pub fn set_probe_address(&self, addr: std::net::SocketAddr) {
+        *self.probe_address.lock() = addr.to_string();
     }
 
     pub fn name(&self) -> &str {
@@ -326,6 +390,8 @@ impl CoordinatorClient {
             step,
             previous_generation: previous.0,
             previous_step: previous.1,
+            bytes: self.metrics.total_bytes(),
+            probe_address: self.probe_address.lock().clone(),
         };
         let reply = self.peer.call("heartbeat", request, |mut c, r| async move { c.heartbeat(r).await })?;
         Ok((state_from(reply.state, reply.message), generation_from(reply.generation)))
@@ -438,6 +504,65 @@ impl RoundMerger for CoordinatorClient {
             items: reply.items,
             samples: reply.samples,
         }))
+    }
+}
+
+impl CoordinatorClient {
+    fn lazy_call(&self, request: pb::LazyRequest) -> Result<pb::LazyReply, ClusterError> {
+        // Waiting for an instruction or for the other workers has no deadline.
+        self.peer.call_unbounded("lazy", request, |mut c, r| async move { c.lazy(r).await })
+    }
+}
+
+impl LazyLink for CoordinatorClient {
+    fn poll(
+        &self,
+        worker: usize,
+        generation: u64,
+        since: u64,
+        finished: bool,
+        wait: bool,
+    ) -> Result<Option<Instruction>, ClusterError> {
+        let request = pb::LazyRequest {
+            worker: worker as u32,
+            generation,
+            kind: pb::lazy_request::Kind::Poll as i32,
+            since,
+            finished,
+            wait,
+            ..Default::default()
+        };
+        let reply = self.lazy_call(request)?;
+        Ok((reply.instruction > 0).then_some(Instruction { id: reply.instruction, round: reply.round }))
+    }
+
+    fn contribute(&self, c: LazyContribution) -> Result<Option<Arc<Vec<f32>>>, ClusterError> {
+        let request = pb::LazyRequest {
+            worker: c.worker as u32,
+            generation: c.generation,
+            kind: pb::lazy_request::Kind::Contribute as i32,
+            finished: c.finished,
+            instruction: c.instruction,
+            values: f32s_to_bytes(&c.values),
+            coefficient: c.coefficient,
+            iterations: c.iterations,
+            samples: c.samples,
+            ..Default::default()
+        };
+        let reply = self.lazy_call(request)?;
+        match reply.has_weights {
+            true => Ok(Some(Arc::new(bytes_to_f32s(&reply.weights, &self.peer.name, "aggregated weights")?))),
+            false => Ok(None),
+        }
+    }
+
+    fn final_weights(&self, generation: u64) -> Result<FinalWeights, ClusterError> {
+        let request = pb::LazyRequest { generation, kind: pb::lazy_request::Kind::Final as i32, ..Default::default() };
+        let reply = self.lazy_call(request)?;
+        Ok(FinalWeights {
+            weights: bytes_to_f32s(&reply.weights, &self.peer.name, "final weights")?,
+            report: serde_json::from_str(&reply.report_json).unwrap_or_default(),
+        })
     }
 }
 

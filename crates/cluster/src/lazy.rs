@@ -1,0 +1,640 @@
+//! Lazy aggregation under a scheduler (S4, `cluster.sync = "lazy"`).
+//!
+//! Workers train on their own replicas, iteration after iteration, and ask
+//! the scheduler after each whether an aggregation instruction is out
+//! ([`Lazy::poll`]); at `cluster.lazy.max_local_iterations` since the last
+//! aggregation they wait for one. The scheduler issues an instruction naming
+//! a round only when (a) every worker still in the job has finished at least
+//! one iteration since the last instruction and (b) the cluster's conditions
+//! pass ([`conditions_pass`]: network utilisation and/or probe failure rate
+//! strictly below their thresholds). The round r it names is the newest
+//! iteration every worker has (iterations since the last aggregation count
+//! from 1).
+//!
+//! For an instruction each worker sends ([`Lazy::contribute`]) either its
+//! weights' change since the last aggregation (`send = "delta"`) or the
+//! gradient it computed at iteration r (`send = "round_gradient"`, the seed
+//! read literally), with its coefficient (the sum of its kept samples'
+//! weights since the last aggregation) and whether its data is finished.
+//! Aggregator j (worker k belongs to `aggregator_of[k]`, or k mod K) sums
+//! c_k·v_k over its workers; aggregator 0 adds the partial sums in
+//! aggregator order and divides by Σ c_k: with coefficients that are
+//! sample-weight sums an undivided sum would scale the step by the sample
+//! count (the seed's 0.8·g_a + 0.7·g_b + 0.5·g_c has coefficients below 1).
+//! New weights: x + mean Δ (`delta`), or x − α·mean g (`round_gradient`, α
+//! the dense learning rate); they go to every worker that has not finished.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+use serde::Serialize;
+use sparrow_core::config::{Combine, LazyConfig, LazySend, Utilisation};
+
+use crate::transport::ClusterError;
+
+/// What the scheduler measured last.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Conditions {
+    pub utilisation: f64,
+    pub failure_rate: f64,
+}
+
+/// Why an instruction was held back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeldBack {
+    Utilisation,
+    FailureRate,
+    Both,
+}
+
+/// S4.2(b): utilisation strictly below `max_net_utilisation` and/or failure
+/// rate strictly below `max_failure_rate`, as `combine` says.
+pub fn conditions_pass(cfg: &LazyConfig, c: Conditions) -> Result<(), HeldBack> {
+    let net = c.utilisation < cfg.max_net_utilisation;
+    let failures = c.failure_rate < cfg.max_failure_rate;
+    let pass = match cfg.combine {
+        Combine::And => net && failures,
+        Combine::Or => net || failures,
+    };
+    match (pass, net, failures) {
+        (true, _, _) => Ok(()),
+        (false, false, false) => Err(HeldBack::Both),
+        (false, false, true) => Err(HeldBack::Utilisation),
+        (false, true, _) => Err(HeldBack::FailureRate),
+    }
+}
+
+/// S4.2 network utilisation from each role's bytes per second (sent +
+/// received): `total` is Σ rate / (link × roles); `mean` is the mean of the
+/// per-role ratios rate / link weighted by each role's rate (busy roles
+/// count more; no traffic at all is 0).
+pub fn utilisation(kind: Utilisation, rates: &[f64], link_bytes_per_sec: f64) -> f64 {
+    if rates.is_empty() {
+        return 0.0;
+    }
+    let total: f64 = rates.iter().sum();
+    match kind {
+        Utilisation::Total => total / (link_bytes_per_sec * rates.len() as f64),
+        Utilisation::Mean if total <= 0.0 => 0.0,
+        Utilisation::Mean => rates.iter().map(|r| r / link_bytes_per_sec * r).sum::<f64>() / total,
+    }
+}
+
+/// The aggregators' sum: aggregator `of[k]` sums c_k·v_k (f64, worker
+/// order), aggregator 0 adds the partial sums in aggregator order, and the
+/// result is divided by Σ c_k. `None` when Σ c_k is 0.
+pub fn aggregate(
+    contributions: &[(usize, &[f32], f64)],
+    of: &dyn Fn(usize) -> usize,
+    aggregators: usize,
+) -> Option<Vec<f64>> {
+    let len = contributions.iter().map(|(_, v, _)| v.len()).max().unwrap_or(0);
+    let mut partial = vec![(vec![0f64; len], 0f64); aggregators.max(1)];
+    for &(worker, values, c) in contributions {
+        let (sum, weight) = &mut partial[of(worker).min(aggregators.max(1) - 1)];
+        sum.iter_mut().zip(values).for_each(|(s, &v)| *s += c * f64::from(v));
+        *weight += c;
+    }
+    let mut parts = partial.into_iter();
+    let (mut total, mut weight) = parts.next()?;
+    for (sum, w) in parts {
+        total.iter_mut().zip(&sum).for_each(|(t, s)| *t += s);
+        weight += w;
+    }
+    (weight > 0.0).then(|| total.into_iter().map(|t| t / weight).collect())
+}
+
+/// A role the scheduler probes.
+#[derive(Clone, Debug)]
+pub struct ProbeTarget {
+    pub name: String,
+    /// Its slot is empty: the role died and was not replaced yet (a failure).
+    pub vacant: bool,
+    /// Where it answers (its metrics endpoint); `None`: not known yet (not probed).
+    pub address: Option<String>,
+}
+
+/// One probe (S4.2): `GET /metrics` at `address`; true when the first byte
+/// of an answer arrives within `timeout`.
+pub fn probe(address: &str, token: Option<&str>, timeout: Duration) -> bool {
+    use std::io::{Read, Write};
+    let start = std::time::Instant::now();
+    let Ok(addr) = address.parse::<std::net::SocketAddr>() else { return false };
+    let Ok(mut stream) = std::net::TcpStream::connect_timeout(&addr, timeout) else { return false };
+    let left = |start: std::time::Instant| timeout.saturating_sub(start.elapsed()).max(Duration::from_millis(1));
+    let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+    let request = format!("GET /metrics HTTP/1.1\r\nHost: sparrow\r\n{auth}Connection: close\r\n\r\n");
+    if stream.set_write_timeout(Some(left(start))).is_err() || stream.write_all(request.as_bytes()).is_err() {
+        return false;
+    }
+    let mut first = [0u8; 1];
+    stream.set_read_timeout(Some(left(start))).is_ok() && matches!(stream.read(&mut first), Ok(1))
+}
+
+/// Probes every target at once; the failure rate is failed / probed
+/// (a vacant slot counts as failed, a role with no address yet is not probed).
+pub fn failure_rate(targets: &[ProbeTarget], token: Option<&str>, timeout: Duration) -> f64 {
+    let results: Vec<Option<bool>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = targets
+            .iter()
+            .map(|t| {
+                scope.spawn(move || match (&t.address, t.vacant) {
+                    (_, true) => Some(false),
+                    (Some(a), false) => Some(probe(a, token, timeout)),
+                    (None, false) => None,
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or(Some(false))).collect()
+    });
+    let probed = results.iter().flatten().count();
+    let failed = results.iter().flatten().filter(|ok| !**ok).count();
+    if probed == 0 { 0.0 } else { failed as f64 / probed as f64 }
+}
+
+/// An aggregation instruction: its number and the round it names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Instruction {
+    pub id: u64,
+    pub round: u64,
+}
+
+/// What the scheduler counted (the final JSON).
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
+pub struct LazyReport {
+    pub aggregations: u64,
+    /// Iterations (batches) the workers trained locally and sent, and their samples.
+    pub local_iterations: u64,
+    pub samples: u64,
+    /// Times an instruction that (a) allowed was held back, by condition.
+    pub held_by_utilisation: u64,
+    pub held_by_failure_rate: u64,
+    /// Backups (serving exports) the aggregator wrote.
+    pub backups: u64,
+    /// The conditions when the last instruction went out.
+    pub last_utilisation: f64,
+    pub last_failure_rate: f64,
+}
+
+struct Pending {
+    instruction: Instruction,
+    /// Workers the instruction waits for.
+    participants: Vec<bool>,
+    contributions: Vec<Option<(Vec<f32>, f64, bool)>>,
+    /// The new weights once every participant sent.
+    result: Option<Arc<Vec<f32>>>,
+    taken: usize,
+}
+
+struct State {
+    /// Iterations each worker reported since its last aggregation.
+    since: Vec<u64>,
+    /// Workers whose data is finished and whose work is all aggregated.
+    gone: Vec<bool>,
+    pending: Option<Pending>,
+    next_id: u64,
+    /// The aggregated weights (every worker's replica after an aggregation).
+    weights: Vec<f32>,
+    /// Held back now (counted once per episode).
+    held: Option<HeldBack>,
+    report: LazyReport,
+    failed: Option<String>,
+}
+
+/// The scheduler and the aggregators of one generation of the job.
+pub struct Lazy {
+    cfg: LazyConfig,
+    workers: usize,
+    aggregators: usize,
+    learning_rate: f64,
+    state: Mutex<State>,
+    changed: Condvar,
+    conditions: Mutex<Conditions>,
+}
+
+impl Lazy {
+    /// `weights`: every replica's starting weights (flat).
+    pub fn new(cfg: &LazyConfig, workers: usize, aggregators: usize, learning_rate: f64, weights: Vec<f32>) -> Self {
+        let workers = workers.max(1);
+        Lazy {
+            cfg: cfg.clone(),
+            workers,
+            aggregators: aggregators.max(1),
+            learning_rate,
+            state: Mutex::new(State {
+                since: vec![0; workers],
+                gone: vec![false; workers],
+                pending: None,
+                next_id: 1,
+                weights,
+                held: None,
+                report: LazyReport::default(),
+                failed: None,
+            }),
+            changed: Condvar::new(),
+            conditions: Mutex::new(Conditions::default()),
+        }
+    }
+
+    /// Checks `aggregator_of` against the job's workers and aggregators.
+    pub fn check_mapping(cfg: &LazyConfig, workers: usize, aggregators: usize) -> Result<(), ClusterError> {
+        let bad = |m: String| Err(ClusterError::Setup(format!("cluster.lazy.aggregator_of: {m}")));
+        if aggregators == 0 {
+            return Err(ClusterError::Setup("--aggregators must be at least 1".into()));
+        }
+        if cfg.aggregator_of.is_empty() {
+            return Ok(());
+        }
+        if cfg.aggregator_of.len() != workers {
+            return bad(format!(
+                "names {} workers, the job has {workers} (every worker needs one aggregator)",
+                cfg.aggregator_of.len()
+            ));
+        }
+        if let Some((w, a)) = cfg.aggregator_of.iter().enumerate().find(|(_, a)| **a >= aggregators) {
+            return bad(format!("worker {w} goes to aggregator {a}, the job has {aggregators} (0..{aggregators})"));
+        }
+        Ok(())
+    }
+
+    fn aggregator_of(&self, worker: usize) -> usize {
+        self.cfg.aggregator_of.get(worker).copied().unwrap_or(worker % self.aggregators)
+    }
+
+    /// The scheduler's latest measurements.
+    pub fn set_conditions(&self, c: Conditions) {
+        *self.conditions.lock() = c;
+        self.changed.notify_all();
+    }
+
+    pub fn report(&self) -> LazyReport {
+        self.state.lock().report.clone()
+    }
+
+    /// The aggregated weights (after the job: the model).
+    pub fn weights(&self) -> Vec<f32> {
+        self.state.lock().weights.clone()
+    }
+
+    /// A worker reports `since` iterations since its last aggregation and
+    /// whether its data is `finished`; answers the instruction it must
+    /// follow, if any. With `wait`, blocks until there is one (or, for a
+    /// finished worker with nothing to send, returns at once: it leaves).
+    pub fn poll(
+        &self,
+        worker: usize,
+        since: u64,
+        finished: bool,
+        wait: bool,
+    ) -> Result<Option<Instruction>, ClusterError> {
+        if worker >= self.workers {
+            return Err(ClusterError::Setup(format!("worker {worker}: only {} workers are expected", self.workers)));
+        }
+        let mut state = self.state.lock();
+        state.since[worker] = since;
+        loop {
+            if let Some(reason) = &state.failed {
+                return Err(ClusterError::JobFailed(reason.clone()));
+            }
+            // Finished with nothing to send and owing no contribution: it leaves.
+            let owes =
+                state.pending.as_ref().is_some_and(|p| p.participants[worker] && p.contributions[worker].is_none());
+            if finished && since == 0 && !owes {
+                state.gone[worker] = true;
+                self.changed.notify_all();
+                return Ok(None);
+            }
+            if let Some(p) = &state.pending {
+                if p.participants[worker] && p.contributions[worker].is_none() {
+                    return Ok(Some(p.instruction));
+                }
+            } else if let Some(i) = self.try_issue(&mut state)
+                && i.1[worker]
+            {
+                return Ok(Some(i.0));
+            }
+            if !wait {
+                return Ok(None);
+            }
+            let tick = Duration::from_millis(self.cfg.probe_interval_ms.max(1));
+            self.changed.wait_for(&mut state, tick);
+        }
+    }
+
+    /// Issues an instruction when (a) every worker still in has an
+    /// iteration since the last one and (b) the conditions pass.
+    fn try_issue(&self, state: &mut State) -> Option<(Instruction, Vec<bool>)> {
+        let active: Vec<usize> = (0..self.workers).filter(|&w| !state.gone[w]).collect();
+        if active.is_empty() || active.iter().any(|&w| state.since[w] == 0) {
+            return None;
+        }
+        let c = *self.conditions.lock();
+        if let Err(why) = conditions_pass(&self.cfg, c) {
+            if state.held != Some(why) {
+                state.held = Some(why);
+                match why {
+                    HeldBack::Utilisation => state.report.held_by_utilisation += 1,
+                    HeldBack::FailureRate => state.report.held_by_failure_rate += 1,
+                    HeldBack::Both => {
+                        state.report.held_by_utilisation += 1;
+                        state.report.held_by_failure_rate += 1;
+                    }
+                }
+            }
+            return None;
+        }
+        state.held = None;
+        let round = active.iter().map(|&w| state.since[w]).min().unwrap_or(1);
+        let instruction = Instruction { id: state.next_id, round };
+        state.next_id += 1;
+        let participants: Vec<bool> = (0..self.workers).map(|w| !state.gone[w]).collect();
+        state.report.last_utilisation = c.utilisation;
+        state.report.last_failure_rate = c.failure_rate;
+        state.pending = Some(Pending {
+            instruction,
+            participants: participants.clone(),
+            contributions: (0..self.workers).map(|_| None).collect(),
+            result: None,
+            taken: 0,
+        });
+        self.changed.notify_all();
+        Some((instruction, participants))
+    }
+
+    /// A worker's contribution to instruction `id`: blocks until every
+    /// participant's is in; returns the new weights, or `None` to a worker
+    /// whose data is finished (it gets none, S4.5/S4.7).
+    pub fn contribute(
+        &self,
+        worker: usize,
+        id: u64,
+        values: Vec<f32>,
+        coefficient: f64,
+        finished: bool,
+        trained: (u64, u64),
+    ) -> Result<Option<Arc<Vec<f32>>>, ClusterError> {
+        let mut guard = self.state.lock();
+        {
+            let state = &mut *guard;
+            let Some(p) = state.pending.as_mut().filter(|p| p.instruction.id == id) else {
+                return Err(ClusterError::Setup(format!("worker {worker}: instruction {id} is not the one out")));
+            };
+            if !p.participants.get(worker).copied().unwrap_or(false) || p.contributions[worker].is_some() {
+                return Err(ClusterError::Setup(format!("worker {worker}: not expected for instruction {id}")));
+            }
+            if !(coefficient.is_finite() && coefficient >= 0.0) {
+                return Err(ClusterError::Setup(format!("worker {worker}: coefficient {coefficient}")));
+            }
+            if values.len() != state.weights.len() {
+                return Err(ClusterError::Setup(format!(
+                    "worker {worker}: {} values for {} dense weights",
+                    values.len(),
+                    state.weights.len()
+                )));
+            }
+            p.contributions[worker] = Some((values, coefficient, finished));
+            state.since[worker] = 0;
+            state.report.local_iterations += trained.0;
+            state.report.samples += trained.1;
+            if (0..self.workers).all(|w| !p.participants[w] || p.contributions[w].is_some()) {
+                let of = |w: usize| self.aggregator_of(w);
+                let list: Vec<(usize, &[f32], f64)> = p
+                    .contributions
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(w, c)| c.as_ref().map(|(v, c, _)| (w, v.as_slice(), *c)))
+                    .collect();
+                if let Some(mean) = aggregate(&list, &of, self.aggregators) {
+                    let lr = self.learning_rate;
+                    for (x, m) in state.weights.iter_mut().zip(&mean) {
+                        *x = match self.cfg.send {
+                            LazySend::Delta => (f64::from(*x) + m) as f32,
+                            LazySend::RoundGradient => (f64::from(*x) - lr * m) as f32,
+                        };
+                    }
+                }
+                for (w, c) in p.contributions.iter().enumerate() {
+                    if c.as_ref().is_some_and(|c| c.2) {
+                        state.gone[w] = true;
+                    }
+                }
+                state.report.aggregations += 1;
+                p.result = Some(Arc::new(state.weights.clone()));
+                self.changed.notify_all();
+            }
+        }
+        loop {
+            if let Some(reason) = &guard.failed {
+                return Err(ClusterError::JobFailed(reason.clone()));
+            }
+            let participants = self.workers;
+            if let Some(p) = guard.pending.as_mut().filter(|p| p.instruction.id == id)
+                && let Some(result) = p.result.clone()
+            {
+                p.taken += 1;
+                let expected = p.participants.iter().filter(|&&x| x).count().min(participants);
+                if p.taken == expected {
+                    guard.pending = None;
+                    self.changed.notify_all();
+                }
+                return Ok((!finished).then_some(result));
+            }
+            self.changed.wait(&mut guard);
+        }
+    }
+
+    /// Waits until every worker has left (data finished, work aggregated)
+    /// and returns the final weights: the job's model.
+    pub fn final_weights(&self) -> Result<FinalWeights, ClusterError> {
+        let mut state = self.state.lock();
+        loop {
+            if let Some(reason) = &state.failed {
+                return Err(ClusterError::JobFailed(reason.clone()));
+            }
+            if state.gone.iter().all(|&g| g) && state.pending.is_none() {
+                return Ok(FinalWeights { weights: state.weights.clone(), report: state.report.clone() });
+            }
+            self.changed.wait(&mut state);
+        }
+    }
+
+    /// Wakes every waiting worker with an error (a role died, the job failed).
+    pub fn fail(&self, reason: String) {
+        self.state.lock().failed.get_or_insert(reason);
+        self.changed.notify_all();
+    }
+
+    /// Counts a backup the aggregator wrote.
+    pub fn count_backup(&self) {
+        self.state.lock().report.backups += 1;
+    }
+}
+
+/// The job's model after every worker left, and what the scheduler counted.
+#[derive(Clone, Debug)]
+pub struct FinalWeights {
+    pub weights: Vec<f32>,
+    pub report: LazyReport,
+}
+
+/// A worker's contribution to an instruction (S4.3).
+#[derive(Clone, Debug)]
+pub struct Contribution {
+    pub worker: usize,
+    pub generation: u64,
+    pub instruction: u64,
+    /// Its delta or its round gradient (flat, `ParamStore` order).
+    pub values: Vec<f32>,
+    /// The sum of its kept samples' weights since the last aggregation.
+    pub coefficient: f64,
+    /// Its data is finished (S4.7): it gets no weights back.
+    pub finished: bool,
+    /// Iterations and samples since its last aggregation.
+    pub iterations: u64,
+    pub samples: u64,
+}
+
+/// Anything that schedules and aggregates: [`Lazy`] in process, or the
+/// coordinator over gRPC.
+pub trait LazyLink: Send + Sync {
+    fn poll(
+        &self,
+        worker: usize,
+        generation: u64,
+        since: u64,
+        finished: bool,
+        wait: bool,
+    ) -> Result<Option<Instruction>, ClusterError>;
+    fn contribute(&self, c: Contribution) -> Result<Option<Arc<Vec<f32>>>, ClusterError>;
+    fn final_weights(&self, generation: u64) -> Result<FinalWeights, ClusterError>;
+}
+
+impl LazyLink for Lazy {
+    fn poll(
+        &self,
+        worker: usize,
+        _: u64,
+        since: u64,
+        finished: bool,
+        wait: bool,
+    ) -> Result<Option<Instruction>, ClusterError> {
+        Lazy::poll(self, worker, since, finished, wait)
+    }
+
+    fn contribute(&self, c: Contribution) -> Result<Option<Arc<Vec<f32>>>, ClusterError> {
+        Lazy::contribute(self, c.worker, c.instruction, c.values, c.coefficient, c.finished, (c.iterations, c.samples))
+    }
+
+    fn final_weights(&self, _: u64) -> Result<FinalWeights, ClusterError> {
+        Lazy::final_weights(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(combine: Combine) -> LazyConfig {
+        LazyConfig { combine, max_net_utilisation: 0.3, max_failure_rate: 0.05, ..LazyConfig::default() }
+    }
+
+    #[test]
+    fn the_scheduler_passes_strictly_below_the_thresholds_by_and_or_or() {
+        let at = |u: f64, f: f64| Conditions { utilisation: u, failure_rate: f };
+        // (utilisation, failure rate) → and, or
+        let table = [
+            (at(0.29, 0.04), Ok(()), Ok(())),
+            (at(0.30, 0.04), Err(HeldBack::Utilisation), Ok(())),
+            (at(0.29, 0.05), Err(HeldBack::FailureRate), Ok(())),
+            (at(0.30, 0.05), Err(HeldBack::Both), Err(HeldBack::Both)),
+            (at(0.0, 0.0), Ok(()), Ok(())),
+            (at(0.31, 0.06), Err(HeldBack::Both), Err(HeldBack::Both)),
+        ];
+        for (c, and, or) in table {
+            assert_eq!(conditions_pass(&cfg(Combine::And), c), and, "and at {c:?}");
+            assert_eq!(conditions_pass(&cfg(Combine::Or), c), or, "or at {c:?}");
+        }
+    }
+
+    #[test]
+    fn utilisation_is_total_over_capacity_or_the_busy_weighted_mean() {
+        // Two roles at 30 and 10 bytes/s on 100 bytes/s links.
+        let total = utilisation(Utilisation::Total, &[30.0, 10.0], 100.0);
+        assert!((total - 0.2).abs() < 1e-12, "{total}");
+        // (0.3·30 + 0.1·10) / 40 = 0.25
+        let mean = utilisation(Utilisation::Mean, &[30.0, 10.0], 100.0);
+        assert!((mean - 0.25).abs() < 1e-12, "{mean}");
+        assert_eq!(utilisation(Utilisation::Mean, &[0.0, 0.0], 100.0), 0.0);
+    }
+
+    #[test]
+    fn one_or_two_aggregators_give_the_same_weighted_mean() {
+        let mut rng = sparrow_core::rng::Rng::new(7);
+        let values: Vec<Vec<f32>> =
+            (0..4).map(|_| (0..1000).map(|_| rng.uniform(-1.0, 1.0) as f32).collect()).collect();
+        let coefficients = [0.8, 0.7, 0.5, 2.25];
+        let list: Vec<(usize, &[f32], f64)> =
+            values.iter().enumerate().map(|(w, v)| (w, v.as_slice(), coefficients[w])).collect();
+        let one = aggregate(&list, &|_| 0, 1).expect("sum");
+        let two = aggregate(&list, &|w| w % 2, 2).expect("sum");
+        let as_f32 = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<_>>();
+        assert_eq!(as_f32(&one), as_f32(&two), "K = 1 and K = 2");
+        // The seed's example, by hand: (0.8·1 + 0.7·2 + 0.5·4) / 2.0 = 2.1.
+        let (a, b, c) = ([1.0f32], [2.0f32], [4.0f32]);
+        let seed = aggregate(&[(0, &a, 0.8), (1, &b, 0.7), (2, &c, 0.5)], &|w| w % 2, 2).expect("sum");
+        assert!((seed[0] - 2.1).abs() < 1e-12, "{seed:?}");
+        assert!(aggregate(&[(0, &a, 0.0)], &|_| 0, 1).is_none(), "no weight, no step");
+    }
+
+    #[test]
+    fn an_instruction_waits_for_every_worker_and_a_finished_worker_gets_no_weights() {
+        let lazy = Arc::new(Lazy::new(&LazyConfig::default(), 2, 1, 0.1, vec![1.0, 1.0]));
+        // (a): worker 1 has no iteration yet.
+        assert_eq!(lazy.poll(0, 1, false, false).expect("poll"), None);
+        let i = lazy.poll(1, 2, false, false).expect("poll").expect("issued");
+        assert_eq!(i.round, 1, "the newest iteration both have");
+        assert_eq!(lazy.poll(0, 1, false, false).expect("poll"), Some(i));
+        let other = {
+            let lazy = lazy.clone();
+            std::thread::spawn(move || lazy.contribute(1, i.id, vec![0.3, 0.3], 3.0, true, (2, 6)))
+        };
+        let mine =
+            lazy.contribute(0, i.id, vec![-0.1, 0.1], 1.0, false, (1, 2)).expect("weights").expect("not finished");
+        // x + (1·(−0.1) + 3·0.3)/4 = 1.2, x + (0.1 + 0.9)/4 = 1.25
+        assert!((mine[0] - 1.2).abs() < 1e-6 && (mine[1] - 1.25).abs() < 1e-6, "{mine:?}");
+        assert_eq!(other.join().expect("thread").expect("ok"), None, "finished: no weights");
+        assert_eq!(lazy.report().aggregations, 1);
+        // Worker 1 left: worker 0 alone makes the next instruction.
+        assert!(lazy.poll(0, 1, false, false).expect("poll").is_some());
+    }
+
+    #[test]
+    fn a_worker_that_finishes_right_after_an_aggregation_leaves_while_others_still_take_it() {
+        let lazy = Arc::new(Lazy::new(&LazyConfig::default(), 2, 1, 0.1, vec![0.0]));
+        lazy.poll(0, 1, false, false).expect("poll");
+        let i = lazy.poll(1, 1, false, false).expect("poll").expect("issued");
+        let slow = {
+            let lazy = lazy.clone();
+            std::thread::spawn(move || lazy.contribute(1, i.id, vec![1.0], 1.0, false, (1, 1)))
+        };
+        lazy.contribute(0, i.id, vec![1.0], 1.0, false, (1, 1)).expect("ok");
+        // Worker 0's data ends at once: it leaves without waiting (it would
+        // hold the next instruction back forever otherwise).
+        assert_eq!(lazy.poll(0, 0, true, true).expect("poll"), None);
+        slow.join().expect("thread").expect("ok");
+        assert!(lazy.poll(1, 1, false, false).expect("poll").is_some(), "worker 1 alone goes on");
+    }
+
+    #[test]
+    fn held_back_instructions_are_counted_by_condition() {
+        let lazy = Lazy::new(&LazyConfig::default(), 1, 1, 0.1, vec![0.0]);
+        lazy.set_conditions(Conditions { utilisation: 0.5, failure_rate: 0.0 });
+        assert_eq!(lazy.poll(0, 1, false, false).expect("poll"), None);
+        assert_eq!(lazy.poll(0, 2, false, false).expect("poll"), None);
+        lazy.set_conditions(Conditions { utilisation: 0.0, failure_rate: 0.0 });
+        assert!(lazy.poll(0, 2, false, false).expect("poll").is_some());
+        let r = lazy.report();
+        assert_eq!((r.held_by_utilisation, r.held_by_failure_rate), (1, 0), "one episode");
+    }
+}
