@@ -34,6 +34,17 @@ enum Command {
         test_rows: u64,
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// `criteo` (train.tsv, test.tsv) or `csv` (train.csv, test.csv with a
+        /// header and a `ts` column of Unix seconds).
+        #[arg(long, default_value = "criteo")]
+        format: String,
+        /// CSV: spread the training rows over this many days, the click model
+        /// drifting from day to day; the test rows are the newest day's.
+        #[arg(long)]
+        days: Option<u32>,
+        /// CSV: write the training rows in a random order instead of oldest first.
+        #[arg(long)]
+        shuffled: bool,
     },
     /// Train (and evaluate on data.test) as a TOML config says.
     Train {
@@ -360,8 +371,17 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
     );
     init_logging(role);
     match cli.command {
-        Command::Gen { out, train_rows, test_rows, seed } => {
-            let truth = sparrow_data::synth::generate(&out, train_rows, test_rows, seed)?;
+        Command::Gen { out, train_rows, test_rows, seed, format, days, shuffled } => {
+            let truth = match (format.as_str(), days) {
+                ("criteo", None) if shuffled => anyhow::bail!("--shuffled goes with --format csv --days"),
+                ("criteo", None) => sparrow_data::synth::generate(&out, train_rows, test_rows, seed)?,
+                ("criteo", Some(_)) => anyhow::bail!("--days writes CSV with a ts column: add --format csv"),
+                ("csv", days) => {
+                    let days = days.unwrap_or(1);
+                    sparrow_data::synth::generate_days(&out, train_rows, test_rows, days, shuffled, seed)?
+                }
+                (other, _) => anyhow::bail!("--format {other}: expected criteo or csv"),
+            };
             print_json(&truth)
         }
         Command::Train { config, mut set, resume, quiet } => {

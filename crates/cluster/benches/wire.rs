@@ -33,6 +33,9 @@ fn batch() -> WorkerBatch {
         keys: Vec::new(),
         end: Default::default(),
         bad_rows: 0,
+        sample_weights: None,
+        merged_samples: 0,
+        dropped_samples: 0,
     }
 }
 

@@ -540,6 +540,9 @@ fn merge(
         test_nan_predictions: first.test_nan_predictions,
         // train.on_non_finite = "skip_batch" is refused in a cluster job.
         skipped_batches: 0,
+        merged_samples: workers.iter().map(|w| w.merged_samples).max().unwrap_or(0),
+        dropped_samples: workers.iter().map(|w| w.dropped_samples).max().unwrap_or(0),
+        sample_weight_sum: workers.iter().map(|w| w.sample_weight_sum).sum(),
         train_logloss: first.train_logloss,
         dedup_ratio: keys as f64 / unique.max(1) as f64,
         // Keys the loader sent to the shards per sample (8 bytes per unique key).

@@ -63,6 +63,9 @@ impl Loader {
             keys: Vec::new(),
             end: batch.end,
             bad_rows: self.bad_rows.total(),
+            sample_weights: batch.sample_weights,
+            merged_samples: self.bad_rows.weighting.merged.load(std::sync::atomic::Ordering::Relaxed),
+            dropped_samples: self.bad_rows.weighting.dropped.load(std::sync::atomic::Ordering::Relaxed),
         };
         match self.cluster_mode {
             ClusterMode::WorkerLookup => out.keys = batch.keys,

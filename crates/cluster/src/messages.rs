@@ -33,12 +33,20 @@ pub struct WorkerBatch {
     pub end: DataPosition,
     /// Malformed rows the loader skipped so far (train and test data).
     pub bad_rows: u64,
+    /// Each sample's weight in the loss (`[data.weighting]`); `None`: all 1.
+    pub sample_weights: Option<Vec<f32>>,
+    /// Samples `[data.weighting]` merged and dropped so far.
+    pub merged_samples: u64,
+    pub dropped_samples: u64,
 }
 
 impl WorkerBatch {
-    /// The sum of the batch's sample weights (each sample weighs 1).
+    /// The sum of the batch's sample weights (each weighs 1 without `[data.weighting]`).
     pub fn weight_sum(&self) -> f64 {
-        self.rows as f64
+        match &self.sample_weights {
+            Some(w) => w.iter().map(|&w| f64::from(w)).sum(),
+            None => self.rows as f64,
+        }
     }
 
     pub fn num_unique(&self) -> usize {

@@ -696,6 +696,10 @@ pub struct WorkerSummary {
     pub round_items: Vec<u64>,
     /// `sync = "lazy"`: what the scheduler counted (from the final weights).
     pub lazy: Option<crate::lazy::LazyReport>,
+    /// `[data.weighting]`: the loader's merged and dropped counts, this worker's weight sum.
+    pub merged_samples: u64,
+    pub dropped_samples: u64,
+    pub sample_weight_sum: f64,
 }
 
 /// Trains as one worker of the job until it is done; worker 0 also
@@ -857,6 +861,9 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Generation) -> Result<Wor
     summary.rounds = s.rounds;
     summary.round_items = s.round_items.clone();
     summary.lazy = worker.lazy_report.clone();
+    summary.merged_samples = s.merged_samples;
+    summary.dropped_samples = s.dropped_samples;
+    summary.sample_weight_sum = s.sample_weight_sum;
     summary.dense_checksum = format!("{:016x}", worker.dense_checksum()?);
     summary.checkpoint = worker.last_checkpoint().map(|d| d.display().to_string());
     summary.peak_rss_bytes = sparrow_trainer::peak_rss_bytes();

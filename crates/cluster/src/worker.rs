@@ -68,6 +68,11 @@ pub struct WorkerStats {
     /// it spent asking for and waiting on instructions.
     pub aggregations: u64,
     pub lazy_wait_secs: f64,
+    /// `[data.weighting]`: samples merged and dropped so far (the loader's
+    /// counts as of the latest batch), and the weights this worker trained on.
+    pub merged_samples: u64,
+    pub dropped_samples: u64,
+    pub sample_weight_sum: f64,
     recent_losses: VecDeque<f64>,
 }
 
@@ -564,6 +569,7 @@ impl Worker {
             unique_rows: &looked.unique_rows,
             dense: &batch.dense,
             labels: &batch.labels,
+            weights: batch.sample_weights.as_deref(),
         };
         let out = dense_step(
             &self.model,
@@ -583,6 +589,9 @@ impl Worker {
         self.progress.fetch_add(1, Ordering::Relaxed);
         let stats = &mut self.stats;
         stats.bad_rows = stats.bad_rows.max(batch.bad_rows);
+        stats.merged_samples = stats.merged_samples.max(batch.merged_samples);
+        stats.dropped_samples = stats.dropped_samples.max(batch.dropped_samples);
+        stats.sample_weight_sum += batch.weight_sum();
         stats.keys += batch.bag_offsets.last().copied().unwrap_or(0) as u64;
         stats.unique_keys += batch.num_unique() as u64;
         stats.batches += 1;

@@ -38,6 +38,10 @@ pub struct Batch {
     pub bag_offsets: Vec<u32>,
     /// Position of the first row after this batch.
     pub end: DataPosition,
+    /// Each row's time (Unix seconds) when the schema names a timestamp column.
+    pub timestamps: Option<Vec<i64>>,
+    /// Each row's weight in the loss (`[data.weighting]`); `None` means all 1.
+    pub sample_weights: Option<Vec<f32>>,
 }
 
 impl Batch {
@@ -59,6 +63,8 @@ pub struct BatchBuilder {
     batch: Batch,
     row_start: (usize, usize, usize, usize),
     current_field: usize,
+    /// The current row's timestamp, kept until the row ends.
+    pending_timestamp: Option<i64>,
 }
 
 impl BatchBuilder {
@@ -75,9 +81,12 @@ impl BatchBuilder {
                 key_weights: weighted.then(|| Vec::with_capacity(capacity_rows * num_fields)),
                 bag_offsets,
                 end: DataPosition::default(),
+                timestamps: None,
+                sample_weights: None,
             },
             row_start: (0, 0, 0, 1),
             current_field: 0,
+            pending_timestamp: None,
         }
     }
 
@@ -99,6 +108,11 @@ impl BatchBuilder {
         let b = &self.batch;
         self.row_start = (b.labels.len(), b.dense.len(), b.keys.len(), b.bag_offsets.len());
         self.current_field = 0;
+    }
+
+    /// The current row's time (Unix seconds).
+    pub fn set_timestamp(&mut self, ts: i64) {
+        self.pending_timestamp = Some(ts);
     }
 
     pub fn push_dense(&mut self, v: f32) {
@@ -137,6 +151,9 @@ impl BatchBuilder {
         let f = self.batch.num_fields;
         self.close_bags_until(f);
         self.batch.labels.push(label);
+        if let Some(ts) = self.pending_timestamp.take() {
+            self.batch.timestamps.get_or_insert_with(Vec::new).push(ts);
+        }
         true
     }
 
@@ -150,6 +167,7 @@ impl BatchBuilder {
         }
         self.batch.bag_offsets.truncate(o);
         self.current_field = 0;
+        self.pending_timestamp = None;
     }
 
     pub fn finish(self, end: DataPosition) -> Batch {

@@ -57,6 +57,39 @@ pub struct DataConfig {
     pub num_fields: Option<usize>,
     /// Batches parsed ahead of the training step (bounded memory).
     pub prefetch_batches: usize,
+    /// Sample weighting by age (S4.4); needs `schema.timestamp`.
+    pub weighting: Option<WeightingConfig>,
+}
+
+/// `[data.weighting]`: identical samples in the same window merge into one
+/// with a count; weight = decay_base^(−age) × count, age in `age_unit_secs`
+/// from `reference_time` to the merged sample's newest member; samples
+/// below `drop_below` are dropped. Applies to the training file.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct WeightingConfig {
+    pub decay_base: f64,
+    pub age_unit_secs: f64,
+    /// Unix seconds; default: the newest timestamp in the training file.
+    pub reference_time: Option<i64>,
+    pub drop_below: f64,
+    pub merge_window_secs: u64,
+    /// Rows a merge sees at once: 0 (default) is one batch as read; more is
+    /// not available yet.
+    pub merge_buffer_rows: usize,
+}
+
+impl Default for WeightingConfig {
+    fn default() -> Self {
+        WeightingConfig {
+            decay_base: std::f64::consts::E,
+            age_unit_secs: 86_400.0,
+            reference_time: None,
+            drop_below: 0.001,
+            merge_window_secs: 86_400,
+            merge_buffer_rows: 0,
+        }
+    }
 }
 
 impl Default for DataConfig {
@@ -71,6 +104,7 @@ impl Default for DataConfig {
             report_bad_rows: 5,
             num_fields: None,
             prefetch_batches: 8,
+            weighting: None,
         }
     }
 }
@@ -92,6 +126,9 @@ pub struct Schema {
     /// Applied to every dense value: `none`, or `log1p` = log(1 + max(x, 0))
     /// as the Criteo reader does (for raw counts).
     pub dense_transform: DenseTransform,
+    /// CSV only: the column holding each sample's time (Unix seconds), for
+    /// `[data.weighting]`.
+    pub timestamp: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -122,6 +159,7 @@ impl Default for Schema {
             header: true,
             multi_hot_separator: None,
             dense_transform: DenseTransform::None,
+            timestamp: None,
         }
     }
 }
@@ -707,6 +745,33 @@ impl Config {
         }
         if self.train.pipeline_depth > 16 {
             return invalid("train.pipeline_depth", "at most 16 (each level keeps one more batch's rows in flight)");
+        }
+        if let Some(w) = &self.data.weighting {
+            if self.data.schema.as_ref().and_then(|s| s.timestamp.as_ref()).is_none() {
+                return invalid("data.weighting", "needs data.schema.timestamp (the column of Unix seconds)");
+            }
+            if self.data.format != DataFormat::Csv {
+                return invalid("data.weighting", "is available for format = \"csv\" (parquet: not yet)");
+            }
+            if !(w.decay_base.is_finite() && w.decay_base > 1.0) {
+                return invalid("data.weighting.decay_base", "must be above 1 (default e)");
+            }
+            if !(w.age_unit_secs.is_finite() && w.age_unit_secs > 0.0) {
+                return invalid("data.weighting.age_unit_secs", "must be above 0 (default 86400: a day)");
+            }
+            if !(w.drop_below.is_finite() && w.drop_below >= 0.0) {
+                return invalid("data.weighting.drop_below", "must be ≥ 0 (default 0.001)");
+            }
+            if w.merge_window_secs == 0 {
+                return invalid("data.weighting.merge_window_secs", "must be at least 1");
+            }
+            if w.merge_buffer_rows > self.train.batch_size {
+                return invalid(
+                    "data.weighting.merge_buffer_rows",
+                    "samples merge within one batch as read (0 or at most train.batch_size); a larger buffer is \
+                     not available yet",
+                );
+            }
         }
         if self.cluster.round_iterations == 0 {
             return invalid("cluster.round_iterations", "must be at least 1 (items each worker takes per round)");

@@ -43,6 +43,8 @@ pub struct BadRows {
     /// Malformed and good rows of the pass in progress, for `max_bad_fraction`.
     pass: Arc<(AtomicU64, AtomicU64)>,
     pub max_bad_fraction: Option<f64>,
+    /// What `[data.weighting]` merged, dropped and weighed (shared like the count).
+    pub weighting: Arc<crate::weighting::WeightCounters>,
 }
 
 impl BadRows {
@@ -53,6 +55,7 @@ impl BadRows {
             report_first,
             pass: Arc::default(),
             max_bad_fraction: None,
+            weighting: Arc::default(),
         }
     }
 

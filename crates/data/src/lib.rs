@@ -12,6 +12,7 @@ pub mod source;
 pub mod stream;
 pub mod synth;
 pub mod text;
+pub mod weighting;
 
 pub use error::{BadRows, DataError};
 pub use layout::DataLayout;

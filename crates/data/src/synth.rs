@@ -161,6 +161,12 @@ impl World {
 
     /// Appends one Criteo TSV row to `out`; returns the true click probability and the label.
     fn row(&self, rng: &mut Rng, out: &mut Vec<u8>) -> (f64, u8) {
+        self.row_as(rng, out, &Style::TSV)
+    }
+
+    /// One row in `style`: tab- or comma-separated, with its sparse terms
+    /// drifting toward a second parameter set and a timestamp column.
+    fn row_as(&self, rng: &mut Rng, out: &mut Vec<u8>, style: &Style<'_>) -> (f64, u8) {
         let mut logit = self.bias;
         // Dense: counts, log-normal, some missing; log1p transform as Criteo readers apply.
         let mut z = [0.0f64; CRITEO_DENSE];
@@ -179,40 +185,102 @@ impl World {
         logit += 0.35 * (z[0] - 2.0).tanh() * (z[1] - self.dense_mu[1]) * 0.5;
         // Sparse: per-ID terms and low-rank pairwise interactions.
         let mut params: [&[f32]; CRITEO_SPARSE] = [&[]; CRITEO_SPARSE];
+        let mut drifted: [&[f32]; CRITEO_SPARSE] = [&[]; CRITEO_SPARSE];
         let mut ranks = [None; CRITEO_SPARSE];
         for (f, field) in self.fields.iter().enumerate() {
+            let width = 1 + RANK;
             if field.missing_rate > 0.0 && rng.next_f64() < field.missing_rate {
                 params[f] = &field.missing_params;
+                drifted[f] = style.drift.map_or(&field.missing_params[..], |(d, _)| &d.missing[f][..]);
             } else {
                 let r = field.sampler.draw(rng);
                 ranks[f] = Some(r);
-                params[f] = &field.params[r * (1 + RANK)..(r + 1) * (1 + RANK)];
+                params[f] = &field.params[r * width..(r + 1) * width];
+                drifted[f] = style.drift.map_or(params[f], |(d, _)| &d.params[f][r * width..(r + 1) * width]);
             }
-            logit += field.importance * f64::from(params[f][0]);
         }
-        for &(a, b, c) in &self.pairs {
-            let dot: f32 = params[a][1..].iter().zip(&params[b][1..]).map(|(x, y)| x * y).sum();
-            logit += c * f64::from(dot);
-        }
+        // Summed onto `s` term by term (the order the TSV data was always made in).
+        let sparse = |params: &[&[f32]; CRITEO_SPARSE], mut s: f64| {
+            for (f, field) in self.fields.iter().enumerate() {
+                s += field.importance * f64::from(params[f][0]);
+            }
+            for &(a, b, c) in &self.pairs {
+                let dot: f32 = params[a][1..].iter().zip(&params[b][1..]).map(|(x, y)| x * y).sum();
+                s += c * f64::from(dot);
+            }
+            s
+        };
+        logit = match style.drift {
+            Some((_, t)) => logit + (1.0 - t) * sparse(&params, 0.0) + t * sparse(&drifted, 0.0),
+            None => sparse(&params, logit),
+        };
         let p = sigmoid(logit);
         let label = u8::from(rng.next_f64() < p);
         out.push(b'0' + label);
         for v in dense_text {
-            out.push(b'\t');
+            out.push(style.separator);
             if let Some(x) = v {
                 out.extend_from_slice(x.to_string().as_bytes());
             }
         }
         for (f, r) in ranks.iter().enumerate() {
-            out.push(b'\t');
+            out.push(style.separator);
             if let Some(r) = r {
                 let h = mix64(self.seed ^ ((f as u64) << 48) ^ (*r as u64)) as u32;
                 out.extend_from_slice(format!("{h:08x}").as_bytes());
             }
         }
+        if let Some((start, span)) = style.time {
+            out.push(style.separator);
+            let ts = start + (rng.next_f64() * span as f64) as i64;
+            out.extend_from_slice(ts.to_string().as_bytes());
+        }
         out.push(b'\n');
         (p, label)
     }
+
+    /// A second parameter set of the same shape: where the click model drifts to.
+    fn drift(&self, seed: u64) -> Drift {
+        let mut prng = Rng::new(mix64(seed ^ 0xd1f7));
+        let mut draw = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| {
+                    let sigma = if i % (1 + RANK) == 0 { SIGMA_ID } else { SIGMA_U };
+                    (prng.normal() * sigma) as f32
+                })
+                .collect()
+        };
+        let params = self.fields.iter().map(|f| draw(f.params.len())).collect();
+        let missing = self
+            .fields
+            .iter()
+            .map(|_| {
+                let v = draw(1 + RANK);
+                std::array::from_fn(|i| v[i] * 0.75)
+            })
+            .collect();
+        Drift { params, missing }
+    }
+}
+
+/// Where a drifting click model goes: per field, parameters for every rank
+/// and for the missing value.
+struct Drift {
+    params: Vec<Vec<f32>>,
+    missing: Vec<[f32; 1 + RANK]>,
+}
+
+/// How a row is written.
+struct Style<'a> {
+    separator: u8,
+    /// The drift and how far along it (0: the base model, 1: the drifted one).
+    drift: Option<(&'a Drift, f64)>,
+    /// A timestamp column: uniform in [start, start + span) seconds.
+    time: Option<(i64, i64)>,
+}
+
+impl Style<'_> {
+    const TSV: Style<'static> = Style { separator: b'\t', drift: None, time: None };
 }
 
 /// Writes `rows` rows to `path`; returns the true probabilities and labels.
@@ -300,6 +368,102 @@ fn auc_f64(probs: &[f64], labels: &[f32]) -> f64 {
         r
     };
     auc(&ranks, labels)
+}
+
+/// The first day of `generate_days` data (2023-11-14, Unix seconds): in the past on any machine.
+pub const DAYS_START: i64 = 1_700_000_000 - 1_700_000_000 % 86_400;
+
+/// Writes `dir/train.csv` (rows spread evenly over `days` days, oldest
+/// first, with a `ts` column), `dir/test.csv` (held-out rows of the newest
+/// day) and `dir/truth.json`. The click model drifts from day to day: day
+/// d's sparse terms are (1 − t)·today's model + t·another, t = d / (days − 1),
+/// so the newest day is the furthest from the oldest. `shuffled`: the
+/// training rows in a random order instead of oldest first (an offline log
+/// shuffled before training).
+pub fn generate_days(
+    dir: &Path,
+    train_rows: u64,
+    test_rows: u64,
+    days: u32,
+    shuffled: bool,
+    seed: u64,
+) -> Result<Truth, DataError> {
+    if days == 0 {
+        return Err(DataError::io(dir, std::io::Error::other("--days must be at least 1")));
+    }
+    std::fs::create_dir_all(dir).map_err(|e| DataError::io(dir, e))?;
+    let world = World::new(seed);
+    let drift = world.drift(seed);
+    let header = {
+        let mut h = String::from("label");
+        (1..=CRITEO_DENSE).for_each(|i| h.push_str(&format!(",I{i}")));
+        (1..=CRITEO_SPARSE).for_each(|i| h.push_str(&format!(",C{i}")));
+        h + ",ts\n"
+    };
+    let day = 86_400i64;
+    let along = |d: u32| if days > 1 { f64::from(d) / f64::from(days - 1) } else { 1.0 };
+    let write = |path: &Path, rows_of_day: &dyn Fn(u32) -> u64, stream: u64, shuffled: bool| {
+        let file = File::create(path).map_err(|e| DataError::io(path, e))?;
+        let mut w = BufWriter::with_capacity(1 << 20, file);
+        w.write_all(header.as_bytes()).map_err(|e| DataError::io(path, e))?;
+        let (mut probs, mut labels) = (Vec::new(), Vec::new());
+        let mut held: Vec<Vec<u8>> = Vec::new();
+        for d in 0..days {
+            let n = rows_of_day(d);
+            if n == 0 {
+                continue;
+            }
+            let style = Style {
+                separator: b',',
+                drift: Some((&drift, along(d))),
+                time: Some((DAYS_START + i64::from(d) * day, day)),
+            };
+            let mut rng = Rng::new(mix64(world.seed ^ (stream << 56) ^ u64::from(d)));
+            let mut text = Vec::with_capacity(n as usize * 200);
+            for _ in 0..n {
+                let at = text.len();
+                let (p, l) = world.row_as(&mut rng, &mut text, &style);
+                probs.push(p);
+                labels.push(f32::from(l));
+                if shuffled {
+                    held.push(text.split_off(at));
+                }
+            }
+            w.write_all(&text).map_err(|e| DataError::io(path, e))?;
+        }
+        // Fisher–Yates with the generator's own RNG: the same file for the same seed.
+        let mut rng = Rng::new(mix64(world.seed ^ 0x5b0f));
+        for i in (1..held.len()).rev() {
+            held.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+        for row in &held {
+            w.write_all(row).map_err(|e| DataError::io(path, e))?;
+        }
+        w.flush().map_err(|e| DataError::io(path, e))?;
+        Ok::<_, DataError>((probs, labels))
+    };
+    let per_day = |d: u32| train_rows / u64::from(days) + u64::from(u64::from(d) < train_rows % u64::from(days));
+    let (_, train_l) = write(&dir.join("train.csv"), &per_day, 1, shuffled)?;
+    let (test_p, test_l) = write(&dir.join("test.csv"), &|d| if d + 1 == days { test_rows } else { 0 }, 2, false)?;
+    let mean = |v: &[f32]| {
+        if v.is_empty() { f64::NAN } else { v.iter().map(|&x| f64::from(x)).sum::<f64>() / v.len() as f64 }
+    };
+    let truth = Truth {
+        generator: format!("{GENERATOR}-days{days}{}", if shuffled { "-shuffled" } else { "" }),
+        seed,
+        train_rows,
+        test_rows,
+        bayes_auc: auc_f64(&test_p, &test_l),
+        bayes_logloss: log_loss_from_probs(&test_p, &test_l),
+        test_ctr: mean(&test_l),
+        train_ctr: mean(&train_l),
+        vocab_sizes: world.fields.iter().map(|f| f.sampler.prob.len() as u64).collect(),
+        interaction_pairs: world.pairs.iter().map(|&(a, b, _)| (a, b)).collect(),
+    };
+    let path = dir.join("truth.json");
+    let json = serde_json::to_string_pretty(&truth).map_err(|e| DataError::io(&path, std::io::Error::other(e)))?;
+    std::fs::write(&path, json + "\n").map_err(|e| DataError::io(&path, e))?;
+    Ok(truth)
 }
 
 #[cfg(test)]

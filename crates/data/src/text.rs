@@ -190,6 +190,10 @@ pub struct CsvParser {
     width: usize,
     /// Columns a whole row has: the header's, else the schema's widest.
     columns: usize,
+    /// The timestamp column (`schema.timestamp`) and its name.
+    timestamp: Option<(usize, String)>,
+    /// Rows dated after this (the time the file was opened) are malformed.
+    now: i64,
 }
 
 impl CsvParser {
@@ -219,9 +223,14 @@ impl CsvParser {
         let label = find(&schema.label)?;
         let dense = schema.dense.iter().map(|n| Ok((find(n)?, n.clone()))).collect::<Result<Vec<_>, DataError>>()?;
         let sparse = schema.sparse.iter().map(|n| find(n)).collect::<Result<Vec<_>, DataError>>()?;
-        let width =
-            std::iter::once(label).chain(dense.iter().map(|d| d.0)).chain(sparse.iter().copied()).max().unwrap_or(0)
-                + 1;
+        let timestamp = schema.timestamp.as_ref().map(|n| Ok::<_, DataError>((find(n)?, n.clone()))).transpose()?;
+        let width = std::iter::once(label)
+            .chain(dense.iter().map(|d| d.0))
+            .chain(sparse.iter().copied())
+            .chain(timestamp.iter().map(|t| t.0))
+            .max()
+            .unwrap_or(0)
+            + 1;
         let columns = if header.is_some() { names.len().max(width) } else { width };
         Ok(CsvParser {
             columns,
@@ -232,7 +241,37 @@ impl CsvParser {
             multi_hot: schema.multi_hot_separator.as_ref().map(|s| s.as_bytes().to_vec()),
             transform: schema.dense_transform,
             width,
+            timestamp,
+            now: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(i64::MAX, |d| d.as_secs() as i64),
         })
+    }
+
+    /// The row's time from the timestamp column: Unix seconds (an integer, or
+    /// a decimal whose fraction is dropped), not after the file was opened.
+    fn timestamp_of(&self, cells: &[std::borrow::Cow<'_, [u8]>]) -> Result<Option<i64>, String> {
+        let Some((col, name)) = &self.timestamp else { return Ok(None) };
+        let raw = cells.get(*col).map(|c| c.as_ref()).unwrap_or_default();
+        let text = ascii(raw)?.trim();
+        let ts = match parse_int(text.as_bytes()) {
+            Some(v) => v,
+            None => match text.parse::<f64>() {
+                Ok(v) if v.is_finite() && v.abs() < 9e15 => v.floor() as i64,
+                _ => return Err(format!("column {name}: `{text}` is not a time in Unix seconds")),
+            },
+        };
+        if ts > self.now {
+            return Err(format!("column {name}: {ts} is in the future (now is {})", self.now));
+        }
+        Ok(Some(ts))
+    }
+
+    /// The newest valid timestamp of a CSV line (the weighting's default reference time).
+    pub fn line_timestamp(&self, line: &[u8]) -> Option<i64> {
+        let mut cells = Vec::with_capacity(self.width);
+        split_csv(line, self.delim, &mut cells).ok()?;
+        self.timestamp_of(&cells).ok().flatten()
     }
 }
 
@@ -244,6 +283,9 @@ impl LineParser for CsvParser {
             return Err(format!("{} columns, the schema needs at least {}", cells.len(), self.width));
         }
         let label = parse_label(cells[self.label].as_ref())?;
+        if let Some(ts) = self.timestamp_of(&cells)? {
+            out.set_timestamp(ts);
+        }
         for (col, name) in &self.dense {
             let raw = cells[*col].as_ref();
             let v = if raw.is_empty() {
@@ -372,6 +414,8 @@ pub struct TextSource {
     line: u64,
     buf: Vec<u8>,
     bad: BadRows,
+    /// `[data.weighting]`, on the training file.
+    weigher: Option<crate::weighting::Weigher>,
 }
 
 impl TextSource {
@@ -383,6 +427,7 @@ impl TextSource {
         let bom = if head.starts_with(UTF8_BOM) { UTF8_BOM.len() } else { 0 };
         reader.consume(bom);
         let mut data_start = (bom as u64, 1);
+        let mut weigher = None;
         let parser: Box<dyn LineParser> = match config.format {
             DataFormat::Criteo => Box::new(CriteoParser::default()),
             DataFormat::Libsvm => Box::new(SvmParser::libsvm()),
@@ -401,7 +446,16 @@ impl TextSource {
                     data_start = (bom as u64 + n as u64, 2);
                 }
                 let h = trim_eol(&header);
-                Box::new(CsvParser::new(path, &schema, schema.header.then_some(h))?)
+                let parser = CsvParser::new(path, &schema, schema.header.then_some(h))?;
+                let is_train = config.train.as_deref().is_some_and(|t| Path::new(t) == path);
+                if let (Some(cfg), true) = (&config.weighting, is_train) {
+                    let reference = match cfg.reference_time {
+                        Some(t) => t,
+                        None => newest_timestamp(path, &parser)?,
+                    };
+                    weigher = Some(crate::weighting::Weigher::new(cfg.clone(), reference, bad.weighting.clone()));
+                }
+                Box::new(parser)
             }
             DataFormat::Parquet => {
                 return Err(DataError::Schema {
@@ -420,8 +474,31 @@ impl TextSource {
             line: data_start.1,
             buf: Vec::new(),
             bad,
+            weigher,
         })
     }
+}
+
+/// The newest timestamp in a CSV file (one pass over its lines, malformed
+/// ones skipped: the reading pass reports them).
+fn newest_timestamp(path: &Path, parser: &CsvParser) -> Result<i64, DataError> {
+    let mut input = TextInput::open(path)?;
+    let mut line = Vec::new();
+    let mut newest = None;
+    loop {
+        line.clear();
+        let n = input.read_until(b'\n', &mut line).map_err(|e| DataError::io(path, e))?;
+        if n == 0 {
+            break;
+        }
+        if let Some(ts) = parser.line_timestamp(trim_eol(&line)) {
+            newest = Some(newest.map_or(ts, |m: i64| m.max(ts)));
+        }
+    }
+    newest.ok_or_else(|| DataError::Schema {
+        path: path.to_path_buf(),
+        message: "[data.weighting]: no row has a valid timestamp (set data.weighting.reference_time?)".into(),
+    })
 }
 
 fn trim_eol(line: &[u8]) -> &[u8] {
@@ -450,6 +527,22 @@ impl BatchSource for TextSource {
     }
 
     fn next_batch(&mut self, batch_size: usize, epoch: u64) -> Result<Option<Batch>, DataError> {
+        loop {
+            let Some(batch) = self.read_batch(batch_size, epoch)? else { return Ok(None) };
+            match &self.weigher {
+                // Every sample of the batch dropped: read on.
+                Some(w) => match w.apply(batch) {
+                    b if b.rows() == 0 => continue,
+                    b => return Ok(Some(b)),
+                },
+                None => return Ok(Some(batch)),
+            }
+        }
+    }
+}
+
+impl TextSource {
+    fn read_batch(&mut self, batch_size: usize, epoch: u64) -> Result<Option<Batch>, DataError> {
         let mut b = BatchBuilder::new(self.layout.num_fields, self.layout.num_dense, self.layout.weighted, batch_size);
         while b.rows() < batch_size {
             self.buf.clear();

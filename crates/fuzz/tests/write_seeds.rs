@@ -110,6 +110,7 @@ fn write_seed_corpus() {
         keys: Vec::new(),
         end: Some(pb::DataPosition { epoch: 0, offset: 120, line: 3 }),
         bad_rows: 0,
+        ..Default::default()
     };
     seed("worker_batch", "two-rows", &batch.encode_to_vec());
     let one_key =

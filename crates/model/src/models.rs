@@ -257,15 +257,19 @@ impl DenseModel {
 
     /// Mean stable logistic loss and its gradient w.r.t. the logits:
     /// d/dx [max(x,0) − x·y + log(1+e^{−|x|})] = σ(x) − y, over the batch size.
-    fn loss_and_seed(logits: &[f32], labels: &[f32]) -> (f64, Vec<f32>) {
+    /// With sample `weights` each row's loss (and gradient) is multiplied by
+    /// its weight, still divided by the batch's row count.
+    fn loss_and_seed(logits: &[f32], labels: &[f32], weights: Option<&[f32]>) -> (f64, Vec<f32>) {
         let inv_b = 1.0 / labels.len().max(1) as f64;
         let mut loss = 0.0;
         let seed = logits
             .iter()
             .zip(labels)
-            .map(|(&x, &y)| {
-                loss += logistic_loss(f64::from(x), f64::from(y));
-                ((sigmoid(f64::from(x)) - f64::from(y)) * inv_b) as f32
+            .enumerate()
+            .map(|(i, (&x, &y))| {
+                let w = weights.map_or(1.0, |w| f64::from(w[i]));
+                loss += w * logistic_loss(f64::from(x), f64::from(y));
+                ((sigmoid(f64::from(x)) - f64::from(y)) * w * inv_b) as f32
             })
             .collect();
         (loss * inv_b, seed)
@@ -307,9 +311,21 @@ impl DenseModel {
         dense: Vec<f32>,
         labels: &[f32],
     ) -> Result<(StepOutput, DenseGrads), ModelError> {
+        self.forward_backward_weighted(emb, dense, labels, None)
+    }
+
+    /// [`forward_backward`](Self::forward_backward) with each sample's loss
+    /// multiplied by its weight (`None`: all 1).
+    pub fn forward_backward_weighted(
+        &self,
+        emb: Vec<f32>,
+        dense: Vec<f32>,
+        labels: &[f32],
+        weights: Option<&[f32]>,
+    ) -> Result<(StepOutput, DenseGrads), ModelError> {
         match self.direct_mlp() {
-            Some(_) => self.forward_backward_direct(&emb, &dense, labels),
-            None => self.forward_backward_autograd(emb, dense, labels),
+            Some(_) => self.forward_backward_direct(&emb, &dense, labels, weights),
+            None => self.autograd(emb, dense, labels, weights),
         }
     }
 
@@ -321,6 +337,16 @@ impl DenseModel {
         dense: Vec<f32>,
         labels: &[f32],
     ) -> Result<(StepOutput, DenseGrads), ModelError> {
+        self.autograd(emb, dense, labels, None)
+    }
+
+    fn autograd(
+        &self,
+        emb: Vec<f32>,
+        dense: Vec<f32>,
+        labels: &[f32],
+        weights: Option<&[f32]>,
+    ) -> Result<(StepOutput, DenseGrads), ModelError> {
         let rows = labels.len();
         let (emb, dense) = self.inputs(emb, dense, rows)?;
         let emb = Var::from_tensor(&emb)?;
@@ -328,7 +354,7 @@ impl DenseModel {
         let logits = logits_t.to_vec1::<f32>()?;
         // Seeding the backward pass with the loss gradient (as a constant)
         // gives the exact, stable gradient without building the loss in candle.
-        let (loss, seed) = Self::loss_and_seed(&logits, labels);
+        let (loss, seed) = Self::loss_and_seed(&logits, labels, weights);
         self.check_loss(loss)?;
         let seed = Tensor::from_vec(seed, rows, self.params.device())?;
         let surrogate = (logits_t * seed)?.sum_all()?;
@@ -354,12 +380,13 @@ impl DenseModel {
         emb: &[f32],
         dense: &[f32],
         labels: &[f32],
+        weights: Option<&[f32]>,
     ) -> Result<(StepOutput, DenseGrads), ModelError> {
         let rows = labels.len();
         let x = self.concat_rows(emb, dense, rows);
         let fw = self.shape.num_fields * self.width();
         let stride = fw + self.shape.num_dense;
-        let (loss, logits, emb_grad, grads) = self.forward_backward_packed(&x, labels, |grad_x| {
+        let (loss, logits, emb_grad, grads) = self.forward_backward_packed_weighted(&x, labels, weights, |grad_x| {
             let mut emb_grad = Vec::with_capacity(rows * fw);
             for row in grad_x.chunks_exact(stride) {
                 emb_grad.extend_from_slice(&row[..fw]);
@@ -387,12 +414,23 @@ impl DenseModel {
         labels: &[f32],
         on_input_grad: impl FnOnce(&[f32]) -> R,
     ) -> Result<(f64, Vec<f32>, R, DenseGrads), ModelError> {
+        self.forward_backward_packed_weighted(x, labels, None, on_input_grad)
+    }
+
+    /// [`forward_backward_packed`](Self::forward_backward_packed) with sample weights.
+    pub fn forward_backward_packed_weighted<R>(
+        &self,
+        x: &[f32],
+        labels: &[f32],
+        weights: Option<&[f32]>,
+        on_input_grad: impl FnOnce(&[f32]) -> R,
+    ) -> Result<(f64, Vec<f32>, R, DenseGrads), ModelError> {
         let mlp = self.direct_mlp().ok_or(ModelError::NotPacked { kind: self.kind.name() })?;
         let rows = labels.len();
         let mut scratch = self.scratch.lock().map_err(|_| ModelError::Poisoned)?;
         mlp.forward_cpu(x, rows, &mut scratch)?;
         let logits = scratch.output.clone();
-        let (loss, seed) = Self::loss_and_seed(&logits, labels);
+        let (loss, seed) = Self::loss_and_seed(&logits, labels, weights);
         self.check_loss(loss)?;
         let mut grad_p = Some(mlp.backward_cpu(x, &seed, &mut scratch)?);
         crate::optimizer::check_finite(&scratch.grad_input, || "gradient of the embedding inputs".into())?;

@@ -108,3 +108,40 @@ fn mlp_direct_path_equals_autograd_path() {
         }
     }
 }
+
+/// `[data.weighting]`: each sample's loss times its weight, over the row
+/// count. A sample of weight 0 contributes nothing; the weighted gradient of
+/// the batch is the weighted sum of the single-row gradients (every model).
+#[test]
+fn sample_weights_scale_each_rows_loss_and_gradient() {
+    let shape = ModelShape { num_fields: 2, num_dense: 1, embedding_dim: 4 };
+    for kind in KINDS {
+        let config =
+            ModelConfig { kind, embedding_dim: 4, hidden: vec![6], bottom_hidden: vec![4], ..Default::default() };
+        let model = DenseModel::new(&config, shape, 5, Device::Cpu).expect("model");
+        let width = model.width();
+        let mut rng = Rng::new(9);
+        let emb: Vec<f32> = (0..2 * 2 * width).map(|_| rng.uniform(-0.5, 0.5) as f32).collect();
+        let dense = vec![0.3f32, 1.1];
+        let labels = [1.0f32, 0.0];
+        let weights = [0.25f32, 0.0];
+        let (weighted, _) =
+            model.forward_backward_weighted(emb.clone(), dense.clone(), &labels, Some(&weights)).expect("step");
+        let (plain, _) = model.forward_backward(emb.clone(), dense.clone(), &labels).expect("step");
+        // Row 0 alone, as a batch of one: its loss is 2 × its share of the batch of two.
+        let row = 2 * width;
+        let (alone, _) = model.forward_backward(emb[..row].to_vec(), dense[..1].to_vec(), &labels[..1]).expect("row");
+        assert!(
+            (weighted.loss - 0.25 * alone.loss / 2.0).abs() < 1e-6,
+            "{kind:?}: {} vs {}",
+            weighted.loss,
+            alone.loss
+        );
+        for i in 0..row {
+            let expect = 0.25 * alone.emb_grad[i] / 2.0;
+            assert!((weighted.emb_grad[i] - expect).abs() < 1e-6, "{kind:?}: row 0 gradient {i}");
+        }
+        assert!(weighted.emb_grad[row..].iter().all(|&g| g == 0.0), "{kind:?}: a weight of 0 contributes nothing");
+        assert_ne!(weighted.loss, plain.loss);
+    }
+}

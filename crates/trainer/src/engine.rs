@@ -306,6 +306,8 @@ pub struct DenseInputs<'a> {
     pub unique_rows: &'a [f32],
     pub dense: &'a [f32],
     pub labels: &'a [f32],
+    /// Each sample's weight in the loss (`[data.weighting]`); `None`: all 1.
+    pub weights: Option<&'a [f32]>,
 }
 
 pub struct DenseStepOut {
@@ -330,7 +332,7 @@ pub fn dense_step(
     inputs: DenseInputs<'_>,
     pooling: Pooling,
 ) -> Result<DenseStepOut, TrainError> {
-    let DenseInputs { bags, unique_rows, dense, labels } = inputs;
+    let DenseInputs { bags, unique_rows, dense, labels, weights } = inputs;
     let width = model.width();
     let num_dense = model.shape.num_dense;
     let t0 = Instant::now();
@@ -346,7 +348,7 @@ pub fn dense_step(
             }
             let pooled_at = Instant::now();
             let (loss, _, (grads, unpool_secs), dense_grads) =
-                model.forward_backward_packed(packed_input, labels, |grad_x| {
+                model.forward_backward_packed_weighted(packed_input, labels, weights, |grad_x| {
                     let t = Instant::now();
                     let grads = unpool_strided(&bags, grad_x, stride, width, pooling);
                     (grads, t.elapsed())
@@ -356,7 +358,7 @@ pub fn dense_step(
         None => {
             let pooled = pool(&bags, unique_rows, width, pooling);
             let pooled_at = Instant::now();
-            let (out, dense_grads) = model.forward_backward(pooled, dense.to_vec(), labels)?;
+            let (out, dense_grads) = model.forward_backward_weighted(pooled, dense.to_vec(), labels, weights)?;
             let t = Instant::now();
             let grads = unpool(&bags, &out.emb_grad, width, pooling);
             (out.loss, grads, dense_grads, pooled_at, t.elapsed())

@@ -44,6 +44,12 @@ pub struct RunSummary<P, X> {
     pub test_nan_predictions: u64,
     /// Batches skipped for a non-finite loss or gradient (`train.on_non_finite = "skip_batch"`).
     pub skipped_batches: u64,
+    /// `[data.weighting]`: training samples folded into identical ones,
+    /// merged samples dropped as too light, and the trained samples' weights
+    /// summed (without weighting: 0, 0 and `train_rows`).
+    pub merged_samples: u64,
+    pub dropped_samples: u64,
+    pub sample_weight_sum: f64,
     /// Mean training log-loss over the last logging interval.
     pub train_logloss: Option<f64>,
     /// Keys per batch before / after the first dedup, averaged.
@@ -442,6 +448,12 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
         test_rows,
         test_nan_predictions,
         skipped_batches: trainer.skipped_batches,
+        merged_samples: bad.weighting.merged.load(std::sync::atomic::Ordering::Relaxed),
+        dropped_samples: bad.weighting.dropped.load(std::sync::atomic::Ordering::Relaxed),
+        sample_weight_sum: match config.data.weighting {
+            Some(_) => bad.weighting.weight_sum(),
+            None => train_rows as f64,
+        },
         train_logloss: last_train_logloss,
         dedup_ratio: keys_total as f64 / unique_total.max(1) as f64,
         shuffle_bytes_per_sample: 8.0 * unique_total as f64 / train_rows.max(1) as f64,

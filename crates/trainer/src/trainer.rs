@@ -277,6 +277,7 @@ impl Trainer {
                 unique_rows: &looked.unique_rows,
                 dense: &batch.dense,
                 labels: &batch.labels,
+                weights: batch.sample_weights.as_deref(),
             };
             let out = dense_step(model, dense_optimizer, dense_sync, packed_input, inputs, pooling);
             match named_non_finite(out, step_number, plan, &looked.unique_rows, width) {

@@ -38,6 +38,10 @@ pub fn to_proto(b: WorkerBatch) -> pb::WorkerBatch {
         keys: u64s_to_bytes(&b.keys),
         end: Some(pb::DataPosition { epoch: b.end.epoch, offset: b.end.offset, line: b.end.line }),
         bad_rows: b.bad_rows,
+        has_sample_weights: b.sample_weights.is_some(),
+        sample_weights: b.sample_weights.as_deref().map(f32s_to_bytes).unwrap_or_default(),
+        merged_samples: b.merged_samples,
+        dropped_samples: b.dropped_samples,
     }
 }
 
@@ -72,7 +76,16 @@ pub fn from_proto(b: pb::WorkerBatch, peer: &str) -> Result<WorkerBatch, Cluster
         keys: bytes_to_u64s(&b.keys, peer, "keys")?,
         end: b.end.map(|e| DataPosition { epoch: e.epoch, offset: e.offset, line: e.line }).unwrap_or_default(),
         bad_rows: b.bad_rows,
+        sample_weights: match b.has_sample_weights {
+            true => Some(bytes_to_f32s(&b.sample_weights, peer, "sample_weights")?),
+            false => None,
+        },
+        merged_samples: b.merged_samples,
+        dropped_samples: b.dropped_samples,
     };
+    if out.sample_weights.as_ref().is_some_and(|w| w.len() != rows) {
+        return Err(malformed(format!("batch {}: sample weights for another row count", out.batch_id)));
+    }
     let keys = out.bag_offsets.last().copied().unwrap_or(0) as usize;
     // Bag b of the batch holds keys bag_offsets[b]..bag_offsets[b + 1].
     if out.labels.len() != rows
@@ -203,6 +216,9 @@ mod tests {
             keys: Vec::new(),
             end: DataPosition { epoch: 1, offset: 2, line: 3 },
             bad_rows: 5,
+            sample_weights: weights.then(|| (0..rows).map(|r| 0.25 * r as f32).collect()),
+            merged_samples: 6,
+            dropped_samples: 2,
         }
     }
 
@@ -217,6 +233,8 @@ mod tests {
             prop_assert_eq!(back.key_weights, b.key_weights);
             prop_assert_eq!(back.labels, b.labels);
             prop_assert_eq!(back.end, b.end);
+            prop_assert_eq!(back.sample_weights, b.sample_weights);
+            prop_assert_eq!((back.merged_samples, back.dropped_samples), (6, 2));
         }
 
         /// A damaged or hostile message is refused with an error, never a panic

@@ -1,0 +1,131 @@
+//! Sample weighting by age (`[data.weighting]`, S4.4) on `sparrow gen
+//! --format csv --days` data: the fields it adds to the JSON, the same
+//! weighted model from `train` and from a one-worker `launch`, bad
+//! timestamps counted as bad rows, and settings refused naming the key.
+
+mod common;
+
+use common::{last_json, sparrow};
+use std::path::Path;
+
+fn gen_days(dir: &Path, extra: &[&str]) {
+    let out = sparrow()
+        .args(["gen", "--format", "csv", "--days", "4", "--train-rows", "8000", "--test-rows", "1000", "--out"])
+        .arg(dir.join("data"))
+        .args(extra)
+        .output()
+        .expect("gen");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+fn config(dir: &Path, weighting: &str) -> String {
+    let d = dir.display();
+    let dense: Vec<String> = (1..=13).map(|i| format!("\"I{i}\"")).collect();
+    let sparse: Vec<String> = (1..=26).map(|i| format!("\"C{i}\"")).collect();
+    let text = format!(
+        r#"
+[data]
+format = "csv"
+train = "{d}/data/train.csv"
+test = "{d}/data/test.csv"
+[data.schema]
+dense = [{}]
+sparse = [{}]
+dense_transform = "log1p"
+timestamp = "ts"
+{weighting}
+[model]
+kind = "dlrm"
+embedding_dim = 8
+hidden = [16]
+bottom_hidden = [8]
+[train]
+batch_size = 256
+[cluster]
+heartbeat_interval_ms = 100
+heartbeat_timeout_ms = 2000
+"#,
+        dense.join(","),
+        sparse.join(",")
+    );
+    let path = dir.join(format!("job{}.toml", weighting.len()));
+    std::fs::write(&path, text).expect("config");
+    path.display().to_string()
+}
+
+#[test]
+fn weighted_training_reports_its_weights_and_a_cluster_trains_the_same_weighted_model() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    gen_days(tmp.path(), &[]);
+    let header = std::fs::read_to_string(tmp.path().join("data/train.csv")).expect("csv");
+    assert!(header.lines().next().is_some_and(|h| h.ends_with(",ts")), "a ts column");
+
+    let plain = config(tmp.path(), "");
+    let out = sparrow().args(["train", "--config", &plain, "--quiet"]).output().expect("train");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let plain = last_json(&out);
+    assert_eq!((plain["merged_samples"].as_u64(), plain["dropped_samples"].as_u64()), (Some(0), Some(0)));
+    assert_eq!(plain["sample_weight_sum"].as_f64(), Some(8000.0), "unweighted: every sample weighs 1");
+
+    // Four days, e-fold decay per day: the oldest day weighs e^-3 and more.
+    let weighted = config(tmp.path(), "[data.weighting]\ndrop_below = 0.06");
+    let out = sparrow().args(["train", "--config", &weighted, "--quiet"]).output().expect("train");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let single = last_json(&out);
+    let (rows, sum) =
+        (single["train_rows"].as_u64().expect("rows"), single["sample_weight_sum"].as_f64().expect("sum"));
+    let dropped = single["dropped_samples"].as_u64().expect("dropped");
+    // Part of the oldest day is older than ln(1/0.06) = 2.8 days: dropped.
+    assert!(dropped > 0 && rows + dropped == 8000, "{rows} trained + {dropped} dropped");
+    assert!(sum > 0.06 * rows as f64 && sum < rows as f64 * 0.6, "weights sum to {sum} over {rows} rows");
+    assert_ne!(single["test_auc"], plain["test_auc"], "the weights changed the model");
+
+    // The weights travel with the batches to a worker: one shard and one
+    // worker train train's weighted model bit for bit.
+    let out = sparrow()
+        .args(["launch", "--config", &weighted, "--shards", "1", "--workers", "1", "--quiet"])
+        .output()
+        .expect("launch");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let one = last_json(&out);
+    assert_eq!(one["test_auc"], single["test_auc"]);
+    assert_eq!(one["dropped_samples"], single["dropped_samples"]);
+    assert!((one["sample_weight_sum"].as_f64().expect("sum") - sum).abs() < 1e-6 * sum);
+}
+
+#[test]
+fn bad_timestamps_are_bad_rows_and_bad_settings_name_their_key() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    gen_days(tmp.path(), &[]);
+    let train = tmp.path().join("data/train.csv");
+    let mut text = std::fs::read_to_string(&train).expect("csv");
+    let good = text.lines().nth(1).expect("a row").to_string();
+    let (row, _) = good.rsplit_once(',').expect("ts");
+    text.push_str(&format!("{row},yesterday\n{row},99999999999\n"));
+    std::fs::write(&train, text).expect("write");
+    let weighted = config(tmp.path(), "[data.weighting]");
+    let out = sparrow().args(["train", "--config", &weighted, "--quiet"]).output().expect("train");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(last_json(&out)["bad_rows"], 2, "{stderr}");
+    assert!(stderr.contains("train.csv:8002") && stderr.contains("`yesterday` is not a time"), "{stderr}");
+    assert!(stderr.contains("train.csv:8003") && stderr.contains("in the future"), "{stderr}");
+
+    let no_column = std::fs::read_to_string(&weighted).expect("config").replace("timestamp = \"ts\"\n", "");
+    let path = tmp.path().join("no_ts.toml");
+    std::fs::write(&path, no_column).expect("config");
+    for (path, set, key) in [
+        (path.display().to_string(), None, "data.weighting"),
+        (weighted.clone(), Some("data.weighting.decay_base=1.0"), "data.weighting.decay_base"),
+        (weighted.clone(), Some("data.weighting.merge_buffer_rows=100000"), "data.weighting.merge_buffer_rows"),
+    ] {
+        let mut command = sparrow();
+        command.args(["train", "--config", &path, "--quiet"]);
+        if let Some(set) = set {
+            command.args(["--set", set]);
+        }
+        let out = command.output().expect("train");
+        assert!(!out.status.success(), "{key}: accepted");
+        assert!(String::from_utf8_lossy(&out.stderr).contains(key), "{key}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
