@@ -72,8 +72,12 @@ enum Command {
     },
     /// Write one click probability per row of a data file.
     Predict {
+        /// A checkpoint (or its directory of versions)…
+        #[arg(long, required_unless_present = "model", conflicts_with = "model")]
+        checkpoint: Option<PathBuf>,
+        /// …or a serving export (or `checkpoint.dir/exports`, whose LATEST names the newest).
         #[arg(long)]
-        checkpoint: PathBuf,
+        model: Option<PathBuf>,
         #[arg(long)]
         data: PathBuf,
         #[arg(long)]
@@ -394,8 +398,12 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
         Command::Eval { checkpoint, data, set } => {
             print_json(&sparrow_trainer::evaluate_checkpoint(&checkpoint, &data, &set, None)?)
         }
-        Command::Predict { checkpoint, data, out, set } => {
-            let summary = sparrow_trainer::predict_checkpoint(&checkpoint, &data, &out, &set)?;
+        Command::Predict { checkpoint, model, data, out, set } => {
+            let summary = match (checkpoint, model) {
+                (Some(checkpoint), _) => sparrow_trainer::predict_checkpoint(&checkpoint, &data, &out, &set)?,
+                (None, Some(model)) => sparrow_trainer::run::predict_export(&model, &data, &out, &set)?,
+                (None, None) => anyhow::bail!("predict needs --checkpoint DIR or --model EXPORT"),
+            };
             print_json(&summary)
         }
         Command::Bench { dims, table_rows, batches, threads, train_steps, memory_rows, gather_limit } => {

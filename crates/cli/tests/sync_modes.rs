@@ -126,3 +126,43 @@ fn an_aggregator_mapping_must_name_every_worker_and_only_aggregators_that_exist(
         assert!(stderr.contains("cluster.lazy.aggregator_of") && stderr.contains(says), "{mapping}: {stderr}");
     }
 }
+
+#[test]
+fn lazy_aggregation_backs_up_changed_weights_as_serving_exports() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "12000");
+    let config = write_config(tmp.path(), "");
+    let ckpt = tmp.path().join("ckpt");
+    let dir = format!("checkpoint.dir={:?}", ckpt.display().to_string());
+    let out = sparrow()
+        .args(["launch", "--config", &config, "--shards", "2", "--workers", "2", "--quiet"])
+        .args(["--set", "cluster.sync=\"lazy\"", "--set", &dir])
+        .output()
+        .expect("launch");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lazy = last_json(&out);
+    let backups = lazy["backups"].as_u64().expect("backups");
+    let exports = ckpt.join("exports");
+    let written =
+        std::fs::read_dir(&exports).expect("exports").filter(|e| e.as_ref().is_ok_and(|e| e.path().is_dir())).count();
+    // The first aggregation is always backed up; later ones when the weights moved 5%.
+    assert!(backups >= 1 && written as u64 == backups, "{backups} backups, {written} export directories");
+    let latest = std::fs::read_to_string(exports.join("LATEST")).expect("LATEST");
+    assert!(exports.join(latest.trim()).join("manifest.json").is_file());
+
+    let test = tmp.path().join("data/test.tsv");
+    let predictions = tmp.path().join("p.txt");
+    let served = sparrow()
+        .args(["predict", "--model"])
+        .arg(&exports)
+        .arg("--data")
+        .arg(&test)
+        .arg("--out")
+        .arg(&predictions)
+        .output()
+        .expect("predict");
+    assert!(served.status.success(), "{}", String::from_utf8_lossy(&served.stderr));
+    let served = last_json(&served);
+    assert_eq!(served["rows"], 3000);
+    assert_eq!(std::fs::read_to_string(&predictions).expect("read").lines().count(), 3000);
+}

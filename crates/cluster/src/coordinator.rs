@@ -37,7 +37,7 @@ use sparrow_core::config::SyncMode;
 
 use crate::checkpoint::{CheckpointSink, WorkerCut, staging_dir};
 use crate::faults;
-use crate::lazy::{FinalWeights, Instruction, Lazy, LazyLink};
+use crate::lazy::{Backup, FinalWeights, Instruction, Lazy, LazyLink};
 use crate::rounds::{MergedRound, RoundMerge, RoundUpdate};
 use crate::sync::{Contribution, RoundReply, RoundSum};
 use crate::transport::{ClusterError, PartWritten, ShardService};
@@ -216,6 +216,8 @@ pub struct Coordinator {
     /// `sync = "lazy"`: the scheduler and the aggregators of the current generation.
     lazy: Mutex<Option<Arc<Lazy>>>,
     aggregators: usize,
+    /// Where the aggregators' backups go (`checkpoint.dir` set, `sync = "lazy"`).
+    backup_sink: Mutex<Option<crossbeam_channel::Sender<Backup>>>,
     recovery: Mutex<Recovery>,
     /// `recovery.generation`, readable under other locks.
     current: AtomicU64,
@@ -289,6 +291,7 @@ impl Coordinator {
             merges: Mutex::new(Arc::new(RoundMerge::new(num_workers, config.cluster.round_merge))),
             lazy: Mutex::new(lazy_for(config, num_workers, 1, start.as_ref().map(|(d, _)| d.as_path()))?),
             aggregators: 1,
+            backup_sink: Mutex::new(None),
             recovery: Mutex::new(Recovery {
                 generation: 1,
                 restore: start.as_ref().map(|(d, _)| d.clone()),
@@ -319,6 +322,59 @@ impl Coordinator {
         self.lazy = Mutex::new(lazy_for(&self.config, self.num_workers, k, restore.as_deref())?);
         self.aggregators = k;
         Ok(self)
+    }
+
+    /// Starts backing the aggregated weights up (S4.6) when the job runs
+    /// lazy aggregation and has a `checkpoint.dir`: the caller writes what
+    /// the receiver gets with [`write_backup`](Self::write_backup).
+    pub fn start_backups(&self) -> Option<crossbeam_channel::Receiver<Backup>> {
+        let lazy = self.lazy()?;
+        self.config.checkpoint.dir.as_ref()?;
+        let (tx, rx) = crossbeam_channel::unbounded();
+        lazy.back_up_to(tx.clone());
+        *self.backup_sink.lock() = Some(tx);
+        Some(rx)
+    }
+
+    /// Writes backup `number` as a serving export under
+    /// `checkpoint.dir/exports/`, the rows as the shards hold them now (not
+    /// a cut: training goes on), and points `exports/LATEST` at it.
+    pub fn write_backup(&self, number: u64, weights: &[f32]) -> Result<PathBuf, ClusterError> {
+        let root = self.config.checkpoint.dir.as_ref().map(|d| PathBuf::from(d).join("exports"));
+        let root = root.ok_or_else(|| ClusterError::Setup("backups need checkpoint.dir".into()))?;
+        std::fs::create_dir_all(&root)
+            .map_err(|e| ClusterError::Io { what: format!("creating {}", root.display()), source: e })?;
+        let layout = sparrow_data::DataLayout::from_config(&self.config.data);
+        let model = crate::worker::new_worker(&self.config, &layout, 0, None)?.model;
+        model.params.set_flat(weights).map_err(sparrow_trainer::TrainError::from)?;
+        let dialer = self.dialer.as_ref().ok_or_else(|| ClusterError::Setup("no way to reach the shards".into()))?;
+        let generation = self.generation().number;
+        let shards = dialer.dial(&self.view(generation).shards)?;
+        let dim = self.config.model.embedding_dim;
+        let (mut shard, mut cursor) = (0usize, Some((0usize, 0usize)));
+        let pages = || -> Result<sparrow_trainer::export::RowPage, sparrow_trainer::TrainError> {
+            while shard < shards.len() {
+                let Some(at) = cursor else {
+                    (shard, cursor) = (shard + 1, Some((0, 0)));
+                    continue;
+                };
+                let page =
+                    shards[shard].export(at, 4096).map_err(|e| sparrow_trainer::TrainError::DenseSync(Box::new(e)))?;
+                cursor = page.next;
+                let row_len = page.rows.len() / page.keys.len().max(1);
+                let vectors = page.rows.chunks_exact(row_len.max(1)).flat_map(|r| r[..dim].iter().copied()).collect();
+                return Ok(Some((page.keys, vectors)));
+            }
+            Ok(None)
+        };
+        let name = format!("{number:08}");
+        let dir = root.join(&name);
+        sparrow_trainer::export::write_export(&dir, &self.config, &layout, number, &model, pages)?;
+        let tmp = root.join(".LATEST.tmp");
+        std::fs::write(&tmp, format!("{name}\n"))
+            .and_then(|()| std::fs::rename(&tmp, root.join("LATEST")))
+            .map_err(|e| ClusterError::Io { what: format!("writing {}/LATEST", root.display()), source: e })?;
+        Ok(dir)
     }
 
     /// The scheduler of the current generation (`sync = "lazy"`).
@@ -429,6 +485,9 @@ impl Coordinator {
         std::mem::replace(&mut *self.merges.lock(), merges).fail(format!("generation {} started", r.generation));
         match lazy_for(&self.config, self.num_workers, self.aggregators, r.restore.as_deref()) {
             Ok(next) => {
+                if let (Some(lazy), Some(sink)) = (&next, self.backup_sink.lock().as_ref()) {
+                    lazy.back_up_to(sink.clone());
+                }
                 if let Some(old) = std::mem::replace(&mut *self.lazy.lock(), next) {
                     old.fail(format!("generation {} started", r.generation));
                 }

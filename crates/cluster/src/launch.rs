@@ -480,6 +480,8 @@ pub struct ClusterFields {
     pub aggregators: Option<usize>,
     pub aggregations: Option<u64>,
     pub local_iterations: Option<u64>,
+    /// Backups the aggregator wrote (each also a serving export under `checkpoint.dir/exports/`).
+    pub backups: Option<u64>,
     pub scheduler: Option<crate::lazy::LazyReport>,
     /// What a worker received per sample trained, by source.
     pub worker_in_bytes_per_sample: InBytes,
@@ -568,6 +570,7 @@ fn merge(
             aggregators: first.lazy.as_ref().map(|_| options.aggregators),
             aggregations: first.lazy.as_ref().map(|r| r.aggregations),
             local_iterations: first.lazy.as_ref().map(|r| r.local_iterations),
+            backups: first.lazy.as_ref().map(|r| r.backups),
             scheduler: first.lazy.clone(),
             worker_in_bytes_per_sample: InBytes {
                 loader: per_sample(workers.iter().map(|w| w.bytes_from_loader).sum()),

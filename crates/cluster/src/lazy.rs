@@ -7,7 +7,9 @@
 //! a round only when (a) every worker still in the job has finished at least
 //! one iteration since the last instruction and (b) the cluster's conditions
 //! pass ([`conditions_pass`]: network utilisation and/or probe failure rate
-//! strictly below their thresholds). The round r it names is the newest
+//! strictly below their thresholds). It decides once per monitoring interval
+//! (`probe_interval_ms`): at most one instruction per interval, except that
+//! a worker whose data is finished is not kept waiting. The round r it names is the newest
 //! iteration every worker has (iterations since the last aggregation count
 //! from 1).
 //!
@@ -192,12 +194,19 @@ struct State {
     since: Vec<u64>,
     /// Workers whose data is finished and whose work is all aggregated.
     gone: Vec<bool>,
+    /// Workers whose data is finished (still owing their last iterations).
+    finished: Vec<bool>,
     pending: Option<Pending>,
     next_id: u64,
     /// The aggregated weights (every worker's replica after an aggregation).
     weights: Vec<f32>,
     /// Held back now (counted once per episode).
     held: Option<HeldBack>,
+    /// When the last instruction went out (or the scheduler started).
+    last_issued: std::time::Instant,
+    /// The weights of the last backup, and backups queued but not written.
+    last_backup: Option<Vec<f32>>,
+    backups_pending: u64,
     report: LazyReport,
     failed: Option<String>,
 }
@@ -211,6 +220,24 @@ pub struct Lazy {
     state: Mutex<State>,
     changed: Condvar,
     conditions: Mutex<Conditions>,
+    /// Where backups go to be written (S4.6); none: not backed up.
+    backups: Mutex<Option<crossbeam_channel::Sender<Backup>>>,
+}
+
+/// New weights to back up (and export for serving): the aggregation's number and the weights.
+pub type Backup = (u64, Arc<Vec<f32>>);
+
+/// ‖x − b‖₂ / ‖b‖₂, the weights' relative change since the last backup b
+/// (infinite without one; a zero b counts any change as infinite).
+pub fn relative_change(x: &[f32], last: Option<&[f32]>) -> f64 {
+    let Some(b) = last else { return f64::INFINITY };
+    let diff: f64 = x.iter().zip(b).map(|(&x, &b)| (f64::from(x) - f64::from(b)).powi(2)).sum();
+    let norm: f64 = b.iter().map(|&b| f64::from(b).powi(2)).sum();
+    match (diff, norm) {
+        (0.0, _) => 0.0,
+        (_, 0.0) => f64::INFINITY,
+        (d, n) => (d / n).sqrt(),
+    }
 }
 
 impl Lazy {
@@ -225,16 +252,37 @@ impl Lazy {
             state: Mutex::new(State {
                 since: vec![0; workers],
                 gone: vec![false; workers],
+                finished: vec![false; workers],
                 pending: None,
                 next_id: 1,
                 weights,
                 held: None,
+                last_issued: std::time::Instant::now(),
+                last_backup: None,
+                backups_pending: 0,
                 report: LazyReport::default(),
                 failed: None,
             }),
             changed: Condvar::new(),
             conditions: Mutex::new(Conditions::default()),
+            backups: Mutex::new(None),
         }
+    }
+
+    /// Backs the aggregated weights up through `sink` when they moved by at
+    /// least `backup_min_change` since the last backup.
+    pub fn back_up_to(&self, sink: crossbeam_channel::Sender<Backup>) {
+        *self.backups.lock() = Some(sink);
+    }
+
+    /// A queued backup was written (or failed: not counted).
+    pub fn backup_done(&self, written: bool) {
+        let mut state = self.state.lock();
+        state.backups_pending = state.backups_pending.saturating_sub(1);
+        if written {
+            state.report.backups += 1;
+        }
+        self.changed.notify_all();
     }
 
     /// Checks `aggregator_of` against the job's workers and aggregators.
@@ -293,6 +341,7 @@ impl Lazy {
         }
         let mut state = self.state.lock();
         state.since[worker] = since;
+        state.finished[worker] |= finished;
         loop {
             if let Some(reason) = &state.failed {
                 return Err(ClusterError::JobFailed(reason.clone()));
@@ -329,6 +378,13 @@ impl Lazy {
         if active.is_empty() || active.iter().any(|&w| state.since[w] == 0) {
             return None;
         }
+        // The scheduler decides once per monitoring interval, on what it
+        // measured: at most one instruction per `probe_interval_ms` (a
+        // worker whose data is finished is never kept waiting for it).
+        let finishing = active.iter().any(|&w| state.finished[w]);
+        if !finishing && state.last_issued.elapsed() < Duration::from_millis(self.cfg.probe_interval_ms) {
+            return None;
+        }
         let c = *self.conditions.lock();
         if let Err(why) = conditions_pass(&self.cfg, c) {
             if state.held != Some(why) {
@@ -345,6 +401,7 @@ impl Lazy {
             return None;
         }
         state.held = None;
+        state.last_issued = std::time::Instant::now();
         let round = active.iter().map(|&w| state.since[w]).min().unwrap_or(1);
         let instruction = Instruction { id: state.next_id, round };
         state.next_id += 1;
@@ -420,7 +477,15 @@ impl Lazy {
                     }
                 }
                 state.report.aggregations += 1;
-                p.result = Some(Arc::new(state.weights.clone()));
+                let result = Arc::new(state.weights.clone());
+                p.result = Some(result.clone());
+                if let Some(sink) = self.backups.lock().as_ref()
+                    && relative_change(&state.weights, state.last_backup.as_deref()) >= self.cfg.backup_min_change
+                    && sink.send((state.report.aggregations, result)).is_ok()
+                {
+                    state.last_backup = Some(state.weights.clone());
+                    state.backups_pending += 1;
+                }
                 self.changed.notify_all();
             }
         }
@@ -452,7 +517,7 @@ impl Lazy {
             if let Some(reason) = &state.failed {
                 return Err(ClusterError::JobFailed(reason.clone()));
             }
-            if state.gone.iter().all(|&g| g) && state.pending.is_none() {
+            if state.gone.iter().all(|&g| g) && state.pending.is_none() && state.backups_pending == 0 {
                 return Ok(FinalWeights { weights: state.weights.clone(), report: state.report.clone() });
             }
             self.changed.wait(&mut state);
@@ -463,11 +528,6 @@ impl Lazy {
     pub fn fail(&self, reason: String) {
         self.state.lock().failed.get_or_insert(reason);
         self.changed.notify_all();
-    }
-
-    /// Counts a backup the aggregator wrote.
-    pub fn count_backup(&self) {
-        self.state.lock().report.backups += 1;
     }
 }
 
@@ -535,6 +595,13 @@ impl LazyLink for Lazy {
 mod tests {
     use super::*;
 
+    /// A scheduler that decides every millisecond, 2 ms after it started.
+    fn quick(workers: usize, weights: Vec<f32>) -> Lazy {
+        let lazy = Lazy::new(&LazyConfig { probe_interval_ms: 1, ..LazyConfig::default() }, workers, 1, 0.1, weights);
+        std::thread::sleep(Duration::from_millis(2));
+        lazy
+    }
+
     fn cfg(combine: Combine) -> LazyConfig {
         LazyConfig { combine, max_net_utilisation: 0.3, max_failure_rate: 0.05, ..LazyConfig::default() }
     }
@@ -589,7 +656,7 @@ mod tests {
 
     #[test]
     fn an_instruction_waits_for_every_worker_and_a_finished_worker_gets_no_weights() {
-        let lazy = Arc::new(Lazy::new(&LazyConfig::default(), 2, 1, 0.1, vec![1.0, 1.0]));
+        let lazy = Arc::new(quick(2, vec![1.0, 1.0]));
         // (a): worker 1 has no iteration yet.
         assert_eq!(lazy.poll(0, 1, false, false).expect("poll"), None);
         let i = lazy.poll(1, 2, false, false).expect("poll").expect("issued");
@@ -606,12 +673,28 @@ mod tests {
         assert_eq!(other.join().expect("thread").expect("ok"), None, "finished: no weights");
         assert_eq!(lazy.report().aggregations, 1);
         // Worker 1 left: worker 0 alone makes the next instruction.
+        std::thread::sleep(Duration::from_millis(2));
         assert!(lazy.poll(0, 1, false, false).expect("poll").is_some());
     }
 
     #[test]
+    fn the_scheduler_decides_at_most_once_per_monitoring_interval() {
+        let cfg = LazyConfig { probe_interval_ms: 400, ..LazyConfig::default() };
+        let lazy = Lazy::new(&cfg, 1, 1, 0.1, vec![0.0]);
+        assert_eq!(lazy.poll(0, 1, false, false).expect("poll"), None, "too soon after the start");
+        let started = std::time::Instant::now();
+        let i = lazy.poll(0, 3, false, true).expect("poll").expect("issued after waiting");
+        assert!(started.elapsed() >= Duration::from_millis(300), "waited for the interval");
+        assert_eq!(i.round, 3);
+        lazy.contribute(0, i.id, vec![0.5], 1.0, false, (3, 3)).expect("ok");
+        assert_eq!(lazy.poll(0, 1, false, false).expect("poll"), None, "the next interval has not begun");
+        // A worker whose data is finished is not kept waiting for the interval.
+        assert!(lazy.poll(0, 1, true, false).expect("poll").is_some());
+    }
+
+    #[test]
     fn a_worker_that_finishes_right_after_an_aggregation_leaves_while_others_still_take_it() {
-        let lazy = Arc::new(Lazy::new(&LazyConfig::default(), 2, 1, 0.1, vec![0.0]));
+        let lazy = Arc::new(quick(2, vec![0.0]));
         lazy.poll(0, 1, false, false).expect("poll");
         let i = lazy.poll(1, 1, false, false).expect("poll").expect("issued");
         let slow = {
@@ -619,6 +702,7 @@ mod tests {
             std::thread::spawn(move || lazy.contribute(1, i.id, vec![1.0], 1.0, false, (1, 1)))
         };
         lazy.contribute(0, i.id, vec![1.0], 1.0, false, (1, 1)).expect("ok");
+        std::thread::sleep(Duration::from_millis(2));
         // Worker 0's data ends at once: it leaves without waiting (it would
         // hold the next instruction back forever otherwise).
         assert_eq!(lazy.poll(0, 0, true, true).expect("poll"), None);
@@ -628,11 +712,12 @@ mod tests {
 
     #[test]
     fn held_back_instructions_are_counted_by_condition() {
-        let lazy = Lazy::new(&LazyConfig::default(), 1, 1, 0.1, vec![0.0]);
+        let lazy = quick(1, vec![0.0]);
         lazy.set_conditions(Conditions { utilisation: 0.5, failure_rate: 0.0 });
         assert_eq!(lazy.poll(0, 1, false, false).expect("poll"), None);
         assert_eq!(lazy.poll(0, 2, false, false).expect("poll"), None);
         lazy.set_conditions(Conditions { utilisation: 0.0, failure_rate: 0.0 });
+        std::thread::sleep(Duration::from_millis(2));
         assert!(lazy.poll(0, 2, false, false).expect("poll").is_some());
         let r = lazy.report();
         assert_eq!((r.held_by_utilisation, r.held_by_failure_rate), (1, 0), "one episode");

@@ -184,6 +184,25 @@ pub fn run_coordinator(
         },
     ));
     let interval = Duration::from_millis(config.cluster.heartbeat_interval_ms);
+    // The aggregators' backups, written beside training (S4.6).
+    let backups = coordinator.start_backups().map(|rx| {
+        let coordinator = coordinator.clone();
+        std::thread::spawn(move || {
+            for (number, weights) in rx {
+                let written = coordinator.write_backup(number, &weights);
+                match &written {
+                    Ok(dir) => tracing::info!("backup {number}: exported to {}", dir.display()),
+                    Err(e) => tracing::error!("backup {number}: {e}"),
+                }
+                if let Some(lazy) = coordinator.lazy() {
+                    lazy.backup_done(written.is_ok());
+                }
+                if coordinator.state() != JobState::Running {
+                    break;
+                }
+            }
+        })
+    });
     let scheduler = (config.cluster.sync == SyncMode::Lazy).then(|| {
         let (coordinator, cfg, token) = (coordinator.clone(), config.cluster.lazy.clone(), settings.token.clone());
         std::thread::spawn(move || measure_conditions(&coordinator, &cfg, token.as_deref()))
@@ -209,6 +228,7 @@ pub fn run_coordinator(
     if let Some(scheduler) = scheduler {
         let _ = scheduler.join();
     }
+    drop(backups);
     let report = coordinator.recovery_report();
     tracing::info!(
         "coordinator: {} checkpoint(s) committed, restarts {:?}, {} step(s) replayed, {:.3} s recovering",

@@ -590,6 +590,8 @@ pub struct LazyConfig {
     pub utilisation: Utilisation,
     /// One role's link capacity (bytes per second, each way summed).
     pub link_bytes_per_sec: f64,
+    /// How often the scheduler probes, measures and decides: at most one
+    /// instruction per interval.
     pub probe_interval_ms: u64,
     pub probe_timeout_ms: u64,
     pub probe_roles: ProbeRoles,
@@ -610,8 +612,8 @@ impl Default for LazyConfig {
             combine: Combine::And,
             utilisation: Utilisation::Total,
             link_bytes_per_sec: 1.25e9,
-            probe_interval_ms: 100,
-            probe_timeout_ms: 50,
+            probe_interval_ms: 50,
+            probe_timeout_ms: 25,
             probe_roles: ProbeRoles::Workers,
             aggregator_of: Vec::new(),
             backup_min_change: 0.05,

@@ -201,7 +201,7 @@ fn filters_head(table: &EmbeddingTable) -> Vec<u8> {
     head
 }
 
-fn write_bytes_synced(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
+pub(crate) fn write_bytes_synced(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
     let mut f = File::create(path).map_err(io(path))?;
     f.write_all(bytes).map_err(io(path))?;
     f.sync_all().map_err(io(path))
@@ -418,7 +418,10 @@ pub fn stored_config(config: &Config) -> String {
     c.to_toml()
 }
 
-fn safetensors_bytes(tensors: &HashMap<String, candle_core::Tensor>, path: &Path) -> Result<Vec<u8>, TrainError> {
+pub(crate) fn safetensors_bytes(
+    tensors: &HashMap<String, candle_core::Tensor>,
+    path: &Path,
+) -> Result<Vec<u8>, TrainError> {
     // candle writes safetensors to a path; write to a scratch file and read it
     // back so the bytes can be checksummed before they land.
     let scratch = path.with_extension("scratch");

@@ -11,6 +11,7 @@ pub mod dense_sync;
 pub mod dir_lock;
 pub mod engine;
 pub mod error;
+pub mod export;
 pub mod pipeline;
 pub mod pooling;
 pub mod progress;

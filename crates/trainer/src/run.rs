@@ -593,6 +593,23 @@ pub fn predict_checkpoint(
     let wall = Instant::now();
     check_predict_out(data, out)?;
     let scored = score_checkpoint(checkpoint, data, overrides, None)?;
+    write_predictions(&scored, data, out, wall)
+}
+
+/// `sparrow predict --model EXPORT`: a serving export's predictions, as
+/// [`predict_checkpoint`] writes them.
+pub fn predict_export(model: &Path, data: &Path, out: &Path, overrides: &[String]) -> Result<EvalSummary, TrainError> {
+    let wall = Instant::now();
+    check_predict_out(data, out)?;
+    let (trainer, manifest) = crate::export::load_export(model, overrides)?;
+    let pool = compute_pool(trainer.config.train.threads)?;
+    let bad = BadRows::from_config(&trainer.config.data);
+    let (logits, labels) = pool.install(|| predict_file(&trainer, data, &trainer.config.data, &bad))?;
+    let scored = Scored { logits, labels, bad_rows: bad.total(), step: manifest.step };
+    write_predictions(&scored, data, out, wall)
+}
+
+fn write_predictions(scored: &Scored, data: &Path, out: &Path, wall: Instant) -> Result<EvalSummary, TrainError> {
     // Beside `out` (same file system, so the rename is atomic), named so it
     // cannot be any input's name.
     let file_name = out.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
@@ -606,5 +623,5 @@ pub fn predict_checkpoint(
         w.flush().map_err(|e| TrainError::io(&tmp, e))?;
     }
     std::fs::rename(&tmp, out).map_err(|e| TrainError::io(out, e))?;
-    Ok(EvalSummary::new(&scored, data, wall))
+    Ok(EvalSummary::new(scored, data, wall))
 }

@@ -1,0 +1,209 @@
+//! Serving exports (S4.6): what a model server needs and nothing else — the
+//! dense weights (safetensors), the embedding vectors without optimizer
+//! state, the job's config (secrets dropped) and a manifest with checksums.
+//!
+//! ```text
+//! EXPORT/manifest.json      format, step, dim, rows, layout, config, files {name: bytes, xxh3}
+//! EXPORT/dense.safetensors  every dense parameter by name
+//! EXPORT/embeddings.bin     "SPRWEMB1", dim u32, rows u64, then per row: key u64, dim × f32 (LE)
+//! ```
+//!
+//! `sparrow predict --model EXPORT` reads one ([`load_export`]); lazy
+//! aggregation writes one per backup under `checkpoint.dir/exports/`.
+
+use std::collections::BTreeMap;
+use std::io::{BufWriter, Read, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sparrow_core::Config;
+use sparrow_data::DataLayout;
+use sparrow_model::DenseModel;
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::TrainError;
+use crate::checkpoint::{FileEntry, safetensors_bytes, stored_config, write_bytes_synced};
+use crate::trainer::Trainer;
+
+pub const EXPORT_FORMAT: &str = "sparrow-export-v1";
+
+/// A page of rows for an export: keys and their vectors (`dim` each); `None`: no more.
+pub type RowPage = Option<(Vec<u64>, Vec<f32>)>;
+const EMBEDDINGS_MAGIC: &[u8; 8] = b"SPRWEMB1";
+const DENSE: &str = "dense.safetensors";
+const EMBEDDINGS: &str = "embeddings.bin";
+const MANIFEST: &str = "manifest.json";
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ExportManifest {
+    pub format: String,
+    /// The job's step (in rounds and lazy aggregation: the aggregation's number).
+    pub step: u64,
+    pub dim: usize,
+    pub rows: u64,
+    pub num_fields: usize,
+    pub num_dense: usize,
+    pub config: String,
+    pub files: BTreeMap<String, FileEntry>,
+}
+
+/// Writes an export into `dir` (created; must not exist yet): `rows` gives
+/// (key, vector) pages.
+pub fn write_export(
+    dir: &Path,
+    config: &Config,
+    layout: &DataLayout,
+    step: u64,
+    model: &DenseModel,
+    mut rows: impl FnMut() -> Result<RowPage, TrainError>,
+) -> Result<ExportManifest, TrainError> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |e: std::io::Error| TrainError::io(&path, e)
+    };
+    let staging = dir.with_file_name(format!(
+        ".tmp-{}",
+        dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default()
+    ));
+    let _ = std::fs::remove_dir_all(&staging);
+    std::fs::create_dir_all(&staging).map_err(io(&staging))?;
+    let dim = model.shape.embedding_dim;
+    let mut files = BTreeMap::new();
+    let dense_path = staging.join(DENSE);
+    let bytes = safetensors_bytes(&model.params.to_map(), &dense_path)?;
+    write_bytes_synced(&dense_path, &bytes)?;
+    files.insert(
+        DENSE.to_string(),
+        FileEntry { bytes: bytes.len() as u64, xxh3: format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes)) },
+    );
+    // Rows stream to the file; the count goes into the header at the end.
+    let emb_path = staging.join(EMBEDDINGS);
+    let file = std::fs::File::create(&emb_path).map_err(io(&emb_path))?;
+    let mut w = BufWriter::with_capacity(1 << 20, file);
+    let mut header = EMBEDDINGS_MAGIC.to_vec();
+    header.extend_from_slice(&(dim as u32).to_le_bytes());
+    header.extend_from_slice(&0u64.to_le_bytes());
+    w.write_all(&header).map_err(io(&emb_path))?;
+    let mut count = 0u64;
+    while let Some((keys, vectors)) = rows()? {
+        if vectors.len() != keys.len() * dim {
+            return Err(TrainError::checkpoint(
+                &emb_path,
+                format!("{} keys with {} values", keys.len(), vectors.len()),
+            ));
+        }
+        for (key, v) in keys.iter().zip(vectors.chunks_exact(dim.max(1))) {
+            w.write_all(&key.to_le_bytes()).map_err(io(&emb_path))?;
+            for x in v {
+                w.write_all(&x.to_le_bytes()).map_err(io(&emb_path))?;
+            }
+        }
+        count += keys.len() as u64;
+    }
+    let mut file = w.into_inner().map_err(|e| TrainError::io(&emb_path, e.into_error()))?;
+    use std::io::Seek;
+    file.seek(std::io::SeekFrom::Start(12)).map_err(io(&emb_path))?;
+    file.write_all(&count.to_le_bytes()).map_err(io(&emb_path))?;
+    file.sync_all().map_err(io(&emb_path))?;
+    drop(file);
+    files.insert(EMBEDDINGS.to_string(), hash_file(&emb_path)?);
+    let manifest = ExportManifest {
+        format: EXPORT_FORMAT.into(),
+        step,
+        dim,
+        rows: count,
+        num_fields: layout.num_fields,
+        num_dense: layout.num_dense,
+        config: stored_config(config),
+        files,
+    };
+    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| TrainError::checkpoint(dir, e.to_string()))?;
+    write_bytes_synced(&staging.join(MANIFEST), &json)?;
+    std::fs::rename(&staging, dir).map_err(io(dir))?;
+    Ok(manifest)
+}
+
+fn hash_file(path: &Path) -> Result<FileEntry, TrainError> {
+    let mut f = std::fs::File::open(path).map_err(|e| TrainError::io(path, e))?;
+    let (mut hasher, mut buf, mut bytes) = (Xxh3::new(), vec![0u8; 1 << 20], 0u64);
+    loop {
+        let n = f.read(&mut buf).map_err(|e| TrainError::io(path, e))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        bytes += n as u64;
+    }
+    Ok(FileEntry { bytes, xxh3: format!("{:016x}", hasher.digest()) })
+}
+
+/// `dir` itself, or the export its `LATEST` file names.
+pub fn resolve_export(dir: &Path) -> Result<PathBuf, TrainError> {
+    if dir.join(MANIFEST).is_file() {
+        return Ok(dir.to_path_buf());
+    }
+    let latest = dir.join("LATEST");
+    match std::fs::read_to_string(&latest) {
+        Ok(name) => Ok(dir.join(name.trim())),
+        Err(_) => Err(TrainError::checkpoint(dir, "not a serving export (no manifest.json, no LATEST)")),
+    }
+}
+
+/// A trainer holding an export's model (vectors with fresh optimizer state),
+/// every file's size and checksum verified first.
+pub fn load_export(dir: &Path, overrides: &[String]) -> Result<(Trainer, ExportManifest), TrainError> {
+    let dir = resolve_export(dir)?;
+    let manifest_path = dir.join(MANIFEST);
+    let bytes = std::fs::read(&manifest_path).map_err(|e| TrainError::io(&manifest_path, e))?;
+    let m: ExportManifest = serde_json::from_slice(&bytes)
+        .map_err(|e| TrainError::checkpoint(&manifest_path, format!("manifest is corrupt or truncated: {e}")))?;
+    if m.format != EXPORT_FORMAT {
+        return Err(TrainError::checkpoint(&manifest_path, format!("format {}, expected {EXPORT_FORMAT}", m.format)));
+    }
+    for (name, entry) in &m.files {
+        let found = hash_file(&dir.join(name))?;
+        if found.bytes != entry.bytes || found.xxh3 != entry.xxh3 {
+            return Err(TrainError::checkpoint(
+                &dir.join(name),
+                format!(
+                    "{} bytes, checksum {}: the manifest says {} bytes, {}",
+                    found.bytes, found.xxh3, entry.bytes, entry.xxh3
+                ),
+            ));
+        }
+    }
+    let config = Config::from_toml_with_overrides(&m.config, &manifest_path.display().to_string(), overrides)?;
+    let layout = DataLayout {
+        num_fields: m.num_fields,
+        num_dense: m.num_dense,
+        weighted: DataLayout::from_config(&config.data).weighted,
+    };
+    let mut in_memory = config.clone();
+    in_memory.embedding.storage = sparrow_core::config::Storage::Memory;
+    let trainer = Trainer::new(&in_memory, layout)?;
+    let dense_path = dir.join(DENSE);
+    let tensors = candle_core::safetensors::load(&dense_path, trainer.model.params.device())
+        .map_err(|e| TrainError::checkpoint(&dense_path, e.to_string()))?;
+    trainer.model.params.load_map(&tensors)?;
+    let emb_path = dir.join(EMBEDDINGS);
+    let data = std::fs::read(&emb_path).map_err(|e| TrainError::io(&emb_path, e))?;
+    let bad = |what: String| TrainError::checkpoint(&emb_path, what);
+    if data.len() < 20 || &data[..8] != EMBEDDINGS_MAGIC {
+        return Err(bad("not an export's embeddings file".into()));
+    }
+    let dim = u32::from_le_bytes(data[8..12].try_into().unwrap_or_default()) as usize;
+    let rows = u64::from_le_bytes(data[12..20].try_into().unwrap_or_default());
+    if dim != trainer.table.dim() || data.len() as u64 != 20 + rows * (8 + 4 * dim as u64) {
+        return Err(bad(format!("dim {dim} and {rows} rows do not match the file or the model")));
+    }
+    let row_len = trainer.table.row_len();
+    let mut row = vec![0f32; row_len];
+    for chunk in data[20..].chunks_exact(8 + 4 * dim) {
+        let key = u64::from_le_bytes(chunk[..8].try_into().unwrap_or_default());
+        for (x, b) in row[..dim].iter_mut().zip(chunk[8..].chunks_exact(4)) {
+            *x = f32::from_le_bytes(b.try_into().unwrap_or_default());
+        }
+        trainer.table.put_row(key, &row).map_err(|e| bad(e.to_string()))?;
+    }
+    Ok((trainer, m))
+}
