@@ -166,3 +166,33 @@ fn lazy_aggregation_backs_up_changed_weights_as_serving_exports() {
     assert_eq!(served["rows"], 3000);
     assert_eq!(std::fs::read_to_string(&predictions).expect("read").lines().count(), 3000);
 }
+
+/// Rounds take part in the recovery of issue 13: checkpoints at round ends
+/// (`every_steps` counts the job's batches), a shard killed mid-way, and the
+/// job ends with the model of the uninterrupted run.
+#[test]
+fn a_round_job_whose_shard_dies_ends_with_the_uninterrupted_model() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "12000");
+    let config = write_config(tmp.path(), "");
+    let run = |name: &str, failpoints: Option<&str>| {
+        let dir = format!("checkpoint.dir={:?}", tmp.path().join(name).display().to_string());
+        let sets = ["cluster.sync=\"round\"", "checkpoint.every_steps=10", &dir];
+        let mut command = sparrow();
+        command.args(["launch", "--config", &config, "--shards", "2", "--workers", "1", "--quiet"]);
+        for set in sets {
+            command.args(["--set", set]);
+        }
+        if let Some(f) = failpoints {
+            command.env("FAILPOINTS", f);
+        }
+        let out = command.output().expect("launch");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        last_json(&out)
+    };
+    let whole = run("whole", None);
+    let broken = run("broken", Some("shard.push=30*off->return"));
+    assert!(broken["restarts"]["shard"].as_u64().is_some_and(|n| n >= 1), "{}", broken["restarts"]);
+    assert!(broken["checkpoints_committed"].as_u64().is_some_and(|n| n >= 3), "{broken}");
+    assert_eq!(broken["test_auc"], whole["test_auc"], "the recovered round job");
+}
