@@ -20,7 +20,7 @@ use sparrow_embedding::{KeyPlan, owner};
 use sparrow_model::{DenseModel, DenseOptimizer, ModelShape};
 use sparrow_trainer::TrainError;
 use sparrow_trainer::dense_sync::{DenseSync, LocalSync};
-use sparrow_trainer::engine::{DenseInputs, Looked, RowSource, StepEngine, dense_step, idle_step};
+use sparrow_trainer::engine::{DenseInputs, Looked, RowSource, StepEngine, Stepped, dense_step, idle_step};
 use sparrow_trainer::pooling::{Bags, pool};
 use sparrow_trainer::trainer::seeds;
 
@@ -553,6 +553,15 @@ impl Worker {
         Ok(())
     }
 
+    /// Adds a step's phase times to the stats; the error the step deferred (a failed push), if any.
+    fn record_phases<R>(&mut self, stepped: Stepped<R, ClusterError>) -> Result<(), ClusterError> {
+        let phases = &mut self.stats.phase_secs;
+        phases.pull += stepped.lookup_secs;
+        phases.dense += stepped.dense_secs;
+        phases.push += stepped.update_secs;
+        stepped.deferred.map_or(Ok(()), Err)
+    }
+
     /// `train.pipeline_depth`: how many batches ahead of its dense step a
     /// batch's rows are pulled (see [`run_training`](Self::run_training)).
     pub fn with_pipeline_depth(mut self, depth: usize) -> Self {
@@ -745,13 +754,7 @@ impl Worker {
                 })?;
                 match stepped {
                     Some(stepped) => {
-                        let phases = &mut self.stats.phase_secs;
-                        phases.pull += stepped.lookup_secs;
-                        phases.dense += stepped.dense_secs;
-                        phases.push += stepped.update_secs;
-                        if let Some(e) = stepped.deferred {
-                            return Err(e);
-                        }
+                        self.record_phases(stepped)?;
                         since += 1;
                         samples += trained.0;
                         coefficient += trained.1;
@@ -852,13 +855,7 @@ impl Worker {
                 Ok(((), Some(grads)))
             })?;
             let Some(stepped) = stepped else { break };
-            let phases = &mut self.stats.phase_secs;
-            phases.pull += stepped.lookup_secs;
-            phases.dense += stepped.dense_secs;
-            phases.push += stepped.update_secs;
-            if let Some(e) = stepped.deferred {
-                return Err(e);
-            }
+            self.record_phases(stepped)?;
             self.reported_step.store(self.job_step(), Ordering::Relaxed);
             faults::point("worker.step");
             faults::worker_step(self.index);
@@ -891,13 +888,7 @@ impl Worker {
                 Ok(((), Some(grads)))
             })?;
             let Some(stepped) = stepped else { break };
-            let phases = &mut self.stats.phase_secs;
-            phases.pull += stepped.lookup_secs;
-            phases.dense += stepped.dense_secs;
-            phases.push += stepped.update_secs;
-            if let Some(e) = stepped.deferred {
-                return Err(e);
-            }
+            self.record_phases(stepped)?;
             self.after_step(Some((&mut engine, rows)))?;
         }
         self.stats.phase_secs.push += engine.flush(rows)?;

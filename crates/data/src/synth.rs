@@ -326,18 +326,31 @@ pub fn generate(dir: &Path, train_rows: u64, test_rows: u64, seed: u64) -> Resul
     let (train_p, train_l) = write_split(&world, &dir.join("train.tsv"), train_rows, 1)?;
     let (test_p, test_l) = write_split(&world, &dir.join("test.tsv"), test_rows, 2)?;
     drop(train_p);
+    write_truth(dir, &world, GENERATOR.into(), (train_rows, test_rows), &train_l, (&test_p, &test_l))
+}
+
+/// Writes `dir/truth.json`: the test rows' Bayes AUC and log-loss from their
+/// true probabilities, the click rates, the world's shape.
+fn write_truth(
+    dir: &Path,
+    world: &World,
+    generator: String,
+    (train_rows, test_rows): (u64, u64),
+    train_labels: &[f32],
+    (test_p, test_l): (&[f64], &[f32]),
+) -> Result<Truth, DataError> {
     let mean = |v: &[f32]| {
         if v.is_empty() { f64::NAN } else { v.iter().map(|&x| f64::from(x)).sum::<f64>() / v.len() as f64 }
     };
     let truth = Truth {
-        generator: GENERATOR.into(),
-        seed,
+        generator,
+        seed: world.seed,
         train_rows,
         test_rows,
-        bayes_auc: auc_f64(&test_p, &test_l),
-        bayes_logloss: log_loss_from_probs(&test_p, &test_l),
-        test_ctr: mean(&test_l),
-        train_ctr: mean(&train_l),
+        bayes_auc: auc_f64(test_p, test_l),
+        bayes_logloss: log_loss_from_probs(test_p, test_l),
+        test_ctr: mean(test_l),
+        train_ctr: mean(train_labels),
         vocab_sizes: world.fields.iter().map(|f| f.sampler.prob.len() as u64).collect(),
         interaction_pairs: world.pairs.iter().map(|&(a, b, _)| (a, b)).collect(),
     };
@@ -445,25 +458,8 @@ pub fn generate_days(
     let per_day = |d: u32| train_rows / u64::from(days) + u64::from(u64::from(d) < train_rows % u64::from(days));
     let (_, train_l) = write(&dir.join("train.csv"), &per_day, 1, shuffled)?;
     let (test_p, test_l) = write(&dir.join("test.csv"), &|d| if d + 1 == days { test_rows } else { 0 }, 2, false)?;
-    let mean = |v: &[f32]| {
-        if v.is_empty() { f64::NAN } else { v.iter().map(|&x| f64::from(x)).sum::<f64>() / v.len() as f64 }
-    };
-    let truth = Truth {
-        generator: format!("{GENERATOR}-days{days}{}", if shuffled { "-shuffled" } else { "" }),
-        seed,
-        train_rows,
-        test_rows,
-        bayes_auc: auc_f64(&test_p, &test_l),
-        bayes_logloss: log_loss_from_probs(&test_p, &test_l),
-        test_ctr: mean(&test_l),
-        train_ctr: mean(&train_l),
-        vocab_sizes: world.fields.iter().map(|f| f.sampler.prob.len() as u64).collect(),
-        interaction_pairs: world.pairs.iter().map(|&(a, b, _)| (a, b)).collect(),
-    };
-    let path = dir.join("truth.json");
-    let json = serde_json::to_string_pretty(&truth).map_err(|e| DataError::io(&path, std::io::Error::other(e)))?;
-    std::fs::write(&path, json + "\n").map_err(|e| DataError::io(&path, e))?;
-    Ok(truth)
+    let generator = format!("{GENERATOR}-days{days}{}", if shuffled { "-shuffled" } else { "" });
+    write_truth(dir, &world, generator, (train_rows, test_rows), &train_l, (&test_p, &test_l))
 }
 
 #[cfg(test)]
