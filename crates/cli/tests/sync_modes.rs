@@ -70,6 +70,7 @@ fn bad_sync_settings_are_refused_naming_the_key() {
         ("cluster.round_merge=\"median\"", "round_merge"),
         ("cluster.lazy.send=\"all\"", "send"),
         ("cluster.lazy.combine=\"xor\"", "combine"),
+        ("cluster.lazy.max_net_utilisation=0", "cluster.lazy.max_net_utilisation"),
     ] {
         let config = write_config(tmp.path(), "");
         let out = sparrow()

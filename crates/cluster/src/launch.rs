@@ -480,6 +480,8 @@ pub struct ClusterFields {
     pub aggregators: Option<usize>,
     pub aggregations: Option<u64>,
     pub local_iterations: Option<u64>,
+    /// Per worker: seconds spent asking the scheduler and waiting for instructions.
+    pub lazy_wait_secs: Option<Vec<f64>>,
     /// Backups the aggregator wrote (each also a serving export under `checkpoint.dir/exports/`).
     pub backups: Option<u64>,
     pub scheduler: Option<crate::lazy::LazyReport>,
@@ -571,6 +573,7 @@ fn merge(
             aggregations: first.lazy.as_ref().map(|r| r.aggregations),
             local_iterations: first.lazy.as_ref().map(|r| r.local_iterations),
             backups: first.lazy.as_ref().map(|r| r.backups),
+            lazy_wait_secs: first.lazy.as_ref().map(|_| workers.iter().map(|w| w.lazy_wait_secs).collect()),
             scheduler: first.lazy.clone(),
             worker_in_bytes_per_sample: InBytes {
                 loader: per_sample(workers.iter().map(|w| w.bytes_from_loader).sum()),

@@ -714,8 +714,10 @@ pub struct WorkerSummary {
     /// `sync = "round"`: rounds merged and every worker's items over them.
     pub rounds: u64,
     pub round_items: Vec<u64>,
-    /// `sync = "lazy"`: what the scheduler counted (from the final weights).
+    /// `sync = "lazy"`: what the scheduler counted (from the final weights),
+    /// and the seconds this worker spent asking for and waiting on instructions.
     pub lazy: Option<crate::lazy::LazyReport>,
+    pub lazy_wait_secs: f64,
     /// `[data.weighting]`: the loader's merged and dropped counts, this worker's weight sum.
     pub merged_samples: u64,
     pub dropped_samples: u64,
@@ -881,6 +883,7 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Generation) -> Result<Wor
     summary.rounds = s.rounds;
     summary.round_items = s.round_items.clone();
     summary.lazy = worker.lazy_report.clone();
+    summary.lazy_wait_secs = s.lazy_wait_secs;
     summary.merged_samples = s.merged_samples;
     summary.dropped_samples = s.dropped_samples;
     summary.sample_weight_sum = s.sample_weight_sum;

@@ -120,7 +120,7 @@ pub struct Worker {
     /// This worker's dense step, for its heartbeats.
     pub reported_step: Arc<AtomicU64>,
     checkpoints: Option<Checkpoints>,
-    /// `sync = "round"`: where rounds merge, and the job's position in them.
+    /// `sync = "round"`: where rounds merge.
     rounds: Option<Rounds>,
     /// `sync = "lazy"`: the scheduler and aggregators, and what they counted.
     lazy: Option<LazyPart>,

@@ -789,6 +789,18 @@ impl Config {
                 return invalid(&format!("cluster.lazy.{key}"), "must be a number ≥ 0 (a share: 0.3 is 30%)");
             }
         }
+        let (net, failures) = (lazy.max_net_utilisation > 0.0, lazy.max_failure_rate > 0.0);
+        let passable = match lazy.combine {
+            Combine::And => net && failures,
+            Combine::Or => net || failures,
+        };
+        if !passable {
+            return invalid(
+                "cluster.lazy.max_net_utilisation",
+                "with this and cluster.lazy.max_failure_rate (combine) no instruction could ever pass: a condition \
+                 passes strictly below its threshold, so a threshold of 0 never does",
+            );
+        }
         if !(lazy.link_bytes_per_sec.is_finite() && lazy.link_bytes_per_sec > 0.0) {
             return invalid("cluster.lazy.link_bytes_per_sec", "must be above 0");
         }
