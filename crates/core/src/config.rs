@@ -126,8 +126,8 @@ pub struct Schema {
     /// Applied to every dense value: `none`, or `log1p` = log(1 + max(x, 0))
     /// as the Criteo reader does (for raw counts).
     pub dense_transform: DenseTransform,
-    /// CSV only: the column holding each sample's time (Unix seconds), for
-    /// `[data.weighting]`.
+    /// The column holding each sample's time (Unix seconds; in Parquet also
+    /// a timestamp type), for `[data.weighting]`.
     pub timestamp: Option<String>,
 }
 
@@ -752,8 +752,8 @@ impl Config {
             if self.data.schema.as_ref().and_then(|s| s.timestamp.as_ref()).is_none() {
                 return invalid("data.weighting", "needs data.schema.timestamp (the column of Unix seconds)");
             }
-            if self.data.format != DataFormat::Csv {
-                return invalid("data.weighting", "is available for format = \"csv\" (parquet: not yet)");
+            if !matches!(self.data.format, DataFormat::Csv | DataFormat::Parquet) {
+                return invalid("data.weighting", "needs format = \"csv\" or \"parquet\" (a timestamp column)");
             }
             if !(w.decay_base.is_finite() && w.decay_base > 1.0) {
                 return invalid("data.weighting.decay_base", "must be above 1 (default e)");

@@ -28,6 +28,11 @@ pub struct ParquetSource {
     /// Index of the next row (0-based).
     next_row: u64,
     bad: BadRows,
+    /// `schema.timestamp`'s column and name; rows dated after `now` are malformed.
+    timestamp: Option<(usize, String)>,
+    now: i64,
+    /// `[data.weighting]`, on the training file.
+    weigher: Option<crate::weighting::Weigher>,
 }
 
 /// A label or dense column must hold one number (or a string of one) per
@@ -129,7 +134,8 @@ impl ParquetSource {
         for (col, _) in &dense {
             check_scalar_column(path, &names, &types, *col, "a dense value")?;
         }
-        Ok(ParquetSource {
+        let timestamp = schema.timestamp.as_ref().map(|n| Ok::<_, DataError>((find(n)?, n.clone()))).transpose()?;
+        let mut source = ParquetSource {
             path: path.to_path_buf(),
             rows,
             layout: DataLayout::from_config(config),
@@ -139,6 +145,57 @@ impl ParquetSource {
             transform: schema.dense_transform,
             next_row: 0,
             bad,
+            timestamp,
+            now: crate::weighting::now_secs(),
+            weigher: None,
+        };
+        let is_train = config.train.as_deref().is_some_and(|t| Path::new(t) == path);
+        if let (Some(cfg), true) = (&config.weighting, is_train) {
+            let reference = match cfg.reference_time {
+                Some(t) => t,
+                None => source.newest_timestamp()?,
+            };
+            let counters = source.bad.weighting.clone();
+            source.weigher = Some(crate::weighting::Weigher::new(cfg.clone(), reference, counters));
+        }
+        Ok(source)
+    }
+
+    /// The row's time from the timestamp column: Unix seconds as a number, a
+    /// string of one, or a Parquet timestamp (millis, micros); not in the future.
+    fn timestamp_of(&self, cols: &[&Field]) -> Result<Option<i64>, String> {
+        let Some((col, name)) = &self.timestamp else { return Ok(None) };
+        let f = cols.get(*col).ok_or("row is shorter than the schema")?;
+        let ts = match f {
+            Field::TimestampMillis(ms) => ms.div_euclid(1000),
+            Field::TimestampMicros(us) => us.div_euclid(1_000_000),
+            Field::Str(s) => match s.trim().parse::<f64>() {
+                Ok(v) if v.is_finite() && v.abs() < 9e15 => v.floor() as i64,
+                _ => return Err(format!("column {name}: `{s}` is not a time in Unix seconds")),
+            },
+            other => match number(other) {
+                Some(v) if v.is_finite() && v.abs() < 9e15 => v.floor() as i64,
+                _ => return Err(format!("column {name}: `{other}` is not a time in Unix seconds")),
+            },
+        };
+        crate::weighting::check_time(ts, self.now, name).map(Some)
+    }
+
+    /// The newest valid timestamp in the file (the weighting's default
+    /// reference time): one pass over the rows, invalid ones skipped.
+    fn newest_timestamp(&self) -> Result<i64, DataError> {
+        let (mut rows, _) = open_rows(&self.path)?;
+        let mut newest: Option<i64> = None;
+        while let Some(row) = guarded(&self.path, || Ok(rows.next()))? {
+            let Ok(row) = row else { break };
+            let cols: Vec<&Field> = row.get_column_iter().map(|(_, f)| f).collect();
+            if let Ok(Some(ts)) = self.timestamp_of(&cols) {
+                newest = Some(newest.map_or(ts, |m| m.max(ts)));
+            }
+        }
+        newest.ok_or_else(|| DataError::Schema {
+            path: self.path.clone(),
+            message: "[data.weighting]: no row has a valid timestamp (set data.weighting.reference_time?)".into(),
         })
     }
 
@@ -153,6 +210,9 @@ impl ParquetSource {
                 _ => return Err(format!("label `{other}` is not 0/1 or -1/+1")),
             },
         };
+        if let Some(ts) = self.timestamp_of(&cols)? {
+            out.set_timestamp(ts);
+        }
         for (col, name) in &self.dense {
             let f = cols.get(*col).ok_or("row is shorter than the schema")?;
             let v = match f {
@@ -236,6 +296,22 @@ impl BatchSource for ParquetSource {
     }
 
     fn next_batch(&mut self, batch_size: usize, epoch: u64) -> Result<Option<Batch>, DataError> {
+        loop {
+            let Some(batch) = self.read_batch(batch_size, epoch)? else { return Ok(None) };
+            match &self.weigher {
+                // Every sample of the batch dropped: read on.
+                Some(w) => match w.apply(batch) {
+                    b if b.rows() == 0 => continue,
+                    b => return Ok(Some(b)),
+                },
+                None => return Ok(Some(batch)),
+            }
+        }
+    }
+}
+
+impl ParquetSource {
+    fn read_batch(&mut self, batch_size: usize, epoch: u64) -> Result<Option<Batch>, DataError> {
         let mut b = BatchBuilder::new(self.layout.num_fields, self.layout.num_dense, false, batch_size);
         while b.rows() < batch_size {
             let row = match guarded(&self.path, || Ok(self.rows.next()))? {

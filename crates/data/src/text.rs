@@ -242,9 +242,7 @@ impl CsvParser {
             transform: schema.dense_transform,
             width,
             timestamp,
-            now: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(i64::MAX, |d| d.as_secs() as i64),
+            now: crate::weighting::now_secs(),
         })
     }
 
@@ -261,10 +259,7 @@ impl CsvParser {
                 _ => return Err(format!("column {name}: `{text}` is not a time in Unix seconds")),
             },
         };
-        if ts > self.now {
-            return Err(format!("column {name}: {ts} is in the future (now is {})", self.now));
-        }
-        Ok(Some(ts))
+        crate::weighting::check_time(ts, self.now, name).map(Some)
     }
 
     /// The newest valid timestamp of a CSV line (the weighting's default reference time).

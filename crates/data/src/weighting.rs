@@ -18,6 +18,19 @@ use sparrow_core::batch::BatchBuilder;
 use sparrow_core::config::WeightingConfig;
 use std::sync::Mutex;
 
+/// A sample's time checked: not after `now` (Unix seconds), else why not.
+pub fn check_time(ts: i64, now: i64, column: &str) -> Result<i64, String> {
+    if ts > now {
+        return Err(format!("column {column}: {ts} is in the future (now is {now})"));
+    }
+    Ok(ts)
+}
+
+/// Now, in Unix seconds (rows dated later are malformed).
+pub fn now_secs() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(i64::MAX, |d| d.as_secs() as i64)
+}
+
 /// What weighting did to the training data (the final JSON's fields).
 #[derive(Debug, Default)]
 pub struct WeightCounters {

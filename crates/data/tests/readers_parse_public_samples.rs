@@ -288,3 +288,70 @@ fn a_parquet_type_mismatch_is_one_schema_error_not_one_per_row() {
         assert_eq!(bad.total(), 0, "no row was tried");
     }
 }
+
+/// `[data.weighting]` on Parquet: an INT64 column of Unix seconds; identical
+/// rows of a day merge, a week-old row is dropped, a future time is a bad row.
+#[test]
+fn parquet_timestamps_weigh_merge_and_drop() {
+    use parquet::data_type::{ByteArray, ByteArrayType, Int32Type, Int64Type};
+    use parquet::file::properties::WriterProperties;
+    use parquet::file::writer::SerializedFileWriter;
+    use parquet::schema::parser::parse_message_type;
+
+    let dir = tempfile::tempdir().expect("tmp");
+    let path = dir.path().join("dated.parquet");
+    let day = 86_400i64;
+    let newest = 1_700_000_000 - 1_700_000_000 % day + day - 1;
+    let rows: [(i32, i64, &str); 5] = [
+        (1, newest - 3600, "a.com"),
+        (1, newest, "a.com"),           // the same sample the same day: merged, count 2
+        (0, newest - 7 * day, "b.com"), // e^-7 < 0.001: dropped
+        (1, 4_000_000_000, "c.com"),    // in the future: a bad row
+        (0, newest - day, "d.com"),     // a day old: weight e^-1
+    ];
+    let schema = Arc::new(
+        parse_message_type(
+            "message dated { REQUIRED INT32 label; REQUIRED INT64 ts; REQUIRED BYTE_ARRAY site (UTF8); }",
+        )
+        .expect("schema"),
+    );
+    let file = std::fs::File::create(&path).expect("create");
+    let mut writer =
+        SerializedFileWriter::new(file, schema, Arc::new(WriterProperties::builder().build())).expect("writer");
+    let mut rg = writer.next_row_group().expect("row group");
+    let mut col = rg.next_column().expect("col").expect("label");
+    col.typed::<Int32Type>().write_batch(&rows.map(|r| r.0), None, None).expect("label");
+    col.close().expect("close");
+    let mut col = rg.next_column().expect("col").expect("ts");
+    col.typed::<Int64Type>().write_batch(&rows.map(|r| r.1), None, None).expect("ts");
+    col.close().expect("close");
+    let mut col = rg.next_column().expect("col").expect("site");
+    col.typed::<ByteArrayType>().write_batch(&rows.map(|r| ByteArray::from(r.2)), None, None).expect("site");
+    col.close().expect("close");
+    rg.close().expect("row group");
+    writer.close().expect("file");
+
+    let schema = Schema {
+        label: "label".into(),
+        sparse: vec!["site".into()],
+        timestamp: Some("ts".into()),
+        ..Schema::default()
+    };
+    let config = DataConfig {
+        format: DataFormat::Parquet,
+        train: Some(path.display().to_string()),
+        schema: Some(schema),
+        weighting: Some(sparrow_core::config::WeightingConfig::default()),
+        ..Default::default()
+    };
+    let bad = BadRows::new(5, 5);
+    let b = read_all(&path, &config, 10, &bad).expect("reads");
+    assert_eq!(bad.total(), 1, "the future time");
+    assert_eq!(b.len(), 1);
+    assert_eq!(b[0].labels, vec![1.0, 0.0]);
+    let w = b[0].sample_weights.as_ref().expect("weights");
+    assert!((w[0] - 2.0).abs() < 1e-6, "count 2, age 0: {w:?}");
+    assert!((f64::from(w[1]) - (-1.0f64).exp()).abs() < 1e-6, "a day old: {w:?}");
+    assert_eq!(bad.weighting.merged.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert_eq!(bad.weighting.dropped.load(std::sync::atomic::Ordering::Relaxed), 1);
+}
