@@ -522,17 +522,10 @@ impl BatchSource for TextSource {
     }
 
     fn next_batch(&mut self, batch_size: usize, epoch: u64) -> Result<Option<Batch>, DataError> {
-        loop {
-            let Some(batch) = self.read_batch(batch_size, epoch)? else { return Ok(None) };
-            match &self.weigher {
-                // Every sample of the batch dropped: read on.
-                Some(w) => match w.apply(batch) {
-                    b if b.rows() == 0 => continue,
-                    b => return Ok(Some(b)),
-                },
-                None => return Ok(Some(batch)),
-            }
-        }
+        let weigher = self.weigher.take();
+        let next = crate::weighting::next_weighted(weigher.as_ref(), || self.read_batch(batch_size, epoch));
+        self.weigher = weigher;
+        next
     }
 }
 

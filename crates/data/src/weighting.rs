@@ -31,6 +31,22 @@ pub fn now_secs() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(i64::MAX, |d| d.as_secs() as i64)
 }
 
+/// The next batch from `read`, through `weigher` when there is one: a batch
+/// whose every sample was dropped is skipped (the reader reads on).
+pub fn next_weighted(
+    weigher: Option<&Weigher>,
+    mut read: impl FnMut() -> Result<Option<Batch>, crate::DataError>,
+) -> Result<Option<Batch>, crate::DataError> {
+    loop {
+        let Some(batch) = read()? else { return Ok(None) };
+        let Some(w) = weigher else { return Ok(Some(batch)) };
+        let weighed = w.apply(batch);
+        if weighed.rows() > 0 {
+            return Ok(Some(weighed));
+        }
+    }
+}
+
 /// What weighting did to the training data (the final JSON's fields).
 #[derive(Debug, Default)]
 pub struct WeightCounters {
