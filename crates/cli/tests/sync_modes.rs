@@ -197,3 +197,36 @@ fn a_round_job_whose_shard_dies_ends_with_the_uninterrupted_model() {
     assert!(broken["checkpoints_committed"].as_u64().is_some_and(|n| n >= 3), "{broken}");
     assert_eq!(broken["test_auc"], whole["test_auc"], "the recovered round job");
 }
+
+/// S4.6 after a failure: each backup is committed as a checkpoint while the
+/// aggregation's workers wait (a cut), so a lazy job whose shards die goes
+/// back to its latest backup, not to its start.
+#[test]
+fn a_lazy_job_whose_shards_die_resumes_from_its_latest_backup() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "20000");
+    let config = write_config(tmp.path(), "");
+    let dir = format!("checkpoint.dir={:?}", tmp.path().join("ckpt").display().to_string());
+    let out = sparrow()
+        .args(["launch", "--config", &config, "--shards", "2", "--workers", "2", "--quiet"])
+        .args(["--set", "cluster.sync=\"lazy\"", "--set", &dir])
+        .env("FAILPOINTS", "shard.push=50*off->return")
+        .output()
+        .expect("launch");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lazy = last_json(&out);
+    assert!(lazy["restarts"]["shard"].as_u64().is_some_and(|n| n >= 1), "{}", lazy["restarts"]);
+    let steps: Vec<u64> =
+        lazy["checkpoints"].as_array().expect("checkpoints").iter().filter_map(|c| c["step"].as_u64()).collect();
+    // Backups before the death were committed; the job went back to the
+    // newest one and replayed only what followed it.
+    let before: Vec<u64> = steps.iter().copied().take_while(|&s| s < 50).collect();
+    let newest = *before.last().expect("a backup committed before the shards died");
+    let replayed = lazy["steps_replayed"].as_u64().expect("replayed");
+    assert!(
+        replayed < 50 && replayed <= 50 - newest + 2,
+        "replayed {replayed}, newest backup at {newest}, checkpoints {steps:?}"
+    );
+    assert_eq!(lazy["replicas_identical"], true);
+    assert_eq!(steps.last().copied(), Some(79), "the job ends with all 79 batches trained: {steps:?}");
+}

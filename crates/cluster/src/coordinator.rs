@@ -37,7 +37,7 @@ use sparrow_core::config::SyncMode;
 
 use crate::checkpoint::{CheckpointSink, WorkerCut, staging_dir};
 use crate::faults;
-use crate::lazy::{Backup, FinalWeights, Instruction, Lazy, LazyLink};
+use crate::lazy::{Backup, BackupCommitter, BackupCut, FinalWeights, Instruction, Lazy, LazyLink};
 use crate::rounds::{MergedRound, RoundMerge, RoundUpdate};
 use crate::sync::{Contribution, RoundReply, RoundSum};
 use crate::transport::{ClusterError, PartWritten, ShardService};
@@ -216,8 +216,10 @@ pub struct Coordinator {
     /// `sync = "lazy"`: the scheduler and the aggregators of the current generation.
     lazy: Mutex<Option<Arc<Lazy>>>,
     aggregators: usize,
-    /// Where the aggregators' backups go (`checkpoint.dir` set, `sync = "lazy"`).
+    /// Where the aggregators' backups go (`checkpoint.dir` set, `sync = "lazy"`),
+    /// and what commits each as a checkpoint.
     backup_sink: Mutex<Option<crossbeam_channel::Sender<Backup>>>,
+    backup_committer: Mutex<Option<BackupCommitter>>,
     recovery: Mutex<Recovery>,
     /// `recovery.generation`, readable under other locks.
     current: AtomicU64,
@@ -292,6 +294,7 @@ impl Coordinator {
             lazy: Mutex::new(lazy_for(config, num_workers, 1, start.as_ref().map(|(d, _)| d.as_path()))?),
             aggregators: 1,
             backup_sink: Mutex::new(None),
+            backup_committer: Mutex::new(None),
             recovery: Mutex::new(Recovery {
                 generation: 1,
                 restore: start.as_ref().map(|(d, _)| d.clone()),
@@ -327,13 +330,47 @@ impl Coordinator {
     /// Starts backing the aggregated weights up (S4.6) when the job runs
     /// lazy aggregation and has a `checkpoint.dir`: the caller writes what
     /// the receiver gets with [`write_backup`](Self::write_backup).
-    pub fn start_backups(&self) -> Option<crossbeam_channel::Receiver<Backup>> {
+    /// Each backup is also committed as a checkpoint (a cut: the workers of
+    /// the aggregation wait until it is), which a failure restarts from.
+    pub fn start_backups(self: &Arc<Self>) -> Option<crossbeam_channel::Receiver<Backup>> {
         let lazy = self.lazy()?;
         self.config.checkpoint.dir.as_ref()?;
         let (tx, rx) = crossbeam_channel::unbounded();
         lazy.back_up_to(tx.clone());
         *self.backup_sink.lock() = Some(tx);
+        let me = Arc::downgrade(self);
+        let committer: BackupCommitter = Arc::new(move |cut| match me.upgrade() {
+            Some(coordinator) => coordinator.commit_backup(cut).map(|_| ()).map_err(|e| e.to_string()),
+            None => Err("the coordinator is gone".into()),
+        });
+        lazy.commit_backups_with(committer.clone());
+        *self.backup_committer.lock() = Some(committer);
         Some(rx)
+    }
+
+    /// Commits a lazy job's backup as a checkpoint: the aggregated weights
+    /// (with fresh Adam state: replicas' moments are their own and are never
+    /// aggregated), every shard's part, the furthest data position aggregated.
+    pub fn commit_backup(&self, cut: &BackupCut) -> Result<PathBuf, ClusterError> {
+        let root = PathBuf::from(
+            self.config.checkpoint.dir.as_deref().ok_or_else(|| ClusterError::Setup("no checkpoint.dir".into()))?,
+        );
+        let generation = self.generation().number;
+        let layout = sparrow_data::DataLayout::from_config(&self.config.data);
+        let model = crate::worker::new_worker(&self.config, &layout, 0, None)?.model;
+        model.params.set_flat(&cut.weights).map_err(sparrow_trainer::TrainError::from)?;
+        let optimizer = sparrow_model::DenseOptimizer::new(self.config.dense_optimizer.clone());
+        crate::checkpoint::write_dense(&root, cut.step, generation, &model, &optimizer)?;
+        let worker_cut = WorkerCut {
+            worker: 0,
+            generation,
+            step: cut.step,
+            samples_trained: cut.samples,
+            dense_optimizer_step: 0,
+            position: cut.position,
+            wrote_dense: true,
+        };
+        self.commit(&[worker_cut])
     }
 
     /// Writes backup `number` as a serving export under
@@ -487,6 +524,9 @@ impl Coordinator {
             Ok(next) => {
                 if let (Some(lazy), Some(sink)) = (&next, self.backup_sink.lock().as_ref()) {
                     lazy.back_up_to(sink.clone());
+                }
+                if let (Some(lazy), Some(committer)) = (&next, self.backup_committer.lock().as_ref()) {
+                    lazy.commit_backups_with(committer.clone());
                 }
                 if let Some(old) = std::mem::replace(&mut *self.lazy.lock(), next) {
                     old.fail(format!("generation {} started", r.generation));
@@ -1114,7 +1154,15 @@ fn lazy_for(
     };
     let weights = model.params.flat_values().map_err(sparrow_trainer::TrainError::from)?;
     let lr = config.dense_optimizer.learning_rate;
-    Ok(Some(Arc::new(Lazy::new(&config.cluster.lazy, workers, aggregators, lr, weights))))
+    let (batches, samples) = match restore {
+        Some(dir) => {
+            let m = sparrow_trainer::checkpoint::read_manifest(dir)?;
+            (m.step, m.samples_trained)
+        }
+        None => (0, 0),
+    };
+    let lazy = Lazy::new(&config.cluster.lazy, workers, aggregators, lr, weights).after(batches, samples);
+    Ok(Some(Arc::new(lazy)))
 }
 
 impl LazyLink for Coordinator {
@@ -1130,7 +1178,7 @@ impl LazyLink for Coordinator {
         lazy.poll(worker, since, finished, wait).map_err(|e| self.woken(generation, e))
     }
 
-    fn contribute(&self, c: crate::lazy::Contribution) -> Result<Option<Arc<Vec<f32>>>, ClusterError> {
+    fn contribute(&self, c: crate::lazy::Contribution) -> Result<crate::lazy::Aggregated, ClusterError> {
         faults::point("coordinator.aggregate");
         let generation = c.generation;
         let lazy = self.lazy_in(c.worker, generation)?;

@@ -186,6 +186,8 @@ struct Pending {
     contributions: Vec<Option<(Vec<f32>, f64, bool)>>,
     /// The new weights once every participant sent.
     result: Option<Arc<Vec<f32>>>,
+    /// The checkpoint step it was committed as (a backup).
+    committed: Option<u64>,
     taken: usize,
 }
 
@@ -207,6 +209,8 @@ struct State {
     /// The weights of the last backup, and backups queued but not written.
     last_backup: Option<Vec<f32>>,
     backups_pending: u64,
+    /// The furthest data position among the contributions so far.
+    position: sparrow_core::batch::DataPosition,
     report: LazyReport,
     failed: Option<String>,
 }
@@ -222,10 +226,41 @@ pub struct Lazy {
     conditions: Mutex<Conditions>,
     /// Where backups go to be written (S4.6); none: not backed up.
     backups: Mutex<Option<crossbeam_channel::Sender<Backup>>>,
+    /// Commits each backup as a checkpoint before the workers go on.
+    committer: Mutex<Option<BackupCommitter>>,
+    /// The job's batches and samples before this scheduler started (the restored checkpoint's).
+    base: (u64, u64),
 }
 
 /// New weights to back up (and export for serving): the aggregation's number and the weights.
 pub type Backup = (u64, Arc<Vec<f32>>);
+
+/// What a contribution gets back: the new weights (none once its data is
+/// finished) and the job's totals after the aggregation (the checkpoints'
+/// step counts batches the job trained, the restored checkpoint's included).
+#[derive(Clone, Debug)]
+pub struct Aggregated {
+    pub weights: Option<Arc<Vec<f32>>>,
+    pub job_batches: u64,
+    pub job_samples: u64,
+    /// The aggregation was a backup committed as the checkpoint of this step.
+    pub committed: Option<u64>,
+}
+
+/// A backup as a checkpoint, taken while every worker still training waits
+/// in its contribution (every update pushed): a cut the job can resume from.
+#[derive(Clone, Debug)]
+pub struct BackupCut {
+    /// The job's batches and samples trained (its checkpoint step).
+    pub step: u64,
+    pub samples: u64,
+    /// The furthest data position among the aggregated batches.
+    pub position: sparrow_core::batch::DataPosition,
+    pub weights: Arc<Vec<f32>>,
+}
+
+/// Commits a [`BackupCut`] (the coordinator's checkpoint machinery).
+pub type BackupCommitter = Arc<dyn Fn(&BackupCut) -> Result<(), String> + Send + Sync>;
 
 /// ‖x − b‖₂ / ‖b‖₂, the weights' relative change since the last backup b
 /// (infinite without one; a zero b counts any change as infinite).
@@ -260,13 +295,28 @@ impl Lazy {
                 last_issued: std::time::Instant::now(),
                 last_backup: None,
                 backups_pending: 0,
+                position: Default::default(),
                 report: LazyReport::default(),
                 failed: None,
             }),
             changed: Condvar::new(),
             conditions: Mutex::new(Conditions::default()),
             backups: Mutex::new(None),
+            committer: Mutex::new(None),
+            base: (0, 0),
         }
+    }
+
+    /// The job trained `batches` batches of `samples` samples before (a restored checkpoint).
+    pub fn after(mut self, batches: u64, samples: u64) -> Self {
+        self.base = (batches, samples);
+        self
+    }
+
+    /// Commits every backup as a checkpoint through `committer` (before the
+    /// workers of the aggregation go on, so it is a cut).
+    pub fn commit_backups_with(&self, committer: BackupCommitter) {
+        *self.committer.lock() = Some(committer);
     }
 
     /// Backs the aggregated weights up through `sink` when they moved by at
@@ -413,6 +463,7 @@ impl Lazy {
             participants: participants.clone(),
             contributions: (0..self.workers).map(|_| None).collect(),
             result: None,
+            committed: None,
             taken: 0,
         });
         self.changed.notify_all();
@@ -422,16 +473,11 @@ impl Lazy {
     /// A worker's contribution to instruction `id`: blocks until every
     /// participant's is in; returns the new weights, or `None` to a worker
     /// whose data is finished (it gets none, S4.5/S4.7).
-    pub fn contribute(
-        &self,
-        worker: usize,
-        id: u64,
-        values: Vec<f32>,
-        coefficient: f64,
-        finished: bool,
-        trained: (u64, u64),
-    ) -> Result<Option<Arc<Vec<f32>>>, ClusterError> {
+    pub fn contribute(&self, c: Contribution) -> Result<Aggregated, ClusterError> {
+        let Contribution { worker, instruction: id, values, coefficient, finished, iterations, samples, .. } = c;
+        let trained = (iterations, samples);
         let mut guard = self.state.lock();
+        let mut to_commit = None;
         {
             let state = &mut *guard;
             let Some(p) = state.pending.as_mut().filter(|p| p.instruction.id == id) else {
@@ -452,6 +498,7 @@ impl Lazy {
             }
             p.contributions[worker] = Some((values, coefficient, finished));
             state.since[worker] = 0;
+            state.position = state.position.later(c.position);
             state.report.local_iterations += trained.0;
             state.report.samples += trained.1;
             if (0..self.workers).all(|w| !p.participants[w] || p.contributions[w].is_some()) {
@@ -478,16 +525,46 @@ impl Lazy {
                 }
                 state.report.aggregations += 1;
                 let result = Arc::new(state.weights.clone());
-                p.result = Some(result.clone());
-                if let Some(sink) = self.backups.lock().as_ref()
-                    && relative_change(&state.weights, state.last_backup.as_deref()) >= self.cfg.backup_min_change
-                    && sink.send((state.report.aggregations, result)).is_ok()
-                {
+                let back_up = self.backups.lock().is_some()
+                    && relative_change(&state.weights, state.last_backup.as_deref()) >= self.cfg.backup_min_change;
+                if back_up {
                     state.last_backup = Some(state.weights.clone());
-                    state.backups_pending += 1;
+                    to_commit = Some(BackupCut {
+                        step: self.base.0 + state.report.local_iterations,
+                        samples: self.base.1 + state.report.samples,
+                        position: state.position,
+                        weights: result.clone(),
+                    });
+                } else {
+                    p.result = Some(result);
+                    self.changed.notify_all();
                 }
-                self.changed.notify_all();
             }
+        }
+        if let Some(cut) = to_commit {
+            // The others wait in their contributions meanwhile: a cut.
+            drop(guard);
+            let committer = self.committer.lock().clone();
+            let committed = match committer.map(|commit| commit(&cut)) {
+                Some(Ok(())) => Some(cut.step),
+                Some(Err(e)) => {
+                    tracing::error!("backup at step {}: committing it as a checkpoint: {e}", cut.step);
+                    None
+                }
+                None => None,
+            };
+            guard = self.state.lock();
+            let number = guard.report.aggregations;
+            if let Some(sink) = self.backups.lock().as_ref()
+                && sink.send((number, cut.weights.clone())).is_ok()
+            {
+                guard.backups_pending += 1;
+            }
+            if let Some(p) = guard.pending.as_mut().filter(|p| p.instruction.id == id) {
+                p.result = Some(cut.weights);
+                p.committed = committed;
+            }
+            self.changed.notify_all();
         }
         loop {
             if let Some(reason) = &guard.failed {
@@ -497,13 +574,19 @@ impl Lazy {
             if let Some(p) = guard.pending.as_mut().filter(|p| p.instruction.id == id)
                 && let Some(result) = p.result.clone()
             {
+                let committed = p.committed;
                 p.taken += 1;
                 let expected = p.participants.iter().filter(|&&x| x).count().min(participants);
                 if p.taken == expected {
                     guard.pending = None;
                     self.changed.notify_all();
                 }
-                return Ok((!finished).then_some(result));
+                return Ok(Aggregated {
+                    weights: (!finished).then_some(result),
+                    job_batches: self.base.0 + guard.report.local_iterations,
+                    job_samples: self.base.1 + guard.report.samples,
+                    committed,
+                });
             }
             self.changed.wait(&mut guard);
         }
@@ -518,7 +601,12 @@ impl Lazy {
                 return Err(ClusterError::JobFailed(reason.clone()));
             }
             if state.gone.iter().all(|&g| g) && state.pending.is_none() && state.backups_pending == 0 {
-                return Ok(FinalWeights { weights: state.weights.clone(), report: state.report.clone() });
+                return Ok(FinalWeights {
+                    weights: state.weights.clone(),
+                    report: state.report.clone(),
+                    job_batches: self.base.0 + state.report.local_iterations,
+                    job_samples: self.base.1 + state.report.samples,
+                });
             }
             self.changed.wait(&mut state);
         }
@@ -536,6 +624,9 @@ impl Lazy {
 pub struct FinalWeights {
     pub weights: Vec<f32>,
     pub report: LazyReport,
+    /// The job's batches and samples (the restored checkpoint's included).
+    pub job_batches: u64,
+    pub job_samples: u64,
 }
 
 /// A worker's contribution to an instruction (S4.3).
@@ -550,6 +641,8 @@ pub struct Contribution {
     pub coefficient: f64,
     /// Its data is finished (S4.7): it gets no weights back.
     pub finished: bool,
+    /// Where the data continues after its last trained batch.
+    pub position: sparrow_core::batch::DataPosition,
     /// Iterations and samples since its last aggregation.
     pub iterations: u64,
     pub samples: u64,
@@ -566,7 +659,7 @@ pub trait LazyLink: Send + Sync {
         finished: bool,
         wait: bool,
     ) -> Result<Option<Instruction>, ClusterError>;
-    fn contribute(&self, c: Contribution) -> Result<Option<Arc<Vec<f32>>>, ClusterError>;
+    fn contribute(&self, c: Contribution) -> Result<Aggregated, ClusterError>;
     fn final_weights(&self, generation: u64) -> Result<FinalWeights, ClusterError>;
 }
 
@@ -582,8 +675,8 @@ impl LazyLink for Lazy {
         Lazy::poll(self, worker, since, finished, wait)
     }
 
-    fn contribute(&self, c: Contribution) -> Result<Option<Arc<Vec<f32>>>, ClusterError> {
-        Lazy::contribute(self, c.worker, c.instruction, c.values, c.coefficient, c.finished, (c.iterations, c.samples))
+    fn contribute(&self, c: Contribution) -> Result<Aggregated, ClusterError> {
+        Lazy::contribute(self, c)
     }
 
     fn final_weights(&self, _: u64) -> Result<FinalWeights, ClusterError> {
@@ -594,6 +687,27 @@ impl LazyLink for Lazy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn contribution(
+        worker: usize,
+        id: u64,
+        values: Vec<f32>,
+        c: f64,
+        finished: bool,
+        trained: (u64, u64),
+    ) -> Contribution {
+        Contribution {
+            worker,
+            generation: 1,
+            instruction: id,
+            values,
+            coefficient: c,
+            finished,
+            position: Default::default(),
+            iterations: trained.0,
+            samples: trained.1,
+        }
+    }
 
     /// A scheduler that decides every millisecond, 2 ms after it started.
     fn quick(workers: usize, weights: Vec<f32>) -> Lazy {
@@ -664,13 +778,18 @@ mod tests {
         assert_eq!(lazy.poll(0, 1, false, false).expect("poll"), Some(i));
         let other = {
             let lazy = lazy.clone();
-            std::thread::spawn(move || lazy.contribute(1, i.id, vec![0.3, 0.3], 3.0, true, (2, 6)))
+            std::thread::spawn(move || lazy.contribute(contribution(1, i.id, vec![0.3, 0.3], 3.0, true, (2, 6))))
         };
-        let mine =
-            lazy.contribute(0, i.id, vec![-0.1, 0.1], 1.0, false, (1, 2)).expect("weights").expect("not finished");
+        let mine = lazy
+            .contribute(contribution(0, i.id, vec![-0.1, 0.1], 1.0, false, (1, 2)))
+            .expect("weights")
+            .weights
+            .expect("not finished");
         // x + (1·(−0.1) + 3·0.3)/4 = 1.2, x + (0.1 + 0.9)/4 = 1.25
         assert!((mine[0] - 1.2).abs() < 1e-6 && (mine[1] - 1.25).abs() < 1e-6, "{mine:?}");
-        assert_eq!(other.join().expect("thread").expect("ok"), None, "finished: no weights");
+        let theirs = other.join().expect("thread").expect("ok");
+        assert!(theirs.weights.is_none(), "finished: no weights");
+        assert_eq!((theirs.job_batches, theirs.job_samples), (3, 8), "the job's totals after the aggregation");
         assert_eq!(lazy.report().aggregations, 1);
         // Worker 1 left: worker 0 alone makes the next instruction.
         std::thread::sleep(Duration::from_millis(2));
@@ -686,7 +805,7 @@ mod tests {
         let i = lazy.poll(0, 3, false, true).expect("poll").expect("issued after waiting");
         assert!(started.elapsed() >= Duration::from_millis(300), "waited for the interval");
         assert_eq!(i.round, 3);
-        lazy.contribute(0, i.id, vec![0.5], 1.0, false, (3, 3)).expect("ok");
+        lazy.contribute(contribution(0, i.id, vec![0.5], 1.0, false, (3, 3))).expect("ok");
         assert_eq!(lazy.poll(0, 1, false, false).expect("poll"), None, "the next interval has not begun");
         // A worker whose data is finished is not kept waiting for the interval.
         assert!(lazy.poll(0, 1, true, false).expect("poll").is_some());
@@ -699,9 +818,9 @@ mod tests {
         let i = lazy.poll(1, 1, false, false).expect("poll").expect("issued");
         let slow = {
             let lazy = lazy.clone();
-            std::thread::spawn(move || lazy.contribute(1, i.id, vec![1.0], 1.0, false, (1, 1)))
+            std::thread::spawn(move || lazy.contribute(contribution(1, i.id, vec![1.0], 1.0, false, (1, 1))))
         };
-        lazy.contribute(0, i.id, vec![1.0], 1.0, false, (1, 1)).expect("ok");
+        lazy.contribute(contribution(0, i.id, vec![1.0], 1.0, false, (1, 1))).expect("ok");
         std::thread::sleep(Duration::from_millis(2));
         // Worker 0's data ends at once: it leaves without waiting (it would
         // hold the next instruction back forever otherwise).

@@ -794,19 +794,28 @@ impl Worker {
                 }
             };
             self.stats.dense_sync_bytes += 4 * values.len() as u64;
-            let weights = link.contribute(LazyContribution {
+            // Every update pushed first: an aggregation may be a backup, committed as a checkpoint.
+            self.stats.phase_secs.push += engine.flush(rows)?;
+            let done = link.contribute(LazyContribution {
                 worker: index,
                 generation,
                 instruction: instruction.id,
                 values,
                 coefficient,
                 finished,
+                position: self.stats.last_end,
                 iterations: since,
                 samples,
             })?;
             self.stats.aggregations += 1;
             (since, coefficient, samples) = (0, 0.0, 0);
-            match weights {
+            self.job = Some(JobCount { batches: done.job_batches, samples: done.job_samples });
+            // A backup committed as a checkpoint: the job's last one need not repeat it.
+            if let (Some(step), Some(c)) = (done.committed, self.checkpoints.as_mut()) {
+                c.last_step = c.last_step.max(step);
+            }
+            self.reported_step.store(self.job_step(), Ordering::Relaxed);
+            match done.weights {
                 Some(w) => {
                     self.stats.dense_sync_bytes += 4 * w.len() as u64;
                     self.model.params.set_flat(&w).map_err(TrainError::from)?;
@@ -823,8 +832,7 @@ impl Worker {
         self.stats.dense_sync_bytes += 4 * done.weights.len() as u64;
         self.model.params.set_flat(&done.weights).map_err(TrainError::from)?;
         if let Some(j) = &mut self.job {
-            j.batches += done.report.local_iterations;
-            j.samples += done.report.samples;
+            (j.batches, j.samples) = (done.job_batches, done.job_samples);
         }
         self.lazy_report = Some(done.report);
         let end = self.checkpoints.as_ref().is_some_and(|c| self.job_step() > c.last_step);

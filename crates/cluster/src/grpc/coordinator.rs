@@ -14,7 +14,7 @@ use tonic::{Request, Response, Status};
 use super::{AuthedChannel, CheckToken, NetSettings, Peer, blocking, bytes_to_f32s, connect, f32s_to_bytes};
 use crate::checkpoint::{CheckpointSink, WorkerCut};
 use crate::coordinator::{Coordinator, Generation, JobState, Known, RoleKind, View};
-use crate::lazy::{Contribution as LazyContribution, FinalWeights, Instruction, LazyLink};
+use crate::lazy::{Aggregated, Contribution as LazyContribution, FinalWeights, Instruction, LazyLink};
 use crate::metrics::RoleMetrics;
 use crate::rounds::{MergedRound, RoundMerger, RoundUpdate};
 use crate::sync::{Contribution, RoundReply, RoundSummer};
@@ -217,13 +217,18 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
                     values,
                     coefficient: r.coefficient,
                     finished: r.finished,
+                    position: position_from(r.position),
                     iterations: r.iterations,
                     samples: r.samples,
                 };
-                let weights = blocking(move || LazyLink::contribute(&*coordinator, c)).await?;
+                let done = blocking(move || LazyLink::contribute(&*coordinator, c)).await?;
                 pb::LazyReply {
-                    has_weights: weights.is_some(),
-                    weights: weights.map(|w| f32s_to_bytes(&w)).unwrap_or_default(),
+                    has_weights: done.weights.is_some(),
+                    weights: done.weights.map(|w| f32s_to_bytes(&w)).unwrap_or_default(),
+                    job_batches: done.job_batches,
+                    job_samples: done.job_samples,
+                    committed: done.committed.is_some(),
+                    committed_step: done.committed.unwrap_or(0),
                     ..Default::default()
                 }
             }
@@ -233,6 +238,8 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
                     has_weights: true,
                     weights: f32s_to_bytes(&done.weights),
                     report_json: serde_json::to_string(&done.report).unwrap_or_default(),
+                    job_batches: done.job_batches,
+                    job_samples: done.job_samples,
                     ..Default::default()
                 }
             }
@@ -536,7 +543,7 @@ impl LazyLink for CoordinatorClient {
         Ok((reply.instruction > 0).then_some(Instruction { id: reply.instruction, round: reply.round }))
     }
 
-    fn contribute(&self, c: LazyContribution) -> Result<Option<Arc<Vec<f32>>>, ClusterError> {
+    fn contribute(&self, c: LazyContribution) -> Result<Aggregated, ClusterError> {
         let request = pb::LazyRequest {
             worker: c.worker as u32,
             generation: c.generation,
@@ -547,13 +554,20 @@ impl LazyLink for CoordinatorClient {
             coefficient: c.coefficient,
             iterations: c.iterations,
             samples: c.samples,
+            position: Some(position_to_proto(c.position)),
             ..Default::default()
         };
         let reply = self.lazy_call(request)?;
-        match reply.has_weights {
-            true => Ok(Some(Arc::new(bytes_to_f32s(&reply.weights, &self.peer.name, "aggregated weights")?))),
-            false => Ok(None),
-        }
+        let weights = match reply.has_weights {
+            true => Some(Arc::new(bytes_to_f32s(&reply.weights, &self.peer.name, "aggregated weights")?)),
+            false => None,
+        };
+        Ok(Aggregated {
+            weights,
+            job_batches: reply.job_batches,
+            job_samples: reply.job_samples,
+            committed: reply.committed.then_some(reply.committed_step),
+        })
     }
 
     fn final_weights(&self, generation: u64) -> Result<FinalWeights, ClusterError> {
@@ -562,6 +576,8 @@ impl LazyLink for CoordinatorClient {
         Ok(FinalWeights {
             weights: bytes_to_f32s(&reply.weights, &self.peer.name, "final weights")?,
             report: serde_json::from_str(&reply.report_json).unwrap_or_default(),
+            job_batches: reply.job_batches,
+            job_samples: reply.job_samples,
         })
     }
 }
