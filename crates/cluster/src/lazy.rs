@@ -816,17 +816,30 @@ mod tests {
         let lazy = Arc::new(quick(2, vec![0.0]));
         lazy.poll(0, 1, false, false).expect("poll");
         let i = lazy.poll(1, 1, false, false).expect("poll").expect("issued");
-        let slow = {
-            let lazy = lazy.clone();
-            std::thread::spawn(move || lazy.contribute(contribution(1, i.id, vec![1.0], 1.0, false, (1, 1))))
-        };
-        lazy.contribute(contribution(0, i.id, vec![1.0], 1.0, false, (1, 1))).expect("ok");
-        std::thread::sleep(Duration::from_millis(2));
+        // Both contributed, worker 0 took the result, worker 1 has not yet
+        // (its thread not scheduled): the instruction is still pending.
+        {
+            let mut state = lazy.state.lock();
+            let p = state.pending.as_mut().expect("pending");
+            p.contributions = vec![Some((vec![1.0], 1.0, false)), Some((vec![1.0], 1.0, false))];
+            p.result = Some(Arc::new(vec![1.0]));
+            p.taken = 1;
+            state.since = vec![0, 0];
+        }
         // Worker 0's data ends at once: it leaves without waiting (it would
-        // hold the next instruction back forever otherwise).
-        assert_eq!(lazy.poll(0, 0, true, true).expect("poll"), None);
-        slow.join().expect("thread").expect("ok");
-        assert!(lazy.poll(1, 1, false, false).expect("poll").is_some(), "worker 1 alone goes on");
+        // hold every later instruction back forever otherwise: (a) needs an
+        // iteration from every worker still in).
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let leaving = {
+            let lazy = lazy.clone();
+            std::thread::spawn(move || tx.send(lazy.poll(0, 0, true, true).map_err(|e| e.to_string())))
+        };
+        let left =
+            rx.recv_timeout(Duration::from_secs(5)).expect("a finished worker with nothing to send leaves at once");
+        assert_eq!(left, Ok(None));
+        leaving.join().expect("thread").expect("sent");
+        assert!(lazy.state.lock().gone[0]);
+        let _ = i;
     }
 
     #[test]
