@@ -370,11 +370,6 @@ impl Lazy {
         self.state.lock().report.clone()
     }
 
-    /// The aggregated weights (after the job: the model).
-    pub fn weights(&self) -> Vec<f32> {
-        self.state.lock().weights.clone()
-    }
-
     /// A worker reports `since` iterations since its last aggregation and
     /// whether its data is `finished`; answers the instruction it must
     /// follow, if any. With `wait`, blocks until there is one (or, for a
