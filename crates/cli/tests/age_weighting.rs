@@ -1,6 +1,7 @@
 //! Sample weighting by age (`[data.weighting]`, S4.4) on `sparrow gen
 //! --format csv --days` data: the fields it adds to the JSON, the same
-//! weighted model from `train` and from a one-worker `launch`, bad
+//! weighted model from `train` and from a one-worker `launch`, a merge
+//! buffer larger than a batch (merging further, resuming exactly), bad
 //! timestamps counted as bad rows, and settings refused naming the key.
 
 mod common;
@@ -117,7 +118,7 @@ fn bad_timestamps_are_bad_rows_and_bad_settings_name_their_key() {
     for (path, set, key) in [
         (path.display().to_string(), None, "data.weighting"),
         (weighted.clone(), Some("data.weighting.decay_base=1.0"), "data.weighting.decay_base"),
-        (weighted.clone(), Some("data.weighting.merge_buffer_rows=100000"), "data.weighting.merge_buffer_rows"),
+        (weighted.clone(), Some("data.weighting.merge_buffer_rows=100000000"), "data.weighting.merge_buffer_rows"),
     ] {
         let mut command = sparrow();
         command.args(["train", "--config", &path, "--quiet"]);
@@ -128,4 +129,66 @@ fn bad_timestamps_are_bad_rows_and_bad_settings_name_their_key() {
         assert!(!out.status.success(), "{key}: accepted");
         assert!(String::from_utf8_lossy(&out.stderr).contains(key), "{key}: {}", String::from_utf8_lossy(&out.stderr));
     }
+}
+
+fn train(config: &str, sets: &[String]) -> serde_json::Value {
+    let mut command = sparrow();
+    command.args(["train", "--config", config, "--quiet"]);
+    for set in sets {
+        command.args(["--set", set]);
+    }
+    let out = command.output().expect("train");
+    assert!(out.status.success(), "{sets:?}: {}", String::from_utf8_lossy(&out.stderr));
+    last_json(&out)
+}
+
+/// Each of 4000 rows comes again 4000 rows later (more than a batch): only
+/// a merge buffer holding both copies merges them, and a run stopped inside
+/// a buffer resumes to the uninterrupted run's model.
+#[test]
+fn a_merge_buffer_larger_than_a_batch_merges_further_and_resumes_exactly() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    gen_days(tmp.path(), &[]);
+    let train_csv = tmp.path().join("data/train.csv");
+    let text = std::fs::read_to_string(&train_csv).expect("csv");
+    let mut lines = text.lines();
+    let header = lines.next().expect("header");
+    let rows: Vec<&str> = lines.take(4000).collect();
+    std::fs::write(&train_csv, format!("{header}\n{}\n{}\n", rows.join("\n"), rows.join("\n"))).expect("write");
+    let weighted = config(tmp.path(), "[data.weighting]");
+
+    let within_batches = train(&weighted, &[]);
+    let buffer = "data.weighting.merge_buffer_rows=8000".to_string();
+    let whole = train(&weighted, std::slice::from_ref(&buffer));
+    let merged = |j: &serde_json::Value| j["merged_samples"].as_u64().expect("merged");
+    assert!(merged(&within_batches) < 100, "copies 4000 rows apart merge only in a larger buffer");
+    assert!(merged(&whole) >= 4000, "every copy merges with its twin: {}", merged(&whole));
+    assert_eq!(whole["train_rows"].as_u64().map(|r| r + merged(&whole)), Some(8000));
+    // A twin adds its weight to the merged sample's count: the sum is unchanged.
+    let sum = |j: &serde_json::Value| j["sample_weight_sum"].as_f64().expect("sum");
+    assert!((sum(&whole) - sum(&within_batches)).abs() < 1e-6 * sum(&whole));
+
+    // Stopped after 3 batches, inside the first 2048-row buffer, and resumed.
+    let ck = tmp.path().join("ck").display().to_string();
+    let buffer = "data.weighting.merge_buffer_rows=2048".to_string();
+    let dir = format!("checkpoint.dir=\"{ck}\"");
+    let uninterrupted = train(&weighted, std::slice::from_ref(&buffer));
+    let stopped = train(&weighted, &[buffer.clone(), dir.clone(), "train.max_steps=3".into()]);
+    assert_eq!(stopped["steps"].as_u64(), Some(3), "{stopped}");
+    let mut command = sparrow();
+    command.args(["train", "--config", &weighted, "--quiet", "--resume", &ck, "--set", &buffer]);
+    let out = command.output().expect("resume");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let resumed = last_json(&out);
+    assert_eq!(resumed["resumed_from_step"].as_u64(), Some(3));
+    assert_eq!(resumed["test_auc"], uninterrupted["test_auc"], "resumed inside a merge buffer");
+    assert_eq!(resumed["test_logloss"], uninterrupted["test_logloss"]);
+
+    // The loader hands the same batches to a worker.
+    let out = sparrow()
+        .args(["launch", "--config", &weighted, "--shards", "1", "--workers", "1", "--quiet", "--set", &buffer])
+        .output()
+        .expect("launch");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(last_json(&out)["test_auc"], uninterrupted["test_auc"], "launch with a merge buffer");
 }

@@ -12,12 +12,17 @@ pub struct DataPosition {
     pub offset: u64,
     /// 1-based number of the next line (text) or row (Parquet), for error messages.
     pub line: u64,
+    /// Merged samples already taken from the age-weighting merge buffer
+    /// that starts at `offset` (`data.weighting.merge_buffer_rows` above one
+    /// batch): a resumed reader merges that buffer again and skips them.
+    #[serde(default)]
+    pub skip: u64,
 }
 
 impl DataPosition {
     /// The further of two positions (workers see batches in any order).
     pub fn later(self, other: DataPosition) -> DataPosition {
-        if (other.epoch, other.offset) > (self.epoch, self.offset) { other } else { self }
+        if (other.epoch, other.offset, other.skip) > (self.epoch, self.offset, self.skip) { other } else { self }
     }
 }
 

@@ -74,10 +74,14 @@ pub struct WeightingConfig {
     pub reference_time: Option<i64>,
     pub drop_below: f64,
     pub merge_window_secs: u64,
-    /// Rows a merge sees at once: 0 (default) is one batch as read; more is
-    /// not available yet.
+    /// Rows a merge sees at once: 0 (default) or anything up to
+    /// `train.batch_size` is one batch as read; more reads that many rows,
+    /// merges them and hands the merged samples out in batches.
     pub merge_buffer_rows: usize,
 }
+
+/// The largest merge buffer: 16 Mi rows (a few GiB of Criteo rows).
+pub const MAX_MERGE_BUFFER_ROWS: usize = 1 << 24;
 
 impl Default for WeightingConfig {
     fn default() -> Self {
@@ -767,11 +771,10 @@ impl Config {
             if w.merge_window_secs == 0 {
                 return invalid("data.weighting.merge_window_secs", "must be at least 1");
             }
-            if w.merge_buffer_rows > self.train.batch_size {
+            if w.merge_buffer_rows > MAX_MERGE_BUFFER_ROWS {
                 return invalid(
                     "data.weighting.merge_buffer_rows",
-                    "samples merge within one batch as read (0 or at most train.batch_size); a larger buffer is \
-                     not available yet",
+                    &format!("at most {MAX_MERGE_BUFFER_ROWS} rows (the buffer is held in memory)"),
                 );
             }
         }

@@ -283,6 +283,9 @@ impl BatchSource for ParquetSource {
         let (rows, _) = open_rows(&self.path)?;
         self.rows = rows;
         self.next_row = 0;
+        if let Some(w) = self.weigher.as_mut() {
+            w.seek(pos);
+        }
         while self.next_row < pos.offset {
             match guarded(&self.path, || Ok(self.rows.next()))? {
                 None => break,
@@ -296,8 +299,8 @@ impl BatchSource for ParquetSource {
     }
 
     fn next_batch(&mut self, batch_size: usize, epoch: u64) -> Result<Option<Batch>, DataError> {
-        let weigher = self.weigher.take();
-        let next = crate::weighting::next_weighted(weigher.as_ref(), || self.read_batch(batch_size, epoch));
+        let mut weigher = self.weigher.take();
+        let next = crate::weighting::next_weighted(weigher.as_mut(), batch_size, |n| self.read_batch(n, epoch));
         self.weigher = weigher;
         next
     }
@@ -328,6 +331,6 @@ impl ParquetSource {
             return Ok(None);
         }
         self.bad.record_good(b.rows() as u64);
-        Ok(Some(b.finish(DataPosition { epoch, offset: self.next_row, line: self.next_row + 1 })))
+        Ok(Some(b.finish(DataPosition { epoch, offset: self.next_row, line: self.next_row + 1, skip: 0 })))
     }
 }

@@ -53,7 +53,8 @@ impl BatchStream {
             .name("sparrow-reader".into())
             .spawn(move || {
                 for epoch in start.epoch..epochs {
-                    let pos = if epoch == start.epoch { start } else { DataPosition { epoch, offset: 0, line: 1 } };
+                    let pos =
+                        if epoch == start.epoch { start } else { DataPosition { epoch, offset: 0, line: 1, skip: 0 } };
                     if let Err(e) = source.seek(pos) {
                         let _ = tx.send(Err(e));
                         return;

@@ -518,12 +518,15 @@ impl BatchSource for TextSource {
         self.reader.seek(offset)?;
         self.offset = offset;
         self.line = line;
+        if let Some(w) = self.weigher.as_mut() {
+            w.seek(pos);
+        }
         Ok(())
     }
 
     fn next_batch(&mut self, batch_size: usize, epoch: u64) -> Result<Option<Batch>, DataError> {
-        let weigher = self.weigher.take();
-        let next = crate::weighting::next_weighted(weigher.as_ref(), || self.read_batch(batch_size, epoch));
+        let mut weigher = self.weigher.take();
+        let next = crate::weighting::next_weighted(weigher.as_mut(), batch_size, |n| self.read_batch(n, epoch));
         self.weigher = weigher;
         next
     }
@@ -588,7 +591,7 @@ impl TextSource {
             return Ok(None);
         }
         self.bad.record_good(b.rows() as u64);
-        Ok(Some(b.finish(DataPosition { epoch, offset: self.offset, line: self.line })))
+        Ok(Some(b.finish(DataPosition { epoch, offset: self.offset, line: self.line, skip: 0 })))
     }
 }
 

@@ -1,20 +1,27 @@
 //! Sample weighting by age (S4.4, `[data.weighting]`).
 //!
-//! Within a batch as read, identical samples (same label, dense values and
-//! keys) whose times fall in the same `merge_window_secs` window (windows
-//! aligned to the Unix epoch) merge into one sample with a count, placed
-//! where the first of them was and dated by the newest. Its weight is
+//! The reader reads a merge buffer of `max(merge_buffer_rows, batch_size)`
+//! rows at a time. Within it, identical samples (same label, dense values
+//! and keys) whose times fall in the same `merge_window_secs` window
+//! (windows aligned to the Unix epoch) merge into one sample with a count,
+//! placed where the first of them was and dated by the newest. Its weight is
 //! decay_base^(−age) × count, age = (reference − newest) / age_unit_secs
 //! (never below 0); a sample weighing less than `drop_below` is dropped. The
-//! trainers multiply each sample's loss by its weight (the batch loss is the
-//! mean over its rows of weight × loss).
+//! buffer's kept samples go out in batches of `batch_size` (its last batch
+//! may be shorter). The trainers multiply each sample's loss by its weight
+//! (the batch loss is the mean over its rows of weight × loss).
+//!
+//! A batch from inside a buffer ends at the buffer's start with
+//! [`DataPosition::skip`] = the merged samples taken so far: a resumed reader
+//! re-reads the buffer, merges it again (the same way) and skips them, so a
+//! resumed run trains exactly the samples an uninterrupted one would.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use sparrow_core::Batch;
-use sparrow_core::batch::BatchBuilder;
+use sparrow_core::batch::{BatchBuilder, DataPosition};
 use sparrow_core::config::WeightingConfig;
 use std::sync::Mutex;
 
@@ -31,19 +38,22 @@ pub fn now_secs() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(i64::MAX, |d| d.as_secs() as i64)
 }
 
-/// The next batch from `read`, through `weigher` when there is one: a batch
-/// whose every sample was dropped is skipped (the reader reads on).
+/// The next batch of at most `batch_size` rows from `read` (which reads up
+/// to the number of rows it is given), through `weigher` when there is one.
+/// A buffer whose every sample was dropped is skipped (the reader reads on).
 pub fn next_weighted(
-    weigher: Option<&Weigher>,
-    mut read: impl FnMut() -> Result<Option<Batch>, crate::DataError>,
+    weigher: Option<&mut Weigher>,
+    batch_size: usize,
+    mut read: impl FnMut(usize) -> Result<Option<Batch>, crate::DataError>,
 ) -> Result<Option<Batch>, crate::DataError> {
+    let Some(w) = weigher else { return read(batch_size) };
+    let batch_size = batch_size.max(1);
     loop {
-        let Some(batch) = read()? else { return Ok(None) };
-        let Some(w) = weigher else { return Ok(Some(batch)) };
-        let weighed = w.apply(batch);
-        if weighed.rows() > 0 {
-            return Ok(Some(weighed));
+        if let Some(batch) = w.take(batch_size) {
+            return Ok(Some(batch));
         }
+        let Some(rows) = read(w.buffer_rows(batch_size))? else { return Ok(None) };
+        w.fill(rows);
     }
 }
 
@@ -64,16 +74,39 @@ impl WeightCounters {
     }
 }
 
-/// Merges, weighs and drops the samples of each batch.
+/// One merged sample of the buffer: its first row, count, newest time and
+/// weight (`None`: dropped).
+#[derive(Clone, Copy, Debug)]
+struct Group {
+    row: usize,
+    count: u32,
+    newest: i64,
+    weight: Option<f64>,
+}
+
+/// The merge buffer being handed out.
+struct Buffer {
+    rows: Batch,
+    groups: Vec<Group>,
+    /// Groups handed out (kept or dropped).
+    next: usize,
+    /// Where the buffer's first row was (its batches' `end` until the last).
+    start: DataPosition,
+}
+
+/// Merges, weighs and drops the samples of each merge buffer.
 pub struct Weigher {
     cfg: WeightingConfig,
     reference: i64,
     counters: Arc<WeightCounters>,
+    buffer: Option<Buffer>,
+    /// Where the next buffer starts, and groups of it to skip (a resume).
+    next_start: DataPosition,
 }
 
 impl Weigher {
     pub fn new(cfg: WeightingConfig, reference: i64, counters: Arc<WeightCounters>) -> Self {
-        Weigher { cfg, reference, counters }
+        Weigher { cfg, reference, counters, buffer: None, next_start: DataPosition::default() }
     }
 
     /// The weight of a merged sample of `count` rows whose newest is `newest`.
@@ -82,13 +115,98 @@ impl Weigher {
         self.cfg.decay_base.powf(-age) * f64::from(count)
     }
 
-    /// The batch with duplicates merged, weights set and light samples
-    /// dropped (possibly no rows left). A batch without timestamps is returned as is.
-    pub fn apply(&self, batch: Batch) -> Batch {
-        let Some(times) = batch.timestamps.as_ref() else { return batch };
+    /// The reader moved to `pos` (an epoch's start or a resume): the next
+    /// buffer starts there, and its first `pos.skip` merged samples were taken.
+    pub fn seek(&mut self, pos: DataPosition) {
+        self.buffer = None;
+        self.next_start = pos;
+    }
+
+    /// Rows one merge buffer holds.
+    fn buffer_rows(&self, batch_size: usize) -> usize {
+        self.cfg.merge_buffer_rows.max(batch_size)
+    }
+
+    /// A buffer's rows as read: merged and weighed, ready to hand out.
+    fn fill(&mut self, rows: Batch) {
+        let start = self.next_start;
+        self.next_start = DataPosition { skip: 0, ..rows.end };
+        let groups = self.merge(&rows);
+        // A resumed buffer: the first `skip` samples were trained before
+        // (and counted then).
+        let next = (start.skip as usize).min(groups.len());
+        self.buffer = Some(Buffer { rows, groups, next, start: DataPosition { skip: 0, ..start } });
+    }
+
+    /// The buffer's next batch of up to `batch_size` kept samples; `None`
+    /// when the buffer is spent.
+    fn take(&mut self, batch_size: usize) -> Option<Batch> {
+        let buf = self.buffer.as_mut()?;
+        let rows = &buf.rows;
+        let capacity = batch_size.min(buf.groups.len() - buf.next);
+        let mut out = BatchBuilder::new(rows.num_fields, rows.num_dense, rows.key_weights.is_some(), capacity);
+        let (mut weights, mut newest) = (Vec::with_capacity(capacity), Vec::with_capacity(capacity));
+        let (mut merged, mut dropped, mut sum) = (0u64, 0u64, 0f64);
+        while out.rows() < batch_size && buf.next < buf.groups.len() {
+            let g = buf.groups[buf.next];
+            buf.next += 1;
+            merged += u64::from(g.count - 1);
+            let Some(w) = g.weight else {
+                dropped += 1;
+                continue;
+            };
+            out.begin_row();
+            for &v in &rows.dense[g.row * rows.num_dense..(g.row + 1) * rows.num_dense] {
+                out.push_dense(v);
+            }
+            for field in 0..rows.num_fields {
+                for k in rows.bag(g.row, field) {
+                    out.push_key(field, rows.keys[k], rows.key_weights.as_ref().map_or(1.0, |w| w[k]));
+                }
+            }
+            out.end_row(rows.labels[g.row]);
+            weights.push(w as f32);
+            newest.push(g.newest);
+            sum += w;
+        }
+        // Dropped samples at the buffer's tail belong to its last batch.
+        while buf.next < buf.groups.len() && buf.groups[buf.next].weight.is_none() {
+            merged += u64::from(buf.groups[buf.next].count - 1);
+            dropped += 1;
+            buf.next += 1;
+        }
+        let c = &self.counters;
+        c.merged.fetch_add(merged, Ordering::Relaxed);
+        c.dropped.fetch_add(dropped, Ordering::Relaxed);
+        *c.weight_sum.lock().unwrap_or_else(|e| e.into_inner()) += sum;
+        let end = if buf.next == buf.groups.len() {
+            buf.rows.end
+        } else {
+            DataPosition { skip: buf.next as u64, ..buf.start }
+        };
+        let timed = buf.rows.timestamps.is_some();
+        if buf.next == buf.groups.len() {
+            self.buffer = None;
+        }
+        if out.rows() == 0 {
+            return None;
+        }
+        let mut batch = out.finish(end);
+        if timed {
+            batch.timestamps = Some(newest);
+            batch.sample_weights = Some(weights);
+        }
+        Some(batch)
+    }
+
+    /// The buffer's distinct samples in order of their first row (rows
+    /// without times are each their own sample, weight 1).
+    fn merge(&self, batch: &Batch) -> Vec<Group> {
+        let Some(times) = batch.timestamps.as_ref() else {
+            return (0..batch.rows()).map(|row| Group { row, count: 1, newest: 0, weight: Some(1.0) }).collect();
+        };
         let window = self.cfg.merge_window_secs.max(1) as i64;
-        // Per distinct sample: its first row, count and newest time.
-        let mut groups: Vec<(usize, u32, i64)> = Vec::new();
+        let mut groups: Vec<Group> = Vec::new();
         let mut index: HashMap<Vec<u8>, usize> = HashMap::new();
         let mut identity = Vec::new();
         for (row, &ts) in times.iter().enumerate() {
@@ -110,46 +228,27 @@ impl Weigher {
             }
             match index.get(&identity) {
                 Some(&g) => {
-                    groups[g].1 += 1;
-                    groups[g].2 = groups[g].2.max(ts);
+                    groups[g].count += 1;
+                    groups[g].newest = groups[g].newest.max(ts);
                 }
                 None => {
                     index.insert(identity.clone(), groups.len());
-                    groups.push((row, 1, ts));
+                    groups.push(Group { row, count: 1, newest: ts, weight: None });
                 }
             }
         }
-        let mut out = BatchBuilder::new(batch.num_fields, batch.num_dense, batch.key_weights.is_some(), groups.len());
-        let (mut weights, mut newest) = (Vec::with_capacity(groups.len()), Vec::with_capacity(groups.len()));
-        let (mut dropped, mut sum) = (0u64, 0f64);
-        for &(row, count, ts) in &groups {
-            let w = self.weight(ts, count);
-            if w < self.cfg.drop_below {
-                dropped += 1;
-                continue;
-            }
-            out.begin_row();
-            for &v in &batch.dense[row * batch.num_dense..(row + 1) * batch.num_dense] {
-                out.push_dense(v);
-            }
-            for field in 0..batch.num_fields {
-                for k in batch.bag(row, field) {
-                    out.push_key(field, batch.keys[k], batch.key_weights.as_ref().map_or(1.0, |w| w[k]));
-                }
-            }
-            out.end_row(batch.labels[row]);
-            weights.push(w as f32);
-            newest.push(ts);
-            sum += w;
+        for g in &mut groups {
+            let w = self.weight(g.newest, g.count);
+            g.weight = (w >= self.cfg.drop_below).then_some(w);
         }
-        let c = &self.counters;
-        c.merged.fetch_add((times.len() - groups.len()) as u64, Ordering::Relaxed);
-        c.dropped.fetch_add(dropped, Ordering::Relaxed);
-        *c.weight_sum.lock().unwrap_or_else(|e| e.into_inner()) += sum;
-        let mut merged = out.finish(batch.end);
-        merged.timestamps = Some(newest);
-        merged.sample_weights = Some(weights);
-        merged
+        groups
+    }
+
+    /// One buffer merged, weighed and handed out whole (tests).
+    #[cfg(test)]
+    fn apply(&mut self, batch: Batch) -> Batch {
+        self.fill(batch);
+        self.take(usize::MAX).unwrap_or_default()
     }
 }
 
@@ -173,7 +272,7 @@ mod tests {
         let day = 86_400;
         let now = 100 * day;
         let counters = Arc::new(WeightCounters::default());
-        let w = Weigher::new(WeightingConfig::default(), now, counters.clone());
+        let mut w = Weigher::new(WeightingConfig::default(), now, counters.clone());
         // The seed's example: one purchase at 10:00 and one at 15:00 the same day → one sample, count 2.
         let today = now - 20 * 3600;
         let rows = [

@@ -108,7 +108,7 @@ fn write_seed_corpus() {
         inverse: u32s(&[0, 1, 2, 0, 1]),
         shard_counts: vec![2, 1],
         keys: Vec::new(),
-        end: Some(pb::DataPosition { epoch: 0, offset: 120, line: 3 }),
+        end: Some(pb::DataPosition { epoch: 0, offset: 120, line: 3, skip: 0 }),
         bad_rows: 0,
         ..Default::default()
     };

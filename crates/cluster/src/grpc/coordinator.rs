@@ -32,12 +32,12 @@ fn generation_from(g: Option<pb::Generation>) -> Generation {
 }
 
 fn position_to_proto(p: sparrow_core::batch::DataPosition) -> pb::DataPosition {
-    pb::DataPosition { epoch: p.epoch, offset: p.offset, line: p.line }
+    pb::DataPosition { epoch: p.epoch, offset: p.offset, line: p.line, skip: p.skip }
 }
 
 fn position_from(p: Option<pb::DataPosition>) -> sparrow_core::batch::DataPosition {
     let p = p.unwrap_or_default();
-    sparrow_core::batch::DataPosition { epoch: p.epoch, offset: p.offset, line: p.line }
+    sparrow_core::batch::DataPosition { epoch: p.epoch, offset: p.offset, line: p.line, skip: p.skip }
 }
 
 fn role_to_proto(kind: RoleKind) -> pb::Role {

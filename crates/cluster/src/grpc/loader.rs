@@ -36,7 +36,7 @@ pub fn to_proto(b: WorkerBatch) -> pb::WorkerBatch {
         inverse: u32s_to_bytes(&b.inverse),
         shard_counts: b.shard_counts,
         keys: u64s_to_bytes(&b.keys),
-        end: Some(pb::DataPosition { epoch: b.end.epoch, offset: b.end.offset, line: b.end.line }),
+        end: Some(pb::DataPosition { epoch: b.end.epoch, offset: b.end.offset, line: b.end.line, skip: b.end.skip }),
         bad_rows: b.bad_rows,
         has_sample_weights: b.sample_weights.is_some(),
         sample_weights: b.sample_weights.as_deref().map(f32s_to_bytes).unwrap_or_default(),
@@ -74,7 +74,10 @@ pub fn from_proto(b: pb::WorkerBatch, peer: &str) -> Result<WorkerBatch, Cluster
         inverse: bytes_to_u32s(&b.inverse, peer, "inverse")?,
         shard_counts: b.shard_counts,
         keys: bytes_to_u64s(&b.keys, peer, "keys")?,
-        end: b.end.map(|e| DataPosition { epoch: e.epoch, offset: e.offset, line: e.line }).unwrap_or_default(),
+        end: b
+            .end
+            .map(|e| DataPosition { epoch: e.epoch, offset: e.offset, line: e.line, skip: e.skip })
+            .unwrap_or_default(),
         bad_rows: b.bad_rows,
         sample_weights: match b.has_sample_weights {
             true => Some(bytes_to_f32s(&b.sample_weights, peer, "sample_weights")?),
@@ -214,7 +217,7 @@ mod tests {
             inverse: (0..keys).map(|i| (i % unique.max(1)) as u32).collect(),
             shard_counts: vec![unique as u32],
             keys: Vec::new(),
-            end: DataPosition { epoch: 1, offset: 2, line: 3 },
+            end: DataPosition { epoch: 1, offset: 2, line: 3, skip: 4 },
             bad_rows: 5,
             sample_weights: weights.then(|| (0..rows).map(|r| 0.25 * r as f32).collect()),
             merged_samples: 6,
