@@ -118,8 +118,8 @@ enum Command {
         shards: usize,
         #[arg(long, default_value_t = 1)]
         workers: usize,
-        /// `cluster.sync = "lazy"`: aggregators (in the coordinator's
-        /// process); worker k goes to `cluster.lazy.aggregator_of[k]`, or k mod K.
+        /// `cluster.sync = "lazy"`: aggregator processes (`sparrow
+        /// aggregator`); worker k goes to `cluster.lazy.aggregator_of[k]`, or k mod K.
         #[arg(long, default_value_t = 1)]
         aggregators: usize,
         #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -139,7 +139,8 @@ enum Command {
         shards: usize,
         #[arg(long)]
         workers: usize,
-        /// `cluster.sync = "lazy"`: aggregators run in this process, with the scheduler.
+        /// `cluster.sync = "lazy"`: the aggregator processes (`sparrow
+        /// aggregator`) that register; the scheduler runs in this process.
         #[arg(long, default_value_t = 1)]
         aggregators: usize,
         /// gRPC address (a non-loopback address needs an auth token).
@@ -165,6 +166,18 @@ enum Command {
         #[command(flatten)]
         role: RoleFlags,
         /// Prometheus metrics endpoint.
+        #[arg(long)]
+        metrics_listen: Option<SocketAddr>,
+    },
+    /// An aggregator role (`cluster.sync = "lazy"`, S4): sums its workers'
+    /// contributions and sends the scheduler one partial sum per aggregation.
+    Aggregator {
+        #[command(flatten)]
+        role: RoleFlags,
+        /// Ask for this aggregator index; default: the next free one.
+        #[arg(long)]
+        index: Option<usize>,
+        /// Prometheus metrics endpoint (the scheduler probes it).
         #[arg(long)]
         metrics_listen: Option<SocketAddr>,
     },
@@ -371,7 +384,11 @@ fn load_config(path: &Path, set: &[String]) -> anyhow::Result<Config> {
 fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> anyhow::Result<()> {
     let role = matches!(
         cli.command,
-        Command::Coordinator { .. } | Command::Shard { .. } | Command::Loader { .. } | Command::Worker { .. }
+        Command::Coordinator { .. }
+            | Command::Shard { .. }
+            | Command::Loader { .. }
+            | Command::Worker { .. }
+            | Command::Aggregator { .. }
     );
     init_logging(role);
     match cli.command {
@@ -459,6 +476,10 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
         Command::Loader { role, metrics_listen } => {
             exit_on_signals("loader");
             Ok(sparrow_cluster::roles::run_loader(&role.args(None, metrics_listen))?)
+        }
+        Command::Aggregator { role, index, metrics_listen } => {
+            exit_on_signals("aggregator");
+            Ok(sparrow_cluster::roles::run_aggregator(&role.args(index, metrics_listen))?)
         }
         Command::Worker { role, index } => {
             exit_on_signals("worker");

@@ -230,3 +230,36 @@ fn a_lazy_job_whose_worker_dies_resumes_from_its_latest_backup() {
     assert!(without.is_some_and(|w| w >= 25), "without backups the job replays from its start: {without:?}");
     assert!(with < without, "replayed {with:?} from the latest backup vs {without:?} from the start ({steps:?})");
 }
+
+/// Aggregators are processes of their own: both die while summing their
+/// workers' contributions (a failpoint before the partial sum goes out);
+/// launch restarts them, the job goes back to its latest backup and ends
+/// with every sample trained and one model on every worker.
+#[test]
+fn lazy_aggregator_processes_that_die_mid_aggregation_are_restarted_and_the_job_ends() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "12000");
+    let config = write_config(tmp.path(), "");
+    let dir = format!("checkpoint.dir={:?}", tmp.path().join("ckpt").display().to_string());
+    let out = sparrow()
+        .args(["launch", "--config", &config, "--shards", "2", "--workers", "2", "--aggregators", "2"])
+        .args(["--set", "cluster.sync=\"lazy\"", "--set", &dir])
+        .env("FAILPOINTS", "aggregator.partial=2*off->return")
+        .output()
+        .expect("launch");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("aggregator 0 registered") && stderr.contains("aggregator 1 registered"), "{stderr}");
+    assert!(stderr.contains("failpoint aggregator.partial"), "an aggregator process died: {stderr}");
+    let json = last_json(&out);
+    let restarts = json["restarts"]["aggregator"].as_u64().expect("aggregator restarts");
+    assert!(restarts >= 1, "{}", json["restarts"]);
+    assert_eq!(json["aggregators"], 2);
+    assert_eq!(json["replicas_identical"], true, "{}", json["dense_checksums"]);
+    assert_eq!(json["train_rows"], 12000, "every sample trained");
+    let backups = json["backups"].as_u64().expect("backups");
+    assert!(backups >= 1, "{json}");
+    // The restart went back to a backup, not to the job's start.
+    let replayed = json["steps_replayed"].as_u64().expect("replayed");
+    assert!(replayed < 47, "replayed {replayed} of 47 steps");
+}

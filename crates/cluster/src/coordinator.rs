@@ -47,6 +47,8 @@ pub enum RoleKind {
     Shard,
     Loader,
     Worker,
+    /// `sync = "lazy"`: an aggregator process (S4).
+    Aggregator,
 }
 
 impl RoleKind {
@@ -55,6 +57,7 @@ impl RoleKind {
             RoleKind::Shard => "shard",
             RoleKind::Loader => "loader",
             RoleKind::Worker => "worker",
+            RoleKind::Aggregator => "aggregator",
         }
     }
 
@@ -63,6 +66,7 @@ impl RoleKind {
             "shard" => Some(RoleKind::Shard),
             "loader" => Some(RoleKind::Loader),
             "worker" => Some(RoleKind::Worker),
+            "aggregator" => Some(RoleKind::Aggregator),
             _ => None,
         }
     }
@@ -146,6 +150,8 @@ struct Members {
     shards: Vec<Option<Member>>,
     loader: Option<Member>,
     workers: Vec<Option<Member>>,
+    /// `sync = "lazy"` with aggregator processes (none: aggregators in process).
+    aggregators: Vec<Option<Member>>,
     /// When a lost role's slot fell vacant (its replacement must register
     /// within `cluster.connect_timeout_ms` of it).
     vacant_since: HashMap<(RoleKind, usize), Instant>,
@@ -157,6 +163,7 @@ impl Members {
             RoleKind::Shard => &mut self.shards,
             RoleKind::Loader => std::slice::from_mut(&mut self.loader),
             RoleKind::Worker => &mut self.workers,
+            RoleKind::Aggregator => &mut self.aggregators,
         }
     }
 }
@@ -243,6 +250,11 @@ impl Coordinator {
         self.num_workers
     }
 
+    /// `sync = "lazy"`: the aggregators (in process or as processes).
+    pub fn num_aggregators(&self) -> usize {
+        self.aggregators
+    }
+
     pub fn new(config: &Config, num_shards: usize, num_workers: usize) -> Result<Coordinator, ClusterError> {
         if num_shards == 0 || num_workers == 0 {
             return Err(ClusterError::Setup("a job needs at least one shard and one worker".into()));
@@ -286,6 +298,7 @@ impl Coordinator {
                 shards: (0..num_shards).map(|_| None).collect(),
                 loader: None,
                 workers: (0..num_workers).map(|_| None).collect(),
+                aggregators: Vec::new(),
                 vacant_since: HashMap::new(),
             }),
             state: Mutex::new(JobState::Running),
@@ -318,13 +331,36 @@ impl Coordinator {
         })
     }
 
-    /// `sync = "lazy"` with `k` aggregators (worker → aggregator by
-    /// `cluster.lazy.aggregator_of`, checked here).
+    /// `sync = "lazy"` with `k` aggregators in this process (worker →
+    /// aggregator by `cluster.lazy.aggregator_of`, checked here).
     pub fn with_aggregators(mut self, k: usize) -> Result<Self, ClusterError> {
         let restore = self.recovery.lock().restore.clone();
         self.lazy = Mutex::new(lazy_for(&self.config, self.num_workers, k, restore.as_deref())?);
         self.aggregators = k;
         Ok(self)
+    }
+
+    /// `sync = "lazy"` with `k` aggregator processes (`sparrow aggregator`),
+    /// which register like any role and send the scheduler partial sums.
+    /// Other modes have no aggregators.
+    pub fn with_aggregator_processes(self, k: usize) -> Result<Self, ClusterError> {
+        let this = self.with_aggregators(k)?;
+        if this.config.cluster.sync == SyncMode::Lazy {
+            this.members.lock().aggregators = (0..k).map(|_| None).collect();
+        }
+        Ok(this)
+    }
+
+    /// Aggregator `p.aggregator`'s partial sum of an instruction (see
+    /// [`crate::aggregator`]): blocks until the aggregation is done.
+    pub fn contribute_partial(
+        &self,
+        p: crate::lazy::Partial,
+    ) -> Result<(crate::lazy::Aggregated, Arc<Vec<f32>>), ClusterError> {
+        faults::point("coordinator.aggregate");
+        let generation = p.generation;
+        let lazy = self.lazy_in(p.aggregator, generation)?;
+        lazy.contribute_partial(p).map_err(|e| self.woken(generation, e))
     }
 
     /// Starts backing the aggregated weights up (S4.6) when the job runs
@@ -590,6 +626,12 @@ impl Coordinator {
             return Err(ClusterError::JobFailed(reason));
         }
         let n = self.members.lock().slots(kind).len();
+        if kind == RoleKind::Aggregator && n == 0 {
+            return Err(ClusterError::Setup(format!(
+                "this job has no aggregator processes (cluster.sync is \"{}\"; aggregators serve \"lazy\")",
+                self.config.cluster.sync.name()
+            )));
+        }
         let slot = match index {
             Some(i) if i >= n => {
                 return Err(ClusterError::Setup(format!("{} {i}: the job has only {n}", kind.name())));
@@ -720,7 +762,7 @@ impl Coordinator {
     pub fn byte_rates(&self) -> Vec<f64> {
         let mut members = self.members.lock();
         let mut rates = Vec::new();
-        for kind in [RoleKind::Shard, RoleKind::Loader, RoleKind::Worker] {
+        for kind in [RoleKind::Shard, RoleKind::Loader, RoleKind::Worker, RoleKind::Aggregator] {
             rates.extend(members.slots(kind).iter().flatten().map(|m| m.byte_rate));
         }
         rates
@@ -729,8 +771,11 @@ impl Coordinator {
     /// The roles the scheduler probes (`cluster.lazy.probe_roles`), finished workers aside.
     pub fn probe_targets(&self, all: bool) -> Vec<crate::lazy::ProbeTarget> {
         let mut members = self.members.lock();
-        let kinds: &[RoleKind] =
-            if all { &[RoleKind::Shard, RoleKind::Loader, RoleKind::Worker] } else { &[RoleKind::Worker] };
+        let kinds: &[RoleKind] = if all {
+            &[RoleKind::Shard, RoleKind::Loader, RoleKind::Worker, RoleKind::Aggregator]
+        } else {
+            &[RoleKind::Worker]
+        };
         let mut targets = Vec::new();
         for &kind in kinds {
             for (i, m) in members.slots(kind).iter().enumerate() {
@@ -769,7 +814,10 @@ impl Coordinator {
     fn all_ready(&self, generation: u64) -> bool {
         let members = self.members.lock();
         let ready = |slots: &[Option<Member>]| slots.iter().all(|m| m.as_ref().is_some_and(|m| m.ready == generation));
-        ready(&members.shards) && ready(std::slice::from_ref(&members.loader)) && ready(&members.workers)
+        ready(&members.shards)
+            && ready(std::slice::from_ref(&members.loader))
+            && ready(&members.workers)
+            && ready(&members.aggregators)
     }
 
     /// The shard map and the loader's address of `generation`, and whether
@@ -779,11 +827,13 @@ impl Coordinator {
         let members = self.members.lock();
         let serves = |m: &Option<Member>| m.as_ref().is_some_and(|m| m.ready == generation);
         let shards_ready = members.shards.iter().all(serves);
+        let address = |m: &Option<Member>| m.as_ref().map(|m| m.address.clone()).unwrap_or_default();
         View {
-            complete: shards_ready && serves(&members.loader),
+            complete: shards_ready && serves(&members.loader) && members.aggregators.iter().all(serves),
             shards_ready,
-            shards: members.shards.iter().map(|m| m.as_ref().map(|m| m.address.clone()).unwrap_or_default()).collect(),
-            loader: members.loader.as_ref().map(|m| m.address.clone()).unwrap_or_default(),
+            shards: members.shards.iter().map(address).collect(),
+            loader: address(&members.loader),
+            aggregators: members.aggregators.iter().map(address).collect(),
         }
     }
 
@@ -826,6 +876,7 @@ impl Coordinator {
                 (RoleKind::Shard, &members.shards[..]),
                 (RoleKind::Loader, std::slice::from_ref(&members.loader)),
                 (RoleKind::Worker, &members.workers[..]),
+                (RoleKind::Aggregator, &members.aggregators[..]),
             ];
             for (kind, slots) in groups {
                 for (i, slot) in slots.iter().enumerate() {
@@ -1130,6 +1181,8 @@ pub struct View {
     pub shards_ready: bool,
     pub shards: Vec<String>,
     pub loader: String,
+    /// Aggregator processes' addresses, by index (empty: aggregators in process).
+    pub aggregators: Vec<String>,
 }
 
 /// The scheduler and aggregators for `sync = "lazy"` (none otherwise),

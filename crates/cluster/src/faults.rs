@@ -10,8 +10,11 @@
 //! in the middle of a checkpoint), `shard.restore`, `loader.next_batch`,
 //! `worker.step` (after a step), `worker.checkpoint`, `coordinator.commit`
 //! (every part verified, the manifest not yet renamed into place),
-//! `coordinator.sum`, `coordinator.merge`, `worker.round` (a round's items
-//! trained, its update not yet sent), and `worker.<i>.step`: after each step
+//! `coordinator.sum`, `coordinator.merge`, `coordinator.aggregate` (a lazy
+//! contribution or partial sum arrived), `aggregator.partial` (an aggregator
+//! process has its workers' contributions, its partial sum not yet sent),
+//! `worker.round` (a round's items trained, its update not yet sent), and
+//! `worker.<i>.step`: after each step
 //! of worker i only, e.g. `worker.1.step=sleep(20)` makes worker 1 slower.
 //!
 //! `sparrow launch` hands `FAILPOINTS` to the first process of each role

@@ -40,7 +40,7 @@ pub struct LaunchOptions {
     pub set: Vec<String>,
     pub shards: usize,
     pub workers: usize,
-    /// `sync = "lazy"`: aggregators (in the coordinator's process).
+    /// `sync = "lazy"`: aggregator processes (`sparrow aggregator`).
     pub aggregators: usize,
     /// Do not forward the children's logs.
     pub quiet: bool,
@@ -298,6 +298,12 @@ pub fn launch(
         children.spawn(format!("shard {i}"), ("shard", i), &role("shard", Some(i)), options.quiet)?;
     }
     children.spawn("loader".into(), ("loader", 0), &role("loader", None), options.quiet)?;
+    if config.cluster.sync == sparrow_core::config::SyncMode::Lazy {
+        for i in 0..options.aggregators {
+            let args = role("aggregator", Some(i));
+            children.spawn(format!("aggregator {i}"), ("aggregator", i), &args, options.quiet)?;
+        }
+    }
     let workers: Vec<usize> = (0..options.workers)
         .map(|w| children.spawn(format!("worker {w}"), ("worker", w), &role("worker", Some(w)), options.quiet))
         .collect::<Result<_, _>>()?;
@@ -584,7 +590,7 @@ fn merge(
             batches_per_worker: workers.iter().map(|w| w.batches).collect(),
             replicas_identical: checksums.windows(2).all(|w| w[0] == w[1]),
             dense_checksums: checksums,
-            restarts: ["coordinator", "loader", "shard", "worker"]
+            restarts: ["coordinator", "loader", "shard", "worker", "aggregator"]
                 .iter()
                 .map(|k| (k.to_string(), events.restarts.get(*k).copied().unwrap_or(0)))
                 .collect(),

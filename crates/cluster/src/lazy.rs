@@ -92,16 +92,39 @@ pub fn aggregate(
     aggregators: usize,
 ) -> Option<Vec<f64>> {
     let len = contributions.iter().map(|(_, v, _)| v.len()).max().unwrap_or(0);
-    let mut partial = vec![(vec![0f64; len], 0f64); aggregators.max(1)];
-    for &(worker, values, c) in contributions {
-        let (sum, weight) = &mut partial[of(worker).min(aggregators.max(1) - 1)];
+    let partials: Vec<(Vec<f64>, f64)> = (0..aggregators.max(1))
+        .map(|a| {
+            let mine: Vec<(&[f32], f64)> = contributions
+                .iter()
+                .filter(|(w, _, _)| of(*w).min(aggregators.max(1) - 1) == a)
+                .map(|&(_, v, c)| (v, c))
+                .collect();
+            partial_sum(&mine, len)
+        })
+        .collect();
+    combine(partials.iter().map(|(s, w)| (s.as_slice(), *w)))
+}
+
+/// One aggregator's part: Σ c_k·v_k over its workers (f64, in the order
+/// given: worker order) and Σ c_k.
+pub fn partial_sum(contributions: &[(&[f32], f64)], len: usize) -> (Vec<f64>, f64) {
+    let mut sum = vec![0f64; len];
+    let mut weight = 0f64;
+    for &(values, c) in contributions {
         sum.iter_mut().zip(values).for_each(|(s, &v)| *s += c * f64::from(v));
-        *weight += c;
+        weight += c;
     }
-    let mut parts = partial.into_iter();
-    let (mut total, mut weight) = parts.next()?;
+    (sum, weight)
+}
+
+/// The partial sums added in aggregator order and divided by Σ c; `None`
+/// when Σ c is 0 (or there are none).
+pub fn combine<'a>(partials: impl IntoIterator<Item = (&'a [f64], f64)>) -> Option<Vec<f64>> {
+    let mut parts = partials.into_iter();
+    let (first, mut weight) = parts.next()?;
+    let mut total = first.to_vec();
     for (sum, w) in parts {
-        total.iter_mut().zip(&sum).for_each(|(t, s)| *t += s);
+        total.iter_mut().zip(sum).for_each(|(t, s)| *t += s);
         weight += w;
     }
     (weight > 0.0).then(|| total.into_iter().map(|t| t / weight).collect())
@@ -155,11 +178,13 @@ pub fn failure_rate(targets: &[ProbeTarget], token: Option<&str>, timeout: Durat
     if probed == 0 { 0.0 } else { failed as f64 / probed as f64 }
 }
 
-/// An aggregation instruction: its number and the round it names.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// An aggregation instruction: its number, the round it names, and the
+/// workers it waits for (an aggregator process sends once its own are in).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Instruction {
     pub id: u64,
     pub round: u64,
+    pub participants: Vec<usize>,
 }
 
 /// What the scheduler counted (the final JSON).
@@ -179,11 +204,17 @@ pub struct LazyReport {
     pub last_failure_rate: f64,
 }
 
+/// A participant's share of an instruction: its values (none when its
+/// aggregator sent them summed), coefficient and whether its data is finished.
+type Share = (Option<Vec<f32>>, f64, bool);
+
 struct Pending {
     instruction: Instruction,
     /// Workers the instruction waits for.
     participants: Vec<bool>,
-    contributions: Vec<Option<(Vec<f32>, f64, bool)>>,
+    contributions: Vec<Option<Share>>,
+    /// Aggregator processes' partial sums (Σ c·v, Σ c), by aggregator.
+    partials: Vec<Option<(Vec<f64>, f64)>>,
     /// The new weights once every participant sent.
     result: Option<Arc<Vec<f32>>>,
     /// The checkpoint step it was committed as (a backup).
@@ -401,12 +432,12 @@ impl Lazy {
             }
             if let Some(p) = &state.pending {
                 if p.participants[worker] && p.contributions[worker].is_none() {
-                    return Ok(Some(p.instruction));
+                    return Ok(Some(p.instruction.clone()));
                 }
             } else if let Some(i) = self.try_issue(&mut state)
-                && i.1[worker]
+                && i.participants.contains(&worker)
             {
-                return Ok(Some(i.0));
+                return Ok(Some(i));
             }
             if !wait {
                 return Ok(None);
@@ -418,7 +449,7 @@ impl Lazy {
 
     /// Issues an instruction when (a) every worker still in has an
     /// iteration since the last one and (b) the conditions pass.
-    fn try_issue(&self, state: &mut State) -> Option<(Instruction, Vec<bool>)> {
+    fn try_issue(&self, state: &mut State) -> Option<Instruction> {
         let active: Vec<usize> = (0..self.workers).filter(|&w| !state.gone[w]).collect();
         if active.is_empty() || active.iter().any(|&w| state.since[w] == 0) {
             return None;
@@ -448,63 +479,126 @@ impl Lazy {
         state.held = None;
         state.last_issued = std::time::Instant::now();
         let round = active.iter().map(|&w| state.since[w]).min().unwrap_or(1);
-        let instruction = Instruction { id: state.next_id, round };
-        state.next_id += 1;
         let participants: Vec<bool> = (0..self.workers).map(|w| !state.gone[w]).collect();
+        let instruction = Instruction { id: state.next_id, round, participants: active };
+        state.next_id += 1;
         state.report.last_utilisation = c.utilisation;
         state.report.last_failure_rate = c.failure_rate;
         state.pending = Some(Pending {
-            instruction,
-            participants: participants.clone(),
+            instruction: instruction.clone(),
+            participants,
             contributions: (0..self.workers).map(|_| None).collect(),
+            partials: vec![None; self.aggregators],
             result: None,
             committed: None,
             taken: 0,
         });
         self.changed.notify_all();
-        Some((instruction, participants))
+        Some(instruction)
     }
 
     /// A worker's contribution to instruction `id`: blocks until every
     /// participant's is in; returns the new weights, or `None` to a worker
     /// whose data is finished (it gets none, S4.5/S4.7).
     pub fn contribute(&self, c: Contribution) -> Result<Aggregated, ClusterError> {
-        let Contribution { worker, instruction: id, values, coefficient, finished, iterations, samples, .. } = c;
-        let trained = (iterations, samples);
+        let member = Member {
+            worker: c.worker,
+            finished: c.finished,
+            position: c.position,
+            iterations: c.iterations,
+            samples: c.samples,
+            coefficient: c.coefficient,
+        };
+        let who = format!("worker {}", c.worker);
+        let done = self.submit(c.instruction, &who, vec![member], Part::Values(c.values))?;
+        Ok(Aggregated { weights: (!c.finished).then_some(done.weights), ..done.aggregated })
+    }
+
+    /// Aggregator `p.aggregator`'s partial sum over its workers of an
+    /// instruction (an aggregator process): blocks like [`Lazy::contribute`]
+    /// and returns the new weights, which the aggregator hands to its
+    /// members that have not finished.
+    pub fn contribute_partial(&self, p: Partial) -> Result<(Aggregated, Arc<Vec<f32>>), ClusterError> {
+        let who = format!("aggregator {}", p.aggregator);
+        if p.aggregator >= self.aggregators {
+            return Err(ClusterError::Setup(format!("{who}: the job has {} aggregators", self.aggregators)));
+        }
+        if let Some(m) =
+            p.members.iter().find(|m| m.worker >= self.workers || self.aggregator_of(m.worker) != p.aggregator)
+        {
+            return Err(ClusterError::Setup(format!("{who}: worker {} does not belong to it", m.worker)));
+        }
+        let done = self.submit(p.instruction, &who, p.members, Part::Sum(p.aggregator, p.sum, p.weight))?;
+        Ok((done.aggregated, done.weights))
+    }
+
+    /// Records `members`' share of instruction `id` (their values, or their
+    /// aggregator's sum of them); the last share in computes the new
+    /// weights (and commits a backup); every caller waits for them.
+    fn submit(&self, id: u64, who: &str, members: Vec<Member>, part: Part) -> Result<Submitted, ClusterError> {
+        let count = members.len();
         let mut guard = self.state.lock();
         let mut to_commit = None;
         {
             let state = &mut *guard;
             let Some(p) = state.pending.as_mut().filter(|p| p.instruction.id == id) else {
-                return Err(ClusterError::Setup(format!("worker {worker}: instruction {id} is not the one out")));
+                return Err(ClusterError::Setup(format!("{who}: instruction {id} is not the one out")));
             };
-            if !p.participants.get(worker).copied().unwrap_or(false) || p.contributions[worker].is_some() {
-                return Err(ClusterError::Setup(format!("worker {worker}: not expected for instruction {id}")));
+            for m in &members {
+                if !p.participants.get(m.worker).copied().unwrap_or(false) || p.contributions[m.worker].is_some() {
+                    return Err(ClusterError::Setup(format!(
+                        "{who}: worker {} is not expected for instruction {id}",
+                        m.worker
+                    )));
+                }
+                if !(m.coefficient.is_finite() && m.coefficient >= 0.0) {
+                    return Err(ClusterError::Setup(format!(
+                        "{who}: worker {} coefficient {}",
+                        m.worker, m.coefficient
+                    )));
+                }
             }
-            if !(coefficient.is_finite() && coefficient >= 0.0) {
-                return Err(ClusterError::Setup(format!("worker {worker}: coefficient {coefficient}")));
-            }
-            if values.len() != state.weights.len() {
+            let len = match &part {
+                Part::Values(v) => v.len(),
+                Part::Sum(_, v, _) => v.len(),
+            };
+            if len != state.weights.len() {
                 return Err(ClusterError::Setup(format!(
-                    "worker {worker}: {} values for {} dense weights",
-                    values.len(),
+                    "{who}: {len} values for {} dense weights",
                     state.weights.len()
                 )));
             }
-            p.contributions[worker] = Some((values, coefficient, finished));
-            state.since[worker] = 0;
-            state.position = state.position.later(c.position);
-            state.report.local_iterations += trained.0;
-            state.report.samples += trained.1;
+            let mut values = match part {
+                Part::Values(v) => Some(v),
+                Part::Sum(a, sum, weight) => {
+                    if p.partials[a].is_some() {
+                        return Err(ClusterError::Setup(format!("{who}: sent twice for instruction {id}")));
+                    }
+                    p.partials[a] = Some((sum, weight));
+                    None
+                }
+            };
+            for m in &members {
+                p.contributions[m.worker] = Some((values.take(), m.coefficient, m.finished));
+                state.since[m.worker] = 0;
+                state.position = state.position.later(m.position);
+                state.report.local_iterations += m.iterations;
+                state.report.samples += m.samples;
+            }
             if (0..self.workers).all(|w| !p.participants[w] || p.contributions[w].is_some()) {
-                let of = |w: usize| self.aggregator_of(w);
-                let list: Vec<(usize, &[f32], f64)> = p
-                    .contributions
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(w, c)| c.as_ref().map(|(v, c, _)| (w, v.as_slice(), *c)))
-                    .collect();
-                if let Some(mean) = aggregate(&list, &of, self.aggregators) {
+                let mean = if p.partials.iter().any(Option::is_some) {
+                    combine(p.partials.iter().flatten().map(|(s, w)| (s.as_slice(), *w)))
+                } else {
+                    let of = |w: usize| self.aggregator_of(w);
+                    let list: Vec<(usize, &[f32], f64)> = p
+                        .contributions
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(w, c)| c.as_ref().and_then(|(v, c, _)| Some((w, v.as_deref()?, *c))))
+                        .collect();
+                    aggregate(&list, &of, self.aggregators)
+                };
+                if let Some(mean) = mean {
                     let lr = self.learning_rate;
                     for (x, m) in state.weights.iter_mut().zip(&mean) {
                         *x = match self.cfg.send {
@@ -565,22 +659,24 @@ impl Lazy {
             if let Some(reason) = &guard.failed {
                 return Err(ClusterError::JobFailed(reason.clone()));
             }
-            let participants = self.workers;
             if let Some(p) = guard.pending.as_mut().filter(|p| p.instruction.id == id)
                 && let Some(result) = p.result.clone()
             {
                 let committed = p.committed;
-                p.taken += 1;
-                let expected = p.participants.iter().filter(|&&x| x).count().min(participants);
-                if p.taken == expected {
+                p.taken += count;
+                let expected = p.participants.iter().filter(|&&x| x).count();
+                if p.taken >= expected {
                     guard.pending = None;
                     self.changed.notify_all();
                 }
-                return Ok(Aggregated {
-                    weights: (!finished).then_some(result),
-                    job_batches: self.base.0 + guard.report.local_iterations,
-                    job_samples: self.base.1 + guard.report.samples,
-                    committed,
+                return Ok(Submitted {
+                    weights: result,
+                    aggregated: Aggregated {
+                        weights: None,
+                        job_batches: self.base.0 + guard.report.local_iterations,
+                        job_samples: self.base.1 + guard.report.samples,
+                        committed,
+                    },
                 });
             }
             self.changed.wait(&mut guard);
@@ -624,12 +720,50 @@ pub struct FinalWeights {
     pub job_samples: u64,
 }
 
+/// One worker's share of an aggregation, as its aggregator reports it.
+#[derive(Clone, Debug)]
+pub struct Member {
+    pub worker: usize,
+    pub finished: bool,
+    pub position: sparrow_core::batch::DataPosition,
+    pub iterations: u64,
+    pub samples: u64,
+    pub coefficient: f64,
+}
+
+/// An aggregator process's part of an instruction: Σ c_k·v_k over its
+/// participating workers (f64, worker order), Σ c_k, and each worker's share.
+#[derive(Clone, Debug)]
+pub struct Partial {
+    pub aggregator: usize,
+    pub generation: u64,
+    pub instruction: u64,
+    pub sum: Vec<f64>,
+    pub weight: f64,
+    pub members: Vec<Member>,
+}
+
+/// What a share of an instruction brings: one worker's values, or an
+/// aggregator's (index, Σ c·v, Σ c).
+enum Part {
+    Values(Vec<f32>),
+    Sum(usize, Vec<f64>, f64),
+}
+
+/// The new weights and the job's totals after an aggregation.
+struct Submitted {
+    weights: Arc<Vec<f32>>,
+    aggregated: Aggregated,
+}
+
 /// A worker's contribution to an instruction (S4.3).
 #[derive(Clone, Debug)]
 pub struct Contribution {
     pub worker: usize,
     pub generation: u64,
     pub instruction: u64,
+    /// The instruction's participants (an aggregator process waits for its own).
+    pub participants: Vec<usize>,
     /// Its delta or its round gradient (flat, `ParamStore` order).
     pub values: Vec<f32>,
     /// The sum of its kept samples' weights since the last aggregation.
@@ -695,6 +829,7 @@ mod tests {
             worker,
             generation: 1,
             instruction: id,
+            participants: Vec::new(),
             values,
             coefficient: c,
             finished,
@@ -770,7 +905,7 @@ mod tests {
         assert_eq!(lazy.poll(0, 1, false, false).expect("poll"), None);
         let i = lazy.poll(1, 2, false, false).expect("poll").expect("issued");
         assert_eq!(i.round, 1, "the newest iteration both have");
-        assert_eq!(lazy.poll(0, 1, false, false).expect("poll"), Some(i));
+        assert_eq!(lazy.poll(0, 1, false, false).expect("poll"), Some(i.clone()));
         let other = {
             let lazy = lazy.clone();
             std::thread::spawn(move || lazy.contribute(contribution(1, i.id, vec![0.3, 0.3], 3.0, true, (2, 6))))
@@ -816,7 +951,7 @@ mod tests {
         {
             let mut state = lazy.state.lock();
             let p = state.pending.as_mut().expect("pending");
-            p.contributions = vec![Some((vec![1.0], 1.0, false)), Some((vec![1.0], 1.0, false))];
+            p.contributions = vec![Some((Some(vec![1.0]), 1.0, false)), Some((Some(vec![1.0]), 1.0, false))];
             p.result = Some(Arc::new(vec![1.0]));
             p.taken = 1;
             state.since = vec![0, 0];

@@ -19,6 +19,7 @@
 //! role back to the last committed checkpoint ([`coordinator`]). Failures can
 //! be injected by name ([`faults`]).
 
+pub mod aggregator;
 pub mod checkpoint;
 pub mod coordinator;
 pub mod faults;

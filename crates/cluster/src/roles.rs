@@ -30,10 +30,12 @@ use tokio::runtime::Runtime;
 
 use crate::coordinator::{Coordinator, Event, Generation, JobState, Known, RoleKind};
 use crate::faults;
+use crate::grpc::aggregator::AggregatorClient;
 use crate::grpc::coordinator::CoordinatorClient;
 use crate::grpc::loader::LoaderClient;
 use crate::grpc::shard::ShardClient;
 use crate::grpc::{NetSettings, bind, server_builder};
+use crate::lazy::LazyLink;
 use crate::loader::LoaderServer;
 use crate::metrics::RoleMetrics;
 use crate::shard::{ShardServer, shard_table_in};
@@ -132,7 +134,7 @@ fn note_launcher(coordinator: &Coordinator, line: &str) {
 pub struct CoordinatorArgs {
     pub num_shards: usize,
     pub num_workers: usize,
-    /// `sync = "lazy"`: aggregators in this process.
+    /// `sync = "lazy"`: the aggregator processes that register.
     pub aggregators: usize,
     pub listen: SocketAddr,
     pub metrics_listen: Option<SocketAddr>,
@@ -164,7 +166,7 @@ pub fn run_coordinator(
     };
     let coordinator = Arc::new(
         Coordinator::new(config, num_shards, num_workers)?
-            .with_aggregators(aggregators)?
+            .with_aggregator_processes(aggregators)?
             .with_dialer(Arc::new(dialer))
             .with_events({
                 let on_event = on_event.clone();
@@ -657,6 +659,84 @@ pub fn run_loader(args: &RoleArgs) -> Result<(), ClusterError> {
     result
 }
 
+/// A worker's lazy link with aggregator processes: instructions from the
+/// scheduler (the coordinator), contributions to its aggregator.
+struct ThroughAggregator {
+    scheduler: CoordinatorClient,
+    aggregator: AggregatorClient,
+}
+
+impl LazyLink for ThroughAggregator {
+    fn poll(
+        &self,
+        worker: usize,
+        generation: u64,
+        since: u64,
+        finished: bool,
+        wait: bool,
+    ) -> Result<Option<crate::lazy::Instruction>, ClusterError> {
+        self.scheduler.poll(worker, generation, since, finished, wait)
+    }
+
+    fn contribute(&self, c: crate::lazy::Contribution) -> Result<crate::lazy::Aggregated, ClusterError> {
+        self.aggregator.contribute(c)
+    }
+
+    fn final_weights(&self, generation: u64) -> Result<crate::lazy::FinalWeights, ClusterError> {
+        self.scheduler.final_weights(generation)
+    }
+}
+
+/// Serves an aggregator (`sparrow aggregator`, S4) until the job ends: each
+/// generation gets a fresh one, which sums its workers' contributions and
+/// sends the scheduler one partial sum per instruction.
+pub fn run_aggregator(args: &RoleArgs) -> Result<(), ClusterError> {
+    let rt = runtime()?;
+    let metrics = RoleMetrics::new("aggregator");
+    let boot = bootstrap_settings(args);
+    let (listener, bound) = rt.block_on(bind(args.listen, &boot))?;
+    let advertise = args.advertise.clone().unwrap_or_else(|| bound.to_string());
+    let coordinator = CoordinatorClient::connect(&args.coordinator, &boot, rt.handle(), metrics.clone())?;
+    let (link, reg) = Link::register(coordinator.clone(), RoleKind::Aggregator, &advertise, args.index)?;
+    let (config, index) = (reg.config, reg.index);
+    let settings = NetSettings::new(&config.cluster, args.token.as_deref());
+    if config.cluster.sync != SyncMode::Lazy {
+        let e = ClusterError::Setup(format!(
+            "aggregator {index}: this job's cluster.sync is \"{}\"; aggregators serve only \"lazy\"",
+            config.cluster.sync.name()
+        ));
+        link.finish(Some(e.to_string()), 0);
+        return Err(e);
+    }
+    if let Some(bound) = serve_metrics(&metrics, args.metrics_listen, "aggregator", &settings, &rt)? {
+        coordinator.set_probe_address(bound);
+    }
+    let serving = Arc::new(Serving::new(format!("aggregator {index}")));
+    let service = crate::grpc::aggregator::service(serving.clone(), &settings, metrics.clone());
+    let server = rt.spawn(
+        server_builder()
+            .add_service(service)
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))),
+    );
+    tracing::info!("aggregator {index}: listening on {bound} (advertised as {advertise})");
+    let upstream = Arc::new(coordinator.clone()) as Arc<dyn crate::aggregator::PartialSink>;
+    let result = each_generation(&link, &config.cluster, |generation| {
+        let next = crate::aggregator::AggregatorServer::new(
+            index,
+            generation.number,
+            config.cluster.lazy.aggregator_of.clone(),
+            reg.num_aggregators,
+            upstream.clone(),
+        );
+        if let Some(old) = serving.set(Some(Arc::new(next))) {
+            old.fail(format!("generation {} started", generation.number));
+        }
+        Ok(())
+    });
+    server.abort();
+    result
+}
+
 /// Latency quantiles in milliseconds.
 #[derive(Clone, Copy, Debug, Default, Serialize, serde::Deserialize)]
 pub struct LatencyMs {
@@ -821,7 +901,21 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Generation) -> Result<Wor
     let mut worker = new_worker_in(config, &layout, index, summer, generation.number)?;
     match config.cluster.sync {
         SyncMode::Round => worker.in_rounds(Arc::new(coordinator.clone()), num_workers),
-        SyncMode::Lazy => worker.in_lazy(Arc::new(coordinator.clone()), &config.cluster.lazy),
+        SyncMode::Lazy => {
+            let link: Arc<dyn LazyLink> = match view.aggregators.is_empty() {
+                true => Arc::new(coordinator.clone()),
+                false => {
+                    let of = config.cluster.lazy.aggregator_of.get(index).copied();
+                    let of = of.unwrap_or(index % view.aggregators.len());
+                    let address = view.aggregators.get(of).ok_or_else(|| {
+                        ClusterError::Setup(format!("worker {index}: aggregator {of} is not in the job"))
+                    })?;
+                    let client = AggregatorClient::connect(of, address, settings, rt.handle(), metrics.clone())?;
+                    Arc::new(ThroughAggregator { scheduler: coordinator.clone(), aggregator: client })
+                }
+            };
+            worker.in_lazy(link, &config.cluster.lazy)
+        }
         SyncMode::Step => {}
     }
     worker.progress = link.shared.progress.clone();

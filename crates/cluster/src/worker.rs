@@ -800,6 +800,7 @@ impl Worker {
                 worker: index,
                 generation,
                 instruction: instruction.id,
+                participants: instruction.participants.clone(),
                 values,
                 coefficient,
                 finished,

@@ -45,6 +45,7 @@ fn role_to_proto(kind: RoleKind) -> pb::Role {
         RoleKind::Shard => pb::Role::Shard,
         RoleKind::Loader => pb::Role::Loader,
         RoleKind::Worker => pb::Role::Worker,
+        RoleKind::Aggregator => pb::Role::Aggregator,
     }
 }
 
@@ -53,6 +54,7 @@ fn role_from_proto(role: i32) -> Result<RoleKind, Status> {
         Ok(pb::Role::Shard) => Ok(RoleKind::Shard),
         Ok(pb::Role::Loader) => Ok(RoleKind::Loader),
         Ok(pb::Role::Worker) => Ok(RoleKind::Worker),
+        Ok(pb::Role::Aggregator) => Ok(RoleKind::Aggregator),
         _ => Err(Status::invalid_argument(format!("unknown role {role}"))),
     }
 }
@@ -83,6 +85,7 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
             index: index as u32,
             num_shards: self.coordinator.num_shards() as u32,
             num_workers: self.coordinator.num_workers() as u32,
+            num_aggregators: self.coordinator.num_aggregators() as u32,
             config_toml: self.coordinator.config_toml().to_string(),
             generation: Some(generation_to_proto(&generation)),
         }))
@@ -119,6 +122,7 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
             message: state.message,
             shards_ready: view.shards_ready,
             generation: current,
+            aggregators: view.aggregators,
         }))
     }
 
@@ -192,7 +196,7 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
 
     async fn lazy(&self, request: Request<pb::LazyRequest>) -> Result<Response<pb::LazyReply>, Status> {
         let r = request.into_inner();
-        self.metrics.count_bytes("in", "worker", r.values.len());
+        self.metrics.count_bytes("in", "worker", r.values.len() + r.partial.len());
         let coordinator = self.coordinator.clone();
         let (worker, generation) = (r.worker as usize, r.generation);
         let kind = pb::lazy_request::Kind::try_from(r.kind)
@@ -203,34 +207,21 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
                 let i =
                     blocking(move || LazyLink::poll(&*coordinator, worker, generation, since, finished, wait)).await?;
                 pb::LazyReply {
-                    instruction: i.map_or(0, |i| i.id),
-                    round: i.map_or(0, |i| i.round),
+                    instruction: i.as_ref().map_or(0, |i| i.id),
+                    round: i.as_ref().map_or(0, |i| i.round),
+                    participants: i.map(|i| i.participants.iter().map(|&w| w as u32).collect()).unwrap_or_default(),
                     ..Default::default()
                 }
             }
             pb::lazy_request::Kind::Contribute => {
-                let values = bytes_to_f32s(&r.values, &format!("worker {worker}"), "contribution").map_err(status)?;
-                let c = LazyContribution {
-                    worker,
-                    generation,
-                    instruction: r.instruction,
-                    values,
-                    coefficient: r.coefficient,
-                    finished: r.finished,
-                    position: position_from(r.position),
-                    iterations: r.iterations,
-                    samples: r.samples,
-                };
+                let c = contribution_from(r)?;
                 let done = blocking(move || LazyLink::contribute(&*coordinator, c)).await?;
-                pb::LazyReply {
-                    has_weights: done.weights.is_some(),
-                    weights: done.weights.map(|w| f32s_to_bytes(&w)).unwrap_or_default(),
-                    job_batches: done.job_batches,
-                    job_samples: done.job_samples,
-                    committed: done.committed.is_some(),
-                    committed_step: done.committed.unwrap_or(0),
-                    ..Default::default()
-                }
+                aggregated_reply(done, None)
+            }
+            pb::lazy_request::Kind::Partial => {
+                let p = partial_from(r)?;
+                let (done, weights) = blocking(move || coordinator.contribute_partial(p)).await?;
+                aggregated_reply(done, Some(weights))
             }
             pb::lazy_request::Kind::Final => {
                 let done = blocking(move || LazyLink::final_weights(&*coordinator, generation)).await?;
@@ -298,6 +289,7 @@ pub struct Registration {
     pub index: usize,
     pub num_shards: usize,
     pub num_workers: usize,
+    pub num_aggregators: usize,
     pub config: Config,
     pub generation: Generation,
 }
@@ -373,6 +365,7 @@ impl CoordinatorClient {
             index: reply.index as usize,
             num_shards: reply.num_shards as usize,
             num_workers: reply.num_workers as usize,
+            num_aggregators: reply.num_aggregators as usize,
             config,
             generation: generation_from(reply.generation),
         })
@@ -416,6 +409,7 @@ impl CoordinatorClient {
                 shards_ready: view.shards_ready,
                 shards: view.shards,
                 loader: view.loader,
+                aggregators: view.aggregators,
             },
         })
     }
@@ -540,34 +534,16 @@ impl LazyLink for CoordinatorClient {
             ..Default::default()
         };
         let reply = self.lazy_call(request)?;
-        Ok((reply.instruction > 0).then_some(Instruction { id: reply.instruction, round: reply.round }))
+        Ok((reply.instruction > 0).then(|| Instruction {
+            id: reply.instruction,
+            round: reply.round,
+            participants: reply.participants.iter().map(|&w| w as usize).collect(),
+        }))
     }
 
     fn contribute(&self, c: LazyContribution) -> Result<Aggregated, ClusterError> {
-        let request = pb::LazyRequest {
-            worker: c.worker as u32,
-            generation: c.generation,
-            kind: pb::lazy_request::Kind::Contribute as i32,
-            finished: c.finished,
-            instruction: c.instruction,
-            values: f32s_to_bytes(&c.values),
-            coefficient: c.coefficient,
-            iterations: c.iterations,
-            samples: c.samples,
-            position: Some(position_to_proto(c.position)),
-            ..Default::default()
-        };
-        let reply = self.lazy_call(request)?;
-        let weights = match reply.has_weights {
-            true => Some(Arc::new(bytes_to_f32s(&reply.weights, &self.peer.name, "aggregated weights")?)),
-            false => None,
-        };
-        Ok(Aggregated {
-            weights,
-            job_batches: reply.job_batches,
-            job_samples: reply.job_samples,
-            committed: reply.committed.then_some(reply.committed_step),
-        })
+        let reply = self.lazy_call(contribution_request(c))?;
+        aggregated_from(reply, &self.peer.name)
     }
 
     fn final_weights(&self, generation: u64) -> Result<FinalWeights, ClusterError> {
@@ -596,5 +572,137 @@ impl CheckpointSink for CoordinatorClient {
         // Writing every part takes as long as the table is large: no RPC deadline.
         let reply = self.peer.call_unbounded("checkpoint", request, |mut c, r| async move { c.checkpoint(r).await })?;
         Ok(std::path::PathBuf::from(reply.committed))
+    }
+}
+
+/// A worker's contribution on the wire (to the scheduler or its aggregator).
+pub fn contribution_request(c: LazyContribution) -> pb::LazyRequest {
+    pb::LazyRequest {
+        worker: c.worker as u32,
+        generation: c.generation,
+        kind: pb::lazy_request::Kind::Contribute as i32,
+        finished: c.finished,
+        instruction: c.instruction,
+        participants: c.participants.iter().map(|&w| w as u32).collect(),
+        values: f32s_to_bytes(&c.values),
+        coefficient: c.coefficient,
+        iterations: c.iterations,
+        samples: c.samples,
+        position: Some(position_to_proto(c.position)),
+        ..Default::default()
+    }
+}
+
+/// A contribution as it arrived (the scheduler's or an aggregator's server).
+pub fn contribution_from(r: pb::LazyRequest) -> Result<LazyContribution, Status> {
+    let worker = r.worker as usize;
+    let values = bytes_to_f32s(&r.values, &format!("worker {worker}"), "contribution").map_err(status)?;
+    Ok(LazyContribution {
+        worker,
+        generation: r.generation,
+        instruction: r.instruction,
+        participants: r.participants.iter().map(|&w| w as usize).collect(),
+        values,
+        coefficient: r.coefficient,
+        finished: r.finished,
+        position: position_from(r.position),
+        iterations: r.iterations,
+        samples: r.samples,
+    })
+}
+
+/// The answer to a contribution: the new weights (none to a finished
+/// worker) and the job's totals.
+pub fn aggregated_reply(done: Aggregated, weights: Option<Arc<Vec<f32>>>) -> pb::LazyReply {
+    let weights = weights.or(done.weights);
+    pb::LazyReply {
+        has_weights: weights.is_some(),
+        weights: weights.map(|w| f32s_to_bytes(&w)).unwrap_or_default(),
+        job_batches: done.job_batches,
+        job_samples: done.job_samples,
+        committed: done.committed.is_some(),
+        committed_step: done.committed.unwrap_or(0),
+        ..Default::default()
+    }
+}
+
+pub fn aggregated_from(reply: pb::LazyReply, peer: &str) -> Result<Aggregated, ClusterError> {
+    let weights = match reply.has_weights {
+        true => Some(Arc::new(bytes_to_f32s(&reply.weights, peer, "aggregated weights")?)),
+        false => None,
+    };
+    Ok(Aggregated {
+        weights,
+        job_batches: reply.job_batches,
+        job_samples: reply.job_samples,
+        committed: reply.committed.then_some(reply.committed_step),
+    })
+}
+
+fn f64s_to_bytes(values: &[f64]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn partial_from(r: pb::LazyRequest) -> Result<crate::lazy::Partial, Status> {
+    let aggregator = r.worker as usize;
+    if !r.partial.len().is_multiple_of(8) {
+        return Err(Status::invalid_argument(format!(
+            "aggregator {aggregator}: a partial sum of {} bytes is not f64s",
+            r.partial.len()
+        )));
+    }
+    let sum = r.partial.chunks_exact(8).map(|b| f64::from_le_bytes(b.try_into().unwrap_or([0; 8]))).collect();
+    let members = r
+        .members
+        .into_iter()
+        .map(|m| crate::lazy::Member {
+            worker: m.worker as usize,
+            finished: m.finished,
+            position: position_from(m.position),
+            iterations: m.iterations,
+            samples: m.samples,
+            coefficient: m.coefficient,
+        })
+        .collect();
+    Ok(crate::lazy::Partial {
+        aggregator,
+        generation: r.generation,
+        instruction: r.instruction,
+        sum,
+        weight: r.coefficient,
+        members,
+    })
+}
+
+impl crate::aggregator::PartialSink for CoordinatorClient {
+    fn contribute_partial(&self, p: crate::lazy::Partial) -> Result<(Aggregated, Arc<Vec<f32>>), ClusterError> {
+        let request = pb::LazyRequest {
+            worker: p.aggregator as u32,
+            generation: p.generation,
+            kind: pb::lazy_request::Kind::Partial as i32,
+            instruction: p.instruction,
+            partial: f64s_to_bytes(&p.sum),
+            coefficient: p.weight,
+            members: p
+                .members
+                .iter()
+                .map(|m| pb::LazyMember {
+                    worker: m.worker as u32,
+                    finished: m.finished,
+                    position: Some(position_to_proto(m.position)),
+                    iterations: m.iterations,
+                    samples: m.samples,
+                    coefficient: m.coefficient,
+                })
+                .collect(),
+            ..Default::default()
+        };
+        let reply = self.lazy_call(request)?;
+        let done = aggregated_from(reply, &self.peer.name)?;
+        let weights = done.weights.clone().ok_or_else(|| ClusterError::Malformed {
+            peer: self.peer.name.clone(),
+            what: "an aggregation answered without weights".into(),
+        })?;
+        Ok((Aggregated { weights: None, ..done }, weights))
     }
 }

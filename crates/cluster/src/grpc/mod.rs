@@ -7,6 +7,7 @@
 //! with a token configured every RPC must carry it (`authorization: Bearer …`),
 //! and a server refuses to listen off loopback without one.
 
+pub mod aggregator;
 pub mod coordinator;
 pub mod loader;
 pub mod shard;
