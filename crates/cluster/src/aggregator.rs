@@ -33,6 +33,8 @@ struct Open {
     expected: Vec<usize>,
     received: BTreeMap<usize, Contribution>,
     outcome: Option<Outcome>,
+    /// Participants that took the outcome (the instruction is dropped after the last).
+    taken: usize,
 }
 
 /// Aggregator `index` for one generation of the job.
@@ -43,7 +45,10 @@ pub struct AggregatorServer {
     mapping: Vec<usize>,
     aggregators: usize,
     upstream: Arc<dyn PartialSink>,
-    open: Mutex<Option<Open>>,
+    /// Instructions in progress, by id: at most one still summing, and
+    /// answered ones until every participant took the answer (a finished
+    /// worker may take it after the next instruction began).
+    open: Mutex<BTreeMap<u64, Open>>,
     changed: Condvar,
     failed: Mutex<Option<String>>,
 }
@@ -62,7 +67,7 @@ impl AggregatorServer {
             mapping,
             aggregators: aggregators.max(1),
             upstream,
-            open: Mutex::new(None),
+            open: Mutex::new(BTreeMap::new()),
             changed: Condvar::new(),
             failed: Mutex::new(None),
         }
@@ -96,8 +101,8 @@ impl AggregatorServer {
         }
         let (worker, finished, id) = (c.worker, c.finished, c.instruction);
         let mut open = self.open.lock();
-        if open.as_ref().is_none_or(|o| o.instruction != id) {
-            if let Some(o) = open.as_ref().filter(|o| o.outcome.is_none()) {
+        if !open.contains_key(&id) {
+            if let Some(o) = open.values().find(|o| o.outcome.is_none()) {
                 return Err(ClusterError::Setup(format!(
                     "{}: worker {worker} sent for instruction {id} while instruction {} is still open",
                     self.name(),
@@ -105,9 +110,11 @@ impl AggregatorServer {
                 )));
             }
             let expected: Vec<usize> = c.participants.iter().copied().filter(|&w| self.owns(w)).collect();
-            *open = Some(Open { instruction: id, expected, received: BTreeMap::new(), outcome: None });
+            open.insert(id, Open { instruction: id, expected, received: BTreeMap::new(), outcome: None, taken: 0 });
         }
-        let Some(o) = open.as_mut() else { unreachable!("set above") };
+        let Some(o) = open.get_mut(&id) else {
+            return Err(ClusterError::Setup(format!("{}: instruction {id} vanished", self.name())));
+        };
         if !o.expected.contains(&worker) || o.received.contains_key(&worker) || o.outcome.is_some() {
             return Err(ClusterError::Setup(format!(
                 "{}: worker {worker} is not expected for instruction {id}",
@@ -116,12 +123,18 @@ impl AggregatorServer {
         }
         o.received.insert(worker, c);
         if o.received.len() == o.expected.len() {
-            let partial = self.partial(o)?;
+            let partial = self.partial(o);
             drop(open);
-            crate::faults::point("aggregator.partial");
-            let outcome = self.upstream.contribute_partial(partial).map_err(|e| (e.may_be_a_death(), e.to_string()));
+            let outcome = match partial {
+                Ok(partial) => {
+                    crate::faults::point("aggregator.partial");
+                    self.upstream.contribute_partial(partial).map_err(|e| (e.may_be_a_death(), e.to_string()))
+                }
+                // Every waiting worker gets the error, not a wait.
+                Err(e) => Err((false, e.to_string())),
+            };
             open = self.open.lock();
-            if let Some(o) = open.as_mut().filter(|o| o.instruction == id) {
+            if let Some(o) = open.get_mut(&id) {
                 o.outcome = Some(outcome);
             }
             self.changed.notify_all();
@@ -130,7 +143,18 @@ impl AggregatorServer {
             if let Some(reason) = self.failed.lock().clone() {
                 return Err(ClusterError::Rpc { peer: self.name(), method: "contribute", message: reason });
             }
-            match open.as_ref().filter(|o| o.instruction == id).and_then(|o| o.outcome.clone()) {
+            let outcome = open.get_mut(&id).and_then(|o| {
+                let outcome = o.outcome.clone()?;
+                o.taken += 1;
+                Some((outcome, o.taken == o.expected.len()))
+            });
+            let outcome = outcome.map(|(outcome, last)| {
+                if last {
+                    open.remove(&id);
+                }
+                outcome
+            });
+            match outcome {
                 Some(Ok((aggregated, weights))) => {
                     return Ok(Aggregated { weights: (!finished).then_some(weights), ..aggregated });
                 }
@@ -257,6 +281,45 @@ mod tests {
             let sum: f64 = (0..3).map(|w| coefficients[w] * f64::from(values[w][i])).sum();
             let expected = f64::from(start[i]) + sum / 2.0;
             assert!((f64::from(*x) - expected).abs() < 1e-6, "{i}: {x} vs {expected}");
+        }
+    }
+
+    /// Answers every partial sum at once with its instruction number as weights.
+    struct Echo;
+
+    impl PartialSink for Echo {
+        fn contribute_partial(&self, p: Partial) -> Result<(Aggregated, Arc<Vec<f32>>), ClusterError> {
+            let done = Aggregated { weights: None, job_batches: p.instruction, job_samples: 0, committed: None };
+            Ok((done, Arc::new(vec![p.instruction as f32])))
+        }
+    }
+
+    /// A finished worker may read its answer only after its aggregator's
+    /// other worker went on to the next instruction: it still gets it
+    /// (repeated: the order of the wake-ups is the scheduler's).
+    #[test]
+    fn a_finished_worker_gets_its_answer_after_the_next_instruction_began() {
+        for _ in 0..200 {
+            let a = Arc::new(AggregatorServer::new(0, 1, vec![], 1, Arc::new(Echo)));
+            let (tx, rx) = crossbeam_channel::bounded(1);
+            let finished = {
+                let a = a.clone();
+                std::thread::spawn(move || {
+                    let mut c = contribution(0, 1, &[0, 1], vec![1.0], 1.0);
+                    c.finished = true;
+                    let _ = tx.send(a.contribute(c));
+                })
+            };
+            // Worker 0 waits in its contribution; worker 1 completes
+            // instruction 1, then sends for instruction 2 alone.
+            std::thread::sleep(std::time::Duration::from_millis(2));
+            let first = a.contribute(contribution(1, 1, &[0, 1], vec![2.0], 1.0)).expect("instruction 1");
+            assert_eq!(first.job_batches, 1);
+            let second = a.contribute(contribution(1, 2, &[1], vec![3.0], 1.0)).expect("instruction 2");
+            assert_eq!(second.weights.as_deref(), Some(&vec![2.0f32]));
+            let answer = rx.recv_timeout(std::time::Duration::from_secs(2)).expect("worker 0 was answered");
+            assert_eq!(answer.expect("aggregated").job_batches, 1, "instruction 1's answer");
+            finished.join().expect("thread");
         }
     }
 
