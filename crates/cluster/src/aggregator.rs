@@ -181,18 +181,7 @@ impl AggregatorServer {
         }
         let list: Vec<(&[f32], f64)> = o.received.values().map(|c| (c.values.as_slice(), c.coefficient)).collect();
         let (sum, weight) = partial_sum(&list, len);
-        let members = o
-            .received
-            .values()
-            .map(|c| Member {
-                worker: c.worker,
-                finished: c.finished,
-                position: c.position,
-                iterations: c.iterations,
-                samples: c.samples,
-                coefficient: c.coefficient,
-            })
-            .collect();
+        let members = o.received.values().map(Member::of).collect();
         Ok(Partial {
             aggregator: self.index,
             generation: self.generation,

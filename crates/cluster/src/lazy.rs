@@ -501,14 +501,7 @@ impl Lazy {
     /// participant's is in; returns the new weights, or `None` to a worker
     /// whose data is finished (it gets none, S4.5/S4.7).
     pub fn contribute(&self, c: Contribution) -> Result<Aggregated, ClusterError> {
-        let member = Member {
-            worker: c.worker,
-            finished: c.finished,
-            position: c.position,
-            iterations: c.iterations,
-            samples: c.samples,
-            coefficient: c.coefficient,
-        };
+        let member = Member::of(&c);
         let who = format!("worker {}", c.worker);
         let done = self.submit(c.instruction, &who, vec![member], Part::Values(c.values))?;
         Ok(Aggregated { weights: (!c.finished).then_some(done.weights), ..done.aggregated })
@@ -729,6 +722,20 @@ pub struct Member {
     pub iterations: u64,
     pub samples: u64,
     pub coefficient: f64,
+}
+
+impl Member {
+    /// A contribution's share (its values aside).
+    pub fn of(c: &Contribution) -> Member {
+        Member {
+            worker: c.worker,
+            finished: c.finished,
+            position: c.position,
+            iterations: c.iterations,
+            samples: c.samples,
+            coefficient: c.coefficient,
+        }
+    }
 }
 
 /// An aggregator process's part of an instruction: Σ c_k·v_k over its
