@@ -36,6 +36,7 @@ fn batch() -> WorkerBatch {
         sample_weights: None,
         merged_samples: 0,
         dropped_samples: 0,
+        passes: Default::default(),
     }
 }
 

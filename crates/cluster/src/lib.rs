@@ -33,6 +33,7 @@ pub mod metrics;
 pub mod net;
 pub mod roles;
 pub mod rounds;
+pub mod second_level;
 pub mod shard;
 pub mod sync;
 pub mod transport;

@@ -9,12 +9,12 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{Receiver, Sender, bounded};
 use parking_lot::Mutex;
 use sparrow_core::Config;
-use sparrow_core::config::{ClusterMode, SyncMode};
+use sparrow_core::config::{ClusterMode, PassRequest, SyncMode};
 use sparrow_data::{BadRows, BatchStream, DataError};
 use sparrow_embedding::{KeyPlan, owner};
 
 use crate::faults;
-use crate::messages::{Mode, WorkerBatch, first_batch_id};
+use crate::messages::{Mode, PassCounters, WorkerBatch, first_batch_id};
 use crate::transport::{ClusterError, LoaderService, ShardService};
 
 /// Batch ids of evaluation batches start here, so they never collide with training ones.
@@ -46,6 +46,18 @@ impl Loader {
     /// The next batch: in S0 mode its keys go to their shards and the worker
     /// gets only their positions; in worker_lookup mode the worker gets the keys.
     pub fn next_batch(&mut self) -> Result<Option<WorkerBatch>, ClusterError> {
+        let Some((batch, keys)) = self.next_planned()? else { return Ok(None) };
+        for (shard, keys) in self.shards.iter().zip(keys) {
+            if !keys.is_empty() {
+                shard.enqueue(batch.batch_id, keys, self.mode)?;
+            }
+        }
+        Ok(Some(batch))
+    }
+
+    /// The next batch and each shard's unique keys of it (S0 and collocated
+    /// modes; none in worker_lookup mode), not yet queued on the shards.
+    fn next_planned(&mut self) -> Result<Option<PlannedBatch>, ClusterError> {
         let Some(batch) = self.stream.next().transpose()? else { return Ok(None) };
         let batch_id = self.next_id;
         self.next_id += 1;
@@ -66,25 +78,188 @@ impl Loader {
             sample_weights: batch.sample_weights,
             merged_samples: self.bad_rows.weighting.merged.load(std::sync::atomic::Ordering::Relaxed),
             dropped_samples: self.bad_rows.weighting.dropped.load(std::sync::atomic::Ordering::Relaxed),
+            passes: Default::default(),
         };
+        let mut per_shard = vec![Vec::new(); self.shards.len()];
         match self.cluster_mode {
             ClusterMode::WorkerLookup => out.keys = batch.keys,
-            ClusterMode::S0 => {
+            ClusterMode::S0 | ClusterMode::Collocated => {
                 let n = self.shards.len();
                 // First dedup (S3.2) and partition by owner, counts first (S3.3).
                 let plan = KeyPlan::new(&batch.keys, n, |k| owner(k, n));
-                for (s, shard) in self.shards.iter().enumerate() {
-                    let keys = plan.shard_keys(s);
+                for (s, keys) in per_shard.iter_mut().enumerate() {
+                    *keys = plan.shard_keys(s).to_vec();
                     out.shard_counts.push(keys.len() as u32);
-                    if !keys.is_empty() {
-                        shard.enqueue(batch_id, keys.to_vec(), self.mode)?;
-                    }
                 }
                 out.inverse = plan.inverse;
             }
         }
-        Ok(Some(out))
+        Ok(Some((out, per_shard)))
     }
+}
+
+/// A batch and its unique keys per shard, not yet queued on the shards.
+type PlannedBatch = (WorkerBatch, Vec<Vec<u64>>);
+
+/// One pass as read.
+type PlannedPass = Vec<PlannedBatch>;
+
+/// S1.1 (`cluster.mode = "collocated"`): a thread reads the training stream
+/// a pass at a time (`cluster.pass_batches` batches, fewer where a node's
+/// share of the pass would pass half of `cluster.l2_capacity_rows`), stages
+/// it on every node (one ID list per node, or one per batch:
+/// `cluster.pass_request`), queues its batches' keys, and hands it over. It
+/// stages pass p+1 while pass p trains; a node keeps at most two passes in
+/// its second level (its stage waits for the older one's flush).
+pub struct PassFeed {
+    passes: Receiver<Result<Vec<WorkerBatch>, ClusterError>>,
+    ready: std::collections::VecDeque<WorkerBatch>,
+    counters: Arc<Mutex<PassCounters>>,
+    _thread: JoinHandle<()>,
+}
+
+impl PassFeed {
+    pub fn spawn(
+        mut loader: Loader,
+        cluster: &sparrow_core::config::ClusterConfig,
+        max_batches: Option<u64>,
+    ) -> Result<PassFeed, ClusterError> {
+        let (tx, rx) = bounded(0);
+        let counters = Arc::new(Mutex::new(PassCounters::default()));
+        let (pass_batches, request, half) =
+            (cluster.pass_batches.max(1) as usize, cluster.pass_request, cluster.l2_capacity_rows / 2);
+        let thread_counters = counters.clone();
+        let thread = std::thread::Builder::new()
+            .name("sparrow-passes".into())
+            .spawn(move || {
+                let mut carried = None;
+                let mut read = 0u64;
+                for pass in 0u64.. {
+                    let planned = match read_pass(&mut loader, &mut carried, &mut read, pass_batches, half, max_batches)
+                    {
+                        Ok(p) if p.is_empty() => return,
+                        Ok(p) => p,
+                        Err(e) => {
+                            let _ = tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    let start = std::time::Instant::now();
+                    let staged = stage_pass(&loader.shards, pass, &planned, request);
+                    {
+                        let mut c = thread_counters.lock();
+                        c.passes += 1;
+                        c.staging_secs += start.elapsed().as_secs_f64();
+                    }
+                    let out = staged.map(|()| planned.into_iter().map(|(b, _)| b).collect());
+                    let failed = out.is_err();
+                    if tx.send(out).is_err() || failed {
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| ClusterError::Io { what: "starting the pass thread".into(), source: e })?;
+        Ok(PassFeed { passes: rx, ready: Default::default(), counters, _thread: thread })
+    }
+
+    /// The next batch of the current pass (the next pass once it is staged).
+    pub fn next_batch(&mut self) -> Result<Option<WorkerBatch>, ClusterError> {
+        if self.ready.is_empty() {
+            let start = std::time::Instant::now();
+            match self.passes.recv() {
+                Ok(pass) => self.ready = pass?.into(),
+                Err(_) => return Ok(None),
+            }
+            self.counters.lock().exposed_secs += start.elapsed().as_secs_f64();
+        }
+        let Some(mut batch) = self.ready.pop_front() else { return Ok(None) };
+        batch.passes = *self.counters.lock();
+        Ok(Some(batch))
+    }
+}
+
+/// Reads the next pass: up to `pass_batches` batches (and `max_batches` in
+/// all), ended early when a shard's unique keys would pass `half` (0: no
+/// limit); a batch that ends a pass early starts the next one.
+fn read_pass(
+    loader: &mut Loader,
+    carried: &mut Option<PlannedBatch>,
+    read: &mut u64,
+    pass_batches: usize,
+    half: u64,
+    max_batches: Option<u64>,
+) -> Result<PlannedPass, ClusterError> {
+    let mut pass: PlannedPass = Vec::new();
+    let mut unique: Vec<std::collections::HashSet<u64>> = vec![Default::default(); loader.shards.len()];
+    while pass.len() < pass_batches && max_batches.is_none_or(|m| *read < m) {
+        let next = match carried.take() {
+            Some(next) => next,
+            None => match loader.next_planned()? {
+                Some(next) => next,
+                None => break,
+            },
+        };
+        if half > 0 {
+            let over = next.1.iter().zip(&unique).find_map(|(keys, seen)| {
+                let new = keys.iter().filter(|k| !seen.contains(k)).count() as u64;
+                (seen.len() as u64 + new > half).then_some(seen.len() as u64 + new)
+            });
+            if let Some(rows) = over {
+                if pass.is_empty() {
+                    return Err(ClusterError::Setup(format!(
+                        "one batch puts {rows} rows on a node, over half of cluster.l2_capacity_rows = {} (a pass \
+                         is staged beside the one training): lower train.batch_size or raise cluster.l2_capacity_rows",
+                        2 * half
+                    )));
+                }
+                *carried = Some(next);
+                break;
+            }
+        }
+        for (keys, seen) in next.1.iter().zip(unique.iter_mut()) {
+            seen.extend(keys.iter().copied());
+        }
+        pass.push(next);
+        *read += 1;
+    }
+    Ok(pass)
+}
+
+/// S1.1: each node gets its IDs of the pass (one list, or one per batch) and
+/// the batches they serve; then the batches' keys are queued as in S0.
+fn stage_pass(
+    shards: &[Arc<dyn ShardService>],
+    pass: u64,
+    planned: &PlannedPass,
+    request: PassRequest,
+) -> Result<(), ClusterError> {
+    for (s, shard) in shards.iter().enumerate() {
+        let mine = || planned.iter().filter(|(_, keys)| !keys[s].is_empty());
+        match request {
+            PassRequest::Whole => {
+                let mut keys: Vec<u64> = mine().flat_map(|(_, keys)| keys[s].iter().copied()).collect();
+                keys.sort_unstable();
+                keys.dedup();
+                let batches: Vec<u64> = mine().map(|(b, _)| b.batch_id).collect();
+                if !batches.is_empty() {
+                    shard.stage(pass, keys, batches)?;
+                }
+            }
+            PassRequest::PerBatch => {
+                for (b, keys) in mine() {
+                    shard.stage(pass, keys[s].clone(), vec![b.batch_id])?;
+                }
+            }
+        }
+    }
+    for (batch, keys) in planned {
+        for (shard, keys) in shards.iter().zip(keys) {
+            if !keys.is_empty() {
+                shard.enqueue(batch.batch_id, keys.clone(), Mode::Train)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The loader role: a thread runs the training stream (then the evaluation
@@ -213,14 +388,17 @@ impl LoaderServer {
         let cluster_mode = config.cluster.mode;
         let first_train_id = first_batch_id(generation, 0);
         let first_eval_id = first_batch_id(generation, FIRST_EVAL_BATCH_ID);
-        let mut train =
-            Loader::new(train_stream, shards.clone(), Mode::Train, cluster_mode, first_train_id, bad.clone());
+        let train = Loader::new(train_stream, shards.clone(), Mode::Train, cluster_mode, first_train_id, bad.clone());
         let depth = config.cluster.loader_queue_batches;
         let (train_tx, train_rx) = bounded(depth);
         let (eval_tx, eval_rx) = bounded(depth);
         let error = Arc::new(Mutex::new(None));
         // train.max_steps counts the resumed run's steps too.
         let max_batches = config.train.max_steps.map(|m| m.saturating_sub(steps_done));
+        let mut train = match cluster_mode {
+            ClusterMode::Collocated => TrainFeed::Passes(PassFeed::spawn(train, &config.cluster, max_batches)?),
+            _ => TrainFeed::Batches(train),
+        };
         let test = config.data.test.clone();
         let (data, eval_batch) = (config.data.clone(), config.train.batch_size.max(1024));
         let (thread_error, thread_bad) = (error.clone(), bad.clone());
@@ -228,7 +406,7 @@ impl LoaderServer {
             .name("sparrow-loader".into())
             .spawn(move || {
                 let result = (|| -> Result<(), ClusterError> {
-                    if !pump(&mut train, &train_tx, max_batches)? {
+                    if !pump(&mut || train.next_batch(), &train_tx, max_batches)? {
                         return Ok(());
                     }
                     drop(train_tx);
@@ -242,7 +420,7 @@ impl LoaderServer {
                             thread_bad.clone(),
                         )?;
                         let mut eval = Loader::new(stream, shards, Mode::Eval, cluster_mode, first_eval_id, thread_bad);
-                        pump(&mut eval, &eval_tx, None)?;
+                        pump(&mut || eval.next_batch(), &eval_tx, None)?;
                     }
                     Ok(())
                 })();
@@ -263,11 +441,28 @@ impl LoaderServer {
     }
 }
 
+/// The training batches: one at a time, or pass by pass (collocated mode).
+enum TrainFeed {
+    Batches(Loader),
+    Passes(PassFeed),
+}
+
+impl TrainFeed {
+    fn next_batch(&mut self) -> Result<Option<WorkerBatch>, ClusterError> {
+        match self {
+            TrainFeed::Batches(loader) => loader.next_batch(),
+            TrainFeed::Passes(feed) => feed.next_batch(),
+        }
+    }
+}
+
+type NextBatch<'a> = dyn FnMut() -> Result<Option<WorkerBatch>, ClusterError> + 'a;
+
 /// Moves batches into the queue; false if the workers went away.
-fn pump(loader: &mut Loader, tx: &Sender<WorkerBatch>, max_batches: Option<u64>) -> Result<bool, ClusterError> {
+fn pump(next: &mut NextBatch<'_>, tx: &Sender<WorkerBatch>, max_batches: Option<u64>) -> Result<bool, ClusterError> {
     let mut sent = 0u64;
     while max_batches.is_none_or(|m| sent < m) {
-        let Some(batch) = loader.next_batch()? else { break };
+        let Some(batch) = next()? else { break };
         if tx.send(batch).is_err() {
             return Ok(false);
         }

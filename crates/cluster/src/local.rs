@@ -32,6 +32,8 @@ pub struct LocalSummary {
     pub workers: Vec<WorkerStats>,
     /// Each worker's dense weights fingerprint (equal for replicas in sync).
     pub dense_checksums: Vec<u64>,
+    /// `cluster.mode = "collocated"`: the shards' second levels, summed.
+    pub second_level: Option<crate::second_level::SecondLevelStats>,
 }
 
 /// Trains with `num_shards` in-process shards and `num_workers` worker
@@ -41,7 +43,7 @@ pub struct LocalSummary {
 pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Result<LocalSummary, ClusterError> {
     let num_workers = num_workers.max(1);
     let servers: Vec<Arc<ShardServer>> = (0..num_shards.max(1))
-        .map(|i| Ok(Arc::new(ShardServer::new(i, shard_table(config, i)?))))
+        .map(|i| Ok(Arc::new(ShardServer::new(i, shard_table(config, i)?).for_mode(config))))
         .collect::<Result<_, ClusterError>>()?;
     let shards: Vec<Arc<dyn ShardService>> = servers.iter().map(|s| s.clone() as Arc<dyn ShardService>).collect();
     let layout = DataLayout::from_config(&config.data);
@@ -118,6 +120,7 @@ pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Re
         train_rows: workers.iter().map(|w| w.stats.rows).sum(),
         embedding_rows: reports.rows,
         table: reports.table_report(),
+        second_level: reports.second_level,
         dense_checksums: workers.iter().map(Worker::dense_checksum).collect::<Result<_, _>>()?,
         workers: workers.into_iter().map(|w| w.stats).collect(),
     })

@@ -38,6 +38,18 @@ pub struct WorkerBatch {
     /// Samples `[data.weighting]` merged and dropped so far.
     pub merged_samples: u64,
     pub dropped_samples: u64,
+    /// `cluster.mode = "collocated"`: the loader's pass counters so far.
+    pub passes: PassCounters,
+}
+
+/// What the loader's pass staging cost so far (S1.1, collocated mode).
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PassCounters {
+    pub passes: u64,
+    /// Seconds spent staging passes (the stage calls to every node).
+    pub staging_secs: f64,
+    /// Of those, seconds the batches waited for: staging not hidden behind training.
+    pub exposed_secs: f64,
 }
 
 impl WorkerBatch {

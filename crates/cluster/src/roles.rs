@@ -614,7 +614,8 @@ pub fn run_shard(args: &RoleArgs) -> Result<(), ClusterError> {
         }?;
         let shard = ShardServer::new(index, table)
             .with_max_reply_bytes(config.cluster.max_message_bytes)
-            .for_generation(generation.number, &config);
+            .for_generation(generation.number, &config)
+            .for_mode(&config);
         serving.set(Some(Arc::new(shard)));
         remove_stale_tiers(&config, index, &subdir);
         Ok(())

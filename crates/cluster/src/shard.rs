@@ -11,6 +11,7 @@ use sparrow_embedding::{EmbeddingTable, KeyPlan, RowSlots, Staged};
 
 use crate::faults;
 use crate::messages::{Mode, generation_of};
+use crate::second_level::SecondLevel;
 use crate::transport::{ClusterError, ExportPage, PartWritten, ShardReport, ShardService};
 
 /// A shard role's table, built from the config the way every shard builds
@@ -39,6 +40,8 @@ enum Pending {
     },
     /// Pulled for training: the second dedup's plan and the rows it found.
     Pulled { plan: KeyPlan, slots: RowSlots },
+    /// Pulled for training from the second level (collocated mode).
+    PulledSecond { plan: KeyPlan },
 }
 
 pub struct ShardServer {
@@ -55,6 +58,8 @@ pub struct ShardServer {
     cut: RwLock<()>,
     /// The job's config, for checkpoint parts (none: this shard writes none).
     config: Option<Config>,
+    /// `cluster.mode = "collocated"`: the second level training reads and updates (S1).
+    second_level: Option<SecondLevel>,
 }
 
 /// Bytes a pull reply of `keys` rows of `dim` floats takes on the wire (the
@@ -73,6 +78,30 @@ impl ShardServer {
             generation: 0,
             cut: RwLock::new(()),
             config: None,
+            second_level: None,
+        }
+    }
+
+    /// Serves training from a second level of at most `capacity` rows (0: no
+    /// limit) staged pass by pass (`cluster.mode = "collocated"`, S1).
+    pub fn with_second_level(mut self, capacity: u64) -> Self {
+        self.second_level = Some(SecondLevel::over(self.index, &self.table, capacity));
+        self
+    }
+
+    /// As the job's config says: a second level in collocated mode.
+    pub fn for_mode(self, config: &Config) -> Self {
+        match config.cluster.mode {
+            sparrow_core::config::ClusterMode::Collocated => self.with_second_level(config.cluster.l2_capacity_rows),
+            _ => self,
+        }
+    }
+
+    /// Level 1 up to date with the second level (before it is read whole).
+    fn write_through(&self) -> Result<(), ClusterError> {
+        match &self.second_level {
+            Some(l2) => l2.write_through(&self.table),
+            None => Ok(()),
         }
     }
 
@@ -117,6 +146,11 @@ impl ShardServer {
         &self.table
     }
 
+    /// `cluster.mode = "collocated"`: the second level's counters.
+    pub fn second_level_stats(&self) -> Option<crate::second_level::SecondLevelStats> {
+        self.second_level.as_ref().map(SecondLevel::stats)
+    }
+
     fn take(&self, batch_id: u64) -> Result<Pending, ClusterError> {
         self.pending.lock().remove(&batch_id).ok_or(ClusterError::UnknownBatch { shard: self.index, batch_id })
     }
@@ -129,7 +163,7 @@ impl ShardService for ShardServer {
         // S3.5: with an SSD tier, a training batch's rows are staged into the
         // cache while it waits in the queue, so its pull reads memory only.
         let (plan, staged) = match mode {
-            Mode::Train if self.table.is_tiered() => {
+            Mode::Train if self.table.is_tiered() && self.second_level.is_none() => {
                 let plan = self.table.plan(&keys);
                 let staged =
                     self.table.prefetch(&plan).map_err(|source| ClusterError::Table { shard: self.index, source })?;
@@ -156,11 +190,28 @@ impl ShardService for ShardServer {
                 });
             }
             Pending::Queued { keys, mode, plan, staged } => (keys, mode, plan, staged),
-            pulled @ Pending::Pulled { .. } => {
+            pulled @ (Pending::Pulled { .. } | Pending::PulledSecond { .. }) => {
                 self.pending.lock().insert(batch_id, pulled);
                 return Err(ClusterError::UnknownBatch { shard: self.index, batch_id });
             }
         };
+        if let (Some(l2), Mode::Train) = (&self.second_level, mode) {
+            // S1.2: a training batch reads the second level only.
+            let plan = self.table.plan(&keys);
+            let mut unique_rows = vec![0.0f32; plan.num_unique() * dim];
+            l2.lookup(&plan.unique, &mut unique_rows)?;
+            let mut rows = Vec::new();
+            plan.restore(&unique_rows, dim, &mut rows);
+            self.pending.lock().insert(batch_id, Pending::PulledSecond { plan });
+            return Ok(rows);
+        }
+        if let Some(l2) = &self.second_level {
+            // Evaluation reads level 1, brought up to date first.
+            l2.note_l1_read();
+            if l2.rows() > 0 {
+                l2.write_through(&self.table)?;
+            }
+        }
         // Second dedup (S3.4): keys from several loaders may repeat.
         let plan = plan.unwrap_or_else(|| self.table.plan(&keys));
         let mut unique_rows = vec![0.0f32; plan.num_unique() * dim];
@@ -193,7 +244,7 @@ impl ShardService for ShardServer {
             let mut pending = self.pending.lock();
             // Checked before the batch is taken: a bad push leaves it queued.
             let expected = match pending.get(&batch_id) {
-                Some(Pending::Pulled { plan, .. }) => plan.inverse.len() * dim,
+                Some(Pending::Pulled { plan, .. } | Pending::PulledSecond { plan }) => plan.inverse.len() * dim,
                 _ => return Err(ClusterError::UnknownBatch { shard: self.index, batch_id }),
             };
             if grads.len() != expected {
@@ -206,7 +257,8 @@ impl ShardService for ShardServer {
                 });
             }
             match pending.remove(&batch_id) {
-                Some(Pending::Pulled { plan, slots }) => (plan, slots),
+                Some(Pending::Pulled { plan, slots }) => (plan, Some(slots)),
+                Some(Pending::PulledSecond { plan }) => (plan, None),
                 _ => return Err(ClusterError::UnknownBatch { shard: self.index, batch_id }),
             }
         };
@@ -216,18 +268,46 @@ impl ShardService for ShardServer {
             let u = u as usize;
             summed[u * dim..(u + 1) * dim].iter_mut().zip(&grads[i * dim..(i + 1) * dim]).for_each(|(s, g)| *s += g);
         }
-        self.table
-            .apply_gradients_at(&plan, &slots, &summed)
-            .map_err(|source| ClusterError::Table { shard: self.index, source })
+        match (slots, &self.second_level) {
+            (Some(slots), _) => self
+                .table
+                .apply_gradients_at(&plan, &slots, &summed)
+                .map_err(|source| ClusterError::Table { shard: self.index, source }),
+            // S1.4: the owner applies them in its second level.
+            (None, Some(l2)) => l2.apply(&self.table, batch_id, &plan.unique, &summed),
+            (None, None) => Err(ClusterError::UnknownBatch { shard: self.index, batch_id }),
+        }
     }
 
     fn report(&self) -> Result<ShardReport, ClusterError> {
+        self.write_through()?;
         // Rows past ttl_steps are gone for every reader: count without them.
         self.table.sweep_expired().map_err(|source| ClusterError::Table { shard: self.index, source })?;
-        Ok(ShardReport::of(&self.table))
+        let mut report = ShardReport::of(&self.table);
+        report.second_level = self.second_level.as_ref().map(SecondLevel::stats);
+        Ok(report)
+    }
+
+    fn stage(&self, pass: u64, keys: Vec<u64>, batches: Vec<u64>) -> Result<(), ClusterError> {
+        if let Some(&b) = batches.first() {
+            self.check_generation(b)?;
+        }
+        let l2 = self.second_level.as_ref().ok_or_else(|| {
+            ClusterError::Setup(format!("shard {}: staging a pass needs cluster.mode = \"collocated\"", self.index))
+        })?;
+        // Outside the cut: a checkpoint may have to run before the pass that makes room ends.
+        l2.wait_for_room(pass);
+        let _cut = self.cut.read();
+        l2.stage(&self.table, pass, &keys, &batches)
     }
 
     fn export(&self, cursor: (usize, usize), max_rows: usize) -> Result<ExportPage, ClusterError> {
+        if cursor == (0, 0)
+            && let Some(l2) = &self.second_level
+        {
+            l2.note_l1_read();
+            self.write_through()?;
+        }
         let (mut keys, mut rows, mut last_uses) = (Vec::new(), Vec::new(), Vec::new());
         let next = self
             .table
@@ -258,6 +338,8 @@ impl ShardService for ShardServer {
         let start = Instant::now();
         let written = {
             let _cut = self.cut.write();
+            // A checkpoint between passes: level 1 takes the second level's rows first.
+            self.write_through()?;
             sparrow_trainer::checkpoint::write_part(&self.table, dir, self.index, since, config)?
         };
         let secs = start.elapsed().as_secs_f64();

@@ -97,6 +97,8 @@ pub struct ShardReport {
     /// `None` for a table in memory.
     pub tier: Option<sparrow_embedding::TierStats>,
     pub filters: sparrow_embedding::FilterStats,
+    /// `cluster.mode = "collocated"`: the second level's counters.
+    pub second_level: Option<crate::second_level::SecondLevelStats>,
 }
 
 impl ShardReport {
@@ -106,6 +108,7 @@ impl ShardReport {
             cached_rows: table.cached_rows() as u64,
             tier: table.tier_stats(),
             filters: table.filter_stats(),
+            second_level: None,
         }
     }
 
@@ -119,6 +122,18 @@ impl ShardReport {
                 *total.tier.get_or_insert_default() += t;
             }
             total.filters += r.filters;
+            if let Some(l2) = r.second_level {
+                let t = total.second_level.get_or_insert_default();
+                t.passes_staged = t.passes_staged.max(l2.passes_staged);
+                t.passes_flushed = t.passes_flushed.max(l2.passes_flushed);
+                t.rows_from_l1 += l2.rows_from_l1;
+                t.rows_initialised += l2.rows_initialised;
+                t.rows_flushed += l2.rows_flushed;
+                t.peak_rows += l2.peak_rows;
+                t.l1_reads_during_pass += l2.l1_reads_during_pass;
+                t.staging_secs += l2.staging_secs;
+                t.flush_secs += l2.flush_secs;
+            }
         }
         total
     }
@@ -143,6 +158,10 @@ pub trait ShardService: Send + Sync {
     fn push(&self, batch_id: u64, grads: Vec<f32>) -> Result<(), ClusterError>;
     /// The shard table's counters: rows held, SSD tier, feature filters.
     fn report(&self) -> Result<ShardReport, ClusterError>;
+    /// `cluster.mode = "collocated"` (S1.1): copies the rows of `keys` (this
+    /// shard's IDs of pass `pass`, or of one of its batches) into the second
+    /// level, for the training batches `batches`.
+    fn stage(&self, pass: u64, keys: Vec<u64>, batches: Vec<u64>) -> Result<(), ClusterError>;
     /// A page of at most `max_rows` full rows (vector + optimizer state) from
     /// `cursor`, and the cursor after it (`None`: done).
     fn export(&self, cursor: (usize, usize), max_rows: usize) -> Result<ExportPage, ClusterError>;

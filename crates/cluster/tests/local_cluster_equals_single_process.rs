@@ -39,6 +39,57 @@ fn config_with(dir: &std::path::Path, kind: &str, overrides: &[&str]) -> Config 
     Config::from_toml_with_overrides(&text, "test", &overrides).expect("config")
 }
 
+/// S1 (`cluster.mode = "collocated"`): every training pull and push goes to
+/// the shards' second levels, staged pass by pass, and the model is still
+/// `train`'s bit for bit: one list per pass or one per batch, passes of 5
+/// batches or split by a small second-level capacity.
+#[test]
+fn collocated_passes_through_a_second_level_equal_train() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    sparrow_data::synth::generate(tmp.path(), 3000, 600, 9).expect("generate");
+    let single = sparrow_trainer::train(&config(tmp.path(), "dlrm"), true).expect("train");
+    let settings: [&[&str]; 3] = [
+        &["cluster.pass_batches=5"],
+        &["cluster.pass_batches=5", "cluster.pass_request=\"per_batch\""],
+        &["cluster.l2_capacity_rows=8000"],
+    ];
+    for extra in settings {
+        let mut overrides = vec!["cluster.mode=\"collocated\""];
+        overrides.extend_from_slice(extra);
+        let c = config_with(tmp.path(), "dlrm", &overrides);
+        for shards in [1, 3] {
+            let cluster = train_local(&c, shards, 1).expect("collocated");
+            assert_eq!(
+                cluster.test_auc.map(f64::to_bits),
+                single.test_auc.map(f64::to_bits),
+                "{extra:?}, {shards} shards: {:?} vs {:?}",
+                cluster.test_auc,
+                single.test_auc
+            );
+            assert_eq!(cluster.embedding_rows, single.embedding_rows, "every row flushed into level 1");
+            let l2 = cluster.second_level.expect("second-level counters");
+            assert_eq!(l2.l1_reads_during_pass, 0);
+            // 3000 rows in batches of 128: 24 batches.
+            let expected_passes = if extra[0].contains("pass_batches") { 5 } else { 2 };
+            assert!(l2.passes_staged >= expected_passes, "{extra:?}: {l2:?}");
+            assert_eq!(l2.passes_staged, l2.passes_flushed, "every pass flushed: {l2:?}");
+            assert_eq!(
+                l2.rows_initialised + l2.rows_from_l1,
+                l2.rows_flushed,
+                "each staged row went back once: {l2:?}"
+            );
+            if extra[0].contains("l2_capacity_rows") {
+                // Summed over the shards: each holds at most its capacity.
+                assert!(l2.peak_rows <= 8000 * shards as u64, "the capacity holds: {l2:?}");
+            }
+        }
+    }
+    // A capacity one batch does not fit in (128 rows × 26 fields) is refused naming the key.
+    let c = config_with(tmp.path(), "dlrm", &["cluster.mode=\"collocated\"", "cluster.l2_capacity_rows=100"]);
+    let err = train_local(&c, 1, 1).expect_err("too small");
+    assert!(err.to_string().contains("cluster.l2_capacity_rows"), "{err}");
+}
+
 #[test]
 fn three_shards_one_worker_equals_train() {
     let tmp = tempfile::tempdir().expect("tmp");

@@ -455,6 +455,29 @@ pub enum ClusterMode {
     S0,
     /// Baseline: workers receive whole samples (IDs included) and look the keys up themselves.
     WorkerLookup,
+    /// S1: every node is a worker and a shard; a shard serves each pass
+    /// from a second level holding only that pass's rows.
+    Collocated,
+}
+
+/// S1.1: how a pass's IDs reach the nodes (`cluster.pass_request`).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum PassRequest {
+    /// One ID list per node for the whole pass (seed claim 6).
+    #[default]
+    Whole,
+    /// One ID list per node per batch of the pass (seed claim 7).
+    PerBatch,
+}
+
+impl PassRequest {
+    pub fn name(self) -> &'static str {
+        match self {
+            PassRequest::Whole => "whole",
+            PassRequest::PerBatch => "per_batch",
+        }
+    }
 }
 
 impl ClusterMode {
@@ -462,6 +485,7 @@ impl ClusterMode {
         match self {
             ClusterMode::S0 => "s0",
             ClusterMode::WorkerLookup => "worker_lookup",
+            ClusterMode::Collocated => "collocated",
         }
     }
 }
@@ -502,6 +526,14 @@ pub struct ClusterConfig {
     pub round_merge: RoundMergeRule,
     /// `sync = "lazy"`: the workers' local iterations, the scheduler, the aggregators.
     pub lazy: LazyConfig,
+    /// `mode = "collocated"` (S1): batches per pass.
+    pub pass_batches: u64,
+    /// `mode = "collocated"`: one ID list per pass, or one per batch.
+    pub pass_request: PassRequest,
+    /// `mode = "collocated"`: rows a node's second level may hold (0: no
+    /// limit). A pass ends early when its rows on a node would pass half of
+    /// it (the next pass is staged beside the current one).
+    pub l2_capacity_rows: u64,
 }
 
 /// How the workers' dense replicas agree on the weights (`cluster.sync`).
@@ -641,6 +673,9 @@ impl Default for ClusterConfig {
             round_iterations: 4,
             round_merge: RoundMergeRule::Mean,
             lazy: LazyConfig::default(),
+            pass_batches: 64,
+            pass_request: PassRequest::Whole,
+            l2_capacity_rows: 0,
         }
     }
 }
@@ -777,6 +812,30 @@ impl Config {
                     &format!("at most {MAX_MERGE_BUFFER_ROWS} rows (the buffer is held in memory)"),
                 );
             }
+        }
+        if self.cluster.mode == ClusterMode::Collocated {
+            // The second level holds rows and optimizer state only.
+            if self.embedding.admit_min_count > 1 {
+                return invalid(
+                    "embedding.admit_min_count",
+                    "feature admission is not available with cluster.mode = \"collocated\" yet",
+                );
+            }
+            if self.embedding.ttl_steps > 0 {
+                return invalid(
+                    "embedding.ttl_steps",
+                    "row expiry is not available with cluster.mode = \"collocated\" yet",
+                );
+            }
+            if self.checkpoint.incremental {
+                return invalid(
+                    "checkpoint.incremental",
+                    "incremental checkpoints are not available with cluster.mode = \"collocated\" yet (full ones are)",
+                );
+            }
+        }
+        if self.cluster.pass_batches == 0 {
+            return invalid("cluster.pass_batches", "must be at least 1 (batches per pass, mode = \"collocated\")");
         }
         if self.cluster.round_iterations == 0 {
             return invalid("cluster.round_iterations", "must be at least 1 (items each worker takes per round)");

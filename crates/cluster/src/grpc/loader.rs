@@ -42,6 +42,9 @@ pub fn to_proto(b: WorkerBatch) -> pb::WorkerBatch {
         sample_weights: b.sample_weights.as_deref().map(f32s_to_bytes).unwrap_or_default(),
         merged_samples: b.merged_samples,
         dropped_samples: b.dropped_samples,
+        passes: b.passes.passes,
+        pass_staging_secs: b.passes.staging_secs,
+        pass_staging_exposed_secs: b.passes.exposed_secs,
     }
 }
 
@@ -85,6 +88,11 @@ pub fn from_proto(b: pb::WorkerBatch, peer: &str) -> Result<WorkerBatch, Cluster
         },
         merged_samples: b.merged_samples,
         dropped_samples: b.dropped_samples,
+        passes: crate::messages::PassCounters {
+            passes: b.passes,
+            staging_secs: b.pass_staging_secs,
+            exposed_secs: b.pass_staging_exposed_secs,
+        },
     };
     if out.sample_weights.as_ref().is_some_and(|w| w.len() != rows) {
         return Err(malformed(format!("batch {}: sample weights for another row count", out.batch_id)));
@@ -222,6 +230,7 @@ mod tests {
             sample_weights: weights.then(|| (0..rows).map(|r| 0.25 * r as f32).collect()),
             merged_samples: 6,
             dropped_samples: 2,
+            passes: crate::messages::PassCounters { passes: 7, staging_secs: 0.5, exposed_secs: 0.25 },
         }
     }
 
@@ -238,6 +247,7 @@ mod tests {
             prop_assert_eq!(back.end, b.end);
             prop_assert_eq!(back.sample_weights, b.sample_weights);
             prop_assert_eq!((back.merged_samples, back.dropped_samples), (6, 2));
+            prop_assert_eq!(back.passes, b.passes);
         }
 
         /// A damaged or hostile message is refused with an error, never a panic

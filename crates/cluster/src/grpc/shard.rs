@@ -124,8 +124,12 @@ impl pb::shard_server::Shard for ShardGrpc {
 
     async fn stats(&self, _: Request<pb::Empty>) -> Result<Response<pb::ShardStats>, Status> {
         let shard = self.shard()?;
-        let (r, pending) =
-            blocking(move || Ok((ShardReport::of(shard.table()), shard.pending_batches() as u64))).await?;
+        let (r, pending) = blocking(move || {
+            let mut report = ShardReport::of(shard.table());
+            report.second_level = shard.second_level_stats();
+            Ok((report, shard.pending_batches() as u64))
+        })
+        .await?;
         let t = r.tier.unwrap_or_default();
         Ok(Response::new(pb::ShardStats {
             rows: r.rows,
@@ -141,7 +145,23 @@ impl pb::shard_server::Shard for ShardGrpc {
             admitted: r.filters.admitted,
             not_admitted: r.filters.not_admitted,
             expired: r.filters.expired,
+            second_level_json: r
+                .second_level
+                .map(|s| serde_json::to_string(&s).unwrap_or_default())
+                .unwrap_or_default(),
         }))
+    }
+
+    async fn stage(&self, request: Request<pb::StageRequest>) -> Result<Response<pb::Empty>, Status> {
+        let start = Instant::now();
+        let r = request.into_inner();
+        self.metrics.count_bytes("in", "loader", r.keys.len() + r.batches.len());
+        let keys = bytes_to_u64s(&r.keys, &self.peer, "keys").map_err(|e| super::to_status(&e))?;
+        let batches = bytes_to_u64s(&r.batches, &self.peer, "batch ids").map_err(|e| super::to_status(&e))?;
+        let shard = self.shard()?;
+        blocking(move || shard.stage(r.pass, keys, batches)).await?;
+        self.done("stage", start);
+        Ok(Response::new(pb::Empty {}))
     }
 }
 
@@ -259,7 +279,21 @@ impl ShardService for ShardClient {
             prefetch_inits: s.prefetch_inits,
         });
         let filters = FilterStats { admitted: s.admitted, not_admitted: s.not_admitted, expired: s.expired };
-        Ok(ShardReport { rows: s.rows, cached_rows: s.cached_rows, tier, filters })
+        let second_level = match s.second_level_json.is_empty() {
+            true => None,
+            false => Some(serde_json::from_str(&s.second_level_json).map_err(|e| ClusterError::Malformed {
+                peer: self.peer.name.clone(),
+                what: format!("second-level counters: {e}"),
+            })?),
+        };
+        Ok(ShardReport { rows: s.rows, cached_rows: s.cached_rows, tier, filters, second_level })
+    }
+
+    fn stage(&self, pass: u64, keys: Vec<u64>, batches: Vec<u64>) -> Result<(), ClusterError> {
+        let request = pb::StageRequest { pass, keys: u64s_to_bytes(&keys), batches: u64s_to_bytes(&batches) };
+        // Staging copies as many rows as the pass has: no RPC deadline.
+        self.peer.call_unbounded("stage", request, |mut c, r| async move { c.stage(r).await })?;
+        Ok(())
     }
 
     fn export(&self, cursor: (usize, usize), max_rows: usize) -> Result<ExportPage, ClusterError> {

@@ -715,6 +715,11 @@ impl EmbeddingTable {
         self.layout.row_len
     }
 
+    /// How a new row's vector is drawn (the same for every copy of the table).
+    pub fn initializer(&self) -> &Initializer {
+        &self.init
+    }
+
     pub fn optimizer(&self) -> &SparseOptimizer {
         &self.optimizer
     }

@@ -1,0 +1,322 @@
+//! S1's second level on a shard (`cluster.mode = "collocated"`).
+//!
+//! The shard's table is the first level (memory, or the SSD tier behind its
+//! cache). Before a pass the loader stages it (S1.1): the shard copies the
+//! rows of the pass's IDs it owns from level 1 into this second level, a map
+//! of whole rows (vector and optimizer state) in the shard's process; an ID
+//! level 1 does not have is initialised here, once, as level 1 would have
+//! (the same per-key initialiser and optimizer state). During the pass every
+//! pull and push of a training batch reads and updates rows here only (S1.2,
+//! S1.4): a key outside the staged set is an error, never a level-1 read.
+//! When the last batch of a pass is pushed, the rows no later staged pass
+//! holds are written back into level 1 and freed (S1.4); rows the next pass
+//! also needs stay (staging pass p+1 while pass p trains shares them, so both
+//! passes see one copy). Checkpoints and evaluation first write every row
+//! here back into level 1 (kept here).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use sparrow_embedding::{EmbeddingTable, Initializer, SparseOptimizer};
+
+use crate::transport::ClusterError;
+
+/// What a shard's second level did (the final JSON sums them over shards).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SecondLevelStats {
+    /// Passes staged, and passes whose batches were all pushed (flushed).
+    pub passes_staged: u64,
+    pub passes_flushed: u64,
+    /// Rows copied from level 1 while staging, and rows initialised here.
+    pub rows_from_l1: u64,
+    pub rows_initialised: u64,
+    /// Rows written back into level 1 when their last pass ended.
+    pub rows_flushed: u64,
+    /// The most rows held at once.
+    pub peak_rows: u64,
+    /// Level-1 reads outside staging while a pass was staged (must stay 0:
+    /// every training read goes to this level).
+    pub l1_reads_during_pass: u64,
+    pub staging_secs: f64,
+    pub flush_secs: f64,
+}
+
+#[derive(Default)]
+struct Pass {
+    /// The pass's unique keys on this shard.
+    keys: HashSet<u64>,
+    /// Its batches (with keys on this shard) not yet pushed.
+    outstanding: usize,
+}
+
+#[derive(Default)]
+struct State {
+    rows: HashMap<u64, Box<[f32]>>,
+    /// Staged passes not yet flushed that hold each key.
+    holders: HashMap<u64, u32>,
+    passes: BTreeMap<u64, Pass>,
+    /// Training batch id → its pass.
+    batch_pass: HashMap<u64, u64>,
+    stats: SecondLevelStats,
+}
+
+pub struct SecondLevel {
+    shard: usize,
+    dim: usize,
+    row_len: usize,
+    optimizer: SparseOptimizer,
+    init: Initializer,
+    /// `cluster.l2_capacity_rows` (0: no limit).
+    capacity: u64,
+    state: Mutex<State>,
+    /// A pass was flushed (a stage waiting for room goes on).
+    flushed: parking_lot::Condvar,
+}
+
+impl SecondLevel {
+    /// The second level of shard `shard` over level 1 `l1` (same row shape,
+    /// optimizer and initialiser).
+    pub fn over(shard: usize, l1: &EmbeddingTable, capacity: u64) -> Self {
+        SecondLevel {
+            shard,
+            dim: l1.dim(),
+            row_len: l1.row_len(),
+            optimizer: *l1.optimizer(),
+            init: *l1.initializer(),
+            capacity,
+            state: Mutex::new(State::default()),
+            flushed: parking_lot::Condvar::new(),
+        }
+    }
+
+    fn error(&self, message: String) -> ClusterError {
+        ClusterError::Setup(format!("shard {}: {message}", self.shard))
+    }
+
+    /// Waits until at most one pass is held, so that a new one may be
+    /// staged beside it (the loader stages pass p+1 while pass p trains).
+    pub fn wait_for_room(&self, pass: u64) {
+        let mut state = self.state.lock();
+        while !state.passes.contains_key(&pass) && state.passes.len() >= 2 {
+            self.flushed.wait_for(&mut state, std::time::Duration::from_millis(100));
+        }
+    }
+
+    /// S1.1: stages `keys` (this shard's IDs of pass `pass`, or of one of
+    /// its batches) for the training batches `batches`. Call it for every
+    /// list of the pass before the pass's batches are pulled.
+    pub fn stage(&self, l1: &EmbeddingTable, pass: u64, keys: &[u64], batches: &[u64]) -> Result<(), ClusterError> {
+        let start = Instant::now();
+        let mut state = self.state.lock();
+        let state = &mut *state;
+        if !state.passes.contains_key(&pass) {
+            state.stats.passes_staged += 1;
+        }
+        let entry = state.passes.entry(pass).or_default();
+        for &b in batches {
+            if state.batch_pass.insert(b, pass).is_none() {
+                entry.outstanding += 1;
+            }
+        }
+        for &key in keys {
+            // A key listed twice for the pass (one list per batch) is held once.
+            if !entry.keys.insert(key) {
+                continue;
+            }
+            let held = state.holders.entry(key).or_insert(0);
+            *held += 1;
+            if *held > 1 || state.rows.contains_key(&key) {
+                continue;
+            }
+            let row = match l1.get_row(key) {
+                Some(row) => {
+                    state.stats.rows_from_l1 += 1;
+                    row.into_boxed_slice()
+                }
+                None => {
+                    let mut row = vec![0.0f32; self.row_len].into_boxed_slice();
+                    let (w, opt_state) = row.split_at_mut(self.dim);
+                    self.init.fill(key, w);
+                    self.optimizer.init_state(w, opt_state);
+                    state.stats.rows_initialised += 1;
+                    row
+                }
+            };
+            state.rows.insert(key, row);
+        }
+        let held = state.rows.len() as u64;
+        state.stats.peak_rows = state.stats.peak_rows.max(held);
+        state.stats.staging_secs += start.elapsed().as_secs_f64();
+        if self.capacity > 0 && held > self.capacity {
+            return Err(self.error(format!(
+                "the second level holds {held} rows, over cluster.l2_capacity_rows = {} (the loader ends a pass at \
+                 half of it: lower cluster.pass_batches or train.batch_size, or raise the capacity)",
+                self.capacity
+            )));
+        }
+        Ok(())
+    }
+
+    /// Copies the vectors of `keys` (a training batch's unique keys) into
+    /// `out`; a key not staged is an error.
+    pub fn lookup(&self, keys: &[u64], out: &mut [f32]) -> Result<(), ClusterError> {
+        let state = self.state.lock();
+        for (key, dst) in keys.iter().zip(out.chunks_exact_mut(self.dim)) {
+            let row = state.rows.get(key).ok_or_else(|| self.not_staged(*key))?;
+            dst.copy_from_slice(&row[..self.dim]);
+        }
+        Ok(())
+    }
+
+    fn not_staged(&self, key: u64) -> ClusterError {
+        self.error(format!(
+            "key {key} is not in the staged pass's set: a second-level lookup outside the pass (never read from level 1)"
+        ))
+    }
+
+    /// Applies `grads` (summed per unique key of the batch) to the rows of
+    /// `keys`, then counts the batch pushed: the last batch of a pass frees
+    /// its rows no later pass holds, writing them back into level 1.
+    pub fn apply(&self, l1: &EmbeddingTable, batch_id: u64, keys: &[u64], grads: &[f32]) -> Result<(), ClusterError> {
+        let mut state = self.state.lock();
+        if let Some(key) = keys.iter().find(|k| !state.rows.contains_key(k)) {
+            return Err(self.not_staged(*key));
+        }
+        for (key, g) in keys.iter().zip(grads.chunks_exact(self.dim)) {
+            if let Some(row) = state.rows.get_mut(key) {
+                let (w, opt_state) = row.split_at_mut(self.dim);
+                self.optimizer.apply(w, opt_state, g);
+            }
+        }
+        let Some(pass) = state.batch_pass.remove(&batch_id) else { return Ok(()) };
+        let done = match state.passes.get_mut(&pass) {
+            Some(p) => {
+                p.outstanding = p.outstanding.saturating_sub(1);
+                p.outstanding == 0
+            }
+            None => false,
+        };
+        if done {
+            self.flush_pass(l1, &mut state, pass)?;
+        }
+        Ok(())
+    }
+
+    /// S1.4's write-back of a finished pass.
+    fn flush_pass(&self, l1: &EmbeddingTable, state: &mut State, pass: u64) -> Result<(), ClusterError> {
+        let start = Instant::now();
+        let Some(p) = state.passes.remove(&pass) else { return Ok(()) };
+        for key in p.keys {
+            let Some(held) = state.holders.get_mut(&key) else { continue };
+            *held -= 1;
+            if *held > 0 {
+                continue;
+            }
+            state.holders.remove(&key);
+            if let Some(row) = state.rows.remove(&key) {
+                l1.put_row(key, &row).map_err(|source| ClusterError::Table { shard: self.shard, source })?;
+                state.stats.rows_flushed += 1;
+            }
+        }
+        state.stats.passes_flushed += 1;
+        state.stats.flush_secs += start.elapsed().as_secs_f64();
+        self.flushed.notify_all();
+        Ok(())
+    }
+
+    /// Writes every row held here into level 1, keeping it here (before a
+    /// checkpoint part or an evaluation reads level 1).
+    pub fn write_through(&self, l1: &EmbeddingTable) -> Result<(), ClusterError> {
+        let state = self.state.lock();
+        for (&key, row) in &state.rows {
+            l1.put_row(key, row).map_err(|source| ClusterError::Table { shard: self.shard, source })?;
+        }
+        Ok(())
+    }
+
+    /// A pass is staged and not yet flushed.
+    pub fn in_pass(&self) -> bool {
+        !self.state.lock().passes.is_empty()
+    }
+
+    /// Counts a level-1 read made while a pass was staged (outside staging).
+    pub fn note_l1_read(&self) {
+        let mut state = self.state.lock();
+        if !state.passes.is_empty() {
+            state.stats.l1_reads_during_pass += 1;
+        }
+    }
+
+    pub fn stats(&self) -> SecondLevelStats {
+        self.state.lock().stats
+    }
+
+    pub fn rows(&self) -> usize {
+        self.state.lock().rows.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sparrow_core::config::{InitConfig, InitKind};
+    use std::sync::Arc;
+
+    fn level1() -> EmbeddingTable {
+        let init = Initializer::new(InitConfig { kind: InitKind::Uniform, scale: 0.1 }, 7);
+        EmbeddingTable::new(2, SparseOptimizer::Adagrad { lr: 0.5, eps: 1e-8 }, init, 2)
+    }
+
+    #[test]
+    fn a_pass_reads_and_updates_its_staged_rows_only_and_writes_them_back_at_its_end() {
+        let l1 = level1();
+        l1.put_row(1, &[1.0, 2.0, 0.0, 0.0]).expect("row 1");
+        let l2 = SecondLevel::over(0, &l1, 0);
+        l2.stage(&l1, 0, &[1, 2], &[10, 11]).expect("stage");
+        let mut out = vec![0.0; 4];
+        l2.lookup(&[1, 2], &mut out).expect("staged");
+        assert_eq!(&out[..2], &[1.0, 2.0], "row 1 from level 1");
+        let mut fresh = vec![0.0; 2];
+        l1.initializer().fill(2, &mut fresh);
+        assert_eq!(&out[2..], &fresh[..], "key 2 initialised as level 1 would");
+        // Outside the pass: an error, and level 1 is not read.
+        let err = l2.lookup(&[3], &mut [0.0; 2]).expect_err("not staged");
+        assert!(err.to_string().contains("key 3 is not in the staged pass"), "{err}");
+        assert!(l2.apply(&l1, 10, &[3], &[1.0, 1.0]).is_err());
+        // Updates stay in the second level until the pass's last batch.
+        l2.apply(&l1, 10, &[1], &[1.0, 1.0]).expect("push");
+        assert_eq!(l1.get_row(1).expect("row")[..2], [1.0, 2.0], "level 1 untouched during the pass");
+        assert_eq!(l1.get_row(2), None);
+        l2.apply(&l1, 11, &[2], &[0.0, 0.0]).expect("last push");
+        let row = l1.get_row(1).expect("flushed");
+        assert!((row[0] - 0.5).abs() < 1e-6 && (row[2] - 1.0).abs() < 1e-6, "Adagrad step and state: {row:?}");
+        assert!(l1.get_row(2).is_some(), "the new row is in level 1 now");
+        assert_eq!(l2.rows(), 0, "freed");
+        let stats = l2.stats();
+        assert_eq!((stats.rows_from_l1, stats.rows_initialised, stats.rows_flushed), (1, 1, 2));
+    }
+
+    #[test]
+    fn a_row_of_the_next_pass_stays_and_a_third_pass_waits_for_room() {
+        let l1 = level1();
+        let l2 = Arc::new(SecondLevel::over(0, &l1, 0));
+        l2.stage(&l1, 0, &[1], &[10]).expect("pass 0");
+        l2.stage(&l1, 1, &[1, 2], &[11]).expect("pass 1 beside it");
+        l2.apply(&l1, 10, &[1], &[1.0, 0.0]).expect("pass 0 ends");
+        assert_eq!(l2.rows(), 2, "key 1 is still pass 1's");
+        let mut out = vec![0.0; 2];
+        l2.lookup(&[1], &mut out).expect("still staged");
+        // A third pass waits until pass 1 is flushed.
+        l2.stage(&l1, 2, &[3], &[12]).expect("pass 2");
+        let waiter = {
+            let l2 = l2.clone();
+            std::thread::spawn(move || l2.wait_for_room(3))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!waiter.is_finished(), "two passes are held");
+        l2.apply(&l1, 11, &[1, 2], &[0.0; 4]).expect("pass 1 ends");
+        waiter.join().expect("room");
+    }
+}
