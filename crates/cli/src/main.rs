@@ -122,6 +122,10 @@ enum Command {
         /// aggregator`); worker k goes to `cluster.lazy.aggregator_of[k]`, or k mod K.
         #[arg(long, default_value_t = 1)]
         aggregators: usize,
+        /// `cluster.mode = "collocated"` (S1): N `sparrow node` processes
+        /// (a shard and a worker each) in place of --shards and --workers.
+        #[arg(long)]
+        nodes: Option<usize>,
         #[arg(long = "set", value_name = "KEY=VALUE")]
         set: Vec<String>,
         /// Do not forward the roles' logs to stderr.
@@ -178,6 +182,17 @@ enum Command {
         #[arg(long)]
         index: Option<usize>,
         /// Prometheus metrics endpoint (the scheduler probes it).
+        #[arg(long)]
+        metrics_listen: Option<SocketAddr>,
+    },
+    /// A collocated node (`cluster.mode = "collocated"`, S1): shard and
+    /// worker `--index` in one process. --listen is the shard's gRPC address.
+    Node {
+        #[command(flatten)]
+        role: RoleFlags,
+        #[arg(long)]
+        index: Option<usize>,
+        /// The shard's Prometheus metrics endpoint.
         #[arg(long)]
         metrics_listen: Option<SocketAddr>,
     },
@@ -389,6 +404,7 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             | Command::Loader { .. }
             | Command::Worker { .. }
             | Command::Aggregator { .. }
+            | Command::Node { .. }
     );
     init_logging(role);
     match cli.command {
@@ -436,10 +452,17 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             };
             print_json(&sparrow_trainer::bench::run(&options)?)
         }
-        Command::Launch { config: path, shards, workers, aggregators, set, quiet } => {
+        Command::Launch { config: path, shards, workers, aggregators, nodes, set, quiet } => {
             let config = with_env_token(load_config(&path, &set)?);
-            let options =
-                sparrow_cluster::launch::LaunchOptions { config_path: path, set, shards, workers, aggregators, quiet };
+            let options = sparrow_cluster::launch::LaunchOptions {
+                config_path: path,
+                set,
+                shards,
+                workers,
+                aggregators,
+                nodes,
+                quiet,
+            };
             print_json(&sparrow_cluster::launch::launch(&options, &config, &stop_on_signals())?)
         }
         Command::Coordinator { config, set, shards, workers, aggregators, listen, metrics_listen } => {
@@ -480,6 +503,10 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
         Command::Aggregator { role, index, metrics_listen } => {
             exit_on_signals("aggregator");
             Ok(sparrow_cluster::roles::run_aggregator(&role.args(index, metrics_listen))?)
+        }
+        Command::Node { role, index, metrics_listen } => {
+            exit_on_signals("node");
+            print_json(&sparrow_cluster::roles::run_node(&role.args(index, metrics_listen))?)
         }
         Command::Worker { role, index } => {
             exit_on_signals("worker");

@@ -42,6 +42,9 @@ pub struct LaunchOptions {
     pub workers: usize,
     /// `sync = "lazy"`: aggregator processes (`sparrow aggregator`).
     pub aggregators: usize,
+    /// `cluster.mode = "collocated"`: N `sparrow node` processes (a shard and
+    /// a worker each) in place of the shards and workers.
+    pub nodes: Option<usize>,
     /// Do not forward the children's logs.
     pub quiet: bool,
 }
@@ -247,6 +250,17 @@ pub fn launch(
     // Loopback is no trust boundary on a shared host: without a configured
     // token the job gets a fresh random one, so no other local user can call
     // its roles.
+    let collocated = config.cluster.mode == sparrow_core::config::ClusterMode::Collocated;
+    if options.nodes.is_some() && !collocated {
+        return Err(ClusterError::Setup(format!(
+            "--nodes runs collocated nodes: it needs cluster.mode = \"collocated\" (this job's is \"{}\")",
+            config.cluster.mode.name()
+        )));
+    }
+    if options.nodes == Some(0) {
+        return Err(ClusterError::Setup("--nodes must be at least 1".into()));
+    }
+    let (num_shards, num_workers) = options.nodes.map_or((options.shards, options.workers), |n| (n, n));
     let token = config.cluster.auth_token.clone().filter(|t| !t.is_empty()).map_or_else(random_token, Ok)?;
     let mut children = Children { list: Vec::new(), token };
     let local = "127.0.0.1:0".to_string();
@@ -257,9 +271,9 @@ pub fn launch(
     }
     args.extend([
         "--shards".into(),
-        options.shards.to_string(),
+        num_shards.to_string(),
         "--workers".into(),
-        options.workers.to_string(),
+        num_workers.to_string(),
         "--aggregators".into(),
         options.aggregators.to_string(),
         "--listen".into(),
@@ -294,7 +308,7 @@ pub fn launch(
         }
         a
     };
-    for i in 0..options.shards {
+    for i in 0..options.nodes.map_or(options.shards, |_| 0) {
         children.spawn(format!("shard {i}"), ("shard", i), &role("shard", Some(i)), options.quiet)?;
     }
     children.spawn("loader".into(), ("loader", 0), &role("loader", None), options.quiet)?;
@@ -304,9 +318,14 @@ pub fn launch(
             children.spawn(format!("aggregator {i}"), ("aggregator", i), &args, options.quiet)?;
         }
     }
-    let workers: Vec<usize> = (0..options.workers)
-        .map(|w| children.spawn(format!("worker {w}"), ("worker", w), &role("worker", Some(w)), options.quiet))
-        .collect::<Result<_, _>>()?;
+    let workers: Vec<usize> = match options.nodes {
+        Some(n) => (0..n)
+            .map(|i| children.spawn(format!("node {i}"), ("node", i), &role("node", Some(i)), options.quiet))
+            .collect::<Result<_, _>>()?,
+        None => (0..options.workers)
+            .map(|w| children.spawn(format!("worker {w}"), ("worker", w), &role("worker", Some(w)), options.quiet))
+            .collect::<Result<_, _>>()?,
+    };
     // A restarted coordinator must be where the others look for it.
     let coordinator_args: Vec<String> = {
         let mut a = children.list[coordinator].args.clone();
@@ -326,9 +345,9 @@ pub fn launch(
         }
         for lost in events.read(&children.list[coordinator]) {
             // A role the coordinator found hung: kill it, the restart follows.
-            if let Some(r) =
-                children.list.iter_mut().find(|r| r.kind == lost.0 && r.index == lost.1 && r.status.is_none())
-            {
+            // A node is its shard and its worker.
+            let is = |r: &Running| r.kind == lost.0 || (r.kind == "node" && matches!(lost.0, "shard" | "worker"));
+            if let Some(r) = children.list.iter_mut().find(|r| is(r) && r.index == lost.1 && r.status.is_none()) {
                 tracing::warn!("launch: {} stopped answering; killing it", r.name);
                 let _ = r.child.kill();
             }
@@ -364,8 +383,11 @@ pub fn launch(
                 children.restart(i, Some(coordinator_args.clone()), options.quiet)?;
                 events.coordinator_restarted();
             } else {
-                let line = format!("lost {} {}", r.kind, r.index);
-                children.tell_coordinator(&line);
+                let (kind, index) = (r.kind, r.index);
+                let kinds: &[&str] = if kind == "node" { &["shard", "worker"] } else { &[kind] };
+                for kind in kinds {
+                    children.tell_coordinator(&format!("lost {kind} {index}"));
+                }
                 children.restart(i, None, options.quiet)?;
             }
         }
@@ -471,6 +493,25 @@ pub type LaunchSummary = RunSummary<crate::worker::WorkerPhaseSecs, ClusterField
 pub struct ClusterFields {
     pub shards: usize,
     pub workers: usize,
+    /// `cluster.mode = "collocated"` (S1): `--nodes`, the passes staged,
+    /// level-1 reads while a pass was staged (0 by design), the second
+    /// levels' peak rows (summed over nodes), row bytes fetched from other
+    /// nodes' second level per trained sample, the loader's staging seconds
+    /// and the share of them hidden behind training.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nodes: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub passes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub l1_reads_during_pass: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub l2_peak_rows: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub l2_fetch_bytes_per_sample: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pass_staging_secs: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pass_staging_hidden: Option<f64>,
     pub mode: &'static str,
     /// `cluster.sync`: step, round or lazy.
     pub sync: &'static str,
@@ -533,6 +574,7 @@ fn merge(
     let (keys, unique): (u64, u64) = workers.iter().fold((0, 0), |(k, u), w| (k + w.keys, u + w.unique_keys));
     let bayes = config.data.test.as_deref().and_then(|t| sparrow_trainer::run::read_truth(std::path::Path::new(t)));
     let checksums: Vec<String> = workers.iter().map(|w| w.dense_checksum.clone()).collect();
+    let collocated = config.cluster.mode == sparrow_core::config::ClusterMode::Collocated;
     RunSummary {
         test_auc: first.test_auc,
         test_logloss: first.test_logloss,
@@ -567,8 +609,19 @@ fn merge(
         bayes_auc: bayes.as_ref().map(|t| t.bayes_auc),
         bayes_logloss: bayes.as_ref().map(|t| t.bayes_logloss),
         extra: ClusterFields {
-            shards: options.shards,
-            workers: options.workers,
+            shards: options.nodes.unwrap_or(options.shards),
+            workers: options.nodes.unwrap_or(options.workers),
+            nodes: options.nodes,
+            passes: collocated.then_some(first.passes.passes),
+            l1_reads_during_pass: first.second_level.map(|l| l.l1_reads_during_pass),
+            l2_peak_rows: first.second_level.map(|l| l.peak_rows),
+            l2_fetch_bytes_per_sample: collocated
+                .then(|| per_sample(workers.iter().map(|w| w.bytes_from_remote_shards).sum())),
+            pass_staging_secs: collocated.then_some(first.passes.staging_secs),
+            pass_staging_hidden: collocated.then(|| {
+                let p = first.passes;
+                if p.staging_secs > 0.0 { (1.0 - p.exposed_secs / p.staging_secs).clamp(0.0, 1.0) } else { 1.0 }
+            }),
             mode: config.cluster.mode.name(),
             sync: config.cluster.sync.name(),
             dense_sync_bytes_per_sample: per_sample(workers.iter().map(|w| w.dense_sync_bytes).sum()),
@@ -590,7 +643,7 @@ fn merge(
             batches_per_worker: workers.iter().map(|w| w.batches).collect(),
             replicas_identical: checksums.windows(2).all(|w| w[0] == w[1]),
             dense_checksums: checksums,
-            restarts: ["coordinator", "loader", "shard", "worker", "aggregator"]
+            restarts: ["coordinator", "loader", "shard", "worker", "aggregator", "node"]
                 .iter()
                 .map(|k| (k.to_string(), events.restarts.get(*k).copied().unwrap_or(0)))
                 .collect(),

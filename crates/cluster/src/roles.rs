@@ -571,6 +571,17 @@ fn each_generation(
 /// table restored from its checkpoint (or a fresh one), with its SSD tier in
 /// a fresh directory.
 pub fn run_shard(args: &RoleArgs) -> Result<(), ClusterError> {
+    run_shard_with(args, None)
+}
+
+/// What a node's shard hands its worker: its index and what it serves.
+type LocalShardHandle = (usize, Arc<Serving<ShardServer>>);
+
+/// [`run_shard`], telling `local` (a node's worker) its index and server.
+fn run_shard_with(
+    args: &RoleArgs,
+    local: Option<crossbeam_channel::Sender<LocalShardHandle>>,
+) -> Result<(), ClusterError> {
     let rt = runtime()?;
     let metrics = RoleMetrics::new("shard");
     let boot = bootstrap_settings(args);
@@ -583,6 +594,9 @@ pub fn run_shard(args: &RoleArgs) -> Result<(), ClusterError> {
     let settings = NetSettings::new(&config.cluster, args.token.as_deref());
     tracing::info!("shard {index}: listening on {bound} (advertised as {advertise})");
     let serving = Arc::new(Serving::new(format!("shard {index}")));
+    if let Some(local) = local {
+        let _ = local.send((index, serving.clone()));
+    }
     let server = (|| -> Result<_, ClusterError> {
         if let Some(bound) = serve_metrics(&metrics, args.metrics_listen, "shard", &settings, &rt)? {
             coordinator.set_probe_address(bound);
@@ -803,12 +817,92 @@ pub struct WorkerSummary {
     pub merged_samples: u64,
     pub dropped_samples: u64,
     pub sample_weight_sum: f64,
+    /// `cluster.mode = "collocated"`: the shards' second levels (worker 0),
+    /// the loader's pass counters, and row bytes from other nodes' shards.
+    pub second_level: Option<crate::second_level::SecondLevelStats>,
+    pub passes: crate::messages::PassCounters,
+    pub bytes_from_remote_shards: u64,
 }
 
 /// Trains as one worker of the job until it is done; worker 0 also
 /// evaluates. When the job moves to a new generation (a role died) the
 /// worker starts again from the checkpoint the generation restores.
 pub fn run_worker(args: &RoleArgs) -> Result<WorkerSummary, ClusterError> {
+    run_worker_with(args, None)
+}
+
+/// A node's own shard, called in process (S1: its second level is the
+/// node's; only the other nodes' rows cross the network).
+struct LocalShard(Arc<Serving<ShardServer>>);
+
+impl ShardService for LocalShard {
+    fn enqueue(&self, batch_id: u64, keys: Vec<u64>, mode: crate::Mode) -> Result<(), ClusterError> {
+        self.0.get()?.enqueue(batch_id, keys, mode)
+    }
+    fn pull(&self, batch_id: u64) -> Result<Vec<f32>, ClusterError> {
+        self.0.get()?.pull(batch_id)
+    }
+    fn push(&self, batch_id: u64, grads: Vec<f32>) -> Result<(), ClusterError> {
+        self.0.get()?.push(batch_id, grads)
+    }
+    fn report(&self) -> Result<ShardReport, ClusterError> {
+        self.0.get()?.report()
+    }
+    fn stage(&self, pass: u64, keys: Vec<u64>, batches: Vec<u64>) -> Result<(), ClusterError> {
+        self.0.get()?.stage(pass, keys, batches)
+    }
+    fn export(&self, cursor: (usize, usize), max_rows: usize) -> Result<crate::transport::ExportPage, ClusterError> {
+        self.0.get()?.export(cursor, max_rows)
+    }
+    fn write_part(
+        &self,
+        generation: u64,
+        dir: &std::path::Path,
+        since: Option<u64>,
+    ) -> Result<crate::transport::PartWritten, ClusterError> {
+        self.0.get()?.write_part(generation, dir, since)
+    }
+    fn is_local(&self) -> bool {
+        true
+    }
+}
+
+/// A node (`sparrow node`, `cluster.mode = "collocated"`, S1): a shard and a
+/// worker of the same index in one process; the worker reads its own
+/// shard's second level in process. `args.listen` is the shard's gRPC
+/// address, `args.metrics_listen` the shard's metrics; the worker's metrics
+/// go on a free port of the same host.
+pub fn run_node(args: &RoleArgs) -> Result<WorkerSummary, ClusterError> {
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let shard_args = args.clone();
+    let shard = std::thread::Builder::new()
+        .name("sparrow-node-shard".into())
+        .spawn(move || run_shard_with(&shard_args, Some(tx)))
+        .map_err(|e| ClusterError::Io { what: "starting the node's shard".into(), source: e })?;
+    let local = match rx.recv_timeout(Duration::from_millis(args.connect_timeout_ms.max(1000))) {
+        Ok(local) => local,
+        Err(_) => {
+            return Err(match shard.join() {
+                Ok(Err(e)) => e,
+                _ => ClusterError::Setup("node: its shard did not start".into()),
+            });
+        }
+    };
+    let worker_args = RoleArgs {
+        listen: SocketAddr::new(args.listen.ip(), 0),
+        advertise: None,
+        metrics_listen: None,
+        index: Some(local.0),
+        ..args.clone()
+    };
+    let result = run_worker_with(&worker_args, Some(local));
+    let shard = shard.join().unwrap_or_else(|_| Err(ClusterError::Setup("node: its shard panicked".into())));
+    let summary = result?;
+    shard?;
+    Ok(summary)
+}
+
+fn run_worker_with(args: &RoleArgs, local: Option<LocalShardHandle>) -> Result<WorkerSummary, ClusterError> {
     let rt = runtime()?;
     let metrics = RoleMetrics::new("worker");
     let boot = bootstrap_settings(args);
@@ -849,6 +943,7 @@ pub fn run_worker(args: &RoleArgs) -> Result<WorkerSummary, ClusterError> {
             settings: &settings,
             rt: &rt,
             metrics: &metrics,
+            local: local.as_ref(),
         };
         let started = Instant::now();
         let attempt = pool.install(|| worker_generation(&env, &generation));
@@ -886,15 +981,22 @@ struct WorkerEnv<'a> {
     settings: &'a NetSettings,
     rt: &'a Runtime,
     metrics: &'a RoleMetrics,
+    /// A node's own shard (called in process).
+    local: Option<&'a LocalShardHandle>,
 }
 
 /// One generation of a worker: waits for the shards and the loader to serve
 /// it, restores the dense state, trains, takes part in checkpoints, and
 /// (worker 0) evaluates.
 fn worker_generation(env: &WorkerEnv<'_>, generation: &Generation) -> Result<WorkerSummary, ClusterError> {
-    let WorkerEnv { config, index, num_workers, coordinator, link, settings, rt, metrics } = *env;
+    let WorkerEnv { config, index, num_workers, coordinator, link, settings, rt, metrics, local } = *env;
     let view = coordinator.wait_for_view(generation.number, false, settings.connect_timeout)?;
-    let shards = connect_shards(&view.shards, settings, rt, metrics)?;
+    let mut shards = connect_shards(&view.shards, settings, rt, metrics)?;
+    if let Some((own, serving)) = local
+        && let Some(slot) = shards.get_mut(*own)
+    {
+        *slot = Arc::new(LocalShard(serving.clone()));
+    }
     let loader = LoaderClient::connect(&view.loader, settings, rt.handle(), metrics.clone())?;
     let summer = (num_workers > 1).then(|| Arc::new(coordinator.clone()) as Arc<dyn RoundSummer>);
     let layout = DataLayout::from_config(&config.data);
@@ -959,6 +1061,7 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Generation) -> Result<Wor
         let total = ShardReport::sum(&reports);
         summary.embedding_rows = Some(total.rows);
         summary.table = Some(total.table_report());
+        summary.second_level = total.second_level;
     }
     let s = &worker.stats;
     summary.train_rows = s.rows;
@@ -982,6 +1085,8 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Generation) -> Result<Wor
     summary.merged_samples = s.merged_samples;
     summary.dropped_samples = s.dropped_samples;
     summary.sample_weight_sum = s.sample_weight_sum;
+    summary.passes = s.passes;
+    summary.bytes_from_remote_shards = s.bytes_from_remote_shards;
     summary.dense_checksum = format!("{:016x}", worker.dense_checksum()?);
     summary.checkpoint = worker.last_checkpoint().map(|d| d.display().to_string());
     summary.peak_rss_bytes = sparrow_trainer::peak_rss_bytes();

@@ -162,6 +162,10 @@ pub trait ShardService: Send + Sync {
     /// shard's IDs of pass `pass`, or of one of its batches) into the second
     /// level, for the training batches `batches`.
     fn stage(&self, pass: u64, keys: Vec<u64>, batches: Vec<u64>) -> Result<(), ClusterError>;
+    /// In the caller's process (a node's own shard): its rows cross no network.
+    fn is_local(&self) -> bool {
+        false
+    }
     /// A page of at most `max_rows` full rows (vector + optimizer state) from
     /// `cursor`, and the cursor after it (`None`: done).
     fn export(&self, cursor: (usize, usize), max_rows: usize) -> Result<ExportPage, ClusterError>;

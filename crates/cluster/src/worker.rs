@@ -73,6 +73,11 @@ pub struct WorkerStats {
     pub merged_samples: u64,
     pub dropped_samples: u64,
     pub sample_weight_sum: f64,
+    /// Row bytes pulled from shards in other processes (collocated mode:
+    /// rows fetched from other nodes' second level).
+    pub bytes_from_remote_shards: u64,
+    /// `cluster.mode = "collocated"`: the loader's pass counters, as of the latest batch.
+    pub passes: crate::messages::PassCounters,
     recent_losses: VecDeque<f64>,
 }
 
@@ -268,6 +273,7 @@ fn each_shard<T: Send>(
 struct ShardTraffic {
     bytes_from_loader: u64,
     bytes_from_shards: u64,
+    bytes_from_remote_shards: u64,
     pull_secs: Vec<f32>,
     push_secs: Vec<f32>,
 }
@@ -276,6 +282,7 @@ impl ShardTraffic {
     fn merge(&mut self, other: ShardTraffic) {
         self.bytes_from_loader += other.bytes_from_loader;
         self.bytes_from_shards += other.bytes_from_shards;
+        self.bytes_from_remote_shards += other.bytes_from_remote_shards;
         self.pull_secs.extend(other.pull_secs);
         self.push_secs.extend(other.push_secs);
     }
@@ -283,6 +290,7 @@ impl ShardTraffic {
     fn add_to(self, stats: &mut WorkerStats) {
         stats.bytes_from_loader += self.bytes_from_loader;
         stats.bytes_from_shards += self.bytes_from_shards;
+        stats.bytes_from_remote_shards += self.bytes_from_remote_shards;
         stats.pull_secs.extend(self.pull_secs);
         stats.push_secs.extend(self.push_secs);
     }
@@ -311,11 +319,15 @@ fn pull_rows(
     shards: &[Arc<dyn ShardService>],
     mut traffic: Option<&mut ShardTraffic>,
 ) -> Result<Vec<f32>, ClusterError> {
-    let parts = each_shard(shards, &batch.shard_counts, |_, shard| shard.pull(batch.batch_id))?;
+    let parts =
+        each_shard(shards, &batch.shard_counts, |_, shard| shard.pull(batch.batch_id).map(|p| (p, shard.is_local())))?;
     let mut rows = Vec::with_capacity(batch.num_unique() * width);
-    for (part, secs) in parts {
+    for ((part, local), secs) in parts {
         if let Some(t) = traffic.as_deref_mut() {
             t.bytes_from_shards += 4 * part.len() as u64;
+            if !local {
+                t.bytes_from_remote_shards += 4 * part.len() as u64;
+            }
             t.pull_secs.push(secs);
         }
         rows.extend_from_slice(&part);
@@ -599,6 +611,9 @@ impl Worker {
         let stats = &mut self.stats;
         stats.bad_rows = stats.bad_rows.max(batch.bad_rows);
         stats.merged_samples = stats.merged_samples.max(batch.merged_samples);
+        if batch.passes.passes >= stats.passes.passes {
+            stats.passes = batch.passes;
+        }
         stats.dropped_samples = stats.dropped_samples.max(batch.dropped_samples);
         stats.sample_weight_sum += batch.weight_sum();
         stats.keys += batch.bag_offsets.last().copied().unwrap_or(0) as u64;
