@@ -18,30 +18,10 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Instant;
 
 use parking_lot::Mutex;
-use serde::{Deserialize, Serialize};
 use sparrow_embedding::{EmbeddingTable, Initializer, SparseOptimizer};
 
+pub use crate::messages::SecondLevelStats;
 use crate::transport::ClusterError;
-
-/// What a shard's second level did (the final JSON sums them over shards).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct SecondLevelStats {
-    /// Passes staged, and passes whose batches were all pushed (flushed).
-    pub passes_staged: u64,
-    pub passes_flushed: u64,
-    /// Rows copied from level 1 while staging, and rows initialised here.
-    pub rows_from_l1: u64,
-    pub rows_initialised: u64,
-    /// Rows written back into level 1 when their last pass ended.
-    pub rows_flushed: u64,
-    /// The most rows held at once.
-    pub peak_rows: u64,
-    /// Level-1 reads outside staging while a pass was staged (must stay 0:
-    /// every training read goes to this level).
-    pub l1_reads_during_pass: u64,
-    pub staging_secs: f64,
-    pub flush_secs: f64,
-}
 
 #[derive(Default)]
 struct Pass {

@@ -98,7 +98,7 @@ pub struct ShardReport {
     pub tier: Option<sparrow_embedding::TierStats>,
     pub filters: sparrow_embedding::FilterStats,
     /// `cluster.mode = "collocated"`: the second level's counters.
-    pub second_level: Option<crate::second_level::SecondLevelStats>,
+    pub second_level: Option<crate::messages::SecondLevelStats>,
 }
 
 impl ShardReport {
