@@ -51,6 +51,34 @@ fn one_node_is_train_bit_for_bit_and_two_nodes_read_no_level_one_during_a_pass()
     assert!(two["test_auc"].as_f64().is_some_and(|a| a > 0.5), "learned: {}", two["test_auc"]);
 }
 
+/// A node killed in the middle of a pass (its shard and its worker at once,
+/// after the checkpoint at step 10 was written through from the second
+/// level) is restarted; the job ends with the uninterrupted model bit for bit.
+#[test]
+fn a_node_killed_mid_pass_is_restarted_and_the_model_is_exact() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "12000");
+    let config = write_config(tmp.path(), "");
+    let single = sparrow().args(["train", "--config", &config, "--quiet"]).output().expect("train");
+    assert!(single.status.success(), "{}", String::from_utf8_lossy(&single.stderr));
+    let single = last_json(&single);
+    let dir = format!("checkpoint.dir={:?}", tmp.path().join("ckpt").display().to_string());
+    let out = sparrow()
+        .args(["launch", "--config", &config, "--nodes", "1", "--quiet"])
+        .args(["--set", "cluster.mode=\"collocated\"", "--set", "cluster.pass_batches=8"])
+        .args(["--set", &dir, "--set", "checkpoint.every_steps=10"])
+        .env("FAILPOINTS", "worker.step=13*off->return")
+        .output()
+        .expect("launch");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let json = last_json(&out);
+    assert_eq!(json["restarts"]["node"], 1, "{}", json["restarts"]);
+    assert_eq!(json["test_auc"], single["test_auc"], "recovered collocated job vs train");
+    assert_eq!(json["embedding_rows"], single["embedding_rows"]);
+    assert_eq!(json["l1_reads_during_pass"], 0);
+}
+
 #[test]
 fn collocated_settings_are_checked_naming_their_key() {
     let tmp = tempfile::tempdir().expect("tmp");

@@ -490,6 +490,16 @@ fn connect_shards(
         .collect()
 }
 
+/// Settings for connecting to peers the view says serve this generation:
+/// they are up, so one that does not answer within the heartbeat timeout
+/// died (the coordinator moves on to the next generation by then), and a
+/// role must not spend the whole connect timeout retrying it.
+fn peer_settings(settings: &NetSettings, cluster: &ClusterConfig) -> NetSettings {
+    let mut peers = settings.clone();
+    peers.connect_timeout = peers.connect_timeout.min(Duration::from_millis(cluster.heartbeat_timeout_ms));
+    peers
+}
+
 /// How long a role whose peer failed waits for the job's next generation
 /// before it calls the failure its own: a death is noticed within the
 /// heartbeat timeout, and the new generation follows at once.
@@ -616,7 +626,9 @@ fn run_shard_with(
         }
     };
     let result = each_generation(&link, &config.cluster, |generation| {
-        drop(serving.set(None));
+        if let Some(old) = serving.set(None) {
+            old.retire();
+        }
         let subdir = shard_subdir(index, generation.number);
         let table = match &generation.restore {
             Some(dir) => {
@@ -664,7 +676,7 @@ pub fn run_loader(args: &RoleArgs) -> Result<(), ClusterError> {
     let result = each_generation(&link, &config.cluster, |generation| {
         drop(serving.set(None));
         let view = coordinator.wait_for_view(generation.number, true, settings.connect_timeout)?;
-        let shards = connect_shards(&view.shards, &settings, &rt, &metrics)?;
+        let shards = connect_shards(&view.shards, &peer_settings(&settings, &config.cluster), &rt, &metrics)?;
         let loader =
             LoaderServer::start_for(&config, shards, generation.number, generation.restore.clone(), reg.num_workers)?;
         serving.set(Some(Arc::new(loader)));
@@ -991,6 +1003,7 @@ struct WorkerEnv<'a> {
 fn worker_generation(env: &WorkerEnv<'_>, generation: &Generation) -> Result<WorkerSummary, ClusterError> {
     let WorkerEnv { config, index, num_workers, coordinator, link, settings, rt, metrics, local } = *env;
     let view = coordinator.wait_for_view(generation.number, false, settings.connect_timeout)?;
+    let settings = &peer_settings(settings, &config.cluster);
     let mut shards = connect_shards(&view.shards, settings, rt, metrics)?;
     if let Some((own, serving)) = local
         && let Some(slot) = shards.get_mut(*own)

@@ -53,6 +53,8 @@ pub struct SecondLevel {
     state: Mutex<State>,
     /// A pass was flushed (a stage waiting for room goes on).
     flushed: parking_lot::Condvar,
+    /// The shard's generation is over: a stage waiting for room gives up.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl SecondLevel {
@@ -68,6 +70,7 @@ impl SecondLevel {
             capacity,
             state: Mutex::new(State::default()),
             flushed: parking_lot::Condvar::new(),
+            closed: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -77,11 +80,27 @@ impl SecondLevel {
 
     /// Waits until at most one pass is held, so that a new one may be
     /// staged beside it (the loader stages pass p+1 while pass p trains).
-    pub fn wait_for_room(&self, pass: u64) {
+    /// Gives up once [`close`](Self::close)d: an abandoned generation's pass
+    /// never ends, and its loader must not wait for it.
+    pub fn wait_for_room(&self, pass: u64) -> Result<(), ClusterError> {
         let mut state = self.state.lock();
         while !state.passes.contains_key(&pass) && state.passes.len() >= 2 {
+            if self.closed.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(ClusterError::Rpc {
+                    peer: format!("shard {}", self.shard),
+                    method: "stage",
+                    message: "this shard's generation is over (a role died)".into(),
+                });
+            }
             self.flushed.wait_for(&mut state, std::time::Duration::from_millis(100));
         }
+        Ok(())
+    }
+
+    /// The shard's generation is over: stages waiting for room give up.
+    pub fn close(&self) {
+        self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.flushed.notify_all();
     }
 
     /// S1.1: stages `keys` (this shard's IDs of pass `pass`, or of one of
@@ -297,6 +316,16 @@ mod tests {
         std::thread::sleep(std::time::Duration::from_millis(50));
         assert!(!waiter.is_finished(), "two passes are held");
         l2.apply(&l1, 11, &[1, 2], &[0.0; 4]).expect("pass 1 ends");
-        waiter.join().expect("room");
+        waiter.join().expect("thread").expect("room");
+        // A closed level (its generation is over) lets a waiting stage go with an error.
+        l2.stage(&l1, 3, &[4], &[13]).expect("pass 3");
+        let waiter = {
+            let l2 = l2.clone();
+            std::thread::spawn(move || l2.wait_for_room(4))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        l2.close();
+        let err = waiter.join().expect("thread").expect_err("closed");
+        assert!(err.may_be_a_death() && err.to_string().contains("generation is over"), "{err}");
     }
 }

@@ -97,6 +97,14 @@ impl ShardServer {
         }
     }
 
+    /// This server's generation is over (the next one has its own server):
+    /// nothing it does may keep a caller waiting.
+    pub fn retire(&self) {
+        if let Some(l2) = &self.second_level {
+            l2.close();
+        }
+    }
+
     /// Level 1 up to date with the second level (before it is read whole).
     fn write_through(&self) -> Result<(), ClusterError> {
         match &self.second_level {
@@ -296,7 +304,7 @@ impl ShardService for ShardServer {
             ClusterError::Setup(format!("shard {}: staging a pass needs cluster.mode = \"collocated\"", self.index))
         })?;
         // Outside the cut: a checkpoint may have to run before the pass that makes room ends.
-        l2.wait_for_room(pass);
+        l2.wait_for_room(pass)?;
         let _cut = self.cut.read();
         l2.stage(&self.table, pass, &keys, &batches)
     }
