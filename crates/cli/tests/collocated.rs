@@ -46,6 +46,7 @@ fn one_node_is_train_bit_for_bit_and_two_nodes_read_no_level_one_during_a_pass()
     assert_eq!(two["replicas_identical"], true);
     assert!(two["l2_fetch_bytes_per_sample"].as_f64().is_some_and(|b| b > 0.0), "rows from the other node: {two}");
     assert!(two["l2_peak_rows"].as_u64().is_some_and(|r| r > 0));
+    assert!(two["network_bytes_per_sample"].as_f64().is_some_and(|b| b > 0.0), "{two}");
     let hidden = two["pass_staging_hidden"].as_f64().expect("hidden share");
     assert!((0.0..=1.0).contains(&hidden) && two["pass_staging_secs"].as_f64().is_some_and(|s| s > 0.0));
     assert!(two["test_auc"].as_f64().is_some_and(|a| a > 0.5), "learned: {}", two["test_auc"]);

@@ -152,6 +152,8 @@ struct Members {
     workers: Vec<Option<Member>>,
     /// `sync = "lazy"` with aggregator processes (none: aggregators in process).
     aggregators: Vec<Option<Member>>,
+    /// Bytes last reported by roles that were replaced.
+    retired_bytes: u64,
     /// When a lost role's slot fell vacant (its replacement must register
     /// within `cluster.connect_timeout_ms` of it).
     vacant_since: HashMap<(RoleKind, usize), Instant>,
@@ -299,6 +301,7 @@ impl Coordinator {
                 loader: None,
                 workers: (0..num_workers).map(|_| None).collect(),
                 aggregators: Vec::new(),
+                retired_bytes: 0,
                 vacant_since: HashMap::new(),
             }),
             state: Mutex::new(JobState::Running),
@@ -584,9 +587,8 @@ impl Coordinator {
         {
             let mut members = self.members.lock();
             let Some(slot) = members.slots(kind).get_mut(index) else { return };
-            if slot.take().is_none() {
-                return;
-            }
+            let Some(gone) = slot.take() else { return };
+            members.retired_bytes += gone.bytes;
             members.vacant_since.insert((kind, index), Instant::now());
         }
         self.count_restart(kind, index, reason);
@@ -661,6 +663,9 @@ impl Coordinator {
         let now = Instant::now();
         let mut members = self.members.lock();
         members.vacant_since.remove(&(kind, slot));
+        if let Some(old) = members.slots(kind)[slot].take() {
+            members.retired_bytes += old.bytes;
+        }
         members.slots(kind)[slot] = Some(Member {
             address,
             last_seen: now,
@@ -756,6 +761,16 @@ impl Coordinator {
                 m.probe = Some(probe.to_string());
             }
         }
+    }
+
+    /// Payload bytes every role reported so far, replaced ones included.
+    pub fn role_bytes(&self) -> u64 {
+        let mut members = self.members.lock();
+        let mut total = members.retired_bytes;
+        for kind in [RoleKind::Shard, RoleKind::Loader, RoleKind::Worker, RoleKind::Aggregator] {
+            total += members.slots(kind).iter().flatten().map(|m| m.bytes).sum::<u64>();
+        }
+        total
     }
 
     /// Every registered role's bytes per second (S4.2 utilisation).
@@ -1139,6 +1154,7 @@ impl Coordinator {
             checkpoints_committed: r.checkpoints_committed,
             steps_replayed: r.steps_replayed,
             recovery_secs: r.recovery_secs,
+            role_bytes: self.role_bytes(),
             checkpoint: r.committed.as_ref().map(|(d, _)| d.display().to_string()),
         }
     }
@@ -1169,6 +1185,9 @@ pub struct RecoveryReport {
     pub steps_replayed: u64,
     /// From each death being noticed to every role serving the next generation, summed.
     pub recovery_secs: f64,
+    /// Payload bytes every role sent and received, from their heartbeats
+    /// (replaced roles' last counts included; the coordinator's own added by its process).
+    pub role_bytes: u64,
     /// The newest committed checkpoint.
     #[serde(skip)]
     pub checkpoint: Option<String>,

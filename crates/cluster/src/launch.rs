@@ -436,6 +436,8 @@ struct Events {
     steps_replayed: u64,
     recovery_secs: f64,
     last_committed: Option<String>,
+    /// Payload bytes every role sent and received (the coordinator's report).
+    role_bytes: u64,
 }
 
 impl Events {
@@ -453,6 +455,7 @@ impl Events {
                     "generation" => self.steps_replayed += body["replayed"].as_u64().unwrap_or(0),
                     "replayed" => self.steps_replayed += body["steps"].as_u64().unwrap_or(0),
                     "resumed" => self.recovery_secs += body["secs"].as_f64().unwrap_or(0.0),
+                    "report" => self.role_bytes = body["role_bytes"].as_u64().unwrap_or(0),
                     "committed" => {
                         self.checkpoints_committed += 1;
                         self.last_committed = body["dir"].as_str().map(str::to_string);
@@ -466,6 +469,7 @@ impl Events {
                         let role = match body["role"].as_str() {
                             Some("shard") => "shard",
                             Some("loader") => "loader",
+                            Some("aggregator") => "aggregator",
                             _ => "worker",
                         };
                         lost.push((role, body["index"].as_u64().unwrap_or(0) as usize));
@@ -512,6 +516,10 @@ pub struct ClusterFields {
     pub pass_staging_secs: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pass_staging_hidden: Option<f64>,
+    /// Payload bytes that crossed the network between roles (all roles,
+    /// each byte counted once), per trained sample, as of the roles' last
+    /// heartbeats; calls inside a process (a node's own shard) are not network.
+    pub network_bytes_per_sample: f64,
     pub mode: &'static str,
     /// `cluster.sync`: step, round or lazy.
     pub sync: &'static str,
@@ -638,6 +646,7 @@ fn merge(
                 loader: per_sample(workers.iter().map(|w| w.bytes_from_loader).sum()),
                 shards: per_sample(workers.iter().map(|w| w.bytes_from_shards).sum()),
             },
+            network_bytes_per_sample: per_sample(events.role_bytes / 2),
             pull_latency_ms: workers.iter().map(|w| w.pull_latency_ms).collect(),
             push_latency_ms: workers.iter().map(|w| w.push_latency_ms).collect(),
             batches_per_worker: workers.iter().map(|w| w.batches).collect(),

@@ -177,7 +177,7 @@ pub fn run_coordinator(
     let (listener, bound) = rt.block_on(bind(listen, &settings))?;
     on_bound(bound);
     tracing::info!("coordinator: listening on {bound}, expecting {num_shards} shard(s) and {num_workers} worker(s)");
-    let service = crate::grpc::coordinator::service(coordinator.clone(), &settings, metrics);
+    let service = crate::grpc::coordinator::service(coordinator.clone(), &settings, metrics.clone());
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = rt.spawn(server_builder().add_service(service).serve_with_incoming_shutdown(
         tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
@@ -231,7 +231,8 @@ pub fn run_coordinator(
         let _ = scheduler.join();
     }
     drop(backups);
-    let report = coordinator.recovery_report();
+    let mut report = coordinator.recovery_report();
+    report.role_bytes += metrics.total_bytes();
     tracing::info!(
         "coordinator: {} checkpoint(s) committed, restarts {:?}, {} step(s) replayed, {:.3} s recovering",
         report.checkpoints_committed,
