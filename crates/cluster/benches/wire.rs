@@ -32,6 +32,7 @@ fn batch() -> WorkerBatch {
         shard_counts: vec![UNIQUE as u32 / 2, UNIQUE as u32 - UNIQUE as u32 / 2],
         keys: Vec::new(),
         end: Default::default(),
+        start: Default::default(),
         bad_rows: 0,
         sample_weights: None,
         merged_samples: 0,

@@ -14,7 +14,7 @@ use sparrow_core::batch::DataPosition;
 use sparrow_data::DataLayout;
 use sparrow_model::{DenseModel, DenseOptimizer};
 use sparrow_trainer::Trainer;
-use sparrow_trainer::checkpoint::{FORMAT_VERSION, FileEntry, Manifest, hash_file, stored_config};
+use sparrow_trainer::checkpoint::{FORMAT_VERSION, FileEntry, Manifest, TrainedBatch, hash_file, stored_config};
 
 use crate::transport::{ClusterError, PartWritten};
 
@@ -39,6 +39,46 @@ pub struct WorkerCut {
     pub position: DataPosition,
     /// Worker 0 wrote `dense.safetensors` into the staging directory.
     pub wrote_dense: bool,
+    /// The batches it trained since its last checkpoint (where each starts
+    /// and ends): the coordinator finds where the data continues from them.
+    pub trained: Vec<TrainedBatch>,
+}
+
+/// Where the job's training data stands: every batch before `position` was
+/// trained, and so were the batches in `ahead` (by start) past it. Workers
+/// take batches in any order and hold some untrained (prefetched) while
+/// another trains later ones, so no single position says it; a resumed
+/// loader reads from `position` and drops the batches in `ahead`.
+#[derive(Clone, Debug, Default)]
+pub struct DataProgress {
+    pub generation: u64,
+    pub position: DataPosition,
+    pub ahead: BTreeMap<(u64, u64, u64), TrainedBatch>,
+}
+
+impl DataProgress {
+    /// The progress a generation starts from: its restored checkpoint's.
+    pub fn restored(generation: u64, manifest: Option<&Manifest>) -> DataProgress {
+        let mut p = DataProgress { generation, ..Default::default() };
+        if let Some(m) = manifest {
+            p.position = m.position;
+            p.ahead = m.skip.iter().map(|b| (b.start.key(), *b)).collect();
+        }
+        p
+    }
+
+    /// Adds trained batches and moves `position` past every batch trained
+    /// without a gap.
+    pub fn add(&mut self, trained: impl IntoIterator<Item = TrainedBatch>) {
+        for b in trained {
+            if b.start.key() >= self.position.key() {
+                self.ahead.insert(b.start.key(), b);
+            }
+        }
+        while let Some(b) = self.ahead.remove(&self.position.key()) {
+            self.position = b.end;
+        }
+    }
 }
 
 /// The staging directory of the checkpoint at `step` of `generation`
@@ -71,6 +111,7 @@ pub fn manifest(
     parts: &[PartWritten],
     base: Option<&Path>,
     staging: &Path,
+    progress: Option<&DataProgress>,
 ) -> Result<Manifest, ClusterError> {
     let first = cuts.first().ok_or_else(|| ClusterError::Setup("a checkpoint without workers".into()))?;
     let shape = parts.first().ok_or_else(|| ClusterError::Setup("a checkpoint without shards".into()))?;
@@ -94,7 +135,10 @@ pub fn manifest(
         }
     }
     let layout = DataLayout::from_config(&config.data);
-    let position = cuts.iter().fold(first.position, |p, c| p.later(c.position));
+    let (position, skip) = match progress {
+        Some(p) => (p.position, p.ahead.values().copied().collect()),
+        None => (cuts.iter().fold(first.position, |p, c| p.later(c.position)), Vec::new()),
+    };
     Ok(Manifest {
         format_version: FORMAT_VERSION,
         model_kind: config.model.kind.name().to_string(),
@@ -114,6 +158,7 @@ pub fn manifest(
         created_unix_secs: sparrow_trainer::checkpoint::unix_secs(),
         parts: parts.iter().map(|p| p.written.part.clone()).collect(),
         base: base.and_then(|b| b.file_name()).map(|n| n.to_string_lossy().to_string()),
+        skip,
     })
 }
 
@@ -162,4 +207,61 @@ pub fn write_dense(
         .map_err(|e| ClusterError::Io { what: format!("creating {}", staging.display()), source: e })?;
     sparrow_trainer::checkpoint::write_dense(model, optimizer, &staging)?;
     Ok(staging)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(offset: u64) -> DataPosition {
+        DataPosition { epoch: 0, offset, line: offset + 1, skip: 0 }
+    }
+
+    fn batch(start: u64, end: u64) -> TrainedBatch {
+        TrainedBatch { start: at(start), end: at(end) }
+    }
+
+    /// Worker B holds batch [20, 30) untrained (prefetched) while worker A
+    /// trained [30, 40): the checkpoint continues at 20 and skips [30, 40)
+    /// (taking the furthest end, 40, would lose [20, 30) on recovery).
+    #[test]
+    fn a_batch_held_untrained_stops_the_position_and_later_ones_are_skipped() {
+        let mut p = DataProgress::restored(1, None);
+        p.add([batch(0, 10), batch(30, 40), batch(10, 20)]);
+        assert_eq!(p.position, at(20));
+        assert_eq!(p.ahead.values().copied().collect::<Vec<_>>(), vec![batch(30, 40)]);
+        // The next checkpoint: B trained [20, 30) meanwhile.
+        p.add([batch(20, 30), batch(40, 50)]);
+        assert_eq!(p.position, at(50));
+        assert!(p.ahead.is_empty());
+        // A restored generation starts from the manifest's position and skip list.
+        let m = Manifest { position: at(20), skip: vec![batch(30, 40)], ..manifest_for_tests() };
+        let mut restored = DataProgress::restored(2, Some(&m));
+        restored.add([batch(20, 30)]);
+        assert_eq!(restored.position, at(40), "the skipped batch counts as trained");
+    }
+
+    fn manifest_for_tests() -> Manifest {
+        Manifest {
+            format_version: FORMAT_VERSION,
+            model_kind: String::new(),
+            num_fields: 0,
+            num_dense: 0,
+            embedding_dim: 0,
+            embedding_width: 0,
+            row_len: 0,
+            sparse_optimizer: String::new(),
+            step: 0,
+            samples_trained: 0,
+            dense_optimizer_step: 0,
+            position: DataPosition::default(),
+            embedding_rows: 0,
+            files: BTreeMap::new(),
+            config: String::new(),
+            created_unix_secs: 0,
+            parts: Vec::new(),
+            base: None,
+            skip: Vec::new(),
+        }
+    }
 }

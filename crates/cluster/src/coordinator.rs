@@ -35,7 +35,7 @@ use serde::Serialize;
 use sparrow_core::Config;
 use sparrow_core::config::SyncMode;
 
-use crate::checkpoint::{CheckpointSink, WorkerCut, staging_dir};
+use crate::checkpoint::{CheckpointSink, DataProgress, WorkerCut, staging_dir};
 use crate::faults;
 use crate::lazy::{Backup, BackupCommitter, BackupCut, FinalWeights, Instruction, Lazy, LazyLink};
 use crate::rounds::{MergedRound, RoundMerge, RoundUpdate};
@@ -234,6 +234,10 @@ pub struct Coordinator {
     current: AtomicU64,
     checkpoint: Mutex<Option<CheckpointRound>>,
     checkpoint_done: Condvar,
+    /// Where the training data stands in the current generation (its
+    /// checkpoints' positions), from its restored checkpoint on; an error
+    /// if that checkpoint could not be read.
+    progress: Mutex<Result<DataProgress, String>>,
     dialer: Option<Arc<dyn ShardDialer>>,
     events: Box<dyn Fn(&Event) + Send + Sync>,
 }
@@ -287,6 +291,7 @@ impl Coordinator {
             }
             None => None,
         };
+        let progress = progress_from(1, start.as_ref().map(|(d, _)| d.as_path()));
         Ok(Coordinator {
             config: config.clone(),
             config_toml,
@@ -329,6 +334,7 @@ impl Coordinator {
             current: AtomicU64::new(1),
             checkpoint: Mutex::new(None),
             checkpoint_done: Condvar::new(),
+            progress: Mutex::new(progress),
             dialer: None,
             events: Box::new(|_| {}),
         })
@@ -408,6 +414,7 @@ impl Coordinator {
             dense_optimizer_step: 0,
             position: cut.position,
             wrote_dense: true,
+            trained: Vec::new(),
         };
         self.commit(&[worker_cut])
     }
@@ -537,6 +544,7 @@ impl Coordinator {
             r.counted_to.pop_first();
         }
         (r.restore, r.restore_step, r.high_step) = (restore, step, step);
+        *self.progress.lock() = progress_from(r.generation, r.restore.as_deref());
         r.noticed.get_or_insert_with(Instant::now);
         tracing::warn!(
             "generation {}: {reason}; every role goes back to {}",
@@ -1067,6 +1075,22 @@ impl Coordinator {
     }
 
     /// Writes and commits the checkpoint the workers' `cuts` describe.
+    /// The generation's data progress with the cuts' trained batches added.
+    fn data_progress(&self, generation: u64, cuts: &[WorkerCut]) -> Result<DataProgress, ClusterError> {
+        let mut progress = self.progress.lock();
+        let progress = progress.as_mut().map_err(|e| ClusterError::Setup(e.clone()))?;
+        if progress.generation != generation {
+            return Err(ClusterError::StaleGeneration {
+                peer: "the coordinator".into(),
+                what: "a checkpoint".into(),
+                found: generation,
+                serving: progress.generation,
+            });
+        }
+        progress.add(cuts.iter().flat_map(|c| c.trained.iter().copied()));
+        Ok(progress.clone())
+    }
+
     fn commit(&self, cuts: &[WorkerCut]) -> Result<PathBuf, ClusterError> {
         let start = Instant::now();
         let first = &cuts[0];
@@ -1110,7 +1134,12 @@ impl Coordinator {
                 .map(|h| h.join().unwrap_or_else(|_| Err(ClusterError::Setup("a part writer panicked".into()))))
                 .collect::<Result<Vec<_>, _>>()
         })?;
-        let manifest = crate::checkpoint::manifest(&self.config, cuts, &written, base.as_deref(), &staging)?;
+        let progress = match cuts.iter().any(|c| !c.trained.is_empty()) {
+            true => Some(self.data_progress(generation, cuts)?),
+            false => None,
+        };
+        let manifest =
+            crate::checkpoint::manifest(&self.config, cuts, &written, base.as_deref(), &staging, progress.as_ref())?;
         faults::point("coordinator.commit");
         let dir = sparrow_trainer::checkpoint::commit(&root, &staging, &manifest, self.config.checkpoint.keep)?;
         let bytes: u64 = manifest.files.values().map(|f| f.bytes).sum();
@@ -1202,6 +1231,13 @@ pub struct View {
     pub loader: String,
     /// Aggregator processes' addresses, by index (empty: aggregators in process).
     pub aggregators: Vec<String>,
+}
+
+/// A generation's data progress, from the checkpoint it restores (read now:
+/// later commits may prune it).
+fn progress_from(generation: u64, restore: Option<&std::path::Path>) -> Result<DataProgress, String> {
+    let manifest = restore.map(sparrow_trainer::checkpoint::read_manifest).transpose().map_err(|e| e.to_string())?;
+    Ok(DataProgress::restored(generation, manifest.as_ref()))
 }
 
 /// The scheduler and aggregators for `sync = "lazy"` (none otherwise),

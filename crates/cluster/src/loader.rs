@@ -28,6 +28,11 @@ pub struct Loader {
     cluster_mode: ClusterMode,
     next_id: u64,
     bad_rows: BadRows,
+    /// Where the next batch starts (the previous one's end).
+    next_start: sparrow_core::batch::DataPosition,
+    /// Batches (by start) a restored checkpoint says were trained already,
+    /// out of order: read and dropped.
+    skip: std::collections::HashSet<(u64, u64, u64)>,
 }
 
 impl Loader {
@@ -40,7 +45,28 @@ impl Loader {
         first_id: u64,
         bad_rows: BadRows,
     ) -> Self {
-        Loader { stream, shards, mode, cluster_mode, next_id: first_id, bad_rows }
+        Loader {
+            stream,
+            shards,
+            mode,
+            cluster_mode,
+            next_id: first_id,
+            bad_rows,
+            next_start: Default::default(),
+            skip: Default::default(),
+        }
+    }
+
+    /// The stream starts at `start` (a restored checkpoint's position) and
+    /// the batches starting at `skip` were trained already.
+    pub fn resuming(
+        mut self,
+        start: sparrow_core::batch::DataPosition,
+        skip: &[sparrow_core::batch::DataPosition],
+    ) -> Self {
+        self.next_start = start;
+        self.skip = skip.iter().map(|p| p.key()).collect();
+        self
     }
 
     /// The next batch: in S0 mode its keys go to their shards and the worker
@@ -58,7 +84,14 @@ impl Loader {
     /// The next batch and each shard's unique keys of it (S0 and collocated
     /// modes; none in worker_lookup mode), not yet queued on the shards.
     fn next_planned(&mut self) -> Result<Option<PlannedBatch>, ClusterError> {
-        let Some(batch) = self.stream.next().transpose()? else { return Ok(None) };
+        let batch = loop {
+            let Some(batch) = self.stream.next().transpose()? else { return Ok(None) };
+            let start = std::mem::replace(&mut self.next_start, batch.end);
+            if !self.skip.remove(&start.key()) {
+                break (batch, start);
+            }
+        };
+        let (batch, start) = batch;
         let batch_id = self.next_id;
         self.next_id += 1;
         let mut out = WorkerBatch {
@@ -74,6 +107,7 @@ impl Loader {
             shard_counts: Vec::new(),
             keys: Vec::new(),
             end: batch.end,
+            start,
             bad_rows: self.bad_rows.total(),
             sample_weights: batch.sample_weights,
             merged_samples: self.bad_rows.weighting.merged.load(std::sync::atomic::Ordering::Relaxed),
@@ -370,12 +404,12 @@ impl LoaderServer {
             .ok_or(DataError::MissingPath { key: "train", what: "the training data file" })?;
         let bad = BadRows::from_config(&config.data);
         // Resuming: the data continues where the checkpoint's run stopped.
-        let (start, steps_done) = match restore {
+        let (start, skip, steps_done) = match restore {
             Some(dir) => {
                 let m = sparrow_trainer::checkpoint::read_manifest(&dir)?;
-                (m.position, m.step)
+                (m.position, m.skip.iter().map(|s| s.start).collect::<Vec<_>>(), m.step)
             }
-            None => (Default::default(), 0),
+            None => (Default::default(), Vec::new(), 0),
         };
         let train_stream = BatchStream::spawn(
             train_path,
@@ -388,7 +422,8 @@ impl LoaderServer {
         let cluster_mode = config.cluster.mode;
         let first_train_id = first_batch_id(generation, 0);
         let first_eval_id = first_batch_id(generation, FIRST_EVAL_BATCH_ID);
-        let train = Loader::new(train_stream, shards.clone(), Mode::Train, cluster_mode, first_train_id, bad.clone());
+        let train = Loader::new(train_stream, shards.clone(), Mode::Train, cluster_mode, first_train_id, bad.clone())
+            .resuming(start, &skip);
         let depth = config.cluster.loader_queue_batches;
         let (train_tx, train_rx) = bounded(depth);
         let (eval_tx, eval_rx) = bounded(depth);
@@ -536,7 +571,41 @@ impl LoaderService for LoaderServer {
 
 #[cfg(test)]
 mod tests {
-    use super::RoundQueue;
+    use super::*;
+
+    fn loader(
+        data: &sparrow_core::config::DataConfig,
+        path: &Path,
+        start: sparrow_core::batch::DataPosition,
+    ) -> Loader {
+        let bad = BadRows::from_config(data);
+        let stream = BatchStream::spawn(path, data, 100, start, 1, bad.clone()).expect("stream");
+        Loader::new(stream, Vec::new(), Mode::Train, ClusterMode::WorkerLookup, 0, bad)
+    }
+
+    /// Each batch says where it starts (the previous one's end); a loader
+    /// resumed at a checkpoint's position drops the batches its skip list
+    /// says were trained already, and reads the others as before.
+    #[test]
+    fn a_resumed_loader_reads_from_the_position_and_drops_the_batches_trained_ahead() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        sparrow_data::synth::generate(tmp.path(), 500, 10, 1).expect("data");
+        let data = sparrow_core::config::DataConfig::default();
+        let path = tmp.path().join("train.tsv");
+        let mut whole = loader(&data, &path, Default::default());
+        let mut batches = Vec::new();
+        while let Some(b) = whole.next_batch().expect("batch") {
+            batches.push(b);
+        }
+        assert_eq!(batches.len(), 5);
+        assert!(batches.windows(2).all(|w| w[1].start == w[0].end), "each starts where the last ended");
+        // Resumed after batch 1, batch 3 trained ahead: batches 2 and 4 follow.
+        let mut resumed = loader(&data, &path, batches[1].end).resuming(batches[1].end, &[batches[3].start]);
+        let next: Vec<WorkerBatch> = std::iter::from_fn(|| resumed.next_batch().expect("batch")).collect();
+        assert_eq!(next.len(), 2);
+        assert_eq!((next[0].start, next[0].labels.clone()), (batches[2].start, batches[2].labels.clone()));
+        assert_eq!((next[1].start, next[1].labels.clone()), (batches[4].start, batches[4].labels.clone()));
+    }
 
     #[test]
     fn a_round_holds_workers_times_iterations_items_and_each_worker_gets_one() {

@@ -29,8 +29,9 @@ pub struct WorkerBatch {
     /// The raw keys, in `cluster.mode = "worker_lookup"` only (the baseline
     /// S0 improves on); then `inverse` and `shard_counts` are left to the worker.
     pub keys: Vec<u64>,
-    /// Where the loader's input continues after this batch.
+    /// Where the loader's input continues after this batch, and where the batch starts.
     pub end: DataPosition,
+    pub start: DataPosition,
     /// Malformed rows the loader skipped so far (train and test data).
     pub bad_rows: u64,
     /// Each sample's weight in the loss (`[data.weighting]`); `None`: all 1.

@@ -130,6 +130,9 @@ pub struct Worker {
     /// `sync = "lazy"`: the scheduler and aggregators, and what they counted.
     lazy: Option<LazyPart>,
     pub lazy_report: Option<LazyReport>,
+    /// With checkpoints: the batches trained since the last one (each
+    /// checkpoint reports them, see `checkpoint::DataProgress`).
+    trained_since_cut: Vec<sparrow_trainer::checkpoint::TrainedBatch>,
     job: Option<JobCount>,
     /// Bytes the step sums moved (shared with the [`RoundSync`] policy).
     step_sync_bytes: Arc<AtomicU64>,
@@ -425,6 +428,7 @@ impl Worker {
             rounds: None,
             lazy: None,
             lazy_report: None,
+            trained_since_cut: Vec::new(),
             job: None,
             step_sync_bytes: Arc::default(),
         }
@@ -537,6 +541,7 @@ impl Worker {
             dense_optimizer_step: self.optimizer.step,
             position: self.stats.last_end,
             wrote_dense,
+            trained: std::mem::take(&mut self.trained_since_cut),
         };
         let dir = c.sink.checkpoint(cut)?;
         if let Some(c) = &mut self.checkpoints {
@@ -620,6 +625,10 @@ impl Worker {
         stats.unique_keys += batch.num_unique() as u64;
         stats.batches += 1;
         stats.last_end = stats.last_end.later(batch.end);
+        if self.checkpoints.is_some() {
+            self.trained_since_cut
+                .push(sparrow_trainer::checkpoint::TrainedBatch { start: batch.start, end: batch.end });
+        }
         stats.rows += batch.rows as u64;
         if stats.recent_losses.len() == 100 {
             stats.recent_losses.pop_front();

@@ -20,6 +20,11 @@ pub struct DataPosition {
 }
 
 impl DataPosition {
+    /// Where a batch starts, as a key (the line number only names rows in errors).
+    pub fn key(self) -> (u64, u64, u64) {
+        (self.epoch, self.offset, self.skip)
+    }
+
     /// The further of two positions (workers see batches in any order).
     pub fn later(self, other: DataPosition) -> DataPosition {
         if (other.epoch, other.offset, other.skip) > (self.epoch, self.offset, self.skip) { other } else { self }

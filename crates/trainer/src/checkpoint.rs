@@ -96,6 +96,18 @@ pub struct Manifest {
     /// An incremental version: the version directory (a sibling) it adds to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base: Option<String>,
+    /// A cluster version: batches past `position` its workers trained
+    /// already (one worker ran ahead of another's batch); a resumed loader
+    /// drops them. Empty in `train`'s versions.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skip: Vec<TrainedBatch>,
+}
+
+/// Where a trained batch starts and ends in the training data.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TrainedBatch {
+    pub start: DataPosition,
+    pub end: DataPosition,
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
@@ -242,6 +254,7 @@ pub fn save(trainer: &Trainer, root: &Path, keep: usize) -> Result<PathBuf, Trai
         created_unix_secs: unix_secs(),
         parts: Vec::new(),
         base: None,
+        skip: Vec::new(),
     };
     commit(root, &tmp, &manifest, keep)
 }

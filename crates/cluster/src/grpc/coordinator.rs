@@ -139,6 +139,14 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
             dense_optimizer_step: r.dense_optimizer_step,
             position: position_from(r.position),
             wrote_dense: r.wrote_dense,
+            trained: r
+                .trained
+                .into_iter()
+                .map(|b| sparrow_trainer::checkpoint::TrainedBatch {
+                    start: position_from(b.start),
+                    end: position_from(b.end),
+                })
+                .collect(),
         };
         let coordinator = self.coordinator.clone();
         let dir = blocking(move || coordinator.checkpoint(cut)).await?;
@@ -568,6 +576,14 @@ impl CheckpointSink for CoordinatorClient {
             dense_optimizer_step: cut.dense_optimizer_step,
             position: Some(position_to_proto(cut.position)),
             wrote_dense: cut.wrote_dense,
+            trained: cut
+                .trained
+                .iter()
+                .map(|b| pb::TrainedBatch {
+                    start: Some(position_to_proto(b.start)),
+                    end: Some(position_to_proto(b.end)),
+                })
+                .collect(),
         };
         // Writing every part takes as long as the table is large: no RPC deadline.
         let reply = self.peer.call_unbounded("checkpoint", request, |mut c, r| async move { c.checkpoint(r).await })?;

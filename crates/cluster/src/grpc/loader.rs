@@ -37,6 +37,12 @@ pub fn to_proto(b: WorkerBatch) -> pb::WorkerBatch {
         shard_counts: b.shard_counts,
         keys: u64s_to_bytes(&b.keys),
         end: Some(pb::DataPosition { epoch: b.end.epoch, offset: b.end.offset, line: b.end.line, skip: b.end.skip }),
+        start: Some(pb::DataPosition {
+            epoch: b.start.epoch,
+            offset: b.start.offset,
+            line: b.start.line,
+            skip: b.start.skip,
+        }),
         bad_rows: b.bad_rows,
         has_sample_weights: b.sample_weights.is_some(),
         sample_weights: b.sample_weights.as_deref().map(f32s_to_bytes).unwrap_or_default(),
@@ -79,6 +85,10 @@ pub fn from_proto(b: pb::WorkerBatch, peer: &str) -> Result<WorkerBatch, Cluster
         keys: bytes_to_u64s(&b.keys, peer, "keys")?,
         end: b
             .end
+            .map(|e| DataPosition { epoch: e.epoch, offset: e.offset, line: e.line, skip: e.skip })
+            .unwrap_or_default(),
+        start: b
+            .start
             .map(|e| DataPosition { epoch: e.epoch, offset: e.offset, line: e.line, skip: e.skip })
             .unwrap_or_default(),
         bad_rows: b.bad_rows,
@@ -226,6 +236,7 @@ mod tests {
             shard_counts: vec![unique as u32],
             keys: Vec::new(),
             end: DataPosition { epoch: 1, offset: 2, line: 3, skip: 4 },
+            start: DataPosition { epoch: 1, offset: 1, line: 2, skip: 0 },
             bad_rows: 5,
             sample_weights: weights.then(|| (0..rows).map(|r| 0.25 * r as f32).collect()),
             merged_samples: 6,
