@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{generate, last_json, sparrow, write_config};
+use common::{generate, last_json, sparrow, train_json, write_config};
 
 fn launch(config: &str, args: &[&str]) -> std::process::Output {
     let mut command = sparrow();
@@ -20,9 +20,7 @@ fn one_node_is_train_bit_for_bit_and_two_nodes_read_no_level_one_during_a_pass()
     let tmp = tempfile::tempdir().expect("tmp");
     generate(tmp.path(), "12000");
     let config = write_config(tmp.path(), "");
-    let single = sparrow().args(["train", "--config", &config, "--quiet"]).output().expect("train");
-    assert!(single.status.success(), "{}", String::from_utf8_lossy(&single.stderr));
-    let single = last_json(&single);
+    let single = train_json(&config);
 
     let one = launch(&config, &["--nodes", "1"]);
     assert!(one.status.success(), "{}", String::from_utf8_lossy(&one.stderr));
@@ -60,9 +58,7 @@ fn a_node_killed_mid_pass_is_restarted_and_the_model_is_exact() {
     let tmp = tempfile::tempdir().expect("tmp");
     generate(tmp.path(), "12000");
     let config = write_config(tmp.path(), "");
-    let single = sparrow().args(["train", "--config", &config, "--quiet"]).output().expect("train");
-    assert!(single.status.success(), "{}", String::from_utf8_lossy(&single.stderr));
-    let single = last_json(&single);
+    let single = train_json(&config);
     let dir = format!("checkpoint.dir={:?}", tmp.path().join("ckpt").display().to_string());
     let out = sparrow()
         .args(["launch", "--config", &config, "--nodes", "1", "--quiet"])

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{generate, last_json, sparrow, write_config};
+use common::{generate, last_json, sparrow, train_json, write_config};
 
 fn launch(config: &str, workers: &str, sets: &[&str], failpoints: Option<&str>) -> serde_json::Value {
     let mut command = sparrow();
@@ -24,9 +24,7 @@ fn a_round_of_one_worker_is_sequential_training_and_workers_of_unequal_speed_sha
     let tmp = tempfile::tempdir().expect("tmp");
     generate(tmp.path(), "12000");
     let config = write_config(tmp.path(), "");
-    let single = sparrow().args(["train", "--config", &config, "--quiet"]).output().expect("train");
-    assert!(single.status.success(), "{}", String::from_utf8_lossy(&single.stderr));
-    let single = last_json(&single);
+    let single = train_json(&config);
 
     // One worker: its replica is the round's merge, bit for bit `train`, by either rule.
     for rule in ["mean", "sum"] {

@@ -21,6 +21,13 @@ pub fn last_json(out: &Output) -> serde_json::Value {
     })
 }
 
+/// `sparrow train --config CONFIG --quiet`: its JSON summary (it must succeed).
+pub fn train_json(config: &str) -> serde_json::Value {
+    let out = sparrow().args(["train", "--config", config, "--quiet"]).output().expect("train");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    last_json(&out)
+}
+
 /// The small cluster job (DLRM, dim 8, batch 256, heartbeats every 100 ms,
 /// a 2 s timeout) on `dir/data`; `extra` goes into `[cluster]`, the last table.
 pub fn write_config(dir: &Path, extra: &str) -> String {
