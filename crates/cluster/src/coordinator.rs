@@ -144,6 +144,8 @@ struct Member {
     byte_rate: f64,
     /// Where it answers the scheduler's probes.
     probe: Option<String>,
+    /// Its process id (0: not given), see `lost_process`.
+    pid: u32,
 }
 
 struct Members {
@@ -589,12 +591,31 @@ impl Coordinator {
     /// committed checkpoint, unless its restart budget is spent (then the
     /// job fails). Idempotent until the replacement registers.
     pub fn lost(&self, kind: RoleKind, index: usize, reason: &str) {
+        self.lost_process(kind, index, 0, reason);
+    }
+
+    /// `lost` for process `pid` (0: whichever holds the slot). A notice
+    /// about a process whose replacement already registered is stale: its
+    /// death was counted when the slot was taken again.
+    pub fn lost_process(&self, kind: RoleKind, index: usize, pid: u32, reason: &str) {
         if self.state() != JobState::Running {
             return;
         }
         {
             let mut members = self.members.lock();
             let Some(slot) = members.slots(kind).get_mut(index) else { return };
+            if let Some(member) = slot.as_ref()
+                && pid != 0
+                && member.pid != 0
+                && member.pid != pid
+            {
+                tracing::debug!(
+                    "{} {index}: process {pid} is gone; {} already took its place",
+                    kind.name(),
+                    member.pid
+                );
+                return;
+            }
             let Some(gone) = slot.take() else { return };
             members.retired_bytes += gone.bytes;
             members.vacant_since.insert((kind, index), Instant::now());
@@ -631,6 +652,18 @@ impl Coordinator {
         address: String,
         index: Option<usize>,
         known: Option<Known>,
+    ) -> Result<(usize, Generation), ClusterError> {
+        self.register_process(kind, address, index, known, 0)
+    }
+
+    /// `register` for process `pid` (0: not given).
+    pub fn register_process(
+        &self,
+        kind: RoleKind,
+        address: String,
+        index: Option<usize>,
+        known: Option<Known>,
+        pid: u32,
     ) -> Result<(usize, Generation), ClusterError> {
         if let JobState::Failed(reason) = self.state() {
             return Err(ClusterError::JobFailed(reason));
@@ -685,6 +718,7 @@ impl Coordinator {
             bytes_at: now,
             byte_rate: 0.0,
             probe: None,
+            pid,
         });
         drop(members);
         Ok((slot, self.generation()))
@@ -1507,5 +1541,24 @@ mod tests {
         strict.register(RoleKind::Shard, "a".into(), Some(0), None).expect("register");
         let err = strict.register(RoleKind::Shard, "b".into(), Some(0), None).expect_err("taken");
         assert!(err.to_string().contains("already registered"), "{err}");
+    }
+
+    /// The launcher's notice that a process died may arrive after its
+    /// replacement registered (the two travel different ways): that death
+    /// was counted once, when the slot was taken again.
+    #[test]
+    fn a_death_notice_after_the_replacement_registered_counts_once() {
+        let c = Coordinator::new(&config(&["cluster.max_restarts=1"]), 1, 1).expect("coordinator");
+        for (kind, i) in [(RoleKind::Shard, 0), (RoleKind::Loader, 0), (RoleKind::Worker, 0)] {
+            c.register_process(kind, "a".into(), Some(i), None, 100 + i as u32).expect("register");
+        }
+        c.register_process(RoleKind::Shard, "b".into(), Some(0), None, 200).expect("replacement");
+        c.lost_process(RoleKind::Shard, 0, 100, "exited (its process died)");
+        assert_eq!(c.state(), JobState::Running, "one death, within the budget");
+        assert_eq!(c.recovery_report().restarts["shard"], 1);
+        assert_eq!(c.view(2).shards, ["b"], "the replacement keeps its slot");
+        // The replacement's own death is the second one.
+        c.lost_process(RoleKind::Shard, 0, 200, "exited (its process died)");
+        assert!(matches!(c.state(), JobState::Failed(_)), "{:?}", c.state());
     }
 }

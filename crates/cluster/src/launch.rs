@@ -383,10 +383,10 @@ pub fn launch(
                 children.restart(i, Some(coordinator_args.clone()), options.quiet)?;
                 events.coordinator_restarted();
             } else {
-                let (kind, index) = (r.kind, r.index);
+                let (kind, index, pid) = (r.kind, r.index, r.child.id());
                 let kinds: &[&str] = if kind == "node" { &["shard", "worker"] } else { &[kind] };
                 for kind in kinds {
-                    children.tell_coordinator(&format!("lost {kind} {index}"));
+                    children.tell_coordinator(&format!("lost {kind} {index} {pid}"));
                 }
                 children.restart(i, None, options.quiet)?;
             }

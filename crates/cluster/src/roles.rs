@@ -117,14 +117,15 @@ impl crate::coordinator::ShardDialer for GrpcDialer {
     }
 }
 
-/// A line from the launcher: `lost <role> <index>` (that role's process
-/// exited; launch restarts it).
+/// A line from the launcher: `lost <role> <index> [<pid>]` (that role's
+/// process exited; launch restarts it).
 fn note_launcher(coordinator: &Coordinator, line: &str) {
     let mut words = line.split_whitespace();
     if let (Some("lost"), Some(kind), Some(index)) = (words.next(), words.next(), words.next())
         && let (Some(kind), Ok(index)) = (RoleKind::parse(kind), index.parse::<usize>())
+        && let Ok(pid) = words.next().map_or(Ok(0), str::parse::<u32>)
     {
-        coordinator.lost(kind, index, "exited (its process died)");
+        coordinator.lost_process(kind, index, pid, "exited (its process died)");
     } else {
         tracing::warn!("coordinator: ignoring `{line}` from the launcher");
     }

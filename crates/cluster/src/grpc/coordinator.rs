@@ -80,7 +80,9 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
             step: r.step,
         });
         let coordinator = self.coordinator.clone();
-        let (index, generation) = blocking(move || coordinator.register(kind, r.address, index, known)).await?;
+        let pid = r.pid;
+        let (index, generation) =
+            blocking(move || coordinator.register_process(kind, r.address, index, known, pid)).await?;
         Ok(Response::new(pb::RegisterReply {
             index: index as u32,
             num_shards: self.coordinator.num_shards() as u32,
@@ -366,6 +368,7 @@ impl CoordinatorClient {
             generation: known.map_or(0, |k| k.generation),
             committed: known.and_then(|k| k.committed.as_ref()).map(|d| d.display().to_string()).unwrap_or_default(),
             step: known.map_or(0, |k| k.step),
+            pid: std::process::id(),
         };
         let reply = self.peer.call("register", request, |mut c, r| async move { c.register(r).await })?;
         let config = Config::from_toml_with_overrides(&reply.config_toml, "the coordinator's config", &[])?;
