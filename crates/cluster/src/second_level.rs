@@ -17,7 +17,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Instant;
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 use sparrow_embedding::{EmbeddingTable, Initializer, SparseOptimizer};
 
 pub use crate::messages::SecondLevelStats;
@@ -51,6 +51,9 @@ pub struct SecondLevel {
     /// `cluster.l2_capacity_rows` (0: no limit).
     capacity: u64,
     state: Mutex<State>,
+    /// Held while level 1 is read for staging or written by a flush, taken
+    /// while `state` is held (never the other way round).
+    l1_gate: Mutex<()>,
     /// A pass was flushed (a stage waiting for room goes on).
     flushed: parking_lot::Condvar,
     /// The shard's generation is over: a stage waiting for room gives up.
@@ -69,6 +72,7 @@ impl SecondLevel {
             init: *l1.initializer(),
             capacity,
             state: Mutex::new(State::default()),
+            l1_gate: Mutex::new(()),
             flushed: parking_lot::Condvar::new(),
             closed: std::sync::atomic::AtomicBool::new(false),
         }
@@ -108,8 +112,8 @@ impl SecondLevel {
     /// list of the pass before the pass's batches are pulled.
     pub fn stage(&self, l1: &EmbeddingTable, pass: u64, keys: &[u64], batches: &[u64]) -> Result<(), ClusterError> {
         let start = Instant::now();
-        let mut state = self.state.lock();
-        let state = &mut *state;
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
         if !state.passes.contains_key(&pass) {
             state.stats.passes_staged += 1;
         }
@@ -119,6 +123,7 @@ impl SecondLevel {
                 entry.outstanding += 1;
             }
         }
+        let mut fetch = Vec::new();
         for &key in keys {
             // A key listed twice for the pass (one list per batch) is held once.
             if !entry.keys.insert(key) {
@@ -126,25 +131,38 @@ impl SecondLevel {
             }
             let held = state.holders.entry(key).or_insert(0);
             *held += 1;
-            if *held > 1 || state.rows.contains_key(&key) {
-                continue;
+            if *held == 1 && !state.rows.contains_key(&key) {
+                fetch.push(key);
             }
-            let row = match l1.get_row(key) {
+        }
+        // Level 1 is read without the state lock, so the pass training beside
+        // this one is not held up. The gate, taken before the lock is let go,
+        // orders the read after any flush that freed these rows earlier.
+        let gate = self.l1_gate.lock();
+        drop(guard);
+        let (mut from_l1, mut initialised) = (0, 0);
+        let rows: Vec<(u64, Box<[f32]>)> = fetch
+            .into_iter()
+            .map(|key| match l1.get_row(key) {
                 Some(row) => {
-                    state.stats.rows_from_l1 += 1;
-                    row.into_boxed_slice()
+                    from_l1 += 1;
+                    (key, row.into_boxed_slice())
                 }
                 None => {
                     let mut row = vec![0.0f32; self.row_len].into_boxed_slice();
                     let (w, opt_state) = row.split_at_mut(self.dim);
                     self.init.fill(key, w);
                     self.optimizer.init_state(w, opt_state);
-                    state.stats.rows_initialised += 1;
-                    row
+                    initialised += 1;
+                    (key, row)
                 }
-            };
-            state.rows.insert(key, row);
-        }
+            })
+            .collect();
+        drop(gate);
+        let mut state = self.state.lock();
+        state.rows.extend(rows);
+        state.stats.rows_from_l1 += from_l1;
+        state.stats.rows_initialised += initialised;
         let held = state.rows.len() as u64;
         state.stats.peak_rows = state.stats.peak_rows.max(held);
         state.stats.staging_secs += start.elapsed().as_secs_f64();
@@ -179,7 +197,8 @@ impl SecondLevel {
     /// `keys`, then counts the batch pushed: the last batch of a pass frees
     /// its rows no later pass holds, writing them back into level 1.
     pub fn apply(&self, l1: &EmbeddingTable, batch_id: u64, keys: &[u64], grads: &[f32]) -> Result<(), ClusterError> {
-        let mut state = self.state.lock();
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
         if let Some(key) = keys.iter().find(|k| !state.rows.contains_key(k)) {
             return Err(self.not_staged(*key));
         }
@@ -198,15 +217,18 @@ impl SecondLevel {
             None => false,
         };
         if done {
-            self.flush_pass(l1, &mut state, pass)?;
+            self.flush_pass(l1, guard, pass)?;
         }
         Ok(())
     }
 
-    /// S1.4's write-back of a finished pass.
-    fn flush_pass(&self, l1: &EmbeddingTable, state: &mut State, pass: u64) -> Result<(), ClusterError> {
+    /// S1.4's write-back of a finished pass. Its rows leave the map under the
+    /// state lock; level 1 is written under the gate only (see `stage`).
+    fn flush_pass(&self, l1: &EmbeddingTable, mut guard: MutexGuard<State>, pass: u64) -> Result<(), ClusterError> {
         let start = Instant::now();
+        let state = &mut *guard;
         let Some(p) = state.passes.remove(&pass) else { return Ok(()) };
+        let mut out = Vec::new();
         for key in p.keys {
             let Some(held) = state.holders.get_mut(&key) else { continue };
             *held -= 1;
@@ -215,20 +237,26 @@ impl SecondLevel {
             }
             state.holders.remove(&key);
             if let Some(row) = state.rows.remove(&key) {
-                l1.put_row(key, &row).map_err(|source| ClusterError::Table { shard: self.shard, source })?;
-                state.stats.rows_flushed += 1;
+                out.push((key, row));
             }
         }
+        let gate = self.l1_gate.lock();
+        drop(guard);
+        self.flushed.notify_all();
+        let written = out.iter().try_for_each(|(key, row)| l1.put_row(*key, row));
+        drop(gate);
+        let mut state = self.state.lock();
+        state.stats.rows_flushed += out.len() as u64;
         state.stats.passes_flushed += 1;
         state.stats.flush_secs += start.elapsed().as_secs_f64();
-        self.flushed.notify_all();
-        Ok(())
+        written.map_err(|source| ClusterError::Table { shard: self.shard, source })
     }
 
     /// Writes every row held here into level 1, keeping it here (before a
     /// checkpoint part or an evaluation reads level 1).
     pub fn write_through(&self, l1: &EmbeddingTable) -> Result<(), ClusterError> {
         let state = self.state.lock();
+        let _gate = self.l1_gate.lock();
         for (&key, row) in &state.rows {
             l1.put_row(key, row).map_err(|source| ClusterError::Table { shard: self.shard, source })?;
         }
