@@ -85,6 +85,20 @@ enum Command {
         #[arg(long = "set", value_name = "KEY=VALUE")]
         set: Vec<String>,
     },
+    /// Write a serving export of a checkpoint: dense weights (safetensors),
+    /// embedding vectors without optimizer state, the model config and a
+    /// manifest with checksums (what `predict --model` reads).
+    Export {
+        /// A checkpoint (or its directory of versions: the newest).
+        #[arg(long)]
+        checkpoint: PathBuf,
+        /// The export's directory (must not exist yet).
+        #[arg(long)]
+        out: PathBuf,
+        /// The vectors' type; only f32 so far.
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+    },
     /// Benchmarks: embedding lookup+update beside the gather ceiling, and the training step.
     Bench {
         /// Embedding dimensions to measure.
@@ -438,6 +452,12 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
                 (None, None) => anyhow::bail!("predict needs --checkpoint DIR or --model EXPORT"),
             };
             print_json(&summary)
+        }
+        Command::Export { checkpoint, out, dtype } => {
+            if dtype != "f32" {
+                anyhow::bail!("--dtype {dtype}: exports hold f32 vectors only so far (--dtype f32)");
+            }
+            print_json(&sparrow_trainer::run::export_checkpoint(&checkpoint, &out)?)
         }
         Command::Bench { dims, table_rows, batches, threads, train_steps, memory_rows, gather_limit } => {
             let options = sparrow_trainer::bench::BenchOptions {

@@ -137,6 +137,19 @@ fn gen_train_eval_predict() {
         std::fs::read_to_string(&pred).expect("pred").lines().map(|l| l.parse().expect("number")).collect();
     assert_eq!(probs.len(), 4000);
     assert!(probs.iter().all(|p| *p > 0.0 && *p < 1.0));
+
+    // `sparrow export`: the serving export predicts exactly what its checkpoint does.
+    let export = tmp.path().join("export").display().to_string();
+    let out = sparrow(&["export", "--checkpoint", &ck, "--out", &export]);
+    ok(&out);
+    let written = last_json(&out);
+    assert_eq!(written["rows"], summary["embedding_rows"], "{written}");
+    assert_eq!(written["dtype"], "f32");
+    let from_export = tmp.path().join("pred-export.txt");
+    ok(&sparrow(&["predict", "--model", &export, "--data", &test, "--out", &from_export.display().to_string()]));
+    assert_eq!(std::fs::read_to_string(&from_export).expect("pred"), std::fs::read_to_string(&pred).expect("pred"));
+    fails_with(&sparrow(&["export", "--checkpoint", &ck, "--out", &export]), &["export", "exists already"]);
+    fails_with(&sparrow(&["export", "--checkpoint", &ck, "--out", "/tmp/x", "--dtype", "f8"]), &["--dtype f8"]);
 }
 
 #[test]

@@ -625,3 +625,47 @@ fn write_predictions(scored: &Scored, data: &Path, out: &Path, wall: Instant) ->
     std::fs::rename(&tmp, out).map_err(|e| TrainError::io(out, e))?;
     Ok(EvalSummary::new(scored, data, wall))
 }
+
+/// What `sparrow export` prints.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ExportSummary {
+    pub export: String,
+    pub checkpoint_step: u64,
+    pub rows: u64,
+    pub dim: usize,
+    pub dtype: String,
+    pub bytes: u64,
+}
+
+/// `sparrow export --checkpoint DIR --out EXPORT`: the serving export of a
+/// checkpoint (the format lazy aggregation's backups write; see `export`).
+pub fn export_checkpoint(checkpoint: &Path, out: &Path) -> Result<ExportSummary, TrainError> {
+    if out.exists() {
+        return Err(TrainError::io(
+            out,
+            std::io::Error::new(std::io::ErrorKind::AlreadyExists, "the export's directory exists already"),
+        ));
+    }
+    let (trainer, manifest, _) = checkpoint::load_trainer(checkpoint, &[])?;
+    let dim = trainer.table.dim();
+    let mut cursor = Some((0usize, 0usize));
+    let pages = || {
+        let Some(at) = cursor else { return Ok(None) };
+        let (mut keys, mut vectors) = (Vec::new(), Vec::new());
+        cursor = trainer.table.rows_from(at, 4096, |key, _, row| {
+            keys.push(key);
+            vectors.extend_from_slice(&row[..dim]);
+        })?;
+        Ok(Some((keys, vectors)))
+    };
+    let written =
+        crate::export::write_export(out, &trainer.config, &trainer.layout, manifest.step, &trainer.model, pages)?;
+    Ok(ExportSummary {
+        export: out.display().to_string(),
+        checkpoint_step: written.step,
+        rows: written.rows,
+        dim: written.dim,
+        dtype: "f32".into(),
+        bytes: written.files.values().map(|f| f.bytes).sum(),
+    })
+}
