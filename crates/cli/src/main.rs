@@ -99,6 +99,21 @@ enum Command {
         #[arg(long, default_value = "f32")]
         dtype: String,
     },
+    /// Serve a serving export over the Open Inference Protocol (KServe v2
+    /// REST) until SIGINT/SIGTERM; `/metrics` for Prometheus.
+    Serve {
+        /// The export (or a directory whose LATEST names the newest).
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: std::net::SocketAddr,
+        /// The model's name in URLs (default: the export directory's name).
+        #[arg(long)]
+        name: Option<String>,
+        /// Request bodies larger than this are refused (413).
+        #[arg(long, default_value_t = 64 << 20)]
+        max_body_bytes: usize,
+    },
     /// Benchmarks: embedding lookup+update beside the gather ceiling, and the training step.
     Bench {
         /// Embedding dimensions to measure.
@@ -458,6 +473,22 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
                 anyhow::bail!("--dtype {dtype}: exports hold f32 vectors only so far (--dtype f32)");
             }
             print_json(&sparrow_trainer::run::export_checkpoint(&checkpoint, &out)?)
+        }
+        Command::Serve { model, listen, name, max_body_bytes } => {
+            let options = sparrow_serve::ServeOptions { model, listen, name, max_body_bytes };
+            let on_listening = |addr: std::net::SocketAddr, name: &str| {
+                eprintln!("serving model `{name}` at http://{addr}/v2/models/{name}");
+                print_json(&serde_json::json!({"model": name, "listening": addr.to_string()})).ok();
+            };
+            let stop = async {
+                let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = async { if let Some(t) = term.as_mut() { t.recv().await; } else { std::future::pending::<()>().await } } => {}
+                }
+            };
+            sparrow_serve::serve(&options, on_listening, stop)?;
+            Ok(())
         }
         Command::Bench { dims, table_rows, batches, threads, train_steps, memory_rows, gather_limit } => {
             let options = sparrow_trainer::bench::BenchOptions {

@@ -1,0 +1,182 @@
+//! `sparrow serve` answers the Open Inference Protocol (KServe v2 REST) with
+//! `sparrow predict`'s figures, refuses bad requests with a 4xx and a message
+//! while it keeps serving, and refuses a damaged export at start.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Stdio};
+
+use common::{generate, sparrow, write_config};
+use serde_json::{Value, json};
+
+/// One HTTP/1.1 request on a new connection: (status, body).
+fn http(addr: &str, method: &str, path: &str, body: &[u8]) -> (u16, String) {
+    let mut stream = TcpStream::connect(addr).expect("connect");
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).expect("write");
+    // A refused body may be answered before it is all sent.
+    let _ = stream.write_all(body);
+    let mut response = Vec::new();
+    let _ = stream.read_to_end(&mut response);
+    let response = String::from_utf8_lossy(&response).to_string();
+    let status = response.split(' ').nth(1).and_then(|s| s.parse().ok()).expect("a status line");
+    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    (status, body)
+}
+
+/// The KServe inputs for the Criteo rows `lines` (raw cells as in the file).
+fn inputs(lines: &[&str]) -> Value {
+    let rows: Vec<Vec<&str>> = lines.iter().map(|l| l.split('\t').collect()).collect();
+    let mut inputs = Vec::new();
+    for i in 0..13 {
+        let data: Vec<Value> = rows
+            .iter()
+            .map(|r| {
+                r.get(1 + i).filter(|c| !c.is_empty()).map_or(Value::Null, |c| json!(c.parse::<f64>().expect("count")))
+            })
+            .collect();
+        inputs.push(json!({"name": format!("I{}", i + 1), "datatype": "FP32", "shape": [rows.len()], "data": data}));
+    }
+    for i in 0..26 {
+        let data: Vec<&str> = rows.iter().map(|r| r.get(14 + i).copied().unwrap_or_default()).collect();
+        inputs.push(json!({"name": format!("C{}", i + 1), "datatype": "BYTES", "shape": [rows.len()], "data": data}));
+    }
+    json!({ "id": "req-1", "inputs": inputs })
+}
+
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `sparrow serve` on a free port: the server and its address.
+fn start(model: &str, extra: &[&str]) -> (Server, String) {
+    let mut child = sparrow()
+        .args(["serve", "--model", model, "--listen", "127.0.0.1:0"])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("serve");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("first line");
+    let started: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: `{line}`"));
+    (Server(child), started["listening"].as_str().expect("address").to_string())
+}
+
+#[test]
+fn a_served_export_answers_kserve_requests_with_predicts_figures() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "20000");
+    let ck = tmp.path().join("ck").display().to_string();
+    let config = write_config(tmp.path(), "");
+    let out = sparrow()
+        .args(["train", "--config", &config, "--quiet", "--set", &format!("checkpoint.dir={ck:?}")])
+        .output()
+        .expect("train");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let export = tmp.path().join("ctr-model").display().to_string();
+    let out = sparrow().args(["export", "--checkpoint", &ck, "--out", &export]).output().expect("export");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let test = tmp.path().join("data/test.tsv");
+    let pred = tmp.path().join("pred.txt");
+    let out = sparrow()
+        .args([
+            "predict",
+            "--model",
+            &export,
+            "--data",
+            &test.display().to_string(),
+            "--out",
+            &pred.display().to_string(),
+        ])
+        .output()
+        .expect("predict");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let expected: Vec<f64> =
+        std::fs::read_to_string(&pred).expect("pred").lines().map(|l| l.parse().expect("p")).collect();
+    let text = std::fs::read_to_string(&test).expect("test");
+    let lines: Vec<&str> = text.lines().take(300).collect();
+
+    let (_server, addr) = start(&export, &["--max-body-bytes", "400000"]);
+    assert_eq!(http(&addr, "GET", "/v2/health/ready", b"").0, 200);
+    let (status, meta) = http(&addr, "GET", "/v2/models/ctr-model", b"");
+    assert_eq!(status, 200, "{meta}");
+    let meta: Value = serde_json::from_str(&meta).expect("metadata");
+    assert_eq!(meta["name"], "ctr-model", "named after the export's directory");
+    assert_eq!(meta["inputs"].as_array().map(Vec::len), Some(39));
+    assert_eq!(meta["outputs"][0]["name"], "probability");
+
+    // Batches of 1 and of 256 rows: `predict`'s figures to 1e-6.
+    for (from, n) in [(0, 1), (1, 256), (257, 43)] {
+        let body = inputs(&lines[from..from + n]).to_string();
+        let (status, reply) = http(&addr, "POST", "/v2/models/ctr-model/infer", body.as_bytes());
+        assert_eq!(status, 200, "{reply}");
+        let reply: Value = serde_json::from_str(&reply).expect("reply");
+        assert_eq!(reply["id"], "req-1");
+        let output = &reply["outputs"][0];
+        assert_eq!((output["name"].as_str(), output["datatype"].as_str()), (Some("probability"), Some("FP32")));
+        assert_eq!(output["shape"], json!([n]));
+        let got: Vec<f64> = output["data"].as_array().expect("data").iter().map(|v| v.as_f64().expect("p")).collect();
+        for (i, (g, e)) in got.iter().zip(&expected[from..from + n]).enumerate() {
+            assert!((g - e).abs() <= 1e-6, "row {}: served {g}, predict {e}", from + i);
+        }
+    }
+    // A missing input reads as an empty cell, as a missing column does in a file.
+    let mut partial = inputs(&lines[..2]);
+    partial["inputs"].as_array_mut().expect("inputs").retain(|i| i["name"] != "C3");
+    assert_eq!(http(&addr, "POST", "/v2/models/ctr-model/infer", partial.to_string().as_bytes()).0, 200);
+
+    // Bad requests: a 4xx with a message each, and the server keeps serving.
+    let good = inputs(&lines[..2]).to_string();
+    let mut wrong_type = inputs(&lines[..2]);
+    wrong_type["inputs"][0]["datatype"] = json!("INT64");
+    let mut wrong_shape = inputs(&lines[..2]);
+    wrong_shape["inputs"][5]["shape"] = json!([3]);
+    let mut not_a_count = inputs(&lines[..2]);
+    not_a_count["inputs"][0]["data"] = json!([1.5, 2]);
+    let huge = format!("{{\"inputs\": [], \"pad\": \"{}\"}}", "x".repeat(500_000));
+    let cases: Vec<(&str, String, u16, &str)> = vec![
+        ("/v2/models/ctr-model/infer", "{not json".into(), 400, "not a JSON request"),
+        ("/v2/models/ctr-model/infer", wrong_type.to_string(), 400, "datatype `INT64`, expected FP32"),
+        ("/v2/models/ctr-model/infer", wrong_shape.to_string(), 400, "input `I6`: shape [3]"),
+        ("/v2/models/ctr-model/infer", not_a_count.to_string(), 400, "1.5 is not an integer"),
+        (
+            "/v2/models/ctr-model/infer",
+            json!({"inputs": [{"name": "C99", "datatype": "BYTES", "shape": [1], "data": ["a"]}]}).to_string(),
+            400,
+            "no such input",
+        ),
+        ("/v2/models/other/infer", good.clone(), 404, "no model named `other`"),
+        ("/v2/models/ctr-model/infer", huge, 413, ""),
+    ];
+    for (path, body, want, message) in cases {
+        let (status, reply) = http(&addr, "POST", path, body.as_bytes());
+        assert_eq!(status, want, "{path}: {reply}");
+        assert!(reply.contains(message), "{path}: `{reply}` lacks `{message}`");
+        assert_eq!(http(&addr, "POST", "/v2/models/ctr-model/infer", good.as_bytes()).0, 200, "still serving");
+    }
+    let (status, metrics) = http(&addr, "GET", "/metrics", b"");
+    assert_eq!(status, 200);
+    assert!(metrics.contains("sparrow_serve_requests_total{code=\"200\"}"), "{metrics}");
+    assert!(metrics.contains("sparrow_serve_requests_total{code=\"400\"}"), "{metrics}");
+
+    // A damaged export is refused at start, naming the file.
+    let rows = std::path::Path::new(&export).join("embeddings.bin");
+    let mut bytes = std::fs::read(&rows).expect("read");
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&rows, bytes).expect("write");
+    let out = sparrow().args(["serve", "--model", &export, "--listen", "127.0.0.1:0"]).output().expect("serve");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("embeddings.bin") && stderr.contains("checksum"), "{stderr}");
+}

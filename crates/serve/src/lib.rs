@@ -1,0 +1,348 @@
+//! `sparrow serve`: a serving export behind the Open Inference Protocol
+//! (KServe v2 REST: `GET /v2/health/live|ready`, `GET /v2/models/{name}`,
+//! `GET /v2/models/{name}/ready`, `POST /v2/models/{name}/infer`), so KServe,
+//! Triton and Seldon clients work unchanged, plus `/metrics` for Prometheus.
+//! Built on axum (hyper underneath).
+//!
+//! Inputs are the data file's columns by the schema's names (Criteo: `I1`…`I13`
+//! as `FP32`, `C1`…`C26` as `BYTES`, shape `[N]`); a missing input is an empty
+//! cell. Each request row goes through the same line parser as `sparrow
+//! predict`, so the output `probability` equals its figures.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::Router;
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{DefaultBodyLimit, Path as UrlPath, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde_json::{Value, json};
+use sparrow_core::batch::{BatchBuilder, DataPosition};
+use sparrow_core::config::DataFormat;
+use sparrow_core::metrics::sigmoid;
+use sparrow_data::layout::{CRITEO_DENSE, CRITEO_SPARSE};
+use sparrow_data::text::{CriteoParser, LineParser};
+use sparrow_trainer::trainer::Trainer;
+
+/// How `sparrow serve` runs.
+pub struct ServeOptions {
+    pub model: PathBuf,
+    pub listen: SocketAddr,
+    /// The model's name (default: the export directory's name).
+    pub name: Option<String>,
+    /// Requests with a larger body are refused (413).
+    pub max_body_bytes: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Model(#[from] sparrow_trainer::TrainError),
+    #[error("{0}")]
+    Setup(String),
+    #[error("listening on {addr}: {source}")]
+    Listen { addr: SocketAddr, source: std::io::Error },
+}
+
+/// One loaded model: the export's trainer (vectors, dense weights) and the
+/// names of its inputs.
+pub struct Served {
+    name: String,
+    step: u64,
+    trainer: parking_lot::Mutex<Trainer>,
+    metrics: Metrics,
+}
+
+struct Metrics {
+    registry: prometheus::Registry,
+    requests: prometheus::IntCounterVec,
+    rows: prometheus::IntCounter,
+    seconds: prometheus::Histogram,
+}
+
+impl Metrics {
+    fn new() -> Metrics {
+        let registry = prometheus::Registry::new();
+        let requests = prometheus::IntCounterVec::new(
+            prometheus::Opts::new("sparrow_serve_requests_total", "inference requests by HTTP status"),
+            &["code"],
+        )
+        .expect("valid metric");
+        let rows = prometheus::IntCounter::new("sparrow_serve_rows_total", "rows scored").expect("valid metric");
+        let seconds = prometheus::Histogram::with_opts(prometheus::HistogramOpts::new(
+            "sparrow_serve_infer_seconds",
+            "time to answer an inference request",
+        ))
+        .expect("valid metric");
+        registry.register(Box::new(requests.clone())).expect("registered once");
+        registry.register(Box::new(rows.clone())).expect("registered once");
+        registry.register(Box::new(seconds.clone())).expect("registered once");
+        Metrics { registry, requests, rows, seconds }
+    }
+}
+
+/// A request the server refuses: its status and message (KServe's `{"error": …}`).
+#[derive(Debug)]
+pub struct ApiError(StatusCode, String);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.0, axum::Json(json!({ "error": self.1 }))).into_response()
+    }
+}
+
+fn bad(message: impl Into<String>) -> ApiError {
+    ApiError(StatusCode::BAD_REQUEST, message.into())
+}
+
+/// The input names of the Criteo schema.
+fn criteo_inputs() -> (Vec<String>, Vec<String>) {
+    ((1..=CRITEO_DENSE).map(|i| format!("I{i}")).collect(), (1..=CRITEO_SPARSE).map(|i| format!("C{i}")).collect())
+}
+
+impl Served {
+    /// Loads an export (checksums verified first: a damaged one is refused naming its file).
+    pub fn load(model: &Path, name: Option<String>) -> Result<Served, ServeError> {
+        let (trainer, manifest) = sparrow_trainer::export::load_export(model, &[])?;
+        if trainer.config.data.format != DataFormat::Criteo {
+            return Err(ServeError::Setup(format!(
+                "{}: the model was trained on data.format = {:?}; serving reads Criteo-schema inputs only so far",
+                model.display(),
+                trainer.config.data.format
+            )));
+        }
+        let name = name.unwrap_or_else(|| {
+            let dir = sparrow_trainer::export::resolve_export(model).unwrap_or_else(|_| model.to_path_buf());
+            dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_else(|| "model".into())
+        });
+        Ok(Served { name, step: manifest.step, trainer: parking_lot::Mutex::new(trainer), metrics: Metrics::new() })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn metadata(&self) -> Value {
+        let (dense, sparse) = criteo_inputs();
+        let inputs: Vec<Value> = dense
+            .iter()
+            .map(|n| json!({"name": n, "datatype": "FP32", "shape": [-1]}))
+            .chain(sparse.iter().map(|n| json!({"name": n, "datatype": "BYTES", "shape": [-1]})))
+            .collect();
+        json!({
+            "name": self.name,
+            "versions": [self.step.to_string()],
+            "platform": "sparrow",
+            "inputs": inputs,
+            "outputs": [{"name": "probability", "datatype": "FP32", "shape": [-1]}],
+        })
+    }
+
+    /// Answers one `infer` request body.
+    pub fn infer(&self, body: &Value) -> Result<Value, ApiError> {
+        let inputs =
+            body.get("inputs").and_then(Value::as_array).ok_or_else(|| bad("the request has no `inputs` array"))?;
+        let (dense, sparse) = criteo_inputs();
+        let mut rows: Option<usize> = None;
+        let mut columns: Vec<Option<Vec<String>>> = vec![None; dense.len() + sparse.len()];
+        for input in inputs {
+            let name = input.get("name").and_then(Value::as_str).ok_or_else(|| bad("an input has no `name`"))?;
+            let column = dense.iter().chain(&sparse).position(|n| n == name).ok_or_else(|| {
+                bad(format!("input `{name}`: the model has no such input (see GET /v2/models/{})", self.name))
+            })?;
+            let want = if column < dense.len() { "FP32" } else { "BYTES" };
+            let datatype = input.get("datatype").and_then(Value::as_str).unwrap_or_default();
+            if datatype != want {
+                return Err(bad(format!("input `{name}`: datatype `{datatype}`, expected {want}")));
+            }
+            let data = input
+                .get("data")
+                .and_then(Value::as_array)
+                .ok_or_else(|| bad(format!("input `{name}`: no `data` array")))?;
+            let shape: Vec<u64> = input
+                .get("shape")
+                .and_then(Value::as_array)
+                .map(|s| s.iter().filter_map(Value::as_u64).collect())
+                .unwrap_or_default();
+            if shape.len() != 1 || shape[0] as usize != data.len() {
+                return Err(bad(format!(
+                    "input `{name}`: shape {shape:?} for {} values; expected [N] with N values",
+                    data.len()
+                )));
+            }
+            if let Some(n) = rows
+                && n != data.len()
+            {
+                return Err(bad(format!("input `{name}` has {} rows, another input {n}", data.len())));
+            }
+            rows = Some(data.len());
+            let cells = data.iter().map(|v| cell(name, v, column < dense.len())).collect::<Result<Vec<_>, _>>()?;
+            columns[column] = Some(cells);
+        }
+        let n = rows.unwrap_or(0);
+        let mut parser = CriteoParser::default();
+        let trainer = self.trainer.lock();
+        let mut builder = BatchBuilder::new(trainer.layout.num_fields, trainer.layout.num_dense, false, n.max(1));
+        let mut line = String::new();
+        for row in 0..n {
+            line.clear();
+            line.push('0');
+            for column in &columns {
+                line.push('\t');
+                if let Some(cells) = column {
+                    line.push_str(&cells[row]);
+                }
+            }
+            builder.begin_row();
+            let parsed = parser.parse(line.as_bytes(), &mut builder);
+            if let Err(e) = parsed.and_then(|label| {
+                builder.end_row(label).then_some(()).ok_or_else(|| "wrong number of dense values".into())
+            }) {
+                return Err(bad(format!("row {row}: {e}")));
+            }
+        }
+        let probability: Vec<f32> = if n == 0 {
+            Vec::new()
+        } else {
+            let batch = builder.finish(DataPosition::default());
+            let logits = trainer
+                .predict_batch(&batch)
+                .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+            logits.iter().map(|&x| sigmoid(f64::from(x)) as f32).collect()
+        };
+        drop(trainer);
+        self.metrics.rows.inc_by(n as u64);
+        let mut reply = json!({
+            "model_name": self.name,
+            "model_version": self.step.to_string(),
+            "outputs": [{"name": "probability", "datatype": "FP32", "shape": [n], "data": probability}],
+        });
+        if let Some(id) = body.get("id") {
+            reply["id"] = id.clone();
+        }
+        Ok(reply)
+    }
+}
+
+/// One cell of the line `sparrow predict` would read: a dense count (an
+/// integer) or a categorical value (no tab or newline).
+fn cell(name: &str, value: &Value, dense: bool) -> Result<String, ApiError> {
+    match (dense, value) {
+        (_, Value::Null) => Ok(String::new()),
+        (true, Value::Number(x)) => {
+            let v = x.as_f64().unwrap_or(f64::NAN);
+            if v.fract() != 0.0 || !v.is_finite() || v.abs() > 9.0e15 {
+                return Err(bad(format!("input `{name}`: {x} is not an integer (Criteo's dense columns are counts)")));
+            }
+            Ok(format!("{}", v as i64))
+        }
+        (false, Value::String(s)) => {
+            if s.contains(['\t', '\n', '\r']) {
+                return Err(bad(format!("input `{name}`: a value holds a tab or a newline")));
+            }
+            Ok(s.clone())
+        }
+        (true, other) => Err(bad(format!("input `{name}`: {other} is not a number (FP32)"))),
+        (false, other) => Err(bad(format!("input `{name}`: {other} is not a string (BYTES)"))),
+    }
+}
+
+fn model<'a>(served: &'a Served, name: &str) -> Result<&'a Served, ApiError> {
+    if name == served.name {
+        Ok(served)
+    } else {
+        Err(ApiError(StatusCode::NOT_FOUND, format!("no model named `{name}` (this server serves `{}`)", served.name)))
+    }
+}
+
+async fn infer(
+    State(served): State<Arc<Served>>,
+    UrlPath(name): UrlPath<String>,
+    body: Result<axum::Json<Value>, JsonRejection>,
+) -> Response {
+    let start = Instant::now();
+    let answer = match (model(&served, &name), body) {
+        (Err(e), _) => Err(e),
+        (Ok(_), Err(rejection)) => {
+            Err(ApiError(rejection.status(), format!("the body is not a JSON request: {}", rejection.body_text())))
+        }
+        (Ok(_), Ok(axum::Json(body))) => {
+            let s = served.clone();
+            tokio::task::spawn_blocking(move || s.infer(&body))
+                .await
+                .unwrap_or_else(|e| Err(ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())))
+        }
+    };
+    let response = match answer {
+        Ok(reply) => (StatusCode::OK, axum::Json(reply)).into_response(),
+        Err(e) => e.into_response(),
+    };
+    served.metrics.requests.with_label_values(&[response.status().as_str()]).inc();
+    served.metrics.seconds.observe(start.elapsed().as_secs_f64());
+    response
+}
+
+/// The server's routes over one model.
+pub fn router(served: Arc<Served>, max_body_bytes: usize) -> Router {
+    Router::new()
+        .route("/v2/health/live", get(|| async { StatusCode::OK }))
+        .route("/v2/health/ready", get(|| async { StatusCode::OK }))
+        .route(
+            "/v2",
+            get(|| async {
+                axum::Json(json!({"name": "sparrow", "version": env!("CARGO_PKG_VERSION"), "extensions": []}))
+            }),
+        )
+        .route(
+            "/v2/models/{name}",
+            get(|State(s): State<Arc<Served>>, UrlPath(name): UrlPath<String>| async move {
+                model(&s, &name).map(|m| axum::Json(m.metadata()))
+            }),
+        )
+        .route(
+            "/v2/models/{name}/ready",
+            get(|State(s): State<Arc<Served>>, UrlPath(name): UrlPath<String>| async move {
+                model(&s, &name).map(|_| StatusCode::OK)
+            }),
+        )
+        .route("/v2/models/{name}/infer", post(infer))
+        .route(
+            "/metrics",
+            get(|State(s): State<Arc<Served>>| async move {
+                let mut out = String::new();
+                let encoder = prometheus::TextEncoder::new();
+                let _ = encoder.encode_utf8(&s.metrics.registry.gather(), &mut out);
+                out
+            }),
+        )
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(served)
+}
+
+/// Runs the server until `stop` resolves. `on_listening` gets the bound address.
+pub fn serve(
+    options: &ServeOptions,
+    on_listening: impl FnOnce(SocketAddr, &str),
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let served = Arc::new(Served::load(&options.model, options.name.clone())?);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|source| ServeError::Listen { addr: options.listen, source })?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(options.listen)
+            .await
+            .map_err(|source| ServeError::Listen { addr: options.listen, source })?;
+        let addr = listener.local_addr().map_err(|source| ServeError::Listen { addr: options.listen, source })?;
+        on_listening(addr, served.name());
+        axum::serve(listener, router(served, options.max_body_bytes))
+            .with_graceful_shutdown(stop)
+            .await
+            .map_err(|source| ServeError::Listen { addr, source })
+    })
+}
