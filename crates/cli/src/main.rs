@@ -95,7 +95,7 @@ enum Command {
         /// The export's directory (must not exist yet).
         #[arg(long)]
         out: PathBuf,
-        /// The vectors' type; only f32 so far.
+        /// The vectors' type: f32, or f16 (half the bytes; the dense weights stay f32).
         #[arg(long, default_value = "f32")]
         dtype: String,
     },
@@ -469,10 +469,10 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             print_json(&summary)
         }
         Command::Export { checkpoint, out, dtype } => {
-            if dtype != "f32" {
-                anyhow::bail!("--dtype {dtype}: exports hold f32 vectors only so far (--dtype f32)");
-            }
-            print_json(&sparrow_trainer::run::export_checkpoint(&checkpoint, &out)?)
+            let Some(dtype) = sparrow_trainer::export::VectorType::parse(&dtype) else {
+                anyhow::bail!("--dtype {dtype}: exports hold f32 or f16 vectors");
+            };
+            print_json(&sparrow_trainer::run::export_checkpoint(&checkpoint, &out, dtype)?)
         }
         Command::Serve { model, listen, name, max_body_bytes } => {
             let options = sparrow_serve::ServeOptions { model, listen, name, max_body_bytes };

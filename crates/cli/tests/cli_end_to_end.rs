@@ -149,6 +149,20 @@ fn gen_train_eval_predict() {
     ok(&sparrow(&["predict", "--model", &export, "--data", &test, "--out", &from_export.display().to_string()]));
     assert_eq!(std::fs::read_to_string(&from_export).expect("pred"), std::fs::read_to_string(&pred).expect("pred"));
     fails_with(&sparrow(&["export", "--checkpoint", &ck, "--out", &export]), &["export", "exists already"]);
+    // `--dtype f16`: vectors in half the bytes, predictions within f16's rounding.
+    let half = tmp.path().join("export-f16").display().to_string();
+    let out = sparrow(&["export", "--checkpoint", &ck, "--out", &half, "--dtype", "f16"]);
+    ok(&out);
+    assert_eq!(last_json(&out)["dtype"], "f16");
+    let size = |dir: &str| std::fs::metadata(Path::new(dir).join("embeddings.bin")).expect("rows").len();
+    let rows = written["rows"].as_u64().expect("rows");
+    assert_eq!(size(&export) - size(&half), rows * 8 * 2, "dim 8: 16 bytes fewer per row");
+    let from_half = tmp.path().join("pred-f16.txt");
+    ok(&sparrow(&["predict", "--model", &half, "--data", &test, "--out", &from_half.display().to_string()]));
+    let half_probs: Vec<f64> =
+        std::fs::read_to_string(&from_half).expect("pred").lines().map(|l| l.parse().expect("number")).collect();
+    let worst = probs.iter().zip(&half_probs).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+    assert!(worst > 0.0 && worst < 1e-2, "f16 vectors move predictions a little: {worst}");
     fails_with(&sparrow(&["export", "--checkpoint", &ck, "--out", "/tmp/x", "--dtype", "f8"]), &["--dtype f8"]);
 }
 

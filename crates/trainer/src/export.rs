@@ -6,6 +6,7 @@
 //! EXPORT/manifest.json      format, step, dim, rows, layout, config, files {name: bytes, xxh3}
 //! EXPORT/dense.safetensors  every dense parameter by name
 //! EXPORT/embeddings.bin     "SPRWEMB1", dim u32, rows u64, then per row: key u64, dim × f32 (LE)
+//!                           ("SPRWEH16" and dim × f16 for an export written with `--dtype f16`)
 //! ```
 //!
 //! `sparrow predict --model EXPORT` reads one ([`load_export`]); lazy
@@ -30,6 +31,51 @@ pub const EXPORT_FORMAT: &str = "sparrow-export-v1";
 /// A page of rows for an export: keys and their vectors (`dim` each); `None`: no more.
 pub type RowPage = Option<(Vec<u64>, Vec<f32>)>;
 const EMBEDDINGS_MAGIC: &[u8; 8] = b"SPRWEMB1";
+const EMBEDDINGS_MAGIC_F16: &[u8; 8] = b"SPRWEH16";
+
+/// The type an export stores its vectors in (the dense weights stay f32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VectorType {
+    F32,
+    /// IEEE half precision, rounded to nearest: half the bytes, about three
+    /// significant digits.
+    F16,
+}
+
+impl VectorType {
+    pub fn parse(name: &str) -> Option<VectorType> {
+        match name {
+            "f32" => Some(VectorType::F32),
+            "f16" => Some(VectorType::F16),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            VectorType::F32 => "f32",
+            VectorType::F16 => "f16",
+        }
+    }
+
+    fn magic(self) -> &'static [u8; 8] {
+        match self {
+            VectorType::F32 => EMBEDDINGS_MAGIC,
+            VectorType::F16 => EMBEDDINGS_MAGIC_F16,
+        }
+    }
+
+    fn width(self) -> usize {
+        match self {
+            VectorType::F32 => 4,
+            VectorType::F16 => 2,
+        }
+    }
+}
+
+fn f32_type() -> String {
+    "f32".into()
+}
 const DENSE: &str = "dense.safetensors";
 const EMBEDDINGS: &str = "embeddings.bin";
 const MANIFEST: &str = "manifest.json";
@@ -45,6 +91,9 @@ pub struct ExportManifest {
     pub num_dense: usize,
     pub config: String,
     pub files: BTreeMap<String, FileEntry>,
+    /// The vectors' type (`f32` in exports written before it was recorded).
+    #[serde(default = "f32_type")]
+    pub dtype: String,
 }
 
 /// Writes an export into `dir` (created; must not exist yet): `rows` gives
@@ -55,6 +104,19 @@ pub fn write_export(
     layout: &DataLayout,
     step: u64,
     model: &DenseModel,
+    rows: impl FnMut() -> Result<RowPage, TrainError>,
+) -> Result<ExportManifest, TrainError> {
+    write_export_as(dir, config, layout, step, model, VectorType::F32, rows)
+}
+
+/// [`write_export`] with the vectors stored as `dtype`.
+pub fn write_export_as(
+    dir: &Path,
+    config: &Config,
+    layout: &DataLayout,
+    step: u64,
+    model: &DenseModel,
+    dtype: VectorType,
     mut rows: impl FnMut() -> Result<RowPage, TrainError>,
 ) -> Result<ExportManifest, TrainError> {
     let io = |path: &Path| {
@@ -80,7 +142,7 @@ pub fn write_export(
     let emb_path = staging.join(EMBEDDINGS);
     let file = std::fs::File::create(&emb_path).map_err(io(&emb_path))?;
     let mut w = BufWriter::with_capacity(1 << 20, file);
-    let mut header = EMBEDDINGS_MAGIC.to_vec();
+    let mut header = dtype.magic().to_vec();
     header.extend_from_slice(&(dim as u32).to_le_bytes());
     header.extend_from_slice(&0u64.to_le_bytes());
     w.write_all(&header).map_err(io(&emb_path))?;
@@ -94,8 +156,12 @@ pub fn write_export(
         }
         for (key, v) in keys.iter().zip(vectors.chunks_exact(dim.max(1))) {
             w.write_all(&key.to_le_bytes()).map_err(io(&emb_path))?;
-            for x in v {
-                w.write_all(&x.to_le_bytes()).map_err(io(&emb_path))?;
+            for &x in v {
+                match dtype {
+                    VectorType::F32 => w.write_all(&x.to_le_bytes()),
+                    VectorType::F16 => w.write_all(&half::f16::from_f32(x).to_le_bytes()),
+                }
+                .map_err(io(&emb_path))?;
             }
         }
         count += keys.len() as u64;
@@ -116,6 +182,7 @@ pub fn write_export(
         num_dense: layout.num_dense,
         config: stored_config(config),
         files,
+        dtype: dtype.name().into(),
     };
     let json = serde_json::to_vec_pretty(&manifest).map_err(|e| TrainError::checkpoint(dir, e.to_string()))?;
     write_bytes_synced(&staging.join(MANIFEST), &json)?;
@@ -188,20 +255,29 @@ pub fn load_export(dir: &Path, overrides: &[String]) -> Result<(Trainer, ExportM
     let emb_path = dir.join(EMBEDDINGS);
     let data = std::fs::read(&emb_path).map_err(|e| TrainError::io(&emb_path, e))?;
     let bad = |what: String| TrainError::checkpoint(&emb_path, what);
-    if data.len() < 20 || &data[..8] != EMBEDDINGS_MAGIC {
+    let dtype = match data.get(..8) {
+        Some(magic) if magic == EMBEDDINGS_MAGIC => VectorType::F32,
+        Some(magic) if magic == EMBEDDINGS_MAGIC_F16 => VectorType::F16,
+        _ => return Err(bad("not an export's embeddings file".into())),
+    };
+    if data.len() < 20 {
         return Err(bad("not an export's embeddings file".into()));
     }
+    let width = dtype.width();
     let dim = u32::from_le_bytes(data[8..12].try_into().unwrap_or_default()) as usize;
     let rows = u64::from_le_bytes(data[12..20].try_into().unwrap_or_default());
-    if dim != trainer.table.dim() || data.len() as u64 != 20 + rows * (8 + 4 * dim as u64) {
+    if dim != trainer.table.dim() || data.len() as u64 != 20 + rows * (8 + (width * dim) as u64) {
         return Err(bad(format!("dim {dim} and {rows} rows do not match the file or the model")));
     }
     let row_len = trainer.table.row_len();
     let mut row = vec![0f32; row_len];
-    for chunk in data[20..].chunks_exact(8 + 4 * dim) {
+    for chunk in data[20..].chunks_exact(8 + width * dim) {
         let key = u64::from_le_bytes(chunk[..8].try_into().unwrap_or_default());
-        for (x, b) in row[..dim].iter_mut().zip(chunk[8..].chunks_exact(4)) {
-            *x = f32::from_le_bytes(b.try_into().unwrap_or_default());
+        for (x, b) in row[..dim].iter_mut().zip(chunk[8..].chunks_exact(width)) {
+            *x = match dtype {
+                VectorType::F32 => f32::from_le_bytes(b.try_into().unwrap_or_default()),
+                VectorType::F16 => half::f16::from_le_bytes(b.try_into().unwrap_or_default()).to_f32(),
+            };
         }
         trainer.table.put_row(key, &row).map_err(|e| bad(e.to_string()))?;
     }

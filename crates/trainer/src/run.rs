@@ -639,7 +639,11 @@ pub struct ExportSummary {
 
 /// `sparrow export --checkpoint DIR --out EXPORT`: the serving export of a
 /// checkpoint (the format lazy aggregation's backups write; see `export`).
-pub fn export_checkpoint(checkpoint: &Path, out: &Path) -> Result<ExportSummary, TrainError> {
+pub fn export_checkpoint(
+    checkpoint: &Path,
+    out: &Path,
+    dtype: crate::export::VectorType,
+) -> Result<ExportSummary, TrainError> {
     if out.exists() {
         return Err(TrainError::io(
             out,
@@ -658,14 +662,21 @@ pub fn export_checkpoint(checkpoint: &Path, out: &Path) -> Result<ExportSummary,
         })?;
         Ok(Some((keys, vectors)))
     };
-    let written =
-        crate::export::write_export(out, &trainer.config, &trainer.layout, manifest.step, &trainer.model, pages)?;
+    let written = crate::export::write_export_as(
+        out,
+        &trainer.config,
+        &trainer.layout,
+        manifest.step,
+        &trainer.model,
+        dtype,
+        pages,
+    )?;
     Ok(ExportSummary {
         export: out.display().to_string(),
         checkpoint_step: written.step,
         rows: written.rows,
         dim: written.dim,
-        dtype: "f32".into(),
+        dtype: written.dtype.clone(),
         bytes: written.files.values().map(|f| f.bytes).sum(),
     })
 }
