@@ -53,6 +53,7 @@ pub enum ServeError {
 pub struct Served {
     name: String,
     step: u64,
+    layout: sparrow_data::DataLayout,
     trainer: parking_lot::Mutex<Trainer>,
     metrics: Metrics,
 }
@@ -119,7 +120,13 @@ impl Served {
             let dir = sparrow_trainer::export::resolve_export(model).unwrap_or_else(|_| model.to_path_buf());
             dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_else(|| "model".into())
         });
-        Ok(Served { name, step: manifest.step, trainer: parking_lot::Mutex::new(trainer), metrics: Metrics::new() })
+        Ok(Served {
+            name,
+            step: manifest.step,
+            layout: trainer.layout.clone(),
+            trainer: parking_lot::Mutex::new(trainer),
+            metrics: Metrics::new(),
+        })
     }
 
     pub fn name(&self) -> &str {
@@ -185,8 +192,8 @@ impl Served {
         }
         let n = rows.unwrap_or(0);
         let mut parser = CriteoParser::default();
-        let trainer = self.trainer.lock();
-        let mut builder = BatchBuilder::new(trainer.layout.num_fields, trainer.layout.num_dense, false, n.max(1));
+        // Parsed before the model's lock: only the lookup and the forward pass hold it.
+        let mut builder = BatchBuilder::new(self.layout.num_fields, self.layout.num_dense, false, n.max(1));
         let mut line = String::new();
         for row in 0..n {
             line.clear();
@@ -209,12 +216,13 @@ impl Served {
             Vec::new()
         } else {
             let batch = builder.finish(DataPosition::default());
-            let logits = trainer
+            let logits = self
+                .trainer
+                .lock()
                 .predict_batch(&batch)
                 .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
             logits.iter().map(|&x| sigmoid(f64::from(x)) as f32).collect()
         };
-        drop(trainer);
         self.metrics.rows.inc_by(n as u64);
         let mut reply = json!({
             "model_name": self.name,
