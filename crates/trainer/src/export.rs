@@ -216,6 +216,18 @@ pub fn resolve_export(dir: &Path) -> Result<PathBuf, TrainError> {
     }
 }
 
+/// Whether `path` is a serving export (or a directory whose LATEST names one)
+/// rather than a checkpoint.
+pub fn is_export(path: &Path) -> bool {
+    // A checkpoint has a manifest.json (and an embeddings.bin) too: the
+    // manifest's `format` tells them apart.
+    let Ok(dir) = resolve_export(path) else { return false };
+    std::fs::read(dir.join(MANIFEST))
+        .ok()
+        .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).ok())
+        .is_some_and(|m| m.get("format").and_then(serde_json::Value::as_str) == Some(EXPORT_FORMAT))
+}
+
 /// A trainer holding an export's model (vectors with fresh optimizer state),
 /// every file's size and checksum verified first.
 pub fn load_export(dir: &Path, overrides: &[String]) -> Result<(Trainer, ExportManifest), TrainError> {

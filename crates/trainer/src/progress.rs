@@ -3,6 +3,25 @@
 use std::io::IsTerminal;
 
 use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+/// Where a training run stands, handed to an observer at every logging
+/// interval (`train.log_interval_steps`): what the Python package draws its
+/// progress bar from.
+#[derive(Clone, Debug, Serialize)]
+pub struct ProgressUpdate {
+    pub step: u64,
+    pub epoch: u64,
+    pub samples: u64,
+    /// How far into the training data the run is, over all epochs: bytes of
+    /// text read, and of the whole run (None for a compressed file, whose
+    /// size says nothing about its text).
+    pub bytes_done: u64,
+    pub bytes_total: Option<u64>,
+    /// Mean training log-loss and samples/s over the interval.
+    pub train_logloss: f64,
+    pub samples_per_sec: f64,
+}
 
 pub struct Progress {
     bar: Option<ProgressBar>,

@@ -15,7 +15,7 @@ use sparrow_embedding::{EmbeddingTable, FilterStats, TierStats};
 
 use crate::checkpoint;
 use crate::pipeline::PlannedBatches;
-use crate::progress::Progress;
+use crate::progress::{Progress, ProgressUpdate};
 use crate::trainer::{PhaseSecs, PlannedBatch, Trainer};
 use crate::{TrainError, peak_rss_bytes};
 
@@ -191,12 +191,29 @@ pub fn train(config: &Config, quiet: bool) -> Result<TrainSummary, TrainError> {
 /// [`train`], stopping after the current step once `stop` is set (Ctrl-C):
 /// the checkpoint is written and [`TrainError::Interrupted`] returned.
 pub fn train_until(config: &Config, quiet: bool, stop: &AtomicBool) -> Result<TrainSummary, TrainError> {
-    let wall = Instant::now();
-    let pool = compute_pool(config.train.threads)?;
-    pool.install(|| train_in_pool(config, quiet, wall, stop))
+    train_observed(config, quiet, stop, &|_| {})
 }
 
-fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool) -> Result<TrainSummary, TrainError> {
+/// [`train_until`], telling `observer` where the run stands at every
+/// logging interval (from the training thread).
+pub fn train_observed(
+    config: &Config,
+    quiet: bool,
+    stop: &AtomicBool,
+    observer: &(dyn Fn(&ProgressUpdate) + Sync),
+) -> Result<TrainSummary, TrainError> {
+    let wall = Instant::now();
+    let pool = compute_pool(config.train.threads)?;
+    pool.install(|| train_in_pool(config, quiet, wall, stop, observer))
+}
+
+fn train_in_pool(
+    config: &Config,
+    quiet: bool,
+    wall: Instant,
+    stop: &AtomicBool,
+    observer: &(dyn Fn(&ProgressUpdate) + Sync),
+) -> Result<TrainSummary, TrainError> {
     let train_path = data_path(&config.data.train, "train", "the training data file")?;
     if config.checkpoint.incremental {
         tracing::warn!("checkpoint.incremental applies to sparrow launch; sparrow train writes full checkpoints");
@@ -239,7 +256,8 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
     // nothing about them, so its progress has no total.
     let plain = sparrow_data::input::Codec::sniff(train_path).is_ok_and(|c| c == sparrow_data::input::Codec::Plain);
     let file_bytes = std::fs::metadata(train_path).ok().filter(|_| plain).map(|m| m.len());
-    let progress = Progress::new(file_bytes.map(|b| b * config.train.epochs), quiet);
+    let bytes_total = file_bytes.map(|b| b * config.train.epochs);
+    let progress = Progress::new(bytes_total, quiet);
     let mut metrics = MetricsLog::open(config.train.metrics_path.as_deref(), resumed_from_step.is_some())?;
 
     let train_start = Instant::now();
@@ -293,6 +311,15 @@ fn train_in_pool(config: &Config, quiet: bool, wall: Instant, stop: &AtomicBool)
             let loss = interval_loss / interval_rows.max(1) as f64;
             let rate = interval_rows as f64 / secs.max(1e-9);
             last_train_logloss = Some(loss);
+            observer(&ProgressUpdate {
+                step: trainer.step,
+                epoch: trainer.position.epoch,
+                samples: trainer.samples_trained,
+                bytes_done,
+                bytes_total,
+                train_logloss: loss,
+                samples_per_sec: rate,
+            });
             progress.set_position(bytes_done, &format!("step {} loss {loss:.4} {rate:.0} samples/s", trainer.step));
             progress.line(&format!(
                 "step {} epoch {} samples {} train_logloss {loss:.5} samples/s {rate:.0}",
@@ -503,6 +530,32 @@ fn predict_file(
         labels.extend_from_slice(&batch.labels);
     }
     Ok((logits, labels))
+}
+
+/// The model in a checkpoint or a serving export (either, or a directory
+/// whose LATEST names one), and the step it was taken at.
+pub fn load_model(path: &Path, overrides: &[String]) -> Result<(Trainer, u64), TrainError> {
+    if crate::export::is_export(path) {
+        let (trainer, manifest) = crate::export::load_export(path, overrides)?;
+        Ok((trainer, manifest.step))
+    } else {
+        let (trainer, manifest, _) = checkpoint::load_trainer(path, overrides)?;
+        Ok((trainer, manifest.step))
+    }
+}
+
+/// The logits `sparrow predict` turns into probabilities: one per good row
+/// of `data`, read as `read` says (the model's `data.*`, or a variant of
+/// it); and the malformed rows skipped. Runs in the current rayon pool (see
+/// [`compute_pool`]).
+pub fn score_file(
+    trainer: &Trainer,
+    data: &Path,
+    read: &sparrow_core::config::DataConfig,
+) -> Result<(Vec<f32>, u64), TrainError> {
+    let bad = BadRows::from_config(read);
+    let (logits, _) = predict_file(trainer, data, read, &bad)?;
+    Ok((logits, bad.total()))
 }
 
 /// Logits and labels of every good row of `data` under a checkpoint's model.

@@ -1,0 +1,233 @@
+"""Sparrow from Python: the `sparrow` command's train, gen, eval and predict
+as functions, on the same Rust library (the numbers are the CLI's).
+
+    import sparrow
+    truth = sparrow.gen("data", train_rows=200_000, test_rows=20_000)
+    summary = sparrow.train("configs/mlp.toml", **{"data.train": "data/train.tsv"})
+    model = sparrow.Model.load("checkpoints")
+    probabilities = model.predict(dataframe)
+
+Library warnings go to Python's `logging` (loggers `sparrow_trainer`,
+`sparrow_data`, ...). Errors are the classes below, with the CLI's messages.
+"""
+
+import json
+import os
+import sys
+
+# The dense model's elementwise ops run inline (one candle thread): the
+# compute pool already uses every core. Set before the native module loads.
+os.environ.setdefault("CANDLE_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+
+from . import _native  # noqa: E402
+from ._errors import (  # noqa: E402
+    ArgumentError,
+    CheckpointError,
+    ConfigError,
+    DataError,
+    DivergedError,
+    FileError,
+    SparrowError,
+)
+
+__version__ = _native.__version__
+
+__all__ = [
+    "train",
+    "gen",
+    "evaluate",
+    "Model",
+    "SparrowError",
+    "ConfigError",
+    "DataError",
+    "CheckpointError",
+    "FileError",
+    "DivergedError",
+    "ArgumentError",
+]
+
+
+def _override_list(overrides):
+    """`{"embedding.learning_rate": 0.1}` as the CLI's `KEY=VALUE` strings
+    (values written as TOML literals: JSON's are, for str, numbers, bools
+    and lists)."""
+    out = []
+    for key, value in overrides.items():
+        if "." not in key:
+            raise ArgumentError(
+                f"override `{key}`: config keys are written SECTION.KEY (e.g. embedding.learning_rate)"
+            )
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        try:
+            literal = json.dumps(value)
+        except TypeError as e:
+            raise ArgumentError(f"override `{key}`: {e}") from None
+        out.append(f"{key}={literal}")
+    return out
+
+
+class _Progress:
+    """A tqdm bar when tqdm is installed, plain lines on stderr otherwise."""
+
+    def __init__(self, enabled):
+        self.enabled = enabled
+        self.bar = None
+        self.tqdm = None
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+
+                self.tqdm = tqdm
+            except ImportError:
+                pass
+
+    def __call__(self, update):
+        if self.tqdm is not None:
+            if self.bar is None:
+                self.bar = self.tqdm(
+                    total=update["bytes_total"], unit="B", unit_scale=True, desc="train", file=sys.stderr
+                )
+            self.bar.update(max(0, update["bytes_done"] - self.bar.n))
+            self.bar.set_postfix(
+                step=update["step"],
+                loss=f"{update['train_logloss']:.4f}",
+                samples_s=f"{update['samples_per_sec']:.0f}",
+                refresh=False,
+            )
+        else:
+            print(
+                f"step {update['step']} epoch {update['epoch']} samples {update['samples']} "
+                f"train_logloss {update['train_logloss']:.5f} samples/s {update['samples_per_sec']:.0f}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def train(config, *, progress=True, resume=None, **overrides):
+    """Train (and evaluate on `data.test`) as `config` says: a TOML file's
+    path, or a dict shaped like one (`{"model": {"kind": "mlp"}, ...}`).
+
+    Overrides are config keys, as `sparrow train --set` takes them:
+    `sparrow.train("c.toml", **{"embedding.learning_rate": 0.1})`.
+    `resume` continues from a checkpoint. `progress` draws a bar (tqdm when
+    installed, plain lines otherwise) or calls `progress(update)` when given a
+    callable. Returns the summary `sparrow train` prints (a dict).
+
+    The GIL is released while training runs. Ctrl-C stops training after the
+    current step, writes the checkpoint (when `checkpoint.dir` is set) and
+    raises KeyboardInterrupt saying where the model is.
+    """
+    if resume is not None:
+        overrides["checkpoint.resume_from"] = os.fspath(resume)
+    sets = _override_list(overrides)
+    if isinstance(config, dict):
+        path, text = None, json.dumps(config)
+    else:
+        path, text = os.fspath(config), None
+    if callable(progress):
+        hook, closer = progress, None
+    else:
+        closer = _Progress(bool(progress))
+        hook = closer if closer.enabled else None
+    try:
+        summary = _native.train(path, text, sets, hook, True)
+    finally:
+        if closer is not None:
+            closer.close()
+    return json.loads(summary)
+
+
+def gen(out, train_rows=1_000_000, test_rows=100_000, seed=1, format="criteo", days=None, shuffled=False):
+    """Generate train/test data whose true click probabilities are known
+    (`sparrow gen`): `format="criteo"` writes train.tsv and test.tsv,
+    `"csv"` train.csv and test.csv with a `ts` column. Returns `truth.json`."""
+    truth = _native.generate(os.fspath(out), int(train_rows), int(test_rows), int(seed), format, days, bool(shuffled))
+    return json.loads(truth)
+
+
+def evaluate(checkpoint, data, **overrides):
+    """AUC and log-loss of a checkpoint on a data file (`sparrow eval`)."""
+    summary = _native.evaluate(os.fspath(checkpoint), os.fspath(data), _override_list(overrides))
+    return json.loads(summary)
+
+
+def _column(name, values):
+    """One column as the native module takes it: numbers as 8-byte words,
+    anything else as a list of str (None and NaN: an empty cell)."""
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise DataError(f"column `{name}`: expected one value per row, got shape {array.shape}")
+    kind = array.dtype.kind
+    if kind == "f":
+        return (name, "f", np.ascontiguousarray(array, dtype=np.float64).tobytes())
+    if kind in "ib":
+        return (name, "i", np.ascontiguousarray(array, dtype=np.int64).tobytes())
+    if kind == "u":
+        return (name, "u", np.ascontiguousarray(array, dtype=np.uint64).tobytes())
+    if kind == "U":
+        return (name, "s", array.tolist())
+    if kind == "S":
+        return (name, "s", [v.decode() for v in array.tolist()])
+
+    def text(v):
+        if v is None or (isinstance(v, float) and v != v):
+            return ""
+        if isinstance(v, bytes):
+            return v.decode()
+        return str(v)
+
+    return (name, "s", [text(v) for v in array.tolist()])
+
+
+class Model:
+    """A trained model, from a checkpoint or a serving export (`sparrow
+    export`), or a directory whose LATEST names one."""
+
+    def __init__(self, native):
+        self._native = native
+        info = native.info()
+        self.kind = info["model"]
+        self.format = info["format"]
+        self.label = info.get("label")
+        self.inputs = info.get("inputs", [])
+
+    @classmethod
+    def load(cls, path, **overrides):
+        """Loads a checkpoint or an export; overrides apply to its stored
+        config (e.g. `**{"data.format": "csv"}` for data in another format)."""
+        return cls(_native.Model.load(os.fspath(path), _override_list(overrides)))
+
+    @property
+    def step(self):
+        """The training step the model was saved at."""
+        return self._native.step
+
+    def predict(self, data):
+        """Click probabilities (numpy float32), equal to `sparrow predict` on
+        the same rows: `data` is a data file's path, a dict of columns
+        (numpy arrays or lists, named as the model's `inputs`), or a pandas
+        DataFrame. A missing column, None or NaN reads as an empty cell; the
+        label column, if given, is ignored."""
+        if isinstance(data, (str, os.PathLike)):
+            raw = self._native.predict_file(os.fspath(data))
+        else:
+            if hasattr(data, "columns") and hasattr(data, "__getitem__"):  # a pandas DataFrame
+                columns = {str(c): data[c].to_numpy() for c in data.columns}
+            elif hasattr(data, "items"):
+                columns = dict(data.items())
+            else:
+                raise ArgumentError(
+                    f"predict takes a file path, a dict of columns or a DataFrame, not {type(data).__name__}"
+                )
+            raw = self._native.predict_columns([_column(str(n), v) for n, v in columns.items()])
+        return np.frombuffer(raw, dtype=np.float32).copy()
+
+    def __repr__(self):
+        return f"sparrow.Model({self._native.path!r}, kind={self.kind!r}, step={self.step})"

@@ -1,0 +1,245 @@
+"""The Python package against the `sparrow` command: same summaries, same
+predictions, the CLI's errors as exceptions, the GIL released, Ctrl-C saving
+the model."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import sparrow
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "reference-mlp.toml"
+CRITEO_NAMES = ["label"] + [f"I{i}" for i in range(1, 14)] + [f"C{i}" for i in range(1, 27)]
+
+
+@pytest.fixture(scope="session")
+def cli():
+    """The `sparrow` binary of this checkout (built if missing)."""
+    path = Path(os.environ.get("SPARROW_BIN", REPO / "target" / "release" / "sparrow"))
+    if "SPARROW_BIN" not in os.environ:
+        subprocess.run(["cargo", "build", "--release", "-q", "-p", "sparrow"], cwd=REPO, check=True)
+    assert path.is_file(), f"no sparrow binary at {path}"
+
+    def run(*args):
+        done = subprocess.run([str(path), *map(str, args)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gen")
+    truth = sparrow.gen(out, train_rows=20_000, test_rows=3_000, seed=7)
+    assert truth["train_rows"] == 20_000 and truth["test_rows"] == 3_000
+    assert (out / "train.tsv").is_file() and (out / "truth.json").is_file()
+    return out
+
+
+def overrides(data, ckpt):
+    return {
+        "data.train": str(data / "train.tsv"),
+        "data.test": str(data / "test.tsv"),
+        "checkpoint.dir": str(ckpt),
+    }
+
+
+@pytest.fixture(scope="session")
+def trained(data, tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    summary = sparrow.train(CONFIG, progress=False, **overrides(data, ckpt))
+    return ckpt, summary
+
+
+def read_floats(path):
+    return np.array([float(line) for line in Path(path).read_text().split()], dtype=np.float32)
+
+
+def test_train_returns_the_cli_summary(cli, data, trained, tmp_path):
+    _, summary = trained
+    sets = [a for k, v in overrides(data, tmp_path / "c").items() for a in ("--set", f"{k}={json.dumps(v)}")]
+    expected = cli("train", "--config", CONFIG, "--quiet", *sets)
+    assert summary.keys() == expected.keys()
+    # Same config and seed: the same model, so the same test metrics, bit for bit.
+    for key in ("test_auc", "test_logloss", "train_rows", "steps", "embedding_rows", "bayes_auc"):
+        assert summary[key] == expected[key], key
+    assert summary["test_auc"] > 0.7
+
+
+def test_a_dict_config_trains_like_its_file(data, trained, tmp_path):
+    _, from_file = trained
+    config = {
+        "data": {"format": "criteo"},
+        "model": {"kind": "mlp", "embedding_dim": 16, "hidden": [256, 128]},
+        "train": {"batch_size": 1024, "epochs": 1, "threads": 2, "seed": 1},
+        "embedding": {"optimizer": "adagrad", "learning_rate": 0.05, "init": {"kind": "uniform", "scale": 0.01}},
+        "dense_optimizer": {"kind": "adam", "learning_rate": 0.001},
+    }
+    summary = sparrow.train(config, progress=False, **overrides(data, tmp_path / "c"))
+    assert summary["test_auc"] == from_file["test_auc"]
+
+
+def test_predict_equals_the_cli_on_a_file_a_dataframe_and_columns(cli, data, trained, tmp_path):
+    pd = pytest.importorskip("pandas")
+    ckpt, _ = trained
+    cli("predict", "--checkpoint", ckpt, "--data", data / "test.tsv", "--out", tmp_path / "p.txt")
+    expected = read_floats(tmp_path / "p.txt")
+    model = sparrow.Model.load(ckpt)
+    assert model.inputs == CRITEO_NAMES[1:] and model.kind == "mlp" and model.step > 0
+
+    from_file = model.predict(data / "test.tsv")
+    assert from_file.dtype == np.float32 and len(from_file) == len(expected) == 3_000
+    np.testing.assert_allclose(from_file, expected, rtol=0, atol=1e-6)
+
+    frame = pd.read_csv(
+        data / "test.tsv", sep="\t", header=None, names=CRITEO_NAMES, dtype={f"C{i}": str for i in range(1, 27)}
+    )
+    np.testing.assert_allclose(model.predict(frame), expected, rtol=0, atol=1e-6)
+
+    # A dict of numpy columns; the label is ignored.
+    columns = {name: frame[name].to_numpy() for name in CRITEO_NAMES}
+    np.testing.assert_allclose(model.predict(columns), expected, rtol=0, atol=1e-6)
+
+    # Missing columns read as empty cells, as in the file.
+    rows = data.joinpath("test.tsv").read_text().splitlines()[:50]
+    blanked = "\n".join("\t".join(r.split("\t")[:14] + [""] * 26) for r in rows) + "\n"
+    (tmp_path / "blank.tsv").write_text(blanked)
+    cli("predict", "--checkpoint", ckpt, "--data", tmp_path / "blank.tsv", "--out", tmp_path / "b.txt")
+    dense_only = {name: frame[name].to_numpy()[:50] for name in CRITEO_NAMES[1:14]}
+    np.testing.assert_allclose(model.predict(dense_only), read_floats(tmp_path / "b.txt"), rtol=0, atol=1e-6)
+
+
+def test_an_export_predicts_as_the_cli(cli, data, trained, tmp_path):
+    ckpt, _ = trained
+    cli("export", "--checkpoint", ckpt, "--out", tmp_path / "export")
+    cli("predict", "--model", tmp_path / "export", "--data", data / "test.tsv", "--out", tmp_path / "p.txt")
+    model = sparrow.Model.load(tmp_path / "export")
+    np.testing.assert_allclose(model.predict(data / "test.tsv"), read_floats(tmp_path / "p.txt"), rtol=0, atol=1e-6)
+
+
+def test_evaluate_equals_the_cli(cli, data, trained):
+    ckpt, summary = trained
+    got = sparrow.evaluate(ckpt, data / "test.tsv")
+    expected = cli("eval", "--checkpoint", ckpt, "--data", data / "test.tsv")
+    assert got["auc"] == expected["auc"] == summary["test_auc"]
+    assert got["logloss"] == expected["logloss"]
+
+
+def test_errors_are_exceptions_with_the_cli_messages(data, trained, tmp_path):
+    ckpt, _ = trained
+    with pytest.raises(sparrow.ConfigError, match="learnin_rate") as e:
+        sparrow.train(CONFIG, progress=False, **{"embedding.learnin_rate": 0.1})
+    assert isinstance(e.value, ValueError) and "embedding" in str(e.value)
+    with pytest.raises(sparrow.FileError, match="nope.toml"):
+        sparrow.train(tmp_path / "nope.toml")
+    with pytest.raises(sparrow.ArgumentError, match="SECTION.KEY"):
+        sparrow.train(CONFIG, learning_rate=0.1)
+    with pytest.raises(sparrow.CheckpointError, match="no manifest.json"):
+        sparrow.Model.load(tmp_path)
+    with pytest.raises(sparrow.SparrowError, match="missing.tsv"):
+        sparrow.evaluate(ckpt, tmp_path / "missing.tsv")
+
+    model = sparrow.Model.load(ckpt)
+    with pytest.raises(sparrow.DataError, match="`I99`: the model has no such input"):
+        model.predict({"I1": np.array([1.0]), "I99": np.array([2.0])})
+    with pytest.raises(sparrow.DataError, match="has 1 rows"):
+        model.predict({"I1": np.array([1.0, 2.0]), "I2": np.array([1.0])})
+    with pytest.raises(sparrow.DataError, match="holds a line break"):
+        model.predict({"C1": ["a\tb"]})
+    # A dense value that is not a number: the reader's message, naming the row.
+    with pytest.raises(sparrow.DataError, match=r"line 1: column I1: `x` is not an integer.*line 1 is row 0"):
+        model.predict({"I1": ["x"]})
+    assert len(model.predict({"I1": np.array([3.0])})) == 1
+
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("clicked\t2\n" * 3)
+    with pytest.raises(sparrow.DataError, match="bad.tsv"):
+        sparrow.train(CONFIG, progress=False, **{**overrides(data, tmp_path / "c"), "data.train": str(bad)})
+
+
+def test_training_releases_the_gil_and_reports_progress(data, tmp_path):
+    updates = []
+    result = {}
+
+    def run():
+        result["summary"] = sparrow.train(
+            CONFIG,
+            progress=updates.append,
+            **{**overrides(data, tmp_path / "c"), "train.epochs": 4, "train.log_interval_steps": 5},
+        )
+
+    worker = threading.Thread(target=run)
+    ticks = 0
+    worker.start()
+    while worker.is_alive():
+        ticks += 1
+        time.sleep(0.002)
+    worker.join()
+    steps = [u["step"] for u in updates]
+    assert steps == sorted(steps) and len(steps) >= 10 and steps[0] == 5
+    assert updates[-1]["bytes_done"] <= updates[-1]["bytes_total"]
+    assert result["summary"]["steps"] == 80 and steps[-1] == 80  # 20 batches an epoch
+    # This thread ran all along: with the GIL held for the whole run it
+    # would have ticked once or twice.
+    assert ticks >= 50, ticks
+
+
+def test_progress_without_tqdm_prints_plain_lines(data, tmp_path, capfd, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    sparrow.train(CONFIG, **{**overrides(data, tmp_path / "c"), "train.log_interval_steps": 5})
+    err = capfd.readouterr().err
+    assert "step 5 epoch 0 samples 5120 train_logloss" in err
+
+
+def test_a_raising_progress_callback_stops_training_with_the_model_saved(data, tmp_path):
+    def boom(update):
+        raise RuntimeError(f"stop at {update['step']}")
+
+    ckpt = tmp_path / "c"
+    with pytest.raises(RuntimeError, match="stop at 2"):
+        sparrow.train(CONFIG, progress=boom, **{**overrides(data, ckpt), "train.log_interval_steps": 2})
+    assert (ckpt / "LATEST").is_file()
+    assert sparrow.Model.load(ckpt).step >= 2
+
+
+def test_ctrl_c_stops_training_and_saves_the_model(data, tmp_path):
+    ckpt = tmp_path / "c"
+    script = textwrap.dedent(
+        f"""
+        import json, sys, sparrow
+        def started(update):
+            print("started", flush=True)
+        try:
+            sparrow.train({str(CONFIG)!r}, progress=started, **{{
+                "data.train": {str(data / "train.tsv")!r}, "checkpoint.dir": {str(ckpt)!r},
+                "train.epochs": 1000, "train.log_interval_steps": 1}})
+        except KeyboardInterrupt as e:
+            print("interrupted:", e, flush=True)
+            sys.exit(7)
+        """
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "started"
+    child.send_signal(signal.SIGINT)
+    out, _ = child.communicate(timeout=120)
+    assert child.returncode == 7, out
+    assert "training stopped after step" in out and str(ckpt) in out
+    model = sparrow.Model.load(ckpt)
+    assert 0 < model.step < 1000 * 20
+    # The saved model resumes.
+    resumed = sparrow.train(
+        CONFIG, progress=False, resume=ckpt, **{**overrides(data, ckpt), "train.epochs": 1000, "train.max_steps": model.step + 3}
+    )
+    assert resumed["resumed_from_step"] == model.step and resumed["steps"] == model.step + 3
