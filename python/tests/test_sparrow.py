@@ -223,7 +223,8 @@ def test_ctrl_c_stops_training_and_saves_the_model(data, tmp_path):
             print("started", flush=True)
         try:
             sparrow.train({str(CONFIG)!r}, progress=started, **{{
-                "data.train": {str(data / "train.tsv")!r}, "checkpoint.dir": {str(ckpt)!r},
+                "data.train": {str(data / "train.tsv")!r}, "data.test": {str(data / "test.tsv")!r},
+                "checkpoint.dir": {str(ckpt)!r},
                 "train.epochs": 1000, "train.log_interval_steps": 1}})
         except KeyboardInterrupt as e:
             print("interrupted:", e, flush=True)
@@ -243,3 +244,32 @@ def test_ctrl_c_stops_training_and_saves_the_model(data, tmp_path):
         CONFIG, progress=False, resume=ckpt, **{**overrides(data, ckpt), "train.epochs": 1000, "train.max_steps": model.step + 3}
     )
     assert resumed["resumed_from_step"] == model.step and resumed["steps"] == model.step + 3
+
+
+def test_tensorboard_reads_the_runs_scalars(data, tmp_path):
+    """`train.tensorboard_dir`: the event file TensorBoard's own reader
+    (EventAccumulator, as `tensorboard --logdir` uses) loads, with the curves."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = tmp_path / "tb"
+    summary = sparrow.train(
+        CONFIG,
+        progress=False,
+        **{
+            **overrides(data, tmp_path / "c"),
+            "train.tensorboard_dir": str(board),
+            "train.log_interval_steps": 5,
+            "train.eval_every_steps": 10,
+        },
+    )
+    events = EventAccumulator(str(board))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("train/logloss", "train/samples_per_sec", "train/dedup_ratio", "test/auc", "test/logloss",
+                "step_ms/lookup", "step_ms/dense", "step_ms/update"):
+        assert tag in tags, (tag, tags)
+    auc = events.Scalars("test/auc")
+    assert [e.step for e in auc] == [10, 20, summary["steps"]]
+    assert abs(auc[-1].value - summary["test_auc"]) < 1e-6
+    loss = events.Scalars("train/logloss")
+    assert [e.step for e in loss] == list(range(5, summary["steps"] + 1, 5))

@@ -113,6 +113,34 @@ enum Command {
         /// Request bodies larger than this are refused (413).
         #[arg(long, default_value_t = 64 << 20)]
         max_body_bytes: usize,
+        /// Keep serving the newest export: `--model` is a directory whose
+        /// LATEST names it (`checkpoint.dir/exports`, written by
+        /// `checkpoint.export_every_steps`); each new one is applied without
+        /// a restart and without failing a request.
+        #[arg(long)]
+        watch: bool,
+        /// With --watch: how often LATEST is read, in milliseconds.
+        #[arg(long, default_value_t = 200)]
+        watch_interval_ms: u64,
+    },
+    /// One self-contained HTML page of runs' metrics (`train.metrics_path`):
+    /// loss, AUC and throughput over samples, and the step's phases.
+    Report {
+        /// The run's metrics file.
+        #[arg(long)]
+        metrics: PathBuf,
+        /// Other runs' metrics files, drawn beside it.
+        #[arg(long, num_args = 1..)]
+        compare: Vec<PathBuf>,
+        /// The HTML file to write.
+        #[arg(long)]
+        out: PathBuf,
+        /// The data's truth.json, for the best possible AUC (default: one
+        /// beside the metrics file).
+        #[arg(long)]
+        truth: Option<PathBuf>,
+        #[arg(long)]
+        title: Option<String>,
     },
     /// Benchmarks: embedding lookup+update beside the gather ceiling, and the training step.
     Bench {
@@ -474,8 +502,9 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             };
             print_json(&sparrow_trainer::run::export_checkpoint(&checkpoint, &out, dtype)?)
         }
-        Command::Serve { model, listen, name, max_body_bytes } => {
-            let options = sparrow_serve::ServeOptions { model, listen, name, max_body_bytes };
+        Command::Serve { model, listen, name, max_body_bytes, watch, watch_interval_ms } => {
+            let watch = watch.then(|| std::time::Duration::from_millis(watch_interval_ms.max(1)));
+            let options = sparrow_serve::ServeOptions { model, listen, name, max_body_bytes, watch };
             let on_listening = |addr: std::net::SocketAddr, name: &str| {
                 eprintln!("serving model `{name}` at http://{addr}/v2/models/{name}");
                 print_json(&serde_json::json!({"model": name, "listening": addr.to_string()})).ok();
@@ -489,6 +518,10 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             };
             sparrow_serve::serve(&options, on_listening, stop)?;
             Ok(())
+        }
+        Command::Report { metrics, mut compare, out, truth, title } => {
+            compare.insert(0, metrics);
+            print_json(&sparrow_report::write_report(&compare, truth.as_deref(), title.as_deref(), &out)?)
         }
         Command::Bench { dims, table_rows, batches, threads, train_steps, memory_rows, gather_limit } => {
             let options = sparrow_trainer::bench::BenchOptions {

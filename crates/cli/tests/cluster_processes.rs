@@ -356,3 +356,42 @@ fn a_role_whose_coordinator_is_gone_stops_within_the_heartbeat_timeout() {
     assert!(text.contains(&format!("coordinator at {addr}")) && text.contains("no answer for"), "{text}");
     assert!(took < Duration::from_secs(8), "took {took:?}: {text}");
 }
+
+/// `checkpoint.export_every_steps` in `launch`: the coordinator exports its
+/// committed checkpoints (checkpoints are taken at the export cadence when
+/// `every_steps` is unset); the newest export predicts what the final
+/// checkpoint predicts. A cadence off the checkpoints' is refused.
+#[test]
+fn launch_writes_serving_exports_of_its_checkpoints() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "20000");
+    let config = write_config(tmp.path(), "");
+    let ckpt = tmp.path().join("ckpt").display().to_string();
+    let out = sparrow()
+        .args(["launch", "--config", &config, "--shards", "2", "--workers", "1", "--quiet"])
+        .args(["--set", &format!("checkpoint.dir={ckpt:?}"), "--set", "checkpoint.export_every_steps=20"])
+        .output()
+        .expect("launch");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(last_json(&out)["steps"], 79);
+    let exports = format!("{ckpt}/exports");
+    assert_eq!(std::fs::read_to_string(format!("{exports}/LATEST")).expect("LATEST").trim(), "000000000079");
+    let test = tmp.path().join("data/test.tsv").display().to_string();
+    let predict = |flag: &str, model: &str, out: &str| {
+        let o = sparrow().args(["predict", flag, model, "--data", &test, "--out", out]).output().expect("predict");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        std::fs::read_to_string(out).expect("predictions")
+    };
+    let a = predict("--checkpoint", &ckpt, &tmp.path().join("a.txt").display().to_string());
+    let b = predict("--model", &exports, &tmp.path().join("b.txt").display().to_string());
+    assert_eq!(a, b);
+
+    let refused = sparrow()
+        .args(["launch", "--config", &config, "--shards", "1", "--workers", "1", "--quiet"])
+        .args(["--set", &format!("checkpoint.dir={ckpt:?}"), "--set", "checkpoint.export_every_steps=30"])
+        .args(["--set", "checkpoint.every_steps=20"])
+        .output()
+        .expect("launch");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && stderr.contains("multiple of checkpoint.every_steps = 20"), "{stderr}");
+}

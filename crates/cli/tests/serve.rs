@@ -180,3 +180,104 @@ fn a_served_export_answers_kserve_requests_with_predicts_figures() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && stderr.contains("embeddings.bin") && stderr.contains("checksum"), "{stderr}");
 }
+
+/// `sparrow serve --watch` over `checkpoint.dir/exports` while training
+/// writes incremental exports (`checkpoint.export_every_steps`): every
+/// request is answered (200) through full and incremental swaps, the
+/// versions answering only move forward, and once training ends the server
+/// answers with the final checkpoint's predictions.
+#[test]
+fn a_watching_server_follows_training_without_failing_a_request() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "20000");
+    let ck = tmp.path().join("ck").display().to_string();
+    let config = write_config(tmp.path(), "");
+    let train = |extra: &[&str]| {
+        let out = sparrow()
+            .args(["train", "--config", &config, "--quiet", "--set", &format!("checkpoint.dir={ck:?}")])
+            .args(["--set", "checkpoint.export_every_steps=4"])
+            .args(extra)
+            .output()
+            .expect("train");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    };
+    // The first 8 steps: exports at 4 and 8, the server starts on step 8.
+    train(&["--set", "train.max_steps=8"]);
+    let exports = format!("{ck}/exports");
+    let refused = sparrow()
+        .args(["serve", "--model", &format!("{exports}/000000000008"), "--listen", "127.0.0.1:0", "--watch"])
+        .output()
+        .expect("serve");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && stderr.contains("--watch") && stderr.contains("LATEST"), "{stderr}");
+
+    let (_server, addr) = start(&exports, &["--watch", "--watch-interval-ms", "20", "--name", "ctr"]);
+    let test = tmp.path().join("data/test.tsv");
+    let text = std::fs::read_to_string(&test).expect("test");
+    let lines: Vec<&str> = text.lines().take(200).collect();
+    let one = inputs(&lines[..1]).to_string();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let requester = {
+        let (stop, addr, one) = (stop.clone(), addr.clone(), one.clone());
+        std::thread::spawn(move || {
+            let mut answers = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let (status, reply) = http(&addr, "POST", "/v2/models/ctr/infer", one.as_bytes());
+                let version = serde_json::from_str::<Value>(&reply)
+                    .ok()
+                    .and_then(|r| r["model_version"].as_str().and_then(|v| v.parse::<u64>().ok()));
+                answers.push((status, version, reply));
+            }
+            answers
+        })
+    };
+    // The rest of the run (resumed: its first export is full, then deltas).
+    train(&["--resume", &ck]);
+    let final_step = 79; // 20000 rows in batches of 256
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let (_, meta) = http(&addr, "GET", "/v2/models/ctr", b"");
+        let meta: Value = serde_json::from_str(&meta).expect("metadata");
+        if meta["versions"][0].as_str() == Some(final_step.to_string().as_str()) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "still serving {meta}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let answers = requester.join().expect("requester");
+    assert!(answers.len() > 20, "{} requests", answers.len());
+    for (status, _, reply) in &answers {
+        assert_eq!(*status, 200, "{reply}");
+    }
+    let versions: Vec<u64> = answers.iter().map(|(_, v, _)| v.expect("a version")).collect();
+    assert!(versions.windows(2).all(|w| w[0] <= w[1]), "versions only move forward");
+    assert_eq!(versions.first(), Some(&8));
+    assert_eq!(versions.last(), Some(&final_step));
+
+    let (_, metrics) = http(&addr, "GET", "/metrics", b"");
+    assert!(metrics.contains("sparrow_serve_swaps_total{kind=\"delta\"}"), "{metrics}");
+    assert!(metrics.contains("sparrow_serve_swaps_total{kind=\"full\"}"), "{metrics}");
+    assert!(metrics.contains(&format!("sparrow_serve_model_step {final_step}")), "{metrics}");
+
+    // The served model is the final one: the checkpoint's predictions.
+    let pred = tmp.path().join("pred.txt");
+    let out = sparrow()
+        .args(["predict", "--checkpoint", &ck, "--data", &test.display().to_string()])
+        .args(["--out", &pred.display().to_string()])
+        .output()
+        .expect("predict");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let expected: Vec<f64> =
+        std::fs::read_to_string(&pred).expect("pred").lines().map(|l| l.parse().expect("p")).collect();
+    let (status, reply) = http(&addr, "POST", "/v2/models/ctr/infer", inputs(&lines).to_string().as_bytes());
+    assert_eq!(status, 200, "{reply}");
+    let reply: Value = serde_json::from_str(&reply).expect("reply");
+    let got = reply["outputs"][0]["data"].as_array().expect("data");
+    assert_eq!(got.len(), lines.len());
+    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+        let g = g.as_f64().expect("p");
+        assert!((g - e).abs() <= 1e-6, "row {i}: served {g}, checkpoint {e}");
+    }
+}

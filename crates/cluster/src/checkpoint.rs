@@ -209,6 +209,63 @@ pub fn write_dense(
     Ok(staging)
 }
 
+/// How often a cluster job's workers stop for a checkpoint:
+/// `checkpoint.every_steps`, or `checkpoint.export_every_steps` without it
+/// (a cluster job's serving exports are written from its committed
+/// checkpoints, see [`ClusterExports`]).
+pub fn checkpoint_every(config: &Config) -> Option<u64> {
+    config.checkpoint.every_steps.or(config.checkpoint.export_every_steps.filter(|&n| n > 0))
+}
+
+/// `checkpoint.export_every_steps` in a cluster job: after a checkpoint
+/// whose step is a multiple of it (or the job's last) is committed, the
+/// coordinator loads that version in a thread of its own (training goes on)
+/// and writes it to `checkpoint.dir/exports/` as a serving export; each is
+/// full (an export holding only the updated rows is `sparrow train`'s so
+/// far). One export is written at a time; the next waits for it.
+pub struct ClusterExports {
+    every: u64,
+    exports: std::sync::Arc<parking_lot::Mutex<sparrow_trainer::export::IncrementalExports>>,
+    pending: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ClusterExports {
+    pub fn new(config: &Config) -> Option<ClusterExports> {
+        let every = config.checkpoint.export_every_steps.filter(|&n| n > 0)?;
+        let exports = sparrow_trainer::export::IncrementalExports::new(config)?.always_full();
+        Some(ClusterExports { every, exports: std::sync::Arc::new(parking_lot::Mutex::new(exports)), pending: None })
+    }
+
+    /// A version was committed at `step`; `checkpoint_every` is the
+    /// checkpoint cadence (a step off it is the job's last).
+    pub fn committed(&mut self, dir: &Path, step: u64, checkpoint_every: u64) {
+        if !step.is_multiple_of(self.every) && step.is_multiple_of(checkpoint_every.max(1)) {
+            return;
+        }
+        self.wait();
+        let (exports, dir) = (self.exports.clone(), dir.to_path_buf());
+        let spawned = std::thread::Builder::new().name("sparrow-export".into()).spawn(move || {
+            // The rows in this process's memory, not in the shards' SSD files.
+            let loaded = sparrow_trainer::checkpoint::load_trainer(&dir, &["embedding.storage=\"memory\"".into()]);
+            match loaded.and_then(|(trainer, _, _)| exports.lock().write(&trainer)) {
+                Ok(written) => tracing::info!("step {step}: serving export {}", written.display()),
+                Err(e) => tracing::warn!("step {step}: the serving export was not written: {e}"),
+            }
+        });
+        match spawned {
+            Ok(handle) => self.pending = Some(handle),
+            Err(e) => tracing::warn!("step {step}: the serving export was not written: {e}"),
+        }
+    }
+
+    /// Waits for the export being written, if any.
+    pub fn wait(&mut self) {
+        if let Some(handle) = self.pending.take() {
+            let _ = handle.join();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

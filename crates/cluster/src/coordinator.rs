@@ -242,6 +242,8 @@ pub struct Coordinator {
     progress: Mutex<Result<DataProgress, String>>,
     dialer: Option<Arc<dyn ShardDialer>>,
     events: Box<dyn Fn(&Event) + Send + Sync>,
+    /// `checkpoint.export_every_steps`: serving exports of committed versions.
+    exports: Mutex<Option<crate::checkpoint::ClusterExports>>,
 }
 
 impl Coordinator {
@@ -274,6 +276,31 @@ impl Coordinator {
             return Err(ClusterError::Setup(
                 "train.on_non_finite = \"skip_batch\" is not available in a cluster job yet (a skipped batch \
                  would still owe its shards a push); use \"stop\", or sparrow train"
+                    .into(),
+            ));
+        }
+        if let (Some(every), Some(checkpoints)) =
+            (config.checkpoint.export_every_steps.filter(|&n| n > 0), config.checkpoint.every_steps)
+            && (checkpoints == 0 || every % checkpoints != 0)
+        {
+            return Err(ClusterError::Setup(format!(
+                "checkpoint.export_every_steps = {every}: a cluster job exports its committed checkpoints, so it \
+                 must be a multiple of checkpoint.every_steps = {checkpoints} (or leave every_steps unset: \
+                 checkpoints are then taken every export_every_steps)"
+            )));
+        }
+        for (key, set) in [
+            ("train.tensorboard_dir", config.train.tensorboard_dir.is_some()),
+            ("train.eval_every_steps", config.train.eval_every_steps.is_some()),
+        ] {
+            if set {
+                tracing::warn!("{key} applies to sparrow train; a cluster job evaluates and logs at its end only");
+            }
+        }
+        if config.cluster.sync == SyncMode::Lazy && config.checkpoint.export_every_steps.is_some() {
+            return Err(ClusterError::Setup(
+                "checkpoint.export_every_steps with cluster.sync = \"lazy\": a lazy job writes a serving export \
+                 at every backup already (checkpoint.dir/exports/)"
                     .into(),
             ));
         }
@@ -336,6 +363,7 @@ impl Coordinator {
             current: AtomicU64::new(1),
             checkpoint: Mutex::new(None),
             checkpoint_done: Condvar::new(),
+            exports: Mutex::new(crate::checkpoint::ClusterExports::new(config)),
             progress: Mutex::new(progress),
             dialer: None,
             events: Box::new(|_| {}),
@@ -1187,6 +1215,10 @@ impl Coordinator {
         r.checkpoints_committed += 1;
         r.deltas_since_full = if base.is_some() { r.deltas_since_full + 1 } else { 0 };
         drop(r);
+        if let Some(exports) = self.exports.lock().as_mut() {
+            let every = crate::checkpoint::checkpoint_every(&self.config).unwrap_or(step.max(1));
+            exports.committed(&dir, step, every);
+        }
         tracing::info!(
             "checkpoint at step {step} committed: {} ({bytes} bytes{}, {secs:.3} s)",
             dir.display(),
@@ -1201,6 +1233,13 @@ impl Coordinator {
             shard_mb_per_sec,
         });
         Ok(dir)
+    }
+
+    /// Waits for the serving export being written, if any (the job's end).
+    pub fn finish_exports(&self) {
+        if let Some(exports) = self.exports.lock().as_mut() {
+            exports.wait();
+        }
     }
 
     /// Restarts by role kind, checkpoints committed, steps replayed and

@@ -232,6 +232,7 @@ pub fn run_coordinator(
         let _ = scheduler.join();
     }
     drop(backups);
+    coordinator.finish_exports();
     let mut report = coordinator.recovery_report();
     report.role_bytes += metrics.total_bytes();
     tracing::info!(
@@ -1041,7 +1042,7 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Generation) -> Result<Wor
     worker.watch_generation(link.shared.generation.clone());
     if let Some(dir) = &config.checkpoint.dir {
         let sink = Arc::new(coordinator.clone()) as Arc<dyn crate::checkpoint::CheckpointSink>;
-        worker.with_checkpoints(sink, PathBuf::from(dir), config.checkpoint.every_steps);
+        worker.with_checkpoints(sink, PathBuf::from(dir), crate::checkpoint::checkpoint_every(config));
     }
     if let Some(dir) = &generation.restore {
         worker.resume(crate::checkpoint::restore_dense(config, dir)?);

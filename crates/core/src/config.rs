@@ -244,6 +244,13 @@ pub struct TrainConfig {
     pub log_interval_steps: u64,
     /// Per-interval metrics file (JSON lines). Default: none.
     pub metrics_path: Option<String>,
+    /// Also evaluate on `data.test` every this many steps (an `eval` line
+    /// in the metrics, a point on the report's and TensorBoard's AUC curve).
+    /// The model trained is the same with or without it.
+    pub eval_every_steps: Option<u64>,
+    /// Write TensorBoard scalars (an `events.out.tfevents.*` file) into this
+    /// directory at every logging interval and evaluation.
+    pub tensorboard_dir: Option<String>,
     /// How many batches ahead the embedding lookup runs (S3.10). 0: each
     /// batch's lookup sees every earlier batch's update (the exact,
     /// unpipelined model). d ≥ 1: batch t+d's rows are looked up while batch
@@ -273,6 +280,8 @@ impl Default for TrainConfig {
             max_steps: None,
             log_interval_steps: 200,
             metrics_path: None,
+            eval_every_steps: None,
+            tensorboard_dir: None,
             pipeline_depth: 0,
             on_non_finite: OnNonFinite::Stop,
         }
@@ -437,12 +446,26 @@ pub struct CheckpointConfig {
     /// expired) since the previous one; restoring applies base + deltas.
     pub incremental: bool,
     /// With `incremental`: every this many checkpoints one is full (1: all).
+    /// Also for `export_every_steps`: every this many exports one is full.
     pub full_every: u64,
+    /// Write a serving export into `dir/exports/` every this many steps (and
+    /// at the end), each holding only the rows updated since the previous
+    /// one (every `full_every`-th is full); `exports/LATEST` names the
+    /// newest, which `sparrow serve --watch` applies while it serves.
+    pub export_every_steps: Option<u64>,
 }
 
 impl Default for CheckpointConfig {
     fn default() -> Self {
-        CheckpointConfig { dir: None, every_steps: None, keep: 2, resume_from: None, incremental: false, full_every: 8 }
+        CheckpointConfig {
+            dir: None,
+            every_steps: None,
+            keep: 2,
+            resume_from: None,
+            incremental: false,
+            full_every: 8,
+            export_every_steps: None,
+        }
     }
 }
 
@@ -715,6 +738,12 @@ impl Config {
         }
         if self.checkpoint.full_every == 0 {
             return invalid("checkpoint.full_every", "must be at least 1 (1: every checkpoint is full)");
+        }
+        if self.checkpoint.export_every_steps.is_some_and(|n| n > 0) && self.checkpoint.dir.is_none() {
+            return invalid(
+                "checkpoint.export_every_steps",
+                "needs checkpoint.dir (the exports are written to checkpoint.dir/exports/)",
+            );
         }
         if self.checkpoint.keep == 0 {
             return invalid("checkpoint.keep", "must be at least 1 (the version just written is kept)");

@@ -12,7 +12,8 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::extract::rejection::JsonRejection;
@@ -26,6 +27,7 @@ use sparrow_core::config::DataFormat;
 use sparrow_core::metrics::sigmoid;
 use sparrow_data::layout::{CRITEO_DENSE, CRITEO_SPARSE};
 use sparrow_data::text::{CriteoParser, LineParser};
+use sparrow_trainer::export::{ExportData, ExportManifest};
 use sparrow_trainer::trainer::Trainer;
 
 /// How `sparrow serve` runs.
@@ -36,6 +38,9 @@ pub struct ServeOptions {
     pub name: Option<String>,
     /// Requests with a larger body are refused (413).
     pub max_body_bytes: usize,
+    /// `--watch`: how often `model/LATEST` is read; a new export named
+    /// there is applied while serving (None: the model never changes).
+    pub watch: Option<Duration>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -52,10 +57,32 @@ pub enum ServeError {
 /// names of its inputs.
 pub struct Served {
     name: String,
-    step: u64,
+    /// The step of the model answering now (the export's).
+    step: AtomicU64,
     layout: sparrow_data::DataLayout,
     trainer: parking_lot::Mutex<Trainer>,
+    /// The export served now: its directory and manifest (`--watch` moves on from it).
+    current: parking_lot::Mutex<(PathBuf, ExportManifest)>,
+    /// What `--model` named (an export, or a directory whose LATEST names one).
+    source: PathBuf,
     metrics: Metrics,
+}
+
+/// What one `--watch` update did.
+#[derive(Clone, Debug)]
+pub struct Swap {
+    pub export: PathBuf,
+    pub step: u64,
+    /// Incremental exports applied to the served model (0: a full reload).
+    pub deltas: usize,
+    pub rows: usize,
+    /// How long requests waited: the time the model's lock was held.
+    pub locked: Duration,
+    /// From when the previously served export was taken (the oldest update
+    /// this swap brings in waited that long) and from when the new one was
+    /// taken, to now.
+    pub staleness_max: Option<Duration>,
+    pub staleness_min: Option<Duration>,
 }
 
 struct Metrics {
@@ -63,6 +90,10 @@ struct Metrics {
     requests: prometheus::IntCounterVec,
     rows: prometheus::IntCounter,
     seconds: prometheus::Histogram,
+    model_step: prometheus::IntGauge,
+    swaps: prometheus::IntCounterVec,
+    swap_locked: prometheus::Gauge,
+    staleness: prometheus::Gauge,
 }
 
 impl Metrics {
@@ -79,10 +110,35 @@ impl Metrics {
             "time to answer an inference request",
         ))
         .expect("valid metric");
-        registry.register(Box::new(requests.clone())).expect("registered once");
-        registry.register(Box::new(rows.clone())).expect("registered once");
-        registry.register(Box::new(seconds.clone())).expect("registered once");
-        Metrics { registry, requests, rows, seconds }
+        let model_step = prometheus::IntGauge::new("sparrow_serve_model_step", "training step of the model served")
+            .expect("valid metric");
+        let swaps = prometheus::IntCounterVec::new(
+            prometheus::Opts::new("sparrow_serve_swaps_total", "--watch: exports applied, by kind (delta, full)"),
+            &["kind"],
+        )
+        .expect("valid metric");
+        let swap_locked = prometheus::Gauge::new(
+            "sparrow_serve_swap_lock_seconds",
+            "--watch: how long the last swap held the model (requests waited, none failed)",
+        )
+        .expect("valid metric");
+        let staleness = prometheus::Gauge::new(
+            "sparrow_serve_staleness_seconds",
+            "--watch: at the last swap, the longest a row's update had waited to be served",
+        )
+        .expect("valid metric");
+        for metric in [
+            Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(rows.clone()),
+            Box::new(seconds.clone()),
+            Box::new(model_step.clone()),
+            Box::new(swaps.clone()),
+            Box::new(swap_locked.clone()),
+            Box::new(staleness.clone()),
+        ] {
+            registry.register(metric).expect("registered once");
+        }
+        Metrics { registry, requests, rows, seconds, model_step, swaps, swap_locked, staleness }
     }
 }
 
@@ -109,6 +165,7 @@ impl Served {
     /// Loads an export (checksums verified first: a damaged one is refused naming its file).
     pub fn load(model: &Path, name: Option<String>) -> Result<Served, ServeError> {
         let (trainer, manifest) = sparrow_trainer::export::load_export(model, &[])?;
+        let dir = sparrow_trainer::export::resolve_export(model)?;
         if trainer.config.data.format != DataFormat::Criteo {
             return Err(ServeError::Setup(format!(
                 "{}: the model was trained on data.format = {:?}; serving reads Criteo-schema inputs only so far",
@@ -120,13 +177,88 @@ impl Served {
             let dir = sparrow_trainer::export::resolve_export(model).unwrap_or_else(|_| model.to_path_buf());
             dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_else(|| "model".into())
         });
+        let metrics = Metrics::new();
+        metrics.model_step.set(manifest.step as i64);
         Ok(Served {
             name,
-            step: manifest.step,
+            step: AtomicU64::new(manifest.step),
             layout: trainer.layout.clone(),
             trainer: parking_lot::Mutex::new(trainer),
-            metrics: Metrics::new(),
+            current: parking_lot::Mutex::new((dir, manifest)),
+            source: model.to_path_buf(),
+            metrics,
         })
+    }
+
+    /// The step of the model answering now.
+    pub fn step(&self) -> u64 {
+        self.step.load(Ordering::SeqCst)
+    }
+
+    /// `--watch`: if `LATEST` names another export than the one served,
+    /// serve that one. The exports that follow the served one in its chain
+    /// are read and verified first, then applied under the model's lock
+    /// (requests wait for it, none fails, none sees half an update); an
+    /// export of another chain (a full one) is loaded beside the served
+    /// model and swapped in. On an error the served model stays.
+    pub fn refresh(&self) -> Result<Option<Swap>, sparrow_trainer::TrainError> {
+        let newest = sparrow_trainer::export::resolve_export(&self.source)?;
+        let (served_dir, served) = self.current.lock().clone();
+        if newest == served_dir {
+            return Ok(None);
+        }
+        let chain = sparrow_trainer::export::export_chain(&newest)?;
+        let (_, manifest) = chain[chain.len() - 1].clone();
+        if manifest.num_fields != self.layout.num_fields || manifest.num_dense != self.layout.num_dense {
+            return Err(sparrow_trainer::TrainError::checkpoint(
+                &newest,
+                "holds a model of other inputs than the one served: restart the server to serve it",
+            ));
+        }
+        let after = chain.iter().position(|(dir, _)| *dir == served_dir);
+        let (locked, deltas, rows) = match after {
+            Some(i) => {
+                let updates =
+                    chain[i + 1..].iter().map(|(dir, _)| ExportData::read(dir)).collect::<Result<Vec<_>, _>>()?;
+                let rows = updates.iter().map(ExportData::rows).sum();
+                let trainer = self.trainer.lock();
+                let start = Instant::now();
+                for update in &updates {
+                    update.apply(&trainer)?;
+                }
+                self.step.store(manifest.step, Ordering::SeqCst);
+                (start.elapsed(), updates.len(), rows)
+            }
+            None => {
+                let (fresh, _) = sparrow_trainer::export::load_export(&newest, &[])?;
+                let rows = fresh.table.len();
+                let mut trainer = self.trainer.lock();
+                let start = Instant::now();
+                *trainer = fresh;
+                self.step.store(manifest.step, Ordering::SeqCst);
+                (start.elapsed(), 0, rows)
+            }
+        };
+        let now_ms =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        let since = |taken: Option<u64>| taken.map(|t| Duration::from_millis(now_ms.saturating_sub(t)));
+        let swap = Swap {
+            export: newest.clone(),
+            step: manifest.step,
+            deltas,
+            rows,
+            locked,
+            staleness_max: since(served.taken_unix_ms),
+            staleness_min: since(manifest.taken_unix_ms),
+        };
+        *self.current.lock() = (newest, manifest);
+        self.metrics.model_step.set(swap.step as i64);
+        self.metrics.swaps.with_label_values(&[if deltas > 0 { "delta" } else { "full" }]).inc();
+        self.metrics.swap_locked.set(locked.as_secs_f64());
+        if let Some(s) = swap.staleness_max {
+            self.metrics.staleness.set(s.as_secs_f64());
+        }
+        Ok(Some(swap))
     }
 
     pub fn name(&self) -> &str {
@@ -142,7 +274,7 @@ impl Served {
             .collect();
         json!({
             "name": self.name,
-            "versions": [self.step.to_string()],
+            "versions": [self.step().to_string()],
             "platform": "sparrow",
             "inputs": inputs,
             "outputs": [{"name": "probability", "datatype": "FP32", "shape": [-1]}],
@@ -212,13 +344,15 @@ impl Served {
                 return Err(bad(format!("row {row}: {e}")));
             }
         }
+        let mut version = self.step();
         let probability: Vec<f32> = if n == 0 {
             Vec::new()
         } else {
             let batch = builder.finish(DataPosition::default());
-            let logits = self
-                .trainer
-                .lock()
+            let trainer = self.trainer.lock();
+            // Read under the lock: the step of the model that answers.
+            version = self.step();
+            let logits = trainer
                 .predict_batch(&batch)
                 .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
             logits.iter().map(|&x| sigmoid(f64::from(x)) as f32).collect()
@@ -226,7 +360,7 @@ impl Served {
         self.metrics.rows.inc_by(n as u64);
         let mut reply = json!({
             "model_name": self.name,
-            "model_version": self.step.to_string(),
+            "model_version": version.to_string(),
             "outputs": [{"name": "probability", "datatype": "FP32", "shape": [n], "data": probability}],
         });
         if let Some(id) = body.get("id") {
@@ -338,6 +472,22 @@ pub fn serve(
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let served = Arc::new(Served::load(&options.model, options.name.clone())?);
+    let watching = Arc::new(AtomicBool::new(true));
+    if let Some(every) = options.watch {
+        if !options.model.join("LATEST").is_file() {
+            return Err(ServeError::Setup(format!(
+                "--watch: {} has no LATEST naming the newest export (watch checkpoint.dir/exports, which \
+                 checkpoint.export_every_steps writes)",
+                options.model.display()
+            )));
+        }
+        let (served, watching) = (served.clone(), watching.clone());
+        std::thread::Builder::new()
+            .name("sparrow-watch".into())
+            .spawn(move || watch(&served, every, &watching))
+            .map_err(|e| ServeError::Setup(format!("starting the --watch thread: {e}")))?;
+    }
+    let _stop_watching = StopOnDrop(watching);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -353,4 +503,50 @@ pub fn serve(
             .await
             .map_err(|source| ServeError::Listen { addr, source })
     })
+}
+
+/// Sets the flag when dropped: the `--watch` thread ends with the server.
+struct StopOnDrop(Arc<AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
+}
+
+/// `--watch`: applies each new export `LATEST` names, every `every`, while
+/// `running`. An export that cannot be applied is reported (once per
+/// distinct error) and retried; the served model stays.
+fn watch(served: &Served, every: Duration, running: &AtomicBool) {
+    let mut last_error = String::new();
+    while running.load(Ordering::SeqCst) {
+        std::thread::sleep(every);
+        match served.refresh() {
+            Ok(Some(swap)) => {
+                last_error.clear();
+                let secs =
+                    |d: Option<Duration>| d.map_or_else(|| "?".to_string(), |d| format!("{:.3}", d.as_secs_f64()));
+                let what = match swap.deltas {
+                    0 => format!("full export, {} rows", swap.rows),
+                    n => format!("{n} incremental export(s), {} rows", swap.rows),
+                };
+                tracing::info!(
+                    "serving step {} from {} ({what}); requests waited {:.3} ms; updates {}–{} s old",
+                    swap.step,
+                    swap.export.display(),
+                    swap.locked.as_secs_f64() * 1e3,
+                    secs(swap.staleness_min),
+                    secs(swap.staleness_max),
+                );
+            }
+            Ok(None) => {}
+            Err(e) => {
+                let message = e.to_string();
+                if message != last_error {
+                    tracing::warn!("--watch: still serving step {}: {message}", served.step());
+                    last_error = message;
+                }
+            }
+        }
+    }
 }

@@ -94,6 +94,22 @@ pub struct ExportManifest {
     /// The vectors' type (`f32` in exports written before it was recorded).
     #[serde(default = "f32_type")]
     pub dtype: String,
+    /// An incremental export: the export (a sibling directory) whose model
+    /// this one updates; `embeddings.bin` then holds only the rows updated
+    /// since that one was taken. None: a full export.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<String>,
+    /// When the model was taken (Unix milliseconds): staleness is measured from it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub taken_unix_ms: Option<u64>,
+}
+
+/// What sets one export apart from another of the same model.
+#[derive(Clone, Debug, Default)]
+pub struct ExportMeta {
+    pub dtype: Option<VectorType>,
+    pub base: Option<String>,
+    pub taken_unix_ms: Option<u64>,
 }
 
 /// Writes an export into `dir` (created; must not exist yet): `rows` gives
@@ -117,8 +133,23 @@ pub fn write_export_as(
     step: u64,
     model: &DenseModel,
     dtype: VectorType,
+    rows: impl FnMut() -> Result<RowPage, TrainError>,
+) -> Result<ExportManifest, TrainError> {
+    let meta = ExportMeta { dtype: Some(dtype), ..Default::default() };
+    write_export_with(dir, config, layout, step, model, &meta, rows)
+}
+
+/// [`write_export`] as `meta` says (vector type, base of an incremental export).
+pub fn write_export_with(
+    dir: &Path,
+    config: &Config,
+    layout: &DataLayout,
+    step: u64,
+    model: &DenseModel,
+    meta: &ExportMeta,
     mut rows: impl FnMut() -> Result<RowPage, TrainError>,
 ) -> Result<ExportManifest, TrainError> {
+    let dtype = meta.dtype.unwrap_or(VectorType::F32);
     let io = |path: &Path| {
         let path = path.to_path_buf();
         move |e: std::io::Error| TrainError::io(&path, e)
@@ -183,6 +214,8 @@ pub fn write_export_as(
         config: stored_config(config),
         files,
         dtype: dtype.name().into(),
+        base: meta.base.clone(),
+        taken_unix_ms: meta.taken_unix_ms,
     };
     let json = serde_json::to_vec_pretty(&manifest).map_err(|e| TrainError::checkpoint(dir, e.to_string()))?;
     write_bytes_synced(&staging.join(MANIFEST), &json)?;
@@ -228,10 +261,91 @@ pub fn is_export(path: &Path) -> bool {
         .is_some_and(|m| m.get("format").and_then(serde_json::Value::as_str) == Some(EXPORT_FORMAT))
 }
 
-/// A trainer holding an export's model (vectors with fresh optimizer state),
-/// every file's size and checksum verified first.
-pub fn load_export(dir: &Path, overrides: &[String]) -> Result<(Trainer, ExportManifest), TrainError> {
-    let dir = resolve_export(dir)?;
+/// An export read from disk and verified (sizes and checksums), ready to
+/// be applied to a model: its dense weights and its rows.
+pub struct ExportData {
+    pub dir: PathBuf,
+    pub manifest: ExportManifest,
+    tensors: std::collections::HashMap<String, candle_core::Tensor>,
+    keys: Vec<u64>,
+    /// `dim` values per key.
+    vectors: Vec<f32>,
+}
+
+impl ExportData {
+    /// Reads the export in `dir` (not LATEST: the directory itself).
+    pub fn read(dir: &Path) -> Result<ExportData, TrainError> {
+        let manifest = read_manifest(dir)?;
+        for (name, entry) in &manifest.files {
+            let found = hash_file(&dir.join(name))?;
+            if found.bytes != entry.bytes || found.xxh3 != entry.xxh3 {
+                return Err(TrainError::checkpoint(
+                    &dir.join(name),
+                    format!(
+                        "{} bytes, checksum {}: the manifest says {} bytes, {}",
+                        found.bytes, found.xxh3, entry.bytes, entry.xxh3
+                    ),
+                ));
+            }
+        }
+        let dense_path = dir.join(DENSE);
+        let tensors = candle_core::safetensors::load(&dense_path, &candle_core::Device::Cpu)
+            .map_err(|e| TrainError::checkpoint(&dense_path, e.to_string()))?;
+        let emb_path = dir.join(EMBEDDINGS);
+        let data = std::fs::read(&emb_path).map_err(|e| TrainError::io(&emb_path, e))?;
+        let bad = |what: String| TrainError::checkpoint(&emb_path, what);
+        let dtype = match data.get(..8) {
+            Some(magic) if magic == EMBEDDINGS_MAGIC => VectorType::F32,
+            Some(magic) if magic == EMBEDDINGS_MAGIC_F16 => VectorType::F16,
+            _ => return Err(bad("not an export's embeddings file".into())),
+        };
+        if data.len() < 20 {
+            return Err(bad("not an export's embeddings file".into()));
+        }
+        let width = dtype.width();
+        let dim = u32::from_le_bytes(data[8..12].try_into().unwrap_or_default()) as usize;
+        let rows = u64::from_le_bytes(data[12..20].try_into().unwrap_or_default());
+        if dim != manifest.dim || data.len() as u64 != 20 + rows * (8 + (width * dim) as u64) {
+            return Err(bad(format!("dim {dim} and {rows} rows do not match the file or the manifest")));
+        }
+        let (mut keys, mut vectors) = (Vec::with_capacity(rows as usize), Vec::with_capacity(rows as usize * dim));
+        for chunk in data[20..].chunks_exact(8 + width * dim) {
+            keys.push(u64::from_le_bytes(chunk[..8].try_into().unwrap_or_default()));
+            vectors.extend(chunk[8..].chunks_exact(width).map(|b| match dtype {
+                VectorType::F32 => f32::from_le_bytes(b.try_into().unwrap_or_default()),
+                VectorType::F16 => half::f16::from_le_bytes(b.try_into().unwrap_or_default()).to_f32(),
+            }));
+        }
+        Ok(ExportData { dir: dir.to_path_buf(), manifest, tensors, keys, vectors })
+    }
+
+    /// Rows this export holds (for an incremental one: the rows it updates).
+    pub fn rows(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Puts the dense weights and the rows into `trainer`'s model (rows
+    /// with fresh optimizer state).
+    pub fn apply(&self, trainer: &Trainer) -> Result<(), TrainError> {
+        let dim = trainer.table.dim();
+        let emb_path = self.dir.join(EMBEDDINGS);
+        if dim != self.manifest.dim {
+            return Err(TrainError::checkpoint(
+                &emb_path,
+                format!("dim {} does not match the model's {dim}", self.manifest.dim),
+            ));
+        }
+        trainer.model.params.load_map(&self.tensors)?;
+        let mut row = vec![0f32; trainer.table.row_len()];
+        for (key, vector) in self.keys.iter().zip(self.vectors.chunks_exact(dim.max(1))) {
+            row[..dim].copy_from_slice(vector);
+            trainer.table.put_row(*key, &row).map_err(|e| TrainError::checkpoint(&emb_path, e.to_string()))?;
+        }
+        Ok(())
+    }
+}
+
+fn read_manifest(dir: &Path) -> Result<ExportManifest, TrainError> {
     let manifest_path = dir.join(MANIFEST);
     let bytes = std::fs::read(&manifest_path).map_err(|e| TrainError::io(&manifest_path, e))?;
     let m: ExportManifest = serde_json::from_slice(&bytes)
@@ -239,19 +353,39 @@ pub fn load_export(dir: &Path, overrides: &[String]) -> Result<(Trainer, ExportM
     if m.format != EXPORT_FORMAT {
         return Err(TrainError::checkpoint(&manifest_path, format!("format {}, expected {EXPORT_FORMAT}", m.format)));
     }
-    for (name, entry) in &m.files {
-        let found = hash_file(&dir.join(name))?;
-        if found.bytes != entry.bytes || found.xxh3 != entry.xxh3 {
+    Ok(m)
+}
+
+/// The directories of the exports that make up `dir`'s model, oldest (a
+/// full export) first: `dir` itself for a full export, else its `base`
+/// chain. Only manifests are read.
+pub fn export_chain(dir: &Path) -> Result<Vec<(PathBuf, ExportManifest)>, TrainError> {
+    let mut chain = vec![(dir.to_path_buf(), read_manifest(dir)?)];
+    while let Some(base) = chain.last().and_then(|(_, m)| m.base.clone()) {
+        let (newest, _) = &chain[chain.len() - 1];
+        let base_dir = newest.parent().map_or_else(|| PathBuf::from(&base), |p| p.join(&base));
+        if !base_dir.join(MANIFEST).is_file() {
             return Err(TrainError::checkpoint(
-                &dir.join(name),
+                newest,
                 format!(
-                    "{} bytes, checksum {}: the manifest says {} bytes, {}",
-                    found.bytes, found.xxh3, entry.bytes, entry.xxh3
+                    "is an incremental export of `{base}`, which is gone ({} has no manifest.json)",
+                    base_dir.display()
                 ),
             ));
         }
+        if chain.len() > 1 << 16 {
+            return Err(TrainError::checkpoint(newest, "the chain of incremental exports does not end"));
+        }
+        let m = read_manifest(&base_dir)?;
+        chain.push((base_dir, m));
     }
-    let config = Config::from_toml_with_overrides(&m.config, &manifest_path.display().to_string(), overrides)?;
+    chain.reverse();
+    Ok(chain)
+}
+
+/// A fresh in-memory trainer for an export's model (no rows, initial weights).
+pub fn empty_trainer(m: &ExportManifest, source: &Path, overrides: &[String]) -> Result<Trainer, TrainError> {
+    let config = Config::from_toml_with_overrides(&m.config, &source.display().to_string(), overrides)?;
     let layout = DataLayout {
         num_fields: m.num_fields,
         num_dense: m.num_dense,
@@ -259,39 +393,128 @@ pub fn load_export(dir: &Path, overrides: &[String]) -> Result<(Trainer, ExportM
     };
     let mut in_memory = config.clone();
     in_memory.embedding.storage = sparrow_core::config::Storage::Memory;
-    let trainer = Trainer::new(&in_memory, layout)?;
-    let dense_path = dir.join(DENSE);
-    let tensors = candle_core::safetensors::load(&dense_path, trainer.model.params.device())
-        .map_err(|e| TrainError::checkpoint(&dense_path, e.to_string()))?;
-    trainer.model.params.load_map(&tensors)?;
-    let emb_path = dir.join(EMBEDDINGS);
-    let data = std::fs::read(&emb_path).map_err(|e| TrainError::io(&emb_path, e))?;
-    let bad = |what: String| TrainError::checkpoint(&emb_path, what);
-    let dtype = match data.get(..8) {
-        Some(magic) if magic == EMBEDDINGS_MAGIC => VectorType::F32,
-        Some(magic) if magic == EMBEDDINGS_MAGIC_F16 => VectorType::F16,
-        _ => return Err(bad("not an export's embeddings file".into())),
-    };
-    if data.len() < 20 {
-        return Err(bad("not an export's embeddings file".into()));
+    Trainer::new(&in_memory, layout)
+}
+
+/// A trainer holding an export's model (vectors with fresh optimizer state),
+/// every file's size and checksum verified first; an incremental export is
+/// its full base with each later export's rows applied in order.
+pub fn load_export(dir: &Path, overrides: &[String]) -> Result<(Trainer, ExportManifest), TrainError> {
+    let dir = resolve_export(dir)?;
+    let chain = export_chain(&dir)?;
+    let (_, newest) = &chain[chain.len() - 1];
+    let trainer = empty_trainer(newest, &dir.join(MANIFEST), overrides)?;
+    for (part, _) in &chain {
+        ExportData::read(part)?.apply(&trainer)?;
     }
-    let width = dtype.width();
-    let dim = u32::from_le_bytes(data[8..12].try_into().unwrap_or_default()) as usize;
-    let rows = u64::from_le_bytes(data[12..20].try_into().unwrap_or_default());
-    if dim != trainer.table.dim() || data.len() as u64 != 20 + rows * (8 + (width * dim) as u64) {
-        return Err(bad(format!("dim {dim} and {rows} rows do not match the file or the model")));
+    Ok((trainer, newest.clone()))
+}
+
+/// `checkpoint.export_every_steps`: serving exports written while training
+/// goes on, into `checkpoint.dir/exports/NNNNNNNNNNNN` (the step), each
+/// holding only the rows updated since the previous one; the first of a
+/// run, every `checkpoint.full_every`-th, and all of them with
+/// `embedding.ttl_steps` (a delta cannot delete a row) are full.
+/// `exports/LATEST` names the newest. When a full export lands, the exports
+/// older than the full one before it are removed (a reader still applying
+/// the previous chain finds it whole).
+pub struct IncrementalExports {
+    root: PathBuf,
+    full_every: u64,
+    /// Every export is full (rows expire).
+    always_full: bool,
+    /// The newest export of this run: its name and the table's clock when taken.
+    previous: Option<(String, u64)>,
+    since_full: u64,
+    last_full: Option<String>,
+    /// The step of the newest export written.
+    pub last_step: Option<u64>,
+}
+
+impl IncrementalExports {
+    /// None unless the config asks for exports.
+    pub fn new(config: &Config) -> Option<IncrementalExports> {
+        config.checkpoint.export_every_steps.filter(|&n| n > 0)?;
+        let dir = config.checkpoint.dir.as_ref()?;
+        Some(IncrementalExports {
+            root: Path::new(dir).join("exports"),
+            full_every: config.checkpoint.full_every.max(1),
+            always_full: config.embedding.ttl_steps > 0,
+            previous: None,
+            since_full: 0,
+            last_full: None,
+            last_step: None,
+        })
     }
-    let row_len = trainer.table.row_len();
-    let mut row = vec![0f32; row_len];
-    for chunk in data[20..].chunks_exact(8 + width * dim) {
-        let key = u64::from_le_bytes(chunk[..8].try_into().unwrap_or_default());
-        for (x, b) in row[..dim].iter_mut().zip(chunk[8..].chunks_exact(width)) {
-            *x = match dtype {
-                VectorType::F32 => f32::from_le_bytes(b.try_into().unwrap_or_default()),
-                VectorType::F16 => half::f16::from_le_bytes(b.try_into().unwrap_or_default()).to_f32(),
-            };
+
+    /// Every export full (the rows' clocks are not this table's to compare).
+    pub fn always_full(mut self) -> IncrementalExports {
+        self.always_full = true;
+        self
+    }
+
+    /// Writes the trainer's model now (its pending update applied by the caller).
+    pub fn write(&mut self, trainer: &Trainer) -> Result<PathBuf, TrainError> {
+        std::fs::create_dir_all(&self.root).map_err(|e| TrainError::io(&self.root, e))?;
+        let clock = trainer.table.settled_clock();
+        let full = self.previous.is_none() || self.always_full || self.since_full + 1 >= self.full_every;
+        let since = if full { None } else { self.previous.as_ref().map(|(_, c)| *c) };
+        let name = format!("{:012}", trainer.step);
+        let dir = self.root.join(&name);
+        if dir.exists() {
+            // A resumed run reaches this step again: the same model, written anew.
+            std::fs::remove_dir_all(&dir).map_err(|e| TrainError::io(&dir, e))?;
         }
-        trainer.table.put_row(key, &row).map_err(|e| bad(e.to_string()))?;
+        let taken_unix_ms =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        let dim = trainer.table.dim();
+        let mut cursor = Some((0usize, 0usize));
+        let pages = || {
+            let Some(at) = cursor else { return Ok(None) };
+            let (mut keys, mut vectors) = (Vec::new(), Vec::new());
+            cursor = trainer.table.rows_from(at, 4096, |key, last_use, row| {
+                if since.is_some_and(|s| last_use <= s) {
+                    return;
+                }
+                keys.push(key);
+                vectors.extend_from_slice(&row[..dim]);
+            })?;
+            Ok(Some((keys, vectors)))
+        };
+        let meta = ExportMeta {
+            dtype: None,
+            base: if full { None } else { self.previous.as_ref().map(|(n, _)| n.clone()) },
+            taken_unix_ms: Some(taken_unix_ms),
+        };
+        write_export_with(&dir, &trainer.config, &trainer.layout, trainer.step, &trainer.model, &meta, pages)?;
+        let tmp = self.root.join(".LATEST.tmp");
+        write_bytes_synced(&tmp, format!("{name}\n").as_bytes())?;
+        std::fs::rename(&tmp, self.root.join("LATEST")).map_err(|e| TrainError::io(&self.root.join("LATEST"), e))?;
+        if full {
+            if let Some(older) = self.last_full.replace(name.clone()) {
+                self.remove_before(&older);
+            }
+            self.since_full = 0;
+        } else {
+            self.since_full += 1;
+        }
+        self.previous = Some((name, clock));
+        self.last_step = Some(trainer.step);
+        Ok(dir)
     }
-    Ok((trainer, m))
+
+    /// Removes the exports older than `keep_from` (best effort: a failure
+    /// leaves a directory behind, never the model's chain broken).
+    fn remove_before(&self, keep_from: &str) {
+        let Ok(keep_from) = keep_from.parse::<u64>() else { return };
+        let Ok(entries) = std::fs::read_dir(&self.root) else { return };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().to_string();
+            if name.parse::<u64>().is_ok_and(|n| n < keep_from)
+                && let Err(e) = std::fs::remove_dir_all(entry.path())
+            {
+                tracing::warn!("could not remove the old export {}: {e}", entry.path().display());
+            }
+        }
+    }
 }

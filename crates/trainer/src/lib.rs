@@ -17,6 +17,7 @@ pub mod pooling;
 pub mod progress;
 pub mod run;
 pub mod sizes;
+pub mod tensorboard;
 pub mod trainer;
 
 pub use error::TrainError;

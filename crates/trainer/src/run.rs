@@ -16,6 +16,7 @@ use sparrow_embedding::{EmbeddingTable, FilterStats, TierStats};
 use crate::checkpoint;
 use crate::pipeline::PlannedBatches;
 use crate::progress::{Progress, ProgressUpdate};
+use crate::tensorboard::TensorBoard;
 use crate::trainer::{PhaseSecs, PlannedBatch, Trainer};
 use crate::{TrainError, peak_rss_bytes};
 
@@ -259,6 +260,9 @@ fn train_in_pool(
     let bytes_total = file_bytes.map(|b| b * config.train.epochs);
     let progress = Progress::new(bytes_total, quiet);
     let mut metrics = MetricsLog::open(config.train.metrics_path.as_deref(), resumed_from_step.is_some())?;
+    let mut board = config.train.tensorboard_dir.as_deref().map(|d| TensorBoard::create(Path::new(d))).transpose()?;
+    let (mut interval_keys, mut interval_unique) = (0u64, 0u64);
+    let (mut logged_step, mut logged_phases) = (trainer.step, trainer.phase_secs);
 
     let train_start = Instant::now();
     let start_samples = trainer.samples_trained;
@@ -270,6 +274,7 @@ fn train_in_pool(
     let mut outcome: Result<(), TrainError> = Ok(());
     let mut last_saved: Option<(u64, PathBuf)> = None;
     let mut stream = stream;
+    let mut exports = crate::export::IncrementalExports::new(config);
     // The step engine takes batches from the planner as it needs them; no
     // lookahead goes past max_steps (its keys would be inserted untrained).
     loop {
@@ -299,6 +304,8 @@ fn train_in_pool(
         interval_rows += stats.rows as u64;
         keys_total += stats.keys as u64;
         unique_total += stats.unique_keys as u64;
+        interval_keys += stats.keys as u64;
+        interval_unique += stats.unique_keys as u64;
         let bytes_done = trainer.position.epoch * file_bytes.unwrap_or(0) + trainer.position.offset;
         if trainer.step % interval == 0 {
             // A weight an update overflowed is caught within one interval
@@ -325,7 +332,10 @@ fn train_in_pool(
                 "step {} epoch {} samples {} train_logloss {loss:.5} samples/s {rate:.0}",
                 trainer.step, trainer.position.epoch, trainer.samples_trained
             ));
-            let written = metrics.write(serde_json::json!({
+            let dedup = interval_keys as f64 / interval_unique.max(1) as f64;
+            let hit_rate = trainer.table.tier_stats().map(|t| t.cache_hit_rate());
+            let phases = trainer.phase_secs;
+            let mut written = metrics.write(serde_json::json!({
                 "step": trainer.step,
                 "epoch": trainer.position.epoch,
                 "samples": trainer.samples_trained,
@@ -334,7 +344,30 @@ fn train_in_pool(
                 "elapsed_secs": wall.elapsed().as_secs_f64(),
                 "embedding_rows": trainer.table.len(),
                 "bad_rows": bad.total(),
+                "dedup_ratio": dedup,
+                "cache_hit_rate": hit_rate,
+                "phase_secs": phases,
             }));
+            if let Some(board) = board.as_mut() {
+                let steps = trainer.step.saturating_sub(logged_step).max(1) as f64;
+                let ms = |now: f64, then: f64| (now - then) / steps * 1e3;
+                written = written.and(board.scalars(
+                    trainer.step,
+                    &[
+                        ("train/logloss", loss),
+                        ("train/samples_per_sec", rate),
+                        ("train/dedup_ratio", dedup),
+                        ("train/cache_hit_rate", hit_rate.unwrap_or(f64::NAN)),
+                        ("step_ms/lookup", ms(phases.lookup, logged_phases.lookup)),
+                        ("step_ms/pool", ms(phases.pool, logged_phases.pool)),
+                        ("step_ms/dense", ms(phases.dense, logged_phases.dense)),
+                        ("step_ms/unpool", ms(phases.unpool, logged_phases.unpool)),
+                        ("step_ms/update", ms(phases.update, logged_phases.update)),
+                    ],
+                ));
+            }
+            (logged_step, logged_phases) = (trainer.step, phases);
+            (interval_keys, interval_unique) = (0, 0);
             (interval_loss, interval_rows, interval_start) = (0.0, 0, Instant::now());
             // Errors leave the loop through `outcome`, so the model is still saved.
             if let Err(e) = written {
@@ -356,6 +389,29 @@ fn train_in_pool(
                     outcome = Err(e);
                     break;
                 }
+            }
+        }
+        if let (Some(every), Some(test)) = (config.train.eval_every_steps.filter(|&n| n > 0), &config.data.test)
+            && trainer.step % every == 0
+        {
+            // The pending update first: the figures are the model's after this step.
+            let evaluated = trainer.flush_update().and_then(|()| {
+                let (logits, labels) =
+                    predict_file(&trainer, Path::new(test), &config.data, &BadRows::from_config(&config.data))?;
+                log_eval(&mut metrics, board.as_mut(), &trainer, &logits, &labels)
+            });
+            if let Err(e) = evaluated {
+                outcome = Err(e);
+                break;
+            }
+        }
+        if let Some(exports) = exports.as_mut()
+            && config.checkpoint.export_every_steps.is_some_and(|every| trainer.step % every == 0)
+        {
+            let written = trainer.flush_update().and_then(|()| exports.write(&trainer));
+            if let Err(e) = written {
+                outcome = Err(e);
+                break;
             }
         }
         if let Some(e) = deferred_error.take() {
@@ -401,6 +457,18 @@ fn train_in_pool(
     // A failure that left the table between two steps writes nothing: a
     // checkpoint is exactly the state of one step, or it is not written.
     let consistent = trainer.is_consistent();
+    // The final model is served too (unless this step's export holds it).
+    if let Some(exports) = exports.as_mut()
+        && consistent
+        && trainer.step > 0
+        && exports.last_step != Some(trainer.step)
+        && let Err(e) = exports.write(&trainer)
+    {
+        tracing::warn!("the final serving export was not written: {e}");
+        if outcome.is_ok() {
+            outcome = Err(e);
+        }
+    }
     let checkpoint_dir = match (&config.checkpoint.dir, last_saved) {
         (Some(_), Some((step, dir))) if step == trainer.step => Some(dir),
         (Some(_), _) if !consistent => None,
@@ -451,10 +519,14 @@ fn train_in_pool(
     metrics.write(serde_json::json!({
         "step": trainer.step,
         "event": "eval",
+        "samples": trainer.samples_trained,
         "test_auc": test_auc,
         "test_logloss": test_logloss,
         "test_rows": test_rows,
     }))?;
+    if let (Some(board), Some(auc), Some(logloss)) = (board.as_mut(), test_auc, test_logloss) {
+        board.scalars(trainer.step, &[("test/auc", auc), ("test/logloss", logloss)])?;
+    }
     let train_rows = trainer.samples_trained - start_samples;
     let rows = trainer.table.len() as u64;
     // Taken after evaluation, which reads the store without counting.
@@ -493,6 +565,30 @@ fn train_in_pool(
         bayes_logloss: bayes.as_ref().map(|t| t.bayes_logloss),
         extra: NoExtra {},
     })
+}
+
+/// A mid-run evaluation (`train.eval_every_steps`): an `eval` line in the
+/// metrics and the test scalars on TensorBoard.
+fn log_eval(
+    metrics: &mut MetricsLog,
+    board: Option<&mut TensorBoard>,
+    trainer: &Trainer,
+    logits: &[f32],
+    labels: &[f32],
+) -> Result<(), TrainError> {
+    let (test_auc, test_logloss) = (auc(logits, labels), log_loss_from_logits(logits, labels));
+    metrics.write(serde_json::json!({
+        "step": trainer.step,
+        "event": "eval",
+        "samples": trainer.samples_trained,
+        "test_auc": test_auc,
+        "test_logloss": test_logloss,
+        "test_rows": labels.len(),
+    }))?;
+    match board {
+        Some(board) => board.scalars(trainer.step, &[("test/auc", test_auc), ("test/logloss", test_logloss)]),
+        None => Ok(()),
+    }
 }
 
 /// The batch after the current one, for a stage working one batch ahead:

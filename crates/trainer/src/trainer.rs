@@ -212,8 +212,9 @@ pub fn model_table(config: &Config, subdir: Option<&str>) -> Result<EmbeddingTab
     let width = DenseModel::embedding_width(config.model.kind, config.model.embedding_dim);
     let init = Initializer::new(config.embedding.init, emb_seed);
     let table = EmbeddingTable::from_config(width, &config.embedding, init, subdir, ttl_floor(config))?;
-    // Incremental checkpoints write the rows used since the previous one.
-    Ok(if config.checkpoint.incremental { table.track_last_use() } else { table })
+    // Incremental checkpoints and exports write the rows used since the previous one.
+    let incremental = config.checkpoint.incremental || config.checkpoint.export_every_steps.is_some_and(|n| n > 0);
+    Ok(if incremental { table.track_last_use() } else { table })
 }
 
 impl Trainer {

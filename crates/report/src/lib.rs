@@ -1,0 +1,450 @@
+//! `sparrow report`: one self-contained HTML page (inline SVG and CSS, no
+//! script, nothing fetched) from runs' `train.metrics_path` files: the
+//! training log-loss, the test AUC (with the best possible AUC when the data's
+//! `truth.json` is known) and the throughput over samples trained, and where
+//! a step's time goes, for one run or several side by side.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
+    #[error("{path}:{line}: {message}")]
+    Line { path: PathBuf, line: usize, message: String },
+    #[error("{path}: {message}")]
+    Input { path: PathBuf, message: String },
+}
+
+/// The phases of a training step, as `train`'s metrics name them.
+const PHASES: [&str; 5] = ["lookup", "pool", "dense", "unpool", "update"];
+const COLORS: [&str; 8] = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
+
+/// One logging interval of a run.
+#[derive(Clone, Debug)]
+struct Interval {
+    step: u64,
+    samples: f64,
+    logloss: f64,
+    rate: f64,
+    /// Seconds per phase since the run began (None in older metrics files).
+    phases: Option<[f64; 5]>,
+}
+
+#[derive(Clone, Debug)]
+struct Eval {
+    samples: f64,
+    auc: f64,
+    logloss: f64,
+}
+
+/// One run's metrics file.
+#[derive(Clone, Debug)]
+pub struct Run {
+    pub name: String,
+    intervals: Vec<Interval>,
+    evals: Vec<Eval>,
+}
+
+impl Run {
+    /// Reads a metrics file (JSON lines: interval lines and `eval` lines).
+    pub fn read(path: &Path) -> Result<Run, ReportError> {
+        let text = std::fs::read_to_string(path).map_err(|error| ReportError::Io { path: path.into(), error })?;
+        let (mut intervals, mut evals) = (Vec::new(), Vec::new());
+        for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+            let bad = |message: String| ReportError::Line { path: path.into(), line: i + 1, message };
+            let v: Value = serde_json::from_str(line).map_err(|e| bad(format!("not a JSON line: {e}")))?;
+            let number = |key: &str| v.get(key).and_then(Value::as_f64);
+            let step = v.get("step").and_then(Value::as_u64).ok_or_else(|| bad("no `step`".into()))?;
+            if v.get("event").and_then(Value::as_str) == Some("eval") {
+                let (Some(auc), Some(logloss)) = (number("test_auc"), number("test_logloss")) else { continue };
+                // Older files: no `samples` on eval lines; the interval of that step has them.
+                let samples = number("samples")
+                    .or_else(|| intervals.iter().rev().find(|x: &&Interval| x.step <= step).map(|x| x.samples))
+                    .unwrap_or(0.0);
+                evals.push(Eval { samples, auc, logloss });
+            } else {
+                let (Some(samples), Some(logloss), Some(rate)) =
+                    (number("samples"), number("train_logloss"), number("samples_per_sec"))
+                else {
+                    return Err(bad("an interval line needs `samples`, `train_logloss` and `samples_per_sec`".into()));
+                };
+                let phases =
+                    v.get("phase_secs").map(|p| PHASES.map(|k| p.get(k).and_then(Value::as_f64).unwrap_or(0.0)));
+                intervals.push(Interval { step, samples, logloss, rate, phases });
+            }
+        }
+        if intervals.is_empty() && evals.is_empty() {
+            return Err(ReportError::Input {
+                path: path.into(),
+                message: "holds no metrics line (set train.metrics_path and train a while)".into(),
+            });
+        }
+        Ok(Run { name: run_name(path), intervals, evals })
+    }
+}
+
+/// A run's name: the metrics file's directory and stem (`demo-data/metrics`).
+fn run_name(path: &Path) -> String {
+    let stem = path.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
+    match path.parent().and_then(Path::file_name) {
+        Some(dir) => format!("{}/{stem}", dir.to_string_lossy()),
+        None => stem,
+    }
+}
+
+/// What `sparrow report` prints.
+#[derive(Debug, serde::Serialize)]
+pub struct ReportSummary {
+    pub report: String,
+    pub runs: usize,
+    pub plots: usize,
+    pub bytes: usize,
+}
+
+/// The best possible AUC of generated data (`truth.json`'s `bayes_auc`).
+pub fn bayes_auc(truth: &Path) -> Result<f64, ReportError> {
+    let text = std::fs::read_to_string(truth).map_err(|error| ReportError::Io { path: truth.into(), error })?;
+    let v: Value = serde_json::from_str(&text)
+        .map_err(|e| ReportError::Input { path: truth.into(), message: format!("not JSON: {e}") })?;
+    v.get("bayes_auc")
+        .and_then(Value::as_f64)
+        .ok_or_else(|| ReportError::Input { path: truth.into(), message: "has no `bayes_auc`".into() })
+}
+
+/// Writes the report of `metrics` (the first is the run, the others
+/// compared with it) to `out`. `truth`: the data's `truth.json` (default:
+/// one beside the first metrics file, if there is one).
+pub fn write_report(
+    metrics: &[PathBuf],
+    truth: Option<&Path>,
+    title: Option<&str>,
+    out: &Path,
+) -> Result<ReportSummary, ReportError> {
+    let runs = metrics.iter().map(|p| Run::read(p)).collect::<Result<Vec<_>, _>>()?;
+    let beside = metrics.first().and_then(|m| m.parent()).map(|d| d.join("truth.json")).filter(|t| t.is_file());
+    let bayes = match truth {
+        Some(t) => Some(bayes_auc(t)?),
+        None => beside.as_deref().map(bayes_auc).transpose()?,
+    };
+    let (html, plots) = render(&runs, bayes, title.unwrap_or("Sparrow run report"));
+    std::fs::write(out, &html).map_err(|error| ReportError::Io { path: out.into(), error })?;
+    Ok(ReportSummary { report: out.display().to_string(), runs: runs.len(), plots, bytes: html.len() })
+}
+
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+}
+
+struct Series<'a> {
+    name: &'a str,
+    color: &'a str,
+    points: Vec<(f64, f64)>,
+    markers: bool,
+}
+
+/// About five round tick values covering [lo, hi].
+fn ticks(lo: f64, hi: f64) -> Vec<f64> {
+    let span = (hi - lo).max(1e-12);
+    let raw = span / 5.0;
+    let magnitude = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 2.5, 5.0, 10.0].iter().map(|m| m * magnitude).find(|s| span / s <= 6.0).unwrap_or(magnitude);
+    let first = (lo / step).ceil() * step;
+    (0..=12).map(|i| first + i as f64 * step).take_while(|t| *t <= hi + step * 1e-9).collect()
+}
+
+fn label(x: f64) -> String {
+    let trim = |t: String| t.trim_end_matches('0').trim_end_matches('.').to_string();
+    let a = x.abs();
+    if a >= 1e6 {
+        format!("{}M", trim(format!("{:.2}", x / 1e6)))
+    } else if a >= 1e4 {
+        format!("{}k", trim(format!("{:.1}", x / 1e3)))
+    } else if a >= 100.0 || a == 0.0 {
+        format!("{x:.0}")
+    } else {
+        trim(format!("{x:.4}"))
+    }
+}
+
+const W: f64 = 600.0;
+const H: f64 = 330.0;
+// Margins: left (tick labels), right, top (title), bottom (axis name).
+const L: f64 = 70.0;
+const R: f64 = 20.0;
+const T: f64 = 34.0;
+const B: f64 = 48.0;
+
+/// An SVG line chart; `reference`: a dashed horizontal line and its label.
+fn line_chart(
+    id: &str,
+    title: &str,
+    x_name: &str,
+    y_name: &str,
+    series: &[Series],
+    reference: Option<(f64, &str)>,
+) -> String {
+    let mut svg = format!(
+        r#"<svg class="plot" data-plot="{id}" viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img" aria-label="{t}"><text class="title" x="{L}" y="20">{t}</text>"#,
+        t = escape(title)
+    );
+    let points: Vec<(f64, f64)> = series.iter().flat_map(|s| s.points.iter().copied()).collect();
+    if points.is_empty() {
+        let _ = write!(
+            svg,
+            r#"<text class="empty" x="{}" y="{}">no data in these runs</text></svg>"#,
+            W / 2.0 - 70.0,
+            H / 2.0
+        );
+        return svg;
+    }
+    let (mut x0, mut x1) = points.iter().fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
+    let ys = points.iter().map(|p| p.1).chain(reference.map(|r| r.0));
+    let (mut y0, mut y1) = ys.fold((f64::MAX, f64::MIN), |(a, b), y| (a.min(y), b.max(y)));
+    if x1 - x0 < 1e-12 {
+        (x0, x1) = (x0 - 1.0, x1 + 1.0);
+    }
+    let pad = ((y1 - y0) * 0.08).max(1e-6);
+    (y0, y1) = (y0 - pad, y1 + pad);
+    let sx = |x: f64| L + (x - x0) / (x1 - x0) * (W - L - R);
+    let sy = |y: f64| H - B - (y - y0) / (y1 - y0) * (H - T - B);
+    for t in ticks(y0, y1) {
+        let _ = write!(
+            svg,
+            r#"<line class="grid" x1="{L}" x2="{}" y1="{y:.1}" y2="{y:.1}"/><text class="tick" x="{}" y="{:.1}" text-anchor="end">{}</text>"#,
+            W - R,
+            L - 6.0,
+            sy(t) + 4.0,
+            label(t),
+            y = sy(t)
+        );
+    }
+    for t in ticks(x0, x1) {
+        let _ = write!(
+            svg,
+            r#"<line class="grid" x1="{x:.1}" x2="{x:.1}" y1="{T}" y2="{}"/><text class="tick" x="{x:.1}" y="{}" text-anchor="middle">{}</text>"#,
+            H - B,
+            H - B + 16.0,
+            label(t),
+            x = sx(t)
+        );
+    }
+    let _ = write!(
+        svg,
+        r#"<line class="axis" x1="{L}" x2="{L}" y1="{T}" y2="{hb}"/><line class="axis" x1="{L}" x2="{wr}" y1="{hb}" y2="{hb}"/><text class="axis-name" x="{}" y="{}" text-anchor="middle">{}</text><text class="axis-name" transform="translate(16 {}) rotate(-90)" text-anchor="middle">{}</text>"#,
+        (L + W - R) / 2.0,
+        H - 10.0,
+        escape(x_name),
+        (T + H - B) / 2.0,
+        escape(y_name),
+        hb = H - B,
+        wr = W - R
+    );
+    if let Some((y, name)) = reference {
+        let _ = write!(
+            svg,
+            r#"<line class="reference" x1="{L}" x2="{}" y1="{yy:.1}" y2="{yy:.1}"/><text class="reference-label" x="{}" y="{:.1}">{}</text>"#,
+            W - R,
+            L + 6.0,
+            sy(y) - 5.0,
+            escape(&format!("{name} {y:.4}")),
+            yy = sy(y)
+        );
+    }
+    for s in series {
+        let path: Vec<String> = s.points.iter().map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y))).collect();
+        let _ = write!(
+            svg,
+            r#"<polyline class="series" data-points="{}" fill="none" stroke="{}" stroke-width="2.5" points="{}"/>"#,
+            s.points.len(),
+            s.color,
+            path.join(" ")
+        );
+        if s.markers {
+            for &(x, y) in &s.points {
+                let _ = write!(svg, r#"<circle cx="{:.1}" cy="{:.1}" r="3.5" fill="{}"/>"#, sx(x), sy(y), s.color);
+            }
+        }
+    }
+    for (i, s) in series.iter().enumerate() {
+        let y = T + 8.0 + 16.0 * i as f64;
+        let _ = write!(
+            svg,
+            r#"<rect x="{}" y="{}" width="12" height="4" fill="{}"/><text class="legend" x="{}" y="{}" text-anchor="end">{}</text>"#,
+            W - R - 14.0,
+            y - 4.0,
+            s.color,
+            W - R - 18.0,
+            y + 1.0,
+            escape(s.name)
+        );
+    }
+    svg.push_str("</svg>");
+    svg
+}
+
+/// Milliseconds per step in each phase, one stacked bar per run.
+fn phase_chart(runs: &[Run]) -> String {
+    let bars: Vec<(&str, [f64; 5])> = runs
+        .iter()
+        .filter_map(|r| {
+            let last = r.intervals.iter().rev().find(|i| i.phases.is_some())?;
+            let phases = last.phases?;
+            Some((r.name.as_str(), phases.map(|s| s / last.step.max(1) as f64 * 1e3)))
+        })
+        .collect();
+    let height = T + B + 40.0 * bars.len().max(1) as f64;
+    let mut svg = format!(
+        r#"<svg class="plot" data-plot="phases" viewBox="0 0 {W} {height}" width="{W}" height="{height}" role="img" aria-label="step phases"><text class="title" x="{L}" y="20">Where a training step's time goes (ms per step)</text>"#
+    );
+    if bars.is_empty() {
+        let _ =
+            write!(svg, r#"<text class="empty" x="{}" y="{}">no phase times in these runs</text></svg>"#, L, T + 30.0);
+        return svg;
+    }
+    let total = bars.iter().map(|(_, p)| p.iter().sum::<f64>()).fold(0.0, f64::max).max(1e-9);
+    let left = 150.0;
+    // Room on the right for the total's label.
+    let scale = (W - left - R - 70.0) / total;
+    for (i, (name, phases)) in bars.iter().enumerate() {
+        let y = T + 14.0 + 40.0 * i as f64;
+        let _ = write!(
+            svg,
+            r#"<text class="tick" x="{}" y="{}" text-anchor="end">{}</text>"#,
+            left - 6.0,
+            y + 15.0,
+            escape(name)
+        );
+        let mut x = left;
+        for (k, ms) in phases.iter().enumerate() {
+            let w = ms * scale;
+            let _ = write!(
+                svg,
+                r#"<rect class="phase" data-phase="{}" x="{x:.1}" y="{y}" width="{w:.1}" height="22" fill="{}"><title>{}: {ms:.3} ms</title></rect>"#,
+                PHASES[k], COLORS[k], PHASES[k]
+            );
+            x += w;
+        }
+        let _ = write!(
+            svg,
+            r#"<text class="tick" x="{:.1}" y="{}">{:.3} ms</text>"#,
+            x + 4.0,
+            y + 15.0,
+            phases.iter().sum::<f64>()
+        );
+    }
+    for (k, phase) in PHASES.iter().enumerate() {
+        let x = left + 90.0 * k as f64;
+        let y = height - 18.0;
+        let _ = write!(
+            svg,
+            r#"<rect x="{x}" y="{}" width="12" height="12" fill="{}"/><text class="legend" x="{}" y="{y}">{phase}</text>"#,
+            y - 10.0,
+            COLORS[k],
+            x + 16.0
+        );
+    }
+    svg.push_str("</svg>");
+    svg
+}
+
+/// The page and how many plots it holds.
+fn render(runs: &[Run], bayes: Option<f64>, title: &str) -> (String, usize) {
+    let color = |i: usize| COLORS[i % COLORS.len()];
+    let series = |f: &dyn Fn(&Run) -> Vec<(f64, f64)>, markers: bool| -> Vec<Series> {
+        runs.iter().enumerate().map(|(i, r)| Series { name: &r.name, color: color(i), points: f(r), markers }).collect()
+    };
+    let loss = series(&|r| r.intervals.iter().map(|i| (i.samples, i.logloss)).collect(), false);
+    let auc = series(&|r| r.evals.iter().map(|e| (e.samples, e.auc)).collect(), true);
+    let rate = series(&|r| r.intervals.iter().map(|i| (i.samples, i.rate)).collect(), false);
+    let plots = [
+        line_chart("loss", "Training log-loss", "samples trained", "log-loss (interval mean)", &loss, None),
+        line_chart("auc", "Test AUC", "samples trained", "AUC", &auc, bayes.map(|b| (b, "best possible (truth.json)"))),
+        line_chart("throughput", "Throughput", "samples trained", "samples/s", &rate, None),
+        phase_chart(runs),
+    ];
+    let mut rows = String::new();
+    for (i, r) in runs.iter().enumerate() {
+        let last = r.intervals.last();
+        let eval = r.evals.last();
+        let mean_rate = match r.intervals.len() {
+            0 => None,
+            n => Some(r.intervals.iter().map(|i| i.rate).sum::<f64>() / n as f64),
+        };
+        let cell = |v: Option<f64>, digits: usize| v.map_or_else(|| "–".to_string(), |v| format!("{v:.digits$}"));
+        let _ = write!(
+            rows,
+            r#"<tr><td><span class="swatch" style="background:{}"></span>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>"#,
+            color(i),
+            escape(&r.name),
+            last.map_or_else(|| "–".into(), |l| l.step.to_string()),
+            cell(last.map(|l| l.samples).or(eval.map(|e| e.samples)), 0),
+            cell(last.map(|l| l.logloss), 5),
+            cell(eval.map(|e| e.auc), 5),
+            cell(eval.map(|e| e.logloss), 5),
+            cell(mean_rate, 0),
+        );
+    }
+    let bayes_line = bayes.map_or_else(String::new, |b| {
+        format!("<p>Best possible test AUC on this data (the generator's true probabilities, <code>truth.json</code>): <b>{b:.5}</b>.</p>")
+    });
+    let html = format!(
+        r#"<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<style>
+body {{ font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; background: #fff; }}
+h1 {{ font-size: 20px; }}
+table {{ border-collapse: collapse; margin: 12px 0 20px; }}
+td, th {{ border-bottom: 1px solid #ddd; padding: 4px 10px; text-align: right; }}
+td:first-child, th:first-child {{ text-align: left; }}
+.swatch {{ display: inline-block; width: 10px; height: 10px; margin-right: 6px; }}
+.plots {{ display: flex; flex-wrap: wrap; gap: 16px; }}
+svg.plot {{ border: 1px solid #e4e4e4; background: #fff; }}
+svg .title {{ font-size: 14px; font-weight: 600; }}
+svg .tick, svg .legend, svg .reference-label {{ font-size: 11px; fill: #444; }}
+svg .axis-name {{ font-size: 12px; fill: #333; }}
+svg .grid {{ stroke: #eee; }}
+svg .axis {{ stroke: #888; }}
+svg .reference {{ stroke: #555; stroke-dasharray: 6 4; }}
+svg .empty {{ font-size: 13px; fill: #999; }}
+</style></head><body>
+<h1>{title}</h1>
+<p>{n} run(s). Interval lines: <code>train.log_interval_steps</code>; test points: <code>train.eval_every_steps</code> and the end of each run.</p>
+{bayes_line}
+<table><tr><th>run</th><th>steps</th><th>samples</th><th>train log-loss</th><th>test AUC</th><th>test log-loss</th><th>mean samples/s</th></tr>{rows}</table>
+<div class="plots">{plots}</div>
+</body></html>
+"#,
+        title = escape(title),
+        n = runs.len(),
+        plots = plots.join("\n"),
+    );
+    (html, plots.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ticks_are_round_and_cover_the_range() {
+        assert_eq!(ticks(0.0, 1.0), [0.0, 0.2, 0.4, 0.6000000000000001, 0.8, 1.0]);
+        let t = ticks(0.7712, 0.8034);
+        assert!(t.len() >= 3 && t[0] >= 0.7712 && *t.last().expect("a tick") <= 0.8034, "{t:?}");
+    }
+
+    #[test]
+    fn a_malformed_line_is_named_by_file_and_line() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let path = tmp.path().join("m.jsonl");
+        std::fs::write(&path, "{\"step\":1,\"samples\":10,\"train_logloss\":0.5,\"samples_per_sec\":9}\n{oops\n")
+            .expect("write");
+        let err = Run::read(&path).expect_err("refused").to_string();
+        assert!(err.contains("m.jsonl:2") && err.contains("not a JSON line"), "{err}");
+        std::fs::write(&path, "").expect("write");
+        assert!(Run::read(&path).expect_err("refused").to_string().contains("no metrics line"));
+    }
+}
