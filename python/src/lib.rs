@@ -242,6 +242,19 @@ impl Column {
             Column::Text(v) => out.push_str(&v[i]),
         }
     }
+
+    /// [`Column::cell`] on a CSV line: a value holding the delimiter or a
+    /// quote is quoted ("" for a quote), as the CSV reader reads it.
+    fn csv_cell(&self, i: usize, delimiter: char, out: &mut String) {
+        match self {
+            Column::Text(v) if v[i].contains(delimiter) || v[i].contains('"') => {
+                out.push('"');
+                out.push_str(&v[i].replace('"', "\"\""));
+                out.push('"');
+            }
+            _ => self.cell(i, out),
+        }
+    }
 }
 
 /// The columns a model reads, in the order its data file holds them.
@@ -461,14 +474,16 @@ impl Model {
                     names.join(", ")
                 )));
             };
+            // A CSV cell may hold the delimiter or a quote (it is quoted); a
+            // Criteo cell may not hold a tab.
+            let tsv = schema.delimiter == '\t';
             if let Column::Text(values) = column
-                && let Some(row) = values
-                    .iter()
-                    .position(|v| v.contains(['\n', '\r']) || v.contains(schema.delimiter) || v.contains('"'))
+                && let Some(row) = values.iter().position(|v| v.contains(['\n', '\r']) || (tsv && v.contains('\t')))
             {
                 return Err(Failure::Input(format!(
-                    "column `{name}`, row {row}: {:?} holds a line break, a quote or the data's delimiter {:?}",
-                    values[row], schema.delimiter
+                    "column `{name}`, row {row}: {:?} holds a line break{}",
+                    values[row],
+                    if tsv { " or a tab" } else { "" }
                 )));
             }
             slots[place] = Some(column);
@@ -516,7 +531,8 @@ fn write_rows(path: &Path, schema: &InputSchema, slots: &[Option<&Column>], rows
                 line.push(schema.delimiter);
             }
             match slot {
-                Some(column) => column.cell(row, &mut line),
+                Some(column) if schema.delimiter == '\t' => column.cell(row, &mut line),
+                Some(column) => column.csv_cell(row, schema.delimiter, &mut line),
                 None if place == schema.label_at => line.push('0'),
                 None => {
                     if let Some((_, _, value)) = schema.fixed.iter().find(|(_, p, _)| *p == place) {

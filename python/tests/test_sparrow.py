@@ -155,7 +155,7 @@ def test_errors_are_exceptions_with_the_cli_messages(data, trained, tmp_path):
         model.predict({"I1": np.array([1.0]), "I99": np.array([2.0])})
     with pytest.raises(sparrow.DataError, match="has 1 rows"):
         model.predict({"I1": np.array([1.0, 2.0]), "I2": np.array([1.0])})
-    with pytest.raises(sparrow.DataError, match="holds a line break"):
+    with pytest.raises(sparrow.DataError, match="holds a line break or a tab"):
         model.predict({"C1": ["a\tb"]})
     # A dense value that is not a number: the reader's message, naming the row.
     with pytest.raises(sparrow.DataError, match=r"line 1: column I1: `x` is not an integer.*line 1 is row 0"):
@@ -273,3 +273,36 @@ def test_tensorboard_reads_the_runs_scalars(data, tmp_path):
     assert abs(auc[-1].value - summary["test_auc"]) < 1e-6
     loss = events.Scalars("train/logloss")
     assert [e.step for e in loss] == list(range(5, summary["steps"] + 1, 5))
+
+
+def test_a_csv_model_predicts_a_dataframe_as_the_cli(cli, tmp_path):
+    pd = pytest.importorskip("pandas")
+    data = tmp_path / "days"
+    sparrow.gen(data, train_rows=6_000, test_rows=1_000, format="csv", days=2)
+    names = [f"I{i}" for i in range(1, 14)], [f"C{i}" for i in range(1, 27)]
+    config = {
+        "data": {
+            "format": "csv",
+            "train": str(data / "train.csv"),
+            "test": str(data / "test.csv"),
+            "schema": {"label": "label", "dense": names[0], "sparse": names[1], "dense_transform": "log1p",
+                       "timestamp": "ts"},
+        },
+        "model": {"kind": "mlp", "embedding_dim": 8, "hidden": [16]},
+        "train": {"batch_size": 256},
+        "checkpoint": {"dir": str(tmp_path / "ck")},
+    }
+    sparrow.train(config, progress=False)
+    cli("predict", "--checkpoint", tmp_path / "ck", "--data", data / "test.csv", "--out", tmp_path / "p.txt")
+    expected = read_floats(tmp_path / "p.txt")
+    model = sparrow.Model.load(tmp_path / "ck")
+    assert model.format == "csv" and model.inputs == names[0] + names[1]
+    frame = pd.read_csv(data / "test.csv", dtype={c: str for c in names[1]}, keep_default_na=False)
+    np.testing.assert_allclose(model.predict(frame), expected, rtol=0, atol=1e-6)
+    # Without the time column (serving needs none), and with a value that
+    # holds the delimiter and a quote: it is quoted, as the CSV reader reads it.
+    frame = frame.drop(columns=["ts"])
+    np.testing.assert_allclose(model.predict(frame), expected, rtol=0, atol=1e-6)
+    odd = frame.head(3).copy()
+    odd["C1"] = ['a,b', 'say "hi"', ""]
+    assert len(model.predict(odd)) == 3

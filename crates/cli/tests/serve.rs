@@ -281,3 +281,97 @@ fn a_watching_server_follows_training_without_failing_a_request() {
         assert!((g - e).abs() <= 1e-6, "row {i}: served {g}, checkpoint {e}");
     }
 }
+
+/// A model trained on CSV data is served by its schema's column names
+/// (dense `FP32`, sparse `BYTES`), with `predict`'s figures; a value holding
+/// the delimiter is quoted on the line, as the CSV reader reads it.
+#[test]
+fn a_csv_model_is_served_by_its_schemas_names() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let data = tmp.path().join("days");
+    let out = sparrow()
+        .args(["gen", "--format", "csv", "--days", "2", "--out", &data.display().to_string()])
+        .args(["--train-rows", "5000", "--test-rows", "500"])
+        .output()
+        .expect("gen");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let config = tmp.path().join("csv.toml");
+    let sparse: Vec<String> = (1..=26).map(|i| format!("\"C{i}\"")).collect();
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[data]
+format = "csv"
+train = "{d}/train.csv"
+test = "{d}/test.csv"
+[data.schema]
+label = "label"
+dense = ["I1", "I2", "I3", "I4", "I5", "I6", "I7", "I8", "I9", "I10", "I11", "I12", "I13"]
+sparse = [{sparse}]
+dense_transform = "log1p"
+timestamp = "ts"
+[model]
+kind = "mlp"
+embedding_dim = 8
+hidden = [16]
+[train]
+batch_size = 256
+[checkpoint]
+dir = "{ck}"
+"#,
+            d = data.display(),
+            sparse = sparse.join(", "),
+            ck = tmp.path().join("ck").display()
+        ),
+    )
+    .expect("config");
+    let run = |args: &[&str]| {
+        let out = sparrow().args(args).output().expect("sparrow");
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    let ck = tmp.path().join("ck").display().to_string();
+    let export = tmp.path().join("csv-model").display().to_string();
+    let test = data.join("test.csv").display().to_string();
+    let pred = tmp.path().join("pred.txt").display().to_string();
+    run(&["train", "--config", &config.display().to_string(), "--quiet"]);
+    run(&["export", "--checkpoint", &ck, "--out", &export]);
+    run(&["predict", "--model", &export, "--data", &test, "--out", &pred]);
+    let expected: Vec<f64> =
+        std::fs::read_to_string(&pred).expect("pred").lines().map(|l| l.parse().expect("p")).collect();
+
+    let text = std::fs::read_to_string(&test).expect("test");
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().expect("header").split(',').collect();
+    let rows: Vec<Vec<&str>> = lines.take(100).map(|l| l.split(',').collect()).collect();
+    let column = |name: &str| header.iter().position(|h| *h == name).expect("column");
+    let mut inputs = Vec::new();
+    for i in 1..=13 {
+        let c = column(&format!("I{i}"));
+        let data: Vec<Value> = rows.iter().map(|r| r[c].parse::<f64>().map_or(Value::Null, |v| json!(v))).collect();
+        inputs.push(json!({"name": format!("I{i}"), "datatype": "FP32", "shape": [rows.len()], "data": data}));
+    }
+    for i in 1..=26 {
+        let c = column(&format!("C{i}"));
+        let data: Vec<&str> = rows.iter().map(|r| r[c]).collect();
+        inputs.push(json!({"name": format!("C{i}"), "datatype": "BYTES", "shape": [rows.len()], "data": data}));
+    }
+    let (_server, addr) = start(&export, &[]);
+    let (status, meta) = http(&addr, "GET", "/v2/models/csv-model", b"");
+    assert_eq!(status, 200, "{meta}");
+    assert!(meta.contains("\"I13\"") && meta.contains("\"C26\""), "{meta}");
+    let body = json!({ "inputs": inputs });
+    let (status, reply) = http(&addr, "POST", "/v2/models/csv-model/infer", body.to_string().as_bytes());
+    assert_eq!(status, 200, "{reply}");
+    let reply: Value = serde_json::from_str(&reply).expect("reply");
+    let got = reply["outputs"][0]["data"].as_array().expect("data");
+    assert_eq!(got.len(), rows.len());
+    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+        let g = g.as_f64().expect("p");
+        assert!((g - e).abs() <= 1e-6, "row {i}: served {g}, predict {e}");
+    }
+    let mut odd = body.clone();
+    odd["inputs"][13]["data"][0] = json!("a,\"b\"");
+    let (status, reply) = http(&addr, "POST", "/v2/models/csv-model/infer", odd.to_string().as_bytes());
+    assert_eq!(status, 200, "a quoted value: {reply}");
+}

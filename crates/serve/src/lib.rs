@@ -5,8 +5,8 @@
 //! Built on axum (hyper underneath).
 //!
 //! Inputs are the data file's columns by the schema's names (Criteo: `I1`…`I13`
-//! as `FP32`, `C1`…`C26` as `BYTES`, shape `[N]`); a missing input is an empty
-//! cell. Each request row goes through the same line parser as `sparrow
+//! as `FP32`, `C1`…`C26` as `BYTES`; CSV: the schema's dense and sparse
+//! columns), shape `[N]`; a missing input is an empty cell. Each request row goes through the same line parser as `sparrow
 //! predict`, so the output `probability` equals its figures.
 
 use std::net::SocketAddr;
@@ -59,8 +59,11 @@ pub struct Served {
     name: String,
     /// The step of the model answering now (the export's).
     step: AtomicU64,
+    inputs: Inputs,
     layout: sparrow_data::DataLayout,
-    trainer: parking_lot::Mutex<Trainer>,
+    /// Requests predict side by side under the read lock; a `--watch`
+    /// update takes the write lock (requests wait, none fails).
+    trainer: parking_lot::RwLock<Trainer>,
     /// The export served now: its directory and manifest (`--watch` moves on from it).
     current: parking_lot::Mutex<(PathBuf, ExportManifest)>,
     /// What `--model` named (an export, or a directory whose LATEST names one).
@@ -156,9 +159,68 @@ fn bad(message: impl Into<String>) -> ApiError {
     ApiError(StatusCode::BAD_REQUEST, message.into())
 }
 
-/// The input names of the Criteo schema.
-fn criteo_inputs() -> (Vec<String>, Vec<String>) {
-    ((1..=CRITEO_DENSE).map(|i| format!("I{i}")).collect(), (1..=CRITEO_SPARSE).map(|i| format!("C{i}")).collect())
+/// A model's inputs (dense then sparse, named as its data schema names
+/// them) and how a request row becomes the line its data file would hold.
+#[derive(Clone)]
+struct Inputs {
+    dense: Vec<String>,
+    sparse: Vec<String>,
+    /// CSV: the schema read against a header of our own (label, dense,
+    /// sparse, in that order), with its delimiter. None: Criteo TSV.
+    csv: Option<(sparrow_core::config::Schema, String, char)>,
+}
+
+impl Inputs {
+    fn of(model: &Path, data: &sparrow_core::config::DataConfig) -> Result<Inputs, ServeError> {
+        match data.format {
+            DataFormat::Criteo => Ok(Inputs {
+                dense: (1..=CRITEO_DENSE).map(|i| format!("I{i}")).collect(),
+                sparse: (1..=CRITEO_SPARSE).map(|i| format!("C{i}")).collect(),
+                csv: None,
+            }),
+            DataFormat::Csv => {
+                let mut schema = data.schema.clone().unwrap_or_default();
+                let delimiter = schema.delimiter.chars().next().unwrap_or(',');
+                // Our lines carry no time: serving does not weight samples.
+                schema.timestamp = None;
+                schema.header = true;
+                let names: Vec<&str> = std::iter::once(schema.label.as_str())
+                    .chain(schema.dense.iter().map(String::as_str))
+                    .chain(schema.sparse.iter().map(String::as_str))
+                    .collect();
+                let header = names.join(&delimiter.to_string());
+                Ok(Inputs {
+                    dense: schema.dense.clone(),
+                    sparse: schema.sparse.clone(),
+                    csv: Some((schema, header, delimiter)),
+                })
+            }
+            other => Err(ServeError::Setup(format!(
+                "{}: the model was trained on data.format = {other:?}; serving reads the named columns of Criteo \
+                 and CSV data",
+                model.display()
+            ))),
+        }
+    }
+
+    fn names(&self) -> impl Iterator<Item = &String> {
+        self.dense.iter().chain(&self.sparse)
+    }
+
+    fn separator(&self) -> char {
+        self.csv.as_ref().map_or('\t', |(_, _, d)| *d)
+    }
+
+    fn parser(&self) -> Result<Box<dyn LineParser>, ApiError> {
+        match &self.csv {
+            None => Ok(Box::new(CriteoParser::default())),
+            Some((schema, header, _)) => {
+                sparrow_data::text::CsvParser::new(Path::new("request"), schema, Some(header.as_bytes()))
+                    .map(|p| Box::new(p) as Box<dyn LineParser>)
+                    .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+            }
+        }
+    }
 }
 
 impl Served {
@@ -166,13 +228,7 @@ impl Served {
     pub fn load(model: &Path, name: Option<String>) -> Result<Served, ServeError> {
         let (trainer, manifest) = sparrow_trainer::export::load_export(model, &[])?;
         let dir = sparrow_trainer::export::resolve_export(model)?;
-        if trainer.config.data.format != DataFormat::Criteo {
-            return Err(ServeError::Setup(format!(
-                "{}: the model was trained on data.format = {:?}; serving reads Criteo-schema inputs only so far",
-                model.display(),
-                trainer.config.data.format
-            )));
-        }
+        let inputs = Inputs::of(model, &trainer.config.data)?;
         let name = name.unwrap_or_else(|| {
             let dir = sparrow_trainer::export::resolve_export(model).unwrap_or_else(|_| model.to_path_buf());
             dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_else(|| "model".into())
@@ -182,8 +238,9 @@ impl Served {
         Ok(Served {
             name,
             step: AtomicU64::new(manifest.step),
+            inputs,
             layout: trainer.layout.clone(),
-            trainer: parking_lot::Mutex::new(trainer),
+            trainer: parking_lot::RwLock::new(trainer),
             current: parking_lot::Mutex::new((dir, manifest)),
             source: model.to_path_buf(),
             metrics,
@@ -197,7 +254,7 @@ impl Served {
 
     /// `--watch`: if `LATEST` names another export than the one served,
     /// serve that one. The exports that follow the served one in its chain
-    /// are read and verified first, then applied under the model's lock
+    /// are read and verified first, then applied under the model's write lock
     /// (requests wait for it, none fails, none sees half an update); an
     /// export of another chain (a full one) is loaded beside the served
     /// model and swapped in. On an error the served model stays.
@@ -221,7 +278,7 @@ impl Served {
                 let updates =
                     chain[i + 1..].iter().map(|(dir, _)| ExportData::read(dir)).collect::<Result<Vec<_>, _>>()?;
                 let rows = updates.iter().map(ExportData::rows).sum();
-                let trainer = self.trainer.lock();
+                let trainer = self.trainer.write();
                 let start = Instant::now();
                 for update in &updates {
                     update.apply(&trainer)?;
@@ -232,7 +289,7 @@ impl Served {
             None => {
                 let (fresh, _) = sparrow_trainer::export::load_export(&newest, &[])?;
                 let rows = fresh.table.len();
-                let mut trainer = self.trainer.lock();
+                let mut trainer = self.trainer.write();
                 let start = Instant::now();
                 *trainer = fresh;
                 self.step.store(manifest.step, Ordering::SeqCst);
@@ -266,11 +323,12 @@ impl Served {
     }
 
     fn metadata(&self) -> Value {
-        let (dense, sparse) = criteo_inputs();
-        let inputs: Vec<Value> = dense
+        let inputs: Vec<Value> = self
+            .inputs
+            .dense
             .iter()
             .map(|n| json!({"name": n, "datatype": "FP32", "shape": [-1]}))
-            .chain(sparse.iter().map(|n| json!({"name": n, "datatype": "BYTES", "shape": [-1]})))
+            .chain(self.inputs.sparse.iter().map(|n| json!({"name": n, "datatype": "BYTES", "shape": [-1]})))
             .collect();
         json!({
             "name": self.name,
@@ -285,15 +343,15 @@ impl Served {
     pub fn infer(&self, body: &Value) -> Result<Value, ApiError> {
         let inputs =
             body.get("inputs").and_then(Value::as_array).ok_or_else(|| bad("the request has no `inputs` array"))?;
-        let (dense, sparse) = criteo_inputs();
+        let n_dense = self.inputs.dense.len();
         let mut rows: Option<usize> = None;
-        let mut columns: Vec<Option<Vec<String>>> = vec![None; dense.len() + sparse.len()];
+        let mut columns: Vec<Option<Vec<String>>> = vec![None; n_dense + self.inputs.sparse.len()];
         for input in inputs {
             let name = input.get("name").and_then(Value::as_str).ok_or_else(|| bad("an input has no `name`"))?;
-            let column = dense.iter().chain(&sparse).position(|n| n == name).ok_or_else(|| {
+            let column = self.inputs.names().position(|n| n == name).ok_or_else(|| {
                 bad(format!("input `{name}`: the model has no such input (see GET /v2/models/{})", self.name))
             })?;
-            let want = if column < dense.len() { "FP32" } else { "BYTES" };
+            let want = if column < n_dense { "FP32" } else { "BYTES" };
             let datatype = input.get("datatype").and_then(Value::as_str).unwrap_or_default();
             if datatype != want {
                 return Err(bad(format!("input `{name}`: datatype `{datatype}`, expected {want}")));
@@ -319,11 +377,17 @@ impl Served {
                 return Err(bad(format!("input `{name}` has {} rows, another input {n}", data.len())));
             }
             rows = Some(data.len());
-            let cells = data.iter().map(|v| cell(name, v, column < dense.len())).collect::<Result<Vec<_>, _>>()?;
+            let kind = match (column < n_dense, self.inputs.csv.is_some()) {
+                (true, false) => Cell::Count,
+                (true, true) => Cell::Number,
+                (false, _) => Cell::Text(self.inputs.separator()),
+            };
+            let cells = data.iter().map(|v| cell(name, v, kind)).collect::<Result<Vec<_>, _>>()?;
             columns[column] = Some(cells);
         }
         let n = rows.unwrap_or(0);
-        let mut parser = CriteoParser::default();
+        let mut parser = self.inputs.parser()?;
+        let separator = self.inputs.separator();
         // Parsed before the model's lock: only the lookup and the forward pass hold it.
         let mut builder = BatchBuilder::new(self.layout.num_fields, self.layout.num_dense, false, n.max(1));
         let mut line = String::new();
@@ -331,7 +395,7 @@ impl Served {
             line.clear();
             line.push('0');
             for column in &columns {
-                line.push('\t');
+                line.push(separator);
                 if let Some(cells) = column {
                     line.push_str(&cells[row]);
                 }
@@ -349,7 +413,7 @@ impl Served {
             Vec::new()
         } else {
             let batch = builder.finish(DataPosition::default());
-            let trainer = self.trainer.lock();
+            let trainer = self.trainer.read();
             // Read under the lock: the step of the model that answers.
             version = self.step();
             let logits = trainer
@@ -370,26 +434,42 @@ impl Served {
     }
 }
 
-/// One cell of the line `sparrow predict` would read: a dense count (an
-/// integer) or a categorical value (no tab or newline).
-fn cell(name: &str, value: &Value, dense: bool) -> Result<String, ApiError> {
-    match (dense, value) {
+/// What an input's cells are: a Criteo dense count (an integer), a CSV
+/// dense number, or a categorical value (on a CSV line: quoted where it
+/// holds the delimiter or a quote).
+#[derive(Clone, Copy)]
+enum Cell {
+    Count,
+    Number,
+    Text(char),
+}
+
+/// One cell of the line `sparrow predict` would read.
+fn cell(name: &str, value: &Value, kind: Cell) -> Result<String, ApiError> {
+    match (kind, value) {
         (_, Value::Null) => Ok(String::new()),
-        (true, Value::Number(x)) => {
+        (Cell::Count, Value::Number(x)) => {
             let v = x.as_f64().unwrap_or(f64::NAN);
             if v.fract() != 0.0 || !v.is_finite() || v.abs() > 9.0e15 {
                 return Err(bad(format!("input `{name}`: {x} is not an integer (Criteo's dense columns are counts)")));
             }
             Ok(format!("{}", v as i64))
         }
-        (false, Value::String(s)) => {
-            if s.contains(['\t', '\n', '\r']) {
-                return Err(bad(format!("input `{name}`: a value holds a tab or a newline")));
+        (Cell::Number, Value::Number(x)) => Ok(x.to_string()),
+        (Cell::Text(separator), Value::String(s)) => {
+            if s.contains(['\n', '\r']) || (separator == '\t' && s.contains('\t')) {
+                return Err(bad(format!(
+                    "input `{name}`: a value holds a line break{}",
+                    if separator == '\t' { " or a tab" } else { "" }
+                )));
+            }
+            if separator != '\t' && (s.contains(separator) || s.contains('"')) {
+                return Ok(format!("\"{}\"", s.replace('"', "\"\"")));
             }
             Ok(s.clone())
         }
-        (true, other) => Err(bad(format!("input `{name}`: {other} is not a number (FP32)"))),
-        (false, other) => Err(bad(format!("input `{name}`: {other} is not a string (BYTES)"))),
+        (Cell::Count | Cell::Number, other) => Err(bad(format!("input `{name}`: {other} is not a number (FP32)"))),
+        (Cell::Text(_), other) => Err(bad(format!("input `{name}`: {other} is not a string (BYTES)"))),
     }
 }
 
