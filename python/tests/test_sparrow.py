@@ -306,3 +306,18 @@ def test_a_csv_model_predicts_a_dataframe_as_the_cli(cli, tmp_path):
     odd = frame.head(3).copy()
     odd["C1"] = ['a,b', 'say "hi"', ""]
     assert len(model.predict(odd)) == 3
+
+
+def test_the_readmes_python_example_runs(tmp_path):
+    """The README's notebook-style example, as a new user would paste it (in a
+    scratch directory, on fewer rows)."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Python (`pip install ./python`"):]
+    code = section[section.index("```python\n") + len("```python\n"):]
+    code = code[: code.index("```")]
+    code = code.replace("train_rows=200_000, test_rows=20_000", "train_rows=20_000, test_rows=2_000")
+    code = code.replace('"configs/', '"' + str(REPO / "configs") + "/")
+    assert "sparrow.Model.load" in code and "model.predict(df)" in code
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "data" / "ckpt" / "LATEST").is_file()
