@@ -23,12 +23,18 @@ CRITEO_NAMES = ["label"] + [f"I{i}" for i in range(1, 14)] + [f"C{i}" for i in r
 
 
 @pytest.fixture(scope="session")
-def cli():
+def sparrow_bin():
     """The `sparrow` binary of this checkout (built if missing)."""
     path = Path(os.environ.get("SPARROW_BIN", REPO / "target" / "release" / "sparrow"))
     if "SPARROW_BIN" not in os.environ:
         subprocess.run(["cargo", "build", "--release", "-q", "-p", "sparrow"], cwd=REPO, check=True)
     assert path.is_file(), f"no sparrow binary at {path}"
+    return path
+
+
+@pytest.fixture(scope="session")
+def cli(sparrow_bin):
+    path = sparrow_bin
 
     def run(*args):
         done = subprocess.run([str(path), *map(str, args)], capture_output=True, text=True)
@@ -321,3 +327,43 @@ def test_the_readmes_python_example_runs(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "data" / "ckpt" / "LATEST").is_file()
+
+
+def test_a_triton_client_gets_predicts_figures_from_sparrow_serve(sparrow_bin, cli, data, trained, tmp_path):
+    """KServe v2 through Triton's own HTTP client (tritonclient), unchanged:
+    JSON tensors and its binary tensor extension, NaN as a missing count."""
+    import tritonclient.http as triton
+
+    ckpt, _ = trained
+    cli("export", "--checkpoint", ckpt, "--out", tmp_path / "ctr")
+    cli("predict", "--model", tmp_path / "ctr", "--data", data / "test.tsv", "--out", tmp_path / "p.txt")
+    expected = read_floats(tmp_path / "p.txt")[:64]
+    server = subprocess.Popen(
+        [str(sparrow_bin), "serve", "--model", str(tmp_path / "ctr"), "--listen", "127.0.0.1:0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        url = json.loads(server.stdout.readline())["listening"]
+        client = triton.InferenceServerClient(url)
+        assert client.is_server_live() and client.is_model_ready("ctr")
+        meta = client.get_model_metadata("ctr")
+        assert [i["name"] for i in meta["inputs"]] == CRITEO_NAMES[1:]
+        rows = [line.split("\t") for line in (data / "test.tsv").read_text().splitlines()[:64]]
+        for binary in (False, True):
+            inputs = []
+            for i, name in enumerate(CRITEO_NAMES[1:]):
+                cells = [r[1 + i] if 1 + i < len(r) else "" for r in rows]
+                if i < 13:
+                    column = np.array([float(c) if c else np.nan for c in cells], dtype=np.float32)
+                    tensor = triton.InferInput(name, [len(rows)], "FP32")
+                else:
+                    column = np.array(cells, dtype=object)
+                    tensor = triton.InferInput(name, [len(rows)], "BYTES")
+                tensor.set_data_from_numpy(column, binary_data=binary)
+                inputs.append(tensor)
+            output = triton.InferRequestedOutput("probability", binary_data=binary)
+            got = client.infer("ctr", inputs, outputs=[output]).as_numpy("probability")
+            np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+    finally:
+        server.terminate()
+        assert server.wait(timeout=10) == 0

@@ -16,7 +16,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::Router;
-use axum::extract::rejection::JsonRejection;
 use axum::extract::{DefaultBodyLimit, Path as UrlPath, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -481,26 +480,168 @@ fn model<'a>(served: &'a Served, name: &str) -> Result<&'a Served, ApiError> {
     }
 }
 
+/// The header of KServe's binary tensor extension: the JSON part's length.
+const BINARY_HEADER: &str = "inference-header-content-length";
+
+/// A request body as JSON with every input's `data` inline: a plain JSON
+/// body (any content type: Triton's client sends none), or KServe's binary
+/// tensor extension (a JSON header of `Inference-Header-Content-Length`
+/// bytes, then each input with `parameters.binary_data_size` as raw
+/// little-endian values; `BYTES` elements each a 4-byte length and the bytes).
+/// Also whether the reply's output is to be binary.
+fn decode_request(headers: &axum::http::HeaderMap, body: &[u8]) -> Result<(Value, bool), ApiError> {
+    let json_len = match headers.get(BINARY_HEADER) {
+        None => body.len(),
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|&n| n <= body.len())
+            .ok_or_else(|| bad(format!("{BINARY_HEADER}: not a length within the body ({} bytes)", body.len())))?,
+    };
+    let mut request: Value = serde_json::from_slice(&nan_as_null(&body[..json_len]))
+        .map_err(|e| bad(format!("the body is not a JSON request: {e}")))?;
+    let mut binary = &body[json_len..];
+    if let Some(inputs) = request.get_mut("inputs").and_then(Value::as_array_mut) {
+        for input in inputs {
+            let Some(size) = input.pointer("/parameters/binary_data_size").and_then(Value::as_u64) else { continue };
+            let name = input.get("name").and_then(Value::as_str).unwrap_or("?").to_string();
+            let size = usize::try_from(size).unwrap_or(usize::MAX);
+            if size > binary.len() {
+                return Err(bad(format!(
+                    "input `{name}`: binary_data_size {size}, but {} bytes of binary data are left",
+                    binary.len()
+                )));
+            }
+            let (raw, rest) = binary.split_at(size);
+            binary = rest;
+            let data = match input.get("datatype").and_then(Value::as_str) {
+                Some("FP32") if size % 4 == 0 => raw
+                    .chunks_exact(4)
+                    .map(|b| {
+                        let x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                        // NaN: a missing value, as `null` is in JSON.
+                        if x.is_nan() { Value::Null } else { json!(x) }
+                    })
+                    .collect(),
+                Some("BYTES") => {
+                    let (mut values, mut at) = (Vec::new(), raw);
+                    while !at.is_empty() {
+                        let len = at.get(..4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize);
+                        let Some(value) = len.and_then(|n| at.get(4..4 + n)) else {
+                            return Err(bad(format!("input `{name}`: a BYTES element runs past its binary data")));
+                        };
+                        let text = std::str::from_utf8(value)
+                            .map_err(|_| bad(format!("input `{name}`: a BYTES element is not UTF-8")))?;
+                        values.push(Value::String(text.to_string()));
+                        at = &at[4 + value.len()..];
+                    }
+                    values
+                }
+                other => {
+                    return Err(bad(format!(
+                        "input `{name}`: binary data of {size} bytes for datatype {}",
+                        other.unwrap_or("(none)")
+                    )));
+                }
+            };
+            input["data"] = Value::Array(data);
+        }
+    }
+    if !binary.is_empty() {
+        return Err(bad(format!("{} bytes of binary data belong to no input", binary.len())));
+    }
+    let mut binary_out = request.pointer("/parameters/binary_data_output").and_then(Value::as_bool) == Some(true);
+    if let Some(outputs) = request.get("outputs").and_then(Value::as_array) {
+        for output in outputs {
+            let name = output.get("name").and_then(Value::as_str).unwrap_or_default();
+            if name != "probability" {
+                return Err(bad(format!("output `{name}`: the model's only output is `probability`")));
+            }
+            if let Some(b) = output.pointer("/parameters/binary_data").and_then(Value::as_bool) {
+                binary_out = b;
+            }
+        }
+    }
+    Ok((request, binary_out))
+}
+
+/// `NaN` outside strings read as `null` (a missing value): numpy-based
+/// clients (Triton's) write a float column's NaN so, though JSON has no NaN.
+fn nan_as_null(json: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    if !json.windows(3).any(|w| w == b"NaN") {
+        return std::borrow::Cow::Borrowed(json);
+    }
+    let (mut out, mut in_string, mut escaped, mut i) = (Vec::with_capacity(json.len() + 16), false, false, 0);
+    while i < json.len() {
+        let b = json[i];
+        if in_string {
+            (escaped, in_string) = (!escaped && b == b'\\', in_string && (escaped || b != b'"'));
+        } else if b == b'"' {
+            in_string = true;
+        } else if json[i..].starts_with(b"NaN") {
+            out.extend_from_slice(b"null");
+            i += 3;
+            continue;
+        }
+        out.push(b);
+        i += 1;
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// The reply with its output as binary data (KServe's binary extension).
+fn binary_reply(mut reply: Value) -> Response {
+    let values: Vec<f32> = reply["outputs"][0]["data"]
+        .as_array()
+        .map(|d| d.iter().map(|v| v.as_f64().unwrap_or(f64::NAN) as f32).collect())
+        .unwrap_or_default();
+    let output = &mut reply["outputs"][0];
+    if let Some(o) = output.as_object_mut() {
+        o.remove("data");
+    }
+    output["parameters"] = json!({ "binary_data_size": values.len() * 4 });
+    let mut body = serde_json::to_vec(&reply).unwrap_or_default();
+    let json_len = body.len();
+    for v in values {
+        body.extend_from_slice(&v.to_le_bytes());
+    }
+    (
+        StatusCode::OK,
+        [
+            (axum::http::header::CONTENT_TYPE, "application/octet-stream".to_string()),
+            (axum::http::HeaderName::from_static(BINARY_HEADER), json_len.to_string()),
+        ],
+        body,
+    )
+        .into_response()
+}
+
 async fn infer(
     State(served): State<Arc<Served>>,
     UrlPath(name): UrlPath<String>,
-    body: Result<axum::Json<Value>, JsonRejection>,
+    headers: axum::http::HeaderMap,
+    body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Response {
     let start = Instant::now();
     let answer = match (model(&served, &name), body) {
         (Err(e), _) => Err(e),
         (Ok(_), Err(rejection)) => {
-            Err(ApiError(rejection.status(), format!("the body is not a JSON request: {}", rejection.body_text())))
+            Err(ApiError(rejection.status(), format!("the body cannot be read: {}", rejection.body_text())))
         }
-        (Ok(_), Ok(axum::Json(body))) => {
+        (Ok(_), Ok(body)) => {
             let s = served.clone();
-            tokio::task::spawn_blocking(move || s.infer(&body))
-                .await
-                .unwrap_or_else(|e| Err(ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())))
+            tokio::task::spawn_blocking(move || {
+                let (request, binary_out) = decode_request(&headers, &body)?;
+                s.infer(&request).map(|reply| (reply, binary_out))
+            })
+            .await
+            .unwrap_or_else(|e| Err(ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())))
         }
     };
     let response = match answer {
-        Ok(reply) => (StatusCode::OK, axum::Json(reply)).into_response(),
+        Ok((reply, true)) => binary_reply(reply),
+        Ok((reply, false)) => (StatusCode::OK, axum::Json(reply)).into_response(),
         Err(e) => e.into_response(),
     };
     served.metrics.requests.with_label_values(&[response.status().as_str()]).inc();
@@ -628,5 +769,63 @@ fn watch(served: &Served, every: Duration, running: &AtomicBool) {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn binary_body(header: &Value, tail: &[u8]) -> (axum::http::HeaderMap, Vec<u8>) {
+        let mut body = serde_json::to_vec(header).expect("json");
+        let mut headers = axum::http::HeaderMap::new();
+        headers.insert(BINARY_HEADER, body.len().to_string().parse().expect("header"));
+        body.extend_from_slice(tail);
+        (headers, body)
+    }
+
+    #[test]
+    fn binary_tensors_become_the_json_data_they_stand_for() {
+        let mut tail = Vec::new();
+        for x in [3.0f32, f32::NAN] {
+            tail.extend_from_slice(&x.to_le_bytes());
+        }
+        for s in ["ab", ""] {
+            tail.extend_from_slice(&(s.len() as u32).to_le_bytes());
+            tail.extend_from_slice(s.as_bytes());
+        }
+        let header = json!({
+            "inputs": [
+                {"name": "I1", "datatype": "FP32", "shape": [2], "parameters": {"binary_data_size": 8}},
+                {"name": "C1", "datatype": "BYTES", "shape": [2], "parameters": {"binary_data_size": 10}},
+            ],
+            "outputs": [{"name": "probability", "parameters": {"binary_data": true}}],
+        });
+        let (headers, body) = binary_body(&header, &tail);
+        let (request, binary_out) = decode_request(&headers, &body).expect("decoded");
+        assert!(binary_out);
+        assert_eq!(request["inputs"][0]["data"], json!([3.0, null]));
+        assert_eq!(request["inputs"][1]["data"], json!(["ab", ""]));
+
+        // Sizes past the data, data left over, a wrong output: 400s naming them.
+        let (headers, body) = binary_body(&header, &tail[..12]);
+        assert!(decode_request(&headers, &body).expect_err("short").1.contains("binary_data_size 10"));
+        let (headers, body) = binary_body(&header, &[&tail[..], b"xx"].concat());
+        assert!(decode_request(&headers, &body).expect_err("long").1.contains("2 bytes of binary data belong"));
+        let wrong = json!({"inputs": [], "outputs": [{"name": "logit"}]});
+        assert!(
+            decode_request(&axum::http::HeaderMap::new(), &serde_json::to_vec(&wrong).expect("json"))
+                .expect_err("output")
+                .1
+                .contains("only output is `probability`")
+        );
+    }
+
+    #[test]
+    fn nan_outside_strings_reads_as_null() {
+        let body = br#"{"inputs": [{"name": "C1", "data": ["NaN", "a\"NaN"]}, {"data": [NaN, 1.5]}]}"#;
+        let (request, _) = decode_request(&axum::http::HeaderMap::new(), body).expect("decoded");
+        assert_eq!(request["inputs"][0]["data"], json!(["NaN", "a\"NaN"]));
+        assert_eq!(request["inputs"][1]["data"], json!([null, 1.5]));
     }
 }
