@@ -367,3 +367,10 @@ def test_a_triton_client_gets_predicts_figures_from_sparrow_serve(sparrow_bin, c
     finally:
         server.terminate()
         assert server.wait(timeout=10) == 0
+
+
+def test_progress_draws_a_tqdm_bar_when_tqdm_is_installed(data, tmp_path, capfd):
+    pytest.importorskip("tqdm")
+    sparrow.train(CONFIG, **{**overrides(data, tmp_path / "c"), "train.log_interval_steps": 5})
+    err = capfd.readouterr().err
+    assert "train:" in err and "step=20" in err and "train_logloss" not in err, err[-500:]

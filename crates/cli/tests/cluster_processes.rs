@@ -359,8 +359,9 @@ fn a_role_whose_coordinator_is_gone_stops_within_the_heartbeat_timeout() {
 
 /// `checkpoint.export_every_steps` in `launch`: the coordinator exports its
 /// committed checkpoints (checkpoints are taken at the export cadence when
-/// `every_steps` is unset); the newest export predicts what the final
-/// checkpoint predicts. A cadence off the checkpoints' is refused.
+/// `every_steps` is unset), incrementally; the newest export's chain predicts
+/// what the final checkpoint predicts. A cadence off the checkpoints' is
+/// refused.
 #[test]
 fn launch_writes_serving_exports_of_its_checkpoints() {
     let tmp = tempfile::tempdir().expect("tmp");
@@ -373,7 +374,8 @@ fn launch_writes_serving_exports_of_its_checkpoints() {
         .output()
         .expect("launch");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(last_json(&out)["steps"], 79);
+    let summary = last_json(&out);
+    assert_eq!(summary["steps"], 79);
     let exports = format!("{ckpt}/exports");
     assert_eq!(std::fs::read_to_string(format!("{exports}/LATEST")).expect("LATEST").trim(), "000000000079");
     let test = tmp.path().join("data/test.tsv").display().to_string();
@@ -385,6 +387,19 @@ fn launch_writes_serving_exports_of_its_checkpoints() {
     let a = predict("--checkpoint", &ckpt, &tmp.path().join("a.txt").display().to_string());
     let b = predict("--model", &exports, &tmp.path().join("b.txt").display().to_string());
     assert_eq!(a, b);
+    // Exports at 20 (full), 40, 60 and 79 (the end): the later ones hold only
+    // the rows that changed, each naming the one before as its base.
+    let manifest = |step: u64| -> serde_json::Value {
+        let text = std::fs::read_to_string(format!("{exports}/{step:012}/manifest.json")).expect("manifest");
+        serde_json::from_str(&text).expect("json")
+    };
+    assert!(manifest(20)["base"].is_null());
+    for (step, base) in [(40, 20), (60, 40), (79, 60)] {
+        assert_eq!(manifest(step)["base"], format!("{base:012}"));
+    }
+    let (last, rows) =
+        (manifest(79)["rows"].as_u64().expect("rows"), summary["embedding_rows"].as_u64().expect("rows"));
+    assert!(last > 0 && last < rows / 2, "the last delta holds {last} of the {rows} rows");
 
     let refused = sparrow()
         .args(["launch", "--config", &config, "--shards", "1", "--workers", "1", "--quiet"])

@@ -220,9 +220,11 @@ pub fn checkpoint_every(config: &Config) -> Option<u64> {
 /// `checkpoint.export_every_steps` in a cluster job: after a checkpoint
 /// whose step is a multiple of it (or the job's last) is committed, the
 /// coordinator loads that version in a thread of its own (training goes on)
-/// and writes it to `checkpoint.dir/exports/` as a serving export; each is
-/// full (an export holding only the updated rows is `sparrow train`'s so
-/// far). One export is written at a time; the next waits for it.
+/// and writes it to `checkpoint.dir/exports/` as a serving export: like
+/// `sparrow train`'s, most hold only the rows that changed since the export
+/// before (told by their content, see
+/// [`IncrementalExports::by_content`](sparrow_trainer::export::IncrementalExports::by_content)).
+/// One export is written at a time; the next waits for it.
 pub struct ClusterExports {
     every: u64,
     exports: std::sync::Arc<parking_lot::Mutex<sparrow_trainer::export::IncrementalExports>>,
@@ -232,7 +234,7 @@ pub struct ClusterExports {
 impl ClusterExports {
     pub fn new(config: &Config) -> Option<ClusterExports> {
         let every = config.checkpoint.export_every_steps.filter(|&n| n > 0)?;
-        let exports = sparrow_trainer::export::IncrementalExports::new(config)?.always_full();
+        let exports = sparrow_trainer::export::IncrementalExports::new(config)?.by_content();
         Some(ClusterExports { every, exports: std::sync::Arc::new(parking_lot::Mutex::new(exports)), pending: None })
     }
 

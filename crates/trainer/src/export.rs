@@ -410,6 +410,11 @@ pub fn load_export(dir: &Path, overrides: &[String]) -> Result<(Trainer, ExportM
     Ok((trainer, newest.clone()))
 }
 
+enum Written {
+    Done(PathBuf),
+    NeedsFull,
+}
+
 /// `checkpoint.export_every_steps`: serving exports written while training
 /// goes on, into `checkpoint.dir/exports/NNNNNNNNNNNN` (the step), each
 /// holding only the rows updated since the previous one; the first of a
@@ -429,6 +434,10 @@ pub struct IncrementalExports {
     last_full: Option<String>,
     /// The step of the newest export written.
     pub last_step: Option<u64>,
+    /// Rows are told changed by their content instead of the table's clocks
+    /// (exports of checkpoints loaded one by one, whose clocks are not
+    /// comparable): each key's vector digest as last exported.
+    digests: Option<std::collections::HashMap<u64, u128>>,
 }
 
 impl IncrementalExports {
@@ -444,21 +453,41 @@ impl IncrementalExports {
             since_full: 0,
             last_full: None,
             last_step: None,
+            digests: None,
         })
     }
 
-    /// Every export full (the rows' clocks are not this table's to compare).
-    pub fn always_full(mut self) -> IncrementalExports {
-        self.always_full = true;
+    /// Tells the rows a delta holds by their content: a row is in it when
+    /// its vector differs from the one last exported (xxh3-128 digests, 16
+    /// bytes a row kept here) or it is new; when a row is gone (expired),
+    /// the export is full. For successive trainers loaded from
+    /// checkpoints, whose tables' clocks cannot be compared.
+    pub fn by_content(mut self) -> IncrementalExports {
+        self.digests = Some(std::collections::HashMap::new());
+        self.always_full = false;
         self
     }
 
     /// Writes the trainer's model now (its pending update applied by the caller).
     pub fn write(&mut self, trainer: &Trainer) -> Result<PathBuf, TrainError> {
+        let full = self.previous.is_none() || self.always_full || self.since_full + 1 >= self.full_every;
+        match self.write_as(trainer, full)? {
+            Written::Done(dir) => Ok(dir),
+            // By content, a row was gone: only a full export drops it.
+            Written::NeedsFull => match self.write_as(trainer, true)? {
+                Written::Done(dir) => Ok(dir),
+                Written::NeedsFull => Err(TrainError::checkpoint(&self.root, "a full export was refused")),
+            },
+        }
+    }
+
+    fn write_as(&mut self, trainer: &Trainer, full: bool) -> Result<Written, TrainError> {
         std::fs::create_dir_all(&self.root).map_err(|e| TrainError::io(&self.root, e))?;
         let clock = trainer.table.settled_clock();
-        let full = self.previous.is_none() || self.always_full || self.since_full + 1 >= self.full_every;
-        let since = if full { None } else { self.previous.as_ref().map(|(_, c)| *c) };
+        let since = if full || self.digests.is_some() { None } else { self.previous.as_ref().map(|(_, c)| *c) };
+        let previous_digests = if full { None } else { self.digests.as_ref() };
+        let mut next_digests = self.digests.as_ref().map(|d| std::collections::HashMap::with_capacity(d.len()));
+        let mut kept = 0usize;
         let name = format!("{:012}", trainer.step);
         let dir = self.root.join(&name);
         if dir.exists() {
@@ -476,6 +505,17 @@ impl IncrementalExports {
                 if since.is_some_and(|s| last_use <= s) {
                     return;
                 }
+                if let Some(next) = next_digests.as_mut() {
+                    let bytes: Vec<u8> = row[..dim].iter().flat_map(|x| x.to_le_bytes()).collect();
+                    let digest = xxhash_rust::xxh3::xxh3_128(&bytes);
+                    next.insert(key, digest);
+                    if let Some(before) = previous_digests.and_then(|d| d.get(&key)) {
+                        kept += 1;
+                        if *before == digest {
+                            return;
+                        }
+                    }
+                }
                 keys.push(key);
                 vectors.extend_from_slice(&row[..dim]);
             })?;
@@ -487,6 +527,15 @@ impl IncrementalExports {
             taken_unix_ms: Some(taken_unix_ms),
         };
         write_export_with(&dir, &trainer.config, &trainer.layout, trainer.step, &trainer.model, &meta, pages)?;
+        if let Some(previous) = previous_digests
+            && kept < previous.len()
+        {
+            std::fs::remove_dir_all(&dir).map_err(|e| TrainError::io(&dir, e))?;
+            return Ok(Written::NeedsFull);
+        }
+        if next_digests.is_some() {
+            self.digests = next_digests;
+        }
         let tmp = self.root.join(".LATEST.tmp");
         write_bytes_synced(&tmp, format!("{name}\n").as_bytes())?;
         std::fs::rename(&tmp, self.root.join("LATEST")).map_err(|e| TrainError::io(&self.root.join("LATEST"), e))?;
@@ -500,7 +549,7 @@ impl IncrementalExports {
         }
         self.previous = Some((name, clock));
         self.last_step = Some(trainer.step);
-        Ok(dir)
+        Ok(Written::Done(dir))
     }
 
     /// Removes the exports older than `keep_from` (best effort: a failure

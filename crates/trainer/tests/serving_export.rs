@@ -116,3 +116,38 @@ fn exports_need_a_checkpoint_dir() {
     let err = config.validate().expect_err("refused").to_string();
     assert!(err.contains("checkpoint.export_every_steps") && err.contains("checkpoint.dir"), "{err}");
 }
+
+/// Exports told by content (a cluster's, from successive checkpoints): a
+/// delta holds the rows whose vector changed and the new ones; a row gone
+/// since the last export makes the export full, so no reader keeps it.
+#[test]
+fn exports_by_content_hold_the_changed_rows_and_go_full_when_a_row_is_gone() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let mut config = small_config(tmp.path(), "mlp");
+    config.checkpoint.dir = Some(tmp.path().join("ck").display().to_string());
+    config.checkpoint.export_every_steps = Some(1);
+    let layout = sparrow_data::DataLayout { num_fields: 26, num_dense: 13, weighted: false };
+    let mut exports = sparrow_trainer::export::IncrementalExports::new(&config).expect("exports").by_content();
+    let trainer = |rows: &[(u64, f32)], step: u64| {
+        let mut t = sparrow_trainer::Trainer::new(&config, layout.clone()).expect("trainer");
+        let mut row = vec![0f32; t.table.row_len()];
+        for &(key, value) in rows {
+            row[0] = value;
+            t.table.put_row(key, &row).expect("row");
+        }
+        t.step = step;
+        t
+    };
+    let manifest =
+        |dir: &std::path::Path| sparrow_trainer::export::export_chain(dir).expect("chain").pop().expect("newest").1;
+    let first = exports.write(&trainer(&[(1, 1.0), (2, 2.0), (3, 3.0)], 1)).expect("first");
+    assert_eq!((manifest(&first).rows, manifest(&first).base.clone()), (3, None));
+    // Key 2 changed, key 4 is new, keys 1 and 3 are as they were.
+    let second = exports.write(&trainer(&[(1, 1.0), (2, 2.5), (3, 3.0), (4, 4.0)], 2)).expect("second");
+    assert_eq!((manifest(&second).rows, manifest(&second).base.as_deref()), (2, Some("000000000001")));
+    // Key 3 is gone: the export is full.
+    let third = exports.write(&trainer(&[(1, 1.0), (2, 2.5), (4, 4.0)], 3)).expect("third");
+    assert_eq!((manifest(&third).rows, manifest(&third).base.clone()), (3, None));
+    let (served, _) = load_export(&tmp.path().join("ck/exports"), &[]).expect("load");
+    assert_eq!(served.table.len(), 3);
+}
