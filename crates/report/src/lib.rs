@@ -36,6 +36,7 @@ struct Interval {
 
 #[derive(Clone, Debug)]
 struct Eval {
+    step: u64,
     samples: f64,
     auc: f64,
     logloss: f64,
@@ -65,7 +66,7 @@ impl Run {
                 let samples = number("samples")
                     .or_else(|| intervals.iter().rev().find(|x: &&Interval| x.step <= step).map(|x| x.samples))
                     .unwrap_or(0.0);
-                evals.push(Eval { samples, auc, logloss });
+                evals.push(Eval { step, samples, auc, logloss });
             } else {
                 let (Some(samples), Some(logloss), Some(rate)) =
                     (number("samples"), number("train_logloss"), number("samples_per_sec"))
@@ -156,18 +157,19 @@ fn ticks(lo: f64, hi: f64) -> Vec<f64> {
     (0..=12).map(|i| first + i as f64 * step).take_while(|t| *t <= hi + step * 1e-9).collect()
 }
 
-fn label(x: f64) -> String {
-    let trim = |t: String| t.trim_end_matches('0').trim_end_matches('.').to_string();
-    let a = x.abs();
-    if a >= 1e6 {
-        format!("{}M", trim(format!("{:.2}", x / 1e6)))
-    } else if a >= 1e4 {
-        format!("{}k", trim(format!("{:.1}", x / 1e3)))
-    } else if a >= 100.0 || a == 0.0 {
-        format!("{x:.0}")
-    } else {
-        trim(format!("{x:.4}"))
+/// A tick's text: as many decimals as the tick `step` needs, in k or M
+/// for large values.
+fn label(x: f64, step: f64) -> String {
+    if x.abs() < step * 1e-9 {
+        return "0".into();
     }
+    let (unit, suffix) = match x.abs().max(step) {
+        a if a >= 1e6 => (1e6, "M"),
+        a if a >= 1e4 => (1e3, "k"),
+        _ => (1.0, ""),
+    };
+    let decimals = (-(step / unit).log10().floor()).clamp(0.0, 6.0) as usize;
+    format!("{:.*}{suffix}", decimals, x / unit)
 }
 
 const W: f64 = 600.0;
@@ -205,30 +207,36 @@ fn line_chart(
     let ys = points.iter().map(|p| p.1).chain(reference.map(|r| r.0));
     let (mut y0, mut y1) = ys.fold((f64::MAX, f64::MIN), |(a, b), y| (a.min(y), b.max(y)));
     if x1 - x0 < 1e-12 {
-        (x0, x1) = (x0 - 1.0, x1 + 1.0);
+        // One point (a single evaluation): a window around it.
+        let half = (x0.abs() * 0.1).max(1.0);
+        (x0, x1) = (x0 - half, x1 + half);
     }
     let pad = ((y1 - y0) * 0.08).max(1e-6);
     (y0, y1) = (y0 - pad, y1 + pad);
     let sx = |x: f64| L + (x - x0) / (x1 - x0) * (W - L - R);
     let sy = |y: f64| H - B - (y - y0) / (y1 - y0) * (H - T - B);
-    for t in ticks(y0, y1) {
+    let y_ticks = ticks(y0, y1);
+    let y_step = y_ticks.get(1).zip(y_ticks.first()).map_or(1.0, |(b, a)| b - a);
+    for t in y_ticks {
         let _ = write!(
             svg,
             r#"<line class="grid" x1="{L}" x2="{}" y1="{y:.1}" y2="{y:.1}"/><text class="tick" x="{}" y="{:.1}" text-anchor="end">{}</text>"#,
             W - R,
             L - 6.0,
             sy(t) + 4.0,
-            label(t),
+            label(t, y_step),
             y = sy(t)
         );
     }
-    for t in ticks(x0, x1) {
+    let x_ticks = ticks(x0, x1);
+    let x_step = x_ticks.get(1).zip(x_ticks.first()).map_or(1.0, |(b, a)| b - a);
+    for t in x_ticks {
         let _ = write!(
             svg,
             r#"<line class="grid" x1="{x:.1}" x2="{x:.1}" y1="{T}" y2="{}"/><text class="tick" x="{x:.1}" y="{}" text-anchor="middle">{}</text>"#,
             H - B,
             H - B + 16.0,
-            label(t),
+            label(t, x_step),
             x = sx(t)
         );
     }
@@ -380,8 +388,9 @@ fn render(runs: &[Run], bayes: Option<f64>, title: &str) -> (String, usize) {
             r#"<tr><td><span class="swatch" style="background:{}"></span>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>"#,
             color(i),
             escape(&r.name),
-            last.map_or_else(|| "–".into(), |l| l.step.to_string()),
-            cell(last.map(|l| l.samples).or(eval.map(|e| e.samples)), 0),
+            // The run's end: its last line, interval or evaluation.
+            last.map(|l| l.step).max(eval.map(|e| e.step)).map_or_else(|| "–".into(), |s| s.to_string()),
+            cell(last.map(|l| l.samples).into_iter().chain(eval.map(|e| e.samples)).reduce(f64::max), 0),
             cell(last.map(|l| l.logloss), 5),
             cell(eval.map(|e| e.auc), 5),
             cell(eval.map(|e| e.logloss), 5),
@@ -434,6 +443,15 @@ mod tests {
         assert_eq!(ticks(0.0, 1.0), [0.0, 0.2, 0.4, 0.6000000000000001, 0.8, 1.0]);
         let t = ticks(0.7712, 0.8034);
         assert!(t.len() >= 3 && t[0] >= 0.7712 && *t.last().expect("a tick") <= 0.8034, "{t:?}");
+    }
+
+    #[test]
+    fn tick_labels_carry_the_decimals_their_step_needs() {
+        assert_eq!(label(0.0, 20_000.0), "0");
+        assert_eq!(label(40_000.0, 20_000.0), "40k");
+        assert_eq!(label(1_050_000.0, 50_000.0), "1.05M");
+        assert_eq!(label(0.85, 0.01), "0.85");
+        assert_eq!(label(0.8, 0.1), "0.8");
     }
 
     #[test]

@@ -398,7 +398,9 @@ fn train_in_pool(
             let evaluated = trainer.flush_update().and_then(|()| {
                 let (logits, labels) =
                     predict_file(&trainer, Path::new(test), &config.data, &BadRows::from_config(&config.data))?;
-                log_eval(&mut metrics, board.as_mut(), &trainer, &logits, &labels)
+                let (test_auc, test_logloss) = (auc(&logits, &labels), log_loss_from_logits(&logits, &labels));
+                let rows = labels.len() as u64;
+                log_eval(&mut metrics, board.as_mut(), &trainer, Some(test_auc), Some(test_logloss), rows)
             });
             if let Err(e) = evaluated {
                 outcome = Err(e);
@@ -516,17 +518,7 @@ fn train_in_pool(
         bayes = read_truth(test);
     }
     let eval_secs = eval_start.elapsed().as_secs_f64();
-    metrics.write(serde_json::json!({
-        "step": trainer.step,
-        "event": "eval",
-        "samples": trainer.samples_trained,
-        "test_auc": test_auc,
-        "test_logloss": test_logloss,
-        "test_rows": test_rows,
-    }))?;
-    if let (Some(board), Some(auc), Some(logloss)) = (board.as_mut(), test_auc, test_logloss) {
-        board.scalars(trainer.step, &[("test/auc", auc), ("test/logloss", logloss)])?;
-    }
+    log_eval(&mut metrics, board.as_mut(), &trainer, test_auc, test_logloss, test_rows)?;
     let train_rows = trainer.samples_trained - start_samples;
     let rows = trainer.table.len() as u64;
     // Taken after evaluation, which reads the store without counting.
@@ -567,27 +559,30 @@ fn train_in_pool(
     })
 }
 
-/// A mid-run evaluation (`train.eval_every_steps`): an `eval` line in the
-/// metrics and the test scalars on TensorBoard.
+/// An evaluation (every `train.eval_every_steps`, and the last one, which
+/// has no figures without `data.test`): an `eval` line in the metrics and
+/// the test scalars on TensorBoard.
 fn log_eval(
     metrics: &mut MetricsLog,
     board: Option<&mut TensorBoard>,
     trainer: &Trainer,
-    logits: &[f32],
-    labels: &[f32],
+    test_auc: Option<f64>,
+    test_logloss: Option<f64>,
+    test_rows: u64,
 ) -> Result<(), TrainError> {
-    let (test_auc, test_logloss) = (auc(logits, labels), log_loss_from_logits(logits, labels));
     metrics.write(serde_json::json!({
         "step": trainer.step,
         "event": "eval",
         "samples": trainer.samples_trained,
         "test_auc": test_auc,
         "test_logloss": test_logloss,
-        "test_rows": labels.len(),
+        "test_rows": test_rows,
     }))?;
-    match board {
-        Some(board) => board.scalars(trainer.step, &[("test/auc", test_auc), ("test/logloss", test_logloss)]),
-        None => Ok(()),
+    match (board, test_auc, test_logloss) {
+        (Some(board), Some(auc), Some(logloss)) => {
+            board.scalars(trainer.step, &[("test/auc", auc), ("test/logloss", logloss)])
+        }
+        _ => Ok(()),
     }
 }
 
