@@ -10,6 +10,7 @@ pub mod mlp;
 pub mod models;
 pub mod optimizer;
 pub mod params;
+pub mod peak;
 
 pub use models::{DenseModel, ModelShape, StepOutput};
 pub use optimizer::{DenseGrads, DenseOptimizer, check_finite};

@@ -107,6 +107,22 @@ pub struct TrainBench {
     pub ratio_to_peer: f64,
     /// Where the timed steps' wall time went.
     pub step_phase_secs: crate::trainer::PhaseSecs,
+    /// The dense step's arithmetic: flops per sample (forward and both
+    /// gradients of every layer), what it achieved over the `dense` phase,
+    /// and that over the fp32 FMA ceiling measured in the same run.
+    pub dense_flops_per_sample: f64,
+    pub dense_gflops: f64,
+    pub dense_share_of_fp32_peak: Option<f64>,
+}
+
+/// The machine's measured arithmetic ceilings (`sparrow_model::peak`), on
+/// the reference model's thread count.
+#[derive(Debug, Serialize)]
+pub struct Arithmetic {
+    pub peaks: sparrow_model::peak::Peaks,
+    /// bf16 ceiling over fp32's (2 on a CPU whose bf16 dot products run at
+    /// the FMA rate: the target of `model.precision = "bf16"`).
+    pub bf16_over_fp32: Option<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -127,6 +143,7 @@ pub struct BenchReport {
     pub embedding: Vec<EmbeddingBench>,
     pub memory: Option<MemoryBench>,
     pub train_step: Option<TrainBench>,
+    pub arithmetic: Arithmetic,
 }
 
 /// Resident bytes per row of a table of `rows` Adagrad rows at `dim`,
@@ -299,6 +316,14 @@ fn bench_train_step(o: &BenchOptions) -> Result<TrainBench, TrainError> {
             samples += b.rows();
         }
         let rate = samples as f64 / start.elapsed().as_secs_f64();
+        // The reference MLP's input: every field's vector and the dense values.
+        let shape = &trainer.model.shape;
+        let widths: Vec<usize> = std::iter::once(shape.num_fields * shape.embedding_dim + shape.num_dense)
+            .chain(config.model.hidden.iter().copied())
+            .chain([1])
+            .collect();
+        let flops = sparrow_model::peak::mlp_step_flops(&widths);
+        let dense_gflops = flops * samples as f64 / trainer.phase_secs.dense.max(1e-9) / 1e9;
         Ok(TrainBench {
             model: "mlp 429-256-128-1, dim 16, adagrad + adam",
             batch_size: o.batch_size,
@@ -308,6 +333,9 @@ fn bench_train_step(o: &BenchOptions) -> Result<TrainBench, TrainError> {
             peer_train_loop_samples_per_sec: PEER_TRAIN_LOOP_SAMPLES_PER_SEC,
             ratio_to_peer: rate / PEER_TRAIN_LOOP_SAMPLES_PER_SEC,
             step_phase_secs: trainer.phase_secs,
+            dense_flops_per_sample: flops,
+            dense_gflops,
+            dense_share_of_fp32_peak: None,
         })
     })
 }
@@ -331,13 +359,26 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
             embedding.push(bench_embedding(o, dim, t, ceiling)?);
         }
     }
-    let train_step = if o.train_steps > 0 {
+    let mut train_step = if o.train_steps > 0 {
         tracing::info!("bench: training step of the reference model");
         Some(bench_train_step(o)?)
     } else {
         None
     };
-    Ok(BenchReport { gather_limit: gather, embedding, memory, train_step })
+    tracing::info!("bench: fp32 FMA and bf16 dot-product ceilings");
+    let threads = train_step.as_ref().map_or(2, |t| t.threads);
+    let peaks = sparrow_model::peak::measure(threads, std::time::Duration::from_millis(500));
+    if let Some(t) = train_step.as_mut() {
+        t.dense_share_of_fp32_peak = Some(t.dense_gflops / peaks.fp32_fma.gflops);
+    }
+    let bf16_over_fp32 = peaks.bf16_dot.as_ref().map(|b| b.gflops / peaks.fp32_fma.gflops);
+    Ok(BenchReport {
+        gather_limit: gather,
+        embedding,
+        memory,
+        train_step,
+        arithmetic: Arithmetic { peaks, bf16_over_fp32 },
+    })
 }
 
 /// `sparrow bench-tier`: the reference MLP's training loop over a table of

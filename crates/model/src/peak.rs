@@ -1,0 +1,352 @@
+//! The machine's arithmetic ceiling, measured rather than looked up: how many
+//! fp32 FMA flops/s and bf16 dot-product flops/s (AVX-512-BF16's
+//! `vdpbf16ps`: two bf16 products per fp32 lane, accumulated in fp32) the
+//! cores sustain, with the widest kernel this CPU has (chosen at run time).
+//! `sparrow bench` prints them beside what the dense step achieves.
+//!
+//! [`dpbf16_portable`] is `vdpbf16ps`'s arithmetic for one lane, written
+//! out (Intel SDM: the odd pair's product added first, then the even
+//! pair's; each product and sum rounded to nearest even; denormal inputs
+//! read as zero and denormal results flushed to zero): the numerics any
+//! bf16 kernel of ours must reproduce on a CPU without the instruction.
+
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+/// One measured ceiling.
+#[derive(Clone, Debug, Serialize)]
+pub struct Peak {
+    pub gflops: f64,
+    /// The instruction measured (`avx512f vfmadd`, `avx2 vfmadd`, `scalar`, `avx512bf16 vdpbf16ps`).
+    pub kernel: &'static str,
+}
+
+/// The fp32 and bf16 ceilings on `threads` threads.
+#[derive(Clone, Debug, Serialize)]
+pub struct Peaks {
+    pub threads: usize,
+    pub fp32_fma: Peak,
+    /// None: this CPU has no AVX-512-BF16.
+    pub bf16_dot: Option<Peak>,
+}
+
+/// Independent accumulators per kernel: enough to cover the FMA latency
+/// (4 cycles) on two pipes.
+const CHAINS: usize = 12;
+
+/// Runs `block` (returning the flops it did) on `threads` threads for
+/// about `duration`; flops per second over all of them.
+fn throughput(threads: usize, duration: Duration, block: Block) -> f64 {
+    let threads = threads.max(1);
+    let start = Instant::now();
+    let flops: f64 = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(move || {
+                    let mut flops = 0.0;
+                    while start.elapsed() < duration {
+                        flops += block();
+                    }
+                    flops
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or(0.0)).sum()
+    });
+    flops / start.elapsed().as_secs_f64()
+}
+
+/// Iterations of one timed block (a few milliseconds).
+const ITERS: usize = 1 << 18;
+
+fn fp32_scalar_block() -> f64 {
+    let mut acc = [0f32; CHAINS];
+    let (x, y) = (std::hint::black_box(1.0f32), std::hint::black_box(1e-7f32));
+    for _ in 0..ITERS {
+        for a in acc.iter_mut() {
+            *a = a.mul_add(x, y);
+        }
+    }
+    std::hint::black_box(acc);
+    (ITERS * CHAINS * 2) as f64
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{CHAINS, ITERS};
+
+    #[target_feature(enable = "avx512f")]
+    fn fma512() -> [f32; 16] {
+        let (x, y) = (_mm512_set1_ps(std::hint::black_box(1.0)), _mm512_set1_ps(std::hint::black_box(1e-7)));
+        let mut acc = [_mm512_setzero_ps(); CHAINS];
+        for _ in 0..ITERS {
+            for a in acc.iter_mut() {
+                *a = _mm512_fmadd_ps(*a, x, y);
+            }
+        }
+        let mut out = [0f32; 16];
+        let sum = acc.iter().fold(_mm512_setzero_ps(), |s, a| _mm512_add_ps(s, *a));
+        #[expect(unsafe_code, reason = "SIMD intrinsics behind run-time feature detection")]
+        // SAFETY: `out` holds 16 f32, the width of one __m512 store.
+        unsafe {
+            _mm512_storeu_ps(out.as_mut_ptr(), sum)
+        };
+        out
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    fn fma256() -> [f32; 8] {
+        let (x, y) = (_mm256_set1_ps(std::hint::black_box(1.0)), _mm256_set1_ps(std::hint::black_box(1e-7)));
+        let mut acc = [_mm256_setzero_ps(); CHAINS];
+        for _ in 0..ITERS {
+            for a in acc.iter_mut() {
+                *a = _mm256_fmadd_ps(*a, x, y);
+            }
+        }
+        let mut out = [0f32; 8];
+        let sum = acc.iter().fold(_mm256_setzero_ps(), |s, a| _mm256_add_ps(s, *a));
+        #[expect(unsafe_code, reason = "SIMD intrinsics behind run-time feature detection")]
+        // SAFETY: `out` holds 8 f32, the width of one __m256 store.
+        unsafe {
+            _mm256_storeu_ps(out.as_mut_ptr(), sum)
+        };
+        out
+    }
+
+    #[target_feature(enable = "avx512bf16,avx512f")]
+    fn dpbf16() -> [f32; 16] {
+        // 1.0 and 2^-20 in bf16, as pairs in each 32-bit lane.
+        let one = _mm512_set1_epi32(std::hint::black_box(0x3f80_3f80u32 as i32));
+        let tiny = _mm512_set1_epi32(std::hint::black_box(0x3580_3580u32 as i32));
+        let (a, b) = (_mm512_castsi512_ph_bh(one), _mm512_castsi512_ph_bh(tiny));
+        let mut acc = [_mm512_setzero_ps(); CHAINS];
+        for _ in 0..ITERS {
+            for c in acc.iter_mut() {
+                *c = _mm512_dpbf16_ps(*c, a, b);
+            }
+        }
+        let mut out = [0f32; 16];
+        let sum = acc.iter().fold(_mm512_setzero_ps(), |s, a| _mm512_add_ps(s, *a));
+        #[expect(unsafe_code, reason = "SIMD intrinsics behind run-time feature detection")]
+        // SAFETY: `out` holds 16 f32, the width of one __m512 store.
+        unsafe {
+            _mm512_storeu_ps(out.as_mut_ptr(), sum)
+        };
+        out
+    }
+
+    /// `_mm512_castsi512_…` for the bf16 vector type: a reinterpretation.
+    #[target_feature(enable = "avx512bf16,avx512f")]
+    fn _mm512_castsi512_ph_bh(v: __m512i) -> __m512bh {
+        #[expect(unsafe_code, reason = "SIMD intrinsics behind run-time feature detection")]
+        // SAFETY: __m512i and __m512bh are both 512-bit vectors; every bit
+        // pattern is a valid value of either.
+        unsafe {
+            std::mem::transmute::<__m512i, __m512bh>(v)
+        }
+    }
+
+    pub fn fma512_block() -> f64 {
+        assert!(is_x86_feature_detected!("avx512f"));
+        #[expect(unsafe_code, reason = "SIMD intrinsics behind run-time feature detection")]
+        // SAFETY: the CPU has AVX-512F (asserted just above).
+        std::hint::black_box(unsafe { fma512() });
+        (ITERS * CHAINS * 16 * 2) as f64
+    }
+
+    pub fn fma256_block() -> f64 {
+        assert!(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"));
+        #[expect(unsafe_code, reason = "SIMD intrinsics behind run-time feature detection")]
+        // SAFETY: the CPU has AVX2 and FMA (asserted just above).
+        std::hint::black_box(unsafe { fma256() });
+        (ITERS * CHAINS * 8 * 2) as f64
+    }
+
+    pub fn dpbf16_block() -> f64 {
+        assert!(is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512f"));
+        #[expect(unsafe_code, reason = "SIMD intrinsics behind run-time feature detection")]
+        // SAFETY: the CPU has AVX-512F and AVX-512-BF16 (asserted just above).
+        std::hint::black_box(unsafe { dpbf16() });
+        // Each lane: two products and two additions.
+        (ITERS * CHAINS * 16 * 4) as f64
+    }
+
+    /// `vdpbf16ps` on 16 lanes: `acc[i] += a[2i+1]·b[2i+1] + a[2i]·b[2i]`.
+    #[target_feature(enable = "avx512bf16,avx512f")]
+    fn dpbf16_lanes(acc: &[f32; 16], a: &[u16; 32], b: &[u16; 32]) -> [f32; 16] {
+        #[expect(unsafe_code, reason = "SIMD intrinsics behind run-time feature detection")]
+        // SAFETY: each pointer covers exactly 64 bytes (16 f32 or 32 u16),
+        // the width of the unaligned loads and the store.
+        unsafe {
+            let va = _mm512_castsi512_ph_bh(_mm512_loadu_si512(a.as_ptr().cast()));
+            let vb = _mm512_castsi512_ph_bh(_mm512_loadu_si512(b.as_ptr().cast()));
+            let r = _mm512_dpbf16_ps(_mm512_loadu_ps(acc.as_ptr()), va, vb);
+            let mut out = [0f32; 16];
+            _mm512_storeu_ps(out.as_mut_ptr(), r);
+            out
+        }
+    }
+
+    /// The instruction itself, where the CPU has it.
+    pub fn dpbf16_simd(acc: &[f32; 16], a: &[u16; 32], b: &[u16; 32]) -> Option<[f32; 16]> {
+        if !(is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512f")) {
+            return None;
+        }
+        #[expect(unsafe_code, reason = "SIMD intrinsics behind run-time feature detection")]
+        // SAFETY: the CPU has AVX-512F and AVX-512-BF16 (checked just above).
+        Some(unsafe { dpbf16_lanes(acc, a, b) })
+    }
+}
+
+/// bf16 → f32 with denormals read as zero (sign kept).
+fn bf16_daz(x: u16) -> f32 {
+    let v = f32::from_bits(u32::from(x) << 16);
+    if v.is_subnormal() { 0.0f32.copysign(v) } else { v }
+}
+
+/// A result flushed to zero when denormal (sign kept).
+fn ftz(v: f32) -> f32 {
+    if v.is_subnormal() { 0.0f32.copysign(v) } else { v }
+}
+
+/// One lane of `vdpbf16ps`, portable: `acc + a1·b1 + a0·b0`, in that order.
+pub fn dpbf16_portable(acc: f32, a: [u16; 2], b: [u16; 2]) -> f32 {
+    let acc = ftz(acc);
+    let high = ftz(acc + ftz(bf16_daz(a[1]) * bf16_daz(b[1])));
+    ftz(high + ftz(bf16_daz(a[0]) * bf16_daz(b[0])))
+}
+
+/// `vdpbf16ps` over 16 lanes: the instruction where the CPU has it (None otherwise).
+pub fn dpbf16_simd(acc: &[f32; 16], a: &[u16; 32], b: &[u16; 32]) -> Option<[f32; 16]> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        x86::dpbf16_simd(acc, a, b)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (acc, a, b);
+        None
+    }
+}
+
+/// Flops of one sample's dense step through an MLP of these layer widths
+/// (input first): forward, the weight gradients and the input gradients
+/// (the first layer's feed the embeddings), 2 flops per multiply-add each.
+pub fn mlp_step_flops(widths: &[usize]) -> f64 {
+    6.0 * widths.windows(2).map(|w| (w[0] * w[1]) as f64).sum::<f64>()
+}
+
+/// A timed block (returning the flops it did) and the instruction it runs.
+type Block = fn() -> f64;
+type Kernel = (Block, &'static str);
+
+/// Measures both ceilings on `threads` threads, `duration` each.
+pub fn measure(threads: usize, duration: Duration) -> Peaks {
+    #[cfg(target_arch = "x86_64")]
+    let (fp32, bf16): (Kernel, Option<Kernel>) = {
+        let fp32: Kernel = if is_x86_feature_detected!("avx512f") {
+            (x86::fma512_block, "avx512f vfmadd231ps")
+        } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            (x86::fma256_block, "avx2 vfmadd231ps")
+        } else {
+            (fp32_scalar_block, "scalar mul_add")
+        };
+        let bf16 = (is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512f"))
+            .then_some((x86::dpbf16_block as Block, "avx512bf16 vdpbf16ps"));
+        (fp32, bf16)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let (fp32, bf16): (Kernel, Option<Kernel>) = ((fp32_scalar_block, "scalar mul_add"), None);
+    Peaks {
+        threads,
+        fp32_fma: Peak { gflops: throughput(threads, duration, fp32.0) / 1e9, kernel: fp32.1 },
+        bf16_dot: bf16.map(|(block, kernel)| Peak { gflops: throughput(threads, duration, block) / 1e9, kernel }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// bf16 of an f32, rounded to nearest even (how inputs become bf16).
+    fn bf16(x: f32) -> u16 {
+        let bits = x.to_bits();
+        let round = 0x7fff + ((bits >> 16) & 1);
+        (bits.wrapping_add(round) >> 16) as u16
+    }
+
+    #[test]
+    fn the_portable_lane_follows_the_documented_order_and_flushing() {
+        // 1 + 2·3 + 4·5 = 27, all exact.
+        assert_eq!(dpbf16_portable(1.0, [bf16(4.0), bf16(2.0)], [bf16(5.0), bf16(3.0)]), 27.0);
+        // 2^24 + 1 rounds back to 2^24 (ties to even), twice: each sum is rounded.
+        // The odd pair comes first: 0 - 2^24, then + 1, is exact.
+        let big = 16_777_216.0f32;
+        assert_eq!(dpbf16_portable(big, [bf16(1.0), bf16(1.0)], [bf16(1.0), bf16(1.0)]), big);
+        assert_eq!(dpbf16_portable(0.0, [bf16(1.0), bf16(big)], [bf16(1.0), bf16(-1.0)]), -big + 1.0);
+        // A denormal input reads as zero; a denormal product is flushed.
+        let denormal = 0x0001u16;
+        assert_eq!(dpbf16_portable(1.0, [0, denormal], [0, bf16(1.0e30)]), 1.0);
+        let small = bf16(1.0e-30);
+        assert_eq!(dpbf16_portable(0.0, [0, small], [0, small]), 0.0);
+    }
+
+    /// The instruction and the portable lane agree bit for bit on the same
+    /// inputs (run where the CPU has AVX-512-BF16; elsewhere only the
+    /// portable side exists and this has nothing to compare).
+    #[test]
+    fn simd_and_portable_agree_bit_for_bit() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut compared = 0;
+        for round in 0..2000 {
+            let mut acc = [0f32; 16];
+            let (mut a, mut b) = ([0u16; 32], [0u16; 32]);
+            for x in acc.iter_mut() {
+                *x = ((next() % 20_001) as f32 - 10_000.0) / 1000.0;
+            }
+            for i in 0..32 {
+                // Mostly ordinary values, some tiny (denormal products), some zero.
+                let scale = match next() % 8 {
+                    0 => 1e-20,
+                    1 => 0.0,
+                    _ => 1.0,
+                };
+                a[i] = bf16(((next() % 2001) as f32 - 1000.0) / 100.0 * scale);
+                b[i] = bf16(((next() % 2001) as f32 - 1000.0) / 100.0 * scale);
+            }
+            if round % 50 == 0 {
+                a[3] = 0x0001; // a denormal bf16
+            }
+            let Some(simd) = dpbf16_simd(&acc, &a, &b) else { return };
+            for lane in 0..16 {
+                let want = dpbf16_portable(acc[lane], [a[2 * lane], a[2 * lane + 1]], [b[2 * lane], b[2 * lane + 1]]);
+                assert_eq!(simd[lane].to_bits(), want.to_bits(), "round {round} lane {lane}: {} vs {want}", simd[lane]);
+                compared += 1;
+            }
+        }
+        assert_eq!(compared, 2000 * 16);
+    }
+
+    #[test]
+    fn the_reference_mlps_step_is_856k_flops_a_sample() {
+        assert_eq!(mlp_step_flops(&[429, 256, 128, 1]), 856_320.0);
+    }
+
+    #[test]
+    fn the_ceilings_are_measured() {
+        let peaks = measure(1, Duration::from_millis(50));
+        assert!(peaks.fp32_fma.gflops.is_finite() && peaks.fp32_fma.gflops > 0.0, "{peaks:?}");
+        if let Some(bf16) = &peaks.bf16_dot {
+            assert!(bf16.gflops.is_finite() && bf16.gflops > 0.0, "{peaks:?}");
+        }
+    }
+}
