@@ -5,6 +5,7 @@
 //! `[batch, num_dense]`; it never knows how embeddings are stored. The gradient
 //! with respect to the pooled embeddings is handed back to the caller.
 
+pub mod bf16;
 pub mod fused;
 pub mod mlp;
 pub mod models;

@@ -116,13 +116,49 @@ pub struct TrainBench {
 }
 
 /// The machine's measured arithmetic ceilings (`sparrow_model::peak`), on
-/// the reference model's thread count.
+/// the reference model's thread count, and matrix products of the
+/// reference MLP's forward shapes in fp32 (gemm) and in bf16
+/// (`sparrow_model::bf16`).
 #[derive(Debug, Serialize)]
 pub struct Arithmetic {
     pub peaks: sparrow_model::peak::Peaks,
     /// bf16 ceiling over fp32's (2 on a CPU whose bf16 dot products run at
     /// the FMA rate: the target of `model.precision = "bf16"`).
     pub bf16_over_fp32: Option<f64>,
+    pub gemm: Vec<GemmBench>,
+}
+
+/// One matrix product `m×k · k×n`, timed in fp32 and in bf16.
+#[derive(Debug, Serialize)]
+pub struct GemmBench {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub fp32_gflops: f64,
+    pub bf16_gflops: f64,
+    pub bf16_over_fp32: f64,
+}
+
+fn bench_gemm(m: usize, n: usize, k: usize, threads: usize) -> Result<GemmBench, TrainError> {
+    use sparrow_model::mlp::Operand;
+    let a: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
+    let b: Vec<f32> = (0..k * n).map(|i| ((i * 104_729) % 1000) as f32 / 1000.0 - 0.5).collect();
+    let mut c = vec![0f32; m * n];
+    let pool = crate::run::compute_pool(threads)?;
+    let mut time = |f: &mut dyn FnMut(&mut [f32])| {
+        f(&mut c);
+        let (start, mut runs) = (Instant::now(), 0u32);
+        while start.elapsed().as_secs_f64() < 0.3 {
+            f(&mut c);
+            runs += 1;
+        }
+        2.0 * (m * n * k) as f64 * f64::from(runs) / start.elapsed().as_secs_f64() / 1e9
+    };
+    let fp32 =
+        pool.install(|| time(&mut |c| sparrow_model::mlp::sgemm(m, n, k, Operand::plain(&a), Operand::plain(&b), c)));
+    let bf16 = pool
+        .install(|| time(&mut |c| sparrow_model::bf16::gemm_bf16(m, n, k, Operand::plain(&a), Operand::plain(&b), c)));
+    Ok(GemmBench { m, n, k, fp32_gflops: fp32, bf16_gflops: bf16, bf16_over_fp32: bf16 / fp32 })
 }
 
 #[derive(Debug, Serialize)]
@@ -372,12 +408,17 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
         t.dense_share_of_fp32_peak = Some(t.dense_gflops / peaks.fp32_fma.gflops);
     }
     let bf16_over_fp32 = peaks.bf16_dot.as_ref().map(|b| b.gflops / peaks.fp32_fma.gflops);
+    tracing::info!("bench: matrix products of the reference MLP's shapes, fp32 and bf16");
+    let gemm = [(o.batch_size, 256, 429), (o.batch_size, 128, 256)]
+        .iter()
+        .map(|&(m, n, k)| bench_gemm(m, n, k, threads))
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(BenchReport {
         gather_limit: gather,
         embedding,
         memory,
         train_step,
-        arithmetic: Arithmetic { peaks, bf16_over_fp32 },
+        arithmetic: Arithmetic { peaks, bf16_over_fp32, gemm },
     })
 }
 
