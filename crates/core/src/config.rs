@@ -195,6 +195,17 @@ impl ModelKind {
     }
 }
 
+/// `model.precision`: the arithmetic of the dense model's matrix products.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    #[default]
+    F32,
+    /// The products' inputs rounded to bf16 (nearest even), accumulated in
+    /// fp32; weights, gradients' sums and optimizer state stay fp32.
+    Bf16,
+}
+
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Pooling {
@@ -216,6 +227,9 @@ pub struct ModelConfig {
     pub cross_layers: usize,
     /// How the IDs of one multi-hot field are combined.
     pub pooling: Pooling,
+    /// `f32`, or `bf16`: the MLP stacks' matrix products (forward and both
+    /// gradients) take bf16-rounded inputs and accumulate in fp32.
+    pub precision: Precision,
 }
 
 impl Default for ModelConfig {
@@ -227,6 +241,7 @@ impl Default for ModelConfig {
             bottom_hidden: vec![64],
             cross_layers: 2,
             pooling: Pooling::Sum,
+            precision: Precision::F32,
         }
     }
 }

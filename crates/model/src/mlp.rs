@@ -12,6 +12,8 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor, Var};
 
+use sparrow_core::config::Precision;
+
 use crate::ModelError;
 use crate::params::ParamStore;
 
@@ -30,6 +32,27 @@ struct LayerSlot {
 struct MlpShape {
     layers: Vec<LayerSlot>,
     num_params: usize,
+    precision: Precision,
+}
+
+/// `dst = op(a)·op(b)` in the model's precision; `threads`: at most that
+/// many threads (fp32; the bf16 kernel splits rows over the current pool).
+#[expect(clippy::too_many_arguments, reason = "a matrix product's shape, operands and where it runs")]
+fn matmul(
+    precision: Precision,
+    threads: Option<usize>,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand<'_>,
+    b: Operand<'_>,
+    dst: &mut [f32],
+) {
+    match (precision, threads) {
+        (Precision::F32, None) => sgemm(m, n, k, a, b, dst),
+        (Precision::F32, Some(t)) => sgemm_threads(m, n, k, a, b, dst, t),
+        (Precision::Bf16, _) => crate::bf16::gemm_bf16(m, n, k, a, b, dst),
+    }
 }
 
 /// An MLP whose weights are one flat variable (one gradient, one optimizer pass).
@@ -48,6 +71,7 @@ impl Mlp {
         input: usize,
         sizes: &[usize],
         relu_last: bool,
+        precision: Precision,
     ) -> Result<Mlp, ModelError> {
         let mut layers = Vec::with_capacity(sizes.len());
         let mut data = Vec::new();
@@ -65,7 +89,7 @@ impl Mlp {
         }
         let num_params = data.len();
         let params = ps.push(format!("{name}.params"), data, &[num_params])?;
-        Ok(Mlp { shape: Arc::new(MlpShape { layers, num_params }), params })
+        Ok(Mlp { shape: Arc::new(MlpShape { layers, num_params, precision }), params })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
@@ -219,7 +243,8 @@ fn sized(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
 }
 
 /// Forward pass into `scratch`.
-fn forward_into(layers: &[LayerSlot], p: &[f32], x: &[f32], rows: usize, scratch: &mut MlpScratch) {
+fn forward_into(shape: &MlpShape, p: &[f32], x: &[f32], rows: usize, scratch: &mut MlpScratch) {
+    let layers = &shape.layers;
     scratch.hidden.resize_with(layers.len().saturating_sub(1), Vec::new);
     scratch.rows = rows;
     for (i, l) in layers.iter().enumerate() {
@@ -232,7 +257,7 @@ fn forward_into(layers: &[LayerSlot], p: &[f32], x: &[f32], rows: usize, scratch
         } else {
             sized(&mut scratch.output, rows * l.fan_out)
         };
-        sgemm(rows, l.fan_out, l.fan_in, Operand::plain(input), Operand::plain(w), out);
+        matmul(shape.precision, None, rows, l.fan_out, l.fan_in, Operand::plain(input), Operand::plain(w), out);
         add_bias(out, &p[l.b..l.b + l.fan_out], l.relu);
     }
 }
@@ -264,13 +289,13 @@ fn backward_into(shape: &MlpShape, p: &[f32], x: &[f32], grad_out: &[f32], scrat
         let g_ref = &g;
         rayon::join(
             || {
-                sgemm_threads(fi, fo, rows, Operand::t(input), Operand::plain(g_ref), dw, 1);
+                matmul(shape.precision, Some(1), fi, fo, rows, Operand::t(input), Operand::plain(g_ref), dw);
                 // db = Σ_rows g
                 for row in g_ref.chunks_exact(fo) {
                     db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
                 }
             },
-            || sgemm_threads(rows, fi, fo, Operand::plain(g_ref), Operand::t(w), gi, 1),
+            || matmul(shape.precision, Some(1), rows, fi, fo, Operand::plain(g_ref), Operand::t(w), gi),
         );
         // Through the previous layer's ReLU.
         if i > 0 {
@@ -297,7 +322,7 @@ impl Mlp {
     pub fn forward_cpu(&self, x: &[f32], rows: usize, scratch: &mut MlpScratch) -> Result<(), ModelError> {
         self.check_input(x.len(), rows)?;
         let (ps, pl) = self.params.storage_and_layout();
-        forward_into(&self.shape.layers, cpu(&ps, pl)?, x, rows, scratch);
+        forward_into(&self.shape, cpu(&ps, pl)?, x, rows, scratch);
         Ok(())
     }
 
@@ -331,7 +356,7 @@ impl CustomOp2 for FusedMlp {
         }
         let rows = xl.dims()[0];
         let mut scratch = self.scratch.lock().map_err(|_| err("poisoned"))?;
-        forward_into(layers, p, x, rows, &mut scratch);
+        forward_into(&self.shape, p, x, rows, &mut scratch);
         Ok((CpuStorage::F32(scratch.output.clone()), Shape::from((rows, last.fan_out))))
     }
 
@@ -388,12 +413,93 @@ mod tests {
         }
     }
 
+    /// `model.precision = "bf16"`: the fused forward and backward against an
+    /// f64 reference that rounds every product's inputs to bf16 (activations,
+    /// weights, gradients), each layer's output kept in f32 as the fused
+    /// path keeps it. Only the accumulation differs (fp32 against f64).
+    #[test]
+    fn bf16_forward_and_backward_match_an_f64_reference_with_bf16_inputs() {
+        let bf = |x: f32| f64::from(f32::from_bits(u32::from(crate::bf16::round_bf16(x)) << 16));
+        let dev = Device::Cpu;
+        let (rows, sizes, input) = (9, [13usize, 7, 3], 11usize);
+        let mut ps = ParamStore::new(5, dev.clone());
+        let mlp = Mlp::new(&mut ps, "m", input, &sizes, false, Precision::Bf16).expect("mlp");
+        let f32_mlp = {
+            let mut ps = ParamStore::new(5, dev);
+            Mlp::new(&mut ps, "m", input, &sizes, false, Precision::F32).expect("mlp")
+        };
+        let mut rng = Rng::new(4);
+        let x: Vec<f32> = (0..rows * input).map(|_| rng.normal() as f32).collect();
+        let grad_out: Vec<f32> = (0..rows * 3).map(|_| rng.normal() as f32).collect();
+        let p: Vec<f32> = mlp.params().as_tensor().to_vec1().expect("params");
+
+        // The reference, layer by layer.
+        let mut acts: Vec<Vec<f32>> = vec![x.clone()];
+        for l in &mlp.shape.layers {
+            let a = acts.last().expect("input");
+            let mut out = vec![0f32; rows * l.fan_out];
+            for r in 0..rows {
+                for j in 0..l.fan_out {
+                    let dot: f64 =
+                        (0..l.fan_in).map(|i| bf(a[r * l.fan_in + i]) * bf(p[l.w + i * l.fan_out + j])).sum();
+                    let v = (dot + f64::from(p[l.b + j])) as f32;
+                    out[r * l.fan_out + j] = if l.relu { v.max(0.0) } else { v };
+                }
+            }
+            acts.push(out);
+        }
+        let mut g = grad_out.clone();
+        let mut grad_p = vec![0f64; p.len()];
+        for (li, l) in mlp.shape.layers.iter().enumerate().rev() {
+            let a = &acts[li];
+            for i in 0..l.fan_in {
+                for j in 0..l.fan_out {
+                    grad_p[l.w + i * l.fan_out + j] =
+                        (0..rows).map(|r| bf(a[r * l.fan_in + i]) * bf(g[r * l.fan_out + j])).sum();
+                }
+            }
+            for j in 0..l.fan_out {
+                grad_p[l.b + j] = (0..rows).map(|r| f64::from(g[r * l.fan_out + j])).sum();
+            }
+            let mut gi = vec![0f32; rows * l.fan_in];
+            for r in 0..rows {
+                for i in 0..l.fan_in {
+                    let v: f64 =
+                        (0..l.fan_out).map(|j| bf(g[r * l.fan_out + j]) * bf(p[l.w + i * l.fan_out + j])).sum();
+                    let through = li == 0 || a[r * l.fan_in + i] > 0.0;
+                    gi[r * l.fan_in + i] = if through { v as f32 } else { 0.0 };
+                }
+            }
+            g = gi;
+        }
+
+        let mut scratch = MlpScratch::default();
+        mlp.forward_cpu(&x, rows, &mut scratch).expect("forward");
+        let close = |got: f32, want: f64, what: &str| {
+            assert!((f64::from(got) - want).abs() <= 1e-5 * (1.0 + want.abs()), "{what}: {got} vs {want}");
+        };
+        for (o, want) in scratch.output.iter().zip(&acts[3]) {
+            close(*o, f64::from(*want), "output");
+        }
+        let got_p = mlp.backward_cpu(&x, &grad_out, &mut scratch).expect("backward");
+        for (i, (got, want)) in got_p.iter().zip(&grad_p).enumerate() {
+            close(*got, *want, &format!("d param {i}"));
+        }
+        for (got, want) in scratch.grad_input.iter().zip(&g) {
+            close(*got, f64::from(*want), "d input");
+        }
+        // And bf16 is not f32: the same weights give other outputs.
+        let mut f32_scratch = MlpScratch::default();
+        f32_mlp.forward_cpu(&x, rows, &mut f32_scratch).expect("forward");
+        assert!(f32_scratch.output.iter().zip(&scratch.output).any(|(a, b)| a != b));
+    }
+
     #[test]
     fn fused_path_equals_candle_ops_forward_and_backward() {
         let dev = Device::Cpu;
         for relu_last in [false, true] {
             let mut ps = ParamStore::new(7, dev.clone());
-            let mlp = Mlp::new(&mut ps, "m", 6, &[5, 4, 3], relu_last).expect("mlp");
+            let mlp = Mlp::new(&mut ps, "m", 6, &[5, 4, 3], relu_last, Precision::F32).expect("mlp");
             let mut rng = Rng::new(2);
             let x: Vec<f32> = (0..7 * 6).map(|_| rng.normal() as f32).collect();
             let x = Var::from_tensor(&Tensor::from_vec(x, (7, 6), &dev).expect("x")).expect("var");

@@ -90,19 +90,21 @@ impl DenseModel {
                 bias = Some(ps.zeros("bias".into(), &[1])?);
                 Net::Fm { dense: with_dense(&mut ps, nd)? }
             }
-            ModelKind::Mlp => Net::Mlp { mlp: Mlp::new(&mut ps, "mlp", f * d + nd, &head(&config.hidden), false)? },
+            ModelKind::Mlp => {
+                Net::Mlp { mlp: Mlp::new(&mut ps, "mlp", f * d + nd, &head(&config.hidden), false, config.precision)? }
+            }
             ModelKind::WideDeep => {
                 bias = Some(ps.zeros("bias".into(), &[1])?);
                 Net::WideDeep {
                     dense: with_dense(&mut ps, nd)?,
-                    deep: Mlp::new(&mut ps, "deep", f * d + nd, &head(&config.hidden), false)?,
+                    deep: Mlp::new(&mut ps, "deep", f * d + nd, &head(&config.hidden), false, config.precision)?,
                 }
             }
             ModelKind::Deepfm => {
                 bias = Some(ps.zeros("bias".into(), &[1])?);
                 Net::DeepFm {
                     dense: with_dense(&mut ps, nd)?,
-                    deep: Mlp::new(&mut ps, "deep", f * d + nd, &head(&config.hidden), false)?,
+                    deep: Mlp::new(&mut ps, "deep", f * d + nd, &head(&config.hidden), false, config.precision)?,
                 }
             }
             ModelKind::Dlrm => {
@@ -110,7 +112,7 @@ impl DenseModel {
                     None
                 } else {
                     let sizes: Vec<usize> = config.bottom_hidden.iter().copied().chain(std::iter::once(d)).collect();
-                    Some(Mlp::new(&mut ps, "bottom", nd, &sizes, true)?)
+                    Some(Mlp::new(&mut ps, "bottom", nd, &sizes, true, config.precision)?)
                 };
                 let n = f + usize::from(nd > 0);
                 // Upper triangle (i < j) of the n×n dot-product matrix, flattened.
@@ -118,14 +120,22 @@ impl DenseModel {
                 let num_pairs = pairs.len();
                 let pairs = Tensor::from_vec(pairs, num_pairs, &device)?;
                 let top_in = num_pairs + if nd > 0 { d } else { 0 };
-                Net::Dlrm { bottom, top: Mlp::new(&mut ps, "top", top_in, &head(&config.hidden), false)?, pairs, n }
+                Net::Dlrm {
+                    bottom,
+                    top: Mlp::new(&mut ps, "top", top_in, &head(&config.hidden), false, config.precision)?,
+                    pairs,
+                    n,
+                }
             }
             ModelKind::Dcn => {
                 let x_dim = f * d + nd;
                 let cross = (0..config.cross_layers)
                     .map(|l| Linear::new(&mut ps, &format!("cross.{l}"), x_dim, x_dim))
                     .collect::<Result<Vec<_>, _>>()?;
-                Net::Dcn { cross, deep: Mlp::new(&mut ps, "deep", x_dim, &head(&config.hidden), false)? }
+                Net::Dcn {
+                    cross,
+                    deep: Mlp::new(&mut ps, "deep", x_dim, &head(&config.hidden), false, config.precision)?,
+                }
             }
         };
         Ok(DenseModel { kind: config.kind, shape, params: ps, net, bias, scratch: Default::default() })

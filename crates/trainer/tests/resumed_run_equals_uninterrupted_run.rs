@@ -39,8 +39,12 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
     let tmp = tempfile::tempdir().expect("tmp");
     let data = tmp.path().join("data");
     common::small_data(&data, 4000, 500);
-    for kind in ["dlrm", "deepfm", "mlp"] {
-        let mut base = common::small_config(&data, kind);
+    // `mlp-bf16`: model.precision = "bf16" resumes bit for bit too.
+    for kind in ["dlrm", "deepfm", "mlp", "mlp-bf16"] {
+        let mut base = common::small_config(&data, kind.trim_end_matches("-bf16"));
+        if kind.ends_with("-bf16") {
+            base.model.precision = sparrow_core::config::Precision::Bf16;
+        }
         base.train.epochs = 2; // the stop falls in the first epoch, the end in the second
 
         let full_dir = tmp.path().join(format!("{kind}-full"));
