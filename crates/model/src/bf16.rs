@@ -11,7 +11,7 @@
 
 use rayon::prelude::*;
 
-use crate::mlp::Operand;
+use crate::matrix::Operand;
 use crate::peak::dpbf16_portable;
 
 /// bf16 of an f32, rounded to nearest even (NaN stays a quiet NaN).
@@ -102,7 +102,7 @@ mod simd {
     use rayon::prelude::*;
 
     use super::{pack_cols, pack_rows};
-    use crate::mlp::Operand;
+    use crate::matrix::Operand;
 
     /// A tile: 8 rows × 32 columns, 16 accumulators.
     const MR: usize = 8;

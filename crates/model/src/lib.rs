@@ -7,6 +7,7 @@
 
 pub mod bf16;
 pub mod fused;
+pub mod matrix;
 pub mod mlp;
 pub mod models;
 pub mod optimizer;

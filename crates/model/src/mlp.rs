@@ -15,6 +15,7 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor, 
 use sparrow_core::config::Precision;
 
 use crate::ModelError;
+pub use crate::matrix::Operand;
 use crate::params::ParamStore;
 
 /// Where each layer's weights live in the flat parameter vector.
@@ -118,22 +119,6 @@ impl Mlp {
 
     pub fn params(&self) -> &Var {
         &self.params
-    }
-}
-
-/// A row-major matrix operand, used as stored or transposed.
-#[derive(Clone, Copy)]
-pub struct Operand<'a> {
-    pub data: &'a [f32],
-    pub transposed: bool,
-}
-
-impl<'a> Operand<'a> {
-    pub fn plain(data: &'a [f32]) -> Self {
-        Operand { data, transposed: false }
-    }
-    pub fn t(data: &'a [f32]) -> Self {
-        Operand { data, transposed: true }
     }
 }
 
