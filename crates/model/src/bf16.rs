@@ -24,37 +24,79 @@ pub fn round_bf16(x: f32) -> u16 {
     (bits.wrapping_add(round) >> 16) as u16
 }
 
-/// Element (row, col) of `op` seen as a `rows × cols` matrix.
-fn at(op: &Operand<'_>, rows: usize, cols: usize, row: usize, col: usize) -> f32 {
-    if op.transposed { op.data[col * rows + row] } else { op.data[row * cols + col] }
+/// Two bf16 (nearest even) in a dword, the first in the low half (as
+/// `vdpbf16ps` reads a lane).
+fn pair(lo: f32, hi: f32) -> u32 {
+    u32::from(round_bf16(lo)) | (u32::from(round_bf16(hi)) << 16)
 }
 
-/// `a` (m×k) as bf16 pairs along k: `m × pairs` dwords, the even element in
-/// the low half (as `vdpbf16ps` reads a lane); an odd k is padded with 0.
+/// `a` (m×k) as bf16 pairs along k: `rows_to × pairs` dwords (rows past m
+/// are 0); an odd k is padded with 0. Rows in parallel; a plain operand is
+/// read along its rows, a transposed one (stored k×m) down its columns.
 fn pack_rows(m: usize, k: usize, a: &Operand<'_>, rows_to: usize) -> Vec<u32> {
     let pairs = k.div_ceil(2);
     let mut out = vec![0u32; rows_to * pairs];
-    for i in 0..m {
-        for p in 0..pairs {
-            let lo = round_bf16(at(a, m, k, i, 2 * p));
-            let hi = if 2 * p + 1 < k { round_bf16(at(a, m, k, i, 2 * p + 1)) } else { 0 };
-            out[i * pairs + p] = u32::from(lo) | (u32::from(hi) << 16);
-        }
+    if pairs == 0 {
+        return out;
+    }
+    let data = a.data;
+    if a.transposed {
+        out[..m * pairs].par_chunks_mut(pairs).enumerate().for_each(|(i, out)| {
+            for (p, o) in out.iter_mut().enumerate() {
+                let hi = if 2 * p + 1 < k { data[(2 * p + 1) * m + i] } else { 0.0 };
+                *o = pair(data[2 * p * m + i], hi);
+            }
+        });
+    } else {
+        out[..m * pairs].par_chunks_mut(pairs).zip(data.par_chunks(k)).for_each(|(out, row)| {
+            let mut two = row.chunks_exact(2);
+            for (o, c) in out.iter_mut().zip(&mut two) {
+                *o = pair(c[0], c[1]);
+            }
+            if let [last] = two.remainder() {
+                out[pairs - 1] = pair(*last, 0.0);
+            }
+        });
     }
     out
 }
 
 /// `b` (k×n) as bf16 pairs along k: `pairs × cols_to` dwords (columns past
-/// n are 0).
+/// n are 0). A plain operand: rows 2p and 2p+1 side by side, pairs in
+/// parallel; a transposed one (stored n×k): each column's pairs are
+/// adjacent in memory.
 fn pack_cols(k: usize, n: usize, b: &Operand<'_>, cols_to: usize) -> Vec<u32> {
     let pairs = k.div_ceil(2);
     let mut out = vec![0u32; pairs * cols_to];
-    for p in 0..pairs {
+    if n == 0 || pairs == 0 {
+        return out;
+    }
+    let data = b.data;
+    if b.transposed {
         for j in 0..n {
-            let lo = round_bf16(at(b, k, n, 2 * p, j));
-            let hi = if 2 * p + 1 < k { round_bf16(at(b, k, n, 2 * p + 1, j)) } else { 0 };
-            out[p * cols_to + j] = u32::from(lo) | (u32::from(hi) << 16);
+            let column = &data[j * k..(j + 1) * k];
+            let mut two = column.chunks_exact(2);
+            for (p, c) in (&mut two).enumerate() {
+                out[p * cols_to + j] = pair(c[0], c[1]);
+            }
+            if let [last] = two.remainder() {
+                out[(pairs - 1) * cols_to + j] = pair(*last, 0.0);
+            }
         }
+    } else {
+        out.par_chunks_mut(cols_to).enumerate().for_each(|(p, out)| {
+            let even = &data[2 * p * n..(2 * p + 1) * n];
+            if 2 * p + 1 < k {
+                let odd = &data[(2 * p + 1) * n..(2 * p + 2) * n];
+                for ((o, &lo), &hi) in out.iter_mut().zip(even).zip(odd) {
+                    *o = pair(lo, hi);
+                }
+            } else {
+                for (o, &lo) in out.iter_mut().zip(even) {
+                    *o = pair(lo, 0.0);
+                }
+            }
+        });
     }
     out
 }
