@@ -754,6 +754,9 @@ impl Config {
         if self.checkpoint.full_every == 0 {
             return invalid("checkpoint.full_every", "must be at least 1 (1: every checkpoint is full)");
         }
+        if self.train.eval_every_steps.is_some_and(|n| n > 0) && self.data.test.is_none() {
+            return invalid("train.eval_every_steps", "needs data.test (the file it evaluates on)");
+        }
         if self.checkpoint.export_every_steps.is_some_and(|n| n > 0) && self.checkpoint.dir.is_none() {
             return invalid(
                 "checkpoint.export_every_steps",

@@ -68,11 +68,11 @@ impl Run {
                     .unwrap_or(0.0);
                 evals.push(Eval { step, samples, auc, logloss });
             } else {
-                let (Some(samples), Some(logloss), Some(rate)) =
-                    (number("samples"), number("train_logloss"), number("samples_per_sec"))
-                else {
-                    return Err(bad("an interval line needs `samples`, `train_logloss` and `samples_per_sec`".into()));
+                let (Some(samples), Some(rate)) = (number("samples"), number("samples_per_sec")) else {
+                    return Err(bad("an interval line needs `samples` and `samples_per_sec`".into()));
                 };
+                // A diverged interval's loss is written as null: a gap in the curve.
+                let logloss = number("train_logloss").unwrap_or(f64::NAN);
                 let phases =
                     v.get("phase_secs").map(|p| PHASES.map(|k| p.get(k).and_then(Value::as_f64).unwrap_or(0.0)));
                 intervals.push(Interval { step, samples, logloss, rate, phases });
@@ -193,6 +193,17 @@ fn line_chart(
         r#"<svg class="plot" data-plot="{id}" viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img" aria-label="{t}"><text class="title" x="{L}" y="20">{t}</text>"#,
         t = escape(title)
     );
+    // Non-finite points (a diverged interval) are left out.
+    let series: Vec<Series> = series
+        .iter()
+        .map(|s| Series {
+            name: s.name,
+            color: s.color,
+            points: s.points.iter().copied().filter(|(x, y)| x.is_finite() && y.is_finite()).collect(),
+            markers: s.markers,
+        })
+        .collect();
+    let series = &series[..];
     let points: Vec<(f64, f64)> = series.iter().flat_map(|s| s.points.iter().copied()).collect();
     if points.is_empty() {
         let _ = write!(
@@ -464,5 +475,15 @@ mod tests {
         assert!(err.contains("m.jsonl:2") && err.contains("not a JSON line"), "{err}");
         std::fs::write(&path, "").expect("write");
         assert!(Run::read(&path).expect_err("refused").to_string().contains("no metrics line"));
+        // A diverged interval (its loss null) is a gap, not an error.
+        std::fs::write(
+            &path,
+            "{\"step\":1,\"samples\":10,\"train_logloss\":null,\"samples_per_sec\":9}\n\
+             {\"step\":2,\"samples\":20,\"train_logloss\":0.5,\"samples_per_sec\":9}\n",
+        )
+        .expect("write");
+        let run = Run::read(&path).expect("read");
+        let (html, _) = render(&[run], None, "t");
+        assert!(html.contains(r#"data-points="1""#) && !html.contains("NaN"), "{html}");
     }
 }

@@ -410,6 +410,27 @@ pub fn load_export(dir: &Path, overrides: &[String]) -> Result<(Trainer, ExportM
     Ok((trainer, newest.clone()))
 }
 
+/// Pages of (key, vector) from `table` for [`write_export`], the rows that
+/// `keep(key, last_use, row)` accepts.
+pub fn row_pages<'a>(
+    table: &'a sparrow_embedding::EmbeddingTable,
+    mut keep: impl FnMut(u64, u64, &[f32]) -> bool + 'a,
+) -> impl FnMut() -> Result<RowPage, TrainError> + 'a {
+    let dim = table.dim();
+    let mut cursor = Some((0usize, 0usize));
+    move || {
+        let Some(at) = cursor else { return Ok(None) };
+        let (mut keys, mut vectors) = (Vec::new(), Vec::new());
+        cursor = table.rows_from(at, 4096, |key, last_use, row| {
+            if keep(key, last_use, row) {
+                keys.push(key);
+                vectors.extend_from_slice(&row[..dim]);
+            }
+        })?;
+        Ok(Some((keys, vectors)))
+    }
+}
+
 enum Written {
     Done(PathBuf),
     NeedsFull,
@@ -497,30 +518,23 @@ impl IncrementalExports {
         let taken_unix_ms =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
         let dim = trainer.table.dim();
-        let mut cursor = Some((0usize, 0usize));
-        let pages = || {
-            let Some(at) = cursor else { return Ok(None) };
-            let (mut keys, mut vectors) = (Vec::new(), Vec::new());
-            cursor = trainer.table.rows_from(at, 4096, |key, last_use, row| {
-                if since.is_some_and(|s| last_use <= s) {
-                    return;
+        let mut bytes = Vec::with_capacity(dim * 4);
+        let pages = row_pages(&trainer.table, |key, last_use, row| {
+            if since.is_some_and(|s| last_use <= s) {
+                return false;
+            }
+            if let Some(next) = next_digests.as_mut() {
+                bytes.clear();
+                bytes.extend(row[..dim].iter().flat_map(|x| x.to_le_bytes()));
+                let digest = xxhash_rust::xxh3::xxh3_128(&bytes);
+                next.insert(key, digest);
+                if let Some(before) = previous_digests.and_then(|d| d.get(&key)) {
+                    kept += 1;
+                    return *before != digest;
                 }
-                if let Some(next) = next_digests.as_mut() {
-                    let bytes: Vec<u8> = row[..dim].iter().flat_map(|x| x.to_le_bytes()).collect();
-                    let digest = xxhash_rust::xxh3::xxh3_128(&bytes);
-                    next.insert(key, digest);
-                    if let Some(before) = previous_digests.and_then(|d| d.get(&key)) {
-                        kept += 1;
-                        if *before == digest {
-                            return;
-                        }
-                    }
-                }
-                keys.push(key);
-                vectors.extend_from_slice(&row[..dim]);
-            })?;
-            Ok(Some((keys, vectors)))
-        };
+            }
+            true
+        });
         let meta = ExportMeta {
             dtype: None,
             base: if full { None } else { self.previous.as_ref().map(|(n, _)| n.clone()) },

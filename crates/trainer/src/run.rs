@@ -795,17 +795,7 @@ pub fn export_checkpoint(
         ));
     }
     let (trainer, manifest, _) = checkpoint::load_trainer(checkpoint, &[])?;
-    let dim = trainer.table.dim();
-    let mut cursor = Some((0usize, 0usize));
-    let pages = || {
-        let Some(at) = cursor else { return Ok(None) };
-        let (mut keys, mut vectors) = (Vec::new(), Vec::new());
-        cursor = trainer.table.rows_from(at, 4096, |key, _, row| {
-            keys.push(key);
-            vectors.extend_from_slice(&row[..dim]);
-        })?;
-        Ok(Some((keys, vectors)))
-    };
+    let pages = crate::export::row_pages(&trainer.table, |_, _, _| true);
     let written = crate::export::write_export_as(
         out,
         &trainer.config,

@@ -50,3 +50,15 @@ fn periodic_evaluation_and_tensorboard_leave_the_model_unchanged() {
     let auc_steps: Vec<i64> = scalars.iter().filter(|(_, t)| t == "test/auc").map(|(s, _)| *s).collect();
     assert_eq!(auc_steps, [10, 20, 30, 32]);
 }
+
+/// Periodic evaluation without a test file would evaluate nothing, silently:
+/// refused, naming both keys.
+#[test]
+fn periodic_evaluation_needs_a_test_file() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let mut config = small_config(tmp.path(), "mlp");
+    config.data.test = None;
+    config.train.eval_every_steps = Some(10);
+    let err = config.validate().expect_err("refused").to_string();
+    assert!(err.contains("train.eval_every_steps") && err.contains("data.test"), "{err}");
+}
