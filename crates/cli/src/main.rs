@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use sparrow_core::Config;
+use sparrow_core::config::EmbeddingDtype;
 
 #[derive(Parser)]
 #[command(
@@ -156,6 +157,9 @@ enum Command {
         /// Thread counts to measure the embedding path with.
         #[arg(long, value_delimiter = ',', default_value = "1,2")]
         threads: Vec<usize>,
+        /// `embedding.dtype`s to measure the embedding path with (f32, f16, bf16).
+        #[arg(long, value_delimiter = ',', default_value = "f32,f16")]
+        dtypes: Vec<String>,
         /// Training steps timed on the reference model (0 skips it).
         #[arg(long, default_value_t = 300)]
         train_steps: usize,
@@ -523,9 +527,19 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             compare.insert(0, metrics);
             print_json(&sparrow_report::write_report(&compare, truth.as_deref(), title.as_deref(), &out)?)
         }
-        Command::Bench { dims, table_rows, batches, threads, train_steps, memory_rows, gather_limit } => {
+        Command::Bench { dims, table_rows, batches, threads, dtypes, train_steps, memory_rows, gather_limit } => {
+            let dtypes = dtypes
+                .iter()
+                .map(|d| match d.as_str() {
+                    "f32" => Ok(EmbeddingDtype::F32),
+                    "f16" => Ok(EmbeddingDtype::F16),
+                    "bf16" => Ok(EmbeddingDtype::Bf16),
+                    other => Err(anyhow::anyhow!("--dtypes: `{other}` is not f32, f16 or bf16")),
+                })
+                .collect::<Result<_, _>>()?;
             let options = sparrow_trainer::bench::BenchOptions {
                 dims,
+                dtypes,
                 table_rows,
                 batches,
                 thread_counts: threads,

@@ -110,6 +110,56 @@ fn launch_trains_the_same_model_as_train_and_leaves_nothing_behind() {
     assert_eq!(eval["auc"], two["test_auc"], "the checkpoint holds the evaluated model");
 }
 
+/// `embedding.dtype = "f16"`: shards store half rows and send half vectors
+/// over gRPC; `launch` still trains `train`'s model bit for bit, its workers
+/// receive fewer bytes from the shards, and its checkpoint is smaller.
+#[test]
+fn half_rows_train_the_same_model_in_launch_with_fewer_bytes_on_the_wire() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "6000");
+    let config = write_config(tmp.path(), "");
+    let run = |command: &str, dtype: &str, ckpt: &str| {
+        let ckpt = format!("checkpoint.dir={:?}", tmp.path().join(ckpt).display().to_string());
+        let dtype = format!("embedding.dtype=\"{dtype}\"");
+        let mut cmd = sparrow();
+        cmd.args([command, "--config", &config, "--quiet", "--set", &dtype, "--set", &ckpt]);
+        if command == "launch" {
+            cmd.args(["--shards", "2", "--workers", "1"]);
+        }
+        let out = cmd.output().expect("run");
+        assert!(out.status.success(), "{command} {dtype}: {}", String::from_utf8_lossy(&out.stderr));
+        last_json(&out)
+    };
+    let half_train = run("train", "f16", "train-f16");
+    let half_launch = run("launch", "f16", "launch-f16");
+    let full_launch = run("launch", "f32", "launch-f32");
+    assert_eq!(half_launch["test_auc"], half_train["test_auc"], "launch vs train in f16");
+    assert_ne!(half_launch["test_auc"], full_launch["test_auc"], "f16 rows round");
+    let from_shards = |j: &serde_json::Value| j["worker_in_bytes_per_sample"]["shards"].as_f64().expect("bytes");
+    let ratio = from_shards(&half_launch) / from_shards(&full_launch);
+    // Vectors of 8 coordinates: 16 bytes instead of 32 per pulled row.
+    assert!((0.45..0.55).contains(&ratio), "pull bytes f16/f32 = {ratio}");
+    let rows_bytes = |dir: &str| {
+        let version = std::fs::read_to_string(tmp.path().join(dir).join("LATEST")).expect("LATEST");
+        let version = tmp.path().join(dir).join(version.trim());
+        std::fs::read_dir(&version)
+            .expect("version")
+            .filter_map(Result::ok)
+            .filter(|e| e.file_name().to_string_lossy().contains("embeddings"))
+            .map(|e| e.metadata().expect("meta").len())
+            .sum::<u64>()
+    };
+    // key 8 + vector 16 + Adagrad state 32 against 8 + 32 + 32 bytes a row: 0.78.
+    let ratio = rows_bytes("launch-f16") as f64 / rows_bytes("launch-f32") as f64;
+    assert!((0.76..0.80).contains(&ratio), "checkpoint rows f16/f32 = {ratio}");
+    // The f16 checkpoint evaluates to the AUC the job reported.
+    let test = tmp.path().join("data/test.tsv").display().to_string();
+    let saved = half_launch["checkpoint"].as_str().expect("checkpoint");
+    let eval = sparrow().args(["eval", "--checkpoint", saved, "--data", &test]).output().expect("eval");
+    assert!(eval.status.success(), "{}", String::from_utf8_lossy(&eval.stderr));
+    assert_eq!(last_json(&eval)["auc"], half_launch["test_auc"]);
+}
+
 /// A job stopped after 30 steps on one shard resumes on three shards and
 /// ends with exactly the model of an uninterrupted single-process run.
 #[test]

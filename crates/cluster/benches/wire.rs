@@ -55,7 +55,7 @@ fn bench(c: &mut Criterion) {
     let rows: Vec<f32> = (0..UNIQUE * DIM).map(|i| i as f32 * 1e-4).collect();
     group.bench_function("rows_roundtrip_dim16", |bench| {
         bench.iter(|| {
-            let bytes = pb::Rows { rows: f32s_to_bytes(&rows) }.encode_to_vec();
+            let bytes = pb::Rows { rows: f32s_to_bytes(&rows), ..Default::default() }.encode_to_vec();
             let decoded = pb::Rows::decode(bytes.as_slice()).expect("decode");
             bytes_to_f32s(&decoded.rows, "bench", "rows").expect("valid")
         })

@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Instant;
 
 use parking_lot::{Mutex, MutexGuard};
-use sparrow_embedding::{EmbeddingTable, Initializer, SparseOptimizer};
+use sparrow_embedding::{EmbeddingTable, Initializer, RowFormat, SparseOptimizer};
 
 pub use crate::messages::SecondLevelStats;
 use crate::transport::ClusterError;
@@ -46,6 +46,10 @@ pub struct SecondLevel {
     shard: usize,
     dim: usize,
     row_len: usize,
+    /// Level 1's `embedding.dtype`: rows here are f32, their vectors rounded
+    /// after every update as level 1 would store them, so a pass trains
+    /// exactly as level 1 would.
+    format: RowFormat,
     optimizer: SparseOptimizer,
     init: Initializer,
     /// `cluster.l2_capacity_rows` (0: no limit).
@@ -68,6 +72,7 @@ impl SecondLevel {
             shard,
             dim: l1.dim(),
             row_len: l1.row_len(),
+            format: l1.row_format(),
             optimizer: *l1.optimizer(),
             init: *l1.initializer(),
             capacity,
@@ -152,6 +157,7 @@ impl SecondLevel {
                     let mut row = vec![0.0f32; self.row_len].into_boxed_slice();
                     let (w, opt_state) = row.split_at_mut(self.dim);
                     self.init.fill(key, w);
+                    self.format.round(w);
                     self.optimizer.init_state(w, opt_state);
                     initialised += 1;
                     (key, row)
@@ -206,6 +212,7 @@ impl SecondLevel {
             if let Some(row) = state.rows.get_mut(key) {
                 let (w, opt_state) = row.split_at_mut(self.dim);
                 self.optimizer.apply(w, opt_state, g);
+                self.format.round(w);
             }
         }
         let Some(pass) = state.batch_pass.remove(&batch_id) else { return Ok(()) };

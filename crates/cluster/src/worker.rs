@@ -114,6 +114,8 @@ pub struct Worker {
     /// `train.pipeline_depth`.
     pipeline_depth: usize,
     packed_input: Vec<f32>,
+    /// `embedding.dtype`: how the shards send vectors (traffic counts it).
+    row_dtype: sparrow_embedding::EmbeddingDtype,
     pub stats: WorkerStats,
     /// Moves with every batch trained or evaluated and every idle round: the
     /// heartbeat carries it, so a worker stuck in a loop is seen as stuck.
@@ -242,6 +244,7 @@ pub fn new_worker_in(
         .with_pipeline_depth(config.train.pipeline_depth);
     worker.step_sync_bytes = step_sync_bytes;
     worker.generation = generation;
+    worker.row_dtype = config.embedding.dtype;
     Ok(worker)
 }
 
@@ -274,6 +277,8 @@ fn each_shard<T: Send>(
 /// [`WorkerStats`] by the worker's thread).
 #[derive(Default)]
 struct ShardTraffic {
+    /// Bytes a shard sends per vector (set by the caller; 0 in a merged total).
+    vector_bytes: usize,
     bytes_from_loader: u64,
     bytes_from_shards: u64,
     bytes_from_remote_shards: u64,
@@ -322,14 +327,17 @@ fn pull_rows(
     shards: &[Arc<dyn ShardService>],
     mut traffic: Option<&mut ShardTraffic>,
 ) -> Result<Vec<f32>, ClusterError> {
+    let vector_bytes = traffic.as_ref().map_or(4 * width, |t| t.vector_bytes) as u64;
     let parts =
         each_shard(shards, &batch.shard_counts, |_, shard| shard.pull(batch.batch_id).map(|p| (p, shard.is_local())))?;
     let mut rows = Vec::with_capacity(batch.num_unique() * width);
     for ((part, local), secs) in parts {
         if let Some(t) = traffic.as_deref_mut() {
-            t.bytes_from_shards += 4 * part.len() as u64;
+            // A shard sends each vector as its table stores it (f32 or half).
+            let bytes = (part.len() / width.max(1)) as u64 * vector_bytes;
+            t.bytes_from_shards += bytes;
             if !local {
-                t.bytes_from_remote_shards += 4 * part.len() as u64;
+                t.bytes_from_remote_shards += bytes;
             }
             t.pull_secs.push(secs);
         }
@@ -345,6 +353,8 @@ fn pull_rows(
 struct RemoteRows<'a> {
     shards: &'a [Arc<dyn ShardService>],
     width: usize,
+    /// Bytes a shard sends per vector.
+    vector_bytes: usize,
     traffic: Mutex<ShardTraffic>,
 }
 
@@ -356,7 +366,11 @@ impl RowSource for RemoteRows<'_> {
     fn look_up(&self, mut batch: WorkerBatch) -> Result<Looked<WorkerBatch, ()>, ClusterError> {
         let loader_bytes = batch.payload_bytes() as u64;
         look_up_keys(&mut batch, self.shards, Mode::Train)?;
-        let mut traffic = ShardTraffic { bytes_from_loader: loader_bytes, ..ShardTraffic::default() };
+        let mut traffic = ShardTraffic {
+            bytes_from_loader: loader_bytes,
+            vector_bytes: self.vector_bytes,
+            ..ShardTraffic::default()
+        };
         let unique_rows = pull_rows(&batch, self.width, self.shards, Some(&mut traffic))?;
         self.traffic.lock().merge(traffic);
         Ok(Looked { batch, unique_rows, ticket: () })
@@ -419,6 +433,7 @@ impl Worker {
             pooling,
             pipeline_depth: 0,
             packed_input: Vec::new(),
+            row_dtype: Default::default(),
             stats: WorkerStats::default(),
             progress: Arc::default(),
             generation: 0,
@@ -651,7 +666,10 @@ impl Worker {
     ) -> Result<(), ClusterError> {
         let start = Instant::now();
         let index = self.index;
-        let rows = RemoteRows { shards, width: self.model.width(), traffic: Mutex::default() };
+        let width = self.model.width();
+        let vector_bytes =
+            sparrow_embedding::RowFormat { dtype: self.row_dtype, dim: width, state_len: 0 }.stored_bytes();
+        let rows = RemoteRows { shards, width, vector_bytes, traffic: Mutex::default() };
         if self.rounds.is_some() || self.lazy.is_some() {
             match self.rounds.is_some() {
                 true => self.train_rounds(loader, &rows)?,

@@ -48,15 +48,20 @@ fn collocated_passes_through_a_second_level_equal_train() {
     let tmp = tempfile::tempdir().expect("tmp");
     sparrow_data::synth::generate(tmp.path(), 3000, 600, 9).expect("generate");
     let single = sparrow_trainer::train(&config(tmp.path(), "dlrm"), true).expect("train");
-    let settings: [&[&str]; 3] = [
+    let settings: [&[&str]; 4] = [
         &["cluster.pass_batches=5"],
         &["cluster.pass_batches=5", "cluster.pass_request=\"per_batch\""],
         &["cluster.l2_capacity_rows=8000"],
+        // Half rows: the second level rounds each update as level 1 stores it.
+        &["cluster.pass_batches=5", "embedding.dtype=\"bf16\""],
     ];
+    let single_bf16 = sparrow_trainer::train(&config_with(tmp.path(), "dlrm", &["embedding.dtype=\"bf16\""]), true)
+        .expect("train bf16");
     for extra in settings {
         let mut overrides = vec!["cluster.mode=\"collocated\""];
         overrides.extend_from_slice(extra);
         let c = config_with(tmp.path(), "dlrm", &overrides);
+        let single = if extra.iter().any(|e| e.contains("dtype")) { &single_bf16 } else { &single };
         for shards in [1, 3] {
             let cluster = train_local(&c, shards, 1).expect("collocated");
             assert_eq!(
@@ -94,8 +99,11 @@ fn collocated_passes_through_a_second_level_equal_train() {
 fn three_shards_one_worker_equals_train() {
     let tmp = tempfile::tempdir().expect("tmp");
     sparrow_data::synth::generate(tmp.path(), 3000, 600, 9).expect("generate");
-    for kind in ["dlrm", "mlp"] {
-        let c = config(tmp.path(), kind);
+    for kind in ["dlrm", "mlp", "mlp-f16rows"] {
+        let c = match kind.strip_suffix("-f16rows") {
+            Some(kind) => config_with(tmp.path(), kind, &["embedding.dtype=\"f16\""]),
+            None => config(tmp.path(), kind),
+        };
         let single = sparrow_trainer::train(&c, true).expect("train");
         let cluster = train_local(&c, 3, 1).expect("cluster");
         assert_eq!(cluster.train_rows, single.train_rows);
@@ -166,8 +174,11 @@ fn a_pipelined_worker_trains_the_single_process_model_of_the_same_depth() {
 fn data_parallel_workers_hold_identical_dense_weights() {
     let tmp = tempfile::tempdir().expect("tmp");
     sparrow_data::synth::generate(tmp.path(), 4000, 800, 11).expect("generate");
-    for kind in ["dlrm", "mlp"] {
-        let c = config(tmp.path(), kind);
+    for kind in ["dlrm", "mlp", "mlp-f16rows"] {
+        let c = match kind.strip_suffix("-f16rows") {
+            Some(kind) => config_with(tmp.path(), kind, &["embedding.dtype=\"f16\""]),
+            None => config(tmp.path(), kind),
+        };
         let single = train_local(&c, 2, 1).expect("one worker");
         let pair = train_local(&c, 2, 3).expect("three workers");
         let sums = &pair.dense_checksums;

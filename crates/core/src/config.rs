@@ -309,6 +309,11 @@ pub enum SparseOptimizerKind {
     Sgd,
     #[default]
     Adagrad,
+    /// One Adagrad accumulator per row (the mean of the squared gradient's
+    /// coordinates), as FBGEMM's `EXACT_ROWWISE_ADAGRAD`, TorchRec's usual
+    /// choice: 4 bytes of state a row instead of 4 per coordinate.
+    #[serde(rename = "rowwise_adagrad")]
+    RowwiseAdagrad,
     Adam,
     Ftrl,
 }
@@ -370,6 +375,33 @@ pub struct EmbeddingConfig {
     /// Rows not looked up for this many training batches are deleted (their
     /// ID starts afresh if it comes back). 0: rows never expire.
     pub ttl_steps: u64,
+    /// How a row's vector is stored (in memory, on the SSD tier, on the wire
+    /// and in checkpoints); the optimizer state stays f32.
+    pub dtype: EmbeddingDtype,
+}
+
+/// `embedding.dtype`: the stored vector's number format. Gradients and the
+/// optimizer's arithmetic stay f32; an updated vector is rounded once, to
+/// nearest even, when it is written back to its row.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum EmbeddingDtype {
+    #[default]
+    F32,
+    /// IEEE half precision: 10-bit mantissa, range ±65504.
+    F16,
+    /// bfloat16: f32's range with an 8-bit mantissa.
+    Bf16,
+}
+
+impl EmbeddingDtype {
+    pub fn name(self) -> &'static str {
+        match self {
+            EmbeddingDtype::F32 => "f32",
+            EmbeddingDtype::F16 => "f16",
+            EmbeddingDtype::Bf16 => "bf16",
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -410,6 +442,7 @@ impl Default for EmbeddingConfig {
             admit_sketch_counters: 1 << 22,
             ttl_steps: 0,
             cache_policy: CachePolicy::Lru,
+            dtype: EmbeddingDtype::F32,
         }
     }
 }

@@ -6,6 +6,7 @@
 //! Plain data structures and threads: no network, no async runtime.
 
 pub mod disk;
+pub mod dtype;
 mod in_flight;
 pub mod index;
 pub mod optimizer;
@@ -13,6 +14,7 @@ pub mod partition;
 pub mod plan;
 pub mod table;
 
+pub use dtype::{EmbeddingDtype, RowFormat};
 pub use optimizer::SparseOptimizer;
 pub use partition::{Partitioner, owner};
 pub use plan::KeyPlan;

@@ -13,6 +13,12 @@ pub enum SparseOptimizer {
         lr: f32,
         eps: f32,
     },
+    /// Row-wise Adagrad (FBGEMM's `EXACT_ROWWISE_ADAGRAD`): one accumulator
+    /// per row, `acc += mean(g²); w -= lr·g/(√acc + eps)`.
+    RowwiseAdagrad {
+        lr: f32,
+        eps: f32,
+    },
     /// Lazy Adam: moments and the step count are per row, advanced only when
     /// the row receives a gradient.
     Adam {
@@ -35,6 +41,7 @@ impl SparseOptimizer {
         match c.optimizer {
             SparseOptimizerKind::Sgd => SparseOptimizer::Sgd { lr: c.learning_rate },
             SparseOptimizerKind::Adagrad => SparseOptimizer::Adagrad { lr: c.learning_rate, eps: c.eps },
+            SparseOptimizerKind::RowwiseAdagrad => SparseOptimizer::RowwiseAdagrad { lr: c.learning_rate, eps: c.eps },
             SparseOptimizerKind::Adam => {
                 SparseOptimizer::Adam { lr: c.learning_rate, beta1: c.beta1, beta2: c.beta2, eps: c.eps }
             }
@@ -48,6 +55,7 @@ impl SparseOptimizer {
         match self {
             SparseOptimizer::Sgd { .. } => "sgd",
             SparseOptimizer::Adagrad { .. } => "adagrad",
+            SparseOptimizer::RowwiseAdagrad { .. } => "rowwise_adagrad",
             SparseOptimizer::Adam { .. } => "adam",
             SparseOptimizer::Ftrl { .. } => "ftrl",
         }
@@ -58,6 +66,7 @@ impl SparseOptimizer {
         match self {
             SparseOptimizer::Sgd { .. } => 0,
             SparseOptimizer::Adagrad { .. } => dim,
+            SparseOptimizer::RowwiseAdagrad { .. } => 1,
             SparseOptimizer::Adam { .. } => 2 * dim + 1,
             SparseOptimizer::Ftrl { .. } => 2 * dim,
         }
@@ -89,6 +98,14 @@ impl SparseOptimizer {
                 for ((w, acc), &g) in w.iter_mut().zip(state.iter_mut()).zip(g) {
                     *acc += g * g;
                     *w -= lr * g / (acc.sqrt() + eps);
+                }
+            }
+            SparseOptimizer::RowwiseAdagrad { lr, eps } => {
+                let mean_square = g.iter().map(|g| g * g).sum::<f32>() / g.len().max(1) as f32;
+                state[0] += mean_square;
+                let step = lr / (state[0].sqrt() + eps);
+                for (w, &g) in w.iter_mut().zip(g) {
+                    *w -= step * g;
                 }
             }
             SparseOptimizer::Adam { lr, beta1, beta2, eps } => {

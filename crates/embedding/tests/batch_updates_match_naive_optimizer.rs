@@ -53,6 +53,12 @@ fn naive_apply(opt: &SparseOptimizer, r: &mut NaiveRow, g: &[f64]) {
                 r.w[i] -= f64::from(lr) * g[i] / (r.s1[i].sqrt() + f64::from(eps));
             }
         }
+        SparseOptimizer::RowwiseAdagrad { lr, eps } => {
+            r.s1[0] += g.iter().map(|g| g * g).sum::<f64>() / DIM as f64;
+            for i in 0..DIM {
+                r.w[i] -= f64::from(lr) * g[i] / (r.s1[0].sqrt() + f64::from(eps));
+            }
+        }
         SparseOptimizer::Adam { lr, beta1, beta2, eps } => {
             let (b1, b2) = (f64::from(beta1), f64::from(beta2));
             r.t += 1.0;
@@ -82,6 +88,7 @@ fn optimizers() -> impl Strategy<Value = SparseOptimizer> {
     prop_oneof![
         (0.01f32..0.5).prop_map(|lr| SparseOptimizer::Sgd { lr }),
         (0.01f32..0.5).prop_map(|lr| SparseOptimizer::Adagrad { lr, eps: 1e-8 }),
+        (0.01f32..0.5).prop_map(|lr| SparseOptimizer::RowwiseAdagrad { lr, eps: 1e-8 }),
         (0.001f32..0.1).prop_map(|lr| SparseOptimizer::Adam { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8 }),
         (0.05f32..0.5, 0.0f32..0.05, 0.0f32..0.1)
             .prop_map(|(alpha, l1, l2)| { SparseOptimizer::Ftrl { alpha, beta: 1.0, l1, l2 } }),

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 use sparrow_core::batch::BatchBuilder;
-use sparrow_core::config::{InitConfig, ModelKind};
+use sparrow_core::config::{EmbeddingDtype, InitConfig, ModelKind};
 use sparrow_core::key::mix64;
 use sparrow_core::rng::Rng;
 use sparrow_core::{Batch, Config};
@@ -27,6 +27,8 @@ pub const PEER_TRAIN_LOOP_SAMPLES_PER_SEC: f64 = 106_800.0;
 #[derive(Clone, Debug)]
 pub struct BenchOptions {
     pub dims: Vec<usize>,
+    /// `embedding.dtype`s the embedding path is measured with.
+    pub dtypes: Vec<EmbeddingDtype>,
     /// Distinct IDs in the embedding table under test.
     pub table_rows: usize,
     /// Batches timed per embedding configuration.
@@ -47,6 +49,7 @@ impl Default for BenchOptions {
     fn default() -> Self {
         BenchOptions {
             dims: vec![16, 64],
+            dtypes: vec![EmbeddingDtype::F32, EmbeddingDtype::F16],
             table_rows: 2_000_000,
             batches: 200,
             batch_size: 1024,
@@ -74,6 +77,10 @@ pub struct EmbeddingBench {
     pub dim: usize,
     pub threads: usize,
     pub optimizer: &'static str,
+    /// `embedding.dtype` of the table's vectors.
+    pub dtype: &'static str,
+    /// Key + vector + optimizer state as stored.
+    pub payload_bytes_per_row: usize,
     pub table_rows: usize,
     pub keys_per_batch: usize,
     pub dedup_ratio: f64,
@@ -262,13 +269,14 @@ fn run_gather_limit(source: &Path, dims: &[usize], work: &Path) -> GatherLimit {
 fn bench_embedding(
     o: &BenchOptions,
     dim: usize,
+    dtype: EmbeddingDtype,
     threads: usize,
     ceiling: Option<f64>,
 ) -> Result<EmbeddingBench, TrainError> {
     let pool = crate::run::compute_pool(threads)?;
     pool.install(|| {
         let opt = SparseOptimizer::Adagrad { lr: 0.05, eps: 1e-8 };
-        let table = EmbeddingTable::new(dim, opt, Initializer::new(InitConfig::default(), 1), 64);
+        let table = EmbeddingTable::typed(dim, dtype, opt, Initializer::new(InitConfig::default(), 1), 64);
         // Fill the table so lookups hit a table of the stated size.
         let all: Vec<u64> = (0..o.table_rows as u64).map(|i| mix64(i ^ 0xabc)).collect();
         for chunk in all.chunks(1 << 16) {
@@ -308,6 +316,8 @@ fn bench_embedding(
             dim,
             threads,
             optimizer: "adagrad",
+            dtype: dtype.name(),
+            payload_bytes_per_row: 8 + table.row_format().stored_bytes(),
             table_rows: o.table_rows,
             keys_per_batch,
             dedup_ratio: total_keys / unique as f64,
@@ -391,8 +401,10 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
     for &dim in &o.dims {
         let ceiling = gather.rows_per_sec.iter().find(|g| g.0 == dim).map(|g| g.2);
         for &t in &o.thread_counts {
-            tracing::info!("bench: embedding dim {dim}, {t} thread(s)");
-            embedding.push(bench_embedding(o, dim, t, ceiling)?);
+            for &dtype in &o.dtypes {
+                tracing::info!("bench: embedding dim {dim}, {} rows, {t} thread(s)", dtype.name());
+                embedding.push(bench_embedding(o, dim, dtype, t, ceiling)?);
+            }
         }
     }
     let mut train_step = if o.train_steps > 0 {

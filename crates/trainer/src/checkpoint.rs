@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 use sparrow_core::Config;
 use sparrow_core::batch::DataPosition;
 use sparrow_data::DataLayout;
-use sparrow_embedding::EmbeddingTable;
+use sparrow_embedding::{EmbeddingDtype, EmbeddingTable, RowFormat};
 use sparrow_model::{DenseModel, DenseOptimizer};
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
@@ -39,6 +39,38 @@ use crate::trainer::Trainer;
 
 pub const FORMAT_VERSION: u32 = 1;
 const EMB_MAGIC: &[u8; 8] = b"SPRWEMB\x01";
+/// Rows whose vectors are stored in f16 or bf16 (`embedding.dtype`): the
+/// header's word count is then the packed row's.
+const EMB_MAGIC_F16: &[u8; 8] = b"SPRWEMBh";
+const EMB_MAGIC_BF16: &[u8; 8] = b"SPRWEMBb";
+
+fn emb_magic(dtype: EmbeddingDtype) -> &'static [u8; 8] {
+    match dtype {
+        EmbeddingDtype::F32 => EMB_MAGIC,
+        EmbeddingDtype::F16 => EMB_MAGIC_F16,
+        EmbeddingDtype::Bf16 => EMB_MAGIC_BF16,
+    }
+}
+
+/// An embeddings file's header: magic (naming the dtype), dim, words per
+/// packed row, rows.
+fn emb_header(table: &EmbeddingTable, rows: u64) -> Vec<u8> {
+    let format = table.row_format();
+    let mut header = Vec::with_capacity(EMB_HEADER_BYTES as usize);
+    header.extend_from_slice(emb_magic(format.dtype));
+    header.extend_from_slice(&(table.dim() as u32).to_le_bytes());
+    header.extend_from_slice(&(format.stored_len() as u32).to_le_bytes());
+    header.extend_from_slice(&rows.to_le_bytes());
+    header
+}
+
+/// Appends a row's record: key, then the row packed as the table stores it
+/// (exact: the logical row was decoded from those words).
+fn push_record(out: &mut Vec<u8>, format: RowFormat, packed: &mut [f32], key: u64, row: &[f32]) {
+    out.extend_from_slice(&key.to_le_bytes());
+    format.encode(row, packed);
+    packed.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
+}
 const EMB_HEADER_BYTES: u64 = 8 + 4 + 4 + 8;
 const DENSE_FILE: &str = "dense.safetensors";
 const EMB_FILE: &str = "embeddings.bin";
@@ -79,7 +111,11 @@ pub struct Manifest {
     pub num_dense: usize,
     pub embedding_dim: usize,
     pub embedding_width: usize,
+    /// Floats of a logical row (vector then optimizer state).
     pub row_len: usize,
+    /// How the vectors are stored (`embedding.dtype`); older checkpoints: f32.
+    #[serde(default)]
+    pub embedding_dtype: EmbeddingDtype,
     pub sparse_optimizer: String,
     pub step: u64,
     pub samples_trained: u64,
@@ -159,12 +195,7 @@ fn write_embeddings(trainer: &Trainer, dir: &Path) -> Result<Vec<(&'static str, 
     // The walk skips expired rows still on the SSD store: delete them first.
     table.sweep_expired()?;
     let rows = table.len() as u64;
-    let mut header = Vec::with_capacity(EMB_HEADER_BYTES as usize);
-    header.extend_from_slice(EMB_MAGIC);
-    header.extend_from_slice(&(table.dim() as u32).to_le_bytes());
-    header.extend_from_slice(&(table.row_len() as u32).to_le_bytes());
-    header.extend_from_slice(&rows.to_le_bytes());
-    w.write_all(&header).map_err(io(path))?;
+    w.write_all(&emb_header(table, rows)).map_err(io(path))?;
 
     let embedding = &trainer.config.embedding;
     let ages = embedding.ttl_steps > 0;
@@ -175,15 +206,14 @@ fn write_embeddings(trainer: &Trainer, dir: &Path) -> Result<Vec<(&'static str, 
         f.write_all(&(if ages { rows } else { 0 }).to_le_bytes()).map_err(io(filters_path))?;
     }
 
-    let mut record = Vec::with_capacity(8 + table.row_len() * 4);
+    let format = table.row_format();
+    let mut packed = vec![0.0f32; format.stored_len()];
+    let mut record = Vec::with_capacity(8 + packed.len() * 4);
     // The walk reports one error: remember which file it came from.
     let mut filters_failed = false;
     let walked = table.for_each_row(|key, last_use, row| {
         record.clear();
-        record.extend_from_slice(&key.to_le_bytes());
-        for x in row {
-            record.extend_from_slice(&x.to_le_bytes());
-        }
+        push_record(&mut record, format, &mut packed, key, row);
         if ages && let Some(f) = &mut filters {
             f.write_all(&last_use.to_le_bytes()).inspect_err(|_| filters_failed = true)?;
         }
@@ -242,6 +272,7 @@ pub fn save(trainer: &Trainer, root: &Path, keep: usize) -> Result<PathBuf, Trai
         num_dense: trainer.layout.num_dense,
         embedding_dim: trainer.config.model.embedding_dim,
         embedding_width: trainer.table.dim(),
+        embedding_dtype: trainer.table.row_format().dtype,
         row_len: trainer.table.row_len(),
         sparse_optimizer: trainer.table.optimizer().name().to_string(),
         step: trainer.step,
@@ -380,12 +411,7 @@ pub fn write_part(
     let embedding = &config.embedding;
     let ages = embedding.ttl_steps > 0 || config.checkpoint.incremental;
     let mut emb = PatchedFile::create(dir.join(&emb_name))?;
-    let mut header = Vec::with_capacity(EMB_HEADER_BYTES as usize);
-    header.extend_from_slice(EMB_MAGIC);
-    header.extend_from_slice(&(table.dim() as u32).to_le_bytes());
-    header.extend_from_slice(&(table.row_len() as u32).to_le_bytes());
-    header.extend_from_slice(&0u64.to_le_bytes());
-    emb.write(&header)?;
+    emb.write(&emb_header(table, 0))?;
     let mut filters = None;
     if ages || embedding.admit_min_count > 1 {
         let mut f = PatchedFile::create(dir.join(&filters_name))?;
@@ -396,6 +422,8 @@ pub fn write_part(
     }
     let (mut rows, mut cursor) = (0u64, Some((0, 0)));
     let (mut page, mut uses) = (Vec::new(), Vec::new());
+    let format = table.row_format();
+    let mut packed = vec![0.0f32; format.stored_len()];
     while let Some(at) = cursor {
         page.clear();
         uses.clear();
@@ -403,8 +431,7 @@ pub fn write_part(
             if since.is_some_and(|s| last_use <= s) {
                 return;
             }
-            page.extend_from_slice(&key.to_le_bytes());
-            row.iter().for_each(|x| page.extend_from_slice(&x.to_le_bytes()));
+            push_record(&mut page, format, &mut packed, key, row);
             uses.extend_from_slice(&last_use.to_le_bytes());
             rows += 1;
         })?;
@@ -832,28 +859,37 @@ fn read_embeddings(
     let mut header = [0u8; EMB_HEADER_BYTES as usize];
     r.read_exact(&mut header).map_err(|_| TrainError::checkpoint(path, "truncated header"))?;
     hasher.update(&header);
-    if &header[..8] != EMB_MAGIC {
+    let Some(dtype) = [EmbeddingDtype::F32, EmbeddingDtype::F16, EmbeddingDtype::Bf16]
+        .into_iter()
+        .find(|&d| &header[..8] == emb_magic(d))
+    else {
         return Err(TrainError::checkpoint(path, "not a Sparrow embeddings file (bad magic)"));
-    }
+    };
     let u32_at = |i: usize| u32::from_le_bytes([header[i], header[i + 1], header[i + 2], header[i + 3]]) as usize;
-    let (dim, row_len) = (u32_at(8), u32_at(12));
+    let (dim, words) = (u32_at(8), u32_at(12));
     let rows = u64::from_le_bytes(header[16..24].try_into().map_err(|_| TrainError::checkpoint(path, "header"))?);
-    if dim != trainer.table.dim() || row_len != trainer.table.row_len() {
+    // The file's rows decode to f32 and the table stores them in its own
+    // dtype: resuming with another `embedding.dtype` converts (f32 → half rounds).
+    let ours = trainer.table.row_format();
+    let file = RowFormat { dtype, ..ours };
+    if dim != ours.dim || words != file.stored_len() {
         return Err(TrainError::checkpoint(
             path,
             format!(
-                "rows are {dim} wide with {row_len} floats, the table needs {} and {}",
-                trainer.table.dim(),
-                trainer.table.row_len()
+                "rows are {dim} wide with {words} {} words, the table needs {} and {}",
+                dtype.name(),
+                ours.dim,
+                file.stored_len()
             ),
         ));
     }
-    let record_len = 8 + row_len * 4;
+    let record_len = 8 + words * 4;
     if EMB_HEADER_BYTES + rows * record_len as u64 != entry.bytes {
         return Err(TrainError::checkpoint(path, "row count in the header does not match the file size"));
     }
     let mut record = vec![0u8; record_len];
-    let mut row = vec![0f32; row_len];
+    let mut packed = vec![0f32; words];
+    let mut row = vec![0f32; file.logical_len()];
     // Rows go straight into the table; a checksum failure at the end fails the
     // load, and the caller discards the half-filled trainer (loads happen
     // before any training, so nothing trained is lost).
@@ -868,9 +904,10 @@ fn read_embeddings(
         if !keep(key) {
             continue;
         }
-        for (x, b) in row.iter_mut().zip(record[8..].chunks_exact(4)) {
+        for (x, b) in packed.iter_mut().zip(record[8..].chunks_exact(4)) {
             *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         }
+        file.decode(&packed, &mut row);
         match last_use {
             Some(last_use) => trainer.table.put_row_used(key, &row, last_use)?,
             None => trainer.table.put_row(key, &row)?,

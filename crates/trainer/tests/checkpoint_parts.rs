@@ -78,6 +78,7 @@ fn checkpoint(root: &Path, c: &Config, tables: &[EmbeddingTable], step: u64, bas
         num_dense: 13,
         embedding_dim: c.model.embedding_dim,
         embedding_width: tables[0].dim(),
+        embedding_dtype: tables[0].row_format().dtype,
         row_len: tables[0].row_len(),
         sparse_optimizer: tables[0].optimizer().name().to_string(),
         step,

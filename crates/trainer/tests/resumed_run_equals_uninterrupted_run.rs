@@ -39,11 +39,21 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
     let tmp = tempfile::tempdir().expect("tmp");
     let data = tmp.path().join("data");
     common::small_data(&data, 4000, 500);
-    // `mlp-bf16`: model.precision = "bf16" resumes bit for bit too.
-    for kind in ["dlrm", "deepfm", "mlp", "mlp-bf16"] {
-        let mut base = common::small_config(&data, kind.trim_end_matches("-bf16"));
+    // `mlp-bf16`: model.precision = "bf16" resumes bit for bit too; so do
+    // half rows (`embedding.dtype`), with FTRL for `dlrm-f16rows` and
+    // row-wise Adagrad for `mlp-bf16rows`.
+    for kind in ["dlrm", "deepfm", "mlp", "mlp-bf16", "dlrm-f16rows", "mlp-bf16rows"] {
+        let mut base = common::small_config(&data, kind.split('-').next().expect("kind"));
         if kind.ends_with("-bf16") {
             base.model.precision = sparrow_core::config::Precision::Bf16;
+        }
+        if kind.ends_with("-f16rows") {
+            base.embedding.dtype = sparrow_core::config::EmbeddingDtype::F16;
+            base.embedding.optimizer = sparrow_core::config::SparseOptimizerKind::Ftrl;
+        }
+        if kind.ends_with("-bf16rows") {
+            base.embedding.dtype = sparrow_core::config::EmbeddingDtype::Bf16;
+            base.embedding.optimizer = sparrow_core::config::SparseOptimizerKind::RowwiseAdagrad;
         }
         base.train.epochs = 2; // the stop falls in the first epoch, the end in the second
 

@@ -17,7 +17,48 @@ use crate::messages::Mode;
 use crate::metrics::RoleMetrics;
 use crate::shard::ShardServer;
 use crate::transport::{ClusterError, ExportPage, PartWritten, Serving, ShardReport, ShardService};
-use sparrow_embedding::{FilterStats, TierStats};
+use sparrow_embedding::{EmbeddingDtype, FilterStats, RowFormat, TierStats};
+
+/// A pull reply: the vectors as the shard's table stores them (half the
+/// bytes in f16 or bf16; exact, since they were decoded from those words).
+fn encode_rows(vectors: &[f32], format: RowFormat) -> pb::Rows {
+    if format.dtype == EmbeddingDtype::F32 || format.dim == 0 {
+        return pb::Rows { rows: f32s_to_bytes(vectors), dtype: String::new(), width: 0 };
+    }
+    let mut words = vec![0.0f32; format.vector_words()];
+    let mut rows = Vec::with_capacity(vectors.len() / format.dim * words.len() * 4);
+    for v in vectors.chunks_exact(format.dim) {
+        format.encode_vector(v, &mut words);
+        rows.extend(words.iter().flat_map(|w| w.to_le_bytes()));
+    }
+    pb::Rows { rows, dtype: format.dtype.name().to_string(), width: format.dim as u32 }
+}
+
+fn decode_rows(reply: &pb::Rows, peer: &str) -> Result<Vec<f32>, ClusterError> {
+    let dtype = match reply.dtype.as_str() {
+        "" | "f32" => return bytes_to_f32s(&reply.rows, peer, "rows"),
+        "f16" => EmbeddingDtype::F16,
+        "bf16" => EmbeddingDtype::Bf16,
+        other => {
+            return Err(ClusterError::Malformed {
+                peer: peer.to_string(),
+                what: format!("rows in unknown dtype `{other}`"),
+            });
+        }
+    };
+    let format = RowFormat { dtype, dim: reply.width as usize, state_len: 0 };
+    let words = bytes_to_f32s(&reply.rows, peer, "rows")?;
+    if format.dim == 0 || !words.len().is_multiple_of(format.vector_words()) {
+        let what =
+            format!("rows: {} words are not whole {} vectors of width {}", words.len(), dtype.name(), format.dim);
+        return Err(ClusterError::Malformed { peer: peer.to_string(), what });
+    }
+    let mut out = vec![0.0f32; words.len() / format.vector_words() * format.dim];
+    for (v, w) in out.chunks_exact_mut(format.dim).zip(words.chunks_exact(format.vector_words())) {
+        format.decode_vector(w, v);
+    }
+    Ok(out)
+}
 
 struct ShardGrpc {
     shard: Arc<Serving<ShardServer>>,
@@ -57,11 +98,12 @@ impl pb::shard_server::Shard for ShardGrpc {
         let start = Instant::now();
         let batch_id = request.into_inner().batch_id;
         let shard = self.shard()?;
+        let format = shard.table().row_format();
         let rows = blocking(move || shard.pull(batch_id)).await?;
-        let rows = f32s_to_bytes(&rows);
-        self.metrics.count_bytes("out", "worker", rows.len());
+        let reply = encode_rows(&rows, format);
+        self.metrics.count_bytes("out", "worker", reply.rows.len());
         self.done("pull", start);
-        Ok(Response::new(pb::Rows { rows }))
+        Ok(Response::new(reply))
     }
 
     async fn push(&self, request: Request<pb::PushRequest>) -> Result<Response<pb::Empty>, Status> {
@@ -259,7 +301,7 @@ impl ShardService for ShardClient {
 
     fn pull(&self, batch_id: u64) -> Result<Vec<f32>, ClusterError> {
         let reply = self.peer.call("pull", pb::PullRequest { batch_id }, |mut c, r| async move { c.pull(r).await })?;
-        bytes_to_f32s(&reply.rows, &self.peer.name, "rows")
+        decode_rows(&reply, &self.peer.name)
     }
 
     fn push(&self, batch_id: u64, grads: Vec<f32>) -> Result<(), ClusterError> {
@@ -346,5 +388,31 @@ impl ShardService for ShardClient {
             row_len: r.row_len as usize,
             total_rows: r.total_rows,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn half_pull_replies_carry_the_stored_vectors_exactly_in_half_the_bytes() {
+        let vectors: Vec<f32> = (0..15).map(|i| (i as f32 * 0.37).sin()).collect();
+        for dtype in [EmbeddingDtype::F16, EmbeddingDtype::Bf16] {
+            let format = RowFormat { dtype, dim: 5, state_len: 0 };
+            let mut stored = vectors.clone();
+            format.round(&mut stored);
+            let reply = encode_rows(&stored, format);
+            assert_eq!(reply.rows.len(), 3 * 3 * 4, "3 vectors of 3 words");
+            assert_eq!(decode_rows(&reply, "shard 0").expect("decode"), stored);
+            let cut = pb::Rows { rows: reply.rows[..8].to_vec(), ..reply.clone() };
+            let err = decode_rows(&cut, "shard 0").expect_err("partial vector").to_string();
+            assert!(err.contains("shard 0") && err.contains("width 5"), "{err}");
+        }
+        let f32s = encode_rows(&vectors, RowFormat { dtype: EmbeddingDtype::F32, dim: 5, state_len: 0 });
+        assert_eq!(f32s.rows.len(), 60);
+        assert_eq!(decode_rows(&f32s, "shard 0").expect("decode"), vectors);
+        let odd = pb::Rows { dtype: "f8".into(), ..f32s };
+        assert!(decode_rows(&odd, "shard 0").expect_err("dtype").to_string().contains("`f8`"));
     }
 }

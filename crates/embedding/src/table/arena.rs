@@ -2,6 +2,8 @@
 //! optimizer state]` rows that never move once allocated, and the helpers
 //! that find a row by slot and hint the CPU to load it early.
 
+use crate::dtype::RowFormat;
+
 /// f32 slots that hold a row's key (its two 32-bit halves, as bit patterns).
 pub(super) const KEY_FLOATS: usize = 2;
 
@@ -41,12 +43,16 @@ pub(super) fn set_key(stored: &mut [f32], key: u64) {
     stored[1] = f32::from_bits((key >> 32) as u32);
 }
 
-/// Which rows of a shard's arena live in which chunk.
+/// Which rows of a shard's arena live in which chunk, and how they are stored.
 #[derive(Clone, Copy)]
 pub(super) struct Layout {
+    pub(super) format: RowFormat,
     /// Floats the caller sees per row: weights + optimizer state.
     pub(super) row_len: usize,
-    /// Floats stored per row: key + weights + optimizer state.
+    /// Words of a row without its key (what the SSD store keeps): the
+    /// vector in `embedding.dtype`, then the optimizer state.
+    pub(super) packed_len: usize,
+    /// Words stored per row in the arena: key + packed row.
     pub(super) stored_len: usize,
     pub(super) dim: usize,
     /// Rows per chunk: as many as fill [`CHUNK_BYTES`], so a chunk lands
@@ -60,10 +66,25 @@ pub(super) struct Layout {
 }
 
 impl Layout {
-    pub(super) fn new(row_len: usize, dim: usize) -> Layout {
-        let stored_len = KEY_FLOATS + row_len;
+    pub(super) fn new(format: RowFormat) -> Layout {
+        let packed_len = format.stored_len();
+        let stored_len = KEY_FLOATS + packed_len;
         let chunk_rows = (CHUNK_BYTES / (stored_len * 4)).clamp(2, 1 << 20) as u32;
-        Layout { row_len, stored_len, dim, chunk_rows, chunk_magic: u64::MAX / u64::from(chunk_rows) + 1 }
+        Layout {
+            format,
+            row_len: format.logical_len(),
+            packed_len,
+            stored_len,
+            dim: format.dim,
+            chunk_rows,
+            chunk_magic: u64::MAX / u64::from(chunk_rows) + 1,
+        }
+    }
+
+    /// Words of a packed row that hold the vector.
+    #[inline]
+    pub(super) fn vector_words(self) -> usize {
+        self.packed_len - (self.row_len - self.dim)
     }
 
     #[inline]
@@ -97,7 +118,8 @@ mod tests {
     #[test]
     fn slot_split_by_multiply_shift_equals_division() {
         for row_len in [1usize, 2, 3, 17, 32, 33, 63, 130, 1000, 40_000] {
-            let layout = Layout::new(row_len, 1);
+            let format = RowFormat { dtype: crate::dtype::EmbeddingDtype::F32, dim: 1, state_len: row_len - 1 };
+            let layout = Layout::new(format);
             let d = layout.chunk_rows;
             for slot in (0..200_000u32).chain([u32::MAX - 1, u32::MAX - d, 1 << 31, (1 << 31) + 7]) {
                 let (chunk, start) = layout.locate(slot);

@@ -37,6 +37,7 @@ pub use init::Initializer;
 pub use walk::STORE_CURSOR;
 
 use crate::disk::{DiskStore, Use};
+use crate::dtype::{EmbeddingDtype, RowFormat};
 use crate::in_flight::{InFlight, Lease};
 use crate::index::{Probe, SlotIndex};
 use crate::optimizer::SparseOptimizer;
@@ -153,14 +154,15 @@ impl TableShard {
         Ok(())
     }
 
-    /// Weights and optimizer state of a slot (the key is not part of it).
+    /// The packed row of a slot: vector (in `embedding.dtype`) and optimizer
+    /// state; the key is not part of it.
     #[inline]
-    fn row(&self, layout: Layout, slot: u32) -> &[f32] {
+    fn packed(&self, layout: Layout, slot: u32) -> &[f32] {
         &stored_in(&self.chunks, layout, slot)[KEY_FLOATS..]
     }
 
     #[inline]
-    fn row_mut(&mut self, layout: Layout, slot: u32) -> &mut [f32] {
+    fn packed_mut(&mut self, layout: Layout, slot: u32) -> &mut [f32] {
         let (chunk, start) = layout.locate(slot);
         &mut self.chunks[chunk][start + KEY_FLOATS..start + layout.stored_len]
     }
@@ -349,11 +351,7 @@ impl TableShard {
         let aged_out = found.is_some_and(|slot| !prefetching && self.aged_out(slot as usize, tick));
         if let Some(slot) = found {
             if aged_out {
-                let (chunk, start) = layout.locate(slot);
-                let (w, state) =
-                    self.chunks[chunk][start + KEY_FLOATS..start + layout.stored_len].split_at_mut(layout.dim);
-                init.fill(key, w);
-                opt.init_state(w, state);
+                init_row(layout, init, opt, key, self.packed_mut(layout, slot));
                 self.filter_stats.expired += 1;
                 self.backing.restarted(slot);
             }
@@ -374,9 +372,7 @@ impl TableShard {
         let row = &mut self.chunks[chunk][start + KEY_FLOATS..start + layout.stored_len];
         let filled = self.backing.fill(slot, key, row, tick, prefetching, &mut self.filter_stats)?;
         if !filled.loaded {
-            let (w, state) = row.split_at_mut(layout.dim);
-            init.fill(key, w);
-            opt.init_state(w, state);
+            init_row(layout, init, opt, key, row);
         }
         self.set_last_use(slot as usize, filled.last_use);
         if !prefetching {
@@ -419,17 +415,18 @@ impl TableShard {
         Ok(slot)
     }
 
-    /// `key`'s full row from the cache or the store, without inserting it;
-    /// false if absent (or expired on the store, as of lookup `tick`).
+    /// `key`'s full (logical) row from the cache or the store, without
+    /// inserting it; false if absent (or expired on the store, as of lookup `tick`).
     fn read_row(&self, layout: Layout, key: u64, out: &mut [f32], tick: u64) -> Result<bool, TableError> {
         if let Some(slot) = self.find(layout, key) {
-            out.copy_from_slice(self.row(layout, slot));
+            layout.format.decode(self.packed(layout, slot), out);
             return Ok(!self.aged_out(slot as usize, tick));
         }
-        match self.backing.tier() {
-            Some(t) => Ok(t.store.get(key, out)?.is_some_and(|s| !t.expired(s.how.last_use, tick))),
-            None => Ok(false),
-        }
+        let Some(t) = self.backing.tier() else { return Ok(false) };
+        let mut packed = vec![0.0f32; layout.packed_len];
+        let live = t.store.get(key, &mut packed)?.is_some_and(|s| !t.expired(s.how.last_use, tick));
+        layout.format.decode(&packed, out);
+        Ok(live)
     }
 
     fn mark_dirty(&mut self, slot: u32) {
@@ -437,6 +434,50 @@ impl TableShard {
             t.meta[slot as usize].dirty = true;
         }
     }
+}
+
+/// Runs `f` on a scratch vector of `dim` floats (on the stack up to 64).
+#[inline]
+fn with_vector<R>(dim: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    if dim <= 64 {
+        let mut buf = [0.0f32; 64];
+        f(&mut buf[..dim])
+    } else {
+        f(&mut vec![0.0f32; dim])
+    }
+}
+
+/// Fills a new packed row: `key`'s initial vector, rounded to the stored
+/// dtype before the optimizer's state is derived from it (FTRL's `z`
+/// reproduces the stored vector), and that state.
+#[inline]
+fn init_row(layout: Layout, init: &Initializer, opt: &SparseOptimizer, key: u64, packed: &mut [f32]) {
+    let (words, state) = packed.split_at_mut(layout.vector_words());
+    if layout.format.dtype == EmbeddingDtype::F32 {
+        init.fill(key, words);
+        opt.init_state(words, state);
+        return;
+    }
+    with_vector(layout.dim, |w| {
+        init.fill(key, w);
+        layout.format.round(w);
+        opt.init_state(w, state);
+        layout.format.encode_vector(w, words);
+    });
+}
+
+/// One optimizer step on a packed row: in f32 on the decoded vector (in
+/// `scratch`, `dim` floats), which is rounded once as it is stored again.
+#[inline]
+fn update_row(layout: Layout, opt: &SparseOptimizer, packed: &mut [f32], grad: &[f32], scratch: &mut [f32]) {
+    let (words, state) = packed.split_at_mut(layout.vector_words());
+    if layout.format.dtype == EmbeddingDtype::F32 {
+        opt.apply(words, state, grad);
+        return;
+    }
+    layout.format.decode_vector(words, scratch);
+    opt.apply(scratch, state, grad);
+    layout.format.encode_vector(scratch, words);
 }
 
 pub struct EmbeddingTable {
@@ -493,10 +534,21 @@ pub struct Staged {
 }
 
 impl EmbeddingTable {
-    /// `shards` must be a power of two.
+    /// A table of f32 vectors in memory; `shards` must be a power of two.
     pub fn new(dim: usize, optimizer: SparseOptimizer, init: Initializer, shards: usize) -> Self {
+        Self::typed(dim, EmbeddingDtype::F32, optimizer, init, shards)
+    }
+
+    /// A table in memory whose vectors are stored in `dtype`.
+    pub fn typed(
+        dim: usize,
+        dtype: EmbeddingDtype,
+        optimizer: SparseOptimizer,
+        init: Initializer,
+        shards: usize,
+    ) -> Self {
         assert!(shards.is_power_of_two(), "table shards must be a power of two");
-        let layout = Layout::new(dim + optimizer.state_len(dim), dim);
+        let layout = Layout::new(RowFormat { dtype, dim, state_len: optimizer.state_len(dim) });
         let shard_mask = shards as u64 - 1;
         let shards = (0..shards)
             .map(|_| {
@@ -532,12 +584,19 @@ impl EmbeddingTable {
         shards: usize,
         ssd: &SsdOptions,
     ) -> Result<Self, TableError> {
-        let table = Self::new(dim, optimizer, init, shards);
+        Self::new(dim, optimizer, init, shards).with_ssd_tier(ssd)
+    }
+
+    /// Moves an empty table's rows to files under `ssd.dir`, behind a cache.
+    pub fn with_ssd_tier(self, ssd: &SsdOptions) -> Result<Self, TableError> {
+        let table = self;
+        let shards = table.shards.len();
+        assert_eq!(table.len(), 0, "the SSD tier is set on an empty table");
         std::fs::create_dir_all(&ssd.dir)
             .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", ssd.dir.display())))?;
         let capacity = ssd.cache_capacity_rows.div_ceil(shards).max(1);
         for (i, shard) in table.shards.iter().enumerate() {
-            let store = DiskStore::create(&ssd.dir.join(format!("shard-{i:03}.bin")), table.layout.row_len)?;
+            let store = DiskStore::create(&ssd.dir.join(format!("shard-{i:03}.bin")), table.layout.packed_len)?;
             shard.write().backing = Backing::Ssd(Tier {
                 store,
                 capacity,
@@ -573,6 +632,7 @@ impl EmbeddingTable {
             ttl_steps: config.ttl_steps,
             ttl_floor,
         };
+        let table = Self::typed(dim, config.dtype, optimizer, init, config.table_shards);
         let table = match (config.storage, &config.path) {
             (sparrow_core::config::Storage::Ssd, Some(path)) => {
                 let mut dir = std::path::PathBuf::from(path);
@@ -581,9 +641,9 @@ impl EmbeddingTable {
                 }
                 let ssd =
                     SsdOptions { dir, cache_capacity_rows: config.cache_capacity_rows, policy: config.cache_policy };
-                Self::with_ssd(dim, optimizer, init, config.table_shards, &ssd)?
+                table.with_ssd_tier(&ssd)?
             }
-            _ => Self::new(dim, optimizer, init, config.table_shards),
+            _ => table,
         };
         table.with_filters(filters)
     }
@@ -710,9 +770,23 @@ impl EmbeddingTable {
         self.layout.dim
     }
 
-    /// Floats per stored row: weights then optimizer state.
+    /// Floats per row as [`get_row`](Self::get_row) and
+    /// [`put_row`](Self::put_row) see it: `dim` f32 weights, then optimizer state.
     pub fn row_len(&self) -> usize {
         self.layout.row_len
+    }
+
+    /// How rows are stored (`embedding.dtype`): what checkpoints and pull
+    /// replies encode rows and vectors with.
+    pub fn row_format(&self) -> RowFormat {
+        self.layout.format
+    }
+
+    /// The vector a key without a row reads as: its initial vector, rounded
+    /// as a new row's would be.
+    pub fn initial_vector(&self, key: u64, out: &mut [f32]) {
+        self.init.fill(key, out);
+        self.layout.format.round(out);
     }
 
     /// How a new row's vector is drawn (the same for every copy of the table).
@@ -796,11 +870,11 @@ impl EmbeddingTable {
                 match slot {
                     Some(slot) => {
                         slots[j] = slot;
-                        dst.copy_from_slice(&shard.row(layout, slot)[..dim]);
+                        layout.format.decode_vector(shard.packed(layout, slot), dst);
                     }
                     None => {
                         slots[j] = NOT_ADMITTED;
-                        self.init.fill(keys[j], dst);
+                        self.initial_vector(keys[j], dst);
                     }
                 }
             })
@@ -865,6 +939,7 @@ impl EmbeddingTable {
             }
             let mut shard = self.shards[s].write();
             let keys = plan.shard_keys(s);
+            let mut scratch = vec![0.0f32; dim];
             for u in lo..hi {
                 if let Some(&ahead) =
                     slots.slots.get(u + PREFETCH_DISTANCE).filter(|&&a| u + PREFETCH_DISTANCE < hi && a != NOT_ADMITTED)
@@ -879,8 +954,8 @@ impl EmbeddingTable {
                 if found != key {
                     return Err(TableError::SlotReused { shard: s, key, found });
                 }
-                let (w, state) = shard.row_mut(layout, slot).split_at_mut(dim);
-                self.optimizer.apply(w, state, &grads[u * dim..(u + 1) * dim]);
+                let grad = &grads[u * dim..(u + 1) * dim];
+                update_row(layout, &self.optimizer, shard.packed_mut(layout, slot), grad, &mut scratch);
                 shard.mark_dirty(slot);
             }
             Ok(())
@@ -901,11 +976,11 @@ impl EmbeddingTable {
                 let dst = &mut out[i * dim..(i + 1) * dim];
                 match shard.find(layout, key) {
                     Some(slot) if !shard.aged_out(slot as usize, tick) => {
-                        dst.copy_from_slice(&shard.row(layout, slot)[..dim])
+                        layout.format.decode_vector(shard.packed(layout, slot), dst)
                     }
-                    Some(_) => self.init.fill(key, dst),
+                    Some(_) => self.initial_vector(key, dst),
                     None if shard.read_row(layout, key, &mut full, tick)? => dst.copy_from_slice(&full[..dim]),
-                    None => self.init.fill(key, dst),
+                    None => self.initial_vector(key, dst),
                 }
             }
             Ok(())
@@ -940,7 +1015,7 @@ impl EmbeddingTable {
         let mut shard = self.shards[self.shard_of(key)].write();
         let slot = match shard.find(self.layout, key) {
             None => {
-                let mut scratch = vec![0.0f32; self.layout.row_len];
+                let mut scratch = vec![0.0f32; self.layout.packed_len];
                 let stored = match shard.backing.tier_mut() {
                     Some(t) => t.store.get(key, &mut scratch)?,
                     None => None,
@@ -970,7 +1045,7 @@ impl EmbeddingTable {
                 slot
             }
         };
-        shard.row_mut(self.layout, slot).copy_from_slice(row);
+        self.layout.format.encode(row, shard.packed_mut(self.layout, slot));
         shard.mark_dirty(slot);
         Ok(())
     }

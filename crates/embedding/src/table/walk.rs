@@ -25,6 +25,8 @@ impl EmbeddingTable {
     ) -> Result<Option<(usize, usize)>, TableError> {
         let (mut shard_index, mut pos) = cursor;
         let mut visited = 0;
+        let format = self.layout.format;
+        let mut row = vec![0.0f32; self.layout.row_len];
         let tick = self.tick.load(Ordering::Relaxed);
         while shard_index < self.shards.len() {
             let shard = self.shards[shard_index].read();
@@ -34,7 +36,8 @@ impl EmbeddingTable {
                 }
                 if !shard.is_vacant(pos) && !shard.aged_out(pos, tick) {
                     let stored = stored_in(&shard.chunks, self.layout, pos as u32);
-                    f(key_of(stored), shard.last_use(pos, tick), &stored[KEY_FLOATS..]);
+                    format.decode(&stored[KEY_FLOATS..], &mut row);
+                    f(key_of(stored), shard.last_use(pos, tick), &row);
                     visited += 1;
                 }
                 pos += 1;
@@ -45,9 +48,10 @@ impl EmbeddingTable {
                     if visited == max {
                         return Ok(Some((shard_index, STORE_CURSOR + bucket as usize)));
                     }
-                    let next = t.store.scan_from(bucket, max - visited, |key, how, row| {
+                    let next = t.store.scan_from(bucket, max - visited, |key, how, packed| {
                         if shard.find(self.layout, key).is_none() && !t.expired(how.last_use, tick) {
-                            f(key, how.last_use, row);
+                            format.decode(packed, &mut row);
+                            f(key, how.last_use, &row);
                             return true;
                         }
                         false
@@ -67,11 +71,13 @@ impl EmbeddingTable {
         Ok(None)
     }
 
-    /// Visits every row with its last use (the lookup tick; `ttl_steps` ages
+    /// Visits every (logical) row with its last use (the lookup tick; `ttl_steps` ages
     /// rows by it), shard by shard, in a deterministic order (sorted by key
     /// within a shard) so that checkpoints of equal tables are byte-identical.
     pub fn for_each_row(&self, mut f: impl FnMut(u64, u64, &[f32]) -> std::io::Result<()>) -> std::io::Result<()> {
         let tick = self.tick.load(Ordering::Relaxed);
+        let format = self.layout.format;
+        let mut row = vec![0.0f32; self.layout.row_len];
         for shard in self.shards.iter() {
             let shard = shard.read();
             let mut entries: Vec<(u64, u32)> = (0..shard.rows as u32)
@@ -92,8 +98,14 @@ impl EmbeddingTable {
             all.sort_unstable_by_key(|e| e.0);
             for (key, at) in all {
                 match at {
-                    Ok(slot) => f(key, shard.last_use(slot as usize, tick), shard.row(self.layout, slot))?,
-                    Err(i) => f(key, stored[i].1, &stored[i].2)?,
+                    Ok(slot) => {
+                        format.decode(shard.packed(self.layout, slot), &mut row);
+                        f(key, shard.last_use(slot as usize, tick), &row)?
+                    }
+                    Err(i) => {
+                        format.decode(&stored[i].2, &mut row);
+                        f(key, stored[i].1, &row)?
+                    }
                 }
             }
         }

@@ -1,0 +1,341 @@
+//! `embedding.dtype`: how a row's vector is stored. A row is a run of 4-byte
+//! words (the key's two, then the vector's, then the optimizer state's); in
+//! f16 or bf16 two coordinates share a word (coordinate 2i in its low half,
+//! 2i + 1 in its high half, so the bytes read as little-endian u16s), which
+//! halves the vector part of the row in memory, on the SSD tier, in
+//! checkpoints and in pull replies. The optimizer state stays f32.
+//!
+//! Everything outside the table sees a row *logically*: `dim` f32 weights,
+//! then the state. A stored half converts to f32 exactly, so decoding and
+//! encoding again is the identity; the only rounding is
+//! [`RowFormat::encode_vector`]'s, once per update or restore (round to
+//! nearest, ties to even; beyond f16's range a value becomes ±inf, which the
+//! trainer's non-finite check reports).
+
+use half::f16;
+pub use sparrow_core::config::EmbeddingDtype;
+
+/// The stored shape of a table's rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowFormat {
+    pub dtype: EmbeddingDtype,
+    pub dim: usize,
+    /// f32 words of optimizer state after the vector.
+    pub state_len: usize,
+}
+
+impl RowFormat {
+    /// Words the vector takes.
+    #[inline]
+    pub fn vector_words(&self) -> usize {
+        match self.dtype {
+            EmbeddingDtype::F32 => self.dim,
+            EmbeddingDtype::F16 | EmbeddingDtype::Bf16 => self.dim.div_ceil(2),
+        }
+    }
+
+    /// Words of a stored row without its key: vector, then state.
+    #[inline]
+    pub fn stored_len(&self) -> usize {
+        self.vector_words() + self.state_len
+    }
+
+    /// Floats of a logical row: `dim` weights, then state.
+    #[inline]
+    pub fn logical_len(&self) -> usize {
+        self.dim + self.state_len
+    }
+
+    /// Bytes of a stored row's vector and state (what `embedding.dtype` halves).
+    pub fn stored_bytes(&self) -> usize {
+        self.stored_len() * 4
+    }
+
+    /// The vector's `dim` coordinates as f32 (exact).
+    #[inline]
+    pub fn decode_vector(&self, words: &[f32], out: &mut [f32]) {
+        match self.dtype {
+            EmbeddingDtype::F32 => out.copy_from_slice(&words[..self.dim]),
+            EmbeddingDtype::F16 => {
+                let done = simd::widen_f16(words, out);
+                unpack(&words[done / 2..], &mut out[done..], |h| f16::from_bits(h).to_f32());
+            }
+            EmbeddingDtype::Bf16 => unpack(words, out, |h| f32::from_bits(u32::from(h) << 16)),
+        }
+    }
+
+    /// Stores `w` (`dim` coordinates), each rounded to nearest even.
+    #[inline]
+    pub fn encode_vector(&self, w: &[f32], words: &mut [f32]) {
+        match self.dtype {
+            EmbeddingDtype::F32 => words[..self.dim].copy_from_slice(w),
+            EmbeddingDtype::F16 => {
+                let done = simd::narrow_f16(w, words);
+                pack(&w[done..], &mut words[done / 2..], |x| f16::from_f32(x).to_bits());
+            }
+            EmbeddingDtype::Bf16 => pack(w, words, bf16_bits),
+        }
+    }
+
+    /// Rounds `w` in place to what [`encode_vector`](Self::encode_vector)
+    /// would store: a vector the caller keeps equals the stored one.
+    pub fn round(&self, w: &mut [f32]) {
+        match self.dtype {
+            EmbeddingDtype::F32 => {}
+            EmbeddingDtype::F16 => w.iter_mut().for_each(|x| *x = f16::from_f32(*x).to_f32()),
+            EmbeddingDtype::Bf16 => w.iter_mut().for_each(|x| *x = f32::from_bits(u32::from(bf16_bits(*x)) << 16)),
+        }
+    }
+
+    /// A stored row (without its key) as a logical one.
+    pub fn decode(&self, stored: &[f32], logical: &mut [f32]) {
+        let words = self.vector_words();
+        self.decode_vector(&stored[..words], &mut logical[..self.dim]);
+        logical[self.dim..].copy_from_slice(&stored[words..]);
+    }
+
+    /// A logical row stored (its vector rounded).
+    pub fn encode(&self, logical: &[f32], stored: &mut [f32]) {
+        let words = self.vector_words();
+        self.encode_vector(&logical[..self.dim], &mut stored[..words]);
+        stored[words..].copy_from_slice(&logical[self.dim..]);
+    }
+}
+
+/// f32 → bf16 bits, to nearest even (a NaN stays a quiet NaN): `half`'s
+/// rule, written branch-free for the non-NaN case so the loop vectorises.
+#[inline]
+fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() { ((b >> 16) | 0x40) as u16 } else { ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16 }
+}
+
+#[inline]
+fn unpack(words: &[f32], out: &mut [f32], widen: impl Fn(u16) -> f32) {
+    let half = out.len() / 2;
+    let mut pairs = out.chunks_exact_mut(2);
+    for (pair, word) in (&mut pairs).zip(words) {
+        let bits = word.to_bits();
+        pair[0] = widen(bits as u16);
+        pair[1] = widen((bits >> 16) as u16);
+    }
+    if let ([last], Some(word)) = (pairs.into_remainder(), words.get(half)) {
+        *last = widen(word.to_bits() as u16);
+    }
+}
+
+#[inline]
+fn pack(w: &[f32], words: &mut [f32], narrow: impl Fn(f32) -> u16) {
+    let pairs = w.chunks_exact(2);
+    let last = pairs.remainder().first().copied();
+    for (pair, word) in pairs.zip(words.iter_mut()) {
+        *word = f32::from_bits(u32::from(narrow(pair[0])) | (u32::from(narrow(pair[1])) << 16));
+    }
+    if let (Some(x), Some(word)) = (last, words.get_mut(w.len() / 2)) {
+        *word = f32::from_bits(u32::from(narrow(x)));
+    }
+}
+
+/// f16 ⇄ f32 eight coordinates at a time with F16C (`vcvtph2ps`,
+/// `vcvtps2ph` rounding to nearest even), chosen at run time; the scalar
+/// code does the rest and every coordinate where F16C is missing. Both give
+/// the same bits (tested).
+mod simd {
+    /// Widens the first multiple of 8 coordinates of `out` from `words`;
+    /// returns how many it did.
+    #[inline]
+    pub(super) fn widen_f16(words: &[f32], out: &mut [f32]) -> usize {
+        #[cfg(target_arch = "x86_64")]
+        if out.len() >= 8 && x86::available() {
+            // SAFETY: F16C and AVX were detected just above.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            return unsafe { x86::widen(words, out) };
+        }
+        let _ = (words, out);
+        0
+    }
+
+    /// Narrows the first multiple of 8 coordinates of `w` into `words`;
+    /// returns how many it did.
+    #[inline]
+    pub(super) fn narrow_f16(w: &[f32], words: &mut [f32]) -> usize {
+        #[cfg(target_arch = "x86_64")]
+        if w.len() >= 8 && x86::available() {
+            // SAFETY: F16C and AVX were detected just above.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            return unsafe { x86::narrow(w, words) };
+        }
+        let _ = (w, words);
+        0
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    pub(super) mod x86 {
+        use std::arch::x86_64::{
+            _MM_FROUND_TO_NEAREST_INT, _mm_loadu_si128, _mm_storeu_si128, _mm256_cvtph_ps, _mm256_cvtps_ph,
+            _mm256_loadu_ps, _mm256_storeu_ps,
+        };
+
+        #[inline]
+        pub(crate) fn available() -> bool {
+            is_x86_feature_detected!("f16c") && is_x86_feature_detected!("avx")
+        }
+
+        #[target_feature(enable = "f16c,avx")]
+        pub(crate) fn widen(words: &[f32], out: &mut [f32]) -> usize {
+            let n = out.len() / 8 * 8;
+            for (o, w) in out[..n].chunks_exact_mut(8).zip(words.chunks_exact(4)) {
+                // SAFETY: `w` is 4 words (16 bytes, eight halves) and `o` 8
+                // floats (32 bytes); both accesses are unaligned-tolerant.
+                #[expect(unsafe_code, reason = "SIMD load and store behind run-time feature detection")]
+                unsafe {
+                    _mm256_storeu_ps(o.as_mut_ptr(), _mm256_cvtph_ps(_mm_loadu_si128(w.as_ptr().cast())));
+                }
+            }
+            n
+        }
+
+        #[target_feature(enable = "f16c,avx")]
+        pub(crate) fn narrow(w: &[f32], words: &mut [f32]) -> usize {
+            let n = w.len() / 8 * 8;
+            for (x, o) in w[..n].chunks_exact(8).zip(words.chunks_exact_mut(4)) {
+                // SAFETY: `x` is 8 floats (32 bytes) and `o` 4 words (16
+                // bytes, eight halves); both accesses are unaligned-tolerant.
+                #[expect(unsafe_code, reason = "SIMD load and store behind run-time feature detection")]
+                unsafe {
+                    let halves = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(x.as_ptr()));
+                    _mm_storeu_si128(o.as_mut_ptr().cast(), halves);
+                }
+            }
+            n
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn format(dtype: EmbeddingDtype, dim: usize) -> RowFormat {
+        RowFormat { dtype, dim, state_len: 3 }
+    }
+
+    /// The F16C path and the scalar one give the same bits: every f16 bit
+    /// pattern widened, and f32s of every kind narrowed (ties, subnormals,
+    /// overflow, infinities, NaNs).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn f16c_and_portable_conversions_agree_bit_for_bit() {
+        if !simd::x86::available() {
+            return; // no F16C on this CPU: nothing to compare
+        }
+        let halves: Vec<u16> = (0..=u16::MAX).collect();
+        let words: Vec<f32> =
+            halves.chunks(2).map(|p| f32::from_bits(u32::from(p[0]) | (u32::from(p[1]) << 16))).collect();
+        let mut simd_out = vec![0.0f32; halves.len()];
+        #[expect(unsafe_code, reason = "the test checks F16C against the portable code")]
+        // SAFETY: F16C and AVX were detected above.
+        let done = unsafe { simd::x86::widen(&words, &mut simd_out) };
+        assert_eq!(done, halves.len());
+        let mut portable = vec![0.0f32; halves.len()];
+        unpack(&words, &mut portable, |h| f16::from_bits(h).to_f32());
+        assert_eq!(bits(&simd_out), bits(&portable));
+
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut inputs: Vec<f32> = (0..200_000)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                // Exponents around f16's range, and raw bit patterns.
+                if x.is_multiple_of(3) {
+                    f32::from_bits(x as u32)
+                } else {
+                    ((x >> 11) as f32 / (1u64 << 53) as f32 - 0.5) * 2f32.powi((x % 48) as i32 - 28)
+                }
+            })
+            .collect();
+        // Exact ties between two halves, both parities, and the edges.
+        inputs.extend([
+            1.0 + 1.0 / 2048.0,
+            1.0 + 3.0 / 2048.0,
+            65504.0,
+            65520.0,
+            65519.99,
+            2f32.powi(-25),
+            2f32.powi(-24) * 1.5,
+            f32::INFINITY,
+            f32::NAN,
+            -0.0,
+        ]);
+        inputs.truncate(inputs.len() / 8 * 8);
+        let mut simd_words = vec![0.0f32; inputs.len() / 2];
+        #[expect(unsafe_code, reason = "the test checks F16C against the portable code")]
+        // SAFETY: F16C and AVX were detected above.
+        let done = unsafe { simd::x86::narrow(&inputs, &mut simd_words) };
+        assert_eq!(done, inputs.len());
+        let mut portable_words = vec![0.0f32; inputs.len() / 2];
+        pack(&inputs, &mut portable_words, |x| f16::from_f32(x).to_bits());
+        assert_eq!(bits(&simd_words), bits(&portable_words));
+    }
+
+    #[test]
+    fn bf16_rounding_is_halfs() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        for _ in 0..200_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let v = f32::from_bits(x as u32);
+            assert_eq!(bf16_bits(v), half::bf16::from_f32(v).to_bits(), "{:#x}", x as u32);
+        }
+    }
+
+    fn bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|v| v.to_bits()).collect()
+    }
+
+    #[test]
+    fn half_rows_take_half_the_vector_words() {
+        assert_eq!(format(EmbeddingDtype::F32, 16).stored_len(), 19);
+        assert_eq!(format(EmbeddingDtype::F16, 16).stored_len(), 11);
+        assert_eq!(format(EmbeddingDtype::Bf16, 5).stored_len(), 6, "an odd dim pads its last word");
+    }
+
+    #[test]
+    fn encoding_rounds_to_nearest_even_once_and_decoding_is_exact() {
+        let w = [1.0f32, 1.0 + 1.5 / 1024.0, -3.3e-3, 70000.0, 1e-8, f32::from_bits(0x3f80_8000), 0.1];
+        for dtype in [EmbeddingDtype::F16, EmbeddingDtype::Bf16] {
+            let f = format(dtype, w.len());
+            let logical: Vec<f32> = w.iter().copied().chain([7.0, 8.0, 9.0]).collect();
+            let mut stored = vec![0.0; f.stored_len()];
+            f.encode(&logical, &mut stored);
+            let mut back = vec![0.0; f.logical_len()];
+            f.decode(&stored, &mut back);
+            let mut rounded = w;
+            f.round(&mut rounded);
+            assert_eq!(back[..w.len()], rounded, "{dtype:?}");
+            assert_eq!(back[w.len()..], [7.0, 8.0, 9.0], "the state is f32");
+            // Decoded values encode to the same words (no second rounding).
+            let mut again = vec![0.0; f.stored_len()];
+            f.encode(&back, &mut again);
+            assert_eq!(
+                again.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                stored.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            );
+        }
+        let f16s = format(EmbeddingDtype::F16, 7);
+        let mut v = w;
+        f16s.round(&mut v);
+        // Ties to even: 1 + 1.5 ulp(2^-10) rounds up to 1 + 2 ulp.
+        assert_eq!(v[1], 1.0 + 2.0 / 1024.0);
+        assert_eq!(v[3], f32::INFINITY, "past f16's range");
+        assert_eq!(v[4], 0.0, "below f16's smallest subnormal");
+        let bf = format(EmbeddingDtype::Bf16, 7);
+        let mut v = w;
+        bf.round(&mut v);
+        // 0x3f808000 is the tie between 0x3f80 and 0x3f81: to even.
+        assert_eq!(v[5].to_bits(), 0x3f80_0000);
+        assert_eq!(v[3], 70144.0, "bf16 keeps f32's range");
+    }
+}
