@@ -475,9 +475,7 @@ fn update_row(layout: Layout, opt: &SparseOptimizer, packed: &mut [f32], grad: &
         opt.apply(words, state, grad);
         return;
     }
-    layout.format.decode_vector(words, scratch);
-    opt.apply(scratch, state, grad);
-    layout.format.encode_vector(scratch, words);
+    layout.format.update_vector(words, scratch, |w| opt.apply(w, state, grad));
 }
 
 pub struct EmbeddingTable {
