@@ -163,6 +163,9 @@ enum Command {
         /// Training steps timed on the reference model (0 skips it).
         #[arg(long, default_value_t = 300)]
         train_steps: usize,
+        /// Training steps timed per model kind and precision for the flop-floor table (0 skips it).
+        #[arg(long, default_value_t = 100)]
+        kind_steps: usize,
         /// Rows inserted to measure resident bytes per embedding row (0 skips it).
         #[arg(long, default_value_t = 4_000_000)]
         memory_rows: usize,
@@ -527,7 +530,17 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             compare.insert(0, metrics);
             print_json(&sparrow_report::write_report(&compare, truth.as_deref(), title.as_deref(), &out)?)
         }
-        Command::Bench { dims, table_rows, batches, threads, dtypes, train_steps, memory_rows, gather_limit } => {
+        Command::Bench {
+            dims,
+            table_rows,
+            batches,
+            threads,
+            dtypes,
+            train_steps,
+            kind_steps,
+            memory_rows,
+            gather_limit,
+        } => {
             let dtypes = dtypes
                 .iter()
                 .map(|d| match d.as_str() {
@@ -544,6 +557,7 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
                 batches,
                 thread_counts: threads,
                 train_steps,
+                kind_steps,
                 memory_rows,
                 gather_limit_source: gather_limit,
                 ..Default::default()

@@ -6,7 +6,7 @@ use sparrow_core::config::{ModelConfig, ModelKind};
 use sparrow_core::metrics::{logistic_loss, sigmoid};
 
 use crate::ModelError;
-use crate::fused::PairwiseDots;
+use crate::fused::{FirstOrderFm, PairwiseDots};
 use crate::mlp::{Mlp, MlpScratch};
 use crate::optimizer::{DenseGrads, DenseOptimizer};
 use crate::params::{Linear, ParamStore};
@@ -141,6 +141,54 @@ impl DenseModel {
         Ok(DenseModel { kind: config.kind, shape, params: ps, net, bias, scratch: Default::default() })
     }
 
+    /// The dense step's arithmetic floor, flops per sample: what the model
+    /// must compute forward and backward (the embedding gradients included),
+    /// at 2 flops a multiply-add. A matrix product `in → out` costs
+    /// `6·in·out` (forward, weight gradient, input gradient); FM's second
+    /// order `5·f·d`; DLRM's pairwise dots `6·d` per pair; a DCN-v2 cross
+    /// layer `6·x² + 6·x` (its product and the gating); first-order terms
+    /// `2·f + 6·num_dense`. Element-wise activations and the loss are left
+    /// out: this is a floor, the time it takes at the machine's ceiling is
+    /// the least a step can take.
+    pub fn step_flops_per_sample(config: &ModelConfig, shape: ModelShape) -> f64 {
+        let (f, nd, d) = (shape.num_fields as f64, shape.num_dense as f64, shape.embedding_dim as f64);
+        let stack = |input: f64, sizes: &[usize]| {
+            let mut fan_in = input;
+            let mut total = 0.0;
+            for &out in sizes {
+                total += 6.0 * fan_in * out as f64;
+                fan_in = out as f64;
+            }
+            total
+        };
+        let first_order = 2.0 * f + 6.0 * nd;
+        let fm = 5.0 * f * d;
+        let deep = || stack(f * d + nd, &head(&config.hidden));
+        match config.kind {
+            ModelKind::Lr => first_order,
+            ModelKind::Fm => first_order + fm,
+            ModelKind::Mlp => deep(),
+            ModelKind::WideDeep => first_order + deep(),
+            ModelKind::Deepfm => first_order + fm + deep(),
+            ModelKind::Dlrm => {
+                let bottom = if nd > 0.0 {
+                    let sizes: Vec<usize> = config.bottom_hidden.iter().copied().chain([shape.embedding_dim]).collect();
+                    stack(nd, &sizes)
+                } else {
+                    0.0
+                };
+                let n = f + if nd > 0.0 { 1.0 } else { 0.0 };
+                let pairs = n * (n - 1.0) / 2.0;
+                let top_in = pairs + if nd > 0.0 { d } else { 0.0 };
+                bottom + 6.0 * d * pairs + stack(top_in, &head(&config.hidden))
+            }
+            ModelKind::Dcn => {
+                let x = f * d + nd;
+                config.cross_layers as f64 * (6.0 * x * x + 6.0 * x) + deep()
+            }
+        }
+    }
+
     /// Floats per embedding row this model reads.
     pub fn embedding_width(kind: ModelKind, embedding_dim: usize) -> usize {
         match kind {
@@ -158,9 +206,20 @@ impl DenseModel {
     pub fn forward(&self, emb: &Tensor, dense: &Tensor) -> Result<Tensor, ModelError> {
         let b = emb.dim(0)?;
         let (f, d) = (self.shape.num_fields, self.shape.embedding_dim);
-        let first_order = |dense_lin: &Option<Linear>| -> Result<Tensor, ModelError> {
-            // Σ_f w_f (the leading column) + dense·w + bias.
-            let mut t = emb.narrow(2, 0, 1)?.sum(1)?; // [B, 1]
+        let fm_second = |v: &Tensor| -> Result<Tensor, ModelError> {
+            // ½ Σ_d [(Σ_f v_fd)² − Σ_f v_fd²]
+            let s = v.sum(1)?.sqr()?;
+            let q = v.sqr()?.sum(1)?;
+            Ok(((s - q)?.sum_keepdim(1)? * 0.5)?)
+        };
+        // Σ_f w_f (the leading column), FM's second order if `fm`, + dense·w + bias.
+        let first_order = |dense_lin: &Option<Linear>, fm: bool| -> Result<Tensor, ModelError> {
+            let mut t = if emb.device().is_cpu() {
+                emb.contiguous()?.apply_op1(FirstOrderFm { second_order: fm })? // [B, 1]
+            } else {
+                let t = emb.narrow(2, 0, 1)?.sum(1)?;
+                if fm { (t + fm_second(&emb.narrow(2, 1, d)?)?)? } else { t }
+            };
             if let Some(lin) = dense_lin {
                 t = (t + lin.forward(dense)?)?;
             }
@@ -169,30 +228,21 @@ impl DenseModel {
             }
             Ok(t)
         };
-        let fm_second = |v: &Tensor| -> Result<Tensor, ModelError> {
-            // ½ Σ_d [(Σ_f v_fd)² − Σ_f v_fd²]
-            let s = v.sum(1)?.sqr()?;
-            let q = v.sqr()?.sum(1)?;
-            Ok(((s - q)?.sum_keepdim(1)? * 0.5)?)
-        };
         let flat_with_dense = |v: &Tensor| -> Result<Tensor, ModelError> {
             let flat = v.reshape((b, f * d))?;
             Ok(if self.shape.num_dense > 0 { Tensor::cat(&[&flat, dense], 1)? } else { flat })
         };
         let out = match &self.net {
-            Net::Lr { dense: lin } => first_order(lin)?,
-            Net::Fm { dense: lin } => {
-                let v = emb.narrow(2, 1, d)?;
-                (first_order(lin)? + fm_second(&v)?)?
-            }
+            Net::Lr { dense: lin } => first_order(lin, false)?,
+            Net::Fm { dense: lin } => first_order(lin, true)?,
             Net::Mlp { mlp } => mlp.forward(&flat_with_dense(emb)?)?,
             Net::WideDeep { dense: lin, deep } => {
                 let v = emb.narrow(2, 1, d)?.contiguous()?;
-                (first_order(lin)? + deep.forward(&flat_with_dense(&v)?)?)?
+                (first_order(lin, false)? + deep.forward(&flat_with_dense(&v)?)?)?
             }
             Net::DeepFm { dense: lin, deep } => {
                 let v = emb.narrow(2, 1, d)?.contiguous()?;
-                ((first_order(lin)? + fm_second(&v)?)? + deep.forward(&flat_with_dense(&v)?)?)?
+                (first_order(lin, true)? + deep.forward(&flat_with_dense(&v)?)?)?
             }
             Net::Dlrm { bottom, top, pairs, n } => {
                 let (t, bottom_out) = match bottom {

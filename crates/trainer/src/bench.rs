@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 use sparrow_core::batch::BatchBuilder;
-use sparrow_core::config::{EmbeddingDtype, InitConfig, ModelKind};
+use sparrow_core::config::{EmbeddingDtype, InitConfig, ModelKind, Precision};
 use sparrow_core::key::mix64;
 use sparrow_core::rng::Rng;
 use sparrow_core::{Batch, Config};
@@ -39,6 +39,8 @@ pub struct BenchOptions {
     pub thread_counts: Vec<usize>,
     /// Training steps timed on the reference model (0 skips it).
     pub train_steps: usize,
+    /// Training steps timed per model kind and precision (0 skips them).
+    pub kind_steps: usize,
     /// Rows inserted for the resident-memory measurement (0 skips it).
     pub memory_rows: usize,
     pub gather_limit_source: PathBuf,
@@ -57,6 +59,7 @@ impl Default for BenchOptions {
             zipf_exponent: 1.05,
             thread_counts: vec![1, 2],
             train_steps: 300,
+            kind_steps: 100,
             memory_rows: 4_000_000,
             gather_limit_source: PathBuf::from("../shared/tools/gather-limit.c"),
             work_dir: std::env::temp_dir().join("sparrow-bench"),
@@ -120,6 +123,24 @@ pub struct TrainBench {
     pub dense_flops_per_sample: f64,
     pub dense_gflops: f64,
     pub dense_share_of_fp32_peak: Option<f64>,
+}
+
+/// One model kind's training step (`sparrow bench`'s `kinds`): the reference
+/// data and batch, `hidden = [256, 128]`, dim 16, the defaults otherwise.
+#[derive(Debug, Serialize)]
+pub struct KindBench {
+    pub kind: &'static str,
+    pub precision: &'static str,
+    pub samples_per_sec: f64,
+    /// The dense phase over the timed steps' wall time.
+    pub dense_share_of_step: f64,
+    /// The dense step's flop floor (`DenseModel::step_flops_per_sample`).
+    pub flops_per_sample: f64,
+    /// Floor flops over the dense phase's time.
+    pub dense_gflops: f64,
+    /// That over the ceiling of its precision measured in the same run
+    /// (fp32 FMA, or bf16 dot products).
+    pub share_of_ceiling: Option<f64>,
 }
 
 /// The machine's measured arithmetic ceilings (`sparrow_model::peak`), on
@@ -186,6 +207,8 @@ pub struct BenchReport {
     pub embedding: Vec<EmbeddingBench>,
     pub memory: Option<MemoryBench>,
     pub train_step: Option<TrainBench>,
+    /// Every model kind's dense step against its flop floor.
+    pub kinds: Vec<KindBench>,
     pub arithmetic: Arithmetic,
 }
 
@@ -331,45 +354,104 @@ fn bench_embedding(
     })
 }
 
-fn bench_train_step(o: &BenchOptions) -> Result<TrainBench, TrainError> {
+/// Generated batches for the training benches (`train_steps` of them at most 200, cycled).
+fn bench_batches(o: &BenchOptions, config: &Config) -> Result<Vec<Batch>, TrainError> {
     let data_dir = o.work_dir.join("train-data");
-    let rows = (o.train_steps.min(200) * o.batch_size) as u64;
+    let rows = (o.train_steps.max(o.kind_steps).min(200) * o.batch_size) as u64;
     sparrow_data::synth::generate(&data_dir, rows, 1, 1)?;
-    let mut config = Config::default();
-    config.model.kind = ModelKind::Mlp;
-    config.model.hidden = vec![256, 128];
-    config.train.batch_size = o.batch_size;
-    let threads = 2;
-    config.train.threads = threads;
-    let layout = DataLayout::from_config(&config.data);
     let bad = BadRows::new(0, 5);
-    let batches: Vec<Batch> =
-        BatchStream::spawn(&data_dir.join("train.tsv"), &config.data, o.batch_size, Default::default(), 1, bad)?
-            .collect::<Result<_, _>>()?;
-    let pool = crate::run::compute_pool(threads)?;
+    Ok(BatchStream::spawn(&data_dir.join("train.tsv"), &config.data, o.batch_size, Default::default(), 1, bad)?
+        .collect::<Result<_, _>>()?)
+}
+
+/// Trains `steps` batches after a 20-batch warm-up (first sight of every key
+/// is not the steady state): samples/s, the timed steps' phases, samples,
+/// and the model's flops per sample.
+fn time_steps(
+    config: &Config,
+    batches: &[Batch],
+    steps: usize,
+) -> Result<(f64, crate::trainer::PhaseSecs, usize, f64), TrainError> {
+    let layout = DataLayout::from_config(&config.data);
+    let pool = crate::run::compute_pool(config.train.threads)?;
     pool.install(|| {
-        let mut trainer = Trainer::new(&config, layout)?;
-        // Warm-up pass: first sight of every key (insertion) is not the steady state.
+        let mut trainer = Trainer::new(config, layout)?;
         for b in batches.iter().take(20) {
             trainer.train_batch(b)?;
         }
         trainer.phase_secs = Default::default();
         let start = Instant::now();
         let mut samples = 0usize;
-        for i in 0..o.train_steps {
+        for i in 0..steps {
             let b = &batches[i % batches.len()];
             trainer.train_batch(b)?;
             samples += b.rows();
         }
         let rate = samples as f64 / start.elapsed().as_secs_f64();
-        // The reference MLP's input: every field's vector and the dense values.
-        let shape = &trainer.model.shape;
-        let widths: Vec<usize> = std::iter::once(shape.num_fields * shape.embedding_dim + shape.num_dense)
-            .chain(config.model.hidden.iter().copied())
-            .chain([1])
-            .collect();
-        let flops = sparrow_model::peak::mlp_step_flops(&widths);
-        let dense_gflops = flops * samples as f64 / trainer.phase_secs.dense.max(1e-9) / 1e9;
+        let flops = sparrow_model::DenseModel::step_flops_per_sample(&config.model, trainer.model.shape);
+        Ok((rate, trainer.phase_secs, samples, flops))
+    })
+}
+
+fn bench_config(o: &BenchOptions, kind: ModelKind) -> Config {
+    let mut config = Config::default();
+    config.model.kind = kind;
+    config.model.hidden = vec![256, 128];
+    config.train.batch_size = o.batch_size;
+    config.train.threads = 2;
+    config
+}
+
+/// Every model kind's dense step against its flop floor, in f32 and (for
+/// the kinds with MLP stacks) with `model.precision = "bf16"`.
+fn bench_kinds(o: &BenchOptions, peaks: &sparrow_model::peak::Peaks) -> Result<Vec<KindBench>, TrainError> {
+    let batches = bench_batches(o, &bench_config(o, ModelKind::Mlp))?;
+    let kinds = [
+        ModelKind::Lr,
+        ModelKind::Fm,
+        ModelKind::Mlp,
+        ModelKind::WideDeep,
+        ModelKind::Deepfm,
+        ModelKind::Dlrm,
+        ModelKind::Dcn,
+    ];
+    let mut out = Vec::new();
+    for kind in kinds {
+        let stacked = !matches!(kind, ModelKind::Lr | ModelKind::Fm);
+        for precision in [Precision::F32, Precision::Bf16] {
+            if precision == Precision::Bf16 && !stacked {
+                continue;
+            }
+            tracing::info!("bench: {} dense step, {precision:?}", kind.name());
+            let mut config = bench_config(o, kind);
+            config.model.precision = precision;
+            let (rate, phases, samples, flops) = time_steps(&config, &batches, o.kind_steps)?;
+            let dense_gflops = flops * samples as f64 / phases.dense.max(1e-9) / 1e9;
+            let ceiling = match precision {
+                Precision::F32 => Some(peaks.fp32_fma.gflops),
+                Precision::Bf16 => peaks.bf16_dot.as_ref().map(|b| b.gflops),
+            };
+            out.push(KindBench {
+                kind: kind.name(),
+                precision: if precision == Precision::F32 { "f32" } else { "bf16" },
+                samples_per_sec: rate,
+                dense_share_of_step: phases.dense * rate / samples.max(1) as f64,
+                flops_per_sample: flops,
+                dense_gflops,
+                share_of_ceiling: ceiling.map(|c| dense_gflops / c),
+            });
+        }
+    }
+    Ok(out)
+}
+
+fn bench_train_step(o: &BenchOptions) -> Result<TrainBench, TrainError> {
+    let config = bench_config(o, ModelKind::Mlp);
+    let threads = config.train.threads;
+    let batches = bench_batches(o, &config)?;
+    {
+        let (rate, phase_secs, samples, flops) = time_steps(&config, &batches, o.train_steps)?;
+        let dense_gflops = flops * samples as f64 / phase_secs.dense.max(1e-9) / 1e9;
         Ok(TrainBench {
             model: "mlp 429-256-128-1, dim 16, adagrad + adam",
             batch_size: o.batch_size,
@@ -378,12 +460,12 @@ fn bench_train_step(o: &BenchOptions) -> Result<TrainBench, TrainError> {
             samples_per_sec: rate,
             peer_train_loop_samples_per_sec: PEER_TRAIN_LOOP_SAMPLES_PER_SEC,
             ratio_to_peer: rate / PEER_TRAIN_LOOP_SAMPLES_PER_SEC,
-            step_phase_secs: trainer.phase_secs,
+            step_phase_secs: phase_secs,
             dense_flops_per_sample: flops,
             dense_gflops,
             dense_share_of_fp32_peak: None,
         })
-    })
+    }
 }
 
 pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
@@ -425,11 +507,13 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
         .iter()
         .map(|&(m, n, k)| bench_gemm(m, n, k, threads))
         .collect::<Result<Vec<_>, _>>()?;
+    let kinds = if o.kind_steps > 0 { bench_kinds(o, &peaks)? } else { Vec::new() };
     Ok(BenchReport {
         gather_limit: gather,
         embedding,
         memory,
         train_step,
+        kinds,
         arithmetic: Arithmetic { peaks, bf16_over_fp32, gemm },
     })
 }
