@@ -182,6 +182,17 @@ pub enum ModelKind {
 }
 
 impl ModelKind {
+    /// Every kind, in the README's order.
+    pub const ALL: [ModelKind; 7] = [
+        ModelKind::Lr,
+        ModelKind::Fm,
+        ModelKind::Mlp,
+        ModelKind::WideDeep,
+        ModelKind::Deepfm,
+        ModelKind::Dlrm,
+        ModelKind::Dcn,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             ModelKind::Lr => "lr",

@@ -7,15 +7,7 @@ use sparrow_core::metrics::logistic_loss;
 use sparrow_core::rng::Rng;
 use sparrow_model::{DenseModel, DenseOptimizer, ModelShape};
 
-const KINDS: [ModelKind; 7] = [
-    ModelKind::Lr,
-    ModelKind::Fm,
-    ModelKind::Mlp,
-    ModelKind::WideDeep,
-    ModelKind::Deepfm,
-    ModelKind::Dlrm,
-    ModelKind::Dcn,
-];
+const KINDS: [ModelKind; 7] = ModelKind::ALL;
 
 fn mean_loss(model: &DenseModel, emb: &[f32], dense: &[f32], labels: &[f32]) -> f64 {
     let logits = model.predict(emb.to_vec(), dense.to_vec(), labels.len()).expect("forward");

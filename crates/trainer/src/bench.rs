@@ -406,17 +406,8 @@ fn bench_config(o: &BenchOptions, kind: ModelKind) -> Config {
 /// the kinds with MLP stacks) with `model.precision = "bf16"`.
 fn bench_kinds(o: &BenchOptions, peaks: &sparrow_model::peak::Peaks) -> Result<Vec<KindBench>, TrainError> {
     let batches = bench_batches(o, &bench_config(o, ModelKind::Mlp))?;
-    let kinds = [
-        ModelKind::Lr,
-        ModelKind::Fm,
-        ModelKind::Mlp,
-        ModelKind::WideDeep,
-        ModelKind::Deepfm,
-        ModelKind::Dlrm,
-        ModelKind::Dcn,
-    ];
     let mut out = Vec::new();
-    for kind in kinds {
+    for kind in ModelKind::ALL {
         let stacked = !matches!(kind, ModelKind::Lr | ModelKind::Fm);
         for precision in [Precision::F32, Precision::Bf16] {
             if precision == Precision::Bf16 && !stacked {
