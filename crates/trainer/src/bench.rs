@@ -20,9 +20,20 @@ use sparrow_embedding::{EmbeddingTable, Initializer, SparseOptimizer};
 use crate::TrainError;
 use crate::trainer::{PhaseSecs, Trainer};
 
-/// What the peer (PyTorch + TorchRec FusedEmbeddingBagCollection) reaches in
-/// its training loop alone on this 2-core machine (issue figure).
-pub const PEER_TRAIN_LOOP_SAMPLES_PER_SEC: f64 = 106_800.0;
+/// The peer's training loop alone (PyTorch + TorchRec, data in memory) as
+/// `scripts/bench-peer` last measured it on this machine: the median of its
+/// `torchrec-loop` runs in `runs` (JSON lines), if that file exists.
+pub fn measured_peer_loop(runs: &Path) -> Option<f64> {
+    let text = std::fs::read_to_string(runs).ok()?;
+    let mut rates: Vec<f64> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|r| r["run"] == "torchrec-loop")
+        .filter_map(|r| r["samples_per_sec"].as_f64())
+        .collect();
+    rates.sort_by(f64::total_cmp);
+    rates.get(rates.len() / 2).copied()
+}
 
 #[derive(Clone, Debug)]
 pub struct BenchOptions {
@@ -45,6 +56,8 @@ pub struct BenchOptions {
     pub memory_rows: usize,
     pub gather_limit_source: PathBuf,
     pub work_dir: PathBuf,
+    /// `scripts/bench-peer`'s run log, for `train_step.ratio_to_peer`.
+    pub peer_runs: PathBuf,
 }
 
 impl Default for BenchOptions {
@@ -63,6 +76,7 @@ impl Default for BenchOptions {
             memory_rows: 4_000_000,
             gather_limit_source: PathBuf::from("../shared/tools/gather-limit.c"),
             work_dir: std::env::temp_dir().join("sparrow-bench"),
+            peer_runs: PathBuf::from("target/bench-peer/runs.jsonl"),
         }
     }
 }
@@ -113,8 +127,10 @@ pub struct TrainBench {
     pub threads: usize,
     pub steps: usize,
     pub samples_per_sec: f64,
-    pub peer_train_loop_samples_per_sec: f64,
-    pub ratio_to_peer: f64,
+    /// The peer's loop alone from `scripts/bench-peer`'s last runs on this
+    /// machine (`target/bench-peer/runs.jsonl`); absent if it never ran.
+    pub peer_train_loop_samples_per_sec: Option<f64>,
+    pub ratio_to_peer: Option<f64>,
     /// Where the timed steps' wall time went.
     pub step_phase_secs: crate::trainer::PhaseSecs,
     /// The dense step's arithmetic: flops per sample (forward and both
@@ -439,6 +455,7 @@ fn bench_kinds(o: &BenchOptions, peaks: &sparrow_model::peak::Peaks) -> Result<V
 fn bench_train_step(o: &BenchOptions) -> Result<TrainBench, TrainError> {
     let config = bench_config(o, ModelKind::Mlp);
     let threads = config.train.threads;
+    let peer = measured_peer_loop(&o.peer_runs);
     let batches = bench_batches(o, &config)?;
     {
         let (rate, phase_secs, samples, flops) = time_steps(&config, &batches, o.train_steps)?;
@@ -449,8 +466,8 @@ fn bench_train_step(o: &BenchOptions) -> Result<TrainBench, TrainError> {
             threads,
             steps: o.train_steps,
             samples_per_sec: rate,
-            peer_train_loop_samples_per_sec: PEER_TRAIN_LOOP_SAMPLES_PER_SEC,
-            ratio_to_peer: rate / PEER_TRAIN_LOOP_SAMPLES_PER_SEC,
+            peer_train_loop_samples_per_sec: peer,
+            ratio_to_peer: peer.map(|p| rate / p),
             step_phase_secs: phase_secs,
             dense_flops_per_sample: flops,
             dense_gflops,
@@ -664,4 +681,26 @@ pub fn bench_tier(o: &TierBenchOptions) -> Result<TierBench, TrainError> {
             step_phase_secs: trainer.phase_secs,
         })
     })
+}
+
+#[cfg(test)]
+mod peer_tests {
+    use super::measured_peer_loop;
+
+    #[test]
+    fn the_peer_figure_is_the_median_of_its_measured_loop_runs_or_absent() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let runs = dir.path().join("runs.jsonl");
+        assert_eq!(measured_peer_loop(&runs), None, "never measured: no figure");
+        let lines = [
+            r#"{"run": "sparrow-f32", "samples_per_sec": 150000.0}"#,
+            r#"{"run": "torchrec-loop", "samples_per_sec": 70000.0}"#,
+            r#"{"run": "torchrec-tsv", "samples_per_sec": 40000.0}"#,
+            r#"{"run": "torchrec-loop", "samples_per_sec": 60000.0}"#,
+            r#"{"run": "torchrec-loop", "samples_per_sec": 65000.0}"#,
+            "not json",
+        ];
+        std::fs::write(&runs, lines.join("\n")).expect("write");
+        assert_eq!(measured_peer_loop(&runs), Some(65000.0));
+    }
 }
