@@ -937,7 +937,8 @@ impl EmbeddingTable {
             }
             let mut shard = self.shards[s].write();
             let keys = plan.shard_keys(s);
-            let mut scratch = vec![0.0f32; dim];
+            // Half rows decode into it; f32 rows update in place (no allocation).
+            let mut scratch = if layout.format.dtype == EmbeddingDtype::F32 { Vec::new() } else { vec![0.0f32; dim] };
             for u in lo..hi {
                 if let Some(&ahead) =
                     slots.slots.get(u + PREFETCH_DISTANCE).filter(|&&a| u + PREFETCH_DISTANCE < hi && a != NOT_ADMITTED)
