@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use sparrow_core::Config;
-use sparrow_core::config::EmbeddingDtype;
+use sparrow_core::config::{EmbeddingDtype, ModelKind};
 
 #[derive(Parser)]
 #[command(
@@ -166,6 +166,9 @@ enum Command {
         /// Training steps timed per model kind and precision for the flop-floor table (0 skips it).
         #[arg(long, default_value_t = 100)]
         kind_steps: usize,
+        /// Model kinds in the flop-floor table (lr, fm, mlp, wide_deep, deepfm, dlrm, dcn).
+        #[arg(long, value_delimiter = ',', default_value = "lr,fm,mlp,wide_deep,deepfm,dlrm,dcn")]
+        kinds: Vec<String>,
         /// Rows inserted to measure resident bytes per embedding row (0 skips it).
         #[arg(long, default_value_t = 4_000_000)]
         memory_rows: usize,
@@ -538,9 +541,19 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             dtypes,
             train_steps,
             kind_steps,
+            kinds,
             memory_rows,
             gather_limit,
         } => {
+            let kinds = kinds
+                .iter()
+                .map(|k| {
+                    ModelKind::ALL.into_iter().find(|kind| kind.name() == k).ok_or_else(|| {
+                        let names: Vec<_> = ModelKind::ALL.iter().map(|k| k.name()).collect();
+                        anyhow::anyhow!("--kinds: `{k}` is not a model kind ({})", names.join(", "))
+                    })
+                })
+                .collect::<Result<_, _>>()?;
             let dtypes = dtypes
                 .iter()
                 .map(|d| match d.as_str() {
@@ -558,6 +571,7 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
                 thread_counts: threads,
                 train_steps,
                 kind_steps,
+                kinds,
                 memory_rows,
                 gather_limit_source: gather_limit,
                 ..Default::default()

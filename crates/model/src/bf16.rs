@@ -1,22 +1,35 @@
-//! Matrix products in bf16 with fp32 accumulation (issue 17's
-//! `model.precision = "bf16"`, not wired into the models yet): inputs are
-//! rounded to bf16 (nearest even) and multiplied pairwise along `k`, each
-//! output's pairs accumulated in order with [`dpbf16_portable`]'s
-//! arithmetic. Where the CPU has AVX-512-BF16 the same sums run on
-//! `vdpbf16ps`, bit for bit the same: each output keeps its own sequential
-//! chain over the pairs, so neither the tile shape nor the threads change a
-//! result.
+//! Matrix products in bf16 with fp32 accumulation (`model.precision =
+//! "bf16"`): inputs are rounded to bf16 ([`round_bf16`]) and multiplied
+//! pairwise along `k`, each output's pairs accumulated in order with
+//! [`dpbf16_portable`]'s arithmetic. Where the CPU has AVX-512-BF16 the same
+//! sums run on `vdpbf16ps`, bit for bit the same: each output keeps its own
+//! sequential chain over the pairs (carried across the kernel's passes), so
+//! neither the tile shape nor the threads change a result.
+//!
+//! The fast path packs the left operand as pairs (row by row, or pair by
+//! pair when it is transposed, so both read memory in order) and the right
+//! one in panels of 32 columns (`vcvtne2ps2bf16`/`vcvtneps2bf16`), into
+//! buffers each thread keeps; 8×32 tiles then run passes of 128 pairs over
+//! a task's row blocks while a panel slice stays in L1, the last pass
+//! storing straight into the output.
 //!
 //! [`dpbf16_portable`]: crate::peak::dpbf16_portable
+
+use std::cell::Cell;
 
 use rayon::prelude::*;
 
 use crate::matrix::Operand;
 use crate::peak::dpbf16_portable;
 
-/// bf16 of an f32, rounded to nearest even (NaN stays a quiet NaN).
+/// bf16 of an f32 as AVX-512-BF16's `vcvtneps2bf16` rounds it: to nearest
+/// even; a zero or denormal becomes a zero of the same sign (the dot
+/// product reads denormal bf16 as zero anyway); NaN stays a quiet NaN.
 pub fn round_bf16(x: f32) -> u16 {
     let bits = x.to_bits();
+    if bits & 0x7f80_0000 == 0 {
+        return ((bits >> 16) & 0x8000) as u16;
+    }
     if x.is_nan() {
         return ((bits >> 16) | 0x0040) as u16;
     }
@@ -24,80 +37,146 @@ pub fn round_bf16(x: f32) -> u16 {
     (bits.wrapping_add(round) >> 16) as u16
 }
 
-/// Two bf16 (nearest even) in a dword, the first in the low half (as
-/// `vdpbf16ps` reads a lane).
+/// Two bf16 in a dword, the first in the low half (as `vdpbf16ps` reads a lane).
 fn pair(lo: f32, hi: f32) -> u32 {
     u32::from(round_bf16(lo)) | (u32::from(round_bf16(hi)) << 16)
 }
 
-/// `a` (m×k) as bf16 pairs along k: `rows_to × pairs` dwords (rows past m
-/// are 0); an odd k is padded with 0. Rows in parallel; a plain operand is
-/// read along its rows, a transposed one (stored k×m) down its columns.
-fn pack_rows(m: usize, k: usize, a: &Operand<'_>, rows_to: usize) -> Vec<u32> {
-    let pairs = k.div_ceil(2);
-    let mut out = vec![0u32; rows_to * pairs];
-    if pairs == 0 {
-        return out;
-    }
-    let data = a.data;
-    if a.transposed {
-        out[..m * pairs].par_chunks_mut(pairs).enumerate().for_each(|(i, out)| {
-            for (p, o) in out.iter_mut().enumerate() {
-                let hi = if 2 * p + 1 < k { data[(2 * p + 1) * m + i] } else { 0.0 };
-                *o = pair(data[2 * p * m + i], hi);
-            }
-        });
-    } else {
-        out[..m * pairs].par_chunks_mut(pairs).zip(data.par_chunks(k)).for_each(|(out, row)| {
-            let mut two = row.chunks_exact(2);
-            for (o, c) in out.iter_mut().zip(&mut two) {
-                *o = pair(c[0], c[1]);
-            }
-            if let [last] = two.remainder() {
-                out[pairs - 1] = pair(*last, 0.0);
-            }
-        });
-    }
-    out
+/// Which code converts f32 to bf16 pairs: the same bits either way.
+#[derive(Clone, Copy)]
+enum Convert {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Simd,
 }
 
-/// `b` (k×n) as bf16 pairs along k: `pairs × cols_to` dwords (columns past
-/// n are 0). A plain operand: rows 2p and 2p+1 side by side, pairs in
-/// parallel; a transposed one (stored n×k): each column's pairs are
-/// adjacent in memory.
-fn pack_cols(k: usize, n: usize, b: &Operand<'_>, cols_to: usize) -> Vec<u32> {
+impl Convert {
+    /// `out[p]` = the pair `(src[2p], src[2p+1])`, 0 past the end of `src`.
+    fn row_pairs(self, src: &[f32], out: &mut [u32]) {
+        assert_eq!(out.len(), src.len().div_ceil(2), "row_pairs: sizes");
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Simd` is only chosen after `simd::available()`.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            Convert::Simd => unsafe { simd::row_pairs(src, out) },
+            Convert::Portable => {
+                let mut two = src.chunks_exact(2);
+                for (o, c) in out.iter_mut().zip(&mut two) {
+                    *o = pair(c[0], c[1]);
+                }
+                if let [last] = two.remainder() {
+                    out[src.len() / 2] = pair(*last, 0.0);
+                }
+            }
+        }
+    }
+
+    /// `out[j]` = the pair `(even[j], odd[j])`; `odd` None: 0.
+    fn interleave(self, even: &[f32], odd: Option<&[f32]>, out: &mut [u32]) {
+        assert!(even.len() >= out.len() && odd.is_none_or(|o| o.len() >= out.len()), "interleave: sizes");
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Simd` is only chosen after `simd::available()`.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            Convert::Simd => unsafe { simd::interleave(even, odd, out) },
+            Convert::Portable => match odd {
+                Some(odd) => out.iter_mut().zip(even.iter().zip(odd)).for_each(|(o, (&lo, &hi))| *o = pair(lo, hi)),
+                None => out.iter_mut().zip(even).for_each(|(o, &lo)| *o = pair(lo, 0.0)),
+            },
+        }
+    }
+}
+
+/// The left operand as bf16 pairs along k: pair p of row i at
+/// `i·row_stride + p·pair_stride`.
+struct PackedRows {
+    data: Vec<u32>,
+    row_stride: usize,
+    pair_stride: usize,
+}
+
+impl PackedRows {
+    fn at(&self, i: usize, p: usize) -> u32 {
+        self.data[i * self.row_stride + p * self.pair_stride]
+    }
+}
+
+/// `a` (m×k) as bf16 pairs along k, `rows_to` rows (those past m are 0);
+/// an odd k is padded with 0. A plain operand is packed row by row (pairs
+/// of a row adjacent); a transposed one (stored k×m) pair by pair, each
+/// from two stored rows side by side (the rows of a pair adjacent).
+fn pack_rows(m: usize, k: usize, a: &Operand<'_>, rows_to: usize, convert: Convert, buf: Vec<u32>) -> PackedRows {
     let pairs = k.div_ceil(2);
-    let mut out = vec![0u32; pairs * cols_to];
+    let mut data = sized(buf, rows_to * pairs);
+    let src = a.data;
+    if a.transposed {
+        data.par_chunks_mut(rows_to.max(1)).enumerate().for_each(|(p, out)| {
+            let even = &src[2 * p * m..][..m];
+            let odd = (2 * p + 1 < k).then(|| &src[(2 * p + 1) * m..][..m]);
+            convert.interleave(even, odd, &mut out[..m]);
+            out[m..].fill(0);
+        });
+        PackedRows { data, row_stride: 1, pair_stride: rows_to }
+    } else {
+        if pairs > 0 {
+            data[..m * pairs]
+                .par_chunks_mut(pairs)
+                .zip(src.par_chunks(k))
+                .for_each(|(out, row)| convert.row_pairs(row, out));
+        }
+        data[m * pairs..].fill(0);
+        PackedRows { data, row_stride: pairs, pair_stride: 1 }
+    }
+}
+
+thread_local! {
+    /// Packing buffers reused by this thread's products (a step makes the
+    /// same ones every time; fresh ones cost page faults and zero-filling).
+    /// Taken while in use: a product nested on the same thread (rayon runs
+    /// stolen work while it waits) allocates its own.
+    static BUFFERS: Cell<(Vec<u32>, Vec<u32>)> = const { Cell::new((Vec::new(), Vec::new())) };
+}
+
+/// `buf` holding `len` dwords, which the packing then writes, every one.
+fn sized(mut buf: Vec<u32>, len: usize) -> Vec<u32> {
+    buf.resize(len, 0);
+    buf
+}
+
+/// `b` (k×n) as bf16 pairs along k, in panels of `width` columns: pair p
+/// of column j at `((j / width)·pairs + p)·width + j % width` (columns past
+/// n are 0), so a kernel reads one panel's rows in order. Panels in
+/// parallel; a plain operand interleaves rows 2p and 2p+1, a transposed one
+/// (stored n×k, each column's values adjacent) is read column by column.
+fn pack_cols(k: usize, n: usize, b: &Operand<'_>, width: usize, convert: Convert, buf: Vec<u32>) -> Vec<u32> {
+    let pairs = k.div_ceil(2);
+    let width = width.max(1);
+    let mut out = sized(buf, n.div_ceil(width) * pairs * width);
     if n == 0 || pairs == 0 {
         return out;
     }
     let data = b.data;
-    if b.transposed {
-        for j in 0..n {
-            let column = &data[j * k..(j + 1) * k];
-            let mut two = column.chunks_exact(2);
-            for (p, c) in (&mut two).enumerate() {
-                out[p * cols_to + j] = pair(c[0], c[1]);
+    out.par_chunks_mut(pairs * width).enumerate().for_each(|(t, panel)| {
+        let (j0, cols) = (t * width, width.min(n - t * width));
+        if cols < width {
+            panel.chunks_exact_mut(width).for_each(|row| row[cols..].fill(0));
+        }
+        if b.transposed {
+            let mut strip = vec![0u32; pairs];
+            for c in 0..cols {
+                convert.row_pairs(&data[(j0 + c) * k..][..k], &mut strip);
+                for (p, &v) in strip.iter().enumerate() {
+                    panel[p * width + c] = v;
+                }
             }
-            if let [last] = two.remainder() {
-                out[(pairs - 1) * cols_to + j] = pair(*last, 0.0);
+        } else {
+            for p in 0..pairs {
+                let even = &data[2 * p * n + j0..][..cols];
+                let odd = (2 * p + 1 < k).then(|| &data[(2 * p + 1) * n + j0..][..cols]);
+                convert.interleave(even, odd, &mut panel[p * width..][..cols]);
             }
         }
-    } else {
-        out.par_chunks_mut(cols_to).enumerate().for_each(|(p, out)| {
-            let even = &data[2 * p * n..(2 * p + 1) * n];
-            if 2 * p + 1 < k {
-                let odd = &data[(2 * p + 1) * n..(2 * p + 2) * n];
-                for ((o, &lo), &hi) in out.iter_mut().zip(even).zip(odd) {
-                    *o = pair(lo, hi);
-                }
-            } else {
-                for (o, &lo) in out.iter_mut().zip(even) {
-                    *o = pair(lo, 0.0);
-                }
-            }
-        });
-    }
+    });
     out
 }
 
@@ -105,12 +184,14 @@ fn pack_cols(k: usize, n: usize, b: &Operand<'_>, cols_to: usize) -> Vec<u32> {
 pub fn gemm_bf16_portable(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_>, dst: &mut [f32]) {
     check(m, n, k, &a, &b, dst);
     let pairs = k.div_ceil(2);
-    let (pa, pb) = (pack_rows(m, k, &a, m), pack_cols(k, n, &b, n));
+    let convert = Convert::Portable;
+    let (pa, pb) = (pack_rows(m, k, &a, m, convert, Vec::new()), pack_cols(k, n, &b, n, convert, Vec::new()));
+    // One panel of all n columns: pair p of column j at p·n + j.
     dst.par_chunks_mut(n.max(1)).enumerate().for_each(|(i, row)| {
         for (j, out) in row.iter_mut().enumerate() {
             let mut acc = 0.0f32;
             for p in 0..pairs {
-                let (x, y) = (pa[i * pairs + p], pb[p * n + j]);
+                let (x, y) = (pa.at(i, p), pb[p * n + j]);
                 acc = dpbf16_portable(acc, [x as u16, (x >> 16) as u16], [y as u16, (y >> 16) as u16]);
             }
             *out = acc;
@@ -143,7 +224,7 @@ mod simd {
 
     use rayon::prelude::*;
 
-    use super::{pack_cols, pack_rows};
+    use super::{Convert, pack_cols, pack_rows};
     use crate::matrix::Operand;
 
     /// A tile: 8 rows × 32 columns, 16 accumulators.
@@ -154,16 +235,99 @@ mod simd {
         is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512f")
     }
 
-    /// One tile: `c[r][0..32] = Σ_p dot(a[r][p], b[p][0..32])`, p in order.
+    /// Lanes `0..n` of a 16-lane mask.
+    fn lanes(n: usize) -> __mmask16 {
+        if n >= 16 { 0xffff } else { (1u16 << n) - 1 }
+    }
+
+    /// [`Convert::row_pairs`] with `vcvtne2ps2bf16`: 32 floats in order are
+    /// 16 pairs in order.
     #[target_feature(enable = "avx512bf16,avx512f")]
-    fn tile(pairs: usize, a: &[u32], b: &[u32], b_stride: usize, c: &mut [f32; MR * NR]) {
+    pub fn row_pairs(src: &[f32], out: &mut [u32]) {
+        assert_eq!(out.len(), src.len().div_ceil(2), "row_pairs: sizes");
+        for (src, out) in src.chunks(32).zip(out.chunks_mut(16)) {
+            let (lo, hi) = (src.len().min(16), src.len().saturating_sub(16));
+            // SAFETY: the masked loads read lanes 0..lo of `src` and
+            // lo..lo+hi (≤ 32 in all, within `src`); masked-off lanes are not
+            // accessed. The masked store writes out.len() = ⌈src.len()/2⌉ ≤ 16
+            // dwords of `out`.
+            #[expect(unsafe_code, reason = "SIMD loads and stores behind run-time feature detection")]
+            unsafe {
+                let low = _mm512_maskz_loadu_ps(lanes(lo), src.as_ptr());
+                let high = _mm512_maskz_loadu_ps(lanes(hi), src.as_ptr().add(lo));
+                let packed = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(high, low));
+                _mm512_mask_storeu_epi32(out.as_mut_ptr().cast(), lanes(out.len()), packed);
+            }
+        }
+    }
+
+    /// [`Convert::interleave`] with `vcvtneps2bf16`, 16 pairs at a time.
+    #[target_feature(enable = "avx512bf16,avx512f")]
+    pub fn interleave(even: &[f32], odd: Option<&[f32]>, out: &mut [u32]) {
+        assert!(even.len() >= out.len() && odd.is_none_or(|o| o.len() >= out.len()), "interleave: sizes");
+        for j in (0..out.len()).step_by(16) {
+            let mask = lanes(out.len() - j);
+            // bf16 of 16 floats (masked lanes read as 0), widened to dwords.
+            let widen = |src: &[f32]| {
+                // SAFETY: the masked load reads lanes j..j+16 that lie below
+                // out.len() ≤ src.len(); the others are not accessed.
+                #[expect(unsafe_code, reason = "SIMD loads behind run-time feature detection")]
+                let v = unsafe { _mm512_maskz_loadu_ps(mask, src.as_ptr().add(j)) };
+                // SAFETY: a bf16 vector reinterpreted as 16-bit integers.
+                #[expect(unsafe_code, reason = "SIMD reinterpretation behind run-time feature detection")]
+                let halves = unsafe { std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(v)) };
+                _mm512_cvtepu16_epi32(halves)
+            };
+            let low = widen(even);
+            let packed = match odd {
+                Some(odd) => _mm512_or_si512(low, _mm512_slli_epi32::<16>(widen(odd))),
+                None => low,
+            };
+            // SAFETY: writes the dwords j..j+16 below out.len() (the mask).
+            #[expect(unsafe_code, reason = "SIMD stores behind run-time feature detection")]
+            unsafe {
+                _mm512_mask_storeu_epi32(out.as_mut_ptr().add(j).cast(), mask, packed)
+            };
+        }
+    }
+
+    /// Pairs per pass over a tile: a panel slice of KB×NR dwords (16 KB)
+    /// stays in L1 while the task's row blocks use it.
+    const KB: usize = 128;
+
+    /// One tile over `pairs` pairs: `c[r][0..32] += Σ_p dot(a[r·rs + p·ps],
+    /// b[p][0..32])`, p in order (`c` read first only if `accumulate`). The
+    /// sums go back to `c`, or to `dst` (rows `stride` apart) when given: the
+    /// last pass of a whole tile stores straight into the output.
+    #[target_feature(enable = "avx512bf16,avx512f")]
+    fn tile(
+        pairs: usize,
+        a: &[u32],
+        (rs, ps): (usize, usize),
+        b: &[u32],
+        c: &mut [f32],
+        accumulate: bool,
+        dst: Option<(&mut [f32], usize)>,
+    ) {
+        assert!(c.len() == MR * NR && b.len() >= pairs * NR && pairs > 0);
+        assert!(a.len() > (MR - 1) * rs + (pairs - 1) * ps);
         let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+        if accumulate {
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                // SAFETY: row r of `c` holds NR = 32 floats (asserted above).
+                #[expect(unsafe_code, reason = "SIMD loads behind run-time feature detection")]
+                unsafe {
+                    acc_r[0] = _mm512_loadu_ps(c[r * NR..].as_ptr());
+                    acc_r[1] = _mm512_loadu_ps(c[r * NR + 16..].as_ptr());
+                }
+            }
+        }
         for p in 0..pairs {
             // SAFETY: `row` is a bounds-checked slice of exactly NR = 32
             // dwords, read as two unaligned 16-dword vectors.
             #[expect(unsafe_code, reason = "SIMD loads behind run-time feature detection")]
             let (b0, b1) = unsafe {
-                let row = &b[p * b_stride..p * b_stride + NR];
+                let row = &b[p * NR..p * NR + NR];
                 (
                     std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(row.as_ptr().cast())),
                     std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(row[16..].as_ptr().cast())),
@@ -173,13 +337,19 @@ mod simd {
                 // SAFETY: a broadcast dword reinterpreted as bf16 pairs;
                 // every bit pattern is a valid __m512bh.
                 #[expect(unsafe_code, reason = "SIMD reinterpretation behind run-time feature detection")]
-                let x = unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(a[r * pairs + p] as i32)) };
+                let x =
+                    unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(a[r * rs + p * ps] as i32)) };
                 acc_r[0] = _mm512_dpbf16_ps(acc_r[0], x, b0);
                 acc_r[1] = _mm512_dpbf16_ps(acc_r[1], x, b1);
             }
         }
+        let (out, stride) = match dst {
+            Some((dst, stride)) => (dst, stride),
+            None => (c, NR),
+        };
+        assert!(out.len() >= (MR - 1) * stride + NR);
         for (r, acc_r) in acc.iter().enumerate() {
-            let out = &mut c[r * NR..(r + 1) * NR];
+            let out = &mut out[r * stride..r * stride + NR];
             // SAFETY: `out` holds NR = 32 f32, two 16-float stores.
             #[expect(unsafe_code, reason = "SIMD stores behind run-time feature detection")]
             unsafe {
@@ -193,28 +363,71 @@ mod simd {
         if m == 0 || n == 0 {
             return;
         }
+        if n < NR && m > n {
+            // A narrow product (a layer of one output): as dstᵀ = op(b)ᵀ·op(a)ᵀ
+            // its long side fills the tiles' columns. Every output keeps its
+            // chain (a product of two bf16 is the same either way round).
+            let (at, bt) = (
+                Operand { data: b.data, transposed: !b.transposed },
+                Operand { data: a.data, transposed: !a.transposed },
+            );
+            if n == 1 {
+                return gemm(n, m, k, &at, &bt, dst);
+            }
+            let mut transposed = vec![0f32; m * n];
+            gemm(n, m, k, &at, &bt, &mut transposed);
+            for (j, column) in transposed.chunks_exact(m).enumerate() {
+                for (i, &v) in column.iter().enumerate() {
+                    dst[i * n + j] = v;
+                }
+            }
+            return;
+        }
         let pairs = k.div_ceil(2);
-        let (rows_to, cols_to) = (m.div_ceil(MR) * MR, n.div_ceil(NR) * NR);
-        let pa = pack_rows(m, k, a, rows_to);
-        let pb = pack_cols(k, n, b, cols_to);
-        // Row blocks in parallel; each writes its own rows of dst.
-        dst.par_chunks_mut(MR * n).enumerate().for_each(|(block, out)| {
-            let a_block = &pa[block * MR * pairs..(block + 1) * MR * pairs];
-            let mut c = [0f32; MR * NR];
-            for col in (0..cols_to).step_by(NR) {
-                // SAFETY: the CPU has AVX-512F and AVX-512-BF16 (`available`
-                // was checked by the caller before this path was taken).
-                #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
-                unsafe {
-                    tile(pairs, a_block, &pb[col..], cols_to, &mut c)
-                };
-                let rows = out.len() / n;
-                let width = NR.min(n - col);
-                for r in 0..rows {
-                    out[r * n + col..r * n + col + width].copy_from_slice(&c[r * NR..r * NR + width]);
+        if pairs == 0 {
+            dst.fill(0.0);
+            return;
+        }
+        let (row_blocks, tiles) = (m.div_ceil(MR), n.div_ceil(NR));
+        let (buf_a, buf_b) = super::BUFFERS.take();
+        let pa = pack_rows(m, k, a, row_blocks * MR, Convert::Simd, buf_a);
+        let pb = pack_cols(k, n, b, NR, Convert::Simd, buf_b);
+        // Tasks of a few row blocks, about four per thread. In a task, each
+        // panel of NR columns is done in passes of KB pairs over all the
+        // task's row blocks, the partial sums kept in `c` between passes
+        // (each output's chain stays in order).
+        let per_task = row_blocks.div_ceil(4 * rayon::current_num_threads()).clamp(1, 16);
+        dst.par_chunks_mut(per_task * MR * n).enumerate().for_each(|(task, out)| {
+            let rows = out.len() / n;
+            let blocks = rows.div_ceil(MR);
+            let first = task * per_task;
+            let mut c = vec![0f32; blocks * MR * NR];
+            for t in 0..tiles {
+                let width = NR.min(n - t * NR);
+                for k0 in (0..pairs).step_by(KB) {
+                    let kl = KB.min(pairs - k0);
+                    let panel = &pb[(t * pairs + k0) * NR..][..kl * NR];
+                    for (rb, c_tile) in c.chunks_exact_mut(MR * NR).enumerate() {
+                        let a_block = &pa.data[(first + rb) * MR * pa.row_stride + k0 * pa.pair_stride..];
+                        let whole = width == NR && (rb + 1) * MR <= rows;
+                        let dst = (k0 + kl == pairs && whole).then(|| (&mut out[rb * MR * n + t * NR..], n));
+                        // SAFETY: the CPU has AVX-512F and AVX-512-BF16
+                        // (`available` was checked before this path was taken).
+                        #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+                        unsafe {
+                            tile(kl, a_block, (pa.row_stride, pa.pair_stride), panel, c_tile, k0 > 0, dst)
+                        };
+                    }
+                }
+                // Tiles at the edges went to `c`: their valid part, row by row.
+                for (r, row) in out.chunks_exact_mut(n).enumerate() {
+                    if width < NR || r >= rows / MR * MR {
+                        row[t * NR..][..width].copy_from_slice(&c[r * NR..][..width]);
+                    }
                 }
             }
         });
+        super::BUFFERS.set((pa.data, pb));
     }
 }
 
@@ -244,13 +457,62 @@ mod tests {
         assert_eq!(round_bf16(f32::INFINITY), 0x7f80);
     }
 
+    /// Zeros, denormals (flushed to a signed zero, as `vcvtneps2bf16` does),
+    /// ties, infinities and NaNs, then a sweep of bit patterns: the SIMD
+    /// conversions (where the CPU has them) give the portable bits, in both
+    /// layouts, at every tail length.
+    #[test]
+    fn simd_and_portable_conversions_agree_on_every_kind_of_float() {
+        let mut values = vec![0.0f32, -0.0, 1e-40, -1e-40, f32::MIN_POSITIVE, -f32::MIN_POSITIVE * 0.999];
+        values.extend([1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -f32::NAN]);
+        values.extend([
+            f32::MAX,
+            f32::from_bits(0x7f7f_ffff),
+            f32::from_bits(0x0080_8000),
+            f32::from_bits(0x7fc0_0001),
+        ]);
+        values.extend((0..20_000u32).map(|i| f32::from_bits(i.wrapping_mul(0x9e37_79b9))));
+        assert_eq!(round_bf16(1e-40), 0);
+        assert_eq!(round_bf16(-1e-40), 0x8000);
+        #[cfg(target_arch = "x86_64")]
+        if simd::available() {
+            for len in [values.len(), 1, 15, 16, 17, 31, 33, 47] {
+                let src = &values[values.len() - len..];
+                let mut fast = vec![0u32; len.div_ceil(2)];
+                let mut reference = vec![1u32; len.div_ceil(2)];
+                Convert::Simd.row_pairs(src, &mut fast);
+                Convert::Portable.row_pairs(src, &mut reference);
+                assert_eq!(fast, reference, "row_pairs, {len} values");
+                let (even, odd) = src.split_at(len / 2);
+                let mut fast = vec![0u32; len / 2];
+                let mut reference = vec![1u32; len / 2];
+                for with_odd in [true, false] {
+                    let odd = with_odd.then_some(odd);
+                    Convert::Simd.interleave(even, odd, &mut fast);
+                    Convert::Portable.interleave(even, odd, &mut reference);
+                    assert_eq!(fast, reference, "interleave, {len} values, odd: {with_odd}");
+                }
+            }
+        }
+    }
+
     /// The SIMD kernel (where the CPU has it) and the portable reference
     /// give the same bits, on shapes off the tile sizes, odd k, and every
     /// operand layout; and both are close to the f64 product of the
     /// bf16-rounded inputs.
     #[test]
     fn simd_and_portable_agree_bit_for_bit_and_match_f64() {
-        for &(m, n, k) in &[(1, 1, 1), (7, 33, 5), (17, 40, 64), (64, 256, 429), (9, 1, 128)] {
+        for &(m, n, k) in &[
+            (1, 1, 1),
+            (7, 33, 5),
+            (17, 40, 64),
+            (64, 256, 429),
+            (9, 1, 128),
+            (300, 1, 33),
+            (40, 3, 300),
+            (5, 0, 4),
+            (6, 7, 0),
+        ] {
             for (at, bt) in [(false, false), (true, false), (false, true), (true, true)] {
                 let a = random(m * k, (m * 31 + k) as u64, 1.5);
                 let b = random(k * n, (n * 17 + k) as u64, 0.7);

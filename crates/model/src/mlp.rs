@@ -218,6 +218,9 @@ pub struct MlpScratch {
     /// Gradient at the current layer while going backward; d input at the end.
     pub grad_input: Vec<f32>,
     grad_next: Vec<f32>,
+    /// A used parameter gradient handed back (`DenseModel::recycle`) for
+    /// the next backward pass to fill instead of allocating.
+    pub spare_grad: Vec<f32>,
     rows: usize,
 }
 
@@ -259,7 +262,10 @@ fn backward_into(shape: &MlpShape, p: &[f32], x: &[f32], grad_out: &[f32], scrat
     if layers.last().is_some_and(|l| l.relu) {
         g.iter_mut().zip(&scratch.output).for_each(|(g, &o)| *g = if o > 0.0 { *g } else { 0.0 });
     }
-    let mut grad_p = vec![0.0f32; shape.num_params];
+    // db is summed into; dW is overwritten.
+    let mut grad_p = std::mem::take(&mut scratch.spare_grad);
+    grad_p.clear();
+    grad_p.resize(shape.num_params, 0.0);
     let mut g_in = std::mem::take(&mut scratch.grad_next);
     for (i, l) in layers.iter().enumerate().rev() {
         let input: &[f32] = if i == 0 { x } else { &scratch.hidden[i - 1] };

@@ -463,6 +463,19 @@ impl DenseModel {
         self.direct_mlp().map(|_| self.shape.num_fields * self.width() + self.shape.num_dense)
     }
 
+    /// Takes back gradient buffers the optimizer is done with
+    /// (`DenseOptimizer::apply`'s result): the next step's backward pass
+    /// fills one instead of allocating (and faulting in) a new one.
+    pub fn recycle(&self, buffers: Vec<Vec<f32>>) {
+        let Some(mlp) = self.direct_mlp() else { return };
+        let wanted = mlp.params().elem_count();
+        if let (Some(spare), Ok(mut scratch)) =
+            (buffers.into_iter().find(|b| b.capacity() >= wanted), self.scratch.lock())
+        {
+            scratch.spare_grad = spare;
+        }
+    }
+
     /// Forward and backward on a packed input `x` (see
     /// [`packed_row_len`](Self::packed_row_len)): no concatenation, and
     /// d loss / d x (same layout) is handed to `on_input_grad` in place

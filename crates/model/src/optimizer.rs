@@ -5,7 +5,9 @@
 
 use std::collections::HashMap;
 
-use candle_core::{Device, Tensor};
+use std::cell::Cell;
+
+use candle_core::{CpuStorage, Device, InplaceOp1, Layout, Tensor, Var};
 use rayon::prelude::*;
 use sparrow_core::config::{DenseOptimizerConfig, DenseOptimizerKind};
 
@@ -66,6 +68,43 @@ impl DenseGrads {
     }
 }
 
+/// Runs `update` once on a parameter's values: where they are stored on
+/// the CPU (no copy out and back, as `Var::set` would need), on a copy
+/// written back elsewhere.
+fn update_in_place(var: &Var, update: impl FnOnce(&mut [f32])) -> Result<(), ModelError> {
+    if var.device().is_cpu() {
+        var.as_tensor().inplace_op1(&InPlace { update: Cell::new(Some(update)) })?;
+    } else {
+        let mut w = var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
+        update(&mut w);
+        var.set(&Tensor::from_vec(w, var.shape(), var.device())?)?;
+    }
+    Ok(())
+}
+
+struct InPlace<F> {
+    update: Cell<Option<F>>,
+}
+
+impl<F: FnOnce(&mut [f32])> InplaceOp1 for InPlace<F> {
+    fn name(&self) -> &'static str {
+        "dense-update"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let (start, end) = layout
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("dense-update: not contiguous".into()))?;
+        let CpuStorage::F32(values) = storage else {
+            return Err(candle_core::Error::Msg("dense-update: parameters are not f32".into()));
+        };
+        if let Some(update) = self.update.take() {
+            update(&mut values[start..end]);
+        }
+        Ok(())
+    }
+}
+
 /// `Err(NonFinite)` naming `what` (built only on failure) if `values` holds a NaN or an infinity.
 pub fn check_finite(values: &[f32], what: impl FnOnce() -> String) -> Result<(), ModelError> {
     // A float is NaN or infinite exactly when its exponent bits are all
@@ -99,7 +138,9 @@ impl DenseOptimizer {
     /// One step with `grads` (the mean gradient over `grads.rows` samples).
     /// Every gradient is checked before any weight moves: a non-finite one
     /// leaves the model and the optimizer state as they were.
-    pub fn apply(&mut self, params: &ParamStore, grads: DenseGrads) -> Result<(), ModelError> {
+    /// Updates the weights where they are stored; returns the gradients'
+    /// buffers, for the next step to reuse.
+    pub fn apply(&mut self, params: &ParamStore, grads: DenseGrads) -> Result<Vec<Vec<f32>>, ModelError> {
         grads.check_finite(params)?;
         self.samples_stepped += grads.rows;
         self.step += 1;
@@ -109,25 +150,31 @@ impl DenseOptimizer {
         let t = self.step as i32;
         let (b1, b2, eps) = (c.beta1 as f32, c.beta2 as f32, c.eps as f32);
         let (c1, c2) = (1.0 - c.beta1.powi(t) as f32, 1.0 - c.beta2.powi(t) as f32);
+        // Chunks in parallel on the caller's pool: the layers are up to
+        // ~110k weights, a few tens of microseconds per chunk.
+        const CHUNK: usize = 16 * 1024;
+        let mut recycled = Vec::new();
         for ((name, var), g) in params.vars().iter().zip(grads.grads) {
             let Some(g) = g else {
                 continue;
             };
-            let mut w = var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
-            // Chunks in parallel on the caller's pool: the layers are up to
-            // ~110k weights, a few tens of microseconds per chunk.
-            const CHUNK: usize = 16 * 1024;
-            match c.kind {
-                DenseOptimizerKind::Sgd => {
+            let moments = match c.kind {
+                DenseOptimizerKind::Adam => Some(
+                    self.moments
+                        .entry(name.clone())
+                        .or_insert_with(|| (vec![0.0; var.elem_count()], vec![0.0; var.elem_count()])),
+                ),
+                DenseOptimizerKind::Sgd => None,
+            };
+            update_in_place(var, |w| match moments {
+                None => {
                     w.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).for_each(|(w, g)| {
                         for (w, g) in w.iter_mut().zip(g) {
                             *w -= lr * (g + wd * *w);
                         }
                     });
                 }
-                DenseOptimizerKind::Adam => {
-                    let (m, v) =
-                        self.moments.entry(name.clone()).or_insert_with(|| (vec![0.0; w.len()], vec![0.0; w.len()]));
+                Some((m, v)) => {
                     w.par_chunks_mut(CHUNK)
                         .zip(g.par_chunks(CHUNK))
                         .zip(m.par_chunks_mut(CHUNK))
@@ -141,10 +188,10 @@ impl DenseOptimizer {
                             }
                         });
                 }
-            }
-            var.set(&Tensor::from_vec(w, var.shape(), var.device())?)?;
+            })?;
+            recycled.push(g);
         }
-        Ok(())
+        Ok(recycled)
     }
 
     /// The first parameter or optimizer moment holding a NaN or an infinity,

@@ -52,6 +52,8 @@ pub struct BenchOptions {
     pub train_steps: usize,
     /// Training steps timed per model kind and precision (0 skips them).
     pub kind_steps: usize,
+    /// The model kinds timed for the flop-floor table.
+    pub kinds: Vec<ModelKind>,
     /// Rows inserted for the resident-memory measurement (0 skips it).
     pub memory_rows: usize,
     pub gather_limit_source: PathBuf,
@@ -73,6 +75,7 @@ impl Default for BenchOptions {
             thread_counts: vec![1, 2],
             train_steps: 300,
             kind_steps: 100,
+            kinds: ModelKind::ALL.to_vec(),
             memory_rows: 4_000_000,
             gather_limit_source: PathBuf::from("../shared/tools/gather-limit.c"),
             work_dir: std::env::temp_dir().join("sparrow-bench"),
@@ -423,7 +426,7 @@ fn bench_config(o: &BenchOptions, kind: ModelKind) -> Config {
 fn bench_kinds(o: &BenchOptions, peaks: &sparrow_model::peak::Peaks) -> Result<Vec<KindBench>, TrainError> {
     let batches = bench_batches(o, &bench_config(o, ModelKind::Mlp))?;
     let mut out = Vec::new();
-    for kind in ModelKind::ALL {
+    for &kind in &o.kinds {
         let stacked = !matches!(kind, ModelKind::Lr | ModelKind::Fm);
         for precision in [Precision::F32, Precision::Bf16] {
             if precision == Precision::Bf16 && !stacked {

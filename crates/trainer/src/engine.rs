@@ -365,7 +365,7 @@ pub fn dense_step(
         }
     };
     if let Some(combined) = sync.combine(&model.params, dense_grads)? {
-        optimizer.apply(&model.params, combined)?;
+        model.recycle(optimizer.apply(&model.params, combined)?);
     }
     let total = t0.elapsed();
     let pool_secs = (pooled_at - t0).as_secs_f64();
