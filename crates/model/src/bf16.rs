@@ -209,13 +209,61 @@ fn check(m: usize, n: usize, k: usize, a: &Operand<'_>, b: &Operand<'_>, dst: &[
 /// module's text), on the current rayon pool: `vdpbf16ps` where the CPU has
 /// it, the portable lane otherwise; the same bits either way.
 pub fn gemm_bf16(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_>, dst: &mut [f32]) {
+    gemm_bf16_then(m, n, k, a, b, dst, Epilogue::default());
+}
+
+/// What a product does to each output as it stores it: add a bias per
+/// column, then ReLU. An MLP layer's forward pass in one sweep.
+#[derive(Clone, Copy, Default)]
+pub struct Epilogue<'a> {
+    pub bias: Option<&'a [f32]>,
+    pub relu: bool,
+}
+
+impl Epilogue<'_> {
+    /// Output `v` of column `j`: `v + bias[j]`, then `v > 0 ? v : 0` (NaN
+    /// and −0 become +0), as the SIMD store computes it.
+    fn apply(&self, j: usize, v: f32) -> f32 {
+        let v = match self.bias {
+            Some(bias) => v + bias[j],
+            None => v,
+        };
+        match self.relu {
+            true if v > 0.0 => v,
+            true => 0.0,
+            false => v,
+        }
+    }
+
+    /// [`apply`](Self::apply) over the columns `j0..` of one output row.
+    fn row(&self, j0: usize, row: &mut [f32]) {
+        if self.bias.is_some() || self.relu {
+            row.iter_mut().enumerate().for_each(|(c, v)| *v = self.apply(j0 + c, *v));
+        }
+    }
+}
+
+/// [`gemm_bf16`], each output then passed through `epilogue`.
+pub fn gemm_bf16_then(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand<'_>,
+    b: Operand<'_>,
+    dst: &mut [f32],
+    epilogue: Epilogue<'_>,
+) {
+    check(m, n, k, &a, &b, dst);
+    if let Some(bias) = epilogue.bias {
+        assert_eq!(bias.len(), n, "gemm_bf16: bias size");
+    }
     #[cfg(target_arch = "x86_64")]
     if simd::available() {
-        check(m, n, k, &a, &b, dst);
-        simd::gemm(m, n, k, &a, &b, dst);
+        simd::gemm(m, n, k, &a, &b, dst, epilogue);
         return;
     }
     gemm_bf16_portable(m, n, k, a, b, dst);
+    dst.chunks_mut(n.max(1)).for_each(|row| epilogue.row(0, row));
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -224,7 +272,7 @@ mod simd {
 
     use rayon::prelude::*;
 
-    use super::{Convert, pack_cols, pack_rows};
+    use super::{Convert, Epilogue, pack_cols, pack_rows};
     use crate::matrix::Operand;
 
     /// A tile: 8 rows × 32 columns, 16 accumulators.
@@ -291,6 +339,16 @@ mod simd {
         }
     }
 
+    /// Where a tile's last pass stores its sums: rows `stride` apart in the
+    /// output, through the product's epilogue (`bias` from the tile's
+    /// first column).
+    struct Store<'a> {
+        dst: &'a mut [f32],
+        stride: usize,
+        bias: Option<&'a [f32]>,
+        relu: bool,
+    }
+
     /// Pairs per pass over a tile: a panel slice of KB×NR dwords (16 KB)
     /// stays in L1 while the task's row blocks use it.
     const KB: usize = 128;
@@ -307,7 +365,7 @@ mod simd {
         b: &[u32],
         c: &mut [f32],
         accumulate: bool,
-        dst: Option<(&mut [f32], usize)>,
+        dst: Option<Store<'_>>,
     ) {
         assert!(c.len() == MR * NR && b.len() >= pairs * NR && pairs > 0);
         assert!(a.len() > (MR - 1) * rs + (pairs - 1) * ps);
@@ -343,23 +401,48 @@ mod simd {
                 acc_r[1] = _mm512_dpbf16_ps(acc_r[1], x, b1);
             }
         }
-        let (out, stride) = match dst {
-            Some((dst, stride)) => (dst, stride),
-            None => (c, NR),
+        let (out, stride, bias, relu) = match dst {
+            Some(Store { dst, stride, bias, relu }) => (dst, stride, bias, relu),
+            None => (c, NR, None, false),
         };
         assert!(out.len() >= (MR - 1) * stride + NR);
-        for (r, acc_r) in acc.iter().enumerate() {
+        // The epilogue (see `Epilogue::apply`), on the final sums only.
+        let bias = bias.map(|bias| {
+            let bias = &bias[..NR];
+            // SAFETY: `bias` holds NR = 32 floats, two 16-float loads.
+            #[expect(unsafe_code, reason = "SIMD loads behind run-time feature detection")]
+            unsafe {
+                (_mm512_loadu_ps(bias.as_ptr()), _mm512_loadu_ps(bias[16..].as_ptr()))
+            }
+        });
+        let zero = _mm512_setzero_ps();
+        for (r, &[mut v0, mut v1]) in acc.iter().enumerate() {
+            if let Some((b0, b1)) = bias {
+                (v0, v1) = (_mm512_add_ps(v0, b0), _mm512_add_ps(v1, b1));
+            }
+            if relu {
+                v0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(v0, zero), v0);
+                v1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(v1, zero), v1);
+            }
             let out = &mut out[r * stride..r * stride + NR];
             // SAFETY: `out` holds NR = 32 f32, two 16-float stores.
             #[expect(unsafe_code, reason = "SIMD stores behind run-time feature detection")]
             unsafe {
-                _mm512_storeu_ps(out.as_mut_ptr(), acc_r[0]);
-                _mm512_storeu_ps(out[16..].as_mut_ptr(), acc_r[1]);
+                _mm512_storeu_ps(out.as_mut_ptr(), v0);
+                _mm512_storeu_ps(out[16..].as_mut_ptr(), v1);
             }
         }
     }
 
-    pub fn gemm(m: usize, n: usize, k: usize, a: &Operand<'_>, b: &Operand<'_>, dst: &mut [f32]) {
+    pub fn gemm(
+        m: usize,
+        n: usize,
+        k: usize,
+        a: &Operand<'_>,
+        b: &Operand<'_>,
+        dst: &mut [f32],
+        epilogue: Epilogue<'_>,
+    ) {
         if m == 0 || n == 0 {
             return;
         }
@@ -372,26 +455,56 @@ mod simd {
                 Operand { data: a.data, transposed: !a.transposed },
             );
             if n == 1 {
-                return gemm(n, m, k, &at, &bt, dst);
-            }
-            let mut transposed = vec![0f32; m * n];
-            gemm(n, m, k, &at, &bt, &mut transposed);
-            for (j, column) in transposed.chunks_exact(m).enumerate() {
-                for (i, &v) in column.iter().enumerate() {
-                    dst[i * n + j] = v;
+                gemm(n, m, k, &at, &bt, dst, Epilogue::default());
+            } else {
+                let mut transposed = vec![0f32; m * n];
+                gemm(n, m, k, &at, &bt, &mut transposed, Epilogue::default());
+                for (j, column) in transposed.chunks_exact(m).enumerate() {
+                    for (i, &v) in column.iter().enumerate() {
+                        dst[i * n + j] = v;
+                    }
                 }
             }
+            dst.chunks_exact_mut(n).for_each(|row| epilogue.row(0, row));
             return;
         }
         let pairs = k.div_ceil(2);
         if pairs == 0 {
             dst.fill(0.0);
+            dst.chunks_exact_mut(n).for_each(|row| epilogue.row(0, row));
             return;
         }
         let (row_blocks, tiles) = (m.div_ceil(MR), n.div_ceil(NR));
         let (buf_a, buf_b) = super::BUFFERS.take();
         let pa = pack_rows(m, k, a, row_blocks * MR, Convert::Simd, buf_a);
         let pb = pack_cols(k, n, b, NR, Convert::Simd, buf_b);
+        if row_blocks == 1 && tiles > 1 {
+            // One row block (the narrow products, turned round): the panels
+            // in parallel instead, each into its own tile of `c`.
+            let mut c = vec![0f32; tiles * MR * NR];
+            c.par_chunks_mut(MR * NR).enumerate().for_each(|(t, c_tile)| {
+                for k0 in (0..pairs).step_by(KB) {
+                    let kl = KB.min(pairs - k0);
+                    let panel = &pb[(t * pairs + k0) * NR..][..kl * NR];
+                    let a_block = &pa.data[k0 * pa.pair_stride..];
+                    // SAFETY: the CPU has AVX-512F and AVX-512-BF16
+                    // (`available` was checked before this path was taken).
+                    #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+                    unsafe {
+                        tile(kl, a_block, (pa.row_stride, pa.pair_stride), panel, c_tile, k0 > 0, None)
+                    };
+                }
+            });
+            for (r, row) in dst.chunks_exact_mut(n).enumerate() {
+                for (t, c_tile) in c.chunks_exact(MR * NR).enumerate() {
+                    let width = NR.min(n - t * NR);
+                    row[t * NR..][..width].copy_from_slice(&c_tile[r * NR..][..width]);
+                }
+                epilogue.row(0, row);
+            }
+            super::BUFFERS.set((pa.data, pb));
+            return;
+        }
         // Tasks of a few row blocks, about four per thread. In a task, each
         // panel of NR columns is done in passes of KB pairs over all the
         // task's row blocks, the partial sums kept in `c` between passes
@@ -410,7 +523,12 @@ mod simd {
                     for (rb, c_tile) in c.chunks_exact_mut(MR * NR).enumerate() {
                         let a_block = &pa.data[(first + rb) * MR * pa.row_stride + k0 * pa.pair_stride..];
                         let whole = width == NR && (rb + 1) * MR <= rows;
-                        let dst = (k0 + kl == pairs && whole).then(|| (&mut out[rb * MR * n + t * NR..], n));
+                        let dst = (k0 + kl == pairs && whole).then(|| Store {
+                            dst: &mut out[rb * MR * n + t * NR..],
+                            stride: n,
+                            bias: epilogue.bias.map(|b| &b[t * NR..]),
+                            relu: epilogue.relu,
+                        });
                         // SAFETY: the CPU has AVX-512F and AVX-512-BF16
                         // (`available` was checked before this path was taken).
                         #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
@@ -423,6 +541,7 @@ mod simd {
                 for (r, row) in out.chunks_exact_mut(n).enumerate() {
                     if width < NR || r >= rows / MR * MR {
                         row[t * NR..][..width].copy_from_slice(&c[r * NR..][..width]);
+                        epilogue.row(t * NR, &mut row[t * NR..][..width]);
                     }
                 }
             }
@@ -523,6 +642,17 @@ mod tests {
                 gemm_bf16_portable(m, n, k, opa, opb, &mut reference);
                 for (i, (x, y)) in fast.iter().zip(&reference).enumerate() {
                     assert_eq!(x.to_bits(), y.to_bits(), "{m}x{n}x{k} t=({at},{bt}) [{i}]: {x} vs {y}");
+                }
+                // Bias and ReLU in the store: the portable values, passed
+                // through the same epilogue afterwards.
+                let bias = random(n, 7 + n as u64, 2.0);
+                let epilogue = Epilogue { bias: Some(&bias), relu: true };
+                let mut fused = vec![f32::NAN; m * n];
+                gemm_bf16_then(m, n, k, opa, opb, &mut fused, epilogue);
+                let mut then = reference.clone();
+                then.chunks_mut(n.max(1)).for_each(|row| epilogue.row(0, row));
+                for (i, (x, y)) in fused.iter().zip(&then).enumerate() {
+                    assert_eq!(x.to_bits(), y.to_bits(), "epilogue {m}x{n}x{k} t=({at},{bt}) [{i}]: {x} vs {y}");
                 }
                 let bf = |x: f32| f64::from(f32::from_bits(u32::from(round_bf16(x)) << 16));
                 for i in 0..m {

@@ -11,6 +11,7 @@
 use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor, Var};
+use rayon::prelude::*;
 
 use sparrow_core::config::Precision;
 
@@ -245,8 +246,19 @@ fn forward_into(shape: &MlpShape, p: &[f32], x: &[f32], rows: usize, scratch: &m
         } else {
             sized(&mut scratch.output, rows * l.fan_out)
         };
-        matmul(shape.precision, None, rows, l.fan_out, l.fan_in, Operand::plain(input), Operand::plain(w), out);
-        add_bias(out, &p[l.b..l.b + l.fan_out], l.relu);
+        let bias = &p[l.b..l.b + l.fan_out];
+        let (input, w) = (Operand::plain(input), Operand::plain(w));
+        match shape.precision {
+            // Bias and ReLU as the product stores each tile.
+            Precision::Bf16 => {
+                let epilogue = crate::bf16::Epilogue { bias: Some(bias), relu: l.relu };
+                crate::bf16::gemm_bf16_then(rows, l.fan_out, l.fan_in, input, w, out, epilogue);
+            }
+            Precision::F32 => {
+                sgemm(rows, l.fan_out, l.fan_in, input, w, out);
+                add_bias(out, bias, l.relu);
+            }
+        }
     }
 }
 
@@ -375,6 +387,205 @@ impl CustomOp2 for FusedMlp {
     }
 }
 
+/// `x·w` for `x: [rows, k]` and `w: [k, n]` in the model's precision, with
+/// its backward pass: on CPU one custom op whose three products go through
+/// [`matmul`] (bf16 or the fp32 gemm), elsewhere candle's matmul. DCN-v2's
+/// cross layers use it, so `model.precision` reaches them as it reaches the
+/// MLP stacks.
+pub fn matmul_in(precision: Precision, x: &Tensor, w: &Tensor) -> Result<Tensor, ModelError> {
+    if x.device().is_cpu() && x.dtype() == DType::F32 && w.dtype() == DType::F32 {
+        Ok(x.contiguous()?.apply_op2(&w.contiguous()?, PrecisionMatmul { precision })?)
+    } else {
+        Ok(x.matmul(w)?)
+    }
+}
+
+struct PrecisionMatmul {
+    precision: Precision,
+}
+
+/// `[rows, k]` and `[k, n]` of a product's operands, checked.
+fn product_dims(xl: &Layout, wl: &Layout) -> candle_core::Result<(usize, usize, usize)> {
+    match (xl.dims(), wl.dims()) {
+        (&[rows, k], &[k2, n]) if k == k2 => Ok((rows, k, n)),
+        (x, w) => Err(candle_core::Error::Msg(format!("matmul: shapes {x:?} and {w:?} do not multiply"))),
+    }
+}
+
+impl CustomOp2 for PrecisionMatmul {
+    fn name(&self) -> &'static str {
+        "precision-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, k, n) = product_dims(xl, wl)?;
+        let (x, w) = (contiguous(xs, xl)?, contiguous(ws, wl)?);
+        let mut out = vec![0f32; rows * n];
+        matmul(self.precision, None, rows, n, k, Operand::plain(x), Operand::plain(w), &mut out);
+        Ok((CpuStorage::F32(out), Shape::from((rows, n))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let (grad_x, grad_w) = {
+            let (xs, xl) = x.storage_and_layout();
+            let (ws, wl) = w.storage_and_layout();
+            let grad = grad_res.contiguous()?;
+            let (gs, gl) = grad.storage_and_layout();
+            let (rows, k, n) = product_dims(xl, wl)?;
+            let (x, w, g) = (cpu(&xs, xl)?, cpu(&ws, wl)?, cpu(&gs, gl)?);
+            let (mut grad_x, mut grad_w) = (vec![0f32; rows * k], vec![0f32; k * n]);
+            // As in the MLP's backward pass: the two products side by side.
+            rayon::join(
+                || matmul(self.precision, Some(1), rows, k, n, Operand::plain(g), Operand::t(w), &mut grad_x),
+                || matmul(self.precision, Some(1), k, n, rows, Operand::t(x), Operand::plain(g), &mut grad_w),
+            );
+            (grad_x, grad_w)
+        };
+        let grad_x = Tensor::from_vec(grad_x, x.shape(), x.device())?;
+        let grad_w = Tensor::from_vec(grad_w, w.shape(), w.device())?;
+        Ok((Some(grad_x), Some(grad_w)))
+    }
+}
+
+/// One DCN-v2 cross layer, `x₀ ⊙ (x_l·W + b) + x_l`, forward and backward
+/// as one CPU op (`wb` is `[W; b]`, `[x + 1, x]`): the product through
+/// [`matmul`] in the model's precision, the gating in the same passes. As
+/// candle ops the layer was a product and five element-wise passes each
+/// way, each allocating a batch-sized tensor. The same arithmetic as those
+/// ops (tested): `x₀·(u + b) + x_l`, rounded after each operation.
+pub fn cross_layer(precision: Precision, x0: &Tensor, xl: &Tensor, wb: &Tensor) -> Result<Tensor, ModelError> {
+    let op = CrossLayer { precision, gate: Mutex::new(Vec::new()) };
+    Ok(x0.contiguous()?.apply_op3(&xl.contiguous()?, &wb.contiguous()?, op)?)
+}
+
+/// A DCN-v2 cross layer with weights `w: [x, x]` and bias `b: [x]`: the
+/// fused op on CPU ([`cross_layer`]), candle's ops elsewhere.
+pub fn cross(precision: Precision, x0: &Tensor, xl: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor, ModelError> {
+    if x0.device().is_cpu() {
+        cross_layer(precision, x0, xl, &Tensor::cat(&[w, &b.unsqueeze(0)?], 0)?)
+    } else {
+        let gate = matmul_in(precision, xl, w)?.broadcast_add(b)?;
+        Ok(((x0 * gate)? + xl)?)
+    }
+}
+
+struct CrossLayer {
+    precision: Precision,
+    /// `x_l·W + b` of the forward pass, for the backward pass.
+    gate: Mutex<Vec<f32>>,
+}
+
+/// `[rows, x]`, `[rows, x]` and `[x + 1, x]`, checked.
+fn cross_dims(l0: &Layout, l1: &Layout, lw: &Layout) -> candle_core::Result<(usize, usize)> {
+    match (l0.dims(), l1.dims(), lw.dims()) {
+        (&[rows, x], &[rows1, x1], &[x2, x3]) if rows == rows1 && x == x1 && x2 == x + 1 && x3 == x => Ok((rows, x)),
+        (a, b, c) => Err(err(format!("cross layer: shapes {a:?}, {b:?}, {c:?} do not fit"))),
+    }
+}
+
+impl candle_core::CustomOp3 for CrossLayer {
+    fn name(&self) -> &'static str {
+        "cross-layer"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s0: &CpuStorage,
+        l0: &Layout,
+        s1: &CpuStorage,
+        l1: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, x) = cross_dims(l0, l1, lw)?;
+        let (x0, xl, wb) = (contiguous(s0, l0)?, contiguous(s1, l1)?, contiguous(sw, lw)?);
+        let (w, b) = wb.split_at(x * x);
+        let mut gate = self.gate.lock().map_err(|_| err("poisoned"))?;
+        gate.resize(rows * x, 0.0);
+        matmul(self.precision, None, rows, x, x, Operand::plain(xl), Operand::plain(w), &mut gate);
+        let mut out = vec![0f32; rows * x];
+        out.par_chunks_mut(x).zip(gate.par_chunks_mut(x)).zip(x0.par_chunks(x).zip(xl.par_chunks(x))).for_each(
+            |((out, gate), (x0, xl))| {
+                for j in 0..x {
+                    gate[j] += b[j];
+                    out[j] = x0[j] * gate[j] + xl[j];
+                }
+            },
+        );
+        Ok((CpuStorage::F32(out), Shape::from((rows, x))))
+    }
+
+    fn bwd(
+        &self,
+        x0: &Tensor,
+        xl: &Tensor,
+        wb: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let gate = self.gate.lock().map_err(|_| err("poisoned"))?;
+        let (rows, x) = cross_dims(x0.layout(), xl.layout(), wb.layout())?;
+        if gate.len() != rows * x {
+            return Err(err("cross layer: backward without a matching forward"));
+        }
+        let grad = grad_res.contiguous()?;
+        let (grad_x0, grad_xl, grad_wb) = {
+            let (s0, l0) = x0.storage_and_layout();
+            let (s1, l1) = xl.storage_and_layout();
+            let (sw, lw) = wb.storage_and_layout();
+            let (sg, lg) = grad.storage_and_layout();
+            let (x0, xl, wb, g) = (cpu(&s0, l0)?, cpu(&s1, l1)?, cpu(&sw, lw)?, cpu(&sg, lg)?);
+            // d x₀ = g ⊙ gate; d gate = g ⊙ x₀.
+            let mut grad_x0 = vec![0f32; rows * x];
+            let mut grad_gate = vec![0f32; rows * x];
+            grad_x0.par_chunks_mut(x).zip(grad_gate.par_chunks_mut(x)).zip(g.par_chunks(x)).enumerate().for_each(
+                |(r, ((dx0, dgate), g))| {
+                    let (gate, x0) = (&gate[r * x..(r + 1) * x], &x0[r * x..(r + 1) * x]);
+                    for j in 0..x {
+                        dx0[j] = g[j] * gate[j];
+                        dgate[j] = g[j] * x0[j];
+                    }
+                },
+            );
+            // d W = x_lᵀ·d gate and d x_l = d gate·Wᵀ + g, side by side; d b = Σ_rows d gate.
+            let mut grad_wb = vec![0f32; (x + 1) * x];
+            let mut grad_xl = vec![0f32; rows * x];
+            let (dw, db) = grad_wb.split_at_mut(x * x);
+            let w = &wb[..x * x];
+            let dgate = &grad_gate;
+            rayon::join(
+                || {
+                    matmul(self.precision, Some(1), x, x, rows, Operand::t(xl), Operand::plain(dgate), dw);
+                    for row in dgate.chunks_exact(x) {
+                        db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
+                    }
+                },
+                || {
+                    matmul(self.precision, Some(1), rows, x, x, Operand::plain(dgate), Operand::t(w), &mut grad_xl);
+                    grad_xl.iter_mut().zip(g).for_each(|(d, g)| *d += g);
+                },
+            );
+            (grad_x0, grad_xl, grad_wb)
+        };
+        let grad_x0 = Tensor::from_vec(grad_x0, x0.shape(), x0.device())?;
+        let grad_xl = Tensor::from_vec(grad_xl, xl.shape(), xl.device())?;
+        let grad_wb = Tensor::from_vec(grad_wb, wb.shape(), wb.device())?;
+        Ok((Some(grad_x0), Some(grad_xl), Some(grad_wb)))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -400,6 +611,107 @@ mod tests {
                 for j in 0..n {
                     assert!((dst[i * n + j] - naive(i, j)).abs() < 1e-5, "a_t={lt} b_t={rt}");
                 }
+            }
+        }
+    }
+
+    /// The fused cross layer against the same layer from candle's ops (its
+    /// product through `matmul_in`, so in the same precision): the output
+    /// and every gradient, in f32 and in bf16. Only the bias gradient's sum
+    /// over rows may round differently.
+    #[test]
+    fn fused_cross_layer_equals_candle_ops_in_both_precisions() {
+        let (rows, x) = (11, 19);
+        let mut rng = Rng::new(12);
+        let mut draw = |len: usize| -> Vec<f32> { (0..len).map(|_| rng.normal() as f32).collect() };
+        let (x0v, xlv, wv, bv, seedv) = (draw(rows * x), draw(rows * x), draw(x * x), draw(x), draw(rows * x));
+        let dev = Device::Cpu;
+        for precision in [Precision::F32, Precision::Bf16] {
+            let run = |fused: bool| {
+                let var = |v: &Vec<f32>, shape: &[usize]| {
+                    Var::from_tensor(&Tensor::from_vec(v.clone(), shape, &dev).expect("t")).expect("var")
+                };
+                let (x0, xl, w, b) = (var(&x0v, &[rows, x]), var(&xlv, &[rows, x]), var(&wv, &[x, x]), var(&bv, &[x]));
+                let y = if fused {
+                    let wb = Tensor::cat(&[w.as_tensor(), &b.as_tensor().unsqueeze(0).expect("row")], 0).expect("cat");
+                    cross_layer(precision, x0.as_tensor(), xl.as_tensor(), &wb).expect("fused")
+                } else {
+                    let u = matmul_in(precision, xl.as_tensor(), w.as_tensor()).expect("product");
+                    let gate = u.broadcast_add(b.as_tensor()).expect("bias");
+                    ((x0.as_tensor() * gate).expect("gate") + xl.as_tensor()).expect("residual")
+                };
+                let seed = Tensor::from_vec(seedv.clone(), (rows, x), &dev).expect("seed");
+                let g = (&y * &seed).expect("mul").sum_all().expect("sum").backward().expect("backward");
+                let flat = |t: &Tensor| t.flatten_all().expect("flat").to_vec1::<f32>().expect("vec");
+                let grad = |v: &Var| flat(g.get(v.as_tensor()).expect("grad"));
+                [flat(&y), grad(&x0), grad(&xl), grad(&w), grad(&b)]
+            };
+            let (fused, ops) = (run(true), run(false));
+            for (what, a, b) in
+                ["y", "d x0", "d xl", "d W", "d b"].iter().zip(&fused).zip(&ops).map(|((w, a), b)| (w, a, b))
+            {
+                assert_eq!(a.len(), b.len(), "{what}");
+                for (u, v) in a.iter().zip(b) {
+                    if *what == "d b" {
+                        assert!((u - v).abs() <= 1e-5 * (1.0 + v.abs()), "{precision:?} {what}: {u} vs {v}");
+                    } else {
+                        assert_eq!(u.to_bits(), v.to_bits(), "{precision:?} {what}: {u} vs {v}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// DCN-v2's product op: in f32 it equals candle's matmul (values and
+    /// both gradients, through autograd); in bf16 it matches the f64
+    /// product of bf16-rounded inputs, forward and backward.
+    #[test]
+    fn precision_matmul_matches_candle_in_f32_and_an_f64_reference_in_bf16() {
+        let bf = |x: f32| f64::from(f32::from_bits(u32::from(crate::bf16::round_bf16(x)) << 16));
+        let (rows, k, n) = (9, 37, 13);
+        let mut rng = Rng::new(8);
+        let mut draw = |len: usize| -> Vec<f32> { (0..len).map(|_| rng.normal() as f32).collect() };
+        let (xv, wv, seedv) = (draw(rows * k), draw(k * n), draw(rows * n));
+        let dev = Device::Cpu;
+        let grads = |precision: Option<Precision>| {
+            let x = Var::from_tensor(&Tensor::from_vec(xv.clone(), (rows, k), &dev).expect("x")).expect("var");
+            let w = Var::from_tensor(&Tensor::from_vec(wv.clone(), (k, n), &dev).expect("w")).expect("var");
+            let y = match precision {
+                Some(p) => matmul_in(p, x.as_tensor(), w.as_tensor()).expect("op"),
+                None => x.as_tensor().matmul(w.as_tensor()).expect("matmul"),
+            };
+            let seed = Tensor::from_vec(seedv.clone(), (rows, n), &dev).expect("seed");
+            let g = (&y * &seed).expect("mul").sum_all().expect("sum").backward().expect("backward");
+            let flat = |t: &Tensor| t.flatten_all().expect("flat").to_vec1::<f32>().expect("vec");
+            let gx = flat(g.get(x.as_tensor()).expect("grad x"));
+            let gw = flat(g.get(w.as_tensor()).expect("grad w"));
+            (flat(&y), gx, gw)
+        };
+        let candle = grads(None);
+        let ours = grads(Some(Precision::F32));
+        for (what, a, b) in [("y", &ours.0, &candle.0), ("dx", &ours.1, &candle.1), ("dw", &ours.2, &candle.2)] {
+            for (x, y) in a.iter().zip(b.iter()) {
+                assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "f32 {what}: {x} vs {y}");
+            }
+        }
+        let (y, gx, gw) = grads(Some(Precision::Bf16));
+        let close = |got: f32, want: f64, what: &str| {
+            assert!((f64::from(got) - want).abs() <= 1e-5 * (1.0 + want.abs()), "bf16 {what}: {got} vs {want}");
+        };
+        for r in 0..rows {
+            for j in 0..n {
+                let want: f64 = (0..k).map(|p| bf(xv[r * k + p]) * bf(wv[p * n + j])).sum();
+                close(y[r * n + j], want, "y");
+            }
+            for p in 0..k {
+                let want: f64 = (0..n).map(|j| bf(seedv[r * n + j]) * bf(wv[p * n + j])).sum();
+                close(gx[r * k + p], want, "dx");
+            }
+        }
+        for p in 0..k {
+            for j in 0..n {
+                let want: f64 = (0..rows).map(|r| bf(xv[r * k + p]) * bf(seedv[r * n + j])).sum();
+                close(gw[p * n + j], want, "dw");
             }
         }
     }

@@ -2,7 +2,7 @@
 //! column for models with a first-order ("wide"/linear) term; LR uses width 1.
 
 use candle_core::{D, Device, Tensor, Var};
-use sparrow_core::config::{ModelConfig, ModelKind};
+use sparrow_core::config::{ModelConfig, ModelKind, Precision};
 use sparrow_core::metrics::{logistic_loss, sigmoid};
 
 use crate::ModelError;
@@ -46,6 +46,7 @@ enum Net {
     Dcn {
         cross: Vec<Linear>,
         deep: Mlp,
+        precision: Precision,
     },
 }
 
@@ -135,6 +136,7 @@ impl DenseModel {
                 Net::Dcn {
                     cross,
                     deep: Mlp::new(&mut ps, "deep", x_dim, &head(&config.hidden), false, config.precision)?,
+                    precision: config.precision,
                 }
             }
         };
@@ -264,11 +266,11 @@ impl DenseModel {
                 };
                 top.forward(&top_in)?
             }
-            Net::Dcn { cross, deep } => {
+            Net::Dcn { cross, deep, precision } => {
                 let x0 = flat_with_dense(emb)?;
                 let mut x = x0.clone();
                 for layer in cross {
-                    x = ((&x0 * layer.forward(&x)?)? + &x)?;
+                    x = crate::mlp::cross(*precision, &x0, &x, layer.weight().as_tensor(), layer.bias().as_tensor())?;
                 }
                 deep.forward(&x)?
             }

@@ -124,4 +124,14 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
         Ok(x.matmul(self.w.as_tensor())?.broadcast_add(self.b.as_tensor())?)
     }
+
+    /// `W`, `[fan_in, fan_out]`.
+    pub fn weight(&self) -> &Var {
+        &self.w
+    }
+
+    /// `b`, `[fan_out]`.
+    pub fn bias(&self) -> &Var {
+        &self.b
+    }
 }
