@@ -57,6 +57,31 @@ fn matmul(
     }
 }
 
+/// The gradients of `y = x·W + b` (`x: [rows, fan_in]`, `W: [fan_in,
+/// fan_out]`) from `g = d loss / d y`: `dW = xᵀ·g`, `db += Σ_rows g`, and
+/// `dx = g·Wᵀ`. The two products are independent and equally large: two
+/// single-threaded gemms side by side scale better than two two-threaded
+/// gemms one after the other (the bf16 kernel splits over the pool anyway).
+fn linear_grads(
+    precision: Precision,
+    (rows, fan_in, fan_out): (usize, usize, usize),
+    x: &[f32],
+    w: &[f32],
+    g: &[f32],
+    (dw, db): (&mut [f32], &mut [f32]),
+    dx: &mut [f32],
+) {
+    rayon::join(
+        || {
+            matmul(precision, Some(1), fan_in, fan_out, rows, Operand::t(x), Operand::plain(g), dw);
+            for row in g.chunks_exact(fan_out) {
+                db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
+            }
+        },
+        || matmul(precision, Some(1), rows, fan_in, fan_out, Operand::plain(g), Operand::t(w), dx),
+    );
+}
+
 /// An MLP whose weights are one flat variable (one gradient, one optimizer pass).
 pub struct Mlp {
     shape: Arc<MlpShape>,
@@ -286,20 +311,7 @@ fn backward_into(shape: &MlpShape, p: &[f32], x: &[f32], grad_out: &[f32], scrat
         let (dw, db) = grad_p[l.w..l.b + fo].split_at_mut(fi * fo);
         let gi = sized(&mut g_in, rows * fi);
         let w = &p[l.w..l.w + fi * fo];
-        // dW = inputᵀ · g and d input = g · Wᵀ are independent and equally
-        // large: two single-threaded gemms side by side scale better than two
-        // two-threaded gemms one after the other.
-        let g_ref = &g;
-        rayon::join(
-            || {
-                matmul(shape.precision, Some(1), fi, fo, rows, Operand::t(input), Operand::plain(g_ref), dw);
-                // db = Σ_rows g
-                for row in g_ref.chunks_exact(fo) {
-                    db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
-                }
-            },
-            || matmul(shape.precision, Some(1), rows, fi, fo, Operand::plain(g_ref), Operand::t(w), gi),
-        );
+        linear_grads(shape.precision, (rows, fi, fo), input, w, &g, (dw, db), gi);
         // Through the previous layer's ReLU.
         if i > 0 {
             gi.iter_mut().zip(input).for_each(|(g, &a)| *g = if a > 0.0 { *g } else { 0.0 });
@@ -559,24 +571,12 @@ impl candle_core::CustomOp3 for CrossLayer {
                     }
                 },
             );
-            // d W = x_lᵀ·d gate and d x_l = d gate·Wᵀ + g, side by side; d b = Σ_rows d gate.
+            // d W = x_lᵀ·d gate, d b = Σ_rows d gate, d x_l = d gate·Wᵀ + g.
             let mut grad_wb = vec![0f32; (x + 1) * x];
             let mut grad_xl = vec![0f32; rows * x];
-            let (dw, db) = grad_wb.split_at_mut(x * x);
             let w = &wb[..x * x];
-            let dgate = &grad_gate;
-            rayon::join(
-                || {
-                    matmul(self.precision, Some(1), x, x, rows, Operand::t(xl), Operand::plain(dgate), dw);
-                    for row in dgate.chunks_exact(x) {
-                        db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
-                    }
-                },
-                || {
-                    matmul(self.precision, Some(1), rows, x, x, Operand::plain(dgate), Operand::t(w), &mut grad_xl);
-                    grad_xl.iter_mut().zip(g).for_each(|(d, g)| *d += g);
-                },
-            );
+            linear_grads(self.precision, (rows, x, x), xl, w, &grad_gate, grad_wb.split_at_mut(x * x), &mut grad_xl);
+            grad_xl.iter_mut().zip(g).for_each(|(d, g)| *d += g);
             (grad_x0, grad_xl, grad_wb)
         };
         let grad_x0 = Tensor::from_vec(grad_x0, x0.shape(), x0.device())?;
