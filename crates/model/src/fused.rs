@@ -26,19 +26,165 @@ fn rows_n_d(op: &str, l: &Layout) -> candle_core::Result<(usize, usize, usize)> 
     }
 }
 
-/// Dot product with 8 independent accumulators: a plain `sum()` is one long
-/// dependency chain of float adds, which the compiler may not reorder.
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
-    for (x, y) in ca.zip(cb) {
-        for k in 0..8 {
-            acc[k] += x[k] * y[k];
+/// Lanes of the interaction's blocks: one 512-bit register of f32.
+const LANES: usize = 16;
+/// Vectors of a row taken together: four independent accumulator chains.
+const BLOCK: usize = 4;
+
+/// A block of sums `acc[b][l] = Σ_t a[b·a_row + t] · rows[t·row_stride + l]`
+/// (`b < 4`, `l < 16`, `t < count`), each summed in order of `t`, a product
+/// rounded and then added (no fused multiply-add): the same bits however it
+/// is computed.
+type BlockKernel = fn(&[f32], usize, &[f32], usize, usize) -> [[f32; LANES]; BLOCK];
+
+fn block_portable(a: &[f32], a_row: usize, rows: &[f32], row_stride: usize, count: usize) -> [[f32; LANES]; BLOCK] {
+    let mut acc = [[0.0f32; LANES]; BLOCK];
+    for t in 0..count {
+        let row = &rows[t * row_stride..][..LANES];
+        for (b, acc) in acc.iter_mut().enumerate() {
+            let a = a[b * a_row + t];
+            acc.iter_mut().zip(row).for_each(|(acc, r)| *acc += a * r);
         }
     }
-    acc.iter().sum::<f32>() + tail
+    acc
+}
+
+/// The block kernel for this CPU: AVX-512 where it has it.
+fn block_kernel() -> BlockKernel {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        return |a, a_row, rows, row_stride, count| {
+            // SAFETY: AVX-512F was detected at run time before this kernel was chosen.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            unsafe {
+                wide::block(a, a_row, rows, row_stride, count)
+            }
+        };
+    }
+    block_portable
+}
+
+#[cfg(target_arch = "x86_64")]
+mod wide {
+    use std::arch::x86_64::*;
+
+    use super::{BLOCK, LANES};
+
+    /// [`super::block_portable`] with 512-bit multiplies and adds.
+    #[target_feature(enable = "avx512f")]
+    pub fn block(a: &[f32], a_row: usize, rows: &[f32], row_stride: usize, count: usize) -> [[f32; LANES]; BLOCK] {
+        assert!(
+            count == 0 || (a.len() >= (BLOCK - 1) * a_row + count && rows.len() >= (count - 1) * row_stride + LANES)
+        );
+        let mut acc = [_mm512_setzero_ps(); BLOCK];
+        for t in 0..count {
+            // SAFETY: the assert above keeps `t·row_stride + 16 ≤ rows.len()`.
+            #[expect(unsafe_code, reason = "an unaligned 16-lane load within the slice")]
+            let row = unsafe { _mm512_loadu_ps(rows.as_ptr().add(t * row_stride)) };
+            for (b, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm512_add_ps(*acc, _mm512_mul_ps(_mm512_set1_ps(a[b * a_row + t]), row));
+            }
+        }
+        let mut out = [[0.0f32; LANES]; BLOCK];
+        for (out, acc) in out.iter_mut().zip(acc) {
+            // SAFETY: `out` is 16 f32s.
+            #[expect(unsafe_code, reason = "an unaligned 16-lane store into an array of 16")]
+            unsafe {
+                _mm512_storeu_ps(out.as_mut_ptr(), acc)
+            };
+        }
+        out
+    }
+}
+
+/// Index of pair `(i, j)`, `i < j`, among a row's n(n-1)/2 dots.
+fn pair_index(n: usize, i: usize, j: usize) -> usize {
+    i * n - i * (i + 1) / 2 + (j - i - 1)
+}
+
+/// One row of [`PairwiseDots`]: `v` holds the row's n vectors of `d`,
+/// `out` gets the n(n-1)/2 dot products of its pairs `i < j`; `buf` is
+/// scratch. Each dot is summed over `k` in order.
+pub(crate) fn pairwise_dots_row(v: &[f32], d: usize, out: &mut [f32], buf: &mut Vec<f32>) {
+    pairwise_dots_row_with(block_kernel(), v, d, out, buf);
+}
+
+/// Four vectors `i` at a time against 16 vectors `j` at a time, from the
+/// row transposed (`k`-major, `j` padded to 16 with zeros): a broadcast
+/// multiply-add per `k`, no horizontal sums.
+fn pairwise_dots_row_with(kernel: BlockKernel, v: &[f32], d: usize, out: &mut [f32], buf: &mut Vec<f32>) {
+    let n = v.len() / d.max(1);
+    let n_pad = n.next_multiple_of(LANES);
+    // [v transposed (d × n_pad) | v with rows up to a whole block (n_blocks × d)]
+    buf.clear();
+    buf.resize(d * n_pad + n.next_multiple_of(BLOCK) * d, 0.0);
+    let (vt, vp) = buf.split_at_mut(d * n_pad);
+    for (j, vj) in v.chunks_exact(d).enumerate() {
+        for (k, &x) in vj.iter().enumerate() {
+            vt[k * n_pad + j] = x;
+        }
+    }
+    vp[..v.len()].copy_from_slice(v);
+    for i0 in (0..n).step_by(BLOCK) {
+        // Only the chunks holding some j > i0.
+        for jc in ((i0 + 1) / LANES * LANES..n_pad).step_by(LANES) {
+            let acc = kernel(&vp[i0 * d..], d, &vt[jc..], n_pad, d);
+            for (b, acc) in acc.iter().enumerate() {
+                let i = i0 + b;
+                for (l, &z) in acc.iter().enumerate() {
+                    let j = jc + l;
+                    if i < n && j > i && j < n {
+                        out[pair_index(n, i, j)] = z;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One row of [`PairwiseDots`]' adjoint: adds `Σ_j G_ij · v_j` to each
+/// `grad_i`, `G` the symmetric matrix of `g` (zero diagonal); `grad` starts
+/// at zero or holds what else flows into the vectors. `buf` is scratch.
+pub(crate) fn pairwise_dots_grad_row(v: &[f32], d: usize, g: &[f32], grad: &mut [f32], buf: &mut Vec<f32>) {
+    pairwise_dots_grad_row_with(block_kernel(), v, d, g, grad, buf);
+}
+
+/// Four vectors `i` at a time, 16 lanes of `k` at a time (`d` padded with zeros).
+fn pairwise_dots_grad_row_with(
+    kernel: BlockKernel,
+    v: &[f32],
+    d: usize,
+    g: &[f32],
+    grad: &mut [f32],
+    buf: &mut Vec<f32>,
+) {
+    let n = v.len() / d.max(1);
+    let d_pad = d.next_multiple_of(LANES);
+    let n_blocks = n.next_multiple_of(BLOCK);
+    // [G (n_blocks × n) | v padded (n × d_pad)]
+    buf.clear();
+    buf.resize(n_blocks * n + n * d_pad, 0.0);
+    let (gm, vp) = buf.split_at_mut(n_blocks * n);
+    for i in 0..n {
+        for j in i + 1..n {
+            let gij = g[pair_index(n, i, j)];
+            gm[i * n + j] = gij;
+            gm[j * n + i] = gij;
+        }
+    }
+    for (dst, src) in vp.chunks_exact_mut(d_pad).zip(v.chunks_exact(d)) {
+        dst[..d].copy_from_slice(src);
+    }
+    for i0 in (0..n).step_by(BLOCK) {
+        for kc in (0..d_pad).step_by(LANES) {
+            let acc = kernel(&gm[i0 * n..], n, &vp[kc..], d_pad, n);
+            let lanes = (d - kc).min(LANES);
+            for (b, acc) in acc.iter().enumerate().take(n - i0) {
+                let i = i0 + b;
+                grad[i * d + kc..][..lanes].iter_mut().zip(acc).for_each(|(o, a)| *o += a);
+            }
+        }
+    }
 }
 
 impl CustomOp1 for PairwiseDots {
@@ -52,15 +198,8 @@ impl CustomOp1 for PairwiseDots {
         let pairs = n * n.saturating_sub(1) / 2;
         let mut out = vec![0.0f32; rows * pairs];
         if pairs > 0 {
-            out.par_chunks_mut(pairs).zip(t.par_chunks(n * d)).for_each(|(out, v)| {
-                let mut k = 0;
-                for i in 0..n {
-                    for j in i + 1..n {
-                        out[k] = dot(&v[i * d..(i + 1) * d], &v[j * d..(j + 1) * d]);
-                        k += 1;
-                    }
-                }
-            });
+            let rows_in = out.par_chunks_mut(pairs).zip(t.par_chunks(n * d));
+            rows_in.for_each_init(Vec::new, |buf, (out, v)| pairwise_dots_row(v, d, out, buf));
         }
         Ok((CpuStorage::F32(out), Shape::from((rows, pairs))))
     }
@@ -94,19 +233,8 @@ impl CustomOp2 for PairwiseDotsGrad {
         }
         let mut grad = vec![0.0f32; rows * n * d];
         if pairs > 0 {
-            grad.par_chunks_mut(n * d).zip(t.par_chunks(n * d)).zip(g.par_chunks(pairs)).for_each(|((grad, v), g)| {
-                let mut k = 0;
-                for i in 0..n {
-                    for j in i + 1..n {
-                        let gij = g[k];
-                        k += 1;
-                        let (lo, hi) = grad.split_at_mut(j * d);
-                        let (gi, gj) = (&mut lo[i * d..(i + 1) * d], &mut hi[..d]);
-                        gi.iter_mut().zip(&v[j * d..(j + 1) * d]).for_each(|(a, b)| *a += gij * b);
-                        gj.iter_mut().zip(&v[i * d..(i + 1) * d]).for_each(|(a, b)| *a += gij * b);
-                    }
-                }
-            });
+            let rows_in = grad.par_chunks_mut(n * d).zip(t.par_chunks(n * d)).zip(g.par_chunks(pairs));
+            rows_in.for_each_init(Vec::new, |buf, ((grad, v), g)| pairwise_dots_grad_row(v, d, g, grad, buf));
         }
         Ok((CpuStorage::F32(grad), l1.shape().clone()))
     }
@@ -120,6 +248,51 @@ impl CustomOp2 for PairwiseDotsGrad {
 /// batch of 1024 for 2k flops a sample.
 pub struct FirstOrderFm {
     pub second_order: bool,
+}
+
+/// One row of [`FirstOrderFm`]: `e` is the row's `f` fields of width `w`,
+/// `sum` a buffer of `w - 1`.
+pub(crate) fn first_order_fm_row(e: &[f32], w: usize, second_order: bool, sum: &mut [f32]) -> f32 {
+    sum.fill(0.0);
+    let (mut first, mut squares) = (0.0f32, 0.0f32);
+    for field in e.chunks_exact(w) {
+        first += field[0];
+        if second_order {
+            let v = &field[1..];
+            sum.iter_mut().zip(v).for_each(|(s, x)| *s += x);
+            squares += v.iter().map(|x| x * x).sum::<f32>();
+        }
+    }
+    let second = if second_order { 0.5 * (sum.iter().map(|s| s * s).sum::<f32>() - squares) } else { 0.0 };
+    first + second
+}
+
+/// One row of [`FirstOrderFm`]'s adjoint for the row's output gradient `g`:
+/// writes `g` on each leading column and (with `second_order`)
+/// `g · (Σ_f v_fk − v_fk)` on the factors; without it the factors are left
+/// as they are (`grad` may hold what else flows into them).
+pub(crate) fn first_order_fm_grad_row(
+    e: &[f32],
+    w: usize,
+    g: f32,
+    second_order: bool,
+    sum: &mut [f32],
+    grad: &mut [f32],
+) {
+    sum.fill(0.0);
+    if second_order {
+        for field in e.chunks_exact(w) {
+            sum.iter_mut().zip(&field[1..]).for_each(|(s, x)| *s += x);
+        }
+    }
+    for (gf, field) in grad.chunks_exact_mut(w).zip(e.chunks_exact(w)) {
+        gf[0] = g;
+        if second_order {
+            for ((o, s), v) in gf[1..].iter_mut().zip(sum.iter()).zip(&field[1..]) {
+                *o = g * (s - v);
+            }
+        }
+    }
 }
 
 impl CustomOp1 for FirstOrderFm {
@@ -136,21 +309,7 @@ impl CustomOp1 for FirstOrderFm {
             let rows_in = out.par_iter_mut().zip(e.par_chunks(f * w));
             rows_in.for_each_init(
                 || vec![0.0f32; d],
-                |sum, (out, e)| {
-                    sum.fill(0.0);
-                    let (mut first, mut squares) = (0.0f32, 0.0f32);
-                    for field in e.chunks_exact(w) {
-                        first += field[0];
-                        if self.second_order {
-                            let v = &field[1..];
-                            sum.iter_mut().zip(v).for_each(|(s, x)| *s += x);
-                            squares += v.iter().map(|x| x * x).sum::<f32>();
-                        }
-                    }
-                    let second =
-                        if self.second_order { 0.5 * (sum.iter().map(|s| s * s).sum::<f32>() - squares) } else { 0.0 };
-                    *out = first + second;
-                },
+                |sum, (out, e)| *out = first_order_fm_row(e, w, self.second_order, sum),
             );
         }
         Ok((CpuStorage::F32(out), Shape::from((rows, 1))))
@@ -192,22 +351,7 @@ impl CustomOp2 for FirstOrderFmGrad {
             let rows_in = grad.par_chunks_mut(f * w).zip(e.par_chunks(f * w)).zip(g.par_iter());
             rows_in.for_each_init(
                 || vec![0.0f32; d],
-                |sum, ((grad, e), &g)| {
-                    sum.fill(0.0);
-                    if self.second_order {
-                        for field in e.chunks_exact(w) {
-                            sum.iter_mut().zip(&field[1..]).for_each(|(s, x)| *s += x);
-                        }
-                    }
-                    for (gf, field) in grad.chunks_exact_mut(w).zip(e.chunks_exact(w)) {
-                        gf[0] = g;
-                        if self.second_order {
-                            for ((o, s), v) in gf[1..].iter_mut().zip(sum.iter()).zip(&field[1..]) {
-                                *o = g * (s - v);
-                            }
-                        }
-                    }
-                },
+                |sum, ((grad, e), &g)| first_order_fm_grad_row(e, w, g, self.second_order, sum, grad),
             );
         }
         Ok((CpuStorage::F32(grad), l1.shape().clone()))
@@ -257,6 +401,52 @@ mod tests {
             .and_then(|z| z.index_select(&idx, 1))
             .expect("plain");
         assert_same_forward_and_backward(&fused, &plain, &[&t]);
+    }
+
+    /// The AVX-512 build of the interaction (where the CPU has it) and the
+    /// portable one give the same bits, forward and backward, for sizes
+    /// that fill no block, part of one and several; both match f64.
+    #[test]
+    fn pairwise_dots_simd_and_portable_agree_bit_for_bit() {
+        let mut rng = sparrow_core::rng::Rng::new(5);
+        for (n, d) in [(1, 4), (2, 1), (3, 16), (5, 7), (17, 16), (27, 16), (30, 33)] {
+            let v: Vec<f32> = (0..n * d).map(|_| rng.normal() as f32).collect();
+            let pairs = n * (n - 1) / 2;
+            let g: Vec<f32> = (0..pairs).map(|_| rng.normal() as f32).collect();
+            let mut buf = Vec::new();
+            let (mut fast, mut plain) = (vec![0.0f32; pairs], vec![0.0f32; pairs]);
+            pairwise_dots_row(&v, d, &mut fast, &mut buf);
+            pairwise_dots_row_with(block_portable, &v, d, &mut plain, &mut buf);
+            assert_eq!(
+                fast.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                plain.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "dots n={n} d={d}"
+            );
+            let (mut fast_g, mut plain_g) = (vec![0.5f32; n * d], vec![0.5f32; n * d]);
+            pairwise_dots_grad_row(&v, d, &g, &mut fast_g, &mut buf);
+            pairwise_dots_grad_row_with(block_portable, &v, d, &g, &mut plain_g, &mut buf);
+            assert_eq!(
+                fast_g.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                plain_g.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "grad n={n} d={d}"
+            );
+            for i in 0..n {
+                for j in i + 1..n {
+                    let exact: f64 = (0..d).map(|k| f64::from(v[i * d + k]) * f64::from(v[j * d + k])).sum();
+                    let got = f64::from(plain[pair_index(n, i, j)]);
+                    assert!((got - exact).abs() < 1e-4 * (1.0 + exact.abs()), "dot ({i}, {j}): {got} vs {exact}");
+                }
+                for k in 0..d {
+                    let exact: f64 = 0.5
+                        + (0..n)
+                            .filter(|&j| j != i)
+                            .map(|j| f64::from(g[pair_index(n, i.min(j), i.max(j))]) * f64::from(v[j * d + k]))
+                            .sum::<f64>();
+                    let got = f64::from(plain_g[i * d + k]);
+                    assert!((got - exact).abs() < 1e-4 * (1.0 + exact.abs()), "grad ({i}, {k}): {got} vs {exact}");
+                }
+            }
+        }
     }
 
     /// FM's sparse part (first order and second order) and LR's (first

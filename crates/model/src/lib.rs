@@ -25,6 +25,8 @@ pub enum ModelError {
     Candle(#[from] candle_core::Error),
     #[error("a `{kind}` model does not take packed input")]
     NotPacked { kind: &'static str },
+    #[error("{what}: {len} values are not {rows} rows of {per_row}")]
+    BadInput { what: &'static str, len: usize, rows: usize, per_row: usize },
     #[error("a thread panicked while holding the model's step buffers")]
     Poisoned,
     #[error("dense weights: parameter `{name}` is missing from the file")]

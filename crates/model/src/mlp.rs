@@ -40,7 +40,7 @@ struct MlpShape {
 /// `dst = op(a)·op(b)` in the model's precision; `threads`: at most that
 /// many threads (fp32; the bf16 kernel splits rows over the current pool).
 #[expect(clippy::too_many_arguments, reason = "a matrix product's shape, operands and where it runs")]
-fn matmul(
+pub(crate) fn matmul(
     precision: Precision,
     threads: Option<usize>,
     m: usize,
@@ -62,7 +62,7 @@ fn matmul(
 /// `dx = g·Wᵀ`. The two products are independent and equally large: two
 /// single-threaded gemms side by side scale better than two two-threaded
 /// gemms one after the other (the bf16 kernel splits over the pool anyway).
-fn linear_grads(
+pub(crate) fn linear_grads(
     precision: Precision,
     (rows, fan_in, fan_out): (usize, usize, usize),
     x: &[f32],
@@ -216,7 +216,7 @@ fn contiguous<'a>(s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32
     Ok(&s.as_slice::<f32>()?[start..end])
 }
 
-fn cpu<'a>(s: &'a Storage, l: &Layout) -> candle_core::Result<&'a [f32]> {
+pub(crate) fn cpu<'a>(s: &'a Storage, l: &Layout) -> candle_core::Result<&'a [f32]> {
     match s {
         Storage::Cpu(c) => contiguous(c, l),
         _ => Err(err("runs on CPU only")),
@@ -251,7 +251,7 @@ pub struct MlpScratch {
 }
 
 /// `buf` with exactly `n` elements; only newly grown elements are written.
-fn sized(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
+pub(crate) fn sized(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
     buf.resize(n, 0.0);
     buf
 }
@@ -493,6 +493,65 @@ pub fn cross(precision: Precision, x0: &Tensor, xl: &Tensor, w: &Tensor, b: &Ten
     }
 }
 
+/// One cross layer on slices of rows of `x` values: `gate = x_l·W + b`
+/// (kept for the backward pass), `out = x₀ ⊙ gate + x_l`.
+pub(crate) fn cross_forward(
+    precision: Precision,
+    x: usize,
+    (x0, xl): (&[f32], &[f32]),
+    (w, b): (&[f32], &[f32]),
+    gate: &mut [f32],
+    out: &mut [f32],
+) {
+    let rows = xl.len() / x.max(1);
+    matmul(precision, None, rows, x, x, Operand::plain(xl), Operand::plain(w), gate);
+    out.par_chunks_mut(x).zip(gate.par_chunks_mut(x)).zip(x0.par_chunks(x).zip(xl.par_chunks(x))).for_each(
+        |((out, gate), (x0, xl))| {
+            for j in 0..x {
+                gate[j] += b[j];
+                out[j] = x0[j] * gate[j] + xl[j];
+            }
+        },
+    );
+}
+
+/// Where [`cross_backward`] puts a cross layer's gradients: `x0` and `b`
+/// are added into (x₀ also feeds the other layers), `w` and `xl` are
+/// overwritten.
+pub(crate) struct CrossGrads<'a> {
+    pub x0: &'a mut [f32],
+    pub w: &'a mut [f32],
+    pub b: &'a mut [f32],
+    pub xl: &'a mut [f32],
+}
+
+/// The adjoint of [`cross_forward`] from `g = d loss / d out`:
+/// `d x₀ += g ⊙ gate`, `d gate = g ⊙ x₀` (in `grad_gate`, a buffer),
+/// `d W = x_lᵀ·d gate`, `d b += Σ_rows d gate`, `d x_l = d gate·Wᵀ + g`.
+pub(crate) fn cross_backward(
+    precision: Precision,
+    x: usize,
+    (x0, xl, w): (&[f32], &[f32], &[f32]),
+    gate: &[f32],
+    g: &[f32],
+    grad_gate: &mut Vec<f32>,
+    grads: CrossGrads<'_>,
+) {
+    let rows = xl.len() / x.max(1);
+    let grad_gate = sized(grad_gate, rows * x);
+    grads.x0.par_chunks_mut(x).zip(grad_gate.par_chunks_mut(x)).zip(g.par_chunks(x)).enumerate().for_each(
+        |(r, ((dx0, dgate), g))| {
+            let (gate, x0) = (&gate[r * x..(r + 1) * x], &x0[r * x..(r + 1) * x]);
+            for j in 0..x {
+                dx0[j] += g[j] * gate[j];
+                dgate[j] = g[j] * x0[j];
+            }
+        },
+    );
+    linear_grads(precision, (rows, x, x), xl, w, grad_gate, (grads.w, grads.b), grads.xl);
+    grads.xl.iter_mut().zip(g).for_each(|(d, g)| *d += g);
+}
+
 struct CrossLayer {
     precision: Precision,
     /// `x_l·W + b` of the forward pass, for the backward pass.
@@ -526,16 +585,8 @@ impl candle_core::CustomOp3 for CrossLayer {
         let (w, b) = wb.split_at(x * x);
         let mut gate = self.gate.lock().map_err(|_| err("poisoned"))?;
         gate.resize(rows * x, 0.0);
-        matmul(self.precision, None, rows, x, x, Operand::plain(xl), Operand::plain(w), &mut gate);
         let mut out = vec![0f32; rows * x];
-        out.par_chunks_mut(x).zip(gate.par_chunks_mut(x)).zip(x0.par_chunks(x).zip(xl.par_chunks(x))).for_each(
-            |((out, gate), (x0, xl))| {
-                for j in 0..x {
-                    gate[j] += b[j];
-                    out[j] = x0[j] * gate[j] + xl[j];
-                }
-            },
-        );
+        cross_forward(self.precision, x, (x0, xl), (w, b), &mut gate, &mut out);
         Ok((CpuStorage::F32(out), Shape::from((rows, x))))
     }
 
@@ -559,24 +610,13 @@ impl candle_core::CustomOp3 for CrossLayer {
             let (sw, lw) = wb.storage_and_layout();
             let (sg, lg) = grad.storage_and_layout();
             let (x0, xl, wb, g) = (cpu(&s0, l0)?, cpu(&s1, l1)?, cpu(&sw, lw)?, cpu(&sg, lg)?);
-            // d x₀ = g ⊙ gate; d gate = g ⊙ x₀.
             let mut grad_x0 = vec![0f32; rows * x];
-            let mut grad_gate = vec![0f32; rows * x];
-            grad_x0.par_chunks_mut(x).zip(grad_gate.par_chunks_mut(x)).zip(g.par_chunks(x)).enumerate().for_each(
-                |(r, ((dx0, dgate), g))| {
-                    let (gate, x0) = (&gate[r * x..(r + 1) * x], &x0[r * x..(r + 1) * x]);
-                    for j in 0..x {
-                        dx0[j] = g[j] * gate[j];
-                        dgate[j] = g[j] * x0[j];
-                    }
-                },
-            );
-            // d W = x_lᵀ·d gate, d b = Σ_rows d gate, d x_l = d gate·Wᵀ + g.
             let mut grad_wb = vec![0f32; (x + 1) * x];
             let mut grad_xl = vec![0f32; rows * x];
-            let w = &wb[..x * x];
-            linear_grads(self.precision, (rows, x, x), xl, w, &grad_gate, grad_wb.split_at_mut(x * x), &mut grad_xl);
-            grad_xl.iter_mut().zip(g).for_each(|(d, g)| *d += g);
+            let mut grad_gate = Vec::new();
+            let (dw, db) = grad_wb.split_at_mut(x * x);
+            let grads = CrossGrads { x0: &mut grad_x0, w: dw, b: db, xl: &mut grad_xl };
+            cross_backward(self.precision, x, (x0, xl, &wb[..x * x]), &gate, g, &mut grad_gate, grads);
             (grad_x0, grad_xl, grad_wb)
         };
         let grad_x0 = Tensor::from_vec(grad_x0, x0.shape(), x0.device())?;

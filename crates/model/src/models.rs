@@ -7,7 +7,9 @@ use sparrow_core::metrics::{logistic_loss, sigmoid};
 
 use crate::ModelError;
 use crate::fused::{FirstOrderFm, PairwiseDots};
-use crate::mlp::{Mlp, MlpScratch};
+use crate::mlp::Mlp;
+
+mod direct;
 use crate::optimizer::{DenseGrads, DenseOptimizer};
 use crate::params::{Linear, ParamStore};
 
@@ -57,8 +59,8 @@ pub struct DenseModel {
     net: Net,
     /// Scalar bias shared by the first-order models.
     bias: Option<Var>,
-    /// Buffers of the direct MLP step, reused across steps.
-    scratch: std::sync::Mutex<MlpScratch>,
+    /// Buffers of the direct step, reused across steps.
+    scratch: std::sync::Mutex<direct::Scratch>,
 }
 
 pub struct StepOutput {
@@ -287,11 +289,9 @@ impl DenseModel {
 
     /// Forward only: logits of a batch.
     pub fn predict(&self, emb: Vec<f32>, dense: Vec<f32>, rows: usize) -> Result<Vec<f32>, ModelError> {
-        if let Some(mlp) = self.direct_mlp() {
-            let x = self.concat_rows(&emb, &dense, rows);
-            let mut scratch = MlpScratch::default();
-            mlp.forward_cpu(&x, rows, &mut scratch)?;
-            return Ok(scratch.output);
+        if self.is_direct() {
+            // Its own buffers: predictions may run beside a training step.
+            return self.forward_direct(&emb, &dense, rows, &mut direct::Scratch::default());
         }
         let (emb, dense) = self.inputs(emb, dense, rows)?;
         Ok(self.forward(&emb, &dense)?.to_vec1::<f32>()?)
@@ -304,17 +304,6 @@ impl DenseModel {
             Net::Mlp { mlp } if self.params.device().is_cpu() => Some(mlp),
             _ => None,
         }
-    }
-
-    /// `[rows, F·W + num_dense]`: each row's embeddings, then its dense values.
-    fn concat_rows(&self, emb: &[f32], dense: &[f32], rows: usize) -> Vec<f32> {
-        let (fw, nd) = (self.shape.num_fields * self.width(), self.shape.num_dense);
-        let mut x = Vec::with_capacity(rows * (fw + nd));
-        for r in 0..rows {
-            x.extend_from_slice(&emb[r * fw..(r + 1) * fw]);
-            x.extend_from_slice(&dense[r * nd..(r + 1) * nd]);
-        }
-        x
     }
 
     /// Mean stable logistic loss and its gradient w.r.t. the logits:
@@ -385,9 +374,10 @@ impl DenseModel {
         labels: &[f32],
         weights: Option<&[f32]>,
     ) -> Result<(StepOutput, DenseGrads), ModelError> {
-        match self.direct_mlp() {
-            Some(_) => self.forward_backward_direct(&emb, &dense, labels, weights),
-            None => self.autograd(emb, dense, labels, weights),
+        if self.is_direct() {
+            self.forward_backward_direct(&emb, &dense, labels, weights)
+        } else {
+            self.autograd(emb, dense, labels, weights)
         }
     }
 
@@ -435,7 +425,7 @@ impl DenseModel {
         Ok((StepOutput { logits, loss, emb_grad }, DenseGrads { grads: dense_grads, rows: rows as u64 }))
     }
 
-    /// The `mlp` model's forward and backward on CPU, outside candle's graph:
+    /// Forward and backward on CPU, outside candle's graph (every kind):
     /// the same math as [`forward_backward_autograd`](Self::forward_backward_autograd) (tested).
     fn forward_backward_direct(
         &self,
@@ -444,17 +434,12 @@ impl DenseModel {
         labels: &[f32],
         weights: Option<&[f32]>,
     ) -> Result<(StepOutput, DenseGrads), ModelError> {
-        let rows = labels.len();
-        let x = self.concat_rows(emb, dense, rows);
-        let fw = self.shape.num_fields * self.width();
-        let stride = fw + self.shape.num_dense;
-        let (loss, logits, emb_grad, grads) = self.forward_backward_packed_weighted(&x, labels, weights, |grad_x| {
-            let mut emb_grad = Vec::with_capacity(rows * fw);
-            for row in grad_x.chunks_exact(stride) {
-                emb_grad.extend_from_slice(&row[..fw]);
-            }
-            emb_grad
-        })?;
+        let mut scratch = self.scratch.lock().map_err(|_| ModelError::Poisoned)?;
+        let logits = self.forward_direct(emb, dense, labels.len(), &mut scratch)?;
+        let (loss, seed) = Self::loss_and_seed(&logits, labels, weights);
+        self.check_loss(loss)?;
+        let (emb_grad, grads) = self.backward_direct(emb, dense, &seed, &mut scratch)?;
+        crate::optimizer::check_finite(&emb_grad, || "gradient of the embedding inputs".into())?;
         Ok((StepOutput { logits, loss, emb_grad }, grads))
     }
 
@@ -469,12 +454,8 @@ impl DenseModel {
     /// (`DenseOptimizer::apply`'s result): the next step's backward pass
     /// fills one instead of allocating (and faulting in) a new one.
     pub fn recycle(&self, buffers: Vec<Vec<f32>>) {
-        let Some(mlp) = self.direct_mlp() else { return };
-        let wanted = mlp.params().elem_count();
-        if let (Some(spare), Ok(mut scratch)) =
-            (buffers.into_iter().find(|b| b.capacity() >= wanted), self.scratch.lock())
-        {
-            scratch.spare_grad = spare;
+        if let (true, Ok(mut scratch)) = (self.is_direct(), self.scratch.lock()) {
+            self.recycle_direct(buffers, &mut scratch);
         }
     }
 
@@ -503,11 +484,12 @@ impl DenseModel {
         let mlp = self.direct_mlp().ok_or(ModelError::NotPacked { kind: self.kind.name() })?;
         let rows = labels.len();
         let mut scratch = self.scratch.lock().map_err(|_| ModelError::Poisoned)?;
-        mlp.forward_cpu(x, rows, &mut scratch)?;
+        let scratch = &mut scratch.deep;
+        mlp.forward_cpu(x, rows, scratch)?;
         let logits = scratch.output.clone();
         let (loss, seed) = Self::loss_and_seed(&logits, labels, weights);
         self.check_loss(loss)?;
-        let mut grad_p = Some(mlp.backward_cpu(x, &seed, &mut scratch)?);
+        let mut grad_p = Some(mlp.backward_cpu(x, &seed, scratch)?);
         crate::optimizer::check_finite(&scratch.grad_input, || "gradient of the embedding inputs".into())?;
         let mlp_params = mlp.params().as_tensor().id();
         let grads = self

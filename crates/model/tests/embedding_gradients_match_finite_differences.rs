@@ -2,7 +2,7 @@
 //! equals the finite-difference derivative of the mean logistic loss.
 
 use candle_core::Device;
-use sparrow_core::config::{DenseOptimizerConfig, ModelConfig, ModelKind};
+use sparrow_core::config::{DenseOptimizerConfig, ModelConfig, ModelKind, Precision};
 use sparrow_core::metrics::logistic_loss;
 use sparrow_core::rng::Rng;
 use sparrow_model::{DenseModel, DenseOptimizer, ModelShape};
@@ -68,35 +68,62 @@ fn loss_is_finite_when_logits_saturate() {
     assert!(out.emb_grad.iter().all(|g| g.is_finite()));
 }
 
+/// Every kind's direct CPU step equals its candle graph (values, gradients
+/// and the weights after two optimizer steps), in both precisions, with and
+/// without dense features (DLRM without them has no bottom MLP).
 #[test]
-fn mlp_direct_path_equals_autograd_path() {
-    let shape = ModelShape { num_fields: 4, num_dense: 3, embedding_dim: 5 };
-    let config = ModelConfig { kind: ModelKind::Mlp, embedding_dim: 5, hidden: vec![16, 8], ..Default::default() };
-    let direct = DenseModel::new(&config, shape, 21, Device::Cpu).expect("model");
-    let graph = DenseModel::new(&config, shape, 21, Device::Cpu).expect("model");
-    let (mut opt_d, mut opt_g) =
-        (DenseOptimizer::new(DenseOptimizerConfig::default()), DenseOptimizer::new(DenseOptimizerConfig::default()));
-    let mut rng = Rng::new(9);
-    let rows = 6;
-    for _ in 0..2 {
-        let emb: Vec<f32> = (0..rows * 4 * 5).map(|_| rng.uniform(-0.5, 0.5) as f32).collect();
-        let dense: Vec<f32> = (0..rows * 3).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
-        let labels: Vec<f32> = (0..rows).map(|i| (i % 3 == 0) as u8 as f32).collect();
-        let (a, grads_a) = direct.forward_backward(emb.clone(), dense.clone(), &labels).expect("direct");
-        let (b, grads_b) = graph.forward_backward_autograd(emb, dense, &labels).expect("autograd");
-        opt_d.apply(&direct.params, grads_a).expect("step");
-        opt_g.apply(&graph.params, grads_b).expect("step");
-        assert!((a.loss - b.loss).abs() < 1e-6);
-        for (x, y) in a.logits.iter().zip(&b.logits).chain(a.emb_grad.iter().zip(&b.emb_grad)) {
-            assert!((x - y).abs() < 1e-5, "{x} vs {y}");
+fn direct_path_equals_autograd_path_for_every_model() {
+    for (kind, precision, num_dense) in
+        KINDS.iter().flat_map(|&k| [(k, Precision::F32, 3), (k, Precision::Bf16, 3), (k, Precision::F32, 0)])
+    {
+        let shape = ModelShape { num_fields: 4, num_dense, embedding_dim: 5 };
+        let config = ModelConfig {
+            kind,
+            embedding_dim: 5,
+            hidden: vec![16, 8],
+            bottom_hidden: vec![6],
+            cross_layers: 2,
+            precision,
+            ..Default::default()
+        };
+        let what = format!("{kind:?} {precision:?} with {num_dense} dense");
+        let direct = DenseModel::new(&config, shape, 21, Device::Cpu).expect("model");
+        let graph = DenseModel::new(&config, shape, 21, Device::Cpu).expect("model");
+        let (mut opt_d, mut opt_g) = (
+            DenseOptimizer::new(DenseOptimizerConfig::default()),
+            DenseOptimizer::new(DenseOptimizerConfig::default()),
+        );
+        let mut rng = Rng::new(9);
+        let rows = 6;
+        let width = direct.width();
+        for _ in 0..2 {
+            let emb: Vec<f32> = (0..rows * 4 * width).map(|_| rng.uniform(-0.5, 0.5) as f32).collect();
+            let dense: Vec<f32> = (0..rows * num_dense).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
+            let labels: Vec<f32> = (0..rows).map(|i| (i % 3 == 0) as u8 as f32).collect();
+            let (a, grads_a) = direct.forward_backward(emb.clone(), dense.clone(), &labels).expect("direct");
+            let (b, grads_b) = graph.forward_backward_autograd(emb.clone(), dense.clone(), &labels).expect("autograd");
+            assert_eq!(direct.predict(emb, dense, rows).expect("predict"), a.logits, "{what}: predict");
+            assert!((a.loss - b.loss).abs() < 1e-6, "{what}: loss");
+            assert_eq!(a.emb_grad.len(), b.emb_grad.len());
+            for (x, y) in a.logits.iter().zip(&b.logits).chain(a.emb_grad.iter().zip(&b.emb_grad)) {
+                assert!((x - y).abs() < 1e-5, "{what}: {x} vs {y}");
+            }
+            for (ga, gb) in grads_a.grads.iter().zip(&grads_b.grads) {
+                let (ga, gb) = (ga.as_ref().expect("direct gradient"), gb.as_ref().expect("graph gradient"));
+                assert_eq!(ga.len(), gb.len(), "{what}");
+                for (x, y) in ga.iter().zip(gb) {
+                    assert!((x - y).abs() < 1e-5, "{what}: dense gradient {x} vs {y}");
+                }
+            }
+            opt_d.apply(&direct.params, grads_a).expect("step");
+            opt_g.apply(&graph.params, grads_b).expect("step");
         }
-        assert_eq!(a.emb_grad.len(), b.emb_grad.len());
-    }
-    for ((_, v), (_, w)) in direct.params.vars().iter().zip(graph.params.vars()) {
-        let (v, w) =
-            (v.flatten_all().and_then(|t| t.to_vec1::<f32>()), w.flatten_all().and_then(|t| t.to_vec1::<f32>()));
-        for (x, y) in v.expect("v").iter().zip(&w.expect("w")) {
-            assert!((x - y).abs() < 1e-5, "weights after two steps: {x} vs {y}");
+        for ((_, v), (_, w)) in direct.params.vars().iter().zip(graph.params.vars()) {
+            let (v, w) =
+                (v.flatten_all().and_then(|t| t.to_vec1::<f32>()), w.flatten_all().and_then(|t| t.to_vec1::<f32>()));
+            for (x, y) in v.expect("v").iter().zip(&w.expect("w")) {
+                assert!((x - y).abs() < 1e-5, "{what}: weights after two steps: {x} vs {y}");
+            }
         }
     }
 }
