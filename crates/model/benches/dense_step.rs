@@ -32,7 +32,8 @@ fn main() {
             if precision == Precision::Bf16 && matches!(kind, ModelKind::Lr | ModelKind::Fm) {
                 continue;
             }
-            let config = ModelConfig { kind, embedding_dim: 16, hidden: vec![256, 128], precision, ..Default::default() };
+            let config =
+                ModelConfig { kind, embedding_dim: 16, hidden: vec![256, 128], precision, ..Default::default() };
             let model = DenseModel::new(&config, shape, 7, Device::Cpu).expect("model");
             let mut optimizer = DenseOptimizer::new(DenseOptimizerConfig::default());
             let mut rng = Rng::new(3);
