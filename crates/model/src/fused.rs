@@ -129,22 +129,21 @@ fn pairwise_dots_row_with(kernel: BlockKernel, v: &[f32], d: usize, out: &mut [f
         // Only the chunks holding some j > i0.
         for jc in ((i0 + 1) / LANES * LANES..n_pad).step_by(LANES) {
             let acc = kernel(&vp[i0 * d..], d, &vt[jc..], n_pad, d);
-            for (b, acc) in acc.iter().enumerate() {
+            // Row i's dots with j in this chunk, j > i: one contiguous run of `out`.
+            for (b, acc) in acc.iter().enumerate().take(n - i0) {
                 let i = i0 + b;
-                for (l, &z) in acc.iter().enumerate() {
-                    let j = jc + l;
-                    if i < n && j > i && j < n {
-                        out[pair_index(n, i, j)] = z;
-                    }
+                let (first, end) = ((i + 1).max(jc), n.min(jc + LANES));
+                if first < end {
+                    out[pair_index(n, i, first)..][..end - first].copy_from_slice(&acc[first - jc..end - jc]);
                 }
             }
         }
     }
 }
 
-/// One row of [`PairwiseDots`]' adjoint: adds `Σ_j G_ij · v_j` to each
-/// `grad_i`, `G` the symmetric matrix of `g` (zero diagonal); `grad` starts
-/// at zero or holds what else flows into the vectors. `buf` is scratch.
+/// One row of [`PairwiseDots`]' adjoint: `grad_i = Σ_j G_ij · v_j`, `G`
+/// the symmetric matrix of `g` (zero diagonal); every value of `grad` is
+/// written. `buf` is scratch.
 pub(crate) fn pairwise_dots_grad_row(v: &[f32], d: usize, g: &[f32], grad: &mut [f32], buf: &mut Vec<f32>) {
     pairwise_dots_grad_row_with(block_kernel(), v, d, g, grad, buf);
 }
@@ -161,27 +160,32 @@ fn pairwise_dots_grad_row_with(
     let n = v.len() / d.max(1);
     let d_pad = d.next_multiple_of(LANES);
     let n_blocks = n.next_multiple_of(BLOCK);
-    // [G (n_blocks × n) | v padded (n × d_pad)]
+    // [G (n_blocks × n) | v padded (n × d_pad), unless d is whole blocks of lanes]
+    let padded = if d == d_pad { 0 } else { n * d_pad };
     buf.clear();
-    buf.resize(n_blocks * n + n * d_pad, 0.0);
+    buf.resize(n_blocks * n + padded, 0.0);
     let (gm, vp) = buf.split_at_mut(n_blocks * n);
+    let mut pairs = g.iter();
     for i in 0..n {
-        for j in i + 1..n {
-            let gij = g[pair_index(n, i, j)];
+        for (j, &gij) in (i + 1..n).zip(&mut pairs) {
             gm[i * n + j] = gij;
             gm[j * n + i] = gij;
         }
     }
-    for (dst, src) in vp.chunks_exact_mut(d_pad).zip(v.chunks_exact(d)) {
-        dst[..d].copy_from_slice(src);
-    }
+    let rows: &[f32] = if padded == 0 {
+        v
+    } else {
+        for (dst, src) in vp.chunks_exact_mut(d_pad).zip(v.chunks_exact(d)) {
+            dst[..d].copy_from_slice(src);
+        }
+        vp
+    };
     for i0 in (0..n).step_by(BLOCK) {
         for kc in (0..d_pad).step_by(LANES) {
-            let acc = kernel(&gm[i0 * n..], n, &vp[kc..], d_pad, n);
+            let acc = kernel(&gm[i0 * n..], n, &rows[kc..], d_pad, n);
             let lanes = (d - kc).min(LANES);
             for (b, acc) in acc.iter().enumerate().take(n - i0) {
-                let i = i0 + b;
-                grad[i * d + kc..][..lanes].iter_mut().zip(acc).for_each(|(o, a)| *o += a);
+                grad[(i0 + b) * d + kc..][..lanes].copy_from_slice(&acc[..lanes]);
             }
         }
     }
@@ -422,7 +426,7 @@ mod tests {
                 plain.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
                 "dots n={n} d={d}"
             );
-            let (mut fast_g, mut plain_g) = (vec![0.5f32; n * d], vec![0.5f32; n * d]);
+            let (mut fast_g, mut plain_g) = (vec![f32::NAN; n * d], vec![0.5f32; n * d]);
             pairwise_dots_grad_row(&v, d, &g, &mut fast_g, &mut buf);
             pairwise_dots_grad_row_with(block_portable, &v, d, &g, &mut plain_g, &mut buf);
             assert_eq!(
@@ -437,11 +441,10 @@ mod tests {
                     assert!((got - exact).abs() < 1e-4 * (1.0 + exact.abs()), "dot ({i}, {j}): {got} vs {exact}");
                 }
                 for k in 0..d {
-                    let exact: f64 = 0.5
-                        + (0..n)
-                            .filter(|&j| j != i)
-                            .map(|j| f64::from(g[pair_index(n, i.min(j), i.max(j))]) * f64::from(v[j * d + k]))
-                            .sum::<f64>();
+                    let exact: f64 = (0..n)
+                        .filter(|&j| j != i)
+                        .map(|j| f64::from(g[pair_index(n, i.min(j), i.max(j))]) * f64::from(v[j * d + k]))
+                        .sum::<f64>();
                     let got = f64::from(plain_g[i * d + k]);
                     assert!((got - exact).abs() < 1e-4 * (1.0 + exact.abs()), "grad ({i}, {k}): {got} vs {exact}");
                 }

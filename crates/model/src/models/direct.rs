@@ -264,12 +264,12 @@ impl DenseModel {
                 grads.push((top.params(), top.backward_cpu(&s.x, seed, &mut s.deep)?));
                 let g_top = &s.deep.grad_input;
                 let t: &[f32] = if bottom.is_some() { &s.t } else { emb };
-                let grad_t = zeroed(&mut s.grad_t, rows * n * d);
+                let grad_t = sized(&mut s.grad_t, rows * n * d); // overwritten whole
                 let rows_in = grad_t.par_chunks_mut(n * d).zip(t.par_chunks(n * d)).zip(g_top.par_chunks(lead + pairs));
                 rows_in.for_each_init(Vec::new, |buf, ((grad, t), g)| {
-                    // The bottom output's gradient from the top MLP, then the dots'.
-                    grad[..lead].copy_from_slice(&g[..lead]);
+                    // The dots' gradient, then the bottom output's from the top MLP.
                     pairwise_dots_grad_row(t, d, &g[lead..], grad, buf);
+                    grad[..lead].iter_mut().zip(&g[..lead]).for_each(|(a, g)| *a += g);
                 });
                 emb_grad.par_chunks_mut(f * d).zip(grad_t.par_chunks(n * d)).for_each(|(e, g)| {
                     e.copy_from_slice(&g[lead..]);
