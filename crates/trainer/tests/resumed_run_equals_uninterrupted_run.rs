@@ -39,11 +39,12 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
     let tmp = tempfile::tempdir().expect("tmp");
     let data = tmp.path().join("data");
     common::small_data(&data, 4000, 500);
-    // `mlp-bf16` and `dcn-bf16` (its cross layers' products in bf16 too):
+    // `mlp-bf16`, `dcn-bf16` (its cross layers' products in bf16 too) and
+    // `dlrm-bf16` (bottom and top MLPs, the interaction in f32):
     // model.precision = "bf16" resumes bit for bit too; so do
     // half rows (`embedding.dtype`), with FTRL for `dlrm-f16rows` and
     // row-wise Adagrad for `mlp-bf16rows`.
-    for kind in ["dlrm", "deepfm", "mlp", "mlp-bf16", "dcn-bf16", "dlrm-f16rows", "mlp-bf16rows"] {
+    for kind in ["dlrm", "deepfm", "mlp", "mlp-bf16", "dcn-bf16", "dlrm-bf16", "dlrm-f16rows", "mlp-bf16rows"] {
         let mut base = common::small_config(&data, kind.split('-').next().expect("kind"));
         if kind.ends_with("-bf16") {
             base.model.precision = sparrow_core::config::Precision::Bf16;
