@@ -23,7 +23,7 @@ pub use params::ParamStore;
 pub enum ModelError {
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
-    #[error("a `{kind}` model does not take packed input")]
+    #[error("a `{kind}` model takes packed input on the CPU only")]
     NotPacked { kind: &'static str },
     #[error("{what}: {len} values are not {rows} rows of {per_row}")]
     BadInput { what: &'static str, len: usize, rows: usize, per_row: usize },

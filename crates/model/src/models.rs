@@ -290,20 +290,28 @@ impl DenseModel {
     /// Forward only: logits of a batch.
     pub fn predict(&self, emb: Vec<f32>, dense: Vec<f32>, rows: usize) -> Result<Vec<f32>, ModelError> {
         if self.is_direct() {
+            let x = self.concat_rows(&emb, &dense, rows)?;
             // Its own buffers: predictions may run beside a training step.
-            return self.forward_direct(&emb, &dense, rows, &mut direct::Scratch::default());
+            return self.forward_direct(&x, rows, &mut direct::Scratch::default());
         }
         let (emb, dense) = self.inputs(emb, dense, rows)?;
         Ok(self.forward(&emb, &dense)?.to_vec1::<f32>()?)
     }
 
-    /// The MLP of an `mlp` model on CPU: such a model is exactly the fused MLP
-    /// on `[embeddings | dense]`, so its step skips candle's graph entirely.
-    fn direct_mlp(&self) -> Option<&Mlp> {
-        match &self.net {
-            Net::Mlp { mlp } if self.params.device().is_cpu() => Some(mlp),
-            _ => None,
+    /// Input rows `[pooled embeddings | dense values]` (see [`packed_row_len`](Self::packed_row_len)).
+    fn concat_rows(&self, emb: &[f32], dense: &[f32], rows: usize) -> Result<Vec<f32>, ModelError> {
+        let (fw, nd) = (self.shape.num_fields * self.width(), self.shape.num_dense);
+        for (what, len, per_row) in [("pooled embeddings", emb.len(), fw), ("dense values", dense.len(), nd)] {
+            if len != rows * per_row {
+                return Err(ModelError::BadInput { what, len, rows, per_row });
+            }
         }
+        let mut x = Vec::with_capacity(rows * (fw + nd));
+        for r in 0..rows {
+            x.extend_from_slice(&emb[r * fw..(r + 1) * fw]);
+            x.extend_from_slice(&dense[r * nd..(r + 1) * nd]);
+        }
+        Ok(x)
     }
 
     /// Mean stable logistic loss and its gradient w.r.t. the logits:
@@ -434,20 +442,25 @@ impl DenseModel {
         labels: &[f32],
         weights: Option<&[f32]>,
     ) -> Result<(StepOutput, DenseGrads), ModelError> {
-        let mut scratch = self.scratch.lock().map_err(|_| ModelError::Poisoned)?;
-        let logits = self.forward_direct(emb, dense, labels.len(), &mut scratch)?;
-        let (loss, seed) = Self::loss_and_seed(&logits, labels, weights);
-        self.check_loss(loss)?;
-        let (emb_grad, grads) = self.backward_direct(emb, dense, &seed, &mut scratch)?;
-        crate::optimizer::check_finite(&emb_grad, || "gradient of the embedding inputs".into())?;
+        let rows = labels.len();
+        let x = self.concat_rows(emb, dense, rows)?;
+        let (fw, stride) = (self.shape.num_fields * self.width(), self.row_len());
+        let (loss, logits, emb_grad, grads) = self.forward_backward_packed_weighted(&x, labels, weights, |grad_x| {
+            let mut emb_grad = Vec::with_capacity(rows * fw);
+            for row in grad_x.chunks_exact(stride) {
+                emb_grad.extend_from_slice(&row[..fw]);
+            }
+            emb_grad
+        })?;
         Ok((StepOutput { logits, loss, emb_grad }, grads))
     }
 
     /// Floats per input row if this model takes its input packed, each row
     /// `[pooled embeddings | dense values]`, through
-    /// [`train_step_packed`](Self::train_step_packed); `None` otherwise.
+    /// [`forward_backward_packed`](Self::forward_backward_packed) (every
+    /// kind on CPU); `None` otherwise.
     pub fn packed_row_len(&self) -> Option<usize> {
-        self.direct_mlp().map(|_| self.shape.num_fields * self.width() + self.shape.num_dense)
+        self.is_direct().then(|| self.row_len())
     }
 
     /// Takes back gradient buffers the optimizer is done with
@@ -481,24 +494,16 @@ impl DenseModel {
         weights: Option<&[f32]>,
         on_input_grad: impl FnOnce(&[f32]) -> R,
     ) -> Result<(f64, Vec<f32>, R, DenseGrads), ModelError> {
-        let mlp = self.direct_mlp().ok_or(ModelError::NotPacked { kind: self.kind.name() })?;
-        let rows = labels.len();
+        if !self.is_direct() {
+            return Err(ModelError::NotPacked { kind: self.kind.name() });
+        }
         let mut scratch = self.scratch.lock().map_err(|_| ModelError::Poisoned)?;
-        let scratch = &mut scratch.deep;
-        mlp.forward_cpu(x, rows, scratch)?;
-        let logits = scratch.output.clone();
+        let logits = self.forward_direct(x, labels.len(), &mut scratch)?;
         let (loss, seed) = Self::loss_and_seed(&logits, labels, weights);
         self.check_loss(loss)?;
-        let mut grad_p = Some(mlp.backward_cpu(x, &seed, scratch)?);
-        crate::optimizer::check_finite(&scratch.grad_input, || "gradient of the embedding inputs".into())?;
-        let mlp_params = mlp.params().as_tensor().id();
-        let grads = self
-            .params
-            .vars()
-            .iter()
-            .map(|(_, var)| if var.as_tensor().id() == mlp_params { grad_p.take() } else { None })
-            .collect();
-        let result = on_input_grad(&scratch.grad_input);
-        Ok((loss, logits, result, DenseGrads { grads, rows: rows as u64 }))
+        let grads = self.backward_direct(x, &seed, &mut scratch)?;
+        crate::optimizer::check_finite(&scratch.grad_x, || "gradient of the embedding inputs".into())?;
+        let result = on_input_grad(&scratch.grad_x);
+        Ok((loss, logits, result, grads))
     }
 }

@@ -40,7 +40,30 @@ fn embedding_gradient_is_exact_for_every_model() {
         assert!((out.loss - mean_loss(&model, &emb, &dense, &labels)).abs() < 1e-5, "{kind:?}: loss");
         assert!(out.emb_grad.iter().any(|&g| g != 0.0), "{kind:?}: gradient is all zero");
 
+        // The packed step hands back d loss / d input rows `[embeddings |
+        // dense values]`: its dense part, too, is the derivative.
+        let row = 3 * width + 2;
+        let packed: Vec<f32> = (0..rows)
+            .flat_map(|r| emb[r * 3 * width..(r + 1) * 3 * width].iter().chain(&dense[r * 2..(r + 1) * 2]))
+            .copied()
+            .collect();
+        let (_, _, grad_x, _) = model.forward_backward_packed(&packed, &labels, |g| g.to_vec()).expect("packed step");
         let h = 1e-2f32;
+        for r in 0..rows {
+            assert_eq!(&grad_x[r * row..r * row + 3 * width], &out.emb_grad[r * 3 * width..(r + 1) * 3 * width]);
+            for k in 0..2 {
+                let (mut plus, mut minus) = (dense.clone(), dense.clone());
+                plus[r * 2 + k] += h;
+                minus[r * 2 + k] -= h;
+                let numeric = (mean_loss(&model, &emb, &plus, &labels) - mean_loss(&model, &emb, &minus, &labels))
+                    / (2.0 * f64::from(h));
+                let analytic = f64::from(grad_x[r * row + 3 * width + k]);
+                assert!(
+                    (numeric - analytic).abs() <= 2e-3 + 2e-2 * numeric.abs(),
+                    "{kind:?}: d loss / d dense[{r}][{k}] = {analytic} analytically, {numeric} numerically"
+                );
+            }
+        }
         for i in (0..emb.len()).step_by(3) {
             let (mut plus, mut minus) = (emb.clone(), emb.clone());
             plus[i] += h;
