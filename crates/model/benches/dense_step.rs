@@ -1,5 +1,6 @@
 //! The dense step alone, every model kind: forward, backward and the dense
-//! optimizer on one batch already pooled (batch 1024, 26 fields of dim 16,
+//! optimizer on one batch already pooled into the model's input rows, as
+//! the step engine hands it over (batch 1024, 26 fields of dim 16,
 //! 13 dense values, `hidden = [256, 128]`, the defaults otherwise), on two
 //! threads. Prints the best and the median step time of 15 runs of 10 steps
 //! and the floor flops (`DenseModel::step_flops_per_sample`) over the best
@@ -41,13 +42,16 @@ fn main() {
             let model = DenseModel::new(&config, shape, 7, Device::Cpu).expect("model");
             let mut optimizer = DenseOptimizer::new(DenseOptimizerConfig::default());
             let mut rng = Rng::new(3);
-            let emb: Vec<f32> = (0..ROWS * 26 * model.width()).map(|_| rng.uniform(-0.1, 0.1) as f32).collect();
-            let dense: Vec<f32> = (0..ROWS * 13).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
+            let row = model.packed_row_len().expect("CPU models take packed rows");
+            let fields = 26 * model.width();
+            let x: Vec<f32> = (0..ROWS * row)
+                .map(|i| if i % row < fields { rng.uniform(-0.1, 0.1) } else { rng.uniform(0.0, 2.0) } as f32)
+                .collect();
             let labels: Vec<f32> = (0..ROWS).map(|i| (i % 4 == 0) as u8 as f32).collect();
             let mut step = || {
-                let (out, grads) = model.forward_backward(emb.clone(), dense.clone(), &labels).expect("step");
+                let (loss, _, _, grads) = model.forward_backward_packed(&x, &labels, |g| g[0]).expect("step");
                 model.recycle(optimizer.apply(&model.params, grads).expect("optimizer"));
-                std::hint::black_box(out.loss);
+                std::hint::black_box(loss);
             };
             let mut times: Vec<f64> = pool.install(|| {
                 (0..10).for_each(|_| step());

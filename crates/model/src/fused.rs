@@ -97,6 +97,28 @@ mod wide {
     }
 }
 
+/// The interaction's per-row scratch, reused across the rows of a batch.
+/// The row functions write the same positions of it for every row of one
+/// shape and leave the padding (and `G`'s diagonal) alone, so the zeros
+/// written when it takes a new shape stay zeros: no zero fill per row.
+#[derive(Default)]
+pub(crate) struct RowBuf {
+    data: Vec<f32>,
+    /// (adjoint?, n, d) of the layout `data` holds.
+    shape: Option<(bool, usize, usize)>,
+}
+
+impl RowBuf {
+    fn zeros_once(&mut self, shape: (bool, usize, usize), len: usize) -> &mut [f32] {
+        if self.shape != Some(shape) || self.data.len() != len {
+            self.data.clear();
+            self.data.resize(len, 0.0);
+            self.shape = Some(shape);
+        }
+        &mut self.data
+    }
+}
+
 /// Index of pair `(i, j)`, `i < j`, among a row's n(n-1)/2 dots.
 fn pair_index(n: usize, i: usize, j: usize) -> usize {
     i * n - i * (i + 1) / 2 + (j - i - 1)
@@ -105,19 +127,18 @@ fn pair_index(n: usize, i: usize, j: usize) -> usize {
 /// One row of [`PairwiseDots`]: `v` holds the row's n vectors of `d`,
 /// `out` gets the n(n-1)/2 dot products of its pairs `i < j`; `buf` is
 /// scratch. Each dot is summed over `k` in order.
-pub(crate) fn pairwise_dots_row(v: &[f32], d: usize, out: &mut [f32], buf: &mut Vec<f32>) {
+pub(crate) fn pairwise_dots_row(v: &[f32], d: usize, out: &mut [f32], buf: &mut RowBuf) {
     pairwise_dots_row_with(block_kernel(), v, d, out, buf);
 }
 
 /// Four vectors `i` at a time against 16 vectors `j` at a time, from the
 /// row transposed (`k`-major, `j` padded to 16 with zeros): a broadcast
 /// multiply-add per `k`, no horizontal sums.
-fn pairwise_dots_row_with(kernel: BlockKernel, v: &[f32], d: usize, out: &mut [f32], buf: &mut Vec<f32>) {
+fn pairwise_dots_row_with(kernel: BlockKernel, v: &[f32], d: usize, out: &mut [f32], buf: &mut RowBuf) {
     let n = v.len() / d.max(1);
     let n_pad = n.next_multiple_of(LANES);
     // [v transposed (d × n_pad) | v with rows up to a whole block (n_blocks × d)]
-    buf.clear();
-    buf.resize(d * n_pad + n.next_multiple_of(BLOCK) * d, 0.0);
+    let buf = buf.zeros_once((false, n, d), d * n_pad + n.next_multiple_of(BLOCK) * d);
     let (vt, vp) = buf.split_at_mut(d * n_pad);
     for (j, vj) in v.chunks_exact(d).enumerate() {
         for (k, &x) in vj.iter().enumerate() {
@@ -144,7 +165,7 @@ fn pairwise_dots_row_with(kernel: BlockKernel, v: &[f32], d: usize, out: &mut [f
 /// One row of [`PairwiseDots`]' adjoint: `grad_i = Σ_j G_ij · v_j`, `G`
 /// the symmetric matrix of `g` (zero diagonal); every value of `grad` is
 /// written. `buf` is scratch.
-pub(crate) fn pairwise_dots_grad_row(v: &[f32], d: usize, g: &[f32], grad: &mut [f32], buf: &mut Vec<f32>) {
+pub(crate) fn pairwise_dots_grad_row(v: &[f32], d: usize, g: &[f32], grad: &mut [f32], buf: &mut RowBuf) {
     pairwise_dots_grad_row_with(block_kernel(), v, d, g, grad, buf);
 }
 
@@ -155,15 +176,14 @@ fn pairwise_dots_grad_row_with(
     d: usize,
     g: &[f32],
     grad: &mut [f32],
-    buf: &mut Vec<f32>,
+    buf: &mut RowBuf,
 ) {
     let n = v.len() / d.max(1);
     let d_pad = d.next_multiple_of(LANES);
     let n_blocks = n.next_multiple_of(BLOCK);
     // [G (n_blocks × n) | v padded (n × d_pad), unless d is whole blocks of lanes]
     let padded = if d == d_pad { 0 } else { n * d_pad };
-    buf.clear();
-    buf.resize(n_blocks * n + padded, 0.0);
+    let buf = buf.zeros_once((true, n, d), n_blocks * n + padded);
     let (gm, vp) = buf.split_at_mut(n_blocks * n);
     let mut pairs = g.iter();
     for i in 0..n {
@@ -203,7 +223,7 @@ impl CustomOp1 for PairwiseDots {
         let mut out = vec![0.0f32; rows * pairs];
         if pairs > 0 {
             let rows_in = out.par_chunks_mut(pairs).zip(t.par_chunks(n * d));
-            rows_in.for_each_init(Vec::new, |buf, (out, v)| pairwise_dots_row(v, d, out, buf));
+            rows_in.for_each_init(RowBuf::default, |buf, (out, v)| pairwise_dots_row(v, d, out, buf));
         }
         Ok((CpuStorage::F32(out), Shape::from((rows, pairs))))
     }
@@ -238,7 +258,7 @@ impl CustomOp2 for PairwiseDotsGrad {
         let mut grad = vec![0.0f32; rows * n * d];
         if pairs > 0 {
             let rows_in = grad.par_chunks_mut(n * d).zip(t.par_chunks(n * d)).zip(g.par_chunks(pairs));
-            rows_in.for_each_init(Vec::new, |buf, ((grad, v), g)| pairwise_dots_grad_row(v, d, g, grad, buf));
+            rows_in.for_each_init(RowBuf::default, |buf, ((grad, v), g)| pairwise_dots_grad_row(v, d, g, grad, buf));
         }
         Ok((CpuStorage::F32(grad), l1.shape().clone()))
     }
@@ -417,7 +437,14 @@ mod tests {
             let v: Vec<f32> = (0..n * d).map(|_| rng.normal() as f32).collect();
             let pairs = n * (n - 1) / 2;
             let g: Vec<f32> = (0..pairs).map(|_| rng.normal() as f32).collect();
-            let mut buf = Vec::new();
+            // One buffer for everything, as rows of a batch share one: its
+            // padding must stay zero across rows and layouts.
+            let mut buf = RowBuf::default();
+            let other: Vec<f32> = (0..n * d).map(|_| rng.normal() as f32).collect();
+            let mut scrap = vec![0.0f32; pairs.max(n * d)];
+            pairwise_dots_row(&other, d, &mut scrap[..pairs], &mut buf);
+            pairwise_dots_grad_row(&other, d, &g, &mut scrap[..n * d], &mut buf);
+            pairwise_dots_row(&other, d, &mut scrap[..pairs], &mut buf);
             let (mut fast, mut plain) = (vec![0.0f32; pairs], vec![0.0f32; pairs]);
             pairwise_dots_row(&v, d, &mut fast, &mut buf);
             pairwise_dots_row_with(block_portable, &v, d, &mut plain, &mut buf);

@@ -15,7 +15,7 @@ use rayon::prelude::*;
 
 use super::{DenseModel, Net};
 use crate::ModelError;
-use crate::fused::{first_order_fm_grad_row, first_order_fm_row, pairwise_dots_grad_row, pairwise_dots_row};
+use crate::fused::{RowBuf, first_order_fm_grad_row, first_order_fm_row, pairwise_dots_grad_row, pairwise_dots_row};
 use crate::mlp::{CrossGrads, Mlp, MlpScratch, cpu, cross_backward, cross_forward, sized};
 use crate::optimizer::DenseGrads;
 use crate::params::Linear;
@@ -189,7 +189,9 @@ impl DenseModel {
                 let t: &[f32] = match bottom {
                     Some(mlp) => {
                         s.dense.clear();
-                        s.dense.extend(x.chunks_exact(row).flat_map(|x| &x[f * d..]));
+                        for x in x.chunks_exact(row) {
+                            s.dense.extend_from_slice(&x[f * d..]);
+                        }
                         deep(mlp, &s.dense, &mut s.bottom)?;
                         s.t.resize(rows * n * d, 0.0);
                         let below = &s.bottom.output;
@@ -206,7 +208,7 @@ impl DenseModel {
                 s.x.resize(rows * (lead + pairs), 0.0);
                 let below = &s.bottom.output;
                 let rows_in = s.x.par_chunks_mut(lead + pairs).zip(t.par_chunks(n * d)).enumerate();
-                rows_in.for_each_init(Vec::new, |buf, (r, (x, t))| {
+                rows_in.for_each_init(RowBuf::default, |buf, (r, (x, t))| {
                     x[..lead].copy_from_slice(&below[r * lead..(r + 1) * lead]);
                     pairwise_dots_row(t, d, &mut x[lead..], buf);
                 });
@@ -271,7 +273,7 @@ impl DenseModel {
                 let t: &[f32] = if bottom.is_some() { &s.t } else { x };
                 let grad_t = sized(&mut s.grad_t, rows * n * d); // overwritten whole
                 let rows_in = grad_t.par_chunks_mut(n * d).zip(t.par_chunks(n * d)).zip(g_top.par_chunks(lead + pairs));
-                rows_in.for_each_init(Vec::new, |buf, ((grad, t), g)| {
+                rows_in.for_each_init(RowBuf::default, |buf, ((grad, t), g)| {
                     // The dots' gradient, then the bottom output's from the top MLP.
                     pairwise_dots_grad_row(t, d, &g[lead..], grad, buf);
                     grad[..lead].iter_mut().zip(&g[..lead]).for_each(|(a, g)| *a += g);
