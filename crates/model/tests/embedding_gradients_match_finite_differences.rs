@@ -15,19 +15,24 @@ fn mean_loss(model: &DenseModel, emb: &[f32], dense: &[f32], labels: &[f32]) -> 
         / labels.len() as f64
 }
 
+/// A small model of each kind: DLRM's bottom MLP of 6, two DCN-v2 cross layers.
+fn config(kind: ModelKind, embedding_dim: usize, hidden: &[usize], precision: Precision) -> ModelConfig {
+    ModelConfig {
+        kind,
+        embedding_dim,
+        hidden: hidden.to_vec(),
+        bottom_hidden: vec![6],
+        cross_layers: 2,
+        precision,
+        ..Default::default()
+    }
+}
+
 #[test]
 fn embedding_gradient_is_exact_for_every_model() {
     let shape = ModelShape { num_fields: 3, num_dense: 2, embedding_dim: 4 };
     for kind in KINDS {
-        let config = ModelConfig {
-            kind,
-            embedding_dim: 4,
-            hidden: vec![8, 5],
-            bottom_hidden: vec![6],
-            cross_layers: 2,
-            ..Default::default()
-        };
-        let model = DenseModel::new(&config, shape, 11, Device::Cpu).expect("model");
+        let model = DenseModel::new(&config(kind, 4, &[8, 5], Precision::F32), shape, 11, Device::Cpu).expect("model");
         let width = model.width();
         let rows = 5;
         let mut rng = Rng::new(3);
@@ -100,15 +105,7 @@ fn direct_path_equals_autograd_path_for_every_model() {
         KINDS.iter().flat_map(|&k| [(k, Precision::F32, 3), (k, Precision::Bf16, 3), (k, Precision::F32, 0)])
     {
         let shape = ModelShape { num_fields: 4, num_dense, embedding_dim: 5 };
-        let config = ModelConfig {
-            kind,
-            embedding_dim: 5,
-            hidden: vec![16, 8],
-            bottom_hidden: vec![6],
-            cross_layers: 2,
-            precision,
-            ..Default::default()
-        };
+        let config = config(kind, 5, &[16, 8], precision);
         let what = format!("{kind:?} {precision:?} with {num_dense} dense");
         let direct = DenseModel::new(&config, shape, 21, Device::Cpu).expect("model");
         let graph = DenseModel::new(&config, shape, 21, Device::Cpu).expect("model");
