@@ -124,28 +124,54 @@ fn pair_index(n: usize, i: usize, j: usize) -> usize {
     i * n - i * (i + 1) / 2 + (j - i - 1)
 }
 
-/// One row of [`PairwiseDots`]: `v` holds the row's n vectors of `d`,
-/// `out` gets the n(n-1)/2 dot products of its pairs `i < j`; `buf` is
-/// scratch. Each dot is summed over `k` in order.
-pub(crate) fn pairwise_dots_row(v: &[f32], d: usize, out: &mut [f32], buf: &mut RowBuf) {
-    pairwise_dots_row_with(block_kernel(), v, d, out, buf);
+/// A row's interacting vectors of `d` floats: those of `head`, then those
+/// of `tail` (DLRM: the bottom MLP's output, then the fields' embeddings,
+/// each read where it lies).
+#[derive(Clone, Copy)]
+pub(crate) struct Vectors<'a> {
+    pub head: &'a [f32],
+    pub tail: &'a [f32],
+    pub d: usize,
+}
+
+impl<'a> Vectors<'a> {
+    /// `v`'s vectors, all in one slice.
+    pub(crate) fn of(v: &'a [f32], d: usize) -> Self {
+        Vectors { head: &[], tail: v, d }
+    }
+
+    fn count(&self) -> usize {
+        (self.head.len() + self.tail.len()) / self.d.max(1)
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &'a [f32]> {
+        let d = self.d.max(1);
+        self.head.chunks_exact(d).chain(self.tail.chunks_exact(d))
+    }
+}
+
+/// One row of [`PairwiseDots`]: `out` gets the n(n-1)/2 dot products of the
+/// pairs `i < j` of the row's n vectors; `buf` is scratch. Each dot is
+/// summed over `k` in order.
+pub(crate) fn pairwise_dots_row(v: Vectors<'_>, out: &mut [f32], buf: &mut RowBuf) {
+    pairwise_dots_row_with(block_kernel(), v, out, buf);
 }
 
 /// Four vectors `i` at a time against 16 vectors `j` at a time, from the
 /// row transposed (`k`-major, `j` padded to 16 with zeros): a broadcast
 /// multiply-add per `k`, no horizontal sums.
-fn pairwise_dots_row_with(kernel: BlockKernel, v: &[f32], d: usize, out: &mut [f32], buf: &mut RowBuf) {
-    let n = v.len() / d.max(1);
+fn pairwise_dots_row_with(kernel: BlockKernel, v: Vectors<'_>, out: &mut [f32], buf: &mut RowBuf) {
+    let (n, d) = (v.count(), v.d);
     let n_pad = n.next_multiple_of(LANES);
     // [v transposed (d × n_pad) | v with rows up to a whole block (n_blocks × d)]
     let buf = buf.zeros_once((false, n, d), d * n_pad + n.next_multiple_of(BLOCK) * d);
     let (vt, vp) = buf.split_at_mut(d * n_pad);
-    for (j, vj) in v.chunks_exact(d).enumerate() {
+    for (j, vj) in v.iter().enumerate() {
         for (k, &x) in vj.iter().enumerate() {
             vt[k * n_pad + j] = x;
         }
+        vp[j * d..(j + 1) * d].copy_from_slice(vj);
     }
-    vp[..v.len()].copy_from_slice(v);
     for i0 in (0..n).step_by(BLOCK) {
         // Only the chunks holding some j > i0.
         for jc in ((i0 + 1) / LANES * LANES..n_pad).step_by(LANES) {
@@ -163,26 +189,28 @@ fn pairwise_dots_row_with(kernel: BlockKernel, v: &[f32], d: usize, out: &mut [f
 }
 
 /// One row of [`PairwiseDots`]' adjoint: `grad_i = Σ_j G_ij · v_j`, `G`
-/// the symmetric matrix of `g` (zero diagonal); every value of `grad` is
+/// the symmetric matrix of `g` (zero diagonal), into `grad` (`head`'s
+/// vectors' first, then `tail`'s, as `v` splits them); every value is
 /// written. `buf` is scratch.
-pub(crate) fn pairwise_dots_grad_row(v: &[f32], d: usize, g: &[f32], grad: &mut [f32], buf: &mut RowBuf) {
-    pairwise_dots_grad_row_with(block_kernel(), v, d, g, grad, buf);
+pub(crate) fn pairwise_dots_grad_row(v: Vectors<'_>, g: &[f32], grad: (&mut [f32], &mut [f32]), buf: &mut RowBuf) {
+    pairwise_dots_grad_row_with(block_kernel(), v, g, grad, buf);
 }
 
 /// Four vectors `i` at a time, 16 lanes of `k` at a time (`d` padded with zeros).
 fn pairwise_dots_grad_row_with(
     kernel: BlockKernel,
-    v: &[f32],
-    d: usize,
+    v: Vectors<'_>,
     g: &[f32],
-    grad: &mut [f32],
+    (grad_head, grad_tail): (&mut [f32], &mut [f32]),
     buf: &mut RowBuf,
 ) {
-    let n = v.len() / d.max(1);
+    let (n, d) = (v.count(), v.d);
     let d_pad = d.next_multiple_of(LANES);
     let n_blocks = n.next_multiple_of(BLOCK);
-    // [G (n_blocks × n) | v padded (n × d_pad), unless d is whole blocks of lanes]
-    let padded = if d == d_pad { 0 } else { n * d_pad };
+    let n_head = v.head.len() / d.max(1);
+    // [G (n_blocks × n) | v in one piece, padded (n × d_pad), unless it is one already]
+    let in_place = d == d_pad && n_head == 0;
+    let padded = if in_place { 0 } else { n * d_pad };
     let buf = buf.zeros_once((true, n, d), n_blocks * n + padded);
     let (gm, vp) = buf.split_at_mut(n_blocks * n);
     let mut pairs = g.iter();
@@ -192,10 +220,10 @@ fn pairwise_dots_grad_row_with(
             gm[j * n + i] = gij;
         }
     }
-    let rows: &[f32] = if padded == 0 {
-        v
+    let rows: &[f32] = if in_place {
+        v.tail
     } else {
-        for (dst, src) in vp.chunks_exact_mut(d_pad).zip(v.chunks_exact(d)) {
+        for (dst, src) in vp.chunks_exact_mut(d_pad).zip(v.iter()) {
             dst[..d].copy_from_slice(src);
         }
         vp
@@ -205,7 +233,9 @@ fn pairwise_dots_grad_row_with(
             let acc = kernel(&gm[i0 * n..], n, &rows[kc..], d_pad, n);
             let lanes = (d - kc).min(LANES);
             for (b, acc) in acc.iter().enumerate().take(n - i0) {
-                grad[(i0 + b) * d + kc..][..lanes].copy_from_slice(&acc[..lanes]);
+                let i = i0 + b;
+                let out = if i < n_head { &mut grad_head[i * d..] } else { &mut grad_tail[(i - n_head) * d..] };
+                out[kc..][..lanes].copy_from_slice(&acc[..lanes]);
             }
         }
     }
@@ -223,7 +253,7 @@ impl CustomOp1 for PairwiseDots {
         let mut out = vec![0.0f32; rows * pairs];
         if pairs > 0 {
             let rows_in = out.par_chunks_mut(pairs).zip(t.par_chunks(n * d));
-            rows_in.for_each_init(RowBuf::default, |buf, (out, v)| pairwise_dots_row(v, d, out, buf));
+            rows_in.for_each_init(RowBuf::default, |buf, (out, v)| pairwise_dots_row(Vectors::of(v, d), out, buf));
         }
         Ok((CpuStorage::F32(out), Shape::from((rows, pairs))))
     }
@@ -258,7 +288,9 @@ impl CustomOp2 for PairwiseDotsGrad {
         let mut grad = vec![0.0f32; rows * n * d];
         if pairs > 0 {
             let rows_in = grad.par_chunks_mut(n * d).zip(t.par_chunks(n * d)).zip(g.par_chunks(pairs));
-            rows_in.for_each_init(RowBuf::default, |buf, ((grad, v), g)| pairwise_dots_grad_row(v, d, g, grad, buf));
+            rows_in.for_each_init(RowBuf::default, |buf, ((grad, v), g)| {
+                pairwise_dots_grad_row(Vectors::of(v, d), g, (&mut [], grad), buf)
+            });
         }
         Ok((CpuStorage::F32(grad), l1.shape().clone()))
     }
@@ -442,25 +474,31 @@ mod tests {
             let mut buf = RowBuf::default();
             let other: Vec<f32> = (0..n * d).map(|_| rng.normal() as f32).collect();
             let mut scrap = vec![0.0f32; pairs.max(n * d)];
-            pairwise_dots_row(&other, d, &mut scrap[..pairs], &mut buf);
-            pairwise_dots_grad_row(&other, d, &g, &mut scrap[..n * d], &mut buf);
-            pairwise_dots_row(&other, d, &mut scrap[..pairs], &mut buf);
+            let vs = Vectors::of(&v, d);
+            pairwise_dots_row(Vectors::of(&other, d), &mut scrap[..pairs], &mut buf);
+            pairwise_dots_grad_row(Vectors::of(&other, d), &g, (&mut [], &mut scrap[..n * d]), &mut buf);
+            pairwise_dots_row(Vectors::of(&other, d), &mut scrap[..pairs], &mut buf);
             let (mut fast, mut plain) = (vec![0.0f32; pairs], vec![0.0f32; pairs]);
-            pairwise_dots_row(&v, d, &mut fast, &mut buf);
-            pairwise_dots_row_with(block_portable, &v, d, &mut plain, &mut buf);
-            assert_eq!(
-                fast.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                plain.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                "dots n={n} d={d}"
-            );
+            pairwise_dots_row(vs, &mut fast, &mut buf);
+            pairwise_dots_row_with(block_portable, vs, &mut plain, &mut buf);
+            let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&fast), bits(&plain), "dots n={n} d={d}");
             let (mut fast_g, mut plain_g) = (vec![f32::NAN; n * d], vec![0.5f32; n * d]);
-            pairwise_dots_grad_row(&v, d, &g, &mut fast_g, &mut buf);
-            pairwise_dots_grad_row_with(block_portable, &v, d, &g, &mut plain_g, &mut buf);
-            assert_eq!(
-                fast_g.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                plain_g.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                "grad n={n} d={d}"
-            );
+            pairwise_dots_grad_row(vs, &g, (&mut [], &mut fast_g), &mut buf);
+            pairwise_dots_grad_row_with(block_portable, vs, &g, (&mut [], &mut plain_g), &mut buf);
+            assert_eq!(bits(&fast_g), bits(&plain_g), "grad n={n} d={d}");
+            // The first vector read from a slice of its own (DLRM's bottom
+            // output beside the fields'): the same values.
+            if n > 1 {
+                let split = Vectors { head: &v[..d], tail: &v[d..], d };
+                let mut split_dots = vec![0.0f32; pairs];
+                pairwise_dots_row(split, &mut split_dots, &mut buf);
+                assert_eq!(bits(&split_dots), bits(&fast), "split dots n={n} d={d}");
+                let (mut head, mut tail) = (vec![f32::NAN; d], vec![f32::NAN; (n - 1) * d]);
+                pairwise_dots_grad_row(split, &g, (&mut head, &mut tail), &mut buf);
+                assert_eq!(bits(&head), bits(&fast_g[..d]), "split grad n={n} d={d}");
+                assert_eq!(bits(&tail), bits(&fast_g[d..]), "split grad n={n} d={d}");
+            }
             for i in 0..n {
                 for j in i + 1..n {
                     let exact: f64 = (0..d).map(|k| f64::from(v[i * d + k]) * f64::from(v[j * d + k])).sum();

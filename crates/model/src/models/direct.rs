@@ -15,7 +15,9 @@ use rayon::prelude::*;
 
 use super::{DenseModel, Net};
 use crate::ModelError;
-use crate::fused::{RowBuf, first_order_fm_grad_row, first_order_fm_row, pairwise_dots_grad_row, pairwise_dots_row};
+use crate::fused::{
+    RowBuf, Vectors, first_order_fm_grad_row, first_order_fm_row, pairwise_dots_grad_row, pairwise_dots_row,
+};
 use crate::mlp::{CrossGrads, Mlp, MlpScratch, cpu, cross_backward, cross_forward, sized};
 use crate::optimizer::DenseGrads;
 use crate::params::Linear;
@@ -30,17 +32,15 @@ pub(super) struct Scratch {
     /// The deep MLP's input rows where they are not the input's (Wide&Deep
     /// and DeepFM: without the first-order columns; DLRM: the top MLP's).
     x: Vec<f32>,
-    /// DLRM: the dense values alone (the bottom MLP's input), and each row's
-    /// `n` interacting vectors, the bottom MLP's output first.
+    /// DLRM: the dense values alone (the bottom MLP's input).
     dense: Vec<f32>,
-    t: Vec<f32>,
     /// DCN-v2: each cross layer's output and gate.
     cross_out: Vec<Vec<f32>>,
     gates: Vec<Vec<f32>>,
     /// d loss / d input, in the input's layout: what the step hands back.
     pub(super) grad_x: Vec<f32>,
     /// Backward buffers: DCN-v2's gradients at a layer's input and at its
-    /// gate; DLRM's at the interacting vectors.
+    /// gate; DLRM's at the bottom MLP's output.
     grad_in: Vec<f32>,
     grad_gate: Vec<f32>,
     grad_t: Vec<f32>,
@@ -182,35 +182,24 @@ impl DenseModel {
                 logits
             }
             Net::Dlrm { bottom, top, n, .. } => {
-                let n = *n;
                 let pairs = n * (n - 1) / 2;
-                // [bottom output | the fields' vectors] per row; without
-                // dense values the input rows are the fields' vectors.
-                let t: &[f32] = match bottom {
-                    Some(mlp) => {
-                        s.dense.clear();
-                        for x in x.chunks_exact(row) {
-                            s.dense.extend_from_slice(&x[f * d..]);
-                        }
-                        deep(mlp, &s.dense, &mut s.bottom)?;
-                        s.t.resize(rows * n * d, 0.0);
-                        let below = &s.bottom.output;
-                        s.t.par_chunks_mut(n * d).zip(x.par_chunks(row)).enumerate().for_each(|(r, (t, x))| {
-                            t[..d].copy_from_slice(&below[r * d..(r + 1) * d]);
-                            t[d..].copy_from_slice(&x[..f * d]);
-                        });
-                        &s.t
+                if let Some(mlp) = bottom {
+                    s.dense.clear();
+                    for x in x.chunks_exact(row) {
+                        s.dense.extend_from_slice(&x[f * d..]);
                     }
-                    None => x,
-                };
-                // The top MLP reads [bottom output | pairwise dots].
+                    deep(mlp, &s.dense, &mut s.bottom)?;
+                }
+                // The top MLP reads [bottom output | pairwise dots of
+                // (bottom output, the fields' vectors)].
                 let lead = if bottom.is_some() { d } else { 0 };
                 s.x.resize(rows * (lead + pairs), 0.0);
                 let below = &s.bottom.output;
-                let rows_in = s.x.par_chunks_mut(lead + pairs).zip(t.par_chunks(n * d)).enumerate();
-                rows_in.for_each_init(RowBuf::default, |buf, (r, (x, t))| {
-                    x[..lead].copy_from_slice(&below[r * lead..(r + 1) * lead]);
-                    pairwise_dots_row(t, d, &mut x[lead..], buf);
+                let rows_in = s.x.par_chunks_mut(lead + pairs).zip(x.par_chunks(row)).enumerate();
+                rows_in.for_each_init(RowBuf::default, |buf, (r, (top_in, x))| {
+                    let head = &below[r * lead..(r + 1) * lead];
+                    top_in[..lead].copy_from_slice(head);
+                    pairwise_dots_row(Vectors { head, tail: &x[..f * d], d }, &mut top_in[lead..], buf);
                 });
                 deep(top, &s.x, &mut s.deep)?;
                 s.deep.output.clone()
@@ -265,29 +254,33 @@ impl DenseModel {
                 self.first_order_grads(lin, fm, x, seed, deep_grad, grad_x, &mut grads)?;
             }
             Net::Dlrm { bottom, top, n, .. } => {
-                let n = *n;
                 let pairs = n * (n - 1) / 2;
                 let lead = if bottom.is_some() { d } else { 0 };
                 grads.push((top.params(), top.backward_cpu(&s.x, seed, &mut s.deep)?));
                 let g_top = &s.deep.grad_input;
-                let t: &[f32] = if bottom.is_some() { &s.t } else { x };
-                let grad_t = sized(&mut s.grad_t, rows * n * d); // overwritten whole
-                let rows_in = grad_t.par_chunks_mut(n * d).zip(t.par_chunks(n * d)).zip(g_top.par_chunks(lead + pairs));
-                rows_in.for_each_init(RowBuf::default, |buf, ((grad, t), g)| {
-                    // The dots' gradient, then the bottom output's from the top MLP.
-                    pairwise_dots_grad_row(t, d, &g[lead..], grad, buf);
-                    grad[..lead].iter_mut().zip(&g[..lead]).for_each(|(a, g)| *a += g);
+                let below = &s.bottom.output;
+                // The fields' vectors' gradient straight into the input's
+                // layout; the bottom output's into `grad_t`, then its
+                // gradient from the top MLP added.
+                let grad_x = sized(&mut s.grad_x, rows * row); // every value written
+                // Its `lead` values a row are overwritten; without a bottom
+                // MLP it holds one unused value a row, so the rows still pair up.
+                let grad_below = sized(&mut s.grad_t, rows * lead.max(1));
+                let rows_in = grad_x.par_chunks_mut(row).zip(grad_below.par_chunks_mut(lead.max(1)));
+                let rows_in = rows_in.zip(x.par_chunks(row)).zip(g_top.par_chunks(lead + pairs)).enumerate();
+                rows_in.for_each_init(RowBuf::default, |buf, (r, (((grad, grad_below), x), g))| {
+                    let v = Vectors { head: &below[r * lead..(r + 1) * lead], tail: &x[..f * d], d };
+                    let grad_below = &mut grad_below[..lead];
+                    pairwise_dots_grad_row(v, &g[lead..], (&mut *grad_below, &mut grad[..f * d]), buf);
+                    grad_below.iter_mut().zip(&g[..lead]).for_each(|(a, g)| *a += g);
                 });
                 if let Some(mlp) = bottom {
-                    let g_below: Vec<f32> = grad_t.chunks_exact(n * d).flat_map(|g| &g[..d]).copied().collect();
-                    grads.push((mlp.params(), mlp.backward_cpu(&s.dense, &g_below, &mut s.bottom)?));
+                    grads.push((mlp.params(), mlp.backward_cpu(&s.dense, grad_below, &mut s.bottom)?));
                 }
-                // [the fields' vectors' gradient | the dense values' (through the bottom MLP)]
-                let grad_x = sized(&mut s.grad_x, rows * row); // every value written
-                let below = &s.bottom.grad_input;
-                grad_x.par_chunks_mut(row).zip(grad_t.par_chunks(n * d)).enumerate().for_each(|(r, (out, g))| {
-                    out[..f * d].copy_from_slice(&g[lead..]);
-                    out[f * d..].copy_from_slice(&below[r * nd..(r + 1) * nd]);
+                // The dense values' gradient, through the bottom MLP.
+                let from_below = &s.bottom.grad_input;
+                grad_x.par_chunks_mut(row).enumerate().for_each(|(r, out)| {
+                    out[f * d..].copy_from_slice(&from_below[r * nd..(r + 1) * nd]);
                 });
             }
             Net::Dcn { cross, deep, precision } => {
