@@ -145,7 +145,12 @@ fn lazy_aggregation_backs_up_changed_weights_as_serving_exports() {
     let written =
         std::fs::read_dir(&exports).expect("exports").filter(|e| e.as_ref().is_ok_and(|e| e.path().is_dir())).count();
     // The first aggregation is always backed up; later ones when the weights moved 5%.
-    assert!(backups >= 1 && written as u64 == backups, "{backups} backups, {written} export directories");
+    // (On failure: the job's report and log, to tell a restarted job from a lost backup.)
+    assert!(
+        backups >= 1 && written as u64 == backups,
+        "{backups} backups, {written} export directories\nreport: {lazy}\nlog:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let latest = std::fs::read_to_string(exports.join("LATEST")).expect("LATEST");
     assert!(exports.join(latest.trim()).join("manifest.json").is_file());
 
