@@ -239,6 +239,8 @@ struct State {
     last_issued: std::time::Instant,
     /// The weights of the last backup, and backups queued but not written.
     last_backup: Option<Vec<f32>>,
+    /// The step of the newest backup committed as a checkpoint.
+    last_committed: Option<u64>,
     backups_pending: u64,
     /// The furthest data position among the contributions so far.
     position: sparrow_core::batch::DataPosition,
@@ -325,6 +327,7 @@ impl Lazy {
                 held: None,
                 last_issued: std::time::Instant::now(),
                 last_backup: None,
+                last_committed: None,
                 backups_pending: 0,
                 position: Default::default(),
                 report: LazyReport::default(),
@@ -636,6 +639,9 @@ impl Lazy {
                 None => None,
             };
             guard = self.state.lock();
+            if let Some(step) = committed {
+                guard.last_committed = Some(guard.last_committed.map_or(step, |s| s.max(step)));
+            }
             let number = guard.report.aggregations;
             if let Some(sink) = self.backups.lock().as_ref()
                 && sink.send((number, cut.weights.clone())).is_ok()
@@ -690,6 +696,7 @@ impl Lazy {
                     report: state.report.clone(),
                     job_batches: self.base.0 + state.report.local_iterations,
                     job_samples: self.base.1 + state.report.samples,
+                    committed: state.last_committed,
                 });
             }
             self.changed.wait(&mut state);
@@ -711,6 +718,11 @@ pub struct FinalWeights {
     /// The job's batches and samples (the restored checkpoint's included).
     pub job_batches: u64,
     pub job_samples: u64,
+    /// The step of the job's newest backup committed as a checkpoint: every
+    /// worker decides from it whether the job's end needs one more
+    /// checkpoint (a worker that left before that backup's aggregation
+    /// must not ask for a checkpoint the others will never join).
+    pub committed: Option<u64>,
 }
 
 /// One worker's share of an aggregation, as its aggregator reports it.
@@ -903,6 +915,31 @@ mod tests {
         let seed = aggregate(&[(0, &a, 0.8), (1, &b, 0.7), (2, &c, 0.5)], &|w| w % 2, 2).expect("sum");
         assert!((seed[0] - 2.1).abs() < 1e-12, "{seed:?}");
         assert!(aggregate(&[(0, &a, 0.0)], &|_| 0, 1).is_none(), "no weight, no step");
+    }
+
+    /// The job's newest committed backup reaches every worker with the
+    /// final weights, one that left before that backup's aggregation
+    /// included: all decide alike whether the job's end needs a checkpoint.
+    /// (A worker that decided alone asked for a checkpoint the others never
+    /// joined, and waited until the progress timeout restarted the job.)
+    #[test]
+    fn the_final_weights_name_the_newest_committed_backup() {
+        let lazy = quick(2, vec![1.0]);
+        let (tx, rx) = crossbeam_channel::unbounded();
+        lazy.back_up_to(tx);
+        lazy.commit_backups_with(Arc::new(|_: &BackupCut| Ok(())));
+        // Worker 1's data ends with nothing to send: it leaves.
+        assert_eq!(lazy.poll(1, 0, true, false).expect("poll"), None);
+        // Worker 0 aggregates alone; a first aggregation is always backed up.
+        let i = lazy.poll(0, 2, true, false).expect("poll").expect("issued");
+        let done = lazy.contribute(contribution(0, i.id, vec![0.5], 1.0, true, (2, 4))).expect("contribute");
+        assert_eq!(done.committed, Some(2), "the backup was committed at the job's step 2");
+        for _ in rx.try_iter() {
+            lazy.backup_done(true);
+        }
+        let end = lazy.final_weights().expect("final weights");
+        assert_eq!(end.committed, Some(2), "what worker 1 learns at the end");
+        assert_eq!(end.job_batches, 2);
     }
 
     #[test]

@@ -877,6 +877,12 @@ impl Worker {
         if let Some(j) = &mut self.job {
             (j.batches, j.samples) = (done.job_batches, done.job_samples);
         }
+        // The job's newest committed backup, as every worker learns it: all
+        // decide alike whether the end needs a checkpoint (one asked for by
+        // a worker alone waits for the others' cuts forever).
+        if let (Some(step), Some(c)) = (done.committed, self.checkpoints.as_mut()) {
+            c.last_step = c.last_step.max(step);
+        }
         self.lazy_report = Some(done.report);
         let end = self.checkpoints.as_ref().is_some_and(|c| self.job_step() > c.last_step);
         if end { self.checkpoint_now() } else { Ok(()) }

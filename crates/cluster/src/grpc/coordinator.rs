@@ -241,6 +241,8 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
                     report_json: serde_json::to_string(&done.report).unwrap_or_default(),
                     job_batches: done.job_batches,
                     job_samples: done.job_samples,
+                    committed: done.committed.is_some(),
+                    committed_step: done.committed.unwrap_or(0),
                     ..Default::default()
                 }
             }
@@ -565,6 +567,7 @@ impl LazyLink for CoordinatorClient {
             report: serde_json::from_str(&reply.report_json).unwrap_or_default(),
             job_batches: reply.job_batches,
             job_samples: reply.job_samples,
+            committed: reply.committed.then_some(reply.committed_step),
         })
     }
 }
