@@ -160,6 +160,9 @@ enum Command {
         /// `embedding.dtype`s to measure the embedding path with (f32, f16, bf16).
         #[arg(long, value_delimiter = ',', default_value = "f32,f16")]
         dtypes: Vec<String>,
+        /// `embedding.optimizer`s to measure the embedding path with.
+        #[arg(long, value_delimiter = ',', default_value = "adagrad,rowwise_adagrad")]
+        optimizers: Vec<String>,
         /// Training steps timed on the reference model (0 skips it).
         #[arg(long, default_value_t = 300)]
         train_steps: usize,
@@ -539,6 +542,7 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             batches,
             threads,
             dtypes,
+            optimizers,
             train_steps,
             kind_steps,
             kinds,
@@ -563,9 +567,22 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
                     other => Err(anyhow::anyhow!("--dtypes: `{other}` is not f32, f16 or bf16")),
                 })
                 .collect::<Result<_, _>>()?;
+            let optimizers = optimizers
+                .iter()
+                .map(|o| {
+                    // The same names as `embedding.optimizer` in a config.
+                    serde_json::from_value::<sparrow_core::config::SparseOptimizerKind>(serde_json::Value::from(
+                        o.as_str(),
+                    ))
+                    .map_err(|_| {
+                        anyhow::anyhow!("--optimizers: `{o}` is not sgd, adagrad, rowwise_adagrad, adam or ftrl")
+                    })
+                })
+                .collect::<Result<_, _>>()?;
             let options = sparrow_trainer::bench::BenchOptions {
                 dims,
                 dtypes,
+                optimizers,
                 table_rows,
                 batches,
                 thread_counts: threads,

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 use sparrow_core::batch::BatchBuilder;
-use sparrow_core::config::{EmbeddingDtype, InitConfig, ModelKind, Precision};
+use sparrow_core::config::{EmbeddingConfig, EmbeddingDtype, InitConfig, ModelKind, Precision, SparseOptimizerKind};
 use sparrow_core::key::mix64;
 use sparrow_core::rng::Rng;
 use sparrow_core::{Batch, Config};
@@ -40,6 +40,8 @@ pub struct BenchOptions {
     pub dims: Vec<usize>,
     /// `embedding.dtype`s the embedding path is measured with.
     pub dtypes: Vec<EmbeddingDtype>,
+    /// `embedding.optimizer`s the embedding path is measured with.
+    pub optimizers: Vec<SparseOptimizerKind>,
     /// Distinct IDs in the embedding table under test.
     pub table_rows: usize,
     /// Batches timed per embedding configuration.
@@ -67,6 +69,7 @@ impl Default for BenchOptions {
         BenchOptions {
             dims: vec![16, 64],
             dtypes: vec![EmbeddingDtype::F32, EmbeddingDtype::F16],
+            optimizers: vec![SparseOptimizerKind::Adagrad, SparseOptimizerKind::RowwiseAdagrad],
             table_rows: 2_000_000,
             batches: 200,
             batch_size: 1024,
@@ -101,11 +104,16 @@ pub struct EmbeddingBench {
     pub dtype: &'static str,
     /// Key + vector + optimizer state as stored.
     pub payload_bytes_per_row: usize,
+    /// `payload_bytes_per_row` over an f32 row's with the same optimizer and dim.
+    pub payload_vs_f32: f64,
     pub table_rows: usize,
     pub keys_per_batch: usize,
     pub dedup_ratio: f64,
     /// Batch keys (duplicates included) through dedup + lookup + update per second.
     pub keys_per_sec: f64,
+    /// The same in this configuration's fastest round (the configurations
+    /// of one dim and thread count take turns, round by round).
+    pub best_round_keys_per_sec: f64,
     /// Unique rows looked up and updated per second.
     pub unique_rows_per_sec: f64,
     /// unique_rows_per_sec over the prefetched gather ceiling at this dim.
@@ -308,23 +316,93 @@ fn run_gather_limit(source: &Path, dims: &[usize], work: &Path) -> GatherLimit {
     out
 }
 
+/// The embedding path with `optimizer` at learning rate 0.05.
+fn bench_optimizer(optimizer: SparseOptimizerKind) -> SparseOptimizer {
+    SparseOptimizer::from_config(&EmbeddingConfig { optimizer, learning_rate: 0.05, ..Default::default() })
+}
+
+/// Rounds the embedding configurations of one (dim, threads) take turns in,
+/// so that a noisy stretch of the machine's time hits them all alike.
+const EMBEDDING_ROUNDS: usize = 10;
+
+/// One table under test and what its batches took.
+struct EmbeddingRun {
+    table: EmbeddingTable,
+    optimizer: SparseOptimizer,
+    dtype: EmbeddingDtype,
+    unique: usize,
+    keys: usize,
+    secs: f64,
+    /// Dedup + partition, lookup, update.
+    phase_secs: [f64; 3],
+    best_round_keys_per_sec: f64,
+}
+
+impl EmbeddingRun {
+    /// Times `batches` through dedup + lookup + update, adding to the totals.
+    fn time(&mut self, batches: &[Vec<u64>], grads_seed: &[f32], dim: usize) -> Result<(), TrainError> {
+        let (mut rows, mut grads) = (Vec::new(), Vec::new());
+        let start = Instant::now();
+        for keys in batches {
+            let t0 = Instant::now();
+            let plan = self.table.plan(keys);
+            let t1 = Instant::now();
+            rows.resize(plan.num_unique() * dim, 0.0);
+            let slots = self.table.lookup_or_insert(&plan, &mut rows)?;
+            let t2 = Instant::now();
+            grads.clear();
+            grads.extend_from_slice(&grads_seed[..plan.num_unique() * dim]);
+            self.table.apply_gradients_at(&plan, &slots, &grads)?;
+            let t3 = Instant::now();
+            self.unique += plan.num_unique();
+            self.keys += keys.len();
+            for (phase, (a, b)) in self.phase_secs.iter_mut().zip([(t0, t1), (t1, t2), (t2, t3)]) {
+                *phase += (b - a).as_secs_f64();
+            }
+        }
+        let secs = start.elapsed().as_secs_f64();
+        self.secs += secs;
+        let rate = batches.iter().map(Vec::len).sum::<usize>() as f64 / secs;
+        self.best_round_keys_per_sec = self.best_round_keys_per_sec.max(rate);
+        Ok(())
+    }
+}
+
+/// Lookup + update of every (optimizer, dtype) pair at one dim and thread
+/// count: one table each, filled to `table_rows`, then the same power-law
+/// batches through each in turn, `EMBEDDING_ROUNDS` times.
 fn bench_embedding(
     o: &BenchOptions,
     dim: usize,
-    dtype: EmbeddingDtype,
     threads: usize,
     ceiling: Option<f64>,
-) -> Result<EmbeddingBench, TrainError> {
+) -> Result<Vec<EmbeddingBench>, TrainError> {
     let pool = crate::run::compute_pool(threads)?;
     pool.install(|| {
-        let opt = SparseOptimizer::Adagrad { lr: 0.05, eps: 1e-8 };
-        let table = EmbeddingTable::typed(dim, dtype, opt, Initializer::new(InitConfig::default(), 1), 64);
-        // Fill the table so lookups hit a table of the stated size.
         let all: Vec<u64> = (0..o.table_rows as u64).map(|i| mix64(i ^ 0xabc)).collect();
-        for chunk in all.chunks(1 << 16) {
-            let plan = table.plan(chunk);
-            let mut rows = vec![0.0; plan.num_unique() * dim];
-            table.lookup_or_insert(&plan, &mut rows)?;
+        let mut runs = Vec::new();
+        for &optimizer in &o.optimizers {
+            let optimizer = bench_optimizer(optimizer);
+            for &dtype in &o.dtypes {
+                let table =
+                    EmbeddingTable::typed(dim, dtype, optimizer, Initializer::new(InitConfig::default(), 1), 64);
+                // Fill the table so lookups hit a table of the stated size.
+                for chunk in all.chunks(1 << 16) {
+                    let plan = table.plan(chunk);
+                    let mut rows = vec![0.0; plan.num_unique() * dim];
+                    table.lookup_or_insert(&plan, &mut rows)?;
+                }
+                runs.push(EmbeddingRun {
+                    table,
+                    optimizer,
+                    dtype,
+                    unique: 0,
+                    keys: 0,
+                    secs: 0.0,
+                    phase_secs: [0.0; 3],
+                    best_round_keys_per_sec: 0.0,
+                });
+            }
         }
         let zipf = Alias::zipf(o.table_rows, o.zipf_exponent);
         let mut rng = Rng::new(7);
@@ -332,44 +410,44 @@ fn bench_embedding(
         let batches: Vec<Vec<u64>> =
             (0..o.batches).map(|_| (0..keys_per_batch).map(|_| all[zipf.draw(&mut rng)]).collect()).collect();
         let grads_seed: Vec<f32> = (0..keys_per_batch * dim).map(|i| ((i % 13) as f32 - 6.0) * 1e-3).collect();
-        let (mut unique, mut rows, mut grads) = (0usize, Vec::new(), Vec::new());
-        let (mut plan_secs, mut lookup_secs, mut update_secs) = (0.0, 0.0, 0.0);
-        let start = Instant::now();
-        for keys in &batches {
-            let t0 = Instant::now();
-            let plan = table.plan(keys);
-            let t1 = Instant::now();
-            rows.resize(plan.num_unique() * dim, 0.0);
-            let slots = table.lookup_or_insert(&plan, &mut rows)?;
-            let t2 = Instant::now();
-            grads.clear();
-            grads.extend_from_slice(&grads_seed[..plan.num_unique() * dim]);
-            table.apply_gradients_at(&plan, &slots, &grads)?;
-            let t3 = Instant::now();
-            unique += plan.num_unique();
-            plan_secs += (t1 - t0).as_secs_f64();
-            lookup_secs += (t2 - t1).as_secs_f64();
-            update_secs += (t3 - t2).as_secs_f64();
+        let per_round = o.batches.div_ceil(EMBEDDING_ROUNDS).max(1);
+        for round in batches.chunks(per_round) {
+            for run in &mut runs {
+                tracing::debug!("bench: embedding dim {dim}, {}, {}", run.dtype.name(), run.optimizer.name());
+                run.time(round, &grads_seed, dim)?;
+            }
         }
-        let secs = start.elapsed().as_secs_f64();
-        let total_keys = (o.batches * keys_per_batch) as f64;
-        let unique_rate = unique as f64 / secs;
-        Ok(EmbeddingBench {
-            dim,
-            threads,
-            optimizer: "adagrad",
-            dtype: dtype.name(),
-            payload_bytes_per_row: 8 + table.row_format().stored_bytes(),
-            table_rows: o.table_rows,
-            keys_per_batch,
-            dedup_ratio: total_keys / unique as f64,
-            keys_per_sec: total_keys / secs,
-            unique_rows_per_sec: unique_rate,
-            unique_rows_vs_gather_prefetched: ceiling.map(|c| unique_rate / c),
-            keys_vs_gather_prefetched: ceiling.map(|c| total_keys / secs / c),
-            table_bytes_per_row: table.allocated_bytes() as f64 / table.len() as f64,
-            phase_share: PhaseShare { plan: plan_secs / secs, lookup: lookup_secs / secs, update: update_secs / secs },
-        })
+        Ok(runs
+            .into_iter()
+            .map(|run| {
+                let (table, opt, secs) = (&run.table, run.optimizer, run.secs);
+                let unique_rate = run.unique as f64 / secs;
+                let keys_per_sec = run.keys as f64 / secs;
+                let stored = 8 + table.row_format().stored_bytes();
+                EmbeddingBench {
+                    dim,
+                    threads,
+                    optimizer: opt.name(),
+                    dtype: run.dtype.name(),
+                    payload_bytes_per_row: stored,
+                    payload_vs_f32: stored as f64 / (8 + 4 * (dim + opt.state_len(dim))) as f64,
+                    table_rows: o.table_rows,
+                    keys_per_batch,
+                    dedup_ratio: run.keys as f64 / run.unique as f64,
+                    keys_per_sec,
+                    best_round_keys_per_sec: run.best_round_keys_per_sec,
+                    unique_rows_per_sec: unique_rate,
+                    unique_rows_vs_gather_prefetched: ceiling.map(|c| unique_rate / c),
+                    keys_vs_gather_prefetched: ceiling.map(|c| keys_per_sec / c),
+                    table_bytes_per_row: table.allocated_bytes() as f64 / table.len() as f64,
+                    phase_share: PhaseShare {
+                        plan: run.phase_secs[0] / secs,
+                        lookup: run.phase_secs[1] / secs,
+                        update: run.phase_secs[2] / secs,
+                    },
+                }
+            })
+            .collect())
     })
 }
 
@@ -494,10 +572,8 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
     for &dim in &o.dims {
         let ceiling = gather.rows_per_sec.iter().find(|g| g.0 == dim).map(|g| g.2);
         for &t in &o.thread_counts {
-            for &dtype in &o.dtypes {
-                tracing::info!("bench: embedding dim {dim}, {} rows, {t} thread(s)", dtype.name());
-                embedding.push(bench_embedding(o, dim, dtype, t, ceiling)?);
-            }
+            tracing::info!("bench: embedding dim {dim}, {t} thread(s), every optimizer and dtype in turn");
+            embedding.extend(bench_embedding(o, dim, t, ceiling)?);
         }
     }
     let mut train_step = if o.train_steps > 0 {
