@@ -1,7 +1,8 @@
 //! The split data path (S0) over the in-process transport: loader, 3 shards
 //! and one worker end with exactly the model `sparrow train` produces (in S0
-//! and in worker_lookup mode); data-parallel workers keep identical dense
-//! weights; the shards refuse batches they do not hold.
+//! and in worker_lookup mode), f16 rows and bf16 products included;
+//! data-parallel workers keep identical dense weights; the shards refuse
+//! batches they do not hold.
 
 use std::sync::Arc;
 
@@ -37,6 +38,18 @@ fn config_with(dir: &std::path::Path, kind: &str, overrides: &[&str]) -> Config 
     );
     let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
     Config::from_toml_with_overrides(&text, "test", &overrides).expect("config")
+}
+
+/// `kind`, or `kind-f16rows` (`embedding.dtype = "f16"`), or `kind-bf16`
+/// (`model.precision = "bf16"`).
+fn variant(dir: &std::path::Path, name: &str) -> Config {
+    if let Some(kind) = name.strip_suffix("-f16rows") {
+        config_with(dir, kind, &["embedding.dtype=\"f16\""])
+    } else if let Some(kind) = name.strip_suffix("-bf16") {
+        config_with(dir, kind, &["model.precision=\"bf16\""])
+    } else {
+        config(dir, name)
+    }
 }
 
 /// S1 (`cluster.mode = "collocated"`): every training pull and push goes to
@@ -99,11 +112,9 @@ fn collocated_passes_through_a_second_level_equal_train() {
 fn three_shards_one_worker_equals_train() {
     let tmp = tempfile::tempdir().expect("tmp");
     sparrow_data::synth::generate(tmp.path(), 3000, 600, 9).expect("generate");
-    for kind in ["dlrm", "mlp", "mlp-f16rows"] {
-        let c = match kind.strip_suffix("-f16rows") {
-            Some(kind) => config_with(tmp.path(), kind, &["embedding.dtype=\"f16\""]),
-            None => config(tmp.path(), kind),
-        };
+    let mut checksums = Vec::new();
+    for kind in ["dlrm", "mlp", "mlp-f16rows", "dlrm-bf16"] {
+        let c = variant(tmp.path(), kind);
         let single = sparrow_trainer::train(&c, true).expect("train");
         let cluster = train_local(&c, 3, 1).expect("cluster");
         assert_eq!(cluster.train_rows, single.train_rows);
@@ -123,7 +134,10 @@ fn three_shards_one_worker_equals_train() {
         // bytes each (one-hot bags need no offsets).
         let per_sample = w.bytes_from_loader as f64 / w.rows as f64;
         assert!((4.0 * 40.0..4.0 * 41.0).contains(&per_sample), "{per_sample} bytes per sample");
+        checksums.push((kind, cluster.dense_checksums[0]));
     }
+    // bf16 products round: a model of its own, not f32's under another name.
+    assert_ne!(checksums[0], ("dlrm", checksums[3].1), "{checksums:x?}");
 }
 
 #[test]
@@ -174,11 +188,8 @@ fn a_pipelined_worker_trains_the_single_process_model_of_the_same_depth() {
 fn data_parallel_workers_hold_identical_dense_weights() {
     let tmp = tempfile::tempdir().expect("tmp");
     sparrow_data::synth::generate(tmp.path(), 4000, 800, 11).expect("generate");
-    for kind in ["dlrm", "mlp", "mlp-f16rows"] {
-        let c = match kind.strip_suffix("-f16rows") {
-            Some(kind) => config_with(tmp.path(), kind, &["embedding.dtype=\"f16\""]),
-            None => config(tmp.path(), kind),
-        };
+    for kind in ["dlrm", "mlp", "mlp-f16rows", "dlrm-bf16"] {
+        let c = variant(tmp.path(), kind);
         let single = train_local(&c, 2, 1).expect("one worker");
         let pair = train_local(&c, 2, 3).expect("three workers");
         let sums = &pair.dense_checksums;
