@@ -166,7 +166,7 @@ enum Command {
         /// Training steps timed on the reference model (0 skips it).
         #[arg(long, default_value_t = 300)]
         train_steps: usize,
-        /// Training steps timed per model kind and precision for the flop-floor table (0 skips it).
+        /// Training steps timed per model kind and precision for the flop-floor table, in 5 rounds of at least one step (0 skips it).
         #[arg(long, default_value_t = 100)]
         kind_steps: usize,
         /// Model kinds in the flop-floor table (lr, fm, mlp, wide_deep, deepfm, dlrm, dcn).
@@ -567,6 +567,12 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
                     other => Err(anyhow::anyhow!("--dtypes: `{other}` is not f32, f16 or bf16")),
                 })
                 .collect::<Result<_, _>>()?;
+            // Nothing to time is a mistake, not a report of nulls (or a panic).
+            for (flag, value) in [("--table-rows", table_rows), ("--batches", batches)] {
+                if value == 0 {
+                    anyhow::bail!("{flag} must be at least 1");
+                }
+            }
             let optimizers = optimizers
                 .iter()
                 .map(|o| {

@@ -178,6 +178,10 @@ fn bad_config_and_inputs_fail_clearly() {
     fails_with(&sparrow(&["train", "--config", &config, "--set", "model.kind=transformer"]), &["transformer"]);
     let unknown_key = write_config(tmp.path(), "unknown.toml", "[extra]\nfoo = 1\n");
     fails_with(&sparrow(&["train", "--config", &unknown_key]), &["extra"]);
+    // Benches with nothing to time, or an unknown optimizer, say so before measuring.
+    fails_with(&sparrow(&["bench", "--batches", "0"]), &["--batches"]);
+    fails_with(&sparrow(&["bench", "--table-rows", "0"]), &["--table-rows"]);
+    fails_with(&sparrow(&["bench", "--optimizers", "adagrad,lion"]), &["--optimizers", "lion"]);
     fails_with(&sparrow(&["train", "--config", "/nonexistent/job.toml"]), &["/nonexistent/job.toml"]);
     fails_with(
         &sparrow(&["train", "--config", &config, "--set", "data.train=\"/nonexistent/train.tsv\""]),

@@ -15,7 +15,7 @@ use sparrow_core::rng::Rng;
 use sparrow_core::{Batch, Config};
 use sparrow_data::synth::Alias;
 use sparrow_data::{BadRows, BatchStream, DataLayout};
-use sparrow_embedding::{EmbeddingTable, Initializer, SparseOptimizer};
+use sparrow_embedding::{EmbeddingTable, Initializer, RowFormat, SparseOptimizer};
 
 use crate::TrainError;
 use crate::trainer::{PhaseSecs, Trainer};
@@ -427,13 +427,14 @@ fn bench_embedding(
                 let unique_rate = run.unique as f64 / secs;
                 let keys_per_sec = run.keys as f64 / secs;
                 let stored = 8 + table.row_format().stored_bytes();
+                let f32_row = RowFormat { dtype: EmbeddingDtype::F32, ..table.row_format() };
                 EmbeddingBench {
                     dim,
                     threads,
                     optimizer: opt.name(),
                     dtype: run.dtype.name(),
                     payload_bytes_per_row: stored,
-                    payload_vs_f32: stored as f64 / (8 + 4 * (dim + opt.state_len(dim))) as f64,
+                    payload_vs_f32: stored as f64 / (8 + f32_row.stored_bytes()) as f64,
                     table_rows: o.table_rows,
                     keys_per_batch,
                     dedup_ratio: run.keys as f64 / run.unique as f64,
