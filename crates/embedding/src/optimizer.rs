@@ -88,18 +88,32 @@ impl SparseOptimizer {
     /// Applies one (already summed) gradient `g` to a row.
     #[inline]
     pub fn apply(&self, w: &mut [f32], state: &mut [f32], g: &[f32]) {
-        match *self {
-            SparseOptimizer::Sgd { lr } => {
+        match self.coordinate_rule(state, g) {
+            Some(CoordinateRule::Scaled { step }) => {
                 for (w, &g) in w.iter_mut().zip(g) {
-                    *w -= lr * g;
+                    *w -= step * g;
                 }
             }
-            SparseOptimizer::Adagrad { lr, eps } => {
+            Some(CoordinateRule::Adagrad { lr, eps }) => {
                 for ((w, acc), &g) in w.iter_mut().zip(state.iter_mut()).zip(g) {
                     *acc += g * g;
                     *w -= lr * g / (acc.sqrt() + eps);
                 }
             }
+            None => self.apply_coupled(w, state, g),
+        }
+    }
+
+    /// For the optimizers whose step is one rule applied to each coordinate
+    /// on its own (SGD, Adagrad, row-wise Adagrad): advances the state the
+    /// row shares (row-wise Adagrad's accumulator) and returns the rule, so
+    /// a kernel can run it on a stored half vector without leaving
+    /// registers. `None`, touching nothing, for Adam and FTRL.
+    #[inline]
+    pub fn coordinate_rule(&self, state: &mut [f32], g: &[f32]) -> Option<CoordinateRule> {
+        match *self {
+            SparseOptimizer::Sgd { lr } => Some(CoordinateRule::Scaled { step: lr }),
+            SparseOptimizer::Adagrad { lr, eps } => Some(CoordinateRule::Adagrad { lr, eps }),
             SparseOptimizer::RowwiseAdagrad { lr, eps } => {
                 let n = g.len().max(1);
                 // Dividing by a power of two is multiplying by its exact
@@ -111,11 +125,16 @@ impl SparseOptimizer {
                     sum_of_squares(g) / n as f32
                 };
                 state[0] += mean_square;
-                let step = lr / (state[0].sqrt() + eps);
-                for (w, &g) in w.iter_mut().zip(g) {
-                    *w -= step * g;
-                }
+                Some(CoordinateRule::Scaled { step: lr / (state[0].sqrt() + eps) })
             }
+            SparseOptimizer::Adam { .. } | SparseOptimizer::Ftrl { .. } => None,
+        }
+    }
+
+    /// Adam and FTRL, whose coordinates read the row's step count or each
+    /// other's state.
+    fn apply_coupled(&self, w: &mut [f32], state: &mut [f32], g: &[f32]) {
+        match *self {
             SparseOptimizer::Adam { lr, beta1, beta2, eps } => {
                 let dim = w.len();
                 let (m, rest) = state.split_at_mut(dim);
@@ -147,8 +166,21 @@ impl SparseOptimizer {
                     };
                 }
             }
+            SparseOptimizer::Sgd { .. } | SparseOptimizer::Adagrad { .. } | SparseOptimizer::RowwiseAdagrad { .. } => {
+                unreachable!("{} has a coordinate rule", self.name())
+            }
         }
     }
+}
+
+/// One coordinate's step, for [`SparseOptimizer::coordinate_rule`]: the
+/// weight `w`, its gradient `g` and (Adagrad) its accumulator `acc`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum CoordinateRule {
+    /// `w -= step·g` (SGD: `step` = lr; row-wise Adagrad: lr / (√acc + eps)).
+    Scaled { step: f32 },
+    /// `acc += g²; w -= lr·g / (√acc + eps)`.
+    Adagrad { lr: f32, eps: f32 },
 }
 
 /// Σ g² in 8 running sums (coordinate i in sum i mod 8), then added in a

@@ -475,7 +475,7 @@ fn update_row(layout: Layout, opt: &SparseOptimizer, packed: &mut [f32], grad: &
         opt.apply(words, state, grad);
         return;
     }
-    layout.format.update_vector(words, scratch, |w| opt.apply(w, state, grad));
+    layout.format.update_vector(opt, words, state, grad, scratch);
 }
 
 pub struct EmbeddingTable {
