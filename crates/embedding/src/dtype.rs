@@ -397,6 +397,19 @@ mod tests {
         assert_eq!(bits(&simd_words), bits(&portable_words));
     }
 
+    /// Pseudo-random values from `seed`: each call uniform in ±2^(e - 1)
+    /// for an exponent e drawn from the range it is given.
+    fn signed_values(seed: u64) -> impl FnMut(std::ops::Range<i32>) -> f32 {
+        let mut x = seed;
+        move |exponents| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let e = exponents.start + (x % exponents.len() as u64) as i32;
+            ((x >> 11) as f32 / (1u64 << 53) as f32 - 0.5) * 2f32.powi(e)
+        }
+    }
+
     /// `update_vector` (on x86 with F16C: the step in registers for SGD,
     /// Adagrad and row-wise Adagrad at dims that are multiples of 8) stores
     /// the same bits as decoding with the portable code, `apply` and
@@ -411,15 +424,7 @@ mod tests {
             SparseOptimizer::Adam { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-8 },
             SparseOptimizer::Ftrl { alpha: 0.05, beta: 1.0, l1: 1e-3, l2: 1e-3 },
         ];
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        // Uniform in ±2^(e - 1) for an exponent e drawn from `exponents`.
-        let mut next = move |exponents: std::ops::Range<i32>| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let e = exponents.start + (x % exponents.len() as u64) as i32;
-            ((x >> 11) as f32 / (1u64 << 53) as f32 - 0.5) * 2f32.powi(e)
-        };
+        let mut next = signed_values(0x2545_f491_4f6c_dd1d);
         for opt in optimizers {
             for dim in [8usize, 16, 24, 64, 5, 17] {
                 let f = RowFormat { dtype: EmbeddingDtype::F16, dim, state_len: opt.state_len(dim) };
@@ -459,14 +464,7 @@ mod tests {
         if !simd::x86::available() {
             return; // no AVX on this CPU: nothing to compare
         }
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move |exponents: std::ops::Range<i32>| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let e = exponents.start + (x % exponents.len() as u64) as i32;
-            ((x >> 11) as f32 / (1u64 << 53) as f32 - 0.5) * 2f32.powi(e)
-        };
+        let mut next = signed_values(0x9e37_79b9_7f4a_7c15);
         let optimizers = [
             SparseOptimizer::Sgd { lr: 0.3 },
             SparseOptimizer::Adagrad { lr: 0.05, eps: 1e-8 },
