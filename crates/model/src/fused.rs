@@ -31,47 +31,113 @@ const LANES: usize = 16;
 /// Vectors of a row taken together: four independent accumulator chains.
 const BLOCK: usize = 4;
 
-/// A block of sums `acc[b][l] = Σ_t a[b·a_row + t] · rows[t·row_stride + l]`
-/// (`b < 4`, `l < 16`, `t < count`), each summed in order of `t`, a product
-/// rounded and then added (no fused multiply-add): the same bits however it
-/// is computed.
-type BlockKernel = fn(&[f32], usize, &[f32], usize, usize) -> [[f32; LANES]; BLOCK];
+/// The interaction's two kernels. The portable ones and the AVX-512 ones
+/// give the same bits (the test runs both); the row functions are generic
+/// over them, so with AVX-512 each row function is compiled whole for it and
+/// the kernels inline.
+trait Kernels {
+    /// A block of sums `acc[b][l] = Σ_t a[b·a_row + t] · rows[t·row_stride + l]`
+    /// (`b < 4`, `l < 16`, `t < count`), each summed in order of `t`, a
+    /// product rounded and then added (no fused multiply-add): the same
+    /// bits however it is computed.
+    fn block(&self, a: &[f32], a_row: usize, rows: &[f32], row_stride: usize, count: usize) -> [[f32; LANES]; BLOCK];
 
-fn block_portable(a: &[f32], a_row: usize, rows: &[f32], row_stride: usize, count: usize) -> [[f32; LANES]; BLOCK] {
-    let mut acc = [[0.0f32; LANES]; BLOCK];
-    for t in 0..count {
-        let row = &rows[t * row_stride..][..LANES];
-        for (b, acc) in acc.iter_mut().enumerate() {
-            let a = a[b * a_row + t];
-            acc.iter_mut().zip(row).for_each(|(acc, r)| *acc += a * r);
-        }
-    }
-    acc
+    /// Transposes 16 rows of 16 floats (`src`, row-major) into `dst`: row
+    /// `k` of the result, at `dst[k·dst_stride..][..16]`, holds column `k`
+    /// of `src`.
+    fn transpose(&self, src: &[f32], dst: &mut [f32], dst_stride: usize);
 }
 
-/// The block kernel for this CPU: AVX-512 where it has it.
-fn block_kernel() -> BlockKernel {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        return |a, a_row, rows, row_stride, count| {
-            // SAFETY: AVX-512F was detected at run time before this kernel was chosen.
-            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
-            unsafe {
-                wide::block(a, a_row, rows, row_stride, count)
+struct Portable;
+
+impl Kernels for Portable {
+    #[inline(always)]
+    fn block(&self, a: &[f32], a_row: usize, rows: &[f32], row_stride: usize, count: usize) -> [[f32; LANES]; BLOCK] {
+        let mut acc = [[0.0f32; LANES]; BLOCK];
+        for t in 0..count {
+            let row = &rows[t * row_stride..][..LANES];
+            for (b, acc) in acc.iter_mut().enumerate() {
+                let a = a[b * a_row + t];
+                acc.iter_mut().zip(row).for_each(|(acc, r)| *acc += a * r);
             }
-        };
+        }
+        acc
     }
-    block_portable
+
+    #[inline(always)]
+    fn transpose(&self, src: &[f32], dst: &mut [f32], dst_stride: usize) {
+        for (j, row) in src.chunks_exact(LANES).take(LANES).enumerate() {
+            for (k, &x) in row.iter().enumerate() {
+                dst[k * dst_stride + j] = x;
+            }
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod wide {
     use std::arch::x86_64::*;
 
-    use super::{BLOCK, LANES};
+    use super::{BLOCK, Kernels, LANES, RowBuf, Vectors};
 
-    /// [`super::block_portable`] with 512-bit multiplies and adds.
+    /// The AVX-512 kernels; a value exists only where the CPU has AVX-512F.
+    #[derive(Clone, Copy)]
+    pub(super) struct Avx512(());
+
+    impl Avx512 {
+        pub(super) fn detected() -> Option<Self> {
+            std::arch::is_x86_feature_detected!("avx512f").then_some(Avx512(()))
+        }
+    }
+
+    impl Kernels for Avx512 {
+        #[inline(always)]
+        fn block(
+            &self,
+            a: &[f32],
+            a_row: usize,
+            rows: &[f32],
+            row_stride: usize,
+            count: usize,
+        ) -> [[f32; LANES]; BLOCK] {
+            // SAFETY: an `Avx512` exists only where AVX-512F was detected.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            unsafe {
+                block(a, a_row, rows, row_stride, count)
+            }
+        }
+
+        #[inline(always)]
+        fn transpose(&self, src: &[f32], dst: &mut [f32], dst_stride: usize) {
+            // SAFETY: an `Avx512` exists only where AVX-512F was detected.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            unsafe {
+                transpose(src, dst, dst_stride)
+            }
+        }
+    }
+
+    /// [`super::pairwise_dots_row`] compiled for AVX-512F, its kernels inline.
     #[target_feature(enable = "avx512f")]
+    pub(super) fn dots_row(k: Avx512, v: Vectors<'_>, out: &mut [f32], buf: &mut RowBuf) {
+        super::dots_row_by_width(&k, v, out, buf);
+    }
+
+    /// [`super::pairwise_dots_grad_row`] compiled for AVX-512F, its kernels inline.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn dots_grad_row(
+        k: Avx512,
+        v: Vectors<'_>,
+        g: &[f32],
+        grad: (&mut [f32], &mut [f32]),
+        buf: &mut RowBuf,
+    ) {
+        super::dots_grad_row_by_width(&k, v, g, grad, buf);
+    }
+
+    /// [`Kernels::block`] with 512-bit multiplies and adds.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
     pub fn block(a: &[f32], a_row: usize, rows: &[f32], row_stride: usize, count: usize) -> [[f32; LANES]; BLOCK] {
         assert!(
             count == 0 || (a.len() >= (BLOCK - 1) * a_row + count && rows.len() >= (count - 1) * row_stride + LANES)
@@ -94,6 +160,49 @@ mod wide {
             };
         }
         out
+    }
+
+    /// [`Kernels::transpose`] in registers: 32-bit, then 64-bit
+    /// interleaves within 128-bit lanes, then two rounds of 128-bit lane
+    /// shuffles (64 shuffles for 256 floats, against 256 scalar stores).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub fn transpose(src: &[f32], dst: &mut [f32], dst_stride: usize) {
+        assert!(src.len() >= LANES * LANES && dst.len() >= (LANES - 1) * dst_stride + LANES);
+        // SAFETY: the assert above keeps every load within `src`'s 256
+        // floats and every store within `dst` (row k at k·dst_stride, 16 wide).
+        #[expect(unsafe_code, reason = "unaligned 16-lane loads and stores within the slices")]
+        unsafe {
+            let r: [__m512; LANES] = std::array::from_fn(|j| _mm512_loadu_ps(src.as_ptr().add(j * LANES)));
+            // t[2i], t[2i + 1]: rows 2i and 2i + 1 interleaved, per 128-bit lane.
+            let t: [__m512; LANES] = std::array::from_fn(|x| {
+                let (a, b) = (r[x & !1], r[x | 1]);
+                if x % 2 == 0 { _mm512_unpacklo_ps(a, b) } else { _mm512_unpackhi_ps(a, b) }
+            });
+            // u[4i + c], lane L: column 4L + c of rows 4i..4i + 4.
+            let u: [__m512; LANES] = std::array::from_fn(|x| {
+                let (i, c) = (x / 4, x % 4);
+                let (a, b) = (_mm512_castps_pd(t[4 * i + c / 2]), _mm512_castps_pd(t[4 * i + 2 + c / 2]));
+                _mm512_castpd_ps(if c % 2 == 0 { _mm512_unpacklo_pd(a, b) } else { _mm512_unpackhi_pd(a, b) })
+            });
+            for c in 0..4 {
+                // Lanes (0, 2) and (1, 3) of u[c], u[4 + c], then of u[8 + c], u[12 + c].
+                let v0 = _mm512_shuffle_f32x4::<0x88>(u[c], u[4 + c]);
+                let v1 = _mm512_shuffle_f32x4::<0xdd>(u[c], u[4 + c]);
+                let v2 = _mm512_shuffle_f32x4::<0x88>(u[8 + c], u[12 + c]);
+                let v3 = _mm512_shuffle_f32x4::<0xdd>(u[8 + c], u[12 + c]);
+                // Column 4L + c is lane L of u[c], u[4 + c], u[8 + c], u[12 + c].
+                let columns = [
+                    (c, _mm512_shuffle_f32x4::<0x88>(v0, v2)),
+                    (4 + c, _mm512_shuffle_f32x4::<0x88>(v1, v3)),
+                    (8 + c, _mm512_shuffle_f32x4::<0xdd>(v0, v2)),
+                    (12 + c, _mm512_shuffle_f32x4::<0xdd>(v1, v3)),
+                ];
+                for (k, column) in columns {
+                    _mm512_storeu_ps(dst.as_mut_ptr().add(k * dst_stride), column);
+                }
+            }
+        }
     }
 }
 
@@ -154,12 +263,26 @@ impl<'a> Vectors<'a> {
 /// pairs `i < j` of the row's n vectors; `buf` is scratch. Each dot is
 /// summed over `k` in order.
 pub(crate) fn pairwise_dots_row(v: Vectors<'_>, out: &mut [f32], buf: &mut RowBuf) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(k) = wide::Avx512::detected() {
+        // SAFETY: `k` exists, so AVX-512F was detected.
+        #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+        unsafe {
+            wide::dots_row(k, v, out, buf)
+        };
+        return;
+    }
+    dots_row_by_width(&Portable, v, out, buf);
+}
+
+#[inline(always)]
+fn dots_row_by_width(k: &impl Kernels, v: Vectors<'_>, out: &mut [f32], buf: &mut RowBuf) {
     match v.d {
         // Compiled apart with d known: a vector's copies become a few moves
         // instead of a libc call each (DLRM's 27 vectors of 16, one thread:
         // the adjoint 1.2× as fast, the dots alike).
-        LANES => pairwise_dots_row_with(block_kernel(), Vectors { d: LANES, ..v }, out, buf),
-        _ => pairwise_dots_row_with(block_kernel(), v, out, buf),
+        LANES => pairwise_dots_row_with(k, Vectors { d: LANES, ..v }, out, buf),
+        _ => pairwise_dots_row_with(k, v, out, buf),
     }
 }
 
@@ -167,22 +290,31 @@ pub(crate) fn pairwise_dots_row(v: Vectors<'_>, out: &mut [f32], buf: &mut RowBu
 /// row transposed (`k`-major, `j` padded to 16 with zeros): a broadcast
 /// multiply-add per `k`, no horizontal sums.
 #[inline(always)]
-fn pairwise_dots_row_with(kernel: BlockKernel, v: Vectors<'_>, out: &mut [f32], buf: &mut RowBuf) {
+fn pairwise_dots_row_with(kernels: &impl Kernels, v: Vectors<'_>, out: &mut [f32], buf: &mut RowBuf) {
     let (n, d) = (v.count(), v.d);
     let n_pad = n.next_multiple_of(LANES);
-    // [v transposed (d × n_pad) | v with rows up to a whole block (n_blocks × d)]
-    let buf = buf.zeros_once((false, n, d), d * n_pad + n.next_multiple_of(BLOCK) * d);
+    // [v transposed (d × n_pad) | v, its rows padded with zeros to n_pad (n_pad × d)]
+    let buf = buf.zeros_once((false, n, d), 2 * d * n_pad);
     let (vt, vp) = buf.split_at_mut(d * n_pad);
     for (j, vj) in v.iter().enumerate() {
-        for (k, &x) in vj.iter().enumerate() {
-            vt[k * n_pad + j] = x;
-        }
         vp[j * d..(j + 1) * d].copy_from_slice(vj);
+    }
+    if d == LANES {
+        // 16 vectors of 16 at a time, the padding rows' zeros included.
+        for j0 in (0..n_pad).step_by(LANES) {
+            kernels.transpose(&vp[j0 * LANES..], &mut vt[j0..], n_pad);
+        }
+    } else {
+        for (j, vj) in vp.chunks_exact(d).take(n).enumerate() {
+            for (k, &x) in vj.iter().enumerate() {
+                vt[k * n_pad + j] = x;
+            }
+        }
     }
     for i0 in (0..n).step_by(BLOCK) {
         // Only the chunks holding some j > i0.
         for jc in ((i0 + 1) / LANES * LANES..n_pad).step_by(LANES) {
-            let acc = kernel(&vp[i0 * d..], d, &vt[jc..], n_pad, d);
+            let acc = kernels.block(&vp[i0 * d..], d, &vt[jc..], n_pad, d);
             // Row i's dots with j in this chunk, j > i: one contiguous run of `out`.
             for (b, acc) in acc.iter().enumerate().take(n - i0) {
                 let i = i0 + b;
@@ -200,17 +332,37 @@ fn pairwise_dots_row_with(kernel: BlockKernel, v: Vectors<'_>, out: &mut [f32], 
 /// vectors' first, then `tail`'s, as `v` splits them); every value is
 /// written. `buf` is scratch.
 pub(crate) fn pairwise_dots_grad_row(v: Vectors<'_>, g: &[f32], grad: (&mut [f32], &mut [f32]), buf: &mut RowBuf) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(k) = wide::Avx512::detected() {
+        // SAFETY: `k` exists, so AVX-512F was detected.
+        #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+        unsafe {
+            wide::dots_grad_row(k, v, g, grad, buf)
+        };
+        return;
+    }
+    dots_grad_row_by_width(&Portable, v, g, grad, buf);
+}
+
+#[inline(always)]
+fn dots_grad_row_by_width(
+    k: &impl Kernels,
+    v: Vectors<'_>,
+    g: &[f32],
+    grad: (&mut [f32], &mut [f32]),
+    buf: &mut RowBuf,
+) {
     match v.d {
-        // As in `pairwise_dots_row`.
-        LANES => pairwise_dots_grad_row_with(block_kernel(), Vectors { d: LANES, ..v }, g, grad, buf),
-        _ => pairwise_dots_grad_row_with(block_kernel(), v, g, grad, buf),
+        // As in `dots_row_by_width`.
+        LANES => pairwise_dots_grad_row_with(k, Vectors { d: LANES, ..v }, g, grad, buf),
+        _ => pairwise_dots_grad_row_with(k, v, g, grad, buf),
     }
 }
 
 /// Four vectors `i` at a time, 16 lanes of `k` at a time (`d` padded with zeros).
 #[inline(always)]
 fn pairwise_dots_grad_row_with(
-    kernel: BlockKernel,
+    kernels: &impl Kernels,
     v: Vectors<'_>,
     g: &[f32],
     (grad_head, grad_tail): (&mut [f32], &mut [f32]),
@@ -249,7 +401,7 @@ fn pairwise_dots_grad_row_with(
     };
     for i0 in (0..n).step_by(BLOCK) {
         for kc in (0..d_pad).step_by(LANES) {
-            let acc = kernel(&gm[i0 * n..], n, &rows[kc..], d_pad, n);
+            let acc = kernels.block(&gm[i0 * n..], n, &rows[kc..], d_pad, n);
             let lanes = (d - kc).min(LANES);
             for (b, acc) in acc.iter().enumerate().take(n - i0) {
                 let i = i0 + b;
@@ -499,12 +651,12 @@ mod tests {
             pairwise_dots_row(Vectors::of(&other, d), &mut scrap[..pairs], &mut buf);
             let (mut fast, mut plain) = (vec![0.0f32; pairs], vec![0.0f32; pairs]);
             pairwise_dots_row(vs, &mut fast, &mut buf);
-            pairwise_dots_row_with(block_portable, vs, &mut plain, &mut buf);
+            pairwise_dots_row_with(&Portable, vs, &mut plain, &mut buf);
             let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&fast), bits(&plain), "dots n={n} d={d}");
             let (mut fast_g, mut plain_g) = (vec![f32::NAN; n * d], vec![0.5f32; n * d]);
             pairwise_dots_grad_row(vs, &g, (&mut [], &mut fast_g), &mut buf);
-            pairwise_dots_grad_row_with(block_portable, vs, &g, (&mut [], &mut plain_g), &mut buf);
+            pairwise_dots_grad_row_with(&Portable, vs, &g, (&mut [], &mut plain_g), &mut buf);
             assert_eq!(bits(&fast_g), bits(&plain_g), "grad n={n} d={d}");
             // The first vector read from a slice of its own (DLRM's bottom
             // output beside the fields'): the same values.
@@ -531,6 +683,31 @@ mod tests {
                         .sum::<f64>();
                     let got = f64::from(plain_g[i * d + k]);
                     assert!((got - exact).abs() < 1e-4 * (1.0 + exact.abs()), "grad ({i}, {k}): {got} vs {exact}");
+                }
+            }
+        }
+    }
+
+    /// The AVX-512 transpose (where the CPU has it) moves every float where
+    /// the portable one does, and writes nothing else of `dst`.
+    #[test]
+    fn the_transposes_agree() {
+        let src: Vec<f32> = (0..LANES * LANES).map(|i| i as f32 + 0.25).collect();
+        for stride in [16usize, 32, 48] {
+            let (mut fast, mut plain) = (vec![-1.0f32; 16 * stride], vec![-1.0f32; 16 * stride]);
+            #[cfg(target_arch = "x86_64")]
+            if let Some(k) = wide::Avx512::detected() {
+                k.transpose(&src, &mut fast, stride);
+            }
+            Portable.transpose(&src, &mut plain, stride);
+            #[cfg(target_arch = "x86_64")]
+            if wide::Avx512::detected().is_some() {
+                assert_eq!(fast, plain, "stride {stride}");
+            }
+            for k in 0..LANES {
+                for j in 0..stride {
+                    let want = if j < LANES { src[j * LANES + k] } else { -1.0 };
+                    assert_eq!(plain[k * stride + j], want, "stride {stride}: ({k}, {j})");
                 }
             }
         }
