@@ -573,6 +573,15 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
                     anyhow::bail!("{flag} must be at least 1");
                 }
             }
+            // A dim a config would refuse (0 panicked in the table), and 0
+            // threads, which rayon reads as "all cores" (reported as 0).
+            let max_dim = sparrow_core::config::MAX_EMBEDDING_DIM;
+            if let Some(dim) = dims.iter().find(|&&d| d == 0 || d > max_dim) {
+                anyhow::bail!("--dims: {dim} is not between 1 and {max_dim}");
+            }
+            if threads.contains(&0) {
+                anyhow::bail!("--threads: every count must be at least 1");
+            }
             let optimizers = optimizers
                 .iter()
                 .map(|o| {

@@ -181,6 +181,11 @@ fn bad_config_and_inputs_fail_clearly() {
     // Benches with nothing to time, or an unknown optimizer, say so before measuring.
     fails_with(&sparrow(&["bench", "--batches", "0"]), &["--batches"]);
     fails_with(&sparrow(&["bench", "--table-rows", "0"]), &["--table-rows"]);
+    fails_with(&sparrow(&["bench", "--dims", "16,0"]), &["--dims", "0"]);
+    fails_with(&sparrow(&["bench", "--dims", "5000"]), &["--dims", "5000"]);
+    fails_with(&sparrow(&["bench", "--threads", "1,0"]), &["--threads"]);
+    // Tables no machine holds: refused before any is filled, not an OOM kill.
+    fails_with(&sparrow(&["bench", "--table-rows", "10000000000"]), &["--dims", "GB", "--table-rows"]);
     fails_with(&sparrow(&["bench", "--optimizers", "adagrad,lion"]), &["--optimizers", "lion"]);
     fails_with(&sparrow(&["train", "--config", "/nonexistent/job.toml"]), &["/nonexistent/job.toml"]);
     fails_with(

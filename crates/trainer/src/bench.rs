@@ -324,6 +324,70 @@ fn bench_optimizer(optimizer: SparseOptimizerKind) -> SparseOptimizer {
     SparseOptimizer::from_config(&EmbeddingConfig { optimizer, learning_rate: 0.05, ..Default::default() })
 }
 
+/// Refuses, before anything is filled, a set of embedding tables that
+/// cannot fit in `available` bytes (a dim of 1024 at 2M rows needs tens of
+/// GB: the OOM killer would end the run minutes in, without a report). Every
+/// (optimizer, dtype) table of one dim lives at once; a row costs its
+/// stored bytes, its key and about as much again for the index and the
+/// arena's slack (`table_bytes_per_row` measured 94 for a 76-byte row).
+fn check_embedding_memory(o: &BenchOptions, available: Option<u64>) -> Result<(), TrainError> {
+    let Some(available) = available else { return Ok(()) };
+    let table_bytes_per_row = |stored: u64| stored + stored / 4 + 24;
+    // The resident-memory phase: one Adagrad table of dim 16.
+    let memory_row = RowFormat { dtype: EmbeddingDtype::F32, dim: 16, state_len: 16 }.stored_bytes() as u64;
+    let need = table_bytes_per_row(memory_row).saturating_mul(o.memory_rows as u64);
+    if need > available {
+        return Err(TrainError::Argument {
+            flag: "--memory-rows",
+            value: o.memory_rows.to_string(),
+            message: format!(
+                "a table of this many rows needs about {:.1} GB, more than the {:.1} GB available",
+                need as f64 / 1e9,
+                available as f64 / 1e9
+            ),
+        });
+    }
+    for &dim in &o.dims {
+        let per_row: u64 = o
+            .optimizers
+            .iter()
+            .flat_map(|&kind| o.dtypes.iter().map(move |&dtype| (kind, dtype)))
+            .map(|(kind, dtype)| {
+                let state_len = bench_optimizer(kind).state_len(dim);
+                table_bytes_per_row(RowFormat { dtype, dim, state_len }.stored_bytes() as u64)
+            })
+            .sum();
+        // The batches' keys, and one batch of gradients.
+        let keys_per_batch = (o.batch_size * o.fields) as u64;
+        let batches = keys_per_batch * (8 * o.batches as u64 + 4 * dim as u64);
+        let need = per_row.saturating_mul(o.table_rows as u64).saturating_add(batches);
+        if need > available {
+            return Err(TrainError::Argument {
+                flag: "--dims",
+                value: dim.to_string(),
+                message: format!(
+                    "the bench's tables at this dim ({} rows each, {} optimizer(s) x {} dtype(s)) need about {:.1} GB, \
+                     more than the {:.1} GB available; lower --table-rows or --dims, or name fewer --optimizers/--dtypes",
+                    o.table_rows,
+                    o.optimizers.len(),
+                    o.dtypes.len(),
+                    need as f64 / 1e9,
+                    available as f64 / 1e9
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// `MemAvailable` from `/proc/meminfo`, where there is one.
+fn available_memory_bytes() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// Rounds the embedding configurations of one (dim, threads) take turns in,
 /// so that a noisy stretch of the machine's time hits them all alike.
 const EMBEDDING_ROUNDS: usize = 10;
@@ -621,6 +685,7 @@ fn bench_train_step(o: &BenchOptions) -> Result<TrainBench, TrainError> {
 
 pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
     std::fs::create_dir_all(&o.work_dir).map_err(|e| TrainError::io(&o.work_dir, e))?;
+    check_embedding_memory(o, available_memory_bytes())?;
     // First, while nothing has been allocated and freed yet: later phases
     // leave freed memory that the allocator keeps and a new table would reuse.
     let memory = if o.memory_rows > 0 {
@@ -870,5 +935,36 @@ mod peer_tests {
         ];
         std::fs::write(&runs, lines.join("\n")).expect("write");
         assert_eq!(measured_peer_loop(&runs), Some(65000.0));
+    }
+}
+
+#[cfg(test)]
+mod memory_tests {
+    use super::{BenchOptions, check_embedding_memory};
+    use crate::TrainError;
+
+    /// Tables that cannot fit are refused naming the flag and the dim; the
+    /// default bench fits where its measured peak (3.0 GB) does; an unknown
+    /// amount of memory refuses nothing.
+    #[test]
+    fn tables_larger_than_the_memory_left_are_refused_before_filling() {
+        let gb = 1_000_000_000u64;
+        let o = BenchOptions { dims: vec![16, 1024], ..Default::default() };
+        match check_embedding_memory(&o, Some(20 * gb)) {
+            Err(TrainError::Argument { flag: "--dims", value, message }) => {
+                assert_eq!(value, "1024");
+                assert!(message.contains("--table-rows"), "{message}");
+            }
+            other => panic!("expected --dims 1024 refused, got {other:?}"),
+        }
+        let default = BenchOptions::default();
+        assert!(check_embedding_memory(&default, Some(4 * gb)).is_ok());
+        assert!(check_embedding_memory(&default, Some(gb)).is_err(), "dim 64's four tables need about 3 GB");
+        assert!(check_embedding_memory(&o, None).is_ok());
+        let many = BenchOptions { memory_rows: 200_000_000, ..Default::default() };
+        match check_embedding_memory(&many, Some(20 * gb)) {
+            Err(TrainError::Argument { flag: "--memory-rows", .. }) => {}
+            other => panic!("expected --memory-rows refused, got {other:?}"),
+        }
     }
 }
