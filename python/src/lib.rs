@@ -561,6 +561,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     }
     // Library logs go to Python's `logging` (a second import keeps the first logger).
     let _ = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::LoggersAndLevels)?.install();
+    // As the `sparrow` binary: a SPARROW_SIMD value other than auto/portable fails the import.
+    sparrow_core::simd::SimdChoice::from_env().map_err(pyo3::exceptions::PyValueError::new_err)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(train, m)?)?;
     m.add_function(wrap_pyfunction!(generate, m)?)?;

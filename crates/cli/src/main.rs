@@ -801,6 +801,10 @@ fn main() -> ExitCode {
         eprintln!("error: {e:#}");
         return ExitCode::from(2);
     }
+    if let Err(e) = sparrow_core::simd::SimdChoice::from_env() {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     let from_launcher = exit_with_parent();
     match run(Cli::parse(), from_launcher) {
         Ok(()) => ExitCode::SUCCESS,

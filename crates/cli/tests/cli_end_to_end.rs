@@ -385,3 +385,45 @@ fn the_demo_ends_with_a_line_for_people_before_its_json() {
     assert!(line.contains(&format!("{auc:.4}")) && line.contains(&format!("{bayes:.4}")), "{line}");
     assert!(line.contains("samples/s") && line.contains(checkpoint), "{line}");
 }
+
+/// The kernels chosen at run time (bf16 products, DLRM's interaction at
+/// d = 16, f16 row conversions and steps) and their portable versions train
+/// the same model: with `SPARROW_SIMD=portable` the checkpoint is the same
+/// bytes, on this machine as on a CPU without the features. A value other
+/// than `auto` or `portable` is refused naming the variable.
+#[test]
+fn portable_kernels_train_the_same_model_bit_for_bit() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let data = tmp.path().join("data").display().to_string();
+    ok(&sparrow(&["gen", "--out", &data, "--train-rows", "12000", "--test-rows", "2000", "--seed", "4"]));
+    let config = write_config(tmp.path(), "job.toml", "");
+    let train = |simd: &str, ck: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_sparrow"))
+            .env("SPARROW_SIMD", simd)
+            .args(["train", "--config", &config])
+            .args(["--set", "model.embedding_dim=16", "--set", "model.precision=\"bf16\""])
+            .args(["--set", "embedding.dtype=\"f16\"", "--set", &format!("checkpoint.dir=\"{ck}\"")])
+            .output()
+            .expect("run sparrow");
+        ok(&out);
+        let summary = last_json(&out);
+        let ckpt = Path::new(summary["checkpoint"].as_str().expect("checkpoint")).to_path_buf();
+        (summary, ckpt)
+    };
+    let ck = |name: &str| tmp.path().join(name).display().to_string();
+    let (simd, simd_ck) = train("auto", &ck("ck-simd"));
+    let (portable, portable_ck) = train("portable", &ck("ck-portable"));
+    for key in ["test_auc", "test_logloss", "train_logloss"] {
+        assert_eq!(simd[key].as_f64(), portable[key].as_f64(), "{key}");
+    }
+    for file in ["embeddings.bin", "dense.safetensors"] {
+        let (a, b) = (std::fs::read(simd_ck.join(file)), std::fs::read(portable_ck.join(file)));
+        assert!(a.expect(file) == b.expect(file), "{file} differs between the SIMD and the portable kernels");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_sparrow"))
+        .env("SPARROW_SIMD", "avx9000")
+        .args(["train", "--config", &config])
+        .output()
+        .expect("run sparrow");
+    fails_with(&out, &["SPARROW_SIMD=avx9000", "portable"]);
+}

@@ -8,6 +8,7 @@ pub mod key;
 pub mod metrics;
 pub mod printable;
 pub mod rng;
+pub mod simd;
 
 pub use batch::{Batch, BatchBuilder, DataPosition};
 pub use config::{Config, ConfigError};

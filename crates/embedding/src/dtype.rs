@@ -206,7 +206,7 @@ mod simd {
 
         #[inline]
         pub(crate) fn available() -> bool {
-            is_x86_feature_detected!("f16c") && is_x86_feature_detected!("avx")
+            sparrow_core::simd::allowed() && is_x86_feature_detected!("f16c") && is_x86_feature_detected!("avx")
         }
 
         #[target_feature(enable = "f16c,avx")]

@@ -280,7 +280,7 @@ mod simd {
     const NR: usize = 32;
 
     pub fn available() -> bool {
-        is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512f")
+        sparrow_core::simd::allowed() && is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512f")
     }
 
     /// Lanes `0..n` of a 16-lane mask.

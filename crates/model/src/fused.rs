@@ -86,7 +86,7 @@ mod wide {
 
     impl Avx512 {
         pub(super) fn detected() -> Option<Self> {
-            std::arch::is_x86_feature_detected!("avx512f").then_some(Avx512(()))
+            (sparrow_core::simd::allowed() && std::arch::is_x86_feature_detected!("avx512f")).then_some(Avx512(()))
         }
     }
 
