@@ -299,10 +299,17 @@ fn backward_into(shape: &MlpShape, p: &[f32], x: &[f32], grad_out: &[f32], scrat
     if layers.last().is_some_and(|l| l.relu) {
         g.iter_mut().zip(&scratch.output).for_each(|(g, &o)| *g = if o > 0.0 { *g } else { 0.0 });
     }
-    // db is summed into; dW is overwritten.
+    // db is summed into, so zeroed; dW is overwritten by its product, so a
+    // reused buffer's stale values stay until then (zeroing all of it was a
+    // memset of every weight each step). No rows: no product writes dW.
     let mut grad_p = std::mem::take(&mut scratch.spare_grad);
-    grad_p.clear();
+    if rows == 0 {
+        grad_p.clear();
+    }
     grad_p.resize(shape.num_params, 0.0);
+    for l in layers {
+        grad_p[l.b..l.b + l.fan_out].fill(0.0);
+    }
     let mut g_in = std::mem::take(&mut scratch.grad_next);
     for (i, l) in layers.iter().enumerate().rev() {
         let input: &[f32] = if i == 0 { x } else { &scratch.hidden[i - 1] };
@@ -835,6 +842,31 @@ mod tests {
         let mut f32_scratch = MlpScratch::default();
         f32_mlp.forward_cpu(&x, rows, &mut f32_scratch).expect("forward");
         assert!(f32_scratch.output.iter().zip(&scratch.output).any(|(a, b)| a != b));
+    }
+
+    #[test]
+    fn a_reused_gradient_buffer_leaves_no_trace() {
+        // Its stale values are NaN: any the backward pass does not overwrite
+        // or zero would show.
+        for precision in [Precision::F32, Precision::Bf16] {
+            let mut ps = ParamStore::new(3, Device::Cpu);
+            let mlp = Mlp::new(&mut ps, "m", 19, &[33, 17, 1], false, precision).expect("mlp");
+            let mut rng = Rng::new(4);
+            let rows = 9;
+            let x: Vec<f32> = (0..rows * 19).map(|_| rng.normal() as f32).collect();
+            let grad_out: Vec<f32> = (0..rows).map(|_| rng.normal() as f32).collect();
+            let mut scratch = MlpScratch::default();
+            let mut backward = |scratch: &mut MlpScratch| {
+                mlp.forward_cpu(&x, rows, scratch).expect("forward");
+                mlp.backward_cpu(&x, &grad_out, scratch).expect("backward")
+            };
+            let fresh = backward(&mut scratch);
+            scratch.spare_grad = vec![f32::NAN; fresh.len()];
+            let reused = backward(&mut scratch);
+            let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&fresh), bits(&reused), "{precision:?}");
+            assert!(fresh.iter().any(|&g| g != 0.0), "{precision:?}: a gradient at all");
+        }
     }
 
     #[test]
