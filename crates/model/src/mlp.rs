@@ -856,7 +856,7 @@ mod tests {
             let x: Vec<f32> = (0..rows * 19).map(|_| rng.normal() as f32).collect();
             let grad_out: Vec<f32> = (0..rows).map(|_| rng.normal() as f32).collect();
             let mut scratch = MlpScratch::default();
-            let mut backward = |scratch: &mut MlpScratch| {
+            let backward = |scratch: &mut MlpScratch| {
                 mlp.forward_cpu(&x, rows, scratch).expect("forward");
                 mlp.backward_cpu(&x, &grad_out, scratch).expect("backward")
             };
