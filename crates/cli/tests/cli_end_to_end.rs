@@ -427,3 +427,23 @@ fn portable_kernels_train_the_same_model_bit_for_bit() {
         .expect("run sparrow");
     fails_with(&out, &["SPARROW_SIMD=avx9000", "portable"]);
 }
+
+/// `model.precision = "bf16"` on LR or FM (no matrix products) trains in f32
+/// as it must, and says so instead of passing silently.
+#[test]
+fn bf16_on_a_kind_without_matrix_products_is_named() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let data = tmp.path().join("data").display().to_string();
+    ok(&sparrow(&["gen", "--out", &data, "--train-rows", "3000", "--test-rows", "500", "--seed", "5"]));
+    let config = write_config(tmp.path(), "job.toml", "");
+    for kind in ["lr", "fm"] {
+        let kind_set = format!("model.kind=\"{kind}\"");
+        let out = sparrow(&["train", "--config", &config, "--set", &kind_set, "--set", "model.precision=\"bf16\""]);
+        ok(&out);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(&format!("no effect on model.kind = \"{kind}\"")), "{kind}: {err}");
+        let f32_run = sparrow(&["train", "--config", &config, "--set", &kind_set]);
+        ok(&f32_run);
+        assert_eq!(last_json(&out)["test_auc"], last_json(&f32_run)["test_auc"], "{kind}: the same model as f32");
+    }
+}

@@ -81,6 +81,14 @@ fn head(hidden: &[usize]) -> Vec<usize> {
 
 impl DenseModel {
     pub fn new(config: &ModelConfig, shape: ModelShape, seed: u64, device: Device) -> Result<DenseModel, ModelError> {
+        if config.precision == Precision::Bf16 && matches!(config.kind, ModelKind::Lr | ModelKind::Fm) {
+            // Valid (a sweep may set it for every kind), but it changes nothing: say so.
+            tracing::warn!(
+                "model.precision = \"bf16\" has no effect on model.kind = \"{}\": it has no matrix products \
+                 and trains in f32",
+                config.kind.name()
+            );
+        }
         let mut ps = ParamStore::new(seed, device.clone());
         let (f, nd, d) = (shape.num_fields, shape.num_dense, shape.embedding_dim);
         let mut bias = None;
