@@ -20,7 +20,7 @@ use std::cell::Cell;
 use rayon::prelude::*;
 
 use crate::matrix::Operand;
-use crate::peak::dpbf16_portable;
+use crate::peak::{bf16_daz, dpbf16_lane};
 
 /// bf16 of an f32 as AVX-512-BF16's `vcvtneps2bf16` rounds it: to nearest
 /// even; a zero or denormal becomes a zero of the same sign (the dot
@@ -180,23 +180,78 @@ fn pack_cols(k: usize, n: usize, b: &Operand<'_>, width: usize, convert: Convert
     out
 }
 
-/// The reference: every output's chain with the portable lane.
+/// The portable product: every output's chain of pairs in order with
+/// [`dpbf16_portable`](crate::peak::dpbf16_portable)'s arithmetic, run
+/// along a row of outputs at a time (each pair of a row of `a` against the
+/// pairs of all n columns, which lie side by side) so that the compiler
+/// vectorises it; the right operand's halves are widened once. Where the
+/// CPU has AVX2 (but no AVX-512-BF16) the same code is compiled for it:
+/// twice the lanes, the same bits (every step is an IEEE multiply, add,
+/// conversion or select).
 pub fn gemm_bf16_portable(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_>, dst: &mut [f32]) {
     check(m, n, k, &a, &b, dst);
     let pairs = k.div_ceil(2);
     let convert = Convert::Portable;
     let (pa, pb) = (pack_rows(m, k, &a, m, convert, Vec::new()), pack_cols(k, n, &b, n, convert, Vec::new()));
-    // One panel of all n columns: pair p of column j at p·n + j.
+    // Pair p of column j at p·n + j: its high halves, then its low ones.
+    let (b_hi, b_lo): (Vec<f32>, Vec<f32>) = pb.iter().map(|&y| widen_pair(y)).unzip();
+    let wide = wide_portable();
     dst.par_chunks_mut(n.max(1)).enumerate().for_each(|(i, row)| {
-        for (j, out) in row.iter_mut().enumerate() {
-            let mut acc = 0.0f32;
-            for p in 0..pairs {
-                let (x, y) = (pa.at(i, p), pb[p * n + j]);
-                acc = dpbf16_portable(acc, [x as u16, (x >> 16) as u16], [y as u16, (y >> 16) as u16]);
-            }
-            *out = acc;
+        let a_row = (0..pairs).map(|p| widen_pair(pa.at(i, p)));
+        #[cfg(target_arch = "x86_64")]
+        if wide {
+            // SAFETY: `wide` is true only where AVX2 was detected.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            unsafe {
+                portable_x86::chain_row_avx2(row, a_row, &b_hi, &b_lo)
+            };
+            return;
         }
+        let _ = wide;
+        chain_row(row, a_row, &b_hi, &b_lo);
     });
+}
+
+/// A bf16 pair widened (denormals read as zero): `(high, low)`.
+fn widen_pair(x: u32) -> (f32, f32) {
+    (bf16_daz((x >> 16) as u16), bf16_daz(x as u16))
+}
+
+/// One row of outputs: `row[j]` = the chain over the row's pairs `a_row`
+/// against column j's (pair p of all columns at `b_*[p·n..][..n]`).
+#[inline(always)]
+fn chain_row(row: &mut [f32], a_row: impl Iterator<Item = (f32, f32)>, b_hi: &[f32], b_lo: &[f32]) {
+    let n = row.len();
+    row.fill(0.0);
+    if n == 0 {
+        return;
+    }
+    for ((a_pair, b_hi), b_lo) in a_row.zip(b_hi.chunks_exact(n)).zip(b_lo.chunks_exact(n)) {
+        for ((acc, &bh), &bl) in row.iter_mut().zip(b_hi).zip(b_lo) {
+            *acc = dpbf16_lane(*acc, a_pair, (bh, bl));
+        }
+    }
+}
+
+/// Whether the portable product may run its AVX2 build.
+fn wide_portable() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        sparrow_core::simd::allowed() && std::arch::is_x86_feature_detected!("avx2")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod portable_x86 {
+    /// [`super::chain_row`] compiled for AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) fn chain_row_avx2(row: &mut [f32], a_row: impl Iterator<Item = (f32, f32)>, b_hi: &[f32], b_lo: &[f32]) {
+        super::chain_row(row, a_row, b_hi, b_lo);
+    }
 }
 
 fn check(m: usize, n: usize, k: usize, a: &Operand<'_>, b: &Operand<'_>, dst: &[f32]) {
@@ -566,6 +621,74 @@ mod tests {
             .collect()
     }
 
+    /// The definition: each output's chain of `dpbf16_portable` over its
+    /// pairs, one output at a time (what the portable product was).
+    fn chain_reference(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_>) -> Vec<f32> {
+        let convert = Convert::Portable;
+        let (pa, pb) = (pack_rows(m, k, &a, m, convert, Vec::new()), pack_cols(k, n, &b, n, convert, Vec::new()));
+        let mut out = vec![0.0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                out[i * n + j] = (0..k.div_ceil(2)).fold(0.0, |acc, p| {
+                    let (x, y) = (pa.at(i, p), pb[p * n + j]);
+                    crate::peak::dpbf16_portable(acc, [x as u16, (x >> 16) as u16], [y as u16, (y >> 16) as u16])
+                });
+            }
+        }
+        out
+    }
+
+    /// Values whose products underflow to denormals (flushed), overflow to
+    /// infinities, cancel, or are denormal themselves: the portable product
+    /// in its baseline and its AVX2 build, and the SIMD kernel where the CPU
+    /// has it, give the chain of `dpbf16_portable` bit for bit.
+    #[test]
+    fn every_build_of_the_product_keeps_the_lanes_arithmetic_on_extreme_values() {
+        let magnitudes = [0.0f32, 1e-39, 1e-30, 3e-20, 1e-19, 0.5, 1.0, 3.0, 1e19, 3e19, 1e30, f32::INFINITY];
+        let pick = |seed: u64, len: usize| -> Vec<f32> {
+            let mut s = seed | 1;
+            (0..len)
+                .map(|_| {
+                    s ^= s << 13;
+                    s ^= s >> 7;
+                    s ^= s << 17;
+                    let m = magnitudes[(s % magnitudes.len() as u64) as usize] * (1.0 + (s >> 40) as f32 / 2e7);
+                    if s & (1 << 20) == 0 { m } else { -m }
+                })
+                .collect()
+        };
+        let mut extremes = 0;
+        for &(m, n, k) in &[(3, 19, 7), (16, 40, 64), (9, 33, 130)] {
+            let (a, b) = (pick(m as u64 * 7 + 1, m * k), pick(n as u64 * 13 + 5, k * n));
+            let (opa, opb) = (Operand { data: &a, transposed: false }, Operand { data: &b, transposed: false });
+            let want = chain_reference(m, n, k, opa, opb);
+            let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let mut portable = vec![f32::NAN; m * n];
+            gemm_bf16_portable(m, n, k, opa, opb, &mut portable);
+            assert_eq!(bits(&portable), bits(&want), "portable {m}x{n}x{k}");
+            // The baseline build, whatever this CPU has.
+            let pairs = k.div_ceil(2);
+            let (pa, pb) = (
+                pack_rows(m, k, &opa, m, Convert::Portable, Vec::new()),
+                pack_cols(k, n, &opb, n, Convert::Portable, Vec::new()),
+            );
+            let (b_hi, b_lo): (Vec<f32>, Vec<f32>) = pb.iter().map(|&y| widen_pair(y)).unzip();
+            let mut baseline = vec![f32::NAN; m * n];
+            for (i, row) in baseline.chunks_mut(n).enumerate() {
+                chain_row(row, (0..pairs).map(|p| widen_pair(pa.at(i, p))), &b_hi, &b_lo);
+            }
+            assert_eq!(bits(&baseline), bits(&want), "baseline build {m}x{n}x{k}");
+            let mut fast = vec![f32::NAN; m * n];
+            gemm_bf16(m, n, k, opa, opb, &mut fast);
+            // NaNs (inf - inf) may differ in payload between the instruction and the lane: compare them as NaN.
+            for (i, (x, y)) in fast.iter().zip(&want).enumerate() {
+                assert!(x.to_bits() == y.to_bits() || x.is_nan() && y.is_nan(), "simd {m}x{n}x{k} [{i}]: {x} vs {y}");
+            }
+            extremes += want.iter().filter(|x| !x.is_finite()).count();
+        }
+        assert!(extremes > 0, "no product reached an infinity");
+    }
+
     #[test]
     fn rounding_is_to_nearest_even() {
         assert_eq!(round_bf16(1.0), 0x3f80);
@@ -640,6 +763,8 @@ mod tests {
                 let mut reference = vec![0f32; m * n];
                 gemm_bf16(m, n, k, opa, opb, &mut fast);
                 gemm_bf16_portable(m, n, k, opa, opb, &mut reference);
+                let chain = chain_reference(m, n, k, opa, opb);
+                assert!(reference.iter().zip(&chain).all(|(x, y)| x.to_bits() == y.to_bits()), "{m}x{n}x{k} chain");
                 for (i, (x, y)) in fast.iter().zip(&reference).enumerate() {
                     assert_eq!(x.to_bits(), y.to_bits(), "{m}x{n}x{k} t=({at},{bt}) [{i}]: {x} vs {y}");
                 }

@@ -202,21 +202,34 @@ mod x86 {
 }
 
 /// bf16 → f32 with denormals read as zero (sign kept).
-fn bf16_daz(x: u16) -> f32 {
-    let v = f32::from_bits(u32::from(x) << 16);
-    if v.is_subnormal() { 0.0f32.copysign(v) } else { v }
+#[inline]
+pub(crate) fn bf16_daz(x: u16) -> f32 {
+    ftz(f32::from_bits(u32::from(x) << 16))
 }
 
-/// A result flushed to zero when denormal (sign kept).
+/// A result flushed to zero when denormal (sign kept). On the bits (a zero
+/// exponent: zero or denormal), so a loop of it vectorises.
+#[inline(always)]
 fn ftz(v: f32) -> f32 {
-    if v.is_subnormal() { 0.0f32.copysign(v) } else { v }
+    let bits = v.to_bits();
+    if bits & 0x7f80_0000 == 0 { f32::from_bits(bits & 0x8000_0000) } else { v }
 }
 
-/// One lane of `vdpbf16ps`, portable: `acc + a1·b1 + a0·b0`, in that order.
+/// One lane of `vdpbf16ps`, portable: `acc + a1·b1 + a0·b0`, in that order,
+/// each sum rounded once (to nearest even, a denormal flushed to zero) from
+/// its exact value: a bf16 product is exact in f64 and f64 holds each sum
+/// closely enough that rounding it to f32 rounds the exact sum (measured
+/// against the instruction on products beyond f32's range both ways).
 pub fn dpbf16_portable(acc: f32, a: [u16; 2], b: [u16; 2]) -> f32 {
-    let acc = ftz(acc);
-    let high = ftz(acc + ftz(bf16_daz(a[1]) * bf16_daz(b[1])));
-    ftz(high + ftz(bf16_daz(a[0]) * bf16_daz(b[0])))
+    dpbf16_lane(acc, (bf16_daz(a[1]), bf16_daz(a[0])), (bf16_daz(b[1]), bf16_daz(b[0])))
+}
+
+/// [`dpbf16_portable`] on the pairs already widened with [`bf16_daz`],
+/// `(high, low)`: the one place its arithmetic is written.
+#[inline(always)]
+pub(crate) fn dpbf16_lane(acc: f32, (a_hi, a_lo): (f32, f32), (b_hi, b_lo): (f32, f32)) -> f32 {
+    let high = ftz((f64::from(ftz(acc)) + f64::from(a_hi) * f64::from(b_hi)) as f32);
+    ftz((f64::from(high) + f64::from(a_lo) * f64::from(b_lo)) as f32)
 }
 
 /// `vdpbf16ps` over 16 lanes: the instruction where the CPU has it (None otherwise).
@@ -292,6 +305,17 @@ mod tests {
         assert_eq!(dpbf16_portable(1.0, [0, denormal], [0, bf16(1.0e30)]), 1.0);
         let small = bf16(1.0e-30);
         assert_eq!(dpbf16_portable(0.0, [0, small], [0, small]), 0.0);
+        // A product is exact, never flushed or overflowing on its own: a
+        // denormal one still moves a sum just above the normal range, and
+        // two beyond f32's range cancel before the sum is rounded.
+        let (x, y) = (f32::from_bits(u32::from(bf16(1.0e-20)) << 16), f32::from_bits(u32::from(bf16(2.0e-19)) << 16));
+        let min = f32::MIN_POSITIVE;
+        assert_eq!(
+            dpbf16_portable(min, [0, bf16(1.0e-20)], [0, bf16(2.0e-19)]),
+            (f64::from(min) + f64::from(x) * f64::from(y)) as f32
+        );
+        assert!(dpbf16_portable(min, [0, bf16(1.0e-20)], [0, bf16(2.0e-19)]) > min);
+        assert_eq!(dpbf16_portable(f32::MAX, [0, bf16(1.0e20)], [0, bf16(1.0e20)]), f32::INFINITY);
     }
 
     /// The instruction and the portable lane agree bit for bit on the same
@@ -325,6 +349,26 @@ mod tests {
             }
             if round % 50 == 0 {
                 a[3] = 0x0001; // a denormal bf16
+            }
+            if round % 10 == 1 {
+                // Products below f32's normal range meeting sums just above
+                // it, and products beyond f32's range: a product is never
+                // rounded or flushed on its own, only the sums are.
+                for (lane, acc) in acc.iter_mut().enumerate() {
+                    let (tiny, huge) = (lane % 2 == 0, lane % 4 == 1);
+                    let (acc_scale, scale) = match (tiny, huge) {
+                        (true, _) => (1.5e-39, 1e-20),
+                        (_, true) => (3e37, 1e19),
+                        _ => (0.0, 1.0),
+                    };
+                    if acc_scale != 0.0 {
+                        *acc = ((next() % 2001) as f32 - 1000.0) / 100.0 * acc_scale;
+                    }
+                    for i in [2 * lane, 2 * lane + 1] {
+                        a[i] = bf16(((next() % 2001) as f32 - 1000.0) / 100.0 * scale);
+                        b[i] = bf16(((next() % 2001) as f32 - 1000.0) / 100.0 * scale);
+                    }
+                }
             }
             let Some(simd) = dpbf16_simd(&acc, &a, &b) else { return };
             for lane in 0..16 {

@@ -195,6 +195,9 @@ pub struct GemmBench {
     pub fp32_gflops: f64,
     pub bf16_gflops: f64,
     pub bf16_over_fp32: f64,
+    /// The same bf16 product through the portable kernel (what a CPU
+    /// without AVX-512-BF16 runs; its AVX2 build where the CPU has AVX2).
+    pub bf16_portable_gflops: f64,
 }
 
 fn bench_gemm(m: usize, n: usize, k: usize, threads: usize) -> Result<GemmBench, TrainError> {
@@ -216,7 +219,18 @@ fn bench_gemm(m: usize, n: usize, k: usize, threads: usize) -> Result<GemmBench,
         pool.install(|| time(&mut |c| sparrow_model::mlp::sgemm(m, n, k, Operand::plain(&a), Operand::plain(&b), c)));
     let bf16 = pool
         .install(|| time(&mut |c| sparrow_model::bf16::gemm_bf16(m, n, k, Operand::plain(&a), Operand::plain(&b), c)));
-    Ok(GemmBench { m, n, k, fp32_gflops: fp32, bf16_gflops: bf16, bf16_over_fp32: bf16 / fp32 })
+    let portable = pool.install(|| {
+        time(&mut |c| sparrow_model::bf16::gemm_bf16_portable(m, n, k, Operand::plain(&a), Operand::plain(&b), c))
+    });
+    Ok(GemmBench {
+        m,
+        n,
+        k,
+        fp32_gflops: fp32,
+        bf16_gflops: bf16,
+        bf16_over_fp32: bf16 / fp32,
+        bf16_portable_gflops: portable,
+    })
 }
 
 #[derive(Debug, Serialize)]
@@ -240,6 +254,9 @@ pub struct BenchReport {
     /// Every model kind's dense step against its flop floor.
     pub kinds: Vec<KindBench>,
     pub arithmetic: Arithmetic,
+    /// `SPARROW_SIMD` for this run: `auto`, or `portable` (every kernel
+    /// chosen at run time took its portable version, the ceilings aside).
+    pub simd: &'static str,
 }
 
 /// Resident bytes per row of a table of `rows` Adagrad rows at `dim`,
@@ -743,6 +760,7 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
         train_step,
         kinds,
         arithmetic: Arithmetic { peaks, bf16_over_fp32, gemm },
+        simd: if sparrow_core::simd::allowed() { "auto" } else { "portable" },
     })
 }
 
