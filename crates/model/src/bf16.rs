@@ -609,16 +609,20 @@ mod simd {
 mod tests {
     use super::*;
 
-    fn random(len: usize, seed: u64, scale: f32) -> Vec<f32> {
+    /// A xorshift stream of `seed`.
+    fn xorshift(seed: u64) -> impl FnMut() -> u64 {
         let mut s = seed | 1;
-        (0..len)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s % 20_001) as f32 - 10_000.0) / 10_000.0 * scale
-            })
-            .collect()
+        move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        }
+    }
+
+    fn random(len: usize, seed: u64, scale: f32) -> Vec<f32> {
+        let mut next = xorshift(seed);
+        (0..len).map(|_| ((next() % 20_001) as f32 - 10_000.0) / 10_000.0 * scale).collect()
     }
 
     /// The definition: each output's chain of `dpbf16_portable` over its
@@ -638,20 +642,18 @@ mod tests {
         out
     }
 
-    /// Values whose products underflow to denormals (flushed), overflow to
-    /// infinities, cancel, or are denormal themselves: the portable product
+    /// Values whose products fall below f32's normal range, beyond its
+    /// range, cancel, or are denormal themselves: the portable product
     /// in its baseline and its AVX2 build, and the SIMD kernel where the CPU
     /// has it, give the chain of `dpbf16_portable` bit for bit.
     #[test]
     fn every_build_of_the_product_keeps_the_lanes_arithmetic_on_extreme_values() {
         let magnitudes = [0.0f32, 1e-39, 1e-30, 3e-20, 1e-19, 0.5, 1.0, 3.0, 1e19, 3e19, 1e30, f32::INFINITY];
         let pick = |seed: u64, len: usize| -> Vec<f32> {
-            let mut s = seed | 1;
+            let mut next = xorshift(seed);
             (0..len)
                 .map(|_| {
-                    s ^= s << 13;
-                    s ^= s >> 7;
-                    s ^= s << 17;
+                    let s = next();
                     let m = magnitudes[(s % magnitudes.len() as u64) as usize] * (1.0 + (s >> 40) as f32 / 2e7);
                     if s & (1 << 20) == 0 { m } else { -m }
                 })
