@@ -62,6 +62,21 @@ impl RowFormat {
         }
     }
 
+    /// [`decode_vector`](Self::decode_vector) for each `(stored, out)` pair;
+    /// for f16 with F16C, the whole loop in one call compiled for it.
+    pub fn decode_vectors<'a>(&self, rows: impl Iterator<Item = (&'a [f32], &'a mut [f32])>) {
+        #[cfg(target_arch = "x86_64")]
+        if self.dtype == EmbeddingDtype::F16 && simd::x86::available() {
+            // SAFETY: F16C and AVX were detected just above.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            unsafe {
+                simd::x86::decode_all(rows)
+            };
+            return;
+        }
+        rows.for_each(|(words, out)| self.decode_vector(words, out));
+    }
+
     /// Stores `w` (`dim` coordinates), each rounded to nearest even.
     #[inline]
     pub fn encode_vector(&self, w: &[f32], words: &mut [f32]) {
@@ -230,6 +245,14 @@ mod simd {
             let done = widen(words, out);
             if done < out.len() {
                 super::super::unpack(&words[done / 2..], &mut out[done..], |h| half::f16::from_bits(h).to_f32());
+            }
+        }
+
+        /// [`decode`] over many vectors, inlined into one loop.
+        #[target_feature(enable = "f16c,avx")]
+        pub(crate) fn decode_all<'a>(rows: impl Iterator<Item = (&'a [f32], &'a mut [f32])>) {
+            for (words, out) in rows {
+                decode(words, out);
             }
         }
 

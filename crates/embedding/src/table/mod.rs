@@ -861,21 +861,33 @@ impl EmbeddingTable {
         let access = Access { init: &self.init, opt: &self.optimizer, tick, oldest_in_flight, prefetching: false };
         let out_parts = self.shard_slices(plan, out, dim);
         let slot_parts = self.shard_slices(plan, &mut slots, 1);
+        // Half rows are widened after the walk, all in one call (a call per
+        // row into the F16C code cost more than the conversion); f32 rows
+        // are copied as they are found.
+        let widen_after = layout.format.dtype != EmbeddingDtype::F32;
         out_parts.into_par_iter().zip(slot_parts).try_for_each(|((s, out), (_, slots))| {
             let keys = plan.shard_keys(s);
-            self.shards[s].write().resolve_all(layout, keys, &access, |shard, j, slot| {
+            let mut shard = self.shards[s].write();
+            shard.resolve_all(layout, keys, &access, |shard, j, slot| {
                 let dst = &mut out[j * dim..(j + 1) * dim];
                 match slot {
                     Some(slot) => {
                         slots[j] = slot;
-                        layout.format.decode_vector(shard.packed(layout, slot), dst);
+                        if !widen_after {
+                            layout.format.decode_vector(shard.packed(layout, slot), dst);
+                        }
                     }
                     None => {
                         slots[j] = NOT_ADMITTED;
                         self.initial_vector(keys[j], dst);
                     }
                 }
-            })
+            })?;
+            if widen_after {
+                let found = slots.iter().zip(out.chunks_exact_mut(dim)).filter(|(slot, _)| **slot != NOT_ADMITTED);
+                layout.format.decode_vectors(found.map(|(&slot, dst)| (shard.packed(layout, slot), dst)));
+            }
+            Ok::<_, TableError>(())
         })?;
         Ok(RowSlots { table_id: self.id(), slots, _lease: Some(lease) })
     }
