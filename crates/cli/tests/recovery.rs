@@ -402,3 +402,25 @@ fn a_malformed_failpoints_value_is_an_error_naming_it() {
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
 }
+
+/// Half rows (`embedding.dtype = "f16"`: shards store, checkpoint and send
+/// 16-bit vectors) and bf16 products (`model.precision = "bf16"`) recover
+/// exactly too: a shard and then the worker die, and the job ends with the
+/// uninterrupted half-precision model.
+#[test]
+fn half_rows_and_bf16_products_recover_exactly() {
+    let Scenario { config, whole, tmp } = scenario(|text, _| {
+        text.replace("learning_rate = 0.05", "learning_rate = 0.05\ndtype = \"f16\"")
+            .replace("kind = \"dlrm\"", "kind = \"dlrm\"\nprecision = \"bf16\"")
+    });
+    let out = launch(&config, "shard.push=170*off->return;worker.step=240*off->return", &[], &[]);
+    let json = assert_recovered_exactly(&out, &whole, "shard", 2);
+    assert_eq!(json["restarts"]["worker"], 1, "{}", json["restarts"]);
+    // The checkpoints hold half rows: the job ran in the mode it names.
+    let ckpt = tmp.path().join("ckpt");
+    let latest = std::fs::read_to_string(ckpt.join("LATEST")).expect("LATEST");
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ckpt.join(latest.trim()).join("manifest.json")).expect("manifest"))
+            .expect("json");
+    assert_eq!(manifest["embedding_dtype"], "f16", "{manifest}");
+}
