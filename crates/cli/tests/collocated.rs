@@ -52,28 +52,42 @@ fn one_node_is_train_bit_for_bit_and_two_nodes_read_no_level_one_during_a_pass()
 
 /// A node killed in the middle of a pass (its shard and its worker at once,
 /// after the checkpoint at step 10 was written through from the second
-/// level) is restarted; the job ends with the uninterrupted model bit for bit.
+/// level) is restarted; the job ends with the uninterrupted model bit for
+/// bit, with f32 rows and products and with half rows (the second level
+/// rounds as level 1 stores) and bf16 products.
 #[test]
 fn a_node_killed_mid_pass_is_restarted_and_the_model_is_exact() {
     let tmp = tempfile::tempdir().expect("tmp");
     generate(tmp.path(), "12000");
     let config = write_config(tmp.path(), "");
-    let single = train_json(&config);
-    let dir = format!("checkpoint.dir={:?}", tmp.path().join("ckpt").display().to_string());
-    let out = sparrow()
-        .args(["launch", "--config", &config, "--nodes", "1", "--quiet"])
-        .args(["--set", "cluster.mode=\"collocated\"", "--set", "cluster.pass_batches=8"])
-        .args(["--set", &dir, "--set", "checkpoint.every_steps=10"])
-        .env("FAILPOINTS", "worker.step=13*off->return")
-        .output()
-        .expect("launch");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
-    let json = last_json(&out);
-    assert_eq!(json["restarts"]["node"], 1, "{}", json["restarts"]);
-    assert_eq!(json["test_auc"], single["test_auc"], "recovered collocated job vs train");
-    assert_eq!(json["embedding_rows"], single["embedding_rows"]);
-    assert_eq!(json["l1_reads_during_pass"], 0);
+    let text = std::fs::read_to_string(&config).expect("read");
+    let half = tmp.path().join("half.toml");
+    let half_text = text
+        .replace("learning_rate = 0.05", "learning_rate = 0.05\ndtype = \"f16\"")
+        .replace("kind = \"dlrm\"", "kind = \"dlrm\"\nprecision = \"bf16\"");
+    assert_ne!(half_text, text);
+    std::fs::write(&half, half_text).expect("write");
+    let mut aucs = Vec::new();
+    for (name, config) in [("f32", config.clone()), ("half", half.display().to_string())] {
+        let single = train_json(&config);
+        let dir = format!("checkpoint.dir={:?}", tmp.path().join(format!("ckpt-{name}")).display().to_string());
+        let out = sparrow()
+            .args(["launch", "--config", &config, "--nodes", "1", "--quiet"])
+            .args(["--set", "cluster.mode=\"collocated\"", "--set", "cluster.pass_batches=8"])
+            .args(["--set", &dir, "--set", "checkpoint.every_steps=10"])
+            .env("FAILPOINTS", "worker.step=13*off->return")
+            .output()
+            .expect("launch");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{name}: {stderr}");
+        let json = last_json(&out);
+        assert_eq!(json["restarts"]["node"], 1, "{name}: {}", json["restarts"]);
+        assert_eq!(json["test_auc"], single["test_auc"], "{name}: recovered collocated job vs train");
+        assert_eq!(json["embedding_rows"], single["embedding_rows"], "{name}");
+        assert_eq!(json["l1_reads_during_pass"], 0, "{name}");
+        aucs.push(json["test_auc"].clone());
+    }
+    assert_ne!(aucs[0], aucs[1], "half rows and bf16 products round: a model of their own");
 }
 
 #[test]
