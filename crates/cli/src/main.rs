@@ -96,7 +96,9 @@ enum Command {
         /// The export's directory (must not exist yet).
         #[arg(long)]
         out: PathBuf,
-        /// The vectors' type: f32, or f16 (half the bytes; the dense weights stay f32).
+        /// The vectors' type: f32, f16 or bf16 (half the bytes; the dense
+        /// weights stay f32). A table trained with `embedding.dtype` f16 or
+        /// bf16 exports in its own type without loss.
         #[arg(long, default_value = "f32")]
         dtype: String,
     },
@@ -511,7 +513,7 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
         }
         Command::Export { checkpoint, out, dtype } => {
             let Some(dtype) = sparrow_trainer::export::VectorType::parse(&dtype) else {
-                anyhow::bail!("--dtype {dtype}: exports hold f32 or f16 vectors");
+                anyhow::bail!("--dtype {dtype}: exports hold f32, f16 or bf16 vectors");
             };
             print_json(&sparrow_trainer::run::export_checkpoint(&checkpoint, &out, dtype)?)
         }

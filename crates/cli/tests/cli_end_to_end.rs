@@ -386,6 +386,48 @@ fn the_demo_ends_with_a_line_for_people_before_its_json() {
     assert!(line.contains("samples/s") && line.contains(checkpoint), "{line}");
 }
 
+/// A table trained with half rows (`embedding.dtype` f16 or bf16) and
+/// exported in its own type loses nothing: the export predicts exactly what
+/// its checkpoint does, at half the vector bytes of an f32 export. bf16
+/// rows exported as f16 round (bf16 keeps 8 bits where f16 keeps 11, but a
+/// wider range, so neither holds the other).
+#[test]
+fn half_rows_export_in_their_own_type_without_loss() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let data = tmp.path().join("data").display().to_string();
+    ok(&sparrow(&["gen", "--out", &data, "--train-rows", "8000", "--test-rows", "1000", "--seed", "5"]));
+    let test = tmp.path().join("data/test.tsv").display().to_string();
+    let config = write_config(tmp.path(), "job.toml", "");
+    let path = |name: &str| tmp.path().join(name).display().to_string();
+    let predict = |flag: &str, dir: &str| {
+        let out = path(&format!("pred-{}.txt", dir.rsplit('/').next().unwrap_or_default()));
+        ok(&sparrow(&["predict", flag, dir, "--data", &test, "--out", &out]));
+        std::fs::read_to_string(out).expect("predictions")
+    };
+    let vector_bytes = |dir: &str| std::fs::metadata(Path::new(dir).join("embeddings.bin")).expect("rows").len();
+    for dtype in ["f16", "bf16"] {
+        let ck = path(&format!("ck-{dtype}"));
+        let dtype_set = format!("embedding.dtype=\"{dtype}\"");
+        let ck_set = format!("checkpoint.dir=\"{ck}\"");
+        ok(&sparrow(&["train", "--config", &config, "--quiet", "--set", &dtype_set, "--set", &ck_set]));
+        let from_checkpoint = predict("--checkpoint", &ck);
+        let own = path(&format!("export-{dtype}-as-{dtype}"));
+        let out = sparrow(&["export", "--checkpoint", &ck, "--out", &own, "--dtype", dtype]);
+        ok(&out);
+        assert_eq!(last_json(&out)["dtype"], dtype);
+        assert_eq!(predict("--model", &own), from_checkpoint, "{dtype} rows exported as {dtype}");
+        let full = path(&format!("export-{dtype}-as-f32"));
+        let out = sparrow(&["export", "--checkpoint", &ck, "--out", &full]);
+        ok(&out);
+        let rows = last_json(&out)["rows"].as_u64().expect("rows");
+        assert_eq!(predict("--model", &full), from_checkpoint, "{dtype} rows exported as f32");
+        assert_eq!(vector_bytes(&full) - vector_bytes(&own), rows * 8 * 2, "dim 8: 16 bytes fewer per row");
+    }
+    let crossed = path("export-bf16-as-f16");
+    ok(&sparrow(&["export", "--checkpoint", &path("ck-bf16"), "--out", &crossed, "--dtype", "f16"]));
+    assert_ne!(predict("--model", &crossed), predict("--checkpoint", &path("ck-bf16")), "bf16 rows as f16 round");
+}
+
 /// The kernels chosen at run time (bf16 products, DLRM's interaction at
 /// d = 16, f16 row conversions and steps) and their portable versions train
 /// the same model: with `SPARROW_SIMD=portable` the checkpoint is the same

@@ -6,7 +6,8 @@
 //! EXPORT/manifest.json      format, step, dim, rows, layout, config, files {name: bytes, xxh3}
 //! EXPORT/dense.safetensors  every dense parameter by name
 //! EXPORT/embeddings.bin     "SPRWEMB1", dim u32, rows u64, then per row: key u64, dim × f32 (LE)
-//!                           ("SPRWEH16" and dim × f16 for an export written with `--dtype f16`)
+//!                           ("SPRWEH16" and dim × f16 for an export written with `--dtype f16`,
+//!                           "SPRWEB16" and dim × bf16 for `--dtype bf16`)
 //! ```
 //!
 //! `sparrow predict --model EXPORT` reads one ([`load_export`]); lazy
@@ -32,6 +33,7 @@ pub const EXPORT_FORMAT: &str = "sparrow-export-v1";
 pub type RowPage = Option<(Vec<u64>, Vec<f32>)>;
 const EMBEDDINGS_MAGIC: &[u8; 8] = b"SPRWEMB1";
 const EMBEDDINGS_MAGIC_F16: &[u8; 8] = b"SPRWEH16";
+const EMBEDDINGS_MAGIC_BF16: &[u8; 8] = b"SPRWEB16";
 
 /// The type an export stores its vectors in (the dense weights stay f32).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,6 +42,10 @@ pub enum VectorType {
     /// IEEE half precision, rounded to nearest: half the bytes, about three
     /// significant digits.
     F16,
+    /// bfloat16, rounded to nearest even: half the bytes, f32's range,
+    /// about two significant digits. A table trained with
+    /// `embedding.dtype = "bf16"` exports in it without loss.
+    Bf16,
 }
 
 impl VectorType {
@@ -47,6 +53,7 @@ impl VectorType {
         match name {
             "f32" => Some(VectorType::F32),
             "f16" => Some(VectorType::F16),
+            "bf16" => Some(VectorType::Bf16),
             _ => None,
         }
     }
@@ -55,6 +62,7 @@ impl VectorType {
         match self {
             VectorType::F32 => "f32",
             VectorType::F16 => "f16",
+            VectorType::Bf16 => "bf16",
         }
     }
 
@@ -62,13 +70,14 @@ impl VectorType {
         match self {
             VectorType::F32 => EMBEDDINGS_MAGIC,
             VectorType::F16 => EMBEDDINGS_MAGIC_F16,
+            VectorType::Bf16 => EMBEDDINGS_MAGIC_BF16,
         }
     }
 
     fn width(self) -> usize {
         match self {
             VectorType::F32 => 4,
-            VectorType::F16 => 2,
+            VectorType::F16 | VectorType::Bf16 => 2,
         }
     }
 }
@@ -191,6 +200,7 @@ pub fn write_export_with(
                 match dtype {
                     VectorType::F32 => w.write_all(&x.to_le_bytes()),
                     VectorType::F16 => w.write_all(&half::f16::from_f32(x).to_le_bytes()),
+                    VectorType::Bf16 => w.write_all(&half::bf16::from_f32(x).to_le_bytes()),
                 }
                 .map_err(io(&emb_path))?;
             }
@@ -297,6 +307,7 @@ impl ExportData {
         let dtype = match data.get(..8) {
             Some(magic) if magic == EMBEDDINGS_MAGIC => VectorType::F32,
             Some(magic) if magic == EMBEDDINGS_MAGIC_F16 => VectorType::F16,
+            Some(magic) if magic == EMBEDDINGS_MAGIC_BF16 => VectorType::Bf16,
             _ => return Err(bad("not an export's embeddings file".into())),
         };
         if data.len() < 20 {
@@ -314,6 +325,7 @@ impl ExportData {
             vectors.extend(chunk[8..].chunks_exact(width).map(|b| match dtype {
                 VectorType::F32 => f32::from_le_bytes(b.try_into().unwrap_or_default()),
                 VectorType::F16 => half::f16::from_le_bytes(b.try_into().unwrap_or_default()).to_f32(),
+                VectorType::Bf16 => half::bf16::from_le_bytes(b.try_into().unwrap_or_default()).to_f32(),
             }));
         }
         Ok(ExportData { dir: dir.to_path_buf(), manifest, tensors, keys, vectors })
