@@ -58,6 +58,17 @@ impl VectorType {
         }
     }
 
+    /// The type that holds a table's rows (`embedding.dtype`) without loss
+    /// in the fewest bytes.
+    pub fn of_rows(dtype: sparrow_core::config::EmbeddingDtype) -> VectorType {
+        use sparrow_core::config::EmbeddingDtype;
+        match dtype {
+            EmbeddingDtype::F32 => VectorType::F32,
+            EmbeddingDtype::F16 => VectorType::F16,
+            EmbeddingDtype::Bf16 => VectorType::Bf16,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             VectorType::F32 => "f32",
@@ -548,7 +559,8 @@ impl IncrementalExports {
             true
         });
         let meta = ExportMeta {
-            dtype: None,
+            // Half rows are written as they are stored: half the bytes, no loss.
+            dtype: Some(VectorType::of_rows(trainer.config.embedding.dtype)),
             base: if full { None } else { self.previous.as_ref().map(|(n, _)| n.clone()) },
             taken_unix_ms: Some(taken_unix_ms),
         };

@@ -5,6 +5,7 @@
 mod common;
 
 use common::{small_config, small_data};
+use sparrow_core::config::EmbeddingDtype;
 use sparrow_trainer::checkpoint::load_trainer;
 use sparrow_trainer::export::{load_export, write_export};
 
@@ -63,48 +64,56 @@ fn an_export_predicts_what_its_checkpoint_predicts() {
 /// `checkpoint.export_every_steps`: exports while training goes on, most of
 /// them holding only the rows updated since the one before; the chain that
 /// `exports/LATEST` names rebuilds the final model exactly, and exports older
-/// than the full one before the newest full one are removed.
+/// than the full one before the newest full one are removed. Half rows
+/// (`embedding.dtype`) are exported in their own type, exactly too.
 #[test]
 fn incremental_exports_rebuild_the_trained_model() {
     let tmp = tempfile::tempdir().expect("tmp");
     small_data(tmp.path(), 6000, 500);
-    let mut config = small_config(tmp.path(), "mlp");
-    let ckpt = tmp.path().join("ckpt");
-    config.checkpoint.dir = Some(ckpt.display().to_string());
-    config.checkpoint.export_every_steps = Some(3);
-    config.checkpoint.full_every = 4;
-    let summary = sparrow_trainer::train(&config, true).expect("train");
-    assert_eq!(summary.steps, 47, "6000 rows in batches of 128");
+    for dtype in [EmbeddingDtype::F32, EmbeddingDtype::Bf16] {
+        let mut config = small_config(tmp.path(), "mlp");
+        config.embedding.dtype = dtype;
+        let ckpt = tmp.path().join(format!("ckpt-{}", dtype.name()));
+        config.checkpoint.dir = Some(ckpt.display().to_string());
+        config.checkpoint.export_every_steps = Some(3);
+        config.checkpoint.full_every = 4;
+        let summary = sparrow_trainer::train(&config, true).expect("train");
+        assert_eq!(summary.steps, 47, "6000 rows in batches of 128");
 
-    let root = ckpt.join("exports");
-    assert_eq!(std::fs::read_to_string(root.join("LATEST")).expect("LATEST").trim(), "000000000047");
-    let mut names: Vec<String> = std::fs::read_dir(&root)
-        .expect("exports")
-        .map(|e| e.expect("entry").file_name().to_string_lossy().to_string())
-        .filter(|n| n.parse::<u64>().is_ok())
-        .collect();
-    names.sort();
-    // Steps 3..45 every 3, then 47 (the end); full at 3, 15, 27, 39; each
-    // full export removes those older than the full one before it.
-    let steps: Vec<u64> = names.iter().map(|n| n.parse().expect("number")).collect();
-    assert_eq!(steps, [27, 30, 33, 36, 39, 42, 45, 47]);
-    let chain = sparrow_trainer::export::export_chain(&root.join("000000000047")).expect("chain");
-    let chain_steps: Vec<u64> = chain.iter().map(|(_, m)| m.step).collect();
-    assert_eq!(chain_steps, [39, 42, 45, 47]);
-    assert!(chain[0].1.base.is_none() && chain[1].1.base.as_deref() == Some("000000000039"));
-    let (full_rows, delta_rows) = (chain[0].1.rows, chain[1].1.rows);
-    assert!(delta_rows > 0 && delta_rows < full_rows, "a delta holds only updated rows: {delta_rows} of {full_rows}");
+        let root = ckpt.join("exports");
+        assert_eq!(std::fs::read_to_string(root.join("LATEST")).expect("LATEST").trim(), "000000000047");
+        let mut names: Vec<String> = std::fs::read_dir(&root)
+            .expect("exports")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().to_string())
+            .filter(|n| n.parse::<u64>().is_ok())
+            .collect();
+        names.sort();
+        // Steps 3..45 every 3, then 47 (the end); full at 3, 15, 27, 39; each
+        // full export removes those older than the full one before it.
+        let steps: Vec<u64> = names.iter().map(|n| n.parse().expect("number")).collect();
+        assert_eq!(steps, [27, 30, 33, 36, 39, 42, 45, 47]);
+        let chain = sparrow_trainer::export::export_chain(&root.join("000000000047")).expect("chain");
+        let chain_steps: Vec<u64> = chain.iter().map(|(_, m)| m.step).collect();
+        assert_eq!(chain_steps, [39, 42, 45, 47]);
+        assert!(chain[0].1.base.is_none() && chain[1].1.base.as_deref() == Some("000000000039"));
+        let (full_rows, delta_rows) = (chain[0].1.rows, chain[1].1.rows);
+        assert!(
+            delta_rows > 0 && delta_rows < full_rows,
+            "a delta holds only updated rows: {delta_rows} of {full_rows}"
+        );
+        assert!(chain.iter().all(|(_, m)| m.dtype == dtype.name()), "{:?}", chain[0].1.dtype);
 
-    let test = tmp.path().join("test.tsv");
-    let (a, b) = (tmp.path().join("a.txt"), tmp.path().join("b.txt"));
-    sparrow_trainer::predict_checkpoint(&ckpt, &test, &a, &[]).expect("predict");
-    sparrow_trainer::run::predict_export(&root, &test, &b, &[]).expect("predict");
-    assert_eq!(std::fs::read_to_string(&a).expect("a"), std::fs::read_to_string(&b).expect("b"));
+        let test = tmp.path().join("test.tsv");
+        let (a, b) = (tmp.path().join("a.txt"), tmp.path().join("b.txt"));
+        sparrow_trainer::predict_checkpoint(&ckpt, &test, &a, &[]).expect("predict");
+        sparrow_trainer::run::predict_export(&root, &test, &b, &[]).expect("predict");
+        assert_eq!(std::fs::read_to_string(&a).expect("a"), std::fs::read_to_string(&b).expect("b"), "{dtype:?}");
 
-    // A delta whose base is gone is refused, naming both.
-    std::fs::remove_dir_all(root.join("000000000042")).expect("remove");
-    let err = load_export(&root, &[]).err().expect("refused").to_string();
-    assert!(err.contains("000000000045") && err.contains("`000000000042`, which is gone"), "{err}");
+        // A delta whose base is gone is refused, naming both.
+        std::fs::remove_dir_all(root.join("000000000042")).expect("remove");
+        let err = load_export(&root, &[]).err().expect("refused").to_string();
+        assert!(err.contains("000000000045") && err.contains("`000000000042`, which is gone"), "{err}");
+    }
 }
 
 /// Without `checkpoint.dir` the exports have nowhere to go: refused, naming both keys.
