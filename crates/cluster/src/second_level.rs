@@ -52,6 +52,9 @@ pub struct SecondLevel {
     format: RowFormat,
     optimizer: SparseOptimizer,
     init: Initializer,
+    /// Level 1's stochastic rounding (its seed): rounded here the same way,
+    /// the row's last word counting its updates.
+    stochastic_seed: Option<u64>,
     /// `cluster.l2_capacity_rows` (0: no limit).
     capacity: u64,
     state: Mutex<State>,
@@ -75,6 +78,7 @@ impl SecondLevel {
             format: l1.row_format(),
             optimizer: *l1.optimizer(),
             init: *l1.initializer(),
+            stochastic_seed: l1.stochastic_seed(),
             capacity,
             state: Mutex::new(State::default()),
             l1_gate: Mutex::new(()),
@@ -211,8 +215,16 @@ impl SecondLevel {
         for (key, g) in keys.iter().zip(grads.chunks_exact(self.dim)) {
             if let Some(row) = state.rows.get_mut(key) {
                 let (w, opt_state) = row.split_at_mut(self.dim);
-                self.optimizer.apply(w, opt_state, g);
-                self.format.round(w);
+                match (self.stochastic_seed, opt_state.split_last_mut()) {
+                    (Some(seed), Some((count, opt_state))) => {
+                        self.optimizer.apply(w, opt_state, g);
+                        self.format.round_stochastic(w, seed, *key, count);
+                    }
+                    _ => {
+                        self.optimizer.apply(w, opt_state, g);
+                        self.format.round(w);
+                    }
+                }
             }
         }
         let Some(pass) = state.batch_pass.remove(&batch_id) else { return Ok(()) };

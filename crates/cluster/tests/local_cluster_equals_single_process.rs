@@ -40,10 +40,13 @@ fn config_with(dir: &std::path::Path, kind: &str, overrides: &[&str]) -> Config 
     Config::from_toml_with_overrides(&text, "test", &overrides).expect("config")
 }
 
-/// `kind`, or `kind-f16rows` (`embedding.dtype = "f16"`), or `kind-bf16`
+/// `kind`, or `kind-f16rows` (`embedding.dtype = "f16"`), or
+/// `kind-srf16rows` (f16 rows rounded stochastically), or `kind-bf16`
 /// (`model.precision = "bf16"`).
 fn variant(dir: &std::path::Path, name: &str) -> Config {
-    if let Some(kind) = name.strip_suffix("-f16rows") {
+    if let Some(kind) = name.strip_suffix("-srf16rows") {
+        config_with(dir, kind, &["embedding.dtype=\"f16\"", "embedding.rounding=\"stochastic\""])
+    } else if let Some(kind) = name.strip_suffix("-f16rows") {
         config_with(dir, kind, &["embedding.dtype=\"f16\""])
     } else if let Some(kind) = name.strip_suffix("-bf16") {
         config_with(dir, kind, &["model.precision=\"bf16\""])
@@ -60,21 +63,21 @@ fn variant(dir: &std::path::Path, name: &str) -> Config {
 fn collocated_passes_through_a_second_level_equal_train() {
     let tmp = tempfile::tempdir().expect("tmp");
     sparrow_data::synth::generate(tmp.path(), 3000, 600, 9).expect("generate");
-    let single = sparrow_trainer::train(&config(tmp.path(), "dlrm"), true).expect("train");
-    let settings: [&[&str]; 4] = [
+    let settings: [&[&str]; 5] = [
         &["cluster.pass_batches=5"],
         &["cluster.pass_batches=5", "cluster.pass_request=\"per_batch\""],
         &["cluster.l2_capacity_rows=8000"],
-        // Half rows: the second level rounds each update as level 1 stores it.
+        // Half rows: the second level rounds each update as level 1 stores it,
+        // to nearest or stochastically (the same draws: key, seed, update count).
         &["cluster.pass_batches=5", "embedding.dtype=\"bf16\""],
+        &["cluster.pass_batches=5", "embedding.dtype=\"bf16\"", "embedding.rounding=\"stochastic\""],
     ];
-    let single_bf16 = sparrow_trainer::train(&config_with(tmp.path(), "dlrm", &["embedding.dtype=\"bf16\""]), true)
-        .expect("train bf16");
     for extra in settings {
         let mut overrides = vec!["cluster.mode=\"collocated\""];
         overrides.extend_from_slice(extra);
         let c = config_with(tmp.path(), "dlrm", &overrides);
-        let single = if extra.iter().any(|e| e.contains("dtype")) { &single_bf16 } else { &single };
+        let row_settings: Vec<&str> = extra.iter().copied().filter(|e| e.starts_with("embedding.")).collect();
+        let single = &sparrow_trainer::train(&config_with(tmp.path(), "dlrm", &row_settings), true).expect("train");
         for shards in [1, 3] {
             let cluster = train_local(&c, shards, 1).expect("collocated");
             assert_eq!(
@@ -113,7 +116,7 @@ fn three_shards_one_worker_equals_train() {
     let tmp = tempfile::tempdir().expect("tmp");
     sparrow_data::synth::generate(tmp.path(), 3000, 600, 9).expect("generate");
     let mut checksums = Vec::new();
-    for kind in ["dlrm", "mlp", "mlp-f16rows", "dlrm-bf16"] {
+    for kind in ["dlrm", "mlp", "mlp-f16rows", "mlp-srf16rows", "dlrm-bf16"] {
         let c = variant(tmp.path(), kind);
         let single = sparrow_trainer::train(&c, true).expect("train");
         let cluster = train_local(&c, 3, 1).expect("cluster");

@@ -389,6 +389,34 @@ pub struct EmbeddingConfig {
     /// How a row's vector is stored (in memory, on the SSD tier, on the wire
     /// and in checkpoints); the optimizer state stays f32.
     pub dtype: EmbeddingDtype,
+    /// How an updated f16 or bf16 vector is rounded as it is stored.
+    pub rounding: Rounding,
+}
+
+/// `embedding.rounding`: how an updated half vector is rounded when it is
+/// written back.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Rounding {
+    /// To nearest, ties to even: an update smaller than half the gap to the
+    /// next half value is lost.
+    #[default]
+    Nearest,
+    /// Up or down at random, with the probability that makes the stored
+    /// value right on average (an update of a tenth of the gap moves the row
+    /// one time in ten). The random numbers are a hash of the job's seed,
+    /// the key, the row's update count (one more f32 word a row) and the
+    /// coordinate: the same job gives the same model.
+    Stochastic,
+}
+
+impl Rounding {
+    pub fn name(self) -> &'static str {
+        match self {
+            Rounding::Nearest => "nearest",
+            Rounding::Stochastic => "stochastic",
+        }
+    }
 }
 
 /// `embedding.dtype`: the stored vector's number format. Gradients and the
@@ -454,6 +482,7 @@ impl Default for EmbeddingConfig {
             ttl_steps: 0,
             cache_policy: CachePolicy::Lru,
             dtype: EmbeddingDtype::F32,
+            rounding: Rounding::Nearest,
         }
     }
 }
@@ -869,6 +898,12 @@ impl Config {
                 return invalid("embedding.cache_capacity_rows", "must be at least embedding.table_shards");
             }
         }
+        if self.embedding.rounding == Rounding::Stochastic && self.embedding.dtype == EmbeddingDtype::F32 {
+            return invalid(
+                "embedding.rounding",
+                "\"stochastic\" rounds half rows: it needs embedding.dtype = \"f16\" or \"bf16\" (f32 rows are not rounded)",
+            );
+        }
         if self.embedding.admit_min_count > 255 {
             return invalid("embedding.admit_min_count", "at most 255 (the sketch counts in bytes)");
         }
@@ -1100,6 +1135,19 @@ mod tests {
         assert!(msg.contains("batch_size") || msg.contains("invalid type"), "{msg}");
         assert!(parse("", &["nokey"]).is_err());
         assert!(parse("", &["train.batch_size=0"]).is_err());
+    }
+
+    /// `embedding.rounding`: stochastic needs half rows; an unknown value is
+    /// refused naming the key.
+    #[test]
+    fn stochastic_rounding_needs_half_rows() {
+        let c = parse("", &["embedding.dtype=\"bf16\"", "embedding.rounding=\"stochastic\""]).expect("parses");
+        assert_eq!(c.embedding.rounding, Rounding::Stochastic);
+        assert_eq!(parse("", &[]).expect("parses").embedding.rounding, Rounding::Nearest);
+        let err = parse("", &["embedding.rounding=\"stochastic\""]).expect_err("f32 rows");
+        assert!(err.to_string().contains("embedding.rounding") && err.to_string().contains("embedding.dtype"), "{err}");
+        let err = parse("", &["embedding.rounding=\"random\""]).expect_err("unknown");
+        assert!(err.to_string().contains("embedding.rounding"), "{err}");
     }
 
     #[test]

@@ -15,6 +15,7 @@
 use crate::optimizer::SparseOptimizer;
 use half::f16;
 pub use sparrow_core::config::EmbeddingDtype;
+use sparrow_core::key::mix64;
 
 /// The stored shape of a table's rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -129,6 +130,31 @@ impl RowFormat {
         }
     }
 
+    /// Rounds `w` in place, stochastically (`embedding.rounding =
+    /// "stochastic"`), to values the stored type holds: each coordinate
+    /// goes to one of its two neighbours, away from zero with probability
+    /// (distance to the lower one) / (gap), so the stored value is right on
+    /// average. The uniform draw is a hash of `seed`, `key`, `count` (the
+    /// row's update count, kept in the row; advanced here, wrapping at 2²⁴)
+    /// and the coordinate: the same job rounds the same way wherever the row
+    /// is updated (a table, a cluster shard, S1's second level). An f16
+    /// value within a gap of 65504 may round to ±inf, which the trainer's
+    /// non-finite check reports. f32 rows are left as they are.
+    pub fn round_stochastic(&self, w: &mut [f32], seed: u64, key: u64, count: &mut f32) {
+        let (mantissa, min_exp) = match self.dtype {
+            EmbeddingDtype::F32 => return,
+            EmbeddingDtype::F16 => (10, -14),
+            EmbeddingDtype::Bf16 => (7, -126),
+        };
+        let n = *count as u32;
+        let row = mix64(seed ^ key ^ 0x5851_f42d_4c95_7f2d);
+        for (i, x) in w.iter_mut().enumerate() {
+            let draw = mix64(row.wrapping_add((u64::from(n) << 32) | i as u64));
+            *x = round_stochastic_one(*x, mantissa, min_exp, (draw >> 40) as u32);
+        }
+        *count = if n + 1 >= 1 << 24 { 0.0 } else { (n + 1) as f32 };
+    }
+
     /// A stored row (without its key) as a logical one.
     pub fn decode(&self, stored: &[f32], logical: &mut [f32]) {
         let words = self.vector_words();
@@ -142,6 +168,38 @@ impl RowFormat {
         self.encode_vector(&logical[..self.dim], &mut stored[..words]);
         stored[words..].copy_from_slice(&logical[self.dim..]);
     }
+}
+
+/// `x` rounded to one of its two neighbours among the values with
+/// `mantissa` stored bits and smallest normal exponent `min_exp` (below it,
+/// the subnormals' fixed spacing): away from zero when `u` (uniform over
+/// [0, 2²⁴)) is below the fraction of the gap `x` lies above the lower
+/// neighbour, times 2²⁴. Zeros, infinities and NaN stay as they are.
+#[inline]
+fn round_stochastic_one(x: f32, mantissa: i32, min_exp: i32, u: u32) -> f32 {
+    let abs = x.to_bits() & 0x7fff_ffff;
+    let exp_field = (abs >> 23) as i32;
+    if exp_field == 0xff || abs == 0 {
+        return x;
+    }
+    let exp = exp_field - 127;
+    if exp >= min_exp {
+        // The common case, on the bits: the stored type keeps the top
+        // `mantissa` of f32's 23, the fraction is the bits dropped, and a
+        // carry out of them moves into the next binade on its own.
+        let drop = 23 - mantissa as u32;
+        let dropped = abs & ((1 << drop) - 1);
+        let up = u < dropped << (24 - drop);
+        let rounded = (abs - dropped) + (u32::from(up) << drop);
+        return f32::from_bits(rounded | (x.to_bits() & 0x8000_0000));
+    }
+    // Below the stored type's normals: a fixed spacing, in f64 (exact: a
+    // power-of-two scaling of a 24-bit significand).
+    let spacing = 2f64.powi(min_exp - mantissa);
+    let scaled = f64::from(x.abs()) / spacing;
+    let lower = scaled.floor();
+    let up = f64::from(u) < (scaled - lower) * f64::from(1u32 << 24);
+    (((lower + f64::from(u8::from(up))) * spacing) as f32).copysign(x)
 }
 
 /// f32 → bf16 bits, to nearest even (a NaN stays a quiet NaN): `half`'s
@@ -418,6 +476,107 @@ mod tests {
         let mut portable_words = vec![0.0f32; inputs.len() / 2];
         pack(&inputs, &mut portable_words, |x| f16::from_f32(x).to_bits());
         assert_eq!(bits(&simd_words), bits(&portable_words));
+    }
+
+    /// [`round_stochastic_one`] by its definition, in f64 for every value:
+    /// the spacing of the stored type at `x`, the fraction of it `x` lies
+    /// above the lower neighbour, away from zero when `u / 2²⁴` is below it.
+    fn stochastic_reference(x: f32, mantissa: i32, min_exp: i32, u: u32) -> f32 {
+        if !x.is_finite() || x == 0.0 {
+            return x;
+        }
+        let exp = (f64::from(x.abs()).log2().floor() as i32).max(min_exp);
+        let spacing = 2f64.powi(exp - mantissa);
+        let scaled = f64::from(x.abs()) / spacing;
+        let fraction = scaled - scaled.floor();
+        let up = f64::from(u) / f64::from(1u32 << 24) < fraction;
+        (((scaled.floor() + f64::from(u8::from(up))) * spacing) as f32).copysign(x)
+    }
+
+    /// The bit-level stochastic rounding equals its f64 definition, for
+    /// f16's and bf16's shapes, normal and subnormal values, binade edges,
+    /// and the extreme draws; its results are values the type holds, one of
+    /// the input's two neighbours.
+    #[test]
+    fn stochastic_rounding_follows_its_definition() {
+        let mut value = signed_values(17);
+        let mut draws = 0x2545_f491_4f6c_dd1du64;
+        for (dtype, mantissa, min_exp, exponents) in
+            [(EmbeddingDtype::F16, 10, -14, -30..18), (EmbeddingDtype::Bf16, 7, -126, -140..40)]
+        {
+            let f = format(dtype, 1);
+            let mut inputs: Vec<f32> = (0..100_000).map(|_| value(exponents.clone())).collect();
+            inputs.extend([1.0, -1.0, 1.0 + 2f32.powi(-20), 2.0 - 2f32.powi(-20), 65504.0, 65519.0, 1e-30, 1e-40]);
+            for x in inputs {
+                draws = mix64(draws);
+                for u in [0, (1 << 24) - 1, (draws >> 40) as u32] {
+                    let got = round_stochastic_one(x, mantissa, min_exp, u);
+                    let want = stochastic_reference(x, mantissa, min_exp, u);
+                    assert_eq!(got.to_bits(), want.to_bits(), "{dtype:?} x = {x:e}, u = {u}");
+                    let mut stored = [got];
+                    f.round(&mut stored);
+                    if dtype == EmbeddingDtype::F16 && got.abs() > 65504.0 {
+                        // Up from f16's largest finite value: ±inf, as documented.
+                        assert!(stored[0].is_infinite() && x.abs() > 65504.0, "{x:e} → {got:e}");
+                        continue;
+                    }
+                    assert_eq!(stored[0].to_bits(), got.to_bits(), "{dtype:?}: {x:e} → {got:e} is not stored as is");
+                    // The two neighbours are a spacing apart: the result is
+                    // within a spacing of x.
+                    let spacing = 2f64.powi((f64::from(x.abs()).log2().floor() as i32).max(min_exp) - mantissa);
+                    assert!(f64::from((got - x).abs()) <= spacing, "{dtype:?}: {x:e} → {got:e}");
+                }
+                assert!(round_stochastic_one(x, mantissa, min_exp, 0).abs() >= x.abs(), "u = 0 rounds away from zero");
+            }
+        }
+    }
+
+    /// Over many draws (keys, update counts) a stochastically rounded value
+    /// is right on average, where rounding to nearest loses the update; the
+    /// count advances by one a call and wraps at 2²⁴; the draws depend on
+    /// the seed.
+    #[test]
+    fn stochastic_rounding_is_unbiased_and_counts_updates() {
+        for dtype in [EmbeddingDtype::F16, EmbeddingDtype::Bf16] {
+            let f = format(dtype, 4);
+            // A tenth of the gap above 1.0 (f16: 2^-10, bf16: 2^-7).
+            let gap = if dtype == EmbeddingDtype::F16 { 2f32.powi(-10) } else { 2f32.powi(-7) };
+            let x = [1.0 + gap / 10.0, -(1.0 + gap / 10.0), 1.0 + gap * 0.75, 3.0];
+            let n = 200_000u64;
+            let mut sums = [0f64; 4];
+            let mut count = 0.0f32;
+            for key in 0..n {
+                let mut w = x;
+                f.round_stochastic(&mut w, 42, key, &mut count);
+                sums.iter_mut().zip(w).for_each(|(s, w)| *s += f64::from(w));
+            }
+            assert_eq!(count, n as f32, "one count a call");
+            for (i, (&sum, &x)) in sums.iter().zip(&x).enumerate() {
+                let mean = sum / n as f64;
+                // The binomial's standard deviation of the mean is at most gap / (2·√n).
+                let tolerance = 6.0 * f64::from(gap) / (2.0 * (n as f64).sqrt());
+                assert!((mean - f64::from(x)).abs() < tolerance, "{dtype:?} coordinate {i}: mean {mean} vs {x}");
+            }
+            let mut nearest = x;
+            f.round(&mut nearest);
+            assert_eq!(nearest[0], 1.0, "to nearest, a tenth of a gap is lost");
+
+            let (mut a, mut b, mut c) = (x, x, x);
+            let (mut ca, mut cb, mut cc) = (7.0f32, 7.0f32, 7.0f32);
+            f.round_stochastic(&mut a, 1, 5, &mut ca);
+            f.round_stochastic(&mut b, 1, 5, &mut cb);
+            assert_eq!(bits(&a), bits(&b), "the same seed, key and count: the same draws");
+            let differs = (2..50u64).any(|seed| {
+                c = x;
+                cc = 7.0;
+                f.round_stochastic(&mut c, seed, 5, &mut cc);
+                bits(&c) != bits(&a)
+            });
+            assert!(differs, "another seed draws otherwise");
+            let mut last = 16_777_215.0f32;
+            f.round_stochastic(&mut c, 1, 5, &mut last);
+            assert_eq!(last, 0.0, "the count wraps at 2^24");
+        }
     }
 
     /// Pseudo-random values from `seed`: each call uniform in ±2^(e - 1)

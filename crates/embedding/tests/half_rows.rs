@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use sparrow_core::config::{CachePolicy, InitConfig, InitKind};
+use sparrow_core::config::{CachePolicy, InitConfig, InitKind, Rounding};
 use sparrow_embedding::table::SsdOptions;
 use sparrow_embedding::{EmbeddingDtype, EmbeddingTable, Initializer, RowFormat, SparseOptimizer};
 
@@ -72,8 +72,10 @@ fn train(table: &EmbeddingTable) -> Reads {
 }
 
 /// The same steps in plain f32 arithmetic, rounding the vector after its
-/// initialisation and after every update: the table must equal it bit for bit.
-fn reference(opt: SparseOptimizer, format: RowFormat) -> (Reads, HashMap<u64, Vec<f32>>) {
+/// initialisation and after every update (with `stochastic`, its seed:
+/// stochastically, the row's last word counting its updates): the table
+/// must equal it bit for bit.
+fn reference(opt: SparseOptimizer, format: RowFormat, stochastic: Option<u64>) -> (Reads, HashMap<u64, Vec<f32>>) {
     let mut rows: HashMap<u64, Vec<f32>> = HashMap::new();
     let mut read = Vec::new();
     for (step, keys) in batches().iter().enumerate() {
@@ -102,8 +104,17 @@ fn reference(opt: SparseOptimizer, format: RowFormat) -> (Reads, HashMap<u64, Ve
         for &k in &unique {
             let row = rows.get_mut(&k).expect("row");
             let (w, state) = row.split_at_mut(DIM);
-            opt.apply(w, state, &summed[&k]);
-            format.round(w);
+            match stochastic {
+                Some(seed) => {
+                    let (count, state) = state.split_last_mut().expect("the count word");
+                    opt.apply(w, state, &summed[&k]);
+                    format.round_stochastic(w, seed, k, count);
+                }
+                None => {
+                    opt.apply(w, state, &summed[&k]);
+                    format.round(w);
+                }
+            }
         }
     }
     read.sort();
@@ -120,7 +131,7 @@ fn half_tables_equal_f32_arithmetic_rounded_once_per_update() {
         for opt in optimizers() {
             let table = EmbeddingTable::typed(DIM, dtype, opt, init(), 1);
             let read = train(&table);
-            let (want_read, want_rows) = reference(opt, table.row_format());
+            let (want_read, want_rows) = reference(opt, table.row_format(), None);
             assert_eq!(read, want_read, "{dtype:?} {}: lookups", opt.name());
             assert_eq!(table.len(), want_rows.len());
             for (k, row) in &want_rows {
@@ -131,14 +142,77 @@ fn half_tables_equal_f32_arithmetic_rounded_once_per_update() {
     }
 }
 
+/// `embedding.rounding = "stochastic"`: a half table (one lock shard or
+/// four) trains exactly like f32 arithmetic that rounds stochastically after
+/// every update, with draws from the initializer's seed, the key and the
+/// row's update count (one more word a row).
+#[test]
+fn stochastic_half_tables_equal_their_definition() {
+    for dtype in [EmbeddingDtype::F16, EmbeddingDtype::Bf16] {
+        for opt in optimizers() {
+            for shards in [1, 4] {
+                let table = EmbeddingTable::typed(DIM, dtype, opt, init(), shards).with_rounding(Rounding::Stochastic);
+                assert_eq!(table.row_len(), DIM + opt.state_len(DIM) + 1, "the update count's word");
+                assert_eq!(table.stochastic_seed(), Some(init().seed));
+                let read = train(&table);
+                let (want_read, want_rows) = reference(opt, table.row_format(), Some(init().seed));
+                assert_eq!(read, want_read, "{dtype:?} {} {shards} shards: lookups", opt.name());
+                for (k, row) in &want_rows {
+                    let got = table.get_row(*k).expect("row");
+                    assert_eq!(bits(&got), bits(row), "{dtype:?} {}: key {k}", opt.name());
+                }
+                let nearest = reference(opt, EmbeddingTable::typed(DIM, dtype, opt, init(), 1).row_format(), None).0;
+                assert_ne!(read, nearest, "{dtype:?} {}: stochastic rounding rounds otherwise", opt.name());
+            }
+        }
+    }
+}
+
+/// Updates smaller than half a gap between stored values: rounding to
+/// nearest loses every one (the row never moves), stochastic rounding keeps
+/// them on average (SGD, a constant gradient: after n steps the row moved by
+/// about n · lr · g).
+#[test]
+fn stochastic_rounding_keeps_updates_that_rounding_to_nearest_loses() {
+    let (lr, g, steps) = (0.01f32, 0.03f32, 400usize);
+    let zeros = Initializer::new(InitConfig { kind: InitKind::Zeros, scale: 0.0 }, 3);
+    for dtype in [EmbeddingDtype::F16, EmbeddingDtype::Bf16] {
+        let run = |rounding: Rounding| {
+            let table =
+                EmbeddingTable::typed(DIM, dtype, SparseOptimizer::Sgd { lr }, zeros, 1).with_rounding(rounding);
+            let keys: Vec<u64> = (0..256).collect();
+            let plan = table.plan(&keys);
+            // Start every row at 1.0, where a step of lr·g = 3e-4 is below
+            // half of f16's gap (2^-10 ≈ 9.8e-4) and of bf16's (2^-7).
+            let mut rows = vec![0.0; keys.len() * DIM];
+            let slots = table.lookup_or_insert(&plan, &mut rows).expect("lookup");
+            table.apply_gradients_at(&plan, &slots, &vec![-1.0 / lr; rows.len()]).expect("to 1.0");
+            for _ in 0..steps {
+                let slots = table.lookup_or_insert(&plan, &mut rows).expect("lookup");
+                table.apply_gradients_at(&plan, &slots, &vec![-g; rows.len()]).expect("update");
+            }
+            table.lookup_or_insert(&plan, &mut rows).expect("lookup");
+            rows.iter().map(|&x| f64::from(x)).sum::<f64>() / rows.len() as f64
+        };
+        let want = 1.0 + f64::from(lr * g) * steps as f64;
+        assert_eq!(run(Rounding::Nearest), 1.0, "{dtype:?}: to nearest, every update is lost");
+        let mean = run(Rounding::Stochastic);
+        assert!((mean - want).abs() < 0.05 * (want - 1.0), "{dtype:?}: mean {mean}, f32 arithmetic {want}");
+    }
+}
+
 #[test]
 fn the_ssd_tier_keeps_half_rows_bit_for_bit() {
-    for dtype in [EmbeddingDtype::F16, EmbeddingDtype::Bf16] {
+    let cases = [EmbeddingDtype::F16, EmbeddingDtype::Bf16]
+        .into_iter()
+        .flat_map(|dtype| [(dtype, Rounding::Nearest), (dtype, Rounding::Stochastic)]);
+    for (dtype, rounding) in cases {
         let opt = SparseOptimizer::Adagrad { lr: 0.05, eps: 1e-8 };
-        let memory = EmbeddingTable::typed(DIM, dtype, opt, init(), 4);
+        let memory = EmbeddingTable::typed(DIM, dtype, opt, init(), 4).with_rounding(rounding);
         let dir = tempfile::tempdir().expect("tmp");
         let ssd = SsdOptions { dir: dir.path().to_path_buf(), cache_capacity_rows: 8, policy: CachePolicy::Lru };
-        let tiered = EmbeddingTable::typed(DIM, dtype, opt, init(), 4).with_ssd_tier(&ssd).expect("ssd");
+        let tiered =
+            EmbeddingTable::typed(DIM, dtype, opt, init(), 4).with_rounding(rounding).with_ssd_tier(&ssd).expect("ssd");
         assert_eq!(train(&memory), train(&tiered), "{dtype:?}: lookups");
         assert!(tiered.tier_stats().expect("tier").writebacks > 0, "rows went through the store");
         let mut walked = Vec::new();

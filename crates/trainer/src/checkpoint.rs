@@ -644,7 +644,8 @@ fn check_compatible(trainer: &Trainer, dir: &Path, m: &Manifest) -> Result<(), T
             dir,
             format!(
                 "(embedding_dim, row floats) = {shape:?} differs from this run's {ours:?} \
-                 (a different model.embedding_dim or embedding.optimizer)"
+                 (a different model.embedding_dim or embedding.optimizer, or embedding.rounding \
+                 = \"stochastic\" on one side only: it keeps a word a row)"
             ),
         ));
     }

@@ -43,8 +43,21 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
     // `dlrm-bf16` (bottom and top MLPs, the interaction in f32):
     // model.precision = "bf16" resumes bit for bit too; so do
     // half rows (`embedding.dtype`), with FTRL for `dlrm-f16rows` and
-    // row-wise Adagrad for `mlp-bf16rows`.
-    for kind in ["dlrm", "deepfm", "mlp", "mlp-bf16", "dcn-bf16", "dlrm-bf16", "dlrm-f16rows", "mlp-bf16rows"] {
+    // row-wise Adagrad for `mlp-bf16rows`, and stochastic rounding
+    // (`embedding.rounding`: its draws count each row's updates, a count
+    // the checkpoint keeps) for `dlrm-srf16rows` with Adagrad.
+    let kinds = [
+        "dlrm",
+        "deepfm",
+        "mlp",
+        "mlp-bf16",
+        "dcn-bf16",
+        "dlrm-bf16",
+        "dlrm-f16rows",
+        "mlp-bf16rows",
+        "dlrm-srf16rows",
+    ];
+    for kind in kinds {
         let mut base = common::small_config(&data, kind.split('-').next().expect("kind"));
         if kind.ends_with("-bf16") {
             base.model.precision = sparrow_core::config::Precision::Bf16;
@@ -52,6 +65,10 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
         if kind.ends_with("-f16rows") {
             base.embedding.dtype = sparrow_core::config::EmbeddingDtype::F16;
             base.embedding.optimizer = sparrow_core::config::SparseOptimizerKind::Ftrl;
+        }
+        if kind.ends_with("-srf16rows") {
+            base.embedding.dtype = sparrow_core::config::EmbeddingDtype::F16;
+            base.embedding.rounding = sparrow_core::config::Rounding::Stochastic;
         }
         if kind.ends_with("-bf16rows") {
             base.embedding.dtype = sparrow_core::config::EmbeddingDtype::Bf16;

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::RwLock;
 use rayon::prelude::*;
-use sparrow_core::config::CachePolicy;
+use sparrow_core::config::{CachePolicy, Rounding};
 
 mod arena;
 mod cache;
@@ -467,10 +467,28 @@ fn init_row(layout: Layout, init: &Initializer, opt: &SparseOptimizer, key: u64,
 }
 
 /// One optimizer step on a packed row: in f32 on the decoded vector (in
-/// `scratch`, `dim` floats), which is rounded once as it is stored again.
+/// `scratch`, `dim` floats), which is rounded once as it is stored again:
+/// to nearest, or with `stochastic` (the seed and the row's key)
+/// stochastically, the row's last word counting its updates.
 #[inline]
-fn update_row(layout: Layout, opt: &SparseOptimizer, packed: &mut [f32], grad: &[f32], scratch: &mut [f32]) {
+fn update_row(
+    layout: Layout,
+    opt: &SparseOptimizer,
+    packed: &mut [f32],
+    grad: &[f32],
+    scratch: &mut [f32],
+    stochastic: Option<(u64, u64)>,
+) {
     let (words, state) = packed.split_at_mut(layout.vector_words());
+    if let Some((seed, key)) = stochastic
+        && let Some((count, state)) = state.split_last_mut()
+    {
+        layout.format.decode_vector(words, scratch);
+        opt.apply(scratch, state, grad);
+        layout.format.round_stochastic(scratch, seed, key, count);
+        layout.format.encode_vector(scratch, words);
+        return;
+    }
     if layout.format.dtype == EmbeddingDtype::F32 {
         opt.apply(words, state, grad);
         return;
@@ -491,6 +509,9 @@ pub struct EmbeddingTable {
     /// `ttl_steps`: lookups between sweeps for expired rows, ⌈ttl/8⌉ (a row
     /// goes between ttl and 9/8 ttl lookups after its last use); 0: never.
     sweep_every: u64,
+    /// `embedding.rounding = "stochastic"`: the seed of its draws; each row
+    /// then ends with its update count (see [`RowFormat::round_stochastic`]).
+    stochastic_seed: Option<u64>,
 }
 
 /// The SSD tier of a table (S3.8): where its files go and the cache in front.
@@ -570,7 +591,31 @@ impl EmbeddingTable {
             tick: AtomicU64::new(1),
             in_flight: Arc::default(),
             sweep_every: 0,
+            stochastic_seed: None,
         }
+    }
+
+    /// `embedding.rounding`: with `Stochastic` on a half table, updated
+    /// vectors are rounded stochastically, drawing from the initializer's
+    /// seed, and every row gets one more word (its update count) after the
+    /// optimizer state. Set on an empty table, before its SSD tier.
+    pub fn with_rounding(mut self, rounding: Rounding) -> Self {
+        if rounding == Rounding::Nearest || self.layout.format.dtype == EmbeddingDtype::F32 {
+            return self;
+        }
+        assert!(
+            self.shards.iter().all(|s| s.read().rows == 0 && matches!(s.read().backing, Backing::Memory)),
+            "the rounding is set on an empty in-memory table"
+        );
+        let format = self.layout.format;
+        self.layout = Layout::new(RowFormat { state_len: self.optimizer.state_len(format.dim) + 1, ..format });
+        self.stochastic_seed = Some(self.init.seed);
+        self
+    }
+
+    /// The seed of stochastic rounding's draws; `None`: to nearest.
+    pub fn stochastic_seed(&self) -> Option<u64> {
+        self.stochastic_seed
     }
 
     /// A table whose rows live in files under `ssd.dir` (one per lock shard),
@@ -630,7 +675,7 @@ impl EmbeddingTable {
             ttl_steps: config.ttl_steps,
             ttl_floor,
         };
-        let table = Self::typed(dim, config.dtype, optimizer, init, config.table_shards);
+        let table = Self::typed(dim, config.dtype, optimizer, init, config.table_shards).with_rounding(config.rounding);
         let table = match (config.storage, &config.path) {
             (sparrow_core::config::Storage::Ssd, Some(path)) => {
                 let mut dir = std::path::PathBuf::from(path);
@@ -966,7 +1011,8 @@ impl EmbeddingTable {
                     return Err(TableError::SlotReused { shard: s, key, found });
                 }
                 let grad = &grads[u * dim..(u + 1) * dim];
-                update_row(layout, &self.optimizer, shard.packed_mut(layout, slot), grad, &mut scratch);
+                let stochastic = self.stochastic_seed.map(|seed| (seed, key));
+                update_row(layout, &self.optimizer, shard.packed_mut(layout, slot), grad, &mut scratch, stochastic);
                 shard.mark_dirty(slot);
             }
             Ok(())
