@@ -404,13 +404,14 @@ fn a_malformed_failpoints_value_is_an_error_naming_it() {
 }
 
 /// Half rows (`embedding.dtype = "f16"`: shards store, checkpoint and send
-/// 16-bit vectors) and bf16 products (`model.precision = "bf16"`) recover
-/// exactly too: a shard and then the worker die, and the job ends with the
-/// uninterrupted half-precision model.
+/// 16-bit vectors), rounded stochastically (each row's update count, which
+/// the draws hash, restored from the checkpoint), and bf16 products
+/// (`model.precision = "bf16"`) recover exactly too: a shard and then the
+/// worker die, and the job ends with the uninterrupted half-precision model.
 #[test]
 fn half_rows_and_bf16_products_recover_exactly() {
     let Scenario { config, whole, tmp } = scenario(|text, _| {
-        text.replace("learning_rate = 0.05", "learning_rate = 0.05\ndtype = \"f16\"")
+        text.replace("learning_rate = 0.05", "learning_rate = 0.05\ndtype = \"f16\"\nrounding = \"stochastic\"")
             .replace("kind = \"dlrm\"", "kind = \"dlrm\"\nprecision = \"bf16\"")
     });
     let out = launch(&config, "shard.push=170*off->return;worker.step=240*off->return", &[], &[]);
