@@ -410,6 +410,15 @@ pub enum Rounding {
     Stochastic,
 }
 
+impl Rounding {
+    pub fn name(self) -> &'static str {
+        match self {
+            Rounding::Nearest => "nearest",
+            Rounding::Stochastic => "stochastic",
+        }
+    }
+}
+
 /// `embedding.dtype`: the stored vector's number format. Gradients and the
 /// optimizer's arithmetic stay f32; an updated vector is rounded once, to
 /// nearest even, when it is written back to its row.

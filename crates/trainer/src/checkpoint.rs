@@ -29,6 +29,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sparrow_core::Config;
 use sparrow_core::batch::DataPosition;
+use sparrow_core::config::Rounding;
 use sparrow_data::DataLayout;
 use sparrow_embedding::{EmbeddingDtype, EmbeddingTable, RowFormat};
 use sparrow_model::{DenseModel, DenseOptimizer};
@@ -116,6 +117,10 @@ pub struct Manifest {
     /// How the vectors are stored (`embedding.dtype`); older checkpoints: f32.
     #[serde(default)]
     pub embedding_dtype: EmbeddingDtype,
+    /// How updated half vectors were rounded (`embedding.rounding`); older
+    /// checkpoints: to nearest.
+    #[serde(default)]
+    pub embedding_rounding: Rounding,
     pub sparse_optimizer: String,
     pub step: u64,
     pub samples_trained: u64,
@@ -273,6 +278,7 @@ pub fn save(trainer: &Trainer, root: &Path, keep: usize) -> Result<PathBuf, Trai
         embedding_dim: trainer.config.model.embedding_dim,
         embedding_width: trainer.table.dim(),
         embedding_dtype: trainer.table.row_format().dtype,
+        embedding_rounding: trainer.table.rounding(),
         row_len: trainer.table.row_len(),
         sparse_optimizer: trainer.table.optimizer().name().to_string(),
         step: trainer.step,
@@ -637,6 +643,27 @@ fn check_compatible(trainer: &Trainer, dir: &Path, m: &Manifest) -> Result<(), T
     if (m.num_fields, m.num_dense) != data {
         return Err(TrainError::DataShape { checkpoint: dir.to_path_buf(), saved: (m.num_fields, m.num_dense), data });
     }
+    // The rows' state must mean what this run's optimizer and rounding read
+    // it as (with stochastic rounding's count word, two optimizers can have
+    // rows of one length: SGD's and row-wise Adagrad's, FTRL's and Adam's).
+    let optimizer = trainer.table.optimizer().name();
+    if !m.sparse_optimizer.is_empty() && m.sparse_optimizer != optimizer {
+        return Err(TrainError::checkpoint(
+            dir,
+            format!("its rows hold `{}` state, this run's embedding.optimizer is `{optimizer}`", m.sparse_optimizer),
+        ));
+    }
+    if m.embedding_rounding != trainer.table.rounding() {
+        return Err(TrainError::checkpoint(
+            dir,
+            format!(
+                "was written with embedding.rounding = \"{}\", this run asks for \"{}\" \
+                 (stochastic rounding keeps an update count in every row)",
+                m.embedding_rounding.name(),
+                trainer.table.rounding().name()
+            ),
+        ));
+    }
     let shape = (m.embedding_dim, m.row_len);
     let ours = (trainer.config.model.embedding_dim, trainer.table.row_len());
     if shape != ours {
@@ -644,8 +671,7 @@ fn check_compatible(trainer: &Trainer, dir: &Path, m: &Manifest) -> Result<(), T
             dir,
             format!(
                 "(embedding_dim, row floats) = {shape:?} differs from this run's {ours:?} \
-                 (a different model.embedding_dim or embedding.optimizer, or embedding.rounding \
-                 = \"stochastic\" on one side only: it keeps a word a row)"
+                 (a different model.embedding_dim or embedding.optimizer)"
             ),
         ));
     }

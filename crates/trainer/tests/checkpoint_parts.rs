@@ -79,6 +79,7 @@ fn checkpoint(root: &Path, c: &Config, tables: &[EmbeddingTable], step: u64, bas
         embedding_dim: c.model.embedding_dim,
         embedding_width: tables[0].dim(),
         embedding_dtype: tables[0].row_format().dtype,
+        embedding_rounding: tables[0].rounding(),
         row_len: tables[0].row_len(),
         sparse_optimizer: tables[0].optimizer().name().to_string(),
         step,

@@ -95,6 +95,41 @@ fn damage_and_mismatch_are_reported() {
     assert!(msg.contains("`dlrm`") && msg.contains("`mlp`"), "{msg}");
 }
 
+/// Rows whose state another optimizer or another rounding would misread
+/// are refused naming the key, even where the row lengths agree: SGD's rows
+/// with stochastic rounding's count word are as long as row-wise Adagrad's.
+#[test]
+fn rows_of_another_optimizer_or_rounding_are_refused() {
+    use sparrow_core::config::{EmbeddingDtype, Rounding, SparseOptimizerKind};
+    let tmp = tempfile::tempdir().expect("tmp");
+    let data = tmp.path().join("data");
+    common::small_data(&data, 1500, 300);
+    let mut c = common::small_config(&data, "mlp");
+    c.embedding.dtype = EmbeddingDtype::F16;
+    c.embedding.optimizer = SparseOptimizerKind::Sgd;
+    c.embedding.rounding = Rounding::Stochastic;
+    let ck = tmp.path().join("ck");
+    c.checkpoint.dir = Some(ck.display().to_string());
+    train(&c, true).expect("train");
+    let resume = |edit: &dyn Fn(&mut sparrow_core::Config)| {
+        let mut again = c.clone();
+        again.checkpoint.resume_from = Some(ck.display().to_string());
+        edit(&mut again);
+        train(&again, true).map(|_| ()).expect_err("refused").to_string()
+    };
+    let msg = resume(&|c| {
+        c.embedding.optimizer = SparseOptimizerKind::RowwiseAdagrad;
+        c.embedding.rounding = Rounding::Nearest;
+    });
+    assert!(msg.contains("embedding.optimizer") && msg.contains("sgd"), "{msg}");
+    let msg = resume(&|c| c.embedding.rounding = Rounding::Nearest);
+    assert!(msg.contains("embedding.rounding") && msg.contains("stochastic"), "{msg}");
+    // The same settings resume.
+    let mut again = c.clone();
+    again.checkpoint.resume_from = Some(ck.display().to_string());
+    train(&again, true).expect("the same settings resume");
+}
+
 #[test]
 fn keeps_the_newest_versions_and_latest_points_at_a_complete_one() {
     let tmp = tempfile::tempdir().expect("tmp");

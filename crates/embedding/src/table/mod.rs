@@ -618,6 +618,11 @@ impl EmbeddingTable {
         self.stochastic_seed
     }
 
+    /// How updated vectors are rounded (f32 tables: to nearest, i.e. not at all).
+    pub fn rounding(&self) -> Rounding {
+        if self.stochastic_seed.is_some() { Rounding::Stochastic } else { Rounding::Nearest }
+    }
+
     /// A table whose rows live in files under `ssd.dir` (one per lock shard),
     /// with at most `ssd.cache_capacity_rows` of them in memory.
     pub fn with_ssd(
