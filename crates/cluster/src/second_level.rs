@@ -215,16 +215,8 @@ impl SecondLevel {
         for (key, g) in keys.iter().zip(grads.chunks_exact(self.dim)) {
             if let Some(row) = state.rows.get_mut(key) {
                 let (w, opt_state) = row.split_at_mut(self.dim);
-                match (self.stochastic_seed, opt_state.split_last_mut()) {
-                    (Some(seed), Some((count, opt_state))) => {
-                        self.optimizer.apply(w, opt_state, g);
-                        self.format.round_stochastic(w, seed, *key, count);
-                    }
-                    _ => {
-                        self.optimizer.apply(w, opt_state, g);
-                        self.format.round(w);
-                    }
-                }
+                let stochastic = self.stochastic_seed.map(|seed| (seed, *key));
+                self.format.step_and_round(&self.optimizer, w, opt_state, g, stochastic);
             }
         }
         let Some(pass) = state.batch_pass.remove(&batch_id) else { return Ok(()) };

@@ -155,6 +155,31 @@ impl RowFormat {
         *count = if n + 1 >= 1 << 24 { 0.0 } else { (n + 1) as f32 };
     }
 
+    /// One optimizer step on a logical vector `w` with its row's `state`,
+    /// then `w` rounded as the row stores it: to nearest, or with
+    /// `stochastic` (the seed and the row's key) stochastically, `state`'s
+    /// last word being the row's update count. Every update site (the
+    /// table, S1's second level) goes through it, so they round alike.
+    pub fn step_and_round(
+        &self,
+        opt: &SparseOptimizer,
+        w: &mut [f32],
+        state: &mut [f32],
+        g: &[f32],
+        stochastic: Option<(u64, u64)>,
+    ) {
+        match (stochastic, state.split_last_mut()) {
+            (Some((seed, key)), Some((count, state))) => {
+                opt.apply(w, state, g);
+                self.round_stochastic(w, seed, key, count);
+            }
+            _ => {
+                opt.apply(w, state, g);
+                self.round(w);
+            }
+        }
+    }
+
     /// A stored row (without its key) as a logical one.
     pub fn decode(&self, stored: &[f32], logical: &mut [f32]) {
         let words = self.vector_words();
@@ -507,6 +532,10 @@ mod tests {
             let f = format(dtype, 1);
             let mut inputs: Vec<f32> = (0..100_000).map(|_| value(exponents.clone())).collect();
             inputs.extend([1.0, -1.0, 1.0 + 2f32.powi(-20), 2.0 - 2f32.powi(-20), 65504.0, 65519.0, 1e-30, 1e-40]);
+            for x in [f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0] {
+                let got = round_stochastic_one(x, mantissa, min_exp, 12345);
+                assert_eq!(got.to_bits(), x.to_bits(), "{dtype:?}: {x} passes through");
+            }
             for x in inputs {
                 draws = mix64(draws);
                 for u in [0, (1 << 24) - 1, (draws >> 40) as u32] {

@@ -480,12 +480,9 @@ fn update_row(
     stochastic: Option<(u64, u64)>,
 ) {
     let (words, state) = packed.split_at_mut(layout.vector_words());
-    if let Some((seed, key)) = stochastic
-        && let Some((count, state)) = state.split_last_mut()
-    {
+    if stochastic.is_some() {
         layout.format.decode_vector(words, scratch);
-        opt.apply(scratch, state, grad);
-        layout.format.round_stochastic(scratch, seed, key, count);
+        layout.format.step_and_round(opt, scratch, state, grad, stochastic);
         layout.format.encode_vector(scratch, words);
         return;
     }
