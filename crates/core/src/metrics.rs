@@ -52,6 +52,17 @@ pub fn logistic_loss(logit: f64, label: f64) -> f64 {
     logit.max(0.0) - logit * label + (-logit.abs()).exp().ln_1p()
 }
 
+/// [`logistic_loss`] and [`sigmoid`] of one logit at once: both take
+/// `exp(−|x|)` (the sigmoid's `exp(−x)` for x ≥ 0, `exp(x)` below), so it is
+/// computed once; the same bits as the two calls (tested).
+#[inline]
+pub fn logistic_loss_and_sigmoid(logit: f64, label: f64) -> (f64, f64) {
+    let e = (-logit.abs()).exp();
+    let loss = logit.max(0.0) - logit * label + e.ln_1p();
+    let p = if logit >= 0.0 { 1.0 / (1.0 + e) } else { e / (1.0 + e) };
+    (loss, p)
+}
+
 /// Mean log-loss from logits (exact even where the sigmoid saturates).
 pub fn log_loss_from_logits(logits: &[f32], labels: &[f32]) -> f64 {
     if logits.is_empty() {
@@ -108,6 +119,26 @@ mod tests {
             }
         }
         num / den
+    }
+
+    #[test]
+    fn loss_and_sigmoid_together_are_the_two_calls_bit_for_bit() {
+        let mut rng = crate::rng::Rng::new(17);
+        let mut logits =
+            vec![0.0, -0.0, f64::INFINITY, f64::NEG_INFINITY, f64::MIN_POSITIVE / 4.0, -1e-300, 745.0, -745.0];
+        logits.extend((0..100_000).map(|i| {
+            let scale = [1e-6, 0.5, 8.0, 60.0, 800.0][i % 5];
+            rng.uniform(-scale, scale)
+        }));
+        for &x in &logits {
+            for y in [0.0, 1.0, 0.3] {
+                let (loss, p) = logistic_loss_and_sigmoid(x, y);
+                assert_eq!(loss.to_bits(), logistic_loss(x, y).to_bits(), "loss at {x:e}, {y}");
+                assert_eq!(p.to_bits(), sigmoid(x).to_bits(), "sigmoid at {x:e}");
+            }
+        }
+        let (loss, p) = logistic_loss_and_sigmoid(f64::NAN, 1.0);
+        assert!(loss.is_nan() && p.is_nan());
     }
 
     #[test]

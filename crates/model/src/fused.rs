@@ -494,6 +494,111 @@ pub(crate) fn first_order_fm_row(e: &[f32], w: usize, second_order: bool, sum: &
     first + second
 }
 
+/// Rows [`first_order_fm_rows`] works on side by side.
+pub(crate) const FM_ROWS_AT_ONCE: usize = 8;
+
+/// [`first_order_fm_row`] for up to [`FM_ROWS_AT_ONCE`] rows at once: row
+/// `r`'s fields are the first `f·w` floats of `x[r·stride..]`, its result
+/// goes to `out[r]` and (FM) its Σ_f v_f to `sums[r·(w − 1)..]` (`sums`
+/// holds `out.len()·(w − 1)`), for the backward pass. Each
+/// row's additions happen in [`first_order_fm_row`]'s order (the same bits,
+/// tested), but in a full block the rows' chains of dependent adds — LR's f
+/// long, FM's Σv² f·(w − 1) long — run side by side in registers instead of
+/// one after the other, which on one row left the adder waiting on its own
+/// latency. A partial block (the batch's last) goes row by row.
+pub(crate) fn first_order_fm_rows(
+    x: &[f32],
+    stride: usize,
+    (f, w): (usize, usize),
+    second_order: bool,
+    sums: &mut [f32],
+    out: &mut [f32],
+) {
+    let n = out.len();
+    assert!(n <= FM_ROWS_AT_ONCE && (n == 0 || x.len() >= (n - 1) * stride + f * w), "rows of the block");
+    let d = w.saturating_sub(1);
+    let sums = &mut sums[..n * d];
+    if let Some(block) = out.first_chunk_mut::<FM_ROWS_AT_ONCE>() {
+        #[cfg(target_arch = "x86_64")]
+        if sparrow_core::simd::allowed() && std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 was detected just above.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            unsafe {
+                *block = first_order_fm_block_avx2(x, stride, (f, w), second_order, sums);
+            }
+            return;
+        }
+        *block = first_order_fm_block(x, stride, (f, w), second_order, sums);
+        return;
+    }
+    for (r, out) in out.iter_mut().enumerate() {
+        let sum = &mut sums[r * d..(r + 1) * d];
+        *out = first_order_fm_row(&x[r * stride..r * stride + f * w], w, second_order, sum);
+    }
+}
+
+/// [`first_order_fm_block`] compiled for AVX2 (the same operations, so the
+/// same bits: no contraction into fused multiply-adds).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn first_order_fm_block_avx2<const N: usize>(
+    x: &[f32],
+    stride: usize,
+    shape: (usize, usize),
+    second_order: bool,
+    sums: &mut [f32],
+) -> [f32; N] {
+    first_order_fm_block(x, stride, shape, second_order, sums)
+}
+
+/// A full block of [`first_order_fm_rows`]: `N` is a constant, so the rows'
+/// running sums are registers.
+#[inline(always)]
+fn first_order_fm_block<const N: usize>(
+    x: &[f32],
+    stride: usize,
+    (f, w): (usize, usize),
+    second_order: bool,
+    sums: &mut [f32],
+) -> [f32; N] {
+    let d = w - 1;
+    let rows: [&[f32]; N] = std::array::from_fn(|r| &x[r * stride..r * stride + f * w]);
+    let (mut first, mut squares) = ([0.0f32; N], [0.0f32; N]);
+    sums.fill(0.0);
+    for field in 0..f {
+        let at = field * w;
+        for r in 0..N {
+            first[r] += rows[r][at];
+        }
+        if second_order {
+            for (sum, row) in sums.chunks_exact_mut(d.max(1)).zip(rows) {
+                sum.iter_mut().zip(&row[at + 1..at + w]).for_each(|(s, v)| *s += v);
+            }
+            // A field's Σv² starts from zero, as `Iterator::sum` does.
+            let mut field_squares = [0.0f32; N];
+            #[expect(clippy::needless_range_loop, reason = "coordinate k of every row in turn: the rows side by side")]
+            for k in at + 1..at + w {
+                for r in 0..N {
+                    field_squares[r] += rows[r][k] * rows[r][k];
+                }
+            }
+            for r in 0..N {
+                squares[r] += field_squares[r];
+            }
+        }
+    }
+    if !second_order {
+        return first.map(|first| first + 0.0);
+    }
+    let mut sum_squares = [0.0f32; N];
+    for k in 0..d {
+        for r in 0..N {
+            sum_squares[r] += sums[r * d + k] * sums[r * d + k];
+        }
+    }
+    std::array::from_fn(|r| first[r] + 0.5 * (sum_squares[r] - squares[r]))
+}
+
 /// One row of [`FirstOrderFm`]'s adjoint for the row's output gradient `g`:
 /// writes `g` on each leading column and (with `second_order`)
 /// `g · (Σ_f v_fk − v_fk)` on the factors; without it the factors are left
@@ -512,6 +617,19 @@ pub(crate) fn first_order_fm_grad_row(
             sum.iter_mut().zip(&field[1..]).for_each(|(s, x)| *s += x);
         }
     }
+    first_order_fm_grad_row_from_sum(e, w, g, second_order, sum, grad);
+}
+
+/// [`first_order_fm_grad_row`] with the row's `sum` (Σ_f v_f) given, as the
+/// forward pass ([`first_order_fm_rows`]) left it.
+pub(crate) fn first_order_fm_grad_row_from_sum(
+    e: &[f32],
+    w: usize,
+    g: f32,
+    second_order: bool,
+    sum: &[f32],
+    grad: &mut [f32],
+) {
     for (gf, field) in grad.chunks_exact_mut(w).zip(e.chunks_exact(w)) {
         gf[0] = g;
         if second_order {
@@ -732,6 +850,56 @@ mod tests {
                 plain = (plain + second).expect("sum");
             }
             assert_same_forward_and_backward(&fused, &plain, &[&e]);
+        }
+    }
+
+    fn bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// The adjoint from the forward's Σ v is the adjoint that sums them itself.
+    #[test]
+    fn first_order_adjoint_from_the_forwards_sums_is_the_same() {
+        let mut rng = sparrow_core::rng::Rng::new(29);
+        let (f, w) = (7, 5);
+        for second_order in [false, true] {
+            let e: Vec<f32> = (0..f * w).map(|_| rng.normal() as f32).collect();
+            let mut sum = vec![0.0; w - 1];
+            let (mut a, mut b) = (vec![0.0; f * w], vec![0.0; f * w]);
+            first_order_fm_grad_row(&e, w, 0.37, second_order, &mut sum, &mut a);
+            let mut out = [0.0];
+            let mut forward_sum = vec![0.0; w - 1];
+            first_order_fm_rows(&e, f * w, (f, w), second_order, &mut forward_sum, &mut out);
+            first_order_fm_grad_row_from_sum(&e, w, 0.37, second_order, &forward_sum, &mut b);
+            assert_eq!(bits(&a), bits(&b));
+        }
+    }
+
+    /// Rows side by side give each row's bits: LR's width 1 and FM's
+    /// widths, with dense values after the fields (a stride beyond them),
+    /// every block size up to a full one, values of every sign and scale.
+    #[test]
+    fn first_order_rows_side_by_side_equal_one_row_at_a_time() {
+        let mut rng = sparrow_core::rng::Rng::new(23);
+        for (f, w, dense) in [(1, 1, 0), (26, 1, 13), (3, 2, 0), (26, 17, 13), (5, 9, 2)] {
+            let stride = f * w + dense;
+            for second_order in [false, true] {
+                for n in 0..=FM_ROWS_AT_ONCE {
+                    let x: Vec<f32> = (0..n * stride).map(|i| rng.normal() as f32 * [1e-3, 1.0, 40.0][i % 3]).collect();
+                    let mut out = vec![f32::NAN; n];
+                    let mut sums = vec![f32::NAN; n * (w - 1)];
+                    first_order_fm_rows(&x, stride, (f, w), second_order, &mut sums, &mut out);
+                    for (r, &got) in out.iter().enumerate() {
+                        let mut sum = vec![0.0; w - 1];
+                        let want = first_order_fm_row(&x[r * stride..r * stride + f * w], w, second_order, &mut sum);
+                        let what = format!("f {f}, w {w}, fm {second_order}, row {r} of {n}");
+                        assert_eq!(got.to_bits(), want.to_bits(), "{what}");
+                        if second_order {
+                            assert_eq!(bits(&sums[r * (w - 1)..(r + 1) * (w - 1)]), bits(&sum), "{what}: Σ v");
+                        }
+                    }
+                }
+            }
         }
     }
 }

@@ -16,7 +16,8 @@ use rayon::prelude::*;
 use super::{DenseModel, Net};
 use crate::ModelError;
 use crate::fused::{
-    RowBuf, Vectors, first_order_fm_grad_row, first_order_fm_row, pairwise_dots_grad_row, pairwise_dots_row,
+    FM_ROWS_AT_ONCE, RowBuf, Vectors, first_order_fm_grad_row_from_sum, first_order_fm_rows, pairwise_dots_grad_row,
+    pairwise_dots_row,
 };
 use crate::mlp::{CrossGrads, Mlp, MlpScratch, cpu, cross_backward, cross_forward, sized};
 use crate::optimizer::DenseGrads;
@@ -37,6 +38,8 @@ pub(super) struct Scratch {
     /// DCN-v2: each cross layer's output and gate.
     cross_out: Vec<Vec<f32>>,
     gates: Vec<Vec<f32>>,
+    /// FM and DeepFM: each row's Σ_f v_f from the forward pass, for the backward.
+    fm_sums: Vec<f32>,
     /// d loss / d input, in the input's layout: what the step hands back.
     pub(super) grad_x: Vec<f32>,
     /// Backward buffers: DCN-v2's gradients at a layer's input and at its
@@ -82,21 +85,40 @@ impl DenseModel {
 
     /// The first-order part of each logit: `Σ_f w_f`, FM's second order if
     /// `fm`, `dense·w + b`, the shared bias; in candle's order of additions.
-    fn first_order(&self, lin: &Option<Linear>, fm: bool, x: &[f32]) -> Result<Vec<f32>, ModelError> {
+    /// FM's Σ_f v_f of each row go to `sums` for the backward pass.
+    fn first_order(
+        &self,
+        lin: &Option<Linear>,
+        fm: bool,
+        x: &[f32],
+        sums: &mut Vec<f32>,
+    ) -> Result<Vec<f32>, ModelError> {
         let (f, w) = (self.shape.num_fields, self.width());
         let lin = lin.as_ref().map(|l| Ok::<_, ModelError>((values(l.weight())?, values(l.bias())?[0]))).transpose()?;
         let bias = self.bias.as_ref().map(values).transpose()?.map_or(0.0, |b| b[0]);
-        let mut out = vec![0.0f32; x.len() / self.row_len()];
-        out.par_iter_mut().zip(x.par_chunks(self.row_len())).for_each_init(
-            || vec![0.0f32; w - 1],
-            |sum, (out, x)| {
-                let mut t = first_order_fm_row(&x[..f * w], w, fm, sum);
-                if let Some((lw, lb)) = &lin {
-                    t += x[f * w..].iter().zip(lw).fold(0.0f32, |s, (x, w)| s + x * w) + lb;
+        let row = self.row_len();
+        let rows = x.len() / row;
+        let mut out = vec![0.0f32; rows];
+        // (LR's width 1 leaves no sums: one unused float a row keeps the chunks paired.)
+        let per_row = (w - 1).max(1);
+        let sums = sized(sums, rows * per_row); // overwritten whole (LR: unused)
+        // Blocks of rows side by side (see `first_order_fm_rows`); the dense
+        // dot products too, each row's in its own order.
+        let blocks = out.par_chunks_mut(FM_ROWS_AT_ONCE).zip(x.par_chunks(FM_ROWS_AT_ONCE * row));
+        let blocks = blocks.zip(sums.par_chunks_mut(FM_ROWS_AT_ONCE * per_row));
+        blocks.for_each(|((out, x), sums)| {
+            first_order_fm_rows(x, row, (f, w), fm, sums, out);
+            if let Some((lw, lb)) = &lin {
+                let mut dots = [0.0f32; FM_ROWS_AT_ONCE];
+                for (j, lw) in lw.iter().enumerate() {
+                    for (r, dot) in dots[..out.len()].iter_mut().enumerate() {
+                        *dot += x[r * row + f * w + j] * lw;
+                    }
                 }
-                *out = t + bias;
-            },
-        );
+                out.iter_mut().zip(dots).for_each(|(t, dot)| *t += dot + lb);
+            }
+            out.iter_mut().for_each(|t| *t += bias);
+        });
         Ok(out)
     }
 
@@ -104,11 +126,12 @@ impl DenseModel {
     /// `deep_grad` (rows of [`deep_input`](Self::deep_input) at `offset`;
     /// none for LR and FM) for the logits' gradient `seed`: every value of
     /// `grad_x`, and the first-order dense weights' and the bias's gradients.
+    /// `fm_sums`: FM's second order, with each row's Σ_f v_f from the forward pass.
     #[expect(clippy::too_many_arguments, reason = "the step's inputs, its two gradients and where they go")]
     fn first_order_grads<'a>(
         &'a self,
         lin: &'a Option<Linear>,
-        fm: bool,
+        fm_sums: Option<&[f32]>,
         x: &[f32],
         seed: &[f32],
         (deep_grad, offset): (Option<&[f32]>, usize),
@@ -120,28 +143,27 @@ impl DenseModel {
         let deep_len = f * (w - offset) + nd;
         let lin_w = lin.as_ref().map(|l| values(l.weight())).transpose()?;
         let rows_in = grad_x.par_chunks_mut(row).zip(x.par_chunks(row)).zip(seed.par_iter()).enumerate();
-        rows_in.for_each_init(
-            || vec![0.0f32; w - 1],
-            |sum, (r, ((grad, x), &g))| {
-                let (grad_emb, grad_dense) = grad.split_at_mut(f * w);
-                first_order_fm_grad_row(&x[..f * w], w, g, fm, sum, grad_emb);
-                match &lin_w {
-                    Some(lw) => grad_dense.iter_mut().zip(lw).for_each(|(o, w)| *o = g * w),
-                    None => grad_dense.fill(0.0),
+        let fm = fm_sums.is_some();
+        rows_in.for_each(|(r, ((grad, x), &g))| {
+            let (grad_emb, grad_dense) = grad.split_at_mut(f * w);
+            let sum = fm_sums.map_or(&[][..], |sums| &sums[r * (w - 1)..(r + 1) * (w - 1)]);
+            first_order_fm_grad_row_from_sum(&x[..f * w], w, g, fm, sum, grad_emb);
+            match &lin_w {
+                Some(lw) => grad_dense.iter_mut().zip(lw).for_each(|(o, w)| *o = g * w),
+                None => grad_dense.fill(0.0),
+            }
+            let Some(deep_grad) = deep_grad else { return };
+            let gx = &deep_grad[r * deep_len..(r + 1) * deep_len];
+            for (field, g) in grad_emb.chunks_exact_mut(w).zip(gx.chunks_exact(w - offset)) {
+                // Without FM the factors' only gradient is the deep one.
+                if fm {
+                    field[offset..].iter_mut().zip(g).for_each(|(a, g)| *a += g);
+                } else {
+                    field[offset..].copy_from_slice(g);
                 }
-                let Some(deep_grad) = deep_grad else { return };
-                let gx = &deep_grad[r * deep_len..(r + 1) * deep_len];
-                for (field, g) in grad_emb.chunks_exact_mut(w).zip(gx.chunks_exact(w - offset)) {
-                    // Without FM the factors' only gradient is the deep one.
-                    if fm {
-                        field[offset..].iter_mut().zip(g).for_each(|(a, g)| *a += g);
-                    } else {
-                        field[offset..].copy_from_slice(g);
-                    }
-                }
-                grad_dense.iter_mut().zip(&gx[deep_len - nd..]).for_each(|(a, g)| *a += g);
-            },
-        );
+            }
+            grad_dense.iter_mut().zip(&gx[deep_len - nd..]).for_each(|(a, g)| *a += g);
+        });
         let seed_sum = seed.iter().sum::<f32>();
         if let Some(lin) = lin {
             let mut dw = vec![0.0f32; nd];
@@ -167,8 +189,8 @@ impl DenseModel {
         let (f, nd, d) = (self.shape.num_fields, self.shape.num_dense, self.shape.embedding_dim);
         let deep = |mlp: &Mlp, x: &[f32], s: &mut MlpScratch| mlp.forward_cpu(x, rows, s);
         Ok(match &self.net {
-            Net::Lr { dense: lin } => self.first_order(lin, false, x)?,
-            Net::Fm { dense: lin } => self.first_order(lin, true, x)?,
+            Net::Lr { dense: lin } => self.first_order(lin, false, x, &mut s.fm_sums)?,
+            Net::Fm { dense: lin } => self.first_order(lin, true, x, &mut s.fm_sums)?,
             Net::Mlp { mlp } => {
                 deep(mlp, x, &mut s.deep)?;
                 s.deep.output.clone()
@@ -177,7 +199,7 @@ impl DenseModel {
                 let fm = matches!(self.net, Net::DeepFm { .. });
                 self.deep_input(x, 1, &mut s.x);
                 deep(mlp, &s.x, &mut s.deep)?;
-                let mut logits = self.first_order(lin, fm, x)?;
+                let mut logits = self.first_order(lin, fm, x, &mut s.fm_sums)?;
                 logits.iter_mut().zip(&s.deep.output).for_each(|(a, b)| *a += b);
                 logits
             }
@@ -237,9 +259,9 @@ impl DenseModel {
         let mut grads: Grads<'_> = Vec::new();
         match &self.net {
             Net::Lr { dense: lin } | Net::Fm { dense: lin } => {
-                let fm = matches!(self.net, Net::Fm { .. });
+                let fm_sums = matches!(self.net, Net::Fm { .. }).then_some(&s.fm_sums[..]);
                 let grad_x = sized(&mut s.grad_x, rows * row); // every value written
-                self.first_order_grads(lin, fm, x, seed, (None, 0), grad_x, &mut grads)?;
+                self.first_order_grads(lin, fm_sums, x, seed, (None, 0), grad_x, &mut grads)?;
             }
             Net::Mlp { mlp } => {
                 grads.push((mlp.params(), mlp.backward_cpu(x, seed, &mut s.deep)?));
@@ -247,11 +269,11 @@ impl DenseModel {
                 std::mem::swap(&mut s.grad_x, &mut s.deep.grad_input);
             }
             Net::WideDeep { dense: lin, deep } | Net::DeepFm { dense: lin, deep } => {
-                let fm = matches!(self.net, Net::DeepFm { .. });
+                let fm_sums = matches!(self.net, Net::DeepFm { .. }).then_some(&s.fm_sums[..]);
                 grads.push((deep.params(), deep.backward_cpu(&s.x, seed, &mut s.deep)?));
                 let grad_x = sized(&mut s.grad_x, rows * row); // every value written
                 let deep_grad = (Some(&s.deep.grad_input[..]), 1);
-                self.first_order_grads(lin, fm, x, seed, deep_grad, grad_x, &mut grads)?;
+                self.first_order_grads(lin, fm_sums, x, seed, deep_grad, grad_x, &mut grads)?;
             }
             Net::Dlrm { bottom, top, n, .. } => {
                 let pairs = n * (n - 1) / 2;
