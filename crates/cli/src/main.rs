@@ -165,6 +165,9 @@ enum Command {
         /// `embedding.optimizer`s to measure the embedding path with.
         #[arg(long, value_delimiter = ',', default_value = "adagrad,rowwise_adagrad")]
         optimizers: Vec<String>,
+        /// `embedding.rounding`s to measure the half dtypes with (nearest, stochastic); f32 rows are not rounded.
+        #[arg(long, value_delimiter = ',', default_value = "nearest")]
+        roundings: Vec<String>,
         /// Training steps timed on the reference model (0 skips it).
         #[arg(long, default_value_t = 300)]
         train_steps: usize,
@@ -545,6 +548,7 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             threads,
             dtypes,
             optimizers,
+            roundings,
             train_steps,
             kind_steps,
             kinds,
@@ -596,10 +600,19 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
                     })
                 })
                 .collect::<Result<_, _>>()?;
+            let roundings = roundings
+                .iter()
+                .map(|r| match r.as_str() {
+                    "nearest" => Ok(sparrow_core::config::Rounding::Nearest),
+                    "stochastic" => Ok(sparrow_core::config::Rounding::Stochastic),
+                    other => Err(anyhow::anyhow!("--roundings: `{other}` is not nearest or stochastic")),
+                })
+                .collect::<Result<_, _>>()?;
             let options = sparrow_trainer::bench::BenchOptions {
                 dims,
                 dtypes,
                 optimizers,
+                roundings,
                 table_rows,
                 batches,
                 thread_counts: threads,

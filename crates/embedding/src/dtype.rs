@@ -148,10 +148,8 @@ impl RowFormat {
         };
         let n = *count as u32;
         let row = mix64(seed ^ key ^ 0x5851_f42d_4c95_7f2d);
-        for (i, x) in w.iter_mut().enumerate() {
-            let draw = mix64(row.wrapping_add((u64::from(n) << 32) | i as u64));
-            *x = round_stochastic_one(*x, mantissa, min_exp, (draw >> 40) as u32);
-        }
+        // Coordinate i's draw: the top 24 bits of mix64(row + (n << 32 | i)).
+        simd::round_stochastic(w, row.wrapping_add(u64::from(n) << 32), mantissa, min_exp);
         *count = if n + 1 >= 1 << 24 { 0.0 } else { (n + 1) as f32 };
     }
 
@@ -227,6 +225,40 @@ fn round_stochastic_one(x: f32, mantissa: i32, min_exp: i32, u: u32) -> f32 {
     (((lower + f64::from(u8::from(up))) * spacing) as f32).copysign(x)
 }
 
+/// [`round_stochastic_one`] on every coordinate of `w`, coordinate i with the
+/// draw `mix64(base + i) >> 40`, written so that it vectorises: every lane
+/// takes the bit path, lanes outside it (zeros, infinities, NaN, values
+/// below the type's normals) keep their value, and only if one lies below
+/// the normals does a second pass round those (with the same draws) the
+/// slow way. The same bits as one coordinate at a time (tested).
+#[inline(always)]
+fn round_stochastic_lanes(w: &mut [f32], base: u64, mantissa: i32, min_exp: i32) {
+    let drop = 23 - mantissa as u32;
+    let min_field = (min_exp + 127) as u32;
+    let mut below_normals = false;
+    for (i, x) in w.iter_mut().enumerate() {
+        let u = (mix64(base.wrapping_add(i as u64)) >> 40) as u32;
+        let bits = x.to_bits();
+        let abs = bits & 0x7fff_ffff;
+        let field = abs >> 23;
+        let dropped = abs & ((1 << drop) - 1);
+        let up = u32::from(u < dropped << (24 - drop));
+        let rounded = (abs - dropped + (up << drop)) | (bits & 0x8000_0000);
+        below_normals |= field < min_field && abs != 0;
+        *x = f32::from_bits(if field >= min_field && field != 0xff { rounded } else { bits });
+    }
+    if below_normals {
+        // A rounded normal stays at or above the smallest normal, so what is
+        // below it now was left alone above.
+        for (i, x) in w.iter_mut().enumerate() {
+            let abs = x.to_bits() & 0x7fff_ffff;
+            if abs != 0 && abs >> 23 < min_field {
+                *x = round_stochastic_one(*x, mantissa, min_exp, (mix64(base.wrapping_add(i as u64)) >> 40) as u32);
+            }
+        }
+    }
+}
+
 /// f32 → bf16 bits, to nearest even (a NaN stays a quiet NaN): `half`'s
 /// rule, written branch-free for the non-NaN case so the loop vectorises.
 #[inline]
@@ -267,6 +299,20 @@ fn pack(w: &[f32], words: &mut [f32], narrow: impl Fn(f32) -> u16) {
 /// the rest and everything where F16C is missing. Both give the same bits
 /// (tested).
 mod simd {
+    /// [`round_stochastic_lanes`](super::round_stochastic_lanes), compiled
+    /// for AVX-512 (64-bit multiplies in vector lanes: the draws' hash) where
+    /// the CPU has it.
+    #[inline]
+    pub(super) fn round_stochastic(w: &mut [f32], base: u64, mantissa: i32, min_exp: i32) {
+        #[cfg(target_arch = "x86_64")]
+        if x86::has_avx512() {
+            // SAFETY: AVX-512 F and DQ were detected just above.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            return unsafe { x86::round_stochastic(w, base, mantissa, min_exp) };
+        }
+        super::round_stochastic_lanes(w, base, mantissa, min_exp);
+    }
+
     /// Decodes an f16 vector: `out.len()` coordinates from `words`.
     #[inline]
     pub(super) fn decode_f16(words: &[f32], out: &mut [f32]) {
@@ -305,6 +351,22 @@ mod simd {
         #[inline]
         pub(crate) fn available() -> bool {
             sparrow_core::simd::allowed() && is_x86_feature_detected!("f16c") && is_x86_feature_detected!("avx")
+        }
+
+        #[inline]
+        pub(crate) fn has_avx512() -> bool {
+            sparrow_core::simd::allowed()
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512dq")
+                && is_x86_feature_detected!("avx512vl")
+        }
+
+        /// [`round_stochastic_lanes`](super::super::round_stochastic_lanes)
+        /// compiled for AVX-512: integer operations only (and, on the rare
+        /// values below the normals, the same f64 arithmetic), so the same bits.
+        #[target_feature(enable = "avx512f,avx512dq,avx512vl")]
+        pub(crate) fn round_stochastic(w: &mut [f32], base: u64, mantissa: i32, min_exp: i32) {
+            super::super::round_stochastic_lanes(w, base, mantissa, min_exp);
         }
 
         #[target_feature(enable = "f16c,avx")]
@@ -556,6 +618,44 @@ mod tests {
                     assert!(f64::from((got - x).abs()) <= spacing, "{dtype:?}: {x:e} → {got:e}");
                 }
                 assert!(round_stochastic_one(x, mantissa, min_exp, 0).abs() >= x.abs(), "u = 0 rounds away from zero");
+            }
+        }
+    }
+
+    /// A vector rounded stochastically — the AVX-512 build where the CPU has
+    /// it, and the portable one — is each coordinate rounded on its own with
+    /// its draw, bit for bit: vectors of every length up to 40, values
+    /// normal, below the normals, zeros, infinities and NaN, mixed.
+    #[test]
+    fn stochastic_rounding_of_vectors_is_one_coordinate_at_a_time() {
+        let mut value = signed_values(31);
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 1e-40, -3e-39, 65519.0];
+        for (mantissa, min_exp, exponents) in [(10, -14, -30..18), (7, -126, -140..40)] {
+            for len in 0..=40 {
+                for case in 0..40 {
+                    rng = mix64(rng);
+                    let w: Vec<f32> = (0..len)
+                        .map(|i| match (case % 4, i % 7) {
+                            (0, _) | (1, 1..) => value(exponents.clone()),
+                            _ => specials[(rng as usize + i) % specials.len()],
+                        })
+                        .collect();
+                    let base = rng;
+                    let want: Vec<u32> = w
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &x)| {
+                            let u = (mix64(base.wrapping_add(i as u64)) >> 40) as u32;
+                            round_stochastic_one(x, mantissa, min_exp, u).to_bits()
+                        })
+                        .collect();
+                    let (mut dispatched, mut portable) = (w.clone(), w.clone());
+                    simd::round_stochastic(&mut dispatched, base, mantissa, min_exp);
+                    round_stochastic_lanes(&mut portable, base, mantissa, min_exp);
+                    assert_eq!(bits(&portable), want, "portable, len {len}, {w:?}");
+                    assert_eq!(bits(&dispatched), want, "this CPU's build, len {len}, {w:?}");
+                }
             }
         }
     }

@@ -9,7 +9,9 @@ use std::time::Instant;
 
 use serde::Serialize;
 use sparrow_core::batch::BatchBuilder;
-use sparrow_core::config::{EmbeddingConfig, EmbeddingDtype, InitConfig, ModelKind, Precision, SparseOptimizerKind};
+use sparrow_core::config::{
+    EmbeddingConfig, EmbeddingDtype, InitConfig, ModelKind, Precision, Rounding, SparseOptimizerKind,
+};
 use sparrow_core::key::mix64;
 use sparrow_core::rng::Rng;
 use sparrow_core::{Batch, Config};
@@ -42,6 +44,9 @@ pub struct BenchOptions {
     pub dtypes: Vec<EmbeddingDtype>,
     /// `embedding.optimizer`s the embedding path is measured with.
     pub optimizers: Vec<SparseOptimizerKind>,
+    /// `embedding.rounding`s the half dtypes are measured with (f32 rows
+    /// have only `nearest`).
+    pub roundings: Vec<Rounding>,
     /// Distinct IDs in the embedding table under test.
     pub table_rows: usize,
     /// Batches timed per embedding configuration.
@@ -70,6 +75,7 @@ impl Default for BenchOptions {
             dims: vec![16, 64],
             dtypes: vec![EmbeddingDtype::F32, EmbeddingDtype::F16],
             optimizers: vec![SparseOptimizerKind::Adagrad, SparseOptimizerKind::RowwiseAdagrad],
+            roundings: vec![Rounding::Nearest],
             table_rows: 2_000_000,
             batches: 200,
             batch_size: 1024,
@@ -102,6 +108,8 @@ pub struct EmbeddingBench {
     pub optimizer: &'static str,
     /// `embedding.dtype` of the table's vectors.
     pub dtype: &'static str,
+    /// `embedding.rounding` of its updates.
+    pub rounding: &'static str,
     /// Key + vector + optimizer state as stored.
     pub payload_bytes_per_row: usize,
     /// `payload_bytes_per_row` over an f32 row's with the same optimizer and dim.
@@ -368,9 +376,10 @@ fn check_embedding_memory(o: &BenchOptions, available: Option<u64>) -> Result<()
         let per_row: u64 = o
             .optimizers
             .iter()
-            .flat_map(|&kind| o.dtypes.iter().map(move |&dtype| (kind, dtype)))
-            .map(|(kind, dtype)| {
-                let state_len = bench_optimizer(kind).state_len(dim);
+            .flat_map(|&kind| embedding_configs(o).map(move |(dtype, rounding)| (kind, dtype, rounding)))
+            .map(|(kind, dtype, rounding)| {
+                // Stochastic rounding keeps the row's update count: one more word.
+                let state_len = bench_optimizer(kind).state_len(dim) + usize::from(rounding == Rounding::Stochastic);
                 table_bytes_per_row(RowFormat { dtype, dim, state_len }.stored_bytes() as u64)
             })
             .sum();
@@ -397,6 +406,15 @@ fn check_embedding_memory(o: &BenchOptions, available: Option<u64>) -> Result<()
     Ok(())
 }
 
+/// The (dtype, rounding) pairs measured per optimizer: f32 rows to nearest
+/// (they are not rounded), each half dtype with every rounding asked for.
+fn embedding_configs(o: &BenchOptions) -> impl Iterator<Item = (EmbeddingDtype, Rounding)> + '_ {
+    o.dtypes.iter().flat_map(move |&dtype| {
+        let roundings = if dtype == EmbeddingDtype::F32 { vec![Rounding::Nearest] } else { o.roundings.clone() };
+        roundings.into_iter().map(move |rounding| (dtype, rounding))
+    })
+}
+
 /// `MemAvailable` from `/proc/meminfo`, where there is one.
 fn available_memory_bytes() -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -414,6 +432,7 @@ struct EmbeddingRun {
     table: EmbeddingTable,
     optimizer: SparseOptimizer,
     dtype: EmbeddingDtype,
+    rounding: Rounding,
     unique: usize,
     keys: usize,
     secs: f64,
@@ -467,9 +486,10 @@ fn bench_embedding(
         let mut runs = Vec::new();
         for &optimizer in &o.optimizers {
             let optimizer = bench_optimizer(optimizer);
-            for &dtype in &o.dtypes {
+            for (dtype, rounding) in embedding_configs(o) {
                 let table =
-                    EmbeddingTable::typed(dim, dtype, optimizer, Initializer::new(InitConfig::default(), 1), 64);
+                    EmbeddingTable::typed(dim, dtype, optimizer, Initializer::new(InitConfig::default(), 1), 64)
+                        .with_rounding(rounding);
                 // Fill the table so lookups hit a table of the stated size.
                 for chunk in all.chunks(1 << 16) {
                     let plan = table.plan(chunk);
@@ -480,6 +500,7 @@ fn bench_embedding(
                     table,
                     optimizer,
                     dtype,
+                    rounding,
                     unique: 0,
                     keys: 0,
                     secs: 0.0,
@@ -497,7 +518,12 @@ fn bench_embedding(
         let per_round = o.batches.div_ceil(EMBEDDING_ROUNDS).max(1);
         for round in batches.chunks(per_round) {
             for run in &mut runs {
-                tracing::debug!("bench: embedding dim {dim}, {}, {}", run.dtype.name(), run.optimizer.name());
+                tracing::debug!(
+                    "bench: embedding dim {dim}, {} ({}), {}",
+                    run.dtype.name(),
+                    run.rounding.name(),
+                    run.optimizer.name()
+                );
                 run.time(round, &grads_seed, dim)?;
             }
         }
@@ -514,6 +540,7 @@ fn bench_embedding(
                     threads,
                     optimizer: opt.name(),
                     dtype: run.dtype.name(),
+                    rounding: run.rounding.name(),
                     payload_bytes_per_row: stored,
                     payload_vs_f32: stored as f64 / (8 + f32_row.stored_bytes()) as f64,
                     table_rows: o.table_rows,
