@@ -1,6 +1,8 @@
 //! Hot path of the embedding store: dedup + lookup + Adagrad update of one
-//! batch (1024 samples × 26 fields) of power-law keys, at dim 16 and 64.
-//! `sparrow bench` prints the same figure beside the gather ceiling.
+//! batch (1024 samples × 26 fields) of power-law keys, at dim 16 and 64, and
+//! the dedup + partition alone (on the pool, and on one thread as the
+//! training pipeline's planner runs it). `sparrow bench` prints the first
+//! figure beside the gather ceiling.
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use sparrow_core::config::InitConfig;
@@ -19,6 +21,22 @@ fn bench(c: &mut Criterion) {
         (0..32).map(|_| (0..KEYS_PER_BATCH).map(|_| mix64(zipf.draw(&mut rng) as u64)).collect()).collect();
     let mut group = c.benchmark_group("lookup_update");
     group.throughput(Throughput::Elements(KEYS_PER_BATCH as u64));
+    let partitioner =
+        EmbeddingTable::new(16, SparseOptimizer::Sgd { lr: 0.05 }, Initializer::new(InitConfig::default(), 1), 64)
+            .partitioner();
+    let mut i = 0;
+    group.bench_function("plan_batch1024x26", |b| {
+        b.iter(|| {
+            i += 1;
+            partitioner.plan(&batches[i % batches.len()]).num_unique()
+        })
+    });
+    group.bench_function("plan_sequential_batch1024x26", |b| {
+        b.iter(|| {
+            i += 1;
+            partitioner.plan_sequential(&batches[i % batches.len()]).num_unique()
+        })
+    });
     for dim in [16usize, 64] {
         let table = EmbeddingTable::new(
             dim,

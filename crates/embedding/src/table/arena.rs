@@ -12,7 +12,7 @@ pub(super) const PREFETCH_DISTANCE: usize = 8;
 
 /// Asks the CPU to start loading the cache line holding `*x`.
 #[inline]
-pub(super) fn prefetch<T>(x: &T) {
+pub(crate) fn prefetch<T>(x: &T) {
     #[cfg(target_arch = "x86_64")]
     #[expect(unsafe_code, reason = "prefetch intrinsic; measured: see `sparrow bench` lookup figures")]
     // SAFETY: a prefetch is only a hint: it never faults, reads nothing into
