@@ -59,7 +59,7 @@ impl RowFormat {
         match self.dtype {
             EmbeddingDtype::F32 => out.copy_from_slice(&words[..self.dim]),
             EmbeddingDtype::F16 => simd::decode_f16(words, out),
-            EmbeddingDtype::Bf16 => unpack(words, out, |h| f32::from_bits(u32::from(h) << 16)),
+            EmbeddingDtype::Bf16 => unpack(words, out, widen_bf16),
         }
     }
 
@@ -75,6 +75,15 @@ impl RowFormat {
             };
             return;
         }
+        #[cfg(target_arch = "x86_64")]
+        if self.dtype == EmbeddingDtype::Bf16 && simd::x86::bf16_available() {
+            // SAFETY: AVX2 was detected just above.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            unsafe {
+                simd::x86::decode_all_bf16(rows)
+            };
+            return;
+        }
         rows.for_each(|(words, out)| self.decode_vector(words, out));
     }
 
@@ -87,7 +96,10 @@ impl RowFormat {
                 let done = simd::narrow_f16(w, words);
                 pack(&w[done..], &mut words[done / 2..], |x| f16::from_f32(x).to_bits());
             }
-            EmbeddingDtype::Bf16 => pack(w, words, bf16_bits),
+            EmbeddingDtype::Bf16 => {
+                let done = simd::narrow_bf16(w, words);
+                pack(&w[done..], &mut words[done / 2..], bf16_bits);
+            }
         }
     }
 
@@ -112,6 +124,15 @@ impl RowFormat {
             #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
             unsafe {
                 simd::x86::update(opt, words, state, grad, scratch)
+            };
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if self.dtype == EmbeddingDtype::Bf16 && simd::x86::bf16_available() {
+            // SAFETY: AVX2 was detected just above.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            unsafe {
+                simd::x86::update_bf16(opt, words, state, grad, scratch)
             };
             return;
         }
@@ -259,6 +280,12 @@ fn round_stochastic_lanes(w: &mut [f32], base: u64, mantissa: i32, min_exp: i32)
     }
 }
 
+/// bf16 bits → f32 (exact: the f32 with those top bits).
+#[inline]
+fn widen_bf16(h: u16) -> f32 {
+    f32::from_bits(u32::from(h) << 16)
+}
+
 /// f32 → bf16 bits, to nearest even (a NaN stays a quiet NaN): `half`'s
 /// rule, written branch-free for the non-NaN case so the loop vectorises.
 #[inline]
@@ -325,6 +352,19 @@ mod simd {
         super::unpack(words, out, |h| half::f16::from_bits(h).to_f32());
     }
 
+    /// [`narrow_f16`] for bf16, with AVX2.
+    #[inline]
+    pub(super) fn narrow_bf16(w: &[f32], words: &mut [f32]) -> usize {
+        #[cfg(target_arch = "x86_64")]
+        if w.len() >= 8 && x86::bf16_available() {
+            // SAFETY: AVX2 was detected just above.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            return unsafe { x86::narrow_bf16(w, words) };
+        }
+        let _ = (w, words);
+        0
+    }
+
     /// Narrows the first multiple of 8 coordinates of `w` into `words`;
     /// returns how many it did.
     #[inline]
@@ -343,9 +383,12 @@ mod simd {
     pub(super) mod x86 {
         use crate::optimizer::{CoordinateRule, SparseOptimizer};
         use std::arch::x86_64::{
-            __m256, _MM_FROUND_TO_NEAREST_INT, _mm_loadu_si128, _mm_storeu_si128, _mm256_add_ps, _mm256_cvtph_ps,
-            _mm256_cvtps_ph, _mm256_div_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_set1_ps, _mm256_sqrt_ps,
-            _mm256_storeu_ps, _mm256_sub_ps,
+            __m256, _CMP_UNORD_Q, _MM_FROUND_TO_NEAREST_INT, _mm_loadu_si128, _mm_storeu_si128, _mm256_add_epi32,
+            _mm256_add_ps, _mm256_and_si256, _mm256_blendv_epi8, _mm256_castps_si256, _mm256_castsi256_ps,
+            _mm256_castsi256_si128, _mm256_cmp_ps, _mm256_cvtepu16_epi32, _mm256_cvtph_ps, _mm256_cvtps_ph,
+            _mm256_div_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_or_si256, _mm256_packus_epi32,
+            _mm256_permute4x64_epi64, _mm256_set1_epi32, _mm256_set1_ps, _mm256_slli_epi32, _mm256_sqrt_ps,
+            _mm256_srli_epi32, _mm256_storeu_ps, _mm256_sub_ps,
         };
 
         #[inline]
@@ -418,49 +461,173 @@ mod simd {
             super::super::pack(&w[done..], &mut words[done / 2..], |x| half::f16::from_f32(x).to_bits());
         }
 
-        /// `rule` on a stored f16 vector (`words`, `dim` a multiple of 8),
-        /// eight coordinates at a time without leaving registers: the
-        /// operations of [`SparseOptimizer::apply`](crate::SparseOptimizer::apply)
-        /// in its order (no fused multiply-add), so the same bits (tested).
-        /// Widening into a scratch vector, stepping it there and narrowing
-        /// it back took 22 ns a row against 12 this way (dim 16, row-wise
-        /// Adagrad, rows in cache, one thread; f32 rows take 10).
+        /// `rule` on a stored half vector (`words`, `dim` a multiple of 8),
+        /// eight coordinates at a time without leaving registers: widen,
+        /// the operations of [`SparseOptimizer::apply`](crate::SparseOptimizer::apply)
+        /// in its order (no fused multiply-add), narrow to nearest even — so
+        /// the same bits as decode, `apply`, encode (tested). One function
+        /// per half type, stamped from this text with the type's widening
+        /// and narrowing. For f16, widening into a scratch vector, stepping
+        /// it there and narrowing it back took 22 ns a row against 12 this
+        /// way (dim 16, row-wise Adagrad, rows in cache, one thread; f32
+        /// rows take 10).
+        macro_rules! step_in_registers {
+            ($name:ident, $features:literal, $widen:ident, $narrow:ident) => {
+                #[target_feature(enable = $features)]
+                fn $name(rule: CoordinateRule, words: &mut [f32], state: &mut [f32], g: &[f32]) {
+                    let eights = words.chunks_exact_mut(4).zip(g.chunks_exact(8));
+                    match rule {
+                        CoordinateRule::Scaled { step } => {
+                            let step = _mm256_set1_ps(step);
+                            for (halves, g) in eights {
+                                // SAFETY: `g` is 8 floats (32 bytes); unaligned-tolerant.
+                                #[expect(unsafe_code, reason = "SIMD load behind run-time feature detection")]
+                                let g = unsafe { _mm256_loadu_ps(g.as_ptr()) };
+                                $narrow(scaled_step($widen(halves), g, step), halves);
+                            }
+                        }
+                        CoordinateRule::Adagrad { lr, eps } => {
+                            let (lr, eps) = (_mm256_set1_ps(lr), _mm256_set1_ps(eps));
+                            for ((halves, g), acc) in eights.zip(state.chunks_exact_mut(8)) {
+                                // SAFETY: `g` and `acc` are 8 floats each (the
+                                // state's accumulators at the same
+                                // coordinates); unaligned-tolerant.
+                                #[expect(unsafe_code, reason = "SIMD loads and stores, features detected")]
+                                unsafe {
+                                    let g = _mm256_loadu_ps(g.as_ptr());
+                                    let (w, sum) =
+                                        adagrad_step($widen(halves), g, _mm256_loadu_ps(acc.as_ptr()), lr, eps);
+                                    _mm256_storeu_ps(acc.as_mut_ptr(), sum);
+                                    $narrow(w, halves);
+                                }
+                            }
+                        }
+                    }
+                }
+            };
+        }
+        step_in_registers!(step_in_registers, "f16c,avx", widen_f16_lanes, narrow_f16_lanes);
+        step_in_registers!(step_bf16_in_registers, "avx2", widen_bf16_lanes, narrow_bf16_lanes);
+
+        /// Eight stored f16 values (`halves`: 4 words) as f32 lanes.
         #[target_feature(enable = "f16c,avx")]
-        fn step_in_registers(rule: CoordinateRule, words: &mut [f32], state: &mut [f32], g: &[f32]) {
-            let eights = words.chunks_exact_mut(4).zip(g.chunks_exact(8));
-            match rule {
-                CoordinateRule::Scaled { step } => {
-                    let step = _mm256_set1_ps(step);
-                    for (halves, g) in eights {
-                        // SAFETY: `halves` is 4 words (16 bytes, eight
-                        // halves) and `g` 8 floats; unaligned-tolerant.
-                        #[expect(unsafe_code, reason = "SIMD loads and stores behind run-time feature detection")]
-                        unsafe {
-                            let w = _mm256_cvtph_ps(_mm_loadu_si128(halves.as_ptr().cast()));
-                            let w = scaled_step(w, _mm256_loadu_ps(g.as_ptr()), step);
-                            let halves_out = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(w);
-                            _mm_storeu_si128(halves.as_mut_ptr().cast(), halves_out);
-                        }
-                    }
+        #[inline]
+        fn widen_f16_lanes(halves: &[f32]) -> __m256 {
+            assert!(halves.len() >= 4);
+            // SAFETY: `halves` holds at least 4 words (16 bytes, eight
+            // halves); the load is unaligned-tolerant.
+            #[expect(unsafe_code, reason = "SIMD load behind run-time feature detection")]
+            unsafe {
+                _mm256_cvtph_ps(_mm_loadu_si128(halves.as_ptr().cast()))
+            }
+        }
+
+        /// Eight f32 lanes stored as f16, to nearest even, into `halves` (4 words).
+        #[target_feature(enable = "f16c,avx")]
+        #[inline]
+        fn narrow_f16_lanes(w: __m256, halves: &mut [f32]) {
+            assert!(halves.len() >= 4);
+            // SAFETY: `halves` holds at least 4 words (16 bytes); the store
+            // is unaligned-tolerant.
+            #[expect(unsafe_code, reason = "SIMD store behind run-time feature detection")]
+            unsafe {
+                _mm_storeu_si128(halves.as_mut_ptr().cast(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(w));
+            }
+        }
+
+        /// Eight stored bf16 values (`halves`: 4 words) as f32 lanes: each
+        /// the top half of its f32 (exact).
+        #[target_feature(enable = "avx2")]
+        #[inline]
+        fn widen_bf16_lanes(halves: &[f32]) -> __m256 {
+            assert!(halves.len() >= 4);
+            // SAFETY: `halves` holds at least 4 words (16 bytes, eight
+            // halves); the load is unaligned-tolerant.
+            #[expect(unsafe_code, reason = "SIMD load behind run-time feature detection")]
+            let halves = unsafe { _mm_loadu_si128(halves.as_ptr().cast()) };
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(halves)))
+        }
+
+        /// Eight f32 lanes stored as bf16 into `halves` (4 words), as
+        /// [`bf16_bits`](super::super::bf16_bits) rounds one: to nearest
+        /// even, a NaN kept quiet.
+        #[target_feature(enable = "avx2")]
+        #[inline]
+        fn narrow_bf16_lanes(w: __m256, halves: &mut [f32]) {
+            assert!(halves.len() >= 4);
+            let b = _mm256_castps_si256(w);
+            let high = _mm256_srli_epi32::<16>(b);
+            let odd = _mm256_and_si256(high, _mm256_set1_epi32(1));
+            let rounded =
+                _mm256_srli_epi32::<16>(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), odd));
+            let quiet = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
+            let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(w, w));
+            let r = _mm256_blendv_epi8(rounded, quiet, nan);
+            // Every lane is below 2^16: packing saturates nothing. It packs
+            // within 128-bit halves, so the two 64-bit results are gathered.
+            let packed = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(r, r));
+            // SAFETY: `halves` holds at least 4 words (16 bytes); the store
+            // is unaligned-tolerant.
+            #[expect(unsafe_code, reason = "SIMD store behind run-time feature detection")]
+            unsafe {
+                _mm_storeu_si128(halves.as_mut_ptr().cast(), _mm256_castsi256_si128(packed));
+            }
+        }
+
+        #[inline]
+        pub(crate) fn bf16_available() -> bool {
+            sparrow_core::simd::allowed() && is_x86_feature_detected!("avx2")
+        }
+
+        /// [`RowFormat::update_vector`](super::super::RowFormat::update_vector)
+        /// for bf16 with AVX2: the register step where the optimizer has a
+        /// coordinate rule, otherwise decode, `apply`, encode.
+        #[target_feature(enable = "avx2")]
+        pub(crate) fn update_bf16(
+            opt: &SparseOptimizer,
+            words: &mut [f32],
+            state: &mut [f32],
+            g: &[f32],
+            w: &mut [f32],
+        ) {
+            if g.len().is_multiple_of(8)
+                && let Some(rule) = opt.coordinate_rule(state, g)
+            {
+                return step_bf16_in_registers(rule, words, state, g);
+            }
+            super::super::unpack(words, w, super::super::widen_bf16);
+            opt.apply(w, state, g);
+            super::super::pack(w, words, super::super::bf16_bits);
+        }
+
+        /// Narrows the first multiple of 8 coordinates of `w` to bf16 into
+        /// `words`; returns how many it did.
+        #[target_feature(enable = "avx2")]
+        pub(crate) fn narrow_bf16(w: &[f32], words: &mut [f32]) -> usize {
+            let n = w.len() / 8 * 8;
+            for (x, halves) in w[..n].chunks_exact(8).zip(words.chunks_exact_mut(4)) {
+                // SAFETY: `x` is 8 floats (32 bytes); unaligned-tolerant.
+                #[expect(unsafe_code, reason = "SIMD load behind run-time feature detection")]
+                let x = unsafe { _mm256_loadu_ps(x.as_ptr()) };
+                narrow_bf16_lanes(x, halves);
+            }
+            n
+        }
+
+        /// Widens every `(stored, out)` bf16 pair, eight coordinates at a
+        /// time (the rest one by one).
+        #[target_feature(enable = "avx2")]
+        pub(crate) fn decode_all_bf16<'a>(rows: impl Iterator<Item = (&'a [f32], &'a mut [f32])>) {
+            for (words, out) in rows {
+                let n = out.len() / 8 * 8;
+                for (o, halves) in out[..n].chunks_exact_mut(8).zip(words.chunks_exact(4)) {
+                    // SAFETY: `o` is 8 floats (32 bytes); unaligned-tolerant.
+                    #[expect(unsafe_code, reason = "SIMD store behind run-time feature detection")]
+                    unsafe {
+                        _mm256_storeu_ps(o.as_mut_ptr(), widen_bf16_lanes(halves))
+                    };
                 }
-                CoordinateRule::Adagrad { lr, eps } => {
-                    let (lr, eps) = (_mm256_set1_ps(lr), _mm256_set1_ps(eps));
-                    for ((halves, g), acc) in eights.zip(state.chunks_exact_mut(8)) {
-                        // SAFETY: `halves` is 4 words (16 bytes, eight
-                        // halves), `g` and `acc` 8 floats each (the state's
-                        // accumulators at the same coordinates);
-                        // unaligned-tolerant.
-                        #[expect(unsafe_code, reason = "SIMD loads and stores behind run-time feature detection")]
-                        unsafe {
-                            let w = _mm256_cvtph_ps(_mm_loadu_si128(halves.as_ptr().cast()));
-                            let g = _mm256_loadu_ps(g.as_ptr());
-                            let (w, sum) = adagrad_step(w, g, _mm256_loadu_ps(acc.as_ptr()), lr, eps);
-                            _mm256_storeu_ps(acc.as_mut_ptr(), sum);
-                            let halves_out = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(w);
-                            _mm_storeu_si128(halves.as_mut_ptr().cast(), halves_out);
-                        }
-                    }
-                }
+                super::super::unpack(&words[n / 2..], &mut out[n..], super::super::widen_bf16);
             }
         }
 
@@ -562,6 +729,57 @@ mod tests {
         assert_eq!(done, inputs.len());
         let mut portable_words = vec![0.0f32; inputs.len() / 2];
         pack(&inputs, &mut portable_words, |x| f16::from_f32(x).to_bits());
+        assert_eq!(bits(&simd_words), bits(&portable_words));
+    }
+
+    /// The AVX2 bf16 conversions are the portable ones: every bf16 widened,
+    /// and 200k f32s narrowed — raw bit patterns (NaNs with every payload:
+    /// the portable rule keeps the top half and sets the quiet bit, where
+    /// rounding the bits would carry into the sign), values below f32's
+    /// normals, exact ties of both parities.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_and_portable_bf16_conversions_agree_bit_for_bit() {
+        if !simd::x86::bf16_available() {
+            return; // no AVX2 on this CPU: nothing to compare
+        }
+        let halves: Vec<u16> = (0..=u16::MAX).collect();
+        let words: Vec<f32> =
+            halves.chunks(2).map(|p| f32::from_bits(u32::from(p[0]) | (u32::from(p[1]) << 16))).collect();
+        let mut simd_out = vec![0.0f32; halves.len()];
+        #[expect(unsafe_code, reason = "the test checks AVX2 against the portable code")]
+        // SAFETY: AVX2 was detected above.
+        unsafe {
+            simd::x86::decode_all_bf16(std::iter::once((&words[..], &mut simd_out[..])))
+        };
+        let mut portable = vec![0.0f32; halves.len()];
+        unpack(&words, &mut portable, widen_bf16);
+        assert_eq!(bits(&simd_out), bits(&portable));
+
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut inputs: Vec<f32> = (0..200_000)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                match x % 4 {
+                    0 | 1 => f32::from_bits(x as u32),
+                    2 => f32::from_bits((x as u32 & 0x807f_ffff) | 0x7f80_0000), // ±inf and NaNs
+                    _ => f32::from_bits(x as u32 & 0x80ff_ffff),                 // the lowest binades
+                }
+            })
+            .collect();
+        for high in [0x3f80u32, 0x3f81, 0x0001, 0x7f7f, 0xff7f] {
+            inputs.extend([f32::from_bits((high << 16) | 0x8000), f32::from_bits((high << 16) | 0x7fff)]);
+        }
+        inputs.truncate(inputs.len() / 8 * 8);
+        let mut simd_words = vec![0.0f32; inputs.len() / 2];
+        #[expect(unsafe_code, reason = "the test checks AVX2 against the portable code")]
+        // SAFETY: AVX2 was detected above.
+        let done = unsafe { simd::x86::narrow_bf16(&inputs, &mut simd_words) };
+        assert_eq!(done, inputs.len());
+        let mut portable_words = vec![0.0f32; inputs.len() / 2];
+        pack(&inputs, &mut portable_words, bf16_bits);
         assert_eq!(bits(&simd_words), bits(&portable_words));
     }
 
@@ -727,7 +945,7 @@ mod tests {
     /// encoding with the portable code, for every optimizer and for dims
     /// with and without a tail.
     #[test]
-    fn an_f16_update_stores_what_decode_step_encode_would() {
+    fn a_half_update_stores_what_decode_step_encode_would() {
         let optimizers = [
             SparseOptimizer::Sgd { lr: 0.3 },
             SparseOptimizer::Adagrad { lr: 0.05, eps: 1e-8 },
@@ -736,28 +954,46 @@ mod tests {
             SparseOptimizer::Ftrl { alpha: 0.05, beta: 1.0, l1: 1e-3, l2: 1e-3 },
         ];
         let mut next = signed_values(0x2545_f491_4f6c_dd1d);
-        for opt in optimizers {
-            for dim in [8usize, 16, 24, 64, 5, 17] {
-                let f = RowFormat { dtype: EmbeddingDtype::F16, dim, state_len: opt.state_len(dim) };
-                for _ in 0..200 {
-                    // Steps as large as the weights' last bits and larger,
-                    // and now and then a weight past f16's range.
-                    let mut w: Vec<f32> = (0..dim).map(|_| next(-4..18)).collect();
-                    f.round(&mut w);
-                    let mut words = vec![0.0f32; f.vector_words()];
-                    pack(&w, &mut words, |x| f16::from_f32(x).to_bits());
-                    let mut state: Vec<f32> = (0..f.state_len).map(|_| next(-12..2).abs()).collect();
-                    let g: Vec<f32> = (0..dim).map(|_| next(-12..2)).collect();
+        // bf16 rows also meet NaN, infinities and values below f32's normals.
+        let specials = [f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e-40, -2e-39, 0.0, -0.0];
+        let (f16_to, f16_from) = (|x: f32| f16::from_f32(x).to_bits(), |h| f16::from_bits(h).to_f32());
+        for (dtype, to, from, exponents) in [
+            (EmbeddingDtype::F16, &f16_to as &dyn Fn(f32) -> u16, &f16_from as &dyn Fn(u16) -> f32, -4..18),
+            (EmbeddingDtype::Bf16, &bf16_bits, &widen_bf16, -130..40),
+        ] {
+            for opt in optimizers {
+                for dim in [8usize, 16, 24, 64, 5, 17] {
+                    let f = RowFormat { dtype, dim, state_len: opt.state_len(dim) };
+                    for case in 0..200 {
+                        // Steps as large as the weights' last bits and larger,
+                        // and now and then a weight past f16's range.
+                        let mut w: Vec<f32> = (0..dim).map(|_| next(exponents.clone())).collect();
+                        if dtype == EmbeddingDtype::Bf16 && case % 5 == 0 {
+                            w[case % dim] = specials[case % specials.len()];
+                        }
+                        f.round(&mut w);
+                        let mut words = vec![0.0f32; f.vector_words()];
+                        pack(&w, &mut words, to);
+                        let mut state: Vec<f32> = (0..f.state_len).map(|_| next(-12..2).abs()).collect();
+                        let g: Vec<f32> = (0..dim).map(|_| next(-12..2)).collect();
 
-                    let (mut fast_words, mut fast_state, mut scratch) = (words.clone(), state.clone(), vec![0.0; dim]);
-                    f.update_vector(&opt, &mut fast_words, &mut fast_state, &g, &mut scratch);
+                        let (mut fast_words, mut fast_state) = (words.clone(), state.clone());
+                        f.update_vector(&opt, &mut fast_words, &mut fast_state, &g, &mut vec![0.0; dim]);
 
-                    let mut v = vec![0.0f32; dim];
-                    unpack(&words, &mut v, |h| f16::from_bits(h).to_f32());
-                    opt.apply(&mut v, &mut state, &g);
-                    pack(&v, &mut words, |x| f16::from_f32(x).to_bits());
-                    assert_eq!(bits(&fast_words), bits(&words), "{} dim {dim}: stored vector", opt.name());
-                    assert_eq!(bits(&fast_state), bits(&state), "{} dim {dim}: state", opt.name());
+                        let mut v = vec![0.0f32; dim];
+                        unpack(&words, &mut v, from);
+                        opt.apply(&mut v, &mut state, &g);
+                        pack(&v, &mut words, to);
+                        let what = format!("{dtype:?} {} dim {dim}", opt.name());
+                        assert_eq!(bits(&fast_words), bits(&words), "{what}: stored vector");
+                        assert_eq!(bits(&fast_state), bits(&state), "{what}: state");
+
+                        // Decoding many rows at once is decoding each.
+                        let (mut many, mut one) = (vec![0.0f32; dim], vec![0.0f32; dim]);
+                        f.decode_vectors(std::iter::once((&words[..], &mut many[..])));
+                        unpack(&words, &mut one, from);
+                        assert_eq!(bits(&many), bits(&one), "{what}: decode");
+                    }
                 }
             }
         }

@@ -7,6 +7,7 @@
 
 pub mod disk;
 pub mod dtype;
+mod hint;
 mod in_flight;
 pub mod index;
 pub mod optimizer;

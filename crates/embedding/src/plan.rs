@@ -61,7 +61,7 @@ impl DedupScratch {
             // The set outgrows the core's first caches at a batch's size:
             // the bucket of a key some way ahead is requested now.
             if let Some(&ahead) = keys.get(i + PREFETCH_AHEAD) {
-                crate::table::prefetch(&table[home(ahead)]);
+                crate::hint::prefetch(&table[home(ahead)]);
             }
             let mut b = home(k);
             *out = loop {

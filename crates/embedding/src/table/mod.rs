@@ -28,8 +28,7 @@ mod filters;
 mod init;
 mod walk;
 
-pub(crate) use arena::prefetch;
-use arena::{KEY_FLOATS, Layout, PREFETCH_DISTANCE, key_of, prefetch_lines, set_key, stored_in};
+use arena::{KEY_FLOATS, Layout, PREFETCH_DISTANCE, key_of, prefetch, prefetch_lines, set_key, stored_in};
 pub use cache::TierStats;
 use cache::{Backing, SlotMeta, Tier, VICTIM_SAMPLES};
 use filters::{AdmitSketch, Expiry, fold_sketches};
