@@ -429,8 +429,9 @@ fn half_rows_export_in_their_own_type_without_loss() {
 }
 
 /// The kernels chosen at run time (bf16 products, DLRM's interaction at
-/// d = 16, f16 row conversions and steps) and their portable versions train
-/// the same model: with `SPARROW_SIMD=portable` the checkpoint is the same
+/// d = 16, f16 and bf16 row conversions and steps, stochastic rounding,
+/// the first-order and FM terms) and their portable versions train the
+/// same model: with `SPARROW_SIMD=portable` the checkpoint is the same
 /// bytes, on this machine as on a CPU without the features. A value other
 /// than `auto` or `portable` is refused naming the variable.
 #[test]
@@ -439,28 +440,42 @@ fn portable_kernels_train_the_same_model_bit_for_bit() {
     let data = tmp.path().join("data").display().to_string();
     ok(&sparrow(&["gen", "--out", &data, "--train-rows", "12000", "--test-rows", "2000", "--seed", "4"]));
     let config = write_config(tmp.path(), "job.toml", "");
-    let train = |simd: &str, ck: &str| {
-        let out = Command::new(env!("CARGO_BIN_EXE_sparrow"))
-            .env("SPARROW_SIMD", simd)
-            .args(["train", "--config", &config])
-            .args(["--set", "model.embedding_dim=16", "--set", "model.precision=\"bf16\""])
-            .args(["--set", "embedding.dtype=\"f16\"", "--set", &format!("checkpoint.dir=\"{ck}\"")])
-            .output()
-            .expect("run sparrow");
+    let train = |simd: &str, ck: &str, sets: &[&str]| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sparrow"));
+        cmd.env("SPARROW_SIMD", simd).args(["train", "--config", &config]);
+        for set in sets {
+            cmd.args(["--set", set]);
+        }
+        let out = cmd.args(["--set", &format!("checkpoint.dir=\"{ck}\"")]).output().expect("run sparrow");
         ok(&out);
         let summary = last_json(&out);
         let ckpt = Path::new(summary["checkpoint"].as_str().expect("checkpoint")).to_path_buf();
         (summary, ckpt)
     };
     let ck = |name: &str| tmp.path().join(name).display().to_string();
-    let (simd, simd_ck) = train("auto", &ck("ck-simd"));
-    let (portable, portable_ck) = train("portable", &ck("ck-portable"));
-    for key in ["test_auc", "test_logloss", "train_logloss"] {
-        assert_eq!(simd[key].as_f64(), portable[key].as_f64(), "{key}");
-    }
-    for file in ["embeddings.bin", "dense.safetensors"] {
-        let (a, b) = (std::fs::read(simd_ck.join(file)), std::fs::read(portable_ck.join(file)));
-        assert!(a.expect(file) == b.expect(file), "{file} differs between the SIMD and the portable kernels");
+    let modes: [&[&str]; 3] = [
+        &["model.embedding_dim=16", "model.precision=\"bf16\"", "embedding.dtype=\"f16\""],
+        &["model.embedding_dim=16", "model.kind=\"fm\"", "embedding.dtype=\"bf16\""],
+        &[
+            "model.embedding_dim=16",
+            "model.kind=\"deepfm\"",
+            "embedding.dtype=\"bf16\"",
+            "embedding.rounding=\"stochastic\"",
+        ],
+    ];
+    for (m, sets) in modes.iter().enumerate() {
+        let (simd, simd_ck) = train("auto", &ck(&format!("ck-simd-{m}")), sets);
+        let (portable, portable_ck) = train("portable", &ck(&format!("ck-portable-{m}")), sets);
+        for key in ["test_auc", "test_logloss", "train_logloss"] {
+            assert_eq!(simd[key].as_f64(), portable[key].as_f64(), "{sets:?}: {key}");
+        }
+        for file in ["embeddings.bin", "dense.safetensors"] {
+            let (a, b) = (std::fs::read(simd_ck.join(file)), std::fs::read(portable_ck.join(file)));
+            assert!(
+                a.expect(file) == b.expect(file),
+                "{sets:?}: {file} differs between the SIMD and the portable kernels"
+            );
+        }
     }
     let out = Command::new(env!("CARGO_BIN_EXE_sparrow"))
         .env("SPARROW_SIMD", "avx9000")
