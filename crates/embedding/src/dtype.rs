@@ -673,6 +673,43 @@ mod tests {
         RowFormat { dtype, dim, state_len: 3 }
     }
 
+    /// A half type's run-time kernels against its portable conversions:
+    /// every 16-bit pattern widened, and `inputs` (a multiple of 8)
+    /// narrowed, bit for bit.
+    #[cfg(target_arch = "x86_64")]
+    fn assert_kernels_convert_as_portable(
+        widen_simd: impl Fn(&[f32], &mut [f32]),
+        widen: fn(u16) -> f32,
+        narrow_simd: impl Fn(&[f32], &mut [f32]) -> usize,
+        narrow: fn(f32) -> u16,
+        inputs: &[f32],
+    ) {
+        let halves: Vec<u16> = (0..=u16::MAX).collect();
+        let words: Vec<f32> =
+            halves.chunks(2).map(|p| f32::from_bits(u32::from(p[0]) | (u32::from(p[1]) << 16))).collect();
+        let (mut simd_out, mut portable) = (vec![0.0f32; halves.len()], vec![0.0f32; halves.len()]);
+        widen_simd(&words, &mut simd_out);
+        unpack(&words, &mut portable, widen);
+        assert_eq!(bits(&simd_out), bits(&portable), "widening");
+        let (mut simd_words, mut portable_words) = (vec![0.0f32; inputs.len() / 2], vec![0.0f32; inputs.len() / 2]);
+        assert_eq!(narrow_simd(inputs, &mut simd_words), inputs.len());
+        pack(inputs, &mut portable_words, narrow);
+        assert_eq!(bits(&simd_words), bits(&portable_words), "narrowing");
+    }
+
+    /// `n` values of a xorshift sequence through `value`.
+    fn xorshift_values(n: usize, value: impl Fn(u64) -> f32) -> Vec<f32> {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                value(x)
+            })
+            .collect()
+    }
+
     /// The F16C path and the scalar one give the same bits: every f16 bit
     /// pattern widened, and f32s of every kind narrowed (ties, subnormals,
     /// overflow, infinities, NaNs).
@@ -682,32 +719,14 @@ mod tests {
         if !simd::x86::available() {
             return; // no F16C on this CPU: nothing to compare
         }
-        let halves: Vec<u16> = (0..=u16::MAX).collect();
-        let words: Vec<f32> =
-            halves.chunks(2).map(|p| f32::from_bits(u32::from(p[0]) | (u32::from(p[1]) << 16))).collect();
-        let mut simd_out = vec![0.0f32; halves.len()];
-        #[expect(unsafe_code, reason = "the test checks F16C against the portable code")]
-        // SAFETY: F16C and AVX were detected above.
-        let done = unsafe { simd::x86::widen(&words, &mut simd_out) };
-        assert_eq!(done, halves.len());
-        let mut portable = vec![0.0f32; halves.len()];
-        unpack(&words, &mut portable, |h| f16::from_bits(h).to_f32());
-        assert_eq!(bits(&simd_out), bits(&portable));
-
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut inputs: Vec<f32> = (0..200_000)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                // Exponents around f16's range, and raw bit patterns.
-                if x.is_multiple_of(3) {
-                    f32::from_bits(x as u32)
-                } else {
-                    ((x >> 11) as f32 / (1u64 << 53) as f32 - 0.5) * 2f32.powi((x % 48) as i32 - 28)
-                }
-            })
-            .collect();
+        let mut inputs = xorshift_values(200_000, |x| {
+            // Exponents around f16's range, and raw bit patterns.
+            if x.is_multiple_of(3) {
+                f32::from_bits(x as u32)
+            } else {
+                ((x >> 11) as f32 / (1u64 << 53) as f32 - 0.5) * 2f32.powi((x % 48) as i32 - 28)
+            }
+        });
         // Exact ties between two halves, both parities, and the edges.
         inputs.extend([
             1.0 + 1.0 / 2048.0,
@@ -722,14 +741,21 @@ mod tests {
             -0.0,
         ]);
         inputs.truncate(inputs.len() / 8 * 8);
-        let mut simd_words = vec![0.0f32; inputs.len() / 2];
-        #[expect(unsafe_code, reason = "the test checks F16C against the portable code")]
-        // SAFETY: F16C and AVX were detected above.
-        let done = unsafe { simd::x86::narrow(&inputs, &mut simd_words) };
-        assert_eq!(done, inputs.len());
-        let mut portable_words = vec![0.0f32; inputs.len() / 2];
-        pack(&inputs, &mut portable_words, |x| f16::from_f32(x).to_bits());
-        assert_eq!(bits(&simd_words), bits(&portable_words));
+        let widen_simd = |words: &[f32], out: &mut [f32]| {
+            #[expect(unsafe_code, reason = "the test checks F16C against the portable code")]
+            // SAFETY: F16C and AVX were detected above.
+            let done = unsafe { simd::x86::widen(words, out) };
+            assert_eq!(done, out.len());
+        };
+        let narrow_simd = |w: &[f32], words: &mut [f32]| {
+            #[expect(unsafe_code, reason = "the test checks F16C against the portable code")]
+            // SAFETY: F16C and AVX were detected above.
+            unsafe {
+                simd::x86::narrow(w, words)
+            }
+        };
+        let (widen, narrow) = (|h| f16::from_bits(h).to_f32(), |x| f16::from_f32(x).to_bits());
+        assert_kernels_convert_as_portable(widen_simd, widen, narrow_simd, narrow, &inputs);
     }
 
     /// The AVX2 bf16 conversions are the portable ones: every bf16 widened,
@@ -743,44 +769,30 @@ mod tests {
         if !simd::x86::bf16_available() {
             return; // no AVX2 on this CPU: nothing to compare
         }
-        let halves: Vec<u16> = (0..=u16::MAX).collect();
-        let words: Vec<f32> =
-            halves.chunks(2).map(|p| f32::from_bits(u32::from(p[0]) | (u32::from(p[1]) << 16))).collect();
-        let mut simd_out = vec![0.0f32; halves.len()];
-        #[expect(unsafe_code, reason = "the test checks AVX2 against the portable code")]
-        // SAFETY: AVX2 was detected above.
-        unsafe {
-            simd::x86::decode_all_bf16(std::iter::once((&words[..], &mut simd_out[..])))
-        };
-        let mut portable = vec![0.0f32; halves.len()];
-        unpack(&words, &mut portable, widen_bf16);
-        assert_eq!(bits(&simd_out), bits(&portable));
-
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut inputs: Vec<f32> = (0..200_000)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                match x % 4 {
-                    0 | 1 => f32::from_bits(x as u32),
-                    2 => f32::from_bits((x as u32 & 0x807f_ffff) | 0x7f80_0000), // ±inf and NaNs
-                    _ => f32::from_bits(x as u32 & 0x80ff_ffff),                 // the lowest binades
-                }
-            })
-            .collect();
+        let mut inputs = xorshift_values(200_000, |x| match x % 4 {
+            0 | 1 => f32::from_bits(x as u32),
+            2 => f32::from_bits((x as u32 & 0x807f_ffff) | 0x7f80_0000), // ±inf and NaNs
+            _ => f32::from_bits(x as u32 & 0x80ff_ffff),                 // the lowest binades
+        });
         for high in [0x3f80u32, 0x3f81, 0x0001, 0x7f7f, 0xff7f] {
             inputs.extend([f32::from_bits((high << 16) | 0x8000), f32::from_bits((high << 16) | 0x7fff)]);
         }
         inputs.truncate(inputs.len() / 8 * 8);
-        let mut simd_words = vec![0.0f32; inputs.len() / 2];
-        #[expect(unsafe_code, reason = "the test checks AVX2 against the portable code")]
-        // SAFETY: AVX2 was detected above.
-        let done = unsafe { simd::x86::narrow_bf16(&inputs, &mut simd_words) };
-        assert_eq!(done, inputs.len());
-        let mut portable_words = vec![0.0f32; inputs.len() / 2];
-        pack(&inputs, &mut portable_words, bf16_bits);
-        assert_eq!(bits(&simd_words), bits(&portable_words));
+        let widen_simd = |words: &[f32], out: &mut [f32]| {
+            #[expect(unsafe_code, reason = "the test checks AVX2 against the portable code")]
+            // SAFETY: AVX2 was detected above.
+            unsafe {
+                simd::x86::decode_all_bf16(std::iter::once((words, out)))
+            }
+        };
+        let narrow_simd = |w: &[f32], words: &mut [f32]| {
+            #[expect(unsafe_code, reason = "the test checks AVX2 against the portable code")]
+            // SAFETY: AVX2 was detected above.
+            unsafe {
+                simd::x86::narrow_bf16(w, words)
+            }
+        };
+        assert_kernels_convert_as_portable(widen_simd, widen_bf16, narrow_simd, bf16_bits, &inputs);
     }
 
     /// [`round_stochastic_one`] by its definition, in f64 for every value:
