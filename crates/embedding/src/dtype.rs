@@ -320,11 +320,12 @@ fn pack(w: &[f32], words: &mut [f32], narrow: impl Fn(f32) -> u16) {
     }
 }
 
-/// f16 ⇄ f32 eight coordinates at a time with F16C (`vcvtph2ps`,
-/// `vcvtps2ph` rounding to nearest even), chosen at run time, and the
-/// optimizer step on a stored f16 vector in registers; the scalar code does
-/// the rest and everything where F16C is missing. Both give the same bits
-/// (tested).
+/// Kernels chosen at run time: f16 ⇄ f32 eight coordinates at a time with
+/// F16C (`vcvtph2ps`, `vcvtps2ph` rounding to nearest even), bf16 ⇄ f32 with
+/// AVX2 integer lanes, the optimizer step on a stored half vector in
+/// registers, and stochastic rounding built for AVX-512; the scalar code
+/// does the rest and everything where the CPU lacks the features (or
+/// `SPARROW_SIMD=portable`). Both give the same bits (tested).
 mod simd {
     /// [`round_stochastic_lanes`](super::round_stochastic_lanes), compiled
     /// for AVX-512 (64-bit multiplies in vector lanes: the draws' hash) where
@@ -333,7 +334,7 @@ mod simd {
     pub(super) fn round_stochastic(w: &mut [f32], base: u64, mantissa: i32, min_exp: i32) {
         #[cfg(target_arch = "x86_64")]
         if x86::has_avx512() {
-            // SAFETY: AVX-512 F and DQ were detected just above.
+            // SAFETY: AVX-512 F, DQ and VL were detected just above.
             #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
             return unsafe { x86::round_stochastic(w, base, mantissa, min_exp) };
         }
