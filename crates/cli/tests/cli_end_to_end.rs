@@ -187,6 +187,7 @@ fn bad_config_and_inputs_fail_clearly() {
     // Tables no machine holds: refused before any is filled, not an OOM kill.
     fails_with(&sparrow(&["bench", "--table-rows", "10000000000"]), &["--dims", "GB", "--table-rows"]);
     fails_with(&sparrow(&["bench", "--optimizers", "adagrad,lion"]), &["--optimizers", "lion"]);
+    fails_with(&sparrow(&["bench", "--roundings", "nearest,up"]), &["--roundings", "up"]);
     fails_with(&sparrow(&["train", "--config", "/nonexistent/job.toml"]), &["/nonexistent/job.toml"]);
     fails_with(
         &sparrow(&["train", "--config", &config, "--set", "data.train=\"/nonexistent/train.tsv\""]),

@@ -1,7 +1,6 @@
 //! Hot path of the embedding store: dedup + lookup + Adagrad update of one
 //! batch (1024 samples × 26 fields) of power-law keys, at dim 16 and 64, and
-//! the dedup + partition alone (on the pool, and on one thread as the
-//! training pipeline's planner runs it). `sparrow bench` prints the first
+//! the dedup + partition alone. `sparrow bench` prints the first
 //! figure beside the gather ceiling.
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
@@ -29,12 +28,6 @@ fn bench(c: &mut Criterion) {
         b.iter(|| {
             i += 1;
             partitioner.plan(&batches[i % batches.len()]).num_unique()
-        })
-    });
-    group.bench_function("plan_sequential_batch1024x26", |b| {
-        b.iter(|| {
-            i += 1;
-            partitioner.plan_sequential(&batches[i % batches.len()]).num_unique()
         })
     });
     for dim in [16usize, 64] {

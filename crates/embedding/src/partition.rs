@@ -29,13 +29,8 @@ impl Partitioner {
         self.mask as usize + 1
     }
 
-    /// Dedup + partition.
+    /// Dedup + partition, on the calling thread.
     pub fn plan(self, keys: &[u64]) -> KeyPlan {
         KeyPlan::new(keys, self.shards(), |k| self.shard_of(k))
-    }
-
-    /// Dedup + partition on the calling thread (as [`plan`](Self::plan) is now).
-    pub fn plan_sequential(self, keys: &[u64]) -> KeyPlan {
-        KeyPlan::new_sequential(keys, self.shards(), |k| self.shard_of(k))
     }
 }

@@ -93,17 +93,9 @@ impl KeyPlan {
     /// they keep the order of first sight. Grouping first and de-duplicating
     /// each shard's keys on its own gave the same plan but handled every
     /// key of the batch (2.5 per unique key here) three more times.
-    pub fn new(keys: &[u64], shards: usize, shard_of: impl Fn(u64) -> usize + Sync) -> KeyPlan {
-        Self::build(keys, shards, shard_of)
-    }
-
-    /// The same plan; kept for the pipeline stage that must not take
-    /// threads from the compute pool (both run on the calling thread).
-    pub fn new_sequential(keys: &[u64], shards: usize, shard_of: impl Fn(u64) -> usize + Sync) -> KeyPlan {
-        Self::build(keys, shards, shard_of)
-    }
-
-    fn build(keys: &[u64], shards: usize, shard_of: impl Fn(u64) -> usize) -> KeyPlan {
+    /// Runs on the calling thread: it takes no threads from a pool (the
+    /// pipeline's planner relies on that).
+    pub fn new(keys: &[u64], shards: usize, shard_of: impl Fn(u64) -> usize) -> KeyPlan {
         let mut inverse = vec![0u32; keys.len()];
         let first_seen = DEDUP.with_borrow_mut(|scratch| scratch.dedup(keys, &mut inverse));
         let owners: Vec<u32> = first_seen.iter().map(|&k| shard_of(k) as u32).collect();
@@ -158,9 +150,6 @@ mod tests {
         #[test]
         fn plan_restores_every_key(keys in proptest::collection::vec(0u64..50, 0..300), shards in 1usize..9) {
             let plan = KeyPlan::new(&keys, shards, |k| (k % shards as u64) as usize);
-            let seq = KeyPlan::new_sequential(&keys, shards, |k| (k % shards as u64) as usize);
-            prop_assert_eq!(&plan.unique, &seq.unique);
-            prop_assert_eq!(&plan.inverse, &seq.inverse);
             // unique really is unique and covers every input key
             let mut sorted = plan.unique.clone();
             sorted.sort_unstable();

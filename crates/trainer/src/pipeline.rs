@@ -24,7 +24,7 @@ impl PlannedBatches {
         let handle = std::thread::Builder::new().name("sparrow-planner".into()).spawn(move || {
             for item in stream {
                 let planned = item.map(|batch| {
-                    let plan = partitioner.plan_sequential(&batch.keys);
+                    let plan = partitioner.plan(&batch.keys);
                     (batch, plan)
                 });
                 let failed = planned.is_err();
