@@ -113,6 +113,7 @@ impl TableShard {
 
     /// Prefetches a slot's row and its use record (the SSD tier's, or the
     /// clock `ttl_steps` and incremental checkpoints keep).
+    #[inline]
     fn prefetch_row(&self, layout: Layout, slot: u32) {
         prefetch_lines(stored_in(&self.chunks, layout, slot));
         if let Some(meta) = self.backing.tier().and_then(|t| t.meta.get(slot as usize)) {
