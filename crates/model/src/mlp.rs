@@ -223,14 +223,32 @@ pub(crate) fn cpu<'a>(s: &'a Storage, l: &Layout) -> candle_core::Result<&'a [f3
     }
 }
 
+/// Rows an elementwise pass gives each task: both cores take part (a pass
+/// on one thread left the other waiting), in blocks large enough to
+/// amortise the hand-off.
+const ROWS_PER_TASK: usize = 128;
+
 fn add_bias(out: &mut [f32], b: &[f32], relu: bool) {
-    for row in out.chunks_exact_mut(b.len()) {
-        if relu {
-            row.iter_mut().zip(b).for_each(|(o, b)| *o = (*o + b).max(0.0));
-        } else {
-            row.iter_mut().zip(b).for_each(|(o, b)| *o += b);
-        }
+    if b.is_empty() {
+        return;
     }
+    out.par_chunks_mut(b.len() * ROWS_PER_TASK).for_each(|rows| {
+        for row in rows.chunks_exact_mut(b.len()) {
+            if relu {
+                row.iter_mut().zip(b).for_each(|(o, b)| *o = (*o + b).max(0.0));
+            } else {
+                row.iter_mut().zip(b).for_each(|(o, b)| *o += b);
+            }
+        }
+    });
+}
+
+/// `g` through a ReLU whose output was `a`: zero where `a` is not positive.
+fn relu_mask(g: &mut [f32], a: &[f32], width: usize) {
+    let block = width.max(1) * ROWS_PER_TASK;
+    g.par_chunks_mut(block).zip(a.par_chunks(block)).for_each(|(g, a)| {
+        g.iter_mut().zip(a).for_each(|(g, &a)| *g = if a > 0.0 { *g } else { 0.0 });
+    });
 }
 
 /// Buffers of one MLP step, kept between steps: a step reuses them instead of
@@ -333,7 +351,7 @@ fn backward_into(shape: &MlpShape, p: &[f32], x: &[f32], grad_out: &[f32], scrat
         linear_grads(shape.precision, (rows, fi, fo), input, w, &g[..g_len], (dw, db), gi);
         // Through the previous layer's ReLU.
         if i > 0 {
-            gi.iter_mut().zip(input).for_each(|(g, &a)| *g = if a > 0.0 { *g } else { 0.0 });
+            relu_mask(gi, input, fi);
         }
         std::mem::swap(&mut g, &mut g_in);
         g_len = rows * fi;
@@ -892,12 +910,14 @@ mod tests {
     #[test]
     fn fused_path_equals_candle_ops_forward_and_backward() {
         let dev = Device::Cpu;
-        for relu_last in [false, true] {
+        // 300 rows: the bias and ReLU passes split into blocks of
+        // ROWS_PER_TASK rows, the last one partial.
+        for (relu_last, rows) in [(false, 7), (true, 7), (true, 300)] {
             let mut ps = ParamStore::new(7, dev.clone());
             let mlp = Mlp::new(&mut ps, "m", 6, &[5, 4, 3], relu_last, Precision::F32).expect("mlp");
             let mut rng = Rng::new(2);
-            let x: Vec<f32> = (0..7 * 6).map(|_| rng.normal() as f32).collect();
-            let x = Var::from_tensor(&Tensor::from_vec(x, (7, 6), &dev).expect("x")).expect("var");
+            let x: Vec<f32> = (0..rows * 6).map(|_| rng.normal() as f32).collect();
+            let x = Var::from_tensor(&Tensor::from_vec(x, (rows, 6), &dev).expect("x")).expect("var");
             let fused = mlp.forward(x.as_tensor()).expect("fused");
             let plain = mlp.forward_ops(x.as_tensor()).expect("plain");
             crate::fused::assert_same_forward_and_backward(&fused, &plain, &[&x, mlp.params()]);
