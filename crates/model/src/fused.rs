@@ -478,34 +478,86 @@ pub struct FirstOrderFm {
 }
 
 /// One row of [`FirstOrderFm`]: `e` is the row's `f` fields of width `w`,
-/// `sum` a buffer of `w - 1`.
+/// `sum` a buffer of `w - 1` that receives the row's Σ_f v_f.
+///
+/// The second order is `½ Σ_k (s_k² − q_k)` with `s_k = Σ_f v_fk` and
+/// `q_k = Σ_f v_fk²`, each coordinate k summed over the fields in field
+/// order (as the candle ops it replaces sum them): the k are independent
+/// lanes, so the pass over the fields is vector adds, and the only chain
+/// across k is the last sum.
+#[inline(always)]
 pub(crate) fn first_order_fm_row(e: &[f32], w: usize, second_order: bool, sum: &mut [f32]) -> f32 {
-    sum.fill(0.0);
-    let (mut first, mut squares) = (0.0f32, 0.0f32);
-    for field in e.chunks_exact(w) {
-        first += field[0];
-        if second_order {
-            let v = &field[1..];
-            sum.iter_mut().zip(v).for_each(|(s, x)| *s += x);
-            squares += v.iter().map(|x| x * x).sum::<f32>();
-        }
+    let first = e.chunks_exact(w).fold(0.0f32, |first, field| first + field[0]);
+    if !second_order {
+        return first + 0.0;
     }
-    let second = if second_order { 0.5 * (sum.iter().map(|s| s * s).sum::<f32>() - squares) } else { 0.0 };
-    first + second
+    let d = w - 1;
+    let mut total = 0.0f32;
+    let mut k = 0;
+    while k < d {
+        // A register's worth of lanes at a time: a constant count keeps the
+        // running sums in registers; a last, shorter chunk goes lane by lane.
+        let lanes = (d - k).min(LANES);
+        total = if lanes == LANES {
+            second_order_lanes::<LANES>(e, w, k, &mut sum[k..k + LANES], total)
+        } else {
+            second_order_partial(e, w, k, &mut sum[k..d], total)
+        };
+        k += lanes;
+    }
+    first + 0.5 * total
 }
 
-/// Rows [`first_order_fm_rows`] works on side by side.
+/// Lanes `k..k + N` of [`first_order_fm_row`]'s second order: their Σ_f v
+/// into `sum`, `total + Σ_k (s_k² − q_k)` returned (k in order).
+#[inline(always)]
+fn second_order_lanes<const N: usize>(e: &[f32], w: usize, k: usize, sum: &mut [f32], mut total: f32) -> f32 {
+    let (mut s, mut q) = ([0.0f32; N], [0.0f32; N]);
+    for field in e.chunks_exact(w) {
+        let v: &[f32; N] = field[1 + k..1 + k + N].try_into().expect("N lanes");
+        for j in 0..N {
+            s[j] += v[j];
+            q[j] += v[j] * v[j];
+        }
+    }
+    for j in 0..N {
+        total += s[j] * s[j] - q[j];
+    }
+    sum.copy_from_slice(&s);
+    total
+}
+
+/// [`second_order_lanes`] for fewer than [`LANES`] lanes (`sum.len()` of them).
+#[inline(always)]
+fn second_order_partial(e: &[f32], w: usize, k: usize, sum: &mut [f32], mut total: f32) -> f32 {
+    let n = sum.len();
+    let (mut s, mut q) = ([0.0f32; LANES], [0.0f32; LANES]);
+    for field in e.chunks_exact(w) {
+        for (j, &v) in field[1 + k..1 + k + n].iter().enumerate() {
+            s[j] += v;
+            q[j] += v * v;
+        }
+    }
+    for j in 0..n {
+        total += s[j] * s[j] - q[j];
+    }
+    sum.copy_from_slice(&s[..n]);
+    total
+}
+
+/// Rows [`first_order_fm_rows`] takes side by side without a second order (LR).
 pub(crate) const FM_ROWS_AT_ONCE: usize = 8;
 
-/// [`first_order_fm_row`] for up to [`FM_ROWS_AT_ONCE`] rows at once: row
-/// `r`'s fields are the first `f·w` floats of `x[r·stride..]`, its result
-/// goes to `out[r]` and (FM) its Σ_f v_f to `sums[r·(w − 1)..]` (`sums`
-/// holds `out.len()·(w − 1)`), for the backward pass. Each
-/// row's additions happen in [`first_order_fm_row`]'s order (the same bits,
-/// tested), but in a full block the rows' chains of dependent adds — LR's f
-/// long, FM's Σv² f·(w − 1) long — run side by side in registers instead of
-/// one after the other, which on one row left the adder waiting on its own
-/// latency. A partial block (the batch's last) goes row by row.
+/// [`first_order_fm_row`] for each of `out.len()` rows: row `r`'s fields
+/// are the first `f·w` floats of `x[r·stride..]`, its result goes to
+/// `out[r]` and (FM) its Σ_f v_f to `sums[r·(w − 1)..]` (`sums` holds
+/// `out.len()·(w − 1)`), for the backward pass. Compiled for AVX2 where the
+/// CPU has it (the same operations, so the same bits: no contraction into
+/// fused multiply-adds). Without a second order, blocks of
+/// [`FM_ROWS_AT_ONCE`] rows run side by side, each row's additions in
+/// [`first_order_fm_row`]'s order (the same bits, tested): LR's chain of f
+/// dependent adds, one row after the other, left the adder waiting on its
+/// own latency.
 pub(crate) fn first_order_fm_rows(
     x: &[f32],
     stride: usize,
@@ -515,88 +567,70 @@ pub(crate) fn first_order_fm_rows(
     out: &mut [f32],
 ) {
     let n = out.len();
-    assert!(n <= FM_ROWS_AT_ONCE && (n == 0 || x.len() >= (n - 1) * stride + f * w), "rows of the block");
+    assert!(n == 0 || x.len() >= (n - 1) * stride + f * w, "rows of the block");
     let d = w.saturating_sub(1);
     let sums = &mut sums[..n * d];
-    if let Some(block) = out.first_chunk_mut::<FM_ROWS_AT_ONCE>() {
-        #[cfg(target_arch = "x86_64")]
-        if sparrow_core::simd::allowed() && std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: AVX2 was detected just above.
-            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
-            unsafe {
-                *block = first_order_fm_block_avx2(x, stride, (f, w), second_order, sums);
-            }
-            return;
+    #[cfg(target_arch = "x86_64")]
+    if sparrow_core::simd::allowed() && std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 was detected just above.
+        #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+        unsafe {
+            first_order_fm_rows_avx2(x, stride, (f, w), second_order, sums, out);
         }
-        *block = first_order_fm_block(x, stride, (f, w), second_order, sums);
         return;
     }
-    for (r, out) in out.iter_mut().enumerate() {
-        let sum = &mut sums[r * d..(r + 1) * d];
-        *out = first_order_fm_row(&x[r * stride..r * stride + f * w], w, second_order, sum);
-    }
+    first_order_fm_rows_portable(x, stride, (f, w), second_order, sums, out);
 }
 
-/// [`first_order_fm_block`] compiled for AVX2 (the same operations, so the
-/// same bits: no contraction into fused multiply-adds).
+/// [`first_order_fm_rows_portable`] compiled for AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn first_order_fm_block_avx2<const N: usize>(
+fn first_order_fm_rows_avx2(
     x: &[f32],
     stride: usize,
     shape: (usize, usize),
     second_order: bool,
     sums: &mut [f32],
-) -> [f32; N] {
-    first_order_fm_block(x, stride, shape, second_order, sums)
+    out: &mut [f32],
+) {
+    first_order_fm_rows_portable(x, stride, shape, second_order, sums, out);
 }
 
-/// A full block of [`first_order_fm_rows`]: `N` is a constant, so the rows'
-/// running sums are registers.
 #[inline(always)]
-fn first_order_fm_block<const N: usize>(
+fn first_order_fm_rows_portable(
     x: &[f32],
     stride: usize,
     (f, w): (usize, usize),
     second_order: bool,
     sums: &mut [f32],
-) -> [f32; N] {
-    let d = w - 1;
-    let rows: [&[f32]; N] = std::array::from_fn(|r| &x[r * stride..r * stride + f * w]);
-    let (mut first, mut squares) = ([0.0f32; N], [0.0f32; N]);
-    sums.fill(0.0);
-    for field in 0..f {
-        let at = field * w;
-        for r in 0..N {
-            first[r] += rows[r][at];
-        }
-        if second_order {
-            for (sum, row) in sums.chunks_exact_mut(d.max(1)).zip(rows) {
-                sum.iter_mut().zip(&row[at + 1..at + w]).for_each(|(s, v)| *s += v);
-            }
-            // A field's Σv² starts from zero, as `Iterator::sum` does.
-            let mut field_squares = [0.0f32; N];
-            #[expect(clippy::needless_range_loop, reason = "coordinate k of every row in turn: the rows side by side")]
-            for k in at + 1..at + w {
-                for r in 0..N {
-                    field_squares[r] += rows[r][k] * rows[r][k];
-                }
-            }
-            for r in 0..N {
-                squares[r] += field_squares[r];
-            }
-        }
-    }
+    out: &mut [f32],
+) {
+    let d = w.saturating_sub(1);
+    let mut start = 0;
     if !second_order {
-        return first.map(|first| first + 0.0);
-    }
-    let mut sum_squares = [0.0f32; N];
-    for k in 0..d {
-        for r in 0..N {
-            sum_squares[r] += sums[r * d + k] * sums[r * d + k];
+        for block in out.chunks_exact_mut(FM_ROWS_AT_ONCE) {
+            block.copy_from_slice(&first_order_block::<FM_ROWS_AT_ONCE>(&x[start * stride..], stride, (f, w)));
+            start += FM_ROWS_AT_ONCE;
         }
     }
-    std::array::from_fn(|r| first[r] + 0.5 * (sum_squares[r] - squares[r]))
+    for r in start..out.len() {
+        let sum = &mut sums[r * d..(r + 1) * d];
+        out[r] = first_order_fm_row(&x[r * stride..r * stride + f * w], w, second_order, sum);
+    }
+}
+
+/// `N` rows' first order side by side (`N` a constant: the running sums are
+/// registers), each `Σ_f e_f[0] + 0.0` as [`first_order_fm_row`] adds it.
+#[inline(always)]
+fn first_order_block<const N: usize>(x: &[f32], stride: usize, (f, w): (usize, usize)) -> [f32; N] {
+    let rows: [&[f32]; N] = std::array::from_fn(|r| &x[r * stride..r * stride + f * w]);
+    let mut first = [0.0f32; N];
+    for field in 0..f {
+        for r in 0..N {
+            first[r] += rows[r][field * w];
+        }
+    }
+    first.map(|first| first + 0.0)
 }
 
 /// One row of [`FirstOrderFm`]'s adjoint for the row's output gradient `g`:
@@ -622,6 +656,7 @@ pub(crate) fn first_order_fm_grad_row(
 
 /// [`first_order_fm_grad_row`] with the row's `sum` (Σ_f v_f) given, as the
 /// forward pass ([`first_order_fm_rows`]) left it.
+#[inline(always)]
 pub(crate) fn first_order_fm_grad_row_from_sum(
     e: &[f32],
     w: usize,
@@ -632,11 +667,87 @@ pub(crate) fn first_order_fm_grad_row_from_sum(
 ) {
     for (gf, field) in grad.chunks_exact_mut(w).zip(e.chunks_exact(w)) {
         gf[0] = g;
-        if second_order {
-            for ((o, s), v) in gf[1..].iter_mut().zip(sum.iter()).zip(&field[1..]) {
-                *o = g * (s - v);
-            }
+        if !second_order {
+            continue;
         }
+        // The usual width as arrays: straight-line vector code, no loop
+        // set-up per field.
+        if let (Ok(o), Ok(s), Ok(v)) = (
+            <&mut [f32; LANES]>::try_from(&mut gf[1..]),
+            <&[f32; LANES]>::try_from(sum),
+            <&[f32; LANES]>::try_from(&field[1..]),
+        ) {
+            for j in 0..LANES {
+                o[j] = g * (s[j] - v[j]);
+            }
+            continue;
+        }
+        for ((o, s), v) in gf[1..].iter_mut().zip(sum.iter()).zip(&field[1..]) {
+            *o = g * (s - v);
+        }
+    }
+}
+
+/// [`first_order_fm_grad_row_from_sum`] for each of `seeds.len()` rows laid
+/// out as [`first_order_fm_rows`] reads them: row `r`'s fields at
+/// `x[r·stride..]`, its gradient written to the first `f·w` floats of
+/// `grad[r·stride..]`, its Σ_f v_f at `sums[r·(w − 1)..]` (FM). Compiled
+/// for AVX2 where the CPU has it (the same operations: the same bits).
+pub(crate) fn first_order_fm_grad_rows(
+    x: &[f32],
+    stride: usize,
+    (f, w): (usize, usize),
+    seeds: &[f32],
+    second_order: bool,
+    sums: &[f32],
+    grad: &mut [f32],
+) {
+    let n = seeds.len();
+    let d = w.saturating_sub(1);
+    assert!(n == 0 || x.len().min(grad.len()) >= (n - 1) * stride + f * w, "rows of the block");
+    assert!(!second_order || sums.len() >= n * d, "Σ v of every row");
+    #[cfg(target_arch = "x86_64")]
+    if sparrow_core::simd::allowed() && std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 was detected just above.
+        #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+        unsafe {
+            first_order_fm_grad_rows_avx2(x, stride, (f, w), seeds, second_order, sums, grad);
+        }
+        return;
+    }
+    first_order_fm_grad_rows_portable(x, stride, (f, w), seeds, second_order, sums, grad);
+}
+
+/// [`first_order_fm_grad_rows_portable`] compiled for AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn first_order_fm_grad_rows_avx2(
+    x: &[f32],
+    stride: usize,
+    shape: (usize, usize),
+    seeds: &[f32],
+    second_order: bool,
+    sums: &[f32],
+    grad: &mut [f32],
+) {
+    first_order_fm_grad_rows_portable(x, stride, shape, seeds, second_order, sums, grad);
+}
+
+#[inline(always)]
+fn first_order_fm_grad_rows_portable(
+    x: &[f32],
+    stride: usize,
+    (f, w): (usize, usize),
+    seeds: &[f32],
+    second_order: bool,
+    sums: &[f32],
+    grad: &mut [f32],
+) {
+    let d = w.saturating_sub(1);
+    for (r, &g) in seeds.iter().enumerate() {
+        let sum = if second_order { &sums[r * d..(r + 1) * d] } else { &[][..] };
+        let at = r * stride;
+        first_order_fm_grad_row_from_sum(&x[at..at + f * w], w, g, second_order, sum, &mut grad[at..at + f * w]);
     }
 }
 
@@ -876,15 +987,17 @@ mod tests {
     }
 
     /// Rows side by side give each row's bits: LR's width 1 and FM's
-    /// widths, with dense values after the fields (a stride beyond them),
-    /// every block size up to a full one, values of every sign and scale.
+    /// widths (fewer lanes than a register, exactly one, one and a part),
+    /// with dense values after the fields (a stride beyond them), every
+    /// count of rows up to two blocks and a part, values of every sign and
+    /// scale.
     #[test]
     fn first_order_rows_side_by_side_equal_one_row_at_a_time() {
         let mut rng = sparrow_core::rng::Rng::new(23);
-        for (f, w, dense) in [(1, 1, 0), (26, 1, 13), (3, 2, 0), (26, 17, 13), (5, 9, 2)] {
+        for (f, w, dense) in [(1, 1, 0), (26, 1, 13), (3, 2, 0), (26, 17, 13), (5, 9, 2), (4, 21, 1)] {
             let stride = f * w + dense;
             for second_order in [false, true] {
-                for n in 0..=FM_ROWS_AT_ONCE {
+                for n in 0..=2 * FM_ROWS_AT_ONCE + 3 {
                     let x: Vec<f32> = (0..n * stride).map(|i| rng.normal() as f32 * [1e-3, 1.0, 40.0][i % 3]).collect();
                     let mut out = vec![f32::NAN; n];
                     let mut sums = vec![f32::NAN; n * (w - 1)];
@@ -898,6 +1011,79 @@ mod tests {
                             assert_eq!(bits(&sums[r * (w - 1)..(r + 1) * (w - 1)]), bits(&sum), "{what}: Σ v");
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// The AVX2 builds of the first-order and FM passes (where the CPU has
+    /// AVX2) give the portable builds' bits, forward (values and Σ v) and
+    /// backward, for LR's and FM's widths and partial register widths; the
+    /// forward's second order matches f64 within float error.
+    #[test]
+    fn first_order_passes_for_this_cpu_equal_the_portable_ones() {
+        let mut rng = sparrow_core::rng::Rng::new(31);
+        for (f, w, dense, n) in [(26, 1, 13, 19), (26, 17, 13, 21), (3, 2, 0, 5), (5, 9, 2, 9), (4, 21, 1, 3)] {
+            let stride = f * w + dense;
+            let d = w - 1;
+            let x: Vec<f32> = (0..n * stride).map(|i| rng.normal() as f32 * [1e-3, 1.0, 40.0][i % 3]).collect();
+            let seeds: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+            for second_order in [false, true] {
+                let what = format!("f {f}, w {w}, fm {second_order}");
+                let (mut out, mut sums) = (vec![f32::NAN; n], vec![f32::NAN; n * d]);
+                let (mut plain_out, mut plain_sums) = (vec![0.0f32; n], vec![0.0f32; n * d]);
+                first_order_fm_rows(&x, stride, (f, w), second_order, &mut sums, &mut out);
+                first_order_fm_rows_portable(&x, stride, (f, w), second_order, &mut plain_sums, &mut plain_out);
+                assert_eq!(bits(&out), bits(&plain_out), "{what}: values");
+                if second_order {
+                    assert_eq!(bits(&sums), bits(&plain_sums), "{what}: Σ v");
+                }
+                for (r, &got) in out.iter().enumerate() {
+                    let row = &x[r * stride..r * stride + f * w];
+                    let first: f64 = row.chunks_exact(w).map(|e| f64::from(e[0])).sum();
+                    let second: f64 = if second_order {
+                        (1..w)
+                            .map(|k| {
+                                let s: f64 = row.chunks_exact(w).map(|e| f64::from(e[k])).sum();
+                                let q: f64 = row.chunks_exact(w).map(|e| f64::from(e[k]).powi(2)).sum();
+                                0.5 * (s * s - q)
+                            })
+                            .sum()
+                    } else {
+                        0.0
+                    };
+                    let scale: f64 = row.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() + 1.0;
+                    let exact = first + second;
+                    assert!((f64::from(got) - exact).abs() < 1e-5 * scale, "{what}, row {r}: {got} vs {exact}");
+                }
+                let (mut grad, mut plain_grad) = (vec![f32::NAN; n * stride], vec![f32::NAN; n * stride]);
+                first_order_fm_grad_rows(&x, stride, (f, w), &seeds, second_order, &sums, &mut grad);
+                first_order_fm_grad_rows_portable(&x, stride, (f, w), &seeds, second_order, &sums, &mut plain_grad);
+                assert_eq!(bits(&grad), bits(&plain_grad), "{what}: gradient");
+                for (r, &g) in seeds.iter().enumerate() {
+                    let mut want = vec![f32::NAN; f * w];
+                    let mut sum = vec![0.0; d];
+                    first_order_fm_grad_row(
+                        &x[r * stride..r * stride + f * w],
+                        w,
+                        g,
+                        second_order,
+                        &mut sum,
+                        &mut want,
+                    );
+                    let got = &grad[r * stride..r * stride + f * w];
+                    for (i, (got, want)) in got.iter().zip(&want).enumerate() {
+                        // Without a second order the factors are not written.
+                        if second_order || i % w == 0 {
+                            assert_eq!(got.to_bits(), want.to_bits(), "{what}, row {r}: gradient {i}");
+                        } else {
+                            assert!(got.is_nan(), "{what}, row {r}: factor {i} written");
+                        }
+                    }
+                    assert!(
+                        grad[r * stride + f * w..(r + 1) * stride].iter().all(|v| v.is_nan()),
+                        "{what}: dense columns untouched"
+                    );
                 }
             }
         }

@@ -153,15 +153,11 @@ impl<F: FnOnce(&mut [f32])> InplaceOp1 for InPlace<F> {
 
 /// `Err(NonFinite)` naming `what` (built only on failure) if `values` holds a NaN or an infinity.
 pub fn check_finite(values: &[f32], what: impl FnOnce() -> String) -> Result<(), ModelError> {
-    // A float is NaN or infinite exactly when its exponent bits are all
-    // ones; OR-ing that test over chunks has no early exit, so it vectorises.
-    const EXPONENT: u32 = 0x7f80_0000;
-    let finite =
-        |c: &[f32]| c.chunks(256).all(|c| !c.iter().fold(false, |bad, v| bad | (v.to_bits() & EXPONENT == EXPONENT)));
     // A batch's input gradient (FM: 1024 rows × 455 floats) is read at
     // memory speed: both threads read half; small vectors stay on this one.
     const PER_THREAD: usize = 1 << 16;
-    let all_finite = if values.len() > PER_THREAD { values.par_chunks(PER_THREAD).all(finite) } else { finite(values) };
+    let all_finite =
+        if values.len() > PER_THREAD { values.par_chunks(PER_THREAD).all(all_finite) } else { all_finite(values) };
     if all_finite {
         return Ok(());
     }
@@ -169,6 +165,31 @@ pub fn check_finite(values: &[f32], what: impl FnOnce() -> String) -> Result<(),
         Some(i) => Err(ModelError::NonFinite { what: format!("{} (element {i} is {})", what(), values[i]) }),
         None => Ok(()),
     }
+}
+
+/// Whether every value is finite, compiled for AVX2 where the CPU has it:
+/// 8 lanes a test instead of the x86-64 baseline's 4 (the check of FM's
+/// input gradient took a sixth of its dense step). The same answer (tested).
+fn all_finite(values: &[f32]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if sparrow_core::simd::allowed() && std::arch::is_x86_feature_detected!("avx2") {
+        #[target_feature(enable = "avx2")]
+        fn all_finite_avx2(values: &[f32]) -> bool {
+            all_finite_portable(values)
+        }
+        // SAFETY: AVX2 was detected just above.
+        #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+        return unsafe { all_finite_avx2(values) };
+    }
+    all_finite_portable(values)
+}
+
+#[inline(always)]
+fn all_finite_portable(values: &[f32]) -> bool {
+    // A float is NaN or infinite exactly when its exponent bits are all
+    // ones; OR-ing that test over chunks has no early exit, so it vectorises.
+    const EXPONENT: u32 = 0x7f80_0000;
+    values.chunks(256).all(|c| !c.iter().fold(false, |bad, v| bad | (v.to_bits() & EXPONENT == EXPONENT)))
 }
 
 pub struct DenseOptimizer {
@@ -291,7 +312,7 @@ impl DenseOptimizer {
 
 #[cfg(test)]
 mod tests {
-    use super::{AdamStep, adam, adam_for_cpu, check_finite};
+    use super::{AdamStep, adam, adam_for_cpu, all_finite, all_finite_portable, check_finite};
 
     /// Every NaN and infinity is found, wherever it lies in a short or a
     /// long (split between threads) vector, and named with its element.
@@ -306,6 +327,27 @@ mod tests {
                     let err = check_finite(&v, || "v".into()).expect_err("bad value").to_string();
                     assert!(err.contains(&format!("element {at} is")), "{len}, {at}: {err}");
                     v[at] = -f32::MAX;
+                }
+            }
+        }
+    }
+
+    /// The finiteness test compiled for this CPU and the portable one agree
+    /// on every kind of float (one bad value at each place of vectors that
+    /// leave vector and chunk tails), and both find every NaN and infinity.
+    #[test]
+    fn the_finiteness_test_for_this_cpu_equals_the_portable_one() {
+        let specials = [f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::from_bits(0x7f80_0001)];
+        let fine = [0.0, -0.0, f32::MAX, f32::MIN, f32::MIN_POSITIVE, f32::from_bits(1), 1.5];
+        for len in [1usize, 7, 8, 9, 31, 256, 257, 1000] {
+            let clean: Vec<f32> = (0..len).map(|i| fine[i % fine.len()]).collect();
+            assert!(all_finite(&clean) && all_finite_portable(&clean), "len {len}");
+            for at in 0..len {
+                for bad in specials {
+                    let mut v = clean.clone();
+                    v[at] = bad;
+                    assert!(!all_finite(&v), "len {len}, {bad} at {at}");
+                    assert!(!all_finite_portable(&v), "len {len}, {bad} at {at} (portable)");
                 }
             }
         }

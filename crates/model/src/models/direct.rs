@@ -16,12 +16,15 @@ use rayon::prelude::*;
 use super::{DenseModel, Net};
 use crate::ModelError;
 use crate::fused::{
-    FM_ROWS_AT_ONCE, RowBuf, Vectors, first_order_fm_grad_row_from_sum, first_order_fm_rows, pairwise_dots_grad_row,
+    FM_ROWS_AT_ONCE, RowBuf, Vectors, first_order_fm_grad_rows, first_order_fm_rows, pairwise_dots_grad_row,
     pairwise_dots_row,
 };
 use crate::mlp::{CrossGrads, Mlp, MlpScratch, cpu, cross_backward, cross_forward, sized};
 use crate::optimizer::DenseGrads;
 use crate::params::Linear;
+
+/// Rows a task of the first-order and FM passes takes.
+const ROWS_PER_TASK: usize = 4 * FM_ROWS_AT_ONCE;
 
 /// Buffers of the direct step, kept between steps.
 #[derive(Default)]
@@ -102,20 +105,22 @@ impl DenseModel {
         // (LR's width 1 leaves no sums: one unused float a row keeps the chunks paired.)
         let per_row = (w - 1).max(1);
         let sums = sized(sums, rows * per_row); // overwritten whole (LR: unused)
-        // Blocks of rows side by side (see `first_order_fm_rows`); the dense
-        // dot products too, each row's in its own order.
-        let blocks = out.par_chunks_mut(FM_ROWS_AT_ONCE).zip(x.par_chunks(FM_ROWS_AT_ONCE * row));
-        let blocks = blocks.zip(sums.par_chunks_mut(FM_ROWS_AT_ONCE * per_row));
-        blocks.for_each(|((out, x), sums)| {
+        // The dense dot products of blocks of rows side by side (as
+        // `first_order_fm_rows` adds LR's first order), each row's in its own order.
+        let tasks = out.par_chunks_mut(ROWS_PER_TASK).zip(x.par_chunks(ROWS_PER_TASK * row));
+        let tasks = tasks.zip(sums.par_chunks_mut(ROWS_PER_TASK * per_row));
+        tasks.for_each(|((out, x), sums)| {
             first_order_fm_rows(x, row, (f, w), fm, sums, out);
             if let Some((lw, lb)) = &lin {
-                let mut dots = [0.0f32; FM_ROWS_AT_ONCE];
-                for (j, lw) in lw.iter().enumerate() {
-                    for (r, dot) in dots[..out.len()].iter_mut().enumerate() {
-                        *dot += x[r * row + f * w + j] * lw;
+                for (out, x) in out.chunks_mut(FM_ROWS_AT_ONCE).zip(x.chunks(FM_ROWS_AT_ONCE * row)) {
+                    let mut dots = [0.0f32; FM_ROWS_AT_ONCE];
+                    for (j, lw) in lw.iter().enumerate() {
+                        for (r, dot) in dots[..out.len()].iter_mut().enumerate() {
+                            *dot += x[r * row + f * w + j] * lw;
+                        }
                     }
+                    out.iter_mut().zip(dots).for_each(|(t, dot)| *t += dot + lb);
                 }
-                out.iter_mut().zip(dots).for_each(|(t, dot)| *t += dot + lb);
             }
             out.iter_mut().for_each(|t| *t += bias);
         });
@@ -142,27 +147,33 @@ impl DenseModel {
         let row = self.row_len();
         let deep_len = f * (w - offset) + nd;
         let lin_w = lin.as_ref().map(|l| values(l.weight())).transpose()?;
-        let rows_in = grad_x.par_chunks_mut(row).zip(x.par_chunks(row)).zip(seed.par_iter()).enumerate();
+        let tasks = grad_x.par_chunks_mut(ROWS_PER_TASK * row).zip(x.par_chunks(ROWS_PER_TASK * row));
+        let tasks = tasks.zip(seed.par_chunks(ROWS_PER_TASK)).enumerate();
         let fm = fm_sums.is_some();
-        rows_in.for_each(|(r, ((grad, x), &g))| {
-            let (grad_emb, grad_dense) = grad.split_at_mut(f * w);
-            let sum = fm_sums.map_or(&[][..], |sums| &sums[r * (w - 1)..(r + 1) * (w - 1)]);
-            first_order_fm_grad_row_from_sum(&x[..f * w], w, g, fm, sum, grad_emb);
-            match &lin_w {
-                Some(lw) => grad_dense.iter_mut().zip(lw).for_each(|(o, w)| *o = g * w),
-                None => grad_dense.fill(0.0),
-            }
-            let Some(deep_grad) = deep_grad else { return };
-            let gx = &deep_grad[r * deep_len..(r + 1) * deep_len];
-            for (field, g) in grad_emb.chunks_exact_mut(w).zip(gx.chunks_exact(w - offset)) {
-                // Without FM the factors' only gradient is the deep one.
-                if fm {
-                    field[offset..].iter_mut().zip(g).for_each(|(a, g)| *a += g);
-                } else {
-                    field[offset..].copy_from_slice(g);
+        let d = w - 1;
+        tasks.for_each(|(task, ((grad, x), seeds))| {
+            let first_row = task * ROWS_PER_TASK;
+            let sums = fm_sums.map_or(&[][..], |sums| &sums[first_row * d..(first_row + seeds.len()) * d]);
+            first_order_fm_grad_rows(x, row, (f, w), seeds, fm, sums, grad);
+            for ((r, grad), &g) in grad.chunks_exact_mut(row).enumerate().zip(seeds) {
+                let (grad_emb, grad_dense) = grad.split_at_mut(f * w);
+                match &lin_w {
+                    Some(lw) => grad_dense.iter_mut().zip(lw).for_each(|(o, w)| *o = g * w),
+                    None => grad_dense.fill(0.0),
                 }
+                let Some(deep_grad) = deep_grad else { continue };
+                let r = first_row + r;
+                let gx = &deep_grad[r * deep_len..(r + 1) * deep_len];
+                for (field, g) in grad_emb.chunks_exact_mut(w).zip(gx.chunks_exact(w - offset)) {
+                    // Without FM the factors' only gradient is the deep one.
+                    if fm {
+                        field[offset..].iter_mut().zip(g).for_each(|(a, g)| *a += g);
+                    } else {
+                        field[offset..].copy_from_slice(g);
+                    }
+                }
+                grad_dense.iter_mut().zip(&gx[deep_len - nd..]).for_each(|(a, g)| *a += g);
             }
-            grad_dense.iter_mut().zip(&gx[deep_len - nd..]).for_each(|(a, g)| *a += g);
         });
         let seed_sum = seed.iter().sum::<f32>();
         if let Some(lin) = lin {
