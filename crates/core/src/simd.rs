@@ -1,6 +1,7 @@
 //! `SPARROW_SIMD`: whether the kernels Sparrow picks at run time by CPU
 //! feature (bf16 matrix products and the portable product's AVX2 build,
-//! DLRM's interaction, f16 row conversions and steps, dense Adam) may take
+//! DLRM's interaction, f16 row conversions and steps, dense Adam, the
+//! first-order and FM passes, the finiteness check of gradients) may take
 //! their SIMD versions. `SPARROW_SIMD=portable` makes
 //! every one of them take its portable version, as on a CPU without those
 //! features: the same bits, slower. It lets one machine show that a model
