@@ -10,7 +10,7 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use sparrow_core::batch::{BatchBuilder, DataPosition};
 use sparrow_core::config::DataConfig;
 use sparrow_data::text::{CriteoParser, LineParser};
-use sparrow_data::{BadRows, BatchSource, open_source};
+use sparrow_data::{BadRows, open_source};
 
 const ROWS: u64 = 32 * 1024;
 
