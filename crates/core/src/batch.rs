@@ -143,6 +143,27 @@ impl BatchBuilder {
         true
     }
 
+    /// Adds one key to every field's bag, in field order, for a row that
+    /// has none yet (a row whose every field holds one value, as Criteo's):
+    /// what [`push_key`](Self::push_key) field by field gives (weight 1), in
+    /// one pass. Returns false, adding nothing, if the row already has keys
+    /// or `keys` is not one a field.
+    pub fn push_key_per_field(&mut self, keys: &[u64]) -> bool {
+        if self.current_field != 0 || self.batch.keys.len() != self.row_start.2 || keys.len() != self.batch.num_fields {
+            return false;
+        }
+        let n = self.batch.keys.len() as u32;
+        self.batch.keys.extend_from_slice(keys);
+        if let Some(w) = self.batch.key_weights.as_mut() {
+            w.extend(std::iter::repeat_n(1.0, keys.len()));
+        }
+        // Bag f ends after key f; the last bag's end is pushed by `end_row`,
+        // as after `push_key`.
+        self.batch.bag_offsets.extend((1..keys.len() as u32).map(|i| n + i));
+        self.current_field = keys.len().saturating_sub(1);
+        true
+    }
+
     fn close_bags_until(&mut self, field: usize) {
         let n = self.batch.keys.len() as u32;
         while self.current_field < field {
@@ -190,6 +211,45 @@ impl BatchBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A key per field in one call builds the batch that `push_key` field
+    /// by field builds, weighted or not, rolled back or not; a row that
+    /// already has keys, or a count that is not one a field, is refused.
+    #[test]
+    fn a_key_per_field_at_once_equals_one_field_at_a_time() {
+        for weighted in [false, true] {
+            let (mut a, mut b) = (BatchBuilder::new(3, 1, weighted, 4), BatchBuilder::new(3, 1, weighted, 4));
+            for (row, keys) in [[1u64, 2, 3], [4, 5, 6], [7, 8, 9]].iter().enumerate() {
+                a.begin_row();
+                b.begin_row();
+                a.push_dense(row as f32);
+                b.push_dense(row as f32);
+                for (f, &k) in keys.iter().enumerate() {
+                    assert!(a.push_key(f, k, 1.0));
+                }
+                assert!(b.push_key_per_field(keys));
+                assert!(!b.push_key_per_field(keys), "a row's keys are added once");
+                if row == 1 {
+                    a.rollback_row();
+                    b.rollback_row();
+                } else {
+                    assert!(a.end_row(1.0));
+                    assert!(b.end_row(1.0));
+                }
+            }
+            b.begin_row();
+            assert!(!b.push_key_per_field(&[1, 2]), "two keys for three fields");
+            assert!(b.push_key(0, 1, 1.0));
+            assert!(!b.push_key_per_field(&[1, 2, 3]), "the row has a key already");
+            b.rollback_row();
+            let (a, b) = (a.finish(DataPosition::default()), b.finish(DataPosition::default()));
+            assert_eq!(
+                (a.keys.clone(), a.bag_offsets.clone(), a.key_weights.clone()),
+                (b.keys, b.bag_offsets, b.key_weights)
+            );
+            assert_eq!(a.bag(1, 2), 5..6);
+        }
+    }
 
     #[test]
     fn rows_with_skipped_fields_and_rollback() {

@@ -112,12 +112,13 @@ impl LineParser for CriteoParser {
             };
             out.push_dense(self.log1p.get(v));
         }
-        for f in 0..CRITEO_SPARSE {
-            let raw = cols.next().unwrap_or_default();
-            out.push_key(f, feature_key(f as u32, raw), 1.0);
-        }
+        let keys: [u64; CRITEO_SPARSE] =
+            std::array::from_fn(|f| feature_key(f as u32, cols.next().unwrap_or_default()));
         if cols.next().is_some() {
             return Err(format!("more than {} columns", 1 + CRITEO_DENSE + CRITEO_SPARSE));
+        }
+        if !out.push_key_per_field(&keys) {
+            return Err(format!("a batch of {} fields for Criteo's {CRITEO_SPARSE}", out.num_fields()));
         }
         Ok(label)
     }
