@@ -505,3 +505,49 @@ fn bf16_on_a_kind_without_matrix_products_is_named() {
         assert_eq!(last_json(&out)["test_auc"], last_json(&f32_run)["test_auc"], "{kind}: the same model as f32");
     }
 }
+
+/// The kinds table states each kind's dense step against both floors: the
+/// flops (beside the fp32 ceiling) and the bytes it must move — the input
+/// row read and its gradient written, 8 bytes a float (LR: 26 fields of
+/// width 1 and 13 dense values; FM: width 17) — beside a copy of a batch's
+/// size measured in the same run.
+#[test]
+fn the_kinds_table_reports_the_bytes_floor_beside_the_flops() {
+    let out = sparrow(&[
+        "bench",
+        "--dims",
+        "8",
+        "--table-rows",
+        "1000",
+        "--batches",
+        "1",
+        "--optimizers",
+        "sgd",
+        "--dtypes",
+        "f32",
+        "--train-steps",
+        "0",
+        "--memory-rows",
+        "0",
+        "--kind-steps",
+        "5",
+        "--kinds",
+        "lr,fm",
+    ]);
+    ok(&out);
+    let report = last_json(&out);
+    let kinds = report["kinds"].as_array().expect("kinds");
+    let bytes: Vec<(&str, f64)> = kinds
+        .iter()
+        .map(|k| (k["kind"].as_str().expect("kind"), k["bytes_per_sample"].as_f64().expect("bytes")))
+        .collect();
+    assert_eq!(bytes, [("lr", 8.0 * 39.0), ("fm", 8.0 * (26.0 * 17.0 + 13.0))]);
+    for k in kinds {
+        let field = |name: &str| k[name].as_f64().unwrap_or_else(|| panic!("{name} in {k}"));
+        let copy = field("copy_gbytes_per_sec");
+        assert!(copy.is_finite() && copy > 0.0, "{k}");
+        let share = field("dense_gbytes_per_sec") / copy;
+        assert!((field("share_of_copy_bandwidth") - share).abs() <= 1e-9 * share.max(1.0), "{k}");
+        assert!(field("best_round_share_of_copy_bandwidth") >= field("share_of_copy_bandwidth") * 0.999, "{k}");
+    }
+}

@@ -280,6 +280,36 @@ pub fn measure(threads: usize, duration: Duration) -> Peaks {
     }
 }
 
+/// Bytes per second (read and written, counted together) that `threads`
+/// threads sustain copying a buffer of `bytes` floats' worth into another of
+/// the same size, each thread its own pair (`bytes` split between them),
+/// for about `duration`: the bandwidth a pass that reads a batch's input and
+/// writes its gradient can have at that batch's size (in cache or not).
+pub fn copy_bandwidth(threads: usize, bytes: usize, duration: Duration) -> f64 {
+    let threads = threads.max(1);
+    let floats = (bytes / 4 / threads).max(16);
+    let start = Instant::now();
+    let moved: f64 = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(move || {
+                    let src: Vec<f32> = (0..floats).map(|i| i as f32).collect();
+                    let mut dst = vec![0.0f32; floats];
+                    let mut moved = 0.0;
+                    while start.elapsed() < duration {
+                        dst.copy_from_slice(&src);
+                        std::hint::black_box(&mut dst);
+                        moved += 8.0 * floats as f64;
+                    }
+                    moved
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or(0.0)).sum()
+    });
+    moved / start.elapsed().as_secs_f64()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -383,6 +413,14 @@ mod tests {
     #[test]
     fn the_reference_mlps_step_is_856k_flops_a_sample() {
         assert_eq!(mlp_step_flops(&[429, 256, 128, 1]), 856_320.0);
+    }
+
+    #[test]
+    fn the_copy_bandwidth_is_measured() {
+        for bytes in [0, 64 << 10, 4 << 20] {
+            let b = copy_bandwidth(2, bytes, Duration::from_millis(20));
+            assert!(b.is_finite() && b > 1e6, "{bytes} bytes: {b} B/s");
+        }
     }
 
     #[test]

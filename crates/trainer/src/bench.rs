@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use sparrow_core::batch::BatchBuilder;
@@ -179,6 +179,21 @@ pub struct KindBench {
     /// The same two in the fastest of the rounds the kinds took turns in.
     pub best_round_dense_gflops: f64,
     pub best_round_share_of_ceiling: Option<f64>,
+    /// The bytes the dense step cannot avoid moving a sample: its input
+    /// row read and that row's gradient written (f32), weights and
+    /// activations left out.
+    pub bytes_per_sample: f64,
+    /// Those bytes over the dense phase's time, GB/s.
+    pub dense_gbytes_per_sec: f64,
+    /// What copying a buffer the size of a batch's input into another
+    /// sustains on the step's threads, measured in the same run (read and
+    /// written bytes counted together, GB/s): the bandwidth ceiling of a
+    /// pass over the batch.
+    pub copy_gbytes_per_sec: f64,
+    /// `dense_gbytes_per_sec` over it: the dense step against its memory
+    /// floor (for LR and FM, whose few flops a sample are no floor at all).
+    pub share_of_copy_bandwidth: f64,
+    pub best_round_share_of_copy_bandwidth: f64,
 }
 
 /// The machine's measured arithmetic ceilings (`sparrow_model::peak`), on
@@ -624,6 +639,8 @@ struct KindRun {
     secs: f64,
     /// The dense phase's seconds a sample in the fastest round.
     best_round_dense_per_sample: f64,
+    /// Floats of an input row.
+    row_len: usize,
 }
 
 /// Every model kind's dense step against its flop floor, in f32 and (for
@@ -652,6 +669,9 @@ fn bench_kinds(o: &BenchOptions) -> Result<Vec<KindBench>, TrainError> {
                 }
                 trainer.phase_secs = Default::default();
                 let flops = sparrow_model::DenseModel::step_flops_per_sample(&config.model, trainer.model.shape);
+                let shape = trainer.model.shape;
+                let row_len =
+                    trainer.model.packed_row_len().unwrap_or(shape.num_fields * shape.embedding_dim + shape.num_dense);
                 runs.push(KindRun {
                     kind,
                     precision,
@@ -660,6 +680,7 @@ fn bench_kinds(o: &BenchOptions) -> Result<Vec<KindBench>, TrainError> {
                     samples: 0,
                     secs: 0.0,
                     best_round_dense_per_sample: f64::INFINITY,
+                    row_len,
                 });
             }
         }
@@ -679,6 +700,7 @@ fn bench_kinds(o: &BenchOptions) -> Result<Vec<KindBench>, TrainError> {
                 run.best_round_dense_per_sample = run.best_round_dense_per_sample.min(dense / samples.max(1) as f64);
             }
         }
+        let threads = rayon::current_num_threads();
         Ok(runs
             .into_iter()
             .map(|run| {
@@ -686,6 +708,11 @@ fn bench_kinds(o: &BenchOptions) -> Result<Vec<KindBench>, TrainError> {
                 let rate = run.samples as f64 / run.secs.max(1e-9);
                 let dense_gflops = run.flops * run.samples as f64 / dense / 1e9;
                 let best_round_dense_gflops = run.flops / run.best_round_dense_per_sample.max(1e-12) / 1e9;
+                let bytes_per_sample = 8.0 * run.row_len as f64;
+                let batch_bytes = 4 * run.row_len * o.batch_size;
+                let copy = sparrow_model::peak::copy_bandwidth(threads, batch_bytes, Duration::from_millis(200)) / 1e9;
+                let dense_gbytes_per_sec = bytes_per_sample * run.samples as f64 / dense / 1e9;
+                let best_round_gbytes = bytes_per_sample / run.best_round_dense_per_sample.max(1e-12) / 1e9;
                 KindBench {
                     kind: run.kind.name(),
                     precision: if run.precision == Precision::F32 { "f32" } else { "bf16" },
@@ -697,6 +724,11 @@ fn bench_kinds(o: &BenchOptions) -> Result<Vec<KindBench>, TrainError> {
                     share_of_ceiling: None,
                     best_round_dense_gflops,
                     best_round_share_of_ceiling: None,
+                    bytes_per_sample,
+                    dense_gbytes_per_sec,
+                    copy_gbytes_per_sec: copy,
+                    share_of_copy_bandwidth: dense_gbytes_per_sec / copy,
+                    best_round_share_of_copy_bandwidth: best_round_gbytes / copy,
                 }
             })
             .collect())
@@ -755,7 +787,7 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
     };
     tracing::info!("bench: fp32 FMA and bf16 dot-product ceilings");
     let threads = train_step.as_ref().map_or(2, |t| t.threads);
-    let mut peaks = sparrow_model::peak::measure(threads, std::time::Duration::from_millis(500));
+    let mut peaks = sparrow_model::peak::measure(threads, Duration::from_millis(500));
     tracing::info!("bench: matrix products of the reference MLP's shapes, fp32 and bf16");
     let gemm = [(o.batch_size, 256, 429), (o.batch_size, 128, 256)]
         .iter()
@@ -765,7 +797,7 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
     if !kinds.is_empty() {
         // The ceilings once more, after the kinds' rounds: a busy stretch
         // only ever reads lower, so the higher of the two is the ceiling.
-        let again = sparrow_model::peak::measure(threads, std::time::Duration::from_millis(500));
+        let again = sparrow_model::peak::measure(threads, Duration::from_millis(500));
         peaks = higher_ceilings(peaks, again);
     }
     for k in &mut kinds {
