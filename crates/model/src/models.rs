@@ -337,13 +337,17 @@ impl DenseModel {
             .zip(labels)
             .enumerate()
             .with_min_len(256)
-            .map(|(i, (&x, &y))| {
-                let w = weights.map_or(1.0, |w| f64::from(w[i]));
-                let (loss, p) = logistic_loss_and_sigmoid(f64::from(x), f64::from(y));
-                (w * loss, ((p - f64::from(y)) * w * inv_b) as f32)
-            })
+            .map(|(i, (&x, &y))| Self::loss_and_seed_row(x, y, weights.map_or(1.0, |w| f64::from(w[i])), inv_b))
             .unzip();
         (losses.iter().fold(0.0, |sum, l| sum + l) * inv_b, seed)
+    }
+
+    /// One row of [`loss_and_seed`](Self::loss_and_seed): its loss times
+    /// `weight`, and d (mean loss) / d logit (`inv_b`: one over the rows).
+    #[inline]
+    fn loss_and_seed_row(logit: f32, label: f32, weight: f64, inv_b: f64) -> (f64, f32) {
+        let (loss, p) = logistic_loss_and_sigmoid(f64::from(logit), f64::from(label));
+        (weight * loss, ((p - f64::from(label)) * weight * inv_b) as f32)
     }
 
     /// A NaN or infinite loss stops the step before anything is updated.
@@ -510,6 +514,16 @@ impl DenseModel {
             return Err(ModelError::NotPacked { kind: self.kind.name() });
         }
         let mut scratch = self.scratch.lock().map_err(|_| ModelError::Poisoned)?;
+        if let Some(direct::FirstOrderStep { loss, logits, grads, finite }) =
+            self.first_order_step(x, labels, weights, &mut scratch)?
+        {
+            self.check_loss(loss)?;
+            if !finite {
+                crate::optimizer::check_finite(&scratch.grad_x, || "gradient of the embedding inputs".into())?;
+            }
+            let result = on_input_grad(&scratch.grad_x);
+            return Ok((loss, logits, result, grads));
+        }
         let logits = self.forward_direct(x, labels.len(), &mut scratch)?;
         let (loss, seed) = Self::loss_and_seed(&logits, labels, weights);
         self.check_loss(loss)?;

@@ -170,7 +170,7 @@ pub fn check_finite(values: &[f32], what: impl FnOnce() -> String) -> Result<(),
 /// Whether every value is finite, compiled for AVX2 where the CPU has it:
 /// 8 lanes a test instead of the x86-64 baseline's 4 (the check of FM's
 /// input gradient took a sixth of its dense step). The same answer (tested).
-fn all_finite(values: &[f32]) -> bool {
+pub(crate) fn all_finite(values: &[f32]) -> bool {
     #[cfg(target_arch = "x86_64")]
     if sparrow_core::simd::allowed() && std::arch::is_x86_feature_detected!("avx2") {
         #[target_feature(enable = "avx2")]

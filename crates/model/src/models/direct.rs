@@ -20,7 +20,7 @@ use crate::fused::{
     pairwise_dots_row,
 };
 use crate::mlp::{CrossGrads, Mlp, MlpScratch, cpu, cross_backward, cross_forward, sized};
-use crate::optimizer::DenseGrads;
+use crate::optimizer::{DenseGrads, all_finite};
 use crate::params::Linear;
 
 /// Rows a task of the first-order and FM passes takes.
@@ -50,6 +50,70 @@ pub(super) struct Scratch {
     grad_in: Vec<f32>,
     grad_gate: Vec<f32>,
     grad_t: Vec<f32>,
+}
+
+/// What [`DenseModel::first_order_step`] computed.
+pub(super) struct FirstOrderStep {
+    pub(super) loss: f64,
+    pub(super) logits: Vec<f32>,
+    pub(super) grads: DenseGrads,
+    /// Whether every value of the input gradient (`Scratch::grad_x`) is finite.
+    pub(super) finite: bool,
+}
+
+/// LR's and FM's parameters as values, and the input's layout, for the
+/// passes over blocks of rows.
+struct FirstOrderTerms {
+    fields: usize,
+    width: usize,
+    /// Floats of an input row.
+    row: usize,
+    fm: bool,
+    /// The dense values' weights and bias.
+    lin: Option<(Vec<f32>, f32)>,
+    bias: f32,
+}
+
+impl FirstOrderTerms {
+    /// Floats of `sums` a row (LR's width 1 leaves no sums: one unused
+    /// float a row keeps the blocks paired).
+    fn sums_per_row(&self) -> usize {
+        (self.width - 1).max(1)
+    }
+
+    /// The logits of a block of rows `x` into `out`, FM's Σ_f v_f into `sums`.
+    fn logits(&self, x: &[f32], sums: &mut [f32], out: &mut [f32]) {
+        let (f, w, row) = (self.fields, self.width, self.row);
+        first_order_fm_rows(x, row, (f, w), self.fm, sums, out);
+        // The dense dot products of blocks of rows side by side (as
+        // `first_order_fm_rows` adds LR's first order), each row's in its own order.
+        if let Some((lw, lb)) = &self.lin {
+            for (out, x) in out.chunks_mut(FM_ROWS_AT_ONCE).zip(x.chunks(FM_ROWS_AT_ONCE * row)) {
+                let mut dots = [0.0f32; FM_ROWS_AT_ONCE];
+                for (j, lw) in lw.iter().enumerate() {
+                    for (r, dot) in dots[..out.len()].iter_mut().enumerate() {
+                        *dot += x[r * row + f * w + j] * lw;
+                    }
+                }
+                out.iter_mut().zip(dots).for_each(|(t, dot)| *t += dot + lb);
+            }
+        }
+        out.iter_mut().for_each(|t| *t += self.bias);
+    }
+
+    /// d loss / d input of a block of rows `x` (the dense values' part
+    /// included) for their logits' gradient `seed`, into `grad`.
+    fn input_grads(&self, x: &[f32], seed: &[f32], sums: &[f32], grad: &mut [f32]) {
+        let (f, w, row) = (self.fields, self.width, self.row);
+        first_order_fm_grad_rows(x, row, (f, w), seed, self.fm, sums, grad);
+        for (grad, &g) in grad.chunks_exact_mut(row).zip(seed) {
+            let grad_dense = &mut grad[f * w..];
+            match &self.lin {
+                Some((lw, _)) => grad_dense.iter_mut().zip(lw).for_each(|(o, w)| *o = g * w),
+                None => grad_dense.fill(0.0),
+            }
+        }
+    }
 }
 
 /// A small parameter's values (a first-order weight vector, a bias).
@@ -96,35 +160,87 @@ impl DenseModel {
         x: &[f32],
         sums: &mut Vec<f32>,
     ) -> Result<Vec<f32>, ModelError> {
-        let (f, w) = (self.shape.num_fields, self.width());
-        let lin = lin.as_ref().map(|l| Ok::<_, ModelError>((values(l.weight())?, values(l.bias())?[0]))).transpose()?;
-        let bias = self.bias.as_ref().map(values).transpose()?.map_or(0.0, |b| b[0]);
+        let terms = self.first_order_terms(lin, fm)?;
         let row = self.row_len();
         let rows = x.len() / row;
         let mut out = vec![0.0f32; rows];
-        // (LR's width 1 leaves no sums: one unused float a row keeps the chunks paired.)
-        let per_row = (w - 1).max(1);
+        let per_row = terms.sums_per_row();
         let sums = sized(sums, rows * per_row); // overwritten whole (LR: unused)
-        // The dense dot products of blocks of rows side by side (as
-        // `first_order_fm_rows` adds LR's first order), each row's in its own order.
         let tasks = out.par_chunks_mut(ROWS_PER_TASK).zip(x.par_chunks(ROWS_PER_TASK * row));
         let tasks = tasks.zip(sums.par_chunks_mut(ROWS_PER_TASK * per_row));
-        tasks.for_each(|((out, x), sums)| {
-            first_order_fm_rows(x, row, (f, w), fm, sums, out);
-            if let Some((lw, lb)) = &lin {
-                for (out, x) in out.chunks_mut(FM_ROWS_AT_ONCE).zip(x.chunks(FM_ROWS_AT_ONCE * row)) {
-                    let mut dots = [0.0f32; FM_ROWS_AT_ONCE];
-                    for (j, lw) in lw.iter().enumerate() {
-                        for (r, dot) in dots[..out.len()].iter_mut().enumerate() {
-                            *dot += x[r * row + f * w + j] * lw;
-                        }
-                    }
-                    out.iter_mut().zip(dots).for_each(|(t, dot)| *t += dot + lb);
-                }
-            }
-            out.iter_mut().for_each(|t| *t += bias);
-        });
+        tasks.for_each(|((out, x), sums)| terms.logits(x, sums, out));
         Ok(out)
+    }
+
+    /// The first-order and FM model's parameters as values, for a pass.
+    fn first_order_terms(&self, lin: &Option<Linear>, fm: bool) -> Result<FirstOrderTerms, ModelError> {
+        let lin = lin.as_ref().map(|l| Ok::<_, ModelError>((values(l.weight())?, values(l.bias())?[0]))).transpose()?;
+        let bias = self.bias.as_ref().map(values).transpose()?.map_or(0.0, |b| b[0]);
+        Ok(FirstOrderTerms { fields: self.shape.num_fields, width: self.width(), row: self.row_len(), fm, lin, bias })
+    }
+
+    /// LR's and FM's whole step in one pass over the batch: each task's rows
+    /// go forward, through the loss and backward, and their input gradient
+    /// is checked for NaN and infinities, while the rows are in the core's
+    /// caches (three passes over the batch, each its own parallel section,
+    /// read the 1.8 MB input twice and the gradient once more). The same
+    /// operations row by row as [`forward_direct`](Self::forward_direct), the
+    /// loss and [`backward_direct`](Self::backward_direct), so the same bits
+    /// (tested). `None` for the other kinds. The input gradient is left in
+    /// `s.grad_x`; the flag says whether every value of it is finite.
+    pub(super) fn first_order_step(
+        &self,
+        x: &[f32],
+        labels: &[f32],
+        weights: Option<&[f32]>,
+        s: &mut Scratch,
+    ) -> Result<Option<FirstOrderStep>, ModelError> {
+        let (lin, fm) = match &self.net {
+            Net::Lr { dense } => (dense, false),
+            Net::Fm { dense } => (dense, true),
+            _ => return Ok(None),
+        };
+        let (rows, row) = (labels.len(), self.row_len());
+        if x.len() != rows * row {
+            return Err(ModelError::BadInput { what: "input rows", len: x.len(), rows, per_row: row });
+        }
+        let terms = self.first_order_terms(lin, fm)?;
+        let inv_b = 1.0 / rows.max(1) as f64;
+        let (mut logits, mut seed, mut losses) = (vec![0.0f32; rows], vec![0.0f32; rows], vec![0.0f64; rows]);
+        let per_row = terms.sums_per_row();
+        let sums = sized(&mut s.fm_sums, rows * per_row); // overwritten whole (LR: unused)
+        let grad_x = sized(&mut s.grad_x, rows * row); // every value written
+        let tasks = logits.par_chunks_mut(ROWS_PER_TASK).zip(seed.par_chunks_mut(ROWS_PER_TASK));
+        let tasks = tasks.zip(losses.par_chunks_mut(ROWS_PER_TASK)).zip(x.par_chunks(ROWS_PER_TASK * row));
+        let tasks =
+            tasks.zip(sums.par_chunks_mut(ROWS_PER_TASK * per_row)).zip(grad_x.par_chunks_mut(ROWS_PER_TASK * row));
+        let finite = tasks.enumerate().map(|(task, (((((logits, seed), losses), x), sums), grad))| {
+            // Eight rows at a time through all three: their input rows are
+            // still in the first-level cache (about 15 KB) when the backward reads them.
+            let mut finite = true;
+            let (per_block, in_block) = (FM_ROWS_AT_ONCE * per_row, FM_ROWS_AT_ONCE * row);
+            let blocks = logits.chunks_mut(FM_ROWS_AT_ONCE).zip(seed.chunks_mut(FM_ROWS_AT_ONCE));
+            let blocks = blocks.zip(losses.chunks_mut(FM_ROWS_AT_ONCE)).zip(x.chunks(in_block));
+            let blocks = blocks.zip(sums.chunks_mut(per_block)).zip(grad.chunks_mut(in_block)).enumerate();
+            for (block, (((((logits, seed), losses), x), sums), grad)) in blocks {
+                terms.logits(x, sums, logits);
+                let first_row = task * ROWS_PER_TASK + block * FM_ROWS_AT_ONCE;
+                for (r, ((&logit, seed), loss)) in logits.iter().zip(seed.iter_mut()).zip(losses.iter_mut()).enumerate()
+                {
+                    let i = first_row + r;
+                    let weight = weights.map_or(1.0, |w| f64::from(w[i]));
+                    (*loss, *seed) = DenseModel::loss_and_seed_row(logit, labels[i], weight, inv_b);
+                }
+                terms.input_grads(x, seed, sums, grad);
+                finite &= all_finite(grad);
+            }
+            finite
+        });
+        let finite = finite.reduce(|| true, |a, b| a && b);
+        let loss = losses.iter().fold(0.0, |sum, l| sum + l) * inv_b;
+        let mut grads: Grads<'_> = Vec::new();
+        self.first_order_param_grads(lin, x, &seed, &mut grads)?;
+        Ok(Some(FirstOrderStep { loss, logits, grads: self.in_param_order(grads, rows), finite }))
     }
 
     /// The gradients of the first-order part and of the deep MLP's input
@@ -146,22 +262,18 @@ impl DenseModel {
         let (f, nd, w) = (self.shape.num_fields, self.shape.num_dense, self.width());
         let row = self.row_len();
         let deep_len = f * (w - offset) + nd;
-        let lin_w = lin.as_ref().map(|l| values(l.weight())).transpose()?;
+        let fm = fm_sums.is_some();
+        let terms = self.first_order_terms(lin, fm)?;
         let tasks = grad_x.par_chunks_mut(ROWS_PER_TASK * row).zip(x.par_chunks(ROWS_PER_TASK * row));
         let tasks = tasks.zip(seed.par_chunks(ROWS_PER_TASK)).enumerate();
-        let fm = fm_sums.is_some();
         let d = w - 1;
         tasks.for_each(|(task, ((grad, x), seeds))| {
             let first_row = task * ROWS_PER_TASK;
             let sums = fm_sums.map_or(&[][..], |sums| &sums[first_row * d..(first_row + seeds.len()) * d]);
-            first_order_fm_grad_rows(x, row, (f, w), seeds, fm, sums, grad);
-            for ((r, grad), &g) in grad.chunks_exact_mut(row).enumerate().zip(seeds) {
+            terms.input_grads(x, seeds, sums, grad);
+            let Some(deep_grad) = deep_grad else { return };
+            for (r, grad) in grad.chunks_exact_mut(row).enumerate() {
                 let (grad_emb, grad_dense) = grad.split_at_mut(f * w);
-                match &lin_w {
-                    Some(lw) => grad_dense.iter_mut().zip(lw).for_each(|(o, w)| *o = g * w),
-                    None => grad_dense.fill(0.0),
-                }
-                let Some(deep_grad) = deep_grad else { continue };
                 let r = first_row + r;
                 let gx = &deep_grad[r * deep_len..(r + 1) * deep_len];
                 for (field, g) in grad_emb.chunks_exact_mut(w).zip(gx.chunks_exact(w - offset)) {
@@ -175,6 +287,20 @@ impl DenseModel {
                 grad_dense.iter_mut().zip(&gx[deep_len - nd..]).for_each(|(a, g)| *a += g);
             }
         });
+        self.first_order_param_grads(lin, x, seed, grads)
+    }
+
+    /// The first-order dense weights' and the biases' gradients for the
+    /// logits' gradient `seed` (rows summed in order).
+    fn first_order_param_grads<'a>(
+        &'a self,
+        lin: &'a Option<Linear>,
+        x: &[f32],
+        seed: &[f32],
+        grads: &mut Grads<'a>,
+    ) -> Result<(), ModelError> {
+        let (f, nd, w) = (self.shape.num_fields, self.shape.num_dense, self.width());
+        let row = self.row_len();
         let seed_sum = seed.iter().sum::<f32>();
         if let Some(lin) = lin {
             let mut dw = vec![0.0f32; nd];
@@ -269,6 +395,7 @@ impl DenseModel {
         let (f, nd, d) = (self.shape.num_fields, self.shape.num_dense, self.shape.embedding_dim);
         let mut grads: Grads<'_> = Vec::new();
         match &self.net {
+            // (Training takes `first_order_step` for these two: this is its reference.)
             Net::Lr { dense: lin } | Net::Fm { dense: lin } => {
                 let fm_sums = matches!(self.net, Net::Fm { .. }).then_some(&s.fm_sums[..]);
                 let grad_x = sized(&mut s.grad_x, rows * row); // every value written
@@ -342,12 +469,18 @@ impl DenseModel {
                 s.deep.grad_input = g;
             }
         }
+        Ok(self.in_param_order(grads, rows))
+    }
+
+    /// The gradients in [`ParamStore`](crate::params::ParamStore) order,
+    /// `None` where a parameter has none.
+    fn in_param_order(&self, mut grads: Grads<'_>, rows: usize) -> DenseGrads {
         let mut grads_in_order = Vec::with_capacity(self.params.vars().len());
         for (_, var) in self.params.vars() {
             let at = grads.iter().position(|(v, _)| v.as_tensor().id() == var.as_tensor().id());
             grads_in_order.push(at.map(|i| std::mem::take(&mut grads[i].1)));
         }
-        Ok(DenseGrads { grads: grads_in_order, rows: rows as u64 })
+        DenseGrads { grads: grads_in_order, rows: rows as u64 }
     }
 
     /// Each MLP's buffers with the gradient buffer of its size, if one came back.
@@ -370,6 +503,70 @@ impl DenseModel {
             let wanted = mlp.params().elem_count();
             if let Some(i) = buffers.iter().position(|b| b.len() == wanted) {
                 scratch.spare_grad = buffers.swap_remove(i);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+    use sparrow_core::config::{ModelConfig, ModelKind};
+    use sparrow_core::rng::Rng;
+
+    use super::{DenseModel, Scratch};
+    use crate::ModelShape;
+
+    fn bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// LR's and FM's one-pass step gives the bits of the three passes it
+    /// replaces (forward, loss, backward): logits, loss, input gradient and
+    /// every dense gradient, with and without dense values and sample
+    /// weights, over several tasks and a partial one; its finiteness flag
+    /// says whether the input gradient holds a NaN or an infinity.
+    #[test]
+    fn the_first_order_step_in_one_pass_is_the_three_passes() {
+        let mut rng = Rng::new(41);
+        for (kind, num_dense, weighted) in [
+            (ModelKind::Lr, 13, false),
+            (ModelKind::Lr, 0, true),
+            (ModelKind::Fm, 13, true),
+            (ModelKind::Fm, 0, false),
+            (ModelKind::Fm, 2, false),
+        ] {
+            let shape = ModelShape { num_fields: 5, num_dense, embedding_dim: 16 };
+            let config = ModelConfig { kind, embedding_dim: 16, ..Default::default() };
+            let model = DenseModel::new(&config, shape, 3, Device::Cpu).expect("model");
+            let (rows, row) = (77, model.row_len());
+            let labels: Vec<f32> = (0..rows).map(|i| (i % 3 == 0) as u8 as f32).collect();
+            let weights: Vec<f32> = (0..rows).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
+            let weights = weighted.then_some(&weights[..]);
+            for poison in [None, Some(f32::NAN), Some(f32::INFINITY)] {
+                let what = format!("{kind:?}, {num_dense} dense, weighted {weighted}, poison {poison:?}");
+                let mut x: Vec<f32> = (0..rows * row).map(|_| rng.uniform(-0.5, 0.5) as f32).collect();
+                if let Some(p) = poison {
+                    x[40 * row + 3] = p;
+                }
+                let (mut one, mut three) = (Scratch::default(), Scratch::default());
+                let step = model.first_order_step(&x, &labels, weights, &mut one).expect("step").expect("LR or FM");
+                let logits = model.forward_direct(&x, rows, &mut three).expect("forward");
+                let (loss, seed) = DenseModel::loss_and_seed(&logits, &labels, weights);
+                let grads = model.backward_direct(&x, &seed, &mut three).expect("backward");
+                assert_eq!(bits(&step.logits), bits(&logits), "{what}: logits");
+                assert_eq!(step.loss.to_bits(), loss.to_bits(), "{what}: loss");
+                assert_eq!(bits(&one.grad_x), bits(&three.grad_x), "{what}: input gradient");
+                assert_eq!(step.grads.rows, grads.rows);
+                for (a, b) in step.grads.grads.iter().zip(&grads.grads) {
+                    assert_eq!(a.as_deref().map(bits), b.as_deref().map(bits), "{what}: dense gradient");
+                }
+                assert_eq!(step.finite, three.grad_x.iter().all(|v| v.is_finite()), "{what}: finite");
+                // A NaN input reaches every gradient of its row; an infinite
+                // one need not (LR's field weight: σ(∞) − y is finite).
+                if poison.is_none() || poison.is_some_and(f32::is_nan) {
+                    assert_eq!(step.finite, poison.is_none(), "{what}: the poison reaches the gradient");
+                }
             }
         }
     }
