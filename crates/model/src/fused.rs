@@ -688,61 +688,50 @@ pub(crate) fn first_order_fm_grad_row_from_sum(
     }
 }
 
-/// [`first_order_fm_grad_row_from_sum`] for each of `seeds.len()` rows laid
-/// out as [`first_order_fm_rows`] reads them: row `r`'s fields at
-/// `x[r·stride..]`, its gradient written to the first `f·w` floats of
-/// `grad[r·stride..]`, its Σ_f v_f at `sums[r·(w − 1)..]` (FM). Compiled
-/// for AVX2 where the CPU has it (the same operations: the same bits).
-pub(crate) fn first_order_fm_grad_rows(
-    x: &[f32],
-    stride: usize,
-    (f, w): (usize, usize),
-    seeds: &[f32],
-    second_order: bool,
-    sums: &[f32],
-    grad: &mut [f32],
-) {
-    let n = seeds.len();
+/// The rows [`first_order_fm_grad_rows`] takes: row `r`'s `f` fields of
+/// width `w` at `x[r·stride..]`, its output gradient `seeds[r]`, its Σ_f
+/// v_f at `sums[r·(w − 1)..]` (FM: `second_order`).
+#[derive(Clone, Copy)]
+pub(crate) struct GradRows<'a> {
+    pub x: &'a [f32],
+    pub stride: usize,
+    pub shape: (usize, usize),
+    pub seeds: &'a [f32],
+    pub second_order: bool,
+    pub sums: &'a [f32],
+}
+
+/// [`first_order_fm_grad_row_from_sum`] for each row of `rows`, its
+/// gradient written to the first `f·w` floats of `grad[r·stride..]`.
+/// Compiled for AVX2 where the CPU has it (the same operations: the same
+/// bits).
+pub(crate) fn first_order_fm_grad_rows(rows: GradRows<'_>, grad: &mut [f32]) {
+    let (n, (f, w)) = (rows.seeds.len(), rows.shape);
     let d = w.saturating_sub(1);
-    assert!(n == 0 || x.len().min(grad.len()) >= (n - 1) * stride + f * w, "rows of the block");
-    assert!(!second_order || sums.len() >= n * d, "Σ v of every row");
+    assert!(n == 0 || rows.x.len().min(grad.len()) >= (n - 1) * rows.stride + f * w, "rows of the block");
+    assert!(!rows.second_order || rows.sums.len() >= n * d, "Σ v of every row");
     #[cfg(target_arch = "x86_64")]
     if sparrow_core::simd::allowed() && std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: AVX2 was detected just above.
         #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
         unsafe {
-            first_order_fm_grad_rows_avx2(x, stride, (f, w), seeds, second_order, sums, grad);
+            first_order_fm_grad_rows_avx2(rows, grad);
         }
         return;
     }
-    first_order_fm_grad_rows_portable(x, stride, (f, w), seeds, second_order, sums, grad);
+    first_order_fm_grad_rows_portable(rows, grad);
 }
 
 /// [`first_order_fm_grad_rows_portable`] compiled for AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn first_order_fm_grad_rows_avx2(
-    x: &[f32],
-    stride: usize,
-    shape: (usize, usize),
-    seeds: &[f32],
-    second_order: bool,
-    sums: &[f32],
-    grad: &mut [f32],
-) {
-    first_order_fm_grad_rows_portable(x, stride, shape, seeds, second_order, sums, grad);
+fn first_order_fm_grad_rows_avx2(rows: GradRows<'_>, grad: &mut [f32]) {
+    first_order_fm_grad_rows_portable(rows, grad);
 }
 
 #[inline(always)]
-fn first_order_fm_grad_rows_portable(
-    x: &[f32],
-    stride: usize,
-    (f, w): (usize, usize),
-    seeds: &[f32],
-    second_order: bool,
-    sums: &[f32],
-    grad: &mut [f32],
-) {
+fn first_order_fm_grad_rows_portable(rows: GradRows<'_>, grad: &mut [f32]) {
+    let GradRows { x, stride, shape: (f, w), seeds, second_order, sums } = rows;
     let d = w.saturating_sub(1);
     for (r, &g) in seeds.iter().enumerate() {
         let sum = if second_order { &sums[r * d..(r + 1) * d] } else { &[][..] };
@@ -1057,8 +1046,9 @@ mod tests {
                     assert!((f64::from(got) - exact).abs() < 1e-5 * scale, "{what}, row {r}: {got} vs {exact}");
                 }
                 let (mut grad, mut plain_grad) = (vec![f32::NAN; n * stride], vec![f32::NAN; n * stride]);
-                first_order_fm_grad_rows(&x, stride, (f, w), &seeds, second_order, &sums, &mut grad);
-                first_order_fm_grad_rows_portable(&x, stride, (f, w), &seeds, second_order, &sums, &mut plain_grad);
+                let rows = GradRows { x: &x, stride, shape: (f, w), seeds: &seeds, second_order, sums: &sums };
+                first_order_fm_grad_rows(rows, &mut grad);
+                first_order_fm_grad_rows_portable(rows, &mut plain_grad);
                 assert_eq!(bits(&grad), bits(&plain_grad), "{what}: gradient");
                 for (r, &g) in seeds.iter().enumerate() {
                     let mut want = vec![f32::NAN; f * w];

@@ -16,7 +16,7 @@ use rayon::prelude::*;
 use super::{DenseModel, Net};
 use crate::ModelError;
 use crate::fused::{
-    FM_ROWS_AT_ONCE, RowBuf, Vectors, first_order_fm_grad_rows, first_order_fm_rows, pairwise_dots_grad_row,
+    FM_ROWS_AT_ONCE, GradRows, RowBuf, Vectors, first_order_fm_grad_rows, first_order_fm_rows, pairwise_dots_grad_row,
     pairwise_dots_row,
 };
 use crate::mlp::{CrossGrads, Mlp, MlpScratch, cpu, cross_backward, cross_forward, sized};
@@ -105,7 +105,10 @@ impl FirstOrderTerms {
     /// included) for their logits' gradient `seed`, into `grad`.
     fn input_grads(&self, x: &[f32], seed: &[f32], sums: &[f32], grad: &mut [f32]) {
         let (f, w, row) = (self.fields, self.width, self.row);
-        first_order_fm_grad_rows(x, row, (f, w), seed, self.fm, sums, grad);
+        first_order_fm_grad_rows(
+            GradRows { x, stride: row, shape: (f, w), seeds: seed, second_order: self.fm, sums },
+            grad,
+        );
         for (grad, &g) in grad.chunks_exact_mut(row).zip(seed) {
             let grad_dense = &mut grad[f * w..];
             match &self.lin {
