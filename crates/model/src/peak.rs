@@ -281,8 +281,8 @@ pub fn measure(threads: usize, duration: Duration) -> Peaks {
 }
 
 /// Bytes per second (read and written, counted together) that `threads`
-/// threads sustain copying a buffer of `bytes` floats' worth into another of
-/// the same size, each thread its own pair (`bytes` split between them),
+/// threads sustain copying a buffer of `bytes` bytes of floats into another
+/// of the same size, each thread its own pair (`bytes` split between them),
 /// for about `duration`: the bandwidth a pass that reads a batch's input and
 /// writes its gradient can have at that batch's size (in cache or not).
 pub fn copy_bandwidth(threads: usize, bytes: usize, duration: Duration) -> f64 {
