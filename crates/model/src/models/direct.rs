@@ -85,37 +85,40 @@ impl FirstOrderTerms {
     fn logits(&self, x: &[f32], sums: &mut [f32], out: &mut [f32]) {
         let (f, w, row) = (self.fields, self.width, self.row);
         first_order_fm_rows(x, row, (f, w), self.fm, sums, out);
-        // The dense dot products of blocks of rows side by side (as
-        // `first_order_fm_rows` adds LR's first order), each row's in its own order.
+        // Each row's dense dot product in order, row after row: the rows'
+        // chains overlap (side by side, the compiler gathered the rows'
+        // values into registers one lane at a time).
         if let Some((lw, lb)) = &self.lin {
-            for (out, x) in out.chunks_mut(FM_ROWS_AT_ONCE).zip(x.chunks(FM_ROWS_AT_ONCE * row)) {
-                let mut dots = [0.0f32; FM_ROWS_AT_ONCE];
-                for (j, lw) in lw.iter().enumerate() {
-                    for (r, dot) in dots[..out.len()].iter_mut().enumerate() {
-                        *dot += x[r * row + f * w + j] * lw;
-                    }
-                }
-                out.iter_mut().zip(dots).for_each(|(t, dot)| *t += dot + lb);
+            for (t, x) in out.iter_mut().zip(x.chunks(row)) {
+                let dot = x[f * w..].iter().zip(lw).fold(0.0f32, |dot, (x, w)| dot + x * w);
+                *t += dot + lb;
             }
         }
         out.iter_mut().for_each(|t| *t += self.bias);
     }
 
     /// d loss / d input of a block of rows `x` (the dense values' part
-    /// included) for their logits' gradient `seed`, into `grad`.
-    fn input_grads(&self, x: &[f32], seed: &[f32], sums: &[f32], grad: &mut [f32]) {
+    /// included) for their logits' gradient `seed`, into `grad`; whether
+    /// every value written is finite.
+    fn input_grads(&self, x: &[f32], seed: &[f32], sums: &[f32], grad: &mut [f32]) -> bool {
         let (f, w, row) = (self.fields, self.width, self.row);
-        first_order_fm_grad_rows(
+        let mut written = first_order_fm_grad_rows(
             GradRows { x, stride: row, shape: (f, w), seeds: seed, second_order: self.fm, sums },
             grad,
         );
         for (grad, &g) in grad.chunks_exact_mut(row).zip(seed) {
             let grad_dense = &mut grad[f * w..];
             match &self.lin {
-                Some((lw, _)) => grad_dense.iter_mut().zip(lw).for_each(|(o, w)| *o = g * w),
+                Some((lw, _)) => {
+                    grad_dense.iter_mut().zip(lw).for_each(|(o, w)| *o = g * w);
+                    written.add(grad_dense);
+                }
                 None => grad_dense.fill(0.0),
             }
         }
+        // A sum that proves nothing (a NaN, or finite values past f32's
+        // range) sends the block to the exact check.
+        written.proves_finite() || all_finite(grad)
     }
 }
 
@@ -234,8 +237,7 @@ impl DenseModel {
                     let weight = weights.map_or(1.0, |w| f64::from(w[i]));
                     (*loss, *seed) = DenseModel::loss_and_seed_row(logit, labels[i], weight, inv_b);
                 }
-                terms.input_grads(x, seed, sums, grad);
-                finite &= all_finite(grad);
+                finite &= terms.input_grads(x, seed, sums, grad);
             }
             finite
         });
@@ -273,7 +275,8 @@ impl DenseModel {
         tasks.for_each(|(task, ((grad, x), seeds))| {
             let first_row = task * ROWS_PER_TASK;
             let sums = fm_sums.map_or(&[][..], |sums| &sums[first_row * d..(first_row + seeds.len()) * d]);
-            terms.input_grads(x, seeds, sums, grad);
+            // The deep gradient is added below: the whole is checked after.
+            let _ = terms.input_grads(x, seeds, sums, grad);
             let Some(deep_grad) = deep_grad else { return };
             for (r, grad) in grad.chunks_exact_mut(row).enumerate() {
                 let (grad_emb, grad_dense) = grad.split_at_mut(f * w);
