@@ -637,6 +637,12 @@ mod tests {
         assert!(err.contains("I1"), "{err}");
         let long = format!("0{}", "\t1".repeat(45));
         assert!(one(&mut CriteoParser::default(), 26, 13, false, &long).expect_err("too long").contains("columns"));
+        // 40 columns parse; a 41st, even an empty one, is one too many.
+        let whole = format!("0{}", "\t1".repeat(39));
+        let b = one(&mut CriteoParser::default(), 26, 13, false, &whole).expect("40 columns");
+        assert_eq!(b.keys[25], feature_key(25, b"1"));
+        let err = one(&mut CriteoParser::default(), 26, 13, false, &format!("{whole}\t")).expect_err("41");
+        assert!(err.contains("more than 40 columns"), "{err}");
     }
 
     #[test]
