@@ -549,5 +549,11 @@ fn the_kinds_table_reports_the_bytes_floor_beside_the_flops() {
         let share = field("dense_gbytes_per_sec") / copy;
         assert!((field("share_of_copy_bandwidth") - share).abs() <= 1e-9 * share.max(1.0), "{k}");
         assert!(field("best_round_share_of_copy_bandwidth") >= field("share_of_copy_bandwidth") * 0.999, "{k}");
+        // The roofline: the flops the bytes allow at copy speed, over the ceiling.
+        let ceiling = field("dense_gflops") / field("share_of_ceiling");
+        let allowed = (field("flops_per_sample") * copy / field("bytes_per_sample") / ceiling).min(1.0);
+        let got = field("share_of_ceiling_bytes_allow");
+        assert!((got - allowed).abs() <= 1e-9 * allowed.max(1e-3), "{k}: {got} vs {allowed}");
+        assert!(got < 1.0, "{k}: LR and FM are bound by their bytes");
     }
 }

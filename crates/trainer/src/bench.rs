@@ -194,6 +194,12 @@ pub struct KindBench {
     /// floor (for LR and FM, whose few flops a sample are no floor at all).
     pub share_of_copy_bandwidth: f64,
     pub best_round_share_of_copy_bandwidth: f64,
+    /// The largest `share_of_ceiling` the bytes allow (the roofline): a step
+    /// that moved `bytes_per_sample` at `copy_gbytes_per_sec` and did
+    /// nothing else would reach `flops_per_sample · copy ÷ bytes_per_sample`
+    /// GFLOP/s, this over the ceiling (capped at 1). Below 0.5 no
+    /// implementation reaches half its flop floor on this machine.
+    pub share_of_ceiling_bytes_allow: Option<f64>,
 }
 
 /// The machine's measured arithmetic ceilings (`sparrow_model::peak`), on
@@ -729,6 +735,8 @@ fn bench_kinds(o: &BenchOptions) -> Result<Vec<KindBench>, TrainError> {
                     copy_gbytes_per_sec: copy,
                     share_of_copy_bandwidth: dense_gbytes_per_sec / copy,
                     best_round_share_of_copy_bandwidth: best_round_gbytes / copy,
+                    // Filled in with the ceilings.
+                    share_of_ceiling_bytes_allow: None,
                 }
             })
             .collect())
@@ -807,6 +815,8 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
         };
         k.share_of_ceiling = ceiling.map(|c| k.dense_gflops / c);
         k.best_round_share_of_ceiling = ceiling.map(|c| k.best_round_dense_gflops / c);
+        let bytes_bound_gflops = k.flops_per_sample * k.copy_gbytes_per_sec / k.bytes_per_sample;
+        k.share_of_ceiling_bytes_allow = ceiling.map(|c| (bytes_bound_gflops / c).min(1.0));
     }
     if let Some(t) = train_step.as_mut() {
         t.dense_share_of_fp32_peak = Some(t.dense_gflops / peaks.fp32_fma.gflops);
