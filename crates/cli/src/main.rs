@@ -7,6 +7,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
+mod serve_command;
+
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use sparrow_core::Config;
@@ -104,28 +106,7 @@ enum Command {
     },
     /// Serve a serving export over the Open Inference Protocol (KServe v2
     /// REST) until SIGINT/SIGTERM; `/metrics` for Prometheus.
-    Serve {
-        /// The export (or a directory whose LATEST names the newest).
-        #[arg(long)]
-        model: PathBuf,
-        #[arg(long, default_value = "127.0.0.1:8080")]
-        listen: std::net::SocketAddr,
-        /// The model's name in URLs (default: the export directory's name).
-        #[arg(long)]
-        name: Option<String>,
-        /// Request bodies larger than this are refused (413).
-        #[arg(long, default_value_t = 64 << 20)]
-        max_body_bytes: usize,
-        /// Keep serving the newest export: `--model` is a directory whose
-        /// LATEST names it (`checkpoint.dir/exports`, written by
-        /// `checkpoint.export_every_steps`); each new one is applied without
-        /// a restart and without failing a request.
-        #[arg(long)]
-        watch: bool,
-        /// With --watch: how often LATEST is read, in milliseconds.
-        #[arg(long, default_value_t = 200)]
-        watch_interval_ms: u64,
-    },
+    Serve(serve_command::ServeArgs),
     /// One self-contained HTML page of runs' metrics (`train.metrics_path`):
     /// loss, AUC and throughput over samples, and the step's phases.
     Report {
@@ -520,23 +501,7 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             };
             print_json(&sparrow_trainer::run::export_checkpoint(&checkpoint, &out, dtype)?)
         }
-        Command::Serve { model, listen, name, max_body_bytes, watch, watch_interval_ms } => {
-            let watch = watch.then(|| std::time::Duration::from_millis(watch_interval_ms.max(1)));
-            let options = sparrow_serve::ServeOptions { model, listen, name, max_body_bytes, watch };
-            let on_listening = |addr: std::net::SocketAddr, name: &str| {
-                eprintln!("serving model `{name}` at http://{addr}/v2/models/{name}");
-                print_json(&serde_json::json!({"model": name, "listening": addr.to_string()})).ok();
-            };
-            let stop = async {
-                let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = async { if let Some(t) = term.as_mut() { t.recv().await; } else { std::future::pending::<()>().await } } => {}
-                }
-            };
-            sparrow_serve::serve(&options, on_listening, stop)?;
-            Ok(())
-        }
+        Command::Serve(args) => serve_command::run(args),
         Command::Report { metrics, mut compare, out, truth, title } => {
             compare.insert(0, metrics);
             print_json(&sparrow_report::write_report(&compare, truth.as_deref(), title.as_deref(), &out)?)

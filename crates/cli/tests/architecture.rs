@@ -167,3 +167,30 @@ fn every_crate_inherits_the_workspace_settings() {
         }
     }
 }
+
+/// Every check of a shared token goes through `sparrow_core::token`
+/// (constant time): no library compares a token or an `Authorization`
+/// value with `==` or `!=`, where the time to refuse tells how much of a
+/// guess was right.
+#[test]
+fn tokens_are_compared_in_constant_time() {
+    let mut dirs: Vec<PathBuf> = library_crates().into_iter().map(|c| c.join("src")).collect();
+    dirs.push(workspace().join("python/src"));
+    let mut found = Vec::new();
+    for src in dirs {
+        let mut files = Vec::new();
+        rust_files(&src, &mut files);
+        for file in files {
+            for (n, line) in code_lines(&file) {
+                let lower = line.to_ascii_lowercase();
+                let compares = line.contains("==") || line.contains("!=");
+                let about_tokens =
+                    ["token", "bearer", "authorization", "expected.as_bytes"].iter().any(|w| lower.contains(w));
+                if compares && about_tokens && !line.contains("sparrow_core::token") {
+                    found.push(format!("{}:{n}: {}", file.display(), line.trim()));
+                }
+            }
+        }
+    }
+    assert!(found.is_empty(), "compare tokens with sparrow_core::token::bearer_matches:\n{}", found.join("\n"));
+}

@@ -130,9 +130,12 @@ impl RoleMetrics {
         request: &hyper::Request<hyper::body::Incoming>,
         token: Option<&str>,
     ) -> hyper::Response<Full<Bytes>> {
+        // Constant time, as the RPCs' check.
         let authorized = token.is_none_or(|t| {
-            let expected = format!("Bearer {t}");
-            request.headers().get(hyper::header::AUTHORIZATION).is_some_and(|v| v.as_bytes() == expected.as_bytes())
+            sparrow_core::token::bearer_matches(
+                request.headers().get(hyper::header::AUTHORIZATION).map(|v| v.as_bytes()),
+                t,
+            )
         });
         let (status, content_type, body) = if authorized {
             (hyper::StatusCode::OK, "text/plain; version=0.0.4", self.render())

@@ -9,6 +9,7 @@ pub mod metrics;
 pub mod printable;
 pub mod rng;
 pub mod simd;
+pub mod token;
 
 pub use batch::{Batch, BatchBuilder, DataPosition};
 pub use config::{Config, ConfigError};

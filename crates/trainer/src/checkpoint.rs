@@ -522,15 +522,10 @@ pub fn resolve(path: &Path) -> Result<PathBuf, TrainError> {
     if path.join(MANIFEST_FILE).is_file() {
         return Ok(path.to_path_buf());
     }
-    let latest = path.join(LATEST_FILE);
-    if latest.is_file() {
-        let name = std::fs::read_to_string(&latest).map_err(io(&latest))?;
-        let dir = path.join(name.trim());
+    if let Some(name) = crate::confined::read_latest(path)? {
+        let dir = path.join(&name);
         if !dir.join(MANIFEST_FILE).is_file() {
-            return Err(TrainError::checkpoint(
-                path,
-                format!("LATEST names `{}`, which has no manifest.json", name.trim()),
-            ));
+            return Err(TrainError::checkpoint(path, format!("LATEST names `{name}`, which has no manifest.json")));
         }
         return Ok(dir);
     }
@@ -540,9 +535,12 @@ pub fn resolve(path: &Path) -> Result<PathBuf, TrainError> {
     Err(TrainError::checkpoint(path, "is not a checkpoint (no manifest.json and no LATEST)"))
 }
 
+/// A version's manifest, read within bounds; every file name it gives
+/// (files, parts, base) must be a plain name inside the version's
+/// directory (its base: beside it).
 pub fn read_manifest(dir: &Path) -> Result<Manifest, TrainError> {
     let path = dir.join(MANIFEST_FILE);
-    let bytes = std::fs::read(&path).map_err(io(&path))?;
+    let bytes = crate::confined::read_at_most(dir, MANIFEST_FILE, crate::confined::MAX_MANIFEST_BYTES)?;
     let m: Manifest = serde_json::from_slice(&bytes)
         .map_err(|e| TrainError::checkpoint(&path, format!("manifest is corrupt or truncated: {e}")))?;
     if m.format_version != FORMAT_VERSION {
@@ -550,6 +548,10 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, TrainError> {
             &path,
             format!("format version {} is not supported (this build reads {FORMAT_VERSION})", m.format_version),
         ));
+    }
+    let names = m.files.keys().chain(m.parts.iter().flat_map(|p| std::iter::once(&p.embeddings).chain(&p.filters)));
+    for name in names.chain(&m.base) {
+        crate::confined::plain_name(dir, name, "the manifest")?;
     }
     Ok(m)
 }
@@ -681,8 +683,9 @@ fn check_compatible(trainer: &Trainer, dir: &Path, m: &Manifest) -> Result<(), T
 /// Dense part: verify, then load.
 fn load_dense(trainer: &mut Trainer, dir: &Path, m: &Manifest) -> Result<(), TrainError> {
     let dense_path = dir.join(DENSE_FILE);
-    let dense_bytes = std::fs::read(&dense_path).map_err(io(&dense_path))?;
-    verify_entry(dir, DENSE_FILE, entry(dir, m, DENSE_FILE)?, dense_bytes.len() as u64, Some(xxh3_64(&dense_bytes)))?;
+    let entry = entry(dir, m, DENSE_FILE)?;
+    let dense_bytes = crate::confined::read_exact_size(dir, DENSE_FILE, entry.bytes)?;
+    verify_entry(dir, DENSE_FILE, entry, dense_bytes.len() as u64, Some(xxh3_64(&dense_bytes)))?;
     let tensors = candle_core::safetensors::load_buffer(&dense_bytes, &candle_core::Device::Cpu)
         .map_err(|e| TrainError::checkpoint(&dense_path, e.to_string()))?;
     trainer.model.params.load_map(&tensors)?;
@@ -739,7 +742,7 @@ pub fn chain(dir: &Path, m: &Manifest) -> Result<Vec<(PathBuf, Manifest)>, Train
                 format!("is incremental on `{base}`, which is missing (removed or never copied)"),
             ));
         }
-        if out.len() > 100_000 {
+        if out.len() > 100_000 || out.iter().any(|(d, _)| *d == base_dir) {
             return Err(TrainError::checkpoint(dir, "the chain of incremental versions loops"));
         }
         let base_m = read_manifest(&base_dir)?;
@@ -804,10 +807,8 @@ struct FiltersReader {
 
 impl FiltersReader {
     fn open(dir: &Path, name: &str, entry: &FileEntry, trainer: &Trainer) -> Result<FiltersReader, TrainError> {
-        let path = dir.join(name);
-        let on_disk = std::fs::metadata(&path).map_err(io(&path))?.len();
+        let (file, on_disk, path) = crate::confined::open_regular(dir, name)?;
         verify_entry(dir, name, entry, on_disk, None)?;
-        let file = File::open(&path).map_err(io(&path))?;
         let mut r = FiltersReader {
             path,
             name: name.to_string(),
@@ -823,7 +824,9 @@ impl FiltersReader {
         let tick = u64::from_le_bytes(head[8..16].try_into().expect("8 bytes"));
         let count = u32::from_le_bytes(head[16..20].try_into().expect("4 bytes")) as u64;
         let len = u32::from_le_bytes(head[20..24].try_into().expect("4 bytes")) as u64;
-        if (count > 0 && !len.is_power_of_two()) || 24 + count * len + 8 > entry.bytes {
+        // Sizes from the file: checked arithmetic (a crafted count cannot wrap them).
+        let sketch_bytes = (count * len).checked_add(24 + 8);
+        if (count > 0 && !len.is_power_of_two()) || sketch_bytes.is_none_or(|b| b > entry.bytes) {
             return Err(TrainError::checkpoint(&r.path, format!("{count} sketches of {len} counters do not fit")));
         }
         let mut sketches = Vec::with_capacity(count as usize);
@@ -831,7 +834,8 @@ impl FiltersReader {
             sketches.push(r.read_bytes(len as usize, "sketches")?);
         }
         r.age_rows = u64::from_le_bytes(r.read_bytes(8, "row count")?.try_into().expect("8 bytes"));
-        if 24 + count * len + 8 + 8 * r.age_rows != entry.bytes {
+        let total = r.age_rows.checked_mul(8).and_then(|b| b.checked_add(24 + count * len + 8));
+        if total != Some(entry.bytes) {
             return Err(TrainError::checkpoint(&r.path, "row count in the header does not match the file size"));
         }
         trainer.table.restore_filter_state(&sparrow_embedding::FilterState { tick, sketches });
@@ -876,11 +880,10 @@ fn read_embeddings(
     mut filters: Option<&mut FiltersReader>,
     keep: &dyn Fn(u64) -> bool,
 ) -> Result<u64, TrainError> {
-    let on_disk = std::fs::metadata(path).map_err(io(path))?.len();
     let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
     let dir = path.parent().unwrap_or(Path::new("."));
+    let (file, on_disk, _) = crate::confined::open_regular(dir, &name)?;
     verify_entry(dir, &name, entry, on_disk, None)?;
-    let file = File::open(path).map_err(io(path))?;
     let mut r = BufReader::with_capacity(1 << 20, file);
     let mut hasher = Xxh3::new();
     let mut header = [0u8; EMB_HEADER_BYTES as usize];
@@ -911,7 +914,8 @@ fn read_embeddings(
         ));
     }
     let record_len = 8 + words * 4;
-    if EMB_HEADER_BYTES + rows * record_len as u64 != entry.bytes {
+    // Checked: a crafted row count must not wrap the size it implies.
+    if rows.checked_mul(record_len as u64).and_then(|b| b.checked_add(EMB_HEADER_BYTES)) != Some(entry.bytes) {
         return Err(TrainError::checkpoint(path, "row count in the header does not match the file size"));
     }
     let mut record = vec![0u8; record_len];

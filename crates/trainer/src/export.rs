@@ -258,15 +258,15 @@ fn hash_file(path: &Path) -> Result<FileEntry, TrainError> {
     Ok(FileEntry { bytes, xxh3: format!("{:016x}", hasher.digest()) })
 }
 
-/// `dir` itself, or the export its `LATEST` file names.
+/// `dir` itself, or the export its `LATEST` file names (a plain name of a
+/// directory beside it: see [`crate::confined`]).
 pub fn resolve_export(dir: &Path) -> Result<PathBuf, TrainError> {
     if dir.join(MANIFEST).is_file() {
         return Ok(dir.to_path_buf());
     }
-    let latest = dir.join("LATEST");
-    match std::fs::read_to_string(&latest) {
-        Ok(name) => Ok(dir.join(name.trim())),
-        Err(_) => Err(TrainError::checkpoint(dir, "not a serving export (no manifest.json, no LATEST)")),
+    match crate::confined::read_latest(dir)? {
+        Some(name) => Ok(dir.join(name)),
+        None => Err(TrainError::checkpoint(dir, "not a serving export (no manifest.json, no LATEST)")),
     }
 }
 
@@ -276,7 +276,7 @@ pub fn is_export(path: &Path) -> bool {
     // A checkpoint has a manifest.json (and an embeddings.bin) too: the
     // manifest's `format` tells them apart.
     let Ok(dir) = resolve_export(path) else { return false };
-    std::fs::read(dir.join(MANIFEST))
+    crate::confined::read_at_most(&dir, MANIFEST, crate::confined::MAX_MANIFEST_BYTES)
         .ok()
         .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).ok())
         .is_some_and(|m| m.get("format").and_then(serde_json::Value::as_str) == Some(EXPORT_FORMAT))
@@ -294,50 +294,42 @@ pub struct ExportData {
 }
 
 impl ExportData {
-    /// Reads the export in `dir` (not LATEST: the directory itself).
+    /// Reads the export in `dir` (not LATEST: the directory itself). Every
+    /// file the manifest lists is read whole within its stated size and its
+    /// checksum checked before any of it is used; sizes in the files are
+    /// checked arithmetic (a crafted row count cannot wrap them).
     pub fn read(dir: &Path) -> Result<ExportData, TrainError> {
         let manifest = read_manifest(dir)?;
+        let mut contents = std::collections::HashMap::new();
         for (name, entry) in &manifest.files {
-            let found = hash_file(&dir.join(name))?;
-            if found.bytes != entry.bytes || found.xxh3 != entry.xxh3 {
+            crate::confined::plain_name(dir, name, "the manifest")?;
+            let bytes = crate::confined::read_exact_size(dir, name, entry.bytes)?;
+            let xxh3 = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes));
+            if xxh3 != entry.xxh3 {
                 return Err(TrainError::checkpoint(
                     &dir.join(name),
-                    format!(
-                        "{} bytes, checksum {}: the manifest says {} bytes, {}",
-                        found.bytes, found.xxh3, entry.bytes, entry.xxh3
-                    ),
+                    format!("checksum mismatch (xxh3 {xxh3}, the manifest says {})", entry.xxh3),
                 ));
             }
+            contents.insert(name.as_str(), bytes);
         }
+        let mut listed = |name: &str| {
+            contents.remove(name).ok_or_else(|| {
+                TrainError::checkpoint(&dir.join(MANIFEST), format!("lists no {name}: not a whole export"))
+            })
+        };
+        let (dense, data) = (listed(DENSE)?, listed(EMBEDDINGS)?);
         let dense_path = dir.join(DENSE);
-        let tensors = candle_core::safetensors::load(&dense_path, &candle_core::Device::Cpu)
+        let tensors = candle_core::safetensors::load_buffer(&dense, &candle_core::Device::Cpu)
             .map_err(|e| TrainError::checkpoint(&dense_path, e.to_string()))?;
         let emb_path = dir.join(EMBEDDINGS);
-        let data = std::fs::read(&emb_path).map_err(|e| TrainError::io(&emb_path, e))?;
-        let bad = |what: String| TrainError::checkpoint(&emb_path, what);
-        let dtype = match data.get(..8) {
-            Some(magic) if magic == EMBEDDINGS_MAGIC => VectorType::F32,
-            Some(magic) if magic == EMBEDDINGS_MAGIC_F16 => VectorType::F16,
-            Some(magic) if magic == EMBEDDINGS_MAGIC_BF16 => VectorType::Bf16,
-            _ => return Err(bad("not an export's embeddings file".into())),
-        };
-        if data.len() < 20 {
-            return Err(bad("not an export's embeddings file".into()));
-        }
-        let width = dtype.width();
-        let dim = u32::from_le_bytes(data[8..12].try_into().unwrap_or_default()) as usize;
-        let rows = u64::from_le_bytes(data[12..20].try_into().unwrap_or_default());
-        if dim != manifest.dim || data.len() as u64 != 20 + rows * (8 + (width * dim) as u64) {
-            return Err(bad(format!("dim {dim} and {rows} rows do not match the file or the manifest")));
-        }
-        let (mut keys, mut vectors) = (Vec::with_capacity(rows as usize), Vec::with_capacity(rows as usize * dim));
-        for chunk in data[20..].chunks_exact(8 + width * dim) {
-            keys.push(u64::from_le_bytes(chunk[..8].try_into().unwrap_or_default()));
-            vectors.extend(chunk[8..].chunks_exact(width).map(|b| match dtype {
-                VectorType::F32 => f32::from_le_bytes(b.try_into().unwrap_or_default()),
-                VectorType::F16 => half::f16::from_le_bytes(b.try_into().unwrap_or_default()).to_f32(),
-                VectorType::Bf16 => half::bf16::from_le_bytes(b.try_into().unwrap_or_default()).to_f32(),
-            }));
+        let (keys, vectors) =
+            parse_embeddings(&data, manifest.dim).map_err(|what| TrainError::checkpoint(&emb_path, what))?;
+        if keys.len() as u64 != manifest.rows {
+            return Err(TrainError::checkpoint(
+                &emb_path,
+                format!("{} rows, the manifest says {}", keys.len(), manifest.rows),
+            ));
         }
         Ok(ExportData { dir: dir.to_path_buf(), manifest, tensors, keys, vectors })
     }
@@ -368,13 +360,53 @@ impl ExportData {
     }
 }
 
+/// An export's `embeddings.bin`: its keys and `dim` values a key. Every
+/// size is checked against the file's length with checked arithmetic.
+pub fn parse_embeddings(data: &[u8], dim: usize) -> Result<(Vec<u64>, Vec<f32>), String> {
+    let dtype = match data.get(..8) {
+        Some(magic) if magic == EMBEDDINGS_MAGIC => VectorType::F32,
+        Some(magic) if magic == EMBEDDINGS_MAGIC_F16 => VectorType::F16,
+        Some(magic) if magic == EMBEDDINGS_MAGIC_BF16 => VectorType::Bf16,
+        _ => return Err("not an export's embeddings file".into()),
+    };
+    let (Some(dim_bytes), Some(rows_bytes)) = (data.get(8..12), data.get(12..20)) else {
+        return Err("not an export's embeddings file (truncated header)".into());
+    };
+    let width = dtype.width();
+    let file_dim = u32::from_le_bytes(dim_bytes.try_into().unwrap_or_default()) as usize;
+    let rows = u64::from_le_bytes(rows_bytes.try_into().unwrap_or_default());
+    let record = (width as u64).checked_mul(file_dim as u64).and_then(|v| v.checked_add(8));
+    let expected = record.and_then(|r| r.checked_mul(rows)).and_then(|b| b.checked_add(20));
+    if file_dim != dim || expected != Some(data.len() as u64) {
+        return Err(format!(
+            "dim {file_dim} and {rows} rows do not match the file ({} bytes) or the manifest (dim {dim})",
+            data.len()
+        ));
+    }
+    // Bounded by the file's length, checked just above.
+    let rows = rows as usize;
+    let (mut keys, mut vectors) = (Vec::with_capacity(rows), Vec::with_capacity(rows * dim));
+    for chunk in data[20..].chunks_exact(8 + width * dim) {
+        keys.push(u64::from_le_bytes(chunk[..8].try_into().unwrap_or_default()));
+        vectors.extend(chunk[8..].chunks_exact(width).map(|b| match dtype {
+            VectorType::F32 => f32::from_le_bytes(b.try_into().unwrap_or_default()),
+            VectorType::F16 => half::f16::from_le_bytes(b.try_into().unwrap_or_default()).to_f32(),
+            VectorType::Bf16 => half::bf16::from_le_bytes(b.try_into().unwrap_or_default()).to_f32(),
+        }));
+    }
+    Ok((keys, vectors))
+}
+
 fn read_manifest(dir: &Path) -> Result<ExportManifest, TrainError> {
     let manifest_path = dir.join(MANIFEST);
-    let bytes = std::fs::read(&manifest_path).map_err(|e| TrainError::io(&manifest_path, e))?;
+    let bytes = crate::confined::read_at_most(dir, MANIFEST, crate::confined::MAX_MANIFEST_BYTES)?;
     let m: ExportManifest = serde_json::from_slice(&bytes)
         .map_err(|e| TrainError::checkpoint(&manifest_path, format!("manifest is corrupt or truncated: {e}")))?;
     if m.format != EXPORT_FORMAT {
         return Err(TrainError::checkpoint(&manifest_path, format!("format {}, expected {EXPORT_FORMAT}", m.format)));
+    }
+    if let Some(base) = &m.base {
+        crate::confined::plain_name(dir, base, "the manifest's `base`")?;
     }
     Ok(m)
 }
@@ -396,7 +428,7 @@ pub fn export_chain(dir: &Path) -> Result<Vec<(PathBuf, ExportManifest)>, TrainE
                 ),
             ));
         }
-        if chain.len() > 1 << 16 {
+        if chain.len() > 1 << 16 || chain.iter().any(|(d, _)| *d == base_dir) {
             return Err(TrainError::checkpoint(newest, "the chain of incremental exports does not end"));
         }
         let m = read_manifest(&base_dir)?;

@@ -7,6 +7,7 @@
 
 pub mod bench;
 pub mod checkpoint;
+pub mod confined;
 pub mod dense_sync;
 pub mod dir_lock;
 pub mod engine;

@@ -42,17 +42,11 @@ impl CheckToken {
     }
 }
 
-/// Compares without an early exit, so timing does not leak the token.
-fn same_bytes(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 impl Interceptor for CheckToken {
     fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
         let Some(expected) = &self.expected else { return Ok(request) };
-        let given = request.metadata().get("authorization").map(|v| v.as_bytes()).unwrap_or_default();
-        let given = given.strip_prefix(b"Bearer ").unwrap_or_default();
-        if same_bytes(given, expected.as_bytes()) {
+        let given = request.metadata().get("authorization").map(|v| v.as_bytes());
+        if sparrow_core::token::bearer_matches(given, expected) {
             Ok(request)
         } else {
             Err(Status::unauthenticated(format!("missing or wrong auth token (cluster.auth_token / {TOKEN_ENV})")))

@@ -1,0 +1,391 @@
+//! The model a server answers with: the export's trainer, the names of its
+//! inputs, and how a request's rows are scored (in chunks of bounded
+//! memory, under one read of the model so a reply comes from one version).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use sparrow_core::batch::{Batch, BatchBuilder, DataPosition};
+use sparrow_core::config::DataFormat;
+use sparrow_core::metrics::sigmoid;
+use sparrow_data::layout::{CRITEO_DENSE, CRITEO_SPARSE};
+use sparrow_data::text::{CriteoParser, LineParser};
+use sparrow_trainer::export::{ExportData, ExportManifest};
+use sparrow_trainer::trainer::Trainer;
+
+use crate::metrics::Metrics;
+use crate::request::{Cell, Cells, Request};
+use crate::{ApiError, ServeError, bad};
+
+/// Rows scored in one pass through the model: the pass's memory (pooled
+/// embeddings, activations, about 9 KB a row for the reference model) stays
+/// this size whatever a request holds.
+pub const SCORE_CHUNK_ROWS: usize = 1024;
+
+/// One loaded model: the export's trainer (vectors, dense weights) and the
+/// names of its inputs.
+pub struct Served {
+    name: String,
+    /// The step of the model answering now (the export's).
+    step: AtomicU64,
+    inputs: Inputs,
+    layout: sparrow_data::DataLayout,
+    /// Requests predict side by side under the read lock; a `--watch`
+    /// update takes the write lock (requests wait, none fails).
+    trainer: parking_lot::RwLock<Trainer>,
+    /// The export served now: its directory and manifest (`--watch` moves on from it).
+    current: parking_lot::Mutex<(PathBuf, ExportManifest)>,
+    /// What `--model` named (an export, or a directory whose LATEST names one).
+    source: PathBuf,
+    pub(crate) metrics: Metrics,
+}
+
+/// What one `--watch` update did.
+#[derive(Clone, Debug)]
+pub struct Swap {
+    pub export: PathBuf,
+    pub step: u64,
+    /// Incremental exports applied to the served model (0: a full reload).
+    pub deltas: usize,
+    pub rows: usize,
+    /// How long requests waited: the time the model's lock was held.
+    pub locked: Duration,
+    /// From when the previously served export was taken (the oldest update
+    /// this swap brings in waited that long) and from when the new one was
+    /// taken, to now.
+    pub staleness_max: Option<Duration>,
+    pub staleness_min: Option<Duration>,
+}
+
+/// The answer to one request: the model's step and a probability a row.
+pub struct Scores {
+    pub version: u64,
+    pub probability: Vec<f32>,
+}
+
+/// A model's inputs (dense then sparse, named as its data schema names
+/// them) and how a request row becomes the line its data file would hold.
+#[derive(Clone)]
+struct Inputs {
+    dense: Vec<String>,
+    sparse: Vec<String>,
+    /// CSV: the schema read against a header of our own (label, dense,
+    /// sparse, in that order), with its delimiter. None: Criteo TSV.
+    csv: Option<(sparrow_core::config::Schema, String, char)>,
+}
+
+impl Inputs {
+    fn of(model: &Path, data: &sparrow_core::config::DataConfig) -> Result<Inputs, ServeError> {
+        match data.format {
+            DataFormat::Criteo => Ok(Inputs {
+                dense: (1..=CRITEO_DENSE).map(|i| format!("I{i}")).collect(),
+                sparse: (1..=CRITEO_SPARSE).map(|i| format!("C{i}")).collect(),
+                csv: None,
+            }),
+            DataFormat::Csv => {
+                let mut schema = data.schema.clone().unwrap_or_default();
+                let delimiter = schema.delimiter.chars().next().unwrap_or(',');
+                // Our lines carry no time: serving does not weight samples.
+                schema.timestamp = None;
+                schema.header = true;
+                let names: Vec<&str> = std::iter::once(schema.label.as_str())
+                    .chain(schema.dense.iter().map(String::as_str))
+                    .chain(schema.sparse.iter().map(String::as_str))
+                    .collect();
+                let header = names.join(&delimiter.to_string());
+                Ok(Inputs {
+                    dense: schema.dense.clone(),
+                    sparse: schema.sparse.clone(),
+                    csv: Some((schema, header, delimiter)),
+                })
+            }
+            other => Err(ServeError::Setup(format!(
+                "{}: the model was trained on data.format = {other:?}; serving reads the named columns of Criteo \
+                 and CSV data",
+                model.display()
+            ))),
+        }
+    }
+
+    fn names(&self) -> impl Iterator<Item = &String> {
+        self.dense.iter().chain(&self.sparse)
+    }
+
+    fn separator(&self) -> char {
+        self.csv.as_ref().map_or('\t', |(_, _, d)| *d)
+    }
+
+    fn parser(&self) -> Result<Box<dyn LineParser>, ApiError> {
+        match &self.csv {
+            None => Ok(Box::new(CriteoParser::default())),
+            Some((schema, header, _)) => {
+                sparrow_data::text::CsvParser::new(Path::new("request"), schema, Some(header.as_bytes()))
+                    .map(|p| Box::new(p) as Box<dyn LineParser>)
+                    .map_err(|e| ApiError::internal(e.to_string()))
+            }
+        }
+    }
+}
+
+impl Served {
+    /// Loads an export (checksums verified first: a damaged one is refused
+    /// naming its file), served as `name`.
+    pub fn load(model: &Path, name: String) -> Result<Served, ServeError> {
+        let (trainer, manifest) = sparrow_trainer::export::load_export(model, &[])?;
+        let dir = sparrow_trainer::export::resolve_export(model)?;
+        let inputs = Inputs::of(model, &trainer.config.data)?;
+        let metrics = Metrics::new();
+        metrics.model_step.set(i64::try_from(manifest.step).unwrap_or(i64::MAX));
+        Ok(Served {
+            name,
+            step: AtomicU64::new(manifest.step),
+            inputs,
+            layout: trainer.layout.clone(),
+            trainer: parking_lot::RwLock::new(trainer),
+            current: parking_lot::Mutex::new((dir, manifest)),
+            source: model.to_path_buf(),
+            metrics,
+        })
+    }
+
+    /// The step of the model answering now.
+    pub fn step(&self) -> u64 {
+        self.step.load(Ordering::SeqCst)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The export LATEST names now (or the one served, without a LATEST).
+    pub fn newest(&self) -> Result<PathBuf, sparrow_trainer::TrainError> {
+        sparrow_trainer::export::resolve_export(&self.source)
+    }
+
+    /// `--watch`: if `LATEST` names another export than the one served,
+    /// serve that one. The exports that follow the served one in its chain
+    /// are read and verified first, then applied under the model's write lock
+    /// (requests wait for it, none fails, none sees half an update); an
+    /// export of another chain (a full one) is loaded beside the served
+    /// model and swapped in. On an error the served model stays.
+    pub fn refresh(&self) -> Result<Option<Swap>, sparrow_trainer::TrainError> {
+        let newest = self.newest()?;
+        let (served_dir, served) = self.current.lock().clone();
+        if newest == served_dir {
+            return Ok(None);
+        }
+        let chain = sparrow_trainer::export::export_chain(&newest)?;
+        let (_, manifest) = chain[chain.len() - 1].clone();
+        if manifest.num_fields != self.layout.num_fields || manifest.num_dense != self.layout.num_dense {
+            return Err(sparrow_trainer::TrainError::checkpoint(
+                &newest,
+                "holds a model of other inputs than the one served: restart the server to serve it",
+            ));
+        }
+        let after = chain.iter().position(|(dir, _)| *dir == served_dir);
+        let (locked, deltas, rows) = match after {
+            Some(i) => {
+                let updates =
+                    chain[i + 1..].iter().map(|(dir, _)| ExportData::read(dir)).collect::<Result<Vec<_>, _>>()?;
+                let rows = updates.iter().map(ExportData::rows).sum();
+                let trainer = self.trainer.write();
+                let start = Instant::now();
+                for update in &updates {
+                    update.apply(&trainer)?;
+                }
+                self.step.store(manifest.step, Ordering::SeqCst);
+                (start.elapsed(), updates.len(), rows)
+            }
+            None => {
+                let (fresh, _) = sparrow_trainer::export::load_export(&newest, &[])?;
+                let rows = fresh.table.len();
+                let mut trainer = self.trainer.write();
+                let start = Instant::now();
+                *trainer = fresh;
+                self.step.store(manifest.step, Ordering::SeqCst);
+                (start.elapsed(), 0, rows)
+            }
+        };
+        let now_ms =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        let since = |taken: Option<u64>| taken.map(|t| Duration::from_millis(now_ms.saturating_sub(t)));
+        let swap = Swap {
+            export: newest.clone(),
+            step: manifest.step,
+            deltas,
+            rows,
+            locked,
+            staleness_max: since(served.taken_unix_ms),
+            staleness_min: since(manifest.taken_unix_ms),
+        };
+        *self.current.lock() = (newest, manifest);
+        self.metrics.model_step.set(i64::try_from(swap.step).unwrap_or(i64::MAX));
+        self.metrics.swaps.with_label_values(&[if deltas > 0 { "delta" } else { "full" }]).inc();
+        self.metrics.swap_locked.set(locked.as_secs_f64());
+        if let Some(s) = swap.staleness_max {
+            self.metrics.staleness.set(s.as_secs_f64());
+        }
+        Ok(Some(swap))
+    }
+
+    pub(crate) fn metadata(&self) -> serde_json::Value {
+        use serde_json::json;
+        let inputs: Vec<serde_json::Value> = self
+            .inputs
+            .dense
+            .iter()
+            .map(|n| json!({"name": n, "datatype": "FP32", "shape": [-1]}))
+            .chain(self.inputs.sparse.iter().map(|n| json!({"name": n, "datatype": "BYTES", "shape": [-1]})))
+            .collect();
+        json!({
+            "name": self.name,
+            "versions": [self.step().to_string()],
+            "platform": "sparrow",
+            "inputs": inputs,
+            "outputs": [{"name": "probability", "datatype": "FP32", "shape": [-1]}],
+        })
+    }
+
+    /// Scores one decoded request: each row goes through the data file's
+    /// line parser (so the figures are `sparrow predict`'s), into batches of
+    /// [`SCORE_CHUNK_ROWS`] before the model's lock; then every batch is
+    /// scored under one read of the model.
+    pub fn infer(&self, request: &Request) -> Result<Scores, ApiError> {
+        let n_dense = self.inputs.dense.len();
+        let mut rows: Option<usize> = None;
+        let mut columns: Vec<Option<(&Cells, Kind, &str)>> = vec![None; n_dense + self.inputs.sparse.len()];
+        for input in &request.inputs {
+            let name = input.name.as_str();
+            let column = self.inputs.names().position(|n| n == name).ok_or_else(|| {
+                bad(format!("input `{name}`: the model has no such input (see GET /v2/models/{})", self.name))
+            })?;
+            if columns[column].is_some() {
+                return Err(bad(format!("input `{name}` is given twice")));
+            }
+            let want = if column < n_dense { "FP32" } else { "BYTES" };
+            if input.datatype != want {
+                return Err(bad(format!("input `{name}`: datatype `{}`, expected {want}", input.datatype)));
+            }
+            let n = input.cells.len();
+            if input.shape.len() != 1 || usize::try_from(input.shape[0]).ok() != Some(n) {
+                return Err(bad(format!(
+                    "input `{name}`: shape {:?} for {n} values; expected [N] with N values",
+                    input.shape
+                )));
+            }
+            if let Some(other) = rows
+                && other != n
+            {
+                return Err(bad(format!("input `{name}` has {n} rows, another input {other}")));
+            }
+            rows = Some(n);
+            let kind = match (column < n_dense, self.inputs.csv.is_some()) {
+                (true, false) => Kind::Count,
+                (true, true) => Kind::Number,
+                (false, _) => Kind::Text(self.inputs.separator()),
+            };
+            columns[column] = Some((&input.cells, kind, name));
+        }
+        let n = rows.unwrap_or(0);
+        let batches = self.batches(&columns, n)?;
+        let mut probability = Vec::with_capacity(n);
+        let trainer = self.trainer.read();
+        // Read under the lock: the step of the model that answers.
+        let version = self.step();
+        for batch in &batches {
+            let logits = trainer.predict_batch(batch).map_err(|e| ApiError::internal(e.to_string()))?;
+            probability.extend(logits.iter().map(|&x| sigmoid(f64::from(x)) as f32));
+        }
+        drop(trainer);
+        self.metrics.rows.inc_by(n as u64);
+        Ok(Scores { version, probability })
+    }
+
+    /// The request's rows as the lines a data file would hold, parsed into
+    /// batches of at most [`SCORE_CHUNK_ROWS`] rows.
+    fn batches(&self, columns: &[Option<(&Cells, Kind, &str)>], n: usize) -> Result<Vec<Batch>, ApiError> {
+        let mut parser = self.inputs.parser()?;
+        let separator = self.inputs.separator();
+        let mut batches = Vec::with_capacity(n.div_ceil(SCORE_CHUNK_ROWS));
+        let mut line = String::new();
+        for start in (0..n).step_by(SCORE_CHUNK_ROWS) {
+            let end = (start + SCORE_CHUNK_ROWS).min(n);
+            let mut builder = BatchBuilder::new(self.layout.num_fields, self.layout.num_dense, false, end - start);
+            for row in start..end {
+                line.clear();
+                line.push('0');
+                for column in columns {
+                    line.push(separator);
+                    if let Some((cells, kind, name)) = column {
+                        push_cell(&mut line, name, cells, row, *kind)?;
+                    }
+                }
+                builder.begin_row();
+                let parsed = parser.parse(line.as_bytes(), &mut builder);
+                if let Err(e) = parsed.and_then(|label| {
+                    builder.end_row(label).then_some(()).ok_or_else(|| "wrong number of dense values".into())
+                }) {
+                    return Err(bad(format!("row {row}: {e}")));
+                }
+            }
+            batches.push(builder.finish(DataPosition::default()));
+        }
+        Ok(batches)
+    }
+}
+
+/// What an input's cells are: a Criteo dense count (an integer), a CSV
+/// dense number, or a categorical value (on a CSV line: quoted where it
+/// holds the delimiter or a quote).
+#[derive(Clone, Copy)]
+enum Kind {
+    Count,
+    Number,
+    Text(char),
+}
+
+/// Appends row `row`'s cell of an input to the line `sparrow predict` would read.
+fn push_cell(line: &mut String, name: &str, cells: &Cells, row: usize, kind: Kind) -> Result<(), ApiError> {
+    use std::fmt::Write;
+    match (kind, cells.values[row]) {
+        (_, Cell::Null) => {}
+        (Kind::Count, Cell::Number(v)) => {
+            if !v.is_finite() || v.abs() > 9.0e15 {
+                return Err(bad(format!(
+                    "input `{name}`: {v:e} is out of range (Criteo's dense columns are integer counts within ±9e15)"
+                )));
+            }
+            if v.fract() != 0.0 {
+                return Err(bad(format!("input `{name}`: {v} is not an integer (Criteo's dense columns are counts)")));
+            }
+            let _ = write!(line, "{}", v as i64);
+        }
+        (Kind::Number, Cell::Number(v)) => {
+            let _ = write!(line, "{v}");
+        }
+        (Kind::Text(separator), Cell::Text { start, len }) => {
+            let s = cells.text(start, len);
+            if s.contains(['\n', '\r']) || (separator == '\t' && s.contains('\t')) {
+                return Err(bad(format!(
+                    "input `{name}`: a value holds a line break{}",
+                    if separator == '\t' { " or a tab" } else { "" }
+                )));
+            }
+            if separator != '\t' && (s.contains(separator) || s.contains('"')) {
+                line.push('"');
+                line.push_str(&s.replace('"', "\"\""));
+                line.push('"');
+            } else {
+                line.push_str(s);
+            }
+        }
+        (Kind::Count | Kind::Number, Cell::Text { start, len }) => {
+            return Err(bad(format!("input `{name}`: \"{}\" is not a number (FP32)", cells.text(start, len))));
+        }
+        (Kind::Text(_), Cell::Number(v)) => {
+            return Err(bad(format!("input `{name}`: {v} is not a string (BYTES)")));
+        }
+    }
+    Ok(())
+}
