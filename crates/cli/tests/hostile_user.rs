@@ -582,10 +582,20 @@ fn impossible_sizes_are_refused_naming_the_key() {
         fails_with(&out, &[key]);
         assert_eq!(out.status.code(), Some(2), "{set}: {}", stderr(&out));
     }
+    // Past the config's bounds: refused at once, naming the bound.
     let out = job.train(&["model.kind=dcn", "model.cross_layers=100000"]);
-    fails_with(&out, &["model.cross_layers", "too large"]);
+    fails_with(&out, &["model.cross_layers", "past the largest accepted"]);
     let out = job.launch("1", "1", &["train.batch_size=1000000000"]);
-    fails_with(&out, &["train.batch_size", "too large"]);
+    fails_with(&out, &["train.batch_size", "past the largest accepted"]);
+    let out = job.launch("1", "1", &["cluster.loader_queue_batches=1000000000"]);
+    fails_with(&out, &["cluster.loader_queue_batches", "past the largest accepted"]);
+    let out = job.launch("1", "1", &["cluster.loader_queue_batches=9223372036854775807"]);
+    fails_with(&out, &["cluster.loader_queue_batches"]);
+    let out = job.launch("1", "1", &["cluster.sync=\"lazy\"", "cluster.lazy.probe_interval_ms=9223372036854775807"]);
+    fails_with(&out, &["cluster.lazy.probe_interval_ms"]);
+    // Within them, past this machine's memory: refused naming the key.
+    let out = job.train(&["model.kind=dcn", "model.cross_layers=64", "model.embedding_dim=4096"]);
+    fails_with(&out, &["too large"]);
 }
 
 /// SIGTERM to `launch` stops the job like Ctrl-C (exit 143, no child left);

@@ -1,6 +1,8 @@
 //! The typed job config (TOML). Every section rejects unknown keys, every key
 //! has an explicit default, and units live in the names.
 
+mod bounds;
+
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, thiserror::Error)]
@@ -1030,7 +1032,7 @@ impl Config {
         if self.data.format == DataFormat::Libffm && self.data.num_fields.is_none() {
             return invalid("data.num_fields", "libffm needs the number of fields");
         }
-        Ok(())
+        bounds::check(self)
     }
 
     pub fn to_toml(&self) -> String {
@@ -1043,14 +1045,24 @@ fn apply_override(table: &mut toml::Table, assignment: &str) -> Result<(), Confi
     let bad = || ConfigError::BadAssignment { assignment: assignment.to_string() };
     let (key, raw) = assignment.split_once('=').ok_or_else(bad)?;
     let key = key.trim();
-    if key.is_empty() || key.split('.').any(str::is_empty) {
+    // A dotted name of bare keys: nothing else can be smuggled into the table.
+    let bare = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if !key.split('.').all(bare) {
         return Err(bad());
     }
     let raw = raw.trim();
-    let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
-        .ok()
-        .and_then(|mut t| t.remove("v"))
-        .unwrap_or_else(|| toml::Value::String(raw.to_string()));
+    let value = match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
+        Ok(mut t) if t.len() == 1 => t.remove("v"),
+        // `1\n[evil]\nx = 2`: more than one value.
+        Ok(_) => return Err(bad()),
+        Err(_) => None,
+    };
+    let value = match value {
+        Some(v) => v,
+        // A bare word is a string; a line break or control byte in one is a mistake.
+        None if raw.chars().any(char::is_control) => return Err(bad()),
+        None => toml::Value::String(raw.to_string()),
+    };
     let segments: Vec<&str> = key.split('.').collect();
     let (last, parents) = segments.split_last().ok_or_else(bad)?;
     let mut node = table;
@@ -1118,6 +1130,27 @@ mod tests {
         assert_eq!(c.embedding.learning_rate, 0.1);
         assert_eq!(c.embedding.optimizer, SparseOptimizerKind::Adam);
         assert_eq!(c.model.hidden, vec![8]);
+    }
+
+    /// An override is one dotted key and one value: a key with a line
+    /// break, spaces or brackets, or a value that smuggles a table in, is
+    /// refused (it was read as `train.seed = 1` with the rest dropped).
+    #[test]
+    fn overrides_are_one_dotted_key_and_one_value() {
+        for bad in [
+            "train.seed=1\n[evil]\nx=2",
+            "train.seed=1\n[evil]\nx",
+            "train.se ed=1",
+            "train.[seed]=1",
+            "train\n.seed=1",
+            "data.train=a\nb",
+        ] {
+            let err = parse("", &[bad]).expect_err(bad);
+            assert!(matches!(err, ConfigError::BadAssignment { .. }), "{bad:?}: {err}");
+        }
+        let c = parse("", &["train.seed=7", "data.train=/data/day-1.tsv", "model.hidden=[8, 4]"]).expect("parses");
+        assert_eq!(c.train.seed, 7);
+        assert_eq!(c.data.train.as_deref(), Some("/data/day-1.tsv"));
     }
 
     #[test]

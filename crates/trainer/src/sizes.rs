@@ -144,24 +144,37 @@ mod tests {
         Config::from_toml_with_overrides("", "test", &sets).expect("config")
     }
 
+    /// Sizes past the machine (set on the struct: the config's own upper
+    /// bounds refuse most of these first, this check stands behind them).
     #[test]
     fn sizes_beyond_the_machine_are_refused_naming_the_key() {
         let layout = DataLayout { num_fields: 26, num_dense: 13, weighted: false };
         let memory = 24 << 30;
         check_against(&config(&[]), &layout, memory).expect("the defaults fit");
-        for (set, key) in [
-            ("train.batch_size=1000000000", "train.batch_size"),
-            ("data.prefetch_batches=1000000000", "data.prefetch_batches"),
-            ("embedding.table_shards=1073741824", "embedding.table_shards"),
-            ("model.hidden=[100000, 100000]", "model.hidden"),
-            ("embedding.admit_sketch_counters=100000000000", "embedding.admit_sketch_counters"),
-        ] {
-            let err = check_against(&config(&[set]), &layout, memory).expect_err(set);
-            assert!(err.to_string().contains(key), "{set}: {err}");
+        type Set = fn(&mut Config);
+        let cases: [(Set, &str); 6] = [
+            (|c| c.train.batch_size = 1_000_000_000, "train.batch_size"),
+            (|c| c.data.prefetch_batches = 1_000_000_000, "data.prefetch_batches"),
+            (|c| c.embedding.table_shards = 1 << 30, "embedding.table_shards"),
+            (|c| c.model.hidden = vec![100_000, 100_000], "model.hidden"),
+            (|c| c.embedding.admit_sketch_counters = 100_000_000_000, "embedding.admit_sketch_counters"),
+            (
+                |c| {
+                    c.model.kind = ModelKind::Dcn;
+                    c.model.cross_layers = 100_000;
+                },
+                "model.cross_layers",
+            ),
+        ];
+        for (set, key) in cases {
+            let mut c = config(&[]);
+            set(&mut c);
+            let err = check_against(&c, &layout, memory).expect_err(key);
+            assert!(err.to_string().contains(key), "{key}: {err}");
         }
-        let dcn = config(&["model.kind=dcn", "model.cross_layers=100000"]);
-        let err = check_against(&dcn, &layout, memory).expect_err("cross layers");
-        assert!(err.to_string().contains("model.cross_layers"), "{err}");
+        // Within the config's bounds and still past the machine.
+        let dcn = config(&["model.kind=dcn", "model.cross_layers=64", "model.embedding_dim=4096"]);
+        check_against(&dcn, &layout, memory).expect_err("cross layers of 26 × 4096 inputs");
         // Large but possible: a batch of 65536 rows.
         check_against(&config(&["train.batch_size=65536"]), &layout, memory).expect("fits");
     }
