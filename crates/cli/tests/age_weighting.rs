@@ -192,3 +192,40 @@ fn a_merge_buffer_larger_than_a_batch_merges_further_and_resumes_exactly() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(last_json(&out)["test_auc"], uninterrupted["test_auc"], "launch with a merge buffer");
 }
+
+/// With `data.test` the training file itself, the weighting figures are
+/// what training consumed, counted once (they were twice that: the test
+/// read was weighted too), in `train` and in a one-worker `launch`.
+#[test]
+fn weighting_counts_what_training_consumed_once_when_the_test_file_is_the_training_file() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    gen_days(tmp.path(), &[]);
+    let weighted = config(tmp.path(), "[data.weighting]\ndrop_below = 0.06");
+    let train_csv = tmp.path().join("data/train.csv").display().to_string();
+    let same_file = format!("data.test={train_csv:?}");
+    let figures = |j: &serde_json::Value| {
+        (
+            j["merged_samples"].as_u64(),
+            j["dropped_samples"].as_u64(),
+            j["sample_weight_sum"].as_f64(),
+            j["train_rows"].as_u64(),
+        )
+    };
+    let apart = train(&weighted, &[]);
+    let same = train(&weighted, std::slice::from_ref(&same_file));
+    assert!(apart["dropped_samples"].as_u64() > Some(0), "{apart}");
+    assert_eq!(figures(&same), figures(&apart), "train: the test read adds nothing");
+    // The test read is the file as it is: every row scored.
+    assert_eq!(same["test_rows"].as_u64(), Some(8000), "{same}");
+
+    let out = sparrow()
+        .args(["launch", "--config", &weighted, "--shards", "1", "--workers", "1", "--quiet", "--set", &same_file])
+        .output()
+        .expect("launch");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let launched = last_json(&out);
+    let (merged, dropped, sum, rows) = figures(&launched);
+    assert_eq!((merged, dropped, rows), (figures(&apart).0, figures(&apart).1, figures(&apart).3), "{launched}");
+    let (sum, expected) = (sum.expect("sum"), figures(&apart).2.expect("sum"));
+    assert!((sum - expected).abs() <= 1e-6 * expected, "launch: {sum} against {expected}");
+}

@@ -446,9 +446,12 @@ impl LoaderServer {
                     }
                     drop(train_tx);
                     if let Some(test) = test {
+                        // Evaluation reads rows as they are: weighting (and
+                        // its counters) is training's, even on the same file.
+                        let unweighted = sparrow_core::config::DataConfig { weighting: None, ..data.clone() };
                         let stream = BatchStream::spawn(
                             Path::new(&test),
-                            &data,
+                            &unweighted,
                             eval_batch,
                             Default::default(),
                             1,

@@ -596,13 +596,16 @@ pub fn read_truth(test: &Path) -> Option<Truth> {
     (truth.test_rows > 0).then_some(truth)
 }
 
-/// Logits and labels of every good row of `path`.
+/// Logits and labels of every good row of `path`, read as they are:
+/// `[data.weighting]` shapes what training consumes, never what is scored
+/// (nor its counters, even when `path` is the training file).
 fn predict_file(
     trainer: &Trainer,
     path: &Path,
     data: &sparrow_core::config::DataConfig,
     bad: &BadRows,
 ) -> Result<(Vec<f32>, Vec<f32>), TrainError> {
+    let data = &sparrow_core::config::DataConfig { weighting: None, ..data.clone() };
     let stream =
         BatchStream::spawn(path, data, trainer.config.train.batch_size.max(1024), Default::default(), 1, bad.clone())?;
     if stream.layout.num_fields != trainer.layout.num_fields || stream.layout.num_dense != trainer.layout.num_dense {
