@@ -930,6 +930,9 @@ fn run_worker_with(args: &RoleArgs, local: Option<LocalShardHandle>) -> Result<W
         coordinator.set_probe_address(bound);
     }
     let pool = sparrow_trainer::run::compute_pool(config.train.threads)?;
+    if index == 0 {
+        sparrow_trainer::run::note_precision(&config.model);
+    }
     let mut done: Option<(u64, WorkerSummary)> = None;
     // Seconds this process spent in attempts the job gave up.
     let mut given_up_secs = 0.0;

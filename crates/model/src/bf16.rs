@@ -260,11 +260,79 @@ fn check(m: usize, n: usize, k: usize, a: &Operand<'_>, b: &Operand<'_>, dst: &[
     assert_eq!(dst.len(), m * n, "gemm_bf16: dst size");
 }
 
+/// How `model.precision = "bf16"` products run on this CPU ([`path`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bf16Path {
+    /// AVX-512-BF16's `vdpbf16ps`: bf16 pairs, each output's fp32 chain.
+    Native,
+    /// No bf16 dot product on this CPU: the fp32 kernels on bf16-rounded
+    /// operands. The products are exact in fp32 as in `vdpbf16ps`, so the
+    /// accuracy is the same and the speed fp32's; the sums' order is the
+    /// fp32 kernel's, so the bits differ from [`Bf16Path::Native`]'s.
+    Rounded,
+    /// `SPARROW_SIMD=portable`: `vdpbf16ps`'s arithmetic written out, bit
+    /// for bit the native path, ten or more times slower than fp32.
+    Portable,
+}
+
+impl Bf16Path {
+    /// One line for the user: what bf16 runs on here, and what it costs.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Bf16Path::Native => "bf16 products on AVX-512-BF16 (vdpbf16ps)",
+            Bf16Path::Rounded => {
+                "this CPU has no AVX-512-BF16: bf16 runs the fp32 kernels on bf16-rounded inputs (fp32's speed, the \
+                 same accuracy; the bits differ from an AVX-512-BF16 machine's, SPARROW_SIMD=portable gives those)"
+            }
+            Bf16Path::Portable => {
+                "SPARROW_SIMD=portable: bf16 runs the portable kernel, bit for bit AVX-512-BF16's and ten or \
+                 more times slower than fp32"
+            }
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Bf16Path::Native => "avx512_bf16",
+            Bf16Path::Rounded => "f32_kernels_on_bf16_inputs",
+            Bf16Path::Portable => "portable",
+        }
+    }
+}
+
+/// The path bf16 products take on this CPU (and under `SPARROW_SIMD`).
+pub fn path() -> Bf16Path {
+    #[cfg(target_arch = "x86_64")]
+    if simd::available() {
+        return Bf16Path::Native;
+    }
+    if sparrow_core::simd::allowed() { Bf16Path::Rounded } else { Bf16Path::Portable }
+}
+
 /// `dst (m×n) = bf16(op(a))·bf16(op(b))` with fp32 accumulation (see the
 /// module's text), on the current rayon pool: `vdpbf16ps` where the CPU has
-/// it, the portable lane otherwise; the same bits either way.
+/// it, else the fp32 kernel on rounded operands ([`Bf16Path`]).
 pub fn gemm_bf16(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_>, dst: &mut [f32]) {
     gemm_bf16_then(m, n, k, a, b, dst, Epilogue::default());
+}
+
+/// [`gemm_bf16`] on at most `threads` threads where it runs the fp32
+/// kernel (the bf16 kernels split rows over the current pool).
+pub fn gemm_bf16_threads(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand<'_>,
+    b: Operand<'_>,
+    dst: &mut [f32],
+    threads: Option<usize>,
+) {
+    if path() == Bf16Path::Rounded {
+        check(m, n, k, &a, &b, dst);
+        crate::bf16_rounded::gemm(m, n, k, a, b, dst, threads);
+    } else {
+        gemm_bf16(m, n, k, a, b, dst);
+    }
 }
 
 /// What a product does to each output as it stores it: add a bias per
@@ -276,24 +344,15 @@ pub struct Epilogue<'a> {
 }
 
 impl Epilogue<'_> {
-    /// Output `v` of column `j`: `v + bias[j]`, then `v > 0 ? v : 0` (NaN
-    /// and −0 become +0), as the SIMD store computes it.
-    fn apply(&self, j: usize, v: f32) -> f32 {
-        let v = match self.bias {
-            Some(bias) => v + bias[j],
-            None => v,
-        };
-        match self.relu {
-            true if v > 0.0 => v,
-            true => 0.0,
-            false => v,
-        }
-    }
-
-    /// [`apply`](Self::apply) over the columns `j0..` of one output row.
+    /// The columns `j0..` of one output row: `v + bias[j]`, then `v > 0 ? v
+    /// : 0` (NaN and −0 become +0), as the SIMD store computes it; each a
+    /// pass the compiler vectorises.
     fn row(&self, j0: usize, row: &mut [f32]) {
-        if self.bias.is_some() || self.relu {
-            row.iter_mut().enumerate().for_each(|(c, v)| *v = self.apply(j0 + c, *v));
+        if let Some(bias) = self.bias {
+            row.iter_mut().zip(&bias[j0..]).for_each(|(v, b)| *v += b);
+        }
+        if self.relu {
+            row.iter_mut().for_each(|v| *v = if *v > 0.0 { *v } else { 0.0 });
         }
     }
 }
@@ -312,12 +371,15 @@ pub fn gemm_bf16_then(
     if let Some(bias) = epilogue.bias {
         assert_eq!(bias.len(), n, "gemm_bf16: bias size");
     }
-    #[cfg(target_arch = "x86_64")]
-    if simd::available() {
-        simd::gemm(m, n, k, &a, &b, dst, epilogue);
-        return;
+    match path() {
+        #[cfg(target_arch = "x86_64")]
+        Bf16Path::Native => {
+            simd::gemm(m, n, k, &a, &b, dst, epilogue);
+            return;
+        }
+        Bf16Path::Rounded => crate::bf16_rounded::gemm(m, n, k, a, b, dst, None),
+        _ => gemm_bf16_portable(m, n, k, a, b, dst),
     }
-    gemm_bf16_portable(m, n, k, a, b, dst);
     dst.chunks_mut(n.max(1)).for_each(|row| epilogue.row(0, row));
 }
 
@@ -680,15 +742,38 @@ mod tests {
                 chain_row(row, (0..pairs).map(|p| widen_pair(pa.at(i, p))), &b_hi, &b_lo);
             }
             assert_eq!(bits(&baseline), bits(&want), "baseline build {m}x{n}x{k}");
+            extremes += want.iter().filter(|x| !x.is_finite()).count();
             let mut fast = vec![f32::NAN; m * n];
             gemm_bf16(m, n, k, opa, opb, &mut fast);
+            if path() == Bf16Path::Rounded {
+                // The fp32 kernel's arithmetic by design (no flush to zero).
+                continue;
+            }
             // NaNs (inf - inf) may differ in payload between the instruction and the lane: compare them as NaN.
             for (i, (x, y)) in fast.iter().zip(&want).enumerate() {
                 assert!(x.to_bits() == y.to_bits() || x.is_nan() && y.is_nan(), "simd {m}x{n}x{k} [{i}]: {x} vs {y}");
             }
-            extremes += want.iter().filter(|x| !x.is_finite()).count();
         }
         assert!(extremes > 0, "no product reached an infinity");
+    }
+
+    /// The fp32 path's branchless rounding (`bf16_rounded`) is `bf16_daz(round_bf16(x))`
+    /// on every kind of float.
+    #[test]
+    fn the_fp32_paths_rounding_is_the_definition() {
+        let specials = [0.0f32, -0.0, 1e-40, -1e-40, 1.0, -1.5, f32::MAX, f32::MIN, f32::INFINITY, f32::NEG_INFINITY];
+        let mut next = xorshift(99);
+        let randoms: Vec<f32> = (0..100_000).map(|_| f32::from_bits(next() as u32)).collect();
+        for x in specials.into_iter().chain([f32::NAN, -f32::NAN, f32::from_bits(0x7f80_0001)]).chain(randoms) {
+            let (got, want) = (crate::bf16_rounded::rounded_f32(x), bf16_daz(round_bf16(x)));
+            assert!(
+                got.to_bits() == want.to_bits(),
+                "{x:e} ({:#x}): {:#x} vs {:#x}",
+                x.to_bits(),
+                got.to_bits(),
+                want.to_bits()
+            );
+        }
     }
 
     #[test]
@@ -767,16 +852,21 @@ mod tests {
                 gemm_bf16_portable(m, n, k, opa, opb, &mut reference);
                 let chain = chain_reference(m, n, k, opa, opb);
                 assert!(reference.iter().zip(&chain).all(|(x, y)| x.to_bits() == y.to_bits()), "{m}x{n}x{k} chain");
-                for (i, (x, y)) in fast.iter().zip(&reference).enumerate() {
-                    assert_eq!(x.to_bits(), y.to_bits(), "{m}x{n}x{k} t=({at},{bt}) [{i}]: {x} vs {y}");
+                // The native kernel is the portable one bit for bit; the
+                // fp32 kernel on rounded inputs (no AVX-512-BF16) is held
+                // to the same bound from the exact sum below.
+                if path() != Bf16Path::Rounded {
+                    for (i, (x, y)) in fast.iter().zip(&reference).enumerate() {
+                        assert_eq!(x.to_bits(), y.to_bits(), "{m}x{n}x{k} t=({at},{bt}) [{i}]: {x} vs {y}");
+                    }
                 }
-                // Bias and ReLU in the store: the portable values, passed
+                // Bias and ReLU in the store: the product's values, passed
                 // through the same epilogue afterwards.
                 let bias = random(n, 7 + n as u64, 2.0);
                 let epilogue = Epilogue { bias: Some(&bias), relu: true };
                 let mut fused = vec![f32::NAN; m * n];
                 gemm_bf16_then(m, n, k, opa, opb, &mut fused, epilogue);
-                let mut then = reference.clone();
+                let mut then = fast.clone();
                 then.chunks_mut(n.max(1)).for_each(|row| epilogue.row(0, row));
                 for (i, (x, y)) in fused.iter().zip(&then).enumerate() {
                     assert_eq!(x.to_bits(), y.to_bits(), "epilogue {m}x{n}x{k} t=({at},{bt}) [{i}]: {x} vs {y}");
@@ -791,8 +881,11 @@ mod tests {
                                 bf(x) * bf(y)
                             })
                             .sum();
-                        let got = f64::from(reference[i * n + j]);
-                        assert!((got - exact).abs() <= 1e-5 * (1.0 + exact.abs()) * k as f64, "{got} vs {exact}");
+                        for got in [reference[i * n + j], fast[i * n + j]] {
+                            let got = f64::from(got);
+                            let bound = 1e-5 * (1.0 + exact.abs()) * k as f64;
+                            assert!((got - exact).abs() <= bound, "{got} vs {exact}");
+                        }
                     }
                 }
             }

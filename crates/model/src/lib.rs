@@ -6,6 +6,7 @@
 //! with respect to the pooled embeddings is handed back to the caller.
 
 pub mod bf16;
+mod bf16_rounded;
 pub mod fused;
 pub mod matrix;
 pub mod mlp;

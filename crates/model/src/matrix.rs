@@ -1,5 +1,7 @@
-//! What the matrix products (fp32 `mlp::sgemm`, bf16 `bf16::gemm_bf16`)
-//! take: a row-major operand, used as stored or transposed.
+//! What the matrix products take (a row-major operand, used as stored or
+//! transposed), and the fp32 product itself ([`sgemm`], on the `gemm`
+//! crate), which `mlp` runs in fp32 and `bf16` runs on bf16-rounded
+//! operands where the CPU has no bf16 dot product.
 
 /// A row-major matrix operand, used as stored or transposed.
 #[derive(Clone, Copy)]
@@ -14,5 +16,57 @@ impl<'a> Operand<'a> {
     }
     pub fn t(data: &'a [f32]) -> Self {
         Operand { data, transposed: true }
+    }
+}
+
+/// `dst (m×n) = op(a)·op(b)`, all row-major. `a` is `m×k` (stored `k×m` when
+/// transposed), `b` is `k×n` (stored `n×k` when transposed). Runs on the
+/// current rayon pool.
+pub fn sgemm(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_>, dst: &mut [f32]) {
+    sgemm_threads(m, n, k, a, b, dst, rayon::current_num_threads());
+}
+
+/// [`sgemm`] on at most `threads` threads of the current pool.
+pub fn sgemm_threads(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_>, dst: &mut [f32], threads: usize) {
+    let (a_t, b_t) = (a.transposed, b.transposed);
+    let (a, b) = (a.data, b.data);
+    assert_eq!(a.len(), m * k, "sgemm: lhs size");
+    assert_eq!(b.len(), k * n, "sgemm: rhs size");
+    assert_eq!(dst.len(), m * n, "sgemm: dst size");
+    if m == 0 || n == 0 {
+        return;
+    }
+    // Element (i, p) of op(a) sits at i·rs + p·cs.
+    let (a_rs, a_cs) = if a_t { (1, m as isize) } else { (k as isize, 1) };
+    let (b_rs, b_cs) = if b_t { (1, k as isize) } else { (n as isize, 1) };
+    let parallelism =
+        if threads > 1 && m * n * k >= 1 << 20 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    #[expect(unsafe_code, reason = "gemm's raw-pointer API; bounds are asserted above")]
+    // SAFETY: the asserts above guarantee that every (row, column) the strides
+    // address lies inside `a` (m·k), `b` (k·n) and `dst` (m·n); `dst` is a
+    // unique borrow, so it aliases neither input. read_dst = false: dst is
+    // only written, with beta = 1 (dst := a·b).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.as_ptr(),
+            a_cs,
+            a_rs,
+            b.as_ptr(),
+            b_cs,
+            b_rs,
+            0.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            parallelism,
+        );
     }
 }

@@ -16,7 +16,7 @@ use rayon::prelude::*;
 use sparrow_core::config::Precision;
 
 use crate::ModelError;
-pub use crate::matrix::Operand;
+pub use crate::matrix::{Operand, sgemm, sgemm_threads};
 use crate::params::ParamStore;
 
 /// Where each layer's weights live in the flat parameter vector.
@@ -53,7 +53,7 @@ pub(crate) fn matmul(
     match (precision, threads) {
         (Precision::F32, None) => sgemm(m, n, k, a, b, dst),
         (Precision::F32, Some(t)) => sgemm_threads(m, n, k, a, b, dst, t),
-        (Precision::Bf16, _) => crate::bf16::gemm_bf16(m, n, k, a, b, dst),
+        (Precision::Bf16, t) => crate::bf16::gemm_bf16_threads(m, n, k, a, b, dst, t),
     }
 }
 
@@ -148,58 +148,6 @@ impl Mlp {
     }
 }
 
-/// `dst (m×n) = op(a)·op(b)`, all row-major. `a` is `m×k` (stored `k×m` when
-/// transposed), `b` is `k×n` (stored `n×k` when transposed). Runs on the
-/// current rayon pool.
-pub fn sgemm(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_>, dst: &mut [f32]) {
-    sgemm_threads(m, n, k, a, b, dst, rayon::current_num_threads());
-}
-
-/// [`sgemm`] on at most `threads` threads of the current pool.
-pub fn sgemm_threads(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_>, dst: &mut [f32], threads: usize) {
-    let (a_t, b_t) = (a.transposed, b.transposed);
-    let (a, b) = (a.data, b.data);
-    assert_eq!(a.len(), m * k, "sgemm: lhs size");
-    assert_eq!(b.len(), k * n, "sgemm: rhs size");
-    assert_eq!(dst.len(), m * n, "sgemm: dst size");
-    if m == 0 || n == 0 {
-        return;
-    }
-    // Element (i, p) of op(a) sits at i·rs + p·cs.
-    let (a_rs, a_cs) = if a_t { (1, m as isize) } else { (k as isize, 1) };
-    let (b_rs, b_cs) = if b_t { (1, k as isize) } else { (n as isize, 1) };
-    let parallelism =
-        if threads > 1 && m * n * k >= 1 << 20 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
-    #[expect(unsafe_code, reason = "gemm's raw-pointer API; bounds are asserted above")]
-    // SAFETY: the asserts above guarantee that every (row, column) the strides
-    // address lies inside `a` (m·k), `b` (k·n) and `dst` (m·n); `dst` is a
-    // unique borrow, so it aliases neither input. read_dst = false: dst is
-    // only written, with beta = 1 (dst := a·b).
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            a.as_ptr(),
-            a_cs,
-            a_rs,
-            b.as_ptr(),
-            b_cs,
-            b_rs,
-            0.0f32,
-            1.0f32,
-            false,
-            false,
-            false,
-            parallelism,
-        );
-    }
-}
-
 /// The CPU op: inputs `x: [rows, in]` and the flat parameters.
 struct FusedMlp {
     shape: Arc<MlpShape>,
@@ -266,6 +214,14 @@ pub struct MlpScratch {
     /// the next backward pass to fill instead of allocating.
     pub spare_grad: Vec<f32>,
     rows: usize,
+    /// bf16 on a CPU without a bf16 dot product: the pass's rounded operands.
+    rounded: crate::bf16_rounded::RoundedOperands,
+}
+
+/// Whether a bf16 MLP runs the fp32 kernels on operands it rounds itself
+/// (once a step each, see `bf16_rounded`).
+fn rounds_operands(precision: Precision) -> bool {
+    precision == Precision::Bf16 && crate::bf16::path() == crate::bf16::Bf16Path::Rounded
 }
 
 /// `buf` with exactly `n` elements; only newly grown elements are written.
@@ -288,6 +244,7 @@ fn forward_into(shape: &MlpShape, p: &[f32], x: &[f32], rows: usize, scratch: &m
     let layers = &shape.layers;
     scratch.hidden.resize_with(layers.len().saturating_sub(1), Vec::new);
     scratch.rows = rows;
+    let rounded = rounds_operands(shape.precision);
     for (i, l) in layers.iter().enumerate() {
         let w = &p[l.w..l.w + l.fan_in * l.fan_out];
         let (done, rest) = scratch.hidden.split_at_mut(i.min(layers.len() - 1));
@@ -299,6 +256,11 @@ fn forward_into(shape: &MlpShape, p: &[f32], x: &[f32], rows: usize, scratch: &m
             sized(&mut scratch.output, rows * l.fan_out)
         };
         let bias = &p[l.b..l.b + l.fan_out];
+        if rounded {
+            scratch.rounded.forward(i, (rows, l.fan_in, l.fan_out), input, w, out);
+            add_bias(out, bias, l.relu);
+            continue;
+        }
         let (input, w) = (Operand::plain(input), Operand::plain(w));
         match shape.precision {
             // Bias and ReLU as the product stores each tile.
@@ -348,7 +310,11 @@ fn backward_into(shape: &MlpShape, p: &[f32], x: &[f32], grad_out: &[f32], scrat
         let (dw, db) = grad_p[l.w..l.b + fo].split_at_mut(fi * fo);
         let gi = prefix(&mut g_in, rows * fi);
         let w = &p[l.w..l.w + fi * fo];
-        linear_grads(shape.precision, (rows, fi, fo), input, w, &g[..g_len], (dw, db), gi);
+        if rounds_operands(shape.precision) {
+            scratch.rounded.backward(i, (rows, fi, fo), &g[..g_len], (dw, db), gi);
+        } else {
+            linear_grads(shape.precision, (rows, fi, fo), input, w, &g[..g_len], (dw, db), gi);
+        }
         // Through the previous layer's ReLU.
         if i > 0 {
             relu_mask(gi, input, fi);

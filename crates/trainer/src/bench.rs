@@ -286,6 +286,25 @@ pub struct BenchReport {
     /// `SPARROW_SIMD` for this run: `auto`, or `portable` (every kernel
     /// chosen at run time took its portable version, the ceilings aside).
     pub simd: &'static str,
+    /// The path each `model.precision` takes on this CPU.
+    pub precision_paths: PrecisionPaths,
+}
+
+/// How each `model.precision` runs here: its kernel, and for bf16 what
+/// that means for speed and bits (`sparrow_model::bf16::Bf16Path`).
+#[derive(Debug, Serialize)]
+pub struct PrecisionPaths {
+    pub f32: &'static str,
+    /// `avx512_bf16`, `f32_kernels_on_bf16_inputs` or `portable`.
+    pub bf16: &'static str,
+    pub bf16_note: &'static str,
+}
+
+impl PrecisionPaths {
+    pub fn here() -> PrecisionPaths {
+        let bf16 = sparrow_model::bf16::path();
+        PrecisionPaths { f32: "fp32_gemm", bf16: bf16.name(), bf16_note: bf16.describe() }
+    }
 }
 
 /// Resident bytes per row of a table of `rows` Adagrad rows at `dim`,
@@ -830,6 +849,7 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
         kinds,
         arithmetic: Arithmetic { peaks, bf16_over_fp32, gemm },
         simd: if sparrow_core::simd::allowed() { "auto" } else { "portable" },
+        precision_paths: PrecisionPaths::here(),
     })
 }
 

@@ -208,6 +208,25 @@ pub fn train_observed(
     pool.install(|| train_in_pool(config, quiet, wall, stop, observer))
 }
 
+/// Says, in one line, how `model.precision = "bf16"` runs on this CPU when
+/// it is not AVX-512-BF16's own product (the bits then differ from such a
+/// machine's, or the speed is the portable kernel's).
+pub fn note_precision(model: &sparrow_core::config::ModelConfig) {
+    use sparrow_core::config::{ModelKind, Precision};
+    if model.precision != Precision::Bf16 || matches!(model.kind, ModelKind::Lr | ModelKind::Fm) {
+        return;
+    }
+    match sparrow_model::bf16::path() {
+        sparrow_model::bf16::Bf16Path::Native => {}
+        path @ sparrow_model::bf16::Bf16Path::Rounded => {
+            tracing::info!("model.precision = \"bf16\": {}", path.describe())
+        }
+        path @ sparrow_model::bf16::Bf16Path::Portable => {
+            tracing::warn!("model.precision = \"bf16\": {}", path.describe())
+        }
+    }
+}
+
 fn train_in_pool(
     config: &Config,
     quiet: bool,
@@ -216,6 +235,7 @@ fn train_in_pool(
     observer: &(dyn Fn(&ProgressUpdate) + Sync),
 ) -> Result<TrainSummary, TrainError> {
     let train_path = data_path(&config.data.train, "train", "the training data file")?;
+    note_precision(&config.model);
     if config.checkpoint.incremental {
         tracing::warn!("checkpoint.incremental applies to sparrow launch; sparrow train writes full checkpoints");
     }

@@ -1,0 +1,45 @@
+//! `model.precision = "bf16"` on the CPU at hand: with AVX-512-BF16 the
+//! native product, silently; without it the fp32 kernels on bf16-rounded
+//! inputs, said in one line on start; `SPARROW_SIMD=portable` the
+//! bit-exact portable kernel, said too. The rounded path trains to the
+//! accuracy of fp32 (the speed is a benchmark's figure, docs/benchmarks.md).
+
+mod common;
+
+use common::{generate, last_json, sparrow, write_config};
+
+fn cpu_has_avx512_bf16() -> bool {
+    std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|c| c.split_whitespace().any(|f| f == "avx512_bf16"))
+}
+
+#[test]
+fn bf16_says_which_path_it_takes_and_trains_as_fp32_does() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "20000");
+    let config = write_config(tmp.path(), "");
+    let train = |precision: &str, simd: &str| {
+        let out = sparrow()
+            .args(["train", "--config", &config, "--quiet", "--set", &format!("model.precision=\"{precision}\"")])
+            .env("SPARROW_SIMD", simd)
+            .output()
+            .expect("train");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        (last_json(&out), String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let (f32_run, said) = train("f32", "auto");
+    assert!(!said.contains("bf16"), "{said}");
+    let (bf16_run, said) = train("bf16", "auto");
+    let lines: Vec<&str> = said.lines().filter(|l| l.contains("model.precision = \"bf16\"")).collect();
+    if cpu_has_avx512_bf16() {
+        assert!(lines.is_empty(), "the native path says nothing: {said}");
+    } else {
+        assert_eq!(lines.len(), 1, "one line: {said}");
+        assert!(lines[0].contains("bf16-rounded inputs") && lines[0].contains("SPARROW_SIMD=portable"), "{said}");
+    }
+    let auc = |j: &serde_json::Value| j["test_auc"].as_f64().expect("auc");
+    assert!((auc(&bf16_run) - auc(&f32_run)).abs() < 0.01, "bf16 {} against f32 {}", auc(&bf16_run), auc(&f32_run));
+
+    let (portable, said) = train("bf16", "portable");
+    assert!(said.contains("portable kernel, bit for bit AVX-512-BF16's"), "{said}");
+    assert!((auc(&portable) - auc(&f32_run)).abs() < 0.01);
+}
