@@ -180,7 +180,8 @@ pub fn write_export_with(
     ));
     let _ = std::fs::remove_dir_all(&staging);
     std::fs::create_dir_all(&staging).map_err(io(&staging))?;
-    let dim = model.shape.embedding_dim;
+    // A row's width: the vector each key has (LR: 1, FM and the wide kinds: 1 + dim).
+    let dim = model.width();
     let mut files = BTreeMap::new();
     let dense_path = staging.join(DENSE);
     let bytes = safetensors_bytes(&model.params.to_map(), &dense_path)?;

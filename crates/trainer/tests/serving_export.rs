@@ -160,3 +160,28 @@ fn exports_by_content_hold_the_changed_rows_and_go_full_when_a_row_is_gone() {
     let (served, _) = load_export(&tmp.path().join("ck/exports"), &[]).expect("load");
     assert_eq!(served.table.len(), 3);
 }
+
+/// Every model kind exports and its export predicts what its checkpoint
+/// predicts: a row is as wide as the kind's table makes it (LR 1, FM and
+/// the wide kinds 1 + dim), not always `embedding_dim` (exports of LR, FM,
+/// Wide&Deep and DeepFM were refused as "N keys with N values").
+#[test]
+fn every_model_kind_exports() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    small_data(tmp.path(), 2000, 300);
+    for kind in ["lr", "fm", "wide_deep", "deepfm", "mlp", "dlrm", "dcn"] {
+        let mut config = small_config(tmp.path(), kind);
+        let ckpt = tmp.path().join(format!("ckpt-{kind}"));
+        config.checkpoint.dir = Some(ckpt.display().to_string());
+        sparrow_trainer::train(&config, true).expect("train");
+        let export = tmp.path().join(format!("export-{kind}"));
+        let written = sparrow_trainer::run::export_checkpoint(&ckpt, &export, sparrow_trainer::export::VectorType::F32)
+            .unwrap_or_else(|e| panic!("{kind}: {e}"));
+        assert!(written.rows > 0, "{kind}");
+        let test = tmp.path().join("test.tsv");
+        let (a, b) = (tmp.path().join(format!("a-{kind}")), tmp.path().join(format!("b-{kind}")));
+        sparrow_trainer::predict_checkpoint(&ckpt, &test, &a, &[]).expect("predict");
+        sparrow_trainer::run::predict_export(&export, &test, &b, &[]).expect("predict export");
+        assert_eq!(std::fs::read_to_string(&a).expect("a"), std::fs::read_to_string(&b).expect("b"), "{kind}");
+    }
+}
