@@ -27,6 +27,9 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("worker_batch", worker_batch),
     ("export_reply", export_reply),
     ("checkpoint_embeddings", checkpoint_embeddings),
+    ("export_embeddings", export_embeddings),
+    ("export_manifest", export_manifest),
+    ("kserve_request", kserve_request),
 ];
 
 fn csv_schema() -> Schema {
@@ -175,4 +178,73 @@ pub fn checkpoint_embeddings(data: &[u8]) {
         return;
     }
     let _ = sparrow_trainer::checkpoint::load_trainer(&dir, &[]);
+}
+
+/// A serving export of the checkpoint template, written once per process.
+fn export_template() -> Option<&'static PathBuf> {
+    static TEMPLATE: OnceLock<Option<PathBuf>> = OnceLock::new();
+    TEMPLATE
+        .get_or_init(|| {
+            let (root, _) = checkpoint_template()?;
+            let dir = std::env::temp_dir().join(format!("sparrow-fuzz-{}-export", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            sparrow_trainer::run::export_checkpoint(root, &dir, sparrow_trainer::export::VectorType::F32).ok()?;
+            Some(dir)
+        })
+        .as_ref()
+}
+
+/// A copy of the export template in a scratch directory of this process.
+fn scratch_export() -> Option<PathBuf> {
+    let template = export_template()?;
+    let dir = std::env::temp_dir().join(format!("sparrow-fuzz-{}-export-input", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).ok()?;
+    for name in ["dense.safetensors", "embeddings.bin", "manifest.json"] {
+        std::fs::copy(template.join(name), dir.join(name)).ok()?;
+    }
+    Some(dir)
+}
+
+/// An export's `embeddings.bin` (its manifest's size and checksum made to
+/// match, so the parsing is exercised), parsed alone and loaded whole.
+pub fn export_embeddings(data: &[u8]) {
+    for dim in [1, 2, 8] {
+        let _ = sparrow_trainer::export::parse_embeddings(data, dim);
+    }
+    let Some(dir) = scratch_export() else { return };
+    let Ok(text) = std::fs::read_to_string(dir.join("manifest.json")) else { return };
+    let Ok(mut manifest) = serde_json::from_str::<serde_json::Value>(&text) else { return };
+    manifest["files"]["embeddings.bin"] = serde_json::json!({
+        "bytes": data.len(),
+        "xxh3": format!("{:016x}", xxhash_rust::xxh3::xxh3_64(data)),
+    });
+    if std::fs::write(dir.join("manifest.json"), manifest.to_string()).is_err()
+        || std::fs::write(dir.join("embeddings.bin"), data).is_err()
+    {
+        return;
+    }
+    let _ = sparrow_trainer::export::load_export(&dir, &[]);
+}
+
+/// An export's `manifest.json` (file names, sizes, base, layout, config)
+/// over the template's files: read without leaving the directory.
+pub fn export_manifest(data: &[u8]) {
+    let Some(dir) = scratch_export() else { return };
+    if std::fs::write(dir.join("manifest.json"), data).is_err() {
+        return;
+    }
+    let _ = sparrow_trainer::export::is_export(&dir);
+    let _ = sparrow_trainer::export::export_chain(&dir);
+    let _ = sparrow_trainer::export::load_export(&dir, &[]);
+}
+
+/// A KServe v2 `infer` body: plain JSON, then (the first two bytes a
+/// length) as the binary extension's JSON header and tensors.
+pub fn kserve_request(data: &[u8]) {
+    let _ = sparrow_serve::request::decode(None, data, 64);
+    if let [hi, lo, rest @ ..] = data {
+        let header = (usize::from(*hi) << 8 | usize::from(*lo)).to_string();
+        let _ = sparrow_serve::request::decode(Some(header.as_bytes()), rest, 64);
+    }
 }

@@ -136,4 +136,27 @@ fn write_seed_corpus() {
     let template = std::env::temp_dir().join(format!("sparrow-fuzz-{}-template/ck", std::process::id()));
     let version = sparrow_trainer::checkpoint::resolve(&template).expect("template checkpoint");
     seed("checkpoint_embeddings", "lr-300-rows.bin", &std::fs::read(version.join("embeddings.bin")).expect("rows"));
+
+    // A real export of that checkpoint: its rows and its manifest.
+    sparrow_fuzz::export_manifest(b"");
+    let export = std::env::temp_dir().join(format!("sparrow-fuzz-{}-export", std::process::id()));
+    seed("export_embeddings", "lr-300-rows.bin", &std::fs::read(export.join("embeddings.bin")).expect("rows"));
+    seed("export_manifest", "manifest.json", &std::fs::read(export.join("manifest.json")).expect("manifest"));
+
+    let request = br#"{"id": "r1", "inputs": [{"name": "I1", "datatype": "FP32", "shape": [2], "data": [1, NaN]},
+        {"name": "C1", "datatype": "BYTES", "shape": [2], "data": ["a", null]}],
+        "outputs": [{"name": "probability", "parameters": {"binary_data": true}}]}"#;
+    seed("kserve_request", "json", request);
+    // The binary extension: two bytes of header length, the header, the tensors.
+    let header =
+        br#"{"inputs": [{"name": "I1", "datatype": "FP32", "shape": [2], "parameters": {"binary_data_size": 8}},
+        {"name": "C1", "datatype": "BYTES", "shape": [2], "parameters": {"binary_data_size": 10}}]}"#;
+    let mut binary = (header.len() as u16).to_be_bytes().to_vec();
+    binary.extend_from_slice(header);
+    binary.extend(f32s(&[3.0, f32::NAN]));
+    for s in ["ab", ""] {
+        binary.extend((s.len() as u32).to_le_bytes());
+        binary.extend(s.as_bytes());
+    }
+    seed("kserve_request", "binary", &binary);
 }
