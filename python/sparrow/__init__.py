@@ -11,8 +11,11 @@ Library warnings go to Python's `logging` (loggers `sparrow_trainer`,
 `sparrow_data`, ...). Errors are the classes below, with the CLI's messages.
 """
 
+import datetime
+import decimal
 import json
 import os
+import re
 import sys
 
 # The dense model's elementwise ops run inline (one candle thread): the
@@ -49,15 +52,23 @@ __all__ = [
 ]
 
 
+# Cells whose text is their value (an object column may hold any of them).
+_SCALARS = (str, int, float, np.generic, datetime.date, datetime.time, datetime.timedelta, decimal.Decimal)
+
+# A config key: dotted bare names, nothing that could end a TOML line.
+_DOTTED_KEY = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)+")
+
+
 def _override_list(overrides):
     """`{"embedding.learning_rate": 0.1}` as the CLI's `KEY=VALUE` strings
     (values written as TOML literals: JSON's are, for str, numbers, bools
     and lists)."""
     out = []
     for key, value in overrides.items():
-        if "." not in key:
+        if not _DOTTED_KEY.fullmatch(key):
             raise ArgumentError(
-                f"override `{key}`: config keys are written SECTION.KEY (e.g. embedding.learning_rate)"
+                f"override {key!r}: config keys are written SECTION.KEY, letters, digits, `_` and `-` "
+                "(e.g. embedding.learning_rate)"
             )
         if isinstance(value, os.PathLike):
             value = os.fspath(value)
@@ -176,14 +187,21 @@ def _column(name, values):
     if kind == "S":
         return (name, "s", [v.decode() for v in array.tolist()])
 
-    def text(v):
-        if v is None or (isinstance(v, float) and v != v):
+    def text(row, v):
+        if v is None or (isinstance(v, float) and v != v) or type(v).__name__ in ("NAType", "NaTType"):
             return ""
-        if isinstance(v, bytes):
-            return v.decode()
-        return str(v)
+        if isinstance(v, (bytes, np.bytes_)):
+            return bytes(v).decode()
+        if isinstance(v, _SCALARS):
+            return str(v)
+        # Anything else would be its repr, often with a memory address: an ID
+        # that changes from run to run.
+        raise DataError(
+            f"column `{name}`, row {row}: a {type(v).__name__} is not a value "
+            "(numbers, strings, bytes and None are)"
+        )
 
-    return (name, "s", [text(v) for v in array.tolist()])
+    return (name, "s", [text(row, v) for row, v in enumerate(array.tolist())])
 
 
 class Model:

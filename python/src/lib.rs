@@ -431,13 +431,36 @@ impl Model {
             };
             given.push((name, column));
         }
-        let probabilities = py.detach(|| self.predict_given(&schema, &given));
-        match probabilities {
-            Ok(p) => Ok(f32_bytes(py, &p)),
-            Err(Failure::Input(m)) => Err(exception(py, "DataError", m)),
-            Err(Failure::Train(e)) => Err(train_error(py, e)),
+        // Chunks of rows, with Python's signals checked between them: Ctrl-C
+        // on a million rows stops within a chunk, not at the end.
+        let slots = self.place_columns(&schema, &given).map_err(|f| failure(py, f))?;
+        let rows = given.first().map_or(0, |(_, c)| c.len());
+        let dir = private_dir().map_err(|e| train_error(py, e))?;
+        let mut probabilities = Vec::with_capacity(rows);
+        for start in (0..rows).step_by(PREDICT_CHUNK_ROWS) {
+            let end = (start + PREDICT_CHUNK_ROWS).min(rows);
+            let chunk = py.detach(|| self.score_rows(&schema, &slots, start..end, dir.path()));
+            probabilities.extend(chunk.map_err(|f| failure(py, f))?);
+            py.check_signals()?;
         }
+        Ok(f32_bytes(py, &probabilities))
     }
+}
+
+/// Rows scored between two checks for signals (Ctrl-C).
+const PREDICT_CHUNK_ROWS: usize = 65_536;
+
+fn failure(py: Python<'_>, f: Failure) -> PyErr {
+    match f {
+        Failure::Input(m) => exception(py, "DataError", m),
+        Failure::Train(e) => train_error(py, e),
+    }
+}
+
+/// A directory of our own (mode 0700, a random name) for the rows' files:
+/// no other user can plant a file or a symlink where one is written.
+fn private_dir() -> Result<tempfile::TempDir, TrainError> {
+    tempfile::Builder::new().prefix("sparrow-predict-").tempdir().map_err(|e| TrainError::io(&std::env::temp_dir(), e))
 }
 
 enum Failure {
@@ -446,7 +469,13 @@ enum Failure {
 }
 
 impl Model {
-    fn predict_given(&self, schema: &InputSchema, given: &[(String, Column)]) -> Result<Vec<f32>, Failure> {
+    /// Each line slot's column, the given columns checked (lengths, names,
+    /// values a line cannot hold).
+    fn place_columns<'a>(
+        &self,
+        schema: &InputSchema,
+        given: &'a [(String, Column)],
+    ) -> Result<Vec<Option<&'a Column>>, Failure> {
         let rows = given.first().map_or(0, |(_, c)| c.len());
         // Each line slot: the given column for it, if any.
         let mut slots: Vec<Option<&Column>> = vec![None; schema.width];
@@ -488,11 +517,22 @@ impl Model {
             }
             slots[place] = Some(column);
         }
-        if rows == 0 {
-            return Ok(Vec::new());
-        }
-        let file = tempfile_path();
-        let written = write_rows(&file, schema, &slots, rows);
+        Ok(slots)
+    }
+
+    /// Probabilities of rows `range`: written in the model's data format to
+    /// a new file in `dir` (created, never opened if there), read back as
+    /// `sparrow predict` reads a file, and removed.
+    fn score_rows(
+        &self,
+        schema: &InputSchema,
+        slots: &[Option<&Column>],
+        range: std::ops::Range<usize>,
+        dir: &Path,
+    ) -> Result<Vec<f32>, Failure> {
+        let file = dir.join(format!("rows-{}.txt", range.start));
+        let start = range.start;
+        let written = write_rows(&file, schema, slots, range.clone());
         let result = match written {
             Ok(()) => self.predict_path(&file, true).map_err(Failure::Train),
             Err(e) => Err(Failure::Train(TrainError::io(&file, e))),
@@ -500,31 +540,33 @@ impl Model {
         let _ = std::fs::remove_file(&file);
         let probabilities = result.map_err(|f| match f {
             Failure::Train(TrainError::Data(e)) => Failure::Input(format!(
-                "the rows given, written in the model's data format to {e} (line {} is row 0)",
+                "the rows given, written in the model's data format to {e} (line {} is row {start})",
                 if schema.header.is_some() { 2 } else { 1 }
             )),
             other => other,
         })?;
         // Strict reading: a malformed row was an error, so each row has its probability.
-        debug_assert_eq!(probabilities.len(), rows);
+        debug_assert_eq!(probabilities.len(), range.len());
         Ok(probabilities)
     }
 }
 
-/// A file of our own in the temporary directory (removed after use).
-fn tempfile_path() -> PathBuf {
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    std::env::temp_dir().join(format!("sparrow-predict-{}-{n}.txt", std::process::id()))
-}
-
-fn write_rows(path: &Path, schema: &InputSchema, slots: &[Option<&Column>], rows: usize) -> std::io::Result<()> {
-    let mut w = BufWriter::new(std::fs::File::create(path)?);
+/// Rows `rows` as the data file's lines, into a file created new (never
+/// one already there, nor through a symlink), readable by its owner only.
+fn write_rows(
+    path: &Path,
+    schema: &InputSchema,
+    slots: &[Option<&Column>],
+    rows: std::ops::Range<usize>,
+) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
+    let mut w = BufWriter::new(file);
     if let Some(header) = &schema.header {
         writeln!(w, "{header}")?;
     }
     let mut line = String::new();
-    for row in 0..rows {
+    for row in rows {
         line.clear();
         for (place, slot) in slots.iter().enumerate() {
             if place > 0 {

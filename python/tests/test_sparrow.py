@@ -374,3 +374,87 @@ def test_progress_draws_a_tqdm_bar_when_tqdm_is_installed(data, tmp_path, capfd)
     sparrow.train(CONFIG, **{**overrides(data, tmp_path / "c"), "train.log_interval_steps": 5})
     err = capfd.readouterr().err
     assert "train:" in err and "step=20" in err and "train_logloss" not in err, err[-500:]
+
+
+def test_predict_writes_only_into_a_private_directory(trained, tmp_path, monkeypatch):
+    """Rows given as columns go through a file of their own: created new
+    (O_EXCL) in a directory only this user can enter, so a symlink planted
+    where the old predictable name `sparrow-predict-PID-N.txt` was cannot
+    make predict truncate another file; nothing is left behind."""
+    ckpt, _ = trained
+    shared = tmp_path / "shared-tmp"
+    shared.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    for n in range(8):
+        os.symlink(victim, shared / f"sparrow-predict-{os.getpid()}-{n}.txt")
+    monkeypatch.setenv("TMPDIR", str(shared))
+    model = sparrow.Model.load(ckpt)
+    assert len(model.predict({"I1": np.arange(10.0)})) == 10
+    assert victim.read_text() == "precious"
+    assert sorted(p.name for p in shared.iterdir()) == sorted(f"sparrow-predict-{os.getpid()}-{n}.txt" for n in range(8))
+
+
+def test_an_override_key_must_be_a_dotted_name(trained):
+    ckpt, _ = trained
+    for key in ["train.seed=1\n[evil]\nx", "train.se ed", "train.[seed]", "train"]:
+        with pytest.raises(sparrow.ArgumentError, match="SECTION.KEY"):
+            sparrow.Model.load(ckpt, **{key: 5})
+
+
+def test_an_object_cell_is_refused_naming_its_column_and_row(trained):
+    """A cell holding an arbitrary object would be read as its repr, whose
+    memory address changes run to run; numbers, strings, bytes and None are
+    values."""
+    ckpt, _ = trained
+    model = sparrow.Model.load(ckpt)
+    cells = np.array(["a", object(), "c"], dtype=object)
+    with pytest.raises(sparrow.DataError, match=r"column `C1`, row 1: a object is not a value"):
+        model.predict({"C1": cells})
+    mixed = np.array(["a", 7, None, b"b", 2.5, np.int64(3)], dtype=object)
+    assert len(model.predict({"C1": mixed})) == 6
+
+
+def test_ctrl_c_interrupts_predict_between_chunks(trained, tmp_path):
+    """SIGINT while a million rows are scored stops predict after the chunk
+    in progress (KeyboardInterrupt), not once every row is scored: the rows'
+    file of the last chunk is never written, and the private directory is
+    removed."""
+    ckpt, _ = trained
+    shared = tmp_path / "t"
+    shared.mkdir()
+    script = textwrap.dedent(
+        f"""
+        import json, os, signal, sys, threading, time
+        import numpy as np, sparrow
+        model = sparrow.Model.load({str(ckpt)!r})
+        seen = set()
+        def watch():
+            interrupted = False
+            while True:
+                for d in os.listdir({str(shared)!r}):
+                    try:
+                        names = os.listdir(os.path.join({str(shared)!r}, d))
+                    except OSError:
+                        continue
+                    seen.update(names)
+                    if not interrupted and "rows-0.txt" in names:
+                        interrupted = True
+                        os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.001)
+        threading.Thread(target=watch, daemon=True).start()
+        try:
+            model.predict({{"I1": np.arange(1_000_000) % 100}})
+            print(json.dumps({{"finished": True}}), flush=True)
+        except KeyboardInterrupt:
+            print(json.dumps({{"seen": sorted(seen)}}), flush=True)
+            sys.exit(7)
+        """
+    )
+    env = {**os.environ, "TMPDIR": str(shared)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 7, done.stdout + done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])["seen"]
+    assert "rows-0.txt" in seen
+    assert f"rows-{15 * 65536}.txt" not in seen, seen
+    assert list(shared.iterdir()) == []
