@@ -796,10 +796,12 @@ fn main() -> ExitCode {
                 || e.downcast_ref::<sparrow_cluster::ClusterError>()
                     .is_some_and(|c| matches!(c, sparrow_cluster::ClusterError::Interrupted));
             let signal = STOP_SIGNAL.load(Ordering::SeqCst);
+            // One meaning a code: README's exit code table.
+            let failure = e.downcast_ref::<sparrow_cluster::ClusterError>().map_or(2, |c| c.exit_code());
             ExitCode::from(match (interrupted, signal) {
                 (true, 0) => 130,
                 (true, n) => (128 + n) as u8,
-                (false, _) => 2,
+                (false, _) => failure,
             })
         }
     }

@@ -9,57 +9,11 @@
 
 mod common;
 
-use common::{collect_lines, generate, last_json, signal, sparrow, wait_with_timeout, write_config};
+use common::{Scenario, collect_lines, config, data, last_json, scenario, signal, sparrow, wait_with_timeout};
 use std::path::Path;
 use std::process::{Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-/// 20 000 generated training rows, 3 000 test rows.
-fn data(dir: &Path) {
-    generate(dir, "20000");
-}
-
-/// Four epochs of 79 batches (316 steps), a checkpoint every 50 steps.
-fn config(dir: &Path, extra: &str) -> String {
-    let path = write_config(dir, extra);
-    let text = std::fs::read_to_string(&path)
-        .expect("read")
-        .replace("batch_size = 256", "batch_size = 256\nepochs = 4\npipeline_depth = 0");
-    let checkpoint = format!("\n[checkpoint]\ndir = {:?}\nevery_steps = 50\n", dir.join("ckpt").display().to_string());
-    std::fs::write(&path, text + &checkpoint).expect("write config");
-    path
-}
-
-/// The uninterrupted job's figures (`sparrow train` on the same config).
-fn uninterrupted(config: &str) -> serde_json::Value {
-    // Its checkpoints go elsewhere (they change nothing in the model).
-    let out = sparrow()
-        .args(["train", "--config", config, "--quiet"])
-        .args(["--set", &format!("checkpoint.dir={:?}", format!("{config}.train-ckpt"))])
-        .output()
-        .expect("train");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    last_json(&out)
-}
-
-/// A job's directory (data, config) and the uninterrupted job's figures.
-struct Scenario {
-    tmp: tempfile::TempDir,
-    config: String,
-    whole: serde_json::Value,
-}
-
-/// The job of this file, `edit` applied to its config text (given the job's directory).
-fn scenario(edit: impl Fn(String, &Path) -> String) -> Scenario {
-    let tmp = tempfile::tempdir().expect("tmp");
-    data(tmp.path());
-    let config = config(tmp.path(), "");
-    let text = edit(std::fs::read_to_string(&config).expect("read"), tmp.path());
-    std::fs::write(&config, text).expect("write");
-    let whole = uninterrupted(&config);
-    Scenario { tmp, config, whole }
-}
 
 fn as_is(text: String, _: &Path) -> String {
     text

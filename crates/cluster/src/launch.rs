@@ -92,10 +92,12 @@ impl Drop for Children {
 }
 
 /// Whether a child's end was a death (killed by a signal it does not
-/// handle, a crash, a failpoint's exit) rather than a stop: an error exit,
-/// or SIGTERM/SIGINT/SIGHUP, which a role handles by stopping the job.
+/// handle, a crash, a failpoint's exit, or a role that lost its peers and
+/// gave up: exit 75) rather than a stop: an error exit, or
+/// SIGTERM/SIGINT/SIGHUP, which a role handles by stopping the job.
 fn died(status: ExitStatus) -> bool {
-    status.signal().is_some() || matches!(status.code(), Some(101 | 134 | 137))
+    let rejoin = i32::from(crate::transport::EXIT_REJOIN);
+    status.signal().is_some() || status.code().is_some_and(|c| matches!(c, 101 | 134 | 137) || c == rejoin)
 }
 
 impl Children {

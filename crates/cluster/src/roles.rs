@@ -299,6 +299,15 @@ struct LinkShared {
     beat_now: parking_lot::Mutex<bool>,
     wake: parking_lot::Condvar,
     stop: AtomicBool,
+    /// When the coordinator last answered (milliseconds since `epoch`).
+    /// Silent past the heartbeat timeout, it takes this role for dead; the
+    /// heartbeat thread keeps trying, to rejoin once the network is back.
+    last_answer_ms: AtomicU64,
+    epoch: Instant,
+    /// The silence was reported (logged once, and once when it ends).
+    silent: AtomicBool,
+    /// The heartbeat thread gave up rejoining (the job state then says why).
+    gave_up: AtomicBool,
 }
 
 impl Link {
@@ -320,6 +329,10 @@ impl Link {
             beat_now: parking_lot::Mutex::new(false),
             wake: parking_lot::Condvar::new(),
             stop: AtomicBool::new(false),
+            last_answer_ms: AtomicU64::new(0),
+            epoch: Instant::now(),
+            silent: AtomicBool::new(false),
+            gave_up: AtomicBool::new(false),
         });
         let thread = {
             let (client, shared, cluster) = (client.clone(), shared.clone(), reg.config.cluster.clone());
@@ -356,6 +369,43 @@ impl Link {
         self.shared.wake.notify_all();
     }
 
+    /// After an attempt failed as a peer's death would make it fail: waits
+    /// for the job's next generation (or its end). While the coordinator
+    /// answers, at most the recovery wait (a death is noticed within the
+    /// heartbeat timeout, so no new generation means the failure was this
+    /// role's own); while it is silent (a network partition, or its own
+    /// death), as long as the heartbeat thread tries to rejoin. True when
+    /// the job moved on or ended.
+    fn await_recovery(&self, number: u64, cluster: &ClusterConfig) -> bool {
+        loop {
+            let (state, next) = self.wait_change(number, recovery_wait(cluster));
+            if state != JobState::Running || next.number != number {
+                return true;
+            }
+            if !self.shared.coordinator_silent(cluster) {
+                return false;
+            }
+        }
+    }
+
+    /// What the job's end means for this role (`Ok` when done).
+    fn ended(&self, state: JobState) -> Result<(), ClusterError> {
+        match state {
+            JobState::Failed(reason) => Err(self.failure(reason)),
+            _ => Ok(()),
+        }
+    }
+
+    /// A failed job, as this role's error: the job's failure, or this role's
+    /// giving up on the coordinator (then a restart rejoins).
+    fn failure(&self, reason: String) -> ClusterError {
+        if self.shared.gave_up.load(Ordering::Relaxed) {
+            ClusterError::CoordinatorLost(reason)
+        } else {
+            ClusterError::JobFailed(reason)
+        }
+    }
+
     /// Waits until the job leaves generation `number` or ends (or `timeout`
     /// passes); returns what was heard last.
     fn wait_change(&self, number: u64, timeout: Duration) -> (JobState, Generation) {
@@ -377,6 +427,21 @@ impl Link {
     }
 }
 
+impl LinkShared {
+    fn answered(&self) {
+        let now = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_answer_ms.store(now, Ordering::Relaxed);
+    }
+
+    /// Whether the coordinator has not answered for longer than the
+    /// heartbeat timeout (then it takes this role for dead).
+    fn coordinator_silent(&self, cluster: &ClusterConfig) -> bool {
+        let since =
+            self.epoch.elapsed().as_millis().saturating_sub(u128::from(self.last_answer_ms.load(Ordering::Relaxed)));
+        since > u128::from(cluster.heartbeat_timeout_ms)
+    }
+}
+
 impl Drop for Link {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Relaxed);
@@ -389,8 +454,13 @@ impl Drop for Link {
 
 /// The heartbeat thread: beats every `heartbeat_interval_ms` (or at once
 /// when asked), keeps the answers. A coordinator that does not know this
-/// role (it restarted) gets it registered again; one silent for
-/// `heartbeat_timeout_ms` ends the job for this role.
+/// role (it restarted, or it took this role for dead) gets it registered
+/// again. One silent for `heartbeat_timeout_ms` takes this role for dead
+/// (a partition looks the same from either side): the thread keeps trying
+/// for `connect_timeout_ms` more (as long as the coordinator keeps a lost
+/// role's slot for its replacement), so that a healed network rejoins the
+/// role to the job's next generation; then it gives up (exit code 75: a
+/// restart registers again).
 fn heartbeats(
     client: &CoordinatorClient,
     kind: RoleKind,
@@ -401,6 +471,7 @@ fn heartbeats(
 ) {
     let interval = Duration::from_millis(cluster.heartbeat_interval_ms);
     let timeout = Duration::from_millis(cluster.heartbeat_timeout_ms);
+    let rejoin = timeout + Duration::from_millis(cluster.connect_timeout_ms);
     let mut last_answer = Instant::now();
     let set = |state: JobState, generation: Generation| {
         shared.generation.store(generation.number, Ordering::Relaxed);
@@ -413,6 +484,11 @@ fn heartbeats(
         heard.0 = JobState::Failed(reason);
         drop(heard);
         shared.changed.notify_all();
+    };
+    // No answer for longer than the rejoin budget: this role gives up.
+    let give_up = |since: Instant, e: &ClusterError| {
+        shared.gave_up.store(true, Ordering::Relaxed);
+        fail(format!("{}: no answer for {} ms, giving up: {e}", client.name(), since.elapsed().as_millis()));
     };
     while !shared.stop.load(Ordering::Relaxed) {
         {
@@ -430,6 +506,10 @@ fn heartbeats(
         match client.heartbeat(kind, index, shared.progress.load(Ordering::Relaxed), ready, step, previous) {
             Ok((state, generation)) => {
                 last_answer = Instant::now();
+                shared.answered();
+                if shared.silent.swap(false, Ordering::Relaxed) {
+                    tracing::info!("{} {index}: {} answers again", kind.name(), client.name());
+                }
                 let ended = state != JobState::Running;
                 set(state, generation);
                 if ended {
@@ -445,9 +525,11 @@ fn heartbeats(
                     Ok(reg) => {
                         tracing::info!("{} {index}: registered again with the coordinator", kind.name());
                         last_answer = Instant::now();
+                        shared.answered();
+                        shared.silent.store(false, Ordering::Relaxed);
                         set(JobState::Running, reg.generation);
                     }
-                    Err(e) if matches!(e, ClusterError::Rpc { .. }) && last_answer.elapsed() <= timeout => {
+                    Err(e) if matches!(e, ClusterError::Rpc { .. }) && last_answer.elapsed() <= rejoin => {
                         tracing::warn!("{} {index}: registering again: {e}", kind.name());
                     }
                     // Refused (the job failed, the slot is gone) or too long without an answer.
@@ -457,13 +539,22 @@ fn heartbeats(
                     }
                 }
             }
-            Err(e) if last_answer.elapsed() > timeout => {
-                fail(format!(
-                    "{}: no answer for {} ms, stopping: {e}",
-                    client.name(),
-                    last_answer.elapsed().as_millis()
-                ));
+            Err(e) if last_answer.elapsed() > rejoin => {
+                give_up(last_answer, &e);
                 return;
+            }
+            Err(e) if last_answer.elapsed() > timeout => {
+                if !shared.silent.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        "{} {index}: {}: no answer for {} ms: it takes this role for dead; trying to rejoin for {} \
+                         ms more: {e}",
+                        kind.name(),
+                        client.name(),
+                        last_answer.elapsed().as_millis(),
+                        (rejoin - last_answer.elapsed()).as_millis()
+                    );
+                }
+                shared.changed.notify_all();
             }
             Err(e) => tracing::warn!("heartbeat: {e}"),
         }
@@ -510,14 +601,6 @@ fn recovery_wait(cluster: &ClusterConfig) -> Duration {
     Duration::from_millis(2 * cluster.heartbeat_timeout_ms + cluster.heartbeat_interval_ms)
 }
 
-/// What an ended job means for a role: `Ok` when done.
-fn ended(state: JobState) -> Result<(), ClusterError> {
-    match state {
-        JobState::Failed(reason) => Err(ClusterError::JobFailed(reason)),
-        _ => Ok(()),
-    }
-}
-
 /// The SSD tier's directory of shard `index` in `generation` (the first
 /// keeps the plain name).
 fn shard_subdir(index: usize, generation: u64) -> String {
@@ -553,7 +636,7 @@ fn each_generation(
     loop {
         let (state, generation) = link.heard();
         if state != JobState::Running {
-            return ended(state);
+            return link.ended(state);
         }
         if generation.number != served {
             match start(&generation) {
@@ -563,8 +646,7 @@ fn each_generation(
                 }
                 Err(e) if e.may_be_a_death() => {
                     tracing::warn!("{} {}: generation {}: {e}", link.kind.name(), link.index, generation.number);
-                    let (_, next) = link.wait_change(generation.number, recovery_wait(cluster));
-                    if next.number == generation.number && link.heard().0 == JobState::Running {
+                    if !link.await_recovery(generation.number, cluster) {
                         link.finish(Some(e.to_string()), generation.number);
                         return Err(e);
                     }
@@ -944,7 +1026,7 @@ fn run_worker_with(args: &RoleArgs, local: Option<LocalShardHandle>) -> Result<W
                     ClusterError::Setup(format!("worker {index}: the job ended before this worker did"))
                 });
             }
-            JobState::Failed(reason) => return Err(ClusterError::JobFailed(reason)),
+            JobState::Failed(reason) => return Err(link.failure(reason)),
             JobState::Running => {}
         }
         if done.as_ref().is_some_and(|(g, _)| *g == generation.number) {
@@ -975,8 +1057,7 @@ fn run_worker_with(args: &RoleArgs, local: Option<LocalShardHandle>) -> Result<W
             Err(e) if e.may_be_a_death() || link.heard().1.number != generation.number => {
                 given_up_secs += started.elapsed().as_secs_f64();
                 tracing::warn!("worker {index}: generation {}: {e}", generation.number);
-                let (_, next) = link.wait_change(generation.number, recovery_wait(&config.cluster));
-                if next.number == generation.number && link.heard().0 == JobState::Running {
+                if !link.await_recovery(generation.number, &config.cluster) {
                     link.finish(Some(e.to_string()), generation.number);
                     return Err(e);
                 }

@@ -32,6 +32,11 @@ pub enum ClusterError {
     /// naming that role.
     #[error("the job failed: {0}")]
     JobFailed(String),
+    /// This role lost the coordinator (no answer past the heartbeat
+    /// timeout) and could not rejoin within `cluster.connect_timeout_ms`
+    /// more: a restart registers again (exit code [`EXIT_REJOIN`]).
+    #[error("{0} (a restart of this role registers again and rejoins the job)")]
+    CoordinatorLost(String),
     #[error("{0}")]
     Setup(String),
     #[error("interrupted (Ctrl-C): every role was stopped")]
@@ -56,7 +61,21 @@ pub enum ClusterError {
     Io { what: String, source: std::io::Error },
 }
 
+/// The exit code of a role that lost its peers and gave up waiting
+/// (EX_TEMPFAIL): not a failure of the job; restarted, the role rejoins.
+pub const EXIT_REJOIN: u8 = 75;
+
 impl ClusterError {
+    /// The process's exit code for this error: [`EXIT_REJOIN`] where a
+    /// peer could not be reached (restart the role), 2 otherwise (the job
+    /// or its input is wrong: a restart would fail the same way).
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            ClusterError::CoordinatorLost(_) | ClusterError::Unreachable { .. } => EXIT_REJOIN,
+            _ => 2,
+        }
+    }
+
     /// Whether this error may be the symptom of another role's death (a
     /// peer gone, a request of an abandoned attempt): a role that gets it
     /// waits for the job's next generation before calling it a failure.

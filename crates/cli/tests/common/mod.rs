@@ -111,3 +111,50 @@ pub fn collect_lines(
         }
     })
 }
+
+/// 20 000 generated training rows, 3 000 test rows.
+pub fn data(dir: &Path) {
+    generate(dir, "20000");
+}
+
+/// The recovery tests' job: four epochs of 79 batches (316 steps), a
+/// checkpoint every 50 steps, depth 0 (so a recovered job is exact).
+pub fn config(dir: &Path, extra: &str) -> String {
+    let path = write_config(dir, extra);
+    let text = std::fs::read_to_string(&path)
+        .expect("read")
+        .replace("batch_size = 256", "batch_size = 256\nepochs = 4\npipeline_depth = 0");
+    let checkpoint = format!("\n[checkpoint]\ndir = {:?}\nevery_steps = 50\n", dir.join("ckpt").display().to_string());
+    std::fs::write(&path, text + &checkpoint).expect("write config");
+    path
+}
+
+/// The uninterrupted job's figures (`sparrow train` on the same config).
+pub fn uninterrupted(config: &str) -> serde_json::Value {
+    // Its checkpoints go elsewhere (they change nothing in the model).
+    let out = sparrow()
+        .args(["train", "--config", config, "--quiet"])
+        .args(["--set", &format!("checkpoint.dir={:?}", format!("{config}.train-ckpt"))])
+        .output()
+        .expect("train");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    last_json(&out)
+}
+
+/// A job's directory (data, config) and the uninterrupted job's figures.
+pub struct Scenario {
+    pub tmp: tempfile::TempDir,
+    pub config: String,
+    pub whole: serde_json::Value,
+}
+
+/// The job of this file, `edit` applied to its config text (given the job's directory).
+pub fn scenario(edit: impl Fn(String, &Path) -> String) -> Scenario {
+    let tmp = tempfile::tempdir().expect("tmp");
+    data(tmp.path());
+    let config = config(tmp.path(), "");
+    let text = edit(std::fs::read_to_string(&config).expect("read"), tmp.path());
+    std::fs::write(&config, text).expect("write");
+    let whole = uninterrupted(&config);
+    Scenario { tmp, config, whole }
+}
