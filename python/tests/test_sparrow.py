@@ -458,3 +458,31 @@ def test_ctrl_c_interrupts_predict_between_chunks(trained, tmp_path):
     assert "rows-0.txt" in seen
     assert f"rows-{15 * 65536}.txt" not in seen, seen
     assert list(shared.iterdir()) == []
+
+
+def test_a_crafted_export_is_an_error_not_a_panic(cli, trained, tmp_path):
+    """An export whose embeddings.bin claims 2**61 more rows than it holds
+    (the count that wraps an unchecked size back to the true one), with its
+    checksum corrected: `Model.load` raises CheckpointError, which `except
+    Exception` catches (it raised pyo3's PanicException, which it does not)."""
+    import xxhash
+
+    ckpt, _ = trained
+    export = tmp_path / "export"
+    cli("export", "--checkpoint", ckpt, "--out", export)
+    rows = bytearray((export / "embeddings.bin").read_bytes())
+    dim = int.from_bytes(rows[8:12], "little")
+    count = int.from_bytes(rows[12:20], "little")
+    record = 8 + 4 * dim
+    shift = 64 - ((record & -record).bit_length() - 1)
+    rows[12:20] = ((count + (1 << shift)) % (1 << 64)).to_bytes(8, "little")
+    (export / "embeddings.bin").write_bytes(bytes(rows))
+    manifest = json.loads((export / "manifest.json").read_text())
+    manifest["files"]["embeddings.bin"]["xxh3"] = xxhash.xxh3_64_hexdigest(bytes(rows))
+    (export / "manifest.json").write_text(json.dumps(manifest))
+    try:
+        sparrow.Model.load(export)
+    except Exception as e:  # noqa: BLE001 - the point: an ordinary exception
+        assert isinstance(e, sparrow.CheckpointError) and "embeddings.bin" in str(e), e
+    else:
+        raise AssertionError("a crafted export loaded")

@@ -220,7 +220,8 @@ fn a_role_that_cannot_rejoin_exits_75() {
         collect_lines(child.stderr.take().expect("stderr"), log.clone());
         child
     };
-    let mut coordinator = spawn(&["coordinator", "--config", &config, "--shards", "1", "--workers", "1"]);
+    let mut coordinator =
+        spawn(&["coordinator", "--config", &config, "--shards", "1", "--workers", "1", "--listen", "127.0.0.1:0"]);
     let out = Arc::new(Mutex::new(String::new()));
     collect_lines(coordinator.stdout.take().expect("stdout"), out.clone());
     let start = Instant::now();

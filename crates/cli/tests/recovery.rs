@@ -293,7 +293,8 @@ fn a_shard_restarted_from_outside_rejoins_a_job_without_launch() {
         sparrow().args(args).env_remove("SPARROW_AUTH_TOKEN").stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()
     };
     let mut coordinator =
-        role(&["coordinator", "--config", &config, "--shards", "2", "--workers", "1"]).expect("coordinator");
+        role(&["coordinator", "--config", &config, "--shards", "2", "--workers", "1", "--listen", "127.0.0.1:0"])
+            .expect("coordinator");
     let log = Arc::new(Mutex::new(String::new()));
     let coordinator_out = Arc::new(Mutex::new(String::new()));
     collect_lines(coordinator.stdout.take().expect("stdout"), coordinator_out.clone());

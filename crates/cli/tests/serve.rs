@@ -4,8 +4,7 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+use std::io::{BufRead, BufReader};
 use std::process::{Child, Stdio};
 
 use common::{generate, sparrow, write_config};
@@ -13,20 +12,7 @@ use serde_json::{Value, json};
 
 /// One HTTP/1.1 request on a new connection: (status, body).
 fn http(addr: &str, method: &str, path: &str, body: &[u8]) -> (u16, String) {
-    let mut stream = TcpStream::connect(addr).expect("connect");
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).expect("write");
-    // A refused body may be answered before it is all sent.
-    let _ = stream.write_all(body);
-    let mut response = Vec::new();
-    let _ = stream.read_to_end(&mut response);
-    let response = String::from_utf8_lossy(&response).to_string();
-    let status = response.split(' ').nth(1).and_then(|s| s.parse().ok()).expect("a status line");
-    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
-    (status, body)
+    common::http_request(addr, method, path, body, None)
 }
 
 /// The KServe inputs for the Criteo rows `lines` (raw cells as in the file).

@@ -151,6 +151,19 @@ fn checkpoint_template() -> Option<&'static (PathBuf, Config)> {
         .as_ref()
 }
 
+/// `dir/embeddings.bin` replaced by `data`, the manifest's size and checksum
+/// of it made to match, so a reader gets past the checksum to the parsing.
+fn with_embeddings(dir: &Path, data: &[u8]) -> Option<()> {
+    let text = std::fs::read_to_string(dir.join("manifest.json")).ok()?;
+    let mut manifest = serde_json::from_str::<serde_json::Value>(&text).ok()?;
+    manifest["files"]["embeddings.bin"] = serde_json::json!({
+        "bytes": data.len(),
+        "xxh3": format!("{:016x}", xxhash_rust::xxh3::xxh3_64(data)),
+    });
+    std::fs::write(dir.join("manifest.json"), manifest.to_string()).ok()?;
+    std::fs::write(dir.join("embeddings.bin"), data).ok()
+}
+
 /// `embeddings.bin` of a checkpoint, with a manifest whose size and checksum
 /// match it, so the reader's parsing (not only the checksum) is exercised.
 pub fn checkpoint_embeddings(data: &[u8]) {
@@ -166,15 +179,7 @@ pub fn checkpoint_embeddings(data: &[u8]) {
             return;
         }
     }
-    let Ok(text) = std::fs::read_to_string(dir.join("manifest.json")) else { return };
-    let Ok(mut manifest) = serde_json::from_str::<serde_json::Value>(&text) else { return };
-    manifest["files"]["embeddings.bin"] = serde_json::json!({
-        "bytes": data.len(),
-        "xxh3": format!("{:016x}", xxhash_rust::xxh3::xxh3_64(data)),
-    });
-    if std::fs::write(dir.join("manifest.json"), manifest.to_string()).is_err()
-        || std::fs::write(dir.join("embeddings.bin"), data).is_err()
-    {
+    if with_embeddings(&dir, data).is_none() {
         return;
     }
     let _ = sparrow_trainer::checkpoint::load_trainer(&dir, &[]);
@@ -213,15 +218,7 @@ pub fn export_embeddings(data: &[u8]) {
         let _ = sparrow_trainer::export::parse_embeddings(data, dim);
     }
     let Some(dir) = scratch_export() else { return };
-    let Ok(text) = std::fs::read_to_string(dir.join("manifest.json")) else { return };
-    let Ok(mut manifest) = serde_json::from_str::<serde_json::Value>(&text) else { return };
-    manifest["files"]["embeddings.bin"] = serde_json::json!({
-        "bytes": data.len(),
-        "xxh3": format!("{:016x}", xxhash_rust::xxh3::xxh3_64(data)),
-    });
-    if std::fs::write(dir.join("manifest.json"), manifest.to_string()).is_err()
-        || std::fs::write(dir.join("embeddings.bin"), data).is_err()
-    {
+    if with_embeddings(&dir, data).is_none() {
         return;
     }
     let _ = sparrow_trainer::export::load_export(&dir, &[]);
