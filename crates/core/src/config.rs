@@ -612,7 +612,10 @@ pub struct ClusterConfig {
     pub heartbeat_interval_ms: u64,
     /// A role silent for this long is reported dead and the job stops.
     pub heartbeat_timeout_ms: u64,
-    /// How long a role keeps retrying (with backoff) a peer that is not up yet.
+    /// How long a role keeps retrying (with backoff) a peer that is not up
+    /// yet; also how long the coordinator keeps a lost role's slot for its
+    /// replacement, and a role cut off from the coordinator (past the
+    /// heartbeat timeout) keeps trying to rejoin before it exits 75.
     pub connect_timeout_ms: u64,
     /// Largest message a role sends or accepts; larger ones are refused with an error.
     pub max_message_bytes: usize,
