@@ -325,6 +325,7 @@ fn requests_and_flags_that_cannot_be_right_are_refused() {
         (vec!["--max-batch-rows", "0"], "--max-batch-rows 0"),
         (vec!["--watch-interval-ms", "0", "--watch"], "--watch-interval-ms 0"),
         (vec!["--idle-timeout-ms", "0"], "--idle-timeout-ms 0"),
+        (vec!["--request-timeout-ms", "18446744073709551615"], "at most 86400000"),
     ] {
         let out = sparrow()
             .args(["serve", "--model", &export, "--listen", "127.0.0.1:0"])

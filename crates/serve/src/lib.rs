@@ -332,6 +332,21 @@ fn check_options(options: &ServeOptions) -> Result<(), ServeError> {
             return Err(ServeError::Setup(format!("{flag} 0: must be at least 1")));
         }
     }
+    // Deadlines are instants: a duration past a day is a mistake (and
+    // u64::MAX milliseconds would overflow one).
+    const DAY_MS: u128 = 24 * 3600 * 1000;
+    let durations = [
+        ("--header-read-timeout-ms", options.limits.header_read_timeout.as_millis()),
+        ("--idle-timeout-ms", options.limits.idle_timeout.as_millis()),
+        ("--request-timeout-ms", options.limits.request_timeout.as_millis()),
+        ("--watch-interval-ms", options.watch.map_or(1, |w| w.as_millis())),
+        ("--watch-unready-after-ms", options.watch_unready_after.as_millis()),
+    ];
+    for (flag, value) in durations {
+        if value > DAY_MS {
+            return Err(ServeError::Setup(format!("{flag} {value}: at most {DAY_MS} (a day)")));
+        }
+    }
     Ok(())
 }
 
