@@ -26,6 +26,7 @@ pub mod faults;
 pub mod grpc;
 pub mod launch;
 pub mod lazy;
+mod link;
 pub mod loader;
 pub mod local;
 pub mod messages;
