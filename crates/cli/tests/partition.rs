@@ -13,10 +13,9 @@
 
 mod common;
 
-use common::{Scenario, collect_lines, scenario, sparrow, wait_with_timeout};
+use common::{Log, Scenario, scenario, sparrow, wait_with_timeout};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const TOKEN: &str = "partition-test-token";
 
@@ -102,7 +101,7 @@ fn partition_heals(cut: CutOff, tag: u32) {
         }
     };
     let Scenario { config, whole, tmp: _tmp } = scenario(|text, _| text.replace("epochs = 4", "epochs = 10"));
-    let log = Arc::new(Mutex::new(String::new()));
+    let (log, out) = (Log::default(), Log::default());
     let spawn = |mut cmd: Command, name: &str| -> Child {
         let mut child = cmd
             .env("SPARROW_AUTH_TOKEN", TOKEN)
@@ -110,7 +109,7 @@ fn partition_heals(cut: CutOff, tag: u32) {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap_or_else(|e| panic!("{name}: {e}"));
-        collect_lines(child.stderr.take().expect("stderr"), log.clone());
+        log.collect(child.stderr.take().expect("stderr"));
         child
     };
     let here = |args: &[&str]| {
@@ -120,24 +119,14 @@ fn partition_heals(cut: CutOff, tag: u32) {
     };
     let host = format!("{}:0", netns.host_ip);
     let ns = format!("{}:0", netns.ns_ip);
-    let mut coordinator = sparrow()
-        .args(["coordinator", "--config", &config, "--shards", "2", "--workers", "1", "--listen", &host])
-        .env("SPARROW_AUTH_TOKEN", TOKEN)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("coordinator");
-    collect_lines(coordinator.stderr.take().expect("stderr"), log.clone());
-    let coordinator_out = Arc::new(Mutex::new(String::new()));
-    collect_lines(coordinator.stdout.take().expect("stdout"), coordinator_out.clone());
-    let start = Instant::now();
-    let address = loop {
-        if let Some(a) = coordinator_out.lock().expect("out").lines().find_map(|l| l.strip_prefix("listening on ")) {
-            break a.to_string();
-        }
-        assert!(start.elapsed() < Duration::from_secs(20), "no coordinator: {}", log.lock().expect("log"));
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let mut coordinator = spawn(
+        here(&["coordinator", "--config", &config, "--shards", "2", "--workers", "1", "--listen", &host]),
+        "coordinator",
+    );
+    out.collect(coordinator.stdout.take().expect("stdout"));
+    let address = out.wait_for("coordinator address", Duration::from_secs(20), |l| {
+        l.strip_prefix("listening on ").map(str::to_string)
+    });
     let role = |kind: &str, index: &str, cut_off: bool| {
         let listen = if cut_off { ns.as_str() } else { host.as_str() };
         let args = [kind, "--coordinator", &address, "--listen", listen, "--index", index];
@@ -149,17 +138,9 @@ fn partition_heals(cut: CutOff, tag: u32) {
     let mut shard1 = role("shard", "1", cut == CutOff::Shard);
     let mut loader = role("loader", "", false);
     let mut worker = role("worker", "0", cut == CutOff::Worker);
-    let worker_out = Arc::new(Mutex::new(String::new()));
-    let reader = collect_lines(worker.stdout.take().expect("stdout"), worker_out.clone());
-
-    // Waits for a log line holding every needle.
-    let wait_for = |needles: &[&str], limit: Duration| {
-        let start = Instant::now();
-        while !log.lock().expect("log").lines().any(|l| needles.iter().all(|n| l.contains(n))) {
-            assert!(start.elapsed() < limit, "no line with {needles:?}: {}", log.lock().expect("log"));
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    };
+    let worker_out = Log::default();
+    let reader = worker_out.collect(worker.stdout.take().expect("stdout"));
+    let wait_for = |needles: &[&str], limit: Duration| log.wait_for_line(needles, limit);
     wait_for(&["checkpoint at step 100 committed"], Duration::from_secs(60));
     netns.link(false);
     // The coordinator takes the cut-off role for dead (past the heartbeat
@@ -175,11 +156,11 @@ fn partition_heals(cut: CutOff, tag: u32) {
 
     let status = wait_with_timeout(&mut worker, Duration::from_secs(180));
     reader.join().expect("reader");
-    let text = log.lock().expect("log").clone();
+    let text = log.text();
     assert!(status.success(), "the worker: {status}\n{text}");
     assert!(text.contains("registered again with the coordinator"), "{text}");
     let summary: serde_json::Value =
-        serde_json::from_str(worker_out.lock().expect("out").lines().last().unwrap_or_default()).expect("json");
+        serde_json::from_str(worker_out.text().lines().last().unwrap_or_default()).expect("json");
     assert_eq!(summary["test_auc"], whole["test_auc"], "bit for bit the uninterrupted model\n{text}");
     assert_eq!(summary["train_rows"], whole["train_rows"]);
     assert_eq!(summary["embedding_rows"], whole["embedding_rows"]);
@@ -208,7 +189,7 @@ fn a_role_that_cannot_rejoin_exits_75() {
     let Scenario { config, whole: _, tmp: _tmp } = scenario(|text, _| {
         text.replace("epochs = 4", "epochs = 50").replace("[cluster]", "[cluster]\nconnect_timeout_ms = 1000")
     });
-    let log = Arc::new(Mutex::new(String::new()));
+    let (log, out) = (Log::default(), Log::default());
     let spawn = |args: &[&str]| {
         let mut child = sparrow()
             .args(args)
@@ -217,33 +198,24 @@ fn a_role_that_cannot_rejoin_exits_75() {
             .stderr(Stdio::piped())
             .spawn()
             .expect("role");
-        collect_lines(child.stderr.take().expect("stderr"), log.clone());
+        log.collect(child.stderr.take().expect("stderr"));
         child
     };
     let mut coordinator =
         spawn(&["coordinator", "--config", &config, "--shards", "1", "--workers", "1", "--listen", "127.0.0.1:0"]);
-    let out = Arc::new(Mutex::new(String::new()));
-    collect_lines(coordinator.stdout.take().expect("stdout"), out.clone());
-    let start = Instant::now();
-    let address = loop {
-        if let Some(a) = out.lock().expect("out").lines().find_map(|l| l.strip_prefix("listening on ")) {
-            break a.to_string();
-        }
-        assert!(start.elapsed() < Duration::from_secs(20), "no coordinator");
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    out.collect(coordinator.stdout.take().expect("stdout"));
+    let address = out.wait_for("coordinator address", Duration::from_secs(20), |l| {
+        l.strip_prefix("listening on ").map(str::to_string)
+    });
     let mut shard = spawn(&["shard", "--coordinator", &address, "--index", "0"]);
     let mut loader = spawn(&["loader", "--coordinator", &address]);
     let mut worker = spawn(&["worker", "--coordinator", &address, "--index", "0"]);
-    while !log.lock().expect("log").contains("checkpoint at step 50 committed") {
-        assert!(start.elapsed() < Duration::from_secs(60), "no checkpoint: {}", log.lock().expect("log"));
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    log.wait_for_line(&["checkpoint at step 50 committed"], Duration::from_secs(60));
     coordinator.kill().expect("kill the coordinator");
     let _ = coordinator.wait();
     for (name, child) in [("worker", &mut worker), ("shard", &mut shard), ("loader", &mut loader)] {
         let status = wait_with_timeout(child, Duration::from_secs(60));
-        let text = log.lock().expect("log").clone();
+        let text = log.text();
         assert_eq!(status.code(), Some(75), "{name}: {status}\n{text}");
         assert!(text.contains("giving up") && text.contains("registers again and rejoins"), "{text}");
     }

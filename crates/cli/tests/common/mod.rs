@@ -181,3 +181,49 @@ pub fn http_request(addr: &str, method: &str, path: &str, body: &[u8], token: Op
     let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
     (status, body)
 }
+
+/// Lines of child processes' output, gathered by reader threads; a waiter
+/// wakes on each new line (an event), not on a timer.
+#[derive(Clone, Default)]
+pub struct Log(Arc<(Mutex<String>, std::sync::Condvar)>);
+
+impl Log {
+    /// Appends each line `stream` yields, until it closes.
+    pub fn collect(&self, stream: impl std::io::Read + Send + 'static) -> std::thread::JoinHandle<()> {
+        let log = self.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                let (text, added) = &*log.0;
+                let mut text = text.lock().expect("log");
+                text.push_str(&line);
+                text.push('\n');
+                added.notify_all();
+            }
+        })
+    }
+
+    pub fn text(&self) -> String {
+        self.0.0.lock().expect("log").clone()
+    }
+
+    /// Waits for a line for which `found` gives a value, woken by each new
+    /// line; panics, showing the log, past `limit` (a hang, not a timing).
+    pub fn wait_for<T>(&self, what: &str, limit: Duration, found: impl Fn(&str) -> Option<T>) -> T {
+        let (text, added) = &*self.0;
+        let deadline = Instant::now() + limit;
+        let mut guard = text.lock().expect("log");
+        loop {
+            if let Some(value) = guard.lines().find_map(&found) {
+                return value;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            assert!(!left.is_zero(), "no {what} within {limit:?}:\n{}", *guard);
+            guard = added.wait_timeout(guard, left).expect("log").0;
+        }
+    }
+
+    /// Waits for a line holding every one of `needles`.
+    pub fn wait_for_line(&self, needles: &[&str], limit: Duration) {
+        self.wait_for(&format!("line with {needles:?}"), limit, |l| needles.iter().all(|n| l.contains(n)).then_some(()))
+    }
+}
