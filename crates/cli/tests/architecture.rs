@@ -194,3 +194,102 @@ fn tokens_are_compared_in_constant_time() {
     }
     assert!(found.is_empty(), "compare tokens with sparrow_core::token::bearer_matches:\n{}", found.join("\n"));
 }
+
+/// A struct's lock fields (`Mutex<…>`/`RwLock<…>`), by `file:line name`.
+fn struct_locks(file: &Path) -> Vec<(String, usize)> {
+    let lines = code_lines(file);
+    let mut found = Vec::new();
+    let mut open: Option<(String, String, usize)> = None; // (header, indent, locks)
+    for (n, line) in &lines {
+        let trimmed = line.trim_start();
+        let indent = &line[..line.len() - trimmed.len()];
+        match &mut open {
+            None => {
+                let header =
+                    trimmed.strip_prefix("pub ").or_else(|| trimmed.strip_prefix("pub(crate) ")).unwrap_or(trimmed);
+                let header = header.strip_prefix("pub(super) ").unwrap_or(header);
+                if header.starts_with("struct ") && trimmed.ends_with('{') {
+                    let name: String = header["struct ".len()..]
+                        .chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                        .collect();
+                    open = Some((format!("{}:{n} {name}", file.display()), indent.to_string(), 0));
+                }
+            }
+            Some((header, struct_indent, locks)) => {
+                if trimmed.starts_with('}') && indent == struct_indent {
+                    found.push((header.clone(), *locks));
+                    open = None;
+                } else if trimmed.contains(':') && (trimmed.contains("Mutex<") || trimmed.contains("RwLock<")) {
+                    *locks += 1;
+                }
+            }
+        }
+    }
+    found
+}
+
+/// No struct holds more than three locks (the house rule): a type that
+/// needs more is several parts (see the coordinator's).
+#[test]
+fn no_struct_holds_more_than_three_locks() {
+    let mut files = Vec::new();
+    for krate in library_crates() {
+        rust_files(&krate.join("src"), &mut files);
+    }
+    rust_files(&workspace().join("crates/cli/src"), &mut files);
+    let mut structs = 0;
+    let mut over = Vec::new();
+    for file in &files {
+        for (name, locks) in struct_locks(file) {
+            structs += 1;
+            if locks > 3 {
+                over.push(format!("{name}: {locks} locks"));
+            }
+        }
+    }
+    assert!(structs > 100, "the parser found only {structs} structs");
+    assert!(over.is_empty(), "structs with more than three locks:\n{}", over.join("\n"));
+}
+
+/// The parser above sees a struct's locks (a check that cannot see them
+/// could not fail).
+#[test]
+fn the_lock_counter_counts_a_structs_lock_fields() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let file = dir.path().join("x.rs");
+    std::fs::write(
+        &file,
+        "pub struct Four {\n    a: Mutex<u8>,\n    b: parking_lot::RwLock<u8>,\n    // c: Mutex<u8>,\n    c: Mutex<Vec<u8>>,\n    d: Arc<Mutex<u8>>,\n    e: u8,\n}\nstruct Plain {\n    a: u8,\n}\n",
+    )
+    .expect("write");
+    let found = struct_locks(&file);
+    assert_eq!(found.iter().map(|(_, n)| *n).collect::<Vec<_>>(), vec![4, 0], "{found:?}");
+}
+
+/// Lines of a source file before its `#[cfg(test)]` module.
+fn lines_before_tests(file: &Path) -> usize {
+    let text = std::fs::read_to_string(file).expect("read source");
+    text.lines().position(|l| l.starts_with("#[cfg(test)]")).unwrap_or_else(|| text.lines().count())
+}
+
+/// No source file past 900 lines before its tests (the house rule): a
+/// file that grows past it is split by subsystem.
+#[test]
+fn no_source_file_is_past_900_lines_before_its_tests() {
+    let mut files = Vec::new();
+    for krate in std::fs::read_dir(workspace().join("crates")).expect("crates").flatten() {
+        let src = krate.path().join("src");
+        if src.is_dir() {
+            rust_files(&src, &mut files);
+        }
+    }
+    let mut long: Vec<String> = files
+        .iter()
+        .map(|f| (f, lines_before_tests(f)))
+        .filter(|(_, n)| *n > 900)
+        .map(|(f, n)| format!("{}: {n} lines", f.display()))
+        .collect();
+    long.sort();
+    assert!(long.is_empty(), "files past 900 lines before #[cfg(test)]:\n{}", long.join("\n"));
+}

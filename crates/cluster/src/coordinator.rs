@@ -4,6 +4,13 @@
 //! and receives the job's config. Transport-free: `grpc::coordinator` serves
 //! it over the network.
 //!
+//! It is made of parts, each a type with its own state and at most two
+//! locks of its own: [`membership`] (slots, heartbeats, liveness),
+//! [`generations`] (attempts, restarts, committed checkpoints), [`hub`]
+//! (where the sync modes meet), [`commit`] (checkpoint cuts, data progress,
+//! exports). [`Coordinator`] holds them and the job's state, and says the
+//! lock order.
+//!
 //! **Generations.** The job runs in attempts numbered from 1. When a role
 //! dies (its process exits, `sparrow launch` says so; or it goes silent for
 //! `cluster.heartbeat_timeout_ms`; or it registers again, restarted from
@@ -24,23 +31,32 @@
 //! the version is a cut: every shard's rows, the dense state and the data
 //! position at the same step, no update in flight.
 
-use std::collections::{BTreeMap, HashMap};
+mod commit;
+mod generations;
+mod hub;
+mod membership;
+mod per_generation;
+
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 use serde::Serialize;
 use sparrow_core::Config;
 use sparrow_core::config::SyncMode;
 
-use crate::checkpoint::{CheckpointSink, DataProgress, WorkerCut, staging_dir};
+use self::commit::Commits;
+use self::generations::{Adopted, Generations, Started};
+use self::hub::SyncHub;
+use self::membership::{Membership, Timeouts};
+use crate::checkpoint::{CheckpointSink, WorkerCut};
 use crate::faults;
-use crate::lazy::{Backup, BackupCommitter, BackupCut, FinalWeights, Instruction, Lazy, LazyLink};
-use crate::rounds::{MergedRound, RoundMerge, RoundUpdate};
-use crate::sync::{Contribution, RoundReply, RoundSum};
-use crate::transport::{ClusterError, PartWritten, ShardService};
+use crate::lazy::{Backup, BackupCommitter, FinalWeights, Instruction, Lazy, LazyLink};
+use crate::rounds::{MergedRound, RoundUpdate};
+use crate::sync::{Contribution, RoundReply};
+use crate::transport::{ClusterError, ShardService};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum RoleKind {
@@ -127,123 +143,30 @@ pub trait ShardDialer: Send + Sync {
     fn dial(&self, addresses: &[String]) -> Result<Vec<Arc<dyn ShardService>>, ClusterError>;
 }
 
-struct Member {
-    address: String,
-    last_seen: Instant,
-    /// A worker that finished its work in the current generation.
-    finished: bool,
-    /// The role's progress count, and when it last moved.
-    progress: u64,
-    progress_at: Instant,
-    /// The generation it has restored and serves (0: none yet).
-    ready: u64,
-    /// Its payload bytes so far, when it reported them, and its bytes per
-    /// second between its last two reports (S4.2 utilisation).
-    bytes: u64,
-    bytes_at: Instant,
-    byte_rate: f64,
-    /// Where it answers the scheduler's probes.
-    probe: Option<String>,
-    /// Its process id (0: not given), see `lost_process`.
-    pid: u32,
-}
-
-struct Members {
-    shards: Vec<Option<Member>>,
-    loader: Option<Member>,
-    workers: Vec<Option<Member>>,
-    /// `sync = "lazy"` with aggregator processes (none: aggregators in process).
-    aggregators: Vec<Option<Member>>,
-    /// Bytes last reported by roles that were replaced.
-    retired_bytes: u64,
-    /// When a lost role's slot fell vacant (its replacement must register
-    /// within `cluster.connect_timeout_ms` of it).
-    vacant_since: HashMap<(RoleKind, usize), Instant>,
-}
-
-impl Members {
-    fn slots(&mut self, kind: RoleKind) -> &mut [Option<Member>] {
-        match kind {
-            RoleKind::Shard => &mut self.shards,
-            RoleKind::Loader => std::slice::from_mut(&mut self.loader),
-            RoleKind::Worker => &mut self.workers,
-            RoleKind::Aggregator => &mut self.aggregators,
-        }
-    }
-}
-
-/// The job's attempts, what they cost, and its committed checkpoints.
-struct Recovery {
-    generation: u64,
-    /// What the current generation restores (none: the job's start).
-    restore: Option<PathBuf>,
-    restore_step: u64,
-    /// `checkpoint.resume_from`: where the job started.
-    start: Option<(PathBuf, u64)>,
-    /// The newest committed checkpoint and its step.
-    committed: Option<(PathBuf, u64)>,
-    /// Incremental checkpoints since the last full one.
-    deltas_since_full: u64,
-    restarts: HashMap<(RoleKind, usize), u32>,
-    /// The highest step a worker reported in the current generation.
-    high_step: u64,
-    /// Generations given up → the step up to which their replayed steps
-    /// are counted (a worker's last report of one may come late).
-    counted_to: BTreeMap<u64, u64>,
-    /// When the death behind the current recovery was noticed (none: no recovery under way).
-    noticed: Option<Instant>,
-    // Totals of this coordinator's life, for its summary.
-    checkpoints_committed: u64,
-    steps_replayed: u64,
-    recovery_secs: f64,
-}
-
-/// A checkpoint being gathered: the workers that arrived at `step`.
-struct CheckpointRound {
-    generation: u64,
-    step: u64,
-    cuts: Vec<Option<WorkerCut>>,
-    /// Set once committed (or failed): every waiting worker takes it.
-    outcome: Option<Result<PathBuf, String>>,
-    taken: usize,
-}
-
-/// The coordinator's state (the gRPC service is a thin layer over it).
+/// The coordinator: the job's parts, each with its own state and locks
+/// (see each module), and the calls that go from one to the next.
+///
+/// **Lock order.** `generations` (its `recovery` lock) may be held while
+/// the sync hub's and the commits' rendezvous and per-generation slots are
+/// advanced; those are leaves. `members`, `state`, the hub's `backups` and
+/// the commits' `exports` are leaves too: no other lock is taken while one
+/// is held. No disk I/O runs under any lock an RPC waits for: manifests and
+/// checkpoints are read before a part is locked, or after, by the caller
+/// that starts a generation. `architecture.rs` checks that no struct has
+/// more than three locks; the parts' unit tests check each on its own.
 pub struct Coordinator {
     config: Config,
     config_toml: String,
     num_shards: usize,
     num_workers: usize,
-    heartbeat_timeout: Duration,
-    progress_timeout: Duration,
-    connect_timeout: Duration,
-    registration_deadline: Instant,
-    members: Mutex<Members>,
+    timeouts: Timeouts,
     state: Mutex<JobState>,
-    /// The current generation's rounds (a new generation gets fresh ones).
-    rounds: Mutex<Arc<RoundSum>>,
-    /// The current generation's round merges (`sync = "round"`).
-    merges: Mutex<Arc<RoundMerge>>,
-    /// `sync = "lazy"`: the scheduler and the aggregators of the current generation.
-    lazy: Mutex<Option<Arc<Lazy>>>,
-    aggregators: usize,
-    /// Where the aggregators' backups go (`checkpoint.dir` set, `sync = "lazy"`),
-    /// and what commits each as a checkpoint.
-    backup_sink: Mutex<Option<crossbeam_channel::Sender<Backup>>>,
-    backup_committer: Mutex<Option<BackupCommitter>>,
-    recovery: Mutex<Recovery>,
-    /// `recovery.generation`, readable under other locks.
-    current: AtomicU64,
-    checkpoint: Mutex<Option<CheckpointRound>>,
-    checkpoint_done: Condvar,
-    /// Where the training data stands in the current generation (its
-    /// checkpoints' positions), from its restored checkpoint on; an error
-    /// if that checkpoint could not be read.
-    progress: Mutex<Result<DataProgress, String>>,
+    members: Membership,
+    generations: Generations,
+    hub: SyncHub,
+    commits: Commits,
     dialer: Option<Arc<dyn ShardDialer>>,
     events: Box<dyn Fn(&Event) + Send + Sync>,
-    /// `checkpoint.export_every_steps`: serving exports of committed versions.
-    exports: Mutex<Option<crate::checkpoint::ClusterExports>>,
 }
 
 impl Coordinator {
@@ -262,55 +185,14 @@ impl Coordinator {
 
     /// `sync = "lazy"`: the aggregators (in process or as processes).
     pub fn num_aggregators(&self) -> usize {
-        self.aggregators
+        self.hub.aggregators()
     }
 
     pub fn new(config: &Config, num_shards: usize, num_workers: usize) -> Result<Coordinator, ClusterError> {
         if num_shards == 0 || num_workers == 0 {
             return Err(ClusterError::Setup("a job needs at least one shard and one worker".into()));
         }
-        // Sizes beyond the machine fail here, before any role allocates.
-        let layout = sparrow_data::DataLayout::from_config(&config.data);
-        sparrow_trainer::sizes::check(config, &layout).map_err(|e| ClusterError::Train(e.into()))?;
-        if config.train.on_non_finite == sparrow_core::config::OnNonFinite::SkipBatch {
-            return Err(ClusterError::Setup(
-                "train.on_non_finite = \"skip_batch\" is not available in a cluster job yet (a skipped batch \
-                 would still owe its shards a push); use \"stop\", or sparrow train"
-                    .into(),
-            ));
-        }
-        if let (Some(every), Some(checkpoints)) =
-            (config.checkpoint.export_every_steps.filter(|&n| n > 0), config.checkpoint.every_steps)
-            && (checkpoints == 0 || every % checkpoints != 0)
-        {
-            return Err(ClusterError::Setup(format!(
-                "checkpoint.export_every_steps = {every}: a cluster job exports its committed checkpoints, so it \
-                 must be a multiple of checkpoint.every_steps = {checkpoints} (or leave every_steps unset: \
-                 checkpoints are then taken every export_every_steps)"
-            )));
-        }
-        for (key, set) in [
-            ("train.tensorboard_dir", config.train.tensorboard_dir.is_some()),
-            ("train.eval_every_steps", config.train.eval_every_steps.is_some()),
-        ] {
-            if set {
-                tracing::warn!("{key} applies to sparrow train; a cluster job evaluates and logs at its end only");
-            }
-        }
-        if config.cluster.sync == SyncMode::Lazy && config.checkpoint.export_every_steps.is_some() {
-            return Err(ClusterError::Setup(
-                "checkpoint.export_every_steps with cluster.sync = \"lazy\": a lazy job writes a serving export \
-                 at every backup already (checkpoint.dir/exports/)"
-                    .into(),
-            ));
-        }
-        if config.cluster.sync == SyncMode::Lazy && config.checkpoint.every_steps.is_some() {
-            return Err(ClusterError::Setup(
-                "checkpoint.every_steps with cluster.sync = \"lazy\" is not available yet: a lazy job's checkpoint \
-                 is taken at its end"
-                    .into(),
-            ));
-        }
+        check_cluster_config(config)?;
         let config_toml =
             toml::to_string(config).map_err(|e| ClusterError::Setup(format!("serializing the config: {e}")))?;
         let start = match sparrow_trainer::checkpoint::resume_dir(config)? {
@@ -320,51 +202,24 @@ impl Coordinator {
             }
             None => None,
         };
-        let progress = progress_from(1, start.as_ref().map(|(d, _)| d.as_path()));
+        let restore = start.as_ref().map(|(d, _)| d.as_path());
+        let connect = Duration::from_millis(config.cluster.connect_timeout_ms);
         Ok(Coordinator {
             config: config.clone(),
             config_toml,
             num_shards,
             num_workers,
-            heartbeat_timeout: Duration::from_millis(config.cluster.heartbeat_timeout_ms),
-            progress_timeout: Duration::from_millis(config.cluster.progress_timeout_ms),
-            connect_timeout: Duration::from_millis(config.cluster.connect_timeout_ms),
-            registration_deadline: Instant::now() + Duration::from_millis(config.cluster.connect_timeout_ms),
-            members: Mutex::new(Members {
-                shards: (0..num_shards).map(|_| None).collect(),
-                loader: None,
-                workers: (0..num_workers).map(|_| None).collect(),
-                aggregators: Vec::new(),
-                retired_bytes: 0,
-                vacant_since: HashMap::new(),
-            }),
+            timeouts: Timeouts {
+                heartbeat: Duration::from_millis(config.cluster.heartbeat_timeout_ms),
+                progress: Duration::from_millis(config.cluster.progress_timeout_ms),
+                connect,
+                registration: Instant::now() + connect,
+            },
             state: Mutex::new(JobState::Running),
-            rounds: Mutex::new(Arc::new(RoundSum::new(num_workers))),
-            merges: Mutex::new(Arc::new(RoundMerge::new(num_workers, config.cluster.round_merge))),
-            lazy: Mutex::new(lazy_for(config, num_workers, 1, start.as_ref().map(|(d, _)| d.as_path()))?),
-            aggregators: 1,
-            backup_sink: Mutex::new(None),
-            backup_committer: Mutex::new(None),
-            recovery: Mutex::new(Recovery {
-                generation: 1,
-                restore: start.as_ref().map(|(d, _)| d.clone()),
-                restore_step: start.as_ref().map_or(0, |(_, s)| *s),
-                start,
-                committed: None,
-                deltas_since_full: 0,
-                restarts: HashMap::new(),
-                high_step: 0,
-                counted_to: BTreeMap::new(),
-                noticed: None,
-                checkpoints_committed: 0,
-                steps_replayed: 0,
-                recovery_secs: 0.0,
-            }),
-            current: AtomicU64::new(1),
-            checkpoint: Mutex::new(None),
-            checkpoint_done: Condvar::new(),
-            exports: Mutex::new(crate::checkpoint::ClusterExports::new(config)),
-            progress: Mutex::new(progress),
+            members: Membership::new(num_shards, num_workers),
+            hub: SyncHub::new(config, num_workers, 1, 1, restore)?,
+            commits: Commits::new(config, num_workers, 1, restore),
+            generations: Generations::new(start),
             dialer: None,
             events: Box::new(|_| {}),
         })
@@ -373,9 +228,8 @@ impl Coordinator {
     /// `sync = "lazy"` with `k` aggregators in this process (worker →
     /// aggregator by `cluster.lazy.aggregator_of`, checked here).
     pub fn with_aggregators(mut self, k: usize) -> Result<Self, ClusterError> {
-        let restore = self.recovery.lock().restore.clone();
-        self.lazy = Mutex::new(lazy_for(&self.config, self.num_workers, k, restore.as_deref())?);
-        self.aggregators = k;
+        let attempt = self.generations.attempt();
+        self.hub = SyncHub::new(&self.config, self.num_workers, k, attempt.number, attempt.restore.as_deref())?;
         Ok(self)
     }
 
@@ -385,134 +239,9 @@ impl Coordinator {
     pub fn with_aggregator_processes(self, k: usize) -> Result<Self, ClusterError> {
         let this = self.with_aggregators(k)?;
         if this.config.cluster.sync == SyncMode::Lazy {
-            this.members.lock().aggregators = (0..k).map(|_| None).collect();
+            this.members.expect_aggregators(k);
         }
         Ok(this)
-    }
-
-    /// Aggregator `p.aggregator`'s partial sum of an instruction (see
-    /// [`crate::aggregator`]): blocks until the aggregation is done.
-    pub fn contribute_partial(
-        &self,
-        p: crate::lazy::Partial,
-    ) -> Result<(crate::lazy::Aggregated, Arc<Vec<f32>>), ClusterError> {
-        faults::point("coordinator.aggregate");
-        let generation = p.generation;
-        let lazy = self.lazy_in(p.aggregator, generation)?;
-        lazy.contribute_partial(p).map_err(|e| self.woken(generation, e))
-    }
-
-    /// Starts backing the aggregated weights up (S4.6) when the job runs
-    /// lazy aggregation and has a `checkpoint.dir`: the caller writes what
-    /// the receiver gets with [`write_backup`](Self::write_backup).
-    /// Each backup is also committed as a checkpoint (a cut: the workers of
-    /// the aggregation wait until it is), which a failure restarts from.
-    pub fn start_backups(self: &Arc<Self>) -> Option<crossbeam_channel::Receiver<Backup>> {
-        let lazy = self.lazy()?;
-        self.config.checkpoint.dir.as_ref()?;
-        let (tx, rx) = crossbeam_channel::unbounded();
-        lazy.back_up_to(tx.clone());
-        *self.backup_sink.lock() = Some(tx);
-        let me = Arc::downgrade(self);
-        let committer: BackupCommitter = Arc::new(move |cut| match me.upgrade() {
-            Some(coordinator) => coordinator.commit_backup(cut).map(|_| ()).map_err(|e| e.to_string()),
-            None => Err("the coordinator is gone".into()),
-        });
-        lazy.commit_backups_with(committer.clone());
-        *self.backup_committer.lock() = Some(committer);
-        Some(rx)
-    }
-
-    /// Commits a lazy job's backup as a checkpoint: the aggregated weights
-    /// (with fresh Adam state: replicas' moments are their own and are never
-    /// aggregated), every shard's part, the furthest data position aggregated.
-    pub fn commit_backup(&self, cut: &BackupCut) -> Result<PathBuf, ClusterError> {
-        let root = PathBuf::from(
-            self.config.checkpoint.dir.as_deref().ok_or_else(|| ClusterError::Setup("no checkpoint.dir".into()))?,
-        );
-        let generation = self.generation().number;
-        let layout = sparrow_data::DataLayout::from_config(&self.config.data);
-        let model = crate::worker::new_worker(&self.config, &layout, 0, None)?.model;
-        model.params.set_flat(&cut.weights).map_err(sparrow_trainer::TrainError::from)?;
-        let optimizer = sparrow_model::DenseOptimizer::new(self.config.dense_optimizer.clone());
-        crate::checkpoint::write_dense(&root, cut.step, generation, &model, &optimizer)?;
-        let worker_cut = WorkerCut {
-            worker: 0,
-            generation,
-            step: cut.step,
-            samples_trained: cut.samples,
-            dense_optimizer_step: 0,
-            position: cut.position,
-            wrote_dense: true,
-            trained: Vec::new(),
-        };
-        self.commit(&[worker_cut])
-    }
-
-    /// Writes backup `number` as a serving export under
-    /// `checkpoint.dir/exports/`, the rows as the shards hold them now (not
-    /// a cut: training goes on), and points `exports/LATEST` at it.
-    pub fn write_backup(&self, number: u64, weights: &[f32]) -> Result<PathBuf, ClusterError> {
-        let root = self.config.checkpoint.dir.as_ref().map(|d| PathBuf::from(d).join("exports"));
-        let root = root.ok_or_else(|| ClusterError::Setup("backups need checkpoint.dir".into()))?;
-        std::fs::create_dir_all(&root)
-            .map_err(|e| ClusterError::Io { what: format!("creating {}", root.display()), source: e })?;
-        let layout = sparrow_data::DataLayout::from_config(&self.config.data);
-        let model = crate::worker::new_worker(&self.config, &layout, 0, None)?.model;
-        model.params.set_flat(weights).map_err(sparrow_trainer::TrainError::from)?;
-        let dialer = self.dialer.as_ref().ok_or_else(|| ClusterError::Setup("no way to reach the shards".into()))?;
-        let generation = self.generation().number;
-        let shards = dialer.dial(&self.view(generation).shards)?;
-        let dim = self.config.model.embedding_dim;
-        let (mut shard, mut cursor) = (0usize, Some((0usize, 0usize)));
-        let pages = || -> Result<sparrow_trainer::export::RowPage, sparrow_trainer::TrainError> {
-            while shard < shards.len() {
-                let Some(at) = cursor else {
-                    (shard, cursor) = (shard + 1, Some((0, 0)));
-                    continue;
-                };
-                let page =
-                    shards[shard].export(at, 4096).map_err(|e| sparrow_trainer::TrainError::DenseSync(Box::new(e)))?;
-                cursor = page.next;
-                let row_len = page.rows.len() / page.keys.len().max(1);
-                let vectors = page.rows.chunks_exact(row_len.max(1)).flat_map(|r| r[..dim].iter().copied()).collect();
-                return Ok(Some((page.keys, vectors)));
-            }
-            Ok(None)
-        };
-        let name = format!("{number:08}");
-        let dir = root.join(&name);
-        sparrow_trainer::export::write_export(&dir, &self.config, &layout, number, &model, pages)?;
-        let tmp = root.join(".LATEST.tmp");
-        std::fs::write(&tmp, format!("{name}\n"))
-            .and_then(|()| std::fs::rename(&tmp, root.join("LATEST")))
-            .map_err(|e| ClusterError::Io { what: format!("writing {}/LATEST", root.display()), source: e })?;
-        Ok(dir)
-    }
-
-    /// The scheduler of the current generation (`sync = "lazy"`).
-    pub fn lazy(&self) -> Option<Arc<Lazy>> {
-        self.lazy.lock().clone()
-    }
-
-    fn lazy_in(&self, worker: usize, generation: u64) -> Result<Arc<Lazy>, ClusterError> {
-        let current = self.recovery.lock().generation;
-        if generation != current {
-            return Err(ClusterError::StaleGeneration {
-                peer: "the scheduler".into(),
-                what: format!("worker {worker}'s request"),
-                found: generation,
-                serving: current,
-            });
-        }
-        self.lazy().ok_or_else(|| ClusterError::Setup("this job's cluster.sync is not \"lazy\"".into()))
-    }
-
-    fn woken(&self, generation: u64, e: ClusterError) -> ClusterError {
-        match self.current.load(Ordering::SeqCst) {
-            now if now != generation => ClusterError::GenerationChanged { generation: now },
-            _ => e,
-        }
     }
 
     /// How checkpoints reach the shards (without one, none are written).
@@ -532,86 +261,47 @@ impl Coordinator {
     }
 
     pub fn generation(&self) -> Generation {
-        let r = self.recovery.lock();
-        Generation {
-            number: r.generation,
-            restore: r.restore.clone(),
-            committed: r.committed.as_ref().map(|(d, _)| d.clone()),
-        }
+        self.generations.attempt()
     }
 
     /// Fails the job (the first reason wins) and wakes every waiting worker.
     pub fn fail(&self, reason: String) {
         let mut state = self.state.lock();
-        if *state == JobState::Running {
-            tracing::error!("job failed: {reason}");
-            *state = JobState::Failed(reason.clone());
-            drop(state);
-            self.rounds.lock().fail(reason.clone());
-            self.merges.lock().fail(reason.clone());
-            if let Some(lazy) = self.lazy() {
-                lazy.fail(reason.clone());
-            }
-            self.end_checkpoint_round(Err(reason));
+        if *state != JobState::Running {
+            return;
         }
+        tracing::error!("job failed: {reason}");
+        *state = JobState::Failed(reason.clone());
+        drop(state);
+        self.hub.fail(&reason);
+        self.commits.fail(&reason);
     }
 
-    /// Starts the next generation (the caller holds `recovery`): every role
-    /// goes back to the last committed checkpoint.
-    fn next_generation(&self, r: &mut Recovery, reason: String) {
-        r.generation += 1;
-        self.current.store(r.generation, Ordering::SeqCst);
-        let (restore, step) = match (&r.committed, &r.start) {
-            (Some((dir, step)), _) | (None, Some((dir, step))) => (Some(dir.clone()), *step),
-            (None, None) => (None, 0),
-        };
-        let replayed = r.high_step.saturating_sub(step);
-        r.steps_replayed += replayed;
-        let given_up = r.generation - 1;
-        let counted = r.high_step.max(step);
-        r.counted_to.insert(given_up, counted);
-        while r.counted_to.len() > 64 {
-            r.counted_to.pop_first();
-        }
-        (r.restore, r.restore_step, r.high_step) = (restore, step, step);
-        *self.progress.lock() = progress_from(r.generation, r.restore.as_deref());
-        r.noticed.get_or_insert_with(Instant::now);
+    /// Starts the next generation: every role goes back to the last
+    /// committed checkpoint.
+    fn start_generation(&self, reason: String) {
+        let started = self.generations.next(reason, |n| self.advance_parts(n));
+        self.after_generation(started);
+    }
+
+    /// Under the generations lock: the parts release the old generation's waiters.
+    fn advance_parts(&self, generation: u64) {
+        self.hub.advance(generation);
+        self.commits.advance(generation);
+    }
+
+    /// Outside every lock: the parts read what the new generation restores.
+    fn after_generation(&self, s: Started) {
+        let restore = s.restore.as_ref().map(|d| d.display().to_string());
         tracing::warn!(
-            "generation {}: {reason}; every role goes back to {}",
-            r.generation,
-            r.restore.as_ref().map_or("the job's start".to_string(), |d| d.display().to_string())
+            "generation {}: {}; every role goes back to {}",
+            s.number,
+            s.reason,
+            restore.as_deref().unwrap_or("the job's start")
         );
-        (self.events)(&Event::Generation {
-            number: r.generation,
-            reason,
-            replayed,
-            restore: r.restore.as_ref().map(|d| d.display().to_string()),
-        });
-        {
-            let mut members = self.members.lock();
-            for m in members.workers.iter_mut().flatten() {
-                m.finished = false;
-            }
-        }
-        let old = std::mem::replace(&mut *self.rounds.lock(), Arc::new(RoundSum::new(self.num_workers)));
-        old.fail(format!("generation {} started", r.generation));
-        let merges = Arc::new(RoundMerge::new(self.num_workers, self.config.cluster.round_merge));
-        std::mem::replace(&mut *self.merges.lock(), merges).fail(format!("generation {} started", r.generation));
-        match lazy_for(&self.config, self.num_workers, self.aggregators, r.restore.as_deref()) {
-            Ok(next) => {
-                if let (Some(lazy), Some(sink)) = (&next, self.backup_sink.lock().as_ref()) {
-                    lazy.back_up_to(sink.clone());
-                }
-                if let (Some(lazy), Some(committer)) = (&next, self.backup_committer.lock().as_ref()) {
-                    lazy.commit_backups_with(committer.clone());
-                }
-                if let Some(old) = std::mem::replace(&mut *self.lazy.lock(), next) {
-                    old.fail(format!("generation {} started", r.generation));
-                }
-            }
-            Err(e) => tracing::error!("generation {}: the scheduler could not restart: {e}", r.generation),
-        }
-        self.end_checkpoint_round(Err(format!("generation {} started", r.generation)));
+        (self.events)(&Event::Generation { number: s.number, reason: s.reason, replayed: s.replayed, restore });
+        self.commits.restore_progress(s.number, s.restore.as_deref());
+        self.hub.rebuild(&self.config, s.number, s.restore.as_deref());
     }
 
     /// Role `index` of `kind` died (its process exited, or it went silent):
@@ -626,40 +316,13 @@ impl Coordinator {
     /// about a process whose replacement already registered is stale: its
     /// death was counted when the slot was taken again.
     pub fn lost_process(&self, kind: RoleKind, index: usize, pid: u32, reason: &str) {
-        if self.state() != JobState::Running {
+        if self.state() != JobState::Running || !self.members.vacate(kind, index, pid) {
             return;
         }
-        {
-            let mut members = self.members.lock();
-            let Some(slot) = members.slots(kind).get_mut(index) else { return };
-            if let Some(member) = slot.as_ref()
-                && pid != 0
-                && member.pid != 0
-                && member.pid != pid
-            {
-                tracing::debug!(
-                    "{} {index}: process {pid} is gone; {} already took its place",
-                    kind.name(),
-                    member.pid
-                );
-                return;
-            }
-            let Some(gone) = slot.take() else { return };
-            members.retired_bytes += gone.bytes;
-            members.vacant_since.insert((kind, index), Instant::now());
-        }
-        self.count_restart(kind, index, reason);
-    }
-
-    fn count_restart(&self, kind: RoleKind, index: usize, reason: &str) {
         let max = self.config.cluster.max_restarts;
-        let mut r = self.recovery.lock();
-        let count = r.restarts.entry((kind, index)).or_insert(0);
-        *count += 1;
-        let count = *count;
+        let count = self.generations.count_restart(kind, index);
         let what = format!("{} {index} {reason}", kind.name());
         if count > max {
-            drop(r);
             self.fail(format!(
                 "{what}; it was restarted {} time(s) already (cluster.max_restarts = {max}): the last committed \
                  checkpoint is intact",
@@ -667,7 +330,7 @@ impl Coordinator {
             ));
             return;
         }
-        self.next_generation(&mut r, what);
+        self.start_generation(what);
     }
 
     /// A role joins; `index` asks for a slot (a StatefulSet ordinal), else the
@@ -696,7 +359,7 @@ impl Coordinator {
         if let JobState::Failed(reason) = self.state() {
             return Err(ClusterError::JobFailed(reason));
         }
-        let n = self.members.lock().slots(kind).len();
+        let n = self.members.slot_count(kind);
         if kind == RoleKind::Aggregator && n == 0 {
             return Err(ClusterError::Setup(format!(
                 "this job has no aggregator processes (cluster.sync is \"{}\"; aggregators serve \"lazy\")",
@@ -708,15 +371,14 @@ impl Coordinator {
                 return Err(ClusterError::Setup(format!("{} {i}: the job has only {n}", kind.name())));
             }
             Some(i) => i,
-            None => self.members.lock().slots(kind).iter().position(Option::is_none).ok_or_else(|| {
+            None => self.members.free_slot(kind).ok_or_else(|| {
                 ClusterError::Setup(format!(
                     "all {n} {} slots are taken (--shards/--workers of the coordinator)",
                     kind.name()
                 ))
             })?,
         };
-        let taken = self.members.lock().slots(kind)[slot].is_some();
-        if taken {
+        if self.members.is_taken(kind, slot) {
             if self.config.cluster.max_restarts == 0 {
                 return Err(ClusterError::Setup(format!("{} {slot} is already registered", kind.name())));
             }
@@ -729,52 +391,25 @@ impl Coordinator {
             self.adopt(kind, slot, known);
         }
         tracing::info!("{} {slot} registered at {address}", kind.name());
-        let now = Instant::now();
-        let mut members = self.members.lock();
-        members.vacant_since.remove(&(kind, slot));
-        if let Some(old) = members.slots(kind)[slot].take() {
-            members.retired_bytes += old.bytes;
-        }
-        members.slots(kind)[slot] = Some(Member {
-            address,
-            last_seen: now,
-            finished: false,
-            progress: 0,
-            progress_at: now,
-            ready: 0,
-            bytes: 0,
-            bytes_at: now,
-            byte_rate: 0.0,
-            probe: None,
-            pid,
-        });
-        drop(members);
+        self.members.take(kind, slot, address, pid);
         Ok((slot, self.generation()))
     }
 
-    /// A role that outlived the previous coordinator: its generation is over
-    /// (this coordinator cannot know what the others did since), the job's
-    /// committed checkpoint is the newest any such role knew.
+    /// A role that outlived the previous coordinator (see [`Generations::adopt`]).
     fn adopt(&self, kind: RoleKind, index: usize, known: Known) {
-        let mut r = self.recovery.lock();
-        if let Some(dir) = known.committed
-            && let Ok(m) = sparrow_trainer::checkpoint::read_manifest(&dir)
-            && r.committed.as_ref().is_none_or(|(_, step)| m.step > *step)
-        {
-            r.committed = Some((dir, m.step));
+        // Read before any lock is taken.
+        let committed = known.committed.and_then(|dir| {
+            let step = sparrow_trainer::checkpoint::read_manifest(&dir).ok()?.step;
+            Some((dir, step))
+        });
+        let adopted = Adopted { kind, generation: known.generation, committed, step: known.step };
+        let reason = format!("the coordinator restarted ({} {index} registered again)", kind.name());
+        let (started, replayed) = self.generations.adopt(adopted, reason, |n| self.advance_parts(n));
+        if replayed > 0 {
+            (self.events)(&Event::Replayed { steps: replayed });
         }
-        if kind == RoleKind::Worker {
-            if known.generation < r.generation {
-                // Its generation was already given up (another role registered first).
-                self.late_step(&mut r, known.generation, known.step);
-            } else {
-                r.high_step = r.high_step.max(known.step);
-            }
-        }
-        if known.generation >= r.generation {
-            r.generation = known.generation;
-            let reason = format!("the coordinator restarted ({} {index} registered again)", kind.name());
-            self.next_generation(&mut r, reason);
+        if let Some(started) = started {
+            self.after_generation(started);
         }
     }
 
@@ -789,91 +424,39 @@ impl Coordinator {
         ready: u64,
         step: u64,
     ) -> Result<(JobState, Generation), ClusterError> {
+        self.members.beat(kind, index, progress, ready)?;
+        if kind == RoleKind::Worker {
+            self.generations.worker_step(ready, step);
+        }
+        let generation = self.generations.current();
+        if self.generations.recovering()
+            && self.members.all_ready(generation)
+            && let Some(secs) = self.generations.resumed(generation)
         {
-            let mut members = self.members.lock();
-            match members.slots(kind).get_mut(index) {
-                Some(Some(m)) => {
-                    let now = Instant::now();
-                    m.last_seen = now;
-                    if progress != m.progress {
-                        (m.progress, m.progress_at) = (progress, now);
-                    }
-                    m.ready = ready;
-                }
-                _ => return Err(ClusterError::Setup(format!("{} {index} never registered", kind.name()))),
-            }
+            tracing::info!("generation {generation}: every role is back, {secs:.3} s after the death was noticed");
+            (self.events)(&Event::Resumed { number: generation, secs });
         }
-        let mut r = self.recovery.lock();
-        if kind == RoleKind::Worker && ready == r.generation {
-            r.high_step = r.high_step.max(step);
-        }
-        if r.noticed.is_some() && self.all_ready(r.generation) {
-            let secs = r.noticed.take().map_or(0.0, |t| t.elapsed().as_secs_f64());
-            r.recovery_secs += secs;
-            tracing::info!("generation {}: every role is back, {secs:.3} s after the death was noticed", r.generation);
-            (self.events)(&Event::Resumed { number: r.generation, secs });
-        }
-        drop(r);
         Ok((self.state(), self.generation()))
     }
 
     /// A role's traffic so far (`bytes`) and its probe address, from a heartbeat.
     pub fn traffic(&self, kind: RoleKind, index: usize, bytes: u64, probe: &str) {
-        let mut members = self.members.lock();
-        if let Some(Some(m)) = members.slots(kind).get_mut(index) {
-            let now = Instant::now();
-            let secs = now.duration_since(m.bytes_at).as_secs_f64();
-            if bytes >= m.bytes && secs > 0.0 {
-                m.byte_rate = (bytes - m.bytes) as f64 / secs;
-            }
-            (m.bytes, m.bytes_at) = (bytes, now);
-            if !probe.is_empty() {
-                m.probe = Some(probe.to_string());
-            }
-        }
+        self.members.traffic(kind, index, bytes, probe);
     }
 
     /// Payload bytes every role reported so far, replaced ones included.
     pub fn role_bytes(&self) -> u64 {
-        let mut members = self.members.lock();
-        let mut total = members.retired_bytes;
-        for kind in [RoleKind::Shard, RoleKind::Loader, RoleKind::Worker, RoleKind::Aggregator] {
-            total += members.slots(kind).iter().flatten().map(|m| m.bytes).sum::<u64>();
-        }
-        total
+        self.members.role_bytes()
     }
 
     /// Every registered role's bytes per second (S4.2 utilisation).
     pub fn byte_rates(&self) -> Vec<f64> {
-        let mut members = self.members.lock();
-        let mut rates = Vec::new();
-        for kind in [RoleKind::Shard, RoleKind::Loader, RoleKind::Worker, RoleKind::Aggregator] {
-            rates.extend(members.slots(kind).iter().flatten().map(|m| m.byte_rate));
-        }
-        rates
+        self.members.byte_rates()
     }
 
     /// The roles the scheduler probes (`cluster.lazy.probe_roles`), finished workers aside.
     pub fn probe_targets(&self, all: bool) -> Vec<crate::lazy::ProbeTarget> {
-        let mut members = self.members.lock();
-        let kinds: &[RoleKind] = if all {
-            &[RoleKind::Shard, RoleKind::Loader, RoleKind::Worker, RoleKind::Aggregator]
-        } else {
-            &[RoleKind::Worker]
-        };
-        let mut targets = Vec::new();
-        for &kind in kinds {
-            for (i, m) in members.slots(kind).iter().enumerate() {
-                if !m.as_ref().is_some_and(|m| m.finished) {
-                    targets.push(crate::lazy::ProbeTarget {
-                        name: format!("{} {i}", kind.name()),
-                        vacant: m.is_none(),
-                        address: m.as_ref().and_then(|m| m.probe.clone()),
-                    });
-                }
-            }
-        }
-        targets
+        self.members.probe_targets(all, self.generations.current())
     }
 
     /// A worker's last step in an earlier `generation` (reported once it
@@ -881,45 +464,17 @@ impl Coordinator {
     /// trained twice.
     pub fn previous_step(&self, kind: RoleKind, generation: u64, step: u64) {
         if kind == RoleKind::Worker && generation > 0 {
-            let mut r = self.recovery.lock();
-            self.late_step(&mut r, generation, step);
+            let extra = self.generations.late_step(generation, step);
+            if extra > 0 {
+                (self.events)(&Event::Replayed { steps: extra });
+            }
         }
-    }
-
-    fn late_step(&self, r: &mut Recovery, generation: u64, step: u64) {
-        let Some(counted) = r.counted_to.get_mut(&generation) else { return };
-        let extra = step.saturating_sub(*counted);
-        if extra > 0 {
-            *counted = step;
-            r.steps_replayed += extra;
-            (self.events)(&Event::Replayed { steps: extra });
-        }
-    }
-
-    fn all_ready(&self, generation: u64) -> bool {
-        let members = self.members.lock();
-        let ready = |slots: &[Option<Member>]| slots.iter().all(|m| m.as_ref().is_some_and(|m| m.ready == generation));
-        ready(&members.shards)
-            && ready(std::slice::from_ref(&members.loader))
-            && ready(&members.workers)
-            && ready(&members.aggregators)
     }
 
     /// The shard map and the loader's address of `generation`, and whether
-    /// they serve it: (every shard and the loader, every shard, the map, the
-    /// loader's address).
+    /// they serve it.
     pub fn view(&self, generation: u64) -> View {
-        let members = self.members.lock();
-        let serves = |m: &Option<Member>| m.as_ref().is_some_and(|m| m.ready == generation);
-        let shards_ready = members.shards.iter().all(serves);
-        let address = |m: &Option<Member>| m.as_ref().map(|m| m.address.clone()).unwrap_or_default();
-        View {
-            complete: shards_ready && serves(&members.loader) && members.aggregators.iter().all(serves),
-            shards_ready,
-            shards: members.shards.iter().map(address).collect(),
-            loader: address(&members.loader),
-            aggregators: members.aggregators.iter().map(address).collect(),
-        }
+        self.members.view(generation)
     }
 
     /// A worker is done in `generation` (or a role failed); the job is done
@@ -929,14 +484,10 @@ impl Coordinator {
             self.fail(format!("{} {index}: {error}", kind.name()));
             return;
         }
-        if kind != RoleKind::Worker || generation != self.recovery.lock().generation {
+        if kind != RoleKind::Worker || generation != self.generations.current() {
             return;
         }
-        let mut members = self.members.lock();
-        if let Some(Some(m)) = members.workers.get_mut(index) {
-            m.finished = true;
-        }
-        if members.workers.iter().all(|m| m.as_ref().is_some_and(|m| m.finished)) {
+        if self.members.worker_finished(index, generation) {
             let mut state = self.state.lock();
             if *state == JobState::Running {
                 tracing::info!("all {} workers finished", self.num_workers);
@@ -953,67 +504,12 @@ impl Coordinator {
         if self.state() != JobState::Running {
             return;
         }
-        let mut problems = Vec::new();
-        let mut missing = None;
-        {
-            let members = self.members.lock();
-            let groups = [
-                (RoleKind::Shard, &members.shards[..]),
-                (RoleKind::Loader, std::slice::from_ref(&members.loader)),
-                (RoleKind::Worker, &members.workers[..]),
-                (RoleKind::Aggregator, &members.aggregators[..]),
-            ];
-            for (kind, slots) in groups {
-                for (i, slot) in slots.iter().enumerate() {
-                    match slot {
-                        Some(m) if !m.finished && m.last_seen.elapsed() > self.heartbeat_timeout => {
-                            problems.push((kind, i, format!(
-                                "at {} stopped answering: no heartbeat for {} ms (cluster.heartbeat_timeout_ms = {})",
-                                m.address,
-                                m.last_seen.elapsed().as_millis(),
-                                self.heartbeat_timeout.as_millis()
-                            )));
-                        }
-                        // Workers drive the job: one that answers but gets
-                        // nothing done is as stuck as a silent one. Counted from
-                        // its first batch (shards restoring a large checkpoint
-                        // may keep a worker waiting before it).
-                        Some(m)
-                            if kind == RoleKind::Worker
-                                && !m.finished
-                                && m.progress > 0
-                                && m.progress_at.elapsed() > self.progress_timeout =>
-                        {
-                            problems.push((kind, i, format!(
-                                "at {} answers heartbeats but made no progress for {} ms (cluster.progress_timeout_ms = {}; progress count {})",
-                                m.address,
-                                m.progress_at.elapsed().as_millis(),
-                                self.progress_timeout.as_millis(),
-                                m.progress
-                            )));
-                        }
-                        None => {
-                            let deadline = members
-                                .vacant_since
-                                .get(&(kind, i))
-                                .map_or(self.registration_deadline, |t| *t + self.connect_timeout);
-                            if Instant::now() > deadline {
-                                missing = Some(format!(
-                                    "{} {i} never registered within cluster.connect_timeout_ms",
-                                    kind.name()
-                                ));
-                            }
-                        }
-                        _ => {}
-                    }
-                }
-            }
-        }
-        if let Some(problem) = missing {
+        let found = self.members.check(&self.timeouts, self.generations.current());
+        if let Some(problem) = found.missing {
             self.fail(problem);
             return;
         }
-        for (kind, index, problem) in problems {
+        for (kind, index, problem) in found.lost {
             if self.config.cluster.max_restarts == 0 {
                 self.fail(format!("{} {index} {problem}", kind.name()));
                 return;
@@ -1023,243 +519,132 @@ impl Coordinator {
         }
     }
 
+    /// A worker's gradients of a round (`sync = "step"`), see [`RoundSum`](crate::sync::RoundSum).
     pub fn sum(&self, c: Contribution) -> Result<RoundReply, ClusterError> {
         faults::point("coordinator.sum");
-        let generation = self.recovery.lock().generation;
-        if c.generation != generation {
-            return Err(ClusterError::StaleGeneration {
-                peer: "the coordinator".into(),
-                what: format!("worker {}'s gradients", c.worker),
-                found: c.generation,
-                serving: generation,
-            });
-        }
-        let rounds = self.rounds.lock().clone();
-        rounds.sum(c).map_err(|e| match self.current.load(Ordering::SeqCst) {
-            // Woken because the job moved on, not because it failed.
-            now if now != generation => ClusterError::GenerationChanged { generation: now },
-            _ => e,
-        })
+        self.hub.sum(c)
     }
 
     /// A worker's end of a round (`sync = "round"`): waits for every
     /// worker's and returns the merged round.
     pub fn merge_round(&self, u: RoundUpdate) -> Result<Arc<MergedRound>, ClusterError> {
         faults::point("coordinator.merge");
-        let generation = self.recovery.lock().generation;
-        if u.generation != generation {
-            return Err(ClusterError::StaleGeneration {
-                peer: "the coordinator".into(),
-                what: format!("worker {}'s round update", u.worker),
-                found: u.generation,
-                serving: generation,
-            });
-        }
-        let merges = self.merges.lock().clone();
-        merges.merge_round(u).map_err(|e| match self.current.load(Ordering::SeqCst) {
+        self.hub.merge_round(u)
+    }
+
+    /// Tests: blocks until `n` workers contributed to gradient round `round`.
+    pub fn wait_for_contributions(&self, round: u64, n: usize) {
+        self.hub.wait_for_contributions(round, n);
+    }
+
+    /// Aggregator `p.aggregator`'s partial sum of an instruction (see
+    /// [`crate::aggregator`]): blocks until the aggregation is done.
+    pub fn contribute_partial(
+        &self,
+        p: crate::lazy::Partial,
+    ) -> Result<(crate::lazy::Aggregated, Arc<Vec<f32>>), ClusterError> {
+        faults::point("coordinator.aggregate");
+        let generation = p.generation;
+        let lazy = self.hub.lazy_in(p.aggregator, generation)?;
+        lazy.contribute_partial(p).map_err(|e| self.woken(generation, e))
+    }
+
+    /// Starts backing the aggregated weights up (S4.6) when the job runs
+    /// lazy aggregation and has a `checkpoint.dir`: the caller writes what
+    /// the receiver gets with [`write_backup`](Self::write_backup).
+    /// Each backup is also committed as a checkpoint (a cut: the workers of
+    /// the aggregation wait until it is), which a failure restarts from.
+    pub fn start_backups(self: &Arc<Self>) -> Option<crossbeam_channel::Receiver<Backup>> {
+        self.hub.lazy()?;
+        self.config.checkpoint.dir.as_ref()?;
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let me = Arc::downgrade(self);
+        let committer: BackupCommitter = Arc::new(move |cut| match me.upgrade() {
+            Some(coordinator) => coordinator.commit_backup(cut).map(|_| ()).map_err(|e| e.to_string()),
+            None => Err("the coordinator is gone".into()),
+        });
+        self.hub.back_up(tx, committer);
+        Some(rx)
+    }
+
+    /// The scheduler of the current generation (`sync = "lazy"`).
+    pub fn lazy(&self) -> Option<Arc<Lazy>> {
+        self.hub.lazy()
+    }
+
+    /// A lazy call woken because the job moved on, not because it failed.
+    fn woken(&self, generation: u64, e: ClusterError) -> ClusterError {
+        match self.generations.current() {
             now if now != generation => ClusterError::GenerationChanged { generation: now },
             _ => e,
-        })
-    }
-
-    fn end_checkpoint_round(&self, outcome: Result<PathBuf, String>) {
-        let mut round = self.checkpoint.lock();
-        if let Some(r) = round.as_mut()
-            && r.outcome.is_none()
-        {
-            r.outcome = Some(outcome);
-        }
-        self.checkpoint_done.notify_all();
-    }
-
-    /// A worker at a checkpoint step: returns the committed version once every
-    /// worker reached the step and every shard wrote its part.
-    pub fn checkpoint(&self, cut: WorkerCut) -> Result<PathBuf, ClusterError> {
-        let current = self.recovery.lock().generation;
-        if cut.generation != current {
-            return Err(ClusterError::GenerationChanged { generation: current });
-        }
-        let mut round = self.checkpoint.lock();
-        if let Some(r) = round.as_ref()
-            && (r.generation != cut.generation || r.step != cut.step)
-            && r.outcome.is_none()
-        {
-            return Err(ClusterError::Setup(format!(
-                "worker {}: checkpoint at step {} while the workers gather at step {} (generation {})",
-                cut.worker, cut.step, r.step, r.generation
-            )));
-        }
-        if round.as_ref().is_none_or(|r| r.outcome.is_some()) {
-            *round = Some(CheckpointRound {
-                generation: cut.generation,
-                step: cut.step,
-                cuts: vec![None; self.num_workers],
-                outcome: None,
-                taken: 0,
-            });
-        }
-        let r = round.as_mut().expect("just set");
-        let worker = cut.worker;
-        if worker >= self.num_workers {
-            return Err(ClusterError::Setup(format!("worker {worker}: only {} workers", self.num_workers)));
-        }
-        r.cuts[worker] = Some(cut);
-        if r.cuts.iter().all(Option::is_some) {
-            let cuts: Vec<WorkerCut> = r.cuts.iter().flatten().cloned().collect();
-            drop(round);
-            let outcome = self.commit(&cuts).map_err(|e| e.to_string());
-            if let Err(e) = &outcome {
-                tracing::error!("checkpoint at step {}: {e}", cuts[0].step);
-            }
-            self.end_checkpoint_round(outcome);
-            round = self.checkpoint.lock();
-        }
-        loop {
-            let r = round.as_mut().ok_or_else(|| ClusterError::Setup("the checkpoint round vanished".into()))?;
-            if let Some(outcome) = r.outcome.clone() {
-                r.taken += 1;
-                if r.taken == self.num_workers {
-                    *round = None;
-                }
-                let generation = self.current.load(Ordering::SeqCst);
-                return match outcome {
-                    Ok(dir) => Ok(dir),
-                    Err(_) if generation != current => Err(ClusterError::GenerationChanged { generation }),
-                    Err(e) => Err(ClusterError::Setup(format!("the checkpoint failed: {e}"))),
-                };
-            }
-            let generation = self.current.load(Ordering::SeqCst);
-            if generation != current {
-                return Err(ClusterError::GenerationChanged { generation });
-            }
-            self.checkpoint_done.wait(&mut round);
-        }
-    }
-
-    /// Writes and commits the checkpoint the workers' `cuts` describe.
-    /// The generation's data progress with the cuts' trained batches added.
-    fn data_progress(&self, generation: u64, cuts: &[WorkerCut]) -> Result<DataProgress, ClusterError> {
-        let mut progress = self.progress.lock();
-        let progress = progress.as_mut().map_err(|e| ClusterError::Setup(e.clone()))?;
-        if progress.generation != generation {
-            return Err(ClusterError::StaleGeneration {
-                peer: "the coordinator".into(),
-                what: "a checkpoint".into(),
-                found: generation,
-                serving: progress.generation,
-            });
-        }
-        progress.add(cuts.iter().flat_map(|c| c.trained.iter().copied()));
-        Ok(progress.clone())
-    }
-
-    fn commit(&self, cuts: &[WorkerCut]) -> Result<PathBuf, ClusterError> {
-        let start = Instant::now();
-        let first = &cuts[0];
-        let (generation, step) = (first.generation, first.step);
-        let root = PathBuf::from(
-            self.config.checkpoint.dir.as_deref().ok_or_else(|| ClusterError::Setup("no checkpoint.dir".into()))?,
-        );
-        let dialer = self.dialer.as_ref().ok_or_else(|| ClusterError::Setup("no way to reach the shards".into()))?;
-        let staging = staging_dir(&root, step, generation);
-        std::fs::create_dir_all(&staging)
-            .map_err(|e| ClusterError::Io { what: format!("creating {}", staging.display()), source: e })?;
-        let addresses = self.view(generation).shards;
-        let shards = dialer.dial(&addresses)?;
-        // Incremental on the last commit when it has a part per shard and
-        // the full version is not due.
-        let (base, since) = {
-            let r = self.recovery.lock();
-            let incremental =
-                self.config.checkpoint.incremental && r.deltas_since_full + 1 < self.config.checkpoint.full_every;
-            match (&r.committed, incremental) {
-                (Some((dir, _)), true) => match sparrow_trainer::checkpoint::read_manifest(dir) {
-                    Ok(m) if m.parts.len() == self.num_shards => {
-                        (Some(dir.clone()), m.parts.iter().map(|p| Some(p.clock)).collect::<Vec<_>>())
-                    }
-                    _ => (None, vec![None; self.num_shards]),
-                },
-                _ => (None, vec![None; self.num_shards]),
-            }
-        };
-        let written: Vec<PartWritten> = std::thread::scope(|scope| {
-            let handles: Vec<_> = shards
-                .iter()
-                .enumerate()
-                .map(|(i, shard)| {
-                    let (staging, since) = (&staging, since[i]);
-                    scope.spawn(move || shard.write_part(generation, staging, since))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err(ClusterError::Setup("a part writer panicked".into()))))
-                .collect::<Result<Vec<_>, _>>()
-        })?;
-        let progress = match cuts.iter().any(|c| !c.trained.is_empty()) {
-            true => Some(self.data_progress(generation, cuts)?),
-            false => None,
-        };
-        let manifest =
-            crate::checkpoint::manifest(&self.config, cuts, &written, base.as_deref(), &staging, progress.as_ref())?;
-        faults::point("coordinator.commit");
-        let dir = sparrow_trainer::checkpoint::commit(&root, &staging, &manifest, self.config.checkpoint.keep)?;
-        let bytes: u64 = manifest.files.values().map(|f| f.bytes).sum();
-        let secs = start.elapsed().as_secs_f64();
-        let shard_mb_per_sec: Vec<f64> = written
-            .iter()
-            .map(|w| w.written.files.iter().map(|(_, b)| *b).sum::<u64>() as f64 / 1e6 / w.secs.max(1e-9))
-            .collect();
-        let mut r = self.recovery.lock();
-        r.committed = Some((dir.clone(), step));
-        r.checkpoints_committed += 1;
-        r.deltas_since_full = if base.is_some() { r.deltas_since_full + 1 } else { 0 };
-        drop(r);
-        if let Some(exports) = self.exports.lock().as_mut() {
-            let every = crate::checkpoint::checkpoint_every(&self.config).unwrap_or(step.max(1));
-            exports.committed(&dir, step, every);
-        }
-        tracing::info!(
-            "checkpoint at step {step} committed: {} ({bytes} bytes{}, {secs:.3} s)",
-            dir.display(),
-            if base.is_some() { ", incremental" } else { "" }
-        );
-        (self.events)(&Event::Committed {
-            step,
-            dir: dir.display().to_string(),
-            bytes,
-            secs,
-            incremental: base.is_some(),
-            shard_mb_per_sec,
-        });
-        Ok(dir)
-    }
-
-    /// Waits for the serving export being written, if any (the job's end).
-    pub fn finish_exports(&self) {
-        if let Some(exports) = self.exports.lock().as_mut() {
-            exports.wait();
         }
     }
 
     /// Restarts by role kind, checkpoints committed, steps replayed and
     /// recovery seconds over this coordinator's life.
     pub fn recovery_report(&self) -> RecoveryReport {
-        let r = self.recovery.lock();
+        let totals = self.generations.totals();
         let mut restarts: BTreeMap<String, u64> =
             ["coordinator", "loader", "shard", "worker"].iter().map(|k| (k.to_string(), 0)).collect();
-        for ((kind, _), n) in &r.restarts {
-            *restarts.entry(kind.name().to_string()).or_default() += u64::from(*n);
+        for (kind, n) in totals.restarts {
+            *restarts.entry(kind.name().to_string()).or_default() += u64::from(n);
         }
         RecoveryReport {
             restarts,
-            checkpoints_committed: r.checkpoints_committed,
-            steps_replayed: r.steps_replayed,
-            recovery_secs: r.recovery_secs,
+            checkpoints_committed: totals.checkpoints_committed,
+            steps_replayed: totals.steps_replayed,
+            recovery_secs: totals.recovery_secs,
             role_bytes: self.role_bytes(),
-            checkpoint: r.committed.as_ref().map(|(d, _)| d.display().to_string()),
+            checkpoint: totals.committed.map(|d| d.display().to_string()),
         }
     }
+}
+
+/// What a cluster job cannot do (yet), refused before any role starts.
+fn check_cluster_config(config: &Config) -> Result<(), ClusterError> {
+    // Sizes beyond the machine fail here, before any role allocates.
+    let layout = sparrow_data::DataLayout::from_config(&config.data);
+    sparrow_trainer::sizes::check(config, &layout).map_err(|e| ClusterError::Train(e.into()))?;
+    if config.train.on_non_finite == sparrow_core::config::OnNonFinite::SkipBatch {
+        return Err(ClusterError::Setup(
+            "train.on_non_finite = \"skip_batch\" is not available in a cluster job yet (a skipped batch \
+             would still owe its shards a push); use \"stop\", or sparrow train"
+                .into(),
+        ));
+    }
+    if let (Some(every), Some(checkpoints)) =
+        (config.checkpoint.export_every_steps.filter(|&n| n > 0), config.checkpoint.every_steps)
+        && (checkpoints == 0 || every % checkpoints != 0)
+    {
+        return Err(ClusterError::Setup(format!(
+            "checkpoint.export_every_steps = {every}: a cluster job exports its committed checkpoints, so it \
+             must be a multiple of checkpoint.every_steps = {checkpoints} (or leave every_steps unset: \
+             checkpoints are then taken every export_every_steps)"
+        )));
+    }
+    for (key, set) in [
+        ("train.tensorboard_dir", config.train.tensorboard_dir.is_some()),
+        ("train.eval_every_steps", config.train.eval_every_steps.is_some()),
+    ] {
+        if set {
+            tracing::warn!("{key} applies to sparrow train; a cluster job evaluates and logs at its end only");
+        }
+    }
+    if config.cluster.sync == SyncMode::Lazy && config.checkpoint.export_every_steps.is_some() {
+        return Err(ClusterError::Setup(
+            "checkpoint.export_every_steps with cluster.sync = \"lazy\": a lazy job writes a serving export \
+             at every backup already (checkpoint.dir/exports/)"
+                .into(),
+        ));
+    }
+    if config.cluster.sync == SyncMode::Lazy && config.checkpoint.every_steps.is_some() {
+        return Err(ClusterError::Setup(
+            "checkpoint.every_steps with cluster.sync = \"lazy\" is not available yet: a lazy job's checkpoint \
+             is taken at its end"
+                .into(),
+        ));
+    }
+    Ok(())
 }
 
 impl CheckpointSink for Coordinator {
@@ -1306,46 +691,6 @@ pub struct View {
     pub aggregators: Vec<String>,
 }
 
-/// A generation's data progress, from the checkpoint it restores (read now:
-/// later commits may prune it).
-fn progress_from(generation: u64, restore: Option<&std::path::Path>) -> Result<DataProgress, String> {
-    let manifest = restore.map(sparrow_trainer::checkpoint::read_manifest).transpose().map_err(|e| e.to_string())?;
-    Ok(DataProgress::restored(generation, manifest.as_ref()))
-}
-
-/// The scheduler and aggregators for `sync = "lazy"` (none otherwise),
-/// holding every replica's starting weights: the checkpoint's, or the
-/// config's seed's.
-fn lazy_for(
-    config: &Config,
-    workers: usize,
-    aggregators: usize,
-    restore: Option<&std::path::Path>,
-) -> Result<Option<Arc<Lazy>>, ClusterError> {
-    if config.cluster.sync != SyncMode::Lazy {
-        return Ok(None);
-    }
-    Lazy::check_mapping(&config.cluster.lazy, workers, aggregators)?;
-    let model = match restore {
-        Some(dir) => crate::checkpoint::restore_dense(config, dir)?.model,
-        None => {
-            let layout = sparrow_data::DataLayout::from_config(&config.data);
-            crate::worker::new_worker(config, &layout, 0, None)?.model
-        }
-    };
-    let weights = model.params.flat_values().map_err(sparrow_trainer::TrainError::from)?;
-    let lr = config.dense_optimizer.learning_rate;
-    let (batches, samples) = match restore {
-        Some(dir) => {
-            let m = sparrow_trainer::checkpoint::read_manifest(dir)?;
-            (m.step, m.samples_trained)
-        }
-        None => (0, 0),
-    };
-    let lazy = Lazy::new(&config.cluster.lazy, workers, aggregators, lr, weights).after(batches, samples);
-    Ok(Some(Arc::new(lazy)))
-}
-
 impl LazyLink for Coordinator {
     fn poll(
         &self,
@@ -1355,19 +700,19 @@ impl LazyLink for Coordinator {
         finished: bool,
         wait: bool,
     ) -> Result<Option<Instruction>, ClusterError> {
-        let lazy = self.lazy_in(worker, generation)?;
+        let lazy = self.hub.lazy_in(worker, generation)?;
         lazy.poll(worker, since, finished, wait).map_err(|e| self.woken(generation, e))
     }
 
     fn contribute(&self, c: crate::lazy::Contribution) -> Result<crate::lazy::Aggregated, ClusterError> {
         faults::point("coordinator.aggregate");
         let generation = c.generation;
-        let lazy = self.lazy_in(c.worker, generation)?;
+        let lazy = self.hub.lazy_in(c.worker, generation)?;
         LazyLink::contribute(&*lazy, c).map_err(|e| self.woken(generation, e))
     }
 
     fn final_weights(&self, generation: u64) -> Result<FinalWeights, ClusterError> {
-        let lazy = self.lazy_in(0, generation)?;
+        let lazy = self.hub.lazy_in(0, generation)?;
         lazy.final_weights().map_err(|e| self.woken(generation, e))
     }
 }
@@ -1554,10 +899,13 @@ mod tests {
                 })
             })
         };
-        std::thread::sleep(Duration::from_millis(50));
+        // Ordered by the round's state, not by time: the contribution is in.
+        c.wait_for_contributions(0, 1);
         c.lost(RoleKind::Worker, 1, "exited (its process died)");
+        // Released by the new generation, which it is told; not refused as
+        // stale (that is the answer to an arrival after the change, below).
         let err = waiting.join().expect("thread").expect_err("released");
-        assert!(err.may_be_a_death(), "{err}");
+        assert!(matches!(err, ClusterError::GenerationChanged { generation: 2 }), "{err}");
         let stale =
             Contribution { worker: 0, generation: 1, round: 0, grads: vec![1.0], rows: 1, patience: Duration::ZERO };
         assert!(matches!(c.sum(stale), Err(ClusterError::StaleGeneration { .. })));

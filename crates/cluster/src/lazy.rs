@@ -248,6 +248,15 @@ struct State {
     failed: Option<String>,
 }
 
+/// Where a scheduler's backups go.
+#[derive(Default)]
+struct BackupTargets {
+    /// Where backups go to be written (S4.6); none: not backed up.
+    sink: Option<crossbeam_channel::Sender<Backup>>,
+    /// Commits each backup as a checkpoint before the workers go on.
+    committer: Option<BackupCommitter>,
+}
+
 /// The scheduler and the aggregators of one generation of the job.
 pub struct Lazy {
     cfg: LazyConfig,
@@ -257,10 +266,8 @@ pub struct Lazy {
     state: Mutex<State>,
     changed: Condvar,
     conditions: Mutex<Conditions>,
-    /// Where backups go to be written (S4.6); none: not backed up.
-    backups: Mutex<Option<crossbeam_channel::Sender<Backup>>>,
-    /// Commits each backup as a checkpoint before the workers go on.
-    committer: Mutex<Option<BackupCommitter>>,
+    /// Where backups go and what commits them.
+    backups: Mutex<BackupTargets>,
     /// The job's batches and samples before this scheduler started (the restored checkpoint's).
     base: (u64, u64),
 }
@@ -335,8 +342,7 @@ impl Lazy {
             }),
             changed: Condvar::new(),
             conditions: Mutex::new(Conditions::default()),
-            backups: Mutex::new(None),
-            committer: Mutex::new(None),
+            backups: Mutex::default(),
             base: (0, 0),
         }
     }
@@ -350,13 +356,13 @@ impl Lazy {
     /// Commits every backup as a checkpoint through `committer` (before the
     /// workers of the aggregation go on, so it is a cut).
     pub fn commit_backups_with(&self, committer: BackupCommitter) {
-        *self.committer.lock() = Some(committer);
+        self.backups.lock().committer = Some(committer);
     }
 
     /// Backs the aggregated weights up through `sink` when they moved by at
     /// least `backup_min_change` since the last backup.
     pub fn back_up_to(&self, sink: crossbeam_channel::Sender<Backup>) {
-        *self.backups.lock() = Some(sink);
+        self.backups.lock().sink = Some(sink);
     }
 
     /// A queued backup was written (or failed: not counted).
@@ -610,7 +616,7 @@ impl Lazy {
                 }
                 state.report.aggregations += 1;
                 let result = Arc::new(state.weights.clone());
-                let back_up = self.backups.lock().is_some()
+                let back_up = self.backups.lock().sink.is_some()
                     && relative_change(&state.weights, state.last_backup.as_deref()) >= self.cfg.backup_min_change;
                 if back_up {
                     state.last_backup = Some(state.weights.clone());
@@ -629,7 +635,7 @@ impl Lazy {
         if let Some(cut) = to_commit {
             // The others wait in their contributions meanwhile: a cut.
             drop(guard);
-            let committer = self.committer.lock().clone();
+            let committer = self.backups.lock().committer.clone();
             let committed = match committer.map(|commit| commit(&cut)) {
                 Some(Ok(())) => Some(cut.step),
                 Some(Err(e)) => {
@@ -643,7 +649,7 @@ impl Lazy {
                 guard.last_committed = Some(guard.last_committed.map_or(step, |s| s.max(step)));
             }
             let number = guard.report.aggregations;
-            if let Some(sink) = self.backups.lock().as_ref()
+            if let Some(sink) = self.backups.lock().sink.as_ref()
                 && sink.send((number, cut.weights.clone())).is_ok()
             {
                 guard.backups_pending += 1;

@@ -32,6 +32,7 @@ pub mod local;
 pub mod messages;
 pub mod metrics;
 pub mod net;
+pub mod rendezvous;
 pub mod roles;
 pub mod rounds;
 pub mod second_level;

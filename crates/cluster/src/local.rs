@@ -54,7 +54,8 @@ pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Re
     let in_rounds = config.cluster.sync == SyncMode::Round;
     let lazy = match config.cluster.sync {
         SyncMode::Lazy => {
-            let start = new_worker(config, &layout, 0, None)?.model.params.flat_values().map_err(TrainError::from)?;
+            let start =
+                sparrow_trainer::initial_model(config, &layout)?.params.flat_values().map_err(TrainError::from)?;
             let lr = config.dense_optimizer.learning_rate;
             Some(Arc::new(Lazy::new(&config.cluster.lazy, num_workers, 1, lr, start)))
         }

@@ -15,12 +15,11 @@
 //!   items it trained (coefficients formed in f64, summed in f64, in worker order);
 //! - `sum`: Σ_k Δ_k, the seed's plain accumulation.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
-use parking_lot::{Condvar, Mutex};
 use sparrow_core::config::RoundMergeRule;
 
+use crate::rendezvous::Rendezvous;
 use crate::transport::ClusterError;
 
 /// A worker's end of a round.
@@ -74,89 +73,54 @@ pub fn merge(rule: RoundMergeRule, updates: &[(Vec<f32>, u64)]) -> Vec<f32> {
     acc.into_iter().map(|a| a as f32).collect()
 }
 
-struct Pending {
-    updates: Vec<Option<(Vec<f32>, u64, u64)>>,
-    result: Option<Arc<MergedRound>>,
-    taken: usize,
-}
-
-#[derive(Default)]
-struct State {
-    rounds: HashMap<u64, Pending>,
-    failed: Option<String>,
-}
-
 /// The coordinator's meeting point of a generation's rounds.
 pub struct RoundMerge {
-    workers: usize,
     rule: RoundMergeRule,
-    state: Mutex<State>,
-    ready: Condvar,
+    meet: Rendezvous<(Vec<f32>, u64, u64), Arc<MergedRound>>,
 }
 
 impl RoundMerge {
+    /// Round merges of `workers` workers in generation 0 (a job in one process).
     pub fn new(workers: usize, rule: RoundMergeRule) -> Self {
-        RoundMerge { workers: workers.max(1), rule, state: Mutex::default(), ready: Condvar::new() }
+        RoundMerge::in_generation(workers, rule, 0)
+    }
+
+    pub fn in_generation(workers: usize, rule: RoundMergeRule, generation: u64) -> Self {
+        RoundMerge { rule, meet: Rendezvous::new("round", workers, generation) }
     }
 
     /// Adds a worker's update and waits until every worker's is in; returns
     /// the merged round (the same bits to every worker).
     pub fn merge_round(&self, u: RoundUpdate) -> Result<Arc<MergedRound>, ClusterError> {
-        let RoundUpdate { worker, round, delta, items, samples, .. } = u;
-        let workers = self.workers;
-        if worker >= workers {
-            return Err(ClusterError::Setup(format!("worker {worker}: only {workers} workers are expected")));
-        }
-        let mut state = self.state.lock();
-        if let Some(reason) = &state.failed {
-            return Err(ClusterError::JobFailed(reason.clone()));
-        }
-        let pending = state.rounds.entry(round).or_insert_with(|| Pending {
-            updates: (0..workers).map(|_| None).collect(),
-            result: None,
-            taken: 0,
-        });
-        if pending.updates[worker].is_some() {
-            return Err(ClusterError::Setup(format!("worker {worker} sent round {round} twice")));
-        }
-        if let Some((first, _, _)) = pending.updates.iter().flatten().next()
-            && first.len() != delta.len()
-        {
-            return Err(ClusterError::Setup(format!(
+        let RoundUpdate { worker, generation, round, delta, items, samples } = u;
+        let fits = |(mine, _, _): &(Vec<f32>, u64, u64), other: Option<&(Vec<f32>, u64, u64)>| match other {
+            Some((first, _, _)) if first.len() != mine.len() => Err(format!(
                 "worker {worker}: round {round}: {} values, other workers sent {}",
-                delta.len(),
+                mine.len(),
                 first.len()
-            )));
-        }
-        pending.updates[worker] = Some((delta, items, samples));
-        if pending.updates.iter().all(Option::is_some) {
-            let updates: Vec<(Vec<f32>, u64, u64)> = pending.updates.iter_mut().filter_map(Option::take).collect();
+            )),
+            _ => Ok(()),
+        };
+        let rule = self.rule;
+        let close = |updates: Vec<(Vec<f32>, u64, u64)>| {
             let samples = updates.iter().map(|u| u.2).sum();
             let items = updates.iter().map(|u| u.1).collect();
             let pairs: Vec<(Vec<f32>, u64)> = updates.into_iter().map(|(d, m, _)| (d, m)).collect();
-            pending.result = Some(Arc::new(MergedRound { delta: merge(self.rule, &pairs), items, samples }));
-            self.ready.notify_all();
-        }
-        loop {
-            if let Some(reason) = &state.failed {
-                return Err(ClusterError::JobFailed(reason.clone()));
-            }
-            let pending = state.rounds.get_mut(&round).ok_or(ClusterError::Setup(format!("round {round} vanished")))?;
-            if let Some(result) = pending.result.clone() {
-                pending.taken += 1;
-                if pending.taken == workers {
-                    state.rounds.remove(&round);
-                }
-                return Ok(result);
-            }
-            self.ready.wait(&mut state);
-        }
+            Ok(Arc::new(MergedRound { delta: merge(rule, &pairs), items, samples }))
+        };
+        self.meet
+            .arrive(generation, round, worker, (delta, items, samples), fits, close)
+            .map_err(|p| p.into_cluster_error("the coordinator", || format!("worker {worker}'s round update")))
     }
 
     /// Wakes every waiting worker with an error (a role died, the job failed).
     pub fn fail(&self, reason: String) {
-        self.state.lock().failed.get_or_insert(reason);
-        self.ready.notify_all();
+        self.meet.fail(reason);
+    }
+
+    /// Generation `generation` starts: waiting workers are released.
+    pub fn advance(&self, generation: u64) {
+        self.meet.advance(generation);
     }
 }
 
@@ -194,7 +158,7 @@ mod tests {
 
     #[test]
     fn every_worker_gets_the_same_merge_once_all_are_in() {
-        let m = Arc::new(RoundMerge::new(2, RoundMergeRule::Mean));
+        let m = Arc::new(RoundMerge::in_generation(2, RoundMergeRule::Mean, 1));
         let other = {
             let m = m.clone();
             std::thread::spawn(move || {

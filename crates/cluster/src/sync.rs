@@ -12,16 +12,15 @@
 //! worker order, and every worker receives the same bits: applying the same
 //! optimizer step, they keep identical weights.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use parking_lot::{Condvar, Mutex};
 use sparrow_model::{DenseGrads, ParamStore};
 use sparrow_trainer::TrainError;
 use sparrow_trainer::dense_sync::DenseSync;
 
+use crate::rendezvous::{Parted, Rendezvous};
 use crate::transport::ClusterError;
 
 /// The sum of one round: gradients and total rows.
@@ -49,114 +48,78 @@ pub enum RoundReply {
     Closed(RoundResult),
 }
 
-struct Round {
-    /// Each worker's accumulated contribution (None: nothing yet).
-    parts: Vec<Option<(Vec<f32>, u64)>>,
-    last_made: Vec<bool>,
-    result: Option<RoundResult>,
-    taken: usize,
-}
-
-#[derive(Default)]
-struct State {
-    rounds: HashMap<u64, Round>,
-    failed: Option<String>,
-}
-
-/// The meeting point of the workers' rounds (the coordinator holds one).
+/// The meeting point of the workers' rounds (the coordinator holds one):
+/// each worker's contributions accumulate in its slot of the round's meeting.
 pub struct RoundSum {
-    workers: usize,
-    state: Mutex<State>,
-    ready: Condvar,
+    meet: Rendezvous<(Vec<f32>, u64), RoundResult>,
 }
 
 impl RoundSum {
+    /// Rounds of `workers` workers in generation 0 (a job in one process).
     pub fn new(workers: usize) -> Self {
-        RoundSum { workers, state: Mutex::new(State::default()), ready: Condvar::new() }
+        RoundSum::in_generation(workers, 0)
+    }
+
+    pub fn in_generation(workers: usize, generation: u64) -> Self {
+        RoundSum { meet: Rendezvous::new("round", workers, generation) }
     }
 
     /// Adds a worker's contribution to its round. Returns `Open` if another
     /// worker has still not contributed after `patience` (and `rows > 0`);
     /// otherwise waits for the round to close and returns its sum.
     pub fn sum(&self, c: Contribution) -> Result<RoundReply, ClusterError> {
-        let Contribution { worker, round, grads, rows, patience, .. } = c;
-        let workers = self.workers;
-        if worker >= workers {
-            return Err(ClusterError::Setup(format!("worker {worker}: only {workers} workers are expected")));
-        }
-        let mut state = self.state.lock();
-        if let Some(reason) = &state.failed {
-            return Err(ClusterError::JobFailed(reason.clone()));
-        }
-        let entry = state.rounds.entry(round).or_insert_with(|| Round {
-            parts: (0..workers).map(|_| None).collect(),
-            last_made: vec![false; workers],
-            result: None,
-            taken: 0,
-        });
-        if entry.last_made[worker] {
-            return Err(ClusterError::Setup(format!("worker {worker} contributed to round {round} after its last")));
-        }
-        if let Some((first, _)) = entry.parts.iter().flatten().next()
-            && first.len() != grads.len()
-        {
-            return Err(ClusterError::Setup(format!(
-                "worker {worker}: round {round}: {} gradient values, other workers sent {}",
-                grads.len(),
-                first.len()
-            )));
-        }
-        match &mut entry.parts[worker] {
-            Some((acc, acc_rows)) => {
-                acc.iter_mut().zip(&grads).for_each(|(a, g)| *a += g);
-                *acc_rows += rows;
-            }
-            slot @ None => *slot = Some((grads, rows)),
-        }
-        self.ready.notify_all();
-        let deadline = Instant::now() + patience;
-        let missing = |state: &State| state.rounds.get(&round).is_some_and(|r| r.parts.iter().any(Option::is_none));
-        while rows > 0 && missing(&state) && state.failed.is_none() {
-            if self.ready.wait_until(&mut state, deadline).timed_out() {
-                if missing(&state) {
-                    return Ok(RoundReply::Open);
+        let Contribution { worker, generation, round, grads, rows, patience } = c;
+        let parted = |p: Parted| p.into_cluster_error("the coordinator", || format!("worker {worker}'s gradients"));
+        self.meet
+            .add(generation, round, worker, |mine, other| {
+                if let Some((first, _)) = other.or(mine.as_ref())
+                    && first.len() != grads.len()
+                {
+                    return Err(format!(
+                        "worker {worker}: round {round}: {} gradient values, other workers sent {}",
+                        grads.len(),
+                        first.len()
+                    ));
                 }
-                break;
-            }
+                match mine {
+                    Some((acc, acc_rows)) => {
+                        acc.iter_mut().zip(&grads).for_each(|(a, g)| *a += g);
+                        *acc_rows += rows;
+                    }
+                    None => *mine = Some((grads, rows)),
+                }
+                Ok(())
+            })
+            .map_err(parted)?;
+        if rows > 0 && !self.meet.wait_all_arrived(generation, round, Instant::now() + patience).map_err(parted)? {
+            return Ok(RoundReply::Open);
         }
-        let entry = state.rounds.get_mut(&round).ok_or(ClusterError::Setup(format!("round {round} vanished")))?;
-        entry.last_made[worker] = true;
-        if entry.last_made.iter().all(|&d| d) {
-            let mut parts = entry.parts.iter_mut().map(|p| p.take().unwrap_or_default());
+        // Formed once, in worker order: every worker receives the same bits.
+        let closed = self.meet.finish(generation, round, worker, |parts| {
+            let mut parts = parts.into_iter();
             let (mut total, mut total_rows) = parts.next().unwrap_or_default();
             for (g, r) in parts {
                 total.iter_mut().zip(&g).for_each(|(t, g)| *t += g);
                 total_rows += r;
             }
-            entry.result = Some(Arc::new((total, total_rows)));
-            self.ready.notify_all();
-        }
-        loop {
-            if let Some(reason) = &state.failed {
-                return Err(ClusterError::JobFailed(reason.clone()));
-            }
-            let round_state =
-                state.rounds.get_mut(&round).ok_or(ClusterError::Setup(format!("round {round} vanished")))?;
-            if let Some(result) = round_state.result.clone() {
-                round_state.taken += 1;
-                if round_state.taken == workers {
-                    state.rounds.remove(&round);
-                }
-                return Ok(RoundReply::Closed(result));
-            }
-            self.ready.wait(&mut state);
-        }
+            Ok(Arc::new((total, total_rows)))
+        });
+        closed.map(RoundReply::Closed).map_err(parted)
     }
 
     /// Wakes every waiting worker with an error (a worker or a shard is gone).
     pub fn fail(&self, reason: String) {
-        self.state.lock().failed.get_or_insert(reason);
-        self.ready.notify_all();
+        self.meet.fail(reason);
+    }
+
+    /// Generation `generation` starts: waiting workers are released.
+    pub fn advance(&self, generation: u64) {
+        self.meet.advance(generation);
+    }
+
+    /// How many workers contributed to `round` so far (tests wait on it).
+    pub fn wait_for_contributions(&self, round: u64, n: usize) {
+        self.meet.wait_for_arrivals(round, n);
     }
 }
 

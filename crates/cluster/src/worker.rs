@@ -5,30 +5,33 @@
 //! several workers its dense sync policy sums gradients across them every
 //! step (S0.6, [`crate::sync::RoundSync`]).
 
+mod lazy;
+mod remote;
+mod round;
+
+use self::remote::{RemoteRows, look_up_keys, pull_rows};
+
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use candle_core::Device;
 use parking_lot::Mutex;
 use sparrow_core::Config;
 use sparrow_core::config::{LazyConfig, LazySend, Pooling};
 use sparrow_data::DataLayout;
-use sparrow_embedding::{KeyPlan, owner};
-use sparrow_model::{DenseModel, DenseOptimizer, ModelShape};
+use sparrow_model::{DenseModel, DenseOptimizer};
 use sparrow_trainer::TrainError;
 use sparrow_trainer::dense_sync::{DenseSync, LocalSync};
 use sparrow_trainer::engine::{DenseInputs, Looked, RowSource, StepEngine, Stepped, dense_step, idle_step};
 use sparrow_trainer::pooling::{Bags, pool};
-use sparrow_trainer::trainer::seeds;
 
 use crate::checkpoint::{CheckpointSink, DenseState, WorkerCut};
 use crate::faults;
-use crate::lazy::{Contribution as LazyContribution, LazyLink, LazyReport};
+use crate::lazy::{LazyLink, LazyReport};
 use crate::messages::{Mode, WorkerBatch};
-use crate::rounds::{RoundMerger, RoundUpdate};
+use crate::rounds::RoundMerger;
 use crate::sync::{RoundSummer, RoundSync};
 use crate::transport::{ClusterError, LoaderService, ShardService};
 
@@ -225,13 +228,7 @@ pub fn new_worker_in(
     summer: Option<Arc<dyn RoundSummer>>,
     generation: u64,
 ) -> Result<Worker, ClusterError> {
-    let (_, dense_seed) = seeds(config.train.seed);
-    let shape = ModelShape {
-        num_fields: layout.num_fields,
-        num_dense: layout.num_dense,
-        embedding_dim: config.model.embedding_dim,
-    };
-    let model = DenseModel::new(&config.model, shape, dense_seed, Device::Cpu).map_err(TrainError::from)?;
+    let model = sparrow_trainer::initial_model(config, layout)?;
     let step_sync_bytes = Arc::new(AtomicU64::new(0));
     let sync: Box<dyn DenseSync> = match summer {
         Some(summer) => {
@@ -246,173 +243,6 @@ pub fn new_worker_in(
     worker.generation = generation;
     worker.row_dtype = config.embedding.dtype;
     Ok(worker)
-}
-
-/// Runs `call` for every shard with a non-empty part, concurrently when
-/// there are several, and returns the results in shard order with each
-/// call's seconds.
-fn each_shard<T: Send>(
-    shards: &[Arc<dyn ShardService>],
-    counts: &[u32],
-    call: impl Fn(usize, &dyn ShardService) -> Result<T, ClusterError> + Sync,
-) -> Result<Vec<(T, f32)>, ClusterError> {
-    let timed = |s: usize| {
-        let t = Instant::now();
-        call(s, shards[s].as_ref()).map(|v| (v, t.elapsed().as_secs_f32()))
-    };
-    let busy: Vec<usize> = (0..shards.len()).filter(|&s| counts[s] > 0).collect();
-    if busy.len() <= 1 {
-        return busy.into_iter().map(timed).collect();
-    }
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = busy.iter().map(|&s| scope.spawn(move || timed(s))).collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(ClusterError::Setup("a shard call panicked".into()))))
-            .collect()
-    })
-}
-
-/// What the shard calls of a step carried and took (merged into
-/// [`WorkerStats`] by the worker's thread).
-#[derive(Default)]
-struct ShardTraffic {
-    /// Bytes a shard sends per vector (set by the caller; 0 in a merged total).
-    vector_bytes: usize,
-    bytes_from_loader: u64,
-    bytes_from_shards: u64,
-    bytes_from_remote_shards: u64,
-    pull_secs: Vec<f32>,
-    push_secs: Vec<f32>,
-}
-
-impl ShardTraffic {
-    fn merge(&mut self, other: ShardTraffic) {
-        self.bytes_from_loader += other.bytes_from_loader;
-        self.bytes_from_shards += other.bytes_from_shards;
-        self.bytes_from_remote_shards += other.bytes_from_remote_shards;
-        self.pull_secs.extend(other.pull_secs);
-        self.push_secs.extend(other.push_secs);
-    }
-
-    fn add_to(self, stats: &mut WorkerStats) {
-        stats.bytes_from_loader += self.bytes_from_loader;
-        stats.bytes_from_shards += self.bytes_from_shards;
-        stats.bytes_from_remote_shards += self.bytes_from_remote_shards;
-        stats.pull_secs.extend(self.pull_secs);
-        stats.push_secs.extend(self.push_secs);
-    }
-}
-
-/// In worker_lookup mode the worker does the loader's S0 work itself:
-/// dedup, partition, and sending each shard its keys.
-fn look_up_keys(batch: &mut WorkerBatch, shards: &[Arc<dyn ShardService>], mode: Mode) -> Result<(), ClusterError> {
-    if batch.keys.is_empty() {
-        return Ok(());
-    }
-    let n = shards.len();
-    let plan = KeyPlan::new(&batch.keys, n, |k| owner(k, n));
-    batch.shard_counts = (0..n).map(|s| plan.shard_keys(s).len() as u32).collect();
-    each_shard(shards, &batch.shard_counts, |s, shard| {
-        shard.enqueue(batch.batch_id, plan.shard_keys(s).to_vec(), mode)
-    })?;
-    batch.inverse = plan.inverse;
-    Ok(())
-}
-
-/// The batch's unique rows, shard by shard (the loader's order).
-fn pull_rows(
-    batch: &WorkerBatch,
-    width: usize,
-    shards: &[Arc<dyn ShardService>],
-    mut traffic: Option<&mut ShardTraffic>,
-) -> Result<Vec<f32>, ClusterError> {
-    let vector_bytes = traffic.as_ref().map_or(4 * width, |t| t.vector_bytes) as u64;
-    let parts =
-        each_shard(shards, &batch.shard_counts, |_, shard| shard.pull(batch.batch_id).map(|p| (p, shard.is_local())))?;
-    let mut rows = Vec::with_capacity(batch.num_unique() * width);
-    for ((part, local), secs) in parts {
-        if let Some(t) = traffic.as_deref_mut() {
-            // A shard sends each vector as its table stores it (f32 or half).
-            let bytes = (part.len() / width.max(1)) as u64 * vector_bytes;
-            t.bytes_from_shards += bytes;
-            if !local {
-                t.bytes_from_remote_shards += bytes;
-            }
-            t.pull_secs.push(secs);
-        }
-        rows.extend_from_slice(&part);
-    }
-    Ok(rows)
-}
-
-/// The shards as the step engine's [`RowSource`]: a lookup sends the keys
-/// (worker_lookup mode) and pulls the rows by batch id; an update pushes
-/// each shard its part of the gradients. Network calls: they run beside the
-/// dense step on a thread of their own.
-struct RemoteRows<'a> {
-    shards: &'a [Arc<dyn ShardService>],
-    width: usize,
-    /// Bytes a shard sends per vector.
-    vector_bytes: usize,
-    traffic: Mutex<ShardTraffic>,
-}
-
-impl RowSource for RemoteRows<'_> {
-    type Batch = WorkerBatch;
-    type Ticket = ();
-    type Error = ClusterError;
-
-    fn look_up(&self, mut batch: WorkerBatch) -> Result<Looked<WorkerBatch, ()>, ClusterError> {
-        let loader_bytes = batch.payload_bytes() as u64;
-        look_up_keys(&mut batch, self.shards, Mode::Train)?;
-        let mut traffic = ShardTraffic {
-            bytes_from_loader: loader_bytes,
-            vector_bytes: self.vector_bytes,
-            ..ShardTraffic::default()
-        };
-        let unique_rows = pull_rows(&batch, self.width, self.shards, Some(&mut traffic))?;
-        self.traffic.lock().merge(traffic);
-        Ok(Looked { batch, unique_rows, ticket: () })
-    }
-
-    fn update(&self, batch: &WorkerBatch, _: (), grads: Vec<f32>) -> Result<(), ClusterError> {
-        let mut traffic = ShardTraffic::default();
-        push_grads(batch, &grads, self.width, self.shards, &mut traffic)?;
-        self.traffic.lock().merge(traffic);
-        Ok(())
-    }
-
-    fn blocks(&self) -> bool {
-        true
-    }
-}
-
-/// Pushes each shard its part of a batch's summed gradients (per unique
-/// key, shard by shard, `width` floats each).
-fn push_grads(
-    batch: &WorkerBatch,
-    grads: &[f32],
-    width: usize,
-    shards: &[Arc<dyn ShardService>],
-    traffic: &mut ShardTraffic,
-) -> Result<(), ClusterError> {
-    // Where each shard's part starts: the counts before it.
-    let starts: Vec<usize> = batch
-        .shard_counts
-        .iter()
-        .scan(0, |at, &count| {
-            let start = *at;
-            *at += count as usize * width;
-            Some(start)
-        })
-        .collect();
-    let pushed = each_shard(shards, &batch.shard_counts, |s, shard| {
-        let part = &grads[starts[s]..starts[s] + batch.shard_counts[s] as usize * width];
-        shard.push(batch.batch_id, part.to_vec())
-    })?;
-    traffic.push_secs.extend(pushed.iter().map(|(_, secs)| secs));
-    Ok(())
 }
 
 impl Worker {
@@ -714,213 +544,6 @@ impl Worker {
         self.stats.steps = self.optimizer.step;
         self.stats.dense_sync_bytes += self.step_sync_bytes.load(Ordering::Relaxed);
         Ok(())
-    }
-
-    /// `sync = "round"` (S2): takes items of each round from the loader's
-    /// round queue one at a time, stepping this replica after each; at the
-    /// round's end sends its update and starts the next round from the
-    /// merged weights, until a round in which no worker had an item.
-    fn train_rounds(&mut self, loader: &dyn LoaderService, rows: &RemoteRows<'_>) -> Result<(), ClusterError> {
-        let (index, generation) = (self.index, self.generation);
-        let mut round = 0u64;
-        loop {
-            let begin = self.model.params.flat_values().map_err(TrainError::from)?;
-            let (items, samples) =
-                self.train_round_items(rows, |_| loader.next_round_item(index, generation, round))?;
-            let now = self.model.params.flat_values().map_err(TrainError::from)?;
-            let delta: Vec<f32> = now.iter().zip(&begin).map(|(w, s)| w - s).collect();
-            faults::point("worker.round");
-            let Some(r) = &self.rounds else { return Ok(()) };
-            let (merger, num_workers) = (r.merger.clone(), r.num_workers);
-            let sent = 4 * delta.len() as u64;
-            let merged = merger.merge_round(RoundUpdate { worker: index, generation, round, delta, items, samples })?;
-            self.stats.dense_sync_bytes += sent + 4 * merged.delta.len() as u64;
-            if merged.delta.len() != begin.len() {
-                return Err(ClusterError::Setup(format!(
-                    "round {round}: the merged update has {} values, this worker has {}",
-                    merged.delta.len(),
-                    begin.len()
-                )));
-            }
-            // Alone, a worker's weights are the merge (start + Δ could round
-            // differently); replicas take start + merged Δ, the same bits each.
-            if num_workers > 1 {
-                let next: Vec<f32> = begin.iter().zip(&merged.delta).map(|(s, d)| s + d).collect();
-                self.model.params.set_flat(&next).map_err(TrainError::from)?;
-            }
-            round += 1;
-            if merged.total_items() == 0 {
-                break;
-            }
-            self.stats.rounds += 1;
-            self.stats.round_items.resize(merged.items.len(), 0);
-            self.stats.round_items.iter_mut().zip(&merged.items).for_each(|(t, m)| *t += m);
-            if let Some(j) = &mut self.job {
-                j.batches += merged.total_items();
-                j.samples += merged.samples;
-            }
-            self.progress.fetch_add(1, Ordering::Relaxed);
-            self.after_step::<RemoteRows<'_>>(None)?;
-        }
-        let end = self.checkpoints.as_ref().is_some_and(|c| self.job_step() > c.last_step);
-        if end { self.checkpoint_now() } else { Ok(()) }
-    }
-
-    /// `sync = "lazy"` (S4): trains batch after batch on this replica,
-    /// asking the scheduler after each whether to aggregate (waiting at
-    /// `max_local_iterations`, or once its data is finished and it still has
-    /// iterations to send); sends its delta or round gradient for each
-    /// instruction and takes the new weights. After the last, every worker
-    /// takes the final weights (the model the job evaluates and saves).
-    fn train_lazy(&mut self, loader: &dyn LoaderService, rows: &RemoteRows<'_>) -> Result<(), ClusterError> {
-        let (index, generation) = (self.index, self.generation);
-        let Some(part) = &self.lazy else { return Ok(()) };
-        let (link, max_local, recorded) = (part.link.clone(), part.cfg.max_local_iterations, part.recorded.clone());
-        let mut at_last = self.model.params.flat_values().map_err(TrainError::from)?;
-        let (mut since, mut coefficient, mut samples, mut finished) = (0u64, 0f64, 0u64, false);
-        let mut engine = StepEngine::new(self.pipeline_depth);
-        let mut next_batch_secs = 0.0;
-        loop {
-            if !finished {
-                let mut next = |_: usize| {
-                    let waited = Instant::now();
-                    let next = loader.next_batch(index, Mode::Train, generation).transpose();
-                    next_batch_secs += waited.elapsed().as_secs_f64();
-                    next
-                };
-                let mut trained = (0u64, 0f64);
-                let stepped = engine.step(rows, &mut next, |looked| {
-                    trained = (looked.batch.rows as u64, looked.batch.weight_sum());
-                    let (_, grads) = self.dense(looked)?;
-                    Ok(((), Some(grads)))
-                })?;
-                match stepped {
-                    Some(stepped) => {
-                        self.record_phases(stepped)?;
-                        since += 1;
-                        samples += trained.0;
-                        coefficient += trained.1;
-                        faults::point("worker.step");
-                        faults::worker_step(index);
-                        self.check_generation()?;
-                    }
-                    None => {
-                        finished = true;
-                        self.stats.phase_secs.push += engine.flush(rows)?;
-                    }
-                }
-            }
-            let wait = finished || since >= max_local;
-            let waited = Instant::now();
-            let instruction = link.poll(index, generation, since, finished, wait)?;
-            self.stats.lazy_wait_secs += waited.elapsed().as_secs_f64();
-            let Some(instruction) = instruction else {
-                if finished {
-                    break;
-                }
-                continue;
-            };
-            let values = match &recorded {
-                Some(grads) => {
-                    let mut grads = grads.lock();
-                    let at = (instruction.round as usize).clamp(1, grads.len().max(1)) - 1;
-                    let g = grads.get(at).cloned().ok_or_else(|| {
-                        ClusterError::Setup(format!("worker {index}: no gradient for round {}", instruction.round))
-                    })?;
-                    grads.clear();
-                    g
-                }
-                None => {
-                    let now = self.model.params.flat_values().map_err(TrainError::from)?;
-                    now.iter().zip(&at_last).map(|(w, x)| w - x).collect()
-                }
-            };
-            self.stats.dense_sync_bytes += 4 * values.len() as u64;
-            // Every update pushed first: an aggregation may be a backup, committed as a checkpoint.
-            self.stats.phase_secs.push += engine.flush(rows)?;
-            let done = link.contribute(LazyContribution {
-                worker: index,
-                generation,
-                instruction: instruction.id,
-                participants: instruction.participants.clone(),
-                values,
-                coefficient,
-                finished,
-                position: self.stats.last_end,
-                iterations: since,
-                samples,
-            })?;
-            self.stats.aggregations += 1;
-            (since, coefficient, samples) = (0, 0.0, 0);
-            self.job = Some(JobCount { batches: done.job_batches, samples: done.job_samples });
-            // A backup committed as a checkpoint: the job's last one need not repeat it.
-            if let (Some(step), Some(c)) = (done.committed, self.checkpoints.as_mut()) {
-                c.last_step = c.last_step.max(step);
-            }
-            self.reported_step.store(self.job_step(), Ordering::Relaxed);
-            match done.weights {
-                Some(w) => {
-                    self.stats.dense_sync_bytes += 4 * w.len() as u64;
-                    self.model.params.set_flat(&w).map_err(TrainError::from)?;
-                    at_last = w.to_vec();
-                }
-                None => break,
-            }
-            self.progress.fetch_add(1, Ordering::Relaxed);
-        }
-        self.stats.phase_secs.push += engine.flush(rows)?;
-        self.stats.phase_secs.next_batch += next_batch_secs;
-        // Every worker ends with the aggregated model.
-        let done = link.final_weights(generation)?;
-        self.stats.dense_sync_bytes += 4 * done.weights.len() as u64;
-        self.model.params.set_flat(&done.weights).map_err(TrainError::from)?;
-        if let Some(j) = &mut self.job {
-            (j.batches, j.samples) = (done.job_batches, done.job_samples);
-        }
-        // The job's newest committed backup, as every worker learns it: all
-        // decide alike whether the end needs a checkpoint (one asked for by
-        // a worker alone waits for the others' cuts forever).
-        if let (Some(step), Some(c)) = (done.committed, self.checkpoints.as_mut()) {
-            c.last_step = c.last_step.max(step);
-        }
-        self.lazy_report = Some(done.report);
-        let end = self.checkpoints.as_ref().is_some_and(|c| self.job_step() > c.last_step);
-        if end { self.checkpoint_now() } else { Ok(()) }
-    }
-
-    /// The items of one round through the step engine (every update pushed
-    /// at its end): how many, and their samples.
-    fn train_round_items(
-        &mut self,
-        rows: &RemoteRows<'_>,
-        mut take: impl FnMut(usize) -> Result<Option<WorkerBatch>, ClusterError>,
-    ) -> Result<(u64, u64), ClusterError> {
-        let mut engine = StepEngine::new(self.pipeline_depth);
-        let (mut items, mut samples) = (0u64, 0u64);
-        let mut next_batch_secs = 0.0;
-        loop {
-            let mut next = |i: usize| {
-                let waited = Instant::now();
-                let next = take(i).transpose();
-                next_batch_secs += waited.elapsed().as_secs_f64();
-                next
-            };
-            let stepped = engine.step(rows, &mut next, |looked| {
-                items += 1;
-                samples += looked.batch.rows as u64;
-                let (_, grads) = self.dense(looked)?;
-                Ok(((), Some(grads)))
-            })?;
-            let Some(stepped) = stepped else { break };
-            self.record_phases(stepped)?;
-            self.reported_step.store(self.job_step(), Ordering::Relaxed);
-            faults::point("worker.step");
-            faults::worker_step(self.index);
-            self.check_generation()?;
-        }
-        self.stats.phase_secs.push += engine.flush(rows)?;
-        self.stats.phase_secs.next_batch += next_batch_secs;
-        Ok((items, samples))
     }
 
     /// Every batch of `batches` through the step engine, then the update left waiting.

@@ -23,7 +23,7 @@ pub mod trainer;
 
 pub use error::TrainError;
 pub use run::{EvalSummary, TrainSummary, evaluate_checkpoint, predict_checkpoint, train, train_until};
-pub use trainer::{Trainer, ttl_floor};
+pub use trainer::{Trainer, initial_model, ttl_floor};
 
 /// Peak resident set size of this process (VmHWM), 0 where unknown.
 pub fn peak_rss_bytes() -> u64 {

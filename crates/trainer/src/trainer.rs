@@ -217,17 +217,23 @@ pub fn model_table(config: &Config, subdir: Option<&str>) -> Result<EmbeddingTab
     Ok(if incremental { table.track_last_use() } else { table })
 }
 
+/// The dense network as the config's seed starts it: what every replica,
+/// the lazy scheduler and a fresh job begin from.
+pub fn initial_model(config: &Config, layout: &DataLayout) -> Result<DenseModel, TrainError> {
+    let (_, dense_seed) = seeds(config.train.seed);
+    let shape = ModelShape {
+        num_fields: layout.num_fields,
+        num_dense: layout.num_dense,
+        embedding_dim: config.model.embedding_dim,
+    };
+    Ok(DenseModel::new(&config.model, shape, dense_seed, Device::Cpu)?)
+}
+
 impl Trainer {
     pub fn new(config: &Config, layout: DataLayout) -> Result<Trainer, TrainError> {
         crate::sizes::check(config, &layout)?;
-        let (_, dense_seed) = seeds(config.train.seed);
         let table = model_table(config, None)?;
-        let shape = ModelShape {
-            num_fields: layout.num_fields,
-            num_dense: layout.num_dense,
-            embedding_dim: config.model.embedding_dim,
-        };
-        let model = DenseModel::new(&config.model, shape, dense_seed, Device::Cpu)?;
+        let model = initial_model(config, &layout)?;
         Ok(Trainer {
             config: config.clone(),
             layout,

@@ -1,0 +1,257 @@
+//! Checkpoint commit and exports: the workers meet at a checkpoint step
+//! (a [`Rendezvous`], one step at a time); the worker that completes the
+//! meeting has every shard write its part, checks the files and commits the
+//! version, outside every lock; every worker goes on with the committed
+//! directory. Also the data progress the checkpoints record, the serving
+//! exports of committed versions, and a lazy job's backups.
+//!
+//! Locks: the rendezvous' and the progress slot's (leaves), and `exports`,
+//! held only by the committing worker and the job's end (it waits for the
+//! previous export's thread).
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use sparrow_core::Config;
+
+use super::per_generation::{OtherGeneration, PerGeneration};
+use super::{Coordinator, Event};
+use crate::checkpoint::{ClusterExports, DataProgress, WorkerCut, staging_dir};
+use crate::faults;
+use crate::lazy::BackupCut;
+use crate::rendezvous::{Parted, Rendezvous};
+use crate::transport::{ClusterError, PartWritten};
+
+pub struct Commits {
+    meet: Rendezvous<WorkerCut, PathBuf>,
+    /// Where the training data stands in the current generation (its
+    /// checkpoints' positions), from its restored checkpoint on; an error
+    /// if that checkpoint could not be read.
+    progress: PerGeneration<Result<DataProgress, String>>,
+    /// `checkpoint.export_every_steps`: serving exports of committed versions.
+    exports: Mutex<Option<ClusterExports>>,
+}
+
+impl Commits {
+    pub fn new(config: &Config, workers: usize, generation: u64, restore: Option<&Path>) -> Commits {
+        Commits {
+            meet: Rendezvous::new("checkpoint", workers, generation).one_at_a_time(),
+            progress: PerGeneration::new(generation, progress_from(generation, restore)),
+            exports: Mutex::new(ClusterExports::new(config)),
+        }
+    }
+
+    /// Generation `generation` started (under the generations lock).
+    pub fn advance(&self, generation: u64) {
+        self.meet.advance(generation);
+        self.progress.pending(generation);
+    }
+
+    /// Reads the data progress of `generation` from its restored checkpoint
+    /// (outside every lock).
+    pub fn restore_progress(&self, generation: u64, restore: Option<&Path>) {
+        let _ = self.progress.install(generation, progress_from(generation, restore));
+    }
+
+    pub fn fail(&self, reason: &str) {
+        self.meet.fail(reason.to_string());
+    }
+
+    /// The generation's data progress with the cuts' trained batches added.
+    fn data_progress(&self, generation: u64, cuts: &[WorkerCut]) -> Result<DataProgress, ClusterError> {
+        let added = self.progress.with(generation, |progress| {
+            let progress = progress.as_mut().map_err(|e| ClusterError::Setup(e.clone()))?;
+            progress.add(cuts.iter().flat_map(|c| c.trained.iter().copied()));
+            Ok(progress.clone())
+        });
+        added.map_err(|OtherGeneration(serving)| ClusterError::StaleGeneration {
+            peer: "the coordinator".into(),
+            what: "a checkpoint".into(),
+            found: generation,
+            serving,
+        })?
+    }
+}
+
+/// A generation's data progress, from the checkpoint it restores (read now:
+/// later commits may prune it).
+fn progress_from(generation: u64, restore: Option<&Path>) -> Result<DataProgress, String> {
+    let manifest = restore.map(sparrow_trainer::checkpoint::read_manifest).transpose().map_err(|e| e.to_string())?;
+    Ok(DataProgress::restored(generation, manifest.as_ref()))
+}
+
+impl Coordinator {
+    /// A worker at a checkpoint step: returns the committed version once every
+    /// worker reached the step and every shard wrote its part.
+    pub fn checkpoint(&self, cut: WorkerCut) -> Result<PathBuf, ClusterError> {
+        let (generation, step, worker) = (cut.generation, cut.step, cut.worker);
+        let close = |cuts: Vec<WorkerCut>| {
+            let outcome = self.commit(&cuts).map_err(|e| e.to_string());
+            if let Err(e) = &outcome {
+                tracing::error!("checkpoint at step {step}: {e}");
+            }
+            outcome
+        };
+        let committed = self.commits.meet.arrive(generation, step, worker, cut, |_, _| Ok(()), close);
+        committed.map_err(|parted| match parted {
+            Parted::Stale { serving, .. } => ClusterError::GenerationChanged { generation: serving },
+            Parted::CloseFailed(e) => ClusterError::Setup(format!("the checkpoint failed: {e}")),
+            other => other.into_cluster_error("the coordinator", || format!("worker {worker}'s checkpoint")),
+        })
+    }
+
+    /// Writes and commits the checkpoint the workers' `cuts` describe.
+    pub(super) fn commit(&self, cuts: &[WorkerCut]) -> Result<PathBuf, ClusterError> {
+        let start = Instant::now();
+        let first = &cuts[0];
+        let (generation, step) = (first.generation, first.step);
+        let root = PathBuf::from(
+            self.config.checkpoint.dir.as_deref().ok_or_else(|| ClusterError::Setup("no checkpoint.dir".into()))?,
+        );
+        let dialer = self.dialer.as_ref().ok_or_else(|| ClusterError::Setup("no way to reach the shards".into()))?;
+        let staging = staging_dir(&root, step, generation);
+        std::fs::create_dir_all(&staging)
+            .map_err(|e| ClusterError::Io { what: format!("creating {}", staging.display()), source: e })?;
+        let shards = dialer.dial(&self.members.view(generation).shards)?;
+        // Incremental on the last commit when it has a part per shard and
+        // the full version is not due.
+        let (committed, deltas_since_full) = self.generations.committed();
+        let incremental =
+            self.config.checkpoint.incremental && deltas_since_full + 1 < self.config.checkpoint.full_every;
+        let (base, since) = match (committed, incremental) {
+            (Some((dir, _)), true) => match sparrow_trainer::checkpoint::read_manifest(&dir) {
+                Ok(m) if m.parts.len() == self.num_shards => {
+                    (Some(dir), m.parts.iter().map(|p| Some(p.clock)).collect::<Vec<_>>())
+                }
+                _ => (None, vec![None; self.num_shards]),
+            },
+            _ => (None, vec![None; self.num_shards]),
+        };
+        let written: Vec<PartWritten> = std::thread::scope(|scope| {
+            let handles: Vec<_> = shards
+                .iter()
+                .enumerate()
+                .map(|(i, shard)| {
+                    let (staging, since) = (&staging, since[i]);
+                    scope.spawn(move || shard.write_part(generation, staging, since))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(ClusterError::Setup("a part writer panicked".into()))))
+                .collect::<Result<Vec<_>, _>>()
+        })?;
+        let progress = match cuts.iter().any(|c| !c.trained.is_empty()) {
+            true => Some(self.commits.data_progress(generation, cuts)?),
+            false => None,
+        };
+        let manifest =
+            crate::checkpoint::manifest(&self.config, cuts, &written, base.as_deref(), &staging, progress.as_ref())?;
+        faults::point("coordinator.commit");
+        let dir = sparrow_trainer::checkpoint::commit(&root, &staging, &manifest, self.config.checkpoint.keep)?;
+        let bytes: u64 = manifest.files.values().map(|f| f.bytes).sum();
+        let secs = start.elapsed().as_secs_f64();
+        let shard_mb_per_sec: Vec<f64> = written
+            .iter()
+            .map(|w| w.written.files.iter().map(|(_, b)| *b).sum::<u64>() as f64 / 1e6 / w.secs.max(1e-9))
+            .collect();
+        self.generations.record_commit(dir.clone(), step, base.is_some());
+        if let Some(exports) = self.commits.exports.lock().as_mut() {
+            let every = crate::checkpoint::checkpoint_every(&self.config).unwrap_or(step.max(1));
+            exports.committed(&dir, step, every);
+        }
+        tracing::info!(
+            "checkpoint at step {step} committed: {} ({bytes} bytes{}, {secs:.3} s)",
+            dir.display(),
+            if base.is_some() { ", incremental" } else { "" }
+        );
+        (self.events)(&Event::Committed {
+            step,
+            dir: dir.display().to_string(),
+            bytes,
+            secs,
+            incremental: base.is_some(),
+            shard_mb_per_sec,
+        });
+        Ok(dir)
+    }
+
+    /// Waits for the serving export being written, if any (the job's end).
+    pub fn finish_exports(&self) {
+        if let Some(exports) = self.commits.exports.lock().as_mut() {
+            exports.wait();
+        }
+    }
+
+    /// Commits a lazy job's backup as a checkpoint: the aggregated weights
+    /// (with fresh Adam state: replicas' moments are their own and are never
+    /// aggregated), every shard's part, the furthest data position aggregated.
+    pub fn commit_backup(&self, cut: &BackupCut) -> Result<PathBuf, ClusterError> {
+        let root = PathBuf::from(
+            self.config.checkpoint.dir.as_deref().ok_or_else(|| ClusterError::Setup("no checkpoint.dir".into()))?,
+        );
+        let generation = self.generations.current();
+        let model = self.model_with(&cut.weights)?;
+        let optimizer = sparrow_model::DenseOptimizer::new(self.config.dense_optimizer.clone());
+        crate::checkpoint::write_dense(&root, cut.step, generation, &model, &optimizer)?;
+        let worker_cut = WorkerCut {
+            worker: 0,
+            generation,
+            step: cut.step,
+            samples_trained: cut.samples,
+            dense_optimizer_step: 0,
+            position: cut.position,
+            wrote_dense: true,
+            trained: Vec::new(),
+        };
+        self.commit(&[worker_cut])
+    }
+
+    /// Writes backup `number` as a serving export under
+    /// `checkpoint.dir/exports/`, the rows as the shards hold them now (not
+    /// a cut: training goes on), and points `exports/LATEST` at it.
+    pub fn write_backup(&self, number: u64, weights: &[f32]) -> Result<PathBuf, ClusterError> {
+        let root = self.config.checkpoint.dir.as_ref().map(|d| PathBuf::from(d).join("exports"));
+        let root = root.ok_or_else(|| ClusterError::Setup("backups need checkpoint.dir".into()))?;
+        std::fs::create_dir_all(&root)
+            .map_err(|e| ClusterError::Io { what: format!("creating {}", root.display()), source: e })?;
+        let layout = sparrow_data::DataLayout::from_config(&self.config.data);
+        let model = self.model_with(weights)?;
+        let dialer = self.dialer.as_ref().ok_or_else(|| ClusterError::Setup("no way to reach the shards".into()))?;
+        let shards = dialer.dial(&self.members.view(self.generations.current()).shards)?;
+        let dim = self.config.model.embedding_dim;
+        let (mut shard, mut cursor) = (0usize, Some((0usize, 0usize)));
+        let pages = || -> Result<sparrow_trainer::export::RowPage, sparrow_trainer::TrainError> {
+            while shard < shards.len() {
+                let Some(at) = cursor else {
+                    (shard, cursor) = (shard + 1, Some((0, 0)));
+                    continue;
+                };
+                let page =
+                    shards[shard].export(at, 4096).map_err(|e| sparrow_trainer::TrainError::DenseSync(Box::new(e)))?;
+                cursor = page.next;
+                let row_len = page.rows.len() / page.keys.len().max(1);
+                let vectors = page.rows.chunks_exact(row_len.max(1)).flat_map(|r| r[..dim].iter().copied()).collect();
+                return Ok(Some((page.keys, vectors)));
+            }
+            Ok(None)
+        };
+        let name = format!("{number:08}");
+        let dir = root.join(&name);
+        sparrow_trainer::export::write_export(&dir, &self.config, &layout, number, &model, pages)?;
+        let tmp = root.join(".LATEST.tmp");
+        std::fs::write(&tmp, format!("{name}\n"))
+            .and_then(|()| std::fs::rename(&tmp, root.join("LATEST")))
+            .map_err(|e| ClusterError::Io { what: format!("writing {}/LATEST", root.display()), source: e })?;
+        Ok(dir)
+    }
+
+    /// The job's dense model with `weights`.
+    fn model_with(&self, weights: &[f32]) -> Result<sparrow_model::DenseModel, ClusterError> {
+        let layout = sparrow_data::DataLayout::from_config(&self.config.data);
+        let model = sparrow_trainer::initial_model(&self.config, &layout)?;
+        model.params.set_flat(weights).map_err(sparrow_trainer::TrainError::from)?;
+        Ok(model)
+    }
+}

@@ -1,0 +1,241 @@
+//! Generations (recovery): the job's attempts, what each restores, the
+//! committed checkpoints, the restart budget and what recovery cost. One
+//! lock, `recovery`; while it is held only leaf locks are taken (the
+//! rendezvous and per-generation slots a new generation advances). No disk
+//! I/O runs under it: callers read manifests before and after.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use parking_lot::Mutex;
+
+use super::{Generation, RoleKind};
+
+struct Recovery {
+    generation: u64,
+    /// What the current generation restores (none: the job's start).
+    restore: Option<PathBuf>,
+    /// `checkpoint.resume_from`: where the job started.
+    start: Option<(PathBuf, u64)>,
+    /// The newest committed checkpoint and its step.
+    committed: Option<(PathBuf, u64)>,
+    /// Incremental checkpoints since the last full one.
+    deltas_since_full: u64,
+    restarts: HashMap<(RoleKind, usize), u32>,
+    /// The highest step a worker reported in the current generation.
+    high_step: u64,
+    /// Generations given up → the step up to which their replayed steps
+    /// are counted (a worker's last report of one may come late).
+    counted_to: BTreeMap<u64, u64>,
+    /// When the death behind the current recovery was noticed (none: no recovery under way).
+    noticed: Option<Instant>,
+    // Totals of this coordinator's life, for its summary.
+    checkpoints_committed: u64,
+    steps_replayed: u64,
+    recovery_secs: f64,
+}
+
+/// A generation that just started.
+#[derive(Clone, Debug)]
+pub struct Started {
+    pub number: u64,
+    pub reason: String,
+    /// Steps that will be trained again.
+    pub replayed: u64,
+    pub restore: Option<PathBuf>,
+}
+
+/// What a role that outlived the previous coordinator knew, its checkpoint's
+/// manifest already read (`committed`: its directory and step).
+pub struct Adopted {
+    pub kind: RoleKind,
+    pub generation: u64,
+    pub committed: Option<(PathBuf, u64)>,
+    pub step: u64,
+}
+
+/// The recovery totals of the final report.
+pub struct Totals {
+    pub restarts: Vec<(RoleKind, u32)>,
+    pub checkpoints_committed: u64,
+    pub steps_replayed: u64,
+    pub recovery_secs: f64,
+    pub committed: Option<PathBuf>,
+}
+
+pub struct Generations {
+    recovery: Mutex<Recovery>,
+    /// `recovery.generation`, readable without the lock.
+    current: AtomicU64,
+}
+
+impl Generations {
+    /// Generation 1, from `start` (`checkpoint.resume_from`: directory, step).
+    pub fn new(start: Option<(PathBuf, u64)>) -> Self {
+        Generations {
+            recovery: Mutex::new(Recovery {
+                generation: 1,
+                restore: start.as_ref().map(|(d, _)| d.clone()),
+                start,
+                committed: None,
+                deltas_since_full: 0,
+                restarts: HashMap::new(),
+                high_step: 0,
+                counted_to: BTreeMap::new(),
+                noticed: None,
+                checkpoints_committed: 0,
+                steps_replayed: 0,
+                recovery_secs: 0.0,
+            }),
+            current: AtomicU64::new(1),
+        }
+    }
+
+    pub fn current(&self) -> u64 {
+        self.current.load(Ordering::SeqCst)
+    }
+
+    /// The current generation as roles learn it.
+    pub fn attempt(&self) -> Generation {
+        let r = self.recovery.lock();
+        Generation {
+            number: r.generation,
+            restore: r.restore.clone(),
+            committed: r.committed.as_ref().map(|(d, _)| d.clone()),
+        }
+    }
+
+    /// Counts a restart of `kind` `index`: its number, 1 for the first.
+    pub fn count_restart(&self, kind: RoleKind, index: usize) -> u32 {
+        let mut r = self.recovery.lock();
+        let count = r.restarts.entry((kind, index)).or_insert(0);
+        *count += 1;
+        *count
+    }
+
+    /// Starts the next generation: every role goes back to the last
+    /// committed checkpoint. `advance` is told the new number before any
+    /// role can learn it (it releases the old generation's waiters).
+    pub fn next(&self, reason: String, advance: impl FnOnce(u64)) -> Started {
+        let mut r = self.recovery.lock();
+        Self::next_locked(&mut r, &self.current, reason, advance)
+    }
+
+    fn next_locked(r: &mut Recovery, current: &AtomicU64, reason: String, advance: impl FnOnce(u64)) -> Started {
+        let number = r.generation + 1;
+        advance(number);
+        r.generation = number;
+        current.store(number, Ordering::SeqCst);
+        let (restore, step) = match (&r.committed, &r.start) {
+            (Some((dir, step)), _) | (None, Some((dir, step))) => (Some(dir.clone()), *step),
+            (None, None) => (None, 0),
+        };
+        let replayed = r.high_step.saturating_sub(step);
+        r.steps_replayed += replayed;
+        let counted = r.high_step.max(step);
+        r.counted_to.insert(number - 1, counted);
+        while r.counted_to.len() > 64 {
+            r.counted_to.pop_first();
+        }
+        (r.restore, r.high_step) = (restore.clone(), step);
+        r.noticed.get_or_insert_with(Instant::now);
+        Started { number, reason, replayed, restore }
+    }
+
+    /// A role that outlived the previous coordinator registers: its
+    /// generation is over (this coordinator cannot know what the others did
+    /// since); the job's committed checkpoint is the newest any such role
+    /// knew. Returns the generation that starts, if one does, and steps
+    /// found replayed.
+    pub fn adopt(&self, known: Adopted, reason: String, advance: impl FnOnce(u64)) -> (Option<Started>, u64) {
+        let mut r = self.recovery.lock();
+        if let Some((dir, step)) = known.committed
+            && r.committed.as_ref().is_none_or(|(_, newest)| step > *newest)
+        {
+            r.committed = Some((dir, step));
+        }
+        let mut replayed = 0;
+        if known.kind == RoleKind::Worker {
+            if known.generation < r.generation {
+                // Its generation was already given up (another role registered first).
+                replayed = Self::late_step_locked(&mut r, known.generation, known.step);
+            } else {
+                r.high_step = r.high_step.max(known.step);
+            }
+        }
+        if known.generation < r.generation {
+            return (None, replayed);
+        }
+        r.generation = known.generation;
+        (Some(Self::next_locked(&mut r, &self.current, reason, advance)), replayed)
+    }
+
+    /// A worker's step in the current generation (heartbeats).
+    pub fn worker_step(&self, ready: u64, step: u64) {
+        let mut r = self.recovery.lock();
+        if ready == r.generation {
+            r.high_step = r.high_step.max(step);
+        }
+    }
+
+    /// A worker's last step in an earlier `generation` (reported once it
+    /// moved on): the steps past what was counted at the rollback were
+    /// trained twice. Returns how many more were found.
+    pub fn late_step(&self, generation: u64, step: u64) -> u64 {
+        Self::late_step_locked(&mut self.recovery.lock(), generation, step)
+    }
+
+    fn late_step_locked(r: &mut Recovery, generation: u64, step: u64) -> u64 {
+        let Some(counted) = r.counted_to.get_mut(&generation) else { return 0 };
+        let extra = step.saturating_sub(*counted);
+        if extra > 0 {
+            *counted = step;
+            r.steps_replayed += extra;
+        }
+        extra
+    }
+
+    /// Every role serves `generation`: the recovery under way, if any, is
+    /// over; its seconds.
+    pub fn resumed(&self, generation: u64) -> Option<f64> {
+        let mut r = self.recovery.lock();
+        if r.generation != generation {
+            return None;
+        }
+        let secs = r.noticed.take()?.elapsed().as_secs_f64();
+        r.recovery_secs += secs;
+        Some(secs)
+    }
+
+    /// Whether a recovery is under way (a death noticed, not every role back).
+    pub fn recovering(&self) -> bool {
+        self.recovery.lock().noticed.is_some()
+    }
+
+    /// The newest committed checkpoint, and how many incremental ones
+    /// followed its last full one.
+    pub fn committed(&self) -> (Option<(PathBuf, u64)>, u64) {
+        let r = self.recovery.lock();
+        (r.committed.clone(), r.deltas_since_full)
+    }
+
+    pub fn record_commit(&self, dir: PathBuf, step: u64, incremental: bool) {
+        let mut r = self.recovery.lock();
+        r.committed = Some((dir, step));
+        r.checkpoints_committed += 1;
+        r.deltas_since_full = if incremental { r.deltas_since_full + 1 } else { 0 };
+    }
+
+    pub fn totals(&self) -> Totals {
+        let r = self.recovery.lock();
+        Totals {
+            restarts: r.restarts.iter().map(|((kind, _), n)| (*kind, *n)).collect(),
+            checkpoints_committed: r.checkpoints_committed,
+            steps_replayed: r.steps_replayed,
+            recovery_secs: r.recovery_secs,
+            committed: r.committed.as_ref().map(|(d, _)| d.clone()),
+        }
+    }
+}
