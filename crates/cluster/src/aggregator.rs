@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::generation::Generation;
 use crate::lazy::{Aggregated, Contribution, Member, Partial, partial_sum};
 use crate::transport::ClusterError;
 
@@ -40,7 +41,7 @@ struct Open {
 /// Aggregator `index` for one generation of the job.
 pub struct AggregatorServer {
     index: usize,
-    generation: u64,
+    generation: Generation,
     /// Worker → aggregator (`cluster.lazy.aggregator_of`, else k mod K).
     mapping: Vec<usize>,
     aggregators: usize,
@@ -56,7 +57,7 @@ pub struct AggregatorServer {
 impl AggregatorServer {
     pub fn new(
         index: usize,
-        generation: u64,
+        generation: Generation,
         mapping: Vec<usize>,
         aggregators: usize,
         upstream: Arc<dyn PartialSink>,
@@ -214,7 +215,7 @@ mod tests {
     fn contribution(worker: usize, id: u64, participants: &[usize], values: Vec<f32>, c: f64) -> Contribution {
         Contribution {
             worker,
-            generation: 1,
+            generation: Generation(1),
             instruction: id,
             participants: participants.to_vec(),
             values,
@@ -239,7 +240,9 @@ mod tests {
             let lazy = Arc::new(Lazy::new(&cfg, 3, 2, 0.1, start.clone()));
             std::thread::sleep(std::time::Duration::from_millis(2));
             let aggregators: Vec<Arc<AggregatorServer>> = (0..2)
-                .map(|i| Arc::new(AggregatorServer::new(i, 1, vec![], 2, lazy.clone() as Arc<dyn PartialSink>)))
+                .map(|i| {
+                    Arc::new(AggregatorServer::new(i, Generation(1), vec![], 2, lazy.clone() as Arc<dyn PartialSink>))
+                })
                 .collect();
             std::thread::scope(|scope| {
                 let handles: Vec<_> = (0..3)
@@ -289,7 +292,7 @@ mod tests {
     #[test]
     fn a_finished_worker_gets_its_answer_after_the_next_instruction_began() {
         for _ in 0..200 {
-            let a = Arc::new(AggregatorServer::new(0, 1, vec![], 1, Arc::new(Echo)));
+            let a = Arc::new(AggregatorServer::new(0, Generation(1), vec![], 1, Arc::new(Echo)));
             let (tx, rx) = crossbeam_channel::bounded(1);
             let finished = {
                 let a = a.clone();
@@ -319,11 +322,11 @@ mod tests {
     #[test]
     fn a_worker_of_another_aggregator_or_generation_is_refused() {
         let lazy = Arc::new(Lazy::new(&LazyConfig::default(), 2, 2, 0.1, vec![0.0]));
-        let a = AggregatorServer::new(0, 1, vec![], 2, lazy as Arc<dyn PartialSink>);
+        let a = AggregatorServer::new(0, Generation(1), vec![], 2, lazy as Arc<dyn PartialSink>);
         let err = a.contribute(contribution(1, 1, &[0, 1], vec![1.0], 1.0)).expect_err("worker 1 is aggregator 1's");
         assert!(err.to_string().contains("belongs to another aggregator"), "{err}");
         let mut stale = contribution(0, 1, &[0, 1], vec![1.0], 1.0);
-        stale.generation = 0;
+        stale.generation = Generation(0);
         assert!(matches!(a.contribute(stale), Err(ClusterError::StaleGeneration { .. })));
     }
 }

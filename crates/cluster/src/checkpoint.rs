@@ -16,6 +16,7 @@ use sparrow_model::{DenseModel, DenseOptimizer};
 use sparrow_trainer::Trainer;
 use sparrow_trainer::checkpoint::{FORMAT_VERSION, FileEntry, Manifest, TrainedBatch, hash_file, stored_config};
 
+use crate::generation::Generation;
 use crate::transport::{ClusterError, PartWritten};
 
 /// A worker's part of a checkpoint: its dense model, the optimizer's state
@@ -32,7 +33,7 @@ pub struct DenseState {
 #[derive(Clone, Debug)]
 pub struct WorkerCut {
     pub worker: usize,
-    pub generation: u64,
+    pub generation: Generation,
     pub step: u64,
     pub samples_trained: u64,
     pub dense_optimizer_step: u64,
@@ -51,14 +52,14 @@ pub struct WorkerCut {
 /// loader reads from `position` and drops the batches in `ahead`.
 #[derive(Clone, Debug, Default)]
 pub struct DataProgress {
-    pub generation: u64,
+    pub generation: Generation,
     pub position: DataPosition,
     pub ahead: BTreeMap<(u64, u64, u64), TrainedBatch>,
 }
 
 impl DataProgress {
     /// The progress a generation starts from: its restored checkpoint's.
-    pub fn restored(generation: u64, manifest: Option<&Manifest>) -> DataProgress {
+    pub fn restored(generation: Generation, manifest: Option<&Manifest>) -> DataProgress {
         let mut p = DataProgress { generation, ..Default::default() };
         if let Some(m) = manifest {
             p.position = m.position;
@@ -83,7 +84,7 @@ impl DataProgress {
 
 /// The staging directory of the checkpoint at `step` of `generation`
 /// (worker 0 writes the dense part there, the shards their parts).
-pub fn staging_dir(root: &Path, step: u64, generation: u64) -> PathBuf {
+pub fn staging_dir(root: &Path, step: u64, generation: Generation) -> PathBuf {
     root.join(format!(".tmp-ckpt-{step:012}-g{generation}"))
 }
 
@@ -200,7 +201,7 @@ pub fn restore_dense(config: &Config, dir: &Path) -> Result<DenseState, ClusterE
 pub fn write_dense(
     root: &Path,
     step: u64,
-    generation: u64,
+    generation: Generation,
     model: &DenseModel,
     optimizer: &DenseOptimizer,
 ) -> Result<PathBuf, ClusterError> {
@@ -287,7 +288,7 @@ mod tests {
     /// (taking the furthest end, 40, would lose [20, 30) on recovery).
     #[test]
     fn a_batch_held_untrained_stops_the_position_and_later_ones_are_skipped() {
-        let mut p = DataProgress::restored(1, None);
+        let mut p = DataProgress::restored(Generation(1), None);
         p.add([batch(0, 10), batch(30, 40), batch(10, 20)]);
         assert_eq!(p.position, at(20));
         assert_eq!(p.ahead.values().copied().collect::<Vec<_>>(), vec![batch(30, 40)]);
@@ -297,7 +298,7 @@ mod tests {
         assert!(p.ahead.is_empty());
         // A restored generation starts from the manifest's position and skip list.
         let m = Manifest { position: at(20), skip: vec![batch(30, 40)], ..manifest_for_tests() };
-        let mut restored = DataProgress::restored(2, Some(&m));
+        let mut restored = DataProgress::restored(Generation(2), Some(&m));
         restored.add([batch(20, 30)]);
         assert_eq!(restored.position, at(40), "the skipped batch counts as trained");
     }

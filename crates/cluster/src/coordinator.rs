@@ -53,12 +53,14 @@ use self::hub::SyncHub;
 use self::membership::{Membership, Timeouts};
 use crate::checkpoint::{CheckpointSink, WorkerCut};
 use crate::faults;
+use crate::generation::Generation;
 use crate::lazy::{Backup, BackupCommitter, FinalWeights, Instruction, Lazy, LazyLink};
 use crate::rounds::{MergedRound, RoundUpdate};
 use crate::sync::{Contribution, RoundReply};
 use crate::transport::{ClusterError, ShardService};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum RoleKind {
     Shard,
     Loader,
@@ -99,8 +101,8 @@ pub enum JobState {
 /// One attempt of the job, as roles learn it: restore `restore` (none: the
 /// job's start) and serve requests of `number` only.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Generation {
-    pub number: u64,
+pub struct Attempt {
+    pub number: Generation,
     pub restore: Option<PathBuf>,
     /// The newest checkpoint the job committed (a role that outlives a
     /// coordinator hands it to the next one).
@@ -111,7 +113,7 @@ pub struct Generation {
 /// registers again.
 #[derive(Clone, Debug, Default)]
 pub struct Known {
-    pub generation: u64,
+    pub generation: Generation,
     pub committed: Option<PathBuf>,
     /// A worker's step.
     pub step: u64,
@@ -119,18 +121,18 @@ pub struct Known {
 
 /// What the coordinator reports as it goes (`sparrow launch` reads them
 /// from its stdout and sums them over coordinator restarts).
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Event {
     /// A new generation: `replayed` steps will be trained again.
-    Generation { number: u64, reason: String, replayed: u64, restore: Option<String> },
+    Generation { number: Generation, reason: String, replayed: u64, restore: Option<String> },
     /// A worker that outlived the coordinator had trained `steps` more steps
     /// than the generation it goes back from was known to have.
     Replayed { steps: u64 },
     /// A role stopped answering: its process must be restarted.
-    Lost { role: String, index: usize },
+    Lost { role: RoleKind, index: usize },
     /// Every role serves the new generation, `secs` after the death was noticed.
-    Resumed { number: u64, secs: f64 },
+    Resumed { number: Generation, secs: f64 },
     /// A checkpoint was committed.
     Committed { step: u64, dir: String, bytes: u64, secs: f64, incremental: bool, shard_mb_per_sec: Vec<f64> },
     /// The coordinator's totals, as it stops.
@@ -217,8 +219,8 @@ impl Coordinator {
             },
             state: Mutex::new(JobState::Running),
             members: Membership::new(num_shards, num_workers),
-            hub: SyncHub::new(config, num_workers, 1, 1, restore)?,
-            commits: Commits::new(config, num_workers, 1, restore),
+            hub: SyncHub::new(config, num_workers, 1, Generation::FIRST, restore)?,
+            commits: Commits::new(config, num_workers, Generation::FIRST, restore),
             generations: Generations::new(start),
             dialer: None,
             events: Box::new(|_| {}),
@@ -260,7 +262,7 @@ impl Coordinator {
         self.state.lock().clone()
     }
 
-    pub fn generation(&self) -> Generation {
+    pub fn generation(&self) -> Attempt {
         self.generations.attempt()
     }
 
@@ -285,7 +287,7 @@ impl Coordinator {
     }
 
     /// Under the generations lock: the parts release the old generation's waiters.
-    fn advance_parts(&self, generation: u64) {
+    fn advance_parts(&self, generation: Generation) {
         self.hub.advance(generation);
         self.commits.advance(generation);
     }
@@ -343,7 +345,7 @@ impl Coordinator {
         address: String,
         index: Option<usize>,
         known: Option<Known>,
-    ) -> Result<(usize, Generation), ClusterError> {
+    ) -> Result<(usize, Attempt), ClusterError> {
         self.register_process(kind, address, index, known, 0)
     }
 
@@ -355,7 +357,7 @@ impl Coordinator {
         index: Option<usize>,
         known: Option<Known>,
         pid: u32,
-    ) -> Result<(usize, Generation), ClusterError> {
+    ) -> Result<(usize, Attempt), ClusterError> {
         if let JobState::Failed(reason) = self.state() {
             return Err(ClusterError::JobFailed(reason));
         }
@@ -421,9 +423,9 @@ impl Coordinator {
         kind: RoleKind,
         index: usize,
         progress: u64,
-        ready: u64,
+        ready: Generation,
         step: u64,
-    ) -> Result<(JobState, Generation), ClusterError> {
+    ) -> Result<(JobState, Attempt), ClusterError> {
         self.members.beat(kind, index, progress, ready)?;
         if kind == RoleKind::Worker {
             self.generations.worker_step(ready, step);
@@ -462,8 +464,8 @@ impl Coordinator {
     /// A worker's last step in an earlier `generation` (reported once it
     /// moved on): the steps past what was counted at the rollback were
     /// trained twice.
-    pub fn previous_step(&self, kind: RoleKind, generation: u64, step: u64) {
-        if kind == RoleKind::Worker && generation > 0 {
+    pub fn previous_step(&self, kind: RoleKind, generation: Generation, step: u64) {
+        if kind == RoleKind::Worker && generation > Generation::NONE {
             let extra = self.generations.late_step(generation, step);
             if extra > 0 {
                 (self.events)(&Event::Replayed { steps: extra });
@@ -473,13 +475,13 @@ impl Coordinator {
 
     /// The shard map and the loader's address of `generation`, and whether
     /// they serve it.
-    pub fn view(&self, generation: u64) -> View {
+    pub fn view(&self, generation: Generation) -> View {
         self.members.view(generation)
     }
 
     /// A worker is done in `generation` (or a role failed); the job is done
     /// once every worker is done in the current one.
-    pub fn finish(&self, kind: RoleKind, index: usize, error: Option<String>, generation: u64) {
+    pub fn finish(&self, kind: RoleKind, index: usize, error: Option<String>, generation: Generation) {
         if let Some(error) = error {
             self.fail(format!("{} {index}: {error}", kind.name()));
             return;
@@ -514,7 +516,7 @@ impl Coordinator {
                 self.fail(format!("{} {index} {problem}", kind.name()));
                 return;
             }
-            (self.events)(&Event::Lost { role: kind.name().to_string(), index });
+            (self.events)(&Event::Lost { role: kind, index });
             self.lost(kind, index, &problem);
         }
     }
@@ -573,7 +575,7 @@ impl Coordinator {
     }
 
     /// A lazy call woken because the job moved on, not because it failed.
-    fn woken(&self, generation: u64, e: ClusterError) -> ClusterError {
+    fn woken(&self, generation: Generation, e: ClusterError) -> ClusterError {
         match self.generations.current() {
             now if now != generation => ClusterError::GenerationChanged { generation: now },
             _ => e,
@@ -695,7 +697,7 @@ impl LazyLink for Coordinator {
     fn poll(
         &self,
         worker: usize,
-        generation: u64,
+        generation: Generation,
         since: u64,
         finished: bool,
         wait: bool,
@@ -711,7 +713,7 @@ impl LazyLink for Coordinator {
         LazyLink::contribute(&*lazy, c).map_err(|e| self.woken(generation, e))
     }
 
-    fn final_weights(&self, generation: u64) -> Result<FinalWeights, ClusterError> {
+    fn final_weights(&self, generation: Generation) -> Result<FinalWeights, ClusterError> {
         let lazy = self.hub.lazy_in(0, generation)?;
         lazy.final_weights().map_err(|e| self.woken(generation, e))
     }
@@ -743,12 +745,12 @@ mod tests {
         assert!(c.register(RoleKind::Shard, "x".into(), None, None).is_err(), "only two shard slots");
         c.register(RoleKind::Loader, "l".into(), None, None).expect("loader");
         c.register(RoleKind::Worker, "w".into(), None, None).expect("worker");
-        assert!(c.view(1).shards.iter().all(|a| !a.is_empty()), "every shard registered");
+        assert!(c.view(Generation(1)).shards.iter().all(|a| !a.is_empty()), "every shard registered");
         let start = Instant::now();
         while start.elapsed() < Duration::from_millis(400) {
             // Everyone but shard 1 keeps beating.
             for (kind, i) in [(RoleKind::Shard, 0), (RoleKind::Loader, 0), (RoleKind::Worker, 0)] {
-                c.heartbeat(kind, i, start.elapsed().as_millis() as u64, 0, 0).expect("beat");
+                c.heartbeat(kind, i, start.elapsed().as_millis() as u64, Generation(0), 0).expect("beat");
             }
             c.check_liveness();
             if c.state() != JobState::Running {
@@ -762,8 +764,14 @@ mod tests {
         }
         assert!(start.elapsed() >= Duration::from_millis(140), "reported before the timeout");
         // Waiting workers are released with the reason.
-        let contribution =
-            Contribution { worker: 0, generation: 1, round: 0, grads: vec![1.0], rows: 1, patience: Duration::ZERO };
+        let contribution = Contribution {
+            worker: 0,
+            generation: Generation(1),
+            round: 0,
+            grads: vec![1.0],
+            rows: 1,
+            patience: Duration::ZERO,
+        };
         let err = c.sum(contribution).expect_err("the job failed");
         assert!(err.to_string().contains("shard 1"), "{err}");
     }
@@ -791,10 +799,10 @@ mod tests {
         let mut steps = 0;
         while start.elapsed() < Duration::from_millis(1500) && c.state() == JobState::Running {
             steps += 1;
-            c.heartbeat(RoleKind::Shard, 0, 0, 0, 0).expect("beat");
-            c.heartbeat(RoleKind::Loader, 0, 0, 0, 0).expect("beat");
-            c.heartbeat(RoleKind::Worker, 0, steps, 0, 0).expect("beat");
-            c.heartbeat(RoleKind::Worker, 1, 7, 0, 0).expect("beat");
+            c.heartbeat(RoleKind::Shard, 0, 0, Generation(0), 0).expect("beat");
+            c.heartbeat(RoleKind::Loader, 0, 0, Generation(0), 0).expect("beat");
+            c.heartbeat(RoleKind::Worker, 0, steps, Generation(0), 0).expect("beat");
+            c.heartbeat(RoleKind::Worker, 1, 7, Generation(0), 0).expect("beat");
             c.check_liveness();
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -813,13 +821,13 @@ mod tests {
         let c = Coordinator::new(&config(&[]), 1, 2).expect("coordinator");
         c.register(RoleKind::Worker, "a".into(), None, None).expect("w0");
         c.register(RoleKind::Worker, "b".into(), None, None).expect("w1");
-        c.finish(RoleKind::Worker, 0, None, 1);
+        c.finish(RoleKind::Worker, 0, None, Generation(1));
         assert_eq!(c.state(), JobState::Running);
-        c.finish(RoleKind::Worker, 1, None, 1);
+        c.finish(RoleKind::Worker, 1, None, Generation(1));
         assert_eq!(c.state(), JobState::Done);
     }
 
-    fn beat_all(c: &Coordinator, generation: u64, except: Option<(RoleKind, usize)>) {
+    fn beat_all(c: &Coordinator, generation: Generation, except: Option<(RoleKind, usize)>) {
         for (kind, i) in [(RoleKind::Shard, 0), (RoleKind::Shard, 1), (RoleKind::Loader, 0), (RoleKind::Worker, 0)] {
             if Some((kind, i)) != except {
                 c.heartbeat(kind, i, 1, generation, 0).expect("beat");
@@ -847,26 +855,26 @@ mod tests {
         .with_events(move |e| sink.lock().push(serde_json::to_string(e).expect("json")));
         for (kind, i) in [(RoleKind::Shard, 0), (RoleKind::Shard, 1), (RoleKind::Loader, 0), (RoleKind::Worker, 0)] {
             let (_, generation) = c.register(kind, format!("{}-{i}", kind.name()), Some(i), None).expect("register");
-            assert_eq!(generation.number, 1);
+            assert_eq!(generation.number, Generation(1));
         }
-        beat_all(&c, 1, None);
-        assert!(c.view(1).complete);
+        beat_all(&c, Generation(1), None);
+        assert!(c.view(Generation(1)).complete);
         // Shard 1 goes silent.
         let start = Instant::now();
-        while c.generation().number == 1 {
+        while c.generation().number == Generation(1) {
             assert!(start.elapsed() < Duration::from_secs(5), "never noticed");
-            beat_all(&c, 1, Some((RoleKind::Shard, 1)));
+            beat_all(&c, Generation(1), Some((RoleKind::Shard, 1)));
             c.check_liveness();
             std::thread::sleep(Duration::from_millis(10));
         }
         assert_eq!(c.state(), JobState::Running, "recovered, not failed");
         assert!(events.lock().iter().any(|e| e.contains("\"lost\"") && e.contains("\"shard\"")), "{:?}", events.lock());
-        assert!(!c.view(2).complete, "the old roles serve generation 1");
+        assert!(!c.view(Generation(2)).complete, "the old roles serve generation 1");
         // Its replacement registers; every role serves generation 2.
         let (_, generation) = c.register(RoleKind::Shard, "shard-1b".into(), Some(1), None).expect("replacement");
-        assert_eq!(generation.number, 2);
-        beat_all(&c, 2, None);
-        assert!(c.view(2).complete);
+        assert_eq!(generation.number, Generation(2));
+        beat_all(&c, Generation(2), None);
+        assert!(c.view(Generation(2)).complete);
         assert!(events.lock().iter().any(|e| e.contains("\"resumed\"")), "{:?}", events.lock());
         let report = c.recovery_report();
         assert_eq!(report.restarts["shard"], 1);
@@ -891,7 +899,7 @@ mod tests {
             std::thread::spawn(move || {
                 c.sum(Contribution {
                     worker: 0,
-                    generation: 1,
+                    generation: Generation(1),
                     round: 0,
                     grads: vec![1.0],
                     rows: 1,
@@ -905,10 +913,45 @@ mod tests {
         // Released by the new generation, which it is told; not refused as
         // stale (that is the answer to an arrival after the change, below).
         let err = waiting.join().expect("thread").expect_err("released");
-        assert!(matches!(err, ClusterError::GenerationChanged { generation: 2 }), "{err}");
-        let stale =
-            Contribution { worker: 0, generation: 1, round: 0, grads: vec![1.0], rows: 1, patience: Duration::ZERO };
+        assert!(matches!(err, ClusterError::GenerationChanged { generation: Generation(2) }), "{err}");
+        let stale = Contribution {
+            worker: 0,
+            generation: Generation(1),
+            round: 0,
+            grads: vec![1.0],
+            rows: 1,
+            patience: Duration::ZERO,
+        };
         assert!(matches!(c.sum(stale), Err(ClusterError::StaleGeneration { .. })));
+    }
+
+    /// `launch` reads back every event the coordinator writes, typed; the
+    /// JSON names are the ones scripts see.
+    #[test]
+    fn every_event_reads_back_as_it_was_written() {
+        let events = [
+            Event::Generation { number: Generation(3), reason: "shard 1 died".into(), replayed: 4, restore: None },
+            Event::Replayed { steps: 2 },
+            Event::Lost { role: RoleKind::Aggregator, index: 1 },
+            Event::Resumed { number: Generation(3), secs: 0.25 },
+            Event::Committed {
+                step: 8,
+                dir: "/c/v8".into(),
+                bytes: 10,
+                secs: 0.5,
+                incremental: true,
+                shard_mb_per_sec: vec![1.5],
+            },
+            Event::Report(RecoveryReport { steps_replayed: 4, role_bytes: 99, ..RecoveryReport::default() }),
+        ];
+        for event in events {
+            let json = serde_json::to_string(&event).expect("json");
+            assert_eq!(serde_json::from_str::<Event>(&json).expect("read back"), event, "{json}");
+        }
+        let lost = serde_json::to_string(&Event::Lost { role: RoleKind::Shard, index: 0 }).expect("json");
+        assert_eq!(lost, r#"{"lost":{"role":"shard","index":0}}"#);
+        let generation = serde_json::to_value(Event::Resumed { number: Generation(2), secs: 1.0 }).expect("json");
+        assert_eq!(generation["resumed"]["number"], 2, "a generation is a plain number on the wire");
     }
 
     /// A role restarted from outside (Kubernetes) registers again before its
@@ -920,9 +963,9 @@ mod tests {
             c.register(kind, "a".into(), Some(i), None).expect("register");
         }
         let (index, generation) = c.register(RoleKind::Shard, "b".into(), Some(0), None).expect("again");
-        assert_eq!((index, generation.number), (0, 2));
+        assert_eq!((index, generation.number), (0, Generation(2)));
         assert_eq!(c.recovery_report().restarts["shard"], 1);
-        assert_eq!(c.view(2).shards, ["b"], "the new address is the shard map");
+        assert_eq!(c.view(Generation(2)).shards, ["b"], "the new address is the shard map");
         // Without a budget the slot is simply taken.
         let strict = Coordinator::new(&config(&["cluster.max_restarts=0"]), 1, 1).expect("coordinator");
         strict.register(RoleKind::Shard, "a".into(), Some(0), None).expect("register");
@@ -943,7 +986,7 @@ mod tests {
         c.lost_process(RoleKind::Shard, 0, 100, "exited (its process died)");
         assert_eq!(c.state(), JobState::Running, "one death, within the budget");
         assert_eq!(c.recovery_report().restarts["shard"], 1);
-        assert_eq!(c.view(2).shards, ["b"], "the replacement keeps its slot");
+        assert_eq!(c.view(Generation(2)).shards, ["b"], "the replacement keeps its slot");
         // The replacement's own death is the second one.
         c.lost_process(RoleKind::Shard, 0, 200, "exited (its process died)");
         assert!(matches!(c.state(), JobState::Failed(_)), "{:?}", c.state());

@@ -28,6 +28,7 @@ use serde::Serialize;
 use sparrow_core::Config;
 use sparrow_trainer::run::RunSummary;
 
+use crate::coordinator::Event;
 use crate::grpc::TOKEN_ENV;
 use crate::roles::{LatencyMs, WorkerSummary};
 use crate::transport::ClusterError;
@@ -434,7 +435,7 @@ struct Events {
     read_lines: usize,
     restarts: BTreeMap<String, u64>,
     checkpoints_committed: u64,
-    checkpoints: Vec<serde_json::Value>,
+    checkpoints: Vec<CommittedCheckpoint>,
     steps_replayed: u64,
     recovery_secs: f64,
     last_committed: Option<String>,
@@ -449,35 +450,19 @@ impl Events {
         let mut lost = Vec::new();
         for line in lines.iter().skip(self.read_lines) {
             let Some(json) = line.strip_prefix("event ") else { continue };
-            let Ok(serde_json::Value::Object(event)) = serde_json::from_str::<serde_json::Value>(json) else {
-                continue;
-            };
-            for (kind, body) in event {
-                match kind.as_str() {
-                    "generation" => self.steps_replayed += body["replayed"].as_u64().unwrap_or(0),
-                    "replayed" => self.steps_replayed += body["steps"].as_u64().unwrap_or(0),
-                    "resumed" => self.recovery_secs += body["secs"].as_f64().unwrap_or(0.0),
-                    "report" => self.role_bytes = body["role_bytes"].as_u64().unwrap_or(0),
-                    "committed" => {
-                        self.checkpoints_committed += 1;
-                        self.last_committed = body["dir"].as_str().map(str::to_string);
-                        let mut entry = body.clone();
-                        if let Some(e) = entry.as_object_mut() {
-                            e.remove("dir");
-                        }
-                        self.checkpoints.push(entry);
-                    }
-                    "lost" => {
-                        let role = match body["role"].as_str() {
-                            Some("shard") => "shard",
-                            Some("loader") => "loader",
-                            Some("aggregator") => "aggregator",
-                            _ => "worker",
-                        };
-                        lost.push((role, body["index"].as_u64().unwrap_or(0) as usize));
-                    }
-                    _ => {}
+            // An event this launcher does not know (a newer coordinator's) is skipped.
+            let Ok(event) = serde_json::from_str::<Event>(json) else { continue };
+            match event {
+                Event::Generation { replayed, .. } => self.steps_replayed += replayed,
+                Event::Replayed { steps } => self.steps_replayed += steps,
+                Event::Resumed { secs, .. } => self.recovery_secs += secs,
+                Event::Report(report) => self.role_bytes = report.role_bytes,
+                Event::Committed { step, dir, bytes, secs, incremental, shard_mb_per_sec } => {
+                    self.checkpoints_committed += 1;
+                    self.last_committed = Some(dir);
+                    self.checkpoints.push(CommittedCheckpoint { step, bytes, secs, incremental, shard_mb_per_sec });
                 }
+                Event::Lost { role, index } => lost.push((role.name(), index)),
             }
         }
         self.read_lines = lines.len();
@@ -493,6 +478,16 @@ impl Events {
 /// What `sparrow launch` prints: `train`'s summary (fields a cluster run
 /// cannot know are null) with worker 0's phases and the cluster's fields.
 pub type LaunchSummary = RunSummary<crate::worker::WorkerPhaseSecs, ClusterFields>;
+
+/// A committed checkpoint, as the final JSON lists it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CommittedCheckpoint {
+    pub step: u64,
+    pub bytes: u64,
+    pub secs: f64,
+    pub incremental: bool,
+    pub shard_mb_per_sec: Vec<f64>,
+}
 
 /// The fields only a cluster run has.
 #[derive(Clone, Debug, Serialize)]
@@ -555,7 +550,7 @@ pub struct ClusterFields {
     pub checkpoints_committed: u64,
     /// Each committed checkpoint: step, bytes written, full or incremental,
     /// seconds from the workers' meeting to the commit, each shard's MB/s.
-    pub checkpoints: Vec<serde_json::Value>,
+    pub checkpoints: Vec<CommittedCheckpoint>,
     /// Training steps done twice because of failures.
     pub steps_replayed: u64,
     /// From each death being noticed to every role serving the job's next

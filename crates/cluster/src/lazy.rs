@@ -33,6 +33,7 @@ use parking_lot::{Condvar, Mutex};
 use serde::Serialize;
 use sparrow_core::config::{Combine, LazyConfig, LazySend, Utilisation};
 
+use crate::generation::Generation;
 use crate::transport::ClusterError;
 
 /// What the scheduler measured last.
@@ -761,7 +762,7 @@ impl Member {
 #[derive(Clone, Debug)]
 pub struct Partial {
     pub aggregator: usize,
-    pub generation: u64,
+    pub generation: Generation,
     pub instruction: u64,
     pub sum: Vec<f64>,
     pub weight: f64,
@@ -785,7 +786,7 @@ struct Submitted {
 #[derive(Clone, Debug)]
 pub struct Contribution {
     pub worker: usize,
-    pub generation: u64,
+    pub generation: Generation,
     pub instruction: u64,
     /// The instruction's participants (an aggregator process waits for its own).
     pub participants: Vec<usize>,
@@ -808,20 +809,20 @@ pub trait LazyLink: Send + Sync {
     fn poll(
         &self,
         worker: usize,
-        generation: u64,
+        generation: Generation,
         since: u64,
         finished: bool,
         wait: bool,
     ) -> Result<Option<Instruction>, ClusterError>;
     fn contribute(&self, c: Contribution) -> Result<Aggregated, ClusterError>;
-    fn final_weights(&self, generation: u64) -> Result<FinalWeights, ClusterError>;
+    fn final_weights(&self, generation: Generation) -> Result<FinalWeights, ClusterError>;
 }
 
 impl LazyLink for Lazy {
     fn poll(
         &self,
         worker: usize,
-        _: u64,
+        _: Generation,
         since: u64,
         finished: bool,
         wait: bool,
@@ -833,7 +834,7 @@ impl LazyLink for Lazy {
         Lazy::contribute(self, c)
     }
 
-    fn final_weights(&self, _: u64) -> Result<FinalWeights, ClusterError> {
+    fn final_weights(&self, _: Generation) -> Result<FinalWeights, ClusterError> {
         Lazy::final_weights(self)
     }
 }
@@ -852,7 +853,7 @@ mod tests {
     ) -> Contribution {
         Contribution {
             worker,
-            generation: 1,
+            generation: Generation(1),
             instruction: id,
             participants: Vec::new(),
             values,

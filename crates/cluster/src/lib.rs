@@ -23,6 +23,7 @@ pub mod aggregator;
 pub mod checkpoint;
 pub mod coordinator;
 pub mod faults;
+pub mod generation;
 pub mod grpc;
 pub mod launch;
 pub mod lazy;

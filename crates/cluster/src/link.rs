@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use sparrow_core::config::ClusterConfig;
 
-use crate::coordinator::{Generation, JobState, Known, RoleKind};
+use crate::coordinator::{Attempt, JobState, Known, RoleKind};
+use crate::generation::Generation;
 use crate::grpc::coordinator::CoordinatorClient;
 use crate::transport::ClusterError;
 
@@ -29,7 +30,7 @@ pub(crate) struct Link {
 }
 
 pub(crate) struct LinkShared {
-    heard: parking_lot::Mutex<(JobState, Generation)>,
+    heard: parking_lot::Mutex<(JobState, Attempt)>,
     changed: parking_lot::Condvar,
     /// The generation number last heard (read by a worker between steps).
     pub(crate) generation: Arc<AtomicU64>,
@@ -64,7 +65,7 @@ impl Link {
         let shared = Arc::new(LinkShared {
             heard: parking_lot::Mutex::new((JobState::Running, reg.generation.clone())),
             changed: parking_lot::Condvar::new(),
-            generation: Arc::new(AtomicU64::new(reg.generation.number)),
+            generation: Arc::new(AtomicU64::new(reg.generation.number.number())),
             ready: AtomicU64::new(0),
             step: Arc::default(),
             previous: parking_lot::Mutex::new((0, 0)),
@@ -88,7 +89,7 @@ impl Link {
         Ok((Link { client, kind, index: reg.index, shared, thread: Some(thread) }, reg))
     }
 
-    pub(crate) fn heard(&self) -> (JobState, Generation) {
+    pub(crate) fn heard(&self) -> (JobState, Attempt) {
         self.shared.heard.lock().clone()
     }
 
@@ -102,8 +103,8 @@ impl Link {
     }
 
     /// This role serves `generation` now (the coordinator hears it at once).
-    pub(crate) fn set_ready(&self, generation: u64) {
-        self.shared.ready.store(generation, Ordering::Relaxed);
+    pub(crate) fn set_ready(&self, generation: Generation) {
+        self.shared.ready.store(generation.number(), Ordering::Relaxed);
         self.beat();
     }
 
@@ -119,7 +120,7 @@ impl Link {
     /// role's own); while it is silent (a network partition, or its own
     /// death), as long as the heartbeat thread tries to rejoin. True when
     /// the job moved on or ended.
-    pub(crate) fn await_recovery(&self, number: u64, cluster: &ClusterConfig) -> bool {
+    pub(crate) fn await_recovery(&self, number: Generation, cluster: &ClusterConfig) -> bool {
         loop {
             let (state, next) = self.wait_change(number, recovery_wait(cluster));
             if state != JobState::Running || next.number != number {
@@ -151,7 +152,7 @@ impl Link {
 
     /// Waits until the job leaves generation `number` or ends (or `timeout`
     /// passes); returns what was heard last.
-    pub(crate) fn wait_change(&self, number: u64, timeout: Duration) -> (JobState, Generation) {
+    pub(crate) fn wait_change(&self, number: Generation, timeout: Duration) -> (JobState, Attempt) {
         let deadline = Instant::now() + timeout;
         let mut heard = self.shared.heard.lock();
         while heard.0 == JobState::Running && heard.1.number == number {
@@ -163,7 +164,7 @@ impl Link {
     }
 
     /// Reports this role's end in `generation`, or its failure.
-    pub(crate) fn finish(&self, error: Option<String>, generation: u64) {
+    pub(crate) fn finish(&self, error: Option<String>, generation: Generation) {
         if let Err(e) = self.client.finish(self.kind, self.index, error, generation) {
             tracing::warn!("{} {}: reporting to the coordinator: {e}", self.kind.name(), self.index);
         }
@@ -216,8 +217,8 @@ fn heartbeats(
     let timeout = Duration::from_millis(cluster.heartbeat_timeout_ms);
     let rejoin = timeout + Duration::from_millis(cluster.connect_timeout_ms);
     let mut last_answer = Instant::now();
-    let set = |state: JobState, generation: Generation| {
-        shared.generation.store(generation.number, Ordering::Relaxed);
+    let set = |state: JobState, generation: Attempt| {
+        shared.generation.store(generation.number.number(), Ordering::Relaxed);
         *shared.heard.lock() = (state, generation);
         shared.changed.notify_all();
     };

@@ -14,8 +14,9 @@ use sparrow_data::{BadRows, BatchStream, DataError};
 use sparrow_embedding::{KeyPlan, owner};
 
 use crate::faults;
+use crate::generation::Generation;
 use crate::messages::{Mode, PassCounters, WorkerBatch, first_batch_id};
-use crate::transport::{ClusterError, LoaderService, ShardService};
+use crate::transport::{ClusterError, LoaderService, RoundQueueService, ShardService};
 
 /// Batch ids of evaluation batches start here, so they never collide with training ones.
 pub const FIRST_EVAL_BATCH_ID: u64 = 1 << 62;
@@ -300,7 +301,7 @@ fn stage_pass(
 /// stream) through a [`Loader`] into bounded queues the workers take from.
 pub struct LoaderServer {
     /// The job's attempt this stream belongs to (its batch ids carry it).
-    generation: u64,
+    generation: Generation,
     train: Receiver<WorkerBatch>,
     eval: Receiver<WorkerBatch>,
     /// Set when the reading thread stopped on an error (bad data, a shard
@@ -372,7 +373,7 @@ impl LoaderServer {
     /// where `checkpoint.resume_from` continues (or at the start).
     pub fn start(config: &Config, shards: Vec<Arc<dyn ShardService>>) -> Result<LoaderServer, ClusterError> {
         let restore = sparrow_trainer::checkpoint::resume_dir(config)?;
-        LoaderServer::start_generation(config, shards, 0, restore)
+        LoaderServer::start_generation(config, shards, Generation::NONE, restore)
     }
 
     /// [`start`](Self::start) for one attempt of the job: `generation` goes
@@ -381,7 +382,7 @@ impl LoaderServer {
     pub fn start_generation(
         config: &Config,
         shards: Vec<Arc<dyn ShardService>>,
-        generation: u64,
+        generation: Generation,
         restore: Option<PathBuf>,
     ) -> Result<LoaderServer, ClusterError> {
         Self::start_for(config, shards, generation, restore, 1)
@@ -392,7 +393,7 @@ impl LoaderServer {
     pub fn start_for(
         config: &Config,
         shards: Vec<Arc<dyn ShardService>>,
-        generation: u64,
+        generation: Generation,
         restore: Option<PathBuf>,
         num_workers: usize,
     ) -> Result<LoaderServer, ClusterError> {
@@ -510,7 +511,7 @@ fn pump(next: &mut NextBatch<'_>, tx: &Sender<WorkerBatch>, max_batches: Option<
 }
 
 impl LoaderServer {
-    fn check_generation(&self, generation: u64) -> Result<(), ClusterError> {
+    fn check_generation(&self, generation: Generation) -> Result<(), ClusterError> {
         if generation != self.generation {
             return Err(ClusterError::StaleGeneration {
                 peer: "the loader".into(),
@@ -534,7 +535,12 @@ impl LoaderServer {
 }
 
 impl LoaderService for LoaderServer {
-    fn next_batch(&self, _worker: usize, mode: Mode, generation: u64) -> Result<Option<WorkerBatch>, ClusterError> {
+    fn next_batch(
+        &self,
+        _worker: usize,
+        mode: Mode,
+        generation: Generation,
+    ) -> Result<Option<WorkerBatch>, ClusterError> {
         faults::point("loader.next_batch");
         self.check_generation(generation)?;
         match mode {
@@ -546,7 +552,18 @@ impl LoaderService for LoaderServer {
         }
     }
 
-    fn next_round_item(&self, worker: usize, generation: u64, round: u64) -> Result<Option<WorkerBatch>, ClusterError> {
+    fn round_queue(&self) -> Option<&dyn RoundQueueService> {
+        self.rounds.as_ref().map(|_| self as &dyn RoundQueueService)
+    }
+}
+
+impl RoundQueueService for LoaderServer {
+    fn next_round_item(
+        &self,
+        worker: usize,
+        generation: Generation,
+        round: u64,
+    ) -> Result<Option<WorkerBatch>, ClusterError> {
         faults::point("loader.next_batch");
         self.check_generation(generation)?;
         let Some(rounds) = &self.rounds else {

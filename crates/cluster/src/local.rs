@@ -7,13 +7,14 @@ use sparrow_core::Config;
 use sparrow_core::metrics::{auc, log_loss_from_logits};
 use sparrow_data::DataLayout;
 
-use crate::lazy::Lazy;
+use crate::generation::Generation;
+use crate::lazy::{Lazy, LazyLink};
 use crate::loader::LoaderServer;
-use crate::rounds::RoundMerge;
+use crate::rounds::{RoundMerge, RoundMerger};
 use crate::shard::{ShardServer, shard_table};
-use crate::sync::RoundSum;
+use crate::sync::{RoundSum, RoundSummer};
 use crate::transport::{ClusterError, LoaderService, ShardReport, ShardService};
-use crate::worker::{Worker, WorkerStats, new_worker};
+use crate::worker::{SyncLinks, Worker, WorkerStats, new_worker, sync_policy};
 use sparrow_core::config::SyncMode;
 use sparrow_trainer::TrainError;
 
@@ -48,10 +49,9 @@ pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Re
     let shards: Vec<Arc<dyn ShardService>> = servers.iter().map(|s| s.clone() as Arc<dyn ShardService>).collect();
     let layout = DataLayout::from_config(&config.data);
     let restore = sparrow_trainer::checkpoint::resume_dir(config)?;
-    let loader = LoaderServer::start_for(config, shards.clone(), 0, restore, num_workers)?;
+    let loader = LoaderServer::start_for(config, shards.clone(), Generation::NONE, restore, num_workers)?;
     let rounds = Arc::new(RoundSum::new(num_workers));
     let merges = Arc::new(RoundMerge::new(num_workers, config.cluster.round_merge));
-    let in_rounds = config.cluster.sync == SyncMode::Round;
     let lazy = match config.cluster.sync {
         SyncMode::Lazy => {
             let start =
@@ -61,25 +61,19 @@ pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Re
         }
         _ => None,
     };
-    let step_sync = config.cluster.sync == SyncMode::Step;
-    let summer = (num_workers > 1 && step_sync).then(|| rounds.clone() as Arc<dyn crate::sync::RoundSummer>);
+    let links = InProcess { rounds: rounds.clone(), merges: merges.clone(), lazy: lazy.clone() };
 
     let results: Vec<Result<(Worker, Option<Evaluation>), ClusterError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..num_workers)
             .map(|index| {
-                let (loader, shards, layout, summer, rounds, merges, lazy) =
-                    (&loader, &shards, &layout, summer.clone(), &rounds, &merges, &lazy);
+                let (loader, shards, layout, links, rounds, merges, lazy) =
+                    (&loader, &shards, &layout, &links, &rounds, &merges, &lazy);
                 scope.spawn(move || {
                     let result = (|| {
                         let pool = sparrow_trainer::run::compute_pool(config.train.threads)?;
                         pool.install(|| {
-                            let mut worker = new_worker(config, layout, index, summer)?;
-                            if in_rounds {
-                                worker.in_rounds(merges.clone(), num_workers);
-                            }
-                            if let Some(lazy) = lazy {
-                                worker.in_lazy(lazy.clone(), &config.cluster.lazy);
-                            }
+                            let policy = sync_policy(config, index, num_workers, Generation::NONE, links)?;
+                            let mut worker = new_worker(config, layout, index)?.with_policy(policy);
                             worker.run_training(loader as &dyn LoaderService, shards)?;
                             let eval = match (index, &config.data.test) {
                                 (0, Some(_)) => Some(worker.run_eval(loader as &dyn LoaderService, shards)?),
@@ -125,4 +119,27 @@ pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Re
         dense_checksums: workers.iter().map(Worker::dense_checksum).collect::<Result<_, _>>()?,
         workers: workers.into_iter().map(|w| w.stats).collect(),
     })
+}
+
+/// The job's rendezvous in this process, as each sync policy needs them.
+pub struct InProcess {
+    pub rounds: Arc<RoundSum>,
+    pub merges: Arc<RoundMerge>,
+    pub lazy: Option<Arc<Lazy>>,
+}
+
+impl SyncLinks for InProcess {
+    fn summer(&self) -> Arc<dyn RoundSummer> {
+        self.rounds.clone()
+    }
+
+    fn merger(&self) -> Arc<dyn RoundMerger> {
+        self.merges.clone()
+    }
+
+    fn lazy_link(&self, _: usize) -> Result<Arc<dyn LazyLink>, ClusterError> {
+        let lazy =
+            self.lazy.clone().ok_or_else(|| ClusterError::Setup("this job's cluster.sync is not \"lazy\"".into()))?;
+        Ok(lazy)
+    }
 }

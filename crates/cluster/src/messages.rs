@@ -1,5 +1,6 @@
 //! What crosses the wire between roles.
 
+use crate::generation::Generation;
 use sparrow_core::batch::DataPosition;
 
 /// Why a batch's keys are queued on a shard: a training batch inserts unseen
@@ -95,13 +96,13 @@ const GENERATION_MASK: u64 = (1 << 22) - 1;
 
 /// The first batch id of a generation's stream starting at `first` (the
 /// sequence number, with the evaluation bit when it is one).
-pub fn first_batch_id(generation: u64, first: u64) -> u64 {
-    first | ((generation & GENERATION_MASK) << GENERATION_SHIFT)
+pub fn first_batch_id(generation: Generation, first: u64) -> u64 {
+    first | ((generation.number() & GENERATION_MASK) << GENERATION_SHIFT)
 }
 
 /// The generation a batch id belongs to.
-pub fn generation_of(batch_id: u64) -> u64 {
-    (batch_id >> GENERATION_SHIFT) & GENERATION_MASK
+pub fn generation_of(batch_id: u64) -> Generation {
+    Generation((batch_id >> GENERATION_SHIFT) & GENERATION_MASK)
 }
 
 /// What a shard's second level did (the final JSON sums them over shards).

@@ -20,18 +20,19 @@ use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::generation::Generation;
 use crate::transport::ClusterError;
 
 /// Why a member left a meeting without its result.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Parted {
     /// Its arrival was of generation `found`; the rendezvous serves `serving`.
-    Stale { found: u64, serving: u64 },
+    Stale { found: Generation, serving: Generation },
     /// Its arrival was refused: an unknown member, one arriving after its
     /// last arrival, or values that do not fit the others'.
     Refused(String),
     /// It was accepted, but generation `.0` started before the meeting closed.
-    NewGeneration(u64),
+    NewGeneration(Generation),
     /// The job failed.
     Failed(String),
     /// The meeting's close failed: every member of it gets the error.
@@ -69,7 +70,7 @@ impl<A, R> Meeting<A, R> {
 }
 
 struct State<A, R> {
-    generation: u64,
+    generation: Generation,
     meetings: BTreeMap<u64, Meeting<A, R>>,
     failed: Option<String>,
 }
@@ -89,7 +90,7 @@ pub struct Rendezvous<A, R> {
 
 impl<A, R: Clone> Rendezvous<A, R> {
     /// Meetings of `members` members (at least one) in `generation`.
-    pub fn new(what: &'static str, members: usize, generation: u64) -> Self {
+    pub fn new(what: &'static str, members: usize, generation: Generation) -> Self {
         Rendezvous {
             what,
             members: members.max(1),
@@ -109,14 +110,14 @@ impl<A, R: Clone> Rendezvous<A, R> {
         self.members
     }
 
-    pub fn generation(&self) -> u64 {
+    pub fn generation(&self) -> Generation {
         self.state.lock().generation
     }
 
     /// Generation `generation` starts: every waiter of an older one is
     /// released with [`Parted::NewGeneration`] and the old meetings are
     /// dropped. An older or equal number changes nothing.
-    pub fn advance(&self, generation: u64) {
+    pub fn advance(&self, generation: Generation) {
         let mut state = self.state.lock();
         if generation > state.generation {
             state.generation = generation;
@@ -159,7 +160,7 @@ impl<A, R: Clone> Rendezvous<A, R> {
     fn admit<'s>(
         &self,
         state: &'s mut State<A, R>,
-        generation: u64,
+        generation: Generation,
         key: u64,
         member: usize,
     ) -> Result<&'s mut Meeting<A, R>, Parted> {
@@ -197,7 +198,7 @@ impl<A, R: Clone> Rendezvous<A, R> {
     /// check against.
     pub fn add(
         &self,
-        generation: u64,
+        generation: Generation,
         key: u64,
         member: usize,
         add: impl FnOnce(&mut Option<A>, Option<&A>) -> Result<(), String>,
@@ -224,7 +225,7 @@ impl<A, R: Clone> Rendezvous<A, R> {
 
     /// Waits until every member has arrived at `key`, or `deadline`:
     /// whether every member has.
-    pub fn wait_all_arrived(&self, generation: u64, key: u64, deadline: Instant) -> Result<bool, Parted> {
+    pub fn wait_all_arrived(&self, generation: Generation, key: u64, deadline: Instant) -> Result<bool, Parted> {
         let mut state = self.state.lock();
         loop {
             if let Some(reason) = &state.failed {
@@ -251,7 +252,7 @@ impl<A, R: Clone> Rendezvous<A, R> {
     /// the lock; a close that fails or panics fails the meeting.
     pub fn finish(
         &self,
-        generation: u64,
+        generation: Generation,
         key: u64,
         member: usize,
         close: impl FnOnce(Vec<A>) -> Result<R, String>,
@@ -305,7 +306,7 @@ impl<A, R: Clone> Rendezvous<A, R> {
     /// One arrival that is also the member's last: `add`'s check, then [`finish`](Self::finish).
     pub fn arrive(
         &self,
-        generation: u64,
+        generation: Generation,
         key: u64,
         member: usize,
         value: A,
@@ -347,13 +348,13 @@ mod tests {
     /// completed the meeting.
     #[test]
     fn every_member_gets_the_one_result_of_a_single_close() {
-        let r = Arc::new(Sum::new("round", 3, 1));
+        let r = Arc::new(Sum::new("round", 3, Generation(1)));
         let closes = Arc::new(AtomicUsize::new(0));
         let handles: Vec<_> = (0..3)
             .map(|m| {
                 let (r, closes) = (r.clone(), closes.clone());
                 std::thread::spawn(move || {
-                    r.arrive(1, 7, m, 10 + m as u64, any, |v| {
+                    r.arrive(Generation(1), 7, m, 10 + m as u64, any, |v| {
                         closes.fetch_add(1, Ordering::SeqCst);
                         sum(v)
                     })
@@ -372,32 +373,35 @@ mod tests {
     /// *refused* (Stale). They are different answers.
     #[test]
     fn a_waiter_released_by_a_new_generation_is_told_apart_from_a_refused_arrival() {
-        let r = Arc::new(Sum::new("round", 2, 1));
+        let r = Arc::new(Sum::new("round", 2, Generation(1)));
         let waiter = {
             let r = r.clone();
-            std::thread::spawn(move || r.arrive(1, 0, 0, 5, any, sum))
+            std::thread::spawn(move || r.arrive(Generation(1), 0, 0, 5, any, sum))
         };
         r.wait_for_waiters(0, 1);
-        r.advance(2);
-        assert_eq!(waiter.join().expect("thread"), Err(Parted::NewGeneration(2)));
-        assert_eq!(r.arrive(1, 0, 1, 5, any, sum), Err(Parted::Stale { found: 1, serving: 2 }));
+        r.advance(Generation(2));
+        assert_eq!(waiter.join().expect("thread"), Err(Parted::NewGeneration(Generation(2))));
+        assert_eq!(
+            r.arrive(Generation(1), 0, 1, 5, any, sum),
+            Err(Parted::Stale { found: Generation(1), serving: Generation(2) })
+        );
         assert_eq!(r.arrived(0), 0, "the old generation's meeting was dropped");
         // The new generation meets afresh.
         let other = {
             let r = r.clone();
-            std::thread::spawn(move || r.arrive(2, 0, 0, 1, any, sum))
+            std::thread::spawn(move || r.arrive(Generation(2), 0, 0, 1, any, sum))
         };
-        assert_eq!(r.arrive(2, 0, 1, 2, any, sum), Ok(3));
+        assert_eq!(r.arrive(Generation(2), 0, 1, 2, any, sum), Ok(3));
         assert_eq!(other.join().expect("thread"), Ok(3));
     }
 
     #[test]
     fn a_failure_fails_every_waiter_and_every_later_arrival() {
-        let r = Arc::new(Sum::new("round", 3, 1));
+        let r = Arc::new(Sum::new("round", 3, Generation(1)));
         let waiters: Vec<_> = (0..2)
             .map(|m| {
                 let r = r.clone();
-                std::thread::spawn(move || r.arrive(1, 4, m, 1, any, sum))
+                std::thread::spawn(move || r.arrive(Generation(1), 4, m, 1, any, sum))
             })
             .collect();
         r.wait_for_waiters(4, 2);
@@ -405,30 +409,34 @@ mod tests {
         for w in waiters {
             assert_eq!(w.join().expect("thread"), Err(Parted::Failed("worker 2 died".into())));
         }
-        assert_eq!(r.arrive(1, 5, 2, 1, any, sum), Err(Parted::Failed("worker 2 died".into())));
+        assert_eq!(r.arrive(Generation(1), 5, 2, 1, any, sum), Err(Parted::Failed("worker 2 died".into())));
         r.fail("second reason".into());
-        assert_eq!(r.arrive(1, 5, 2, 1, any, sum), Err(Parted::Failed("worker 2 died".into())), "the first wins");
+        assert_eq!(
+            r.arrive(Generation(1), 5, 2, 1, any, sum),
+            Err(Parted::Failed("worker 2 died".into())),
+            "the first wins"
+        );
     }
 
     #[test]
     fn bad_arrivals_are_refused_without_disturbing_the_meeting() {
-        let r = Arc::new(Sum::new("round", 2, 3));
-        assert!(matches!(r.arrive(3, 0, 2, 1, any, sum), Err(Parted::Refused(e)) if e.contains("only 2")));
+        let r = Arc::new(Sum::new("round", 2, Generation(3)));
+        assert!(matches!(r.arrive(Generation(3), 0, 2, 1, any, sum), Err(Parted::Refused(e)) if e.contains("only 2")));
         let mismatch = |v: &u64, o: Option<&u64>| match o {
             Some(o) if o % 2 != v % 2 => Err(format!("{v} does not fit {o}")),
             _ => Ok(()),
         };
         let first = {
             let r = r.clone();
-            std::thread::spawn(move || r.arrive(3, 0, 0, 2, mismatch, sum))
+            std::thread::spawn(move || r.arrive(Generation(3), 0, 0, 2, mismatch, sum))
         };
         r.wait_for_waiters(0, 1);
-        assert_eq!(r.arrive(3, 0, 1, 3, mismatch, sum), Err(Parted::Refused("3 does not fit 2".into())));
+        assert_eq!(r.arrive(Generation(3), 0, 1, 3, mismatch, sum), Err(Parted::Refused("3 does not fit 2".into())));
         assert_eq!(
-            r.arrive(3, 0, 0, 4, any, sum),
+            r.arrive(Generation(3), 0, 0, 4, any, sum),
             Err(Parted::Refused("worker 0 arrived at round 0 after its last arrival".into()))
         );
-        assert_eq!(r.arrive(3, 0, 1, 4, mismatch, sum), Ok(6), "the meeting goes on");
+        assert_eq!(r.arrive(Generation(3), 0, 1, 4, mismatch, sum), Ok(6), "the meeting goes on");
         assert_eq!(first.join().expect("thread"), Ok(6));
     }
 
@@ -436,18 +444,18 @@ mod tests {
     /// (it is waiting for the others).
     #[test]
     fn an_addition_after_a_members_last_arrival_is_refused() {
-        let r = Arc::new(Sum::new("round", 2, 1));
+        let r = Arc::new(Sum::new("round", 2, Generation(1)));
         let first = {
             let r = r.clone();
-            std::thread::spawn(move || r.arrive(1, 9, 0, 1, any, sum))
+            std::thread::spawn(move || r.arrive(Generation(1), 9, 0, 1, any, sum))
         };
         r.wait_for_waiters(9, 1);
-        let late = r.add(1, 9, 0, |v, _| {
+        let late = r.add(Generation(1), 9, 0, |v, _| {
             *v = Some(2);
             Ok(())
         });
         assert!(matches!(&late, Err(Parted::Refused(e)) if e.contains("after its last")), "{late:?}");
-        assert_eq!(r.arrive(1, 9, 1, 1, any, sum), Ok(2));
+        assert_eq!(r.arrive(Generation(1), 9, 1, 1, any, sum), Ok(2));
         assert_eq!(first.join().expect("thread"), Ok(2));
     }
 
@@ -455,40 +463,40 @@ mod tests {
     /// fails gives every member its error.
     #[test]
     fn one_at_a_time_refuses_another_key_and_a_failed_close_reaches_everyone() {
-        let r = Arc::new(Rendezvous::<u64, u64>::new("checkpoint", 2, 1).one_at_a_time());
+        let r = Arc::new(Rendezvous::<u64, u64>::new("checkpoint", 2, Generation(1)).one_at_a_time());
         let first = {
             let r = r.clone();
-            std::thread::spawn(move || r.arrive(1, 100, 0, 1, any, |_| Err("disk full".into())))
+            std::thread::spawn(move || r.arrive(Generation(1), 100, 0, 1, any, |_| Err("disk full".into())))
         };
         r.wait_for_waiters(100, 1);
-        let other = r.arrive(1, 200, 1, 1, any, sum);
+        let other = r.arrive(Generation(1), 200, 1, 1, any, sum);
         assert!(
             matches!(&other, Err(Parted::Refused(e)) if e.contains("checkpoint at 200 while the workers gather at 100")),
             "{other:?}"
         );
         assert_eq!(
-            r.arrive(1, 100, 1, 1, any, |_| Err("disk full".into())),
+            r.arrive(Generation(1), 100, 1, 1, any, |_| Err("disk full".into())),
             Err(Parted::CloseFailed("disk full".into()))
         );
         assert_eq!(first.join().expect("thread"), Err(Parted::CloseFailed("disk full".into())));
         // Closed meetings do not block the next step.
         let next = {
             let r = r.clone();
-            std::thread::spawn(move || r.arrive(1, 200, 0, 1, any, sum))
+            std::thread::spawn(move || r.arrive(Generation(1), 200, 0, 1, any, sum))
         };
-        assert_eq!(r.arrive(1, 200, 1, 1, any, sum), Ok(2));
+        assert_eq!(r.arrive(Generation(1), 200, 1, 1, any, sum), Ok(2));
         assert_eq!(next.join().expect("thread"), Ok(2));
     }
 
     #[test]
     fn a_close_that_panics_fails_the_meeting_instead_of_hanging_it() {
-        let r = Arc::new(Sum::new("checkpoint", 2, 1));
+        let r = Arc::new(Sum::new("checkpoint", 2, Generation(1)));
         let first = {
             let r = r.clone();
-            std::thread::spawn(move || r.arrive(1, 1, 0, 1, any, sum))
+            std::thread::spawn(move || r.arrive(Generation(1), 1, 0, 1, any, sum))
         };
         r.wait_for_waiters(1, 1);
-        let closed = r.arrive(1, 1, 1, 1, any, |_| -> Result<u64, String> { panic!("boom") });
+        let closed = r.arrive(Generation(1), 1, 1, 1, any, |_| -> Result<u64, String> { panic!("boom") });
         assert!(matches!(&closed, Err(Parted::CloseFailed(e)) if e.contains("panicked")), "{closed:?}");
         assert!(matches!(first.join().expect("thread"), Err(Parted::CloseFailed(_))));
     }
@@ -497,42 +505,42 @@ mod tests {
     /// checkpoint that was committed is committed); the others were released.
     #[test]
     fn a_close_overtaken_by_a_new_generation_keeps_its_result_for_the_closer() {
-        let r = Arc::new(Sum::new("checkpoint", 2, 1));
+        let r = Arc::new(Sum::new("checkpoint", 2, Generation(1)));
         let first = {
             let r = r.clone();
-            std::thread::spawn(move || r.arrive(1, 1, 0, 1, any, sum))
+            std::thread::spawn(move || r.arrive(Generation(1), 1, 0, 1, any, sum))
         };
         r.wait_for_waiters(1, 1);
-        let closer = r.arrive(1, 1, 1, 2, any, |v| {
-            r.advance(2);
+        let closer = r.arrive(Generation(1), 1, 1, 2, any, |v| {
+            r.advance(Generation(2));
             sum(v)
         });
         assert_eq!(closer, Ok(3));
-        assert_eq!(first.join().expect("thread"), Err(Parted::NewGeneration(2)));
+        assert_eq!(first.join().expect("thread"), Err(Parted::NewGeneration(Generation(2))));
     }
 
     /// Several additions per member, waiting until every member has arrived
     /// or a deadline (the round sum's patience).
     #[test]
     fn members_add_several_times_and_wait_for_the_others_or_a_deadline() {
-        let r = Arc::new(Sum::new("round", 2, 1));
+        let r = Arc::new(Sum::new("round", 2, Generation(1)));
         let add = |v: &mut Option<u64>, _: Option<&u64>| {
             *v = Some(v.unwrap_or(0) + 1);
             Ok(())
         };
-        r.add(1, 0, 0, add).expect("add");
-        r.add(1, 0, 0, add).expect("add again");
+        r.add(Generation(1), 0, 0, add).expect("add");
+        r.add(Generation(1), 0, 0, add).expect("add again");
         let soon = Instant::now() + Duration::from_millis(1);
-        assert_eq!(r.wait_all_arrived(1, 0, soon), Ok(false), "member 1 is missing");
-        r.add(1, 0, 1, add).expect("add");
-        assert_eq!(r.wait_all_arrived(1, 0, Instant::now()), Ok(true));
+        assert_eq!(r.wait_all_arrived(Generation(1), 0, soon), Ok(false), "member 1 is missing");
+        r.add(Generation(1), 0, 1, add).expect("add");
+        assert_eq!(r.wait_all_arrived(Generation(1), 0, Instant::now()), Ok(true));
         let first = {
             let r = r.clone();
-            std::thread::spawn(move || r.finish(1, 0, 0, sum))
+            std::thread::spawn(move || r.finish(Generation(1), 0, 0, sum))
         };
-        assert_eq!(r.finish(1, 0, 1, sum), Ok(3));
+        assert_eq!(r.finish(Generation(1), 0, 1, sum), Ok(3));
         assert_eq!(first.join().expect("thread"), Ok(3));
-        r.advance(2);
-        assert_eq!(r.wait_all_arrived(1, 0, Instant::now()), Err(Parted::NewGeneration(2)));
+        r.advance(Generation(2));
+        assert_eq!(r.wait_all_arrived(Generation(1), 0, Instant::now()), Err(Parted::NewGeneration(Generation(2))));
     }
 }

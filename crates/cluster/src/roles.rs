@@ -14,6 +14,8 @@
 //! error naming the cause otherwise); a role that cannot reach the coordinator
 //! for `cluster.heartbeat_timeout_ms` exits too.
 
+mod links;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -27,21 +29,20 @@ use sparrow_core::metrics::{auc, log_loss_from_logits};
 use sparrow_data::DataLayout;
 use tokio::runtime::Runtime;
 
-use crate::coordinator::{Coordinator, Event, Generation, JobState, RoleKind};
+use self::links::RoleLinks;
+use crate::coordinator::{Attempt, Coordinator, Event, JobState, RoleKind};
 use crate::faults;
-use crate::grpc::aggregator::AggregatorClient;
+use crate::generation::Generation;
 use crate::grpc::coordinator::CoordinatorClient;
 use crate::grpc::loader::LoaderClient;
 use crate::grpc::shard::ShardClient;
 use crate::grpc::{NetSettings, bind, server_builder};
-use crate::lazy::LazyLink;
 use crate::link::Link;
 use crate::loader::LoaderServer;
 use crate::metrics::RoleMetrics;
 use crate::shard::{ShardServer, shard_table_in};
-use crate::sync::RoundSummer;
 use crate::transport::{ClusterError, Serving, ShardReport, ShardService};
-use crate::worker::new_worker_in;
+use crate::worker::{new_worker_in, sync_policy};
 
 /// Where a role listens and whom it reports to.
 #[derive(Clone, Debug)]
@@ -308,8 +309,8 @@ fn peer_settings(settings: &NetSettings, cluster: &ClusterConfig) -> NetSettings
 
 /// The SSD tier's directory of shard `index` in `generation` (the first
 /// keeps the plain name).
-fn shard_subdir(index: usize, generation: u64) -> String {
-    if generation <= 1 { format!("shard-{index}") } else { format!("shard-{index}-g{generation}") }
+fn shard_subdir(index: usize, generation: Generation) -> String {
+    if generation <= Generation::FIRST { format!("shard-{index}") } else { format!("shard-{index}-g{generation}") }
 }
 
 /// Removes the SSD tier directories of shard `index` other than `current`
@@ -335,9 +336,9 @@ fn remove_stale_tiers(config: &Config, index: usize, current: &str) {
 fn each_generation(
     link: &Link,
     cluster: &ClusterConfig,
-    mut start: impl FnMut(&Generation) -> Result<(), ClusterError>,
+    mut start: impl FnMut(&Attempt) -> Result<(), ClusterError>,
 ) -> Result<(), ClusterError> {
-    let mut served = 0;
+    let mut served = Generation::NONE;
     loop {
         let (state, generation) = link.heard();
         if state != JobState::Running {
@@ -411,7 +412,7 @@ fn run_shard_with(
     let server = match server {
         Ok(server) => server,
         Err(e) => {
-            link.finish(Some(e.to_string()), 0);
+            link.finish(Some(e.to_string()), Generation::NONE);
             return Err(e);
         }
     };
@@ -476,34 +477,6 @@ pub fn run_loader(args: &RoleArgs) -> Result<(), ClusterError> {
     result
 }
 
-/// A worker's lazy link with aggregator processes: instructions from the
-/// scheduler (the coordinator), contributions to its aggregator.
-struct ThroughAggregator {
-    scheduler: CoordinatorClient,
-    aggregator: AggregatorClient,
-}
-
-impl LazyLink for ThroughAggregator {
-    fn poll(
-        &self,
-        worker: usize,
-        generation: u64,
-        since: u64,
-        finished: bool,
-        wait: bool,
-    ) -> Result<Option<crate::lazy::Instruction>, ClusterError> {
-        self.scheduler.poll(worker, generation, since, finished, wait)
-    }
-
-    fn contribute(&self, c: crate::lazy::Contribution) -> Result<crate::lazy::Aggregated, ClusterError> {
-        self.aggregator.contribute(c)
-    }
-
-    fn final_weights(&self, generation: u64) -> Result<crate::lazy::FinalWeights, ClusterError> {
-        self.scheduler.final_weights(generation)
-    }
-}
-
 /// Serves an aggregator (`sparrow aggregator`, S4) until the job ends: each
 /// generation gets a fresh one, which sums its workers' contributions and
 /// sends the scheduler one partial sum per instruction.
@@ -522,7 +495,7 @@ pub fn run_aggregator(args: &RoleArgs) -> Result<(), ClusterError> {
             "aggregator {index}: this job's cluster.sync is \"{}\"; aggregators serve only \"lazy\"",
             config.cluster.sync.name()
         ));
-        link.finish(Some(e.to_string()), 0);
+        link.finish(Some(e.to_string()), Generation::NONE);
         return Err(e);
     }
     if let Some(bound) = serve_metrics(&metrics, args.metrics_listen, "aggregator", &settings, &rt)? {
@@ -658,7 +631,7 @@ impl ShardService for LocalShard {
     }
     fn write_part(
         &self,
-        generation: u64,
+        generation: Generation,
         dir: &std::path::Path,
         since: Option<u64>,
     ) -> Result<crate::transport::PartWritten, ClusterError> {
@@ -720,7 +693,7 @@ fn run_worker_with(args: &RoleArgs, local: Option<LocalShardHandle>) -> Result<W
     if index == 0 {
         sparrow_trainer::run::note_precision(&config.model);
     }
-    let mut done: Option<(u64, WorkerSummary)> = None;
+    let mut done: Option<(Generation, WorkerSummary)> = None;
     // Seconds this process spent in attempts the job gave up.
     let mut given_up_secs = 0.0;
     loop {
@@ -792,7 +765,7 @@ struct WorkerEnv<'a> {
 /// One generation of a worker: waits for the shards and the loader to serve
 /// it, restores the dense state, trains, takes part in checkpoints, and
 /// (worker 0) evaluates.
-fn worker_generation(env: &WorkerEnv<'_>, generation: &Generation) -> Result<WorkerSummary, ClusterError> {
+fn worker_generation(env: &WorkerEnv<'_>, generation: &Attempt) -> Result<WorkerSummary, ClusterError> {
     let WorkerEnv { config, index, num_workers, coordinator, link, settings, rt, metrics, local } = *env;
     let view = coordinator.wait_for_view(generation.number, false, settings.connect_timeout)?;
     let settings = &peer_settings(settings, &config.cluster);
@@ -803,29 +776,10 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Generation) -> Result<Wor
         *slot = Arc::new(LocalShard(serving.clone()));
     }
     let loader = LoaderClient::connect(&view.loader, settings, rt.handle(), metrics.clone())?;
-    let summer = (num_workers > 1).then(|| Arc::new(coordinator.clone()) as Arc<dyn RoundSummer>);
     let layout = DataLayout::from_config(&config.data);
-    let summer = summer.filter(|_| config.cluster.sync == SyncMode::Step);
-    let mut worker = new_worker_in(config, &layout, index, summer, generation.number)?;
-    match config.cluster.sync {
-        SyncMode::Round => worker.in_rounds(Arc::new(coordinator.clone()), num_workers),
-        SyncMode::Lazy => {
-            let link: Arc<dyn LazyLink> = match view.aggregators.is_empty() {
-                true => Arc::new(coordinator.clone()),
-                false => {
-                    let of = config.cluster.lazy.aggregator_of.get(index).copied();
-                    let of = of.unwrap_or(index % view.aggregators.len());
-                    let address = view.aggregators.get(of).ok_or_else(|| {
-                        ClusterError::Setup(format!("worker {index}: aggregator {of} is not in the job"))
-                    })?;
-                    let client = AggregatorClient::connect(of, address, settings, rt.handle(), metrics.clone())?;
-                    Arc::new(ThroughAggregator { scheduler: coordinator.clone(), aggregator: client })
-                }
-            };
-            worker.in_lazy(link, &config.cluster.lazy)
-        }
-        SyncMode::Step => {}
-    }
+    let links = RoleLinks { config, coordinator, aggregators: &view.aggregators, settings, rt, metrics };
+    let policy = sync_policy(config, index, num_workers, generation.number, &links)?;
+    let mut worker = new_worker_in(config, &layout, index, generation.number)?.with_policy(policy);
     worker.progress = link.shared.progress.clone();
     worker.reported_step = link.shared.step.clone();
     worker.watch_generation(link.shared.generation.clone());

@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use sparrow_core::config::RoundMergeRule;
 
+use crate::generation::Generation;
 use crate::rendezvous::Rendezvous;
 use crate::transport::ClusterError;
 
@@ -26,7 +27,7 @@ use crate::transport::ClusterError;
 #[derive(Clone, Debug)]
 pub struct RoundUpdate {
     pub worker: usize,
-    pub generation: u64,
+    pub generation: Generation,
     pub round: u64,
     /// Its weights minus the round's starting weights (flat, `ParamStore` order).
     pub delta: Vec<f32>,
@@ -82,10 +83,10 @@ pub struct RoundMerge {
 impl RoundMerge {
     /// Round merges of `workers` workers in generation 0 (a job in one process).
     pub fn new(workers: usize, rule: RoundMergeRule) -> Self {
-        RoundMerge::in_generation(workers, rule, 0)
+        RoundMerge::in_generation(workers, rule, Generation::NONE)
     }
 
-    pub fn in_generation(workers: usize, rule: RoundMergeRule, generation: u64) -> Self {
+    pub fn in_generation(workers: usize, rule: RoundMergeRule, generation: Generation) -> Self {
         RoundMerge { rule, meet: Rendezvous::new("round", workers, generation) }
     }
 
@@ -119,7 +120,7 @@ impl RoundMerge {
     }
 
     /// Generation `generation` starts: waiting workers are released.
-    pub fn advance(&self, generation: u64) {
+    pub fn advance(&self, generation: Generation) {
         self.meet.advance(generation);
     }
 }
@@ -158,13 +159,13 @@ mod tests {
 
     #[test]
     fn every_worker_gets_the_same_merge_once_all_are_in() {
-        let m = Arc::new(RoundMerge::in_generation(2, RoundMergeRule::Mean, 1));
+        let m = Arc::new(RoundMerge::in_generation(2, RoundMergeRule::Mean, Generation(1)));
         let other = {
             let m = m.clone();
             std::thread::spawn(move || {
                 m.merge_round(RoundUpdate {
                     worker: 1,
-                    generation: 1,
+                    generation: Generation(1),
                     round: 0,
                     delta: vec![1.0],
                     items: 1,
@@ -173,7 +174,14 @@ mod tests {
             })
         };
         let mine = m
-            .merge_round(RoundUpdate { worker: 0, generation: 1, round: 0, delta: vec![0.0], items: 3, samples: 30 })
+            .merge_round(RoundUpdate {
+                worker: 0,
+                generation: Generation(1),
+                round: 0,
+                delta: vec![0.0],
+                items: 3,
+                samples: 30,
+            })
             .expect("merged");
         let theirs = other.join().expect("thread").expect("merged");
         assert_eq!(mine, theirs);
@@ -183,8 +191,15 @@ mod tests {
         // A second update to the same round is refused; a failure wakes waiters.
         m.fail("gone".into());
         assert!(
-            m.merge_round(RoundUpdate { worker: 0, generation: 1, round: 1, delta: vec![0.0], items: 1, samples: 1 })
-                .is_err()
+            m.merge_round(RoundUpdate {
+                worker: 0,
+                generation: Generation(1),
+                round: 1,
+                delta: vec![0.0],
+                items: 1,
+                samples: 1
+            })
+            .is_err()
         );
     }
 }

@@ -10,6 +10,7 @@ use sparrow_core::Config;
 use sparrow_embedding::{EmbeddingTable, KeyPlan, RowSlots, Staged};
 
 use crate::faults;
+use crate::generation::Generation;
 use crate::messages::{Mode, generation_of};
 use crate::second_level::SecondLevel;
 use crate::transport::{ClusterError, ExportPage, PartWritten, ShardReport, ShardService};
@@ -52,7 +53,7 @@ pub struct ShardServer {
     /// refused from its key count, before any row is copied.
     max_reply_bytes: usize,
     /// The job's attempt this table belongs to: batch ids of another are refused.
-    generation: u64,
+    generation: Generation,
     /// Enqueue, pull and push share it; writing a checkpoint part takes it
     /// alone, so the part is a cut (no row moves while the walk runs).
     cut: RwLock<()>,
@@ -75,7 +76,7 @@ impl ShardServer {
             table,
             pending: Mutex::new(HashMap::new()),
             max_reply_bytes: usize::MAX,
-            generation: 0,
+            generation: Generation::NONE,
             cut: RwLock::new(()),
             config: None,
             second_level: None,
@@ -115,13 +116,13 @@ impl ShardServer {
 
     /// Serves generation `generation` of the job, writing checkpoint parts as
     /// `config` says.
-    pub fn for_generation(mut self, generation: u64, config: &Config) -> Self {
+    pub fn for_generation(mut self, generation: Generation, config: &Config) -> Self {
         self.generation = generation;
         self.config = Some(config.clone());
         self
     }
 
-    pub fn generation(&self) -> u64 {
+    pub fn generation(&self) -> Generation {
         self.generation
     }
 
@@ -329,7 +330,7 @@ impl ShardService for ShardServer {
         Ok(ExportPage { keys, rows, last_uses, filters, next })
     }
 
-    fn write_part(&self, generation: u64, dir: &Path, since: Option<u64>) -> Result<PartWritten, ClusterError> {
+    fn write_part(&self, generation: Generation, dir: &Path, since: Option<u64>) -> Result<PartWritten, ClusterError> {
         if generation != self.generation {
             return Err(ClusterError::StaleGeneration {
                 peer: format!("shard {}", self.index),

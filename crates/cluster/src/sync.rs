@@ -20,6 +20,7 @@ use sparrow_model::{DenseGrads, ParamStore};
 use sparrow_trainer::TrainError;
 use sparrow_trainer::dense_sync::DenseSync;
 
+use crate::generation::Generation;
 use crate::rendezvous::{Parted, Rendezvous};
 use crate::transport::ClusterError;
 
@@ -33,7 +34,7 @@ pub type RoundResult = Arc<(Vec<f32>, u64)>;
 pub struct Contribution {
     pub worker: usize,
     /// The job's attempt the worker trains in (a coordinator refuses another).
-    pub generation: u64,
+    pub generation: Generation,
     pub round: u64,
     pub grads: Vec<f32>,
     pub rows: u64,
@@ -57,10 +58,10 @@ pub struct RoundSum {
 impl RoundSum {
     /// Rounds of `workers` workers in generation 0 (a job in one process).
     pub fn new(workers: usize) -> Self {
-        RoundSum::in_generation(workers, 0)
+        RoundSum::in_generation(workers, Generation::NONE)
     }
 
-    pub fn in_generation(workers: usize, generation: u64) -> Self {
+    pub fn in_generation(workers: usize, generation: Generation) -> Self {
         RoundSum { meet: Rendezvous::new("round", workers, generation) }
     }
 
@@ -113,7 +114,7 @@ impl RoundSum {
     }
 
     /// Generation `generation` starts: waiting workers are released.
-    pub fn advance(&self, generation: u64) {
+    pub fn advance(&self, generation: Generation) {
         self.meet.advance(generation);
     }
 
@@ -139,7 +140,7 @@ impl RoundSummer for RoundSum {
 /// the every-step sum across workers (S0.6 with S2.2).
 pub struct RoundSync {
     worker: usize,
-    generation: u64,
+    generation: Generation,
     round: u64,
     summer: Arc<dyn RoundSummer>,
     /// When this worker's previous contribution was answered: the time since
@@ -151,7 +152,7 @@ pub struct RoundSync {
 
 impl RoundSync {
     pub fn new(worker: usize, summer: Arc<dyn RoundSummer>) -> Self {
-        RoundSync { worker, generation: 0, round: 0, summer, last_answer: None, bytes: Arc::default() }
+        RoundSync { worker, generation: Generation::NONE, round: 0, summer, last_answer: None, bytes: Arc::default() }
     }
 
     /// Adds the bytes of every contribution and sum to `bytes`.
@@ -161,7 +162,7 @@ impl RoundSync {
     }
 
     /// Contributes to the rounds of the job's attempt `generation`.
-    pub fn in_generation(mut self, generation: u64) -> Self {
+    pub fn in_generation(mut self, generation: Generation) -> Self {
         self.generation = generation;
         self
     }

@@ -3,6 +3,7 @@
 //! [`ShardService`], `LoaderServer` implements [`LoaderService`]); the gRPC
 //! clients in [`crate::grpc`] implement the same traits.
 
+use crate::generation::Generation;
 use crate::messages::{Mode, WorkerBatch};
 
 #[derive(Debug, thiserror::Error)]
@@ -44,11 +45,11 @@ pub enum ClusterError {
     /// A request of an attempt the job gave up (a role died; every role went
     /// back to the last committed checkpoint).
     #[error("{peer}: {what} belongs to generation {found}, this role serves generation {serving}")]
-    StaleGeneration { peer: String, what: String, found: u64, serving: u64 },
+    StaleGeneration { peer: String, what: String, found: Generation, serving: Generation },
     /// This role's attempt was given up while it worked: the job goes on in
     /// `generation`, from the last committed checkpoint.
     #[error("the job moved to generation {generation} (a role died): going back to the last checkpoint")]
-    GenerationChanged { generation: u64 },
+    GenerationChanged { generation: Generation },
     #[error(transparent)]
     Data(#[from] sparrow_data::DataError),
     #[error(transparent)]
@@ -192,7 +193,7 @@ pub trait ShardService: Send + Sync {
     /// those used after clock `since`), with no update running meanwhile.
     fn write_part(
         &self,
-        generation: u64,
+        generation: Generation,
         dir: &std::path::Path,
         since: Option<u64>,
     ) -> Result<PartWritten, ClusterError>;
@@ -214,15 +215,30 @@ pub struct PartWritten {
 pub trait LoaderService: Send + Sync {
     /// The next batch of the phase, `None` once its data is exhausted.
     /// `generation`: the worker's; a loader serving another refuses.
-    fn next_batch(&self, worker: usize, mode: Mode, generation: u64) -> Result<Option<WorkerBatch>, ClusterError>;
+    fn next_batch(
+        &self,
+        worker: usize,
+        mode: Mode,
+        generation: Generation,
+    ) -> Result<Option<WorkerBatch>, ClusterError>;
 
-    /// `sync = "round"` (S2.1–S2.2): the next training item of `round` from
-    /// the round queue, `None` once the round's queue is empty for this
-    /// worker (or the data ended).
-    fn next_round_item(&self, worker: usize, generation: u64, round: u64) -> Result<Option<WorkerBatch>, ClusterError> {
-        let _ = (worker, generation, round);
-        Err(ClusterError::Setup("this loader serves no round queue (cluster.sync = \"round\")".into()))
+    /// The loader's round queue (`sync = "round"`), if it serves one.
+    fn round_queue(&self) -> Option<&dyn RoundQueueService> {
+        None
     }
+}
+
+/// A loader's round queue (`sync = "round"`, S2.1–S2.2), a capability of
+/// its own: only a loader that serves one has it.
+pub trait RoundQueueService: Send + Sync {
+    /// The next training item of `round`, `None` once the round's queue is
+    /// empty for this worker (or the data ended).
+    fn next_round_item(
+        &self,
+        worker: usize,
+        generation: Generation,
+        round: u64,
+    ) -> Result<Option<WorkerBatch>, ClusterError>;
 }
 
 /// What a role's server answers with: the role object of the generation it

@@ -6,10 +6,17 @@
 //! step (S0.6, [`crate::sync::RoundSync`]).
 
 mod lazy;
+mod policy;
 mod remote;
 mod round;
+mod step;
 
-use self::remote::{RemoteRows, look_up_keys, pull_rows};
+pub use self::lazy::LazyPolicy;
+pub use self::policy::{SyncLinks, SyncPolicy, sync_policy};
+pub use self::remote::RemoteRows;
+use self::remote::{look_up_keys, pull_rows};
+pub use self::round::RoundPolicy;
+pub use self::step::StepPolicy;
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
@@ -19,20 +26,18 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 use sparrow_core::Config;
-use sparrow_core::config::{LazyConfig, LazySend, Pooling};
+use sparrow_core::config::Pooling;
 use sparrow_data::DataLayout;
 use sparrow_model::{DenseModel, DenseOptimizer};
-use sparrow_trainer::TrainError;
 use sparrow_trainer::dense_sync::{DenseSync, LocalSync};
-use sparrow_trainer::engine::{DenseInputs, Looked, RowSource, StepEngine, Stepped, dense_step, idle_step};
+use sparrow_trainer::engine::{DenseInputs, Looked, RowSource, StepEngine, Stepped, dense_step};
 use sparrow_trainer::pooling::{Bags, pool};
 
 use crate::checkpoint::{CheckpointSink, DenseState, WorkerCut};
 use crate::faults;
-use crate::lazy::{LazyLink, LazyReport};
+use crate::generation::Generation;
+use crate::lazy::LazyReport;
 use crate::messages::{Mode, WorkerBatch};
-use crate::rounds::RoundMerger;
-use crate::sync::{RoundSummer, RoundSync};
 use crate::transport::{ClusterError, LoaderService, ShardService};
 
 /// What a worker counted while training.
@@ -125,37 +130,18 @@ pub struct Worker {
     pub progress: Arc<AtomicU64>,
     /// The job's attempt this worker trains in, and the newest generation
     /// its heartbeats heard of: when they differ the attempt was given up.
-    generation: u64,
+    generation: Generation,
     heard_generation: Option<Arc<AtomicU64>>,
     /// This worker's dense step, for its heartbeats.
     pub reported_step: Arc<AtomicU64>,
     checkpoints: Option<Checkpoints>,
-    /// `sync = "round"`: where rounds merge.
-    rounds: Option<Rounds>,
-    /// `sync = "lazy"`: the scheduler and aggregators, and what they counted.
-    lazy: Option<LazyPart>,
+    /// How this worker agrees with the others (`cluster.sync`): it set `sync`.
+    policy: Box<dyn SyncPolicy>,
     pub lazy_report: Option<LazyReport>,
     /// With checkpoints: the batches trained since the last one (each
     /// checkpoint reports them, see `checkpoint::DataProgress`).
     trained_since_cut: Vec<sparrow_trainer::checkpoint::TrainedBatch>,
     job: Option<JobCount>,
-    /// Bytes the step sums moved (shared with the [`RoundSync`] policy).
-    step_sync_bytes: Arc<AtomicU64>,
-}
-
-/// A worker's part in the job's rounds (S2).
-struct Rounds {
-    merger: Arc<dyn RoundMerger>,
-    num_workers: usize,
-}
-
-/// A worker's part in lazy aggregation (S4).
-struct LazyPart {
-    link: Arc<dyn LazyLink>,
-    cfg: LazyConfig,
-    /// `send = "round_gradient"`: each iteration's mean gradient since the
-    /// last aggregation, as the dense step computed it.
-    recorded: Option<Arc<Mutex<Vec<Vec<f32>>>>>,
 }
 
 /// Batches and samples the job trained (all workers, the restored
@@ -165,26 +151,6 @@ struct LazyPart {
 struct JobCount {
     batches: u64,
     samples: u64,
-}
-
-/// The step engine's dense policy for a replica of its own that keeps each
-/// step's mean gradient (`cluster.lazy.send = "round_gradient"`).
-struct RecordingSync(Arc<Mutex<Vec<Vec<f32>>>>);
-
-impl DenseSync for RecordingSync {
-    fn combine(
-        &mut self,
-        params: &sparrow_model::ParamStore,
-        grads: sparrow_model::DenseGrads,
-    ) -> Result<Option<sparrow_model::DenseGrads>, TrainError> {
-        if grads.rows > 0 {
-            let mut flat = grads.flat_sum_terms(params);
-            let inv = 1.0 / grads.rows as f32;
-            flat.iter_mut().for_each(|g| *g *= inv);
-            self.0.lock().push(flat);
-        }
-        LocalSync.combine(params, grads)
-    }
 }
 
 /// `checkpoint.every_steps` and the job's end, as a worker takes part in them.
@@ -209,15 +175,11 @@ fn bags(batch: &WorkerBatch) -> Bags<'_> {
     }
 }
 
-/// A worker role, built from the config (every worker starts from the same
-/// dense weights); with `summer`, its dense sync sums across workers each step.
-pub fn new_worker(
-    config: &Config,
-    layout: &DataLayout,
-    index: usize,
-    summer: Option<Arc<dyn RoundSummer>>,
-) -> Result<Worker, ClusterError> {
-    new_worker_in(config, layout, index, summer, 0)
+/// A worker role alone (`sync = "step"` without peers; see
+/// [`Worker::with_policy`]), built from the config: every worker starts from
+/// the same dense weights.
+pub fn new_worker(config: &Config, layout: &DataLayout, index: usize) -> Result<Worker, ClusterError> {
+    new_worker_in(config, layout, index, Generation::NONE)
 }
 
 /// [`new_worker`] for generation `generation` of the job.
@@ -225,78 +187,49 @@ pub fn new_worker_in(
     config: &Config,
     layout: &DataLayout,
     index: usize,
-    summer: Option<Arc<dyn RoundSummer>>,
-    generation: u64,
+    generation: Generation,
 ) -> Result<Worker, ClusterError> {
     let model = sparrow_trainer::initial_model(config, layout)?;
-    let step_sync_bytes = Arc::new(AtomicU64::new(0));
-    let sync: Box<dyn DenseSync> = match summer {
-        Some(summer) => {
-            Box::new(RoundSync::new(index, summer).in_generation(generation).counting_bytes(step_sync_bytes.clone()))
-        }
-        None => Box::new(LocalSync),
-    };
     let optimizer = DenseOptimizer::new(config.dense_optimizer.clone());
-    let mut worker = Worker::new(index, model, optimizer, sync, config.model.pooling)
-        .with_pipeline_depth(config.train.pipeline_depth);
-    worker.step_sync_bytes = step_sync_bytes;
+    let mut worker =
+        Worker::new(index, model, optimizer, config.model.pooling).with_pipeline_depth(config.train.pipeline_depth);
     worker.generation = generation;
     worker.row_dtype = config.embedding.dtype;
     Ok(worker)
 }
 
 impl Worker {
-    /// A worker with its dense sync policy: `LocalSync` alone,
-    /// [`RoundSync`](crate::sync::RoundSync) beside other workers.
-    pub fn new(
-        index: usize,
-        model: DenseModel,
-        optimizer: DenseOptimizer,
-        sync: Box<dyn DenseSync>,
-        pooling: Pooling,
-    ) -> Self {
+    /// A worker alone (its own dense steps); see [`with_policy`](Self::with_policy).
+    pub fn new(index: usize, model: DenseModel, optimizer: DenseOptimizer, pooling: Pooling) -> Self {
         Worker {
             index,
             model,
             optimizer,
-            sync,
+            sync: Box::new(LocalSync),
             pooling,
             pipeline_depth: 0,
             packed_input: Vec::new(),
             row_dtype: Default::default(),
             stats: WorkerStats::default(),
             progress: Arc::default(),
-            generation: 0,
+            generation: Generation::NONE,
             heard_generation: None,
             reported_step: Arc::default(),
             checkpoints: None,
-            rounds: None,
-            lazy: None,
+            policy: Box::new(StepPolicy::alone(index, Generation::NONE)),
             lazy_report: None,
             trained_since_cut: Vec::new(),
             job: None,
-            step_sync_bytes: Arc::default(),
         }
     }
 
-    /// Trains in rounds (`sync = "round"`, S2): local dense steps on this
-    /// worker's replica between round merges at `merger`.
-    pub fn in_rounds(&mut self, merger: Arc<dyn RoundMerger>, num_workers: usize) {
-        self.sync = Box::new(LocalSync);
-        self.rounds = Some(Rounds { merger, num_workers });
-        self.job = Some(JobCount::default());
-    }
-
-    /// Trains under lazy aggregation (`sync = "lazy"`, S4): local dense
-    /// steps until the scheduler (at `link`) has the workers aggregate.
-    pub fn in_lazy(&mut self, link: Arc<dyn LazyLink>, cfg: &LazyConfig) {
-        let recorded = (cfg.send == LazySend::RoundGradient).then(Arc::default);
-        self.sync = match &recorded {
-            Some(r) => Box::new(RecordingSync(Arc::clone(r))),
-            None => Box::new(LocalSync),
-        };
-        self.lazy = Some(LazyPart { link, cfg: cfg.clone(), recorded });
-        self.job = Some(JobCount::default());
+    /// Trains under `policy` (see [`sync_policy`]): it gives the step
+    /// engine's dense sync and says how the job's step is counted.
+    pub fn with_policy(mut self, mut policy: Box<dyn SyncPolicy>) -> Self {
+        self.sync = policy.dense_sync();
+        self.job = policy.counts_job_batches().then(JobCount::default);
+        self.policy = policy;
+        self
     }
 
     /// The job's step as its checkpoints count it: dense steps, or (each
@@ -353,8 +286,8 @@ impl Worker {
 
     fn check_generation(&self) -> Result<(), ClusterError> {
         match &self.heard_generation {
-            Some(heard) if heard.load(Ordering::Relaxed) != self.generation => {
-                Err(ClusterError::GenerationChanged { generation: heard.load(Ordering::Relaxed) })
+            Some(heard) if Generation(heard.load(Ordering::Relaxed)) != self.generation => {
+                Err(ClusterError::GenerationChanged { generation: Generation(heard.load(Ordering::Relaxed)) })
             }
             _ => Ok(()),
         }
@@ -500,79 +433,13 @@ impl Worker {
         let vector_bytes =
             sparrow_embedding::RowFormat { dtype: self.row_dtype, dim: width, state_len: 0 }.stored_bytes();
         let rows = RemoteRows { shards, width, vector_bytes, traffic: Mutex::default() };
-        if self.rounds.is_some() || self.lazy.is_some() {
-            match self.rounds.is_some() {
-                true => self.train_rounds(loader, &rows)?,
-                false => self.train_lazy(loader, &rows)?,
-            }
-            std::mem::take(&mut *rows.traffic.lock()).add_to(&mut self.stats);
-            self.stats.train_secs = start.elapsed().as_secs_f64();
-            self.stats.steps = self.optimizer.step;
-            return Ok(());
-        }
-        let generation = self.generation;
-        std::thread::scope(|scope| {
-            let (tx, rx) = crossbeam_channel::bounded(1);
-            let prefetch = scope.spawn(move || -> Result<(), ClusterError> {
-                loop {
-                    let batch = loader.next_batch(index, Mode::Train, generation)?;
-                    let end = batch.is_none();
-                    if tx.send(batch).is_err() || end {
-                        return Ok(());
-                    }
-                }
-            });
-            let trained = self.train_steps(&rows, &rx).and_then(|()| {
-                // Joins the rounds with nothing until every worker is out of data.
-                while idle_step(&self.model, &mut self.optimizer, self.sync.as_mut())? {
-                    self.progress.fetch_add(1, Ordering::Relaxed);
-                    self.after_step::<RemoteRows<'_>>(None)?;
-                }
-                // The job's last checkpoint (unless the last step made one).
-                let end = self.checkpoints.as_ref().is_some_and(|c| self.optimizer.step > c.last_step);
-                if end { self.checkpoint_now() } else { Ok(()) }
-            });
-            drop(rx);
-            // A loader error ends the prefetch thread first; report it over the
-            // symptom (the queue closing early).
-            let fetched =
-                prefetch.join().unwrap_or_else(|_| Err(ClusterError::Setup("the prefetch thread panicked".into())));
-            fetched.and(trained)
-        })?;
+        let mut policy = std::mem::replace(&mut self.policy, Box::new(StepPolicy::alone(index, self.generation)));
+        let trained = policy.train(self, loader, &rows);
+        self.policy = policy;
+        trained?;
         std::mem::take(&mut *rows.traffic.lock()).add_to(&mut self.stats);
         self.stats.train_secs = start.elapsed().as_secs_f64();
         self.stats.steps = self.optimizer.step;
-        self.stats.dense_sync_bytes += self.step_sync_bytes.load(Ordering::Relaxed);
-        Ok(())
-    }
-
-    /// Every batch of `batches` through the step engine, then the update left waiting.
-    fn train_steps(
-        &mut self,
-        rows: &RemoteRows<'_>,
-        batches: &crossbeam_channel::Receiver<Option<WorkerBatch>>,
-    ) -> Result<(), ClusterError> {
-        let mut engine = StepEngine::new(self.pipeline_depth);
-        let mut next_batch_secs = 0.0;
-        loop {
-            let mut next = |_: usize| {
-                let waited = Instant::now();
-                // `None` at the end of the data, or when the prefetch thread
-                // stopped on an error it reports itself.
-                let next = batches.recv().ok().flatten();
-                next_batch_secs += waited.elapsed().as_secs_f64();
-                next.map(Ok)
-            };
-            let stepped = engine.step(rows, &mut next, |looked| {
-                let (_, grads) = self.dense(looked)?;
-                Ok(((), Some(grads)))
-            })?;
-            let Some(stepped) = stepped else { break };
-            self.record_phases(stepped)?;
-            self.after_step(Some((&mut engine, rows)))?;
-        }
-        self.stats.phase_secs.push += engine.flush(rows)?;
-        self.stats.phase_secs.next_batch += next_batch_secs;
         Ok(())
     }
 

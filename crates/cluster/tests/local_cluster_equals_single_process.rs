@@ -6,10 +6,11 @@
 
 use std::sync::Arc;
 
+use sparrow_cluster::generation::Generation;
 use sparrow_cluster::shard::shard_table;
 use sparrow_cluster::sync::{RoundSum, RoundSummer};
 use sparrow_cluster::worker::WorkerStats;
-use sparrow_cluster::worker::new_worker;
+use sparrow_cluster::worker::{StepPolicy, new_worker};
 use sparrow_cluster::{ClusterError, LoaderServer, LoaderService, Mode, ShardServer, ShardService, train_local};
 use sparrow_core::Config;
 use sparrow_core::config::InitConfig;
@@ -241,7 +242,7 @@ fn a_faster_worker_takes_more_batches_and_replicas_stay_identical() {
             &self,
             worker: usize,
             mode: Mode,
-            generation: u64,
+            generation: Generation,
         ) -> Result<Option<sparrow_cluster::WorkerBatch>, ClusterError> {
             if worker == self.slow_worker {
                 std::thread::sleep(std::time::Duration::from_millis(40));
@@ -265,7 +266,8 @@ fn a_faster_worker_takes_more_batches_and_replicas_stay_identical() {
                 let (layout, shards, slow, rounds) = (&layout, &shards, &slow, rounds.clone());
                 let c = &c;
                 scope.spawn(move || {
-                    let mut worker = new_worker(c, layout, w, Some(rounds as Arc<dyn RoundSummer>)).expect("worker");
+                    let policy = Box::new(StepPolicy::summing(w, Generation::NONE, rounds as Arc<dyn RoundSummer>));
+                    let mut worker = new_worker(c, layout, w).expect("worker").with_policy(policy);
                     worker.run_training(slow, shards).expect("train");
                     (worker.stats.clone(), worker.dense_checksum().expect("checksum"))
                 })
@@ -345,7 +347,7 @@ fn a_cluster_checkpoint_keeps_the_shards_filter_state() {
     );
     let layout = sparrow_data::DataLayout::from_config(&c.data);
     let servers: Vec<Arc<ShardServer>> = (0..2)
-        .map(|i| Arc::new(ShardServer::new(i, shard_table(&c, i).expect("table")).for_generation(1, &c)))
+        .map(|i| Arc::new(ShardServer::new(i, shard_table(&c, i).expect("table")).for_generation(Generation(1), &c)))
         .collect();
     let shards: Vec<Arc<dyn ShardService>> = servers.iter().map(|s| s.clone() as Arc<dyn ShardService>).collect();
     let coordinator = Arc::new(
@@ -353,8 +355,8 @@ fn a_cluster_checkpoint_keeps_the_shards_filter_state() {
             .expect("coordinator")
             .with_dialer(Arc::new(sparrow_cluster::coordinator::LocalShards(shards.clone()))),
     );
-    let loader = LoaderServer::start_generation(&c, shards.clone(), 1, None).expect("loader");
-    let mut worker = sparrow_cluster::worker::new_worker_in(&c, &layout, 0, None, 1).expect("worker");
+    let loader = LoaderServer::start_generation(&c, shards.clone(), Generation(1), None).expect("loader");
+    let mut worker = sparrow_cluster::worker::new_worker_in(&c, &layout, 0, Generation(1)).expect("worker");
     worker.with_checkpoints(coordinator.clone(), root.clone(), None);
     worker.run_training(&loader, &shards).expect("train");
     let saved = worker.last_checkpoint().expect("the end of training is checkpointed").clone();

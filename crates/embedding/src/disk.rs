@@ -43,7 +43,7 @@ pub struct DiskStore {
     tombstones: u64,
     buf: Vec<u8>,
     /// Bumped by every growth: positions handed out before are stale.
-    generation: u64,
+    growths: u64,
 }
 
 /// Where buckets lie in the file: whole records per 4 KiB page (the rest of
@@ -79,7 +79,7 @@ impl Geometry {
 /// Where a key's record is, as long as the store has not grown since.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StorePos {
-    generation: u64,
+    growths: u64,
     bucket: u64,
 }
 
@@ -122,7 +122,7 @@ impl DiskStore {
             len: 0,
             tombstones: 0,
             buf: Vec::new(),
-            generation: 0,
+            growths: 0,
         })
     }
 
@@ -225,7 +225,7 @@ impl DiskStore {
     /// The row, where it is, and its use record.
     fn read(&self, key: u64, out: &mut [f32], buf: &mut Vec<u8>) -> std::io::Result<Option<Stored>> {
         let p = self.probe(key, buf)?;
-        let pos = StorePos { generation: self.generation, bucket: p.bucket };
+        let pos = StorePos { growths: self.growths, bucket: p.bucket };
         Ok(p.found.then(|| decode(buf, out)).flatten().map(|(_, how)| Stored { pos, how }))
     }
 
@@ -241,7 +241,7 @@ impl DiskStore {
         debug_assert_eq!(row.len(), self.row_len);
         let mut buf = std::mem::take(&mut self.buf);
         let (bucket, new_record, reuses_tombstone) = match pos {
-            Some(p) if p.generation == self.generation => (p.bucket, false, false),
+            Some(p) if p.growths == self.growths => (p.bucket, false, false),
             _ => {
                 if (self.len + self.tombstones + 1) * MAX_LOAD_DEN > self.buckets * MAX_LOAD_NUM {
                     // Mostly tombstones: rebuild at the same size; else double.
@@ -419,7 +419,7 @@ impl DiskStore {
         self.file = file;
         self.buckets = buckets;
         self.tombstones = 0;
-        self.generation += 1;
+        self.growths += 1;
         Ok(())
     }
 }

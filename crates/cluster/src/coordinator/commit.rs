@@ -19,6 +19,7 @@ use super::per_generation::{OtherGeneration, PerGeneration};
 use super::{Coordinator, Event};
 use crate::checkpoint::{ClusterExports, DataProgress, WorkerCut, staging_dir};
 use crate::faults;
+use crate::generation::Generation;
 use crate::lazy::BackupCut;
 use crate::rendezvous::{Parted, Rendezvous};
 use crate::transport::{ClusterError, PartWritten};
@@ -34,7 +35,7 @@ pub struct Commits {
 }
 
 impl Commits {
-    pub fn new(config: &Config, workers: usize, generation: u64, restore: Option<&Path>) -> Commits {
+    pub fn new(config: &Config, workers: usize, generation: Generation, restore: Option<&Path>) -> Commits {
         Commits {
             meet: Rendezvous::new("checkpoint", workers, generation).one_at_a_time(),
             progress: PerGeneration::new(generation, progress_from(generation, restore)),
@@ -43,14 +44,14 @@ impl Commits {
     }
 
     /// Generation `generation` started (under the generations lock).
-    pub fn advance(&self, generation: u64) {
+    pub fn advance(&self, generation: Generation) {
         self.meet.advance(generation);
         self.progress.pending(generation);
     }
 
     /// Reads the data progress of `generation` from its restored checkpoint
     /// (outside every lock).
-    pub fn restore_progress(&self, generation: u64, restore: Option<&Path>) {
+    pub fn restore_progress(&self, generation: Generation, restore: Option<&Path>) {
         let _ = self.progress.install(generation, progress_from(generation, restore));
     }
 
@@ -59,7 +60,7 @@ impl Commits {
     }
 
     /// The generation's data progress with the cuts' trained batches added.
-    fn data_progress(&self, generation: u64, cuts: &[WorkerCut]) -> Result<DataProgress, ClusterError> {
+    fn data_progress(&self, generation: Generation, cuts: &[WorkerCut]) -> Result<DataProgress, ClusterError> {
         let added = self.progress.with(generation, |progress| {
             let progress = progress.as_mut().map_err(|e| ClusterError::Setup(e.clone()))?;
             progress.add(cuts.iter().flat_map(|c| c.trained.iter().copied()));
@@ -76,7 +77,7 @@ impl Commits {
 
 /// A generation's data progress, from the checkpoint it restores (read now:
 /// later commits may prune it).
-fn progress_from(generation: u64, restore: Option<&Path>) -> Result<DataProgress, String> {
+fn progress_from(generation: Generation, restore: Option<&Path>) -> Result<DataProgress, String> {
     let manifest = restore.map(sparrow_trainer::checkpoint::read_manifest).transpose().map_err(|e| e.to_string())?;
     Ok(DataProgress::restored(generation, manifest.as_ref()))
 }

@@ -11,10 +11,11 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 
-use super::{Generation, RoleKind};
+use super::{Attempt, RoleKind};
+use crate::generation::Generation;
 
 struct Recovery {
-    generation: u64,
+    generation: Generation,
     /// What the current generation restores (none: the job's start).
     restore: Option<PathBuf>,
     /// `checkpoint.resume_from`: where the job started.
@@ -28,7 +29,7 @@ struct Recovery {
     high_step: u64,
     /// Generations given up → the step up to which their replayed steps
     /// are counted (a worker's last report of one may come late).
-    counted_to: BTreeMap<u64, u64>,
+    counted_to: BTreeMap<Generation, u64>,
     /// When the death behind the current recovery was noticed (none: no recovery under way).
     noticed: Option<Instant>,
     // Totals of this coordinator's life, for its summary.
@@ -40,7 +41,7 @@ struct Recovery {
 /// A generation that just started.
 #[derive(Clone, Debug)]
 pub struct Started {
-    pub number: u64,
+    pub number: Generation,
     pub reason: String,
     /// Steps that will be trained again.
     pub replayed: u64,
@@ -51,7 +52,7 @@ pub struct Started {
 /// manifest already read (`committed`: its directory and step).
 pub struct Adopted {
     pub kind: RoleKind,
-    pub generation: u64,
+    pub generation: Generation,
     pub committed: Option<(PathBuf, u64)>,
     pub step: u64,
 }
@@ -76,7 +77,7 @@ impl Generations {
     pub fn new(start: Option<(PathBuf, u64)>) -> Self {
         Generations {
             recovery: Mutex::new(Recovery {
-                generation: 1,
+                generation: Generation::FIRST,
                 restore: start.as_ref().map(|(d, _)| d.clone()),
                 start,
                 committed: None,
@@ -89,18 +90,18 @@ impl Generations {
                 steps_replayed: 0,
                 recovery_secs: 0.0,
             }),
-            current: AtomicU64::new(1),
+            current: AtomicU64::new(Generation::FIRST.number()),
         }
     }
 
-    pub fn current(&self) -> u64 {
-        self.current.load(Ordering::SeqCst)
+    pub fn current(&self) -> Generation {
+        Generation(self.current.load(Ordering::SeqCst))
     }
 
     /// The current generation as roles learn it.
-    pub fn attempt(&self) -> Generation {
+    pub fn attempt(&self) -> Attempt {
         let r = self.recovery.lock();
-        Generation {
+        Attempt {
             number: r.generation,
             restore: r.restore.clone(),
             committed: r.committed.as_ref().map(|(d, _)| d.clone()),
@@ -118,16 +119,17 @@ impl Generations {
     /// Starts the next generation: every role goes back to the last
     /// committed checkpoint. `advance` is told the new number before any
     /// role can learn it (it releases the old generation's waiters).
-    pub fn next(&self, reason: String, advance: impl FnOnce(u64)) -> Started {
+    pub fn next(&self, reason: String, advance: impl FnOnce(Generation)) -> Started {
         let mut r = self.recovery.lock();
         Self::next_locked(&mut r, &self.current, reason, advance)
     }
 
-    fn next_locked(r: &mut Recovery, current: &AtomicU64, reason: String, advance: impl FnOnce(u64)) -> Started {
-        let number = r.generation + 1;
+    fn next_locked(r: &mut Recovery, current: &AtomicU64, reason: String, advance: impl FnOnce(Generation)) -> Started {
+        let r_prev = r.generation;
+        let number = r.generation.next();
         advance(number);
         r.generation = number;
-        current.store(number, Ordering::SeqCst);
+        current.store(number.number(), Ordering::SeqCst);
         let (restore, step) = match (&r.committed, &r.start) {
             (Some((dir, step)), _) | (None, Some((dir, step))) => (Some(dir.clone()), *step),
             (None, None) => (None, 0),
@@ -135,7 +137,7 @@ impl Generations {
         let replayed = r.high_step.saturating_sub(step);
         r.steps_replayed += replayed;
         let counted = r.high_step.max(step);
-        r.counted_to.insert(number - 1, counted);
+        r.counted_to.insert(r_prev, counted);
         while r.counted_to.len() > 64 {
             r.counted_to.pop_first();
         }
@@ -149,7 +151,7 @@ impl Generations {
     /// since); the job's committed checkpoint is the newest any such role
     /// knew. Returns the generation that starts, if one does, and steps
     /// found replayed.
-    pub fn adopt(&self, known: Adopted, reason: String, advance: impl FnOnce(u64)) -> (Option<Started>, u64) {
+    pub fn adopt(&self, known: Adopted, reason: String, advance: impl FnOnce(Generation)) -> (Option<Started>, u64) {
         let mut r = self.recovery.lock();
         if let Some((dir, step)) = known.committed
             && r.committed.as_ref().is_none_or(|(_, newest)| step > *newest)
@@ -173,7 +175,7 @@ impl Generations {
     }
 
     /// A worker's step in the current generation (heartbeats).
-    pub fn worker_step(&self, ready: u64, step: u64) {
+    pub fn worker_step(&self, ready: Generation, step: u64) {
         let mut r = self.recovery.lock();
         if ready == r.generation {
             r.high_step = r.high_step.max(step);
@@ -183,11 +185,11 @@ impl Generations {
     /// A worker's last step in an earlier `generation` (reported once it
     /// moved on): the steps past what was counted at the rollback were
     /// trained twice. Returns how many more were found.
-    pub fn late_step(&self, generation: u64, step: u64) -> u64 {
+    pub fn late_step(&self, generation: Generation, step: u64) -> u64 {
         Self::late_step_locked(&mut self.recovery.lock(), generation, step)
     }
 
-    fn late_step_locked(r: &mut Recovery, generation: u64, step: u64) -> u64 {
+    fn late_step_locked(r: &mut Recovery, generation: Generation, step: u64) -> u64 {
         let Some(counted) = r.counted_to.get_mut(&generation) else { return 0 };
         let extra = step.saturating_sub(*counted);
         if extra > 0 {
@@ -199,7 +201,7 @@ impl Generations {
 
     /// Every role serves `generation`: the recovery under way, if any, is
     /// over; its seconds.
-    pub fn resumed(&self, generation: u64) -> Option<f64> {
+    pub fn resumed(&self, generation: Generation) -> Option<f64> {
         let mut r = self.recovery.lock();
         if r.generation != generation {
             return None;

@@ -15,6 +15,7 @@ use sparrow_core::Config;
 use sparrow_core::config::SyncMode;
 
 use super::per_generation::{OtherGeneration, PerGeneration};
+use crate::generation::Generation;
 use crate::lazy::{Backup, BackupCommitter, Lazy};
 use crate::rounds::{MergedRound, RoundMerge, RoundUpdate};
 use crate::sync::{Contribution, RoundReply, RoundSum};
@@ -46,7 +47,7 @@ impl SyncHub {
         config: &Config,
         workers: usize,
         aggregators: usize,
-        generation: u64,
+        generation: Generation,
         restore: Option<&Path>,
     ) -> Result<SyncHub, ClusterError> {
         let lazy = lazy_for(config, workers, aggregators, restore)?;
@@ -78,7 +79,7 @@ impl SyncHub {
     }
 
     /// Generation `generation`'s scheduler, for worker `worker`'s request.
-    pub fn lazy_in(&self, worker: usize, generation: u64) -> Result<Arc<Lazy>, ClusterError> {
+    pub fn lazy_in(&self, worker: usize, generation: Generation) -> Result<Arc<Lazy>, ClusterError> {
         let scheduler = self.lazy.with(generation, |s| s.clone()).map_err(|OtherGeneration(serving)| {
             ClusterError::StaleGeneration {
                 peer: "the scheduler".into(),
@@ -108,7 +109,7 @@ impl SyncHub {
 
     /// Generation `generation` started (under the generations lock): every
     /// waiter of the old one is released.
-    pub fn advance(&self, generation: u64) {
+    pub fn advance(&self, generation: Generation) {
         self.rounds.advance(generation);
         self.merges.advance(generation);
         if let Some(Ok(Some(old))) = self.lazy.pending(generation) {
@@ -118,7 +119,7 @@ impl SyncHub {
 
     /// Builds generation `generation`'s scheduler from `restore` (outside
     /// every lock: it reads the checkpoint) and installs it.
-    pub fn rebuild(&self, config: &Config, generation: u64, restore: Option<&Path>) {
+    pub fn rebuild(&self, config: &Config, generation: Generation, restore: Option<&Path>) {
         let next = lazy_for(config, self.workers, self.aggregators, restore).map_err(|e| e.to_string());
         if let Ok(Some(lazy)) = &next
             && let Some(b) = self.backups.lock().as_ref()

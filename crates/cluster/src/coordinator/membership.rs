@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::{RoleKind, View};
+use crate::generation::Generation;
 use crate::lazy::ProbeTarget;
 use crate::transport::ClusterError;
 
@@ -15,12 +16,12 @@ struct Member {
     address: String,
     last_seen: Instant,
     /// The generation in which a worker finished its work (0: none).
-    finished_in: u64,
+    finished_in: Generation,
     /// The role's progress count, and when it last moved.
     progress: u64,
     progress_at: Instant,
     /// The generation it has restored and serves (0: none yet).
-    ready: u64,
+    ready: Generation,
     /// Its payload bytes so far, when it reported them, and its bytes per
     /// second between its last two reports (S4.2 utilisation).
     bytes: u64,
@@ -149,10 +150,10 @@ impl Membership {
         members.slots(kind)[slot] = Some(Member {
             address,
             last_seen: now,
-            finished_in: 0,
+            finished_in: Generation::NONE,
             progress: 0,
             progress_at: now,
-            ready: 0,
+            ready: Generation::NONE,
             bytes: 0,
             bytes_at: now,
             byte_rate: 0.0,
@@ -162,7 +163,7 @@ impl Membership {
     }
 
     /// A heartbeat: the role is alive, at `progress`, serving `ready`.
-    pub fn beat(&self, kind: RoleKind, index: usize, progress: u64, ready: u64) -> Result<(), ClusterError> {
+    pub fn beat(&self, kind: RoleKind, index: usize, progress: u64, ready: Generation) -> Result<(), ClusterError> {
         let mut members = self.members.lock();
         let Some(Some(m)) = members.slots(kind).get_mut(index) else {
             return Err(ClusterError::Setup(format!("{} {index} never registered", kind.name())));
@@ -207,7 +208,7 @@ impl Membership {
 
     /// The roles the scheduler probes (every kind, or workers only),
     /// workers finished in `generation` aside.
-    pub fn probe_targets(&self, all: bool, generation: u64) -> Vec<ProbeTarget> {
+    pub fn probe_targets(&self, all: bool, generation: Generation) -> Vec<ProbeTarget> {
         let members = self.members.lock();
         let mut targets = Vec::new();
         for (kind, slots) in members.groups() {
@@ -228,13 +229,13 @@ impl Membership {
     }
 
     /// Whether every slot's role serves `generation`.
-    pub fn all_ready(&self, generation: u64) -> bool {
+    pub fn all_ready(&self, generation: Generation) -> bool {
         let members = self.members.lock();
         members.groups().iter().all(|(_, s)| s.iter().all(|m| m.as_ref().is_some_and(|m| m.ready == generation)))
     }
 
     /// The shard map and the loader's address, and whether they serve `generation`.
-    pub fn view(&self, generation: u64) -> View {
+    pub fn view(&self, generation: Generation) -> View {
         let members = self.members.lock();
         let serves = |m: &Option<Member>| m.as_ref().is_some_and(|m| m.ready == generation);
         let shards_ready = members.shards.iter().all(serves);
@@ -249,7 +250,7 @@ impl Membership {
     }
 
     /// Worker `index` finished in `generation`: whether every worker has.
-    pub fn worker_finished(&self, index: usize, generation: u64) -> bool {
+    pub fn worker_finished(&self, index: usize, generation: Generation) -> bool {
         let mut members = self.members.lock();
         if let Some(Some(m)) = members.workers.get_mut(index) {
             m.finished_in = generation;
@@ -260,7 +261,7 @@ impl Membership {
     /// Registered roles silent past the heartbeat timeout, workers whose
     /// progress stood still past the progress timeout (both unless finished
     /// in `generation`), and slots still empty past their deadline.
-    pub fn check(&self, t: &Timeouts, generation: u64) -> Liveness {
+    pub fn check(&self, t: &Timeouts, generation: Generation) -> Liveness {
         let members = self.members.lock();
         let mut found = Liveness::default();
         for (kind, slots) in members.groups() {
@@ -331,8 +332,8 @@ mod tests {
         let m = Membership::new(1, 2);
         m.take(RoleKind::Worker, 0, "a".into(), 0);
         m.take(RoleKind::Worker, 1, "b".into(), 0);
-        assert!(!m.worker_finished(0, 1));
-        assert!(m.worker_finished(1, 1));
-        assert!(!m.worker_finished(1, 2), "worker 0 finished in generation 1, not 2");
+        assert!(!m.worker_finished(0, Generation(1)));
+        assert!(m.worker_finished(1, Generation(1)));
+        assert!(!m.worker_finished(1, Generation(2)), "worker 0 finished in generation 1, not 2");
     }
 }

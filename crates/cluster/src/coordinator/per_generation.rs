@@ -5,10 +5,11 @@
 //! generation waits for it meanwhile, a request of another one is told the
 //! generation changed. Its lock is a leaf.
 
+use crate::generation::Generation;
 use parking_lot::{Condvar, Mutex};
 
 struct Slot<T> {
-    generation: u64,
+    generation: Generation,
     /// None while the generation's value is being made.
     value: Option<T>,
 }
@@ -21,16 +22,16 @@ pub struct PerGeneration<T> {
 /// The slot holds another generation's value (the one given is over, or
 /// not yet started): `.0` is the slot's.
 #[derive(Debug, PartialEq, Eq)]
-pub struct OtherGeneration(pub u64);
+pub struct OtherGeneration(pub Generation);
 
 impl<T> PerGeneration<T> {
-    pub fn new(generation: u64, value: T) -> Self {
+    pub fn new(generation: Generation, value: T) -> Self {
         PerGeneration { slot: Mutex::new(Slot { generation, value: Some(value) }), installed: Condvar::new() }
     }
 
     /// Generation `generation` started: its value is being made. Returns
     /// the value of the one before, if any (to release its waiters).
-    pub fn pending(&self, generation: u64) -> Option<T> {
+    pub fn pending(&self, generation: Generation) -> Option<T> {
         let mut slot = self.slot.lock();
         if generation <= slot.generation {
             return None;
@@ -43,7 +44,7 @@ impl<T> PerGeneration<T> {
 
     /// The value of `generation`, unless another one started meanwhile
     /// (then it is handed back).
-    pub fn install(&self, generation: u64, value: T) -> Result<(), T> {
+    pub fn install(&self, generation: Generation, value: T) -> Result<(), T> {
         let mut slot = self.slot.lock();
         if slot.generation != generation {
             return Err(value);
@@ -54,7 +55,7 @@ impl<T> PerGeneration<T> {
     }
 
     /// Runs `f` on `generation`'s value, waiting while it is being made.
-    pub fn with<R>(&self, generation: u64, f: impl FnOnce(&mut T) -> R) -> Result<R, OtherGeneration> {
+    pub fn with<R>(&self, generation: Generation, f: impl FnOnce(&mut T) -> R) -> Result<R, OtherGeneration> {
         let mut slot = self.slot.lock();
         loop {
             if slot.generation != generation {
@@ -81,26 +82,30 @@ mod tests {
 
     #[test]
     fn a_request_waits_for_its_generations_value_and_others_are_told_it_changed() {
-        let p = Arc::new(PerGeneration::new(1, "one".to_string()));
-        assert_eq!(p.with(1, |v| v.clone()), Ok("one".to_string()));
-        assert_eq!(p.pending(2), Some("one".to_string()));
-        assert_eq!(p.pending(2), None, "once");
-        assert_eq!(p.with(1, |v| v.clone()), Err(OtherGeneration(2)));
+        let p = Arc::new(PerGeneration::new(Generation(1), "one".to_string()));
+        assert_eq!(p.with(Generation(1), |v| v.clone()), Ok("one".to_string()));
+        assert_eq!(p.pending(Generation(2)), Some("one".to_string()));
+        assert_eq!(p.pending(Generation(2)), None, "once");
+        assert_eq!(p.with(Generation(1), |v| v.clone()), Err(OtherGeneration(Generation(2))));
         let waiter = {
             let p = p.clone();
-            std::thread::spawn(move || p.with(2, |v| v.clone()))
+            std::thread::spawn(move || p.with(Generation(2), |v| v.clone()))
         };
-        assert_eq!(p.install(1, "late".into()), Err("late".to_string()), "an old generation's value is refused");
-        p.install(2, "two".into()).expect("install");
+        assert_eq!(
+            p.install(Generation(1), "late".into()),
+            Err("late".to_string()),
+            "an old generation's value is refused"
+        );
+        p.install(Generation(2), "two".into()).expect("install");
         assert_eq!(waiter.join().expect("thread"), Ok("two".to_string()));
         // A waiter whose generation is overtaken before its value came is released.
-        p.pending(3);
+        p.pending(Generation(3));
         let waiter = {
             let p = p.clone();
-            std::thread::spawn(move || p.with(3, |v| v.clone()))
+            std::thread::spawn(move || p.with(Generation(3), |v| v.clone()))
         };
-        p.pending(4);
-        assert_eq!(waiter.join().expect("thread"), Err(OtherGeneration(4)));
+        p.pending(Generation(4));
+        assert_eq!(waiter.join().expect("thread"), Err(OtherGeneration(Generation(4))));
         assert_eq!(p.latest(|v| v.clone()), None, "generation 4's value is not made yet");
     }
 }

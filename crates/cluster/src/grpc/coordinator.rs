@@ -13,22 +13,23 @@ use tonic::{Request, Response, Status};
 
 use super::{AuthedChannel, CheckToken, NetSettings, Peer, blocking, bytes_to_f32s, connect, f32s_to_bytes};
 use crate::checkpoint::{CheckpointSink, WorkerCut};
-use crate::coordinator::{Coordinator, Generation, JobState, Known, RoleKind, View};
+use crate::coordinator::{Attempt, Coordinator, JobState, Known, RoleKind, View};
+use crate::generation::Generation;
 use crate::lazy::{Aggregated, Contribution as LazyContribution, FinalWeights, Instruction, LazyLink};
 use crate::metrics::RoleMetrics;
 use crate::rounds::{MergedRound, RoundMerger, RoundUpdate};
 use crate::sync::{Contribution, RoundReply, RoundSummer};
 use crate::transport::ClusterError;
 
-fn generation_to_proto(g: &Generation) -> pb::Generation {
+fn generation_to_proto(g: &Attempt) -> pb::Generation {
     let path = |p: &Option<std::path::PathBuf>| p.as_ref().map(|d| d.display().to_string()).unwrap_or_default();
-    pb::Generation { number: g.number, restore: path(&g.restore), committed: path(&g.committed) }
+    pb::Generation { number: g.number.number(), restore: path(&g.restore), committed: path(&g.committed) }
 }
 
-fn generation_from(g: Option<pb::Generation>) -> Generation {
+fn generation_from(g: Option<pb::Generation>) -> Attempt {
     let g = g.unwrap_or_default();
     let path = |p: String| (!p.is_empty()).then(|| std::path::PathBuf::from(p));
-    Generation { number: g.number, restore: path(g.restore), committed: path(g.committed) }
+    Attempt { number: Generation(g.number), restore: path(g.restore), committed: path(g.committed) }
 }
 
 fn position_to_proto(p: sparrow_core::batch::DataPosition) -> pb::DataPosition {
@@ -75,7 +76,7 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
         let kind = role_from_proto(r.role)?;
         let index = usize::try_from(r.index).ok();
         let known = (r.generation > 0).then(|| Known {
-            generation: r.generation,
+            generation: Generation(r.generation),
             committed: (!r.committed.is_empty()).then(|| std::path::PathBuf::from(&r.committed)),
             step: r.step,
         });
@@ -98,9 +99,10 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
         let kind = role_from_proto(r.role)?;
         let coordinator = self.coordinator.clone();
         let (state, generation) = blocking(move || {
-            let answer = coordinator.heartbeat(kind, r.index as usize, r.progress, r.ready_generation, r.step)?;
+            let answer =
+                coordinator.heartbeat(kind, r.index as usize, r.progress, Generation(r.ready_generation), r.step)?;
             coordinator.traffic(kind, r.index as usize, r.bytes, &r.probe_address);
-            coordinator.previous_step(kind, r.previous_generation, r.previous_step);
+            coordinator.previous_step(kind, Generation(r.previous_generation), r.previous_step);
             Ok(answer)
         })
         .await?;
@@ -112,9 +114,10 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
     async fn view(&self, request: Request<pb::ViewRequest>) -> Result<Response<pb::ViewReply>, Status> {
         let asked = request.into_inner().generation;
         let coordinator = self.coordinator.clone();
-        let (view, state, current) =
-            blocking(move || Ok((coordinator.view(asked), coordinator.state(), coordinator.generation().number)))
-                .await?;
+        let (view, state, current) = blocking(move || {
+            Ok((coordinator.view(Generation(asked)), coordinator.state(), coordinator.generation().number))
+        })
+        .await?;
         let state = state_reply(&state);
         Ok(Response::new(pb::ViewReply {
             complete: view.complete,
@@ -123,7 +126,7 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
             state: state.state,
             message: state.message,
             shards_ready: view.shards_ready,
-            generation: current,
+            generation: current.number(),
             aggregators: view.aggregators,
         }))
     }
@@ -135,7 +138,7 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
         let r = request.into_inner();
         let cut = WorkerCut {
             worker: r.worker as usize,
-            generation: r.generation,
+            generation: Generation(r.generation),
             step: r.step,
             samples_trained: r.samples_trained,
             dense_optimizer_step: r.dense_optimizer_step,
@@ -164,7 +167,7 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
         let patience = Duration::from_micros(r.patience_us);
         let c = Contribution {
             worker: r.worker as usize,
-            generation: r.generation,
+            generation: Generation(r.generation),
             round: r.round,
             grads,
             rows: r.rows,
@@ -186,7 +189,7 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
         let delta = bytes_to_f32s(&r.delta, &format!("worker {}", r.worker), "round update").map_err(status)?;
         let update = RoundUpdate {
             worker: r.worker as usize,
-            generation: r.generation,
+            generation: Generation(r.generation),
             round: r.round,
             delta,
             items: r.items,
@@ -208,7 +211,7 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
         let r = request.into_inner();
         self.metrics.count_bytes("in", "worker", r.values.len() + r.partial.len());
         let coordinator = self.coordinator.clone();
-        let (worker, generation) = (r.worker as usize, r.generation);
+        let (worker, generation) = (r.worker as usize, Generation(r.generation));
         let kind = pb::lazy_request::Kind::try_from(r.kind)
             .map_err(|_| Status::invalid_argument(format!("worker {worker}: unknown lazy request kind {}", r.kind)))?;
         let reply = match kind {
@@ -257,7 +260,7 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
         let coordinator = self.coordinator.clone();
         let error = (!r.error.is_empty()).then_some(r.error);
         blocking(move || {
-            coordinator.finish(kind, r.worker as usize, error, r.generation);
+            coordinator.finish(kind, r.worker as usize, error, Generation(r.generation));
             Ok(())
         })
         .await?;
@@ -303,7 +306,7 @@ pub struct Registration {
     pub num_workers: usize,
     pub num_aggregators: usize,
     pub config: Config,
-    pub generation: Generation,
+    pub generation: Attempt,
 }
 
 /// A generation's view, as a role polls it.
@@ -311,7 +314,7 @@ pub struct ViewAnswer {
     pub view: View,
     pub state: JobState,
     /// The job's current generation.
-    pub generation: u64,
+    pub generation: Generation,
 }
 
 /// The coordinator as the other roles see it.
@@ -367,7 +370,7 @@ impl CoordinatorClient {
             role: role_to_proto(kind) as i32,
             address: address.to_string(),
             index: index.map_or(-1, |i| i as i64),
-            generation: known.map_or(0, |k| k.generation),
+            generation: known.map_or(0, |k| k.generation.number()),
             committed: known.and_then(|k| k.committed.as_ref()).map(|d| d.display().to_string()).unwrap_or_default(),
             step: known.map_or(0, |k| k.step),
             pid: std::process::id(),
@@ -394,7 +397,7 @@ impl CoordinatorClient {
         ready: u64,
         step: u64,
         previous: (u64, u64),
-    ) -> Result<(JobState, Generation), ClusterError> {
+    ) -> Result<(JobState, Attempt), ClusterError> {
         let request = pb::HeartbeatRequest {
             role: role_to_proto(kind) as i32,
             index: index as u32,
@@ -411,12 +414,12 @@ impl CoordinatorClient {
     }
 
     /// Generation `generation`'s view, once.
-    pub fn view(&self, generation: u64) -> Result<ViewAnswer, ClusterError> {
-        let request = pb::ViewRequest { generation };
+    pub fn view(&self, generation: Generation) -> Result<ViewAnswer, ClusterError> {
+        let request = pb::ViewRequest { generation: generation.number() };
         let view = self.peer.call("view", request, |mut c, r| async move { c.view(r).await })?;
         Ok(ViewAnswer {
             state: state_from(view.state, view.message),
-            generation: view.generation,
+            generation: Generation(view.generation),
             view: View {
                 complete: view.complete,
                 shards_ready: view.shards_ready,
@@ -430,7 +433,12 @@ impl CoordinatorClient {
     /// Waits (polling with backoff, up to `timeout`) until every shard (and,
     /// unless `shards_only`, the loader) serves `generation`; returns its
     /// view. Gives up when the job moves to another generation or ends.
-    pub fn wait_for_view(&self, generation: u64, shards_only: bool, timeout: Duration) -> Result<View, ClusterError> {
+    pub fn wait_for_view(
+        &self,
+        generation: Generation,
+        shards_only: bool,
+        timeout: Duration,
+    ) -> Result<View, ClusterError> {
         let start = Instant::now();
         let mut wait = Duration::from_millis(5);
         loop {
@@ -465,13 +473,13 @@ impl CoordinatorClient {
         kind: RoleKind,
         index: usize,
         error: Option<String>,
-        generation: u64,
+        generation: Generation,
     ) -> Result<(), ClusterError> {
         let request = pb::FinishRequest {
             worker: index as u32,
             error: error.unwrap_or_default(),
             role: role_to_proto(kind) as i32,
-            generation,
+            generation: generation.number(),
         };
         self.peer.call("finish", request, |mut c, r| async move { c.finish(r).await })?;
         Ok(())
@@ -486,7 +494,7 @@ impl RoundSummer for CoordinatorClient {
             grads: f32s_to_bytes(&c.grads),
             rows: c.rows,
             patience_us: c.patience.as_micros() as u64,
-            generation: c.generation,
+            generation: c.generation.number(),
         };
         let reply = self.peer.call("sum_gradients", request, |mut c, r| async move { c.sum_gradients(r).await })?;
         if reply.open {
@@ -503,7 +511,7 @@ impl RoundMerger for CoordinatorClient {
     fn merge_round(&self, u: RoundUpdate) -> Result<Arc<MergedRound>, ClusterError> {
         let request = pb::MergeRequest {
             worker: u.worker as u32,
-            generation: u.generation,
+            generation: u.generation.number(),
             round: u.round,
             delta: f32s_to_bytes(&u.delta),
             items: u.items,
@@ -532,14 +540,14 @@ impl LazyLink for CoordinatorClient {
     fn poll(
         &self,
         worker: usize,
-        generation: u64,
+        generation: Generation,
         since: u64,
         finished: bool,
         wait: bool,
     ) -> Result<Option<Instruction>, ClusterError> {
         let request = pb::LazyRequest {
             worker: worker as u32,
-            generation,
+            generation: generation.number(),
             kind: pb::lazy_request::Kind::Poll as i32,
             since,
             finished,
@@ -559,8 +567,12 @@ impl LazyLink for CoordinatorClient {
         aggregated_from(reply, &self.peer.name)
     }
 
-    fn final_weights(&self, generation: u64) -> Result<FinalWeights, ClusterError> {
-        let request = pb::LazyRequest { generation, kind: pb::lazy_request::Kind::Final as i32, ..Default::default() };
+    fn final_weights(&self, generation: Generation) -> Result<FinalWeights, ClusterError> {
+        let request = pb::LazyRequest {
+            generation: generation.number(),
+            kind: pb::lazy_request::Kind::Final as i32,
+            ..Default::default()
+        };
         let reply = self.lazy_call(request)?;
         Ok(FinalWeights {
             weights: bytes_to_f32s(&reply.weights, &self.peer.name, "final weights")?,
@@ -576,7 +588,7 @@ impl CheckpointSink for CoordinatorClient {
     fn checkpoint(&self, cut: WorkerCut) -> Result<std::path::PathBuf, ClusterError> {
         let request = pb::CheckpointRequest {
             worker: cut.worker as u32,
-            generation: cut.generation,
+            generation: cut.generation.number(),
             step: cut.step,
             samples_trained: cut.samples_trained,
             dense_optimizer_step: cut.dense_optimizer_step,
@@ -601,7 +613,7 @@ impl CheckpointSink for CoordinatorClient {
 pub fn contribution_request(c: LazyContribution) -> pb::LazyRequest {
     pb::LazyRequest {
         worker: c.worker as u32,
-        generation: c.generation,
+        generation: c.generation.number(),
         kind: pb::lazy_request::Kind::Contribute as i32,
         finished: c.finished,
         instruction: c.instruction,
@@ -621,7 +633,7 @@ pub fn contribution_from(r: pb::LazyRequest) -> Result<LazyContribution, Status>
     let values = bytes_to_f32s(&r.values, &format!("worker {worker}"), "contribution").map_err(status)?;
     Ok(LazyContribution {
         worker,
-        generation: r.generation,
+        generation: Generation(r.generation),
         instruction: r.instruction,
         participants: r.participants.iter().map(|&w| w as usize).collect(),
         values,
@@ -688,7 +700,7 @@ fn partial_from(r: pb::LazyRequest) -> Result<crate::lazy::Partial, Status> {
         .collect();
     Ok(crate::lazy::Partial {
         aggregator,
-        generation: r.generation,
+        generation: Generation(r.generation),
         instruction: r.instruction,
         sum,
         weight: r.coefficient,
@@ -700,7 +712,7 @@ impl crate::aggregator::PartialSink for CoordinatorClient {
     fn contribute_partial(&self, p: crate::lazy::Partial) -> Result<(Aggregated, Arc<Vec<f32>>), ClusterError> {
         let request = pb::LazyRequest {
             worker: p.aggregator as u32,
-            generation: p.generation,
+            generation: p.generation.number(),
             kind: pb::lazy_request::Kind::Partial as i32,
             instruction: p.instruction,
             partial: f64s_to_bytes(&p.sum),

@@ -14,10 +14,11 @@ use super::{
     AuthedChannel, CheckToken, NetSettings, Peer, blocking, bytes_to_f32s, bytes_to_u32s, bytes_to_u64s, connect,
     f32s_to_bytes, u32s_to_bytes, u64s_to_bytes,
 };
+use crate::generation::Generation;
 use crate::loader::LoaderServer;
 use crate::messages::{Mode, WorkerBatch};
 use crate::metrics::RoleMetrics;
-use crate::transport::{ClusterError, LoaderService, Serving};
+use crate::transport::{ClusterError, LoaderService, RoundQueueService, Serving};
 
 /// A worker batch on the wire.
 pub fn to_proto(b: WorkerBatch) -> pb::WorkerBatch {
@@ -150,8 +151,8 @@ impl pb::loader_server::Loader for LoaderGrpc {
         let loader = self.loader.get().map_err(|e| super::to_status(&e))?;
         let queued = loader.clone();
         let batch = blocking(move || match r.in_round {
-            true => loader.next_round_item(r.worker as usize, r.generation, r.round),
-            false => loader.next_batch(r.worker as usize, mode, r.generation),
+            true => loader.next_round_item(r.worker as usize, Generation(r.generation), r.round),
+            false => loader.next_batch(r.worker as usize, mode, Generation(r.generation)),
         })
         .await?;
         let reply = pb::NextBatchReply { batch: batch.map(to_proto) };
@@ -202,15 +203,42 @@ impl LoaderClient {
 }
 
 impl LoaderService for LoaderClient {
-    fn next_batch(&self, worker: usize, mode: Mode, generation: u64) -> Result<Option<WorkerBatch>, ClusterError> {
-        let request =
-            pb::NextBatchRequest { worker: worker as u32, eval: mode == Mode::Eval, generation, ..Default::default() };
+    fn next_batch(
+        &self,
+        worker: usize,
+        mode: Mode,
+        generation: Generation,
+    ) -> Result<Option<WorkerBatch>, ClusterError> {
+        let request = pb::NextBatchRequest {
+            worker: worker as u32,
+            eval: mode == Mode::Eval,
+            generation: generation.number(),
+            ..Default::default()
+        };
         let reply = self.peer.call("next_batch", request, |mut c, r| async move { c.next_batch(r).await })?;
         reply.batch.map(|b| from_proto(b, &self.peer.name)).transpose()
     }
 
-    fn next_round_item(&self, worker: usize, generation: u64, round: u64) -> Result<Option<WorkerBatch>, ClusterError> {
-        let request = pb::NextBatchRequest { worker: worker as u32, eval: false, generation, in_round: true, round };
+    /// A remote loader answers whether it serves a round queue itself.
+    fn round_queue(&self) -> Option<&dyn RoundQueueService> {
+        Some(self)
+    }
+}
+
+impl RoundQueueService for LoaderClient {
+    fn next_round_item(
+        &self,
+        worker: usize,
+        generation: Generation,
+        round: u64,
+    ) -> Result<Option<WorkerBatch>, ClusterError> {
+        let request = pb::NextBatchRequest {
+            worker: worker as u32,
+            eval: false,
+            generation: generation.number(),
+            in_round: true,
+            round,
+        };
         let reply = self.peer.call("next_batch", request, |mut c, r| async move { c.next_batch(r).await })?;
         reply.batch.map(|b| from_proto(b, &self.peer.name)).transpose()
     }

@@ -13,6 +13,7 @@ use super::{
     AuthedChannel, CheckToken, NetSettings, Peer, blocking, bytes_to_f32s, bytes_to_u64s, connect, f32s_to_bytes,
     u64s_to_bytes,
 };
+use crate::generation::Generation;
 use crate::messages::Mode;
 use crate::metrics::RoleMetrics;
 use crate::shard::ShardServer;
@@ -144,7 +145,8 @@ impl pb::shard_server::Shard for ShardGrpc {
         let r = request.into_inner();
         let shard = self.shard()?;
         let since = r.has_since.then_some(r.since);
-        let p = blocking(move || shard.write_part(r.generation, std::path::Path::new(&r.dir), since)).await?;
+        let p =
+            blocking(move || shard.write_part(Generation(r.generation), std::path::Path::new(&r.dir), since)).await?;
         let part = &p.written.part;
         Ok(Response::new(pb::WritePartReply {
             embeddings: part.embeddings.clone(),
@@ -350,12 +352,12 @@ impl ShardService for ShardClient {
 
     fn write_part(
         &self,
-        generation: u64,
+        generation: Generation,
         dir: &std::path::Path,
         since: Option<u64>,
     ) -> Result<PartWritten, ClusterError> {
         let request = pb::WritePartRequest {
-            generation,
+            generation: generation.number(),
             dir: dir.display().to_string(),
             has_since: since.is_some(),
             since: since.unwrap_or(0),

@@ -119,7 +119,7 @@ pub(super) fn pull_rows(
 /// (worker_lookup mode) and pulls the rows by batch id; an update pushes
 /// each shard its part of the gradients. Network calls: they run beside the
 /// dense step on a thread of their own.
-pub(super) struct RemoteRows<'a> {
+pub struct RemoteRows<'a> {
     pub(super) shards: &'a [Arc<dyn ShardService>],
     pub(super) width: usize,
     /// Bytes a shard sends per vector.
