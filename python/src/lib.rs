@@ -7,6 +7,7 @@
 //! CLI's message; Ctrl-C during training stops it after the current step,
 //! writes the checkpoint, and raises `KeyboardInterrupt`.
 
+use sparrow_core::Overrides;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -77,7 +78,7 @@ fn load_config(py: Python<'_>, path: Option<PathBuf>, json: Option<&str>, overri
         }
         (None, None) => return Err(exception(py, "ArgumentError", "train needs a config".into())),
     };
-    Config::from_toml_with_overrides(&text, &source, overrides).map_err(|e| config_error(py, e))
+    Overrides::parse(overrides).and_then(|o| Config::from_toml(&text, &source, &o)).map_err(|e| config_error(py, e))
 }
 
 fn progress_dict<'py>(py: Python<'py>, u: &ProgressUpdate) -> PyResult<Bound<'py, PyDict>> {
@@ -202,7 +203,10 @@ fn generate(
 #[pyfunction]
 fn evaluate(py: Python<'_>, checkpoint: PathBuf, data: PathBuf, overrides: Vec<String>) -> PyResult<String> {
     let summary = py
-        .detach(|| sparrow_trainer::evaluate_checkpoint(&checkpoint, &data, &overrides, None))
+        .detach(|| {
+            let overrides = Overrides::parse(&overrides)?;
+            sparrow_trainer::evaluate_checkpoint(&checkpoint, &data, &overrides, None)
+        })
         .map_err(|e| train_error(py, e))?;
     serde_json::to_string(&summary).map_err(|e| exception(py, "SparrowError", e.to_string()))
 }
@@ -372,7 +376,7 @@ impl Model {
     #[staticmethod]
     fn load(py: Python<'_>, path: PathBuf, overrides: Vec<String>) -> PyResult<Model> {
         let loaded = py.detach(|| -> Result<Model, TrainError> {
-            let (trainer, step) = sparrow_trainer::run::load_model(&path, &overrides)?;
+            let (trainer, step) = sparrow_trainer::run::load_model(&path, &Overrides::parse(&overrides)?)?;
             let pool = sparrow_trainer::run::compute_pool(trainer.config.train.threads)?;
             Ok(Model { trainer: parking_lot::Mutex::new(trainer), pool, step, path: path.clone() })
         });

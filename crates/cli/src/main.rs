@@ -1,5 +1,6 @@
 //! The `sparrow` command: argument parsing and wiring only.
 
+use sparrow_core::Overrides;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -449,7 +450,7 @@ fn exit_on_signals(role: &'static str) {
 
 fn load_config(path: &Path, set: &[String]) -> anyhow::Result<Config> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
-    Ok(Config::from_toml_with_overrides(&text, &path.display().to_string(), set)?)
+    Ok(Overrides::parse(set).and_then(|o| Config::from_toml(&text, &path.display().to_string(), &o))?)
 }
 
 fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> anyhow::Result<()> {
@@ -485,9 +486,10 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             print_json(&sparrow_trainer::train_until(&config, quiet, &stop_on_signals())?)
         }
         Command::Eval { checkpoint, data, set } => {
-            print_json(&sparrow_trainer::evaluate_checkpoint(&checkpoint, &data, &set, None)?)
+            print_json(&sparrow_trainer::evaluate_checkpoint(&checkpoint, &data, &Overrides::parse(&set)?, None)?)
         }
         Command::Predict { checkpoint, model, data, out, set } => {
+            let set = Overrides::parse(&set)?;
             let summary = match (checkpoint, model) {
                 (Some(checkpoint), _) => sparrow_trainer::predict_checkpoint(&checkpoint, &data, &out, &set)?,
                 (None, Some(model)) => sparrow_trainer::run::predict_export(&model, &data, &out, &set)?,
@@ -691,7 +693,8 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
                 format!("checkpoint.dir={:?}", format!("{d}/checkpoint")),
             ];
             overrides.append(&mut set);
-            let config = Config::from_toml_with_overrides(DEMO_CONFIG, "configs/dlrm.toml", &overrides)?;
+            let config =
+                Overrides::parse(&overrides).and_then(|o| Config::from_toml(DEMO_CONFIG, "configs/dlrm.toml", &o))?;
             let summary = sparrow_trainer::train_until(&config, false, &stop_on_signals())?;
             eprintln!("{}", demo_line(&summary));
             print_json(&summary)

@@ -293,3 +293,29 @@ fn no_source_file_is_past_900_lines_before_its_tests() {
     long.sort();
     assert!(long.is_empty(), "files past 900 lines before #[cfg(test)]:\n{}", long.join("\n"));
 }
+
+/// Every gRPC handler hands its work to tokio's blocking pool (the role
+/// types block: locks, disk, waiting for other workers), so no handler
+/// stalls the runtime's threads that carry every other RPC.
+#[test]
+fn grpc_handlers_run_on_the_blocking_pool() {
+    let mut files = Vec::new();
+    rust_files(&workspace().join("crates/cluster/src/grpc"), &mut files);
+    let mut handlers = 0;
+    let mut inline = Vec::new();
+    for file in &files {
+        let lines = code_lines(file);
+        for (i, (n, line)) in lines.iter().enumerate() {
+            let Some(rest) = line.strip_prefix("    async fn ") else { continue };
+            let name: String = rest.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+            let body: Vec<&str> =
+                lines[i + 1..].iter().map(|(_, l)| l.as_str()).take_while(|l| *l != "    }").collect();
+            handlers += 1;
+            if !body.iter().any(|l| l.contains("blocking(")) {
+                inline.push(format!("{}:{n} {name}", file.display()));
+            }
+        }
+    }
+    assert!(handlers >= 15, "found only {handlers} handlers: the parser no longer sees them");
+    assert!(inline.is_empty(), "handlers that do not go through `blocking(`:\n{}", inline.join("\n"));
+}

@@ -6,6 +6,7 @@
 //! `train --resume` read it like any other; a shard restores its own part,
 //! a worker the dense part, the loader the data position.
 
+use sparrow_core::Overrides;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -251,7 +252,8 @@ impl ClusterExports {
         let (exports, dir) = (self.exports.clone(), dir.to_path_buf());
         let spawned = std::thread::Builder::new().name("sparrow-export".into()).spawn(move || {
             // The rows in this process's memory, not in the shards' SSD files.
-            let loaded = sparrow_trainer::checkpoint::load_trainer(&dir, &["embedding.storage=\"memory\"".into()]);
+            let loaded =
+                sparrow_trainer::checkpoint::load_trainer(&dir, &Overrides::none().set("embedding.storage", "memory"));
             match loaded.and_then(|(trainer, _, _)| exports.lock().write(&trainer)) {
                 Ok(written) => tracing::info!("step {step}: serving export {}", written.display()),
                 Err(e) => tracing::warn!("step {step}: the serving export was not written: {e}"),

@@ -722,10 +722,11 @@ impl LazyLink for Coordinator {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sparrow_core::Overrides;
 
     fn config(overrides: &[&str]) -> Config {
         let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
-        Config::from_toml_with_overrides("", "test", &overrides).expect("config")
+        Overrides::parse(&overrides).and_then(|o| Config::from_toml("", "test", &o)).expect("config")
     }
 
     #[test]

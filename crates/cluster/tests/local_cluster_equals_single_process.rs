@@ -4,6 +4,7 @@
 //! data-parallel workers keep identical dense weights; the shards refuse
 //! batches they do not hold.
 
+use sparrow_core::Overrides;
 use std::sync::Arc;
 
 use sparrow_cluster::generation::Generation;
@@ -38,7 +39,7 @@ fn config_with(dir: &std::path::Path, kind: &str, overrides: &[&str]) -> Config 
         "#
     );
     let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
-    Config::from_toml_with_overrides(&text, "test", &overrides).expect("config")
+    Overrides::parse(&overrides).and_then(|o| Config::from_toml(&text, "test", &o)).expect("config")
 }
 
 /// `kind`, or `kind-f16rows` (`embedding.dtype = "f16"`), or
@@ -361,7 +362,7 @@ fn a_cluster_checkpoint_keeps_the_shards_filter_state() {
     worker.run_training(&loader, &shards).expect("train");
     let saved = worker.last_checkpoint().expect("the end of training is checkpointed").clone();
     assert_eq!(sparrow_trainer::checkpoint::resolve(&root).expect("LATEST"), saved);
-    let (restored, _, _) = sparrow_trainer::checkpoint::load_trainer(&saved, &[]).expect("load");
+    let (restored, _, _) = sparrow_trainer::checkpoint::load_trainer(&saved, &Overrides::none()).expect("load");
 
     let uses = |t: &EmbeddingTable| {
         let mut out = Vec::new();

@@ -2,7 +2,10 @@
 //! has an explicit default, and units live in the names.
 
 mod bounds;
+mod overrides;
 mod validate;
+
+pub use overrides::Overrides;
 
 use serde::{Deserialize, Serialize};
 
@@ -802,17 +805,11 @@ impl Default for ClusterConfig {
 pub const MAX_EMBEDDING_DIM: usize = 4096;
 
 impl Config {
-    /// Parses TOML text, applies `--set KEY=VALUE` overrides, and validates.
-    pub fn from_toml_with_overrides(
-        text: &str,
-        source_name: &str,
-        overrides: &[String],
-    ) -> Result<Config, ConfigError> {
+    /// Parses TOML text, applies `overrides`, and validates.
+    pub fn from_toml(text: &str, source_name: &str, overrides: &Overrides) -> Result<Config, ConfigError> {
         let mut table: toml::Table = toml::from_str(text)
             .map_err(|e| ConfigError::Parse { source_name: source_name.to_string(), message: e.to_string() })?;
-        for assignment in overrides {
-            apply_override(&mut table, assignment)?;
-        }
+        overrides.apply(&mut table)?;
         let config: Config = toml::Value::Table(table).try_into().map_err(|e: toml::de::Error| ConfigError::Parse {
             source_name: source_name.to_string(),
             message: e.to_string(),
@@ -826,52 +823,13 @@ impl Config {
     }
 }
 
-/// `a.b.c=value`: the value is read as TOML; a bare word is taken as a string.
-fn apply_override(table: &mut toml::Table, assignment: &str) -> Result<(), ConfigError> {
-    let bad = || ConfigError::BadAssignment { assignment: assignment.to_string() };
-    let (key, raw) = assignment.split_once('=').ok_or_else(bad)?;
-    let key = key.trim();
-    // A dotted name of bare keys: nothing else can be smuggled into the table.
-    let bare = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-    if !key.split('.').all(bare) {
-        return Err(bad());
-    }
-    let raw = raw.trim();
-    let value = match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
-        Ok(mut t) if t.len() == 1 => t.remove("v"),
-        // `1\n[evil]\nx = 2`: more than one value.
-        Ok(_) => return Err(bad()),
-        Err(_) => None,
-    };
-    let value = match value {
-        Some(v) => v,
-        // A bare word is a string; a line break or control byte in one is a mistake.
-        None if raw.chars().any(char::is_control) => return Err(bad()),
-        None => toml::Value::String(raw.to_string()),
-    };
-    let segments: Vec<&str> = key.split('.').collect();
-    let (last, parents) = segments.split_last().ok_or_else(bad)?;
-    let mut node = table;
-    for segment in parents {
-        let entry = node.entry((*segment).to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
-        node = match entry {
-            toml::Value::Table(t) => t,
-            _ => {
-                return Err(ConfigError::NotATable { key: key.to_string(), segment: (*segment).to_string() });
-            }
-        };
-    }
-    node.insert((*last).to_string(), value);
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn parse(text: &str, sets: &[&str]) -> Result<Config, ConfigError> {
         let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
-        Config::from_toml_with_overrides(text, "test.toml", &sets)
+        Overrides::parse(&sets).and_then(|o| Config::from_toml(text, "test.toml", &o))
     }
 
     #[test]

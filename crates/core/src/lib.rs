@@ -12,6 +12,6 @@ pub mod simd;
 pub mod token;
 
 pub use batch::{Batch, BatchBuilder, DataPosition};
-pub use config::{Config, ConfigError};
+pub use config::{Config, ConfigError, Overrides};
 pub use key::feature_key;
 pub use printable::printable;

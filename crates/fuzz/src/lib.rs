@@ -4,6 +4,7 @@
 //! hand for minutes; `tests/corpus_replay.rs` replays the committed corpus
 //! through them on every `./scripts/test` (stable).
 
+use sparrow_core::Overrides;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -110,8 +111,8 @@ pub fn parquet_file(data: &[u8]) {
 /// The job config: TOML text, then the same text as a `--set` value.
 pub fn config(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else { return };
-    let _ = Config::from_toml_with_overrides(text, "fuzz.toml", &[]);
-    let _ = Config::from_toml_with_overrides("", "fuzz.toml", &[text.to_string()]);
+    let _ = Config::from_toml(text, "fuzz.toml", &Overrides::none());
+    let _ = Overrides::parse(&[text.to_string()]).and_then(|o| Config::from_toml("", "fuzz.toml", &o));
 }
 
 /// A worker batch as the loader sends it.
@@ -182,7 +183,7 @@ pub fn checkpoint_embeddings(data: &[u8]) {
     if with_embeddings(&dir, data).is_none() {
         return;
     }
-    let _ = sparrow_trainer::checkpoint::load_trainer(&dir, &[]);
+    let _ = sparrow_trainer::checkpoint::load_trainer(&dir, &Overrides::none());
 }
 
 /// A serving export of the checkpoint template, written once per process.
@@ -221,7 +222,7 @@ pub fn export_embeddings(data: &[u8]) {
     if with_embeddings(&dir, data).is_none() {
         return;
     }
-    let _ = sparrow_trainer::export::load_export(&dir, &[]);
+    let _ = sparrow_trainer::export::load_export(&dir, &Overrides::none());
 }
 
 /// An export's `manifest.json` (file names, sizes, base, layout, config)
@@ -233,7 +234,7 @@ pub fn export_manifest(data: &[u8]) {
     }
     let _ = sparrow_trainer::export::is_export(&dir);
     let _ = sparrow_trainer::export::export_chain(&dir);
-    let _ = sparrow_trainer::export::load_export(&dir, &[]);
+    let _ = sparrow_trainer::export::load_export(&dir, &Overrides::none());
 }
 
 /// A KServe v2 `infer` body: plain JSON, then (the first two bytes a

@@ -2,6 +2,7 @@
 //! inputs, and how a request's rows are scored (in chunks of bounded
 //! memory, under one read of the model so a reply comes from one version).
 
+use sparrow_core::Overrides;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -132,7 +133,7 @@ impl Served {
     /// Loads an export (checksums verified first: a damaged one is refused
     /// naming its file), served as `name`.
     pub fn load(model: &Path, name: String) -> Result<Served, ServeError> {
-        let (trainer, manifest) = sparrow_trainer::export::load_export(model, &[])?;
+        let (trainer, manifest) = sparrow_trainer::export::load_export(model, &Overrides::none())?;
         let dir = sparrow_trainer::export::resolve_export(model)?;
         let inputs = Inputs::of(model, &trainer.config.data)?;
         let metrics = Metrics::new();
@@ -198,7 +199,7 @@ impl Served {
                 (start.elapsed(), updates.len(), rows)
             }
             None => {
-                let (fresh, _) = sparrow_trainer::export::load_export(&newest, &[])?;
+                let (fresh, _) = sparrow_trainer::export::load_export(&newest, &Overrides::none())?;
                 let rows = fresh.table.len();
                 let mut trainer = self.trainer.write();
                 let start = Instant::now();

@@ -13,6 +13,7 @@
 //! `sparrow predict --model EXPORT` reads one ([`load_export`]); lazy
 //! aggregation writes one per backup under `checkpoint.dir/exports/`.
 
+use sparrow_core::Overrides;
 use std::collections::BTreeMap;
 use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
@@ -440,8 +441,8 @@ pub fn export_chain(dir: &Path) -> Result<Vec<(PathBuf, ExportManifest)>, TrainE
 }
 
 /// A fresh in-memory trainer for an export's model (no rows, initial weights).
-pub fn empty_trainer(m: &ExportManifest, source: &Path, overrides: &[String]) -> Result<Trainer, TrainError> {
-    let config = Config::from_toml_with_overrides(&m.config, &source.display().to_string(), overrides)?;
+pub fn empty_trainer(m: &ExportManifest, source: &Path, overrides: &Overrides) -> Result<Trainer, TrainError> {
+    let config = Config::from_toml(&m.config, &source.display().to_string(), overrides)?;
     let layout = DataLayout {
         num_fields: m.num_fields,
         num_dense: m.num_dense,
@@ -455,7 +456,7 @@ pub fn empty_trainer(m: &ExportManifest, source: &Path, overrides: &[String]) ->
 /// A trainer holding an export's model (vectors with fresh optimizer state),
 /// every file's size and checksum verified first; an incremental export is
 /// its full base with each later export's rows applied in order.
-pub fn load_export(dir: &Path, overrides: &[String]) -> Result<(Trainer, ExportManifest), TrainError> {
+pub fn load_export(dir: &Path, overrides: &Overrides) -> Result<(Trainer, ExportManifest), TrainError> {
     let dir = resolve_export(dir)?;
     let chain = export_chain(&dir)?;
     let (_, newest) = &chain[chain.len() - 1];

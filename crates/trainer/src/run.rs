@@ -1,5 +1,6 @@
 //! The `train`, `eval` and `predict` jobs.
 
+use sparrow_core::Overrides;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -648,7 +649,7 @@ fn predict_file(
 
 /// The model in a checkpoint or a serving export (either, or a directory
 /// whose LATEST names one), and the step it was taken at.
-pub fn load_model(path: &Path, overrides: &[String]) -> Result<(Trainer, u64), TrainError> {
+pub fn load_model(path: &Path, overrides: &Overrides) -> Result<(Trainer, u64), TrainError> {
     if crate::export::is_export(path) {
         let (trainer, manifest) = crate::export::load_export(path, overrides)?;
         Ok((trainer, manifest.step))
@@ -683,7 +684,7 @@ struct Scored {
 fn score_checkpoint(
     checkpoint: &Path,
     data: &Path,
-    overrides: &[String],
+    overrides: &Overrides,
     threads: Option<usize>,
 ) -> Result<Scored, TrainError> {
     let (trainer, manifest, _) = checkpoint::load_trainer(checkpoint, overrides)?;
@@ -722,7 +723,7 @@ impl EvalSummary {
 pub fn evaluate_checkpoint(
     checkpoint: &Path,
     data: &Path,
-    overrides: &[String],
+    overrides: &Overrides,
     threads: Option<usize>,
 ) -> Result<EvalSummary, TrainError> {
     let wall = Instant::now();
@@ -755,7 +756,7 @@ pub fn predict_checkpoint(
     checkpoint: &Path,
     data: &Path,
     out: &Path,
-    overrides: &[String],
+    overrides: &Overrides,
 ) -> Result<EvalSummary, TrainError> {
     let wall = Instant::now();
     check_predict_out(data, out)?;
@@ -765,7 +766,7 @@ pub fn predict_checkpoint(
 
 /// `sparrow predict --model EXPORT`: a serving export's predictions, as
 /// [`predict_checkpoint`] writes them.
-pub fn predict_export(model: &Path, data: &Path, out: &Path, overrides: &[String]) -> Result<EvalSummary, TrainError> {
+pub fn predict_export(model: &Path, data: &Path, out: &Path, overrides: &Overrides) -> Result<EvalSummary, TrainError> {
     let wall = Instant::now();
     check_predict_out(data, out)?;
     let (trainer, manifest) = crate::export::load_export(model, overrides)?;
@@ -817,7 +818,7 @@ pub fn export_checkpoint(
             std::io::Error::new(std::io::ErrorKind::AlreadyExists, "the export's directory exists already"),
         ));
     }
-    let (trainer, manifest, _) = checkpoint::load_trainer(checkpoint, &[])?;
+    let (trainer, manifest, _) = checkpoint::load_trainer(checkpoint, &Overrides::none())?;
     let pages = crate::export::row_pages(&trainer.table, |_, _, _| true);
     let written = crate::export::write_export_as(
         out,

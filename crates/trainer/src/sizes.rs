@@ -138,10 +138,11 @@ pub fn check(config: &Config, layout: &DataLayout) -> Result<(), ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sparrow_core::Overrides;
 
     fn config(sets: &[&str]) -> Config {
         let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
-        Config::from_toml_with_overrides("", "test", &sets).expect("config")
+        Overrides::parse(&sets).and_then(|o| Config::from_toml("", "test", &o)).expect("config")
     }
 
     /// Sizes past the machine (set on the struct: the config's own upper

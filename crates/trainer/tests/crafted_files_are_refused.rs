@@ -6,6 +6,7 @@
 
 mod common;
 
+use sparrow_core::Overrides;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -75,7 +76,7 @@ fn a_row_count_that_wraps_the_size_is_refused() {
     assert_eq!(huge.wrapping_mul(8 + 4 * dim), rows * (8 + 4 * dim), "the count wraps to the true size");
     bytes[12..20].copy_from_slice(&huge.to_le_bytes());
     craft(&crafted, "embeddings.bin", &bytes);
-    let e = load_export(&crafted, &[]).err().expect("refused").to_string();
+    let e = load_export(&crafted, &Overrides::none()).err().expect("refused").to_string();
     assert!(e.contains("embeddings.bin") && e.contains(&format!("{huge} rows")), "{e}");
 
     // The checkpoint: "SPRWEMB…", dim u32, words u32, rows u64.
@@ -87,7 +88,7 @@ fn a_row_count_that_wraps_the_size_is_refused() {
     let rows = u64::from_le_bytes(bytes[16..24].try_into().expect("8"));
     bytes[16..24].copy_from_slice(&wrapping_rows(rows, 8 + 4 * words).to_le_bytes());
     craft(&crafted, "embeddings.bin", &bytes);
-    let e = load_trainer(&crafted, &[]).err().expect("refused").to_string();
+    let e = load_trainer(&crafted, &Overrides::none()).err().expect("refused").to_string();
     assert!(e.contains("embeddings.bin") && e.contains("row count"), "{e}");
 
     // filters.bin's row count of last uses (8 bytes each), after the sketches.
@@ -100,7 +101,7 @@ fn a_row_count_that_wraps_the_size_is_refused() {
     let age_rows = u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8"));
     bytes[at..at + 8].copy_from_slice(&wrapping_rows(age_rows, 8).to_le_bytes());
     craft(&crafted, "filters.bin", &bytes);
-    let e = load_trainer(&crafted, &[]).err().expect("refused").to_string();
+    let e = load_trainer(&crafted, &Overrides::none()).err().expect("refused").to_string();
     assert!(e.contains("filters.bin") && e.contains("row count"), "{e}");
 }
 
@@ -121,7 +122,7 @@ fn an_export_manifest_never_reads_outside_its_directory() {
         let mut m = manifest(&dir);
         m["files"][name] = entry.clone();
         write_manifest(&dir, &m);
-        let e = load_export(&dir, &[]).err().expect("refused").to_string();
+        let e = load_export(&dir, &Overrides::none()).err().expect("refused").to_string();
         assert!(e.contains("plain file name"), "{name}: {e}");
         // Nothing of the file named is told: neither its size nor its hash.
         let size = std::fs::metadata(name.trim_start_matches("../")).map(|m| m.len().to_string());
@@ -139,7 +140,7 @@ fn an_export_manifest_never_reads_outside_its_directory() {
         let mut m = manifest(&dir);
         m["base"] = Value::String(base.to_string());
         write_manifest(&dir, &m);
-        let e = load_export(&dir, &[]).err().expect("refused").to_string();
+        let e = load_export(&dir, &Overrides::none()).err().expect("refused").to_string();
         assert!(e.contains("`base`") && e.contains("plain file name"), "{base}: {e}");
     }
 
@@ -149,18 +150,18 @@ fn an_export_manifest_never_reads_outside_its_directory() {
     copy_dir(&export, &dir);
     std::fs::rename(dir.join("embeddings.bin"), tmp.path().join("rows-elsewhere")).expect("move");
     std::os::unix::fs::symlink(tmp.path().join("rows-elsewhere"), dir.join("embeddings.bin")).expect("symlink");
-    let e = load_export(&dir, &[]).err().expect("refused").to_string();
+    let e = load_export(&dir, &Overrides::none()).err().expect("refused").to_string();
     assert!(e.contains("embeddings.bin") && e.contains("symbolic link"), "{e}");
 
     // LATEST climbing out, or a symlink to /dev/zero: refused at once.
     let root = tmp.path().join("exports");
     std::fs::create_dir_all(&root).expect("root");
     std::fs::write(root.join("LATEST"), "../export\n").expect("latest");
-    let e = load_export(&root, &[]).err().expect("refused").to_string();
+    let e = load_export(&root, &Overrides::none()).err().expect("refused").to_string();
     assert!(e.contains("LATEST") && e.contains("plain file name"), "{e}");
     std::fs::remove_file(root.join("LATEST")).expect("rm");
     std::os::unix::fs::symlink("/dev/zero", root.join("LATEST")).expect("symlink");
-    let e = load_export(&root, &[]).err().expect("refused").to_string();
+    let e = load_export(&root, &Overrides::none()).err().expect("refused").to_string();
     assert!(e.contains("LATEST") && e.contains("symbolic link"), "{e}");
 }
 
@@ -189,13 +190,13 @@ fn a_checkpoint_manifest_never_reads_outside_its_directory() {
         let mut m = manifest(&dir);
         edit(&mut m);
         write_manifest(&dir, &m);
-        let e = load_trainer(&dir, &[]).err().expect("refused").to_string();
+        let e = load_trainer(&dir, &Overrides::none()).err().expect("refused").to_string();
         assert!(e.contains("plain file name"), "{what}: {e}");
     }
     // A checkpoint root whose LATEST is a symlink to /dev/zero.
     let root = tmp.path().join("root");
     std::fs::create_dir_all(&root).expect("root");
     std::os::unix::fs::symlink("/dev/zero", root.join("LATEST")).expect("symlink");
-    let e = load_trainer(&root, &[]).err().expect("refused").to_string();
+    let e = load_trainer(&root, &Overrides::none()).err().expect("refused").to_string();
     assert!(e.contains("LATEST") && e.contains("symbolic link"), "{e}");
 }

@@ -3,6 +3,7 @@
 
 mod common;
 
+use sparrow_core::Overrides;
 use std::fs::OpenOptions;
 use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
@@ -29,7 +30,7 @@ fn copy_dir(from: &Path, to: &Path) {
 }
 
 fn load_err(dir: &Path) -> String {
-    match load_trainer(dir, &[]) {
+    match load_trainer(dir, &Overrides::none()) {
         Ok(_) => panic!("{} loaded although damaged", dir.display()),
         Err(e) => e.to_string(),
     }
@@ -40,8 +41,8 @@ fn damage_and_mismatch_are_reported() {
     let tmp = tempfile::tempdir().expect("tmp");
     let (data, ck) = trained_checkpoint(tmp.path());
     let version = resolve(&ck).expect("resolve");
-    assert!(load_trainer(&ck, &[]).is_ok());
-    let eval = evaluate_checkpoint(&ck, &data.join("test.tsv"), &[], Some(1)).expect("eval");
+    assert!(load_trainer(&ck, &Overrides::none()).is_ok());
+    let eval = evaluate_checkpoint(&ck, &data.join("test.tsv"), &Overrides::none(), Some(1)).expect("eval");
     assert_eq!(eval.rows, 300);
     assert!(eval.auc > 0.5);
 
@@ -159,7 +160,7 @@ fn keeps_the_newest_versions_and_latest_points_at_a_complete_one() {
     assert_eq!(again.steps, s.steps);
     let latest = std::fs::read_to_string(ck.join("LATEST")).expect("LATEST");
     assert_eq!(latest.trim(), format!("ckpt-{:012}-1", s.steps));
-    assert!(sparrow_trainer::checkpoint::load_trainer(&ck, &[]).is_ok());
+    assert!(sparrow_trainer::checkpoint::load_trainer(&ck, &Overrides::none()).is_ok());
 }
 
 /// The feature-filter state is checked like the rows: a truncated or
@@ -177,7 +178,7 @@ fn damaged_filter_state_is_refused() {
     train(&c, true).expect("train");
     let version = resolve(&ck).expect("resolve");
     assert!(version.join("filters.bin").is_file());
-    assert!(load_trainer(&ck, &[]).is_ok());
+    assert!(load_trainer(&ck, &Overrides::none()).is_ok());
 
     let cut = tmp.path().join("cut");
     copy_dir(&version, &cut);

@@ -3,6 +3,7 @@
 
 mod common;
 
+use sparrow_core::Overrides;
 use std::path::Path;
 
 use sparrow_core::Config;
@@ -92,8 +93,8 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
         assert_eq!(resumed.steps, full.steps);
         assert_eq!(stopped.train_rows + resumed.train_rows, full.train_rows);
 
-        let (a, ma, _) = load_trainer(&full_dir, &[]).expect("load full");
-        let (b, mb, _) = load_trainer(&part_dir, &[]).expect("load resumed");
+        let (a, ma, _) = load_trainer(&full_dir, &Overrides::none()).expect("load full");
+        let (b, mb, _) = load_trainer(&part_dir, &Overrides::none()).expect("load resumed");
         assert_eq!(ma.step, mb.step);
         assert_eq!(ma.position, mb.position);
         assert_eq!(dense_values(&a), dense_values(&b), "{kind}: dense weights differ");
@@ -155,8 +156,8 @@ fn filters_resume(tmp: &Path, mut base: Config) {
     let resumed = train(&second, true).expect("second half");
     assert_eq!(resumed.steps, full.steps);
 
-    let (a, _, _) = load_trainer(&full_dir, &[]).expect("load full");
-    let (b, _, _) = load_trainer(&part_dir, &[]).expect("load resumed");
+    let (a, _, _) = load_trainer(&full_dir, &Overrides::none()).expect("load full");
+    let (b, _, _) = load_trainer(&part_dir, &Overrides::none()).expect("load resumed");
     let (rows_a, rows_b) = (rows(&a), rows(&b));
     let differ = rows_a.iter().zip(&rows_b).filter(|(x, y)| x != y).count();
     assert!(

@@ -5,6 +5,7 @@
 mod common;
 
 use common::{small_config, small_data};
+use sparrow_core::Overrides;
 use sparrow_core::config::EmbeddingDtype;
 use sparrow_trainer::checkpoint::load_trainer;
 use sparrow_trainer::export::{load_export, write_export};
@@ -18,7 +19,7 @@ fn an_export_predicts_what_its_checkpoint_predicts() {
         let ckpt = tmp.path().join(format!("ckpt-{kind}"));
         config.checkpoint.dir = Some(ckpt.display().to_string());
         sparrow_trainer::train(&config, true).expect("train");
-        let (trainer, manifest, _) = load_trainer(&ckpt, &[]).expect("checkpoint");
+        let (trainer, manifest, _) = load_trainer(&ckpt, &Overrides::none()).expect("checkpoint");
         let export = tmp.path().join(format!("export-{kind}"));
         let dim = trainer.table.dim();
         let mut cursor = Some((0usize, 0usize));
@@ -41,8 +42,10 @@ fn an_export_predicts_what_its_checkpoint_predicts() {
         let test = tmp.path().join("test.tsv");
         let from_checkpoint = tmp.path().join(format!("from-checkpoint-{kind}.txt"));
         let from_export = tmp.path().join(format!("from-export-{kind}.txt"));
-        let a = sparrow_trainer::predict_checkpoint(&ckpt, &test, &from_checkpoint, &[]).expect("predict");
-        let b = sparrow_trainer::run::predict_export(&export, &test, &from_export, &[]).expect("predict");
+        let a =
+            sparrow_trainer::predict_checkpoint(&ckpt, &test, &from_checkpoint, &Overrides::none()).expect("predict");
+        let b =
+            sparrow_trainer::run::predict_export(&export, &test, &from_export, &Overrides::none()).expect("predict");
         assert_eq!(a.auc.to_bits(), b.auc.to_bits(), "{kind}");
         assert_eq!(
             std::fs::read_to_string(&from_checkpoint).expect("read"),
@@ -56,7 +59,7 @@ fn an_export_predicts_what_its_checkpoint_predicts() {
         let last = bytes.len() - 1;
         bytes[last] ^= 1;
         std::fs::write(&rows, bytes).expect("write");
-        let err = load_export(&export, &[]).err().expect("refused").to_string();
+        let err = load_export(&export, &Overrides::none()).err().expect("refused").to_string();
         assert!(err.contains("embeddings.bin") && err.contains("checksum"), "{err}");
     }
 }
@@ -105,13 +108,13 @@ fn incremental_exports_rebuild_the_trained_model() {
 
         let test = tmp.path().join("test.tsv");
         let (a, b) = (tmp.path().join("a.txt"), tmp.path().join("b.txt"));
-        sparrow_trainer::predict_checkpoint(&ckpt, &test, &a, &[]).expect("predict");
-        sparrow_trainer::run::predict_export(&root, &test, &b, &[]).expect("predict");
+        sparrow_trainer::predict_checkpoint(&ckpt, &test, &a, &Overrides::none()).expect("predict");
+        sparrow_trainer::run::predict_export(&root, &test, &b, &Overrides::none()).expect("predict");
         assert_eq!(std::fs::read_to_string(&a).expect("a"), std::fs::read_to_string(&b).expect("b"), "{dtype:?}");
 
         // A delta whose base is gone is refused, naming both.
         std::fs::remove_dir_all(root.join("000000000042")).expect("remove");
-        let err = load_export(&root, &[]).err().expect("refused").to_string();
+        let err = load_export(&root, &Overrides::none()).err().expect("refused").to_string();
         assert!(err.contains("000000000045") && err.contains("`000000000042`, which is gone"), "{err}");
     }
 }
@@ -157,7 +160,7 @@ fn exports_by_content_hold_the_changed_rows_and_go_full_when_a_row_is_gone() {
     // Key 3 is gone: the export is full.
     let third = exports.write(&trainer(&[(1, 1.0), (2, 2.5), (4, 4.0)], 3)).expect("third");
     assert_eq!((manifest(&third).rows, manifest(&third).base.clone()), (3, None));
-    let (served, _) = load_export(&tmp.path().join("ck/exports"), &[]).expect("load");
+    let (served, _) = load_export(&tmp.path().join("ck/exports"), &Overrides::none()).expect("load");
     assert_eq!(served.table.len(), 3);
 }
 
@@ -180,8 +183,8 @@ fn every_model_kind_exports() {
         assert!(written.rows > 0, "{kind}");
         let test = tmp.path().join("test.tsv");
         let (a, b) = (tmp.path().join(format!("a-{kind}")), tmp.path().join(format!("b-{kind}")));
-        sparrow_trainer::predict_checkpoint(&ckpt, &test, &a, &[]).expect("predict");
-        sparrow_trainer::run::predict_export(&export, &test, &b, &[]).expect("predict export");
+        sparrow_trainer::predict_checkpoint(&ckpt, &test, &a, &Overrides::none()).expect("predict");
+        sparrow_trainer::run::predict_export(&export, &test, &b, &Overrides::none()).expect("predict export");
         assert_eq!(std::fs::read_to_string(&a).expect("a"), std::fs::read_to_string(&b).expect("b"), "{kind}");
     }
 }

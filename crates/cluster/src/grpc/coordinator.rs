@@ -2,6 +2,7 @@
 //! them to the [`Coordinator`] role on the blocking pool; the client is how
 //! the other roles call it.
 
+use sparrow_core::Overrides;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -376,7 +377,7 @@ impl CoordinatorClient {
             pid: std::process::id(),
         };
         let reply = self.peer.call("register", request, |mut c, r| async move { c.register(r).await })?;
-        let config = Config::from_toml_with_overrides(&reply.config_toml, "the coordinator's config", &[])?;
+        let config = Config::from_toml(&reply.config_toml, "the coordinator's config", &Overrides::none())?;
         Ok(Registration {
             index: reply.index as usize,
             num_shards: reply.num_shards as usize,

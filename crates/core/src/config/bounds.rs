@@ -68,6 +68,7 @@ pub(super) fn check(config: &Config) -> Result<(), ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Overrides;
 
     /// Every bounded key: the default passes, its bound passes, one past it
     /// is refused naming the key (u64::MAX and i64::MAX included).
@@ -78,7 +79,7 @@ mod tests {
         for (key, _, max, _) in bounds(&defaults) {
             let set = |value: u128| {
                 let text = format!("{key}={value}");
-                Config::from_toml_with_overrides("", "test", &[text])
+                Overrides::parse(&[text]).and_then(|o| Config::from_toml("", "test", &o))
             };
             if key == "model.hidden" || key == "model.bottom_hidden" || key.starts_with("data.weighting") {
                 continue;
@@ -92,8 +93,9 @@ mod tests {
                 assert!(e.to_string().contains(key), "{key}={past}: {e}");
             }
         }
-        let e =
-            Config::from_toml_with_overrides("", "test", &["model.hidden=[8, 2000000]".into()]).expect_err("hidden");
+        let e = Overrides::parse(&["model.hidden=[8, 2000000]"])
+            .and_then(|o| Config::from_toml("", "test", &o))
+            .expect_err("hidden");
         assert!(e.to_string().contains("model.hidden"), "{e}");
     }
 }

@@ -5,7 +5,7 @@
 use super::*;
 
 impl Config {
-    /// Checks the rules (`from_toml_with_overrides` calls it).
+    /// Checks the rules (`from_toml` calls it).
     pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid =
             |key: &str, message: &str| Err(ConfigError::Invalid { key: key.to_string(), message: message.to_string() });

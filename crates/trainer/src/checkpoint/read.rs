@@ -3,6 +3,7 @@
 //! every file verified (size first, checksum while parsed), the rows into
 //! a trainer's table, a cluster version's parts and incremental chain.
 
+use sparrow_core::Overrides;
 use std::fs::File;
 use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -457,12 +458,11 @@ fn read_embeddings(
 }
 
 /// Rebuilds a trainer (config, layout, model and table) from a checkpoint.
-/// `overrides` (`KEY=VALUE`) apply to the stored config, e.g. another data format.
-pub fn load_trainer(path: &Path, overrides: &[String]) -> Result<(Trainer, Manifest, PathBuf), TrainError> {
+/// `overrides` apply to the stored config, e.g. another data format.
+pub fn load_trainer(path: &Path, overrides: &Overrides) -> Result<(Trainer, Manifest, PathBuf), TrainError> {
     let dir = resolve(path)?;
     let m = read_manifest(&dir)?;
-    let config =
-        Config::from_toml_with_overrides(&m.config, &dir.join(MANIFEST_FILE).display().to_string(), overrides)?;
+    let config = Config::from_toml(&m.config, &dir.join(MANIFEST_FILE).display().to_string(), overrides)?;
     let layout = DataLayout {
         num_fields: m.num_fields,
         num_dense: m.num_dense,

@@ -1,6 +1,7 @@
 #![allow(dead_code)]
 //! Shared fixtures: a small generated data set and a small config.
 
+use sparrow_core::Overrides;
 use std::path::Path;
 
 use sparrow_core::Config;
@@ -28,5 +29,5 @@ pub fn small_config(dir: &Path, kind: &str) -> Config {
         log_interval_steps = 5
         "#
     );
-    Config::from_toml_with_overrides(&text, "test", &[]).expect("config")
+    Config::from_toml(&text, "test", &Overrides::none()).expect("config")
 }
