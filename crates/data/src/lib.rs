@@ -4,6 +4,7 @@
 //!
 //! Nothing here knows about networks or embeddings.
 
+pub mod columns;
 pub mod error;
 pub mod input;
 pub mod layout;

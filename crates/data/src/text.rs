@@ -319,7 +319,7 @@ impl LineParser for CsvParser {
     }
 }
 
-fn split_bytes<'a>(s: &'a [u8], sep: &'a [u8]) -> impl Iterator<Item = &'a [u8]> + 'a {
+pub(crate) fn split_bytes<'a>(s: &'a [u8], sep: &'a [u8]) -> impl Iterator<Item = &'a [u8]> + 'a {
     let mut rest = Some(s);
     std::iter::from_fn(move || {
         let r = rest?;

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use sparrow_core::batch::{Batch, BatchBuilder, DataPosition};
 use sparrow_core::config::DataFormat;
 use sparrow_core::metrics::sigmoid;
+use sparrow_data::columns::ColumnRules;
 use sparrow_data::layout::{CRITEO_DENSE, CRITEO_SPARSE};
-use sparrow_data::text::{CriteoParser, LineParser};
 use sparrow_trainer::export::{ExportData, ExportManifest};
 use sparrow_trainer::trainer::Trainer;
 
@@ -66,14 +66,15 @@ pub struct Scores {
 }
 
 /// A model's inputs (dense then sparse, named as its data schema names
-/// them) and how a request row becomes the line its data file would hold.
+/// them) and the rules its data file's reader applies to their values.
 #[derive(Clone)]
 struct Inputs {
     dense: Vec<String>,
     sparse: Vec<String>,
-    /// CSV: the schema read against a header of our own (label, dense,
-    /// sparse, in that order), with its delimiter. None: Criteo TSV.
-    csv: Option<(sparrow_core::config::Schema, String, char)>,
+    rules: ColumnRules,
+    /// The data file's delimiter (values that could not sit in one of its
+    /// lines are refused, as `sparrow predict` could not read them).
+    separator: char,
 }
 
 impl Inputs {
@@ -82,23 +83,16 @@ impl Inputs {
             DataFormat::Criteo => Ok(Inputs {
                 dense: (1..=CRITEO_DENSE).map(|i| format!("I{i}")).collect(),
                 sparse: (1..=CRITEO_SPARSE).map(|i| format!("C{i}")).collect(),
-                csv: None,
+                rules: ColumnRules::Criteo,
+                separator: '\t',
             }),
             DataFormat::Csv => {
-                let mut schema = data.schema.clone().unwrap_or_default();
-                let delimiter = schema.delimiter.chars().next().unwrap_or(',');
-                // Our lines carry no time: serving does not weight samples.
-                schema.timestamp = None;
-                schema.header = true;
-                let names: Vec<&str> = std::iter::once(schema.label.as_str())
-                    .chain(schema.dense.iter().map(String::as_str))
-                    .chain(schema.sparse.iter().map(String::as_str))
-                    .collect();
-                let header = names.join(&delimiter.to_string());
+                let schema = data.schema.clone().unwrap_or_default();
                 Ok(Inputs {
                     dense: schema.dense.clone(),
                     sparse: schema.sparse.clone(),
-                    csv: Some((schema, header, delimiter)),
+                    rules: ColumnRules::csv(&schema),
+                    separator: schema.delimiter.chars().next().unwrap_or(','),
                 })
             }
             other => Err(ServeError::Setup(format!(
@@ -113,19 +107,8 @@ impl Inputs {
         self.dense.iter().chain(&self.sparse)
     }
 
-    fn separator(&self) -> char {
-        self.csv.as_ref().map_or('\t', |(_, _, d)| *d)
-    }
-
-    fn parser(&self) -> Result<Box<dyn LineParser>, ApiError> {
-        match &self.csv {
-            None => Ok(Box::new(CriteoParser::default())),
-            Some((schema, header, _)) => {
-                sparrow_data::text::CsvParser::new(Path::new("request"), schema, Some(header.as_bytes()))
-                    .map(|p| Box::new(p) as Box<dyn LineParser>)
-                    .map_err(|e| ApiError::internal(e.to_string()))
-            }
-        }
+    fn is_csv(&self) -> bool {
+        matches!(self.rules, ColumnRules::Csv { .. })
     }
 }
 
@@ -281,10 +264,10 @@ impl Served {
                 return Err(bad(format!("input `{name}` has {n} rows, another input {other}")));
             }
             rows = Some(n);
-            let kind = match (column < n_dense, self.inputs.csv.is_some()) {
+            let kind = match (column < n_dense, self.inputs.is_csv()) {
                 (true, false) => Kind::Count,
                 (true, true) => Kind::Number,
-                (false, _) => Kind::Text(self.inputs.separator()),
+                (false, _) => Kind::Text(self.inputs.separator),
             };
             columns[column] = Some((&input.cells, kind, name));
         }
@@ -303,29 +286,34 @@ impl Served {
         Ok(Scores { version, probability })
     }
 
-    /// The request's rows as the lines a data file would hold, parsed into
-    /// batches of at most [`SCORE_CHUNK_ROWS`] rows.
+    /// The request's rows, value by value through the data format's rules
+    /// (no text in between), in batches of at most [`SCORE_CHUNK_ROWS`] rows.
     fn batches(&self, columns: &[Option<(&Cells, Kind, &str)>], n: usize) -> Result<Vec<Batch>, ApiError> {
-        let mut parser = self.inputs.parser()?;
-        let separator = self.inputs.separator();
+        let n_dense = self.inputs.dense.len();
+        let (dense, sparse) = columns.split_at(n_dense);
         let mut batches = Vec::with_capacity(n.div_ceil(SCORE_CHUNK_ROWS));
-        let mut line = String::new();
         for start in (0..n).step_by(SCORE_CHUNK_ROWS) {
             let end = (start + SCORE_CHUNK_ROWS).min(n);
             let mut builder = BatchBuilder::new(self.layout.num_fields, self.layout.num_dense, false, end - start);
             for row in start..end {
-                line.clear();
-                line.push('0');
-                for column in columns {
-                    line.push(separator);
-                    if let Some((cells, kind, name)) = column {
-                        push_cell(&mut line, name, cells, row, *kind)?;
-                    }
-                }
                 builder.begin_row();
-                let parsed = parser.parse(line.as_bytes(), &mut builder);
-                if let Err(e) = parsed.and_then(|label| {
-                    builder.end_row(label).then_some(()).ok_or_else(|| "wrong number of dense values".into())
+                for column in dense {
+                    let value = match column {
+                        Some((cells, kind, name)) => dense_cell(name, cells, row, *kind)?,
+                        None => None,
+                    };
+                    self.inputs.rules.push_dense(&mut builder, value).map_err(|e| bad(format!("row {row}: {e}")))?;
+                }
+                let texts = sparse
+                    .iter()
+                    .map(|column| match column {
+                        Some((cells, kind, name)) => sparse_cell(name, cells, row, *kind),
+                        None => Ok(None),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                let pushed = self.inputs.rules.push_sparse(&mut builder, texts.into_iter());
+                if let Err(e) = pushed.and_then(|()| {
+                    builder.end_row(0.0).then_some(()).ok_or_else(|| "wrong number of dense values".into())
                 }) {
                     return Err(bad(format!("row {row}: {e}")));
                 }
@@ -346,11 +334,10 @@ enum Kind {
     Text(char),
 }
 
-/// Appends row `row`'s cell of an input to the line `sparrow predict` would read.
-fn push_cell(line: &mut String, name: &str, cells: &Cells, row: usize, kind: Kind) -> Result<(), ApiError> {
-    use std::fmt::Write;
+/// Row `row`'s value of a dense input (`None`: null, an empty cell).
+fn dense_cell(name: &str, cells: &Cells, row: usize, kind: Kind) -> Result<Option<f64>, ApiError> {
     match (kind, cells.values[row]) {
-        (_, Cell::Null) => {}
+        (_, Cell::Null) => Ok(None),
         (Kind::Count, Cell::Number(v)) => {
             if !v.is_finite() || v.abs() > 9.0e15 {
                 return Err(bad(format!(
@@ -360,11 +347,21 @@ fn push_cell(line: &mut String, name: &str, cells: &Cells, row: usize, kind: Kin
             if v.fract() != 0.0 {
                 return Err(bad(format!("input `{name}`: {v} is not an integer (Criteo's dense columns are counts)")));
             }
-            let _ = write!(line, "{}", v as i64);
+            Ok(Some(v))
         }
-        (Kind::Number, Cell::Number(v)) => {
-            let _ = write!(line, "{v}");
+        (_, Cell::Number(v)) => Ok(Some(v)),
+        (_, Cell::Text { start, len }) => {
+            Err(bad(format!("input `{name}`: \"{}\" is not a number (FP32)", cells.text(start, len))))
         }
+    }
+}
+
+/// Row `row`'s value of a sparse input (`None`: null, an empty cell).
+/// Values a line of the data file could not hold are refused, so serving
+/// answers only what `sparrow predict` could be asked.
+fn sparse_cell<'c>(name: &str, cells: &'c Cells, row: usize, kind: Kind) -> Result<Option<&'c [u8]>, ApiError> {
+    match (kind, cells.values[row]) {
+        (_, Cell::Null) => Ok(None),
         (Kind::Text(separator), Cell::Text { start, len }) => {
             let s = cells.text(start, len);
             if s.contains(['\n', '\r']) || (separator == '\t' && s.contains('\t')) {
@@ -373,20 +370,11 @@ fn push_cell(line: &mut String, name: &str, cells: &Cells, row: usize, kind: Kin
                     if separator == '\t' { " or a tab" } else { "" }
                 )));
             }
-            if separator != '\t' && (s.contains(separator) || s.contains('"')) {
-                line.push('"');
-                line.push_str(&s.replace('"', "\"\""));
-                line.push('"');
-            } else {
-                line.push_str(s);
-            }
+            Ok(Some(s.as_bytes()))
         }
-        (Kind::Count | Kind::Number, Cell::Text { start, len }) => {
-            return Err(bad(format!("input `{name}`: \"{}\" is not a number (FP32)", cells.text(start, len))));
-        }
-        (Kind::Text(_), Cell::Number(v)) => {
-            return Err(bad(format!("input `{name}`: {v} is not a string (BYTES)")));
+        (_, Cell::Number(v)) => Err(bad(format!("input `{name}`: {v} is not a string (BYTES)"))),
+        (_, Cell::Text { start, len }) => {
+            Err(bad(format!("input `{name}`: \"{}\" is not a number (FP32)", cells.text(start, len))))
         }
     }
-    Ok(())
 }
