@@ -202,6 +202,14 @@ impl LoaderClient {
     }
 }
 
+impl LoaderClient {
+    /// One `NextBatch` call (a phase's batch, or a round's item).
+    fn fetch(&self, request: pb::NextBatchRequest) -> Result<Option<WorkerBatch>, ClusterError> {
+        let reply = self.peer.call("next_batch", request, |mut c, r| async move { c.next_batch(r).await })?;
+        reply.batch.map(|b| from_proto(b, &self.peer.name)).transpose()
+    }
+}
+
 impl LoaderService for LoaderClient {
     fn next_batch(
         &self,
@@ -209,14 +217,12 @@ impl LoaderService for LoaderClient {
         mode: Mode,
         generation: Generation,
     ) -> Result<Option<WorkerBatch>, ClusterError> {
-        let request = pb::NextBatchRequest {
+        self.fetch(pb::NextBatchRequest {
             worker: worker as u32,
             eval: mode == Mode::Eval,
             generation: generation.number(),
             ..Default::default()
-        };
-        let reply = self.peer.call("next_batch", request, |mut c, r| async move { c.next_batch(r).await })?;
-        reply.batch.map(|b| from_proto(b, &self.peer.name)).transpose()
+        })
     }
 
     /// A remote loader answers whether it serves a round queue itself.
@@ -232,15 +238,13 @@ impl RoundQueueService for LoaderClient {
         generation: Generation,
         round: u64,
     ) -> Result<Option<WorkerBatch>, ClusterError> {
-        let request = pb::NextBatchRequest {
+        self.fetch(pb::NextBatchRequest {
             worker: worker as u32,
             eval: false,
             generation: generation.number(),
             in_round: true,
             round,
-        };
-        let reply = self.peer.call("next_batch", request, |mut c, r| async move { c.next_batch(r).await })?;
-        reply.batch.map(|b| from_proto(b, &self.peer.name)).transpose()
+        })
     }
 }
 
