@@ -232,7 +232,9 @@ class Model:
         the same rows: `data` is a data file's path, a dict of columns
         (numpy arrays or lists, named as the model's `inputs`), or a pandas
         DataFrame. A missing column, None or NaN reads as an empty cell; the
-        label column, if given, is ignored."""
+        label column (and a CSV model's timestamp column), if given, is
+        ignored. No file is written: each value goes into the model's batch
+        through the data format's reading rules."""
         if isinstance(data, (str, os.PathLike)):
             raw = self._native.predict_file(os.fspath(data))
         else:

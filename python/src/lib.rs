@@ -8,7 +8,7 @@
 //! writes the checkpoint, and raises `KeyboardInterrupt`.
 
 use sparrow_core::Overrides;
-use std::io::{BufWriter, Write};
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,10 +19,10 @@ use pyo3::exceptions::PyKeyboardInterrupt;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use sparrow_core::Config;
-use sparrow_core::config::{DataConfig, DataFormat};
 use sparrow_core::metrics::sigmoid;
+use sparrow_data::columns::{ColumnValues, InputColumn, ModelInputs};
+use sparrow_trainer::TrainError;
 use sparrow_trainer::progress::ProgressUpdate;
-use sparrow_trainer::{TrainError, Trainer};
 
 // As in the `sparrow` binary: training allocates tensor-sized buffers every
 // step; mimalloc (keeping freed pages) avoids glibc's page churn.
@@ -228,109 +228,87 @@ impl Column {
             Column::Text(v) => v.len(),
         }
     }
+}
 
-    /// Row `i` as the data file's text would hold it (NaN: an empty cell).
-    fn cell(&self, i: usize, out: &mut String) {
-        use std::fmt::Write as _;
-        match self {
-            Column::Float(v) if v[i].is_nan() => {}
+/// The largest count a Criteo file's integer cell holds (18 digits).
+const CRITEO_MAX_COUNT: u64 = 999_999_999_999_999_999;
+
+/// Integers up to this are exact in f64 (above it, the file's decimal is read).
+const F64_EXACT: u64 = 1 << 53;
+
+/// The given columns by input, as the batch builder reads them: each value
+/// read as the data file's reader reads the cell holding it.
+struct GivenColumns<'a> {
+    inputs: &'a ModelInputs,
+    dense: Vec<Option<(&'a str, &'a Column)>>,
+    sparse: Vec<Option<(&'a str, &'a Column)>>,
+}
+
+impl GivenColumns<'_> {
+    /// An integer count or number, as its decimal reads in a cell.
+    fn integer(&self, negative: bool, magnitude: u64) -> Result<Option<f64>, String> {
+        let signed = |v: f64| if negative { -v } else { v };
+        if self.inputs.dense_are_counts() {
+            if magnitude > CRITEO_MAX_COUNT {
+                return Err(format!("`{}{magnitude}` is not an integer", if negative { "-" } else { "" }));
+            }
+            // Criteo's reader takes log(1 + x) of the integer as f64, as here.
+            return Ok(Some(signed(magnitude as f64)));
+        }
+        if magnitude <= F64_EXACT {
+            return Ok(Some(signed(magnitude as f64)));
+        }
+        // Past 2^53 the f64 would round once and f32 again: read the decimal.
+        let text = format!("{}{magnitude}", if negative { "-" } else { "" });
+        self.inputs.rules.dense_text(&text)
+    }
+}
+
+impl ColumnValues for GivenColumns<'_> {
+    type Error = String;
+
+    fn dense(&self, column: usize, row: usize) -> Result<Option<f64>, String> {
+        let Some((name, values)) = self.dense[column] else { return Ok(None) };
+        let read = match values {
+            Column::Float(v) if v[row].is_nan() => Ok(None),
             Column::Float(v) => {
-                let _ = write!(out, "{}", v[i]);
-            }
-            Column::Int(v) => {
-                let _ = write!(out, "{}", v[i]);
-            }
-            Column::Uint(v) => {
-                let _ = write!(out, "{}", v[i]);
-            }
-            Column::Text(v) => out.push_str(&v[i]),
-        }
-    }
-
-    /// [`Column::cell`] on a CSV line: a value holding the delimiter or a
-    /// quote is quoted ("" for a quote), as the CSV reader reads it.
-    fn csv_cell(&self, i: usize, delimiter: char, out: &mut String) {
-        match self {
-            Column::Text(v) if v[i].contains(delimiter) || v[i].contains('"') => {
-                out.push('"');
-                out.push_str(&v[i].replace('"', "\"\""));
-                out.push('"');
-            }
-            _ => self.cell(i, out),
-        }
-    }
-}
-
-/// The columns a model reads, in the order its data file holds them.
-struct InputSchema {
-    label: String,
-    /// (column name, place in the line) of every input, dense then sparse.
-    inputs: Vec<(String, usize)>,
-    /// CSV: the header line to write (None: Criteo, or a CSV without header).
-    header: Option<String>,
-    /// The line's width and its separator.
-    width: usize,
-    delimiter: char,
-    /// Where the label goes, and columns that must hold a value (a CSV
-    /// timestamp column: written as 0 unless given).
-    label_at: usize,
-    fixed: Vec<(String, usize, String)>,
-}
-
-impl InputSchema {
-    fn of(data: &DataConfig) -> Result<InputSchema, String> {
-        match data.format {
-            DataFormat::Criteo => {
-                let dense = (1..=13).map(|i| format!("I{i}"));
-                let sparse = (1..=26).map(|i| format!("C{i}"));
-                let inputs: Vec<(String, usize)> = dense.chain(sparse).enumerate().map(|(i, n)| (n, i + 1)).collect();
-                Ok(InputSchema {
-                    label: "label".into(),
-                    width: inputs.len() + 1,
-                    inputs,
-                    header: None,
-                    delimiter: '\t',
-                    label_at: 0,
-                    fixed: Vec::new(),
-                })
-            }
-            DataFormat::Csv => {
-                let schema = data.schema.clone().unwrap_or_default();
-                let delimiter = schema.delimiter.chars().next().unwrap_or(',');
-                let mut names: Vec<String> = vec![schema.label.clone()];
-                names.extend(schema.dense.iter().cloned());
-                names.extend(schema.sparse.iter().cloned());
-                if let Some(ts) = &schema.timestamp {
-                    names.push(ts.clone());
-                }
-                // Without a header, the schema names columns by number.
-                let places: Vec<usize> = if schema.header {
-                    (0..names.len()).collect()
+                let x = v[row];
+                // Criteo's cell holds the decimal `x` prints: an integer of at most 18 digits.
+                let whole = x.fract() == 0.0 && x.abs() < 1e18;
+                if self.inputs.dense_are_counts() && !whole {
+                    Err(format!("`{x}` is not an integer"))
                 } else {
-                    names
-                        .iter()
-                        .map(|n| n.parse::<usize>().map_err(|_| format!("schema column `{n}` is not a column number")))
-                        .collect::<Result<_, _>>()?
-                };
-                let width = places.iter().max().map_or(0, |m| m + 1);
-                let inputs_end = 1 + schema.dense.len() + schema.sparse.len();
-                let inputs = (1..inputs_end).map(|i| (names[i].clone(), places[i])).collect();
-                let fixed =
-                    schema.timestamp.iter().map(|ts| (ts.clone(), places[inputs_end], "0".to_string())).collect();
-                Ok(InputSchema {
-                    label: schema.label.clone(),
-                    inputs,
-                    header: schema.header.then(|| names.join(&delimiter.to_string())),
-                    width,
-                    delimiter,
-                    label_at: places[0],
-                    fixed,
-                })
+                    Ok(Some(x))
+                }
             }
-            other => Err(format!(
-                "the model reads data.format = {other:?}: pass its rows as a file path (columns are read for criteo \
-                 and csv models)"
-            )),
+            Column::Int(v) => self.integer(v[row] < 0, v[row].unsigned_abs()),
+            Column::Uint(v) => self.integer(false, v[row]),
+            Column::Text(v) => self.inputs.rules.dense_text(&v[row]),
+        };
+        read.map_err(|e| format!("column `{name}`, row {row}: {e}"))
+    }
+
+    fn sparse(&self, column: usize, row: usize) -> Result<Option<Cow<'_, [u8]>>, String> {
+        let Some((_, values)) = self.sparse[column] else { return Ok(None) };
+        // An ID is its cell's text: a number's is the decimal it prints.
+        Ok(match values {
+            Column::Float(v) if v[row].is_nan() => None,
+            Column::Float(v) => Some(Cow::Owned(v[row].to_string().into_bytes())),
+            Column::Int(v) => Some(Cow::Owned(v[row].to_string().into_bytes())),
+            Column::Uint(v) => Some(Cow::Owned(v[row].to_string().into_bytes())),
+            Column::Text(v) => Some(Cow::Borrowed(v[row].as_bytes())),
+        })
+    }
+
+    fn refused(&self, column: Option<InputColumn>, row: usize, message: String) -> String {
+        let name = match column {
+            Some(InputColumn::Dense(i)) => self.inputs.dense.get(i),
+            Some(InputColumn::Sparse(i)) => self.inputs.sparse.get(i),
+            _ => None,
+        };
+        match name {
+            Some(name) => format!("column `{name}`, row {row}: {message}"),
+            None => format!("row {row}: {message}"),
         }
     }
 }
@@ -338,7 +316,8 @@ impl InputSchema {
 /// A model loaded for prediction (from a checkpoint or a serving export).
 #[pyclass(module = "sparrow._native", name = "Model", frozen)]
 struct Model {
-    trainer: parking_lot::Mutex<Trainer>,
+    model: sparrow_trainer::Model,
+    inputs: Result<ModelInputs, String>,
     pool: rayon::ThreadPool,
     step: u64,
     path: PathBuf,
@@ -347,15 +326,15 @@ struct Model {
 impl Model {
     /// Probabilities of every good row of `data` (as `sparrow predict`
     /// writes them); with `strict`, a malformed row is an error instead.
-    fn predict_path(&self, data: &Path, strict: bool) -> Result<Vec<f32>, TrainError> {
-        let trainer = self.trainer.lock();
-        let mut read = trainer.config.data.clone();
-        if strict {
-            read.max_bad_rows = 0;
-        }
-        let (logits, _) = self.pool.install(|| sparrow_trainer::run::score_file(&trainer, data, &read))?;
-        Ok(logits.iter().map(|&x| sigmoid(f64::from(x)) as f32).collect())
+    fn predict_path(&self, data: &Path) -> Result<Vec<f32>, TrainError> {
+        let read = &self.model.config.data;
+        let (logits, _) = self.pool.install(|| sparrow_trainer::run::score_file(&self.model, data, read))?;
+        Ok(probabilities(&logits))
     }
+}
+
+fn probabilities(logits: &[f32]) -> Vec<f32> {
+    logits.iter().map(|&x| sigmoid(f64::from(x)) as f32).collect()
 }
 
 fn f32_bytes<'py>(py: Python<'py>, values: &[f32]) -> Bound<'py, PyBytes> {
@@ -376,9 +355,10 @@ impl Model {
     #[staticmethod]
     fn load(py: Python<'_>, path: PathBuf, overrides: Vec<String>) -> PyResult<Model> {
         let loaded = py.detach(|| -> Result<Model, TrainError> {
-            let (trainer, step) = sparrow_trainer::run::load_model(&path, &Overrides::parse(&overrides)?)?;
-            let pool = sparrow_trainer::run::compute_pool(trainer.config.train.threads)?;
-            Ok(Model { trainer: parking_lot::Mutex::new(trainer), pool, step, path: path.clone() })
+            let (model, step) = sparrow_trainer::run::load_model(&path, &Overrides::parse(&overrides)?)?;
+            let pool = sparrow_trainer::run::compute_pool(model.config.train.threads)?;
+            let inputs = ModelInputs::of(&model.config.data);
+            Ok(Model { model, inputs, pool, step, path: path.clone() })
         });
         loaded.map_err(|e| train_error(py, e))
     }
@@ -396,35 +376,35 @@ impl Model {
     /// The model kind (`mlp`, `dcn_v2`, …), the data format it reads, the
     /// label's column name, and the input columns' names.
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let trainer = self.trainer.lock();
+        let config = &self.model.config;
         let d = PyDict::new(py);
-        d.set_item("model", trainer.config.model.kind.name())?;
-        d.set_item("format", format!("{:?}", trainer.config.data.format).to_lowercase())?;
-        if let Ok(schema) = InputSchema::of(&trainer.config.data) {
-            d.set_item("label", schema.label)?;
-            d.set_item("inputs", schema.inputs.into_iter().map(|(n, _)| n).collect::<Vec<_>>())?;
+        d.set_item("model", config.model.kind.name())?;
+        d.set_item("format", format!("{:?}", config.data.format).to_lowercase())?;
+        if let Ok(inputs) = &self.inputs {
+            d.set_item("label", &inputs.label)?;
+            d.set_item("inputs", inputs.names().collect::<Vec<_>>())?;
         }
         Ok(d)
     }
 
     /// Probabilities (float32, native-endian bytes) of every good row of a data file.
     fn predict_file<'py>(&self, py: Python<'py>, data: PathBuf) -> PyResult<Bound<'py, PyBytes>> {
-        let probabilities = py.detach(|| self.predict_path(&data, false)).map_err(|e| train_error(py, e))?;
+        let probabilities = py.detach(|| self.predict_path(&data)).map_err(|e| train_error(py, e))?;
         Ok(f32_bytes(py, &probabilities))
     }
 
     /// Probabilities of rows given as columns: `(name, kind, values)` with
     /// kind `f` (float64 bytes), `i` (int64 bytes), `u` (uint64 bytes) or
-    /// `s` (a list of str). The rows are written in the model's data format
-    /// and read back as `sparrow predict` reads a file, so the numbers are
-    /// the CLI's; any malformed row is an error naming it.
+    /// `s` (a list of str). Each value goes into the batch through the data
+    /// format's reading rules, as `sparrow predict` reads the cell holding
+    /// it (no text line, no file), so the numbers are the CLI's; a value the
+    /// format refuses is an error naming its column and row.
     fn predict_columns<'py>(
         &self,
         py: Python<'py>,
         columns: Vec<(String, String, Bound<'py, PyAny>)>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let data_config = self.trainer.lock().config.data.clone();
-        let schema = InputSchema::of(&data_config).map_err(|m| exception(py, "DataError", m))?;
+        let inputs = self.inputs.as_ref().map_err(|m| exception(py, "DataError", m.clone()))?;
         let mut given: Vec<(String, Column)> = Vec::with_capacity(columns.len());
         for (name, kind, values) in columns {
             let column = match kind.as_str() {
@@ -435,16 +415,24 @@ impl Model {
             };
             given.push((name, column));
         }
+        let columns = place_columns(inputs, &given).map_err(|m| exception(py, "DataError", m))?;
+        let rows = given.first().map_or(0, |(_, c)| c.len());
+        let mut probabilities = Vec::with_capacity(rows);
         // Chunks of rows, with Python's signals checked between them: Ctrl-C
         // on a million rows stops within a chunk, not at the end.
-        let slots = self.place_columns(&schema, &given).map_err(|f| failure(py, f))?;
-        let rows = given.first().map_or(0, |(_, c)| c.len());
-        let dir = private_dir().map_err(|e| train_error(py, e))?;
-        let mut probabilities = Vec::with_capacity(rows);
         for start in (0..rows).step_by(PREDICT_CHUNK_ROWS) {
             let end = (start + PREDICT_CHUNK_ROWS).min(rows);
-            let chunk = py.detach(|| self.score_rows(&schema, &slots, start..end, dir.path()));
-            probabilities.extend(chunk.map_err(|f| failure(py, f))?);
+            let scored = py.detach(|| {
+                let batch = inputs.batch(&self.model.layout, &columns, start..end).map_err(Failure::Input)?;
+                self.pool.install(|| self.model.predict_batch(&batch)).map_err(Failure::Train)
+            });
+            probabilities.extend(probabilities_of(scored).map_err(|f| failure(py, f))?);
+            tracing::debug!(target: "sparrow.predict", "scored rows {start}..{end} of {rows}");
+            // A Python handler of that record may raise (KeyboardInterrupt
+            // when Ctrl-C lands during it): pyo3-log leaves it set, not returned.
+            if let Some(e) = PyErr::take(py) {
+                return Err(e);
+            }
             py.check_signals()?;
         }
         Ok(f32_bytes(py, &probabilities))
@@ -454,6 +442,10 @@ impl Model {
 /// Rows scored between two checks for signals (Ctrl-C).
 const PREDICT_CHUNK_ROWS: usize = 65_536;
 
+fn probabilities_of(scored: Result<Vec<f32>, Failure>) -> Result<Vec<f32>, Failure> {
+    scored.map(|logits| probabilities(&logits))
+}
+
 fn failure(py: Python<'_>, f: Failure) -> PyErr {
     match f {
         Failure::Input(m) => exception(py, "DataError", m),
@@ -461,136 +453,39 @@ fn failure(py: Python<'_>, f: Failure) -> PyErr {
     }
 }
 
-/// A directory of our own (mode 0700, a random name) for the rows' files:
-/// no other user can plant a file or a symlink where one is written.
-fn private_dir() -> Result<tempfile::TempDir, TrainError> {
-    tempfile::Builder::new().prefix("sparrow-predict-").tempdir().map_err(|e| TrainError::io(&std::env::temp_dir(), e))
-}
-
 enum Failure {
     Input(String),
     Train(TrainError),
 }
 
-impl Model {
-    /// Each line slot's column, the given columns checked (lengths, names,
-    /// values a line cannot hold).
-    fn place_columns<'a>(
-        &self,
-        schema: &InputSchema,
-        given: &'a [(String, Column)],
-    ) -> Result<Vec<Option<&'a Column>>, Failure> {
-        let rows = given.first().map_or(0, |(_, c)| c.len());
-        // Each line slot: the given column for it, if any.
-        let mut slots: Vec<Option<&Column>> = vec![None; schema.width];
-        for (name, column) in given {
-            if column.len() != rows {
-                return Err(Failure::Input(format!(
-                    "column `{name}` has {} rows, column `{}` {rows}",
-                    column.len(),
-                    given[0].0
-                )));
-            }
-            if *name == schema.label {
-                continue;
-            }
-            let place = schema
-                .inputs
-                .iter()
-                .find(|(n, _)| n == name)
-                .map(|(_, p)| *p)
-                .or_else(|| schema.fixed.iter().find(|(n, _, _)| n == name).map(|(_, p, _)| *p));
-            let Some(place) = place else {
-                let names: Vec<&str> = schema.inputs.iter().map(|(n, _)| n.as_str()).collect();
-                return Err(Failure::Input(format!(
-                    "column `{name}`: the model has no such input (its inputs: {})",
-                    names.join(", ")
-                )));
-            };
-            // A CSV cell may hold the delimiter or a quote (it is quoted); a
-            // Criteo cell may not hold a tab.
-            let tsv = schema.delimiter == '\t';
-            if let Column::Text(values) = column
-                && let Some(row) = values.iter().position(|v| v.contains(['\n', '\r']) || (tsv && v.contains('\t')))
-            {
-                return Err(Failure::Input(format!(
-                    "column `{name}`, row {row}: {:?} holds a line break{}",
-                    values[row],
-                    if tsv { " or a tab" } else { "" }
-                )));
-            }
-            slots[place] = Some(column);
+/// The given columns placed by input, checked: equal lengths, names the
+/// model reads (the label and a CSV timestamp are accepted, not read), and
+/// no text a line of the data file could not hold.
+fn place_columns<'a>(inputs: &'a ModelInputs, given: &'a [(String, Column)]) -> Result<GivenColumns<'a>, String> {
+    let rows = given.first().map_or(0, |(_, c)| c.len());
+    let mut placed =
+        GivenColumns { inputs, dense: vec![None; inputs.dense.len()], sparse: vec![None; inputs.sparse.len()] };
+    for (name, column) in given {
+        if column.len() != rows {
+            return Err(format!("column `{name}` has {} rows, column `{}` {rows}", column.len(), given[0].0));
         }
-        Ok(slots)
-    }
-
-    /// Probabilities of rows `range`: written in the model's data format to
-    /// a new file in `dir` (created, never opened if there), read back as
-    /// `sparrow predict` reads a file, and removed.
-    fn score_rows(
-        &self,
-        schema: &InputSchema,
-        slots: &[Option<&Column>],
-        range: std::ops::Range<usize>,
-        dir: &Path,
-    ) -> Result<Vec<f32>, Failure> {
-        let file = dir.join(format!("rows-{}.txt", range.start));
-        let start = range.start;
-        let written = write_rows(&file, schema, slots, range.clone());
-        let result = match written {
-            Ok(()) => self.predict_path(&file, true).map_err(Failure::Train),
-            Err(e) => Err(Failure::Train(TrainError::io(&file, e))),
+        let slot = match inputs.column(name) {
+            Some(InputColumn::Dense(i)) => &mut placed.dense[i],
+            Some(InputColumn::Sparse(i)) => &mut placed.sparse[i],
+            Some(InputColumn::Unused) => continue,
+            None => {
+                let names: Vec<&str> = inputs.names().map(String::as_str).collect();
+                return Err(format!("column `{name}`: the model has no such input (its inputs: {})", names.join(", ")));
+            }
         };
-        let _ = std::fs::remove_file(&file);
-        let probabilities = result.map_err(|f| match f {
-            Failure::Train(TrainError::Data(e)) => Failure::Input(format!(
-                "the rows given, written in the model's data format to {e} (line {} is row {start})",
-                if schema.header.is_some() { 2 } else { 1 }
-            )),
-            other => other,
-        })?;
-        // Strict reading: a malformed row was an error, so each row has its probability.
-        debug_assert_eq!(probabilities.len(), range.len());
-        Ok(probabilities)
-    }
-}
-
-/// Rows `rows` as the data file's lines, into a file created new (never
-/// one already there, nor through a symlink), readable by its owner only.
-fn write_rows(
-    path: &Path,
-    schema: &InputSchema,
-    slots: &[Option<&Column>],
-    rows: std::ops::Range<usize>,
-) -> std::io::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
-    let mut w = BufWriter::new(file);
-    if let Some(header) = &schema.header {
-        writeln!(w, "{header}")?;
-    }
-    let mut line = String::new();
-    for row in rows {
-        line.clear();
-        for (place, slot) in slots.iter().enumerate() {
-            if place > 0 {
-                line.push(schema.delimiter);
-            }
-            match slot {
-                Some(column) if schema.delimiter == '\t' => column.cell(row, &mut line),
-                Some(column) => column.csv_cell(row, schema.delimiter, &mut line),
-                None if place == schema.label_at => line.push('0'),
-                None => {
-                    if let Some((_, _, value)) = schema.fixed.iter().find(|(_, p, _)| *p == place) {
-                        line.push_str(value);
-                    }
-                }
+        if let Column::Text(values) = column {
+            for (row, value) in values.iter().enumerate() {
+                inputs.check_text(value).map_err(|e| format!("column `{name}`, row {row}: {e}"))?;
             }
         }
-        line.push('\n');
-        w.write_all(line.as_bytes())?;
+        *slot = Some((name.as_str(), column));
     }
-    w.flush()
+    Ok(placed)
 }
 
 /// mimalloc's purge delay option (see the `sparrow` binary's main.rs).

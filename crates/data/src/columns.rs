@@ -1,13 +1,153 @@
-//! Rows given as typed columns (a KServe request's tensors): into a batch
-//! through the same rules as the file readers, value by value, with no text
-//! in between. A model scores such a row exactly as `sparrow predict` scores
-//! the line of its data file that holds the same values.
+//! Rows given as typed columns (a KServe request's tensors, numpy arrays,
+//! DataFrame columns): into a batch through the same rules as the file
+//! readers, value by value, with no text in between. A model scores such a
+//! row exactly as `sparrow predict` scores the line of its data file that
+//! holds the same values. `sparrow serve` and the Python `Model.predict`
+//! both build their batches here ([`ModelInputs::batch`]).
 
-use sparrow_core::BatchBuilder;
-use sparrow_core::config::{DenseTransform, Schema};
-use sparrow_core::feature_key;
+use std::borrow::Cow;
+use std::ops::Range;
 
-use crate::text::{criteo_dense, split_bytes};
+use sparrow_core::batch::{Batch, DataPosition};
+use sparrow_core::config::{DataConfig, DataFormat, DenseTransform, Schema};
+use sparrow_core::{BatchBuilder, feature_key};
+
+use crate::layout::{CRITEO_DENSE, CRITEO_SPARSE, DataLayout};
+use crate::text::{criteo_dense, parse_int, split_bytes};
+
+/// The inputs a model reads, dense then sparse, named as its data schema
+/// names them (Criteo: `I1`..`I13`, `C1`..`C26`), and the rules its data
+/// file's reader applies to their values.
+#[derive(Clone, Debug)]
+pub struct ModelInputs {
+    pub label: String,
+    pub dense: Vec<String>,
+    pub sparse: Vec<String>,
+    /// A CSV schema's timestamp column: a row may carry it, scoring reads none.
+    pub timestamp: Option<String>,
+    pub rules: ColumnRules,
+    /// The data file's delimiter: a value one of its lines could not hold
+    /// is refused, as `sparrow predict` could not be asked it.
+    pub separator: char,
+}
+
+/// What a column name is to a model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InputColumn {
+    Dense(usize),
+    Sparse(usize),
+    /// The label or the timestamp: accepted, not read.
+    Unused,
+}
+
+impl ModelInputs {
+    /// The inputs of a model trained on `data`; only Criteo and CSV data
+    /// have named columns.
+    pub fn of(data: &DataConfig) -> Result<ModelInputs, String> {
+        match data.format {
+            DataFormat::Criteo => Ok(ModelInputs {
+                label: "label".into(),
+                dense: (1..=CRITEO_DENSE).map(|i| format!("I{i}")).collect(),
+                sparse: (1..=CRITEO_SPARSE).map(|i| format!("C{i}")).collect(),
+                timestamp: None,
+                rules: ColumnRules::Criteo,
+                separator: '\t',
+            }),
+            DataFormat::Csv => {
+                let schema = data.schema.clone().unwrap_or_default();
+                Ok(ModelInputs {
+                    label: schema.label.clone(),
+                    dense: schema.dense.clone(),
+                    sparse: schema.sparse.clone(),
+                    timestamp: schema.timestamp.clone(),
+                    rules: ColumnRules::csv(&schema),
+                    separator: schema.delimiter.chars().next().unwrap_or(','),
+                })
+            }
+            other => Err(format!(
+                "the model was trained on data.format = {other:?}; rows given as columns are read for Criteo and CSV \
+                 models"
+            )),
+        }
+    }
+
+    /// Every input's name, dense then sparse.
+    pub fn names(&self) -> impl Iterator<Item = &String> {
+        self.dense.iter().chain(&self.sparse)
+    }
+
+    /// What column `name` is, or `None`: the model has no such column.
+    pub fn column(&self, name: &str) -> Option<InputColumn> {
+        if let Some(i) = self.dense.iter().position(|n| n == name) {
+            return Some(InputColumn::Dense(i));
+        }
+        if let Some(i) = self.sparse.iter().position(|n| n == name) {
+            return Some(InputColumn::Sparse(i));
+        }
+        (name == self.label || self.timestamp.as_deref() == Some(name)).then_some(InputColumn::Unused)
+    }
+
+    /// Whether dense values are Criteo's integer counts (else CSV numbers).
+    pub fn dense_are_counts(&self) -> bool {
+        matches!(self.rules, ColumnRules::Criteo)
+    }
+
+    /// Refuses a categorical value that no line of the data file could
+    /// hold: a line break, or (Criteo's TSV) a tab.
+    pub fn check_text(&self, value: &str) -> Result<(), String> {
+        let tsv = self.separator == '\t';
+        if value.contains(['\n', '\r']) || (tsv && value.contains('\t')) {
+            return Err(format!("{value:?} holds a line break{}", if tsv { " or a tab" } else { "" }));
+        }
+        Ok(())
+    }
+
+    /// Rows `rows` of `values` as one batch (label 0), read as the data
+    /// file's reader reads the line holding the same values.
+    pub fn batch<V: ColumnValues>(
+        &self,
+        layout: &DataLayout,
+        values: &V,
+        rows: Range<usize>,
+    ) -> Result<Batch, V::Error> {
+        let mut builder = BatchBuilder::new(layout.num_fields, layout.num_dense, false, rows.len());
+        let mut sparse = Vec::with_capacity(self.sparse.len());
+        for row in rows {
+            builder.begin_row();
+            for column in 0..self.dense.len() {
+                let value = values.dense(column, row)?;
+                self.rules
+                    .push_dense(&mut builder, value)
+                    .map_err(|e| values.refused(Some(InputColumn::Dense(column)), row, e))?;
+            }
+            sparse.clear();
+            for column in 0..self.sparse.len() {
+                sparse.push(values.sparse(column, row)?);
+            }
+            let pushed = self.rules.push_sparse(&mut builder, sparse.iter().map(|v| v.as_deref()));
+            pushed.map_err(|e| values.refused(None, row, e))?;
+            if !builder.end_row(0.0) {
+                let e = format!("{} dense values for a model of {}", self.dense.len(), layout.num_dense);
+                return Err(values.refused(None, row, e));
+            }
+        }
+        Ok(builder.finish(DataPosition::default()))
+    }
+}
+
+/// One request's values, column by column (columns numbered as in
+/// [`ModelInputs::dense`] and [`ModelInputs::sparse`]; a column not given
+/// reads as empty cells).
+pub trait ColumnValues {
+    type Error;
+    /// Row `row` of dense input `column` (`None`: an empty cell, read as 0).
+    fn dense(&self, column: usize, row: usize) -> Result<Option<f64>, Self::Error>;
+    /// Row `row` of sparse input `column` as the file's cell holds it
+    /// (`None`: an empty cell).
+    fn sparse(&self, column: usize, row: usize) -> Result<Option<Cow<'_, [u8]>>, Self::Error>;
+    /// The error for a row the data format's rules refuse (in `column`, when one column is to blame).
+    fn refused(&self, column: Option<InputColumn>, row: usize, message: String) -> Self::Error;
+}
 
 /// How a data format reads a row's values.
 #[derive(Clone, Debug)]
@@ -24,6 +164,22 @@ impl ColumnRules {
         ColumnRules::Csv {
             transform: schema.dense_transform,
             multi_hot: schema.multi_hot_separator.as_ref().map(|s| s.as_bytes().to_vec()),
+        }
+    }
+
+    /// A dense cell's text as the file reader reads it (`None`: empty).
+    pub fn dense_text(&self, raw: &str) -> Result<Option<f64>, String> {
+        if raw.is_empty() {
+            return Ok(None);
+        }
+        match self {
+            ColumnRules::Criteo => {
+                parse_int(raw.as_bytes()).map(|v| Some(v as f64)).ok_or_else(|| format!("`{raw}` is not an integer"))
+            }
+            ColumnRules::Csv { .. } => {
+                let v = raw.trim().parse::<f32>().map_err(|_| format!("`{raw}` is not a number"))?;
+                Ok(Some(f64::from(v)))
+            }
         }
     }
 

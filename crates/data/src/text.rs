@@ -66,7 +66,7 @@ impl Log1pTable {
 
 /// A decimal integer (optional sign, ASCII digits only); `None` otherwise.
 #[inline]
-fn parse_int(raw: &[u8]) -> Option<i64> {
+pub(crate) fn parse_int(raw: &[u8]) -> Option<i64> {
     let (neg, digits) = match raw.split_first() {
         Some((b'-', rest)) => (true, rest),
         Some((b'+', rest)) => (false, rest),

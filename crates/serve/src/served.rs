@@ -1,4 +1,4 @@
-//! The model a server answers with: the export's trainer, the names of its
+//! The model a server answers with: the export's model, the names of its
 //! inputs, and how a request's rows are scored (in chunks of bounded
 //! memory, under one read of the model so a reply comes from one version).
 
@@ -7,13 +7,12 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use sparrow_core::batch::{Batch, BatchBuilder, DataPosition};
-use sparrow_core::config::DataFormat;
+use std::borrow::Cow;
+
 use sparrow_core::metrics::sigmoid;
-use sparrow_data::columns::ColumnRules;
-use sparrow_data::layout::{CRITEO_DENSE, CRITEO_SPARSE};
+use sparrow_data::columns::{ColumnValues, InputColumn, ModelInputs};
+use sparrow_trainer::Model;
 use sparrow_trainer::export::{ExportData, ExportManifest};
-use sparrow_trainer::trainer::Trainer;
 
 use crate::metrics::Metrics;
 use crate::request::{Cell, Cells, Request};
@@ -24,17 +23,17 @@ use crate::{ApiError, ServeError, bad};
 /// this size whatever a request holds.
 pub const SCORE_CHUNK_ROWS: usize = 1024;
 
-/// One loaded model: the export's trainer (vectors, dense weights) and the
+/// One loaded model: the export's rows and dense weights, and the
 /// names of its inputs.
 pub struct Served {
     name: String,
     /// The step of the model answering now (the export's).
     step: AtomicU64,
-    inputs: Inputs,
+    inputs: ModelInputs,
     layout: sparrow_data::DataLayout,
     /// Requests predict side by side under the read lock; a `--watch`
     /// update takes the write lock (requests wait, none fails).
-    trainer: parking_lot::RwLock<Trainer>,
+    model: parking_lot::RwLock<Model>,
     /// The export served now: its directory and manifest (`--watch` moves on from it).
     current: parking_lot::Mutex<(PathBuf, ExportManifest)>,
     /// What `--model` named (an export, or a directory whose LATEST names one).
@@ -65,68 +64,22 @@ pub struct Scores {
     pub probability: Vec<f32>,
 }
 
-/// A model's inputs (dense then sparse, named as its data schema names
-/// them) and the rules its data file's reader applies to their values.
-#[derive(Clone)]
-struct Inputs {
-    dense: Vec<String>,
-    sparse: Vec<String>,
-    rules: ColumnRules,
-    /// The data file's delimiter (values that could not sit in one of its
-    /// lines are refused, as `sparrow predict` could not read them).
-    separator: char,
-}
-
-impl Inputs {
-    fn of(model: &Path, data: &sparrow_core::config::DataConfig) -> Result<Inputs, ServeError> {
-        match data.format {
-            DataFormat::Criteo => Ok(Inputs {
-                dense: (1..=CRITEO_DENSE).map(|i| format!("I{i}")).collect(),
-                sparse: (1..=CRITEO_SPARSE).map(|i| format!("C{i}")).collect(),
-                rules: ColumnRules::Criteo,
-                separator: '\t',
-            }),
-            DataFormat::Csv => {
-                let schema = data.schema.clone().unwrap_or_default();
-                Ok(Inputs {
-                    dense: schema.dense.clone(),
-                    sparse: schema.sparse.clone(),
-                    rules: ColumnRules::csv(&schema),
-                    separator: schema.delimiter.chars().next().unwrap_or(','),
-                })
-            }
-            other => Err(ServeError::Setup(format!(
-                "{}: the model was trained on data.format = {other:?}; serving reads the named columns of Criteo \
-                 and CSV data",
-                model.display()
-            ))),
-        }
-    }
-
-    fn names(&self) -> impl Iterator<Item = &String> {
-        self.dense.iter().chain(&self.sparse)
-    }
-
-    fn is_csv(&self) -> bool {
-        matches!(self.rules, ColumnRules::Csv { .. })
-    }
-}
-
 impl Served {
     /// Loads an export (checksums verified first: a damaged one is refused
     /// naming its file), served as `name`.
     pub fn load(model: &Path, name: String) -> Result<Served, ServeError> {
-        let (trainer, manifest) = sparrow_trainer::export::load_export(model, &Overrides::none())?;
+        let (loaded, manifest) = sparrow_trainer::export::load_export(model, &Overrides::none())?;
         let dir = sparrow_trainer::export::resolve_export(model)?;
-        let inputs = Inputs::of(model, &trainer.config.data)?;
+        let inputs =
+            ModelInputs::of(&loaded.config.data).map_err(|e| ServeError::Setup(format!("{}: {e}", model.display())))?;
         let metrics = Metrics::new();
         metrics.model_step.set(i64::try_from(manifest.step).unwrap_or(i64::MAX));
         Ok(Served {
             name,
             step: AtomicU64::new(manifest.step),
             inputs,
-            layout: trainer.layout.clone(),
-            trainer: parking_lot::RwLock::new(trainer),
+            layout: loaded.layout.clone(),
+            model: parking_lot::RwLock::new(loaded),
             current: parking_lot::Mutex::new((dir, manifest)),
             source: model.to_path_buf(),
             metrics,
@@ -173,10 +126,10 @@ impl Served {
                 let updates =
                     chain[i + 1..].iter().map(|(dir, _)| ExportData::read(dir)).collect::<Result<Vec<_>, _>>()?;
                 let rows = updates.iter().map(ExportData::rows).sum();
-                let trainer = self.trainer.write();
+                let model = self.model.write();
                 let start = Instant::now();
                 for update in &updates {
-                    update.apply(&trainer)?;
+                    update.apply(&model)?;
                 }
                 self.step.store(manifest.step, Ordering::SeqCst);
                 (start.elapsed(), updates.len(), rows)
@@ -184,9 +137,9 @@ impl Served {
             None => {
                 let (fresh, _) = sparrow_trainer::export::load_export(&newest, &Overrides::none())?;
                 let rows = fresh.table.len();
-                let mut trainer = self.trainer.write();
+                let mut model = self.model.write();
                 let start = Instant::now();
-                *trainer = fresh;
+                *model = fresh;
                 self.step.store(manifest.step, Ordering::SeqCst);
                 (start.elapsed(), 0, rows)
             }
@@ -231,23 +184,30 @@ impl Served {
         })
     }
 
-    /// Scores one decoded request: each row goes through the data file's
-    /// line parser (so the figures are `sparrow predict`'s), into batches of
-    /// [`SCORE_CHUNK_ROWS`] before the model's lock; then every batch is
-    /// scored under one read of the model.
+    /// Scores one decoded request: its columns go value by value through
+    /// the data format's reading rules ([`ModelInputs::batch`], so the
+    /// figures are `sparrow predict`'s), into batches of [`SCORE_CHUNK_ROWS`]
+    /// before the model's lock; then every batch is scored under one read
+    /// of the model.
     pub fn infer(&self, request: &Request) -> Result<Scores, ApiError> {
-        let n_dense = self.inputs.dense.len();
         let mut rows: Option<usize> = None;
-        let mut columns: Vec<Option<(&Cells, Kind, &str)>> = vec![None; n_dense + self.inputs.sparse.len()];
+        let mut columns = RequestColumns {
+            inputs: &self.inputs,
+            dense: vec![None; self.inputs.dense.len()],
+            sparse: vec![None; self.inputs.sparse.len()],
+        };
         for input in &request.inputs {
             let name = input.name.as_str();
-            let column = self.inputs.names().position(|n| n == name).ok_or_else(|| {
-                bad(format!("input `{name}`: the model has no such input (see GET /v2/models/{})", self.name))
-            })?;
-            if columns[column].is_some() {
+            let no_such =
+                || bad(format!("input `{name}`: the model has no such input (see GET /v2/models/{})", self.name));
+            let (slot, want) = match self.inputs.column(name).ok_or_else(no_such)? {
+                InputColumn::Dense(i) => (&mut columns.dense[i], "FP32"),
+                InputColumn::Sparse(i) => (&mut columns.sparse[i], "BYTES"),
+                InputColumn::Unused => return Err(no_such()),
+            };
+            if slot.is_some() {
                 return Err(bad(format!("input `{name}` is given twice")));
             }
-            let want = if column < n_dense { "FP32" } else { "BYTES" };
             if input.datatype != want {
                 return Err(bad(format!("input `{name}`: datatype `{}`, expected {want}", input.datatype)));
             }
@@ -264,81 +224,62 @@ impl Served {
                 return Err(bad(format!("input `{name}` has {n} rows, another input {other}")));
             }
             rows = Some(n);
-            let kind = match (column < n_dense, self.inputs.is_csv()) {
-                (true, false) => Kind::Count,
-                (true, true) => Kind::Number,
-                (false, _) => Kind::Text(self.inputs.separator),
-            };
-            columns[column] = Some((&input.cells, kind, name));
+            *slot = Some((&input.cells, name));
         }
         let n = rows.unwrap_or(0);
-        let batches = self.batches(&columns, n)?;
+        let batches = (0..n)
+            .step_by(SCORE_CHUNK_ROWS)
+            .map(|start| self.inputs.batch(&self.layout, &columns, start..(start + SCORE_CHUNK_ROWS).min(n)))
+            .collect::<Result<Vec<_>, _>>()?;
         let mut probability = Vec::with_capacity(n);
-        let trainer = self.trainer.read();
+        let model = self.model.read();
         // Read under the lock: the step of the model that answers.
         let version = self.step();
         for batch in &batches {
-            let logits = trainer.predict_batch(batch).map_err(|e| ApiError::internal(e.to_string()))?;
+            let logits = model.predict_batch(batch).map_err(|e| ApiError::internal(e.to_string()))?;
             probability.extend(logits.iter().map(|&x| sigmoid(f64::from(x)) as f32));
         }
-        drop(trainer);
+        drop(model);
         self.metrics.rows.inc_by(n as u64);
         Ok(Scores { version, probability })
     }
+}
 
-    /// The request's rows, value by value through the data format's rules
-    /// (no text in between), in batches of at most [`SCORE_CHUNK_ROWS`] rows.
-    fn batches(&self, columns: &[Option<(&Cells, Kind, &str)>], n: usize) -> Result<Vec<Batch>, ApiError> {
-        let n_dense = self.inputs.dense.len();
-        let (dense, sparse) = columns.split_at(n_dense);
-        let mut batches = Vec::with_capacity(n.div_ceil(SCORE_CHUNK_ROWS));
-        for start in (0..n).step_by(SCORE_CHUNK_ROWS) {
-            let end = (start + SCORE_CHUNK_ROWS).min(n);
-            let mut builder = BatchBuilder::new(self.layout.num_fields, self.layout.num_dense, false, end - start);
-            for row in start..end {
-                builder.begin_row();
-                for column in dense {
-                    let value = match column {
-                        Some((cells, kind, name)) => dense_cell(name, cells, row, *kind)?,
-                        None => None,
-                    };
-                    self.inputs.rules.push_dense(&mut builder, value).map_err(|e| bad(format!("row {row}: {e}")))?;
-                }
-                let texts = sparse
-                    .iter()
-                    .map(|column| match column {
-                        Some((cells, kind, name)) => sparse_cell(name, cells, row, *kind),
-                        None => Ok(None),
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
-                let pushed = self.inputs.rules.push_sparse(&mut builder, texts.into_iter());
-                if let Err(e) = pushed.and_then(|()| {
-                    builder.end_row(0.0).then_some(()).ok_or_else(|| "wrong number of dense values".into())
-                }) {
-                    return Err(bad(format!("row {row}: {e}")));
-                }
-            }
-            batches.push(builder.finish(DataPosition::default()));
+/// A request's inputs by column, as the batch builder reads them.
+struct RequestColumns<'r> {
+    inputs: &'r ModelInputs,
+    dense: Vec<Option<(&'r Cells, &'r str)>>,
+    sparse: Vec<Option<(&'r Cells, &'r str)>>,
+}
+
+impl ColumnValues for RequestColumns<'_> {
+    type Error = ApiError;
+
+    fn dense(&self, column: usize, row: usize) -> Result<Option<f64>, ApiError> {
+        match self.dense[column] {
+            Some((cells, name)) => dense_cell(name, cells, row, self.inputs.dense_are_counts()),
+            None => Ok(None),
         }
-        Ok(batches)
+    }
+
+    fn sparse(&self, column: usize, row: usize) -> Result<Option<Cow<'_, [u8]>>, ApiError> {
+        match self.sparse[column] {
+            Some((cells, name)) => sparse_cell(self.inputs, name, cells, row).map(|v| v.map(Cow::Borrowed)),
+            None => Ok(None),
+        }
+    }
+
+    fn refused(&self, _column: Option<InputColumn>, row: usize, message: String) -> ApiError {
+        bad(format!("row {row}: {message}"))
     }
 }
 
-/// What an input's cells are: a Criteo dense count (an integer), a CSV
-/// dense number, or a categorical value (on a CSV line: quoted where it
-/// holds the delimiter or a quote).
-#[derive(Clone, Copy)]
-enum Kind {
-    Count,
-    Number,
-    Text(char),
-}
-
 /// Row `row`'s value of a dense input (`None`: null, an empty cell).
-fn dense_cell(name: &str, cells: &Cells, row: usize, kind: Kind) -> Result<Option<f64>, ApiError> {
-    match (kind, cells.values[row]) {
+/// (`counts`: Criteo's integer counts).
+fn dense_cell(name: &str, cells: &Cells, row: usize, counts: bool) -> Result<Option<f64>, ApiError> {
+    match (counts, cells.values[row]) {
         (_, Cell::Null) => Ok(None),
-        (Kind::Count, Cell::Number(v)) => {
+        (true, Cell::Number(v)) => {
             if !v.is_finite() || v.abs() > 9.0e15 {
                 return Err(bad(format!(
                     "input `{name}`: {v:e} is out of range (Criteo's dense columns are integer counts within ±9e15)"
@@ -359,22 +300,19 @@ fn dense_cell(name: &str, cells: &Cells, row: usize, kind: Kind) -> Result<Optio
 /// Row `row`'s value of a sparse input (`None`: null, an empty cell).
 /// Values a line of the data file could not hold are refused, so serving
 /// answers only what `sparrow predict` could be asked.
-fn sparse_cell<'c>(name: &str, cells: &'c Cells, row: usize, kind: Kind) -> Result<Option<&'c [u8]>, ApiError> {
-    match (kind, cells.values[row]) {
-        (_, Cell::Null) => Ok(None),
-        (Kind::Text(separator), Cell::Text { start, len }) => {
+fn sparse_cell<'c>(
+    inputs: &ModelInputs,
+    name: &str,
+    cells: &'c Cells,
+    row: usize,
+) -> Result<Option<&'c [u8]>, ApiError> {
+    match cells.values[row] {
+        Cell::Null => Ok(None),
+        Cell::Text { start, len } => {
             let s = cells.text(start, len);
-            if s.contains(['\n', '\r']) || (separator == '\t' && s.contains('\t')) {
-                return Err(bad(format!(
-                    "input `{name}`: a value holds a line break{}",
-                    if separator == '\t' { " or a tab" } else { "" }
-                )));
-            }
+            inputs.check_text(s).map_err(|e| bad(format!("input `{name}`: {e}")))?;
             Ok(Some(s.as_bytes()))
         }
-        (_, Cell::Number(v)) => Err(bad(format!("input `{name}`: {v} is not a string (BYTES)"))),
-        (_, Cell::Text { start, len }) => {
-            Err(bad(format!("input `{name}`: \"{}\" is not a number (FP32)", cells.text(start, len))))
-        }
+        Cell::Number(v) => Err(bad(format!("input `{name}`: {v} is not a string (BYTES)"))),
     }
 }

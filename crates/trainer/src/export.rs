@@ -26,6 +26,7 @@ use xxhash_rust::xxh3::Xxh3;
 
 use crate::TrainError;
 use crate::checkpoint::{FileEntry, safetensors_bytes, stored_config, write_bytes_synced};
+use crate::inference::Model;
 use crate::trainer::Trainer;
 
 pub const EXPORT_FORMAT: &str = "sparrow-export-v1";
@@ -343,8 +344,8 @@ impl ExportData {
 
     /// Puts the dense weights and the rows into `trainer`'s model (rows
     /// with fresh optimizer state).
-    pub fn apply(&self, trainer: &Trainer) -> Result<(), TrainError> {
-        let dim = trainer.table.dim();
+    pub fn apply(&self, model: &Model) -> Result<(), TrainError> {
+        let dim = model.table.dim();
         let emb_path = self.dir.join(EMBEDDINGS);
         if dim != self.manifest.dim {
             return Err(TrainError::checkpoint(
@@ -352,11 +353,11 @@ impl ExportData {
                 format!("dim {} does not match the model's {dim}", self.manifest.dim),
             ));
         }
-        trainer.model.params.load_map(&self.tensors)?;
-        let mut row = vec![0f32; trainer.table.row_len()];
+        model.network.params.load_map(&self.tensors)?;
+        let mut row = vec![0f32; model.table.row_len()];
         for (key, vector) in self.keys.iter().zip(self.vectors.chunks_exact(dim.max(1))) {
             row[..dim].copy_from_slice(vector);
-            trainer.table.put_row(*key, &row).map_err(|e| TrainError::checkpoint(&emb_path, e.to_string()))?;
+            model.table.put_row(*key, &row).map_err(|e| TrainError::checkpoint(&emb_path, e.to_string()))?;
         }
         Ok(())
     }
@@ -440,31 +441,29 @@ pub fn export_chain(dir: &Path) -> Result<Vec<(PathBuf, ExportManifest)>, TrainE
     Ok(chain)
 }
 
-/// A fresh in-memory trainer for an export's model (no rows, initial weights).
-pub fn empty_trainer(m: &ExportManifest, source: &Path, overrides: &Overrides) -> Result<Trainer, TrainError> {
+/// A fresh in-memory model for an export (no rows, initial weights).
+pub fn empty_model(m: &ExportManifest, source: &Path, overrides: &Overrides) -> Result<Model, TrainError> {
     let config = Config::from_toml(&m.config, &source.display().to_string(), overrides)?;
     let layout = DataLayout {
         num_fields: m.num_fields,
         num_dense: m.num_dense,
         weighted: DataLayout::from_config(&config.data).weighted,
     };
-    let mut in_memory = config.clone();
-    in_memory.embedding.storage = sparrow_core::config::Storage::Memory;
-    Trainer::new(&in_memory, layout)
+    Model::initial(&config, layout)
 }
 
-/// A trainer holding an export's model (vectors with fresh optimizer state),
+/// An export's model,
 /// every file's size and checksum verified first; an incremental export is
 /// its full base with each later export's rows applied in order.
-pub fn load_export(dir: &Path, overrides: &Overrides) -> Result<(Trainer, ExportManifest), TrainError> {
+pub fn load_export(dir: &Path, overrides: &Overrides) -> Result<(Model, ExportManifest), TrainError> {
     let dir = resolve_export(dir)?;
     let chain = export_chain(&dir)?;
     let (_, newest) = &chain[chain.len() - 1];
-    let trainer = empty_trainer(newest, &dir.join(MANIFEST), overrides)?;
+    let model = empty_model(newest, &dir.join(MANIFEST), overrides)?;
     for (part, _) in &chain {
-        ExportData::read(part)?.apply(&trainer)?;
+        ExportData::read(part)?.apply(&model)?;
     }
-    Ok((trainer, newest.clone()))
+    Ok((model, newest.clone()))
 }
 
 /// Pages of (key, vector) from `table` for [`write_export`], the rows that

@@ -13,6 +13,7 @@ pub mod dir_lock;
 pub mod engine;
 pub mod error;
 pub mod export;
+pub mod inference;
 pub mod pipeline;
 pub mod pooling;
 pub mod progress;
@@ -22,6 +23,7 @@ pub mod tensorboard;
 pub mod trainer;
 
 pub use error::TrainError;
+pub use inference::Model;
 pub use run::{EvalSummary, TrainSummary, evaluate_checkpoint, predict_checkpoint, train, train_until};
 pub use trainer::{Trainer, initial_model, ttl_floor};
 

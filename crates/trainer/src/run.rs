@@ -15,6 +15,7 @@ use sparrow_data::{BadRows, BatchStream, DataError, DataLayout};
 use sparrow_embedding::{EmbeddingTable, FilterStats, TierStats};
 
 use crate::checkpoint;
+use crate::inference::{Model, Scoring};
 use crate::pipeline::PlannedBatches;
 use crate::progress::{Progress, ProgressUpdate};
 use crate::tensorboard::TensorBoard;
@@ -417,8 +418,12 @@ fn train_in_pool(
         {
             // The pending update first: the figures are the model's after this step.
             let evaluated = trainer.flush_update().and_then(|()| {
-                let (logits, labels) =
-                    predict_file(&trainer, Path::new(test), &config.data, &BadRows::from_config(&config.data))?;
+                let (logits, labels) = predict_file(
+                    trainer.scoring(),
+                    Path::new(test),
+                    &config.data,
+                    &BadRows::from_config(&config.data),
+                )?;
                 let (test_auc, test_logloss) = (auc(&logits, &labels), log_loss_from_logits(&logits, &labels));
                 let rows = labels.len() as u64;
                 log_eval(&mut metrics, board.as_mut(), &trainer, Some(test_auc), Some(test_logloss), rows)
@@ -530,7 +535,7 @@ fn train_in_pool(
     let mut test_nan_predictions = 0;
     if let Some(test) = &config.data.test {
         let test = Path::new(test);
-        let (logits, labels) = predict_file(&trainer, test, &config.data, &bad)?;
+        let (logits, labels) = predict_file(trainer.scoring(), test, &config.data, &bad)?;
         test_rows = labels.len() as u64;
         test_auc = Some(auc(&logits, &labels));
         test_nan_predictions = count_nan(&logits);
@@ -621,27 +626,27 @@ pub fn read_truth(test: &Path) -> Option<Truth> {
 /// `[data.weighting]` shapes what training consumes, never what is scored
 /// (nor its counters, even when `path` is the training file).
 fn predict_file(
-    trainer: &Trainer,
+    model: Scoring<'_>,
     path: &Path,
     data: &sparrow_core::config::DataConfig,
     bad: &BadRows,
 ) -> Result<(Vec<f32>, Vec<f32>), TrainError> {
     let data = &sparrow_core::config::DataConfig { weighting: None, ..data.clone() };
     let stream =
-        BatchStream::spawn(path, data, trainer.config.train.batch_size.max(1024), Default::default(), 1, bad.clone())?;
-    if stream.layout.num_fields != trainer.layout.num_fields || stream.layout.num_dense != trainer.layout.num_dense {
+        BatchStream::spawn(path, data, model.config.train.batch_size.max(1024), Default::default(), 1, bad.clone())?;
+    if stream.layout.num_fields != model.layout.num_fields || stream.layout.num_dense != model.layout.num_dense {
         return Err(TrainError::checkpoint(
             path,
             format!(
                 "data has {} fields and {} dense values, the model was trained on {} and {}",
-                stream.layout.num_fields, stream.layout.num_dense, trainer.layout.num_fields, trainer.layout.num_dense
+                stream.layout.num_fields, stream.layout.num_dense, model.layout.num_fields, model.layout.num_dense
             ),
         ));
     }
     let (mut logits, mut labels) = (Vec::new(), Vec::new());
     for batch in stream {
         let batch = batch?;
-        logits.extend(trainer.predict_batch(&batch)?);
+        logits.extend(model.predict_batch(&batch)?);
         labels.extend_from_slice(&batch.labels);
     }
     Ok((logits, labels))
@@ -649,13 +654,13 @@ fn predict_file(
 
 /// The model in a checkpoint or a serving export (either, or a directory
 /// whose LATEST names one), and the step it was taken at.
-pub fn load_model(path: &Path, overrides: &Overrides) -> Result<(Trainer, u64), TrainError> {
+pub fn load_model(path: &Path, overrides: &Overrides) -> Result<(Model, u64), TrainError> {
     if crate::export::is_export(path) {
-        let (trainer, manifest) = crate::export::load_export(path, overrides)?;
-        Ok((trainer, manifest.step))
+        let (model, manifest) = crate::export::load_export(path, overrides)?;
+        Ok((model, manifest.step))
     } else {
         let (trainer, manifest, _) = checkpoint::load_trainer(path, overrides)?;
-        Ok((trainer, manifest.step))
+        Ok((Model::from(trainer), manifest.step))
     }
 }
 
@@ -664,12 +669,12 @@ pub fn load_model(path: &Path, overrides: &Overrides) -> Result<(Trainer, u64), 
 /// it); and the malformed rows skipped. Runs in the current rayon pool (see
 /// [`compute_pool`]).
 pub fn score_file(
-    trainer: &Trainer,
+    model: &Model,
     data: &Path,
     read: &sparrow_core::config::DataConfig,
 ) -> Result<(Vec<f32>, u64), TrainError> {
     let bad = BadRows::from_config(read);
-    let (logits, _) = predict_file(trainer, data, read, &bad)?;
+    let (logits, _) = predict_file(model.scoring(), data, read, &bad)?;
     Ok((logits, bad.total()))
 }
 
@@ -690,7 +695,7 @@ fn score_checkpoint(
     let (trainer, manifest, _) = checkpoint::load_trainer(checkpoint, overrides)?;
     let pool = compute_pool(threads.unwrap_or(trainer.config.train.threads))?;
     let bad = BadRows::from_config(&trainer.config.data);
-    let (logits, labels) = pool.install(|| predict_file(&trainer, data, &trainer.config.data, &bad))?;
+    let (logits, labels) = pool.install(|| predict_file(trainer.scoring(), data, &trainer.config.data, &bad))?;
     Ok(Scored { logits, labels, bad_rows: bad.total(), step: manifest.step })
 }
 
@@ -769,10 +774,10 @@ pub fn predict_checkpoint(
 pub fn predict_export(model: &Path, data: &Path, out: &Path, overrides: &Overrides) -> Result<EvalSummary, TrainError> {
     let wall = Instant::now();
     check_predict_out(data, out)?;
-    let (trainer, manifest) = crate::export::load_export(model, overrides)?;
-    let pool = compute_pool(trainer.config.train.threads)?;
-    let bad = BadRows::from_config(&trainer.config.data);
-    let (logits, labels) = pool.install(|| predict_file(&trainer, data, &trainer.config.data, &bad))?;
+    let (model, manifest) = crate::export::load_export(model, overrides)?;
+    let pool = compute_pool(model.config.train.threads)?;
+    let bad = BadRows::from_config(&model.config.data);
+    let (logits, labels) = pool.install(|| predict_file(model.scoring(), data, &model.config.data, &bad))?;
     let scored = Scored { logits, labels, bad_rows: bad.total(), step: manifest.step };
     write_predictions(&scored, data, out, wall)
 }

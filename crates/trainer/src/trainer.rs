@@ -5,19 +5,20 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use candle_core::Device;
 use parking_lot::Mutex;
 use sparrow_core::batch::DataPosition;
 use sparrow_core::config::OnNonFinite;
 use sparrow_core::{Batch, Config};
 use sparrow_data::DataLayout;
-use sparrow_embedding::{EmbeddingTable, Initializer, KeyPlan, RowSlots, Staged};
-use sparrow_model::{DenseModel, DenseOptimizer, ModelError, ModelShape};
+use sparrow_embedding::{EmbeddingTable, KeyPlan, RowSlots, Staged};
+use sparrow_model::{DenseModel, DenseOptimizer, ModelError};
 
 use crate::TrainError;
 use crate::dense_sync::LocalSync;
 use crate::engine::{DenseInputs, DenseStepOut, Looked, RowSource, StepEngine, dense_step};
-use crate::pooling::{Bags, pool};
+use crate::inference::{Model, Scoring};
+pub use crate::inference::{initial_model, model_table, seeds, ttl_floor};
+use crate::pooling::Bags;
 
 /// A batch with its keys deduplicated and partitioned for the table.
 pub type PlannedBatch = (Batch, KeyPlan);
@@ -189,44 +190,11 @@ fn named_non_finite(
     }
 }
 
-/// The shortest `ttl_steps` a table counts: the lookups one trainer keeps
-/// ahead of its updates (the batch in hand, `pipeline_depth` ahead of it,
-/// one more being prefetched). One formula for `train` and every shard, so
-/// both expire rows alike.
-pub fn ttl_floor(config: &Config) -> u64 {
-    config.train.pipeline_depth as u64 + 2
-}
-
-/// Seeds of the independent random streams (embedding init, dense init),
-/// derived from `train.seed`. Every role that builds a part of the model uses
-/// these, so a cluster and a single process start from the same model.
-pub fn seeds(seed: u64) -> (u64, u64) {
-    (seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xe3b, seed.wrapping_mul(0xc2b2_ae3d_27d4_eb4f) ^ 0xd15)
-}
-
-/// The embedding table `embedding.*` describes, built the same way by
-/// `sparrow train` (`subdir` none) and by every cluster shard (its SSD tier
-/// in `embedding.path/<subdir>`): the same widths, initial rows and floor.
-pub fn model_table(config: &Config, subdir: Option<&str>) -> Result<EmbeddingTable, sparrow_embedding::TableError> {
-    let (emb_seed, _) = seeds(config.train.seed);
-    let width = DenseModel::embedding_width(config.model.kind, config.model.embedding_dim);
-    let init = Initializer::new(config.embedding.init, emb_seed);
-    let table = EmbeddingTable::from_config(width, &config.embedding, init, subdir, ttl_floor(config))?;
-    // Incremental checkpoints and exports write the rows used since the previous one.
-    let incremental = config.checkpoint.incremental || config.checkpoint.export_every_steps.is_some_and(|n| n > 0);
-    Ok(if incremental { table.track_last_use() } else { table })
-}
-
-/// The dense network as the config's seed starts it: what every replica,
-/// the lazy scheduler and a fresh job begin from.
-pub fn initial_model(config: &Config, layout: &DataLayout) -> Result<DenseModel, TrainError> {
-    let (_, dense_seed) = seeds(config.train.seed);
-    let shape = ModelShape {
-        num_fields: layout.num_fields,
-        num_dense: layout.num_dense,
-        embedding_dim: config.model.embedding_dim,
-    };
-    Ok(DenseModel::new(&config.model, shape, dense_seed, Device::Cpu)?)
+impl From<Trainer> for Model {
+    /// The trainer's rows and weights; its optimizer and engine are dropped.
+    fn from(trainer: Trainer) -> Model {
+        Model { config: trainer.config, layout: trainer.layout, table: trainer.table, network: trainer.model }
+    }
 }
 
 impl Trainer {
@@ -370,11 +338,11 @@ impl Trainer {
     /// Logits of a batch; the table is only read (unseen keys read as their
     /// initial vector and are not inserted).
     pub fn predict_batch(&self, batch: &Batch) -> Result<Vec<f32>, TrainError> {
-        let width = self.table.dim();
-        let plan = self.table.plan(&batch.keys);
-        let mut unique_rows = vec![0.0f32; plan.num_unique() * width];
-        self.table.lookup(&plan, &mut unique_rows)?;
-        let pooled = pool(&Bags::of(batch, &plan), &unique_rows, width, self.config.model.pooling);
-        Ok(self.model.predict(pooled, batch.dense.clone(), batch.rows())?)
+        self.scoring().predict_batch(batch)
+    }
+
+    /// The model as it stands, borrowed to score batches.
+    pub fn scoring(&self) -> Scoring<'_> {
+        Scoring { config: &self.config, layout: &self.layout, table: &self.table, network: &self.model }
     }
 }
