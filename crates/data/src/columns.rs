@@ -260,6 +260,100 @@ pub fn as_file_reads_f32(v: f64) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::text::{CriteoParser, CsvParser, LineParser};
+    use sparrow_core::config::Schema;
+
+    /// Cells as text, one `Vec` a row, in the inputs' order (dense, sparse).
+    struct TextCells(Vec<Vec<&'static str>>, usize, ColumnRules);
+
+    impl ColumnValues for TextCells {
+        type Error = String;
+        fn dense(&self, column: usize, row: usize) -> Result<Option<f64>, String> {
+            self.2.dense_text(self.0[row][column])
+        }
+        fn sparse(&self, column: usize, row: usize) -> Result<Option<Cow<'_, [u8]>>, String> {
+            Ok(Some(Cow::Borrowed(self.0[row][self.1 + column].as_bytes())))
+        }
+        fn refused(&self, _column: Option<InputColumn>, row: usize, message: String) -> String {
+            format!("row {row}: {message}")
+        }
+    }
+
+    fn parsed(parser: &mut dyn LineParser, layout: &DataLayout, lines: &[String]) -> Batch {
+        let mut b = BatchBuilder::new(layout.num_fields, layout.num_dense, false, lines.len());
+        for line in lines {
+            b.begin_row();
+            parser.parse(line.as_bytes(), &mut b).expect("parses");
+            assert!(b.end_row(0.0));
+        }
+        b.finish(DataPosition::default())
+    }
+
+    fn same(a: &Batch, b: &Batch) {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a.dense), bits(&b.dense));
+        assert_eq!(a.keys, b.keys);
+        assert_eq!(a.bag_offsets, b.bag_offsets);
+    }
+
+    /// A row given as columns is the batch the file reader makes of the
+    /// line holding the same cells (CSV with multi-hot IDs and a transform).
+    #[test]
+    fn csv_columns_make_the_batch_the_line_reader_makes() {
+        let schema = Schema {
+            label: "y".into(),
+            dense: vec!["a".into(), "b".into()],
+            sparse: vec!["u".into(), "tags".into()],
+            delimiter: ",".into(),
+            header: true,
+            multi_hot_separator: Some("|".into()),
+            dense_transform: DenseTransform::Log1p,
+            timestamp: None,
+        };
+        let data = DataConfig { format: DataFormat::Csv, schema: Some(schema.clone()), ..DataConfig::default() };
+        let inputs = ModelInputs::of(&data).expect("csv inputs");
+        let rows = vec![
+            vec!["0.1", "", "user 1", "x|y||z"],
+            vec!["-3.5", "1e10", "", ""],
+            vec![" 7 ", "16777217", "say \"hi\"", "only"],
+        ];
+        let quote =
+            |c: &str| if c.contains([',', '"']) { format!("\"{}\"", c.replace('"', "\"\"")) } else { c.to_string() };
+        let lines: Vec<String> = rows
+            .iter()
+            .map(|r| std::iter::once("0".to_string()).chain(r.iter().map(|c| quote(c))).collect::<Vec<_>>().join(","))
+            .collect();
+        let layout = DataLayout { num_fields: 2, num_dense: 2, weighted: false };
+        let mut parser = CsvParser::new(std::path::Path::new("t.csv"), &schema, Some(b"y,a,b,u,tags")).expect("parser");
+        let from_lines = parsed(&mut parser, &layout, &lines);
+        let cells = TextCells(rows, 2, inputs.rules.clone());
+        let from_columns = inputs.batch(&layout, &cells, 0..3).expect("columns");
+        same(&from_lines, &from_columns);
+        assert_eq!(inputs.column("y"), Some(InputColumn::Unused));
+        assert_eq!(inputs.column("tags"), Some(InputColumn::Sparse(1)));
+        assert_eq!(inputs.column("nope"), None);
+    }
+
+    #[test]
+    fn criteo_columns_make_the_batch_the_line_reader_makes() {
+        let inputs = ModelInputs::of(&DataConfig::default()).expect("criteo inputs");
+        let mut row: Vec<&'static str> =
+            vec!["5", "", "-3", "0", "999999999999999999", "1", "2", "3", "4", "5", "6", "7", "8"];
+        row.extend(["68fd1e64", "", "a b"].iter().chain(std::iter::repeat_n(&"k", 23)));
+        let line = format!("0\t{}", row.join("\t"));
+        let layout = DataLayout { num_fields: CRITEO_SPARSE, num_dense: CRITEO_DENSE, weighted: false };
+        let from_line = parsed(&mut CriteoParser::default(), &layout, &[line]);
+        let from_columns = inputs.batch(&layout, &TextCells(vec![row], CRITEO_DENSE, ColumnRules::Criteo), 0..1);
+        same(&from_line, &from_columns.expect("columns"));
+        // What the reader refuses, the columns refuse.
+        for bad in ["1.5", "x", "1e3", "9999999999999999999"] {
+            let mut row = vec!["0"; CRITEO_DENSE + CRITEO_SPARSE];
+            row[0] = bad;
+            let refused = inputs.batch(&layout, &TextCells(vec![row], CRITEO_DENSE, ColumnRules::Criteo), 0..1);
+            assert!(refused.is_err_and(|e| e.contains("is not an integer")), "{bad}");
+        }
+        assert!(inputs.check_text("a\tb").is_err() && inputs.check_text("a b").is_ok());
+    }
 
     /// Midpoints between two f32 are where a cast and the file reader
     /// differ; everywhere else they agree.
