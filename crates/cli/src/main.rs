@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
+mod gather_limit;
 mod serve_command;
 
 use anyhow::Context;
@@ -575,6 +576,10 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
                     other => Err(anyhow::anyhow!("--roundings: `{other}` is not nearest or stochastic")),
                 })
                 .collect::<Result<_, _>>()?;
+            let work_dir = std::env::temp_dir().join("sparrow-bench");
+            std::fs::create_dir_all(&work_dir).with_context(|| format!("creating {}", work_dir.display()))?;
+            tracing::info!("bench: this machine's random-gather ceiling ({})", gather_limit.display());
+            let gather_limit = gather_limit::measure(&gather_limit, &dims, &work_dir);
             let options = sparrow_trainer::bench::BenchOptions {
                 dims,
                 dtypes,
@@ -587,7 +592,8 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
                 kind_steps,
                 kinds,
                 memory_rows,
-                gather_limit_source: gather_limit,
+                gather_limit,
+                work_dir,
                 ..Default::default()
             };
             print_json(&sparrow_trainer::bench::run(&options)?)
@@ -602,6 +608,7 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
                 aggregators,
                 nodes,
                 quiet,
+                failpoints_on_restart: std::env::var_os("SPARROW_FAILPOINTS_ON_RESTART").is_some(),
             };
             print_json(&sparrow_cluster::launch::launch(&options, &config, &stop_on_signals())?)
         }
@@ -743,6 +750,13 @@ fn configure_allocator() {
 fn quiet_handled_panics() {
     let default = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
+        // An injected failure (FAILPOINTS, action `return`): this process
+        // dies on the spot, as SIGKILL would: exit 137, no cleanup, nothing
+        // flushed. The library only raised it; ending the process is ours.
+        if let Some(injected) = info.payload().downcast_ref::<sparrow_cluster::faults::Injected>() {
+            tracing::error!("failpoint {}: this process dies here", injected.0);
+            std::process::exit(137);
+        }
         if !sparrow_data::parquet_source::panic_is_handled() {
             default(info);
         }

@@ -319,3 +319,77 @@ fn grpc_handlers_run_on_the_blocking_pool() {
     assert!(handlers >= 15, "found only {handlers} handlers: the parser no longer sees them");
     assert!(inline.is_empty(), "handlers that do not go through `blocking(`:\n{}", inline.join("\n"));
 }
+
+/// Where a library reads the environment, ends the process, or declares a
+/// process-wide `static` (outside `thread_local!`, whose values are
+/// per-thread scratch), as `file:line text`, in the code before the file's
+/// tests.
+fn process_wide_state(file: &Path) -> Vec<String> {
+    let before = lines_before_tests(file);
+    let mut in_thread_local = false;
+    let mut found = Vec::new();
+    for (n, line) in code_lines(file).into_iter().filter(|(n, _)| *n <= before) {
+        let code = line.trim();
+        if code.starts_with("thread_local!") {
+            in_thread_local = true;
+        } else if in_thread_local && code == "}" {
+            in_thread_local = false;
+        }
+        let reads_env = ["env::var(", "env::var_os(", "env::vars(", "env::temp_dir(", "env::args(", "process::exit("]
+            .iter()
+            .any(|call| code.contains(call));
+        let rest = code.strip_prefix("pub ").or_else(|| code.strip_prefix("pub(crate) ")).unwrap_or(code);
+        let a_static = rest.starts_with("static ") && !rest.starts_with("static ref") && !in_thread_local;
+        if reads_env || a_static {
+            found.push(format!("{}:{n} {code}", file.display()));
+        }
+    }
+    found
+}
+
+/// Libraries neither read the environment, nor end the process, nor keep
+/// process-wide state:
+/// the binary and the Python module read it at the edge and pass values
+/// in (a failpoint's exit, the launcher's restart rules, the benchmark's
+/// work directory). The one exception left is named here.
+#[test]
+fn libraries_read_no_environment_and_hold_no_statics() {
+    // `SPARROW_SIMD`, read once per process: passing the SIMD choice down
+    // to the kernels as a value is still open (issue 39, item 6).
+    let allowed = ["crates/core/src/simd.rs"];
+    let mut found = Vec::new();
+    for krate in library_crates() {
+        let mut files = Vec::new();
+        rust_files(&krate.join("src"), &mut files);
+        for file in files {
+            if !allowed.iter().any(|a| file.ends_with(a)) {
+                found.extend(process_wide_state(&file));
+            }
+        }
+    }
+    found.sort();
+    assert!(found.is_empty(), "environment reads or statics in library code:\n{}", found.join("\n"));
+}
+
+/// The finder sees a read of the environment, an exit and a static, and leaves
+/// thread-local scratch, constants and test code alone.
+#[test]
+fn the_state_finder_sees_environment_reads_and_statics() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("lib.rs");
+    std::fs::write(
+        &file,
+        "const A: u32 = 1;\n\
+         thread_local! {\n    static SCRATCH: Cell<u32> = Cell::new(0);\n}\n\
+         fn f() {\n    static ONCE: OnceLock<bool> = OnceLock::new();\n    let _ = std::env::var(\"X\");\n}\n\
+         pub static COUNT: AtomicU64 = AtomicU64::new(0);\n\
+         fn die() { std::process::exit(137); }\n\
+         #[cfg(test)]\nmod tests {\n    fn g() { let _ = std::env::temp_dir(); }\n}\n",
+    )
+    .expect("write");
+    let found: Vec<String> = process_wide_state(&file)
+        .iter()
+        .map(|f| f.rsplit_once("lib.rs:").expect("located").1.split(' ').next().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(found, ["6", "7", "9", "10"]);
+}

@@ -2,8 +2,11 @@
 //! TiKV uses it). Every point is off unless a test (`fail::cfg`) or the
 //! `FAILPOINTS` environment variable of a role process switches it on, e.g.
 //! `FAILPOINTS='shard.push=20*off->return'`: the 21st push kills the shard.
-//! Action `return` ends the process on the spot, as SIGKILL would (exit code
-//! 137, no cleanup, nothing flushed); `panic` panics there.
+//! Action `return` raises an [`Injected`] panic: the `sparrow` binary's
+//! panic hook ends the process on seeing it, on the spot, as SIGKILL would
+//! (exit code 137, no cleanup, nothing flushed); code that links the library
+//! sees a panic. The library never exits the process itself. `panic`
+//! panics there.
 //!
 //! The points: `shard.pull`, `shard.push`, `shard.write_part` (before the
 //! part is written), `shard.part_written` (written, not yet reported: a death
@@ -40,8 +43,12 @@ pub fn worker_step(index: usize) {
 #[cfg(not(feature = "failpoints"))]
 pub fn worker_step(_index: usize) {}
 
+/// The payload of the panic a failpoint's `return` action raises (the
+/// failpoint's name): what to do with the process is the binary's choice.
+#[derive(Debug)]
+pub struct Injected(pub String);
+
 #[cfg(feature = "failpoints")]
 fn die(name: &str) {
-    tracing::error!("failpoint {name}: this process dies here");
-    std::process::exit(137);
+    std::panic::panic_any(Injected(name.to_string()));
 }

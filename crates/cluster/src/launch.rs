@@ -48,6 +48,9 @@ pub struct LaunchOptions {
     pub nodes: Option<usize>,
     /// Do not forward the children's logs.
     pub quiet: bool,
+    /// Hand `FAILPOINTS` to restarted roles too (the binary sets it from
+    /// `SPARROW_FAILPOINTS_ON_RESTART`; see `faults`).
+    pub failpoints_on_restart: bool,
 }
 
 struct Running {
@@ -79,6 +82,8 @@ struct Children {
     /// The job's shared token, handed to every child in its environment
     /// (never on a command line, which every local user can read).
     token: String,
+    /// Whether a restarted role keeps `FAILPOINTS` ([`LaunchOptions::failpoints_on_restart`]).
+    failpoints_on_restart: bool,
 }
 
 impl Drop for Children {
@@ -145,7 +150,7 @@ impl Children {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         // Injected failures hit the first process of a role only (see `faults`).
-        if restarted && std::env::var_os("SPARROW_FAILPOINTS_ON_RESTART").is_none() {
+        if restarted && !self.failpoints_on_restart {
             command.env_remove("FAILPOINTS");
         }
         let mut child =
@@ -265,7 +270,7 @@ pub fn launch(
     }
     let (num_shards, num_workers) = options.nodes.map_or((options.shards, options.workers), |n| (n, n));
     let token = config.cluster.auth_token.clone().filter(|t| !t.is_empty()).map_or_else(random_token, Ok)?;
-    let mut children = Children { list: Vec::new(), token };
+    let mut children = Children { list: Vec::new(), token, failpoints_on_restart: options.failpoints_on_restart };
     let local = "127.0.0.1:0".to_string();
     let mut args: Vec<String> =
         vec!["coordinator".into(), "--config".into(), options.config_path.display().to_string()];

@@ -1,10 +1,10 @@
 //! `sparrow bench`: figures, never assertions. Embedding lookup+update on
 //! power-law keys beside this machine's random-gather ceiling (the C program
-//! `shared/tools/gather-limit.c`, compiled and run in the same invocation), and
+//! `shared/tools/gather-limit.c`, which the `sparrow` binary compiles and runs
+//! in the same invocation and hands in as [`BenchOptions::gather_limit`]), and
 //! the training step of the reference model on batches already in memory.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -66,7 +66,11 @@ pub struct BenchOptions {
     pub kinds: Vec<ModelKind>,
     /// Rows inserted for the resident-memory measurement (0 skips it).
     pub memory_rows: usize,
-    pub gather_limit_source: PathBuf,
+    /// This machine's random-gather ceiling, measured by the caller (the
+    /// `sparrow` binary compiles and runs `gather-limit.c`; the library runs
+    /// no compiler).
+    pub gather_limit: GatherLimit,
+    /// Where the benchmark's data files go.
     pub work_dir: PathBuf,
     /// `scripts/bench-peer`'s run log, for `train_step.ratio_to_peer`.
     pub peer_runs: PathBuf,
@@ -89,14 +93,14 @@ impl Default for BenchOptions {
             kind_steps: 100,
             kinds: ModelKind::ALL.to_vec(),
             memory_rows: 4_000_000,
-            gather_limit_source: PathBuf::from("../shared/tools/gather-limit.c"),
-            work_dir: std::env::temp_dir().join("sparrow-bench"),
+            gather_limit: GatherLimit::default(),
+            work_dir: PathBuf::from("target/sparrow-bench"),
             peer_runs: PathBuf::from("target/bench-peer/runs.jsonl"),
         }
     }
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct GatherLimit {
     pub source: String,
     /// dim → (plain, prefetched) rows/s.
@@ -338,53 +342,6 @@ fn bench_memory(rows: usize, dim: usize) -> Result<MemoryBench, TrainError> {
             ratio_to_payload: per_row / payload as f64,
         })
     })
-}
-
-fn run_gather_limit(source: &Path, dims: &[usize], work: &Path) -> GatherLimit {
-    let mut out = GatherLimit { source: source.display().to_string(), rows_per_sec: Vec::new(), error: None };
-    let exe = work.join("gather-limit");
-    let compiled = Command::new("cc").arg("-O2").arg("-o").arg(&exe).arg(source).output();
-    match compiled {
-        Ok(o) if o.status.success() => {}
-        Ok(o) => {
-            out.error = Some(format!("cc failed: {}", String::from_utf8_lossy(&o.stderr).trim()));
-            return out;
-        }
-        Err(e) => {
-            out.error = Some(format!("cannot run cc: {e}"));
-            return out;
-        }
-    }
-    let run = Command::new(&exe).args(dims.iter().map(|d| d.to_string())).output();
-    let text = match run {
-        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).to_string(),
-        Ok(o) => {
-            out.error = Some(format!("gather-limit exited with {}", o.status));
-            return out;
-        }
-        Err(e) => {
-            out.error = Some(format!("cannot run gather-limit: {e}"));
-            return out;
-        }
-    };
-    // Lines: "dim 16 plain     : 5.0 M rows/s, 0.32 GB/s" / "dim 16 prefetched: 84.5 M rows/s, …"
-    for &dim in dims {
-        let figure = |kind: &str| {
-            text.lines()
-                .find(|l| l.starts_with(&format!("dim {dim} {kind}")))
-                .and_then(|l| l.split(':').nth(1))
-                .and_then(|r| r.split_whitespace().next())
-                .and_then(|v| v.parse::<f64>().ok())
-                .map(|m| m * 1e6)
-        };
-        if let (Some(plain), Some(pf)) = (figure("plain"), figure("prefetched")) {
-            out.rows_per_sec.push((dim, plain, pf));
-        }
-    }
-    if out.rows_per_sec.is_empty() {
-        out.error = Some(format!("could not read gather-limit output: {text}"));
-    }
-    out
 }
 
 /// The embedding path with `optimizer` at learning rate 0.05.
@@ -800,7 +757,7 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
     } else {
         None
     };
-    let gather = run_gather_limit(&o.gather_limit_source, &o.dims, &o.work_dir);
+    let gather = o.gather_limit.clone();
     let mut embedding = Vec::new();
     for &dim in &o.dims {
         let ceiling = gather.rows_per_sec.iter().find(|g| g.0 == dim).map(|g| g.2);
