@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
+mod args;
 mod gather_limit;
 mod serve_command;
 
@@ -41,8 +42,8 @@ enum Command {
         seed: u64,
         /// `criteo` (train.tsv, test.tsv) or `csv` (train.csv, test.csv with a
         /// header and a `ts` column of Unix seconds).
-        #[arg(long, default_value = "criteo")]
-        format: String,
+        #[arg(long, value_enum, default_value_t = args::GenFormat::Criteo)]
+        format: args::GenFormat,
         /// CSV: spread the training rows over this many days, the click model
         /// drifting from day to day; the test rows are the newest day's.
         #[arg(long)]
@@ -103,8 +104,8 @@ enum Command {
         /// The vectors' type: f32, f16 or bf16 (half the bytes; the dense
         /// weights stay f32). A table trained with `embedding.dtype` f16 or
         /// bf16 exports in its own type without loss.
-        #[arg(long, default_value = "f32")]
-        dtype: String,
+        #[arg(long, value_enum, default_value_t = args::Dtype::F32)]
+        dtype: args::Dtype,
     },
     /// Serve a serving export over the Open Inference Protocol (KServe v2
     /// REST) until SIGINT/SIGTERM; `/metrics` for Prometheus.
@@ -143,14 +144,14 @@ enum Command {
         #[arg(long, value_delimiter = ',', default_value = "1,2")]
         threads: Vec<usize>,
         /// `embedding.dtype`s to measure the embedding path with (f32, f16, bf16).
-        #[arg(long, value_delimiter = ',', default_value = "f32,f16")]
-        dtypes: Vec<String>,
+        #[arg(long, value_enum, value_delimiter = ',', default_value = "f32,f16")]
+        dtypes: Vec<args::Dtype>,
         /// `embedding.optimizer`s to measure the embedding path with.
-        #[arg(long, value_delimiter = ',', default_value = "adagrad,rowwise_adagrad")]
-        optimizers: Vec<String>,
+        #[arg(long, value_enum, value_delimiter = ',', default_value = "adagrad,rowwise_adagrad")]
+        optimizers: Vec<args::Optimizer>,
         /// `embedding.rounding`s to measure the half dtypes with (nearest, stochastic); f32 rows are not rounded.
-        #[arg(long, value_delimiter = ',', default_value = "nearest")]
-        roundings: Vec<String>,
+        #[arg(long, value_enum, value_delimiter = ',', default_value = "nearest")]
+        roundings: Vec<args::RoundingArg>,
         /// Training steps timed on the reference model (0 skips it).
         #[arg(long, default_value_t = 300)]
         train_steps: usize,
@@ -158,8 +159,8 @@ enum Command {
         #[arg(long, default_value_t = 100)]
         kind_steps: usize,
         /// Model kinds in the flop-floor table (lr, fm, mlp, wide_deep, deepfm, dlrm, dcn).
-        #[arg(long, value_delimiter = ',', default_value = "lr,fm,mlp,wide_deep,deepfm,dlrm,dcn")]
-        kinds: Vec<String>,
+        #[arg(long, value_enum, value_delimiter = ',', default_value = "lr,fm,mlp,wide_deep,deepfm,dlrm,dcn")]
+        kinds: Vec<args::Kind>,
         /// Rows inserted to measure resident bytes per embedding row (0 skips it).
         #[arg(long, default_value_t = 4_000_000)]
         memory_rows: usize,
@@ -269,13 +270,13 @@ enum Command {
         #[arg(long, default_value_t = 20_000_000)]
         rows: usize,
         /// memory | ssd
-        #[arg(long, default_value = "ssd")]
-        storage: String,
+        #[arg(long, value_enum, default_value_t = args::StorageArg::Ssd)]
+        storage: args::StorageArg,
         #[arg(long, default_value_t = 2_000_000)]
         cache_rows: usize,
         /// lru | lfu
-        #[arg(long, default_value = "lfu")]
-        policy: String,
+        #[arg(long, value_enum, default_value_t = args::Policy::Lfu)]
+        policy: args::Policy,
         #[arg(long, default_value = "target/bench-tier")]
         path: PathBuf,
         #[arg(long, default_value_t = 300)]
@@ -467,15 +468,18 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
     init_logging(role);
     match cli.command {
         Command::Gen { out, train_rows, test_rows, seed, format, days, shuffled } => {
-            let truth = match (format.as_str(), days) {
-                ("criteo", None) if shuffled => anyhow::bail!("--shuffled goes with --format csv --days"),
-                ("criteo", None) => sparrow_data::synth::generate(&out, train_rows, test_rows, seed)?,
-                ("criteo", Some(_)) => anyhow::bail!("--days writes CSV with a ts column: add --format csv"),
-                ("csv", days) => {
+            let truth = match (format, days) {
+                (args::GenFormat::Criteo, None) if shuffled => {
+                    anyhow::bail!("--shuffled goes with --format csv --days")
+                }
+                (args::GenFormat::Criteo, None) => sparrow_data::synth::generate(&out, train_rows, test_rows, seed)?,
+                (args::GenFormat::Criteo, Some(_)) => {
+                    anyhow::bail!("--days writes CSV with a ts column: add --format csv")
+                }
+                (args::GenFormat::Csv, days) => {
                     let days = days.unwrap_or(1);
                     sparrow_data::synth::generate_days(&out, train_rows, test_rows, days, shuffled, seed)?
                 }
-                (other, _) => anyhow::bail!("--format {other}: expected criteo or csv"),
             };
             print_json(&truth)
         }
@@ -499,8 +503,10 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             print_json(&summary)
         }
         Command::Export { checkpoint, out, dtype } => {
-            let Some(dtype) = sparrow_trainer::export::VectorType::parse(&dtype) else {
-                anyhow::bail!("--dtype {dtype}: exports hold f32, f16 or bf16 vectors");
+            let dtype = match dtype {
+                args::Dtype::F32 => sparrow_trainer::export::VectorType::F32,
+                args::Dtype::F16 => sparrow_trainer::export::VectorType::F16,
+                args::Dtype::Bf16 => sparrow_trainer::export::VectorType::Bf16,
             };
             print_json(&sparrow_trainer::run::export_checkpoint(&checkpoint, &out, dtype)?)
         }
@@ -523,24 +529,8 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             memory_rows,
             gather_limit,
         } => {
-            let kinds = kinds
-                .iter()
-                .map(|k| {
-                    ModelKind::ALL.into_iter().find(|kind| kind.name() == k).ok_or_else(|| {
-                        let names: Vec<_> = ModelKind::ALL.iter().map(|k| k.name()).collect();
-                        anyhow::anyhow!("--kinds: `{k}` is not a model kind ({})", names.join(", "))
-                    })
-                })
-                .collect::<Result<_, _>>()?;
-            let dtypes = dtypes
-                .iter()
-                .map(|d| match d.as_str() {
-                    "f32" => Ok(EmbeddingDtype::F32),
-                    "f16" => Ok(EmbeddingDtype::F16),
-                    "bf16" => Ok(EmbeddingDtype::Bf16),
-                    other => Err(anyhow::anyhow!("--dtypes: `{other}` is not f32, f16 or bf16")),
-                })
-                .collect::<Result<_, _>>()?;
+            let kinds = kinds.into_iter().map(ModelKind::from).collect();
+            let dtypes = dtypes.into_iter().map(EmbeddingDtype::from).collect();
             // Nothing to time is a mistake, not a report of nulls (or a panic).
             for (flag, value) in [("--table-rows", table_rows), ("--batches", batches)] {
                 if value == 0 {
@@ -556,26 +546,8 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             if threads.contains(&0) {
                 anyhow::bail!("--threads: every count must be at least 1");
             }
-            let optimizers = optimizers
-                .iter()
-                .map(|o| {
-                    // The same names as `embedding.optimizer` in a config.
-                    serde_json::from_value::<sparrow_core::config::SparseOptimizerKind>(serde_json::Value::from(
-                        o.as_str(),
-                    ))
-                    .map_err(|_| {
-                        anyhow::anyhow!("--optimizers: `{o}` is not sgd, adagrad, rowwise_adagrad, adam or ftrl")
-                    })
-                })
-                .collect::<Result<_, _>>()?;
-            let roundings = roundings
-                .iter()
-                .map(|r| match r.as_str() {
-                    "nearest" => Ok(sparrow_core::config::Rounding::Nearest),
-                    "stochastic" => Ok(sparrow_core::config::Rounding::Stochastic),
-                    other => Err(anyhow::anyhow!("--roundings: `{other}` is not nearest or stochastic")),
-                })
-                .collect::<Result<_, _>>()?;
+            let optimizers = optimizers.into_iter().map(Into::into).collect();
+            let roundings = roundings.into_iter().map(Into::into).collect();
             let work_dir = std::env::temp_dir().join("sparrow-bench");
             std::fs::create_dir_all(&work_dir).with_context(|| format!("creating {}", work_dir.display()))?;
             tracing::info!("bench: this machine's random-gather ceiling ({})", gather_limit.display());
@@ -660,16 +632,7 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             print_json(&sparrow_cluster::roles::run_worker(&role.args(index, None))?)
         }
         Command::BenchTier { rows, storage, cache_rows, policy, path, steps, warmup_steps } => {
-            let storage = match storage.as_str() {
-                "memory" => sparrow_core::config::Storage::Memory,
-                "ssd" => sparrow_core::config::Storage::Ssd,
-                other => anyhow::bail!("--storage: `{other}` is not memory or ssd"),
-            };
-            let policy = match policy.as_str() {
-                "lru" => sparrow_core::config::CachePolicy::Lru,
-                "lfu" => sparrow_core::config::CachePolicy::Lfu,
-                other => anyhow::bail!("--policy: `{other}` is not lru or lfu"),
-            };
+            let (storage, policy) = (storage.into(), policy.into());
             let options = sparrow_trainer::bench::TierBenchOptions {
                 rows,
                 storage,

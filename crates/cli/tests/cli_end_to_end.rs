@@ -163,7 +163,10 @@ fn gen_train_eval_predict() {
         std::fs::read_to_string(&from_half).expect("pred").lines().map(|l| l.parse().expect("number")).collect();
     let worst = probs.iter().zip(&half_probs).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
     assert!(worst > 0.0 && worst < 1e-2, "f16 vectors move predictions a little: {worst}");
-    fails_with(&sparrow(&["export", "--checkpoint", &ck, "--out", "/tmp/x", "--dtype", "f8"]), &["--dtype f8"]);
+    fails_with(
+        &sparrow(&["export", "--checkpoint", &ck, "--out", "/tmp/x", "--dtype", "f8"]),
+        &["'f8'", "--dtype", "f32, f16, bf16"],
+    );
 }
 
 #[test]
@@ -186,8 +189,10 @@ fn bad_config_and_inputs_fail_clearly() {
     fails_with(&sparrow(&["bench", "--threads", "1,0"]), &["--threads"]);
     // Tables no machine holds: refused before any is filled, not an OOM kill.
     fails_with(&sparrow(&["bench", "--table-rows", "10000000000"]), &["--dims", "GB", "--table-rows"]);
-    fails_with(&sparrow(&["bench", "--optimizers", "adagrad,lion"]), &["--optimizers", "lion"]);
-    fails_with(&sparrow(&["bench", "--roundings", "nearest,up"]), &["--roundings", "up"]);
+    fails_with(&sparrow(&["bench", "--optimizers", "adagrad,lion"]), &["--optimizers", "'lion'", "rowwise_adagrad"]);
+    fails_with(&sparrow(&["bench", "--roundings", "nearest,up"]), &["--roundings", "'up'", "stochastic"]);
+    fails_with(&sparrow(&["bench", "--kinds", "mlp,dnn"]), &["--kinds", "'dnn'", "wide_deep"]);
+    fails_with(&sparrow(&["gen", "--format", "tsv", "--out", "/tmp/never"]), &["--format", "'tsv'", "criteo, csv"]);
     fails_with(&sparrow(&["train", "--config", "/nonexistent/job.toml"]), &["/nonexistent/job.toml"]);
     fails_with(
         &sparrow(&["train", "--config", &config, "--set", "data.train=\"/nonexistent/train.tsv\""]),

@@ -22,6 +22,32 @@ use crate::rounds::{MergedRound, RoundMerger, RoundUpdate};
 use crate::sync::{Contribution, RoundReply, RoundSummer};
 use crate::transport::ClusterError;
 
+fn lazy_report_to_pb(r: &crate::lazy::LazyReport) -> pb::LazyReport {
+    pb::LazyReport {
+        aggregations: r.aggregations,
+        local_iterations: r.local_iterations,
+        samples: r.samples,
+        held_by_utilisation: r.held_by_utilisation,
+        held_by_failure_rate: r.held_by_failure_rate,
+        backups: r.backups,
+        last_utilisation: r.last_utilisation,
+        last_failure_rate: r.last_failure_rate,
+    }
+}
+
+fn lazy_report_from_pb(r: pb::LazyReport) -> crate::lazy::LazyReport {
+    crate::lazy::LazyReport {
+        aggregations: r.aggregations,
+        local_iterations: r.local_iterations,
+        samples: r.samples,
+        held_by_utilisation: r.held_by_utilisation,
+        held_by_failure_rate: r.held_by_failure_rate,
+        backups: r.backups,
+        last_utilisation: r.last_utilisation,
+        last_failure_rate: r.last_failure_rate,
+    }
+}
+
 fn generation_to_proto(g: &Attempt) -> pb::Generation {
     let path = |p: &Option<std::path::PathBuf>| p.as_ref().map(|d| d.display().to_string()).unwrap_or_default();
     pb::Generation { number: g.number.number(), restore: path(&g.restore), committed: path(&g.committed) }
@@ -242,7 +268,7 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
                 pb::LazyReply {
                     has_weights: true,
                     weights: f32s_to_bytes(&done.weights),
-                    report_json: serde_json::to_string(&done.report).unwrap_or_default(),
+                    report: Some(lazy_report_to_pb(&done.report)),
                     job_batches: done.job_batches,
                     job_samples: done.job_samples,
                     committed: done.committed.is_some(),
@@ -577,7 +603,7 @@ impl LazyLink for CoordinatorClient {
         let reply = self.lazy_call(request)?;
         Ok(FinalWeights {
             weights: bytes_to_f32s(&reply.weights, &self.peer.name, "final weights")?,
-            report: serde_json::from_str(&reply.report_json).unwrap_or_default(),
+            report: reply.report.map(lazy_report_from_pb).unwrap_or_default(),
             job_batches: reply.job_batches,
             job_samples: reply.job_samples,
             committed: reply.committed.then_some(reply.committed_step),

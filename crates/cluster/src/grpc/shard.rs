@@ -14,7 +14,7 @@ use super::{
     u64s_to_bytes,
 };
 use crate::generation::Generation;
-use crate::messages::Mode;
+use crate::messages::{Mode, SecondLevelStats};
 use crate::metrics::RoleMetrics;
 use crate::shard::ShardServer;
 use crate::transport::{ClusterError, ExportPage, PartWritten, Serving, ShardReport, ShardService};
@@ -189,10 +189,17 @@ impl pb::shard_server::Shard for ShardGrpc {
             admitted: r.filters.admitted,
             not_admitted: r.filters.not_admitted,
             expired: r.filters.expired,
-            second_level_json: r
-                .second_level
-                .map(|s| serde_json::to_string(&s).unwrap_or_default())
-                .unwrap_or_default(),
+            second_level: r.second_level.map(|s| pb::SecondLevelStats {
+                passes_staged: s.passes_staged,
+                passes_flushed: s.passes_flushed,
+                rows_from_l1: s.rows_from_l1,
+                rows_initialised: s.rows_initialised,
+                rows_flushed: s.rows_flushed,
+                peak_rows: s.peak_rows,
+                l1_reads_during_pass: s.l1_reads_during_pass,
+                staging_secs: s.staging_secs,
+                flush_secs: s.flush_secs,
+            }),
         }))
     }
 
@@ -323,13 +330,17 @@ impl ShardService for ShardClient {
             prefetch_inits: s.prefetch_inits,
         });
         let filters = FilterStats { admitted: s.admitted, not_admitted: s.not_admitted, expired: s.expired };
-        let second_level = match s.second_level_json.is_empty() {
-            true => None,
-            false => Some(serde_json::from_str(&s.second_level_json).map_err(|e| ClusterError::Malformed {
-                peer: self.peer.name.clone(),
-                what: format!("second-level counters: {e}"),
-            })?),
-        };
+        let second_level = s.second_level.map(|l| SecondLevelStats {
+            passes_staged: l.passes_staged,
+            passes_flushed: l.passes_flushed,
+            rows_from_l1: l.rows_from_l1,
+            rows_initialised: l.rows_initialised,
+            rows_flushed: l.rows_flushed,
+            peak_rows: l.peak_rows,
+            l1_reads_during_pass: l.l1_reads_during_pass,
+            staging_secs: l.staging_secs,
+            flush_secs: l.flush_secs,
+        });
         Ok(ShardReport { rows: s.rows, cached_rows: s.cached_rows, tier, filters, second_level })
     }
 
