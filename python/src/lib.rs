@@ -78,7 +78,7 @@ fn load_config(py: Python<'_>, path: Option<PathBuf>, json: Option<&str>, overri
         }
         (None, None) => return Err(exception(py, "ArgumentError", "train needs a config".into())),
     };
-    Overrides::parse(overrides).and_then(|o| Config::from_toml(&text, &source, &o)).map_err(|e| config_error(py, e))
+    edge_overrides(overrides).and_then(|o| Config::from_toml(&text, &source, &o)).map_err(|e| config_error(py, e))
 }
 
 fn progress_dict<'py>(py: Python<'py>, u: &ProgressUpdate) -> PyResult<Bound<'py, PyDict>> {
@@ -204,11 +204,31 @@ fn generate(
 fn evaluate(py: Python<'_>, checkpoint: PathBuf, data: PathBuf, overrides: Vec<String>) -> PyResult<String> {
     let summary = py
         .detach(|| {
-            let overrides = Overrides::parse(&overrides)?;
+            let overrides = edge_overrides(&overrides)?;
             sparrow_trainer::evaluate_checkpoint(&checkpoint, &data, &overrides, None)
         })
         .map_err(|e| train_error(py, e))?;
     serde_json::to_string(&summary).map_err(|e| exception(py, "SparrowError", e.to_string()))
+}
+
+/// `SPARROW_SIMD`, read here at the edge, as the `sparrow` binary reads it.
+fn simd_from_env() -> Result<Option<sparrow_core::simd::Simd>, String> {
+    use sparrow_core::simd::{Simd, VARIABLE};
+    match std::env::var(VARIABLE) {
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Ok(v) => Simd::parse(&v).map(Some),
+        Err(std::env::VarError::NotUnicode(v)) => Err(format!("{VARIABLE}={v:?}: expected `auto` or `portable`")),
+    }
+}
+
+/// The caller's overrides after what the environment sets (`SPARROW_SIMD`
+/// as `train.simd`; the caller's own setting of that key wins).
+fn edge_overrides(assignments: &[String]) -> Result<Overrides, sparrow_core::config::ConfigError> {
+    // Checked at import: a bad value cannot reach here.
+    let simd = simd_from_env().ok().flatten();
+    let mut all: Vec<String> = simd.map(|s| format!("train.simd={:?}", s.name())).into_iter().collect();
+    all.extend(assignments.iter().cloned());
+    Overrides::parse(&all)
 }
 
 /// One column of rows handed to `Model.predict_columns`.
@@ -355,7 +375,7 @@ impl Model {
     #[staticmethod]
     fn load(py: Python<'_>, path: PathBuf, overrides: Vec<String>) -> PyResult<Model> {
         let loaded = py.detach(|| -> Result<Model, TrainError> {
-            let (model, step) = sparrow_trainer::run::load_model(&path, &Overrides::parse(&overrides)?)?;
+            let (model, step) = sparrow_trainer::run::load_model(&path, &edge_overrides(&overrides)?)?;
             let pool = sparrow_trainer::run::compute_pool(model.config.train.threads)?;
             let inputs = ModelInputs::of(&model.config.data);
             Ok(Model { model, inputs, pool, step, path: path.clone() })
@@ -503,7 +523,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Library logs go to Python's `logging` (a second import keeps the first logger).
     let _ = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::LoggersAndLevels)?.install();
     // As the `sparrow` binary: a SPARROW_SIMD value other than auto/portable fails the import.
-    sparrow_core::simd::SimdChoice::from_env().map_err(pyo3::exceptions::PyValueError::new_err)?;
+    simd_from_env().map_err(pyo3::exceptions::PyValueError::new_err)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(train, m)?)?;
     m.add_function(wrap_pyfunction!(generate, m)?)?;

@@ -450,9 +450,28 @@ fn exit_on_signals(role: &'static str) {
     }
 }
 
+/// `SPARROW_SIMD`, read here at the edge: `train.simd` for every config
+/// this process builds (a value other than auto or portable is an error).
+fn simd_from_env() -> anyhow::Result<Option<sparrow_core::simd::Simd>> {
+    use sparrow_core::simd::{Simd, VARIABLE};
+    match std::env::var(VARIABLE) {
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Ok(v) => Simd::parse(&v).map(Some).map_err(|e| anyhow::anyhow!(e)),
+        Err(std::env::VarError::NotUnicode(v)) => anyhow::bail!("{VARIABLE}={v:?}: expected `auto` or `portable`"),
+    }
+}
+
+/// The command line's `--set` assignments, after what the environment sets
+/// (`SPARROW_SIMD` as `train.simd`; a `--set` of the same key wins).
+pub(crate) fn edge_overrides(set: &[String]) -> anyhow::Result<Overrides> {
+    let mut all: Vec<String> = simd_from_env()?.map(|s| format!("train.simd={:?}", s.name())).into_iter().collect();
+    all.extend(set.iter().cloned());
+    Ok(Overrides::parse(&all)?)
+}
+
 fn load_config(path: &Path, set: &[String]) -> anyhow::Result<Config> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
-    Ok(Overrides::parse(set).and_then(|o| Config::from_toml(&text, &path.display().to_string(), &o))?)
+    Ok(Config::from_toml(&text, &path.display().to_string(), &edge_overrides(set)?)?)
 }
 
 fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> anyhow::Result<()> {
@@ -491,10 +510,10 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             print_json(&sparrow_trainer::train_until(&config, quiet, &stop_on_signals())?)
         }
         Command::Eval { checkpoint, data, set } => {
-            print_json(&sparrow_trainer::evaluate_checkpoint(&checkpoint, &data, &Overrides::parse(&set)?, None)?)
+            print_json(&sparrow_trainer::evaluate_checkpoint(&checkpoint, &data, &edge_overrides(&set)?, None)?)
         }
         Command::Predict { checkpoint, model, data, out, set } => {
-            let set = Overrides::parse(&set)?;
+            let set = edge_overrides(&set)?;
             let summary = match (checkpoint, model) {
                 (Some(checkpoint), _) => sparrow_trainer::predict_checkpoint(&checkpoint, &data, &out, &set)?,
                 (None, Some(model)) => sparrow_trainer::run::predict_export(&model, &data, &out, &set)?,
@@ -566,6 +585,7 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
                 memory_rows,
                 gather_limit,
                 work_dir,
+                simd: simd_from_env()?.unwrap_or_default(),
                 ..Default::default()
             };
             print_json(&sparrow_trainer::bench::run(&options)?)
@@ -663,8 +683,7 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
                 format!("checkpoint.dir={:?}", format!("{d}/checkpoint")),
             ];
             overrides.append(&mut set);
-            let config =
-                Overrides::parse(&overrides).and_then(|o| Config::from_toml(DEMO_CONFIG, "configs/dlrm.toml", &o))?;
+            let config = Config::from_toml(DEMO_CONFIG, "configs/dlrm.toml", &edge_overrides(&overrides)?)?;
             let summary = sparrow_trainer::train_until(&config, false, &stop_on_signals())?;
             eprintln!("{}", demo_line(&summary));
             print_json(&summary)
@@ -761,7 +780,7 @@ fn main() -> ExitCode {
         eprintln!("error: {e:#}");
         return ExitCode::from(2);
     }
-    if let Err(e) = sparrow_core::simd::SimdChoice::from_env() {
+    if let Err(e) = simd_from_env() {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }

@@ -85,6 +85,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         watch: args.watch.then(|| Duration::from_millis(args.watch_interval_ms)),
         watch_unready_after: Duration::from_millis(args.watch_unready_after_ms),
         release_memory: Some(release_memory),
+        overrides: crate::edge_overrides(&[])?,
     };
     hand_back_freed_memory();
     let on_listening = |addr: SocketAddr, name: &str| {

@@ -351,20 +351,15 @@ fn process_wide_state(file: &Path) -> Vec<String> {
 /// process-wide state:
 /// the binary and the Python module read it at the edge and pass values
 /// in (a failpoint's exit, the launcher's restart rules, the benchmark's
-/// work directory). The one exception left is named here.
+/// work directory, `SPARROW_SIMD` as `train.simd`).
 #[test]
 fn libraries_read_no_environment_and_hold_no_statics() {
-    // `SPARROW_SIMD`, read once per process: passing the SIMD choice down
-    // to the kernels as a value is still open (issue 39, item 6).
-    let allowed = ["crates/core/src/simd.rs"];
     let mut found = Vec::new();
     for krate in library_crates() {
         let mut files = Vec::new();
         rust_files(&krate.join("src"), &mut files);
         for file in files {
-            if !allowed.iter().any(|a| file.ends_with(a)) {
-                found.extend(process_wide_state(&file));
-            }
+            found.extend(process_wide_state(&file));
         }
     }
     found.sort();

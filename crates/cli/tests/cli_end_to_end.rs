@@ -475,9 +475,11 @@ fn portable_kernels_train_the_same_model_bit_for_bit() {
     // on bf16-rounded inputs: the same accuracy, other bits (by design).
     let native_bf16 =
         std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|c| c.split_whitespace().any(|f| f == "avx512_bf16"));
+    let mut portable_cks = Vec::new();
     for (m, sets) in modes.iter().enumerate() {
         let (simd, simd_ck) = train("auto", &ck(&format!("ck-simd-{m}")), sets);
         let (portable, portable_ck) = train("portable", &ck(&format!("ck-portable-{m}")), sets);
+        portable_cks.push(portable_ck.clone());
         if sets.contains(&"model.precision=\"bf16\"") && !native_bf16 {
             let auc = |j: &serde_json::Value| j["test_auc"].as_f64().expect("auc");
             assert!((auc(&simd) - auc(&portable)).abs() < 0.01, "{sets:?}: {simd} against {portable}");
@@ -493,6 +495,14 @@ fn portable_kernels_train_the_same_model_bit_for_bit() {
                 "{sets:?}: {file} differs between the SIMD and the portable kernels"
             );
         }
+    }
+    // The config key is the same switch: `train.simd = "portable"` with the
+    // environment saying `auto` trains the portable run's model.
+    let portable_key = [modes[1], &["train.simd=\"portable\""]].concat();
+    let (_, by_key_ck) = train("auto", &ck("ck-portable-by-key"), &portable_key);
+    for file in ["embeddings.bin", "dense.safetensors"] {
+        let (a, b) = (std::fs::read(by_key_ck.join(file)), std::fs::read(portable_cks[1].join(file)));
+        assert!(a.expect(file) == b.expect(file), "{file}: train.simd = \"portable\" is not SPARROW_SIMD=portable");
     }
     let out = Command::new(env!("CARGO_BIN_EXE_sparrow"))
         .env("SPARROW_SIMD", "avx9000")

@@ -283,6 +283,7 @@ fn bootstrap_settings(args: &RoleArgs) -> NetSettings {
 
 fn connect_shards(
     addresses: &[String],
+    simd: sparrow_core::simd::Simd,
     settings: &NetSettings,
     rt: &Runtime,
     metrics: &RoleMetrics,
@@ -292,7 +293,7 @@ fn connect_shards(
         .enumerate()
         .map(|(i, addr)| {
             ShardClient::connect(i, addr, settings, rt.handle(), metrics.clone())
-                .map(|c| Arc::new(c) as Arc<dyn ShardService>)
+                .map(|c| Arc::new(c.with_simd(simd)) as Arc<dyn ShardService>)
         })
         .collect()
 }
@@ -467,7 +468,8 @@ pub fn run_loader(args: &RoleArgs) -> Result<(), ClusterError> {
     let result = each_generation(&link, &config.cluster, |generation| {
         drop(serving.set(None));
         let view = coordinator.wait_for_view(generation.number, true, settings.connect_timeout)?;
-        let shards = connect_shards(&view.shards, &peer_settings(&settings, &config.cluster), &rt, &metrics)?;
+        let shards =
+            connect_shards(&view.shards, config.train.simd, &peer_settings(&settings, &config.cluster), &rt, &metrics)?;
         let loader =
             LoaderServer::start_for(&config, shards, generation.number, generation.restore.clone(), reg.num_workers)?;
         serving.set(Some(Arc::new(loader)));
@@ -691,7 +693,7 @@ fn run_worker_with(args: &RoleArgs, local: Option<LocalShardHandle>) -> Result<W
     }
     let pool = sparrow_trainer::run::compute_pool(config.train.threads)?;
     if index == 0 {
-        sparrow_trainer::run::note_precision(&config.model);
+        sparrow_trainer::run::note_precision(&config.model, config.train.simd);
     }
     let mut done: Option<(Generation, WorkerSummary)> = None;
     // Seconds this process spent in attempts the job gave up.
@@ -769,7 +771,7 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Attempt) -> Result<Worker
     let WorkerEnv { config, index, num_workers, coordinator, link, settings, rt, metrics, local } = *env;
     let view = coordinator.wait_for_view(generation.number, false, settings.connect_timeout)?;
     let settings = &peer_settings(settings, &config.cluster);
-    let mut shards = connect_shards(&view.shards, settings, rt, metrics)?;
+    let mut shards = connect_shards(&view.shards, config.train.simd, settings, rt, metrics)?;
     if let Some((own, serving)) = local
         && let Some(slot) = shards.get_mut(*own)
     {

@@ -148,11 +148,21 @@ pub struct RoundSync {
     last_answer: Option<Instant>,
     /// Gradient bytes sent and sums received.
     bytes: Arc<AtomicU64>,
+    /// `train.simd`, for the finiteness check of its gradients.
+    simd: sparrow_core::simd::Simd,
 }
 
 impl RoundSync {
-    pub fn new(worker: usize, summer: Arc<dyn RoundSummer>) -> Self {
-        RoundSync { worker, generation: Generation::NONE, round: 0, summer, last_answer: None, bytes: Arc::default() }
+    pub fn new(worker: usize, summer: Arc<dyn RoundSummer>, simd: sparrow_core::simd::Simd) -> Self {
+        RoundSync {
+            worker,
+            generation: Generation::NONE,
+            round: 0,
+            summer,
+            last_answer: None,
+            bytes: Arc::default(),
+            simd,
+        }
     }
 
     /// Adds the bytes of every contribution and sum to `bytes`.
@@ -171,7 +181,7 @@ impl RoundSync {
 impl DenseSync for RoundSync {
     fn combine(&mut self, params: &ParamStore, grads: DenseGrads) -> Result<Option<DenseGrads>, TrainError> {
         // A non-finite gradient stops this worker before it reaches the others.
-        grads.check_finite(params)?;
+        grads.check_finite(self.simd, params)?;
         let batch_time = self.last_answer.map_or(Duration::ZERO, |t| t.elapsed());
         let flat = grads.flat_sum_terms(params);
         self.bytes.fetch_add(4 * flat.len() as u64, Ordering::Relaxed);

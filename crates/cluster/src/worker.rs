@@ -27,6 +27,7 @@ use std::time::Instant;
 use parking_lot::Mutex;
 use sparrow_core::Config;
 use sparrow_core::config::Pooling;
+use sparrow_core::simd::Simd;
 use sparrow_data::DataLayout;
 use sparrow_model::{DenseModel, DenseOptimizer};
 use sparrow_trainer::dense_sync::{DenseSync, LocalSync};
@@ -190,7 +191,7 @@ pub fn new_worker_in(
     generation: Generation,
 ) -> Result<Worker, ClusterError> {
     let model = sparrow_trainer::initial_model(config, layout)?;
-    let optimizer = DenseOptimizer::new(config.dense_optimizer.clone());
+    let optimizer = DenseOptimizer::new(config.dense_optimizer.clone(), config.train.simd);
     let mut worker =
         Worker::new(index, model, optimizer, config.model.pooling).with_pipeline_depth(config.train.pipeline_depth);
     worker.generation = generation;
@@ -431,7 +432,8 @@ impl Worker {
         let index = self.index;
         let width = self.model.width();
         let vector_bytes =
-            sparrow_embedding::RowFormat { dtype: self.row_dtype, dim: width, state_len: 0 }.stored_bytes();
+            sparrow_embedding::RowFormat { dtype: self.row_dtype, dim: width, state_len: 0, simd: Simd::Auto }
+                .stored_bytes();
         let rows = RemoteRows { shards, width, vector_bytes, traffic: Mutex::default() };
         let mut policy = std::mem::replace(&mut self.policy, Box::new(StepPolicy::alone(index, self.generation)));
         let trained = policy.train(self, loader, &rows);

@@ -267,7 +267,12 @@ fn a_faster_worker_takes_more_batches_and_replicas_stay_identical() {
                 let (layout, shards, slow, rounds) = (&layout, &shards, &slow, rounds.clone());
                 let c = &c;
                 scope.spawn(move || {
-                    let policy = Box::new(StepPolicy::summing(w, Generation::NONE, rounds as Arc<dyn RoundSummer>));
+                    let policy = Box::new(StepPolicy::summing(
+                        w,
+                        Generation::NONE,
+                        rounds as Arc<dyn RoundSummer>,
+                        sparrow_core::simd::Simd::Auto,
+                    ));
                     let mut worker = new_worker(c, layout, w).expect("worker").with_policy(policy);
                     worker.run_training(slow, shards).expect("train");
                     (worker.stats.clone(), worker.dense_checksum().expect("checksum"))

@@ -292,6 +292,10 @@ pub struct TrainConfig {
     /// error naming the step and the parameter (the model saved is the one
     /// before that batch), or skip the batch (no update) and go on.
     pub on_non_finite: OnNonFinite,
+    /// `auto`: kernels chosen by CPU feature take their SIMD versions where
+    /// the CPU has them; `portable`: their portable versions (the same bits,
+    /// slower). `SPARROW_SIMD` in the environment sets it at the command line.
+    pub simd: crate::simd::Simd,
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -316,6 +320,7 @@ impl Default for TrainConfig {
             tensorboard_dir: None,
             pipeline_depth: 0,
             on_non_finite: OnNonFinite::Stop,
+            simd: crate::simd::Simd::Auto,
         }
     }
 }

@@ -1,46 +1,57 @@
-//! `SPARROW_SIMD`: whether the kernels Sparrow picks at run time by CPU
-//! feature (bf16 matrix products and the portable product's AVX2 build,
-//! DLRM's interaction, f16 row conversions and steps, dense Adam, the
-//! first-order and FM passes, the finiteness check of gradients) may take
-//! their SIMD versions. `SPARROW_SIMD=portable` makes
-//! every one of them take its portable version, as on a CPU without those
-//! features: the same bits, slower. It lets one machine show that a model
-//! trained without the features equals the one trained with them, and works
-//! around a CPU that misreports a feature. Unset, or `auto`: use what the
-//! CPU has. The machine's measured ceilings (`sparrow bench`) ignore it.
+//! `train.simd` (and the `SPARROW_SIMD` environment variable, which the
+//! `sparrow` binary and the Python module turn into that key): whether the
+//! kernels Sparrow picks at run time by CPU feature (bf16 matrix products
+//! and the portable product's AVX2 build, DLRM's interaction, f16 and bf16
+//! row conversions and steps, dense Adam, the first-order and FM passes, the
+//! finiteness check of gradients) may take their SIMD versions. `portable`
+//! makes every one of them take its portable version, as on a CPU without
+//! those features: the same bits, slower. It lets one machine show that a
+//! model trained without the features equals the one trained with them, and
+//! works around a CPU that misreports a feature. `auto` (the default): use
+//! what the CPU has. The machine's measured ceilings (`sparrow bench`)
+//! ignore it.
+//!
+//! The choice is a value: the model, its optimizer and the embedding table
+//! are built with it (from their config) and hand it to each kernel they
+//! call. No library reads the environment for it.
 
-use std::sync::OnceLock;
+use serde::{Deserialize, Serialize};
 
-/// The environment variable.
+/// The environment variable the binary and the Python module read.
 pub const VARIABLE: &str = "SPARROW_SIMD";
 
-/// What `SPARROW_SIMD` asks for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SimdChoice {
-    /// The SIMD kernels the CPU supports (the default).
+/// Whether run-time-chosen SIMD kernels may be used.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Simd {
+    /// The SIMD kernels the CPU supports.
+    #[default]
     Auto,
     /// Portable kernels only.
     Portable,
 }
 
-impl SimdChoice {
-    /// Reads `SPARROW_SIMD`; a value other than `auto` or `portable` is an
-    /// error naming the variable (binaries check it before any work).
-    pub fn from_env() -> Result<SimdChoice, String> {
-        match std::env::var(VARIABLE) {
-            Err(std::env::VarError::NotPresent) => Ok(SimdChoice::Auto),
-            Ok(v) if v.is_empty() || v == "auto" => Ok(SimdChoice::Auto),
-            Ok(v) if v == "portable" => Ok(SimdChoice::Portable),
-            Ok(v) => Err(format!("{VARIABLE}={v}: expected `auto` or `portable`")),
-            Err(std::env::VarError::NotUnicode(v)) => Err(format!("{VARIABLE}={v:?}: expected `auto` or `portable`")),
+impl Simd {
+    /// A value of `SPARROW_SIMD` (empty reads as `auto`); anything else is an
+    /// error naming the variable.
+    pub fn parse(value: &str) -> Result<Simd, String> {
+        match value {
+            "" | "auto" => Ok(Simd::Auto),
+            "portable" => Ok(Simd::Portable),
+            other => Err(format!("{VARIABLE}={other}: expected `auto` or `portable`")),
         }
     }
-}
 
-/// Whether run-time-chosen SIMD kernels may be used (read once per
-/// process; a value `from_env` refuses reads as `auto` here).
-#[inline]
-pub fn allowed() -> bool {
-    static ALLOWED: OnceLock<bool> = OnceLock::new();
-    *ALLOWED.get_or_init(|| SimdChoice::from_env() != Ok(SimdChoice::Portable))
+    /// Whether a SIMD kernel may run (the CPU must still have its features).
+    #[inline]
+    pub fn allows(self) -> bool {
+        self == Simd::Auto
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Simd::Auto => "auto",
+            Simd::Portable => "portable",
+        }
+    }
 }

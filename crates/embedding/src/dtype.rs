@@ -16,6 +16,7 @@ use crate::optimizer::SparseOptimizer;
 use half::f16;
 pub use sparrow_core::config::EmbeddingDtype;
 use sparrow_core::key::mix64;
+pub use sparrow_core::simd::Simd;
 
 /// The stored shape of a table's rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,6 +25,9 @@ pub struct RowFormat {
     pub dim: usize,
     /// f32 words of optimizer state after the vector.
     pub state_len: usize,
+    /// Whether its conversions and steps may take their SIMD kernels
+    /// (`train.simd`; the same bits either way).
+    pub simd: Simd,
 }
 
 impl RowFormat {
@@ -58,7 +62,7 @@ impl RowFormat {
     pub fn decode_vector(&self, words: &[f32], out: &mut [f32]) {
         match self.dtype {
             EmbeddingDtype::F32 => out.copy_from_slice(&words[..self.dim]),
-            EmbeddingDtype::F16 => simd::decode_f16(words, out),
+            EmbeddingDtype::F16 => simd::decode_f16(self.simd, words, out),
             EmbeddingDtype::Bf16 => unpack(words, out, widen_bf16),
         }
     }
@@ -67,7 +71,7 @@ impl RowFormat {
     /// for f16 with F16C, the whole loop in one call compiled for it.
     pub fn decode_vectors<'a>(&self, rows: impl Iterator<Item = (&'a [f32], &'a mut [f32])>) {
         #[cfg(target_arch = "x86_64")]
-        if self.dtype == EmbeddingDtype::F16 && simd::x86::available() {
+        if self.dtype == EmbeddingDtype::F16 && simd::x86::available(self.simd) {
             // SAFETY: F16C and AVX were detected just above.
             #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
             unsafe {
@@ -76,7 +80,7 @@ impl RowFormat {
             return;
         }
         #[cfg(target_arch = "x86_64")]
-        if self.dtype == EmbeddingDtype::Bf16 && simd::x86::bf16_available() {
+        if self.dtype == EmbeddingDtype::Bf16 && simd::x86::bf16_available(self.simd) {
             // SAFETY: AVX2 was detected just above.
             #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
             unsafe {
@@ -93,11 +97,11 @@ impl RowFormat {
         match self.dtype {
             EmbeddingDtype::F32 => words[..self.dim].copy_from_slice(w),
             EmbeddingDtype::F16 => {
-                let done = simd::narrow_f16(w, words);
+                let done = simd::narrow_f16(self.simd, w, words);
                 pack(&w[done..], &mut words[done / 2..], |x| f16::from_f32(x).to_bits());
             }
             EmbeddingDtype::Bf16 => {
-                let done = simd::narrow_bf16(w, words);
+                let done = simd::narrow_bf16(self.simd, w, words);
                 pack(&w[done..], &mut words[done / 2..], bf16_bits);
             }
         }
@@ -119,7 +123,7 @@ impl RowFormat {
         scratch: &mut [f32],
     ) {
         #[cfg(target_arch = "x86_64")]
-        if self.dtype == EmbeddingDtype::F16 && simd::x86::available() {
+        if self.dtype == EmbeddingDtype::F16 && simd::x86::available(self.simd) {
             // SAFETY: F16C and AVX were detected just above.
             #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
             unsafe {
@@ -128,7 +132,7 @@ impl RowFormat {
             return;
         }
         #[cfg(target_arch = "x86_64")]
-        if self.dtype == EmbeddingDtype::Bf16 && simd::x86::bf16_available() {
+        if self.dtype == EmbeddingDtype::Bf16 && simd::x86::bf16_available(self.simd) {
             // SAFETY: AVX2 was detected just above.
             #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
             unsafe {
@@ -170,7 +174,7 @@ impl RowFormat {
         let n = *count as u32;
         let row = mix64(seed ^ key ^ 0x5851_f42d_4c95_7f2d);
         // Coordinate i's draw: the top 24 bits of mix64(row + (n << 32 | i)).
-        simd::round_stochastic(w, row.wrapping_add(u64::from(n) << 32), mantissa, min_exp);
+        simd::round_stochastic(self.simd, w, row.wrapping_add(u64::from(n) << 32), mantissa, min_exp);
         *count = if n + 1 >= 1 << 24 { 0.0 } else { (n + 1) as f32 };
     }
 
@@ -325,15 +329,17 @@ fn pack(w: &[f32], words: &mut [f32], narrow: impl Fn(f32) -> u16) {
 /// AVX2 integer lanes, the optimizer step on a stored half vector in
 /// registers, and stochastic rounding built for AVX-512; the scalar code
 /// does the rest and everything where the CPU lacks the features (or
-/// `SPARROW_SIMD=portable`). Both give the same bits (tested).
+/// `train.simd = "portable"`). Both give the same bits (tested).
 mod simd {
+    use super::Simd;
+
     /// [`round_stochastic_lanes`](super::round_stochastic_lanes), compiled
     /// for AVX-512 (64-bit multiplies in vector lanes: the draws' hash) where
     /// the CPU has it.
     #[inline]
-    pub(super) fn round_stochastic(w: &mut [f32], base: u64, mantissa: i32, min_exp: i32) {
+    pub(super) fn round_stochastic(simd: Simd, w: &mut [f32], base: u64, mantissa: i32, min_exp: i32) {
         #[cfg(target_arch = "x86_64")]
-        if x86::has_avx512() {
+        if x86::has_avx512(simd) {
             // SAFETY: AVX-512 F, DQ and VL were detected just above.
             #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
             return unsafe { x86::round_stochastic(w, base, mantissa, min_exp) };
@@ -343,9 +349,9 @@ mod simd {
 
     /// Decodes an f16 vector: `out.len()` coordinates from `words`.
     #[inline]
-    pub(super) fn decode_f16(words: &[f32], out: &mut [f32]) {
+    pub(super) fn decode_f16(simd: Simd, words: &[f32], out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
-        if x86::available() {
+        if x86::available(simd) {
             // SAFETY: F16C and AVX were detected just above.
             #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
             return unsafe { x86::decode(words, out) };
@@ -355,9 +361,9 @@ mod simd {
 
     /// [`narrow_f16`] for bf16, with AVX2.
     #[inline]
-    pub(super) fn narrow_bf16(w: &[f32], words: &mut [f32]) -> usize {
+    pub(super) fn narrow_bf16(simd: Simd, w: &[f32], words: &mut [f32]) -> usize {
         #[cfg(target_arch = "x86_64")]
-        if w.len() >= 8 && x86::bf16_available() {
+        if w.len() >= 8 && x86::bf16_available(simd) {
             // SAFETY: AVX2 was detected just above.
             #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
             return unsafe { x86::narrow_bf16(w, words) };
@@ -369,9 +375,9 @@ mod simd {
     /// Narrows the first multiple of 8 coordinates of `w` into `words`;
     /// returns how many it did.
     #[inline]
-    pub(super) fn narrow_f16(w: &[f32], words: &mut [f32]) -> usize {
+    pub(super) fn narrow_f16(simd: Simd, w: &[f32], words: &mut [f32]) -> usize {
         #[cfg(target_arch = "x86_64")]
-        if w.len() >= 8 && x86::available() {
+        if w.len() >= 8 && x86::available(simd) {
             // SAFETY: F16C and AVX were detected just above.
             #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
             return unsafe { x86::narrow(w, words) };
@@ -382,6 +388,7 @@ mod simd {
 
     #[cfg(target_arch = "x86_64")]
     pub(super) mod x86 {
+        use super::Simd;
         use crate::optimizer::{CoordinateRule, SparseOptimizer};
         use std::arch::x86_64::{
             __m256, _CMP_UNORD_Q, _MM_FROUND_TO_NEAREST_INT, _mm_loadu_si128, _mm_storeu_si128, _mm256_add_epi32,
@@ -393,13 +400,13 @@ mod simd {
         };
 
         #[inline]
-        pub(crate) fn available() -> bool {
-            sparrow_core::simd::allowed() && is_x86_feature_detected!("f16c") && is_x86_feature_detected!("avx")
+        pub(crate) fn available(simd: Simd) -> bool {
+            simd.allows() && is_x86_feature_detected!("f16c") && is_x86_feature_detected!("avx")
         }
 
         #[inline]
-        pub(crate) fn has_avx512() -> bool {
-            sparrow_core::simd::allowed()
+        pub(crate) fn has_avx512(simd: Simd) -> bool {
+            simd.allows()
                 && is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512dq")
                 && is_x86_feature_detected!("avx512vl")
@@ -576,8 +583,8 @@ mod simd {
         }
 
         #[inline]
-        pub(crate) fn bf16_available() -> bool {
-            sparrow_core::simd::allowed() && is_x86_feature_detected!("avx2")
+        pub(crate) fn bf16_available(simd: Simd) -> bool {
+            simd.allows() && is_x86_feature_detected!("avx2")
         }
 
         /// [`RowFormat::update_vector`](super::super::RowFormat::update_vector)
@@ -671,7 +678,7 @@ mod tests {
     use super::*;
 
     fn format(dtype: EmbeddingDtype, dim: usize) -> RowFormat {
-        RowFormat { dtype, dim, state_len: 3 }
+        RowFormat { dtype, dim, state_len: 3, simd: Simd::Auto }
     }
 
     /// A half type's run-time kernels against its portable conversions:
@@ -717,7 +724,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn f16c_and_portable_conversions_agree_bit_for_bit() {
-        if !simd::x86::available() {
+        if !simd::x86::available(Simd::Auto) {
             return; // no F16C on this CPU: nothing to compare
         }
         let mut inputs = xorshift_values(200_000, |x| {
@@ -767,7 +774,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_and_portable_bf16_conversions_agree_bit_for_bit() {
-        if !simd::x86::bf16_available() {
+        if !simd::x86::bf16_available(Simd::Auto) {
             return; // no AVX2 on this CPU: nothing to compare
         }
         let mut inputs = xorshift_values(200_000, |x| match x % 4 {
@@ -882,7 +889,7 @@ mod tests {
                         })
                         .collect();
                     let (mut dispatched, mut portable) = (w.clone(), w.clone());
-                    simd::round_stochastic(&mut dispatched, base, mantissa, min_exp);
+                    simd::round_stochastic(Simd::Auto, &mut dispatched, base, mantissa, min_exp);
                     round_stochastic_lanes(&mut portable, base, mantissa, min_exp);
                     assert_eq!(bits(&portable), want, "portable, len {len}, {w:?}");
                     assert_eq!(bits(&dispatched), want, "this CPU's build, len {len}, {w:?}");
@@ -976,7 +983,7 @@ mod tests {
         ] {
             for opt in optimizers {
                 for dim in [8usize, 16, 24, 64, 5, 17] {
-                    let f = RowFormat { dtype, dim, state_len: opt.state_len(dim) };
+                    let f = RowFormat { dtype, dim, state_len: opt.state_len(dim), simd: Simd::Auto };
                     for case in 0..200 {
                         // Steps as large as the weights' last bits and larger,
                         // and now and then a weight past f16's range.
@@ -1021,7 +1028,7 @@ mod tests {
     fn the_register_steps_give_applys_f32_bits() {
         use crate::optimizer::CoordinateRule;
         use std::arch::x86_64::{_mm256_loadu_ps, _mm256_set1_ps, _mm256_storeu_ps};
-        if !simd::x86::available() {
+        if !simd::x86::available(Simd::Auto) {
             return; // no AVX on this CPU: nothing to compare
         }
         let mut next = signed_values(0x9e37_79b9_7f4a_7c15);

@@ -15,7 +15,7 @@ pub mod partition;
 pub mod plan;
 pub mod table;
 
-pub use dtype::{EmbeddingDtype, RowFormat};
+pub use dtype::{EmbeddingDtype, RowFormat, Simd};
 pub use optimizer::SparseOptimizer;
 pub use partition::{Partitioner, owner};
 pub use plan::KeyPlan;

@@ -39,8 +39,8 @@ fn main() {
             }
             let config =
                 ModelConfig { kind, embedding_dim: 16, hidden: vec![256, 128], precision, ..Default::default() };
-            let model = DenseModel::new(&config, shape, 7, Device::Cpu).expect("model");
-            let mut optimizer = DenseOptimizer::new(DenseOptimizerConfig::default());
+            let model = DenseModel::new(&config, shape, 7, Device::Cpu, sparrow_core::simd::Simd::Auto).expect("model");
+            let mut optimizer = DenseOptimizer::new(DenseOptimizerConfig::default(), sparrow_core::simd::Simd::Auto);
             let mut rng = Rng::new(3);
             let row = model.packed_row_len().expect("CPU models take packed rows");
             let fields = 26 * model.width();

@@ -19,6 +19,9 @@ use std::cell::Cell;
 
 use rayon::prelude::*;
 
+use sparrow_core::config::Precision;
+use sparrow_core::simd::Simd;
+
 use crate::matrix::Operand;
 use crate::peak::{bf16_daz, dpbf16_lane};
 
@@ -188,14 +191,14 @@ fn pack_cols(k: usize, n: usize, b: &Operand<'_>, width: usize, convert: Convert
 /// CPU has AVX2 (but no AVX-512-BF16) the same code is compiled for it:
 /// twice the lanes, the same bits (every step is an IEEE multiply, add,
 /// conversion or select).
-pub fn gemm_bf16_portable(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_>, dst: &mut [f32]) {
+pub fn gemm_bf16_portable(simd: Simd, m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_>, dst: &mut [f32]) {
     check(m, n, k, &a, &b, dst);
     let pairs = k.div_ceil(2);
     let convert = Convert::Portable;
     let (pa, pb) = (pack_rows(m, k, &a, m, convert, Vec::new()), pack_cols(k, n, &b, n, convert, Vec::new()));
     // Pair p of column j at p·n + j: its high halves, then its low ones.
     let (b_hi, b_lo): (Vec<f32>, Vec<f32>) = pb.iter().map(|&y| widen_pair(y)).unzip();
-    let wide = wide_portable();
+    let wide = wide_portable(simd);
     dst.par_chunks_mut(n.max(1)).enumerate().for_each(|(i, row)| {
         let a_row = (0..pairs).map(|p| widen_pair(pa.at(i, p)));
         #[cfg(target_arch = "x86_64")]
@@ -234,13 +237,14 @@ fn chain_row(row: &mut [f32], a_row: impl Iterator<Item = (f32, f32)>, b_hi: &[f
 }
 
 /// Whether the portable product may run its AVX2 build.
-fn wide_portable() -> bool {
+fn wide_portable(simd: Simd) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        sparrow_core::simd::allowed() && std::arch::is_x86_feature_detected!("avx2")
+        simd.allows() && std::arch::is_x86_feature_detected!("avx2")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
+        let _ = simd;
         false
     }
 }
@@ -300,25 +304,45 @@ impl Bf16Path {
     }
 }
 
-/// The path bf16 products take on this CPU (and under `SPARROW_SIMD`).
-pub fn path() -> Bf16Path {
+/// The path bf16 products take on this CPU under `train.simd`.
+pub fn path(simd: Simd) -> Bf16Path {
     #[cfg(target_arch = "x86_64")]
-    if simd::available() {
+    if simd::available(simd) {
         return Bf16Path::Native;
     }
-    if sparrow_core::simd::allowed() { Bf16Path::Rounded } else { Bf16Path::Portable }
+    if simd.allows() { Bf16Path::Rounded } else { Bf16Path::Portable }
+}
+
+/// How a model's matrix products run: `model.precision`, and for bf16 the
+/// [`Bf16Path`] this CPU and `train.simd` give it (chosen once, when the
+/// model is built, and handed to every product).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arith {
+    F32,
+    Bf16(Bf16Path),
+}
+
+impl Arith {
+    pub fn new(precision: Precision, simd: Simd) -> Arith {
+        match precision {
+            Precision::F32 => Arith::F32,
+            Precision::Bf16 => Arith::Bf16(path(simd)),
+        }
+    }
 }
 
 /// `dst (m×n) = bf16(op(a))·bf16(op(b))` with fp32 accumulation (see the
-/// module's text), on the current rayon pool: `vdpbf16ps` where the CPU has
-/// it, else the fp32 kernel on rounded operands ([`Bf16Path`]).
-pub fn gemm_bf16(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_>, dst: &mut [f32]) {
-    gemm_bf16_then(m, n, k, a, b, dst, Epilogue::default());
+/// module's text), on the current rayon pool, along `path`: `vdpbf16ps`,
+/// the fp32 kernel on rounded operands, or the portable kernel ([`Bf16Path`]).
+pub fn gemm_bf16(path: Bf16Path, m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_>, dst: &mut [f32]) {
+    gemm_bf16_then(path, m, n, k, a, b, dst, Epilogue::default());
 }
 
 /// [`gemm_bf16`] on at most `threads` threads where it runs the fp32
 /// kernel (the bf16 kernels split rows over the current pool).
+#[expect(clippy::too_many_arguments, reason = "a matrix product's path, shape, operands and threads")]
 pub fn gemm_bf16_threads(
+    path: Bf16Path,
     m: usize,
     n: usize,
     k: usize,
@@ -327,11 +351,11 @@ pub fn gemm_bf16_threads(
     dst: &mut [f32],
     threads: Option<usize>,
 ) {
-    if path() == Bf16Path::Rounded {
+    if path == Bf16Path::Rounded {
         check(m, n, k, &a, &b, dst);
         crate::bf16_rounded::gemm(m, n, k, a, b, dst, threads);
     } else {
-        gemm_bf16(m, n, k, a, b, dst);
+        gemm_bf16(path, m, n, k, a, b, dst);
     }
 }
 
@@ -358,7 +382,9 @@ impl Epilogue<'_> {
 }
 
 /// [`gemm_bf16`], each output then passed through `epilogue`.
+#[expect(clippy::too_many_arguments, reason = "a matrix product's path, shape, operands and epilogue")]
 pub fn gemm_bf16_then(
+    path: Bf16Path,
     m: usize,
     n: usize,
     k: usize,
@@ -371,14 +397,15 @@ pub fn gemm_bf16_then(
     if let Some(bias) = epilogue.bias {
         assert_eq!(bias.len(), n, "gemm_bf16: bias size");
     }
-    match path() {
+    match path {
         #[cfg(target_arch = "x86_64")]
         Bf16Path::Native => {
             simd::gemm(m, n, k, &a, &b, dst, epilogue);
             return;
         }
         Bf16Path::Rounded => crate::bf16_rounded::gemm(m, n, k, a, b, dst, None),
-        _ => gemm_bf16_portable(m, n, k, a, b, dst),
+        // Portable: the caller's choice, so no SIMD build of it either.
+        _ => gemm_bf16_portable(Simd::Portable, m, n, k, a, b, dst),
     }
     dst.chunks_mut(n.max(1)).for_each(|row| epilogue.row(0, row));
 }
@@ -396,8 +423,8 @@ mod simd {
     const MR: usize = 8;
     const NR: usize = 32;
 
-    pub fn available() -> bool {
-        sparrow_core::simd::allowed() && is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512f")
+    pub fn available(simd: sparrow_core::simd::Simd) -> bool {
+        simd.allows() && is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512f")
     }
 
     /// Lanes `0..n` of a 16-lane mask.
@@ -728,7 +755,7 @@ mod tests {
             let want = chain_reference(m, n, k, opa, opb);
             let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             let mut portable = vec![f32::NAN; m * n];
-            gemm_bf16_portable(m, n, k, opa, opb, &mut portable);
+            gemm_bf16_portable(Simd::Auto, m, n, k, opa, opb, &mut portable);
             assert_eq!(bits(&portable), bits(&want), "portable {m}x{n}x{k}");
             // The baseline build, whatever this CPU has.
             let pairs = k.div_ceil(2);
@@ -744,8 +771,8 @@ mod tests {
             assert_eq!(bits(&baseline), bits(&want), "baseline build {m}x{n}x{k}");
             extremes += want.iter().filter(|x| !x.is_finite()).count();
             let mut fast = vec![f32::NAN; m * n];
-            gemm_bf16(m, n, k, opa, opb, &mut fast);
-            if path() == Bf16Path::Rounded {
+            gemm_bf16(path(Simd::Auto), m, n, k, opa, opb, &mut fast);
+            if path(Simd::Auto) == Bf16Path::Rounded {
                 // The fp32 kernel's arithmetic by design (no flush to zero).
                 continue;
             }
@@ -804,7 +831,7 @@ mod tests {
         assert_eq!(round_bf16(1e-40), 0);
         assert_eq!(round_bf16(-1e-40), 0x8000);
         #[cfg(target_arch = "x86_64")]
-        if simd::available() {
+        if simd::available(Simd::Auto) {
             for len in [values.len(), 1, 15, 16, 17, 31, 33, 47] {
                 let src = &values[values.len() - len..];
                 let mut fast = vec![0u32; len.div_ceil(2)];
@@ -848,14 +875,14 @@ mod tests {
                 let (opa, opb) = (Operand { data: &a, transposed: at }, Operand { data: &b, transposed: bt });
                 let mut fast = vec![0f32; m * n];
                 let mut reference = vec![0f32; m * n];
-                gemm_bf16(m, n, k, opa, opb, &mut fast);
-                gemm_bf16_portable(m, n, k, opa, opb, &mut reference);
+                gemm_bf16(path(Simd::Auto), m, n, k, opa, opb, &mut fast);
+                gemm_bf16_portable(Simd::Auto, m, n, k, opa, opb, &mut reference);
                 let chain = chain_reference(m, n, k, opa, opb);
                 assert!(reference.iter().zip(&chain).all(|(x, y)| x.to_bits() == y.to_bits()), "{m}x{n}x{k} chain");
                 // The native kernel is the portable one bit for bit; the
                 // fp32 kernel on rounded inputs (no AVX-512-BF16) is held
                 // to the same bound from the exact sum below.
-                if path() != Bf16Path::Rounded {
+                if path(Simd::Auto) != Bf16Path::Rounded {
                     for (i, (x, y)) in fast.iter().zip(&reference).enumerate() {
                         assert_eq!(x.to_bits(), y.to_bits(), "{m}x{n}x{k} t=({at},{bt}) [{i}]: {x} vs {y}");
                     }
@@ -865,7 +892,7 @@ mod tests {
                 let bias = random(n, 7 + n as u64, 2.0);
                 let epilogue = Epilogue { bias: Some(&bias), relu: true };
                 let mut fused = vec![f32::NAN; m * n];
-                gemm_bf16_then(m, n, k, opa, opb, &mut fused, epilogue);
+                gemm_bf16_then(path(Simd::Auto), m, n, k, opa, opb, &mut fused, epilogue);
                 let mut then = fast.clone();
                 then.chunks_mut(n.max(1)).for_each(|row| epilogue.row(0, row));
                 for (i, (x, y)) in fused.iter().zip(&then).enumerate() {

@@ -8,6 +8,7 @@ pub use first_order_fm::*;
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
 use rayon::prelude::*;
+pub use sparrow_core::simd::Simd;
 
 fn contiguous_f32<'a>(op: &str, s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
     match l.contiguous_offsets() {
@@ -21,7 +22,7 @@ fn contiguous_f32<'a>(op: &str, s: &'a CpuStorage, l: &Layout) -> candle_core::R
 /// upper-triangle order. As candle ops (a batched n×d·d×n matmul, then an
 /// index_select of the upper triangle) a step spent more in a thousand tiny
 /// matmuls and in index_add than in the whole top MLP.
-pub struct PairwiseDots;
+pub struct PairwiseDots(pub Simd);
 
 fn rows_n_d(op: &str, l: &Layout) -> candle_core::Result<(usize, usize, usize)> {
     match l.dims() {
@@ -89,8 +90,8 @@ mod wide {
     pub(super) struct Avx512(());
 
     impl Avx512 {
-        pub(super) fn detected() -> Option<Self> {
-            (sparrow_core::simd::allowed() && std::arch::is_x86_feature_detected!("avx512f")).then_some(Avx512(()))
+        pub(super) fn detected(simd: sparrow_core::simd::Simd) -> Option<Self> {
+            (simd.allows() && std::arch::is_x86_feature_detected!("avx512f")).then_some(Avx512(()))
         }
     }
 
@@ -266,9 +267,9 @@ impl<'a> Vectors<'a> {
 /// One row of [`PairwiseDots`]: `out` gets the n(n-1)/2 dot products of the
 /// pairs `i < j` of the row's n vectors; `buf` is scratch. Each dot is
 /// summed over `k` in order.
-pub(crate) fn pairwise_dots_row(v: Vectors<'_>, out: &mut [f32], buf: &mut RowBuf) {
+pub(crate) fn pairwise_dots_row(simd: Simd, v: Vectors<'_>, out: &mut [f32], buf: &mut RowBuf) {
     #[cfg(target_arch = "x86_64")]
-    if let Some(k) = wide::Avx512::detected() {
+    if let Some(k) = wide::Avx512::detected(simd) {
         // SAFETY: `k` exists, so AVX-512F was detected.
         #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
         unsafe {
@@ -335,9 +336,15 @@ fn pairwise_dots_row_with(kernels: &impl Kernels, v: Vectors<'_>, out: &mut [f32
 /// the symmetric matrix of `g` (zero diagonal), into `grad` (`head`'s
 /// vectors' first, then `tail`'s, as `v` splits them); every value is
 /// written. `buf` is scratch.
-pub(crate) fn pairwise_dots_grad_row(v: Vectors<'_>, g: &[f32], grad: (&mut [f32], &mut [f32]), buf: &mut RowBuf) {
+pub(crate) fn pairwise_dots_grad_row(
+    simd: Simd,
+    v: Vectors<'_>,
+    g: &[f32],
+    grad: (&mut [f32], &mut [f32]),
+    buf: &mut RowBuf,
+) {
     #[cfg(target_arch = "x86_64")]
-    if let Some(k) = wide::Avx512::detected() {
+    if let Some(k) = wide::Avx512::detected(simd) {
         // SAFETY: `k` exists, so AVX-512F was detected.
         #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
         unsafe {
@@ -428,18 +435,19 @@ impl CustomOp1 for PairwiseDots {
         let mut out = vec![0.0f32; rows * pairs];
         if pairs > 0 {
             let rows_in = out.par_chunks_mut(pairs).zip(t.par_chunks(n * d));
-            rows_in.for_each_init(RowBuf::default, |buf, (out, v)| pairwise_dots_row(Vectors::of(v, d), out, buf));
+            rows_in
+                .for_each_init(RowBuf::default, |buf, (out, v)| pairwise_dots_row(self.0, Vectors::of(v, d), out, buf));
         }
         Ok((CpuStorage::F32(out), Shape::from((rows, pairs))))
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        Ok(Some(arg.apply_op2_no_bwd(grad_res, &PairwiseDotsGrad)?))
+        Ok(Some(arg.apply_op2_no_bwd(grad_res, &PairwiseDotsGrad(self.0))?))
     }
 }
 
 /// d loss / d t of [`PairwiseDots`]: `grad[i] += g_ij · t[j]`, `grad[j] += g_ij · t[i]`.
-struct PairwiseDotsGrad;
+struct PairwiseDotsGrad(Simd);
 
 impl CustomOp2 for PairwiseDotsGrad {
     fn name(&self) -> &'static str {
@@ -464,7 +472,7 @@ impl CustomOp2 for PairwiseDotsGrad {
         if pairs > 0 {
             let rows_in = grad.par_chunks_mut(n * d).zip(t.par_chunks(n * d)).zip(g.par_chunks(pairs));
             rows_in.for_each_init(RowBuf::default, |buf, ((grad, v), g)| {
-                pairwise_dots_grad_row(Vectors::of(v, d), g, (&mut [], grad), buf)
+                pairwise_dots_grad_row(self.0, Vectors::of(v, d), g, (&mut [], grad), buf)
             });
         }
         Ok((CpuStorage::F32(grad), l1.shape().clone()))
@@ -506,7 +514,7 @@ mod tests {
         let t = Var::from_tensor(&Tensor::from_vec(data, (rows, n, d), &dev).expect("t")).expect("var");
         let pairs: Vec<u32> = (0..n).flat_map(|i| ((i + 1)..n).map(move |j| (i * n + j) as u32)).collect();
         let idx = Tensor::from_vec(pairs.clone(), pairs.len(), &dev).expect("idx");
-        let fused = t.as_tensor().apply_op1(PairwiseDots).expect("fused");
+        let fused = t.as_tensor().apply_op1(PairwiseDots(Simd::Auto)).expect("fused");
         let plain = t
             .as_tensor()
             .matmul(&t.as_tensor().t().expect("t"))
@@ -532,16 +540,16 @@ mod tests {
             let other: Vec<f32> = (0..n * d).map(|_| rng.normal() as f32).collect();
             let mut scrap = vec![0.0f32; pairs.max(n * d)];
             let vs = Vectors::of(&v, d);
-            pairwise_dots_row(Vectors::of(&other, d), &mut scrap[..pairs], &mut buf);
-            pairwise_dots_grad_row(Vectors::of(&other, d), &g, (&mut [], &mut scrap[..n * d]), &mut buf);
-            pairwise_dots_row(Vectors::of(&other, d), &mut scrap[..pairs], &mut buf);
+            pairwise_dots_row(Simd::Auto, Vectors::of(&other, d), &mut scrap[..pairs], &mut buf);
+            pairwise_dots_grad_row(Simd::Auto, Vectors::of(&other, d), &g, (&mut [], &mut scrap[..n * d]), &mut buf);
+            pairwise_dots_row(Simd::Auto, Vectors::of(&other, d), &mut scrap[..pairs], &mut buf);
             let (mut fast, mut plain) = (vec![0.0f32; pairs], vec![0.0f32; pairs]);
-            pairwise_dots_row(vs, &mut fast, &mut buf);
+            pairwise_dots_row(Simd::Auto, vs, &mut fast, &mut buf);
             pairwise_dots_row_with(&Portable, vs, &mut plain, &mut buf);
             let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&fast), bits(&plain), "dots n={n} d={d}");
             let (mut fast_g, mut plain_g) = (vec![f32::NAN; n * d], vec![0.5f32; n * d]);
-            pairwise_dots_grad_row(vs, &g, (&mut [], &mut fast_g), &mut buf);
+            pairwise_dots_grad_row(Simd::Auto, vs, &g, (&mut [], &mut fast_g), &mut buf);
             pairwise_dots_grad_row_with(&Portable, vs, &g, (&mut [], &mut plain_g), &mut buf);
             assert_eq!(bits(&fast_g), bits(&plain_g), "grad n={n} d={d}");
             // The first vector read from a slice of its own (DLRM's bottom
@@ -549,10 +557,10 @@ mod tests {
             if n > 1 {
                 let split = Vectors { head: &v[..d], tail: &v[d..], d };
                 let mut split_dots = vec![0.0f32; pairs];
-                pairwise_dots_row(split, &mut split_dots, &mut buf);
+                pairwise_dots_row(Simd::Auto, split, &mut split_dots, &mut buf);
                 assert_eq!(bits(&split_dots), bits(&fast), "split dots n={n} d={d}");
                 let (mut head, mut tail) = (vec![f32::NAN; d], vec![f32::NAN; (n - 1) * d]);
-                pairwise_dots_grad_row(split, &g, (&mut head, &mut tail), &mut buf);
+                pairwise_dots_grad_row(Simd::Auto, split, &g, (&mut head, &mut tail), &mut buf);
                 assert_eq!(bits(&head), bits(&fast_g[..d]), "split grad n={n} d={d}");
                 assert_eq!(bits(&tail), bits(&fast_g[d..]), "split grad n={n} d={d}");
             }
@@ -582,12 +590,12 @@ mod tests {
         for stride in [16usize, 32, 48] {
             let (mut fast, mut plain) = (vec![-1.0f32; 16 * stride], vec![-1.0f32; 16 * stride]);
             #[cfg(target_arch = "x86_64")]
-            if let Some(k) = wide::Avx512::detected() {
+            if let Some(k) = wide::Avx512::detected(Simd::Auto) {
                 k.transpose(&src, &mut fast, stride);
             }
             Portable.transpose(&src, &mut plain, stride);
             #[cfg(target_arch = "x86_64")]
-            if wide::Avx512::detected().is_some() {
+            if wide::Avx512::detected(Simd::Auto).is_some() {
                 assert_eq!(fast, plain, "stride {stride}");
             }
             for k in 0..LANES {
@@ -637,7 +645,7 @@ mod tests {
             first_order_fm_grad_row(&e, w, 0.37, second_order, &mut sum, &mut a);
             let mut out = [0.0];
             let mut forward_sum = vec![0.0; w - 1];
-            first_order_fm_rows(&e, f * w, (f, w), second_order, &mut forward_sum, &mut out);
+            first_order_fm_rows(Simd::Auto, &e, f * w, (f, w), second_order, &mut forward_sum, &mut out);
             first_order_fm_grad_row_from_sum(
                 &e,
                 w,
@@ -666,7 +674,7 @@ mod tests {
                     let x: Vec<f32> = (0..n * stride).map(|i| rng.normal() as f32 * [1e-3, 1.0, 40.0][i % 3]).collect();
                     let mut out = vec![f32::NAN; n];
                     let mut sums = vec![f32::NAN; n * (w - 1)];
-                    first_order_fm_rows(&x, stride, (f, w), second_order, &mut sums, &mut out);
+                    first_order_fm_rows(Simd::Auto, &x, stride, (f, w), second_order, &mut sums, &mut out);
                     for (r, &got) in out.iter().enumerate() {
                         let mut sum = vec![0.0; w - 1];
                         let want = first_order_fm_row(&x[r * stride..r * stride + f * w], w, second_order, &mut sum);
@@ -697,10 +705,10 @@ mod tests {
             for second_order in [false, true] {
                 let what = format!("f {f}, w {w}, fm {second_order}");
                 let (mut out, mut sums) = (vec![0.0f32; n], vec![0.0f32; n * d]);
-                first_order_fm_rows(&x, stride, (f, w), second_order, &mut sums, &mut out);
+                first_order_fm_rows(Simd::Auto, &x, stride, (f, w), second_order, &mut sums, &mut out);
                 let rows = GradRows { x: &x, stride, shape: (f, w), seeds: &seeds, second_order, sums: &sums };
                 let mut grad = vec![0.0f32; n * stride];
-                let written = first_order_fm_grad_rows(rows, &mut grad);
+                let written = first_order_fm_grad_rows(Simd::Auto, rows, &mut grad);
                 // Each leading column counted once a row: it holds the row's seed.
                 let mut want: f64 = seeds.iter().map(|&g| f64::from(g)).sum();
                 if second_order {
@@ -717,23 +725,23 @@ mod tests {
                     let mut bad_x = x.clone();
                     bad_x[r * stride + f * w - 1] = poison;
                     let (mut out, mut bad_sums) = (vec![0.0f32; n], vec![0.0f32; n * d]);
-                    first_order_fm_rows(&bad_x, stride, (f, w), second_order, &mut bad_sums, &mut out);
+                    first_order_fm_rows(Simd::Auto, &bad_x, stride, (f, w), second_order, &mut bad_sums, &mut out);
                     let mut bad_seeds = seeds.clone();
                     let rows =
                         GradRows { x: &bad_x, stride, shape: (f, w), seeds: &seeds, second_order, sums: &bad_sums };
                     let mut grad = vec![0.0f32; n * stride];
-                    let written = first_order_fm_grad_rows(rows, &mut grad);
+                    let written = first_order_fm_grad_rows(Simd::Auto, rows, &mut grad);
                     let finite = grad.iter().all(|v| v.is_finite());
                     assert!(finite || !written.proves_finite(), "{what}: {poison} in row {r} hidden");
                     bad_seeds[r] = poison;
                     let rows = GradRows { x: &x, stride, shape: (f, w), seeds: &bad_seeds, second_order, sums: &sums };
-                    let written = first_order_fm_grad_rows(rows, &mut grad);
+                    let written = first_order_fm_grad_rows(Simd::Auto, rows, &mut grad);
                     assert!(!written.proves_finite(), "{what}: a {poison} seed in row {r} hidden");
                 }
                 // Finite values past f32's range when summed: not a proof either way.
                 let big: Vec<f32> = seeds.iter().map(|_| 3e38).collect();
                 let rows = GradRows { x: &x, stride, shape: (f, w), seeds: &big, second_order, sums: &sums };
-                let written = first_order_fm_grad_rows(rows, &mut grad);
+                let written = first_order_fm_grad_rows(Simd::Auto, rows, &mut grad);
                 if n > 1 && !second_order {
                     assert!(grad.iter().all(|v| v.is_finite()) && !written.proves_finite(), "{what}: overflow");
                 }
@@ -757,7 +765,7 @@ mod tests {
                 let what = format!("f {f}, w {w}, fm {second_order}");
                 let (mut out, mut sums) = (vec![f32::NAN; n], vec![f32::NAN; n * d]);
                 let (mut plain_out, mut plain_sums) = (vec![0.0f32; n], vec![0.0f32; n * d]);
-                first_order_fm_rows(&x, stride, (f, w), second_order, &mut sums, &mut out);
+                first_order_fm_rows(Simd::Auto, &x, stride, (f, w), second_order, &mut sums, &mut out);
                 first_order_fm_rows_portable(&x, stride, (f, w), second_order, &mut plain_sums, &mut plain_out);
                 assert_eq!(bits(&out), bits(&plain_out), "{what}: values");
                 if second_order {
@@ -783,7 +791,7 @@ mod tests {
                 }
                 let (mut grad, mut plain_grad) = (vec![f32::NAN; n * stride], vec![f32::NAN; n * stride]);
                 let rows = GradRows { x: &x, stride, shape: (f, w), seeds: &seeds, second_order, sums: &sums };
-                let written = first_order_fm_grad_rows(rows, &mut grad);
+                let written = first_order_fm_grad_rows(Simd::Auto, rows, &mut grad);
                 let plain_written = first_order_fm_grad_rows_portable(rows, &mut plain_grad);
                 assert_eq!(bits(&grad), bits(&plain_grad), "{what}: gradient");
                 assert_eq!(written.total().to_bits(), plain_written.total().to_bits(), "{what}: sum of the gradient");

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor, Var};
 use rayon::prelude::*;
 
-use sparrow_core::config::Precision;
+use crate::bf16::Arith;
 
 use crate::ModelError;
 pub use crate::matrix::{Operand, sgemm, sgemm_threads};
@@ -34,14 +34,14 @@ struct LayerSlot {
 struct MlpShape {
     layers: Vec<LayerSlot>,
     num_params: usize,
-    precision: Precision,
+    arith: Arith,
 }
 
 /// `dst = op(a)·op(b)` in the model's precision; `threads`: at most that
 /// many threads (fp32; the bf16 kernel splits rows over the current pool).
 #[expect(clippy::too_many_arguments, reason = "a matrix product's shape, operands and where it runs")]
 pub(crate) fn matmul(
-    precision: Precision,
+    arith: Arith,
     threads: Option<usize>,
     m: usize,
     n: usize,
@@ -50,10 +50,10 @@ pub(crate) fn matmul(
     b: Operand<'_>,
     dst: &mut [f32],
 ) {
-    match (precision, threads) {
-        (Precision::F32, None) => sgemm(m, n, k, a, b, dst),
-        (Precision::F32, Some(t)) => sgemm_threads(m, n, k, a, b, dst, t),
-        (Precision::Bf16, t) => crate::bf16::gemm_bf16_threads(m, n, k, a, b, dst, t),
+    match (arith, threads) {
+        (Arith::F32, None) => sgemm(m, n, k, a, b, dst),
+        (Arith::F32, Some(t)) => sgemm_threads(m, n, k, a, b, dst, t),
+        (Arith::Bf16(path), t) => crate::bf16::gemm_bf16_threads(path, m, n, k, a, b, dst, t),
     }
 }
 
@@ -63,7 +63,7 @@ pub(crate) fn matmul(
 /// single-threaded gemms side by side scale better than two two-threaded
 /// gemms one after the other (the bf16 kernel splits over the pool anyway).
 pub(crate) fn linear_grads(
-    precision: Precision,
+    arith: Arith,
     (rows, fan_in, fan_out): (usize, usize, usize),
     x: &[f32],
     w: &[f32],
@@ -73,12 +73,12 @@ pub(crate) fn linear_grads(
 ) {
     rayon::join(
         || {
-            matmul(precision, Some(1), fan_in, fan_out, rows, Operand::t(x), Operand::plain(g), dw);
+            matmul(arith, Some(1), fan_in, fan_out, rows, Operand::t(x), Operand::plain(g), dw);
             for row in g.chunks_exact(fan_out) {
                 db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
             }
         },
-        || matmul(precision, Some(1), rows, fan_in, fan_out, Operand::plain(g), Operand::t(w), dx),
+        || matmul(arith, Some(1), rows, fan_in, fan_out, Operand::plain(g), Operand::t(w), dx),
     );
 }
 
@@ -98,7 +98,7 @@ impl Mlp {
         input: usize,
         sizes: &[usize],
         relu_last: bool,
-        precision: Precision,
+        arith: Arith,
     ) -> Result<Mlp, ModelError> {
         let mut layers = Vec::with_capacity(sizes.len());
         let mut data = Vec::new();
@@ -116,7 +116,7 @@ impl Mlp {
         }
         let num_params = data.len();
         let params = ps.push(format!("{name}.params"), data, &[num_params])?;
-        Ok(Mlp { shape: Arc::new(MlpShape { layers, num_params, precision }), params })
+        Ok(Mlp { shape: Arc::new(MlpShape { layers, num_params, arith }), params })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
@@ -220,8 +220,8 @@ pub struct MlpScratch {
 
 /// Whether a bf16 MLP runs the fp32 kernels on operands it rounds itself
 /// (once a step each, see `bf16_rounded`).
-fn rounds_operands(precision: Precision) -> bool {
-    precision == Precision::Bf16 && crate::bf16::path() == crate::bf16::Bf16Path::Rounded
+fn rounds_operands(arith: Arith) -> bool {
+    arith == Arith::Bf16(crate::bf16::Bf16Path::Rounded)
 }
 
 /// `buf` with exactly `n` elements; only newly grown elements are written.
@@ -244,7 +244,7 @@ fn forward_into(shape: &MlpShape, p: &[f32], x: &[f32], rows: usize, scratch: &m
     let layers = &shape.layers;
     scratch.hidden.resize_with(layers.len().saturating_sub(1), Vec::new);
     scratch.rows = rows;
-    let rounded = rounds_operands(shape.precision);
+    let rounded = rounds_operands(shape.arith);
     for (i, l) in layers.iter().enumerate() {
         let w = &p[l.w..l.w + l.fan_in * l.fan_out];
         let (done, rest) = scratch.hidden.split_at_mut(i.min(layers.len() - 1));
@@ -262,13 +262,13 @@ fn forward_into(shape: &MlpShape, p: &[f32], x: &[f32], rows: usize, scratch: &m
             continue;
         }
         let (input, w) = (Operand::plain(input), Operand::plain(w));
-        match shape.precision {
+        match shape.arith {
             // Bias and ReLU as the product stores each tile.
-            Precision::Bf16 => {
+            Arith::Bf16(path) => {
                 let epilogue = crate::bf16::Epilogue { bias: Some(bias), relu: l.relu };
-                crate::bf16::gemm_bf16_then(rows, l.fan_out, l.fan_in, input, w, out, epilogue);
+                crate::bf16::gemm_bf16_then(path, rows, l.fan_out, l.fan_in, input, w, out, epilogue);
             }
-            Precision::F32 => {
+            Arith::F32 => {
                 sgemm(rows, l.fan_out, l.fan_in, input, w, out);
                 add_bias(out, bias, l.relu);
             }
@@ -310,10 +310,10 @@ fn backward_into(shape: &MlpShape, p: &[f32], x: &[f32], grad_out: &[f32], scrat
         let (dw, db) = grad_p[l.w..l.b + fo].split_at_mut(fi * fo);
         let gi = prefix(&mut g_in, rows * fi);
         let w = &p[l.w..l.w + fi * fo];
-        if rounds_operands(shape.precision) {
+        if rounds_operands(shape.arith) {
             scratch.rounded.backward(i, (rows, fi, fo), &g[..g_len], (dw, db), gi);
         } else {
-            linear_grads(shape.precision, (rows, fi, fo), input, w, &g[..g_len], (dw, db), gi);
+            linear_grads(shape.arith, (rows, fi, fo), input, w, &g[..g_len], (dw, db), gi);
         }
         // Through the previous layer's ReLU.
         if i > 0 {
@@ -409,16 +409,16 @@ impl CustomOp2 for FusedMlp {
 /// [`matmul`] (bf16 or the fp32 gemm), elsewhere candle's matmul. DCN-v2's
 /// cross layers use it, so `model.precision` reaches them as it reaches the
 /// MLP stacks.
-pub fn matmul_in(precision: Precision, x: &Tensor, w: &Tensor) -> Result<Tensor, ModelError> {
+pub fn matmul_in(arith: Arith, x: &Tensor, w: &Tensor) -> Result<Tensor, ModelError> {
     if x.device().is_cpu() && x.dtype() == DType::F32 && w.dtype() == DType::F32 {
-        Ok(x.contiguous()?.apply_op2(&w.contiguous()?, PrecisionMatmul { precision })?)
+        Ok(x.contiguous()?.apply_op2(&w.contiguous()?, PrecisionMatmul { arith })?)
     } else {
         Ok(x.matmul(w)?)
     }
 }
 
 struct PrecisionMatmul {
-    precision: Precision,
+    arith: Arith,
 }
 
 /// `[rows, k]` and `[k, n]` of a product's operands, checked.
@@ -444,7 +444,7 @@ impl CustomOp2 for PrecisionMatmul {
         let (rows, k, n) = product_dims(xl, wl)?;
         let (x, w) = (contiguous(xs, xl)?, contiguous(ws, wl)?);
         let mut out = vec![0f32; rows * n];
-        matmul(self.precision, None, rows, n, k, Operand::plain(x), Operand::plain(w), &mut out);
+        matmul(self.arith, None, rows, n, k, Operand::plain(x), Operand::plain(w), &mut out);
         Ok((CpuStorage::F32(out), Shape::from((rows, n))))
     }
 
@@ -465,8 +465,8 @@ impl CustomOp2 for PrecisionMatmul {
             let (mut grad_x, mut grad_w) = (vec![0f32; rows * k], vec![0f32; k * n]);
             // As in the MLP's backward pass: the two products side by side.
             rayon::join(
-                || matmul(self.precision, Some(1), rows, k, n, Operand::plain(g), Operand::t(w), &mut grad_x),
-                || matmul(self.precision, Some(1), k, n, rows, Operand::t(x), Operand::plain(g), &mut grad_w),
+                || matmul(self.arith, Some(1), rows, k, n, Operand::plain(g), Operand::t(w), &mut grad_x),
+                || matmul(self.arith, Some(1), k, n, rows, Operand::t(x), Operand::plain(g), &mut grad_w),
             );
             (grad_x, grad_w)
         };
@@ -482,18 +482,18 @@ impl CustomOp2 for PrecisionMatmul {
 /// candle ops the layer was a product and five element-wise passes each
 /// way, each allocating a batch-sized tensor. The same arithmetic as those
 /// ops (tested): `x₀·(u + b) + x_l`, rounded after each operation.
-pub fn cross_layer(precision: Precision, x0: &Tensor, xl: &Tensor, wb: &Tensor) -> Result<Tensor, ModelError> {
-    let op = CrossLayer { precision, gate: Mutex::new(Vec::new()) };
+pub fn cross_layer(arith: Arith, x0: &Tensor, xl: &Tensor, wb: &Tensor) -> Result<Tensor, ModelError> {
+    let op = CrossLayer { arith, gate: Mutex::new(Vec::new()) };
     Ok(x0.contiguous()?.apply_op3(&xl.contiguous()?, &wb.contiguous()?, op)?)
 }
 
 /// A DCN-v2 cross layer with weights `w: [x, x]` and bias `b: [x]`: the
 /// fused op on CPU ([`cross_layer`]), candle's ops elsewhere.
-pub fn cross(precision: Precision, x0: &Tensor, xl: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor, ModelError> {
+pub fn cross(arith: Arith, x0: &Tensor, xl: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor, ModelError> {
     if x0.device().is_cpu() {
-        cross_layer(precision, x0, xl, &Tensor::cat(&[w, &b.unsqueeze(0)?], 0)?)
+        cross_layer(arith, x0, xl, &Tensor::cat(&[w, &b.unsqueeze(0)?], 0)?)
     } else {
-        let gate = matmul_in(precision, xl, w)?.broadcast_add(b)?;
+        let gate = matmul_in(arith, xl, w)?.broadcast_add(b)?;
         Ok(((x0 * gate)? + xl)?)
     }
 }
@@ -501,7 +501,7 @@ pub fn cross(precision: Precision, x0: &Tensor, xl: &Tensor, w: &Tensor, b: &Ten
 /// One cross layer on slices of rows of `x` values: `gate = x_l·W + b`
 /// (kept for the backward pass), `out = x₀ ⊙ gate + x_l`.
 pub(crate) fn cross_forward(
-    precision: Precision,
+    arith: Arith,
     x: usize,
     (x0, xl): (&[f32], &[f32]),
     (w, b): (&[f32], &[f32]),
@@ -509,7 +509,7 @@ pub(crate) fn cross_forward(
     out: &mut [f32],
 ) {
     let rows = xl.len() / x.max(1);
-    matmul(precision, None, rows, x, x, Operand::plain(xl), Operand::plain(w), gate);
+    matmul(arith, None, rows, x, x, Operand::plain(xl), Operand::plain(w), gate);
     out.par_chunks_mut(x).zip(gate.par_chunks_mut(x)).zip(x0.par_chunks(x).zip(xl.par_chunks(x))).for_each(
         |((out, gate), (x0, xl))| {
             for j in 0..x {
@@ -534,7 +534,7 @@ pub(crate) struct CrossGrads<'a> {
 /// `d x₀ += g ⊙ gate`, `d gate = g ⊙ x₀` (in `grad_gate`, a buffer),
 /// `d W = x_lᵀ·d gate`, `d b += Σ_rows d gate`, `d x_l = d gate·Wᵀ + g`.
 pub(crate) fn cross_backward(
-    precision: Precision,
+    arith: Arith,
     x: usize,
     (x0, xl, w): (&[f32], &[f32], &[f32]),
     gate: &[f32],
@@ -553,12 +553,12 @@ pub(crate) fn cross_backward(
             }
         },
     );
-    linear_grads(precision, (rows, x, x), xl, w, grad_gate, (grads.w, grads.b), grads.xl);
+    linear_grads(arith, (rows, x, x), xl, w, grad_gate, (grads.w, grads.b), grads.xl);
     grads.xl.iter_mut().zip(g).for_each(|(d, g)| *d += g);
 }
 
 struct CrossLayer {
-    precision: Precision,
+    arith: Arith,
     /// `x_l·W + b` of the forward pass, for the backward pass.
     gate: Mutex<Vec<f32>>,
 }
@@ -591,7 +591,7 @@ impl candle_core::CustomOp3 for CrossLayer {
         let mut gate = self.gate.lock().map_err(|_| err("poisoned"))?;
         gate.resize(rows * x, 0.0);
         let mut out = vec![0f32; rows * x];
-        cross_forward(self.precision, x, (x0, xl), (w, b), &mut gate, &mut out);
+        cross_forward(self.arith, x, (x0, xl), (w, b), &mut gate, &mut out);
         Ok((CpuStorage::F32(out), Shape::from((rows, x))))
     }
 
@@ -621,7 +621,7 @@ impl candle_core::CustomOp3 for CrossLayer {
             let mut grad_gate = Vec::new();
             let (dw, db) = grad_wb.split_at_mut(x * x);
             let grads = CrossGrads { x0: &mut grad_x0, w: dw, b: db, xl: &mut grad_xl };
-            cross_backward(self.precision, x, (x0, xl, &wb[..x * x]), &gate, g, &mut grad_gate, grads);
+            cross_backward(self.arith, x, (x0, xl, &wb[..x * x]), &gate, g, &mut grad_gate, grads);
             (grad_x0, grad_xl, grad_wb)
         };
         let grad_x0 = Tensor::from_vec(grad_x0, x0.shape(), x0.device())?;
@@ -634,6 +634,12 @@ impl candle_core::CustomOp3 for CrossLayer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sparrow_core::config::Precision;
+    use sparrow_core::simd::Simd;
+
+    fn arith(p: Precision) -> Arith {
+        Arith::new(p, Simd::Auto)
+    }
     use candle_core::Device;
     use sparrow_core::rng::Rng;
 
@@ -679,9 +685,9 @@ mod tests {
                 let (x0, xl, w, b) = (var(&x0v, &[rows, x]), var(&xlv, &[rows, x]), var(&wv, &[x, x]), var(&bv, &[x]));
                 let y = if fused {
                     let wb = Tensor::cat(&[w.as_tensor(), &b.as_tensor().unsqueeze(0).expect("row")], 0).expect("cat");
-                    cross_layer(precision, x0.as_tensor(), xl.as_tensor(), &wb).expect("fused")
+                    cross_layer(arith(precision), x0.as_tensor(), xl.as_tensor(), &wb).expect("fused")
                 } else {
-                    let u = matmul_in(precision, xl.as_tensor(), w.as_tensor()).expect("product");
+                    let u = matmul_in(arith(precision), xl.as_tensor(), w.as_tensor()).expect("product");
                     let gate = u.broadcast_add(b.as_tensor()).expect("bias");
                     ((x0.as_tensor() * gate).expect("gate") + xl.as_tensor()).expect("residual")
                 };
@@ -722,7 +728,7 @@ mod tests {
             let x = Var::from_tensor(&Tensor::from_vec(xv.clone(), (rows, k), &dev).expect("x")).expect("var");
             let w = Var::from_tensor(&Tensor::from_vec(wv.clone(), (k, n), &dev).expect("w")).expect("var");
             let y = match precision {
-                Some(p) => matmul_in(p, x.as_tensor(), w.as_tensor()).expect("op"),
+                Some(p) => matmul_in(arith(p), x.as_tensor(), w.as_tensor()).expect("op"),
                 None => x.as_tensor().matmul(w.as_tensor()).expect("matmul"),
             };
             let seed = Tensor::from_vec(seedv.clone(), (rows, n), &dev).expect("seed");
@@ -771,10 +777,10 @@ mod tests {
         let dev = Device::Cpu;
         let (rows, sizes, input) = (9, [13usize, 7, 3], 11usize);
         let mut ps = ParamStore::new(5, dev.clone());
-        let mlp = Mlp::new(&mut ps, "m", input, &sizes, false, Precision::Bf16).expect("mlp");
+        let mlp = Mlp::new(&mut ps, "m", input, &sizes, false, arith(Precision::Bf16)).expect("mlp");
         let f32_mlp = {
             let mut ps = ParamStore::new(5, dev);
-            Mlp::new(&mut ps, "m", input, &sizes, false, Precision::F32).expect("mlp")
+            Mlp::new(&mut ps, "m", input, &sizes, false, arith(Precision::F32)).expect("mlp")
         };
         let mut rng = Rng::new(4);
         let x: Vec<f32> = (0..rows * input).map(|_| rng.normal() as f32).collect();
@@ -848,7 +854,7 @@ mod tests {
         // or zero would show.
         for precision in [Precision::F32, Precision::Bf16] {
             let mut ps = ParamStore::new(3, Device::Cpu);
-            let mlp = Mlp::new(&mut ps, "m", 19, &[33, 17, 1], false, precision).expect("mlp");
+            let mlp = Mlp::new(&mut ps, "m", 19, &[33, 17, 1], false, arith(precision)).expect("mlp");
             let mut rng = Rng::new(4);
             let rows = 9;
             let x: Vec<f32> = (0..rows * 19).map(|_| rng.normal() as f32).collect();
@@ -880,7 +886,7 @@ mod tests {
         // ROWS_PER_TASK rows, the last one partial.
         for (relu_last, rows) in [(false, 7), (true, 7), (true, 300)] {
             let mut ps = ParamStore::new(7, dev.clone());
-            let mlp = Mlp::new(&mut ps, "m", 6, &[5, 4, 3], relu_last, Precision::F32).expect("mlp");
+            let mlp = Mlp::new(&mut ps, "m", 6, &[5, 4, 3], relu_last, arith(Precision::F32)).expect("mlp");
             let mut rng = Rng::new(2);
             let x: Vec<f32> = (0..rows * 6).map(|_| rng.normal() as f32).collect();
             let x = Var::from_tensor(&Tensor::from_vec(x, (rows, 6), &dev).expect("x")).expect("var");

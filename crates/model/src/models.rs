@@ -7,7 +7,8 @@ use sparrow_core::config::{ModelConfig, ModelKind, Precision};
 use sparrow_core::metrics::logistic_loss_and_sigmoid;
 
 use crate::ModelError;
-use crate::fused::{FirstOrderFm, PairwiseDots};
+use crate::bf16::Arith;
+use crate::fused::{FirstOrderFm, PairwiseDots, Simd};
 use crate::mlp::Mlp;
 
 mod direct;
@@ -49,7 +50,7 @@ enum Net {
     Dcn {
         cross: Vec<Linear>,
         deep: Mlp,
-        precision: Precision,
+        arith: Arith,
     },
 }
 
@@ -62,6 +63,8 @@ pub struct DenseModel {
     bias: Option<Var>,
     /// Buffers of the direct step, reused across steps.
     scratch: std::sync::Mutex<direct::Scratch>,
+    /// `train.simd`: whether its kernels may take their SIMD versions.
+    simd: Simd,
 }
 
 pub struct StepOutput {
@@ -81,7 +84,16 @@ fn head(hidden: &[usize]) -> Vec<usize> {
 }
 
 impl DenseModel {
-    pub fn new(config: &ModelConfig, shape: ModelShape, seed: u64, device: Device) -> Result<DenseModel, ModelError> {
+    /// The network `config` describes, its weights drawn from `seed`; its
+    /// kernels take their SIMD versions as `simd` allows (`train.simd`).
+    pub fn new(
+        config: &ModelConfig,
+        shape: ModelShape,
+        seed: u64,
+        device: Device,
+        simd: Simd,
+    ) -> Result<DenseModel, ModelError> {
+        let arith = Arith::new(config.precision, simd);
         if config.precision == Precision::Bf16 && matches!(config.kind, ModelKind::Lr | ModelKind::Fm) {
             // Valid (a sweep may set it for every kind), but it changes nothing: say so.
             tracing::warn!(
@@ -103,20 +115,20 @@ impl DenseModel {
                 Net::Fm { dense: with_dense(&mut ps, nd)? }
             }
             ModelKind::Mlp => {
-                Net::Mlp { mlp: Mlp::new(&mut ps, "mlp", f * d + nd, &head(&config.hidden), false, config.precision)? }
+                Net::Mlp { mlp: Mlp::new(&mut ps, "mlp", f * d + nd, &head(&config.hidden), false, arith)? }
             }
             ModelKind::WideDeep => {
                 bias = Some(ps.zeros("bias".into(), &[1])?);
                 Net::WideDeep {
                     dense: with_dense(&mut ps, nd)?,
-                    deep: Mlp::new(&mut ps, "deep", f * d + nd, &head(&config.hidden), false, config.precision)?,
+                    deep: Mlp::new(&mut ps, "deep", f * d + nd, &head(&config.hidden), false, arith)?,
                 }
             }
             ModelKind::Deepfm => {
                 bias = Some(ps.zeros("bias".into(), &[1])?);
                 Net::DeepFm {
                     dense: with_dense(&mut ps, nd)?,
-                    deep: Mlp::new(&mut ps, "deep", f * d + nd, &head(&config.hidden), false, config.precision)?,
+                    deep: Mlp::new(&mut ps, "deep", f * d + nd, &head(&config.hidden), false, arith)?,
                 }
             }
             ModelKind::Dlrm => {
@@ -124,7 +136,7 @@ impl DenseModel {
                     None
                 } else {
                     let sizes: Vec<usize> = config.bottom_hidden.iter().copied().chain(std::iter::once(d)).collect();
-                    Some(Mlp::new(&mut ps, "bottom", nd, &sizes, true, config.precision)?)
+                    Some(Mlp::new(&mut ps, "bottom", nd, &sizes, true, arith)?)
                 };
                 let n = f + usize::from(nd > 0);
                 // Upper triangle (i < j) of the n×n dot-product matrix, flattened.
@@ -134,7 +146,7 @@ impl DenseModel {
                 let top_in = num_pairs + if nd > 0 { d } else { 0 };
                 Net::Dlrm {
                     bottom,
-                    top: Mlp::new(&mut ps, "top", top_in, &head(&config.hidden), false, config.precision)?,
+                    top: Mlp::new(&mut ps, "top", top_in, &head(&config.hidden), false, arith)?,
                     pairs,
                     n,
                 }
@@ -144,14 +156,10 @@ impl DenseModel {
                 let cross = (0..config.cross_layers)
                     .map(|l| Linear::new(&mut ps, &format!("cross.{l}"), x_dim, x_dim))
                     .collect::<Result<Vec<_>, _>>()?;
-                Net::Dcn {
-                    cross,
-                    deep: Mlp::new(&mut ps, "deep", x_dim, &head(&config.hidden), false, config.precision)?,
-                    precision: config.precision,
-                }
+                Net::Dcn { cross, deep: Mlp::new(&mut ps, "deep", x_dim, &head(&config.hidden), false, arith)?, arith }
             }
         };
-        Ok(DenseModel { kind: config.kind, shape, params: ps, net, bias, scratch: Default::default() })
+        Ok(DenseModel { kind: config.kind, shape, params: ps, net, bias, scratch: Default::default(), simd })
     }
 
     /// The dense step's arithmetic floor, flops per sample: what the model
@@ -266,7 +274,7 @@ impl DenseModel {
                     None => (emb.clone(), None),
                 };
                 let inter = if t.device().is_cpu() {
-                    t.contiguous()?.apply_op1(PairwiseDots)?
+                    t.contiguous()?.apply_op1(PairwiseDots(self.simd))?
                 } else {
                     // [B, n, n] dot products, then their upper triangle.
                     t.matmul(&t.t()?)?.reshape((b, n * n))?.index_select(pairs, 1)?
@@ -277,11 +285,11 @@ impl DenseModel {
                 };
                 top.forward(&top_in)?
             }
-            Net::Dcn { cross, deep, precision } => {
+            Net::Dcn { cross, deep, arith } => {
                 let x0 = flat_with_dense(emb)?;
                 let mut x = x0.clone();
                 for layer in cross {
-                    x = crate::mlp::cross(*precision, &x0, &x, layer.weight().as_tensor(), layer.bias().as_tensor())?;
+                    x = crate::mlp::cross(*arith, &x0, &x, layer.weight().as_tensor(), layer.bias().as_tensor())?;
                 }
                 deep.forward(&x)?
             }
@@ -439,7 +447,7 @@ impl DenseModel {
             Some(g) => g.flatten_all()?.to_vec1::<f32>()?,
             None => vec![0.0; emb.elem_count()],
         };
-        crate::optimizer::check_finite(&emb_grad, || "gradient of the embedding inputs".into())?;
+        crate::optimizer::check_finite(self.simd, &emb_grad, || "gradient of the embedding inputs".into())?;
         let dense_grads = self
             .params
             .vars()
@@ -519,7 +527,9 @@ impl DenseModel {
         {
             self.check_loss(loss)?;
             if !finite {
-                crate::optimizer::check_finite(&scratch.grad_x, || "gradient of the embedding inputs".into())?;
+                crate::optimizer::check_finite(self.simd, &scratch.grad_x, || {
+                    "gradient of the embedding inputs".into()
+                })?;
             }
             let result = on_input_grad(&scratch.grad_x);
             return Ok((loss, logits, result, grads));
@@ -528,7 +538,7 @@ impl DenseModel {
         let (loss, seed) = Self::loss_and_seed(&logits, labels, weights);
         self.check_loss(loss)?;
         let grads = self.backward_direct(x, &seed, &mut scratch)?;
-        crate::optimizer::check_finite(&scratch.grad_x, || "gradient of the embedding inputs".into())?;
+        crate::optimizer::check_finite(self.simd, &scratch.grad_x, || "gradient of the embedding inputs".into())?;
         let result = on_input_grad(&scratch.grad_x);
         Ok((loss, logits, result, grads))
     }

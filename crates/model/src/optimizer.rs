@@ -10,6 +10,7 @@ use std::cell::Cell;
 use candle_core::{CpuStorage, Device, InplaceOp1, Layout, Tensor, Var};
 use rayon::prelude::*;
 use sparrow_core::config::{DenseOptimizerConfig, DenseOptimizerKind};
+use sparrow_core::simd::Simd;
 
 use crate::ModelError;
 use crate::params::ParamStore;
@@ -31,10 +32,10 @@ impl DenseGrads {
     }
 
     /// `Err(NonFinite)` naming the first parameter whose gradient is not finite.
-    pub fn check_finite(&self, params: &ParamStore) -> Result<(), ModelError> {
+    pub fn check_finite(&self, simd: Simd, params: &ParamStore) -> Result<(), ModelError> {
         for ((name, _), g) in params.vars().iter().zip(&self.grads) {
             if let Some(g) = g {
-                check_finite(g, || format!("gradient of dense parameter `{name}`"))?;
+                check_finite(simd, g, || format!("gradient of dense parameter `{name}`"))?;
             }
         }
         Ok(())
@@ -100,9 +101,9 @@ fn adam(k: AdamStep, w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
 /// division or square root instead of the x86-64 baseline's 4: about 1.5x
 /// on the loop, 1-2% of a DLRM step), the portable build elsewhere; the
 /// same bits (tested).
-fn adam_for_cpu(k: AdamStep, w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+fn adam_for_cpu(simd: Simd, k: AdamStep, w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if sparrow_core::simd::allowed() && std::arch::is_x86_feature_detected!("avx512f") {
+    if simd.allows() && std::arch::is_x86_feature_detected!("avx512f") {
         #[target_feature(enable = "avx512f")]
         fn adam_avx512(k: AdamStep, w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
             adam(k, w, g, m, v);
@@ -152,12 +153,15 @@ impl<F: FnOnce(&mut [f32])> InplaceOp1 for InPlace<F> {
 }
 
 /// `Err(NonFinite)` naming `what` (built only on failure) if `values` holds a NaN or an infinity.
-pub fn check_finite(values: &[f32], what: impl FnOnce() -> String) -> Result<(), ModelError> {
+pub fn check_finite(simd: Simd, values: &[f32], what: impl FnOnce() -> String) -> Result<(), ModelError> {
     // A batch's input gradient (FM: 1024 rows × 455 floats) is read at
     // memory speed: both threads read half; small vectors stay on this one.
     const PER_THREAD: usize = 1 << 16;
-    let all_finite =
-        if values.len() > PER_THREAD { values.par_chunks(PER_THREAD).all(all_finite) } else { all_finite(values) };
+    let all_finite = if values.len() > PER_THREAD {
+        values.par_chunks(PER_THREAD).all(|c| all_finite(simd, c))
+    } else {
+        all_finite(simd, values)
+    };
     if all_finite {
         return Ok(());
     }
@@ -170,9 +174,9 @@ pub fn check_finite(values: &[f32], what: impl FnOnce() -> String) -> Result<(),
 /// Whether every value is finite, compiled for AVX2 where the CPU has it:
 /// 8 lanes a test instead of the x86-64 baseline's 4 (the check of FM's
 /// input gradient took a sixth of its dense step). The same answer (tested).
-pub(crate) fn all_finite(values: &[f32]) -> bool {
+pub(crate) fn all_finite(simd: Simd, values: &[f32]) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if sparrow_core::simd::allowed() && std::arch::is_x86_feature_detected!("avx2") {
+    if simd.allows() && std::arch::is_x86_feature_detected!("avx2") {
         #[target_feature(enable = "avx2")]
         fn all_finite_avx2(values: &[f32]) -> bool {
             all_finite_portable(values)
@@ -194,6 +198,8 @@ fn all_finite_portable(values: &[f32]) -> bool {
 
 pub struct DenseOptimizer {
     config: DenseOptimizerConfig,
+    /// `train.simd`: whether its checks and steps may take SIMD kernels.
+    simd: Simd,
     /// Adam first and second moments per parameter name.
     moments: HashMap<String, (Vec<f32>, Vec<f32>)>,
     pub step: u64,
@@ -202,8 +208,13 @@ pub struct DenseOptimizer {
 }
 
 impl DenseOptimizer {
-    pub fn new(config: DenseOptimizerConfig) -> Self {
-        DenseOptimizer { config, moments: HashMap::new(), step: 0, samples_stepped: 0 }
+    pub fn new(config: DenseOptimizerConfig, simd: Simd) -> Self {
+        DenseOptimizer { config, simd, moments: HashMap::new(), step: 0, samples_stepped: 0 }
+    }
+
+    /// Whether its checks and steps may take SIMD kernels.
+    pub fn simd(&self) -> Simd {
+        self.simd
     }
 
     /// One step with `grads` (the mean gradient over `grads.rows` samples).
@@ -212,7 +223,7 @@ impl DenseOptimizer {
     /// Updates the weights where they are stored; returns the gradients'
     /// buffers, for the next step to reuse.
     pub fn apply(&mut self, params: &ParamStore, grads: DenseGrads) -> Result<Vec<Vec<f32>>, ModelError> {
-        grads.check_finite(params)?;
+        grads.check_finite(self.simd, params)?;
         self.samples_stepped += grads.rows;
         self.step += 1;
         let c = &self.config;
@@ -246,12 +257,12 @@ impl DenseOptimizer {
                     });
                 }
                 Some((m, v)) => {
-                    let step = AdamStep { lr, wd, b1, b2, eps, c1, c2 };
+                    let (step, simd) = (AdamStep { lr, wd, b1, b2, eps, c1, c2 }, self.simd);
                     w.par_chunks_mut(CHUNK)
                         .zip(g.par_chunks(CHUNK))
                         .zip(m.par_chunks_mut(CHUNK))
                         .zip(v.par_chunks_mut(CHUNK))
-                        .for_each(|(((w, g), m), v)| adam_for_cpu(step, w, g, m, v));
+                        .for_each(|(((w, g), m), v)| adam_for_cpu(simd, step, w, g, m, v));
                 }
             })?;
             recycled.push(g);
@@ -265,10 +276,10 @@ impl DenseOptimizer {
     pub fn check_finite(&self, params: &ParamStore) -> Result<(), ModelError> {
         for (name, var) in params.vars() {
             let w = var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
-            check_finite(&w, || format!("dense parameter `{name}`"))?;
+            check_finite(self.simd, &w, || format!("dense parameter `{name}`"))?;
             if let Some((m, v)) = self.moments.get(name) {
-                check_finite(m, || format!("Adam first moment of `{name}`"))?;
-                check_finite(v, || format!("Adam second moment of `{name}`"))?;
+                check_finite(self.simd, m, || format!("Adam first moment of `{name}`"))?;
+                check_finite(self.simd, v, || format!("Adam second moment of `{name}`"))?;
             }
         }
         Ok(())
@@ -313,6 +324,7 @@ impl DenseOptimizer {
 #[cfg(test)]
 mod tests {
     use super::{AdamStep, adam, adam_for_cpu, all_finite, all_finite_portable, check_finite};
+    use sparrow_core::simd::Simd;
 
     /// Every NaN and infinity is found, wherever it lies in a short or a
     /// long (split between threads) vector, and named with its element.
@@ -320,11 +332,11 @@ mod tests {
     fn check_finite_finds_every_bad_value() {
         for len in [1, 255, 257, 1 << 16, (1 << 16) + 1, 300_000] {
             let mut v = vec![1.5f32; len];
-            assert!(check_finite(&v, || "v".into()).is_ok());
+            assert!(check_finite(Simd::Auto, &v, || "v".into()).is_ok());
             for at in [0, len / 2, len - 1] {
                 for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
                     v[at] = bad;
-                    let err = check_finite(&v, || "v".into()).expect_err("bad value").to_string();
+                    let err = check_finite(Simd::Auto, &v, || "v".into()).expect_err("bad value").to_string();
                     assert!(err.contains(&format!("element {at} is")), "{len}, {at}: {err}");
                     v[at] = -f32::MAX;
                 }
@@ -341,12 +353,12 @@ mod tests {
         let fine = [0.0, -0.0, f32::MAX, f32::MIN, f32::MIN_POSITIVE, f32::from_bits(1), 1.5];
         for len in [1usize, 7, 8, 9, 31, 256, 257, 1000] {
             let clean: Vec<f32> = (0..len).map(|i| fine[i % fine.len()]).collect();
-            assert!(all_finite(&clean) && all_finite_portable(&clean), "len {len}");
+            assert!(all_finite(Simd::Auto, &clean) && all_finite_portable(&clean), "len {len}");
             for at in 0..len {
                 for bad in specials {
                     let mut v = clean.clone();
                     v[at] = bad;
-                    assert!(!all_finite(&v), "len {len}, {bad} at {at}");
+                    assert!(!all_finite(Simd::Auto, &v), "len {len}, {bad} at {at}");
                     assert!(!all_finite_portable(&v), "len {len}, {bad} at {at} (portable)");
                 }
             }
@@ -376,7 +388,7 @@ mod tests {
             let v: Vec<f32> = (0..len).map(|_| next().abs()).collect();
             let (mut w1, mut m1, mut v1) = (w.clone(), m.clone(), v.clone());
             let (mut w2, mut m2, mut v2) = (w.clone(), m, v);
-            adam_for_cpu(k, &mut w1, &g, &mut m1, &mut v1);
+            adam_for_cpu(Simd::Auto, k, &mut w1, &g, &mut m1, &mut v1);
             adam(k, &mut w2, &g, &mut m2, &mut v2);
             let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&w1), bits(&w2), "weights, len {len}");

@@ -32,7 +32,14 @@ fn config(kind: ModelKind, embedding_dim: usize, hidden: &[usize], precision: Pr
 fn embedding_gradient_is_exact_for_every_model() {
     let shape = ModelShape { num_fields: 3, num_dense: 2, embedding_dim: 4 };
     for kind in KINDS {
-        let model = DenseModel::new(&config(kind, 4, &[8, 5], Precision::F32), shape, 11, Device::Cpu).expect("model");
+        let model = DenseModel::new(
+            &config(kind, 4, &[8, 5], Precision::F32),
+            shape,
+            11,
+            Device::Cpu,
+            sparrow_core::simd::Simd::Auto,
+        )
+        .expect("model");
         let width = model.width();
         let rows = 5;
         let mut rng = Rng::new(3);
@@ -88,7 +95,7 @@ fn embedding_gradient_is_exact_for_every_model() {
 fn loss_is_finite_when_logits_saturate() {
     let shape = ModelShape { num_fields: 2, num_dense: 0, embedding_dim: 1 };
     let config = ModelConfig { kind: ModelKind::Lr, embedding_dim: 1, ..Default::default() };
-    let model = DenseModel::new(&config, shape, 1, Device::Cpu).expect("model");
+    let model = DenseModel::new(&config, shape, 1, Device::Cpu, sparrow_core::simd::Simd::Auto).expect("model");
     // Huge first-order weights push the logit to ±1e4: σ saturates in f32.
     let emb = vec![5e3f32, 5e3, -5e3, -5e3];
     let (out, _) = model.forward_backward(emb, vec![], &[0.0, 1.0]).expect("step");
@@ -107,11 +114,11 @@ fn direct_path_equals_autograd_path_for_every_model() {
         let shape = ModelShape { num_fields: 4, num_dense, embedding_dim: 5 };
         let config = config(kind, 5, &[16, 8], precision);
         let what = format!("{kind:?} {precision:?} with {num_dense} dense");
-        let direct = DenseModel::new(&config, shape, 21, Device::Cpu).expect("model");
-        let graph = DenseModel::new(&config, shape, 21, Device::Cpu).expect("model");
+        let direct = DenseModel::new(&config, shape, 21, Device::Cpu, sparrow_core::simd::Simd::Auto).expect("model");
+        let graph = DenseModel::new(&config, shape, 21, Device::Cpu, sparrow_core::simd::Simd::Auto).expect("model");
         let (mut opt_d, mut opt_g) = (
-            DenseOptimizer::new(DenseOptimizerConfig::default()),
-            DenseOptimizer::new(DenseOptimizerConfig::default()),
+            DenseOptimizer::new(DenseOptimizerConfig::default(), sparrow_core::simd::Simd::Auto),
+            DenseOptimizer::new(DenseOptimizerConfig::default(), sparrow_core::simd::Simd::Auto),
         );
         let mut rng = Rng::new(9);
         let rows = 6;
@@ -157,7 +164,7 @@ fn sample_weights_scale_each_rows_loss_and_gradient() {
     for kind in KINDS {
         let config =
             ModelConfig { kind, embedding_dim: 4, hidden: vec![6], bottom_hidden: vec![4], ..Default::default() };
-        let model = DenseModel::new(&config, shape, 5, Device::Cpu).expect("model");
+        let model = DenseModel::new(&config, shape, 5, Device::Cpu, sparrow_core::simd::Simd::Auto).expect("model");
         let width = model.width();
         let mut rng = Rng::new(9);
         let emb: Vec<f32> = (0..2 * 2 * width).map(|_| rng.uniform(-0.5, 0.5) as f32).collect();

@@ -73,6 +73,9 @@ pub struct ServeOptions {
     /// Called on the thread that answered a large request, after it (the
     /// binary returns its allocator's freed pages to the system here).
     pub release_memory: Option<fn()>,
+    /// Applied to every export's stored config (the binary's: `SPARROW_SIMD`
+    /// as `train.simd`).
+    pub overrides: sparrow_core::Overrides,
 }
 
 /// Who may call the server.
@@ -366,7 +369,7 @@ pub fn serve(
             options.model.display()
         )));
     }
-    let served = Arc::new(Served::load(&options.model, name)?);
+    let served = Arc::new(Served::load(&options.model, name, options.overrides.clone())?);
     let running = Arc::new(AtomicBool::new(true));
     let health = match options.watch {
         None => None,
@@ -458,7 +461,7 @@ async fn answer(
 /// Loads an export for serving (`sparrow serve`'s first step, for tests
 /// and embedders): the model as `name`.
 pub fn load(model: &Path, name: &str) -> Result<Served, ServeError> {
-    Served::load(model, name.to_string())
+    Served::load(model, name.to_string(), sparrow_core::Overrides::none())
 }
 
 #[cfg(test)]

@@ -38,6 +38,8 @@ pub struct Served {
     current: parking_lot::Mutex<(PathBuf, ExportManifest)>,
     /// What `--model` named (an export, or a directory whose LATEST names one).
     source: PathBuf,
+    /// Applied to each export's stored config.
+    overrides: Overrides,
     pub(crate) metrics: Metrics,
 }
 
@@ -67,8 +69,8 @@ pub struct Scores {
 impl Served {
     /// Loads an export (checksums verified first: a damaged one is refused
     /// naming its file), served as `name`.
-    pub fn load(model: &Path, name: String) -> Result<Served, ServeError> {
-        let (loaded, manifest) = sparrow_trainer::export::load_export(model, &Overrides::none())?;
+    pub fn load(model: &Path, name: String, overrides: Overrides) -> Result<Served, ServeError> {
+        let (loaded, manifest) = sparrow_trainer::export::load_export(model, &overrides)?;
         let dir = sparrow_trainer::export::resolve_export(model)?;
         let inputs =
             ModelInputs::of(&loaded.config.data).map_err(|e| ServeError::Setup(format!("{}: {e}", model.display())))?;
@@ -82,6 +84,7 @@ impl Served {
             model: parking_lot::RwLock::new(loaded),
             current: parking_lot::Mutex::new((dir, manifest)),
             source: model.to_path_buf(),
+            overrides,
             metrics,
         })
     }
@@ -135,7 +138,7 @@ impl Served {
                 (start.elapsed(), updates.len(), rows)
             }
             None => {
-                let (fresh, _) = sparrow_trainer::export::load_export(&newest, &Overrides::none())?;
+                let (fresh, _) = sparrow_trainer::export::load_export(&newest, &self.overrides)?;
                 let rows = fresh.table.len();
                 let mut model = self.model.write();
                 let start = Instant::now();

@@ -14,6 +14,7 @@ use sparrow_core::config::{
 };
 use sparrow_core::key::mix64;
 use sparrow_core::rng::Rng;
+use sparrow_core::simd::Simd;
 use sparrow_core::{Batch, Config};
 use sparrow_data::synth::Alias;
 use sparrow_data::{BadRows, BatchStream, DataLayout};
@@ -72,6 +73,8 @@ pub struct BenchOptions {
     pub gather_limit: GatherLimit,
     /// Where the benchmark's data files go.
     pub work_dir: PathBuf,
+    /// `train.simd` for every kernel timed (the ceilings aside).
+    pub simd: Simd,
     /// `scripts/bench-peer`'s run log, for `train_step.ratio_to_peer`.
     pub peer_runs: PathBuf,
 }
@@ -95,6 +98,7 @@ impl Default for BenchOptions {
             memory_rows: 4_000_000,
             gather_limit: GatherLimit::default(),
             work_dir: PathBuf::from("target/sparrow-bench"),
+            simd: Simd::Auto,
             peer_runs: PathBuf::from("target/bench-peer/runs.jsonl"),
         }
     }
@@ -236,7 +240,7 @@ pub struct GemmBench {
     pub bf16_portable_gflops: f64,
 }
 
-fn bench_gemm(m: usize, n: usize, k: usize, threads: usize) -> Result<GemmBench, TrainError> {
+fn bench_gemm(simd: Simd, m: usize, n: usize, k: usize, threads: usize) -> Result<GemmBench, TrainError> {
     use sparrow_model::mlp::Operand;
     let a: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
     let b: Vec<f32> = (0..k * n).map(|i| ((i * 104_729) % 1000) as f32 / 1000.0 - 0.5).collect();
@@ -253,10 +257,12 @@ fn bench_gemm(m: usize, n: usize, k: usize, threads: usize) -> Result<GemmBench,
     };
     let fp32 =
         pool.install(|| time(&mut |c| sparrow_model::mlp::sgemm(m, n, k, Operand::plain(&a), Operand::plain(&b), c)));
-    let bf16 = pool
-        .install(|| time(&mut |c| sparrow_model::bf16::gemm_bf16(m, n, k, Operand::plain(&a), Operand::plain(&b), c)));
+    let path = sparrow_model::bf16::path(simd);
+    let bf16 = pool.install(|| {
+        time(&mut |c| sparrow_model::bf16::gemm_bf16(path, m, n, k, Operand::plain(&a), Operand::plain(&b), c))
+    });
     let portable = pool.install(|| {
-        time(&mut |c| sparrow_model::bf16::gemm_bf16_portable(m, n, k, Operand::plain(&a), Operand::plain(&b), c))
+        time(&mut |c| sparrow_model::bf16::gemm_bf16_portable(simd, m, n, k, Operand::plain(&a), Operand::plain(&b), c))
     });
     Ok(GemmBench {
         m,
@@ -308,8 +314,8 @@ pub struct PrecisionPaths {
 }
 
 impl PrecisionPaths {
-    pub fn here() -> PrecisionPaths {
-        let bf16 = sparrow_model::bf16::path();
+    pub fn here(simd: Simd) -> PrecisionPaths {
+        let bf16 = sparrow_model::bf16::path(simd);
         PrecisionPaths { f32: "fp32_gemm", bf16: bf16.name(), bf16_note: bf16.describe() }
     }
 }
@@ -359,7 +365,8 @@ fn check_embedding_memory(o: &BenchOptions, available: Option<u64>) -> Result<()
     let Some(available) = available else { return Ok(()) };
     let table_bytes_per_row = |stored: u64| stored + stored / 4 + 24;
     // The resident-memory phase: one Adagrad table of dim 16.
-    let memory_row = RowFormat { dtype: EmbeddingDtype::F32, dim: 16, state_len: 16 }.stored_bytes() as u64;
+    let memory_row =
+        RowFormat { dtype: EmbeddingDtype::F32, dim: 16, state_len: 16, simd: Simd::Auto }.stored_bytes() as u64;
     let need = table_bytes_per_row(memory_row).saturating_mul(o.memory_rows as u64);
     if need > available {
         return Err(TrainError::Argument {
@@ -380,7 +387,7 @@ fn check_embedding_memory(o: &BenchOptions, available: Option<u64>) -> Result<()
             .map(|(kind, dtype, rounding)| {
                 // Stochastic rounding keeps the row's update count: one more word.
                 let state_len = bench_optimizer(kind).state_len(dim) + usize::from(rounding == Rounding::Stochastic);
-                table_bytes_per_row(RowFormat { dtype, dim, state_len }.stored_bytes() as u64)
+                table_bytes_per_row(RowFormat { dtype, dim, state_len, simd: Simd::Auto }.stored_bytes() as u64)
             })
             .sum();
         // The batches' keys, and one batch of gradients.
@@ -489,6 +496,7 @@ fn bench_embedding(
             for (dtype, rounding) in embedding_configs(o) {
                 let table =
                     EmbeddingTable::typed(dim, dtype, optimizer, Initializer::new(InitConfig::default(), 1), 64)
+                        .with_simd(o.simd)
                         .with_rounding(rounding);
                 // Fill the table so lookups hit a table of the stated size.
                 for chunk in all.chunks(1 << 16) {
@@ -608,6 +616,7 @@ fn bench_config(o: &BenchOptions, kind: ModelKind) -> Config {
     config.model.hidden = vec![256, 128];
     config.train.batch_size = o.batch_size;
     config.train.threads = 2;
+    config.train.simd = o.simd;
     config
 }
 
@@ -778,7 +787,7 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
     tracing::info!("bench: matrix products of the reference MLP's shapes, fp32 and bf16");
     let gemm = [(o.batch_size, 256, 429), (o.batch_size, 128, 256)]
         .iter()
-        .map(|&(m, n, k)| bench_gemm(m, n, k, threads))
+        .map(|&(m, n, k)| bench_gemm(o.simd, m, n, k, threads))
         .collect::<Result<Vec<_>, _>>()?;
     let mut kinds = if o.kind_steps > 0 { bench_kinds(o)? } else { Vec::new() };
     if !kinds.is_empty() {
@@ -808,8 +817,8 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
         train_step,
         kinds,
         arithmetic: Arithmetic { peaks, bf16_over_fp32, gemm },
-        simd: if sparrow_core::simd::allowed() { "auto" } else { "portable" },
-        precision_paths: PrecisionPaths::here(),
+        simd: o.simd.name(),
+        precision_paths: PrecisionPaths::here(o.simd),
     })
 }
 

@@ -91,7 +91,8 @@ pub fn model_table(config: &Config, subdir: Option<&str>) -> Result<EmbeddingTab
     let (emb_seed, _) = seeds(config.train.seed);
     let width = DenseModel::embedding_width(config.model.kind, config.model.embedding_dim);
     let init = Initializer::new(config.embedding.init, emb_seed);
-    let table = EmbeddingTable::from_config(width, &config.embedding, init, subdir, ttl_floor(config))?;
+    let table =
+        EmbeddingTable::from_config(width, &config.embedding, init, subdir, ttl_floor(config), config.train.simd)?;
     // Incremental checkpoints and exports write the rows used since the previous one.
     let incremental = config.checkpoint.incremental || config.checkpoint.export_every_steps.is_some_and(|n| n > 0);
     Ok(if incremental { table.track_last_use() } else { table })
@@ -106,5 +107,5 @@ pub fn initial_model(config: &Config, layout: &DataLayout) -> Result<DenseModel,
         num_dense: layout.num_dense,
         embedding_dim: config.model.embedding_dim,
     };
-    Ok(DenseModel::new(&config.model, shape, dense_seed, Device::Cpu)?)
+    Ok(DenseModel::new(&config.model, shape, dense_seed, Device::Cpu, config.train.simd)?)
 }

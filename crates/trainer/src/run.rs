@@ -213,12 +213,12 @@ pub fn train_observed(
 /// Says, in one line, how `model.precision = "bf16"` runs on this CPU when
 /// it is not AVX-512-BF16's own product (the bits then differ from such a
 /// machine's, or the speed is the portable kernel's).
-pub fn note_precision(model: &sparrow_core::config::ModelConfig) {
+pub fn note_precision(model: &sparrow_core::config::ModelConfig, simd: sparrow_core::simd::Simd) {
     use sparrow_core::config::{ModelKind, Precision};
     if model.precision != Precision::Bf16 || matches!(model.kind, ModelKind::Lr | ModelKind::Fm) {
         return;
     }
-    match sparrow_model::bf16::path() {
+    match sparrow_model::bf16::path(simd) {
         sparrow_model::bf16::Bf16Path::Native => {}
         path @ sparrow_model::bf16::Bf16Path::Rounded => {
             tracing::info!("model.precision = \"bf16\": {}", path.describe())
@@ -237,7 +237,7 @@ fn train_in_pool(
     observer: &(dyn Fn(&ProgressUpdate) + Sync),
 ) -> Result<TrainSummary, TrainError> {
     let train_path = data_path(&config.data.train, "train", "the training data file")?;
-    note_precision(&config.model);
+    note_precision(&config.model, config.train.simd);
     if config.checkpoint.incremental {
         tracing::warn!("checkpoint.incremental applies to sparrow launch; sparrow train writes full checkpoints");
     }

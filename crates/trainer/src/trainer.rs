@@ -207,7 +207,7 @@ impl Trainer {
             layout,
             table,
             model,
-            dense_optimizer: DenseOptimizer::new(config.dense_optimizer.clone()),
+            dense_optimizer: DenseOptimizer::new(config.dense_optimizer.clone(), config.train.simd),
             step: 0,
             position: DataPosition::default(),
             samples_trained: 0,

@@ -194,7 +194,7 @@ impl Coordinator {
         );
         let generation = self.generations.current();
         let model = self.model_with(&cut.weights)?;
-        let optimizer = sparrow_model::DenseOptimizer::new(self.config.dense_optimizer.clone());
+        let optimizer = sparrow_model::DenseOptimizer::new(self.config.dense_optimizer.clone(), self.config.train.simd);
         crate::checkpoint::write_dense(&root, cut.step, generation, &model, &optimizer)?;
         let worker_cut = WorkerCut {
             worker: 0,

@@ -18,7 +18,7 @@ use crate::messages::{Mode, SecondLevelStats};
 use crate::metrics::RoleMetrics;
 use crate::shard::ShardServer;
 use crate::transport::{ClusterError, ExportPage, PartWritten, Serving, ShardReport, ShardService};
-use sparrow_embedding::{EmbeddingDtype, FilterStats, RowFormat, TierStats};
+use sparrow_embedding::{EmbeddingDtype, FilterStats, RowFormat, Simd, TierStats};
 
 /// A pull reply: the vectors as the shard's table stores them (half the
 /// bytes in f16 or bf16; exact, since they were decoded from those words).
@@ -35,7 +35,7 @@ fn encode_rows(vectors: &[f32], format: RowFormat) -> pb::Rows {
     pb::Rows { rows, dtype: format.dtype.name().to_string(), width: format.dim as u32 }
 }
 
-fn decode_rows(reply: &pb::Rows, peer: &str) -> Result<Vec<f32>, ClusterError> {
+fn decode_rows(reply: &pb::Rows, peer: &str, simd: Simd) -> Result<Vec<f32>, ClusterError> {
     let dtype = match reply.dtype.as_str() {
         "" | "f32" => return bytes_to_f32s(&reply.rows, peer, "rows"),
         "f16" => EmbeddingDtype::F16,
@@ -47,7 +47,7 @@ fn decode_rows(reply: &pb::Rows, peer: &str) -> Result<Vec<f32>, ClusterError> {
             });
         }
     };
-    let format = RowFormat { dtype, dim: reply.width as usize, state_len: 0 };
+    let format = RowFormat { dtype, dim: reply.width as usize, state_len: 0, simd };
     let words = bytes_to_f32s(&reply.rows, peer, "rows")?;
     if format.dim == 0 || !words.len().is_multiple_of(format.vector_words()) {
         let what =
@@ -276,6 +276,8 @@ type Client = pb::shard_client::ShardClient<AuthedChannel>;
 /// A remote shard as a [`ShardService`].
 pub struct ShardClient {
     peer: Peer<Client>,
+    /// `train.simd`: how half rows received are widened (the same values either way).
+    simd: Simd,
 }
 
 impl ShardClient {
@@ -297,7 +299,14 @@ impl ShardClient {
         let (client, untimed) = (make(channels.timed.clone()), make(channels.untimed.clone()));
         Ok(ShardClient {
             peer: Peer::new(name, "shard", client, handle.clone(), metrics, settings).with_untimed(untimed),
+            simd: Simd::Auto,
         })
+    }
+
+    /// Widens the half rows it receives as `simd` allows (`train.simd`).
+    pub fn with_simd(mut self, simd: Simd) -> Self {
+        self.simd = simd;
+        self
     }
 }
 
@@ -310,7 +319,7 @@ impl ShardService for ShardClient {
 
     fn pull(&self, batch_id: u64) -> Result<Vec<f32>, ClusterError> {
         let reply = self.peer.call("pull", pb::PullRequest { batch_id }, |mut c, r| async move { c.pull(r).await })?;
-        decode_rows(&reply, &self.peer.name)
+        decode_rows(&reply, &self.peer.name, self.simd)
     }
 
     fn push(&self, batch_id: u64, grads: Vec<f32>) -> Result<(), ClusterError> {
@@ -412,20 +421,21 @@ mod tests {
     fn half_pull_replies_carry_the_stored_vectors_exactly_in_half_the_bytes() {
         let vectors: Vec<f32> = (0..15).map(|i| (i as f32 * 0.37).sin()).collect();
         for dtype in [EmbeddingDtype::F16, EmbeddingDtype::Bf16] {
-            let format = RowFormat { dtype, dim: 5, state_len: 0 };
+            let format = RowFormat { dtype, dim: 5, state_len: 0, simd: Simd::Auto };
             let mut stored = vectors.clone();
             format.round(&mut stored);
             let reply = encode_rows(&stored, format);
             assert_eq!(reply.rows.len(), 3 * 3 * 4, "3 vectors of 3 words");
-            assert_eq!(decode_rows(&reply, "shard 0").expect("decode"), stored);
+            assert_eq!(decode_rows(&reply, "shard 0", Simd::Auto).expect("decode"), stored);
             let cut = pb::Rows { rows: reply.rows[..8].to_vec(), ..reply.clone() };
-            let err = decode_rows(&cut, "shard 0").expect_err("partial vector").to_string();
+            let err = decode_rows(&cut, "shard 0", Simd::Auto).expect_err("partial vector").to_string();
             assert!(err.contains("shard 0") && err.contains("width 5"), "{err}");
         }
-        let f32s = encode_rows(&vectors, RowFormat { dtype: EmbeddingDtype::F32, dim: 5, state_len: 0 });
+        let f32s =
+            encode_rows(&vectors, RowFormat { dtype: EmbeddingDtype::F32, dim: 5, state_len: 0, simd: Simd::Auto });
         assert_eq!(f32s.rows.len(), 60);
-        assert_eq!(decode_rows(&f32s, "shard 0").expect("decode"), vectors);
+        assert_eq!(decode_rows(&f32s, "shard 0", Simd::Auto).expect("decode"), vectors);
         let odd = pb::Rows { dtype: "f8".into(), ..f32s };
-        assert!(decode_rows(&odd, "shard 0").expect_err("dtype").to_string().contains("`f8`"));
+        assert!(decode_rows(&odd, "shard 0", Simd::Auto).expect_err("dtype").to_string().contains("`f8`"));
     }
 }

@@ -65,7 +65,9 @@ pub fn sync_policy(
     links: &dyn SyncLinks,
 ) -> Result<Box<dyn SyncPolicy>, ClusterError> {
     Ok(match config.cluster.sync {
-        SyncMode::Step if num_workers > 1 => Box::new(StepPolicy::summing(index, generation, links.summer())),
+        SyncMode::Step if num_workers > 1 => {
+            Box::new(StepPolicy::summing(index, generation, links.summer(), config.train.simd))
+        }
         SyncMode::Step => Box::new(StepPolicy::alone(index, generation)),
         SyncMode::Round => Box::new(RoundPolicy::new(links.merger(), num_workers)),
         SyncMode::Lazy => Box::new(LazyPolicy::new(links.lazy_link(index)?, &config.cluster.lazy)),

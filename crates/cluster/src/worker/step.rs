@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use sparrow_core::simd::Simd;
 use sparrow_trainer::dense_sync::{DenseSync, LocalSync};
 use sparrow_trainer::engine::{StepEngine, idle_step};
 
@@ -26,17 +27,19 @@ pub struct StepPolicy {
     summer: Option<Arc<dyn RoundSummer>>,
     /// Bytes the step sums moved.
     bytes: Arc<AtomicU64>,
+    /// `train.simd`, for the finiteness check of the gradients it sends.
+    simd: Simd,
 }
 
 impl StepPolicy {
     /// A worker alone: its own gradients, no sums.
     pub fn alone(index: usize, generation: Generation) -> Self {
-        StepPolicy { index, generation, summer: None, bytes: Arc::default() }
+        StepPolicy { index, generation, summer: None, bytes: Arc::default(), simd: Simd::Auto }
     }
 
     /// Worker `index` of generation `generation`, summing at `summer`.
-    pub fn summing(index: usize, generation: Generation, summer: Arc<dyn RoundSummer>) -> Self {
-        StepPolicy { summer: Some(summer), ..StepPolicy::alone(index, generation) }
+    pub fn summing(index: usize, generation: Generation, summer: Arc<dyn RoundSummer>, simd: Simd) -> Self {
+        StepPolicy { summer: Some(summer), simd, ..StepPolicy::alone(index, generation) }
     }
 }
 
@@ -48,7 +51,7 @@ impl SyncPolicy for StepPolicy {
     fn dense_sync(&mut self) -> Box<dyn DenseSync> {
         match &self.summer {
             Some(summer) => Box::new(
-                RoundSync::new(self.index, summer.clone())
+                RoundSync::new(self.index, summer.clone(), self.simd)
                     .in_generation(self.generation)
                     .counting_bytes(self.bytes.clone()),
             ),

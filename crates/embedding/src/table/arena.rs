@@ -128,7 +128,12 @@ mod tests {
     #[test]
     fn slot_split_by_multiply_shift_equals_division() {
         for row_len in [1usize, 2, 3, 17, 32, 33, 63, 130, 1000, 40_000] {
-            let format = RowFormat { dtype: crate::dtype::EmbeddingDtype::F32, dim: 1, state_len: row_len - 1 };
+            let format = RowFormat {
+                dtype: crate::dtype::EmbeddingDtype::F32,
+                dim: 1,
+                state_len: row_len - 1,
+                simd: crate::dtype::Simd::Auto,
+            };
             let layout = Layout::new(format);
             let d = layout.chunk_rows;
             for slot in (0..200_000u32).chain([u32::MAX - 1, u32::MAX - d, 1 << 31, (1 << 31) + 7]) {

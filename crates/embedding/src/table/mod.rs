@@ -21,6 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use parking_lot::RwLock;
 use rayon::prelude::*;
 use sparrow_core::config::{CachePolicy, Rounding};
+use sparrow_core::simd::Simd;
 
 mod arena;
 mod cache;
@@ -199,7 +200,7 @@ impl EmbeddingTable {
         shards: usize,
     ) -> Self {
         assert!(shards.is_power_of_two(), "table shards must be a power of two");
-        let layout = Layout::new(RowFormat { dtype, dim, state_len: optimizer.state_len(dim) });
+        let layout = Layout::new(RowFormat { dtype, dim, state_len: optimizer.state_len(dim), simd: Simd::Auto });
         let shard_mask = shards as u64 - 1;
         let shards = (0..shards)
             .map(|_| {
@@ -225,6 +226,13 @@ impl EmbeddingTable {
             sweep_every: 0,
             stochastic_seed: None,
         }
+    }
+
+    /// `train.simd`: whether the rows' conversions and steps may take their
+    /// SIMD kernels (the same bits either way).
+    pub fn with_simd(mut self, simd: Simd) -> Self {
+        self.layout.format.simd = simd;
+        self
     }
 
     /// `embedding.rounding`: with `Stochastic` on a half table, updated
@@ -304,6 +312,7 @@ impl EmbeddingTable {
         init: Initializer,
         subdir: Option<&str>,
         ttl_floor: u64,
+        simd: Simd,
     ) -> Result<Self, TableError> {
         let optimizer = SparseOptimizer::from_config(config);
         let filters = FeatureFilters {
@@ -312,7 +321,9 @@ impl EmbeddingTable {
             ttl_steps: config.ttl_steps,
             ttl_floor,
         };
-        let table = Self::typed(dim, config.dtype, optimizer, init, config.table_shards).with_rounding(config.rounding);
+        let table = Self::typed(dim, config.dtype, optimizer, init, config.table_shards)
+            .with_simd(simd)
+            .with_rounding(config.rounding);
         let table = match (config.storage, &config.path) {
             (sparrow_core::config::Storage::Ssd, Some(path)) => {
                 let mut dir = std::path::PathBuf::from(path);

@@ -96,6 +96,7 @@ pub(crate) const FM_ROWS_AT_ONCE: usize = 8;
 /// fields; FM's over the fields, then over k), one row after the other,
 /// left the adder waiting on its own latency.
 pub(crate) fn first_order_fm_rows(
+    simd: Simd,
     x: &[f32],
     stride: usize,
     (f, w): (usize, usize),
@@ -108,7 +109,7 @@ pub(crate) fn first_order_fm_rows(
     let d = w.saturating_sub(1);
     let sums = &mut sums[..n * d];
     #[cfg(target_arch = "x86_64")]
-    if sparrow_core::simd::allowed() && std::arch::is_x86_feature_detected!("avx2") {
+    if simd.allows() && std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: AVX2 was detected just above.
         #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
         unsafe {
@@ -377,13 +378,13 @@ pub(crate) struct GradRows<'a> {
 /// gradient written to the first `f·w` floats of `grad[r·stride..]`, and a
 /// [`WrittenSum`] of them. Compiled for AVX2 where the CPU has it (the same
 /// operations: the same bits).
-pub(crate) fn first_order_fm_grad_rows(rows: GradRows<'_>, grad: &mut [f32]) -> WrittenSum {
+pub(crate) fn first_order_fm_grad_rows(simd: Simd, rows: GradRows<'_>, grad: &mut [f32]) -> WrittenSum {
     let (n, (f, w)) = (rows.seeds.len(), rows.shape);
     let d = w.saturating_sub(1);
     assert!(n == 0 || rows.x.len().min(grad.len()) >= (n - 1) * rows.stride + f * w, "rows of the block");
     assert!(!rows.second_order || rows.sums.len() >= n * d, "Σ v of every row");
     #[cfg(target_arch = "x86_64")]
-    if sparrow_core::simd::allowed() && std::arch::is_x86_feature_detected!("avx2") {
+    if simd.allows() && std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: AVX2 was detected just above.
         #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
         return unsafe { first_order_fm_grad_rows_avx2(rows, grad) };

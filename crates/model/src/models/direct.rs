@@ -16,8 +16,8 @@ use rayon::prelude::*;
 use super::{DenseModel, Net};
 use crate::ModelError;
 use crate::fused::{
-    FM_ROWS_AT_ONCE, GradRows, RowBuf, Vectors, first_order_fm_grad_rows, first_order_fm_rows, pairwise_dots_grad_row,
-    pairwise_dots_row,
+    FM_ROWS_AT_ONCE, GradRows, RowBuf, Simd, Vectors, first_order_fm_grad_rows, first_order_fm_rows,
+    pairwise_dots_grad_row, pairwise_dots_row,
 };
 use crate::mlp::{CrossGrads, Mlp, MlpScratch, cpu, cross_backward, cross_forward, sized};
 use crate::optimizer::{DenseGrads, all_finite};
@@ -72,6 +72,7 @@ struct FirstOrderTerms {
     /// The dense values' weights and bias.
     lin: Option<(Vec<f32>, f32)>,
     bias: f32,
+    simd: Simd,
 }
 
 impl FirstOrderTerms {
@@ -84,7 +85,7 @@ impl FirstOrderTerms {
     /// The logits of a block of rows `x` into `out`, FM's Σ_f v_f into `sums`.
     fn logits(&self, x: &[f32], sums: &mut [f32], out: &mut [f32]) {
         let (f, w, row) = (self.fields, self.width, self.row);
-        first_order_fm_rows(x, row, (f, w), self.fm, sums, out);
+        first_order_fm_rows(self.simd, x, row, (f, w), self.fm, sums, out);
         // Each row's dense dot product in order, row after row: the rows'
         // chains overlap (side by side, the compiler gathered the rows'
         // values into registers one lane at a time).
@@ -103,6 +104,7 @@ impl FirstOrderTerms {
     fn input_grads(&self, x: &[f32], seed: &[f32], sums: &[f32], grad: &mut [f32]) -> bool {
         let (f, w, row) = (self.fields, self.width, self.row);
         let mut written = first_order_fm_grad_rows(
+            self.simd,
             GradRows { x, stride: row, shape: (f, w), seeds: seed, second_order: self.fm, sums },
             grad,
         );
@@ -118,7 +120,7 @@ impl FirstOrderTerms {
         }
         // A sum that proves nothing (a NaN, or finite values past f32's
         // range) sends the block to the exact check.
-        written.proves_finite() || all_finite(grad)
+        written.proves_finite() || all_finite(self.simd, grad)
     }
 }
 
@@ -182,7 +184,15 @@ impl DenseModel {
     fn first_order_terms(&self, lin: &Option<Linear>, fm: bool) -> Result<FirstOrderTerms, ModelError> {
         let lin = lin.as_ref().map(|l| Ok::<_, ModelError>((values(l.weight())?, values(l.bias())?[0]))).transpose()?;
         let bias = self.bias.as_ref().map(values).transpose()?.map_or(0.0, |b| b[0]);
-        Ok(FirstOrderTerms { fields: self.shape.num_fields, width: self.width(), row: self.row_len(), fm, lin, bias })
+        Ok(FirstOrderTerms {
+            fields: self.shape.num_fields,
+            width: self.width(),
+            row: self.row_len(),
+            fm,
+            lin,
+            bias,
+            simd: self.simd,
+        })
     }
 
     /// LR's and FM's whole step in one pass over the batch: each task's rows
@@ -330,6 +340,7 @@ impl DenseModel {
             return Err(ModelError::BadInput { what: "input rows", len: x.len(), rows, per_row: row });
         }
         let (f, nd, d) = (self.shape.num_fields, self.shape.num_dense, self.shape.embedding_dim);
+        let simd = self.simd;
         let deep = |mlp: &Mlp, x: &[f32], s: &mut MlpScratch| mlp.forward_cpu(x, rows, s);
         Ok(match &self.net {
             Net::Lr { dense: lin } => self.first_order(lin, false, x, &mut s.fm_sums)?,
@@ -364,12 +375,12 @@ impl DenseModel {
                 rows_in.for_each_init(RowBuf::default, |buf, (r, (top_in, x))| {
                     let head = &below[r * lead..(r + 1) * lead];
                     top_in[..lead].copy_from_slice(head);
-                    pairwise_dots_row(Vectors { head, tail: &x[..f * d], d }, &mut top_in[lead..], buf);
+                    pairwise_dots_row(simd, Vectors { head, tail: &x[..f * d], d }, &mut top_in[lead..], buf);
                 });
                 deep(top, &s.x, &mut s.deep)?;
                 s.deep.output.clone()
             }
-            Net::Dcn { cross, deep: mlp, precision } => {
+            Net::Dcn { cross, deep: mlp, arith } => {
                 // The input rows are x₀.
                 let x_dim = f * d + nd;
                 s.cross_out.resize_with(cross.len(), Vec::new);
@@ -382,7 +393,7 @@ impl DenseModel {
                     // Both overwritten whole.
                     let out = sized(&mut rest[0], rows * x_dim);
                     let gate = sized(&mut s.gates[l], rows * x_dim);
-                    cross_forward(*precision, x_dim, (x, input), (w, b), gate, out);
+                    cross_forward(*arith, x_dim, (x, input), (w, b), gate, out);
                 }
                 let input: &[f32] = s.cross_out.last().map_or(x, |v| v);
                 deep(mlp, input, &mut s.deep)?;
@@ -399,6 +410,7 @@ impl DenseModel {
         let rows = seed.len();
         let row = self.row_len();
         let (f, nd, d) = (self.shape.num_fields, self.shape.num_dense, self.shape.embedding_dim);
+        let simd = self.simd;
         let mut grads: Grads<'_> = Vec::new();
         match &self.net {
             // (Training takes `first_order_step` for these two: this is its reference.)
@@ -437,7 +449,7 @@ impl DenseModel {
                 rows_in.for_each_init(RowBuf::default, |buf, (r, (((grad, grad_below), x), g))| {
                     let v = Vectors { head: &below[r * lead..(r + 1) * lead], tail: &x[..f * d], d };
                     let grad_below = &mut grad_below[..lead];
-                    pairwise_dots_grad_row(v, &g[lead..], (&mut *grad_below, &mut grad[..f * d]), buf);
+                    pairwise_dots_grad_row(simd, v, &g[lead..], (&mut *grad_below, &mut grad[..f * d]), buf);
                     grad_below.iter_mut().zip(&g[..lead]).for_each(|(a, g)| *a += g);
                 });
                 if let Some(mlp) = bottom {
@@ -449,7 +461,7 @@ impl DenseModel {
                     out[f * d..].copy_from_slice(&from_below[r * nd..(r + 1) * nd]);
                 });
             }
-            Net::Dcn { cross, deep, precision } => {
+            Net::Dcn { cross, deep, arith } => {
                 let x_dim = f * d + nd;
                 let input: &[f32] = s.cross_out.last().map_or(x, |v| v);
                 grads.push((deep.params(), deep.backward_cpu(input, seed, &mut s.deep)?));
@@ -466,7 +478,7 @@ impl DenseModel {
                     let (mut dw, mut db) = (vec![0.0f32; x_dim * x_dim], vec![0.0f32; x_dim]);
                     let dxl = sized(&mut s.grad_in, rows * x_dim); // overwritten whole
                     let to = CrossGrads { x0: &mut s.grad_x, w: &mut dw, b: &mut db, xl: dxl };
-                    cross_backward(*precision, x_dim, (x, input, w), &s.gates[l], &g, &mut s.grad_gate, to);
+                    cross_backward(*arith, x_dim, (x, input, w), &s.gates[l], &g, &mut s.grad_gate, to);
                     grads.push((layer.weight(), dw));
                     grads.push((layer.bias(), db));
                     std::mem::swap(&mut g, &mut s.grad_in);
@@ -544,7 +556,7 @@ mod tests {
         ] {
             let shape = ModelShape { num_fields: 5, num_dense, embedding_dim: 16 };
             let config = ModelConfig { kind, embedding_dim: 16, ..Default::default() };
-            let model = DenseModel::new(&config, shape, 3, Device::Cpu).expect("model");
+            let model = DenseModel::new(&config, shape, 3, Device::Cpu, sparrow_core::simd::Simd::Auto).expect("model");
             let (rows, row) = (77, model.row_len());
             let labels: Vec<f32> = (0..rows).map(|i| (i % 3 == 0) as u8 as f32).collect();
             let weights: Vec<f32> = (0..rows).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
