@@ -10,13 +10,11 @@
 //! weights (and backs them up) and answers every aggregator, which hands
 //! them to its workers that have not finished.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
-
-use parking_lot::{Condvar, Mutex};
 
 use crate::generation::Generation;
 use crate::lazy::{Aggregated, Contribution, Member, Partial, partial_sum};
+use crate::rendezvous::{Parted, Rendezvous};
 use crate::transport::ClusterError;
 
 /// Where an aggregator sends its partial sums: the scheduler.
@@ -25,18 +23,9 @@ pub trait PartialSink: Send + Sync {
 }
 
 /// What the scheduler answered for an instruction, shared by the
-/// aggregator's waiting workers.
+/// aggregator's waiting workers: its error says whether the scheduler may
+/// have died (the workers then rejoin) or refused the sum.
 type Outcome = Result<(Aggregated, Arc<Vec<f32>>), (bool, String)>;
-
-struct Open {
-    instruction: u64,
-    /// This aggregator's participants of the instruction.
-    expected: Vec<usize>,
-    received: BTreeMap<usize, Contribution>,
-    outcome: Option<Outcome>,
-    /// Participants that took the outcome (the instruction is dropped after the last).
-    taken: usize,
-}
 
 /// Aggregator `index` for one generation of the job.
 pub struct AggregatorServer {
@@ -46,12 +35,11 @@ pub struct AggregatorServer {
     mapping: Vec<usize>,
     aggregators: usize,
     upstream: Arc<dyn PartialSink>,
-    /// Instructions in progress, by id: at most one still summing, and
-    /// answered ones until every participant took the answer (a finished
-    /// worker may take it after the next instruction began).
-    open: Mutex<BTreeMap<u64, Open>>,
-    changed: Condvar,
-    failed: Mutex<Option<String>>,
+    /// An instruction's participants that belong here meet at its number:
+    /// at most one still summing, and answered ones until every participant
+    /// took the answer (a finished worker may take it after the next
+    /// instruction began). The last to arrive sends the partial sum.
+    meet: Rendezvous<Contribution, Outcome>,
 }
 
 impl AggregatorServer {
@@ -59,7 +47,7 @@ impl AggregatorServer {
         index: usize,
         generation: Generation,
         mapping: Vec<usize>,
-        aggregators: usize,
+        (workers, aggregators): (usize, usize),
         upstream: Arc<dyn PartialSink>,
     ) -> Self {
         AggregatorServer {
@@ -68,9 +56,7 @@ impl AggregatorServer {
             mapping,
             aggregators: aggregators.max(1),
             upstream,
-            open: Mutex::new(BTreeMap::new()),
-            changed: Condvar::new(),
-            failed: Mutex::new(None),
+            meet: Rendezvous::new("instruction", workers, generation).one_at_a_time(),
         }
     }
 
@@ -85,14 +71,6 @@ impl AggregatorServer {
     /// A worker's contribution: blocks until the scheduler answered the
     /// aggregation; the new weights, or none to a worker whose data is finished.
     pub fn contribute(&self, c: Contribution) -> Result<Aggregated, ClusterError> {
-        if c.generation != self.generation {
-            return Err(ClusterError::StaleGeneration {
-                peer: self.name(),
-                what: format!("worker {}'s contribution", c.worker),
-                found: c.generation,
-                serving: self.generation,
-            });
-        }
         if !self.owns(c.worker) {
             return Err(ClusterError::Setup(format!(
                 "{}: worker {} belongs to another aggregator (cluster.lazy.aggregator_of)",
@@ -100,79 +78,33 @@ impl AggregatorServer {
                 c.worker
             )));
         }
-        let (worker, finished, id) = (c.worker, c.finished, c.instruction);
-        let mut open = self.open.lock();
-        if !open.contains_key(&id) {
-            if let Some(o) = open.values().find(|o| o.outcome.is_none()) {
-                return Err(ClusterError::Setup(format!(
-                    "{}: worker {worker} sent for instruction {id} while instruction {} is still open",
-                    self.name(),
-                    o.instruction
-                )));
-            }
-            let expected: Vec<usize> = c.participants.iter().copied().filter(|&w| self.owns(w)).collect();
-            open.insert(id, Open { instruction: id, expected, received: BTreeMap::new(), outcome: None, taken: 0 });
-        }
-        let Some(o) = open.get_mut(&id) else {
-            return Err(ClusterError::Setup(format!("{}: instruction {id} vanished", self.name())));
-        };
-        if !o.expected.contains(&worker) || o.received.contains_key(&worker) || o.outcome.is_some() {
-            return Err(ClusterError::Setup(format!(
-                "{}: worker {worker} is not expected for instruction {id}",
-                self.name()
-            )));
-        }
-        o.received.insert(worker, c);
-        if o.received.len() == o.expected.len() {
-            let partial = self.partial(o);
-            drop(open);
-            let outcome = match partial {
+        let (worker, finished, id, generation) = (c.worker, c.finished, c.instruction, c.generation);
+        let mine: Vec<usize> = c.participants.iter().copied().filter(|&w| self.owns(w)).collect();
+        let answered = self.meet.arrive_among(generation, id, worker, &mine, c, |received| {
+            // Every waiting worker gets the outcome, an error included.
+            Ok(match self.partial(id, &received) {
                 Ok(partial) => {
                     crate::faults::point("aggregator.partial");
                     self.upstream.contribute_partial(partial).map_err(|e| (e.may_be_a_death(), e.to_string()))
                 }
-                // Every waiting worker gets the error, not a wait.
                 Err(e) => Err((false, e.to_string())),
-            };
-            open = self.open.lock();
-            if let Some(o) = open.get_mut(&id) {
-                o.outcome = Some(outcome);
-            }
-            self.changed.notify_all();
-        }
-        loop {
-            if let Some(reason) = self.failed.lock().clone() {
-                return Err(ClusterError::Rpc { peer: self.name(), method: "contribute", message: reason });
-            }
-            let outcome = open.get_mut(&id).and_then(|o| {
-                let outcome = o.outcome.clone()?;
-                o.taken += 1;
-                Some((outcome, o.taken == o.expected.len()))
-            });
-            let outcome = outcome.map(|(outcome, last)| {
-                if last {
-                    open.remove(&id);
-                }
-                outcome
-            });
-            match outcome {
-                Some(Ok((aggregated, weights))) => {
-                    return Ok(Aggregated { weights: (!finished).then_some(weights), ..aggregated });
-                }
-                Some(Err((true, message))) => {
-                    return Err(ClusterError::Rpc { peer: self.name(), method: "contribute", message });
-                }
-                Some(Err((false, message))) => return Err(ClusterError::Setup(format!("{}: {message}", self.name()))),
-                None => {}
-            }
-            self.changed.wait_for(&mut open, std::time::Duration::from_millis(100));
+            })
+        });
+        let name = self.name();
+        match answered {
+            Ok(Ok((aggregated, weights))) => Ok(Aggregated { weights: (!finished).then_some(weights), ..aggregated }),
+            Ok(Err((true, message))) => Err(ClusterError::Rpc { peer: name, method: "contribute", message }),
+            Ok(Err((false, message))) => Err(ClusterError::Setup(format!("{name}: {message}"))),
+            Err(Parted::Failed(message)) => Err(ClusterError::Rpc { peer: name, method: "contribute", message }),
+            Err(Parted::Refused(reason)) => Err(ClusterError::Setup(format!("{name}: {reason}"))),
+            Err(parted) => Err(parted.into_cluster_error(&name, || format!("worker {worker}'s contribution"))),
         }
     }
 
-    /// The partial sum over the received contributions, in worker order.
-    fn partial(&self, o: &Open) -> Result<Partial, ClusterError> {
-        let len = o.received.values().next().map_or(0, |c| c.values.len());
-        if let Some(c) = o.received.values().find(|c| c.values.len() != len) {
+    /// The partial sum over the received contributions (in worker order).
+    fn partial(&self, instruction: u64, received: &[Contribution]) -> Result<Partial, ClusterError> {
+        let len = received.first().map_or(0, |c| c.values.len());
+        if let Some(c) = received.iter().find(|c| c.values.len() != len) {
             return Err(ClusterError::Setup(format!(
                 "{}: worker {} sent {} values, another {len}",
                 self.name(),
@@ -180,23 +112,20 @@ impl AggregatorServer {
                 c.values.len()
             )));
         }
-        let list: Vec<(&[f32], f64)> = o.received.values().map(|c| (c.values.as_slice(), c.coefficient)).collect();
+        let list: Vec<(&[f32], f64)> = received.iter().map(|c| (c.values.as_slice(), c.coefficient)).collect();
         let (sum, weight) = partial_sum(&list, len);
-        let members = o.received.values().map(Member::of).collect();
-        Ok(Partial {
-            aggregator: self.index,
-            generation: self.generation,
-            instruction: o.instruction,
-            sum,
-            weight,
-            members,
-        })
+        let members = received.iter().map(Member::of).collect();
+        Ok(Partial { aggregator: self.index, generation: self.generation, instruction, sum, weight, members })
     }
 
     /// This generation is over: every waiting worker gets an error.
     pub fn fail(&self, reason: String) {
-        self.failed.lock().get_or_insert(reason);
-        self.changed.notify_all();
+        self.meet.fail(reason);
+    }
+
+    /// Blocks until `n` workers wait at instruction `id` (tests order by it).
+    pub fn wait_for_waiters(&self, id: u64, n: usize) {
+        self.meet.wait_for_waiters(id, n);
     }
 }
 
@@ -241,7 +170,13 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(2));
             let aggregators: Vec<Arc<AggregatorServer>> = (0..2)
                 .map(|i| {
-                    Arc::new(AggregatorServer::new(i, Generation(1), vec![], 2, lazy.clone() as Arc<dyn PartialSink>))
+                    Arc::new(AggregatorServer::new(
+                        i,
+                        Generation(1),
+                        vec![],
+                        (3, 2),
+                        lazy.clone() as Arc<dyn PartialSink>,
+                    ))
                 })
                 .collect();
             std::thread::scope(|scope| {
@@ -292,7 +227,7 @@ mod tests {
     #[test]
     fn a_finished_worker_gets_its_answer_after_the_next_instruction_began() {
         for _ in 0..200 {
-            let a = Arc::new(AggregatorServer::new(0, Generation(1), vec![], 1, Arc::new(Echo)));
+            let a = Arc::new(AggregatorServer::new(0, Generation(1), vec![], (2, 1), Arc::new(Echo)));
             let (tx, rx) = crossbeam_channel::bounded(1);
             let finished = {
                 let a = a.clone();
@@ -304,7 +239,7 @@ mod tests {
             };
             // Worker 0 waits in its contribution; worker 1 completes
             // instruction 1, then sends for instruction 2 alone.
-            std::thread::sleep(std::time::Duration::from_millis(2));
+            a.wait_for_waiters(1, 1);
             let first = a.contribute(contribution(1, 1, &[0, 1], vec![2.0], 1.0)).expect("instruction 1");
             assert_eq!(first.job_batches, 1);
             let second = a.contribute(contribution(1, 2, &[1], vec![3.0], 1.0)).expect("instruction 2");
@@ -322,7 +257,7 @@ mod tests {
     #[test]
     fn a_worker_of_another_aggregator_or_generation_is_refused() {
         let lazy = Arc::new(Lazy::new(&LazyConfig::default(), 2, 2, 0.1, vec![0.0]));
-        let a = AggregatorServer::new(0, Generation(1), vec![], 2, lazy as Arc<dyn PartialSink>);
+        let a = AggregatorServer::new(0, Generation(1), vec![], (2, 2), lazy as Arc<dyn PartialSink>);
         let err = a.contribute(contribution(1, 1, &[0, 1], vec![1.0], 1.0)).expect_err("worker 1 is aggregator 1's");
         assert!(err.to_string().contains("belongs to another aggregator"), "{err}");
         let mut stale = contribution(0, 1, &[0, 1], vec![1.0], 1.0);

@@ -1,5 +1,7 @@
 //! The one meeting point of the cluster's rendezvous: a worker's gradient
-//! round (S0.6), a round merge (S2), a checkpoint cut. Members arrive at a
+//! round (S0.6), a round merge (S2), a checkpoint cut, an aggregator's
+//! share of a lazy instruction (S4: only the instruction's participants
+//! meet, [`Rendezvous::arrive_among`]). Members arrive at a
 //! meeting (keyed by round or step) with a value; once every member has made
 //! its last arrival, the member that completed it *closes* the meeting — it
 //! computes the result from every member's value, outside the lock (a close
@@ -58,6 +60,9 @@ impl Parted {
 struct Meeting<A, R> {
     arrivals: Vec<Option<A>>,
     last: Vec<bool>,
+    /// The members this meeting waits for (all, unless its first arrival
+    /// named them: [`Rendezvous::arrive_among`]).
+    expected: Vec<bool>,
     /// Set once closed; every member takes a copy.
     outcome: Option<Result<R, String>>,
     taken: usize,
@@ -65,7 +70,26 @@ struct Meeting<A, R> {
 
 impl<A, R> Meeting<A, R> {
     fn new(members: usize) -> Self {
-        Meeting { arrivals: (0..members).map(|_| None).collect(), last: vec![false; members], outcome: None, taken: 0 }
+        Meeting {
+            arrivals: (0..members).map(|_| None).collect(),
+            last: vec![false; members],
+            expected: vec![true; members],
+            outcome: None,
+            taken: 0,
+        }
+    }
+
+    /// Every expected member made its last arrival.
+    fn complete(&self) -> bool {
+        self.last.iter().zip(&self.expected).all(|(&last, &expected)| last || !expected)
+    }
+
+    fn all_arrived(&self) -> bool {
+        self.arrivals.iter().zip(&self.expected).all(|(a, &expected)| a.is_some() || !expected)
+    }
+
+    fn expected_count(&self) -> usize {
+        self.expected.iter().filter(|&&e| e).count()
     }
 }
 
@@ -163,6 +187,7 @@ impl<A, R: Clone> Rendezvous<A, R> {
         generation: Generation,
         key: u64,
         member: usize,
+        among: Option<&[usize]>,
     ) -> Result<&'s mut Meeting<A, R>, Parted> {
         if let Some(reason) = &state.failed {
             return Err(Parted::Failed(reason.clone()));
@@ -182,7 +207,16 @@ impl<A, R: Clone> Rendezvous<A, R> {
             )));
         }
         let members = self.members;
-        let meeting = state.meetings.entry(key).or_insert_with(|| Meeting::new(members));
+        let meeting = state.meetings.entry(key).or_insert_with(|| {
+            let mut meeting = Meeting::new(members);
+            if let Some(among) = among {
+                meeting.expected = (0..members).map(|m| among.contains(&m)).collect();
+            }
+            meeting
+        });
+        if !meeting.expected[member] {
+            return Err(Parted::Refused(format!("worker {member} is not expected at {} {key}", self.what)));
+        }
         if meeting.last[member] {
             return Err(Parted::Refused(format!(
                 "worker {member} arrived at {} {key} after its last arrival",
@@ -204,7 +238,7 @@ impl<A, R: Clone> Rendezvous<A, R> {
         add: impl FnOnce(&mut Option<A>, Option<&A>) -> Result<(), String>,
     ) -> Result<(), Parted> {
         let mut state = self.state.lock();
-        let meeting = self.admit(&mut state, generation, key, member)?;
+        let meeting = self.admit(&mut state, generation, key, member, None)?;
         let other = meeting.arrivals.iter().enumerate().find(|(i, a)| *i != member && a.is_some());
         let other_index = other.map(|(i, _)| i);
         let (mine, other) = match other_index {
@@ -234,12 +268,12 @@ impl<A, R: Clone> Rendezvous<A, R> {
             if state.generation != generation {
                 return Err(Parted::NewGeneration(state.generation));
             }
-            let all = state.meetings.get(&key).is_none_or(|m| m.arrivals.iter().all(Option::is_some));
+            let all = state.meetings.get(&key).is_none_or(Meeting::all_arrived);
             if all {
                 return Ok(true);
             }
             if self.changed.wait_until(&mut state, deadline).timed_out() {
-                let all = state.meetings.get(&key).is_none_or(|m| m.arrivals.iter().all(Option::is_some));
+                let all = state.meetings.get(&key).is_none_or(Meeting::all_arrived);
                 return Ok(all);
             }
         }
@@ -257,11 +291,22 @@ impl<A, R: Clone> Rendezvous<A, R> {
         member: usize,
         close: impl FnOnce(Vec<A>) -> Result<R, String>,
     ) -> Result<R, Parted> {
+        self.finish_among(generation, key, member, None, close)
+    }
+
+    fn finish_among(
+        &self,
+        generation: Generation,
+        key: u64,
+        member: usize,
+        among: Option<&[usize]>,
+        close: impl FnOnce(Vec<A>) -> Result<R, String>,
+    ) -> Result<R, Parted> {
         let mut state = self.state.lock();
-        let meeting = self.admit(&mut state, generation, key, member)?;
+        let meeting = self.admit(&mut state, generation, key, member, among)?;
         meeting.last[member] = true;
         self.changed.notify_all();
-        if meeting.last.iter().all(|&l| l) {
+        if meeting.complete() {
             let values: Vec<A> = meeting.arrivals.iter_mut().filter_map(Option::take).collect();
             drop(state);
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| close(values)))
@@ -294,13 +339,39 @@ impl<A, R: Clone> Rendezvous<A, R> {
             };
             if let Some(outcome) = meeting.outcome.clone() {
                 meeting.taken += 1;
-                if meeting.taken == self.members {
+                if meeting.taken == meeting.expected_count() {
                     state.meetings.remove(&key);
                 }
                 return outcome.map_err(Parted::CloseFailed);
             }
             self.changed.wait(&mut state);
         }
+    }
+
+    /// One arrival, the member's last, at a meeting of only the members
+    /// `among` (the first arrival names them; a member outside them is
+    /// refused): it closes once each of them arrived, and is dropped once
+    /// each took the result.
+    pub fn arrive_among(
+        &self,
+        generation: Generation,
+        key: u64,
+        member: usize,
+        among: &[usize],
+        value: A,
+        close: impl FnOnce(Vec<A>) -> Result<R, String>,
+    ) -> Result<R, Parted> {
+        {
+            let what = self.what;
+            let mut state = self.state.lock();
+            let meeting = self.admit(&mut state, generation, key, member, Some(among))?;
+            if meeting.arrivals[member].is_some() {
+                return Err(Parted::Refused(format!("worker {member} arrived at {what} {key} twice")));
+            }
+            meeting.arrivals[member] = Some(value);
+            self.changed.notify_all();
+        }
+        self.finish_among(generation, key, member, Some(among), close)
     }
 
     /// One arrival that is also the member's last: `add`'s check, then [`finish`](Self::finish).
@@ -393,6 +464,36 @@ mod tests {
         };
         assert_eq!(r.arrive(Generation(2), 0, 1, 2, any, sum), Ok(3));
         assert_eq!(other.join().expect("thread"), Ok(3));
+    }
+
+    /// A meeting of some members only (a lazy instruction's participants
+    /// at their aggregator): it closes once they all arrived, refuses any
+    /// other member, and an answered meeting stays for a member that has
+    /// not taken its result while the next one gathers.
+    #[test]
+    fn a_meeting_among_some_members_waits_for_them_only() {
+        let r = Arc::new(Sum::new("instruction", 4, Generation(1)).one_at_a_time());
+        let slow = {
+            let r = r.clone();
+            std::thread::spawn(move || r.arrive_among(Generation(1), 1, 3, &[1, 3], 30, sum))
+        };
+        r.wait_for_waiters(1, 1);
+        assert!(
+            matches!(r.arrive_among(Generation(1), 1, 0, &[1, 3], 5, sum), Err(Parted::Refused(m)) if m.contains("not expected")),
+            "member 0 is not among the meeting's"
+        );
+        assert_eq!(r.arrive_among(Generation(1), 1, 1, &[1, 3], 10, sum), Ok(40));
+        // Member 1 goes on to the next meeting, whether or not member 3 has
+        // taken its result yet (an answered meeting is no open one).
+        let next = {
+            let r = r.clone();
+            std::thread::spawn(move || r.arrive_among(Generation(1), 2, 1, &[1, 2], 1, sum))
+        };
+        r.wait_for_waiters(2, 1);
+        assert_eq!(slow.join().expect("thread"), Ok(40), "the answered meeting waited for its last taker");
+        assert_eq!(r.arrive_among(Generation(1), 2, 2, &[1, 2], 2, sum), Ok(3));
+        assert_eq!(next.join().expect("thread"), Ok(3));
+        assert_eq!((r.arrived(1), r.arrived(2)), (0, 0), "no arrivals are left behind");
     }
 
     #[test]

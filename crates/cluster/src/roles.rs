@@ -517,7 +517,7 @@ pub fn run_aggregator(args: &RoleArgs) -> Result<(), ClusterError> {
             index,
             generation.number,
             config.cluster.lazy.aggregator_of.clone(),
-            reg.num_aggregators,
+            (reg.num_workers, reg.num_aggregators),
             upstream.clone(),
         );
         if let Some(old) = serving.set(Some(Arc::new(next))) {
