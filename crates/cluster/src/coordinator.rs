@@ -42,7 +42,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use crate::lock_order::{OrderedMutex, Rank};
 use serde::Serialize;
 use sparrow_core::Config;
 use sparrow_core::config::SyncMode;
@@ -154,15 +154,19 @@ pub trait ShardDialer: Send + Sync {
 /// the commits' `exports` are leaves too: no other lock is taken while one
 /// is held. No disk I/O runs under any lock an RPC waits for: manifests and
 /// checkpoints are read before a part is locked, or after, by the caller
-/// that starts a generation. `architecture.rs` checks that no struct has
-/// more than three locks; the parts' unit tests check each on its own.
+/// that starts a generation. Every one of these locks is a
+/// [`lock_order::OrderedMutex`](crate::lock_order::OrderedMutex) ranked as
+/// said here (the lazy scheduler's state ranks between: it reads its
+/// conditions and backup targets under it): a thread that takes them out
+/// of order panics naming both, in every test that runs the coordinator.
+/// `architecture.rs` checks that no struct has more than three locks.
 pub struct Coordinator {
     config: Config,
     config_toml: String,
     num_shards: usize,
     num_workers: usize,
     timeouts: Timeouts,
-    state: Mutex<JobState>,
+    state: OrderedMutex<JobState>,
     members: Membership,
     generations: Generations,
     hub: SyncHub,
@@ -217,7 +221,7 @@ impl Coordinator {
                 connect,
                 registration: Instant::now() + connect,
             },
-            state: Mutex::new(JobState::Running),
+            state: OrderedMutex::new(Rank::Leaf, "coordinator.state", JobState::Running),
             members: Membership::new(num_shards, num_workers),
             hub: SyncHub::new(config, num_workers, 1, Generation::FIRST, restore)?,
             commits: Commits::new(config, num_workers, Generation::FIRST, restore),
@@ -722,6 +726,7 @@ impl LazyLink for Coordinator {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use parking_lot::Mutex;
     use sparrow_core::Overrides;
 
     fn config(overrides: &[&str]) -> Config {

@@ -29,7 +29,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Condvar;
+
+use crate::lock_order::{OrderedMutex, Rank};
 use serde::Serialize;
 use sparrow_core::config::{Combine, LazyConfig, LazySend, Utilisation};
 
@@ -264,11 +266,11 @@ pub struct Lazy {
     workers: usize,
     aggregators: usize,
     learning_rate: f64,
-    state: Mutex<State>,
+    state: OrderedMutex<State>,
     changed: Condvar,
-    conditions: Mutex<Conditions>,
+    conditions: OrderedMutex<Conditions>,
     /// Where backups go and what commits them.
-    backups: Mutex<BackupTargets>,
+    backups: OrderedMutex<BackupTargets>,
     /// The job's batches and samples before this scheduler started (the restored checkpoint's).
     base: (u64, u64),
 }
@@ -325,25 +327,29 @@ impl Lazy {
             workers,
             aggregators: aggregators.max(1),
             learning_rate,
-            state: Mutex::new(State {
-                since: vec![0; workers],
-                gone: vec![false; workers],
-                finished: vec![false; workers],
-                pending: None,
-                next_id: 1,
-                weights,
-                held: None,
-                last_issued: std::time::Instant::now(),
-                last_backup: None,
-                last_committed: None,
-                backups_pending: 0,
-                position: Default::default(),
-                report: LazyReport::default(),
-                failed: None,
-            }),
+            state: OrderedMutex::new(
+                Rank::LazyState,
+                "lazy.state",
+                State {
+                    since: vec![0; workers],
+                    gone: vec![false; workers],
+                    finished: vec![false; workers],
+                    pending: None,
+                    next_id: 1,
+                    weights,
+                    held: None,
+                    last_issued: std::time::Instant::now(),
+                    last_backup: None,
+                    last_committed: None,
+                    backups_pending: 0,
+                    position: Default::default(),
+                    report: LazyReport::default(),
+                    failed: None,
+                },
+            ),
             changed: Condvar::new(),
-            conditions: Mutex::new(Conditions::default()),
-            backups: Mutex::default(),
+            conditions: OrderedMutex::new(Rank::Leaf, "lazy.conditions", Conditions::default()),
+            backups: OrderedMutex::new(Rank::Leaf, "lazy.backups", BackupTargets::default()),
             base: (0, 0),
         }
     }
@@ -453,7 +459,7 @@ impl Lazy {
                 return Ok(None);
             }
             let tick = Duration::from_millis(self.cfg.probe_interval_ms.max(1));
-            self.changed.wait_for(&mut state, tick);
+            self.changed.wait_for(state.raw(), tick);
         }
     }
 
@@ -685,7 +691,7 @@ impl Lazy {
                     },
                 });
             }
-            self.changed.wait(&mut guard);
+            self.changed.wait(guard.raw());
         }
     }
 
@@ -706,7 +712,7 @@ impl Lazy {
                     committed: state.last_committed,
                 });
             }
-            self.changed.wait(&mut state);
+            self.changed.wait(state.raw());
         }
     }
 

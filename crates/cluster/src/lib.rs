@@ -30,6 +30,7 @@ pub mod lazy;
 mod link;
 pub mod loader;
 pub mod local;
+pub mod lock_order;
 pub mod messages;
 pub mod metrics;
 pub mod net;

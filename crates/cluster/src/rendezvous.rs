@@ -20,7 +20,9 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Condvar;
+
+use crate::lock_order::{OrderedMutex, Rank};
 
 use crate::generation::Generation;
 use crate::transport::ClusterError;
@@ -108,7 +110,7 @@ pub struct Rendezvous<A, R> {
     /// At most one meeting open at a time (a checkpoint: every worker at
     /// the same step).
     one_at_a_time: bool,
-    state: Mutex<State<A, R>>,
+    state: OrderedMutex<State<A, R>>,
     changed: Condvar,
 }
 
@@ -119,7 +121,11 @@ impl<A, R: Clone> Rendezvous<A, R> {
             what,
             members: members.max(1),
             one_at_a_time: false,
-            state: Mutex::new(State { generation, meetings: BTreeMap::new(), failed: None }),
+            state: OrderedMutex::new(
+                Rank::Leaf,
+                "rendezvous",
+                State { generation, meetings: BTreeMap::new(), failed: None },
+            ),
             changed: Condvar::new(),
         }
     }
@@ -168,7 +174,7 @@ impl<A, R: Clone> Rendezvous<A, R> {
     pub fn wait_for_arrivals(&self, key: u64, n: usize) {
         let mut state = self.state.lock();
         while state.meetings.get(&key).map_or(0, |m| m.arrivals.iter().filter(|a| a.is_some()).count()) < n {
-            self.changed.wait(&mut state);
+            self.changed.wait(state.raw());
         }
     }
 
@@ -177,7 +183,7 @@ impl<A, R: Clone> Rendezvous<A, R> {
     pub fn wait_for_waiters(&self, key: u64, n: usize) {
         let mut state = self.state.lock();
         while state.meetings.get(&key).map_or(0, |m| m.last.iter().filter(|&&l| l).count()) < n {
-            self.changed.wait(&mut state);
+            self.changed.wait(state.raw());
         }
     }
 
@@ -272,7 +278,7 @@ impl<A, R: Clone> Rendezvous<A, R> {
             if all {
                 return Ok(true);
             }
-            if self.changed.wait_until(&mut state, deadline).timed_out() {
+            if self.changed.wait_until(state.raw(), deadline).timed_out() {
                 let all = state.meetings.get(&key).is_none_or(Meeting::all_arrived);
                 return Ok(all);
             }
@@ -344,7 +350,7 @@ impl<A, R: Clone> Rendezvous<A, R> {
                 }
                 return outcome.map_err(Parted::CloseFailed);
             }
-            self.changed.wait(&mut state);
+            self.changed.wait(state.raw());
         }
     }
 

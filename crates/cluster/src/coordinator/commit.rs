@@ -12,7 +12,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use parking_lot::Mutex;
+use crate::lock_order::{OrderedMutex, Rank};
 use sparrow_core::Config;
 
 use super::per_generation::{OtherGeneration, PerGeneration};
@@ -31,7 +31,7 @@ pub struct Commits {
     /// if that checkpoint could not be read.
     progress: PerGeneration<Result<DataProgress, String>>,
     /// `checkpoint.export_every_steps`: serving exports of committed versions.
-    exports: Mutex<Option<ClusterExports>>,
+    exports: OrderedMutex<Option<ClusterExports>>,
 }
 
 impl Commits {
@@ -39,7 +39,7 @@ impl Commits {
         Commits {
             meet: Rendezvous::new("checkpoint", workers, generation).one_at_a_time(),
             progress: PerGeneration::new(generation, progress_from(generation, restore)),
-            exports: Mutex::new(ClusterExports::new(config)),
+            exports: OrderedMutex::new(Rank::Leaf, "commits.exports", ClusterExports::new(config)),
         }
     }
 

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use parking_lot::Mutex;
+use crate::lock_order::{OrderedMutex, Rank};
 
 use super::{Attempt, RoleKind};
 use crate::generation::Generation;
@@ -67,7 +67,7 @@ pub struct Totals {
 }
 
 pub struct Generations {
-    recovery: Mutex<Recovery>,
+    recovery: OrderedMutex<Recovery>,
     /// `recovery.generation`, readable without the lock.
     current: AtomicU64,
 }
@@ -76,20 +76,24 @@ impl Generations {
     /// Generation 1, from `start` (`checkpoint.resume_from`: directory, step).
     pub fn new(start: Option<(PathBuf, u64)>) -> Self {
         Generations {
-            recovery: Mutex::new(Recovery {
-                generation: Generation::FIRST,
-                restore: start.as_ref().map(|(d, _)| d.clone()),
-                start,
-                committed: None,
-                deltas_since_full: 0,
-                restarts: HashMap::new(),
-                high_step: 0,
-                counted_to: BTreeMap::new(),
-                noticed: None,
-                checkpoints_committed: 0,
-                steps_replayed: 0,
-                recovery_secs: 0.0,
-            }),
+            recovery: OrderedMutex::new(
+                Rank::Generations,
+                "generations.recovery",
+                Recovery {
+                    generation: Generation::FIRST,
+                    restore: start.as_ref().map(|(d, _)| d.clone()),
+                    start,
+                    committed: None,
+                    deltas_since_full: 0,
+                    restarts: HashMap::new(),
+                    high_step: 0,
+                    counted_to: BTreeMap::new(),
+                    noticed: None,
+                    checkpoints_committed: 0,
+                    steps_replayed: 0,
+                    recovery_secs: 0.0,
+                },
+            ),
             current: AtomicU64::new(Generation::FIRST.number()),
         }
     }

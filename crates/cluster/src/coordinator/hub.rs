@@ -10,7 +10,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use crate::lock_order::{OrderedMutex, Rank};
 use sparrow_core::Config;
 use sparrow_core::config::SyncMode;
 
@@ -37,7 +37,7 @@ pub struct SyncHub {
     rounds: RoundSum,
     merges: RoundMerge,
     lazy: PerGeneration<Scheduler>,
-    backups: Mutex<Option<Backups>>,
+    backups: OrderedMutex<Option<Backups>>,
 }
 
 impl SyncHub {
@@ -57,7 +57,7 @@ impl SyncHub {
             rounds: RoundSum::in_generation(workers, generation),
             merges: RoundMerge::in_generation(workers, config.cluster.round_merge, generation),
             lazy: PerGeneration::new(generation, Ok(lazy)),
-            backups: Mutex::new(None),
+            backups: OrderedMutex::new(Rank::Leaf, "hub.backups", None),
         })
     }
 
@@ -121,11 +121,13 @@ impl SyncHub {
     /// every lock: it reads the checkpoint) and installs it.
     pub fn rebuild(&self, config: &Config, generation: Generation, restore: Option<&Path>) {
         let next = lazy_for(config, self.workers, self.aggregators, restore).map_err(|e| e.to_string());
-        if let Ok(Some(lazy)) = &next
-            && let Some(b) = self.backups.lock().as_ref()
-        {
-            lazy.back_up_to(b.sink.clone());
-            lazy.commit_backups_with(b.committer.clone());
+        // The targets are copied out: `backups` is a leaf, and the
+        // scheduler's own lock is taken to set them (the lock-order check
+        // caught this nesting).
+        let targets = self.backups.lock().as_ref().map(|b| (b.sink.clone(), b.committer.clone()));
+        if let (Ok(Some(lazy)), Some((sink, committer))) = (&next, targets) {
+            lazy.back_up_to(sink);
+            lazy.commit_backups_with(committer);
         }
         if let Err(e) = &next {
             tracing::error!("generation {generation}: the scheduler could not restart: {e}");

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use crate::lock_order::{OrderedMutex, Rank};
 
 use super::{RoleKind, View};
 use crate::generation::Generation;
@@ -85,20 +85,24 @@ pub struct Timeouts {
 }
 
 pub struct Membership {
-    members: Mutex<Members>,
+    members: OrderedMutex<Members>,
 }
 
 impl Membership {
     pub fn new(num_shards: usize, num_workers: usize) -> Self {
         Membership {
-            members: Mutex::new(Members {
-                shards: (0..num_shards).map(|_| None).collect(),
-                loader: None,
-                workers: (0..num_workers).map(|_| None).collect(),
-                aggregators: Vec::new(),
-                retired_bytes: 0,
-                vacant_since: HashMap::new(),
-            }),
+            members: OrderedMutex::new(
+                Rank::Leaf,
+                "membership.members",
+                Members {
+                    shards: (0..num_shards).map(|_| None).collect(),
+                    loader: None,
+                    workers: (0..num_workers).map(|_| None).collect(),
+                    aggregators: Vec::new(),
+                    retired_bytes: 0,
+                    vacant_since: HashMap::new(),
+                },
+            ),
         }
     }
 

@@ -6,7 +6,9 @@
 //! generation changed. Its lock is a leaf.
 
 use crate::generation::Generation;
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Condvar;
+
+use crate::lock_order::{OrderedMutex, Rank};
 
 struct Slot<T> {
     generation: Generation,
@@ -15,7 +17,7 @@ struct Slot<T> {
 }
 
 pub struct PerGeneration<T> {
-    slot: Mutex<Slot<T>>,
+    slot: OrderedMutex<Slot<T>>,
     installed: Condvar,
 }
 
@@ -26,7 +28,10 @@ pub struct OtherGeneration(pub Generation);
 
 impl<T> PerGeneration<T> {
     pub fn new(generation: Generation, value: T) -> Self {
-        PerGeneration { slot: Mutex::new(Slot { generation, value: Some(value) }), installed: Condvar::new() }
+        PerGeneration {
+            slot: OrderedMutex::new(Rank::Leaf, "per_generation.slot", Slot { generation, value: Some(value) }),
+            installed: Condvar::new(),
+        }
     }
 
     /// Generation `generation` started: its value is being made. Returns
@@ -64,7 +69,7 @@ impl<T> PerGeneration<T> {
             if let Some(value) = slot.value.as_mut() {
                 return Ok(f(value));
             }
-            self.installed.wait(&mut slot);
+            self.installed.wait(slot.raw());
         }
     }
 
