@@ -40,6 +40,8 @@ struct State {
     /// Training batch id → its pass.
     batch_pass: HashMap<u64, u64>,
     stats: SecondLevelStats,
+    /// Stages waiting for room (exposed for tests to order by).
+    waiting: usize,
 }
 
 pub struct SecondLevel {
@@ -97,17 +99,37 @@ impl SecondLevel {
     /// never ends, and its loader must not wait for it.
     pub fn wait_for_room(&self, pass: u64) -> Result<(), ClusterError> {
         let mut state = self.state.lock();
-        while !state.passes.contains_key(&pass) && state.passes.len() >= 2 {
+        let mut counted = false;
+        let room = loop {
+            if state.passes.contains_key(&pass) || state.passes.len() < 2 {
+                break Ok(());
+            }
             if self.closed.load(std::sync::atomic::Ordering::SeqCst) {
-                return Err(ClusterError::Rpc {
+                break Err(ClusterError::Rpc {
                     peer: format!("shard {}", self.shard),
                     method: "stage",
                     message: "this shard's generation is over (a role died)".into(),
                 });
             }
+            if !counted {
+                state.waiting += 1;
+                counted = true;
+                self.flushed.notify_all();
+            }
             self.flushed.wait_for(&mut state, std::time::Duration::from_millis(100));
+        };
+        if counted {
+            state.waiting -= 1;
         }
-        Ok(())
+        room
+    }
+
+    /// Blocks until `n` stages wait for room (tests order by it, not by time).
+    pub fn wait_for_waiting_stages(&self, n: usize) {
+        let mut state = self.state.lock();
+        while state.waiting < n {
+            self.flushed.wait(&mut state);
+        }
     }
 
     /// The shard's generation is over: stages waiting for room give up.
@@ -352,7 +374,7 @@ mod tests {
             let l2 = l2.clone();
             std::thread::spawn(move || l2.wait_for_room(3))
         };
-        std::thread::sleep(std::time::Duration::from_millis(50));
+        l2.wait_for_waiting_stages(1);
         assert!(!waiter.is_finished(), "two passes are held");
         l2.apply(&l1, 11, &[1, 2], &[0.0; 4]).expect("pass 1 ends");
         waiter.join().expect("thread").expect("room");
@@ -362,7 +384,7 @@ mod tests {
             let l2 = l2.clone();
             std::thread::spawn(move || l2.wait_for_room(4))
         };
-        std::thread::sleep(std::time::Duration::from_millis(20));
+        l2.wait_for_waiting_stages(1);
         l2.close();
         let err = waiter.join().expect("thread").expect_err("closed");
         assert!(err.may_be_a_death() && err.to_string().contains("generation is over"), "{err}");
