@@ -446,7 +446,7 @@ impl Model {
                 let batch = inputs.batch(&self.model.layout, &columns, start..end).map_err(Failure::Input)?;
                 self.pool.install(|| self.model.predict_batch(&batch)).map_err(Failure::Train)
             });
-            probabilities.extend(probabilities_of(scored).map_err(|f| failure(py, f))?);
+            probabilities.extend(crate::probabilities(&scored.map_err(|f| failure(py, f))?));
             tracing::debug!(target: "sparrow.predict", "scored rows {start}..{end} of {rows}");
             // A Python handler of that record may raise (KeyboardInterrupt
             // when Ctrl-C lands during it): pyo3-log leaves it set, not returned.
@@ -461,10 +461,6 @@ impl Model {
 
 /// Rows scored between two checks for signals (Ctrl-C).
 const PREDICT_CHUNK_ROWS: usize = 65_536;
-
-fn probabilities_of(scored: Result<Vec<f32>, Failure>) -> Result<Vec<f32>, Failure> {
-    scored.map(|logits| probabilities(&logits))
-}
 
 fn failure(py: Python<'_>, f: Failure) -> PyErr {
     match f {
