@@ -5,6 +5,8 @@
 //! several workers its dense sync policy sums gradients across them every
 //! step (S0.6, [`crate::sync::RoundSync`]).
 
+mod drive;
+mod feed;
 mod lazy;
 mod policy;
 mod remote;
@@ -31,7 +33,7 @@ use sparrow_core::simd::Simd;
 use sparrow_data::DataLayout;
 use sparrow_model::{DenseModel, DenseOptimizer};
 use sparrow_trainer::dense_sync::{DenseSync, LocalSync};
-use sparrow_trainer::engine::{DenseInputs, Looked, RowSource, StepEngine, Stepped, dense_step};
+use sparrow_trainer::engine::{DenseInputs, Looked, Stepped, dense_step};
 use sparrow_trainer::pooling::{Bags, pool};
 
 use crate::checkpoint::{CheckpointSink, DenseState, WorkerCut};
@@ -331,24 +333,6 @@ impl Worker {
         Ok(())
     }
 
-    /// After a step: gives up if the job moved on, checkpoints when due.
-    fn after_step<S: RowSource<Batch = WorkerBatch, Ticket = (), Error = ClusterError>>(
-        &mut self,
-        engine: Option<(&mut StepEngine<WorkerBatch, ()>, &S)>,
-    ) -> Result<(), ClusterError> {
-        self.reported_step.store(self.job_step(), Ordering::Relaxed);
-        faults::point("worker.step");
-        faults::worker_step(self.index);
-        self.check_generation()?;
-        if self.checkpoint_due() {
-            if let Some((engine, rows)) = engine {
-                self.stats.phase_secs.push += engine.flush(rows)?;
-            }
-            self.checkpoint_now()?;
-        }
-        Ok(())
-    }
-
     /// Adds a step's phase times to the stats; the error the step deferred (a failed push), if any.
     fn record_phases<R>(&mut self, stepped: Stepped<R, ClusterError>) -> Result<(), ClusterError> {
         let phases = &mut self.stats.phase_secs;
@@ -416,13 +400,11 @@ impl Worker {
         Ok((out.loss, out.grads))
     }
 
-    /// Trains until no worker has a batch left, through the step engine at
-    /// `train.pipeline_depth` (at d ≥ 1 a batch's rows are pulled d batches
-    /// ahead, the staleness of `sparrow train` at the same depth). The next
-    /// batch is fetched from the loader while this one trains (it carries no
-    /// embeddings, so fetching early changes nothing in the model). The last
-    /// update is pushed before the worker joins the rounds idle, so the
-    /// shards hold every update when training ends.
+    /// Trains under this worker's sync policy until the job's training is
+    /// done (`drive.rs`), through the step engine at `train.pipeline_depth`
+    /// (at d ≥ 1 a batch's rows are pulled d batches ahead, the staleness
+    /// of `sparrow train` at the same depth). The shards hold every update
+    /// when it returns.
     pub fn run_training(
         &mut self,
         loader: &dyn LoaderService,
@@ -436,7 +418,7 @@ impl Worker {
                 .stored_bytes();
         let rows = RemoteRows { shards, width, vector_bytes, traffic: Mutex::default() };
         let mut policy = std::mem::replace(&mut self.policy, Box::new(StepPolicy::alone(index, self.generation)));
-        let trained = policy.train(self, loader, &rows);
+        let trained = self.train_under(policy.as_mut(), loader, &rows);
         self.policy = policy;
         trained?;
         std::mem::take(&mut *rows.traffic.lock()).add_to(&mut self.stats);

@@ -5,18 +5,21 @@
 //! `lazy.rs`), never in a branch of the worker.
 //!
 //! A fourth policy is one new file in `worker/` with a type implementing
-//! [`SyncPolicy`], and one line in [`sync_policy`] (and its
-//! `cluster.sync` name in the config's `SyncMode`).
+//! [`SyncPolicy`] (its feed and its hooks), and one line in
+//! [`sync_policy`] (and its `cluster.sync` name in the config's
+//! `SyncMode`).
 
 use std::sync::Arc;
+use std::thread::Scope;
 
 use sparrow_core::Config;
 use sparrow_core::config::SyncMode;
 use sparrow_trainer::dense_sync::DenseSync;
 
 use super::Worker;
+use super::drive::{Flow, StepDone, Unpushed};
+use super::feed::BatchFeed;
 use super::lazy::LazyPolicy;
-use super::remote::RemoteRows;
 use super::round::RoundPolicy;
 use super::step::StepPolicy;
 use crate::generation::Generation;
@@ -25,7 +28,11 @@ use crate::rounds::RoundMerger;
 use crate::sync::RoundSummer;
 use crate::transport::{ClusterError, LoaderService};
 
-/// How a worker trains with the others.
+/// How a worker trains with the others. The worker's one loop
+/// (`drive.rs`) takes batches from the policy's feed through the step
+/// engine and calls the policy's hooks; the policy holds what its mode
+/// keeps between them (a round's starting weights, a lazy worker's
+/// iterations since its last aggregation).
 pub trait SyncPolicy: Send {
     /// Its `cluster.sync` name.
     fn name(&self) -> &'static str;
@@ -41,8 +48,29 @@ pub trait SyncPolicy: Send {
         false
     }
 
-    /// Trains `w` until the job's data is done (its last checkpoint taken).
-    fn train(&mut self, w: &mut Worker, loader: &dyn LoaderService, rows: &RemoteRows<'_>) -> Result<(), ClusterError>;
+    /// Where `w`'s batches come from, as training starts from its current
+    /// weights (a thread the feed needs runs in `scope`).
+    fn open<'s, 'e: 's>(
+        &mut self,
+        w: &Worker,
+        loader: &'e dyn LoaderService,
+        scope: &'s Scope<'s, 'e>,
+    ) -> Result<Box<dyn BatchFeed + 's>, ClusterError>;
+
+    /// After a step the loop has counted (and checked the job's generation):
+    /// what follows it (a checkpoint when due, an aggregation).
+    fn stepped(&mut self, w: &mut Worker, done: StepDone, unpushed: &mut Unpushed<'_, '_>)
+    -> Result<Flow, ClusterError>;
+
+    /// The feed ran dry (this worker's data ended, or its round's items):
+    /// meets the others; [`Flow::Train`] when the feed has more to give.
+    fn ran_dry(&mut self, w: &mut Worker, unpushed: &mut Unpushed<'_, '_>) -> Result<Flow, ClusterError>;
+
+    /// Every update pushed, the last meeting held: the job's final state
+    /// (before the job's last checkpoint).
+    fn finish(&mut self, _w: &mut Worker) -> Result<(), ClusterError> {
+        Ok(())
+    }
 }
 
 /// Where a worker meets the others, as each policy needs: the job's
