@@ -13,7 +13,8 @@
 //! iteration every worker has (iterations since the last aggregation count
 //! from 1).
 //!
-//! For an instruction each worker sends ([`Lazy::contribute`]) either its
+//! For an instruction each worker sends ([`Lazy::contribute`], a meeting of
+//! the instruction's participants on the one [`Rendezvous`]) either its
 //! weights' change since the last aggregation (`send = "delta"`) or the
 //! gradient it computed at iteration r (`send = "round_gradient"`, the seed
 //! read literally), with its coefficient (the sum of its kept samples'
@@ -36,6 +37,7 @@ use serde::Serialize;
 use sparrow_core::config::{Combine, LazyConfig, LazySend, Utilisation};
 
 use crate::generation::Generation;
+use crate::rendezvous::{Parted, Rendezvous};
 use crate::transport::ClusterError;
 
 /// What the scheduler measured last.
@@ -207,22 +209,12 @@ pub struct LazyReport {
     pub last_failure_rate: f64,
 }
 
-/// A participant's share of an instruction: its values (none when its
-/// aggregator sent them summed), coefficient and whether its data is finished.
-type Share = (Option<Vec<f32>>, f64, bool);
-
 struct Pending {
     instruction: Instruction,
     /// Workers the instruction waits for.
     participants: Vec<bool>,
-    contributions: Vec<Option<Share>>,
-    /// Aggregator processes' partial sums (Σ c·v, Σ c), by aggregator.
-    partials: Vec<Option<(Vec<f64>, f64)>>,
-    /// The new weights once every participant sent.
-    result: Option<Arc<Vec<f32>>>,
-    /// The checkpoint step it was committed as (a backup).
-    committed: Option<u64>,
-    taken: usize,
+    /// Workers whose share was sent (themselves, or summed by their aggregator).
+    sent: Vec<bool>,
 }
 
 struct State {
@@ -271,6 +263,9 @@ pub struct Lazy {
     conditions: OrderedMutex<Conditions>,
     /// Where backups go and what commits them.
     backups: OrderedMutex<BackupTargets>,
+    /// Where an instruction's participants meet with their shares (keyed
+    /// by instruction): the last share in computes the new weights.
+    meet: Rendezvous<Share, Submitted>,
     /// The job's batches and samples before this scheduler started (the restored checkpoint's).
     base: (u64, u64),
 }
@@ -350,6 +345,7 @@ impl Lazy {
             changed: Condvar::new(),
             conditions: OrderedMutex::new(Rank::Leaf, "lazy.conditions", Conditions::default()),
             backups: OrderedMutex::new(Rank::Leaf, "lazy.backups", BackupTargets::default()),
+            meet: Rendezvous::new("lazy instruction", workers, Generation::NONE),
             base: (0, 0),
         }
     }
@@ -439,15 +435,14 @@ impl Lazy {
                 return Err(ClusterError::JobFailed(reason.clone()));
             }
             // Finished with nothing to send and owing no contribution: it leaves.
-            let owes =
-                state.pending.as_ref().is_some_and(|p| p.participants[worker] && p.contributions[worker].is_none());
+            let owes = state.pending.as_ref().is_some_and(|p| p.participants[worker] && !p.sent[worker]);
             if finished && since == 0 && !owes {
                 state.gone[worker] = true;
                 self.changed.notify_all();
                 return Ok(None);
             }
             if let Some(p) = &state.pending {
-                if p.participants[worker] && p.contributions[worker].is_none() {
+                if p.participants[worker] && !p.sent[worker] {
                     return Ok(Some(p.instruction.clone()));
                 }
             } else if let Some(i) = self.try_issue(&mut state)
@@ -500,15 +495,8 @@ impl Lazy {
         state.next_id += 1;
         state.report.last_utilisation = c.utilisation;
         state.report.last_failure_rate = c.failure_rate;
-        state.pending = Some(Pending {
-            instruction: instruction.clone(),
-            participants,
-            contributions: (0..self.workers).map(|_| None).collect(),
-            partials: vec![None; self.aggregators],
-            result: None,
-            committed: None,
-            taken: 0,
-        });
+        state.pending =
+            Some(Pending { instruction: instruction.clone(), participants, sent: vec![false; self.workers] });
         self.changed.notify_all();
         Some(instruction)
     }
@@ -542,19 +530,21 @@ impl Lazy {
     }
 
     /// Records `members`' share of instruction `id` (their values, or their
-    /// aggregator's sum of them); the last share in computes the new
-    /// weights (and commits a backup); every caller waits for them.
+    /// aggregator's sum of them) and meets the other participants: the last
+    /// share in computes the new weights (and commits a backup, the others
+    /// waiting meanwhile: a cut); every caller gets them.
     fn submit(&self, id: u64, who: &str, members: Vec<Member>, part: Part) -> Result<Submitted, ClusterError> {
-        let count = members.len();
-        let mut guard = self.state.lock();
-        let mut to_commit = None;
-        {
+        let among = {
+            let mut guard = self.state.lock();
             let state = &mut *guard;
+            if let Some(reason) = &state.failed {
+                return Err(ClusterError::JobFailed(reason.clone()));
+            }
             let Some(p) = state.pending.as_mut().filter(|p| p.instruction.id == id) else {
                 return Err(ClusterError::Setup(format!("{who}: instruction {id} is not the one out")));
             };
             for m in &members {
-                if !p.participants.get(m.worker).copied().unwrap_or(false) || p.contributions[m.worker].is_some() {
+                if !p.participants.get(m.worker).copied().unwrap_or(false) || p.sent[m.worker] {
                     return Err(ClusterError::Setup(format!(
                         "{who}: worker {} is not expected for instruction {id}",
                         m.worker
@@ -577,73 +567,85 @@ impl Lazy {
                     state.weights.len()
                 )));
             }
-            let mut values = match part {
-                Part::Values(v) => Some(v),
-                Part::Sum(a, sum, weight) => {
-                    if p.partials[a].is_some() {
-                        return Err(ClusterError::Setup(format!("{who}: sent twice for instruction {id}")));
-                    }
-                    p.partials[a] = Some((sum, weight));
-                    None
-                }
-            };
             for m in &members {
-                p.contributions[m.worker] = Some((values.take(), m.coefficient, m.finished));
+                p.sent[m.worker] = true;
                 state.since[m.worker] = 0;
                 state.position = state.position.later(m.position);
                 state.report.local_iterations += m.iterations;
                 state.report.samples += m.samples;
             }
-            if (0..self.workers).all(|w| !p.participants[w] || p.contributions[w].is_some()) {
-                let mean = if p.partials.iter().any(Option::is_some) {
-                    combine(p.partials.iter().flatten().map(|(s, w)| (s.as_slice(), *w)))
-                } else {
-                    let of = |w: usize| self.aggregator_of(w);
-                    let list: Vec<(usize, &[f32], f64)> = p
-                        .contributions
-                        .iter()
-                        .enumerate()
-                        .filter_map(|(w, c)| c.as_ref().and_then(|(v, c, _)| Some((w, v.as_deref()?, *c))))
-                        .collect();
-                    aggregate(&list, &of, self.aggregators)
-                };
-                if let Some(mean) = mean {
-                    let lr = self.learning_rate;
-                    for (x, m) in state.weights.iter_mut().zip(&mean) {
-                        *x = match self.cfg.send {
-                            LazySend::Delta => (f64::from(*x) + m) as f32,
-                            LazySend::RoundGradient => (f64::from(*x) - lr * m) as f32,
-                        };
-                    }
-                }
-                for (w, c) in p.contributions.iter().enumerate() {
-                    if c.as_ref().is_some_and(|c| c.2) {
-                        state.gone[w] = true;
-                    }
-                }
-                state.report.aggregations += 1;
-                let result = Arc::new(state.weights.clone());
-                let back_up = self.backups.lock().sink.is_some()
-                    && relative_change(&state.weights, state.last_backup.as_deref()) >= self.cfg.backup_min_change;
-                if back_up {
-                    state.last_backup = Some(state.weights.clone());
-                    to_commit = Some(BackupCut {
-                        step: self.base.0 + state.report.local_iterations,
-                        samples: self.base.1 + state.report.samples,
-                        position: state.position,
-                        weights: result.clone(),
-                    });
-                } else {
-                    p.result = Some(result);
-                    self.changed.notify_all();
+            p.instruction.participants.clone()
+        };
+        let ids: Vec<usize> = members.iter().map(|m| m.worker).collect();
+        let share = Share { part, members };
+        self.meet.arrive_for(Generation::NONE, id, &ids, &among, share, |shares| self.close(shares)).map_err(|parted| {
+            match parted {
+                Parted::Refused(reason) => ClusterError::Setup(format!("{who}: {reason}")),
+                other => {
+                    other.into_cluster_error("the lazy scheduler", || format!("{who}'s share of instruction {id}"))
                 }
             }
+        })
+    }
+
+    /// Every participant's share is in: the new weights (and a backup,
+    /// committed as a checkpoint before anyone goes on); the instruction is
+    /// done, so the next may go out.
+    fn close(&self, shares: Vec<Share>) -> Result<Submitted, String> {
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
+        // By worker and by aggregator, whatever order the shares came in:
+        // the sums run in that order on every run.
+        let mut values: Vec<Option<(Vec<f32>, f64)>> = (0..self.workers).map(|_| None).collect();
+        let mut partials: Vec<Option<(Vec<f64>, f64)>> = vec![None; self.aggregators];
+        for share in shares {
+            for m in &share.members {
+                if m.finished {
+                    state.gone[m.worker] = true;
+                }
+            }
+            match share.part {
+                Part::Values(v) => {
+                    let m = share.members.first().ok_or("a worker's share names no worker")?;
+                    values[m.worker] = Some((v, m.coefficient));
+                }
+                Part::Sum(a, sum, weight) => partials[a] = Some((sum, weight)),
+            }
         }
-        if let Some(cut) = to_commit {
-            // The others wait in their contributions meanwhile: a cut.
+        let mean = if partials.iter().any(Option::is_some) {
+            combine(partials.iter().flatten().map(|(s, w)| (s.as_slice(), *w)))
+        } else {
+            let of = |w: usize| self.aggregator_of(w);
+            let list: Vec<(usize, &[f32], f64)> =
+                values.iter().enumerate().filter_map(|(w, v)| v.as_ref().map(|(v, c)| (w, v.as_slice(), *c))).collect();
+            aggregate(&list, &of, self.aggregators)
+        };
+        if let Some(mean) = mean {
+            let lr = self.learning_rate;
+            for (x, m) in state.weights.iter_mut().zip(&mean) {
+                *x = match self.cfg.send {
+                    LazySend::Delta => (f64::from(*x) + m) as f32,
+                    LazySend::RoundGradient => (f64::from(*x) - lr * m) as f32,
+                };
+            }
+        }
+        state.report.aggregations += 1;
+        let weights = Arc::new(state.weights.clone());
+        let back_up = self.backups.lock().sink.is_some()
+            && relative_change(&state.weights, state.last_backup.as_deref()) >= self.cfg.backup_min_change;
+        let mut committed = None;
+        if back_up {
+            state.last_backup = Some(state.weights.clone());
+            let cut = BackupCut {
+                step: self.base.0 + state.report.local_iterations,
+                samples: self.base.1 + state.report.samples,
+                position: state.position,
+                weights: weights.clone(),
+            };
+            // The others wait in the meeting meanwhile: a cut.
             drop(guard);
             let committer = self.backups.lock().committer.clone();
-            let committed = match committer.map(|commit| commit(&cut)) {
+            committed = match committer.map(|commit| commit(&cut)) {
                 Some(Ok(())) => Some(cut.step),
                 Some(Err(e)) => {
                     tracing::error!("backup at step {}: committing it as a checkpoint: {e}", cut.step);
@@ -657,42 +659,28 @@ impl Lazy {
             }
             let number = guard.report.aggregations;
             if let Some(sink) = self.backups.lock().sink.as_ref()
-                && sink.send((number, cut.weights.clone())).is_ok()
+                && sink.send((number, cut.weights)).is_ok()
             {
                 guard.backups_pending += 1;
             }
-            if let Some(p) = guard.pending.as_mut().filter(|p| p.instruction.id == id) {
-                p.result = Some(cut.weights);
-                p.committed = committed;
-            }
-            self.changed.notify_all();
         }
-        loop {
-            if let Some(reason) = &guard.failed {
-                return Err(ClusterError::JobFailed(reason.clone()));
-            }
-            if let Some(p) = guard.pending.as_mut().filter(|p| p.instruction.id == id)
-                && let Some(result) = p.result.clone()
-            {
-                let committed = p.committed;
-                p.taken += count;
-                let expected = p.participants.iter().filter(|&&x| x).count();
-                if p.taken >= expected {
-                    guard.pending = None;
-                    self.changed.notify_all();
-                }
-                return Ok(Submitted {
-                    weights: result,
-                    aggregated: Aggregated {
-                        weights: None,
-                        job_batches: self.base.0 + guard.report.local_iterations,
-                        job_samples: self.base.1 + guard.report.samples,
-                        committed,
-                    },
-                });
-            }
-            self.changed.wait(guard.raw());
-        }
+        guard.pending = None;
+        self.changed.notify_all();
+        Ok(Submitted {
+            weights,
+            aggregated: Aggregated {
+                weights: None,
+                job_batches: self.base.0 + guard.report.local_iterations,
+                job_samples: self.base.1 + guard.report.samples,
+                committed,
+            },
+        })
+    }
+
+    /// Blocks until `n` shares of instruction `id` wait for the others
+    /// (an aggregator's counts once per worker it brings); tests order by it.
+    pub fn wait_for_shares(&self, id: u64, n: usize) {
+        self.meet.wait_for_waiters(id, n);
     }
 
     /// Waits until every worker has left (data finished, work aggregated)
@@ -718,7 +706,8 @@ impl Lazy {
 
     /// Wakes every waiting worker with an error (a role died, the job failed).
     pub fn fail(&self, reason: String) {
-        self.state.lock().failed.get_or_insert(reason);
+        self.state.lock().failed.get_or_insert(reason.clone());
+        self.meet.fail(reason);
         self.changed.notify_all();
     }
 }
@@ -782,7 +771,14 @@ enum Part {
     Sum(usize, Vec<f64>, f64),
 }
 
+/// A share of an instruction at its meeting, and the workers it is for.
+struct Share {
+    part: Part,
+    members: Vec<Member>,
+}
+
 /// The new weights and the job's totals after an aggregation.
+#[derive(Clone)]
 struct Submitted {
     weights: Arc<Vec<f32>>,
     aggregated: Aggregated,
@@ -1003,14 +999,12 @@ mod tests {
         let lazy = Arc::new(quick(2, vec![0.0]));
         lazy.poll(0, 1, false, false).expect("poll");
         let i = lazy.poll(1, 1, false, false).expect("poll").expect("issued");
-        // Both contributed, worker 0 took the result, worker 1 has not yet
-        // (its thread not scheduled): the instruction is still pending.
+        // Both sent their shares and the instruction is not closed yet (its
+        // closer's thread not scheduled): it is still pending.
         {
             let mut state = lazy.state.lock();
             let p = state.pending.as_mut().expect("pending");
-            p.contributions = vec![Some((Some(vec![1.0]), 1.0, false)), Some((Some(vec![1.0]), 1.0, false))];
-            p.result = Some(Arc::new(vec![1.0]));
-            p.taken = 1;
+            p.sent = vec![true, true];
             state.since = vec![0, 0];
         }
         // Worker 0's data ends at once: it leaves without waiting (it would
@@ -1040,5 +1034,81 @@ mod tests {
         assert!(lazy.poll(0, 2, false, false).expect("poll").is_some());
         let r = lazy.report();
         assert_eq!((r.held_by_utilisation, r.held_by_failure_rate), (1, 0), "one episode");
+    }
+
+    fn member(worker: usize, coefficient: f64, iterations: u64) -> Member {
+        Member {
+            worker,
+            finished: false,
+            position: Default::default(),
+            iterations,
+            samples: 2 * iterations,
+            coefficient,
+        }
+    }
+
+    /// Aggregator processes meet the scheduler once each for the workers
+    /// they bring: the instruction closes when every participant's share is
+    /// in, whichever way it came, and a worker whose aggregator sent for it
+    /// cannot send again.
+    #[test]
+    fn an_aggregators_sum_counts_for_each_worker_it_brings() {
+        let lazy = Lazy::new(&LazyConfig { probe_interval_ms: 1, ..LazyConfig::default() }, 3, 2, 0.1, vec![1.0]);
+        std::thread::sleep(Duration::from_millis(2));
+        let lazy = Arc::new(lazy);
+        for w in 0..2 {
+            assert_eq!(lazy.poll(w, 1, false, false).expect("poll"), None, "worker 2 has no iteration yet");
+        }
+        let i = lazy.poll(2, 1, false, false).expect("poll").expect("issued");
+        // Aggregator 0 brings workers 0 and 2 (1·1 + 1·3 over 2), aggregator 1 worker 1 (2·2 over 2).
+        let first = {
+            let lazy = lazy.clone();
+            let partial = Partial {
+                aggregator: 0,
+                generation: Generation(1),
+                instruction: i.id,
+                sum: vec![4.0],
+                weight: 2.0,
+                members: vec![member(0, 1.0, 1), member(2, 1.0, 3)],
+            };
+            std::thread::spawn(move || lazy.contribute_partial(partial))
+        };
+        lazy.wait_for_shares(i.id, 2);
+        let again = lazy.contribute(contribution(2, i.id, vec![9.0], 1.0, false, (1, 1))).expect_err("sent for");
+        assert!(again.to_string().contains("worker 2 is not expected for instruction"), "{again}");
+        let partial = Partial {
+            aggregator: 1,
+            generation: Generation(1),
+            instruction: i.id,
+            sum: vec![4.0],
+            weight: 2.0,
+            members: vec![member(1, 2.0, 2)],
+        };
+        let (done, weights) = lazy.contribute_partial(partial).expect("closed");
+        // 1 + (4 + 4) / (2 + 2) = 3
+        assert_eq!(weights.as_slice(), &[3.0]);
+        assert_eq!((done.job_batches, done.job_samples), (6, 12), "every member's iterations, once each");
+        let (_, theirs) = first.join().expect("thread").expect("closed");
+        assert_eq!(theirs.as_slice(), &[3.0], "the aggregator of two took the same weights");
+        assert_eq!(lazy.report().aggregations, 1);
+    }
+
+    /// A failure (a role died) wakes a participant waiting for the others
+    /// with the job's error, not a hang.
+    #[test]
+    fn a_failure_wakes_a_participant_waiting_for_the_others() {
+        let lazy = Arc::new(quick(2, vec![1.0]));
+        assert_eq!(lazy.poll(0, 1, false, false).expect("poll"), None);
+        let i = lazy.poll(1, 1, false, false).expect("poll").expect("issued");
+        let waiting = {
+            let lazy = lazy.clone();
+            std::thread::spawn(move || lazy.contribute(contribution(0, i.id, vec![0.5], 1.0, false, (1, 1))))
+        };
+        lazy.wait_for_shares(i.id, 1);
+        lazy.fail("worker 1 died".into());
+        let err = waiting.join().expect("thread").expect_err("failed");
+        assert!(matches!(&err, ClusterError::JobFailed(r) if r.contains("worker 1 died")), "{err}");
+        let late = lazy.contribute(contribution(1, i.id, vec![0.5], 1.0, false, (1, 1))).expect_err("failed");
+        assert!(matches!(late, ClusterError::JobFailed(_)), "{late}");
     }
 }

@@ -297,20 +297,30 @@ impl<A, R: Clone> Rendezvous<A, R> {
         member: usize,
         close: impl FnOnce(Vec<A>) -> Result<R, String>,
     ) -> Result<R, Parted> {
-        self.finish_among(generation, key, member, None, close)
+        self.finish_among(generation, key, &[member], None, close)
     }
 
+    /// The last arrivals of `members` (one caller arriving for each of
+    /// them), then as [`finish`](Self::finish): the caller takes the result
+    /// once for all of them.
     fn finish_among(
         &self,
         generation: Generation,
         key: u64,
-        member: usize,
+        members: &[usize],
         among: Option<&[usize]>,
         close: impl FnOnce(Vec<A>) -> Result<R, String>,
     ) -> Result<R, Parted> {
         let mut state = self.state.lock();
-        let meeting = self.admit(&mut state, generation, key, member, among)?;
-        meeting.last[member] = true;
+        for &member in members {
+            self.admit(&mut state, generation, key, member, among)?;
+        }
+        let Some(meeting) = state.meetings.get_mut(&key) else {
+            return Err(Parted::Refused(format!("{} {key}: no member arrived", self.what)));
+        };
+        for &member in members {
+            meeting.last[member] = true;
+        }
         self.changed.notify_all();
         if meeting.complete() {
             let values: Vec<A> = meeting.arrivals.iter_mut().filter_map(Option::take).collect();
@@ -344,8 +354,8 @@ impl<A, R: Clone> Rendezvous<A, R> {
                 return Err(Parted::Refused(format!("{} {key} vanished", self.what)));
             };
             if let Some(outcome) = meeting.outcome.clone() {
-                meeting.taken += 1;
-                if meeting.taken == meeting.expected_count() {
+                meeting.taken += members.len();
+                if meeting.taken >= meeting.expected_count() {
                     state.meetings.remove(&key);
                 }
                 return outcome.map_err(Parted::CloseFailed);
@@ -367,17 +377,39 @@ impl<A, R: Clone> Rendezvous<A, R> {
         value: A,
         close: impl FnOnce(Vec<A>) -> Result<R, String>,
     ) -> Result<R, Parted> {
+        self.arrive_for(generation, key, &[member], among, value, close)
+    }
+
+    /// [`arrive_among`](Self::arrive_among) for several members at once
+    /// (an aggregator bringing its workers' sum): `value` is theirs
+    /// together, and the caller takes the result once for all of them.
+    pub fn arrive_for(
+        &self,
+        generation: Generation,
+        key: u64,
+        members: &[usize],
+        among: &[usize],
+        value: A,
+        close: impl FnOnce(Vec<A>) -> Result<R, String>,
+    ) -> Result<R, Parted> {
+        let Some(&first) = members.first() else {
+            return Err(Parted::Refused(format!("an arrival at {} {key} for no member", self.what)));
+        };
         {
             let what = self.what;
             let mut state = self.state.lock();
-            let meeting = self.admit(&mut state, generation, key, member, Some(among))?;
-            if meeting.arrivals[member].is_some() {
-                return Err(Parted::Refused(format!("worker {member} arrived at {what} {key} twice")));
+            for &member in members {
+                let meeting = self.admit(&mut state, generation, key, member, Some(among))?;
+                if meeting.arrivals[member].is_some() || members.iter().filter(|&&m| m == member).count() > 1 {
+                    return Err(Parted::Refused(format!("worker {member} arrived at {what} {key} twice")));
+                }
             }
-            meeting.arrivals[member] = Some(value);
+            if let Some(meeting) = state.meetings.get_mut(&key) {
+                meeting.arrivals[first] = Some(value);
+            }
             self.changed.notify_all();
         }
-        self.finish_among(generation, key, member, Some(among), close)
+        self.finish_among(generation, key, members, Some(among), close)
     }
 
     /// One arrival that is also the member's last: `add`'s check, then [`finish`](Self::finish).
@@ -649,5 +681,41 @@ mod tests {
         assert_eq!(first.join().expect("thread"), Ok(3));
         r.advance(Generation(2));
         assert_eq!(r.wait_all_arrived(Generation(1), 0, Instant::now()), Err(Parted::NewGeneration(Generation(2))));
+    }
+
+    /// One arrival for several members (an aggregator bringing its
+    /// workers' sum): it counts as each of them, none of them may arrive
+    /// again, and its caller takes the result once for all.
+    #[test]
+    fn one_arrival_for_several_members_counts_as_each_of_them() {
+        let r = Arc::new(Sum::new("instruction", 4, Generation(1)));
+        let closes = Arc::new(AtomicUsize::new(0));
+        let group = {
+            let (r, closes) = (r.clone(), closes.clone());
+            std::thread::spawn(move || {
+                r.arrive_for(Generation(1), 5, &[0, 2], &[0, 1, 2], 10, |v| {
+                    closes.fetch_add(1, Ordering::SeqCst);
+                    sum(v)
+                })
+            })
+        };
+        r.wait_for_waiters(5, 2);
+        assert!(
+            matches!(r.arrive_among(Generation(1), 5, 2, &[0, 1, 2], 1, sum), Err(Parted::Refused(m)) if m.contains("after its last arrival")),
+            "member 2 came with the group"
+        );
+        assert!(
+            matches!(r.arrive_for(Generation(1), 5, &[1, 1], &[0, 1, 2], 1, sum), Err(Parted::Refused(m)) if m.contains("twice")),
+            "one member named twice in one arrival"
+        );
+        let closes_too = closes.clone();
+        let mine = r.arrive_among(Generation(1), 5, 1, &[0, 1, 2], 5, |v| {
+            closes_too.fetch_add(1, Ordering::SeqCst);
+            sum(v)
+        });
+        assert_eq!(mine, Ok(15));
+        assert_eq!(group.join().expect("thread"), Ok(15));
+        assert_eq!(closes.load(Ordering::SeqCst), 1, "closed once");
+        assert_eq!(r.arrived(5), 0, "taken by the group once and by member 1: gone");
     }
 }

@@ -98,7 +98,12 @@ impl SyncPolicy for LazyPolicy {
 
     /// Asks the scheduler whether to aggregate (waiting for its answer at
     /// `max_local_iterations`).
-    fn stepped(&mut self, w: &mut Worker, done: StepDone, unpushed: &mut Unpushed<'_, '_>) -> Result<Flow, ClusterError> {
+    fn stepped(
+        &mut self,
+        w: &mut Worker,
+        done: StepDone,
+        unpushed: &mut Unpushed<'_, '_>,
+    ) -> Result<Flow, ClusterError> {
         let since = &mut self.since;
         since.iterations += 1;
         since.samples += done.samples;

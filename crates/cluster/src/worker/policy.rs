@@ -59,8 +59,12 @@ pub trait SyncPolicy: Send {
 
     /// After a step the loop has counted (and checked the job's generation):
     /// what follows it (a checkpoint when due, an aggregation).
-    fn stepped(&mut self, w: &mut Worker, done: StepDone, unpushed: &mut Unpushed<'_, '_>)
-    -> Result<Flow, ClusterError>;
+    fn stepped(
+        &mut self,
+        w: &mut Worker,
+        done: StepDone,
+        unpushed: &mut Unpushed<'_, '_>,
+    ) -> Result<Flow, ClusterError>;
 
     /// The feed ran dry (this worker's data ended, or its round's items):
     /// meets the others; [`Flow::Train`] when the feed has more to give.
