@@ -41,7 +41,7 @@ use crate::link::Link;
 use crate::loader::LoaderServer;
 use crate::metrics::RoleMetrics;
 use crate::shard::{ShardServer, shard_table_in};
-use crate::transport::{ClusterError, Serving, ShardReport, ShardService};
+use crate::transport::{ClusterError, PassStaging, Serving, ShardReport, ShardService};
 use crate::worker::{new_worker_in, sync_policy};
 
 /// Where a role listens and whom it reports to.
@@ -625,8 +625,8 @@ impl ShardService for LocalShard {
     fn report(&self) -> Result<ShardReport, ClusterError> {
         self.0.get()?.report()
     }
-    fn stage(&self, pass: u64, keys: Vec<u64>, batches: Vec<u64>) -> Result<(), ClusterError> {
-        self.0.get()?.stage(pass, keys, batches)
+    fn pass_staging(&self) -> Option<&dyn PassStaging> {
+        Some(self)
     }
     fn export(&self, cursor: (usize, usize), max_rows: usize) -> Result<crate::transport::ExportPage, ClusterError> {
         self.0.get()?.export(cursor, max_rows)
@@ -641,6 +641,16 @@ impl ShardService for LocalShard {
     }
     fn is_local(&self) -> bool {
         true
+    }
+}
+
+impl PassStaging for LocalShard {
+    fn stage(&self, pass: u64, keys: Vec<u64>, batches: Vec<u64>) -> Result<(), ClusterError> {
+        let shard = self.0.get()?;
+        let staging = shard.pass_staging().ok_or_else(|| {
+            ClusterError::Setup(format!("node {}: its shard has no second level", shard.index()))
+        })?;
+        staging.stage(pass, keys, batches)
     }
 }
 

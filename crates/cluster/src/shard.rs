@@ -13,7 +13,7 @@ use crate::faults;
 use crate::generation::Generation;
 use crate::messages::{Mode, generation_of};
 use crate::second_level::SecondLevel;
-use crate::transport::{ClusterError, ExportPage, PartWritten, ShardReport, ShardService};
+use crate::transport::{ClusterError, ExportPage, PartWritten, PassStaging, ShardReport, ShardService};
 
 /// A shard role's table, built from the config the way every shard builds
 /// it (an SSD tier goes to `embedding.path/shard-<index>`), with the same
@@ -124,6 +124,11 @@ impl ShardServer {
 
     pub fn generation(&self) -> Generation {
         self.generation
+    }
+
+    /// Its index among the job's shards.
+    pub fn index(&self) -> usize {
+        self.index
     }
 
     /// Refuses a batch id of another generation (a request of an abandoned attempt).
@@ -297,17 +302,8 @@ impl ShardService for ShardServer {
         Ok(report)
     }
 
-    fn stage(&self, pass: u64, keys: Vec<u64>, batches: Vec<u64>) -> Result<(), ClusterError> {
-        if let Some(&b) = batches.first() {
-            self.check_generation(b)?;
-        }
-        let l2 = self.second_level.as_ref().ok_or_else(|| {
-            ClusterError::Setup(format!("shard {}: staging a pass needs cluster.mode = \"collocated\"", self.index))
-        })?;
-        // Outside the cut: a checkpoint may have to run before the pass that makes room ends.
-        l2.wait_for_room(pass)?;
-        let _cut = self.cut.read();
-        l2.stage(&self.table, pass, &keys, &batches)
+    fn pass_staging(&self) -> Option<&dyn PassStaging> {
+        self.second_level.as_ref().map(|_| self as &dyn PassStaging)
     }
 
     fn export(&self, cursor: (usize, usize), max_rows: usize) -> Result<ExportPage, ClusterError> {
@@ -367,6 +363,21 @@ impl ShardService for ShardServer {
             row_len: self.table.row_len(),
             total_rows: self.table.len() as u64,
         })
+    }
+}
+
+impl PassStaging for ShardServer {
+    fn stage(&self, pass: u64, keys: Vec<u64>, batches: Vec<u64>) -> Result<(), ClusterError> {
+        if let Some(&b) = batches.first() {
+            self.check_generation(b)?;
+        }
+        let l2 = self.second_level.as_ref().ok_or_else(|| {
+            ClusterError::Setup(format!("shard {}: staging a pass needs cluster.mode = \"collocated\"", self.index))
+        })?;
+        // Outside the cut: a checkpoint may have to run before the pass that makes room ends.
+        l2.wait_for_room(pass)?;
+        let _cut = self.cut.read();
+        l2.stage(&self.table, pass, &keys, &batches)
     }
 }
 

@@ -178,10 +178,11 @@ pub trait ShardService: Send + Sync {
     fn push(&self, batch_id: u64, grads: Vec<f32>) -> Result<(), ClusterError>;
     /// The shard table's counters: rows held, SSD tier, feature filters.
     fn report(&self) -> Result<ShardReport, ClusterError>;
-    /// `cluster.mode = "collocated"` (S1.1): copies the rows of `keys` (this
-    /// shard's IDs of pass `pass`, or of one of its batches) into the second
-    /// level, for the training batches `batches`.
-    fn stage(&self, pass: u64, keys: Vec<u64>, batches: Vec<u64>) -> Result<(), ClusterError>;
+    /// Its second level (`cluster.mode = "collocated"`, S1), if it serves
+    /// one: a capability of its own.
+    fn pass_staging(&self) -> Option<&dyn PassStaging> {
+        None
+    }
     /// In the caller's process (a node's own shard): its rows cross no network.
     fn is_local(&self) -> bool {
         false
@@ -197,6 +198,14 @@ pub trait ShardService: Send + Sync {
         dir: &std::path::Path,
         since: Option<u64>,
     ) -> Result<PartWritten, ClusterError>;
+}
+
+/// A shard's second level (`cluster.mode = "collocated"`, S1.1): the loader
+/// stages each pass into it before the pass's batches train.
+pub trait PassStaging: Send + Sync {
+    /// Copies the rows of `keys` (this shard's IDs of pass `pass`, or of one
+    /// of its batches) into the second level, for the training batches `batches`.
+    fn stage(&self, pass: u64, keys: Vec<u64>, batches: Vec<u64>) -> Result<(), ClusterError>;
 }
 
 /// A shard's reply to [`ShardService::write_part`].

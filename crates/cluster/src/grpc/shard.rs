@@ -17,7 +17,7 @@ use crate::generation::Generation;
 use crate::messages::{Mode, SecondLevelStats};
 use crate::metrics::RoleMetrics;
 use crate::shard::ShardServer;
-use crate::transport::{ClusterError, ExportPage, PartWritten, Serving, ShardReport, ShardService};
+use crate::transport::{ClusterError, ExportPage, PartWritten, PassStaging, Serving, ShardReport, ShardService};
 use sparrow_embedding::{EmbeddingDtype, FilterStats, RowFormat, Simd, TierStats};
 
 /// A pull reply: the vectors as the shard's table stores them (half the
@@ -210,7 +210,16 @@ impl pb::shard_server::Shard for ShardGrpc {
         let keys = bytes_to_u64s(&r.keys, &self.peer, "keys").map_err(|e| super::to_status(&e))?;
         let batches = bytes_to_u64s(&r.batches, &self.peer, "batch ids").map_err(|e| super::to_status(&e))?;
         let shard = self.shard()?;
-        blocking(move || shard.stage(r.pass, keys, batches)).await?;
+        blocking(move || {
+            let staging = shard.pass_staging().ok_or_else(|| {
+                ClusterError::Setup(format!(
+                    "shard {}: staging a pass needs a second level (cluster.mode = \"collocated\")",
+                    shard.index()
+                ))
+            })?;
+            staging.stage(r.pass, keys, batches)
+        })
+        .await?;
         self.done("stage", start);
         Ok(Response::new(pb::Empty {}))
     }
@@ -353,11 +362,9 @@ impl ShardService for ShardClient {
         Ok(ShardReport { rows: s.rows, cached_rows: s.cached_rows, tier, filters, second_level })
     }
 
-    fn stage(&self, pass: u64, keys: Vec<u64>, batches: Vec<u64>) -> Result<(), ClusterError> {
-        let request = pb::StageRequest { pass, keys: u64s_to_bytes(&keys), batches: u64s_to_bytes(&batches) };
-        // Staging copies as many rows as the pass has: no RPC deadline.
-        self.peer.call_unbounded("stage", request, |mut c, r| async move { c.stage(r).await })?;
-        Ok(())
+    /// The remote shard says whether it has a second level (it refuses a stage otherwise).
+    fn pass_staging(&self) -> Option<&dyn PassStaging> {
+        Some(self)
     }
 
     fn export(&self, cursor: (usize, usize), max_rows: usize) -> Result<ExportPage, ClusterError> {
@@ -410,6 +417,15 @@ impl ShardService for ShardClient {
             row_len: r.row_len as usize,
             total_rows: r.total_rows,
         })
+    }
+}
+
+impl PassStaging for ShardClient {
+    fn stage(&self, pass: u64, keys: Vec<u64>, batches: Vec<u64>) -> Result<(), ClusterError> {
+        let request = pb::StageRequest { pass, keys: u64s_to_bytes(&keys), batches: u64s_to_bytes(&batches) };
+        // Staging copies as many rows as the pass has: no RPC deadline.
+        self.peer.call_unbounded("stage", request, |mut c, r| async move { c.stage(r).await })?;
+        Ok(())
     }
 }
 
