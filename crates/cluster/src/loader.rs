@@ -269,9 +269,9 @@ fn stage_pass(
     request: PassRequest,
 ) -> Result<(), ClusterError> {
     for (s, shard) in shards.iter().enumerate() {
-        let shard = shard.pass_staging().ok_or_else(|| {
-            ClusterError::Setup(format!("shard {s} has no second level to stage pass {pass} into"))
-        })?;
+        let shard = shard
+            .pass_staging()
+            .ok_or_else(|| ClusterError::Setup(format!("shard {s} has no second level to stage pass {pass} into")))?;
         let mine = || planned.iter().filter(|(_, keys)| !keys[s].is_empty());
         match request {
             PassRequest::Whole => {

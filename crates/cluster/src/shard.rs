@@ -1,5 +1,10 @@
 //! An embedding shard (S0.5, S3.4): its part of the key space, and the keys of
-//! the batches queued for it by batch id (S0.2).
+//! the batches queued for it by batch id (S0.2). Where its training rows
+//! live is its kind (`shard/rows.rs`): level 1, or a second level (S1).
+
+mod rows;
+
+pub use self::rows::{LevelOne, TrainingRows};
 
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
@@ -39,10 +44,9 @@ enum Pending {
         /// Keeps the prefetched rows cached until the pull has looked them up.
         staged: Staged,
     },
-    /// Pulled for training: the second dedup's plan and the rows it found.
-    Pulled { plan: KeyPlan, slots: RowSlots },
-    /// Pulled for training from the second level (collocated mode).
-    PulledSecond { plan: KeyPlan },
+    /// Pulled for training: the second dedup's plan and the rows it found
+    /// (level 1's slots; none from a second level).
+    Pulled { plan: KeyPlan, slots: Option<RowSlots> },
 }
 
 pub struct ShardServer {
@@ -59,8 +63,8 @@ pub struct ShardServer {
     cut: RwLock<()>,
     /// The job's config, for checkpoint parts (none: this shard writes none).
     config: Option<Config>,
-    /// `cluster.mode = "collocated"`: the second level training reads and updates (S1).
-    second_level: Option<SecondLevel>,
+    /// Where training reads and updates rows: level 1, or (S1) a second level.
+    training: Box<dyn TrainingRows>,
 }
 
 /// Bytes a pull reply of `keys` rows of `dim` floats takes on the wire (the
@@ -79,14 +83,14 @@ impl ShardServer {
             generation: Generation::NONE,
             cut: RwLock::new(()),
             config: None,
-            second_level: None,
+            training: Box::new(LevelOne { shard: index }),
         }
     }
 
     /// Serves training from a second level of at most `capacity` rows (0: no
     /// limit) staged pass by pass (`cluster.mode = "collocated"`, S1).
     pub fn with_second_level(mut self, capacity: u64) -> Self {
-        self.second_level = Some(SecondLevel::over(self.index, &self.table, capacity));
+        self.training = Box::new(SecondLevel::over(self.index, &self.table, capacity));
         self
     }
 
@@ -101,17 +105,7 @@ impl ShardServer {
     /// This server's generation is over (the next one has its own server):
     /// nothing it does may keep a caller waiting.
     pub fn retire(&self) {
-        if let Some(l2) = &self.second_level {
-            l2.close();
-        }
-    }
-
-    /// Level 1 up to date with the second level (before it is read whole).
-    fn write_through(&self) -> Result<(), ClusterError> {
-        match &self.second_level {
-            Some(l2) => l2.write_through(&self.table),
-            None => Ok(()),
-        }
+        self.training.retire();
     }
 
     /// Serves generation `generation` of the job, writing checkpoint parts as
@@ -162,7 +156,7 @@ impl ShardServer {
 
     /// `cluster.mode = "collocated"`: the second level's counters.
     pub fn second_level_stats(&self) -> Option<crate::second_level::SecondLevelStats> {
-        self.second_level.as_ref().map(SecondLevel::stats)
+        self.training.second_level().map(SecondLevel::stats)
     }
 
     fn take(&self, batch_id: u64) -> Result<Pending, ClusterError> {
@@ -174,16 +168,9 @@ impl ShardService for ShardServer {
     fn enqueue(&self, batch_id: u64, keys: Vec<u64>, mode: Mode) -> Result<(), ClusterError> {
         self.check_generation(batch_id)?;
         let _cut = self.cut.read();
-        // S3.5: with an SSD tier, a training batch's rows are staged into the
-        // cache while it waits in the queue, so its pull reads memory only.
         let (plan, staged) = match mode {
-            Mode::Train if self.table.is_tiered() && self.second_level.is_none() => {
-                let plan = self.table.plan(&keys);
-                let staged =
-                    self.table.prefetch(&plan).map_err(|source| ClusterError::Table { shard: self.index, source })?;
-                (Some(plan), staged)
-            }
-            _ => (None, Staged::default()),
+            Mode::Train => self.training.queued(&self.table, &keys)?,
+            Mode::Eval => (None, Staged::default()),
         };
         self.pending.lock().insert(batch_id, Pending::Queued { keys, mode, plan, staged });
         Ok(())
@@ -204,44 +191,25 @@ impl ShardService for ShardServer {
                 });
             }
             Pending::Queued { keys, mode, plan, staged } => (keys, mode, plan, staged),
-            pulled @ (Pending::Pulled { .. } | Pending::PulledSecond { .. }) => {
+            pulled @ Pending::Pulled { .. } => {
                 self.pending.lock().insert(batch_id, pulled);
                 return Err(ClusterError::UnknownBatch { shard: self.index, batch_id });
             }
         };
-        if let (Some(l2), Mode::Train) = (&self.second_level, mode) {
-            // S1.2: a training batch reads the second level only.
-            let plan = self.table.plan(&keys);
-            let mut unique_rows = vec![0.0f32; plan.num_unique() * dim];
-            l2.lookup(&plan.unique, &mut unique_rows)?;
-            let mut rows = Vec::new();
-            plan.restore(&unique_rows, dim, &mut rows);
-            self.pending.lock().insert(batch_id, Pending::PulledSecond { plan });
-            return Ok(rows);
-        }
-        if let Some(l2) = &self.second_level {
-            // Evaluation reads level 1, brought up to date first.
-            l2.note_l1_read();
-            if l2.rows() > 0 {
-                l2.write_through(&self.table)?;
-            }
-        }
         // Second dedup (S3.4): keys from several loaders may repeat.
         let plan = plan.unwrap_or_else(|| self.table.plan(&keys));
         let mut unique_rows = vec![0.0f32; plan.num_unique() * dim];
         let mut rows = Vec::new();
         match mode {
             Mode::Eval => {
+                self.training.before_level_one_read(&self.table, true)?;
                 self.table
                     .lookup(&plan, &mut unique_rows)
                     .map_err(|source| ClusterError::Table { shard: self.index, source })?;
                 plan.restore(&unique_rows, dim, &mut rows);
             }
             Mode::Train => {
-                let slots = self
-                    .table
-                    .lookup_or_insert(&plan, &mut unique_rows)
-                    .map_err(|source| ClusterError::Table { shard: self.index, source })?;
+                let slots = self.training.pull(&self.table, &plan, &mut unique_rows)?;
                 plan.restore(&unique_rows, dim, &mut rows);
                 self.pending.lock().insert(batch_id, Pending::Pulled { plan, slots });
             }
@@ -258,7 +226,7 @@ impl ShardService for ShardServer {
             let mut pending = self.pending.lock();
             // Checked before the batch is taken: a bad push leaves it queued.
             let expected = match pending.get(&batch_id) {
-                Some(Pending::Pulled { plan, .. } | Pending::PulledSecond { plan }) => plan.inverse.len() * dim,
+                Some(Pending::Pulled { plan, .. }) => plan.inverse.len() * dim,
                 _ => return Err(ClusterError::UnknownBatch { shard: self.index, batch_id }),
             };
             if grads.len() != expected {
@@ -271,8 +239,7 @@ impl ShardService for ShardServer {
                 });
             }
             match pending.remove(&batch_id) {
-                Some(Pending::Pulled { plan, slots }) => (plan, Some(slots)),
-                Some(Pending::PulledSecond { plan }) => (plan, None),
+                Some(Pending::Pulled { plan, slots }) => (plan, slots),
                 _ => return Err(ClusterError::UnknownBatch { shard: self.index, batch_id }),
             }
         };
@@ -282,36 +249,25 @@ impl ShardService for ShardServer {
             let u = u as usize;
             summed[u * dim..(u + 1) * dim].iter_mut().zip(&grads[i * dim..(i + 1) * dim]).for_each(|(s, g)| *s += g);
         }
-        match (slots, &self.second_level) {
-            (Some(slots), _) => self
-                .table
-                .apply_gradients_at(&plan, &slots, &summed)
-                .map_err(|source| ClusterError::Table { shard: self.index, source }),
-            // S1.4: the owner applies them in its second level.
-            (None, Some(l2)) => l2.apply(&self.table, batch_id, &plan.unique, &summed),
-            (None, None) => Err(ClusterError::UnknownBatch { shard: self.index, batch_id }),
-        }
+        self.training.push(&self.table, batch_id, &plan, slots, &summed)
     }
 
     fn report(&self) -> Result<ShardReport, ClusterError> {
-        self.write_through()?;
+        self.training.before_level_one_read(&self.table, false)?;
         // Rows past ttl_steps are gone for every reader: count without them.
         self.table.sweep_expired().map_err(|source| ClusterError::Table { shard: self.index, source })?;
         let mut report = ShardReport::of(&self.table);
-        report.second_level = self.second_level.as_ref().map(SecondLevel::stats);
+        report.second_level = self.second_level_stats();
         Ok(report)
     }
 
     fn pass_staging(&self) -> Option<&dyn PassStaging> {
-        self.second_level.as_ref().map(|_| self as &dyn PassStaging)
+        self.training.second_level().map(|_| self as &dyn PassStaging)
     }
 
     fn export(&self, cursor: (usize, usize), max_rows: usize) -> Result<ExportPage, ClusterError> {
-        if cursor == (0, 0)
-            && let Some(l2) = &self.second_level
-        {
-            l2.note_l1_read();
-            self.write_through()?;
+        if cursor == (0, 0) {
+            self.training.before_level_one_read(&self.table, true)?;
         }
         let (mut keys, mut rows, mut last_uses) = (Vec::new(), Vec::new(), Vec::new());
         let next = self
@@ -344,7 +300,7 @@ impl ShardService for ShardServer {
         let written = {
             let _cut = self.cut.write();
             // A checkpoint between passes: level 1 takes the second level's rows first.
-            self.write_through()?;
+            self.training.before_level_one_read(&self.table, false)?;
             sparrow_trainer::checkpoint::write_part(&self.table, dir, self.index, since, config)?
         };
         let secs = start.elapsed().as_secs_f64();
@@ -371,7 +327,7 @@ impl PassStaging for ShardServer {
         if let Some(&b) = batches.first() {
             self.check_generation(b)?;
         }
-        let l2 = self.second_level.as_ref().ok_or_else(|| {
+        let l2 = self.training.second_level().ok_or_else(|| {
             ClusterError::Setup(format!("shard {}: staging a pass needs cluster.mode = \"collocated\"", self.index))
         })?;
         // Outside the cut: a checkpoint may have to run before the pass that makes room ends.
