@@ -90,6 +90,26 @@ impl RoleKind {
     }
 }
 
+/// One role of the job: its kind and its slot among that kind's
+/// (displayed as the errors and logs name it: "worker 1").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RoleId {
+    pub kind: RoleKind,
+    pub index: usize,
+}
+
+impl RoleId {
+    pub fn new(kind: RoleKind, index: usize) -> Self {
+        RoleId { kind, index }
+    }
+}
+
+impl std::fmt::Display for RoleId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.kind.name(), self.index)
+    }
+}
+
 /// Where the job stands, as every role learns it from its heartbeats.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum JobState {
@@ -310,24 +330,24 @@ impl Coordinator {
         self.hub.rebuild(&self.config, s.number, s.restore.as_deref());
     }
 
-    /// Role `index` of `kind` died (its process exited, or it went silent):
-    /// its slot waits for a replacement and every role goes back to the last
+    /// Role `role` died (its process exited, or it went silent): its slot
+    /// waits for a replacement and every role goes back to the last
     /// committed checkpoint, unless its restart budget is spent (then the
     /// job fails). Idempotent until the replacement registers.
-    pub fn lost(&self, kind: RoleKind, index: usize, reason: &str) {
-        self.lost_process(kind, index, 0, reason);
+    pub fn lost(&self, role: RoleId, reason: &str) {
+        self.lost_process(role, 0, reason);
     }
 
     /// `lost` for process `pid` (0: whichever holds the slot). A notice
     /// about a process whose replacement already registered is stale: its
     /// death was counted when the slot was taken again.
-    pub fn lost_process(&self, kind: RoleKind, index: usize, pid: u32, reason: &str) {
-        if self.state() != JobState::Running || !self.members.vacate(kind, index, pid) {
+    pub fn lost_process(&self, role: RoleId, pid: u32, reason: &str) {
+        if self.state() != JobState::Running || !self.members.vacate(role, pid) {
             return;
         }
         let max = self.config.cluster.max_restarts;
-        let count = self.generations.count_restart(kind, index);
-        let what = format!("{} {index} {reason}", kind.name());
+        let count = self.generations.count_restart(role);
+        let what = format!("{role} {reason}");
         if count > max {
             self.fail(format!(
                 "{what}; it was restarted {} time(s) already (cluster.max_restarts = {max}): the last committed \
@@ -384,32 +404,33 @@ impl Coordinator {
                 ))
             })?,
         };
-        if self.members.is_taken(kind, slot) {
+        let role = RoleId::new(kind, slot);
+        if self.members.is_taken(role) {
             if self.config.cluster.max_restarts == 0 {
-                return Err(ClusterError::Setup(format!("{} {slot} is already registered", kind.name())));
+                return Err(ClusterError::Setup(format!("{role} is already registered")));
             }
-            self.lost(kind, slot, "registered again (it was restarted)");
+            self.lost(role, "registered again (it was restarted)");
             if let JobState::Failed(reason) = self.state() {
                 return Err(ClusterError::JobFailed(reason));
             }
         }
         if let Some(known) = known {
-            self.adopt(kind, slot, known);
+            self.adopt(role, known);
         }
-        tracing::info!("{} {slot} registered at {address}", kind.name());
-        self.members.take(kind, slot, address, pid);
+        tracing::info!("{role} registered at {address}");
+        self.members.take(role, address, pid);
         Ok((slot, self.generation()))
     }
 
     /// A role that outlived the previous coordinator (see [`Generations::adopt`]).
-    fn adopt(&self, kind: RoleKind, index: usize, known: Known) {
+    fn adopt(&self, role: RoleId, known: Known) {
         // Read before any lock is taken.
         let committed = known.committed.and_then(|dir| {
             let step = sparrow_trainer::checkpoint::read_manifest(&dir).ok()?.step;
             Some((dir, step))
         });
-        let adopted = Adopted { kind, generation: known.generation, committed, step: known.step };
-        let reason = format!("the coordinator restarted ({} {index} registered again)", kind.name());
+        let adopted = Adopted { kind: role.kind, generation: known.generation, committed, step: known.step };
+        let reason = format!("the coordinator restarted ({role} registered again)");
         let (started, replayed) = self.generations.adopt(adopted, reason, |n| self.advance_parts(n));
         if replayed > 0 {
             (self.events)(&Event::Replayed { steps: replayed });
@@ -424,14 +445,13 @@ impl Coordinator {
     /// worker's step in it.
     pub fn heartbeat(
         &self,
-        kind: RoleKind,
-        index: usize,
+        role: RoleId,
         progress: u64,
         ready: Generation,
         step: u64,
     ) -> Result<(JobState, Attempt), ClusterError> {
-        self.members.beat(kind, index, progress, ready)?;
-        if kind == RoleKind::Worker {
+        self.members.beat(role, progress, ready)?;
+        if role.kind == RoleKind::Worker {
             self.generations.worker_step(ready, step);
         }
         let generation = self.generations.current();
@@ -446,8 +466,8 @@ impl Coordinator {
     }
 
     /// A role's traffic so far (`bytes`) and its probe address, from a heartbeat.
-    pub fn traffic(&self, kind: RoleKind, index: usize, bytes: u64, probe: &str) {
-        self.members.traffic(kind, index, bytes, probe);
+    pub fn traffic(&self, role: RoleId, bytes: u64, probe: &str) {
+        self.members.traffic(role, bytes, probe);
     }
 
     /// Payload bytes every role reported so far, replaced ones included.
@@ -485,15 +505,15 @@ impl Coordinator {
 
     /// A worker is done in `generation` (or a role failed); the job is done
     /// once every worker is done in the current one.
-    pub fn finish(&self, kind: RoleKind, index: usize, error: Option<String>, generation: Generation) {
+    pub fn finish(&self, role: RoleId, error: Option<String>, generation: Generation) {
         if let Some(error) = error {
-            self.fail(format!("{} {index}: {error}", kind.name()));
+            self.fail(format!("{role}: {error}"));
             return;
         }
-        if kind != RoleKind::Worker || generation != self.generations.current() {
+        if role.kind != RoleKind::Worker || generation != self.generations.current() {
             return;
         }
-        if self.members.worker_finished(index, generation) {
+        if self.members.worker_finished(role.index, generation) {
             let mut state = self.state.lock();
             if *state == JobState::Running {
                 tracing::info!("all {} workers finished", self.num_workers);
@@ -515,13 +535,13 @@ impl Coordinator {
             self.fail(problem);
             return;
         }
-        for (kind, index, problem) in found.lost {
+        for (role, problem) in found.lost {
             if self.config.cluster.max_restarts == 0 {
-                self.fail(format!("{} {index} {problem}", kind.name()));
+                self.fail(format!("{role} {problem}"));
                 return;
             }
-            (self.events)(&Event::Lost { role: kind, index });
-            self.lost(kind, index, &problem);
+            (self.events)(&Event::Lost { role: role.kind, index: role.index });
+            self.lost(role, &problem);
         }
     }
 
@@ -756,7 +776,7 @@ mod tests {
         while start.elapsed() < Duration::from_millis(400) {
             // Everyone but shard 1 keeps beating.
             for (kind, i) in [(RoleKind::Shard, 0), (RoleKind::Loader, 0), (RoleKind::Worker, 0)] {
-                c.heartbeat(kind, i, start.elapsed().as_millis() as u64, Generation(0), 0).expect("beat");
+                c.heartbeat(RoleId::new(kind, i), start.elapsed().as_millis() as u64, Generation(0), 0).expect("beat");
             }
             c.check_liveness();
             if c.state() != JobState::Running {
@@ -805,10 +825,10 @@ mod tests {
         let mut steps = 0;
         while start.elapsed() < Duration::from_millis(1500) && c.state() == JobState::Running {
             steps += 1;
-            c.heartbeat(RoleKind::Shard, 0, 0, Generation(0), 0).expect("beat");
-            c.heartbeat(RoleKind::Loader, 0, 0, Generation(0), 0).expect("beat");
-            c.heartbeat(RoleKind::Worker, 0, steps, Generation(0), 0).expect("beat");
-            c.heartbeat(RoleKind::Worker, 1, 7, Generation(0), 0).expect("beat");
+            c.heartbeat(RoleId::new(RoleKind::Shard, 0), 0, Generation(0), 0).expect("beat");
+            c.heartbeat(RoleId::new(RoleKind::Loader, 0), 0, Generation(0), 0).expect("beat");
+            c.heartbeat(RoleId::new(RoleKind::Worker, 0), steps, Generation(0), 0).expect("beat");
+            c.heartbeat(RoleId::new(RoleKind::Worker, 1), 7, Generation(0), 0).expect("beat");
             c.check_liveness();
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -827,16 +847,16 @@ mod tests {
         let c = Coordinator::new(&config(&[]), 1, 2).expect("coordinator");
         c.register(RoleKind::Worker, "a".into(), None, None).expect("w0");
         c.register(RoleKind::Worker, "b".into(), None, None).expect("w1");
-        c.finish(RoleKind::Worker, 0, None, Generation(1));
+        c.finish(RoleId::new(RoleKind::Worker, 0), None, Generation(1));
         assert_eq!(c.state(), JobState::Running);
-        c.finish(RoleKind::Worker, 1, None, Generation(1));
+        c.finish(RoleId::new(RoleKind::Worker, 1), None, Generation(1));
         assert_eq!(c.state(), JobState::Done);
     }
 
-    fn beat_all(c: &Coordinator, generation: Generation, except: Option<(RoleKind, usize)>) {
+    fn beat_all(c: &Coordinator, generation: Generation, except: Option<RoleId>) {
         for (kind, i) in [(RoleKind::Shard, 0), (RoleKind::Shard, 1), (RoleKind::Loader, 0), (RoleKind::Worker, 0)] {
-            if Some((kind, i)) != except {
-                c.heartbeat(kind, i, 1, generation, 0).expect("beat");
+            if Some(RoleId::new(kind, i)) != except {
+                c.heartbeat(RoleId::new(kind, i), 1, generation, 0).expect("beat");
             }
         }
     }
@@ -869,7 +889,7 @@ mod tests {
         let start = Instant::now();
         while c.generation().number == Generation(1) {
             assert!(start.elapsed() < Duration::from_secs(5), "never noticed");
-            beat_all(&c, Generation(1), Some((RoleKind::Shard, 1)));
+            beat_all(&c, Generation(1), Some(RoleId::new(RoleKind::Shard, 1)));
             c.check_liveness();
             std::thread::sleep(Duration::from_millis(10));
         }
@@ -885,7 +905,7 @@ mod tests {
         let report = c.recovery_report();
         assert_eq!(report.restarts["shard"], 1);
         // A second death of the same shard is past the budget.
-        c.lost(RoleKind::Shard, 1, "exited (its process died)");
+        c.lost(RoleId::new(RoleKind::Shard, 1), "exited (its process died)");
         match c.state() {
             JobState::Failed(m) => assert!(m.contains("shard 1") && m.contains("cluster.max_restarts = 1"), "{m}"),
             other => panic!("{other:?}"),
@@ -915,7 +935,7 @@ mod tests {
         };
         // Ordered by the round's state, not by time: the contribution is in.
         c.wait_for_contributions(0, 1);
-        c.lost(RoleKind::Worker, 1, "exited (its process died)");
+        c.lost(RoleId::new(RoleKind::Worker, 1), "exited (its process died)");
         // Released by the new generation, which it is told; not refused as
         // stale (that is the answer to an arrival after the change, below).
         let err = waiting.join().expect("thread").expect_err("released");
@@ -989,12 +1009,12 @@ mod tests {
             c.register_process(kind, "a".into(), Some(i), None, 100 + i as u32).expect("register");
         }
         c.register_process(RoleKind::Shard, "b".into(), Some(0), None, 200).expect("replacement");
-        c.lost_process(RoleKind::Shard, 0, 100, "exited (its process died)");
+        c.lost_process(RoleId::new(RoleKind::Shard, 0), 100, "exited (its process died)");
         assert_eq!(c.state(), JobState::Running, "one death, within the budget");
         assert_eq!(c.recovery_report().restarts["shard"], 1);
         assert_eq!(c.view(Generation(2)).shards, ["b"], "the replacement keeps its slot");
         // The replacement's own death is the second one.
-        c.lost_process(RoleKind::Shard, 0, 200, "exited (its process died)");
+        c.lost_process(RoleId::new(RoleKind::Shard, 0), 200, "exited (its process died)");
         assert!(matches!(c.state(), JobState::Failed(_)), "{:?}", c.state());
     }
 }

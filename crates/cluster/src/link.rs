@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use sparrow_core::config::ClusterConfig;
 
-use crate::coordinator::{Attempt, JobState, Known, RoleKind};
+use crate::coordinator::{Attempt, JobState, Known, RoleId, RoleKind};
 use crate::generation::Generation;
 use crate::grpc::coordinator::CoordinatorClient;
 use crate::transport::ClusterError;
@@ -23,8 +23,7 @@ use crate::transport::ClusterError;
 /// again with the next one (same index), telling it what it knew.
 pub(crate) struct Link {
     client: CoordinatorClient,
-    pub(crate) kind: RoleKind,
-    pub(crate) index: usize,
+    pub(crate) role: RoleId,
     pub(crate) shared: Arc<LinkShared>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -62,6 +61,7 @@ impl Link {
         index: Option<usize>,
     ) -> Result<(Link, crate::grpc::coordinator::Registration), ClusterError> {
         let reg = client.register(kind, advertise, index, None)?;
+        let role = RoleId::new(kind, reg.index);
         let shared = Arc::new(LinkShared {
             heard: parking_lot::Mutex::new((JobState::Running, reg.generation.clone())),
             changed: parking_lot::Condvar::new(),
@@ -80,13 +80,13 @@ impl Link {
         });
         let thread = {
             let (client, shared, cluster) = (client.clone(), shared.clone(), reg.config.cluster.clone());
-            let (index, advertise) = (reg.index, advertise.to_string());
+            let advertise = advertise.to_string();
             std::thread::Builder::new()
                 .name("sparrow-heartbeat".into())
-                .spawn(move || heartbeats(&client, kind, index, &advertise, &cluster, &shared))
+                .spawn(move || heartbeats(&client, role, &advertise, &cluster, &shared))
                 .map_err(|e| ClusterError::Io { what: "starting the heartbeat thread".into(), source: e })?
         };
-        Ok((Link { client, kind, index: reg.index, shared, thread: Some(thread) }, reg))
+        Ok((Link { client, role, shared, thread: Some(thread) }, reg))
     }
 
     pub(crate) fn heard(&self) -> (JobState, Attempt) {
@@ -165,8 +165,8 @@ impl Link {
 
     /// Reports this role's end in `generation`, or its failure.
     pub(crate) fn finish(&self, error: Option<String>, generation: Generation) {
-        if let Err(e) = self.client.finish(self.kind, self.index, error, generation) {
-            tracing::warn!("{} {}: reporting to the coordinator: {e}", self.kind.name(), self.index);
+        if let Err(e) = self.client.finish(self.role, error, generation) {
+            tracing::warn!("{}: reporting to the coordinator: {e}", self.role);
         }
     }
 }
@@ -205,14 +205,7 @@ impl Drop for Link {
 /// role's slot for its replacement), so that a healed network rejoins the
 /// role to the job's next generation; then it gives up (exit code 75: a
 /// restart registers again).
-fn heartbeats(
-    client: &CoordinatorClient,
-    kind: RoleKind,
-    index: usize,
-    advertise: &str,
-    cluster: &ClusterConfig,
-    shared: &LinkShared,
-) {
+fn heartbeats(client: &CoordinatorClient, role: RoleId, advertise: &str, cluster: &ClusterConfig, shared: &LinkShared) {
     let interval = Duration::from_millis(cluster.heartbeat_interval_ms);
     let timeout = Duration::from_millis(cluster.heartbeat_timeout_ms);
     let rejoin = timeout + Duration::from_millis(cluster.connect_timeout_ms);
@@ -247,12 +240,12 @@ fn heartbeats(
         }
         let (ready, step) = (shared.ready.load(Ordering::Relaxed), shared.step.load(Ordering::Relaxed));
         let previous = *shared.previous.lock();
-        match client.heartbeat(kind, index, shared.progress.load(Ordering::Relaxed), ready, step, previous) {
+        match client.heartbeat(role, shared.progress.load(Ordering::Relaxed), ready, step, previous) {
             Ok((state, generation)) => {
                 last_answer = Instant::now();
                 shared.answered();
                 if shared.silent.swap(false, Ordering::Relaxed) {
-                    tracing::info!("{} {index}: {} answers again", kind.name(), client.name());
+                    tracing::info!("{role}: {} answers again", client.name());
                 }
                 let ended = state != JobState::Running;
                 set(state, generation);
@@ -265,16 +258,16 @@ fn heartbeats(
                     let heard = shared.heard.lock();
                     Known { generation: heard.1.number, committed: heard.1.committed.clone(), step }
                 };
-                match client.register(kind, advertise, Some(index), Some(&known)) {
+                match client.register(role.kind, advertise, Some(role.index), Some(&known)) {
                     Ok(reg) => {
-                        tracing::info!("{} {index}: registered again with the coordinator", kind.name());
+                        tracing::info!("{role}: registered again with the coordinator");
                         last_answer = Instant::now();
                         shared.answered();
                         shared.silent.store(false, Ordering::Relaxed);
                         set(JobState::Running, reg.generation);
                     }
                     Err(e) if matches!(e, ClusterError::Rpc { .. }) && last_answer.elapsed() <= rejoin => {
-                        tracing::warn!("{} {index}: registering again: {e}", kind.name());
+                        tracing::warn!("{role}: registering again: {e}");
                     }
                     // Refused (the job failed, the slot is gone) or too long without an answer.
                     Err(e) => {
@@ -290,9 +283,8 @@ fn heartbeats(
             Err(e) if last_answer.elapsed() > timeout => {
                 if !shared.silent.swap(true, Ordering::Relaxed) {
                     tracing::warn!(
-                        "{} {index}: {}: no answer for {} ms: it takes this role for dead; trying to rejoin for {} \
+                        "{role}: {}: no answer for {} ms: it takes this role for dead; trying to rejoin for {} \
                          ms more: {e}",
-                        kind.name(),
                         client.name(),
                         last_answer.elapsed().as_millis(),
                         (rejoin - last_answer.elapsed()).as_millis()

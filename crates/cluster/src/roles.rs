@@ -30,7 +30,7 @@ use sparrow_data::DataLayout;
 use tokio::runtime::Runtime;
 
 use self::links::RoleLinks;
-use crate::coordinator::{Attempt, Coordinator, Event, JobState, RoleKind};
+use crate::coordinator::{Attempt, Coordinator, Event, JobState, RoleId, RoleKind};
 use crate::faults;
 use crate::generation::Generation;
 use crate::grpc::coordinator::CoordinatorClient;
@@ -126,7 +126,7 @@ fn note_launcher(coordinator: &Coordinator, line: &str) {
         && let (Some(kind), Ok(index)) = (RoleKind::parse(kind), index.parse::<usize>())
         && let Ok(pid) = words.next().map_or(Ok(0), str::parse::<u32>)
     {
-        coordinator.lost_process(kind, index, pid, "exited (its process died)");
+        coordinator.lost_process(RoleId::new(kind, index), pid, "exited (its process died)");
     } else {
         tracing::warn!("coordinator: ignoring `{line}` from the launcher");
     }
@@ -352,7 +352,7 @@ fn each_generation(
                     link.set_ready(served);
                 }
                 Err(e) if e.may_be_a_death() => {
-                    tracing::warn!("{} {}: generation {}: {e}", link.kind.name(), link.index, generation.number);
+                    tracing::warn!("{}: generation {}: {e}", link.role, generation.number);
                     if !link.await_recovery(generation.number, cluster) {
                         link.finish(Some(e.to_string()), generation.number);
                         return Err(e);
@@ -647,9 +647,9 @@ impl ShardService for LocalShard {
 impl PassStaging for LocalShard {
     fn stage(&self, pass: u64, keys: Vec<u64>, batches: Vec<u64>) -> Result<(), ClusterError> {
         let shard = self.0.get()?;
-        let staging = shard.pass_staging().ok_or_else(|| {
-            ClusterError::Setup(format!("node {}: its shard has no second level", shard.index()))
-        })?;
+        let staging = shard
+            .pass_staging()
+            .ok_or_else(|| ClusterError::Setup(format!("node {}: its shard has no second level", shard.index())))?;
         staging.stage(pass, keys, batches)
     }
 }

@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use crate::lock_order::{OrderedMutex, Rank};
 
-use super::{Attempt, RoleKind};
+use super::{Attempt, RoleId, RoleKind};
 use crate::generation::Generation;
 
 struct Recovery {
@@ -24,7 +24,7 @@ struct Recovery {
     committed: Option<(PathBuf, u64)>,
     /// Incremental checkpoints since the last full one.
     deltas_since_full: u64,
-    restarts: HashMap<(RoleKind, usize), u32>,
+    restarts: HashMap<RoleId, u32>,
     /// The highest step a worker reported in the current generation.
     high_step: u64,
     /// Generations given up → the step up to which their replayed steps
@@ -112,10 +112,10 @@ impl Generations {
         }
     }
 
-    /// Counts a restart of `kind` `index`: its number, 1 for the first.
-    pub fn count_restart(&self, kind: RoleKind, index: usize) -> u32 {
+    /// Counts a restart of `role`: its number, 1 for the first.
+    pub fn count_restart(&self, role: RoleId) -> u32 {
         let mut r = self.recovery.lock();
-        let count = r.restarts.entry((kind, index)).or_insert(0);
+        let count = r.restarts.entry(role).or_insert(0);
         *count += 1;
         *count
     }
@@ -237,7 +237,7 @@ impl Generations {
     pub fn totals(&self) -> Totals {
         let r = self.recovery.lock();
         Totals {
-            restarts: r.restarts.iter().map(|((kind, _), n)| (*kind, *n)).collect(),
+            restarts: r.restarts.iter().map(|(role, n)| (role.kind, *n)).collect(),
             checkpoints_committed: r.checkpoints_committed,
             steps_replayed: r.steps_replayed,
             recovery_secs: r.recovery_secs,

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::lock_order::{OrderedMutex, Rank};
 
-use super::{RoleKind, View};
+use super::{RoleId, RoleKind, View};
 use crate::generation::Generation;
 use crate::lazy::ProbeTarget;
 use crate::transport::ClusterError;
@@ -43,7 +43,7 @@ struct Members {
     retired_bytes: u64,
     /// When a lost role's slot fell vacant (its replacement must register
     /// within `cluster.connect_timeout_ms` of it).
-    vacant_since: HashMap<(RoleKind, usize), Instant>,
+    vacant_since: HashMap<RoleId, Instant>,
 }
 
 impl Members {
@@ -72,7 +72,7 @@ pub struct Liveness {
     /// A slot nobody took within `cluster.connect_timeout_ms`.
     pub missing: Option<String>,
     /// Registered roles that went silent or stopped progressing.
-    pub lost: Vec<(RoleKind, usize, String)>,
+    pub lost: Vec<(RoleId, String)>,
 }
 
 /// How long roles may be silent or stuck.
@@ -119,39 +119,39 @@ impl Membership {
         self.members.lock().slots(kind).iter().position(Option::is_none)
     }
 
-    pub fn is_taken(&self, kind: RoleKind, slot: usize) -> bool {
-        self.members.lock().slots(kind).get(slot).is_some_and(Option::is_some)
+    pub fn is_taken(&self, role: RoleId) -> bool {
+        self.members.lock().slots(role.kind).get(role.index).is_some_and(Option::is_some)
     }
 
     /// Frees the slot of a role that died, for process `pid` (0: whichever
     /// holds it). False when there was nothing to free: the slot is empty,
     /// or a replacement (another pid) already took it.
-    pub fn vacate(&self, kind: RoleKind, index: usize, pid: u32) -> bool {
+    pub fn vacate(&self, role: RoleId, pid: u32) -> bool {
         let mut members = self.members.lock();
-        let Some(slot) = members.slots(kind).get_mut(index) else { return false };
+        let Some(slot) = members.slots(role.kind).get_mut(role.index) else { return false };
         if let Some(member) = slot.as_ref()
             && pid != 0
             && member.pid != 0
             && member.pid != pid
         {
-            tracing::debug!("{} {index}: process {pid} is gone; {} already took its place", kind.name(), member.pid);
+            tracing::debug!("{role}: process {pid} is gone; {} already took its place", member.pid);
             return false;
         }
         let Some(gone) = slot.take() else { return false };
         members.retired_bytes += gone.bytes;
-        members.vacant_since.insert((kind, index), Instant::now());
+        members.vacant_since.insert(role, Instant::now());
         true
     }
 
-    /// Role `kind` `slot` registered at `address` (a previous holder is replaced).
-    pub fn take(&self, kind: RoleKind, slot: usize, address: String, pid: u32) {
+    /// Role `role` registered at `address` (a previous holder is replaced).
+    pub fn take(&self, role: RoleId, address: String, pid: u32) {
         let now = Instant::now();
         let mut members = self.members.lock();
-        members.vacant_since.remove(&(kind, slot));
-        if let Some(old) = members.slots(kind)[slot].take() {
+        members.vacant_since.remove(&role);
+        if let Some(old) = members.slots(role.kind)[role.index].take() {
             members.retired_bytes += old.bytes;
         }
-        members.slots(kind)[slot] = Some(Member {
+        members.slots(role.kind)[role.index] = Some(Member {
             address,
             last_seen: now,
             finished_in: Generation::NONE,
@@ -167,10 +167,10 @@ impl Membership {
     }
 
     /// A heartbeat: the role is alive, at `progress`, serving `ready`.
-    pub fn beat(&self, kind: RoleKind, index: usize, progress: u64, ready: Generation) -> Result<(), ClusterError> {
+    pub fn beat(&self, role: RoleId, progress: u64, ready: Generation) -> Result<(), ClusterError> {
         let mut members = self.members.lock();
-        let Some(Some(m)) = members.slots(kind).get_mut(index) else {
-            return Err(ClusterError::Setup(format!("{} {index} never registered", kind.name())));
+        let Some(Some(m)) = members.slots(role.kind).get_mut(role.index) else {
+            return Err(ClusterError::Setup(format!("{role} never registered")));
         };
         let now = Instant::now();
         m.last_seen = now;
@@ -182,9 +182,9 @@ impl Membership {
     }
 
     /// A role's traffic so far (`bytes`) and its probe address, from a heartbeat.
-    pub fn traffic(&self, kind: RoleKind, index: usize, bytes: u64, probe: &str) {
+    pub fn traffic(&self, role: RoleId, bytes: u64, probe: &str) {
         let mut members = self.members.lock();
-        if let Some(Some(m)) = members.slots(kind).get_mut(index) {
+        if let Some(Some(m)) = members.slots(role.kind).get_mut(role.index) {
             let now = Instant::now();
             let secs = now.duration_since(m.bytes_at).as_secs_f64();
             if bytes >= m.bytes && secs > 0.0 {
@@ -222,7 +222,7 @@ impl Membership {
             for (i, m) in slots.iter().enumerate() {
                 if m.as_ref().is_none_or(|m| m.finished_in != generation) {
                     targets.push(ProbeTarget {
-                        name: format!("{} {i}", kind.name()),
+                        name: RoleId::new(kind, i).to_string(),
                         vacant: m.is_none(),
                         address: m.as_ref().and_then(|m| m.probe.clone()),
                     });
@@ -270,11 +270,11 @@ impl Membership {
         let mut found = Liveness::default();
         for (kind, slots) in members.groups() {
             for (i, slot) in slots.iter().enumerate() {
+                let role = RoleId::new(kind, i);
                 match slot {
                     Some(m) if m.finished_in == generation => {}
                     Some(m) if m.last_seen.elapsed() > t.heartbeat => found.lost.push((
-                        kind,
-                        i,
+                        role,
                         format!(
                             "at {} stopped answering: no heartbeat for {} ms (cluster.heartbeat_timeout_ms = {})",
                             m.address,
@@ -288,8 +288,7 @@ impl Membership {
                     // may keep a worker waiting before it).
                     Some(m) if kind == RoleKind::Worker && m.progress > 0 && m.progress_at.elapsed() > t.progress => {
                         found.lost.push((
-                            kind,
-                            i,
+                            role,
                             format!(
                                 "at {} answers heartbeats but made no progress for {} ms (cluster.progress_timeout_ms = {}; progress count {})",
                                 m.address,
@@ -302,10 +301,9 @@ impl Membership {
                     Some(_) => {}
                     None => {
                         let deadline =
-                            members.vacant_since.get(&(kind, i)).map_or(t.registration, |at| *at + t.connect);
+                            members.vacant_since.get(&role).map_or(t.registration, |at| *at + t.connect);
                         if Instant::now() > deadline {
-                            found.missing =
-                                Some(format!("{} {i} never registered within cluster.connect_timeout_ms", kind.name()));
+                            found.missing = Some(format!("{role} never registered within cluster.connect_timeout_ms"));
                         }
                     }
                 }
@@ -322,20 +320,20 @@ mod tests {
     #[test]
     fn a_stale_death_notice_does_not_free_the_replacements_slot() {
         let m = Membership::new(1, 1);
-        m.take(RoleKind::Shard, 0, "a".into(), 100);
-        m.take(RoleKind::Shard, 0, "b".into(), 200);
-        assert!(!m.vacate(RoleKind::Shard, 0, 100), "process 100 was replaced");
-        assert!(m.is_taken(RoleKind::Shard, 0));
-        assert!(m.vacate(RoleKind::Shard, 0, 200));
-        assert!(!m.vacate(RoleKind::Shard, 0, 200), "once");
+        m.take(RoleId::new(RoleKind::Shard, 0), "a".into(), 100);
+        m.take(RoleId::new(RoleKind::Shard, 0), "b".into(), 200);
+        assert!(!m.vacate(RoleId::new(RoleKind::Shard, 0), 100), "process 100 was replaced");
+        assert!(m.is_taken(RoleId::new(RoleKind::Shard, 0)));
+        assert!(m.vacate(RoleId::new(RoleKind::Shard, 0), 200));
+        assert!(!m.vacate(RoleId::new(RoleKind::Shard, 0), 200), "once");
         assert_eq!(m.free_slot(RoleKind::Shard), Some(0));
     }
 
     #[test]
     fn a_workers_finish_counts_in_its_generation_only() {
         let m = Membership::new(1, 2);
-        m.take(RoleKind::Worker, 0, "a".into(), 0);
-        m.take(RoleKind::Worker, 1, "b".into(), 0);
+        m.take(RoleId::new(RoleKind::Worker, 0), "a".into(), 0);
+        m.take(RoleId::new(RoleKind::Worker, 1), "b".into(), 0);
         assert!(!m.worker_finished(0, Generation(1)));
         assert!(m.worker_finished(1, Generation(1)));
         assert!(!m.worker_finished(1, Generation(2)), "worker 0 finished in generation 1, not 2");

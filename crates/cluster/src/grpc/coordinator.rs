@@ -14,7 +14,7 @@ use tonic::{Request, Response, Status};
 
 use super::{AuthedChannel, CheckToken, NetSettings, Peer, blocking, bytes_to_f32s, connect, f32s_to_bytes};
 use crate::checkpoint::{CheckpointSink, WorkerCut};
-use crate::coordinator::{Attempt, Coordinator, JobState, Known, RoleKind, View};
+use crate::coordinator::{Attempt, Coordinator, JobState, Known, RoleId, RoleKind, View};
 use crate::generation::Generation;
 use crate::lazy::{Aggregated, Contribution as LazyContribution, FinalWeights, Instruction, LazyLink};
 use crate::metrics::RoleMetrics;
@@ -124,11 +124,11 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
     async fn heartbeat(&self, request: Request<pb::HeartbeatRequest>) -> Result<Response<pb::HeartbeatReply>, Status> {
         let r = request.into_inner();
         let kind = role_from_proto(r.role)?;
+        let role = RoleId::new(kind, r.index as usize);
         let coordinator = self.coordinator.clone();
         let (state, generation) = blocking(move || {
-            let answer =
-                coordinator.heartbeat(kind, r.index as usize, r.progress, Generation(r.ready_generation), r.step)?;
-            coordinator.traffic(kind, r.index as usize, r.bytes, &r.probe_address);
+            let answer = coordinator.heartbeat(role, r.progress, Generation(r.ready_generation), r.step)?;
+            coordinator.traffic(role, r.bytes, &r.probe_address);
             coordinator.previous_step(kind, Generation(r.previous_generation), r.previous_step);
             Ok(answer)
         })
@@ -287,7 +287,7 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
         let coordinator = self.coordinator.clone();
         let error = (!r.error.is_empty()).then_some(r.error);
         blocking(move || {
-            coordinator.finish(kind, r.worker as usize, error, Generation(r.generation));
+            coordinator.finish(RoleId::new(kind, r.worker as usize), error, Generation(r.generation));
             Ok(())
         })
         .await?;
@@ -418,16 +418,15 @@ impl CoordinatorClient {
     /// worker is at `step`. Answers the job's state and generation.
     pub fn heartbeat(
         &self,
-        kind: RoleKind,
-        index: usize,
+        role: RoleId,
         progress: u64,
         ready: u64,
         step: u64,
         previous: (u64, u64),
     ) -> Result<(JobState, Attempt), ClusterError> {
         let request = pb::HeartbeatRequest {
-            role: role_to_proto(kind) as i32,
-            index: index as u32,
+            role: role_to_proto(role.kind) as i32,
+            index: role.index as u32,
             progress,
             ready_generation: ready,
             step,
@@ -495,17 +494,11 @@ impl CoordinatorClient {
     }
 
     /// Reports a worker's end in `generation`, or any role's failure (`error`).
-    pub fn finish(
-        &self,
-        kind: RoleKind,
-        index: usize,
-        error: Option<String>,
-        generation: Generation,
-    ) -> Result<(), ClusterError> {
+    pub fn finish(&self, role: RoleId, error: Option<String>, generation: Generation) -> Result<(), ClusterError> {
         let request = pb::FinishRequest {
-            worker: index as u32,
+            worker: role.index as u32,
             error: error.unwrap_or_default(),
-            role: role_to_proto(kind) as i32,
+            role: role_to_proto(role.kind) as i32,
             generation: generation.number(),
         };
         self.peer.call("finish", request, |mut c, r| async move { c.finish(r).await })?;
