@@ -1047,6 +1047,11 @@ mod tests {
         }
     }
 
+    /// Aggregator `aggregator`'s partial of Σ c·v = 4 over Σ c = 2 for instruction `id`.
+    fn sum_of_four(aggregator: usize, id: u64, members: Vec<Member>) -> Partial {
+        Partial { aggregator, generation: Generation(1), instruction: id, sum: vec![4.0], weight: 2.0, members }
+    }
+
     /// Aggregator processes meet the scheduler once each for the workers
     /// they bring: the instruction closes when every participant's share is
     /// in, whichever way it came, and a worker whose aggregator sent for it
@@ -1063,28 +1068,13 @@ mod tests {
         // Aggregator 0 brings workers 0 and 2 (1·1 + 1·3 over 2), aggregator 1 worker 1 (2·2 over 2).
         let first = {
             let lazy = lazy.clone();
-            let partial = Partial {
-                aggregator: 0,
-                generation: Generation(1),
-                instruction: i.id,
-                sum: vec![4.0],
-                weight: 2.0,
-                members: vec![member(0, 1.0, 1), member(2, 1.0, 3)],
-            };
+            let partial = sum_of_four(0, i.id, vec![member(0, 1.0, 1), member(2, 1.0, 3)]);
             std::thread::spawn(move || lazy.contribute_partial(partial))
         };
         lazy.wait_for_shares(i.id, 2);
         let again = lazy.contribute(contribution(2, i.id, vec![9.0], 1.0, false, (1, 1))).expect_err("sent for");
         assert!(again.to_string().contains("worker 2 is not expected for instruction"), "{again}");
-        let partial = Partial {
-            aggregator: 1,
-            generation: Generation(1),
-            instruction: i.id,
-            sum: vec![4.0],
-            weight: 2.0,
-            members: vec![member(1, 2.0, 2)],
-        };
-        let (done, weights) = lazy.contribute_partial(partial).expect("closed");
+        let (done, weights) = lazy.contribute_partial(sum_of_four(1, i.id, vec![member(1, 2.0, 2)])).expect("closed");
         // 1 + (4 + 4) / (2 + 2) = 3
         assert_eq!(weights.as_slice(), &[3.0]);
         assert_eq!((done.job_batches, done.job_samples), (6, 12), "every member's iterations, once each");
