@@ -1,4 +1,7 @@
-//! Exact AUC (ties share their average rank) and log-loss.
+//! Exact AUC (ties share their average rank) and log-loss; progressive
+//! validation over a window and a run in [`online`].
+
+pub mod online;
 
 /// Area under the ROC curve of `scores` against 0/1 `labels`. Tied scores
 /// count half, as the Mann–Whitney statistic with average ranks does. NaN when
