@@ -867,11 +867,10 @@ mod tests {
         }
     }
 
-    /// A scheduler that decides every millisecond, 2 ms after it started.
+    /// A scheduler with no monitoring interval: it decides at every poll
+    /// (the interval has its own test).
     fn quick(workers: usize, weights: Vec<f32>) -> Lazy {
-        let lazy = Lazy::new(&LazyConfig { probe_interval_ms: 1, ..LazyConfig::default() }, workers, 1, 0.1, weights);
-        std::thread::sleep(Duration::from_millis(2));
-        lazy
+        Lazy::new(&LazyConfig { probe_interval_ms: 0, ..LazyConfig::default() }, workers, 1, 0.1, weights)
     }
 
     fn cfg(combine: Combine) -> LazyConfig {
@@ -975,7 +974,6 @@ mod tests {
         assert_eq!((theirs.job_batches, theirs.job_samples), (3, 8), "the job's totals after the aggregation");
         assert_eq!(lazy.report().aggregations, 1);
         // Worker 1 left: worker 0 alone makes the next instruction.
-        std::thread::sleep(Duration::from_millis(2));
         assert!(lazy.poll(0, 1, false, false).expect("poll").is_some());
     }
 
@@ -1030,7 +1028,6 @@ mod tests {
         assert_eq!(lazy.poll(0, 1, false, false).expect("poll"), None);
         assert_eq!(lazy.poll(0, 2, false, false).expect("poll"), None);
         lazy.set_conditions(Conditions { utilisation: 0.0, failure_rate: 0.0 });
-        std::thread::sleep(Duration::from_millis(2));
         assert!(lazy.poll(0, 2, false, false).expect("poll").is_some());
         let r = lazy.report();
         assert_eq!((r.held_by_utilisation, r.held_by_failure_rate), (1, 0), "one episode");
@@ -1058,9 +1055,9 @@ mod tests {
     /// cannot send again.
     #[test]
     fn an_aggregators_sum_counts_for_each_worker_it_brings() {
-        let lazy = Lazy::new(&LazyConfig { probe_interval_ms: 1, ..LazyConfig::default() }, 3, 2, 0.1, vec![1.0]);
-        std::thread::sleep(Duration::from_millis(2));
-        let lazy = Arc::new(lazy);
+        // No monitoring interval: the scheduler may issue at once.
+        let cfg = LazyConfig { probe_interval_ms: 0, ..LazyConfig::default() };
+        let lazy = Arc::new(Lazy::new(&cfg, 3, 2, 0.1, vec![1.0]));
         for w in 0..2 {
             assert_eq!(lazy.poll(w, 1, false, false).expect("poll"), None, "worker 2 has no iteration yet");
         }
