@@ -170,10 +170,14 @@ fn incremental_checkpoints_recover_exactly_and_write_less() {
 }
 
 /// Two workers cannot replay bit for bit (which worker takes which batch,
-/// and how many per round, varies from run to run). Two uninterrupted runs
-/// of this job already differ: their test AUC spread over 0.633–0.643 in
-/// three runs on this machine. The recovered job must land in that band:
-/// within 0.02 of an uninterrupted run, replicas identical.
+/// and how many per round, varies from run to run), so what is exact here is
+/// the data: every training row is trained (`train_rows`), the replicas end
+/// identical, and only steps past the checkpoint are replayed. The AUC is a
+/// sanity bound, not a comparison: uninterrupted runs of this job alone
+/// spread over 0.620–0.651 (ten runs, half of them beside two busy cores, on
+/// the 2-core machine of issue 40's first session), so two of them can be
+/// 0.03 apart with nothing wrong. Within 0.05 of an uninterrupted run and
+/// above 0.58 (an untrained model scores 0.5, one epoch of this job 0.618).
 #[test]
 fn two_workers_recover_within_the_spread_of_uninterrupted_runs() {
     let tmp = tempfile::tempdir().expect("tmp");
@@ -192,8 +196,14 @@ fn two_workers_recover_within_the_spread_of_uninterrupted_runs() {
     let json = last_json(&out);
     assert_eq!(json["restarts"]["worker"], 2, "both workers died at their step 101: {}", json["restarts"]);
     assert_eq!(json["replicas_identical"], true);
+    assert_eq!(json["train_rows"], plain["train_rows"], "every row trained");
+    assert_eq!(json["train_rows"], 80_000, "four epochs of 20 000 rows");
+    // Each died after its 101st step; the checkpoint before is the job's
+    // step 50 or 100, so at most 101 of each worker's steps come again.
+    let replayed = json["steps_replayed"].as_u64().expect("replayed");
+    assert!((1..=2 * 101).contains(&replayed), "{replayed}");
     let (a, b) = (json["test_auc"].as_f64().expect("auc"), plain["test_auc"].as_f64().expect("auc"));
-    assert!((a - b).abs() < 0.02, "{a} vs {b}");
+    assert!(a > 0.58 && (a - b).abs() < 0.05, "{a} vs {b}");
 }
 
 /// A launch whose stderr is collected while it runs.
