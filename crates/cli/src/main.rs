@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 mod args;
 mod gather_limit;
+mod produce_command;
 mod serve_command;
 
 use anyhow::Context;
@@ -110,6 +111,9 @@ enum Command {
     /// Serve a serving export over the Open Inference Protocol (KServe v2
     /// REST) until SIGINT/SIGTERM; `/metrics` for Prometheus.
     Serve(serve_command::ServeArgs),
+    /// Append rows to a Kafka topic at a given rate, one row a record (a
+    /// file's lines, or generated rows): for demos and tests of [data.stream].
+    Produce(produce_command::ProduceArgs),
     /// One self-contained HTML page of runs' metrics (`train.metrics_path`):
     /// loss, AUC and throughput over samples, and the step's phases.
     Report {
@@ -350,7 +354,13 @@ fn with_env_token(mut config: Config) -> Config {
 /// them (progress, warnings about the data, where the model was saved); a
 /// role process logs with time and level.
 fn init_logging(role: bool) {
-    let default = if role { "info,h2=warn,tower=warn,hyper=warn" } else { "info" };
+    // The Kafka client's connection chatter is kept out; its retries (a
+    // broker gone) are shown.
+    let default = if role {
+        "info,h2=warn,tower=warn,hyper=warn,rskafka=warn,rskafka::backoff=info"
+    } else {
+        "info,rskafka=warn,rskafka::backoff=info"
+    };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let fmt = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false);
@@ -530,6 +540,7 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             print_json(&sparrow_trainer::run::export_checkpoint(&checkpoint, &out, dtype)?)
         }
         Command::Serve(args) => serve_command::run(args),
+        Command::Produce(args) => produce_command::run(args),
         Command::Report { metrics, mut compare, out, truth, title } => {
             compare.insert(0, metrics);
             print_json(&sparrow_report::write_report(&compare, truth.as_deref(), title.as_deref(), &out)?)

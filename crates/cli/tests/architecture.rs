@@ -388,3 +388,17 @@ fn the_state_finder_sees_environment_reads_and_statics() {
         .collect();
     assert_eq!(found, ["6", "7", "9", "10"]);
 }
+
+/// Kafka is behind one crate: no other manifest names the client.
+#[test]
+fn only_the_stream_crate_talks_to_kafka() {
+    let mut dirs = library_crates();
+    dirs.push(workspace().join("crates/cli"));
+    dirs.push(workspace().join("python"));
+    for krate in dirs.iter().filter(|k| !k.ends_with("stream")) {
+        let manifest = std::fs::read_to_string(krate.join("Cargo.toml")).expect("manifest");
+        assert!(!manifest.contains("rskafka"), "{}: only sparrow-stream may depend on rskafka", krate.display());
+    }
+    let stream = std::fs::read_to_string(workspace().join("crates/stream/Cargo.toml")).expect("manifest");
+    assert!(stream.contains("rskafka"), "the finder looks at the manifests it means to");
+}

@@ -163,6 +163,7 @@ pub fn manifest(
         parts: parts.iter().map(|p| p.written.part.clone()).collect(),
         base: base.and_then(|b| b.file_name()).map(|n| n.to_string_lossy().to_string()),
         skip,
+        stream: None,
     })
 }
 
@@ -328,6 +329,7 @@ mod tests {
             parts: Vec::new(),
             base: None,
             skip: Vec::new(),
+            stream: None,
         }
     }
 }

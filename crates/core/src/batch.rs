@@ -31,6 +31,29 @@ impl DataPosition {
     }
 }
 
+/// Where a stream stands after a batch (`[data.stream]`): what a resumed
+/// reader needs to cut exactly the batches an uninterrupted one would have
+/// cut next, and what the run reports about the stream.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamMark {
+    /// Partition → the next offset to read.
+    pub offsets: std::collections::BTreeMap<i32, i64>,
+    /// The partition the next batch starts reading at (each batch starts at
+    /// the next partition in turn, so none waits behind another's backlog).
+    pub next_partition: i32,
+    /// Records consumed, good and malformed (across resumes).
+    pub records: u64,
+    /// Of those, malformed (skipped, their offsets consumed).
+    pub bad_records: u64,
+    /// Records past these offsets that the broker held when the batch was
+    /// cut (the partitions' last known ends minus `offsets`).
+    #[serde(default)]
+    pub lag_records: u64,
+    /// Append time (Unix ms) of the newest record in the batch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub newest_record_ms: Option<i64>,
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct Batch {
     pub num_fields: usize,
@@ -52,6 +75,8 @@ pub struct Batch {
     pub timestamps: Option<Vec<i64>>,
     /// Each row's weight in the loss (`[data.weighting]`); `None` means all 1.
     pub sample_weights: Option<Vec<f32>>,
+    /// A stream's batch: where the stream stands after it.
+    pub stream: Option<std::sync::Arc<StreamMark>>,
 }
 
 impl Batch {
@@ -93,6 +118,7 @@ impl BatchBuilder {
                 end: DataPosition::default(),
                 timestamps: None,
                 sample_weights: None,
+                stream: None,
             },
             row_start: (0, 0, 0, 1),
             current_field: 0,

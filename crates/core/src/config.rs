@@ -3,9 +3,11 @@
 
 mod bounds;
 mod overrides;
+mod stream;
 mod validate;
 
 pub use overrides::Overrides;
+pub use stream::{MAX_FETCH_BYTES, Partitions, RetentionGap, StreamConfig, StreamKind, StreamStart};
 
 use serde::{Deserialize, Serialize};
 
@@ -65,6 +67,8 @@ pub struct DataConfig {
     pub prefetch_batches: usize,
     /// Sample weighting by age (S4.4); needs `schema.timestamp`.
     pub weighting: Option<WeightingConfig>,
+    /// Train from a Kafka topic instead of `train` (which is then not read).
+    pub stream: Option<StreamConfig>,
 }
 
 /// `[data.weighting]`: identical samples in the same window merge into one
@@ -115,6 +119,7 @@ impl Default for DataConfig {
             num_fields: None,
             prefetch_batches: 8,
             weighting: None,
+            stream: None,
         }
     }
 }
@@ -552,6 +557,12 @@ pub struct CheckpointConfig {
     /// one (every `full_every`-th is full); `exports/LATEST` names the
     /// newest, which `sparrow serve --watch` applies while it serves.
     pub export_every_steps: Option<u64>,
+    /// Also write a checkpoint when this many seconds passed since the last
+    /// one (a stream has no end to wait for).
+    pub every_secs: Option<u64>,
+    /// Also write a serving export when this many seconds passed since the
+    /// last one (`serve --watch` follows them).
+    pub export_every_secs: Option<u64>,
 }
 
 impl Default for CheckpointConfig {
@@ -564,6 +575,8 @@ impl Default for CheckpointConfig {
             incremental: false,
             full_every: 8,
             export_every_steps: None,
+            every_secs: None,
+            export_every_secs: None,
         }
     }
 }

@@ -25,6 +25,11 @@ pub enum DataError {
     MissingPath { key: &'static str, what: &'static str },
     #[error("data stream stopped unexpectedly (its reader thread panicked)")]
     ReaderPanicked,
+    #[error("{place}: {bad_rows} malformed records, more than data.max_bad_rows = {max_bad_rows} (the last: {reason})")]
+    TooManyBadRecords { place: String, bad_rows: u64, max_bad_rows: u64, reason: String },
+    /// `[data.stream]`: the broker, topic or partition, named in the message.
+    #[error("{0}")]
+    Stream(String),
 }
 
 impl DataError {
@@ -87,6 +92,21 @@ impl BadRows {
 
     pub fn total(&self) -> u64 {
         self.count.load(Ordering::Relaxed)
+    }
+
+    /// A malformed stream record at `place` (topic, partition, offset):
+    /// counted against the same budget as a file's rows.
+    pub fn record_at(&self, place: &str, reason: String) -> Result<(), DataError> {
+        let n = self.count.fetch_add(1, Ordering::Relaxed) + 1;
+        let reason = sparrow_core::printable(&reason).into_owned();
+        let place = sparrow_core::printable(place).into_owned();
+        if n <= self.report_first {
+            tracing::warn!("warning: skipped malformed record ({place}): {reason}");
+        }
+        if n > self.max_bad_rows {
+            return Err(DataError::TooManyBadRecords { place, bad_rows: n, max_bad_rows: self.max_bad_rows, reason });
+        }
+        Ok(())
     }
 
     pub fn record(&self, path: &std::path::Path, line: u64, reason: String) -> Result<(), DataError> {

@@ -89,6 +89,32 @@ impl BatchStream {
     }
 }
 
+impl BatchStream {
+    /// The flag that stops the reader (set when the stream is dropped): a
+    /// consumer that hands the stream to another thread keeps it, so that
+    /// dropping the consumer stops a reader waiting for data that may
+    /// never come (an idle topic).
+    pub fn stop_flag(&self) -> Arc<AtomicBool> {
+        self.stop.clone()
+    }
+
+    /// Runs `body` on a reader thread named `name`: it sends batches (or
+    /// the error that ends the stream) until it returns, or until the
+    /// stop flag it is given is set (the stream was dropped).
+    pub fn from_thread(
+        layout: DataLayout,
+        prefetch_batches: usize,
+        name: &str,
+        body: impl FnOnce(&crossbeam_channel::Sender<Result<Batch, DataError>>, &AtomicBool) + Send + 'static,
+    ) -> std::io::Result<BatchStream> {
+        let (tx, rx) = bounded(prefetch_batches);
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop_flag = stop.clone();
+        let handle = std::thread::Builder::new().name(name.into()).spawn(move || body(&tx, &stop_flag))?;
+        Ok(BatchStream { rx: Some(rx), stop, handle: Some(handle), layout })
+    }
+}
+
 impl Iterator for BatchStream {
     type Item = Result<Batch, DataError>;
 

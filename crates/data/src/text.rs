@@ -25,6 +25,10 @@ pub trait LineParser: Send {
     fn whole_without_newline(&self, _line: &[u8]) -> bool {
         false
     }
+
+    /// A row dated after `now` (Unix seconds) is malformed: a stream that
+    /// runs for days moves its parser's clock along.
+    fn set_now(&mut self, _now: i64) {}
 }
 
 /// `0`/`1` or `-1`/`+1`; anything else is a malformed row.
@@ -272,6 +276,10 @@ impl CsvParser {
 }
 
 impl LineParser for CsvParser {
+    fn set_now(&mut self, now: i64) {
+        self.now = now;
+    }
+
     fn parse(&mut self, line: &[u8], out: &mut BatchBuilder) -> Result<f32, String> {
         let mut cells = Vec::with_capacity(self.width);
         split_csv(line, self.delim, &mut cells)?;
@@ -396,6 +404,34 @@ impl LineParser for SvmParser {
 pub const MAX_LINE_BYTES: u64 = 1 << 20;
 
 const UTF8_BOM: &[u8] = b"\xef\xbb\xbf";
+
+/// The parser of one row in `format` outside a file (a stream record's
+/// value): CSV takes its column names from `header` when the schema reads
+/// a header line. `origin` names the source in schema errors.
+pub fn row_parser(
+    format: DataFormat,
+    config: &DataConfig,
+    header: Option<&str>,
+    origin: &Path,
+) -> Result<Box<dyn LineParser>, DataError> {
+    let layout = DataLayout::from_config(config);
+    Ok(match format {
+        DataFormat::Criteo => Box::new(CriteoParser::default()),
+        DataFormat::Libsvm => Box::new(SvmParser::libsvm()),
+        DataFormat::Libffm => Box::new(SvmParser::libffm(layout.num_fields)),
+        DataFormat::Csv => {
+            let schema = config.schema.clone().unwrap_or_default();
+            let header = header.filter(|_| schema.header).map(str::as_bytes);
+            Box::new(CsvParser::new(origin, &schema, header)?)
+        }
+        DataFormat::Parquet => {
+            return Err(DataError::Schema {
+                path: origin.to_path_buf(),
+                message: "parquet is not a text format".into(),
+            });
+        }
+    })
+}
 
 /// A line-oriented file read sequentially, with its position tracked so a
 /// resumed run can seek straight back to it.

@@ -28,7 +28,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use sparrow_core::Config;
-use sparrow_core::batch::DataPosition;
+use sparrow_core::batch::{DataPosition, StreamMark};
 use sparrow_core::config::Rounding;
 use sparrow_embedding::{EmbeddingDtype, EmbeddingTable, RowFormat};
 use sparrow_model::{DenseModel, DenseOptimizer};
@@ -144,6 +144,10 @@ pub struct Manifest {
     /// drops them. Empty in `train`'s versions.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub skip: Vec<TrainedBatch>,
+    /// `[data.stream]`: each partition's next offset (and the reader's
+    /// turn) after the last trained batch: a resumed run reads on from here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<StreamMark>,
 }
 
 /// Where a trained batch starts and ends in the training data.
@@ -294,6 +298,7 @@ pub fn save(trainer: &Trainer, root: &Path, keep: usize) -> Result<PathBuf, Trai
         parts: Vec::new(),
         base: None,
         skip: Vec::new(),
+        stream: trainer.stream.as_deref().cloned(),
     };
     commit(root, &tmp, &manifest, keep)
 }

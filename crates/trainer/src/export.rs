@@ -124,6 +124,11 @@ pub struct ExportManifest {
     /// When the model was taken (Unix milliseconds): staleness is measured from it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub taken_unix_ms: Option<u64>,
+    /// `[data.stream]`: where the stream stood when the model was taken
+    /// (each partition's next offset): the export has trained on every
+    /// record before them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<sparrow_core::batch::StreamMark>,
 }
 
 /// What sets one export apart from another of the same model.
@@ -132,6 +137,7 @@ pub struct ExportMeta {
     pub dtype: Option<VectorType>,
     pub base: Option<String>,
     pub taken_unix_ms: Option<u64>,
+    pub stream: Option<sparrow_core::batch::StreamMark>,
 }
 
 /// Writes an export into `dir` (created; must not exist yet): `rows` gives
@@ -240,6 +246,7 @@ pub fn write_export_with(
         dtype: dtype.name().into(),
         base: meta.base.clone(),
         taken_unix_ms: meta.taken_unix_ms,
+        stream: meta.stream.clone(),
     };
     let json = serde_json::to_vec_pretty(&manifest).map_err(|e| TrainError::checkpoint(dir, e.to_string()))?;
     write_bytes_synced(&staging.join(MANIFEST), &json)?;
@@ -596,6 +603,7 @@ impl IncrementalExports {
             dtype: Some(VectorType::of_rows(trainer.config.embedding.dtype)),
             base: if full { None } else { self.previous.as_ref().map(|(n, _)| n.clone()) },
             taken_unix_ms: Some(taken_unix_ms),
+            stream: trainer.stream.as_deref().cloned(),
         };
         write_export_with(&dir, &trainer.config, &trainer.layout, trainer.step, &trainer.model, &meta, pages)?;
         if let Some(previous) = previous_digests

@@ -14,6 +14,7 @@ pub mod engine;
 pub mod error;
 pub mod export;
 pub mod inference;
+pub mod input;
 pub mod pipeline;
 pub mod pooling;
 pub mod progress;

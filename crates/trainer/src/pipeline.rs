@@ -5,6 +5,8 @@
 //! previous batch trains. The plan is the same as the step would compute, so
 //! results are bit-identical with or without the stage.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, bounded};
@@ -15,12 +17,15 @@ use sparrow_embedding::{KeyPlan, Partitioner};
 pub struct PlannedBatches {
     rx: Option<Receiver<Result<(Batch, KeyPlan), DataError>>>,
     handle: Option<JoinHandle<()>>,
+    /// The reader's stop flag: the planner may be waiting on the reader.
+    stop_reader: Arc<AtomicBool>,
 }
 
 impl PlannedBatches {
     /// Plans every batch of `stream`, at most `depth` ahead of the consumer.
     pub fn spawn(stream: BatchStream, partitioner: Partitioner, depth: usize) -> std::io::Result<PlannedBatches> {
         let (tx, rx) = bounded(depth.max(1));
+        let stop_reader = stream.stop_flag();
         let handle = std::thread::Builder::new().name("sparrow-planner".into()).spawn(move || {
             for item in stream {
                 let planned = item.map(|batch| {
@@ -33,7 +38,23 @@ impl PlannedBatches {
                 }
             }
         })?;
-        Ok(PlannedBatches { rx: Some(rx), handle: Some(handle) })
+        Ok(PlannedBatches { rx: Some(rx), handle: Some(handle), stop_reader })
+    }
+}
+
+impl PlannedBatches {
+    /// The next batch, or `None` at the end or once `stop` is set: a
+    /// stream may have no batch to give for a long time (an idle topic),
+    /// and a signal must still end the run.
+    pub fn next_unless(&mut self, stop: &AtomicBool) -> Option<Result<(Batch, KeyPlan), DataError>> {
+        loop {
+            match self.rx.as_ref()?.recv_timeout(std::time::Duration::from_millis(100)) {
+                Ok(item) => return Some(item),
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) if stop.load(Ordering::Relaxed) => return None,
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return self.next(),
+            }
+        }
     }
 }
 
@@ -54,8 +75,10 @@ impl Iterator for PlannedBatches {
 
 impl Drop for PlannedBatches {
     fn drop(&mut self) {
-        // Closing the channel stops the planner, which drops (and so stops) the reader.
+        // Closing the channel stops a planner that is sending; one waiting
+        // for the reader's next batch is let go by the reader, stopped.
         self.rx.take();
+        self.stop_reader.store(true, Ordering::Relaxed);
         if let Some(h) = self.handle.take() {
             let _ = h.join();
         }

@@ -16,7 +16,7 @@ use sparrow_embedding::{EmbeddingTable, FilterStats, TierStats};
 
 use crate::checkpoint;
 use crate::inference::{Model, Scoring};
-use crate::pipeline::PlannedBatches;
+use crate::input::{Every, StreamReport, TrainingInput, describe_lag};
 use crate::progress::{Progress, ProgressUpdate};
 use crate::tensorboard::TensorBoard;
 use crate::trainer::{PhaseSecs, PlannedBatch, Trainer};
@@ -74,6 +74,9 @@ pub struct RunSummary<P, X> {
     /// From `truth.json` beside the test file, when the data is generated.
     pub bayes_auc: Option<f64>,
     pub bayes_logloss: Option<f64>,
+    /// `[data.stream]`: offsets, records, malformed records, lag.
+    #[serde(flatten)]
+    pub stream: StreamReport,
     #[serde(flatten)]
     pub extra: X,
 }
@@ -145,10 +148,6 @@ pub fn compute_pool(threads: usize) -> Result<rayon::ThreadPool, TrainError> {
         .thread_name(|i| format!("sparrow-compute-{i}"))
         .build()
         .map_err(TrainError::ThreadPool)
-}
-
-fn data_path<'a>(p: &'a Option<String>, key: &'static str, what: &'static str) -> Result<&'a Path, TrainError> {
-    p.as_deref().map(Path::new).ok_or(TrainError::Data(DataError::MissingPath { key, what }))
 }
 
 struct MetricsLog {
@@ -236,7 +235,6 @@ fn train_in_pool(
     stop: &AtomicBool,
     observer: &(dyn Fn(&ProgressUpdate) + Sync),
 ) -> Result<TrainSummary, TrainError> {
-    let train_path = data_path(&config.data.train, "train", "the training data file")?;
     note_precision(&config.model, config.train.simd);
     if config.checkpoint.incremental {
         tracing::warn!("checkpoint.incremental applies to sparrow launch; sparrow train writes full checkpoints");
@@ -265,22 +263,8 @@ fn train_in_pool(
         }
     }
     let bad = BadRows::from_config(&config.data);
-    let stream = BatchStream::spawn(
-        train_path,
-        &config.data,
-        config.train.batch_size,
-        trainer.position,
-        config.train.epochs,
-        bad.clone(),
-    )?;
-    let stream = PlannedBatches::spawn(stream, trainer.table.partitioner(), config.data.prefetch_batches)
-        .map_err(|e| TrainError::io(train_path, e))?;
-    // Positions are offsets in the text: a compressed file's size says
-    // nothing about them, so its progress has no total.
-    let plain = sparrow_data::input::Codec::sniff(train_path).is_ok_and(|c| c == sparrow_data::input::Codec::Plain);
-    let file_bytes = std::fs::metadata(train_path).ok().filter(|_| plain).map(|m| m.len());
-    let bytes_total = file_bytes.map(|b| b * config.train.epochs);
-    let progress = Progress::new(bytes_total, quiet);
+    let input = TrainingInput::open(config, &trainer, &bad)?;
+    let progress = Progress::new(input.bytes_total, quiet);
     let mut metrics = MetricsLog::open(config.train.metrics_path.as_deref(), resumed_from_step.is_some())?;
     let mut board = config.train.tensorboard_dir.as_deref().map(|d| TensorBoard::create(Path::new(d))).transpose()?;
     let (mut interval_keys, mut interval_unique) = (0u64, 0u64);
@@ -295,8 +279,12 @@ fn train_in_pool(
     let stop_at = config.train.max_steps;
     let mut outcome: Result<(), TrainError> = Ok(());
     let mut last_saved: Option<(u64, PathBuf)> = None;
-    let mut stream = stream;
+    let (mut stream, origin) = (input.batches, input.origin);
+    let bytes_total = input.bytes_total;
+    let file_bytes = input.file_bytes;
     let mut exports = crate::export::IncrementalExports::new(config);
+    let (mut checkpoint_timer, mut export_timer) =
+        (Every::secs(config.checkpoint.every_secs), Every::secs(config.checkpoint.export_every_secs));
     // The step engine takes batches from the planner as it needs them; no
     // lookahead goes past max_steps (its keys would be inserted untrained).
     loop {
@@ -312,10 +300,14 @@ fn train_in_pool(
             if stop_at.is_some_and(|m| step_now + taken as u64 >= m) {
                 return None;
             }
-            stream.next().map(|item| item.map_err(TrainError::from))
+            stream.next_unless(stop).map(|item| item.map_err(TrainError::from))
         };
         let (stats, mut deferred_error) = match trainer.step(&mut next) {
             Ok(Some(report)) => (report.stats, report.deferred),
+            Ok(None) if stop.load(Ordering::Relaxed) => {
+                outcome = Err(TrainError::Interrupted { step: trainer.step });
+                break;
+            }
             Ok(None) => break,
             Err(e) => {
                 outcome = Err(e);
@@ -349,9 +341,11 @@ fn train_in_pool(
                 train_logloss: loss,
                 samples_per_sec: rate,
             });
-            progress.set_position(bytes_done, &format!("step {} loss {loss:.4} {rate:.0} samples/s", trainer.step));
+            let lag = trainer.stream.as_deref().map(describe_lag).unwrap_or_default();
+            progress
+                .set_position(bytes_done, &format!("step {} loss {loss:.4} {rate:.0} samples/s{lag}", trainer.step));
             progress.line(&format!(
-                "step {} epoch {} samples {} train_logloss {loss:.5} samples/s {rate:.0}",
+                "step {} epoch {} samples {} train_logloss {loss:.5} samples/s {rate:.0}{lag}",
                 trainer.step, trainer.position.epoch, trainer.samples_trained
             ));
             let dedup = interval_keys as f64 / interval_unique.max(1) as f64;
@@ -369,6 +363,8 @@ fn train_in_pool(
                 "dedup_ratio": dedup,
                 "cache_hit_rate": hit_rate,
                 "phase_secs": phases,
+                "stream_records": trainer.stream.as_ref().map(|m| m.records),
+                "stream_lag_records": trainer.stream.as_ref().map(|m| m.lag_records),
             }));
             if let Some(board) = board.as_mut() {
                 let steps = trainer.step.saturating_sub(logged_step).max(1) as f64;
@@ -397,10 +393,10 @@ fn train_in_pool(
                 break;
             }
         }
-        if let (Some(every), Some(dir)) = (config.checkpoint.every_steps, &config.checkpoint.dir)
-            && every > 0
-            && trainer.step % every == 0
-        {
+        let checkpoint_due = config.checkpoint.every_steps.is_some_and(|every| every > 0 && trainer.step % every == 0)
+            || checkpoint_timer.due();
+        if let (true, Some(dir)) = (checkpoint_due, &config.checkpoint.dir) {
+            checkpoint_timer.restart();
             if let Err(e) = trainer.flush_update() {
                 outcome = Err(e);
                 break;
@@ -434,8 +430,10 @@ fn train_in_pool(
             }
         }
         if let Some(exports) = exports.as_mut()
-            && config.checkpoint.export_every_steps.is_some_and(|every| trainer.step % every == 0)
+            && (config.checkpoint.export_every_steps.is_some_and(|every| every > 0 && trainer.step % every == 0)
+                || export_timer.due())
         {
+            export_timer.restart();
             let written = trainer.flush_update().and_then(|()| exports.write(&trainer));
             if let Err(e) = written {
                 outcome = Err(e);
@@ -458,7 +456,7 @@ fn train_in_pool(
             0 => "the file holds no row".to_string(),
             n => format!("all {n} rows were malformed (the first ones are reported above)"),
         };
-        outcome = Err(DataError::NoRows { path: train_path.to_path_buf(), why }.into());
+        outcome = Err(DataError::NoRows { path: origin.clone(), why }.into());
     }
     let flushed = trainer.flush_update();
     if outcome.is_ok()
@@ -581,6 +579,7 @@ fn train_in_pool(
         step_phase_secs: trainer.phase_secs,
         bayes_auc: bayes.as_ref().map(|t| t.bayes_auc),
         bayes_logloss: bayes.as_ref().map(|t| t.bayes_logloss),
+        stream: StreamReport::of(trainer.stream.as_deref()),
         extra: NoExtra {},
     })
 }

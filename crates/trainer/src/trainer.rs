@@ -6,7 +6,9 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::Mutex;
-use sparrow_core::batch::DataPosition;
+use std::sync::Arc;
+
+use sparrow_core::batch::{DataPosition, StreamMark};
 use sparrow_core::config::OnNonFinite;
 use sparrow_core::{Batch, Config};
 use sparrow_data::DataLayout;
@@ -33,6 +35,8 @@ pub struct Trainer {
     pub step: u64,
     /// Where the training data continues after the last trained batch.
     pub position: DataPosition,
+    /// `[data.stream]`: where the stream stands after the last trained batch.
+    pub stream: Option<Arc<StreamMark>>,
     /// Samples trained so far (across resumes).
     pub samples_trained: u64,
     pub phase_secs: PhaseSecs,
@@ -149,6 +153,7 @@ struct BatchCounts {
     keys: usize,
     unique_keys: usize,
     end: DataPosition,
+    stream: Option<Arc<StreamMark>>,
 }
 
 /// What the dense half made of a batch.
@@ -210,6 +215,7 @@ impl Trainer {
             dense_optimizer: DenseOptimizer::new(config.dense_optimizer.clone(), config.train.simd),
             step: 0,
             position: DataPosition::default(),
+            stream: None,
             samples_trained: 0,
             phase_secs: PhaseSecs::default(),
             skipped_batches: 0,
@@ -246,6 +252,7 @@ impl Trainer {
                 keys: batch.keys.len(),
                 unique_keys: plan.num_unique(),
                 end: batch.end,
+                stream: batch.stream.clone(),
             };
             let inputs = DenseInputs {
                 bags: Bags::of(batch, plan),
@@ -297,6 +304,9 @@ impl Trainer {
         };
         self.step += 1;
         self.position = counts.end;
+        if counts.stream.is_some() {
+            self.stream = counts.stream;
+        }
         Ok(Some(StepReport { stats, deferred: stepped.deferred }))
     }
 

@@ -93,6 +93,7 @@ fn checkpoint(root: &Path, c: &Config, tables: &[EmbeddingTable], step: u64, bas
         parts,
         base: base.map(|b| b.file_name().expect("name").to_string_lossy().to_string()),
         skip: Vec::new(),
+        stream: None,
     };
     commit(root, &staging, &manifest, 2).expect("commit");
     (bytes, manifest)

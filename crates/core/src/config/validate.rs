@@ -27,6 +27,21 @@ impl Config {
                 "needs checkpoint.dir (the exports are written to checkpoint.dir/exports/)",
             );
         }
+        if self.checkpoint.export_every_secs.is_some_and(|n| n > 0) && self.checkpoint.dir.is_none() {
+            return invalid(
+                "checkpoint.export_every_secs",
+                "needs checkpoint.dir (the exports are written to checkpoint.dir/exports/)",
+            );
+        }
+        if self.checkpoint.every_secs.is_some_and(|n| n > 0) && self.checkpoint.dir.is_none() {
+            return invalid("checkpoint.every_secs", "needs checkpoint.dir");
+        }
+        if self.checkpoint.dir.as_deref().is_some_and(|d| d.trim().is_empty()) {
+            return invalid(
+                "checkpoint.dir",
+                "is empty: name a directory, or leave the key out to write no checkpoint",
+            );
+        }
         if self.checkpoint.keep == 0 {
             return invalid("checkpoint.keep", "must be at least 1 (the version just written is kept)");
         }
@@ -103,6 +118,9 @@ impl Config {
         }
         if self.train.pipeline_depth > 16 {
             return invalid("train.pipeline_depth", "at most 16 (each level keeps one more batch's rows in flight)");
+        }
+        if let Some(stream) = &self.data.stream {
+            stream.validate(&self.data)?;
         }
         if let Some(w) = &self.data.weighting {
             if self.data.schema.as_ref().and_then(|s| s.timestamp.as_ref()).is_none() {

@@ -138,6 +138,7 @@ pub fn load_dense_into(trainer: &mut Trainer, dir: &Path) -> Result<Manifest, Tr
     trainer.step = m.step;
     trainer.samples_trained = m.samples_trained;
     trainer.position = m.position;
+    trainer.stream = m.stream.clone().map(std::sync::Arc::new);
     Ok(m)
 }
 
@@ -234,6 +235,7 @@ fn load_rows(
     trainer.step = m.step;
     trainer.samples_trained = m.samples_trained;
     trainer.position = m.position;
+    trainer.stream = m.stream.clone().map(std::sync::Arc::new);
     Ok(m)
 }
 

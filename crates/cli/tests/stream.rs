@@ -1,0 +1,257 @@
+//! Training from a Kafka topic (`[data.stream]`, issue 40) against a real
+//! Kafka-protocol broker: tansu, installed by `scripts/ensure-tansu` (the
+//! test command runs it and sets SPARROW_TANSU), started on 127.0.0.1 with
+//! its in-memory storage, one broker per test.
+//!
+//! Records are produced before training starts, so the batches a run cuts
+//! depend on the log only, and runs can be compared bit for bit.
+
+mod common;
+
+use common::{Log, last_json, signal, sparrow};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Output, Stdio};
+use std::time::Duration;
+
+/// A tansu broker on a free loopback port, stopped when dropped.
+struct Broker {
+    child: Child,
+    addr: String,
+}
+
+fn tansu() -> PathBuf {
+    if let Some(path) = std::env::var_os("SPARROW_TANSU") {
+        return PathBuf::from(path);
+    }
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
+    let installed = home.join(".cache/sparrow-tools/bin/tansu");
+    assert!(installed.exists(), "the stream tests need tansu: run ./scripts/ensure-tansu (./scripts/test does)");
+    installed
+}
+
+impl Broker {
+    fn start() -> Broker {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").expect("port").local_addr().expect("addr").port();
+        let url = format!("tcp://127.0.0.1:{port}");
+        let mut child = std::process::Command::new(tansu())
+            .args(["broker", "--listener-url", &url, "--advertised-listener-url", &url])
+            .args(["--storage-engine", "memory://tansu/"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start tansu");
+        let log = Log::default();
+        log.collect(child.stdout.take().expect("stdout"));
+        log.wait_for_line(&["ready in"], Duration::from_secs(60));
+        Broker { child, addr: format!("127.0.0.1:{port}") }
+    }
+
+    /// `sparrow produce --from FILE` into `topic` (created with `partitions`).
+    fn produce(&self, topic: &str, partitions: u32, file: &Path) -> serde_json::Value {
+        let out = sparrow()
+            .args(["produce", "--brokers", &self.addr, "--topic", topic])
+            .args(["--partitions", &partitions.to_string(), "--from", &file.display().to_string()])
+            .output()
+            .expect("produce");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        last_json(&out)
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The small job (DLRM, batch 256, depth 0) on `dir/data`, reading `topic`
+/// with `stream` lines added to `[data.stream]`; `None`: the file instead.
+fn job(dir: &Path, broker: &Broker, topic: Option<&str>, stream: &str) -> String {
+    let d = dir.display();
+    let section = match topic {
+        Some(t) => format!(
+            "[data.stream]\nbrokers = [\"{}\"]\ntopic = \"{t}\"\nstop_when_idle_secs = 1\n{stream}\n",
+            broker.addr
+        ),
+        None => String::new(),
+    };
+    let path = dir.join(format!("{}.toml", topic.unwrap_or("file")));
+    std::fs::write(
+        &path,
+        format!(
+            r#"
+[data]
+train = "{d}/data/train.tsv"
+test = "{d}/data/test.tsv"
+{section}
+[model]
+kind = "dlrm"
+embedding_dim = 8
+hidden = [32, 16]
+bottom_hidden = [16]
+[train]
+batch_size = 256
+pipeline_depth = 0
+[embedding]
+optimizer = "adagrad"
+learning_rate = 0.05
+[checkpoint]
+dir = "{d}/ckpt-{}"
+"#,
+            topic.unwrap_or("file")
+        ),
+    )
+    .expect("config");
+    path.display().to_string()
+}
+
+fn train(config: &str, args: &[&str]) -> Output {
+    sparrow().args(["train", "--config", config, "--quiet"]).args(args).output().expect("train")
+}
+
+fn ok_json(out: &Output) -> serde_json::Value {
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    last_json(out)
+}
+
+fn setup(rows: &str) -> (tempfile::TempDir, Broker) {
+    let tmp = tempfile::tempdir().expect("tmp");
+    common::generate(tmp.path(), rows);
+    (tmp, Broker::start())
+}
+
+#[test]
+fn a_topic_of_one_partition_trains_the_model_its_file_trains() {
+    let (tmp, broker) = setup("6000");
+    let produced = broker.produce("rows", 1, &tmp.path().join("data/train.tsv"));
+    assert_eq!(produced["end_offsets"]["0"], 6000, "{produced}");
+    let file = ok_json(&train(&job(tmp.path(), &broker, None, ""), &[]));
+    let stream = ok_json(&train(&job(tmp.path(), &broker, Some("rows"), ""), &[]));
+    // The same batches in the same order: bit for bit the file's model.
+    assert_eq!(stream["test_auc"], file["test_auc"]);
+    assert_eq!(stream["test_logloss"], file["test_logloss"]);
+    assert_eq!(stream["embedding_rows"], file["embedding_rows"]);
+    assert_eq!(stream["steps"], file["steps"]);
+    assert_eq!(stream["stream_offsets"], serde_json::json!({"0": 6000}));
+    assert_eq!(stream["stream_records"], 6000);
+    assert_eq!((&stream["stream_bad_records"], &stream["stream_lag_records"]), (&0.into(), &0.into()));
+    assert!(file["stream_offsets"].is_null(), "{file}");
+    // The checkpoint holds the offsets.
+    let ckpt = stream["checkpoint"].as_str().expect("checkpoint");
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(Path::new(ckpt).join("manifest.json")).expect("manifest")).expect("json");
+    assert_eq!(manifest["stream"]["offsets"], serde_json::json!({"0": 6000}), "{manifest}");
+}
+
+#[test]
+fn stop_and_resume_on_a_topic_of_three_partitions_gives_the_uninterrupted_model() {
+    let (tmp, broker) = setup("8000");
+    broker.produce("three", 3, &tmp.path().join("data/train.tsv"));
+    let config = job(tmp.path(), &broker, Some("three"), "");
+    let whole = ok_json(&train(&config, &["--set", &format!("checkpoint.dir={:?}", tmp.path().join("whole"))]));
+    assert_eq!(whole["stream_records"], 8000);
+    let offsets = &whole["stream_offsets"];
+    // Row i went to partition i mod 3.
+    assert_eq!(*offsets, serde_json::json!({"0": 2667, "1": 2667, "2": 2666}));
+    // 13 steps, then a second run resumes from the checkpoint's offsets.
+    let first = ok_json(&train(&config, &["--set", "train.max_steps=13"]));
+    assert_eq!(first["steps"], 13);
+    assert_eq!(first["stream_records"], 13 * 256);
+    let resumed = ok_json(&train(&config, &["--resume", first["checkpoint"].as_str().expect("ckpt")]));
+    assert_eq!(resumed["resumed_from_step"], 13);
+    assert_eq!(resumed["test_auc"], whole["test_auc"], "nothing skipped, nothing trained twice");
+    assert_eq!(resumed["steps"], whole["steps"]);
+    assert_eq!(resumed["embedding_rows"], whole["embedding_rows"]);
+    assert_eq!(resumed["stream_offsets"], *offsets);
+    assert_eq!(resumed["stream_records"], 8000);
+    assert_eq!(resumed["train_rows"].as_u64().expect("rows") + 13 * 256, 8000);
+}
+
+#[test]
+fn sigterm_keeps_the_offsets_and_a_resumed_run_ends_with_the_uninterrupted_model() {
+    let (tmp, broker) = setup("8000");
+    broker.produce("live", 2, &tmp.path().join("data/train.tsv"));
+    let config = job(tmp.path(), &broker, Some("live"), "");
+    let whole = ok_json(&train(&config, &["--set", &format!("checkpoint.dir={:?}", tmp.path().join("whole"))]));
+    // Without stop_when_idle_secs the run reads on until it is stopped.
+    let mut child = sparrow()
+        .args(["train", "--config", &config, "--set", "data.stream.stop_when_idle_secs=0"])
+        .args(["--set", "train.log_interval_steps=1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("train");
+    let log = Log::default();
+    let reader = log.collect(child.stderr.take().expect("stderr"));
+    // Every record trained (the lag line says 0 records behind at 8000 samples).
+    log.wait_for_line(&["samples 8000 ", "lag 0 records"], Duration::from_secs(120));
+    signal(child.id(), "-TERM");
+    let status = child.wait().expect("wait");
+    reader.join().expect("reader");
+    assert_eq!(status.code(), Some(143), "{}", log.text());
+    let latest = std::fs::read_to_string(tmp.path().join("ckpt-live/LATEST")).expect("LATEST");
+    let resumed = ok_json(&train(
+        &config,
+        &["--resume", &tmp.path().join("ckpt-live").join(latest.trim()).display().to_string()],
+    ));
+    // The stopped run had trained every record: the resumed one finds none
+    // (it trains nothing, and says so: a resumed run may find its data used up).
+    assert_eq!(resumed["train_rows"], 0);
+    assert_eq!(resumed["test_auc"], whole["test_auc"]);
+    assert_eq!(resumed["stream_offsets"], whole["stream_offsets"]);
+}
+
+#[test]
+fn malformed_records_are_counted_named_and_skipped_and_their_offsets_consumed() {
+    let (tmp, broker) = setup("1000");
+    let rows = std::fs::read_to_string(tmp.path().join("data/train.tsv")).expect("rows");
+    let mut lines: Vec<&str> = rows.lines().collect();
+    lines.insert(10, "not a row");
+    lines.insert(500, "1\tone\ttoo few");
+    let bad = tmp.path().join("bad.tsv");
+    std::fs::write(&bad, lines.join("\n") + "\n").expect("write");
+    broker.produce("bad", 1, &bad);
+    let out = train(&job(tmp.path(), &broker, Some("bad"), ""), &[]);
+    let json = ok_json(&out);
+    assert_eq!(json["stream_bad_records"], 2);
+    assert_eq!(json["bad_rows"], 2);
+    assert_eq!(json["stream_records"], 1002);
+    assert_eq!(json["train_rows"], 1000);
+    assert_eq!(json["stream_offsets"], serde_json::json!({"0": 1002}));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("kafka topic bad partition 0 offset 10"), "{stderr}");
+    assert!(stderr.contains("kafka topic bad partition 0 offset 500"), "{stderr}");
+    // max_bad_rows still applies.
+    let out = train(&job(tmp.path(), &broker, Some("bad"), ""), &["--set", "data.max_bad_rows=1"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("more than data.max_bad_rows = 1"), "{stderr}");
+}
+
+#[test]
+fn a_missing_topic_or_partition_and_an_unreachable_broker_are_named() {
+    let (tmp, broker) = setup("300");
+    broker.produce("there", 2, &tmp.path().join("data/train.tsv"));
+    let err = |out: Output| {
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    let e = err(train(&job(tmp.path(), &broker, Some("absent"), ""), &[]));
+    assert!(e.contains("topic \"absent\" does not exist"), "{e}");
+    let e = err(train(&job(tmp.path(), &broker, Some("there"), "partitions = [0, 5]"), &[]));
+    assert!(e.contains("has no partition 5") && e.contains("partitions 0, 1"), "{e}");
+    // A checkpoint's stream on a cluster job is refused, not ignored.
+    let e = err(sparrow()
+        .args(["launch", "--config", &job(tmp.path(), &broker, Some("there"), "")])
+        .output()
+        .expect("launch"));
+    assert!(e.contains("[data.stream]"), "{e}");
+    // No broker at all: retried, then refused after max_unavailable_secs.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("port").local_addr().expect("addr").port();
+    let gone = job(tmp.path(), &broker, Some("there"), "max_unavailable_secs = 1").to_string();
+    let text = std::fs::read_to_string(&gone).expect("config").replace(&broker.addr, &format!("127.0.0.1:{port}"));
+    std::fs::write(&gone, text).expect("config");
+    let e = err(train(&gone, &[]));
+    assert!(e.contains(&format!("127.0.0.1:{port}")) && e.contains("cannot connect"), "{e}");
+}

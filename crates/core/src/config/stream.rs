@@ -1,0 +1,277 @@
+//! `[data.stream]`: training data read from a Kafka topic instead of
+//! `data.train`. The read positions (partition → next offset) are part of
+//! every checkpoint, so a resumed or recovered job continues exactly where
+//! the model stopped (issue 40).
+
+use serde::{Deserialize, Serialize};
+
+use super::{ConfigError, DataFormat};
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct StreamConfig {
+    pub kind: StreamKind,
+    /// Bootstrap brokers, `host:port`.
+    pub brokers: Vec<String>,
+    pub topic: String,
+    /// `"all"` or a list of partition numbers.
+    pub partitions: Partitions,
+    /// Where a run that has no checkpointed offset for a partition starts:
+    /// `"earliest"`, `"latest"`, `{ timestamp = UNIX_SECS }` (the first
+    /// record at or after it), or `"checkpoint"` (a checkpoint must hold the
+    /// partition's offset). A checkpointed offset always wins.
+    pub start: StreamStart,
+    /// Each record's value is one row in this format (criteo, csv with the
+    /// schema, libsvm, libffm); default: `data.format`.
+    pub format: Option<DataFormat>,
+    /// CSV records carry no header line: the columns' names in order, as a
+    /// header line would give them (needed when `data.schema.header = true`).
+    pub header: Option<String>,
+    /// 0: run until stopped; N: stop (checkpoint, exit 0) after N s without
+    /// a new record.
+    pub stop_when_idle_secs: u64,
+    /// The broker unreachable this long: the job fails, with a checkpoint.
+    pub max_unavailable_secs: u64,
+    /// A checkpointed offset the broker no longer holds (retention deleted
+    /// it): `"fail"` names the partition and both offsets; `"skip"` goes on
+    /// at the oldest record kept and counts the records lost.
+    pub on_retention_gap: RetentionGap,
+    /// A batch short of `train.batch_size` (every partition read to its end)
+    /// waits this long for more records before it is trained.
+    pub linger_ms: u64,
+    /// Bytes asked of the broker per fetch and partition.
+    pub fetch_max_bytes: u32,
+}
+
+impl Default for StreamConfig {
+    fn default() -> Self {
+        StreamConfig {
+            kind: StreamKind::Kafka,
+            brokers: vec!["127.0.0.1:9092".into()],
+            topic: String::new(),
+            partitions: Partitions::All,
+            start: StreamStart::Earliest,
+            format: None,
+            header: None,
+            stop_when_idle_secs: 0,
+            max_unavailable_secs: 300,
+            on_retention_gap: RetentionGap::Fail,
+            linger_ms: 100,
+            fetch_max_bytes: 4 << 20,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum StreamKind {
+    #[default]
+    Kafka,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Partitions {
+    #[default]
+    All,
+    Some(Vec<i32>),
+}
+
+impl Serialize for Partitions {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Partitions::All => s.serialize_str("all"),
+            Partitions::Some(list) => list.serialize(s),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Partitions {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Word(String),
+            List(Vec<i32>),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Word(w) if w == "all" => Ok(Partitions::All),
+            Raw::Word(w) => {
+                Err(serde::de::Error::custom(format!("expected \"all\" or a list of partitions, not {w:?}")))
+            }
+            Raw::List(list) => Ok(Partitions::Some(list)),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StreamStart {
+    #[default]
+    Earliest,
+    Latest,
+    /// Unix seconds.
+    Timestamp(i64),
+    Checkpoint,
+}
+
+impl Serialize for StreamStart {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        match self {
+            StreamStart::Earliest => s.serialize_str("earliest"),
+            StreamStart::Latest => s.serialize_str("latest"),
+            StreamStart::Checkpoint => s.serialize_str("checkpoint"),
+            StreamStart::Timestamp(t) => {
+                let mut m = s.serialize_map(Some(1))?;
+                m.serialize_entry("timestamp", t)?;
+                m.end()
+            }
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for StreamStart {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct At {
+            timestamp: i64,
+        }
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Word(String),
+            At(At),
+        }
+        let expected = "expected \"earliest\", \"latest\", \"checkpoint\" or { timestamp = UNIX_SECS }";
+        match Raw::deserialize(d).map_err(|_| serde::de::Error::custom(expected))? {
+            Raw::Word(w) => match w.as_str() {
+                "earliest" => Ok(StreamStart::Earliest),
+                "latest" => Ok(StreamStart::Latest),
+                "checkpoint" => Ok(StreamStart::Checkpoint),
+                _ => Err(serde::de::Error::custom(format!("{expected}, not {w:?}"))),
+            },
+            Raw::At(At { timestamp }) => Ok(StreamStart::Timestamp(timestamp)),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum RetentionGap {
+    #[default]
+    Fail,
+    Skip,
+}
+
+/// The largest fetch asked of a broker per partition (Kafka's own default
+/// `max.partition.fetch.bytes` is 1 MiB; a record must fit in one fetch).
+pub const MAX_FETCH_BYTES: u32 = 256 << 20;
+
+impl StreamConfig {
+    /// The format of each record's value.
+    pub fn value_format(&self, data_format: DataFormat) -> DataFormat {
+        self.format.unwrap_or(data_format)
+    }
+
+    pub(super) fn validate(&self, data: &super::DataConfig) -> Result<(), ConfigError> {
+        let invalid =
+            |key: &str, message: String| Err(ConfigError::Invalid { key: format!("data.stream.{key}"), message });
+        if self.brokers.is_empty() {
+            return invalid("brokers", "name at least one broker, e.g. [\"127.0.0.1:9092\"]".into());
+        }
+        if let Some(b) = self.brokers.iter().find(|b| b.rsplit_once(':').is_none_or(|(_, p)| p.parse::<u16>().is_err()))
+        {
+            return invalid("brokers", format!("{b:?} is not host:port"));
+        }
+        if self.topic.is_empty() {
+            return invalid("topic", "name the topic to read".into());
+        }
+        if let Partitions::Some(list) = &self.partitions {
+            if list.is_empty() {
+                return invalid("partitions", "an empty list reads nothing: \"all\" or partition numbers".into());
+            }
+            if let Some(p) = list.iter().find(|&&p| p < 0) {
+                return invalid("partitions", format!("{p} is not a partition number"));
+            }
+            let mut sorted = list.clone();
+            sorted.sort_unstable();
+            if sorted.windows(2).any(|w| w[0] == w[1]) {
+                return invalid("partitions", "a partition is listed twice".into());
+            }
+        }
+        let format = self.value_format(data.format);
+        if format == DataFormat::Parquet {
+            return invalid("format", "a record's value is one text row: criteo, csv, libsvm or libffm".into());
+        }
+        if format == DataFormat::Csv
+            && data.schema.as_ref().is_none_or(|s| s.header)
+            && self.header.as_deref().is_none_or(str::is_empty)
+        {
+            return invalid(
+                "header",
+                "CSV records have no header line: give the columns' names in order (\"label,price,item\"), or set data.schema.header = false and name columns by number".into(),
+            );
+        }
+        if self.fetch_max_bytes < 1024 || self.fetch_max_bytes > MAX_FETCH_BYTES {
+            return invalid("fetch_max_bytes", format!("between 1024 and {MAX_FETCH_BYTES}"));
+        }
+        if self.max_unavailable_secs == 0 {
+            return invalid("max_unavailable_secs", "must be at least 1".into());
+        }
+        if data.weighting.is_some() {
+            return Err(ConfigError::Invalid {
+                key: "data.weighting".into(),
+                message:
+                    "is not yet read from a stream ([data.stream]): age weighting needs the stream's reference time"
+                        .into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<crate::Config, ConfigError> {
+        crate::Config::from_toml(text, "test", &super::super::Overrides::default())
+    }
+
+    #[test]
+    fn the_contract_keys_parse_and_bad_values_name_their_key() {
+        let c = parse(
+            "[data.stream]\nkind = \"kafka\"\nbrokers = [\"127.0.0.1:9092\"]\ntopic = \"impressions\"\npartitions = [0, 3]\nstart = { timestamp = 1700000000 }\nformat = \"criteo\"\nstop_when_idle_secs = 5\nmax_unavailable_secs = 30\n",
+        )
+        .expect("parses");
+        let s = c.data.stream.expect("stream");
+        assert_eq!(s.partitions, Partitions::Some(vec![0, 3]));
+        assert_eq!(s.start, StreamStart::Timestamp(1_700_000_000));
+        assert_eq!((s.stop_when_idle_secs, s.max_unavailable_secs), (5, 30));
+        for (start, want) in [
+            ("earliest", StreamStart::Earliest),
+            ("latest", StreamStart::Latest),
+            ("checkpoint", StreamStart::Checkpoint),
+        ] {
+            let c = parse(&format!("[data.stream]\ntopic = \"t\"\npartitions = \"all\"\nstart = \"{start}\"\n"))
+                .expect("parses");
+            assert_eq!(c.data.stream.as_ref().map(|s| s.start), Some(want));
+            // It writes back as it was read (the config travels as TOML).
+            let again = parse(&toml::to_string(&c).expect("toml")).expect("round trip");
+            assert_eq!(again.data.stream, c.data.stream);
+        }
+        for (text, key) in [
+            ("topic = \"t\"\nstart = \"newest\"", "start"),
+            ("topic = \"t\"\npartitions = \"some\"", "partitions"),
+            ("topic = \"t\"\nbrokers = [\"localhost\"]", "data.stream.brokers"),
+            ("topic = \"\"", "data.stream.topic"),
+            ("topic = \"t\"\npartitions = [1, 1]", "data.stream.partitions"),
+            ("topic = \"t\"\nformat = \"parquet\"", "data.stream.format"),
+            ("topic = \"t\"\nformat = \"csv\"", "data.stream.header"),
+            ("topic = \"t\"\ngroup = \"g\"", "group"),
+        ] {
+            let e = parse(&format!("[data.stream]\n{text}\n")).expect_err(text).to_string();
+            assert!(e.contains(key), "{text}: {e}");
+        }
+    }
+}

@@ -1,0 +1,13 @@
+//! Sparrow's stream layer: training data from a Kafka topic
+//! (`[data.stream]`), cut into the same batches the file readers make, with
+//! the read positions every checkpoint keeps; and a producer for demos and
+//! tests (`sparrow produce`).
+//!
+//! This is the only crate that talks to Kafka.
+
+pub mod broker;
+pub mod produce;
+pub mod reader;
+
+pub use broker::Broker;
+pub use reader::spawn;

@@ -1,0 +1,401 @@
+//! Records of a Kafka topic cut into batches, deterministically: a batch
+//! starts at the next partition in turn and takes records in offset order,
+//! moving to the following partition only when one has no more records (a
+//! fetch from its next offset returned none; not the end the broker last
+//! reported, which brokers compute differently and which lags). Over records
+//! already in the log the cut depends on nothing but the log, so a run
+//! resumed from a checkpoint's offsets cuts exactly the batches an
+//! uninterrupted run cut; only a batch short of `train.batch_size` (every
+//! partition read to its end) waits, `data.stream.linger_ms`, for more.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use rskafka::client::partition::OffsetAt;
+use rskafka::record::RecordAndOffset;
+use sparrow_core::Batch;
+use sparrow_core::batch::{BatchBuilder, DataPosition, StreamMark};
+use sparrow_core::config::{DataConfig, Partitions, RetentionGap, StreamConfig, StreamStart};
+use sparrow_data::text::{LineParser, MAX_LINE_BYTES, row_parser};
+use sparrow_data::{BadRows, BatchStream, DataError, DataLayout};
+
+use crate::broker::{Broker, FetchError, Fetched};
+
+/// How long one wait for new records lasts before the reader looks at its
+/// stop flag and idle clock again.
+const POLL_MS: u64 = 500;
+
+/// The batches of `data.stream`'s topic from `resume`'s offsets (or from
+/// `data.stream.start`), on a reader thread. Connecting, finding the
+/// partitions and the start offsets happen here, so a missing topic, a
+/// partition that is not there, or a retention gap fail before training.
+pub fn spawn(
+    data: &DataConfig,
+    batch_size: usize,
+    resume: Option<&StreamMark>,
+    bad: BadRows,
+) -> Result<BatchStream, DataError> {
+    let stream = data.stream.clone().ok_or(DataError::MissingPath { key: "stream", what: "the topic to read" })?;
+    let cutter = Cutter::open(&stream, data, batch_size, resume, bad)?;
+    let layout = cutter.layout.clone();
+    BatchStream::from_thread(layout, data.prefetch_batches, "sparrow-kafka", move |tx, stop| {
+        let mut cutter = cutter;
+        loop {
+            match cutter.next_batch(stop) {
+                Ok(Some(b)) => {
+                    if tx.send(Ok(b)).is_err() {
+                        return;
+                    }
+                }
+                Ok(None) => return,
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                    return;
+                }
+            }
+        }
+    })
+    .map_err(|e| DataError::Stream(format!("kafka: cannot start the reader thread: {e}")))
+}
+
+struct PartitionState {
+    id: i32,
+    /// The next offset to train on.
+    next: i64,
+    /// Fetched, not yet cut into a batch.
+    fetched: VecDeque<RecordAndOffset>,
+    /// The next offset to fetch.
+    fetch_at: i64,
+    /// The partition's end as the broker last reported it (for the lag).
+    end: Option<i64>,
+    /// A fetch from `fetch_at` found no record, in this batch's turn.
+    at_end: bool,
+}
+
+impl PartitionState {
+    fn read_to_end(&self) -> bool {
+        self.fetched.is_empty() && self.at_end
+    }
+}
+
+struct Cutter {
+    broker: Broker,
+    config: StreamConfig,
+    parts: Vec<PartitionState>,
+    /// Offsets of a checkpoint's partitions this run does not read: kept.
+    carried: BTreeMap<i32, i64>,
+    /// The index in `parts` of the partition the next batch starts at.
+    cursor: usize,
+    records: u64,
+    bad_records: u64,
+    parser: Box<dyn LineParser>,
+    layout: DataLayout,
+    bad: BadRows,
+    batch_size: usize,
+    last_record: Instant,
+}
+
+impl Cutter {
+    fn open(
+        config: &StreamConfig,
+        data: &DataConfig,
+        batch_size: usize,
+        resume: Option<&StreamMark>,
+        bad: BadRows,
+    ) -> Result<Cutter, DataError> {
+        let unavailable = Duration::from_secs(config.max_unavailable_secs);
+        let mut broker = Broker::connect(&config.brokers, &config.topic, unavailable)?;
+        let exists = broker.partitions()?;
+        let ids = match &config.partitions {
+            Partitions::All => exists.clone(),
+            Partitions::Some(list) => {
+                let mut list = list.clone();
+                list.sort_unstable();
+                if let Some(p) = list.iter().find(|p| !exists.contains(p)) {
+                    return Err(DataError::Stream(format!(
+                        "kafka {}: topic {:?} has no partition {p} (it has {}): see data.stream.partitions",
+                        config.brokers.join(","),
+                        config.topic,
+                        describe(&exists)
+                    )));
+                }
+                list
+            }
+        };
+        broker.open(&ids)?;
+        let mut parts = Vec::with_capacity(ids.len());
+        for &id in &ids {
+            let next = start_offset(&broker, config, id, resume.and_then(|m| m.offsets.get(&id).copied()))?;
+            parts.push(PartitionState { id, next, fetched: VecDeque::new(), fetch_at: next, end: None, at_end: false });
+        }
+        let carried = resume
+            .map(|m| m.offsets.iter().filter(|(p, _)| !ids.contains(p)).map(|(&p, &o)| (p, o)).collect())
+            .unwrap_or_default();
+        let cursor = resume.and_then(|m| ids.iter().position(|&p| p >= m.next_partition)).unwrap_or(0);
+        let origin = format!("kafka topic {}", config.topic);
+        let format = config.value_format(data.format);
+        let parser = row_parser(format, data, config.header.as_deref(), Path::new(&origin))?;
+        Ok(Cutter {
+            broker,
+            config: config.clone(),
+            parts,
+            carried,
+            cursor,
+            records: resume.map_or(0, |m| m.records),
+            bad_records: resume.map_or(0, |m| m.bad_records),
+            parser,
+            layout: DataLayout::from_config(data),
+            bad,
+            batch_size,
+            last_record: Instant::now(),
+        })
+    }
+
+    /// The next batch; `None` once stopped, or idle for
+    /// `stop_when_idle_secs`.
+    fn next_batch(&mut self, stop: &AtomicBool) -> Result<Option<Batch>, DataError> {
+        let n = self.parts.len();
+        let start = self.cursor;
+        let mut b =
+            BatchBuilder::new(self.layout.num_fields, self.layout.num_dense, self.layout.weighted, self.batch_size);
+        self.parser.set_now(sparrow_data::weighting::now_secs());
+        let mut newest_ms = None;
+        let mut linger_until = None;
+        let mut i = start;
+        // Each batch asks every partition again whether it has more.
+        for p in &mut self.parts {
+            p.at_end = false;
+        }
+        loop {
+            if stop.load(Ordering::Relaxed) {
+                return Ok(None);
+            }
+            self.take_from(i, &mut b, &mut newest_ms)?;
+            if b.rows() >= self.batch_size {
+                break;
+            }
+            i = (i + 1) % n;
+            if i != start {
+                continue;
+            }
+            // A whole turn: every partition is read to its end.
+            let now = Instant::now();
+            if b.rows() > 0 {
+                let until = *linger_until.get_or_insert(now + Duration::from_millis(self.config.linger_ms));
+                if now >= until {
+                    break;
+                }
+                self.wait_for_records(until - now)?;
+            } else {
+                let idle = Duration::from_secs(self.config.stop_when_idle_secs);
+                if !idle.is_zero() && self.last_record.elapsed() >= idle {
+                    tracing::info!(
+                        "kafka topic {}: no record for {} s (data.stream.stop_when_idle_secs): the stream ends here",
+                        self.config.topic,
+                        idle.as_secs()
+                    );
+                    return Ok(None);
+                }
+                self.wait_for_records(Duration::from_millis(POLL_MS))?;
+            }
+        }
+        self.cursor = (start + 1) % n;
+        self.bad.record_good(b.rows() as u64);
+        let mark = self.mark(newest_ms);
+        let end = DataPosition { epoch: 0, offset: self.records, line: self.records + 1, skip: 0 };
+        let mut batch = b.finish(end);
+        batch.stream = Some(Arc::new(mark));
+        Ok(Some(batch))
+    }
+
+    fn mark(&self, newest_record_ms: Option<i64>) -> StreamMark {
+        let mut offsets = self.carried.clone();
+        offsets.extend(self.parts.iter().map(|p| (p.id, p.next)));
+        let lag_records = self.parts.iter().map(|p| p.end.map_or(0, |end| (end - p.next).max(0) as u64)).sum();
+        StreamMark {
+            offsets,
+            next_partition: self.parts[self.cursor].id,
+            records: self.records,
+            bad_records: self.bad_records,
+            lag_records,
+            newest_record_ms,
+        }
+    }
+
+    /// Records of partition `i` into `b` until it is full or the partition
+    /// is read to its end.
+    fn take_from(&mut self, i: usize, b: &mut BatchBuilder, newest_ms: &mut Option<i64>) -> Result<(), DataError> {
+        while b.rows() < self.batch_size {
+            let Some(record) = self.parts[i].fetched.pop_front() else {
+                if self.parts[i].read_to_end() {
+                    return Ok(());
+                }
+                let ask = [(self.parts[i].id, self.parts[i].fetch_at)];
+                let fetched = self.broker.fetch(&ask, self.fetch_bytes(), 0).pop().expect("one answer per ask");
+                self.apply(i, fetched)?;
+                continue;
+            };
+            let p = &mut self.parts[i];
+            p.next = record.offset + 1;
+            self.records += 1;
+            self.last_record = Instant::now();
+            let ms = record.record.timestamp.timestamp_millis();
+            *newest_ms = Some(newest_ms.map_or(ms, |m: i64| m.max(ms)));
+            if let Err(reason) = parse_value(self.parser.as_mut(), record.record.value.as_deref(), b) {
+                self.bad_records += 1;
+                let place = format!("kafka topic {} partition {} offset {}", self.config.topic, p.id, record.offset);
+                self.bad.record_at(&place, reason)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn fetch_bytes(&self) -> i32 {
+        self.config.fetch_max_bytes.min(i32::MAX as u32) as i32
+    }
+
+    /// Waits up to `wait` for a record on any partition.
+    fn wait_for_records(&mut self, wait: Duration) -> Result<(), DataError> {
+        let asks: Vec<(i32, i64)> = self.parts.iter().map(|p| (p.id, p.fetch_at)).collect();
+        let wait_ms = wait.as_millis().clamp(1, POLL_MS as u128) as i32;
+        let results = self.broker.fetch(&asks, self.fetch_bytes(), wait_ms);
+        for (i, fetched) in results.into_iter().enumerate() {
+            self.apply(i, fetched)?;
+        }
+        Ok(())
+    }
+
+    /// Adds a fetch's records to partition `i`'s.
+    fn apply(&mut self, i: usize, fetched: Result<Fetched, FetchError>) -> Result<(), DataError> {
+        match fetched {
+            Ok(f) => {
+                let p = &mut self.parts[i];
+                p.end = Some(f.high_watermark);
+                let before = p.fetched.len();
+                if let Some(first) = f.records.iter().map(|r| r.offset).filter(|&o| o >= p.fetch_at).min()
+                    && first > p.fetch_at
+                {
+                    tracing::warn!(
+                        "kafka topic {} partition {}: asked for offset {}, the broker returned records from offset {first} on: a compacted topic, or a broker that returns only whole record batches from the offset asked (tansu 0.6.0 does; produce one record a batch there)",
+                        self.config.topic,
+                        p.id,
+                        p.fetch_at
+                    );
+                }
+                for r in f.records {
+                    if r.offset >= p.fetch_at {
+                        p.fetch_at = r.offset + 1;
+                        p.fetched.push_back(r);
+                    }
+                }
+                p.at_end = p.fetched.len() == before;
+                Ok(())
+            }
+            Err(FetchError::OutOfRange) => {
+                // Retention deleted records this run had not read yet.
+                let id = self.parts[i].id;
+                let from = self.parts[i].fetch_at;
+                let next = gap(&self.broker, &self.config, id, from)?;
+                let p = &mut self.parts[i];
+                (p.next, p.fetch_at, p.end, p.at_end) = (next, next, None, false);
+                p.fetched.clear();
+                Ok(())
+            }
+            Err(FetchError::Failed(e)) => Err(e),
+        }
+    }
+}
+
+/// One record's value as a row of `b`, or why it is malformed (the row is
+/// rolled back).
+fn parse_value(parser: &mut dyn LineParser, value: Option<&[u8]>, b: &mut BatchBuilder) -> Result<(), String> {
+    let Some(value) = value else { return Err("the record has no value".into()) };
+    let mut line = value;
+    while let Some((&last, rest)) = line.split_last() {
+        if last != b'\n' && last != b'\r' {
+            break;
+        }
+        line = rest;
+    }
+    if line.len() as u64 > MAX_LINE_BYTES {
+        return Err(format!("a value of {} bytes, more than the {MAX_LINE_BYTES}-byte limit", line.len()));
+    }
+    if line.contains(&b'\n') {
+        return Err("the value holds more than one line (one record is one row)".into());
+    }
+    b.begin_row();
+    let parsed = parser
+        .parse(line, b)
+        .and_then(|label| b.end_row(label).then_some(()).ok_or_else(|| "wrong number of dense values".to_string()));
+    if parsed.is_err() {
+        b.rollback_row();
+    }
+    parsed
+}
+
+/// Where partition `id` starts: the checkpoint's offset when it has one
+/// (checked against what the broker still holds), else `start`'s.
+fn start_offset(broker: &Broker, config: &StreamConfig, id: i32, checkpointed: Option<i64>) -> Result<i64, DataError> {
+    let place = || format!("kafka {}: topic {:?} partition {id}", config.brokers.join(","), config.topic);
+    if let Some(offset) = checkpointed {
+        // Past the partition's end, the first fetch is refused and says so.
+        let earliest = broker.offset(id, OffsetAt::Earliest)?;
+        return if offset < earliest { gap(broker, config, id, offset) } else { Ok(offset) };
+    }
+    Ok(match config.start {
+        StreamStart::Earliest => broker.offset(id, OffsetAt::Earliest)?,
+        StreamStart::Latest => broker.offset(id, OffsetAt::Latest)?,
+        StreamStart::Timestamp(secs) => {
+            let at = chrono::DateTime::from_timestamp(secs, 0)
+                .ok_or_else(|| DataError::Stream(format!("data.stream.start: timestamp {secs} is not a time")))?;
+            match broker.offset(id, OffsetAt::Timestamp(at))? {
+                // No record at or after it: from the end.
+                o if o < 0 => broker.offset(id, OffsetAt::Latest)?,
+                o => o,
+            }
+        }
+        StreamStart::Checkpoint => {
+            return Err(DataError::Stream(format!(
+                "{}: data.stream.start = \"checkpoint\", but no checkpoint holds an offset for it (resume from one, or start at \"earliest\")",
+                place()
+            )));
+        }
+    })
+}
+
+/// Offset `wanted` of partition `id` is not in it: gone (retention): an
+/// error naming both offsets, or (`on_retention_gap = "skip"`) the oldest
+/// one kept; or past its end: an error.
+fn gap(broker: &Broker, config: &StreamConfig, id: i32, wanted: i64) -> Result<i64, DataError> {
+    let earliest = broker.offset(id, OffsetAt::Earliest)?;
+    let place = format!("kafka {}: topic {:?} partition {id}", config.brokers.join(","), config.topic);
+    if wanted >= earliest {
+        return Err(DataError::Stream(format!(
+            "{place}: the next offset to read, {wanted}, is past the partition's end: was the topic deleted and created again?"
+        )));
+    }
+    match config.on_retention_gap {
+        RetentionGap::Fail => Err(DataError::Stream(format!(
+            "{place}: the next offset to read is {wanted}, but the broker keeps records from offset {earliest} on (retention deleted {} records); set data.stream.on_retention_gap = \"skip\" to go on from {earliest}",
+            earliest - wanted
+        ))),
+        RetentionGap::Skip => {
+            tracing::warn!(
+                "{place}: offsets {wanted}..{earliest} were deleted by retention before they were read: {} records skipped (data.stream.on_retention_gap = \"skip\")",
+                earliest - wanted
+            );
+            Ok(earliest)
+        }
+    }
+}
+
+fn describe(partitions: &[i32]) -> String {
+    match partitions {
+        [] => "none".into(),
+        [one] => format!("partition {one}"),
+        many => format!("partitions {}", many.iter().map(i32::to_string).collect::<Vec<_>>().join(", ")),
+    }
+}

@@ -1,0 +1,123 @@
+//! Where `sparrow train` reads its batches: the training file for
+//! `train.epochs` passes, or (`[data.stream]`) a Kafka topic from the
+//! offsets the model has consumed, until the stream is stopped.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+use sparrow_core::Config;
+use sparrow_core::batch::StreamMark;
+use sparrow_data::input::Codec;
+use sparrow_data::{BadRows, BatchStream, DataError};
+
+use crate::TrainError;
+use crate::pipeline::PlannedBatches;
+use crate::trainer::Trainer;
+
+pub struct TrainingInput {
+    pub batches: PlannedBatches,
+    /// What the input is called in messages: the file, or the topic.
+    pub origin: PathBuf,
+    /// Bytes of all passes over a plain text file (progress has a total).
+    pub bytes_total: Option<u64>,
+    /// A plain text file's size: a position's epoch and offset in bytes.
+    pub file_bytes: Option<u64>,
+}
+
+impl TrainingInput {
+    /// Opens the input at `trainer`'s position (its checkpoint's offsets).
+    pub fn open(config: &Config, trainer: &Trainer, bad: &BadRows) -> Result<TrainingInput, TrainError> {
+        let batch_size = config.train.batch_size;
+        let (stream, origin, file_bytes) = match &config.data.stream {
+            Some(s) => {
+                if config.data.train.is_some() {
+                    tracing::info!("[data.stream] is set: data.train is not read");
+                }
+                let stream = sparrow_stream::spawn(&config.data, batch_size, trainer.stream.as_deref(), bad.clone())?;
+                (stream, PathBuf::from(format!("kafka topic {}", s.topic)), None)
+            }
+            None => {
+                let path = config
+                    .data
+                    .train
+                    .as_deref()
+                    .map(Path::new)
+                    .ok_or(DataError::MissingPath { key: "train", what: "the training data file" })?;
+                let stream = BatchStream::spawn(
+                    path,
+                    &config.data,
+                    batch_size,
+                    trainer.position,
+                    config.train.epochs,
+                    bad.clone(),
+                )?;
+                // Positions are offsets in the text: a compressed file's size
+                // says nothing about them, so its progress has no total.
+                let plain = Codec::sniff(path).is_ok_and(|c| c == Codec::Plain);
+                let bytes = std::fs::metadata(path).ok().filter(|_| plain).map(|m| m.len());
+                (stream, path.to_path_buf(), bytes)
+            }
+        };
+        let batches = PlannedBatches::spawn(stream, trainer.table.partitioner(), config.data.prefetch_batches)
+            .map_err(|e| TrainError::io(&origin, e))?;
+        let bytes_total = file_bytes.map(|b| b * config.train.epochs);
+        Ok(TrainingInput { batches, origin, bytes_total, file_bytes })
+    }
+}
+
+/// The stream's figures in the final JSON (null without `[data.stream]`).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct StreamReport {
+    /// Partition → the next offset to read (what the last checkpoint holds).
+    pub stream_offsets: Option<std::collections::BTreeMap<i32, i64>>,
+    /// Records consumed (good and malformed) and, of them, malformed.
+    pub stream_records: Option<u64>,
+    pub stream_bad_records: Option<u64>,
+    /// Records the broker held past the offsets when the last batch was cut.
+    pub stream_lag_records: Option<u64>,
+}
+
+impl StreamReport {
+    pub fn of(mark: Option<&StreamMark>) -> StreamReport {
+        match mark {
+            None => StreamReport::default(),
+            Some(m) => StreamReport {
+                stream_offsets: Some(m.offsets.clone()),
+                stream_records: Some(m.records),
+                stream_bad_records: Some(m.bad_records),
+                stream_lag_records: Some(m.lag_records),
+            },
+        }
+    }
+}
+
+/// The lag, for the progress line: records behind the partitions' ends,
+/// and seconds from the newest trained record's append to now.
+pub fn describe_lag(mark: &StreamMark) -> String {
+    let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO).as_millis() as i64;
+    match mark.newest_record_ms {
+        Some(ms) => format!(" lag {} records {:.1} s", mark.lag_records, (now_ms - ms).max(0) as f64 / 1e3),
+        None => format!(" lag {} records", mark.lag_records),
+    }
+}
+
+/// A timer for `checkpoint.every_secs` / `export_every_secs`.
+pub struct Every {
+    every: Option<Duration>,
+    since: std::time::Instant,
+}
+
+impl Every {
+    pub fn secs(every: Option<u64>) -> Every {
+        Every { every: every.filter(|&s| s > 0).map(Duration::from_secs), since: std::time::Instant::now() }
+    }
+
+    pub fn due(&self) -> bool {
+        self.every.is_some_and(|e| self.since.elapsed() >= e)
+    }
+
+    pub fn restart(&mut self) {
+        self.since = std::time::Instant::now();
+    }
+}
