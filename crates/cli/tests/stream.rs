@@ -65,10 +65,12 @@ impl Drop for Broker {
     }
 }
 
-/// The small job (DLRM, batch 256, depth 0) on `dir/data`, reading `topic`
-/// with `stream` lines added to `[data.stream]`; `None`: the file instead.
+/// The small job (`common::write_config`, at depth 0) on `dir/data`,
+/// reading `topic` with `stream` lines added to `[data.stream]`; `None`:
+/// the file instead. Its checkpoints go to `dir/ckpt-TOPIC`.
 fn job(dir: &Path, broker: &Broker, topic: Option<&str>, stream: &str) -> String {
-    let d = dir.display();
+    let name = topic.unwrap_or("file");
+    let base = std::fs::read_to_string(common::write_config(dir, "")).expect("config");
     let section = match topic {
         Some(t) => format!(
             "[data.stream]\nbrokers = [\"{}\"]\ntopic = \"{t}\"\nstop_when_idle_secs = 1\n{stream}\n",
@@ -76,33 +78,10 @@ fn job(dir: &Path, broker: &Broker, topic: Option<&str>, stream: &str) -> String
         ),
         None => String::new(),
     };
-    let path = dir.join(format!("{}.toml", topic.unwrap_or("file")));
-    std::fs::write(
-        &path,
-        format!(
-            r#"
-[data]
-train = "{d}/data/train.tsv"
-test = "{d}/data/test.tsv"
-{section}
-[model]
-kind = "dlrm"
-embedding_dim = 8
-hidden = [32, 16]
-bottom_hidden = [16]
-[train]
-batch_size = 256
-pipeline_depth = 0
-[embedding]
-optimizer = "adagrad"
-learning_rate = 0.05
-[checkpoint]
-dir = "{d}/ckpt-{}"
-"#,
-            topic.unwrap_or("file")
-        ),
-    )
-    .expect("config");
+    let text = base.replace("batch_size = 256", "batch_size = 256\npipeline_depth = 0")
+        + &format!("{section}\n[checkpoint]\ndir = {:?}\n", dir.join(format!("ckpt-{name}")).display().to_string());
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, text).expect("config");
     path.display().to_string()
 }
 
