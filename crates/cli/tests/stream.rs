@@ -166,7 +166,8 @@ fn sigterm_keeps_the_offsets_and_a_resumed_run_ends_with_the_uninterrupted_model
     // Every record trained (the lag line says 0 records behind at 8000 samples).
     log.wait_for_line(&["samples 8000 ", "lag 0 records"], Duration::from_secs(120));
     signal(child.id(), "-TERM");
-    let status = child.wait().expect("wait");
+    // Not a timing: an idle stream once kept a stopped run waiting forever.
+    let status = common::wait_with_timeout(&mut child, Duration::from_secs(60));
     reader.join().expect("reader");
     assert_eq!(status.code(), Some(143), "{}", log.text());
     let latest = std::fs::read_to_string(tmp.path().join("ckpt-live/LATEST")).expect("LATEST");

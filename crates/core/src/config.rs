@@ -970,6 +970,8 @@ mod tests {
             ("train.epochs=0", "train.epochs"),
             ("data.num_fields=0", "data.num_fields"),
             ("checkpoint.keep=0", "checkpoint.keep"),
+            ("checkpoint.dir=\"\"", "checkpoint.dir"),
+            ("checkpoint.export_every_secs=5", "checkpoint.export_every_secs"),
         ] {
             let err = parse("", &[set]).expect_err(set);
             assert!(err.to_string().contains(key), "{set}: {err}");

@@ -46,50 +46,43 @@ impl BatchStream {
         let mut source = open_source(path, config, bad.clone())?;
         let source_path = path.to_path_buf();
         let layout = source.layout().clone();
-        let (tx, rx) = bounded(config.prefetch_batches);
-        let stop = Arc::new(AtomicBool::new(false));
-        let stop_flag = stop.clone();
-        let handle = std::thread::Builder::new()
-            .name("sparrow-reader".into())
-            .spawn(move || {
-                for epoch in start.epoch..epochs {
-                    let pos =
-                        if epoch == start.epoch { start } else { DataPosition { epoch, offset: 0, line: 1, skip: 0 } };
-                    if let Err(e) = source.seek(pos) {
-                        let _ = tx.send(Err(e));
+        let read = move |tx: &crossbeam_channel::Sender<Result<Batch, DataError>>, stop: &AtomicBool| {
+            for epoch in start.epoch..epochs {
+                let pos =
+                    if epoch == start.epoch { start } else { DataPosition { epoch, offset: 0, line: 1, skip: 0 } };
+                if let Err(e) = source.seek(pos) {
+                    let _ = tx.send(Err(e));
+                    return;
+                }
+                loop {
+                    if stop.load(Ordering::Relaxed) {
                         return;
                     }
-                    loop {
-                        if stop_flag.load(Ordering::Relaxed) {
-                            return;
-                        }
-                        match source.next_batch(batch_size, epoch) {
-                            Ok(Some(b)) => {
-                                if tx.send(Ok(b)).is_err() {
-                                    return;
-                                }
-                            }
-                            Ok(None) => {
-                                if let Err(e) = bad.end_pass(&source_path) {
-                                    let _ = tx.send(Err(e));
-                                    return;
-                                }
-                                break;
-                            }
-                            Err(e) => {
-                                let _ = tx.send(Err(e));
+                    match source.next_batch(batch_size, epoch) {
+                        Ok(Some(b)) => {
+                            if tx.send(Ok(b)).is_err() {
                                 return;
                             }
                         }
+                        Ok(None) => {
+                            if let Err(e) = bad.end_pass(&source_path) {
+                                let _ = tx.send(Err(e));
+                                return;
+                            }
+                            break;
+                        }
+                        Err(e) => {
+                            let _ = tx.send(Err(e));
+                            return;
+                        }
                     }
                 }
-            })
-            .map_err(|e| DataError::io(path, e))?;
-        Ok(BatchStream { rx: Some(rx), stop, handle: Some(handle), layout })
+            }
+        };
+        BatchStream::from_thread(layout, config.prefetch_batches, "sparrow-reader", read)
+            .map_err(|e| DataError::io(path, e))
     }
-}
 
-impl BatchStream {
     /// The flag that stops the reader (set when the stream is dropped): a
     /// consumer that hands the stream to another thread keeps it, so that
     /// dropping the consumer stops a reader waiting for data that may

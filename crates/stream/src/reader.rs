@@ -95,7 +95,9 @@ struct Cutter {
     layout: DataLayout,
     bad: BadRows,
     batch_size: usize,
+    /// When `records` was last seen to have grown (the idle clock).
     last_record: Instant,
+    records_when_seen: u64,
 }
 
 impl Cutter {
@@ -151,6 +153,7 @@ impl Cutter {
             bad,
             batch_size,
             last_record: Instant::now(),
+            records_when_seen: resume.map_or(0, |m| m.records),
         })
     }
 
@@ -190,6 +193,10 @@ impl Cutter {
                 }
                 self.wait_for_records(until - now)?;
             } else {
+                // Idle since the last record taken (a malformed one counts).
+                if self.records != self.records_when_seen {
+                    (self.records_when_seen, self.last_record) = (self.records, now);
+                }
                 let idle = Duration::from_secs(self.config.stop_when_idle_secs);
                 if !idle.is_zero() && self.last_record.elapsed() >= idle {
                     tracing::info!(
@@ -241,7 +248,6 @@ impl Cutter {
             let p = &mut self.parts[i];
             p.next = record.offset + 1;
             self.records += 1;
-            self.last_record = Instant::now();
             let ms = record.record.timestamp.timestamp_millis();
             *newest_ms = Some(newest_ms.map_or(ms, |m: i64| m.max(ms)));
             if let Err(reason) = parse_value(self.parser.as_mut(), record.record.value.as_deref(), b) {

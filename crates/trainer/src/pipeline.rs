@@ -40,9 +40,7 @@ impl PlannedBatches {
         })?;
         Ok(PlannedBatches { rx: Some(rx), handle: Some(handle), stop_reader })
     }
-}
 
-impl PlannedBatches {
     /// The next batch, or `None` at the end or once `stop` is set: a
     /// stream may have no batch to give for a long time (an idle topic),
     /// and a signal must still end the run.

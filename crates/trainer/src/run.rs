@@ -271,6 +271,7 @@ fn train_in_pool(
     let (mut logged_step, mut logged_phases) = (trainer.step, trainer.phase_secs);
 
     let train_start = Instant::now();
+    let mut trained_for = std::time::Duration::ZERO;
     let start_samples = trainer.samples_trained;
     let (mut interval_loss, mut interval_rows, mut interval_start) = (0.0f64, 0u64, Instant::now());
     let mut last_train_logloss = None;
@@ -314,6 +315,7 @@ fn train_in_pool(
                 break;
             }
         };
+        trained_for = train_start.elapsed();
         interval_loss += stats.loss * stats.rows as f64;
         interval_rows += stats.rows as u64;
         keys_total += stats.keys as u64;
@@ -445,6 +447,9 @@ fn train_in_pool(
             break;
         }
     }
+    // A stream's wait for records that never came, after the last step
+    // (stop_when_idle_secs), is not training time.
+    let waited_at_end = train_start.elapsed().saturating_sub(trained_for);
     // A run that trained nothing did not succeed: an empty file, or one whose
     // every row was malformed (a resumed run may find its data used up).
     if outcome.is_ok()
@@ -473,7 +478,7 @@ fn train_in_pool(
         outcome = Err(e.into());
     }
     progress.finish();
-    let train_secs = train_start.elapsed().as_secs_f64();
+    let train_secs = train_start.elapsed().saturating_sub(waited_at_end).as_secs_f64();
     if interval_rows > 0 {
         last_train_logloss = Some(interval_loss / interval_rows as f64);
     }
