@@ -90,6 +90,17 @@ fn progress_dict<'py>(py: Python<'py>, u: &ProgressUpdate) -> PyResult<Bound<'py
     d.set_item("bytes_total", u.bytes_total)?;
     d.set_item("train_logloss", u.train_logloss)?;
     d.set_item("samples_per_sec", u.samples_per_sec)?;
+    // [data.stream]: the lag; progressive validation: the window's figures
+    // (None where off or undefined).
+    d.set_item("stream_lag_records", u.stream_lag_records)?;
+    d.set_item("stream_lag_secs", u.stream_lag_secs)?;
+    let finite = |x: f64| x.is_finite().then_some(x);
+    let window = u.online.map(|o| o.window);
+    d.set_item("online_window_auc", window.and_then(|w| finite(w.auc)))?;
+    d.set_item("online_window_logloss", window.and_then(|w| finite(w.log_loss)))?;
+    d.set_item("online_window_normalized_entropy", window.and_then(|w| finite(w.normalized_entropy)))?;
+    d.set_item("online_window_calibration", window.and_then(|w| finite(w.calibration)))?;
+    d.set_item("online_auc", u.online.and_then(|o| finite(o.run.auc)))?;
     Ok(d)
 }
 

@@ -480,3 +480,55 @@ def test_a_crafted_export_is_an_error_not_a_panic(cli, trained, tmp_path):
         assert isinstance(e, sparrow.CheckpointError) and "embeddings.bin" in str(e), e
     else:
         raise AssertionError("a crafted export loaded")
+
+
+def test_an_online_run_reports_the_lag_and_the_windowed_auc(cli, data, tmp_path):
+    """The README's online example: `sparrow.train` on a Kafka topic (a real
+    broker, tansu, as the Rust stream tests start it), the progress callback
+    reading the lag and the windowed AUC."""
+    home = Path(os.environ.get("HOME", "/root"))
+    tansu = os.environ.get("SPARROW_TANSU", str(home / ".cache" / "sparrow-tools" / "bin" / "tansu"))
+    assert Path(tansu).is_file(), "the stream tests need tansu: run ./scripts/ensure-tansu (./scripts/test does)"
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"tcp://127.0.0.1:{port}"
+    broker = subprocess.Popen(
+        [tansu, "broker", "--listener-url", url, "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        for line in broker.stdout:
+            if "ready in" in line:
+                break
+        rows = tmp_path / "rows.tsv"
+        rows.write_text("".join((data / "train.tsv").read_text().splitlines(keepends=True)[:3000]))
+        addr = f"127.0.0.1:{port}"
+        produced = cli("produce", "--brokers", addr, "--topic", "py", "--partitions", 2, "--from", rows)
+        assert produced["records"] == 3000
+        updates = []
+        summary = sparrow.train(
+            CONFIG,
+            progress=updates.append,
+            **{
+                "data.test": str(data / "test.tsv"),
+                "checkpoint.dir": str(tmp_path / "online"),
+                "data.stream.topic": "py",
+                "data.stream.brokers": [addr],
+                "data.stream.stop_when_idle_secs": 1,
+                "train.log_interval_steps": 2,
+            },
+        )
+    finally:
+        broker.kill()
+        broker.wait()
+    assert summary["stream_records"] == 3000 and summary["online_samples"] == 3000
+    assert summary["stream_offsets"] == {"0": 1500, "1": 1500}
+    assert updates and all(u["stream_lag_records"] is not None for u in updates)
+    assert updates[-1]["stream_lag_secs"] >= 0
+    aucs = [u["online_window_auc"] for u in updates if u["online_window_auc"] is not None]
+    assert aucs and all(0.0 < a < 1.0 for a in aucs)

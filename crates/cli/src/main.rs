@@ -12,6 +12,7 @@ mod args;
 mod gather_limit;
 mod produce_command;
 mod serve_command;
+mod train_metrics;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -66,6 +67,11 @@ enum Command {
         /// No progress output on stderr.
         #[arg(long)]
         quiet: bool,
+        /// Serve Prometheus metrics on http://ADDR/metrics while training:
+        /// progress, the stream's lag and progressive validation, updated
+        /// every train.log_interval_steps (off loopback: needs cluster.auth_token).
+        #[arg(long, value_name = "ADDR")]
+        metrics_listen: Option<std::net::SocketAddr>,
     },
     /// AUC and log-loss of a checkpoint on a data file.
     Eval {
@@ -512,12 +518,16 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             };
             print_json(&truth)
         }
-        Command::Train { config, mut set, resume, quiet } => {
+        Command::Train { config, mut set, resume, quiet, metrics_listen } => {
             if let Some(r) = resume {
                 set.push(format!("checkpoint.resume_from={:?}", r.display().to_string()));
             }
             let config = load_config(&config, &set)?;
-            print_json(&sparrow_trainer::train_until(&config, quiet, &stop_on_signals())?)
+            let summary = match metrics_listen {
+                None => sparrow_trainer::train_until(&config, quiet, &stop_on_signals())?,
+                Some(addr) => train_metrics::train_serving_metrics(&config, quiet, &stop_on_signals(), addr)?,
+            };
+            print_json(&summary)
         }
         Command::Eval { checkpoint, data, set } => {
             print_json(&sparrow_trainer::evaluate_checkpoint(&checkpoint, &data, &edge_overrides(&set)?, None)?)

@@ -44,6 +44,14 @@ pub struct ProduceArgs {
     days: Option<u32>,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// --from: each record's timestamp is the row's time, this column
+    /// (0-based, Unix seconds; comma-separated for a .csv file, tab
+    /// otherwise). Generated --days rows always carry their `ts` this way.
+    #[arg(long, requires = "from")]
+    timestamp_column: Option<usize>,
+    /// --from: the file's first line is a header (not sent).
+    #[arg(long, requires = "from")]
+    skip_header: bool,
 }
 
 pub fn run(args: ProduceArgs) -> anyhow::Result<()> {
@@ -56,12 +64,15 @@ pub fn run(args: ProduceArgs) -> anyhow::Result<()> {
     if args.partitions < 1 {
         anyhow::bail!("--partitions must be at least 1");
     }
-    let options = ProduceOptions {
+    let mut options = ProduceOptions {
         brokers: args.brokers.split(',').map(|b| b.trim().to_string()).filter(|b| !b.is_empty()).collect(),
         topic: args.topic,
         partitions: args.partitions,
         rate: args.rate,
         batch_records: args.batch_records,
+        timestamp_column: args.timestamp_column,
+        delimiter: b'\t',
+        skip_lines: usize::from(args.skip_header),
     };
     let (path, truth) = match args.from {
         Some(path) => (path, None),
@@ -84,9 +95,28 @@ pub fn run(args: ProduceArgs) -> anyhow::Result<()> {
             (out.join(file), Some(truth))
         }
     };
+    if path.extension().is_some_and(|e| e == "csv") {
+        options.delimiter = b',';
+    }
+    // Generated CSV: its header is not a record (it goes in
+    // data.stream.header), and each record carries its row's `ts`.
+    let header = match args.days {
+        Some(_) => {
+            let mut first = String::new();
+            std::io::BufRead::read_line(&mut BufReader::new(std::fs::File::open(&path)?), &mut first)?;
+            let header = first.trim_end().to_string();
+            options.skip_lines = 1;
+            options.timestamp_column = header.split(',').position(|c| c == "ts");
+            Some(header)
+        }
+        None => None,
+    };
     let file = std::fs::File::open(&path).with_context(|| format!("{}", path.display()))?;
     let produced = produce(&options, BufReader::with_capacity(1 << 20, file))?;
     let mut json = serde_json::to_value(&produced)?;
+    if let Some(header) = header {
+        json["header"] = header.into();
+    }
     if let Some(truth) = truth {
         json["truth"] = serde_json::to_value(&truth)?;
         json["rows_file"] = path.display().to_string().into();

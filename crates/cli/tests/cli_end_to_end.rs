@@ -373,6 +373,53 @@ fn a_metrics_path_in_a_new_folder_is_created() {
     assert!(lines.lines().count() > 1, "{lines}");
 }
 
+/// Progressive validation scores each batch with its own step's forward
+/// pass, before the update: over the whole run its log-loss is the
+/// row-weighted mean of the per-step training losses (logged every step).
+/// A window of 512 samples holds the last two batches. Off by default for
+/// a file.
+#[test]
+fn online_metrics_score_each_batch_before_its_update() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let d = tmp.path().display().to_string();
+    ok(&sparrow(&["gen", "--out", &format!("{d}/data"), "--train-rows", "3000", "--test-rows", "300"]));
+    let config = write_config(tmp.path(), "o.toml", "");
+    let plain = last_json(&sparrow(&["train", "--config", &config, "--quiet"]));
+    assert!(plain["online_auc"].is_null() && plain["online_samples"].is_null(), "{plain}");
+    let out = sparrow(&[
+        "train",
+        "--config",
+        &config,
+        "--quiet",
+        "--set",
+        "train.online_window_samples=512",
+        "--set",
+        "train.log_interval_steps=1",
+    ]);
+    ok(&out);
+    let json = last_json(&out);
+    assert_eq!(json["online_samples"], 3000);
+    assert_eq!(json["test_auc"], plain["test_auc"], "scoring changes nothing in the model");
+    let lines = std::fs::read_to_string(tmp.path().join("metrics.jsonl")).expect("metrics");
+    let steps: Vec<serde_json::Value> = lines
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json"))
+        .filter(|v: &serde_json::Value| v["event"].is_null())
+        .collect();
+    let (mut loss, mut rows, mut samples) = (0.0, 0.0, 0.0);
+    for v in &steps {
+        let now = v["samples"].as_f64().expect("samples");
+        loss += v["train_logloss"].as_f64().expect("loss") * (now - samples);
+        rows += now - samples;
+        samples = now;
+    }
+    let online = json["online_logloss"].as_f64().expect("online log-loss");
+    assert!((online - loss / rows).abs() < 1e-5, "online {online} vs the steps' mean training loss {}", loss / rows);
+    let last = steps.last().expect("a line");
+    assert_eq!(last["online_window"]["samples"], 512, "{last}");
+    assert!(json["online_window_auc"].as_f64().is_some_and(|a| a > 0.0 && a < 1.0), "{json}");
+}
+
 /// `sparrow demo` ends with one line a person reads (test AUC beside the
 /// best possible, speed, where the checkpoint is), then the JSON.
 #[test]

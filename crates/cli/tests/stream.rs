@@ -116,6 +116,10 @@ fn a_topic_of_one_partition_trains_the_model_its_file_trains() {
     assert_eq!(stream["stream_records"], 6000);
     assert_eq!((&stream["stream_bad_records"], &stream["stream_lag_records"]), (&0.into(), &0.into()));
     assert!(file["stream_offsets"].is_null(), "{file}");
+    // Progressive validation is on for a stream by default, off for a file.
+    assert_eq!(stream["online_samples"], 6000);
+    assert!(stream["online_window_auc"].as_f64().is_some_and(|a| a > 0.0 && a < 1.0), "{stream}");
+    assert!(file["online_samples"].is_null(), "{file}");
     // The checkpoint holds the offsets.
     let ckpt = stream["checkpoint"].as_str().expect("checkpoint");
     let manifest: serde_json::Value =
@@ -221,12 +225,13 @@ fn a_missing_topic_or_partition_and_an_unreachable_broker_are_named() {
     assert!(e.contains("topic \"absent\" does not exist"), "{e}");
     let e = err(train(&job(tmp.path(), &broker, Some("there"), "partitions = [0, 5]"), &[]));
     assert!(e.contains("has no partition 5") && e.contains("partitions 0, 1"), "{e}");
-    // A checkpoint's stream on a cluster job is refused, not ignored.
+    // A lazy cluster job cannot keep offsets yet: refused, not ignored.
     let e = err(sparrow()
         .args(["launch", "--config", &job(tmp.path(), &broker, Some("there"), "")])
+        .args(["--set", "cluster.sync=\"lazy\""])
         .output()
         .expect("launch"));
-    assert!(e.contains("[data.stream]"), "{e}");
+    assert!(e.contains("[data.stream] with cluster.sync = \"lazy\""), "{e}");
     // No broker at all: retried, then refused after max_unavailable_secs.
     let port = std::net::TcpListener::bind("127.0.0.1:0").expect("port").local_addr().expect("addr").port();
     let gone = job(tmp.path(), &broker, Some("there"), "max_unavailable_secs = 1").to_string();
@@ -234,4 +239,180 @@ fn a_missing_topic_or_partition_and_an_unreachable_broker_are_named() {
     std::fs::write(&gone, text).expect("config");
     let e = err(train(&gone, &[]));
     assert!(e.contains(&format!("127.0.0.1:{port}")) && e.contains("cannot connect"), "{e}");
+}
+
+/// `sparrow launch` (2 shards, 1 worker, a checkpoint every 10 steps) on
+/// `config`, with `FAILPOINTS` set when given.
+fn launch(config: &str, failpoints: &str) -> Output {
+    let mut command = sparrow();
+    command.args(["launch", "--config", config, "--shards", "2", "--workers", "1", "--quiet"]);
+    command.args(["--set", "checkpoint.every_steps=10"]);
+    if !failpoints.is_empty() {
+        command.env("FAILPOINTS", failpoints);
+    }
+    command.output().expect("launch")
+}
+
+/// A cluster job reading a topic: 1×1 it trains `train`'s model, and when a
+/// shard dies (both shards, at their 25th push), or in another run the
+/// loader (at its 27th batch), the job goes back to the checkpoint at step
+/// 20, reads on from its offsets, and ends with the uninterrupted model.
+/// The deaths are failpoints that end the process on the spot, as SIGKILL
+/// does (`crates/cluster/src/faults.rs`).
+#[test]
+fn a_cluster_job_on_a_topic_recovers_exactly_from_a_shard_or_loader_death() {
+    let (tmp, broker) = setup("8000");
+    broker.produce("cluster", 3, &tmp.path().join("data/train.tsv"));
+    let config = job(tmp.path(), &broker, Some("cluster"), "");
+    let whole = ok_json(&train(&config, &["--set", &format!("checkpoint.dir={:?}", tmp.path().join("whole"))]));
+    assert_eq!(whole["steps"], 32, "8000 records in batches of 256");
+    let plain = ok_json(&launch(&config, ""));
+    assert_eq!(plain["test_auc"], whole["test_auc"], "bit for bit train's model");
+    assert_eq!(plain["embedding_rows"], whole["embedding_rows"]);
+    assert_eq!(plain["stream_offsets"], whole["stream_offsets"]);
+    assert_eq!(plain["stream_records"], 8000);
+    assert_eq!(plain["online_logloss"], whole["online_logloss"], "the worker scores as train does");
+    for (role, failpoint) in [("shard", "shard.push=24*off->return"), ("loader", "loader.next_batch=26*off->return")] {
+        let out = launch(&config, failpoint);
+        let json = ok_json(&out);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(json["restarts"][role].as_u64().is_some_and(|n| n >= 1), "{role}: {}\n{stderr}", json["restarts"]);
+        assert_eq!(json["test_auc"], whole["test_auc"], "{role}: nothing skipped, nothing trained twice");
+        assert_eq!(json["embedding_rows"], whole["embedding_rows"], "{role}");
+        assert_eq!(json["train_rows"], whole["train_rows"], "{role}");
+        assert_eq!(json["stream_offsets"], whole["stream_offsets"], "{role}");
+        assert_eq!(json["stream_records"], 8000, "{role}");
+        assert!(json["steps_replayed"].as_u64().is_some_and(|n| n >= 1), "{role}: {}", json["steps_replayed"]);
+    }
+}
+
+/// Two workers that prefetch (depth 1) train batches out of order, so a
+/// checkpoint may hold batches trained past its offsets (as skip ranges in
+/// its mark). Both workers die after their step 9: the job goes back to a
+/// checkpoint and ends with every record trained once.
+#[test]
+fn two_workers_on_a_topic_recover_with_every_record_trained_once() {
+    let (tmp, broker) = setup("8000");
+    broker.produce("two", 3, &tmp.path().join("data/train.tsv"));
+    let config = job(tmp.path(), &broker, Some("two"), "");
+    let out = sparrow()
+        .args(["launch", "--config", &config, "--shards", "2", "--workers", "2", "--quiet"])
+        .args(["--set", "checkpoint.every_steps=4", "--set", "train.pipeline_depth=1"])
+        .env("FAILPOINTS", "worker.step=8*off->return")
+        .output()
+        .expect("launch");
+    let json = ok_json(&out);
+    assert_eq!(json["restarts"]["worker"], 2, "{}", json["restarts"]);
+    assert_eq!(json["train_rows"], 8000, "nothing skipped, nothing trained twice");
+    assert_eq!(json["stream_records"], 8000);
+    assert_eq!(json["stream_offsets"], serde_json::json!({"0": 2667, "1": 2667, "2": 2666}));
+    assert!(json["steps_replayed"].as_u64().is_some_and(|n| n >= 1), "{}", json["steps_replayed"]);
+}
+
+/// A job on generated CSV rows spread over four days (`gen --days`), each
+/// record stamped with its row's time (`produce --timestamp-column`).
+fn days_job(dir: &Path, broker: &Broker, bounds: &str) -> String {
+    let d = dir.display();
+    let header = std::fs::read_to_string(dir.join("data/train.csv")).expect("csv");
+    let header = header.lines().next().expect("header");
+    let dense: Vec<String> = (1..=13).map(|i| format!("\"I{i}\"")).collect();
+    let sparse: Vec<String> = (1..=26).map(|i| format!("\"C{i}\"")).collect();
+    let text = format!(
+        r#"
+[data]
+format = "csv"
+test = "{d}/data/test.csv"
+[data.schema]
+dense = [{}]
+sparse = [{}]
+dense_transform = "log1p"
+[data.stream]
+brokers = ["{}"]
+topic = "days"
+header = "{header}"
+stop_when_idle_secs = 1
+[model]
+kind = "dlrm"
+embedding_dim = 8
+hidden = [16]
+bottom_hidden = [8]
+[train]
+batch_size = 256
+log_interval_steps = 1
+metrics_path = "{d}/metrics-{}.jsonl"
+[embedding]
+{bounds}
+[checkpoint]
+dir = "{d}/ckpt-{}"
+"#,
+        dense.join(","),
+        sparse.join(","),
+        broker.addr,
+        bounds.len(),
+        bounds.len(),
+    );
+    let path = dir.join(format!("days{}.toml", bounds.len()));
+    std::fs::write(&path, text).expect("config");
+    path.display().to_string()
+}
+
+/// Bounded tables on a stream: `max_rows` keeps the table within its bound
+/// at every step, `ttl_secs` deletes rows by the records' time, and a run
+/// stopped and resumed with both ends with the uninterrupted model (the
+/// event clock and each row's last use are in the checkpoint).
+#[test]
+fn bounded_tables_stay_within_max_rows_and_expire_by_record_time_exactly() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let generated = sparrow()
+        .args(["gen", "--format", "csv", "--days", "4", "--train-rows", "8000", "--test-rows", "1000", "--out"])
+        .arg(tmp.path().join("data"))
+        .output()
+        .expect("gen");
+    assert!(generated.status.success(), "{}", String::from_utf8_lossy(&generated.stderr));
+    let broker = Broker::start();
+    let out = sparrow()
+        .args(["produce", "--brokers", &broker.addr, "--topic", "days", "--partitions", "2"])
+        .args(["--from", &tmp.path().join("data/train.csv").display().to_string()])
+        .args(["--skip-header", "--timestamp-column", "40"])
+        .output()
+        .expect("produce");
+    assert_eq!(last_json(&out)["records"], 8000, "{}", String::from_utf8_lossy(&out.stderr));
+    let free = ok_json(&train(&days_job(tmp.path(), &broker, ""), &[]));
+    let all_rows = free["embedding_rows"].as_u64().expect("rows");
+    assert_eq!((&free["expired_rows"], &free["evicted_rows"]), (&0.into(), &0.into()), "{free}");
+
+    let bound = all_rows / 4;
+    let capped = days_job(tmp.path(), &broker, &format!("max_rows = {bound}"));
+    let json = ok_json(&train(&capped, &[]));
+    assert!(json["evicted_rows"].as_u64().is_some_and(|n| n > 0), "{json}");
+    let metrics =
+        std::fs::read_to_string(tmp.path().join(format!("metrics-{}.jsonl", format!("max_rows = {bound}").len())))
+            .expect("metrics");
+    for line in metrics.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json")) {
+        if let Some(rows) = line["embedding_rows"].as_u64() {
+            assert!(rows <= bound, "{rows} rows past max_rows = {bound}: {line}");
+        }
+    }
+
+    let ttl = days_job(tmp.path(), &broker, "ttl_secs = 43200");
+    let json = ok_json(&train(&ttl, &[]));
+    let expired = json["expired_rows"].as_u64().expect("expired");
+    assert!(expired > 0 && json["embedding_rows"].as_u64().expect("rows") < all_rows, "{json}");
+
+    // Stopped after 13 steps (on the second day) and resumed: the
+    // uninterrupted model, with ttl_secs alone and with both bounds. The
+    // rows' times are random within their day, so event time moves a day at
+    // a time; a TTL of a day and a half deletes the first day's rows when
+    // the third begins, which only the checkpointed event clock knows.
+    for (name, bounds) in
+        [("ttl", "ttl_secs = 129600".to_string()), ("both", format!("ttl_secs = 129600\nmax_rows = {bound}"))]
+    {
+        let job = days_job(tmp.path(), &broker, &bounds);
+        let whole = ok_json(&train(&job, &["--set", &format!("checkpoint.dir={:?}", tmp.path().join(name))]));
+        let first = ok_json(&train(&job, &["--set", "train.max_steps=13"]));
+        let resumed = ok_json(&train(&job, &["--resume", first["checkpoint"].as_str().expect("ckpt")]));
+        assert_eq!(resumed["test_auc"], whole["test_auc"], "{name}: deletions at the same steps");
+        assert_eq!(resumed["embedding_rows"], whole["embedding_rows"], "{name}");
+        assert_eq!(resumed["stream_records"], 8000, "{name}");
+    }
 }

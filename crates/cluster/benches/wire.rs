@@ -38,6 +38,7 @@ fn batch() -> WorkerBatch {
         merged_samples: 0,
         dropped_samples: 0,
         passes: Default::default(),
+        stream: None,
     }
 }
 

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use sparrow_core::Config;
-use sparrow_core::batch::DataPosition;
+use sparrow_core::batch::{DataPosition, StreamMark};
 use sparrow_data::DataLayout;
 use sparrow_model::{DenseModel, DenseOptimizer};
 use sparrow_trainer::Trainer;
@@ -28,6 +28,8 @@ pub struct DenseState {
     pub position: DataPosition,
     /// The checkpoint's step (in rounds: the batches the job trained).
     pub step: u64,
+    /// `[data.stream]`: the checkpoint's mark.
+    pub stream: Option<StreamMark>,
 }
 
 /// A worker at a checkpoint step, its updates pushed.
@@ -44,6 +46,8 @@ pub struct WorkerCut {
     /// The batches it trained since its last checkpoint (where each starts
     /// and ends): the coordinator finds where the data continues from them.
     pub trained: Vec<TrainedBatch>,
+    /// `[data.stream]`: the mark after the batch that ends at `position`.
+    pub stream: Option<StreamMark>,
 }
 
 /// Where the job's training data stands: every batch before `position` was
@@ -56,6 +60,10 @@ pub struct DataProgress {
     pub generation: Generation,
     pub position: DataPosition,
     pub ahead: BTreeMap<(u64, u64, u64), TrainedBatch>,
+    /// `[data.stream]`: the mark at `position`. Batches trained ahead of it
+    /// go into the checkpoint as its `skip` ranges (by offset: a resumed
+    /// reader may cut new records differently, so not by position).
+    pub stream: Option<StreamMark>,
 }
 
 impl DataProgress {
@@ -64,7 +72,8 @@ impl DataProgress {
         let mut p = DataProgress { generation, ..Default::default() };
         if let Some(m) = manifest {
             p.position = m.position;
-            p.ahead = m.skip.iter().map(|b| (b.start.key(), *b)).collect();
+            p.ahead = m.skip.iter().map(|b| (b.start.key(), b.clone())).collect();
+            p.stream = m.stream.clone();
         }
         p
     }
@@ -79,6 +88,21 @@ impl DataProgress {
         }
         while let Some(b) = self.ahead.remove(&self.position.key()) {
             self.position = b.end;
+            if b.stream.is_some() {
+                self.stream = b.stream;
+            }
+        }
+    }
+
+    /// Where the data continues, for a manifest: the position and the
+    /// batches trained past it (a stream's as ranges in its mark).
+    fn resume_point(&self) -> (DataPosition, Vec<TrainedBatch>, Option<StreamMark>) {
+        match &self.stream {
+            None => (self.position, self.ahead.values().cloned().collect(), None),
+            Some(mark) => {
+                let ahead = self.ahead.values().filter_map(|b| b.stream.as_ref());
+                (self.position, Vec::new(), Some(mark.clone().with_skipped(ahead)))
+            }
         }
     }
 }
@@ -137,9 +161,14 @@ pub fn manifest(
         }
     }
     let layout = DataLayout::from_config(&config.data);
-    let (position, skip) = match progress {
-        Some(p) => (p.position, p.ahead.values().copied().collect()),
-        None => (cuts.iter().fold(first.position, |p, c| p.later(c.position)), Vec::new()),
+    let (position, skip, stream) = match progress {
+        Some(p) => p.resume_point(),
+        None => {
+            // The furthest cut's position (and its stream's mark).
+            let furthest =
+                cuts.iter().fold(first, |f, c| if c.position.later(f.position) == c.position { c } else { f });
+            (furthest.position, Vec::new(), furthest.stream.clone())
+        }
     };
     Ok(Manifest {
         format_version: FORMAT_VERSION,
@@ -163,7 +192,8 @@ pub fn manifest(
         parts: parts.iter().map(|p| p.written.part.clone()).collect(),
         base: base.and_then(|b| b.file_name()).map(|n| n.to_string_lossy().to_string()),
         skip,
-        stream: None,
+        stream,
+        event_clock: Vec::new(),
     })
 }
 
@@ -195,7 +225,13 @@ pub fn restore_dense(config: &Config, dir: &Path) -> Result<DenseState, ClusterE
     let manifest = sparrow_trainer::checkpoint::load_dense_into(&mut trainer, dir)?;
     let mut optimizer = trainer.dense_optimizer;
     optimizer.samples_stepped = manifest.samples_trained;
-    Ok(DenseState { model: trainer.model, optimizer, position: manifest.position, step: manifest.step })
+    Ok(DenseState {
+        model: trainer.model,
+        optimizer,
+        position: manifest.position,
+        step: manifest.step,
+        stream: manifest.stream,
+    })
 }
 
 /// Worker 0's part of the checkpoint at `step` of `generation`: the dense
@@ -283,7 +319,7 @@ mod tests {
     }
 
     fn batch(start: u64, end: u64) -> TrainedBatch {
-        TrainedBatch { start: at(start), end: at(end) }
+        TrainedBatch { start: at(start), end: at(end), stream: None }
     }
 
     /// Worker B holds batch [20, 30) untrained (prefetched) while worker A
@@ -294,7 +330,7 @@ mod tests {
         let mut p = DataProgress::restored(Generation(1), None);
         p.add([batch(0, 10), batch(30, 40), batch(10, 20)]);
         assert_eq!(p.position, at(20));
-        assert_eq!(p.ahead.values().copied().collect::<Vec<_>>(), vec![batch(30, 40)]);
+        assert_eq!(p.ahead.values().cloned().collect::<Vec<_>>(), vec![batch(30, 40)]);
         // The next checkpoint: B trained [20, 30) meanwhile.
         p.add([batch(20, 30), batch(40, 50)]);
         assert_eq!(p.position, at(50));
@@ -304,6 +340,41 @@ mod tests {
         let mut restored = DataProgress::restored(Generation(2), Some(&m));
         restored.add([batch(20, 30)]);
         assert_eq!(restored.position, at(40), "the skipped batch counts as trained");
+    }
+
+    /// A stream batch over one partition: records `from..to`, `records`
+    /// consumed after it.
+    fn stream_batch(start: u64, end: u64, from: i64, to: i64) -> TrainedBatch {
+        let mark =
+            StreamMark { offsets: [(0, to)].into(), from: [(0, from)].into(), records: end, ..Default::default() };
+        TrainedBatch { stream: Some(mark), ..batch(start, end) }
+    }
+
+    /// On a stream the same held batch leaves the checkpoint at the held
+    /// batch's start offsets, and the batch trained past it goes in as a
+    /// skip range (not by position: a resumed reader cuts new records
+    /// anew); a restored generation takes the ranges from the mark.
+    #[test]
+    fn a_stream_batch_held_untrained_leaves_a_skip_range_in_the_mark() {
+        let mut p = DataProgress::restored(Generation(1), None);
+        p.add([stream_batch(0, 10, 0, 10), stream_batch(20, 30, 20, 30)]);
+        let (position, skip, mark) = p.resume_point();
+        assert_eq!((position, skip), (at(10), Vec::new()));
+        let mark = mark.expect("a stream's mark");
+        assert_eq!(mark.offsets, [(0, 10)].into());
+        assert_eq!(mark.skip, [(0, vec![(20, 30)])].into());
+        // Restored: the ranges travel in the mark, the positions start over.
+        let m = Manifest { position, stream: Some(mark), ..manifest_for_tests() };
+        let mut restored = DataProgress::restored(Generation(2), Some(&m));
+        assert!(restored.ahead.is_empty());
+        // The resumed reader dropped 20..30 and still lists nothing past 35.
+        let mut next = stream_batch(10, 25, 10, 35);
+        next.stream.as_mut().expect("mark").skip = Default::default();
+        restored.add([next]);
+        let (_, _, mark) = restored.resume_point();
+        let mark = mark.expect("mark");
+        assert_eq!(mark.offsets, [(0, 35)].into());
+        assert!(mark.skip.is_empty(), "ranges behind the offsets are gone: {:?}", mark.skip);
     }
 
     fn manifest_for_tests() -> Manifest {
@@ -330,6 +401,7 @@ mod tests {
             base: None,
             skip: Vec::new(),
             stream: None,
+            event_clock: Vec::new(),
         }
     }
 }

@@ -638,6 +638,30 @@ fn check_cluster_config(config: &Config) -> Result<(), ClusterError> {
                 .into(),
         ));
     }
+    if config.data.stream.is_some() {
+        use sparrow_core::config::SyncMode;
+        if config.cluster.sync == SyncMode::Lazy {
+            return Err(ClusterError::Setup(
+                "[data.stream] with cluster.sync = \"lazy\" is not available yet (a lazy checkpoint keeps the \
+                 furthest position aggregated, not each partition's offsets); use sync = \"step\" or \"round\""
+                    .into(),
+            ));
+        }
+    }
+    if config.embedding.ttl_secs > 0 || config.embedding.max_rows > 0 {
+        return Err(ClusterError::Setup(
+            "embedding.ttl_secs and max_rows bound `sparrow train`'s table so far; a cluster job's shards \
+             do not yet (embedding.ttl_steps does expire rows there)"
+                .into(),
+        ));
+    }
+    if config.checkpoint.every_secs.is_some() || config.checkpoint.export_every_secs.is_some() {
+        return Err(ClusterError::Setup(
+            "checkpoint.every_secs and export_every_secs are `sparrow train`'s so far: a cluster job's \
+             workers meet at a step, so use checkpoint.every_steps and export_every_steps"
+                .into(),
+        ));
+    }
     if let (Some(every), Some(checkpoints)) =
         (config.checkpoint.export_every_steps.filter(|&n| n > 0), config.checkpoint.every_steps)
         && (checkpoints == 0 || every % checkpoints != 0)

@@ -247,11 +247,6 @@ pub fn launch(
     interrupted: &AtomicBool,
 ) -> Result<LaunchSummary, ClusterError> {
     let wall = Instant::now();
-    if config.data.stream.is_some() {
-        return Err(ClusterError::Setup(
-            "[data.stream] is read by `sparrow train` only so far: a cluster job reads data.train".into(),
-        ));
-    }
     // Found now, not after training: a checkpoint directory we cannot write,
     // or one another run is using (held until the job ends).
     let _lock = config
@@ -623,7 +618,12 @@ fn merge(
         step_phase_secs: first.phase_secs,
         bayes_auc: bayes.as_ref().map(|t| t.bayes_auc),
         bayes_logloss: bayes.as_ref().map(|t| t.bayes_logloss),
-        stream: Default::default(),
+        // The furthest worker's mark (at the end every batch was trained).
+        stream: sparrow_trainer::input::StreamReport::of(
+            workers.iter().filter_map(|w| w.stream.as_ref()).max_by_key(|m| m.records),
+        ),
+        // Worker 0's batches (each worker scores its own).
+        online: first.online,
         extra: ClusterFields {
             shards: options.nodes.unwrap_or(options.shards),
             workers: options.nodes.unwrap_or(options.workers),

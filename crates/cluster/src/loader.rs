@@ -114,6 +114,7 @@ impl Loader {
             merged_samples: self.bad_rows.weighting.merged.load(std::sync::atomic::Ordering::Relaxed),
             dropped_samples: self.bad_rows.weighting.dropped.load(std::sync::atomic::Ordering::Relaxed),
             passes: Default::default(),
+            stream: batch.stream.as_deref().cloned(),
         };
         let mut per_shard = vec![Vec::new(); self.shards.len()];
         match self.cluster_mode {
@@ -400,29 +401,36 @@ impl LoaderServer {
         restore: Option<PathBuf>,
         num_workers: usize,
     ) -> Result<LoaderServer, ClusterError> {
-        let train_path = config
-            .data
-            .train
-            .as_deref()
-            .map(Path::new)
-            .ok_or(DataError::MissingPath { key: "train", what: "the training data file" })?;
         let bad = BadRows::from_config(&config.data);
         // Resuming: the data continues where the checkpoint's run stopped.
-        let (start, skip, steps_done) = match restore {
+        let (start, skip, steps_done, mark) = match restore {
             Some(dir) => {
                 let m = sparrow_trainer::checkpoint::read_manifest(&dir)?;
-                (m.position, m.skip.iter().map(|s| s.start).collect::<Vec<_>>(), m.step)
+                (m.position, m.skip.iter().map(|s| s.start).collect::<Vec<_>>(), m.step, m.stream)
             }
-            None => (Default::default(), Vec::new(), 0),
+            None => (Default::default(), Vec::new(), 0, None),
         };
-        let train_stream = BatchStream::spawn(
-            train_path,
-            &config.data,
-            config.train.batch_size,
-            start,
-            config.train.epochs,
-            bad.clone(),
-        )?;
+        let train_stream = match &config.data.stream {
+            // A topic, from the checkpoint's offsets (its skip ranges are
+            // the reader's to drop: batches there are cut anew).
+            Some(_) => sparrow_stream::spawn(&config.data, config.train.batch_size, mark.as_ref(), bad.clone())?,
+            None => {
+                let train_path = config
+                    .data
+                    .train
+                    .as_deref()
+                    .map(Path::new)
+                    .ok_or(DataError::MissingPath { key: "train", what: "the training data file" })?;
+                BatchStream::spawn(
+                    train_path,
+                    &config.data,
+                    config.train.batch_size,
+                    start,
+                    config.train.epochs,
+                    bad.clone(),
+                )?
+            }
+        };
         let cluster_mode = config.cluster.mode;
         let first_train_id = first_batch_id(generation, 0);
         let first_eval_id = first_batch_id(generation, FIRST_EVAL_BATCH_ID);

@@ -42,6 +42,8 @@ pub struct WorkerBatch {
     pub dropped_samples: u64,
     /// `cluster.mode = "collocated"`: the loader's pass counters so far.
     pub passes: PassCounters,
+    /// `[data.stream]`: the stream's mark after this batch.
+    pub stream: Option<sparrow_core::batch::StreamMark>,
 }
 
 /// What the loader's pass staging cost so far (S1.1, collocated mode).

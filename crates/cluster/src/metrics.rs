@@ -12,6 +12,7 @@ use http_body_util::Full;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
+pub use prometheus::Gauge;
 use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
 
 use crate::net::NetSettings;
@@ -54,6 +55,15 @@ impl RoleMetrics {
             let _ = registry.register(collector);
         }
         RoleMetrics { registry, rpc_seconds, bytes, batches_in_flight, total_bytes: Arc::default() }
+    }
+
+    /// A gauge of this role's registry (`sparrow train`'s progressive
+    /// validation and stream lag, set as the run goes).
+    pub fn gauge(&self, name: &str, help: &str) -> Gauge {
+        let gauge = Gauge::new(name, help).expect("a gauge name is a Prometheus name");
+        // A name registered twice keeps the first: callers register each once.
+        let _ = self.registry.register(Box::new(gauge.clone()));
+        gauge
     }
 
     pub fn observe(&self, side: &str, method: &str, secs: f64) {

@@ -599,6 +599,10 @@ pub struct WorkerSummary {
     pub second_level: Option<crate::second_level::SecondLevelStats>,
     pub passes: crate::messages::PassCounters,
     pub bytes_from_remote_shards: u64,
+    /// `[data.stream]`: the mark after this worker's furthest batch.
+    pub stream: Option<sparrow_core::batch::StreamMark>,
+    /// Progressive validation over this worker's batches.
+    pub online: sparrow_trainer::online::OnlineReport,
 }
 
 /// Trains as one worker of the job until it is done; worker 0 also
@@ -858,6 +862,8 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Attempt) -> Result<Worker
     summary.sample_weight_sum = s.sample_weight_sum;
     summary.passes = s.passes;
     summary.bytes_from_remote_shards = s.bytes_from_remote_shards;
+    summary.stream = s.last_stream.clone();
+    summary.online = sparrow_trainer::online::OnlineReport::of(worker.online.as_ref());
     summary.dense_checksum = format!("{:016x}", worker.dense_checksum()?);
     summary.checkpoint = worker.last_checkpoint().map(|d| d.display().to_string());
     summary.peak_rss_bytes = sparrow_trainer::peak_rss_bytes();

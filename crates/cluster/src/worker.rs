@@ -29,6 +29,7 @@ use std::time::Instant;
 use parking_lot::Mutex;
 use sparrow_core::Config;
 use sparrow_core::config::Pooling;
+use sparrow_core::metrics::online::ProgressiveEval;
 use sparrow_core::simd::Simd;
 use sparrow_data::DataLayout;
 use sparrow_model::{DenseModel, DenseOptimizer};
@@ -66,6 +67,8 @@ pub struct WorkerStats {
     pub bad_rows: u64,
     /// The furthest data position among the batches this worker trained.
     pub last_end: sparrow_core::batch::DataPosition,
+    /// `[data.stream]`: the mark after the batch that ends at `last_end`.
+    pub last_stream: Option<sparrow_core::batch::StreamMark>,
     /// Where the training time went (seconds), summed over steps.
     pub phase_secs: WorkerPhaseSecs,
     /// Bytes this worker sent and received to agree on the dense weights
@@ -145,6 +148,10 @@ pub struct Worker {
     /// checkpoint reports them, see `checkpoint::DataProgress`).
     trained_since_cut: Vec<sparrow_trainer::checkpoint::TrainedBatch>,
     job: Option<JobCount>,
+    /// Progressive validation (`train.online_window_samples`): this
+    /// worker's batches, scored before their update (a batch replayed after
+    /// a recovery is scored again).
+    pub online: Option<ProgressiveEval>,
 }
 
 /// Batches and samples the job trained (all workers, the restored
@@ -198,6 +205,7 @@ pub fn new_worker_in(
         Worker::new(index, model, optimizer, config.model.pooling).with_pipeline_depth(config.train.pipeline_depth);
     worker.generation = generation;
     worker.row_dtype = config.embedding.dtype;
+    worker.online = config.online_window().map(ProgressiveEval::new);
     Ok(worker)
 }
 
@@ -223,6 +231,7 @@ impl Worker {
             lazy_report: None,
             trained_since_cut: Vec::new(),
             job: None,
+            online: None,
         }
     }
 
@@ -251,6 +260,7 @@ impl Worker {
         self.model = dense.model;
         self.optimizer.take_state_from(dense.optimizer);
         self.stats.last_end = dense.position;
+        self.stats.last_stream = dense.stream;
         if let Some(j) = &mut self.job {
             (j.batches, j.samples) = (dense.step, self.optimizer.samples_stepped);
         }
@@ -323,6 +333,7 @@ impl Worker {
             position: self.stats.last_end,
             wrote_dense,
             trained: std::mem::take(&mut self.trained_since_cut),
+            stream: self.stats.last_stream.clone(),
         };
         let dir = c.sink.checkpoint(cut)?;
         if let Some(c) = &mut self.checkpoints {
@@ -387,16 +398,24 @@ impl Worker {
         stats.keys += batch.bag_offsets.last().copied().unwrap_or(0) as u64;
         stats.unique_keys += batch.num_unique() as u64;
         stats.batches += 1;
-        stats.last_end = stats.last_end.later(batch.end);
+        if stats.last_end.later(batch.end) == batch.end {
+            (stats.last_end, stats.last_stream) = (batch.end, batch.stream.clone());
+        }
         if self.checkpoints.is_some() {
-            self.trained_since_cut
-                .push(sparrow_trainer::checkpoint::TrainedBatch { start: batch.start, end: batch.end });
+            self.trained_since_cut.push(sparrow_trainer::checkpoint::TrainedBatch {
+                start: batch.start,
+                end: batch.end,
+                stream: batch.stream.clone(),
+            });
         }
         stats.rows += batch.rows as u64;
         if stats.recent_losses.len() == 100 {
             stats.recent_losses.pop_front();
         }
         stats.recent_losses.push_back(out.loss);
+        if let Some(online) = self.online.as_mut() {
+            online.add(&out.logits, &batch.labels);
+        }
         Ok((out.loss, out.grads))
     }
 

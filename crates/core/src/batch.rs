@@ -2,6 +2,7 @@
 //! (row, field) a "bag" of zero or more weighted keys (multi-hot fields).
 
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 /// Where a data stream stands, so that a resumed run reads exactly the rows an
 /// uninterrupted run would have read next.
@@ -37,7 +38,7 @@ impl DataPosition {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StreamMark {
     /// Partition → the next offset to read.
-    pub offsets: std::collections::BTreeMap<i32, i64>,
+    pub offsets: BTreeMap<i32, i64>,
     /// The partition the next batch starts reading at (each batch starts at
     /// the next partition in turn, so none waits behind another's backlog).
     pub next_partition: i32,
@@ -52,6 +53,37 @@ pub struct StreamMark {
     /// Append time (Unix ms) of the newest record in the batch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub newest_record_ms: Option<i64>,
+    /// Partition → where this batch started reading it (the partitions it
+    /// read): the batch's records are `from[p]..offsets[p]`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub from: BTreeMap<i32, i64>,
+    /// Partition → offset ranges past `offsets` that were trained already
+    /// (a cluster's worker ran ahead of another's batch): a resumed reader
+    /// drops them.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub skip: BTreeMap<i32, Vec<(i64, i64)>>,
+}
+
+impl StreamMark {
+    /// `ahead`'s records (batches trained past this mark) added to `skip`,
+    /// and ranges this mark's offsets passed dropped.
+    pub fn with_skipped<'a>(mut self, ahead: impl IntoIterator<Item = &'a StreamMark>) -> StreamMark {
+        for b in ahead {
+            for (&p, &from) in &b.from {
+                let to = b.offsets.get(&p).copied().unwrap_or(from);
+                if to > from {
+                    self.skip.entry(p).or_default().push((from, to));
+                }
+            }
+        }
+        for (p, ranges) in self.skip.iter_mut() {
+            let next = self.offsets.get(p).copied().unwrap_or(i64::MIN);
+            ranges.retain(|&(_, to)| to > next);
+            ranges.sort_unstable();
+        }
+        self.skip.retain(|_, ranges| !ranges.is_empty());
+        self
+    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -237,6 +269,23 @@ impl BatchBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Batches trained past a mark become its skip ranges, merged with
+    /// the ones it had; ranges its offsets passed are dropped.
+    #[test]
+    fn batches_trained_ahead_become_skip_ranges_until_passed() {
+        let mark = |offsets: &[(i32, i64)], from: &[(i32, i64)]| StreamMark {
+            offsets: offsets.iter().copied().collect(),
+            from: from.iter().copied().collect(),
+            ..Default::default()
+        };
+        let mut at = mark(&[(0, 10), (1, 5)], &[]);
+        at.skip.insert(1, vec![(2, 4), (7, 9)]);
+        let ahead = [mark(&[(0, 30), (1, 6)], &[(0, 20), (1, 6)]), mark(&[(0, 15)], &[(0, 12)])];
+        let out = at.with_skipped(&ahead);
+        // Partition 1's 6..6 is empty and its 2..4 is behind offset 5.
+        assert_eq!(out.skip, [(0, vec![(12, 15), (20, 30)]), (1, vec![(7, 9)])].into());
+    }
 
     /// A key per field in one call builds the batch that `push_key` field
     /// by field builds, weighted or not, rolled back or not; a row that

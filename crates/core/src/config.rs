@@ -288,6 +288,11 @@ pub struct TrainConfig {
     /// Write TensorBoard scalars (an `events.out.tfevents.*` file) into this
     /// directory at every logging interval and evaluation.
     pub tensorboard_dir: Option<String>,
+    /// Progressive validation: every batch is scored before it is trained
+    /// on, and AUC, log-loss, normalized entropy and calibration are kept
+    /// over the last this many samples and over the whole run. Default:
+    /// 100 000 with `[data.stream]`, off for files; 0 turns it off.
+    pub online_window_samples: Option<u64>,
     /// How many batches ahead the embedding lookup runs (S3.10). 0: each
     /// batch's lookup sees every earlier batch's update (the exact,
     /// unpipelined model). d ≥ 1: batch t+d's rows are looked up while batch
@@ -323,6 +328,7 @@ impl Default for TrainConfig {
             metrics_path: None,
             eval_every_steps: None,
             tensorboard_dir: None,
+            online_window_samples: None,
             pipeline_depth: 0,
             on_non_finite: OnNonFinite::Stop,
             simd: crate::simd::Simd::Auto,
@@ -402,6 +408,16 @@ pub struct EmbeddingConfig {
     /// Rows not looked up for this many training batches are deleted (their
     /// ID starts afresh if it comes back). 0: rows never expire.
     pub ttl_steps: u64,
+    /// `[data.stream]`: rows whose last training use was on records appended
+    /// more than this many seconds before the newest record trained (event
+    /// time, not wall time) are deleted. 0: off.
+    pub ttl_secs: u64,
+    /// At most this many rows in the table (in a cluster, split evenly over
+    /// the shards): past it, rows are evicted by `eviction` down to 90% of
+    /// it. 0: no bound.
+    pub max_rows: u64,
+    /// Which rows `max_rows` evicts first.
+    pub eviction: Eviction,
     /// How a row's vector is stored (in memory, on the SSD tier, on the wire
     /// and in checkpoints); the optimizer state stays f32.
     pub dtype: EmbeddingDtype,
@@ -477,6 +493,25 @@ pub enum CachePolicy {
     Lfu,
 }
 
+/// Which rows `embedding.max_rows` evicts first: the least recently used
+/// (by training lookup). Least frequently used is not offered yet (rows
+/// keep no use count in memory).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Eviction {
+    #[default]
+    Lru,
+}
+
+impl EmbeddingConfig {
+    /// Rows may be deleted while training (`ttl_steps`, `ttl_secs`,
+    /// `max_rows`): each row's last use is kept, checkpointed, and serving
+    /// exports are full (a delta cannot delete a row).
+    pub fn deletes_rows(&self) -> bool {
+        self.ttl_steps > 0 || self.ttl_secs > 0 || self.max_rows > 0
+    }
+}
+
 impl Default for EmbeddingConfig {
     fn default() -> Self {
         EmbeddingConfig {
@@ -496,6 +531,9 @@ impl Default for EmbeddingConfig {
             admit_min_count: 0,
             admit_sketch_counters: 1 << 22,
             ttl_steps: 0,
+            ttl_secs: 0,
+            max_rows: 0,
+            eviction: Eviction::Lru,
             cache_policy: CachePolicy::Lru,
             dtype: EmbeddingDtype::F32,
             rounding: Rounding::Nearest,
@@ -838,6 +876,13 @@ impl Config {
 
     pub fn to_toml(&self) -> String {
         toml::to_string(self).unwrap_or_else(|e| format!("# config not serializable: {e}"))
+    }
+
+    /// The progressive-validation window in samples (`None`: off): the key's
+    /// value, or 100 000 when a stream is read.
+    pub fn online_window(&self) -> Option<usize> {
+        let default = self.data.stream.as_ref().map(|_| 100_000);
+        self.train.online_window_samples.or(default).filter(|&n| n > 0).map(|n| n as usize)
     }
 }
 

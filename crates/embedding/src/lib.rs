@@ -20,5 +20,6 @@ pub use optimizer::SparseOptimizer;
 pub use partition::{Partitioner, owner};
 pub use plan::KeyPlan;
 pub use table::{
-    EmbeddingTable, FeatureFilters, FilterState, FilterStats, Initializer, RowSlots, Staged, TableError, TierStats,
+    Deletion, EmbeddingTable, FeatureFilters, FilterState, FilterStats, Initializer, RowSlots, Staged, TableError,
+    TierStats,
 };

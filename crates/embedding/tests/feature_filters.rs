@@ -232,3 +232,38 @@ fn an_expired_stored_row_is_absent_before_the_sweep_reaches_it() {
     .expect("walk");
     assert_eq!((t.len(), walked), (42 - 9 + 1, 42 - 9 + 1));
 }
+
+/// `max_rows` and `ttl_secs` (the trainer picks the cutoff): the least
+/// recently used rows go, counted by why, cached or only stored; rows of a
+/// lookup not yet updated stay; a deleted key comes back fresh.
+#[test]
+fn rows_deleted_by_a_cutoff_are_the_least_recently_used_in_memory_and_on_the_ssd_tier() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let memory = EmbeddingTable::new(DIM, opt(), init(), 4).with_deletable_rows();
+    let ssd = tiny_ssd_table(dir.path()).with_deletable_rows();
+    for t in [&memory, &ssd] {
+        // Rows 0..30 used once each, in order, then 0..5 again.
+        for k in 0..30u64 {
+            step(t, &[k]);
+        }
+        step(t, &[0, 1, 2, 3, 4]);
+        assert_eq!(t.len(), 30);
+        let cutoff = t.lru_cutoff(12).expect("cutoff").expect("over 12 rows");
+        assert_eq!(t.delete_used_before(cutoff, sparrow_embedding::Deletion::Evicted).expect("delete"), 18);
+        let mut left = walk_keys(t);
+        left.sort_unstable();
+        assert_eq!(left, [0, 1, 2, 3, 4, 23, 24, 25, 26, 27, 28, 29], "the 12 used last");
+        assert_eq!((t.filter_stats().evicted, t.filter_stats().expired), (18, 0));
+        assert_eq!(t.lru_cutoff(12).expect("cutoff"), None, "within the bound");
+        // In flight: looked up, not updated yet; a cutoff past it keeps it.
+        let plan = t.plan(&[29]);
+        let mut rows = vec![0.0; DIM];
+        let slots = t.lookup_or_insert(&plan, &mut rows).expect("lookup");
+        let deleted = t.delete_used_before(t.clock() + 1, sparrow_embedding::Deletion::Expired).expect("delete");
+        assert_eq!(deleted, 11, "every row but the one in flight");
+        t.apply_gradients_at(&plan, &slots, &[1.0; DIM]).expect("update");
+        assert_eq!(walk_keys(t), vec![29]);
+        assert_eq!(t.filter_stats().expired, 11);
+        assert_eq!(step(t, &[5])[..DIM], initial(5)[..], "a deleted key starts afresh");
+    }
+}

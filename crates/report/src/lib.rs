@@ -32,6 +32,9 @@ struct Interval {
     rate: f64,
     /// Seconds per phase since the run began (None in older metrics files).
     phases: Option<[f64; 5]>,
+    /// Progressive validation over the window (`online_window`): AUC,
+    /// normalized entropy, calibration; None when it is off.
+    online: Option<[f64; 3]>,
 }
 
 #[derive(Clone, Debug)]
@@ -75,7 +78,11 @@ impl Run {
                 let logloss = number("train_logloss").unwrap_or(f64::NAN);
                 let phases =
                     v.get("phase_secs").map(|p| PHASES.map(|k| p.get(k).and_then(Value::as_f64).unwrap_or(0.0)));
-                intervals.push(Interval { step, samples, logloss, rate, phases });
+                let online = v.get("online_window").filter(|o| o.is_object()).map(|o| {
+                    ["auc", "normalized_entropy", "calibration"]
+                        .map(|k| o.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN))
+                });
+                intervals.push(Interval { step, samples, logloss, rate, phases, online });
             }
         }
         if intervals.is_empty() && evals.is_empty() {
@@ -379,12 +386,26 @@ fn render(runs: &[Run], bayes: Option<f64>, title: &str) -> (String, usize) {
     let loss = series(&|r| r.intervals.iter().map(|i| (i.samples, i.logloss)).collect(), false);
     let auc = series(&|r| r.evals.iter().map(|e| (e.samples, e.auc)).collect(), true);
     let rate = series(&|r| r.intervals.iter().map(|i| (i.samples, i.rate)).collect(), false);
-    let plots = [
+    let mut plots = vec![
         line_chart("loss", "Training log-loss", "samples trained", "log-loss (interval mean)", &loss, None),
         line_chart("auc", "Test AUC", "samples trained", "AUC", &auc, bayes.map(|b| (b, "best possible (truth.json)"))),
         line_chart("throughput", "Throughput", "samples trained", "samples/s", &rate, None),
         phase_chart(runs),
     ];
+    // Progressive validation (train.online_window_samples), when a run has it.
+    if runs.iter().any(|r| r.intervals.iter().any(|i| i.online.is_some())) {
+        let online =
+            |k: usize| series(&|r| r.intervals.iter().filter_map(|i| Some((i.samples, i.online?[k]))).collect(), false);
+        let titles = [
+            ("online-auc", "Online AUC (scored before training, window)", "AUC"),
+            ("online-ne", "Online normalized entropy (window)", "log-loss / entropy of the base rate"),
+            ("online-calibration", "Online calibration (window)", "Σ predictions / Σ labels"),
+        ];
+        for (k, (id, title, y)) in titles.into_iter().enumerate() {
+            let reference = (k == 2).then_some((1.0, "calibrated"));
+            plots.push(line_chart(id, title, "samples trained", y, &online(k), reference));
+        }
+    }
     let mut rows = String::new();
     for (i, r) in runs.iter().enumerate() {
         let last = r.intervals.last();
@@ -485,5 +506,28 @@ mod tests {
         let run = Run::read(&path).expect("read");
         let (html, _) = render(&[run], None, "t");
         assert!(html.contains(r#"data-points="1""#) && !html.contains("NaN"), "{html}");
+    }
+
+    /// Progressive-validation lines add the online plots (a null AUC, one
+    /// class only so far, is a gap); runs without them get none.
+    #[test]
+    fn online_metrics_get_their_plots_when_a_run_has_them() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let path = tmp.path().join("m.jsonl");
+        let line = |step: u64, auc: &str| {
+            format!(
+                "{{\"step\":{step},\"samples\":{},\"train_logloss\":0.5,\"samples_per_sec\":9,\
+                 \"online_window\":{{\"auc\":{auc},\"normalized_entropy\":0.9,\"calibration\":1.1}}}}\n",
+                step * 10
+            )
+        };
+        std::fs::write(&path, line(1, "null") + &line(2, "0.71") + &line(3, "0.73")).expect("write");
+        let (html, plots) = render(&[Run::read(&path).expect("read")], None, "t");
+        assert_eq!(plots, 7);
+        let online_auc = html.split(r#"data-plot="online-auc""#).nth(1).expect("the online AUC plot");
+        assert!(online_auc.contains(r#"data-points="2""#), "{online_auc}");
+        std::fs::write(&path, "{\"step\":1,\"samples\":10,\"train_logloss\":0.5,\"samples_per_sec\":9}\n")
+            .expect("write");
+        assert_eq!(render(&[Run::read(&path).expect("read")], None, "t").1, 4);
     }
 }

@@ -20,6 +20,12 @@ pub struct ProduceOptions {
     pub rate: f64,
     /// Records per produce request (one record batch) and partition, at most.
     pub batch_records: usize,
+    /// Each record's timestamp is the row's time: this column (0-based,
+    /// Unix seconds, split at `delimiter`); `None`: the time it is sent.
+    pub timestamp_column: Option<usize>,
+    pub delimiter: u8,
+    /// Lines skipped first (a CSV header).
+    pub skip_lines: usize,
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -47,7 +53,7 @@ pub fn produce(options: &ProduceOptions, lines: impl BufRead) -> Result<Produced
     let start = Instant::now();
     let mut pending: Vec<Vec<Record>> = vec![Vec::new(); partitions.len()];
     let mut produced = Produced { topic: options.topic.clone(), partitions: partitions.len(), ..Default::default() };
-    for line in lines.split(b'\n') {
+    for (number, line) in lines.split(b'\n').enumerate().skip(options.skip_lines) {
         let mut line = line.map_err(|e| DataError::Stream(format!("produce: reading the rows: {e}")))?;
         if line.last() == Some(&b'\r') {
             line.pop();
@@ -55,12 +61,21 @@ pub fn produce(options: &ProduceOptions, lines: impl BufRead) -> Result<Produced
         if line.is_empty() {
             continue;
         }
+        let ms = match options.timestamp_column {
+            None => now_ms(),
+            Some(column) => row_time_ms(&line, column, options.delimiter).ok_or_else(|| {
+                DataError::Stream(format!(
+                    "produce: line {}: column {column} is not a time in Unix seconds (--timestamp-column)",
+                    number + 1
+                ))
+            })?,
+        };
         let slot = (produced.records % partitions.len() as u64) as usize;
         pending[slot].push(Record {
             key: None,
             value: Some(line),
             headers: Default::default(),
-            timestamp: chrono::DateTime::from_timestamp_millis(now_ms()).unwrap_or_default(),
+            timestamp: chrono::DateTime::from_timestamp_millis(ms).unwrap_or_default(),
         });
         produced.records += 1;
         // At a rate, what is due leaves together, then the producer waits
@@ -108,6 +123,13 @@ fn wait_for_partitions(broker: &Broker) -> Result<Vec<i32>, DataError> {
             _ => std::thread::sleep(Duration::from_millis(100)),
         }
     }
+}
+
+/// Field `column` of `line`, a time in Unix seconds, in milliseconds.
+fn row_time_ms(line: &[u8], column: usize, delimiter: u8) -> Option<i64> {
+    let field = line.split(|&b| b == delimiter).nth(column)?;
+    let secs: i64 = std::str::from_utf8(field).ok()?.trim().parse().ok()?;
+    secs.checked_mul(1000)
 }
 
 fn now_ms() -> i64 {

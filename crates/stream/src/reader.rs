@@ -98,6 +98,11 @@ struct Cutter {
     /// When `records` was last seen to have grown (the idle clock).
     last_record: Instant,
     records_when_seen: u64,
+    /// Ranges a cluster trained ahead of the checkpoint (its mark's
+    /// `skip`): dropped as they come, and still listed until passed.
+    skip: BTreeMap<i32, Vec<(i64, i64)>>,
+    /// Where the batch being cut started on each partition it read.
+    from: BTreeMap<i32, i64>,
 }
 
 impl Cutter {
@@ -154,6 +159,8 @@ impl Cutter {
             batch_size,
             last_record: Instant::now(),
             records_when_seen: resume.map_or(0, |m| m.records),
+            skip: resume.map(|m| m.skip.clone()).unwrap_or_default(),
+            from: BTreeMap::new(),
         })
     }
 
@@ -172,6 +179,7 @@ impl Cutter {
         for p in &mut self.parts {
             p.at_end = false;
         }
+        self.from.clear();
         loop {
             if stop.load(Ordering::Relaxed) {
                 return Ok(None);
@@ -229,6 +237,8 @@ impl Cutter {
             bad_records: self.bad_records,
             lag_records,
             newest_record_ms,
+            from: self.from.clone(),
+            skip: self.skip.clone(),
         }
     }
 
@@ -246,8 +256,12 @@ impl Cutter {
                 continue;
             };
             let p = &mut self.parts[i];
+            self.from.entry(p.id).or_insert(p.next);
             p.next = record.offset + 1;
             self.records += 1;
+            if trained_already(&mut self.skip, p.id, record.offset) {
+                continue;
+            }
             let ms = record.record.timestamp.timestamp_millis();
             *newest_ms = Some(newest_ms.map_or(ms, |m: i64| m.max(ms)));
             if let Err(reason) = parse_value(self.parser.as_mut(), record.record.value.as_deref(), b) {
@@ -313,6 +327,18 @@ impl Cutter {
             Err(FetchError::Failed(e)) => Err(e),
         }
     }
+}
+
+/// Whether `offset` of `partition` is in a range a cluster trained ahead
+/// of its checkpoint; ranges it passed are forgotten.
+fn trained_already(skip: &mut BTreeMap<i32, Vec<(i64, i64)>>, partition: i32, offset: i64) -> bool {
+    let Some(ranges) = skip.get_mut(&partition) else { return false };
+    let inside = ranges.iter().any(|&(from, to)| from <= offset && offset < to);
+    ranges.retain(|&(_, to)| to > offset + 1);
+    if ranges.is_empty() {
+        skip.remove(&partition);
+    }
+    inside
 }
 
 /// One record's value as a row of `b`, or why it is malformed (the row is
@@ -403,5 +429,21 @@ fn describe(partitions: &[i32]) -> String {
         [] => "none".into(),
         [one] => format!("partition {one}"),
         many => format!("partitions {}", many.iter().map(i32::to_string).collect::<Vec<_>>().join(", ")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Offsets inside a skip range are dropped, the others trained; a range
+    /// is forgotten once its last offset is passed.
+    #[test]
+    fn records_a_cluster_trained_ahead_are_dropped_once() {
+        let mut skip: BTreeMap<i32, Vec<(i64, i64)>> = [(0, vec![(3, 5), (8, 9)])].into();
+        let dropped: Vec<i64> = (0..10).filter(|&o| trained_already(&mut skip, 0, o)).collect();
+        assert_eq!(dropped, vec![3, 4, 8]);
+        assert!(skip.is_empty());
+        assert!(!trained_already(&mut skip, 1, 3), "another partition's offsets");
     }
 }

@@ -148,13 +148,22 @@ pub struct Manifest {
     /// turn) after the last trained batch: a resumed run reads on from here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream: Option<StreamMark>,
+    /// `embedding.ttl_secs`: the lookup clock against the records' time
+    /// (see `bounds.rs`), so a resumed run deletes rows when the
+    /// uninterrupted one would have.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub event_clock: Vec<(u64, i64)>,
 }
 
 /// Where a trained batch starts and ends in the training data.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TrainedBatch {
     pub start: DataPosition,
     pub end: DataPosition,
+    /// `[data.stream]`: the stream's mark after the batch (its records are
+    /// `from..offsets` of each partition it read).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<StreamMark>,
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
@@ -209,7 +218,7 @@ fn write_embeddings(trainer: &Trainer, dir: &Path) -> Result<Vec<(&'static str, 
     w.write_all(&emb_header(table, rows)).map_err(io(path))?;
 
     let embedding = &trainer.config.embedding;
-    let ages = embedding.ttl_steps > 0;
+    let ages = embedding.deletes_rows();
     let filters_path = &dir.join(FILTERS_FILE);
     let mut filters = if ages || embedding.admit_min_count > 1 { Some(hashing_writer(filters_path)?) } else { None };
     if let Some(f) = &mut filters {
@@ -299,6 +308,7 @@ pub fn save(trainer: &Trainer, root: &Path, keep: usize) -> Result<PathBuf, Trai
         base: None,
         skip: Vec::new(),
         stream: trainer.stream.as_deref().cloned(),
+        event_clock: trainer.bounds.as_ref().map(|b| b.saved()).unwrap_or_default(),
     };
     commit(root, &tmp, &manifest, keep)
 }
@@ -422,7 +432,7 @@ pub fn write_part(
     let clock = table.settled_clock();
     let (emb_name, filters_name) = part_files(index);
     let embedding = &config.embedding;
-    let ages = embedding.ttl_steps > 0 || config.checkpoint.incremental;
+    let ages = embedding.deletes_rows() || config.checkpoint.incremental;
     let mut emb = PatchedFile::create(dir.join(&emb_name))?;
     emb.write(&emb_header(table, 0))?;
     let mut filters = None;

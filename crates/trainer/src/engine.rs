@@ -312,6 +312,9 @@ pub struct DenseInputs<'a> {
 
 pub struct DenseStepOut {
     pub loss: f64,
+    /// The batch's scores from the forward pass, before this step's update
+    /// (progressive validation reads them).
+    pub logits: Vec<f32>,
     /// Summed gradient per unique key (`num_unique × width`).
     pub grads: Vec<f32>,
     /// Seconds pooling, in the model (forward, backward, sync, optimizer)
@@ -336,7 +339,7 @@ pub fn dense_step(
     let width = model.width();
     let num_dense = model.shape.num_dense;
     let t0 = Instant::now();
-    let (loss, grads, dense_grads, pooled_at, unpooled_secs) = match model.packed_row_len() {
+    let (loss, logits, grads, dense_grads, pooled_at, unpooled_secs) = match model.packed_row_len() {
         // The model reads [embeddings | dense] rows: pool straight into that
         // buffer and unpool straight from the input gradient.
         Some(stride) => {
@@ -347,13 +350,13 @@ pub fn dense_step(
                 row[fw..].copy_from_slice(&d[..num_dense]);
             }
             let pooled_at = Instant::now();
-            let (loss, _, (grads, unpool_secs), dense_grads) =
+            let (loss, logits, (grads, unpool_secs), dense_grads) =
                 model.forward_backward_packed_weighted(packed_input, labels, weights, |grad_x| {
                     let t = Instant::now();
                     let grads = unpool_strided(&bags, grad_x, stride, width, pooling);
                     (grads, t.elapsed())
                 })?;
-            (loss, grads, dense_grads, pooled_at, unpool_secs)
+            (loss, logits, grads, dense_grads, pooled_at, unpool_secs)
         }
         None => {
             let pooled = pool(&bags, unique_rows, width, pooling);
@@ -361,7 +364,7 @@ pub fn dense_step(
             let (out, dense_grads) = model.forward_backward_weighted(pooled, dense.to_vec(), labels, weights)?;
             let t = Instant::now();
             let grads = unpool(&bags, &out.emb_grad, width, pooling);
-            (out.loss, grads, dense_grads, pooled_at, t.elapsed())
+            (out.loss, out.logits, grads, dense_grads, pooled_at, t.elapsed())
         }
     };
     if let Some(combined) = sync.combine(&model.params, dense_grads)? {
@@ -371,6 +374,7 @@ pub fn dense_step(
     let pool_secs = (pooled_at - t0).as_secs_f64();
     Ok(DenseStepOut {
         loss,
+        logits,
         grads,
         pool_secs,
         model_secs: total.saturating_sub(pooled_at - t0).saturating_sub(unpooled_secs).as_secs_f64(),

@@ -503,7 +503,8 @@ enum Written {
 /// goes on, into `checkpoint.dir/exports/NNNNNNNNNNNN` (the step), each
 /// holding only the rows updated since the previous one; the first of a
 /// run, every `checkpoint.full_every`-th, and all of them with
-/// `embedding.ttl_steps` (a delta cannot delete a row) are full.
+/// rows deleted while training (`ttl_steps`, `ttl_secs`, `max_rows`: a
+/// delta cannot delete a row) are full.
 /// `exports/LATEST` names the newest. When a full export lands, the exports
 /// older than the full one before it are removed (a reader still applying
 /// the previous chain finds it whole).
@@ -532,7 +533,7 @@ impl IncrementalExports {
         Some(IncrementalExports {
             root: Path::new(dir).join("exports"),
             full_every: config.checkpoint.full_every.max(1),
-            always_full: config.embedding.ttl_steps > 0,
+            always_full: config.embedding.deletes_rows(),
             previous: None,
             since_full: 0,
             last_full: None,

@@ -92,12 +92,17 @@ impl StreamReport {
     }
 }
 
-/// The lag, for the progress line: records behind the partitions' ends,
-/// and seconds from the newest trained record's append to now.
-pub fn describe_lag(mark: &StreamMark) -> String {
+/// Seconds from the newest trained record's append to now.
+pub fn lag_secs(mark: &StreamMark) -> Option<f64> {
     let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO).as_millis() as i64;
-    match mark.newest_record_ms {
-        Some(ms) => format!(" lag {} records {:.1} s", mark.lag_records, (now_ms - ms).max(0) as f64 / 1e3),
+    mark.newest_record_ms.map(|ms| (now_ms - ms).max(0) as f64 / 1e3)
+}
+
+/// The lag, for the progress line: records behind the partitions' ends,
+/// and seconds behind the newest trained record.
+pub fn describe_lag(mark: &StreamMark) -> String {
+    match lag_secs(mark) {
+        Some(secs) => format!(" lag {} records {secs:.1} s", mark.lag_records),
         None => format!(" lag {} records", mark.lag_records),
     }
 }

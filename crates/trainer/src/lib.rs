@@ -6,6 +6,7 @@
 //! Cluster workers run the same engine with the shards as their row source.
 
 pub mod bench;
+pub mod bounds;
 pub mod checkpoint;
 pub mod confined;
 pub mod dense_sync;
@@ -15,6 +16,7 @@ pub mod error;
 pub mod export;
 pub mod inference;
 pub mod input;
+pub mod online;
 pub mod pipeline;
 pub mod pooling;
 pub mod progress;

@@ -21,6 +21,17 @@ pub struct ProgressUpdate {
     /// Mean training log-loss and samples/s over the interval.
     pub train_logloss: f64,
     pub samples_per_sec: f64,
+    /// Rows in the table, and rows deleted so far by `ttl_steps`/`ttl_secs`
+    /// and by `max_rows`.
+    pub embedding_rows: u64,
+    pub expired_rows: u64,
+    pub evicted_rows: u64,
+    /// Progressive validation (`train.online_window_samples`), if on.
+    pub online: Option<crate::online::OnlineFigures>,
+    /// `[data.stream]`: records behind the partitions' ends, and seconds
+    /// behind the newest trained record.
+    pub stream_lag_records: Option<u64>,
+    pub stream_lag_secs: Option<f64>,
 }
 
 pub struct Progress {

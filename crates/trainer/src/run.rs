@@ -16,7 +16,8 @@ use sparrow_embedding::{EmbeddingTable, FilterStats, TierStats};
 
 use crate::checkpoint;
 use crate::inference::{Model, Scoring};
-use crate::input::{Every, StreamReport, TrainingInput, describe_lag};
+use crate::input::{Every, StreamReport, TrainingInput, describe_lag, lag_secs};
+use crate::online::{OnlineFigures, OnlineReport};
 use crate::progress::{Progress, ProgressUpdate};
 use crate::tensorboard::TensorBoard;
 use crate::trainer::{PhaseSecs, PlannedBatch, Trainer};
@@ -77,6 +78,9 @@ pub struct RunSummary<P, X> {
     /// `[data.stream]`: offsets, records, malformed records, lag.
     #[serde(flatten)]
     pub stream: StreamReport,
+    /// Progressive validation (`train.online_window_samples`).
+    #[serde(flatten)]
+    pub online: OnlineReport,
     #[serde(flatten)]
     pub extra: X,
 }
@@ -106,8 +110,10 @@ pub struct TableReport {
     /// and training lookups of keys not admitted yet.
     pub admitted_keys: u64,
     pub not_admitted_lookups: u64,
-    /// `embedding.ttl_steps`: rows deleted for not being used.
+    /// `embedding.ttl_steps` / `ttl_secs`: rows deleted for not being used.
     pub expired_rows: u64,
+    /// `embedding.max_rows`: rows evicted (least recently used) to stay within it.
+    pub evicted_rows: u64,
 }
 
 impl TableReport {
@@ -120,6 +126,7 @@ impl TableReport {
             admitted_keys: filters.admitted,
             not_admitted_lookups: filters.not_admitted,
             expired_rows: filters.expired,
+            evicted_rows: filters.evicted,
         }
     }
 
@@ -334,6 +341,8 @@ fn train_in_pool(
             let loss = interval_loss / interval_rows.max(1) as f64;
             let rate = interval_rows as f64 / secs.max(1e-9);
             last_train_logloss = Some(loss);
+            let online = trainer.online.as_ref().map(OnlineFigures::of);
+            let deleted = trainer.table.filter_stats();
             observer(&ProgressUpdate {
                 step: trainer.step,
                 epoch: trainer.position.epoch,
@@ -342,8 +351,15 @@ fn train_in_pool(
                 bytes_total,
                 train_logloss: loss,
                 samples_per_sec: rate,
+                online,
+                embedding_rows: trainer.table.len() as u64,
+                expired_rows: deleted.expired,
+                evicted_rows: deleted.evicted,
+                stream_lag_records: trainer.stream.as_ref().map(|m| m.lag_records),
+                stream_lag_secs: trainer.stream.as_deref().and_then(lag_secs),
             });
-            let lag = trainer.stream.as_deref().map(describe_lag).unwrap_or_default();
+            let lag = trainer.stream.as_deref().map(describe_lag).unwrap_or_default()
+                + &online.map(|o| o.describe()).unwrap_or_default();
             progress
                 .set_position(bytes_done, &format!("step {} loss {loss:.4} {rate:.0} samples/s{lag}", trainer.step));
             progress.line(&format!(
@@ -361,12 +377,17 @@ fn train_in_pool(
                 "samples_per_sec": rate,
                 "elapsed_secs": wall.elapsed().as_secs_f64(),
                 "embedding_rows": trainer.table.len(),
+                "expired_rows": deleted.expired,
+                "evicted_rows": deleted.evicted,
                 "bad_rows": bad.total(),
                 "dedup_ratio": dedup,
                 "cache_hit_rate": hit_rate,
                 "phase_secs": phases,
                 "stream_records": trainer.stream.as_ref().map(|m| m.records),
                 "stream_lag_records": trainer.stream.as_ref().map(|m| m.lag_records),
+                "stream_lag_secs": trainer.stream.as_deref().and_then(lag_secs),
+                "online_window": online.map(|o| o.window),
+                "online_run": online.map(|o| o.run),
             }));
             if let Some(board) = board.as_mut() {
                 let steps = trainer.step.saturating_sub(logged_step).max(1) as f64;
@@ -385,6 +406,9 @@ fn train_in_pool(
                         ("step_ms/update", ms(phases.update, logged_phases.update)),
                     ],
                 ));
+                if let Some(online) = online {
+                    written = written.and(board.scalars(trainer.step, &online.scalars()));
+                }
             }
             (logged_step, logged_phases) = (trainer.step, phases);
             (interval_keys, interval_unique) = (0, 0);
@@ -585,6 +609,7 @@ fn train_in_pool(
         bayes_auc: bayes.as_ref().map(|t| t.bayes_auc),
         bayes_logloss: bayes.as_ref().map(|t| t.bayes_logloss),
         stream: StreamReport::of(trainer.stream.as_deref()),
+        online: OnlineReport::of(trainer.online.as_ref()),
         extra: NoExtra {},
     })
 }

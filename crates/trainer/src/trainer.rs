@@ -10,6 +10,9 @@ use std::sync::Arc;
 
 use sparrow_core::batch::{DataPosition, StreamMark};
 use sparrow_core::config::OnNonFinite;
+use sparrow_core::metrics::online::ProgressiveEval;
+
+use crate::bounds::TableBounds;
 use sparrow_core::{Batch, Config};
 use sparrow_data::DataLayout;
 use sparrow_embedding::{EmbeddingTable, KeyPlan, RowSlots, Staged};
@@ -43,6 +46,11 @@ pub struct Trainer {
     /// Batches skipped for a non-finite loss or gradient
     /// (`train.on_non_finite = "skip_batch"`), by this run.
     pub skipped_batches: u64,
+    /// Progressive validation (`train.online_window_samples`): each batch's
+    /// scores before its update. This run's samples only.
+    pub online: Option<ProgressiveEval>,
+    /// `embedding.ttl_secs` / `max_rows`: deletes rows after each step.
+    pub bounds: Option<TableBounds>,
     engine: StepEngine<PlannedBatch, RowSlots>,
     dense_sync: LocalSync,
     /// Input buffer of models that take packed rows, reused across steps.
@@ -68,7 +76,7 @@ struct LocalRows<'a> {
 
 impl<'a> LocalRows<'a> {
     fn new(config: &Config, table: &'a EmbeddingTable, staged: &'a Mutex<Staged>, torn: &'a AtomicBool) -> Self {
-        let filtered = config.embedding.admit_min_count > 1 || config.embedding.ttl_steps > 0;
+        let filtered = config.embedding.admit_min_count > 1 || config.embedding.deletes_rows();
         LocalRows { table, staged, torn, filtered }
     }
 
@@ -219,6 +227,8 @@ impl Trainer {
             samples_trained: 0,
             phase_secs: PhaseSecs::default(),
             skipped_batches: 0,
+            online: config.online_window().map(ProgressiveEval::new),
+            bounds: TableBounds::new(&config.embedding),
             engine: StepEngine::new(config.train.pipeline_depth),
             dense_sync: LocalSync,
             packed_input: Vec::new(),
@@ -240,8 +250,19 @@ impl Trainer {
         &mut self,
         next: &mut dyn FnMut(usize) -> Option<Result<PlannedBatch, TrainError>>,
     ) -> Result<Option<StepReport>, TrainError> {
-        let Trainer { config, table, model, dense_optimizer, engine, dense_sync, packed_input, staged, torn, .. } =
-            self;
+        let Trainer {
+            config,
+            table,
+            model,
+            dense_optimizer,
+            engine,
+            dense_sync,
+            packed_input,
+            staged,
+            torn,
+            online,
+            ..
+        } = self;
         let rows = LocalRows::new(config, table, staged, torn);
         let (pooling, policy, step_number, width) =
             (config.model.pooling, config.train.on_non_finite, self.step + 1, table.dim());
@@ -264,6 +285,9 @@ impl Trainer {
             let out = dense_step(model, dense_optimizer, dense_sync, packed_input, inputs, pooling);
             match named_non_finite(out, step_number, plan, &looked.unique_rows, width) {
                 Ok(out) => {
+                    if let Some(online) = online.as_mut() {
+                        online.add(&out.logits, &batch.labels);
+                    }
                     let timings = (out.pool_secs, out.model_secs, out.unpool_secs);
                     Ok(((counts, DenseOutcome::Trained { loss: out.loss, timings }), Some(out.grads)))
                 }
@@ -306,6 +330,14 @@ impl Trainer {
         self.position = counts.end;
         if counts.stream.is_some() {
             self.stream = counts.stream;
+        }
+        if let Some(bounds) = self.bounds.as_mut() {
+            let newest = self.stream.as_ref().and_then(|m| m.newest_record_ms);
+            if let Err(e) = bounds.after_step(&self.table, newest) {
+                // Some shards may have deleted and others not.
+                self.torn.store(true, Ordering::Relaxed);
+                return Err(e.into());
+            }
         }
         Ok(Some(StepReport { stats, deferred: stepped.deferred }))
     }

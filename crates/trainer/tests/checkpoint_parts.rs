@@ -94,6 +94,7 @@ fn checkpoint(root: &Path, c: &Config, tables: &[EmbeddingTable], step: u64, bas
         base: base.map(|b| b.file_name().expect("name").to_string_lossy().to_string()),
         skip: Vec::new(),
         stream: None,
+        event_clock: Vec::new(),
     };
     commit(root, &staging, &manifest, 2).expect("commit");
     (bytes, manifest)

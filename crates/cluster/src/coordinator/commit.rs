@@ -63,7 +63,7 @@ impl Commits {
     fn data_progress(&self, generation: Generation, cuts: &[WorkerCut]) -> Result<DataProgress, ClusterError> {
         let added = self.progress.with(generation, |progress| {
             let progress = progress.as_mut().map_err(|e| ClusterError::Setup(e.clone()))?;
-            progress.add(cuts.iter().flat_map(|c| c.trained.iter().copied()));
+            progress.add(cuts.iter().flat_map(|c| c.trained.iter().cloned()));
             Ok(progress.clone())
         });
         added.map_err(|OtherGeneration(serving)| ClusterError::StaleGeneration {
@@ -205,6 +205,7 @@ impl Coordinator {
             position: cut.position,
             wrote_dense: true,
             trained: Vec::new(),
+            stream: None,
         };
         self.commit(&[worker_cut])
     }

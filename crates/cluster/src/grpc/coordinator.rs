@@ -68,6 +68,44 @@ fn position_from(p: Option<pb::DataPosition>) -> sparrow_core::batch::DataPositi
     sparrow_core::batch::DataPosition { epoch: p.epoch, offset: p.offset, line: p.line, skip: p.skip }
 }
 
+pub(crate) fn mark_to_proto(m: &sparrow_core::batch::StreamMark) -> pb::StreamMark {
+    pb::StreamMark {
+        offsets: m.offsets.iter().map(|(&p, &o)| (p, o)).collect(),
+        next_partition: m.next_partition,
+        records: m.records,
+        bad_records: m.bad_records,
+        lag_records: m.lag_records,
+        newest_record_ms: m.newest_record_ms,
+        from: m.from.iter().map(|(&p, &o)| (p, o)).collect(),
+        skip: m
+            .skip
+            .iter()
+            .map(|(&p, ranges)| {
+                (
+                    p,
+                    pb::OffsetRanges {
+                        from: ranges.iter().map(|r| r.0).collect(),
+                        to: ranges.iter().map(|r| r.1).collect(),
+                    },
+                )
+            })
+            .collect(),
+    }
+}
+
+pub(crate) fn mark_from(m: pb::StreamMark) -> sparrow_core::batch::StreamMark {
+    sparrow_core::batch::StreamMark {
+        offsets: m.offsets.into_iter().collect(),
+        next_partition: m.next_partition,
+        records: m.records,
+        bad_records: m.bad_records,
+        lag_records: m.lag_records,
+        newest_record_ms: m.newest_record_ms,
+        from: m.from.into_iter().collect(),
+        skip: m.skip.into_iter().map(|(p, r)| (p, r.from.into_iter().zip(r.to).collect())).collect(),
+    }
+}
+
 fn role_to_proto(kind: RoleKind) -> pb::Role {
     match kind {
         RoleKind::Shard => pb::Role::Shard,
@@ -177,8 +215,10 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
                 .map(|b| sparrow_trainer::checkpoint::TrainedBatch {
                     start: position_from(b.start),
                     end: position_from(b.end),
+                    stream: b.stream.map(mark_from),
                 })
                 .collect(),
+            stream: r.stream.map(mark_from),
         };
         let coordinator = self.coordinator.clone();
         let dir = blocking(move || coordinator.checkpoint(cut)).await?;
@@ -620,8 +660,10 @@ impl CheckpointSink for CoordinatorClient {
                 .map(|b| pb::TrainedBatch {
                     start: Some(position_to_proto(b.start)),
                     end: Some(position_to_proto(b.end)),
+                    stream: b.stream.as_ref().map(mark_to_proto),
                 })
                 .collect(),
+            stream: cut.stream.as_ref().map(mark_to_proto),
         };
         // Writing every part takes as long as the table is large: no RPC deadline.
         let reply = self.peer.call_unbounded("checkpoint", request, |mut c, r| async move { c.checkpoint(r).await })?;

@@ -52,6 +52,7 @@ pub fn to_proto(b: WorkerBatch) -> pb::WorkerBatch {
         passes: b.passes.passes,
         pass_staging_secs: b.passes.staging_secs,
         pass_staging_exposed_secs: b.passes.exposed_secs,
+        stream: b.stream.as_ref().map(super::coordinator::mark_to_proto),
     }
 }
 
@@ -104,6 +105,7 @@ pub fn from_proto(b: pb::WorkerBatch, peer: &str) -> Result<WorkerBatch, Cluster
             staging_secs: b.pass_staging_secs,
             exposed_secs: b.pass_staging_exposed_secs,
         },
+        stream: b.stream.map(super::coordinator::mark_from),
     };
     if out.sample_weights.as_ref().is_some_and(|w| w.len() != rows) {
         return Err(malformed(format!("batch {}: sample weights for another row count", out.batch_id)));
@@ -274,6 +276,16 @@ mod tests {
             merged_samples: 6,
             dropped_samples: 2,
             passes: crate::messages::PassCounters { passes: 7, staging_secs: 0.5, exposed_secs: 0.25 },
+            stream: weights.then(|| sparrow_core::batch::StreamMark {
+                offsets: [(0, 9), (2, 4)].into(),
+                next_partition: 2,
+                records: 13,
+                bad_records: 1,
+                lag_records: 3,
+                newest_record_ms: Some(1_700_000_000_000),
+                from: [(0, 7)].into(),
+                skip: [(2, vec![(6, 8), (9, 11)])].into(),
+            }),
         }
     }
 
@@ -291,6 +303,7 @@ mod tests {
             prop_assert_eq!(back.sample_weights, b.sample_weights);
             prop_assert_eq!((back.merged_samples, back.dropped_samples), (6, 2));
             prop_assert_eq!(back.passes, b.passes);
+            prop_assert_eq!(back.stream, b.stream);
         }
 
         /// A damaged or hostile message is refused with an error, never a panic

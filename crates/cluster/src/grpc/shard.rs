@@ -347,7 +347,9 @@ impl ShardService for ShardClient {
             prefetch_loads: s.prefetch_loads,
             prefetch_inits: s.prefetch_inits,
         });
-        let filters = FilterStats { admitted: s.admitted, not_admitted: s.not_admitted, expired: s.expired };
+        // A cluster job refuses embedding.max_rows: its shards evict nothing.
+        let filters =
+            FilterStats { admitted: s.admitted, not_admitted: s.not_admitted, expired: s.expired, evicted: 0 };
         let second_level = s.second_level.map(|l| SecondLevelStats {
             passes_staged: l.passes_staged,
             passes_flushed: l.passes_flushed,

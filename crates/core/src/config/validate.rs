@@ -148,6 +148,18 @@ impl Config {
                 );
             }
         }
+        if self.embedding.ttl_secs > 0 && self.data.stream.is_none() {
+            return invalid(
+                "embedding.ttl_secs",
+                "counts in the records' time, which [data.stream] gives (each record's append time); \
+                 for a file use embedding.ttl_steps",
+            );
+        }
+        if self.cluster.mode == ClusterMode::Collocated && (self.embedding.ttl_secs > 0 || self.embedding.max_rows > 0)
+        {
+            let key = if self.embedding.ttl_secs > 0 { "embedding.ttl_secs" } else { "embedding.max_rows" };
+            return invalid(key, "bounded tables are not available with cluster.mode = \"collocated\" yet");
+        }
         if self.cluster.mode == ClusterMode::Collocated {
             // The second level holds rows and optimizer state only.
             if self.embedding.admit_min_count > 1 {

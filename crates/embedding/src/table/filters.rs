@@ -27,8 +27,29 @@ pub struct FilterStats {
     pub not_admitted: u64,
     /// Keys given a row once they reached `admit_min_count`.
     pub admitted: u64,
-    /// Rows deleted by `ttl_steps`.
+    /// Rows deleted by `ttl_steps` or `ttl_secs`.
     pub expired: u64,
+    /// Rows deleted to keep the table within `max_rows` (least recently used first).
+    #[serde(default)]
+    pub evicted: u64,
+}
+
+/// Why rows are deleted (which counter they go to).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Deletion {
+    /// Past their age: `ttl_steps`, `ttl_secs`.
+    Expired,
+    /// Over the capacity: `max_rows`.
+    Evicted,
+}
+
+impl FilterStats {
+    pub(super) fn count(&mut self, why: Deletion, n: u64) {
+        match why {
+            Deletion::Expired => self.expired += n,
+            Deletion::Evicted => self.evicted += n,
+        }
+    }
 }
 
 impl std::ops::AddAssign for FilterStats {
@@ -36,6 +57,7 @@ impl std::ops::AddAssign for FilterStats {
         self.not_admitted += o.not_admitted;
         self.admitted += o.admitted;
         self.expired += o.expired;
+        self.evicted += o.evicted;
     }
 }
 

@@ -34,7 +34,7 @@ use arena::{KEY_FLOATS, Layout, PREFETCH_DISTANCE, key_of, prefetch, prefetch_li
 pub use cache::TierStats;
 use cache::{Backing, SlotMeta, Tier, VICTIM_SAMPLES};
 use filters::{AdmitSketch, Expiry, fold_sketches};
-pub use filters::{FeatureFilters, FilterState, FilterStats};
+pub use filters::{Deletion, FeatureFilters, FilterState, FilterStats};
 pub use init::Initializer;
 use shard::{Access, NOT_ADMITTED, TableShard};
 pub use walk::STORE_CURSOR;
@@ -365,10 +365,21 @@ impl EmbeddingTable {
     /// one): incremental checkpoints write only the rows used since the
     /// previous one. Rows never age (an infinite `ttl`).
     pub fn track_last_use(self) -> Self {
+        self.with_ages(false)
+    }
+
+    /// Keeps each row's last training lookup and lets rows be deleted by
+    /// the trainer's policies (`ttl_secs`, `max_rows`:
+    /// [`delete_used_before`](Self::delete_used_before)), on the SSD tier too.
+    pub fn with_deletable_rows(self) -> Self {
+        self.with_ages(true)
+    }
+
+    fn with_ages(self, with_tier: bool) -> Self {
         for shard in self.shards.iter() {
             let mut shard = shard.write();
             assert_eq!(shard.rows, 0, "the clock is set on an empty table");
-            if shard.expiry.is_none() && shard.backing.tier().is_none() {
+            if shard.expiry.is_none() && (with_tier || shard.backing.tier().is_none()) {
                 shard.expiry =
                     Some(Expiry { ttl: u64::MAX, last_use: Vec::new(), vacant: Vec::new(), free: Vec::new() });
             }
@@ -395,6 +406,44 @@ impl EmbeddingTable {
         let (layout, tick) = (self.layout, self.tick.load(Ordering::Relaxed));
         let oldest = self.in_flight.oldest(&self.tick);
         self.shards.par_iter().try_for_each(|shard| shard.write().expire(layout, tick, oldest, true))
+    }
+
+    /// The lookup clock now: rows used by the lookups so far have a last use
+    /// at or below it.
+    pub fn clock(&self) -> u64 {
+        self.tick.load(Ordering::Relaxed)
+    }
+
+    /// Deletes every row, cached or stored, that no training lookup used
+    /// since `cutoff` (on the lookup clock), except rows in flight:
+    /// `embedding.ttl_secs` and `max_rows`, whose policies in the trainer
+    /// pick the cutoff. Needs the rows' last uses ([`track_last_use`](Self::track_last_use)
+    /// or `ttl_steps`); returns the rows deleted.
+    pub fn delete_used_before(&self, cutoff: u64, why: Deletion) -> Result<u64, TableError> {
+        let before = self.len();
+        let (layout, tick) = (self.layout, self.tick.load(Ordering::Relaxed));
+        let used_since = cutoff.min(self.in_flight.oldest(&self.tick));
+        self.shards.par_iter().try_for_each(|shard| shard.write().delete_before(layout, used_since, tick, why))?;
+        Ok(before.saturating_sub(self.len()) as u64)
+    }
+
+    /// The lookup-clock cutoff that deletes the least recently used rows
+    /// down to at most `keep` (rows tied with the last one to go go too),
+    /// or `None` when the table holds no more than `keep`. Reads every
+    /// row's last use (stored ones too): call it when over the bound, not
+    /// every step.
+    pub fn lru_cutoff(&self, keep: usize) -> Result<Option<u64>, TableError> {
+        let (layout, tick) = (self.layout, self.tick.load(Ordering::Relaxed));
+        let mut uses = Vec::with_capacity(self.len());
+        for shard in self.shards.iter() {
+            shard.write().last_uses(layout, tick, &mut uses)?;
+        }
+        if uses.len() <= keep {
+            return Ok(None);
+        }
+        let going = uses.len() - keep;
+        let (_, last_to_go, _) = uses.select_nth_unstable(going - 1);
+        Ok(Some(last_to_go.saturating_add(1)))
     }
 
     /// The filters' state a checkpoint keeps beside the rows.

@@ -228,10 +228,47 @@ impl TableShard {
     ) -> Result<(), TableError> {
         let Some(ttl) = self.expiry.as_ref().map(|e| e.ttl) else { return Ok(()) };
         let used_since = tick.saturating_sub(ttl).min(oldest_in_flight);
+        self.delete_cached_before(layout, used_since, tick, Deletion::Expired);
+        let cutoff = self.backing.tier().and_then(|t| t.expiry_cutoff(tick));
+        self.sweep_store(layout, cutoff, whole, Deletion::Expired)
+    }
+
+    /// Deletes every row last used before `used_since` (the caller keeps
+    /// rows in flight out of it), cached or stored: `embedding.ttl_secs` and
+    /// `max_rows`, whose clocks the trainer computes.
+    pub(super) fn delete_before(
+        &mut self,
+        layout: Layout,
+        used_since: u64,
+        tick: u64,
+        why: Deletion,
+    ) -> Result<(), TableError> {
+        self.delete_cached_before(layout, used_since, tick, why);
+        self.sweep_store(layout, Some(used_since), true, why)
+    }
+
+    /// The last use of every row (cached or only stored), for an LRU cutoff.
+    pub(super) fn last_uses(&mut self, layout: Layout, tick: u64, out: &mut Vec<u64>) -> Result<(), TableError> {
+        out.extend((0..self.rows).filter(|&s| !self.is_vacant(s)).map(|s| self.last_use(s, tick)));
+        let TableShard { index, chunks, backing, .. } = self;
+        let Some(t) = backing.tier_mut() else { return Ok(()) };
+        let cached = |key: u64| index.find(key, |s| key_of(stored_in(chunks, layout, s))).is_some();
+        let buckets = t.store.buckets();
+        t.store.sweep(0, buckets, |key, last| {
+            if !cached(key) {
+                out.push(last);
+            }
+            false
+        })?;
+        Ok(())
+    }
+
+    /// The cached rows of [`delete_before`](Self::delete_before).
+    fn delete_cached_before(&mut self, layout: Layout, used_since: u64, tick: u64, why: Deletion) {
         let old: Vec<usize> =
             (0..self.rows).filter(|&s| !self.is_vacant(s) && self.last_use(s, tick) < used_since).collect();
         let TableShard { index, chunks, expiry, filter_stats, backing, .. } = self;
-        let Some(e) = expiry else { return Ok(()) };
+        let Some(e) = expiry else { return };
         for slot in old {
             let key = key_of(stored_in(chunks, layout, slot as u32));
             index.remove(key, slot as u32);
@@ -244,21 +281,26 @@ impl TableShard {
                         // Its stored copy is older still: the sweep deletes and counts it.
                         t.stored_only += 1;
                     } else {
-                        filter_stats.expired += 1;
+                        filter_stats.count(why, 1);
                     }
                 }
-                None => filter_stats.expired += 1,
+                None => filter_stats.count(why, 1),
             }
         }
-        self.sweep_store(layout, tick, whole)
     }
 
     /// Deletes the expired rows of the next quarter of the SSD store (of all
     /// of it if `whole`), except the keys cached (their cached row decides).
-    pub(super) fn sweep_store(&mut self, layout: Layout, tick: u64, whole: bool) -> Result<(), TableError> {
+    pub(super) fn sweep_store(
+        &mut self,
+        layout: Layout,
+        cutoff: Option<u64>,
+        whole: bool,
+        why: Deletion,
+    ) -> Result<(), TableError> {
         let TableShard { index, chunks, filter_stats, backing, .. } = self;
         let Some(t) = backing.tier_mut() else { return Ok(()) };
-        let Some(cutoff) = t.expiry_cutoff(tick) else { return Ok(()) };
+        let Some(cutoff) = cutoff else { return Ok(()) };
         let (from, count) =
             if whole { (0, t.store.buckets()) } else { (t.sweep_cursor, t.store.buckets().div_ceil(4)) };
         let cached = |key: u64| index.find(key, |s| key_of(stored_in(chunks, layout, s))).is_some();
@@ -267,7 +309,7 @@ impl TableShard {
             t.sweep_cursor = next;
         }
         t.stored_only -= deleted as usize;
-        filter_stats.expired += deleted;
+        filter_stats.count(why, deleted);
         Ok(())
     }
 

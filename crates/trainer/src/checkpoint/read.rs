@@ -139,6 +139,9 @@ pub fn load_dense_into(trainer: &mut Trainer, dir: &Path) -> Result<Manifest, Tr
     trainer.samples_trained = m.samples_trained;
     trainer.position = m.position;
     trainer.stream = m.stream.clone().map(std::sync::Arc::new);
+    if let Some(bounds) = trainer.bounds.as_mut() {
+        bounds.restore(&m.event_clock);
+    }
     Ok(m)
 }
 
@@ -236,6 +239,9 @@ fn load_rows(
     trainer.samples_trained = m.samples_trained;
     trainer.position = m.position;
     trainer.stream = m.stream.clone().map(std::sync::Arc::new);
+    if let Some(bounds) = trainer.bounds.as_mut() {
+        bounds.restore(&m.event_clock);
+    }
     Ok(m)
 }
 
