@@ -160,7 +160,7 @@ fn sigterm_keeps_the_offsets_and_a_resumed_run_ends_with_the_uninterrupted_model
     // Without stop_when_idle_secs the run reads on until it is stopped.
     let mut child = sparrow()
         .args(["train", "--config", &config, "--set", "data.stream.stop_when_idle_secs=0"])
-        .args(["--set", "train.log_interval_steps=1"])
+        .args(["--set", "train.log_interval_steps=1", "--set", "checkpoint.export_every_secs=1"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -174,6 +174,11 @@ fn sigterm_keeps_the_offsets_and_a_resumed_run_ends_with_the_uninterrupted_model
     let status = common::wait_with_timeout(&mut child, Duration::from_secs(60));
     reader.join().expect("reader");
     assert_eq!(status.code(), Some(143), "{}", log.text());
+    // Timed exports: at least the last, its manifest holding the offsets.
+    let latest = std::fs::read_to_string(tmp.path().join("ckpt-live/exports/LATEST")).expect("an export");
+    let export = tmp.path().join("ckpt-live/exports").join(latest.trim()).join("manifest.json");
+    let export: serde_json::Value = serde_json::from_slice(&std::fs::read(export).expect("manifest")).expect("json");
+    assert_eq!(export["stream"]["offsets"], whole["stream_offsets"], "{export}");
     let latest = std::fs::read_to_string(tmp.path().join("ckpt-live/LATEST")).expect("LATEST");
     let resumed = ok_json(&train(
         &config,

@@ -528,7 +528,10 @@ pub struct IncrementalExports {
 impl IncrementalExports {
     /// None unless the config asks for exports.
     pub fn new(config: &Config) -> Option<IncrementalExports> {
-        config.checkpoint.export_every_steps.filter(|&n| n > 0)?;
+        let timed = config.checkpoint.export_every_secs.is_some_and(|s| s > 0);
+        if !timed {
+            config.checkpoint.export_every_steps.filter(|&n| n > 0)?;
+        }
         let dir = config.checkpoint.dir.as_ref()?;
         Some(IncrementalExports {
             root: Path::new(dir).join("exports"),

@@ -94,7 +94,9 @@ pub fn model_table(config: &Config, subdir: Option<&str>) -> Result<EmbeddingTab
     let table =
         EmbeddingTable::from_config(width, &config.embedding, init, subdir, ttl_floor(config), config.train.simd)?;
     // Incremental checkpoints and exports write the rows used since the previous one.
-    let incremental = config.checkpoint.incremental || config.checkpoint.export_every_steps.is_some_and(|n| n > 0);
+    let incremental = config.checkpoint.incremental
+        || config.checkpoint.export_every_steps.is_some_and(|n| n > 0)
+        || config.checkpoint.export_every_secs.is_some_and(|s| s > 0);
     Ok(match (config.embedding.ttl_secs > 0 || config.embedding.max_rows > 0, incremental) {
         (true, _) => table.with_deletable_rows(),
         (false, true) => table.track_last_use(),

@@ -386,6 +386,7 @@ fn train_in_pool(
                 "stream_records": trainer.stream.as_ref().map(|m| m.records),
                 "stream_lag_records": trainer.stream.as_ref().map(|m| m.lag_records),
                 "stream_lag_secs": trainer.stream.as_deref().and_then(lag_secs),
+                "stream_newest_record_ms": trainer.stream.as_ref().and_then(|m| m.newest_record_ms),
                 "online_window": online.map(|o| o.window),
                 "online_run": online.map(|o| o.run),
             }));
