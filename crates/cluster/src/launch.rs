@@ -65,11 +65,18 @@ struct Running {
     child: Child,
     stdout: Arc<Mutex<Vec<String>>>,
     stderr_tail: Arc<Mutex<VecDeque<String>>>,
+    /// Closed once the child's stderr is read to its end.
+    stderr_read: crossbeam_channel::Receiver<()>,
     status: Option<ExitStatus>,
 }
 
 impl Running {
     fn last_error(&self) -> String {
+        // An exited child's last lines may still be in the pipe: read them
+        // first (bounded: a pipe some other process holds open never ends).
+        if self.status.is_some() {
+            let _ = self.stderr_read.recv_timeout(std::time::Duration::from_secs(2));
+        }
         let tail = self.stderr_tail.lock();
         let line = tail.iter().rev().find(|l| l.contains("error") || l.contains("ERROR"));
         line.cloned().unwrap_or_else(|| "no error message (killed or crashed)".into())
@@ -158,6 +165,7 @@ impl Children {
         tracing::info!("launch: {name} is pid {}", child.id());
         let stdout = Arc::new(Mutex::new(Vec::new()));
         let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
+        let (read_to_end, stderr_read) = crossbeam_channel::bounded::<()>(0);
         if let Some(out) = child.stdout.take() {
             let lines = stdout.clone();
             std::thread::spawn(move || {
@@ -179,6 +187,7 @@ impl Children {
                     }
                     tail.push_back(line);
                 }
+                drop(read_to_end);
             });
         }
         let stdin = child.stdin.take();
@@ -192,6 +201,7 @@ impl Children {
             child,
             stdout,
             stderr_tail,
+            stderr_read,
             status: None,
         })
     }

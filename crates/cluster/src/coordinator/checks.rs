@@ -1,0 +1,74 @@
+//! What a cluster job cannot do (yet), refused before any role starts.
+
+use sparrow_core::Config;
+use sparrow_core::config::SyncMode;
+
+use crate::transport::ClusterError;
+
+/// What a cluster job cannot do (yet), refused before any role starts.
+pub(super) fn check_cluster_config(config: &Config) -> Result<(), ClusterError> {
+    // Sizes beyond the machine fail here, before any role allocates.
+    let layout = sparrow_data::DataLayout::from_config(&config.data);
+    sparrow_trainer::sizes::check(config, &layout).map_err(|e| ClusterError::Train(e.into()))?;
+    if config.train.on_non_finite == sparrow_core::config::OnNonFinite::SkipBatch {
+        return Err(ClusterError::Setup(
+            "train.on_non_finite = \"skip_batch\" is not available in a cluster job yet (a skipped batch \
+             would still owe its shards a push); use \"stop\", or sparrow train"
+                .into(),
+        ));
+    }
+    if config.data.stream.is_some() && config.cluster.sync == SyncMode::Lazy {
+        return Err(ClusterError::Setup(
+            "[data.stream] with cluster.sync = \"lazy\" is not available yet (a lazy checkpoint keeps the \
+             furthest position aggregated, not each partition's offsets); use sync = \"step\" or \"round\""
+                .into(),
+        ));
+    }
+    if config.embedding.ttl_secs > 0 || config.embedding.max_rows > 0 {
+        return Err(ClusterError::Setup(
+            "embedding.ttl_secs and max_rows bound `sparrow train`'s table so far; a cluster job's shards \
+             do not yet (embedding.ttl_steps does expire rows there)"
+                .into(),
+        ));
+    }
+    if config.checkpoint.every_secs.is_some() || config.checkpoint.export_every_secs.is_some() {
+        return Err(ClusterError::Setup(
+            "checkpoint.every_secs and export_every_secs are `sparrow train`'s so far: a cluster job's \
+             workers meet at a step, so use checkpoint.every_steps and export_every_steps"
+                .into(),
+        ));
+    }
+    if let (Some(every), Some(checkpoints)) =
+        (config.checkpoint.export_every_steps.filter(|&n| n > 0), config.checkpoint.every_steps)
+        && (checkpoints == 0 || every % checkpoints != 0)
+    {
+        return Err(ClusterError::Setup(format!(
+            "checkpoint.export_every_steps = {every}: a cluster job exports its committed checkpoints, so it \
+             must be a multiple of checkpoint.every_steps = {checkpoints} (or leave every_steps unset: \
+             checkpoints are then taken every export_every_steps)"
+        )));
+    }
+    for (key, set) in [
+        ("train.tensorboard_dir", config.train.tensorboard_dir.is_some()),
+        ("train.eval_every_steps", config.train.eval_every_steps.is_some()),
+    ] {
+        if set {
+            tracing::warn!("{key} applies to sparrow train; a cluster job evaluates and logs at its end only");
+        }
+    }
+    if config.cluster.sync == SyncMode::Lazy && config.checkpoint.export_every_steps.is_some() {
+        return Err(ClusterError::Setup(
+            "checkpoint.export_every_steps with cluster.sync = \"lazy\": a lazy job writes a serving export \
+             at every backup already (checkpoint.dir/exports/)"
+                .into(),
+        ));
+    }
+    if config.cluster.sync == SyncMode::Lazy && config.checkpoint.every_steps.is_some() {
+        return Err(ClusterError::Setup(
+            "checkpoint.every_steps with cluster.sync = \"lazy\" is not available yet: a lazy job's checkpoint \
+             is taken at its end"
+                .into(),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,139 @@
+//! The config's parsing and validation, key by key.
+
+use super::*;
+
+fn parse(text: &str, sets: &[&str]) -> Result<Config, ConfigError> {
+    let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    Overrides::parse(&sets).and_then(|o| Config::from_toml(text, "test.toml", &o))
+}
+
+#[test]
+fn issue_example_parses() {
+    let c = parse(
+        r#"
+        [data]
+        format = "criteo"
+        train = "a.tsv"
+        test = "b.tsv"
+        [model]
+        kind = "dlrm"
+        embedding_dim = 16
+        hidden = [256, 128]
+        [train]
+        batch_size = 1024
+        epochs = 1
+        threads = 2
+        seed = 1
+        [embedding]
+        optimizer = "adagrad"
+        learning_rate = 0.05
+        init = { kind = "uniform", scale = 0.01 }
+        [dense_optimizer]
+        kind = "adam"
+        learning_rate = 0.001
+        [checkpoint]
+        dir = "ck"
+        "#,
+        &[],
+    )
+    .expect("parses");
+    assert_eq!(c.model.kind, ModelKind::Dlrm);
+    assert_eq!(c.data.train.as_deref(), Some("a.tsv"));
+    assert_eq!(c.checkpoint.dir.as_deref(), Some("ck"));
+}
+
+#[test]
+fn overrides_numbers_and_bare_words() {
+    let c =
+        parse("", &["embedding.learning_rate=0.1", "embedding.optimizer=adam", "model.hidden=[8]"]).expect("parses");
+    assert_eq!(c.embedding.learning_rate, 0.1);
+    assert_eq!(c.embedding.optimizer, SparseOptimizerKind::Adam);
+    assert_eq!(c.model.hidden, vec![8]);
+}
+
+/// An override is one dotted key and one value: a key with a line
+/// break, spaces or brackets, or a value that smuggles a table in, is
+/// refused (it was read as `train.seed = 1` with the rest dropped).
+#[test]
+fn overrides_are_one_dotted_key_and_one_value() {
+    for bad in [
+        "train.seed=1\n[evil]\nx=2",
+        "train.seed=1\n[evil]\nx",
+        "train.se ed=1",
+        "train.[seed]=1",
+        "train\n.seed=1",
+        "data.train=a\nb",
+    ] {
+        let err = parse("", &[bad]).expect_err(bad);
+        assert!(matches!(err, ConfigError::BadAssignment { .. }), "{bad:?}: {err}");
+    }
+    let c = parse("", &["train.seed=7", "data.train=/data/day-1.tsv", "model.hidden=[8, 4]"]).expect("parses");
+    assert_eq!(c.train.seed, 7);
+    assert_eq!(c.data.train.as_deref(), Some("/data/day-1.tsv"));
+}
+
+#[test]
+fn unknown_key_is_named() {
+    let err = parse("[train]\nbatch_sise = 3\n", &[]).expect_err("unknown key");
+    assert!(err.to_string().contains("batch_sise"), "{err}");
+    let err = parse("", &["embeding.learning_rate=1"]).expect_err("unknown section");
+    assert!(err.to_string().contains("embeding"), "{err}");
+}
+
+#[test]
+fn wrong_type_is_reported() {
+    let err = parse("[train]\nbatch_size = \"big\"\n", &[]).expect_err("wrong type");
+    let msg = err.to_string();
+    assert!(msg.contains("batch_size") || msg.contains("invalid type"), "{msg}");
+    assert!(parse("", &["nokey"]).is_err());
+    assert!(parse("", &["train.batch_size=0"]).is_err());
+}
+
+/// `embedding.rounding`: stochastic needs half rows; an unknown value is
+/// refused naming the key.
+#[test]
+fn stochastic_rounding_needs_half_rows() {
+    let c = parse("", &["embedding.dtype=\"bf16\"", "embedding.rounding=\"stochastic\""]).expect("parses");
+    assert_eq!(c.embedding.rounding, Rounding::Stochastic);
+    assert_eq!(parse("", &[]).expect("parses").embedding.rounding, Rounding::Nearest);
+    let err = parse("", &["embedding.rounding=\"stochastic\""]).expect_err("f32 rows");
+    assert!(err.to_string().contains("embedding.rounding") && err.to_string().contains("embedding.dtype"), "{err}");
+    let err = parse("", &["embedding.rounding=\"random\""]).expect_err("unknown");
+    assert!(err.to_string().contains("embedding.rounding"), "{err}");
+}
+
+#[test]
+fn feature_filter_limits_are_named() {
+    let c = parse("", &["embedding.admit_min_count=5", "embedding.ttl_steps=1000"]).expect("parses");
+    assert_eq!((c.embedding.admit_min_count, c.embedding.ttl_steps), (5, 1000));
+    let err = parse("", &["embedding.admit_min_count=300"]).expect_err("too many");
+    assert!(err.to_string().contains("embedding.admit_min_count"), "{err}");
+    let ssd = ["embedding.storage=ssd", "embedding.path=\"x\"", "embedding.ttl_steps=10"];
+    assert_eq!(parse("", &ssd).expect("ttl on ssd").embedding.ttl_steps, 10);
+    assert_eq!(parse("", &["train.pipeline_depth=16"]).expect("parses").train.pipeline_depth, 16);
+    let err = parse("", &["train.pipeline_depth=17"]).expect_err("too deep");
+    assert!(err.to_string().contains("train.pipeline_depth"), "{err}");
+}
+
+#[test]
+fn nonsense_numbers_are_refused_naming_the_key() {
+    for (set, key) in [
+        ("embedding.learning_rate=nan", "embedding.learning_rate"),
+        ("embedding.learning_rate=inf", "embedding.learning_rate"),
+        ("embedding.learning_rate=-0.1", "embedding.learning_rate"),
+        ("dense_optimizer.learning_rate=-inf", "dense_optimizer.learning_rate"),
+        ("dense_optimizer.learning_rate=nan", "dense_optimizer.learning_rate"),
+        ("dense_optimizer.eps=-1.0", "dense_optimizer.eps"),
+        ("train.epochs=0", "train.epochs"),
+        ("data.num_fields=0", "data.num_fields"),
+        ("checkpoint.keep=0", "checkpoint.keep"),
+        ("checkpoint.dir=\"\"", "checkpoint.dir"),
+        ("checkpoint.export_every_secs=5", "checkpoint.export_every_secs"),
+    ] {
+        let err = parse("", &[set]).expect_err(set);
+        assert!(err.to_string().contains(key), "{set}: {err}");
+    }
+    let c = parse("", &["train.on_non_finite=skip_batch"]).expect("parses");
+    assert_eq!(c.train.on_non_finite, OnNonFinite::SkipBatch);
+    assert!(parse("", &["train.on_non_finite=ignore"]).is_err());
+}
