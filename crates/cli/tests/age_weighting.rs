@@ -21,8 +21,7 @@ fn gen_days(dir: &Path, extra: &[&str]) {
 
 fn config(dir: &Path, weighting: &str) -> String {
     let d = dir.display();
-    let dense: Vec<String> = (1..=13).map(|i| format!("\"I{i}\"")).collect();
-    let sparse: Vec<String> = (1..=26).map(|i| format!("\"C{i}\"")).collect();
+    let schema = common::days_schema();
     let text = format!(
         r#"
 [data]
@@ -30,10 +29,7 @@ format = "csv"
 train = "{d}/data/train.csv"
 test = "{d}/data/test.csv"
 [data.schema]
-dense = [{}]
-sparse = [{}]
-dense_transform = "log1p"
-timestamp = "ts"
+{schema}timestamp = "ts"
 {weighting}
 [model]
 kind = "dlrm"
@@ -46,8 +42,6 @@ batch_size = 256
 heartbeat_interval_ms = 100
 heartbeat_timeout_ms = 2000
 "#,
-        dense.join(","),
-        sparse.join(",")
     );
     let path = dir.join(format!("job{}.toml", weighting.len()));
     std::fs::write(&path, text).expect("config");

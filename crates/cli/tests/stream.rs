@@ -320,18 +320,14 @@ fn days_job(dir: &Path, broker: &Broker, bounds: &str) -> String {
     let d = dir.display();
     let header = std::fs::read_to_string(dir.join("data/train.csv")).expect("csv");
     let header = header.lines().next().expect("header");
-    let dense: Vec<String> = (1..=13).map(|i| format!("\"I{i}\"")).collect();
-    let sparse: Vec<String> = (1..=26).map(|i| format!("\"C{i}\"")).collect();
+    let schema = common::days_schema();
     let text = format!(
         r#"
 [data]
 format = "csv"
 test = "{d}/data/test.csv"
 [data.schema]
-dense = [{}]
-sparse = [{}]
-dense_transform = "log1p"
-[data.stream]
+{schema}[data.stream]
 brokers = ["{}"]
 topic = "days"
 header = "{header}"
@@ -350,8 +346,6 @@ metrics_path = "{d}/metrics-{}.jsonl"
 [checkpoint]
 dir = "{d}/ckpt-{}"
 "#,
-        dense.join(","),
-        sparse.join(","),
         broker.addr,
         bounds.len(),
         bounds.len(),

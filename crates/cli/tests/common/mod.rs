@@ -28,6 +28,14 @@ pub fn train_json(config: &str) -> serde_json::Value {
     last_json(&out)
 }
 
+/// The `[data.schema]` keys of `gen --format csv --days` rows: the 13 dense
+/// and 26 sparse columns, dense values log1p-transformed.
+pub fn days_schema() -> String {
+    let dense: Vec<String> = (1..=13).map(|i| format!("\"I{i}\"")).collect();
+    let sparse: Vec<String> = (1..=26).map(|i| format!("\"C{i}\"")).collect();
+    format!("dense = [{}]\nsparse = [{}]\ndense_transform = \"log1p\"\n", dense.join(","), sparse.join(","))
+}
+
 /// The small cluster job (DLRM, dim 8, batch 256, heartbeats every 100 ms,
 /// a 2 s timeout) on `dir/data`; `extra` goes into `[cluster]`, the last table.
 pub fn write_config(dir: &Path, extra: &str) -> String {
