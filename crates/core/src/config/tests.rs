@@ -129,6 +129,9 @@ fn nonsense_numbers_are_refused_naming_the_key() {
         ("checkpoint.keep=0", "checkpoint.keep"),
         ("checkpoint.dir=\"\"", "checkpoint.dir"),
         ("checkpoint.export_every_secs=5", "checkpoint.export_every_secs"),
+        ("train.online_window_samples=1000000000000", "train.online_window_samples"),
+        // Record time comes from a stream only.
+        ("embedding.ttl_secs=60", "embedding.ttl_secs"),
     ] {
         let err = parse("", &[set]).expect_err(set);
         assert!(err.to_string().contains(key), "{set}: {err}");

@@ -4,6 +4,9 @@
 
 use super::*;
 
+/// The largest progressive-validation window: 80 MB of scores and labels.
+const MAX_ONLINE_WINDOW: u64 = 10_000_000;
+
 impl Config {
     /// Checks the rules (`from_toml` calls it).
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -11,6 +14,14 @@ impl Config {
             |key: &str, message: &str| Err(ConfigError::Invalid { key: key.to_string(), message: message.to_string() });
         if self.train.batch_size == 0 {
             return invalid("train.batch_size", "must be at least 1");
+        }
+        if self.train.online_window_samples.is_some_and(|n| n > MAX_ONLINE_WINDOW) {
+            return invalid(
+                "train.online_window_samples",
+                &format!(
+                    "at most {MAX_ONLINE_WINDOW} samples (the window is held in memory and sorted at every log line)"
+                ),
+            );
         }
         if self.train.epochs == 0 {
             return invalid("train.epochs", "must be at least 1");
