@@ -97,12 +97,16 @@ impl DataProgress {
     /// Where the data continues, for a manifest: the position and the
     /// batches trained past it (a stream's as ranges in its mark).
     fn resume_point(&self) -> (DataPosition, Vec<TrainedBatch>, Option<StreamMark>) {
+        let ahead = self.ahead.values().filter_map(|b| b.stream.as_ref());
         match &self.stream {
-            None => (self.position, self.ahead.values().cloned().collect(), None),
-            Some(mark) => {
-                let ahead = self.ahead.values().filter_map(|b| b.stream.as_ref());
-                (self.position, Vec::new(), Some(mark.clone().with_skipped(ahead)))
+            Some(mark) => (self.position, Vec::new(), Some(mark.clone().with_skipped(ahead))),
+            // A stream whose first batch is still held: no offsets yet (the
+            // resumed reader starts where `start` says), the batches past it
+            // as skip ranges all the same.
+            None if self.ahead.values().any(|b| b.stream.is_some()) => {
+                (self.position, Vec::new(), Some(StreamMark::default().with_skipped(ahead)))
             }
+            None => (self.position, self.ahead.values().cloned().collect(), None),
         }
     }
 }
@@ -375,6 +379,14 @@ mod tests {
         let mark = mark.expect("mark");
         assert_eq!(mark.offsets, [(0, 35)].into());
         assert!(mark.skip.is_empty(), "ranges behind the offsets are gone: {:?}", mark.skip);
+        // The first batch still held: no offsets, the later one skipped.
+        let mut first_held = DataProgress::restored(Generation(3), None);
+        first_held.add([stream_batch(10, 20, 10, 20)]);
+        let (position, skip, mark) = first_held.resume_point();
+        assert_eq!((position, skip), (DataPosition::default(), Vec::new()));
+        let mark = mark.expect("a stream's mark");
+        assert!(mark.offsets.is_empty());
+        assert_eq!(mark.skip, [(0, vec![(10, 20)])].into());
     }
 
     fn manifest_for_tests() -> Manifest {
