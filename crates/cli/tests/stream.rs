@@ -230,6 +230,14 @@ fn a_missing_topic_or_partition_and_an_unreachable_broker_are_named() {
     assert!(e.contains("topic \"absent\" does not exist"), "{e}");
     let e = err(train(&job(tmp.path(), &broker, Some("there"), "partitions = [0, 5]"), &[]));
     assert!(e.contains("has no partition 5") && e.contains("partitions 0, 1"), "{e}");
+    // A row whose time column is not a time: named by line, nothing sent.
+    let out = sparrow()
+        .args(["produce", "--brokers", &broker.addr, "--topic", "stamped", "--timestamp-column", "99"])
+        .args(["--from", &tmp.path().join("data/train.tsv").display().to_string()])
+        .output()
+        .expect("produce");
+    let e = err(out);
+    assert!(e.contains("line 1: column 99 is not a time in Unix seconds"), "{e}");
     // A lazy cluster job cannot keep offsets yet: refused, not ignored.
     let e = err(sparrow()
         .args(["launch", "--config", &job(tmp.path(), &broker, Some("there"), "")])
