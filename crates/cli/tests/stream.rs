@@ -323,8 +323,10 @@ fn two_workers_on_a_topic_recover_with_every_record_trained_once() {
 }
 
 /// A job on generated CSV rows spread over four days (`gen --days`), each
-/// record stamped with its row's time (`produce --timestamp-column`).
-fn days_job(dir: &Path, broker: &Broker, bounds: &str) -> String {
+/// record stamped with its row's time (`produce --timestamp-column`):
+/// `bounds` go in `[embedding]`, `tables` at the end. Its metrics and
+/// checkpoints go to `metrics-NAME.jsonl` and `ckpt-NAME`.
+fn days_job(dir: &Path, broker: &Broker, name: &str, bounds: &str, tables: &str) -> String {
     let d = dir.display();
     let header = std::fs::read_to_string(dir.join("data/train.csv")).expect("csv");
     let header = header.lines().next().expect("header");
@@ -348,17 +350,16 @@ bottom_hidden = [8]
 [train]
 batch_size = 256
 log_interval_steps = 1
-metrics_path = "{d}/metrics-{}.jsonl"
+metrics_path = "{d}/metrics-{name}.jsonl"
 [embedding]
 {bounds}
 [checkpoint]
-dir = "{d}/ckpt-{}"
+dir = "{d}/ckpt-{name}"
+{tables}
 "#,
         broker.addr,
-        bounds.len(),
-        bounds.len(),
     );
-    let path = dir.join(format!("days{}.toml", bounds.len()));
+    let path = dir.join(format!("days-{name}.toml"));
     std::fs::write(&path, text).expect("config");
     path.display().to_string()
 }
@@ -384,24 +385,22 @@ fn bounded_tables_stay_within_max_rows_and_expire_by_record_time_exactly() {
         .output()
         .expect("produce");
     assert_eq!(last_json(&out)["records"], 8000, "{}", String::from_utf8_lossy(&out.stderr));
-    let free = ok_json(&train(&days_job(tmp.path(), &broker, ""), &[]));
+    let free = ok_json(&train(&days_job(tmp.path(), &broker, "free", "", ""), &[]));
     let all_rows = free["embedding_rows"].as_u64().expect("rows");
     assert_eq!((&free["expired_rows"], &free["evicted_rows"]), (&0.into(), &0.into()), "{free}");
 
     let bound = all_rows / 4;
-    let capped = days_job(tmp.path(), &broker, &format!("max_rows = {bound}"));
+    let capped = days_job(tmp.path(), &broker, "capped", &format!("max_rows = {bound}"), "");
     let json = ok_json(&train(&capped, &[]));
     assert!(json["evicted_rows"].as_u64().is_some_and(|n| n > 0), "{json}");
-    let metrics =
-        std::fs::read_to_string(tmp.path().join(format!("metrics-{}.jsonl", format!("max_rows = {bound}").len())))
-            .expect("metrics");
+    let metrics = std::fs::read_to_string(tmp.path().join("metrics-capped.jsonl")).expect("metrics");
     for line in metrics.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json")) {
         if let Some(rows) = line["embedding_rows"].as_u64() {
             assert!(rows <= bound, "{rows} rows past max_rows = {bound}: {line}");
         }
     }
 
-    let ttl = days_job(tmp.path(), &broker, "ttl_secs = 43200");
+    let ttl = days_job(tmp.path(), &broker, "ttl", "ttl_secs = 43200", "");
     let json = ok_json(&train(&ttl, &[]));
     let expired = json["expired_rows"].as_u64().expect("expired");
     assert!(expired > 0 && json["embedding_rows"].as_u64().expect("rows") < all_rows, "{json}");
@@ -414,7 +413,7 @@ fn bounded_tables_stay_within_max_rows_and_expire_by_record_time_exactly() {
     for (name, bounds) in
         [("ttl", "ttl_secs = 129600".to_string()), ("both", format!("ttl_secs = 129600\nmax_rows = {bound}"))]
     {
-        let job = days_job(tmp.path(), &broker, &bounds);
+        let job = days_job(tmp.path(), &broker, &format!("resume-{name}"), &bounds, "");
         let whole = ok_json(&train(&job, &["--set", &format!("checkpoint.dir={:?}", tmp.path().join(name))]));
         let first = ok_json(&train(&job, &["--set", "train.max_steps=13"]));
         let resumed = ok_json(&train(&job, &["--resume", first["checkpoint"].as_str().expect("ckpt")]));
@@ -422,4 +421,86 @@ fn bounded_tables_stay_within_max_rows_and_expire_by_record_time_exactly() {
         assert_eq!(resumed["embedding_rows"], whole["embedding_rows"], "{name}");
         assert_eq!(resumed["stream_records"], 8000, "{name}");
     }
+}
+
+/// Age weighting on a stream (`[data.weighting]`): each sample is dated by
+/// its record and weighed by its age on the stream's event clock, which
+/// checkpoints keep, so a resumed run weighs its first batches as the
+/// uninterrupted run did. And online training with `ttl_secs` and age
+/// weighting tracks the drifting stream: its AUC over the newest day (each
+/// sample scored before it was trained on) is no more than 0.01 below that
+/// of a model trained offline on the newest day's rows.
+#[test]
+fn age_weighting_on_a_stream_resumes_exactly_and_tracks_the_drift() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let generated = sparrow()
+        .args(["gen", "--format", "csv", "--days", "4", "--train-rows", "8000", "--test-rows", "1000", "--out"])
+        .arg(tmp.path().join("data"))
+        .output()
+        .expect("gen");
+    assert!(generated.status.success(), "{}", String::from_utf8_lossy(&generated.stderr));
+    let broker = Broker::start();
+    let out = sparrow()
+        .args(["produce", "--brokers", &broker.addr, "--topic", "days", "--partitions", "2"])
+        .args(["--from", &tmp.path().join("data/train.csv").display().to_string()])
+        .args(["--skip-header", "--timestamp-column", "40"])
+        .output()
+        .expect("produce");
+    assert_eq!(last_json(&out)["records"], 8000, "{}", String::from_utf8_lossy(&out.stderr));
+
+    // The newest day's rows, as a file.
+    let csv = std::fs::read_to_string(tmp.path().join("data/train.csv")).expect("csv");
+    let mut lines = csv.lines();
+    let header = lines.next().expect("header");
+    let time = |line: &str| line.rsplit(',').next().and_then(|t| t.parse::<i64>().ok()).expect("ts");
+    let rows: Vec<&str> = lines.collect();
+    let newest_day = rows.iter().map(|l| time(l)).max().expect("rows") / 86_400 * 86_400;
+    let newest: Vec<&str> = rows.iter().copied().filter(|l| time(l) >= newest_day).collect();
+    let day_file = tmp.path().join("data/newest-day.csv");
+    std::fs::write(&day_file, format!("{header}\n{}\n", newest.join("\n"))).expect("day file");
+
+    let job = days_job(tmp.path(), &broker, "weighted", "ttl_secs = 86400", "[data.weighting]\ndrop_below = 0.01");
+    let window = format!("train.online_window_samples={}", newest.len());
+    let whole = ok_json(&train(&job, &["--set", &window]));
+    let (rows, weights) =
+        (whole["train_rows"].as_f64().expect("rows"), whole["sample_weight_sum"].as_f64().expect("sum"));
+    // Times are random within their day, so a sample is up to a day older
+    // than the newest record read before it: weights between e^-1 and 1.
+    assert!(weights < 0.9 * rows && weights > 0.3 * rows, "weights sum to {weights} over {rows} samples");
+    assert_eq!(whole["stream_records"], 8000, "{whole}");
+
+    let first = ok_json(&train(&job, &["--set", &window, "--set", "train.max_steps=13"]));
+    let resumed = ok_json(&train(&job, &["--set", &window, "--resume", first["checkpoint"].as_str().expect("ckpt")]));
+    assert_eq!(resumed["test_auc"], whole["test_auc"], "the resumed run weighs as the uninterrupted one");
+    assert_eq!(resumed["stream_records"], 8000);
+
+    // A cluster weighs the same way, and its checkpoints keep the clock: at
+    // depth 0 with one worker, a loader that dies at its 27th batch goes
+    // back to step 20 and the job ends with `train`'s model.
+    let cluster = days_job(tmp.path(), &broker, "weighted-cluster", "", "[data.weighting]\ndrop_below = 0.01");
+    let text = std::fs::read_to_string(&cluster)
+        .expect("job")
+        .replace("batch_size = 256", "batch_size = 256\npipeline_depth = 0");
+    std::fs::write(&cluster, text).expect("job");
+    let single = ok_json(&train(&cluster, &[]));
+    let out = launch(&cluster, "loader.next_batch=26*off->return");
+    let json = ok_json(&out);
+    assert!(json["restarts"]["loader"].as_u64().is_some_and(|n| n >= 1), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(json["test_auc"], single["test_auc"], "the recovered loader weighs as before its death");
+    assert_eq!(json["sample_weight_sum"].as_f64().map(|w| w < 0.9 * 8000.0), Some(true), "{json}");
+
+    // The same model offline, on the newest day's file, unweighted.
+    let text = std::fs::read_to_string(&job).expect("job");
+    let (stream_at, model_at) = (text.find("[data.stream]").expect("stream"), text.find("[model]").expect("model"));
+    let text = format!("{}{}", &text[..stream_at], &text[model_at..])
+        .replacen("[data]\n", &format!("[data]\ntrain = {:?}\n", day_file.display().to_string()), 1)
+        .replace("[data.weighting]\ndrop_below = 0.01", "")
+        .replace("ttl_secs = 86400", "")
+        .replace("-weighted", "-offline");
+    let offline = tmp.path().join("offline.toml");
+    std::fs::write(&offline, text).expect("offline job");
+    let offline = ok_json(&train(&offline.display().to_string(), &[]));
+    let (online, offline) =
+        (whole["online_window_auc"].as_f64().expect("online"), offline["test_auc"].as_f64().expect("offline"));
+    assert!(online >= offline - 0.01, "online AUC on the newest day {online}, the offline model's {offline}");
 }

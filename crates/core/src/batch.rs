@@ -53,6 +53,10 @@ pub struct StreamMark {
     /// Append time (Unix ms) of the newest record in the batch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub newest_record_ms: Option<i64>,
+    /// The stream's event clock (Unix ms): the newest sample time read so
+    /// far, across resumes (`[data.weighting]` ages samples from it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clock_ms: Option<i64>,
     /// Partition → where this batch started reading it (the partitions it
     /// read): the batch's records are `from[p]..offsets[p]`.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]

@@ -115,6 +115,23 @@ impl Weigher {
         self.cfg.decay_base.powf(-age) * f64::from(count)
     }
 
+    /// One batch as cut from a stream, merged and weighed with ages counted
+    /// from `reference` (the stream's event clock, Unix seconds): each row
+    /// must carry its time. `None`: every sample weighed less than
+    /// `drop_below`. The batch's stream mark goes with it.
+    pub fn weigh_batch(&mut self, batch: Batch, reference: i64) -> Option<Batch> {
+        self.reference = reference;
+        let (rows, stream) = (batch.rows(), batch.stream.clone());
+        self.next_start = DataPosition::default();
+        self.fill(batch);
+        let mut weighed = self.take(rows.max(1));
+        self.buffer = None;
+        if let Some(b) = weighed.as_mut() {
+            b.stream = stream;
+        }
+        weighed
+    }
+
     /// The reader moved to `pos` (an epoch's start or a resume): the next
     /// buffer starts there, and its first `pos.skip` merged samples were taken.
     pub fn seek(&mut self, pos: DataPosition) {
@@ -293,5 +310,22 @@ mod tests {
         // The same samples a window apart stay two.
         let apart = w.apply(batch(&[(1.0, 7, today), (1.0, 7, today - day)]));
         assert_eq!(apart.rows(), 2);
+    }
+
+    #[test]
+    fn a_stream_batch_is_weighed_against_the_clock_it_is_given() {
+        let day = 86_400;
+        let mut w = Weigher::new(WeightingConfig::default(), 0, Arc::new(WeightCounters::default()));
+        let mut b = batch(&[(1.0, 7, 10 * day), (0.0, 8, 10 * day - day / 2), (1.0, 7, 10 * day)]);
+        let mark = Arc::new(sparrow_core::batch::StreamMark { records: 3, ..Default::default() });
+        b.stream = Some(mark.clone());
+        let out = w.weigh_batch(b.clone(), 10 * day).expect("kept");
+        assert_eq!(out.labels, vec![1.0, 0.0]);
+        let weights = out.sample_weights.clone().expect("weights");
+        assert!((f64::from(weights[0]) - 2.0).abs() < 1e-6, "{weights:?}");
+        assert!((f64::from(weights[1]) - (-0.5f64).exp()).abs() < 1e-6, "{weights:?}");
+        assert_eq!(out.stream, Some(mark));
+        // A clock ten days on: every sample weighs e^-10 < drop_below.
+        assert!(w.weigh_batch(b, 20 * day).is_none());
     }
 }

@@ -20,6 +20,7 @@ use sparrow_core::Batch;
 use sparrow_core::batch::{BatchBuilder, DataPosition, StreamMark};
 use sparrow_core::config::{DataConfig, Partitions, RetentionGap, StreamConfig, StreamStart};
 use sparrow_data::text::{LineParser, MAX_LINE_BYTES, row_parser};
+use sparrow_data::weighting::Weigher;
 use sparrow_data::{BadRows, BatchStream, DataError, DataLayout};
 
 use crate::broker::{Broker, FetchError, Fetched};
@@ -103,6 +104,11 @@ struct Cutter {
     skip: BTreeMap<i32, Vec<(i64, i64)>>,
     /// Where the batch being cut started on each partition it read.
     from: BTreeMap<i32, i64>,
+    /// `[data.weighting]`: each batch merged and weighed as it is cut.
+    weigher: Option<Weigher>,
+    /// The newest sample time read so far, in Unix ms (the mark's
+    /// `clock_ms`): the weighting's reference.
+    clock_ms: Option<i64>,
 }
 
 impl Cutter {
@@ -155,18 +161,34 @@ impl Cutter {
             bad_records: resume.map_or(0, |m| m.bad_records),
             parser,
             layout: DataLayout::from_config(data),
-            bad,
             batch_size,
             last_record: Instant::now(),
             records_when_seen: resume.map_or(0, |m| m.records),
             skip: resume.map(|m| m.skip.clone()).unwrap_or_default(),
             from: BTreeMap::new(),
+            weigher: data.weighting.clone().map(|cfg| Weigher::new(cfg, 0, bad.weighting.clone())),
+            clock_ms: resume.and_then(|m| m.clock_ms),
+            bad,
         })
     }
 
     /// The next batch; `None` once stopped, or idle for
-    /// `stop_when_idle_secs`.
+    /// `stop_when_idle_secs`. With `[data.weighting]`, its samples are
+    /// weighed by their age on the event clock; a batch whose every sample
+    /// is dropped is passed over (the next one's mark covers its records).
     fn next_batch(&mut self, stop: &AtomicBool) -> Result<Option<Batch>, DataError> {
+        loop {
+            let Some(batch) = self.cut_batch(stop)? else { return Ok(None) };
+            let Some(weigher) = self.weigher.as_mut() else { return Ok(Some(batch)) };
+            let reference = self.clock_ms.unwrap_or(0).div_euclid(1000);
+            if let Some(weighed) = weigher.weigh_batch(batch, reference) {
+                return Ok(Some(weighed));
+            }
+        }
+    }
+
+    /// The next batch of records as read.
+    fn cut_batch(&mut self, stop: &AtomicBool) -> Result<Option<Batch>, DataError> {
         let n = self.parts.len();
         let start = self.cursor;
         let mut b =
@@ -219,10 +241,13 @@ impl Cutter {
         }
         self.cursor = (start + 1) % n;
         self.bad.record_good(b.rows() as u64);
-        let mark = self.mark(newest_ms);
         let end = DataPosition { epoch: 0, offset: self.records, line: self.records + 1, skip: 0 };
         let mut batch = b.finish(end);
-        batch.stream = Some(Arc::new(mark));
+        // A timestamp column may date samples past their records' times.
+        if let Some(newest) = batch.timestamps.as_ref().and_then(|t| t.iter().max()) {
+            self.clock_ms = Some(self.clock_ms.map_or(newest * 1000, |c| c.max(newest * 1000)));
+        }
+        batch.stream = Some(Arc::new(self.mark(newest_ms)));
         Ok(Some(batch))
     }
 
@@ -237,6 +262,7 @@ impl Cutter {
             bad_records: self.bad_records,
             lag_records,
             newest_record_ms,
+            clock_ms: self.clock_ms,
             from: self.from.clone(),
             skip: self.skip.clone(),
         }
@@ -259,12 +285,15 @@ impl Cutter {
             self.from.entry(p.id).or_insert(p.next);
             p.next = record.offset + 1;
             self.records += 1;
+            let ms = record.record.timestamp.timestamp_millis();
+            // Every record read moves the clock, as it did when it was first read.
+            self.clock_ms = Some(self.clock_ms.map_or(ms, |c| c.max(ms)));
             if trained_already(&mut self.skip, p.id, record.offset) {
                 continue;
             }
-            let ms = record.record.timestamp.timestamp_millis();
             *newest_ms = Some(newest_ms.map_or(ms, |m: i64| m.max(ms)));
-            if let Err(reason) = parse_value(self.parser.as_mut(), record.record.value.as_deref(), b) {
+            let time = self.weigher.is_some().then_some(ms.div_euclid(1000));
+            if let Err(reason) = parse_value(self.parser.as_mut(), record.record.value.as_deref(), time, b) {
                 self.bad_records += 1;
                 let place = format!("kafka topic {} partition {} offset {}", self.config.topic, p.id, record.offset);
                 self.bad.record_at(&place, reason)?;
@@ -341,9 +370,15 @@ fn trained_already(skip: &mut BTreeMap<i32, Vec<(i64, i64)>>, partition: i32, of
     inside
 }
 
-/// One record's value as a row of `b`, or why it is malformed (the row is
+/// One record's value as a row of `b`, dated `time` (Unix seconds; a
+/// timestamp column overrides it), or why it is malformed (the row is
 /// rolled back).
-fn parse_value(parser: &mut dyn LineParser, value: Option<&[u8]>, b: &mut BatchBuilder) -> Result<(), String> {
+fn parse_value(
+    parser: &mut dyn LineParser,
+    value: Option<&[u8]>,
+    time: Option<i64>,
+    b: &mut BatchBuilder,
+) -> Result<(), String> {
     let Some(value) = value else { return Err("the record has no value".into()) };
     let mut line = value;
     while let Some((&last, rest)) = line.split_last() {
@@ -359,6 +394,9 @@ fn parse_value(parser: &mut dyn LineParser, value: Option<&[u8]>, b: &mut BatchB
         return Err("the value holds more than one line (one record is one row)".into());
     }
     b.begin_row();
+    if let Some(ts) = time {
+        b.set_timestamp(ts);
+    }
     let parsed = parser
         .parse(line, b)
         .and_then(|label| b.end_row(label).then_some(()).ok_or_else(|| "wrong number of dense values".to_string()));

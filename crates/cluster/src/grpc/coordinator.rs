@@ -76,6 +76,7 @@ pub(crate) fn mark_to_proto(m: &sparrow_core::batch::StreamMark) -> pb::StreamMa
         bad_records: m.bad_records,
         lag_records: m.lag_records,
         newest_record_ms: m.newest_record_ms,
+        clock_ms: m.clock_ms,
         from: m.from.iter().map(|(&p, &o)| (p, o)).collect(),
         skip: m
             .skip
@@ -101,6 +102,7 @@ pub(crate) fn mark_from(m: pb::StreamMark) -> sparrow_core::batch::StreamMark {
         bad_records: m.bad_records,
         lag_records: m.lag_records,
         newest_record_ms: m.newest_record_ms,
+        clock_ms: m.clock_ms,
         from: m.from.into_iter().collect(),
         skip: m.skip.into_iter().map(|(p, r)| (p, r.from.into_iter().zip(r.to).collect())).collect(),
     }

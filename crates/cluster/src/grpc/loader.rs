@@ -283,6 +283,7 @@ mod tests {
                 bad_records: 1,
                 lag_records: 3,
                 newest_record_ms: Some(1_700_000_000_000),
+                clock_ms: Some(1_700_000_000_500),
                 from: [(0, 7)].into(),
                 skip: [(2, vec![(6, 8), (9, 11)])].into(),
             }),

@@ -218,13 +218,25 @@ impl StreamConfig {
         if self.max_unavailable_secs == 0 {
             return invalid("max_unavailable_secs", "must be at least 1".into());
         }
-        if data.weighting.is_some() {
-            return Err(ConfigError::Invalid {
-                key: "data.weighting".into(),
-                message:
-                    "is not yet read from a stream ([data.stream]): age weighting needs the stream's reference time"
+        if let Some(w) = &data.weighting {
+            // Age is counted from the stream's event clock, and merging stays
+            // within a batch so that checkpoints stay at record offsets.
+            if w.reference_time.is_some() {
+                return Err(ConfigError::Invalid {
+                    key: "data.weighting.reference_time".into(),
+                    message: "is not used with [data.stream]: a stream's samples age from its event clock \
+                              (the newest record time read so far)"
                         .into(),
-            });
+                });
+            }
+            if w.merge_buffer_rows > 0 {
+                return Err(ConfigError::Invalid {
+                    key: "data.weighting.merge_buffer_rows".into(),
+                    message: "is not used with [data.stream]: a stream merges identical samples within each \
+                              batch as it is cut (train.batch_size records), so checkpoints stay at record offsets"
+                        .into(),
+                });
+            }
         }
         Ok(())
     }
@@ -273,5 +285,24 @@ mod tests {
             let e = parse(&format!("[data.stream]\n{text}\n")).expect_err(text).to_string();
             assert!(e.contains(key), "{text}: {e}");
         }
+    }
+
+    #[test]
+    fn age_weighting_on_a_stream_dates_samples_by_their_records() {
+        // No timestamp column needed, any text format: the record is the time.
+        let c = parse("[data.stream]\ntopic = \"t\"\n[data.weighting]\ndecay_base = 2.0\n").expect("parses");
+        assert!(c.data.weighting.is_some());
+        for (text, key) in [
+            ("reference_time = 1700000000", "data.weighting.reference_time"),
+            ("merge_buffer_rows = 4096", "data.weighting.merge_buffer_rows"),
+        ] {
+            let e = parse(&format!("[data.stream]\ntopic = \"t\"\n[data.weighting]\n{text}\n"))
+                .expect_err(text)
+                .to_string();
+            assert!(e.contains(key), "{text}: {e}");
+        }
+        // A file still needs its timestamp column.
+        let e = parse("[data]\ntrain = \"x.csv\"\n[data.weighting]\n").expect_err("no column").to_string();
+        assert!(e.contains("data.schema.timestamp"), "{e}");
     }
 }

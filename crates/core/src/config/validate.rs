@@ -134,11 +134,14 @@ impl Config {
             stream.validate(&self.data)?;
         }
         if let Some(w) = &self.data.weighting {
-            if self.data.schema.as_ref().and_then(|s| s.timestamp.as_ref()).is_none() {
-                return invalid("data.weighting", "needs data.schema.timestamp (the column of Unix seconds)");
-            }
-            if !matches!(self.data.format, DataFormat::Csv | DataFormat::Parquet) {
-                return invalid("data.weighting", "needs format = \"csv\" or \"parquet\" (a timestamp column)");
+            // A stream dates each sample by its record (the checks are in stream.rs).
+            if self.data.stream.is_none() {
+                if self.data.schema.as_ref().and_then(|s| s.timestamp.as_ref()).is_none() {
+                    return invalid("data.weighting", "needs data.schema.timestamp (the column of Unix seconds)");
+                }
+                if !matches!(self.data.format, DataFormat::Csv | DataFormat::Parquet) {
+                    return invalid("data.weighting", "needs format = \"csv\" or \"parquet\" (a timestamp column)");
+                }
             }
             if !(w.decay_base.is_finite() && w.decay_base > 1.0) {
                 return invalid("data.weighting.decay_base", "must be above 1 (default e)");
