@@ -257,9 +257,13 @@ fn a_missing_topic_or_partition_and_an_unreachable_broker_are_named() {
 /// `sparrow launch` (2 shards, 1 worker, a checkpoint every 10 steps) on
 /// `config`, with `FAILPOINTS` set when given.
 fn launch(config: &str, failpoints: &str) -> Output {
+    launch_with(config, failpoints, &[])
+}
+
+fn launch_with(config: &str, failpoints: &str, args: &[&str]) -> Output {
     let mut command = sparrow();
     command.args(["launch", "--config", config, "--shards", "2", "--workers", "1", "--quiet"]);
-    command.args(["--set", "checkpoint.every_steps=10"]);
+    command.args(["--set", "checkpoint.every_steps=10"]).args(args);
     if !failpoints.is_empty() {
         command.env("FAILPOINTS", failpoints);
     }
@@ -297,6 +301,30 @@ fn a_cluster_job_on_a_topic_recovers_exactly_from_a_shard_or_loader_death() {
         assert_eq!(json["stream_records"], 8000, "{role}");
         assert!(json["steps_replayed"].as_u64().is_some_and(|n| n >= 1), "{role}: {}", json["steps_replayed"]);
     }
+}
+
+/// `embedding.max_rows` in a cluster: each of the two shards keeps within
+/// half the bound (evicting its least recently used rows after a push), and
+/// when both shards die the job goes back to a checkpoint (each row's last
+/// use is in it) and ends with the model of the run without a death.
+#[test]
+fn a_cluster_job_on_a_topic_keeps_within_max_rows_and_recovers_exactly() {
+    let (tmp, broker) = setup("8000");
+    broker.produce("bounded", 3, &tmp.path().join("data/train.tsv"));
+    let config = job(tmp.path(), &broker, Some("bounded"), "");
+    let free = ok_json(&launch(&config, ""));
+    let bound = free["embedding_rows"].as_u64().expect("rows") / 3;
+    let max_rows = format!("embedding.max_rows={bound}");
+    let capped = ok_json(&launch_with(&config, "", &["--set", &max_rows]));
+    assert!(capped["evicted_rows"].as_u64().is_some_and(|n| n > 0), "{capped}");
+    assert!(capped["embedding_rows"].as_u64().is_some_and(|n| n <= bound), "{capped}");
+    assert_ne!(capped["test_auc"], free["test_auc"], "evictions changed the model");
+    let out = launch_with(&config, "shard.push=24*off->return", &["--set", &max_rows]);
+    let json = ok_json(&out);
+    assert!(json["restarts"]["shard"].as_u64().is_some_and(|n| n >= 1), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(json["test_auc"], capped["test_auc"], "the same evictions after the recovery");
+    assert_eq!(json["embedding_rows"], capped["embedding_rows"]);
+    assert_eq!(json["stream_records"], 8000);
 }
 
 /// Two workers that prefetch (depth 1) train batches out of order, so a

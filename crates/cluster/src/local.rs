@@ -43,8 +43,12 @@ pub struct LocalSummary {
 /// `sparrow_trainer::train` (tested).
 pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Result<LocalSummary, ClusterError> {
     let num_workers = num_workers.max(1);
-    let servers: Vec<Arc<ShardServer>> = (0..num_shards.max(1))
-        .map(|i| Ok(Arc::new(ShardServer::new(i, shard_table(config, i)?).for_mode(config))))
+    let num_shards = num_shards.max(1);
+    let servers: Vec<Arc<ShardServer>> = (0..num_shards)
+        .map(|i| {
+            let server = ShardServer::new(i, shard_table(config, i)?).for_mode(config);
+            Ok(Arc::new(server.with_max_rows(config, num_shards)))
+        })
         .collect::<Result<_, ClusterError>>()?;
     let shards: Vec<Arc<dyn ShardService>> = servers.iter().map(|s| s.clone() as Arc<dyn ShardService>).collect();
     let layout = DataLayout::from_config(&config.data);

@@ -433,7 +433,8 @@ fn run_shard_with(
         let shard = ShardServer::new(index, table)
             .with_max_reply_bytes(config.cluster.max_message_bytes)
             .for_generation(generation.number, &config)
-            .for_mode(&config);
+            .for_mode(&config)
+            .with_max_rows(&config, reg.num_shards);
         serving.set(Some(Arc::new(shard)));
         remove_stale_tiers(&config, index, &subdir);
         Ok(())

@@ -65,6 +65,9 @@ pub struct ShardServer {
     config: Option<Config>,
     /// Where training reads and updates rows: level 1, or (S1) a second level.
     training: Box<dyn TrainingRows>,
+    /// This shard's part of `embedding.max_rows` (0: unbounded): past it,
+    /// each push evicts the least recently used rows.
+    max_rows: usize,
 }
 
 /// Bytes a pull reply of `keys` rows of `dim` floats takes on the wire (the
@@ -84,7 +87,16 @@ impl ShardServer {
             cut: RwLock::new(()),
             config: None,
             training: Box::new(LevelOne { shard: index }),
+            max_rows: 0,
         }
+    }
+
+    /// Keeps the table within its part of `embedding.max_rows` over
+    /// `num_shards` shards (keys spread evenly over them).
+    pub fn with_max_rows(mut self, config: &Config, num_shards: usize) -> Self {
+        let max_rows = usize::try_from(config.embedding.max_rows).unwrap_or(usize::MAX);
+        self.max_rows = max_rows.div_ceil(num_shards.max(1));
+        self
     }
 
     /// Serves training from a second level of at most `capacity` rows (0: no
@@ -249,7 +261,11 @@ impl ShardService for ShardServer {
             let u = u as usize;
             summed[u * dim..(u + 1) * dim].iter_mut().zip(&grads[i * dim..(i + 1) * dim]).for_each(|(s, g)| *s += g);
         }
-        self.training.push(&self.table, batch_id, &plan, slots, &summed)
+        self.training.push(&self.table, batch_id, &plan, slots, &summed)?;
+        // After the update, as `sparrow train` evicts after a step.
+        sparrow_trainer::bounds::evict_over(&self.table, self.max_rows)
+            .map_err(|source| ClusterError::Table { shard: self.index, source })?;
+        Ok(())
     }
 
     fn report(&self) -> Result<ShardReport, ClusterError> {

@@ -62,15 +62,7 @@ impl TableBounds {
         {
             expired = table.delete_used_before(cutoff, Deletion::Expired)?;
         }
-        let mut evicted = 0;
-        if self.max_rows > 0 && table.len() > self.max_rows {
-            // Down to 90%: the next eviction is a tenth of the bound away.
-            let keep = self.max_rows - self.max_rows / 10;
-            if let Some(cutoff) = table.lru_cutoff(keep)? {
-                evicted = table.delete_used_before(cutoff, Deletion::Evicted)?;
-            }
-        }
-        Ok((expired, evicted))
+        Ok((expired, evict_over(table, self.max_rows)?))
     }
 
     /// Notes that the lookups up to `tick` trained records up to `secs`;
@@ -94,6 +86,19 @@ impl TableBounds {
         let (last_gone, _) = self.clock[within - 1];
         self.clock.drain(..within);
         Some(last_gone + 1)
+    }
+}
+
+/// `table` past `max_rows` rows (0: no bound): its least recently used
+/// rows evicted down to 90% of the bound (so the next eviction is a tenth
+/// of it away). Returns the rows evicted.
+pub fn evict_over(table: &EmbeddingTable, max_rows: usize) -> Result<u64, TableError> {
+    if max_rows == 0 || table.len() <= max_rows {
+        return Ok(0);
+    }
+    match table.lru_cutoff(max_rows - max_rows / 10)? {
+        Some(cutoff) => table.delete_used_before(cutoff, Deletion::Evicted),
+        None => Ok(0),
     }
 }
 

@@ -24,10 +24,10 @@ pub(super) fn check_cluster_config(config: &Config) -> Result<(), ClusterError> 
                 .into(),
         ));
     }
-    if config.embedding.ttl_secs > 0 || config.embedding.max_rows > 0 {
+    if config.embedding.ttl_secs > 0 {
         return Err(ClusterError::Setup(
-            "embedding.ttl_secs and max_rows bound `sparrow train`'s table so far; a cluster job's shards \
-             do not yet (embedding.ttl_steps does expire rows there)"
+            "embedding.ttl_secs expires `sparrow train`'s rows so far; a cluster job's shards do not yet \
+             (embedding.max_rows bounds them, and embedding.ttl_steps expires rows there)"
                 .into(),
         ));
     }

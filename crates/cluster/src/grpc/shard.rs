@@ -189,6 +189,7 @@ impl pb::shard_server::Shard for ShardGrpc {
             admitted: r.filters.admitted,
             not_admitted: r.filters.not_admitted,
             expired: r.filters.expired,
+            evicted: r.filters.evicted,
             second_level: r.second_level.map(|s| pb::SecondLevelStats {
                 passes_staged: s.passes_staged,
                 passes_flushed: s.passes_flushed,
@@ -347,9 +348,8 @@ impl ShardService for ShardClient {
             prefetch_loads: s.prefetch_loads,
             prefetch_inits: s.prefetch_inits,
         });
-        // A cluster job refuses embedding.max_rows: its shards evict nothing.
         let filters =
-            FilterStats { admitted: s.admitted, not_admitted: s.not_admitted, expired: s.expired, evicted: 0 };
+            FilterStats { admitted: s.admitted, not_admitted: s.not_admitted, expired: s.expired, evicted: s.evicted };
         let second_level = s.second_level.map(|l| SecondLevelStats {
             passes_staged: l.passes_staged,
             passes_flushed: l.passes_flushed,
