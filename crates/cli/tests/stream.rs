@@ -532,3 +532,45 @@ fn age_weighting_on_a_stream_resumes_exactly_and_tracks_the_drift() {
         (whole["online_window_auc"].as_f64().expect("online"), offline["test_auc"].as_f64().expect("offline"));
     assert!(online >= offline - 0.01, "online AUC on the newest day {online}, the offline model's {offline}");
 }
+
+/// `embedding.ttl_secs` in a cluster: each shard keeps its lookup clock
+/// against the records' time (the loader sends each batch's newest record
+/// time with its keys), deletes rows past the TTL after a push, and keeps
+/// that clock in its checkpoint part. Both shards die at their 25th push;
+/// from the checkpoint at step 20 the job deletes the second day's rows
+/// when the fourth begins (near step 24), which only the restored clock
+/// knows, and ends with the model of the run without a death, which is
+/// `train`'s model.
+#[test]
+fn a_cluster_job_expires_rows_by_record_time_and_recovers_exactly() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let generated = sparrow()
+        .args(["gen", "--format", "csv", "--days", "4", "--train-rows", "8000", "--test-rows", "1000", "--out"])
+        .arg(tmp.path().join("data"))
+        .output()
+        .expect("gen");
+    assert!(generated.status.success(), "{}", String::from_utf8_lossy(&generated.stderr));
+    let broker = Broker::start();
+    let out = sparrow()
+        .args(["produce", "--brokers", &broker.addr, "--topic", "days", "--partitions", "2"])
+        .args(["--from", &tmp.path().join("data/train.csv").display().to_string()])
+        .args(["--skip-header", "--timestamp-column", "40"])
+        .output()
+        .expect("produce");
+    assert_eq!(last_json(&out)["records"], 8000, "{}", String::from_utf8_lossy(&out.stderr));
+    let job = days_job(tmp.path(), &broker, "cluster-ttl", "ttl_secs = 129600", "");
+    let text =
+        std::fs::read_to_string(&job).expect("job").replace("batch_size = 256", "batch_size = 256\npipeline_depth = 0");
+    std::fs::write(&job, text).expect("job");
+    let plain = ok_json(&launch(&job, ""));
+    assert!(plain["expired_rows"].as_u64().is_some_and(|n| n > 0), "{plain}");
+    let out = launch(&job, "shard.push=24*off->return");
+    let json = ok_json(&out);
+    assert!(json["restarts"]["shard"].as_u64().is_some_and(|n| n >= 1), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(json["test_auc"], plain["test_auc"], "the same deletions after the recovery");
+    assert_eq!(json["embedding_rows"], plain["embedding_rows"]);
+    assert_eq!(json["stream_records"], 8000);
+    let single = ok_json(&train(&job, &[]));
+    assert_eq!(single["test_auc"], plain["test_auc"], "two shards expire the rows train's table does");
+    assert_eq!(single["embedding_rows"], plain["embedding_rows"]);
+}

@@ -203,21 +203,27 @@ pub fn manifest(
 
 /// Shard `index` of `num_shards`, restored from a checkpoint: only the keys it
 /// owns (whatever the shard count that wrote it; from a version written by as
-/// many shards, its own part, filter state included). `subdir`: where its
-/// SSD tier goes (a fresh one: never the files of a dead process).
+/// many shards, its own part, filter state included), and its part's event
+/// clock (`embedding.ttl_secs`; empty from a version of another shard
+/// count, whose lookup clocks were other tables'). `subdir`: where its SSD
+/// tier goes (a fresh one: never the files of a dead process).
 pub fn restore_shard_table(
     config: &Config,
     dir: &Path,
     index: usize,
     num_shards: usize,
     subdir: &str,
-) -> Result<sparrow_embedding::EmbeddingTable, ClusterError> {
+) -> Result<(sparrow_embedding::EmbeddingTable, Vec<(u64, i64)>), ClusterError> {
     let mut trainer = Trainer::new(&in_memory(config), DataLayout::from_config(&config.data))?;
     trainer.table = crate::shard::shard_table_in(config, index, subdir)?;
-    sparrow_trainer::checkpoint::load_shard_into(&mut trainer, dir, index, num_shards, |key| {
+    let manifest = sparrow_trainer::checkpoint::load_shard_into(&mut trainer, dir, index, num_shards, |key| {
         sparrow_embedding::owner(key, num_shards) == index
     })?;
-    Ok(trainer.table)
+    let event_clock = match manifest.parts.get(index) {
+        Some(part) if manifest.parts.len() == num_shards => part.event_clock.clone(),
+        _ => Vec::new(),
+    };
+    Ok((trainer.table, event_clock))
 }
 
 /// A worker's dense model and optimizer state, restored from a checkpoint.

@@ -76,7 +76,7 @@ impl Loader {
         let Some((batch, keys)) = self.next_planned()? else { return Ok(None) };
         for (shard, keys) in self.shards.iter().zip(keys) {
             if !keys.is_empty() {
-                shard.enqueue(batch.batch_id, keys, self.mode)?;
+                shard.enqueue(batch.batch_id, keys, self.mode, batch.newest_record_ms())?;
             }
         }
         Ok(Some(batch))
@@ -294,7 +294,7 @@ fn stage_pass(
     for (batch, keys) in planned {
         for (shard, keys) in shards.iter().zip(keys) {
             if !keys.is_empty() {
-                shard.enqueue(batch.batch_id, keys.clone(), Mode::Train)?;
+                shard.enqueue(batch.batch_id, keys.clone(), Mode::Train, batch.newest_record_ms())?;
             }
         }
     }

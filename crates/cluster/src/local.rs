@@ -47,7 +47,7 @@ pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Re
     let servers: Vec<Arc<ShardServer>> = (0..num_shards)
         .map(|i| {
             let server = ShardServer::new(i, shard_table(config, i)?).for_mode(config);
-            Ok(Arc::new(server.with_max_rows(config, num_shards)))
+            Ok(Arc::new(server.with_bounds(config, num_shards, &[])))
         })
         .collect::<Result<_, ClusterError>>()?;
     let shards: Vec<Arc<dyn ShardService>> = servers.iter().map(|s| s.clone() as Arc<dyn ShardService>).collect();

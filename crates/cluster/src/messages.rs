@@ -57,6 +57,11 @@ pub struct PassCounters {
 }
 
 impl WorkerBatch {
+    /// A stream's batch: its newest record's time (Unix ms).
+    pub fn newest_record_ms(&self) -> Option<i64> {
+        self.stream.as_ref().and_then(|m| m.newest_record_ms)
+    }
+
     /// The sum of the batch's sample weights (each weighs 1 without `[data.weighting]`).
     pub fn weight_sum(&self) -> f64 {
         match &self.sample_weights {

@@ -422,19 +422,19 @@ fn run_shard_with(
             old.retire();
         }
         let subdir = shard_subdir(index, generation.number);
-        let table = match &generation.restore {
+        let (table, event_clock) = match &generation.restore {
             Some(dir) => {
                 faults::point("shard.restore");
                 crate::checkpoint::restore_shard_table(&config, dir, index, reg.num_shards, &subdir)
-                    .inspect(|t| tracing::info!("shard {index}: restored {} rows from {}", t.len(), dir.display()))
+                    .inspect(|t| tracing::info!("shard {index}: restored {} rows from {}", t.0.len(), dir.display()))
             }
-            None => shard_table_in(&config, index, &subdir),
+            None => shard_table_in(&config, index, &subdir).map(|t| (t, Vec::new())),
         }?;
         let shard = ShardServer::new(index, table)
             .with_max_reply_bytes(config.cluster.max_message_bytes)
             .for_generation(generation.number, &config)
             .for_mode(&config)
-            .with_max_rows(&config, reg.num_shards);
+            .with_bounds(&config, reg.num_shards, &event_clock);
         serving.set(Some(Arc::new(shard)));
         remove_stale_tiers(&config, index, &subdir);
         Ok(())
@@ -618,8 +618,14 @@ pub fn run_worker(args: &RoleArgs) -> Result<WorkerSummary, ClusterError> {
 struct LocalShard(Arc<Serving<ShardServer>>);
 
 impl ShardService for LocalShard {
-    fn enqueue(&self, batch_id: u64, keys: Vec<u64>, mode: crate::Mode) -> Result<(), ClusterError> {
-        self.0.get()?.enqueue(batch_id, keys, mode)
+    fn enqueue(
+        &self,
+        batch_id: u64,
+        keys: Vec<u64>,
+        mode: crate::Mode,
+        newest_record_ms: Option<i64>,
+    ) -> Result<(), ClusterError> {
+        self.0.get()?.enqueue(batch_id, keys, mode, newest_record_ms)
     }
     fn pull(&self, batch_id: u64) -> Result<Vec<f32>, ClusterError> {
         self.0.get()?.pull(batch_id)

@@ -12,7 +12,8 @@ use std::path::Path;
 use std::time::Instant;
 
 use sparrow_core::Config;
-use sparrow_embedding::{EmbeddingTable, KeyPlan, RowSlots, Staged};
+use sparrow_embedding::{Deletion, EmbeddingTable, KeyPlan, RowSlots, Staged};
+use sparrow_trainer::bounds::TableBounds;
 
 use crate::faults;
 use crate::generation::Generation;
@@ -43,10 +44,11 @@ enum Pending {
         plan: Option<KeyPlan>,
         /// Keeps the prefetched rows cached until the pull has looked them up.
         staged: Staged,
+        newest_record_ms: Option<i64>,
     },
     /// Pulled for training: the second dedup's plan and the rows it found
     /// (level 1's slots; none from a second level).
-    Pulled { plan: KeyPlan, slots: Option<RowSlots> },
+    Pulled { plan: KeyPlan, slots: Option<RowSlots>, newest_record_ms: Option<i64> },
 }
 
 pub struct ShardServer {
@@ -68,6 +70,9 @@ pub struct ShardServer {
     /// This shard's part of `embedding.max_rows` (0: unbounded): past it,
     /// each push evicts the least recently used rows.
     max_rows: usize,
+    /// `embedding.ttl_secs`: the shard's lookup clock against the time of
+    /// the records it trained, advanced after each push.
+    ttl: Mutex<Option<TableBounds>>,
 }
 
 /// Bytes a pull reply of `keys` rows of `dim` floats takes on the wire (the
@@ -88,15 +93,36 @@ impl ShardServer {
             config: None,
             training: Box::new(LevelOne { shard: index }),
             max_rows: 0,
+            ttl: Mutex::new(None),
         }
     }
 
-    /// Keeps the table within its part of `embedding.max_rows` over
-    /// `num_shards` shards (keys spread evenly over them).
-    pub fn with_max_rows(mut self, config: &Config, num_shards: usize) -> Self {
+    /// Bounds the table as `sparrow train` does: within its part of
+    /// `embedding.max_rows` over `num_shards` shards (keys spread evenly
+    /// over them), and rows expiring `embedding.ttl_secs` after their last
+    /// use by the records' time, from `event_clock` (a restored part's).
+    pub fn with_bounds(mut self, config: &Config, num_shards: usize, event_clock: &[(u64, i64)]) -> Self {
         let max_rows = usize::try_from(config.embedding.max_rows).unwrap_or(usize::MAX);
         self.max_rows = max_rows.div_ceil(num_shards.max(1));
+        let ttl_only = sparrow_core::config::EmbeddingConfig { max_rows: 0, ..config.embedding.clone() };
+        let mut ttl = TableBounds::new(&ttl_only);
+        if let Some(t) = ttl.as_mut() {
+            t.restore(event_clock);
+        }
+        self.ttl = Mutex::new(ttl);
         self
+    }
+
+    /// After a training push: rows past the TTL or the bound deleted.
+    fn bound(&self, newest_record_ms: Option<i64>) -> Result<(), ClusterError> {
+        let table_error = |source| ClusterError::Table { shard: self.index, source };
+        // The cutoff under the lock; the deletion (disk I/O on an SSD tier) outside it.
+        let cutoff = self.ttl.lock().as_mut().and_then(|t| t.ttl_cutoff(self.table.clock(), newest_record_ms));
+        if let Some(cutoff) = cutoff {
+            self.table.delete_used_before(cutoff, Deletion::Expired).map_err(table_error)?;
+        }
+        sparrow_trainer::bounds::evict_over(&self.table, self.max_rows).map_err(table_error)?;
+        Ok(())
     }
 
     /// Serves training from a second level of at most `capacity` rows (0: no
@@ -177,14 +203,20 @@ impl ShardServer {
 }
 
 impl ShardService for ShardServer {
-    fn enqueue(&self, batch_id: u64, keys: Vec<u64>, mode: Mode) -> Result<(), ClusterError> {
+    fn enqueue(
+        &self,
+        batch_id: u64,
+        keys: Vec<u64>,
+        mode: Mode,
+        newest_record_ms: Option<i64>,
+    ) -> Result<(), ClusterError> {
         self.check_generation(batch_id)?;
         let _cut = self.cut.read();
         let (plan, staged) = match mode {
             Mode::Train => self.training.queued(&self.table, &keys)?,
             Mode::Eval => (None, Staged::default()),
         };
-        self.pending.lock().insert(batch_id, Pending::Queued { keys, mode, plan, staged });
+        self.pending.lock().insert(batch_id, Pending::Queued { keys, mode, plan, staged, newest_record_ms });
         Ok(())
     }
 
@@ -193,7 +225,7 @@ impl ShardService for ShardServer {
         self.check_generation(batch_id)?;
         let _cut = self.cut.read();
         let dim = self.table.dim();
-        let (keys, mode, plan, _staged) = match self.take(batch_id)? {
+        let (keys, mode, plan, _staged, newest_record_ms) = match self.take(batch_id)? {
             Pending::Queued { keys, .. } if pull_reply_bytes(keys.len(), dim) > self.max_reply_bytes => {
                 return Err(ClusterError::TooLarge {
                     peer: format!("shard {}", self.index),
@@ -202,7 +234,9 @@ impl ShardService for ShardServer {
                     limit: self.max_reply_bytes,
                 });
             }
-            Pending::Queued { keys, mode, plan, staged } => (keys, mode, plan, staged),
+            Pending::Queued { keys, mode, plan, staged, newest_record_ms } => {
+                (keys, mode, plan, staged, newest_record_ms)
+            }
             pulled @ Pending::Pulled { .. } => {
                 self.pending.lock().insert(batch_id, pulled);
                 return Err(ClusterError::UnknownBatch { shard: self.index, batch_id });
@@ -223,7 +257,7 @@ impl ShardService for ShardServer {
             Mode::Train => {
                 let slots = self.training.pull(&self.table, &plan, &mut unique_rows)?;
                 plan.restore(&unique_rows, dim, &mut rows);
-                self.pending.lock().insert(batch_id, Pending::Pulled { plan, slots });
+                self.pending.lock().insert(batch_id, Pending::Pulled { plan, slots, newest_record_ms });
             }
         }
         Ok(rows)
@@ -234,7 +268,7 @@ impl ShardService for ShardServer {
         self.check_generation(batch_id)?;
         let _cut = self.cut.read();
         let dim = self.table.dim();
-        let (plan, slots) = {
+        let (plan, slots, newest_record_ms) = {
             let mut pending = self.pending.lock();
             // Checked before the batch is taken: a bad push leaves it queued.
             let expected = match pending.get(&batch_id) {
@@ -251,7 +285,7 @@ impl ShardService for ShardServer {
                 });
             }
             match pending.remove(&batch_id) {
-                Some(Pending::Pulled { plan, slots }) => (plan, slots),
+                Some(Pending::Pulled { plan, slots, newest_record_ms }) => (plan, slots, newest_record_ms),
                 _ => return Err(ClusterError::UnknownBatch { shard: self.index, batch_id }),
             }
         };
@@ -262,10 +296,8 @@ impl ShardService for ShardServer {
             summed[u * dim..(u + 1) * dim].iter_mut().zip(&grads[i * dim..(i + 1) * dim]).for_each(|(s, g)| *s += g);
         }
         self.training.push(&self.table, batch_id, &plan, slots, &summed)?;
-        // After the update, as `sparrow train` evicts after a step.
-        sparrow_trainer::bounds::evict_over(&self.table, self.max_rows)
-            .map_err(|source| ClusterError::Table { shard: self.index, source })?;
-        Ok(())
+        // After the update, as `sparrow train` deletes after a step.
+        self.bound(newest_record_ms)
     }
 
     fn report(&self) -> Result<ShardReport, ClusterError> {
@@ -317,7 +349,9 @@ impl ShardService for ShardServer {
             let _cut = self.cut.write();
             // A checkpoint between passes: level 1 takes the second level's rows first.
             self.training.before_level_one_read(&self.table, false)?;
-            sparrow_trainer::checkpoint::write_part(&self.table, dir, self.index, since, config)?
+            let mut written = sparrow_trainer::checkpoint::write_part(&self.table, dir, self.index, since, config)?;
+            written.part.event_clock = self.ttl.lock().as_ref().map(TableBounds::saved).unwrap_or_default();
+            written
         };
         let secs = start.elapsed().as_secs_f64();
         faults::point("shard.part_written");
@@ -366,12 +400,12 @@ mod tests {
         let table = EmbeddingTable::new(16, optimizer, Initializer::new(InitConfig::default(), 1), 4);
         let shard = ShardServer::new(3, table).with_max_reply_bytes(64 * 1024);
         // 1024 keys × 16 floats × 4 bytes = 64 KiB of rows, plus the header: one key too many.
-        shard.enqueue(7, (0..1024).collect(), Mode::Train).expect("queued");
+        shard.enqueue(7, (0..1024).collect(), Mode::Train, None).expect("queued");
         let err = shard.pull(7).expect_err("too large");
         let msg = err.to_string();
         assert!(msg.contains("shard 3") && msg.contains("pull") && msg.contains("cluster.max_message_bytes"), "{msg}");
         assert_eq!(shard.table().len(), 0, "no row was looked up or inserted");
-        shard.enqueue(8, (0..1000).collect(), Mode::Train).expect("queued");
+        shard.enqueue(8, (0..1000).collect(), Mode::Train, None).expect("queued");
         assert_eq!(shard.pull(8).expect("fits").len(), 1000 * 16);
     }
 
@@ -408,7 +442,7 @@ mod tests {
 
     fn train_batches(shard: &ShardServer, batches: std::ops::Range<u64>) {
         for b in batches {
-            shard.enqueue(b, skew_keys(b), Mode::Train).expect("queued");
+            shard.enqueue(b, skew_keys(b), Mode::Train, None).expect("queued");
             let rows = shard.pull(b).expect("pulled");
             shard.push(b, skew_grads(&rows)).expect("pushed");
         }
@@ -427,7 +461,7 @@ mod tests {
         let memory = skew_shard(None);
         for shard in [&tiered, &memory] {
             train_batches(shard, 500..600);
-            shard.enqueue(0, skew_keys(0), Mode::Train).expect("queued");
+            shard.enqueue(0, skew_keys(0), Mode::Train, None).expect("queued");
             let stalled = shard.pull(0).expect("pulled");
             train_batches(shard, 1..301);
             shard.push(0, skew_grads(&stalled)).expect("the stalled batch's push lands on its own rows");

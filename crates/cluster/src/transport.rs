@@ -168,7 +168,15 @@ impl ShardReport {
 pub trait ShardService: Send + Sync {
     /// Queues a batch's keys owned by this shard (unique, in the order the
     /// rows will be returned).
-    fn enqueue(&self, batch_id: u64, keys: Vec<u64>, mode: Mode) -> Result<(), ClusterError>;
+    /// `newest_record_ms`: a stream's batch, its newest record's time (the
+    /// shard's event time for `embedding.ttl_secs`).
+    fn enqueue(
+        &self,
+        batch_id: u64,
+        keys: Vec<u64>,
+        mode: Mode,
+        newest_record_ms: Option<i64>,
+    ) -> Result<(), ClusterError>;
     /// The rows of a queued batch, `keys × dim`, in enqueue order. A training
     /// batch inserts unseen keys; an evaluation batch reads them as their
     /// initial vectors and is forgotten after the pull.

@@ -214,7 +214,7 @@ fn shards_refuse_batches_they_do_not_hold() {
     let shard = Arc::new(ShardServer::new(2, table));
     let err = shard.pull(7).expect_err("never queued");
     assert!(matches!(err, ClusterError::UnknownBatch { shard: 2, batch_id: 7 }), "{err}");
-    shard.enqueue(7, vec![1, 2, 3], Mode::Train).expect("enqueue");
+    shard.enqueue(7, vec![1, 2, 3], Mode::Train, None).expect("enqueue");
     let err = shard.push(7, vec![0.0; 12]).expect_err("push before pull");
     assert!(err.to_string().contains("shard 2"), "{err}");
     let rows = shard.pull(7).expect("pull");
@@ -224,7 +224,7 @@ fn shards_refuse_batches_they_do_not_hold() {
     shard.push(7, vec![0.5; 12]).expect("push");
     assert!(shard.push(7, vec![0.5; 12]).is_err(), "a batch is applied once");
     // An evaluation batch reads without inserting.
-    shard.enqueue(8, vec![1, 99], Mode::Eval).expect("enqueue");
+    shard.enqueue(8, vec![1, 99], Mode::Eval, None).expect("enqueue");
     assert_eq!(shard.pull(8).expect("pull").len(), 8);
     assert_eq!(shard.table().len(), 3);
 }

@@ -62,7 +62,7 @@ proptest! {
             let plan = KeyPlan::new(&keys, shards, |k| owner(k, shards));
             for (s, server) in servers.iter().enumerate() {
                 if !plan.shard_keys(s).is_empty() {
-                    server.enqueue(id, plan.shard_keys(s).to_vec(), Mode::Train).expect("enqueue");
+                    server.enqueue(id, plan.shard_keys(s).to_vec(), Mode::Train, None).expect("enqueue");
                 }
             }
             // Worker: pull each shard's rows by batch id, restore every position.

@@ -56,13 +56,20 @@ impl TableBounds {
         newest_record_ms: Option<i64>,
     ) -> Result<(u64, u64), TableError> {
         let mut expired = 0;
-        if self.ttl_secs > 0
-            && let Some(ms) = newest_record_ms
-            && let Some(cutoff) = self.advance(table.clock(), ms.div_euclid(1000))
-        {
+        if let Some(cutoff) = self.ttl_cutoff(table.clock(), newest_record_ms) {
             expired = table.delete_used_before(cutoff, Deletion::Expired)?;
         }
         Ok((expired, evict_over(table, self.max_rows)?))
+    }
+
+    /// `embedding.ttl_secs`: the lookups up to `tick` trained records up to
+    /// `newest_record_ms`; the lookup clock before which rows have expired,
+    /// when it moved (the caller deletes them).
+    pub fn ttl_cutoff(&mut self, tick: u64, newest_record_ms: Option<i64>) -> Option<u64> {
+        match newest_record_ms {
+            Some(ms) if self.ttl_secs > 0 => self.advance(tick, ms.div_euclid(1000)),
+            _ => None,
+        }
     }
 
     /// Notes that the lookups up to `tick` trained records up to `secs`;

@@ -104,6 +104,10 @@ pub struct Part {
     /// An incremental part: it holds the rows used after this clock only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub since: Option<u64>,
+    /// `embedding.ttl_secs`: the shard's lookup clock against the records'
+    /// time (as the manifest's `event_clock` is `train`'s).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub event_clock: Vec<(u64, i64)>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -464,7 +468,7 @@ pub fn write_part(
         }
     }
     let mut files = vec![(emb_name.clone(), emb.finish(16, rows)?)];
-    let mut part = Part { embeddings: emb_name, filters: None, rows, clock, since };
+    let mut part = Part { embeddings: emb_name, filters: None, rows, clock, since, event_clock: Vec::new() };
     if let Some((f, count_at)) = filters {
         files.push((filters_name.clone(), f.finish(count_at, if ages { rows } else { 0 })?));
         part.filters = Some(filters_name);

@@ -24,13 +24,6 @@ pub(super) fn check_cluster_config(config: &Config) -> Result<(), ClusterError> 
                 .into(),
         ));
     }
-    if config.embedding.ttl_secs > 0 {
-        return Err(ClusterError::Setup(
-            "embedding.ttl_secs expires `sparrow train`'s rows so far; a cluster job's shards do not yet \
-             (embedding.max_rows bounds them, and embedding.ttl_steps expires rows there)"
-                .into(),
-        ));
-    }
     if config.checkpoint.every_secs.is_some() || config.checkpoint.export_every_secs.is_some() {
         return Err(ClusterError::Setup(
             "checkpoint.every_secs and export_every_secs are `sparrow train`'s so far: a cluster job's \

@@ -90,7 +90,7 @@ impl pb::shard_server::Shard for ShardGrpc {
         let mode = if r.eval { Mode::Eval } else { Mode::Train };
         // With an SSD tier the enqueue prefetches rows from disk: off the runtime.
         let shard = self.shard()?;
-        blocking(move || shard.enqueue(r.batch_id, keys, mode)).await?;
+        blocking(move || shard.enqueue(r.batch_id, keys, mode, r.newest_record_ms)).await?;
         self.done("enqueue", start);
         Ok(Response::new(pb::Empty {}))
     }
@@ -163,6 +163,8 @@ impl pb::shard_server::Shard for ShardGrpc {
             dim: p.dim as u32,
             row_len: p.row_len as u32,
             total_rows: p.total_rows,
+            event_ticks: part.event_clock.iter().map(|e| e.0).collect(),
+            event_secs: part.event_clock.iter().map(|e| e.1).collect(),
         }))
     }
 
@@ -321,8 +323,15 @@ impl ShardClient {
 }
 
 impl ShardService for ShardClient {
-    fn enqueue(&self, batch_id: u64, keys: Vec<u64>, mode: Mode) -> Result<(), ClusterError> {
-        let request = pb::EnqueueRequest { batch_id, keys: u64s_to_bytes(&keys), eval: mode == Mode::Eval };
+    fn enqueue(
+        &self,
+        batch_id: u64,
+        keys: Vec<u64>,
+        mode: Mode,
+        newest_record_ms: Option<i64>,
+    ) -> Result<(), ClusterError> {
+        let request =
+            pb::EnqueueRequest { batch_id, keys: u64s_to_bytes(&keys), eval: mode == Mode::Eval, newest_record_ms };
         self.peer.call("enqueue", request, |mut c, r| async move { c.enqueue(r).await })?;
         Ok(())
     }
@@ -398,6 +407,7 @@ impl ShardService for ShardClient {
             rows: r.rows,
             clock: r.clock,
             since,
+            event_clock: r.event_ticks.into_iter().zip(r.event_secs).collect(),
         };
         // File names come back into a path under the checkpoint directory: plain names only.
         let names = std::iter::once(&part.embeddings).chain(part.filters.iter()).chain(r.files.iter().map(|f| &f.name));

@@ -83,7 +83,7 @@ pub(super) fn look_up_keys(
     let plan = KeyPlan::new(&batch.keys, n, |k| owner(k, n));
     batch.shard_counts = (0..n).map(|s| plan.shard_keys(s).len() as u32).collect();
     each_shard(shards, &batch.shard_counts, |s, shard| {
-        shard.enqueue(batch.batch_id, plan.shard_keys(s).to_vec(), mode)
+        shard.enqueue(batch.batch_id, plan.shard_keys(s).to_vec(), mode, batch.newest_record_ms())
     })?;
     batch.inverse = plan.inverse;
     Ok(())
