@@ -330,12 +330,22 @@ fn a_cluster_job_on_a_topic_keeps_within_max_rows_and_recovers_exactly() {
 /// Two workers that prefetch (depth 1) train batches out of order, so a
 /// checkpoint may hold batches trained past its offsets (as skip ranges in
 /// its mark). Both workers die after their step 9: the job goes back to a
-/// checkpoint and ends with every record trained once.
+/// checkpoint and ends with every record trained once. (Without a death,
+/// the online figures are both workers' together.)
 #[test]
 fn two_workers_on_a_topic_recover_with_every_record_trained_once() {
     let (tmp, broker) = setup("8000");
     broker.produce("two", 3, &tmp.path().join("data/train.tsv"));
     let config = job(tmp.path(), &broker, Some("two"), "");
+    // Without a death: the online figures add up both workers' batches.
+    let out = sparrow()
+        .args(["launch", "--config", &config, "--shards", "2", "--workers", "2", "--quiet"])
+        .args(["--set", "train.pipeline_depth=1"])
+        .output()
+        .expect("launch");
+    let json = ok_json(&out);
+    assert_eq!(json["online_samples"], 8000, "{json}");
+    assert!(json["online_window_auc"].as_f64().is_some_and(|a| a > 0.0 && a < 1.0), "{json}");
     let out = sparrow()
         .args(["launch", "--config", &config, "--shards", "2", "--workers", "2", "--quiet"])
         .args(["--set", "checkpoint.every_steps=4", "--set", "train.pipeline_depth=1"])
@@ -347,7 +357,9 @@ fn two_workers_on_a_topic_recover_with_every_record_trained_once() {
     assert_eq!(json["train_rows"], 8000, "nothing skipped, nothing trained twice");
     assert_eq!(json["stream_records"], 8000);
     assert_eq!(json["stream_offsets"], serde_json::json!({"0": 2667, "1": 2667, "2": 2666}));
-    assert!(json["steps_replayed"].as_u64().is_some_and(|n| n >= 1), "{}", json["steps_replayed"]);
+    // No figure for steps_replayed: the coordinator counts the steps its
+    // heartbeats reported, and a worker killed between two heartbeats took
+    // its last step with it (0 or 1 here, by timing).
 }
 
 /// A job on generated CSV rows spread over four days (`gen --days`), each

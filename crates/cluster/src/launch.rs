@@ -632,8 +632,12 @@ fn merge(
         stream: sparrow_trainer::input::StreamReport::of(
             workers.iter().filter_map(|w| w.stream.as_ref()).max_by_key(|m| m.records),
         ),
-        // Worker 0's batches (each worker scores its own).
-        online: first.online,
+        // Each worker scores its own batches: one worker's figures, or every
+        // worker's counts added up.
+        online: match workers.iter().map(|w| w.online_tally.as_ref()).collect::<Option<Vec<_>>>() {
+            Some(tallies) if tallies.len() > 1 => sparrow_trainer::online::OnlineReport::merged(&tallies),
+            _ => first.online,
+        },
         extra: ClusterFields {
             shards: options.nodes.unwrap_or(options.shards),
             workers: options.nodes.unwrap_or(options.workers),

@@ -602,8 +602,11 @@ pub struct WorkerSummary {
     pub bytes_from_remote_shards: u64,
     /// `[data.stream]`: the mark after this worker's furthest batch.
     pub stream: Option<sparrow_core::batch::StreamMark>,
-    /// Progressive validation over this worker's batches.
+    /// Progressive validation over this worker's batches, as figures and
+    /// as counts that launch adds up across workers.
     pub online: sparrow_trainer::online::OnlineReport,
+    #[serde(default)]
+    pub online_tally: Option<sparrow_trainer::online::OnlineTally>,
 }
 
 /// Trains as one worker of the job until it is done; worker 0 also
@@ -871,6 +874,7 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Attempt) -> Result<Worker
     summary.bytes_from_remote_shards = s.bytes_from_remote_shards;
     summary.stream = s.last_stream.clone();
     summary.online = sparrow_trainer::online::OnlineReport::of(worker.online.as_ref());
+    summary.online_tally = worker.online.as_ref().map(sparrow_trainer::online::OnlineTally::of);
     summary.dense_checksum = format!("{:016x}", worker.dense_checksum()?);
     summary.checkpoint = worker.last_checkpoint().map(|d| d.display().to_string());
     summary.peak_rss_bytes = sparrow_trainer::peak_rss_bytes();

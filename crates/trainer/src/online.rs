@@ -4,7 +4,7 @@
 //! its own step, before its update (`sparrow_core::metrics::online`).
 
 use serde::{Deserialize, Serialize};
-use sparrow_core::metrics::online::{OnlineMetrics, ProgressiveEval};
+use sparrow_core::metrics::online::{OnlineCounts, OnlineMetrics, ProgressiveEval};
 
 /// The window's and the whole run's metrics at one moment.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -58,10 +58,39 @@ pub struct OnlineReport {
     pub online_window_calibration: Option<f64>,
 }
 
+/// A cluster worker's counts, which `launch` adds up across workers.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct OnlineTally {
+    pub window: OnlineCounts,
+    pub run: OnlineCounts,
+}
+
+impl OnlineTally {
+    pub fn of(eval: &ProgressiveEval) -> OnlineTally {
+        OnlineTally { window: eval.window_counts(), run: eval.run_counts() }
+    }
+}
+
 impl OnlineReport {
     pub fn of(eval: Option<&ProgressiveEval>) -> OnlineReport {
-        let Some(eval) = eval else { return OnlineReport::default() };
-        let OnlineFigures { window: w, run: r } = OnlineFigures::of(eval);
+        eval.map_or_else(OnlineReport::default, |e| OnlineReport::from_figures(OnlineFigures::of(e)))
+    }
+
+    /// Several workers' figures as one: the run's over every worker's
+    /// samples, the window's over each worker's last
+    /// `train.online_window_samples` together (both AUCs bucketed). None
+    /// given: every field null.
+    pub fn merged(tallies: &[&OnlineTally]) -> OnlineReport {
+        if tallies.is_empty() {
+            return OnlineReport::default();
+        }
+        let window = OnlineCounts::merged(tallies.iter().map(|t| &t.window)).metrics();
+        let run = OnlineCounts::merged(tallies.iter().map(|t| &t.run)).metrics();
+        OnlineReport::from_figures(OnlineFigures { window, run })
+    }
+
+    fn from_figures(figures: OnlineFigures) -> OnlineReport {
+        let OnlineFigures { window: w, run: r } = figures;
         // JSON has no NaN: an undefined figure (one class only) is null.
         let finite = |x: f64| x.is_finite().then_some(x);
         OnlineReport {

@@ -10,6 +10,10 @@
 //! predicted probability in [`RUN_AUC_BUCKETS`] equal buckets (samples in
 //! one bucket count as tied), which bounds its error by the share of
 //! positive–negative pairs that fall in one bucket.
+//!
+//! Several evaluators (a cluster's workers, each scoring its own batches)
+//! add up through [`OnlineCounts`]: sums and sparse histograms, whose
+//! merged AUC is bucketed like the run's.
 
 use super::{auc, logistic_loss, sigmoid};
 
@@ -56,6 +60,72 @@ fn summarize(n: u64, positives: f64, loss: f64, predicted: f64, auc: f64) -> Onl
         log_loss,
         normalized_entropy: if h > 0.0 { log_loss / h } else { f64::NAN },
         calibration: if positives > 0.0 { predicted / positives } else { f64::NAN },
+    }
+}
+
+/// The bucket of predicted probability `p` (NaN, a diverged model, ranks
+/// lowest, as `auc` ranks it).
+fn bucket(p: f64) -> usize {
+    if p.is_nan() { 0 } else { ((p * RUN_AUC_BUCKETS as f64) as usize).min(RUN_AUC_BUCKETS - 1) }
+}
+
+/// AUC from (positives, negatives) per bucket, lowest bucket first: a
+/// positive beats every negative in a lower bucket and ties those in its own.
+fn bucketed_auc(buckets: impl Iterator<Item = (u64, u64)>) -> f64 {
+    let (mut negatives_below, mut positives, mut pairs) = (0u64, 0u64, 0f64);
+    for (pos, neg) in buckets {
+        pairs += pos as f64 * (negatives_below as f64 + neg as f64 / 2.0);
+        negatives_below += neg;
+        positives += pos;
+    }
+    if positives == 0 || negatives_below == 0 { f64::NAN } else { pairs / (positives as f64 * negatives_below as f64) }
+}
+
+/// What an evaluator counted over its window or its run, in a form that
+/// adds up across evaluators.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct OnlineCounts {
+    pub samples: u64,
+    pub positives: f64,
+    /// Summed log-loss and predicted probability.
+    pub loss: f64,
+    pub predicted: f64,
+    /// (bucket, positives, negatives) of each bucket holding a sample, in
+    /// bucket order.
+    pub buckets: Vec<(u32, u64, u64)>,
+}
+
+impl OnlineCounts {
+    /// Several evaluators' counts as one.
+    pub fn merged<'a>(parts: impl IntoIterator<Item = &'a OnlineCounts>) -> OnlineCounts {
+        let mut total = OnlineCounts::default();
+        let mut buckets = std::collections::BTreeMap::<u32, (u64, u64)>::new();
+        for p in parts {
+            total.samples += p.samples;
+            total.positives += p.positives;
+            total.loss += p.loss;
+            total.predicted += p.predicted;
+            for &(b, pos, neg) in &p.buckets {
+                let e = buckets.entry(b).or_default();
+                (e.0, e.1) = (e.0 + pos, e.1 + neg);
+            }
+        }
+        total.buckets = buckets.into_iter().map(|(b, (pos, neg))| (b, pos, neg)).collect();
+        total
+    }
+
+    /// Their metrics (the AUC bucketed).
+    pub fn metrics(&self) -> OnlineMetrics {
+        let auc = bucketed_auc(self.buckets.iter().map(|&(_, pos, neg)| (pos, neg)));
+        summarize(self.samples, self.positives, self.loss, self.predicted, auc)
+    }
+
+    fn from_histogram(samples: u64, sums: (f64, f64, f64), positive: &[u64], negative: &[u64]) -> OnlineCounts {
+        let buckets = (0..positive.len())
+            .filter(|&b| positive[b] + negative[b] > 0)
+            .map(|b| (b as u32, positive[b], negative[b]))
+            .collect();
+        OnlineCounts { samples, positives: sums.0, loss: sums.1, predicted: sums.2, buckets }
     }
 }
 
@@ -113,12 +183,10 @@ impl ProgressiveEval {
             run.positives += y64;
             run.loss += logistic_loss(x64, y64);
             run.predicted += p;
-            // NaN (a diverged model) ranks lowest, as `auc` ranks it.
-            let bucket = if p.is_nan() { 0 } else { ((p * RUN_AUC_BUCKETS as f64) as usize).min(RUN_AUC_BUCKETS - 1) };
             if y > 0.5 {
-                run.positive_buckets[bucket] += 1;
+                run.positive_buckets[bucket(p)] += 1;
             } else {
-                run.negative_buckets[bucket] += 1;
+                run.negative_buckets[bucket(p)] += 1;
             }
             if self.logits.len() < self.capacity {
                 self.logits.push(x);
@@ -147,17 +215,38 @@ impl ProgressiveEval {
     /// The whole run's metrics (AUC from the histograms).
     pub fn run(&self) -> OnlineMetrics {
         let run = &self.run;
-        let (mut negatives_below, mut pairs) = (0u64, 0f64);
-        for (&pos, &neg) in run.positive_buckets.iter().zip(&run.negative_buckets) {
-            // A positive beats every negative in a lower bucket and ties those in its own.
-            pairs += pos as f64 * (negatives_below as f64 + neg as f64 / 2.0);
-            negatives_below += neg;
-        }
-        let positives: u64 = run.positive_buckets.iter().sum();
-        let negatives = negatives_below;
-        let auc =
-            if positives == 0 || negatives == 0 { f64::NAN } else { pairs / (positives as f64 * negatives as f64) };
+        let auc = bucketed_auc(run.positive_buckets.iter().copied().zip(run.negative_buckets.iter().copied()));
         summarize(run.samples, run.positives, run.loss, run.predicted, auc)
+    }
+
+    /// The whole run's counts, to add to other evaluators'.
+    pub fn run_counts(&self) -> OnlineCounts {
+        let r = &self.run;
+        OnlineCounts::from_histogram(
+            r.samples,
+            (r.positives, r.loss, r.predicted),
+            &r.positive_buckets,
+            &r.negative_buckets,
+        )
+    }
+
+    /// The window's counts (its AUC bucketed like the run's once merged).
+    pub fn window_counts(&self) -> OnlineCounts {
+        let (mut positive, mut negative) = (vec![0u64; RUN_AUC_BUCKETS], vec![0u64; RUN_AUC_BUCKETS]);
+        let (mut positives, mut loss, mut predicted) = (0.0, 0.0, 0.0);
+        for (&x, &y) in self.logits.iter().zip(&self.labels) {
+            let (x, y64) = (f64::from(x), f64::from(y));
+            let p = sigmoid(x);
+            positives += y64;
+            loss += logistic_loss(x, y64);
+            predicted += p;
+            if y > 0.5 {
+                positive[bucket(p)] += 1;
+            } else {
+                negative[bucket(p)] += 1;
+            }
+        }
+        OnlineCounts::from_histogram(self.logits.len() as u64, (positives, loss, predicted), &positive, &negative)
     }
 
     /// Samples the window holds.
@@ -210,6 +299,33 @@ mod tests {
         let mut tied = ProgressiveEval::new(4);
         tied.add(&[0.3; 4], &[1.0, 0.0, 1.0, 0.0]);
         assert_eq!((tied.run().auc, tied.window().auc), (0.5, 0.5));
+    }
+
+    /// Two evaluators' counts merged: the run's sums of all their samples,
+    /// and an AUC that is one evaluator's of them all within the buckets'
+    /// resolution; one evaluator's counts give its own run figures.
+    #[test]
+    fn counts_of_several_evaluators_add_up_to_one_evaluators() {
+        let (logits, labels) = samples(20_000, 3);
+        let (mut all, mut a, mut b) =
+            (ProgressiveEval::new(20_000), ProgressiveEval::new(6000), ProgressiveEval::new(6000));
+        for (i, (x, y)) in logits.chunks(500).zip(labels.chunks(500)).enumerate() {
+            all.add(x, y);
+            if i % 2 == 0 { a.add(x, y) } else { b.add(x, y) }
+        }
+        let run = OnlineCounts::merged([&a.run_counts(), &b.run_counts()]).metrics();
+        let whole = all.run();
+        assert_eq!(run.samples, 20_000);
+        assert!((run.log_loss - whole.log_loss).abs() < 1e-12 && (run.calibration - whole.calibration).abs() < 1e-12);
+        assert!((run.auc - whole.auc).abs() < 1e-12, "the same histograms: {run:?} {whole:?}");
+        assert_eq!(a.run_counts().metrics(), a.run());
+        // The windows: each evaluator's last 6000, 12 000 samples in all.
+        let window = OnlineCounts::merged([&a.window_counts(), &b.window_counts()]).metrics();
+        let tail = 20_000 - 12_000;
+        let (tx, ty) = (&logits[tail..], &labels[tail..]);
+        assert_eq!(window.samples, 12_000);
+        assert!((window.log_loss - log_loss_from_logits(tx, ty)).abs() < 1e-9, "{window:?}");
+        assert!((window.auc - auc(tx, ty)).abs() < 1e-3, "{} {}", window.auc, auc(tx, ty));
     }
 
     #[test]
