@@ -327,6 +327,35 @@ fn a_cluster_job_on_a_topic_keeps_within_max_rows_and_recovers_exactly() {
     assert_eq!(json["stream_records"], 8000);
 }
 
+/// Timed checkpoints and exports in a cluster (`checkpoint.every_secs`,
+/// `export_every_secs`): the workers meet at the steps each commit names
+/// (the first right after the start), the coordinator exports committed
+/// versions, and when both shards die at their 25th push the job goes back
+/// to the last timed checkpoint, wherever it fell, and ends with `train`'s
+/// model.
+#[test]
+fn timed_checkpoints_in_a_cluster_recover_exactly() {
+    let (tmp, broker) = setup("8000");
+    broker.produce("timed", 3, &tmp.path().join("data/train.tsv"));
+    let config = job(tmp.path(), &broker, Some("timed"), "");
+    let whole = ok_json(&train(&config, &["--set", &format!("checkpoint.dir={:?}", tmp.path().join("whole"))]));
+    let timed = |failpoints: &str| {
+        let mut command = sparrow();
+        command.args(["launch", "--config", &config, "--shards", "2", "--workers", "1", "--quiet"]);
+        command.args(["--set", "checkpoint.every_secs=1", "--set", "checkpoint.export_every_secs=1"]);
+        command.env("FAILPOINTS", failpoints).output().expect("launch")
+    };
+    let plain = ok_json(&timed(""));
+    assert_eq!(plain["test_auc"], whole["test_auc"], "checkpoints change nothing");
+    assert!(plain["checkpoints_committed"].as_u64().is_some_and(|n| n >= 2), "step 1 and the end: {plain}");
+    assert!(tmp.path().join("ckpt-timed/exports/LATEST").is_file(), "a serving export");
+    let out = timed("shard.push=24*off->return");
+    let json = ok_json(&out);
+    assert!(json["restarts"]["shard"].as_u64().is_some_and(|n| n >= 1), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(json["test_auc"], whole["test_auc"], "nothing skipped, nothing trained twice");
+    assert_eq!(json["stream_records"], 8000);
+}
+
 /// Two workers that prefetch (depth 1) train batches out of order, so a
 /// checkpoint may hold batches trained past its offsets (as skip ranges in
 /// its mark). Both workers die after their step 9: the job goes back to a

@@ -120,7 +120,17 @@ pub fn staging_dir(root: &Path, step: u64, generation: Generation) -> PathBuf {
 /// Where a worker's checkpoints go: the coordinator gathers every worker at
 /// the step and commits the version once the shards wrote their parts.
 pub trait CheckpointSink: Send + Sync {
-    fn checkpoint(&self, cut: WorkerCut) -> Result<PathBuf, ClusterError>;
+    fn checkpoint(&self, cut: WorkerCut) -> Result<Committed, ClusterError>;
+}
+
+/// A committed checkpoint, as every worker of it hears.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Committed {
+    pub dir: PathBuf,
+    /// Timed checkpoints (`checkpoint.every_secs`): the step of the next
+    /// one, the same for every worker (the coordinator picks it from the
+    /// pace of the steps so far).
+    pub next_step: Option<u64>,
 }
 
 /// `config` with its table in memory: for the helper tables of save and
@@ -268,8 +278,69 @@ pub fn checkpoint_every(config: &Config) -> Option<u64> {
     config.checkpoint.every_steps.or(config.checkpoint.export_every_steps.filter(|&n| n > 0))
 }
 
+/// Timed checkpoints of a cluster job: `checkpoint.every_secs`, or
+/// `checkpoint.export_every_secs` when no checkpoint cadence is set. The
+/// workers meet at a step, not a moment: the first checkpoint is at step 1,
+/// and each commit names the step of the next, as many steps on as the
+/// job made in `every` seconds before it ([`Pace`]).
+pub fn checkpoint_every_secs(config: &Config) -> Option<u64> {
+    let c = &config.checkpoint;
+    let export = c.export_every_secs.filter(|_| c.every_steps.is_none() && c.export_every_steps.is_none());
+    c.every_secs.or(export).filter(|&s| s > 0)
+}
+
+/// The pace of a job's steps between commits: where the next timed
+/// checkpoint falls. Commits are one at a time, so plain atomics do.
+pub struct Pace {
+    every_secs: Option<u64>,
+    started: std::time::Instant,
+    /// The step and the time (ns after `started`) of the last commit, and
+    /// the step it named for the next.
+    last_step: std::sync::atomic::AtomicU64,
+    last_nanos: std::sync::atomic::AtomicU64,
+    expected: std::sync::atomic::AtomicU64,
+}
+
+impl Pace {
+    pub fn new(config: &Config) -> Pace {
+        Pace {
+            every_secs: checkpoint_every_secs(config),
+            started: std::time::Instant::now(),
+            last_step: Default::default(),
+            last_nanos: Default::default(),
+            expected: std::sync::atomic::AtomicU64::new(1),
+        }
+    }
+
+    /// Whether checkpoints are timed.
+    pub fn timed(&self) -> bool {
+        self.every_secs.is_some()
+    }
+
+    /// A commit at `step`: the step of the next timed checkpoint (none: not
+    /// timed), and whether `step` was the one named (one off it is the
+    /// job's last, or the first after a recovery).
+    pub fn committed(&self, step: u64) -> (Option<u64>, bool) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let Some(every) = self.every_secs else { return (None, true) };
+        let nanos = self.started.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
+        let (last_step, last_nanos) = (self.last_step.swap(step, Relaxed), self.last_nanos.swap(nanos, Relaxed));
+        let next = if step <= last_step || nanos <= last_nanos {
+            // After a recovery the steps start over from the restored one: measure anew.
+            step + 1
+        } else {
+            let per_sec = (step - last_step) as f64 / ((nanos - last_nanos) as f64 / 1e9);
+            step + ((per_sec * every as f64).round() as u64).clamp(1, 1 << 40)
+        };
+        let on_schedule = self.expected.swap(next, Relaxed) == step;
+        (Some(next), on_schedule)
+    }
+}
+
 /// `checkpoint.export_every_steps` in a cluster job: after a checkpoint
-/// whose step is a multiple of it (or the job's last) is committed, the
+/// whose step is a multiple of it (or the job's last; with
+/// `export_every_secs`, a checkpoint that many seconds after the last
+/// export, or the first) is committed, the
 /// coordinator loads that version in a thread of its own (training goes on)
 /// and writes it to `checkpoint.dir/exports/` as a serving export: like
 /// `sparrow train`'s, most hold only the rows that changed since the export
@@ -277,24 +348,36 @@ pub fn checkpoint_every(config: &Config) -> Option<u64> {
 /// [`IncrementalExports::by_content`](sparrow_trainer::export::IncrementalExports::by_content)).
 /// One export is written at a time; the next waits for it.
 pub struct ClusterExports {
-    every: u64,
+    every: Option<u64>,
+    every_secs: Option<u64>,
+    last: Option<std::time::Instant>,
     exports: std::sync::Arc<parking_lot::Mutex<sparrow_trainer::export::IncrementalExports>>,
     pending: Option<std::thread::JoinHandle<()>>,
 }
 
 impl ClusterExports {
     pub fn new(config: &Config) -> Option<ClusterExports> {
-        let every = config.checkpoint.export_every_steps.filter(|&n| n > 0)?;
+        let every = config.checkpoint.export_every_steps.filter(|&n| n > 0);
+        let every_secs = config.checkpoint.export_every_secs.filter(|&s| s > 0);
+        if every.is_none() && every_secs.is_none() {
+            return None;
+        }
         let exports = sparrow_trainer::export::IncrementalExports::new(config)?.by_content();
-        Some(ClusterExports { every, exports: std::sync::Arc::new(parking_lot::Mutex::new(exports)), pending: None })
+        let exports = std::sync::Arc::new(parking_lot::Mutex::new(exports));
+        Some(ClusterExports { every, every_secs, last: None, exports, pending: None })
     }
 
-    /// A version was committed at `step`; `checkpoint_every` is the
-    /// checkpoint cadence (a step off it is the job's last).
-    pub fn committed(&mut self, dir: &Path, step: u64, checkpoint_every: u64) {
-        if !step.is_multiple_of(self.every) && step.is_multiple_of(checkpoint_every.max(1)) {
+    /// A version was committed at `step`; `checkpoint_every` is the step
+    /// cadence (a step off it is the job's last; none: timed checkpoints,
+    /// and `last`: the job's last).
+    pub fn committed(&mut self, dir: &Path, step: u64, checkpoint_every: Option<u64>, last: bool) {
+        let by_steps = self.every.is_some_and(|every| step.is_multiple_of(every));
+        let off_cadence = checkpoint_every.is_some_and(|every| !step.is_multiple_of(every.max(1)));
+        let by_time = self.every_secs.is_some_and(|s| self.last.is_none_or(|t| t.elapsed().as_secs() >= s));
+        if !(by_steps || by_time || off_cadence || last) {
             return;
         }
+        self.last = Some(std::time::Instant::now());
         self.wait();
         let (exports, dir) = (self.exports.clone(), dir.to_path_buf());
         let spawned = std::thread::Builder::new().name("sparrow-export".into()).spawn(move || {
@@ -330,6 +413,36 @@ mod tests {
 
     fn batch(start: u64, end: u64) -> TrainedBatch {
         TrainedBatch { start: at(start), end: at(end), stream: None }
+    }
+
+    /// Timed checkpoints: the first at step 1 is on schedule and names a
+    /// later step; a commit off the named step (the job's end) says so; a
+    /// step at or before the last one (a recovery) measures anew.
+    #[test]
+    fn the_pace_names_the_next_step_and_tells_the_last_commit() {
+        let config: Config =
+            Config::from_toml("[checkpoint]\ndir = \"c\"\nevery_secs = 1\n", "test", &Default::default())
+                .expect("config");
+        let pace = Pace::new(&config);
+        assert!(pace.timed());
+        let (next, on_schedule) = pace.committed(1);
+        assert!(on_schedule && next.is_some_and(|n| n >= 2), "{next:?}");
+        let (_, on_schedule) = pace.committed(next.expect("next") + 3);
+        assert!(!on_schedule, "off the named step: the job's last");
+        assert_eq!(pace.committed(1).0, Some(2), "after a recovery");
+        let untimed = Pace::new(&Config::default());
+        assert_eq!(untimed.committed(10), (None, true));
+        // export_every_secs alone times the checkpoints too; a step cadence wins over it.
+        let export = Config::from_toml("[checkpoint]\ndir = \"c\"\nexport_every_secs = 2\n", "t", &Default::default())
+            .expect("c");
+        assert_eq!(checkpoint_every_secs(&export), Some(2));
+        let both = Config::from_toml(
+            "[checkpoint]\ndir = \"c\"\nexport_every_secs = 2\nevery_steps = 5\n",
+            "t",
+            &Default::default(),
+        )
+        .expect("c");
+        assert_eq!(checkpoint_every_secs(&both), None);
     }
 
     /// Worker B holds batch [20, 30) untrained (prefetched) while worker A

@@ -22,8 +22,9 @@
 //! restarted `cluster.max_restarts` times; past that the job fails as it
 //! would without recovery, its last checkpoint intact.
 //!
-//! **Checkpoints.** Every `checkpoint.every_steps` steps (and at the end)
-//! each worker, its updates pushed, calls [`Coordinator::checkpoint`]; when
+//! **Checkpoints.** Every `checkpoint.every_steps` steps, at the steps
+//! each commit names for `checkpoint.every_secs` (its reply carries the
+//! next one), and at the end, each worker, its updates pushed, calls [`Coordinator::checkpoint`]; when
 //! all have, the coordinator asks every shard to write its part into a
 //! staging directory (worker 0 wrote the dense part there), checks each
 //! file's size and checksum, and commits the version (manifest, then
@@ -629,7 +630,7 @@ impl Coordinator {
 }
 
 impl CheckpointSink for Coordinator {
-    fn checkpoint(&self, cut: WorkerCut) -> Result<PathBuf, ClusterError> {
+    fn checkpoint(&self, cut: WorkerCut) -> Result<crate::checkpoint::Committed, ClusterError> {
         Coordinator::checkpoint(self, cut)
     }
 }

@@ -811,7 +811,8 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Attempt) -> Result<Worker
     worker.watch_generation(link.shared.generation.clone());
     if let Some(dir) = &config.checkpoint.dir {
         let sink = Arc::new(coordinator.clone()) as Arc<dyn crate::checkpoint::CheckpointSink>;
-        worker.with_checkpoints(sink, PathBuf::from(dir), crate::checkpoint::checkpoint_every(config));
+        let timed = crate::checkpoint::checkpoint_every_secs(config).is_some();
+        worker.with_checkpoints(sink, PathBuf::from(dir), crate::checkpoint::checkpoint_every(config), timed);
     }
     if let Some(dir) = &generation.restore {
         worker.resume(crate::checkpoint::restore_dense(config, dir)?);

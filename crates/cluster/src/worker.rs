@@ -168,6 +168,8 @@ struct Checkpoints {
     sink: Arc<dyn CheckpointSink>,
     root: PathBuf,
     every: Option<u64>,
+    /// Timed checkpoints: the step of the next (each commit names it).
+    next: Option<u64>,
     /// The step of the last checkpoint this worker took part in (or restored).
     last_step: u64,
     /// The last version committed.
@@ -286,10 +288,12 @@ impl Worker {
     }
 
     /// Takes part in the job's checkpoints under `root`: every `every`
-    /// steps and at the end of training.
-    pub fn with_checkpoints(&mut self, sink: Arc<dyn CheckpointSink>, root: PathBuf, every: Option<u64>) {
+    /// steps, at the steps each commit names when `timed` (the first right
+    /// after the start), and at the end of training.
+    pub fn with_checkpoints(&mut self, sink: Arc<dyn CheckpointSink>, root: PathBuf, every: Option<u64>, timed: bool) {
         let last_step = self.job_step();
-        self.checkpoints = Some(Checkpoints { sink, root, every, last_step, last: None });
+        let next = timed.then_some(last_step + 1);
+        self.checkpoints = Some(Checkpoints { sink, root, every, next, last_step, last: None });
     }
 
     /// The last checkpoint this worker took part in.
@@ -310,9 +314,10 @@ impl Worker {
     /// round may pass one: its end is the checkpoint).
     fn checkpoint_due(&self) -> bool {
         let step = self.job_step();
-        self.checkpoints
-            .as_ref()
-            .is_some_and(|c| c.every.is_some_and(|every| every > 0 && step / every > c.last_step / every))
+        self.checkpoints.as_ref().is_some_and(|c| {
+            c.every.is_some_and(|every| every > 0 && step / every > c.last_step / every)
+                || c.next.is_some_and(|next| step >= next && step > c.last_step)
+        })
     }
 
     /// Takes part in a checkpoint at the current step (every update pushed).
@@ -335,10 +340,11 @@ impl Worker {
             trained: std::mem::take(&mut self.trained_since_cut),
             stream: self.stats.last_stream.clone(),
         };
-        let dir = c.sink.checkpoint(cut)?;
+        let committed = c.sink.checkpoint(cut)?;
         if let Some(c) = &mut self.checkpoints {
             c.last_step = step;
-            c.last = Some(dir);
+            c.last = Some(committed.dir);
+            c.next = c.next.and(committed.next_step);
         }
         self.progress.fetch_add(1, Ordering::Relaxed);
         Ok(())

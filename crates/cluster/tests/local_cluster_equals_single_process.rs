@@ -363,7 +363,7 @@ fn a_cluster_checkpoint_keeps_the_shards_filter_state() {
     );
     let loader = LoaderServer::start_generation(&c, shards.clone(), Generation(1), None).expect("loader");
     let mut worker = sparrow_cluster::worker::new_worker_in(&c, &layout, 0, Generation(1)).expect("worker");
-    worker.with_checkpoints(coordinator.clone(), root.clone(), None);
+    worker.with_checkpoints(coordinator.clone(), root.clone(), None, false);
     worker.run_training(&loader, &shards).expect("train");
     let saved = worker.last_checkpoint().expect("the end of training is checkpointed").clone();
     assert_eq!(sparrow_trainer::checkpoint::resolve(&root).expect("LATEST"), saved);

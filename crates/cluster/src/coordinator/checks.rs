@@ -24,10 +24,12 @@ pub(super) fn check_cluster_config(config: &Config) -> Result<(), ClusterError> 
                 .into(),
         ));
     }
-    if config.checkpoint.every_secs.is_some() || config.checkpoint.export_every_secs.is_some() {
+    if config.cluster.sync == SyncMode::Lazy
+        && (config.checkpoint.every_secs.is_some() || config.checkpoint.export_every_secs.is_some())
+    {
         return Err(ClusterError::Setup(
-            "checkpoint.every_secs and export_every_secs are `sparrow train`'s so far: a cluster job's \
-             workers meet at a step, so use checkpoint.every_steps and export_every_steps"
+            "checkpoint.every_secs and export_every_secs with cluster.sync = \"lazy\" are not available yet \
+             (a lazy job writes a serving export at every backup, and its checkpoint at its end)"
                 .into(),
         ));
     }

@@ -17,7 +17,7 @@ use sparrow_core::Config;
 
 use super::per_generation::{OtherGeneration, PerGeneration};
 use super::{Coordinator, Event};
-use crate::checkpoint::{ClusterExports, DataProgress, WorkerCut, staging_dir};
+use crate::checkpoint::{ClusterExports, Committed, DataProgress, Pace, WorkerCut, staging_dir};
 use crate::faults;
 use crate::generation::Generation;
 use crate::lazy::BackupCut;
@@ -25,7 +25,9 @@ use crate::rendezvous::{Parted, Rendezvous};
 use crate::transport::{ClusterError, PartWritten};
 
 pub struct Commits {
-    meet: Rendezvous<WorkerCut, PathBuf>,
+    meet: Rendezvous<WorkerCut, Committed>,
+    /// Timed checkpoints: where the next one falls.
+    pace: Pace,
     /// Where the training data stands in the current generation (its
     /// checkpoints' positions), from its restored checkpoint on; an error
     /// if that checkpoint could not be read.
@@ -38,6 +40,7 @@ impl Commits {
     pub fn new(config: &Config, workers: usize, generation: Generation, restore: Option<&Path>) -> Commits {
         Commits {
             meet: Rendezvous::new("checkpoint", workers, generation).one_at_a_time(),
+            pace: Pace::new(config),
             progress: PerGeneration::new(generation, progress_from(generation, restore)),
             exports: OrderedMutex::new(Rank::Leaf, "commits.exports", ClusterExports::new(config)),
         }
@@ -85,10 +88,11 @@ fn progress_from(generation: Generation, restore: Option<&Path>) -> Result<DataP
 impl Coordinator {
     /// A worker at a checkpoint step: returns the committed version once every
     /// worker reached the step and every shard wrote its part.
-    pub fn checkpoint(&self, cut: WorkerCut) -> Result<PathBuf, ClusterError> {
+    pub fn checkpoint(&self, cut: WorkerCut) -> Result<Committed, ClusterError> {
         let (generation, step, worker) = (cut.generation, cut.step, cut.worker);
         let close = |cuts: Vec<WorkerCut>| {
             let outcome = self.commit(&cuts).map_err(|e| e.to_string());
+            let outcome = outcome.map(|(dir, next_step)| Committed { dir, next_step });
             if let Err(e) = &outcome {
                 tracing::error!("checkpoint at step {step}: {e}");
             }
@@ -103,7 +107,8 @@ impl Coordinator {
     }
 
     /// Writes and commits the checkpoint the workers' `cuts` describe.
-    pub(super) fn commit(&self, cuts: &[WorkerCut]) -> Result<PathBuf, ClusterError> {
+    /// Returns the version, and the step of the next timed checkpoint.
+    pub(super) fn commit(&self, cuts: &[WorkerCut]) -> Result<(PathBuf, Option<u64>), ClusterError> {
         let start = Instant::now();
         let first = &cuts[0];
         let (generation, step) = (first.generation, first.step);
@@ -158,9 +163,11 @@ impl Coordinator {
             .map(|w| w.written.files.iter().map(|(_, b)| *b).sum::<u64>() as f64 / 1e6 / w.secs.max(1e-9))
             .collect();
         self.generations.record_commit(dir.clone(), step, base.is_some());
+        let (next_step, on_schedule) = self.commits.pace.committed(step);
         if let Some(exports) = self.commits.exports.lock().as_mut() {
-            let every = crate::checkpoint::checkpoint_every(&self.config).unwrap_or(step.max(1));
-            exports.committed(&dir, step, every);
+            let every = crate::checkpoint::checkpoint_every(&self.config);
+            let every = if every.is_none() && !self.commits.pace.timed() { Some(step.max(1)) } else { every };
+            exports.committed(&dir, step, every, !on_schedule);
         }
         tracing::info!(
             "checkpoint at step {step} committed: {} ({bytes} bytes{}, {secs:.3} s)",
@@ -175,7 +182,7 @@ impl Coordinator {
             incremental: base.is_some(),
             shard_mb_per_sec,
         });
-        Ok(dir)
+        Ok((dir, next_step))
     }
 
     /// Waits for the serving export being written, if any (the job's end).
@@ -207,7 +214,7 @@ impl Coordinator {
             trained: Vec::new(),
             stream: None,
         };
-        self.commit(&[worker_cut])
+        self.commit(&[worker_cut]).map(|(dir, _)| dir)
     }
 
     /// Writes backup `number` as a serving export under

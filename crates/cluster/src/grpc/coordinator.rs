@@ -223,8 +223,11 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
             stream: r.stream.map(mark_from),
         };
         let coordinator = self.coordinator.clone();
-        let dir = blocking(move || coordinator.checkpoint(cut)).await?;
-        Ok(Response::new(pb::CheckpointReply { committed: dir.display().to_string() }))
+        let committed = blocking(move || coordinator.checkpoint(cut)).await?;
+        Ok(Response::new(pb::CheckpointReply {
+            committed: committed.dir.display().to_string(),
+            next_step: committed.next_step,
+        }))
     }
 
     async fn sum_gradients(&self, request: Request<pb::SumRequest>) -> Result<Response<pb::SumReply>, Status> {
@@ -647,7 +650,7 @@ impl LazyLink for CoordinatorClient {
 }
 
 impl CheckpointSink for CoordinatorClient {
-    fn checkpoint(&self, cut: WorkerCut) -> Result<std::path::PathBuf, ClusterError> {
+    fn checkpoint(&self, cut: WorkerCut) -> Result<crate::checkpoint::Committed, ClusterError> {
         let request = pb::CheckpointRequest {
             worker: cut.worker as u32,
             generation: cut.generation.number(),
@@ -669,7 +672,7 @@ impl CheckpointSink for CoordinatorClient {
         };
         // Writing every part takes as long as the table is large: no RPC deadline.
         let reply = self.peer.call_unbounded("checkpoint", request, |mut c, r| async move { c.checkpoint(r).await })?;
-        Ok(std::path::PathBuf::from(reply.committed))
+        Ok(crate::checkpoint::Committed { dir: std::path::PathBuf::from(reply.committed), next_step: reply.next_step })
     }
 }
 
