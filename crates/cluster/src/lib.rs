@@ -39,6 +39,7 @@ pub mod roles;
 pub mod rounds;
 pub mod second_level;
 pub mod shard;
+pub mod stream_gauges;
 pub mod sync;
 pub mod transport;
 pub mod worker;

@@ -715,6 +715,8 @@ fn run_worker_with(args: &RoleArgs, local: Option<LocalShardHandle>) -> Result<W
     if let Some(bound) = serve_metrics(&metrics, Some(args.listen), "worker", &settings, &rt)? {
         coordinator.set_probe_address(bound);
     }
+    // Registered once: every generation's worker sets the same gauges.
+    let gauges = crate::stream_gauges::OnlineGauges::new(&metrics);
     let pool = sparrow_trainer::run::compute_pool(config.train.threads)?;
     if index == 0 {
         sparrow_trainer::run::note_precision(&config.model, config.train.simd);
@@ -747,6 +749,7 @@ fn run_worker_with(args: &RoleArgs, local: Option<LocalShardHandle>) -> Result<W
             settings: &settings,
             rt: &rt,
             metrics: &metrics,
+            gauges: &gauges,
             local: local.as_ref(),
         };
         let started = Instant::now();
@@ -784,6 +787,7 @@ struct WorkerEnv<'a> {
     settings: &'a NetSettings,
     rt: &'a Runtime,
     metrics: &'a RoleMetrics,
+    gauges: &'a crate::stream_gauges::OnlineGauges,
     /// A node's own shard (called in process).
     local: Option<&'a LocalShardHandle>,
 }
@@ -792,7 +796,7 @@ struct WorkerEnv<'a> {
 /// it, restores the dense state, trains, takes part in checkpoints, and
 /// (worker 0) evaluates.
 fn worker_generation(env: &WorkerEnv<'_>, generation: &Attempt) -> Result<WorkerSummary, ClusterError> {
-    let WorkerEnv { config, index, num_workers, coordinator, link, settings, rt, metrics, local } = *env;
+    let WorkerEnv { config, index, num_workers, coordinator, link, settings, rt, metrics, gauges, local } = *env;
     let view = coordinator.wait_for_view(generation.number, false, settings.connect_timeout)?;
     let settings = &peer_settings(settings, &config.cluster);
     let mut shards = connect_shards(&view.shards, config.train.simd, settings, rt, metrics)?;
@@ -809,6 +813,7 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Attempt) -> Result<Worker
     worker.progress = link.shared.progress.clone();
     worker.reported_step = link.shared.step.clone();
     worker.watch_generation(link.shared.generation.clone());
+    worker.gauges = Some((gauges.clone(), config.train.log_interval_steps));
     if let Some(dir) = &config.checkpoint.dir {
         let sink = Arc::new(coordinator.clone()) as Arc<dyn crate::checkpoint::CheckpointSink>;
         let timed = crate::checkpoint::checkpoint_every_secs(config).is_some();

@@ -152,6 +152,9 @@ pub struct Worker {
     /// worker's batches, scored before their update (a batch replayed after
     /// a recovery is scored again).
     pub online: Option<ProgressiveEval>,
+    /// Where the online figures and the stream's lag are shown (the worker
+    /// role's metrics endpoint), and every how many batches the figures are.
+    pub gauges: Option<(crate::stream_gauges::OnlineGauges, u64)>,
 }
 
 /// Batches and samples the job trained (all workers, the restored
@@ -234,6 +237,7 @@ impl Worker {
             trained_since_cut: Vec::new(),
             job: None,
             online: None,
+            gauges: None,
         }
     }
 
@@ -421,6 +425,17 @@ impl Worker {
         stats.recent_losses.push_back(out.loss);
         if let Some(online) = self.online.as_mut() {
             online.add(&out.logits, &batch.labels);
+        }
+        if let Some((gauges, every)) = &self.gauges {
+            if let Some(mark) = &batch.stream {
+                gauges.set_lag_of(mark);
+            }
+            // The window's AUC sorts its samples: at the logging interval only.
+            if let Some(online) = &self.online
+                && self.stats.batches.is_multiple_of((*every).max(1))
+            {
+                gauges.set_online(&sparrow_trainer::online::OnlineFigures::of(online));
+            }
         }
         Ok((out.loss, out.grads))
     }
