@@ -433,6 +433,26 @@ dir = "{d}/ckpt-{name}"
     path.display().to_string()
 }
 
+/// `gen --days 4` rows (8,000, in `dir/data`) on topic `days` of a fresh
+/// broker (two partitions), each record stamped with its row's time.
+fn days_on_a_topic(dir: &Path) -> Broker {
+    let generated = sparrow()
+        .args(["gen", "--format", "csv", "--days", "4", "--train-rows", "8000", "--test-rows", "1000", "--out"])
+        .arg(dir.join("data"))
+        .output()
+        .expect("gen");
+    assert!(generated.status.success(), "{}", String::from_utf8_lossy(&generated.stderr));
+    let broker = Broker::start();
+    let out = sparrow()
+        .args(["produce", "--brokers", &broker.addr, "--topic", "days", "--partitions", "2"])
+        .args(["--from", &dir.join("data/train.csv").display().to_string()])
+        .args(["--skip-header", "--timestamp-column", "40"])
+        .output()
+        .expect("produce");
+    assert_eq!(last_json(&out)["records"], 8000, "{}", String::from_utf8_lossy(&out.stderr));
+    broker
+}
+
 /// Bounded tables on a stream: `max_rows` keeps the table within its bound
 /// at every step, `ttl_secs` deletes rows by the records' time, and a run
 /// stopped and resumed with both ends with the uninterrupted model (the
@@ -440,20 +460,7 @@ dir = "{d}/ckpt-{name}"
 #[test]
 fn bounded_tables_stay_within_max_rows_and_expire_by_record_time_exactly() {
     let tmp = tempfile::tempdir().expect("tmp");
-    let generated = sparrow()
-        .args(["gen", "--format", "csv", "--days", "4", "--train-rows", "8000", "--test-rows", "1000", "--out"])
-        .arg(tmp.path().join("data"))
-        .output()
-        .expect("gen");
-    assert!(generated.status.success(), "{}", String::from_utf8_lossy(&generated.stderr));
-    let broker = Broker::start();
-    let out = sparrow()
-        .args(["produce", "--brokers", &broker.addr, "--topic", "days", "--partitions", "2"])
-        .args(["--from", &tmp.path().join("data/train.csv").display().to_string()])
-        .args(["--skip-header", "--timestamp-column", "40"])
-        .output()
-        .expect("produce");
-    assert_eq!(last_json(&out)["records"], 8000, "{}", String::from_utf8_lossy(&out.stderr));
+    let broker = days_on_a_topic(tmp.path());
     let free = ok_json(&train(&days_job(tmp.path(), &broker, "free", "", ""), &[]));
     let all_rows = free["embedding_rows"].as_u64().expect("rows");
     assert_eq!((&free["expired_rows"], &free["evicted_rows"]), (&0.into(), &0.into()), "{free}");
@@ -502,20 +509,7 @@ fn bounded_tables_stay_within_max_rows_and_expire_by_record_time_exactly() {
 #[test]
 fn age_weighting_on_a_stream_resumes_exactly_and_tracks_the_drift() {
     let tmp = tempfile::tempdir().expect("tmp");
-    let generated = sparrow()
-        .args(["gen", "--format", "csv", "--days", "4", "--train-rows", "8000", "--test-rows", "1000", "--out"])
-        .arg(tmp.path().join("data"))
-        .output()
-        .expect("gen");
-    assert!(generated.status.success(), "{}", String::from_utf8_lossy(&generated.stderr));
-    let broker = Broker::start();
-    let out = sparrow()
-        .args(["produce", "--brokers", &broker.addr, "--topic", "days", "--partitions", "2"])
-        .args(["--from", &tmp.path().join("data/train.csv").display().to_string()])
-        .args(["--skip-header", "--timestamp-column", "40"])
-        .output()
-        .expect("produce");
-    assert_eq!(last_json(&out)["records"], 8000, "{}", String::from_utf8_lossy(&out.stderr));
+    let broker = days_on_a_topic(tmp.path());
 
     // The newest day's rows, as a file.
     let csv = std::fs::read_to_string(tmp.path().join("data/train.csv")).expect("csv");
@@ -585,20 +579,7 @@ fn age_weighting_on_a_stream_resumes_exactly_and_tracks_the_drift() {
 #[test]
 fn a_cluster_job_expires_rows_by_record_time_and_recovers_exactly() {
     let tmp = tempfile::tempdir().expect("tmp");
-    let generated = sparrow()
-        .args(["gen", "--format", "csv", "--days", "4", "--train-rows", "8000", "--test-rows", "1000", "--out"])
-        .arg(tmp.path().join("data"))
-        .output()
-        .expect("gen");
-    assert!(generated.status.success(), "{}", String::from_utf8_lossy(&generated.stderr));
-    let broker = Broker::start();
-    let out = sparrow()
-        .args(["produce", "--brokers", &broker.addr, "--topic", "days", "--partitions", "2"])
-        .args(["--from", &tmp.path().join("data/train.csv").display().to_string()])
-        .args(["--skip-header", "--timestamp-column", "40"])
-        .output()
-        .expect("produce");
-    assert_eq!(last_json(&out)["records"], 8000, "{}", String::from_utf8_lossy(&out.stderr));
+    let broker = days_on_a_topic(tmp.path());
     let job = days_job(tmp.path(), &broker, "cluster-ttl", "ttl_secs = 129600", "");
     let text =
         std::fs::read_to_string(&job).expect("job").replace("batch_size = 256", "batch_size = 256\npipeline_depth = 0");
