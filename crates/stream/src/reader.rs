@@ -244,8 +244,8 @@ impl Cutter {
         let end = DataPosition { epoch: 0, offset: self.records, line: self.records + 1, skip: 0 };
         let mut batch = b.finish(end);
         // A timestamp column may date samples past their records' times.
-        if let Some(newest) = batch.timestamps.as_ref().and_then(|t| t.iter().max()) {
-            self.clock_ms = Some(self.clock_ms.map_or(newest * 1000, |c| c.max(newest * 1000)));
+        if let Some(newest) = batch.timestamps.as_ref().and_then(|t| t.iter().max()).map(|s| s.saturating_mul(1000)) {
+            self.clock_ms = Some(self.clock_ms.map_or(newest, |c| c.max(newest)));
         }
         batch.stream = Some(Arc::new(self.mark(newest_ms)));
         Ok(Some(batch))
