@@ -552,6 +552,25 @@ fn age_weighting_on_a_stream_resumes_exactly_and_tracks_the_drift() {
     assert_eq!(json["test_auc"], single["test_auc"], "the recovered loader weighs as before its death");
     assert_eq!(json["sample_weight_sum"].as_f64().map(|w| w < 0.9 * 8000.0), Some(true), "{json}");
 
+    // A record without a time (Kafka's -1, here -5 s) has no age to weigh
+    // by: counted as malformed, named, its offset consumed.
+    let undated = tmp.path().join("undated.csv");
+    let mut row: Vec<&str> = newest[0].split(',').collect();
+    *row.last_mut().expect("ts") = "-5";
+    std::fs::write(&undated, format!("{}\n{}\n{}\n", newest[0], row.join(","), newest[1])).expect("undated");
+    let out = sparrow()
+        .args(["produce", "--brokers", &broker.addr, "--topic", "undated", "--timestamp-column", "40"])
+        .args(["--from", &undated.display().to_string()])
+        .output()
+        .expect("produce");
+    assert_eq!(last_json(&out)["records"], 3, "{}", String::from_utf8_lossy(&out.stderr));
+    let undated_dir = format!("checkpoint.dir={:?}", tmp.path().join("undated").display().to_string());
+    let out = train(&job, &["--set", "data.stream.topic=\"undated\"", "--set", &undated_dir]);
+    let json = ok_json(&out);
+    assert_eq!((&json["stream_bad_records"], &json["train_rows"]), (&1.into(), &2.into()), "{json}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("partition 0 offset 1") && stderr.contains("no record timestamp"), "{stderr}");
+
     // The same model offline, on the newest day's file, unweighted.
     let text = std::fs::read_to_string(&job).expect("job");
     let (stream_at, model_at) = (text.find("[data.stream]").expect("stream"), text.find("[model]").expect("model"));

@@ -287,13 +287,22 @@ impl Cutter {
             self.records += 1;
             let ms = record.record.timestamp.timestamp_millis();
             // Every record read moves the clock, as it did when it was first read.
-            self.clock_ms = Some(self.clock_ms.map_or(ms, |c| c.max(ms)));
+            if ms >= 0 {
+                self.clock_ms = Some(self.clock_ms.map_or(ms, |c| c.max(ms)));
+            }
             if trained_already(&mut self.skip, p.id, record.offset) {
                 continue;
             }
             *newest_ms = Some(newest_ms.map_or(ms, |m: i64| m.max(ms)));
-            let time = self.weigher.is_some().then_some(ms.div_euclid(1000));
-            if let Err(reason) = parse_value(self.parser.as_mut(), record.record.value.as_deref(), time, b) {
+            // Kafka's "no timestamp" is -1: such a record has no age to weigh by.
+            let parsed = match (self.weigher.is_some(), ms >= 0) {
+                (false, _) => parse_value(self.parser.as_mut(), record.record.value.as_deref(), None, b),
+                (true, true) => {
+                    parse_value(self.parser.as_mut(), record.record.value.as_deref(), Some(ms.div_euclid(1000)), b)
+                }
+                (true, false) => Err(format!("no record timestamp ({ms} ms), which [data.weighting] needs")),
+            };
+            if let Err(reason) = parsed {
                 self.bad_records += 1;
                 let place = format!("kafka topic {} partition {} offset {}", self.config.topic, p.id, record.offset);
                 self.bad.record_at(&place, reason)?;
