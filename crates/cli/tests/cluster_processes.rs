@@ -201,9 +201,13 @@ struct LoggedLaunch {
 }
 
 impl LoggedLaunch {
+    /// Checkpoints every 10 steps: the first commit is the event that says
+    /// the job is training (the tests act then, not after a sleep).
     fn start(config: &str) -> LoggedLaunch {
+        let ck = Path::new(config).with_file_name("ck").display().to_string();
         let mut child = sparrow()
             .args(["launch", "--config", config, "--shards", "2", "--workers", "1", "--set", "train.epochs=200"])
+            .args(["--set", &format!("checkpoint.dir={ck:?}"), "--set", "checkpoint.every_steps=10"])
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -217,15 +221,15 @@ impl LoggedLaunch {
         self.log.lock().expect("log").clone()
     }
 
-    /// Waits until worker 0 is training; returns shard 1's pid.
+    /// Waits until the job trained its first 10 steps (their checkpoint is
+    /// committed); returns shard 1's pid.
     fn wait_training(&self) -> u32 {
         let started = Instant::now();
         loop {
             let text = self.text();
             let pid = text.lines().find_map(|l| l.strip_prefix("launch: shard 1 is pid ")?.trim().parse::<u32>().ok());
             if let Some(pid) = pid
-                && text.contains("[worker 0]")
-                && text.contains("metrics on")
+                && text.contains("checkpoint at step 10 committed")
             {
                 return pid;
             }
@@ -251,7 +255,6 @@ fn a_killed_shard_without_a_restart_budget_stops_the_job_naming_it() {
     generate(tmp.path(), "20000");
     let launch = LoggedLaunch::start(&write_config(tmp.path(), "max_restarts = 0"));
     let shard_pid = launch.wait_training();
-    std::thread::sleep(Duration::from_millis(800));
     signal(shard_pid, "-9");
     let (status, text) = launch.finish();
     assert!(!status.success(), "the job must fail: {text}");
@@ -266,7 +269,6 @@ fn every_role_exits_when_the_launcher_is_killed() {
     generate(tmp.path(), "20000");
     let mut launch = LoggedLaunch::start(&write_config(tmp.path(), ""));
     launch.wait_training();
-    std::thread::sleep(Duration::from_millis(300));
     launch.child.kill().expect("kill -9 the launcher");
     // finish() returns once the children's stderr pipes closed: all gone.
     let (_, text) = launch.finish();
@@ -284,7 +286,6 @@ fn a_hung_shard_is_reported_within_the_heartbeat_timeout() {
     generate(tmp.path(), "20000");
     let launch = LoggedLaunch::start(&write_config(tmp.path(), "max_restarts = 0"));
     let shard_pid = launch.wait_training();
-    std::thread::sleep(Duration::from_millis(500));
     signal(shard_pid, "-STOP");
     let stopped = Instant::now();
     let (status, text) = launch.finish();

@@ -203,8 +203,11 @@ fn a_watching_server_follows_training_without_failing_a_request() {
     let lines: Vec<&str> = text.lines().take(200).collect();
     let one = inputs(&lines[..1]).to_string();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // The version of the requester's latest answer: the test stops it once
+    // an answer came from the final model (an event, not a time).
+    let answered = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let requester = {
-        let (stop, addr, one) = (stop.clone(), addr.clone(), one.clone());
+        let (stop, answered, addr, one) = (stop.clone(), answered.clone(), addr.clone(), one.clone());
         std::thread::spawn(move || {
             let mut answers = Vec::new();
             while !stop.load(std::sync::atomic::Ordering::SeqCst) {
@@ -212,6 +215,7 @@ fn a_watching_server_follows_training_without_failing_a_request() {
                 let version = serde_json::from_str::<Value>(&reply)
                     .ok()
                     .and_then(|r| r["model_version"].as_str().and_then(|v| v.parse::<u64>().ok()));
+                answered.store(version.unwrap_or(0), std::sync::atomic::Ordering::SeqCst);
                 answers.push((status, version, reply));
             }
             answers
@@ -224,13 +228,14 @@ fn a_watching_server_follows_training_without_failing_a_request() {
     loop {
         let (_, meta) = http(&addr, "GET", "/v2/models/ctr", b"");
         let meta: Value = serde_json::from_str(&meta).expect("metadata");
-        if meta["versions"][0].as_str() == Some(final_step.to_string().as_str()) {
+        if meta["versions"][0].as_str() == Some(final_step.to_string().as_str())
+            && answered.load(std::sync::atomic::Ordering::SeqCst) == final_step
+        {
             break;
         }
         assert!(std::time::Instant::now() < deadline, "still serving {meta}");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    std::thread::sleep(std::time::Duration::from_millis(100));
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let answers = requester.join().expect("requester");
     assert!(answers.len() > 20, "{} requests", answers.len());
