@@ -387,6 +387,9 @@ impl Model {
     fn load(py: Python<'_>, path: PathBuf, overrides: Vec<String>) -> PyResult<Model> {
         let loaded = py.detach(|| -> Result<Model, TrainError> {
             let (model, step) = sparrow_trainer::run::load_model(&path, &edge_overrides(&overrides)?)?;
+            if let Some(why) = model.config.not_servable() {
+                return Err(TrainError::checkpoint(&path, why));
+            }
             let pool = sparrow_trainer::run::compute_pool(model.config.train.threads)?;
             let inputs = ModelInputs::of(&model.config.data);
             Ok(Model { model, inputs, pool, step, path: path.clone() })

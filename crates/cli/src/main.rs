@@ -44,8 +44,8 @@ enum Command {
         seed: u64,
         /// `criteo` (train.tsv, test.tsv) or `csv` (train.csv, test.csv with a
         /// header and a `ts` column of Unix seconds).
-        #[arg(long, value_enum, default_value_t = args::GenFormat::Criteo)]
-        format: args::GenFormat,
+        #[arg(long, value_enum)]
+        format: Option<args::GenFormat>,
         /// CSV: spread the training rows over this many days, the click model
         /// drifting from day to day; the test rows are the newest day's.
         #[arg(long)]
@@ -53,6 +53,18 @@ enum Command {
         /// CSV: write the training rows in a random order instead of oldest first.
         #[arg(long)]
         shuffled: bool,
+        /// Behaviour data (CSV, train.csv/test.csv): labels `click` and
+        /// `conversion` (click ∧ converts, ESMM's setting) and `converts`.
+        #[arg(long)]
+        tasks: bool,
+        /// Behaviour data: a `hist_items` column, the user's recent items
+        /// (newest last, `|`-separated); clicks follow the candidate's match
+        /// with it (DIN's setting).
+        #[arg(long)]
+        sequence: bool,
+        /// Behaviour data: an `ad_type` label of K classes.
+        #[arg(long, value_name = "K")]
+        classes: Option<u32>,
     },
     /// Train (and evaluate on data.test) as a TOML config says.
     Train {
@@ -502,8 +514,19 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
     );
     init_logging(role);
     match cli.command {
-        Command::Gen { out, train_rows, test_rows, seed, format, days, shuffled } => {
-            let truth = match (format, days) {
+        Command::Gen { out, train_rows, test_rows, seed, format, days, shuffled, tasks, sequence, classes } => {
+            if tasks || sequence || classes.is_some() {
+                if days.is_some() || shuffled || format.is_some() {
+                    anyhow::bail!(
+                        "--tasks, --sequence and --classes write behaviour CSV: leave out --format, --days and --shuffled"
+                    );
+                }
+                let shape = sparrow_data::synth_tasks::Shape { tasks, sequence, classes };
+                return print_json(&sparrow_data::synth_tasks::generate_tasks(
+                    &out, train_rows, test_rows, shape, seed,
+                )?);
+            }
+            let truth = match (format.unwrap_or(args::GenFormat::Criteo), days) {
                 (args::GenFormat::Criteo, None) if shuffled => {
                     anyhow::bail!("--shuffled goes with --format csv --days")
                 }

@@ -597,8 +597,10 @@ fn merge(
     let collocated = config.cluster.mode == sparrow_core::config::ClusterMode::Collocated;
     RunSummary {
         test_auc: first.test_auc,
+        tasks: first.tasks.clone(),
         test_logloss: first.test_logloss,
         train_rows: rows,
+        truncated_sequences: workers.iter().map(|w| w.truncated_sequences).sum(),
         samples_per_sec: rows as f64 / train_secs.max(1e-9),
         wall_secs,
         peak_rss_bytes: workers.iter().map(|w| w.peak_rss_bytes).max().unwrap_or(0),

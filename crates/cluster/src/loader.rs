@@ -100,6 +100,8 @@ impl Loader {
             rows: batch.rows(),
             num_fields: batch.num_fields,
             num_dense: batch.num_dense,
+            num_tasks: batch.tasks(),
+            truncated_sequences: batch.truncated_sequences,
             labels: batch.labels,
             dense: batch.dense,
             bag_offsets: batch.bag_offsets,
@@ -413,7 +415,7 @@ impl LoaderServer {
         let train_stream = match &config.data.stream {
             // A topic, from the checkpoint's offsets (its skip ranges are
             // the reader's to drop: batches there are cut anew).
-            Some(_) => sparrow_stream::spawn(&config.data, config.train.batch_size, mark.as_ref(), bad.clone())?,
+            Some(_) => sparrow_stream::spawn(config, config.train.batch_size, mark.as_ref(), bad.clone())?,
             None => {
                 let train_path = config
                     .data
@@ -423,7 +425,7 @@ impl LoaderServer {
                     .ok_or(DataError::MissingPath { key: "train", what: "the training data file" })?;
                 BatchStream::spawn(
                     train_path,
-                    &config.data,
+                    config,
                     config.train.batch_size,
                     start,
                     config.train.epochs,
@@ -447,7 +449,7 @@ impl LoaderServer {
             _ => TrainFeed::Batches(train),
         };
         let test = config.data.test.clone();
-        let (data, eval_batch) = (config.data.clone(), config.train.batch_size.max(1024));
+        let (job, eval_batch) = (config.clone(), config.train.batch_size.max(1024));
         let (thread_error, thread_bad) = (error.clone(), bad.clone());
         let thread = std::thread::Builder::new()
             .name("sparrow-loader".into())
@@ -460,7 +462,10 @@ impl LoaderServer {
                     if let Some(test) = test {
                         // Evaluation reads rows as they are: weighting (and
                         // its counters) is training's, even on the same file.
-                        let unweighted = sparrow_core::config::DataConfig { weighting: None, ..data.clone() };
+                        let unweighted = sparrow_core::Config {
+                            data: sparrow_core::config::DataConfig { weighting: None, ..job.data.clone() },
+                            ..job
+                        };
                         let stream = BatchStream::spawn(
                             Path::new(&test),
                             &unweighted,
@@ -610,7 +615,8 @@ mod tests {
         start: sparrow_core::batch::DataPosition,
     ) -> Loader {
         let bad = BadRows::from_config(data);
-        let stream = BatchStream::spawn(path, data, 100, start, 1, bad.clone()).expect("stream");
+        let job = sparrow_core::Config { data: data.clone(), ..Default::default() };
+        let stream = BatchStream::spawn(path, &job, 100, start, 1, bad.clone()).expect("stream");
         Loader::new(stream, Vec::new(), Mode::Train, ClusterMode::WorkerLookup, 0, bad)
     }
 

@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use sparrow_core::Config;
-use sparrow_core::metrics::{auc, log_loss_from_logits};
 use sparrow_data::DataLayout;
+use sparrow_trainer::evaluation::Figures;
 
 use crate::generation::Generation;
 use crate::lazy::{Lazy, LazyLink};
@@ -19,7 +19,7 @@ use sparrow_core::config::SyncMode;
 use sparrow_trainer::TrainError;
 
 /// Logits and labels of the test data.
-type Evaluation = (Vec<f32>, Vec<f32>);
+type Evaluation = sparrow_trainer::evaluation::Scores;
 
 #[derive(Clone, Debug)]
 pub struct LocalSummary {
@@ -106,9 +106,9 @@ pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Re
     let (mut test_auc, mut test_logloss) = (None, None);
     for result in results {
         let (worker, eval) = result?;
-        if let Some((logits, labels)) = eval {
-            test_auc = Some(auc(&logits, &labels));
-            test_logloss = Some(log_loss_from_logits(&logits, &labels));
+        if let Some(scores) = eval {
+            let f = Figures::of(config, &scores);
+            (test_auc, test_logloss) = (Some(f.auc), Some(f.logloss));
         }
         workers.push(worker);
     }

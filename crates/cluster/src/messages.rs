@@ -21,6 +21,9 @@ pub struct WorkerBatch {
     pub rows: usize,
     pub num_fields: usize,
     pub num_dense: usize,
+    /// Labels a row holds, one per task.
+    pub num_tasks: usize,
+    /// `rows × num_tasks` (NaN: the task is masked for the row).
     pub labels: Vec<f32>,
     pub dense: Vec<f32>,
     pub bag_offsets: Vec<u32>,
@@ -44,6 +47,8 @@ pub struct WorkerBatch {
     pub passes: PassCounters,
     /// `[data.stream]`: the stream's mark after this batch.
     pub stream: Option<sparrow_core::batch::StreamMark>,
+    /// Its rows' behaviour sequences cut to their `max_len`.
+    pub truncated_sequences: u64,
 }
 
 /// What the loader's pass staging cost so far (S1.1, collocated mode).

@@ -25,8 +25,8 @@ use serde::Serialize;
 use sparrow_core::Config;
 use sparrow_core::config::ClusterConfig;
 use sparrow_core::config::SyncMode;
-use sparrow_core::metrics::{auc, log_loss_from_logits};
 use sparrow_data::DataLayout;
+use sparrow_trainer::evaluation::Figures;
 use tokio::runtime::Runtime;
 
 use self::links::RoleLinks;
@@ -559,7 +559,12 @@ pub struct WorkerSummary {
     pub test_rows: u64,
     /// Test rows whose prediction was NaN (ranked last by `test_auc`).
     pub test_nan_predictions: u64,
+    /// Every task's test figures by name (worker 0).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub tasks: std::collections::BTreeMap<String, sparrow_core::metrics::tasks::TaskFigures>,
     pub train_rows: u64,
+    #[serde(default)]
+    pub truncated_sequences: u64,
     pub batches: u64,
     pub steps: u64,
     pub train_secs: f64,
@@ -841,11 +846,13 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Attempt) -> Result<Worker
     if index == 0 {
         let start = Instant::now();
         if config.data.test.is_some() {
-            let (logits, labels) = worker.run_eval(&loader, &shards)?;
-            summary.test_auc = Some(auc(&logits, &labels));
-            summary.test_logloss = Some(log_loss_from_logits(&logits, &labels));
-            summary.test_rows = labels.len() as u64;
-            summary.test_nan_predictions = sparrow_core::metrics::count_nan(&logits);
+            let scores = worker.run_eval(&loader, &shards)?;
+            let f = Figures::of(config, &scores);
+            summary.test_auc = Some(f.auc);
+            summary.test_logloss = Some(f.logloss);
+            summary.test_rows = f.rows;
+            summary.test_nan_predictions = f.nan_predictions;
+            summary.tasks = f.tasks;
         }
         summary.eval_secs = start.elapsed().as_secs_f64();
         let reports = shards.iter().map(|s| s.report()).collect::<Result<Vec<_>, _>>()?;
@@ -856,6 +863,7 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Attempt) -> Result<Worker
     }
     let s = &worker.stats;
     summary.train_rows = s.rows;
+    summary.truncated_sequences = s.truncated_sequences;
     summary.batches = s.batches;
     summary.steps = s.steps;
     summary.train_secs = s.train_secs;

@@ -35,6 +35,7 @@ use sparrow_data::DataLayout;
 use sparrow_model::{DenseModel, DenseOptimizer};
 use sparrow_trainer::dense_sync::{DenseSync, LocalSync};
 use sparrow_trainer::engine::{DenseInputs, Looked, Stepped, dense_step};
+use sparrow_trainer::evaluation::Scores;
 use sparrow_trainer::pooling::{Bags, pool};
 
 use crate::checkpoint::{CheckpointSink, DenseState, WorkerCut};
@@ -50,6 +51,8 @@ pub struct WorkerStats {
     /// Batches this worker trained and their samples.
     pub batches: u64,
     pub rows: u64,
+    /// Their behaviour sequences cut to `max_len`.
+    pub truncated_sequences: u64,
     /// Dense optimizer steps: with several workers, the rounds (a round may
     /// hold several of a worker's batches, or none).
     pub steps: u64,
@@ -419,12 +422,13 @@ impl Worker {
             });
         }
         stats.rows += batch.rows as u64;
+        stats.truncated_sequences += batch.truncated_sequences;
         if stats.recent_losses.len() == 100 {
             stats.recent_losses.pop_front();
         }
         stats.recent_losses.push_back(out.loss);
         if let Some(online) = self.online.as_mut() {
-            online.add(&out.logits, &batch.labels);
+            self.model.heads().with_first_binary(&out.logits, &batch.labels, |x, y| online.add(x, y));
         }
         if let Some((gauges, every)) = &self.gauges {
             if let Some(mark) = &batch.stream {
@@ -479,20 +483,21 @@ impl Worker {
         Ok(self.model.predict(pooled, batch.dense, batch.rows).map_err(sparrow_trainer::TrainError::from)?)
     }
 
-    /// Logits and labels of the loader's evaluation data.
+    /// Logits and labels of the loader's evaluation data (no groups: a
+    /// worker sees no IDs).
     pub fn run_eval(
         &mut self,
         loader: &dyn LoaderService,
         shards: &[Arc<dyn ShardService>],
-    ) -> Result<(Vec<f32>, Vec<f32>), ClusterError> {
-        let (mut logits, mut labels) = (Vec::new(), Vec::new());
+    ) -> Result<Scores, ClusterError> {
+        let mut s = Scores::default();
         while let Some(batch) = loader.next_batch(self.index, Mode::Eval, self.generation)? {
             self.stats.bad_rows = self.stats.bad_rows.max(batch.bad_rows);
-            labels.extend_from_slice(&batch.labels);
-            logits.extend(self.predict(batch, shards)?);
+            s.labels.extend_from_slice(&batch.labels);
+            s.logits.extend(self.predict(batch, shards)?);
             self.progress.fetch_add(1, Ordering::Relaxed);
         }
-        Ok((logits, labels))
+        Ok(s)
     }
 
     /// A fingerprint of the dense weights (replicas must agree bit for bit).

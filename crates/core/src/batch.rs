@@ -94,7 +94,10 @@ impl StreamMark {
 pub struct Batch {
     pub num_fields: usize,
     pub num_dense: usize,
-    /// One label (0.0 or 1.0) per row.
+    /// Labels a row holds, one per task (0 is read as 1: a default batch).
+    pub num_tasks: usize,
+    /// `rows × num_tasks`, row-major: a binary task's 0.0 or 1.0, a
+    /// multiclass task's class id; NaN masks the task for the row.
     pub labels: Vec<f32>,
     /// `rows × num_dense`, row-major.
     pub dense: Vec<f32>,
@@ -113,11 +116,25 @@ pub struct Batch {
     pub sample_weights: Option<Vec<f32>>,
     /// A stream's batch: where the stream stands after it.
     pub stream: Option<std::sync::Arc<StreamMark>>,
+    /// Its rows' behaviour sequences longer than their `max_len` (each
+    /// kept its newest IDs).
+    pub truncated_sequences: u64,
 }
 
 impl Batch {
     pub fn rows(&self) -> usize {
-        self.labels.len()
+        self.labels.len() / self.tasks()
+    }
+
+    /// Labels a row holds (one per task).
+    #[inline]
+    pub fn tasks(&self) -> usize {
+        self.num_tasks.max(1)
+    }
+
+    /// Task `task`'s label of each row (NaN where masked).
+    pub fn task_labels(&self, task: usize) -> impl Iterator<Item = f32> + '_ {
+        self.labels.iter().skip(task).step_by(self.tasks()).copied()
     }
 
     #[inline]
@@ -136,6 +153,10 @@ pub struct BatchBuilder {
     current_field: usize,
     /// The current row's timestamp, kept until the row ends.
     pending_timestamp: Option<i64>,
+    /// The current row's labels after the first, kept until the row ends.
+    pending_labels: Vec<f32>,
+    /// The current row's truncated sequences, counted when the row ends.
+    pending_truncated: u64,
 }
 
 impl BatchBuilder {
@@ -146,6 +167,7 @@ impl BatchBuilder {
             batch: Batch {
                 num_fields,
                 num_dense,
+                num_tasks: 1,
                 labels: Vec::with_capacity(capacity_rows),
                 dense: Vec::with_capacity(capacity_rows * num_dense),
                 keys: Vec::with_capacity(capacity_rows * num_fields),
@@ -155,15 +177,40 @@ impl BatchBuilder {
                 timestamps: None,
                 sample_weights: None,
                 stream: None,
+                truncated_sequences: 0,
             },
             row_start: (0, 0, 0, 1),
             current_field: 0,
             pending_timestamp: None,
+            pending_labels: Vec::new(),
+            pending_truncated: 0,
         }
     }
 
+    /// Rows hold `tasks` labels each: the first is given to
+    /// [`end_row`](Self::end_row), the others to
+    /// [`push_label`](Self::push_label) before it.
+    pub fn with_tasks(mut self, tasks: usize) -> Self {
+        self.batch.num_tasks = tasks.max(1);
+        self
+    }
+
+    pub fn num_tasks(&self) -> usize {
+        self.batch.num_tasks
+    }
+
+    /// The current row has a behaviour sequence longer than its `max_len`.
+    pub fn count_truncated_sequence(&mut self) {
+        self.pending_truncated += 1;
+    }
+
+    /// The current row's label of the next task after the first (NaN: masked).
+    pub fn push_label(&mut self, label: f32) {
+        self.pending_labels.push(label);
+    }
+
     pub fn rows(&self) -> usize {
-        self.batch.labels.len()
+        self.batch.rows()
     }
 
     pub fn num_fields(&self) -> usize {
@@ -180,6 +227,8 @@ impl BatchBuilder {
         let b = &self.batch;
         self.row_start = (b.labels.len(), b.dense.len(), b.keys.len(), b.bag_offsets.len());
         self.current_field = 0;
+        self.pending_labels.clear();
+        self.pending_truncated = 0;
     }
 
     /// The current row's time (Unix seconds).
@@ -234,16 +283,19 @@ impl BatchBuilder {
         }
     }
 
-    /// Finishes the row. Fails (and rolls back) if the dense count is wrong.
+    /// Finishes the row, `label` its first task's. Fails (and rolls back)
+    /// if the dense count or the number of labels is wrong.
     pub fn end_row(&mut self, label: f32) -> bool {
         let dense_pushed = self.batch.dense.len() - self.row_start.1;
-        if dense_pushed != self.batch.num_dense {
+        if dense_pushed != self.batch.num_dense || self.pending_labels.len() + 1 != self.batch.tasks() {
             self.rollback_row();
             return false;
         }
         let f = self.batch.num_fields;
         self.close_bags_until(f);
         self.batch.labels.push(label);
+        self.batch.labels.append(&mut self.pending_labels);
+        self.batch.truncated_sequences += std::mem::take(&mut self.pending_truncated);
         if let Some(ts) = self.pending_timestamp.take() {
             self.batch.timestamps.get_or_insert_with(Vec::new).push(ts);
         }
@@ -261,6 +313,8 @@ impl BatchBuilder {
         self.batch.bag_offsets.truncate(o);
         self.current_field = 0;
         self.pending_timestamp = None;
+        self.pending_labels.clear();
+        self.pending_truncated = 0;
     }
 
     pub fn finish(self, end: DataPosition) -> Batch {

@@ -3,11 +3,15 @@
 
 mod bounds;
 mod overrides;
+mod schema;
 mod stream;
+mod tasks;
 mod validate;
 
 pub use overrides::Overrides;
+pub use schema::{DenseTransform, Schema};
 pub use stream::{MAX_FETCH_BYTES, Partitions, RetentionGap, StreamConfig, StreamKind, StreamStart};
+pub use tasks::{EvalConfig, MAX_CLASSES, MAX_SEQUENCE_LEN, SequenceField, Task, TaskConfig, TaskKind};
 
 use serde::{Deserialize, Serialize};
 
@@ -34,6 +38,7 @@ pub struct Config {
     pub dense_optimizer: DenseOptimizerConfig,
     pub checkpoint: CheckpointConfig,
     pub cluster: ClusterConfig,
+    pub eval: EvalConfig,
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -106,6 +111,14 @@ impl Default for WeightingConfig {
     }
 }
 
+impl Config {
+    /// The default job reading data as `data` says (tests and tools that
+    /// only read files).
+    pub fn with_data(data: DataConfig) -> Config {
+        Config { data, ..Config::default() }
+    }
+}
+
 impl Default for DataConfig {
     fn default() -> Self {
         DataConfig {
@@ -120,61 +133,6 @@ impl Default for DataConfig {
             prefetch_batches: 8,
             weighting: None,
             stream: None,
-        }
-    }
-}
-
-/// Column mapping for CSV and Parquet.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct Schema {
-    pub label: String,
-    pub dense: Vec<String>,
-    pub sparse: Vec<String>,
-    /// CSV only: one character.
-    pub delimiter: String,
-    /// CSV only: whether the first line names the columns. Without a header
-    /// the schema's names must be column numbers ("0", "1", …).
-    pub header: bool,
-    /// CSV only: splits one cell into several IDs of the same field (multi-hot).
-    pub multi_hot_separator: Option<String>,
-    /// Applied to every dense value: `none`, or `log1p` = log(1 + max(x, 0))
-    /// as the Criteo reader does (for raw counts).
-    pub dense_transform: DenseTransform,
-    /// The column holding each sample's time (Unix seconds; in Parquet also
-    /// a timestamp type), for `[data.weighting]`.
-    pub timestamp: Option<String>,
-}
-
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum DenseTransform {
-    #[default]
-    None,
-    Log1p,
-}
-
-impl DenseTransform {
-    #[inline]
-    pub fn apply(self, x: f64) -> f64 {
-        match self {
-            DenseTransform::None => x,
-            DenseTransform::Log1p => x.max(0.0).ln_1p(),
-        }
-    }
-}
-
-impl Default for Schema {
-    fn default() -> Self {
-        Schema {
-            label: "label".into(),
-            dense: Vec::new(),
-            sparse: Vec::new(),
-            delimiter: ",".into(),
-            header: true,
-            multi_hot_separator: None,
-            dense_transform: DenseTransform::None,
-            timestamp: None,
         }
     }
 }
@@ -252,6 +210,8 @@ pub struct ModelConfig {
     /// `f32`, or `bf16`: the MLP stacks' matrix products (forward and both
     /// gradients) take bf16-rounded inputs and accumulate in fp32.
     pub precision: Precision,
+    /// `[[model.tasks]]`: one per label column (none: a binary task per label).
+    pub tasks: Vec<TaskConfig>,
 }
 
 impl Default for ModelConfig {
@@ -264,6 +224,7 @@ impl Default for ModelConfig {
             cross_layers: 2,
             pooling: Pooling::Sum,
             precision: Precision::F32,
+            tasks: Vec::new(),
         }
     }
 }

@@ -2,6 +2,7 @@
 //! validation over a window and a run in [`online`].
 
 pub mod online;
+pub mod tasks;
 
 /// Area under the ROC curve of `scores` against 0/1 `labels`. Tied scores
 /// count half, as the Mann–Whitney statistic with average ranks does. NaN when

@@ -8,7 +8,6 @@
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use sparrow_core::batch::{BatchBuilder, DataPosition};
-use sparrow_core::config::DataConfig;
 use sparrow_data::text::{CriteoParser, LineParser};
 use sparrow_data::{BadRows, open_source};
 
@@ -19,7 +18,7 @@ fn bench(c: &mut Criterion) {
     sparrow_data::synth::generate(&dir, ROWS, 1, 1).expect("generate");
     let path = dir.join("train.tsv");
     let text = std::fs::read(&path).expect("read");
-    let config = DataConfig::default();
+    let config = sparrow_core::Config::default();
     let mut group = c.benchmark_group("parse");
     group.sample_size(20);
 

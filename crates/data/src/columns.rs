@@ -309,6 +309,7 @@ mod tests {
             multi_hot_separator: Some("|".into()),
             dense_transform: DenseTransform::Log1p,
             timestamp: None,
+            ..Schema::default()
         };
         let data = DataConfig { format: DataFormat::Csv, schema: Some(schema.clone()), ..DataConfig::default() };
         let inputs = ModelInputs::of(&data).expect("csv inputs");
@@ -323,7 +324,7 @@ mod tests {
             .iter()
             .map(|r| std::iter::once("0".to_string()).chain(r.iter().map(|c| quote(c))).collect::<Vec<_>>().join(","))
             .collect();
-        let layout = DataLayout { num_fields: 2, num_dense: 2, weighted: false };
+        let layout = DataLayout { num_fields: 2, num_dense: 2, weighted: false, num_tasks: 1 };
         let mut parser = CsvParser::new(std::path::Path::new("t.csv"), &schema, Some(b"y,a,b,u,tags")).expect("parser");
         let from_lines = parsed(&mut parser, &layout, &lines);
         let cells = TextCells(rows, 2, inputs.rules.clone());
@@ -341,7 +342,7 @@ mod tests {
             vec!["5", "", "-3", "0", "999999999999999999", "1", "2", "3", "4", "5", "6", "7", "8"];
         row.extend(["68fd1e64", "", "a b"].iter().chain(std::iter::repeat_n(&"k", 23)));
         let line = format!("0\t{}", row.join("\t"));
-        let layout = DataLayout { num_fields: CRITEO_SPARSE, num_dense: CRITEO_DENSE, weighted: false };
+        let layout = DataLayout { num_fields: CRITEO_SPARSE, num_dense: CRITEO_DENSE, weighted: false, num_tasks: 1 };
         let from_line = parsed(&mut CriteoParser::default(), &layout, &[line]);
         let from_columns = inputs.batch(&layout, &TextCells(vec![row], CRITEO_DENSE, ColumnRules::Criteo), 0..1);
         same(&from_line, &from_columns.expect("columns"));

@@ -7,15 +7,18 @@
 pub mod columns;
 pub mod error;
 pub mod input;
+pub mod labels;
 pub mod layout;
 pub mod parquet_source;
 pub mod source;
 pub mod stream;
 pub mod synth;
+pub mod synth_tasks;
 pub mod text;
 pub mod weighting;
 
 pub use error::{BadRows, DataError};
+pub use labels::LabelRules;
 pub use layout::DataLayout;
 pub use source::BatchSource;
 pub use stream::{BatchStream, open_source};

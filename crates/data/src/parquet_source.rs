@@ -8,20 +8,28 @@ use std::path::{Path, PathBuf};
 use parquet::file::reader::{FileReader, SerializedFileReader};
 use parquet::record::reader::RowIter;
 use parquet::record::{Field, Row};
+use sparrow_core::Config;
 use sparrow_core::batch::{BatchBuilder, DataPosition};
-use sparrow_core::config::{DataConfig, DenseTransform};
+use sparrow_core::config::DenseTransform;
 use sparrow_core::{Batch, feature_key};
 
 use crate::error::{BadRows, DataError};
+use crate::labels::LabelRules;
 use crate::layout::DataLayout;
 use crate::source::BatchSource;
-use crate::text::parse_label;
 
 pub struct ParquetSource {
     path: PathBuf,
     rows: RowIter<'static>,
     layout: DataLayout,
-    label: usize,
+    /// The label columns, one per task, and how their cells read.
+    labels: Vec<usize>,
+    rules: LabelRules,
+    /// `data.schema.sequence`: column, the sparse field whose keys its IDs
+    /// take, `max_len`.
+    sequences: Vec<(usize, u32, usize)>,
+    /// What separates a sequence's IDs in a string cell.
+    separator: String,
     dense: Vec<(usize, String)>,
     sparse: Vec<usize>,
     transform: DenseTransform,
@@ -117,7 +125,8 @@ fn open_rows_typed(path: &Path) -> Result<(RowIter<'static>, Vec<String>, Vec<Co
 }
 
 impl ParquetSource {
-    pub fn open(path: &Path, config: &DataConfig, bad: BadRows) -> Result<ParquetSource, DataError> {
+    pub fn open(path: &Path, job: &Config, bad: BadRows) -> Result<ParquetSource, DataError> {
+        let config = &job.data;
         let schema = config.schema.clone().unwrap_or_default();
         let (rows, names, types) = open_rows_typed(path)?;
         let find = |name: &str| {
@@ -126,11 +135,22 @@ impl ParquetSource {
                 message: format!("column `{name}` is not in the file ({})", names.join(",")),
             })
         };
-        let label = find(&schema.label)?;
+        let rules = LabelRules::of(job);
+        let labels: Vec<usize> = rules.names().map(find).collect::<Result<_, DataError>>()?;
         let dense: Vec<(usize, String)> =
             schema.dense.iter().map(|n| Ok((find(n)?, n.clone()))).collect::<Result<_, DataError>>()?;
         let sparse = schema.sparse.iter().map(|n| find(n)).collect::<Result<_, DataError>>()?;
-        check_scalar_column(path, &names, &types, label, "the label")?;
+        for &label in &labels {
+            check_scalar_column(path, &names, &types, label, "a label")?;
+        }
+        let sequences = schema
+            .sequence
+            .iter()
+            .map(|q| {
+                let table = schema.sparse.iter().position(|s| *s == q.table).unwrap_or_default();
+                Ok((find(&q.field)?, table as u32, q.max_len))
+            })
+            .collect::<Result<_, DataError>>()?;
         for (col, _) in &dense {
             check_scalar_column(path, &names, &types, *col, "a dense value")?;
         }
@@ -139,7 +159,10 @@ impl ParquetSource {
             path: path.to_path_buf(),
             rows,
             layout: DataLayout::from_config(config),
-            label,
+            labels,
+            rules,
+            sequences,
+            separator: schema.multi_hot_separator.clone().unwrap_or_else(|| "|".into()),
             dense,
             sparse,
             transform: schema.dense_transform,
@@ -201,15 +224,25 @@ impl ParquetSource {
 
     fn parse_row(&self, row: &Row, out: &mut BatchBuilder) -> Result<f32, String> {
         let cols: Vec<&Field> = row.get_column_iter().map(|(_, f)| f).collect();
-        let label_field = cols.get(self.label).ok_or("row is shorter than the schema")?;
-        let label = match label_field {
-            Field::Str(s) => parse_label(s.as_bytes())?,
-            other => match number(other) {
-                Some(1.0) => 1.0,
-                Some(0.0 | -1.0) => 0.0,
-                _ => return Err(format!("label `{other}` is not 0/1 or -1/+1")),
-            },
-        };
+        let mut label = 0.0;
+        for (task, &col) in self.labels.iter().enumerate() {
+            let value = match cols.get(col).ok_or("row is shorter than the schema")? {
+                Field::Str(s) => self.rules.read(task, s.as_bytes())?,
+                Field::Null if self.rules.masking() => f32::NAN,
+                other => match number(other) {
+                    Some(v) => self.rules.read_number(task, v)?,
+                    None if task == 0 && !self.rules.masking() => {
+                        return Err(format!("label `{other}` is not 0/1 or -1/+1"));
+                    }
+                    None => return Err(format!("label `{other}` of task {task} is not a number")),
+                },
+            };
+            if task == 0 {
+                label = value;
+            } else {
+                out.push_label(value);
+            }
+        }
         if let Some(ts) = self.timestamp_of(&cols)? {
             out.set_timestamp(ts);
         }
@@ -240,6 +273,29 @@ impl ParquetSource {
                 other => {
                     out.push_key(fi, feature_key(fi as u32, &id_bytes(other)), 1.0);
                 }
+            }
+        }
+        let first = self.sparse.len();
+        for (j, &(col, table, max_len)) in self.sequences.iter().enumerate() {
+            // A list column, or a string of IDs between separators; newest last.
+            let ids: Vec<Vec<u8>> = match cols.get(col).ok_or("row is shorter than the schema")? {
+                Field::ListInternal(list) => {
+                    list.elements().iter().filter(|e| !matches!(e, Field::Null)).map(id_bytes).collect()
+                }
+                Field::Null => Vec::new(),
+                Field::Str(s) => s
+                    .split(self.separator.as_str())
+                    .filter(|id| !id.is_empty())
+                    .map(|id| id.as_bytes().to_vec())
+                    .collect(),
+                other => vec![id_bytes(other)],
+            };
+            let skip = ids.len().saturating_sub(max_len);
+            if skip > 0 {
+                out.count_truncated_sequence();
+            }
+            for id in &ids[skip..] {
+                out.push_key(first + j, feature_key(table, id), 1.0);
             }
         }
         Ok(label)
@@ -308,7 +364,7 @@ impl BatchSource for ParquetSource {
 
 impl ParquetSource {
     fn read_batch(&mut self, batch_size: usize, epoch: u64) -> Result<Option<Batch>, DataError> {
-        let mut b = BatchBuilder::new(self.layout.num_fields, self.layout.num_dense, false, batch_size);
+        let mut b = self.layout.builder(batch_size);
         while b.rows() < batch_size {
             let row = match guarded(&self.path, || Ok(self.rows.next()))? {
                 None => break,

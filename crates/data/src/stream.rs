@@ -9,8 +9,9 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, bounded};
 use sparrow_core::Batch;
+use sparrow_core::Config;
 use sparrow_core::batch::DataPosition;
-use sparrow_core::config::{DataConfig, DataFormat};
+use sparrow_core::config::DataFormat;
 
 use crate::error::{BadRows, DataError};
 use crate::layout::DataLayout;
@@ -19,8 +20,8 @@ use crate::source::BatchSource;
 use crate::text::TextSource;
 
 /// Opens `path` as the configured format. A missing file fails here, at once.
-pub fn open_source(path: &Path, config: &DataConfig, bad: BadRows) -> Result<Box<dyn BatchSource>, DataError> {
-    Ok(match config.format {
+pub fn open_source(path: &Path, config: &Config, bad: BadRows) -> Result<Box<dyn BatchSource>, DataError> {
+    Ok(match config.data.format {
         DataFormat::Parquet => Box::new(ParquetSource::open(path, config, bad)?),
         _ => Box::new(TextSource::open(path, config, bad)?),
     })
@@ -37,7 +38,7 @@ impl BatchStream {
     /// Streams `epochs` passes over `path`, starting at `start`.
     pub fn spawn(
         path: &Path,
-        config: &DataConfig,
+        config: &Config,
         batch_size: usize,
         start: DataPosition,
         epochs: u64,
@@ -79,7 +80,7 @@ impl BatchStream {
                 }
             }
         };
-        BatchStream::from_thread(layout, config.prefetch_batches, "sparrow-reader", read)
+        BatchStream::from_thread(layout, config.data.prefetch_batches, "sparrow-reader", read)
             .map_err(|e| DataError::io(path, e))
     }
 

@@ -362,7 +362,7 @@ fn write_truth(
 
 /// AUC on probabilities. Casting them to f32 would merge nearby values into
 /// ties, so the f64 order is turned into (exact) f32 ranks first.
-fn auc_f64(probs: &[f64], labels: &[f32]) -> f64 {
+pub(crate) fn auc_f64(probs: &[f64], labels: &[f32]) -> f64 {
     let mut order: Vec<u32> = (0..probs.len() as u32).collect();
     order.sort_unstable_by(|&a, &b| probs[a as usize].total_cmp(&probs[b as usize]));
     let ranks: Vec<f32> = {

@@ -5,8 +5,11 @@
 use std::io::{BufRead, Read};
 use std::path::{Path, PathBuf};
 
+use sparrow_core::Config;
 use sparrow_core::batch::{BatchBuilder, DataPosition};
-use sparrow_core::config::{DataConfig, DataFormat, DenseTransform, Schema};
+use sparrow_core::config::{DataFormat, DenseTransform, Schema};
+
+use crate::labels::{LabelRules, parse_label};
 use sparrow_core::{Batch, feature_key};
 
 use crate::error::{BadRows, DataError};
@@ -29,15 +32,6 @@ pub trait LineParser: Send {
     /// A row dated after `now` (Unix seconds) is malformed: a stream that
     /// runs for days moves its parser's clock along.
     fn set_now(&mut self, _now: i64) {}
-}
-
-/// `0`/`1` or `-1`/`+1`; anything else is a malformed row.
-pub fn parse_label(raw: &[u8]) -> Result<f32, String> {
-    match raw {
-        b"1" | b"+1" | b"1.0" => Ok(1.0),
-        b"0" | b"-1" | b"0.0" | b"-1.0" => Ok(0.0),
-        _ => Err(format!("label `{}` is not 0/1 or -1/+1", String::from_utf8_lossy(raw))),
-    }
 }
 
 fn ascii(raw: &[u8]) -> Result<&str, String> {
@@ -184,10 +178,24 @@ pub fn split_csv<'a>(line: &'a [u8], delim: u8, cells: &mut Vec<std::borrow::Cow
     }
 }
 
+/// A behaviour sequence's column in a CSV row.
+#[derive(Clone, Copy, Debug)]
+struct SequenceColumn {
+    col: usize,
+    /// The sparse field whose keys its IDs take.
+    table: u32,
+    max_len: usize,
+}
+
 /// Where each schema column sits in a CSV row.
 pub struct CsvParser {
     delim: u8,
-    label: usize,
+    /// The label columns, one per task, and how their cells read.
+    labels: Vec<usize>,
+    rules: LabelRules,
+    /// `data.schema.sequence`: each one's column, the sparse field whose
+    /// table its IDs share (their keys are that field's) and `max_len`.
+    sequences: Vec<SequenceColumn>,
     dense: Vec<(usize, String)>,
     sparse: Vec<usize>,
     multi_hot: Option<Vec<u8>>,
@@ -225,13 +233,27 @@ impl CsvParser {
                     .map_err(|_| schema_err(format!("without a header, column `{name}` must be a column number")))
             }
         };
-        let label = find(&schema.label)?;
+        let rules = LabelRules::binary_of(schema);
+        let labels = rules.names().map(find).collect::<Result<Vec<_>, DataError>>()?;
         let dense = schema.dense.iter().map(|n| Ok((find(n)?, n.clone()))).collect::<Result<Vec<_>, DataError>>()?;
         let sparse = schema.sparse.iter().map(|n| find(n)).collect::<Result<Vec<_>, DataError>>()?;
         let timestamp = schema.timestamp.as_ref().map(|n| Ok::<_, DataError>((find(n)?, n.clone()))).transpose()?;
-        let width = std::iter::once(label)
+        let sequences = schema
+            .sequence
+            .iter()
+            .map(|q| {
+                let table = schema.sparse.iter().position(|s| *s == q.table).ok_or_else(|| {
+                    schema_err(format!("sequence `{}`: table `{}` is not a sparse field", q.field, q.table))
+                })?;
+                Ok(SequenceColumn { col: find(&q.field)?, table: table as u32, max_len: q.max_len })
+            })
+            .collect::<Result<Vec<_>, DataError>>()?;
+        let width = labels
+            .iter()
+            .copied()
             .chain(dense.iter().map(|d| d.0))
             .chain(sparse.iter().copied())
+            .chain(sequences.iter().map(|q| q.col))
             .chain(timestamp.iter().map(|t| t.0))
             .max()
             .unwrap_or(0)
@@ -240,7 +262,9 @@ impl CsvParser {
         Ok(CsvParser {
             columns,
             delim,
-            label,
+            labels,
+            rules,
+            sequences,
             dense,
             sparse,
             multi_hot: schema.multi_hot_separator.as_ref().map(|s| s.as_bytes().to_vec()),
@@ -249,6 +273,14 @@ impl CsvParser {
             timestamp,
             now: crate::weighting::now_secs(),
         })
+    }
+
+    /// Reads its label columns as `rules` says (a job's tasks: the
+    /// multiclass ones' class ids); `rules` names the schema's label columns.
+    pub fn with_rules(mut self, rules: LabelRules) -> Self {
+        debug_assert!(rules.names().eq(self.rules.names()), "the schema's label columns");
+        self.rules = rules;
+        self
     }
 
     /// The row's time from the timestamp column: Unix seconds (an integer, or
@@ -286,7 +318,10 @@ impl LineParser for CsvParser {
         if cells.len() < self.width {
             return Err(format!("{} columns, the schema needs at least {}", cells.len(), self.width));
         }
-        let label = parse_label(cells[self.label].as_ref())?;
+        let label = self.rules.read(0, cells[self.labels[0]].as_ref())?;
+        for (task, &col) in self.labels.iter().enumerate().skip(1) {
+            out.push_label(self.rules.read(task, cells[col].as_ref())?);
+        }
         if let Some(ts) = self.timestamp_of(&cells)? {
             out.set_timestamp(ts);
         }
@@ -316,6 +351,20 @@ impl LineParser for CsvParser {
                 None => {
                     out.push_key(f, feature_key(f as u32, raw), 1.0);
                 }
+            }
+        }
+        let first = self.sparse.len();
+        for (j, q) in self.sequences.iter().enumerate() {
+            // A sequence is a list however the sparse fields are read.
+            let sep = self.multi_hot.as_deref().unwrap_or(b"|");
+            let ids: Vec<&[u8]> = split_bytes(cells[q.col].as_ref(), sep).filter(|s| !s.is_empty()).collect();
+            // The newest `max_len` (newest last).
+            let kept = ids.len().saturating_sub(q.max_len);
+            if kept > 0 {
+                out.count_truncated_sequence();
+            }
+            for id in &ids[kept..] {
+                out.push_key(first + j, feature_key(q.table, id), 1.0);
             }
         }
         Ok(label)
@@ -410,10 +459,11 @@ const UTF8_BOM: &[u8] = b"\xef\xbb\xbf";
 /// a header line. `origin` names the source in schema errors.
 pub fn row_parser(
     format: DataFormat,
-    config: &DataConfig,
+    job: &Config,
     header: Option<&str>,
     origin: &Path,
 ) -> Result<Box<dyn LineParser>, DataError> {
+    let config = &job.data;
     let layout = DataLayout::from_config(config);
     Ok(match format {
         DataFormat::Criteo => Box::new(CriteoParser::default()),
@@ -422,7 +472,7 @@ pub fn row_parser(
         DataFormat::Csv => {
             let schema = config.schema.clone().unwrap_or_default();
             let header = header.filter(|_| schema.header).map(str::as_bytes);
-            Box::new(CsvParser::new(origin, &schema, header)?)
+            Box::new(CsvParser::new(origin, &schema, header)?.with_rules(LabelRules::of(job)))
         }
         DataFormat::Parquet => {
             return Err(DataError::Schema {
@@ -451,7 +501,8 @@ pub struct TextSource {
 }
 
 impl TextSource {
-    pub fn open(path: &Path, config: &DataConfig, bad: BadRows) -> Result<TextSource, DataError> {
+    pub fn open(path: &Path, job: &Config, bad: BadRows) -> Result<TextSource, DataError> {
+        let config = &job.data;
         let mut reader = TextInput::open(path)?;
         let layout = DataLayout::from_config(config);
         // A UTF-8 byte-order mark (Excel, Notepad) is not part of the first row.
@@ -478,7 +529,7 @@ impl TextSource {
                     data_start = (bom as u64 + n as u64, 2);
                 }
                 let h = trim_eol(&header);
-                let parser = CsvParser::new(path, &schema, schema.header.then_some(h))?;
+                let parser = CsvParser::new(path, &schema, schema.header.then_some(h))?.with_rules(LabelRules::of(job));
                 let is_train = config.train.as_deref().is_some_and(|t| Path::new(t) == path);
                 if let (Some(cfg), true) = (&config.weighting, is_train) {
                     let reference = match cfg.reference_time {
@@ -571,7 +622,7 @@ impl BatchSource for TextSource {
 
 impl TextSource {
     fn read_batch(&mut self, batch_size: usize, epoch: u64) -> Result<Option<Batch>, DataError> {
-        let mut b = BatchBuilder::new(self.layout.num_fields, self.layout.num_dense, self.layout.weighted, batch_size);
+        let mut b = self.layout.builder(batch_size);
         while b.rows() < batch_size {
             self.buf.clear();
             let n = (&mut self.reader)
@@ -729,5 +780,63 @@ mod tests {
         assert_eq!(b.key_weights, Some(vec![0.25, 1.0]));
         assert!(one(&mut SvmParser::libffm(3), 3, 0, true, "1 5:1:1").expect_err("field").contains("num_fields"));
         assert!(one(&mut SvmParser::libsvm(), 1, 0, true, "1 3").is_err());
+    }
+
+    /// Several labels and a behaviour sequence: each row holds a label per
+    /// task (an empty cell masks it), the sequence's newest `max_len` IDs
+    /// keyed as the field whose table it shares, truncations counted; a
+    /// label that is not 0/1, a class id past the task's classes and an
+    /// unparsable row are bad rows named by file and line.
+    #[test]
+    fn labels_per_task_and_a_sequence_sharing_a_table() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("t.csv");
+        std::fs::write(
+            &path,
+            "click,cvr,kind,user,item,hist\n\
+             1,,2,u1,i7,i3|i4|i5\n\
+             0,0,0,u2,i3,\n\
+             2,0,0,u3,i3,i1\n\
+             1,1,4,u3,i3,i1\n\
+             1,1,1,u4,i9,i7\n",
+        )
+        .expect("write");
+        let text = format!(
+            r#"
+            [data]
+            format = "csv"
+            train = "{}"
+            [data.schema]
+            labels = ["click", "cvr", "kind"]
+            sparse = ["user", "item"]
+            multi_hot_separator = "|"
+            sequence = [{{ field = "hist", table = "item", max_len = 2 }}]
+            [model]
+            kind = "mlp"
+            [[model.tasks]]
+            name = "click"
+            [[model.tasks]]
+            name = "cvr"
+            [[model.tasks]]
+            name = "kind"
+            kind = "multiclass"
+            classes = 3
+            "#,
+            path.display()
+        );
+        let job = Config::from_toml(&text, "t.toml", &sparrow_core::Overrides::none()).expect("config");
+        let bad = BadRows::new(10, 0);
+        let mut source = TextSource::open(&path, &job, bad.clone()).expect("open");
+        let b = source.next_batch(16, 0).expect("read").expect("a batch");
+        assert_eq!((b.rows(), b.tasks(), b.num_fields), (3, 3, 3));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&b.labels), bits(&[1.0, f32::NAN, 2.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0]));
+        // Row 0 keeps i4, i5 (the newest two), keyed as `item` (field 1) keys them.
+        let seq: Vec<u64> = b.bag(0, 2).map(|k| b.keys[k]).collect();
+        assert_eq!(seq, vec![feature_key(1, b"i4"), feature_key(1, b"i5")]);
+        assert_eq!(b.bag(1, 2).len(), 0, "an empty history");
+        assert_eq!(b.keys[b.bag(2, 2).start], b.keys[b.bag(0, 1).start], "i7 as history and as the item");
+        assert_eq!(b.truncated_sequences, 1);
+        assert_eq!(bad.total(), 2, "the label 2 and the class 4");
     }
 }

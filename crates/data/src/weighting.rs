@@ -161,7 +161,8 @@ impl Weigher {
         let buf = self.buffer.as_mut()?;
         let rows = &buf.rows;
         let capacity = batch_size.min(buf.groups.len() - buf.next);
-        let mut out = BatchBuilder::new(rows.num_fields, rows.num_dense, rows.key_weights.is_some(), capacity);
+        let mut out = BatchBuilder::new(rows.num_fields, rows.num_dense, rows.key_weights.is_some(), capacity)
+            .with_tasks(rows.tasks());
         let (mut weights, mut newest) = (Vec::with_capacity(capacity), Vec::with_capacity(capacity));
         let (mut merged, mut dropped, mut sum) = (0u64, 0u64, 0f64);
         while out.rows() < batch_size && buf.next < buf.groups.len() {
@@ -181,7 +182,10 @@ impl Weigher {
                     out.push_key(field, rows.keys[k], rows.key_weights.as_ref().map_or(1.0, |w| w[k]));
                 }
             }
-            out.end_row(rows.labels[g.row]);
+            let t = rows.tasks();
+            let labels = &rows.labels[g.row * t..(g.row + 1) * t];
+            labels[1..].iter().for_each(|&l| out.push_label(l));
+            out.end_row(labels[0]);
             weights.push(w as f32);
             newest.push(g.newest);
             sum += w;
@@ -229,7 +233,10 @@ impl Weigher {
         for (row, &ts) in times.iter().enumerate() {
             identity.clear();
             identity.extend_from_slice(&ts.div_euclid(window).to_le_bytes());
-            identity.extend_from_slice(&batch.labels[row].to_bits().to_le_bytes());
+            let t = batch.tasks();
+            for l in &batch.labels[row * t..(row + 1) * t] {
+                identity.extend_from_slice(&l.to_bits().to_le_bytes());
+            }
             for v in &batch.dense[row * batch.num_dense..(row + 1) * batch.num_dense] {
                 identity.extend_from_slice(&v.to_bits().to_le_bytes());
             }

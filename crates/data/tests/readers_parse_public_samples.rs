@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use sparrow_core::Batch;
+use sparrow_core::Config;
 use sparrow_core::config::{DataConfig, DataFormat, Schema};
 use sparrow_data::{BadRows, BatchStream, DataError};
 
@@ -13,7 +14,7 @@ fn testdata(name: &str) -> PathBuf {
 }
 
 fn read_all(path: &Path, config: &DataConfig, batch: usize, bad: &BadRows) -> Result<Vec<Batch>, DataError> {
-    BatchStream::spawn(path, config, batch, Default::default(), 1, bad.clone())?.collect()
+    BatchStream::spawn(path, &Config::with_data(config.clone()), batch, Default::default(), 1, bad.clone())?.collect()
 }
 
 fn criteo_schema() -> Schema {
@@ -137,7 +138,7 @@ fn an_oversized_line_is_a_bad_row_and_reading_goes_on() {
 fn missing_file_is_an_error_naming_it() {
     let err = BatchStream::spawn(
         Path::new("/nonexistent/train.tsv"),
-        &DataConfig::default(),
+        &Config::default(),
         8,
         Default::default(),
         1,
@@ -153,10 +154,11 @@ fn stream_resumes_exactly_at_a_batch_boundary() {
     let path = testdata("criteo-kaggle-first1000.tsv");
     let config = DataConfig::default();
     let all = read_all(&path, &config, 100, &BadRows::new(0, 1)).expect("reads");
-    let resumed: Vec<Batch> = BatchStream::spawn(&path, &config, 100, all[3].end, 1, BadRows::new(0, 1))
-        .expect("opens")
-        .collect::<Result<_, _>>()
-        .expect("reads");
+    let resumed: Vec<Batch> =
+        BatchStream::spawn(&path, &Config::with_data(config.clone()), 100, all[3].end, 1, BadRows::new(0, 1))
+            .expect("opens")
+            .collect::<Result<_, _>>()
+            .expect("reads");
     assert_eq!(resumed.len(), all.len() - 4);
     for (a, b) in all[4..].iter().zip(&resumed) {
         assert_eq!(a.keys, b.keys);
@@ -256,10 +258,11 @@ fn parquet_with_schema_mapping_and_list_column() {
     assert_eq!(b[0].bag(1, 1).len(), 0, "empty list is an empty bag");
     assert_eq!(b[1].keys[0], b[0].keys[0], "same site, same key");
     // Resume after the first batch.
-    let rest: Vec<Batch> = BatchStream::spawn(&path, &config, 2, b[0].end, 1, BadRows::new(0, 1))
-        .expect("opens")
-        .collect::<Result<_, _>>()
-        .expect("reads");
+    let rest: Vec<Batch> =
+        BatchStream::spawn(&path, &Config::with_data(config.clone()), 2, b[0].end, 1, BadRows::new(0, 1))
+            .expect("opens")
+            .collect::<Result<_, _>>()
+            .expect("reads");
     assert_eq!(rest.len(), 1);
     assert_eq!(rest[0].keys, b[1].keys);
     // A column the file lacks is named.

@@ -75,7 +75,8 @@ fn scratch(name: &str, data: &[u8]) -> Option<PathBuf> {
 fn read_all(path: &Path, config: &DataConfig) {
     // A bad-row budget large enough that every line is parsed.
     let bad = BadRows::new(u64::MAX, 0);
-    let Ok(mut source) = open_source(path, config, bad.clone()) else { return };
+    let job = sparrow_core::Config { data: config.clone(), ..Default::default() };
+    let Ok(mut source) = open_source(path, &job, bad.clone()) else { return };
     let mut batches = 0;
     while let Ok(Some(_)) = source.next_batch(64, 0) {
         batches += 1;

@@ -8,6 +8,7 @@
 pub mod bf16;
 mod bf16_rounded;
 pub mod fused;
+pub mod heads;
 pub mod matrix;
 pub mod mlp;
 pub mod models;
@@ -15,6 +16,7 @@ pub mod optimizer;
 pub mod params;
 pub mod peak;
 
+pub use heads::Heads;
 pub use models::{DenseModel, ModelShape, StepOutput};
 pub use optimizer::{DenseGrads, DenseOptimizer, check_finite};
 pub use params::ParamStore;
@@ -28,6 +30,8 @@ pub enum ModelError {
     NotPacked { kind: &'static str },
     #[error("{what}: {len} values are not {rows} rows of {per_row}")]
     BadInput { what: &'static str, len: usize, rows: usize, per_row: usize },
+    #[error("model.kind = \"{kind}\" has one output, not {outputs} (several tasks need a kind with a deep part)")]
+    Heads { kind: &'static str, outputs: usize },
     #[error("a thread panicked while holding the model's step buffers")]
     Poisoned,
     #[error("dense weights: parameter `{name}` is missing from the file")]

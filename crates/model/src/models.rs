@@ -9,6 +9,7 @@ use sparrow_core::metrics::logistic_loss_and_sigmoid;
 use crate::ModelError;
 use crate::bf16::Arith;
 use crate::fused::{FirstOrderFm, PairwiseDots, Simd};
+use crate::heads::Heads;
 use crate::mlp::Mlp;
 
 mod direct;
@@ -65,6 +66,8 @@ pub struct DenseModel {
     scratch: std::sync::Mutex<direct::Scratch>,
     /// `train.simd`: whether its kernels may take their SIMD versions.
     simd: Simd,
+    /// Its outputs, a group per task, and their loss.
+    heads: Heads,
 }
 
 pub struct StepOutput {
@@ -79,8 +82,8 @@ fn with_dense(ps: &mut ParamStore, num_dense: usize) -> Result<Option<Linear>, M
     if num_dense == 0 { Ok(None) } else { Linear::new(ps, "dense_linear", num_dense, 1).map(Some) }
 }
 
-fn head(hidden: &[usize]) -> Vec<usize> {
-    hidden.iter().copied().chain(std::iter::once(1)).collect()
+fn head(hidden: &[usize], outputs: usize) -> Vec<usize> {
+    hidden.iter().copied().chain(std::iter::once(outputs)).collect()
 }
 
 impl DenseModel {
@@ -93,6 +96,23 @@ impl DenseModel {
         device: Device,
         simd: Simd,
     ) -> Result<DenseModel, ModelError> {
+        Self::with_heads(config, shape, Heads::one_binary(), seed, device, simd)
+    }
+
+    /// [`new`](Self::new) with an output group per task (`heads`): the
+    /// shared body ends in one layer of `heads.outputs()` logits.
+    pub fn with_heads(
+        config: &ModelConfig,
+        shape: ModelShape,
+        heads: Heads,
+        seed: u64,
+        device: Device,
+        simd: Simd,
+    ) -> Result<DenseModel, ModelError> {
+        let outputs = heads.outputs();
+        if outputs != 1 && matches!(config.kind, ModelKind::Lr | ModelKind::Fm) {
+            return Err(ModelError::Heads { kind: config.kind.name(), outputs });
+        }
         let arith = Arith::new(config.precision, simd);
         if config.precision == Precision::Bf16 && matches!(config.kind, ModelKind::Lr | ModelKind::Fm) {
             // Valid (a sweep may set it for every kind), but it changes nothing: say so.
@@ -115,20 +135,20 @@ impl DenseModel {
                 Net::Fm { dense: with_dense(&mut ps, nd)? }
             }
             ModelKind::Mlp => {
-                Net::Mlp { mlp: Mlp::new(&mut ps, "mlp", f * d + nd, &head(&config.hidden), false, arith)? }
+                Net::Mlp { mlp: Mlp::new(&mut ps, "mlp", f * d + nd, &head(&config.hidden, outputs), false, arith)? }
             }
             ModelKind::WideDeep => {
                 bias = Some(ps.zeros("bias".into(), &[1])?);
                 Net::WideDeep {
                     dense: with_dense(&mut ps, nd)?,
-                    deep: Mlp::new(&mut ps, "deep", f * d + nd, &head(&config.hidden), false, arith)?,
+                    deep: Mlp::new(&mut ps, "deep", f * d + nd, &head(&config.hidden, outputs), false, arith)?,
                 }
             }
             ModelKind::Deepfm => {
                 bias = Some(ps.zeros("bias".into(), &[1])?);
                 Net::DeepFm {
                     dense: with_dense(&mut ps, nd)?,
-                    deep: Mlp::new(&mut ps, "deep", f * d + nd, &head(&config.hidden), false, arith)?,
+                    deep: Mlp::new(&mut ps, "deep", f * d + nd, &head(&config.hidden, outputs), false, arith)?,
                 }
             }
             ModelKind::Dlrm => {
@@ -146,7 +166,7 @@ impl DenseModel {
                 let top_in = num_pairs + if nd > 0 { d } else { 0 };
                 Net::Dlrm {
                     bottom,
-                    top: Mlp::new(&mut ps, "top", top_in, &head(&config.hidden), false, arith)?,
+                    top: Mlp::new(&mut ps, "top", top_in, &head(&config.hidden, outputs), false, arith)?,
                     pairs,
                     n,
                 }
@@ -156,10 +176,14 @@ impl DenseModel {
                 let cross = (0..config.cross_layers)
                     .map(|l| Linear::new(&mut ps, &format!("cross.{l}"), x_dim, x_dim))
                     .collect::<Result<Vec<_>, _>>()?;
-                Net::Dcn { cross, deep: Mlp::new(&mut ps, "deep", x_dim, &head(&config.hidden), false, arith)?, arith }
+                Net::Dcn {
+                    cross,
+                    deep: Mlp::new(&mut ps, "deep", x_dim, &head(&config.hidden, outputs), false, arith)?,
+                    arith,
+                }
             }
         };
-        Ok(DenseModel { kind: config.kind, shape, params: ps, net, bias, scratch: Default::default(), simd })
+        Ok(DenseModel { kind: config.kind, shape, params: ps, net, bias, scratch: Default::default(), simd, heads })
     }
 
     /// The dense step's arithmetic floor, flops per sample: what the model
@@ -184,7 +208,7 @@ impl DenseModel {
         };
         let first_order = 2.0 * f + 6.0 * nd;
         let fm = 5.0 * f * d;
-        let deep = || stack(f * d + nd, &head(&config.hidden));
+        let deep = || stack(f * d + nd, &head(&config.hidden, 1));
         match config.kind {
             ModelKind::Lr => first_order,
             ModelKind::Fm => first_order + fm,
@@ -201,7 +225,7 @@ impl DenseModel {
                 let n = f + if nd > 0.0 { 1.0 } else { 0.0 };
                 let pairs = n * (n - 1.0) / 2.0;
                 let top_in = pairs + if nd > 0.0 { d } else { 0.0 };
-                bottom + 6.0 * d * pairs + stack(top_in, &head(&config.hidden))
+                bottom + 6.0 * d * pairs + stack(top_in, &head(&config.hidden, 1))
             }
             ModelKind::Dcn => {
                 let x = f * d + nd;
@@ -259,11 +283,11 @@ impl DenseModel {
             Net::Mlp { mlp } => mlp.forward(&flat_with_dense(emb)?)?,
             Net::WideDeep { dense: lin, deep } => {
                 let v = emb.narrow(2, 1, d)?.contiguous()?;
-                (first_order(lin, false)? + deep.forward(&flat_with_dense(&v)?)?)?
+                first_order(lin, false)?.broadcast_add(&deep.forward(&flat_with_dense(&v)?)?)?
             }
             Net::DeepFm { dense: lin, deep } => {
                 let v = emb.narrow(2, 1, d)?.contiguous()?;
-                (first_order(lin, true)? + deep.forward(&flat_with_dense(&v)?)?)?
+                first_order(lin, true)?.broadcast_add(&deep.forward(&flat_with_dense(&v)?)?)?
             }
             Net::Dlrm { bottom, top, pairs, n } => {
                 let (t, bottom_out) = match bottom {
@@ -294,7 +318,12 @@ impl DenseModel {
                 deep.forward(&x)?
             }
         };
-        Ok(out.squeeze(D::Minus1)?)
+        Ok(if self.heads.outputs() == 1 { out.squeeze(D::Minus1)? } else { out })
+    }
+
+    /// Its outputs, a group per task.
+    pub fn heads(&self) -> &Heads {
+        &self.heads
     }
 
     fn inputs(&self, emb: Vec<f32>, dense: Vec<f32>, rows: usize) -> Result<(Tensor, Tensor), ModelError> {
@@ -312,7 +341,7 @@ impl DenseModel {
             return self.forward_direct(&x, rows, &mut direct::Scratch::default());
         }
         let (emb, dense) = self.inputs(emb, dense, rows)?;
-        Ok(self.forward(&emb, &dense)?.to_vec1::<f32>()?)
+        Ok(self.forward(&emb, &dense)?.flatten_all()?.to_vec1::<f32>()?)
     }
 
     /// Input rows `[pooled embeddings | dense values]` (see [`packed_row_len`](Self::packed_row_len)).
@@ -431,16 +460,20 @@ impl DenseModel {
         labels: &[f32],
         weights: Option<&[f32]>,
     ) -> Result<(StepOutput, DenseGrads), ModelError> {
-        let rows = labels.len();
+        let rows = labels.len() / self.heads.tasks();
         let (emb, dense) = self.inputs(emb, dense, rows)?;
         let emb = Var::from_tensor(&emb)?;
         let logits_t = self.forward(emb.as_tensor(), &dense)?;
-        let logits = logits_t.to_vec1::<f32>()?;
+        let logits = logits_t.flatten_all()?.to_vec1::<f32>()?;
         // Seeding the backward pass with the loss gradient (as a constant)
         // gives the exact, stable gradient without building the loss in candle.
-        let (loss, seed) = Self::loss_and_seed(&logits, labels, weights);
+        let (loss, seed) = if self.heads.is_one_binary() {
+            Self::loss_and_seed(&logits, labels, weights)
+        } else {
+            self.heads.loss_and_seed(&logits, labels, weights)
+        };
         self.check_loss(loss)?;
-        let seed = Tensor::from_vec(seed, rows, self.params.device())?;
+        let seed = Tensor::from_vec(seed, logits_t.shape(), self.params.device())?;
         let surrogate = (logits_t * seed)?.sum_all()?;
         let grads = surrogate.backward()?;
         let emb_grad = match grads.get(emb.as_tensor()) {

@@ -191,3 +191,78 @@ fn sample_weights_scale_each_rows_loss_and_gradient() {
         assert_ne!(weighted.loss, plain.loss);
     }
 }
+
+/// Several tasks on one body (a binary, a masked binary, a multiclass head,
+/// weighted): for every kind with a deep part, the embedding gradient is
+/// the finite-difference derivative of the summed, masked, weighted loss,
+/// and the dense weights' gradients are too.
+#[test]
+fn embedding_gradient_is_exact_with_several_heads() {
+    use sparrow_core::config::{Task, TaskKind};
+    use sparrow_model::Heads;
+    let task = |name: &str, kind, outputs, weight| Task { name: name.into(), kind, outputs, weight };
+    let heads = Heads::of(&[
+        task("click", TaskKind::Binary, 1, 1.0),
+        task("conversion", TaskKind::Binary, 1, 2.0),
+        task("kind", TaskKind::Multiclass, 3, 0.5),
+    ]);
+    let shape = ModelShape { num_fields: 3, num_dense: 2, embedding_dim: 4 };
+    let rows = 4;
+    // Rows × tasks; NaN masks a task for a row.
+    let labels = [1.0, 0.0, 2.0, 0.0, f32::NAN, 1.0, 1.0, 1.0, f32::NAN, 0.0, f32::NAN, 0.0];
+    let summed_loss = |model: &DenseModel, emb: &[f32], dense: &[f32]| {
+        let logits = model.predict(emb.to_vec(), dense.to_vec(), rows).expect("forward");
+        assert_eq!(logits.len(), rows * 5);
+        heads.loss_and_seed(&logits, &labels, None).0
+    };
+    for kind in [ModelKind::Mlp, ModelKind::WideDeep, ModelKind::Deepfm, ModelKind::Dlrm, ModelKind::Dcn] {
+        let model = DenseModel::with_heads(
+            &config(kind, 4, &[8, 5], Precision::F32),
+            shape,
+            heads.clone(),
+            11,
+            Device::Cpu,
+            sparrow_core::simd::Simd::Auto,
+        )
+        .expect("model");
+        let width = model.width();
+        let mut rng = Rng::new(3);
+        let emb: Vec<f32> = (0..rows * 3 * width).map(|_| rng.uniform(-0.5, 0.5) as f32).collect();
+        let dense: Vec<f32> = (0..rows * 2).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
+        let (out, grads) = model.forward_backward(emb.clone(), dense.clone(), &labels).expect("step");
+        assert!((out.loss - summed_loss(&model, &emb, &dense)).abs() < 1e-5, "{kind:?}: loss");
+        assert!(out.emb_grad.iter().any(|&g| g != 0.0), "{kind:?}: gradient is all zero");
+        let h = 1e-2f32;
+        for i in (0..emb.len()).step_by(2) {
+            let (mut plus, mut minus) = (emb.clone(), emb.clone());
+            plus[i] += h;
+            minus[i] -= h;
+            let numeric =
+                (summed_loss(&model, &plus, &dense) - summed_loss(&model, &minus, &dense)) / (2.0 * f64::from(h));
+            let analytic = f64::from(out.emb_grad[i]);
+            assert!(
+                (numeric - analytic).abs() <= 2e-3 + 2e-2 * numeric.abs(),
+                "{kind:?}: d loss / d emb[{i}] = {analytic} analytically, {numeric} numerically"
+            );
+        }
+        // The dense weights' gradients (of the mean over rows), probed the same way.
+        let flat: Vec<f32> = grads.grads.iter().flat_map(|g| g.clone().unwrap_or_default()).collect();
+        let weights = model.params.flat_values().expect("weights");
+        assert_eq!(flat.len(), weights.len(), "{kind:?}: a gradient for every weight");
+        for i in (0..weights.len()).step_by(7) {
+            let at = |d: f32| {
+                let mut w = weights.clone();
+                w[i] += d;
+                model.params.set_flat(&w).expect("set");
+                summed_loss(&model, &emb, &dense)
+            };
+            let numeric = (at(h) - at(-h)) / (2.0 * f64::from(h));
+            model.params.set_flat(&weights).expect("restore");
+            assert!(
+                (numeric - f64::from(flat[i])).abs() <= 2e-3 + 2e-2 * numeric.abs(),
+                "{kind:?}: d loss / d weight[{i}] = {} analytically, {numeric} numerically",
+                flat[i]
+            );
+        }
+    }
+}

@@ -74,6 +74,9 @@ impl Served {
         let dir = sparrow_trainer::export::resolve_export(model)?;
         let inputs =
             ModelInputs::of(&loaded.config.data).map_err(|e| ServeError::Setup(format!("{}: {e}", model.display())))?;
+        if let Some(why) = loaded.config.not_servable() {
+            return Err(ServeError::Setup(format!("{}: {why}", model.display())));
+        }
         let metrics = Metrics::new();
         metrics.model_step.set(i64::try_from(manifest.step).unwrap_or(i64::MAX));
         Ok(Served {

@@ -17,8 +17,9 @@ use std::time::{Duration, Instant};
 use rskafka::client::partition::OffsetAt;
 use rskafka::record::RecordAndOffset;
 use sparrow_core::Batch;
+use sparrow_core::Config;
 use sparrow_core::batch::{BatchBuilder, DataPosition, StreamMark};
-use sparrow_core::config::{DataConfig, Partitions, RetentionGap, StreamConfig, StreamStart};
+use sparrow_core::config::{Partitions, RetentionGap, StreamConfig, StreamStart};
 use sparrow_data::text::{LineParser, MAX_LINE_BYTES, row_parser};
 use sparrow_data::weighting::Weigher;
 use sparrow_data::{BadRows, BatchStream, DataError, DataLayout};
@@ -34,13 +35,14 @@ const POLL_MS: u64 = 500;
 /// partitions and the start offsets happen here, so a missing topic, a
 /// partition that is not there, or a retention gap fail before training.
 pub fn spawn(
-    data: &DataConfig,
+    job: &Config,
     batch_size: usize,
     resume: Option<&StreamMark>,
     bad: BadRows,
 ) -> Result<BatchStream, DataError> {
+    let data = &job.data;
     let stream = data.stream.clone().ok_or(DataError::MissingPath { key: "stream", what: "the topic to read" })?;
-    let cutter = Cutter::open(&stream, data, batch_size, resume, bad)?;
+    let cutter = Cutter::open(&stream, job, batch_size, resume, bad)?;
     let layout = cutter.layout.clone();
     BatchStream::from_thread(layout, data.prefetch_batches, "sparrow-kafka", move |tx, stop| {
         let mut cutter = cutter;
@@ -114,11 +116,12 @@ struct Cutter {
 impl Cutter {
     fn open(
         config: &StreamConfig,
-        data: &DataConfig,
+        job: &Config,
         batch_size: usize,
         resume: Option<&StreamMark>,
         bad: BadRows,
     ) -> Result<Cutter, DataError> {
+        let data = &job.data;
         let unavailable = Duration::from_secs(config.max_unavailable_secs);
         let mut broker = Broker::connect(&config.brokers, &config.topic, unavailable)?;
         let exists = broker.partitions()?;
@@ -150,7 +153,7 @@ impl Cutter {
         let cursor = resume.and_then(|m| ids.iter().position(|&p| p >= m.next_partition)).unwrap_or(0);
         let origin = format!("kafka topic {}", config.topic);
         let format = config.value_format(data.format);
-        let parser = row_parser(format, data, config.header.as_deref(), Path::new(&origin))?;
+        let parser = row_parser(format, job, config.header.as_deref(), Path::new(&origin))?;
         Ok(Cutter {
             broker,
             config: config.clone(),
@@ -191,8 +194,7 @@ impl Cutter {
     fn cut_batch(&mut self, stop: &AtomicBool) -> Result<Option<Batch>, DataError> {
         let n = self.parts.len();
         let start = self.cursor;
-        let mut b =
-            BatchBuilder::new(self.layout.num_fields, self.layout.num_dense, self.layout.weighted, self.batch_size);
+        let mut b = self.layout.builder(self.batch_size);
         self.parser.set_now(sparrow_data::weighting::now_secs());
         let mut newest_ms = None;
         let mut linger_until = None;

@@ -18,7 +18,7 @@ fn bench(c: &mut Criterion) {
     sparrow_data::synth::generate(&dir, 16 * 1024, 1, 1).expect("generate");
     let config = Config::default();
     let batches: Vec<Batch> =
-        BatchStream::spawn(&dir.join("train.tsv"), &config.data, 1024, Default::default(), 1, BadRows::new(0, 1))
+        BatchStream::spawn(&dir.join("train.tsv"), &config, 1024, Default::default(), 1, BadRows::new(0, 1))
             .expect("open")
             .collect::<Result<_, _>>()
             .expect("read");

@@ -13,7 +13,7 @@ fn bench(c: &mut Criterion) {
     let mut config = Config::default();
     config.model.kind = ModelKind::Mlp;
     let batches: Vec<Batch> =
-        BatchStream::spawn(&dir.join("train.tsv"), &config.data, 1024, Default::default(), 1, BadRows::new(0, 1))
+        BatchStream::spawn(&dir.join("train.tsv"), &config, 1024, Default::default(), 1, BadRows::new(0, 1))
             .expect("open")
             .collect::<Result<_, _>>()
             .expect("read");

@@ -577,7 +577,7 @@ fn bench_batches(o: &BenchOptions, config: &Config) -> Result<Vec<Batch>, TrainE
     let rows = (o.train_steps.max(o.kind_steps).min(200) * o.batch_size) as u64;
     sparrow_data::synth::generate(&data_dir, rows, 1, 1)?;
     let bad = BadRows::new(0, 5);
-    Ok(BatchStream::spawn(&data_dir.join("train.tsv"), &config.data, o.batch_size, Default::default(), 1, bad)?
+    Ok(BatchStream::spawn(&data_dir.join("train.tsv"), config, o.batch_size, Default::default(), 1, bad)?
         .collect::<Result<_, _>>()?)
 }
 

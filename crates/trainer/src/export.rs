@@ -455,6 +455,7 @@ pub fn empty_model(m: &ExportManifest, source: &Path, overrides: &Overrides) -> 
         num_fields: m.num_fields,
         num_dense: m.num_dense,
         weighted: DataLayout::from_config(&config.data).weighted,
+        num_tasks: DataLayout::from_config(&config.data).num_tasks,
     };
     Model::initial(&config, layout)
 }

@@ -113,5 +113,6 @@ pub fn initial_model(config: &Config, layout: &DataLayout) -> Result<DenseModel,
         num_dense: layout.num_dense,
         embedding_dim: config.model.embedding_dim,
     };
-    Ok(DenseModel::new(&config.model, shape, dense_seed, Device::Cpu, config.train.simd)?)
+    let heads = sparrow_model::Heads::of(&config.tasks());
+    Ok(DenseModel::with_heads(&config.model, shape, heads, dense_seed, Device::Cpu, config.train.simd)?)
 }

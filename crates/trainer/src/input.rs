@@ -34,7 +34,7 @@ impl TrainingInput {
                 if config.data.train.is_some() {
                     tracing::info!("[data.stream] is set: data.train is not read");
                 }
-                let stream = sparrow_stream::spawn(&config.data, batch_size, trainer.stream.as_deref(), bad.clone())?;
+                let stream = sparrow_stream::spawn(config, batch_size, trainer.stream.as_deref(), bad.clone())?;
                 (stream, PathBuf::from(format!("kafka topic {}", s.topic)), None)
             }
             None => {
@@ -44,14 +44,8 @@ impl TrainingInput {
                     .as_deref()
                     .map(Path::new)
                     .ok_or(DataError::MissingPath { key: "train", what: "the training data file" })?;
-                let stream = BatchStream::spawn(
-                    path,
-                    &config.data,
-                    batch_size,
-                    trainer.position,
-                    config.train.epochs,
-                    bad.clone(),
-                )?;
+                let stream =
+                    BatchStream::spawn(path, config, batch_size, trainer.position, config.train.epochs, bad.clone())?;
                 // Positions are offsets in the text: a compressed file's size
                 // says nothing about them, so its progress has no total.
                 let plain = Codec::sniff(path).is_ok_and(|c| c == Codec::Plain);

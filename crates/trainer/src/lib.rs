@@ -13,6 +13,7 @@ pub mod dense_sync;
 pub mod dir_lock;
 pub mod engine;
 pub mod error;
+pub mod evaluation;
 pub mod export;
 pub mod inference;
 pub mod input;

@@ -9,13 +9,16 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 use sparrow_core::Config;
-use sparrow_core::metrics::{auc, count_nan, log_loss_from_logits, sigmoid};
+use sparrow_core::metrics::sigmoid;
+use sparrow_core::metrics::tasks::TaskFigures;
 use sparrow_data::synth::Truth;
-use sparrow_data::{BadRows, BatchStream, DataError, DataLayout};
+use sparrow_data::{BadRows, DataError, DataLayout};
 use sparrow_embedding::{EmbeddingTable, FilterStats, TierStats};
+use std::collections::BTreeMap;
 
 use crate::checkpoint;
-use crate::inference::{Model, Scoring};
+use crate::evaluation::{Figures, Scores, predict_file};
+use crate::inference::Model;
 use crate::input::{Every, StreamReport, TrainingInput, describe_lag, lag_secs};
 use crate::online::{OnlineFigures, OnlineReport};
 use crate::progress::{Progress, ProgressUpdate};
@@ -54,6 +57,9 @@ pub struct RunSummary<P, X> {
     pub merged_samples: u64,
     pub dropped_samples: u64,
     pub sample_weight_sum: f64,
+    /// `data.schema.sequence`: trained samples' sequences cut to their
+    /// `max_len` (each kept its newest IDs).
+    pub truncated_sequences: u64,
     /// Mean training log-loss over the last logging interval.
     pub train_logloss: Option<f64>,
     /// Keys per batch before / after the first dedup, averaged.
@@ -81,6 +87,9 @@ pub struct RunSummary<P, X> {
     /// Progressive validation (`train.online_window_samples`).
     #[serde(flatten)]
     pub online: OnlineReport,
+    /// Every task's test figures by name (none without `data.test`).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub tasks: BTreeMap<String, TaskFigures>,
     #[serde(flatten)]
     pub extra: X,
 }
@@ -145,6 +154,9 @@ pub struct EvalSummary {
     pub bad_rows: u64,
     pub checkpoint_step: u64,
     pub wall_secs: f64,
+    /// Every task's figures by name.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub tasks: BTreeMap<String, TaskFigures>,
 }
 
 /// The rayon pool a job's compute runs in (`train.threads` threads: matmuls,
@@ -441,15 +453,13 @@ fn train_in_pool(
         {
             // The pending update first: the figures are the model's after this step.
             let evaluated = trainer.flush_update().and_then(|()| {
-                let (logits, labels) = predict_file(
+                let scores = predict_file(
                     trainer.scoring(),
                     Path::new(test),
                     &config.data,
                     &BadRows::from_config(&config.data),
                 )?;
-                let (test_auc, test_logloss) = (auc(&logits, &labels), log_loss_from_logits(&logits, &labels));
-                let rows = labels.len() as u64;
-                log_eval(&mut metrics, board.as_mut(), &trainer, Some(test_auc), Some(test_logloss), rows)
+                log_eval(&mut metrics, board.as_mut(), &trainer, Some(&Figures::of(config, &scores)))
             });
             if let Err(e) = evaluated {
                 outcome = Err(e);
@@ -559,20 +569,19 @@ fn train_in_pool(
     }
 
     let eval_start = Instant::now();
-    let (mut test_auc, mut test_logloss, mut test_rows, mut bayes) = (None, None, 0, None);
-    let mut test_nan_predictions = 0;
+    let (mut figures, mut bayes) = (None, None);
     if let Some(test) = &config.data.test {
         let test = Path::new(test);
-        let (logits, labels) = predict_file(trainer.scoring(), test, &config.data, &bad)?;
-        test_rows = labels.len() as u64;
-        test_auc = Some(auc(&logits, &labels));
-        test_nan_predictions = count_nan(&logits);
-        warn_nan_predictions(test_nan_predictions, test);
-        test_logloss = Some(log_loss_from_logits(&logits, &labels));
+        let scores = predict_file(trainer.scoring(), test, &config.data, &bad)?;
+        let f = Figures::of(config, &scores);
+        warn_nan_predictions(f.nan_predictions, test);
+        figures = Some(f);
         bayes = read_truth(test);
     }
     let eval_secs = eval_start.elapsed().as_secs_f64();
-    log_eval(&mut metrics, board.as_mut(), &trainer, test_auc, test_logloss, test_rows)?;
+    log_eval(&mut metrics, board.as_mut(), &trainer, figures.as_ref())?;
+    let (test_auc, test_logloss) = (figures.as_ref().map(|f| f.auc), figures.as_ref().map(|f| f.logloss));
+    let (test_rows, test_nan_predictions) = figures.as_ref().map_or((0, 0), |f| (f.rows, f.nan_predictions));
     let train_rows = trainer.samples_trained - start_samples;
     let rows = trainer.table.len() as u64;
     // Taken after evaluation, which reads the store without counting.
@@ -599,6 +608,7 @@ fn train_in_pool(
             Some(_) => bad.weighting.weight_sum(),
             None => train_rows as f64,
         },
+        truncated_sequences: trainer.truncated_sequences,
         train_logloss: last_train_logloss,
         dedup_ratio: keys_total as f64 / unique_total.max(1) as f64,
         shuffle_bytes_per_sample: 8.0 * unique_total as f64 / train_rows.max(1) as f64,
@@ -611,6 +621,7 @@ fn train_in_pool(
         bayes_logloss: bayes.as_ref().map(|t| t.bayes_logloss),
         stream: StreamReport::of(trainer.stream.as_deref()),
         online: OnlineReport::of(trainer.online.as_ref()),
+        tasks: figures.map(|f| f.tasks).unwrap_or_default(),
         extra: NoExtra {},
     })
 }
@@ -622,18 +633,27 @@ fn log_eval(
     metrics: &mut MetricsLog,
     board: Option<&mut TensorBoard>,
     trainer: &Trainer,
-    test_auc: Option<f64>,
-    test_logloss: Option<f64>,
-    test_rows: u64,
+    figures: Option<&Figures>,
 ) -> Result<(), TrainError> {
-    metrics.write(serde_json::json!({
+    let (test_auc, test_logloss) = (figures.map(|f| f.auc), figures.map(|f| f.logloss));
+    let mut line = serde_json::json!({
         "step": trainer.step,
         "event": "eval",
         "samples": trainer.samples_trained,
         "test_auc": test_auc,
         "test_logloss": test_logloss,
-        "test_rows": test_rows,
-    }))?;
+        "test_rows": figures.map_or(0, |f| f.rows),
+    });
+    if let Some(f) = figures.filter(|f| f.tasks.len() > 1 || trainer.config.eval.group_by.is_some()) {
+        line["tasks"] = serde_json::to_value(&f.tasks).unwrap_or_default();
+    }
+    metrics.write(line)?;
+    let mut board = board;
+    if let (Some(board), Some(f)) = (board.as_deref_mut(), figures) {
+        let tagged = crate::evaluation::tagged(&f.tasks);
+        let tagged: Vec<(&str, f64)> = tagged.iter().map(|(t, v)| (t.as_str(), *v)).collect();
+        board.scalars(trainer.step, &tagged)?;
+    }
     match (board, test_auc, test_logloss) {
         (Some(board), Some(auc), Some(logloss)) => {
             board.scalars(trainer.step, &[("test/auc", auc), ("test/logloss", logloss)])
@@ -650,36 +670,6 @@ pub fn read_truth(test: &Path) -> Option<Truth> {
     let path = test.parent()?.join("truth.json");
     let truth: Truth = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
     (truth.test_rows > 0).then_some(truth)
-}
-
-/// Logits and labels of every good row of `path`, read as they are:
-/// `[data.weighting]` shapes what training consumes, never what is scored
-/// (nor its counters, even when `path` is the training file).
-fn predict_file(
-    model: Scoring<'_>,
-    path: &Path,
-    data: &sparrow_core::config::DataConfig,
-    bad: &BadRows,
-) -> Result<(Vec<f32>, Vec<f32>), TrainError> {
-    let data = &sparrow_core::config::DataConfig { weighting: None, ..data.clone() };
-    let stream =
-        BatchStream::spawn(path, data, model.config.train.batch_size.max(1024), Default::default(), 1, bad.clone())?;
-    if stream.layout.num_fields != model.layout.num_fields || stream.layout.num_dense != model.layout.num_dense {
-        return Err(TrainError::checkpoint(
-            path,
-            format!(
-                "data has {} fields and {} dense values, the model was trained on {} and {}",
-                stream.layout.num_fields, stream.layout.num_dense, model.layout.num_fields, model.layout.num_dense
-            ),
-        ));
-    }
-    let (mut logits, mut labels) = (Vec::new(), Vec::new());
-    for batch in stream {
-        let batch = batch?;
-        logits.extend(model.predict_batch(&batch)?);
-        labels.extend_from_slice(&batch.labels);
-    }
-    Ok((logits, labels))
 }
 
 /// The model in a checkpoint or a serving export (either, or a directory
@@ -704,14 +694,15 @@ pub fn score_file(
     read: &sparrow_core::config::DataConfig,
 ) -> Result<(Vec<f32>, u64), TrainError> {
     let bad = BadRows::from_config(read);
-    let (logits, _) = predict_file(model.scoring(), data, read, &bad)?;
-    Ok((logits, bad.total()))
+    let scores = predict_file(model.scoring(), data, read, &bad)?;
+    Ok((scores.logits, bad.total()))
 }
 
 /// Logits and labels of every good row of `data` under a checkpoint's model.
 struct Scored {
-    logits: Vec<f32>,
-    labels: Vec<f32>,
+    scores: Scores,
+    /// The model's job (its tasks).
+    config: Config,
     bad_rows: u64,
     step: u64,
 }
@@ -725,8 +716,8 @@ fn score_checkpoint(
     let (trainer, manifest, _) = checkpoint::load_trainer(checkpoint, overrides)?;
     let pool = compute_pool(threads.unwrap_or(trainer.config.train.threads))?;
     let bad = BadRows::from_config(&trainer.config.data);
-    let (logits, labels) = pool.install(|| predict_file(trainer.scoring(), data, &trainer.config.data, &bad))?;
-    Ok(Scored { logits, labels, bad_rows: bad.total(), step: manifest.step })
+    let scores = pool.install(|| predict_file(trainer.scoring(), data, &trainer.config.data, &bad))?;
+    Ok(Scored { scores, config: trainer.config.clone(), bad_rows: bad.total(), step: manifest.step })
 }
 
 /// Says on stderr how many predictions were NaN, if any.
@@ -741,16 +732,17 @@ fn warn_nan_predictions(count: u64, data: &Path) {
 
 impl EvalSummary {
     fn new(s: &Scored, data: &Path, wall: Instant) -> Self {
-        let nan_predictions = count_nan(&s.logits);
-        warn_nan_predictions(nan_predictions, data);
+        let f = Figures::of(&s.config, &s.scores);
+        warn_nan_predictions(f.nan_predictions, data);
         EvalSummary {
-            auc: auc(&s.logits, &s.labels),
-            logloss: log_loss_from_logits(&s.logits, &s.labels),
-            rows: s.labels.len() as u64,
-            nan_predictions,
+            auc: f.auc,
+            logloss: f.logloss,
+            rows: f.rows,
+            nan_predictions: f.nan_predictions,
             bad_rows: s.bad_rows,
             checkpoint_step: s.step,
             wall_secs: wall.elapsed().as_secs_f64(),
+            tasks: f.tasks,
         }
     }
 }
@@ -807,8 +799,8 @@ pub fn predict_export(model: &Path, data: &Path, out: &Path, overrides: &Overrid
     let (model, manifest) = crate::export::load_export(model, overrides)?;
     let pool = compute_pool(model.config.train.threads)?;
     let bad = BadRows::from_config(&model.config.data);
-    let (logits, labels) = pool.install(|| predict_file(model.scoring(), data, &model.config.data, &bad))?;
-    let scored = Scored { logits, labels, bad_rows: bad.total(), step: manifest.step };
+    let scores = pool.install(|| predict_file(model.scoring(), data, &model.config.data, &bad))?;
+    let scored = Scored { scores, config: model.config.clone(), bad_rows: bad.total(), step: manifest.step };
     write_predictions(&scored, data, out, wall)
 }
 
@@ -820,8 +812,18 @@ fn write_predictions(scored: &Scored, data: &Path, out: &Path, wall: Instant) ->
     {
         let f = File::create(&tmp).map_err(|e| TrainError::io(&tmp, e))?;
         let mut w = BufWriter::new(f);
-        for &x in &scored.logits {
-            writeln!(w, "{}", sigmoid(f64::from(x)) as f32).map_err(|e| TrainError::io(&tmp, e))?;
+        if scored.config.single_binary_task() {
+            for &x in &scored.scores.logits {
+                writeln!(w, "{}", sigmoid(f64::from(x)) as f32).map_err(|e| TrainError::io(&tmp, e))?;
+            }
+        } else {
+            // A line a row: each task's probabilities, tab-separated.
+            let (outputs, mut line) = (scored.config.model_outputs(), String::new());
+            for row in scored.scores.logits.chunks_exact(outputs) {
+                line.clear();
+                crate::evaluation::probabilities(&scored.config, row, &mut line);
+                writeln!(w, "{line}").map_err(|e| TrainError::io(&tmp, e))?;
+            }
         }
         w.flush().map_err(|e| TrainError::io(&tmp, e))?;
     }

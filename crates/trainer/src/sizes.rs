@@ -149,7 +149,7 @@ mod tests {
     /// bounds refuse most of these first, this check stands behind them).
     #[test]
     fn sizes_beyond_the_machine_are_refused_naming_the_key() {
-        let layout = DataLayout { num_fields: 26, num_dense: 13, weighted: false };
+        let layout = DataLayout { num_fields: 26, num_dense: 13, weighted: false, num_tasks: 1 };
         let memory = 24 << 30;
         check_against(&config(&[]), &layout, memory).expect("the defaults fit");
         type Set = fn(&mut Config);

@@ -42,6 +42,9 @@ pub struct Trainer {
     pub stream: Option<Arc<StreamMark>>,
     /// Samples trained so far (across resumes).
     pub samples_trained: u64,
+    /// Behaviour sequences of the samples trained by this process that
+    /// were cut to their `max_len`.
+    pub truncated_sequences: u64,
     pub phase_secs: PhaseSecs,
     /// Batches skipped for a non-finite loss or gradient
     /// (`train.on_non_finite = "skip_batch"`), by this run.
@@ -158,6 +161,7 @@ pub struct StepReport {
 /// What a step learns of its batch from the dense half (the engine owns the batch).
 struct BatchCounts {
     rows: usize,
+    truncated_sequences: u64,
     keys: usize,
     unique_keys: usize,
     end: DataPosition,
@@ -225,6 +229,7 @@ impl Trainer {
             position: DataPosition::default(),
             stream: None,
             samples_trained: 0,
+            truncated_sequences: 0,
             phase_secs: PhaseSecs::default(),
             skipped_batches: 0,
             online: config.online_window().map(ProgressiveEval::new),
@@ -270,6 +275,7 @@ impl Trainer {
             let (batch, plan) = &looked.batch;
             let counts = BatchCounts {
                 rows: batch.rows(),
+                truncated_sequences: batch.truncated_sequences,
                 keys: batch.keys.len(),
                 unique_keys: plan.num_unique(),
                 end: batch.end,
@@ -286,7 +292,7 @@ impl Trainer {
             match named_non_finite(out, step_number, plan, &looked.unique_rows, width) {
                 Ok(out) => {
                     if let Some(online) = online.as_mut() {
-                        online.add(&out.logits, &batch.labels);
+                        model.heads().with_first_binary(&out.logits, &batch.labels, |x, y| online.add(x, y));
                     }
                     let timings = (out.pool_secs, out.model_secs, out.unpool_secs);
                     Ok(((counts, DenseOutcome::Trained { loss: out.loss, timings }), Some(out.grads)))
@@ -308,6 +314,7 @@ impl Trainer {
                 p.dense += dense;
                 p.unpool += unpool;
                 self.samples_trained += counts.rows as u64;
+                self.truncated_sequences += counts.truncated_sequences;
                 StepStats {
                     rows: counts.rows,
                     loss,

@@ -28,7 +28,7 @@ fn config(tmp: &Path, incremental: bool, ttl_steps: u64) -> Config {
 }
 
 fn layout() -> DataLayout {
-    DataLayout { num_fields: 26, num_dense: 13, weighted: false }
+    DataLayout { num_fields: 26, num_dense: 13, weighted: false, num_tasks: 1 }
 }
 
 /// Trains `batches` batches of keys on the shard tables: keys `from..from+span`

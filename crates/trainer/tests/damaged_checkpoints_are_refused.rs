@@ -205,7 +205,7 @@ fn data_of_another_layout_is_named_as_such() {
     let (data, ck) = trained_checkpoint(tmp.path());
     let dir = resolve(&ck).expect("latest");
     let c = common::small_config(&data, "dlrm");
-    let layout = sparrow_data::DataLayout { num_fields: 20, num_dense: 13, weighted: false };
+    let layout = sparrow_data::DataLayout { num_fields: 20, num_dense: 13, weighted: false, num_tasks: 1 };
     let mut trainer = sparrow_trainer::Trainer::new(&c, layout).expect("trainer");
     let err = sparrow_trainer::checkpoint::load_into(&mut trainer, &dir).expect_err("another layout");
     assert!(matches!(err, sparrow_trainer::TrainError::DataShape { saved: (26, 13), data: (20, 13), .. }), "{err}");

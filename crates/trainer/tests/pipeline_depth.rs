@@ -11,8 +11,8 @@ use sparrow_trainer::{Trainer, train};
 
 fn first_batches(config: &sparrow_core::Config, n: usize) -> Vec<sparrow_core::Batch> {
     let path = config.data.train.clone().expect("train path");
-    let stream = BatchStream::spawn(Path::new(&path), &config.data, 128, Default::default(), 1, BadRows::new(0, 0))
-        .expect("stream");
+    let stream =
+        BatchStream::spawn(Path::new(&path), config, 128, Default::default(), 1, BadRows::new(0, 0)).expect("stream");
     stream.take(n).map(|b| b.expect("batch")).collect()
 }
 

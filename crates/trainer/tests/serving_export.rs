@@ -138,7 +138,7 @@ fn exports_by_content_hold_the_changed_rows_and_go_full_when_a_row_is_gone() {
     let mut config = small_config(tmp.path(), "mlp");
     config.checkpoint.dir = Some(tmp.path().join("ck").display().to_string());
     config.checkpoint.export_every_steps = Some(1);
-    let layout = sparrow_data::DataLayout { num_fields: 26, num_dense: 13, weighted: false };
+    let layout = sparrow_data::DataLayout { num_fields: 26, num_dense: 13, weighted: false, num_tasks: 1 };
     let mut exports = sparrow_trainer::export::IncrementalExports::new(&config).expect("exports").by_content();
     let trainer = |rows: &[(u64, f32)], step: u64| {
         let mut t = sparrow_trainer::Trainer::new(&config, layout.clone()).expect("trainer");

@@ -29,6 +29,8 @@ pub fn to_proto(b: WorkerBatch) -> pb::WorkerBatch {
         rows: b.rows as u32,
         num_fields: b.num_fields as u32,
         num_dense: b.num_dense as u32,
+        num_tasks: b.num_tasks as u32,
+        truncated_sequences: b.truncated_sequences,
         labels: f32s_to_bytes(&b.labels),
         dense: f32s_to_bytes(&b.dense),
         bag_offsets: if one_key_per_bag { Vec::new() } else { u32s_to_bytes(&b.bag_offsets) },
@@ -61,11 +63,14 @@ pub fn to_proto(b: WorkerBatch) -> pb::WorkerBatch {
 pub fn from_proto(b: pb::WorkerBatch, peer: &str) -> Result<WorkerBatch, ClusterError> {
     let malformed = |what: String| ClusterError::Malformed { peer: peer.to_string(), what };
     let (rows, num_fields, num_dense) = (b.rows as usize, b.num_fields as usize, b.num_dense as usize);
+    let num_tasks = (b.num_tasks as usize).max(1);
     let out = WorkerBatch {
         batch_id: b.batch_id,
         rows,
         num_fields,
         num_dense,
+        num_tasks,
+        truncated_sequences: b.truncated_sequences,
         labels: bytes_to_f32s(&b.labels, peer, "labels")?,
         dense: bytes_to_f32s(&b.dense, peer, "dense")?,
         bag_offsets: if b.one_key_per_bag {
@@ -112,13 +117,13 @@ pub fn from_proto(b: pb::WorkerBatch, peer: &str) -> Result<WorkerBatch, Cluster
     }
     let keys = out.bag_offsets.last().copied().unwrap_or(0) as usize;
     // Bag b of the batch holds keys bag_offsets[b]..bag_offsets[b + 1].
-    if out.labels.len() != rows
+    if rows.checked_mul(num_tasks) != Some(out.labels.len())
         || out.dense.len() != rows * num_dense
         || out.bag_offsets.len() != rows * num_fields + 1
         || out.bag_offsets.first() != Some(&0)
     {
         return Err(malformed(format!(
-            "batch {}: {} labels, {} dense values, {} bag offsets (from 0) for {rows} rows × {num_fields} fields, {num_dense} dense",
+            "batch {}: {} labels, {} dense values, {} bag offsets (from 0) for {rows} rows × {num_tasks} tasks, {num_fields} fields, {num_dense} dense",
             out.batch_id,
             out.labels.len(),
             out.dense.len(),
@@ -262,7 +267,14 @@ mod tests {
             rows,
             num_fields: fields,
             num_dense: 2,
-            labels: vec![1.0; rows],
+            // Two tasks when weighted: the second masked in odd rows.
+            num_tasks: if weights { 2 } else { 1 },
+            truncated_sequences: rows as u64 / 3,
+            labels: if weights {
+                (0..rows).flat_map(|r| [1.0, if r % 2 == 1 { f32::NAN } else { 0.0 }]).collect()
+            } else {
+                vec![1.0; rows]
+            },
             dense: vec![0.5; rows * 2],
             bag_offsets: (0..=rows * fields).map(|b| (b * bag) as u32).collect(),
             key_weights: weights.then(|| vec![2.0; keys]),
@@ -299,7 +311,9 @@ mod tests {
             prop_assert_eq!(back.bag_offsets, b.bag_offsets);
             prop_assert_eq!(back.inverse, b.inverse);
             prop_assert_eq!(back.key_weights, b.key_weights);
-            prop_assert_eq!(back.labels, b.labels);
+            let bits = |l: &[f32]| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            prop_assert_eq!(bits(&back.labels), bits(&b.labels));
+            prop_assert_eq!((back.num_tasks, back.truncated_sequences), (b.num_tasks, b.truncated_sequences));
             prop_assert_eq!(back.end, b.end);
             prop_assert_eq!(back.sample_weights, b.sample_weights);
             prop_assert_eq!((back.merged_samples, back.dropped_samples), (6, 2));

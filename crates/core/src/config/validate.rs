@@ -12,6 +12,7 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid =
             |key: &str, message: &str| Err(ConfigError::Invalid { key: key.to_string(), message: message.to_string() });
+        self.validate_tasks()?;
         if self.train.batch_size == 0 {
             return invalid("train.batch_size", "must be at least 1");
         }

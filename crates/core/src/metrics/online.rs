@@ -33,7 +33,7 @@ pub struct OnlineMetrics {
 }
 
 /// Entropy (nats) of a 0/1 label with base rate `p`.
-fn entropy(p: f64) -> f64 {
+pub(crate) fn entropy(p: f64) -> f64 {
     if p <= 0.0 || p >= 1.0 {
         return 0.0;
     }

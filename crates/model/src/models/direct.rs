@@ -135,7 +135,8 @@ type Grads<'a> = Vec<(&'a Var, Vec<f32>)>;
 impl DenseModel {
     /// Every kind takes the direct step on CPU; other devices use candle's graph.
     pub(super) fn is_direct(&self) -> bool {
-        self.params.device().is_cpu()
+        // Several outputs (tasks) take the graph's path.
+        self.params.device().is_cpu() && self.heads.is_one_binary()
     }
 
     /// Floats of an input row: `[pooled embeddings (fields × width) | dense values]`.

@@ -59,7 +59,7 @@ pub fn bench_tier(o: &TierBenchOptions) -> Result<TierBench, TrainError> {
     config.embedding.path = Some(o.path.display().to_string());
     config.embedding.cache_capacity_rows = o.cache_rows;
     config.embedding.cache_policy = o.policy;
-    let layout = DataLayout { num_fields: fields, num_dense: dense, weighted: false };
+    let layout = DataLayout { num_fields: fields, num_dense: dense, weighted: false, num_tasks: 1 };
     // Keys by power-law rank, the same for both storages (same seed).
     let zipf = Alias::zipf(o.rows, o.zipf_exponent);
     let key_of_rank = |r: usize| mix64(r as u64 ^ 0x7ab1e);

@@ -475,6 +475,7 @@ pub fn load_trainer(path: &Path, overrides: &Overrides) -> Result<(Trainer, Mani
         num_fields: m.num_fields,
         num_dense: m.num_dense,
         weighted: DataLayout::from_config(&config.data).weighted,
+        num_tasks: DataLayout::from_config(&config.data).num_tasks,
     };
     let mut trainer = Trainer::new(&config, layout)?;
     let m = load_into(&mut trainer, &dir)?;

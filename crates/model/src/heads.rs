@@ -1,0 +1,199 @@
+//! A model's outputs, one group per task (`[[model.tasks]]`), and the
+//! summed, masked loss over them: a binary task's logit takes the stable
+//! logistic loss, a multiclass task's `classes` logits the softmax
+//! cross-entropy, each times the task's weight. A masked label (NaN) adds
+//! nothing to its task's loss or gradients. Each row's loss is also
+//! multiplied by its sample weight, and the sum divided by the batch's
+//! rows, as for one task.
+
+use rayon::prelude::*;
+use sparrow_core::config::{Task, TaskKind};
+use sparrow_core::metrics::logistic_loss_and_sigmoid;
+
+/// One task's slice of a row's logits.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Head {
+    pub name: String,
+    /// Its first logit in the row's outputs.
+    pub offset: usize,
+    /// 1 (binary) or the number of classes.
+    pub outputs: usize,
+    pub multiclass: bool,
+    pub weight: f64,
+}
+
+/// The tasks' heads, in label order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Heads {
+    heads: Vec<Head>,
+}
+
+impl Heads {
+    /// One binary task of weight 1: the model as it was before tasks.
+    pub fn one_binary() -> Heads {
+        Heads { heads: vec![Head { name: "label".into(), offset: 0, outputs: 1, multiclass: false, weight: 1.0 }] }
+    }
+
+    pub fn of(tasks: &[Task]) -> Heads {
+        let mut offset = 0;
+        let heads = tasks
+            .iter()
+            .map(|t| {
+                let h = Head {
+                    name: t.name.clone(),
+                    offset,
+                    outputs: t.outputs,
+                    multiclass: t.kind == TaskKind::Multiclass,
+                    weight: t.weight,
+                };
+                offset += t.outputs;
+                h
+            })
+            .collect();
+        Heads { heads }
+    }
+
+    /// Logits a row has.
+    pub fn outputs(&self) -> usize {
+        self.heads.iter().map(|h| h.outputs).sum()
+    }
+
+    /// Labels a row has (one per task).
+    pub fn tasks(&self) -> usize {
+        self.heads.len()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Head> {
+        self.heads.iter()
+    }
+
+    /// Whether this is one binary task of weight 1 (the model's own
+    /// single-output paths apply, exactly as before tasks).
+    pub fn is_one_binary(&self) -> bool {
+        self.heads.len() == 1 && !self.heads[0].multiclass && self.heads[0].weight == 1.0
+    }
+
+    /// Calls `f` with the first task's logit and label of each row it is
+    /// not masked in, when that task is binary (what figures of one task,
+    /// such as progressive validation, read); `None` otherwise.
+    pub fn with_first_binary<R>(
+        &self,
+        logits: &[f32],
+        labels: &[f32],
+        f: impl FnOnce(&[f32], &[f32]) -> R,
+    ) -> Option<R> {
+        if self.is_one_binary() {
+            return Some(f(logits, labels));
+        }
+        if self.heads[0].multiclass {
+            return None;
+        }
+        let (o, t) = (self.outputs(), self.tasks());
+        let (x, y): (Vec<f32>, Vec<f32>) = logits
+            .chunks_exact(o)
+            .zip(labels.chunks_exact(t))
+            .filter(|(_, y)| !y[0].is_nan())
+            .map(|(x, y)| (x[0], y[0]))
+            .unzip();
+        Some(f(&x, &y))
+    }
+
+    /// The summed loss of a batch (over its rows) and d loss / d logits:
+    /// `logits` is rows × outputs, `labels` rows × tasks, `weights` one
+    /// per row.
+    pub fn loss_and_seed(&self, logits: &[f32], labels: &[f32], weights: Option<&[f32]>) -> (f64, Vec<f32>) {
+        let (o, t) = (self.outputs(), self.tasks());
+        let rows = labels.len() / t.max(1);
+        let inv_b = 1.0 / rows.max(1) as f64;
+        let mut seed = vec![0.0f32; logits.len()];
+        let losses: Vec<f64> = seed
+            .par_chunks_mut(o)
+            .zip(logits.par_chunks(o))
+            .zip(labels.par_chunks(t))
+            .enumerate()
+            .with_min_len(64)
+            .map(|(r, ((seed, x), y))| {
+                let w = weights.map_or(1.0, |w| f64::from(w[r]));
+                self.row(x, y, w * inv_b, w, seed)
+            })
+            .collect();
+        (losses.iter().fold(0.0, |sum, l| sum + l) * inv_b, seed)
+    }
+
+    /// One row: its weighted loss, and its logits' gradients into `seed`
+    /// (`scale`: the row's weight over the batch's rows).
+    fn row(&self, x: &[f32], y: &[f32], scale: f64, weight: f64, seed: &mut [f32]) -> f64 {
+        let mut loss = 0.0;
+        for (h, &label) in self.heads.iter().zip(y) {
+            if label.is_nan() {
+                continue;
+            }
+            let (x, seed) = (&x[h.offset..h.offset + h.outputs], &mut seed[h.offset..h.offset + h.outputs]);
+            if h.multiclass {
+                let class = label as usize;
+                let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                let exps: Vec<f64> = x.iter().map(|&v| f64::from(v - max).exp()).collect();
+                let sum: f64 = exps.iter().sum();
+                loss += h.weight * weight * (sum.ln() - f64::from(x[class] - max));
+                for (k, (s, e)) in seed.iter_mut().zip(&exps).enumerate() {
+                    let target = if k == class { 1.0 } else { 0.0 };
+                    *s = ((e / sum - target) * h.weight * scale) as f32;
+                }
+            } else {
+                let (l, p) = logistic_loss_and_sigmoid(f64::from(x[0]), f64::from(label));
+                loss += h.weight * weight * l;
+                seed[0] = ((p - f64::from(label)) * h.weight * scale) as f32;
+            }
+        }
+        loss
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn heads() -> Heads {
+        Heads::of(&[
+            Task { name: "click".into(), kind: TaskKind::Binary, outputs: 1, weight: 1.0 },
+            Task { name: "kind".into(), kind: TaskKind::Multiclass, outputs: 3, weight: 0.5 },
+        ])
+    }
+
+    /// The seed is the loss's gradient: central differences of the loss
+    /// agree with it, for a binary and a multiclass head, weighted rows.
+    #[test]
+    fn the_seed_is_the_gradient_of_the_loss() {
+        let h = heads();
+        let logits = vec![0.3f32, 1.0, -0.5, 0.25, -1.2, 0.0, 2.0, -0.7];
+        let labels = vec![1.0f32, 2.0, 0.0, 0.0];
+        let weights = [1.0f32, 0.5];
+        let (_, seed) = h.loss_and_seed(&logits, &labels, Some(&weights));
+        for i in 0..logits.len() {
+            let at = |d: f32| {
+                let mut x = logits.clone();
+                x[i] += d;
+                h.loss_and_seed(&x, &labels, Some(&weights)).0
+            };
+            let numeric = (at(1e-3) - at(-1e-3)) / 2e-3;
+            assert!((numeric - f64::from(seed[i])).abs() < 1e-4, "logit {i}: {numeric} vs {}", seed[i]);
+        }
+    }
+
+    /// A masked label adds nothing: the row's loss and its task's
+    /// gradients are as if the task were not there.
+    #[test]
+    fn a_masked_label_adds_nothing() {
+        let h = heads();
+        let logits = vec![0.3f32, 1.0, -0.5, 0.25];
+        let (loss, seed) = h.loss_and_seed(&logits, &[f32::NAN, 1.0], None);
+        assert_eq!(seed[0], 0.0);
+        let (alone, _) =
+            Heads::of(&[Task { name: "kind".into(), kind: TaskKind::Multiclass, outputs: 3, weight: 0.5 }])
+                .loss_and_seed(&logits[1..], &[1.0], None);
+        assert_eq!(loss.to_bits(), alone.to_bits());
+        let (none, seed) = h.loss_and_seed(&logits, &[f32::NAN, f32::NAN], None);
+        assert_eq!(none, 0.0);
+        assert!(seed.iter().all(|&s| s == 0.0));
+    }
+}

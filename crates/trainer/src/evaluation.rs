@@ -1,0 +1,154 @@
+//! Scoring a file with a model, and the figures of what was scored: the
+//! first task's `auc`/`logloss` (the keys a one-task job always had) and
+//! every task's figures (`tasks`, with GAUC under `eval.group_by`).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use sparrow_core::Config;
+use sparrow_core::config::{DataConfig, TaskKind};
+use sparrow_core::metrics::tasks::{TaskFigures, task_columns, task_figures};
+use sparrow_core::metrics::{auc, count_nan, log_loss_from_logits, sigmoid};
+use sparrow_data::{BadRows, BatchStream};
+
+use crate::TrainError;
+use crate::inference::Scoring;
+
+/// What scoring a file gave: rows × outputs logits, rows × tasks labels,
+/// and with `eval.group_by` each row's group key.
+#[derive(Clone, Debug, Default)]
+pub struct Scores {
+    pub logits: Vec<f32>,
+    pub labels: Vec<f32>,
+    pub groups: Option<Vec<u64>>,
+}
+
+/// The field index whose first key groups rows (`eval.group_by`).
+pub fn group_field(config: &Config) -> Option<usize> {
+    let group = config.eval.group_by.as_ref()?;
+    config.data.schema.as_ref()?.sparse.iter().position(|s| s == group)
+}
+
+/// The group key of each row of `batch` (its first ID in `field`; 0 if none).
+pub fn group_keys(batch: &sparrow_core::Batch, field: usize) -> impl Iterator<Item = u64> + '_ {
+    (0..batch.rows()).map(move |r| batch.bag(r, field).next().map_or(0, |k| batch.keys[k]))
+}
+
+/// Logits and labels of every good row of `path`, read as they are:
+/// `[data.weighting]` shapes what training consumes, never what is scored
+/// (nor its counters, even when `path` is the training file).
+pub(crate) fn predict_file(
+    model: Scoring<'_>,
+    path: &Path,
+    data: &DataConfig,
+    bad: &BadRows,
+) -> Result<Scores, TrainError> {
+    let job = &Config { data: DataConfig { weighting: None, ..data.clone() }, ..model.config.clone() };
+    let stream =
+        BatchStream::spawn(path, job, model.config.train.batch_size.max(1024), Default::default(), 1, bad.clone())?;
+    if stream.layout.num_fields != model.layout.num_fields || stream.layout.num_dense != model.layout.num_dense {
+        return Err(TrainError::checkpoint(
+            path,
+            format!(
+                "data has {} fields and {} dense values, the model was trained on {} and {}",
+                stream.layout.num_fields, stream.layout.num_dense, model.layout.num_fields, model.layout.num_dense
+            ),
+        ));
+    }
+    let field = group_field(model.config);
+    let mut s = Scores { groups: field.map(|_| Vec::new()), ..Scores::default() };
+    for batch in stream {
+        let batch = batch?;
+        s.logits.extend(model.predict_batch(&batch)?);
+        s.labels.extend_from_slice(&batch.labels);
+        if let (Some(f), Some(groups)) = (field, s.groups.as_mut()) {
+            groups.extend(group_keys(&batch, f));
+        }
+    }
+    Ok(s)
+}
+
+/// The figures of scored rows.
+#[derive(Clone, Debug, Default)]
+pub struct Figures {
+    /// The first task's AUC and log-loss (NaN: a multiclass first task's AUC).
+    pub auc: f64,
+    pub logloss: f64,
+    pub rows: u64,
+    pub nan_predictions: u64,
+    /// Every task's figures.
+    pub tasks: BTreeMap<String, TaskFigures>,
+}
+
+impl Figures {
+    pub fn of(config: &Config, s: &Scores) -> Figures {
+        let tasks = config.tasks();
+        let rows = (s.labels.len() / tasks.len().max(1)) as u64;
+        let nan_predictions = count_nan(&s.logits);
+        let by_task = task_figures(&tasks, &s.logits, &s.labels, s.groups.as_deref(), config.eval.top_k);
+        let (auc, logloss) = if config.single_binary_task() {
+            // Exactly the figures of a job before tasks.
+            (auc(&s.logits, &s.labels), log_loss_from_logits(&s.logits, &s.labels))
+        } else {
+            let first = task_columns(&tasks, &s.logits, &s.labels, None).swap_remove(0);
+            match tasks[0].kind {
+                TaskKind::Binary => {
+                    (auc(&first.logits, &first.labels), log_loss_from_logits(&first.logits, &first.labels))
+                }
+                TaskKind::Multiclass => match by_task.get(&tasks[0].name) {
+                    Some(TaskFigures::Multiclass { logloss, .. }) => (f64::NAN, *logloss),
+                    _ => (f64::NAN, f64::NAN),
+                },
+            }
+        };
+        Figures { auc, logloss, rows, nan_predictions, tasks: by_task }
+    }
+}
+
+/// A row's probabilities as `sparrow predict` writes them: a binary task's
+/// click probability, a multiclass task's one per class, tab-separated in
+/// task order.
+pub fn probabilities(config: &Config, row: &[f32], out: &mut String) {
+    use std::fmt::Write;
+    let mut at = 0;
+    for (i, task) in config.tasks().iter().enumerate() {
+        let x = &row[at..at + task.outputs];
+        at += task.outputs;
+        let sep = if i == 0 { "" } else { "\t" };
+        match task.kind {
+            TaskKind::Binary => {
+                let _ = write!(out, "{sep}{}", sigmoid(f64::from(x[0])) as f32);
+            }
+            TaskKind::Multiclass => {
+                let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                let sum: f64 = x.iter().map(|&v| f64::from(v - max).exp()).sum();
+                for (k, &v) in x.iter().enumerate() {
+                    let p = (f64::from(v - max).exp() / sum) as f32;
+                    let _ = write!(out, "{}{p}", if k == 0 { sep } else { "\t" });
+                }
+            }
+        }
+    }
+}
+
+/// Every task's figures as TensorBoard tags (`test/<task>/<figure>`).
+pub fn tagged(tasks: &BTreeMap<String, TaskFigures>) -> Vec<(String, f64)> {
+    let mut out = Vec::new();
+    for (name, f) in tasks {
+        let figures: Vec<(&str, f64)> = match f {
+            TaskFigures::Binary { auc, logloss, ne, calibration, gauc, .. } => {
+                let mut v = vec![("auc", *auc), ("logloss", *logloss), ("ne", *ne), ("calibration", *calibration)];
+                v.extend(gauc.map(|g| ("gauc", g)));
+                v
+            }
+            TaskFigures::Multiclass { accuracy, top_k_accuracy, macro_auc, logloss, .. } => vec![
+                ("accuracy", *accuracy),
+                ("top_k_accuracy", *top_k_accuracy),
+                ("macro_auc", *macro_auc),
+                ("logloss", *logloss),
+            ],
+        };
+        out.extend(figures.into_iter().map(|(k, v)| (format!("test/{name}/{k}"), v)));
+    }
+    out
+}
