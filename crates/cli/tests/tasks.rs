@@ -250,3 +250,39 @@ fn the_readme_example_trains_and_serving_refuses_it_for_now() {
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("several tasks") && stderr.contains("not built yet"), "{stderr}");
 }
+
+/// `mmoe`, `ple` and `esmm` train on the behaviour data (ESMM on its two
+/// binary tasks), learn every task, and a two-shard cluster trains each to
+/// the same model bit for bit.
+#[test]
+fn the_multi_task_kinds_train_and_launch_alike() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    behaviour_data(tmp.path(), "40000");
+    let three = std::fs::read_to_string(job(tmp.path(), "")).expect("config");
+    let head = three.split("[[model.tasks]]").next().expect("head");
+    let tail = &three[three.find("[train]").expect("train")..];
+    let two = format!("{head}{tail}").replace(r#"["click", "conversion", "ad_type"]"#, r#"["click", "conversion"]"#);
+    for (kind, text) in [("mmoe", &three), ("ple", &three), ("esmm", &two)] {
+        let text = text.replace(
+            "kind = \"mlp\"",
+            &format!("kind = \"{kind}\"\nexperts = 3\nexpert_hidden = [16]\ntower_hidden = [8]"),
+        );
+        let path = tmp.path().join(format!("{kind}.toml"));
+        std::fs::write(&path, text).expect("write");
+        let config = path.display().to_string();
+        let trained = train_json(&config);
+        for (task, figures) in trained["tasks"].as_object().expect("tasks") {
+            let learned = figures["auc"].as_f64().or(figures["macro_auc"].as_f64()).expect("an AUC");
+            assert!(learned > 0.55, "{kind}: {task}: {figures}");
+        }
+        let ck = format!("checkpoint.dir={:?}", tmp.path().join(format!("ck-{kind}")).display().to_string());
+        let out = sparrow()
+            .args(["launch", "--config", &config, "--shards", "2", "--workers", "1", "--quiet", "--set", &ck])
+            .output()
+            .expect("launch");
+        assert!(out.status.success(), "{kind}: {}", String::from_utf8_lossy(&out.stderr));
+        let launched = last_json(&out);
+        assert_eq!(launched["test_auc"], trained["test_auc"], "{kind}");
+        assert_eq!(launched["tasks"]["conversion"]["auc"], trained["tasks"]["conversion"]["auc"], "{kind}");
+    }
+}

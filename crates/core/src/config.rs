@@ -148,6 +148,12 @@ pub enum ModelKind {
     #[default]
     Dlrm,
     Dcn,
+    /// Several tasks: ESMM's CTR and CTCVR towers.
+    Esmm,
+    /// Several tasks: shared experts, a gate and a tower per task.
+    Mmoe,
+    /// Several tasks: shared and task experts, progressive extraction.
+    Ple,
 }
 
 impl ModelKind {
@@ -171,7 +177,17 @@ impl ModelKind {
             ModelKind::Deepfm => "deepfm",
             ModelKind::Dlrm => "dlrm",
             ModelKind::Dcn => "dcn",
+            ModelKind::Esmm => "esmm",
+            ModelKind::Mmoe => "mmoe",
+            ModelKind::Ple => "ple",
         }
+    }
+
+    /// The kinds built for several tasks (experts, towers).
+    pub const MULTI_TASK: [ModelKind; 3] = [ModelKind::Esmm, ModelKind::Mmoe, ModelKind::Ple];
+
+    pub fn is_multi_task(self) -> bool {
+        Self::MULTI_TASK.contains(&self)
     }
 }
 
@@ -210,6 +226,14 @@ pub struct ModelConfig {
     /// `f32`, or `bf16`: the MLP stacks' matrix products (forward and both
     /// gradients) take bf16-rounded inputs and accumulate in fp32.
     pub precision: Precision,
+    /// `mmoe`/`ple`: shared experts (per level), each an MLP of these layers.
+    pub experts: usize,
+    pub expert_hidden: Vec<usize>,
+    /// `ple`: each task's own experts per level, and the levels.
+    pub task_experts: usize,
+    pub levels: usize,
+    /// `esmm`/`mmoe`/`ple`: each task's tower (its last layer, the task's outputs, added).
+    pub tower_hidden: Vec<usize>,
     /// `[[model.tasks]]`: one per label column (none: a binary task per label).
     pub tasks: Vec<TaskConfig>,
 }
@@ -224,6 +248,11 @@ impl Default for ModelConfig {
             cross_layers: 2,
             pooling: Pooling::Sum,
             precision: Precision::F32,
+            experts: 4,
+            expert_hidden: vec![64],
+            task_experts: 1,
+            levels: 2,
+            tower_hidden: vec![32],
             tasks: Vec::new(),
         }
     }

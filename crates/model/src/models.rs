@@ -13,6 +13,7 @@ use crate::heads::Heads;
 use crate::mlp::Mlp;
 
 mod direct;
+mod multitask;
 use crate::optimizer::{DenseGrads, DenseOptimizer};
 use crate::params::{Linear, ParamStore};
 
@@ -53,6 +54,8 @@ enum Net {
         deep: Mlp,
         arith: Arith,
     },
+    /// `esmm`, `mmoe`, `ple` (`models/multitask.rs`).
+    MultiTask(multitask::MultiTask),
 }
 
 pub struct DenseModel {
@@ -182,6 +185,9 @@ impl DenseModel {
                     arith,
                 }
             }
+            ModelKind::Esmm | ModelKind::Mmoe | ModelKind::Ple => {
+                Net::MultiTask(multitask::MultiTask::new(&mut ps, config, f * d + nd, &heads, arith)?)
+            }
         };
         Ok(DenseModel { kind: config.kind, shape, params: ps, net, bias, scratch: Default::default(), simd, heads })
     }
@@ -231,6 +237,21 @@ impl DenseModel {
                 let x = f * d + nd;
                 config.cross_layers as f64 * (6.0 * x * x + 6.0 * x) + deep()
             }
+            // Experts and towers (one output a tower), gates left out.
+            ModelKind::Esmm => 2.0 * stack(f * d + nd, &head(&config.tower_hidden, 1)),
+            ModelKind::Mmoe | ModelKind::Ple => {
+                let expert_out = config.expert_hidden.last().copied().unwrap_or(1) as f64;
+                let experts = if config.kind == ModelKind::Mmoe {
+                    config.experts as f64 * stack(f * d + nd, &config.expert_hidden)
+                } else {
+                    let per_level = (config.experts + config.task_experts) as f64;
+                    per_level * stack(f * d + nd, &config.expert_hidden)
+                        + per_level
+                            * (config.levels.saturating_sub(1)) as f64
+                            * stack(expert_out, &config.expert_hidden)
+                };
+                experts + stack(expert_out, &head(&config.tower_hidden, 1))
+            }
         }
     }
 
@@ -240,6 +261,7 @@ impl DenseModel {
             ModelKind::Lr => 1,
             ModelKind::Fm | ModelKind::WideDeep | ModelKind::Deepfm => 1 + embedding_dim,
             ModelKind::Mlp | ModelKind::Dlrm | ModelKind::Dcn => embedding_dim,
+            ModelKind::Esmm | ModelKind::Mmoe | ModelKind::Ple => embedding_dim,
         }
     }
 
@@ -309,6 +331,7 @@ impl DenseModel {
                 };
                 top.forward(&top_in)?
             }
+            Net::MultiTask(net) => net.forward(&flat_with_dense(emb)?)?,
             Net::Dcn { cross, deep, arith } => {
                 let x0 = flat_with_dense(emb)?;
                 let mut x = x0.clone();

@@ -193,7 +193,8 @@ fn sample_weights_scale_each_rows_loss_and_gradient() {
 }
 
 /// Several tasks on one body (a binary, a masked binary, a multiclass head,
-/// weighted): for every kind with a deep part, the embedding gradient is
+/// weighted): for every kind with a deep part, and MMoE, PLE and ESMM
+/// (ESMM: the two binary tasks), the embedding gradient is
 /// the finite-difference derivative of the summed, masked, weighted loss,
 /// and the dense weights' gradients are too.
 #[test]
@@ -210,26 +211,47 @@ fn embedding_gradient_is_exact_with_several_heads() {
     let rows = 4;
     // Rows × tasks; NaN masks a task for a row.
     let labels = [1.0, 0.0, 2.0, 0.0, f32::NAN, 1.0, 1.0, 1.0, f32::NAN, 0.0, f32::NAN, 0.0];
-    let summed_loss = |model: &DenseModel, emb: &[f32], dense: &[f32]| {
-        let logits = model.predict(emb.to_vec(), dense.to_vec(), rows).expect("forward");
-        assert_eq!(logits.len(), rows * 5);
-        heads.loss_and_seed(&logits, &labels, None).0
-    };
-    for kind in [ModelKind::Mlp, ModelKind::WideDeep, ModelKind::Deepfm, ModelKind::Dlrm, ModelKind::Dcn] {
-        let model = DenseModel::with_heads(
-            &config(kind, 4, &[8, 5], Precision::F32),
-            shape,
-            heads.clone(),
-            11,
-            Device::Cpu,
-            sparrow_core::simd::Simd::Auto,
-        )
-        .expect("model");
+    let esmm_heads =
+        Heads::of(&[task("click", TaskKind::Binary, 1, 1.0), task("conversion", TaskKind::Binary, 1, 2.0)]);
+    let kinds = [
+        ModelKind::Mlp,
+        ModelKind::WideDeep,
+        ModelKind::Deepfm,
+        ModelKind::Dlrm,
+        ModelKind::Dcn,
+        ModelKind::Mmoe,
+        ModelKind::Ple,
+        ModelKind::Esmm,
+    ];
+    for kind in kinds {
+        // ESMM takes two binary tasks: the first two columns of the labels.
+        let (heads, labels): (&Heads, Vec<f32>) = if kind == ModelKind::Esmm {
+            (&esmm_heads, labels.chunks(3).flat_map(|l| [l[0], l[1]]).collect())
+        } else {
+            (&heads, labels.to_vec())
+        };
+        let (labels, outputs) = (&labels[..], heads.outputs());
+        let summed_loss = |model: &DenseModel, emb: &[f32], dense: &[f32]| {
+            let logits = model.predict(emb.to_vec(), dense.to_vec(), rows).expect("forward");
+            assert_eq!(logits.len(), rows * outputs);
+            heads.loss_and_seed(&logits, labels, None).0
+        };
+        let config = ModelConfig {
+            experts: 3,
+            expert_hidden: vec![6],
+            task_experts: 1,
+            levels: 2,
+            tower_hidden: vec![4],
+            ..config(kind, 4, &[8, 5], Precision::F32)
+        };
+        let model =
+            DenseModel::with_heads(&config, shape, heads.clone(), 11, Device::Cpu, sparrow_core::simd::Simd::Auto)
+                .expect("model");
         let width = model.width();
         let mut rng = Rng::new(3);
         let emb: Vec<f32> = (0..rows * 3 * width).map(|_| rng.uniform(-0.5, 0.5) as f32).collect();
         let dense: Vec<f32> = (0..rows * 2).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
-        let (out, grads) = model.forward_backward(emb.clone(), dense.clone(), &labels).expect("step");
+        let (out, grads) = model.forward_backward(emb.clone(), dense.clone(), labels).expect("step");
         assert!((out.loss - summed_loss(&model, &emb, &dense)).abs() < 1e-5, "{kind:?}: loss");
         assert!(out.emb_grad.iter().any(|&g| g != 0.0), "{kind:?}: gradient is all zero");
         let h = 1e-2f32;

@@ -42,6 +42,16 @@ fn dense_params(config: &Config, layout: &DataLayout) -> u128 {
             let x = f * d + nd;
             m.cross_layers as u128 * (x * x + x) + mlp(x, &m.hidden)
         }
+        // Experts (ending in their widths, not in 1: a bound), gates, towers.
+        ModelKind::Esmm => 2 * mlp(f * d + nd, &m.tower_hidden),
+        ModelKind::Mmoe | ModelKind::Ple => {
+            let x = f * d + nd;
+            let width = m.expert_hidden.last().copied().unwrap_or(1) as u128;
+            let per_level = (m.experts + m.task_experts) as u128;
+            let levels = if m.kind == ModelKind::Mmoe { 1 } else { m.levels as u128 };
+            levels * per_level * (mlp(x.max(width), &m.expert_hidden) + (x + 1) * per_level)
+                + 8 * mlp(width, &m.tower_hidden)
+        }
     }
 }
 

@@ -269,6 +269,25 @@ impl Config {
             );
         }
         let tasks = self.tasks();
+        let m = &self.model;
+        if m.kind == ModelKind::Esmm && (tasks.len() != 2 || tasks.iter().any(|t| !t.is_binary())) {
+            return invalid(
+                "model.kind",
+                "\"esmm\" takes two binary tasks: the click, then the conversion over every impression \
+                 (click and converted)"
+                    .into(),
+            );
+        }
+        if matches!(m.kind, ModelKind::Mmoe | ModelKind::Ple) && m.experts == 0 {
+            return invalid("model.experts", "must be at least 1".into());
+        }
+        if m.kind == ModelKind::Ple && (m.task_experts == 0 || m.levels == 0) {
+            let key = if m.levels == 0 { "model.levels" } else { "model.task_experts" };
+            return invalid(key, "must be at least 1".into());
+        }
+        if matches!(m.kind, ModelKind::Mmoe | ModelKind::Ple) && m.expert_hidden.is_empty() {
+            return invalid("model.expert_hidden", "needs a layer (the experts' width is its last)".into());
+        }
         if (tasks.len() > 1 || !tasks[0].is_binary()) && matches!(self.model.kind, ModelKind::Lr | ModelKind::Fm) {
             return invalid(
                 "model.tasks",

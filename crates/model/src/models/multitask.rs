@@ -1,0 +1,235 @@
+//! The multi-task kinds, on candle's graph (their gradients are its
+//! autograd's, checked against finite differences):
+//! - `mmoe` (Ma et al. 2018): shared experts; each task mixes them with a
+//!   softmax gate of its own over the input and puts the mix through its
+//!   tower.
+//! - `ple` (Tang et al. 2020): `model.levels` extraction layers of shared
+//!   and task-specific experts; at each level a task's gate mixes its own
+//!   experts and the shared ones, and (below the top) a shared gate mixes
+//!   them all; each level's mixes are the next level's inputs.
+//! - `esmm` (Ma et al. 2018): a CTR tower and a CVR tower on the shared
+//!   embeddings; the first task (click) is pCTR, the second (conversion =
+//!   click ∧ converts, over every impression) is pCTCVR = pCTR × pCVR, so
+//!   the CVR tower learns from every impression. Its logit is
+//!   logit(σ(a)·σ(b)) = −log(e^{−a} + e^{−b} + e^{−a−b}), a log-sum-exp.
+//!
+//! Every expert and tower is an MLP of the fused op; towers end in their
+//! task's outputs.
+
+use candle_core::{D, Tensor};
+use sparrow_core::config::{ModelConfig, ModelKind};
+
+use crate::ModelError;
+use crate::bf16::Arith;
+use crate::heads::Heads;
+use crate::mlp::Mlp;
+use crate::params::{Linear, ParamStore};
+
+/// One level of experts and their gates.
+struct Level {
+    /// Shared experts, then each task's own (PLE), task by task.
+    shared: Vec<Mlp>,
+    own: Vec<Vec<Mlp>>,
+    /// Each task's gate (over its own and the shared experts), then the
+    /// shared gate (over every expert; PLE below the top).
+    gates: Vec<Linear>,
+    shared_gate: Option<Linear>,
+}
+
+pub(super) struct MultiTask {
+    kind: ModelKind,
+    levels: Vec<Level>,
+    towers: Vec<Mlp>,
+}
+
+fn experts(
+    ps: &mut ParamStore,
+    name: &str,
+    n: usize,
+    input: usize,
+    sizes: &[usize],
+    arith: Arith,
+) -> Result<Vec<Mlp>, ModelError> {
+    (0..n).map(|e| Mlp::new(ps, &format!("{name}.{e}"), input, sizes, true, arith)).collect()
+}
+
+impl MultiTask {
+    /// The network of `config.kind` on inputs of `input` values, a tower per head.
+    pub(super) fn new(
+        ps: &mut ParamStore,
+        config: &ModelConfig,
+        input: usize,
+        heads: &Heads,
+        arith: Arith,
+    ) -> Result<MultiTask, ModelError> {
+        let tower = |ps: &mut ParamStore, t: usize, input: usize, outputs: usize| {
+            let sizes: Vec<usize> = config.tower_hidden.iter().copied().chain([outputs]).collect();
+            Mlp::new(ps, &format!("tower.{t}"), input, &sizes, false, arith)
+        };
+        let tasks = heads.tasks();
+        let expert_out = config.expert_hidden.last().copied().unwrap_or(input);
+        let mut levels = Vec::new();
+        let mut towers = Vec::new();
+        match config.kind {
+            ModelKind::Esmm => {
+                if tasks != 2 || heads.iter().any(|h| h.multiclass) {
+                    return Err(ModelError::Heads { kind: "esmm", outputs: heads.outputs() });
+                }
+                // The CTR tower (click's output) and the CVR tower.
+                towers.push(tower(ps, 0, input, 1)?);
+                towers.push(tower(ps, 1, input, 1)?);
+            }
+            ModelKind::Mmoe => {
+                let shared = experts(ps, "expert", config.experts, input, &config.expert_hidden, arith)?;
+                let gates = (0..tasks)
+                    .map(|t| Linear::new(ps, &format!("gate.{t}"), input, config.experts))
+                    .collect::<Result<_, _>>()?;
+                levels.push(Level { shared, own: Vec::new(), gates, shared_gate: None });
+                for (t, h) in heads.iter().enumerate() {
+                    towers.push(tower(ps, t, expert_out, h.outputs)?);
+                }
+            }
+            ModelKind::Ple => {
+                let mut fan_in = input;
+                for l in 0..config.levels {
+                    let top = l + 1 == config.levels;
+                    let shared = experts(
+                        ps,
+                        &format!("level.{l}.shared"),
+                        config.experts,
+                        fan_in,
+                        &config.expert_hidden,
+                        arith,
+                    )?;
+                    let own = (0..tasks)
+                        .map(|t| {
+                            experts(
+                                ps,
+                                &format!("level.{l}.task.{t}"),
+                                config.task_experts,
+                                fan_in,
+                                &config.expert_hidden,
+                                arith,
+                            )
+                        })
+                        .collect::<Result<Vec<_>, _>>()?;
+                    let gates = (0..tasks)
+                        .map(|t| {
+                            Linear::new(
+                                ps,
+                                &format!("level.{l}.gate.{t}"),
+                                fan_in,
+                                config.task_experts + config.experts,
+                            )
+                        })
+                        .collect::<Result<_, _>>()?;
+                    let shared_gate = (!top)
+                        .then(|| {
+                            Linear::new(
+                                ps,
+                                &format!("level.{l}.gate.shared"),
+                                fan_in,
+                                config.experts + tasks * config.task_experts,
+                            )
+                        })
+                        .transpose()?;
+                    levels.push(Level { shared, own, gates, shared_gate });
+                    fan_in = expert_out;
+                }
+                for (t, h) in heads.iter().enumerate() {
+                    towers.push(tower(ps, t, expert_out, h.outputs)?);
+                }
+            }
+            other => return Err(ModelError::Heads { kind: other.name(), outputs: heads.outputs() }),
+        }
+        Ok(MultiTask { kind: config.kind, levels, towers })
+    }
+
+    /// Logits `[B, outputs]` from input rows `x` `[B, input]`.
+    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
+        let outs = match self.kind {
+            ModelKind::Esmm => {
+                let a = self.towers[0].forward(x)?;
+                let b = self.towers[1].forward(x)?;
+                // −log(e^{−a} + e^{−b} + e^{−a−b}) as −logsumexp(−a, −b, −a−b).
+                let z = Tensor::cat(&[&a.neg()?, &b.neg()?, &(a.neg()? - &b)?], 1)?;
+                let m = z.max_keepdim(D::Minus1)?;
+                let lse = (z.broadcast_sub(&m)?.exp()?.sum_keepdim(D::Minus1)?.log()? + &m)?;
+                vec![a, lse.neg()?]
+            }
+            _ => {
+                let tasks = self.towers.len();
+                // Every task's input and the shared input, level by level.
+                let (mut inputs, mut shared_in) = (vec![x.clone(); tasks], x.clone());
+                for level in &self.levels {
+                    let shared: Vec<Tensor> =
+                        level.shared.iter().map(|e| e.forward(&shared_in)).collect::<Result<_, _>>()?;
+                    let own: Vec<Vec<Tensor>> = level
+                        .own
+                        .iter()
+                        .zip(&inputs)
+                        .map(|(es, x)| es.iter().map(|e| e.forward(x)).collect::<Result<Vec<_>, _>>())
+                        .collect::<Result<_, _>>()?;
+                    let mut next = Vec::with_capacity(tasks);
+                    for (t, gate) in level.gates.iter().enumerate() {
+                        let mut pool: Vec<&Tensor> = own.get(t).map(|o| o.iter().collect()).unwrap_or_default();
+                        pool.extend(shared.iter());
+                        // MMoE's gates read the input itself; PLE's, the task's input.
+                        next.push(mix(&gate.forward(&inputs[t])?, &pool)?);
+                    }
+                    if let Some(gate) = &level.shared_gate {
+                        let mut pool: Vec<&Tensor> = shared.iter().collect();
+                        pool.extend(own.iter().flatten());
+                        shared_in = mix(&gate.forward(&shared_in)?, &pool)?;
+                    }
+                    inputs = next;
+                }
+                self.towers.iter().zip(&inputs).map(|(t, x)| t.forward(x)).collect::<Result<_, _>>()?
+            }
+        };
+        let outs: Vec<&Tensor> = outs.iter().collect();
+        Ok(Tensor::cat(&outs, 1)?)
+    }
+}
+
+/// Σ_k softmax(gate)_k · expert_k: `gate` `[B, K]`, each expert `[B, H]`.
+fn mix(gate: &Tensor, experts: &[&Tensor]) -> Result<Tensor, ModelError> {
+    let m = gate.max_keepdim(D::Minus1)?;
+    let e = gate.broadcast_sub(&m)?.exp()?;
+    let w = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+    let stacked = Tensor::stack(experts, 1)?; // [B, K, H]
+    Ok(stacked.broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// ESMM's second output is the logit of pCTR × pCVR, the towers'
+    /// probabilities' product, exactly; its first is the CTR tower's.
+    #[test]
+    fn esmm_ctcvr_is_the_product_of_the_towers_probabilities() {
+        use sparrow_core::config::{Task, TaskKind};
+        let heads = Heads::of(&[
+            Task { name: "click".into(), kind: TaskKind::Binary, outputs: 1, weight: 1.0 },
+            Task { name: "conversion".into(), kind: TaskKind::Binary, outputs: 1, weight: 1.0 },
+        ]);
+        let config = ModelConfig { kind: ModelKind::Esmm, tower_hidden: vec![5], ..ModelConfig::default() };
+        let mut ps = ParamStore::new(3, Device::Cpu);
+        let net = MultiTask::new(&mut ps, &config, 4, &heads, Arith::new(config.precision, Default::default()))
+            .expect("esmm");
+        // Inputs large enough that a tower saturates in some rows.
+        let x: Vec<f32> = (0..40).map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.9).collect();
+        let x = Tensor::from_vec(x, (10, 4), &Device::Cpu).expect("x");
+        let values = |t: Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("values");
+        let out = values(net.forward(&x).expect("forward"));
+        let (a, b) = (values(net.towers[0].forward(&x).expect("ctr")), values(net.towers[1].forward(&x).expect("cvr")));
+        let sigmoid = |x: f32| 1.0 / (1.0 + (-f64::from(x)).exp());
+        for r in 0..10 {
+            assert_eq!(out[2 * r], a[r], "row {r}: the CTR output is the CTR tower's");
+            let (p, product) = (sigmoid(out[2 * r + 1]), sigmoid(a[r]) * sigmoid(b[r]));
+            assert!((p - product).abs() <= 1e-6 * product + 1e-12, "row {r}: σ(ctcvr) {p}, pCTR·pCVR {product}");
+        }
+    }
+}
