@@ -79,7 +79,7 @@ group_by = "user_id"
 fn several_tasks_and_a_sequence_train_evaluate_predict_and_launch_alike() {
     let tmp = tempfile::tempdir().expect("tmp");
     let truth = behaviour_data(tmp.path(), "40000");
-    assert_eq!(truth["header"][8], "hist_items");
+    assert_eq!(truth["header"][9], "hist_items");
     let config = job(tmp.path(), "");
     let trained = train_json(&config);
     let tasks = &trained["tasks"];
@@ -160,7 +160,7 @@ fn bad_labels_are_bad_rows_named_by_file_and_line() {
     let mut lines: Vec<String> = text.lines().map(String::from).collect();
     lines[3] = lines[3].replacen(&lines[3][..1], "yes", 1);
     let fields: Vec<&str> = lines[7].split(',').collect();
-    lines[7] = [&fields[..3], &["3"], &fields[4..]].concat().join(",");
+    lines[7] = [&fields[..4], &["3"], &fields[5..]].concat().join(",");
     text = lines.join("\n") + "\n";
     std::fs::write(&train, text).expect("write");
     let config = job(tmp.path(), "");
@@ -285,4 +285,38 @@ fn the_multi_task_kinds_train_and_launch_alike() {
         assert_eq!(launched["test_auc"], trained["test_auc"], "{kind}");
         assert_eq!(launched["tasks"]["conversion"]["auc"], trained["tasks"]["conversion"]["auc"], "{kind}");
     }
+}
+
+/// Exactness holds for several tasks and a sequence: the SSD tier trains
+/// the in-memory model, and a run stopped at step 40 and resumed ends with
+/// the uninterrupted one's figures, bit for bit.
+#[test]
+fn several_tasks_are_exact_on_the_ssd_tier_and_across_a_resume() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    behaviour_data(tmp.path(), "12000");
+    let config = job(tmp.path(), "");
+    let whole = train_json(&config);
+    let run = |args: &[&str]| {
+        let out = sparrow().args(["train", "--config", &config, "--quiet"]).args(args).output().expect("train");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        last_json(&out)
+    };
+    let ssd = tmp.path().join("ssd").display().to_string();
+    let on_ssd = run(&[
+        "--set",
+        "embedding.storage=\"ssd\"",
+        "--set",
+        &format!("embedding.path={ssd:?}"),
+        "--set",
+        "embedding.cache_capacity_rows=3000",
+        "--set",
+        &format!("checkpoint.dir={:?}", tmp.path().join("ck-ssd").display().to_string()),
+    ]);
+    assert!(on_ssd["cache_hit_rate"].as_f64().is_some_and(|r| r < 1.0), "the tier was used: {on_ssd}");
+    assert_eq!(on_ssd["tasks"], whole["tasks"]);
+    let ck = format!("checkpoint.dir={:?}", tmp.path().join("ck-resumed").display().to_string());
+    run(&["--set", &ck, "--set", "train.max_steps=40"]);
+    let resumed = run(&["--set", &ck, "--resume", &tmp.path().join("ck-resumed").display().to_string()]);
+    assert_eq!(resumed["resumed_from_step"], 40);
+    assert_eq!(resumed["tasks"], whole["tasks"]);
 }

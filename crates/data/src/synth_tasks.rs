@@ -9,11 +9,13 @@
 //! - `click` (DIN's setting): its logit has per-user, per-item and per-site
 //!   terms, a price term, and the user's interest in the candidate: how many
 //!   history items share its category (log(1 + count)).
-//! - `conversion` (ESMM's setting): converting depends on the item, the user
-//!   and the price, and only a click can convert: the label is click ∧
+//! - `conversion` (ESMM's setting): converting depends on the item, the user,
+//!   the price and factors the click shares (the item's quality, the
+//!   interest), and only a click can convert: the label is click ∧
 //!   converts, over every impression. `converts` is the draw itself (whether
 //!   the impression would convert if clicked), for judging a CVR model over
-//!   all impressions.
+//!   all impressions; `cvr` is it where a click observed it and empty
+//!   elsewhere (a CVR model trained on clicked samples only reads that).
 //! - `ad_type` (`--classes K`): the class of content the impression is
 //!   (video, music, game, ...), drawn from a softmax of user and item terms.
 //!
@@ -187,8 +189,14 @@ impl World {
             + f64::from(self.site_bias[site])
             + interest
             - 0.15 * (price / 20.0).ln();
-        let convert_logit =
-            -1.0 + f64::from(self.user_cvr[user]) + f64::from(self.item_cvr[item]) - 0.5 * (price / 20.0).ln();
+        // Converting shares factors with clicking (a better item, a closer
+        // match with the user's history) besides its own: related tasks.
+        let convert_logit = -1.6
+            + f64::from(self.user_cvr[user])
+            + f64::from(self.item_cvr[item])
+            + f64::from(self.item_bias[item])
+            + 0.8 * interest
+            - 0.5 * (price / 20.0).ln();
         let class_probs = if self.classes > 0 {
             let k = self.classes;
             let logits: Vec<f64> = (0..k)
@@ -224,7 +232,7 @@ struct Drawn {
 fn header(shape: Shape) -> Vec<String> {
     let mut h: Vec<&str> = vec!["click"];
     if shape.tasks {
-        h.extend(["conversion", "converts"]);
+        h.extend(["conversion", "converts", "cvr"]);
     }
     if shape.classes.is_some() {
         h.push("ad_type");
@@ -241,7 +249,9 @@ fn write_row(out: &mut Vec<u8>, shape: Shape, world: &World, row: &Row, d: &Draw
     let b = |v: bool| if v { "1" } else { "0" };
     let mut line = b(d.click).to_string();
     if shape.tasks {
-        line += &format!(",{},{}", b(d.click && d.converts), b(d.converts));
+        // `cvr`: the conversion where it is observed (a click), else masked.
+        let cvr = if d.click { b(d.converts) } else { "" };
+        line += &format!(",{},{},{cvr}", b(d.click && d.converts), b(d.converts));
     }
     if shape.classes.is_some() {
         line += &format!(",{}", d.class);

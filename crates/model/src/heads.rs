@@ -82,7 +82,7 @@ impl Heads {
         labels: &[f32],
         f: impl FnOnce(&[f32], &[f32]) -> R,
     ) -> Option<R> {
-        if self.is_one_binary() {
+        if self.is_one_binary() && !labels.iter().any(|l| l.is_nan()) {
             return Some(f(logits, labels));
         }
         if self.heads[0].multiclass {

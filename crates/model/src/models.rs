@@ -406,6 +406,10 @@ impl DenseModel {
     /// `weight`, and d (mean loss) / d logit (`inv_b`: one over the rows).
     #[inline]
     fn loss_and_seed_row(logit: f32, label: f32, weight: f64, inv_b: f64) -> (f64, f32) {
+        // A masked label (`data.schema.labels`, an empty cell) adds nothing.
+        if label.is_nan() {
+            return (0.0, 0.0);
+        }
         let (loss, p) = logistic_loss_and_sigmoid(f64::from(logit), f64::from(label));
         (weight * loss, ((p - f64::from(label)) * weight * inv_b) as f32)
     }

@@ -288,3 +288,26 @@ fn embedding_gradient_is_exact_with_several_heads() {
         }
     }
 }
+
+/// One task whose label can be masked (`data.schema.labels = ["cvr"]`, an
+/// empty cell): on every kind's own CPU path a masked row adds nothing to
+/// the loss (still divided by all rows) and gets no gradient.
+#[test]
+fn a_masked_label_adds_nothing_on_every_kinds_own_path() {
+    let shape = ModelShape { num_fields: 3, num_dense: 2, embedding_dim: 4 };
+    for kind in KINDS {
+        let model =
+            DenseModel::new(&config(kind, 4, &[8, 5], Precision::F32), shape, 11, Device::Cpu, Default::default())
+                .expect("model");
+        let (width, rows) = (model.width(), 3);
+        let mut rng = Rng::new(5);
+        let emb: Vec<f32> = (0..rows * 3 * width).map(|_| rng.uniform(-0.5, 0.5) as f32).collect();
+        let dense: Vec<f32> = (0..rows * 2).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
+        let (out, _) = model.forward_backward(emb.clone(), dense.clone(), &[1.0, f32::NAN, 0.0]).expect("step");
+        let logits = model.predict(emb, dense, rows).expect("forward");
+        let expected = (logistic_loss(f64::from(logits[0]), 1.0) + logistic_loss(f64::from(logits[2]), 0.0)) / 3.0;
+        assert!((out.loss - expected).abs() < 1e-6, "{kind:?}: loss {} vs {expected}", out.loss);
+        let masked = &out.emb_grad[3 * width..6 * width];
+        assert!(masked.iter().all(|&g| g == 0.0), "{kind:?}: the masked row's gradient {masked:?}");
+    }
+}

@@ -86,7 +86,7 @@ impl Figures {
         let rows = (s.labels.len() / tasks.len().max(1)) as u64;
         let nan_predictions = count_nan(&s.logits);
         let by_task = task_figures(&tasks, &s.logits, &s.labels, s.groups.as_deref(), config.eval.top_k);
-        let (auc, logloss) = if config.single_binary_task() {
+        let (auc, logloss) = if config.single_binary_task() && !s.labels.iter().any(|l| l.is_nan()) {
             // Exactly the figures of a job before tasks.
             (auc(&s.logits, &s.labels), log_loss_from_logits(&s.logits, &s.labels))
         } else {
