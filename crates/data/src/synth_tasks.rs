@@ -31,7 +31,7 @@ use sparrow_core::metrics::{log_loss_from_probs, sigmoid};
 use sparrow_core::rng::Rng;
 
 use crate::error::DataError;
-use crate::synth::{Alias, auc_f64};
+use crate::synth::{Alias, Truth, auc_f64};
 
 const GENERATOR: &str = "sparrow-synth-tasks-v1";
 const USERS: usize = 20_000;
@@ -73,16 +73,9 @@ pub struct TaskTruth {
 /// are the first task's (`click`), as the Criteo generator's are.
 #[derive(Clone, Debug, Serialize)]
 pub struct TasksTruth {
-    pub generator: String,
-    pub seed: u64,
-    pub train_rows: u64,
-    pub test_rows: u64,
-    pub bayes_auc: f64,
-    pub bayes_logloss: f64,
-    pub test_ctr: f64,
-    pub train_ctr: f64,
-    pub vocab_sizes: Vec<u64>,
-    pub interaction_pairs: Vec<(usize, usize)>,
+    /// The fields every `truth.json` has (what `train` reads beside the test file).
+    #[serde(flatten)]
+    pub truth: Truth,
     /// The CSV's columns.
     pub header: Vec<String>,
     pub tasks: std::collections::BTreeMap<String, TaskTruth>,
@@ -361,16 +354,18 @@ pub fn generate_tasks(
         );
     }
     let truth = TasksTruth {
-        generator: GENERATOR.into(),
-        seed,
-        train_rows,
-        test_rows,
-        bayes_auc: auc_f64(&test.click.0, &test.click.1),
-        bayes_logloss: log_loss_from_probs(&test.click.0, &test.click.1),
-        test_ctr: mean(&test.click.1),
-        train_ctr: mean(&train.click.1),
-        vocab_sizes: vec![USERS as u64, ITEMS as u64, CATEGORIES as u64, SITES as u64],
-        interaction_pairs: Vec::new(),
+        truth: Truth {
+            generator: GENERATOR.into(),
+            seed,
+            train_rows,
+            test_rows,
+            bayes_auc: auc_f64(&test.click.0, &test.click.1),
+            bayes_logloss: log_loss_from_probs(&test.click.0, &test.click.1),
+            test_ctr: mean(&test.click.1),
+            train_ctr: mean(&train.click.1),
+            vocab_sizes: vec![USERS as u64, ITEMS as u64, CATEGORIES as u64, SITES as u64],
+            interaction_pairs: Vec::new(),
+        },
         header: header(shape),
         tasks,
     };
