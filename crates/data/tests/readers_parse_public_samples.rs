@@ -273,6 +273,56 @@ fn parquet_with_schema_mapping_and_list_column() {
     assert!(err.to_string().contains("user"), "{err}");
 }
 
+/// Parquet with the issue-41 keys: a list column read as a behaviour
+/// sequence (the newest `max_len` IDs, keyed as the field its `table`
+/// names, truncations counted) and a label read by its task's kind (a
+/// class id past `classes` is a bad row).
+#[test]
+fn parquet_sequences_and_task_labels() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let path = dir.path().join("beh.parquet");
+    write_parquet(
+        &path,
+        &[(1, 2.5, "a.com", vec!["b.com", "a.com"]), (3, 0.0, "b.com", vec![]), (0, 1.0, "b.com", vec!["c.com"])],
+    );
+    let text = format!(
+        r#"
+        [data]
+        format = "parquet"
+        train = "{}"
+        [data.schema]
+        labels = ["label"]
+        dense = ["price"]
+        sparse = ["site"]
+        sequence = [{{ field = "tags", table = "site", max_len = 1 }}]
+        [model]
+        kind = "mlp"
+        [[model.tasks]]
+        name = "label"
+        kind = "multiclass"
+        classes = 2
+        "#,
+        path.display()
+    );
+    let job = Config::from_toml(&text, "t.toml", &sparrow_core::Overrides::none()).expect("config");
+    let bad = BadRows::new(10, 0);
+    let b: Vec<Batch> = BatchStream::spawn(&path, &job, 8, Default::default(), 1, bad.clone())
+        .expect("opens")
+        .collect::<Result<_, _>>()
+        .expect("reads");
+    assert_eq!(b.len(), 1);
+    let b = &b[0];
+    assert_eq!((b.rows(), b.num_fields), (2, 2));
+    assert_eq!(b.labels, vec![1.0, 0.0]);
+    assert_eq!(bad.total(), 1, "the class id 3 of two classes");
+    // Row 0 keeps its newest ID, "a.com", keyed as the site field keys it.
+    let seq: Vec<u64> = b.bag(0, 1).map(|k| b.keys[k]).collect();
+    assert_eq!(seq, vec![sparrow_core::feature_key(0, b"a.com")]);
+    assert_eq!(b.keys[b.bag(0, 0).start], seq[0], "a.com as the site and in the history: one key");
+    assert_eq!(b.keys[b.bag(1, 1).start], sparrow_core::feature_key(0, b"c.com"));
+    assert_eq!(b.truncated_sequences, 1);
+}
+
 /// A dense column of the wrong type used to fail every row (one warning per
 /// row until the bad-row budget ran out); it is one schema error now.
 #[test]
