@@ -43,6 +43,9 @@ struct Eval {
     samples: f64,
     auc: f64,
     logloss: f64,
+    /// Each task's AUC (a multiclass task's macro AUC), where the line has
+    /// `tasks` (several tasks, or `eval.group_by`).
+    tasks: Vec<(String, f64)>,
 }
 
 /// One run's metrics file.
@@ -69,7 +72,19 @@ impl Run {
                 let samples = number("samples")
                     .or_else(|| intervals.iter().rev().find(|x: &&Interval| x.step <= step).map(|x| x.samples))
                     .unwrap_or(0.0);
-                evals.push(Eval { step, samples, auc, logloss });
+                let tasks = v
+                    .get("tasks")
+                    .and_then(Value::as_object)
+                    .map(|t| {
+                        t.iter()
+                            .filter_map(|(name, f)| {
+                                let auc = f.get("auc").or_else(|| f.get("macro_auc")).and_then(Value::as_f64)?;
+                                Some((name.clone(), auc))
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                evals.push(Eval { step, samples, auc, logloss, tasks });
             } else {
                 let (Some(samples), Some(rate)) = (number("samples"), number("samples_per_sec")) else {
                     return Err(bad("an interval line needs `samples` and `samples_per_sec`".into()));
@@ -392,6 +407,34 @@ fn render(runs: &[Run], bayes: Option<f64>, title: &str) -> (String, usize) {
         line_chart("throughput", "Throughput", "samples trained", "samples/s", &rate, None),
         phase_chart(runs),
     ];
+    // Several tasks: each one's test AUC (a multiclass task's macro AUC).
+    let task_names: Vec<(usize, String, String)> = runs
+        .iter()
+        .enumerate()
+        .flat_map(|(i, r)| {
+            let names: std::collections::BTreeSet<&str> =
+                r.evals.iter().flat_map(|e| e.tasks.iter().map(|(n, _)| n.as_str())).collect();
+            names.into_iter().map(move |n| (i, n.to_string(), format!("{}: {n}", r.name))).collect::<Vec<_>>()
+        })
+        .collect();
+    if task_names.len() > runs.len() {
+        let per_task: Vec<Series> = task_names
+            .iter()
+            .enumerate()
+            .map(|(k, (i, task, name))| Series {
+                name,
+                color: color(k),
+                points: runs[*i]
+                    .evals
+                    .iter()
+                    .filter_map(|e| Some((e.samples, e.tasks.iter().find(|(n, _)| n == task)?.1)))
+                    .collect(),
+                markers: true,
+            })
+            .collect();
+        let title = "Test AUC per task (multiclass: macro AUC)";
+        plots.push(line_chart("task-auc", title, "samples trained", "AUC", &per_task, None));
+    }
     // Progressive validation (train.online_window_samples), when a run has it.
     if runs.iter().any(|r| r.intervals.iter().any(|i| i.online.is_some())) {
         let online =
@@ -529,5 +572,32 @@ mod tests {
         std::fs::write(&path, "{\"step\":1,\"samples\":10,\"train_logloss\":0.5,\"samples_per_sec\":9}\n")
             .expect("write");
         assert_eq!(render(&[Run::read(&path).expect("read")], None, "t").1, 4);
+    }
+
+    /// Eval lines with several tasks draw each task's AUC (a multiclass
+    /// task's macro AUC) as a curve of its own; one-task runs draw none.
+    #[test]
+    fn several_tasks_draw_a_curve_each() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let path = tmp.path().join("m.jsonl");
+        let eval = |step: u64, click: f64, kind: f64| {
+            format!(
+                "{{\"step\":{step},\"event\":\"eval\",\"samples\":{},\"test_auc\":{click},\"test_logloss\":0.4,\
+                 \"tasks\":{{\"click\":{{\"auc\":{click}}},\"kind\":{{\"macro_auc\":{kind},\"accuracy\":0.5}}}}}}\n",
+                step * 100
+            )
+        };
+        std::fs::write(&path, eval(1, 0.6, 0.7) + &eval(2, 0.65, 0.72)).expect("write");
+        let run = Run::read(&path).expect("reads");
+        assert_eq!(run.evals[1].tasks, [("click".to_string(), 0.65), ("kind".to_string(), 0.72)]);
+        let (html, _) = render(&[run], None, "t");
+        let plot = html.split("data-plot=\"task-auc\"").nth(1).expect("the per-task plot");
+        let plot = &plot[..plot.find("</svg>").expect("its end")];
+        assert_eq!(plot.matches("class=\"series\" data-points=\"2\"").count(), 2, "{plot}");
+        assert!(plot.contains("m: kind"), "{plot}");
+        std::fs::write(&path, "{\"step\":1,\"event\":\"eval\",\"samples\":9,\"test_auc\":0.6,\"test_logloss\":0.4}\n")
+            .expect("write");
+        let (html, _) = render(&[Run::read(&path).expect("reads")], None, "t");
+        assert!(!html.contains("task-auc"), "no per-task plot for one task");
     }
 }
