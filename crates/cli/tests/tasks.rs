@@ -320,3 +320,45 @@ fn several_tasks_are_exact_on_the_ssd_tier_and_across_a_resume() {
     assert_eq!(resumed["resumed_from_step"], 40);
     assert_eq!(resumed["tasks"], whole["tasks"]);
 }
+
+/// Every sync policy takes several tasks: with one worker, `sync = "round"`
+/// trains `train`'s model bit for bit, and `sync = "lazy"` a model within
+/// its aggregation's rounding of it; the bf16 path trains them too (other
+/// bits, close figures).
+#[test]
+fn several_tasks_run_under_every_sync_policy_and_in_bf16() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    behaviour_data(tmp.path(), "30000");
+    let config = job(tmp.path(), "");
+    let whole = train_json(&config);
+    for sync in ["round", "lazy"] {
+        let ck = format!("checkpoint.dir={:?}", tmp.path().join(format!("ck-{sync}")).display().to_string());
+        let out = sparrow()
+            .args(["launch", "--config", &config, "--shards", "2", "--workers", "1", "--quiet"])
+            .args(["--set", &format!("cluster.sync={sync:?}"), "--set", &ck])
+            .output()
+            .expect("launch");
+        assert!(out.status.success(), "{sync}: {}", String::from_utf8_lossy(&out.stderr));
+        let launched = last_json(&out);
+        if sync == "round" {
+            assert_eq!(launched["test_auc"], whole["test_auc"], "{sync}");
+            assert_eq!(launched["tasks"]["ad_type"], whole["tasks"]["ad_type"], "{sync}");
+        }
+        for task in ["click", "conversion"] {
+            let auc = |j: &Value| j["tasks"][task]["auc"].as_f64().expect("auc");
+            assert!((auc(&launched) - auc(&whole)).abs() < 0.01, "{sync}: {task}: {launched}");
+        }
+    }
+    let ck = format!("checkpoint.dir={:?}", tmp.path().join("ck-bf16").display().to_string());
+    let out = sparrow()
+        .args(["train", "--config", &config, "--quiet", "--set", "model.precision=\"bf16\"", "--set", &ck])
+        .output()
+        .expect("train");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let bf16 = last_json(&out);
+    for task in ["click", "conversion"] {
+        let (a, b) =
+            (bf16["tasks"][task]["auc"].as_f64().expect("auc"), whole["tasks"][task]["auc"].as_f64().expect("auc"));
+        assert!((a - b).abs() < 0.02, "{task}: bf16 {a}, f32 {b}");
+    }
+}
