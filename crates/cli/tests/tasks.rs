@@ -242,12 +242,18 @@ fn the_readme_example_trains_and_serving_refuses_it_for_now() {
         .output()
         .expect("export");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let out = sparrow()
+    // Waited for at most a minute: a server that started instead would fail
+    // the test, not hang it.
+    let mut serve = sparrow()
         .args(["serve", "--model", &export.display().to_string(), "--listen", "127.0.0.1:0"])
-        .output()
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .expect("serve");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{stderr}");
+    let status = common::wait_with_timeout(&mut serve, std::time::Duration::from_secs(60));
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut serve.stderr.take().expect("stderr"), &mut stderr).expect("stderr");
+    assert!(!status.success(), "{stderr}");
     assert!(stderr.contains("several tasks") && stderr.contains("not built yet"), "{stderr}");
 }
 

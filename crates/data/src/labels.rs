@@ -69,15 +69,18 @@ impl LabelRules {
     /// Task `task`'s value from its cell's text (NaN: masked).
     pub fn read(&self, task: usize, raw: &[u8]) -> Result<f32, String> {
         let (name, classes) = &self.tasks[task];
+        if !self.masking && classes.is_none() {
+            // The one label of a job without `labels`: read as it always was.
+            return parse_label(raw);
+        }
         let text = std::str::from_utf8(raw).map(str::trim).unwrap_or("\u{fffd}");
         if self.masking && text.is_empty() {
             return Ok(f32::NAN);
         }
         match classes {
-            None if self.masking => {
+            None => {
                 parse_label(text.as_bytes()).map_err(|e| format!("task `{name}`: {e} (an empty cell masks the task)"))
             }
-            None => parse_label(raw),
             Some(k) => match text.parse::<u32>() {
                 Ok(c) if (c as usize) < *k => Ok(c as f32),
                 _ => Err(format!(

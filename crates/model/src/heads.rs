@@ -98,6 +98,23 @@ impl Heads {
         Some(f(&x, &y))
     }
 
+    /// Refuses a label its task cannot take: a multiclass task's must be a
+    /// class id below its outputs (or NaN, masked), a binary task's finite
+    /// or NaN. The readers only make such labels; a batch from the wire is
+    /// checked here, before any index is taken from it.
+    pub fn check_labels(&self, labels: &[f32]) -> Result<(), crate::ModelError> {
+        let t = self.tasks().max(1);
+        for (i, &y) in labels.iter().enumerate() {
+            let h = &self.heads[i % t];
+            let fits = y.is_nan()
+                || if h.multiclass { y >= 0.0 && y.fract() == 0.0 && (y as usize) < h.outputs } else { y.is_finite() };
+            if !fits {
+                return Err(crate::ModelError::BadLabel { task: h.name.clone(), label: y, outputs: h.outputs });
+            }
+        }
+        Ok(())
+    }
+
     /// The summed loss of a batch (over its rows) and d loss / d logits:
     /// `logits` is rows × outputs, `labels` rows × tasks, `weights` one
     /// per row.
@@ -195,5 +212,18 @@ mod tests {
         let (none, seed) = h.loss_and_seed(&logits, &[f32::NAN, f32::NAN], None);
         assert_eq!(none, 0.0);
         assert!(seed.iter().all(|&s| s == 0.0));
+    }
+
+    /// A class id at or past a task's classes, a fraction or a negative id,
+    /// and an infinite binary label are refused naming the task (a batch
+    /// from the wire could carry one; the loss would index past the row).
+    #[test]
+    fn labels_no_task_can_take_are_refused() {
+        let h = heads();
+        assert!(h.check_labels(&[1.0, 2.0, f32::NAN, f32::NAN, 0.0, 0.0]).is_ok());
+        for bad in [[1.0, 3.0], [1.0, 1.5], [1.0, -1.0], [f32::INFINITY, 0.0]] {
+            let err = h.check_labels(&bad).expect_err("refused").to_string();
+            assert!(err.contains(if bad[0].is_finite() { "`kind`" } else { "`click`" }), "{bad:?}: {err}");
+        }
     }
 }

@@ -32,6 +32,9 @@ pub enum ModelError {
     BadInput { what: &'static str, len: usize, rows: usize, per_row: usize },
     #[error("model.kind = \"{kind}\" has one output, not {outputs} (several tasks need a kind with a deep part)")]
     Heads { kind: &'static str, outputs: usize },
+    /// A label no task can take (a batch off the wire is not trusted).
+    #[error("task `{task}`: label {label} is not 0/1, a class id below {outputs}, or masked")]
+    BadLabel { task: String, label: f32, outputs: usize },
     #[error("a thread panicked while holding the model's step buffers")]
     Poisoned,
     #[error("dense weights: parameter `{name}` is missing from the file")]

@@ -497,6 +497,7 @@ impl DenseModel {
         let (loss, seed) = if self.heads.is_one_binary() {
             Self::loss_and_seed(&logits, labels, weights)
         } else {
+            self.heads.check_labels(labels)?;
             self.heads.loss_and_seed(&logits, labels, weights)
         };
         self.check_loss(loss)?;

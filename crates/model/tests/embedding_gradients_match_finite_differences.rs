@@ -311,3 +311,28 @@ fn a_masked_label_adds_nothing_on_every_kinds_own_path() {
         assert!(masked.iter().all(|&g| g == 0.0), "{kind:?}: the masked row's gradient {masked:?}");
     }
 }
+
+/// A class id past its task's classes (a batch off the wire) is an error
+/// naming the task, not a panic in the loss.
+#[test]
+fn a_class_id_past_the_classes_is_refused_by_the_step() {
+    use sparrow_core::config::{Task, TaskKind};
+    use sparrow_model::Heads;
+    let heads = Heads::of(&[Task { name: "kind".into(), kind: TaskKind::Multiclass, outputs: 3, weight: 1.0 }]);
+    let shape = ModelShape { num_fields: 2, num_dense: 1, embedding_dim: 4 };
+    let model = DenseModel::with_heads(
+        &config(ModelKind::Mlp, 4, &[6], Precision::F32),
+        shape,
+        heads,
+        3,
+        Device::Cpu,
+        Default::default(),
+    )
+    .expect("model");
+    let (emb, dense) = (vec![0.1f32; 2 * 2 * 4], vec![0.5f32; 2]);
+    let err = match model.forward_backward(emb, dense, &[1.0, 3.0]) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a class id of 3 for 3 classes trained"),
+    };
+    assert!(err.contains("task `kind`") && err.contains("label 3"), "{err}");
+}

@@ -108,10 +108,10 @@ impl Figures {
 /// A row's probabilities as `sparrow predict` writes them: a binary task's
 /// click probability, a multiclass task's one per class, tab-separated in
 /// task order.
-pub fn probabilities(config: &Config, row: &[f32], out: &mut String) {
+pub fn probabilities(tasks: &[sparrow_core::config::Task], row: &[f32], out: &mut String) {
     use std::fmt::Write;
     let mut at = 0;
-    for (i, task) in config.tasks().iter().enumerate() {
+    for (i, task) in tasks.iter().enumerate() {
         let x = &row[at..at + task.outputs];
         at += task.outputs;
         let sep = if i == 0 { "" } else { "\t" };

@@ -818,10 +818,11 @@ fn write_predictions(scored: &Scored, data: &Path, out: &Path, wall: Instant) ->
             }
         } else {
             // A line a row: each task's probabilities, tab-separated.
-            let (outputs, mut line) = (scored.config.model_outputs(), String::new());
+            let (tasks, mut line) = (scored.config.tasks(), String::new());
+            let outputs = tasks.iter().map(|t| t.outputs).sum::<usize>().max(1);
             for row in scored.scores.logits.chunks_exact(outputs) {
                 line.clear();
-                crate::evaluation::probabilities(&scored.config, row, &mut line);
+                crate::evaluation::probabilities(&tasks, row, &mut line);
                 writeln!(w, "{line}").map_err(|e| TrainError::io(&tmp, e))?;
             }
         }
