@@ -257,9 +257,10 @@ fn the_readme_example_trains_and_serving_refuses_it_for_now() {
     assert!(stderr.contains("several tasks") && stderr.contains("not built yet"), "{stderr}");
 }
 
-/// `mmoe`, `ple` and `esmm` train on the behaviour data (ESMM on its two
-/// binary tasks), learn every task, and a two-shard cluster trains each to
-/// the same model bit for bit.
+/// `mmoe`, `ple`, `esmm` and `din` train on the behaviour data (ESMM on
+/// its two binary tasks), learn every task, and a two-shard cluster trains
+/// each to the same model bit for bit (DIN's workers read the history
+/// items unpooled, their gradients scattered back to the shards' rows).
 #[test]
 fn the_multi_task_kinds_train_and_launch_alike() {
     let tmp = tempfile::tempdir().expect("tmp");
@@ -268,7 +269,7 @@ fn the_multi_task_kinds_train_and_launch_alike() {
     let head = three.split("[[model.tasks]]").next().expect("head");
     let tail = &three[three.find("[train]").expect("train")..];
     let two = format!("{head}{tail}").replace(r#"["click", "conversion", "ad_type"]"#, r#"["click", "conversion"]"#);
-    for (kind, text) in [("mmoe", &three), ("ple", &three), ("esmm", &two)] {
+    for (kind, text) in [("mmoe", &three), ("ple", &three), ("esmm", &two), ("din", &three)] {
         let text = text.replace(
             "kind = \"mlp\"",
             &format!("kind = \"{kind}\"\nexperts = 3\nexpert_hidden = [16]\ntower_hidden = [8]"),
@@ -293,21 +294,33 @@ fn the_multi_task_kinds_train_and_launch_alike() {
     }
 }
 
-/// Exactness holds for several tasks and a sequence: the SSD tier trains
-/// the in-memory model, and a run stopped at step 40 and resumed ends with
-/// the uninterrupted one's figures, bit for bit.
+/// Exactness holds for several tasks and a sequence, pooled by sum (MLP)
+/// or by attention (DIN): the SSD tier trains the in-memory model, and a
+/// run stopped at step 40 and resumed ends with the uninterrupted one's
+/// figures, bit for bit.
 #[test]
 fn several_tasks_are_exact_on_the_ssd_tier_and_across_a_resume() {
     let tmp = tempfile::tempdir().expect("tmp");
     behaviour_data(tmp.path(), "12000");
-    let config = job(tmp.path(), "");
-    let whole = train_json(&config);
+    for kind in ["mlp", "din"] {
+        let dir = tmp.path().join(kind);
+        std::fs::create_dir_all(&dir).expect("dir");
+        std::os::unix::fs::symlink(tmp.path().join("data"), dir.join("data")).expect("data");
+        let config = job(&dir, "");
+        let text = std::fs::read_to_string(&config).expect("config");
+        std::fs::write(&config, text.replace("kind = \"mlp\"", &format!("kind = \"{kind}\""))).expect("write");
+        exact_on_the_ssd_tier_and_across_a_resume(&dir, &config);
+    }
+}
+
+fn exact_on_the_ssd_tier_and_across_a_resume(dir: &Path, config: &str) {
+    let whole = train_json(config);
     let run = |args: &[&str]| {
-        let out = sparrow().args(["train", "--config", &config, "--quiet"]).args(args).output().expect("train");
+        let out = sparrow().args(["train", "--config", config, "--quiet"]).args(args).output().expect("train");
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         last_json(&out)
     };
-    let ssd = tmp.path().join("ssd").display().to_string();
+    let ssd = dir.join("ssd").display().to_string();
     let on_ssd = run(&[
         "--set",
         "embedding.storage=\"ssd\"",
@@ -316,13 +329,13 @@ fn several_tasks_are_exact_on_the_ssd_tier_and_across_a_resume() {
         "--set",
         "embedding.cache_capacity_rows=3000",
         "--set",
-        &format!("checkpoint.dir={:?}", tmp.path().join("ck-ssd").display().to_string()),
+        &format!("checkpoint.dir={:?}", dir.join("ck-ssd").display().to_string()),
     ]);
     assert!(on_ssd["cache_hit_rate"].as_f64().is_some_and(|r| r < 1.0), "the tier was used: {on_ssd}");
     assert_eq!(on_ssd["tasks"], whole["tasks"]);
-    let ck = format!("checkpoint.dir={:?}", tmp.path().join("ck-resumed").display().to_string());
+    let ck = format!("checkpoint.dir={:?}", dir.join("ck-resumed").display().to_string());
     run(&["--set", &ck, "--set", "train.max_steps=40"]);
-    let resumed = run(&["--set", &ck, "--resume", &tmp.path().join("ck-resumed").display().to_string()]);
+    let resumed = run(&["--set", &ck, "--resume", &dir.join("ck-resumed").display().to_string()]);
     assert_eq!(resumed["resumed_from_step"], 40);
     assert_eq!(resumed["tasks"], whole["tasks"]);
 }

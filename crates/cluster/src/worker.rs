@@ -36,7 +36,7 @@ use sparrow_model::{DenseModel, DenseOptimizer};
 use sparrow_trainer::dense_sync::{DenseSync, LocalSync};
 use sparrow_trainer::engine::{DenseInputs, Looked, Stepped, dense_step};
 use sparrow_trainer::evaluation::Scores;
-use sparrow_trainer::pooling::{Bags, pool};
+use sparrow_trainer::pooling::{Bags, gather_sequences, pool};
 
 use crate::checkpoint::{CheckpointSink, DenseState, WorkerCut};
 use crate::faults;
@@ -479,8 +479,12 @@ impl Worker {
     ) -> Result<Vec<f32>, ClusterError> {
         look_up_keys(&mut batch, shards, Mode::Eval)?;
         let unique_rows = pull_rows(&batch, self.model.width(), shards, None)?;
-        let pooled = pool(&bags(&batch), &unique_rows, self.model.width(), self.pooling);
-        Ok(self.model.predict(pooled, batch.dense, batch.rows).map_err(sparrow_trainer::TrainError::from)?)
+        let (bags, width) = (bags(&batch), self.model.width());
+        let pooled = pool(&bags, &unique_rows, width, self.pooling);
+        let pairs = self.model.attention();
+        let sequences = (!pairs.is_empty()).then(|| gather_sequences(&bags, &unique_rows, width, pairs));
+        let logits = self.model.predict_with(pooled, batch.dense, batch.rows, sequences.as_ref());
+        Ok(logits.map_err(sparrow_trainer::TrainError::from)?)
     }
 
     /// Logits and labels of the loader's evaluation data (no groups: a

@@ -154,6 +154,9 @@ pub enum ModelKind {
     Mmoe,
     /// Several tasks: shared and task experts, progressive extraction.
     Ple,
+    /// A behaviour sequence pooled by attention: each history item weighed
+    /// against the candidate item (DIN).
+    Din,
 }
 
 impl ModelKind {
@@ -180,6 +183,7 @@ impl ModelKind {
             ModelKind::Esmm => "esmm",
             ModelKind::Mmoe => "mmoe",
             ModelKind::Ple => "ple",
+            ModelKind::Din => "din",
         }
     }
 
@@ -234,6 +238,9 @@ pub struct ModelConfig {
     pub levels: usize,
     /// `esmm`/`mmoe`/`ple`: each task's tower (its last layer, the task's outputs, added).
     pub tower_hidden: Vec<usize>,
+    /// `din`: hidden layers of the local activation unit, which scores each
+    /// history item against the candidate (its output layer, one score, added).
+    pub attention_hidden: Vec<usize>,
     /// `[[model.tasks]]`: one per label column (none: a binary task per label).
     pub tasks: Vec<TaskConfig>,
 }
@@ -253,6 +260,7 @@ impl Default for ModelConfig {
             task_experts: 1,
             levels: 2,
             tower_hidden: vec![32],
+            attention_hidden: vec![36],
             tasks: Vec::new(),
         }
     }

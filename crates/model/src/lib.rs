@@ -17,7 +17,7 @@ pub mod params;
 pub mod peak;
 
 pub use heads::Heads;
-pub use models::{DenseModel, ModelShape, StepOutput};
+pub use models::{DenseModel, ModelShape, Sequences, StepOutput};
 pub use optimizer::{DenseGrads, DenseOptimizer, check_finite};
 pub use params::ParamStore;
 
@@ -35,6 +35,9 @@ pub enum ModelError {
     /// A label no task can take (a batch off the wire is not trusted).
     #[error("task `{task}`: label {label} is not 0/1, a class id below {outputs}, or masked")]
     BadLabel { task: String, label: f32, outputs: usize },
+    /// A model that attends over behaviour sequences given the wrong number of them.
+    #[error("the model attends over {expected} behaviour sequence(s) (model.kind = \"din\"); the batch gave {found}")]
+    Sequences { expected: usize, found: usize },
     #[error("a thread panicked while holding the model's step buffers")]
     Poisoned,
     #[error("dense weights: parameter `{name}` is missing from the file")]

@@ -12,10 +12,12 @@ use crate::fused::{FirstOrderFm, PairwiseDots, Simd};
 use crate::heads::Heads;
 use crate::mlp::Mlp;
 
+mod din;
 mod direct;
 mod multitask;
 use crate::optimizer::{DenseGrads, DenseOptimizer};
 use crate::params::{Linear, ParamStore};
+pub use din::Sequences;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ModelShape {
@@ -56,6 +58,8 @@ enum Net {
     },
     /// `esmm`, `mmoe`, `ple` (`models/multitask.rs`).
     MultiTask(multitask::MultiTask),
+    /// `din` (`models/din.rs`).
+    Din(din::Din),
 }
 
 pub struct DenseModel {
@@ -79,6 +83,9 @@ pub struct StepOutput {
     pub loss: f64,
     /// d(mean loss)/d(pooled embeddings), `[batch, fields, width]` row-major.
     pub emb_grad: Vec<f32>,
+    /// d(mean loss)/d(each history item), per sequence, as [`Sequences::items`]
+    /// (empty for a model that does not attend).
+    pub item_grads: Vec<Vec<f32>>,
 }
 
 fn with_dense(ps: &mut ParamStore, num_dense: usize) -> Result<Option<Linear>, ModelError> {
@@ -108,6 +115,21 @@ impl DenseModel {
         config: &ModelConfig,
         shape: ModelShape,
         heads: Heads,
+        seed: u64,
+        device: Device,
+        simd: Simd,
+    ) -> Result<DenseModel, ModelError> {
+        Self::with_attention(config, shape, heads, &[], seed, device, simd)
+    }
+
+    /// [`with_heads`](Self::with_heads) for a model that attends over
+    /// behaviour sequences (`din`): `pairs` holds each sequence's slot among
+    /// the fields and its candidate's (`Config::attention_pairs`).
+    pub fn with_attention(
+        config: &ModelConfig,
+        shape: ModelShape,
+        heads: Heads,
+        pairs: &[(usize, usize)],
         seed: u64,
         device: Device,
         simd: Simd,
@@ -188,6 +210,12 @@ impl DenseModel {
             ModelKind::Esmm | ModelKind::Mmoe | ModelKind::Ple => {
                 Net::MultiTask(multitask::MultiTask::new(&mut ps, config, f * d + nd, &heads, arith)?)
             }
+            ModelKind::Din => {
+                if pairs.is_empty() || pairs.iter().any(|&(s, q)| s >= f || q >= f) {
+                    return Err(ModelError::Sequences { expected: pairs.len().max(1), found: 0 });
+                }
+                Net::Din(din::Din::new(&mut ps, config, pairs, f * d + nd, outputs, arith)?)
+            }
         };
         Ok(DenseModel { kind: config.kind, shape, params: ps, net, bias, scratch: Default::default(), simd, heads })
     }
@@ -237,6 +265,8 @@ impl DenseModel {
                 let x = f * d + nd;
                 config.cross_layers as f64 * (6.0 * x * x + 6.0 * x) + deep()
             }
+            // The MLP; the attention units' work grows with the history's length.
+            ModelKind::Din => deep(),
             // Experts and towers (one output a tower), gates left out.
             ModelKind::Esmm => 2.0 * stack(f * d + nd, &head(&config.tower_hidden, 1)),
             ModelKind::Mmoe | ModelKind::Ple => {
@@ -261,7 +291,7 @@ impl DenseModel {
             ModelKind::Lr => 1,
             ModelKind::Fm | ModelKind::WideDeep | ModelKind::Deepfm => 1 + embedding_dim,
             ModelKind::Mlp | ModelKind::Dlrm | ModelKind::Dcn => embedding_dim,
-            ModelKind::Esmm | ModelKind::Mmoe | ModelKind::Ple => embedding_dim,
+            ModelKind::Esmm | ModelKind::Mmoe | ModelKind::Ple | ModelKind::Din => embedding_dim,
         }
     }
 
@@ -269,8 +299,23 @@ impl DenseModel {
         Self::embedding_width(self.kind, self.shape.embedding_dim)
     }
 
+    /// Each sequence's slot among the fields and its candidate's slot, for
+    /// a model that attends over them (`din`); empty otherwise.
+    pub fn attention(&self) -> &[(usize, usize)] {
+        match &self.net {
+            Net::Din(net) => net.pairs(),
+            _ => &[],
+        }
+    }
+
     /// Logits `[batch]` from pooled embeddings `[batch, fields, width]` and dense `[batch, num_dense]`.
     pub fn forward(&self, emb: &Tensor, dense: &Tensor) -> Result<Tensor, ModelError> {
+        self.forward_with(emb, dense, &[])
+    }
+
+    /// [`forward`](Self::forward) with each sequence's history items
+    /// `[positions, width]` and the rows `[positions]` (u32) they belong to.
+    pub fn forward_with(&self, emb: &Tensor, dense: &Tensor, items: &[(Tensor, Tensor)]) -> Result<Tensor, ModelError> {
         let b = emb.dim(0)?;
         let (f, d) = (self.shape.num_fields, self.shape.embedding_dim);
         let fm_second = |v: &Tensor| -> Result<Tensor, ModelError> {
@@ -332,6 +377,7 @@ impl DenseModel {
                 top.forward(&top_in)?
             }
             Net::MultiTask(net) => net.forward(&flat_with_dense(emb)?)?,
+            Net::Din(net) => net.forward(emb, dense, items)?,
             Net::Dcn { cross, deep, arith } => {
                 let x0 = flat_with_dense(emb)?;
                 let mut x = x0.clone();
@@ -358,13 +404,55 @@ impl DenseModel {
 
     /// Forward only: logits of a batch.
     pub fn predict(&self, emb: Vec<f32>, dense: Vec<f32>, rows: usize) -> Result<Vec<f32>, ModelError> {
+        self.predict_with(emb, dense, rows, None)
+    }
+
+    /// [`predict`](Self::predict) with the batch's behaviour sequences,
+    /// unpooled, for a model that attends over them.
+    pub fn predict_with(
+        &self,
+        emb: Vec<f32>,
+        dense: Vec<f32>,
+        rows: usize,
+        sequences: Option<&Sequences>,
+    ) -> Result<Vec<f32>, ModelError> {
         if self.is_direct() {
             let x = self.concat_rows(&emb, &dense, rows)?;
             // Its own buffers: predictions may run beside a training step.
             return self.forward_direct(&x, rows, &mut direct::Scratch::default());
         }
         let (emb, dense) = self.inputs(emb, dense, rows)?;
-        Ok(self.forward(&emb, &dense)?.flatten_all()?.to_vec1::<f32>()?)
+        let items = self.sequence_inputs(sequences, rows)?;
+        Ok(self.forward_with(&emb, &dense, &items)?.flatten_all()?.to_vec1::<f32>()?)
+    }
+
+    /// Each sequence's items (as variables: their gradients are read) and
+    /// rows, checked against the batch.
+    fn sequence_inputs(&self, sequences: Option<&Sequences>, rows: usize) -> Result<Vec<(Tensor, Tensor)>, ModelError> {
+        let expected = self.attention().len();
+        let Some(seq) = sequences.filter(|_| expected > 0) else {
+            return if expected == 0 { Ok(Vec::new()) } else { Err(ModelError::Sequences { expected, found: 0 }) };
+        };
+        if seq.items.len() != expected || seq.rows.len() != expected {
+            return Err(ModelError::Sequences { expected, found: seq.items.len().min(seq.rows.len()) });
+        }
+        let (dev, width) = (self.params.device(), self.width());
+        seq.items
+            .iter()
+            .zip(&seq.rows)
+            .map(|(items, at)| {
+                if items.len() != at.len() * width || at.iter().any(|&r| r as usize >= rows) {
+                    return Err(ModelError::BadInput {
+                        what: "history items",
+                        len: items.len(),
+                        rows: at.len(),
+                        per_row: width,
+                    });
+                }
+                let keys = Var::from_vec(items.clone(), (at.len(), width), dev)?.as_tensor().clone();
+                Ok((keys, Tensor::from_vec(at.clone(), at.len(), dev)?))
+            })
+            .collect()
     }
 
     /// Input rows `[pooled embeddings | dense values]` (see [`packed_row_len`](Self::packed_row_len)).
@@ -462,10 +550,24 @@ impl DenseModel {
         labels: &[f32],
         weights: Option<&[f32]>,
     ) -> Result<(StepOutput, DenseGrads), ModelError> {
+        self.forward_backward_with(emb, dense, labels, weights, None)
+    }
+
+    /// [`forward_backward_weighted`](Self::forward_backward_weighted) with
+    /// the batch's behaviour sequences, unpooled, for a model that attends
+    /// over them; their items' gradients come back in `item_grads`.
+    pub fn forward_backward_with(
+        &self,
+        emb: Vec<f32>,
+        dense: Vec<f32>,
+        labels: &[f32],
+        weights: Option<&[f32]>,
+        sequences: Option<&Sequences>,
+    ) -> Result<(StepOutput, DenseGrads), ModelError> {
         if self.is_direct() {
             self.forward_backward_direct(&emb, &dense, labels, weights)
         } else {
-            self.autograd(emb, dense, labels, weights)
+            self.autograd(emb, dense, labels, weights, sequences)
         }
     }
 
@@ -477,7 +579,7 @@ impl DenseModel {
         dense: Vec<f32>,
         labels: &[f32],
     ) -> Result<(StepOutput, DenseGrads), ModelError> {
-        self.autograd(emb, dense, labels, None)
+        self.autograd(emb, dense, labels, None, None)
     }
 
     fn autograd(
@@ -486,11 +588,13 @@ impl DenseModel {
         dense: Vec<f32>,
         labels: &[f32],
         weights: Option<&[f32]>,
+        sequences: Option<&Sequences>,
     ) -> Result<(StepOutput, DenseGrads), ModelError> {
         let rows = labels.len() / self.heads.tasks();
         let (emb, dense) = self.inputs(emb, dense, rows)?;
         let emb = Var::from_tensor(&emb)?;
-        let logits_t = self.forward(emb.as_tensor(), &dense)?;
+        let items = self.sequence_inputs(sequences, rows)?;
+        let logits_t = self.forward_with(emb.as_tensor(), &dense, &items)?;
         let logits = logits_t.flatten_all()?.to_vec1::<f32>()?;
         // Seeding the backward pass with the loss gradient (as a constant)
         // gives the exact, stable gradient without building the loss in candle.
@@ -509,13 +613,24 @@ impl DenseModel {
             None => vec![0.0; emb.elem_count()],
         };
         crate::optimizer::check_finite(self.simd, &emb_grad, || "gradient of the embedding inputs".into())?;
+        let item_grads = items
+            .iter()
+            .map(|(keys, _)| match grads.get(keys) {
+                Some(g) => {
+                    let g = g.flatten_all()?.to_vec1::<f32>()?;
+                    crate::optimizer::check_finite(self.simd, &g, || "gradient of the history items".into())?;
+                    Ok(g)
+                }
+                None => Ok(vec![0.0; keys.elem_count()]),
+            })
+            .collect::<Result<_, ModelError>>()?;
         let dense_grads = self
             .params
             .vars()
             .iter()
             .map(|(_, var)| grads.get(var.as_tensor()).map(|g| g.flatten_all()?.to_vec1::<f32>()).transpose())
             .collect::<Result<_, _>>()?;
-        Ok((StepOutput { logits, loss, emb_grad }, DenseGrads { grads: dense_grads, rows: rows as u64 }))
+        Ok((StepOutput { logits, loss, emb_grad, item_grads }, DenseGrads { grads: dense_grads, rows: rows as u64 }))
     }
 
     /// Forward and backward on CPU, outside candle's graph (every kind):
@@ -537,7 +652,7 @@ impl DenseModel {
             }
             emb_grad
         })?;
-        Ok((StepOutput { logits, loss, emb_grad }, grads))
+        Ok((StepOutput { logits, loss, emb_grad, item_grads: Vec::new() }, grads))
     }
 
     /// Floats per input row if this model takes its input packed, each row

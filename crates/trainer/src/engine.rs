@@ -31,7 +31,7 @@ use sparrow_model::{DenseModel, DenseOptimizer};
 
 use crate::TrainError;
 use crate::dense_sync::DenseSync;
-use crate::pooling::{Bags, pool, pool_into, unpool, unpool_strided};
+use crate::pooling::{Bags, gather_sequences, pool, pool_into, scatter_item_grads, unpool, unpool_strided};
 
 /// Where a step's embedding rows come from and where its gradients go.
 pub trait RowSource: Sync {
@@ -360,10 +360,15 @@ pub fn dense_step(
         }
         None => {
             let pooled = pool(&bags, unique_rows, width, pooling);
+            // A model that attends (`din`) reads its sequences' items unpooled.
+            let pairs = model.attention();
+            let sequences = (!pairs.is_empty()).then(|| gather_sequences(&bags, unique_rows, width, pairs));
             let pooled_at = Instant::now();
-            let (out, dense_grads) = model.forward_backward_weighted(pooled, dense.to_vec(), labels, weights)?;
+            let (out, dense_grads) =
+                model.forward_backward_with(pooled, dense.to_vec(), labels, weights, sequences.as_ref())?;
             let t = Instant::now();
-            let grads = unpool(&bags, &out.emb_grad, width, pooling);
+            let mut grads = unpool(&bags, &out.emb_grad, width, pooling);
+            scatter_item_grads(&bags, &out.item_grads, width, pairs, &mut grads);
             (out.loss, out.logits, grads, dense_grads, pooled_at, t.elapsed())
         }
     };

@@ -7,13 +7,14 @@
 //! export.
 
 use candle_core::Device;
+use sparrow_core::config::ModelKind;
 use sparrow_core::{Batch, Config};
 use sparrow_data::DataLayout;
 use sparrow_embedding::{EmbeddingTable, Initializer};
 use sparrow_model::{DenseModel, ModelShape};
 
 use crate::TrainError;
-use crate::pooling::{Bags, pool};
+use crate::pooling::{Bags, gather_sequences, pool};
 
 /// A trained model, loaded to score rows.
 pub struct Model {
@@ -64,8 +65,11 @@ impl Scoring<'_> {
         let plan = self.table.plan(&batch.keys);
         let mut unique_rows = vec![0.0f32; plan.num_unique() * width];
         self.table.lookup(&plan, &mut unique_rows)?;
-        let pooled = pool(&Bags::of(batch, &plan), &unique_rows, width, self.config.model.pooling);
-        Ok(self.network.predict(pooled, batch.dense.clone(), batch.rows())?)
+        let bags = Bags::of(batch, &plan);
+        let pooled = pool(&bags, &unique_rows, width, self.config.model.pooling);
+        let pairs = self.network.attention();
+        let sequences = (!pairs.is_empty()).then(|| gather_sequences(&bags, &unique_rows, width, pairs));
+        Ok(self.network.predict_with(pooled, batch.dense.clone(), batch.rows(), sequences.as_ref())?)
     }
 }
 
@@ -114,5 +118,7 @@ pub fn initial_model(config: &Config, layout: &DataLayout) -> Result<DenseModel,
         embedding_dim: config.model.embedding_dim,
     };
     let heads = sparrow_model::Heads::of(&config.tasks());
-    Ok(DenseModel::with_heads(&config.model, shape, heads, dense_seed, Device::Cpu, config.train.simd)?)
+    // Only a model that attends (`din`) reads the sequences' pairs.
+    let pairs = if config.model.kind == ModelKind::Din { config.attention_pairs() } else { Vec::new() };
+    Ok(DenseModel::with_attention(&config.model, shape, heads, &pairs, dense_seed, Device::Cpu, config.train.simd)?)
 }

@@ -5,6 +5,7 @@ use rayon::prelude::*;
 use sparrow_core::Batch;
 use sparrow_core::config::Pooling;
 use sparrow_embedding::KeyPlan;
+use sparrow_model::Sequences;
 
 /// What pooling needs of a batch: its bags, and for every key position the
 /// index of that key among the batch's unique keys. No raw keys: a cluster
@@ -154,6 +155,47 @@ pub fn unpool(bags: &Bags<'_>, grad: &[f32], width: usize, pooling: Pooling) -> 
     unpool_strided(bags, grad, bags.num_fields * width, width, pooling)
 }
 
+/// Each attended sequence's history items, unpooled (`pairs`: each
+/// sequence's slot among the fields first, as `DenseModel::attention`): per
+/// position its key's row times its weight, and the row it sits in.
+pub fn gather_sequences(bags: &Bags<'_>, unique_rows: &[f32], width: usize, pairs: &[(usize, usize)]) -> Sequences {
+    let mut seq = Sequences::default();
+    for &(slot, _) in pairs {
+        let (mut items, mut at) = (Vec::new(), Vec::new());
+        for row in 0..bags.rows {
+            for i in bags.bag(row, slot) {
+                let (u, w) = (bags.inverse[i] as usize, bags.weight(i));
+                items.extend(unique_rows[u * width..(u + 1) * width].iter().map(|v| w * v));
+                at.push(row as u32);
+            }
+        }
+        seq.items.push(items);
+        seq.rows.push(at);
+    }
+    seq
+}
+
+/// Adjoint of [`gather_sequences`], added into `grads` (per unique key).
+pub fn scatter_item_grads(
+    bags: &Bags<'_>,
+    item_grads: &[Vec<f32>],
+    width: usize,
+    pairs: &[(usize, usize)],
+    grads: &mut [f32],
+) {
+    for (&(slot, _), g) in pairs.iter().zip(item_grads) {
+        let mut p = 0;
+        for row in 0..bags.rows {
+            for i in bags.bag(row, slot) {
+                let (u, w) = (bags.inverse[i] as usize, bags.weight(i));
+                let g = &g[p * width..(p + 1) * width];
+                grads[u * width..(u + 1) * width].iter_mut().zip(g).for_each(|(o, g)| *o += w * g);
+                p += 1;
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -194,6 +236,37 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// <gather(x), g> == <x, scatter(g)>: the attended items' gradients
+    /// reach their keys exactly, a key repeated in a history summed.
+    #[test]
+    fn gathering_and_scattering_history_items_are_adjoint() {
+        let mut b = BatchBuilder::new(2, 0, true, 3);
+        for keys in [vec![(0, 1, 1.0), (1, 2, 1.0), (1, 1, 1.0), (1, 2, 1.0)], vec![(0, 3, 1.0)]] {
+            b.begin_row();
+            for (f, k, w) in keys {
+                assert!(b.push_key(f, k, w));
+            }
+            assert!(b.end_row(0.0));
+        }
+        let batch = b.finish(DataPosition::default());
+        let plan = KeyPlan::new(&batch.keys, 1, |_| 0);
+        let bags = Bags::of(&batch, &plan);
+        let width = 3;
+        let x: Vec<f32> = (0..plan.num_unique() * width).map(|i| i as f32 * 0.5 - 1.0).collect();
+        let seq = gather_sequences(&bags, &x, width, &[(1, 0)]);
+        assert_eq!(seq.rows, vec![vec![0, 0, 0]], "row 0's three items; row 1's history is empty");
+        let u2 = plan.inverse[1] as usize;
+        assert_eq!(&seq.items[0][..width], &x[u2 * width..(u2 + 1) * width]);
+        let g: Vec<f32> = (0..3 * width).map(|i| (i as f32).cos()).collect();
+        let mut grads = vec![0.0f32; x.len()];
+        scatter_item_grads(&bags, std::slice::from_ref(&g), width, &[(1, 0)], &mut grads);
+        let lhs: f32 = seq.items[0].iter().zip(&g).map(|(a, b)| a * b).sum();
+        let rhs: f32 = x.iter().zip(&grads).map(|(a, b)| a * b).sum();
+        assert!((lhs - rhs).abs() < 1e-5, "{lhs} vs {rhs}");
+        let twice: Vec<f32> = (0..width).map(|c| g[c] + g[2 * width + c]).collect();
+        assert_eq!(&grads[u2 * width..(u2 + 1) * width], &twice[..], "key 2's two positions summed");
     }
 
     #[test]

@@ -42,6 +42,10 @@ fn dense_params(config: &Config, layout: &DataLayout) -> u128 {
             let x = f * d + nd;
             m.cross_layers as u128 * (x * x + x) + mlp(x, &m.hidden)
         }
+        // The MLP and an attention unit per sequence.
+        ModelKind::Din => {
+            mlp(f * d + nd, &m.hidden) + (config.sequence_fields().len() as u128) * mlp(4 * d, &m.attention_hidden)
+        }
         // Experts (ending in their widths, not in 1: a bound), gates, towers.
         ModelKind::Esmm => 2 * mlp(f * d + nd, &m.tower_hidden),
         ModelKind::Mmoe | ModelKind::Ple => {

@@ -159,6 +159,18 @@ impl Config {
         self.data.schema.as_ref().map_or(&[], |s| &s.sequence)
     }
 
+    /// For each sequence field, its slot among the sample's fields and the
+    /// slot of the field whose table it shares (the candidate it is weighed
+    /// against under `model.kind = "din"`).
+    pub fn attention_pairs(&self) -> Vec<(usize, usize)> {
+        let Some(s) = &self.data.schema else { return Vec::new() };
+        s.sequence
+            .iter()
+            .enumerate()
+            .filter_map(|(j, q)| Some((s.sparse.len() + j, s.sparse.iter().position(|f| *f == q.table)?)))
+            .collect()
+    }
+
     /// `data.schema.labels`, `data.schema.sequence` and `model.tasks`.
     pub(super) fn validate_tasks(&self) -> Result<(), ConfigError> {
         let invalid = |key: &str, message: String| Err(ConfigError::Invalid { key: key.to_string(), message });
@@ -277,6 +289,17 @@ impl Config {
                  (click and converted)"
                     .into(),
             );
+        }
+        if m.kind == ModelKind::Din && self.sequence_fields().is_empty() {
+            return invalid(
+                "model.kind",
+                "\"din\" attends over a behaviour sequence: set data.schema.sequence (with data.format = \"csv\" \
+                 or \"parquet\")"
+                    .into(),
+            );
+        }
+        if m.kind == ModelKind::Din && m.attention_hidden.contains(&0) {
+            return invalid("model.attention_hidden", "a layer of 0 units".into());
         }
         if matches!(m.kind, ModelKind::Mmoe | ModelKind::Ple) && m.experts == 0 {
             return invalid("model.experts", "must be at least 1".into());

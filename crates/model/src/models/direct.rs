@@ -22,6 +22,7 @@ use crate::fused::{
 use crate::mlp::{CrossGrads, Mlp, MlpScratch, cpu, cross_backward, cross_forward, sized};
 use crate::optimizer::{DenseGrads, all_finite};
 use crate::params::Linear;
+use sparrow_core::config::ModelKind;
 
 /// Rows a task of the first-order and FM passes takes.
 const ROWS_PER_TASK: usize = 4 * FM_ROWS_AT_ONCE;
@@ -136,7 +137,10 @@ impl DenseModel {
     /// Every kind takes the direct step on CPU; other devices use candle's graph.
     pub(super) fn is_direct(&self) -> bool {
         // Several outputs (tasks) take the graph's path.
-        self.params.device().is_cpu() && self.heads.is_one_binary() && !self.kind.is_multi_task()
+        self.params.device().is_cpu()
+            && self.heads.is_one_binary()
+            && !self.kind.is_multi_task()
+            && self.kind != ModelKind::Din
     }
 
     /// Floats of an input row: `[pooled embeddings (fields × width) | dense values]`.
@@ -345,7 +349,7 @@ impl DenseModel {
         let deep = |mlp: &Mlp, x: &[f32], s: &mut MlpScratch| mlp.forward_cpu(x, rows, s);
         Ok(match &self.net {
             // The multi-task kinds take candle's graph (`is_direct` is false).
-            Net::MultiTask(_) => return Err(ModelError::NotPacked { kind: self.kind.name() }),
+            Net::MultiTask(_) | Net::Din(_) => return Err(ModelError::NotPacked { kind: self.kind.name() }),
             Net::Lr { dense: lin } => self.first_order(lin, false, x, &mut s.fm_sums)?,
             Net::Fm { dense: lin } => self.first_order(lin, true, x, &mut s.fm_sums)?,
             Net::Mlp { mlp } => {
@@ -416,7 +420,7 @@ impl DenseModel {
         let simd = self.simd;
         let mut grads: Grads<'_> = Vec::new();
         match &self.net {
-            Net::MultiTask(_) => return Err(ModelError::NotPacked { kind: self.kind.name() }),
+            Net::MultiTask(_) | Net::Din(_) => return Err(ModelError::NotPacked { kind: self.kind.name() }),
             // (Training takes `first_order_step` for these two: this is its reference.)
             Net::Lr { dense: lin } | Net::Fm { dense: lin } => {
                 let fm_sums = matches!(self.net, Net::Fm { .. }).then_some(&s.fm_sums[..]);
@@ -508,7 +512,7 @@ impl DenseModel {
     /// Each MLP's buffers with the gradient buffer of its size, if one came back.
     pub(super) fn recycle_direct(&self, mut buffers: Vec<Vec<f32>>, s: &mut Scratch) {
         let mlps: Vec<(&Mlp, &mut MlpScratch)> = match &self.net {
-            Net::Lr { .. } | Net::Fm { .. } | Net::MultiTask(_) => Vec::new(),
+            Net::Lr { .. } | Net::Fm { .. } | Net::MultiTask(_) | Net::Din(_) => Vec::new(),
             Net::Mlp { mlp: m } | Net::WideDeep { deep: m, .. } | Net::DeepFm { deep: m, .. } => {
                 vec![(m, &mut s.deep)]
             }

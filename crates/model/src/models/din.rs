@@ -1,0 +1,96 @@
+//! `din` (Zhou et al. 2018, "Deep Interest Network"): a behaviour sequence
+//! pooled by attention. For each history item `k` of a row, a local
+//! activation unit (an MLP of `model.attention_hidden`, ending in one
+//! score) reads `[q, k, q − k, q ⊙ k]`, where `q` is the row's candidate
+//! item (the field whose table the sequence shares), and the sequence's
+//! slot becomes Σ score(q, k)·k: a weighted sum, unnormalised, as in the
+//! paper (its scores keep the intensity of the user's interest). The other
+//! fields and the dense values are as the MLP sees them; an MLP of
+//! `model.hidden` reads the lot.
+//!
+//! History items arrive unpooled and ragged (each position with the row it
+//! belongs to, [`Sequences`]): nothing is padded. Gradients are candle's
+//! autograd (index_select's and index_add's adjoints), checked against
+//! finite differences.
+
+use candle_core::{DType, Tensor};
+use sparrow_core::config::ModelConfig;
+
+use crate::ModelError;
+use crate::bf16::Arith;
+use crate::mlp::Mlp;
+use crate::params::ParamStore;
+
+/// A batch's behaviour sequences, unpooled, for a model that attends over
+/// them: one entry per sequence field, in [`DenseModel::attention`](super::DenseModel::attention)'s order.
+#[derive(Clone, Debug, Default)]
+pub struct Sequences {
+    /// Per field: the row each history position belongs to (ascending).
+    pub rows: Vec<Vec<u32>>,
+    /// Per field: each position's embedding row, `[positions × width]`.
+    pub items: Vec<Vec<f32>>,
+}
+
+pub(super) struct Din {
+    /// (sequence slot, candidate slot) among the fields, one per sequence.
+    pairs: Vec<(usize, usize)>,
+    /// One local activation unit per sequence.
+    units: Vec<Mlp>,
+    mlp: Mlp,
+}
+
+impl Din {
+    pub(super) fn new(
+        ps: &mut ParamStore,
+        config: &ModelConfig,
+        pairs: &[(usize, usize)],
+        input: usize,
+        outputs: usize,
+        arith: Arith,
+    ) -> Result<Din, ModelError> {
+        let d = config.embedding_dim;
+        let score: Vec<usize> = config.attention_hidden.iter().copied().chain([1]).collect();
+        let units = (0..pairs.len())
+            .map(|j| Mlp::new(ps, &format!("attention.{j}"), 4 * d, &score, false, arith))
+            .collect::<Result<_, _>>()?;
+        let sizes: Vec<usize> = config.hidden.iter().copied().chain([outputs]).collect();
+        let mlp = Mlp::new(ps, "mlp", input, &sizes, false, arith)?;
+        Ok(Din { pairs: pairs.to_vec(), units, mlp })
+    }
+
+    pub(super) fn pairs(&self) -> &[(usize, usize)] {
+        &self.pairs
+    }
+
+    /// Logits `[B, outputs]` from pooled fields `emb` `[B, F, D]` (a
+    /// sequence's own slot is replaced), `dense` `[B, num_dense]` and each
+    /// sequence's `items` `[P_j, D]` with the `rows` `[P_j]` (u32) they sit in.
+    pub(super) fn forward(
+        &self,
+        emb: &Tensor,
+        dense: &Tensor,
+        items: &[(Tensor, Tensor)],
+    ) -> Result<Tensor, ModelError> {
+        let (b, f, d) = emb.dims3()?;
+        if items.len() != self.pairs.len() {
+            return Err(ModelError::Sequences { expected: self.pairs.len(), found: items.len() });
+        }
+        let mut slots: Vec<Tensor> = (0..f).map(|i| emb.narrow(1, i, 1)).collect::<Result<_, _>>()?;
+        for ((&(slot, query), unit), (keys, rows)) in self.pairs.iter().zip(&self.units).zip(items) {
+            let pooled = if keys.dim(0)? == 0 {
+                Tensor::zeros((b, 1, d), DType::F32, emb.device())?
+            } else {
+                let q = emb.narrow(1, query, 1)?.squeeze(1)?.contiguous()?.index_select(rows, 0)?; // [P, D]
+                let features = Tensor::cat(&[&q, keys, &(&q - keys)?, &(&q * keys)?], 1)?;
+                let score = unit.forward(&features)?; // [P, 1]
+                let weighted = keys.broadcast_mul(&score)?;
+                Tensor::zeros((b, d), DType::F32, emb.device())?.index_add(rows, &weighted, 0)?.unsqueeze(1)?
+            };
+            slots[slot] = pooled;
+        }
+        let slots: Vec<&Tensor> = slots.iter().collect();
+        let flat = Tensor::cat(&slots, 1)?.reshape((b, f * d))?;
+        let x = if dense.dim(1)? > 0 { Tensor::cat(&[&flat, dense], 1)? } else { flat };
+        self.mlp.forward(&x)
+    }
+}
