@@ -381,3 +381,53 @@ fn several_tasks_run_under_every_sync_policy_and_in_bf16() {
         assert!((a - b).abs() < 0.02, "{task}: bf16 {a}, f32 {b}");
     }
 }
+
+/// S0.7: `data.group_by_label` batches the training rows by the class of
+/// `ad_type` (the first multiclass task). Two runs give the same model; a
+/// run stopped at step 13 (inside a window of rows) and resumed gives the
+/// uninterrupted one's; a two-shard cluster trains it bit for bit; it is
+/// another model than ordinary batches give. Bad keys are named.
+#[test]
+fn label_grouped_batches_are_repeatable_resumable_and_launch_alike() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    behaviour_data(tmp.path(), "12000");
+    let config = job(tmp.path(), "");
+    let ordinary = train_json(&config);
+    let text = std::fs::read_to_string(&config).expect("config");
+    let grouped_text = text.replace("[data.schema]", "group_by_label = true\ngroup_window_rows = 5000\n[data.schema]");
+    std::fs::write(&config, &grouped_text).expect("write");
+    let run = |args: &[&str]| {
+        let out = sparrow().args(["train", "--config", &config, "--quiet"]).args(args).output().expect("train");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        last_json(&out)
+    };
+    let ck = |name: &str| format!("checkpoint.dir={:?}", tmp.path().join(name).display().to_string());
+    let grouped = run(&["--set", &ck("ck-a")]);
+    assert_ne!(grouped["tasks"], ordinary["tasks"], "grouping changes the batches");
+    // Every window's labels end in a shorter batch: more steps than rows / batch.
+    assert!(grouped["steps"].as_u64() > ordinary["steps"].as_u64(), "{grouped}");
+    assert_eq!(run(&["--set", &ck("ck-b")])["tasks"], grouped["tasks"], "repeatable");
+    run(&["--set", &ck("ck-r"), "--set", "train.max_steps=13"]);
+    let resumed = run(&["--set", &ck("ck-r"), "--resume", &tmp.path().join("ck-r").display().to_string()]);
+    assert_eq!(resumed["resumed_from_step"], 13);
+    assert_eq!(resumed["tasks"], grouped["tasks"], "resumed inside a window");
+    let out = sparrow()
+        .args(["launch", "--config", &config, "--shards", "2", "--workers", "1", "--quiet", "--set", &ck("ck-l")])
+        .output()
+        .expect("launch");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let launched = last_json(&out);
+    // A cluster's figures have no GAUC (its workers see no IDs): the rest match.
+    assert_eq!(launched["test_auc"], grouped["test_auc"], "launch");
+    assert_eq!(launched["tasks"]["ad_type"], grouped["tasks"]["ad_type"], "launch");
+    assert_eq!(launched["tasks"]["conversion"]["auc"], grouped["tasks"]["conversion"]["auc"], "launch");
+    for (set, key) in [
+        ("data.group_task=\"price\"", "data.group_task"),
+        ("data.weighting.decay_base=2.0", "data.group_by_label"),
+        ("data.group_window_rows=0", "data.group_window_rows"),
+    ] {
+        let out = sparrow().args(["train", "--config", &config, "--quiet", "--set", set]).output().expect("train");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(key), "{set}: {stderr}");
+    }
+}

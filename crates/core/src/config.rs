@@ -74,6 +74,18 @@ pub struct DataConfig {
     pub weighting: Option<WeightingConfig>,
     /// Train from a Kafka topic instead of `train` (which is then not read).
     pub stream: Option<StreamConfig>,
+    /// S0.7: every training batch holds samples of one label only (of
+    /// `group_task`); batches of different labels interleave in an order
+    /// drawn from `train.seed`.
+    pub group_by_label: bool,
+    /// The task whose label groups the batches (a label column); default:
+    /// the first multiclass task, else the first task.
+    pub group_task: Option<String>,
+    /// Rows read at once and split by label (at least `train.batch_size`):
+    /// a label's rows within it go out in batches, the batches of all
+    /// labels in a seeded order. Larger windows mix labels over a longer
+    /// stretch of the file and hold more rows in memory.
+    pub group_window_rows: usize,
 }
 
 /// `[data.weighting]`: identical samples in the same window merge into one
@@ -133,6 +145,9 @@ impl Default for DataConfig {
             prefetch_batches: 8,
             weighting: None,
             stream: None,
+            group_by_label: false,
+            group_task: None,
+            group_window_rows: 16384,
         }
     }
 }

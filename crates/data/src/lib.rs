@@ -7,6 +7,7 @@
 pub mod columns;
 pub mod error;
 pub mod input;
+pub mod label_groups;
 pub mod labels;
 pub mod layout;
 pub mod parquet_source;

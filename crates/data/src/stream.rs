@@ -14,6 +14,7 @@ use sparrow_core::batch::DataPosition;
 use sparrow_core::config::DataFormat;
 
 use crate::error::{BadRows, DataError};
+use crate::label_groups::LabelGroups;
 use crate::layout::DataLayout;
 use crate::parquet_source::ParquetSource;
 use crate::source::BatchSource;
@@ -21,9 +22,17 @@ use crate::text::TextSource;
 
 /// Opens `path` as the configured format. A missing file fails here, at once.
 pub fn open_source(path: &Path, config: &Config, bad: BadRows) -> Result<Box<dyn BatchSource>, DataError> {
-    Ok(match config.data.format {
+    let source: Box<dyn BatchSource> = match config.data.format {
         DataFormat::Parquet => Box::new(ParquetSource::open(path, config, bad)?),
         _ => Box::new(TextSource::open(path, config, bad)?),
+    };
+    // S0.7 applies to the training file only.
+    let is_train = config.data.train.as_deref().is_some_and(|t| Path::new(t) == path);
+    Ok(match (config.data.group_by_label, is_train, config.group_task()) {
+        (true, true, Some(task)) => {
+            Box::new(LabelGroups::new(source, task, config.data.group_window_rows, config.train.seed))
+        }
+        _ => source,
     })
 }
 

@@ -171,8 +171,53 @@ impl Config {
             .collect()
     }
 
+    /// The task whose label groups training batches under
+    /// `data.group_by_label` (S0.7): `data.group_task`, else the first
+    /// multiclass task, else the first task. Its index among the tasks.
+    pub fn group_task(&self) -> Option<usize> {
+        let tasks = self.tasks();
+        match &self.data.group_task {
+            Some(name) => tasks.iter().position(|t| t.name == *name),
+            None => tasks.iter().position(|t| !t.is_binary()).or(Some(0)),
+        }
+    }
+
+    /// `data.group_by_label` and its keys.
+    fn validate_grouping(&self) -> Result<(), ConfigError> {
+        let d = &self.data;
+        let invalid = |key: &str, message: String| Err(ConfigError::Invalid { key: key.to_string(), message });
+        if !d.group_by_label {
+            return match &d.group_task {
+                Some(_) => invalid("data.group_task", "takes effect with data.group_by_label = true".into()),
+                None => Ok(()),
+            };
+        }
+        if let Some(name) = &d.group_task
+            && self.group_task().is_none()
+        {
+            return invalid("data.group_task", format!("`{name}` is not a label column {:?}", self.label_columns()));
+        }
+        if d.weighting.is_some() {
+            return invalid(
+                "data.group_by_label",
+                "cannot be combined with [data.weighting] (both regroup the rows they read)".into(),
+            );
+        }
+        if d.stream.is_some() {
+            return invalid(
+                "data.group_by_label",
+                "reads files: a stream ([data.stream]) is trained in its records' order".into(),
+            );
+        }
+        if d.group_window_rows == 0 {
+            return invalid("data.group_window_rows", "must be at least 1".into());
+        }
+        Ok(())
+    }
+
     /// `data.schema.labels`, `data.schema.sequence` and `model.tasks`.
     pub(super) fn validate_tasks(&self) -> Result<(), ConfigError> {
+        self.validate_grouping()?;
         let invalid = |key: &str, message: String| Err(ConfigError::Invalid { key: key.to_string(), message });
         let schema_format = matches!(self.data.format, DataFormat::Csv | DataFormat::Parquet);
         if let Some(s) = &self.data.schema {
