@@ -169,9 +169,39 @@ def evaluate(checkpoint, data, **overrides):
     return json.loads(summary)
 
 
+def _is_list(v):
+    return isinstance(v, (list, tuple, np.ndarray))
+
+
+def _list_column(name, values):
+    """A behaviour sequence's column: a list of IDs a row (None: an empty
+    history); each ID a str, bytes or an integer (its decimal)."""
+
+    def ids(row, v):
+        if v is None or (isinstance(v, float) and v != v):
+            return []
+        if not _is_list(v):
+            raise DataError(f"column `{name}`, row {row}: a {type(v).__name__} is not a list of IDs")
+        out = []
+        for i in (v.tolist() if isinstance(v, np.ndarray) else v):
+            if isinstance(i, (bytes, np.bytes_)):
+                out.append(bytes(i).decode())
+            elif isinstance(i, (str, int, np.integer)) and not isinstance(i, bool):
+                out.append(str(i))
+            else:
+                raise DataError(f"column `{name}`, row {row}: an ID is a {type(i).__name__} (str, bytes or int)")
+        return out
+
+    return (name, "l", [ids(row, v) for row, v in enumerate(values)])
+
+
 def _column(name, values):
     """One column as the native module takes it: numbers as 8-byte words,
-    anything else as a list of str (None and NaN: an empty cell)."""
+    lists (a behaviour sequence's IDs a row) as lists of str, anything else
+    as a list of str (None and NaN: an empty cell)."""
+    rows = values.tolist() if isinstance(values, np.ndarray) and values.dtype.kind == "O" else values
+    if isinstance(rows, (list, tuple)) and any(_is_list(v) for v in rows):
+        return _list_column(name, rows)
     array = np.asarray(values)
     if array.ndim != 1:
         raise DataError(f"column `{name}`: expected one value per row, got shape {array.shape}")
@@ -204,6 +234,21 @@ def _column(name, values):
     return (name, "s", [text(row, v) for row, v in enumerate(array.tolist())])
 
 
+def _by_task(raw, layout):
+    """The native rows of probabilities (each row's tasks side by side) as
+    one array (one binary task) or a dict of a column per task."""
+    values = np.frombuffer(raw, dtype=np.float32).copy()
+    if len(layout) == 1 and layout[0][1] == 1:
+        return values
+    width = sum(w for _, w in layout)
+    rows = values.reshape(-1, width) if width else values.reshape(0, 0)
+    out, at = {}, 0
+    for name, w in layout:
+        out[name] = rows[:, at].copy() if w == 1 else rows[:, at : at + w].copy()
+        at += w
+    return out
+
+
 class Model:
     """A trained model, from a checkpoint or a serving export (`sparrow
     export`), or a directory whose LATEST names one."""
@@ -214,6 +259,9 @@ class Model:
         self.kind = info["model"]
         self.format = info["format"]
         self.label = info.get("label")
+        # One label column a task; `sequences`: the inputs that take a list of IDs a row.
+        self.labels = info.get("labels", [self.label] if self.label else [])
+        self.sequences = info.get("sequences", [])
         self.inputs = info.get("inputs", [])
 
     @classmethod
@@ -232,11 +280,18 @@ class Model:
         the same rows: `data` is a data file's path, a dict of columns
         (numpy arrays or lists, named as the model's `inputs`), or a pandas
         DataFrame. A missing column, None or NaN reads as an empty cell; the
-        label column (and a CSV model's timestamp column), if given, is
+        label columns (and a CSV model's timestamp column), if given, are
         ignored. No file is written: each value goes into the model's batch
-        through the data format's reading rules."""
+        through the data format's reading rules.
+
+        A behaviour sequence's column (`Model.sequences`) holds a list of
+        IDs a row (or the file's string of them between the separator).
+
+        A model of one binary task returns one array. A model of several
+        tasks (or a multiclass one) returns a dict, task name to its column:
+        float32 [N] for a binary task, [N, classes] for a multiclass one."""
         if isinstance(data, (str, os.PathLike)):
-            raw = self._native.predict_file(os.fspath(data))
+            return _by_task(*self._native.predict_file(os.fspath(data)))
         else:
             if hasattr(data, "columns") and hasattr(data, "__getitem__"):  # a pandas DataFrame
                 columns = {str(c): data[c].to_numpy() for c in data.columns}
@@ -247,7 +302,7 @@ class Model:
                     f"predict takes a file path, a dict of columns or a DataFrame, not {type(data).__name__}"
                 )
             raw = self._native.predict_columns([_column(str(n), v) for n, v in columns.items()])
-        return np.frombuffer(raw, dtype=np.float32).copy()
+        return _by_task(*raw)
 
     def __repr__(self):
         return f"sparrow.Model({self._native.path!r}, kind={self.kind!r}, step={self.step})"

@@ -19,7 +19,6 @@ use pyo3::exceptions::PyKeyboardInterrupt;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use sparrow_core::Config;
-use sparrow_core::metrics::sigmoid;
 use sparrow_data::columns::{ColumnValues, InputColumn, ModelInputs};
 use sparrow_trainer::TrainError;
 use sparrow_trainer::progress::ProgressUpdate;
@@ -248,6 +247,8 @@ enum Column {
     Int(Vec<i64>),
     Uint(Vec<u64>),
     Text(Vec<String>),
+    /// A behaviour sequence: each row's IDs, oldest first.
+    Lists(Vec<Vec<String>>),
 }
 
 impl Column {
@@ -257,6 +258,7 @@ impl Column {
             Column::Int(v) => v.len(),
             Column::Uint(v) => v.len(),
             Column::Text(v) => v.len(),
+            Column::Lists(v) => v.len(),
         }
     }
 }
@@ -273,6 +275,7 @@ struct GivenColumns<'a> {
     inputs: &'a ModelInputs,
     dense: Vec<Option<(&'a str, &'a Column)>>,
     sparse: Vec<Option<(&'a str, &'a Column)>>,
+    sequences: Vec<Option<(&'a str, &'a Column)>>,
 }
 
 impl GivenColumns<'_> {
@@ -315,6 +318,7 @@ impl ColumnValues for GivenColumns<'_> {
             Column::Int(v) => self.integer(v[row] < 0, v[row].unsigned_abs()),
             Column::Uint(v) => self.integer(false, v[row]),
             Column::Text(v) => self.inputs.rules.dense_text(&v[row]),
+            Column::Lists(_) => Err("a list is not a number".into()),
         };
         read.map_err(|e| format!("column `{name}`, row {row}: {e}"))
     }
@@ -328,6 +332,20 @@ impl ColumnValues for GivenColumns<'_> {
             Column::Int(v) => Some(Cow::Owned(v[row].to_string().into_bytes())),
             Column::Uint(v) => Some(Cow::Owned(v[row].to_string().into_bytes())),
             Column::Text(v) => Some(Cow::Borrowed(v[row].as_bytes())),
+            Column::Lists(_) => None,
+        })
+    }
+
+    /// A list of IDs a row, or a string of them between the data's separator.
+    fn sequence(&self, column: usize, row: usize) -> Result<Vec<Cow<'_, [u8]>>, String> {
+        let Some((_, values)) = self.sequences[column] else { return Ok(Vec::new()) };
+        Ok(match values {
+            Column::Lists(v) => v[row].iter().map(|id| Cow::Borrowed(id.as_bytes())).collect(),
+            Column::Text(v) => {
+                let sep = self.inputs.rules.separator().unwrap_or("|");
+                v[row].split(sep).map(|id| Cow::Borrowed(id.as_bytes())).collect()
+            }
+            _ => Vec::new(),
         })
     }
 
@@ -360,12 +378,24 @@ impl Model {
     fn predict_path(&self, data: &Path) -> Result<Vec<f32>, TrainError> {
         let read = &self.model.config.data;
         let (logits, _) = self.pool.install(|| sparrow_trainer::run::score_file(&self.model, data, read))?;
-        Ok(probabilities(&logits))
+        Ok(self.probabilities(&logits))
     }
-}
 
-fn probabilities(logits: &[f32]) -> Vec<f32> {
-    logits.iter().map(|&x| sigmoid(f64::from(x)) as f32).collect()
+    /// Each row's probabilities, task by task (a multiclass task's one a class).
+    fn probabilities(&self, logits: &[f32]) -> Vec<f32> {
+        let tasks = self.model.config.tasks();
+        let per_row: usize = tasks.iter().map(|t| t.outputs).sum();
+        let mut out = Vec::with_capacity(logits.len());
+        for row in logits.chunks_exact(per_row.max(1)) {
+            sparrow_core::metrics::tasks::row_probabilities(&tasks, row, &mut out);
+        }
+        out
+    }
+
+    /// What each row's probabilities are: (task, values a row), in order.
+    fn layout(&self) -> Vec<(String, usize)> {
+        self.model.config.tasks().into_iter().map(|t| (t.name, t.outputs)).collect()
+    }
 }
 
 fn f32_bytes<'py>(py: Python<'py>, values: &[f32]) -> Bound<'py, PyBytes> {
@@ -387,9 +417,6 @@ impl Model {
     fn load(py: Python<'_>, path: PathBuf, overrides: Vec<String>) -> PyResult<Model> {
         let loaded = py.detach(|| -> Result<Model, TrainError> {
             let (model, step) = sparrow_trainer::run::load_model(&path, &edge_overrides(&overrides)?)?;
-            if let Some(why) = model.config.not_servable() {
-                return Err(TrainError::checkpoint(&path, why));
-            }
             let pool = sparrow_trainer::run::compute_pool(model.config.train.threads)?;
             let inputs = ModelInputs::of(&model.config.data);
             Ok(Model { model, inputs, pool, step, path: path.clone() })
@@ -416,20 +443,24 @@ impl Model {
         d.set_item("format", format!("{:?}", config.data.format).to_lowercase())?;
         if let Ok(inputs) = &self.inputs {
             d.set_item("label", &inputs.label)?;
+            d.set_item("labels", &inputs.labels)?;
+            d.set_item("sequences", inputs.sequences.iter().map(|q| &q.name).collect::<Vec<_>>())?;
             d.set_item("inputs", inputs.names().collect::<Vec<_>>())?;
         }
         Ok(d)
     }
 
-    /// Probabilities (float32, native-endian bytes) of every good row of a data file.
-    fn predict_file<'py>(&self, py: Python<'py>, data: PathBuf) -> PyResult<Bound<'py, PyBytes>> {
+    /// Probabilities (float32, native-endian bytes) of every good row of a
+    /// data file, each row's task by task, and what they are ([`layout`](Self::layout)).
+    fn predict_file<'py>(&self, py: Python<'py>, data: PathBuf) -> PyResult<Scored<'py>> {
         let probabilities = py.detach(|| self.predict_path(&data)).map_err(|e| train_error(py, e))?;
-        Ok(f32_bytes(py, &probabilities))
+        Ok((f32_bytes(py, &probabilities), self.layout()))
     }
 
     /// Probabilities of rows given as columns: `(name, kind, values)` with
     /// kind `f` (float64 bytes), `i` (int64 bytes), `u` (uint64 bytes) or
-    /// `s` (a list of str). Each value goes into the batch through the data
+    /// `s` (a list of str), or `l` (a list of lists of str: a behaviour
+    /// sequence's IDs a row). Each value goes into the batch through the data
     /// format's reading rules, as `sparrow predict` reads the cell holding
     /// it (no text line, no file), so the numbers are the CLI's; a value the
     /// format refuses is an error naming its column and row.
@@ -437,7 +468,7 @@ impl Model {
         &self,
         py: Python<'py>,
         columns: Vec<(String, String, Bound<'py, PyAny>)>,
-    ) -> PyResult<Bound<'py, PyBytes>> {
+    ) -> PyResult<Scored<'py>> {
         let inputs = self.inputs.as_ref().map_err(|m| exception(py, "DataError", m.clone()))?;
         let mut given: Vec<(String, Column)> = Vec::with_capacity(columns.len());
         for (name, kind, values) in columns {
@@ -445,6 +476,7 @@ impl Model {
                 "f" => Column::Float(words(values.cast::<PyBytes>()?.as_bytes(), f64::from_ne_bytes)),
                 "i" => Column::Int(words(values.cast::<PyBytes>()?.as_bytes(), i64::from_ne_bytes)),
                 "u" => Column::Uint(words(values.cast::<PyBytes>()?.as_bytes(), u64::from_ne_bytes)),
+                "l" => Column::Lists(values.cast::<PyList>()?.extract()?),
                 _ => Column::Text(values.cast::<PyList>()?.extract()?),
             };
             given.push((name, column));
@@ -460,7 +492,7 @@ impl Model {
                 let batch = inputs.batch(&self.model.layout, &columns, start..end).map_err(Failure::Input)?;
                 self.pool.install(|| self.model.predict_batch(&batch)).map_err(Failure::Train)
             });
-            probabilities.extend(crate::probabilities(&scored.map_err(|f| failure(py, f))?));
+            probabilities.extend(self.probabilities(&scored.map_err(|f| failure(py, f))?));
             tracing::debug!(target: "sparrow.predict", "scored rows {start}..{end} of {rows}");
             // A Python handler of that record may raise (KeyboardInterrupt
             // when Ctrl-C lands during it): pyo3-log leaves it set, not returned.
@@ -469,9 +501,13 @@ impl Model {
             }
             py.check_signals()?;
         }
-        Ok(f32_bytes(py, &probabilities))
+        Ok((f32_bytes(py, &probabilities), self.layout()))
     }
 }
+
+/// Rows' probabilities (float32, native-endian bytes, each row's tasks
+/// side by side) and what they are: (task, values a row), in order.
+type Scored<'py> = (Bound<'py, PyBytes>, Vec<(String, usize)>);
 
 /// Rows scored between two checks for signals (Ctrl-C).
 const PREDICT_CHUNK_ROWS: usize = 65_536;
@@ -493,8 +529,12 @@ enum Failure {
 /// no text a line of the data file could not hold.
 fn place_columns<'a>(inputs: &'a ModelInputs, given: &'a [(String, Column)]) -> Result<GivenColumns<'a>, String> {
     let rows = given.first().map_or(0, |(_, c)| c.len());
-    let mut placed =
-        GivenColumns { inputs, dense: vec![None; inputs.dense.len()], sparse: vec![None; inputs.sparse.len()] };
+    let mut placed = GivenColumns {
+        inputs,
+        dense: vec![None; inputs.dense.len()],
+        sparse: vec![None; inputs.sparse.len()],
+        sequences: vec![None; inputs.sequences.len()],
+    };
     for (name, column) in given {
         if column.len() != rows {
             return Err(format!("column `{name}` has {} rows, column `{}` {rows}", column.len(), given[0].0));
@@ -502,6 +542,7 @@ fn place_columns<'a>(inputs: &'a ModelInputs, given: &'a [(String, Column)]) -> 
         let slot = match inputs.column(name) {
             Some(InputColumn::Dense(i)) => &mut placed.dense[i],
             Some(InputColumn::Sparse(i)) => &mut placed.sparse[i],
+            Some(InputColumn::Sequence(j)) => &mut placed.sequences[j],
             Some(InputColumn::Unused) => continue,
             None => {
                 let names: Vec<&str> = inputs.names().map(String::as_str).collect();
@@ -512,6 +553,22 @@ fn place_columns<'a>(inputs: &'a ModelInputs, given: &'a [(String, Column)]) -> 
             for (row, value) in values.iter().enumerate() {
                 inputs.check_text(value).map_err(|e| format!("column `{name}`, row {row}: {e}"))?;
             }
+        }
+        let is_sequence = matches!(inputs.column(name), Some(InputColumn::Sequence(_)));
+        match column {
+            Column::Lists(lists) if is_sequence => {
+                for (row, ids) in lists.iter().enumerate() {
+                    for id in ids {
+                        inputs.check_text(id).map_err(|e| format!("column `{name}`, row {row}: {e}"))?;
+                    }
+                }
+            }
+            Column::Lists(_) => return Err(format!("column `{name}` holds lists: it takes one value a row")),
+            Column::Text(_) if is_sequence => {}
+            _ if is_sequence => {
+                return Err(format!("column `{name}` is a behaviour sequence: give a list of IDs (str) a row"));
+            }
+            _ => {}
         }
         *slot = Some((name.as_str(), column));
     }

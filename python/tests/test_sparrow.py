@@ -532,3 +532,57 @@ def test_an_online_run_reports_the_lag_and_the_windowed_auc(cli, data, tmp_path)
     assert updates[-1]["stream_lag_secs"] >= 0
     aucs = [u["online_window_auc"] for u in updates if u["online_window_auc"] is not None]
     assert aucs and all(0.0 < a < 1.0 for a in aucs)
+
+
+def test_several_tasks_predict_a_column_each_and_take_list_columns(cli, tmp_path):
+    """A DIN model of three tasks (two binary, one of three classes) on
+    `gen --tasks --sequence`: `Model.predict` returns a column per task,
+    equal to `sparrow predict`'s, from a file, a DataFrame whose history
+    column holds a list of IDs a row, or a dict of lists."""
+    pd = pytest.importorskip("pandas")
+    data = tmp_path / "behaviour"
+    cli("gen", "--out", data, "--train-rows", "4000", "--test-rows", "300", "--tasks", "--sequence",
+        "--classes", "3")
+    ids = ["user_id", "item_id", "item_category", "site"]
+    config = {
+        "data": {
+            "format": "csv",
+            "train": str(data / "train.csv"),
+            "test": str(data / "test.csv"),
+            "schema": {"labels": ["click", "conversion", "ad_type"], "sparse": ids, "dense": ["price"],
+                       "multi_hot_separator": "|",
+                       "sequence": [{"field": "hist_items", "table": "item_id", "max_len": 10}]},
+        },
+        "model": {"kind": "din", "embedding_dim": 8, "hidden": [16],
+                  "tasks": [{"name": "click"}, {"name": "conversion"},
+                            {"name": "ad_type", "kind": "multiclass", "classes": 3}]},
+        "train": {"batch_size": 256},
+        "checkpoint": {"dir": str(tmp_path / "ck")},
+    }
+    sparrow.train(config, progress=False)
+    cli("predict", "--checkpoint", tmp_path / "ck", "--data", data / "test.csv", "--out", tmp_path / "p.tsv")
+    expected = np.loadtxt(tmp_path / "p.tsv", dtype=np.float32, delimiter="\t")
+    assert expected.shape == (300, 5)
+    model = sparrow.Model.load(tmp_path / "ck")
+    assert model.kind == "din" and model.sequences == ["hist_items"]
+    assert model.labels == ["click", "conversion", "ad_type"] and "hist_items" in model.inputs
+
+    def check(got):
+        assert sorted(got) == ["ad_type", "click", "conversion"]
+        assert got["click"].shape == (300,) and got["ad_type"].shape == (300, 3)
+        side_by_side = np.column_stack([got["click"], got["conversion"], got["ad_type"]])
+        np.testing.assert_allclose(side_by_side, expected, rtol=0, atol=1e-6)
+
+    check(model.predict(data / "test.csv"))
+    frame = pd.read_csv(data / "test.csv", dtype={c: str for c in ids + ["hist_items"]}, keep_default_na=False)
+    frame = frame.drop(columns=["converts", "cvr"])
+    frame["hist_items"] = frame["hist_items"].map(lambda s: s.split("|") if s else [])
+    check(model.predict(frame))
+    check(model.predict({c: frame[c].tolist() for c in frame.columns}))
+    # The file's string of IDs between separators reads the same.
+    check(model.predict({**{c: frame[c].tolist() for c in frame.columns},
+                         "hist_items": ["|".join(h) for h in frame["hist_items"]]}))
+    with pytest.raises(sparrow.DataError, match="column `item_id` holds lists"):
+        model.predict({**{c: frame[c].tolist() for c in frame.columns}, "item_id": [["i1"]] * 300})
+    with pytest.raises(sparrow.DataError, match="column `hist_items`, row 0: an ID is a float"):
+        model.predict({**{c: frame[c].tolist() for c in frame.columns}, "hist_items": [[1.5]] * 300})

@@ -212,10 +212,13 @@ fn one_task_through_labels_is_the_one_label_job() {
 }
 
 /// The README's example (`configs/behaviour-tasks.toml` on `gen --tasks
-/// --sequence --classes 4`) trains; `sparrow serve` refuses its export with
-/// a message saying what is not built yet, rather than answering wrongly.
+/// --sequence --classes 4`) trains, exports and is served: each task's
+/// output (`probability_<task>`, `probabilities_<task>` [N, 4], and the
+/// first task as `probability`) equals `sparrow predict`'s figures for the
+/// same rows, whether the history comes as a list of IDs a row or as the
+/// file's string of them; bad requests are refused naming what.
 #[test]
-fn the_readme_example_trains_and_serving_refuses_it_for_now() {
+fn the_readme_example_trains_and_serves_an_output_per_task() {
     let tmp = tempfile::tempdir().expect("tmp");
     let data = tmp.path().join("data/behaviour");
     let out = sparrow()
@@ -224,10 +227,21 @@ fn the_readme_example_trains_and_serving_refuses_it_for_now() {
         .output()
         .expect("gen");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for kind in ["mlp", "din"] {
+        served_like_predict(tmp.path(), &data, kind);
+    }
+}
+
+/// [`the_readme_example_trains_and_serves_an_output_per_task`] for one `model.kind`.
+fn served_like_predict(dir: &Path, data: &Path, kind: &str) {
+    let tmp = dir.join(kind);
+    std::fs::create_dir_all(&tmp).expect("dir");
+    std::os::unix::fs::symlink(dir.join("data"), tmp.join("data")).expect("data");
     let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../../configs/behaviour-tasks.toml");
     let out = sparrow()
-        .current_dir(tmp.path())
+        .current_dir(&tmp)
         .args(["train", "--config", config, "--quiet", "--set", "train.epochs=1"])
+        .args(["--set", &format!("model.kind={kind:?}")])
         .output()
         .expect("train");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -235,26 +249,100 @@ fn the_readme_example_trains_and_serving_refuses_it_for_now() {
     for task in ["click", "conversion", "ad_type"] {
         assert!(json["tasks"][task]["rows"] == 1000, "{task}: {json}");
     }
-    let export = tmp.path().join("export");
+    let export = tmp.join("export");
     let out = sparrow()
-        .current_dir(tmp.path())
+        .current_dir(&tmp)
         .args(["export", "--checkpoint", "ck/behaviour", "--out", &export.display().to_string()])
         .output()
         .expect("export");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    // Waited for at most a minute: a server that started instead would fail
-    // the test, not hang it.
+    let pred = tmp.join("pred.tsv");
+    let test = data.join("test.csv");
+    let out = sparrow()
+        .args(["predict", "--model", &export.display().to_string(), "--data", &test.display().to_string()])
+        .args(["--out", &pred.display().to_string()])
+        .output()
+        .expect("predict");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let predicted: Vec<Vec<f64>> = std::fs::read_to_string(&pred)
+        .expect("pred")
+        .lines()
+        .take(40)
+        .map(|l| l.split('\t').map(|v| v.parse().expect("number")).collect())
+        .collect();
+    let text = std::fs::read_to_string(&test).expect("test");
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().expect("header").split(',').collect();
+    let rows: Vec<Vec<&str>> = lines.take(40).map(|l| l.split(',').collect()).collect();
+    let column = |name: &str| header.iter().position(|h| *h == name).expect("column");
+    let request = |as_lists: bool| {
+        let mut inputs = vec![serde_json::json!({"name": "price", "datatype": "FP32", "shape": [rows.len()],
+            "data": rows.iter().map(|r| r[column("price")].parse::<f64>().expect("price")).collect::<Vec<_>>()})];
+        for name in ["user_id", "item_id", "item_category", "site"] {
+            let data: Vec<&str> = rows.iter().map(|r| r[column(name)]).collect();
+            inputs.push(serde_json::json!({"name": name, "datatype": "BYTES", "shape": [rows.len()], "data": data}));
+        }
+        let history: Vec<Value> = rows
+            .iter()
+            .map(|r| {
+                let cell = r[column("hist_items")];
+                if as_lists { serde_json::json!(cell.split('|').collect::<Vec<_>>()) } else { serde_json::json!(cell) }
+            })
+            .collect();
+        inputs.push(
+            serde_json::json!({"name": "hist_items", "datatype": "BYTES", "shape": [rows.len()], "data": history}),
+        );
+        serde_json::json!({ "inputs": inputs })
+    };
     let mut serve = sparrow()
         .args(["serve", "--model", &export.display().to_string(), "--listen", "127.0.0.1:0"])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
         .spawn()
         .expect("serve");
-    let status = common::wait_with_timeout(&mut serve, std::time::Duration::from_secs(60));
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(&mut serve.stderr.take().expect("stderr"), &mut stderr).expect("stderr");
-    assert!(!status.success(), "{stderr}");
-    assert!(stderr.contains("several tasks") && stderr.contains("not built yet"), "{stderr}");
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(serve.stdout.take().expect("stdout")), &mut line)
+        .expect("first line");
+    let addr = serde_json::from_str::<Value>(&line).expect("started")["listening"].as_str().expect("addr").to_string();
+    let infer = |body: &Value| {
+        let path = "/v2/models/export/infer";
+        let (status, reply) = common::http_request(&addr, "POST", path, body.to_string().as_bytes(), None);
+        (status, reply)
+    };
+    let (status, meta) = common::http_request(&addr, "GET", "/v2/models/export", b"", None);
+    assert_eq!(status, 200, "{meta}");
+    assert!(meta.contains("probability_conversion") && meta.contains("probabilities_ad_type"), "{meta}");
+    for as_lists in [true, false] {
+        let (status, reply) = infer(&request(as_lists));
+        assert_eq!(status, 200, "{reply}");
+        let reply: Value = serde_json::from_str(&reply).expect("json");
+        let output = |name: &str| -> Vec<f64> {
+            let o = reply["outputs"].as_array().expect("outputs").iter().find(|o| o["name"] == name);
+            let o = o.unwrap_or_else(|| panic!("no output {name}: {reply}"));
+            o["data"].as_array().expect("data").iter().map(|v| v.as_f64().expect("number")).collect()
+        };
+        let (click, conversion, ad_type) =
+            (output("probability_click"), output("probability_conversion"), output("probabilities_ad_type"));
+        assert_eq!(output("probability"), click, "the first task is also `probability`");
+        for (r, want) in predicted.iter().enumerate() {
+            let got =
+                [click[r], conversion[r], ad_type[4 * r], ad_type[4 * r + 1], ad_type[4 * r + 2], ad_type[4 * r + 3]];
+            for (g, w) in got.iter().zip(want) {
+                assert!((g - w).abs() < 1e-6, "row {r} (lists: {as_lists}): served {got:?}, predict {want:?}");
+            }
+        }
+    }
+    let mut wrong = request(true);
+    wrong["outputs"] = serde_json::json!([{"name": "logit"}]);
+    let (status, reply) = infer(&wrong);
+    assert!(status == 400 && reply.contains("output `logit`") && reply.contains("probability_click"), "{reply}");
+    let mut wrong = request(true);
+    wrong["inputs"][5]["data"][0] = serde_json::json!(["i1", 7]);
+    let (status, reply) = infer(&wrong);
+    // (JSON objects here put `data` before `name`: the input is named by its place.)
+    assert!(status == 400 && reply.contains("input `#5`: data[0] is a list holding a number"), "{reply}");
+    let _ = serve.kill();
+    let _ = serve.wait();
 }
 
 /// `mmoe`, `ple`, `esmm` and `din` train on the behaviour data (ESMM on

@@ -21,8 +21,12 @@ use crate::text::{criteo_dense, parse_int, split_bytes};
 #[derive(Clone, Debug)]
 pub struct ModelInputs {
     pub label: String,
+    /// Every label column (one per task): accepted, not read.
+    pub labels: Vec<String>,
     pub dense: Vec<String>,
     pub sparse: Vec<String>,
+    /// `data.schema.sequence`: lists of IDs, after the sparse inputs.
+    pub sequences: Vec<SequenceInput>,
     /// A CSV schema's timestamp column: a row may carry it, scoring reads none.
     pub timestamp: Option<String>,
     pub rules: ColumnRules,
@@ -31,11 +35,22 @@ pub struct ModelInputs {
     pub separator: char,
 }
 
+/// A behaviour sequence's input: its IDs take the keys of sparse field
+/// `table`; the newest `max_len` are kept.
+#[derive(Clone, Debug)]
+pub struct SequenceInput {
+    pub name: String,
+    pub table: u32,
+    pub max_len: usize,
+}
+
 /// What a column name is to a model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum InputColumn {
     Dense(usize),
     Sparse(usize),
+    /// A behaviour sequence: a list of IDs a row.
+    Sequence(usize),
     /// The label or the timestamp: accepted, not read.
     Unused,
 }
@@ -47,6 +62,8 @@ impl ModelInputs {
         match data.format {
             DataFormat::Criteo => Ok(ModelInputs {
                 label: "label".into(),
+                labels: vec!["label".into()],
+                sequences: Vec::new(),
                 dense: (1..=CRITEO_DENSE).map(|i| format!("I{i}")).collect(),
                 sparse: (1..=CRITEO_SPARSE).map(|i| format!("C{i}")).collect(),
                 timestamp: None,
@@ -55,8 +72,21 @@ impl ModelInputs {
             }),
             DataFormat::Csv => {
                 let schema = data.schema.clone().unwrap_or_default();
+                let sequences = schema
+                    .sequence
+                    .iter()
+                    .map(|q| {
+                        let table = schema.sparse.iter().position(|f| *f == q.table).ok_or_else(|| {
+                            format!("sequence `{}`: table `{}` is not a sparse field", q.field, q.table)
+                        })?;
+                        Ok(SequenceInput { name: q.field.clone(), table: table as u32, max_len: q.max_len })
+                    })
+                    .collect::<Result<_, String>>()?;
+                let labels = if schema.labels.is_empty() { vec![schema.label.clone()] } else { schema.labels.clone() };
                 Ok(ModelInputs {
-                    label: schema.label.clone(),
+                    label: labels[0].clone(),
+                    labels,
+                    sequences,
                     dense: schema.dense.clone(),
                     sparse: schema.sparse.clone(),
                     timestamp: schema.timestamp.clone(),
@@ -71,9 +101,9 @@ impl ModelInputs {
         }
     }
 
-    /// Every input's name, dense then sparse.
+    /// Every input's name: dense, sparse, then sequences.
     pub fn names(&self) -> impl Iterator<Item = &String> {
-        self.dense.iter().chain(&self.sparse)
+        self.dense.iter().chain(&self.sparse).chain(self.sequences.iter().map(|q| &q.name))
     }
 
     /// What column `name` is, or `None`: the model has no such column.
@@ -84,7 +114,11 @@ impl ModelInputs {
         if let Some(i) = self.sparse.iter().position(|n| n == name) {
             return Some(InputColumn::Sparse(i));
         }
-        (name == self.label || self.timestamp.as_deref() == Some(name)).then_some(InputColumn::Unused)
+        if let Some(j) = self.sequences.iter().position(|q| q.name == name) {
+            return Some(InputColumn::Sequence(j));
+        }
+        (self.labels.iter().any(|l| l == name) || self.timestamp.as_deref() == Some(name))
+            .then_some(InputColumn::Unused)
     }
 
     /// Whether dense values are Criteo's integer counts (else CSV numbers).
@@ -126,6 +160,11 @@ impl ModelInputs {
             }
             let pushed = self.rules.push_sparse(&mut builder, sparse.iter().map(|v| v.as_deref()));
             pushed.map_err(|e| values.refused(None, row, e))?;
+            for (j, q) in self.sequences.iter().enumerate() {
+                let ids = values.sequence(j, row)?;
+                let ids: Vec<&[u8]> = ids.iter().map(|id| id.as_ref()).filter(|id| !id.is_empty()).collect();
+                push_sequence(&mut builder, self.sparse.len() + j, q.table, q.max_len, &ids);
+            }
             if !builder.end_row(0.0) {
                 let e = format!("{} dense values for a model of {}", self.dense.len(), layout.num_dense);
                 return Err(values.refused(None, row, e));
@@ -147,6 +186,24 @@ pub trait ColumnValues {
     fn sparse(&self, column: usize, row: usize) -> Result<Option<Cow<'_, [u8]>>, Self::Error>;
     /// The error for a row the data format's rules refuse (in `column`, when one column is to blame).
     fn refused(&self, column: Option<InputColumn>, row: usize, message: String) -> Self::Error;
+    /// Row `row`'s IDs of sequence input `column`, oldest first (a model
+    /// without sequences never asks; an input not given is an empty list).
+    fn sequence(&self, _column: usize, _row: usize) -> Result<Vec<Cow<'_, [u8]>>, Self::Error> {
+        Ok(Vec::new())
+    }
+}
+
+/// A behaviour sequence's IDs (oldest first, none empty) as the readers
+/// push them: the newest `max_len`, keyed as sparse field `table`, into
+/// bag `slot`; a longer list is counted as truncated.
+pub fn push_sequence(out: &mut BatchBuilder, slot: usize, table: u32, max_len: usize, ids: &[&[u8]]) {
+    let cut = ids.len().saturating_sub(max_len);
+    if cut > 0 {
+        out.count_truncated_sequence();
+    }
+    for id in &ids[cut..] {
+        out.push_key(slot, feature_key(table, id), 1.0);
+    }
 }
 
 /// How a data format reads a row's values.
@@ -160,6 +217,14 @@ pub enum ColumnRules {
 }
 
 impl ColumnRules {
+    /// What separates the IDs of a multi-hot or sequence cell (CSV's `multi_hot_separator`).
+    pub fn separator(&self) -> Option<&str> {
+        match self {
+            ColumnRules::Csv { multi_hot: Some(sep), .. } => std::str::from_utf8(sep).ok(),
+            _ => None,
+        }
+    }
+
     pub fn csv(schema: &Schema) -> ColumnRules {
         ColumnRules::Csv {
             transform: schema.dense_transform,

@@ -290,13 +290,8 @@ impl ParquetSource {
                     .collect(),
                 other => vec![id_bytes(other)],
             };
-            let skip = ids.len().saturating_sub(max_len);
-            if skip > 0 {
-                out.count_truncated_sequence();
-            }
-            for id in &ids[skip..] {
-                out.push_key(first + j, feature_key(table, id), 1.0);
-            }
+            let ids: Vec<&[u8]> = ids.iter().map(Vec::as_slice).collect();
+            crate::columns::push_sequence(out, first + j, table, max_len, &ids);
         }
         Ok(label)
     }

@@ -358,14 +358,7 @@ impl LineParser for CsvParser {
             // A sequence is a list however the sparse fields are read.
             let sep = self.multi_hot.as_deref().unwrap_or(b"|");
             let ids: Vec<&[u8]> = split_bytes(cells[q.col].as_ref(), sep).filter(|s| !s.is_empty()).collect();
-            // The newest `max_len` (newest last).
-            let kept = ids.len().saturating_sub(q.max_len);
-            if kept > 0 {
-                out.count_truncated_sequence();
-            }
-            for id in &ids[kept..] {
-                out.push_key(first + j, feature_key(q.table, id), 1.0);
-            }
+            crate::columns::push_sequence(out, first + j, q.table, q.max_len, &ids);
         }
         Ok(label)
     }

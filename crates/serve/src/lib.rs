@@ -20,6 +20,7 @@
 
 pub mod connections;
 mod metrics;
+pub mod outputs;
 pub mod request;
 pub mod served;
 pub mod watch;
@@ -213,7 +214,7 @@ async fn infer(
                     })
                     .and_then(|request| {
                         let scores = app.served.infer(&request)?;
-                        let large = large || scores.probability.len() > served::SCORE_CHUNK_ROWS;
+                        let large = large || scores.rows > served::SCORE_CHUNK_ROWS;
                         Ok((reply(&app.served, request, scores), large))
                     });
                 drop(body);
@@ -236,17 +237,25 @@ async fn infer(
 
 /// The reply: JSON, or with the output as binary data (KServe's binary extension).
 fn reply(served: &Served, request: request::Request, scores: served::Scores) -> Response {
-    let n = scores.probability.len();
-    let mut output = json!({"name": "probability", "datatype": "FP32", "shape": [n]});
-    if request.binary_output {
-        output["parameters"] = json!({ "binary_data_size": n * 4 });
-    } else {
-        output["data"] = json!(scores.probability);
-    }
+    let n = scores.rows;
+    let outputs: Vec<serde_json::Value> = scores
+        .outputs
+        .iter()
+        .map(|o| {
+            let shape = if o.per_row == 1 { json!([n]) } else { json!([n, o.per_row]) };
+            let mut output = json!({"name": o.name, "datatype": "FP32", "shape": shape});
+            if request.binary_output {
+                output["parameters"] = json!({ "binary_data_size": o.values.len() * 4 });
+            } else {
+                output["data"] = json!(o.values);
+            }
+            output
+        })
+        .collect();
     let mut head = json!({
         "model_name": served.name(),
         "model_version": scores.version.to_string(),
-        "outputs": [output],
+        "outputs": outputs,
     });
     if let Some(id) = request.id {
         head["id"] = json!(id);
@@ -256,7 +265,7 @@ fn reply(served: &Served, request: request::Request, scores: served::Scores) -> 
     }
     let mut body = serde_json::to_vec(&head).unwrap_or_default();
     let json_len = body.len();
-    for v in scores.probability {
+    for v in scores.outputs.iter().flat_map(|o| &o.values) {
         body.extend_from_slice(&v.to_le_bytes());
     }
     (

@@ -22,8 +22,8 @@ pub const BINARY_HEADER: &str = "inference-header-content-length";
 
 /// Shapes have at most this many dimensions (ours have one).
 const MAX_SHAPE_DIMS: usize = 8;
-/// A request names at most this many outputs (the model has one).
-const MAX_OUTPUTS: usize = 8;
+/// A request names at most this many outputs.
+const MAX_OUTPUTS: usize = 64;
 
 /// Why a body was refused: too many rows (413, naming the limit) or
 /// malformed (400).
@@ -41,6 +41,8 @@ pub struct Request {
     pub inputs: Vec<Input>,
     /// Whether the reply's output is to be binary data.
     pub binary_output: bool,
+    /// The outputs asked for by name (`outputs`); empty: every output.
+    pub outputs: Vec<String>,
 }
 
 #[derive(Debug, Default)]
@@ -65,13 +67,24 @@ pub enum Cell {
         start: u32,
         len: u32,
     },
+    /// A list of strings (a behaviour sequence's IDs): `count` spans of
+    /// [`Cells::text`] from [`Cells::items`]`[first]`.
+    List {
+        first: u32,
+        count: u32,
+    },
 }
+
+/// IDs one list cell may hold.
+pub const MAX_LIST_ITEMS: usize = 100_000;
 
 /// An input's values: tags and numbers, with every string in one buffer.
 #[derive(Debug, Default)]
 pub struct Cells {
     pub values: Vec<Cell>,
     text: String,
+    /// The list cells' items: (start, len) spans of `text`.
+    items: Vec<(u32, u32)>,
 }
 
 impl Cells {
@@ -87,6 +100,12 @@ impl Cells {
     pub fn text(&self, start: u32, len: u32) -> &str {
         let (start, len) = (start as usize, len as usize);
         self.text.get(start..start + len).unwrap_or_default()
+    }
+
+    /// The strings of a [`Cell::List`].
+    pub fn list(&self, first: u32, count: u32) -> impl Iterator<Item = &str> {
+        let (first, count) = (first as usize, count as usize);
+        self.items.get(first..first + count).unwrap_or_default().iter().map(|&(start, len)| self.text(start, len))
     }
 
     fn push_text(&mut self, s: &str) -> Result<(), String> {
@@ -260,7 +279,9 @@ impl<'de> Visitor<'de> for RequestSeed<'_> {
                 }
                 "outputs" => {
                     once(&mut seen, "outputs")?;
-                    if let Some(b) = map.next_value_seed(OutputsSeed)? {
+                    let (names, binary) = map.next_value_seed(OutputsSeed)?;
+                    request.outputs = names;
+                    if let Some(b) = binary {
                         request.binary_output = b;
                         binary_output = Some(b);
                     }
@@ -358,37 +379,35 @@ impl<'de> Visitor<'de> for Parameters {
     }
 }
 
-/// `outputs`: only `probability` exists; the last `binary_data` said, if any.
+/// `outputs`: the names asked for (the model checks them), and the last
+/// `binary_data` said, if any.
 struct OutputsSeed;
 
 impl<'de> DeserializeSeed<'de> for OutputsSeed {
-    type Value = Option<bool>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<bool>, D::Error> {
+    type Value = (Vec<String>, Option<bool>);
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
         d.deserialize_seq(self)
     }
 }
 
 impl<'de> Visitor<'de> for OutputsSeed {
-    type Value = Option<bool>;
+    type Value = (Vec<String>, Option<bool>);
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("an `outputs` array")
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<bool>, A::Error> {
-        let (mut binary, mut count) = (None, 0);
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let (mut binary, mut names) = (None, Vec::new());
         while let Some(output) = seq.next_element_seed(OutputSeed)? {
-            count += 1;
-            if count > MAX_OUTPUTS {
+            if names.len() == MAX_OUTPUTS {
                 return Err(A::Error::custom(format!("more than {MAX_OUTPUTS} outputs")));
             }
-            if output.0 != "probability" {
-                return Err(A::Error::custom(format!(
-                    "output `{}`: the model's only output is `probability`",
-                    output.0
-                )));
+            if output.0.len() > 256 {
+                return Err(A::Error::custom("an output name of more than 256 bytes"));
             }
+            names.push(output.0);
             binary = output.1.or(binary);
         }
-        Ok(binary)
+        Ok((names, binary))
     }
 }
 
@@ -619,14 +638,87 @@ impl<'de> Visitor<'de> for CellSeed<'_> {
     fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Self::Value, E> {
         Ok(Err(format!("is {v}, not a number, a string or null")))
     }
-    // Skipped to its end (nothing kept), so the error names the input.
+    /// A list of strings: a behaviour sequence's IDs, one row's (the model
+    /// says whether the input takes lists). Anything else in it is skipped
+    /// to the list's end, so the error names the input.
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        while seq.next_element::<IgnoredAny>()?.is_some() {}
-        Ok(Err("is an array: `data` is flat, shape [N]".into()))
+        let cells = self.cells;
+        let first = cells.items.len();
+        let mut wrong = None;
+        while let Some(item) = seq.next_element::<ListItem>()? {
+            match item {
+                _ if wrong.is_some() => {}
+                ListItem::Text(_) if cells.items.len() - first == MAX_LIST_ITEMS => {
+                    wrong = Some(format!("is a list of more than {MAX_LIST_ITEMS} IDs"));
+                }
+                ListItem::Text(t) => match u32::try_from(cells.text.len()) {
+                    Ok(start) if t.len() <= u32::MAX as usize => {
+                        cells.text.push_str(&t);
+                        cells.items.push((start, t.len() as u32));
+                    }
+                    _ => wrong = Some("holds more than 4 GiB of text".into()),
+                },
+                ListItem::Other(what) => wrong = Some(format!("is a list holding {what}: a list's IDs are strings")),
+            }
+        }
+        if let Some(what) = wrong {
+            cells.items.truncate(first);
+            return Ok(Err(what));
+        }
+        let count = (cells.items.len() - first) as u32;
+        cells.values.push(Cell::List { first: first as u32, count });
+        Ok(Ok(()))
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
         Ok(Err("is an object, not a number, a string or null".into()))
+    }
+}
+
+/// One element of a list cell: a string, or what it is instead.
+enum ListItem {
+    Text(String),
+    Other(&'static str),
+}
+
+impl<'de> serde::Deserialize<'de> for ListItem {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<ListItem, D::Error> {
+        d.deserialize_any(ListItemVisitor)
+    }
+}
+
+struct ListItemVisitor;
+
+impl<'de> Visitor<'de> for ListItemVisitor {
+    type Value = ListItem;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a string")
+    }
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<ListItem, E> {
+        Ok(ListItem::Text(v.to_string()))
+    }
+    fn visit_unit<E: serde::de::Error>(self) -> Result<ListItem, E> {
+        Ok(ListItem::Other("null"))
+    }
+    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<ListItem, E> {
+        Ok(ListItem::Other("a boolean"))
+    }
+    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<ListItem, E> {
+        Ok(ListItem::Other("a number"))
+    }
+    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<ListItem, E> {
+        Ok(ListItem::Other("a number"))
+    }
+    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<ListItem, E> {
+        Ok(ListItem::Other("a number"))
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<ListItem, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(ListItem::Other("an array"))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<ListItem, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(ListItem::Other("an object"))
     }
 }
 
@@ -746,11 +838,10 @@ mod tests {
             (r#"{"id": "x"}"#, "no `inputs` array"),
             (r#"{"inputs": [{"datatype": "FP32", "data": []}]}"#, "input #0 has no `name`"),
             (r#"{"inputs": [{"name": "I1", "shape": [1]}]}"#, "input `I1`: no `data` array"),
-            (r#"{"inputs": [{"name": "I1", "data": [[1]]}]}"#, "input `I1`: data[0] is an array"),
+            (r#"{"inputs": [{"name": "I1", "data": [[1]]}]}"#, "input `I1`: data[0] is a list holding a number"),
             (r#"{"inputs": [{"name": "I1", "data": [1, true]}]}"#, "input `I1`: data[1] is true"),
             (r#"{"inputs": [{"name": "I1", "name": "I2", "data": []}]}"#, "`name` is given twice"),
             (r#"{"inputs": [{"name": "I1", "shape": [1,1,1,1,1,1,1,1,1], "data": []}]}"#, "more than 8 dimensions"),
-            (r#"{"inputs": [], "outputs": [{"name": "logit"}]}"#, "only output is `probability`"),
             (r#"{"inputs": [], "id": [1]}"#, "a string `id`"),
         ];
         for (body, want) in cases {

@@ -9,12 +9,12 @@ use std::time::{Duration, Instant};
 
 use std::borrow::Cow;
 
-use sparrow_core::metrics::sigmoid;
 use sparrow_data::columns::{ColumnValues, InputColumn, ModelInputs};
 use sparrow_trainer::Model;
 use sparrow_trainer::export::{ExportData, ExportManifest};
 
 use crate::metrics::Metrics;
+use crate::outputs::{Output, OutputSpec};
 use crate::request::{Cell, Cells, Request};
 use crate::{ApiError, ServeError, bad};
 
@@ -30,6 +30,8 @@ pub struct Served {
     /// The step of the model answering now (the export's).
     step: AtomicU64,
     inputs: ModelInputs,
+    /// Its outputs, one a task (`outputs.rs`), and the logits a row.
+    outputs: (Vec<OutputSpec>, usize),
     layout: sparrow_data::DataLayout,
     /// Requests predict side by side under the read lock; a `--watch`
     /// update takes the write lock (requests wait, none fails).
@@ -60,10 +62,12 @@ pub struct Swap {
     pub staleness_min: Option<Duration>,
 }
 
-/// The answer to one request: the model's step and a probability a row.
+/// The answer to one request: the model's step and its outputs (each a
+/// probability, or a multiclass task's probabilities, a row).
 pub struct Scores {
     pub version: u64,
-    pub probability: Vec<f32>,
+    pub rows: usize,
+    pub outputs: Vec<Output>,
 }
 
 impl Served {
@@ -74,15 +78,14 @@ impl Served {
         let dir = sparrow_trainer::export::resolve_export(model)?;
         let inputs =
             ModelInputs::of(&loaded.config.data).map_err(|e| ServeError::Setup(format!("{}: {e}", model.display())))?;
-        if let Some(why) = loaded.config.not_servable() {
-            return Err(ServeError::Setup(format!("{}: {why}", model.display())));
-        }
+        let outputs = crate::outputs::specs(&loaded.config);
         let metrics = Metrics::new();
         metrics.model_step.set(i64::try_from(manifest.step).unwrap_or(i64::MAX));
         Ok(Served {
             name,
             step: AtomicU64::new(manifest.step),
             inputs,
+            outputs,
             layout: loaded.layout.clone(),
             model: parking_lot::RwLock::new(loaded),
             current: parking_lot::Mutex::new((dir, manifest)),
@@ -180,13 +183,26 @@ impl Served {
             .iter()
             .map(|n| json!({"name": n, "datatype": "FP32", "shape": [-1]}))
             .chain(self.inputs.sparse.iter().map(|n| json!({"name": n, "datatype": "BYTES", "shape": [-1]})))
+            // A row's history: a list of IDs (or one string of them between separators).
+            .chain(
+                self.inputs.sequences.iter().map(|q| json!({"name": q.name, "datatype": "BYTES", "shape": [-1, -1]})),
+            )
+            .collect();
+        let outputs: Vec<serde_json::Value> = self
+            .outputs
+            .0
+            .iter()
+            .map(|o| match o.per_row {
+                1 => json!({"name": o.name, "datatype": "FP32", "shape": [-1]}),
+                k => json!({"name": o.name, "datatype": "FP32", "shape": [-1, k]}),
+            })
             .collect();
         json!({
             "name": self.name,
             "versions": [self.step().to_string()],
             "platform": "sparrow",
             "inputs": inputs,
-            "outputs": [{"name": "probability", "datatype": "FP32", "shape": [-1]}],
+            "outputs": outputs,
         })
     }
 
@@ -197,10 +213,12 @@ impl Served {
     /// of the model.
     pub fn infer(&self, request: &Request) -> Result<Scores, ApiError> {
         let mut rows: Option<usize> = None;
+        let picked = crate::outputs::select(&self.outputs.0, &request.outputs).map_err(bad)?;
         let mut columns = RequestColumns {
             inputs: &self.inputs,
             dense: vec![None; self.inputs.dense.len()],
             sparse: vec![None; self.inputs.sparse.len()],
+            sequences: vec![None; self.inputs.sequences.len()],
         };
         for input in &request.inputs {
             let name = input.name.as_str();
@@ -209,6 +227,7 @@ impl Served {
             let (slot, want) = match self.inputs.column(name).ok_or_else(no_such)? {
                 InputColumn::Dense(i) => (&mut columns.dense[i], "FP32"),
                 InputColumn::Sparse(i) => (&mut columns.sparse[i], "BYTES"),
+                InputColumn::Sequence(j) => (&mut columns.sequences[j], "BYTES"),
                 InputColumn::Unused => return Err(no_such()),
             };
             if slot.is_some() {
@@ -237,17 +256,22 @@ impl Served {
             .step_by(SCORE_CHUNK_ROWS)
             .map(|start| self.inputs.batch(&self.layout, &columns, start..(start + SCORE_CHUNK_ROWS).min(n)))
             .collect::<Result<Vec<_>, _>>()?;
-        let mut probability = Vec::with_capacity(n);
+        let mut outputs: Vec<Output> = picked
+            .iter()
+            .map(|o| Output { name: o.name.clone(), per_row: o.per_row, values: Vec::with_capacity(n * o.per_row) })
+            .collect();
         let model = self.model.read();
         // Read under the lock: the step of the model that answers.
         let version = self.step();
         for batch in &batches {
             let logits = model.predict_batch(batch).map_err(|e| ApiError::internal(e.to_string()))?;
-            probability.extend(logits.iter().map(|&x| sigmoid(f64::from(x)) as f32));
+            for (spec, out) in picked.iter().zip(&mut outputs) {
+                spec.extend_from(&logits, self.outputs.1, &mut out.values);
+            }
         }
         drop(model);
         self.metrics.rows.inc_by(n as u64);
-        Ok(Scores { version, probability })
+        Ok(Scores { version, rows: n, outputs })
     }
 }
 
@@ -256,6 +280,7 @@ struct RequestColumns<'r> {
     inputs: &'r ModelInputs,
     dense: Vec<Option<(&'r Cells, &'r str)>>,
     sparse: Vec<Option<(&'r Cells, &'r str)>>,
+    sequences: Vec<Option<(&'r Cells, &'r str)>>,
 }
 
 impl ColumnValues for RequestColumns<'_> {
@@ -277,6 +302,27 @@ impl ColumnValues for RequestColumns<'_> {
 
     fn refused(&self, _column: Option<InputColumn>, row: usize, message: String) -> ApiError {
         bad(format!("row {row}: {message}"))
+    }
+
+    /// A list of IDs, or one string of them between the data's separator
+    /// (as the file's cell holds them); null is an empty history.
+    fn sequence(&self, column: usize, row: usize) -> Result<Vec<Cow<'_, [u8]>>, ApiError> {
+        let Some((cells, name)) = self.sequences[column] else { return Ok(Vec::new()) };
+        let ids: Vec<&str> = match cells.values[row] {
+            Cell::Null => Vec::new(),
+            Cell::List { first, count } => cells.list(first, count).collect(),
+            Cell::Text { start, len } => {
+                let sep = self.inputs.rules.separator().unwrap_or("|");
+                cells.text(start, len).split(sep).collect()
+            }
+            Cell::Number(v) => {
+                return Err(bad(format!("input `{name}`: row {row}: {v} is not a list of IDs (BYTES)")));
+            }
+        };
+        for id in &ids {
+            self.inputs.check_text(id).map_err(|e| bad(format!("input `{name}`: row {row}: {e}")))?;
+        }
+        Ok(ids.into_iter().map(|id| Cow::Borrowed(id.as_bytes())).collect())
     }
 }
 
@@ -300,6 +346,7 @@ fn dense_cell(name: &str, cells: &Cells, row: usize, counts: bool) -> Result<Opt
         (_, Cell::Text { start, len }) => {
             Err(bad(format!("input `{name}`: \"{}\" is not a number (FP32)", cells.text(start, len))))
         }
+        (_, Cell::List { .. }) => Err(bad(format!("input `{name}`: row {row} is a list, not a number (FP32)"))),
     }
 }
 
@@ -320,5 +367,8 @@ fn sparse_cell<'c>(
             Ok(Some(s.as_bytes()))
         }
         Cell::Number(v) => Err(bad(format!("input `{name}`: {v} is not a string (BYTES)"))),
+        Cell::List { .. } => {
+            Err(bad(format!("input `{name}`: row {row} is a list; this input takes one string a row")))
+        }
     }
 }

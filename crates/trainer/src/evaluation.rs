@@ -8,7 +8,7 @@ use std::path::Path;
 use sparrow_core::Config;
 use sparrow_core::config::{DataConfig, TaskKind};
 use sparrow_core::metrics::tasks::{TaskFigures, task_columns, task_figures};
-use sparrow_core::metrics::{auc, count_nan, log_loss_from_logits, sigmoid};
+use sparrow_core::metrics::{auc, count_nan, log_loss_from_logits};
 use sparrow_data::{BadRows, BatchStream};
 
 use crate::TrainError;
@@ -111,24 +111,10 @@ impl Figures {
 /// task order.
 pub fn probabilities(tasks: &[sparrow_core::config::Task], row: &[f32], out: &mut String) {
     use std::fmt::Write;
-    let mut at = 0;
-    for (i, task) in tasks.iter().enumerate() {
-        let x = &row[at..at + task.outputs];
-        at += task.outputs;
-        let sep = if i == 0 { "" } else { "\t" };
-        match task.kind {
-            TaskKind::Binary => {
-                let _ = write!(out, "{sep}{}", sigmoid(f64::from(x[0])) as f32);
-            }
-            TaskKind::Multiclass => {
-                let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                let sum: f64 = x.iter().map(|&v| f64::from(v - max).exp()).sum();
-                for (k, &v) in x.iter().enumerate() {
-                    let p = (f64::from(v - max).exp() / sum) as f32;
-                    let _ = write!(out, "{}{p}", if k == 0 { sep } else { "\t" });
-                }
-            }
-        }
+    let mut values = Vec::with_capacity(row.len());
+    sparrow_core::metrics::tasks::row_probabilities(tasks, row, &mut values);
+    for (i, p) in values.iter().enumerate() {
+        let _ = write!(out, "{}{p}", if i == 0 { "" } else { "\t" });
     }
 }
 

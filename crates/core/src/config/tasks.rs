@@ -142,17 +142,6 @@ impl Config {
         tasks.len() == 1 && tasks[0].is_binary() && tasks[0].weight == 1.0
     }
 
-    /// Why a model of this job cannot be served yet (`sparrow serve`,
-    /// Python's `Model`): one output per task and sequences given as lists
-    /// are not built there; `sparrow predict` scores such a model.
-    pub fn not_servable(&self) -> Option<String> {
-        (!self.single_binary_task() || !self.sequence_fields().is_empty()).then(|| {
-            "the model has several tasks, a multiclass task or a behaviour sequence: serving it (an output per \
-             task, sequences given as lists) is not built yet; `sparrow predict` scores it"
-                .to_string()
-        })
-    }
-
     /// `data.schema.sequence`: their bags follow the sparse fields' in
     /// each sample, in this order.
     pub fn sequence_fields(&self) -> &[SequenceField] {

@@ -60,6 +60,26 @@ pub struct TaskColumns {
 
 /// Splits rows × outputs `logits` and rows × tasks `labels` by task,
 /// leaving out each task's masked rows.
+/// A row's probabilities from its logits (`logits`: every task's outputs,
+/// in task order), appended to `out`: a binary task's σ(logit), a
+/// multiclass task's softmax over its classes. What `sparrow predict`
+/// writes, `serve` answers and Python's `Model.predict` returns.
+pub fn row_probabilities(tasks: &[Task], logits: &[f32], out: &mut Vec<f32>) {
+    let mut at = 0;
+    for task in tasks {
+        let x = &logits[at..at + task.outputs];
+        at += task.outputs;
+        match task.kind {
+            TaskKind::Binary => out.push(sigmoid(f64::from(x[0])) as f32),
+            TaskKind::Multiclass => {
+                let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                let sum: f64 = x.iter().map(|&v| f64::from(v - max).exp()).sum();
+                out.extend(x.iter().map(|&v| (f64::from(v - max).exp() / sum) as f32));
+            }
+        }
+    }
+}
+
 pub fn task_columns(tasks: &[Task], logits: &[f32], labels: &[f32], groups: Option<&[u64]>) -> Vec<TaskColumns> {
     let outputs: usize = tasks.iter().map(|t| t.outputs).sum();
     let rows = labels.len() / tasks.len().max(1);
