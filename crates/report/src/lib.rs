@@ -43,9 +43,18 @@ struct Eval {
     samples: f64,
     auc: f64,
     logloss: f64,
-    /// Each task's AUC (a multiclass task's macro AUC), where the line has
-    /// `tasks` (several tasks, or `eval.group_by`).
-    tasks: Vec<(String, f64)>,
+    /// Each task's figures, where the line has `tasks` (several tasks, or
+    /// `eval.group_by`).
+    tasks: Vec<(String, TaskPoint)>,
+}
+
+/// One task's figures on an eval line: its AUC (a multiclass task's macro
+/// AUC); a binary task's normalized entropy and calibration (NaN: absent).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct TaskPoint {
+    auc: f64,
+    ne: f64,
+    calibration: f64,
 }
 
 /// One run's metrics file.
@@ -79,7 +88,9 @@ impl Run {
                         t.iter()
                             .filter_map(|(name, f)| {
                                 let auc = f.get("auc").or_else(|| f.get("macro_auc")).and_then(Value::as_f64)?;
-                                Some((name.clone(), auc))
+                                let figure = |k: &str| f.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
+                                let point = TaskPoint { auc, ne: figure("ne"), calibration: figure("calibration") };
+                                Some((name.clone(), point))
                             })
                             .collect()
                     })
@@ -418,22 +429,37 @@ fn render(runs: &[Run], bayes: Option<f64>, title: &str) -> (String, usize) {
         })
         .collect();
     if task_names.len() > runs.len() {
-        let per_task: Vec<Series> = task_names
-            .iter()
-            .enumerate()
-            .map(|(k, (i, task, name))| Series {
-                name,
-                color: color(k),
-                points: runs[*i]
-                    .evals
-                    .iter()
-                    .filter_map(|e| Some((e.samples, e.tasks.iter().find(|(n, _)| n == task)?.1)))
-                    .collect(),
-                markers: true,
-            })
-            .collect();
+        // One curve per (run, task) with the figure `pick` reads, where it has one.
+        let per_task = |pick: fn(&TaskPoint) -> f64| -> Vec<Series> {
+            task_names
+                .iter()
+                .enumerate()
+                .map(|(k, (i, task, name))| Series {
+                    name,
+                    color: color(k),
+                    points: runs[*i]
+                        .evals
+                        .iter()
+                        .filter_map(|e| Some((e.samples, pick(&e.tasks.iter().find(|(n, _)| n == task)?.1))))
+                        .filter(|(_, v)| v.is_finite())
+                        .collect(),
+                    markers: true,
+                })
+                .filter(|s| !s.points.is_empty())
+                .collect()
+        };
         let title = "Test AUC per task (multiclass: macro AUC)";
-        plots.push(line_chart("task-auc", title, "samples trained", "AUC", &per_task, None));
+        plots.push(line_chart("task-auc", title, "samples trained", "AUC", &per_task(|p| p.auc), None));
+        let ne = per_task(|p| p.ne);
+        if !ne.is_empty() {
+            let title = "Normalized entropy per binary task (log-loss over the base rate's entropy; lower is better)";
+            plots.push(line_chart("task-ne", title, "samples trained", "normalized entropy", &ne, None));
+        }
+        let calibration = per_task(|p| p.calibration);
+        if !calibration.is_empty() {
+            let title = "Calibration per binary task (predicted over observed positives; 1 is calibrated)";
+            plots.push(line_chart("task-calibration", title, "samples trained", "calibration", &calibration, None));
+        }
     }
     // Progressive validation (train.online_window_samples), when a run has it.
     if runs.iter().any(|r| r.intervals.iter().any(|i| i.online.is_some())) {
@@ -583,18 +609,26 @@ mod tests {
         let eval = |step: u64, click: f64, kind: f64| {
             format!(
                 "{{\"step\":{step},\"event\":\"eval\",\"samples\":{},\"test_auc\":{click},\"test_logloss\":0.4,\
-                 \"tasks\":{{\"click\":{{\"auc\":{click}}},\"kind\":{{\"macro_auc\":{kind},\"accuracy\":0.5}}}}}}\n",
+                 \"tasks\":{{\"click\":{{\"auc\":{click},\"ne\":0.9,\"calibration\":1.1}},\"kind\":{{\"macro_auc\":{kind},\"accuracy\":0.5}}}}}}\n",
                 step * 100
             )
         };
         std::fs::write(&path, eval(1, 0.6, 0.7) + &eval(2, 0.65, 0.72)).expect("write");
         let run = Run::read(&path).expect("reads");
-        assert_eq!(run.evals[1].tasks, [("click".to_string(), 0.65), ("kind".to_string(), 0.72)]);
+        let aucs: Vec<(&str, f64)> = run.evals[1].tasks.iter().map(|(n, p)| (n.as_str(), p.auc)).collect();
+        assert_eq!(aucs, [("click", 0.65), ("kind", 0.72)]);
         let (html, _) = render(&[run], None, "t");
         let plot = html.split("data-plot=\"task-auc\"").nth(1).expect("the per-task plot");
         let plot = &plot[..plot.find("</svg>").expect("its end")];
         assert_eq!(plot.matches("class=\"series\" data-points=\"2\"").count(), 2, "{plot}");
         assert!(plot.contains("m: kind"), "{plot}");
+        // NE and calibration: the binary task's curve only (the multiclass one has neither).
+        for id in ["task-ne", "task-calibration"] {
+            let plot = html.split(&format!("data-plot=\"{id}\"")).nth(1).expect("the plot");
+            let plot = &plot[..plot.find("</svg>").expect("its end")];
+            assert_eq!(plot.matches("class=\"series\" data-points=\"2\"").count(), 1, "{id}: {plot}");
+            assert!(plot.contains("m: click") && !plot.contains("m: kind"), "{id}: {plot}");
+        }
         std::fs::write(&path, "{\"step\":1,\"event\":\"eval\",\"samples\":9,\"test_auc\":0.6,\"test_logloss\":0.4}\n")
             .expect("write");
         let (html, _) = render(&[Run::read(&path).expect("reads")], None, "t");
