@@ -8,7 +8,7 @@
 mod common;
 
 use common::{last_json, sparrow, train_json};
-use serde_json::Value;
+use serde_json::{Value, json};
 use std::path::Path;
 
 /// `gen --tasks --sequence --classes 3` into `dir/data`.
@@ -275,23 +275,32 @@ fn served_like_predict(dir: &Path, data: &Path, kind: &str) {
     let header: Vec<&str> = lines.next().expect("header").split(',').collect();
     let rows: Vec<Vec<&str>> = lines.take(40).map(|l| l.split(',').collect()).collect();
     let column = |name: &str| header.iter().position(|h| *h == name).expect("column");
-    let request = |as_lists: bool| {
+    // The history as a list of IDs a row, as the file's string of them, or
+    // flat [N, L] (padded with empty strings, as a numpy client sends it).
+    let longest = rows.iter().map(|r| r[column("hist_items")].split('|').count()).max().expect("rows");
+    let request = |form: usize| {
         let mut inputs = vec![serde_json::json!({"name": "price", "datatype": "FP32", "shape": [rows.len()],
             "data": rows.iter().map(|r| r[column("price")].parse::<f64>().expect("price")).collect::<Vec<_>>()})];
         for name in ["user_id", "item_id", "item_category", "site"] {
             let data: Vec<&str> = rows.iter().map(|r| r[column(name)]).collect();
             inputs.push(serde_json::json!({"name": name, "datatype": "BYTES", "shape": [rows.len()], "data": data}));
         }
-        let history: Vec<Value> = rows
-            .iter()
-            .map(|r| {
-                let cell = r[column("hist_items")];
-                if as_lists { serde_json::json!(cell.split('|').collect::<Vec<_>>()) } else { serde_json::json!(cell) }
-            })
-            .collect();
-        inputs.push(
-            serde_json::json!({"name": "hist_items", "datatype": "BYTES", "shape": [rows.len()], "data": history}),
-        );
+        let cells = rows.iter().map(|r| r[column("hist_items")]);
+        let text = |v: &str| json!(v);
+        let (history, shape): (Vec<Value>, Value) = match form {
+            0 => (cells.map(|c| serde_json::json!(c.split('|').collect::<Vec<_>>())).collect(), json!([rows.len()])),
+            1 => (cells.map(text).collect(), json!([rows.len()])),
+            _ => (
+                cells
+                    .flat_map(|c| {
+                        let ids: Vec<&str> = c.split('|').collect();
+                        (0..longest).map(move |i| serde_json::json!(ids.get(i).copied().unwrap_or("")))
+                    })
+                    .collect(),
+                json!([rows.len(), longest]),
+            ),
+        };
+        inputs.push(json!({"name": "hist_items", "datatype": "BYTES", "shape": shape, "data": history}));
         serde_json::json!({ "inputs": inputs })
     };
     let mut serve = sparrow()
@@ -312,8 +321,8 @@ fn served_like_predict(dir: &Path, data: &Path, kind: &str) {
     let (status, meta) = common::http_request(&addr, "GET", "/v2/models/export", b"", None);
     assert_eq!(status, 200, "{meta}");
     assert!(meta.contains("probability_conversion") && meta.contains("probabilities_ad_type"), "{meta}");
-    for as_lists in [true, false] {
-        let (status, reply) = infer(&request(as_lists));
+    for form in 0..3 {
+        let (status, reply) = infer(&request(form));
         assert_eq!(status, 200, "{reply}");
         let reply: Value = serde_json::from_str(&reply).expect("json");
         let output = |name: &str| -> Vec<f64> {
@@ -328,15 +337,15 @@ fn served_like_predict(dir: &Path, data: &Path, kind: &str) {
             let got =
                 [click[r], conversion[r], ad_type[4 * r], ad_type[4 * r + 1], ad_type[4 * r + 2], ad_type[4 * r + 3]];
             for (g, w) in got.iter().zip(want) {
-                assert!((g - w).abs() < 1e-6, "row {r} (lists: {as_lists}): served {got:?}, predict {want:?}");
+                assert!((g - w).abs() < 1e-6, "row {r} (history form {form}): served {got:?}, predict {want:?}");
             }
         }
     }
-    let mut wrong = request(true);
+    let mut wrong = request(0);
     wrong["outputs"] = serde_json::json!([{"name": "logit"}]);
     let (status, reply) = infer(&wrong);
     assert!(status == 400 && reply.contains("output `logit`") && reply.contains("probability_click"), "{reply}");
-    let mut wrong = request(true);
+    let mut wrong = request(0);
     wrong["inputs"][5]["data"][0] = serde_json::json!(["i1", 7]);
     let (status, reply) = infer(&wrong);
     // (JSON objects here put `data` before `name`: the input is named by its place.)

@@ -227,7 +227,20 @@ impl Served {
             let (slot, want) = match self.inputs.column(name).ok_or_else(no_such)? {
                 InputColumn::Dense(i) => (&mut columns.dense[i], "FP32"),
                 InputColumn::Sparse(i) => (&mut columns.sparse[i], "BYTES"),
-                InputColumn::Sequence(j) => (&mut columns.sequences[j], "BYTES"),
+                InputColumn::Sequence(j) => {
+                    if input.datatype != "BYTES" {
+                        return Err(bad(format!("input `{name}`: datatype `{}`, expected BYTES", input.datatype)));
+                    }
+                    let (n, width) = sequence_rows(name, input)?;
+                    if rows.is_some_and(|other| other != n) {
+                        return Err(bad(format!("input `{name}` has {n} rows, another input {}", rows.unwrap_or(0))));
+                    }
+                    rows = Some(n);
+                    if columns.sequences[j].replace((&input.cells, name, width)).is_some() {
+                        return Err(bad(format!("input `{name}` is given twice")));
+                    }
+                    continue;
+                }
                 InputColumn::Unused => return Err(no_such()),
             };
             if slot.is_some() {
@@ -280,7 +293,29 @@ struct RequestColumns<'r> {
     inputs: &'r ModelInputs,
     dense: Vec<Option<(&'r Cells, &'r str)>>,
     sparse: Vec<Option<(&'r Cells, &'r str)>>,
-    sequences: Vec<Option<(&'r Cells, &'r str)>>,
+    /// With the width of a rectangular [N, L] input given flat (`None`:
+    /// one cell a row, a list or a string of IDs).
+    sequences: Vec<Option<(&'r Cells, &'r str, Option<usize>)>>,
+}
+
+/// A sequence input's rows, and its width when it is given as a flat
+/// [N, L] tensor (L IDs a row, empty strings padding, as numpy clients send
+/// a rectangular history): [N] holds a list (or a string of IDs) a row.
+fn sequence_rows(name: &str, input: &crate::request::Input) -> Result<(usize, Option<usize>), ApiError> {
+    let n = input.cells.len();
+    let dims: Vec<Option<usize>> = input.shape.iter().map(|&d| usize::try_from(d).ok()).collect();
+    let flat = input.cells.values.iter().all(|c| !matches!(c, Cell::List { .. }));
+    match dims[..] {
+        [Some(rows)] if rows == n => Ok((n, None)),
+        // Nested lists a row: [N, L] or [N, -1] (ragged) name the rows.
+        [Some(rows), _] if rows == n && !flat => Ok((n, None)),
+        [Some(rows), Some(width)] if flat && width > 0 && rows.checked_mul(width) == Some(n) => Ok((rows, Some(width))),
+        [Some(0), Some(0)] if n == 0 => Ok((0, None)),
+        _ => Err(bad(format!(
+            "input `{name}`: shape {:?} for {n} values; expected [N] with a list of IDs a row, or [N, L] with N×L IDs",
+            input.shape
+        ))),
+    }
 }
 
 impl ColumnValues for RequestColumns<'_> {
@@ -307,7 +342,22 @@ impl ColumnValues for RequestColumns<'_> {
     /// A list of IDs, or one string of them between the data's separator
     /// (as the file's cell holds them); null is an empty history.
     fn sequence(&self, column: usize, row: usize) -> Result<Vec<Cow<'_, [u8]>>, ApiError> {
-        let Some((cells, name)) = self.sequences[column] else { return Ok(Vec::new()) };
+        let Some((cells, name, width)) = self.sequences[column] else { return Ok(Vec::new()) };
+        if let Some(width) = width {
+            let mut ids = Vec::with_capacity(width);
+            for cell in &cells.values[row * width..(row + 1) * width] {
+                match *cell {
+                    Cell::Null => {}
+                    Cell::Text { start, len } => {
+                        let id = cells.text(start, len);
+                        self.inputs.check_text(id).map_err(|e| bad(format!("input `{name}`: row {row}: {e}")))?;
+                        ids.push(Cow::Borrowed(id.as_bytes()));
+                    }
+                    _ => return Err(bad(format!("input `{name}`: row {row}: an ID is not a string (BYTES)"))),
+                }
+            }
+            return Ok(ids);
+        }
         let ids: Vec<&str> = match cells.values[row] {
             Cell::Null => Vec::new(),
             Cell::List { first, count } => cells.list(first, count).collect(),
