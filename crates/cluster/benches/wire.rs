@@ -26,6 +26,7 @@ fn batch() -> WorkerBatch {
         num_dense: 13,
         num_tasks: 1,
         truncated_sequences: 0,
+        groups: Vec::new(),
         labels: (0..ROWS).map(|i| (i % 4 == 0) as u8 as f32).collect(),
         dense: (0..ROWS * 13).map(|i| i as f32 * 0.01).collect(),
         bag_offsets: (0..=keys as u32).collect(),

@@ -34,6 +34,8 @@ pub struct Loader {
     /// Batches (by start) a restored checkpoint says were trained already,
     /// out of order: read and dropped.
     skip: std::collections::HashSet<(u64, u64, u64)>,
+    /// Evaluation under `eval.group_by`: the field whose first ID groups rows.
+    group_field: Option<usize>,
 }
 
 impl Loader {
@@ -55,7 +57,14 @@ impl Loader {
             bad_rows,
             next_start: Default::default(),
             skip: Default::default(),
+            group_field: None,
         }
+    }
+
+    /// Each batch carries its rows' group numbers (GAUC under `eval.group_by`).
+    pub fn grouping(mut self, field: Option<usize>) -> Self {
+        self.group_field = field;
+        self
     }
 
     /// The stream starts at `start` (a restored checkpoint's position) and
@@ -95,6 +104,10 @@ impl Loader {
         let (batch, start) = batch;
         let batch_id = self.next_id;
         self.next_id += 1;
+        let groups = match self.group_field {
+            Some(field) => sparrow_trainer::evaluation::group_keys(&batch, field).collect(),
+            None => Vec::new(),
+        };
         let mut out = WorkerBatch {
             batch_id,
             rows: batch.rows(),
@@ -102,6 +115,7 @@ impl Loader {
             num_dense: batch.num_dense,
             num_tasks: batch.tasks(),
             truncated_sequences: batch.truncated_sequences,
+            groups,
             labels: batch.labels,
             dense: batch.dense,
             bag_offsets: batch.bag_offsets,
@@ -463,9 +477,14 @@ impl LoaderServer {
                         // Evaluation reads rows as they are: weighting (and
                         // its counters) is training's, even on the same file.
                         let unweighted = sparrow_core::Config {
-                            data: sparrow_core::config::DataConfig { weighting: None, ..job.data.clone() },
+                            data: sparrow_core::config::DataConfig {
+                                weighting: None,
+                                group_by_label: false,
+                                ..job.data.clone()
+                            },
                             ..job
                         };
+                        let groups = sparrow_trainer::evaluation::group_field(&unweighted);
                         let stream = BatchStream::spawn(
                             Path::new(&test),
                             &unweighted,
@@ -474,7 +493,8 @@ impl LoaderServer {
                             1,
                             thread_bad.clone(),
                         )?;
-                        let mut eval = Loader::new(stream, shards, Mode::Eval, cluster_mode, first_eval_id, thread_bad);
+                        let mut eval = Loader::new(stream, shards, Mode::Eval, cluster_mode, first_eval_id, thread_bad)
+                            .grouping(groups);
                         pump(&mut || eval.next_batch(), &eval_tx, None)?;
                     }
                     Ok(())

@@ -49,6 +49,9 @@ pub struct WorkerBatch {
     pub stream: Option<sparrow_core::batch::StreamMark>,
     /// Its rows' behaviour sequences cut to their `max_len`.
     pub truncated_sequences: u64,
+    /// Evaluation batches under `eval.group_by`: each row's group number
+    /// (`evaluation::group_keys`, not a key a shard holds); else empty.
+    pub groups: Vec<u64>,
 }
 
 /// What the loader's pass staging cost so far (S1.1, collocated mode).

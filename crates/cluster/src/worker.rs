@@ -487,20 +487,26 @@ impl Worker {
         Ok(logits.map_err(sparrow_trainer::TrainError::from)?)
     }
 
-    /// Logits and labels of the loader's evaluation data (no groups: a
-    /// worker sees no IDs).
+    /// Logits and labels of the loader's evaluation data, and under
+    /// `eval.group_by` each row's group number (the loader's: a worker sees
+    /// no IDs).
     pub fn run_eval(
         &mut self,
         loader: &dyn LoaderService,
         shards: &[Arc<dyn ShardService>],
     ) -> Result<Scores, ClusterError> {
         let mut s = Scores::default();
-        while let Some(batch) = loader.next_batch(self.index, Mode::Eval, self.generation)? {
+        // Group numbers come with every batch under `eval.group_by`, with none otherwise.
+        let (mut groups, mut grouped) = (Vec::new(), true);
+        while let Some(mut batch) = loader.next_batch(self.index, Mode::Eval, self.generation)? {
             self.stats.bad_rows = self.stats.bad_rows.max(batch.bad_rows);
+            grouped &= batch.groups.len() == batch.rows && (batch.rows == 0 || !batch.groups.is_empty());
+            groups.append(&mut batch.groups);
             s.labels.extend_from_slice(&batch.labels);
             s.logits.extend(self.predict(batch, shards)?);
             self.progress.fetch_add(1, Ordering::Relaxed);
         }
+        s.groups = (grouped && !groups.is_empty()).then_some(groups);
         Ok(s)
     }
 

@@ -29,9 +29,16 @@ pub fn group_field(config: &Config) -> Option<usize> {
     config.data.schema.as_ref()?.sparse.iter().position(|s| s == group)
 }
 
-/// The group key of each row of `batch` (its first ID in `field`; 0 if none).
+/// The group number of each row of `batch`: a mix of its first ID's key in
+/// `field` (0 if none). Not the key itself: a cluster's loader hands these
+/// to a worker, which never sees a key a shard holds (S0.1); `train` and
+/// `launch` use the same numbers, so GAUC sums its groups in the same order.
 pub fn group_keys(batch: &sparrow_core::Batch, field: usize) -> impl Iterator<Item = u64> + '_ {
-    (0..batch.rows()).map(move |r| batch.bag(r, field).next().map_or(0, |k| batch.keys[k]))
+    (0..batch.rows()).map(move |r| {
+        let key = batch.bag(r, field).next().map_or(0, |k| batch.keys[k]);
+        let mut state = key ^ 0x6a09_e667_f3bc_c909;
+        sparrow_core::rng::splitmix64(&mut state)
+    })
 }
 
 /// Logits and labels of every good row of `path`, read as they are:

@@ -31,6 +31,7 @@ pub fn to_proto(b: WorkerBatch) -> pb::WorkerBatch {
         num_dense: b.num_dense as u32,
         num_tasks: b.num_tasks as u32,
         truncated_sequences: b.truncated_sequences,
+        groups: u64s_to_bytes(&b.groups),
         labels: f32s_to_bytes(&b.labels),
         dense: f32s_to_bytes(&b.dense),
         bag_offsets: if one_key_per_bag { Vec::new() } else { u32s_to_bytes(&b.bag_offsets) },
@@ -71,6 +72,7 @@ pub fn from_proto(b: pb::WorkerBatch, peer: &str) -> Result<WorkerBatch, Cluster
         num_dense,
         num_tasks,
         truncated_sequences: b.truncated_sequences,
+        groups: bytes_to_u64s(&b.groups, peer, "groups")?,
         labels: bytes_to_f32s(&b.labels, peer, "labels")?,
         dense: bytes_to_f32s(&b.dense, peer, "dense")?,
         bag_offsets: if b.one_key_per_bag {
@@ -114,6 +116,9 @@ pub fn from_proto(b: pb::WorkerBatch, peer: &str) -> Result<WorkerBatch, Cluster
     };
     if out.sample_weights.as_ref().is_some_and(|w| w.len() != rows) {
         return Err(malformed(format!("batch {}: sample weights for another row count", out.batch_id)));
+    }
+    if !out.groups.is_empty() && out.groups.len() != rows {
+        return Err(malformed(format!("batch {}: {} group numbers for {rows} rows", out.batch_id, out.groups.len())));
     }
     let keys = out.bag_offsets.last().copied().unwrap_or(0) as usize;
     // Bag b of the batch holds keys bag_offsets[b]..bag_offsets[b + 1].
@@ -270,6 +275,7 @@ mod tests {
             // Two tasks when weighted: the second masked in odd rows.
             num_tasks: if weights { 2 } else { 1 },
             truncated_sequences: rows as u64 / 3,
+            groups: if weights { (0..rows as u64).map(|r| r * 7919).collect() } else { Vec::new() },
             labels: if weights {
                 (0..rows).flat_map(|r| [1.0, if r % 2 == 1 { f32::NAN } else { 0.0 }]).collect()
             } else {
@@ -314,6 +320,7 @@ mod tests {
             let bits = |l: &[f32]| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             prop_assert_eq!(bits(&back.labels), bits(&b.labels));
             prop_assert_eq!((back.num_tasks, back.truncated_sequences), (b.num_tasks, b.truncated_sequences));
+            prop_assert_eq!(&back.groups, &b.groups);
             prop_assert_eq!(back.end, b.end);
             prop_assert_eq!(back.sample_weights, b.sample_weights);
             prop_assert_eq!((back.merged_samples, back.dropped_samples), (6, 2));
