@@ -65,6 +65,9 @@ enum Command {
         /// Behaviour data: an `ad_type` label of K classes.
         #[arg(long, value_name = "K")]
         classes: Option<u32>,
+        /// Behaviour data: added to every click logit (−2: a few percent of clicks, as production ads have).
+        #[arg(long, value_name = "X", allow_negative_numbers = true)]
+        click_shift: Option<f64>,
     },
     /// Train (and evaluate on data.test) as a TOML config says.
     Train {
@@ -514,14 +517,27 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
     );
     init_logging(role);
     match cli.command {
-        Command::Gen { out, train_rows, test_rows, seed, format, days, shuffled, tasks, sequence, classes } => {
-            if tasks || sequence || classes.is_some() {
+        Command::Gen {
+            out,
+            train_rows,
+            test_rows,
+            seed,
+            format,
+            days,
+            shuffled,
+            tasks,
+            sequence,
+            classes,
+            click_shift,
+        } => {
+            if tasks || sequence || classes.is_some() || click_shift.is_some() {
                 if days.is_some() || shuffled || format.is_some() {
                     anyhow::bail!(
                         "--tasks, --sequence and --classes write behaviour CSV: leave out --format, --days and --shuffled"
                     );
                 }
-                let shape = sparrow_data::synth_tasks::Shape { tasks, sequence, classes };
+                let click_shift = click_shift.unwrap_or(0.0);
+                let shape = sparrow_data::synth_tasks::Shape { tasks, sequence, classes, click_shift };
                 return print_json(&sparrow_data::synth_tasks::generate_tasks(
                     &out, train_rows, test_rows, shape, seed,
                 )?);

@@ -522,3 +522,24 @@ fn label_grouped_batches_are_repeatable_resumable_and_launch_alike() {
         assert!(!out.status.success() && stderr.contains(key), "{set}: {stderr}");
     }
 }
+
+/// `gen --click-shift X` moves every click logit: −2 takes the click rate
+/// from about 17% to a few percent (what production ads see), the truth
+/// follows it, and a value that is not a number is refused.
+#[test]
+fn gen_moves_the_click_rate_by_its_shift() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let rate = |shift: &str| {
+        let out = sparrow()
+            .args(["gen", "--out", &tmp.path().join(shift).display().to_string(), "--train-rows", "20000"])
+            .args(["--test-rows", "20000", "--tasks", "--click-shift", shift])
+            .output()
+            .expect("gen");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        last_json(&out)["tasks"]["click"]["rate"].as_f64().expect("rate")
+    };
+    let (base, shifted) = (rate("0"), rate("-2"));
+    assert!(base > 0.12 && shifted < 0.05 && shifted > 0.005, "click rates {base} and {shifted}");
+    let out = sparrow().args(["gen", "--out", "x", "--tasks", "--click-shift", "NaN"]).output().expect("gen");
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--click-shift"));
+}
