@@ -13,7 +13,7 @@ use sparrow_core::config::{DataConfig, DataFormat, DenseTransform, Schema};
 use sparrow_core::{BatchBuilder, feature_key};
 
 use crate::layout::{CRITEO_DENSE, CRITEO_SPARSE, DataLayout};
-use crate::text::{criteo_dense, parse_int, split_bytes};
+use crate::text::{criteo_dense, parse_int, push_sequence, split_bytes};
 
 /// The inputs a model reads, dense then sparse, named as its data schema
 /// names them (Criteo: `I1`..`I13`, `C1`..`C26`), and the rules its data
@@ -190,19 +190,6 @@ pub trait ColumnValues {
     /// without sequences never asks; an input not given is an empty list).
     fn sequence(&self, _column: usize, _row: usize) -> Result<Vec<Cow<'_, [u8]>>, Self::Error> {
         Ok(Vec::new())
-    }
-}
-
-/// A behaviour sequence's IDs (oldest first, none empty) as the readers
-/// push them: the newest `max_len`, keyed as sparse field `table`, into
-/// bag `slot`; a longer list is counted as truncated.
-pub fn push_sequence(out: &mut BatchBuilder, slot: usize, table: u32, max_len: usize, ids: &[&[u8]]) {
-    let cut = ids.len().saturating_sub(max_len);
-    if cut > 0 {
-        out.count_truncated_sequence();
-    }
-    for id in &ids[cut..] {
-        out.push_key(slot, feature_key(table, id), 1.0);
     }
 }
 

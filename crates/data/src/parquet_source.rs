@@ -291,7 +291,7 @@ impl ParquetSource {
                 other => vec![id_bytes(other)],
             };
             let ids: Vec<&[u8]> = ids.iter().map(Vec::as_slice).collect();
-            crate::columns::push_sequence(out, first + j, table, max_len, &ids);
+            crate::text::push_sequence(out, first + j, table, max_len, &ids);
         }
         Ok(label)
     }

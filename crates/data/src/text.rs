@@ -358,7 +358,7 @@ impl LineParser for CsvParser {
             // A sequence is a list however the sparse fields are read.
             let sep = self.multi_hot.as_deref().unwrap_or(b"|");
             let ids: Vec<&[u8]> = split_bytes(cells[q.col].as_ref(), sep).filter(|s| !s.is_empty()).collect();
-            crate::columns::push_sequence(out, first + j, q.table, q.max_len, &ids);
+            push_sequence(out, first + j, q.table, q.max_len, &ids);
         }
         Ok(label)
     }
@@ -366,6 +366,19 @@ impl LineParser for CsvParser {
     fn whole_without_newline(&self, line: &[u8]) -> bool {
         let mut cells = Vec::new();
         split_csv(line, self.delim, &mut cells).is_ok() && cells.len() >= self.columns
+    }
+}
+
+/// A behaviour sequence's IDs (oldest first, none empty) as the readers
+/// push them: the newest `max_len`, keyed as sparse field `table`, into
+/// bag `slot`; a longer list is counted as truncated.
+pub fn push_sequence(out: &mut BatchBuilder, slot: usize, table: u32, max_len: usize, ids: &[&[u8]]) {
+    let cut = ids.len().saturating_sub(max_len);
+    if cut > 0 {
+        out.count_truncated_sequence();
+    }
+    for id in &ids[cut..] {
+        out.push_key(slot, feature_key(table, id), 1.0);
     }
 }
 
