@@ -435,37 +435,52 @@ fn exact_on_the_ssd_tier_and_across_a_resume(dir: &Path, config: &str) {
     assert_eq!(resumed["tasks"], whole["tasks"]);
 }
 
-/// Every sync policy takes several tasks: with one worker, `sync = "round"`
-/// trains `train`'s model bit for bit, and `sync = "lazy"` a model within
-/// its aggregation's rounding of it; the bf16 path trains them too (other
-/// bits, close figures).
+/// Every sync policy takes several tasks, pooled by sum (MLP) or by
+/// attention (DIN): with one worker, `sync = "round"` trains `train`'s model
+/// bit for bit, and `sync = "lazy"` a model within its aggregation's
+/// rounding of it; one collocated node (S1) trains `train`'s model bit for
+/// bit; the bf16 path trains them too (other bits, close figures).
 #[test]
 fn several_tasks_run_under_every_sync_policy_and_in_bf16() {
     let tmp = tempfile::tempdir().expect("tmp");
     behaviour_data(tmp.path(), "30000");
-    let config = job(tmp.path(), "");
-    let whole = train_json(&config);
-    for sync in ["round", "lazy"] {
-        let ck = format!("checkpoint.dir={:?}", tmp.path().join(format!("ck-{sync}")).display().to_string());
+    for kind in ["mlp", "din"] {
+        let dir = tmp.path().join(kind);
+        std::fs::create_dir_all(&dir).expect("dir");
+        std::os::unix::fs::symlink(tmp.path().join("data"), dir.join("data")).expect("data");
+        let config = job(&dir, "");
+        let text = std::fs::read_to_string(&config).expect("config");
+        std::fs::write(&config, text.replace("kind = \"mlp\"", &format!("kind = \"{kind}\""))).expect("write");
+        under_every_sync_policy_and_in_bf16(&dir, &config, kind);
+    }
+}
+
+fn under_every_sync_policy_and_in_bf16(dir: &Path, config: &str, kind: &str) {
+    let whole = train_json(config);
+    let ck = |name: &str| format!("checkpoint.dir={:?}", dir.join(name).display().to_string());
+    let modes: [(&str, &[&str]); 3] = [
+        ("round", &["--shards", "2", "--workers", "1", "--set", "cluster.sync=\"round\""]),
+        ("lazy", &["--shards", "2", "--workers", "1", "--set", "cluster.sync=\"lazy\""]),
+        ("collocated", &["--nodes", "1", "--set", "cluster.mode=\"collocated\"", "--set", "cluster.pass_batches=8"]),
+    ];
+    for (mode, args) in modes {
         let out = sparrow()
-            .args(["launch", "--config", &config, "--shards", "2", "--workers", "1", "--quiet"])
-            .args(["--set", &format!("cluster.sync={sync:?}"), "--set", &ck])
+            .args(["launch", "--config", config, "--quiet", "--set", &ck(&format!("ck-{mode}"))])
+            .args(args)
             .output()
             .expect("launch");
-        assert!(out.status.success(), "{sync}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "{kind} {mode}: {}", String::from_utf8_lossy(&out.stderr));
         let launched = last_json(&out);
-        if sync == "round" {
-            assert_eq!(launched["test_auc"], whole["test_auc"], "{sync}");
-            assert_eq!(launched["tasks"]["ad_type"], whole["tasks"]["ad_type"], "{sync}");
+        if mode != "lazy" {
+            assert_eq!(launched["tasks"], whole["tasks"], "{kind} {mode}");
         }
         for task in ["click", "conversion"] {
             let auc = |j: &Value| j["tasks"][task]["auc"].as_f64().expect("auc");
-            assert!((auc(&launched) - auc(&whole)).abs() < 0.01, "{sync}: {task}: {launched}");
+            assert!((auc(&launched) - auc(&whole)).abs() < 0.01, "{kind} {mode}: {task}: {launched}");
         }
     }
-    let ck = format!("checkpoint.dir={:?}", tmp.path().join("ck-bf16").display().to_string());
     let out = sparrow()
-        .args(["train", "--config", &config, "--quiet", "--set", "model.precision=\"bf16\"", "--set", &ck])
+        .args(["train", "--config", config, "--quiet", "--set", "model.precision=\"bf16\"", "--set", &ck("ck-bf16")])
         .output()
         .expect("train");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -473,7 +488,7 @@ fn several_tasks_run_under_every_sync_policy_and_in_bf16() {
     for task in ["click", "conversion"] {
         let (a, b) =
             (bf16["tasks"][task]["auc"].as_f64().expect("auc"), whole["tasks"][task]["auc"].as_f64().expect("auc"));
-        assert!((a - b).abs() < 0.02, "{task}: bf16 {a}, f32 {b}");
+        assert!((a - b).abs() < 0.02, "{kind}: {task}: bf16 {a}, f32 {b}");
     }
 }
 
