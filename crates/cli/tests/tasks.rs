@@ -75,6 +75,18 @@ group_by = "user_id"
     path.display().to_string()
 }
 
+/// `dir/<kind>`, holding a link to `dir/data` and [`job`]'s config with
+/// `model.kind = kind`: the directory and the config's path.
+fn kind_job(dir: &Path, kind: &str) -> (std::path::PathBuf, String) {
+    let own = dir.join(kind);
+    std::fs::create_dir_all(&own).expect("dir");
+    std::os::unix::fs::symlink(dir.join("data"), own.join("data")).expect("data");
+    let config = job(&own, "");
+    let text = std::fs::read_to_string(&config).expect("config");
+    std::fs::write(&config, text.replace("kind = \"mlp\"", &format!("kind = \"{kind}\""))).expect("write");
+    (own, config)
+}
+
 #[test]
 fn several_tasks_and_a_sequence_train_evaluate_predict_and_launch_alike() {
     let tmp = tempfile::tempdir().expect("tmp");
@@ -398,12 +410,7 @@ fn several_tasks_are_exact_on_the_ssd_tier_and_across_a_resume() {
     let tmp = tempfile::tempdir().expect("tmp");
     behaviour_data(tmp.path(), "12000");
     for kind in ["mlp", "din"] {
-        let dir = tmp.path().join(kind);
-        std::fs::create_dir_all(&dir).expect("dir");
-        std::os::unix::fs::symlink(tmp.path().join("data"), dir.join("data")).expect("data");
-        let config = job(&dir, "");
-        let text = std::fs::read_to_string(&config).expect("config");
-        std::fs::write(&config, text.replace("kind = \"mlp\"", &format!("kind = \"{kind}\""))).expect("write");
+        let (dir, config) = kind_job(tmp.path(), kind);
         exact_on_the_ssd_tier_and_across_a_resume(&dir, &config);
     }
 }
@@ -445,12 +452,7 @@ fn several_tasks_run_under_every_sync_policy_and_in_bf16() {
     let tmp = tempfile::tempdir().expect("tmp");
     behaviour_data(tmp.path(), "30000");
     for kind in ["mlp", "din"] {
-        let dir = tmp.path().join(kind);
-        std::fs::create_dir_all(&dir).expect("dir");
-        std::os::unix::fs::symlink(tmp.path().join("data"), dir.join("data")).expect("data");
-        let config = job(&dir, "");
-        let text = std::fs::read_to_string(&config).expect("config");
-        std::fs::write(&config, text.replace("kind = \"mlp\"", &format!("kind = \"{kind}\""))).expect("write");
+        let (dir, config) = kind_job(tmp.path(), kind);
         under_every_sync_policy_and_in_bf16(&dir, &config, kind);
     }
 }
