@@ -199,6 +199,9 @@ def _column(name, values):
     """One column as the native module takes it: numbers as 8-byte words,
     lists (a behaviour sequence's IDs a row) as lists of str, anything else
     as a list of str (None and NaN: an empty cell)."""
+    if isinstance(values, np.ndarray) and values.ndim == 2:
+        # A rectangular history, a row a row ("" or None pad it).
+        return _list_column(name, [[i for i in row if i is not None] for row in values.tolist()])
     rows = values.tolist() if isinstance(values, np.ndarray) and values.dtype.kind == "O" else values
     if isinstance(rows, (list, tuple)) and any(_is_list(v) for v in rows):
         return _list_column(name, rows)
@@ -285,7 +288,8 @@ class Model:
         through the data format's reading rules.
 
         A behaviour sequence's column (`Model.sequences`) holds a list of
-        IDs a row (or the file's string of them between the separator).
+        IDs a row (or the file's string of them between the separator), or
+        is a 2-D array of IDs padded with empty strings.
 
         A model of one binary task returns one array. A model of several
         tasks (or a multiclass one) returns a dict, task name to its column:

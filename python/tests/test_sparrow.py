@@ -582,6 +582,10 @@ def test_several_tasks_predict_a_column_each_and_take_list_columns(cli, tmp_path
     # The file's string of IDs between separators reads the same.
     check(model.predict({**{c: frame[c].tolist() for c in frame.columns},
                          "hist_items": ["|".join(h) for h in frame["hist_items"]]}))
+    # A rectangular [N, L] array of IDs, padded with "".
+    longest = max(len(h) for h in frame["hist_items"])
+    padded = np.array([h + [""] * (longest - len(h)) for h in frame["hist_items"]])
+    check(model.predict({**{c: frame[c].tolist() for c in frame.columns}, "hist_items": padded}))
     with pytest.raises(sparrow.DataError, match="column `item_id` holds lists"):
         model.predict({**{c: frame[c].tolist() for c in frame.columns}, "item_id": [["i1"]] * 300})
     with pytest.raises(sparrow.DataError, match="column `hist_items`, row 0: an ID is a float"):

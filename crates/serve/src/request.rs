@@ -20,7 +20,8 @@ use serde::de::{DeserializeSeed, Deserializer, Error as _, IgnoredAny, MapAccess
 /// The header of KServe's binary tensor extension: the JSON part's length.
 pub const BINARY_HEADER: &str = "inference-header-content-length";
 
-/// Shapes have at most this many dimensions (ours have one).
+/// Shapes have at most this many dimensions (ours have one, or two for a
+/// behaviour sequence given as a flat [N, L] tensor).
 const MAX_SHAPE_DIMS: usize = 8;
 /// A request names at most this many outputs.
 const MAX_OUTPUTS: usize = 64;
