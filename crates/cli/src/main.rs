@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 mod args;
+mod config_command;
 mod gather_limit;
 mod produce_command;
 mod serve_command;
@@ -87,6 +88,16 @@ enum Command {
         /// every train.log_interval_steps (off loopback: needs cluster.auth_token).
         #[arg(long, value_name = "ADDR")]
         metrics_listen: Option<std::net::SocketAddr>,
+    },
+    /// Print a config as TOML: every key with its default (`--defaults`),
+    /// or a config file as a job reads it, defaults and `--set` applied.
+    Config {
+        #[arg(long, required_unless_present = "config", conflicts_with_all = ["config", "set"])]
+        defaults: bool,
+        #[arg(long)]
+        config: Option<PathBuf>,
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
     },
     /// AUC and log-loss of a checkpoint on a data file.
     Eval {
@@ -567,6 +578,13 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
                 Some(addr) => train_metrics::train_serving_metrics(&config, quiet, &stop_on_signals(), addr)?,
             };
             print_json(&summary)
+        }
+        Command::Config { config, set, .. } => {
+            let loaded = match config {
+                Some(path) => Some(load_config(&path, &set)?),
+                None => None,
+            };
+            config_command::print(loaded.as_ref())
         }
         Command::Eval { checkpoint, data, set } => {
             print_json(&sparrow_trainer::evaluate_checkpoint(&checkpoint, &data, &edge_overrides(&set)?, None)?)

@@ -630,3 +630,33 @@ fn the_kinds_table_reports_the_bytes_floor_beside_the_flops() {
         assert!(got < 1.0, "{k}: LR and FM are bound by their bytes");
     }
 }
+
+/// `sparrow config --defaults` prints every key with its default, as TOML a
+/// job reads back unchanged; `--config F --set k=v` prints F as the job
+/// reads it; a wrong key is refused naming it, and neither flag is an error.
+#[test]
+fn config_prints_the_defaults_and_a_config_as_a_job_reads_it() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let run = |args: &[&str]| sparrow(&[&["config"], args].concat());
+    let defaults = run(&["--defaults"]);
+    assert!(defaults.status.success(), "{}", String::from_utf8_lossy(&defaults.stderr));
+    let text = String::from_utf8(defaults.stdout).expect("utf-8");
+    assert!(text.contains("[model]\nkind = \"dlrm\"") && text.contains("attention_hidden = [36]"), "{text}");
+    let path = tmp.path().join("defaults.toml");
+    std::fs::write(&path, &text).expect("write");
+    let again = run(&["--config", &path.display().to_string()]);
+    assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stderr));
+    let body = |t: &str| t.lines().filter(|l| !l.starts_with('#')).collect::<Vec<_>>().join("\n");
+    assert_eq!(body(&String::from_utf8_lossy(&again.stdout)), body(&text), "the defaults read back unchanged");
+    let behaviour = concat!(env!("CARGO_MANIFEST_DIR"), "/../../configs/behaviour-tasks.toml");
+    let shown = run(&["--config", behaviour, "--set", "train.epochs=3"]);
+    let shown = String::from_utf8_lossy(&shown.stdout);
+    assert!(
+        shown.contains("epochs = 3") && shown.contains("name = \"ad_type\"") && shown.contains("seed ="),
+        "{shown}"
+    );
+    std::fs::write(&path, "[model]\nkinds = \"mlp\"\n").expect("write");
+    let wrong = run(&["--config", &path.display().to_string()]);
+    assert!(!wrong.status.success() && String::from_utf8_lossy(&wrong.stderr).contains("kinds"));
+    assert!(!run(&[]).status.success(), "neither --defaults nor --config");
+}

@@ -1,0 +1,23 @@
+//! `sparrow config`: a config as TOML, every key spelled out. `--defaults`
+//! prints what a job gets from an empty config; `--config F` prints F as
+//! the job reads it (defaults filled in, `--set` applied, checked).
+
+use std::io::Write;
+
+use sparrow_core::Config;
+
+/// Prints `config` (`None`: the defaults) as TOML. Keys without a default
+/// (an optional path, a table a job may leave out) are absent.
+pub fn print(config: Option<&Config>) -> anyhow::Result<()> {
+    let defaults = Config::default();
+    let (config, what) = match config {
+        Some(c) => (c, "the config as a job reads it: defaults filled in, --set applied"),
+        None => (&defaults, "every key with its default"),
+    };
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "# sparrow {}: {what}.", env!("CARGO_PKG_VERSION"))?;
+    writeln!(out, "# Optional keys without a default (data.train, [data.stream], ...) are left out.")?;
+    write!(out, "{}", config.to_toml())?;
+    out.flush()?;
+    Ok(())
+}
