@@ -442,7 +442,7 @@ impl Model {
         d.set_item("model", config.model.kind.name())?;
         d.set_item("format", format!("{:?}", config.data.format).to_lowercase())?;
         if let Ok(inputs) = &self.inputs {
-            d.set_item("label", &inputs.label)?;
+            d.set_item("label", inputs.label())?;
             d.set_item("labels", &inputs.labels)?;
             d.set_item("sequences", inputs.sequences.iter().map(|q| &q.name).collect::<Vec<_>>())?;
             d.set_item("inputs", inputs.names().collect::<Vec<_>>())?;

@@ -20,8 +20,7 @@ use crate::text::{criteo_dense, parse_int, push_sequence, split_bytes};
 /// file's reader applies to their values.
 #[derive(Clone, Debug)]
 pub struct ModelInputs {
-    pub label: String,
-    /// Every label column (one per task): accepted, not read.
+    /// Every label column (one per task; never empty): accepted, not read.
     pub labels: Vec<String>,
     pub dense: Vec<String>,
     pub sparse: Vec<String>,
@@ -61,7 +60,6 @@ impl ModelInputs {
     pub fn of(data: &DataConfig) -> Result<ModelInputs, String> {
         match data.format {
             DataFormat::Criteo => Ok(ModelInputs {
-                label: "label".into(),
                 labels: vec!["label".into()],
                 sequences: Vec::new(),
                 dense: (1..=CRITEO_DENSE).map(|i| format!("I{i}")).collect(),
@@ -84,7 +82,6 @@ impl ModelInputs {
                     .collect::<Result<_, String>>()?;
                 let labels = if schema.labels.is_empty() { vec![schema.label.clone()] } else { schema.labels.clone() };
                 Ok(ModelInputs {
-                    label: labels[0].clone(),
                     labels,
                     sequences,
                     dense: schema.dense.clone(),
@@ -99,6 +96,11 @@ impl ModelInputs {
                  models"
             )),
         }
+    }
+
+    /// The first task's label column (a one-task model's only one).
+    pub fn label(&self) -> &str {
+        self.labels.first().map_or("label", String::as_str)
     }
 
     /// Every input's name: dense, sparse, then sequences.
