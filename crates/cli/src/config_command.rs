@@ -21,3 +21,19 @@ pub fn print(config: Option<&Config>) -> anyhow::Result<()> {
     out.flush()?;
     Ok(())
 }
+
+/// Prints the config's JSON Schema (`docs/config.schema.json`).
+pub fn print_schema() -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{}", serde_json::to_string_pretty(&sparrow_core::config::json_schema())?)?;
+    out.flush()?;
+    Ok(())
+}
+
+/// Prints the book's configuration chapter (`docs/book/src/configuration.md`).
+pub fn print_reference() -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    write!(out, "{}", crate::config_reference::markdown(&sparrow_core::config::json_schema()))?;
+    out.flush()?;
+    Ok(())
+}

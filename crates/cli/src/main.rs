@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 mod args;
 mod config_command;
+mod config_reference;
 mod gather_limit;
 mod produce_command;
 mod serve_command;
@@ -91,10 +92,16 @@ enum Command {
     },
     /// Print a config as TOML: every key with its default (`--defaults`),
     /// or a config file as a job reads it, defaults and `--set` applied.
+    /// `--schema`: the config's JSON Schema (descriptions, defaults, allowed
+    /// values); `--reference`: the same as the book's Markdown chapter.
     Config {
-        #[arg(long, required_unless_present = "config", conflicts_with_all = ["config", "set"])]
+        #[arg(long, conflicts_with_all = ["config", "set", "schema", "reference"])]
         defaults: bool,
-        #[arg(long)]
+        #[arg(long, conflicts_with_all = ["config", "set", "reference"])]
+        schema: bool,
+        #[arg(long, conflicts_with_all = ["config", "set"])]
+        reference: bool,
+        #[arg(long, required_unless_present_any = ["defaults", "schema", "reference"])]
         config: Option<PathBuf>,
         #[arg(long = "set", value_name = "KEY=VALUE")]
         set: Vec<String>,
@@ -579,6 +586,8 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             };
             print_json(&summary)
         }
+        Command::Config { schema: true, .. } => config_command::print_schema(),
+        Command::Config { reference: true, .. } => config_command::print_reference(),
         Command::Config { config, set, .. } => {
             let loaded = match config {
                 Some(path) => Some(load_config(&path, &set)?),

@@ -4,6 +4,7 @@
 mod bounds;
 mod kinds;
 mod overrides;
+mod reference;
 mod schema;
 mod stream;
 mod tasks;
@@ -11,6 +12,7 @@ mod validate;
 
 pub use kinds::ModelKind;
 pub use overrides::Overrides;
+pub use reference::json_schema;
 pub use schema::{DenseTransform, Schema};
 pub use stream::{MAX_FETCH_BYTES, Partitions, RetentionGap, StreamConfig, StreamKind, StreamStart};
 pub use tasks::{EvalConfig, MAX_CLASSES, MAX_SEQUENCE_LEN, SequenceField, Task, TaskConfig, TaskKind};
@@ -30,36 +32,59 @@ pub enum ConfigError {
     Invalid { key: String, message: String },
 }
 
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
+    /// `[data]`: the files (or the stream) trained and tested on, and how they read.
     pub data: DataConfig,
+    /// `[model]`: the dense network and its tasks.
     pub model: ModelConfig,
+    /// `[train]`: batches, epochs, threads, the seed, and what is logged.
     pub train: TrainConfig,
+    /// `[embedding]`: the embedding tables: their optimizer, storage tier, filters and bounds.
     pub embedding: EmbeddingConfig,
+    /// `[dense_optimizer]`: the optimizer of the dense network's weights.
     pub dense_optimizer: DenseOptimizerConfig,
+    /// `[checkpoint]`: where the model is saved, how often, and what a run resumes from.
     pub checkpoint: CheckpointConfig,
+    /// `[cluster]`: `sparrow launch` and the separate roles: the data path, sync, failure handling.
     pub cluster: ClusterConfig,
+    /// `[eval]`: how the offline figures are computed.
     pub eval: EvalConfig,
 }
 
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum DataFormat {
+    /// Criteo's TSV: a label, 13 integer counts (read as log(1 + x)), 26
+    /// hashed categories.
     #[default]
     Criteo,
+    /// Delimited text, its columns named by `[data.schema]`.
     Csv,
+    /// Apache Parquet, its columns named by `[data.schema]`.
     Parquet,
+    /// `label index:value ...`: one multi-hot field, each value its ID's weight.
     Libsvm,
+    /// `label field:index:value ...` (`num_fields` fields).
     Libffm,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
+    /// The files' format: `criteo` (the Criteo TSV: label, 13 counts, 26
+    /// hashed categories), `csv` or `parquet` (columns named by
+    /// `[data.schema]`), `libsvm` or `libffm`.
     pub format: DataFormat,
+    /// The training file (a path; gzip and zstd files are read through
+    /// their codec, recognised by their first bytes).
+    /// Required unless `[data.stream]` is set.
     pub train: Option<String>,
+    /// The test file: evaluated at the end (and every `train.eval_every_steps`).
     pub test: Option<String>,
+    /// `[data.schema]`: which CSV or Parquet columns are labels, dense values,
+    /// sparse IDs, sequences and the timestamp.
     pub schema: Option<Schema>,
     /// Malformed rows skipped (and counted) before the job stops with an error.
     pub max_bad_rows: u64,
@@ -94,14 +119,19 @@ pub struct DataConfig {
 /// with a count; weight = decay_base^(−age) × count, age in `age_unit_secs`
 /// from `reference_time` to the merged sample's newest member; samples
 /// below `drop_below` are dropped. Applies to the training file.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct WeightingConfig {
+    /// The base b of the age decay: a sample `age` units old weighs b^(−age).
     pub decay_base: f64,
+    /// The unit of age, in seconds (default: a day).
     pub age_unit_secs: f64,
     /// Unix seconds; default: the newest timestamp in the training file.
     pub reference_time: Option<i64>,
+    /// Samples whose weight falls below this are dropped.
     pub drop_below: f64,
+    /// Identical samples whose timestamps fall in the same window of this
+    /// many seconds merge into one with a count.
     pub merge_window_secs: u64,
     /// Rows a merge sees at once: 0 (default) or anything up to
     /// `train.batch_size` is one batch as read; more reads that many rows,
@@ -155,7 +185,7 @@ impl Default for DataConfig {
 }
 
 /// `model.precision`: the arithmetic of the dense model's matrix products.
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
     #[default]
@@ -165,18 +195,24 @@ pub enum Precision {
     Bf16,
 }
 
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Pooling {
+    /// The IDs' vectors added.
     #[default]
     Sum,
+    /// Their mean.
     Mean,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
+    /// The dense network: `lr`, `fm`, `mlp`, `wide_deep`, `deepfm`, `dlrm`,
+    /// `dcn` (one or more tasks on a shared body); `esmm`, `mmoe`, `ple`
+    /// (several tasks); `din` (attention over a behaviour sequence).
     pub kind: ModelKind,
+    /// Length of every embedding vector (all fields share it).
     pub embedding_dim: usize,
     /// Hidden layers of the MLP (mlp, wide_deep, deepfm, dcn) or of DLRM's top MLP.
     pub hidden: Vec<usize>,
@@ -186,14 +222,22 @@ pub struct ModelConfig {
     pub cross_layers: usize,
     /// How the IDs of one multi-hot field are combined.
     pub pooling: Pooling,
-    /// `f32`, or `bf16`: the MLP stacks' matrix products (forward and both
-    /// gradients) take bf16-rounded inputs and accumulate in fp32.
+    /// `f32`, or `bf16`: the MLP stacks' and DCN-v2's cross layers' matrix
+    /// products (forward and both gradients) take bf16-rounded inputs
+    /// (nearest even, denormals to zero) and accumulate in fp32; weights and
+    /// optimizer state stay f32. AVX-512-BF16 runs it where the CPU has it;
+    /// elsewhere a portable product gives the same bits 12-20× slower than
+    /// f32's with AVX2 (`bf16_portable_gflops` in `sparrow bench`): on a CPU
+    /// without AVX-512-BF16 keep f32 (a warning says so). LR and FM have no
+    /// matrix products: bf16 changes nothing there.
     pub precision: Precision,
     /// `mmoe`/`ple`: shared experts (per level), each an MLP of these layers.
     pub experts: usize,
+    /// `mmoe`/`ple`: hidden layers of each expert (its last layer is the expert's output).
     pub expert_hidden: Vec<usize>,
-    /// `ple`: each task's own experts per level, and the levels.
+    /// `ple`: each task's own experts per level.
     pub task_experts: usize,
+    /// `ple`: extraction levels (each mixes shared and task experts).
     pub levels: usize,
     /// `esmm`/`mmoe`/`ple`: each task's tower (its last layer, the task's outputs, added).
     pub tower_hidden: Vec<usize>,
@@ -225,12 +269,18 @@ impl Default for ModelConfig {
     }
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainConfig {
+    /// Samples per training step (in a cluster: per worker and step).
     pub batch_size: usize,
+    /// Passes over the training file.
     pub epochs: u64,
+    /// Threads of the training step and the embedding lookups (a process's
+    /// compute threads; parsing runs beside them).
     pub threads: usize,
+    /// The seed of every random draw (initial weights and rows, shuffles):
+    /// the same config and seed give the same model.
     pub seed: u64,
     /// Stop after this many steps (the run can be resumed from its checkpoint).
     pub max_steps: Option<u64>,
@@ -248,12 +298,15 @@ pub struct TrainConfig {
     /// Progressive validation: every batch is scored before it is trained
     /// on, and AUC, log-loss, normalized entropy and calibration are kept
     /// over the last this many samples and over the whole run. Default:
-    /// 100 000 with `[data.stream]`, off for files; 0 turns it off.
+    /// 100 000 with `[data.stream]`, off for files; 0 turns it off. At most
+    /// 10 million (the window is held in memory).
     pub online_window_samples: Option<u64>,
     /// How many batches ahead the embedding lookup runs (S3.10). 0: each
     /// batch's lookup sees every earlier batch's update (the exact,
     /// unpipelined model). d ≥ 1: batch t+d's rows are looked up while batch
-    /// t's dense step runs, so they miss the updates of batches t..t+d-1.
+    /// t's dense step runs, so they miss the updates of batches t..t+d-1
+    /// (the same model every run). In `launch` each worker pulls d batches
+    /// ahead the same way.
     pub pipeline_depth: usize,
     /// What a non-finite loss, gradient or weight does: stop the run with an
     /// error naming the step and the parameter (the model saved is the one
@@ -261,15 +314,18 @@ pub struct TrainConfig {
     pub on_non_finite: OnNonFinite,
     /// `auto`: kernels chosen by CPU feature take their SIMD versions where
     /// the CPU has them; `portable`: their portable versions (the same bits,
-    /// slower). `SPARROW_SIMD` in the environment sets it at the command line.
+    /// slower). `SPARROW_SIMD` in the environment sets it for every command
+    /// (a `--set` of it wins).
     pub simd: crate::simd::Simd,
 }
 
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum OnNonFinite {
+    /// Stop with an error naming the step and the parameter.
     #[default]
     Stop,
+    /// Skip the batch (no update) and go on.
     SkipBatch,
 }
 
@@ -293,7 +349,7 @@ impl Default for TrainConfig {
     }
 }
 
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum SparseOptimizerKind {
     Sgd,
@@ -308,7 +364,7 @@ pub enum SparseOptimizerKind {
     Ftrl,
 }
 
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum InitKind {
     #[default]
@@ -317,9 +373,10 @@ pub enum InitKind {
     Zeros,
 }
 
-#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, schemars::JsonSchema, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct InitConfig {
+    /// The distribution a new row's coordinates are drawn from.
     pub kind: InitKind,
     /// Half-width (uniform) or standard deviation (normal).
     pub scale: f32,
@@ -331,19 +388,26 @@ impl Default for InitConfig {
     }
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct EmbeddingConfig {
+    /// The sparse optimizer applied to each looked-up row.
     pub optimizer: SparseOptimizerKind,
+    /// The rows' learning rate (FTRL's alpha).
     pub learning_rate: f32,
+    /// `[embedding.init]`: how a new row's vector is drawn.
     pub init: InitConfig,
     /// Adagrad / Adam epsilon.
     pub eps: f32,
+    /// Adam: decay of the first moment.
     pub beta1: f32,
+    /// Adam: decay of the second moment.
     pub beta2: f32,
-    /// FTRL parameters (alpha is `learning_rate`).
+    /// FTRL beta (alpha is `learning_rate`).
     pub ftrl_beta: f32,
+    /// FTRL L1 strength (drives small coordinates to exactly zero).
     pub ftrl_l1: f32,
+    /// FTRL L2 strength.
     pub ftrl_l2: f32,
     /// Lock shards of the in-memory table (a power of two).
     pub table_shards: usize,
@@ -354,6 +418,9 @@ pub struct EmbeddingConfig {
     pub path: Option<String>,
     /// Rows the memory cache in front of the SSD tier holds.
     pub cache_capacity_rows: usize,
+    /// Which cached row the SSD tier's memory cache evicts first (sampled,
+    /// as Redis approximates LRU; LFU counts are stored with evicted rows
+    /// and resume when read back).
     pub cache_policy: CachePolicy,
     /// Feature filter (Monolith-style): a new ID gets a row only once it was
     /// seen in this many training batches; until then it reads as its initial
@@ -376,7 +443,10 @@ pub struct EmbeddingConfig {
     /// Which rows `max_rows` evicts first.
     pub eviction: Eviction,
     /// How a row's vector is stored (in memory, on the SSD tier, on the wire
-    /// and in checkpoints); the optimizer state stays f32.
+    /// and in checkpoints; f16 and bf16 halve its bytes); gradients, the
+    /// optimizer's arithmetic and its state stay f32. An f16 value past
+    /// ±65504 becomes ±inf (`train.on_non_finite` reports it). Resuming with
+    /// another dtype converts the checkpoint's rows.
     pub dtype: EmbeddingDtype,
     /// How an updated f16 or bf16 vector is rounded as it is stored.
     pub rounding: Rounding,
@@ -384,7 +454,7 @@ pub struct EmbeddingConfig {
 
 /// `embedding.rounding`: how an updated half vector is rounded when it is
 /// written back.
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Rounding {
     /// To nearest, ties to even: an update smaller than half the gap to the
@@ -411,7 +481,7 @@ impl Rounding {
 /// `embedding.dtype`: the stored vector's number format. Gradients and the
 /// optimizer's arithmetic stay f32; an updated vector is rounded once, to
 /// nearest even, when it is written back to its row.
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum EmbeddingDtype {
     #[default]
@@ -432,17 +502,19 @@ impl EmbeddingDtype {
     }
 }
 
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Storage {
+    /// Every row in memory.
     #[default]
     Memory,
+    /// Rows on SSD behind a memory cache of `cache_capacity_rows` (S3.8).
     Ssd,
 }
 
 /// Which cached row the SSD tier's cache evicts: the least recently or the
 /// least frequently used (approximated by sampling).
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum CachePolicy {
     #[default]
@@ -453,7 +525,7 @@ pub enum CachePolicy {
 /// Which rows `embedding.max_rows` evicts first: the least recently used
 /// (by training lookup). Least frequently used is not offered yet (rows
 /// keep no use count in memory).
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Eviction {
     #[default]
@@ -498,7 +570,7 @@ impl Default for EmbeddingConfig {
     }
 }
 
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum DenseOptimizerKind {
     #[default]
@@ -506,14 +578,20 @@ pub enum DenseOptimizerKind {
     Sgd,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct DenseOptimizerConfig {
+    /// `adam` or `sgd`.
     pub kind: DenseOptimizerKind,
+    /// The dense weights' learning rate.
     pub learning_rate: f64,
+    /// Adam: decay of the first moment.
     pub beta1: f64,
+    /// Adam: decay of the second moment.
     pub beta2: f64,
+    /// Adam epsilon.
     pub eps: f64,
+    /// L2 penalty added to each weight's gradient (0: none).
     pub weight_decay: f64,
 }
 
@@ -530,14 +608,15 @@ impl Default for DenseOptimizerConfig {
     }
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct CheckpointConfig {
     /// Where checkpoints are written; none are written without it.
     pub dir: Option<String>,
     /// Also write one every this many steps (besides the one at the end).
     pub every_steps: Option<u64>,
-    /// Versions kept in `dir` (older ones are removed after a new one lands).
+    /// Versions kept in `dir` (older ones are removed after a new one lands;
+    /// an incremental version keeps the versions it builds on).
     pub keep: usize,
     /// Resume from this checkpoint (a checkpoint root or one version directory).
     pub resume_from: Option<String>,
@@ -577,7 +656,7 @@ impl Default for CheckpointConfig {
 }
 
 /// How the split data path runs (SPEC S0).
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum ClusterMode {
     /// The loader sends each shard the keys it owns; workers get no raw IDs.
@@ -591,7 +670,7 @@ pub enum ClusterMode {
 }
 
 /// S1.1: how a pass's IDs reach the nodes (`cluster.pass_request`).
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum PassRequest {
     /// One ID list per node for the whole pass (seed claim 6).
@@ -621,9 +700,11 @@ impl ClusterMode {
 }
 
 /// Settings of `sparrow launch` and of the separate roles.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ClusterConfig {
+    /// The data path: `s0` (the split path: shards get the keys, workers
+    /// only rows), `worker_lookup` (the baseline), `collocated` (S1).
     pub mode: ClusterMode,
     /// How often every role tells the coordinator it is alive.
     pub heartbeat_interval_ms: u64,
@@ -670,7 +751,7 @@ pub struct ClusterConfig {
 }
 
 /// How the workers' dense replicas agree on the weights (`cluster.sync`).
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum SyncMode {
     /// Every dense step sums every worker's gradient (S0.6; a faster worker
@@ -694,7 +775,7 @@ impl SyncMode {
 }
 
 /// `cluster.round_merge`: what a round's merged update is.
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum RoundMergeRule {
     /// Σ M_k·Δ_k / Σ M_k: each worker's update weighted by the items it trained.
@@ -705,7 +786,7 @@ pub enum RoundMergeRule {
 }
 
 /// What a worker sends when an aggregation instruction names round r (S4.3).
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum LazySend {
     /// Its weights' change since the last aggregation (local SGD).
@@ -716,7 +797,7 @@ pub enum LazySend {
 }
 
 /// How the scheduler's two conditions combine (S4.2).
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum Combine {
     #[default]
@@ -725,7 +806,7 @@ pub enum Combine {
 }
 
 /// How network utilisation is measured (S4.2).
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum Utilisation {
     /// All roles' bytes over all roles' link capacity.
@@ -736,7 +817,7 @@ pub enum Utilisation {
 }
 
 /// Which roles the scheduler's failure rate counts (S4.2).
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum ProbeRoles {
     #[default]
@@ -745,24 +826,29 @@ pub enum ProbeRoles {
 }
 
 /// `[cluster.lazy]`: lazy aggregation under a scheduler (S4).
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct LazyConfig {
     /// Iterations a worker trains since the last aggregation before it waits for one.
     pub max_local_iterations: u64,
+    /// What a worker sends for an aggregation: `delta` or `round_gradient`.
     pub send: LazySend,
     /// Utilisation strictly below this lets an instruction go.
     pub max_net_utilisation: f64,
     /// Failure rate strictly below this lets an instruction go.
     pub max_failure_rate: f64,
+    /// Whether an instruction needs both conditions (`and`) or either (`or`).
     pub combine: Combine,
+    /// How network utilisation is measured: `total` or `mean`.
     pub utilisation: Utilisation,
     /// One role's link capacity (bytes per second, each way summed).
     pub link_bytes_per_sec: f64,
     /// How often the scheduler probes, measures and decides: at most one
     /// instruction per interval.
     pub probe_interval_ms: u64,
+    /// A probe unanswered this long counts as a failure.
     pub probe_timeout_ms: u64,
+    /// Which roles the failure rate counts: `workers` or `all`.
     pub probe_roles: ProbeRoles,
     /// Worker k sends to aggregator `aggregator_of[k]`; empty: worker k % aggregators.
     pub aggregator_of: Vec<usize>,

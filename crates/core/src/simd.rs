@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 pub const VARIABLE: &str = "SPARROW_SIMD";
 
 /// Whether run-time-chosen SIMD kernels may be used.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Simd {
     /// The SIMD kernels the CPU supports.

@@ -2,16 +2,24 @@
 
 use serde::{Deserialize, Serialize};
 
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum ModelKind {
+    /// Logistic regression: one weight per ID and per dense value.
     Lr,
+    /// Factorization machine: first-order terms plus pairwise dot products.
     Fm,
+    /// The fields' pooled vectors and the dense values, concatenated, into an MLP.
     Mlp,
+    /// Wide & Deep: a linear part (one weight per ID) beside an MLP.
     WideDeep,
+    /// DeepFM: an FM beside an MLP over the same vectors.
     Deepfm,
+    /// DLRM: a bottom MLP on the dense values, pairwise dot products of
+    /// every vector, a top MLP.
     #[default]
     Dlrm,
+    /// DCN-v2: `cross_layers` cross layers beside an MLP.
     Dcn,
     /// Several tasks: ESMM's CTR and CTCVR towers.
     Esmm,

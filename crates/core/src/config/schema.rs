@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use super::SequenceField;
 
 /// Column mapping for CSV and Parquet.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Schema {
     /// The label column of a one-task job.
@@ -14,7 +14,10 @@ pub struct Schema {
     /// Several label columns, one per task (`[[model.tasks]]`); an empty
     /// cell masks that task for the sample.
     pub labels: Vec<String>,
+    /// Columns of dense (numeric) values, each one input of the dense network.
     pub dense: Vec<String>,
+    /// Columns of categorical IDs (strings or integers), each a field with
+    /// its own embedding table.
     pub sparse: Vec<String>,
     /// CSV only: one character.
     pub delimiter: String,
@@ -33,7 +36,7 @@ pub struct Schema {
     pub sequence: Vec<SequenceField>,
 }
 
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum DenseTransform {
     #[default]

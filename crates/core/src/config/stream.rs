@@ -7,12 +7,14 @@ use serde::{Deserialize, Serialize};
 
 use super::{ConfigError, DataFormat};
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct StreamConfig {
+    /// The broker protocol: `kafka` (any Kafka-protocol broker).
     pub kind: StreamKind,
     /// Bootstrap brokers, `host:port`.
     pub brokers: Vec<String>,
+    /// The topic read (required).
     pub topic: String,
     /// `"all"` or a list of partition numbers.
     pub partitions: Partitions,
@@ -62,7 +64,7 @@ impl Default for StreamConfig {
     }
 }
 
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum StreamKind {
     #[default]
@@ -155,7 +157,49 @@ impl<'de> Deserialize<'de> for StreamStart {
     }
 }
 
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+// Hand-written schemas for the two keys whose serde is hand-written: the
+// schema must accept exactly what `Deserialize` accepts.
+impl schemars::JsonSchema for Partitions {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Partitions".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "description": "`\"all\"`, or a list of partition numbers (at least one, none twice).",
+            "oneOf": [
+                { "const": "all", "description": "Every partition of the topic." },
+                { "type": "array", "items": { "type": "integer", "minimum": 0 }, "minItems": 1, "uniqueItems": true }
+            ]
+        })
+    }
+}
+
+impl schemars::JsonSchema for StreamStart {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "StreamStart".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "description": "Where a partition without a checkpointed offset starts.",
+            "oneOf": [
+                { "const": "earliest", "description": "Its oldest record kept." },
+                { "const": "latest", "description": "Records appended from now on." },
+                { "const": "checkpoint", "description": "Nowhere: a checkpoint must hold its offset." },
+                {
+                    "type": "object",
+                    "description": "The first record at or after a time.",
+                    "properties": { "timestamp": { "type": "integer", "description": "Unix seconds." } },
+                    "required": ["timestamp"],
+                    "additionalProperties": false
+                }
+            ]
+        })
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum RetentionGap {
     #[default]

@@ -16,7 +16,7 @@ pub const MAX_CLASSES: usize = 4096;
 
 /// `data.schema.sequence` entry: a column holding a list of IDs (newest
 /// last), looked up in the table of the sparse field `table`.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct SequenceField {
     /// The column.
@@ -29,7 +29,7 @@ pub struct SequenceField {
 }
 
 /// `kind` of a `[[model.tasks]]` entry.
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum TaskKind {
     /// A 0/1 label, logistic loss.
@@ -49,11 +49,12 @@ impl TaskKind {
 }
 
 /// A `[[model.tasks]]` entry.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct TaskConfig {
     /// Its label column (one of `data.schema.labels`).
     pub name: String,
+    /// `binary` (a 0/1 label) or `multiclass` (a class id, with `classes`).
     #[serde(default)]
     pub kind: TaskKind,
     /// Multiclass only: the number of classes.
@@ -69,7 +70,7 @@ fn one() -> f64 {
 }
 
 /// `[eval]`: how offline figures are computed.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(deny_unknown_fields, default)]
 pub struct EvalConfig {
     /// A sparse field: binary tasks also get GAUC, the AUC of each of its
