@@ -318,11 +318,10 @@ def test_a_csv_model_predicts_a_dataframe_as_the_cli(cli, tmp_path):
     assert len(model.predict(odd)) == 3
 
 
-def test_the_readmes_python_example_runs(tmp_path):
-    """The README's notebook-style example, as a new user would paste it (in a
-    scratch directory, on fewer rows)."""
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("## Python (`pip install ./python`"):]
+def test_the_books_python_example_runs(tmp_path):
+    """The book's Python chapter's notebook-style example, as a new user would
+    paste it (in a scratch directory, on fewer rows)."""
+    section = (REPO / "docs" / "book" / "src" / "python.md").read_text()
     code = section[section.index("```python\n") + len("```python\n"):]
     code = code[: code.index("```")]
     code = code.replace("train_rows=200_000, test_rows=20_000", "train_rows=20_000, test_rows=2_000")
@@ -483,7 +482,7 @@ def test_a_crafted_export_is_an_error_not_a_panic(cli, trained, tmp_path):
 
 
 def test_an_online_run_reports_the_lag_and_the_windowed_auc(cli, data, tmp_path):
-    """The README's online example: `sparrow.train` on a Kafka topic (a real
+    """The book's online example (the Python chapter): `sparrow.train` on a Kafka topic (a real
     broker, tansu, as the Rust stream tests start it), the progress callback
     reading the lag and the windowed AUC."""
     home = Path(os.environ.get("HOME", "/root"))

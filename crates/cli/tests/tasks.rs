@@ -221,7 +221,7 @@ fn one_task_through_labels_is_the_one_label_job() {
     assert!(dense_a == dense_b, "the dense weights differ");
 }
 
-/// The README's example (`configs/behaviour-tasks.toml` on `gen --tasks
+/// The book's example (models chapter) (`configs/behaviour-tasks.toml` on `gen --tasks
 /// --sequence --classes 4`) trains, exports and is served: each task's
 /// output (`probability_<task>`, `probabilities_<task>` [N, 4], and the
 /// first task as `probability`) equals `sparrow predict`'s figures for the
