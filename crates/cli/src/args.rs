@@ -15,6 +15,15 @@ pub enum GenFormat {
     Csv,
 }
 
+/// What `sparrow export` writes (`--format`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ExportFormat {
+    /// A serving export: `sparrow serve`, `predict --model`, Python.
+    Serving,
+    /// An ONNX graph (`model.onnx`) for ONNX Runtime and Triton.
+    Onnx,
+}
+
 /// An embedding vector type (`export --dtype`, `bench --dtypes`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Dtype {

@@ -146,6 +146,19 @@ enum Command {
         /// bf16 exports in its own type without loss.
         #[arg(long, value_enum, default_value_t = args::Dtype::F32)]
         dtype: args::Dtype,
+        /// `serving` (for `sparrow serve`, `predict --model`, Python), or
+        /// `onnx`: OUT/model.onnx for ONNX Runtime and Triton, its inputs
+        /// those of `sparrow serve`.
+        #[arg(long, value_enum, default_value_t = args::ExportFormat::Serving)]
+        format: args::ExportFormat,
+        /// `onnx`: data files whose sparse columns hold the raw IDs the graph
+        /// maps to rows (default: the job's data.train and data.test).
+        #[arg(long, value_name = "FILE")]
+        vocabulary: Vec<PathBuf>,
+        /// `onnx`: past this many bytes of rows the graph takes each field's
+        /// pooled vector as input instead, and the rows go to OUT/rows.
+        #[arg(long, default_value_t = 512 << 20)]
+        max_table_bytes: u64,
     },
     /// Serve a serving export over the Open Inference Protocol (KServe v2
     /// REST) until SIGINT/SIGTERM; `/metrics` for Prometheus.
@@ -607,7 +620,10 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             };
             print_json(&summary)
         }
-        Command::Export { checkpoint, out, dtype } => {
+        Command::Export { checkpoint, out, format: args::ExportFormat::Onnx, vocabulary, max_table_bytes, .. } => {
+            print_json(&sparrow_trainer::onnx_export::export_onnx(&checkpoint, &out, &vocabulary, max_table_bytes)?)
+        }
+        Command::Export { checkpoint, out, dtype, .. } => {
             let dtype = match dtype {
                 args::Dtype::F32 => sparrow_trainer::export::VectorType::F32,
                 args::Dtype::F16 => sparrow_trainer::export::VectorType::F16,

@@ -119,6 +119,23 @@ impl Mlp {
         Ok(Mlp { shape: Arc::new(MlpShape { layers, num_params, arith }), params })
     }
 
+    /// Its layers' weights, in order, for an exporter.
+    pub fn layers(&self) -> Result<Vec<crate::spec::DenseLayer>, ModelError> {
+        let p = self.params.as_tensor().to_vec1::<f32>()?;
+        Ok(self
+            .shape
+            .layers
+            .iter()
+            .map(|l| crate::spec::DenseLayer {
+                fan_in: l.fan_in,
+                fan_out: l.fan_out,
+                weight: p[l.w..l.w + l.fan_in * l.fan_out].to_vec(),
+                bias: p[l.b..l.b + l.fan_out].to_vec(),
+                relu: l.relu,
+            })
+            .collect())
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
         if x.device().is_cpu() && x.dtype() == DType::F32 {
             let op = FusedMlp { shape: self.shape.clone(), scratch: Mutex::new(MlpScratch::default()) };

@@ -12,6 +12,7 @@ use crate::fused::{FirstOrderFm, PairwiseDots, Simd};
 use crate::heads::Heads;
 use crate::mlp::Mlp;
 
+mod described;
 mod din;
 mod direct;
 mod multitask;

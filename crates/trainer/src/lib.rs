@@ -18,6 +18,7 @@ pub mod export;
 pub mod inference;
 pub mod input;
 pub mod online;
+pub mod onnx_export;
 pub mod pipeline;
 pub mod pooling;
 pub mod progress;
