@@ -125,12 +125,76 @@ def test_a_csv_model_takes_its_schemas_columns(tmp_path):
     np.testing.assert_allclose(got, read_floats(tmp_path / "p.txt"), rtol=0, atol=1e-5)
 
 
-def test_a_kind_the_export_cannot_rebuild_is_refused_by_name(tmp_path):
-    data = tmp_path / "tasks"
-    run("gen", "--out", data, "--train-rows", "2000", "--test-rows", "200", "--tasks", "--sequence", "--classes", "4")
-    run("train", "--config", REPO / "configs" / "behaviour-tasks.toml", "--set", f"data.train={data}/train.csv",
-        "--set", f"data.test={data}/test.csv", "--set", f"checkpoint.dir={tmp_path}/ck", "--set", "model.kind=mmoe",
-        "--quiet")
-    done = sparrow_cli("export", "--checkpoint", tmp_path / "ck", "--out", tmp_path / "onnx", "--format", "onnx")
-    assert done.returncode == 2 and 'model.kind = "mmoe" cannot be exported as ONNX' in done.stderr, done.stderr
+@pytest.fixture(scope="module")
+def behaviour(tmp_path_factory):
+    out = tmp_path_factory.mktemp("onnx-tasks")
+    run("gen", "--out", out, "--train-rows", "6000", "--test-rows", "800", "--tasks", "--sequence", "--classes", "4")
+    return out
+
+
+def behaviour_config(data, ckpt, kind, **model):
+    """configs/behaviour-tasks.toml (three tasks, multi-hot cells, a
+    behaviour sequence sharing item_id's table) on `data`, for `kind`."""
+    import tomllib
+
+    config = tomllib.loads((REPO / "configs" / "behaviour-tasks.toml").read_text())
+    config["data"].update(train=str(data / "train.csv"), test=str(data / "test.csv"))
+    config["model"].update(kind=kind, embedding_dim=8, **model)
+    config["checkpoint"] = {"dir": str(ckpt)}
+    if kind == "esmm":  # ESMM's two binary tasks: click, then conversion
+        config["data"]["schema"]["labels"] = ["click", "conversion"]
+        config["model"]["tasks"] = [t for t in config["model"]["tasks"] if t["name"] != "ad_type"]
+    return config
+
+
+def csv_columns(path, session):
+    """A CSV file's rows as the graph's inputs: numbers as float32 (empty:
+    NaN), every other column as the cell's string (a list as the file
+    joins it)."""
+    import csv
+
+    rows = list(csv.DictReader(Path(path).open()))
+    feed = {}
+    for i in session.get_inputs():
+        cells = [r[i.name] for r in rows]
+        if i.type == "tensor(float)":
+            feed[i.name] = np.array([float(c) if c else np.nan for c in cells], np.float32)
+        else:
+            feed[i.name] = np.array(cells, dtype=object)
+    return feed
+
+
+@pytest.mark.parametrize("kind,model", [("mlp", {}), ("esmm", {}), ("mmoe", {}), ("ple", {}), ("din", {}),
+                                        ("dlrm", {"pooling": "mean"})])
+def test_several_tasks_multi_hot_cells_and_sequences_give_an_output_per_task(behaviour, tmp_path, kind, model):
+    config = behaviour_config(behaviour, tmp_path / "ck", kind, **model)
+    if kind == "din":  # keep only the newest 3 items: the graph must drop the same ones
+        config["data"]["schema"]["sequence"][0]["max_len"] = 3
+    sparrow.train(config, progress=False)
+    run("export", "--checkpoint", tmp_path / "ck", "--out", tmp_path / "onnx", "--format", "onnx")
+    run("predict", "--checkpoint", tmp_path / "ck", "--data", behaviour / "test.csv", "--out", tmp_path / "p.txt")
+    lines = (tmp_path / "p.txt").read_text().splitlines()
+    expected = np.array([[float(x) for x in line.split("\t")] for line in lines], np.float32)
+    model = session(tmp_path / "onnx" / "model.onnx")
+    assert [i.name for i in model.get_inputs()][-1] == "hist_items"
+    names = [o.name for o in model.get_outputs()]
+    got = dict(zip(names, model.run(names, csv_columns(behaviour / "test.csv", model))))
+    tasks = [t["name"] for t in config["model"]["tasks"]]
+    columns, at = [], 0
+    for t in config["model"]["tasks"]:
+        if t.get("kind") == "multiclass":
+            columns.append(got[f"probabilities_{t['name']}"])
+            assert got[f"probabilities_{t['name']}"].shape == (len(expected), t["classes"])
+        else:
+            columns.append(got[f"probability_{t['name']}"][:, None])
+    np.testing.assert_allclose(np.concatenate(columns, axis=1), expected, rtol=0, atol=1e-5)
+    # `probability` is the first task's, as `sparrow serve` answers it.
+    np.testing.assert_array_equal(got["probability"], got[f"probability_{tasks[0]}"])
+
+
+def test_din_with_its_rows_outside_the_graph_is_refused_by_name(behaviour, tmp_path):
+    sparrow.train(behaviour_config(behaviour, tmp_path / "ck", "din"), progress=False)
+    done = sparrow_cli("export", "--checkpoint", tmp_path / "ck", "--out", tmp_path / "onnx", "--format", "onnx",
+                       "--max-table-bytes", "0")
+    assert done.returncode == 2 and "din" in done.stderr and "--max-table-bytes" in done.stderr, done.stderr
     assert not (tmp_path / "onnx").exists()

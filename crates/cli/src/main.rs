@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 mod args;
 mod config_command;
 mod config_reference;
+mod export_command;
 mod gather_limit;
 mod produce_command;
 mod serve_command;
@@ -133,33 +134,9 @@ enum Command {
     },
     /// Write a serving export of a checkpoint: dense weights (safetensors),
     /// embedding vectors without optimizer state, the model config and a
-    /// manifest with checksums (what `predict --model` reads).
-    Export {
-        /// A checkpoint (or its directory of versions: the newest).
-        #[arg(long)]
-        checkpoint: PathBuf,
-        /// The export's directory (must not exist yet).
-        #[arg(long)]
-        out: PathBuf,
-        /// The vectors' type: f32, f16 or bf16 (half the bytes; the dense
-        /// weights stay f32). A table trained with `embedding.dtype` f16 or
-        /// bf16 exports in its own type without loss.
-        #[arg(long, value_enum, default_value_t = args::Dtype::F32)]
-        dtype: args::Dtype,
-        /// `serving` (for `sparrow serve`, `predict --model`, Python), or
-        /// `onnx`: OUT/model.onnx for ONNX Runtime and Triton, its inputs
-        /// those of `sparrow serve`.
-        #[arg(long, value_enum, default_value_t = args::ExportFormat::Serving)]
-        format: args::ExportFormat,
-        /// `onnx`: data files whose sparse columns hold the raw IDs the graph
-        /// maps to rows (default: the job's data.train and data.test).
-        #[arg(long, value_name = "FILE")]
-        vocabulary: Vec<PathBuf>,
-        /// `onnx`: past this many bytes of rows the graph takes each field's
-        /// pooled vector as input instead, and the rows go to OUT/rows.
-        #[arg(long, default_value_t = 512 << 20)]
-        max_table_bytes: u64,
-    },
+    /// manifest with checksums (what `predict --model` reads); or, with
+    /// `--format onnx`, the model as an ONNX graph.
+    Export(export_command::ExportArgs),
     /// Serve a serving export over the Open Inference Protocol (KServe v2
     /// REST) until SIGINT/SIGTERM; `/metrics` for Prometheus.
     Serve(serve_command::ServeArgs),
@@ -448,7 +425,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const DEMO_CONFIG: &str = include_str!("../../../configs/dlrm.toml");
 
-fn print_json(value: &impl serde::Serialize) -> anyhow::Result<()> {
+pub(crate) fn print_json(value: &impl serde::Serialize) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
     writeln!(out, "{}", serde_json::to_string(value)?)?;
     out.flush()?;
@@ -620,17 +597,7 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             };
             print_json(&summary)
         }
-        Command::Export { checkpoint, out, format: args::ExportFormat::Onnx, vocabulary, max_table_bytes, .. } => {
-            print_json(&sparrow_trainer::onnx_export::export_onnx(&checkpoint, &out, &vocabulary, max_table_bytes)?)
-        }
-        Command::Export { checkpoint, out, dtype, .. } => {
-            let dtype = match dtype {
-                args::Dtype::F32 => sparrow_trainer::export::VectorType::F32,
-                args::Dtype::F16 => sparrow_trainer::export::VectorType::F16,
-                args::Dtype::Bf16 => sparrow_trainer::export::VectorType::Bf16,
-            };
-            print_json(&sparrow_trainer::run::export_checkpoint(&checkpoint, &out, dtype)?)
-        }
+        Command::Export(args) => export_command::run(args),
         Command::Serve(args) => serve_command::run(args),
         Command::Produce(args) => produce_command::run(args),
         Command::Report { metrics, mut compare, out, truth, title } => {

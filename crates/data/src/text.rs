@@ -382,7 +382,7 @@ pub fn push_sequence(out: &mut BatchBuilder, slot: usize, table: u32, max_len: u
     }
 }
 
-pub(crate) fn split_bytes<'a>(s: &'a [u8], sep: &'a [u8]) -> impl Iterator<Item = &'a [u8]> + 'a {
+pub fn split_bytes<'a>(s: &'a [u8], sep: &'a [u8]) -> impl Iterator<Item = &'a [u8]> + 'a {
     let mut rest = Some(s);
     std::iter::from_fn(move || {
         let r = rest?;

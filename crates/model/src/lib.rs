@@ -39,9 +39,6 @@ pub enum ModelError {
     /// A model that attends over behaviour sequences given the wrong number of them.
     #[error("the model attends over {expected} behaviour sequence(s) (model.kind = \"din\"); the batch gave {found}")]
     Sequences { expected: usize, found: usize },
-    /// A kind an exporter cannot rebuild outside Sparrow (yet).
-    #[error("model.kind = \"{kind}\" cannot be exported as {format} yet ({why})")]
-    NotExportable { kind: &'static str, format: &'static str, why: &'static str },
     #[error("a thread panicked while holding the model's step buffers")]
     Poisoned,
     #[error("dense weights: parameter `{name}` is missing from the file")]

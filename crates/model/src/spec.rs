@@ -35,4 +35,33 @@ pub enum NetSpec {
     /// `dcn`: x_{l+1} = x₀ ⊙ (x_l·W_l + b_l) + x_l for each cross layer
     /// (`relu` unset), then the MLP on the last x.
     Dcn { cross: Vec<DenseLayer>, deep: Vec<DenseLayer> },
+    /// `mmoe` / `ple`: level by level, each task's input (and the shared
+    /// input) goes through the experts and is mixed by a softmax gate; each
+    /// task's last mix goes through its tower (a task's outputs side by
+    /// side). `esmm` (`esmm`, no levels): two towers on x, a CTR logit `a`
+    /// and a CVR logit `b`; the outputs are `a` and logit(σ(a)·σ(b)) =
+    /// −log(e^{−a} + e^{−b} + e^{−a−b}).
+    MultiTask { esmm: bool, levels: Vec<LevelSpec>, towers: Vec<Vec<DenseLayer>> },
+    /// `din`: for each `(slot, query)` pair, the sequence's slot becomes
+    /// Σ_k unit([q, k, q − k, q ⊙ k])·k over its history items k (unpooled,
+    /// the newest `max_len`), q being field `query`'s vector; then the MLP
+    /// on x.
+    Din { pairs: Vec<(usize, usize)>, units: Vec<Vec<DenseLayer>>, mlp: Vec<DenseLayer> },
+}
+
+/// One level of experts (each an MLP, ReLU after its last layer too) and
+/// their gates (a linear layer over the level's input, then a softmax).
+#[derive(Clone, Debug)]
+pub struct LevelSpec {
+    /// The shared experts, on the shared input.
+    pub shared: Vec<Vec<DenseLayer>>,
+    /// Each task's own experts (PLE), on that task's input.
+    pub own: Vec<Vec<Vec<DenseLayer>>>,
+    /// Task t's gate reads task t's input and mixes its own experts then
+    /// the shared ones (MMoE: the shared ones only).
+    pub gates: Vec<DenseLayer>,
+    /// PLE below the top: the shared gate, over the shared input, mixing
+    /// the shared experts then every task's own, task by task; its mix is
+    /// the next level's shared input.
+    pub shared_gate: Option<DenseLayer>,
 }

@@ -10,10 +10,11 @@ pub const FLOAT: i32 = 1;
 pub const INT64: i32 = 7;
 pub const STRING: i32 = 8;
 
-/// IR version 8 and opset 17 (ONNX 1.12): what ONNX Runtime 1.12 and later,
-/// and Triton's ONNX backend, load.
-const IR_VERSION: i64 = 8;
-const OPSET: i64 = 17;
+/// IR version 9 and opset 20 (ONNX 1.15, for `StringSplit`): what ONNX
+/// Runtime 1.17 and later, and Triton's ONNX Runtime backend built on it
+/// (Triton 24.01 and later), load.
+const IR_VERSION: i64 = 9;
+const OPSET: i64 = 20;
 /// `ai.onnx.ml` 2: LabelEncoder with string keys and int64 values.
 const ML_OPSET: i64 = 2;
 pub const ML_DOMAIN: &str = "ai.onnx.ml";
@@ -49,6 +50,15 @@ pub fn int(name: &str, value: i64) -> AttributeProto {
         name: Some(name.into()),
         i: Some(value),
         r#type: Some(AttributeType::Int as i32),
+        ..Default::default()
+    }
+}
+
+pub fn string(name: &str, value: &str) -> AttributeProto {
+    AttributeProto {
+        name: Some(name.into()),
+        s: Some(value.as_bytes().to_vec()),
+        r#type: Some(AttributeType::String as i32),
         ..Default::default()
     }
 }
@@ -116,6 +126,18 @@ impl Graph {
         name
     }
 
+    pub fn string_init(&mut self, hint: &str, value: &str) -> String {
+        let name = self.fresh(hint);
+        self.initializers.push(TensorProto {
+            name: Some(name.clone()),
+            dims: Vec::new(),
+            data_type: Some(STRING),
+            string_data: vec![value.as_bytes().to_vec()],
+            ..Default::default()
+        });
+        name
+    }
+
     pub fn int64_init(&mut self, hint: &str, dims: &[i64], data: Vec<i64>) -> String {
         let name = self.fresh(hint);
         self.initializers.push(TensorProto {
@@ -133,6 +155,26 @@ impl Graph {
         let out = self.fresh(&op.to_lowercase());
         self.push(&out, "", op, inputs, attributes);
         out
+    }
+
+    /// A node of the default domain with `n` outputs, named afresh.
+    pub fn node_outputs(
+        &mut self,
+        op: &str,
+        inputs: &[&str],
+        attributes: Vec<AttributeProto>,
+        n: usize,
+    ) -> Vec<String> {
+        let outs: Vec<String> = (0..n).map(|_| self.fresh(&op.to_lowercase())).collect();
+        self.nodes.push(NodeProto {
+            input: inputs.iter().map(|s| s.to_string()).collect(),
+            output: outs.clone(),
+            name: Some(outs[0].clone()),
+            op_type: Some(op.into()),
+            attribute: attributes,
+            ..Default::default()
+        });
+        outs
     }
 
     /// A node whose one output has the given name (a graph output).

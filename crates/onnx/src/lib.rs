@@ -4,7 +4,8 @@
 //! one string `[N]` tensor per sparse column — maps raw IDs to rows inside
 //! the graph (`ai.onnx.ml.LabelEncoder`, then `Gather` over the rows as
 //! initializers), runs the dense network (`lower`) and answers
-//! `probability` (float32 `[N]`). When the rows are too many to embed, the
+//! `probability` (float32 `[N]`; a model of several tasks answers an
+//! output per task, as `sparrow serve` does). When the rows are too many to embed, the
 //! graph takes each field's pooled vector instead (`<column>_embedding`,
 //! float32 `[N, width]`), read from the serving export beside it.
 
@@ -22,23 +23,51 @@ pub mod proto {
 use prost::Message;
 use sparrow_model::spec::NetSpec;
 
-/// The exported graph's output: one click probability a row.
-pub const OUTPUT: &str = "probability";
+/// An output of the graph, named as `sparrow serve` names it
+/// (`Config::served_outputs`): `probability`, `probability_<task>` (σ of a
+/// binary task's logit, `[N]`), `probabilities_<task>` (a multiclass
+/// task's softmax, `[N, K]`).
+#[derive(Clone, Debug)]
+pub struct Head {
+    pub name: String,
+    /// The task's first logit among a row's, and its logits.
+    pub offset: usize,
+    pub per_row: usize,
+    pub multiclass: bool,
+}
 
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum OnnxError {
     #[error("field {field}: {found} vectors for {ids} IDs of width {width}")]
     Rows { field: String, ids: usize, width: usize, found: usize },
+    #[error("input {field}: its table (input {table}) has no rows in the graph")]
+    Table { field: String, table: usize },
+    /// DIN attends over each history item: the graph needs the rows.
+    #[error(
+        "model.kind = \"din\" attends over every history item: the rows must be in the graph (raise --max-table-bytes)"
+    )]
+    AttentionNeedsRows,
 }
 
-/// A sparse column and, when the graph embeds them, its IDs' rows.
+/// A sparse column (a field, or a behaviour sequence) and, when the graph
+/// embeds them, its IDs' rows.
 pub struct SparseInput {
     /// The KServe input's name (the column's).
     pub name: String,
-    /// `Some((ids, vectors))`: each raw ID and its row (`ids.len() × width`
-    /// floats); an ID not listed reads as `unknown`'s row. `None`: the
-    /// graph takes the pooled vector as input `<name>_embedding`.
+    /// `Some(separator)`: a cell holds a list of IDs (a multi-hot field, a
+    /// behaviour sequence), split by it; empty pieces are no ID. Its rows
+    /// are pooled (sum or mean; an empty list pools to zeros).
+    pub separator: Option<String>,
+    /// A behaviour sequence keeps only its newest (last) `max_len` IDs.
+    pub max_len: Option<usize>,
+    /// The index (among the inputs) of the field whose table the IDs read:
+    /// its own for a field, the `table` field for a sequence.
+    pub table: usize,
+    /// `Some((ids, vectors))`: each raw ID of the table and its row
+    /// (`ids.len() × width` floats; on table fields only); an ID not listed
+    /// reads as `unknown`'s row. `None` (every input): the graph takes the
+    /// pooled vector as input `<name>_embedding`.
     pub rows: Option<(Vec<String>, Vec<f32>)>,
     /// The row of an ID the vocabulary lacks (`width` floats).
     pub unknown: Vec<f32>,
@@ -52,21 +81,27 @@ pub struct Export<'a> {
     /// Apply log(1 + max(x, 0)) to every dense value (Criteo's counts,
     /// `data.schema.dense_transform = "log1p"`). A NaN (missing) reads 0.
     pub log1p: bool,
+    /// The sparse fields, then the sequences: the model's slots in order.
     pub sparse: Vec<SparseInput>,
+    /// `model.pooling = "mean"`: a list's rows are averaged, not summed.
+    pub mean: bool,
     /// Floats per embedding row.
     pub width: usize,
+    /// The graph's outputs.
+    pub outputs: Vec<Head>,
     /// The graph's name and doc string.
-    pub name: String,
     pub doc: String,
+    pub name: String,
 }
 
 /// The ONNX model's bytes.
 pub fn export(e: &Export<'_>) -> Result<Vec<u8>, OnnxError> {
     let mut g = Graph::new(&e.name);
     let dense = lower::dense_inputs(&mut g, &e.dense, e.log1p);
-    let mut fields = Vec::with_capacity(e.sparse.len());
+    let embedded = e.sparse.iter().any(|s| s.rows.is_some());
+    let mut tables: Vec<Option<lower::Table>> = Vec::with_capacity(e.sparse.len());
     for s in &e.sparse {
-        fields.push(match &s.rows {
+        tables.push(match &s.rows {
             Some((ids, vectors)) => {
                 if vectors.len() != ids.len() * e.width || s.unknown.len() != e.width {
                     return Err(OnnxError::Rows {
@@ -76,19 +111,34 @@ pub fn export(e: &Export<'_>) -> Result<Vec<u8>, OnnxError> {
                         found: vectors.len(),
                     });
                 }
-                lower::embedded_field(&mut g, &s.name, ids, vectors, &s.unknown, e.width)
+                Some(lower::table(&mut g, &s.name, ids, vectors, &s.unknown, e.width))
             }
-            None => {
-                let name = format!("{}_embedding", s.name);
-                g.input(&name, graph::FLOAT, &[graph::Dim::Rows, graph::Dim::Fixed(e.width as i64)]);
-                name
-            }
+            None => None,
         });
     }
-    let logit = lower::network(&mut g, e.spec, &fields, dense.as_deref(), e.width);
-    let p = g.node("Sigmoid", &[&logit], vec![]);
-    let flat = g.int64_init("rows_shape", &[1], vec![-1]);
-    let out = g.node_named(OUTPUT, "Reshape", &[&p, &flat], vec![]);
-    g.output(&out, graph::FLOAT, &[graph::Dim::Rows]);
+    let mut fields = Vec::with_capacity(e.sparse.len());
+    for s in &e.sparse {
+        fields.push(if embedded {
+            let table = tables
+                .get(s.table)
+                .and_then(Option::as_ref)
+                .ok_or_else(|| OnnxError::Table { field: s.name.clone(), table: s.table })?;
+            lower::embedded_field(&mut g, s, table, e.mean)
+        } else {
+            let name = format!("{}_embedding", s.name);
+            g.input(&name, graph::FLOAT, &[graph::Dim::Rows, graph::Dim::Fixed(e.width as i64)]);
+            lower::Field { pooled: name, items: None }
+        });
+    }
+    let logits = lower::network(&mut g, e.spec, &fields, dense.as_deref(), e.width)?;
+    for head in &e.outputs {
+        let out = lower::head(&mut g, &logits, head);
+        let dims = if head.multiclass {
+            vec![graph::Dim::Rows, graph::Dim::Fixed(head.per_row as i64)]
+        } else {
+            vec![graph::Dim::Rows]
+        };
+        g.output(&out, graph::FLOAT, &dims);
+    }
     Ok(g.finish(&e.doc).encode_to_vec())
 }

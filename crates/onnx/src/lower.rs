@@ -1,9 +1,10 @@
 //! The inputs and the dense network as ONNX nodes: the same function as
 //! `DenseModel::forward_with` for each kind `NetSpec` describes.
 
-use sparrow_model::spec::{DenseLayer, NetSpec};
+use sparrow_model::spec::{DenseLayer, LevelSpec, NetSpec};
 
-use crate::graph::{Dim, FLOAT, Graph, STRING, int, ints, strings};
+use crate::graph::{Dim, FLOAT, Graph, INT64, STRING, int, ints, string, strings};
+use crate::{OnnxError, SparseInput};
 
 /// The dense columns, one float `[N]` input each, as one `[N, num_dense]`
 /// tensor: a NaN (a missing value) reads 0, then log(1 + max(x, 0)) if
@@ -33,29 +34,79 @@ pub fn dense_inputs(g: &mut Graph, names: &[String], log1p: bool) -> Option<Stri
     Some(g.node("Log", &[&x], vec![]))
 }
 
-/// A sparse column's raw IDs (string `[N]`) as their rows `[N, width]`:
-/// `LabelEncoder` maps each ID to its index (an unknown one to the last),
-/// `Gather` reads the rows.
-pub fn embedded_field(
-    g: &mut Graph,
-    name: &str,
-    ids: &[String],
-    vectors: &[f32],
-    unknown: &[f32],
-    width: usize,
-) -> String {
-    g.input(name, STRING, &[Dim::Rows]);
-    let n = ids.len() as i64;
-    let index = g.ml_node(
-        "LabelEncoder",
-        &[name],
-        vec![strings("keys_strings", ids), ints("values_int64s", (0..n).collect()), int("default_int64", n)],
-    );
+/// A table in the graph: its IDs (a `LabelEncoder` per input that reads
+/// it) and its rows (one initializer, shared).
+pub struct Table {
+    ids: Vec<String>,
+    rows: String,
+}
+
+/// A field's pooled vector `[N, width]` and, for a list, its items
+/// `[N, M, width]` with their weights `[N, M]` (0 for padding and IDs
+/// dropped), which attention reads.
+pub struct Field {
+    pub pooled: String,
+    pub items: Option<(String, String)>,
+}
+
+/// The rows of `ids` (and, last, the row of an ID not listed) as one
+/// initializer.
+pub fn table(g: &mut Graph, name: &str, ids: &[String], vectors: &[f32], unknown: &[f32], width: usize) -> Table {
     let mut rows = Vec::with_capacity(vectors.len() + width);
     rows.extend_from_slice(vectors);
     rows.extend_from_slice(unknown);
-    let table = g.float_init(&format!("{name}_rows"), &[n + 1, width as i64], rows);
-    g.node("Gather", &[&table, &index], vec![int("axis", 0)])
+    let rows = g.float_init(&format!("{name}_rows"), &[ids.len() as i64 + 1, width as i64], rows);
+    Table { ids: ids.to_vec(), rows }
+}
+
+/// `ids` (strings of any shape) as their rows: `LabelEncoder` maps each to
+/// its index (an unknown one to the last), `Gather` reads the rows.
+fn rows_of(g: &mut Graph, ids: &str, table: &Table) -> String {
+    let n = table.ids.len() as i64;
+    let index = g.ml_node(
+        "LabelEncoder",
+        &[ids],
+        vec![strings("keys_strings", &table.ids), ints("values_int64s", (0..n).collect()), int("default_int64", n)],
+    );
+    g.node("Gather", &[&table.rows, &index], vec![int("axis", 0)])
+}
+
+/// A sparse input (string `[N]`) as its field's vector: one ID a cell, or
+/// a list split by its separator and pooled (sum, or `mean`); a sequence
+/// keeps its newest `max_len` IDs.
+pub fn embedded_field(g: &mut Graph, s: &SparseInput, table: &Table, mean: bool) -> Field {
+    g.input(&s.name, STRING, &[Dim::Rows]);
+    let Some(separator) = &s.separator else {
+        return Field { pooled: rows_of(g, &s.name, table), items: None };
+    };
+    let split = g.node_outputs("StringSplit", &[&s.name], vec![string("delimiter", separator)], 2);
+    let pieces = &split[0]; // [N, M], padded with ""
+    let empty = g.string_init("empty", "");
+    let is_empty = g.node("Equal", &[pieces, &empty], vec![]);
+    let mut keep = g.node("Not", &[&is_empty], vec![]);
+    if let Some(max_len) = s.max_len {
+        // The newest `max_len`: those with at most `max_len` IDs at or after them.
+        let count = g.node("Cast", &[&keep], vec![int("to", i64::from(INT64))]);
+        let axis = g.int64_init("axis", &[], vec![1]);
+        let after = g.node("CumSum", &[&count, &axis], vec![int("reverse", 1)]);
+        let limit = g.int64_init("max_len", &[], vec![max_len as i64]);
+        let recent = g.node("LessOrEqual", &[&after, &limit], vec![]);
+        keep = g.node("And", &[&keep, &recent], vec![]);
+    }
+    let weights = g.node("Cast", &[&keep], vec![int("to", i64::from(FLOAT))]);
+    let items = rows_of(g, pieces, table); // [N, M, width]
+    let axis2 = g.int64_init("axis2", &[1], vec![2]);
+    let w = g.node("Unsqueeze", &[&weights, &axis2], vec![]);
+    let weighted = g.node("Mul", &[&items, &w], vec![]);
+    let axis1 = g.int64_init("axis1", &[1], vec![1]);
+    let mut pooled = g.node("ReduceSum", &[&weighted, &axis1], vec![int("keepdims", 0)]);
+    if mean {
+        let count = g.node("ReduceSum", &[&weights, &axis1], vec![int("keepdims", 1)]);
+        let one = g.float_init("one", &[], vec![1.0]);
+        let count = g.node("Max", &[&count, &one], vec![]);
+        pooled = g.node("Div", &[&pooled, &count], vec![]);
+    }
+    Field { pooled, items: Some((items, weights)) }
 }
 
 fn concat(g: &mut Graph, parts: &[String]) -> String {
@@ -135,8 +186,16 @@ fn flat(g: &mut Graph, vectors: &[String], dense: Option<&str>) -> String {
 
 /// The logits `[N, 1]` from each field's vector `[N, width]` and the dense
 /// values `[N, num_dense]`.
-pub fn network(g: &mut Graph, spec: &NetSpec, fields: &[String], dense: Option<&str>, width: usize) -> String {
-    match spec {
+pub fn network(
+    g: &mut Graph,
+    spec: &NetSpec,
+    inputs: &[Field],
+    dense: Option<&str>,
+    width: usize,
+) -> Result<String, OnnxError> {
+    let fields: Vec<String> = inputs.iter().map(|f| f.pooled.clone()).collect();
+    let fields = &fields[..];
+    Ok(match spec {
         NetSpec::FirstOrder { second_order, dense: l, bias } => {
             first_order(g, fields, width, *second_order, l.as_ref(), dense, *bias)
         }
@@ -173,6 +232,32 @@ pub fn network(g: &mut Graph, spec: &NetSpec, fields: &[String], dense: Option<&
             };
             mlp(g, &top_in, top)
         }
+        NetSpec::MultiTask { esmm: true, towers, .. } => {
+            let x = flat(g, fields, dense);
+            let (a, b) = match &towers[..] {
+                [ctr, cvr] => (mlp(g, &x, ctr), mlp(g, &x, cvr)),
+                _ => unreachable!("ESMM has a CTR and a CVR tower"),
+            };
+            // logit(σ(a)·σ(b)) = −logsumexp(−a, −b, −a−b)
+            let na = g.node("Neg", &[&a], vec![]);
+            let nb = g.node("Neg", &[&b], vec![]);
+            let nab = g.node("Sub", &[&na, &b], vec![]);
+            let z = concat(g, &[na, nb, nab]);
+            let axis1 = g.int64_init("axis1", &[1], vec![1]);
+            let lse = g.node("ReduceLogSumExp", &[&z, &axis1], vec![int("keepdims", 1)]);
+            let ctcvr = g.node("Neg", &[&lse], vec![]);
+            concat(g, &[a, ctcvr])
+        }
+        NetSpec::MultiTask { levels, towers, .. } => {
+            let x = flat(g, fields, dense);
+            let tasks = towers.len();
+            let (mut inputs, mut shared_in) = (vec![x.clone(); tasks], x);
+            for level in levels {
+                (inputs, shared_in) = experts_level(g, level, &inputs, &shared_in);
+            }
+            let outs: Vec<String> = towers.iter().zip(&inputs).map(|(t, x)| mlp(g, x, t)).collect();
+            concat(g, &outs)
+        }
         NetSpec::Dcn { cross, deep } => {
             let x0 = flat(g, fields, dense);
             let mut x = x0.clone();
@@ -183,5 +268,81 @@ pub fn network(g: &mut Graph, spec: &NetSpec, fields: &[String], dense: Option<&
             }
             mlp(g, &x, deep)
         }
+        NetSpec::Din { pairs, units, mlp: top } => {
+            let mut slots = fields.to_vec();
+            for (&(slot, query), unit) in pairs.iter().zip(units) {
+                let (items, weights) = inputs[slot].items.as_ref().ok_or(OnnxError::AttentionNeedsRows)?;
+                slots[slot] = attend(g, &fields[query], items, weights, unit);
+            }
+            let x = flat(g, &slots, dense);
+            mlp(g, &x, top)
+        }
+    })
+}
+
+/// DIN's pooling of one sequence: Σ_k unit([q, k, q − k, q ⊙ k])·k over the
+/// kept items k (`weights` 1; padding 0), `[N, width]`.
+fn attend(g: &mut Graph, query: &str, items: &str, weights: &str, unit: &[DenseLayer]) -> String {
+    let axis1 = g.int64_init("axis1", &[1], vec![1]);
+    let axis2 = g.int64_init("axis2", &[1], vec![2]);
+    let q = g.node("Unsqueeze", &[query, &axis1], vec![]); // [N, 1, d]
+    let shape = g.node("Shape", &[items], vec![]);
+    let q = g.node("Expand", &[&q, &shape], vec![]); // [N, M, d]
+    let diff = g.node("Sub", &[&q, items], vec![]);
+    let prod = g.node("Mul", &[&q, items], vec![]);
+    let features = g.node("Concat", &[&q, items, &diff, &prod], vec![int("axis", 2)]);
+    let score = mlp(g, &features, unit); // [N, M, 1]
+    let w = g.node("Unsqueeze", &[weights, &axis2], vec![]);
+    let score = g.node("Mul", &[&score, &w], vec![]);
+    let weighted = g.node("Mul", &[items, &score], vec![]);
+    g.node("ReduceSum", &[&weighted, &axis1], vec![int("keepdims", 0)])
+}
+
+/// One level of MMoE/PLE: each task's mix, and the next shared input.
+fn experts_level(g: &mut Graph, level: &LevelSpec, inputs: &[String], shared_in: &str) -> (Vec<String>, String) {
+    let shared: Vec<String> = level.shared.iter().map(|e| mlp(g, shared_in, e)).collect();
+    let own: Vec<Vec<String>> =
+        level.own.iter().zip(inputs).map(|(es, x)| es.iter().map(|e| mlp(g, x, e)).collect()).collect();
+    let mut next = Vec::with_capacity(inputs.len());
+    for (t, gate) in level.gates.iter().enumerate() {
+        let mut pool: Vec<String> = own.get(t).cloned().unwrap_or_default();
+        pool.extend(shared.iter().cloned());
+        let weights = layer(g, &inputs[t], gate);
+        next.push(mix(g, &weights, &pool));
+    }
+    let shared_next = match &level.shared_gate {
+        Some(gate) => {
+            let mut pool = shared.clone();
+            pool.extend(own.iter().flatten().cloned());
+            let weights = layer(g, shared_in, gate);
+            mix(g, &weights, &pool)
+        }
+        None => shared_in.to_string(),
+    };
+    (next, shared_next)
+}
+
+/// Σ_k softmax(gate)_k · expert_k: `gate` `[N, K]`, each expert `[N, H]`.
+fn mix(g: &mut Graph, gate: &str, experts: &[String]) -> String {
+    let w = g.node("Softmax", &[gate], vec![int("axis", 1)]);
+    let axis1 = g.int64_init("axis1", &[1], vec![1]);
+    let axis2 = g.int64_init("axis2", &[1], vec![2]);
+    let stacked: Vec<String> = experts.iter().map(|e| g.node("Unsqueeze", &[e, &axis1], vec![])).collect();
+    let stacked = concat(g, &stacked); // [N, K, H]
+    let w = g.node("Unsqueeze", &[&w, &axis2], vec![]); // [N, K, 1]
+    let weighted = g.node("Mul", &[&stacked, &w], vec![]);
+    g.node("ReduceSum", &[&weighted, &axis1], vec![int("keepdims", 0)])
+}
+
+/// A served output from the logits `[N, L]`: a binary task's σ of its
+/// logit (`[N]`), or a multiclass task's softmax (`[N, K]`).
+pub fn head(g: &mut Graph, logits: &str, out: &crate::Head) -> String {
+    let x = columns(g, logits, out.offset, out.offset + out.per_row);
+    if out.multiclass {
+        g.node_named(&out.name, "Softmax", &[&x], vec![int("axis", 1)])
+    } else {
+        let p = g.node("Sigmoid", &[&x], vec![]);
+        let flat = g.int64_init("rows_shape", &[1], vec![-1]);
+        g.node_named(&out.name, "Reshape", &[&p, &flat], vec![])
     }
 }

@@ -33,28 +33,14 @@ pub struct Output {
     pub values: Vec<f32>,
 }
 
-/// The outputs a model of `config` answers with, and its logits a row.
+/// The outputs a model of `config` answers with, and its logits a row
+/// (`Config::served_outputs`: the ONNX export names them alike).
 pub fn specs(config: &Config) -> (Vec<OutputSpec>, usize) {
-    let tasks = config.tasks();
-    let logits_per_row = tasks.iter().map(|t| t.outputs).sum();
-    if tasks.len() == 1 && tasks[0].is_binary() {
-        let only = OutputSpec { name: "probability".into(), offset: 0, per_row: 1, multiclass: false };
-        return (vec![only], logits_per_row);
-    }
-    let (mut specs, mut offset) = (Vec::new(), 0);
-    for t in &tasks {
-        let multiclass = !t.is_binary();
-        let name = if multiclass { format!("probabilities_{}", t.name) } else { format!("probability_{}", t.name) };
-        specs.push(OutputSpec { name, offset, per_row: t.outputs, multiclass });
-        offset += t.outputs;
-    }
-    if let Some(first) = specs.first().filter(|s| !s.multiclass) {
-        specs.push(OutputSpec { name: "probability".into(), ..first.clone() });
-    }
-    let multiclass: Vec<&OutputSpec> = specs.iter().filter(|s| s.multiclass).collect();
-    if let [only] = multiclass[..] {
-        specs.push(OutputSpec { name: "probabilities".into(), ..only.clone() });
-    }
+    let (outputs, logits_per_row) = config.served_outputs();
+    let specs = outputs
+        .into_iter()
+        .map(|o| OutputSpec { name: o.name, offset: o.offset, per_row: o.per_row, multiclass: o.multiclass })
+        .collect();
     (specs, logits_per_row)
 }
 

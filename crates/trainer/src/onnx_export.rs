@@ -4,7 +4,7 @@
 //! files: by default the job's `data.train` and `data.test`. Each ID found
 //! gets the row `sparrow predict` would read for it (its trained row, or the
 //! initial vector of a key the table lacks); an ID the files lack reads as
-//! zeros in the graph.
+//! zeros in the graph. A behaviour sequence's IDs are its `table` field's.
 
 use std::collections::BTreeSet;
 use std::io::BufRead;
@@ -15,7 +15,7 @@ use sparrow_core::config::{Config, DataFormat};
 use sparrow_core::key::feature_key;
 use sparrow_data::columns::ModelInputs;
 use sparrow_data::input::TextInput;
-use sparrow_data::text::split_csv;
+use sparrow_data::text::{split_bytes, split_csv};
 
 use crate::error::TrainError;
 use crate::trainer::Trainer;
@@ -61,29 +61,37 @@ pub fn export_onnx(
         ));
     }
     let (trainer, manifest, _) = crate::checkpoint::load_trainer(checkpoint, &sparrow_core::Overrides::none())?;
-    let spec = trainer.model.spec("ONNX")?;
+    let spec = trainer.model.spec()?;
     let config = &trainer.config;
     let inputs = ModelInputs::of(&config.data).map_err(|m| argument("--format", "onnx", m))?;
     let schema = config.data.schema.clone().unwrap_or_default();
-    if config.data.format == DataFormat::Csv && schema.multi_hot_separator.is_some() {
-        return Err(argument(
-            "--format",
-            "onnx",
-            "multi-hot fields (data.schema.multi_hot_separator) are not exported yet",
-        ));
-    }
-    if !inputs.sequences.is_empty() {
-        return Err(argument("--format", "onnx", "behaviour sequences (data.schema.sequence) are not exported yet"));
-    }
     let width = trainer.table.dim();
     let files = vocabulary_files(config, vocabulary)?;
     let ids = read_ids(config, &inputs, &files)?;
     let total: u64 = ids.iter().map(|f| f.len() as u64).sum();
     let embedded = total.saturating_mul(width as u64 * 4) <= max_table_bytes;
-    let mut sparse = Vec::with_capacity(inputs.sparse.len());
+    let multi_hot = schema.multi_hot_separator.clone().filter(|_| config.data.format == DataFormat::Csv);
+    let mut sparse = Vec::with_capacity(inputs.sparse.len() + inputs.sequences.len());
     for (field, (name, ids)) in inputs.sparse.iter().zip(ids).enumerate() {
         let rows = if embedded { Some((ids.clone(), rows_of(&trainer, field, &ids)?)) } else { None };
-        sparse.push(sparrow_onnx::SparseInput { name: name.clone(), rows, unknown: vec![0.0; width] });
+        sparse.push(sparrow_onnx::SparseInput {
+            name: name.clone(),
+            separator: multi_hot.clone(),
+            max_len: None,
+            table: field,
+            rows,
+            unknown: vec![0.0; width],
+        });
+    }
+    for q in &inputs.sequences {
+        sparse.push(sparrow_onnx::SparseInput {
+            name: q.name.clone(),
+            separator: Some(sequence_separator(config)),
+            max_len: Some(q.max_len),
+            table: q.table as usize,
+            rows: None,
+            unknown: vec![0.0; width],
+        });
     }
     let log1p = match config.data.format {
         DataFormat::Criteo => true,
@@ -94,7 +102,19 @@ pub fn export_onnx(
         dense: inputs.dense.clone(),
         log1p,
         sparse,
+        mean: config.model.pooling == sparrow_core::config::Pooling::Mean,
         width,
+        outputs: config
+            .served_outputs()
+            .0
+            .into_iter()
+            .map(|o| sparrow_onnx::Head {
+                name: o.name,
+                offset: o.offset,
+                per_row: o.per_row,
+                multiclass: o.multiclass,
+            })
+            .collect(),
         name: format!("sparrow_{}", config.model.kind.name()),
         doc: format!(
             "Sparrow {} model.kind = {}, trained {} steps; inputs as `sparrow serve`'s, output `probability`.",
@@ -155,15 +175,18 @@ fn vocabulary_files(config: &Config, given: &[PathBuf]) -> Result<Vec<PathBuf>, 
 fn read_ids(config: &Config, inputs: &ModelInputs, files: &[PathBuf]) -> Result<Vec<Vec<String>>, TrainError> {
     let mut ids: Vec<BTreeSet<String>> = vec![BTreeSet::new(); inputs.sparse.len()];
     let schema = config.data.schema.clone().unwrap_or_default();
+    let multi_hot = schema.multi_hot_separator.clone().filter(|_| config.data.format == DataFormat::Csv);
+    let sequence_sep = sequence_separator(config);
     for path in files {
         let mut input = TextInput::open(path)?;
         let mut line = Vec::new();
+        // The sparse fields' columns, then the sequences'.
+        let names: Vec<&String> = inputs.sparse.iter().chain(inputs.sequences.iter().map(|q| &q.name)).collect();
         let mut columns: Option<Vec<usize>> = match config.data.format {
             // label, 13 counts, then the 26 categories.
             DataFormat::Criteo => Some((0..inputs.sparse.len()).map(|f| 14 + f).collect()),
             _ if !schema.header => Some(
-                inputs
-                    .sparse
+                names
                     .iter()
                     .map(|name| {
                         name.parse::<usize>().map_err(|_| argument("--vocabulary", name, "not a column number"))
@@ -188,11 +211,10 @@ fn read_ids(config: &Config, inputs: &ModelInputs, files: &[PathBuf]) -> Result<
             }
             let Some(cols) = &columns else {
                 let header: Vec<String> = cells.iter().map(|c| String::from_utf8_lossy(c).trim().to_string()).collect();
-                let found = inputs
-                    .sparse
+                let found = names
                     .iter()
                     .map(|name| {
-                        header.iter().position(|h| h == name).ok_or_else(|| {
+                        header.iter().position(|h| h == *name).ok_or_else(|| {
                             argument("--vocabulary", path.display(), format!("no column `{name}` in the header"))
                         })
                     })
@@ -200,17 +222,33 @@ fn read_ids(config: &Config, inputs: &ModelInputs, files: &[PathBuf]) -> Result<
                 columns = Some(found);
                 continue;
             };
-            for (field, &col) in cols.iter().enumerate() {
+            for (input, &col) in cols.iter().enumerate() {
                 let raw = cells.get(col).map_or(&b""[..], |c| c.as_ref());
-                if let Ok(id) = std::str::from_utf8(raw)
-                    && !ids[field].contains(id)
-                {
-                    ids[field].insert(id.to_string());
+                let (table, separator) = match input.checked_sub(inputs.sparse.len()) {
+                    None => (input, multi_hot.as_deref()),
+                    Some(q) => (inputs.sequences[q].table as usize, Some(sequence_sep.as_str())),
+                };
+                let mut add = |id: &[u8]| {
+                    if let Ok(id) = std::str::from_utf8(id)
+                        && !ids[table].contains(id)
+                    {
+                        ids[table].insert(id.to_string());
+                    }
+                };
+                match separator {
+                    Some(sep) => split_bytes(raw, sep.as_bytes()).filter(|id| !id.is_empty()).for_each(&mut add),
+                    None => add(raw),
                 }
             }
         }
     }
     Ok(ids.into_iter().map(|s| s.into_iter().collect()).collect())
+}
+
+/// What splits a sequence's cell: the multi-hot separator, else `|` (as
+/// the readers split it).
+fn sequence_separator(config: &Config) -> String {
+    config.data.schema.as_ref().and_then(|s| s.multi_hot_separator.clone()).unwrap_or_else(|| "|".into())
 }
 
 /// The rows `sparrow predict` reads for field `field`'s `ids`.

@@ -102,7 +102,49 @@ impl Task {
     }
 }
 
+/// An output a served model answers (`sparrow serve`, the ONNX export):
+/// its name, its task's first logit among a row's, its values a row (1, or
+/// a multiclass task's classes), and whether it is a softmax.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServedOutput {
+    pub name: String,
+    pub offset: usize,
+    pub per_row: usize,
+    pub multiclass: bool,
+}
+
 impl Config {
+    /// What a served model answers, and its logits a row.
+    /// - One binary task: `probability` ([N]).
+    /// - Several tasks: `probability_<task>` ([N]) for a binary task and
+    ///   `probabilities_<task>` ([N, K], a softmax) for a multiclass one. The
+    ///   first task, when binary, is also `probability`, as `test_auc` is the
+    ///   first task's; a model with exactly one multiclass task also answers
+    ///   it as `probabilities`.
+    pub fn served_outputs(&self) -> (Vec<ServedOutput>, usize) {
+        let tasks = self.tasks();
+        let logits_per_row = tasks.iter().map(|t| t.outputs).sum();
+        if tasks.len() == 1 && tasks[0].is_binary() {
+            let only = ServedOutput { name: "probability".into(), offset: 0, per_row: 1, multiclass: false };
+            return (vec![only], logits_per_row);
+        }
+        let (mut outputs, mut offset) = (Vec::new(), 0);
+        for t in &tasks {
+            let multiclass = !t.is_binary();
+            let name = if multiclass { format!("probabilities_{}", t.name) } else { format!("probability_{}", t.name) };
+            outputs.push(ServedOutput { name, offset, per_row: t.outputs, multiclass });
+            offset += t.outputs;
+        }
+        if let Some(first) = outputs.first().filter(|s| !s.multiclass) {
+            outputs.push(ServedOutput { name: "probability".into(), ..first.clone() });
+        }
+        let multiclass: Vec<&ServedOutput> = outputs.iter().filter(|s| s.multiclass).collect();
+        if let [only] = multiclass[..] {
+            outputs.push(ServedOutput { name: "probabilities".into(), ..only.clone() });
+        }
+        (outputs, logits_per_row)
+    }
+
     /// The label columns, in the order their values sit in each sample:
     /// `data.schema.labels`, else the one `data.schema.label` (the formats
     /// without a schema have one label, "label").

@@ -6,20 +6,15 @@ use crate::spec::{DenseLayer, NetSpec};
 
 use super::{DenseModel, Net};
 
-fn linear(l: &Linear) -> Result<DenseLayer, ModelError> {
+pub(super) fn linear(l: &Linear) -> Result<DenseLayer, ModelError> {
     let (w, b) = (l.weight().as_tensor(), l.bias().as_tensor());
     let (fan_in, fan_out) = w.dims2()?;
     Ok(DenseLayer { fan_in, fan_out, weight: w.flatten_all()?.to_vec1()?, bias: b.to_vec1()?, relu: false })
 }
 
 impl DenseModel {
-    /// Its structure and weights. `format` names the exporter in the error a
-    /// kind it cannot rebuild yet gets (several tasks, attention).
-    pub fn spec(&self, format: &'static str) -> Result<NetSpec, ModelError> {
-        let not = |why| ModelError::NotExportable { kind: self.kind.name(), format, why };
-        if self.heads.outputs() != 1 {
-            return Err(not("several outputs: only one binary task is exported"));
-        }
+    /// Its structure and weights.
+    pub fn spec(&self) -> Result<NetSpec, ModelError> {
         let dense = |l: &Option<Linear>| l.as_ref().map(linear).transpose();
         let bias = || -> Result<f32, ModelError> {
             Ok(match &self.bias {
@@ -43,8 +38,8 @@ impl DenseModel {
             Net::Dcn { cross, deep, .. } => {
                 NetSpec::Dcn { cross: cross.iter().map(linear).collect::<Result<_, _>>()?, deep: deep.layers()? }
             }
-            Net::MultiTask(_) => return Err(not("the multi-task kinds are not exported yet")),
-            Net::Din(_) => return Err(not("attention over behaviour sequences is not exported yet")),
+            Net::MultiTask(net) => net.spec()?,
+            Net::Din(net) => net.spec()?,
         })
     }
 }

@@ -58,6 +58,15 @@ impl Din {
         Ok(Din { pairs: pairs.to_vec(), units, mlp })
     }
 
+    /// Its structure and weights for an exporter.
+    pub(super) fn spec(&self) -> Result<crate::spec::NetSpec, ModelError> {
+        Ok(crate::spec::NetSpec::Din {
+            pairs: self.pairs.clone(),
+            units: self.units.iter().map(Mlp::layers).collect::<Result<_, _>>()?,
+            mlp: self.mlp.layers()?,
+        })
+    }
+
     pub(super) fn pairs(&self) -> &[(usize, usize)] {
         &self.pairs
     }

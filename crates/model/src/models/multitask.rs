@@ -192,6 +192,26 @@ impl MultiTask {
     }
 }
 
+impl MultiTask {
+    /// Its structure and weights for an exporter.
+    pub(super) fn spec(&self) -> Result<crate::spec::NetSpec, ModelError> {
+        let mlps = |v: &[Mlp]| v.iter().map(Mlp::layers).collect::<Result<Vec<_>, _>>();
+        let levels = self
+            .levels
+            .iter()
+            .map(|l| {
+                Ok(crate::spec::LevelSpec {
+                    shared: mlps(&l.shared)?,
+                    own: l.own.iter().map(|o| mlps(o)).collect::<Result<_, ModelError>>()?,
+                    gates: l.gates.iter().map(super::described::linear).collect::<Result<_, _>>()?,
+                    shared_gate: l.shared_gate.as_ref().map(super::described::linear).transpose()?,
+                })
+            })
+            .collect::<Result<_, ModelError>>()?;
+        Ok(crate::spec::NetSpec::MultiTask { esmm: self.kind == ModelKind::Esmm, levels, towers: mlps(&self.towers)? })
+    }
+}
+
 /// Σ_k softmax(gate)_k · expert_k: `gate` `[B, K]`, each expert `[B, H]`.
 fn mix(gate: &Tensor, experts: &[&Tensor]) -> Result<Tensor, ModelError> {
     let m = gate.max_keepdim(D::Minus1)?;
