@@ -35,8 +35,8 @@ out takes the default below, and an unknown key is an error naming it.
   schema ships as [`docs/config.schema.json`](config.schema.json). Editors
   that read JSON Schema for TOML (taplo, VS Code's Even Better TOML) validate
   and complete a config with it: put
-  `#:schema https://…/config.schema.json` (or a local path) on the first line
-  of the file, or map it in `.taplo.toml`.
+  `#:schema ./path/to/config.schema.json` on the first line of the file, or
+  map files to it in a `.taplo.toml` (this repository's maps `configs/`).
 
 ";
 
