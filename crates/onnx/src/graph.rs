@@ -114,40 +114,28 @@ impl Graph {
         self.outputs.push(value_info(name, elem_type, dims));
     }
 
-    pub fn float_init(&mut self, hint: &str, dims: &[i64], data: Vec<f32>) -> String {
+    /// `tensor` as an initializer, named afresh.
+    fn initializer(&mut self, hint: &str, tensor: TensorProto) -> String {
         let name = self.fresh(hint);
-        self.initializers.push(TensorProto {
-            name: Some(name.clone()),
-            dims: dims.to_vec(),
-            data_type: Some(FLOAT),
-            float_data: data,
-            ..Default::default()
-        });
+        self.initializers.push(TensorProto { name: Some(name.clone()), ..tensor });
         name
     }
 
+    pub fn float_init(&mut self, hint: &str, dims: &[i64], data: Vec<f32>) -> String {
+        let t = TensorProto { dims: dims.to_vec(), data_type: Some(FLOAT), float_data: data, ..Default::default() };
+        self.initializer(hint, t)
+    }
+
+    /// A string scalar.
     pub fn string_init(&mut self, hint: &str, value: &str) -> String {
-        let name = self.fresh(hint);
-        self.initializers.push(TensorProto {
-            name: Some(name.clone()),
-            dims: Vec::new(),
-            data_type: Some(STRING),
-            string_data: vec![value.as_bytes().to_vec()],
-            ..Default::default()
-        });
-        name
+        let t =
+            TensorProto { data_type: Some(STRING), string_data: vec![value.as_bytes().to_vec()], ..Default::default() };
+        self.initializer(hint, t)
     }
 
     pub fn int64_init(&mut self, hint: &str, dims: &[i64], data: Vec<i64>) -> String {
-        let name = self.fresh(hint);
-        self.initializers.push(TensorProto {
-            name: Some(name.clone()),
-            dims: dims.to_vec(),
-            data_type: Some(INT64),
-            int64_data: data,
-            ..Default::default()
-        });
-        name
+        let t = TensorProto { dims: dims.to_vec(), data_type: Some(INT64), int64_data: data, ..Default::default() };
+        self.initializer(hint, t)
     }
 
     /// A node of the default domain with one output, named afresh.
