@@ -62,6 +62,12 @@ pub fn export_onnx(
     }
     let (trainer, manifest, _) = crate::checkpoint::load_trainer(checkpoint, &sparrow_core::Overrides::none())?;
     let spec = trainer.model.spec()?;
+    if trainer.config.model.precision == sparrow_core::config::Precision::Bf16 {
+        tracing::warn!(
+            "model.precision = \"bf16\": the ONNX graph computes in f32, so its figures differ from `sparrow \
+             predict`'s by the bf16 rounding of the products' inputs"
+        );
+    }
     let config = &trainer.config;
     let inputs = ModelInputs::of(&config.data).map_err(|m| argument("--format", "onnx", m))?;
     let schema = config.data.schema.clone().unwrap_or_default();
