@@ -865,7 +865,7 @@ fn main() -> ExitCode {
                 || e.downcast_ref::<sparrow_cluster::ClusterError>()
                     .is_some_and(|c| matches!(c, sparrow_cluster::ClusterError::Interrupted));
             let signal = STOP_SIGNAL.load(Ordering::SeqCst);
-            // One meaning a code: README's exit code table.
+            // One meaning a code: the book's exit code table (docs/book/src/training.md).
             let failure = e.downcast_ref::<sparrow_cluster::ClusterError>().map_or(2, |c| c.exit_code());
             ExitCode::from(match (interrupted, signal) {
                 (true, 0) => 130,

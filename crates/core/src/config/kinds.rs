@@ -33,7 +33,7 @@ pub enum ModelKind {
 }
 
 impl ModelKind {
-    /// Every kind, in the README's order.
+    /// The one-task kinds, in the book's order (docs/book/src/models.md).
     pub const ALL: [ModelKind; 7] = [
         ModelKind::Lr,
         ModelKind::Fm,
