@@ -106,6 +106,18 @@ fn bad_exports_are_refused_by_name_and_leave_nothing() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("nope.tsv"), "{stderr}");
     assert!(!std::path::Path::new(&out_dir).exists());
+    // A vocabulary with no ID of a column would map every ID to zeros.
+    let empty = dir.path().join("empty.tsv");
+    std::fs::write(&empty, "").expect("write");
+    let out = sparrow()
+        .args(["export", "--checkpoint", &ck, "--out", &out_dir, "--format", "onnx", "--vocabulary"])
+        .arg(&empty)
+        .output()
+        .expect("export");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("no ID of column `C1`") && stderr.contains("empty.tsv"), "{stderr}");
+    assert!(!std::path::Path::new(&out_dir).exists());
     // An existing directory is not written into.
     std::fs::create_dir(&out_dir).expect("mkdir");
     let out = sparrow()

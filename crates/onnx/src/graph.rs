@@ -141,7 +141,7 @@ impl Graph {
     /// A node of the default domain with one output, named afresh.
     pub fn node(&mut self, op: &str, inputs: &[&str], attributes: Vec<AttributeProto>) -> String {
         let out = self.fresh(&op.to_lowercase());
-        self.push(&out, "", op, inputs, attributes);
+        self.push(std::slice::from_ref(&out), "", op, inputs, attributes);
         out
     }
 
@@ -154,35 +154,28 @@ impl Graph {
         n: usize,
     ) -> Vec<String> {
         let outs: Vec<String> = (0..n).map(|_| self.fresh(&op.to_lowercase())).collect();
-        self.nodes.push(NodeProto {
-            input: inputs.iter().map(|s| s.to_string()).collect(),
-            output: outs.clone(),
-            name: Some(outs[0].clone()),
-            op_type: Some(op.into()),
-            attribute: attributes,
-            ..Default::default()
-        });
+        self.push(&outs, "", op, inputs, attributes);
         outs
     }
 
     /// A node whose one output has the given name (a graph output).
     pub fn node_named(&mut self, out: &str, op: &str, inputs: &[&str], attributes: Vec<AttributeProto>) -> String {
-        self.push(out, "", op, inputs, attributes);
+        self.push(&[out.to_string()], "", op, inputs, attributes);
         out.into()
     }
 
     /// A node of `ai.onnx.ml`.
     pub fn ml_node(&mut self, op: &str, inputs: &[&str], attributes: Vec<AttributeProto>) -> String {
         let out = self.fresh(&op.to_lowercase());
-        self.push(&out, ML_DOMAIN, op, inputs, attributes);
+        self.push(std::slice::from_ref(&out), ML_DOMAIN, op, inputs, attributes);
         out
     }
 
-    fn push(&mut self, out: &str, domain: &str, op: &str, inputs: &[&str], attribute: Vec<AttributeProto>) {
+    fn push(&mut self, outs: &[String], domain: &str, op: &str, inputs: &[&str], attribute: Vec<AttributeProto>) {
         self.nodes.push(NodeProto {
             input: inputs.iter().map(|s| s.to_string()).collect(),
-            output: vec![out.into()],
-            name: Some(out.into()),
+            output: outs.to_vec(),
+            name: outs.first().cloned(),
             op_type: Some(op.into()),
             domain: (!domain.is_empty()).then(|| domain.into()),
             attribute,

@@ -183,6 +183,7 @@ fn read_ids(config: &Config, inputs: &ModelInputs, files: &[PathBuf]) -> Result<
     let schema = config.data.schema.clone().unwrap_or_default();
     let multi_hot = schema.multi_hot_separator.clone().filter(|_| config.data.format == DataFormat::Csv);
     let sequence_sep = sequence_separator(config);
+    let mut not_text = 0u64;
     for path in files {
         let mut input = TextInput::open(path)?;
         let mut line = Vec::new();
@@ -234,12 +235,12 @@ fn read_ids(config: &Config, inputs: &ModelInputs, files: &[PathBuf]) -> Result<
                     None => (input, multi_hot.as_deref()),
                     Some(q) => (inputs.sequences[q].table as usize, Some(sequence_sep.as_str())),
                 };
-                let mut add = |id: &[u8]| {
-                    if let Ok(id) = std::str::from_utf8(id)
-                        && !ids[table].contains(id)
-                    {
+                let mut add = |id: &[u8]| match std::str::from_utf8(id) {
+                    Ok(id) if !ids[table].contains(id) => {
                         ids[table].insert(id.to_string());
                     }
+                    Ok(_) => {}
+                    Err(_) => not_text += 1,
                 };
                 match separator {
                     Some(sep) => split_bytes(raw, sep.as_bytes()).filter(|id| !id.is_empty()).for_each(&mut add),
@@ -247,6 +248,20 @@ fn read_ids(config: &Config, inputs: &ModelInputs, files: &[PathBuf]) -> Result<
                 }
             }
         }
+    }
+    if not_text > 0 {
+        tracing::warn!(
+            "{not_text} IDs in the vocabulary files are not UTF-8 text (ONNX strings are): the graph reads them as \
+             zero vectors"
+        );
+    }
+    let shown: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
+    if let Some(empty) = ids.iter().position(BTreeSet::is_empty) {
+        return Err(argument(
+            "--vocabulary",
+            shown.join(" "),
+            format!("no ID of column `{}` in these files: the graph would map every ID to zeros", inputs.sparse[empty]),
+        ));
     }
     Ok(ids.into_iter().map(|s| s.into_iter().collect()).collect())
 }
