@@ -328,38 +328,59 @@ pub struct LoaderServer {
     /// down): every worker that asks then gets it, as itself.
     error: Arc<Mutex<Option<Arc<ClusterError>>>>,
     /// `sync = "round"`: the round queue over the training stream.
-    rounds: Option<Mutex<RoundQueue>>,
+    rounds: Option<Mutex<RoundQueue<WorkerBatch>>>,
     _thread: JoinHandle<()>,
 }
 
 /// One round's share of the training stream (S2.1–S2.2): `capacity` items,
-/// one at a time to whichever worker asks, each worker at least one.
+/// one at a time to whichever worker asks, each worker at least one. The
+/// queue reads up to one item per worker ahead of the stream (`ahead`), so
+/// that near the data's end it still holds one back for each worker without
+/// one: a short last round is shared too.
 #[derive(Debug)]
-pub struct RoundQueue {
+pub struct RoundQueue<T> {
     capacity: u64,
     round: u64,
     /// Items each worker took in `round`.
     taken: Vec<u64>,
-    /// The training data ended.
+    /// Items read from the stream and not taken yet, in its order.
+    ahead: std::collections::VecDeque<T>,
+    /// The training data ended (after `ahead`).
     ended: bool,
 }
 
-impl RoundQueue {
+impl<T> RoundQueue<T> {
     /// `workers` × 1 batch per worker step × `round_iterations`.
-    pub fn new(workers: usize, round_iterations: u64) -> RoundQueue {
+    pub fn new(workers: usize, round_iterations: u64) -> RoundQueue<T> {
         let workers = workers.max(1);
         RoundQueue {
             capacity: workers as u64 * round_iterations.max(1),
             round: 0,
             taken: vec![0; workers],
+            ahead: std::collections::VecDeque::new(),
             ended: false,
         }
     }
 
-    /// Whether `worker` may take another item of `round` (moving the queue
-    /// to `round` if it is the next one). An item is held back for every
-    /// other worker that has none yet, so each gets at least one (M ≥ 1).
-    pub fn may_take(&mut self, worker: usize, round: u64) -> Result<bool, ClusterError> {
+    /// Whether the queue wants another item of the stream read ahead.
+    pub fn wants_more(&self) -> bool {
+        !self.ended && self.ahead.len() < self.taken.len()
+    }
+
+    /// An item read ahead (`None`: the stream ended).
+    pub fn read(&mut self, item: Option<T>) {
+        match item {
+            Some(item) => self.ahead.push_back(item),
+            None => self.ended = true,
+        }
+    }
+
+    /// `worker`'s next item of `round`, if it may take one (moving the
+    /// queue to `round` if it is the next one). An item is held back for
+    /// every other worker that has none yet, so each gets at least one
+    /// (M ≥ 1) while the round and the data last. Read ahead first
+    /// ([`wants_more`](Self::wants_more)).
+    pub fn take(&mut self, worker: usize, round: u64) -> Result<Option<T>, ClusterError> {
         if worker >= self.taken.len() {
             return Err(ClusterError::Setup(format!(
                 "worker {worker}: the round queue serves {} workers",
@@ -378,13 +399,20 @@ impl RoundQueue {
         }
         let total: u64 = self.taken.iter().sum();
         let waiting = self.taken.iter().enumerate().filter(|&(w, &t)| w != worker && t == 0).count() as u64;
-        let left = self.capacity.saturating_sub(total);
+        // What is left of the round: its capacity, and no more than the data holds.
+        let mut left = self.capacity.saturating_sub(total);
+        if self.ended {
+            left = left.min(self.ahead.len() as u64);
+        }
         let mine = if self.taken[worker] == 0 { 1 } else { 0 };
-        Ok(!self.ended && left > 0 && left + mine > waiting)
-    }
-
-    pub fn took(&mut self, worker: usize) {
-        self.taken[worker] += 1;
+        if left == 0 || left + mine <= waiting {
+            return Ok(None);
+        }
+        let item = self.ahead.pop_front();
+        if item.is_some() {
+            self.taken[worker] += 1;
+        }
+        Ok(item)
     }
 }
 
@@ -609,19 +637,11 @@ impl RoundQueueService for LoaderServer {
         };
         // Held while the item is taken: the count and the item move together.
         let mut queue = rounds.lock();
-        if !queue.may_take(worker, round)? {
-            return Ok(None);
+        while queue.wants_more() {
+            let item = self.take(&self.train)?;
+            queue.read(item);
         }
-        match self.take(&self.train)? {
-            Some(batch) => {
-                queue.took(worker);
-                Ok(Some(batch))
-            }
-            None => {
-                queue.ended = true;
-                Ok(None)
-            }
-        }
+        queue.take(worker, round)
     }
 }
 
@@ -664,22 +684,39 @@ mod tests {
         assert_eq!((next[1].start, next[1].labels.clone()), (batches[4].start, batches[4].labels.clone()));
     }
 
+    /// Reads ahead as the loader does, from `data` items.
+    fn take(q: &mut RoundQueue<u32>, data: &mut std::ops::Range<u32>, worker: usize, round: u64) -> Option<u32> {
+        while q.wants_more() {
+            q.read(data.next());
+        }
+        q.take(worker, round).expect("round queue")
+    }
+
     #[test]
     fn a_round_holds_workers_times_iterations_items_and_each_worker_gets_one() {
         let mut q = RoundQueue::new(2, 3);
+        let mut data = 0..100;
         // Worker 0 is fast: it may take 5 of the 6, the last is worker 1's.
-        let mut fast = 0;
-        while q.may_take(0, 0).expect("round queue") {
-            q.took(0);
-            fast += 1;
-        }
-        assert_eq!(fast, 5);
-        assert!(q.may_take(1, 0).expect("round queue"));
-        q.took(1);
-        assert!(!q.may_take(1, 0).expect("round queue"), "the queue is empty");
+        let fast: Vec<u32> = std::iter::from_fn(|| take(&mut q, &mut data, 0, 0)).collect();
+        assert_eq!(fast, [0, 1, 2, 3, 4]);
+        assert_eq!(take(&mut q, &mut data, 1, 0), Some(5));
+        assert_eq!(take(&mut q, &mut data, 1, 0), None, "the round is over");
         // The next round starts full again.
-        assert!(q.may_take(1, 1).expect("round queue"));
-        assert!(q.may_take(0, 0).is_err(), "round 0 is over");
-        assert!(q.may_take(2, 1).is_err(), "no worker 2");
+        assert_eq!(take(&mut q, &mut data, 1, 1), Some(6));
+        assert!(q.take(0, 0).is_err(), "round 0 is over");
+        assert!(q.take(2, 1).is_err(), "no worker 2");
+    }
+
+    /// A last round shorter than the round: the fast worker still leaves
+    /// one item for the worker without one (it took all of them before).
+    #[test]
+    fn a_short_last_round_still_holds_an_item_for_each_worker() {
+        let mut q = RoundQueue::new(2, 4);
+        let mut data = 0..3;
+        let fast: Vec<u32> = std::iter::from_fn(|| take(&mut q, &mut data, 0, 0)).collect();
+        assert_eq!(fast, [0, 1]);
+        assert_eq!(take(&mut q, &mut data, 1, 0), Some(2));
+        assert_eq!(take(&mut q, &mut data, 1, 0), None);
+        assert_eq!(take(&mut q, &mut data, 0, 1), None, "the data ended");
     }
 }
