@@ -26,6 +26,11 @@ pub struct ServeArgs {
     /// the body is read; rows within it are scored 1024 at a time.
     #[arg(long, default_value_t = 16_384)]
     max_batch_rows: usize,
+    /// Requests whose behaviour sequences and multi-hot cells hold more
+    /// IDs than this together are refused (413); each cell holds at most
+    /// 100 000.
+    #[arg(long, default_value_t = 1 << 20)]
+    max_request_ids: usize,
     /// Connections open at once; past it a new connection closes the one
     /// idle longest, or is refused (503) when all are busy.
     #[arg(long, default_value_t = 512)]
@@ -75,6 +80,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         name: args.name,
         max_body_bytes: args.max_body_bytes,
         max_batch_rows: args.max_batch_rows,
+        max_request_ids: args.max_request_ids,
         limits: sparrow_serve::ConnectionLimits {
             max_connections: args.max_connections,
             header_read_timeout: Duration::from_millis(args.header_read_timeout_ms),

@@ -18,6 +18,7 @@
 //! wait ([`ConnectionLimits`]). Off loopback a bearer token is required
 //! ([`Auth`]).
 
+mod cells;
 pub mod connections;
 mod metrics;
 pub mod outputs;
@@ -36,6 +37,7 @@ use axum::extract::{DefaultBodyLimit, Path as UrlPath, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use bytes::Bytes;
 use serde_json::json;
 
 pub use connections::ConnectionLimits;
@@ -63,6 +65,9 @@ pub struct ServeOptions {
     pub max_body_bytes: usize,
     /// Requests with more rows are refused (413), counted as they are read.
     pub max_batch_rows: usize,
+    /// Requests whose lists, joined sequences and multi-hot cells hold
+    /// more IDs together are refused (413).
+    pub max_request_ids: usize,
     pub limits: ConnectionLimits,
     pub auth: Auth,
     /// `--watch`: how often `model/LATEST` is read; a new export named
@@ -185,7 +190,8 @@ pub fn model_name(options: &ServeOptions) -> Result<String, ServeError> {
 struct App {
     served: Arc<Served>,
     watch: Option<Arc<WatchHealth>>,
-    max_batch_rows: usize,
+    limits: request::Limits,
+    max_body_bytes: usize,
     release_memory: Option<fn()>,
 }
 
@@ -193,31 +199,34 @@ async fn infer(
     State(app): State<Arc<App>>,
     UrlPath(name): UrlPath<String>,
     headers: axum::http::HeaderMap,
-    body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
+    body: axum::body::Body,
 ) -> Response {
     let start = Instant::now();
     let served = &app.served;
-    let answer = match (model(served, &name), body) {
-        (Err(e), _) => Err(e),
-        (Ok(_), Err(rejection)) => {
-            Err(ApiError(rejection.status(), format!("the body cannot be read: {}", rejection.body_text())))
-        }
-        (Ok(_), Ok(body)) => {
+    let body = match model(served, &name) {
+        Err(e) => Err(e),
+        Ok(_) => read_body(body, &headers, app.max_body_bytes).await,
+    };
+    let answer = match body {
+        Err(e) => Err(e),
+        Ok(body) => {
             let app = app.clone();
             tokio::task::spawn_blocking(move || {
                 let large = body.len() > LARGE_REQUEST_BYTES;
                 let binary_header = headers.get(request::BINARY_HEADER).map(|v| v.as_bytes());
-                let answer = request::decode(binary_header, &body, app.max_batch_rows)
-                    .map_err(|e| match e {
-                        request::DecodeError::TooManyRows(m) => ApiError(StatusCode::PAYLOAD_TOO_LARGE, m),
-                        request::DecodeError::Bad(m) => bad(m),
-                    })
-                    .and_then(|request| {
-                        let scores = app.served.infer(&request)?;
+                let refused = |e| match e {
+                    request::DecodeError::OverLimit(m) => ApiError(StatusCode::PAYLOAD_TOO_LARGE, m),
+                    request::DecodeError::Bad(m) => bad(m),
+                };
+                // The body is dropped at the block's end, before memory is released.
+                let answer = match request::Body::new(binary_header, body) {
+                    Err(e) => Err(refused(e)),
+                    Ok(body) => body.decode(&app.limits).map_err(refused).and_then(|request| {
+                        let scores = app.served.infer(&request, app.limits.max_ids)?;
                         let large = large || scores.rows > served::SCORE_CHUNK_ROWS;
                         Ok((reply(&app.served, request, scores), large))
-                    });
-                drop(body);
+                    }),
+                };
                 if let Some(release) = app.release_memory
                     && (large || answer.as_ref().is_ok_and(|(_, large)| *large))
                 {
@@ -233,6 +242,37 @@ async fn infer(
     served.metrics.requests.with_label_values(&[response.status().as_str()]).inc();
     served.metrics.seconds.observe(start.elapsed().as_secs_f64());
     response
+}
+
+/// A request's body, refused (413) past `max` bytes. Read into one buffer
+/// of the declared length, chunk by chunk, so a body at the limit costs
+/// its size once (collecting chunks and then joining them costs it twice).
+async fn read_body(body: axum::body::Body, headers: &axum::http::HeaderMap, max: usize) -> Result<Bytes, ApiError> {
+    use http_body_util::BodyExt;
+    let too_large = |n: String| {
+        ApiError(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("a body of {n} bytes, more than this server's --max-body-bytes ({max})"),
+        )
+    };
+    let declared = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if let Some(n) = declared.filter(|&n| n > max as u64) {
+        return Err(too_large(n.to_string()));
+    }
+    let mut out = Vec::with_capacity(declared.map_or(0, |n| n as usize));
+    let mut body = body;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| bad(format!("the body cannot be read: {e}")))?;
+        let Ok(chunk) = frame.into_data() else { continue };
+        if out.len() + chunk.len() > max {
+            return Err(too_large(format!("more than {}", out.len() + chunk.len())));
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(Bytes::from(out))
 }
 
 /// The reply: JSON, or with the output as binary data (KServe's binary extension).
@@ -333,6 +373,7 @@ fn check_options(options: &ServeOptions) -> Result<(), ServeError> {
     let positive = [
         ("--max-body-bytes", options.max_body_bytes as u128),
         ("--max-batch-rows", options.max_batch_rows as u128),
+        ("--max-request-ids", options.max_request_ids as u128),
         ("--max-connections", options.limits.max_connections as u128),
         ("--header-read-timeout-ms", options.limits.header_read_timeout.as_millis()),
         ("--idle-timeout-ms", options.limits.idle_timeout.as_millis()),
@@ -397,7 +438,12 @@ pub fn serve(
     let app = Arc::new(App {
         served: served.clone(),
         watch: health,
-        max_batch_rows: options.max_batch_rows,
+        limits: request::Limits {
+            max_rows: options.max_batch_rows,
+            max_inputs: served.input_columns(),
+            max_ids: options.max_request_ids,
+        },
+        max_body_bytes: options.max_body_bytes,
         release_memory: options.release_memory,
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -1,10 +1,14 @@
 //! A KServe v2 `infer` request body, decoded into typed columns with its
-//! memory bounded before any of it is kept: no input may hold more than
-//! `max_rows` values (the count is checked while the JSON is read, so a
-//! body declaring 10⁷ rows is refused at row `max_rows + 1`), `shape`s and
-//! `outputs` are short, and keys the server does not read are skipped
-//! without being stored. Cells are kept compactly (a tag and a number, or a
-//! span of one text buffer per input), not as `serde_json::Value`s.
+//! memory bounded before any of it is kept ([`Limits`]): no input may hold
+//! more than `max_rows` values (the count is checked while the JSON is
+//! read, so a body declaring 10⁷ rows is refused at row `max_rows + 1`), a
+//! request names no more inputs than the model has columns, its lists hold
+//! at most `max_ids` IDs together, no string is longer than a data file's
+//! line, `shape`s and `outputs` are short, and keys the server does not
+//! read are skipped without being stored. Cells are kept compactly (a tag
+//! and a number, or a span of one text buffer per input), not as
+//! `serde_json::Value`s; the body is not copied (a bare `NaN` is rewritten
+//! in place).
 //!
 //! The body is plain JSON (any content type: Triton's client sends none),
 //! or KServe's binary tensor extension: a JSON header of
@@ -15,7 +19,10 @@
 use std::cell::Cell as Flag;
 use std::fmt;
 
+use bytes::Bytes;
 use serde::de::{DeserializeSeed, Deserializer, Error as _, IgnoredAny, MapAccess, SeqAccess, Visitor};
+
+pub use crate::cells::{Cell, Cells, MAX_CELL_BYTES, MAX_LIST_ITEMS};
 
 /// The header of KServe's binary tensor extension: the JSON part's length.
 pub const BINARY_HEADER: &str = "inference-header-content-length";
@@ -26,118 +33,111 @@ const MAX_SHAPE_DIMS: usize = 8;
 /// A request names at most this many outputs.
 const MAX_OUTPUTS: usize = 64;
 
-/// Why a body was refused: too many rows (413, naming the limit) or
-/// malformed (400).
+/// What one request may hold.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Values an input may hold (`--max-batch-rows`).
+    pub max_rows: usize,
+    /// Inputs a request may name: the model's columns (each once).
+    pub max_inputs: usize,
+    /// IDs a request's lists, joined strings and multi-hot cells hold
+    /// together (`--max-request-ids`; lists are counted here, the rest
+    /// where they are split).
+    pub max_ids: usize,
+}
+
+/// Why a body was refused: over one of the [`Limits`] (413, naming the
+/// flag) or malformed (400).
 #[derive(Debug, PartialEq)]
 pub enum DecodeError {
-    TooManyRows(String),
+    OverLimit(String),
     Bad(String),
 }
 
-/// One decoded request.
+/// One decoded request, its strings spans of the body.
 #[derive(Debug, Default)]
-pub struct Request {
+pub struct Request<'s> {
     /// The request's `id`, echoed in the reply.
     pub id: Option<String>,
-    pub inputs: Vec<Input>,
+    pub inputs: Vec<Input<'s>>,
     /// Whether the reply's output is to be binary data.
     pub binary_output: bool,
     /// The outputs asked for by name (`outputs`); empty: every output.
     pub outputs: Vec<String>,
+    /// The IDs its list cells hold together.
+    pub list_ids: usize,
 }
 
 #[derive(Debug, Default)]
-pub struct Input {
+pub struct Input<'s> {
     pub name: String,
     pub datatype: String,
     /// As given (a `-1` is kept, to be reported as such).
     pub shape: Vec<i64>,
-    pub cells: Cells,
+    pub cells: Cells<'s>,
     /// `parameters.binary_data_size`: the values follow the JSON header.
     binary_size: Option<u64>,
 }
 
-/// One value of an input.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Cell {
-    /// `null` (or NaN): a missing value, an empty cell in the data file.
-    Null,
-    Number(f64),
-    /// A span of [`Cells::text`].
-    Text {
-        start: u32,
-        len: u32,
-    },
-    /// A list of strings (a behaviour sequence's IDs): `count` spans of
-    /// [`Cells::text`] from [`Cells::items`]`[first]`.
-    List {
-        first: u32,
-        count: u32,
-    },
+/// A request's body as read: the JSON part (its bare `NaN`s rewritten),
+/// then any binary part.
+pub struct Body {
+    bytes: Bytes,
+    json_len: usize,
 }
 
-/// IDs one list cell may hold.
-pub const MAX_LIST_ITEMS: usize = 100_000;
+impl Body {
+    /// `body` (`binary_header`: the value of [`BINARY_HEADER`], if sent).
+    pub fn new(binary_header: Option<&[u8]>, body: Bytes) -> Result<Body, DecodeError> {
+        let json_len = match binary_header {
+            None => body.len(),
+            Some(v) => std::str::from_utf8(v)
+                .ok()
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .filter(|&n| n <= body.len())
+                .ok_or_else(|| {
+                    DecodeError::Bad(format!("{BINARY_HEADER}: not a length within the body ({} bytes)", body.len()))
+                })?,
+        };
+        if u32::try_from(body.len()).is_err() {
+            return Err(DecodeError::OverLimit(format!("a body of {} bytes: at most 4 GiB", body.len())));
+        }
+        // numpy clients write a missing float as a bare `NaN`, which JSON lacks.
+        let bytes = if bare_nans(&body[..json_len]).next().is_some() {
+            Bytes::from(nan_as_empty_list(Vec::from(body), json_len))
+        } else {
+            body
+        };
+        Ok(Body { bytes, json_len })
+    }
 
-/// An input's values: tags and numbers, with every string in one buffer.
-#[derive(Debug, Default)]
-pub struct Cells {
-    pub values: Vec<Cell>,
-    text: String,
-    /// The list cells' items: (start, len) spans of `text`.
-    items: Vec<(u32, u32)>,
-}
-
-impl Cells {
     pub fn len(&self) -> usize {
-        self.values.len()
+        self.bytes.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.values.is_empty()
+        self.bytes.is_empty()
     }
 
-    /// The text of a [`Cell::Text`].
-    pub fn text(&self, start: u32, len: u32) -> &str {
-        let (start, len) = (start as usize, len as usize);
-        self.text.get(start..start + len).unwrap_or_default()
-    }
-
-    /// The strings of a [`Cell::List`].
-    pub fn list(&self, first: u32, count: u32) -> impl Iterator<Item = &str> {
-        let (first, count) = (first as usize, count as usize);
-        self.items.get(first..first + count).unwrap_or_default().iter().map(|&(start, len)| self.text(start, len))
-    }
-
-    fn push_text(&mut self, s: &str) -> Result<(), String> {
-        let start = u32::try_from(self.text.len()).map_err(|_| "more than 4 GiB of text".to_string())?;
-        let len = u32::try_from(s.len()).map_err(|_| "a value of more than 4 GiB".to_string())?;
-        self.text.push_str(s);
-        self.values.push(Cell::Text { start, len });
-        Ok(())
+    /// The request, its strings spans of this body.
+    pub fn decode(&self, limits: &Limits) -> Result<Request<'_>, DecodeError> {
+        decode(&self.bytes, self.json_len, limits)
     }
 }
 
-/// Decodes a body (`binary_header`: the value of [`BINARY_HEADER`], if sent).
-pub fn decode(binary_header: Option<&[u8]>, body: &[u8], max_rows: usize) -> Result<Request, DecodeError> {
+fn decode<'s>(body: &'s [u8], json_len: usize, limits: &Limits) -> Result<Request<'s>, DecodeError> {
     let bad = |m: String| DecodeError::Bad(m);
-    let json_len = match binary_header {
-        None => body.len(),
-        Some(v) => std::str::from_utf8(v)
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .filter(|&n| n <= body.len())
-            .ok_or_else(|| bad(format!("{BINARY_HEADER}: not a length within the body ({} bytes)", body.len())))?,
-    };
-    let over = Flag::new(false);
-    let json = nan_as_null(&body[..json_len]);
-    let mut de = serde_json::Deserializer::from_slice(&json);
-    let decoded = RequestSeed { max_rows, over: &over }.deserialize(&mut de).and_then(|r| de.end().map(|()| r));
+    let (over, ids) = (Flag::new(false), Flag::new(0));
+    let mut de = serde_json::Deserializer::from_slice(&body[..json_len]);
+    let context = Context { limits, over: &over, ids: &ids, source: body };
+    let seed = RequestSeed(&context);
+    let decoded = seed.deserialize(&mut de).and_then(|r| de.end().map(|()| r));
     let mut request = match decoded {
         Ok(r) => r,
-        Err(e) if over.get() => return Err(DecodeError::TooManyRows(e.to_string())),
+        Err(e) if over.get() => return Err(DecodeError::OverLimit(e.to_string())),
         Err(e) => return Err(bad(format!("the body is not a JSON request: {e}"))),
     };
+    request.list_ids = ids.get();
     let mut binary = &body[json_len..];
     for input in &mut request.inputs {
         let Some(size) = input.binary_size else { continue };
@@ -154,7 +154,7 @@ pub fn decode(binary_header: Option<&[u8]>, body: &[u8], max_rows: usize) -> Res
         }
         let (raw, rest) = binary.split_at(size);
         binary = rest;
-        input.cells = binary_cells(name, &input.datatype, raw, max_rows)?;
+        input.cells = binary_cells(name, &input.datatype, body, raw, limits.max_rows)?;
     }
     if !binary.is_empty() {
         return Err(bad(format!("{} bytes of binary data belong to no input", binary.len())));
@@ -170,13 +170,19 @@ pub fn too_many_rows(input: &str, max_rows: usize) -> String {
 }
 
 /// An input's values from the binary part.
-fn binary_cells(name: &str, datatype: &str, raw: &[u8], max_rows: usize) -> Result<Cells, DecodeError> {
+fn binary_cells<'s>(
+    name: &str,
+    datatype: &str,
+    body: &'s [u8],
+    raw: &'s [u8],
+    max_rows: usize,
+) -> Result<Cells<'s>, DecodeError> {
     let bad = |m: String| DecodeError::Bad(format!("input `{name}`: {m}"));
-    let mut cells = Cells::default();
+    let mut cells = Cells::new(body);
     match datatype {
         "FP32" if raw.len().is_multiple_of(4) => {
             if raw.len() / 4 > max_rows {
-                return Err(DecodeError::TooManyRows(too_many_rows(name, max_rows)));
+                return Err(DecodeError::OverLimit(too_many_rows(name, max_rows)));
             }
             cells.values.reserve_exact(raw.len() / 4);
             for (row, b) in raw.chunks_exact(4).enumerate() {
@@ -193,7 +199,7 @@ fn binary_cells(name: &str, datatype: &str, raw: &[u8], max_rows: usize) -> Resu
             let mut at = raw;
             while !at.is_empty() {
                 if cells.len() == max_rows {
-                    return Err(DecodeError::TooManyRows(too_many_rows(name, max_rows)));
+                    return Err(DecodeError::OverLimit(too_many_rows(name, max_rows)));
                 }
                 let len = at.get(..4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize);
                 let Some(value) = len.and_then(|n| at.get(4..4usize.saturating_add(n))) else {
@@ -212,39 +218,54 @@ fn binary_cells(name: &str, datatype: &str, raw: &[u8], max_rows: usize) -> Resu
     Ok(cells)
 }
 
-/// `NaN` outside strings read as `null` (a missing value): numpy-based
+/// Where a bare `NaN` (outside strings) starts in `json`: numpy-based
 /// clients (Triton's) write a float column's NaN so, though JSON has no NaN.
-fn nan_as_null(json: &[u8]) -> std::borrow::Cow<'_, [u8]> {
-    if !json.windows(3).any(|w| w == b"NaN") {
-        return std::borrow::Cow::Borrowed(json);
-    }
-    let (mut out, mut in_string, mut escaped, mut i) = (Vec::with_capacity(json.len() + 16), false, false, 0);
-    while i < json.len() {
-        let b = json[i];
+fn bare_nans(json: &[u8]) -> impl Iterator<Item = usize> + '_ {
+    let (mut in_string, mut escaped) = (false, false);
+    json.iter().enumerate().filter_map(move |(i, &b)| {
         if in_string {
-            (escaped, in_string) = (!escaped && b == b'\\', in_string && (escaped || b != b'"'));
+            (escaped, in_string) = (!escaped && b == b'\\', escaped || b != b'"');
         } else if b == b'"' {
             in_string = true;
         } else if json[i..].starts_with(b"NaN") {
-            out.extend_from_slice(b"null");
-            i += 3;
-            continue;
+            return Some(i);
         }
-        out.push(b);
-        i += 1;
+        None
+    })
+}
+
+/// `body` with each bare `NaN` of its first `json_len` bytes rewritten in
+/// place as `[] `, an empty list, which reads as a missing value as `null`
+/// does (`null` is a byte longer: rewriting to it would copy the body).
+fn nan_as_empty_list(mut body: Vec<u8>, json_len: usize) -> Vec<u8> {
+    let at: Vec<usize> = bare_nans(&body[..json_len]).collect();
+    let mut free = 0;
+    for i in at {
+        if i >= free {
+            body[i..i + 3].copy_from_slice(b"[] ");
+            free = i + 3;
+        }
     }
-    std::borrow::Cow::Owned(out)
+    body
+}
+
+/// What every part of a request's reading sees.
+struct Context<'c, 's> {
+    limits: &'c Limits,
+    /// Set when a limit is passed (the error is a 413).
+    over: &'c Flag<bool>,
+    /// The request's list IDs so far.
+    ids: &'c Flag<usize>,
+    /// The body: strings inside it are kept as spans.
+    source: &'s [u8],
 }
 
 /// The whole request object.
-struct RequestSeed<'a> {
-    max_rows: usize,
-    over: &'a Flag<bool>,
-}
+struct RequestSeed<'c, 's>(&'c Context<'c, 's>);
 
-impl<'de> DeserializeSeed<'de> for RequestSeed<'_> {
-    type Value = Request;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Request, D::Error> {
+impl<'de, 's> DeserializeSeed<'de> for RequestSeed<'_, 's> {
+    type Value = Request<'s>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Request<'s>, D::Error> {
         d.deserialize_map(self)
     }
 }
@@ -259,12 +280,12 @@ fn once<E: serde::de::Error>(seen: &mut Vec<&'static str>, key: &'static str) ->
     Ok(())
 }
 
-impl<'de> Visitor<'de> for RequestSeed<'_> {
-    type Value = Request;
+impl<'de, 's> Visitor<'de> for RequestSeed<'_, 's> {
+    type Value = Request<'s>;
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("an inference request object")
     }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Request, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Request<'s>, A::Error> {
         let (mut request, mut seen, mut has_inputs) = (Request::default(), Vec::new(), false);
         let mut binary_output = None;
         while let Some(key) = map.next_key::<Key>()? {
@@ -276,7 +297,7 @@ impl<'de> Visitor<'de> for RequestSeed<'_> {
                 "inputs" => {
                     once(&mut seen, "inputs")?;
                     has_inputs = true;
-                    request.inputs = map.next_value_seed(InputsSeed { max_rows: self.max_rows, over: self.over })?;
+                    request.inputs = map.next_value_seed(InputsSeed(self.0))?;
                 }
                 "outputs" => {
                     once(&mut seen, "outputs")?;
@@ -441,27 +462,33 @@ impl<'de> Visitor<'de> for OutputSeed {
     }
 }
 
-struct InputsSeed<'a> {
-    max_rows: usize,
-    over: &'a Flag<bool>,
-}
+struct InputsSeed<'c, 's>(&'c Context<'c, 's>);
 
-impl<'de> DeserializeSeed<'de> for InputsSeed<'_> {
-    type Value = Vec<Input>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Vec<Input>, D::Error> {
+impl<'de, 's> DeserializeSeed<'de> for InputsSeed<'_, 's> {
+    type Value = Vec<Input<'s>>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
         d.deserialize_seq(self)
     }
 }
 
-impl<'de> Visitor<'de> for InputsSeed<'_> {
-    type Value = Vec<Input>;
+impl<'de, 's> Visitor<'de> for InputsSeed<'_, 's> {
+    type Value = Vec<Input<'s>>;
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("an `inputs` array")
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<Input>, A::Error> {
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
         let mut inputs = Vec::new();
         loop {
-            let seed = InputSeed { index: inputs.len(), max_rows: self.max_rows, over: self.over };
+            let index = inputs.len();
+            if index == self.0.limits.max_inputs {
+                if seq.next_element::<IgnoredAny>()?.is_none() {
+                    return Ok(inputs);
+                }
+                return Err(A::Error::custom(format!(
+                    "more than {index} inputs, the columns the model has (each is given once)"
+                )));
+            }
+            let seed = InputSeed { index, context: self.0 };
             match seq.next_element_seed(seed)? {
                 Some(input) => inputs.push(input),
                 None => return Ok(inputs),
@@ -470,25 +497,24 @@ impl<'de> Visitor<'de> for InputsSeed<'_> {
     }
 }
 
-struct InputSeed<'a> {
+struct InputSeed<'c, 's> {
     index: usize,
-    max_rows: usize,
-    over: &'a Flag<bool>,
+    context: &'c Context<'c, 's>,
 }
 
-impl<'de> DeserializeSeed<'de> for InputSeed<'_> {
-    type Value = Input;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Input, D::Error> {
+impl<'de, 's> DeserializeSeed<'de> for InputSeed<'_, 's> {
+    type Value = Input<'s>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Input<'s>, D::Error> {
         d.deserialize_map(self)
     }
 }
 
-impl<'de> Visitor<'de> for InputSeed<'_> {
-    type Value = Input;
+impl<'de, 's> Visitor<'de> for InputSeed<'_, 's> {
+    type Value = Input<'s>;
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("an input object")
     }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Input, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Input<'s>, A::Error> {
         let (mut input, mut seen) = (Input::default(), Vec::new());
         while let Some(key) = map.next_key::<Key>()? {
             match key.0.as_str() {
@@ -507,7 +533,7 @@ impl<'de> Visitor<'de> for InputSeed<'_> {
                 "data" => {
                     once(&mut seen, "data")?;
                     let label = if input.name.is_empty() { format!("#{}", self.index) } else { input.name.clone() };
-                    let seed = DataSeed { input: &label, max_rows: self.max_rows, over: self.over };
+                    let seed = DataSeed { input: &label, context: self.context };
                     input.cells = map.next_value_seed(seed)?;
                 }
                 "parameters" => {
@@ -556,38 +582,44 @@ impl<'de> Visitor<'de> for ShapeSeed {
 }
 
 /// `data`: a flat array of numbers, strings and nulls, at most `max_rows`.
-struct DataSeed<'a> {
-    input: &'a str,
-    max_rows: usize,
-    over: &'a Flag<bool>,
+struct DataSeed<'c, 's> {
+    input: &'c str,
+    context: &'c Context<'c, 's>,
 }
 
-impl<'de> DeserializeSeed<'de> for DataSeed<'_> {
-    type Value = Cells;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Cells, D::Error> {
+impl<'de, 's> DeserializeSeed<'de> for DataSeed<'_, 's> {
+    type Value = Cells<'s>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Cells<'s>, D::Error> {
         d.deserialize_seq(self)
     }
 }
 
-impl<'de> Visitor<'de> for DataSeed<'_> {
-    type Value = Cells;
+impl<'de, 's> Visitor<'de> for DataSeed<'_, 's> {
+    type Value = Cells<'s>;
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         write!(f, "input `{}`: a `data` array", self.input)
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Cells, A::Error> {
-        let mut cells = Cells::default();
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Cells<'s>, A::Error> {
+        let Context { limits, over, ids, source } = *self.context;
+        let mut cells = Cells::new(source);
+        let max_rows = limits.max_rows;
         loop {
-            if cells.len() == self.max_rows {
+            if cells.len() == max_rows {
                 // One more value is one too many; none at all is the end.
                 if seq.next_element::<IgnoredAny>()?.is_none() {
                     return Ok(cells);
                 }
-                self.over.set(true);
-                return Err(A::Error::custom(too_many_rows(self.input, self.max_rows)));
+                over.set(true);
+                return Err(A::Error::custom(too_many_rows(self.input, max_rows)));
             }
             let row = cells.len();
-            match seq.next_element_seed(CellSeed { cells: &mut cells })? {
+            let seed = CellSeed { cells: &mut cells, ids, max_ids: limits.max_ids };
+            match seq.next_element_seed(seed)? {
                 Some(Ok(())) => {}
+                Some(Err(what)) if ids.get() > limits.max_ids => {
+                    over.set(true);
+                    return Err(A::Error::custom(format!("input `{}`: data[{row}] {what}", self.input)));
+                }
                 Some(Err(what)) => {
                     return Err(A::Error::custom(format!("input `{}`: data[{row}] {what}", self.input)));
                 }
@@ -597,19 +629,22 @@ impl<'de> Visitor<'de> for DataSeed<'_> {
     }
 }
 
-/// One element of `data`, appended to `cells`; `Err`: what it is instead.
-struct CellSeed<'a> {
-    cells: &'a mut Cells,
+/// One element of `data`, appended to `cells`; `Err`: what it is instead
+/// (or that its list passed the request's `max_ids`, counted in `ids`).
+struct CellSeed<'c, 's> {
+    cells: &'c mut Cells<'s>,
+    ids: &'c Flag<usize>,
+    max_ids: usize,
 }
 
-impl<'de> DeserializeSeed<'de> for CellSeed<'_> {
+impl<'de> DeserializeSeed<'de> for CellSeed<'_, '_> {
     type Value = Result<(), String>;
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
         d.deserialize_any(self)
     }
 }
 
-impl<'de> Visitor<'de> for CellSeed<'_> {
+impl<'de> Visitor<'de> for CellSeed<'_, '_> {
     type Value = Result<(), String>;
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("a number, a string or null")
@@ -641,33 +676,38 @@ impl<'de> Visitor<'de> for CellSeed<'_> {
     }
     /// A list of strings: a behaviour sequence's IDs, one row's (the model
     /// says whether the input takes lists). Anything else in it is skipped
-    /// to the list's end, so the error names the input.
+    /// to the list's end, so the error names the input. An empty list is a
+    /// missing value, as `null` is (a bare `NaN` is read as one).
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
         let cells = self.cells;
-        let first = cells.items.len();
+        let begin = cells.begin_list();
         let mut wrong = None;
         while let Some(item) = seq.next_element::<ListItem>()? {
             match item {
                 _ if wrong.is_some() => {}
-                ListItem::Text(_) if cells.items.len() - first == MAX_LIST_ITEMS => {
+                ListItem::Text(_) if cells.items_since(begin) == MAX_LIST_ITEMS => {
                     wrong = Some(format!("is a list of more than {MAX_LIST_ITEMS} IDs"));
                 }
-                ListItem::Text(t) => match u32::try_from(cells.text.len()) {
-                    Ok(start) if t.len() <= u32::MAX as usize => {
-                        cells.text.push_str(&t);
-                        cells.items.push((start, t.len() as u32));
-                    }
-                    _ => wrong = Some("holds more than 4 GiB of text".into()),
+                ListItem::Text(_) if self.ids.get() == self.max_ids => {
+                    self.ids.set(self.max_ids + 1);
+                    wrong = Some(format!(
+                        "passes the {} IDs a request's lists may hold, this server's --max-request-ids: send fewer \
+                         rows a request",
+                        self.max_ids
+                    ));
+                }
+                ListItem::Text(t) => match cells.push_item(&t) {
+                    Ok(()) => self.ids.set(self.ids.get() + 1),
+                    Err(what) => wrong = Some(format!("holds an ID that {what}")),
                 },
                 ListItem::Other(what) => wrong = Some(format!("is a list holding {what}: a list's IDs are strings")),
             }
         }
         if let Some(what) = wrong {
-            cells.items.truncate(first);
+            cells.drop_list(begin);
             return Ok(Err(what));
         }
-        let count = (cells.items.len() - first) as u32;
-        cells.values.push(Cell::List { first: first as u32, count });
+        cells.end_list(begin);
         Ok(Ok(()))
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
@@ -676,14 +716,15 @@ impl<'de> Visitor<'de> for CellSeed<'_> {
     }
 }
 
-/// One element of a list cell: a string, or what it is instead.
-enum ListItem {
-    Text(String),
+/// One element of a list cell: a string (the body's own, when it holds
+/// it unescaped), or what it is instead.
+enum ListItem<'de> {
+    Text(std::borrow::Cow<'de, str>),
     Other(&'static str),
 }
 
-impl<'de> serde::Deserialize<'de> for ListItem {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<ListItem, D::Error> {
+impl<'de> serde::Deserialize<'de> for ListItem<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<ListItem<'de>, D::Error> {
         d.deserialize_any(ListItemVisitor)
     }
 }
@@ -691,33 +732,36 @@ impl<'de> serde::Deserialize<'de> for ListItem {
 struct ListItemVisitor;
 
 impl<'de> Visitor<'de> for ListItemVisitor {
-    type Value = ListItem;
+    type Value = ListItem<'de>;
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("a string")
     }
-    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<ListItem, E> {
-        Ok(ListItem::Text(v.to_string()))
+    fn visit_borrowed_str<E: serde::de::Error>(self, v: &'de str) -> Result<ListItem<'de>, E> {
+        Ok(ListItem::Text(std::borrow::Cow::Borrowed(v)))
     }
-    fn visit_unit<E: serde::de::Error>(self) -> Result<ListItem, E> {
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<ListItem<'de>, E> {
+        Ok(ListItem::Text(std::borrow::Cow::Owned(v.to_string())))
+    }
+    fn visit_unit<E: serde::de::Error>(self) -> Result<ListItem<'de>, E> {
         Ok(ListItem::Other("null"))
     }
-    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<ListItem, E> {
+    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<ListItem<'de>, E> {
         Ok(ListItem::Other("a boolean"))
     }
-    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<ListItem, E> {
+    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<ListItem<'de>, E> {
         Ok(ListItem::Other("a number"))
     }
-    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<ListItem, E> {
+    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<ListItem<'de>, E> {
         Ok(ListItem::Other("a number"))
     }
-    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<ListItem, E> {
+    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<ListItem<'de>, E> {
         Ok(ListItem::Other("a number"))
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<ListItem, A::Error> {
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<ListItem<'de>, A::Error> {
         while seq.next_element::<IgnoredAny>()?.is_some() {}
         Ok(ListItem::Other("an array"))
     }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<ListItem, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<ListItem<'de>, A::Error> {
         while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
         Ok(ListItem::Other("an object"))
     }
@@ -734,13 +778,27 @@ mod tests {
         (len, body)
     }
 
-    fn json(body: &str) -> Result<Request, DecodeError> {
-        decode(None, body.as_bytes(), 4)
+    fn limits(max_rows: usize) -> Limits {
+        Limits { max_rows, max_inputs: 8, max_ids: 6 }
+    }
+
+    /// Decodes `body`, kept for the test's length (a request borrows it).
+    fn decoded(header: Option<&str>, body: &[u8], max_rows: usize) -> Result<Request<'static>, DecodeError> {
+        let body = Body::new(header.map(str::as_bytes), Bytes::copy_from_slice(body))?;
+        Box::leak(Box::new(body)).decode(&limits(max_rows))
+    }
+
+    fn json(body: &str) -> Result<Request<'static>, DecodeError> {
+        decoded(None, body.as_bytes(), 4)
+    }
+
+    fn binary(len: &str, body: &[u8], max_rows: usize) -> Result<Request<'static>, DecodeError> {
+        decoded(Some(len), body, max_rows)
     }
 
     fn message(e: DecodeError) -> String {
         match e {
-            DecodeError::Bad(m) | DecodeError::TooManyRows(m) => m,
+            DecodeError::Bad(m) | DecodeError::OverLimit(m) => m,
         }
     }
 
@@ -762,7 +820,7 @@ mod tests {
             "outputs": [{"name": "probability", "parameters": {"binary_data": true}}],
         });
         let (len, body) = binary_body(&header, &tail);
-        let request = decode(Some(len.as_bytes()), &body, 4).expect("decoded");
+        let request = binary(&len, &body, 4).expect("decoded");
         assert!(request.binary_output);
         assert_eq!(request.inputs[0].cells.values, vec![Cell::Number(3.0), Cell::Null]);
         let c1 = &request.inputs[1].cells;
@@ -779,13 +837,13 @@ mod tests {
 
         // Sizes past the data, data left over: 400s naming them.
         let (len, body) = binary_body(&header, &tail[..12]);
-        assert!(message(decode(Some(len.as_bytes()), &body, 4).expect_err("short")).contains("binary_data_size 10"));
+        assert!(message(binary(&len, &body, 4).expect_err("short")).contains("binary_data_size 10"));
         let (len, body) = binary_body(&header, &[&tail[..], b"xx"].concat());
-        let e = message(decode(Some(len.as_bytes()), &body, 4).expect_err("long"));
+        let e = message(binary(&len, &body, 4).expect_err("long"));
         assert!(e.contains("2 bytes of binary data belong"), "{e}");
         // More rows than the limit: refused as such.
-        let e = decode(Some(len.as_bytes()), &body, 1).expect_err("over");
-        assert!(matches!(e, DecodeError::TooManyRows(ref m) if m.contains("--max-batch-rows")), "{e:?}");
+        let e = binary(&len, &body, 1).expect_err("over");
+        assert!(matches!(e, DecodeError::OverLimit(ref m) if m.contains("--max-batch-rows")), "{e:?}");
     }
 
     /// Binary ±inf is refused as JSON's out-of-range numbers are; NaN is a
@@ -796,7 +854,7 @@ mod tests {
             let header = serde_json::json!({"inputs": [
                 {"name": "I1", "datatype": "FP32", "shape": [1], "parameters": {"binary_data_size": 4}}]});
             let (len, body) = binary_body(&header, &x.to_le_bytes());
-            let e = message(decode(Some(len.as_bytes()), &body, 4).expect_err("inf"));
+            let e = message(binary(&len, &body, 4).expect_err("inf"));
             assert!(e.contains("input `I1`: row 0") && e.contains("not a finite number"), "{e}");
         }
         let e = message(
@@ -824,12 +882,12 @@ mod tests {
         assert_eq!(ok.expect("at the limit").inputs[0].cells.len(), 4);
         let over = json(r#"{"inputs": [{"name": "I1", "datatype": "FP32", "shape": [1], "data": [1, 2, 3, 4, 5]}]}"#);
         match over {
-            Err(DecodeError::TooManyRows(m)) => assert!(m.contains("`I1`") && m.contains("--max-batch-rows"), "{m}"),
+            Err(DecodeError::OverLimit(m)) => assert!(m.contains("`I1`") && m.contains("--max-batch-rows"), "{m}"),
             other => panic!("{other:?}"),
         }
         // Past the limit before the name: the input's place names it.
         let over = json(r#"{"inputs": [{"data": ["", "", "", "", ""], "name": "C1"}]}"#);
-        assert!(matches!(over, Err(DecodeError::TooManyRows(ref m)) if m.contains("input `#0`")), "{over:?}");
+        assert!(matches!(over, Err(DecodeError::OverLimit(ref m)) if m.contains("input `#0`")), "{over:?}");
     }
 
     #[test]
@@ -852,5 +910,46 @@ mod tests {
         // Keys the server does not read are skipped, whatever they hold.
         let request = json(r#"{"pad": [[1], {"a": 2}], "id": 7, "inputs": [], "parameters": {"x": [1]}}"#);
         assert_eq!(request.expect("decoded").id.as_deref(), Some("7"));
+    }
+
+    /// A request names no more inputs than the model has columns, its
+    /// lists hold at most `max_ids` IDs together (413, naming the flag),
+    /// and no string is longer than a data file's line.
+    #[test]
+    fn inputs_ids_and_strings_past_their_limits_are_refused() {
+        let input = r#"{"name": "I1", "data": [1]}"#;
+        let eight = json(&format!(r#"{{"inputs": [{}]}}"#, [input; 8].join(",")));
+        assert_eq!(eight.expect("8 inputs").inputs.len(), 8);
+        let nine = message(json(&format!(r#"{{"inputs": [{}]}}"#, [input; 9].join(","))).expect_err("9"));
+        assert!(nine.contains("more than 8 inputs"), "{nine}");
+
+        let six = json(r#"{"inputs": [{"name": "h", "data": [["a", "b", "c"], ["d", "e", "f"]]}]}"#);
+        assert_eq!(six.expect("6 IDs").list_ids, 6);
+        let seven = json(r#"{"inputs": [{"name": "h", "data": [["a", "b", "c"], ["d", "e", "f", "g"]]}]}"#);
+        match seven {
+            Err(DecodeError::OverLimit(m)) => assert!(m.contains("--max-request-ids") && m.contains("data[1]"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+
+        let long = "x".repeat(MAX_CELL_BYTES + 1);
+        let e = message(json(&format!(r#"{{"inputs": [{{"name": "C1", "data": ["{long}"]}}]}}"#)).expect_err("long"));
+        assert!(e.contains("input `C1`: data[0] is a string of 1048577 bytes"), "{}", &e[..200.min(e.len())]);
+        let e = message(json(&format!(r#"{{"inputs": [{{"name": "h", "data": [["{long}"]]}}]}}"#)).expect_err("long"));
+        assert!(e.contains("holds an ID that is a string of 1048577 bytes"), "{}", &e[..200.min(e.len())]);
+    }
+
+    /// `[]` is a missing value as `null` is; a bare `NaN` is rewritten to it
+    /// in place (the body is not copied to grow by a byte), never inside a
+    /// string; the strings are spans of the body.
+    #[test]
+    fn empty_lists_and_bare_nans_are_missing_values() {
+        let body = r#"{"inputs": [{"name": "I1", "data": [NaN, [], 2, NaN]}, {"name": "C1", "data": ["NaN"]}]}"#;
+        let request = json(body).expect("decoded");
+        assert_eq!(request.inputs[0].cells.values, vec![Cell::Null, Cell::Null, Cell::Number(2.0), Cell::Null]);
+        let c1 = &request.inputs[1].cells;
+        assert!(matches!(c1.values[0], Cell::Text { start, len } if c1.text(start, len) == "NaN"));
+        let nans = b"[NaN,\"NaN\",NaNaN]";
+        let rewritten = nan_as_empty_list(nans.to_vec(), nans.len());
+        assert_eq!(rewritten, b"[[] ,\"NaN\",[] aN]", "overlapping matches are left alone");
     }
 }

@@ -15,7 +15,7 @@ use sparrow_trainer::export::{ExportData, ExportManifest};
 
 use crate::metrics::Metrics;
 use crate::outputs::{Output, OutputSpec};
-use crate::request::{Cell, Cells, Request};
+use crate::request::{Cell, Cells, MAX_LIST_ITEMS, Request};
 use crate::{ApiError, ServeError, bad};
 
 /// Rows scored in one pass through the model: the pass's memory (pooled
@@ -206,12 +206,18 @@ impl Served {
         })
     }
 
+    /// The inputs a request may name: the model's columns.
+    pub fn input_columns(&self) -> usize {
+        self.inputs.dense.len() + self.inputs.sparse.len() + self.inputs.sequences.len()
+    }
+
     /// Scores one decoded request: its columns go value by value through
     /// the data format's reading rules ([`ModelInputs::batch`], so the
     /// figures are `sparrow predict`'s), into batches of [`SCORE_CHUNK_ROWS`]
     /// before the model's lock; then every batch is scored under one read
-    /// of the model.
-    pub fn infer(&self, request: &Request) -> Result<Scores, ApiError> {
+    /// of the model. Its IDs (lists, joined sequences, multi-hot cells)
+    /// are counted first: more than `max_ids` is a 413.
+    pub fn infer(&self, request: &Request, max_ids: usize) -> Result<Scores, ApiError> {
         let mut rows: Option<usize> = None;
         let picked = crate::outputs::select(&self.outputs.0, &request.outputs).map_err(bad)?;
         let mut columns = RequestColumns {
@@ -265,6 +271,7 @@ impl Served {
             *slot = Some((&input.cells, name));
         }
         let n = rows.unwrap_or(0);
+        columns.count_ids(n, request.list_ids, max_ids)?;
         let batches = (0..n)
             .step_by(SCORE_CHUNK_ROWS)
             .map(|start| self.inputs.batch(&self.layout, &columns, start..(start + SCORE_CHUNK_ROWS).min(n)))
@@ -291,11 +298,11 @@ impl Served {
 /// A request's inputs by column, as the batch builder reads them.
 struct RequestColumns<'r> {
     inputs: &'r ModelInputs,
-    dense: Vec<Option<(&'r Cells, &'r str)>>,
-    sparse: Vec<Option<(&'r Cells, &'r str)>>,
+    dense: Vec<Option<(&'r Cells<'r>, &'r str)>>,
+    sparse: Vec<Option<(&'r Cells<'r>, &'r str)>>,
     /// With the width of a rectangular [N, L] input given flat (`None`:
     /// one cell a row, a list or a string of IDs).
-    sequences: Vec<Option<(&'r Cells, &'r str, Option<usize>)>>,
+    sequences: Vec<Option<(&'r Cells<'r>, &'r str, Option<usize>)>>,
 }
 
 /// A sequence input's rows, and its width when it is given as a flat
@@ -358,21 +365,80 @@ impl ColumnValues for RequestColumns<'_> {
             }
             return Ok(ids);
         }
-        let ids: Vec<&str> = match cells.values[row] {
+        let check = |id: &str| self.inputs.check_text(id).map_err(|e| bad(format!("input `{name}`: row {row}: {e}")));
+        // The newest `max_len` IDs, and one more to count the history as
+        // truncated: the rest are never split out or kept.
+        let keep = self.inputs.sequences[column].max_len.saturating_add(1);
+        let mut ids: Vec<&str> = match cells.values[row] {
             Cell::Null => Vec::new(),
-            Cell::List { first, count } => cells.list(first, count).collect(),
+            Cell::List { first, count } => {
+                cells.list(first, count).try_for_each(check)?;
+                cells.list(first, count).rev().filter(|id| !id.is_empty()).take(keep).collect()
+            }
             Cell::Text { start, len } => {
-                let sep = self.inputs.rules.separator().unwrap_or("|");
-                cells.text(start, len).split(sep).collect()
+                let text = cells.text(start, len);
+                check(text)?;
+                text.rsplit(self.sequence_separator()).filter(|id| !id.is_empty()).take(keep).collect()
             }
             Cell::Number(v) => {
                 return Err(bad(format!("input `{name}`: row {row}: {v} is not a list of IDs (BYTES)")));
             }
         };
-        for id in &ids {
-            self.inputs.check_text(id).map_err(|e| bad(format!("input `{name}`: row {row}: {e}")))?;
-        }
+        ids.reverse();
         Ok(ids.into_iter().map(|id| Cow::Borrowed(id.as_bytes())).collect())
+    }
+}
+
+impl RequestColumns<'_> {
+    /// What separates a joined sequence's IDs (and a multi-hot cell's).
+    fn sequence_separator(&self) -> &str {
+        self.inputs.rules.separator().unwrap_or("|")
+    }
+
+    /// The IDs `rows` rows hand the model: `list_ids` from lists (counted
+    /// while decoding), those each multi-hot cell and joined sequence
+    /// splits into (a sequence's newest `max_len`, and one). A cell of more
+    /// than [`MAX_LIST_ITEMS`] is refused, as a list of more is; past
+    /// `max_ids` in all, the request is (413).
+    fn count_ids(&self, rows: usize, list_ids: usize, max_ids: usize) -> Result<(), ApiError> {
+        let mut ids = list_ids;
+        let over = |ids: usize| {
+            ApiError(
+                axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+                format!(
+                    "the request's behaviour sequences and multi-hot cells hold more than {max_ids} IDs, this \
+                     server's --max-request-ids: send fewer rows a request ({ids} so far)"
+                ),
+            )
+        };
+        if let Some(sep) = self.inputs.rules.separator() {
+            for &(cells, name) in self.sparse.iter().flatten() {
+                for (row, cell) in cells.values.iter().enumerate() {
+                    let Cell::Text { start, len } = *cell else { continue };
+                    let n =
+                        cells.text(start, len).split(sep).filter(|id| !id.is_empty()).take(MAX_LIST_ITEMS + 1).count();
+                    if n > MAX_LIST_ITEMS {
+                        return Err(bad(format!("input `{name}`: row {row} holds more than {MAX_LIST_ITEMS} IDs")));
+                    }
+                    ids += n;
+                    if ids > max_ids {
+                        return Err(over(ids));
+                    }
+                }
+            }
+        }
+        for (j, q) in self.inputs.sequences.iter().enumerate() {
+            let Some((cells, _, None)) = self.sequences[j] else { continue };
+            for cell in &cells.values[..rows.min(cells.len())] {
+                let Cell::Text { start, len } = *cell else { continue };
+                let text = cells.text(start, len);
+                ids += text.rsplit(self.sequence_separator()).filter(|id| !id.is_empty()).take(q.max_len + 1).count();
+                if ids > max_ids {
+                    return Err(over(ids));
+                }
+            }
+        }
+        Ok(())
     }
 }
 
