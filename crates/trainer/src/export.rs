@@ -175,6 +175,23 @@ pub fn write_export_with(
     step: u64,
     model: &DenseModel,
     meta: &ExportMeta,
+    rows: impl FnMut() -> Result<RowPage, TrainError>,
+) -> Result<ExportManifest, TrainError> {
+    let new = crate::new_dir::NewDir::create(dir, "--out")?;
+    let manifest = write_export_files(new.staging(), config, layout, step, model, meta, rows)?;
+    new.commit()?;
+    Ok(manifest)
+}
+
+/// An export's files into `staging`, an empty directory (the caller puts
+/// it in place).
+pub fn write_export_files(
+    staging: &Path,
+    config: &Config,
+    layout: &DataLayout,
+    step: u64,
+    model: &DenseModel,
+    meta: &ExportMeta,
     mut rows: impl FnMut() -> Result<RowPage, TrainError>,
 ) -> Result<ExportManifest, TrainError> {
     let dtype = meta.dtype.unwrap_or(VectorType::F32);
@@ -182,12 +199,6 @@ pub fn write_export_with(
         let path = path.to_path_buf();
         move |e: std::io::Error| TrainError::io(&path, e)
     };
-    let staging = dir.with_file_name(format!(
-        ".tmp-{}",
-        dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default()
-    ));
-    let _ = std::fs::remove_dir_all(&staging);
-    std::fs::create_dir_all(&staging).map_err(io(&staging))?;
     // A row's width: the vector each key has (LR: 1, FM and the wide kinds: 1 + dim).
     let dim = model.width();
     let mut files = BTreeMap::new();
@@ -248,9 +259,8 @@ pub fn write_export_with(
         taken_unix_ms: meta.taken_unix_ms,
         stream: meta.stream.clone(),
     };
-    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| TrainError::checkpoint(dir, e.to_string()))?;
+    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| TrainError::checkpoint(staging, e.to_string()))?;
     write_bytes_synced(&staging.join(MANIFEST), &json)?;
-    std::fs::rename(&staging, dir).map_err(io(dir))?;
     Ok(manifest)
 }
 

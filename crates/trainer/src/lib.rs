@@ -17,6 +17,7 @@ pub mod evaluation;
 pub mod export;
 pub mod inference;
 pub mod input;
+pub mod new_dir;
 pub mod online;
 pub mod onnx_export;
 pub mod pipeline;

@@ -54,12 +54,8 @@ pub fn export_onnx(
     vocabulary: &[PathBuf],
     max_table_bytes: u64,
 ) -> Result<OnnxSummary, TrainError> {
-    if out.exists() {
-        return Err(TrainError::io(
-            out,
-            std::io::Error::new(std::io::ErrorKind::AlreadyExists, "the export's directory exists already"),
-        ));
-    }
+    // Refused before the checkpoint is loaded: a wrong --out fails at once.
+    let new = crate::new_dir::NewDir::create(out, "--out")?;
     let (trainer, manifest, _) = crate::checkpoint::load_trainer(checkpoint, &sparrow_core::Overrides::none())?;
     let spec = trainer.model.spec()?;
     if trainer.config.model.precision == sparrow_core::config::Precision::Bf16 {
@@ -130,25 +126,18 @@ pub fn export_onnx(
         ),
     })
     .map_err(|e| argument("--format", "onnx", e.to_string()))?;
-    // Written beside `out` and renamed into place: a stopped export leaves
-    // no half a directory behind under the name.
-    let staging = out.with_extension("onnx-staging");
-    let _ = std::fs::remove_dir_all(&staging);
-    std::fs::create_dir_all(&staging).map_err(|e| TrainError::io(&staging, e))?;
+    // Written under a staging name and renamed into place: a stopped or
+    // failed export leaves nothing behind.
+    let staging = new.staging();
     if !embedded {
         let pages = crate::export::row_pages(&trainer.table, |_, _, _| true);
-        crate::export::write_export_as(
-            &staging.join(ROWS_DIR),
-            config,
-            &trainer.layout,
-            manifest.step,
-            &trainer.model,
-            crate::export::VectorType::F32,
-            pages,
-        )?;
+        let rows = staging.join(ROWS_DIR);
+        std::fs::create_dir(&rows).map_err(|e| TrainError::io(&rows, e))?;
+        let meta = crate::export::ExportMeta { dtype: Some(crate::export::VectorType::F32), ..Default::default() };
+        crate::export::write_export_files(&rows, config, &trainer.layout, manifest.step, &trainer.model, &meta, pages)?;
     }
     std::fs::write(staging.join(MODEL_FILE), &bytes).map_err(|e| TrainError::io(&staging.join(MODEL_FILE), e))?;
-    std::fs::rename(&staging, out).map_err(|e| TrainError::io(out, e))?;
+    new.commit()?;
     let model = out.join(MODEL_FILE);
     Ok(OnnxSummary {
         export: out.display().to_string(),

@@ -850,23 +850,21 @@ pub fn export_checkpoint(
     out: &Path,
     dtype: crate::export::VectorType,
 ) -> Result<ExportSummary, TrainError> {
-    if out.exists() {
-        return Err(TrainError::io(
-            out,
-            std::io::Error::new(std::io::ErrorKind::AlreadyExists, "the export's directory exists already"),
-        ));
-    }
+    // Refused before the checkpoint is loaded: a wrong --out fails at once.
+    let new = crate::new_dir::NewDir::create(out, "--out")?;
     let (trainer, manifest, _) = checkpoint::load_trainer(checkpoint, &Overrides::none())?;
     let pages = crate::export::row_pages(&trainer.table, |_, _, _| true);
-    let written = crate::export::write_export_as(
-        out,
+    let meta = crate::export::ExportMeta { dtype: Some(dtype), ..Default::default() };
+    let written = crate::export::write_export_files(
+        new.staging(),
         &trainer.config,
         &trainer.layout,
         manifest.step,
         &trainer.model,
-        dtype,
+        &meta,
         pages,
     )?;
+    new.commit()?;
     Ok(ExportSummary {
         export: out.display().to_string(),
         checkpoint_step: written.step,
