@@ -175,7 +175,7 @@ mod tests {
         let new = NewDir::create(&out, "--out").expect("new");
         std::fs::create_dir(&out).expect("someone else's");
         std::fs::write(new.staging().join("f"), "x").expect("write");
-        let e = new.commit().err().expect("refused").to_string();
+        let e = new.commit().expect_err("refused").to_string();
         assert!(e.contains("xists"), "{e}");
         assert!(names(&out).is_empty(), "theirs is untouched");
         assert_eq!(names(tmp.path()), ["export"], "the staging is removed");
