@@ -198,3 +198,35 @@ def test_din_with_its_rows_outside_the_graph_is_refused_by_name(behaviour, tmp_p
                        "--max-table-bytes", "0")
     assert done.returncode == 2 and "din" in done.stderr and "--max-table-bytes" in done.stderr, done.stderr
     assert not (tmp_path / "onnx").exists()
+
+
+def test_tables_past_the_inline_limit_go_beside_the_graph_and_onnx_runtime_loads_them(criteo, tmp_path):
+    """Issue 53 item 3: a model past protobuf's 2 GiB was written whole and
+    reported as success (ONNX Runtime refused it). Past --max-inline-bytes
+    (lowered here, to keep the files small) the tables go to
+    model.onnx.data as ONNX external data, and ONNX Runtime loads and
+    scores the two files as it scores the one."""
+    config = {
+        "data": {"train": str(criteo / "train.tsv"), "test": str(criteo / "test.tsv")},
+        "model": {"kind": "mlp", "embedding_dim": 64, "hidden": [16]},
+        "checkpoint": {"dir": str(tmp_path / "ck")},
+    }
+    sparrow.train(config, progress=False)
+    whole = run("export", "--checkpoint", tmp_path / "ck", "--out", tmp_path / "whole", "--format", "onnx")
+    assert whole["external_data"] is None and whole["external_bytes"] == 0
+    limit = whole["bytes"] // 2  # the rows are most of it at dim 64; the IDs' strings stay inline
+    split = run("export", "--checkpoint", tmp_path / "ck", "--out", tmp_path / "split", "--format", "onnx",
+                "--max-inline-bytes", limit)
+    assert split["embedded"] and split["bytes"] <= limit < whole["bytes"], split
+    data = Path(split["external_data"])
+    assert data == tmp_path / "split" / "model.onnx.data" and data.stat().st_size == split["external_bytes"] > limit
+    feed = criteo_columns(criteo / "test.tsv")
+    (expected,) = session(tmp_path / "whole" / "model.onnx").run(["probability"], feed)
+    (got,) = session(tmp_path / "split" / "model.onnx").run(["probability"], feed)
+    np.testing.assert_array_equal(got, expected)
+    assert got.std() > 1e-3
+    # A limit the graph cannot meet even with its tables beside it: refused by name, nothing left.
+    done = sparrow_cli("export", "--checkpoint", tmp_path / "ck", "--out", tmp_path / "tiny", "--format", "onnx",
+                       "--max-inline-bytes", "100")
+    assert done.returncode == 2 and "--max-table-bytes" in done.stderr and "model file" in done.stderr, done.stderr
+    assert not (tmp_path / "tiny").exists()

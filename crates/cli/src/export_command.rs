@@ -4,6 +4,8 @@
 
 use std::path::PathBuf;
 
+use sparrow_trainer::onnx_export::MAX_INLINE_BYTES;
+
 use crate::args;
 
 #[derive(clap::Args)]
@@ -32,6 +34,11 @@ pub struct ExportArgs {
     /// pooled vector as input instead, and the rows go to OUT/rows.
     #[arg(long, default_value_t = 512 << 20)]
     max_table_bytes: u64,
+    /// `onnx`: past this many bytes (protobuf's limit, 2 GiB less a byte,
+    /// which ONNX Runtime enforces) the graph's tables go to
+    /// OUT/model.onnx.data beside it, as ONNX external data.
+    #[arg(long, default_value_t = MAX_INLINE_BYTES, value_parser = clap::value_parser!(u64).range(1..=MAX_INLINE_BYTES))]
+    max_inline_bytes: u64,
 }
 
 pub fn run(a: ExportArgs) -> anyhow::Result<()> {
@@ -41,6 +48,7 @@ pub fn run(a: ExportArgs) -> anyhow::Result<()> {
             &a.out,
             &a.vocabulary,
             a.max_table_bytes,
+            a.max_inline_bytes,
         )?),
         args::ExportFormat::Serving => {
             let dtype = match a.dtype {

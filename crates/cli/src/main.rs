@@ -509,8 +509,28 @@ pub(crate) fn edge_overrides(set: &[String]) -> anyhow::Result<Overrides> {
 }
 
 fn load_config(path: &Path, set: &[String]) -> anyhow::Result<Config> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
+    let text = read_config_text(path)?;
     Ok(Config::from_toml(&text, &path.display().to_string(), &edge_overrides(set)?)?)
+}
+
+/// A config file is a few kilobytes of TOML: past this it is something
+/// else (a data file, `/dev/zero`), refused before it is read whole.
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+fn read_config_text(path: &Path) -> anyhow::Result<String> {
+    use std::io::Read;
+    let reading = || format!("reading config {}", path.display());
+    let file = std::fs::File::open(path).with_context(reading)?;
+    let mut bytes = Vec::new();
+    file.take(MAX_CONFIG_BYTES + 1).read_to_end(&mut bytes).with_context(reading)?;
+    if bytes.len() as u64 > MAX_CONFIG_BYTES {
+        anyhow::bail!(
+            "config {}: more than {MAX_CONFIG_BYTES} bytes, which no config is (a config is a few kilobytes of TOML): \
+             is it a data file?",
+            path.display()
+        );
+    }
+    String::from_utf8(bytes).map_err(|e| anyhow::anyhow!("config {}: not UTF-8 text ({e})", path.display()))
 }
 
 fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> anyhow::Result<()> {

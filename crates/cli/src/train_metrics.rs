@@ -49,6 +49,7 @@ impl TrainGauges {
         self.expired_rows.set(u.expired_rows as f64);
         self.evicted_rows.set(u.evicted_rows as f64);
         self.online.set_lag(u.stream_lag_records, u.stream_lag_secs);
+        self.online.set_future(u.stream_future_records);
         if let Some(online) = &u.online {
             self.online.set_online(online);
         }

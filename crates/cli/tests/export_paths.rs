@@ -92,3 +92,40 @@ fn an_out_naming_what_exists_is_refused_and_nothing_is_left() {
     let stray: Vec<PathBuf> = tree(&work).into_iter().filter(|p| p.to_string_lossy().contains("staging")).collect();
     assert!(stray.is_empty(), "{stray:?}");
 }
+
+/// Item 5: `--vocabulary /dev/zero` read until 2.26 GB, a 200 MB one-ID line
+/// went into the graph, `sparrow config --config /dev/zero` read until the
+/// kernel killed it at 22 GB. A vocabulary line is capped as the training
+/// reader caps rows (1 MiB), a config file at 1 MiB; each refused by name.
+#[test]
+fn unbounded_inputs_are_refused_by_name() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let ck = trained(tmp.path(), &[]);
+    let long = tmp.path().join("long.tsv");
+    std::fs::write(&long, format!("1\t{}\t{}\n", vec!["0"; 13].join("\t"), "x".repeat(2 << 20))).expect("write");
+    for vocabulary in [Path::new("/dev/zero"), long.as_path()] {
+        let out = tmp.path().join("onnx").display().to_string();
+        let mut child = sparrow()
+            .args(["export", "--checkpoint", &ck, "--out", &out, "--format", "onnx", "--vocabulary"])
+            .arg(vocabulary)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("export");
+        let status = common::wait_with_timeout(&mut child, std::time::Duration::from_secs(60));
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut stderr).expect("read");
+        assert_eq!(status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains("--vocabulary") && stderr.contains("line 1 is longer than 1048576"), "{stderr}");
+        assert!(!Path::new(&out).exists());
+    }
+    let mut child = sparrow()
+        .args(["config", "--config", "/dev/zero"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("config");
+    let status = common::wait_with_timeout(&mut child, std::time::Duration::from_secs(60));
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut stderr).expect("read");
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("config /dev/zero: more than 1048576 bytes"), "{stderr}");
+}

@@ -615,3 +615,52 @@ fn a_cluster_job_expires_rows_by_record_time_and_recovers_exactly() {
     assert_eq!(single["test_auc"], plain["test_auc"], "two shards expire the rows train's table does");
     assert_eq!(single["embedding_rows"], plain["embedding_rows"]);
 }
+
+/// Issue 53 item 4: one record stamped a century ahead moved the event
+/// clock there for good (checkpointed), and `ttl_secs` expired nothing
+/// after it: 2,344 rows against 20,047. Now a record stamped more than
+/// `data.stream.max_future_secs` ahead of the reader's clock is trained but
+/// moves no clock, and is counted (`future_records`, in the final JSON of
+/// `train` and `launch` and in the metrics lines), so expiry goes on.
+#[test]
+fn a_record_stamped_far_ahead_does_not_stop_expiry() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let broker = days_on_a_topic(tmp.path());
+    let plain = ok_json(&train(&days_job(tmp.path(), &broker, "plain", "ttl_secs = 43200", ""), &[]));
+    let expired = plain["expired_rows"].as_u64().expect("expired");
+    assert!(expired > 0 && plain["future_records"] == 0, "{plain}");
+
+    // The same rows, the 200th stamped 100 years ahead.
+    let csv = std::fs::read_to_string(tmp.path().join("data/train.csv")).expect("csv");
+    let century = 4_102_444_800i64 + 100 * 365 * 86_400;
+    let lines: Vec<String> = csv
+        .lines()
+        .enumerate()
+        .map(|(i, l)| if i == 200 { format!("{},{century}", l.rsplit_once(',').expect("ts").0) } else { l.into() })
+        .collect();
+    let future_csv = tmp.path().join("future.csv");
+    std::fs::write(&future_csv, lines.join("\n") + "\n").expect("write");
+    let ahead = Broker::start();
+    let out = sparrow()
+        .args(["produce", "--brokers", &ahead.addr, "--topic", "days", "--partitions", "2"])
+        .args(["--from", &future_csv.display().to_string(), "--skip-header", "--timestamp-column", "40"])
+        .output()
+        .expect("produce");
+    assert_eq!(last_json(&out)["records"], 8000, "{}", String::from_utf8_lossy(&out.stderr));
+    let job = days_job(tmp.path(), &ahead, "future", "ttl_secs = 43200", "");
+    let out = train(&job, &[]);
+    let json = ok_json(&out);
+    assert_eq!(json["future_records"], 1, "{json}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("max_future_secs") && stderr.contains("ahead"), "{stderr}");
+    let with_future = json["expired_rows"].as_u64().expect("expired");
+    assert!(with_future * 10 >= expired * 9, "expiry went on: {with_future} rows expired, {expired} without");
+    let metrics = std::fs::read_to_string(tmp.path().join("metrics-future.jsonl")).expect("metrics");
+    let mut lines = metrics.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json"));
+    let last = lines.rfind(|l| !l["future_records"].is_null()).expect("a training line");
+    assert_eq!(last["future_records"], 1, "{last}");
+    // A cluster counts it too (the mark crosses the RPCs), and expires alike.
+    let launched = ok_json(&launch(&job, ""));
+    assert_eq!(launched["future_records"], 1, "{launched}");
+    assert_eq!(launched["expired_rows"], json["expired_rows"]);
+}

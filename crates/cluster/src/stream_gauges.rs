@@ -14,6 +14,7 @@ use crate::metrics::RoleMetrics;
 pub struct OnlineGauges {
     lag_records: Gauge,
     lag_secs: Gauge,
+    future_records: Gauge,
     /// (window, run) × (auc, logloss, normalized entropy, calibration).
     online: [[Gauge; 4]; 2],
 }
@@ -42,6 +43,11 @@ impl OnlineGauges {
         OnlineGauges {
             lag_records: metrics.gauge("stream_lag_records", "Records behind the ends of the topic's partitions"),
             lag_secs: metrics.gauge("stream_lag_seconds", "Seconds from the newest trained record's append to now"),
+            future_records: metrics.gauge(
+                "stream_future_records",
+                "Records stamped more than data.stream.max_future_secs ahead of the reader's clock (trained; their \
+                 time moved no clock)",
+            ),
             online: [online("window"), online("run")],
         }
     }
@@ -63,9 +69,17 @@ impl OnlineGauges {
         }
     }
 
+    /// Records stamped too far ahead, so far.
+    pub fn set_future(&self, records: Option<u64>) {
+        if let Some(records) = records {
+            self.future_records.set(records as f64);
+        }
+    }
+
     /// The lag after a stream's batch.
     pub fn set_lag_of(&self, mark: &StreamMark) {
         self.set_lag(Some(mark.lag_records), sparrow_trainer::input::lag_secs(mark));
+        self.set_future(Some(mark.future_records));
     }
 }
 

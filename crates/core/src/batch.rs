@@ -46,6 +46,11 @@ pub struct StreamMark {
     pub records: u64,
     /// Of those, malformed (skipped, their offsets consumed).
     pub bad_records: u64,
+    /// Of those, stamped more than `data.stream.max_future_secs` ahead of
+    /// the reader's clock when read: trained, but their time moved no
+    /// clock (one far-future record would otherwise stop `ttl_secs` for good).
+    #[serde(default)]
+    pub future_records: u64,
     /// Records past these offsets that the broker held when the batch was
     /// cut (the partitions' last known ends minus `offsets`).
     #[serde(default)]

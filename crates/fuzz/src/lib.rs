@@ -241,9 +241,16 @@ pub fn export_manifest(data: &[u8]) {
 /// A KServe v2 `infer` body: plain JSON, then (the first two bytes a
 /// length) as the binary extension's JSON header and tensors.
 pub fn kserve_request(data: &[u8]) {
-    let _ = sparrow_serve::request::decode(None, data, 64);
+    use sparrow_serve::request::{Body, Limits};
+    let limits = Limits { max_rows: 64, max_inputs: 8, max_ids: 256 };
+    let decode = |header: Option<&[u8]>, body: &[u8]| {
+        if let Ok(body) = Body::new(header, body.to_vec().into()) {
+            let _ = body.decode(&limits);
+        }
+    };
+    decode(None, data);
     if let [hi, lo, rest @ ..] = data {
         let header = (usize::from(*hi) << 8 | usize::from(*lo)).to_string();
-        let _ = sparrow_serve::request::decode(Some(header.as_bytes()), rest, 64);
+        decode(Some(header.as_bytes()), rest);
     }
 }

@@ -94,6 +94,11 @@ struct Cutter {
     cursor: usize,
     records: u64,
     bad_records: u64,
+    /// Records stamped past `max_future_secs` ahead (their time moved no clock).
+    future_records: u64,
+    /// Unix ms past which a record is stamped in the future (set as each
+    /// batch is cut, from the wall clock and `max_future_secs`).
+    future_after_ms: i64,
     parser: Box<dyn LineParser>,
     layout: DataLayout,
     bad: BadRows,
@@ -162,6 +167,8 @@ impl Cutter {
             cursor,
             records: resume.map_or(0, |m| m.records),
             bad_records: resume.map_or(0, |m| m.bad_records),
+            future_records: resume.map_or(0, |m| m.future_records),
+            future_after_ms: i64::MAX,
             parser,
             layout: DataLayout::from_config(data),
             batch_size,
@@ -196,6 +203,8 @@ impl Cutter {
         let start = self.cursor;
         let mut b = self.layout.builder(self.batch_size);
         self.parser.set_now(sparrow_data::weighting::now_secs());
+        let ahead_ms = i64::try_from(self.config.max_future_secs.saturating_mul(1000)).unwrap_or(i64::MAX);
+        self.future_after_ms = now_ms().saturating_add(ahead_ms);
         let mut newest_ms = None;
         let mut linger_until = None;
         let mut i = start;
@@ -245,8 +254,12 @@ impl Cutter {
         self.bad.record_good(b.rows() as u64);
         let end = DataPosition { epoch: 0, offset: self.records, line: self.records + 1, skip: 0 };
         let mut batch = b.finish(end);
-        // A timestamp column may date samples past their records' times.
-        if let Some(newest) = batch.timestamps.as_ref().and_then(|t| t.iter().max()).map(|s| s.saturating_mul(1000)) {
+        // A timestamp column may date samples past their records' times
+        // (but not into the future, as a record's own time may not).
+        let in_time = |ms: &i64| *ms <= self.future_after_ms;
+        let newest =
+            batch.timestamps.as_ref().and_then(|t| t.iter().map(|s| s.saturating_mul(1000)).filter(in_time).max());
+        if let Some(newest) = newest {
             self.clock_ms = Some(self.clock_ms.map_or(newest, |c| c.max(newest)));
         }
         batch.stream = Some(Arc::new(self.mark(newest_ms)));
@@ -262,6 +275,7 @@ impl Cutter {
             next_partition: self.parts[self.cursor].id,
             records: self.records,
             bad_records: self.bad_records,
+            future_records: self.future_records,
             lag_records,
             newest_record_ms,
             clock_ms: self.clock_ms,
@@ -288,14 +302,32 @@ impl Cutter {
             p.next = record.offset + 1;
             self.records += 1;
             let ms = record.record.timestamp.timestamp_millis();
+            let future = ms > self.future_after_ms;
+            if future {
+                self.future_records += 1;
+                if self.future_records == 1 {
+                    tracing::warn!(
+                        "kafka topic {} partition {} offset {}: stamped {} s ahead of this machine's clock, more than \
+                         data.stream.max_future_secs ({}): trained, but its time moves no clock (counted in \
+                         future_records; this warning is not repeated)",
+                        self.config.topic,
+                        p.id,
+                        record.offset,
+                        (ms - now_ms()) / 1000,
+                        self.config.max_future_secs
+                    );
+                }
+            }
             // Every record read moves the clock, as it did when it was first read.
-            if ms >= 0 {
+            if ms >= 0 && !future {
                 self.clock_ms = Some(self.clock_ms.map_or(ms, |c| c.max(ms)));
             }
             if trained_already(&mut self.skip, p.id, record.offset) {
                 continue;
             }
-            *newest_ms = Some(newest_ms.map_or(ms, |m: i64| m.max(ms)));
+            if !future {
+                *newest_ms = Some(newest_ms.map_or(ms, |m: i64| m.max(ms)));
+            }
             // Kafka's "no timestamp" is -1: such a record has no age to weigh by.
             let parsed = match (self.weigher.is_some(), ms >= 0) {
                 (false, _) => parse_value(self.parser.as_mut(), record.record.value.as_deref(), None, b),
@@ -367,6 +399,12 @@ impl Cutter {
             Err(FetchError::Failed(e)) => Err(e),
         }
     }
+}
+
+/// The wall clock, in Unix ms.
+fn now_ms() -> i64 {
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
 }
 
 /// Whether `offset` of `partition` is in a range a cluster trained ahead

@@ -68,6 +68,9 @@ pub struct StreamReport {
     /// Records consumed (good and malformed) and, of them, malformed.
     pub stream_records: Option<u64>,
     pub stream_bad_records: Option<u64>,
+    /// Of those, stamped more than `data.stream.max_future_secs` ahead of
+    /// the reader's clock: their time moved no clock.
+    pub future_records: Option<u64>,
     /// Records the broker held past the offsets when the last batch was cut.
     pub stream_lag_records: Option<u64>,
 }
@@ -80,6 +83,7 @@ impl StreamReport {
                 stream_offsets: Some(m.offsets.clone()),
                 stream_records: Some(m.records),
                 stream_bad_records: Some(m.bad_records),
+                future_records: Some(m.future_records),
                 stream_lag_records: Some(m.lag_records),
             },
         }

@@ -7,7 +7,7 @@
 //! zeros in the graph. A behaviour sequence's IDs are its `table` field's.
 
 use std::collections::BTreeSet;
-use std::io::BufRead;
+use std::io::{BufRead, Read};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -15,13 +15,15 @@ use sparrow_core::config::{Config, DataFormat};
 use sparrow_core::key::feature_key;
 use sparrow_data::columns::ModelInputs;
 use sparrow_data::input::TextInput;
-use sparrow_data::text::{split_bytes, split_csv};
+use sparrow_data::text::{MAX_LINE_BYTES, split_bytes, split_csv};
 
 use crate::error::TrainError;
 use crate::trainer::Trainer;
 
 /// The file the graph is written to, in the export's directory.
-pub const MODEL_FILE: &str = "model.onnx";
+pub const MODEL_FILE: &str = sparrow_onnx::MODEL_FILE;
+/// Past this many bytes the graph's tables go beside it (protobuf's limit).
+pub const MAX_INLINE_BYTES: u64 = sparrow_onnx::MAX_INLINE_BYTES;
 /// Where the rows go when the graph takes pooled vectors.
 pub const ROWS_DIR: &str = "rows";
 
@@ -37,7 +39,13 @@ pub struct OnnxSummary {
     pub embedded: bool,
     /// Raw IDs the graph maps to rows (0 when not embedded).
     pub ids: u64,
+    /// `model.onnx`'s bytes.
     pub bytes: u64,
+    /// Past `--max-inline-bytes` (protobuf's 2 GiB by default): the file
+    /// beside `model.onnx` holding its tables (ONNX external data), and its
+    /// bytes; `null` and 0 when the model is one file.
+    pub external_data: Option<String>,
+    pub external_bytes: u64,
 }
 
 fn argument(flag: &'static str, value: impl std::fmt::Display, message: impl Into<String>) -> TrainError {
@@ -47,12 +55,14 @@ fn argument(flag: &'static str, value: impl std::fmt::Display, message: impl Int
 /// The checkpoint at `checkpoint` as `out/model.onnx`. `vocabulary`: the
 /// data files whose sparse columns hold the raw IDs (empty: `data.train`
 /// and `data.test`); past `max_table_bytes` of rows the graph takes pooled
-/// vectors instead.
+/// vectors instead; past `max_inline_bytes` the tables go beside the
+/// graph as ONNX external data.
 pub fn export_onnx(
     checkpoint: &Path,
     out: &Path,
     vocabulary: &[PathBuf],
     max_table_bytes: u64,
+    max_inline_bytes: u64,
 ) -> Result<OnnxSummary, TrainError> {
     // Refused before the checkpoint is loaded: a wrong --out fails at once.
     let new = crate::new_dir::NewDir::create(out, "--out")?;
@@ -99,7 +109,7 @@ pub fn export_onnx(
         DataFormat::Criteo => true,
         _ => schema.dense_transform == sparrow_core::config::DenseTransform::Log1p,
     };
-    let bytes = sparrow_onnx::export(&sparrow_onnx::Export {
+    let graph = sparrow_onnx::export(&sparrow_onnx::Export {
         spec: &spec,
         dense: inputs.dense.clone(),
         log1p,
@@ -136,7 +146,17 @@ pub fn export_onnx(
         let meta = crate::export::ExportMeta { dtype: Some(crate::export::VectorType::F32), ..Default::default() };
         crate::export::write_export_files(&rows, config, &trainer.layout, manifest.step, &trainer.model, &meta, pages)?;
     }
-    std::fs::write(staging.join(MODEL_FILE), &bytes).map_err(|e| TrainError::io(&staging.join(MODEL_FILE), e))?;
+    let written = sparrow_onnx::write(graph, staging, max_inline_bytes).map_err(|e| match e {
+        sparrow_onnx::OnnxError::Io { path, source } => TrainError::io(&path, source),
+        other => argument("--max-table-bytes", max_table_bytes, other.to_string()),
+    })?;
+    if let Some((_, bytes)) = &written.external {
+        tracing::info!(
+            "model.onnx would take more than {max_inline_bytes} bytes (--max-inline-bytes): its tables ({bytes} \
+             bytes) are in {} beside it, as ONNX external data; keep the two files together",
+            sparrow_onnx::EXTERNAL_DATA_FILE
+        );
+    }
     new.commit()?;
     let model = out.join(MODEL_FILE);
     Ok(OnnxSummary {
@@ -146,7 +166,12 @@ pub fn export_onnx(
         checkpoint_step: manifest.step,
         embedded,
         ids: if embedded { total } else { 0 },
-        bytes: bytes.len() as u64,
+        bytes: written.model_bytes,
+        external_data: written
+            .external
+            .as_ref()
+            .map(|_| out.join(sparrow_onnx::EXTERNAL_DATA_FILE).display().to_string()),
+        external_bytes: written.external.map_or(0, |(_, b)| b),
     })
 }
 
@@ -192,10 +217,26 @@ fn read_ids(config: &Config, inputs: &ModelInputs, files: &[PathBuf]) -> Result<
             _ => None,
         };
         let delimiter = inputs.separator as u8;
+        let mut number = 0u64;
         loop {
             line.clear();
-            if input.read_until(b'\n', &mut line).map_err(|e| TrainError::io(path, e))? == 0 {
+            // A line is at most what the training reader takes (no file is read whole into one).
+            let n = (&mut input)
+                .take(MAX_LINE_BYTES + 1)
+                .read_until(b'\n', &mut line)
+                .map_err(|e| TrainError::io(path, e))?;
+            if n == 0 {
                 break;
+            }
+            number += 1;
+            if n as u64 > MAX_LINE_BYTES && line.last() != Some(&b'\n') {
+                return Err(argument(
+                    "--vocabulary",
+                    path.display(),
+                    format!(
+                        "line {number} is longer than {MAX_LINE_BYTES} bytes, a data line's limit: not a data file"
+                    ),
+                ));
             }
             let text = line.strip_suffix(b"\n").unwrap_or(&line);
             let text = text.strip_suffix(b"\r").unwrap_or(text);

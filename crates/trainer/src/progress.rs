@@ -32,6 +32,8 @@ pub struct ProgressUpdate {
     /// behind the newest trained record.
     pub stream_lag_records: Option<u64>,
     pub stream_lag_secs: Option<f64>,
+    /// Records stamped past `data.stream.max_future_secs` ahead, so far.
+    pub stream_future_records: Option<u64>,
 }
 
 pub struct Progress {

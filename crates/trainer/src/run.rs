@@ -369,6 +369,7 @@ fn train_in_pool(
                 evicted_rows: deleted.evicted,
                 stream_lag_records: trainer.stream.as_ref().map(|m| m.lag_records),
                 stream_lag_secs: trainer.stream.as_deref().and_then(lag_secs),
+                stream_future_records: trainer.stream.as_ref().map(|m| m.future_records),
             });
             let lag = trainer.stream.as_deref().map(describe_lag).unwrap_or_default()
                 + &online.map(|o| o.describe()).unwrap_or_default();
@@ -399,6 +400,7 @@ fn train_in_pool(
                 "stream_lag_records": trainer.stream.as_ref().map(|m| m.lag_records),
                 "stream_lag_secs": trainer.stream.as_deref().and_then(lag_secs),
                 "stream_newest_record_ms": trainer.stream.as_ref().and_then(|m| m.newest_record_ms),
+                "future_records": trainer.stream.as_ref().map(|m| m.future_records),
                 "online_window": online.map(|o| o.window),
                 "online_run": online.map(|o| o.run),
             }));

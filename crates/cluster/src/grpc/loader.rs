@@ -299,6 +299,7 @@ mod tests {
                 next_partition: 2,
                 records: 13,
                 bad_records: 1,
+                future_records: 2,
                 lag_records: 3,
                 newest_record_ms: Some(1_700_000_000_000),
                 clock_ms: Some(1_700_000_000_500),

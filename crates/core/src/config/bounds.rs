@@ -46,6 +46,9 @@ fn bounds(c: &Config) -> Vec<Bound> {
     for &units in &m.bottom_hidden {
         out.push(("model.bottom_hidden", units as u128, 1 << 20, "units a layer"));
     }
+    if let Some(s) = &d.stream {
+        out.push(("data.stream.max_future_secs", u128::from(s.max_future_secs), 10 * 366 * 24 * 3600, "seconds"));
+    }
     if let Some(w) = &d.weighting {
         out.push(("data.weighting.merge_window_secs", u128::from(w.merge_window_secs), 1 << 32, "seconds"));
     }

@@ -43,6 +43,12 @@ pub struct StreamConfig {
     pub linger_ms: u64,
     /// Bytes asked of the broker per fetch and partition.
     pub fetch_max_bytes: u32,
+    /// A record stamped more than this many seconds ahead of the reader's
+    /// clock is trained, but its time moves no clock (`embedding.ttl_secs`'
+    /// event time, `[data.weighting]`'s ages): one record stamped a century
+    /// ahead would otherwise stop expiry for good. Counted as
+    /// `future_records` (the final JSON, `/metrics`), with a warning.
+    pub max_future_secs: u64,
 }
 
 impl Default for StreamConfig {
@@ -60,6 +66,9 @@ impl Default for StreamConfig {
             on_retention_gap: RetentionGap::Fail,
             linger_ms: 100,
             fetch_max_bytes: 4 << 20,
+            // Kafka's own bound on a record's time ahead of the broker's
+            // (`log.message.timestamp.after.max.ms`, Kafka 3.6 on): an hour.
+            max_future_secs: 3600,
         }
     }
 }
