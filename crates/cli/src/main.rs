@@ -350,32 +350,48 @@ struct RoleFlags {
 }
 
 impl RoleFlags {
-    fn args(self, index: Option<usize>, metrics_listen: Option<SocketAddr>) -> sparrow_cluster::roles::RoleArgs {
-        sparrow_cluster::roles::RoleArgs {
+    fn args(
+        self,
+        index: Option<usize>,
+        metrics_listen: Option<SocketAddr>,
+    ) -> anyhow::Result<sparrow_cluster::roles::RoleArgs> {
+        Ok(sparrow_cluster::roles::RoleArgs {
             coordinator: self.coordinator,
             listen: self.listen,
             advertise: self.advertise,
             metrics_listen,
             index,
             connect_timeout_ms: self.connect_timeout_ms,
-            token: env_token(),
-        }
+            token: env_token()?,
+        })
     }
 }
 
 /// The shared token from `SPARROW_AUTH_TOKEN` (how `launch` hands it to its
 /// children); read here, once, so the library never looks at the environment.
-fn env_token() -> Option<String> {
-    std::env::var(sparrow_cluster::net::TOKEN_ENV).ok().filter(|t| !t.is_empty())
+/// One no header could carry is refused at start, naming the variable.
+pub(crate) fn env_token() -> anyhow::Result<Option<String>> {
+    use sparrow_cluster::net::TOKEN_ENV;
+    match std::env::var(TOKEN_ENV) {
+        Ok(t) if t.is_empty() => Ok(None),
+        Ok(t) => {
+            sparrow_core::token::check(&t, TOKEN_ENV).map_err(|e| anyhow::anyhow!(e))?;
+            Ok(Some(t))
+        }
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            anyhow::bail!("{TOKEN_ENV}: not UTF-8 text: a request's header cannot carry it")
+        }
+    }
 }
 
 /// A cluster job's config with the environment's token in place of
 /// `cluster.auth_token` (the environment takes precedence).
-fn with_env_token(mut config: Config) -> Config {
-    if let Some(token) = env_token() {
+fn with_env_token(mut config: Config) -> anyhow::Result<Config> {
+    if let Some(token) = env_token()? {
         config.cluster.auth_token = Some(token);
     }
-    config
+    Ok(config)
 }
 
 /// Where the libraries' `tracing` goes: stderr (`RUST_LOG` filters, default
@@ -681,7 +697,7 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             print_json(&sparrow_trainer::bench::run(&options)?)
         }
         Command::Launch { config: path, shards, workers, aggregators, nodes, set, quiet } => {
-            let config = with_env_token(load_config(&path, &set)?);
+            let config = with_env_token(load_config(&path, &set)?)?;
             let options = sparrow_cluster::launch::LaunchOptions {
                 config_path: path,
                 set,
@@ -696,7 +712,7 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
         }
         Command::Coordinator { config, set, shards, workers, aggregators, listen, metrics_listen } => {
             exit_on_signals("coordinator");
-            let config = with_env_token(load_config(&config, &set)?);
+            let config = with_env_token(load_config(&config, &set)?)?;
             let notices = from_launcher;
             let on_bound = |bound| {
                 println!("listening on {bound}");
@@ -723,23 +739,23 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
         }
         Command::Shard { role, index, metrics_listen } => {
             exit_on_signals("shard");
-            Ok(sparrow_cluster::roles::run_shard(&role.args(index, metrics_listen))?)
+            Ok(sparrow_cluster::roles::run_shard(&role.args(index, metrics_listen)?)?)
         }
         Command::Loader { role, metrics_listen } => {
             exit_on_signals("loader");
-            Ok(sparrow_cluster::roles::run_loader(&role.args(None, metrics_listen))?)
+            Ok(sparrow_cluster::roles::run_loader(&role.args(None, metrics_listen)?)?)
         }
         Command::Aggregator { role, index, metrics_listen } => {
             exit_on_signals("aggregator");
-            Ok(sparrow_cluster::roles::run_aggregator(&role.args(index, metrics_listen))?)
+            Ok(sparrow_cluster::roles::run_aggregator(&role.args(index, metrics_listen)?)?)
         }
         Command::Node { role, index, metrics_listen } => {
             exit_on_signals("node");
-            print_json(&sparrow_cluster::roles::run_node(&role.args(index, metrics_listen))?)
+            print_json(&sparrow_cluster::roles::run_node(&role.args(index, metrics_listen)?)?)
         }
         Command::Worker { role, index } => {
             exit_on_signals("worker");
-            print_json(&sparrow_cluster::roles::run_worker(&role.args(index, None))?)
+            print_json(&sparrow_cluster::roles::run_worker(&role.args(index, None)?)?)
         }
         Command::BenchTier { rows, storage, cache_rows, policy, path, steps, warmup_steps } => {
             let (storage, policy) = (storage.into(), policy.into());

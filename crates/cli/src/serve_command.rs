@@ -66,7 +66,7 @@ pub struct ServeArgs {
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let token = std::env::var(sparrow_serve::TOKEN_ENV).ok();
+    let token = crate::env_token()?;
     let auth = sparrow_serve::Auth::for_listen(args.listen, token.as_deref(), args.no_auth)?;
     if args.no_auth {
         eprintln!(

@@ -66,7 +66,7 @@ pub fn train_serving_metrics(
     let metrics = RoleMetrics::new("train");
     let gauges = TrainGauges::new(&metrics);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
-    let settings = NetSettings::new(&config.cluster, std::env::var(sparrow_cluster::net::TOKEN_ENV).ok().as_deref());
+    let settings = NetSettings::new(&config.cluster, crate::env_token()?.as_deref());
     let bound = metrics.serve(addr, &settings, rt.handle())?;
     tracing::info!("train: metrics on http://{bound}/metrics");
     Ok(sparrow_trainer::run::train_observed(config, quiet, stop, &|u| gauges.set(u))?)

@@ -664,3 +664,32 @@ fn a_record_stamped_far_ahead_does_not_stop_expiry() {
     assert_eq!(launched["future_records"], 1, "{launched}");
     assert_eq!(launched["expired_rows"], json["expired_rows"]);
 }
+
+/// Issue 53 items 6 and 11: `start = { timestamp }` an hour ahead trained
+/// every record from offset 0 (the broker answered a time past its newest
+/// record with offset 0); `{ timestamp = -1 }` passed validation and failed
+/// later with `Connection is poisoned`; a start at the end with no new
+/// record said "the file holds no row". Now a time after now starts at the
+/// end, a negative one is refused naming the key, and a stream that gave
+/// nothing says so, in `train` and in `launch`.
+#[test]
+fn a_start_after_now_begins_at_the_end_and_bad_starts_are_named() {
+    let (tmp, broker) = setup("300");
+    broker.produce("rows", 1, &tmp.path().join("data/train.tsv"));
+    let hour_ahead = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("now").as_secs() + 3600;
+    for start in [format!("start = {{ timestamp = {hour_ahead} }}"), "start = \"latest\"".to_string()] {
+        let config = job(tmp.path(), &broker, Some("rows"), &start);
+        for out in [train(&config, &[]), launch(&config, "")] {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{start}: {stderr}");
+            assert!(stderr.contains("the stream gave no record") && !stderr.contains("file"), "{start}: {stderr}");
+        }
+    }
+    for secs in ["-1", "253402300800"] {
+        let config = job(tmp.path(), &broker, Some("rows"), &format!("start = {{ timestamp = {secs} }}"));
+        let out = train(&config, &[]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{secs}: {stderr}");
+        assert!(stderr.contains("data.stream.start") && stderr.contains(secs), "{secs}: {stderr}");
+    }
+}

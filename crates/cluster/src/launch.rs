@@ -433,11 +433,16 @@ pub fn launch(
     let rows: u64 = summaries.iter().map(|w| w.train_rows).sum();
     if rows == 0 && config.checkpoint.resume_from.is_none() {
         let bad = summaries.iter().map(|w| w.bad_rows).max().unwrap_or(0);
-        return Err(ClusterError::Setup(format!(
-            "no training row in data.train = {}: {}",
-            config.data.train.as_deref().unwrap_or_default(),
-            if bad == 0 { "the file holds no row".to_string() } else { format!("all {bad} rows were malformed") }
-        )));
+        let source = match &config.data.stream {
+            Some(s) => format!("kafka topic {}", s.topic),
+            None => format!("data.train = {}", config.data.train.as_deref().unwrap_or_default()),
+        };
+        let why = match (bad, config.data.stream.is_some()) {
+            (0, false) => "the file holds no row".to_string(),
+            (0, true) => sparrow_trainer::input::NO_RECORD.to_string(),
+            (bad, _) => format!("all {bad} rows were malformed"),
+        };
+        return Err(ClusterError::Setup(format!("no training row in {source}: {why}")));
     }
     Ok(merge(config, options, &summaries, &events, wall.elapsed().as_secs_f64()))
 }

@@ -488,7 +488,7 @@ impl LoaderServer {
         let max_batches = config.train.max_steps.map(|m| m.saturating_sub(steps_done));
         let mut train = match cluster_mode {
             ClusterMode::Collocated => TrainFeed::Passes(PassFeed::spawn(train, &config.cluster, max_batches)?),
-            _ => TrainFeed::Batches(train),
+            _ => TrainFeed::Batches(Box::new(train)),
         };
         let test = config.data.test.clone();
         let (job, eval_batch) = (config.clone(), config.train.batch_size.max(1024));
@@ -546,7 +546,7 @@ impl LoaderServer {
 
 /// The training batches: one at a time, or pass by pass (collocated mode).
 enum TrainFeed {
-    Batches(Loader),
+    Batches(Box<Loader>),
     Passes(PassFeed),
 }
 

@@ -15,6 +15,26 @@ pub fn same_token(given: &[u8], expected: &[u8]) -> bool {
     differ == 0
 }
 
+/// Refuses a token that a request cannot carry as `Authorization: Bearer
+/// TOKEN` (every endpoint would then answer 401, and gRPC metadata refuses
+/// it): only visible ASCII, no space, tab, line break or other byte.
+/// `source` names where it came from (the variable or the key).
+pub fn check(token: &str, source: &str) -> Result<(), String> {
+    match token.bytes().position(|b| !b.is_ascii_graphic()) {
+        None => Ok(()),
+        Some(at) => Err(format!(
+            "{source}: the token holds {} at byte {at}, which a request's `Authorization: Bearer` header cannot \
+             carry: use visible ASCII only (letters, digits, -._~+/=)",
+            match token.as_bytes()[at] {
+                b' ' => "a space".to_string(),
+                b'\t' => "a tab".to_string(),
+                b'\n' | b'\r' => "a line break".to_string(),
+                b => format!("byte 0x{b:02x}"),
+            }
+        )),
+    }
+}
+
 /// Whether an `Authorization` header's value carries `expected` as a bearer
 /// token (`Bearer TOKEN`; the scheme's case is not significant, RFC 9110).
 pub fn bearer_matches(header: Option<&[u8]>, expected: &str) -> bool {
@@ -35,6 +55,17 @@ mod tests {
         assert!(!same_token(b"s3cret!", b"s3cret"), "longer");
         assert!(!same_token(b"", b"s3cret"));
         assert!(!same_token(b"s3cret\0", b"s3cret"));
+    }
+
+    #[test]
+    fn tokens_a_header_cannot_carry_are_refused_by_source() {
+        assert!(check("s3cret-Token_1.~+/=", "SPARROW_AUTH_TOKEN").is_ok());
+        for (token, what) in
+            [("abc\n", "a line break at byte 3"), (" ", "a space at byte 0"), ("a\tb", "a tab"), ("é", "0xc3")]
+        {
+            let e = check(token, "SPARROW_AUTH_TOKEN").expect_err(token);
+            assert!(e.starts_with("SPARROW_AUTH_TOKEN: ") && e.contains(what), "{e}");
+        }
     }
 
     #[test]

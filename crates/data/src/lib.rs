@@ -11,6 +11,7 @@ pub mod label_groups;
 pub mod labels;
 pub mod layout;
 pub mod parquet_source;
+pub mod reader_thread;
 pub mod source;
 pub mod stream;
 pub mod synth;

@@ -5,7 +5,6 @@
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, bounded};
 use sparrow_core::Batch;
@@ -17,6 +16,7 @@ use crate::error::{BadRows, DataError};
 use crate::label_groups::LabelGroups;
 use crate::layout::DataLayout;
 use crate::parquet_source::ParquetSource;
+use crate::reader_thread::{READER_GRACE, ReaderThread};
 use crate::source::BatchSource;
 use crate::text::TextSource;
 
@@ -39,7 +39,7 @@ pub fn open_source(path: &Path, config: &Config, bad: BadRows) -> Result<Box<dyn
 pub struct BatchStream {
     rx: Option<Receiver<Result<Batch, DataError>>>,
     stop: Arc<AtomicBool>,
-    handle: Option<JoinHandle<()>>,
+    reader: ReaderThread,
     pub layout: DataLayout,
 }
 
@@ -113,8 +113,8 @@ impl BatchStream {
         let (tx, rx) = bounded(prefetch_batches);
         let stop = Arc::new(AtomicBool::new(false));
         let stop_flag = stop.clone();
-        let handle = std::thread::Builder::new().name(name.into()).spawn(move || body(&tx, &stop_flag))?;
-        Ok(BatchStream { rx: Some(rx), stop, handle: Some(handle), layout })
+        let reader = ReaderThread::spawn(name, move || body(&tx, &stop_flag))?;
+        Ok(BatchStream { rx: Some(rx), stop, reader, layout })
     }
 }
 
@@ -125,9 +125,7 @@ impl Iterator for BatchStream {
         let item = self.rx.as_ref()?.recv().ok();
         if item.is_none() {
             // Channel closed: the reader finished, or died.
-            if let Some(h) = self.handle.take()
-                && h.join().is_err()
-            {
+            if self.reader.join() {
                 return Some(Err(DataError::ReaderPanicked));
             }
         }
@@ -138,10 +136,9 @@ impl Iterator for BatchStream {
 impl Drop for BatchStream {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        // Dropping the receiver unblocks a reader waiting on a full channel.
+        // Dropping the receiver unblocks a reader waiting on a full channel;
+        // one blocked in a read is left behind after a while.
         self.rx.take();
-        if let Some(h) = self.handle.take() {
-            let _ = h.join();
-        }
+        self.reader.join_within(READER_GRACE);
     }
 }

@@ -457,6 +457,9 @@ impl LineParser for SvmParser {
 /// Longest line accepted; a longer one is a malformed row (a file that is
 /// not line-oriented at all must not be read into memory in one piece).
 pub const MAX_LINE_BYTES: u64 = 1 << 20;
+/// A line longer than [`MAX_LINE_BYTES`] is skipped as a bad row, but one
+/// past this has no end in sight: the file is refused.
+const MAX_SKIPPED_LINE_BYTES: u64 = 1 << 30;
 
 const UTF8_BOM: &[u8] = b"\xef\xbb\xbf";
 
@@ -642,9 +645,21 @@ impl TextSource {
             let line_no = self.line;
             self.line += 1;
             if n as u64 > MAX_LINE_BYTES && self.buf.last() != Some(&b'\n') {
-                // Skip the rest of the line without holding it in memory.
+                // Skip the rest of the line without holding it in memory,
+                // up to a point: a gigabyte without a line break is no
+                // line-oriented data (`/dev/zero` is endless).
                 let mut skipped = n as u64;
                 loop {
+                    if skipped > MAX_SKIPPED_LINE_BYTES {
+                        let why = format!(
+                            "line {line_no}: more than {MAX_SKIPPED_LINE_BYTES} bytes without a line break: not a \
+                             line-oriented data file"
+                        );
+                        return Err(DataError::io(
+                            &self.path,
+                            std::io::Error::new(std::io::ErrorKind::InvalidData, why),
+                        ));
+                    }
                     self.buf.clear();
                     let m = (&mut self.reader)
                         .take(1 << 20)

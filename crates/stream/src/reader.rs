@@ -467,6 +467,9 @@ fn start_offset(broker: &Broker, config: &StreamConfig, id: i32, checkpointed: O
     Ok(match config.start {
         StreamStart::Earliest => broker.offset(id, OffsetAt::Earliest)?,
         StreamStart::Latest => broker.offset(id, OffsetAt::Latest)?,
+        // After now no record can be stamped yet: from the end (some
+        // brokers answer a time past their newest record with offset 0).
+        StreamStart::Timestamp(secs) if secs.saturating_mul(1000) > now_ms() => broker.offset(id, OffsetAt::Latest)?,
         StreamStart::Timestamp(secs) => {
             let at = chrono::DateTime::from_timestamp(secs, 0)
                 .ok_or_else(|| DataError::Stream(format!("data.stream.start: timestamp {secs} is not a time")))?;

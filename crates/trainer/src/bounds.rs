@@ -98,16 +98,30 @@ impl TableBounds {
 
 /// `table` past `max_rows` rows (0: no bound): its least recently used
 /// rows evicted down to 90% of the bound (so the next eviction is a tenth
-/// of it away). Returns the rows evicted.
+/// of it away), but never the rows of the newest lookup: with a bound below
+/// one batch's unique IDs, the rows the next step reads stay (the table
+/// holds that batch, over the bound, with a warning) instead of every row
+/// going each step. Returns the rows evicted.
 pub fn evict_over(table: &EmbeddingTable, max_rows: usize) -> Result<u64, TableError> {
     if max_rows == 0 || table.len() <= max_rows {
         return Ok(0);
     }
-    match table.lru_cutoff(max_rows - max_rows / 10)? {
-        Some(cutoff) => table.delete_used_before(cutoff, Deletion::Evicted),
-        None => Ok(0),
+    let Some(cutoff) = table.lru_cutoff(max_rows - max_rows / 10)? else { return Ok(0) };
+    let newest = table.clock();
+    let evicted = table.delete_used_before(cutoff.min(newest), Deletion::Evicted)?;
+    if cutoff > newest && !SMALL_BOUND_WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::warn!(
+            "embedding.max_rows = {max_rows} is below the rows one batch looks up: the newest batch's rows are \
+             kept ({} rows now), the others evicted every step; raise embedding.max_rows well past a batch's unique \
+             IDs (train.batch_size × the fields)",
+            table.len()
+        );
     }
+    Ok(evicted)
 }
+
+/// [`evict_over`] warned once (per process) of a bound below a batch.
+static SMALL_BOUND_WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 #[cfg(test)]
 mod tests {

@@ -60,6 +60,10 @@ impl TrainingInput {
     }
 }
 
+/// Why a stream trained nothing.
+pub const NO_RECORD: &str = "the stream gave no record from where it started (data.stream.start, or the checkpoint's \
+                             offsets) before data.stream.stop_when_idle_secs passed without one";
+
 /// The stream's figures in the final JSON (null without `[data.stream]`).
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct StreamReport {

@@ -7,16 +7,16 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, bounded};
 use sparrow_core::Batch;
+use sparrow_data::reader_thread::{READER_GRACE, ReaderThread};
 use sparrow_data::{BatchStream, DataError};
 use sparrow_embedding::{KeyPlan, Partitioner};
 
 pub struct PlannedBatches {
     rx: Option<Receiver<Result<(Batch, KeyPlan), DataError>>>,
-    handle: Option<JoinHandle<()>>,
+    planner: ReaderThread,
     /// The reader's stop flag: the planner may be waiting on the reader.
     stop_reader: Arc<AtomicBool>,
 }
@@ -26,7 +26,7 @@ impl PlannedBatches {
     pub fn spawn(stream: BatchStream, partitioner: Partitioner, depth: usize) -> std::io::Result<PlannedBatches> {
         let (tx, rx) = bounded(depth.max(1));
         let stop_reader = stream.stop_flag();
-        let handle = std::thread::Builder::new().name("sparrow-planner".into()).spawn(move || {
+        let planner = ReaderThread::spawn("sparrow-planner", move || {
             for item in stream {
                 let planned = item.map(|batch| {
                     let plan = partitioner.plan(&batch.keys);
@@ -38,7 +38,7 @@ impl PlannedBatches {
                 }
             }
         })?;
-        Ok(PlannedBatches { rx: Some(rx), handle: Some(handle), stop_reader })
+        Ok(PlannedBatches { rx: Some(rx), planner, stop_reader })
     }
 
     /// The next batch, or `None` at the end or once `stop` is set: a
@@ -61,10 +61,7 @@ impl Iterator for PlannedBatches {
 
     fn next(&mut self) -> Option<Self::Item> {
         let item = self.rx.as_ref()?.recv().ok();
-        if item.is_none()
-            && let Some(h) = self.handle.take()
-            && h.join().is_err()
-        {
+        if item.is_none() && self.planner.join() {
             return Some(Err(DataError::ReaderPanicked));
         }
         item
@@ -74,11 +71,10 @@ impl Iterator for PlannedBatches {
 impl Drop for PlannedBatches {
     fn drop(&mut self) {
         // Closing the channel stops a planner that is sending; one waiting
-        // for the reader's next batch is let go by the reader, stopped.
+        // for the reader's next batch is let go by the reader, stopped (or,
+        // the reader blocked in a read, left behind with it).
         self.rx.take();
         self.stop_reader.store(true, Ordering::Relaxed);
-        if let Some(h) = self.handle.take() {
-            let _ = h.join();
-        }
+        self.planner.join_within(READER_GRACE);
     }
 }

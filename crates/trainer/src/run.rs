@@ -494,9 +494,10 @@ fn train_in_pool(
         && trainer.skipped_batches == 0
         && resumed_from_step.is_none()
     {
-        let why = match bad.total() {
-            0 => "the file holds no row".to_string(),
-            n => format!("all {n} rows were malformed (the first ones are reported above)"),
+        let why = match (bad.total(), config.data.stream.is_some()) {
+            (0, false) => "the file holds no row".to_string(),
+            (0, true) => crate::input::NO_RECORD.to_string(),
+            (n, _) => format!("all {n} rows were malformed (the first ones are reported above)"),
         };
         outcome = Err(DataError::NoRows { path: origin.clone(), why }.into());
     }

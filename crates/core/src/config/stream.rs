@@ -199,7 +199,10 @@ impl schemars::JsonSchema for StreamStart {
                 {
                     "type": "object",
                     "description": "The first record at or after a time.",
-                    "properties": { "timestamp": { "type": "integer", "description": "Unix seconds." } },
+                    "properties": { "timestamp": {
+                        "type": "integer", "minimum": 0, "maximum": MAX_START_SECS,
+                        "description": "Unix seconds (a time after now starts at the partition's end)."
+                    } },
                     "required": ["timestamp"],
                     "additionalProperties": false
                 }
@@ -215,6 +218,9 @@ pub enum RetentionGap {
     Fail,
     Skip,
 }
+
+/// The latest `start = { timestamp }`: the end of the year 9999.
+pub const MAX_START_SECS: i64 = 253_402_300_799;
 
 /// The largest fetch asked of a broker per partition (Kafka's own default
 /// `max.partition.fetch.bytes` is 1 MiB; a record must fit in one fetch).
@@ -263,6 +269,17 @@ impl StreamConfig {
             return invalid(
                 "header",
                 "CSV records have no header line: give the columns' names in order (\"label,price,item\"), or set data.schema.header = false and name columns by number".into(),
+            );
+        }
+        if let StreamStart::Timestamp(secs) = self.start
+            && !(0..=MAX_START_SECS).contains(&secs)
+        {
+            return invalid(
+                "start",
+                format!(
+                    "{{ timestamp = {secs} }}: Unix seconds between 0 and {MAX_START_SECS} (the year 9999); \
+                     \"earliest\" and \"latest\" name the partition's ends"
+                ),
             );
         }
         if self.fetch_max_bytes < 1024 || self.fetch_max_bytes > MAX_FETCH_BYTES {

@@ -88,6 +88,10 @@ impl Config {
                 return invalid(key, &format!("must be a finite number >= 0, not {value}"));
             }
         }
+        if let Some(token) = self.cluster.auth_token.as_deref().filter(|t| !t.is_empty()) {
+            crate::token::check(token, "cluster.auth_token")
+                .map_err(|m| ConfigError::Invalid { key: "cluster.auth_token".into(), message: m })?;
+        }
         if self.cluster.progress_timeout_ms <= self.cluster.heartbeat_interval_ms {
             return invalid("cluster.progress_timeout_ms", "must be above cluster.heartbeat_interval_ms");
         }
