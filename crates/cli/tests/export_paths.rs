@@ -129,3 +129,33 @@ fn unbounded_inputs_are_refused_by_name() {
     assert_eq!(status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("config /dev/zero: more than 1048576 bytes"), "{stderr}");
 }
+
+/// Item 10: an ONNX export written into a checkpoint's version directory
+/// was deleted when `checkpoint.keep` pruned that version. Pruning removes
+/// the files the checkpoint wrote (its manifest's) and keeps the rest,
+/// with the directory and a warning.
+#[test]
+fn pruning_keeps_what_the_checkpoint_did_not_write() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let ck = trained(tmp.path(), &["--set", "train.max_steps=5", "--set", "checkpoint.keep=1"]);
+    let version = Path::new(&ck).join("ckpt-000000000005");
+    assert!(version.join("manifest.json").is_file());
+    let onnx = version.join("onnx");
+    let (code, stderr) = export(&["--checkpoint", &ck, "--out", &onnx.display().to_string(), "--format", "onnx"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    std::fs::write(version.join("notes.txt"), "mine\n").expect("write");
+    let config = tmp.path().join("job.toml").display().to_string();
+    let out = sparrow()
+        .args(["train", "--config", &config, "--quiet", "--resume", &ck])
+        .args(["--set", &format!("checkpoint.dir={ck:?}"), "--set", "checkpoint.keep=1"])
+        .output()
+        .expect("resume");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("kept") && stderr.contains("notes.txt, onnx"), "{stderr}");
+    let mut left: Vec<String> =
+        std::fs::read_dir(&version).expect("kept").flatten().map(|e| e.file_name().to_string_lossy().into()).collect();
+    left.sort();
+    assert_eq!(left, ["notes.txt", "onnx"], "the checkpoint's own files went, the rest stayed");
+    assert!(onnx.join("model.onnx").is_file());
+}

@@ -526,9 +526,25 @@ fn prune(root: &Path, current: &str, keep: usize) -> Result<(), TrainError> {
     }
     for name in versions.into_iter().take(excess) {
         if !needed.contains(&name) {
-            let p = root.join(&name);
-            std::fs::remove_dir_all(&p).map_err(io(&p))?;
+            remove_version(&root.join(&name))?;
         }
     }
     Ok(())
+}
+
+/// Removes a version: the files its manifest names, and the manifest; what
+/// the checkpoint did not write (an export put inside it) stays, with its
+/// directory. A version whose manifest cannot be read is kept, with a
+/// warning: what it wrote is not known.
+fn remove_version(dir: &Path) -> Result<(), TrainError> {
+    let m = match read_manifest(dir) {
+        Ok(m) => m,
+        Err(e) => {
+            tracing::warn!("kept the old version {}: {e}", dir.display());
+            return Ok(());
+        }
+    };
+    let parts = m.parts.iter().flat_map(|p| std::iter::once(p.embeddings.as_str()).chain(p.filters.as_deref()));
+    let names = m.files.keys().map(String::as_str).chain(parts).chain([MANIFEST_FILE]);
+    crate::new_dir::remove_written(dir, names)
 }

@@ -591,7 +591,7 @@ impl IncrementalExports {
         let dir = self.root.join(&name);
         if dir.exists() {
             // A resumed run reaches this step again: the same model, written anew.
-            std::fs::remove_dir_all(&dir).map_err(|e| TrainError::io(&dir, e))?;
+            remove_export(&dir)?;
         }
         let taken_unix_ms =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
@@ -654,10 +654,23 @@ impl IncrementalExports {
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().to_string();
             if name.parse::<u64>().is_ok_and(|n| n < keep_from)
-                && let Err(e) = std::fs::remove_dir_all(entry.path())
+                && let Err(e) = remove_export(&entry.path())
             {
                 tracing::warn!("could not remove the old export {}: {e}", entry.path().display());
             }
+        }
+    }
+}
+
+/// Removes an export's own files (its manifest's, and the manifest), and
+/// its directory once empty; what someone else put there stays. An export
+/// whose manifest cannot be read is kept, with a warning.
+fn remove_export(dir: &Path) -> Result<(), TrainError> {
+    match read_manifest(dir) {
+        Ok(m) => crate::new_dir::remove_written(dir, m.files.keys().map(String::as_str).chain([MANIFEST])),
+        Err(e) => {
+            tracing::warn!("kept the old export {}: {e}", dir.display());
+            Ok(())
         }
     }
 }

@@ -1,9 +1,12 @@
-//! A new directory a command writes (an export, an ONNX graph): `out` is
+//! Directories Sparrow writes and removes. A new directory a command
+//! writes (an export, an ONNX graph): `out` is
 //! resolved first (its parent's real path, its own name never `..`), must
 //! not exist in any form (a file, a directory, a link, a dangling one), and
 //! is written under a staging name of this process's beside it, then renamed
 //! into place without replacing anything. A failed or stopped command
 //! leaves nothing: the staging directory is removed on every error path.
+//! Removing one (a checkpoint version past `checkpoint.keep`, an old
+//! export) removes the files it wrote, never what someone else put there.
 
 use std::path::{Component, Path, PathBuf};
 
@@ -76,6 +79,36 @@ impl Drop for NewDir {
         if !self.committed {
             let _ = std::fs::remove_dir_all(&self.staging);
         }
+    }
+}
+
+/// Removes the files named `names` (plain names) from `dir`, then `dir` if
+/// that empties it. Anything else in it (an export a user wrote there) is
+/// kept, and so is the directory, with a warning naming what stays.
+pub fn remove_written<'a>(dir: &Path, names: impl IntoIterator<Item = &'a str>) -> Result<(), TrainError> {
+    for name in names {
+        let path = dir.join(crate::confined::plain_name(dir, name, "the manifest")?);
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(TrainError::io(&path, e)),
+            _ => {}
+        }
+    }
+    match std::fs::remove_dir(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::DirectoryNotEmpty => {
+            let mut left: Vec<String> = std::fs::read_dir(dir)
+                .map(|entries| entries.flatten().map(|e| e.file_name().to_string_lossy().to_string()).collect())
+                .unwrap_or_default();
+            left.sort();
+            tracing::warn!(
+                "kept {}: it holds files Sparrow did not write there ({}); its own are removed",
+                dir.display(),
+                left.join(", ")
+            );
+            Ok(())
+        }
+        Err(e) => Err(TrainError::io(dir, e)),
     }
 }
 
