@@ -124,7 +124,12 @@ fn type_name(p: &Value, defs: &Map<String, Value>) -> String {
         return "one of the values below".into();
     }
     match p.get("type").and_then(Value::as_str) {
-        Some("integer") if p.get("minimum") == Some(&Value::from(0)) => "integer ≥ 0".into(),
+        // The range validation enforces (the schema carries it from the same table).
+        Some("integer") => match (p.get("minimum").and_then(Value::as_u64), p.get("maximum").and_then(Value::as_u64)) {
+            (Some(min), Some(max)) => format!("integer, {min} to {max}"),
+            (Some(min), None) => format!("integer ≥ {min}"),
+            _ => "integer".into(),
+        },
         Some("array") => match p.get("items") {
             Some(items) => format!("list of {}", type_name(items, defs)),
             None => "list".into(),

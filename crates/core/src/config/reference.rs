@@ -13,6 +13,7 @@ pub fn json_schema() -> serde_json::Value {
     let settings = SchemaSettings::draft07();
     let mut schema = settings.into_generator().into_root_schema_for::<Config>().to_value();
     for_toml(&mut schema);
+    super::bounds::annotate(&mut schema);
     schema
 }
 

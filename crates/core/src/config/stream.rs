@@ -282,12 +282,6 @@ impl StreamConfig {
                 ),
             );
         }
-        if self.fetch_max_bytes < 1024 || self.fetch_max_bytes > MAX_FETCH_BYTES {
-            return invalid("fetch_max_bytes", format!("between 1024 and {MAX_FETCH_BYTES}"));
-        }
-        if self.max_unavailable_secs == 0 {
-            return invalid("max_unavailable_secs", "must be at least 1".into());
-        }
         if let Some(w) = &data.weighting {
             // Age is counted from the stream's event clock, and merging stays
             // within a batch so that checkpoints stay at record offsets.

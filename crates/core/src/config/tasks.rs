@@ -241,9 +241,6 @@ impl Config {
                 "reads files: a stream ([data.stream]) is trained in its records' order".into(),
             );
         }
-        if d.group_window_rows == 0 {
-            return invalid("data.group_window_rows", "must be at least 1".into());
-        }
         Ok(())
     }
 
@@ -294,9 +291,6 @@ impl Config {
                         ),
                     );
                 }
-                if q.max_len == 0 || q.max_len > MAX_SEQUENCE_LEN {
-                    return invalid(&key("max_len"), format!("must be between 1 and {MAX_SEQUENCE_LEN}"));
-                }
             }
         }
         let labels = self.label_columns();
@@ -319,9 +313,6 @@ impl Config {
                 (TaskKind::Multiclass, None) => {
                     return invalid(&key("classes"), "is needed by a multiclass task".into());
                 }
-                (TaskKind::Multiclass, Some(k)) if !(2..=MAX_CLASSES).contains(&k) => {
-                    return invalid(&key("classes"), format!("must be between 2 and {MAX_CLASSES}"));
-                }
                 _ => {}
             }
             if !t.weight.is_finite() || t.weight < 0.0 {
@@ -343,9 +334,6 @@ impl Config {
                     format!("`{g}` is not a sparse field of data.schema (the sparse fields are {sparse:?})"),
                 );
             }
-        }
-        if self.eval.top_k == 0 {
-            return invalid("eval.top_k", "must be at least 1".into());
         }
         if let Some(s) = &self.data.schema
             && !s.sequence.is_empty()
@@ -374,16 +362,6 @@ impl Config {
                  or \"parquet\")"
                     .into(),
             );
-        }
-        if m.kind == ModelKind::Din && m.attention_hidden.contains(&0) {
-            return invalid("model.attention_hidden", "a layer of 0 units".into());
-        }
-        if matches!(m.kind, ModelKind::Mmoe | ModelKind::Ple) && m.experts == 0 {
-            return invalid("model.experts", "must be at least 1".into());
-        }
-        if m.kind == ModelKind::Ple && (m.task_experts == 0 || m.levels == 0) {
-            let key = if m.levels == 0 { "model.levels" } else { "model.task_experts" };
-            return invalid(key, "must be at least 1".into());
         }
         if matches!(m.kind, ModelKind::Mmoe | ModelKind::Ple) && m.expert_hidden.is_empty() {
             return invalid("model.expert_hidden", "needs a layer (the experts' width is its last)".into());

@@ -1,35 +1,16 @@
 //! The rules a parsed config must keep beyond its types: values that
-//! cannot be right, keys that need others, and (in `bounds`) every size's
-//! upper bound. Each refusal names the key.
+//! cannot be right, keys that need others, and (in `bounds`, which the
+//! schema states too) every integer key's range. Each refusal names the key.
 
 use super::*;
-
-/// The largest progressive-validation window: 80 MB of scores and labels.
-const MAX_ONLINE_WINDOW: u64 = 10_000_000;
 
 impl Config {
     /// Checks the rules (`from_toml` calls it).
     pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid =
             |key: &str, message: &str| Err(ConfigError::Invalid { key: key.to_string(), message: message.to_string() });
+        super::bounds::check(self)?;
         self.validate_tasks()?;
-        if self.train.batch_size == 0 {
-            return invalid("train.batch_size", "must be at least 1");
-        }
-        if self.train.online_window_samples.is_some_and(|n| n > MAX_ONLINE_WINDOW) {
-            return invalid(
-                "train.online_window_samples",
-                &format!(
-                    "at most {MAX_ONLINE_WINDOW} samples (the window is held in memory and sorted at every log line)"
-                ),
-            );
-        }
-        if self.train.epochs == 0 {
-            return invalid("train.epochs", "must be at least 1");
-        }
-        if self.checkpoint.full_every == 0 {
-            return invalid("checkpoint.full_every", "must be at least 1 (1: every checkpoint is full)");
-        }
         if self.train.eval_every_steps.is_some_and(|n| n > 0) && self.data.test.is_none() {
             return invalid("train.eval_every_steps", "needs data.test (the file it evaluates on)");
         }
@@ -54,14 +35,8 @@ impl Config {
                 "is empty: name a directory, or leave the key out to write no checkpoint",
             );
         }
-        if self.checkpoint.keep == 0 {
-            return invalid("checkpoint.keep", "must be at least 1 (the version just written is kept)");
-        }
         if self.data.max_bad_fraction.is_some_and(|f| !(0.0..=1.0).contains(&f)) {
             return invalid("data.max_bad_fraction", "must be between 0 and 1");
-        }
-        if self.data.num_fields == Some(0) {
-            return invalid("data.num_fields", "must be at least 1");
         }
         for (key, rate) in [
             ("embedding.learning_rate", f64::from(self.embedding.learning_rate)),
@@ -95,22 +70,8 @@ impl Config {
         if self.cluster.progress_timeout_ms <= self.cluster.heartbeat_interval_ms {
             return invalid("cluster.progress_timeout_ms", "must be above cluster.heartbeat_interval_ms");
         }
-        if self.train.threads == 0 {
-            return invalid("train.threads", "must be at least 1");
-        }
-        if self.model.embedding_dim == 0 || self.model.embedding_dim > MAX_EMBEDDING_DIM {
-            return invalid("model.embedding_dim", &format!("must be between 1 and {MAX_EMBEDDING_DIM}"));
-        }
-        for (key, sizes) in [("model.hidden", &self.model.hidden), ("model.bottom_hidden", &self.model.bottom_hidden)] {
-            if sizes.contains(&0) {
-                return invalid(key, "every layer needs at least 1 unit");
-            }
-        }
         if !self.embedding.table_shards.is_power_of_two() {
             return invalid("embedding.table_shards", "must be a power of two");
-        }
-        if self.train.log_interval_steps == 0 {
-            return invalid("train.log_interval_steps", "must be at least 1");
         }
         if self.embedding.storage == Storage::Ssd {
             if self.embedding.path.is_none() {
@@ -126,14 +87,8 @@ impl Config {
                 "\"stochastic\" rounds half rows: it needs embedding.dtype = \"f16\" or \"bf16\" (f32 rows are not rounded)",
             );
         }
-        if self.embedding.admit_min_count > 255 {
-            return invalid("embedding.admit_min_count", "at most 255 (the sketch counts in bytes)");
-        }
         if self.embedding.admit_min_count > 1 && self.embedding.admit_sketch_counters < self.embedding.table_shards {
             return invalid("embedding.admit_sketch_counters", "must be at least embedding.table_shards");
-        }
-        if self.train.pipeline_depth > 16 {
-            return invalid("train.pipeline_depth", "at most 16 (each level keeps one more batch's rows in flight)");
         }
         if let Some(stream) = &self.data.stream {
             stream.validate(&self.data)?;
@@ -156,15 +111,6 @@ impl Config {
             }
             if !(w.drop_below.is_finite() && w.drop_below >= 0.0) {
                 return invalid("data.weighting.drop_below", "must be ≥ 0 (default 0.001)");
-            }
-            if w.merge_window_secs == 0 {
-                return invalid("data.weighting.merge_window_secs", "must be at least 1");
-            }
-            if w.merge_buffer_rows > MAX_MERGE_BUFFER_ROWS {
-                return invalid(
-                    "data.weighting.merge_buffer_rows",
-                    &format!("at most {MAX_MERGE_BUFFER_ROWS} rows (the buffer is held in memory)"),
-                );
             }
         }
         if self.embedding.ttl_secs > 0 && self.data.stream.is_none() {
@@ -200,16 +146,7 @@ impl Config {
                 );
             }
         }
-        if self.cluster.pass_batches == 0 {
-            return invalid("cluster.pass_batches", "must be at least 1 (batches per pass, mode = \"collocated\")");
-        }
-        if self.cluster.round_iterations == 0 {
-            return invalid("cluster.round_iterations", "must be at least 1 (items each worker takes per round)");
-        }
         let lazy = &self.cluster.lazy;
-        if lazy.max_local_iterations == 0 {
-            return invalid("cluster.lazy.max_local_iterations", "must be at least 1");
-        }
         for (key, value) in
             [("max_net_utilisation", lazy.max_net_utilisation), ("max_failure_rate", lazy.max_failure_rate)]
         {
@@ -232,28 +169,11 @@ impl Config {
         if !(lazy.link_bytes_per_sec.is_finite() && lazy.link_bytes_per_sec > 0.0) {
             return invalid("cluster.lazy.link_bytes_per_sec", "must be above 0");
         }
-        if lazy.probe_interval_ms == 0 || lazy.probe_timeout_ms == 0 {
-            return invalid("cluster.lazy.probe_interval_ms", "probe_interval_ms and probe_timeout_ms must be above 0");
-        }
         if !(lazy.backup_min_change.is_finite() && lazy.backup_min_change >= 0.0) {
             return invalid("cluster.lazy.backup_min_change", "must be a number ≥ 0 (0.05: 5% relative L2 change)");
         }
-        if self.cluster.loader_queue_batches == 0 {
-            return invalid("cluster.loader_queue_batches", "must be at least 1");
-        }
-        if self.cluster.heartbeat_interval_ms == 0
-            || self.cluster.heartbeat_timeout_ms <= self.cluster.heartbeat_interval_ms
-        {
-            return invalid(
-                "cluster.heartbeat_timeout_ms",
-                "must be above cluster.heartbeat_interval_ms (which must be above 0)",
-            );
-        }
-        if self.cluster.max_message_bytes < 1024 {
-            return invalid("cluster.max_message_bytes", "must be at least 1024");
-        }
-        if self.data.prefetch_batches == 0 {
-            return invalid("data.prefetch_batches", "must be at least 1");
+        if self.cluster.heartbeat_timeout_ms <= self.cluster.heartbeat_interval_ms {
+            return invalid("cluster.heartbeat_timeout_ms", "must be above cluster.heartbeat_interval_ms");
         }
         if matches!(self.data.format, DataFormat::Csv | DataFormat::Parquet) {
             match &self.data.schema {
@@ -270,6 +190,6 @@ impl Config {
         if self.data.format == DataFormat::Libffm && self.data.num_fields.is_none() {
             return invalid("data.num_fields", "libffm needs the number of fields");
         }
-        super::bounds::check(self)
+        Ok(())
     }
 }
