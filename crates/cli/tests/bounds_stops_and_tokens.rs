@@ -141,16 +141,7 @@ fn a_token_no_header_can_carry_is_refused_at_start() {
     ];
     for token in ["abc\n", " ", "a b", "tab\there"] {
         for args in &commands {
-            let mut child = sparrow()
-                .args(args)
-                .env("SPARROW_AUTH_TOKEN", token)
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("spawn");
-            let status = common::wait_with_timeout(&mut child, HANG);
-            let mut stderr = String::new();
-            child.stderr.take().expect("stderr").read_to_string(&mut stderr).expect("read");
+            let (status, stderr) = common::ends_within(sparrow().args(args).env("SPARROW_AUTH_TOKEN", token), HANG);
             assert_eq!(status.code(), Some(2), "{args:?} with {token:?}: {stderr}");
             assert!(stderr.contains("SPARROW_AUTH_TOKEN: the token holds"), "{args:?} with {token:?}: {stderr}");
         }

@@ -12,6 +12,9 @@ use std::path::{Path, PathBuf};
 
 use common::{generate, sparrow, write_config};
 
+/// Past this a command is hung (the test fails, the command is killed).
+const HANG: std::time::Duration = std::time::Duration::from_secs(120);
+
 fn trained(dir: &Path, extra: &[&str]) -> String {
     generate(dir, "4000");
     let config = write_config(dir, "");
@@ -105,27 +108,14 @@ fn unbounded_inputs_are_refused_by_name() {
     std::fs::write(&long, format!("1\t{}\t{}\n", vec!["0"; 13].join("\t"), "x".repeat(2 << 20))).expect("write");
     for vocabulary in [Path::new("/dev/zero"), long.as_path()] {
         let out = tmp.path().join("onnx").display().to_string();
-        let mut child = sparrow()
-            .args(["export", "--checkpoint", &ck, "--out", &out, "--format", "onnx", "--vocabulary"])
-            .arg(vocabulary)
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .expect("export");
-        let status = common::wait_with_timeout(&mut child, std::time::Duration::from_secs(60));
-        let mut stderr = String::new();
-        std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut stderr).expect("read");
+        let mut export = sparrow();
+        export.args(["export", "--checkpoint", &ck, "--out", &out, "--format", "onnx", "--vocabulary"]).arg(vocabulary);
+        let (status, stderr) = common::ends_within(&mut export, HANG);
         assert_eq!(status.code(), Some(2), "{stderr}");
         assert!(stderr.contains("--vocabulary") && stderr.contains("line 1 is longer than 1048576"), "{stderr}");
         assert!(!Path::new(&out).exists());
     }
-    let mut child = sparrow()
-        .args(["config", "--config", "/dev/zero"])
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("config");
-    let status = common::wait_with_timeout(&mut child, std::time::Duration::from_secs(60));
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut stderr).expect("read");
+    let (status, stderr) = common::ends_within(sparrow().args(["config", "--config", "/dev/zero"]), HANG);
     assert_eq!(status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("config /dev/zero: more than 1048576 bytes"), "{stderr}");
 }

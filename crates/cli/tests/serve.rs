@@ -4,9 +4,6 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Stdio};
-
 use common::{generate, sparrow, write_config};
 use serde_json::{Value, json};
 
@@ -35,29 +32,7 @@ fn inputs(lines: &[&str]) -> Value {
     json!({ "id": "req-1", "inputs": inputs })
 }
 
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts `sparrow serve` on a free port: the server and its address.
-fn start(model: &str, extra: &[&str]) -> (Server, String) {
-    let mut child = sparrow()
-        .args(["serve", "--model", model, "--listen", "127.0.0.1:0"])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("serve");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("first line");
-    let started: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: `{line}`"));
-    (Server(child), started["listening"].as_str().expect("address").to_string())
-}
+use common::start_serve as start;
 
 #[test]
 fn a_served_export_answers_kserve_requests_with_predicts_figures() {

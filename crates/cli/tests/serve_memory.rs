@@ -6,10 +6,9 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
 
 use common::sparrow;
 use serde_json::{Value, json};
@@ -23,34 +22,18 @@ const MIB: usize = 1 << 20;
 const ROWS: usize = 16_384;
 
 struct Server {
-    child: Child,
+    child: common::ServeChild,
     addr: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 impl Server {
     fn start(export: &Path) -> Server {
-        let mut child = sparrow()
-            .args(["serve", "--model", &export.display().to_string(), "--listen", "127.0.0.1:0", "--name", "m"])
-            .env_remove("SPARROW_AUTH_TOKEN")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("serve");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("first line");
-        let started: Value = serde_json::from_str(&line).expect("json");
-        Server { child, addr: started["listening"].as_str().expect("address").to_string() }
+        let (child, addr) = common::start_serve(&export.display().to_string(), &["--name", "m"]);
+        Server { child, addr }
     }
 
     fn peak_kb(&self) -> u64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).expect("status");
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.0.id())).expect("status");
         let line = status.lines().find(|l| l.starts_with("VmHWM:")).expect("VmHWM");
         line.split_whitespace().nth(1).and_then(|v| v.parse().ok()).expect("kB")
     }

@@ -235,3 +235,43 @@ impl Log {
         self.wait_for(&format!("line with {needles:?}"), limit, |l| needles.iter().all(|n| l.contains(n)).then_some(()))
     }
 }
+
+/// A `sparrow serve` child, killed when dropped.
+pub struct ServeChild(pub Child);
+
+impl Drop for ServeChild {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `sparrow serve --model MODEL` on a free loopback port (no token),
+/// with `extra` flags: the server and its address.
+pub fn start_serve(model: &str, extra: &[&str]) -> (ServeChild, String) {
+    let mut child = sparrow()
+        .args(["serve", "--model", model, "--listen", "127.0.0.1:0"])
+        .args(extra)
+        .env_remove("SPARROW_AUTH_TOKEN")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("serve");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("first line");
+    let started: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: `{line}`"));
+    (ServeChild(child), started["listening"].as_str().expect("address").to_string())
+}
+
+/// Runs `command` (stdout discarded) until it ends, failing the test if
+/// that takes past `limit` (a hang): its exit status and stderr.
+pub fn ends_within(command: &mut Command, limit: Duration) -> (std::process::ExitStatus, String) {
+    let mut child =
+        command.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().expect("spawn");
+    let log = Arc::new(Mutex::new(String::new()));
+    let reader = collect_lines(child.stderr.take().expect("stderr"), log.clone());
+    let status = wait_with_timeout(&mut child, limit);
+    let _ = reader.join();
+    let stderr = log.lock().expect("log").clone();
+    (status, stderr)
+}
