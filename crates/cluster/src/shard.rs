@@ -70,6 +70,8 @@ pub struct ShardServer {
     /// This shard's part of `embedding.max_rows` (0: unbounded): past it,
     /// each push evicts the least recently used rows.
     max_rows: usize,
+    /// A bound below one batch was warned of.
+    small_bound_warned: std::sync::atomic::AtomicBool,
     /// `embedding.ttl_secs`: the shard's lookup clock against the time of
     /// the records it trained, advanced after each push.
     ttl: Mutex<Option<TableBounds>>,
@@ -93,6 +95,7 @@ impl ShardServer {
             config: None,
             training: Box::new(LevelOne { shard: index }),
             max_rows: 0,
+            small_bound_warned: std::sync::atomic::AtomicBool::new(false),
             ttl: Mutex::new(None),
         }
     }
@@ -121,7 +124,8 @@ impl ShardServer {
         if let Some(cutoff) = cutoff {
             self.table.delete_used_before(cutoff, Deletion::Expired).map_err(table_error)?;
         }
-        sparrow_trainer::bounds::evict_over(&self.table, self.max_rows).map_err(table_error)?;
+        sparrow_trainer::bounds::evict_over(&self.table, self.max_rows, &self.small_bound_warned)
+            .map_err(table_error)?;
         Ok(())
     }
 

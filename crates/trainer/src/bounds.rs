@@ -10,6 +10,7 @@
 //! checkpointed).
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use sparrow_core::config::EmbeddingConfig;
 use sparrow_embedding::{Deletion, EmbeddingTable, TableError};
@@ -25,6 +26,8 @@ pub struct TableBounds {
     /// first, back to the oldest time rows may still have been used at.
     clock: VecDeque<(u64, i64)>,
     bucket_secs: i64,
+    /// [`evict_over`] warned of a bound below one batch.
+    small_bound_warned: AtomicBool,
 }
 
 impl TableBounds {
@@ -35,6 +38,7 @@ impl TableBounds {
             max_rows: usize::try_from(embedding.max_rows).unwrap_or(usize::MAX),
             clock: VecDeque::new(),
             bucket_secs: embedding.ttl_secs.div_ceil(ENTRIES_PER_TTL).max(1) as i64,
+            small_bound_warned: AtomicBool::new(false),
         })
     }
 
@@ -59,7 +63,7 @@ impl TableBounds {
         if let Some(cutoff) = self.ttl_cutoff(table.clock(), newest_record_ms) {
             expired = table.delete_used_before(cutoff, Deletion::Expired)?;
         }
-        Ok((expired, evict_over(table, self.max_rows)?))
+        Ok((expired, evict_over(table, self.max_rows, &self.small_bound_warned)?))
     }
 
     /// `embedding.ttl_secs`: the lookups up to `tick` trained records up to
@@ -100,16 +104,17 @@ impl TableBounds {
 /// rows evicted down to 90% of the bound (so the next eviction is a tenth
 /// of it away), but never the rows of the newest lookup: with a bound below
 /// one batch's unique IDs, the rows the next step reads stay (the table
-/// holds that batch, over the bound, with a warning) instead of every row
-/// going each step. Returns the rows evicted.
-pub fn evict_over(table: &EmbeddingTable, max_rows: usize) -> Result<u64, TableError> {
+/// holds that batch, over the bound, with a warning the first time `warned`
+/// is found unset) instead of every row going each step. Returns the rows
+/// evicted.
+pub fn evict_over(table: &EmbeddingTable, max_rows: usize, warned: &AtomicBool) -> Result<u64, TableError> {
     if max_rows == 0 || table.len() <= max_rows {
         return Ok(0);
     }
     let Some(cutoff) = table.lru_cutoff(max_rows - max_rows / 10)? else { return Ok(0) };
     let newest = table.clock();
     let evicted = table.delete_used_before(cutoff.min(newest), Deletion::Evicted)?;
-    if cutoff > newest && !SMALL_BOUND_WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+    if cutoff > newest && !warned.swap(true, Ordering::Relaxed) {
         tracing::warn!(
             "embedding.max_rows = {max_rows} is below the rows one batch looks up: the newest batch's rows are \
              kept ({} rows now), the others evicted every step; raise embedding.max_rows well past a batch's unique \
@@ -119,9 +124,6 @@ pub fn evict_over(table: &EmbeddingTable, max_rows: usize) -> Result<u64, TableE
     }
     Ok(evicted)
 }
-
-/// [`evict_over`] warned once (per process) of a bound below a batch.
-static SMALL_BOUND_WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 #[cfg(test)]
 mod tests {
