@@ -171,6 +171,10 @@ fn forms() -> Vec<(&'static str, Vec<u8>, Option<usize>)> {
     let multi = "abc|".repeat(64);
     let multi = json!({"inputs": [input("site", "BYTES", json!([ROWS]), json!(vec![&multi; ROWS]))]});
     forms.push(("multi-hot cells at the ID limit", multi.to_string().into_bytes(), None));
+    // The hostile test's body: one history of 6·10⁷ separators (refused: no
+    // data line holds a 60 MB cell).
+    let one = json!({"inputs": [input("hist_items", "BYTES", json!([1]), json!(["|".repeat(60_000_000)]))]});
+    forms.push(("one joined history of 6·10⁷ separators", one.to_string().into_bytes(), None));
     for (what, body, _) in &forms {
         assert!(body.len() < 64 << 20, "{what}: {} bytes", body.len());
     }
