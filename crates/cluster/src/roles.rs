@@ -4,7 +4,8 @@
 //!
 //! Life cycle: every role but the coordinator registers with the coordinator
 //! (receiving its index, the job's config and its generation) and heartbeats
-//! every `cluster.heartbeat_interval_ms` from a thread of its own (`Link`).
+//! every `cluster.heartbeat_interval_ms` from a thread of its own
+//! (`link::Link`).
 //! It serves one generation of the job at a time, set up from that
 //! generation's checkpoint; when the coordinator starts the next one (a role
 //! died, see [`crate::coordinator`]) it drops its work and sets up again. The
