@@ -22,7 +22,7 @@ pub fn print(config: Option<&Config>) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Prints the config's JSON Schema (`docs/config.schema.json`).
+/// Prints the config's JSON Schema (`docs/book/src/config.schema.json`).
 pub fn print_schema() -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
     writeln!(out, "{}", serde_json::to_string_pretty(&sparrow_core::config::json_schema())?)?;

@@ -32,7 +32,7 @@ out takes the default below, and an unknown key is an error naming it.
 - `sparrow config --config job.toml --set ...` prints a config as a job reads
   it: defaults filled in, overrides applied, checked.
 - `sparrow config --schema` prints this reference as a JSON Schema; the same
-  schema ships as [`docs/config.schema.json`](config.schema.json). Editors
+  schema ships as [`docs/book/src/config.schema.json`](config.schema.json). Editors
   that read JSON Schema for TOML (taplo, VS Code's Even Better TOML) validate
   and complete a config with it: put
   `#:schema ./path/to/config.schema.json` on the first line of the file, or
