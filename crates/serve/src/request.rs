@@ -111,14 +111,6 @@ impl Body {
         Ok(Body { bytes, json_len })
     }
 
-    pub fn len(&self) -> usize {
-        self.bytes.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.bytes.is_empty()
-    }
-
     /// The request, its strings spans of this body.
     pub fn decode(&self, limits: &Limits) -> Result<Request<'_>, DecodeError> {
         decode(&self.bytes, self.json_len, limits)
