@@ -351,8 +351,25 @@ pub struct ClusterExports {
     every: Option<u64>,
     every_secs: Option<u64>,
     last: Option<std::time::Instant>,
-    exports: std::sync::Arc<parking_lot::Mutex<sparrow_trainer::export::IncrementalExports>>,
-    pending: Option<std::thread::JoinHandle<()>>,
+    /// The exporter between exports (none while one is written or started).
+    idle: Option<IncrementalExports>,
+    /// The export being written: its thread gives the exporter back.
+    pending: Option<std::thread::JoinHandle<IncrementalExports>>,
+}
+
+use sparrow_trainer::export::IncrementalExports;
+
+/// An export decided under the coordinator's lock, to be started outside
+/// it ([`DueExport::start`] may wait for the one before).
+pub struct DueExport {
+    dir: PathBuf,
+    step: u64,
+    exporter: Exporter,
+}
+
+enum Exporter {
+    Idle(IncrementalExports),
+    Writing(std::thread::JoinHandle<IncrementalExports>),
 }
 
 impl ClusterExports {
@@ -362,44 +379,79 @@ impl ClusterExports {
         if every.is_none() && every_secs.is_none() {
             return None;
         }
-        let exports = sparrow_trainer::export::IncrementalExports::new(config)?.by_content();
-        let exports = std::sync::Arc::new(parking_lot::Mutex::new(exports));
-        Some(ClusterExports { every, every_secs, last: None, exports, pending: None })
+        let exports = IncrementalExports::new(config)?.by_content();
+        Some(ClusterExports { every, every_secs, last: None, idle: Some(exports), pending: None })
     }
 
     /// A version was committed at `step`; `checkpoint_every` is the step
     /// cadence (a step off it is the job's last; none: timed checkpoints,
-    /// and `last`: the job's last).
-    pub fn committed(&mut self, dir: &Path, step: u64, checkpoint_every: Option<u64>, last: bool) {
+    /// and `last`: the job's last). Returns the export to start when one is
+    /// due, the exporter taken out (give the started one back with
+    /// [`started`](Self::started)).
+    pub fn committed(&mut self, dir: &Path, step: u64, checkpoint_every: Option<u64>, last: bool) -> Option<DueExport> {
         let by_steps = self.every.is_some_and(|every| step.is_multiple_of(every));
         let off_cadence = checkpoint_every.is_some_and(|every| !step.is_multiple_of(every.max(1)));
         let by_time = self.every_secs.is_some_and(|s| self.last.is_none_or(|t| t.elapsed().as_secs() >= s));
         if !(by_steps || by_time || off_cadence || last) {
-            return;
+            return None;
         }
+        let exporter = match (self.idle.take(), self.pending.take()) {
+            (Some(idle), _) => Exporter::Idle(idle),
+            (None, Some(writing)) => Exporter::Writing(writing),
+            (None, None) => {
+                tracing::warn!("step {step}: no serving export (the exporter is gone: an export before failed)");
+                return None;
+            }
+        };
         self.last = Some(std::time::Instant::now());
-        self.wait();
-        let (exports, dir) = (self.exports.clone(), dir.to_path_buf());
+        Some(DueExport { dir: dir.to_path_buf(), step, exporter })
+    }
+
+    /// The export [`DueExport::start`] started.
+    pub fn started(&mut self, writing: Option<std::thread::JoinHandle<IncrementalExports>>) {
+        self.pending = writing;
+    }
+
+    /// Takes the export being written, if any, for [`wait`](Self::wait)
+    /// outside the lock.
+    pub fn take_pending(&mut self) -> Option<std::thread::JoinHandle<IncrementalExports>> {
+        self.pending.take()
+    }
+
+    /// Waits for an export taken with [`take_pending`](Self::take_pending)
+    /// (no lock held) and returns its exporter.
+    pub fn wait(writing: std::thread::JoinHandle<IncrementalExports>) -> Option<IncrementalExports> {
+        writing.join().map_err(|_| tracing::warn!("the serving export thread panicked: exports stop")).ok()
+    }
+
+    /// The exporter back from a finished export.
+    pub fn finished(&mut self, exporter: Option<IncrementalExports>) {
+        if self.idle.is_none() && self.pending.is_none() {
+            self.idle = exporter;
+        }
+    }
+}
+
+impl DueExport {
+    /// Waits for the export before (no lock held), then writes this version
+    /// in a thread of its own; returns that thread (none: not started).
+    pub fn start(self) -> Option<std::thread::JoinHandle<IncrementalExports>> {
+        let DueExport { dir, step, exporter } = self;
+        let mut exports = match exporter {
+            Exporter::Idle(idle) => idle,
+            Exporter::Writing(writing) => ClusterExports::wait(writing)?,
+        };
         let spawned = std::thread::Builder::new().name("sparrow-export".into()).spawn(move || {
             // The rows in this process's memory, not in the shards' SSD files.
             let loaded =
                 sparrow_trainer::checkpoint::load_trainer(&dir, &Overrides::none().set("embedding.storage", "memory"));
-            match loaded.and_then(|(trainer, _, _)| exports.lock().write(&trainer)) {
+            match loaded.and_then(|(trainer, _, _)| exports.write(&trainer)) {
                 Ok(written) => tracing::info!("step {step}: serving export {}", written.display()),
                 Err(e) => tracing::warn!("step {step}: the serving export was not written: {e}"),
             }
+            exports
         });
-        match spawned {
-            Ok(handle) => self.pending = Some(handle),
-            Err(e) => tracing::warn!("step {step}: the serving export was not written: {e}"),
-        }
-    }
-
-    /// Waits for the export being written, if any.
-    pub fn wait(&mut self) {
-        if let Some(handle) = self.pending.take() {
-            let _ = handle.join();
-        }
+        spawned.map_err(|e| tracing::warn!("step {step}: the serving export was not written (exports stop): {e}")).ok()
     }
 }
 

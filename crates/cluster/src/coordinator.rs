@@ -182,7 +182,8 @@ pub trait ShardDialer: Send + Sync {
 /// said here (the lazy scheduler's state ranks between: it reads its
 /// conditions and backup targets under it): a thread that takes them out
 /// of order panics naming both, in every test that runs the coordinator.
-/// `architecture.rs` checks that no struct has more than three locks.
+/// `crates/cli/tests/locks.rs` checks that no struct takes more than three
+/// locks and that none is held across disk I/O, a network call or a join.
 pub struct Coordinator {
     config: Config,
     config_toml: String,

@@ -243,9 +243,11 @@ struct State {
     failed: Option<String>,
 }
 
-/// Where a scheduler's backups go.
+/// What the scheduler is told from outside: the cluster's conditions, and
+/// where its backups go.
 #[derive(Default)]
-struct BackupTargets {
+struct Told {
+    conditions: Conditions,
     /// Where backups go to be written (S4.6); none: not backed up.
     sink: Option<crossbeam_channel::Sender<Backup>>,
     /// Commits each backup as a checkpoint before the workers go on.
@@ -260,9 +262,8 @@ pub struct Lazy {
     learning_rate: f64,
     state: OrderedMutex<State>,
     changed: Condvar,
-    conditions: OrderedMutex<Conditions>,
-    /// Where backups go and what commits them.
-    backups: OrderedMutex<BackupTargets>,
+    /// The conditions, where backups go and what commits them.
+    told: OrderedMutex<Told>,
     /// Where an instruction's participants meet with their shares (keyed
     /// by instruction): the last share in computes the new weights.
     meet: Rendezvous<Share, Submitted>,
@@ -343,8 +344,7 @@ impl Lazy {
                 },
             ),
             changed: Condvar::new(),
-            conditions: OrderedMutex::new(Rank::Leaf, "lazy.conditions", Conditions::default()),
-            backups: OrderedMutex::new(Rank::Leaf, "lazy.backups", BackupTargets::default()),
+            told: OrderedMutex::new(Rank::Leaf, "lazy.told", Told::default()),
             meet: Rendezvous::new("lazy instruction", workers, Generation::NONE),
             base: (0, 0),
         }
@@ -359,13 +359,13 @@ impl Lazy {
     /// Commits every backup as a checkpoint through `committer` (before the
     /// workers of the aggregation go on, so it is a cut).
     pub fn commit_backups_with(&self, committer: BackupCommitter) {
-        self.backups.lock().committer = Some(committer);
+        self.told.lock().committer = Some(committer);
     }
 
     /// Backs the aggregated weights up through `sink` when they moved by at
     /// least `backup_min_change` since the last backup.
     pub fn back_up_to(&self, sink: crossbeam_channel::Sender<Backup>) {
-        self.backups.lock().sink = Some(sink);
+        self.told.lock().sink = Some(sink);
     }
 
     /// A queued backup was written (or failed: not counted).
@@ -405,7 +405,7 @@ impl Lazy {
 
     /// The scheduler's latest measurements.
     pub fn set_conditions(&self, c: Conditions) {
-        *self.conditions.lock() = c;
+        self.told.lock().conditions = c;
         self.changed.notify_all();
     }
 
@@ -472,7 +472,7 @@ impl Lazy {
         if !finishing && state.last_issued.elapsed() < Duration::from_millis(self.cfg.probe_interval_ms) {
             return None;
         }
-        let c = *self.conditions.lock();
+        let c = self.told.lock().conditions;
         if let Err(why) = conditions_pass(&self.cfg, c) {
             if state.held != Some(why) {
                 state.held = Some(why);
@@ -631,7 +631,7 @@ impl Lazy {
         }
         state.report.aggregations += 1;
         let weights = Arc::new(state.weights.clone());
-        let back_up = self.backups.lock().sink.is_some()
+        let back_up = self.told.lock().sink.is_some()
             && relative_change(&state.weights, state.last_backup.as_deref()) >= self.cfg.backup_min_change;
         let mut committed = None;
         if back_up {
@@ -644,7 +644,7 @@ impl Lazy {
             };
             // The others wait in the meeting meanwhile: a cut.
             drop(guard);
-            let committer = self.backups.lock().committer.clone();
+            let committer = self.told.lock().committer.clone();
             committed = match committer.map(|commit| commit(&cut)) {
                 Some(Ok(())) => Some(cut.step),
                 Some(Err(e)) => {
@@ -658,7 +658,7 @@ impl Lazy {
                 guard.last_committed = Some(guard.last_committed.map_or(step, |s| s.max(step)));
             }
             let number = guard.report.aggregations;
-            if let Some(sink) = self.backups.lock().sink.as_ref()
+            if let Some(sink) = self.told.lock().sink.as_ref()
                 && sink.send((number, cut.weights)).is_ok()
             {
                 guard.backups_pending += 1;

@@ -28,18 +28,27 @@ pub(crate) struct Link {
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
+/// What the heartbeat thread last heard, and what it is to tell next.
+struct Heard {
+    state: JobState,
+    attempt: Attempt,
+    /// The generation served before and the step reached in it.
+    previous: (u64, u64),
+    /// Beat at once (a role's news), not at the next interval.
+    beat_now: bool,
+}
+
 pub(crate) struct LinkShared {
-    heard: parking_lot::Mutex<(JobState, Attempt)>,
+    heard: parking_lot::Mutex<Heard>,
+    /// The job state or attempt heard changed.
     changed: parking_lot::Condvar,
     /// The generation number last heard (read by a worker between steps).
     pub(crate) generation: Arc<AtomicU64>,
     /// The generation this role serves (0: restoring).
     ready: AtomicU64,
     pub(crate) step: Arc<AtomicU64>,
-    /// The generation served before and the step reached in it.
-    previous: parking_lot::Mutex<(u64, u64)>,
     pub(crate) progress: Arc<AtomicU64>,
-    beat_now: parking_lot::Mutex<bool>,
+    /// A beat is asked for (or the link stops).
     wake: parking_lot::Condvar,
     stop: AtomicBool,
     /// When the coordinator last answered (milliseconds since `epoch`).
@@ -63,14 +72,17 @@ impl Link {
         let reg = client.register(kind, advertise, index, None)?;
         let role = RoleId::new(kind, reg.index);
         let shared = Arc::new(LinkShared {
-            heard: parking_lot::Mutex::new((JobState::Running, reg.generation.clone())),
+            heard: parking_lot::Mutex::new(Heard {
+                state: JobState::Running,
+                attempt: reg.generation.clone(),
+                previous: (0, 0),
+                beat_now: false,
+            }),
             changed: parking_lot::Condvar::new(),
             generation: Arc::new(AtomicU64::new(reg.generation.number.number())),
             ready: AtomicU64::new(0),
             step: Arc::default(),
-            previous: parking_lot::Mutex::new((0, 0)),
             progress: Arc::default(),
-            beat_now: parking_lot::Mutex::new(false),
             wake: parking_lot::Condvar::new(),
             stop: AtomicBool::new(false),
             last_answer_ms: AtomicU64::new(0),
@@ -90,7 +102,8 @@ impl Link {
     }
 
     pub(crate) fn heard(&self) -> (JobState, Attempt) {
-        self.shared.heard.lock().clone()
+        let heard = self.shared.heard.lock();
+        (heard.state.clone(), heard.attempt.clone())
     }
 
     /// A new attempt starts: what the last one served and reached is kept
@@ -98,7 +111,7 @@ impl Link {
     pub(crate) fn begin_attempt(&self) {
         let ready = self.shared.ready.load(Ordering::Relaxed);
         if ready > 0 {
-            *self.shared.previous.lock() = (ready, self.shared.step.load(Ordering::Relaxed));
+            self.shared.heard.lock().previous = (ready, self.shared.step.load(Ordering::Relaxed));
         }
     }
 
@@ -109,7 +122,7 @@ impl Link {
     }
 
     fn beat(&self) {
-        *self.shared.beat_now.lock() = true;
+        self.shared.heard.lock().beat_now = true;
         self.shared.wake.notify_all();
     }
 
@@ -155,12 +168,12 @@ impl Link {
     pub(crate) fn wait_change(&self, number: Generation, timeout: Duration) -> (JobState, Attempt) {
         let deadline = Instant::now() + timeout;
         let mut heard = self.shared.heard.lock();
-        while heard.0 == JobState::Running && heard.1.number == number {
+        while heard.state == JobState::Running && heard.attempt.number == number {
             if self.shared.changed.wait_until(&mut heard, deadline).timed_out() {
                 break;
             }
         }
-        heard.clone()
+        (heard.state.clone(), heard.attempt.clone())
     }
 
     /// Reports this role's end in `generation`, or its failure.
@@ -212,13 +225,17 @@ fn heartbeats(client: &CoordinatorClient, role: RoleId, advertise: &str, cluster
     let mut last_answer = Instant::now();
     let set = |state: JobState, generation: Attempt| {
         shared.generation.store(generation.number.number(), Ordering::Relaxed);
-        *shared.heard.lock() = (state, generation);
+        {
+            let mut heard = shared.heard.lock();
+            heard.state = state;
+            heard.attempt = generation;
+        }
         shared.changed.notify_all();
     };
     // The job ends for this role with `reason`, in the generation last heard.
     let fail = |reason: String| {
         let mut heard = shared.heard.lock();
-        heard.0 = JobState::Failed(reason);
+        heard.state = JobState::Failed(reason);
         drop(heard);
         shared.changed.notify_all();
     };
@@ -228,18 +245,18 @@ fn heartbeats(client: &CoordinatorClient, role: RoleId, advertise: &str, cluster
         fail(format!("{}: no answer for {} ms, giving up: {e}", client.name(), since.elapsed().as_millis()));
     };
     while !shared.stop.load(Ordering::Relaxed) {
-        {
-            let mut now = shared.beat_now.lock();
-            if !*now {
-                shared.wake.wait_for(&mut now, interval);
+        let previous = {
+            let mut heard = shared.heard.lock();
+            if !heard.beat_now {
+                shared.wake.wait_for(&mut heard, interval);
             }
-            *now = false;
-        }
+            heard.beat_now = false;
+            heard.previous
+        };
         if shared.stop.load(Ordering::Relaxed) {
             return;
         }
         let (ready, step) = (shared.ready.load(Ordering::Relaxed), shared.step.load(Ordering::Relaxed));
-        let previous = *shared.previous.lock();
         match client.heartbeat(role, shared.progress.load(Ordering::Relaxed), ready, step, previous) {
             Ok((state, generation)) => {
                 last_answer = Instant::now();
@@ -256,7 +273,7 @@ fn heartbeats(client: &CoordinatorClient, role: RoleId, advertise: &str, cluster
             Err(ClusterError::Rpc { message, .. }) if message.contains("never registered") => {
                 let known = {
                     let heard = shared.heard.lock();
-                    Known { generation: heard.1.number, committed: heard.1.committed.clone(), step }
+                    Known { generation: heard.attempt.number, committed: heard.attempt.committed.clone(), step }
                 };
                 match client.register(role.kind, advertise, Some(role.index), Some(&known)) {
                     Ok(reg) => {

@@ -328,8 +328,17 @@ pub struct LoaderServer {
     /// down): every worker that asks then gets it, as itself.
     error: Arc<Mutex<Option<Arc<ClusterError>>>>,
     /// `sync = "round"`: the round queue over the training stream.
-    rounds: Option<Mutex<RoundQueue<WorkerBatch>>>,
+    rounds: Option<Rounds>,
     _thread: JoinHandle<()>,
+}
+
+/// The round queue, and whether a worker is reading the stream ahead for
+/// it: one at a time, so items keep the stream's order, and without the
+/// lock, which a slow stream would otherwise hold for every worker.
+struct Rounds {
+    queue: Mutex<(RoundQueue<WorkerBatch>, bool)>,
+    /// A read ahead ended (the next reader may go).
+    read: parking_lot::Condvar,
 }
 
 /// One round's share of the training stream (S2.1–S2.2): `capacity` items,
@@ -533,8 +542,10 @@ impl LoaderServer {
                 }
             })
             .map_err(|e| ClusterError::Io { what: "starting the loader thread".into(), source: e })?;
-        let rounds = (config.cluster.sync == SyncMode::Round)
-            .then(|| Mutex::new(RoundQueue::new(num_workers, config.cluster.round_iterations)));
+        let rounds = (config.cluster.sync == SyncMode::Round).then(|| Rounds {
+            queue: Mutex::new((RoundQueue::new(num_workers, config.cluster.round_iterations), false)),
+            read: parking_lot::Condvar::new(),
+        });
         Ok(LoaderServer { generation, train: train_rx, eval: eval_rx, error, rounds, _thread: thread })
     }
 
@@ -635,13 +646,22 @@ impl RoundQueueService for LoaderServer {
                 "this job's loader serves no round queue (cluster.sync is not \"round\")".into(),
             ));
         };
-        // Held while the item is taken: the count and the item move together.
-        let mut queue = rounds.lock();
-        while queue.wants_more() {
-            let item = self.take(&self.train)?;
-            queue.read(item);
+        let mut state = rounds.queue.lock();
+        while state.0.wants_more() {
+            if state.1 {
+                // Another worker is reading ahead: its item comes first.
+                rounds.read.wait(&mut state);
+                continue;
+            }
+            state.1 = true;
+            drop(state);
+            let item = self.take(&self.train);
+            state = rounds.queue.lock();
+            state.1 = false;
+            rounds.read.notify_all();
+            state.0.read(item?);
         }
-        queue.take(worker, round)
+        state.0.take(worker, round)
     }
 }
 

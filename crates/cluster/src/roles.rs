@@ -100,12 +100,13 @@ type Dialed = (Vec<String>, Vec<Arc<dyn ShardService>>);
 
 impl crate::coordinator::ShardDialer for GrpcDialer {
     fn dial(&self, addresses: &[String]) -> Result<Vec<Arc<dyn ShardService>>, ClusterError> {
-        let mut cached = self.cached.lock();
-        if let Some((known, shards)) = cached.as_ref()
+        if let Some((known, shards)) = self.cached.lock().as_ref()
             && known == addresses
         {
             return Ok(shards.clone());
         }
+        // Connected without the lock (a connect may wait on the network);
+        // two commits racing both connect, and the later map is kept.
         let shards = addresses
             .iter()
             .enumerate()
@@ -114,7 +115,7 @@ impl crate::coordinator::ShardDialer for GrpcDialer {
                     .map(|c| Arc::new(c) as Arc<dyn ShardService>)
             })
             .collect::<Result<Vec<_>, _>>()?;
-        *cached = Some((addresses.to_vec(), shards.clone()));
+        *self.cached.lock() = Some((addresses.to_vec(), shards.clone()));
         Ok(shards)
     }
 }

@@ -42,7 +42,19 @@ struct State {
     stats: SecondLevelStats,
     /// Stages waiting for room (exposed for tests to order by).
     waiting: usize,
+    /// A flush or a write-through is writing level 1 (one at a time, so a
+    /// row's writes reach level 1 in the order they were made). No lock
+    /// is held while it writes.
+    l1_writer: bool,
+    /// Rows a flush took out of the map and is writing into level 1: a
+    /// stage copies a row from here rather than read level 1 before the
+    /// write lands.
+    writing_back: HashMap<u64, std::sync::Arc<[f32]>>,
 }
+
+/// Rows written into level 1 a chunk at a time (a write-through copies no
+/// more than this out of the map at once).
+const WRITE_THROUGH_CHUNK: usize = 4096;
 
 pub struct SecondLevel {
     shard: usize,
@@ -60,10 +72,8 @@ pub struct SecondLevel {
     /// `cluster.l2_capacity_rows` (0: no limit).
     capacity: u64,
     state: Mutex<State>,
-    /// Held while level 1 is read for staging or written by a flush, taken
-    /// while `state` is held (never the other way round).
-    l1_gate: Mutex<()>,
-    /// A pass was flushed (a stage waiting for room goes on).
+    /// A pass was flushed (a stage waiting for room goes on), or a
+    /// level-1 write ended (the next writer goes on).
     flushed: parking_lot::Condvar,
     /// The shard's generation is over: a stage waiting for room gives up.
     closed: std::sync::atomic::AtomicBool,
@@ -83,7 +93,6 @@ impl SecondLevel {
             stochastic_seed: l1.stochastic_seed(),
             capacity,
             state: Mutex::new(State::default()),
-            l1_gate: Mutex::new(()),
             flushed: parking_lot::Condvar::new(),
             closed: std::sync::atomic::AtomicBool::new(false),
         }
@@ -155,6 +164,7 @@ impl SecondLevel {
             }
         }
         let mut fetch = Vec::new();
+        let mut rows: Vec<(u64, Box<[f32]>)> = Vec::new();
         for &key in keys {
             // A key listed twice for the pass (one list per batch) is held once.
             if !entry.keys.insert(key) {
@@ -163,34 +173,34 @@ impl SecondLevel {
             let held = state.holders.entry(key).or_insert(0);
             *held += 1;
             if *held == 1 && !state.rows.contains_key(&key) {
-                fetch.push(key);
+                // A row a flush is still writing into level 1: its newest copy is here.
+                match state.writing_back.get(&key) {
+                    Some(row) => rows.push((key, row.to_vec().into_boxed_slice())),
+                    None => fetch.push(key),
+                }
             }
         }
+        let mut from_l1 = rows.len() as u64;
         // Level 1 is read without the state lock, so the pass training beside
-        // this one is not held up. The gate, taken before the lock is let go,
-        // orders the read after any flush that freed these rows earlier.
-        let gate = self.l1_gate.lock();
+        // this one is not held up. No write of these keys is under way: a
+        // writer writes only rows of the map or `writing_back`.
         drop(guard);
-        let (mut from_l1, mut initialised) = (0, 0);
-        let rows: Vec<(u64, Box<[f32]>)> = fetch
-            .into_iter()
-            .map(|key| match l1.get_row(key) {
-                Some(row) => {
-                    from_l1 += 1;
-                    (key, row.into_boxed_slice())
-                }
-                None => {
-                    let mut row = vec![0.0f32; self.row_len].into_boxed_slice();
-                    let (w, opt_state) = row.split_at_mut(self.dim);
-                    self.init.fill(key, w);
-                    self.format.round(w);
-                    self.optimizer.init_state(w, opt_state);
-                    initialised += 1;
-                    (key, row)
-                }
-            })
-            .collect();
-        drop(gate);
+        let mut initialised = 0;
+        rows.extend(fetch.into_iter().map(|key| match l1.get_row(key) {
+            Some(row) => {
+                from_l1 += 1;
+                (key, row.into_boxed_slice())
+            }
+            None => {
+                let mut row = vec![0.0f32; self.row_len].into_boxed_slice();
+                let (w, opt_state) = row.split_at_mut(self.dim);
+                self.init.fill(key, w);
+                self.format.round(w);
+                self.optimizer.init_state(w, opt_state);
+                initialised += 1;
+                (key, row)
+            }
+        }));
         let mut state = self.state.lock();
         state.rows.extend(rows);
         state.stats.rows_from_l1 += from_l1;
@@ -256,9 +266,13 @@ impl SecondLevel {
     }
 
     /// S1.4's write-back of a finished pass. Its rows leave the map under the
-    /// state lock; level 1 is written under the gate only (see `stage`).
+    /// state lock; level 1 is written without it, the rows kept in `writing_back` until written.
     fn flush_pass(&self, l1: &EmbeddingTable, mut guard: MutexGuard<State>, pass: u64) -> Result<(), ClusterError> {
         let start = Instant::now();
+        // One level-1 writer at a time: a write-through may be under way.
+        while guard.l1_writer {
+            self.flushed.wait(&mut guard);
+        }
         let state = &mut *guard;
         let Some(p) = state.passes.remove(&pass) else { return Ok(()) };
         let mut out = Vec::new();
@@ -270,30 +284,54 @@ impl SecondLevel {
             }
             state.holders.remove(&key);
             if let Some(row) = state.rows.remove(&key) {
+                let row: std::sync::Arc<[f32]> = row.into();
+                state.writing_back.insert(key, row.clone());
                 out.push((key, row));
             }
         }
-        let gate = self.l1_gate.lock();
+        state.l1_writer = true;
         drop(guard);
         self.flushed.notify_all();
         let written = out.iter().try_for_each(|(key, row)| l1.put_row(*key, row));
-        drop(gate);
         let mut state = self.state.lock();
+        for (key, _) in &out {
+            state.writing_back.remove(key);
+        }
+        state.l1_writer = false;
         state.stats.rows_flushed += out.len() as u64;
         state.stats.passes_flushed += 1;
         state.stats.flush_secs += start.elapsed().as_secs_f64();
+        drop(state);
+        self.flushed.notify_all();
         written.map_err(|source| ClusterError::Table { shard: self.shard, source })
     }
 
     /// Writes every row held here into level 1, keeping it here (before a
-    /// checkpoint part or an evaluation reads level 1).
+    /// checkpoint part or an evaluation reads level 1). The rows are copied
+    /// out a chunk at a time and written without the lock; being the one
+    /// level-1 writer, no flush overtakes it.
     pub fn write_through(&self, l1: &EmbeddingTable) -> Result<(), ClusterError> {
-        let state = self.state.lock();
-        let _gate = self.l1_gate.lock();
-        for (&key, row) in &state.rows {
-            l1.put_row(key, row).map_err(|source| ClusterError::Table { shard: self.shard, source })?;
+        let mut state = self.state.lock();
+        while state.l1_writer {
+            self.flushed.wait(&mut state);
         }
-        Ok(())
+        state.l1_writer = true;
+        let keys: Vec<u64> = state.rows.keys().copied().collect();
+        drop(state);
+        let mut written = Ok(());
+        for chunk in keys.chunks(WRITE_THROUGH_CHUNK) {
+            let rows: Vec<(u64, Box<[f32]>)> = {
+                let state = self.state.lock();
+                chunk.iter().filter_map(|k| state.rows.get(k).map(|row| (*k, row.clone()))).collect()
+            };
+            written = rows.iter().try_for_each(|(key, row)| l1.put_row(*key, row));
+            if written.is_err() {
+                break;
+            }
+        }
+        self.state.lock().l1_writer = false;
+        self.flushed.notify_all();
+        written.map_err(|source| ClusterError::Table { shard: self.shard, source })
     }
 
     /// A pass is staged and not yet flushed.

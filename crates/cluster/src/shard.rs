@@ -2,11 +2,12 @@
 //! the batches queued for it by batch id (S0.2). Where its training rows
 //! live is its kind (`shard/rows.rs`): level 1, or a second level (S1).
 
+mod cut;
 mod rows;
 
 pub use self::rows::{LevelOne, TrainingRows};
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::Instant;
@@ -60,9 +61,10 @@ pub struct ShardServer {
     max_reply_bytes: usize,
     /// The job's attempt this table belongs to: batch ids of another are refused.
     generation: Generation,
-    /// Enqueue, pull and push share it; writing a checkpoint part takes it
-    /// alone, so the part is a cut (no row moves while the walk runs).
-    cut: RwLock<()>,
+    /// Enqueue, pull, push and stage are work; writing a checkpoint part is
+    /// a walk that excludes them, so the part is a cut (no row moves while
+    /// the walk runs), without a lock held across its disk writes.
+    cut: cut::Cut,
     /// The job's config, for checkpoint parts (none: this shard writes none).
     config: Option<Config>,
     /// Where training reads and updates rows: level 1, or (S1) a second level.
@@ -91,7 +93,7 @@ impl ShardServer {
             pending: Mutex::new(HashMap::new()),
             max_reply_bytes: usize::MAX,
             generation: Generation::NONE,
-            cut: RwLock::new(()),
+            cut: cut::Cut::default(),
             config: None,
             training: Box::new(LevelOne { shard: index }),
             max_rows: 0,
@@ -215,7 +217,7 @@ impl ShardService for ShardServer {
         newest_record_ms: Option<i64>,
     ) -> Result<(), ClusterError> {
         self.check_generation(batch_id)?;
-        let _cut = self.cut.read();
+        let _cut = self.cut.work();
         let (plan, staged) = match mode {
             Mode::Train => self.training.queued(&self.table, &keys)?,
             Mode::Eval => (None, Staged::default()),
@@ -227,7 +229,7 @@ impl ShardService for ShardServer {
     fn pull(&self, batch_id: u64) -> Result<Vec<f32>, ClusterError> {
         faults::point("shard.pull");
         self.check_generation(batch_id)?;
-        let _cut = self.cut.read();
+        let _cut = self.cut.work();
         let dim = self.table.dim();
         let (keys, mode, plan, _staged, newest_record_ms) = match self.take(batch_id)? {
             Pending::Queued { keys, .. } if pull_reply_bytes(keys.len(), dim) > self.max_reply_bytes => {
@@ -270,7 +272,7 @@ impl ShardService for ShardServer {
     fn push(&self, batch_id: u64, grads: Vec<f32>) -> Result<(), ClusterError> {
         faults::point("shard.push");
         self.check_generation(batch_id)?;
-        let _cut = self.cut.read();
+        let _cut = self.cut.work();
         let dim = self.table.dim();
         let (plan, slots, newest_record_ms) = {
             let mut pending = self.pending.lock();
@@ -350,7 +352,7 @@ impl ShardService for ShardServer {
         faults::point("shard.write_part");
         let start = Instant::now();
         let written = {
-            let _cut = self.cut.write();
+            let _cut = self.cut.walk();
             // A checkpoint between passes: level 1 takes the second level's rows first.
             self.training.before_level_one_read(&self.table, false)?;
             let mut written = sparrow_trainer::checkpoint::write_part(&self.table, dir, self.index, since, config)?;
@@ -386,7 +388,7 @@ impl PassStaging for ShardServer {
         })?;
         // Outside the cut: a checkpoint may have to run before the pass that makes room ends.
         l2.wait_for_room(pass)?;
-        let _cut = self.cut.read();
+        let _cut = self.cut.work();
         l2.stage(&self.table, pass, &keys, &batches)
     }
 }

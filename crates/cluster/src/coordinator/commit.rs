@@ -6,8 +6,8 @@
 //! exports of committed versions, and a lazy job's backups.
 //!
 //! Locks: the rendezvous' and the progress slot's (leaves), and `exports`,
-//! held only by the committing worker and the job's end (it waits for the
-//! previous export's thread).
+//! taken by the committing worker and the job's end to decide on an export;
+//! the wait for the previous export's thread runs outside it.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -164,10 +164,15 @@ impl Coordinator {
             .collect();
         self.generations.record_commit(dir.clone(), step, base.is_some());
         let (next_step, on_schedule) = self.commits.pace.committed(step);
-        if let Some(exports) = self.commits.exports.lock().as_mut() {
-            let every = crate::checkpoint::checkpoint_every(&self.config);
-            let every = if every.is_none() && !self.commits.pace.timed() { Some(step.max(1)) } else { every };
-            exports.committed(&dir, step, every, !on_schedule);
+        let every = crate::checkpoint::checkpoint_every(&self.config);
+        let every = if every.is_none() && !self.commits.pace.timed() { Some(step.max(1)) } else { every };
+        let due = self.commits.exports.lock().as_mut().and_then(|e| e.committed(&dir, step, every, !on_schedule));
+        // Started outside the lock: it may wait for the export before.
+        if let Some(due) = due {
+            let writing = due.start();
+            if let Some(exports) = self.commits.exports.lock().as_mut() {
+                exports.started(writing);
+            }
         }
         tracing::info!(
             "checkpoint at step {step} committed: {} ({bytes} bytes{}, {secs:.3} s)",
@@ -187,8 +192,12 @@ impl Coordinator {
 
     /// Waits for the serving export being written, if any (the job's end).
     pub fn finish_exports(&self) {
-        if let Some(exports) = self.commits.exports.lock().as_mut() {
-            exports.wait();
+        let writing = self.commits.exports.lock().as_mut().and_then(ClusterExports::take_pending);
+        if let Some(writing) = writing {
+            let exporter = ClusterExports::wait(writing);
+            if let Some(exports) = self.commits.exports.lock().as_mut() {
+                exports.finished(exporter);
+            }
         }
     }
 
