@@ -266,3 +266,65 @@ fn lazy_aggregator_processes_that_die_mid_aggregation_are_restarted_and_the_job_
     let replayed = json["steps_replayed"].as_u64().expect("replayed");
     assert!(replayed < 47, "replayed {replayed} of 47 steps");
 }
+
+/// A 2×2 job under step and round sync writes `train`'s kinds of lines
+/// into `train.metrics_path` (one file, each line tagged with its worker,
+/// the job's evaluation as an `eval` line with the final JSON's AUC) and
+/// each worker's scalars into `train.tensorboard_dir/worker-<i>/`.
+#[test]
+fn a_cluster_job_writes_metrics_lines_and_tensorboard_events_per_worker() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "12000");
+    let config = write_config(tmp.path(), "");
+    for sync in ["step", "round"] {
+        let (metrics, board) =
+            (tmp.path().join(format!("{sync}/metrics.jsonl")), tmp.path().join(format!("{sync}/tb")));
+        // A line from before: a job that does not resume starts the file anew.
+        std::fs::create_dir_all(metrics.parent().expect("dir")).expect("dir");
+        std::fs::write(&metrics, "{\"stale\": true}\n").expect("stale");
+        let sets = [
+            format!("cluster.sync={sync:?}"),
+            format!("train.metrics_path={:?}", metrics.display().to_string()),
+            format!("train.tensorboard_dir={:?}", board.display().to_string()),
+            "train.log_interval_steps=5".to_string(),
+        ];
+        let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+        let out = launch(&config, "2", &sets, None);
+        let text = std::fs::read_to_string(&metrics).expect("metrics");
+        let lines: Vec<serde_json::Value> =
+            text.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{sync}: {l}: {e}"))).collect();
+        assert!(lines.iter().all(|l| l["stale"].is_null()), "{sync}: the old line was kept");
+        for worker in [0, 1] {
+            let mine: Vec<&serde_json::Value> =
+                lines.iter().filter(|l| l["worker"] == worker && l["event"].is_null()).collect();
+            assert!(mine.len() >= 2, "{sync}: worker {worker}'s training lines: {text}");
+            for l in &mine {
+                assert!(l["train_logloss"].as_f64().is_some_and(|x| x.is_finite() && x > 0.0), "{l}");
+                assert!(l["samples_per_sec"].as_f64().is_some_and(|x| x > 0.0), "{l}");
+                assert!(l["phase_secs"]["dense"].as_f64().is_some_and(|x| x > 0.0), "{l}");
+                assert!(l["step"].as_u64().is_some() && l["samples"].as_u64().is_some(), "{l}");
+            }
+            let samples: Vec<u64> = mine.iter().map(|l| l["samples"].as_u64().expect("samples")).collect();
+            assert!(samples.windows(2).all(|w| w[0] < w[1]), "{sync}: worker {worker}'s samples grow: {samples:?}");
+        }
+        let evals: Vec<&serde_json::Value> = lines.iter().filter(|l| l["event"] == "eval").collect();
+        assert_eq!(evals.len(), 1, "{sync}: {text}");
+        assert_eq!(evals[0]["test_auc"], out["test_auc"], "{sync}");
+        assert_eq!(evals[0]["test_rows"], out["test_rows"], "{sync}");
+
+        for worker in [0, 1] {
+            let dir = board.join(format!("worker-{worker}"));
+            let files: Vec<_> = std::fs::read_dir(&dir).expect("tb").map(|e| e.expect("entry").path()).collect();
+            assert_eq!(files.len(), 1, "{sync}: {}", dir.display());
+            let events = sparrow_trainer::tensorboard::read_events(&files[0]).expect("events");
+            let tags: Vec<String> = events
+                .iter()
+                .flat_map(|e| e.summary.iter().flat_map(|s| s.value.iter().map(|v| v.tag.clone())))
+                .collect();
+            for tag in ["train/logloss", "train/samples_per_sec", "step_ms/dense"] {
+                assert!(tags.iter().any(|t| t == tag), "{sync}: worker {worker}: {tag} missing");
+            }
+            assert_eq!(tags.iter().any(|t| t == "test/auc"), worker == 0, "{sync}: the evaluating worker's test/auc");
+        }
+    }
+}

@@ -265,6 +265,8 @@ pub fn launch(
         .as_deref()
         .map(|dir| sparrow_trainer::dir_lock::DirLock::acquire(std::path::Path::new(dir), "checkpoint.dir"))
         .transpose()?;
+    // Emptied (unless the job resumes) before any worker appends to it.
+    crate::worker::start_metrics_file(config)?;
     // Loopback is no trust boundary on a shared host: without a configured
     // token the job gets a fresh random one, so no other local user can call
     // its roles.

@@ -44,6 +44,7 @@ pub struct LocalSummary {
 pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Result<LocalSummary, ClusterError> {
     let num_workers = num_workers.max(1);
     let num_shards = num_shards.max(1);
+    crate::worker::start_metrics_file(config)?;
     let servers: Vec<Arc<ShardServer>> = (0..num_shards)
         .map(|i| {
             let server = ShardServer::new(i, shard_table(config, i)?).for_mode(config);
@@ -83,6 +84,9 @@ pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Re
                                 (0, Some(_)) => Some(worker.run_eval(loader as &dyn LoaderService, shards)?),
                                 _ => None,
                             };
+                            if let Some(scores) = &eval {
+                                worker.log_evaluation(config, &Figures::of(config, scores))?;
+                            }
                             Ok((worker, eval))
                         })
                     })();

@@ -850,6 +850,7 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Attempt) -> Result<Worker
         if config.data.test.is_some() {
             let scores = worker.run_eval(&loader, &shards)?;
             let f = Figures::of(config, &scores);
+            worker.log_evaluation(config, &f)?;
             summary.test_auc = Some(f.auc);
             summary.test_logloss = Some(f.logloss);
             summary.test_rows = f.rows;

@@ -8,6 +8,7 @@
 mod drive;
 mod feed;
 mod lazy;
+mod observe;
 mod policy;
 mod remote;
 mod round;
@@ -158,7 +159,11 @@ pub struct Worker {
     /// Where the online figures and the stream's lag are shown (the worker
     /// role's metrics endpoint), and every how many batches the figures are.
     pub gauges: Option<(crate::stream_gauges::OnlineGauges, u64)>,
+    /// `train.metrics_path` and `train.tensorboard_dir` (`observe.rs`).
+    log: Option<observe::WorkerLog>,
 }
+
+pub use observe::start_metrics_file;
 
 /// Batches and samples the job trained (all workers, the restored
 /// checkpoint's included): the step of its checkpoints when workers step
@@ -214,6 +219,7 @@ pub fn new_worker_in(
     worker.generation = generation;
     worker.row_dtype = config.embedding.dtype;
     worker.online = config.online_window().map(ProgressiveEval::new);
+    worker.log = observe::WorkerLog::open(config, index)?;
     Ok(worker)
 }
 
@@ -241,6 +247,7 @@ impl Worker {
             job: None,
             online: None,
             gauges: None,
+            log: None,
         }
     }
 
@@ -255,6 +262,28 @@ impl Worker {
 
     /// The job's step as its checkpoints count it: dense steps, or (each
     /// worker stepping its own replica) the batches every worker trained.
+    /// The job's evaluation, in the metrics file and on TensorBoard.
+    pub fn log_evaluation(
+        &mut self,
+        config: &Config,
+        figures: &sparrow_trainer::evaluation::Figures,
+    ) -> Result<(), ClusterError> {
+        let (step, samples) = (self.job_step(), self.job_samples());
+        match self.log.as_mut() {
+            Some(log) => log.evaluated(config, step, samples, figures),
+            None => Ok(()),
+        }
+    }
+
+    /// After a step: the log's line, at its interval.
+    fn log_step(&mut self) -> Result<(), ClusterError> {
+        let step = self.job_step();
+        match self.log.as_mut() {
+            Some(log) => log.stepped(step, &self.stats),
+            None => Ok(()),
+        }
+    }
+
     fn job_step(&self) -> u64 {
         self.job.map_or(self.optimizer.step, |j| j.batches)
     }
@@ -427,6 +456,9 @@ impl Worker {
             stats.recent_losses.pop_front();
         }
         stats.recent_losses.push_back(out.loss);
+        if let Some(log) = self.log.as_mut() {
+            log.trained(out.loss, batch.rows);
+        }
         if let Some(online) = self.online.as_mut() {
             self.model.heads().with_first_binary(&out.logits, &batch.labels, |x, y| online.add(x, y));
         }

@@ -291,14 +291,17 @@ pub struct TrainConfig {
     pub max_steps: Option<u64>,
     /// Steps between metric lines (JSONL and plain progress).
     pub log_interval_steps: u64,
-    /// Per-interval metrics file (JSON lines). Default: none.
+    /// Per-interval metrics file (JSON lines). Default: none. In a cluster
+    /// job every worker appends its lines to it, each tagged with its `worker`.
     pub metrics_path: Option<String>,
     /// Also evaluate on `data.test` every this many steps (an `eval` line
     /// in the metrics, a point on the report's and TensorBoard's AUC curve).
-    /// The model trained is the same with or without it.
+    /// The model trained is the same with or without it. `sparrow train`
+    /// only: a cluster job evaluates at its end.
     pub eval_every_steps: Option<u64>,
     /// Write TensorBoard scalars (an `events.out.tfevents.*` file) into this
-    /// directory at every logging interval and evaluation.
+    /// directory at every logging interval and evaluation (a cluster job:
+    /// each worker's into `worker-<i>/`).
     pub tensorboard_dir: Option<String>,
     /// Progressive validation: every batch is scored before it is trained
     /// on, and AUC, log-loss, normalized entropy and calibration are kept

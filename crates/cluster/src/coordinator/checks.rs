@@ -43,13 +43,11 @@ pub(super) fn check_cluster_config(config: &Config) -> Result<(), ClusterError> 
              checkpoints are then taken every export_every_steps)"
         )));
     }
-    for (key, set) in [
-        ("train.tensorboard_dir", config.train.tensorboard_dir.is_some()),
-        ("train.eval_every_steps", config.train.eval_every_steps.is_some()),
-    ] {
-        if set {
-            tracing::warn!("{key} applies to sparrow train; a cluster job evaluates and logs at its end only");
-        }
+    if config.train.eval_every_steps.is_some() {
+        tracing::warn!(
+            "train.eval_every_steps applies to sparrow train; a cluster job evaluates at its end only (its \
+             metrics_path and tensorboard_dir get each worker's training lines and that evaluation)"
+        );
     }
     if config.cluster.sync == SyncMode::Lazy && config.checkpoint.export_every_steps.is_some() {
         return Err(ClusterError::Setup(

@@ -96,6 +96,7 @@ impl Worker {
                 Some(stepped) => {
                     self.record_phases(stepped)?;
                     self.mark_step()?;
+                    self.log_step()?;
                     policy.stepped(self, done, &mut unpushed)?
                 }
                 None => policy.ran_dry(self, &mut unpushed)?,
