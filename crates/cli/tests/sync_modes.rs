@@ -268,9 +268,11 @@ fn lazy_aggregator_processes_that_die_mid_aggregation_are_restarted_and_the_job_
 }
 
 /// A 2×2 job under step and round sync writes `train`'s kinds of lines
-/// into `train.metrics_path` (one file, each line tagged with its worker,
-/// the job's evaluation as an `eval` line with the final JSON's AUC) and
-/// each worker's scalars into `train.tensorboard_dir/worker-<i>/`.
+/// into `train.metrics_path` (one file, each line tagged with its worker;
+/// `eval` lines every `train.eval_every_steps` and at the end, the last with
+/// the final JSON's AUC) and each worker's scalars into
+/// `train.tensorboard_dir/worker-<i>/`. The periodic evaluations leave the
+/// model as it is (a 2×1 job, deterministic, with and without them).
 #[test]
 fn a_cluster_job_writes_metrics_lines_and_tensorboard_events_per_worker() {
     let tmp = tempfile::tempdir().expect("tmp");
@@ -287,6 +289,7 @@ fn a_cluster_job_writes_metrics_lines_and_tensorboard_events_per_worker() {
             format!("train.metrics_path={:?}", metrics.display().to_string()),
             format!("train.tensorboard_dir={:?}", board.display().to_string()),
             "train.log_interval_steps=5".to_string(),
+            "train.eval_every_steps=10".to_string(),
         ];
         let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
         let out = launch(&config, "2", &sets, None);
@@ -308,9 +311,17 @@ fn a_cluster_job_writes_metrics_lines_and_tensorboard_events_per_worker() {
             assert!(samples.windows(2).all(|w| w[0] < w[1]), "{sync}: worker {worker}'s samples grow: {samples:?}");
         }
         let evals: Vec<&serde_json::Value> = lines.iter().filter(|l| l["event"] == "eval").collect();
-        assert_eq!(evals.len(), 1, "{sync}: {text}");
-        assert_eq!(evals[0]["test_auc"], out["test_auc"], "{sync}");
-        assert_eq!(evals[0]["test_rows"], out["test_rows"], "{sync}");
+        let steps: Vec<u64> = evals.iter().map(|l| l["step"].as_u64().expect("step")).collect();
+        // An evaluation as the job's step passes each multiple of 10, and the last.
+        let last_step = *steps.last().expect("the last evaluation");
+        let periodic = &steps[..steps.len() - 1];
+        assert!(last_step >= 17 && periodic.len() as u64 == last_step / 10, "{sync}: {steps:?}");
+        assert!(periodic.iter().enumerate().all(|(i, &s)| s / 10 == i as u64 + 1), "{sync}: {steps:?}");
+        assert!(evals.iter().all(|l| l["worker"] == 0 && l["test_rows"] == out["test_rows"]), "{sync}: {text}");
+        let last = evals.last().expect("the last evaluation");
+        assert_eq!(last["test_auc"], out["test_auc"], "{sync}");
+        let first = evals[0]["test_auc"].as_f64().expect("auc");
+        assert!(first > 0.5 && first != last["test_auc"].as_f64().expect("auc"), "{sync}: {steps:?}: {text}");
 
         for worker in [0, 1] {
             let dir = board.join(format!("worker-{worker}"));
@@ -324,7 +335,23 @@ fn a_cluster_job_writes_metrics_lines_and_tensorboard_events_per_worker() {
             for tag in ["train/logloss", "train/samples_per_sec", "step_ms/dense"] {
                 assert!(tags.iter().any(|t| t == tag), "{sync}: worker {worker}: {tag} missing");
             }
-            assert_eq!(tags.iter().any(|t| t == "test/auc"), worker == 0, "{sync}: the evaluating worker's test/auc");
+            let auc = tags.iter().filter(|t| *t == "test/auc").count();
+            assert_eq!(auc, if worker == 0 { steps.len() } else { 0 }, "{sync}: the evaluating worker's test/auc");
         }
     }
+    let sets = ["train.eval_every_steps=7"];
+    let (plain, evaluated) = (launch_2x1(&config, &[]), launch_2x1(&config, &sets));
+    assert_eq!(plain["dense_checksums"], evaluated["dense_checksums"], "the model with and without evaluations");
+    assert_eq!(plain["test_auc"], evaluated["test_auc"]);
+}
+
+fn launch_2x1(config: &str, sets: &[&str]) -> serde_json::Value {
+    let mut command = sparrow();
+    command.args(["launch", "--config", config, "--shards", "2", "--workers", "1", "--quiet"]);
+    for set in sets {
+        command.args(["--set", set]);
+    }
+    let out = command.output().expect("launch");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    last_json(&out)
 }

@@ -6,6 +6,7 @@
 //! step (S0.6, [`crate::sync::RoundSync`]).
 
 mod drive;
+mod evaluate;
 mod feed;
 mod lazy;
 mod observe;
@@ -161,6 +162,8 @@ pub struct Worker {
     pub gauges: Option<(crate::stream_gauges::OnlineGauges, u64)>,
     /// `train.metrics_path` and `train.tensorboard_dir` (`observe.rs`).
     log: Option<observe::WorkerLog>,
+    /// `train.eval_every_steps` (worker 0 of a job with `data.test`).
+    periodic_eval: Option<evaluate::PeriodicEval>,
 }
 
 pub use observe::start_metrics_file;
@@ -220,6 +223,7 @@ pub fn new_worker_in(
     worker.row_dtype = config.embedding.dtype;
     worker.online = config.online_window().map(ProgressiveEval::new);
     worker.log = observe::WorkerLog::open(config, index)?;
+    worker.periodic_eval = evaluate::PeriodicEval::new(config, index);
     Ok(worker)
 }
 
@@ -248,6 +252,7 @@ impl Worker {
             online: None,
             gauges: None,
             log: None,
+            periodic_eval: None,
         }
     }
 

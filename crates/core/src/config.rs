@@ -296,8 +296,8 @@ pub struct TrainConfig {
     pub metrics_path: Option<String>,
     /// Also evaluate on `data.test` every this many steps (an `eval` line
     /// in the metrics, a point on the report's and TensorBoard's AUC curve).
-    /// The model trained is the same with or without it. `sparrow train`
-    /// only: a cluster job evaluates at its end.
+    /// The model trained is the same with or without it. In a cluster job
+    /// worker 0 evaluates as the job's step passes each multiple.
     pub eval_every_steps: Option<u64>,
     /// Write TensorBoard scalars (an `events.out.tfevents.*` file) into this
     /// directory at every logging interval and evaluation (a cluster job:

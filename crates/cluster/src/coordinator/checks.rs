@@ -43,12 +43,6 @@ pub(super) fn check_cluster_config(config: &Config) -> Result<(), ClusterError> 
              checkpoints are then taken every export_every_steps)"
         )));
     }
-    if config.train.eval_every_steps.is_some() {
-        tracing::warn!(
-            "train.eval_every_steps applies to sparrow train; a cluster job evaluates at its end only (its \
-             metrics_path and tensorboard_dir get each worker's training lines and that evaluation)"
-        );
-    }
     if config.cluster.sync == SyncMode::Lazy && config.checkpoint.export_every_steps.is_some() {
         return Err(ClusterError::Setup(
             "checkpoint.export_every_steps with cluster.sync = \"lazy\": a lazy job writes a serving export \

@@ -97,6 +97,11 @@ impl Worker {
                     self.record_phases(stepped)?;
                     self.mark_step()?;
                     self.log_step()?;
+                    if self.evaluation_due() {
+                        // The pending updates first: the figures are the model's after this step.
+                        unpushed.push_all(self)?;
+                        self.evaluate_now(rows.shards)?;
+                    }
                     policy.stepped(self, done, &mut unpushed)?
                 }
                 None => policy.ran_dry(self, &mut unpushed)?,
