@@ -288,7 +288,7 @@ fn a_cluster_job_writes_metrics_lines_and_tensorboard_events_per_worker() {
             format!("cluster.sync={sync:?}"),
             format!("train.metrics_path={:?}", metrics.display().to_string()),
             format!("train.tensorboard_dir={:?}", board.display().to_string()),
-            "train.log_interval_steps=5".to_string(),
+            "train.log_interval_steps=3".to_string(),
             "train.eval_every_steps=10".to_string(),
         ];
         let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
@@ -312,10 +312,14 @@ fn a_cluster_job_writes_metrics_lines_and_tensorboard_events_per_worker() {
         }
         let evals: Vec<&serde_json::Value> = lines.iter().filter(|l| l["event"] == "eval").collect();
         let steps: Vec<u64> = evals.iter().map(|l| l["step"].as_u64().expect("step")).collect();
-        // An evaluation as the job's step passes each multiple of 10, and the last.
+        // An evaluation as the job's step passes each multiple of 10 after a
+        // batch worker 0 trained (the job's last steps may be others' while
+        // its feed is dry), and the last.
         let last_step = *steps.last().expect("the last evaluation");
         let periodic = &steps[..steps.len() - 1];
-        assert!(last_step >= 10 && periodic.len() as u64 == last_step / 10, "{sync}: {steps:?}");
+        let decades = last_step / 10;
+        assert!(!periodic.is_empty() && periodic.len() as u64 + 1 >= decades, "{sync}: {steps:?}");
+        assert!(periodic.len() as u64 <= decades, "{sync}: {steps:?}");
         assert!(periodic.iter().enumerate().all(|(i, &s)| s / 10 == i as u64 + 1), "{sync}: {steps:?}");
         assert!(evals.iter().all(|l| l["worker"] == 0 && l["test_rows"] == out["test_rows"]), "{sync}: {text}");
         let last = evals.last().expect("the last evaluation");
