@@ -164,6 +164,8 @@ pub struct Worker {
     log: Option<observe::WorkerLog>,
     /// `train.eval_every_steps` (worker 0 of a job with `data.test`).
     periodic_eval: Option<evaluate::PeriodicEval>,
+    /// `train.log_interval_steps`: batches between weight checks.
+    check_every: u64,
 }
 
 pub use observe::start_metrics_file;
@@ -224,6 +226,7 @@ pub fn new_worker_in(
     worker.online = config.online_window().map(ProgressiveEval::new);
     worker.log = observe::WorkerLog::open(config, index)?;
     worker.periodic_eval = evaluate::PeriodicEval::new(config, index);
+    worker.check_every = config.train.log_interval_steps.max(1);
     Ok(worker)
 }
 
@@ -253,6 +256,7 @@ impl Worker {
             gauges: None,
             log: None,
             periodic_eval: None,
+            check_every: 100,
         }
     }
 
@@ -280,9 +284,18 @@ impl Worker {
         }
     }
 
-    /// After a step: the log's line, at its interval.
+    /// After a step: at `train.log_interval_steps`, the check that no dense
+    /// weight or optimizer moment is NaN or infinite (an update that
+    /// overflowed; the per-step checks cover the loss and the gradients),
+    /// as `sparrow train` does; and the log's line.
     fn log_step(&mut self) -> Result<(), ClusterError> {
         let step = self.job_step();
+        if self.stats.batches.is_multiple_of(self.check_every) {
+            self.model.check_finite(&self.optimizer).map_err(|e| match e {
+                sparrow_model::ModelError::NonFinite { what } => sparrow_trainer::TrainError::NonFinite { step, what },
+                other => other.into(),
+            })?;
+        }
         match self.log.as_mut() {
             Some(log) => log.stepped(step, &self.stats),
             None => Ok(()),
