@@ -278,6 +278,14 @@ class Model:
         """The training step the model was saved at."""
         return self._native.step
 
+    @property
+    def outputs(self):
+        """The outputs `sparrow serve` and the ONNX export answer for this
+        model, in their order: (name, values a row) pairs, e.g.
+        `[("probability", 1)]`, or a `probability_<task>` / `probabilities_<task>`
+        a task."""
+        return self._native.outputs()
+
     def predict(self, data):
         """Click probabilities (numpy float32), equal to `sparrow predict` on
         the same rows: `data` is a data file's path, a dict of columns

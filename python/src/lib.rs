@@ -434,6 +434,12 @@ impl Model {
         self.path.clone()
     }
 
+    /// What `sparrow serve` and the ONNX export answer for this model, in
+    /// their order: (name, values a row), from the one `ServedOutput` list.
+    fn outputs(&self) -> Vec<(String, usize)> {
+        self.model.config.served_outputs().0.into_iter().map(|o| (o.name, o.per_row)).collect()
+    }
+
     /// The model kind (`mlp`, `dcn_v2`, …), the data format it reads, the
     /// label's column name, and the input columns' names.
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

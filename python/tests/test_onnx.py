@@ -190,6 +190,10 @@ def test_several_tasks_multi_hot_cells_and_sequences_give_an_output_per_task(beh
     np.testing.assert_allclose(np.concatenate(columns, axis=1), expected, rtol=0, atol=1e-5)
     # `probability` is the first task's, as `sparrow serve` answers it.
     np.testing.assert_array_equal(got["probability"], got[f"probability_{tasks[0]}"])
+    # Python names the graph's outputs alike, with their widths (one ServedOutput list).
+    outputs = sparrow.Model.load(tmp_path / "ck").outputs
+    assert [n for n, _ in outputs] == names
+    assert all(got[n].shape == ((len(expected),) if w == 1 else (len(expected), w)) for n, w in outputs)
 
 
 def test_din_with_its_rows_outside_the_graph_is_refused_by_name(behaviour, tmp_path):

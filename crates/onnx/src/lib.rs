@@ -28,14 +28,7 @@ use sparrow_model::spec::NetSpec;
 /// (`Config::served_outputs`): `probability`, `probability_<task>` (σ of a
 /// binary task's logit, `[N]`), `probabilities_<task>` (a multiclass
 /// task's softmax, `[N, K]`).
-#[derive(Clone, Debug)]
-pub struct Head {
-    pub name: String,
-    /// The task's first logit among a row's, and its logits.
-    pub offset: usize,
-    pub per_row: usize,
-    pub multiclass: bool,
-}
+pub use sparrow_core::config::ServedOutput;
 
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -97,7 +90,7 @@ pub struct Export<'a> {
     /// Floats per embedding row.
     pub width: usize,
     /// The graph's outputs.
-    pub outputs: Vec<Head>,
+    pub outputs: Vec<ServedOutput>,
     /// The graph's name and doc string.
     pub doc: String,
     pub name: String,

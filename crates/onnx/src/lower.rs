@@ -336,7 +336,7 @@ fn mix(g: &mut Graph, gate: &str, experts: &[String]) -> String {
 
 /// A served output from the logits `[N, L]`: a binary task's σ of its
 /// logit (`[N]`), or a multiclass task's softmax (`[N, K]`).
-pub fn head(g: &mut Graph, logits: &str, out: &crate::Head) -> String {
+pub fn head(g: &mut Graph, logits: &str, out: &crate::ServedOutput) -> String {
     let x = columns(g, logits, out.offset, out.offset + out.per_row);
     if out.multiclass {
         g.node_named(&out.name, "Softmax", &[&x], vec![int("axis", 1)])

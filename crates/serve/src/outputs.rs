@@ -11,20 +11,7 @@
 //! A request's `outputs` picks some by name; by default every one comes.
 
 use sparrow_core::Config;
-use sparrow_core::config::{Task, TaskKind};
-use sparrow_core::metrics::sigmoid;
-use sparrow_core::metrics::tasks::row_probabilities;
-
-/// One output of a served model.
-#[derive(Clone, Debug)]
-pub struct OutputSpec {
-    pub name: String,
-    /// Its task's first logit among a row's, and its values a row (1, or
-    /// a multiclass task's classes).
-    offset: usize,
-    pub per_row: usize,
-    multiclass: bool,
-}
+use sparrow_core::config::ServedOutput;
 
 /// An output's values for a request's rows, `per_row` a row.
 pub struct Output {
@@ -34,18 +21,13 @@ pub struct Output {
 }
 
 /// The outputs a model of `config` answers with, and its logits a row
-/// (`Config::served_outputs`: the ONNX export names them alike).
-pub fn specs(config: &Config) -> (Vec<OutputSpec>, usize) {
-    let (outputs, logits_per_row) = config.served_outputs();
-    let specs = outputs
-        .into_iter()
-        .map(|o| OutputSpec { name: o.name, offset: o.offset, per_row: o.per_row, multiclass: o.multiclass })
-        .collect();
-    (specs, logits_per_row)
+/// (`Config::served_outputs`: the ONNX export and Python name them alike).
+pub fn specs(config: &Config) -> (Vec<ServedOutput>, usize) {
+    config.served_outputs()
 }
 
 /// The outputs `requested` names (empty: all), or the name the model lacks.
-pub fn select<'s>(specs: &'s [OutputSpec], requested: &[String]) -> Result<Vec<&'s OutputSpec>, String> {
+pub fn select<'s>(specs: &'s [ServedOutput], requested: &[String]) -> Result<Vec<&'s ServedOutput>, String> {
     if requested.is_empty() {
         return Ok(specs.iter().collect());
     }
@@ -60,25 +42,10 @@ pub fn select<'s>(specs: &'s [OutputSpec], requested: &[String]) -> Result<Vec<&
         .collect()
 }
 
-impl OutputSpec {
-    /// This output's values from rows of `logits_per_row` logits, appended to `out`.
-    pub fn extend_from(&self, logits: &[f32], logits_per_row: usize, out: &mut Vec<f32>) {
-        for row in logits.chunks_exact(logits_per_row) {
-            let own = &row[self.offset..self.offset + self.per_row];
-            if !self.multiclass {
-                out.push(sigmoid(f64::from(own[0])) as f32);
-                continue;
-            }
-            // `sparrow predict`'s arithmetic, so the figures are its own.
-            let task = Task { name: String::new(), kind: TaskKind::Multiclass, outputs: self.per_row, weight: 1.0 };
-            row_probabilities(std::slice::from_ref(&task), own, out);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sparrow_core::metrics::sigmoid;
 
     #[test]
     fn each_task_has_its_output_and_the_first_binary_one_is_also_probability() {

@@ -14,9 +14,10 @@ use sparrow_trainer::Model;
 use sparrow_trainer::export::{ExportData, ExportManifest};
 
 use crate::metrics::Metrics;
-use crate::outputs::{Output, OutputSpec};
+use crate::outputs::Output;
 use crate::request::{Cell, Cells, MAX_LIST_ITEMS, Request};
 use crate::{ApiError, ServeError, bad};
+use sparrow_core::config::ServedOutput;
 
 /// Rows scored in one pass through the model: the pass's memory (pooled
 /// embeddings, activations, about 9 KB a row for the reference model) stays
@@ -31,7 +32,7 @@ pub struct Served {
     step: AtomicU64,
     inputs: ModelInputs,
     /// Its outputs, one a task (`outputs.rs`), and the logits a row.
-    outputs: (Vec<OutputSpec>, usize),
+    outputs: (Vec<ServedOutput>, usize),
     layout: sparrow_data::DataLayout,
     /// Requests predict side by side under the read lock; a `--watch`
     /// update takes the write lock (requests wait, none fails).

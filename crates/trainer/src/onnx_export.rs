@@ -116,17 +116,7 @@ pub fn export_onnx(
         sparse,
         mean: config.model.pooling == sparrow_core::config::Pooling::Mean,
         width,
-        outputs: config
-            .served_outputs()
-            .0
-            .into_iter()
-            .map(|o| sparrow_onnx::Head {
-                name: o.name,
-                offset: o.offset,
-                per_row: o.per_row,
-                multiclass: o.multiclass,
-            })
-            .collect(),
+        outputs: config.served_outputs().0,
         name: format!("sparrow_{}", config.model.kind.name()),
         doc: format!(
             "Sparrow {} model.kind = {}, trained {} steps; inputs as `sparrow serve`'s, output `probability`.",

@@ -102,15 +102,32 @@ impl Task {
     }
 }
 
-/// An output a served model answers (`sparrow serve`, the ONNX export):
-/// its name, its task's first logit among a row's, its values a row (1, or
-/// a multiclass task's classes), and whether it is a softmax.
+/// An output a served model answers: the one type `sparrow serve`, the
+/// ONNX export and Python's `Model.outputs` use. Its name, its task's first
+/// logit among a row's, its values a row (1, or a multiclass task's
+/// classes), and whether it is a softmax.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServedOutput {
     pub name: String,
     pub offset: usize,
     pub per_row: usize,
     pub multiclass: bool,
+}
+
+impl ServedOutput {
+    /// This output's values from rows of `logits_per_row` logits, appended
+    /// to `out` (`sparrow predict`'s arithmetic, so the figures are its own).
+    pub fn extend_from(&self, logits: &[f32], logits_per_row: usize, out: &mut Vec<f32>) {
+        for row in logits.chunks_exact(logits_per_row) {
+            let own = &row[self.offset..self.offset + self.per_row];
+            if !self.multiclass {
+                out.push(crate::metrics::sigmoid(f64::from(own[0])) as f32);
+                continue;
+            }
+            let task = Task { name: String::new(), kind: TaskKind::Multiclass, outputs: self.per_row, weight: 1.0 };
+            crate::metrics::tasks::row_probabilities(std::slice::from_ref(&task), own, out);
+        }
+    }
 }
 
 impl Config {
