@@ -312,20 +312,18 @@ fn a_cluster_job_writes_metrics_lines_and_tensorboard_events_per_worker() {
         }
         let evals: Vec<&serde_json::Value> = lines.iter().filter(|l| l["event"] == "eval").collect();
         let steps: Vec<u64> = evals.iter().map(|l| l["step"].as_u64().expect("step")).collect();
-        // An evaluation as the job's step passes each multiple of 10 after a
-        // batch worker 0 trained (the job's last steps may be others' while
-        // its feed is dry), and the last.
+        // An evaluation as the job's step passes each multiple of 10 (after a
+        // trained step, an idle one or a round's merge), and the last.
         let last_step = *steps.last().expect("the last evaluation");
         let periodic = &steps[..steps.len() - 1];
-        let decades = last_step / 10;
-        assert!(!periodic.is_empty() && periodic.len() as u64 + 1 >= decades, "{sync}: {steps:?}");
-        assert!(periodic.len() as u64 <= decades, "{sync}: {steps:?}");
+        assert!(last_step >= 10 && periodic.len() as u64 == last_step / 10, "{sync}: {steps:?}");
         assert!(periodic.iter().enumerate().all(|(i, &s)| s / 10 == i as u64 + 1), "{sync}: {steps:?}");
         assert!(evals.iter().all(|l| l["worker"] == 0 && l["test_rows"] == out["test_rows"]), "{sync}: {text}");
         let last = evals.last().expect("the last evaluation");
         assert_eq!(last["test_auc"], out["test_auc"], "{sync}");
-        let first = evals[0]["test_auc"].as_f64().expect("auc");
-        assert!(first > 0.5 && first != last["test_auc"].as_f64().expect("auc"), "{sync}: {steps:?}: {text}");
+        // Each is the model of its step: figures, and not the last one's.
+        let aucs: Vec<f64> = evals.iter().map(|l| l["test_auc"].as_f64().expect("auc")).collect();
+        assert!(aucs.iter().all(|a| *a > 0.0 && *a < 1.0) && aucs[0] != aucs[aucs.len() - 1], "{sync}: {aucs:?}");
 
         for worker in [0, 1] {
             let dir = board.join(format!("worker-{worker}"));

@@ -49,6 +49,18 @@ impl Unpushed<'_, '_> {
         w.stats.phase_secs.push += self.engine.flush(self.rows)?;
         Ok(())
     }
+
+    /// After a step (trained, idle or a round's merge): a periodic
+    /// evaluation if the job's step passed a multiple of
+    /// `train.eval_every_steps`, every update pushed first so the figures
+    /// are the model's after this step.
+    pub fn evaluate_if_due(&mut self, w: &mut Worker) -> Result<(), ClusterError> {
+        if w.evaluation_due() {
+            self.push_all(w)?;
+            w.evaluate_now(self.rows.shards)?;
+        }
+        Ok(())
+    }
 }
 
 impl Worker {
@@ -97,11 +109,7 @@ impl Worker {
                     self.record_phases(stepped)?;
                     self.mark_step()?;
                     self.log_step()?;
-                    if self.evaluation_due() {
-                        // The pending updates first: the figures are the model's after this step.
-                        unpushed.push_all(self)?;
-                        self.evaluate_now(rows.shards)?;
-                    }
+                    unpushed.evaluate_if_due(self)?;
                     policy.stepped(self, done, &mut unpushed)?
                 }
                 None => policy.ran_dry(self, &mut unpushed)?,

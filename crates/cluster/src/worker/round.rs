@@ -129,6 +129,8 @@ impl SyncPolicy for RoundPolicy {
         }
         w.progress.fetch_add(1, Ordering::Relaxed);
         w.mark_step()?;
+        // The merged model (the replicas agree here) is the one evaluated.
+        unpushed.evaluate_if_due(w)?;
         w.checkpoint_if_due(unpushed)?;
         self.begin = w.model.params.flat_values().map_err(TrainError::from)?;
         Ok(Flow::Train)

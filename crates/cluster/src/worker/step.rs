@@ -83,6 +83,7 @@ impl SyncPolicy for StepPolicy {
         while idle_step(&w.model, &mut w.optimizer, w.sync.as_mut())? {
             w.progress.fetch_add(1, Ordering::Relaxed);
             w.mark_step()?;
+            unpushed.evaluate_if_due(w)?;
             w.checkpoint_if_due(unpushed)?;
         }
         Ok(Flow::Done)

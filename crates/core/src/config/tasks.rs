@@ -114,22 +114,6 @@ pub struct ServedOutput {
     pub multiclass: bool,
 }
 
-impl ServedOutput {
-    /// This output's values from rows of `logits_per_row` logits, appended
-    /// to `out` (`sparrow predict`'s arithmetic, so the figures are its own).
-    pub fn extend_from(&self, logits: &[f32], logits_per_row: usize, out: &mut Vec<f32>) {
-        for row in logits.chunks_exact(logits_per_row) {
-            let own = &row[self.offset..self.offset + self.per_row];
-            if !self.multiclass {
-                out.push(crate::metrics::sigmoid(f64::from(own[0])) as f32);
-                continue;
-            }
-            let task = Task { name: String::new(), kind: TaskKind::Multiclass, outputs: self.per_row, weight: 1.0 };
-            crate::metrics::tasks::row_probabilities(std::slice::from_ref(&task), own, out);
-        }
-    }
-}
-
 impl Config {
     /// What a served model answers, and its logits a row.
     /// - One binary task: `probability` ([N]).

@@ -203,6 +203,29 @@ fn multiclass(c: &TaskColumns, k: usize, top_k: usize) -> TaskFigures {
     }
 }
 
+/// Written here, beside `row_probabilities`: the config module only
+/// describes the outputs (metrics uses config, not the other way round).
+impl crate::config::ServedOutput {
+    /// This output's values from rows of `logits_per_row` logits, appended
+    /// to `out` (`sparrow predict`'s arithmetic, so the figures are its own).
+    pub fn extend_from(&self, logits: &[f32], logits_per_row: usize, out: &mut Vec<f32>) {
+        for row in logits.chunks_exact(logits_per_row) {
+            let own = &row[self.offset..self.offset + self.per_row];
+            if !self.multiclass {
+                out.push(super::sigmoid(f64::from(own[0])) as f32);
+                continue;
+            }
+            let task = crate::config::Task {
+                name: String::new(),
+                kind: crate::config::TaskKind::Multiclass,
+                outputs: self.per_row,
+                weight: 1.0,
+            };
+            row_probabilities(std::slice::from_ref(&task), own, out);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
