@@ -214,21 +214,28 @@ struct Struct {
     fields: Vec<(String, String)>,
 }
 
+/// Each `keyword` (e.g. `"fn "`) in `code` that starts a word, with where
+/// it is and the name after it.
+fn declarations<'c>(code: &'c str, keyword: &'c str) -> impl Iterator<Item = (usize, &'c str)> + 'c {
+    code.match_indices(keyword).filter_map(move |(at, _)| {
+        if at > 0 && is_ident(code[..at].chars().last().unwrap_or(' ')) {
+            return None;
+        }
+        let rest = &code[at + keyword.len()..];
+        let name = &rest[..rest.find(|c: char| !is_ident(c)).unwrap_or(rest.len())];
+        Some((at, name))
+    })
+}
+
 fn structs(src: &[Source]) -> BTreeMap<String, Vec<Struct>> {
     let mut out: BTreeMap<String, Vec<Struct>> = BTreeMap::new();
     for s in src {
         let bytes = s.code.as_bytes();
-        let mut search = 0;
-        while let Some(found) = s.code[search..].find("struct ") {
-            let at = search + found;
-            search = at + 7;
-            if at > 0 && is_ident(s.code[..at].chars().last().unwrap_or(' ')) {
-                continue;
-            }
-            let name: String = s.code[at + 7..].chars().take_while(|&c| is_ident(c)).collect();
+        for (at, name) in declarations(&s.code, "struct ") {
             if name.is_empty() {
                 continue;
             }
+            let name = name.to_string();
             let rest = &s.code[at + 7 + name.len()..];
             let end = rest.find([';', '{', '(']).unwrap_or(rest.len());
             let header_end = at + 7 + name.len() + end;
@@ -470,14 +477,8 @@ fn functions(src: &[Source]) -> Vec<Function> {
     let mut out = Vec::new();
     for s in src {
         let bytes = s.code.as_bytes();
-        let mut search = 0;
-        while let Some(found) = s.code[search..].find("fn ") {
-            let at = search + found;
-            search = at + 3;
-            if at > 0 && is_ident(s.code[..at].chars().last().unwrap_or(' ')) {
-                continue;
-            }
-            let name: String = s.code[at + 3..].chars().take_while(|&c| is_ident(c)).collect();
+        for (at, name) in declarations(&s.code, "fn ") {
+            let name = name.to_string();
             let Some(paren) = s.code[at..].find('(').map(|p| at + p) else { break };
             // The parameters' closing parenthesis, then the body's brace (or `;`).
             let mut depth = 0;
@@ -519,8 +520,7 @@ fn functions(src: &[Source]) -> Vec<Function> {
                 body_start: open,
                 body: s.code[open..end].to_string(),
             });
-            // Nested functions are found inside this body too.
-            search = open + 1;
+            // Nested functions are found inside this body too (every `fn ` is visited).
         }
     }
     out

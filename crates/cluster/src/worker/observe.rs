@@ -44,8 +44,9 @@ pub fn start_metrics_file(config: &Config) -> Result<(), ClusterError> {
     Ok(())
 }
 
+/// An I/O error on the metrics file or its folder, naming the key.
 fn io(path: &Path, e: std::io::Error) -> ClusterError {
-    ClusterError::Io { what: path.display().to_string(), source: e }
+    ClusterError::Io { what: format!("train.metrics_path {}", path.display()), source: e }
 }
 
 impl WorkerLog {
