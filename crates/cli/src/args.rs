@@ -81,30 +81,15 @@ impl From<RoundingArg> for Rounding {
     }
 }
 
-/// `model.kind`'s names (`bench --kinds`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Kind {
-    Lr,
-    Fm,
-    Mlp,
-    #[value(name = "wide_deep")]
-    WideDeep,
-    Deepfm,
-    Dlrm,
-    Dcn,
-}
-
-impl From<Kind> for ModelKind {
-    fn from(k: Kind) -> ModelKind {
-        match k {
-            Kind::Lr => ModelKind::Lr,
-            Kind::Fm => ModelKind::Fm,
-            Kind::Mlp => ModelKind::Mlp,
-            Kind::WideDeep => ModelKind::WideDeep,
-            Kind::Deepfm => ModelKind::Deepfm,
-            Kind::Dlrm => ModelKind::Dlrm,
-            Kind::Dcn => ModelKind::Dcn,
-        }
+/// A one-task kind of the registry (`bench --kinds`): its name, or an
+/// error listing the names there are.
+pub fn one_task_kind(name: &str) -> Result<ModelKind, String> {
+    use sparrow_model::kinds::{Family, of_family};
+    let names: Vec<&str> = of_family(Family::OneTask).map(|k| k.name()).collect();
+    if names.contains(&name) {
+        Ok(ModelKind::named(name))
+    } else {
+        Err(format!("`{name}` is not a one-task kind; the one-task kinds are {}", names.join(", ")))
     }
 }
 
@@ -149,10 +134,9 @@ mod tests {
     #[test]
     fn the_command_lines_names_are_the_configs() {
         let name = |v: &dyn Fn() -> Option<clap::builder::PossibleValue>| v().expect("named").get_name().to_string();
-        for k in Kind::value_variants() {
-            assert_eq!(name(&|| k.to_possible_value()), ModelKind::from(*k).name());
-        }
-        assert_eq!(Kind::value_variants().len(), ModelKind::ALL.len());
+        assert_eq!(one_task_kind("wide_deep").expect("a kind").name(), "wide_deep");
+        let err = one_task_kind("mmoe").expect_err("several tasks");
+        assert!(err.contains("mmoe") && err.contains("dcn"), "{err}");
         for o in Optimizer::value_variants() {
             let config = serde_json::to_value(SparseOptimizerKind::from(*o)).expect("serializes");
             assert_eq!(config, serde_json::Value::from(name(&|| o.to_possible_value())));

@@ -28,9 +28,14 @@ pub(crate) fn edge_overrides(set: &[String]) -> anyhow::Result<Overrides> {
     Ok(Overrides::parse(&all)?)
 }
 
+/// The config at `path` with `set` applied, checked whole: the model
+/// kind's own refusals too (`sparrow_model::kinds::check`), before any
+/// command starts work.
 pub(crate) fn load_config(path: &Path, set: &[String]) -> anyhow::Result<Config> {
     let text = read_config_text(path)?;
-    Ok(Config::from_toml(&text, &path.display().to_string(), &edge_overrides(set)?)?)
+    let config = Config::from_toml(&text, &path.display().to_string(), &edge_overrides(set)?)?;
+    sparrow_model::kinds::check(&config)?;
+    Ok(config)
 }
 
 /// A config file is a few kilobytes of TOML: past this it is something

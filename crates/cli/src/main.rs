@@ -109,6 +109,9 @@ enum Command {
         #[arg(long = "set", value_name = "KEY=VALUE")]
         set: Vec<String>,
     },
+    /// Every model kind `model.kind` can name: its name, what it is built
+    /// for, and one line about it.
+    Kinds,
     /// AUC and log-loss of a checkpoint on a data file.
     Eval {
         #[arg(long)]
@@ -193,9 +196,9 @@ enum Command {
         /// Training steps timed per model kind and precision for the flop-floor table, in 5 rounds of at least one step (0 skips it).
         #[arg(long, default_value_t = 100)]
         kind_steps: usize,
-        /// Model kinds in the flop-floor table (lr, fm, mlp, wide_deep, deepfm, dlrm, dcn).
-        #[arg(long, value_enum, value_delimiter = ',', default_value = "lr,fm,mlp,wide_deep,deepfm,dlrm,dcn")]
-        kinds: Vec<args::Kind>,
+        /// Model kinds in the flop-floor table, comma-separated (default: every one-task kind, as `sparrow kinds` lists them).
+        #[arg(long, value_delimiter = ',', value_parser = args::one_task_kind)]
+        kinds: Vec<ModelKind>,
         /// Rows inserted to measure resident bytes per embedding row (0 skips it).
         #[arg(long, default_value_t = 4_000_000)]
         memory_rows: usize,
@@ -552,6 +555,7 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             };
             config_command::print(loaded.as_ref())
         }
+        Command::Kinds => config_command::print_kinds(),
         Command::Eval { checkpoint, data, set } => {
             print_json(&sparrow_trainer::evaluate_checkpoint(&checkpoint, &data, &edge_overrides(&set)?, None)?)
         }
@@ -585,7 +589,6 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             memory_rows,
             gather_limit,
         } => {
-            let kinds = kinds.into_iter().map(ModelKind::from).collect();
             let dtypes = dtypes.into_iter().map(EmbeddingDtype::from).collect();
             // Nothing to time is a mistake, not a report of nulls (or a panic).
             for (flag, value) in [("--table-rows", table_rows), ("--batches", batches)] {
@@ -618,7 +621,8 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
                 thread_counts: threads,
                 train_steps,
                 kind_steps,
-                kinds,
+                // None named: the registry's one-task kinds (the default's).
+                kinds: if kinds.is_empty() { sparrow_trainer::bench::BenchOptions::default().kinds } else { kinds },
                 memory_rows,
                 gather_limit,
                 work_dir,

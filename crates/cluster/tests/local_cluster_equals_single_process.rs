@@ -145,6 +145,30 @@ fn three_shards_one_worker_equals_train() {
     assert_ne!(checksums[0], ("dlrm", checksums[3].1), "{checksums:x?}");
 }
 
+/// Every one-task kind of the model registry trains the same model on two
+/// shards and a worker as `sparrow train` does: a kind added to the
+/// registry is held to train ≡ launch here without a line of its own.
+#[test]
+fn every_registered_one_task_kind_trains_the_single_process_model_on_a_cluster() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    sparrow_data::synth::generate(tmp.path(), 1200, 300, 4).expect("generate");
+    for kind in sparrow_model::kinds::of_family(sparrow_model::kinds::Family::OneTask) {
+        let c = config(tmp.path(), kind.name());
+        let single = sparrow_trainer::train(&c, true).expect("train");
+        let cluster = train_local(&c, 2, 1).expect("cluster");
+        assert_eq!(cluster.train_rows, single.train_rows, "{}", kind.name());
+        assert!(single.test_auc.is_some_and(f64::is_finite), "{}: {:?}", kind.name(), single.test_auc);
+        assert_eq!(
+            cluster.test_auc.map(f64::to_bits),
+            single.test_auc.map(f64::to_bits),
+            "{}: {:?} vs {:?}",
+            kind.name(),
+            cluster.test_auc,
+            single.test_auc
+        );
+    }
+}
+
 #[test]
 fn worker_lookup_mode_trains_the_same_model_with_raw_ids_sent_to_the_worker() {
     let tmp = tempfile::tempdir().expect("tmp");

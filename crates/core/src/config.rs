@@ -213,9 +213,8 @@ pub enum Pooling {
 #[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
-    /// The dense network: `lr`, `fm`, `mlp`, `wide_deep`, `deepfm`, `dlrm`,
-    /// `dcn` (one or more tasks on a shared body); `esmm`, `mmoe`, `ple`
-    /// (several tasks); `din` (attention over a behaviour sequence).
+    /// The dense network: one of the kinds listed below (`sparrow kinds`
+    /// prints them), each one file of the model crate's registry.
     pub kind: ModelKind,
     /// Length of every embedding vector (all fields share it).
     pub embedding_dim: usize,
@@ -256,7 +255,7 @@ pub struct ModelConfig {
 impl Default for ModelConfig {
     fn default() -> Self {
         ModelConfig {
-            kind: ModelKind::Dlrm,
+            kind: ModelKind::default(),
             embedding_dim: 16,
             hidden: vec![256, 128],
             bottom_hidden: vec![64],

@@ -141,7 +141,7 @@ fn checkpoint_template() -> Option<&'static (PathBuf, Config)> {
             sparrow_data::synth::generate(&data, 300, 0, 1).ok()?;
             let mut config = Config::default();
             config.data.train = Some(data.join("train.tsv").display().to_string());
-            config.model.kind = sparrow_core::config::ModelKind::Lr;
+            config.model.kind = sparrow_core::config::ModelKind::named("lr");
             config.model.embedding_dim = 2;
             config.train.batch_size = 100;
             config.train.threads = 1;

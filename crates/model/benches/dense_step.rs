@@ -27,18 +27,25 @@ fn main() {
     println!("ceilings: fp32 {:.0} GFLOP/s, bf16 {:.0} GFLOP/s", peaks.fp32_fma.gflops, bf16_peak);
     println!("{:<10} {:<5} {:>8} {:>8} {:>9} {:>8}", "kind", "prec", "best ms", "med ms", "GFLOP/s", "share");
     let shape = ModelShape { num_fields: 26, num_dense: 13, embedding_dim: 16 };
-    for kind in ModelKind::ALL {
+    for kind in sparrow_model::kinds::of_family(sparrow_model::kinds::Family::OneTask) {
+        let has_products = kind.has_products();
+        let kind = ModelKind::named(kind.name());
         if !wanted.is_empty() && !wanted.iter().any(|w| w == kind.name()) {
             continue;
         }
         for precision in [Precision::F32, Precision::Bf16] {
             let name = if precision == Precision::F32 { "f32" } else { "bf16" };
             let skipped = !precisions.is_empty() && !precisions.iter().any(|p| p == name);
-            if skipped || precision == Precision::Bf16 && matches!(kind, ModelKind::Lr | ModelKind::Fm) {
+            if skipped || precision == Precision::Bf16 && !has_products {
                 continue;
             }
-            let config =
-                ModelConfig { kind, embedding_dim: 16, hidden: vec![256, 128], precision, ..Default::default() };
+            let config = ModelConfig {
+                kind: kind.clone(),
+                embedding_dim: 16,
+                hidden: vec![256, 128],
+                precision,
+                ..Default::default()
+            };
             let model = DenseModel::new(&config, shape, 7, Device::Cpu, sparrow_core::simd::Simd::Auto).expect("model");
             let mut optimizer = DenseOptimizer::new(DenseOptimizerConfig::default(), sparrow_core::simd::Simd::Auto);
             let mut rng = Rng::new(3);
@@ -65,7 +72,7 @@ fn main() {
             });
             times.sort_by(f64::total_cmp);
             let (best, median) = (times[0], times[times.len() / 2]);
-            let gflops = DenseModel::step_flops_per_sample(&config, shape) * ROWS as f64 / best / 1e9;
+            let gflops = DenseModel::step_flops_per_sample(&config, shape).expect("a kind") * ROWS as f64 / best / 1e9;
             let ceiling = if precision == Precision::F32 { peaks.fp32_fma.gflops } else { bf16_peak };
             let (best, median) = (best * 1e3, median * 1e3);
             println!(

@@ -1,5 +1,5 @@
-//! Dense models on candle: LR, FM, MLP, Wide&Deep, DeepFM, DLRM and DCN-v2,
-//! the stable logistic loss, and a dense Adam/SGD whose state can be saved.
+//! Dense models on candle: the kinds (`kinds/`, one file each, found
+//! through `kinds::KINDS`), the stable logistic loss, and a dense Adam/SGD whose state can be saved.
 //!
 //! A model sees pooled embeddings `[batch, fields, width]` and dense values
 //! `[batch, num_dense]`; it never knows how embeddings are stored. The gradient
@@ -9,6 +9,7 @@ pub mod bf16;
 mod bf16_rounded;
 pub mod fused;
 pub mod heads;
+pub mod kinds;
 pub mod matrix;
 pub mod mlp;
 pub mod models;
@@ -27,6 +28,8 @@ pub use params::ParamStore;
 pub enum ModelError {
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
+    #[error("model.kind = \"{kind}\" is not a kind; the kinds are {known}")]
+    UnknownKind { kind: String, known: String },
     #[error("a `{kind}` model takes packed input on the CPU only")]
     NotPacked { kind: &'static str },
     #[error("{what}: {len} values are not {rows} rows of {per_row}")]

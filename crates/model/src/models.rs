@@ -1,5 +1,7 @@
-//! The model zoo. Embedding width per key is `embedding_dim`, plus one leading
-//! column for models with a first-order ("wide"/linear) term; LR uses width 1.
+//! [`DenseModel`]: a kind's network (`kinds/`) with what every kind's
+//! step shares: the loss and its gradient, candle's autograd, the direct
+//! step's driver and its buffers, the finiteness checks. Embedding width
+//! per key is the kind's (`Kind::embedding_width`).
 
 use candle_core::{D, Device, Tensor, Var};
 use rayon::prelude::*;
@@ -8,17 +10,16 @@ use sparrow_core::metrics::logistic_loss_and_sigmoid;
 
 use crate::ModelError;
 use crate::bf16::Arith;
-use crate::fused::{FirstOrderFm, PairwiseDots, Simd};
+use crate::fused::Simd;
 use crate::heads::Heads;
-use crate::mlp::Mlp;
+use crate::kinds::{At, Build, Kind, Net};
 
 mod described;
-mod din;
 mod direct;
-mod multitask;
 use crate::optimizer::{DenseGrads, DenseOptimizer};
-use crate::params::{Linear, ParamStore};
-pub use din::Sequences;
+use crate::params::ParamStore;
+pub(crate) use described::linear as linear_spec;
+pub use direct::Scratch;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ModelShape {
@@ -27,49 +28,23 @@ pub struct ModelShape {
     pub embedding_dim: usize,
 }
 
-enum Net {
-    /// First-order terms only.
-    Lr {
-        dense: Option<Linear>,
-    },
-    Fm {
-        dense: Option<Linear>,
-    },
-    Mlp {
-        mlp: Mlp,
-    },
-    WideDeep {
-        dense: Option<Linear>,
-        deep: Mlp,
-    },
-    DeepFm {
-        dense: Option<Linear>,
-        deep: Mlp,
-    },
-    Dlrm {
-        bottom: Option<Mlp>,
-        top: Mlp,
-        pairs: Tensor,
-        n: usize,
-    },
-    Dcn {
-        cross: Vec<Linear>,
-        deep: Mlp,
-        arith: Arith,
-    },
-    /// `esmm`, `mmoe`, `ple` (`models/multitask.rs`).
-    MultiTask(multitask::MultiTask),
-    /// `din` (`models/din.rs`).
-    Din(din::Din),
+/// A batch's behaviour sequences, unpooled, for a model that attends over
+/// them: one entry per sequence field, in [`DenseModel::attention`]'s order.
+#[derive(Clone, Debug, Default)]
+pub struct Sequences {
+    /// Per field: the row each history position belongs to (ascending).
+    pub rows: Vec<Vec<u32>>,
+    /// Per field: each position's embedding row, `[positions × width]`.
+    pub items: Vec<Vec<f32>>,
 }
 
 pub struct DenseModel {
-    pub kind: ModelKind,
+    pub kind: &'static dyn Kind,
     pub shape: ModelShape,
     pub params: ParamStore,
-    net: Net,
-    /// Scalar bias shared by the first-order models.
-    bias: Option<Var>,
+    net: Box<dyn Net>,
+    /// The layout its steps read.
+    at: At,
     /// Buffers of the direct step, reused across steps.
     scratch: std::sync::Mutex<direct::Scratch>,
     /// `train.simd`: whether its kernels may take their SIMD versions.
@@ -87,14 +62,6 @@ pub struct StepOutput {
     /// d(mean loss)/d(each history item), per sequence, as [`Sequences::items`]
     /// (empty for a model that does not attend).
     pub item_grads: Vec<Vec<f32>>,
-}
-
-fn with_dense(ps: &mut ParamStore, num_dense: usize) -> Result<Option<Linear>, ModelError> {
-    if num_dense == 0 { Ok(None) } else { Linear::new(ps, "dense_linear", num_dense, 1).map(Some) }
-}
-
-fn head(hidden: &[usize], outputs: usize) -> Vec<usize> {
-    hidden.iter().copied().chain(std::iter::once(outputs)).collect()
 }
 
 impl DenseModel {
@@ -135,90 +102,25 @@ impl DenseModel {
         device: Device,
         simd: Simd,
     ) -> Result<DenseModel, ModelError> {
+        let kind = crate::kinds::find(&config.kind)?;
         let outputs = heads.outputs();
-        if outputs != 1 && matches!(config.kind, ModelKind::Lr | ModelKind::Fm) {
-            return Err(ModelError::Heads { kind: config.kind.name(), outputs });
+        if outputs != 1 && !kind.has_products() {
+            return Err(ModelError::Heads { kind: kind.name(), outputs });
         }
         let arith = Arith::new(config.precision, simd);
-        if config.precision == Precision::Bf16 && matches!(config.kind, ModelKind::Lr | ModelKind::Fm) {
+        if config.precision == Precision::Bf16 && !kind.has_products() {
             // Valid (a sweep may set it for every kind), but it changes nothing: say so.
             tracing::warn!(
                 "model.precision = \"bf16\" has no effect on model.kind = \"{}\": it has no matrix products \
                  and trains in f32",
-                config.kind.name()
+                kind.name()
             );
         }
         let mut ps = ParamStore::new(seed, device.clone());
-        let (f, nd, d) = (shape.num_fields, shape.num_dense, shape.embedding_dim);
-        let mut bias = None;
-        let net = match config.kind {
-            ModelKind::Lr => {
-                bias = Some(ps.zeros("bias".into(), &[1])?);
-                Net::Lr { dense: with_dense(&mut ps, nd)? }
-            }
-            ModelKind::Fm => {
-                bias = Some(ps.zeros("bias".into(), &[1])?);
-                Net::Fm { dense: with_dense(&mut ps, nd)? }
-            }
-            ModelKind::Mlp => {
-                Net::Mlp { mlp: Mlp::new(&mut ps, "mlp", f * d + nd, &head(&config.hidden, outputs), false, arith)? }
-            }
-            ModelKind::WideDeep => {
-                bias = Some(ps.zeros("bias".into(), &[1])?);
-                Net::WideDeep {
-                    dense: with_dense(&mut ps, nd)?,
-                    deep: Mlp::new(&mut ps, "deep", f * d + nd, &head(&config.hidden, outputs), false, arith)?,
-                }
-            }
-            ModelKind::Deepfm => {
-                bias = Some(ps.zeros("bias".into(), &[1])?);
-                Net::DeepFm {
-                    dense: with_dense(&mut ps, nd)?,
-                    deep: Mlp::new(&mut ps, "deep", f * d + nd, &head(&config.hidden, outputs), false, arith)?,
-                }
-            }
-            ModelKind::Dlrm => {
-                let bottom = if nd == 0 {
-                    None
-                } else {
-                    let sizes: Vec<usize> = config.bottom_hidden.iter().copied().chain(std::iter::once(d)).collect();
-                    Some(Mlp::new(&mut ps, "bottom", nd, &sizes, true, arith)?)
-                };
-                let n = f + usize::from(nd > 0);
-                // Upper triangle (i < j) of the n×n dot-product matrix, flattened.
-                let pairs: Vec<u32> = (0..n).flat_map(|i| ((i + 1)..n).map(move |j| (i * n + j) as u32)).collect();
-                let num_pairs = pairs.len();
-                let pairs = Tensor::from_vec(pairs, num_pairs, &device)?;
-                let top_in = num_pairs + if nd > 0 { d } else { 0 };
-                Net::Dlrm {
-                    bottom,
-                    top: Mlp::new(&mut ps, "top", top_in, &head(&config.hidden, outputs), false, arith)?,
-                    pairs,
-                    n,
-                }
-            }
-            ModelKind::Dcn => {
-                let x_dim = f * d + nd;
-                let cross = (0..config.cross_layers)
-                    .map(|l| Linear::new(&mut ps, &format!("cross.{l}"), x_dim, x_dim))
-                    .collect::<Result<Vec<_>, _>>()?;
-                Net::Dcn {
-                    cross,
-                    deep: Mlp::new(&mut ps, "deep", x_dim, &head(&config.hidden, outputs), false, arith)?,
-                    arith,
-                }
-            }
-            ModelKind::Esmm | ModelKind::Mmoe | ModelKind::Ple => {
-                Net::MultiTask(multitask::MultiTask::new(&mut ps, config, f * d + nd, &heads, arith)?)
-            }
-            ModelKind::Din => {
-                if pairs.is_empty() || pairs.iter().any(|&(s, q)| s >= f || q >= f) {
-                    return Err(ModelError::Sequences { expected: pairs.len().max(1), found: 0 });
-                }
-                Net::Din(din::Din::new(&mut ps, config, pairs, f * d + nd, outputs, arith)?)
-            }
-        };
-        Ok(DenseModel { kind: config.kind, shape, params: ps, net, bias, scratch: Default::default(), simd, heads })
+        let net =
+            kind.build(&mut Build { ps: &mut ps, config, shape, heads: &heads, pairs, arith, simd, device: &device })?;
+        let at = At { shape, width: kind.embedding_width(shape.embedding_dim), simd };
+        Ok(DenseModel { kind, shape, params: ps, net, at, scratch: Default::default(), simd, heads })
     }
 
     /// The dense step's arithmetic floor, flops per sample: what the model
@@ -229,84 +131,25 @@ impl DenseModel {
     /// layer `6·x² + 6·x` (its product and the gating); first-order terms
     /// `2·f + 6·num_dense`. Element-wise activations and the loss are left
     /// out: this is a floor, the time it takes at the machine's ceiling is
-    /// the least a step can take.
-    pub fn step_flops_per_sample(config: &ModelConfig, shape: ModelShape) -> f64 {
-        let (f, nd, d) = (shape.num_fields as f64, shape.num_dense as f64, shape.embedding_dim as f64);
-        let stack = |input: f64, sizes: &[usize]| {
-            let mut fan_in = input;
-            let mut total = 0.0;
-            for &out in sizes {
-                total += 6.0 * fan_in * out as f64;
-                fan_in = out as f64;
-            }
-            total
-        };
-        let first_order = 2.0 * f + 6.0 * nd;
-        let fm = 5.0 * f * d;
-        let deep = || stack(f * d + nd, &head(&config.hidden, 1));
-        match config.kind {
-            ModelKind::Lr => first_order,
-            ModelKind::Fm => first_order + fm,
-            ModelKind::Mlp => deep(),
-            ModelKind::WideDeep => first_order + deep(),
-            ModelKind::Deepfm => first_order + fm + deep(),
-            ModelKind::Dlrm => {
-                let bottom = if nd > 0.0 {
-                    let sizes: Vec<usize> = config.bottom_hidden.iter().copied().chain([shape.embedding_dim]).collect();
-                    stack(nd, &sizes)
-                } else {
-                    0.0
-                };
-                let n = f + if nd > 0.0 { 1.0 } else { 0.0 };
-                let pairs = n * (n - 1.0) / 2.0;
-                let top_in = pairs + if nd > 0.0 { d } else { 0.0 };
-                bottom + 6.0 * d * pairs + stack(top_in, &head(&config.hidden, 1))
-            }
-            ModelKind::Dcn => {
-                let x = f * d + nd;
-                config.cross_layers as f64 * (6.0 * x * x + 6.0 * x) + deep()
-            }
-            // The MLP; the attention units' work grows with the history's length.
-            ModelKind::Din => deep(),
-            // Experts and towers (one output a tower), gates left out.
-            ModelKind::Esmm => 2.0 * stack(f * d + nd, &head(&config.tower_hidden, 1)),
-            ModelKind::Mmoe | ModelKind::Ple => {
-                let expert_out = config.expert_hidden.last().copied().unwrap_or(1) as f64;
-                let experts = if config.kind == ModelKind::Mmoe {
-                    config.experts as f64 * stack(f * d + nd, &config.expert_hidden)
-                } else {
-                    let per_level = (config.experts + config.task_experts) as f64;
-                    per_level * stack(f * d + nd, &config.expert_hidden)
-                        + per_level
-                            * (config.levels.saturating_sub(1)) as f64
-                            * stack(expert_out, &config.expert_hidden)
-                };
-                experts + stack(expert_out, &head(&config.tower_hidden, 1))
-            }
-        }
+    /// the least a step can take. Each kind counts its own
+    /// (`Kind::step_flops_per_sample`).
+    pub fn step_flops_per_sample(config: &ModelConfig, shape: ModelShape) -> Result<f64, ModelError> {
+        Ok(crate::kinds::find(&config.kind)?.step_flops_per_sample(config, shape))
     }
 
-    /// Floats per embedding row this model reads.
-    pub fn embedding_width(kind: ModelKind, embedding_dim: usize) -> usize {
-        match kind {
-            ModelKind::Lr => 1,
-            ModelKind::Fm | ModelKind::WideDeep | ModelKind::Deepfm => 1 + embedding_dim,
-            ModelKind::Mlp | ModelKind::Dlrm | ModelKind::Dcn => embedding_dim,
-            ModelKind::Esmm | ModelKind::Mmoe | ModelKind::Ple | ModelKind::Din => embedding_dim,
-        }
+    /// Floats per embedding row a model of `kind` reads.
+    pub fn embedding_width(kind: &ModelKind, embedding_dim: usize) -> Result<usize, ModelError> {
+        Ok(crate::kinds::find(kind)?.embedding_width(embedding_dim))
     }
 
     pub fn width(&self) -> usize {
-        Self::embedding_width(self.kind, self.shape.embedding_dim)
+        self.at.width
     }
 
     /// Each sequence's slot among the fields and its candidate's slot, for
     /// a model that attends over them (`din`); empty otherwise.
     pub fn attention(&self) -> &[(usize, usize)] {
-        match &self.net {
-            Net::Din(net) => net.pairs(),
-            _ => &[],
-        }
+        self.net.attention()
     }
 
     /// Logits `[batch]` from pooled embeddings `[batch, fields, width]` and dense `[batch, num_dense]`.
@@ -317,77 +160,7 @@ impl DenseModel {
     /// [`forward`](Self::forward) with each sequence's history items
     /// `[positions, width]` and the rows `[positions]` (u32) they belong to.
     pub fn forward_with(&self, emb: &Tensor, dense: &Tensor, items: &[(Tensor, Tensor)]) -> Result<Tensor, ModelError> {
-        let b = emb.dim(0)?;
-        let (f, d) = (self.shape.num_fields, self.shape.embedding_dim);
-        let fm_second = |v: &Tensor| -> Result<Tensor, ModelError> {
-            // ½ Σ_d [(Σ_f v_fd)² − Σ_f v_fd²]
-            let s = v.sum(1)?.sqr()?;
-            let q = v.sqr()?.sum(1)?;
-            Ok(((s - q)?.sum_keepdim(1)? * 0.5)?)
-        };
-        // Σ_f w_f (the leading column), FM's second order if `fm`, + dense·w + bias.
-        let first_order = |dense_lin: &Option<Linear>, fm: bool| -> Result<Tensor, ModelError> {
-            let mut t = if emb.device().is_cpu() {
-                emb.contiguous()?.apply_op1(FirstOrderFm { second_order: fm })? // [B, 1]
-            } else {
-                let t = emb.narrow(2, 0, 1)?.sum(1)?;
-                if fm { (t + fm_second(&emb.narrow(2, 1, d)?)?)? } else { t }
-            };
-            if let Some(lin) = dense_lin {
-                t = (t + lin.forward(dense)?)?;
-            }
-            if let Some(bias) = &self.bias {
-                t = t.broadcast_add(bias.as_tensor())?;
-            }
-            Ok(t)
-        };
-        let flat_with_dense = |v: &Tensor| -> Result<Tensor, ModelError> {
-            let flat = v.reshape((b, f * d))?;
-            Ok(if self.shape.num_dense > 0 { Tensor::cat(&[&flat, dense], 1)? } else { flat })
-        };
-        let out = match &self.net {
-            Net::Lr { dense: lin } => first_order(lin, false)?,
-            Net::Fm { dense: lin } => first_order(lin, true)?,
-            Net::Mlp { mlp } => mlp.forward(&flat_with_dense(emb)?)?,
-            Net::WideDeep { dense: lin, deep } => {
-                let v = emb.narrow(2, 1, d)?.contiguous()?;
-                first_order(lin, false)?.broadcast_add(&deep.forward(&flat_with_dense(&v)?)?)?
-            }
-            Net::DeepFm { dense: lin, deep } => {
-                let v = emb.narrow(2, 1, d)?.contiguous()?;
-                first_order(lin, true)?.broadcast_add(&deep.forward(&flat_with_dense(&v)?)?)?
-            }
-            Net::Dlrm { bottom, top, pairs, n } => {
-                let (t, bottom_out) = match bottom {
-                    Some(mlp) => {
-                        let x = mlp.forward(dense)?; // [B, d]
-                        (Tensor::cat(&[&x.unsqueeze(1)?, emb], 1)?, Some(x))
-                    }
-                    None => (emb.clone(), None),
-                };
-                let inter = if t.device().is_cpu() {
-                    t.contiguous()?.apply_op1(PairwiseDots(self.simd))?
-                } else {
-                    // [B, n, n] dot products, then their upper triangle.
-                    t.matmul(&t.t()?)?.reshape((b, n * n))?.index_select(pairs, 1)?
-                };
-                let top_in = match bottom_out {
-                    Some(x) => Tensor::cat(&[&x, &inter], 1)?,
-                    None => inter,
-                };
-                top.forward(&top_in)?
-            }
-            Net::MultiTask(net) => net.forward(&flat_with_dense(emb)?)?,
-            Net::Din(net) => net.forward(emb, dense, items)?,
-            Net::Dcn { cross, deep, arith } => {
-                let x0 = flat_with_dense(emb)?;
-                let mut x = x0.clone();
-                for layer in cross {
-                    x = crate::mlp::cross(*arith, &x0, &x, layer.weight().as_tensor(), layer.bias().as_tensor())?;
-                }
-                deep.forward(&x)?
-            }
-        };
+        let out = self.net.forward(&self.at, emb, dense, items)?;
         Ok(if self.heads.outputs() == 1 { out.squeeze(D::Minus1)? } else { out })
     }
 
@@ -494,7 +267,7 @@ impl DenseModel {
     /// One row of [`loss_and_seed`](Self::loss_and_seed): its loss times
     /// `weight`, and d (mean loss) / d logit (`inv_b`: one over the rows).
     #[inline]
-    fn loss_and_seed_row(logit: f32, label: f32, weight: f64, inv_b: f64) -> (f64, f32) {
+    pub(crate) fn loss_and_seed_row(logit: f32, label: f32, weight: f64, inv_b: f64) -> (f64, f32) {
         // A masked label (`data.schema.labels`, an empty cell) adds nothing.
         if label.is_nan() {
             return (0.0, 0.0);
@@ -700,7 +473,7 @@ impl DenseModel {
         }
         let mut scratch = self.scratch.lock().map_err(|_| ModelError::Poisoned)?;
         if let Some(direct::FirstOrderStep { loss, logits, grads, finite }) =
-            self.first_order_step(x, labels, weights, &mut scratch)?
+            self.whole_step(x, labels, weights, &mut scratch)?
         {
             self.check_loss(loss)?;
             if !finite {

@@ -47,6 +47,46 @@ pub enum NetSpec {
     /// the newest `max_len`), q being field `query`'s vector; then the MLP
     /// on x.
     Din { pairs: Vec<(usize, usize)>, units: Vec<Vec<DenseLayer>>, mlp: Vec<DenseLayer> },
+    /// A kind written as generic operations ([`Op`]), in order: each
+    /// op's value is a `[N, k]` matrix, the last op's is the logits. A new
+    /// kind lowers itself to these (its `Net::spec`) and the exporter needs
+    /// nothing new.
+    Ops(Vec<Op>),
+}
+
+/// One operation of [`NetSpec::Ops`]; `usize` operands are earlier ops'
+/// indices. "The fields" are the pooled vectors `[N, width]`, one a field.
+#[derive(Clone, Debug)]
+pub enum Op {
+    /// Columns `start..end` of every field's vector, summed over the fields.
+    SumFields {
+        start: usize,
+        end: usize,
+    },
+    /// The same columns squared, summed over the fields.
+    SumFieldSquares {
+        start: usize,
+        end: usize,
+    },
+    /// Columns `start..end` of every field side by side, field after field.
+    Fields {
+        start: usize,
+        end: usize,
+    },
+    /// The dense values `[N, num_dense]`.
+    DenseValues,
+    /// Element-wise, `[N, k]` each (a `[N, 1]` operand broadcasts).
+    Add(usize, usize),
+    Sub(usize, usize),
+    Mul(usize, usize),
+    /// Times a constant.
+    Scale(usize, f32),
+    /// Plus a constant.
+    Offset(usize, f32),
+    /// Side by side, in order.
+    Concat(Vec<usize>),
+    /// Through dense layers in order (`DenseLayer::relu` after each that sets it).
+    Layers(usize, Vec<DenseLayer>),
 }
 
 /// One level of experts (each an MLP, ReLU after its last layer too) and

@@ -11,7 +11,7 @@ const ROWS: usize = 4;
 
 fn model(heads: &Heads) -> DenseModel {
     let config = ModelConfig {
-        kind: ModelKind::Din,
+        kind: ModelKind::named("din"),
         embedding_dim: 4,
         hidden: vec![8, 5],
         attention_hidden: vec![6],

@@ -42,6 +42,9 @@ pub enum OnnxError {
         "model.kind = \"din\" attends over every history item: the rows must be in the graph (raise --max-table-bytes)"
     )]
     AttentionNeedsRows,
+    /// A kind's generic operations that do not make a graph (a bug in its `spec`).
+    #[error("the model's operations: {what}")]
+    Ops { what: &'static str },
     #[error(
         "the graph takes {bytes} bytes with its tables beside it, more than the {limit} a model file may hold \
          (--max-inline-bytes; protobuf's limit is 2 GiB): the vocabulary's IDs are too many to embed (lower \

@@ -1,7 +1,7 @@
 //! The inputs and the dense network as ONNX nodes: the same function as
 //! `DenseModel::forward_with` for each kind `NetSpec` describes.
 
-use sparrow_model::spec::{DenseLayer, LevelSpec, NetSpec};
+use sparrow_model::spec::{DenseLayer, LevelSpec, NetSpec, Op};
 
 use crate::graph::{Dim, FLOAT, Graph, INT64, STRING, int, ints, string, strings};
 use crate::{OnnxError, SparseInput};
@@ -268,6 +268,7 @@ pub fn network(
             }
             mlp(g, &x, deep)
         }
+        NetSpec::Ops(list) => ops(g, list, fields, dense)?,
         NetSpec::Din { pairs, units, mlp: top } => {
             let mut slots = fields.to_vec();
             for (&(slot, query), unit) in pairs.iter().zip(units) {
@@ -278,6 +279,59 @@ pub fn network(
             mlp(g, &x, top)
         }
     })
+}
+
+/// A kind written as generic operations ([`Op`]): each op's value in turn.
+fn ops(g: &mut Graph, ops: &[Op], fields: &[String], dense: Option<&str>) -> Result<String, OnnxError> {
+    let mut values: Vec<String> = Vec::with_capacity(ops.len());
+    for op in ops {
+        let value = match op {
+            Op::SumFields { start, end } | Op::SumFieldSquares { start, end } => {
+                let mut parts: Vec<String> = fields.iter().map(|v| columns(g, v, *start, *end)).collect();
+                if matches!(op, Op::SumFieldSquares { .. }) {
+                    parts = parts.iter().map(|v| g.node("Mul", &[v, v], vec![])).collect();
+                }
+                if parts.is_empty() {
+                    return Err(OnnxError::Ops { what: "a sum over no fields" });
+                }
+                sum(g, &parts)
+            }
+            Op::Fields { start, end } => {
+                let parts: Vec<String> = fields.iter().map(|v| columns(g, v, *start, *end)).collect();
+                concat(g, &parts)
+            }
+            Op::DenseValues => dense.ok_or(OnnxError::Ops { what: "dense values in a model without them" })?.into(),
+            Op::Add(a, b) | Op::Sub(a, b) | Op::Mul(a, b) => {
+                let name = match op {
+                    Op::Add(..) => "Add",
+                    Op::Sub(..) => "Sub",
+                    _ => "Mul",
+                };
+                let (a, b) = (operand(&values, *a)?, operand(&values, *b)?);
+                g.node(name, &[&a, &b], vec![])
+            }
+            Op::Scale(a, c) | Op::Offset(a, c) => {
+                let a = operand(&values, *a)?;
+                let c = g.float_init("constant", &[], vec![*c]);
+                g.node(if matches!(op, Op::Scale(..)) { "Mul" } else { "Add" }, &[&a, &c], vec![])
+            }
+            Op::Concat(parts) => {
+                let parts = parts.iter().map(|&i| operand(&values, i)).collect::<Result<Vec<_>, _>>()?;
+                concat(g, &parts)
+            }
+            Op::Layers(a, layers) => {
+                let a = operand(&values, *a)?;
+                mlp(g, &a, layers)
+            }
+        };
+        values.push(value);
+    }
+    values.pop().ok_or(OnnxError::Ops { what: "no operations" })
+}
+
+/// An earlier op's value (a later one's is a malformed spec).
+fn operand(values: &[String], i: usize) -> Result<String, OnnxError> {
+    values.get(i).cloned().ok_or(OnnxError::Ops { what: "an operand that is not an earlier op" })
 }
 
 /// DIN's pooling of one sequence: Σ_k unit([q, k, q − k, q ⊙ k])·k over the

@@ -11,7 +11,7 @@ fn bench(c: &mut Criterion) {
     let dir = std::env::temp_dir().join("sparrow-train-step-bench");
     sparrow_data::synth::generate(&dir, 64 * 1024, 1, 1).expect("generate");
     let mut config = Config::default();
-    config.model.kind = ModelKind::Mlp;
+    config.model.kind = ModelKind::named("mlp");
     let batches: Vec<Batch> =
         BatchStream::spawn(&dir.join("train.tsv"), &config, 1024, Default::default(), 1, BadRows::new(0, 1))
             .expect("open")

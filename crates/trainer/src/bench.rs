@@ -94,7 +94,9 @@ impl Default for BenchOptions {
             thread_counts: vec![1, 2],
             train_steps: 300,
             kind_steps: 100,
-            kinds: ModelKind::ALL.to_vec(),
+            kinds: sparrow_model::kinds::of_family(sparrow_model::kinds::Family::OneTask)
+                .map(|k| ModelKind::named(k.name()))
+                .collect(),
             memory_rows: 4_000_000,
             gather_limit: GatherLimit::default(),
             work_dir: PathBuf::from("target/sparrow-bench"),
@@ -605,7 +607,7 @@ fn time_steps(
             samples += b.rows();
         }
         let rate = samples as f64 / start.elapsed().as_secs_f64();
-        let flops = sparrow_model::DenseModel::step_flops_per_sample(&config.model, trainer.model.shape);
+        let flops = sparrow_model::DenseModel::step_flops_per_sample(&config.model, trainer.model.shape)?;
         Ok((rate, trainer.phase_secs, samples, flops))
     })
 }
@@ -625,7 +627,7 @@ const KIND_ROUNDS: usize = 5;
 
 /// One (kind, precision) of the kinds table: its trainer and timed rounds.
 struct KindRun {
-    kind: ModelKind,
+    kind: &'static dyn sparrow_model::kinds::Kind,
     precision: Precision,
     trainer: Trainer,
     flops: f64,
@@ -644,25 +646,26 @@ struct KindRun {
 /// machine hits them alike; the mean and the fastest round are reported
 /// (their shares of the ceilings are the caller's to fill in).
 fn bench_kinds(o: &BenchOptions) -> Result<Vec<KindBench>, TrainError> {
-    let batches = bench_batches(o, &bench_config(o, ModelKind::Mlp))?;
-    let pool = crate::run::compute_pool(bench_config(o, ModelKind::Mlp).train.threads)?;
+    let batches = bench_batches(o, &bench_config(o, ModelKind::named("mlp")))?;
+    let pool = crate::run::compute_pool(bench_config(o, ModelKind::named("mlp")).train.threads)?;
     pool.install(|| {
         let mut runs = Vec::new();
-        for &kind in &o.kinds {
-            let stacked = !matches!(kind, ModelKind::Lr | ModelKind::Fm);
+        for name in &o.kinds {
+            let kind = sparrow_model::kinds::find(name)?;
+            let stacked = kind.has_products();
             for precision in [Precision::F32, Precision::Bf16] {
                 if precision == Precision::Bf16 && !stacked {
                     continue;
                 }
                 tracing::info!("bench: {} dense step, {precision:?}: warm-up", kind.name());
-                let mut config = bench_config(o, kind);
+                let mut config = bench_config(o, name.clone());
                 config.model.precision = precision;
                 let mut trainer = Trainer::new(&config, DataLayout::from_config(&config.data))?;
                 for b in batches.iter().take(20) {
                     trainer.train_batch(b)?;
                 }
                 trainer.phase_secs = Default::default();
-                let flops = sparrow_model::DenseModel::step_flops_per_sample(&config.model, trainer.model.shape);
+                let flops = kind.step_flops_per_sample(&config.model, trainer.model.shape);
                 let shape = trainer.model.shape;
                 let row_len =
                     trainer.model.packed_row_len().unwrap_or(shape.num_fields * shape.embedding_dim + shape.num_dense);
@@ -732,7 +735,7 @@ fn bench_kinds(o: &BenchOptions) -> Result<Vec<KindBench>, TrainError> {
 }
 
 fn bench_train_step(o: &BenchOptions) -> Result<TrainBench, TrainError> {
-    let config = bench_config(o, ModelKind::Mlp);
+    let config = bench_config(o, ModelKind::named("mlp"));
     let threads = config.train.threads;
     let peer = measured_peer_loop(&o.peer_runs);
     let batches = bench_batches(o, &config)?;

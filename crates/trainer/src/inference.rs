@@ -7,7 +7,6 @@
 //! export.
 
 use candle_core::Device;
-use sparrow_core::config::ModelKind;
 use sparrow_core::{Batch, Config};
 use sparrow_data::DataLayout;
 use sparrow_embedding::{EmbeddingTable, Initializer};
@@ -93,7 +92,8 @@ pub fn seeds(seed: u64) -> (u64, u64) {
 /// in `embedding.path/<subdir>`): the same widths, initial rows and floor.
 pub fn model_table(config: &Config, subdir: Option<&str>) -> Result<EmbeddingTable, sparrow_embedding::TableError> {
     let (emb_seed, _) = seeds(config.train.seed);
-    let width = DenseModel::embedding_width(config.model.kind, config.model.embedding_dim);
+    let width = DenseModel::embedding_width(&config.model.kind, config.model.embedding_dim)
+        .map_err(|e| sparrow_embedding::TableError::Config { key: "model.kind", message: e.to_string() })?;
     let init = Initializer::new(config.embedding.init, emb_seed);
     let table =
         EmbeddingTable::from_config(width, &config.embedding, init, subdir, ttl_floor(config), config.train.simd)?;
@@ -118,7 +118,10 @@ pub fn initial_model(config: &Config, layout: &DataLayout) -> Result<DenseModel,
         embedding_dim: config.model.embedding_dim,
     };
     let heads = sparrow_model::Heads::of(&config.tasks());
+    // The kinds' own refusals, before anything is built.
+    sparrow_model::kinds::check(config)?;
     // Only a model that attends (`din`) reads the sequences' pairs.
-    let pairs = if config.model.kind == ModelKind::Din { config.attention_pairs() } else { Vec::new() };
+    let attends = sparrow_model::kinds::find(&config.model.kind)?.attends();
+    let pairs = if attends { config.attention_pairs() } else { Vec::new() };
     Ok(DenseModel::with_attention(&config.model, shape, heads, &pairs, dense_seed, Device::Cpu, config.train.simd)?)
 }

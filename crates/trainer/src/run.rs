@@ -232,8 +232,9 @@ pub fn train_observed(
 /// it is not AVX-512-BF16's own product (the bits then differ from such a
 /// machine's, or the speed is the portable kernel's).
 pub fn note_precision(model: &sparrow_core::config::ModelConfig, simd: sparrow_core::simd::Simd) {
-    use sparrow_core::config::{ModelKind, Precision};
-    if model.precision != Precision::Bf16 || matches!(model.kind, ModelKind::Lr | ModelKind::Fm) {
+    use sparrow_core::config::Precision;
+    let has_products = sparrow_model::kinds::find(&model.kind).is_ok_and(|k| k.has_products());
+    if model.precision != Precision::Bf16 || !has_products {
         return;
     }
     match sparrow_model::bf16::path(simd) {

@@ -2,10 +2,11 @@
 //! asking for more memory than the machine has fails naming the key, instead
 //! of aborting on an allocation (exit 134) or being killed.
 
-use sparrow_core::config::{ModelConfig, ModelKind, Storage};
+use sparrow_core::config::{ModelConfig, Storage};
 use sparrow_core::{Config, ConfigError};
 use sparrow_data::DataLayout;
-use sparrow_model::DenseModel;
+use sparrow_model::ModelShape;
+use sparrow_model::kinds::{self, Kind};
 
 /// Bytes of memory this machine has (`MemTotal`), if the kernel says.
 pub fn machine_memory_bytes() -> Option<u64> {
@@ -15,58 +16,29 @@ pub fn machine_memory_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// Dense parameters of the configured model (weights and biases).
-fn dense_params(config: &Config, layout: &DataLayout) -> u128 {
-    let m = &config.model;
-    let (f, nd) = (layout.num_fields as u128, layout.num_dense as u128);
-    let d = m.embedding_dim as u128;
-    let w = DenseModel::embedding_width(m.kind, m.embedding_dim) as u128;
-    let mlp = |input: u128, sizes: &[usize]| {
-        let mut fan_in = input;
-        let mut n = 0u128;
-        for &s in sizes.iter().chain(std::iter::once(&1)) {
-            n += (fan_in + 1) * s as u128;
-            fan_in = s as u128;
-        }
-        n
-    };
-    match m.kind {
-        ModelKind::Lr | ModelKind::Fm => nd + 1,
-        ModelKind::Mlp | ModelKind::WideDeep | ModelKind::Deepfm => mlp(f * w + nd, &m.hidden) + nd + 1,
-        ModelKind::Dlrm => {
-            let n = f + u128::from(nd > 0);
-            let bottom = if nd > 0 { mlp(nd, &m.bottom_hidden) + (d + 1) * d } else { 0 };
-            bottom + mlp(n * n.saturating_sub(1) / 2 + d, &m.hidden)
-        }
-        ModelKind::Dcn => {
-            let x = f * d + nd;
-            m.cross_layers as u128 * (x * x + x) + mlp(x, &m.hidden)
-        }
-        // The MLP and an attention unit per sequence.
-        ModelKind::Din => {
-            mlp(f * d + nd, &m.hidden) + (config.sequence_fields().len() as u128) * mlp(4 * d, &m.attention_hidden)
-        }
-        // Experts (ending in their widths, not in 1: a bound), gates, towers.
-        ModelKind::Esmm => 2 * mlp(f * d + nd, &m.tower_hidden),
-        ModelKind::Mmoe | ModelKind::Ple => {
-            let x = f * d + nd;
-            let width = m.expert_hidden.last().copied().unwrap_or(1) as u128;
-            let per_level = (m.experts + m.task_experts) as u128;
-            let levels = if m.kind == ModelKind::Mmoe { 1 } else { m.levels as u128 };
-            levels * per_level * (mlp(x.max(width), &m.expert_hidden) + (x + 1) * per_level)
-                + 8 * mlp(width, &m.tower_hidden)
-        }
-    }
+/// The configured kind (an unknown name is refused naming `model.kind`).
+fn kind(config: &Config) -> Result<&'static dyn Kind, ConfigError> {
+    kinds::find(&config.model.kind)
+        .map_err(|e| ConfigError::Invalid { key: "model.kind".into(), message: e.to_string() })
+}
+
+fn shape(config: &Config, layout: &DataLayout) -> ModelShape {
+    ModelShape { num_fields: layout.num_fields, num_dense: layout.num_dense, embedding_dim: config.model.embedding_dim }
+}
+
+/// Dense parameters of the configured model (weights and biases), as its kind counts them.
+fn dense_params(kind: &dyn Kind, config: &Config, layout: &DataLayout) -> u128 {
+    kind.dense_params(config, shape(config, layout))
 }
 
 /// The dense model in memory: weights, gradient and two Adam moments.
-fn dense_bytes(config: &Config, layout: &DataLayout) -> u128 {
-    dense_params(config, layout) * 4 * 4
+fn dense_bytes(kind: &dyn Kind, config: &Config, layout: &DataLayout) -> u128 {
+    dense_params(kind, config, layout) * 4 * 4
 }
 
 /// The key that makes the dense model large: the one whose default would
 /// shrink it most.
-fn dense_culprit(config: &Config, layout: &DataLayout) -> &'static str {
+fn dense_culprit(kind: &dyn Kind, config: &Config, layout: &DataLayout) -> &'static str {
     /// Sets one key back to its default.
     type Reset = fn(&mut Config);
     let candidates: [(&'static str, Reset); 4] = [
@@ -80,7 +52,7 @@ fn dense_culprit(config: &Config, layout: &DataLayout) -> &'static str {
         .map(|(key, reset)| {
             let mut c = config.clone();
             reset(&mut c);
-            (*key, dense_bytes(&c, layout))
+            (*key, dense_bytes(kind, &c, layout))
         })
         .min_by_key(|&(_, bytes)| bytes)
         .map_or("model.hidden", |(key, _)| key)
@@ -88,24 +60,22 @@ fn dense_culprit(config: &Config, layout: &DataLayout) -> &'static str {
 
 /// What each key asks for, in bytes (rough, on the low side: an estimate
 /// that is too large must be far too large).
-fn estimates(config: &Config, layout: &DataLayout) -> Vec<(&'static str, u128)> {
+fn estimates(kind: &dyn Kind, config: &Config, layout: &DataLayout) -> Vec<(&'static str, u128)> {
     let m = &config.model;
     let f = layout.num_fields as u128;
-    let w = DenseModel::embedding_width(m.kind, m.embedding_dim) as u128;
+    let w = kind.embedding_width(m.embedding_dim) as u128;
     let batch = config.train.batch_size as u128;
     let widest = m.hidden.iter().chain(&m.bottom_hidden).copied().max().unwrap_or(1) as u128;
     // A parsed batch: a key, an inverse index and an offset per field, the
     // dense values and the label per row.
     let raw_batch = batch * (f * 16 + layout.num_dense as u128 * 4 + 4);
     // The step: pooled rows and their gradients, the widest layer's
-    // activations and gradients, the (DCN) cross input.
-    let step = batch
-        * 4
-        * (2 * f * w + 2 * widest + 2 * (f * w + layout.num_dense as u128) * u128::from(m.kind == ModelKind::Dcn));
+    // activations and gradients, what else the kind keeps a row (DCN-v2's cross input).
+    let step = batch * 4 * (2 * f * w + 2 * widest + kind.step_floats_per_row(shape(config, layout)));
     let mut out = vec![
         ("train.batch_size", raw_batch + step),
         ("data.prefetch_batches", 2 * config.data.prefetch_batches as u128 * raw_batch),
-        (dense_culprit(config, layout), dense_bytes(config, layout)),
+        (dense_culprit(kind, config, layout), dense_bytes(kind, config, layout)),
         // A lock shard's bookkeeping, before any row.
         ("embedding.table_shards", config.embedding.table_shards as u128 * 256),
         ("embedding.admit_sketch_counters", config.embedding.admit_sketch_counters as u128),
@@ -124,7 +94,7 @@ fn gib(bytes: u128) -> String {
 /// Refuses a config one of whose sizes alone needs more than `memory` bytes,
 /// naming the key (the first in the order above whose share is too large).
 pub fn check_against(config: &Config, layout: &DataLayout, memory: u64) -> Result<(), ConfigError> {
-    let all = estimates(config, layout);
+    let all = estimates(kind(config)?, config, layout);
     let total: u128 = all.iter().map(|e| e.1).sum();
     for (key, bytes) in &all {
         if *bytes > u128::from(memory) || (total > u128::from(memory) && *bytes * 2 > total) {
@@ -175,7 +145,7 @@ mod tests {
             (|c| c.embedding.admit_sketch_counters = 100_000_000_000, "embedding.admit_sketch_counters"),
             (
                 |c| {
-                    c.model.kind = ModelKind::Dcn;
+                    c.model.kind = sparrow_core::config::ModelKind::named("dcn");
                     c.model.cross_layers = 100_000;
                 },
                 "model.cross_layers",

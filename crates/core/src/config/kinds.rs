@@ -1,69 +1,58 @@
-//! `model.kind`: the dense network a job trains.
+//! `model.kind`: the dense network a job trains, by name.
+//!
+//! The kinds themselves live in the model crate, one file each, found
+//! through its registry (`sparrow_model::kinds::KINDS`): this crate does
+//! not know them. A name the registry lacks is refused where the config is
+//! first used (the command line's loader, the model's builder), naming the
+//! key and the kinds there are.
+
+use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum ModelKind {
-    /// Logistic regression: one weight per ID and per dense value.
-    Lr,
-    /// Factorization machine: first-order terms plus pairwise dot products.
-    Fm,
-    /// The fields' pooled vectors and the dense values, concatenated, into an MLP.
-    Mlp,
-    /// Wide & Deep: a linear part (one weight per ID) beside an MLP.
-    WideDeep,
-    /// DeepFM: an FM beside an MLP over the same vectors.
-    Deepfm,
-    /// DLRM: a bottom MLP on the dense values, pairwise dot products of
-    /// every vector, a top MLP.
-    #[default]
-    Dlrm,
-    /// DCN-v2: `cross_layers` cross layers beside an MLP.
-    Dcn,
-    /// Several tasks: ESMM's CTR and CTCVR towers.
-    Esmm,
-    /// Several tasks: shared experts, a gate and a tower per task.
-    Mmoe,
-    /// Several tasks: shared and task experts, progressive extraction.
-    Ple,
-    /// A behaviour sequence pooled by attention: each history item weighed
-    /// against the candidate item (DIN).
-    Din,
-}
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, Hash)]
+#[serde(transparent)]
+pub struct ModelKind(String);
 
 impl ModelKind {
-    /// The one-task kinds, in the book's order (docs/book/src/models.md).
-    pub const ALL: [ModelKind; 7] = [
-        ModelKind::Lr,
-        ModelKind::Fm,
-        ModelKind::Mlp,
-        ModelKind::WideDeep,
-        ModelKind::Deepfm,
-        ModelKind::Dlrm,
-        ModelKind::Dcn,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            ModelKind::Lr => "lr",
-            ModelKind::Fm => "fm",
-            ModelKind::Mlp => "mlp",
-            ModelKind::WideDeep => "wide_deep",
-            ModelKind::Deepfm => "deepfm",
-            ModelKind::Dlrm => "dlrm",
-            ModelKind::Dcn => "dcn",
-            ModelKind::Esmm => "esmm",
-            ModelKind::Mmoe => "mmoe",
-            ModelKind::Ple => "ple",
-            ModelKind::Din => "din",
-        }
+    /// The kind called `name` (not checked against the registry here).
+    pub fn named(name: &str) -> ModelKind {
+        ModelKind(name.to_string())
     }
 
-    /// The kinds built for several tasks (experts, towers).
-    pub const MULTI_TASK: [ModelKind; 3] = [ModelKind::Esmm, ModelKind::Mmoe, ModelKind::Ple];
+    pub fn name(&self) -> &str {
+        &self.0
+    }
 
-    pub fn is_multi_task(self) -> bool {
-        Self::MULTI_TASK.contains(&self)
+    /// Whether this is the kind called `name`.
+    pub fn is(&self, name: &str) -> bool {
+        self.0 == name
+    }
+}
+
+impl Default for ModelKind {
+    fn default() -> Self {
+        ModelKind::named("dlrm")
+    }
+}
+
+impl fmt::Display for ModelKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+// The allowed names are the model crate's registry: the command line
+// (`sparrow config --schema`) adds them to this schema as a `oneOf`.
+impl schemars::JsonSchema for ModelKind {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "ModelKind".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "type": "string",
+            "description": "A kind's name, as `sparrow kinds` lists them.",
+        })
     }
 }

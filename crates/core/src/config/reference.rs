@@ -112,10 +112,8 @@ mod tests {
         let model = &schema["definitions"]["ModelConfig"]["properties"];
         assert_eq!(model["embedding_dim"]["default"], 16);
         assert_eq!(model["hidden"]["default"], serde_json::json!([256, 128]));
-        let kinds = schema["definitions"]["ModelKind"].to_string();
-        for kind in ["lr", "dlrm", "din", "esmm"] {
-            assert!(kinds.contains(&format!("\"{kind}\"")), "{kind} missing from {kinds}");
-        }
+        // The kinds are the model crate's registry, added by the command line.
+        assert_eq!(schema["definitions"]["ModelKind"]["type"], "string");
         assert_eq!(schema["definitions"]["Config"], Value::Null, "the root is the config itself");
         assert_eq!(schema["additionalProperties"], false, "unknown keys are refused, as the loader does");
     }

@@ -6,7 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Config, ConfigError, DataFormat, ModelKind};
+use super::{Config, ConfigError, DataFormat};
 
 /// The longest `max_len` a sequence may keep (IDs per sample).
 pub const MAX_SEQUENCE_LEN: usize = 10_000;
@@ -346,37 +346,6 @@ impl Config {
                 "needs data.schema.multi_hot_separator (what separates a sequence cell's IDs)".into(),
             );
         }
-        let tasks = self.tasks();
-        let m = &self.model;
-        if m.kind == ModelKind::Esmm && (tasks.len() != 2 || tasks.iter().any(|t| !t.is_binary())) {
-            return invalid(
-                "model.kind",
-                "\"esmm\" takes two binary tasks: the click, then the conversion over every impression \
-                 (click and converted)"
-                    .into(),
-            );
-        }
-        if m.kind == ModelKind::Din && self.sequence_fields().is_empty() {
-            return invalid(
-                "model.kind",
-                "\"din\" attends over a behaviour sequence: set data.schema.sequence (with data.format = \"csv\" \
-                 or \"parquet\")"
-                    .into(),
-            );
-        }
-        if matches!(m.kind, ModelKind::Mmoe | ModelKind::Ple) && m.expert_hidden.is_empty() {
-            return invalid("model.expert_hidden", "needs a layer (the experts' width is its last)".into());
-        }
-        if (tasks.len() > 1 || !tasks[0].is_binary()) && matches!(self.model.kind, ModelKind::Lr | ModelKind::Fm) {
-            return invalid(
-                "model.tasks",
-                format!(
-                    "model.kind = \"{}\" has one output (no hidden layer to share): several tasks or a \
-                     multiclass task need a kind with a deep part",
-                    self.model.kind.name()
-                ),
-            );
-        }
         Ok(())
     }
 }
@@ -446,7 +415,7 @@ mod tests {
     /// Each refusal names its key.
     #[test]
     fn bad_tasks_and_sequences_name_their_key() {
-        let cases: [(&[&str], &str); 12] = [
+        let cases: [(&[&str], &str); 11] = [
             (&[r#"data.schema.sequence=[{field="hist",table="nowhere",max_len=5}]"#], "data.schema.sequence[0].table"),
             (&[r#"data.schema.sequence=[{field="hist",table="item",max_len=0}]"#], "data.schema.sequence[0].max_len"),
             (&[r#"data.schema.sequence=[{field="user",table="item",max_len=5}]"#], "data.schema.sequence[0].field"),
@@ -465,7 +434,6 @@ mod tests {
                 "model.tasks[0].weight",
             ),
             (&[r#"data.schema.labels=["click","click"]"#, "model.tasks=[]"], "data.schema.labels"),
-            (&["model.kind=\"lr\""], "model.tasks"),
             (&["eval.group_by=\"hist\""], "eval.group_by"),
             (&["data.schema.multi_hot_separator=\"\""], "data.schema.sequence"),
         ];

@@ -37,7 +37,7 @@ fn issue_example_parses() {
         &[],
     )
     .expect("parses");
-    assert_eq!(c.model.kind, ModelKind::Dlrm);
+    assert_eq!(c.model.kind, ModelKind::named("dlrm"));
     assert_eq!(c.data.train.as_deref(), Some("a.tsv"));
     assert_eq!(c.checkpoint.dir.as_deref(), Some("ck"));
 }

@@ -64,6 +64,9 @@ pub enum TableError {
     /// chain does not print it twice.
     #[error("SSD tier: {0}")]
     Ssd(std::io::Error),
+    /// A config the table cannot be laid out from (an unknown `model.kind`).
+    #[error("config: {key}: {message}")]
+    Config { key: &'static str, message: String },
 }
 
 impl From<std::io::Error> for TableError {

@@ -51,7 +51,7 @@ pub fn bench_tier(o: &TierBenchOptions) -> Result<TierBench, TrainError> {
     use sparrow_core::config::Storage;
     let (batch_size, fields, dense) = (1024usize, 26usize, 13usize);
     let mut config = Config::default();
-    config.model.kind = ModelKind::Mlp;
+    config.model.kind = ModelKind::named("mlp");
     config.model.hidden = vec![256, 128];
     config.train.batch_size = batch_size;
     config.train.threads = 2;

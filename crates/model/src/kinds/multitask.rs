@@ -1,4 +1,4 @@
-//! The multi-task kinds, on candle's graph (their gradients are its
+//! The network of the multi-task kinds (`esmm.rs`, `mmoe.rs`, `ple.rs`), on candle's graph (their gradients are its
 //! autograd's, checked against finite differences):
 //! - `mmoe` (Ma et al. 2018): shared experts; each task mixes them with a
 //!   softmax gate of its own over the input and puts the mix through its
@@ -17,7 +17,7 @@
 //! task's outputs.
 
 use candle_core::{D, Tensor};
-use sparrow_core::config::{ModelConfig, ModelKind};
+use sparrow_core::config::ModelConfig;
 
 use crate::ModelError;
 use crate::bf16::Arith;
@@ -36,8 +36,16 @@ struct Level {
     shared_gate: Option<Linear>,
 }
 
+/// Which of the multi-task kinds a [`MultiTask`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Which {
+    Esmm,
+    Mmoe,
+    Ple,
+}
+
 pub(super) struct MultiTask {
-    kind: ModelKind,
+    which: Which,
     levels: Vec<Level>,
     towers: Vec<Mlp>,
 }
@@ -54,8 +62,9 @@ fn experts(
 }
 
 impl MultiTask {
-    /// The network of `config.kind` on inputs of `input` values, a tower per head.
+    /// The network of kind `which` on inputs of `input` values, a tower per head.
     pub(super) fn new(
+        which: Which,
         ps: &mut ParamStore,
         config: &ModelConfig,
         input: usize,
@@ -70,8 +79,8 @@ impl MultiTask {
         let expert_out = config.expert_hidden.last().copied().unwrap_or(input);
         let mut levels = Vec::new();
         let mut towers = Vec::new();
-        match config.kind {
-            ModelKind::Esmm => {
+        match which {
+            Which::Esmm => {
                 if tasks != 2 || heads.iter().any(|h| h.multiclass) {
                     return Err(ModelError::Heads { kind: "esmm", outputs: heads.outputs() });
                 }
@@ -79,7 +88,7 @@ impl MultiTask {
                 towers.push(tower(ps, 0, input, 1)?);
                 towers.push(tower(ps, 1, input, 1)?);
             }
-            ModelKind::Mmoe => {
+            Which::Mmoe => {
                 let shared = experts(ps, "expert", config.experts, input, &config.expert_hidden, arith)?;
                 let gates = (0..tasks)
                     .map(|t| Linear::new(ps, &format!("gate.{t}"), input, config.experts))
@@ -89,7 +98,7 @@ impl MultiTask {
                     towers.push(tower(ps, t, expert_out, h.outputs)?);
                 }
             }
-            ModelKind::Ple => {
+            Which::Ple => {
                 let mut fan_in = input;
                 for l in 0..config.levels {
                     let top = l + 1 == config.levels;
@@ -140,15 +149,14 @@ impl MultiTask {
                     towers.push(tower(ps, t, expert_out, h.outputs)?);
                 }
             }
-            other => return Err(ModelError::Heads { kind: other.name(), outputs: heads.outputs() }),
         }
-        Ok(MultiTask { kind: config.kind, levels, towers })
+        Ok(MultiTask { which, levels, towers })
     }
 
     /// Logits `[B, outputs]` from input rows `x` `[B, input]`.
     pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
-        let outs = match self.kind {
-            ModelKind::Esmm => {
+        let outs = match self.which {
+            Which::Esmm => {
                 let a = self.towers[0].forward(x)?;
                 let b = self.towers[1].forward(x)?;
                 // −log(e^{−a} + e^{−b} + e^{−a−b}) as −logsumexp(−a, −b, −a−b).
@@ -203,13 +211,51 @@ impl MultiTask {
                 Ok(crate::spec::LevelSpec {
                     shared: mlps(&l.shared)?,
                     own: l.own.iter().map(|o| mlps(o)).collect::<Result<_, ModelError>>()?,
-                    gates: l.gates.iter().map(super::described::linear).collect::<Result<_, _>>()?,
-                    shared_gate: l.shared_gate.as_ref().map(super::described::linear).transpose()?,
+                    gates: l.gates.iter().map(crate::models::linear_spec).collect::<Result<_, _>>()?,
+                    shared_gate: l.shared_gate.as_ref().map(crate::models::linear_spec).transpose()?,
                 })
             })
             .collect::<Result<_, ModelError>>()?;
-        Ok(crate::spec::NetSpec::MultiTask { esmm: self.kind == ModelKind::Esmm, levels, towers: mlps(&self.towers)? })
+        Ok(crate::spec::NetSpec::MultiTask { esmm: self.which == Which::Esmm, levels, towers: mlps(&self.towers)? })
     }
+}
+
+impl super::Net for MultiTask {
+    fn forward(
+        &self,
+        at: &super::At,
+        emb: &Tensor,
+        dense: &Tensor,
+        _: &[(Tensor, Tensor)],
+    ) -> Result<Tensor, ModelError> {
+        MultiTask::forward(self, &super::parts::flat_with_dense(at, emb, dense)?)
+    }
+
+    fn spec(&self) -> Result<crate::spec::NetSpec, ModelError> {
+        MultiTask::spec(self)
+    }
+}
+
+/// MMoE's and PLE's `model.expert_hidden`, which sets the experts' width.
+pub(super) fn check_experts(config: &sparrow_core::Config) -> Result<(), sparrow_core::ConfigError> {
+    if config.model.expert_hidden.is_empty() {
+        return Err(sparrow_core::ConfigError::Invalid {
+            key: "model.expert_hidden".into(),
+            message: "needs a layer (the experts' width is its last)".into(),
+        });
+    }
+    Ok(())
+}
+
+/// MMoE's and PLE's dense parameters over `levels` levels: experts (ending
+/// in their widths, not in 1: a bound), gates, towers.
+pub(super) fn experts_params(config: &ModelConfig, shape: crate::models::ModelShape, levels: u128) -> u128 {
+    use super::parts::mlp_params;
+    let x = (shape.num_fields * shape.embedding_dim + shape.num_dense) as u128;
+    let width = config.expert_hidden.last().copied().unwrap_or(1) as u128;
+    let per_level = (config.experts + config.task_experts) as u128;
+    levels * per_level * (mlp_params(x.max(width), &config.expert_hidden) + (x + 1) * per_level)
+        + 8 * mlp_params(width, &config.tower_hidden)
 }
 
 /// Σ_k softmax(gate)_k · expert_k: `gate` `[B, K]`, each expert `[B, H]`.
@@ -235,10 +281,10 @@ mod tests {
             Task { name: "click".into(), kind: TaskKind::Binary, outputs: 1, weight: 1.0 },
             Task { name: "conversion".into(), kind: TaskKind::Binary, outputs: 1, weight: 1.0 },
         ]);
-        let config = ModelConfig { kind: ModelKind::Esmm, tower_hidden: vec![5], ..ModelConfig::default() };
+        let config = ModelConfig { tower_hidden: vec![5], ..ModelConfig::default() };
         let mut ps = ParamStore::new(3, Device::Cpu);
-        let net = MultiTask::new(&mut ps, &config, 4, &heads, Arith::new(config.precision, Default::default()))
-            .expect("esmm");
+        let arith = Arith::new(config.precision, Default::default());
+        let net = MultiTask::new(Which::Esmm, &mut ps, &config, 4, &heads, arith).expect("esmm");
         // Inputs large enough that a tower saturates in some rows.
         let x: Vec<f32> = (0..40).map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.9).collect();
         let x = Tensor::from_vec(x, (10, 4), &Device::Cpu).expect("x");

@@ -15,23 +15,71 @@
 
 use candle_core::{DType, Tensor};
 use sparrow_core::config::ModelConfig;
+use sparrow_core::{Config, ConfigError};
 
+use super::parts::{head, mlp_params, stack_flops};
+use super::{At, Build, Family, Kind, Net};
 use crate::ModelError;
 use crate::bf16::Arith;
 use crate::mlp::Mlp;
+use crate::models::ModelShape;
 use crate::params::ParamStore;
 
-/// A batch's behaviour sequences, unpooled, for a model that attends over
-/// them: one entry per sequence field, in [`DenseModel::attention`](super::DenseModel::attention)'s order.
-#[derive(Clone, Debug, Default)]
-pub struct Sequences {
-    /// Per field: the row each history position belongs to (ascending).
-    pub rows: Vec<Vec<u32>>,
-    /// Per field: each position's embedding row, `[positions × width]`.
-    pub items: Vec<Vec<f32>>,
+pub(super) struct Din;
+
+impl Kind for Din {
+    fn name(&self) -> &'static str {
+        "din"
+    }
+
+    fn about(&self) -> &'static str {
+        "A behaviour sequence pooled by attention: each history item weighed against the candidate item (DIN)."
+    }
+
+    fn family(&self) -> Family {
+        Family::Sequence
+    }
+
+    fn attends(&self) -> bool {
+        true
+    }
+
+    fn check(&self, config: &Config) -> Result<(), ConfigError> {
+        if config.sequence_fields().is_empty() {
+            return Err(ConfigError::Invalid {
+                key: "model.kind".into(),
+                message: "\"din\" attends over a behaviour sequence: set data.schema.sequence (with data.format = \
+                          \"csv\" or \"parquet\")"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn build(&self, at: &mut Build<'_>) -> Result<Box<dyn Net>, ModelError> {
+        let f = at.shape.num_fields;
+        if at.pairs.is_empty() || at.pairs.iter().any(|&(s, q)| s >= f || q >= f) {
+            return Err(ModelError::Sequences { expected: at.pairs.len().max(1), found: 0 });
+        }
+        let input = at.flat_len();
+        Ok(Box::new(DinNet::new(at.ps, at.config, at.pairs, input, at.outputs(), at.arith)?))
+    }
+
+    /// The MLP; the attention units' work grows with the history's length.
+    fn step_flops_per_sample(&self, config: &ModelConfig, shape: ModelShape) -> f64 {
+        let x = (shape.num_fields * shape.embedding_dim + shape.num_dense) as f64;
+        stack_flops(x, &head(&config.hidden, 1))
+    }
+
+    /// The MLP and an attention unit per sequence.
+    fn dense_params(&self, config: &Config, shape: ModelShape) -> u128 {
+        let (m, d) = (&config.model, shape.embedding_dim as u128);
+        let x = (shape.num_fields * shape.embedding_dim + shape.num_dense) as u128;
+        mlp_params(x, &m.hidden) + (config.sequence_fields().len() as u128) * mlp_params(4 * d, &m.attention_hidden)
+    }
 }
 
-pub(super) struct Din {
+struct DinNet {
     /// (sequence slot, candidate slot) among the fields, one per sequence.
     pairs: Vec<(usize, usize)>,
     /// One local activation unit per sequence.
@@ -39,15 +87,15 @@ pub(super) struct Din {
     mlp: Mlp,
 }
 
-impl Din {
-    pub(super) fn new(
+impl DinNet {
+    fn new(
         ps: &mut ParamStore,
         config: &ModelConfig,
         pairs: &[(usize, usize)],
         input: usize,
         outputs: usize,
         arith: Arith,
-    ) -> Result<Din, ModelError> {
+    ) -> Result<DinNet, ModelError> {
         let d = config.embedding_dim;
         let score: Vec<usize> = config.attention_hidden.iter().copied().chain([1]).collect();
         let units = (0..pairs.len())
@@ -55,11 +103,12 @@ impl Din {
             .collect::<Result<_, _>>()?;
         let sizes: Vec<usize> = config.hidden.iter().copied().chain([outputs]).collect();
         let mlp = Mlp::new(ps, "mlp", input, &sizes, false, arith)?;
-        Ok(Din { pairs: pairs.to_vec(), units, mlp })
+        Ok(DinNet { pairs: pairs.to_vec(), units, mlp })
     }
+}
 
-    /// Its structure and weights for an exporter.
-    pub(super) fn spec(&self) -> Result<crate::spec::NetSpec, ModelError> {
+impl Net for DinNet {
+    fn spec(&self) -> Result<crate::spec::NetSpec, ModelError> {
         Ok(crate::spec::NetSpec::Din {
             pairs: self.pairs.clone(),
             units: self.units.iter().map(Mlp::layers).collect::<Result<_, _>>()?,
@@ -67,15 +116,16 @@ impl Din {
         })
     }
 
-    pub(super) fn pairs(&self) -> &[(usize, usize)] {
+    fn attention(&self) -> &[(usize, usize)] {
         &self.pairs
     }
 
     /// Logits `[B, outputs]` from pooled fields `emb` `[B, F, D]` (a
     /// sequence's own slot is replaced), `dense` `[B, num_dense]` and each
     /// sequence's `items` `[P_j, D]` with the `rows` `[P_j]` (u32) they sit in.
-    pub(super) fn forward(
+    fn forward(
         &self,
+        _at: &At,
         emb: &Tensor,
         dense: &Tensor,
         items: &[(Tensor, Tensor)],

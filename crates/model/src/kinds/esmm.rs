@@ -1,0 +1,57 @@
+//! `esmm` (Ma et al. 2018): a CTR tower and a CVR tower of
+//! `model.tower_hidden` on the shared embeddings; the second task is
+//! pCTCVR = pCTR × pCVR (`multitask.rs`).
+
+use sparrow_core::config::ModelConfig;
+use sparrow_core::{Config, ConfigError};
+
+use super::multitask::{MultiTask, Which};
+use super::parts::{head, mlp_params, stack_flops};
+use super::{Build, Family, Kind, Net};
+use crate::ModelError;
+use crate::models::ModelShape;
+
+pub(super) struct Esmm;
+
+impl Kind for Esmm {
+    fn name(&self) -> &'static str {
+        "esmm"
+    }
+
+    fn about(&self) -> &'static str {
+        "Several tasks: ESMM's CTR and CTCVR towers."
+    }
+
+    fn family(&self) -> Family {
+        Family::MultiTask
+    }
+
+    fn check(&self, config: &Config) -> Result<(), ConfigError> {
+        let tasks = config.tasks();
+        if tasks.len() != 2 || tasks.iter().any(|t| !t.is_binary()) {
+            return Err(ConfigError::Invalid {
+                key: "model.kind".into(),
+                message: "\"esmm\" takes two binary tasks: the click, then the conversion over every impression \
+                          (click and converted)"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn build(&self, at: &mut Build<'_>) -> Result<Box<dyn Net>, ModelError> {
+        let input = at.flat_len();
+        Ok(Box::new(MultiTask::new(Which::Esmm, at.ps, at.config, input, at.heads, at.arith)?))
+    }
+
+    /// The two towers (one output each).
+    fn step_flops_per_sample(&self, config: &ModelConfig, shape: ModelShape) -> f64 {
+        let x = (shape.num_fields * shape.embedding_dim + shape.num_dense) as f64;
+        2.0 * stack_flops(x, &head(&config.tower_hidden, 1))
+    }
+
+    fn dense_params(&self, config: &Config, shape: ModelShape) -> u128 {
+        let x = (shape.num_fields * shape.embedding_dim + shape.num_dense) as u128;
+        2 * mlp_params(x, &config.model.tower_hidden)
+    }
+}
