@@ -56,3 +56,18 @@ fn the_books_configuration_chapter_is_what_the_config_types_generate() {
         assert!(entry.contains(part), "{part:?} missing from {entry}");
     }
 }
+
+/// The book's table of kinds (docs/book/src/models.md) names every kind of
+/// the registry, and no kind the registry lacks.
+#[test]
+fn the_book_lists_every_registered_kind() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let book = std::fs::read_to_string(root.join("docs/book/src/models.md")).expect("models.md");
+    let listed: Vec<&str> = book
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `"))
+        .filter_map(|l| l.split('`').next())
+        .filter(|name| *name != "model.kind")
+        .collect();
+    assert_eq!(listed, sparrow_model::kinds::names(), "models.md's table against the registry");
+}

@@ -18,9 +18,9 @@ use crate::bf16::Arith;
 use crate::fused::Simd;
 use crate::heads::Heads;
 use crate::mlp::{Mlp, MlpScratch};
-use crate::models::{ModelShape, Scratch};
 use crate::params::ParamStore;
 use crate::spec::NetSpec;
+use crate::step::{ModelShape, Scratch};
 
 mod beside;
 mod dcn;

@@ -17,6 +17,7 @@ pub mod optimizer;
 pub mod params;
 pub mod peak;
 pub mod spec;
+pub mod step;
 
 pub use heads::Heads;
 pub use models::{DenseModel, ModelShape, Sequences, StepOutput};

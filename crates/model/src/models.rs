@@ -6,7 +6,6 @@
 use candle_core::{D, Device, Tensor, Var};
 use rayon::prelude::*;
 use sparrow_core::config::{ModelConfig, ModelKind, Precision};
-use sparrow_core::metrics::logistic_loss_and_sigmoid;
 
 use crate::ModelError;
 use crate::bf16::Arith;
@@ -18,15 +17,7 @@ mod described;
 mod direct;
 use crate::optimizer::{DenseGrads, DenseOptimizer};
 use crate::params::ParamStore;
-pub(crate) use described::linear as linear_spec;
-pub use direct::Scratch;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ModelShape {
-    pub num_fields: usize,
-    pub num_dense: usize,
-    pub embedding_dim: usize,
-}
+pub use crate::step::{ModelShape, Scratch};
 
 /// A batch's behaviour sequences, unpooled, for a model that attends over
 /// them: one entry per sequence field, in [`DenseModel::attention`]'s order.
@@ -46,7 +37,7 @@ pub struct DenseModel {
     /// The layout its steps read.
     at: At,
     /// Buffers of the direct step, reused across steps.
-    scratch: std::sync::Mutex<direct::Scratch>,
+    scratch: std::sync::Mutex<crate::step::Scratch>,
     /// `train.simd`: whether its kernels may take their SIMD versions.
     simd: Simd,
     /// Its outputs, a group per task, and their loss.
@@ -193,7 +184,7 @@ impl DenseModel {
         if self.is_direct() {
             let x = self.concat_rows(&emb, &dense, rows)?;
             // Its own buffers: predictions may run beside a training step.
-            return self.forward_direct(&x, rows, &mut direct::Scratch::default());
+            return self.forward_direct(&x, rows, &mut crate::step::Scratch::default());
         }
         let (emb, dense) = self.inputs(emb, dense, rows)?;
         let items = self.sequence_inputs(sequences, rows)?;
@@ -259,21 +250,9 @@ impl DenseModel {
             .zip(labels)
             .enumerate()
             .with_min_len(256)
-            .map(|(i, (&x, &y))| Self::loss_and_seed_row(x, y, weights.map_or(1.0, |w| f64::from(w[i])), inv_b))
+            .map(|(i, (&x, &y))| crate::step::loss_and_seed_row(x, y, weights.map_or(1.0, |w| f64::from(w[i])), inv_b))
             .unzip();
         (losses.iter().fold(0.0, |sum, l| sum + l) * inv_b, seed)
-    }
-
-    /// One row of [`loss_and_seed`](Self::loss_and_seed): its loss times
-    /// `weight`, and d (mean loss) / d logit (`inv_b`: one over the rows).
-    #[inline]
-    pub(crate) fn loss_and_seed_row(logit: f32, label: f32, weight: f64, inv_b: f64) -> (f64, f32) {
-        // A masked label (`data.schema.labels`, an empty cell) adds nothing.
-        if label.is_nan() {
-            return (0.0, 0.0);
-        }
-        let (loss, p) = logistic_loss_and_sigmoid(f64::from(logit), f64::from(label));
-        (weight * loss, ((p - f64::from(label)) * weight * inv_b) as f32)
     }
 
     /// A NaN or infinite loss stops the step before anything is updated.

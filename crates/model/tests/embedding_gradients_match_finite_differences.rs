@@ -346,8 +346,8 @@ fn check_packed_dense_gradient(
             let (mut plus, mut minus) = (dense.clone(), dense.clone());
             plus[r * 2 + k] += h;
             minus[r * 2 + k] -= h;
-            let numeric = (mean_loss(model, &emb, &plus, labels) - mean_loss(model, &emb, &minus, labels))
-                / (2.0 * f64::from(h));
+            let numeric =
+                (mean_loss(model, &emb, &plus, labels) - mean_loss(model, &emb, &minus, labels)) / (2.0 * f64::from(h));
             let analytic = f64::from(grad_x[r * row + 3 * width + k]);
             assert!(
                 (numeric - analytic).abs() <= 2e-3 + 2e-2 * numeric.abs(),

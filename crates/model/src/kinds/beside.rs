@@ -9,8 +9,8 @@ use super::parts::{flat_with_dense, head, vectors};
 use super::{At, Build, Direct, Grads, Net};
 use crate::ModelError;
 use crate::mlp::{Mlp, MlpScratch, sized};
-use crate::models::Scratch;
 use crate::spec::NetSpec;
+use crate::step::Scratch;
 
 pub(super) struct Beside {
     first: FirstOrder,

@@ -11,9 +11,9 @@ use super::{At, Build, Direct, Grads, Kind, Net};
 use crate::ModelError;
 use crate::bf16::Arith;
 use crate::mlp::{CrossGrads, Mlp, MlpScratch, cpu, cross_backward, cross_forward, sized};
-use crate::models::{ModelShape, Scratch, linear_spec};
 use crate::params::Linear;
 use crate::spec::NetSpec;
+use crate::step::{ModelShape, Scratch, linear_spec};
 
 pub(super) struct Dcn;
 

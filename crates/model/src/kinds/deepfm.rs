@@ -8,7 +8,7 @@ use super::beside::Beside;
 use super::parts::{head, mlp_params, stack_flops};
 use super::{Build, Kind, Net};
 use crate::ModelError;
-use crate::models::ModelShape;
+use crate::step::ModelShape;
 
 pub(super) struct DeepFm;
 

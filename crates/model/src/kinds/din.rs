@@ -22,8 +22,8 @@ use super::{At, Build, Family, Kind, Net};
 use crate::ModelError;
 use crate::bf16::Arith;
 use crate::mlp::Mlp;
-use crate::models::ModelShape;
 use crate::params::ParamStore;
+use crate::step::ModelShape;
 
 pub(super) struct Din;
 

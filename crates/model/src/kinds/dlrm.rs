@@ -13,8 +13,8 @@ use super::{At, Build, Direct, Grads, Kind, Net};
 use crate::ModelError;
 use crate::fused::{PairwiseDots, RowBuf, Vectors, pairwise_dots_grad_row, pairwise_dots_row};
 use crate::mlp::{Mlp, MlpScratch, sized};
-use crate::models::{ModelShape, Scratch};
 use crate::spec::NetSpec;
+use crate::step::{ModelShape, Scratch};
 
 pub(super) struct Dlrm;
 

@@ -9,7 +9,7 @@ use super::multitask::{MultiTask, Which};
 use super::parts::{head, mlp_params, stack_flops};
 use super::{Build, Family, Kind, Net};
 use crate::ModelError;
-use crate::models::ModelShape;
+use crate::step::ModelShape;
 
 pub(super) struct Esmm;
 

@@ -11,10 +11,10 @@ use super::{At, Grads, WholeStep};
 use crate::ModelError;
 use crate::fused::{FM_ROWS_AT_ONCE, FirstOrderFm, GradRows, Simd, first_order_fm_grad_rows, first_order_fm_rows};
 use crate::mlp::sized;
-use crate::models::{DenseModel, Scratch};
 use crate::optimizer::all_finite;
 use crate::params::{Linear, ParamStore};
 use crate::spec::DenseLayer;
+use crate::step::{Scratch, loss_and_seed_row};
 
 /// Rows a task of the first-order and FM passes takes.
 const ROWS_PER_TASK: usize = 4 * FM_ROWS_AT_ONCE;
@@ -142,7 +142,7 @@ impl FirstOrder {
 
     /// The dense values' layer and the bias, for an exporter.
     pub(crate) fn spec(&self) -> Result<(Option<DenseLayer>, f32), ModelError> {
-        let dense = self.dense.as_ref().map(crate::models::linear_spec).transpose()?;
+        let dense = self.dense.as_ref().map(crate::step::linear_spec).transpose()?;
         Ok((dense, values(&self.bias)?[0]))
     }
 
@@ -224,7 +224,7 @@ impl FirstOrder {
                 {
                     let i = first_row + r;
                     let weight = weights.map_or(1.0, |w| f64::from(w[i]));
-                    (*loss, *seed) = DenseModel::loss_and_seed_row(logit, labels[i], weight, inv_b);
+                    (*loss, *seed) = loss_and_seed_row(logit, labels[i], weight, inv_b);
                 }
                 finite &= terms.input_grads(x, seed, sums, grad);
             }

@@ -7,7 +7,7 @@ use sparrow_core::config::ModelConfig;
 use super::first_order::FirstOrder;
 use super::{Build, Kind, Net};
 use crate::ModelError;
-use crate::models::ModelShape;
+use crate::step::ModelShape;
 
 pub(super) struct Fm;
 

@@ -9,8 +9,8 @@ use super::parts::{flat_with_dense, head, mlp_params, stack_flops};
 use super::{At, Build, Direct, Grads, Kind, Net};
 use crate::ModelError;
 use crate::mlp::{Mlp, MlpScratch};
-use crate::models::{ModelShape, Scratch};
 use crate::spec::NetSpec;
+use crate::step::{ModelShape, Scratch};
 
 pub(super) struct MlpKind;
 

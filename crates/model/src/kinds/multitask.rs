@@ -211,8 +211,8 @@ impl MultiTask {
                 Ok(crate::spec::LevelSpec {
                     shared: mlps(&l.shared)?,
                     own: l.own.iter().map(|o| mlps(o)).collect::<Result<_, ModelError>>()?,
-                    gates: l.gates.iter().map(crate::models::linear_spec).collect::<Result<_, _>>()?,
-                    shared_gate: l.shared_gate.as_ref().map(crate::models::linear_spec).transpose()?,
+                    gates: l.gates.iter().map(crate::step::linear_spec).collect::<Result<_, _>>()?,
+                    shared_gate: l.shared_gate.as_ref().map(crate::step::linear_spec).transpose()?,
                 })
             })
             .collect::<Result<_, ModelError>>()?;
@@ -249,7 +249,7 @@ pub(super) fn check_experts(config: &sparrow_core::Config) -> Result<(), sparrow
 
 /// MMoE's and PLE's dense parameters over `levels` levels: experts (ending
 /// in their widths, not in 1: a bound), gates, towers.
-pub(super) fn experts_params(config: &ModelConfig, shape: crate::models::ModelShape, levels: u128) -> u128 {
+pub(super) fn experts_params(config: &ModelConfig, shape: crate::step::ModelShape, levels: u128) -> u128 {
     use super::parts::mlp_params;
     let x = (shape.num_fields * shape.embedding_dim + shape.num_dense) as u128;
     let width = config.expert_hidden.last().copied().unwrap_or(1) as u128;

@@ -14,8 +14,8 @@ use super::parts::{head, mlp_params, stack_flops, vectors};
 use super::{At, Build, Kind, Net};
 use crate::ModelError;
 use crate::mlp::Mlp;
-use crate::models::ModelShape;
 use crate::spec::{NetSpec, Op};
+use crate::step::ModelShape;
 
 pub(super) struct Nfm;
 

@@ -10,7 +10,7 @@ use super::multitask::{MultiTask, Which, check_experts, experts_params};
 use super::parts::{head, stack_flops};
 use super::{Build, Family, Kind, Net};
 use crate::ModelError;
-use crate::models::ModelShape;
+use crate::step::ModelShape;
 
 pub(super) struct Ple;
 

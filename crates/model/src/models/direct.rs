@@ -13,34 +13,8 @@
 use super::DenseModel;
 use crate::ModelError;
 use crate::kinds::{Direct, Grads, WholeStep};
-use crate::mlp::MlpScratch;
 use crate::optimizer::DenseGrads;
-
-/// Buffers of the direct step, kept between steps (each kind uses those it needs).
-#[derive(Default)]
-pub struct Scratch {
-    /// The deep (DLRM: top) MLP's.
-    pub(crate) deep: MlpScratch,
-    /// DLRM's bottom MLP's.
-    pub(crate) bottom: MlpScratch,
-    /// The deep MLP's input rows where they are not the input's (Wide&Deep
-    /// and DeepFM: without the first-order columns; DLRM: the top MLP's).
-    pub(crate) x: Vec<f32>,
-    /// DLRM: the dense values alone (the bottom MLP's input).
-    pub(crate) dense: Vec<f32>,
-    /// DCN-v2: each cross layer's output and gate.
-    pub(crate) cross_out: Vec<Vec<f32>>,
-    pub(crate) gates: Vec<Vec<f32>>,
-    /// FM and DeepFM: each row's Σ_f v_f from the forward pass, for the backward.
-    pub(crate) fm_sums: Vec<f32>,
-    /// d loss / d input, in the input's layout: what the step hands back.
-    pub(crate) grad_x: Vec<f32>,
-    /// Backward buffers: DCN-v2's gradients at a layer's input and at its
-    /// gate; DLRM's at the bottom MLP's output.
-    pub(crate) grad_in: Vec<f32>,
-    pub(crate) grad_gate: Vec<f32>,
-    pub(crate) grad_t: Vec<f32>,
-}
+use crate::step::Scratch;
 
 /// What [`DenseModel::whole_step`] computed.
 pub(super) struct FirstOrderStep {
