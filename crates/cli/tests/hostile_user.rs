@@ -196,6 +196,43 @@ fn skip_batch_goes_on_past_non_finite_batches_and_counts_them() {
     assert!(stderr(&out).contains("skipping the batch of step 2"), "{}", stderr(&out));
 }
 
+/// `skip_batch` in a cluster job: with one worker it skips the batches
+/// `train` skips and ends with `train`'s model; with two, a worker that
+/// skips meets the dense sum with nothing, so no one waits, and every
+/// skipped batch is counted.
+#[test]
+fn skip_batch_in_a_cluster_job_skips_what_train_skips_and_keeps_the_workers_in_step() {
+    let job = Job::new(8000);
+    let sets = |dir: &'static str| ["dense_optimizer.learning_rate=1e10", "train.on_non_finite=skip_batch", dir];
+    let single = job.train(&sets("checkpoint.dir=\"ck-train\""));
+    ok(&single);
+    let single = last_json(&single);
+    let out = job.launch("2", "1", &sets("checkpoint.dir=\"ck-launch\""));
+    ok(&out);
+    let cluster = last_json(&out);
+    for key in ["skipped_batches", "train_rows", "test_auc", "test_logloss"] {
+        assert_eq!(cluster[key], single[key], "{key}: launch {cluster}, train {single}");
+    }
+    // The dense weights of both final checkpoints, byte for byte (the
+    // diverged model scores NaN: its AUC alone would prove little).
+    let dense = |dir: &str| {
+        let latest = std::fs::read_to_string(job.path(&format!("{dir}/LATEST"))).expect("LATEST");
+        std::fs::read(job.path(&format!("{dir}/{}/dense.safetensors", latest.trim()))).expect("dense weights")
+    };
+    assert!(dense("ck-train") == dense("ck-launch"), "launch's dense weights differ from train's");
+    let out = job.launch("2", "2", &sets("checkpoint.dir=\"ck-pair\""));
+    ok(&out);
+    let pair = last_json(&out);
+    // The first step trains each worker's batch (a worker the other kept
+    // waiting may train another at the same weights); every later batch
+    // diverges and is skipped, and none is lost: trained + skipped = all.
+    let trained = pair["train_rows"].as_u64().expect("train_rows") / 256;
+    assert!(trained >= 2, "{pair}");
+    assert_eq!(pair["steps"], 1, "{pair}");
+    assert_eq!(pair["skipped_batches"].as_u64(), Some(8000_u64.div_ceil(256) - trained), "{pair}");
+    assert_eq!(pair["replicas_identical"], true, "{pair}");
+}
+
 /// The cluster hung forever here: worker 0 spun in AUC while its heartbeats
 /// kept the coordinator content. Now the worker stops naming the step, and
 /// the whole job ends.

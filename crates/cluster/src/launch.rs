@@ -619,8 +619,7 @@ fn merge(
         eval_secs: first.eval_secs,
         test_rows: first.test_rows,
         test_nan_predictions: first.test_nan_predictions,
-        // train.on_non_finite = "skip_batch" is refused in a cluster job.
-        skipped_batches: 0,
+        skipped_batches: workers.iter().map(|w| w.skipped_batches).sum(),
         merged_samples: workers.iter().map(|w| w.merged_samples).max().unwrap_or(0),
         dropped_samples: workers.iter().map(|w| w.dropped_samples).max().unwrap_or(0),
         sample_weight_sum: workers.iter().map(|w| w.sample_weight_sum).sum(),

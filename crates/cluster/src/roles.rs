@@ -602,6 +602,9 @@ pub struct WorkerSummary {
     pub merged_samples: u64,
     pub dropped_samples: u64,
     pub sample_weight_sum: f64,
+    /// Batches skipped for a non-finite loss or gradient (`train.on_non_finite = "skip_batch"`).
+    #[serde(default)]
+    pub skipped_batches: u64,
     /// `cluster.mode = "collocated"`: the shards' second levels (worker 0),
     /// the loader's pass counters, and row bytes from other nodes' shards.
     pub second_level: Option<crate::second_level::SecondLevelStats>,
@@ -887,6 +890,7 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Attempt) -> Result<Worker
     summary.merged_samples = s.merged_samples;
     summary.dropped_samples = s.dropped_samples;
     summary.sample_weight_sum = s.sample_weight_sum;
+    summary.skipped_batches = s.skipped_batches;
     summary.passes = s.passes;
     summary.bytes_from_remote_shards = s.bytes_from_remote_shards;
     summary.stream = s.last_stream.clone();

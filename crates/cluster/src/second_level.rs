@@ -239,12 +239,24 @@ impl SecondLevel {
     /// `keys`, then counts the batch pushed: the last batch of a pass frees
     /// its rows no later pass holds, writing them back into level 1.
     pub fn apply(&self, l1: &EmbeddingTable, batch_id: u64, keys: &[u64], grads: &[f32]) -> Result<(), ClusterError> {
+        self.apply_or_release(l1, batch_id, keys, Some(grads))
+    }
+
+    /// [`apply`](Self::apply), or (`None`) the batch counted pushed with no
+    /// row updated: its worker skipped it.
+    pub fn apply_or_release(
+        &self,
+        l1: &EmbeddingTable,
+        batch_id: u64,
+        keys: &[u64],
+        grads: Option<&[f32]>,
+    ) -> Result<(), ClusterError> {
         let mut guard = self.state.lock();
         let state = &mut *guard;
         if let Some(key) = keys.iter().find(|k| !state.rows.contains_key(k)) {
             return Err(self.not_staged(*key));
         }
-        for (key, g) in keys.iter().zip(grads.chunks_exact(self.dim)) {
+        for (key, g) in keys.iter().zip(grads.unwrap_or_default().chunks_exact(self.dim)) {
             if let Some(row) = state.rows.get_mut(key) {
                 let (w, opt_state) = row.split_at_mut(self.dim);
                 let stochastic = self.stochastic_seed.map(|seed| (seed, *key));

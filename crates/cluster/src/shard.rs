@@ -281,7 +281,9 @@ impl ShardService for ShardServer {
                 Some(Pending::Pulled { plan, .. }) => plan.inverse.len() * dim,
                 _ => return Err(ClusterError::UnknownBatch { shard: self.index, batch_id }),
             };
-            if grads.len() != expected {
+            // No gradients for a batch with rows here: its worker skipped it.
+            let released = grads.is_empty() && expected > 0;
+            if grads.len() != expected && !released {
                 return Err(ClusterError::WrongSize {
                     shard: self.index,
                     batch_id,
@@ -295,6 +297,10 @@ impl ShardService for ShardServer {
                 _ => return Err(ClusterError::UnknownBatch { shard: self.index, batch_id }),
             }
         };
+        if grads.is_empty() && !plan.inverse.is_empty() {
+            self.training.release(&self.table, batch_id, &plan, slots)?;
+            return self.bound(newest_record_ms);
+        }
         // Back to this shard's unique order, duplicates summed (S3.7).
         let mut summed = vec![0.0f32; plan.num_unique() * dim];
         for (i, &u) in plan.inverse.iter().enumerate() {
@@ -413,6 +419,27 @@ mod tests {
         assert_eq!(shard.table().len(), 0, "no row was looked up or inserted");
         shard.enqueue(8, (0..1000).collect(), Mode::Train, None).expect("queued");
         assert_eq!(shard.pull(8).expect("fits").len(), 1000 * 16);
+    }
+
+    /// A batch its worker skipped (`train.on_non_finite = "skip_batch"`) is
+    /// let go with no row updated; a push of the wrong size is still refused.
+    #[test]
+    fn a_released_batch_is_forgotten_without_an_update() {
+        let optimizer = SparseOptimizer::Adagrad { lr: 0.5, eps: 1e-8 };
+        let table = EmbeddingTable::new(4, optimizer, Initializer::new(InitConfig::default(), 1), 4);
+        let shard = ShardServer::new(0, table);
+        shard.enqueue(1, vec![10, 11, 10], Mode::Train, None).expect("queued");
+        let before = shard.pull(1).expect("pulled");
+        assert!(shard.push(1, vec![0.5; 4]).is_err(), "a wrong-sized push is refused");
+        assert_eq!(shard.pending_batches(), 1, "and leaves the batch held");
+        shard.release(1).expect("released");
+        assert_eq!(shard.pending_batches(), 0, "the batch is forgotten");
+        assert!(shard.push(1, vec![0.5; 12]).is_err(), "a released batch takes no push");
+        shard.enqueue(2, vec![10, 11, 10], Mode::Train, None).expect("queued");
+        assert_eq!(shard.pull(2).expect("pulled"), before, "no row moved");
+        shard.push(2, vec![0.5; 12]).expect("pushed");
+        shard.enqueue(3, vec![10, 11, 10], Mode::Train, None).expect("queued");
+        assert_ne!(shard.pull(3).expect("pulled"), before, "a push moves them");
     }
 
     const DIM: usize = 4;

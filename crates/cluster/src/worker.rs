@@ -9,6 +9,7 @@ mod drive;
 mod evaluate;
 mod feed;
 mod lazy;
+mod non_finite;
 mod observe;
 mod policy;
 mod remote;
@@ -36,7 +37,7 @@ use sparrow_core::simd::Simd;
 use sparrow_data::DataLayout;
 use sparrow_model::{DenseModel, DenseOptimizer};
 use sparrow_trainer::dense_sync::{DenseSync, LocalSync};
-use sparrow_trainer::engine::{DenseInputs, Looked, Stepped, dense_step};
+use sparrow_trainer::engine::{DenseInputs, Looked, Stepped, dense_apply, dense_grads};
 use sparrow_trainer::evaluation::Scores;
 use sparrow_trainer::pooling::{Bags, gather_sequences, pool};
 
@@ -55,6 +56,9 @@ pub struct WorkerStats {
     pub rows: u64,
     /// Their behaviour sequences cut to `max_len`.
     pub truncated_sequences: u64,
+    /// Of those batches, the ones skipped for a non-finite loss or gradient
+    /// (`train.on_non_finite = "skip_batch"`): counted in `batches`, not in `rows`.
+    pub skipped_batches: u64,
     /// Dense optimizer steps: with several workers, the rounds (a round may
     /// hold several of a worker's batches, or none).
     pub steps: u64,
@@ -166,6 +170,8 @@ pub struct Worker {
     periodic_eval: Option<evaluate::PeriodicEval>,
     /// `train.log_interval_steps`: batches between weight checks.
     check_every: u64,
+    /// `train.on_non_finite = "skip_batch"` (`worker/non_finite.rs`).
+    skip_non_finite: bool,
 }
 
 pub use observe::start_metrics_file;
@@ -227,6 +233,7 @@ pub fn new_worker_in(
     worker.log = observe::WorkerLog::open(config, index)?;
     worker.periodic_eval = evaluate::PeriodicEval::new(config, index);
     worker.check_every = config.train.log_interval_steps.max(1);
+    worker.skip_non_finite = config.train.on_non_finite == sparrow_core::config::OnNonFinite::SkipBatch;
     Ok(worker)
 }
 
@@ -257,6 +264,7 @@ impl Worker {
             log: None,
             periodic_eval: None,
             check_every: 100,
+            skip_non_finite: false,
         }
     }
 
@@ -421,8 +429,8 @@ impl Worker {
     }
 
     /// The dense half of a pulled batch (the step engine's `dense`): its
-    /// loss, and the gradients to push.
-    fn dense(&mut self, looked: &Looked<WorkerBatch, ()>) -> Result<(f64, Vec<f32>), ClusterError> {
+    /// loss, and the gradients to push (`None`: skipped, see `non_finite.rs`).
+    fn dense(&mut self, looked: &Looked<WorkerBatch, ()>) -> Result<(f64, Option<Vec<f32>>), ClusterError> {
         let batch = &looked.batch;
         let inputs = DenseInputs {
             bags: bags(batch),
@@ -431,43 +439,26 @@ impl Worker {
             labels: &batch.labels,
             weights: batch.sample_weights.as_deref(),
         };
-        let out = dense_step(
-            &self.model,
-            &mut self.optimizer,
-            self.sync.as_mut(),
-            &mut self.packed_input,
-            inputs,
-            self.pooling,
-        )
-        .map_err(|e| match e {
-            // Named with the step, as `sparrow train` does; the model was not updated.
+        let step = self.stats.batches + 1;
+        // Named with the step, as `sparrow train` does; the model was not updated.
+        let named = |e: sparrow_trainer::TrainError| match e {
             sparrow_trainer::TrainError::Model(sparrow_model::ModelError::NonFinite { what }) => {
-                sparrow_trainer::TrainError::NonFinite { step: self.stats.batches + 1, what }
+                sparrow_trainer::TrainError::NonFinite { step, what }
             }
             other => other,
-        })?;
-        self.progress.fetch_add(1, Ordering::Relaxed);
+        };
+        let half = match dense_grads(&self.model, &mut self.packed_input, inputs, self.pooling) {
+            Ok(half) => half,
+            Err(e) => return self.skip_or_fail(batch, named(e)).map(|()| (0.0, None)),
+        };
+        // Skipped only before the sync: the others are not met twice.
+        if let Some(e) = self.non_finite_dense_grads(&half.dense_grads, step) {
+            return self.skip_or_fail(batch, e).map(|()| (0.0, None));
+        }
+        let out = dense_apply(&self.model, &mut self.optimizer, self.sync.as_mut(), half).map_err(named)?;
+        self.consumed(batch);
         let stats = &mut self.stats;
-        stats.bad_rows = stats.bad_rows.max(batch.bad_rows);
-        stats.merged_samples = stats.merged_samples.max(batch.merged_samples);
-        if batch.passes.passes >= stats.passes.passes {
-            stats.passes = batch.passes;
-        }
-        stats.dropped_samples = stats.dropped_samples.max(batch.dropped_samples);
         stats.sample_weight_sum += batch.weight_sum();
-        stats.keys += batch.bag_offsets.last().copied().unwrap_or(0) as u64;
-        stats.unique_keys += batch.num_unique() as u64;
-        stats.batches += 1;
-        if stats.last_end.later(batch.end) == batch.end {
-            (stats.last_end, stats.last_stream) = (batch.end, batch.stream.clone());
-        }
-        if self.checkpoints.is_some() {
-            self.trained_since_cut.push(sparrow_trainer::checkpoint::TrainedBatch {
-                start: batch.start,
-                end: batch.end,
-                stream: batch.stream.clone(),
-            });
-        }
         stats.rows += batch.rows as u64;
         stats.truncated_sequences += batch.truncated_sequences;
         if stats.recent_losses.len() == 100 {
@@ -491,7 +482,34 @@ impl Worker {
                 gauges.set_online(&sparrow_trainer::online::OnlineFigures::of(online));
             }
         }
-        Ok((out.loss, out.grads))
+        Ok((out.loss, Some(out.grads)))
+    }
+
+    /// A batch this worker is done with, trained or skipped: the loader's
+    /// counters as of it, its keys, and how far the data is consumed (its
+    /// checkpoint position).
+    fn consumed(&mut self, batch: &WorkerBatch) {
+        self.progress.fetch_add(1, Ordering::Relaxed);
+        let stats = &mut self.stats;
+        stats.bad_rows = stats.bad_rows.max(batch.bad_rows);
+        stats.merged_samples = stats.merged_samples.max(batch.merged_samples);
+        if batch.passes.passes >= stats.passes.passes {
+            stats.passes = batch.passes;
+        }
+        stats.dropped_samples = stats.dropped_samples.max(batch.dropped_samples);
+        stats.keys += batch.bag_offsets.last().copied().unwrap_or(0) as u64;
+        stats.unique_keys += batch.num_unique() as u64;
+        stats.batches += 1;
+        if stats.last_end.later(batch.end) == batch.end {
+            (stats.last_end, stats.last_stream) = (batch.end, batch.stream.clone());
+        }
+        if self.checkpoints.is_some() {
+            self.trained_since_cut.push(sparrow_trainer::checkpoint::TrainedBatch {
+                start: batch.start,
+                end: batch.end,
+                stream: batch.stream.clone(),
+            });
+        }
     }
 
     /// Trains under this worker's sync policy until the job's training is

@@ -49,6 +49,14 @@ pub trait RowSource: Sync {
     /// lookup's order).
     fn update(&self, batch: &Self::Batch, ticket: Self::Ticket, grads: Vec<f32>) -> Result<(), Self::Error>;
 
+    /// Lets go of a looked-up batch whose update was skipped (its dense half
+    /// was not finite and `train.on_non_finite = "skip_batch"`): nothing is
+    /// updated; a source that holds the batch for its update (remote
+    /// shards) forgets it.
+    fn release(&self, _batch: &Self::Batch, _ticket: Self::Ticket) -> Result<(), Self::Error> {
+        Ok(())
+    }
+
     /// Whether [`stage`](Self::stage) does anything: then, at depth 0, the
     /// engine takes the next batch one step early.
     fn stages(&self) -> bool {
@@ -207,8 +215,9 @@ impl<B: Send + Sync, T: Send + Sync> StepEngine<B, T> {
             None => {}
         }
         let (out, grads) = verdict?;
-        if let Some(grads) = grads {
-            source.update(&looked.batch, looked.ticket, grads)?;
+        match grads {
+            Some(grads) => source.update(&looked.batch, looked.ticket, grads)?,
+            None => source.release(&looked.batch, looked.ticket)?,
         }
         let update_secs = t2.elapsed().as_secs_f64();
         Ok(Some(Stepped {
@@ -281,8 +290,9 @@ impl<B: Send + Sync, T: Send + Sync> StepEngine<B, T> {
             }
         }
         let (out, grads) = verdict?;
-        if let Some(grads) = grads {
-            self.pending = Some(Pending { batch: looked.batch, ticket: looked.ticket, grads });
+        match grads {
+            Some(grads) => self.pending = Some(Pending { batch: looked.batch, ticket: looked.ticket, grads }),
+            None => source.release(&looked.batch, looked.ticket)?,
         }
         Ok(Some(Stepped {
             out,
@@ -326,7 +336,8 @@ pub struct DenseStepOut {
 
 /// The dense half of a step: pool → forward/backward → `sync` → dense
 /// optimizer → unpool. The one place where a replica's dense weights move.
-/// `packed_input` is a buffer reused across steps.
+/// `packed_input` is a buffer reused across steps. Its two parts are
+/// [`dense_grads`] (this replica alone) and [`dense_apply`] (the sync).
 pub fn dense_step(
     model: &DenseModel,
     optimizer: &mut DenseOptimizer,
@@ -335,11 +346,38 @@ pub fn dense_step(
     inputs: DenseInputs<'_>,
     pooling: Pooling,
 ) -> Result<DenseStepOut, TrainError> {
+    let half = dense_grads(model, packed_input, inputs, pooling)?;
+    dense_apply(model, optimizer, sync, half)
+}
+
+/// A batch's gradients before the sync: what [`dense_grads`] made.
+pub struct DenseHalf {
+    pub loss: f64,
+    pub logits: Vec<f32>,
+    /// Summed gradient per unique key (`num_unique × width`).
+    pub grads: Vec<f32>,
+    /// The dense parameters' gradients, this replica's alone.
+    pub dense_grads: sparrow_model::DenseGrads,
+    started: Instant,
+    pooled_at: Instant,
+    unpooled: std::time::Duration,
+}
+
+/// Pool → forward/backward → unpool: this replica's gradients of a batch.
+/// Nothing moves and no other replica is met, so a non-finite batch
+/// refused here (`TrainError::Model(NonFinite)`) can still be skipped
+/// whole.
+pub fn dense_grads(
+    model: &DenseModel,
+    packed_input: &mut Vec<f32>,
+    inputs: DenseInputs<'_>,
+    pooling: Pooling,
+) -> Result<DenseHalf, TrainError> {
     let DenseInputs { bags, unique_rows, dense, labels, weights } = inputs;
     let width = model.width();
     let num_dense = model.shape.num_dense;
-    let t0 = Instant::now();
-    let (loss, logits, grads, dense_grads, pooled_at, unpooled_secs) = match model.packed_row_len() {
+    let started = Instant::now();
+    let (loss, logits, grads, dense_grads, pooled_at, unpooled) = match model.packed_row_len() {
         // The model reads [embeddings | dense] rows: pool straight into that
         // buffer and unpool straight from the input gradient.
         Some(stride) => {
@@ -372,18 +410,29 @@ pub fn dense_step(
             (out.loss, out.logits, grads, dense_grads, pooled_at, t.elapsed())
         }
     };
+    Ok(DenseHalf { loss, logits, grads, dense_grads, started, pooled_at, unpooled })
+}
+
+/// `sync` → dense optimizer: the replicas' gradients combined and applied.
+pub fn dense_apply(
+    model: &DenseModel,
+    optimizer: &mut DenseOptimizer,
+    sync: &mut dyn DenseSync,
+    half: DenseHalf,
+) -> Result<DenseStepOut, TrainError> {
+    let DenseHalf { loss, logits, grads, dense_grads, started, pooled_at, unpooled } = half;
     if let Some(combined) = sync.combine(&model.params, dense_grads)? {
         model.recycle(optimizer.apply(&model.params, combined)?);
     }
-    let total = t0.elapsed();
-    let pool_secs = (pooled_at - t0).as_secs_f64();
+    let total = started.elapsed();
+    let pooling = pooled_at - started;
     Ok(DenseStepOut {
         loss,
         logits,
         grads,
-        pool_secs,
-        model_secs: total.saturating_sub(pooled_at - t0).saturating_sub(unpooled_secs).as_secs_f64(),
-        unpool_secs: unpooled_secs.as_secs_f64(),
+        pool_secs: pooling.as_secs_f64(),
+        model_secs: total.saturating_sub(pooling).saturating_sub(unpooled).as_secs_f64(),
+        unpool_secs: unpooled.as_secs_f64(),
     })
 }
 

@@ -10,13 +10,6 @@ pub(super) fn check_cluster_config(config: &Config) -> Result<(), ClusterError> 
     // Sizes beyond the machine fail here, before any role allocates.
     let layout = sparrow_data::DataLayout::from_config(&config.data);
     sparrow_trainer::sizes::check(config, &layout).map_err(|e| ClusterError::Train(e.into()))?;
-    if config.train.on_non_finite == sparrow_core::config::OnNonFinite::SkipBatch {
-        return Err(ClusterError::Setup(
-            "train.on_non_finite = \"skip_batch\" is not available in a cluster job yet (a skipped batch \
-             would still owe its shards a push); use \"stop\", or sparrow train"
-                .into(),
-        ));
-    }
     if config.data.stream.is_some() && config.cluster.sync == SyncMode::Lazy {
         return Err(ClusterError::Setup(
             "[data.stream] with cluster.sync = \"lazy\" is not available yet (a lazy checkpoint keeps the \

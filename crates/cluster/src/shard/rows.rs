@@ -33,6 +33,19 @@ pub trait TrainingRows: Send + Sync {
         summed: &[f32],
     ) -> Result<(), ClusterError>;
 
+    /// A pulled batch whose worker skipped it: no row is updated; what the
+    /// pull set up for its push is let go.
+    fn release(
+        &self,
+        table: &EmbeddingTable,
+        batch_id: u64,
+        plan: &KeyPlan,
+        slots: Option<RowSlots>,
+    ) -> Result<(), ClusterError> {
+        let _ = (table, batch_id, plan, slots);
+        Ok(())
+    }
+
     /// Level 1 is about to be read as trained (an evaluation, an export, a
     /// checkpoint part, a report): rows trained elsewhere are written into
     /// it first. `counted`: a read that S1 counts when a pass is staged.
@@ -105,6 +118,16 @@ impl TrainingRows for SecondLevel {
         summed: &[f32],
     ) -> Result<(), ClusterError> {
         self.apply(table, batch_id, &plan.unique, summed)
+    }
+
+    fn release(
+        &self,
+        table: &EmbeddingTable,
+        batch_id: u64,
+        plan: &KeyPlan,
+        _: Option<RowSlots>,
+    ) -> Result<(), ClusterError> {
+        self.apply_or_release(table, batch_id, &plan.unique, None)
     }
 
     fn before_level_one_read(&self, table: &EmbeddingTable, counted: bool) -> Result<(), ClusterError> {

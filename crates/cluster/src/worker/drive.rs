@@ -99,9 +99,12 @@ impl Worker {
             };
             let mut done = StepDone::default();
             let stepped = engine.step(rows, &mut next, |looked| {
-                done = StepDone { samples: looked.batch.rows as u64, weight: looked.batch.weight_sum() };
                 let (_, grads) = self.dense(looked)?;
-                Ok(((), Some(grads)))
+                // A skipped batch trained no samples (`non_finite.rs`).
+                if grads.is_some() {
+                    done = StepDone { samples: looked.batch.rows as u64, weight: looked.batch.weight_sum() };
+                }
+                Ok(((), grads))
             })?;
             let mut unpushed = Unpushed { engine: &mut engine, rows };
             let flow = match stepped {

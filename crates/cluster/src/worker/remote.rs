@@ -152,6 +152,11 @@ impl RowSource for RemoteRows<'_> {
         Ok(())
     }
 
+    fn release(&self, batch: &WorkerBatch, _: ()) -> Result<(), ClusterError> {
+        each_shard(self.shards, &batch.shard_counts, |_, shard| shard.release(batch.batch_id))?;
+        Ok(())
+    }
+
     fn blocks(&self) -> bool {
         true
     }
