@@ -242,6 +242,14 @@ pub fn find(kind: &ModelKind) -> Result<&'static dyn Kind, ModelError> {
         .ok_or_else(|| ModelError::UnknownKind { kind: kind.name().to_string(), known: names().join(", ") })
 }
 
+/// The kind `config` names, or a config error naming `model.kind` and the kinds there are.
+pub fn configured(config: &Config) -> Result<&'static dyn Kind, ConfigError> {
+    find(&config.model.kind).map_err(|_| ConfigError::Invalid {
+        key: "model.kind".into(),
+        message: format!("\"{}\" is not a kind; the kinds are {}", config.model.kind, names().join(", ")),
+    })
+}
+
 /// The registry's names, in its order.
 pub fn names() -> Vec<&'static str> {
     KINDS.iter().map(|k| k.name()).collect()
@@ -256,10 +264,7 @@ pub fn of_family(family: Family) -> impl Iterator<Item = &'static dyn Kind> {
 /// checks that need the kinds (the rest of the config is checked as it is
 /// parsed).
 pub fn check(config: &Config) -> Result<(), ConfigError> {
-    let kind = find(&config.model.kind).map_err(|_| ConfigError::Invalid {
-        key: "model.kind".into(),
-        message: format!("\"{}\" is not a kind; the kinds are {}", config.model.kind, names().join(", ")),
-    })?;
+    let kind = configured(config)?;
     let tasks = config.tasks();
     if !kind.has_products() && (tasks.len() > 1 || !tasks[0].is_binary()) {
         return Err(ConfigError::Invalid {

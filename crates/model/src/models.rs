@@ -5,7 +5,7 @@
 
 use candle_core::{D, Device, Tensor, Var};
 use rayon::prelude::*;
-use sparrow_core::config::{ModelConfig, ModelKind, Precision};
+use sparrow_core::config::{ModelConfig, Precision};
 
 use crate::ModelError;
 use crate::bf16::Arith;
@@ -126,11 +126,6 @@ impl DenseModel {
     /// (`Kind::step_flops_per_sample`).
     pub fn step_flops_per_sample(config: &ModelConfig, shape: ModelShape) -> Result<f64, ModelError> {
         Ok(crate::kinds::find(&config.kind)?.step_flops_per_sample(config, shape))
-    }
-
-    /// Floats per embedding row a model of `kind` reads.
-    pub fn embedding_width(kind: &ModelKind, embedding_dim: usize) -> Result<usize, ModelError> {
-        Ok(crate::kinds::find(kind)?.embedding_width(embedding_dim))
     }
 
     pub fn width(&self) -> usize {

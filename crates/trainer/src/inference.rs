@@ -92,8 +92,14 @@ pub fn seeds(seed: u64) -> (u64, u64) {
 /// in `embedding.path/<subdir>`): the same widths, initial rows and floor.
 pub fn model_table(config: &Config, subdir: Option<&str>) -> Result<EmbeddingTable, sparrow_embedding::TableError> {
     let (emb_seed, _) = seeds(config.train.seed);
-    let width = DenseModel::embedding_width(&config.model.kind, config.model.embedding_dim)
-        .map_err(|e| sparrow_embedding::TableError::Config { key: "model.kind", message: e.to_string() })?;
+    let kind = sparrow_model::kinds::configured(config).map_err(|e| {
+        let message = match e {
+            sparrow_core::ConfigError::Invalid { message, .. } => message,
+            other => other.to_string(),
+        };
+        sparrow_embedding::TableError::Config { key: "model.kind", message }
+    })?;
+    let width = kind.embedding_width(config.model.embedding_dim);
     let init = Initializer::new(config.embedding.init, emb_seed);
     let table =
         EmbeddingTable::from_config(width, &config.embedding, init, subdir, ttl_floor(config), config.train.simd)?;

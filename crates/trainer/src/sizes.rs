@@ -16,12 +16,6 @@ pub fn machine_memory_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// The configured kind (an unknown name is refused naming `model.kind`).
-fn kind(config: &Config) -> Result<&'static dyn Kind, ConfigError> {
-    kinds::find(&config.model.kind)
-        .map_err(|e| ConfigError::Invalid { key: "model.kind".into(), message: e.to_string() })
-}
-
 fn shape(config: &Config, layout: &DataLayout) -> ModelShape {
     ModelShape { num_fields: layout.num_fields, num_dense: layout.num_dense, embedding_dim: config.model.embedding_dim }
 }
@@ -94,7 +88,7 @@ fn gib(bytes: u128) -> String {
 /// Refuses a config one of whose sizes alone needs more than `memory` bytes,
 /// naming the key (the first in the order above whose share is too large).
 pub fn check_against(config: &Config, layout: &DataLayout, memory: u64) -> Result<(), ConfigError> {
-    let all = estimates(kind(config)?, config, layout);
+    let all = estimates(kinds::configured(config)?, config, layout);
     let total: u128 = all.iter().map(|e| e.1).sum();
     for (key, bytes) in &all {
         if *bytes > u128::from(memory) || (total > u128::from(memory) && *bytes * 2 > total) {
