@@ -157,4 +157,14 @@ mod tests {
         // Large but possible: a batch of 65536 rows.
         check_against(&config(&["train.batch_size=65536"]), &layout, memory).expect("fits");
     }
+
+    /// An unknown kind is refused here (before any allocation) naming
+    /// `model.kind` once, as every other entry says it.
+    #[test]
+    fn an_unknown_kind_is_refused_naming_the_key_once() {
+        let c = config(&["model.kind=\"transformer\""]);
+        let layout = DataLayout::from_config(&c.data);
+        let err = check_against(&c, &layout, u64::MAX).expect_err("unknown").to_string();
+        assert!(err.starts_with("config: model.kind: \"transformer\" is not a kind; the kinds are lr, "), "{err}");
+    }
 }

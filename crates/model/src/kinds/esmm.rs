@@ -5,7 +5,7 @@
 use sparrow_core::config::ModelConfig;
 use sparrow_core::{Config, ConfigError};
 
-use super::multitask::{MultiTask, Which};
+use super::multitask::{self, Which};
 use super::parts::{head, mlp_params, stack_flops};
 use super::{Build, Family, Kind, Net};
 use crate::ModelError;
@@ -40,8 +40,7 @@ impl Kind for Esmm {
     }
 
     fn build(&self, at: &mut Build<'_>) -> Result<Box<dyn Net>, ModelError> {
-        let input = at.flat_len();
-        Ok(Box::new(MultiTask::new(Which::Esmm, at.ps, at.config, input, at.heads, at.arith)?))
+        multitask::build(Which::Esmm, at)
     }
 
     /// The two towers (one output each).

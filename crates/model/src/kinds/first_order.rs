@@ -179,64 +179,6 @@ impl FirstOrder {
         Ok(out)
     }
 
-    /// LR's and FM's whole step in one pass over the batch: each task's rows
-    /// go forward, through the loss and backward, and their input gradient
-    /// is checked for NaN and infinities, while the rows are in the core's
-    /// caches (three passes over the batch, each its own parallel section,
-    /// read the 1.8 MB input twice and the gradient once more). The same
-    /// operations row by row as the forward pass, the loss and the
-    /// backward, so the same bits (tested). The input gradient is left in
-    /// `s.grad_x`.
-    pub(crate) fn whole_step<'a>(
-        &'a self,
-        at: &At,
-        x: &[f32],
-        labels: &[f32],
-        weights: Option<&[f32]>,
-        s: &mut Scratch,
-    ) -> Result<WholeStep<'a>, ModelError> {
-        let (rows, row) = (labels.len(), at.row_len());
-        if x.len() != rows * row {
-            return Err(ModelError::BadInput { what: "input rows", len: x.len(), rows, per_row: row });
-        }
-        let terms = self.terms(at)?;
-        let inv_b = 1.0 / rows.max(1) as f64;
-        let (mut logits, mut seed, mut losses) = (vec![0.0f32; rows], vec![0.0f32; rows], vec![0.0f64; rows]);
-        let per_row = terms.sums_per_row();
-        let sums = sized(&mut s.fm_sums, rows * per_row); // overwritten whole (LR: unused)
-        let grad_x = sized(&mut s.grad_x, rows * row); // every value written
-        let tasks = logits.par_chunks_mut(ROWS_PER_TASK).zip(seed.par_chunks_mut(ROWS_PER_TASK));
-        let tasks = tasks.zip(losses.par_chunks_mut(ROWS_PER_TASK)).zip(x.par_chunks(ROWS_PER_TASK * row));
-        let tasks =
-            tasks.zip(sums.par_chunks_mut(ROWS_PER_TASK * per_row)).zip(grad_x.par_chunks_mut(ROWS_PER_TASK * row));
-        let finite = tasks.enumerate().map(|(task, (((((logits, seed), losses), x), sums), grad))| {
-            // Eight rows at a time through all three: their input rows are
-            // still in the first-level cache (about 15 KB) when the backward reads them.
-            let mut finite = true;
-            let (per_block, in_block) = (FM_ROWS_AT_ONCE * per_row, FM_ROWS_AT_ONCE * row);
-            let blocks = logits.chunks_mut(FM_ROWS_AT_ONCE).zip(seed.chunks_mut(FM_ROWS_AT_ONCE));
-            let blocks = blocks.zip(losses.chunks_mut(FM_ROWS_AT_ONCE)).zip(x.chunks(in_block));
-            let blocks = blocks.zip(sums.chunks_mut(per_block)).zip(grad.chunks_mut(in_block)).enumerate();
-            for (block, (((((logits, seed), losses), x), sums), grad)) in blocks {
-                terms.logits(x, sums, logits);
-                let first_row = task * ROWS_PER_TASK + block * FM_ROWS_AT_ONCE;
-                for (r, ((&logit, seed), loss)) in logits.iter().zip(seed.iter_mut()).zip(losses.iter_mut()).enumerate()
-                {
-                    let i = first_row + r;
-                    let weight = weights.map_or(1.0, |w| f64::from(w[i]));
-                    (*loss, *seed) = loss_and_seed_row(logit, labels[i], weight, inv_b);
-                }
-                finite &= terms.input_grads(x, seed, sums, grad);
-            }
-            finite
-        });
-        let finite = finite.reduce(|| true, |a, b| a && b);
-        let loss = losses.iter().fold(0.0, |sum, l| sum + l) * inv_b;
-        let mut grads: Grads<'_> = Vec::new();
-        self.param_grads(at, x, &seed, &mut grads);
-        Ok(WholeStep { loss, logits, grads, finite })
-    }
-
     /// The gradients of the first-order part and of the deep MLP's input
     /// `deep_grad` (rows of [`deep_input`] at `offset`; none for LR and FM)
     /// for the logits' gradient `seed`: every value of `grad_x`, and the
@@ -339,6 +281,14 @@ impl super::Direct for FirstOrder {
         self.grads(at, &s.fm_sums, x, seed, (None, 0), grad_x, grads)
     }
 
+    /// LR's and FM's whole step in one pass over the batch: each task's rows
+    /// go forward, through the loss and backward, and their input gradient
+    /// is checked for NaN and infinities, while the rows are in the core's
+    /// caches (three passes over the batch, each its own parallel section,
+    /// read the 1.8 MB input twice and the gradient once more). The same
+    /// operations row by row as the forward pass, the loss and the
+    /// backward, so the same bits (tested). The input gradient is left in
+    /// `s.grad_x`.
     fn whole_step<'a>(
         &'a self,
         at: &At,
@@ -347,6 +297,45 @@ impl super::Direct for FirstOrder {
         weights: Option<&[f32]>,
         s: &mut Scratch,
     ) -> Result<Option<WholeStep<'a>>, ModelError> {
-        FirstOrder::whole_step(self, at, x, labels, weights, s).map(Some)
+        let (rows, row) = (labels.len(), at.row_len());
+        if x.len() != rows * row {
+            return Err(ModelError::BadInput { what: "input rows", len: x.len(), rows, per_row: row });
+        }
+        let terms = self.terms(at)?;
+        let inv_b = 1.0 / rows.max(1) as f64;
+        let (mut logits, mut seed, mut losses) = (vec![0.0f32; rows], vec![0.0f32; rows], vec![0.0f64; rows]);
+        let per_row = terms.sums_per_row();
+        let sums = sized(&mut s.fm_sums, rows * per_row); // overwritten whole (LR: unused)
+        let grad_x = sized(&mut s.grad_x, rows * row); // every value written
+        let tasks = logits.par_chunks_mut(ROWS_PER_TASK).zip(seed.par_chunks_mut(ROWS_PER_TASK));
+        let tasks = tasks.zip(losses.par_chunks_mut(ROWS_PER_TASK)).zip(x.par_chunks(ROWS_PER_TASK * row));
+        let tasks =
+            tasks.zip(sums.par_chunks_mut(ROWS_PER_TASK * per_row)).zip(grad_x.par_chunks_mut(ROWS_PER_TASK * row));
+        let finite = tasks.enumerate().map(|(task, (((((logits, seed), losses), x), sums), grad))| {
+            // Eight rows at a time through all three: their input rows are
+            // still in the first-level cache (about 15 KB) when the backward reads them.
+            let mut finite = true;
+            let (per_block, in_block) = (FM_ROWS_AT_ONCE * per_row, FM_ROWS_AT_ONCE * row);
+            let blocks = logits.chunks_mut(FM_ROWS_AT_ONCE).zip(seed.chunks_mut(FM_ROWS_AT_ONCE));
+            let blocks = blocks.zip(losses.chunks_mut(FM_ROWS_AT_ONCE)).zip(x.chunks(in_block));
+            let blocks = blocks.zip(sums.chunks_mut(per_block)).zip(grad.chunks_mut(in_block)).enumerate();
+            for (block, (((((logits, seed), losses), x), sums), grad)) in blocks {
+                terms.logits(x, sums, logits);
+                let first_row = task * ROWS_PER_TASK + block * FM_ROWS_AT_ONCE;
+                for (r, ((&logit, seed), loss)) in logits.iter().zip(seed.iter_mut()).zip(losses.iter_mut()).enumerate()
+                {
+                    let i = first_row + r;
+                    let weight = weights.map_or(1.0, |w| f64::from(w[i]));
+                    (*loss, *seed) = loss_and_seed_row(logit, labels[i], weight, inv_b);
+                }
+                finite &= terms.input_grads(x, seed, sums, grad);
+            }
+            finite
+        });
+        let finite = finite.reduce(|| true, |a, b| a && b);
+        let loss = losses.iter().fold(0.0, |sum, l| sum + l) * inv_b;
+        let mut grads: Grads<'_> = Vec::new();
+        self.param_grads(at, x, &seed, &mut grads);
+        Ok(Some(WholeStep { loss, logits, grads, finite }))
     }
 }

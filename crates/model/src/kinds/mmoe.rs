@@ -5,7 +5,7 @@
 use sparrow_core::config::ModelConfig;
 use sparrow_core::{Config, ConfigError};
 
-use super::multitask::{MultiTask, Which, check_experts, experts_params};
+use super::multitask::{self, Which, check_experts, experts_params};
 use super::parts::{head, stack_flops};
 use super::{Build, Family, Kind, Net};
 use crate::ModelError;
@@ -31,8 +31,7 @@ impl Kind for Mmoe {
     }
 
     fn build(&self, at: &mut Build<'_>) -> Result<Box<dyn Net>, ModelError> {
-        let input = at.flat_len();
-        Ok(Box::new(MultiTask::new(Which::Mmoe, at.ps, at.config, input, at.heads, at.arith)?))
+        multitask::build(Which::Mmoe, at)
     }
 
     /// Experts and a tower (one output), gates left out.

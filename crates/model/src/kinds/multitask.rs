@@ -236,6 +236,12 @@ impl super::Net for MultiTask {
     }
 }
 
+/// The network of kind `which` on the flattened fields and dense values.
+pub(super) fn build(which: Which, at: &mut super::Build<'_>) -> Result<Box<dyn super::Net>, ModelError> {
+    let input = at.flat_len();
+    Ok(Box::new(MultiTask::new(which, at.ps, at.config, input, at.heads, at.arith)?))
+}
+
 /// MMoE's and PLE's `model.expert_hidden`, which sets the experts' width.
 pub(super) fn check_experts(config: &sparrow_core::Config) -> Result<(), sparrow_core::ConfigError> {
     if config.model.expert_hidden.is_empty() {

@@ -6,7 +6,7 @@
 use sparrow_core::config::ModelConfig;
 use sparrow_core::{Config, ConfigError};
 
-use super::multitask::{MultiTask, Which, check_experts, experts_params};
+use super::multitask::{self, Which, check_experts, experts_params};
 use super::parts::{head, stack_flops};
 use super::{Build, Family, Kind, Net};
 use crate::ModelError;
@@ -32,8 +32,7 @@ impl Kind for Ple {
     }
 
     fn build(&self, at: &mut Build<'_>) -> Result<Box<dyn Net>, ModelError> {
-        let input = at.flat_len();
-        Ok(Box::new(MultiTask::new(Which::Ple, at.ps, at.config, input, at.heads, at.arith)?))
+        multitask::build(Which::Ple, at)
     }
 
     /// Each level's experts and a tower (one output), gates left out.
