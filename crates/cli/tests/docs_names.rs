@@ -252,6 +252,10 @@ impl Index {
                         }
                     }
                 }
+                // A type alias names a type (its members are the aliased type's).
+                Some("type") if matches!(t.get(i + 2), Some(Token::Punct('=' | '<'))) => {
+                    self.types.entry(ident(t.get(i + 1)).unwrap_or_default().to_string()).or_default();
+                }
                 Some("impl") => {
                     let Some(open) = (i + 1..t.len()).find(|&k| t[k] == Token::Punct('{')) else { break };
                     let head = &t[i + 1..open];

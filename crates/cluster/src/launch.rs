@@ -30,7 +30,7 @@ use sparrow_trainer::run::RunSummary;
 
 use crate::coordinator::Event;
 use crate::grpc::TOKEN_ENV;
-use crate::roles::{LatencyMs, WorkerSummary};
+use crate::roles::{LatencyMs, WorkerRunSummary};
 use crate::transport::ClusterError;
 
 /// Set on children: they exit when their stdin (a pipe from the launcher) closes.
@@ -422,7 +422,7 @@ pub fn launch(
         std::thread::sleep(Duration::from_millis(20));
     }
     events.read(&children.list[coordinator]);
-    let summaries: Vec<WorkerSummary> = workers
+    let summaries: Vec<WorkerRunSummary> = workers
         .iter()
         .map(|&w| {
             let r = &children.list[w];
@@ -586,11 +586,11 @@ pub struct InBytes {
     pub shards: f64,
 }
 
-/// One summary from the workers' summaries.
+/// The job's summary from its workers'.
 fn merge(
     config: &Config,
     options: &LaunchOptions,
-    workers: &[WorkerSummary],
+    workers: &[WorkerRunSummary],
     events: &Events,
     wall_secs: f64,
 ) -> LaunchSummary {
@@ -598,9 +598,10 @@ fn merge(
     let rows: u64 = workers.iter().map(|w| w.train_rows).sum();
     let train_secs = workers.iter().map(|w| w.train_secs).fold(0.0, f64::max);
     let per_sample = |bytes: u64| bytes as f64 / rows.max(1) as f64;
-    let (keys, unique): (u64, u64) = workers.iter().fold((0, 0), |(k, u), w| (k + w.keys, u + w.unique_keys));
+    let (keys, unique): (u64, u64) =
+        workers.iter().fold((0, 0), |(k, u), w| (k + w.extra.keys, u + w.extra.unique_keys));
     let bayes = config.data.test.as_deref().and_then(|t| sparrow_trainer::run::read_truth(std::path::Path::new(t)));
-    let checksums: Vec<String> = workers.iter().map(|w| w.dense_checksum.clone()).collect();
+    let checksums: Vec<String> = workers.iter().map(|w| w.extra.dense_checksum.clone()).collect();
     let collocated = config.cluster.mode == sparrow_core::config::ClusterMode::Collocated;
     RunSummary {
         test_auc: first.test_auc,
@@ -611,7 +612,7 @@ fn merge(
         samples_per_sec: rows as f64 / train_secs.max(1e-9),
         wall_secs,
         peak_rss_bytes: workers.iter().map(|w| w.peak_rss_bytes).max().unwrap_or(0),
-        embedding_rows: first.embedding_rows.unwrap_or(0),
+        embedding_rows: first.embedding_rows,
         bad_rows: workers.iter().map(|w| w.bad_rows).max().unwrap_or(0),
         model: config.model.kind.name().to_string(),
         steps: workers.iter().map(|w| w.steps).max().unwrap_or(0),
@@ -628,21 +629,21 @@ fn merge(
         // Keys the loader sent to the shards per sample (8 bytes per unique key).
         shuffle_bytes_per_sample: 8.0 * unique as f64 / rows.max(1) as f64,
         // The shards' SSD tiers and feature filters, summed.
-        table: first.table.clone().unwrap_or_default(),
+        table: first.table.clone(),
         embedding_bytes_per_row: None,
         checkpoint: first.checkpoint.clone().or_else(|| events.last_committed.clone()),
         resumed_from_step: None,
         // Worker 0's training time by phase (next_batch, pull, dense, push).
-        step_phase_secs: first.phase_secs,
+        step_phase_secs: first.step_phase_secs,
         bayes_auc: bayes.as_ref().map(|t| t.bayes_auc),
         bayes_logloss: bayes.as_ref().map(|t| t.bayes_logloss),
         // The furthest worker's mark (at the end every batch was trained).
         stream: sparrow_trainer::input::StreamReport::of(
-            workers.iter().filter_map(|w| w.stream.as_ref()).max_by_key(|m| m.records),
+            workers.iter().filter_map(|w| w.extra.stream_mark.as_ref()).max_by_key(|m| m.records),
         ),
         // Each worker scores its own batches: one worker's figures, or every
         // worker's counts added up.
-        online: match workers.iter().map(|w| w.online_tally.as_ref()).collect::<Option<Vec<_>>>() {
+        online: match workers.iter().map(|w| w.extra.online_tally.as_ref()).collect::<Option<Vec<_>>>() {
             Some(tallies) if tallies.len() > 1 => sparrow_trainer::online::OnlineReport::merged(&tallies),
             _ => first.online,
         },
@@ -650,36 +651,37 @@ fn merge(
             shards: options.nodes.unwrap_or(options.shards),
             workers: options.nodes.unwrap_or(options.workers),
             nodes: options.nodes,
-            passes: collocated.then_some(first.passes.passes),
-            l1_reads_during_pass: first.second_level.map(|l| l.l1_reads_during_pass),
-            l2_peak_rows: first.second_level.map(|l| l.peak_rows),
+            passes: collocated.then_some(first.extra.passes.passes),
+            l1_reads_during_pass: first.extra.second_level.map(|l| l.l1_reads_during_pass),
+            l2_peak_rows: first.extra.second_level.map(|l| l.peak_rows),
             l2_fetch_bytes_per_sample: collocated
-                .then(|| per_sample(workers.iter().map(|w| w.bytes_from_remote_shards).sum())),
-            pass_staging_secs: collocated.then_some(first.passes.staging_secs),
+                .then(|| per_sample(workers.iter().map(|w| w.extra.bytes_from_remote_shards).sum())),
+            pass_staging_secs: collocated.then_some(first.extra.passes.staging_secs),
             pass_staging_hidden: collocated.then(|| {
-                let p = first.passes;
+                let p = first.extra.passes;
                 if p.staging_secs > 0.0 { (1.0 - p.exposed_secs / p.staging_secs).clamp(0.0, 1.0) } else { 1.0 }
             }),
             mode: config.cluster.mode.name(),
             sync: config.cluster.sync.name(),
-            dense_sync_bytes_per_sample: per_sample(workers.iter().map(|w| w.dense_sync_bytes).sum()),
-            rounds: (config.cluster.sync == sparrow_core::config::SyncMode::Round).then_some(first.rounds),
-            items_per_round: (config.cluster.sync == sparrow_core::config::SyncMode::Round)
-                .then(|| first.round_items.iter().map(|&m| m as f64 / first.rounds.max(1) as f64).collect()),
-            aggregators: first.lazy.as_ref().map(|_| options.aggregators),
-            aggregations: first.lazy.as_ref().map(|r| r.aggregations),
-            local_iterations: first.lazy.as_ref().map(|r| r.local_iterations),
-            backups: first.lazy.as_ref().map(|r| r.backups),
-            lazy_wait_secs: first.lazy.as_ref().map(|_| workers.iter().map(|w| w.lazy_wait_secs).collect()),
-            scheduler: first.lazy.clone(),
+            dense_sync_bytes_per_sample: per_sample(workers.iter().map(|w| w.extra.dense_sync_bytes).sum()),
+            rounds: (config.cluster.sync == sparrow_core::config::SyncMode::Round).then_some(first.extra.rounds),
+            items_per_round: (config.cluster.sync == sparrow_core::config::SyncMode::Round).then(|| {
+                first.extra.round_items.iter().map(|&m| m as f64 / first.extra.rounds.max(1) as f64).collect()
+            }),
+            aggregators: first.extra.lazy.as_ref().map(|_| options.aggregators),
+            aggregations: first.extra.lazy.as_ref().map(|r| r.aggregations),
+            local_iterations: first.extra.lazy.as_ref().map(|r| r.local_iterations),
+            backups: first.extra.lazy.as_ref().map(|r| r.backups),
+            lazy_wait_secs: first.extra.lazy.as_ref().map(|_| workers.iter().map(|w| w.extra.lazy_wait_secs).collect()),
+            scheduler: first.extra.lazy.clone(),
             worker_in_bytes_per_sample: InBytes {
-                loader: per_sample(workers.iter().map(|w| w.bytes_from_loader).sum()),
-                shards: per_sample(workers.iter().map(|w| w.bytes_from_shards).sum()),
+                loader: per_sample(workers.iter().map(|w| w.extra.bytes_from_loader).sum()),
+                shards: per_sample(workers.iter().map(|w| w.extra.bytes_from_shards).sum()),
             },
             network_bytes_per_sample: per_sample(events.role_bytes / 2),
-            pull_latency_ms: workers.iter().map(|w| w.pull_latency_ms).collect(),
-            push_latency_ms: workers.iter().map(|w| w.push_latency_ms).collect(),
-            batches_per_worker: workers.iter().map(|w| w.batches).collect(),
+            pull_latency_ms: workers.iter().map(|w| w.extra.pull_latency_ms).collect(),
+            push_latency_ms: workers.iter().map(|w| w.extra.push_latency_ms).collect(),
+            batches_per_worker: workers.iter().map(|w| w.extra.batches).collect(),
             replicas_identical: checksums.windows(2).all(|w| w[0] == w[1]),
             dense_checksums: checksums,
             restarts: ["coordinator", "loader", "shard", "worker", "aggregator", "node"]

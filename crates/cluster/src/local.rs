@@ -85,7 +85,7 @@ pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Re
                                 _ => None,
                             };
                             if let Some(scores) = &eval {
-                                worker.log_evaluation(config, &Figures::of(config, scores))?;
+                                worker.log_evaluation(&Figures::of(config, scores))?;
                             }
                             Ok((worker, eval))
                         })

@@ -31,7 +31,7 @@ use sparrow_trainer::evaluation::Figures;
 use tokio::runtime::Runtime;
 
 use self::links::RoleLinks;
-pub use self::summary::{LatencyMs, WorkerSummary};
+pub use self::summary::{LatencyMs, WorkerFields, WorkerRunSummary};
 use crate::coordinator::{Attempt, Coordinator, Event, JobState, RoleId, RoleKind};
 use crate::faults;
 use crate::generation::Generation;
@@ -536,7 +536,7 @@ pub fn run_aggregator(args: &RoleArgs) -> Result<(), ClusterError> {
 /// Trains as one worker of the job until it is done; worker 0 also
 /// evaluates. When the job moves to a new generation (a role died) the
 /// worker starts again from the checkpoint the generation restores.
-pub fn run_worker(args: &RoleArgs) -> Result<WorkerSummary, ClusterError> {
+pub fn run_worker(args: &RoleArgs) -> Result<WorkerRunSummary, ClusterError> {
     run_worker_with(args, None)
 }
 
@@ -597,7 +597,7 @@ impl PassStaging for LocalShard {
 /// shard's second level in process. `args.listen` is the shard's gRPC
 /// address, `args.metrics_listen` the shard's metrics; the worker's metrics
 /// go on a free port of the same host.
-pub fn run_node(args: &RoleArgs) -> Result<WorkerSummary, ClusterError> {
+pub fn run_node(args: &RoleArgs) -> Result<WorkerRunSummary, ClusterError> {
     let (tx, rx) = crossbeam_channel::bounded(1);
     let shard_args = args.clone();
     let shard = std::thread::Builder::new()
@@ -627,7 +627,7 @@ pub fn run_node(args: &RoleArgs) -> Result<WorkerSummary, ClusterError> {
     Ok(summary)
 }
 
-fn run_worker_with(args: &RoleArgs, local: Option<LocalShardHandle>) -> Result<WorkerSummary, ClusterError> {
+fn run_worker_with(args: &RoleArgs, local: Option<LocalShardHandle>) -> Result<WorkerRunSummary, ClusterError> {
     let rt = runtime()?;
     let metrics = RoleMetrics::new("worker");
     let boot = bootstrap_settings(args);
@@ -645,7 +645,7 @@ fn run_worker_with(args: &RoleArgs, local: Option<LocalShardHandle>) -> Result<W
     if index == 0 {
         sparrow_trainer::run::note_precision(&config.model, config.train.simd);
     }
-    let mut done: Option<(Generation, WorkerSummary)> = None;
+    let mut done: Option<(Generation, WorkerRunSummary)> = None;
     // Seconds this process spent in attempts the job gave up.
     let mut given_up_secs = 0.0;
     loop {
@@ -719,7 +719,7 @@ struct WorkerEnv<'a> {
 /// One generation of a worker: waits for the shards and the loader to serve
 /// it, restores the dense state, trains, takes part in checkpoints, and
 /// (worker 0) evaluates.
-fn worker_generation(env: &WorkerEnv<'_>, generation: &Attempt) -> Result<WorkerSummary, ClusterError> {
+fn worker_generation(env: &WorkerEnv<'_>, generation: &Attempt) -> Result<WorkerRunSummary, ClusterError> {
     let WorkerEnv { config, index, num_workers, coordinator, link, settings, rt, metrics, gauges, local } = *env;
     let view = coordinator.wait_for_view(generation.number, false, settings.connect_timeout)?;
     let settings = &peer_settings(settings, &config.cluster);
@@ -761,57 +761,18 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Attempt) -> Result<Worker
     }
     link.set_ready(generation.number);
     worker.run_training(&loader, &shards)?;
-    let mut summary = WorkerSummary { worker: index, ..Default::default() };
+    let (mut figures, mut eval_secs, mut shards_total) = (None, 0.0, None);
     if index == 0 {
         let start = Instant::now();
         if config.data.test.is_some() {
             let scores = worker.run_eval(&loader, &shards)?;
             let f = Figures::of(config, &scores);
-            worker.log_evaluation(config, &f)?;
-            summary.test_auc = Some(f.auc);
-            summary.test_logloss = Some(f.logloss);
-            summary.test_rows = f.rows;
-            summary.test_nan_predictions = f.nan_predictions;
-            summary.tasks = f.tasks;
+            worker.log_evaluation(&f)?;
+            figures = Some(f);
         }
-        summary.eval_secs = start.elapsed().as_secs_f64();
+        eval_secs = start.elapsed().as_secs_f64();
         let reports = shards.iter().map(|s| s.report()).collect::<Result<Vec<_>, _>>()?;
-        let total = ShardReport::sum(&reports);
-        summary.embedding_rows = Some(total.rows);
-        summary.table = Some(total.table_report());
-        summary.second_level = total.second_level;
+        shards_total = Some(ShardReport::sum(&reports));
     }
-    let s = &worker.stats;
-    summary.train_rows = s.rows;
-    summary.truncated_sequences = s.truncated_sequences;
-    summary.batches = s.batches;
-    summary.steps = s.steps;
-    summary.train_secs = s.train_secs;
-    summary.train_logloss = s.recent_loss();
-    summary.bytes_from_loader = s.bytes_from_loader;
-    summary.bytes_from_shards = s.bytes_from_shards;
-    summary.keys = s.keys;
-    summary.unique_keys = s.unique_keys;
-    summary.pull_latency_ms = LatencyMs::of(&s.pull_secs);
-    summary.push_latency_ms = LatencyMs::of(&s.push_secs);
-    summary.phase_secs = s.phase_secs;
-    summary.bad_rows = s.bad_rows;
-    summary.dense_sync_bytes = s.dense_sync_bytes;
-    summary.rounds = s.rounds;
-    summary.round_items = s.round_items.clone();
-    summary.lazy = worker.lazy_report.clone();
-    summary.lazy_wait_secs = s.lazy_wait_secs;
-    summary.merged_samples = s.merged_samples;
-    summary.dropped_samples = s.dropped_samples;
-    summary.sample_weight_sum = s.sample_weight_sum;
-    summary.skipped_batches = s.skipped_batches;
-    summary.passes = s.passes;
-    summary.bytes_from_remote_shards = s.bytes_from_remote_shards;
-    summary.stream = s.last_stream.clone();
-    summary.online = sparrow_trainer::online::OnlineReport::of(worker.online.as_ref());
-    summary.online_tally = worker.online.as_ref().map(sparrow_trainer::online::OnlineTally::of);
-    summary.dense_checksum = format!("{:016x}", worker.dense_checksum()?);
-    summary.checkpoint = worker.last_checkpoint().map(|d| d.display().to_string());
-    summary.peak_rss_bytes = sparrow_trainer::peak_rss_bytes();
-    Ok(summary)
+    summary::of_worker(config, &worker, figures, eval_secs, shards_total)
 }

@@ -10,7 +10,6 @@ mod evaluate;
 mod feed;
 mod lazy;
 mod non_finite;
-mod observe;
 mod policy;
 mod remote;
 mod round;
@@ -23,7 +22,6 @@ use self::remote::{look_up_keys, pull_rows};
 pub use self::round::RoundPolicy;
 pub use self::step::StepPolicy;
 
-use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -37,6 +35,7 @@ use sparrow_core::simd::Simd;
 use sparrow_data::DataLayout;
 use sparrow_model::{DenseModel, DenseOptimizer};
 use sparrow_trainer::dense_sync::{DenseSync, LocalSync};
+use sparrow_trainer::driver::{Observers, RunLog};
 use sparrow_trainer::engine::{DenseInputs, Looked, Stepped, dense_apply, dense_grads};
 use sparrow_trainer::evaluation::Scores;
 use sparrow_trainer::pooling::{Bags, gather_sequences, pool};
@@ -101,15 +100,6 @@ pub struct WorkerStats {
     pub bytes_from_remote_shards: u64,
     /// `cluster.mode = "collocated"`: the loader's pass counters, as of the latest batch.
     pub passes: crate::messages::PassCounters,
-    recent_losses: VecDeque<f64>,
-}
-
-impl WorkerStats {
-    /// Mean training loss over the last batches.
-    pub fn recent_loss(&self) -> Option<f64> {
-        (!self.recent_losses.is_empty())
-            .then(|| self.recent_losses.iter().sum::<f64>() / self.recent_losses.len() as f64)
-    }
 }
 
 /// Seconds of a worker's training time by phase.
@@ -164,17 +154,16 @@ pub struct Worker {
     /// Where the online figures and the stream's lag are shown (the worker
     /// role's metrics endpoint), and every how many batches the figures are.
     pub gauges: Option<(crate::stream_gauges::OnlineGauges, u64)>,
-    /// `train.metrics_path` and `train.tensorboard_dir` (`observe.rs`).
-    log: Option<observe::WorkerLog>,
+    /// The log interval and its weight check, `train.metrics_path` and
+    /// `train.tensorboard_dir`, periodic evaluation's cadence (`driver.rs`).
+    observers: Observers,
     /// `train.eval_every_steps` (worker 0 of a job with `data.test`).
     periodic_eval: Option<evaluate::PeriodicEval>,
-    /// `train.log_interval_steps`: batches between weight checks.
-    check_every: u64,
     /// `train.on_non_finite = "skip_batch"` (`worker/non_finite.rs`).
     skip_non_finite: bool,
 }
 
-pub use observe::start_metrics_file;
+pub use sparrow_trainer::driver::start_metrics_file;
 
 /// Batches and samples the job trained (all workers, the restored
 /// checkpoint's included): the step of its checkpoints when workers step
@@ -230,9 +219,9 @@ pub fn new_worker_in(
     worker.generation = generation;
     worker.row_dtype = config.embedding.dtype;
     worker.online = config.online_window().map(ProgressiveEval::new);
-    worker.log = observe::WorkerLog::open(config, index)?;
     worker.periodic_eval = evaluate::PeriodicEval::new(config, index);
-    worker.check_every = config.train.log_interval_steps.max(1);
+    let log = RunLog::open(config, Some(index), worker.at())?;
+    worker.observers = Observers::new(config, worker.at(), worker.periodic_eval.is_some(), log);
     worker.skip_non_finite = config.train.on_non_finite == sparrow_core::config::OnNonFinite::SkipBatch;
     Ok(worker)
 }
@@ -261,9 +250,8 @@ impl Worker {
             job: None,
             online: None,
             gauges: None,
-            log: None,
+            observers: Observers::default(),
             periodic_eval: None,
-            check_every: 100,
             skip_non_finite: false,
         }
     }
@@ -277,39 +265,20 @@ impl Worker {
         self
     }
 
+    /// The training loss of the last log interval (of the batches since,
+    /// if any), as `sparrow train` reports it.
+    pub fn train_logloss(&self) -> Option<f64> {
+        self.observers.last_loss()
+    }
+
+    /// The job's evaluation, in the metrics file and on TensorBoard.
+    pub fn log_evaluation(&mut self, figures: &sparrow_trainer::evaluation::Figures) -> Result<(), ClusterError> {
+        let at = self.at();
+        Ok(self.observers.log_eval(at, Some(figures))?)
+    }
+
     /// The job's step as its checkpoints count it: dense steps, or (each
     /// worker stepping its own replica) the batches every worker trained.
-    /// The job's evaluation, in the metrics file and on TensorBoard.
-    pub fn log_evaluation(
-        &mut self,
-        config: &Config,
-        figures: &sparrow_trainer::evaluation::Figures,
-    ) -> Result<(), ClusterError> {
-        let (step, samples) = (self.job_step(), self.job_samples());
-        match self.log.as_mut() {
-            Some(log) => log.evaluated(config, step, samples, figures),
-            None => Ok(()),
-        }
-    }
-
-    /// After a step: at `train.log_interval_steps`, the check that no dense
-    /// weight or optimizer moment is NaN or infinite (an update that
-    /// overflowed; the per-step checks cover the loss and the gradients),
-    /// as `sparrow train` does; and the log's line.
-    fn log_step(&mut self) -> Result<(), ClusterError> {
-        let step = self.job_step();
-        if self.stats.batches.is_multiple_of(self.check_every) {
-            self.model.check_finite(&self.optimizer).map_err(|e| match e {
-                sparrow_model::ModelError::NonFinite { what } => sparrow_trainer::TrainError::NonFinite { step, what },
-                other => other.into(),
-            })?;
-        }
-        match self.log.as_mut() {
-            Some(log) => log.stepped(step, &self.stats),
-            None => Ok(()),
-        }
-    }
-
     fn job_step(&self) -> u64 {
         self.job.map_or(self.optimizer.step, |j| j.batches)
     }
@@ -461,13 +430,6 @@ impl Worker {
         stats.sample_weight_sum += batch.weight_sum();
         stats.rows += batch.rows as u64;
         stats.truncated_sequences += batch.truncated_sequences;
-        if stats.recent_losses.len() == 100 {
-            stats.recent_losses.pop_front();
-        }
-        stats.recent_losses.push_back(out.loss);
-        if let Some(log) = self.log.as_mut() {
-            log.trained(out.loss, batch.rows);
-        }
         if let Some(online) = self.online.as_mut() {
             self.model.heads().with_first_binary(&out.logits, &batch.labels, |x, y| online.add(x, y));
         }

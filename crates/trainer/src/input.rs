@@ -65,9 +65,10 @@ pub const NO_RECORD: &str = "the stream gave no record from where it started (da
                              offsets) before data.stream.stop_when_idle_secs passed without one";
 
 /// The stream's figures in the final JSON (null without `[data.stream]`).
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
 pub struct StreamReport {
     /// Partition → the next offset to read (what the last checkpoint holds).
+    #[serde(default, deserialize_with = "from_json_value")]
     pub stream_offsets: Option<std::collections::BTreeMap<i32, i64>>,
     /// Records consumed (good and malformed) and, of them, malformed.
     pub stream_records: Option<u64>,
@@ -77,6 +78,18 @@ pub struct StreamReport {
     pub future_records: Option<u64>,
     /// Records the broker held past the offsets when the last batch was cut.
     pub stream_lag_records: Option<u64>,
+}
+
+/// Reads a field through a JSON value: inside a flattened struct serde
+/// buffers the field, and a map's integer keys (JSON strings) no longer
+/// read as integers then; a JSON value reads them.
+pub fn from_json_value<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::de::DeserializeOwned,
+{
+    let value = <serde_json::Value as serde::Deserialize>::deserialize(d)?;
+    serde_json::from_value(value).map_err(serde::de::Error::custom)
 }
 
 impl StreamReport {
@@ -106,25 +119,5 @@ pub fn describe_lag(mark: &StreamMark) -> String {
     match lag_secs(mark) {
         Some(secs) => format!(" lag {} records {secs:.1} s", mark.lag_records),
         None => format!(" lag {} records", mark.lag_records),
-    }
-}
-
-/// A timer for `checkpoint.every_secs` / `export_every_secs`.
-pub struct Every {
-    every: Option<Duration>,
-    since: std::time::Instant,
-}
-
-impl Every {
-    pub fn secs(every: Option<u64>) -> Every {
-        Every { every: every.filter(|&s| s > 0).map(Duration::from_secs), since: std::time::Instant::now() }
-    }
-
-    pub fn due(&self) -> bool {
-        self.every.is_some_and(|e| self.since.elapsed() >= e)
-    }
-
-    pub fn restart(&mut self) {
-        self.since = std::time::Instant::now();
     }
 }

@@ -3,8 +3,8 @@
 use sparrow_core::Overrides;
 use std::fs::File;
 use std::io::{BufWriter, Write};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::path::Path;
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
@@ -17,20 +17,21 @@ use sparrow_embedding::{EmbeddingTable, FilterStats, TierStats};
 use std::collections::BTreeMap;
 
 use crate::checkpoint;
+use crate::driver::{At, Observers, RunLog};
 use crate::evaluation::{Figures, Scores, predict_file};
 use crate::inference::Model;
-use crate::input::{Every, StreamReport, TrainingInput, describe_lag, lag_secs};
-use crate::online::{OnlineFigures, OnlineReport};
+use crate::input::{StreamReport, TrainingInput};
+use crate::local_run::LocalRun;
+use crate::online::OnlineReport;
 use crate::progress::{Progress, ProgressUpdate};
-use crate::tensorboard::TensorBoard;
-use crate::trainer::{PhaseSecs, PlannedBatch, Trainer};
+use crate::trainer::{PhaseSecs, Trainer};
 use crate::{TrainError, peak_rss_bytes};
 
 /// The last stdout line of `sparrow train` and of `sparrow launch`: a
 /// contract read by scripts. One type for both: `phases` is how the step's
 /// time is broken down where it ran, `extra` the fields only one of them has
 /// (flattened into the same JSON object).
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct RunSummary<P, X> {
     pub test_auc: Option<f64>,
     pub test_logloss: Option<f64>,
@@ -88,7 +89,7 @@ pub struct RunSummary<P, X> {
     #[serde(flatten)]
     pub online: OnlineReport,
     /// Every task's test figures by name (none without `data.test`).
-    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub tasks: BTreeMap<String, TaskFigures>,
     #[serde(flatten)]
     pub extra: X,
@@ -167,41 +168,6 @@ pub fn compute_pool(threads: usize) -> Result<rayon::ThreadPool, TrainError> {
         .thread_name(|i| format!("sparrow-compute-{i}"))
         .build()
         .map_err(TrainError::ThreadPool)
-}
-
-struct MetricsLog {
-    file: Option<(PathBuf, BufWriter<File>)>,
-}
-
-impl MetricsLog {
-    fn open(path: Option<&str>, append: bool) -> Result<MetricsLog, TrainError> {
-        let file = match path {
-            None => None,
-            Some(p) => {
-                let p = PathBuf::from(p);
-                // Made like checkpoint.dir: a fresh data folder has no place for it yet.
-                if let Some(parent) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
-                    std::fs::create_dir_all(parent).map_err(|e| TrainError::io(parent, e))?;
-                }
-                let f = std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(append)
-                    .write(true)
-                    .truncate(!append)
-                    .open(&p)
-                    .map_err(|e| TrainError::io(&p, e))?;
-                Some((p, BufWriter::new(f)))
-            }
-        };
-        Ok(MetricsLog { file })
-    }
-
-    fn write(&mut self, value: serde_json::Value) -> Result<(), TrainError> {
-        if let Some((p, w)) = &mut self.file {
-            writeln!(w, "{value}").and_then(|_| w.flush()).map_err(|e| TrainError::io(p, e))?;
-        }
-        Ok(())
-    }
 }
 
 /// Trains as configured, evaluates on `data.test`, writes the checkpoint.
@@ -285,209 +251,16 @@ fn train_in_pool(
     let bad = BadRows::from_config(&config.data);
     let input = TrainingInput::open(config, &trainer, &bad)?;
     let progress = Progress::new(input.bytes_total, quiet);
-    let mut metrics = MetricsLog::open(config.train.metrics_path.as_deref(), resumed_from_step.is_some())?;
-    let mut board = config.train.tensorboard_dir.as_deref().map(|d| TensorBoard::create(Path::new(d))).transpose()?;
-    let (mut interval_keys, mut interval_unique) = (0u64, 0u64);
-    let (mut logged_step, mut logged_phases) = (trainer.step, trainer.phase_secs);
-
-    let train_start = Instant::now();
-    let mut trained_for = std::time::Duration::ZERO;
     let start_samples = trainer.samples_trained;
-    let (mut interval_loss, mut interval_rows, mut interval_start) = (0.0f64, 0u64, Instant::now());
-    let mut last_train_logloss = None;
-    let (mut keys_total, mut unique_total) = (0u64, 0u64);
-    let interval = config.train.log_interval_steps;
-    let stop_at = config.train.max_steps;
-    let mut outcome: Result<(), TrainError> = Ok(());
-    let mut last_saved: Option<(u64, PathBuf)> = None;
-    let (mut stream, origin) = (input.batches, input.origin);
-    let bytes_total = input.bytes_total;
-    let file_bytes = input.file_bytes;
-    let mut exports = crate::export::IncrementalExports::new(config);
-    let (mut checkpoint_timer, mut export_timer) =
-        (Every::secs(config.checkpoint.every_secs), Every::secs(config.checkpoint.export_every_secs));
-    // The step engine takes batches from the planner as it needs them; no
-    // lookahead goes past max_steps (its keys would be inserted untrained).
-    loop {
-        if stop_at.is_some_and(|m| trainer.step >= m) {
-            break;
-        }
-        if stop.load(Ordering::Relaxed) {
-            outcome = Err(TrainError::Interrupted { step: trainer.step });
-            break;
-        }
-        let step_now = trainer.step;
-        let mut next = |taken: usize| -> Option<Result<PlannedBatch, TrainError>> {
-            if stop_at.is_some_and(|m| step_now + taken as u64 >= m) {
-                return None;
-            }
-            stream.next_unless(stop).map(|item| item.map_err(TrainError::from))
-        };
-        let (stats, mut deferred_error) = match trainer.step(&mut next) {
-            Ok(Some(report)) => (report.stats, report.deferred),
-            Ok(None) if stop.load(Ordering::Relaxed) => {
-                outcome = Err(TrainError::Interrupted { step: trainer.step });
-                break;
-            }
-            Ok(None) => break,
-            Err(e) => {
-                outcome = Err(e);
-                break;
-            }
-        };
-        trained_for = train_start.elapsed();
-        interval_loss += stats.loss * stats.rows as f64;
-        interval_rows += stats.rows as u64;
-        keys_total += stats.keys as u64;
-        unique_total += stats.unique_keys as u64;
-        interval_keys += stats.keys as u64;
-        interval_unique += stats.unique_keys as u64;
-        let bytes_done = trainer.position.epoch * file_bytes.unwrap_or(0) + trainer.position.offset;
-        if trainer.step % interval == 0 {
-            // A weight an update overflowed is caught within one interval
-            // (the per-step checks cover the loss and the gradients).
-            if let Err(e) = trainer.check_weights() {
-                outcome = Err(e);
-                break;
-            }
-            let secs = interval_start.elapsed().as_secs_f64();
-            let loss = interval_loss / interval_rows.max(1) as f64;
-            let rate = interval_rows as f64 / secs.max(1e-9);
-            last_train_logloss = Some(loss);
-            let online = trainer.online.as_ref().map(OnlineFigures::of);
-            let deleted = trainer.table.filter_stats();
-            observer(&ProgressUpdate {
-                step: trainer.step,
-                epoch: trainer.position.epoch,
-                samples: trainer.samples_trained,
-                bytes_done,
-                bytes_total,
-                train_logloss: loss,
-                samples_per_sec: rate,
-                online,
-                embedding_rows: trainer.table.len() as u64,
-                expired_rows: deleted.expired,
-                evicted_rows: deleted.evicted,
-                stream_lag_records: trainer.stream.as_ref().map(|m| m.lag_records),
-                stream_lag_secs: trainer.stream.as_deref().and_then(lag_secs),
-                stream_future_records: trainer.stream.as_ref().map(|m| m.future_records),
-            });
-            let lag = trainer.stream.as_deref().map(describe_lag).unwrap_or_default()
-                + &online.map(|o| o.describe()).unwrap_or_default();
-            progress
-                .set_position(bytes_done, &format!("step {} loss {loss:.4} {rate:.0} samples/s{lag}", trainer.step));
-            progress.line(&format!(
-                "step {} epoch {} samples {} train_logloss {loss:.5} samples/s {rate:.0}{lag}",
-                trainer.step, trainer.position.epoch, trainer.samples_trained
-            ));
-            let dedup = interval_keys as f64 / interval_unique.max(1) as f64;
-            let hit_rate = trainer.table.tier_stats().map(|t| t.cache_hit_rate());
-            let phases = trainer.phase_secs;
-            let mut written = metrics.write(serde_json::json!({
-                "step": trainer.step,
-                "epoch": trainer.position.epoch,
-                "samples": trainer.samples_trained,
-                "train_logloss": loss,
-                "samples_per_sec": rate,
-                "elapsed_secs": wall.elapsed().as_secs_f64(),
-                "embedding_rows": trainer.table.len(),
-                "expired_rows": deleted.expired,
-                "evicted_rows": deleted.evicted,
-                "bad_rows": bad.total(),
-                "dedup_ratio": dedup,
-                "cache_hit_rate": hit_rate,
-                "phase_secs": phases,
-                "stream_records": trainer.stream.as_ref().map(|m| m.records),
-                "stream_lag_records": trainer.stream.as_ref().map(|m| m.lag_records),
-                "stream_lag_secs": trainer.stream.as_deref().and_then(lag_secs),
-                "stream_newest_record_ms": trainer.stream.as_ref().and_then(|m| m.newest_record_ms),
-                "future_records": trainer.stream.as_ref().map(|m| m.future_records),
-                "online_window": online.map(|o| o.window),
-                "online_run": online.map(|o| o.run),
-            }));
-            if let Some(board) = board.as_mut() {
-                let steps = trainer.step.saturating_sub(logged_step).max(1) as f64;
-                let ms = |now: f64, then: f64| (now - then) / steps * 1e3;
-                written = written.and(board.scalars(
-                    trainer.step,
-                    &[
-                        ("train/logloss", loss),
-                        ("train/samples_per_sec", rate),
-                        ("train/dedup_ratio", dedup),
-                        ("train/cache_hit_rate", hit_rate.unwrap_or(f64::NAN)),
-                        ("step_ms/lookup", ms(phases.lookup, logged_phases.lookup)),
-                        ("step_ms/pool", ms(phases.pool, logged_phases.pool)),
-                        ("step_ms/dense", ms(phases.dense, logged_phases.dense)),
-                        ("step_ms/unpool", ms(phases.unpool, logged_phases.unpool)),
-                        ("step_ms/update", ms(phases.update, logged_phases.update)),
-                    ],
-                ));
-                if let Some(online) = online {
-                    written = written.and(board.scalars(trainer.step, &online.scalars()));
-                }
-            }
-            (logged_step, logged_phases) = (trainer.step, phases);
-            (interval_keys, interval_unique) = (0, 0);
-            (interval_loss, interval_rows, interval_start) = (0.0, 0, Instant::now());
-            // Errors leave the loop through `outcome`, so the model is still saved.
-            if let Err(e) = written {
-                outcome = Err(e);
-                break;
-            }
-        }
-        let checkpoint_due = config.checkpoint.every_steps.is_some_and(|every| every > 0 && trainer.step % every == 0)
-            || checkpoint_timer.due();
-        if let (true, Some(dir)) = (checkpoint_due, &config.checkpoint.dir) {
-            checkpoint_timer.restart();
-            if let Err(e) = trainer.flush_update() {
-                outcome = Err(e);
-                break;
-            }
-            match checkpoint::save(&trainer, Path::new(dir), config.checkpoint.keep) {
-                Ok(saved) => last_saved = Some((trainer.step, saved)),
-                Err(e) => {
-                    outcome = Err(e);
-                    break;
-                }
-            }
-        }
-        if let (Some(every), Some(test)) = (config.train.eval_every_steps.filter(|&n| n > 0), &config.data.test)
-            && trainer.step % every == 0
-        {
-            // The pending update first: the figures are the model's after this step.
-            let evaluated = trainer.flush_update().and_then(|()| {
-                let scores = predict_file(
-                    trainer.scoring(),
-                    Path::new(test),
-                    &config.data,
-                    &BadRows::from_config(&config.data),
-                )?;
-                log_eval(&mut metrics, board.as_mut(), &trainer, Some(&Figures::of(config, &scores)))
-            });
-            if let Err(e) = evaluated {
-                outcome = Err(e);
-                break;
-            }
-        }
-        if let Some(exports) = exports.as_mut()
-            && (config.checkpoint.export_every_steps.is_some_and(|every| every > 0 && trainer.step % every == 0)
-                || export_timer.due())
-        {
-            export_timer.restart();
-            let written = trainer.flush_update().and_then(|()| exports.write(&trainer));
-            if let Err(e) = written {
-                outcome = Err(e);
-                break;
-            }
-        }
-        if let Some(e) = deferred_error.take() {
-            outcome = Err(e);
-            break;
-        }
-    }
+    let origin = input.origin.clone();
+    let at = At { step: trainer.step, batches: trainer.step, ..At::default() };
+    let observers = Observers::new(config, at, true, RunLog::open(config, None, at)?);
+    let mut run = LocalRun::new(config, &mut trainer, input, observers, stop, bad, progress, observer);
+    let mut outcome = crate::driver::drive(&mut run);
     // A stream's wait for records that never came, after the last step
     // (stop_when_idle_secs), is not training time.
-    let waited_at_end = train_start.elapsed().saturating_sub(trained_for);
+    let waited_at_end = run.started.elapsed().saturating_sub(run.trained_for);
+    let LocalRun { mut observers, bad, progress, mut exports, last_saved, started, .. } = run;
     // A run that trained nothing did not succeed: an empty file, or one whose
     // every row was malformed (a resumed run may find its data used up).
     if outcome.is_ok()
@@ -517,10 +290,7 @@ fn train_in_pool(
         outcome = Err(e.into());
     }
     progress.finish();
-    let train_secs = train_start.elapsed().saturating_sub(waited_at_end).as_secs_f64();
-    if interval_rows > 0 {
-        last_train_logloss = Some(interval_loss / interval_rows as f64);
-    }
+    let train_secs = started.elapsed().saturating_sub(waited_at_end).as_secs_f64();
 
     // Whatever happened, what was trained is written before anything else
     // (unless the periodic checkpoint of this very step already holds it).
@@ -528,7 +298,7 @@ fn train_in_pool(
     // checkpoint is exactly the state of one step, or it is not written.
     let consistent = trainer.is_consistent();
     // The final model is served too (unless this step's export holds it).
-    if let Some(exports) = exports.as_mut()
+    if let Some((exports, _)) = exports.as_mut()
         && consistent
         && trainer.step > 0
         && exports.last_step != Some(trainer.step)
@@ -583,7 +353,14 @@ fn train_in_pool(
         bayes = read_truth(test);
     }
     let eval_secs = eval_start.elapsed().as_secs_f64();
-    log_eval(&mut metrics, board.as_mut(), &trainer, figures.as_ref())?;
+    let at = At {
+        step: trainer.step,
+        batches: trainer.step,
+        samples: trainer.samples_trained,
+        job_samples: trainer.samples_trained,
+        epoch: trainer.position.epoch,
+    };
+    observers.log_eval(at, figures.as_ref())?;
     let (test_auc, test_logloss) = (figures.as_ref().map(|f| f.auc), figures.as_ref().map(|f| f.logloss));
     let (test_rows, test_nan_predictions) = figures.as_ref().map_or((0, 0), |f| (f.rows, f.nan_predictions));
     let train_rows = trainer.samples_trained - start_samples;
@@ -613,9 +390,9 @@ fn train_in_pool(
             None => train_rows as f64,
         },
         truncated_sequences: trainer.truncated_sequences,
-        train_logloss: last_train_logloss,
-        dedup_ratio: keys_total as f64 / unique_total.max(1) as f64,
-        shuffle_bytes_per_sample: 8.0 * unique_total as f64 / train_rows.max(1) as f64,
+        train_logloss: observers.last_loss(),
+        dedup_ratio: observers.dedup_ratio(),
+        shuffle_bytes_per_sample: 8.0 * observers.unique_keys() as f64 / train_rows.max(1) as f64,
         table: report,
         embedding_bytes_per_row: Some(trainer.table.allocated_bytes() as f64 / rows.max(1) as f64),
         checkpoint: checkpoint_dir.map(|d| d.display().to_string()),
@@ -628,42 +405,6 @@ fn train_in_pool(
         tasks: figures.map(|f| f.tasks).unwrap_or_default(),
         extra: NoExtra {},
     })
-}
-
-/// An evaluation (every `train.eval_every_steps`, and the last one, which
-/// has no figures without `data.test`): an `eval` line in the metrics and
-/// the test scalars on TensorBoard.
-fn log_eval(
-    metrics: &mut MetricsLog,
-    board: Option<&mut TensorBoard>,
-    trainer: &Trainer,
-    figures: Option<&Figures>,
-) -> Result<(), TrainError> {
-    let (test_auc, test_logloss) = (figures.map(|f| f.auc), figures.map(|f| f.logloss));
-    let mut line = serde_json::json!({
-        "step": trainer.step,
-        "event": "eval",
-        "samples": trainer.samples_trained,
-        "test_auc": test_auc,
-        "test_logloss": test_logloss,
-        "test_rows": figures.map_or(0, |f| f.rows),
-    });
-    if let Some(f) = figures.filter(|f| f.tasks.len() > 1 || trainer.config.eval.group_by.is_some()) {
-        line["tasks"] = serde_json::to_value(&f.tasks).unwrap_or_default();
-    }
-    metrics.write(line)?;
-    let mut board = board;
-    if let (Some(board), Some(f)) = (board.as_deref_mut(), figures) {
-        let tagged = crate::evaluation::tagged(&f.tasks);
-        let tagged: Vec<(&str, f64)> = tagged.iter().map(|(t, v)| (t.as_str(), *v)).collect();
-        board.scalars(trainer.step, &tagged)?;
-    }
-    match (board, test_auc, test_logloss) {
-        (Some(board), Some(auc), Some(logloss)) => {
-            board.scalars(trainer.step, &[("test/auc", auc), ("test/logloss", logloss)])
-        }
-        _ => Ok(()),
-    }
 }
 
 /// The batch after the current one, for a stage working one batch ahead:

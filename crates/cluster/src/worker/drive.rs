@@ -1,14 +1,19 @@
-//! The worker's one training loop, whatever its sync policy: batches from
-//! the policy's feed through the step engine; after each step the loop
-//! counts it and the policy decides what follows (a checkpoint, an
-//! aggregation); when the feed runs dry the policy meets the others (idle
-//! rounds, a round merge, the last aggregations) and says whether training
-//! goes on. What differs per policy lives in the policy (`policy.rs`).
+//! A worker as a [`Run`] of the one training loop (`sparrow_trainer::driver`),
+//! whatever its sync policy: batches from the policy's feed through the
+//! step engine with the shards as its row source; after each step the loop
+//! logs and evaluates as `sparrow train` does, and the policy decides what
+//! follows (a checkpoint, an aggregation); when the feed runs dry the policy
+//! meets the others (idle rounds, a round merge, the last aggregations) and
+//! says whether training goes on. What differs per policy lives in the
+//! policy (`policy.rs`).
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use sparrow_trainer::driver::{At, IntervalFigures, Line, Observers, Run};
+pub use sparrow_trainer::driver::{Flow, StepDone};
 use sparrow_trainer::engine::StepEngine;
+use sparrow_trainer::evaluation::Figures;
 
 use super::Worker;
 use super::feed::BatchFeed;
@@ -17,23 +22,6 @@ use super::remote::RemoteRows;
 use crate::faults;
 use crate::messages::WorkerBatch;
 use crate::transport::{ClusterError, LoaderService};
-
-/// What the loop does after a policy's hook.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Flow {
-    /// Take the feed's next batch.
-    Train,
-    /// Training is over (the policy's last meeting was held).
-    Done,
-}
-
-/// The batch a step just trained, as a policy counts it.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct StepDone {
-    pub samples: u64,
-    /// Its samples' weights (`[data.weighting]`; the samples otherwise).
-    pub weight: f64,
-}
 
 /// The step engine's updates still waiting (`train.pipeline_depth` ≥ 1): a
 /// policy pushes them before the shards' rows are read as trained (a
@@ -50,16 +38,117 @@ impl Unpushed<'_, '_> {
         Ok(())
     }
 
-    /// After a step (trained, idle or a round's merge): a periodic
-    /// evaluation if the job's step passed a multiple of
+    /// After a step that trained no batch (an idle round, a round's merge):
+    /// a periodic evaluation if the job's step passed a multiple of
     /// `train.eval_every_steps`, every update pushed first so the figures
     /// are the model's after this step.
     pub fn evaluate_if_due(&mut self, w: &mut Worker) -> Result<(), ClusterError> {
-        if w.evaluation_due() {
-            self.push_all(w)?;
-            w.evaluate_now(self.rows.shards)?;
+        let at = w.at();
+        if w.observers.evaluation_due(at.step)
+            && let Some(figures) = self.evaluate(w)?
+        {
+            w.observers.log_eval(at, Some(&figures))?;
         }
         Ok(())
+    }
+
+    fn evaluate(&mut self, w: &mut Worker) -> Result<Option<Figures>, ClusterError> {
+        self.push_all(w)?;
+        w.evaluate_now(self.rows.shards)
+    }
+}
+
+/// A worker training under its policy, as the loop drives it.
+struct WorkerRun<'a, 'r> {
+    worker: &'a mut Worker,
+    policy: &'a mut dyn SyncPolicy,
+    feed: &'a mut dyn BatchFeed,
+    engine: StepEngine<WorkerBatch, ()>,
+    rows: &'a RemoteRows<'r>,
+}
+
+impl WorkerRun<'_, '_> {
+    fn unpushed(&mut self) -> (&mut Worker, &mut dyn SyncPolicy, Unpushed<'_, '_>) {
+        (self.worker, self.policy, Unpushed { engine: &mut self.engine, rows: self.rows })
+    }
+}
+
+impl Run for WorkerRun<'_, '_> {
+    type Error = ClusterError;
+
+    fn step(&mut self) -> Result<Option<StepDone>, ClusterError> {
+        let (w, feed) = (&mut *self.worker, &mut *self.feed);
+        let mut next_batch_secs = 0.0;
+        let mut next = |ahead: usize| {
+            let waited = Instant::now();
+            let next = feed.next(ahead).transpose();
+            next_batch_secs += waited.elapsed().as_secs_f64();
+            next
+        };
+        let mut done = StepDone::default();
+        let stepped = self.engine.step(self.rows, &mut next, |looked| {
+            let batch = &looked.batch;
+            let (loss, grads) = w.dense(looked)?;
+            done.keys = batch.bag_offsets.last().copied().unwrap_or(0) as u64;
+            done.unique_keys = batch.num_unique() as u64;
+            // A skipped batch trained no samples (`non_finite.rs`).
+            if grads.is_some() {
+                (done.samples, done.weight, done.loss) = (batch.rows as u64, batch.weight_sum(), loss);
+            }
+            Ok(((), grads))
+        });
+        w.stats.phase_secs.next_batch += next_batch_secs;
+        let Some(stepped) = stepped? else { return Ok(None) };
+        w.record_phases(stepped)?;
+        w.mark_step()?;
+        Ok(Some(done))
+    }
+
+    fn at(&self) -> At {
+        self.worker.at()
+    }
+
+    fn observers(&mut self) -> &mut Observers {
+        &mut self.worker.observers
+    }
+
+    fn check_weights(&mut self) -> Result<(), ClusterError> {
+        let step = self.worker.job_step();
+        let w = &self.worker;
+        w.model.check_finite(&w.optimizer).map_err(|e| match e {
+            sparrow_model::ModelError::NonFinite { what } => sparrow_trainer::TrainError::NonFinite { step, what },
+            other => other.into(),
+        })?;
+        Ok(())
+    }
+
+    fn describe(&mut self, _: &IntervalFigures) -> Line {
+        let stats = &self.worker.stats;
+        let online = self.worker.online.as_ref().map(sparrow_trainer::online::OnlineFigures::of);
+        let mut line =
+            Line { phase_secs: serde_json::to_value(stats.phase_secs).unwrap_or_default(), ..Line::default() };
+        line.fields.insert("bad_rows".into(), stats.bad_rows.into());
+        if let Some(online) = online {
+            line.fields.insert("online_window".into(), serde_json::to_value(online.window).unwrap_or_default());
+            line.fields.insert("online_run".into(), serde_json::to_value(online.run).unwrap_or_default());
+            line.scalars.extend(online.scalars().into_iter().map(|(t, v)| (t.to_string(), v)));
+        }
+        line
+    }
+
+    fn evaluate(&mut self) -> Result<Option<Figures>, ClusterError> {
+        let (w, _, mut unpushed) = self.unpushed();
+        unpushed.evaluate(w)
+    }
+
+    fn stepped(&mut self, done: StepDone) -> Result<Flow, ClusterError> {
+        let (w, policy, mut unpushed) = self.unpushed();
+        policy.stepped(w, done, &mut unpushed)
+    }
+
+    fn ran_dry(&mut self) -> Result<Flow, ClusterError> {
+        let (w, policy, mut unpushed) = self.unpushed();
+        policy.ran_dry(w, &mut unpushed)
     }
 }
 
@@ -72,58 +161,36 @@ impl Worker {
         loader: &dyn LoaderService,
         rows: &RemoteRows<'_>,
     ) -> Result<(), ClusterError> {
+        // Intervals and evaluations count from where this training starts
+        // (a resumed job, a recovered generation).
+        let at = self.at();
+        self.observers.start(at);
+        let engine = StepEngine::new(self.pipeline_depth);
         std::thread::scope(|scope| {
             let mut feed = policy.open(self, loader, scope)?;
-            let trained = self.drive(policy, feed.as_mut(), rows);
-            feed.close().and(trained)
+            let mut run = WorkerRun { worker: self, policy, feed: feed.as_mut(), engine, rows };
+            let trained = sparrow_trainer::driver::drive(&mut run);
+            let flushed = trained.and_then(|()| {
+                let secs = run.engine.flush(rows)?;
+                run.worker.stats.phase_secs.push += secs;
+                Ok(())
+            });
+            feed.close().and(flushed)
         })?;
         policy.finish(self)?;
         let end = self.checkpoints.as_ref().is_some_and(|c| self.job_step() > c.last_step);
         if end { self.checkpoint_now() } else { Ok(()) }
     }
 
-    fn drive(
-        &mut self,
-        policy: &mut dyn SyncPolicy,
-        feed: &mut dyn BatchFeed,
-        rows: &RemoteRows<'_>,
-    ) -> Result<(), ClusterError> {
-        let mut engine = StepEngine::new(self.pipeline_depth);
-        let mut next_batch_secs = 0.0;
-        loop {
-            let mut next = |ahead: usize| {
-                let waited = Instant::now();
-                let next = feed.next(ahead).transpose();
-                next_batch_secs += waited.elapsed().as_secs_f64();
-                next
-            };
-            let mut done = StepDone::default();
-            let stepped = engine.step(rows, &mut next, |looked| {
-                let (_, grads) = self.dense(looked)?;
-                // A skipped batch trained no samples (`non_finite.rs`).
-                if grads.is_some() {
-                    done = StepDone { samples: looked.batch.rows as u64, weight: looked.batch.weight_sum() };
-                }
-                Ok(((), grads))
-            })?;
-            let mut unpushed = Unpushed { engine: &mut engine, rows };
-            let flow = match stepped {
-                Some(stepped) => {
-                    self.record_phases(stepped)?;
-                    self.mark_step()?;
-                    self.log_step()?;
-                    unpushed.evaluate_if_due(self)?;
-                    policy.stepped(self, done, &mut unpushed)?
-                }
-                None => policy.ran_dry(self, &mut unpushed)?,
-            };
-            if flow == Flow::Done {
-                break;
-            }
+    /// Where this worker stands, for its observers.
+    pub(super) fn at(&self) -> At {
+        At {
+            step: self.job_step(),
+            batches: self.stats.batches,
+            samples: self.stats.rows,
+            job_samples: self.job_samples(),
+            epoch: self.stats.last_end.epoch,
         }
-        self.stats.phase_secs.push += engine.flush(rows)?;
-        self.stats.phase_secs.next_batch += next_batch_secs;
-        Ok(())
     }
 
     /// After a step (a trained batch, an idle round, a merge): reports it

@@ -21,15 +21,12 @@ use crate::transport::{ClusterError, ShardService};
 /// Batch ids of periodic evaluations: the evaluation bit and bit 63.
 const PERIODIC_EVAL_BATCH_ID: u64 = FIRST_EVAL_BATCH_ID | (1 << 63);
 
+/// What worker 0 scores (its cadence is its observers', `driver.rs`).
 pub struct PeriodicEval {
-    every: u64,
     test: PathBuf,
     /// The job's config with training's weighting off (evaluation reads
     /// rows as they are, as the loader's evaluation does).
     config: Config,
-    /// The job step of the last evaluation (at the first check: the step
-    /// before it, so a resumed job does not evaluate at once).
-    last_step: Option<u64>,
     /// Batches scored so far (the next batch id's sequence number).
     batches: u64,
 }
@@ -37,7 +34,7 @@ pub struct PeriodicEval {
 impl PeriodicEval {
     /// For worker `worker` of `config`, if it evaluates periodically.
     pub fn new(config: &Config, worker: usize) -> Option<PeriodicEval> {
-        let every = config.train.eval_every_steps.filter(|&n| n > 0)?;
+        config.train.eval_every_steps.filter(|&n| n > 0)?;
         let test = PathBuf::from(config.data.test.as_deref()?);
         if worker != 0 {
             return None;
@@ -45,38 +42,23 @@ impl PeriodicEval {
         let mut unweighted = config.clone();
         unweighted.data.weighting = None;
         unweighted.data.group_by_label = false;
-        Some(PeriodicEval { every, test, config: unweighted, last_step: None, batches: 0 })
-    }
-
-    /// Whether the job's step passed a multiple of the interval since the last.
-    pub fn due(&mut self, job_step: u64) -> bool {
-        let last = *self.last_step.get_or_insert(job_step.saturating_sub(1));
-        job_step / self.every > last / self.every
+        Some(PeriodicEval { test, config: unweighted, batches: 0 })
     }
 }
 
 impl Worker {
-    /// Whether a periodic evaluation is due after this step.
-    pub(super) fn evaluation_due(&mut self) -> bool {
-        let step = self.job_step();
-        self.periodic_eval.as_mut().is_some_and(|p| p.due(step))
-    }
-
-    /// Evaluates now (see [`evaluation_due`](Self::evaluation_due)): an
-    /// `eval` line and the test scalars. Every update of this worker is
-    /// pushed first (the caller's).
-    pub(super) fn evaluate_now(&mut self, shards: &[Arc<dyn ShardService>]) -> Result<(), ClusterError> {
-        let step = self.job_step();
-        let Some(periodic) = self.periodic_eval.as_mut() else { return Ok(()) };
-        periodic.last_step = Some(step);
+    /// Scores `data.test` now, as a periodic evaluation (every update of
+    /// this worker pushed first, by the caller); `None`: this worker does
+    /// not evaluate.
+    pub(super) fn evaluate_now(&mut self, shards: &[Arc<dyn ShardService>]) -> Result<Option<Figures>, ClusterError> {
+        let Some(periodic) = self.periodic_eval.as_mut() else { return Ok(None) };
         let (test, config) = (periodic.test.clone(), periodic.config.clone());
         let first_id = first_batch_id(self.generation, PERIODIC_EVAL_BATCH_ID) + periodic.batches;
         let scores = self.score_file(&test, &config, first_id, shards)?;
         if let Some(periodic) = self.periodic_eval.as_mut() {
             periodic.batches += scores.1;
         }
-        let figures = Figures::of(&config, &scores.0);
-        self.log_evaluation(&config, &figures)
+        Ok(Some(Figures::of(&config, &scores.0)))
     }
 
     /// Scores every row of `test`; also returns the batches read.
