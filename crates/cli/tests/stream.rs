@@ -312,7 +312,19 @@ fn a_cluster_job_on_a_topic_keeps_within_max_rows_and_recovers_exactly() {
     let (tmp, broker) = setup("8000");
     broker.produce("bounded", 3, &tmp.path().join("data/train.tsv"));
     let config = job(tmp.path(), &broker, Some("bounded"), "");
-    let free = ok_json(&launch(&config, ""));
+    // The workers' metrics lines say where the stream stands, as train's do.
+    let metrics = tmp.path().join("metrics.jsonl");
+    let sets = [format!("train.metrics_path={:?}", metrics.display().to_string()), "train.log_interval_steps=2".into()];
+    let free = ok_json(&launch_with(&config, "", &["--set", &sets[0], "--set", &sets[1]]));
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
+        .expect("metrics")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .filter(|l: &serde_json::Value| l["event"].is_null())
+        .collect();
+    let records: Vec<u64> = lines.iter().map(|l| l["stream_records"].as_u64().expect("stream_records")).collect();
+    assert!(records.len() >= 2 && records.windows(2).all(|w| w[0] < w[1]) && records[records.len() - 1] <= 8000);
+    assert!(lines.iter().all(|l| l["stream_lag_records"].as_u64().is_some() && l["worker"] == 0), "{lines:?}");
     let bound = free["embedding_rows"].as_u64().expect("rows") / 3;
     let max_rows = format!("embedding.max_rows={bound}");
     let capped = ok_json(&launch_with(&config, "", &["--set", &max_rows]));

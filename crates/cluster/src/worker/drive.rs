@@ -128,6 +128,16 @@ impl Run for WorkerRun<'_, '_> {
         let mut line =
             Line { phase_secs: serde_json::to_value(stats.phase_secs).unwrap_or_default(), ..Line::default() };
         line.fields.insert("bad_rows".into(), stats.bad_rows.into());
+        // `[data.stream]`: where this worker's newest batch left the stream.
+        if let Some(m) = &stats.last_stream {
+            let lag_secs = sparrow_trainer::input::lag_secs(m);
+            line.fields.insert("stream_records".into(), m.records.into());
+            line.fields.insert("stream_lag_records".into(), m.lag_records.into());
+            line.fields.insert("stream_lag_secs".into(), serde_json::to_value(lag_secs).unwrap_or_default());
+            line.fields
+                .insert("stream_newest_record_ms".into(), serde_json::to_value(m.newest_record_ms).unwrap_or_default());
+            line.fields.insert("future_records".into(), m.future_records.into());
+        }
         if let Some(online) = online {
             line.fields.insert("online_window".into(), serde_json::to_value(online.window).unwrap_or_default());
             line.fields.insert("online_run".into(), serde_json::to_value(online.run).unwrap_or_default());
