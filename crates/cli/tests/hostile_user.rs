@@ -390,6 +390,21 @@ fn launch_refuses_an_unwritable_checkpoint_directory_before_training() {
     assert!(started.elapsed() < Duration::from_secs(10));
 }
 
+/// A metrics file or TensorBoard folder that cannot be made fails `train`
+/// and `launch` alike, naming the key and the path (one log, one message).
+#[test]
+fn an_unwritable_metrics_path_or_tensorboard_dir_is_named_by_its_key() {
+    let job = Job::new(3000);
+    std::fs::write(job.path("blocker"), "x").expect("file");
+    for (set, key) in [
+        ("train.metrics_path=\"blocker/m.jsonl\"", "train.metrics_path: blocker"),
+        ("train.tensorboard_dir=\"blocker/tb\"", "train.tensorboard_dir: blocker/tb"),
+    ] {
+        fails_with(&job.train(&[set, "checkpoint.dir=\"ck-train\""]), &[key]);
+        fails_with(&job.launch("1", "1", &[set, "checkpoint.dir=\"ck-launch\""]), &[key]);
+    }
+}
+
 // ---- 7, 8, 10. Tokens: never stored, handed to children, made up if absent
 
 #[test]

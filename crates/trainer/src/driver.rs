@@ -345,6 +345,10 @@ impl Default for Observers {
     }
 }
 
+/// The keys of the run's log, named in its errors.
+const METRICS: &str = "train.metrics_path";
+const BOARD: &str = "train.tensorboard_dir";
+
 /// `train.metrics_path` (JSONL: a line every log interval, an `eval` line
 /// for each evaluation) and `train.tensorboard_dir` (the same as scalars).
 /// In a cluster job each line is tagged with its `worker`, every worker of
@@ -373,15 +377,16 @@ impl RunLog {
         let metrics = match metrics_path.map(PathBuf::from) {
             Some(path) => {
                 let fresh = worker.is_none() && config.checkpoint.resume_from.is_none();
-                Some((path.clone(), open_metrics(&path, fresh)?))
+                Some((path.clone(), open_metrics(&path, fresh).map_err(|e| e.of_key(METRICS))?))
             }
             None => None,
         };
         let board = match (board_dir.map(Path::new), worker) {
-            (Some(dir), Some(w)) => Some(TensorBoard::create(&dir.join(format!("worker-{w}")))?),
-            (Some(dir), None) => Some(TensorBoard::create(dir)?),
+            (Some(dir), Some(w)) => Some(TensorBoard::create(&dir.join(format!("worker-{w}")))),
+            (Some(dir), None) => Some(TensorBoard::create(dir)),
             (None, _) => None,
         };
+        let board = board.transpose().map_err(|e| e.of_key(BOARD))?;
         Ok(Some(RunLog {
             worker,
             metrics,
@@ -426,7 +431,7 @@ impl RunLog {
             }
         }
         let scalars: Vec<(&str, f64)> = scalars.iter().map(|(t, v)| (t.as_str(), *v)).collect();
-        board.scalars(at.step, &scalars)
+        board.scalars(at.step, &scalars).map_err(|e| e.of_key(BOARD))
     }
 
     fn eval(&mut self, at: At, figures: Option<&Figures>) -> Result<(), TrainError> {
@@ -449,7 +454,7 @@ impl RunLog {
         let tagged = crate::evaluation::tagged(&f.tasks);
         let mut scalars: Vec<(&str, f64)> = tagged.iter().map(|(t, v)| (t.as_str(), *v)).collect();
         scalars.extend([("test/auc", f.auc), ("test/logloss", f.logloss)]);
-        board.scalars(at.step, &scalars)
+        board.scalars(at.step, &scalars).map_err(|e| e.of_key(BOARD))
     }
 
     /// One whole line in one write (other workers' appends interleave by line).
@@ -457,7 +462,7 @@ impl RunLog {
         if let Some((path, file)) = &mut self.metrics {
             let mut text = value.to_string();
             text.push('\n');
-            file.write_all(text.as_bytes()).map_err(|e| TrainError::io(path, e))?;
+            file.write_all(text.as_bytes()).map_err(|e| TrainError::io(path, e).of_key(METRICS))?;
         }
         Ok(())
     }
@@ -467,7 +472,9 @@ impl RunLog {
 /// job that does not resume starts it empty, as `sparrow train` does.
 pub fn start_metrics_file(config: &Config) -> Result<(), TrainError> {
     match config.train.metrics_path.as_deref() {
-        Some(path) => open_metrics(Path::new(path), config.checkpoint.resume_from.is_none()).map(drop),
+        Some(path) => open_metrics(Path::new(path), config.checkpoint.resume_from.is_none())
+            .map(drop)
+            .map_err(|e| e.of_key(METRICS)),
         None => Ok(()),
     }
 }

@@ -23,6 +23,9 @@ pub enum TrainError {
     Checkpoint { path: PathBuf, message: String },
     #[error("{path}: {error}")]
     Io { path: PathBuf, error: std::io::Error },
+    /// A failure on what a config key names (its file, its folder).
+    #[error("{key}: {error}")]
+    Key { key: &'static str, error: Box<TrainError> },
     #[error("interrupted after step {step}")]
     Interrupted { step: u64 },
     #[error(
@@ -43,6 +46,11 @@ pub enum TrainError {
 impl TrainError {
     pub fn io(path: &std::path::Path, source: std::io::Error) -> Self {
         TrainError::Io { path: path.to_path_buf(), error: source }
+    }
+
+    /// This error, said of what config key `key` names.
+    pub fn of_key(self, key: &'static str) -> Self {
+        TrainError::Key { key, error: Box::new(self) }
     }
 
     pub fn checkpoint(path: &std::path::Path, message: impl Into<String>) -> Self {
