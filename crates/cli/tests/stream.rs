@@ -705,3 +705,67 @@ fn a_start_after_now_begins_at_the_end_and_bad_starts_are_named() {
         assert!(stderr.contains("data.stream.start") && stderr.contains(secs), "{secs}: {stderr}");
     }
 }
+
+/// A cluster job on a topic that goes quiet for over three times a call's
+/// deadline (`2 × heartbeat_timeout_ms`) and past the coordinator's
+/// `progress_timeout_ms` keeps running: a worker's wait for its next batch
+/// is the loader answering that it is alive and waiting, and each answer is
+/// progress. The records that come after are trained, and the job stops on
+/// `stop_when_idle_secs` (exit 0) with every record trained once.
+#[test]
+fn a_cluster_job_waits_out_an_idle_topic_and_trains_what_comes_after() {
+    let (tmp, broker) = setup("8000");
+    let text = std::fs::read_to_string(tmp.path().join("data/train.tsv")).expect("train.tsv");
+    let lines: Vec<&str> = text.lines().collect();
+    let (first, second) = (tmp.path().join("first.tsv"), tmp.path().join("second.tsv"));
+    std::fs::write(&first, lines[..4000].join("\n") + "\n").expect("first half");
+    std::fs::write(&second, lines[4000..].join("\n") + "\n").expect("second half");
+    broker.produce("quiet", 2, &first);
+    let config = job(tmp.path(), &broker, Some("quiet"), "");
+    let idle_stop = std::fs::read_to_string(&config)
+        .expect("config")
+        .replace("stop_when_idle_secs = 1", "stop_when_idle_secs = 14");
+    std::fs::write(&config, idle_stop).expect("config");
+    let metrics = tmp.path().join("quiet.jsonl");
+    let mut child = sparrow()
+        .args(["launch", "--config", &config, "--shards", "2", "--workers", "2", "--quiet"])
+        .args(["--set", "cluster.heartbeat_timeout_ms=1500", "--set", "cluster.progress_timeout_ms=4000"])
+        .args(["--set", &format!("train.metrics_path={:?}", metrics.display().to_string())])
+        .args(["--set", "train.log_interval_steps=1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("launch");
+    // The event: the first half is trained (a worker's line says the
+    // stream's 4,000 records are read); the job is idle from here on.
+    let read_all = |path: &Path| {
+        std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .any(|l| l["stream_records"] == 4000)
+    };
+    let waited = std::time::Instant::now();
+    let ended = |child: Child, when: &str| -> ! {
+        let out = child.wait_with_output().expect("launch");
+        panic!("launch ended {when}: {}", String::from_utf8_lossy(&out.stderr))
+    };
+    while !read_all(&metrics) {
+        if child.try_wait().expect("wait").is_some() {
+            ended(child, "before the topic went quiet");
+        }
+        assert!(waited.elapsed() < Duration::from_secs(120), "the first half was not trained");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The quiet stretch is what is tested (nothing waits on it).
+    std::thread::sleep(Duration::from_secs(10));
+    if child.try_wait().expect("wait").is_some() {
+        ended(child, "during the quiet stretch");
+    }
+    broker.produce("quiet", 2, &second);
+    let out = child.wait_with_output().expect("launch");
+    let json = ok_json(&out);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!((&json["stream_records"], &json["train_rows"]), (&8000.into(), &8000.into()), "{json} {stderr}");
+    assert_eq!(json["restarts"]["worker"], 0, "{stderr}");
+}

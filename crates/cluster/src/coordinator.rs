@@ -555,6 +555,17 @@ impl Coordinator {
         self.hub.sum(c)
     }
 
+    /// A worker asks again for a round's sum after a `Pending` answer.
+    pub fn await_round(
+        &self,
+        worker: usize,
+        generation: Generation,
+        round: u64,
+        wait: Duration,
+    ) -> Result<RoundReply, ClusterError> {
+        self.hub.rounds().await_round(worker, generation, round, wait)
+    }
+
     /// A worker's end of a round (`sync = "round"`): waits for every
     /// worker's and returns the merged round.
     pub fn merge_round(&self, u: RoundUpdate) -> Result<Arc<MergedRound>, ClusterError> {
@@ -754,6 +765,7 @@ mod tests {
             grads: vec![1.0],
             rows: 1,
             patience: Duration::ZERO,
+            wait: None,
         };
         let err = c.sum(contribution).expect_err("the job failed");
         assert!(err.to_string().contains("shard 1"), "{err}");
@@ -887,6 +899,7 @@ mod tests {
                     grads: vec![1.0],
                     rows: 1,
                     patience: Duration::from_secs(60),
+                    wait: None,
                 })
             })
         };
@@ -904,6 +917,7 @@ mod tests {
             grads: vec![1.0],
             rows: 1,
             patience: Duration::ZERO,
+            wait: None,
         };
         assert!(matches!(c.sum(stale), Err(ClusterError::StaleGeneration { .. })));
     }

@@ -16,7 +16,7 @@ use sparrow_embedding::{KeyPlan, owner};
 use crate::faults;
 use crate::generation::Generation;
 use crate::messages::{Mode, PassCounters, WorkerBatch, first_batch_id};
-use crate::transport::{ClusterError, LoaderService, RoundQueueService, ShardService};
+use crate::transport::{ClusterError, LoaderService, Polled, RoundQueueService, ShardService};
 
 /// Batch ids of evaluation batches start here, so they never collide with training ones.
 pub const FIRST_EVAL_BATCH_ID: u64 = 1 << 62;
@@ -601,10 +601,41 @@ impl LoaderServer {
     fn take(&self, queue: &Receiver<WorkerBatch>) -> Result<Option<WorkerBatch>, ClusterError> {
         match queue.recv() {
             Ok(batch) => Ok(Some(batch)),
-            Err(_) => match self.error.lock().as_ref() {
-                Some(e) => Err(ClusterError::Loader(e.clone())),
-                None => Ok(None),
-            },
+            Err(_) => self.ended(),
+        }
+    }
+
+    /// The queue closed: the reader's error, or the end of the data.
+    fn ended<T>(&self) -> Result<Option<T>, ClusterError> {
+        match self.error.lock().as_ref() {
+            Some(e) => Err(ClusterError::Loader(e.clone())),
+            None => Ok(None),
+        }
+    }
+
+    /// `worker`'s next training batch within `wait` (the remote form of
+    /// [`LoaderService::poll_batch`]): [`Polled::Waiting`] if none came and
+    /// the data goes on (an idle stream).
+    pub fn next_batch_within(
+        &self,
+        worker: usize,
+        generation: Generation,
+        wait: std::time::Duration,
+    ) -> Result<Polled, ClusterError> {
+        if self.rounds.is_some() {
+            return self
+                .next_batch(worker, Mode::Train, generation)
+                .map(|b| b.map_or(Polled::End, |b| Polled::Batch(Box::new(b))));
+        }
+        faults::point("loader.next_batch");
+        self.check_generation(generation)?;
+        match self.train.recv_timeout(wait) {
+            Ok(batch) => Ok(Polled::Batch(Box::new(batch))),
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => Ok(Polled::Waiting),
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                self.ended::<()>()?;
+                Ok(Polled::End)
+            }
         }
     }
 }

@@ -297,7 +297,31 @@ impl<A, R: Clone> Rendezvous<A, R> {
         member: usize,
         close: impl FnOnce(Vec<A>) -> Result<R, String>,
     ) -> Result<R, Parted> {
-        self.finish_among(generation, key, &[member], None, close)
+        let finished = self.finish_among(generation, key, &[member], None, close, None)?;
+        finished.ok_or_else(|| Parted::Refused(format!("{} {key}: no outcome", self.what)))
+    }
+
+    /// [`finish`](Self::finish), waiting for the outcome no later than
+    /// `deadline`: `None` if the meeting has not closed by then (the member's
+    /// last arrival stands; [`outcome_by`](Self::outcome_by) takes the
+    /// result later).
+    pub fn finish_within(
+        &self,
+        generation: Generation,
+        key: u64,
+        member: usize,
+        deadline: Instant,
+        close: impl FnOnce(Vec<A>) -> Result<R, String>,
+    ) -> Result<Option<R>, Parted> {
+        self.finish_among(generation, key, &[member], None, close, Some(deadline))
+    }
+
+    /// The outcome of meeting `key`, at which one member already made its
+    /// last arrival ([`finish_within`](Self::finish_within) ran out of
+    /// time), waiting no later than `deadline` (`None`: not closed yet).
+    pub fn outcome_by(&self, generation: Generation, key: u64, deadline: Instant) -> Result<Option<R>, Parted> {
+        let state = self.state.lock();
+        self.take_outcome(state, generation, key, 1, Some(deadline))
     }
 
     /// The last arrivals of `members` (one caller arriving for each of
@@ -310,7 +334,8 @@ impl<A, R: Clone> Rendezvous<A, R> {
         members: &[usize],
         among: Option<&[usize]>,
         close: impl FnOnce(Vec<A>) -> Result<R, String>,
-    ) -> Result<R, Parted> {
+        deadline: Option<Instant>,
+    ) -> Result<Option<R>, Parted> {
         let mut state = self.state.lock();
         for &member in members {
             self.admit(&mut state, generation, key, member, among)?;
@@ -336,13 +361,26 @@ impl<A, R: Clone> Rendezvous<A, R> {
                 _ => {
                     return match (outcome, &state.failed) {
                         (_, Some(reason)) => Err(Parted::Failed(reason.clone())),
-                        (Ok(result), None) => Ok(result),
+                        (Ok(result), None) => Ok(Some(result)),
                         (Err(_), None) => Err(Parted::NewGeneration(state.generation)),
                     };
                 }
             }
             self.changed.notify_all();
         }
+        self.take_outcome(state, generation, key, members.len(), deadline)
+    }
+
+    /// Waits for meeting `key`'s outcome (until `deadline`, if any) and
+    /// takes it for `taking` members.
+    fn take_outcome(
+        &self,
+        mut state: crate::lock_order::OrderedGuard<'_, State<A, R>>,
+        generation: Generation,
+        key: u64,
+        taking: usize,
+        deadline: Option<Instant>,
+    ) -> Result<Option<R>, Parted> {
         loop {
             if let Some(reason) = &state.failed {
                 return Err(Parted::Failed(reason.clone()));
@@ -354,13 +392,17 @@ impl<A, R: Clone> Rendezvous<A, R> {
                 return Err(Parted::Refused(format!("{} {key} vanished", self.what)));
             };
             if let Some(outcome) = meeting.outcome.clone() {
-                meeting.taken += members.len();
+                meeting.taken += taking;
                 if meeting.taken >= meeting.expected_count() {
                     state.meetings.remove(&key);
                 }
-                return outcome.map_err(Parted::CloseFailed);
+                return outcome.map(Some).map_err(Parted::CloseFailed);
             }
-            self.changed.wait(state.raw());
+            match deadline {
+                Some(deadline) if self.changed.wait_until(state.raw(), deadline).timed_out() => return Ok(None),
+                Some(_) => {}
+                None => self.changed.wait(state.raw()),
+            }
         }
     }
 
@@ -409,7 +451,8 @@ impl<A, R: Clone> Rendezvous<A, R> {
             }
             self.changed.notify_all();
         }
-        self.finish_among(generation, key, members, Some(among), close)
+        let finished = self.finish_among(generation, key, members, Some(among), close, None)?;
+        finished.ok_or_else(|| Parted::Refused(format!("{} {key}: no outcome", self.what)))
     }
 
     /// One arrival that is also the member's last: `add`'s check, then [`finish`](Self::finish).

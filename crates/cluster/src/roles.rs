@@ -733,8 +733,9 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Attempt) -> Result<Worker
     let layout = DataLayout::from_config(&config.data);
     let links = RoleLinks { config, coordinator, aggregators: &view.aggregators, settings, rt, metrics };
     let policy = sync_policy(config, index, num_workers, generation.number, &links)?;
-    let mut worker = new_worker_in(config, &layout, index, generation.number)?.with_policy(policy);
+    let mut worker = new_worker_in(config, &layout, index, generation.number)?;
     worker.progress = link.shared.progress.clone();
+    let mut worker = worker.with_policy(policy);
     worker.reported_step = link.shared.step.clone();
     worker.watch_generation(link.shared.generation.clone());
     worker.gauges = Some((gauges.clone(), config.train.log_interval_steps));

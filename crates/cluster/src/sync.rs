@@ -39,6 +39,12 @@ pub struct Contribution {
     pub grads: Vec<f32>,
     pub rows: u64,
     pub patience: Duration,
+    /// How long the coordinator may wait for the round to close once this
+    /// contribution is the worker's last, before it answers
+    /// [`RoundReply::Pending`] (`None`: until it closes). Across a network it
+    /// is within the call's deadline, so a long round is a wait that is
+    /// alive (the worker asks again), not a deadline run out.
+    pub wait: Option<Duration>,
 }
 
 /// What a contribution to a round gets back.
@@ -46,6 +52,10 @@ pub struct Contribution {
 pub enum RoundReply {
     /// Not every worker has contributed: train another batch at these weights.
     Open,
+    /// This worker's contribution was its last and the round has not closed
+    /// within the contribution's `wait` (another worker is still training,
+    /// or waiting on an idle stream): ask again ([`RoundSummer::await_round`]).
+    Pending,
     Closed(RoundResult),
 }
 
@@ -69,7 +79,7 @@ impl RoundSum {
     /// worker has still not contributed after `patience` (and `rows > 0`);
     /// otherwise waits for the round to close and returns its sum.
     pub fn sum(&self, c: Contribution) -> Result<RoundReply, ClusterError> {
-        let Contribution { worker, generation, round, grads, rows, patience } = c;
+        let Contribution { worker, generation, round, grads, rows, patience, wait } = c;
         let parted = |p: Parted| p.into_cluster_error("the coordinator", || format!("worker {worker}'s gradients"));
         self.meet
             .add(generation, round, worker, |mine, other| {
@@ -96,7 +106,7 @@ impl RoundSum {
             return Ok(RoundReply::Open);
         }
         // Formed once, in worker order: every worker receives the same bits.
-        let closed = self.meet.finish(generation, round, worker, |parts| {
+        let close = |parts: Vec<(Vec<f32>, u64)>| {
             let mut parts = parts.into_iter();
             let (mut total, mut total_rows) = parts.next().unwrap_or_default();
             for (g, r) in parts {
@@ -104,8 +114,26 @@ impl RoundSum {
                 total_rows += r;
             }
             Ok(Arc::new((total, total_rows)))
-        });
-        closed.map(RoundReply::Closed).map_err(parted)
+        };
+        let closed = match wait {
+            Some(wait) => self.meet.finish_within(generation, round, worker, Instant::now() + wait, close),
+            None => self.meet.finish(generation, round, worker, close).map(Some),
+        };
+        Ok(closed.map_err(parted)?.map_or(RoundReply::Pending, RoundReply::Closed))
+    }
+
+    /// The sum of `round`, after worker `worker`'s last contribution was
+    /// answered [`RoundReply::Pending`]: waits up to `wait` for it to close.
+    pub fn await_round(
+        &self,
+        worker: usize,
+        generation: Generation,
+        round: u64,
+        wait: Duration,
+    ) -> Result<RoundReply, ClusterError> {
+        let parted = |p: Parted| p.into_cluster_error("the coordinator", || format!("worker {worker}'s round {round}"));
+        let closed = self.meet.outcome_by(generation, round, Instant::now() + wait).map_err(parted)?;
+        Ok(closed.map_or(RoundReply::Pending, RoundReply::Closed))
     }
 
     /// Wakes every waiting worker with an error (a worker or a shard is gone).
@@ -128,11 +156,18 @@ impl RoundSum {
 /// coordinator over gRPC.
 pub trait RoundSummer: Send + Sync {
     fn sum_round(&self, c: Contribution) -> Result<RoundReply, ClusterError>;
+
+    /// Asks again for `round`'s sum after a [`RoundReply::Pending`].
+    fn await_round(&self, worker: usize, generation: Generation, round: u64) -> Result<RoundReply, ClusterError>;
 }
 
 impl RoundSummer for RoundSum {
     fn sum_round(&self, c: Contribution) -> Result<RoundReply, ClusterError> {
         self.sum(c)
+    }
+
+    fn await_round(&self, worker: usize, generation: Generation, round: u64) -> Result<RoundReply, ClusterError> {
+        RoundSum::await_round(self, worker, generation, round, Duration::from_secs(1))
     }
 }
 
@@ -150,6 +185,9 @@ pub struct RoundSync {
     bytes: Arc<AtomicU64>,
     /// `train.simd`, for the finiteness check of its gradients.
     simd: sparrow_core::simd::Simd,
+    /// The worker's progress count: it moves each time the coordinator
+    /// answers that the round is still waiting on another worker.
+    progress: Arc<AtomicU64>,
 }
 
 impl RoundSync {
@@ -162,7 +200,14 @@ impl RoundSync {
             last_answer: None,
             bytes: Arc::default(),
             simd,
+            progress: Arc::default(),
         }
+    }
+
+    /// Moves `progress` while a round waits on the other workers.
+    pub fn with_progress(mut self, progress: Arc<AtomicU64>) -> Self {
+        self.progress = progress;
+        self
     }
 
     /// Adds the bytes of every contribution and sum to `bytes`.
@@ -192,9 +237,17 @@ impl DenseSync for RoundSync {
             grads: flat,
             rows: grads.rows,
             patience: batch_time / 2,
+            wait: None,
         });
+        let mut reply = reply.map_err(|e| TrainError::DenseSync(Box::new(e)))?;
+        while let RoundReply::Pending = reply {
+            self.progress.fetch_add(1, Ordering::Relaxed);
+            reply = self
+                .summer
+                .await_round(self.worker, self.generation, self.round)
+                .map_err(|e| TrainError::DenseSync(Box::new(e)))?;
+        }
         self.last_answer = Some(Instant::now());
-        let reply = reply.map_err(|e| TrainError::DenseSync(Box::new(e)))?;
         let RoundReply::Closed(result) = reply else { return Ok(None) };
         let (sum, rows) = (&result.0, result.1);
         self.bytes.fetch_add(4 * sum.len() as u64, Ordering::Relaxed);
@@ -208,5 +261,32 @@ impl DenseSync for RoundSync {
         }
         self.round += 1;
         Ok((rows > 0).then(|| DenseGrads::from_flat_sum(params, sum, rows)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn contribution(worker: usize, grads: Vec<f32>, rows: u64, wait: Option<Duration>) -> Contribution {
+        Contribution { worker, generation: Generation::NONE, round: 0, grads, rows, patience: Duration::ZERO, wait }
+    }
+
+    /// A worker whose last contribution meets a round another worker has
+    /// not reached is answered `Pending` within its wait (it cannot close:
+    /// nobody else can arrive meanwhile), its contribution stands, and
+    /// asking again once the other arrived gives the same sum the other got.
+    #[test]
+    fn a_round_that_cannot_close_yet_answers_pending_and_keeps_the_contribution() {
+        let rounds = RoundSum::new(2);
+        let wait = Some(Duration::from_millis(20));
+        let first = rounds.sum(contribution(0, vec![1.0, 2.0], 0, wait)).expect("sum");
+        assert!(matches!(first, RoundReply::Pending), "{first:?}");
+        let second = rounds.sum(contribution(1, vec![10.0, 20.0], 3, None)).expect("sum");
+        let RoundReply::Closed(closed) = second else { panic!("{second:?}") };
+        assert_eq!((closed.0.clone(), closed.1), (vec![11.0, 22.0], 3));
+        let again = rounds.await_round(0, Generation::NONE, 0, Duration::from_secs(60)).expect("await");
+        let RoundReply::Closed(same) = again else { panic!("{again:?}") };
+        assert!(Arc::ptr_eq(&same, &closed) || *same == *closed);
     }
 }

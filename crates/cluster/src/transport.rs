@@ -246,10 +246,28 @@ pub trait LoaderService: Send + Sync {
         generation: Generation,
     ) -> Result<Option<WorkerBatch>, ClusterError>;
 
+    /// The next training batch as [`next_batch`](Self::next_batch), or
+    /// [`Polled::Waiting`] when a loader across a network has none yet
+    /// (its data has not ended: an idle stream): a wait that is alive, not a
+    /// call that runs into its deadline. One in this process blocks instead.
+    fn poll_batch(&self, worker: usize, generation: Generation) -> Result<Polled, ClusterError> {
+        Ok(self.next_batch(worker, Mode::Train, generation)?.map_or(Polled::End, |b| Polled::Batch(Box::new(b))))
+    }
+
     /// The loader's round queue (`sync = "round"`), if it serves one.
     fn round_queue(&self) -> Option<&dyn RoundQueueService> {
         None
     }
+}
+
+/// A loader's answer to [`LoaderService::poll_batch`].
+#[derive(Debug)]
+pub enum Polled {
+    Batch(Box<WorkerBatch>),
+    /// The phase's data is exhausted.
+    End,
+    /// No batch yet; the loader is alive and its data goes on.
+    Waiting,
 }
 
 /// A loader's round queue (`sync = "round"`, S2.1–S2.2), a capability of

@@ -257,9 +257,10 @@ impl Worker {
     }
 
     /// Trains under `policy` (see [`sync_policy`]): it gives the step
-    /// engine's dense sync and says how the job's step is counted.
+    /// engine's dense sync and says how the job's step is counted. Set
+    /// `progress` first: a sync that waits on the others moves it.
     pub fn with_policy(mut self, mut policy: Box<dyn SyncPolicy>) -> Self {
-        self.sync = policy.dense_sync();
+        self.sync = policy.dense_sync(&self.progress);
         self.job = policy.counts_job_batches().then(JobCount::default);
         self.policy = policy;
         self

@@ -69,6 +69,11 @@ impl SyncHub {
         self.rounds.sum(c)
     }
 
+    /// The gradient rounds' meeting point.
+    pub fn rounds(&self) -> &RoundSum {
+        &self.rounds
+    }
+
     pub fn merge_round(&self, u: RoundUpdate) -> Result<Arc<MergedRound>, ClusterError> {
         self.merges.merge_round(u)
     }

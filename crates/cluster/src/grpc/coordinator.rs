@@ -239,17 +239,22 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
         let grads = bytes_to_f32s(&r.grads, &format!("worker {}", r.worker), "gradients").map_err(status)?;
         let coordinator = self.coordinator.clone();
         let patience = Duration::from_micros(r.patience_us);
-        let c = Contribution {
-            worker: r.worker as usize,
-            generation: Generation(r.generation),
-            round: r.round,
-            grads,
-            rows: r.rows,
-            patience,
+        let wait = (r.wait_ms > 0).then(|| Duration::from_millis(r.wait_ms.into()));
+        let (worker, generation, round) = (r.worker as usize, Generation(r.generation), r.round);
+        let c = Contribution { worker, generation, round, grads, rows: r.rows, patience, wait };
+        let answered = match r.awaiting {
+            true => {
+                let wait = wait.unwrap_or(Duration::from_secs(1));
+                blocking(move || coordinator.await_round(worker, generation, round, wait)).await?
+            }
+            false => blocking(move || coordinator.sum(c)).await?,
         };
-        let reply = match blocking(move || coordinator.sum(c)).await? {
-            RoundReply::Open => pb::SumReply { open: true, grads: Vec::new(), rows: 0 },
-            RoundReply::Closed(result) => pb::SumReply { open: false, grads: f32s_to_bytes(&result.0), rows: result.1 },
+        let reply = match answered {
+            RoundReply::Open => pb::SumReply { open: true, ..Default::default() },
+            RoundReply::Pending => pb::SumReply { pending: true, ..Default::default() },
+            RoundReply::Closed(result) => {
+                pb::SumReply { grads: f32s_to_bytes(&result.0), rows: result.1, ..Default::default() }
+            }
         };
         self.metrics.count_bytes("out", "worker", reply.grads.len());
         self.metrics.observe("server", "sum_gradients", start.elapsed().as_secs_f64());
@@ -398,6 +403,11 @@ pub struct CoordinatorClient {
     /// Where this role answers the scheduler's probes (its metrics endpoint).
     probe_address: Arc<parking_lot::Mutex<String>>,
     metrics: RoleMetrics,
+    /// The longest a gradient sum may wait for the other workers before it
+    /// answers `Open`: well inside the call's deadline. A worker's "batch
+    /// time" includes its wait for the batch, which on an idle stream is
+    /// any length.
+    max_patience: std::time::Duration,
 }
 
 impl CoordinatorClient {
@@ -420,6 +430,7 @@ impl CoordinatorClient {
                 .with_untimed(untimed),
             probe_address: Arc::default(),
             metrics,
+            max_patience: settings.rpc_timeout / 4,
         })
     }
 
@@ -560,12 +571,41 @@ impl RoundSummer for CoordinatorClient {
             round: c.round,
             grads: f32s_to_bytes(&c.grads),
             rows: c.rows,
-            patience_us: c.patience.as_micros() as u64,
+            patience_us: c.patience.min(self.max_patience).as_micros() as u64,
             generation: c.generation.number(),
+            wait_ms: self.wait_ms(),
+            awaiting: false,
         };
+        self.summed(request)
+    }
+
+    fn await_round(&self, worker: usize, generation: Generation, round: u64) -> Result<RoundReply, ClusterError> {
+        let (worker, generation) = (worker as u32, generation.number());
+        self.summed(pb::SumRequest {
+            worker,
+            round,
+            generation,
+            wait_ms: self.wait_ms(),
+            awaiting: true,
+            ..Default::default()
+        })
+    }
+}
+
+impl CoordinatorClient {
+    /// How long the coordinator may hold a sum before it answers `pending`:
+    /// half the call's deadline.
+    fn wait_ms(&self) -> u32 {
+        (self.max_patience * 2).as_millis().clamp(1, u32::MAX.into()) as u32
+    }
+
+    fn summed(&self, request: pb::SumRequest) -> Result<RoundReply, ClusterError> {
         let reply = self.peer.call("sum_gradients", request, |mut c, r| async move { c.sum_gradients(r).await })?;
         if reply.open {
             return Ok(RoundReply::Open);
+        }
+        if reply.pending {
+            return Ok(RoundReply::Pending);
         }
         Ok(RoundReply::Closed(Arc::new((
             bytes_to_f32s(&reply.grads, &self.peer.name, "summed gradients")?,

@@ -2,7 +2,7 @@
 //! batches; [`LoaderClient`] is a [`LoaderService`] for the workers.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use sparrow_core::batch::DataPosition;
 use sparrow_proto::v1 as pb;
@@ -18,7 +18,7 @@ use crate::generation::Generation;
 use crate::loader::LoaderServer;
 use crate::messages::{Mode, WorkerBatch};
 use crate::metrics::RoleMetrics;
-use crate::transport::{ClusterError, LoaderService, RoundQueueService, Serving};
+use crate::transport::{ClusterError, LoaderService, Polled, RoundQueueService, Serving};
 
 /// A worker batch on the wire.
 pub fn to_proto(b: WorkerBatch) -> pb::WorkerBatch {
@@ -162,12 +162,21 @@ impl pb::loader_server::Loader for LoaderGrpc {
         let mode = if r.eval { Mode::Eval } else { Mode::Train };
         let loader = self.loader.get().map_err(|e| super::to_status(&e))?;
         let queued = loader.clone();
-        let batch = blocking(move || match r.in_round {
-            true => loader.next_round_item(r.worker as usize, Generation(r.generation), r.round),
-            false => loader.next_batch(r.worker as usize, mode, Generation(r.generation)),
+        let polled = blocking(move || {
+            let (worker, generation) = (r.worker as usize, Generation(r.generation));
+            let got = match (r.in_round, r.wait_ms) {
+                (true, _) => loader.next_round_item(worker, generation, r.round)?,
+                (false, 0) => loader.next_batch(worker, mode, generation)?,
+                (false, ms) => return loader.next_batch_within(worker, generation, Duration::from_millis(ms.into())),
+            };
+            Ok(got.map_or(Polled::End, |b| Polled::Batch(Box::new(b))))
         })
         .await?;
-        let reply = pb::NextBatchReply { batch: batch.map(to_proto) };
+        let reply = match polled {
+            Polled::Batch(batch) => pb::NextBatchReply { batch: Some(to_proto(*batch)), waiting: false },
+            Polled::End => pb::NextBatchReply { batch: None, waiting: false },
+            Polled::Waiting => pb::NextBatchReply { batch: None, waiting: true },
+        };
         self.metrics.count_bytes("out", "worker", prost::Message::encoded_len(&reply));
         self.metrics.observe("server", "next_batch", start.elapsed().as_secs_f64());
         self.metrics.batches_in_flight.set(queued.queued() as i64);
@@ -191,6 +200,9 @@ type Client = pb::loader_client::LoaderClient<AuthedChannel>;
 /// The remote loader as a [`LoaderService`].
 pub struct LoaderClient {
     peer: Peer<Client>,
+    /// How long the loader may wait for a batch before it answers that it
+    /// is waiting: half the call's deadline.
+    poll: Duration,
 }
 
 impl LoaderClient {
@@ -210,6 +222,7 @@ impl LoaderClient {
         let (client, untimed) = (make(channels.timed.clone()), make(channels.untimed.clone()));
         Ok(LoaderClient {
             peer: Peer::new(name, "loader", client, handle.clone(), metrics, settings).with_untimed(untimed),
+            poll: settings.rpc_timeout / 2,
         })
     }
 }
@@ -237,6 +250,23 @@ impl LoaderService for LoaderClient {
         })
     }
 
+    /// Asks the loader to answer within half the call's deadline: an idle
+    /// stream is [`Polled::Waiting`], never a deadline run out.
+    fn poll_batch(&self, worker: usize, generation: Generation) -> Result<Polled, ClusterError> {
+        let request = pb::NextBatchRequest {
+            worker: worker as u32,
+            generation: generation.number(),
+            wait_ms: self.poll.as_millis().clamp(1, u32::MAX.into()) as u32,
+            ..Default::default()
+        };
+        let reply = self.peer.call("next_batch", request, |mut c, r| async move { c.next_batch(r).await })?;
+        Ok(match (reply.batch, reply.waiting) {
+            (Some(b), _) => Polled::Batch(Box::new(from_proto(b, &self.peer.name)?)),
+            (None, true) => Polled::Waiting,
+            (None, false) => Polled::End,
+        })
+    }
+
     /// A remote loader answers whether it serves a round queue itself.
     fn round_queue(&self) -> Option<&dyn RoundQueueService> {
         Some(self)
@@ -256,6 +286,7 @@ impl RoundQueueService for LoaderClient {
             generation: generation.number(),
             in_round: true,
             round,
+            wait_ms: 0,
         })
     }
 }

@@ -73,7 +73,7 @@ impl SyncPolicy for LazyPolicy {
         "lazy"
     }
 
-    fn dense_sync(&mut self) -> Box<dyn DenseSync> {
+    fn dense_sync(&mut self, _: &Arc<std::sync::atomic::AtomicU64>) -> Box<dyn DenseSync> {
         match &self.recorded {
             Some(r) => Box::new(RecordingSync(Arc::clone(r))),
             None => Box::new(LocalSync),
@@ -93,7 +93,7 @@ impl SyncPolicy for LazyPolicy {
     ) -> Result<Box<dyn BatchFeed + 's>, ClusterError> {
         self.at_last = w.model.params.flat_values().map_err(TrainError::from)?;
         self.since = Since::default();
-        Ok(Box::new(LoaderStream::new(loader, w.index, w.generation)))
+        Ok(Box::new(LoaderStream::new(loader, w.index, w.generation, w.progress.clone())))
     }
 
     /// Asks the scheduler whether to aggregate (waiting for its answer at

@@ -10,6 +10,7 @@
 //! `SyncMode`).
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::thread::Scope;
 
 use sparrow_core::Config;
@@ -39,7 +40,9 @@ pub trait SyncPolicy: Send {
 
     /// The step engine's dense policy for each step (a sum across the
     /// workers, or this replica's own step).
-    fn dense_sync(&mut self) -> Box<dyn DenseSync>;
+    /// (`progress`: the worker's progress count, which a sync that waits on
+    /// the others moves while it waits.)
+    fn dense_sync(&mut self, progress: &Arc<AtomicU64>) -> Box<dyn DenseSync>;
 
     /// Whether the job's step (its checkpoints' count) is the batches every
     /// worker trained, each stepping a replica of its own, rather than this

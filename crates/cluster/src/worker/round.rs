@@ -58,7 +58,7 @@ impl SyncPolicy for RoundPolicy {
         "round"
     }
 
-    fn dense_sync(&mut self) -> Box<dyn DenseSync> {
+    fn dense_sync(&mut self, _: &Arc<std::sync::atomic::AtomicU64>) -> Box<dyn DenseSync> {
         Box::new(LocalSync)
     }
 

@@ -48,11 +48,12 @@ impl SyncPolicy for StepPolicy {
         "step"
     }
 
-    fn dense_sync(&mut self) -> Box<dyn DenseSync> {
+    fn dense_sync(&mut self, progress: &Arc<std::sync::atomic::AtomicU64>) -> Box<dyn DenseSync> {
         match &self.summer {
             Some(summer) => Box::new(
                 RoundSync::new(self.index, summer.clone(), self.simd)
                     .in_generation(self.generation)
+                    .with_progress(progress.clone())
                     .counting_bytes(self.bytes.clone()),
             ),
             None => Box::new(LocalSync),
@@ -66,7 +67,7 @@ impl SyncPolicy for StepPolicy {
         loader: &'e dyn LoaderService,
         scope: &'s Scope<'s, 'e>,
     ) -> Result<Box<dyn BatchFeed + 's>, ClusterError> {
-        Ok(Box::new(Prefetched::spawn(scope, loader, w.index, w.generation)))
+        Ok(Box::new(Prefetched::spawn(scope, loader, w.index, w.generation, w.progress.clone())))
     }
 
     /// A checkpoint every `checkpoint.every_steps` dense steps.
