@@ -555,15 +555,10 @@ impl Coordinator {
         self.hub.sum(c)
     }
 
-    /// A worker asks again for a round's sum after a `Pending` answer.
-    pub fn await_round(
-        &self,
-        worker: usize,
-        generation: Generation,
-        round: u64,
-        wait: Duration,
-    ) -> Result<RoundReply, ClusterError> {
-        self.hub.rounds().await_round(worker, generation, round, wait)
+    /// The gradient rounds (`sync = "step"`): where a worker asks again for
+    /// a round's sum after a `Pending` answer.
+    pub fn rounds(&self) -> &crate::sync::RoundSum {
+        self.hub.rounds()
     }
 
     /// A worker's end of a round (`sync = "round"`): waits for every

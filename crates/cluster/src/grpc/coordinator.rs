@@ -245,7 +245,7 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
         let answered = match r.awaiting {
             true => {
                 let wait = wait.unwrap_or(Duration::from_secs(1));
-                blocking(move || coordinator.await_round(worker, generation, round, wait)).await?
+                blocking(move || coordinator.rounds().await_round(worker, generation, round, wait)).await?
             }
             false => blocking(move || coordinator.sum(c)).await?,
         };
