@@ -724,48 +724,30 @@ fn a_cluster_job_waits_out_an_idle_topic_and_trains_what_comes_after() {
     let config = job(tmp.path(), &broker, Some("quiet"), "");
     let idle_stop = std::fs::read_to_string(&config)
         .expect("config")
-        .replace("stop_when_idle_secs = 1", "stop_when_idle_secs = 14");
+        .replace("stop_when_idle_secs = 1", "stop_when_idle_secs = 25");
     std::fs::write(&config, idle_stop).expect("config");
-    let metrics = tmp.path().join("quiet.jsonl");
+    // Not --quiet: the loader's log says when the workers wait, and how long.
     let mut child = sparrow()
-        .args(["launch", "--config", &config, "--shards", "2", "--workers", "2", "--quiet"])
+        .args(["launch", "--config", &config, "--shards", "2", "--workers", "2"])
         .args(["--set", "cluster.heartbeat_timeout_ms=1500", "--set", "cluster.progress_timeout_ms=4000"])
-        .args(["--set", &format!("train.metrics_path={:?}", metrics.display().to_string())])
-        .args(["--set", "train.log_interval_steps=1"])
+        .env("RUST_LOG", "warn,sparrow_cluster::loader=debug")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("launch");
-    // The event: the first half is trained (a worker's line says the
-    // stream's 4,000 records are read); the job is idle from here on.
-    let read_all = |path: &Path| {
-        std::fs::read_to_string(path)
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .any(|l| l["stream_records"] == 4000)
-    };
-    let waited = std::time::Instant::now();
-    let ended = |child: Child, when: &str| -> ! {
-        let out = child.wait_with_output().expect("launch");
-        panic!("launch ended {when}: {}", String::from_utf8_lossy(&out.stderr))
-    };
-    while !read_all(&metrics) {
-        if child.try_wait().expect("wait").is_some() {
-            ended(child, "before the topic went quiet");
-        }
-        assert!(waited.elapsed() < Duration::from_secs(120), "the first half was not trained");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    // The quiet stretch is what is tested (nothing waits on it).
-    std::thread::sleep(Duration::from_secs(10));
-    if child.try_wait().expect("wait").is_some() {
-        ended(child, "during the quiet stretch");
-    }
+    let log = Log::default();
+    log.collect(child.stderr.take().expect("stderr"));
+    // Ordered by the loader's wait states: the first half is handed out and
+    // the topic is quiet; then the loader answered `waiting` 12 times in a
+    // row, each after half a call's deadline (3 s): with two workers, over
+    // three deadlines of quiet and past the progress timeout (4 s).
+    log.wait_for_line(&["the training data is quiet"], Duration::from_secs(120));
+    log.wait_for_line(&["(12 since the last batch)"], Duration::from_secs(120));
     broker.produce("quiet", 2, &second);
     let out = child.wait_with_output().expect("launch");
-    let json = ok_json(&out);
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = log.text();
+    assert!(out.status.success(), "{stderr}");
+    let json = last_json(&out);
     assert_eq!((&json["stream_records"], &json["train_rows"]), (&8000.into(), &8000.into()), "{json} {stderr}");
     assert_eq!(json["restarts"]["worker"], 0, "{stderr}");
 }

@@ -329,6 +329,9 @@ pub struct LoaderServer {
     error: Arc<Mutex<Option<Arc<ClusterError>>>>,
     /// `sync = "round"`: the round queue over the training stream.
     rounds: Option<Rounds>,
+    /// `waiting` answers since the last training batch handed out (a quiet
+    /// stream: logged, the first at info, so an operator and a test see it).
+    waiting_answers: std::sync::atomic::AtomicU64,
     _thread: JoinHandle<()>,
 }
 
@@ -546,7 +549,15 @@ impl LoaderServer {
             queue: Mutex::new((RoundQueue::new(num_workers, config.cluster.round_iterations), false)),
             read: parking_lot::Condvar::new(),
         });
-        Ok(LoaderServer { generation, train: train_rx, eval: eval_rx, error, rounds, _thread: thread })
+        Ok(LoaderServer {
+            generation,
+            train: train_rx,
+            eval: eval_rx,
+            error,
+            rounds,
+            waiting_answers: Default::default(),
+            _thread: thread,
+        })
     }
 
     /// Batches ready in the queues (for the metrics).
@@ -629,9 +640,22 @@ impl LoaderServer {
         }
         faults::point("loader.next_batch");
         self.check_generation(generation)?;
+        use std::sync::atomic::Ordering::Relaxed;
         match self.train.recv_timeout(wait) {
-            Ok(batch) => Ok(Polled::Batch(Box::new(batch))),
-            Err(crossbeam_channel::RecvTimeoutError::Timeout) => Ok(Polled::Waiting),
+            Ok(batch) => {
+                self.waiting_answers.store(0, Relaxed);
+                Ok(Polled::Batch(Box::new(batch)))
+            }
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                let n = self.waiting_answers.fetch_add(1, Relaxed) + 1;
+                if n == 1 {
+                    tracing::info!("the training data is quiet: the workers wait for batches (answered `waiting`)");
+                }
+                tracing::debug!(
+                    "worker {worker}: no batch within {wait:?}: answered `waiting` ({n} since the last batch)"
+                );
+                Ok(Polled::Waiting)
+            }
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
                 self.ended::<()>()?;
                 Ok(Polled::End)
