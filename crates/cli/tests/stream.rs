@@ -751,3 +751,44 @@ fn a_cluster_job_waits_out_an_idle_topic_and_trains_what_comes_after() {
     assert_eq!((&json["stream_records"], &json["train_rows"]), (&8000.into(), &8000.into()), "{json} {stderr}");
     assert_eq!(json["restarts"]["worker"], 0, "{stderr}");
 }
+
+/// A broker that stops answering (SIGSTOP) for longer than
+/// `stop_when_idle_secs` is an outage, not a quiet topic: the run waits it
+/// out and trains what is produced after it. (Before, the stall counted as
+/// idle time and the run ended at once with half the records.)
+#[test]
+fn a_stalled_broker_is_not_an_idle_topic() {
+    let (tmp, broker) = setup("2000");
+    let text = std::fs::read_to_string(tmp.path().join("data/train.tsv")).expect("train.tsv");
+    let lines: Vec<&str> = text.lines().collect();
+    let (first, second) = (tmp.path().join("first.tsv"), tmp.path().join("second.tsv"));
+    std::fs::write(&first, lines[..1000].join("\n") + "\n").expect("first half");
+    std::fs::write(&second, lines[1000..].join("\n") + "\n").expect("second half");
+    broker.produce("stall", 2, &first);
+    let config = job(tmp.path(), &broker, Some("stall"), "");
+    let idle_stop =
+        std::fs::read_to_string(&config).expect("config").replace("stop_when_idle_secs = 1", "stop_when_idle_secs = 4");
+    std::fs::write(&config, idle_stop).expect("config");
+    let mut child = sparrow()
+        .args(["train", "--config", &config])
+        .env("RUST_LOG", "warn,sparrow_stream=debug")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("train");
+    let log = Log::default();
+    log.collect(child.stderr.take().expect("stderr"));
+    // The first half is read and the reader waits for more: stall the broker
+    // for twice stop_when_idle_secs (the stall's length is what is tested).
+    log.wait_for_line(&["every partition read to its end", "0: 500, 1: 500"], Duration::from_secs(120));
+    signal(broker.child.id(), "-STOP");
+    std::thread::sleep(Duration::from_secs(8));
+    signal(broker.child.id(), "-CONT");
+    broker.produce("stall", 2, &second);
+    let out = child.wait_with_output().expect("train");
+    let stderr = log.text();
+    assert!(out.status.success(), "{stderr}");
+    let json = last_json(&out);
+    assert_eq!((&json["stream_records"], &json["train_rows"]), (&2000.into(), &2000.into()), "{json} {stderr}");
+    assert!(stderr.contains("an outage, not counted as idle time"), "{stderr}");
+}

@@ -30,6 +30,11 @@ use crate::broker::{Broker, FetchError, Fetched};
 /// stop flag and idle clock again.
 const POLL_MS: u64 = 500;
 
+/// A fetch answered later than its wait by more than this went through a
+/// broker outage (stopped, unreachable, restarting); the excess is not
+/// idle time.
+const OUTAGE_GRACE: Duration = Duration::from_secs(1);
+
 /// The batches of `data.stream`'s topic from `resume`'s offsets (or from
 /// `data.stream.start`), on a reader thread. Connecting, finding the
 /// partitions and the start offsets happen here, so a missing topic, a
@@ -106,6 +111,9 @@ struct Cutter {
     /// When `records` was last seen to have grown (the idle clock).
     last_record: Instant,
     records_when_seen: u64,
+    /// Every partition was read to its end since the last batch was cut
+    /// (said once in the log, at debug).
+    quiet: bool,
     /// Ranges a cluster trained ahead of the checkpoint (its mark's
     /// `skip`): dropped as they come, and still listed until passed.
     skip: BTreeMap<i32, Vec<(i64, i64)>>,
@@ -174,6 +182,7 @@ impl Cutter {
             batch_size,
             last_record: Instant::now(),
             records_when_seen: resume.map_or(0, |m| m.records),
+            quiet: false,
             skip: resume.map(|m| m.skip.clone()).unwrap_or_default(),
             from: BTreeMap::new(),
             weigher: data.weighting.clone().map(|cfg| Weigher::new(cfg, 0, bad.weighting.clone())),
@@ -238,6 +247,15 @@ impl Cutter {
                 if self.records != self.records_when_seen {
                     (self.records_when_seen, self.last_record) = (self.records, now);
                 }
+                if !self.quiet {
+                    self.quiet = true;
+                    let at: Vec<String> = self.parts.iter().map(|p| format!("{}: {}", p.id, p.next)).collect();
+                    tracing::debug!(
+                        "kafka topic {}: every partition read to its end ({}): waiting for records",
+                        self.config.topic,
+                        at.join(", ")
+                    );
+                }
                 let idle = Duration::from_secs(self.config.stop_when_idle_secs);
                 if !idle.is_zero() && self.last_record.elapsed() >= idle {
                     tracing::info!(
@@ -251,6 +269,7 @@ impl Cutter {
             }
         }
         self.cursor = (start + 1) % n;
+        self.quiet = false;
         self.bad.record_good(b.rows() as u64);
         let end = DataPosition { epoch: 0, offset: self.records, line: self.records + 1, skip: 0 };
         let mut batch = b.finish(end);
@@ -293,7 +312,7 @@ impl Cutter {
                     return Ok(());
                 }
                 let ask = [(self.parts[i].id, self.parts[i].fetch_at)];
-                let fetched = self.broker.fetch(&ask, self.fetch_bytes(), 0).pop().expect("one answer per ask");
+                let fetched = self.fetch(&ask, 0).pop().expect("one answer per ask");
                 self.apply(i, fetched)?;
                 continue;
             };
@@ -349,11 +368,31 @@ impl Cutter {
         self.config.fetch_max_bytes.min(i32::MAX as u32) as i32
     }
 
+    /// Fetches `asks`, waiting up to `wait_ms` for a record. The time a
+    /// broker took past that is an outage: it does not count toward
+    /// `stop_when_idle_secs` (a stalled broker is not a quiet topic).
+    fn fetch(&mut self, asks: &[(i32, i64)], wait_ms: i32) -> Vec<Result<Fetched, FetchError>> {
+        let began = Instant::now();
+        let results = self.broker.fetch(asks, self.fetch_bytes(), wait_ms);
+        let took = began.elapsed();
+        let outage = took.saturating_sub(Duration::from_millis(wait_ms.max(0) as u64) + OUTAGE_GRACE);
+        if !outage.is_zero() {
+            self.last_record += outage;
+            tracing::warn!(
+                "kafka topic {}: the broker answered a fetch after {:.1} s: an outage, not counted as idle time \
+                 (data.stream.stop_when_idle_secs)",
+                self.config.topic,
+                took.as_secs_f64()
+            );
+        }
+        results
+    }
+
     /// Waits up to `wait` for a record on any partition.
     fn wait_for_records(&mut self, wait: Duration) -> Result<(), DataError> {
         let asks: Vec<(i32, i64)> = self.parts.iter().map(|p| (p.id, p.fetch_at)).collect();
         let wait_ms = wait.as_millis().clamp(1, POLL_MS as u128) as i32;
-        let results = self.broker.fetch(&asks, self.fetch_bytes(), wait_ms);
+        let results = self.fetch(&asks, wait_ms);
         for (i, fetched) in results.into_iter().enumerate() {
             self.apply(i, fetched)?;
         }
