@@ -50,6 +50,7 @@ impl TrainGauges {
         self.evicted_rows.set(u.evicted_rows as f64);
         self.online.set_lag(u.stream_lag_records, u.stream_lag_secs);
         self.online.set_future(u.stream_future_records);
+        self.online.set_continuity(u.stream_gap_records, u.stream_offset_resets);
         if let Some(online) = &u.online {
             self.online.set_online(online);
         }

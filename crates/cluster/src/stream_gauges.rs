@@ -15,6 +15,8 @@ pub struct OnlineGauges {
     lag_records: Gauge,
     lag_secs: Gauge,
     future_records: Gauge,
+    gap_records: Gauge,
+    offset_resets: Gauge,
     /// (window, run) × (auc, logloss, normalized entropy, calibration).
     online: [[Gauge; 4]; 2],
 }
@@ -48,6 +50,14 @@ impl OnlineGauges {
                 "Records stamped more than data.stream.max_future_secs ahead of the reader's clock (trained; their \
                  time moved no clock)",
             ),
+            gap_records: metrics.gauge(
+                "stream_gap_records",
+                "Offsets the broker skipped inside the topic's partitions (data.stream.on_gap), across resumes",
+            ),
+            offset_resets: metrics.gauge(
+                "stream_offset_resets",
+                "Partition logs found gone backwards and moved past (data.stream.on_offset_reset), across resumes",
+            ),
             online: [online("window"), online("run")],
         }
     }
@@ -80,6 +90,17 @@ impl OnlineGauges {
     pub fn set_lag_of(&self, mark: &StreamMark) {
         self.set_lag(Some(mark.lag_records), sparrow_trainer::input::lag_secs(mark));
         self.set_future(Some(mark.future_records));
+        self.set_continuity(Some(mark.gap_records), Some(mark.offset_resets));
+    }
+
+    /// Offsets the broker skipped, and logs found gone backwards, so far.
+    pub fn set_continuity(&self, gap_records: Option<u64>, offset_resets: Option<u64>) {
+        if let Some(n) = gap_records {
+            self.gap_records.set(n as f64);
+        }
+        if let Some(n) = offset_resets {
+            self.offset_resets.set(n as f64);
+        }
     }
 }
 
@@ -98,12 +119,14 @@ mod tests {
         let mut eval = ProgressiveEval::new(4);
         eval.add(&[2.0, -2.0, 1.0, -1.0], &[1.0, 0.0, 0.0, 1.0]);
         gauges.set_online(&OnlineFigures::of(&eval));
-        gauges.set_lag_of(&StreamMark { lag_records: 7, ..Default::default() });
+        gauges.set_lag_of(&StreamMark { lag_records: 7, gap_records: 3, offset_resets: 1, ..Default::default() });
         let text = metrics.render();
         for line in [
             r#"sparrow_online_window_auc{role="worker"} 0.75"#,
             r#"sparrow_online_run_auc{role="worker"} 0.75"#,
             r#"sparrow_stream_lag_records{role="worker"} 7"#,
+            r#"sparrow_stream_gap_records{role="worker"} 3"#,
+            r#"sparrow_stream_offset_resets{role="worker"} 1"#,
         ] {
             assert!(text.contains(line), "missing `{line}` in\n{text}");
         }

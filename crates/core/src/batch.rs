@@ -51,6 +51,18 @@ pub struct StreamMark {
     /// clock (one far-future record would otherwise stop `ttl_secs` for good).
     #[serde(default)]
     pub future_records: u64,
+    /// Offsets the broker skipped inside partitions (across resumes).
+    #[serde(default)]
+    pub gap_records: u64,
+    /// Times a partition's log was found to have gone backwards and
+    /// `data.stream.on_offset_reset` moved the reader (across resumes).
+    #[serde(default)]
+    pub offset_resets: u64,
+    /// Partition → a fingerprint of the record just before `offsets[p]`
+    /// (the last one trained): a resumed reader checks the log still holds
+    /// that record there.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub tails: BTreeMap<i32, u64>,
     /// Records past these offsets that the broker held when the batch was
     /// cut (the partitions' last known ends minus `offsets`).
     #[serde(default)]

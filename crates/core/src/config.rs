@@ -19,7 +19,9 @@ pub use kinds::ModelKind;
 pub use overrides::Overrides;
 pub use reference::json_schema;
 pub use schema::{DenseTransform, Schema};
-pub use stream::{MAX_FETCH_BYTES, Partitions, RetentionGap, StreamConfig, StreamKind, StreamStart};
+pub use stream::{
+    GapPolicy, MAX_FETCH_BYTES, OffsetReset, Partitions, RetentionGap, StreamConfig, StreamKind, StreamStart,
+};
 pub use tasks::{EvalConfig, MAX_CLASSES, MAX_SEQUENCE_LEN, SequenceField, ServedOutput, Task, TaskConfig, TaskKind};
 
 use serde::{Deserialize, Serialize};

@@ -6,6 +6,8 @@
 //! This is the only crate that talks to Kafka.
 
 pub mod broker;
+pub mod continuity;
+pub mod describe;
 pub mod produce;
 pub mod reader;
 

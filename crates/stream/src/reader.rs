@@ -14,17 +14,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use rskafka::client::partition::OffsetAt;
 use rskafka::record::RecordAndOffset;
 use sparrow_core::Batch;
 use sparrow_core::Config;
 use sparrow_core::batch::{BatchBuilder, DataPosition, StreamMark};
-use sparrow_core::config::{Partitions, RetentionGap, StreamConfig, StreamStart};
+use sparrow_core::config::{Partitions, StreamConfig};
 use sparrow_data::text::{LineParser, MAX_LINE_BYTES, row_parser};
 use sparrow_data::weighting::Weigher;
 use sparrow_data::{BadRows, BatchStream, DataError, DataLayout};
 
 use crate::broker::{Broker, FetchError, Fetched};
+use crate::continuity::{self, fingerprint};
 
 /// How long one wait for new records lasts before the reader looks at its
 /// stop flag and idle clock again.
@@ -81,6 +81,12 @@ struct PartitionState {
     end: Option<i64>,
     /// A fetch from `fetch_at` found no record, in this batch's turn.
     at_end: bool,
+    /// The fingerprint of the record at `fetch_at - 1` (the last fetched),
+    /// to check that the log still holds it.
+    tail: Option<u64>,
+    /// The fingerprint of the record at `next - 1` (the last taken into a
+    /// batch): the checkpoint's `tails`.
+    trained_tail: Option<u64>,
 }
 
 impl PartitionState {
@@ -101,6 +107,13 @@ struct Cutter {
     bad_records: u64,
     /// Records stamped past `max_future_secs` ahead (their time moved no clock).
     future_records: u64,
+    /// Offsets the broker skipped inside partitions.
+    gap_records: u64,
+    /// Logs found gone backwards and moved past (`on_offset_reset`).
+    offset_resets: u64,
+    /// The topic's `cleanup.policy` is `compact` (as the broker says): gaps
+    /// are compaction's.
+    compacted: bool,
     /// Unix ms past which a record is stamped in the future (set as each
     /// batch is cut, from the wall clock and `max_future_secs`).
     future_after_ms: i64,
@@ -156,10 +169,25 @@ impl Cutter {
         };
         broker.open(&ids)?;
         let mut parts = Vec::with_capacity(ids.len());
+        let mut offset_resets = resume.map_or(0, |m| m.offset_resets);
         for &id in &ids {
-            let next = start_offset(&broker, config, id, resume.and_then(|m| m.offsets.get(&id).copied()))?;
-            parts.push(PartitionState { id, next, fetched: VecDeque::new(), fetch_at: next, end: None, at_end: false });
+            let checkpointed = resume.and_then(|m| m.offsets.get(&id).copied());
+            let (next, reset) = continuity::start_offset(&broker, config, id, checkpointed)?;
+            offset_resets += u64::from(reset);
+            // The checkpoint's fingerprint holds only for its own offset.
+            let tail = resume.and_then(|m| m.tails.get(&id).copied()).filter(|_| checkpointed == Some(next));
+            parts.push(PartitionState {
+                id,
+                next,
+                fetched: VecDeque::new(),
+                fetch_at: next,
+                end: None,
+                at_end: false,
+                tail,
+                trained_tail: tail,
+            });
         }
+        let compacted = compacted(config, unavailable);
         let carried = resume
             .map(|m| m.offsets.iter().filter(|(p, _)| !ids.contains(p)).map(|(&p, &o)| (p, o)).collect())
             .unwrap_or_default();
@@ -176,6 +204,9 @@ impl Cutter {
             records: resume.map_or(0, |m| m.records),
             bad_records: resume.map_or(0, |m| m.bad_records),
             future_records: resume.map_or(0, |m| m.future_records),
+            gap_records: resume.map_or(0, |m| m.gap_records),
+            offset_resets,
+            compacted,
             future_after_ms: i64::MAX,
             parser,
             layout: DataLayout::from_config(data),
@@ -295,6 +326,9 @@ impl Cutter {
             records: self.records,
             bad_records: self.bad_records,
             future_records: self.future_records,
+            gap_records: self.gap_records,
+            offset_resets: self.offset_resets,
+            tails: self.parts.iter().filter_map(|p| Some((p.id, p.trained_tail?))).collect(),
             lag_records,
             newest_record_ms,
             clock_ms: self.clock_ms,
@@ -311,14 +345,13 @@ impl Cutter {
                 if self.parts[i].read_to_end() {
                     return Ok(());
                 }
-                let ask = [(self.parts[i].id, self.parts[i].fetch_at)];
-                let fetched = self.fetch(&ask, 0).pop().expect("one answer per ask");
-                self.apply(i, fetched)?;
+                self.fetch(&[i], 0)?;
                 continue;
             };
             let p = &mut self.parts[i];
             self.from.entry(p.id).or_insert(p.next);
             p.next = record.offset + 1;
+            p.trained_tail = Some(fingerprint(&record));
             self.records += 1;
             let ms = record.record.timestamp.timestamp_millis();
             let future = ms > self.future_after_ms;
@@ -368,12 +401,25 @@ impl Cutter {
         self.config.fetch_max_bytes.min(i32::MAX as u32) as i32
     }
 
-    /// Fetches `asks`, waiting up to `wait_ms` for a record. The time a
-    /// broker took past that is an outage: it does not count toward
-    /// `stop_when_idle_secs` (a stalled broker is not a quiet topic).
-    fn fetch(&mut self, asks: &[(i32, i64)], wait_ms: i32) -> Vec<Result<Fetched, FetchError>> {
+    /// Fetches partitions `which` (indices in `parts`), waiting up to
+    /// `wait_ms` for a record, and adds what came. A fetch that does not
+    /// wait asks from the record before the next offset, to check the log
+    /// still holds it (the broker answers at once then, so a waiting fetch
+    /// cannot): records are taken only from such a fetch, a waiting one
+    /// only says that some came. The time a broker took past the wait is an
+    /// outage: it does not count toward `stop_when_idle_secs` (a stalled
+    /// broker is not a quiet topic).
+    fn fetch(&mut self, which: &[usize], wait_ms: i32) -> Result<(), DataError> {
         let began = Instant::now();
-        let results = self.broker.fetch(asks, self.fetch_bytes(), wait_ms);
+        let asks: Vec<(i32, i64)> = which
+            .iter()
+            .map(|&i| {
+                let p = &self.parts[i];
+                let back = wait_ms == 0 && p.tail.is_some() && p.fetch_at > 0;
+                (p.id, p.fetch_at - i64::from(back))
+            })
+            .collect();
+        let results = self.broker.fetch(&asks, self.fetch_bytes(), wait_ms);
         let took = began.elapsed();
         let outage = took.saturating_sub(Duration::from_millis(wait_ms.max(0) as u64) + OUTAGE_GRACE);
         if !outage.is_zero() {
@@ -385,63 +431,138 @@ impl Cutter {
                 took.as_secs_f64()
             );
         }
-        results
-    }
-
-    /// Waits up to `wait` for a record on any partition.
-    fn wait_for_records(&mut self, wait: Duration) -> Result<(), DataError> {
-        let asks: Vec<(i32, i64)> = self.parts.iter().map(|p| (p.id, p.fetch_at)).collect();
-        let wait_ms = wait.as_millis().clamp(1, POLL_MS as u128) as i32;
-        let results = self.fetch(&asks, wait_ms);
-        for (i, fetched) in results.into_iter().enumerate() {
-            self.apply(i, fetched)?;
+        for ((&i, fetched), &(_, asked)) in which.iter().zip(results).zip(&asks) {
+            self.apply(i, asked, wait_ms > 0, fetched)?;
         }
         Ok(())
     }
 
-    /// Adds a fetch's records to partition `i`'s.
-    fn apply(&mut self, i: usize, fetched: Result<Fetched, FetchError>) -> Result<(), DataError> {
-        match fetched {
-            Ok(f) => {
-                let p = &mut self.parts[i];
-                p.end = Some(f.high_watermark);
-                let before = p.fetched.len();
-                if let Some(first) = f.records.iter().map(|r| r.offset).filter(|&o| o >= p.fetch_at).min()
-                    && first > p.fetch_at
-                {
-                    tracing::warn!(
-                        "kafka topic {} partition {}: asked for offset {}, the broker returned records from offset {first} on: a compacted topic, or a broker that returns only whole record batches from the offset asked (tansu 0.6.0 does; produce one record a batch there)",
-                        self.config.topic,
-                        p.id,
-                        p.fetch_at
-                    );
-                }
-                for r in f.records {
-                    if r.offset >= p.fetch_at {
-                        p.fetch_at = r.offset + 1;
-                        p.fetched.push_back(r);
-                    }
-                }
-                p.at_end = p.fetched.len() == before;
-                Ok(())
+    /// Waits up to `wait` for a record on any partition.
+    fn wait_for_records(&mut self, wait: Duration) -> Result<(), DataError> {
+        let all: Vec<usize> = (0..self.parts.len()).collect();
+        let wait_ms = wait.as_millis().clamp(1, POLL_MS as u128) as i32;
+        self.fetch(&all, wait_ms)
+    }
+
+    /// Adds the records of a fetch of partition `i` from offset `asked` to
+    /// its own, after checking the log: still the one read (the record
+    /// before `fetch_at`, when asked for, is the one read there), not ended
+    /// before `fetch_at`, no offsets skipped. A `waited` fetch that could
+    /// not check leaves its records for the next.
+    fn apply(
+        &mut self,
+        i: usize,
+        asked: i64,
+        waited: bool,
+        fetched: Result<Fetched, FetchError>,
+    ) -> Result<(), DataError> {
+        let f = match fetched {
+            Ok(f) => f,
+            // The record before the next offset is gone (retention): not
+            // checked this time; the next fetch asks from the next offset.
+            Err(FetchError::OutOfRange) if asked < self.parts[i].fetch_at => {
+                self.parts[i].tail = None;
+                return Ok(());
             }
-            Err(FetchError::OutOfRange) => {
-                // Retention deleted records this run had not read yet.
-                let id = self.parts[i].id;
-                let from = self.parts[i].fetch_at;
-                let next = gap(&self.broker, &self.config, id, from)?;
-                let p = &mut self.parts[i];
-                (p.next, p.fetch_at, p.end, p.at_end) = (next, next, None, false);
-                p.fetched.clear();
-                Ok(())
+            Err(FetchError::OutOfRange) => return self.out_of_range(i),
+            Err(FetchError::Failed(e)) => return Err(e),
+        };
+        let p = &mut self.parts[i];
+        if asked < p.fetch_at
+            && let Some(r) = f.records.iter().find(|r| r.offset == asked)
+            && Some(fingerprint(r)) != p.tail
+        {
+            let why = format!("the record at offset {asked} is not the one read there before");
+            return self.reset(i, &why);
+        }
+        if f.high_watermark >= 0 && f.high_watermark < p.fetch_at {
+            let why = format!("the log ends at offset {}, before the next offset to read", f.high_watermark);
+            return self.reset(i, &why);
+        }
+        p.end = Some(f.high_watermark);
+        if waited && p.tail.is_some() && f.records.iter().any(|r| r.offset >= p.fetch_at) {
+            p.at_end = false;
+            return Ok(());
+        }
+        let before = p.fetched.len();
+        let mut gaps = Vec::new();
+        for r in f.records {
+            if r.offset < p.fetch_at {
+                continue;
             }
-            Err(FetchError::Failed(e)) => Err(e),
+            if r.offset > p.fetch_at {
+                gaps.push((p.fetch_at, r.offset));
+            }
+            p.fetch_at = r.offset + 1;
+            p.tail = Some(fingerprint(&r));
+            p.fetched.push_back(r);
+        }
+        p.at_end = p.fetched.len() == before;
+        let id = p.id;
+        for (from, to) in gaps {
+            self.gap_records += (to - from) as u64;
+            continuity::gap(&self.config, id, from, to, self.compacted)?;
+        }
+        Ok(())
+    }
+
+    /// Partition `i`'s log went backwards (`why`): stop, or go on where
+    /// `on_offset_reset` says, counted. Records fetched from the old log
+    /// before are still trained.
+    fn reset(&mut self, i: usize, why: &str) -> Result<(), DataError> {
+        let p = &self.parts[i];
+        let offset = continuity::reset(&self.broker, &self.config, p.id, p.fetch_at, why)?;
+        self.offset_resets += 1;
+        let p = &mut self.parts[i];
+        (p.fetch_at, p.tail, p.end, p.at_end) = (offset, None, None, false);
+        if p.fetched.is_empty() {
+            (p.next, p.trained_tail) = (offset, None);
+        }
+        Ok(())
+    }
+
+    /// The broker refused partition `i`'s next offset as out of range:
+    /// below the log's start (retention), or past its end (gone backwards).
+    fn out_of_range(&mut self, i: usize) -> Result<(), DataError> {
+        let (id, from) = (self.parts[i].id, self.parts[i].fetch_at);
+        let earliest = self.broker.offset(id, rskafka::client::partition::OffsetAt::Earliest)?;
+        if from >= earliest {
+            return self.reset(i, &format!("the broker answers that offset {from} is out of range"));
+        }
+        let next = continuity::retention(&self.broker, &self.config, id, from)?;
+        let p = &mut self.parts[i];
+        (p.next, p.fetch_at, p.end, p.at_end, p.tail, p.trained_tail) = (next, next, None, false, None, None);
+        p.fetched.clear();
+        Ok(())
+    }
+}
+
+/// Whether the topic's `cleanup.policy` includes `compact`, as the broker
+/// says (DescribeConfigs); a broker that does not say leaves it "no".
+fn compacted(config: &StreamConfig, unavailable: Duration) -> bool {
+    let topic = &config.topic;
+    match crate::describe::cleanup_policy(&config.brokers, topic, unavailable.min(Duration::from_secs(10))) {
+        Ok(Some(policy)) => {
+            let compact = policy.split(',').any(|p| p.trim() == "compact");
+            tracing::debug!("kafka topic {topic}: cleanup.policy = {policy:?}");
+            compact
+        }
+        Ok(None) => {
+            tracing::debug!("kafka topic {topic}: the broker lists no cleanup.policy: taken as \"delete\"");
+            false
+        }
+        Err(e) => {
+            tracing::info!(
+                "kafka topic {topic}: the broker did not say its cleanup.policy ({e}): taken as not compacted, so \
+                 offsets skipped inside a partition stop the job unless data.stream.on_gap = \"skip\""
+            );
+            false
         }
     }
 }
 
 /// The wall clock, in Unix ms.
-fn now_ms() -> i64 {
+pub(crate) fn now_ms() -> i64 {
     let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
 }
@@ -492,65 +613,6 @@ fn parse_value(
         b.rollback_row();
     }
     parsed
-}
-
-/// Where partition `id` starts: the checkpoint's offset when it has one
-/// (checked against what the broker still holds), else `start`'s.
-fn start_offset(broker: &Broker, config: &StreamConfig, id: i32, checkpointed: Option<i64>) -> Result<i64, DataError> {
-    let place = || format!("kafka {}: topic {:?} partition {id}", config.brokers.join(","), config.topic);
-    if let Some(offset) = checkpointed {
-        // Past the partition's end, the first fetch is refused and says so.
-        let earliest = broker.offset(id, OffsetAt::Earliest)?;
-        return if offset < earliest { gap(broker, config, id, offset) } else { Ok(offset) };
-    }
-    Ok(match config.start {
-        StreamStart::Earliest => broker.offset(id, OffsetAt::Earliest)?,
-        StreamStart::Latest => broker.offset(id, OffsetAt::Latest)?,
-        // After now no record can be stamped yet: from the end (some
-        // brokers answer a time past their newest record with offset 0).
-        StreamStart::Timestamp(secs) if secs.saturating_mul(1000) > now_ms() => broker.offset(id, OffsetAt::Latest)?,
-        StreamStart::Timestamp(secs) => {
-            let at = chrono::DateTime::from_timestamp(secs, 0)
-                .ok_or_else(|| DataError::Stream(format!("data.stream.start: timestamp {secs} is not a time")))?;
-            match broker.offset(id, OffsetAt::Timestamp(at))? {
-                // No record at or after it: from the end.
-                o if o < 0 => broker.offset(id, OffsetAt::Latest)?,
-                o => o,
-            }
-        }
-        StreamStart::Checkpoint => {
-            return Err(DataError::Stream(format!(
-                "{}: data.stream.start = \"checkpoint\", but no checkpoint holds an offset for it (resume from one, or start at \"earliest\")",
-                place()
-            )));
-        }
-    })
-}
-
-/// Offset `wanted` of partition `id` is not in it: gone (retention): an
-/// error naming both offsets, or (`on_retention_gap = "skip"`) the oldest
-/// one kept; or past its end: an error.
-fn gap(broker: &Broker, config: &StreamConfig, id: i32, wanted: i64) -> Result<i64, DataError> {
-    let earliest = broker.offset(id, OffsetAt::Earliest)?;
-    let place = format!("kafka {}: topic {:?} partition {id}", config.brokers.join(","), config.topic);
-    if wanted >= earliest {
-        return Err(DataError::Stream(format!(
-            "{place}: the next offset to read, {wanted}, is past the partition's end: was the topic deleted and created again?"
-        )));
-    }
-    match config.on_retention_gap {
-        RetentionGap::Fail => Err(DataError::Stream(format!(
-            "{place}: the next offset to read is {wanted}, but the broker keeps records from offset {earliest} on (retention deleted {} records); set data.stream.on_retention_gap = \"skip\" to go on from {earliest}",
-            earliest - wanted
-        ))),
-        RetentionGap::Skip => {
-            tracing::warn!(
-                "{place}: offsets {wanted}..{earliest} were deleted by retention before they were read: {} records skipped (data.stream.on_retention_gap = \"skip\")",
-                earliest - wanted
-            );
-            Ok(earliest)
-        }
-    }
 }
 
 fn describe(partitions: &[i32]) -> String {

@@ -78,6 +78,12 @@ pub struct StreamReport {
     pub future_records: Option<u64>,
     /// Records the broker held past the offsets when the last batch was cut.
     pub stream_lag_records: Option<u64>,
+    /// Offsets the broker skipped inside partitions (`data.stream.on_gap`).
+    #[serde(default)]
+    pub stream_gap_records: Option<u64>,
+    /// Logs found gone backwards and moved past (`data.stream.on_offset_reset`).
+    #[serde(default)]
+    pub stream_offset_resets: Option<u64>,
 }
 
 /// Reads a field through a JSON value: inside a flattened struct serde
@@ -102,6 +108,8 @@ impl StreamReport {
                 stream_bad_records: Some(m.bad_records),
                 future_records: Some(m.future_records),
                 stream_lag_records: Some(m.lag_records),
+                stream_gap_records: Some(m.gap_records),
+                stream_offset_resets: Some(m.offset_resets),
             },
         }
     }

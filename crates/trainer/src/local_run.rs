@@ -177,6 +177,8 @@ impl Run for LocalRun<'_> {
             stream_lag_records: stream.map(|m| m.lag_records),
             stream_lag_secs: t.stream.as_deref().and_then(lag_secs),
             stream_future_records: stream.map(|m| m.future_records),
+            stream_gap_records: stream.map(|m| m.gap_records),
+            stream_offset_resets: stream.map(|m| m.offset_resets),
         });
         let (loss, rate) = (f.loss, f.samples_per_sec);
         let lag = t.stream.as_deref().map(describe_lag).unwrap_or_default()
@@ -198,6 +200,8 @@ impl Run for LocalRun<'_> {
             "stream_lag_secs": t.stream.as_deref().and_then(lag_secs),
             "stream_newest_record_ms": stream.and_then(|m| m.newest_record_ms),
             "future_records": stream.map(|m| m.future_records),
+            "stream_gap_records": stream.map(|m| m.gap_records),
+            "stream_offset_resets": stream.map(|m| m.offset_resets),
             "online_window": online.map(|o| o.window),
             "online_run": online.map(|o| o.run),
         }) else {

@@ -34,6 +34,9 @@ pub struct ProgressUpdate {
     pub stream_lag_secs: Option<f64>,
     /// Records stamped past `data.stream.max_future_secs` ahead, so far.
     pub stream_future_records: Option<u64>,
+    /// Offsets the broker skipped, and logs found gone backwards, so far.
+    pub stream_gap_records: Option<u64>,
+    pub stream_offset_resets: Option<u64>,
 }
 
 pub struct Progress {

@@ -137,6 +137,8 @@ impl Run for WorkerRun<'_, '_> {
             line.fields
                 .insert("stream_newest_record_ms".into(), serde_json::to_value(m.newest_record_ms).unwrap_or_default());
             line.fields.insert("future_records".into(), m.future_records.into());
+            line.fields.insert("stream_gap_records".into(), m.gap_records.into());
+            line.fields.insert("stream_offset_resets".into(), m.offset_resets.into());
         }
         if let Some(online) = online {
             line.fields.insert("online_window".into(), serde_json::to_value(online.window).unwrap_or_default());

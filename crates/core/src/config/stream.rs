@@ -38,6 +38,20 @@ pub struct StreamConfig {
     /// it): `"fail"` names the partition and both offsets; `"skip"` goes on
     /// at the oldest record kept and counts the records lost.
     pub on_retention_gap: RetentionGap,
+    /// The partition's log went backwards: its end is before the next
+    /// offset to read, or the record last read there is no longer the one
+    /// read (a broker restarted empty, a topic deleted and created again, a
+    /// checkpoint from another topic's log). `"fail"` stops the job naming
+    /// the partition, both offsets and the likely cause; `"earliest"` goes
+    /// on from the log's first record, `"latest"` from its end. Either is
+    /// logged and counted (`stream_offset_resets`).
+    pub on_offset_reset: OffsetReset,
+    /// Offsets the broker skipped inside a partition (a fetch answered from
+    /// past the offset asked, or records missing between two read): counted
+    /// as `stream_gap_records` and named in the log. `"fail"` stops the job
+    /// unless the topic's `cleanup.policy` (read from the broker) is
+    /// `compact`, where gaps are compaction's work; `"skip"` goes on.
+    pub on_gap: GapPolicy,
     /// A batch short of `train.batch_size` (every partition read to its end)
     /// waits this long for more records before it is trained.
     pub linger_ms: u64,
@@ -64,6 +78,8 @@ impl Default for StreamConfig {
             stop_when_idle_secs: 0,
             max_unavailable_secs: 300,
             on_retention_gap: RetentionGap::Fail,
+            on_offset_reset: OffsetReset::Fail,
+            on_gap: GapPolicy::Fail,
             linger_ms: 100,
             fetch_max_bytes: 4 << 20,
             // Kafka's own bound on a record's time ahead of the broker's
@@ -214,6 +230,23 @@ impl schemars::JsonSchema for StreamStart {
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum RetentionGap {
+    #[default]
+    Fail,
+    Skip,
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum OffsetReset {
+    #[default]
+    Fail,
+    Earliest,
+    Latest,
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum GapPolicy {
     #[default]
     Fail,
     Skip,
