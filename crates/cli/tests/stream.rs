@@ -728,6 +728,18 @@ fn a_start_after_now_begins_at_the_end_and_bad_starts_are_named() {
 /// `stop_when_idle_secs` (exit 0) with every record trained once.
 #[test]
 fn a_cluster_job_waits_out_an_idle_topic_and_trains_what_comes_after() {
+    waits_out_an_idle_topic("step");
+}
+
+/// The same with `sync = "round"` (S2): a worker waiting for its round's
+/// items on an idle stream gets `waiting` answers from the round queue.
+/// (Before, the round queue's read blocked past the call's deadline.)
+#[test]
+fn a_round_sync_job_waits_out_an_idle_topic_and_trains_what_comes_after() {
+    waits_out_an_idle_topic("round");
+}
+
+fn waits_out_an_idle_topic(sync: &str) {
     let (tmp, broker) = setup("8000");
     let text = std::fs::read_to_string(tmp.path().join("data/train.tsv")).expect("train.tsv");
     let lines: Vec<&str> = text.lines().collect();
@@ -744,6 +756,7 @@ fn a_cluster_job_waits_out_an_idle_topic_and_trains_what_comes_after() {
     let mut child = sparrow()
         .args(["launch", "--config", &config, "--shards", "2", "--workers", "2"])
         .args(["--set", "cluster.heartbeat_timeout_ms=1500", "--set", "cluster.progress_timeout_ms=4000"])
+        .args(["--set", &format!("cluster.sync={sync:?}")])
         .env("RUST_LOG", "warn,sparrow_cluster::loader=debug")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

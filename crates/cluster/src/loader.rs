@@ -640,27 +640,97 @@ impl LoaderServer {
         }
         faults::point("loader.next_batch");
         self.check_generation(generation)?;
-        use std::sync::atomic::Ordering::Relaxed;
         match self.train.recv_timeout(wait) {
-            Ok(batch) => {
-                self.waiting_answers.store(0, Relaxed);
-                Ok(Polled::Batch(Box::new(batch)))
-            }
-            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
-                let n = self.waiting_answers.fetch_add(1, Relaxed) + 1;
-                if n == 1 {
-                    tracing::info!("the training data is quiet: the workers wait for batches (answered `waiting`)");
-                }
-                tracing::debug!(
-                    "worker {worker}: no batch within {wait:?}: answered `waiting` ({n} since the last batch)"
-                );
-                Ok(Polled::Waiting)
-            }
+            Ok(batch) => Ok(self.handed_out(batch)),
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => Ok(self.answered_waiting(worker, wait)),
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
                 self.ended::<()>()?;
                 Ok(Polled::End)
             }
         }
+    }
+
+    fn handed_out(&self, batch: WorkerBatch) -> Polled {
+        self.waiting_answers.store(0, std::sync::atomic::Ordering::Relaxed);
+        Polled::Batch(Box::new(batch))
+    }
+
+    /// No batch within `wait` and the data goes on: said in the log (the
+    /// first of a quiet stretch at info, each at debug with its count).
+    fn answered_waiting(&self, worker: usize, wait: std::time::Duration) -> Polled {
+        let n = self.waiting_answers.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        if n == 1 {
+            tracing::info!("the training data is quiet: the workers wait for batches (answered `waiting`)");
+        }
+        tracing::debug!("worker {worker}: no batch within {wait:?}: answered `waiting` ({n} since the last batch)");
+        Polled::Waiting
+    }
+
+    /// `worker`'s next item of `round` from the round queue (S2.1), waiting
+    /// for the stream up to `wait` (none: as long as it takes); past it,
+    /// [`Polled::Waiting`] and the queue as it was. `End`: the round's queue
+    /// is empty for this worker, or the data ended.
+    fn round_item(
+        &self,
+        worker: usize,
+        generation: Generation,
+        round: u64,
+        wait: Option<std::time::Duration>,
+    ) -> Result<Polled, ClusterError> {
+        let deadline = wait.map(|w| std::time::Instant::now() + w);
+        faults::point("loader.next_batch");
+        self.check_generation(generation)?;
+        let Some(rounds) = &self.rounds else {
+            return Err(ClusterError::Setup(
+                "this job's loader serves no round queue (cluster.sync is not \"round\")".into(),
+            ));
+        };
+        let mut state = rounds.queue.lock();
+        while state.0.wants_more() {
+            if state.1 {
+                // Another worker is reading ahead: its item comes first.
+                match deadline {
+                    Some(at) if rounds.read.wait_until(&mut state, at).timed_out() => {
+                        return Ok(self.answered_waiting(worker, wait.unwrap_or_default()));
+                    }
+                    Some(_) => {}
+                    None => rounds.read.wait(&mut state),
+                }
+                continue;
+            }
+            state.1 = true;
+            drop(state);
+            let item = match deadline {
+                None => self.train.recv().map_err(|_| crossbeam_channel::RecvTimeoutError::Disconnected),
+                Some(at) => self.train.recv_deadline(at),
+            };
+            state = rounds.queue.lock();
+            state.1 = false;
+            rounds.read.notify_all();
+            match item {
+                Ok(batch) => {
+                    self.waiting_answers.store(0, std::sync::atomic::Ordering::Relaxed);
+                    state.0.read(Some(batch));
+                }
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                    return Ok(self.answered_waiting(worker, wait.unwrap_or_default()));
+                }
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => state.0.read(self.ended()?),
+            }
+        }
+        Ok(state.0.take(worker, round)?.map_or(Polled::End, |b| Polled::Batch(Box::new(b))))
+    }
+
+    /// [`Self::round_item`] within `wait`: the remote form, whose call has
+    /// a deadline (an idle stream answers `waiting`).
+    pub fn next_round_item_within(
+        &self,
+        worker: usize,
+        generation: Generation,
+        round: u64,
+        wait: std::time::Duration,
+    ) -> Result<Polled, ClusterError> {
+        self.round_item(worker, generation, round, Some(wait))
     }
 }
 
@@ -694,29 +764,10 @@ impl RoundQueueService for LoaderServer {
         generation: Generation,
         round: u64,
     ) -> Result<Option<WorkerBatch>, ClusterError> {
-        faults::point("loader.next_batch");
-        self.check_generation(generation)?;
-        let Some(rounds) = &self.rounds else {
-            return Err(ClusterError::Setup(
-                "this job's loader serves no round queue (cluster.sync is not \"round\")".into(),
-            ));
-        };
-        let mut state = rounds.queue.lock();
-        while state.0.wants_more() {
-            if state.1 {
-                // Another worker is reading ahead: its item comes first.
-                rounds.read.wait(&mut state);
-                continue;
-            }
-            state.1 = true;
-            drop(state);
-            let item = self.take(&self.train);
-            state = rounds.queue.lock();
-            state.1 = false;
-            rounds.read.notify_all();
-            state.0.read(item?);
-        }
-        state.0.take(worker, round)
+        Ok(match self.round_item(worker, generation, round, None)? {
+            Polled::Batch(b) => Some(*b),
+            Polled::End | Polled::Waiting => None,
+        })
     }
 }
 

@@ -281,6 +281,13 @@ pub trait RoundQueueService: Send + Sync {
         generation: Generation,
         round: u64,
     ) -> Result<Option<WorkerBatch>, ClusterError>;
+
+    /// The same within a bounded wait: [`Polled::Waiting`] while the round
+    /// waits on an idle stream (a remote queue, whose call has a deadline).
+    /// In one process, the wait itself.
+    fn poll_round_item(&self, worker: usize, generation: Generation, round: u64) -> Result<Polled, ClusterError> {
+        Ok(self.next_round_item(worker, generation, round)?.map_or(Polled::End, |b| Polled::Batch(Box::new(b))))
+    }
 }
 
 /// What a role's server answers with: the role object of the generation it

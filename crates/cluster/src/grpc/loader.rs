@@ -165,7 +165,11 @@ impl pb::loader_server::Loader for LoaderGrpc {
         let polled = blocking(move || {
             let (worker, generation) = (r.worker as usize, Generation(r.generation));
             let got = match (r.in_round, r.wait_ms) {
-                (true, _) => loader.next_round_item(worker, generation, r.round)?,
+                (true, 0) => loader.next_round_item(worker, generation, r.round)?,
+                (true, ms) => {
+                    let wait = Duration::from_millis(ms.into());
+                    return loader.next_round_item_within(worker, generation, r.round, wait);
+                }
                 (false, 0) => loader.next_batch(worker, mode, generation)?,
                 (false, ms) => return loader.next_batch_within(worker, generation, Duration::from_millis(ms.into())),
             };
@@ -228,6 +232,16 @@ impl LoaderClient {
 }
 
 impl LoaderClient {
+    /// One `NextBatch` call that may answer `waiting`.
+    fn polled(&self, request: pb::NextBatchRequest) -> Result<Polled, ClusterError> {
+        let reply = self.peer.call("next_batch", request, |mut c, r| async move { c.next_batch(r).await })?;
+        Ok(match (reply.batch, reply.waiting) {
+            (Some(b), _) => Polled::Batch(Box::new(from_proto(b, &self.peer.name)?)),
+            (None, true) => Polled::Waiting,
+            (None, false) => Polled::End,
+        })
+    }
+
     /// One `NextBatch` call (a phase's batch, or a round's item).
     fn fetch(&self, request: pb::NextBatchRequest) -> Result<Option<WorkerBatch>, ClusterError> {
         let reply = self.peer.call("next_batch", request, |mut c, r| async move { c.next_batch(r).await })?;
@@ -259,12 +273,7 @@ impl LoaderService for LoaderClient {
             wait_ms: self.poll.as_millis().clamp(1, u32::MAX.into()) as u32,
             ..Default::default()
         };
-        let reply = self.peer.call("next_batch", request, |mut c, r| async move { c.next_batch(r).await })?;
-        Ok(match (reply.batch, reply.waiting) {
-            (Some(b), _) => Polled::Batch(Box::new(from_proto(b, &self.peer.name)?)),
-            (None, true) => Polled::Waiting,
-            (None, false) => Polled::End,
-        })
+        self.polled(request)
     }
 
     /// A remote loader answers whether it serves a round queue itself.
@@ -288,6 +297,20 @@ impl RoundQueueService for LoaderClient {
             round,
             wait_ms: 0,
         })
+    }
+
+    /// Asks the loader to answer within half the call's deadline, as
+    /// [`LoaderService::poll_batch`] does.
+    fn poll_round_item(&self, worker: usize, generation: Generation, round: u64) -> Result<Polled, ClusterError> {
+        let request = pb::NextBatchRequest {
+            worker: worker as u32,
+            eval: false,
+            generation: generation.number(),
+            in_round: true,
+            round,
+            wait_ms: self.poll.as_millis().clamp(1, u32::MAX.into()) as u32,
+        };
+        self.polled(request)
     }
 }
 

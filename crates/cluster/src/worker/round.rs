@@ -16,7 +16,7 @@ use crate::faults;
 use crate::generation::Generation;
 use crate::messages::WorkerBatch;
 use crate::rounds::{RoundMerger, RoundUpdate};
-use crate::transport::{ClusterError, LoaderService, RoundQueueService};
+use crate::transport::{ClusterError, LoaderService, Polled, RoundQueueService};
 
 /// `sync = "round"` (S2): this replica steps on its own between round
 /// merges at `merger`.
@@ -39,17 +39,28 @@ impl RoundPolicy {
 }
 
 /// The items of the current round from the loader's round queue, one at a
-/// time: `None` once the round's queue is empty for this worker.
+/// time: `None` once the round's queue is empty for this worker. A round
+/// that waits on an idle stream is a live wait: each `waiting` answer moves
+/// the worker's progress.
 struct RoundItems<'e> {
     queue: &'e dyn RoundQueueService,
     index: usize,
     generation: Generation,
     round: Arc<AtomicU64>,
+    progress: Arc<AtomicU64>,
 }
 
 impl BatchFeed for RoundItems<'_> {
     fn next(&mut self, _ahead: usize) -> Result<Option<WorkerBatch>, ClusterError> {
-        self.queue.next_round_item(self.index, self.generation, self.round.load(Ordering::Relaxed))
+        loop {
+            match self.queue.poll_round_item(self.index, self.generation, self.round.load(Ordering::Relaxed))? {
+                Polled::Batch(item) => return Ok(Some(*item)),
+                Polled::End => return Ok(None),
+                Polled::Waiting => {
+                    self.progress.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
     }
 }
 
@@ -79,7 +90,13 @@ impl SyncPolicy for RoundPolicy {
         self.round.store(0, Ordering::Relaxed);
         self.begin = w.model.params.flat_values().map_err(TrainError::from)?;
         (self.items, self.samples) = (0, 0);
-        Ok(Box::new(RoundItems { queue, index: w.index, generation: w.generation, round: self.round.clone() }))
+        Ok(Box::new(RoundItems {
+            queue,
+            index: w.index,
+            generation: w.generation,
+            round: self.round.clone(),
+            progress: w.progress.clone(),
+        }))
     }
 
     fn stepped(&mut self, _: &mut Worker, done: StepDone, _: &mut Unpushed<'_, '_>) -> Result<Flow, ClusterError> {
