@@ -643,7 +643,14 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
                 quiet,
                 failpoints_on_restart: std::env::var_os("SPARROW_FAILPOINTS_ON_RESTART").is_some(),
             };
-            print_json(&sparrow_cluster::launch::launch(&options, &config, &stop_on_signals())?)
+            let stop = stop_on_signals();
+            let summary = sparrow_cluster::launch::launch(&options, &config, &stop)?;
+            print_json(&summary)?;
+            if stop.load(Ordering::SeqCst) {
+                let checkpoint = summary.checkpoint.clone().unwrap_or_else(|| "none written".into());
+                return Err(sparrow_cluster::ClusterError::Stopped(checkpoint).into());
+            }
+            Ok(())
         }
         Command::Coordinator { config, set, shards, workers, aggregators, listen, metrics_listen } => {
             exit_on_signals("coordinator");
@@ -678,7 +685,7 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
         }
         Command::Loader { role, metrics_listen } => {
             exit_on_signals("loader");
-            Ok(sparrow_cluster::roles::run_loader(&role.args(None, metrics_listen)?)?)
+            Ok(sparrow_cluster::roles::run_loader(&role.args(None, metrics_listen)?, from_launcher)?)
         }
         Command::Aggregator { role, index, metrics_listen } => {
             exit_on_signals("aggregator");
@@ -833,8 +840,9 @@ fn main() -> ExitCode {
             let interrupted = e
                 .downcast_ref::<sparrow_trainer::TrainError>()
                 .is_some_and(|t| matches!(t, sparrow_trainer::TrainError::Interrupted { .. }))
-                || e.downcast_ref::<sparrow_cluster::ClusterError>()
-                    .is_some_and(|c| matches!(c, sparrow_cluster::ClusterError::Interrupted));
+                || e.downcast_ref::<sparrow_cluster::ClusterError>().is_some_and(|c| {
+                    matches!(c, sparrow_cluster::ClusterError::Interrupted | sparrow_cluster::ClusterError::Stopped(_))
+                });
             let signal = STOP_SIGNAL.load(Ordering::SeqCst);
             // One meaning a code: the book's exit code table (docs/book/src/training.md).
             let failure = e.downcast_ref::<sparrow_cluster::ClusterError>().map_or(2, |c| c.exit_code());

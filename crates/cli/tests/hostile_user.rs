@@ -650,8 +650,9 @@ fn impossible_sizes_are_refused_naming_the_key() {
     fails_with(&out, &["too large"]);
 }
 
-/// SIGTERM to `launch` stops the job like Ctrl-C (exit 143, no child left);
-/// SIGTERM to one role ends it with 143, and the job fails naming it.
+/// SIGTERM to `launch` stops the job like Ctrl-C (exit 143, no child left)
+/// after a checkpoint of what it trained; SIGTERM to one role ends it with
+/// 143, and the job fails naming it.
 #[test]
 fn sigterm_stops_launch_and_its_roles_cleanly() {
     let job = Job::new(200_000);
@@ -677,7 +678,10 @@ fn sigterm_stops_launch_and_its_roles_cleanly() {
     wait_for_workers(&job);
     signal(launch.id(), "-TERM");
     let status = launch.wait().expect("wait");
-    assert_eq!(status.code(), Some(143), "{}", std::fs::read_to_string(job.path("bg.stderr")).unwrap_or_default());
+    let err = std::fs::read_to_string(job.path("bg.stderr")).unwrap_or_default();
+    assert_eq!(status.code(), Some(143), "{err}");
+    // The data ended where it was and the job checkpointed what it trained.
+    assert!(err.contains("the job checkpointed (") && err.contains("continue with --resume"), "{err}");
     let children = pids_of(&job);
     assert_eq!(children.len(), 4, "{children:?}");
     let start = Instant::now();

@@ -959,3 +959,35 @@ fn offsets_the_broker_skips_are_counted_and_stop_the_job_unless_on_gap_is_skip()
     assert_eq!((&skipped["train_rows"], &skipped["stream_gap_records"]), (&700.into(), &44.into()), "{skipped}");
     assert_eq!(skipped["stream_records"], 956);
 }
+
+/// SIGTERM to `launch` while the topic is quiet ends the data where it is:
+/// the job checkpoints the offsets it trained to and exits 143, and a run
+/// resumed from that checkpoint trains only what came after.
+#[test]
+fn sigterm_to_a_cluster_job_on_a_quiet_topic_checkpoints_its_offsets() {
+    let (tmp, broker) = setup("2000");
+    broker.produce("stopped", 2, &rows(tmp.path(), 0, 1000));
+    let config = job(tmp.path(), &broker, Some("stopped"), "");
+    let mut child = sparrow()
+        .args(["launch", "--config", &config, "--shards", "1", "--workers", "2"])
+        .args(["--set", "data.stream.stop_when_idle_secs=0"])
+        .env("RUST_LOG", "warn,sparrow_cluster::loader=info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("launch");
+    let log = Log::default();
+    log.collect(child.stderr.take().expect("stderr"));
+    log.wait_for_line(&["the training data is quiet"], Duration::from_secs(120));
+    signal(child.id(), "-TERM");
+    let out = child.wait_with_output().expect("launch");
+    let stderr = log.text();
+    assert_eq!(out.status.code(), Some(143), "{stderr}");
+    assert!(stderr.contains("the job checkpointed (") && stderr.contains("continue with --resume"), "{stderr}");
+    let json = last_json(&out);
+    assert_eq!(json["stream_offsets"], serde_json::json!({"0": 500, "1": 500}), "{json}");
+    let checkpoint = json["checkpoint"].as_str().expect("a checkpoint").to_string();
+    broker.produce("stopped", 2, &rows(tmp.path(), 1000, 2000));
+    let resumed = ok_json(&train(&config, &["--resume", &checkpoint]));
+    assert_eq!((&resumed["train_rows"], &resumed["stream_records"]), (&1000.into(), &2000.into()), "{resumed}");
+}

@@ -16,7 +16,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::process::ExitStatusExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::Arc;
@@ -152,6 +152,9 @@ impl Children {
         command
             .args(args)
             .env(EXIT_WITH_PARENT_ENV, "1")
+            // Its own process group: a terminal's Ctrl-C reaches launch
+            // alone, which stops the job with a checkpoint.
+            .process_group(0)
             .env(TOKEN_ENV, &self.token)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -224,7 +227,12 @@ impl Children {
 
     /// Tells the coordinator (child 0) a line; it may be restarting.
     fn tell_coordinator(&mut self, line: &str) {
-        if let Some(stdin) = self.list[0].stdin.as_mut() {
+        self.tell(0, line);
+    }
+
+    /// A line to child `i` on its stdin (the roles' `notices`).
+    fn tell(&mut self, i: usize, line: &str) {
+        if let Some(stdin) = self.list[i].stdin.as_mut() {
             let _ = writeln!(stdin, "{line}").and_then(|()| stdin.flush());
         }
     }
@@ -356,12 +364,23 @@ pub fn launch(
     };
     let mut events = Events::default();
     let max_restarts = config.cluster.max_restarts;
+    let loader = children.list.iter().position(|r| r.kind == "loader");
+    let mut ending = false;
 
     // Until every worker is done, a death is recovered from (within the
     // budget) and any other failure ends the job.
     while !workers.iter().all(|&w| children.list[w].status.is_some_and(|s| s.success())) {
-        if interrupted.load(Ordering::SeqCst) {
-            return Err(ClusterError::Interrupted);
+        // A stop signal ends the data where it is (the loader's `end data`):
+        // the job trains what was read, checkpoints and ends as at its end.
+        if interrupted.load(Ordering::SeqCst) && !ending {
+            ending = true;
+            match loader {
+                Some(i) => {
+                    eprintln!("launch: stopping: the training data ends here; the job checkpoints and stops");
+                    children.tell(i, "end data");
+                }
+                None => return Err(ClusterError::Interrupted),
+            }
         }
         for lost in events.read(&children.list[coordinator]) {
             // A role the coordinator found hung: kill it, the restart follows.
@@ -409,6 +428,9 @@ pub fn launch(
                     children.tell_coordinator(&format!("lost {kind} {index} {pid}"));
                 }
                 children.restart(i, None, options.quiet)?;
+                if ending && Some(i) == loader {
+                    children.tell(i, "end data");
+                }
             }
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -433,7 +455,7 @@ pub fn launch(
         .collect::<Result<_, _>>()?;
     drop(children);
     let rows: u64 = summaries.iter().map(|w| w.train_rows).sum();
-    if rows == 0 && config.checkpoint.resume_from.is_none() {
+    if rows == 0 && config.checkpoint.resume_from.is_none() && !ending {
         let bad = summaries.iter().map(|w| w.bad_rows).max().unwrap_or(0);
         let source = match &config.data.stream {
             Some(s) => format!("kafka topic {}", s.topic),

@@ -332,6 +332,9 @@ pub struct LoaderServer {
     /// `waiting` answers since the last training batch handed out (a quiet
     /// stream: logged, the first at info, so an operator and a test see it).
     waiting_answers: std::sync::atomic::AtomicU64,
+    /// The training reader's stop flag: set, the data ends at the next
+    /// batch (`end_data`).
+    stop_reading: Arc<std::sync::atomic::AtomicBool>,
     _thread: JoinHandle<()>,
 }
 
@@ -487,6 +490,7 @@ impl LoaderServer {
                 )?
             }
         };
+        let stop_reading = train_stream.stop_flag();
         let cluster_mode = config.cluster.mode;
         let first_train_id = first_batch_id(generation, 0);
         let first_eval_id = first_batch_id(generation, FIRST_EVAL_BATCH_ID);
@@ -556,6 +560,7 @@ impl LoaderServer {
             error,
             rounds,
             waiting_answers: Default::default(),
+            stop_reading,
             _thread: thread,
         })
     }
@@ -648,6 +653,15 @@ impl LoaderServer {
                 Ok(Polled::End)
             }
         }
+    }
+
+    /// Ends the training data here, as its end would (a stream's
+    /// `stop_when_idle_secs`): the batches read are handed out, then the
+    /// workers are told the data ended, and the job checkpoints and ends.
+    /// How `sparrow launch` stops a job on its first SIGTERM or Ctrl-C.
+    pub fn end_data(&self) {
+        self.stop_reading.store(true, std::sync::atomic::Ordering::Relaxed);
+        tracing::info!("loader: asked to end the training data here: the batches read are trained, then the job ends");
     }
 
     fn handed_out(&self, batch: WorkerBatch) -> Polled {

@@ -448,7 +448,9 @@ fn run_shard_with(
 
 /// Serves the loader until the job ends: each generation of the job reads
 /// the data on from its checkpoint's position, once every shard serves it.
-pub fn run_loader(args: &RoleArgs) -> Result<(), ClusterError> {
+/// `notices`: lines from `sparrow launch` on stdin; `end data` ends the
+/// training data at the next batch (a graceful stop: the job checkpoints).
+pub fn run_loader(args: &RoleArgs, notices: Option<crossbeam_channel::Receiver<String>>) -> Result<(), ClusterError> {
     let rt = runtime()?;
     let metrics = RoleMetrics::new("loader");
     let boot = bootstrap_settings(args);
@@ -469,6 +471,20 @@ pub fn run_loader(args: &RoleArgs) -> Result<(), ClusterError> {
             .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))),
     );
     tracing::info!("loader: listening on {bound}");
+    let ending = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if let Some(notices) = notices {
+        let (serving, ending) = (serving.clone(), ending.clone());
+        std::thread::spawn(move || {
+            for line in notices {
+                if line == "end data" {
+                    ending.store(true, std::sync::atomic::Ordering::SeqCst);
+                    if let Ok(loader) = serving.get() {
+                        loader.end_data();
+                    }
+                }
+            }
+        });
+    }
     let result = each_generation(&link, &config.cluster, |generation| {
         drop(serving.set(None));
         let view = coordinator.wait_for_view(generation.number, true, settings.connect_timeout)?;
@@ -476,6 +492,10 @@ pub fn run_loader(args: &RoleArgs) -> Result<(), ClusterError> {
             connect_shards(&view.shards, config.train.simd, &peer_settings(&settings, &config.cluster), &rt, &metrics)?;
         let loader =
             LoaderServer::start_for(&config, shards, generation.number, generation.restore.clone(), reg.num_workers)?;
+        // Told to end before this generation began: it ends at once too.
+        if ending.load(std::sync::atomic::Ordering::SeqCst) {
+            loader.end_data();
+        }
         serving.set(Some(Arc::new(loader)));
         Ok(())
     });

@@ -42,6 +42,10 @@ pub enum ClusterError {
     Setup(String),
     #[error("interrupted (Ctrl-C): every role was stopped")]
     Interrupted,
+    /// `sparrow launch` was stopped by a signal and ended the job as its
+    /// data's end would: every batch read was trained and checkpointed.
+    #[error("stopped by a signal: the training data ended here and the job checkpointed ({0}); continue with --resume")]
+    Stopped(String),
     /// A request of an attempt the job gave up (a role died; every role went
     /// back to the last committed checkpoint).
     #[error("{peer}: {what} belongs to generation {found}, this role serves generation {serving}")]
