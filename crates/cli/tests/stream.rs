@@ -786,18 +786,32 @@ fn waits_out_an_idle_topic(sync: &str) {
 #[test]
 fn a_stalled_broker_is_not_an_idle_topic() {
     let (tmp, broker) = setup("2000");
-    let text = std::fs::read_to_string(tmp.path().join("data/train.tsv")).expect("train.tsv");
-    let lines: Vec<&str> = text.lines().collect();
-    let (first, second) = (tmp.path().join("first.tsv"), tmp.path().join("second.tsv"));
-    std::fs::write(&first, lines[..1000].join("\n") + "\n").expect("first half");
-    std::fs::write(&second, lines[1000..].join("\n") + "\n").expect("second half");
-    broker.produce("stall", 2, &first);
+    broker.produce("stall", 2, &rows(tmp.path(), 0, 1000));
     let config = job(tmp.path(), &broker, Some("stall"), "");
-    let idle_stop =
-        std::fs::read_to_string(&config).expect("config").replace("stop_when_idle_secs = 1", "stop_when_idle_secs = 4");
-    std::fs::write(&config, idle_stop).expect("config");
+    // The first half is read and the reader waits for more: stall the broker
+    // for twice stop_when_idle_secs (the stall's length is what is tested).
+    let (child, log) = train_waiting_at_the_end(&config, 4, "0: 500, 1: 500");
+    signal(broker.child.id(), "-STOP");
+    std::thread::sleep(Duration::from_secs(8));
+    signal(broker.child.id(), "-CONT");
+    broker.produce("stall", 2, &rows(tmp.path(), 1000, 2000));
+    let out = child.wait_with_output().expect("train");
+    let stderr = log.text();
+    assert!(out.status.success(), "{stderr}");
+    let json = last_json(&out);
+    assert_eq!((&json["stream_records"], &json["train_rows"]), (&2000.into(), &2000.into()), "{json} {stderr}");
+    assert!(stderr.contains("an outage, not counted as idle time"), "{stderr}");
+}
+
+/// `train` on `config` with `stop_when_idle_secs = idle_secs`, its log
+/// collected, once its reader has read every partition to `offsets` (as
+/// the reader's debug line lists them) and waits for more.
+fn train_waiting_at_the_end(config: &str, idle_secs: u64, offsets: &str) -> (Child, Log) {
+    let text = std::fs::read_to_string(config).expect("config");
+    let idle = format!("stop_when_idle_secs = {idle_secs}");
+    std::fs::write(config, text.replace("stop_when_idle_secs = 1", &idle)).expect("config");
     let mut child = sparrow()
-        .args(["train", "--config", &config])
+        .args(["train", "--config", config])
         .env("RUST_LOG", "warn,sparrow_stream=debug")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -805,19 +819,8 @@ fn a_stalled_broker_is_not_an_idle_topic() {
         .expect("train");
     let log = Log::default();
     log.collect(child.stderr.take().expect("stderr"));
-    // The first half is read and the reader waits for more: stall the broker
-    // for twice stop_when_idle_secs (the stall's length is what is tested).
-    log.wait_for_line(&["every partition read to its end", "0: 500, 1: 500"], Duration::from_secs(120));
-    signal(broker.child.id(), "-STOP");
-    std::thread::sleep(Duration::from_secs(8));
-    signal(broker.child.id(), "-CONT");
-    broker.produce("stall", 2, &second);
-    let out = child.wait_with_output().expect("train");
-    let stderr = log.text();
-    assert!(out.status.success(), "{stderr}");
-    let json = last_json(&out);
-    assert_eq!((&json["stream_records"], &json["train_rows"]), (&2000.into(), &2000.into()), "{json} {stderr}");
-    assert!(stderr.contains("an outage, not counted as idle time"), "{stderr}");
+    log.wait_for_line(&["every partition read to its end", offsets], Duration::from_secs(120));
+    (child, log)
 }
 
 /// Rows `from..to` of `dir/data/train.tsv` as a file of their own.
@@ -888,19 +891,7 @@ fn a_broker_restarted_empty_during_a_run_is_found_and_every_new_record_trained()
     let (tmp, mut broker) = setup("2500");
     broker.produce("restart", 2, &rows(tmp.path(), 0, 1000));
     let config = job(tmp.path(), &broker, Some("restart"), "on_offset_reset = \"earliest\"");
-    let idle_stop =
-        std::fs::read_to_string(&config).expect("config").replace("stop_when_idle_secs = 1", "stop_when_idle_secs = 4");
-    std::fs::write(&config, idle_stop).expect("config");
-    let mut child = sparrow()
-        .args(["train", "--config", &config])
-        .env("RUST_LOG", "warn,sparrow_stream=debug")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("train");
-    let log = Log::default();
-    log.collect(child.stderr.take().expect("stderr"));
-    log.wait_for_line(&["every partition read to its end", "0: 500, 1: 500"], Duration::from_secs(120));
+    let (child, log) = train_waiting_at_the_end(&config, 4, "0: 500, 1: 500");
     broker.restart_empty();
     broker.produce("restart", 2, &rows(tmp.path(), 1000, 2500));
     let out = child.wait_with_output().expect("train");

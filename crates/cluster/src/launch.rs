@@ -376,7 +376,7 @@ pub fn launch(
             ending = true;
             match loader {
                 Some(i) => {
-                    eprintln!("launch: stopping: the training data ends here; the job checkpoints and stops");
+                    tracing::warn!("launch: stopping: the training data ends here; the job checkpoints and stops");
                     children.tell(i, "end data");
                 }
                 None => return Err(ClusterError::Interrupted),

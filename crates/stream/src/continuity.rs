@@ -127,9 +127,7 @@ pub fn start_offset(
         StreamStart::Latest => broker.offset(id, OffsetAt::Latest)?,
         // After now no record can be stamped yet: from the end (some
         // brokers answer a time past their newest record with offset 0).
-        StreamStart::Timestamp(secs) if secs.saturating_mul(1000) > crate::reader::now_ms() => {
-            broker.offset(id, OffsetAt::Latest)?
-        }
+        StreamStart::Timestamp(secs) if secs.saturating_mul(1000) > now_ms() => broker.offset(id, OffsetAt::Latest)?,
         StreamStart::Timestamp(secs) => {
             let at = chrono::DateTime::from_timestamp(secs, 0)
                 .ok_or_else(|| DataError::Stream(format!("data.stream.start: timestamp {secs} is not a time")))?;
@@ -168,6 +166,12 @@ pub fn retention(broker: &Broker, config: &StreamConfig, id: i32, wanted: i64) -
             Ok(earliest)
         }
     }
+}
+
+/// The wall clock, in Unix ms.
+pub(crate) fn now_ms() -> i64 {
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
 }
 
 #[cfg(test)]

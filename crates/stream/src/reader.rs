@@ -247,7 +247,7 @@ impl Cutter {
         let mut b = self.layout.builder(self.batch_size);
         self.parser.set_now(sparrow_data::weighting::now_secs());
         let ahead_ms = i64::try_from(self.config.max_future_secs.saturating_mul(1000)).unwrap_or(i64::MAX);
-        self.future_after_ms = now_ms().saturating_add(ahead_ms);
+        self.future_after_ms = continuity::now_ms().saturating_add(ahead_ms);
         let mut newest_ms = None;
         let mut linger_until = None;
         let mut i = start;
@@ -368,7 +368,7 @@ impl Cutter {
                         self.config.topic,
                         p.id,
                         record.offset,
-                        (ms - now_ms()) / 1000,
+                        (ms - continuity::now_ms()) / 1000,
                         self.config.max_future_secs
                     );
                 }
@@ -566,12 +566,6 @@ fn compacted(config: &StreamConfig, unavailable: Duration) -> bool {
             false
         }
     }
-}
-
-/// The wall clock, in Unix ms.
-pub(crate) fn now_ms() -> i64 {
-    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-    i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
 }
 
 /// Whether `offset` of `partition` is in a range a cluster trained ahead
