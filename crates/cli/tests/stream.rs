@@ -753,17 +753,13 @@ fn waits_out_an_idle_topic(sync: &str) {
         .replace("stop_when_idle_secs = 1", "stop_when_idle_secs = 25");
     std::fs::write(&config, idle_stop).expect("config");
     // Not --quiet: the loader's log says when the workers wait, and how long.
-    let mut child = sparrow()
-        .args(["launch", "--config", &config, "--shards", "2", "--workers", "2"])
-        .args(["--set", "cluster.heartbeat_timeout_ms=1500", "--set", "cluster.progress_timeout_ms=4000"])
-        .args(["--set", &format!("cluster.sync={sync:?}")])
-        .env("RUST_LOG", "warn,sparrow_cluster::loader=debug")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("launch");
-    let log = Log::default();
-    log.collect(child.stderr.take().expect("stderr"));
+    let (child, log) = spawn_logged(
+        sparrow()
+            .args(["launch", "--config", &config, "--shards", "2", "--workers", "2"])
+            .args(["--set", "cluster.heartbeat_timeout_ms=1500", "--set", "cluster.progress_timeout_ms=4000"])
+            .args(["--set", &format!("cluster.sync={sync:?}")])
+            .env("RUST_LOG", "warn,sparrow_cluster::loader=debug"),
+    );
     // Ordered by the loader's wait states: the first half is handed out and
     // the topic is quiet; then the loader answered `waiting` 12 times in a
     // row, each after half a call's deadline (3 s): with two workers, over
@@ -803,6 +799,14 @@ fn a_stalled_broker_is_not_an_idle_topic() {
     assert!(stderr.contains("an outage, not counted as idle time"), "{stderr}");
 }
 
+/// `command` started with its stdout piped and its stderr collected.
+fn spawn_logged(command: &mut std::process::Command) -> (Child, Log) {
+    let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("start sparrow");
+    let log = Log::default();
+    log.collect(child.stderr.take().expect("stderr"));
+    (child, log)
+}
+
 /// `train` on `config` with `stop_when_idle_secs = idle_secs`, its log
 /// collected, once its reader has read every partition to `offsets` (as
 /// the reader's debug line lists them) and waits for more.
@@ -810,15 +814,8 @@ fn train_waiting_at_the_end(config: &str, idle_secs: u64, offsets: &str) -> (Chi
     let text = std::fs::read_to_string(config).expect("config");
     let idle = format!("stop_when_idle_secs = {idle_secs}");
     std::fs::write(config, text.replace("stop_when_idle_secs = 1", &idle)).expect("config");
-    let mut child = sparrow()
-        .args(["train", "--config", config])
-        .env("RUST_LOG", "warn,sparrow_stream=debug")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("train");
-    let log = Log::default();
-    log.collect(child.stderr.take().expect("stderr"));
+    let (child, log) =
+        spawn_logged(sparrow().args(["train", "--config", config]).env("RUST_LOG", "warn,sparrow_stream=debug"));
     log.wait_for_line(&["every partition read to its end", offsets], Duration::from_secs(120));
     (child, log)
 }
@@ -959,16 +956,12 @@ fn sigterm_to_a_cluster_job_on_a_quiet_topic_checkpoints_its_offsets() {
     let (tmp, broker) = setup("2000");
     broker.produce("stopped", 2, &rows(tmp.path(), 0, 1000));
     let config = job(tmp.path(), &broker, Some("stopped"), "");
-    let mut child = sparrow()
-        .args(["launch", "--config", &config, "--shards", "1", "--workers", "2"])
-        .args(["--set", "data.stream.stop_when_idle_secs=0"])
-        .env("RUST_LOG", "warn,sparrow_cluster::loader=info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("launch");
-    let log = Log::default();
-    log.collect(child.stderr.take().expect("stderr"));
+    let (child, log) = spawn_logged(
+        sparrow()
+            .args(["launch", "--config", &config, "--shards", "1", "--workers", "2"])
+            .args(["--set", "data.stream.stop_when_idle_secs=0"])
+            .env("RUST_LOG", "warn,sparrow_cluster::loader=info"),
+    );
     log.wait_for_line(&["the training data is quiet"], Duration::from_secs(120));
     signal(child.id(), "-TERM");
     let out = child.wait_with_output().expect("launch");

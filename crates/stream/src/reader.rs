@@ -343,59 +343,81 @@ impl Cutter {
     /// Records of partition `i` into `b` until it is full or the partition
     /// is read to its end.
     fn take_from(&mut self, i: usize, b: &mut BatchBuilder, newest_ms: &mut Option<i64>) -> Result<(), DataError> {
+        // The last record taken: its fingerprint is the partition's
+        // `trained_tail`, computed once per call rather than per record.
+        let mut last = None;
         while b.rows() < self.batch_size {
             let Some(record) = self.parts[i].fetched.pop_front() else {
                 if self.parts[i].read_to_end() {
-                    return Ok(());
+                    break;
+                }
+                // Before a fetch, which may find the log reset.
+                if let Some(r) = last.take() {
+                    self.parts[i].trained_tail = Some(fingerprint(&r));
                 }
                 self.fetch(&[i], 0)?;
                 continue;
             };
-            let p = &mut self.parts[i];
-            self.from.entry(p.id).or_insert(p.next);
-            p.next = record.offset + 1;
-            p.trained_tail = Some(fingerprint(&record));
-            self.records += 1;
-            let ms = record.record.timestamp.timestamp_millis();
-            let future = ms > self.future_after_ms;
-            if future {
-                self.future_records += 1;
-                if self.future_records == 1 {
-                    tracing::warn!(
-                        "kafka topic {} partition {} offset {}: stamped {} s ahead of this machine's clock, more than \
-                         data.stream.max_future_secs ({}): trained, but its time moves no clock (counted in \
-                         future_records; this warning is not repeated)",
-                        self.config.topic,
-                        p.id,
-                        record.offset,
-                        (ms - continuity::now_ms()) / 1000,
-                        self.config.max_future_secs
-                    );
-                }
+            self.take_record(i, &record, b, newest_ms)?;
+            last = Some(record);
+        }
+        if let Some(r) = last {
+            self.parts[i].trained_tail = Some(fingerprint(&r));
+        }
+        Ok(())
+    }
+
+    /// One record of partition `i` into `b` (or counted as malformed).
+    fn take_record(
+        &mut self,
+        i: usize,
+        record: &RecordAndOffset,
+        b: &mut BatchBuilder,
+        newest_ms: &mut Option<i64>,
+    ) -> Result<(), DataError> {
+        let p = &mut self.parts[i];
+        self.from.entry(p.id).or_insert(p.next);
+        p.next = record.offset + 1;
+        self.records += 1;
+        let ms = record.record.timestamp.timestamp_millis();
+        let future = ms > self.future_after_ms;
+        if future {
+            self.future_records += 1;
+            if self.future_records == 1 {
+                tracing::warn!(
+                    "kafka topic {} partition {} offset {}: stamped {} s ahead of this machine's clock, more than \
+                     data.stream.max_future_secs ({}): trained, but its time moves no clock (counted in \
+                     future_records; this warning is not repeated)",
+                    self.config.topic,
+                    p.id,
+                    record.offset,
+                    (ms - continuity::now_ms()) / 1000,
+                    self.config.max_future_secs
+                );
             }
-            // Every record read moves the clock, as it did when it was first read.
-            if ms >= 0 && !future {
-                self.clock_ms = Some(self.clock_ms.map_or(ms, |c| c.max(ms)));
+        }
+        // Every record read moves the clock, as it did when it was first read.
+        if ms >= 0 && !future {
+            self.clock_ms = Some(self.clock_ms.map_or(ms, |c| c.max(ms)));
+        }
+        if trained_already(&mut self.skip, p.id, record.offset) {
+            return Ok(());
+        }
+        if !future {
+            *newest_ms = Some(newest_ms.map_or(ms, |m: i64| m.max(ms)));
+        }
+        // Kafka's "no timestamp" is -1: such a record has no age to weigh by.
+        let parsed = match (self.weigher.is_some(), ms >= 0) {
+            (false, _) => parse_value(self.parser.as_mut(), record.record.value.as_deref(), None, b),
+            (true, true) => {
+                parse_value(self.parser.as_mut(), record.record.value.as_deref(), Some(ms.div_euclid(1000)), b)
             }
-            if trained_already(&mut self.skip, p.id, record.offset) {
-                continue;
-            }
-            if !future {
-                *newest_ms = Some(newest_ms.map_or(ms, |m: i64| m.max(ms)));
-            }
-            // Kafka's "no timestamp" is -1: such a record has no age to weigh by.
-            let parsed = match (self.weigher.is_some(), ms >= 0) {
-                (false, _) => parse_value(self.parser.as_mut(), record.record.value.as_deref(), None, b),
-                (true, true) => {
-                    parse_value(self.parser.as_mut(), record.record.value.as_deref(), Some(ms.div_euclid(1000)), b)
-                }
-                (true, false) => Err(format!("no record timestamp ({ms} ms), which [data.weighting] needs")),
-            };
-            if let Err(reason) = parsed {
-                self.bad_records += 1;
-                let place = format!("kafka topic {} partition {} offset {}", self.config.topic, p.id, record.offset);
-                self.bad.record_at(&place, reason)?;
-            }
+            (true, false) => Err(format!("no record timestamp ({ms} ms), which [data.weighting] needs")),
+        };
+        if let Err(reason) = parsed {
+            self.bad_records += 1;
+            let place = format!("kafka topic {} partition {} offset {}", self.config.topic, p.id, record.offset);
+            self.bad.record_at(&place, reason)?;
         }
         Ok(())
     }
@@ -501,10 +523,12 @@ impl Cutter {
                 gaps.push((p.fetch_at, r.offset));
             }
             p.fetch_at = r.offset + 1;
-            p.tail = Some(fingerprint(&r));
             p.fetched.push_back(r);
         }
         p.at_end = p.fetched.len() == before;
+        if !p.at_end {
+            p.tail = p.fetched.back().map(fingerprint);
+        }
         let id = p.id;
         for (from, to) in gaps {
             self.gap_records += (to - from) as u64;
