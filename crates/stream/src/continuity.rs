@@ -68,9 +68,8 @@ pub fn reset(broker: &Broker, config: &StreamConfig, id: i32, wanted: i64, why: 
         OffsetReset::Fail => {
             return Err(DataError::Stream(format!(
                 "{place}: the log went backwards: {why} (the next offset to read is {wanted}). Likely the broker lost \
-                 its log (restarted empty) or the topic was deleted and created again; what was trained before is kept. \
-                 Set data.stream.on_offset_reset = \"earliest\" (or \"latest\") to go on \
-                 from the new log's start (or end)"
+                 its log (restarted empty) or the topic was deleted and created again. Set \
+                 data.stream.on_offset_reset = \"earliest\" (or \"latest\") to go on from the new log's start (or end)"
             )));
         }
         OffsetReset::Earliest => (OffsetAt::Earliest, "earliest"),
