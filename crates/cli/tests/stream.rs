@@ -776,22 +776,30 @@ fn waits_out_an_idle_topic(sync: &str) {
 }
 
 /// A broker that stops answering (SIGSTOP) for longer than
-/// `stop_when_idle_secs` is an outage, not a quiet topic: the run waits it
+/// `stop_when_idle_secs` is an outage, not a quiet topic: the job waits it
 /// out and trains what is produced after it. (Before, the stall counted as
-/// idle time and the run ended at once with half the records.)
+/// idle time and the job ended at SIGCONT with half the records.) In a
+/// cluster, so that the stall is measured by events: the loader answers the
+/// two workers `waiting` every half call deadline (0.75 s) all through it.
 #[test]
 fn a_stalled_broker_is_not_an_idle_topic() {
     let (tmp, broker) = setup("2000");
     broker.produce("stall", 2, &rows(tmp.path(), 0, 1000));
     let config = job(tmp.path(), &broker, Some("stall"), "");
-    // The first half is read and the reader waits for more: stall the broker
-    // for twice stop_when_idle_secs (the stall's length is what is tested).
-    let (child, log) = train_waiting_at_the_end(&config, 4, "0: 500, 1: 500");
+    let (child, log) = spawn_logged(
+        sparrow()
+            .args(["launch", "--config", &config, "--shards", "1", "--workers", "2"])
+            .args(["--set", "data.stream.stop_when_idle_secs=4", "--set", "cluster.heartbeat_timeout_ms=1500"])
+            .env("RUST_LOG", "warn,sparrow_cluster::loader=debug"),
+    );
+    // The first half is trained and the workers wait: stall the broker until
+    // 16 `waiting` answers (about 6 s, past stop_when_idle_secs) went by.
+    log.wait_for_line(&["the training data is quiet"], Duration::from_secs(120));
     signal(broker.child.id(), "-STOP");
-    std::thread::sleep(Duration::from_secs(8));
+    log.wait_for_line(&["(16 since the last batch)"], Duration::from_secs(120));
     signal(broker.child.id(), "-CONT");
     broker.produce("stall", 2, &rows(tmp.path(), 1000, 2000));
-    let out = child.wait_with_output().expect("train");
+    let out = child.wait_with_output().expect("launch");
     let stderr = log.text();
     assert!(out.status.success(), "{stderr}");
     let json = last_json(&out);
