@@ -77,7 +77,10 @@ fn load_config(py: Python<'_>, path: Option<PathBuf>, json: Option<&str>, overri
         }
         (None, None) => return Err(exception(py, "ArgumentError", "train needs a config".into())),
     };
-    edge_overrides(overrides).and_then(|o| Config::from_toml(&text, &source, &o)).map_err(|e| config_error(py, e))
+    edge_overrides(overrides)
+        .and_then(|o| Config::from_toml(&text, &source, &o))
+        .and_then(|mut c| c.resolve_secrets(|v| std::env::var_os(v)).map(|()| c))
+        .map_err(|e| config_error(py, e))
 }
 
 fn progress_dict<'py>(py: Python<'py>, u: &ProgressUpdate) -> PyResult<Bound<'py, PyDict>> {

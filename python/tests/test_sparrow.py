@@ -486,7 +486,7 @@ def test_an_online_run_reports_the_lag_and_the_windowed_auc(cli, data, tmp_path)
     broker, tansu, as the Rust stream tests start it), the progress callback
     reading the lag and the windowed AUC."""
     home = Path(os.environ.get("HOME", "/root"))
-    tansu = os.environ.get("SPARROW_TANSU", str(home / ".cache" / "sparrow-tools" / "bin" / "tansu"))
+    tansu = os.environ.get("SPARROW_TANSU", str(home / ".cache" / "sparrow-tools" / "tansu-0.6.0" / "bin" / "tansu"))
     assert Path(tansu).is_file(), "the stream tests need tansu: run ./scripts/ensure-tansu (./scripts/test does)"
     import socket
 

@@ -84,3 +84,10 @@ pub(crate) fn with_env_token(mut config: Config) -> anyhow::Result<Config> {
     }
     Ok(config)
 }
+
+/// The config with the secrets it points at read: the Kafka password
+/// (`data.stream.sasl.password_env` or `password_file`).
+pub(crate) fn with_secrets(mut config: Config) -> anyhow::Result<Config> {
+    config.resolve_secrets(|name| std::env::var_os(name))?;
+    Ok(config)
+}

@@ -17,7 +17,7 @@ mod produce_command;
 mod serve_command;
 mod train_metrics;
 
-use edge::{edge_overrides, env_token, load_config, simd_from_env, with_env_token};
+use edge::{edge_overrides, env_token, load_config, simd_from_env, with_env_token, with_secrets};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -368,6 +368,7 @@ impl RoleFlags {
             index,
             connect_timeout_ms: self.connect_timeout_ms,
             token: env_token()?,
+            env: |name| std::env::var_os(name),
         })
     }
 }
@@ -539,7 +540,7 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             if let Some(r) = resume {
                 set.push(format!("checkpoint.resume_from={:?}", r.display().to_string()));
             }
-            let config = load_config(&config, &set)?;
+            let config = with_secrets(load_config(&config, &set)?)?;
             let summary = match metrics_listen {
                 None => sparrow_trainer::train_until(&config, quiet, &stop_on_signals())?,
                 Some(addr) => train_metrics::train_serving_metrics(&config, quiet, &stop_on_signals(), addr)?,
@@ -632,7 +633,8 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
             print_json(&sparrow_trainer::bench::run(&options)?)
         }
         Command::Launch { config: path, shards, workers, aggregators, nodes, set, quiet } => {
-            let config = with_env_token(load_config(&path, &set)?)?;
+            // The password is read here to fail early; the loader reads it again.
+            let config = with_secrets(with_env_token(load_config(&path, &set)?)?)?;
             let options = sparrow_cluster::launch::LaunchOptions {
                 config_path: path,
                 set,

@@ -10,11 +10,20 @@ use sparrow_stream::produce::{ProduceOptions, produce};
 
 #[derive(clap::Args)]
 pub struct ProduceArgs {
-    /// Bootstrap brokers, comma-separated host:port.
-    #[arg(long, default_value = "127.0.0.1:9092")]
-    brokers: String,
+    /// Bootstrap brokers, comma-separated host:port (default: --config's
+    /// data.stream.brokers, else 127.0.0.1:9092).
     #[arg(long)]
-    topic: String,
+    brokers: Option<String>,
+    /// The topic (default: --config's data.stream.topic).
+    #[arg(long)]
+    topic: Option<String>,
+    /// A job's config: its [data.stream] brokers, topic, [data.stream.tls]
+    /// and [data.stream.sasl] (the password read from where it says).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Override a key of --config, e.g. --set data.stream.sasl.username=producer
+    #[arg(long = "set", value_name = "KEY=VALUE", requires = "config")]
+    set: Vec<String>,
     /// Records per second; 0: as fast as the broker takes them.
     #[arg(long, default_value_t = 0.0)]
     rate: f64,
@@ -64,9 +73,31 @@ pub fn run(args: ProduceArgs) -> anyhow::Result<()> {
     if args.partitions < 1 {
         anyhow::bail!("--partitions must be at least 1");
     }
+    let stream = match &args.config {
+        Some(path) => {
+            let config = crate::edge::with_secrets(crate::edge::load_config(path, &args.set)?)?;
+            let stream = config.data.stream.clone();
+            Some(stream.with_context(|| format!("{}: no [data.stream] to produce to", path.display()))?)
+        }
+        None => None,
+    };
+    let brokers: Vec<String> = match (&args.brokers, &stream) {
+        (Some(list), _) => list.split(',').map(|b| b.trim().to_string()).filter(|b| !b.is_empty()).collect(),
+        (None, Some(s)) => s.brokers.clone(),
+        (None, None) => vec!["127.0.0.1:9092".into()],
+    };
+    let topic = match (args.topic, &stream) {
+        (Some(t), _) => t,
+        (None, Some(s)) => s.topic.clone(),
+        (None, None) => anyhow::bail!("name the topic: --topic NAME (or --config with a [data.stream] topic)"),
+    };
+    let access = match &stream {
+        Some(s) => sparrow_stream::Access::new(&brokers, s.tls.as_ref(), s.sasl.as_ref())?,
+        None => sparrow_stream::Access::plain(&brokers),
+    };
     let mut options = ProduceOptions {
-        brokers: args.brokers.split(',').map(|b| b.trim().to_string()).filter(|b| !b.is_empty()).collect(),
-        topic: args.topic,
+        access,
+        topic,
         partitions: args.partitions,
         rate: args.rate,
         batch_records: args.batch_records,

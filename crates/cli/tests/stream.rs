@@ -19,16 +19,6 @@ struct Broker {
     addr: String,
 }
 
-fn tansu() -> PathBuf {
-    if let Some(path) = std::env::var_os("SPARROW_TANSU") {
-        return PathBuf::from(path);
-    }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
-    let installed = home.join(".cache/sparrow-tools/bin/tansu");
-    assert!(installed.exists(), "the stream tests need tansu: run ./scripts/ensure-tansu (./scripts/test does)");
-    installed
-}
-
 impl Broker {
     fn start() -> Broker {
         let port = std::net::TcpListener::bind("127.0.0.1:0").expect("port").local_addr().expect("addr").port();
@@ -36,20 +26,9 @@ impl Broker {
         Broker { child: Broker::spawn(&addr), addr }
     }
 
-    /// tansu on `addr`, once it says it is ready.
+    /// tansu on `addr`, with its in-memory storage.
     fn spawn(addr: &str) -> Child {
-        let url = format!("tcp://{addr}");
-        let mut child = std::process::Command::new(tansu())
-            .args(["broker", "--listener-url", &url, "--advertised-listener-url", &url])
-            .args(["--storage-engine", "memory://tansu/"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start tansu");
-        let log = Log::default();
-        log.collect(child.stdout.take().expect("stdout"));
-        log.wait_for_line(&["ready in"], Duration::from_secs(60));
-        child
+        common::kafka::spawn_tansu(addr, addr, "memory://tansu/", &[])
     }
 
     /// Kills the broker and starts an empty one on the same address (its
@@ -920,7 +899,7 @@ fn offsets_the_broker_skips_are_counted_and_stop_the_job_unless_on_gap_is_skip()
     // A compacted topic: its cleanup.policy, as the broker's DescribeConfigs
     // gives it, makes the same gap compaction's work.
     let url = format!("tcp://{}", broker.addr);
-    let create = std::process::Command::new(tansu())
+    let create = std::process::Command::new(common::kafka::tansu())
         .args(["topic", "create", "compacted", "--broker", &url, "--partitions", "1"])
         .args(["--config", "cleanup.policy=compact"])
         .output()

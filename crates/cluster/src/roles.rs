@@ -64,6 +64,10 @@ pub struct RoleArgs {
     /// The shared token (the binary reads it from `SPARROW_AUTH_TOKEN`); it
     /// takes precedence over the job's `cluster.auth_token`.
     pub token: Option<String>,
+    /// Looks up an environment variable the job's config names (the SASL
+    /// password's `data.stream.sasl.password_env`): the binary passes the
+    /// process's environment.
+    pub env: fn(&str) -> Option<std::ffi::OsString>,
 }
 
 fn runtime() -> Result<Runtime, ClusterError> {
@@ -458,7 +462,10 @@ pub fn run_loader(args: &RoleArgs, notices: Option<crossbeam_channel::Receiver<S
     let advertise = args.advertise.clone().unwrap_or_else(|| bound.to_string());
     let coordinator = CoordinatorClient::connect(&args.coordinator, &boot, rt.handle(), metrics.clone())?;
     let (link, reg) = Link::register(coordinator.clone(), RoleKind::Loader, &advertise, None)?;
-    let config = reg.config;
+    let mut config = reg.config;
+    // The config came from the coordinator without secrets: the loader
+    // reads the Kafka password from its own environment or file.
+    config.resolve_secrets(args.env).map_err(|e| ClusterError::Setup(format!("loader: {e}")))?;
     let settings = NetSettings::new(&config.cluster, args.token.as_deref());
     if let Some(bound) = serve_metrics(&metrics, args.metrics_listen, "loader", &settings, &rt)? {
         coordinator.set_probe_address(bound);

@@ -8,6 +8,7 @@ mod overrides;
 mod reference;
 mod schema;
 mod stream;
+mod stream_auth;
 mod tasks;
 mod validate;
 
@@ -22,6 +23,7 @@ pub use schema::{DenseTransform, Schema};
 pub use stream::{
     GapPolicy, MAX_FETCH_BYTES, OffsetReset, Partitions, RetentionGap, StreamConfig, StreamKind, StreamStart,
 };
+pub use stream_auth::{SaslMechanism, Secret, StreamSasl, StreamTls};
 pub use tasks::{EvalConfig, MAX_CLASSES, MAX_SEQUENCE_LEN, SequenceField, ServedOutput, Task, TaskConfig, TaskKind};
 
 use serde::{Deserialize, Serialize};

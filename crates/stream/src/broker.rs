@@ -18,6 +18,12 @@ use rskafka::client::{Client, ClientBuilder};
 use rskafka::record::{Record, RecordAndOffset};
 use sparrow_data::DataError;
 
+use crate::access::Access;
+use crate::connection::{ConnectError, first_contact};
+
+/// How long the first contact waits for a broker's answer.
+const FIRST_CONTACT: Duration = Duration::from_secs(10);
+
 /// What a fetch found: records from the offset asked for, and the
 /// partition's end (the offset the next appended record will get).
 pub struct Fetched {
@@ -43,9 +49,10 @@ pub struct Broker {
 }
 
 impl Broker {
-    /// Connects to `brokers` for `topic`; an unreachable broker is retried
-    /// for `max_unavailable`.
-    pub fn connect(brokers: &[String], topic: &str, max_unavailable: Duration) -> Result<Broker, DataError> {
+    /// Connects to the brokers for `topic`; an unreachable broker is
+    /// retried for `max_unavailable`, one that refuses us (TLS, SASL) fails
+    /// at once.
+    pub fn connect(access: &Access, topic: &str, max_unavailable: Duration) -> Result<Broker, DataError> {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -56,10 +63,31 @@ impl Broker {
             base: 2.0,
             deadline: Some(max_unavailable),
         };
-        let names = brokers.join(",");
-        let build = ClientBuilder::new(brokers.to_vec()).client_id("sparrow").backoff_config(backoff).build();
-        let client = block(&runtime, max_unavailable, build)
-            .map_err(|e| DataError::Stream(format!("kafka {names}: cannot connect: {e}")))?;
+        let names = access.brokers.join(",");
+        let protocol = access.protocol();
+        // A first contact of our own: the Kafka client retries a broker
+        // that refuses us as one that is down, for max_unavailable.
+        let first = match first_contact(access, max_unavailable.min(FIRST_CONTACT)) {
+            Ok(()) => None,
+            Err(ConnectError::Refused(why)) => {
+                return Err(DataError::Stream(format!("kafka {names} ({protocol}): cannot connect: {why}")));
+            }
+            Err(ConnectError::Unreachable(why)) => {
+                tracing::debug!("kafka {names}: no answer yet ({why}): retrying for data.stream.max_unavailable_secs");
+                Some(why)
+            }
+        };
+        let mut builder = ClientBuilder::new(access.brokers.clone()).client_id("sparrow").backoff_config(backoff);
+        if let Some(tls) = &access.tls {
+            builder = builder.tls_config(tls.clone());
+        }
+        if let Some(sasl) = access.rskafka_sasl() {
+            builder = builder.sasl_config(sasl);
+        }
+        let client = block(&runtime, max_unavailable, builder.build()).map_err(|e| {
+            let first = first.as_ref().map(|w| format!(" (the first attempt: {w})")).unwrap_or_default();
+            DataError::Stream(format!("kafka {names} ({protocol}): cannot connect: {e}{first}"))
+        })?;
         Ok(Broker {
             runtime,
             client,

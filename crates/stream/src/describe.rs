@@ -6,22 +6,21 @@
 //! bootstrap broker. A broker that does not answer it leaves the policy
 //! unknown (`None`), which the reader takes as "not compacted".
 
-use std::io::{Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
+
+use crate::access::Access;
+use crate::connection::{Connection, string};
 
 const DESCRIBE_CONFIGS: i16 = 32;
 const TOPIC: i8 = 2;
-/// The longest answer read: one topic's one config is a few hundred bytes.
-const MAX_ANSWER: usize = 1 << 20;
 
-/// `topic`'s `cleanup.policy` as the first of `brokers` that answers says,
-/// or why none did.
-pub fn cleanup_policy(brokers: &[String], topic: &str, timeout: Duration) -> Result<Option<String>, String> {
+/// `topic`'s `cleanup.policy` as the first of the brokers that answers
+/// says (over the job's TLS and SASL), or why none did.
+pub fn cleanup_policy(access: &Access, topic: &str, timeout: Duration) -> Result<Option<String>, String> {
     let mut last = String::from("no broker");
-    for broker in brokers {
+    for broker in &access.brokers {
         for version in [4, 1] {
-            match ask(broker, topic, version, timeout) {
+            match ask(broker, access, topic, version, timeout) {
                 Ok(policy) => return Ok(policy),
                 Err(e) => last = format!("{broker}: {e}"),
             }
@@ -30,31 +29,20 @@ pub fn cleanup_policy(brokers: &[String], topic: &str, timeout: Duration) -> Res
     Err(last)
 }
 
-fn ask(broker: &str, topic: &str, version: i16, timeout: Duration) -> Result<Option<String>, String> {
-    let addr = broker.to_socket_addrs().map_err(|e| e.to_string())?.next().ok_or("no address")?;
-    let mut conn = TcpStream::connect_timeout(&addr, timeout).map_err(|e| e.to_string())?;
-    conn.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
-    conn.set_write_timeout(Some(timeout)).map_err(|e| e.to_string())?;
-    conn.write_all(&request(topic, version, 1)).map_err(|e| e.to_string())?;
-    let mut size = [0u8; 4];
-    conn.read_exact(&mut size).map_err(|e| e.to_string())?;
-    let size = i32::from_be_bytes(size);
-    let size = usize::try_from(size).ok().filter(|&s| s <= MAX_ANSWER).ok_or(format!("an answer of {size} bytes"))?;
-    let mut answer = vec![0u8; size];
-    conn.read_exact(&mut answer).map_err(|e| e.to_string())?;
-    policy_of(&answer, topic, version >= 4)
+fn ask(broker: &str, access: &Access, topic: &str, version: i16, timeout: Duration) -> Result<Option<String>, String> {
+    let mut conn = Connection::open(broker, access, timeout).map_err(|e| e.to_string())?;
+    let flexible = version >= 4;
+    let answer =
+        conn.call_with(DESCRIBE_CONFIGS, version, flexible, &request(topic, version)).map_err(|e| e.to_string())?;
+    policy_of(&answer, topic, flexible)
 }
 
-/// The request, length-prefixed: header v1 (v2 when flexible), then one
-/// topic resource asking for all its configs (naming the one key makes
-/// tansu 0.6.0 drop the connection), without synonyms.
-fn request(topic: &str, version: i16, correlation: i32) -> Vec<u8> {
+/// The request's body: one topic resource asking for all its configs
+/// (naming the one key makes tansu 0.6.0 drop the connection), without
+/// synonyms.
+fn request(topic: &str, version: i16) -> Vec<u8> {
     let flexible = version >= 4;
     let mut b = Vec::new();
-    b.extend(DESCRIBE_CONFIGS.to_be_bytes());
-    b.extend(version.to_be_bytes());
-    b.extend(correlation.to_be_bytes());
-    string(&mut b, "sparrow");
     let text = |b: &mut Vec<u8>, s: &str| {
         if flexible {
             varint(b, s.len() as u32 + 1);
@@ -64,9 +52,6 @@ fn request(topic: &str, version: i16, correlation: i32) -> Vec<u8> {
         }
     };
     let count = |b: &mut Vec<u8>, n: u32| if flexible { varint(b, n + 1) } else { b.extend((n as i32).to_be_bytes()) };
-    if flexible {
-        b.push(0); // the header's tagged fields
-    }
     count(&mut b, 1);
     b.push(TOPIC as u8);
     text(&mut b, topic);
@@ -83,14 +68,7 @@ fn request(topic: &str, version: i16, correlation: i32) -> Vec<u8> {
     if flexible {
         b.extend([0, 0]); // include_documentation, the body's tagged fields
     }
-    let mut framed = (b.len() as i32).to_be_bytes().to_vec();
-    framed.extend(b);
-    framed
-}
-
-fn string(b: &mut Vec<u8>, s: &str) {
-    b.extend((s.len() as i16).to_be_bytes());
-    b.extend(s.as_bytes());
+    b
 }
 
 fn varint(b: &mut Vec<u8>, mut n: u32) {
@@ -101,11 +79,10 @@ fn varint(b: &mut Vec<u8>, mut n: u32) {
     b.push(n as u8);
 }
 
-/// Reads the answer (after its length): `cleanup.policy` of `topic`, or
-/// `None` when the broker lists no such config.
+/// Reads the answer (after its correlation id): `cleanup.policy` of
+/// `topic`, or `None` when the broker lists no such config.
 fn policy_of(answer: &[u8], topic: &str, flexible: bool) -> Result<Option<String>, String> {
     let mut r = Reader { rest: answer, flexible };
-    let _correlation = r.i32()?;
     r.tags()?;
     let _throttle = r.i32()?;
     for _ in 0..r.count()? {
@@ -249,7 +226,6 @@ mod tests {
 
     fn answer(flexible: bool, error: i16, value: Option<&str>) -> Vec<u8> {
         let mut w = W { b: Vec::new(), flexible };
-        w.b.extend(7i32.to_be_bytes());
         w.tags();
         w.b.extend(0i32.to_be_bytes());
         w.count(1);
@@ -297,6 +273,9 @@ mod tests {
     /// our client id).
     #[test]
     fn the_requests_are_framed_as_kafka_frames_them() {
+        let request = |topic, version: i16, correlation| {
+            crate::connection::frame(DESCRIBE_CONFIGS, version, correlation, version >= 4, &request(topic, version))
+        };
         for version in [1, 4] {
             let req = request("test", version, 5);
             assert_eq!(i32::from_be_bytes(req[..4].try_into().expect("4 bytes")) as usize, req.len() - 4);

@@ -5,11 +5,14 @@
 //!
 //! This is the only crate that talks to Kafka.
 
+pub mod access;
 pub mod broker;
+pub mod connection;
 pub mod continuity;
 pub mod describe;
 pub mod produce;
 pub mod reader;
 
+pub use access::Access;
 pub use broker::Broker;
 pub use reader::spawn;

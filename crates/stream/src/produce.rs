@@ -9,10 +9,12 @@ use rskafka::record::Record;
 use serde::Serialize;
 use sparrow_data::DataError;
 
+use crate::access::Access;
 use crate::broker::Broker;
 
 pub struct ProduceOptions {
-    pub brokers: Vec<String>,
+    /// The brokers, with TLS and SASL as `[data.stream]` says.
+    pub access: Access,
     pub topic: String,
     /// Partitions of the topic when it has to be created.
     pub partitions: i32,
@@ -41,7 +43,7 @@ pub struct Produced {
 
 /// Appends each line of `lines` (empty ones skipped) as one record.
 pub fn produce(options: &ProduceOptions, lines: impl BufRead) -> Result<Produced, DataError> {
-    let mut broker = Broker::connect(&options.brokers, &options.topic, Duration::from_secs(30))?;
+    let mut broker = Broker::connect(&options.access, &options.topic, Duration::from_secs(30))?;
     let partitions = match broker.partitions() {
         Ok(p) => p,
         Err(_) => {

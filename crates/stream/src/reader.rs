@@ -23,6 +23,7 @@ use sparrow_data::text::{LineParser, MAX_LINE_BYTES, row_parser};
 use sparrow_data::weighting::Weigher;
 use sparrow_data::{BadRows, BatchStream, DataError, DataLayout};
 
+use crate::access::Access;
 use crate::broker::{Broker, FetchError, Fetched};
 use crate::continuity::{self, fingerprint};
 
@@ -152,7 +153,8 @@ impl Cutter {
     ) -> Result<Cutter, DataError> {
         let data = &job.data;
         let unavailable = Duration::from_secs(config.max_unavailable_secs);
-        let mut broker = Broker::connect(&config.brokers, &config.topic, unavailable)?;
+        let access = Access::of(config)?;
+        let mut broker = Broker::connect(&access, &config.topic, unavailable)?;
         let exists = broker.partitions()?;
         let ids = match &config.partitions {
             Partitions::All => exists.clone(),
@@ -190,7 +192,7 @@ impl Cutter {
                 trained_tail: tail,
             });
         }
-        let compacted = compacted(config, unavailable);
+        let compacted = compacted(&access, config, unavailable);
         let carried = resume
             .map(|m| m.offsets.iter().filter(|(p, _)| !ids.contains(p)).map(|(&p, &o)| (p, o)).collect())
             .unwrap_or_default();
@@ -570,9 +572,9 @@ impl Cutter {
 
 /// Whether the topic's `cleanup.policy` includes `compact`, as the broker
 /// says (DescribeConfigs); a broker that does not say leaves it "no".
-fn compacted(config: &StreamConfig, unavailable: Duration) -> bool {
+fn compacted(access: &Access, config: &StreamConfig, unavailable: Duration) -> bool {
     let topic = &config.topic;
-    match crate::describe::cleanup_policy(&config.brokers, topic, unavailable.min(Duration::from_secs(10))) {
+    match crate::describe::cleanup_policy(access, topic, unavailable.min(Duration::from_secs(10))) {
         Ok(Some(policy)) => {
             let compact = policy.split(',').any(|p| p.trim() == "compact");
             tracing::debug!("kafka topic {topic}: cleanup.policy = {policy:?}");

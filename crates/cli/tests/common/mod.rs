@@ -275,3 +275,5 @@ pub fn ends_within(command: &mut Command, limit: Duration) -> (std::process::Exi
     let stderr = log.lock().expect("log").clone();
     (status, stderr)
 }
+
+pub mod kafka;

@@ -5,6 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::stream_auth::{StreamSasl, StreamTls};
 use super::{ConfigError, DataFormat};
 
 #[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema, PartialEq)]
@@ -63,6 +64,10 @@ pub struct StreamConfig {
     /// ahead would otherwise stop expiry for good. Counted as
     /// `future_records` (the final JSON, `/metrics`), with a warning.
     pub max_future_secs: u64,
+    /// TLS to the brokers (`[data.stream.tls]`); absent: plain TCP.
+    pub tls: Option<StreamTls>,
+    /// SASL authentication (`[data.stream.sasl]`); absent: none.
+    pub sasl: Option<StreamSasl>,
 }
 
 impl Default for StreamConfig {
@@ -85,6 +90,8 @@ impl Default for StreamConfig {
             // Kafka's own bound on a record's time ahead of the broker's
             // (`log.message.timestamp.after.max.ms`, Kafka 3.6 on): an hour.
             max_future_secs: 3600,
+            tls: None,
+            sasl: None,
         }
     }
 }
@@ -314,6 +321,12 @@ impl StreamConfig {
                      \"earliest\" and \"latest\" name the partition's ends"
                 ),
             );
+        }
+        if let Some(tls) = &self.tls {
+            tls.validate()?;
+        }
+        if let Some(sasl) = &self.sasl {
+            sasl.validate()?;
         }
         if let Some(w) = &data.weighting {
             // Age is counted from the stream's event clock, and merging stays
