@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::ConfigError;
+use super::{Config, ConfigError};
 
 /// TLS to the brokers. Present: every connection is TLS (rustls, TLS 1.2
 /// and 1.3); absent: plain TCP.
@@ -162,7 +162,7 @@ impl StreamSasl {
     }
 }
 
-impl super::Config {
+impl Config {
     /// Reads the secrets the config points at (`data.stream.sasl`'s
     /// password). `env` looks up an environment variable: the binary passes
     /// the process's own, as libraries read none.
