@@ -43,7 +43,8 @@ fn secure_broker(dir: &Path, auth: bool) -> SecureBroker {
         spawn_tansu(&plain, &tls, "memory://tansu/", &[])
     };
     let tansu = Server(tansu);
-    let stunnel = Server(spawn_stunnel(dir, &certs, &tls, &plain));
+    // The TLS test's broker wants a client certificate too (mutual TLS).
+    let stunnel = Server(spawn_stunnel(dir, &certs, &tls, &plain, !auth));
     SecureBroker { tls, plain, certs, _servers: vec![tansu, stunnel] }
 }
 
@@ -70,8 +71,14 @@ fn file_job(dir: &Path) -> String {
     path.display().to_string()
 }
 
-fn tls_table(ca: &Path) -> String {
-    format!("[data.stream.tls]\nca_file = {:?}\nserver_name = \"{BROKER_NAME}\"\n", ca.display().to_string())
+fn tls_table(ca: &Path, client: Option<&Certificates>) -> String {
+    let mut text =
+        format!("[data.stream.tls]\nca_file = {:?}\nserver_name = \"{BROKER_NAME}\"\n", ca.display().to_string());
+    if let Some(c) = client {
+        let (cert, key) = (c.client_cert.display().to_string(), c.client_key.display().to_string());
+        text += &format!("cert_file = {cert:?}\nkey_file = {key:?}\n");
+    }
+    text
 }
 
 fn run(args: &[&str], config: &str, env: &[(&str, &str)]) -> Output {
@@ -98,17 +105,18 @@ fn fails_naming(out: Output, broker: &str, words: &[&str]) {
     assert!(!e.contains("retries failed"), "retried: {e}");
 }
 
-/// Records produced and trained over TLS with a private CA are the file's
-/// model bit for bit; a CA that did not sign the broker's certificate, a
-/// name the certificate is not for, plain Kafka to the TLS port and TLS to
-/// the plain port each fail at once, naming the broker and the key to fix.
+/// Records produced and trained over mutual TLS with a private CA are the
+/// file's model bit for bit; a CA that did not sign the broker's
+/// certificate, a name the certificate is not for, no client certificate,
+/// plain Kafka to the TLS port and TLS to the plain port each fail at once,
+/// naming the broker and the key to fix.
 #[test]
 fn tls_with_a_private_ca_trains_the_files_model_and_each_mismatch_is_named() {
     let tmp = tempfile::tempdir().expect("tmp");
     common::generate(tmp.path(), "4000");
     let b = secure_broker(tmp.path(), false);
     let train_rows = tmp.path().join("data/train.tsv").display().to_string();
-    let tls = tls_table(&b.certs.ca);
+    let tls = tls_table(&b.certs.ca, Some(&b.certs));
     let config = job(tmp.path(), "tls", &b.tls, "", &tls);
     let produced = ok(run(&["produce", "--from", &train_rows], &config, &[]));
     assert_eq!(produced["end_offsets"], serde_json::json!({"0": 4000}), "{produced}");
@@ -117,7 +125,7 @@ fn tls_with_a_private_ca_trains_the_files_model_and_each_mismatch_is_named() {
     assert_eq!(stream["stream_records"], 4000, "{stream}");
     assert_eq!((&stream["test_auc"], &stream["steps"]), (&file["test_auc"], &file["steps"]), "{stream}\n{file}");
 
-    let wrong_ca = job(tmp.path(), "ca", &b.tls, "", &tls_table(&b.certs.other_ca));
+    let wrong_ca = job(tmp.path(), "ca", &b.tls, "", &tls_table(&b.certs.other_ca, Some(&b.certs)));
     fails_naming(
         run(&["train", "--quiet"], &wrong_ca, &[]),
         &b.tls,
@@ -125,6 +133,8 @@ fn tls_with_a_private_ca_trains_the_files_model_and_each_mismatch_is_named() {
     );
     let wrong_name = job(tmp.path(), "name", &b.tls, "", &tls.replace(BROKER_NAME, "kafka.example.com"));
     fails_naming(run(&["train", "--quiet"], &wrong_name, &[]), &b.tls, &["data.stream.tls.server_name"]);
+    let no_client_cert = job(tmp.path(), "anonymous", &b.tls, "", &tls_table(&b.certs.ca, None));
+    fails_naming(run(&["train", "--quiet"], &no_client_cert, &[]), &b.tls, &["data.stream.tls.cert_file"]);
     let plain_to_tls = job(tmp.path(), "plain", &b.tls, "", "");
     fails_naming(run(&["train", "--quiet"], &plain_to_tls, &[]), &b.tls, &["TLS listener", "[data.stream.tls]"]);
     let tls_to_plain = job(tmp.path(), "tlsplain", &b.plain, "", &tls);
@@ -143,7 +153,7 @@ fn scram_over_tls_trains_and_a_wrong_login_is_named() {
     common::generate(tmp.path(), "3000");
     let b = secure_broker(tmp.path(), true);
     let train_rows = tmp.path().join("data/train.tsv").display().to_string();
-    let tls = tls_table(&b.certs.ca);
+    let tls = tls_table(&b.certs.ca, None);
     let secret = tmp.path().join("kafka-password");
     std::fs::write(&secret, format!("{PASSWORD}\n")).expect("password file");
     let sasl = |mechanism: &str, password: &str| {

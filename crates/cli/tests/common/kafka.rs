@@ -77,13 +77,16 @@ pub fn create_user(addr: &str, name: &str, password: &str, mechanism: &str) {
     assert!(out.status.success(), "tansu user create: {}", String::from_utf8_lossy(&out.stderr));
 }
 
-/// A certificate authority and a broker certificate it signs, for the DNS
-/// name `broker.sparrow.test` only; and a second CA that signs nothing.
+/// A certificate authority, a broker certificate it signs for the DNS
+/// name `broker.sparrow.test` only, and a client certificate it signs
+/// (mutual TLS); and a second CA that signs nothing.
 pub struct Certificates {
     pub ca: PathBuf,
     pub other_ca: PathBuf,
     pub cert: PathBuf,
     pub key: PathBuf,
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
 }
 
 pub const BROKER_NAME: &str = "broker.sparrow.test";
@@ -100,35 +103,45 @@ pub fn certificates(dir: &Path) -> Certificates {
         let req = ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", subject];
         openssl(dir, &[&req[..], &["-keyout", key, "-out", cert]].concat());
     }
-    let subject = format!("/CN={BROKER_NAME}");
-    openssl(
-        dir,
-        &["req", "-newkey", "rsa:2048", "-nodes", "-subj", &subject, "-keyout", "broker.key", "-out", "broker.csr"],
-    );
-    let ext = format!(
-        "subjectAltName=DNS:{BROKER_NAME}\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n\
-         extendedKeyUsage=serverAuth\n"
-    );
-    std::fs::write(dir.join("broker.ext"), ext).expect("extensions");
-    let sign = ["x509", "-req", "-in", "broker.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial"];
-    openssl(dir, &[&sign[..], &["-days", "2", "-extfile", "broker.ext", "-out", "broker.pem"]].concat());
+    for (name, subject, usage) in [
+        (
+            "broker",
+            format!("/CN={BROKER_NAME}"),
+            format!("subjectAltName=DNS:{BROKER_NAME}\nextendedKeyUsage=serverAuth"),
+        ),
+        ("client", "/CN=trainer".to_string(), "extendedKeyUsage=clientAuth".to_string()),
+    ] {
+        let (key, csr, ext, cert) =
+            (format!("{name}.key"), format!("{name}.csr"), format!("{name}.ext"), format!("{name}.pem"));
+        openssl(dir, &["req", "-newkey", "rsa:2048", "-nodes", "-subj", &subject, "-keyout", &key, "-out", &csr]);
+        let text = format!("{usage}\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n");
+        std::fs::write(dir.join(&ext), text).expect("extensions");
+        let sign = ["x509", "-req", "-in", &csr, "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial"];
+        openssl(dir, &[&sign[..], &["-days", "2", "-extfile", &ext, "-out", &cert]].concat());
+    }
     Certificates {
         ca: dir.join("ca.pem"),
         other_ca: dir.join("other.pem"),
         cert: dir.join("broker.pem"),
         key: dir.join("broker.key"),
+        client_cert: dir.join("client.pem"),
+        client_key: dir.join("client.key"),
     }
 }
 
 /// stunnel on `accept`, terminating TLS with `certs`' broker certificate
-/// and passing the bytes to `connect`.
-pub fn spawn_stunnel(dir: &Path, certs: &Certificates, accept: &str, connect: &str) -> Child {
+/// and passing the bytes to `connect`; `mutual`: clients must show a
+/// certificate the CA signed.
+pub fn spawn_stunnel(dir: &Path, certs: &Certificates, accept: &str, connect: &str, mutual: bool) -> Child {
     let conf = dir.join(format!("stunnel-{}.conf", accept.replace(':', "-")));
-    let text = format!(
+    let mut text = format!(
         "foreground = yes\npid =\n[kafka]\naccept = {accept}\nconnect = {connect}\ncert = {}\nkey = {}\n",
         certs.cert.display(),
         certs.key.display()
     );
+    if mutual {
+        text += &format!("verifyChain = yes\nCAfile = {}\n", certs.ca.display());
+    }
     std::fs::write(&conf, text).expect("stunnel config");
     let mut child = Command::new(tool("SPARROW_STUNNEL", "/usr/bin/stunnel4", "ensure-stunnel"))
         .arg(&conf)
