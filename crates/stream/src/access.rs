@@ -202,6 +202,10 @@ pub fn probe_config() -> Arc<rustls::ClientConfig> {
     Arc::new(builder.dangerous().with_custom_certificate_verifier(verifier).with_no_client_auth())
 }
 
+fn distrust<T>() -> Result<T, rustls::Error> {
+    Err(rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer))
+}
+
 #[derive(Debug)]
 struct TrustNothing(Arc<rustls::crypto::CryptoProvider>);
 
@@ -214,7 +218,7 @@ impl ServerCertVerifier for TrustNothing {
         _: &[u8],
         _: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        Err(rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer))
+        distrust()
     }
 
     fn verify_tls12_signature(
@@ -223,7 +227,7 @@ impl ServerCertVerifier for TrustNothing {
         _: &CertificateDer<'_>,
         _: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        Err(rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer))
+        distrust()
     }
 
     fn verify_tls13_signature(
@@ -232,7 +236,7 @@ impl ServerCertVerifier for TrustNothing {
         _: &CertificateDer<'_>,
         _: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        Err(rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer))
+        distrust()
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
