@@ -409,6 +409,79 @@ fn a_role_whose_coordinator_is_gone_stops_after_trying_to_rejoin() {
     assert!(text.contains("trying to rejoin") && text.contains("giving up"), "{text}");
 }
 
+/// `checkpoint.export_every_secs` below `every_secs` in `launch`: between
+/// checkpoints the workers meet for an export alone. Each shard writes the
+/// rows used since the export before into a file of its own, the
+/// coordinator the dense weights and the manifest, and no checkpoint is
+/// committed (only step 1's and the end's). The meetings change nothing:
+/// the newest export and the final checkpoint predict what a run without
+/// them predicts, and that checkpoint continues where that run's does.
+#[test]
+fn launch_exports_between_checkpoints_from_each_shards_changed_rows() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "20000");
+    let config = write_config(tmp.path(), "");
+    let run = |name: &str, export: bool| {
+        let ckpt = tmp.path().join(name).display().to_string();
+        let mut command = sparrow();
+        command.args(["launch", "--config", &config, "--shards", "2", "--workers", "1", "--quiet"]);
+        command.args(["--set", &format!("checkpoint.dir={ckpt:?}"), "--set", "checkpoint.every_secs=3600"]);
+        command.args(["--set", "train.pipeline_depth=0"]);
+        if export {
+            // Steps of 60 ms or more: the 79 steps outlast a few timed meetings.
+            command.args(["--set", "checkpoint.export_every_secs=1"]).env("FAILPOINTS", "worker.step=sleep(60)");
+        }
+        let out = command.output().expect("launch");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        (ckpt, last_json(&out))
+    };
+    let (plain, plain_summary) = run("plain", false);
+    let (ckpt, summary) = run("exported", true);
+    assert_eq!(summary["steps"], 79);
+    assert_eq!(summary["checkpoints_committed"], 2, "step 1 and the end: {summary}");
+    assert_eq!(summary["test_auc"], plain_summary["test_auc"], "meetings change nothing");
+    let exports = format!("{ckpt}/exports");
+    let mut steps: Vec<u64> = std::fs::read_dir(&exports)
+        .expect("exports")
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    steps.sort();
+    assert!(steps.len() >= 3 && steps.first() == Some(&1) && steps.last() == Some(&79), "{steps:?}");
+    let manifest = |step: u64| -> serde_json::Value {
+        let text = std::fs::read_to_string(format!("{exports}/{step:012}/manifest.json")).expect("manifest");
+        serde_json::from_str(&text).expect("json")
+    };
+    assert!(manifest(1)["base"].is_null(), "the first export is full");
+    let mut deltas = 0;
+    for pair in steps.windows(2) {
+        // Each a delta on the one before, but every full_every-th (8th) full.
+        let m = manifest(pair[1]);
+        if !m["base"].is_null() {
+            assert_eq!(m["base"], format!("{:012}", pair[0]), "{m}");
+            deltas += 1;
+        }
+        let files: Vec<&String> = m["files"].as_object().expect("files").keys().collect();
+        assert_eq!(files, ["dense.safetensors", "embeddings-0000.bin", "embeddings-0001.bin"], "one file a shard");
+    }
+    assert!(deltas >= 1, "{steps:?}");
+    let test = tmp.path().join("data/test.tsv").display().to_string();
+    let predict = |flag: &str, model: &str, out: &str| {
+        let o = sparrow().args(["predict", flag, model, "--data", &test, "--out", out]).output().expect("predict");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        std::fs::read_to_string(out).expect("predictions")
+    };
+    let expected = predict("--checkpoint", &plain, &tmp.path().join("plain.txt").display().to_string());
+    assert_eq!(predict("--checkpoint", &ckpt, &tmp.path().join("a.txt").display().to_string()), expected);
+    assert_eq!(predict("--model", &exports, &tmp.path().join("b.txt").display().to_string()), expected);
+    let position = |root: &str| -> serde_json::Value {
+        let latest = std::fs::read_to_string(format!("{root}/LATEST")).expect("LATEST");
+        let text = std::fs::read_to_string(format!("{root}/{}/manifest.json", latest.trim())).expect("manifest");
+        let m: serde_json::Value = serde_json::from_str(&text).expect("json");
+        serde_json::json!([m["position"], m["samples_trained"], m["skip"]])
+    };
+    assert_eq!(position(&ckpt), position(&plain));
+}
+
 /// `checkpoint.export_every_steps` in `launch`: the coordinator exports its
 /// committed checkpoints (checkpoints are taken at the export cadence when
 /// `every_steps` is unset), incrementally; the newest export's chain predicts

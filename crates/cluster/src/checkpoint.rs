@@ -6,7 +6,6 @@
 //! `train --resume` read it like any other; a shard restores its own part,
 //! a worker the dense part, the loader the data position.
 
-use sparrow_core::Overrides;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -48,6 +47,8 @@ pub struct WorkerCut {
     pub trained: Vec<TrainedBatch>,
     /// `[data.stream]`: the mark after the batch that ends at `position`.
     pub stream: Option<StreamMark>,
+    /// The worker's last meeting (its training ended): a checkpoint, always.
+    pub last: bool,
 }
 
 /// Where the job's training data stands: every batch before `position` was
@@ -127,10 +128,13 @@ pub trait CheckpointSink: Send + Sync {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Committed {
     pub dir: PathBuf,
-    /// Timed checkpoints (`checkpoint.every_secs`): the step of the next
-    /// one, the same for every worker (the coordinator picks it from the
-    /// pace of the steps so far).
+    /// Timed meetings (`checkpoint.every_secs`, `export_every_secs`): the
+    /// step of the next one, the same for every worker (the coordinator
+    /// picks it from the pace of the steps so far).
     pub next_step: Option<u64>,
+    /// The meeting wrote a checkpoint (false: a serving export alone, and
+    /// `dir` is the last checkpoint before it).
+    pub checkpoint: bool,
 }
 
 /// `config` with its table in memory: for the helper tables of save and
@@ -161,8 +165,12 @@ pub fn manifest(
         return Err(ClusterError::Setup("no worker wrote the dense part".into()));
     }
     files.insert("dense.safetensors".to_string(), hash_file(&staging.join("dense.safetensors"))?);
-    for part in parts {
-        for (name, bytes) in &part.written.files {
+    let written = parts
+        .iter()
+        .map(|p| p.written.as_ref().ok_or_else(|| ClusterError::Setup("a shard wrote no checkpoint part".into())))
+        .collect::<Result<Vec<_>, _>>()?;
+    for part in &written {
+        for (name, bytes) in &part.files {
             let entry: FileEntry = hash_file(&staging.join(name))?;
             if entry.bytes != *bytes {
                 return Err(ClusterError::Setup(format!(
@@ -175,15 +183,7 @@ pub fn manifest(
         }
     }
     let layout = DataLayout::from_config(&config.data);
-    let (position, skip, stream) = match progress {
-        Some(p) => p.resume_point(),
-        None => {
-            // The furthest cut's position (and its stream's mark).
-            let furthest =
-                cuts.iter().fold(first, |f, c| if c.position.later(f.position) == c.position { c } else { f });
-            (furthest.position, Vec::new(), furthest.stream.clone())
-        }
-    };
+    let (position, skip, stream) = resume_point(cuts, progress);
     Ok(Manifest {
         format_version: FORMAT_VERSION,
         model_kind: config.model.kind.name().to_string(),
@@ -203,12 +203,30 @@ pub fn manifest(
         files,
         config: stored_config(config),
         created_unix_secs: sparrow_trainer::checkpoint::unix_secs(),
-        parts: parts.iter().map(|p| p.written.part.clone()).collect(),
+        parts: written.iter().map(|p| p.part.clone()).collect(),
         base: base.and_then(|b| b.file_name()).map(|n| n.to_string_lossy().to_string()),
         skip,
         stream,
         event_clock: Vec::new(),
     })
+}
+
+/// Where the data continues after the workers' `cuts`: from the data
+/// progress where batches were reported, else the furthest cut's position
+/// (and its stream's mark).
+pub fn resume_point(
+    cuts: &[WorkerCut],
+    progress: Option<&DataProgress>,
+) -> (DataPosition, Vec<TrainedBatch>, Option<StreamMark>) {
+    match (progress, cuts.first()) {
+        (Some(p), _) => p.resume_point(),
+        (None, Some(first)) => {
+            let furthest =
+                cuts.iter().fold(first, |f, c| if c.position.later(f.position) == c.position { c } else { f });
+            (furthest.position, Vec::new(), furthest.stream.clone())
+        }
+        (None, None) => Default::default(),
+    }
 }
 
 /// Shard `index` of `num_shards`, restored from a checkpoint: only the keys it
@@ -279,51 +297,99 @@ pub fn checkpoint_every(config: &Config) -> Option<u64> {
 }
 
 /// Timed checkpoints of a cluster job: `checkpoint.every_secs`, or
-/// `checkpoint.export_every_secs` when no checkpoint cadence is set. The
-/// workers meet at a step, not a moment: the first checkpoint is at step 1,
-/// and each commit names the step of the next, as many steps on as the
-/// job made in `every` seconds before it ([`Pace`]).
+/// `checkpoint.export_every_secs` when no checkpoint cadence is set.
 pub fn checkpoint_every_secs(config: &Config) -> Option<u64> {
     let c = &config.checkpoint;
     let export = c.export_every_secs.filter(|_| c.every_steps.is_none() && c.export_every_steps.is_none());
     c.every_secs.or(export).filter(|&s| s > 0)
 }
 
-/// The pace of a job's steps between commits: where the next timed
-/// checkpoint falls. Commits are one at a time, so plain atomics do.
+/// How often the workers meet, in seconds: for a timed checkpoint, or
+/// more often for a serving export alone (`export_every_secs` below the
+/// checkpoints' interval: a cut without a checkpoint, see
+/// [`crate::exports`]). The workers meet at a step, not a moment: the first
+/// meeting is at step 1, and each names the step of the next, as many
+/// steps on as the job made in that many seconds before it ([`Pace`]).
+pub fn meet_every_secs(config: &Config) -> Option<u64> {
+    let export = config.checkpoint.export_every_secs.filter(|&s| s > 0);
+    match (checkpoint_every_secs(config), export) {
+        (Some(c), Some(e)) => Some(c.min(e)),
+        (c, e) => c.or(e),
+    }
+}
+
+/// The pace of a job's steps between meetings: where the next timed one
+/// falls, and whether a timed checkpoint is due. Meetings are one at a
+/// time, so plain atomics do.
 pub struct Pace {
     every_secs: Option<u64>,
+    /// Timed checkpoints (meetings may be more frequent, for exports).
+    checkpoint_secs: Option<u64>,
     started: std::time::Instant,
-    /// The step and the time (ns after `started`) of the last commit, and
+    /// The step and the time (ns after `started`) of the last meeting, and
     /// the step it named for the next.
     last_step: std::sync::atomic::AtomicU64,
     last_nanos: std::sync::atomic::AtomicU64,
     expected: std::sync::atomic::AtomicU64,
+    /// When (ns after `started`) the last checkpoint was committed.
+    checkpoint_nanos: std::sync::atomic::AtomicU64,
 }
 
 impl Pace {
     pub fn new(config: &Config) -> Pace {
+        let every_secs = meet_every_secs(config);
         Pace {
-            every_secs: checkpoint_every_secs(config),
+            every_secs,
+            checkpoint_secs: checkpoint_every_secs(config),
             started: std::time::Instant::now(),
             last_step: Default::default(),
             last_nanos: Default::default(),
             expected: std::sync::atomic::AtomicU64::new(1),
+            checkpoint_nanos: Default::default(),
         }
     }
 
-    /// Whether checkpoints are timed.
+    /// Whether meetings are timed.
     pub fn timed(&self) -> bool {
         self.every_secs.is_some()
     }
 
-    /// A commit at `step`: the step of the next timed checkpoint (none: not
-    /// timed), and whether `step` was the one named (one off it is the
-    /// job's last, or the first after a recovery).
+    fn nanos(&self) -> u64 {
+        self.started.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64
+    }
+
+    /// Whether `step` is the one the last meeting named (always, untimed):
+    /// a meeting off it is the job's last, or the first after a recovery.
+    pub fn named(&self, step: u64) -> bool {
+        self.every_secs.is_none() || self.expected.load(std::sync::atomic::Ordering::Relaxed) == step
+    }
+
+    /// Whether a meeting on schedule is for a timed checkpoint: always
+    /// when the meetings are timed for checkpoints; when they are timed for
+    /// exports, once `checkpoint.every_secs` passed since the last one;
+    /// never when checkpoints are not timed.
+    pub fn checkpoint_due(&self) -> bool {
+        match (self.every_secs, self.checkpoint_secs) {
+            (Some(every), Some(secs)) if secs <= every => true,
+            (_, Some(secs)) => {
+                let last = self.checkpoint_nanos.load(std::sync::atomic::Ordering::Relaxed);
+                self.nanos().saturating_sub(last) >= secs.saturating_mul(1_000_000_000)
+            }
+            (_, None) => false,
+        }
+    }
+
+    /// A checkpoint was committed now.
+    pub fn checkpointed(&self) {
+        self.checkpoint_nanos.store(self.nanos(), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// A meeting at `step`: the step of the next timed one (none: not
+    /// timed), and whether `step` was the one named.
     pub fn committed(&self, step: u64) -> (Option<u64>, bool) {
         use std::sync::atomic::Ordering::Relaxed;
         let Some(every) = self.every_secs else { return (None, true) };
-        let nanos = self.started.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
+        let nanos = self.nanos();
         let (last_step, last_nanos) = (self.last_step.swap(step, Relaxed), self.last_nanos.swap(nanos, Relaxed));
         let next = if step <= last_step || nanos <= last_nanos {
             // After a recovery the steps start over from the restored one: measure anew.
@@ -334,124 +400,6 @@ impl Pace {
         };
         let on_schedule = self.expected.swap(next, Relaxed) == step;
         (Some(next), on_schedule)
-    }
-}
-
-/// `checkpoint.export_every_steps` in a cluster job: after a checkpoint
-/// whose step is a multiple of it (or the job's last; with
-/// `export_every_secs`, a checkpoint that many seconds after the last
-/// export, or the first) is committed, the
-/// coordinator loads that version in a thread of its own (training goes on)
-/// and writes it to `checkpoint.dir/exports/` as a serving export: like
-/// `sparrow train`'s, most hold only the rows that changed since the export
-/// before (told by their content, see
-/// [`IncrementalExports::by_content`](sparrow_trainer::export::IncrementalExports::by_content)).
-/// One export is written at a time; the next waits for it.
-pub struct ClusterExports {
-    every: Option<u64>,
-    every_secs: Option<u64>,
-    last: Option<std::time::Instant>,
-    /// The exporter between exports (none while one is written or started).
-    idle: Option<IncrementalExports>,
-    /// The export being written: its thread gives the exporter back.
-    pending: Option<std::thread::JoinHandle<IncrementalExports>>,
-}
-
-use sparrow_trainer::export::IncrementalExports;
-
-/// An export decided under the coordinator's lock, to be started outside
-/// it ([`DueExport::start`] may wait for the one before).
-pub struct DueExport {
-    dir: PathBuf,
-    step: u64,
-    exporter: Exporter,
-}
-
-enum Exporter {
-    Idle(IncrementalExports),
-    Writing(std::thread::JoinHandle<IncrementalExports>),
-}
-
-impl ClusterExports {
-    pub fn new(config: &Config) -> Option<ClusterExports> {
-        let every = config.checkpoint.export_every_steps.filter(|&n| n > 0);
-        let every_secs = config.checkpoint.export_every_secs.filter(|&s| s > 0);
-        if every.is_none() && every_secs.is_none() {
-            return None;
-        }
-        let exports = IncrementalExports::new(config)?.by_content();
-        Some(ClusterExports { every, every_secs, last: None, idle: Some(exports), pending: None })
-    }
-
-    /// A version was committed at `step`; `checkpoint_every` is the step
-    /// cadence (a step off it is the job's last; none: timed checkpoints,
-    /// and `last`: the job's last). Returns the export to start when one is
-    /// due, the exporter taken out (give the started one back with
-    /// [`started`](Self::started)).
-    pub fn committed(&mut self, dir: &Path, step: u64, checkpoint_every: Option<u64>, last: bool) -> Option<DueExport> {
-        let by_steps = self.every.is_some_and(|every| step.is_multiple_of(every));
-        let off_cadence = checkpoint_every.is_some_and(|every| !step.is_multiple_of(every.max(1)));
-        let by_time = self.every_secs.is_some_and(|s| self.last.is_none_or(|t| t.elapsed().as_secs() >= s));
-        if !(by_steps || by_time || off_cadence || last) {
-            return None;
-        }
-        let exporter = match (self.idle.take(), self.pending.take()) {
-            (Some(idle), _) => Exporter::Idle(idle),
-            (None, Some(writing)) => Exporter::Writing(writing),
-            (None, None) => {
-                tracing::warn!("step {step}: no serving export (the exporter is gone: an export before failed)");
-                return None;
-            }
-        };
-        self.last = Some(std::time::Instant::now());
-        Some(DueExport { dir: dir.to_path_buf(), step, exporter })
-    }
-
-    /// The export [`DueExport::start`] started.
-    pub fn started(&mut self, writing: Option<std::thread::JoinHandle<IncrementalExports>>) {
-        self.pending = writing;
-    }
-
-    /// Takes the export being written, if any, for [`wait`](Self::wait)
-    /// outside the lock.
-    pub fn take_pending(&mut self) -> Option<std::thread::JoinHandle<IncrementalExports>> {
-        self.pending.take()
-    }
-
-    /// Waits for an export taken with [`take_pending`](Self::take_pending)
-    /// (no lock held) and returns its exporter.
-    pub fn wait(writing: std::thread::JoinHandle<IncrementalExports>) -> Option<IncrementalExports> {
-        writing.join().map_err(|_| tracing::warn!("the serving export thread panicked: exports stop")).ok()
-    }
-
-    /// The exporter back from a finished export.
-    pub fn finished(&mut self, exporter: Option<IncrementalExports>) {
-        if self.idle.is_none() && self.pending.is_none() {
-            self.idle = exporter;
-        }
-    }
-}
-
-impl DueExport {
-    /// Waits for the export before (no lock held), then writes this version
-    /// in a thread of its own; returns that thread (none: not started).
-    pub fn start(self) -> Option<std::thread::JoinHandle<IncrementalExports>> {
-        let DueExport { dir, step, exporter } = self;
-        let mut exports = match exporter {
-            Exporter::Idle(idle) => idle,
-            Exporter::Writing(writing) => ClusterExports::wait(writing)?,
-        };
-        let spawned = std::thread::Builder::new().name("sparrow-export".into()).spawn(move || {
-            // The rows in this process's memory, not in the shards' SSD files.
-            let loaded =
-                sparrow_trainer::checkpoint::load_trainer(&dir, &Overrides::none().set("embedding.storage", "memory"));
-            match loaded.and_then(|(trainer, _, _)| exports.write(&trainer)) {
-                Ok(written) => tracing::info!("step {step}: serving export {}", written.display()),
-                Err(e) => tracing::warn!("step {step}: the serving export was not written: {e}"),
-            }
-            exports
-        });
-        spawned.map_err(|e| tracing::warn!("step {step}: the serving export was not written (exports stop): {e}")).ok()
     }
 }
 

@@ -22,6 +22,7 @@
 pub mod aggregator;
 pub mod checkpoint;
 pub mod coordinator;
+pub mod exports;
 pub mod faults;
 pub mod generation;
 pub mod grpc;

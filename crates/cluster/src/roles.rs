@@ -240,7 +240,6 @@ pub fn run_coordinator(
         let _ = scheduler.join();
     }
     drop(backups);
-    coordinator.finish_exports();
     let mut report = coordinator.recovery_report();
     report.role_bytes += metrics.total_bytes();
     tracing::info!(
@@ -599,10 +598,9 @@ impl ShardService for LocalShard {
     fn write_part(
         &self,
         generation: Generation,
-        dir: &std::path::Path,
-        since: Option<u64>,
+        request: &crate::transport::PartRequest,
     ) -> Result<crate::transport::PartWritten, ClusterError> {
-        self.0.get()?.write_part(generation, dir, since)
+        self.0.get()?.write_part(generation, request)
     }
     fn is_local(&self) -> bool {
         true
@@ -768,7 +766,7 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Attempt) -> Result<Worker
     worker.gauges = Some((gauges.clone(), config.train.log_interval_steps));
     if let Some(dir) = &config.checkpoint.dir {
         let sink = Arc::new(coordinator.clone()) as Arc<dyn crate::checkpoint::CheckpointSink>;
-        let timed = crate::checkpoint::checkpoint_every_secs(config).is_some();
+        let timed = crate::checkpoint::meet_every_secs(config).is_some();
         worker.with_checkpoints(sink, PathBuf::from(dir), crate::checkpoint::checkpoint_every(config), timed);
     }
     if let Some(dir) = &generation.restore {

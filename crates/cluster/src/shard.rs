@@ -9,7 +9,6 @@ pub use self::rows::{LevelOne, TrainingRows};
 
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::path::Path;
 use std::time::Instant;
 
 use sparrow_core::Config;
@@ -20,7 +19,7 @@ use crate::faults;
 use crate::generation::Generation;
 use crate::messages::{Mode, generation_of};
 use crate::second_level::SecondLevel;
-use crate::transport::{ClusterError, ExportPage, PartWritten, PassStaging, ShardReport, ShardService};
+use crate::transport::{ClusterError, ExportPage, PartRequest, PartWritten, PassStaging, ShardReport, ShardService};
 
 /// A shard role's table, built from the config the way every shard builds
 /// it (an SSD tier goes to `embedding.path/shard-<index>`), with the same
@@ -342,7 +341,7 @@ impl ShardService for ShardServer {
         Ok(ExportPage { keys, rows, last_uses, filters, next })
     }
 
-    fn write_part(&self, generation: Generation, dir: &Path, since: Option<u64>) -> Result<PartWritten, ClusterError> {
+    fn write_part(&self, generation: Generation, request: &PartRequest) -> Result<PartWritten, ClusterError> {
         if generation != self.generation {
             return Err(ClusterError::StaleGeneration {
                 peer: format!("shard {}", self.index),
@@ -357,25 +356,46 @@ impl ShardService for ShardServer {
             .ok_or_else(|| ClusterError::Setup(format!("shard {}: not set up to write checkpoints", self.index)))?;
         faults::point("shard.write_part");
         let start = Instant::now();
-        let written = {
+        let (written, export) = {
             let _cut = self.cut.walk();
             // A checkpoint between passes: level 1 takes the second level's rows first.
             self.training.before_level_one_read(&self.table, false)?;
-            let mut written = sparrow_trainer::checkpoint::write_part(&self.table, dir, self.index, since, config)?;
-            written.part.event_clock = self.ttl.lock().as_ref().map(TableBounds::saved).unwrap_or_default();
-            written
+            let written = match &request.checkpoint {
+                Some(dir) => {
+                    let mut written =
+                        sparrow_trainer::checkpoint::write_part(&self.table, dir, self.index, request.since, config)?;
+                    written.part.event_clock = self.ttl.lock().as_ref().map(TableBounds::saved).unwrap_or_default();
+                    Some(written)
+                }
+                None => None,
+            };
+            // The serving export's rows, in the same cut as the checkpoint's.
+            let dtype = sparrow_trainer::export::VectorType::of_rows(config.embedding.dtype);
+            let export = match &request.export {
+                Some((dir, since)) => {
+                    Some(sparrow_trainer::export::write_rows_part(&self.table, dir, self.index, *since, dtype)?)
+                }
+                None => None,
+            };
+            (written, export)
         };
         let secs = start.elapsed().as_secs_f64();
         faults::point("shard.part_written");
-        tracing::info!(
-            "shard {}: wrote {} rows ({} bytes) into {} in {secs:.3} s",
-            self.index,
-            written.part.rows,
-            written.files.iter().map(|(_, b)| b).sum::<u64>(),
-            dir.display()
-        );
+        if let (Some(written), Some(dir)) = (&written, &request.checkpoint) {
+            tracing::info!(
+                "shard {}: wrote {} rows ({} bytes) into {} in {secs:.3} s",
+                self.index,
+                written.part.rows,
+                written.files.iter().map(|(_, b)| b).sum::<u64>(),
+                dir.display()
+            );
+        }
+        if let Some(export) = &export {
+            tracing::debug!("shard {}: {} rows for the serving export", self.index, export.rows);
+        }
         Ok(PartWritten {
             written,
+            export,
             secs,
             dim: self.table.dim(),
             row_len: self.table.row_len(),

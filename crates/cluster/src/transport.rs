@@ -209,14 +209,22 @@ pub trait ShardService: Send + Sync {
     /// A page of at most `max_rows` full rows (vector + optimizer state) from
     /// `cursor`, and the cursor after it (`None`: done).
     fn export(&self, cursor: (usize, usize), max_rows: usize) -> Result<ExportPage, ClusterError>;
-    /// Writes this shard's part of a checkpoint into `dir` (every row, or
-    /// those used after clock `since`), with no update running meanwhile.
-    fn write_part(
-        &self,
-        generation: Generation,
-        dir: &std::path::Path,
-        since: Option<u64>,
-    ) -> Result<PartWritten, ClusterError>;
+    /// Writes this shard's part of a checkpoint and, if asked, of a
+    /// serving export, in one cut: no update runs meanwhile.
+    fn write_part(&self, generation: Generation, request: &PartRequest) -> Result<PartWritten, ClusterError>;
+}
+
+/// What a shard writes in one cut ([`ShardService::write_part`]).
+#[derive(Clone, Debug, Default)]
+pub struct PartRequest {
+    /// The checkpoint's staging directory (none: no checkpoint part, a
+    /// serving export's cut alone).
+    pub checkpoint: Option<std::path::PathBuf>,
+    /// The checkpoint part holds the rows used after this clock (none: every row).
+    pub since: Option<u64>,
+    /// A serving export's part: its staging directory, and the clock after
+    /// which a row was used to be in it (none: every row).
+    pub export: Option<(std::path::PathBuf, Option<u64>)>,
 }
 
 /// A shard's second level (`cluster.mode = "collocated"`, S1.1): the loader
@@ -230,7 +238,10 @@ pub trait PassStaging: Send + Sync {
 /// A shard's reply to [`ShardService::write_part`].
 #[derive(Clone, Debug)]
 pub struct PartWritten {
-    pub written: sparrow_trainer::checkpoint::WrittenPart,
+    /// The checkpoint's part (none: not asked for).
+    pub written: Option<sparrow_trainer::checkpoint::WrittenPart>,
+    /// The serving export's part (none: not asked for).
+    pub export: Option<sparrow_trainer::export::RowsPart>,
     pub secs: f64,
     pub dim: usize,
     pub row_len: usize,

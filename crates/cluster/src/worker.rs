@@ -181,8 +181,10 @@ struct Checkpoints {
     every: Option<u64>,
     /// Timed checkpoints: the step of the next (each commit names it).
     next: Option<u64>,
-    /// The step of the last checkpoint this worker took part in (or restored).
+    /// The step of the last meeting this worker took part in (or restored).
     last_step: u64,
+    /// That meeting wrote a serving export alone: the end still checkpoints.
+    export_only: bool,
     /// The last version committed.
     last: Option<PathBuf>,
 }
@@ -325,7 +327,7 @@ impl Worker {
     pub fn with_checkpoints(&mut self, sink: Arc<dyn CheckpointSink>, root: PathBuf, every: Option<u64>, timed: bool) {
         let last_step = self.job_step();
         let next = timed.then_some(last_step + 1);
-        self.checkpoints = Some(Checkpoints { sink, root, every, next, last_step, last: None });
+        self.checkpoints = Some(Checkpoints { sink, root, every, next, last_step, export_only: false, last: None });
     }
 
     /// The last checkpoint this worker took part in.
@@ -352,8 +354,9 @@ impl Worker {
         })
     }
 
-    /// Takes part in a checkpoint at the current step (every update pushed).
-    fn checkpoint_now(&mut self) -> Result<(), ClusterError> {
+    /// Takes part in a checkpoint at the current step (every update pushed;
+    /// `last`: training ended).
+    fn checkpoint_now(&mut self, last: bool) -> Result<(), ClusterError> {
         faults::point("worker.checkpoint");
         let Some(c) = &self.checkpoints else { return Ok(()) };
         let step = self.job_step();
@@ -371,10 +374,12 @@ impl Worker {
             wrote_dense,
             trained: std::mem::take(&mut self.trained_since_cut),
             stream: self.stats.last_stream.clone(),
+            last,
         };
         let committed = c.sink.checkpoint(cut)?;
         if let Some(c) = &mut self.checkpoints {
             c.last_step = step;
+            c.export_only = !committed.checkpoint;
             c.last = Some(committed.dir);
             c.next = c.next.and(committed.next_step);
         }

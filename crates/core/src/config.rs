@@ -646,7 +646,10 @@ pub struct CheckpointConfig {
     /// one (a stream has no end to wait for).
     pub every_secs: Option<u64>,
     /// Also write a serving export when this many seconds passed since the
-    /// last one (`serve --watch` follows them).
+    /// last one (`serve --watch` follows them). In `sparrow launch`, set
+    /// below `every_secs`, the workers meet this often and write an export
+    /// alone between checkpoints (each shard its changed rows); without
+    /// `every_secs` or a step cadence, it times the checkpoints too.
     pub export_every_secs: Option<u64>,
 }
 

@@ -192,69 +192,107 @@ pub fn write_export_files(
     step: u64,
     model: &DenseModel,
     meta: &ExportMeta,
-    mut rows: impl FnMut() -> Result<RowPage, TrainError>,
+    rows: impl FnMut() -> Result<RowPage, TrainError>,
 ) -> Result<ExportManifest, TrainError> {
     let dtype = meta.dtype.unwrap_or(VectorType::F32);
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |e: std::io::Error| TrainError::io(&path, e)
-    };
     // A row's width: the vector each key has (LR: 1, FM and the wide kinds: 1 + dim).
     let dim = model.width();
-    let mut files = BTreeMap::new();
-    let dense_path = staging.join(DENSE);
-    let bytes = safetensors_bytes(&model.params.to_map(), &dense_path)?;
-    write_bytes_synced(&dense_path, &bytes)?;
-    files.insert(
-        DENSE.to_string(),
-        FileEntry { bytes: bytes.len() as u64, xxh3: format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes)) },
-    );
-    // Rows stream to the file; the count goes into the header at the end.
-    let emb_path = staging.join(EMBEDDINGS);
-    let file = std::fs::File::create(&emb_path).map_err(io(&emb_path))?;
+    let (entry, count) = write_embeddings(&staging.join(EMBEDDINGS), dtype, dim, rows)?;
+    write_export_manifest(staging, config, layout, step, model, meta, vec![(EMBEDDINGS.to_string(), entry)], count)
+}
+
+/// The name of shard `index`'s rows in a cluster's export (one file per
+/// shard, each in the format of `embeddings.bin`).
+pub fn part_name(index: usize) -> String {
+    format!("embeddings-{index:04}.bin")
+}
+
+/// Whether a file an export lists holds rows: `embeddings.bin`, or a
+/// shard's part ([`part_name`]).
+fn holds_rows(name: &str) -> bool {
+    name == EMBEDDINGS
+        || name
+            .strip_prefix("embeddings-")
+            .and_then(|n| n.strip_suffix(".bin"))
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Streams (key, vector) pages into an embeddings file at `path` (created,
+/// synced), `dim` values a key stored as `dtype`. Returns its entry and the
+/// rows written.
+pub fn write_embeddings(
+    path: &Path,
+    dtype: VectorType,
+    dim: usize,
+    mut rows: impl FnMut() -> Result<RowPage, TrainError>,
+) -> Result<(FileEntry, u64), TrainError> {
+    let io = |e: std::io::Error| TrainError::io(path, e);
+    let file = std::fs::File::create(path).map_err(io)?;
     let mut w = BufWriter::with_capacity(1 << 20, file);
+    // The count goes into the header at the end.
     let mut header = dtype.magic().to_vec();
     header.extend_from_slice(&(dim as u32).to_le_bytes());
     header.extend_from_slice(&0u64.to_le_bytes());
-    w.write_all(&header).map_err(io(&emb_path))?;
+    w.write_all(&header).map_err(io)?;
     let mut count = 0u64;
     while let Some((keys, vectors)) = rows()? {
         if vectors.len() != keys.len() * dim {
-            return Err(TrainError::checkpoint(
-                &emb_path,
-                format!("{} keys with {} values", keys.len(), vectors.len()),
-            ));
+            return Err(TrainError::checkpoint(path, format!("{} keys with {} values", keys.len(), vectors.len())));
         }
         for (key, v) in keys.iter().zip(vectors.chunks_exact(dim.max(1))) {
-            w.write_all(&key.to_le_bytes()).map_err(io(&emb_path))?;
+            w.write_all(&key.to_le_bytes()).map_err(io)?;
             for &x in v {
                 match dtype {
                     VectorType::F32 => w.write_all(&x.to_le_bytes()),
                     VectorType::F16 => w.write_all(&half::f16::from_f32(x).to_le_bytes()),
                     VectorType::Bf16 => w.write_all(&half::bf16::from_f32(x).to_le_bytes()),
                 }
-                .map_err(io(&emb_path))?;
+                .map_err(io)?;
             }
         }
         count += keys.len() as u64;
     }
-    let mut file = w.into_inner().map_err(|e| TrainError::io(&emb_path, e.into_error()))?;
+    let mut file = w.into_inner().map_err(|e| TrainError::io(path, e.into_error()))?;
     use std::io::Seek;
-    file.seek(std::io::SeekFrom::Start(12)).map_err(io(&emb_path))?;
-    file.write_all(&count.to_le_bytes()).map_err(io(&emb_path))?;
-    file.sync_all().map_err(io(&emb_path))?;
+    file.seek(std::io::SeekFrom::Start(12)).map_err(io)?;
+    file.write_all(&count.to_le_bytes()).map_err(io)?;
+    file.sync_all().map_err(io)?;
     drop(file);
-    files.insert(EMBEDDINGS.to_string(), hash_file(&emb_path)?);
+    Ok((hash_file(path)?, count))
+}
+
+/// The rest of an export whose rows are written (`parts`: the row files in
+/// `staging` and their entries, `rows` in all): the dense weights and the
+/// manifest.
+#[allow(clippy::too_many_arguments)]
+pub fn write_export_manifest(
+    staging: &Path,
+    config: &Config,
+    layout: &DataLayout,
+    step: u64,
+    model: &DenseModel,
+    meta: &ExportMeta,
+    parts: Vec<(String, FileEntry)>,
+    rows: u64,
+) -> Result<ExportManifest, TrainError> {
+    let dense_path = staging.join(DENSE);
+    let bytes = safetensors_bytes(&model.params.to_map(), &dense_path)?;
+    write_bytes_synced(&dense_path, &bytes)?;
+    let mut files: BTreeMap<String, FileEntry> = parts.into_iter().collect();
+    files.insert(
+        DENSE.to_string(),
+        FileEntry { bytes: bytes.len() as u64, xxh3: format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes)) },
+    );
     let manifest = ExportManifest {
         format: EXPORT_FORMAT.into(),
         step,
-        dim,
-        rows: count,
+        dim: model.width(),
+        rows,
         num_fields: layout.num_fields,
         num_dense: layout.num_dense,
         config: stored_config(config),
         files,
-        dtype: dtype.name().into(),
+        dtype: meta.dtype.unwrap_or(VectorType::F32).name().into(),
         base: meta.base.clone(),
         taken_unix_ms: meta.taken_unix_ms,
         stream: meta.stream.clone(),
@@ -338,16 +376,29 @@ impl ExportData {
                 TrainError::checkpoint(&dir.join(MANIFEST), format!("lists no {name}: not a whole export"))
             })
         };
-        let (dense, data) = (listed(DENSE)?, listed(EMBEDDINGS)?);
+        let dense = listed(DENSE)?;
         let dense_path = dir.join(DENSE);
         let tensors = candle_core::safetensors::load_buffer(&dense, &candle_core::Device::Cpu)
             .map_err(|e| TrainError::checkpoint(&dense_path, e.to_string()))?;
-        let emb_path = dir.join(EMBEDDINGS);
-        let (keys, vectors) =
-            parse_embeddings(&data, manifest.dim).map_err(|what| TrainError::checkpoint(&emb_path, what))?;
+        // `embeddings.bin`, or a cluster's parts (one a shard), in name order.
+        let mut parts: Vec<_> = contents.into_iter().filter(|(name, _)| holds_rows(name)).collect();
+        parts.sort_by(|a, b| a.0.cmp(b.0));
+        if parts.is_empty() {
+            return Err(TrainError::checkpoint(
+                &dir.join(MANIFEST),
+                format!("lists no {EMBEDDINGS} (nor a shard's part): not a whole export"),
+            ));
+        }
+        let (mut keys, mut vectors) = (Vec::new(), Vec::new());
+        for (name, data) in parts {
+            let (k, v) =
+                parse_embeddings(&data, manifest.dim).map_err(|what| TrainError::checkpoint(&dir.join(name), what))?;
+            keys.extend(k);
+            vectors.extend(v);
+        }
         if keys.len() as u64 != manifest.rows {
             return Err(TrainError::checkpoint(
-                &emb_path,
+                &dir.join(EMBEDDINGS),
                 format!("{} rows, the manifest says {}", keys.len(), manifest.rows),
             ));
         }
@@ -630,12 +681,10 @@ impl IncrementalExports {
         if next_digests.is_some() {
             self.digests = next_digests;
         }
-        let tmp = self.root.join(".LATEST.tmp");
-        write_bytes_synced(&tmp, format!("{name}\n").as_bytes())?;
-        std::fs::rename(&tmp, self.root.join("LATEST")).map_err(|e| TrainError::io(&self.root.join("LATEST"), e))?;
+        point_latest(&self.root, &name)?;
         if full {
             if let Some(older) = self.last_full.replace(name.clone()) {
-                self.remove_before(&older);
+                remove_exports_before(&self.root, &older);
             }
             self.since_full = 0;
         } else {
@@ -645,19 +694,26 @@ impl IncrementalExports {
         self.last_step = Some(trainer.step);
         Ok(Written::Done(dir))
     }
+}
 
-    /// Removes the exports older than `keep_from` (best effort: a failure
-    /// leaves a directory behind, never the model's chain broken).
-    fn remove_before(&self, keep_from: &str) {
-        let Ok(keep_from) = keep_from.parse::<u64>() else { return };
-        let Ok(entries) = std::fs::read_dir(&self.root) else { return };
-        for entry in entries.flatten() {
-            let name = entry.file_name().to_string_lossy().to_string();
-            if name.parse::<u64>().is_ok_and(|n| n < keep_from)
-                && let Err(e) = remove_export(&entry.path())
-            {
-                tracing::warn!("could not remove the old export {}: {e}", entry.path().display());
-            }
+/// Points `root/LATEST` at the export `name` (written aside, synced, renamed).
+pub fn point_latest(root: &Path, name: &str) -> Result<(), TrainError> {
+    let tmp = root.join(".LATEST.tmp");
+    write_bytes_synced(&tmp, format!("{name}\n").as_bytes())?;
+    std::fs::rename(&tmp, root.join("LATEST")).map_err(|e| TrainError::io(&root.join("LATEST"), e))
+}
+
+/// Removes the exports in `root` older than `keep_from` (best effort: a
+/// failure leaves a directory behind, never the model's chain broken).
+pub fn remove_exports_before(root: &Path, keep_from: &str) {
+    let Ok(keep_from) = keep_from.parse::<u64>() else { return };
+    let Ok(entries) = std::fs::read_dir(root) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().to_string();
+        if name.parse::<u64>().is_ok_and(|n| n < keep_from)
+            && let Err(e) = remove_export(&entry.path())
+        {
+            tracing::warn!("could not remove the old export {}: {e}", entry.path().display());
         }
     }
 }
@@ -665,7 +721,7 @@ impl IncrementalExports {
 /// Removes an export's own files (its manifest's, and the manifest), and
 /// its directory once empty; what someone else put there stays. An export
 /// whose manifest cannot be read is kept, with a warning.
-fn remove_export(dir: &Path) -> Result<(), TrainError> {
+pub fn remove_export(dir: &Path) -> Result<(), TrainError> {
     match read_manifest(dir) {
         Ok(m) => crate::new_dir::remove_written(dir, m.files.keys().map(String::as_str).chain([MANIFEST])),
         Err(e) => {
@@ -673,4 +729,32 @@ fn remove_export(dir: &Path) -> Result<(), TrainError> {
             Ok(())
         }
     }
+}
+
+/// A shard's rows in a cluster's serving export ([`write_rows_part`]).
+#[derive(Clone, Debug)]
+pub struct RowsPart {
+    /// The file's name in the export ([`part_name`]).
+    pub name: String,
+    pub entry: FileEntry,
+    pub rows: u64,
+    /// The table's clock when written: the next delta holds the rows used after it.
+    pub clock: u64,
+}
+
+/// Writes the rows of `table` used after clock `since` (every row: none)
+/// into `dir`/[`part_name`]`(index)`, stored as `dtype`: a shard's part of
+/// a cluster's serving export. The caller keeps updates out meanwhile.
+pub fn write_rows_part(
+    table: &sparrow_embedding::EmbeddingTable,
+    dir: &Path,
+    index: usize,
+    since: Option<u64>,
+    dtype: VectorType,
+) -> Result<RowsPart, TrainError> {
+    let clock = table.settled_clock();
+    let name = part_name(index);
+    let pages = row_pages(table, |_, last_use, _| since.is_none_or(|s| last_use > s));
+    let (entry, rows) = write_embeddings(&dir.join(&name), dtype, table.dim(), pages)?;
+    Ok(RowsPart { name, entry, rows, clock })
 }

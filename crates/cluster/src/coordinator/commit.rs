@@ -17,12 +17,16 @@ use sparrow_core::Config;
 
 use super::per_generation::{OtherGeneration, PerGeneration};
 use super::{Coordinator, Event};
-use crate::checkpoint::{ClusterExports, Committed, DataProgress, Pace, WorkerCut, staging_dir};
+use crate::checkpoint::{Committed, DataProgress, Pace, WorkerCut, staging_dir};
+use crate::exports::{ClusterExports, ExportPlan};
 use crate::faults;
 use crate::generation::Generation;
 use crate::lazy::BackupCut;
 use crate::rendezvous::{Parted, Rendezvous};
-use crate::transport::{ClusterError, PartWritten};
+use crate::transport::{ClusterError, PartRequest, PartWritten};
+use sparrow_core::batch::StreamMark;
+use sparrow_trainer::export::RowsPart;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 
 pub struct Commits {
     meet: Rendezvous<WorkerCut, Committed>,
@@ -32,8 +36,11 @@ pub struct Commits {
     /// checkpoints' positions), from its restored checkpoint on; an error
     /// if that checkpoint could not be read.
     progress: PerGeneration<Result<DataProgress, String>>,
-    /// `checkpoint.export_every_steps`: serving exports of committed versions.
+    /// Serving exports (`checkpoint.export_every_steps`, `export_every_secs`).
     exports: OrderedMutex<Option<ClusterExports>>,
+    /// A meeting for an export alone added trained batches to `progress`:
+    /// the next checkpoint records them.
+    unsaved_progress: AtomicBool,
 }
 
 impl Commits {
@@ -43,6 +50,7 @@ impl Commits {
             pace: Pace::new(config),
             progress: PerGeneration::new(generation, progress_from(generation, restore)),
             exports: OrderedMutex::new(Rank::Leaf, "commits.exports", ClusterExports::new(config)),
+            unsaved_progress: AtomicBool::new(false),
         }
     }
 
@@ -86,13 +94,13 @@ fn progress_from(generation: Generation, restore: Option<&Path>) -> Result<DataP
 }
 
 impl Coordinator {
-    /// A worker at a checkpoint step: returns the committed version once every
-    /// worker reached the step and every shard wrote its part.
+    /// A worker at a meeting step: returns the committed version once every
+    /// worker reached the step and every shard wrote its part (or, at a
+    /// meeting for a serving export alone, the last checkpoint before it).
     pub fn checkpoint(&self, cut: WorkerCut) -> Result<Committed, ClusterError> {
         let (generation, step, worker) = (cut.generation, cut.step, cut.worker);
         let close = |cuts: Vec<WorkerCut>| {
-            let outcome = self.commit(&cuts).map_err(|e| e.to_string());
-            let outcome = outcome.map(|(dir, next_step)| Committed { dir, next_step });
+            let outcome = self.commit(&cuts, false).map_err(|e| e.to_string());
             if let Err(e) = &outcome {
                 tracing::error!("checkpoint at step {step}: {e}");
             }
@@ -106,9 +114,11 @@ impl Coordinator {
         })
     }
 
-    /// Writes and commits the checkpoint the workers' `cuts` describe.
-    /// Returns the version, and the step of the next timed checkpoint.
-    pub(super) fn commit(&self, cuts: &[WorkerCut]) -> Result<(PathBuf, Option<u64>), ClusterError> {
+    /// The cut the workers' `cuts` describe: a checkpoint (always with
+    /// `checkpoint`), a serving export, or both, every shard writing its
+    /// parts in one cut. Returns the version, and the step of the next
+    /// timed meeting.
+    pub(super) fn commit(&self, cuts: &[WorkerCut], checkpoint: bool) -> Result<Committed, ClusterError> {
         let start = Instant::now();
         let first = &cuts[0];
         let (generation, step) = (first.generation, first.step);
@@ -120,60 +130,115 @@ impl Coordinator {
         std::fs::create_dir_all(&staging)
             .map_err(|e| ClusterError::Io { what: format!("creating {}", staging.display()), source: e })?;
         let shards = dialer.dial(&self.members.view(generation).shards)?;
+        let (committed, deltas_since_full) = self.generations.committed();
+        let pace = &self.commits.pace;
+        // A meeting one off the named step is the job's last, or the first after a recovery.
+        let named = pace.named(step);
+        let last = cuts.iter().any(|c| c.last) || !named;
+        let on_steps = crate::checkpoint::checkpoint_every(&self.config).is_some_and(|e| step.is_multiple_of(e.max(1)));
+        // Only a timed meeting on schedule may write an export alone.
+        let checkpoint =
+            checkpoint || committed.is_none() || !pace.timed() || last || on_steps || pace.checkpoint_due();
+        let mut plan =
+            self.commits.exports.lock().as_mut().and_then(|e| e.due(step, generation, named, last, self.num_shards));
+        if let Some(Err(e)) = plan.as_ref().map(ExportPlan::prepare) {
+            tracing::warn!("step {step}: no serving export: {e}");
+            self.export_failed(plan.take());
+        }
         // Incremental on the last commit when it has a part per shard and
         // the full version is not due.
-        let (committed, deltas_since_full) = self.generations.committed();
         let incremental =
             self.config.checkpoint.incremental && deltas_since_full + 1 < self.config.checkpoint.full_every;
-        let (base, since) = match (committed, incremental) {
-            (Some((dir, _)), true) => match sparrow_trainer::checkpoint::read_manifest(&dir) {
+        let (base, since) = match (&committed, incremental && checkpoint) {
+            (Some((dir, _)), true) => match sparrow_trainer::checkpoint::read_manifest(dir) {
                 Ok(m) if m.parts.len() == self.num_shards => {
-                    (Some(dir), m.parts.iter().map(|p| Some(p.clock)).collect::<Vec<_>>())
+                    (Some(dir.clone()), m.parts.iter().map(|p| Some(p.clock)).collect::<Vec<_>>())
                 }
                 _ => (None, vec![None; self.num_shards]),
             },
             _ => (None, vec![None; self.num_shards]),
         };
-        let written: Vec<PartWritten> = std::thread::scope(|scope| {
+        let requests: Vec<PartRequest> = (0..shards.len())
+            .map(|i| PartRequest {
+                checkpoint: checkpoint.then(|| staging.clone()),
+                since: since.get(i).copied().flatten(),
+                export: plan.as_ref().map(|p| p.request(i)),
+            })
+            .collect();
+        let written: Result<Vec<PartWritten>, ClusterError> = std::thread::scope(|scope| {
             let handles: Vec<_> = shards
                 .iter()
-                .enumerate()
-                .map(|(i, shard)| {
-                    let (staging, since) = (&staging, since[i]);
-                    scope.spawn(move || shard.write_part(generation, staging, since))
-                })
+                .zip(&requests)
+                .map(|(shard, request)| scope.spawn(move || shard.write_part(generation, request)))
                 .collect();
             handles
                 .into_iter()
                 .map(|h| h.join().unwrap_or_else(|_| Err(ClusterError::Setup("a part writer panicked".into()))))
-                .collect::<Result<Vec<_>, _>>()
-        })?;
-        let progress = match cuts.iter().any(|c| !c.trained.is_empty()) {
+                .collect()
+        });
+        let written = match written {
+            Ok(written) => written,
+            Err(e) => {
+                self.export_failed(plan);
+                return Err(e);
+            }
+        };
+        let trained = cuts.iter().any(|c| !c.trained.is_empty());
+        let progress = match trained || (checkpoint && self.commits.unsaved_progress.load(Relaxed)) {
             true => Some(self.commits.data_progress(generation, cuts)?),
             false => None,
         };
-        let manifest =
-            crate::checkpoint::manifest(&self.config, cuts, &written, base.as_deref(), &staging, progress.as_ref())?;
+        let mark = crate::checkpoint::resume_point(cuts, progress.as_ref()).2;
+        let (dir, dense_dir) = if checkpoint {
+            let dir =
+                self.commit_checkpoint(cuts, &written, base.as_deref(), &root, &staging, progress.as_ref(), start)?;
+            self.commits.unsaved_progress.store(false, Relaxed);
+            (dir.clone(), dir)
+        } else {
+            // A checkpoint was committed before (else this meeting would be one).
+            let (dir, _) =
+                committed.ok_or_else(|| ClusterError::Setup("an export's cut before any checkpoint".into()))?;
+            self.commits.unsaved_progress.fetch_or(trained, Relaxed);
+            (dir, staging.clone())
+        };
+        if let Some(plan) = plan {
+            self.land_export(plan, &written, &dense_dir, mark);
+        }
+        if !checkpoint {
+            // Worker 0's dense weights, read for the export: the cut leaves no version.
+            let _ = std::fs::remove_dir_all(&staging);
+        }
+        let (next_step, _) = pace.committed(step);
+        Ok(Committed { dir, next_step, checkpoint })
+    }
+
+    /// Checks and commits a checkpoint whose parts are written.
+    #[allow(clippy::too_many_arguments)]
+    fn commit_checkpoint(
+        &self,
+        cuts: &[WorkerCut],
+        written: &[PartWritten],
+        base: Option<&Path>,
+        root: &Path,
+        staging: &Path,
+        progress: Option<&DataProgress>,
+        start: Instant,
+    ) -> Result<PathBuf, ClusterError> {
+        let step = cuts[0].step;
+        let manifest = crate::checkpoint::manifest(&self.config, cuts, written, base, staging, progress)?;
         faults::point("coordinator.commit");
-        let dir = sparrow_trainer::checkpoint::commit(&root, &staging, &manifest, self.config.checkpoint.keep)?;
+        let dir = sparrow_trainer::checkpoint::commit(root, staging, &manifest, self.config.checkpoint.keep)?;
         let bytes: u64 = manifest.files.values().map(|f| f.bytes).sum();
         let secs = start.elapsed().as_secs_f64();
         let shard_mb_per_sec: Vec<f64> = written
             .iter()
-            .map(|w| w.written.files.iter().map(|(_, b)| *b).sum::<u64>() as f64 / 1e6 / w.secs.max(1e-9))
+            .map(|w| {
+                let bytes = w.written.as_ref().map_or(0, |p| p.files.iter().map(|(_, b)| *b).sum::<u64>());
+                bytes as f64 / 1e6 / w.secs.max(1e-9)
+            })
             .collect();
         self.generations.record_commit(dir.clone(), step, base.is_some());
-        let (next_step, on_schedule) = self.commits.pace.committed(step);
-        let every = crate::checkpoint::checkpoint_every(&self.config);
-        let every = if every.is_none() && !self.commits.pace.timed() { Some(step.max(1)) } else { every };
-        let due = self.commits.exports.lock().as_mut().and_then(|e| e.committed(&dir, step, every, !on_schedule));
-        // Started outside the lock: it may wait for the export before.
-        if let Some(due) = due {
-            let writing = due.start();
-            if let Some(exports) = self.commits.exports.lock().as_mut() {
-                exports.started(writing);
-            }
-        }
+        self.commits.pace.checkpointed();
         tracing::info!(
             "checkpoint at step {step} committed: {} ({bytes} bytes{}, {secs:.3} s)",
             dir.display(),
@@ -187,16 +252,43 @@ impl Coordinator {
             incremental: base.is_some(),
             shard_mb_per_sec,
         });
-        Ok((dir, next_step))
+        Ok(dir)
     }
 
-    /// Waits for the serving export being written, if any (the job's end).
-    pub fn finish_exports(&self) {
-        let writing = self.commits.exports.lock().as_mut().and_then(ClusterExports::take_pending);
-        if let Some(writing) = writing {
-            let exporter = ClusterExports::wait(writing);
+    /// Puts a serving export in place once the shards wrote their parts
+    /// (a failure is a warning, and the next export is full: training goes on).
+    fn land_export(&self, plan: ExportPlan, written: &[PartWritten], dense_dir: &Path, mark: Option<StreamMark>) {
+        let start = Instant::now();
+        let parts: Option<Vec<RowsPart>> = written.iter().map(|w| w.export.clone()).collect();
+        let parts = parts.ok_or_else(|| ClusterError::Setup("a shard wrote no part of the export".into()));
+        match parts.and_then(|parts| plan.complete(&self.config, dense_dir, &parts, mark).map(|dir| (dir, parts))) {
+            Ok((dir, parts)) => {
+                let older = self.commits.exports.lock().as_mut().and_then(|e| e.landed(&plan, &parts));
+                if let Some(older) = older {
+                    plan.prune(&older);
+                }
+                tracing::info!(
+                    "step {}: serving export {} ({} rows{}, {:.3} s)",
+                    plan.step(),
+                    dir.display(),
+                    parts.iter().map(|p| p.rows).sum::<u64>(),
+                    if plan.full() { ", full" } else { "" },
+                    start.elapsed().as_secs_f64()
+                );
+            }
+            Err(e) => {
+                tracing::warn!("step {}: the serving export was not written: {e}", plan.step());
+                self.export_failed(Some(plan));
+            }
+        }
+    }
+
+    /// An export that was not written: its staging goes, the next is full.
+    fn export_failed(&self, plan: Option<ExportPlan>) {
+        if let Some(plan) = plan {
+            plan.abandon();
             if let Some(exports) = self.commits.exports.lock().as_mut() {
-                exports.finished(exporter);
+                exports.failed();
             }
         }
     }
@@ -222,8 +314,9 @@ impl Coordinator {
             wrote_dense: true,
             trained: Vec::new(),
             stream: None,
+            last: false,
         };
-        self.commit(&[worker_cut]).map(|(dir, _)| dir)
+        self.commit(&[worker_cut], true).map(|c| c.dir)
     }
 
     /// Writes backup `number` as a serving export under

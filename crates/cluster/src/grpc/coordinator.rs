@@ -229,12 +229,14 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
                 })
                 .collect(),
             stream: r.stream.map(mark_from),
+            last: r.last,
         };
         let coordinator = self.coordinator.clone();
         let committed = blocking(move || coordinator.checkpoint(cut)).await?;
         Ok(Response::new(pb::CheckpointReply {
             committed: committed.dir.display().to_string(),
             next_step: committed.next_step,
+            export_only: !committed.checkpoint,
         }))
     }
 
@@ -717,10 +719,15 @@ impl CheckpointSink for CoordinatorClient {
                 })
                 .collect(),
             stream: cut.stream.as_ref().map(mark_to_proto),
+            last: cut.last,
         };
         // Writing every part takes as long as the table is large: no RPC deadline.
         let reply = self.peer.call_unbounded("checkpoint", request, |mut c, r| async move { c.checkpoint(r).await })?;
-        Ok(crate::checkpoint::Committed { dir: std::path::PathBuf::from(reply.committed), next_step: reply.next_step })
+        Ok(crate::checkpoint::Committed {
+            dir: std::path::PathBuf::from(reply.committed),
+            next_step: reply.next_step,
+            checkpoint: !reply.export_only,
+        })
     }
 }
 

@@ -17,7 +17,9 @@ use crate::generation::Generation;
 use crate::messages::{Mode, SecondLevelStats};
 use crate::metrics::RoleMetrics;
 use crate::shard::ShardServer;
-use crate::transport::{ClusterError, ExportPage, PartWritten, PassStaging, Serving, ShardReport, ShardService};
+use crate::transport::{
+    ClusterError, ExportPage, PartRequest, PartWritten, PassStaging, Serving, ShardReport, ShardService,
+};
 use sparrow_embedding::{EmbeddingDtype, FilterStats, RowFormat, Simd, TierStats};
 
 /// A pull reply: the vectors as the shard's table stores them (half the
@@ -144,28 +146,39 @@ impl pb::shard_server::Shard for ShardGrpc {
     async fn write_part(&self, request: Request<pb::WritePartRequest>) -> Result<Response<pb::WritePartReply>, Status> {
         let r = request.into_inner();
         let shard = self.shard()?;
-        let since = r.has_since.then_some(r.since);
-        let p =
-            blocking(move || shard.write_part(Generation(r.generation), std::path::Path::new(&r.dir), since)).await?;
-        let part = &p.written.part;
-        Ok(Response::new(pb::WritePartReply {
-            embeddings: part.embeddings.clone(),
-            filters: part.filters.clone().unwrap_or_default(),
-            rows: part.rows,
-            clock: part.clock,
-            files: p
-                .written
-                .files
-                .iter()
-                .map(|(name, bytes)| pb::PartFile { name: name.clone(), bytes: *bytes })
-                .collect(),
+        let part_request = PartRequest {
+            checkpoint: (!r.no_checkpoint).then(|| std::path::PathBuf::from(&r.dir)),
+            since: r.has_since.then_some(r.since),
+            export: (!r.export_dir.is_empty())
+                .then(|| (std::path::PathBuf::from(&r.export_dir), r.has_export_since.then_some(r.export_since))),
+        };
+        let p = blocking(move || shard.write_part(Generation(r.generation), &part_request)).await?;
+        let mut reply = pb::WritePartReply {
             secs: p.secs,
             dim: p.dim as u32,
             row_len: p.row_len as u32,
             total_rows: p.total_rows,
-            event_ticks: part.event_clock.iter().map(|e| e.0).collect(),
-            event_secs: part.event_clock.iter().map(|e| e.1).collect(),
-        }))
+            export: p.export.map(|e| pb::ExportPart {
+                name: e.name,
+                bytes: e.entry.bytes,
+                xxh3: e.entry.xxh3,
+                rows: e.rows,
+                clock: e.clock,
+            }),
+            ..Default::default()
+        };
+        if let Some(written) = &p.written {
+            let part = &written.part;
+            reply.embeddings = part.embeddings.clone();
+            reply.filters = part.filters.clone().unwrap_or_default();
+            reply.rows = part.rows;
+            reply.clock = part.clock;
+            reply.files =
+                written.files.iter().map(|(name, bytes)| pb::PartFile { name: name.clone(), bytes: *bytes }).collect();
+            reply.event_ticks = part.event_clock.iter().map(|e| e.0).collect();
+            reply.event_secs = part.event_clock.iter().map(|e| e.1).collect();
+        }
+        Ok(Response::new(reply))
     }
 
     async fn stats(&self, _: Request<pb::Empty>) -> Result<Response<pb::ShardStats>, Status> {
@@ -388,42 +401,65 @@ impl ShardService for ShardClient {
         export_page_from_proto(reply, &self.peer.name)
     }
 
-    fn write_part(
-        &self,
-        generation: Generation,
-        dir: &std::path::Path,
-        since: Option<u64>,
-    ) -> Result<PartWritten, ClusterError> {
-        let request = pb::WritePartRequest {
+    fn write_part(&self, generation: Generation, request: &PartRequest) -> Result<PartWritten, ClusterError> {
+        let (export_dir, export_since) = request.export.clone().unzip();
+        let export_since = export_since.flatten();
+        let pb_request = pb::WritePartRequest {
             generation: generation.number(),
-            dir: dir.display().to_string(),
-            has_since: since.is_some(),
-            since: since.unwrap_or(0),
+            dir: request.checkpoint.as_ref().map(|d| d.display().to_string()).unwrap_or_default(),
+            has_since: request.since.is_some(),
+            since: request.since.unwrap_or(0),
+            no_checkpoint: request.checkpoint.is_none(),
+            export_dir: export_dir.map(|d| d.display().to_string()).unwrap_or_default(),
+            has_export_since: export_since.is_some(),
+            export_since: export_since.unwrap_or(0),
         };
-        let r = self.peer.call_unbounded("write_part", request, |mut c, r| async move { c.write_part(r).await })?;
-        let part = sparrow_trainer::checkpoint::Part {
-            embeddings: r.embeddings,
-            filters: (!r.filters.is_empty()).then_some(r.filters),
-            rows: r.rows,
-            clock: r.clock,
-            since,
-            event_clock: r.event_ticks.into_iter().zip(r.event_secs).collect(),
-        };
+        let r = self.peer.call_unbounded("write_part", pb_request, |mut c, r| async move { c.write_part(r).await })?;
         // File names come back into a path under the checkpoint directory: plain names only.
-        let names = std::iter::once(&part.embeddings).chain(part.filters.iter()).chain(r.files.iter().map(|f| &f.name));
-        for name in names {
+        let plain = |name: &String| {
             if name.is_empty() || name.contains('/') || name.contains("..") {
                 return Err(ClusterError::Malformed {
                     peer: self.peer.name.clone(),
                     what: format!("part file name `{name}`"),
                 });
             }
-        }
+            Ok(())
+        };
+        let written = match request.checkpoint {
+            Some(_) => {
+                let part = sparrow_trainer::checkpoint::Part {
+                    embeddings: r.embeddings,
+                    filters: (!r.filters.is_empty()).then_some(r.filters),
+                    rows: r.rows,
+                    clock: r.clock,
+                    since: request.since,
+                    event_clock: r.event_ticks.into_iter().zip(r.event_secs).collect(),
+                };
+                let mut names =
+                    std::iter::once(&part.embeddings).chain(part.filters.iter()).chain(r.files.iter().map(|f| &f.name));
+                names.try_for_each(plain)?;
+                let files = r.files.into_iter().map(|f| (f.name, f.bytes)).collect();
+                Some(sparrow_trainer::checkpoint::WrittenPart { part, files })
+            }
+            None => None,
+        };
+        let export = match (&request.export, r.export) {
+            (None, _) => None,
+            (Some(_), None) => {
+                return Err(ClusterError::Malformed {
+                    peer: self.peer.name.clone(),
+                    what: "a reply without the serving export's part it was asked for".into(),
+                });
+            }
+            (Some(_), Some(e)) => {
+                plain(&e.name)?;
+                let entry = sparrow_trainer::checkpoint::FileEntry { bytes: e.bytes, xxh3: e.xxh3 };
+                Some(sparrow_trainer::export::RowsPart { name: e.name, entry, rows: e.rows, clock: e.clock })
+            }
+        };
         Ok(PartWritten {
-            written: sparrow_trainer::checkpoint::WrittenPart {
-                part,
-                files: r.files.into_iter().map(|f| (f.name, f.bytes)).collect(),
-            },
+            written,
+            export,
             secs: r.secs,
             dim: r.dim as usize,
             row_len: r.row_len as usize,

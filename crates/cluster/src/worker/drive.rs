@@ -190,8 +190,8 @@ impl Worker {
             feed.close().and(flushed)
         })?;
         policy.finish(self)?;
-        let end = self.checkpoints.as_ref().is_some_and(|c| self.job_step() > c.last_step);
-        if end { self.checkpoint_now() } else { Ok(()) }
+        let end = self.checkpoints.as_ref().is_some_and(|c| self.job_step() > c.last_step || c.export_only);
+        if end { self.checkpoint_now(true) } else { Ok(()) }
     }
 
     /// Where this worker stands, for its observers.
@@ -219,7 +219,7 @@ impl Worker {
     pub(super) fn checkpoint_if_due(&mut self, unpushed: &mut Unpushed<'_, '_>) -> Result<(), ClusterError> {
         if self.checkpoint_due() {
             unpushed.push_all(self)?;
-            self.checkpoint_now()?;
+            self.checkpoint_now(false)?;
         }
         Ok(())
     }
