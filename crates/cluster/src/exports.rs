@@ -100,7 +100,9 @@ impl ClusterExports {
         let by_time = self
             .every_secs
             .is_some_and(|s| (timed && self.each_meeting) || self.last_time.is_none_or(|t| t.elapsed().as_secs() >= s));
-        if !(by_steps || by_time || last) {
+        let again = self.previous.as_ref().is_some_and(|p| p.generation == generation && p.name == format!("{step:012}"));
+        if !(by_steps || by_time || last) || again {
+            // (Again: the job's end met at the step an export was just taken at, the same model.)
             return None;
         }
         self.last_time = Some(Instant::now());
@@ -238,5 +240,41 @@ impl ExportPlan {
     /// Whether this export holds every row.
     pub fn full(&self) -> bool {
         self.base.is_none()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sparrow_trainer::checkpoint::FileEntry;
+
+    fn part(clock: u64) -> RowsPart {
+        RowsPart { name: String::new(), entry: FileEntry { bytes: 0, xxh3: String::new() }, rows: 0, clock }
+    }
+
+    /// The first export is full; the next builds on it from each shard's
+    /// clock; another generation, every `full_every`-th (here 2nd) and a failure make
+    /// it full again; the job's end at the step just exported writes none
+    /// (it would name itself as its base).
+    #[test]
+    fn exports_build_on_the_last_within_a_generation() {
+        let text = "[checkpoint]\ndir = \"c\"\nexport_every_steps = 1\nfull_every = 2\n";
+        let config = Config::from_toml(text, "t", &Default::default()).expect("config");
+        let mut exports = ClusterExports::new(&config).expect("exports");
+        let (g1, g2) = (Generation(1), Generation(2));
+        let first = exports.due(1, g1, true, false, 2).expect("due");
+        assert!(first.full() && first.request(0).1.is_none());
+        assert_eq!(exports.landed(&first, &[part(10), part(20)]), None);
+        assert!(exports.due(1, g1, false, true, 2).is_none(), "the same step again");
+        let second = exports.due(2, g1, true, false, 2).expect("due");
+        assert_eq!((second.request(0).1, second.request(1).1), (Some(10), Some(20)));
+        assert_eq!(second.base.as_deref(), Some("000000000001"));
+        exports.landed(&second, &[part(11), part(21)]);
+        let third = exports.due(3, g1, true, false, 2).expect("due");
+        assert!(third.full(), "every second is full");
+        assert_eq!(exports.landed(&third, &[part(12), part(22)]).as_deref(), Some("000000000001"));
+        assert!(exports.due(4, g2, true, false, 2).expect("due").full(), "another generation");
+        exports.failed();
+        assert!(exports.due(5, g1, true, false, 2).expect("due").full(), "after a failure");
     }
 }
