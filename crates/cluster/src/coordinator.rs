@@ -39,6 +39,7 @@ mod hub;
 mod membership;
 mod per_generation;
 
+use crate::restart_budget::RestartBudget;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -349,15 +350,10 @@ impl Coordinator {
         if self.state() != JobState::Running || !self.members.vacate(role, pid) {
             return;
         }
-        let max = self.config.cluster.max_restarts;
-        let count = self.generations.count_restart(role);
         let what = format!("{role} {reason}");
-        if count > max {
-            self.fail(format!(
-                "{what}; it was restarted {} time(s) already (cluster.max_restarts = {max}): the last committed \
-                 checkpoint is intact",
-                count - 1
-            ));
+        let counted = self.generations.count_restart(role, || RestartBudget::new(&self.config));
+        if let Err(spent) = counted {
+            self.fail(format!("{what}; {spent}: the last committed checkpoint is intact"));
             return;
         }
         self.start_generation(what);

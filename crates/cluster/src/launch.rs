@@ -363,7 +363,7 @@ pub fn launch(
         a
     };
     let mut events = Events::default();
-    let max_restarts = config.cluster.max_restarts;
+    let mut budgets = vec![crate::restart_budget::RestartBudget::new(config); children.list.len()];
     let loader = children.list.iter().position(|r| r.kind == "loader");
     let mut ending = false;
 
@@ -398,16 +398,18 @@ pub fn launch(
             if interrupted.load(Ordering::SeqCst) {
                 return Err(ClusterError::Interrupted);
             }
-            if !died(status) || r.restarts >= max_restarts {
+            let spent = if died(status) { budgets[i].spend(Instant::now()).err() } else { None };
+            if !died(status) || spent.is_some() {
                 // Let the others report what they saw (a worker names the shard it lost).
                 std::thread::sleep(Duration::from_millis(300));
                 children.poll();
                 let mut message = children.describe_failure(i);
                 if died(status) {
                     message.push_str(&format!(
-                        "\n  {} died {} time(s): cluster.max_restarts = {max_restarts} is spent{}",
+                        "\n  {} died {} time(s): {}{}",
                         children.list[i].name,
                         children.list[i].restarts + 1,
+                        budgets[i].spent(spent.unwrap_or_default()),
                         events
                             .last_committed
                             .as_ref()

@@ -36,6 +36,7 @@ pub mod messages;
 pub mod metrics;
 pub mod net;
 pub mod rendezvous;
+pub mod restart_budget;
 pub mod roles;
 pub mod rounds;
 pub mod second_level;

@@ -25,6 +25,8 @@ struct Recovery {
     /// Incremental checkpoints since the last full one.
     deltas_since_full: u64,
     restarts: HashMap<RoleId, u32>,
+    /// Each role's restarts within `cluster.restart_window_secs`.
+    budgets: HashMap<RoleId, crate::restart_budget::RestartBudget>,
     /// The highest step a worker reported in the current generation.
     high_step: u64,
     /// Generations given up → the step up to which their replayed steps
@@ -86,6 +88,7 @@ impl Generations {
                     committed: None,
                     deltas_since_full: 0,
                     restarts: HashMap::new(),
+                    budgets: HashMap::new(),
                     high_step: 0,
                     counted_to: BTreeMap::new(),
                     noticed: None,
@@ -112,12 +115,17 @@ impl Generations {
         }
     }
 
-    /// Counts a restart of `role`: its number, 1 for the first.
-    pub fn count_restart(&self, role: RoleId) -> u32 {
+    /// Counts a restart of `role` against its budget (`fresh` for a
+    /// role's first): an error saying how it is spent.
+    pub fn count_restart(
+        &self,
+        role: RoleId,
+        fresh: impl FnOnce() -> crate::restart_budget::RestartBudget,
+    ) -> Result<(), String> {
         let mut r = self.recovery.lock();
-        let count = r.restarts.entry(role).or_insert(0);
-        *count += 1;
-        *count
+        *r.restarts.entry(role).or_insert(0) += 1;
+        let budget = r.budgets.entry(role).or_insert_with(fresh);
+        budget.spend(Instant::now()).map_err(|spent| budget.spent(spent))
     }
 
     /// Starts the next generation: every role goes back to the last

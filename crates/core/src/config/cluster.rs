@@ -76,10 +76,14 @@ pub struct ClusterConfig {
     /// see `max_restarts`): a live heartbeat must not hide a hung role.
     pub progress_timeout_ms: u64,
     /// `sparrow launch` (and the coordinator of a multi-host job) restarts a
-    /// role that died or stopped answering at most this many times per role;
-    /// every role then goes back to the last committed checkpoint. 0: a dead
-    /// role stops the job.
+    /// role that died or stopped answering at most this many times per role
+    /// within `restart_window_secs`; every role then goes back to the last
+    /// committed checkpoint. 0: a dead role stops the job.
     pub max_restarts: u32,
+    /// The window `max_restarts` counts a role's restarts in (sliding): a
+    /// job that runs for days survives a death now and then, a role that
+    /// keeps dying still fails it. 0: over the job's whole life.
+    pub restart_window_secs: u64,
     /// How the workers' dense replicas agree (S0.6, S2, S4).
     pub sync: SyncMode,
     /// `sync = "round"`: items (batches) per worker per round; a round's
@@ -237,6 +241,7 @@ impl Default for ClusterConfig {
             loader_queue_batches: 4,
             progress_timeout_ms: 300_000,
             max_restarts: 3,
+            restart_window_secs: 3600,
             sync: SyncMode::Step,
             round_iterations: 4,
             round_merge: RoundMergeRule::Mean,
