@@ -331,6 +331,9 @@ pub struct Pace {
     last_step: std::sync::atomic::AtomicU64,
     last_nanos: std::sync::atomic::AtomicU64,
     expected: std::sync::atomic::AtomicU64,
+    /// Steps between the last two meetings named (0: none yet): the next
+    /// is at most twice it and at least half.
+    interval: std::sync::atomic::AtomicU64,
     /// When (ns after `started`) the last checkpoint was committed.
     checkpoint_nanos: std::sync::atomic::AtomicU64,
 }
@@ -345,6 +348,7 @@ impl Pace {
             last_step: Default::default(),
             last_nanos: Default::default(),
             expected: std::sync::atomic::AtomicU64::new(1),
+            interval: Default::default(),
             checkpoint_nanos: Default::default(),
         }
     }
@@ -393,10 +397,19 @@ impl Pace {
         let (last_step, last_nanos) = (self.last_step.swap(step, Relaxed), self.last_nanos.swap(nanos, Relaxed));
         let next = if step <= last_step || nanos <= last_nanos {
             // After a recovery the steps start over from the restored one: measure anew.
+            self.interval.store(0, Relaxed);
             step + 1
         } else {
             let per_sec = (step - last_step) as f64 / ((nanos - last_nanos) as f64 / 1e9);
-            step + ((per_sec * every as f64).round() as u64).clamp(1, 1 << 40)
+            let mut steps = ((per_sec * every as f64).round() as u64).clamp(1, 1 << 40);
+            // One interval's pace is noisy (a backlog after a slow meeting
+            // runs fast): the interval changes by at most a factor of two.
+            let before = self.interval.load(Relaxed);
+            if before > 0 {
+                steps = steps.clamp(before.div_ceil(2), before.saturating_mul(2));
+            }
+            self.interval.store(steps, Relaxed);
+            step + steps
         };
         let on_schedule = self.expected.swap(next, Relaxed) == step;
         (Some(next), on_schedule)
@@ -430,6 +443,12 @@ mod tests {
         let (_, on_schedule) = pace.committed(next.expect("next") + 3);
         assert!(!on_schedule, "off the named step: the job's last");
         assert_eq!(pace.committed(1).0, Some(2), "after a recovery");
+        // Meetings a moment apart measure a huge pace: the interval at most doubles.
+        let (second, _) = pace.committed(2);
+        assert!(second.is_some_and(|n| n > 3), "{second:?}");
+        let first = second.expect("named") - 2;
+        let (third, _) = pace.committed(4);
+        assert_eq!(third, Some(4 + 2 * first), "at most twice the interval before");
         let untimed = Pace::new(&Config::default());
         assert_eq!(untimed.committed(10), (None, true));
         // export_every_secs alone times the checkpoints too; a step cadence wins over it.
