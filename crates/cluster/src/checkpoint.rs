@@ -401,19 +401,21 @@ impl Pace {
             step + 1
         } else {
             let per_sec = (step - last_step) as f64 / ((nanos - last_nanos) as f64 / 1e9);
-            let mut steps = ((per_sec * every as f64).round() as u64).clamp(1, 1 << 40);
-            // One interval's pace is noisy (a backlog after a slow meeting
-            // runs fast): the interval changes by at most a factor of two.
-            let before = self.interval.load(Relaxed);
-            if before > 0 {
-                steps = steps.clamp(before.div_ceil(2), before.saturating_mul(2));
-            }
+            let measured = ((per_sec * every as f64).round() as u64).clamp(1, 1 << 40);
+            let steps = bounded_interval(measured, self.interval.load(Relaxed));
             self.interval.store(steps, Relaxed);
             step + steps
         };
         let on_schedule = self.expected.swap(next, Relaxed) == step;
         (Some(next), on_schedule)
     }
+}
+
+/// The steps to the next meeting: as `measured`, but one interval's pace
+/// is noisy (a backlog worked off after a slow meeting runs fast), so at
+/// most twice and at least half the interval `before` (0: none yet).
+fn bounded_interval(measured: u64, before: u64) -> u64 {
+    if before == 0 { measured } else { measured.clamp(before.div_ceil(2), before.saturating_mul(2)) }
 }
 
 #[cfg(test)]
@@ -447,8 +449,11 @@ mod tests {
         let (second, _) = pace.committed(2);
         assert!(second.is_some_and(|n| n > 3), "{second:?}");
         let first = second.expect("named") - 2;
-        let (third, _) = pace.committed(4);
-        assert_eq!(third, Some(4 + 2 * first), "at most twice the interval before");
+        let third = pace.committed(4).0.expect("named") - 4;
+        assert!(third <= 2 * first && third >= first / 2, "{third} steps after {first}: a factor of two at most");
+        assert_eq!(bounded_interval(20, 2), 4, "a backlog's pace: twice the interval before");
+        assert_eq!(bounded_interval(1, 9), 5, "half, rounded up");
+        assert_eq!((bounded_interval(7, 5), bounded_interval(7, 0)), (7, 7));
         let untimed = Pace::new(&Config::default());
         assert_eq!(untimed.committed(10), (None, true));
         // export_every_secs alone times the checkpoints too; a step cadence wins over it.

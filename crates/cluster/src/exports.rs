@@ -169,7 +169,7 @@ impl ExportPlan {
     /// weights from `dense_dir` (the cut's, as worker 0 wrote them), each
     /// part checked against the size and checksum its shard reported, the
     /// manifest, the directory renamed to its name, `LATEST` moved.
-    pub fn complete(
+    pub fn put_in_place(
         &self,
         config: &Config,
         dense_dir: &Path,

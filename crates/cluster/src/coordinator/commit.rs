@@ -261,7 +261,7 @@ impl Coordinator {
         let start = Instant::now();
         let parts: Option<Vec<RowsPart>> = written.iter().map(|w| w.export.clone()).collect();
         let parts = parts.ok_or_else(|| ClusterError::Setup("a shard wrote no part of the export".into()));
-        match parts.and_then(|parts| plan.complete(&self.config, dense_dir, &parts, mark).map(|dir| (dir, parts))) {
+        match parts.and_then(|parts| plan.put_in_place(&self.config, dense_dir, &parts, mark).map(|dir| (dir, parts))) {
             Ok((dir, parts)) => {
                 let older = self.commits.exports.lock().as_mut().and_then(|e| e.landed(&plan, &parts));
                 if let Some(older) = older {
