@@ -409,6 +409,14 @@ fn a_role_whose_coordinator_is_gone_stops_after_trying_to_rejoin() {
     assert!(text.contains("trying to rejoin") && text.contains("giving up"), "{text}");
 }
 
+/// `sparrow predict FLAG MODEL` on `dir/data/test.tsv` into `out`: the predictions.
+fn predict_with(dir: &Path, flag: &str, model: &str, out: &str) -> String {
+    let test = dir.join("data/test.tsv").display().to_string();
+    let o = sparrow().args(["predict", flag, model, "--data", &test, "--out", out]).output().expect("predict");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::read_to_string(out).expect("predictions")
+}
+
 /// `checkpoint.export_every_secs` below `every_secs` in `launch`: between
 /// checkpoints the workers meet for an export alone. Each shard writes the
 /// rows used since the export before into a file of its own, the
@@ -464,12 +472,7 @@ fn launch_exports_between_checkpoints_from_each_shards_changed_rows() {
         assert_eq!(files, ["dense.safetensors", "embeddings-0000.bin", "embeddings-0001.bin"], "one file a shard");
     }
     assert!(deltas >= 1, "{steps:?}");
-    let test = tmp.path().join("data/test.tsv").display().to_string();
-    let predict = |flag: &str, model: &str, out: &str| {
-        let o = sparrow().args(["predict", flag, model, "--data", &test, "--out", out]).output().expect("predict");
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        std::fs::read_to_string(out).expect("predictions")
-    };
+    let predict = |flag: &str, model: &str, out: &str| predict_with(tmp.path(), flag, model, out);
     let expected = predict("--checkpoint", &plain, &tmp.path().join("plain.txt").display().to_string());
     assert_eq!(predict("--checkpoint", &ckpt, &tmp.path().join("a.txt").display().to_string()), expected);
     assert_eq!(predict("--model", &exports, &tmp.path().join("b.txt").display().to_string()), expected);
@@ -503,12 +506,7 @@ fn launch_writes_serving_exports_of_its_checkpoints() {
     assert_eq!(summary["steps"], 79);
     let exports = format!("{ckpt}/exports");
     assert_eq!(std::fs::read_to_string(format!("{exports}/LATEST")).expect("LATEST").trim(), "000000000079");
-    let test = tmp.path().join("data/test.tsv").display().to_string();
-    let predict = |flag: &str, model: &str, out: &str| {
-        let o = sparrow().args(["predict", flag, model, "--data", &test, "--out", out]).output().expect("predict");
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        std::fs::read_to_string(out).expect("predictions")
-    };
+    let predict = |flag: &str, model: &str, out: &str| predict_with(tmp.path(), flag, model, out);
     let a = predict("--checkpoint", &ckpt, &tmp.path().join("a.txt").display().to_string());
     let b = predict("--model", &exports, &tmp.path().join("b.txt").display().to_string());
     assert_eq!(a, b);

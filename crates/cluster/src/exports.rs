@@ -100,8 +100,8 @@ impl ClusterExports {
         let by_time = self
             .every_secs
             .is_some_and(|s| (timed && self.each_meeting) || self.last_time.is_none_or(|t| t.elapsed().as_secs() >= s));
-        let again =
-            self.previous.as_ref().is_some_and(|p| p.generation == generation && p.name == format!("{step:012}"));
+        let name = format!("{step:012}");
+        let again = self.previous.as_ref().is_some_and(|p| p.generation == generation && p.name == name);
         if !(by_steps || by_time || last) || again {
             // (Again: the job's end met at the step an export was just taken at, the same model.)
             return None;
@@ -113,7 +113,6 @@ impl ClusterExports {
             (false, Some(p)) => p.clocks.iter().map(|&c| Some(c)).collect(),
             _ => vec![None; shards],
         };
-        let name = format!("{step:012}");
         Some(ExportPlan {
             staging: self.root.join(format!(".tmp-{name}-g{generation}")),
             root: self.root.clone(),

@@ -351,10 +351,7 @@ impl Coordinator {
         let name = format!("{number:08}");
         let dir = root.join(&name);
         sparrow_trainer::export::write_export(&dir, &self.config, &layout, number, &model, pages)?;
-        let tmp = root.join(".LATEST.tmp");
-        std::fs::write(&tmp, format!("{name}\n"))
-            .and_then(|()| std::fs::rename(&tmp, root.join("LATEST")))
-            .map_err(|e| ClusterError::Io { what: format!("writing {}/LATEST", root.display()), source: e })?;
+        sparrow_trainer::export::point_latest(&root, &name)?;
         Ok(dir)
     }
 
