@@ -373,9 +373,7 @@ fn the_multi_task_kinds_train_and_launch_alike() {
     let tmp = tempfile::tempdir().expect("tmp");
     behaviour_data(tmp.path(), "40000");
     let three = std::fs::read_to_string(job(tmp.path(), "")).expect("config");
-    let head = three.split("[[model.tasks]]").next().expect("head");
-    let tail = &three[three.find("[train]").expect("train")..];
-    let two = format!("{head}{tail}").replace(r#"["click", "conversion", "ad_type"]"#, r#"["click", "conversion"]"#);
+    let two = two_binary_tasks(&three);
     for (kind, text) in [("mmoe", &three), ("ple", &three), ("esmm", &two), ("din", &three)] {
         let text = text.replace(
             "kind = \"mlp\"",
@@ -401,16 +399,28 @@ fn the_multi_task_kinds_train_and_launch_alike() {
     }
 }
 
+/// A behaviour job's config with its two binary tasks alone (ESMM's).
+fn two_binary_tasks(three: &str) -> String {
+    let head = three.split("[[model.tasks]]").next().expect("head");
+    let tail = &three[three.find("[train]").expect("train")..];
+    format!("{head}{tail}").replace(r#"["click", "conversion", "ad_type"]"#, r#"["click", "conversion"]"#)
+}
+
 /// Exactness holds for several tasks and a sequence, pooled by sum (MLP)
-/// or by attention (DIN): the SSD tier trains the in-memory model, and a
-/// run stopped at step 40 and resumed ends with the uninterrupted one's
-/// figures, bit for bit.
+/// or by attention (DIN), and for the multi-task kinds (ESMM on its two
+/// tasks): the SSD tier trains the in-memory model, and a run stopped at
+/// step 40 and resumed ends with the uninterrupted one's figures, bit for
+/// bit.
 #[test]
 fn several_tasks_are_exact_on_the_ssd_tier_and_across_a_resume() {
     let tmp = tempfile::tempdir().expect("tmp");
     behaviour_data(tmp.path(), "12000");
-    for kind in ["mlp", "din"] {
+    for kind in ["mlp", "din", "mmoe", "ple", "esmm"] {
         let (dir, config) = kind_job(tmp.path(), kind);
+        if kind == "esmm" {
+            let text = std::fs::read_to_string(&config).expect("config");
+            std::fs::write(&config, two_binary_tasks(&text)).expect("write");
+        }
         exact_on_the_ssd_tier_and_across_a_resume(&dir, &config);
     }
 }

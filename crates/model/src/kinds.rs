@@ -196,7 +196,10 @@ pub struct WholeStep<'a> {
 }
 
 /// A direct CPU step on packed input rows (see [`At::row_len`]): the same
-/// math as [`Net::forward`] and its autograd (tested for each kind).
+/// math as [`Net::forward`] and its autograd (tested for each kind). A
+/// kind that attends reads the batch's sequences from `Scratch::sequences`
+/// (the driver moves them in, checked) and leaves their items' gradients
+/// in `Scratch::item_grads`.
 pub trait Direct: Sync {
     /// Logits of `rows` input rows `x`; what the backward pass needs stays in `s`.
     fn forward(&self, at: &At, x: &[f32], rows: usize, s: &mut Scratch) -> Result<Vec<f32>, ModelError>;
@@ -230,6 +233,14 @@ pub trait Direct: Sync {
     /// Its MLPs and their buffers (a spent gradient buffer goes back to one).
     fn mlps<'s>(&'s self, _s: &'s mut Scratch) -> Vec<(&'s Mlp, &'s mut MlpScratch)> {
         Vec::new()
+    }
+
+    /// Whether it takes several tasks' outputs (its logits `[rows,
+    /// outputs]`, each task's seed in its columns); a kind built around one
+    /// logit (a first-order term added to it) says no, and several tasks
+    /// take its graph step.
+    fn several_outputs(&self) -> bool {
+        false
     }
 }
 

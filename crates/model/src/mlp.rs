@@ -163,6 +163,11 @@ impl Mlp {
     pub fn params(&self) -> &Var {
         &self.params
     }
+
+    /// Values its output layer writes a row.
+    pub fn outputs(&self) -> usize {
+        self.shape.layers.last().map_or(0, |l| l.fan_out)
+    }
 }
 
 /// The CPU op: inputs `x: [rows, in]` and the flat parameters.

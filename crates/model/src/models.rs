@@ -17,17 +17,7 @@ mod described;
 mod direct;
 use crate::optimizer::{DenseGrads, DenseOptimizer};
 use crate::params::ParamStore;
-pub use crate::step::{ModelShape, Scratch};
-
-/// A batch's behaviour sequences, unpooled, for a model that attends over
-/// them: one entry per sequence field, in [`DenseModel::attention`]'s order.
-#[derive(Clone, Debug, Default)]
-pub struct Sequences {
-    /// Per field: the row each history position belongs to (ascending).
-    pub rows: Vec<Vec<u32>>,
-    /// Per field: each position's embedding row, `[positions × width]`.
-    pub items: Vec<Vec<f32>>,
-}
+pub use crate::step::{ModelShape, Scratch, Sequences};
 
 pub struct DenseModel {
     pub kind: &'static dyn Kind,
@@ -179,40 +169,65 @@ impl DenseModel {
         if self.is_direct() {
             let x = self.concat_rows(&emb, &dense, rows)?;
             // Its own buffers: predictions may run beside a training step.
-            return self.forward_direct(&x, rows, &mut crate::step::Scratch::default());
+            let mut scratch = crate::step::Scratch::default();
+            self.sequences_into(sequences.cloned(), rows, &mut scratch)?;
+            return self.forward_direct(&x, rows, &mut scratch);
         }
         let (emb, dense) = self.inputs(emb, dense, rows)?;
         let items = self.sequence_inputs(sequences, rows)?;
         Ok(self.forward_with(&emb, &dense, &items)?.flatten_all()?.to_vec1::<f32>()?)
     }
 
-    /// Each sequence's items (as variables: their gradients are read) and
-    /// rows, checked against the batch.
-    fn sequence_inputs(&self, sequences: Option<&Sequences>, rows: usize) -> Result<Vec<(Tensor, Tensor)>, ModelError> {
+    /// The batch's sequences as the model needs them, checked against the
+    /// batch: `None` for a model that does not attend (any given are not
+    /// read), an error naming what is wrong for one that does.
+    fn checked_sequences<'s>(
+        &self,
+        sequences: Option<&'s Sequences>,
+        rows: usize,
+    ) -> Result<Option<&'s Sequences>, ModelError> {
         let expected = self.attention().len();
         let Some(seq) = sequences.filter(|_| expected > 0) else {
-            return if expected == 0 { Ok(Vec::new()) } else { Err(ModelError::Sequences { expected, found: 0 }) };
+            return if expected == 0 { Ok(None) } else { Err(ModelError::Sequences { expected, found: 0 }) };
         };
         if seq.items.len() != expected || seq.rows.len() != expected {
             return Err(ModelError::Sequences { expected, found: seq.items.len().min(seq.rows.len()) });
         }
+        let width = self.width();
+        for (items, at) in seq.items.iter().zip(&seq.rows) {
+            if items.len() != at.len() * width || at.iter().any(|&r| r as usize >= rows) {
+                return Err(ModelError::BadInput {
+                    what: "history items",
+                    len: items.len(),
+                    rows: at.len(),
+                    per_row: width,
+                });
+            }
+        }
+        Ok(Some(seq))
+    }
+
+    /// Each sequence's items (as variables: their gradients are read) and
+    /// rows, checked against the batch.
+    fn sequence_inputs(&self, sequences: Option<&Sequences>, rows: usize) -> Result<Vec<(Tensor, Tensor)>, ModelError> {
+        let Some(seq) = self.checked_sequences(sequences, rows)? else { return Ok(Vec::new()) };
         let (dev, width) = (self.params.device(), self.width());
         seq.items
             .iter()
             .zip(&seq.rows)
             .map(|(items, at)| {
-                if items.len() != at.len() * width || at.iter().any(|&r| r as usize >= rows) {
-                    return Err(ModelError::BadInput {
-                        what: "history items",
-                        len: items.len(),
-                        rows: at.len(),
-                        per_row: width,
-                    });
-                }
                 let keys = Var::from_vec(items.clone(), (at.len(), width), dev)?.as_tensor().clone();
                 Ok((keys, Tensor::from_vec(at.clone(), at.len(), dev)?))
             })
             .collect()
+    }
+
+    /// The batch's sequences, checked, moved into the direct step's
+    /// buffers (empty for a model that does not attend).
+    fn sequences_into(&self, sequences: Option<Sequences>, rows: usize, s: &mut Scratch) -> Result<(), ModelError> {
+        self.checked_sequences(sequences.as_ref(), rows)?;
+        s.sequences = if self.attention().is_empty() { Sequences::default() } else { sequences.unwrap_or_default() };
+        Ok(())
     }
 
     /// Input rows `[pooled embeddings | dense values]` (see [`packed_row_len`](Self::packed_row_len)).
@@ -313,7 +328,7 @@ impl DenseModel {
         sequences: Option<&Sequences>,
     ) -> Result<(StepOutput, DenseGrads), ModelError> {
         if self.is_direct() {
-            self.forward_backward_direct(&emb, &dense, labels, weights)
+            self.forward_backward_direct(&emb, &dense, labels, weights, sequences)
         } else {
             self.autograd(emb, dense, labels, weights, sequences)
         }
@@ -328,6 +343,19 @@ impl DenseModel {
         labels: &[f32],
     ) -> Result<(StepOutput, DenseGrads), ModelError> {
         self.autograd(emb, dense, labels, None, None)
+    }
+
+    /// [`forward_backward_with`](Self::forward_backward_with) through
+    /// candle's autograd (the reference the direct step is tested against).
+    pub fn forward_backward_autograd_with(
+        &self,
+        emb: Vec<f32>,
+        dense: Vec<f32>,
+        labels: &[f32],
+        weights: Option<&[f32]>,
+        sequences: Option<&Sequences>,
+    ) -> Result<(StepOutput, DenseGrads), ModelError> {
+        self.autograd(emb, dense, labels, weights, sequences)
     }
 
     fn autograd(
@@ -389,18 +417,21 @@ impl DenseModel {
         dense: &[f32],
         labels: &[f32],
         weights: Option<&[f32]>,
+        sequences: Option<&Sequences>,
     ) -> Result<(StepOutput, DenseGrads), ModelError> {
-        let rows = labels.len();
+        let rows = labels.len() / self.heads.tasks();
         let x = self.concat_rows(emb, dense, rows)?;
         let (fw, stride) = (self.shape.num_fields * self.width(), self.row_len());
-        let (loss, logits, emb_grad, grads) = self.forward_backward_packed_weighted(&x, labels, weights, |grad_x| {
-            let mut emb_grad = Vec::with_capacity(rows * fw);
-            for row in grad_x.chunks_exact(stride) {
-                emb_grad.extend_from_slice(&row[..fw]);
-            }
-            emb_grad
-        })?;
-        Ok((StepOutput { logits, loss, emb_grad, item_grads: Vec::new() }, grads))
+        let sequences = sequences.filter(|_| !self.attention().is_empty()).cloned();
+        let (loss, logits, (emb_grad, item_grads), grads) =
+            self.forward_backward_packed_with(&x, labels, weights, sequences, |grad_x, item_grads| {
+                let mut emb_grad = Vec::with_capacity(rows * fw);
+                for row in grad_x.chunks_exact(stride) {
+                    emb_grad.extend_from_slice(&row[..fw]);
+                }
+                (emb_grad, item_grads.to_vec())
+            })?;
+        Ok((StepOutput { logits, loss, emb_grad, item_grads }, grads))
     }
 
     /// Floats per input row if this model takes its input packed, each row
@@ -442,10 +473,28 @@ impl DenseModel {
         weights: Option<&[f32]>,
         on_input_grad: impl FnOnce(&[f32]) -> R,
     ) -> Result<(f64, Vec<f32>, R, DenseGrads), ModelError> {
+        self.forward_backward_packed_with(x, labels, weights, None, |grad_x, _| on_input_grad(grad_x))
+    }
+
+    /// [`forward_backward_packed_weighted`](Self::forward_backward_packed_weighted)
+    /// with the batch's behaviour sequences, unpooled, for a model that
+    /// attends over them: `on_grads` gets d loss / d x and d loss / d each
+    /// history item (as [`Sequences::items`]; empty for a model that does
+    /// not attend). `labels` are rows × tasks.
+    pub fn forward_backward_packed_with<R>(
+        &self,
+        x: &[f32],
+        labels: &[f32],
+        weights: Option<&[f32]>,
+        sequences: Option<Sequences>,
+        on_grads: impl FnOnce(&[f32], &[Vec<f32>]) -> R,
+    ) -> Result<(f64, Vec<f32>, R, DenseGrads), ModelError> {
         if !self.is_direct() {
             return Err(ModelError::NotPacked { kind: self.kind.name() });
         }
+        let rows = labels.len() / self.heads.tasks();
         let mut scratch = self.scratch.lock().map_err(|_| ModelError::Poisoned)?;
+        self.sequences_into(sequences, rows, &mut scratch)?;
         if let Some(direct::FirstOrderStep { loss, logits, grads, finite }) =
             self.whole_step(x, labels, weights, &mut scratch)?
         {
@@ -455,15 +504,23 @@ impl DenseModel {
                     "gradient of the embedding inputs".into()
                 })?;
             }
-            let result = on_input_grad(&scratch.grad_x);
+            let result = on_grads(&scratch.grad_x, &[]);
             return Ok((loss, logits, result, grads));
         }
-        let logits = self.forward_direct(x, labels.len(), &mut scratch)?;
-        let (loss, seed) = Self::loss_and_seed(&logits, labels, weights);
+        let logits = self.forward_direct(x, rows, &mut scratch)?;
+        let (loss, seed) = if self.heads.is_one_binary() {
+            Self::loss_and_seed(&logits, labels, weights)
+        } else {
+            self.heads.check_labels(labels)?;
+            self.heads.loss_and_seed(&logits, labels, weights)
+        };
         self.check_loss(loss)?;
         let grads = self.backward_direct(x, &seed, &mut scratch)?;
         crate::optimizer::check_finite(self.simd, &scratch.grad_x, || "gradient of the embedding inputs".into())?;
-        let result = on_input_grad(&scratch.grad_x);
+        for g in &scratch.item_grads {
+            crate::optimizer::check_finite(self.simd, g, || "gradient of the history items".into())?;
+        }
+        let result = on_grads(&scratch.grad_x, &scratch.item_grads);
         Ok((loss, logits, result, grads))
     }
 }

@@ -16,6 +16,16 @@ pub struct ModelShape {
     pub embedding_dim: usize,
 }
 
+/// A batch's behaviour sequences, unpooled, for a model that attends over
+/// them: one entry per sequence field, in `DenseModel::attention`'s order.
+#[derive(Clone, Debug, Default)]
+pub struct Sequences {
+    /// Per field: the row each history position belongs to (ascending).
+    pub rows: Vec<Vec<u32>>,
+    /// Per field: each position's embedding row, `[positions × width]`.
+    pub items: Vec<Vec<f32>>,
+}
+
 /// Buffers of the direct step, kept between steps (each kind uses those it needs).
 #[derive(Default)]
 pub struct Scratch {
@@ -40,6 +50,24 @@ pub struct Scratch {
     pub(crate) grad_in: Vec<f32>,
     pub(crate) grad_gate: Vec<f32>,
     pub(crate) grad_t: Vec<f32>,
+    /// A kind that attends: the batch's sequences (moved in for the step,
+    /// checked against the batch) and, after the backward pass, d loss / d
+    /// each history item, as [`Sequences::items`].
+    pub(crate) sequences: Sequences,
+    pub(crate) item_grads: Vec<Vec<f32>>,
+    /// Buffers of a kind whose step needs its own (the multi-task kinds', DIN's).
+    pub(crate) kind: Option<Box<dyn std::any::Any + Send>>,
+}
+
+impl Scratch {
+    /// The kind's own buffers, made on first use (and again if another
+    /// kind's were left here).
+    pub(crate) fn of_kind<T: Default + Send + 'static>(&mut self) -> &mut T {
+        if !self.kind.as_ref().is_some_and(|k| k.is::<T>()) {
+            self.kind = Some(Box::new(T::default()));
+        }
+        self.kind.as_mut().and_then(|k| k.downcast_mut::<T>()).expect("made above")
+    }
 }
 
 /// One row of `DenseModel::loss_and_seed`: its loss times

@@ -387,11 +387,15 @@ pub fn dense_grads(
             for (row, d) in packed_input.chunks_exact_mut(stride).zip(dense.chunks_exact(num_dense.max(1))) {
                 row[fw..].copy_from_slice(&d[..num_dense]);
             }
+            // A model that attends (`din`) reads its sequences' items unpooled.
+            let pairs = model.attention();
+            let sequences = (!pairs.is_empty()).then(|| gather_sequences(&bags, unique_rows, width, pairs));
             let pooled_at = Instant::now();
             let (loss, logits, (grads, unpool_secs), dense_grads) =
-                model.forward_backward_packed_weighted(packed_input, labels, weights, |grad_x| {
+                model.forward_backward_packed_with(packed_input, labels, weights, sequences, |grad_x, items| {
                     let t = Instant::now();
-                    let grads = unpool_strided(&bags, grad_x, stride, width, pooling);
+                    let mut grads = unpool_strided(&bags, grad_x, stride, width, pooling);
+                    scatter_item_grads(&bags, items, width, pairs, &mut grads);
                     (grads, t.elapsed())
                 })?;
             (loss, logits, grads, dense_grads, pooled_at, unpool_secs)

@@ -107,7 +107,8 @@ impl Direct for DcnNet {
         s: &mut Scratch,
         grads: &mut Grads<'a>,
     ) -> Result<(), ModelError> {
-        let (rows, x_dim) = (seed.len(), at.row_len());
+        let x_dim = at.row_len();
+        let rows = x.len() / x_dim.max(1);
         let input: &[f32] = s.cross_out.last().map_or(x, |v| v);
         grads.push((self.deep.params(), self.deep.backward_cpu(input, seed, &mut s.deep)?));
         // `g`: the gradient at the current layer's output, from the deep MLP's input down.
@@ -135,5 +136,9 @@ impl Direct for DcnNet {
 
     fn mlps<'s>(&'s self, s: &'s mut Scratch) -> Vec<(&'s Mlp, &'s mut MlpScratch)> {
         vec![(&self.deep, &mut s.deep)]
+    }
+    /// Its MLP ends in every task's outputs.
+    fn several_outputs(&self) -> bool {
+        true
     }
 }

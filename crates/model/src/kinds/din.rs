@@ -9,9 +9,10 @@
 //! `model.hidden` reads the lot.
 //!
 //! History items arrive unpooled and ragged (each position with the row it
-//! belongs to, [`Sequences`]): nothing is padded. Gradients are candle's
-//! autograd (index_select's and index_add's adjoints), checked against
-//! finite differences.
+//! belongs to, [`Sequences`](crate::Sequences)): nothing is padded. On
+//! CPU the step is `direct.rs`'s; elsewhere candle's autograd
+//! (index_select's and index_add's adjoints). Both are checked against
+//! finite differences and each other.
 
 use candle_core::{DType, Tensor};
 use sparrow_core::config::ModelConfig;
@@ -24,6 +25,8 @@ use crate::bf16::Arith;
 use crate::mlp::Mlp;
 use crate::params::ParamStore;
 use crate::step::ModelShape;
+
+mod direct;
 
 pub(super) struct Din;
 
@@ -118,6 +121,10 @@ impl Net for DinNet {
 
     fn attention(&self) -> &[(usize, usize)] {
         &self.pairs
+    }
+
+    fn direct(&self) -> Option<&dyn super::Direct> {
+        Some(self)
     }
 
     /// Logits `[B, outputs]` from pooled fields `emb` `[B, F, D]` (a

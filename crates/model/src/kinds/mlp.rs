@@ -80,4 +80,8 @@ impl Direct for MlpNet {
     fn mlps<'s>(&'s self, s: &'s mut Scratch) -> Vec<(&'s Mlp, &'s mut MlpScratch)> {
         vec![(&self.mlp, &mut s.deep)]
     }
+    /// Its MLP ends in every task's outputs.
+    fn several_outputs(&self) -> bool {
+        true
+    }
 }

@@ -14,7 +14,7 @@
 //!   logit(σ(a)·σ(b)) = −log(e^{−a} + e^{−b} + e^{−a−b}), a log-sum-exp.
 //!
 //! Every expert and tower is an MLP of the fused op; towers end in their
-//! task's outputs.
+//! task's outputs. On CPU the step is `direct.rs`'s, outside the graph.
 
 use candle_core::{D, Tensor};
 use sparrow_core::config::ModelConfig;
@@ -24,6 +24,8 @@ use crate::bf16::Arith;
 use crate::heads::Heads;
 use crate::mlp::Mlp;
 use crate::params::{Linear, ParamStore};
+
+mod direct;
 
 /// One level of experts and their gates.
 struct Level {
@@ -233,6 +235,10 @@ impl super::Net for MultiTask {
 
     fn spec(&self) -> Result<crate::spec::NetSpec, ModelError> {
         MultiTask::spec(self)
+    }
+
+    fn direct(&self) -> Option<&dyn super::Direct> {
+        Some(self)
     }
 }
 

@@ -26,10 +26,11 @@ pub(super) struct FirstOrderStep {
 }
 
 impl DenseModel {
-    /// Its direct step, where it takes it: on CPU, one binary output (several
-    /// outputs take the graph's path), a kind that has one.
+    /// Its direct step, where it takes it: on CPU, a kind that has one, for
+    /// one binary output or (where the kind takes them) several tasks'.
     fn direct(&self) -> Option<&dyn Direct> {
-        if self.params.device().is_cpu() && self.heads.is_one_binary() { self.net.direct() } else { None }
+        let direct = self.net.direct().filter(|_| self.params.device().is_cpu())?;
+        (self.heads.is_one_binary() || direct.several_outputs()).then_some(direct)
     }
 
     pub(super) fn is_direct(&self) -> bool {
@@ -77,7 +78,7 @@ impl DenseModel {
         let direct = self.direct().ok_or(ModelError::NotPacked { kind: self.kind.name() })?;
         let mut grads: Grads<'_> = Vec::new();
         direct.backward(&self.at, x, seed, s, &mut grads)?;
-        Ok(self.in_param_order(grads, seed.len()))
+        Ok(self.in_param_order(grads, x.len() / self.row_len().max(1)))
     }
 
     /// The gradients in [`ParamStore`](crate::params::ParamStore) order,

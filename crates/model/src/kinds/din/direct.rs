@@ -1,0 +1,190 @@
+//! DIN's direct CPU step: the same math as its graph (`din.rs`) and its
+//! autograd (tested), outside candle's graph. The local activation unit
+//! runs once over every (row, history item) pair of the batch, as one fused
+//! MLP on a `[positions, 4·d]` matrix of `[q, k, q − k, q ⊙ k]`; the
+//! weighted sum, its adjoint and the features' adjoint are one pass each.
+//! On the graph the same step was some forty ops a sequence (index
+//! selects, concatenations, broadcasts, an index add, and each one's
+//! adjoint), each allocating.
+
+use rayon::prelude::*;
+
+use super::DinNet;
+use crate::ModelError;
+use crate::kinds::{At, Direct, Grads};
+use crate::mlp::{Mlp, MlpScratch, sized};
+use crate::step::Scratch;
+
+/// Positions a task of a pass over history items takes.
+const POSITIONS_PER_TASK: usize = 256;
+
+/// DIN's buffers, kept between steps (`Scratch::of_kind`).
+#[derive(Default)]
+pub(super) struct DinScratch {
+    /// Each sequence's attention unit's.
+    units: Vec<MlpScratch>,
+    /// Each sequence's features `[positions, 4·d]`.
+    features: Vec<Vec<f32>>,
+    /// A sequence's d loss / d score, a position.
+    d_scores: Vec<f32>,
+}
+
+/// `Σ a_i·b_i` in eight lanes (a plain fold is one: the compiler keeps its order).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let (a8, a_rest) = a.as_chunks::<8>();
+    let (b8, b_rest) = b.as_chunks::<8>();
+    let mut lanes = [0.0f32; 8];
+    for (a, b) in a8.iter().zip(b8) {
+        for j in 0..8 {
+            lanes[j] += a[j] * b[j];
+        }
+    }
+    let tail: f32 = a_rest.iter().zip(b_rest).map(|(a, b)| a * b).sum();
+    lanes.iter().sum::<f32>() + tail
+}
+
+impl Direct for DinNet {
+    fn forward(&self, at: &At, x: &[f32], rows: usize, s: &mut Scratch) -> Result<Vec<f32>, ModelError> {
+        let (d, stride) = (at.width, at.row_len());
+        if s.sequences.items.len() != self.pairs.len() {
+            return Err(ModelError::Sequences { expected: self.pairs.len(), found: s.sequences.items.len() });
+        }
+        // The MLP's input: the rows with each sequence's slot replaced by its attention pooling.
+        let mut input = std::mem::take(&mut s.x);
+        input.clear();
+        input.extend_from_slice(x);
+        let sequences = std::mem::take(&mut s.sequences);
+        let ds: &mut DinScratch = s.of_kind();
+        ds.units.resize_with(self.units.len(), MlpScratch::default);
+        ds.features.resize_with(self.units.len(), Vec::new);
+        for (j, (&(slot, query), unit)) in self.pairs.iter().zip(&self.units).enumerate() {
+            let (keys, at_rows) = (&sequences.items[j], &sequences.rows[j]);
+            let positions = at_rows.len();
+            for row in input.chunks_exact_mut(stride) {
+                row[slot * d..(slot + 1) * d].fill(0.0);
+            }
+            if positions == 0 {
+                continue;
+            }
+            let features = sized(&mut ds.features[j], positions * 4 * d);
+            features.par_chunks_mut(4 * d * POSITIONS_PER_TASK).enumerate().for_each(|(chunk, f)| {
+                for (i, f) in f.chunks_exact_mut(4 * d).enumerate() {
+                    let p = chunk * POSITIONS_PER_TASK + i;
+                    let r = at_rows[p] as usize;
+                    let (q, k) = (&x[r * stride + query * d..r * stride + (query + 1) * d], &keys[p * d..(p + 1) * d]);
+                    let (fq, rest) = f.split_at_mut(d);
+                    let (fk, rest) = rest.split_at_mut(d);
+                    let (fdiff, fprod) = rest.split_at_mut(d);
+                    for c in 0..d {
+                        fq[c] = q[c];
+                        fk[c] = k[c];
+                        fdiff[c] = q[c] - k[c];
+                        fprod[c] = q[c] * k[c];
+                    }
+                }
+            });
+            unit.forward_cpu(features, positions, &mut ds.units[j])?;
+            let scores = &ds.units[j].output;
+            for (p, &r) in at_rows.iter().enumerate() {
+                let pooled = &mut input[r as usize * stride + slot * d..r as usize * stride + (slot + 1) * d];
+                pooled.iter_mut().zip(&keys[p * d..(p + 1) * d]).for_each(|(o, k)| *o += scores[p] * k);
+            }
+        }
+        s.sequences = sequences;
+        let result = self.mlp.forward_cpu(&input, rows, &mut s.deep);
+        s.x = input;
+        result?;
+        Ok(s.deep.output.clone())
+    }
+
+    fn backward<'a>(
+        &'a self,
+        at: &At,
+        _x: &[f32],
+        seed: &[f32],
+        s: &mut Scratch,
+        grads: &mut Grads<'a>,
+    ) -> Result<(), ModelError> {
+        let (d, stride) = (at.width, at.row_len());
+        grads.push((self.mlp.params(), self.mlp.backward_cpu(&s.x, seed, &mut s.deep)?));
+        // d loss / d x: the MLP's, but a sequence's slot (replaced) takes
+        // nothing and its candidate also gets the attention's share.
+        let mut grad_x = std::mem::replace(&mut s.deep.grad_input, std::mem::take(&mut s.grad_x));
+        let mut item_grads = std::mem::take(&mut s.item_grads);
+        item_grads.resize_with(self.pairs.len(), Vec::new);
+        let sequences = std::mem::take(&mut s.sequences);
+        let ds: &mut DinScratch = s.of_kind();
+        let mut d_query: Vec<(usize, Vec<f32>)> = Vec::with_capacity(self.pairs.len());
+        for (j, (&(slot, query), unit)) in self.pairs.iter().zip(&self.units).enumerate() {
+            let (keys, at_rows) = (&sequences.items[j], &sequences.rows[j]);
+            let positions = at_rows.len();
+            let dk = &mut item_grads[j];
+            dk.clear();
+            dk.resize(positions * d, 0.0);
+            let mut dq = vec![0.0f32; positions * d];
+            if positions > 0 {
+                let scores = &ds.units[j].output;
+                // d score_p = ⟨d pooled, k_p⟩; d k_p = score_p · d pooled (plus the unit's share, below).
+                let d_scores = sized(&mut ds.d_scores, positions);
+                let g = &grad_x;
+                d_scores
+                    .par_iter_mut()
+                    .zip(dk.par_chunks_mut(d))
+                    .enumerate()
+                    .with_min_len(POSITIONS_PER_TASK)
+                    .for_each(|(p, (ds, dk))| {
+                        let r = at_rows[p] as usize;
+                        let d_pooled = &g[r * stride + slot * d..r * stride + (slot + 1) * d];
+                        *ds = dot(d_pooled, &keys[p * d..(p + 1) * d]);
+                        dk.iter_mut().zip(d_pooled).for_each(|(o, g)| *o = scores[p] * g);
+                    });
+                grads.push((unit.params(), unit.backward_cpu(&ds.features[j], d_scores, &mut ds.units[j])?));
+                // Through [q, k, q − k, q ⊙ k].
+                let d_features = &ds.units[j].grad_input;
+                let features = &ds.features[j];
+                dq.par_chunks_mut(d).zip(dk.par_chunks_mut(d)).enumerate().with_min_len(POSITIONS_PER_TASK).for_each(
+                    |(p, (dq, dk))| {
+                        let f = &d_features[p * 4 * d..(p + 1) * 4 * d];
+                        let (q, k) = (&features[p * 4 * d..p * 4 * d + d], &features[p * 4 * d + d..p * 4 * d + 2 * d]);
+                        for c in 0..d {
+                            let (fq, fk, fdiff, fprod) = (f[c], f[d + c], f[2 * d + c], f[3 * d + c]);
+                            dq[c] = fq + fdiff + fprod * k[c];
+                            dk[c] += fk - fdiff + fprod * q[c];
+                        }
+                    },
+                );
+            }
+            d_query.push((query, dq));
+        }
+        for &(slot, _) in &self.pairs {
+            for row in grad_x.chunks_exact_mut(stride) {
+                row[slot * d..(slot + 1) * d].fill(0.0);
+            }
+        }
+        for ((query, dq), at_rows) in d_query.iter().zip(&sequences.rows) {
+            for (p, &r) in at_rows.iter().enumerate() {
+                let r = r as usize;
+                let g = &mut grad_x[r * stride + query * d..r * stride + (query + 1) * d];
+                g.iter_mut().zip(&dq[p * d..(p + 1) * d]).for_each(|(g, dq)| *g += dq);
+            }
+        }
+        s.sequences = sequences;
+        s.item_grads = item_grads;
+        s.grad_x = grad_x;
+        Ok(())
+    }
+
+    fn mlps<'s>(&'s self, s: &'s mut Scratch) -> Vec<(&'s Mlp, &'s mut MlpScratch)> {
+        let mut mlps = vec![(&self.mlp, &mut s.deep)];
+        let ds: &mut DinScratch = match s.kind.as_mut().and_then(|k| k.downcast_mut::<DinScratch>()) {
+            Some(ds) => ds,
+            None => return mlps,
+        };
+        mlps.extend(self.units.iter().zip(ds.units.iter_mut()));
+        mlps
+    }
+
+    fn several_outputs(&self) -> bool {
+        true
+    }
+}
