@@ -81,15 +81,14 @@ impl From<RoundingArg> for Rounding {
     }
 }
 
-/// A one-task kind of the registry (`bench --kinds`): its name, or an
-/// error listing the names there are.
-pub fn one_task_kind(name: &str) -> Result<ModelKind, String> {
-    use sparrow_model::kinds::{Family, of_family};
-    let names: Vec<&str> = of_family(Family::OneTask).map(|k| k.name()).collect();
+/// A kind of the registry (`bench --kinds`): its name, or an error listing
+/// the names there are.
+pub fn model_kind(name: &str) -> Result<ModelKind, String> {
+    let names = sparrow_model::kinds::names();
     if names.contains(&name) {
         Ok(ModelKind::named(name))
     } else {
-        Err(format!("`{name}` is not a one-task kind; the one-task kinds are {}", names.join(", ")))
+        Err(format!("`{name}` is not a model kind; the kinds are {}", names.join(", ")))
     }
 }
 
@@ -134,9 +133,10 @@ mod tests {
     #[test]
     fn the_command_lines_names_are_the_configs() {
         let name = |v: &dyn Fn() -> Option<clap::builder::PossibleValue>| v().expect("named").get_name().to_string();
-        assert_eq!(one_task_kind("wide_deep").expect("a kind").name(), "wide_deep");
-        let err = one_task_kind("mmoe").expect_err("several tasks");
-        assert!(err.contains("mmoe") && err.contains("dcn"), "{err}");
+        assert_eq!(model_kind("wide_deep").expect("a kind").name(), "wide_deep");
+        assert_eq!(model_kind("din").expect("a kind").name(), "din");
+        let err = model_kind("transformer").expect_err("not a kind");
+        assert!(err.contains("transformer") && err.contains("mmoe") && err.contains("dcn"), "{err}");
         for o in Optimizer::value_variants() {
             let config = serde_json::to_value(SparseOptimizerKind::from(*o)).expect("serializes");
             assert_eq!(config, serde_json::Value::from(name(&|| o.to_possible_value())));

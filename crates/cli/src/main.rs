@@ -196,8 +196,8 @@ enum Command {
         /// Training steps timed per model kind and precision for the flop-floor table, in 5 rounds of at least one step (0 skips it).
         #[arg(long, default_value_t = 100)]
         kind_steps: usize,
-        /// Model kinds in the flop-floor table, comma-separated (default: every one-task kind, as `sparrow kinds` lists them).
-        #[arg(long, value_delimiter = ',', value_parser = args::one_task_kind)]
+        /// Model kinds in the flop-floor table, comma-separated (default: every kind, as `sparrow kinds` lists them; the kinds for several tasks and sequences on behaviour data).
+        #[arg(long, value_delimiter = ',', value_parser = args::model_kind)]
         kinds: Vec<ModelKind>,
         /// Rows inserted to measure resident bytes per embedding row (0 skips it).
         #[arg(long, default_value_t = 4_000_000)]
@@ -622,7 +622,7 @@ fn run(cli: Cli, from_launcher: Option<crossbeam_channel::Receiver<String>>) -> 
                 thread_counts: threads,
                 train_steps,
                 kind_steps,
-                // None named: the registry's one-task kinds (the default's).
+                // None named: every kind of the registry (the default's).
                 kinds: if kinds.is_empty() { sparrow_trainer::bench::BenchOptions::default().kinds } else { kinds },
                 memory_rows,
                 gather_limit,

@@ -109,6 +109,12 @@ pub trait Kind: Sync {
     /// `DenseModel::step_flops_per_sample`).
     fn step_flops_per_sample(&self, config: &ModelConfig, shape: ModelShape) -> f64;
 
+    /// What each history item of a sample adds to that floor (a kind that
+    /// attends runs its attention once an item); 0 for the others.
+    fn step_flops_per_history_item(&self, _config: &ModelConfig, _shape: ModelShape) -> f64 {
+        0.0
+    }
+
     /// Its dense parameters (weights and biases; a bound where the exact
     /// count needs the tasks' outputs).
     fn dense_params(&self, config: &Config, shape: ModelShape) -> u128;

@@ -9,9 +9,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use sparrow_core::batch::BatchBuilder;
-use sparrow_core::config::{
-    EmbeddingConfig, EmbeddingDtype, InitConfig, ModelKind, Precision, Rounding, SparseOptimizerKind,
-};
+use sparrow_core::config::{EmbeddingConfig, EmbeddingDtype, InitConfig, ModelKind, Rounding, SparseOptimizerKind};
 use sparrow_core::key::mix64;
 use sparrow_core::rng::Rng;
 use sparrow_core::simd::Simd;
@@ -23,7 +21,11 @@ use sparrow_embedding::{EmbeddingTable, Initializer, RowFormat, SparseOptimizer}
 use crate::TrainError;
 use crate::trainer::{PhaseSecs, Trainer};
 
+mod kinds;
 mod tier;
+
+pub use kinds::KindBench;
+use kinds::bench_kinds;
 pub use tier::{TierBench, TierBenchOptions, bench_tier};
 
 /// The peer's training loop alone (PyTorch + TorchRec, data in memory) as
@@ -94,9 +96,7 @@ impl Default for BenchOptions {
             thread_counts: vec![1, 2],
             train_steps: 300,
             kind_steps: 100,
-            kinds: sparrow_model::kinds::of_family(sparrow_model::kinds::Family::OneTask)
-                .map(|k| ModelKind::named(k.name()))
-                .collect(),
+            kinds: sparrow_model::kinds::KINDS.iter().map(|k| ModelKind::named(k.name())).collect(),
             memory_rows: 4_000_000,
             gather_limit: GatherLimit::default(),
             work_dir: PathBuf::from("target/sparrow-bench"),
@@ -171,48 +171,6 @@ pub struct TrainBench {
     pub dense_flops_per_sample: f64,
     pub dense_gflops: f64,
     pub dense_share_of_fp32_peak: Option<f64>,
-}
-
-/// One model kind's training step (`sparrow bench`'s `kinds`): the reference
-/// data and batch, `hidden = [256, 128]`, dim 16, the defaults otherwise.
-#[derive(Debug, Serialize)]
-pub struct KindBench {
-    pub kind: &'static str,
-    pub precision: &'static str,
-    pub samples_per_sec: f64,
-    /// The dense phase over the timed steps' wall time.
-    pub dense_share_of_step: f64,
-    /// The dense step's flop floor (`DenseModel::step_flops_per_sample`).
-    pub flops_per_sample: f64,
-    /// Floor flops over the dense phase's time.
-    pub dense_gflops: f64,
-    /// That over the ceiling of its precision measured in the same run
-    /// (fp32 FMA, or bf16 dot products).
-    pub share_of_ceiling: Option<f64>,
-    /// The same two in the fastest of the rounds the kinds took turns in.
-    pub best_round_dense_gflops: f64,
-    pub best_round_share_of_ceiling: Option<f64>,
-    /// The bytes the dense step cannot avoid moving a sample: its input
-    /// row read and that row's gradient written (f32), weights and
-    /// activations left out.
-    pub bytes_per_sample: f64,
-    /// Those bytes over the dense phase's time, GB/s.
-    pub dense_gbytes_per_sec: f64,
-    /// What copying a buffer the size of a batch's input into another
-    /// sustains on the step's threads, measured in the same run (read and
-    /// written bytes counted together, GB/s): the bandwidth ceiling of a
-    /// pass over the batch.
-    pub copy_gbytes_per_sec: f64,
-    /// `dense_gbytes_per_sec` over it: the dense step against its memory
-    /// floor (for LR and FM, whose few flops a sample are no floor at all).
-    pub share_of_copy_bandwidth: f64,
-    pub best_round_share_of_copy_bandwidth: f64,
-    /// The largest `share_of_ceiling` the bytes allow (the roofline): a step
-    /// that moved `bytes_per_sample` at `copy_gbytes_per_sec` and did
-    /// nothing else would reach `flops_per_sample · copy ÷ bytes_per_sample`
-    /// GFLOP/s, this over the ceiling (capped at 1). Below 0.5 no
-    /// implementation reaches half its flop floor on this machine.
-    pub share_of_ceiling_bytes_allow: Option<f64>,
 }
 
 /// The machine's measured arithmetic ceilings (`sparrow_model::peak`), on
@@ -620,118 +578,6 @@ fn bench_config(o: &BenchOptions, kind: ModelKind) -> Config {
     config.train.threads = 2;
     config.train.simd = o.simd;
     config
-}
-
-/// Rounds the kinds table's trainers take turns in.
-const KIND_ROUNDS: usize = 5;
-
-/// One (kind, precision) of the kinds table: its trainer and timed rounds.
-struct KindRun {
-    kind: &'static dyn sparrow_model::kinds::Kind,
-    precision: Precision,
-    trainer: Trainer,
-    flops: f64,
-    samples: usize,
-    secs: f64,
-    /// The dense phase's seconds a sample in the fastest round.
-    best_round_dense_per_sample: f64,
-    /// Floats of an input row.
-    row_len: usize,
-}
-
-/// Every model kind's dense step against its flop floor, in f32 and (for
-/// the kinds with MLP stacks) with `model.precision = "bf16"`: every
-/// trainer built and warmed up first, then `KIND_ROUNDS` rounds in which
-/// each runs its share of `kind_steps` in turn, so a busy stretch of the
-/// machine hits them alike; the mean and the fastest round are reported
-/// (their shares of the ceilings are the caller's to fill in).
-fn bench_kinds(o: &BenchOptions) -> Result<Vec<KindBench>, TrainError> {
-    let batches = bench_batches(o, &bench_config(o, ModelKind::named("mlp")))?;
-    let pool = crate::run::compute_pool(bench_config(o, ModelKind::named("mlp")).train.threads)?;
-    pool.install(|| {
-        let mut runs = Vec::new();
-        for name in &o.kinds {
-            let kind = sparrow_model::kinds::find(name)?;
-            let stacked = kind.has_products();
-            for precision in [Precision::F32, Precision::Bf16] {
-                if precision == Precision::Bf16 && !stacked {
-                    continue;
-                }
-                tracing::info!("bench: {} dense step, {precision:?}: warm-up", kind.name());
-                let mut config = bench_config(o, name.clone());
-                config.model.precision = precision;
-                let mut trainer = Trainer::new(&config, DataLayout::from_config(&config.data))?;
-                for b in batches.iter().take(20) {
-                    trainer.train_batch(b)?;
-                }
-                trainer.phase_secs = Default::default();
-                let flops = kind.step_flops_per_sample(&config.model, trainer.model.shape);
-                let shape = trainer.model.shape;
-                let row_len =
-                    trainer.model.packed_row_len().unwrap_or(shape.num_fields * shape.embedding_dim + shape.num_dense);
-                runs.push(KindRun {
-                    kind,
-                    precision,
-                    trainer,
-                    flops,
-                    samples: 0,
-                    secs: 0.0,
-                    best_round_dense_per_sample: f64::INFINITY,
-                    row_len,
-                });
-            }
-        }
-        let per_round = o.kind_steps.div_ceil(KIND_ROUNDS);
-        for round in 0..KIND_ROUNDS {
-            tracing::info!("bench: model kinds, round {} of {KIND_ROUNDS}", round + 1);
-            for run in &mut runs {
-                let (dense_before, start) = (run.trainer.phase_secs.dense, Instant::now());
-                let mut samples = 0;
-                for b in batches.iter().cycle().skip(round * per_round).take(per_round) {
-                    run.trainer.train_batch(b)?;
-                    samples += b.rows();
-                }
-                run.secs += start.elapsed().as_secs_f64();
-                run.samples += samples;
-                let dense = run.trainer.phase_secs.dense - dense_before;
-                run.best_round_dense_per_sample = run.best_round_dense_per_sample.min(dense / samples.max(1) as f64);
-            }
-        }
-        let threads = rayon::current_num_threads();
-        Ok(runs
-            .into_iter()
-            .map(|run| {
-                let dense = run.trainer.phase_secs.dense.max(1e-9);
-                let rate = run.samples as f64 / run.secs.max(1e-9);
-                let dense_gflops = run.flops * run.samples as f64 / dense / 1e9;
-                let best_round_dense_gflops = run.flops / run.best_round_dense_per_sample.max(1e-12) / 1e9;
-                let bytes_per_sample = 8.0 * run.row_len as f64;
-                let batch_bytes = 4 * run.row_len * o.batch_size;
-                let copy = sparrow_model::peak::copy_bandwidth(threads, batch_bytes, Duration::from_millis(200)) / 1e9;
-                let dense_gbytes_per_sec = bytes_per_sample * run.samples as f64 / dense / 1e9;
-                let best_round_gbytes = bytes_per_sample / run.best_round_dense_per_sample.max(1e-12) / 1e9;
-                KindBench {
-                    kind: run.kind.name(),
-                    precision: if run.precision == Precision::F32 { "f32" } else { "bf16" },
-                    samples_per_sec: rate,
-                    dense_share_of_step: dense / run.secs.max(1e-9),
-                    flops_per_sample: run.flops,
-                    dense_gflops,
-                    // Filled in against the ceilings measured around the rounds.
-                    share_of_ceiling: None,
-                    best_round_dense_gflops,
-                    best_round_share_of_ceiling: None,
-                    bytes_per_sample,
-                    dense_gbytes_per_sec,
-                    copy_gbytes_per_sec: copy,
-                    share_of_copy_bandwidth: dense_gbytes_per_sec / copy,
-                    best_round_share_of_copy_bandwidth: best_round_gbytes / copy,
-                    // Filled in with the ceilings.
-                    share_of_ceiling_bytes_allow: None,
-                }
-            })
-            .collect())
-    })
 }
 
 fn bench_train_step(o: &BenchOptions) -> Result<TrainBench, TrainError> {

@@ -68,10 +68,19 @@ impl Kind for Din {
         Ok(Box::new(DinNet::new(at.ps, at.config, at.pairs, input, at.outputs(), at.arith)?))
     }
 
-    /// The MLP; the attention units' work grows with the history's length.
+    /// The MLP; the attention's work is a history item's
+    /// ([`step_flops_per_history_item`](Kind::step_flops_per_history_item)).
     fn step_flops_per_sample(&self, config: &ModelConfig, shape: ModelShape) -> f64 {
         let x = (shape.num_fields * shape.embedding_dim + shape.num_dense) as f64;
         stack_flops(x, &head(&config.hidden, 1))
+    }
+
+    /// The attention unit on `[q, k, q − k, q ⊙ k]` (4·d inputs, one
+    /// score), and the item's share of the weighted sum (`6·d`: forward, the
+    /// score's and the item's gradients); building the features is left out.
+    fn step_flops_per_history_item(&self, config: &ModelConfig, shape: ModelShape) -> f64 {
+        let d = shape.embedding_dim as f64;
+        stack_flops(4.0 * d, &head(&config.attention_hidden, 1)) + 6.0 * d
     }
 
     /// The MLP and an attention unit per sequence.

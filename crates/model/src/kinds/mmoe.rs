@@ -34,12 +34,14 @@ impl Kind for Mmoe {
         multitask::build(Which::Mmoe, at)
     }
 
-    /// Experts and a tower (one output), gates left out.
+    /// The experts, then each task's gate (a product `x → experts`) and
+    /// tower (one output each: a floor for a multiclass task's).
     fn step_flops_per_sample(&self, config: &ModelConfig, shape: ModelShape) -> f64 {
         let x = (shape.num_fields * shape.embedding_dim + shape.num_dense) as f64;
         let expert_out = config.expert_hidden.last().copied().unwrap_or(1) as f64;
+        let tasks = config.tasks.len().max(1) as f64;
         config.experts as f64 * stack_flops(x, &config.expert_hidden)
-            + stack_flops(expert_out, &head(&config.tower_hidden, 1))
+            + tasks * (stack_flops(x, &[config.experts]) + stack_flops(expert_out, &head(&config.tower_hidden, 1)))
     }
 
     fn dense_params(&self, config: &Config, shape: ModelShape) -> u128 {

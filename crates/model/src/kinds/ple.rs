@@ -35,14 +35,25 @@ impl Kind for Ple {
         multitask::build(Which::Ple, at)
     }
 
-    /// Each level's experts and a tower (one output), gates left out.
+    /// Each level's experts (the shared ones and every task's own) and
+    /// gates (each task's over its own and the shared experts; below the
+    /// top, the shared gate over all), then each task's tower (one output
+    /// each: a floor for a multiclass task's).
     fn step_flops_per_sample(&self, config: &ModelConfig, shape: ModelShape) -> f64 {
         let x = (shape.num_fields * shape.embedding_dim + shape.num_dense) as f64;
         let expert_out = config.expert_hidden.last().copied().unwrap_or(1) as f64;
-        let per_level = (config.experts + config.task_experts) as f64;
-        let experts = per_level * stack_flops(x, &config.expert_hidden)
-            + per_level * (config.levels.saturating_sub(1)) as f64 * stack_flops(expert_out, &config.expert_hidden);
-        experts + stack_flops(expert_out, &head(&config.tower_hidden, 1))
+        let tasks = config.tasks.len().max(1);
+        let experts = config.experts + tasks * config.task_experts;
+        let mut total = tasks as f64 * stack_flops(expert_out, &head(&config.tower_hidden, 1));
+        for level in 0..config.levels {
+            let fan_in = if level == 0 { x } else { expert_out };
+            total += experts as f64 * stack_flops(fan_in, &config.expert_hidden)
+                + tasks as f64 * stack_flops(fan_in, &[config.task_experts + config.experts]);
+            if level + 1 < config.levels {
+                total += stack_flops(fan_in, &[experts]);
+            }
+        }
+        total
     }
 
     fn dense_params(&self, config: &Config, shape: ModelShape) -> u128 {
