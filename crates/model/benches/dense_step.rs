@@ -2,33 +2,47 @@
 //! optimizer on one batch already pooled into the model's input rows, as
 //! the step engine hands it over (batch 1024, 26 fields of dim 16,
 //! 13 dense values, `hidden = [256, 128]`, the defaults otherwise), on two
-//! threads. Prints the best and the median step time of 15 runs of 10 steps
+//! threads. The kinds for several tasks and sequences take the behaviour
+//! data's shape instead (`sparrow bench`'s): 5 fields of dim 16 and a
+//! price, three tasks (a binary, a weighted binary, 4 classes; ESMM its two
+//! binary ones), and DIN a history of 0 to 20 items a row (10 on average),
+//! its flops counted per item. Prints the best and the median step time of 15 runs of 10 steps
 //! and the floor flops (`DenseModel::step_flops_per_sample`) over the best
 //! (a busy neighbour only ever adds time), beside the machine's fp32 and
 //! bf16 ceilings measured in the same run.
 //!
-//! `cargo bench -p sparrow-model --bench dense_step [-- KIND... f32|bf16]`
+//! `cargo bench -p sparrow-model --bench dense_step [-- KIND... f32|bf16 ROWS]`
+//! (ROWS: the batch, 1024 unless a number is given).
 
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
 use sparrow_core::config::{DenseOptimizerConfig, ModelConfig, ModelKind, Precision};
+use sparrow_core::config::{Task, TaskKind};
 use sparrow_core::rng::Rng;
-use sparrow_model::{DenseModel, DenseOptimizer, ModelShape};
-
-const ROWS: usize = 1024;
+use sparrow_model::kinds::Family;
+use sparrow_model::{DenseModel, DenseOptimizer, Heads, ModelShape, Sequences};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let (numbers, args): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a.parse::<usize>().is_ok());
+    let rows = numbers.first().and_then(|n| n.parse().ok()).unwrap_or(1024);
     let (precisions, wanted): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a == "f32" || a == "bf16");
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
     let peaks = sparrow_model::peak::measure(2, Duration::from_millis(300));
     let bf16_peak = peaks.bf16_dot.as_ref().map_or(f64::NAN, |p| p.gflops);
     println!("ceilings: fp32 {:.0} GFLOP/s, bf16 {:.0} GFLOP/s", peaks.fp32_fma.gflops, bf16_peak);
     println!("{:<10} {:<5} {:>8} {:>8} {:>9} {:>8}", "kind", "prec", "best ms", "med ms", "GFLOP/s", "share");
-    let shape = ModelShape { num_fields: 26, num_dense: 13, embedding_dim: 16 };
-    for kind in sparrow_model::kinds::of_family(sparrow_model::kinds::Family::OneTask) {
+    for kind in sparrow_model::kinds::KINDS {
         let has_products = kind.has_products();
+        let one_task = kind.family() == Family::OneTask;
+        let shape = if one_task {
+            ModelShape { num_fields: 26, num_dense: 13, embedding_dim: 16 }
+        } else {
+            ModelShape { num_fields: 5, num_dense: 1, embedding_dim: 16 }
+        };
+        let heads = heads(kind.name(), one_task);
+        let pairs: &[(usize, usize)] = if kind.attends() { &[(4, 1)] } else { &[] };
         let kind = ModelKind::named(kind.name());
         if !wanted.is_empty() && !wanted.iter().any(|w| w == kind.name()) {
             continue;
@@ -44,19 +58,29 @@ fn main() {
                 embedding_dim: 16,
                 hidden: vec![256, 128],
                 precision,
+                tasks: Vec::new(),
                 ..Default::default()
             };
-            let model = DenseModel::new(&config, shape, 7, Device::Cpu, sparrow_core::simd::Simd::Auto).expect("model");
+            let simd = sparrow_core::simd::Simd::Auto;
+            let model =
+                DenseModel::with_attention(&config, shape, heads.clone(), pairs, 7, Device::Cpu, simd).expect("model");
             let mut optimizer = DenseOptimizer::new(DenseOptimizerConfig::default(), sparrow_core::simd::Simd::Auto);
             let mut rng = Rng::new(3);
             let row = model.packed_row_len().expect("CPU models take packed rows");
-            let fields = 26 * model.width();
-            let x: Vec<f32> = (0..ROWS * row)
+            let fields = shape.num_fields * model.width();
+            let x: Vec<f32> = (0..rows * row)
                 .map(|i| if i % row < fields { rng.uniform(-0.1, 0.1) } else { rng.uniform(0.0, 2.0) } as f32)
                 .collect();
-            let labels: Vec<f32> = (0..ROWS).map(|i| (i % 4 == 0) as u8 as f32).collect();
+            let tasks = heads.tasks();
+            let labels: Vec<f32> = (0..rows * tasks)
+                .map(|i| if i % tasks == 2 { (i % 4) as f32 } else { (i % 4 == 0) as u8 as f32 })
+                .collect();
+            let sequences = (!pairs.is_empty()).then(|| history(rows, &mut rng));
+            let items = sequences.as_ref().map_or(0.0, |s| s.rows[0].len() as f64 / rows as f64);
             let mut step = || {
-                let (loss, _, _, grads) = model.forward_backward_packed(&x, &labels, |g| g[0]).expect("step");
+                let (loss, _, _, grads) = model
+                    .forward_backward_packed_with(&x, &labels, None, sequences.clone(), |g, _| g[0])
+                    .expect("step");
                 model.recycle(optimizer.apply(&model.params, grads).expect("optimizer"));
                 std::hint::black_box(loss);
             };
@@ -72,7 +96,13 @@ fn main() {
             });
             times.sort_by(f64::total_cmp);
             let (best, median) = (times[0], times[times.len() / 2]);
-            let gflops = DenseModel::step_flops_per_sample(&config, shape).expect("a kind") * ROWS as f64 / best / 1e9;
+            let found = sparrow_model::kinds::find(&kind).expect("a kind");
+            let mut floor_config = config.clone();
+            // The floor counts each task's tower.
+            floor_config.tasks = (0..tasks).map(|t| task_config(t)).collect();
+            let floor = found.step_flops_per_sample(&floor_config, shape)
+                + items * found.step_flops_per_history_item(&floor_config, shape);
+            let gflops = floor * rows as f64 / best / 1e9;
             let ceiling = if precision == Precision::F32 { peaks.fp32_fma.gflops } else { bf16_peak };
             let (best, median) = (best * 1e3, median * 1e3);
             println!(
@@ -83,4 +113,29 @@ fn main() {
             );
         }
     }
+}
+
+/// One binary task for the one-task kinds; three for the others (ESMM: two binary).
+fn heads(kind: &str, one_task: bool) -> Heads {
+    let task = |name: &str, kind, outputs, weight| Task { name: name.into(), kind, outputs, weight };
+    if one_task {
+        return Heads::one_binary();
+    }
+    let mut tasks = vec![task("click", TaskKind::Binary, 1, 1.0), task("conversion", TaskKind::Binary, 1, 2.0)];
+    if kind != "esmm" {
+        tasks.push(task("ad_type", TaskKind::Multiclass, 4, 0.5));
+    }
+    Heads::of(&tasks)
+}
+
+/// A history of 0 to 20 items a row.
+fn history(batch: usize, rng: &mut Rng) -> Sequences {
+    let rows: Vec<u32> = (0..batch as u32).flat_map(|r| std::iter::repeat_n(r, rng.below(21) as usize)).collect();
+    let items = (0..rows.len() * 16).map(|_| rng.uniform(-0.1, 0.1) as f32).collect();
+    Sequences { rows: vec![rows], items: vec![items] }
+}
+
+/// A binary task of that name (the floor counts tasks, not their kinds).
+fn task_config(t: usize) -> sparrow_core::config::TaskConfig {
+    sparrow_core::config::TaskConfig { name: format!("t{t}"), kind: TaskKind::Binary, classes: None, weight: 1.0 }
 }

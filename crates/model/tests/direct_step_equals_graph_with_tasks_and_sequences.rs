@@ -32,14 +32,19 @@ fn heads(kind: &str) -> Heads {
     ])
 }
 
+/// Experts of two layers (or of one, as the default's).
 fn model(kind: &str, precision: Precision, num_dense: usize) -> DenseModel {
+    model_with(kind, precision, num_dense, &[7, 6])
+}
+
+fn model_with(kind: &str, precision: Precision, num_dense: usize, expert_hidden: &[usize]) -> DenseModel {
     let config = ModelConfig {
         kind: ModelKind::named(kind),
         embedding_dim: DIM,
         hidden: vec![8, 6],
         cross_layers: 2,
         experts: 3,
-        expert_hidden: vec![7, 6],
+        expert_hidden: expert_hidden.to_vec(),
         task_experts: 2,
         levels: 2,
         tower_hidden: vec![5],
@@ -78,12 +83,17 @@ fn close(what: &str, a: &[f32], b: &[f32], tolerance: f32) {
 
 #[test]
 fn the_direct_step_is_the_graphs_for_several_tasks_and_sequences() {
+    let deep: &[usize] = &[7, 6];
     let cases = ["mlp", "dcn", "mmoe", "ple", "esmm", "din"]
         .into_iter()
-        .flat_map(|k| [(k, Precision::F32, 2), (k, Precision::Bf16, 2), (k, Precision::F32, 0)]);
-    for (kind, precision, num_dense) in cases {
-        let what = format!("{kind} {precision:?} with {num_dense} dense");
-        let (direct, graph) = (model(kind, precision, num_dense), model(kind, precision, num_dense));
+        .flat_map(|k| [(k, Precision::F32, 2, deep), (k, Precision::Bf16, 2, deep), (k, Precision::F32, 0, deep)])
+        .chain(["mmoe", "ple"].into_iter().flat_map(|k| {
+            [(k, Precision::F32, 2, &[7][..]), (k, Precision::Bf16, 2, &[7][..]), (k, Precision::F32, 0, &[7][..])]
+        }));
+    for (kind, precision, num_dense, experts) in cases {
+        let what = format!("{kind} {precision:?} with {num_dense} dense, experts {experts:?}");
+        let model = || model_with(kind, precision, num_dense, experts);
+        let (direct, graph) = (model(), model());
         assert!(direct.packed_row_len().is_some(), "{what}: takes the direct step");
         let (mut opt_d, mut opt_g) = (
             DenseOptimizer::new(DenseOptimizerConfig::default(), Default::default()),

@@ -50,6 +50,8 @@ pub(super) struct MultiTask {
     which: Which,
     levels: Vec<Level>,
     towers: Vec<Mlp>,
+    /// `model.precision`: the gates' products take it as the experts' do.
+    arith: Arith,
 }
 
 fn experts(
@@ -152,7 +154,7 @@ impl MultiTask {
                 }
             }
         }
-        Ok(MultiTask { which, levels, towers })
+        Ok(MultiTask { which, levels, towers, arith })
     }
 
     /// Logits `[B, outputs]` from input rows `x` `[B, input]`.
@@ -185,12 +187,12 @@ impl MultiTask {
                         let mut pool: Vec<&Tensor> = own.get(t).map(|o| o.iter().collect()).unwrap_or_default();
                         pool.extend(shared.iter());
                         // MMoE's gates read the input itself; PLE's, the task's input.
-                        next.push(mix(&gate.forward(&inputs[t])?, &pool)?);
+                        next.push(mix(&self.gate(gate, &inputs[t])?, &pool)?);
                     }
                     if let Some(gate) = &level.shared_gate {
                         let mut pool: Vec<&Tensor> = shared.iter().collect();
                         pool.extend(own.iter().flatten());
-                        shared_in = mix(&gate.forward(&shared_in)?, &pool)?;
+                        shared_in = mix(&self.gate(gate, &shared_in)?, &pool)?;
                     }
                     inputs = next;
                 }
@@ -203,6 +205,12 @@ impl MultiTask {
 }
 
 impl MultiTask {
+    /// A gate's logits `x·W + b`, the product in the model's precision.
+    fn gate(&self, gate: &Linear, x: &Tensor) -> Result<Tensor, ModelError> {
+        let product = crate::mlp::matmul_in(self.arith, x, gate.weight().as_tensor())?;
+        Ok(product.broadcast_add(gate.bias().as_tensor())?)
+    }
+
     /// Its structure and weights for an exporter.
     pub(super) fn spec(&self) -> Result<crate::spec::NetSpec, ModelError> {
         let mlps = |v: &[Mlp]| v.iter().map(Mlp::layers).collect::<Result<Vec<_>, _>>();

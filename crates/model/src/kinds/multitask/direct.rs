@@ -20,9 +20,10 @@ use rayon::prelude::*;
 
 use super::{Level, MultiTask, Which};
 use crate::ModelError;
+use crate::bf16::Arith;
 use crate::kinds::{At, Direct, Grads};
-use crate::matrix::{Operand, sgemm};
-use crate::mlp::{Mlp, MlpScratch, cpu, sized};
+use crate::matrix::Operand;
+use crate::mlp::{Mlp, MlpScratch, cpu, linear_grads, matmul, sized};
 use crate::params::Linear;
 use crate::step::Scratch;
 
@@ -112,6 +113,7 @@ fn weights(l: &Linear) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
 
 /// `weights = softmax(input·W + b)` a row, then `mix = Σ_k weights_k · pooled_k`.
 fn gate_forward(
+    arith: Arith,
     (input, fan_in): (&[f32], usize),
     gate: &Linear,
     pooled: &[&[f32]],
@@ -122,7 +124,7 @@ fn gate_forward(
     let k = pooled.len();
     let (w, b) = weights(gate)?;
     let logits = sized(weights_out, rows * k);
-    sgemm(rows, k, fan_in, Operand::plain(input), Operand::plain(&w), logits);
+    matmul(arith, None, rows, k, fan_in, Operand::plain(input), Operand::plain(&w), logits);
     let mix = sized(mix, rows * width);
     logits.par_chunks_mut(k * ROWS_PER_TASK).zip(mix.par_chunks_mut(width * ROWS_PER_TASK)).enumerate().for_each(
         |(chunk, (logits, mix))| {
@@ -177,7 +179,7 @@ impl MultiTask {
                 let pooled: Vec<&[f32]> = level.pool(g).iter().map(|&e| &bufs.experts[e].output[..]).collect();
                 let width = experts[0].outputs();
                 let (w, mix) = (&mut bufs.weights[g], &mut bufs.mixes[g]);
-                gate_forward((input, input.len() / rows.max(1)), gate, &pooled, width, (w, mix))?;
+                gate_forward(self.arith, (input, input.len() / rows.max(1)), gate, &pooled, width, (w, mix))?;
             }
         }
         Ok(())
@@ -199,19 +201,19 @@ impl MultiTask {
             let bufs = &mut rest[0];
             let inputs = self.level_inputs(x, below, tasks);
             let fan_in = inputs[0].len() / rows.max(1);
-            let experts: Vec<&Mlp> = level.experts().collect();
-            let width = experts[0].outputs();
-            bufs.d_experts.resize_with(experts.len(), Vec::new);
-            bufs.d_experts.iter_mut().for_each(|d| {
-                d.clear();
-                d.resize(rows * width, 0.0);
-            });
             // At the level's inputs: the tasks', then the shared one.
             let mut d_in = std::mem::take(&mut m.d_below);
             d_in.resize_with(tasks + 1, Vec::new);
             d_in.iter_mut().for_each(|d| {
                 d.clear();
                 d.resize(rows * fan_in, 0.0);
+            });
+            let experts: Vec<&Mlp> = level.experts().collect();
+            let width = experts[0].outputs();
+            bufs.d_experts.resize_with(experts.len(), Vec::new);
+            bufs.d_experts.iter_mut().for_each(|d| {
+                d.clear();
+                d.resize(rows * width, 0.0);
             });
             for (g, gate) in level.gates().enumerate() {
                 let d_mix = &m.d_inputs[g];
@@ -250,10 +252,8 @@ impl MultiTask {
                 let input = inputs[if g < tasks { g } else { tasks }];
                 let (gw, _) = weights(gate)?;
                 let (mut dw, mut db) = (vec![0.0f32; fan_in * k], vec![0.0f32; k]);
-                sgemm(fan_in, k, rows, Operand::t(input), Operand::plain(d_logits), &mut dw);
-                d_logits.chunks_exact(k).for_each(|row| db.iter_mut().zip(row).for_each(|(d, g)| *d += g));
                 let d_gate_in = sized(&mut m.d_gate_in, rows * fan_in);
-                sgemm(rows, fan_in, k, Operand::plain(d_logits), Operand::t(&gw), d_gate_in);
+                linear_grads(self.arith, (rows, fan_in, k), input, &gw, d_logits, (&mut dw, &mut db), d_gate_in);
                 d_in[if g < tasks { g } else { tasks }].iter_mut().zip(d_gate_in.iter()).for_each(|(a, b)| *a += b);
                 grads.push((gate.weight(), dw));
                 grads.push((gate.bias(), db));
