@@ -99,7 +99,7 @@ fn main() {
             let found = sparrow_model::kinds::find(&kind).expect("a kind");
             let mut floor_config = config.clone();
             // The floor counts each task's tower.
-            floor_config.tasks = (0..tasks).map(|t| task_config(t)).collect();
+            floor_config.tasks = (0..tasks).map(task_config).collect();
             let floor = found.step_flops_per_sample(&floor_config, shape)
                 + items * found.step_flops_per_history_item(&floor_config, shape);
             let gflops = floor * rows as f64 / best / 1e9;
