@@ -230,8 +230,9 @@ pub struct ModelConfig {
     pub cross_layers: usize,
     /// How the IDs of one multi-hot field are combined.
     pub pooling: Pooling,
-    /// `f32`, or `bf16`: the MLP stacks' and DCN-v2's cross layers' matrix
-    /// products (forward and both gradients) take bf16-rounded inputs
+    /// `f32`, or `bf16`: the MLP stacks' (experts, towers and DIN's
+    /// attention units among them), the multi-task gates' and DCN-v2's
+    /// cross layers' matrix products (forward and both gradients) take bf16-rounded inputs
     /// (nearest even, denormals to zero) and accumulate in fp32; weights and
     /// optimizer state stay f32. AVX-512-BF16 runs it where the CPU has it;
     /// elsewhere a portable product gives the same bits 12-20× slower than
