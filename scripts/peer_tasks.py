@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The peer of issue 41's models: ESMM, MMoE and DIN written the standard way
+"""The peer of issue 41's models: ESMM, MMoE, PLE and DIN written the standard way
 in PyTorch, trained on the same `sparrow gen --tasks --sequence` CSV as
 Sparrow, with the same hyperparameters as the Sparrow config scripts/bench-tasks
 writes beside it.
@@ -14,6 +14,10 @@ writes beside it.
   (the history sum-pooled); the conversion output is pCTR x pCVR.
 - `mmoe`: `--experts` experts (MLPs of `--expert-hidden`, ReLU), a softmax
   gate and a tower per task.
+- `ple`: `--levels` extraction levels of `--experts` shared and
+  `--task-experts` experts per task; a task's gate mixes its own and the
+  shared experts of its input, and below the top a shared gate mixes them
+  all into the next level's shared input; a tower per task.
 - `din`: a local activation unit (MLP `--attention-hidden` -> 1 on
   [q, k, q-k, q*k]) scores each history item against the candidate item; the
   history is the scores' weighted sum (unnormalised, padding masked); an MLP
@@ -109,6 +113,20 @@ class Model(nn.Module):
             self.experts = nn.ModuleList([mlp([x] + args.expert_hidden, True) for _ in range(args.experts)])
             self.gates = nn.ModuleList([nn.Linear(x, args.experts) for _ in tasks])
             self.towers = nn.ModuleList([mlp([width] + args.tower_hidden + [k], False) for k in outputs])
+        elif self.kind == "ple":
+            width, fan_in, n = args.expert_hidden[-1], x, len(tasks)
+            self.levels = nn.ModuleList()
+            for level in range(args.levels):
+                lv = nn.Module()
+                lv.shared = nn.ModuleList([mlp([fan_in] + args.expert_hidden, True) for _ in range(args.experts)])
+                lv.own = nn.ModuleList([nn.ModuleList([mlp([fan_in] + args.expert_hidden, True)
+                                                       for _ in range(args.task_experts)]) for _ in tasks])
+                lv.gates = nn.ModuleList([nn.Linear(fan_in, args.task_experts + args.experts) for _ in tasks])
+                top = level + 1 == args.levels
+                lv.shared_gate = None if top else nn.Linear(fan_in, args.experts + n * args.task_experts)
+                self.levels.append(lv)
+                fan_in = width
+            self.towers = nn.ModuleList([mlp([width] + args.tower_hidden + [k], False) for k in outputs])
         else:
             self.attention = mlp([4 * d] + args.attention_hidden + [1], False)
             self.mlp = mlp([x] + args.hidden + [sum(outputs)], False)
@@ -135,6 +153,20 @@ class Model(nn.Module):
                 w = torch.softmax(gate(x), -1)[:, :, None]
                 outs.append(tower((experts * w).sum(1)))
             return torch.cat(outs, 1)
+        if self.kind == "ple":
+            inputs, shared_in = [x] * len(self.towers), x
+            for lv in self.levels:
+                shared = [e(shared_in) for e in lv.shared]
+                own = [[e(i) for e in es] for es, i in zip(lv.own, inputs)]
+                mixed = []
+                for t, gate in enumerate(lv.gates):
+                    w = torch.softmax(gate(inputs[t]), -1)[:, :, None]
+                    mixed.append((torch.stack(own[t] + shared, 1) * w).sum(1))
+                if lv.shared_gate is not None:
+                    w = torch.softmax(lv.shared_gate(shared_in), -1)[:, :, None]
+                    shared_in = (torch.stack(shared + [e for o in own for e in o], 1) * w).sum(1)
+                inputs = mixed
+            return torch.cat([tower(i) for tower, i in zip(self.towers, inputs)], 1)
         return self.mlp(x)
 
 
@@ -156,7 +188,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--train", required=True)
     p.add_argument("--test", required=True)
-    p.add_argument("--model", choices=["esmm", "mmoe", "din"], required=True)
+    p.add_argument("--model", choices=["esmm", "mmoe", "ple", "din"], required=True)
     p.add_argument("--tasks", default="click:1:1,conversion:2:1,ad_type:0.5:4",
                    help="name:weight:outputs, comma-separated (outputs > 1: multiclass)")
     p.add_argument("--epochs", type=int, default=1)
@@ -169,6 +201,8 @@ def main():
     p.add_argument("--expert-hidden", type=lambda s: [int(v) for v in s.split(",")], default=[64])
     p.add_argument("--attention-hidden", type=lambda s: [int(v) for v in s.split(",")], default=[36])
     p.add_argument("--experts", type=int, default=4)
+    p.add_argument("--task-experts", type=int, default=1)
+    p.add_argument("--levels", type=int, default=2)
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
