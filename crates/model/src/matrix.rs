@@ -1,7 +1,8 @@
 //! What the matrix products take (a row-major operand, used as stored or
 //! transposed), and the fp32 product itself ([`sgemm`], on the `gemm`
 //! crate), which `mlp` runs in fp32 and `bf16` runs on bf16-rounded
-//! operands where the CPU has no bf16 dot product.
+//! operands where the CPU has no bf16 dot product; and [`dot`], a short
+//! dot product in lanes (the multi-task gates' and DIN's adjoints).
 
 /// A row-major matrix operand, used as stored or transposed.
 #[derive(Clone, Copy)]
@@ -69,4 +70,18 @@ pub fn sgemm_threads(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_
             parallelism,
         );
     }
+}
+
+/// `Σ a_i·b_i` in eight lanes (a plain fold is one: the compiler keeps its order).
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let (a8, a_rest) = a.as_chunks::<8>();
+    let (b8, b_rest) = b.as_chunks::<8>();
+    let mut lanes = [0.0f32; 8];
+    for (a, b) in a8.iter().zip(b8) {
+        for j in 0..8 {
+            lanes[j] += a[j] * b[j];
+        }
+    }
+    let tail: f32 = a_rest.iter().zip(b_rest).map(|(a, b)| a * b).sum();
+    lanes.iter().sum::<f32>() + tail
 }

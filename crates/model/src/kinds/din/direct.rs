@@ -12,6 +12,7 @@ use rayon::prelude::*;
 use super::DinNet;
 use crate::ModelError;
 use crate::kinds::{At, Direct, Grads};
+use crate::matrix::dot;
 use crate::mlp::{Mlp, MlpScratch, sized};
 use crate::step::Scratch;
 
@@ -27,20 +28,6 @@ pub(super) struct DinScratch {
     features: Vec<Vec<f32>>,
     /// A sequence's d loss / d score, a position.
     d_scores: Vec<f32>,
-}
-
-/// `Σ a_i·b_i` in eight lanes (a plain fold is one: the compiler keeps its order).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let (a8, a_rest) = a.as_chunks::<8>();
-    let (b8, b_rest) = b.as_chunks::<8>();
-    let mut lanes = [0.0f32; 8];
-    for (a, b) in a8.iter().zip(b8) {
-        for j in 0..8 {
-            lanes[j] += a[j] * b[j];
-        }
-    }
-    let tail: f32 = a_rest.iter().zip(b_rest).map(|(a, b)| a * b).sum();
-    lanes.iter().sum::<f32>() + tail
 }
 
 impl Direct for DinNet {

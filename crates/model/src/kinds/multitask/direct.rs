@@ -22,7 +22,7 @@ use super::{Level, MultiTask, Which};
 use crate::ModelError;
 use crate::bf16::Arith;
 use crate::kinds::{At, Direct, Grads};
-use crate::matrix::Operand;
+use crate::matrix::{Operand, dot};
 use crate::mlp::{Mlp, MlpScratch, cpu, linear_grads, matmul, sized};
 use crate::params::Linear;
 use crate::step::Scratch;
@@ -89,20 +89,6 @@ impl Level {
             (0..shared + self.own.iter().map(Vec::len).sum::<usize>()).collect()
         }
     }
-}
-
-/// `Σ a_i·b_i` in eight lanes (a plain fold is one: the compiler keeps its order).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let (a8, a_rest) = a.as_chunks::<8>();
-    let (b8, b_rest) = b.as_chunks::<8>();
-    let mut lanes = [0.0f32; 8];
-    for (a, b) in a8.iter().zip(b8) {
-        for j in 0..8 {
-            lanes[j] += a[j] * b[j];
-        }
-    }
-    let tail: f32 = a_rest.iter().zip(b_rest).map(|(a, b)| a * b).sum();
-    lanes.iter().sum::<f32>() + tail
 }
 
 /// A linear layer's weight and bias on CPU.
