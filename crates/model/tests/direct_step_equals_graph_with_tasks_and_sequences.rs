@@ -165,6 +165,13 @@ fn history_items_that_do_not_fit_the_batch_are_refused() {
         let err = err.map(|e| e.to_string()).unwrap_or_default();
         assert!(err.contains("history items"), "refused naming the history: {err:?}");
     }
+    let mut poisoned = good.clone();
+    poisoned.items[0][3] = f32::NAN;
+    let weights_before = din.params.flat_values().expect("weights");
+    let err = din.forward_backward_with(emb.clone(), dense.clone(), &labels, None, Some(&poisoned)).err();
+    let err = err.map(|e| e.to_string()).unwrap_or_default();
+    assert!(err.contains("non-finite"), "a NaN history item is refused: {err:?}");
+    assert_eq!(din.params.flat_values().expect("weights"), weights_before, "nothing moved");
     let err = din.forward_backward_with(emb, dense, &labels, None, None).err().map(|e| e.to_string());
     assert!(err.unwrap_or_default().contains("behaviour sequence"), "a batch without its sequence is refused");
 }

@@ -91,12 +91,6 @@ impl Level {
     }
 }
 
-/// A linear layer's weight and bias on CPU.
-fn weights(l: &Linear) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
-    let (w, b) = (l.weight().storage_and_layout(), l.bias().storage_and_layout());
-    Ok((cpu(&w.0, w.1)?.to_vec(), cpu(&b.0, b.1)?.to_vec()))
-}
-
 /// `weights = softmax(input·W + b)` a row, then `mix = Σ_k weights_k · pooled_k`.
 fn gate_forward(
     arith: Arith,
@@ -108,16 +102,18 @@ fn gate_forward(
 ) -> Result<(), ModelError> {
     let rows = input.len() / fan_in.max(1);
     let k = pooled.len();
-    let (w, b) = weights(gate)?;
+    // Read where candle stores them (the guards held to the end).
+    let (ws, bs) = (gate.weight().storage_and_layout(), gate.bias().storage_and_layout());
+    let (w, b) = (cpu(&ws.0, ws.1)?, cpu(&bs.0, bs.1)?);
     let logits = sized(weights_out, rows * k);
-    matmul(arith, None, rows, k, fan_in, Operand::plain(input), Operand::plain(&w), logits);
+    matmul(arith, None, rows, k, fan_in, Operand::plain(input), Operand::plain(w), logits);
     let mix = sized(mix, rows * width);
     logits.par_chunks_mut(k * ROWS_PER_TASK).zip(mix.par_chunks_mut(width * ROWS_PER_TASK)).enumerate().for_each(
         |(chunk, (logits, mix))| {
             for (i, (g, m)) in logits.chunks_exact_mut(k).zip(mix.chunks_exact_mut(width)).enumerate() {
                 let r = chunk * ROWS_PER_TASK + i;
                 // As the graph: bias, less the row's max, exp, over the sum.
-                g.iter_mut().zip(&b).for_each(|(g, b)| *g += b);
+                g.iter_mut().zip(b).for_each(|(g, b)| *g += b);
                 let max = g.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
                 g.iter_mut().for_each(|v| *v = (*v - max).exp());
                 let sum: f32 = g.iter().sum();
@@ -236,10 +232,11 @@ impl MultiTask {
                 });
                 // The gate's own layer: dW = inᵀ·d logits, db = Σ_rows d logits, d in = d logits·Wᵀ.
                 let input = inputs[if g < tasks { g } else { tasks }];
-                let (gw, _) = weights(gate)?;
+                let gw = gate.weight().storage_and_layout();
+                let gw = cpu(&gw.0, gw.1)?;
                 let (mut dw, mut db) = (vec![0.0f32; fan_in * k], vec![0.0f32; k]);
                 let d_gate_in = sized(&mut m.d_gate_in, rows * fan_in);
-                linear_grads(self.arith, (rows, fan_in, k), input, &gw, d_logits, (&mut dw, &mut db), d_gate_in);
+                linear_grads(self.arith, (rows, fan_in, k), input, gw, d_logits, (&mut dw, &mut db), d_gate_in);
                 d_in[if g < tasks { g } else { tasks }].iter_mut().zip(d_gate_in.iter()).for_each(|(a, b)| *a += b);
                 grads.push((gate.weight(), dw));
                 grads.push((gate.bias(), db));
