@@ -129,6 +129,8 @@ pub struct Worker {
     packed_input: Vec<f32>,
     /// `embedding.dtype`: how the shards send vectors (traffic counts it).
     row_dtype: sparrow_embedding::EmbeddingDtype,
+    /// `embedding.l2`, added to the gradients it pushes.
+    row_l2: f32,
     pub stats: WorkerStats,
     /// Moves with every batch trained or evaluated and every idle round: the
     /// heartbeat carries it, so a worker stuck in a loop is seen as stuck.
@@ -220,6 +222,7 @@ pub fn new_worker_in(
         Worker::new(index, model, optimizer, config.model.pooling).with_pipeline_depth(config.train.pipeline_depth);
     worker.generation = generation;
     worker.row_dtype = config.embedding.dtype;
+    worker.row_l2 = config.embedding.l2;
     worker.online = config.online_window().map(ProgressiveEval::new);
     worker.periodic_eval = evaluate::PeriodicEval::new(config, index);
     let log = RunLog::open(config, Some(index), worker.at())?;
@@ -240,6 +243,7 @@ impl Worker {
             pipeline_depth: 0,
             packed_input: Vec::new(),
             row_dtype: Default::default(),
+            row_l2: 0.0,
             stats: WorkerStats::default(),
             progress: Arc::default(),
             generation: Generation::NONE,
@@ -413,6 +417,7 @@ impl Worker {
             dense: &batch.dense,
             labels: &batch.labels,
             weights: batch.sample_weights.as_deref(),
+            row_l2: self.row_l2,
         };
         let step = self.stats.batches + 1;
         // Named with the step, as `sparrow train` does; the model was not updated.

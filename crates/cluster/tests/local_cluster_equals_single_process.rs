@@ -44,12 +44,16 @@ fn config_with(dir: &std::path::Path, kind: &str, overrides: &[&str]) -> Config 
 
 /// `kind`, or `kind-f16rows` (`embedding.dtype = "f16"`), or
 /// `kind-srf16rows` (f16 rows rounded stochastically), or `kind-bf16`
-/// (`model.precision = "bf16"`).
+/// (`model.precision = "bf16"`), or `kind-regularized` (`embedding.l2`
+/// and AdamW's weight decay).
 fn variant(dir: &std::path::Path, name: &str) -> Config {
     if let Some(kind) = name.strip_suffix("-srf16rows") {
         config_with(dir, kind, &["embedding.dtype=\"f16\"", "embedding.rounding=\"stochastic\""])
     } else if let Some(kind) = name.strip_suffix("-f16rows") {
         config_with(dir, kind, &["embedding.dtype=\"f16\""])
+    } else if let Some(kind) = name.strip_suffix("-regularized") {
+        let decay = ["embedding.l2=0.001", "dense_optimizer.kind=\"adamw\"", "dense_optimizer.weight_decay=0.01"];
+        config_with(dir, kind, &decay)
     } else if let Some(kind) = name.strip_suffix("-bf16") {
         config_with(dir, kind, &["model.precision=\"bf16\""])
     } else {
@@ -118,7 +122,7 @@ fn three_shards_one_worker_equals_train() {
     let tmp = tempfile::tempdir().expect("tmp");
     sparrow_data::synth::generate(tmp.path(), 3000, 600, 9).expect("generate");
     let mut checksums = Vec::new();
-    for kind in ["dlrm", "mlp", "mlp-f16rows", "mlp-srf16rows", "dlrm-bf16"] {
+    for kind in ["dlrm", "mlp", "mlp-f16rows", "mlp-srf16rows", "dlrm-bf16", "mlp-regularized"] {
         let c = variant(tmp.path(), kind);
         let single = sparrow_trainer::train(&c, true).expect("train");
         let cluster = train_local(&c, 3, 1).expect("cluster");

@@ -421,6 +421,13 @@ pub struct EmbeddingConfig {
     pub ftrl_l1: f32,
     /// FTRL L2 strength.
     pub ftrl_l2: f32,
+    /// L2 on the rows a batch touches, as the PyTorch libraries put it in
+    /// the loss: each distinct row a batch looks up gets `l2 · w` added to
+    /// its gradient (the gradient of `l2/2 · Σ ‖w‖²` over those rows, taken
+    /// at the values the batch read), once per batch, before the optimizer
+    /// step. Rows not looked up are left alone. DeepCTR-Torch's
+    /// `l2_reg_embedding = c` is `l2 = 2c` on the rows it touches. 0: off.
+    pub l2: f32,
     /// Lock shards of the in-memory table (a power of two).
     pub table_shards: usize,
     /// Where rows live: all in memory, or on SSD behind a memory cache (S3.8).
@@ -565,6 +572,7 @@ impl Default for EmbeddingConfig {
             ftrl_beta: 1.0,
             ftrl_l1: 0.0,
             ftrl_l2: 0.0,
+            l2: 0.0,
             table_shards: 64,
             storage: Storage::Memory,
             path: None,
@@ -588,12 +596,17 @@ pub enum DenseOptimizerKind {
     #[default]
     Adam,
     Sgd,
+    /// Adam with decoupled weight decay (Loshchilov & Hutter; PyTorch's
+    /// `AdamW`): each step first scales every weight by `1 − lr ·
+    /// weight_decay`, then takes Adam's step on the gradient alone.
+    #[serde(rename = "adamw")]
+    AdamW,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, schemars::JsonSchema, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct DenseOptimizerConfig {
-    /// `adam` or `sgd`.
+    /// `adam`, `adamw` or `sgd`.
     pub kind: DenseOptimizerKind,
     /// The dense weights' learning rate.
     pub learning_rate: f64,
@@ -603,7 +616,10 @@ pub struct DenseOptimizerConfig {
     pub beta2: f64,
     /// Adam epsilon.
     pub eps: f64,
-    /// L2 penalty added to each weight's gradient (0: none).
+    /// `adam` and `sgd`: an L2 penalty, `weight_decay · w` added to each
+    /// weight's gradient (PyTorch's `Adam(weight_decay=…)`). `adamw`: the
+    /// decoupled decay, each weight scaled by `1 − lr · weight_decay` every
+    /// step (PyTorch's `AdamW(weight_decay=…)`). 0: none.
     pub weight_decay: f64,
 }
 

@@ -76,7 +76,10 @@ impl DenseGrads {
 #[derive(Clone, Copy, Debug)]
 struct AdamStep {
     lr: f32,
+    /// Coupled L2 (`adam`): added to the gradient.
     wd: f32,
+    /// Decoupled decay (`adamw`): the weight's factor, `1 − lr·wd` (1: none).
+    decay: f32,
     b1: f32,
     b2: f32,
     eps: f32,
@@ -93,7 +96,8 @@ fn adam(k: AdamStep, w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
         let g = g + k.wd * *w;
         *m = k.b1 * *m + (1.0 - k.b1) * g;
         *v = k.b2 * *v + (1.0 - k.b2) * g * g;
-        *w -= k.lr * (*m / k.c1) / ((*v / k.c2).sqrt() + k.eps);
+        // `w · 1` is `w`: plain Adam keeps its bits.
+        *w = *w * k.decay - k.lr * (*m / k.c1) / ((*v / k.c2).sqrt() + k.eps);
     }
 }
 
@@ -228,7 +232,11 @@ impl DenseOptimizer {
         self.step += 1;
         let c = &self.config;
         let lr = c.learning_rate as f32;
-        let wd = c.weight_decay as f32;
+        // AdamW's decay is decoupled from the gradient: a factor on the weight.
+        let (wd, decay) = match c.kind {
+            DenseOptimizerKind::AdamW => (0.0, 1.0 - lr * c.weight_decay as f32),
+            DenseOptimizerKind::Adam | DenseOptimizerKind::Sgd => (c.weight_decay as f32, 1.0),
+        };
         let t = self.step as i32;
         let (b1, b2, eps) = (c.beta1 as f32, c.beta2 as f32, c.eps as f32);
         let (c1, c2) = (1.0 - c.beta1.powi(t) as f32, 1.0 - c.beta2.powi(t) as f32);
@@ -241,7 +249,7 @@ impl DenseOptimizer {
                 continue;
             };
             let moments = match c.kind {
-                DenseOptimizerKind::Adam => Some(
+                DenseOptimizerKind::Adam | DenseOptimizerKind::AdamW => Some(
                     self.moments
                         .entry(name.clone())
                         .or_insert_with(|| (vec![0.0; var.elem_count()], vec![0.0; var.elem_count()])),
@@ -257,7 +265,7 @@ impl DenseOptimizer {
                     });
                 }
                 Some((m, v)) => {
-                    let (step, simd) = (AdamStep { lr, wd, b1, b2, eps, c1, c2 }, self.simd);
+                    let (step, simd) = (AdamStep { lr, wd, decay, b1, b2, eps, c1, c2 }, self.simd);
                     w.par_chunks_mut(CHUNK)
                         .zip(g.par_chunks(CHUNK))
                         .zip(m.par_chunks_mut(CHUNK))
@@ -381,20 +389,44 @@ mod tests {
         };
         for (t, len) in [(1, 1usize), (2, 15), (7, 16), (30, 17), (1000, 1000), (3, 4099)] {
             let c = |beta: f64| 1.0 - beta.powi(t) as f32;
-            let k = AdamStep { lr: 0.001, wd: 0.01, b1: 0.9, b2: 0.999, eps: 1e-8, c1: c(0.9), c2: c(0.999) };
-            let w: Vec<f32> = (0..len).map(|i| if i % 11 == 0 { 0.0 } else { next() }).collect();
-            let g: Vec<f32> = (0..len).map(|i| if i % 13 == 0 { f32::from_bits(3) } else { next() }).collect();
-            let m: Vec<f32> = (0..len).map(|_| next()).collect();
-            let v: Vec<f32> = (0..len).map(|_| next().abs()).collect();
-            let (mut w1, mut m1, mut v1) = (w.clone(), m.clone(), v.clone());
-            let (mut w2, mut m2, mut v2) = (w.clone(), m, v);
-            adam_for_cpu(Simd::Auto, k, &mut w1, &g, &mut m1, &mut v1);
-            adam(k, &mut w2, &g, &mut m2, &mut v2);
-            let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&w1), bits(&w2), "weights, len {len}");
-            assert_eq!(bits(&m1), bits(&m2), "first moments, len {len}");
-            assert_eq!(bits(&v1), bits(&v2), "second moments, len {len}");
-            assert_ne!(bits(&w1), bits(&w), "the step moved the weights");
+            // Adam's coupled L2, then AdamW's decoupled decay.
+            for (wd, decay) in [(0.01, 1.0), (0.0, 1.0 - 0.001 * 0.01)] {
+                let k = AdamStep { lr: 0.001, wd, decay, b1: 0.9, b2: 0.999, eps: 1e-8, c1: c(0.9), c2: c(0.999) };
+                let w: Vec<f32> = (0..len).map(|i| if i % 11 == 0 { 0.0 } else { next() }).collect();
+                let g: Vec<f32> = (0..len).map(|i| if i % 13 == 0 { f32::from_bits(3) } else { next() }).collect();
+                let m: Vec<f32> = (0..len).map(|_| next()).collect();
+                let v: Vec<f32> = (0..len).map(|_| next().abs()).collect();
+                let (mut w1, mut m1, mut v1) = (w.clone(), m.clone(), v.clone());
+                let (mut w2, mut m2, mut v2) = (w.clone(), m, v);
+                adam_for_cpu(Simd::Auto, k, &mut w1, &g, &mut m1, &mut v1);
+                adam(k, &mut w2, &g, &mut m2, &mut v2);
+                let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&w1), bits(&w2), "weights, len {len}");
+                assert_eq!(bits(&m1), bits(&m2), "first moments, len {len}");
+                assert_eq!(bits(&v1), bits(&v2), "second moments, len {len}");
+                assert_ne!(bits(&w1), bits(&w), "the step moved the weights");
+            }
+        }
+    }
+
+    /// One step on w = 1 with g = 0.5, lr = 0.1, weight decay 0.1, worked
+    /// by hand: Adam adds 0.1·w to the gradient (m̂ = √v̂ = 0.6, a step of
+    /// lr) and lands on 0.9; AdamW scales w by 1 − lr·wd = 0.99 and then
+    /// takes Adam's step on g alone (m̂ = √v̂ = 0.5, again lr): 0.89. SGD's
+    /// coupled decay: 1 − 0.1·(0.5 + 0.1) = 0.94.
+    #[test]
+    fn adamw_decays_the_weight_apart_from_the_gradient() {
+        use sparrow_core::config::{DenseOptimizerConfig, DenseOptimizerKind};
+        for (kind, want) in
+            [(DenseOptimizerKind::Adam, 0.9), (DenseOptimizerKind::AdamW, 0.89), (DenseOptimizerKind::Sgd, 0.94)]
+        {
+            let mut params = crate::params::ParamStore::new(1, candle_core::Device::Cpu);
+            params.push("w".into(), vec![1.0], &[1]).expect("a parameter");
+            let config = DenseOptimizerConfig { kind, learning_rate: 0.1, weight_decay: 0.1, ..Default::default() };
+            let mut opt = super::DenseOptimizer::new(config, Simd::Auto);
+            opt.apply(&params, super::DenseGrads { grads: vec![Some(vec![0.5])], rows: 1 }).expect("a step");
+            let w = params.flat_values().expect("values")[0];
+            assert!((w - want).abs() < 1e-6, "{kind:?}: {w}, not {want}");
         }
     }
 }

@@ -318,6 +318,8 @@ pub struct DenseInputs<'a> {
     pub labels: &'a [f32],
     /// Each sample's weight in the loss (`[data.weighting]`); `None`: all 1.
     pub weights: Option<&'a [f32]>,
+    /// `embedding.l2`: `row_l2 · w` joins each unique row's gradient.
+    pub row_l2: f32,
 }
 
 pub struct DenseStepOut {
@@ -373,7 +375,7 @@ pub fn dense_grads(
     inputs: DenseInputs<'_>,
     pooling: Pooling,
 ) -> Result<DenseHalf, TrainError> {
-    let DenseInputs { bags, unique_rows, dense, labels, weights } = inputs;
+    let DenseInputs { bags, unique_rows, dense, labels, weights, row_l2 } = inputs;
     let width = model.width();
     let num_dense = model.shape.num_dense;
     let started = Instant::now();
@@ -414,7 +416,20 @@ pub fn dense_grads(
             (out.loss, out.logits, grads, dense_grads, pooled_at, t.elapsed())
         }
     };
+    let mut grads = grads;
+    add_row_l2(&mut grads, unique_rows, row_l2);
     Ok(DenseHalf { loss, logits, grads, dense_grads, started, pooled_at, unpooled })
+}
+
+/// `embedding.l2`: the gradient of `l2/2 · ‖w‖²` at the values the batch
+/// read, `l2 · w`, added once to each unique row's gradient (so a row seen
+/// in many samples is not decayed more). The loss reported leaves it out,
+/// as the libraries' `loss` does.
+fn add_row_l2(grads: &mut [f32], unique_rows: &[f32], l2: f32) {
+    if l2 == 0.0 {
+        return;
+    }
+    grads.iter_mut().zip(unique_rows).for_each(|(g, &w)| *g += l2 * w);
 }
 
 /// `sync` → dense optimizer: the replicas' gradients combined and applied.

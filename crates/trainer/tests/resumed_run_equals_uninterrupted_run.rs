@@ -46,7 +46,8 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
     // half rows (`embedding.dtype`), with FTRL for `dlrm-f16rows` and
     // row-wise Adagrad for `mlp-bf16rows`, and stochastic rounding
     // (`embedding.rounding`: its draws count each row's updates, a count
-    // the checkpoint keeps) for `dlrm-srf16rows` with Adagrad.
+    // the checkpoint keeps) for `dlrm-srf16rows` with Adagrad; and
+    // `embedding.l2` with AdamW (`mlp-regularized`).
     let kinds = [
         "dlrm",
         "deepfm",
@@ -57,6 +58,7 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
         "dlrm-f16rows",
         "mlp-bf16rows",
         "dlrm-srf16rows",
+        "mlp-regularized",
     ];
     for kind in kinds {
         let mut base = common::small_config(&data, kind.split('-').next().expect("kind"));
@@ -74,6 +76,12 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
         if kind.ends_with("-bf16rows") {
             base.embedding.dtype = sparrow_core::config::EmbeddingDtype::Bf16;
             base.embedding.optimizer = sparrow_core::config::SparseOptimizerKind::RowwiseAdagrad;
+        }
+        if kind.ends_with("-regularized") {
+            // `embedding.l2` and AdamW's decoupled decay.
+            base.embedding.l2 = 1e-3;
+            base.dense_optimizer.kind = sparrow_core::config::DenseOptimizerKind::AdamW;
+            base.dense_optimizer.weight_decay = 0.01;
         }
         base.train.epochs = 2; // the stop falls in the first epoch, the end in the second
 

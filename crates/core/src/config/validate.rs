@@ -53,6 +53,7 @@ impl Config {
             ("embedding.ftrl_beta", f64::from(self.embedding.ftrl_beta)),
             ("embedding.ftrl_l1", f64::from(self.embedding.ftrl_l1)),
             ("embedding.ftrl_l2", f64::from(self.embedding.ftrl_l2)),
+            ("embedding.l2", f64::from(self.embedding.l2)),
             ("embedding.init.scale", f64::from(self.embedding.init.scale)),
             ("dense_optimizer.beta1", self.dense_optimizer.beta1),
             ("dense_optimizer.beta2", self.dense_optimizer.beta2),
