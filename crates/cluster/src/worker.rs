@@ -131,6 +131,8 @@ pub struct Worker {
     row_dtype: sparrow_embedding::EmbeddingDtype,
     /// `embedding.l2`, added to the gradients it pushes.
     row_l2: f32,
+    /// `model.dropout`'s job-wide draw (`None`: off).
+    dropout_base: Option<u64>,
     pub stats: WorkerStats,
     /// Moves with every batch trained or evaluated and every idle round: the
     /// heartbeat carries it, so a worker stuck in a loop is seen as stuck.
@@ -223,6 +225,7 @@ pub fn new_worker_in(
     worker.generation = generation;
     worker.row_dtype = config.embedding.dtype;
     worker.row_l2 = config.embedding.l2;
+    worker.dropout_base = sparrow_trainer::engine::dropout_base(config);
     worker.online = config.online_window().map(ProgressiveEval::new);
     worker.periodic_eval = evaluate::PeriodicEval::new(config, index);
     let log = RunLog::open(config, Some(index), worker.at())?;
@@ -244,6 +247,7 @@ impl Worker {
             packed_input: Vec::new(),
             row_dtype: Default::default(),
             row_l2: 0.0,
+            dropout_base: None,
             stats: WorkerStats::default(),
             progress: Arc::default(),
             generation: Generation::NONE,
@@ -418,6 +422,7 @@ impl Worker {
             labels: &batch.labels,
             weights: batch.sample_weights.as_deref(),
             row_l2: self.row_l2,
+            dropout: sparrow_trainer::engine::dropout_draw(self.dropout_base, self.optimizer.step, self.index),
         };
         let step = self.stats.batches + 1;
         // Named with the step, as `sparrow train` does; the model was not updated.

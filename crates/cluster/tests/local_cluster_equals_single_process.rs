@@ -44,15 +44,20 @@ fn config_with(dir: &std::path::Path, kind: &str, overrides: &[&str]) -> Config 
 
 /// `kind`, or `kind-f16rows` (`embedding.dtype = "f16"`), or
 /// `kind-srf16rows` (f16 rows rounded stochastically), or `kind-bf16`
-/// (`model.precision = "bf16"`), or `kind-regularized` (`embedding.l2`
-/// and AdamW's weight decay).
+/// (`model.precision = "bf16"`), or `kind-regularized` (`embedding.l2`,
+/// AdamW's weight decay and dropout).
 fn variant(dir: &std::path::Path, name: &str) -> Config {
     if let Some(kind) = name.strip_suffix("-srf16rows") {
         config_with(dir, kind, &["embedding.dtype=\"f16\"", "embedding.rounding=\"stochastic\""])
     } else if let Some(kind) = name.strip_suffix("-f16rows") {
         config_with(dir, kind, &["embedding.dtype=\"f16\""])
     } else if let Some(kind) = name.strip_suffix("-regularized") {
-        let decay = ["embedding.l2=0.001", "dense_optimizer.kind=\"adamw\"", "dense_optimizer.weight_decay=0.01"];
+        let decay = [
+            "embedding.l2=0.001",
+            "dense_optimizer.kind=\"adamw\"",
+            "dense_optimizer.weight_decay=0.01",
+            "model.dropout=0.2",
+        ];
         config_with(dir, kind, &decay)
     } else if let Some(kind) = name.strip_suffix("-bf16") {
         config_with(dir, kind, &["model.precision=\"bf16\""])

@@ -255,6 +255,15 @@ pub struct ModelConfig {
     pub attention_hidden: Vec<usize>,
     /// `[[model.tasks]]`: one per label column (none: a binary task per label).
     pub tasks: Vec<TaskConfig>,
+    /// Inverted dropout in [0, 1): each activated layer's outputs in every
+    /// MLP stack (the deep MLP, DLRM's bottom and top, the experts and
+    /// towers; not DIN's attention unit) are zeroed at this rate while
+    /// training and the kept ones scaled by 1/(1 − rate); evaluation,
+    /// serving and ONNX use the weights as they are. The draws are a hash
+    /// of the seed, the dense step, the worker, the stack, the layer and
+    /// the element: the same model every run, after a resume and in
+    /// `launch`. 0: off.
+    pub dropout: f32,
 }
 
 impl Default for ModelConfig {
@@ -274,6 +283,7 @@ impl Default for ModelConfig {
             tower_hidden: vec![32],
             attention_hidden: vec![36],
             tasks: Vec::new(),
+            dropout: 0.0,
         }
     }
 }

@@ -79,7 +79,7 @@ fn main() {
             let items = sequences.as_ref().map_or(0.0, |s| s.rows[0].len() as f64 / rows as f64);
             let mut step = || {
                 let (loss, _, _, grads) = model
-                    .forward_backward_packed_with(&x, &labels, None, sequences.clone(), |g, _| g[0])
+                    .forward_backward_packed_with(&x, &labels, None, sequences.clone(), None, |g, _| g[0])
                     .expect("step");
                 model.recycle(optimizer.apply(&model.params, grads).expect("optimizer"));
                 std::hint::black_box(loss);

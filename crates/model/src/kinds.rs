@@ -159,9 +159,17 @@ pub struct At {
     /// Floats per field (the kind's embedding width).
     pub width: usize,
     pub simd: Simd,
+    /// A training step's dropout draw (`model.dropout`; see `dropout.rs`):
+    /// `None` outside training, where nothing is dropped.
+    pub dropout: Option<u64>,
 }
 
 impl At {
+    /// The same layout for a step whose dropout draw is `draw`.
+    pub fn drawn(self, draw: Option<u64>) -> At {
+        At { dropout: draw, ..self }
+    }
+
     /// Floats of a packed input row: `[pooled embeddings | dense values]`.
     pub fn row_len(&self) -> usize {
         self.shape.num_fields * self.width + self.shape.num_dense

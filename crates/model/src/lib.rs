@@ -7,6 +7,7 @@
 
 pub mod bf16;
 mod bf16_rounded;
+mod dropout;
 pub mod fused;
 pub mod heads;
 pub mod kinds;

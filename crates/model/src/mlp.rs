@@ -14,6 +14,7 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor, 
 use rayon::prelude::*;
 
 use crate::bf16::Arith;
+use crate::dropout::Dropout;
 
 use crate::ModelError;
 pub use crate::matrix::{Operand, sgemm, sgemm_threads};
@@ -35,6 +36,8 @@ struct MlpShape {
     layers: Vec<LayerSlot>,
     num_params: usize,
     arith: Arith,
+    /// `model.dropout` after each activated layer (off: rate 0).
+    dropout: Dropout,
 }
 
 /// `dst = op(a)·op(b)` in the model's precision; `threads`: at most that
@@ -116,7 +119,17 @@ impl Mlp {
         }
         let num_params = data.len();
         let params = ps.push(format!("{name}.params"), data, &[num_params])?;
-        Ok(Mlp { shape: Arc::new(MlpShape { layers, num_params, arith }), params })
+        let dropout = Dropout::new(0.0, name);
+        Ok(Mlp { shape: Arc::new(MlpShape { layers, num_params, arith, dropout }), params })
+    }
+
+    /// With inverted dropout at `rate` after each activated layer, where a
+    /// step draws it (training; see `dropout.rs`).
+    pub fn with_dropout(self, rate: f32) -> Mlp {
+        let s = &self.shape;
+        let dropout = s.dropout.with_rate(rate);
+        let shape = MlpShape { layers: s.layers.clone(), num_params: s.num_params, arith: s.arith, dropout };
+        Mlp { shape: Arc::new(shape), params: self.params }
     }
 
     /// Its layers' weights, in order, for an exporter.
@@ -136,25 +149,34 @@ impl Mlp {
             .collect())
     }
 
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
+    /// Its output on `x: [rows, in]`; `draw`: a training step's dropout
+    /// draw (`None`: no dropout, as in evaluation).
+    pub fn forward(&self, x: &Tensor, draw: Option<u64>) -> Result<Tensor, ModelError> {
         if x.device().is_cpu() && x.dtype() == DType::F32 {
-            let op = FusedMlp { shape: self.shape.clone(), scratch: Mutex::new(MlpScratch::default()) };
+            let op = FusedMlp { shape: self.shape.clone(), draw, scratch: Mutex::new(MlpScratch::default()) };
             Ok(x.contiguous()?.apply_op2(self.params.as_tensor(), op)?)
         } else {
-            self.forward_ops(x)
+            self.forward_ops(x, draw)
         }
     }
 
     /// The same function from candle's ops, layer by layer (any device).
-    pub fn forward_ops(&self, x: &Tensor) -> Result<Tensor, ModelError> {
+    pub fn forward_ops(&self, x: &Tensor, draw: Option<u64>) -> Result<Tensor, ModelError> {
         let p = self.params.as_tensor();
         let mut h = x.clone();
-        for l in &self.shape.layers {
+        for (i, l) in self.shape.layers.iter().enumerate() {
             let w = p.narrow(0, l.w, l.fan_in * l.fan_out)?.reshape((l.fan_in, l.fan_out))?;
             let b = p.narrow(0, l.b, l.fan_out)?;
             h = h.matmul(&w)?.broadcast_add(&b)?;
             if l.relu {
                 h = h.relu()?;
+                if draw.is_some() && self.shape.dropout.is_on() {
+                    // The same draws as the fused step: its mask on ones.
+                    let mut mask = vec![1.0f32; h.elem_count()];
+                    self.shape.dropout.apply(draw, i, &mut mask);
+                    let mask = Tensor::from_vec(mask, h.shape(), h.device())?;
+                    h = (h * mask)?;
+                }
             }
         }
         Ok(h)
@@ -173,6 +195,8 @@ impl Mlp {
 /// The CPU op: inputs `x: [rows, in]` and the flat parameters.
 struct FusedMlp {
     shape: Arc<MlpShape>,
+    /// The step's dropout draw.
+    draw: Option<u64>,
     /// The forward pass's buffers, kept for the backward pass.
     scratch: Mutex<MlpScratch>,
 }
@@ -213,11 +237,17 @@ fn add_bias(out: &mut [f32], b: &[f32], relu: bool) {
     });
 }
 
-/// `g` through a ReLU whose output was `a`: zero where `a` is not positive.
-fn relu_mask(g: &mut [f32], a: &[f32], width: usize) {
+/// `g` through a ReLU whose output was `a`: zero where `a` is not
+/// positive. After dropout (`scale` ≠ 1) a dropped value is 0 too, and a
+/// kept one was multiplied by `scale`, as its gradient is here.
+fn relu_mask(g: &mut [f32], a: &[f32], width: usize, scale: f32) {
     let block = width.max(1) * ROWS_PER_TASK;
     g.par_chunks_mut(block).zip(a.par_chunks(block)).for_each(|(g, a)| {
-        g.iter_mut().zip(a).for_each(|(g, &a)| *g = if a > 0.0 { *g } else { 0.0 });
+        if scale == 1.0 {
+            g.iter_mut().zip(a).for_each(|(g, &a)| *g = if a > 0.0 { *g } else { 0.0 });
+        } else {
+            g.iter_mut().zip(a).for_each(|(g, &a)| *g = if a > 0.0 { *g * scale } else { 0.0 });
+        }
     });
 }
 
@@ -236,6 +266,8 @@ pub struct MlpScratch {
     /// the next backward pass to fill instead of allocating.
     pub spare_grad: Vec<f32>,
     rows: usize,
+    /// What the forward pass's dropout scaled kept values by (1: none).
+    dropout_scale: f32,
     /// bf16 on a CPU without a bf16 dot product: the pass's rounded operands.
     rounded: crate::bf16_rounded::RoundedOperands,
 }
@@ -261,11 +293,12 @@ fn prefix(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
     &mut buf[..n]
 }
 
-/// Forward pass into `scratch`.
-fn forward_into(shape: &MlpShape, p: &[f32], x: &[f32], rows: usize, scratch: &mut MlpScratch) {
+/// Forward pass into `scratch`, with dropout where `draw` is a step's.
+fn forward_into(shape: &MlpShape, p: &[f32], x: &[f32], rows: usize, draw: Option<u64>, scratch: &mut MlpScratch) {
     let layers = &shape.layers;
     scratch.hidden.resize_with(layers.len().saturating_sub(1), Vec::new);
     scratch.rows = rows;
+    scratch.dropout_scale = 1.0;
     let rounded = rounds_operands(shape.arith);
     for (i, l) in layers.iter().enumerate() {
         let w = &p[l.w..l.w + l.fan_in * l.fan_out];
@@ -281,19 +314,22 @@ fn forward_into(shape: &MlpShape, p: &[f32], x: &[f32], rows: usize, scratch: &m
         if rounded {
             scratch.rounded.forward(i, (rows, l.fan_in, l.fan_out), input, w, out);
             add_bias(out, bias, l.relu);
-            continue;
+        } else {
+            let (input, w) = (Operand::plain(input), Operand::plain(w));
+            match shape.arith {
+                // Bias and ReLU as the product stores each tile.
+                Arith::Bf16(path) => {
+                    let epilogue = crate::bf16::Epilogue { bias: Some(bias), relu: l.relu };
+                    crate::bf16::gemm_bf16_then(path, rows, l.fan_out, l.fan_in, input, w, out, epilogue);
+                }
+                Arith::F32 => {
+                    sgemm(rows, l.fan_out, l.fan_in, input, w, out);
+                    add_bias(out, bias, l.relu);
+                }
+            }
         }
-        let (input, w) = (Operand::plain(input), Operand::plain(w));
-        match shape.arith {
-            // Bias and ReLU as the product stores each tile.
-            Arith::Bf16(path) => {
-                let epilogue = crate::bf16::Epilogue { bias: Some(bias), relu: l.relu };
-                crate::bf16::gemm_bf16_then(path, rows, l.fan_out, l.fan_in, input, w, out, epilogue);
-            }
-            Arith::F32 => {
-                sgemm(rows, l.fan_out, l.fan_in, input, w, out);
-                add_bias(out, bias, l.relu);
-            }
+        if l.relu {
+            scratch.dropout_scale = shape.dropout.apply(draw, i, out);
         }
     }
 }
@@ -310,8 +346,9 @@ fn backward_into(shape: &MlpShape, p: &[f32], x: &[f32], grad_out: &[f32], scrat
     let mut g = std::mem::take(&mut scratch.grad_input);
     let mut g_len = grad_out.len();
     prefix(&mut g, g_len).copy_from_slice(grad_out);
+    let scale = scratch.dropout_scale;
     if layers.last().is_some_and(|l| l.relu) {
-        g[..g_len].iter_mut().zip(&scratch.output).for_each(|(g, &o)| *g = if o > 0.0 { *g } else { 0.0 });
+        g[..g_len].iter_mut().zip(&scratch.output).for_each(|(g, &o)| *g = if o > 0.0 { *g * scale } else { 0.0 });
     }
     // db is summed into, so zeroed; dW is overwritten by its product, so a
     // reused buffer's stale values stay until then (zeroing all of it was a
@@ -339,7 +376,7 @@ fn backward_into(shape: &MlpShape, p: &[f32], x: &[f32], grad_out: &[f32], scrat
         }
         // Through the previous layer's ReLU.
         if i > 0 {
-            relu_mask(gi, input, fi);
+            relu_mask(gi, input, fi, scale);
         }
         std::mem::swap(&mut g, &mut g_in);
         g_len = rows * fi;
@@ -360,11 +397,17 @@ impl Mlp {
     }
 
     /// Forward pass on a CPU slice `x: [rows, in]`, outside candle's graph;
-    /// the output is `scratch.output`.
-    pub fn forward_cpu(&self, x: &[f32], rows: usize, scratch: &mut MlpScratch) -> Result<(), ModelError> {
+    /// the output is `scratch.output`. `draw`: as for [`forward`](Self::forward).
+    pub fn forward_cpu(
+        &self,
+        x: &[f32],
+        rows: usize,
+        draw: Option<u64>,
+        scratch: &mut MlpScratch,
+    ) -> Result<(), ModelError> {
         self.check_input(x.len(), rows)?;
         let (ps, pl) = self.params.storage_and_layout();
-        forward_into(&self.shape, cpu(&ps, pl)?, x, rows, scratch);
+        forward_into(&self.shape, cpu(&ps, pl)?, x, rows, draw, scratch);
         Ok(())
     }
 
@@ -398,7 +441,7 @@ impl CustomOp2 for FusedMlp {
         }
         let rows = xl.dims()[0];
         let mut scratch = self.scratch.lock().map_err(|_| err("poisoned"))?;
-        forward_into(&self.shape, p, x, rows, &mut scratch);
+        forward_into(&self.shape, p, x, rows, self.draw, &mut scratch);
         Ok((CpuStorage::F32(scratch.output.clone()), Shape::from((rows, last.fan_out))))
     }
 
@@ -850,7 +893,7 @@ mod tests {
         }
 
         let mut scratch = MlpScratch::default();
-        mlp.forward_cpu(&x, rows, &mut scratch).expect("forward");
+        mlp.forward_cpu(&x, rows, None, &mut scratch).expect("forward");
         let close = |got: f32, want: f64, what: &str| {
             assert!((f64::from(got) - want).abs() <= 1e-5 * (1.0 + want.abs()), "{what}: {got} vs {want}");
         };
@@ -866,7 +909,7 @@ mod tests {
         }
         // And bf16 is not f32: the same weights give other outputs.
         let mut f32_scratch = MlpScratch::default();
-        f32_mlp.forward_cpu(&x, rows, &mut f32_scratch).expect("forward");
+        f32_mlp.forward_cpu(&x, rows, None, &mut f32_scratch).expect("forward");
         assert!(f32_scratch.output.iter().zip(&scratch.output).any(|(a, b)| a != b));
     }
 
@@ -883,7 +926,7 @@ mod tests {
             let grad_out: Vec<f32> = (0..rows).map(|_| rng.normal() as f32).collect();
             let mut scratch = MlpScratch::default();
             let backward = |scratch: &mut MlpScratch| {
-                mlp.forward_cpu(&x, rows, scratch).expect("forward");
+                mlp.forward_cpu(&x, rows, None, scratch).expect("forward");
                 mlp.backward_cpu(&x, &grad_out, scratch).expect("backward")
             };
             let fresh = backward(&mut scratch);
@@ -901,20 +944,90 @@ mod tests {
         }
     }
 
+    /// With dropout too (a draw, or none): the ops path multiplies by the
+    /// mask the fused step drops and scales by.
     #[test]
     fn fused_path_equals_candle_ops_forward_and_backward() {
         let dev = Device::Cpu;
         // 300 rows: the bias and ReLU passes split into blocks of
         // ROWS_PER_TASK rows, the last one partial.
-        for (relu_last, rows) in [(false, 7), (true, 7), (true, 300)] {
+        for (relu_last, rows, dropout, draw) in [
+            (false, 7, 0.0, None),
+            (true, 7, 0.0, None),
+            (true, 300, 0.0, None),
+            (false, 300, 0.3, Some(11)),
+            (true, 7, 0.5, Some(12)),
+            (false, 7, 0.5, None),
+        ] {
             let mut ps = ParamStore::new(7, dev.clone());
             let mlp = Mlp::new(&mut ps, "m", 6, &[5, 4, 3], relu_last, arith(Precision::F32)).expect("mlp");
+            let mlp = mlp.with_dropout(dropout);
             let mut rng = Rng::new(2);
             let x: Vec<f32> = (0..rows * 6).map(|_| rng.normal() as f32).collect();
             let x = Var::from_tensor(&Tensor::from_vec(x, (rows, 6), &dev).expect("x")).expect("var");
-            let fused = mlp.forward(x.as_tensor()).expect("fused");
-            let plain = mlp.forward_ops(x.as_tensor()).expect("plain");
+            let fused = mlp.forward(x.as_tensor(), draw).expect("fused");
+            let plain = mlp.forward_ops(x.as_tensor(), draw).expect("plain");
             crate::fused::assert_same_forward_and_backward(&fused, &plain, &[&x, mlp.params()]);
+            let undropped = mlp.forward_ops(x.as_tensor(), None).expect("no draw");
+            let differs = |a: &Tensor, b: &Tensor| a.ne(b).and_then(|t| t.sum_all()).and_then(|t| t.to_scalar::<u8>());
+            let changed = differs(&plain, &undropped).expect("compare") > 0;
+            assert_eq!(changed, draw.is_some(), "dropout {dropout}, draw {draw:?}");
         }
+    }
+
+    /// The fused step with dropout is the derivative of its forward (the
+    /// same draw each time): central differences on every parameter and
+    /// input of a small stack.
+    #[test]
+    fn dropout_gradients_match_finite_differences() {
+        let (rows, input, sizes) = (9, 5, [6usize, 4, 2]);
+        let mut ps = ParamStore::new(3, Device::Cpu);
+        let mlp = Mlp::new(&mut ps, "m", input, &sizes, true, arith(Precision::F32)).expect("mlp").with_dropout(0.4);
+        let mut rng = Rng::new(5);
+        let x: Vec<f32> = (0..rows * input).map(|_| rng.normal() as f32).collect();
+        let g: Vec<f32> = (0..rows * 2).map(|_| rng.normal() as f32).collect();
+        let draw = Some(77);
+        let loss = |mlp: &Mlp, x: &[f32]| {
+            let mut s = MlpScratch::default();
+            mlp.forward_cpu(x, rows, draw, &mut s).expect("forward");
+            s.output.iter().zip(&g).map(|(o, g)| f64::from(*o) * f64::from(*g)).sum::<f64>()
+        };
+        let mut s = MlpScratch::default();
+        mlp.forward_cpu(&x, rows, draw, &mut s).expect("forward");
+        let dp = mlp.backward_cpu(&x, &g, &mut s).expect("backward");
+        let dx = s.grad_input.clone();
+        let p0 = mlp.params().as_tensor().to_vec1::<f32>().expect("params");
+        // The central difference, or a one-sided one where a ReLU's kink
+        // lies within h on the other side.
+        let matches = |f: &dyn Fn(f32) -> f64, want: f64| {
+            let (h, at0) = (1e-3f32, f(0.0));
+            let (right, left) = ((f(h) - at0) / f64::from(h), (at0 - f(-h)) / f64::from(h));
+            [(right + left) / 2.0, right, left].iter().any(|d| (d - want).abs() < 2e-3)
+        };
+        let mut checked = 0;
+        for i in 0..p0.len() {
+            let at = |d: f32| {
+                let mut p = p0.clone();
+                p[i] += d;
+                mlp.params().set(&Tensor::from_vec(p, p0.len(), &Device::Cpu).expect("p")).expect("set");
+                loss(&mlp, &x)
+            };
+            assert!(matches(&at, f64::from(dp[i])), "param {i}: {}", dp[i]);
+            checked += usize::from(dp[i] != 0.0);
+        }
+        mlp.params().set(&Tensor::from_vec(p0.clone(), p0.len(), &Device::Cpu).expect("p")).expect("set");
+        for i in 0..x.len() {
+            let at = |d: f32| {
+                let mut x = x.clone();
+                x[i] += d;
+                loss(&mlp, &x)
+            };
+            assert!(matches(&at, f64::from(dx[i])), "input {i}: {}", dx[i]);
+        }
+        assert!(checked > p0.len() / 3, "{checked} of {} parameters have a gradient", p0.len());
+        // Something was dropped: the output is not the undropped one.
+        let mut plain = MlpScratch::default();
+        mlp.forward_cpu(&x, rows, None, &mut plain).expect("forward");
+        assert_ne!(plain.output, s.output);
     }
 }

@@ -100,7 +100,7 @@ impl DenseModel {
         let mut ps = ParamStore::new(seed, device.clone());
         let net =
             kind.build(&mut Build { ps: &mut ps, config, shape, heads: &heads, pairs, arith, simd, device: &device })?;
-        let at = At { shape, width: kind.embedding_width(shape.embedding_dim), simd };
+        let at = At { shape, width: kind.embedding_width(shape.embedding_dim), simd, dropout: None };
         Ok(DenseModel { kind, shape, params: ps, net, at, scratch: Default::default(), simd, heads })
     }
 
@@ -136,7 +136,19 @@ impl DenseModel {
     /// [`forward`](Self::forward) with each sequence's history items
     /// `[positions, width]` and the rows `[positions]` (u32) they belong to.
     pub fn forward_with(&self, emb: &Tensor, dense: &Tensor, items: &[(Tensor, Tensor)]) -> Result<Tensor, ModelError> {
-        let out = self.net.forward(&self.at, emb, dense, items)?;
+        self.forward_drawn(emb, dense, items, None)
+    }
+
+    /// [`forward_with`](Self::forward_with) for a training step whose
+    /// dropout draw is `draw`.
+    fn forward_drawn(
+        &self,
+        emb: &Tensor,
+        dense: &Tensor,
+        items: &[(Tensor, Tensor)],
+        draw: Option<u64>,
+    ) -> Result<Tensor, ModelError> {
+        let out = self.net.forward(&self.at.drawn(draw), emb, dense, items)?;
         Ok(if self.heads.outputs() == 1 { out.squeeze(D::Minus1)? } else { out })
     }
 
@@ -171,7 +183,7 @@ impl DenseModel {
             // Its own buffers: predictions may run beside a training step.
             let mut scratch = crate::step::Scratch::default();
             self.sequences_into(sequences.cloned(), rows, &mut scratch)?;
-            return self.forward_direct(&x, rows, &mut scratch);
+            return self.forward_direct(&x, rows, None, &mut scratch);
         }
         let (emb, dense) = self.inputs(emb, dense, rows)?;
         let items = self.sequence_inputs(sequences, rows)?;
@@ -313,12 +325,13 @@ impl DenseModel {
         labels: &[f32],
         weights: Option<&[f32]>,
     ) -> Result<(StepOutput, DenseGrads), ModelError> {
-        self.forward_backward_with(emb, dense, labels, weights, None)
+        self.forward_backward_with(emb, dense, labels, weights, None, None)
     }
 
     /// [`forward_backward_weighted`](Self::forward_backward_weighted) with
     /// the batch's behaviour sequences, unpooled, for a model that attends
-    /// over them; their items' gradients come back in `item_grads`.
+    /// over them (their items' gradients come back in `item_grads`), and
+    /// the step's dropout draw (`model.dropout`; `None`: nothing dropped).
     pub fn forward_backward_with(
         &self,
         emb: Vec<f32>,
@@ -326,11 +339,12 @@ impl DenseModel {
         labels: &[f32],
         weights: Option<&[f32]>,
         sequences: Option<&Sequences>,
+        dropout: Option<u64>,
     ) -> Result<(StepOutput, DenseGrads), ModelError> {
         if self.is_direct() {
-            self.forward_backward_direct(&emb, &dense, labels, weights, sequences)
+            self.forward_backward_direct(&emb, &dense, labels, weights, sequences, dropout)
         } else {
-            self.autograd(emb, dense, labels, weights, sequences)
+            self.autograd(emb, dense, labels, weights, sequences, dropout)
         }
     }
 
@@ -342,7 +356,7 @@ impl DenseModel {
         dense: Vec<f32>,
         labels: &[f32],
     ) -> Result<(StepOutput, DenseGrads), ModelError> {
-        self.autograd(emb, dense, labels, None, None)
+        self.autograd(emb, dense, labels, None, None, None)
     }
 
     /// [`forward_backward_with`](Self::forward_backward_with) through
@@ -354,8 +368,9 @@ impl DenseModel {
         labels: &[f32],
         weights: Option<&[f32]>,
         sequences: Option<&Sequences>,
+        dropout: Option<u64>,
     ) -> Result<(StepOutput, DenseGrads), ModelError> {
-        self.autograd(emb, dense, labels, weights, sequences)
+        self.autograd(emb, dense, labels, weights, sequences, dropout)
     }
 
     fn autograd(
@@ -365,12 +380,13 @@ impl DenseModel {
         labels: &[f32],
         weights: Option<&[f32]>,
         sequences: Option<&Sequences>,
+        dropout: Option<u64>,
     ) -> Result<(StepOutput, DenseGrads), ModelError> {
         let rows = labels.len() / self.heads.tasks();
         let (emb, dense) = self.inputs(emb, dense, rows)?;
         let emb = Var::from_tensor(&emb)?;
         let items = self.sequence_inputs(sequences, rows)?;
-        let logits_t = self.forward_with(emb.as_tensor(), &dense, &items)?;
+        let logits_t = self.forward_drawn(emb.as_tensor(), &dense, &items, dropout)?;
         let logits = logits_t.flatten_all()?.to_vec1::<f32>()?;
         // Seeding the backward pass with the loss gradient (as a constant)
         // gives the exact, stable gradient without building the loss in candle.
@@ -418,13 +434,14 @@ impl DenseModel {
         labels: &[f32],
         weights: Option<&[f32]>,
         sequences: Option<&Sequences>,
+        dropout: Option<u64>,
     ) -> Result<(StepOutput, DenseGrads), ModelError> {
         let rows = labels.len() / self.heads.tasks();
         let x = self.concat_rows(emb, dense, rows)?;
         let (fw, stride) = (self.shape.num_fields * self.width(), self.row_len());
         let sequences = sequences.filter(|_| !self.attention().is_empty()).cloned();
         let (loss, logits, (emb_grad, item_grads), grads) =
-            self.forward_backward_packed_with(&x, labels, weights, sequences, |grad_x, item_grads| {
+            self.forward_backward_packed_with(&x, labels, weights, sequences, dropout, |grad_x, item_grads| {
                 let mut emb_grad = Vec::with_capacity(rows * fw);
                 for row in grad_x.chunks_exact(stride) {
                     emb_grad.extend_from_slice(&row[..fw]);
@@ -473,20 +490,22 @@ impl DenseModel {
         weights: Option<&[f32]>,
         on_input_grad: impl FnOnce(&[f32]) -> R,
     ) -> Result<(f64, Vec<f32>, R, DenseGrads), ModelError> {
-        self.forward_backward_packed_with(x, labels, weights, None, |grad_x, _| on_input_grad(grad_x))
+        self.forward_backward_packed_with(x, labels, weights, None, None, |grad_x, _| on_input_grad(grad_x))
     }
 
     /// [`forward_backward_packed_weighted`](Self::forward_backward_packed_weighted)
     /// with the batch's behaviour sequences, unpooled, for a model that
     /// attends over them: `on_grads` gets d loss / d x and d loss / d each
     /// history item (as [`Sequences::items`]; empty for a model that does
-    /// not attend). `labels` are rows × tasks.
+    /// not attend). `labels` are rows × tasks; `dropout` is the step's
+    /// dropout draw (`None`: nothing dropped).
     pub fn forward_backward_packed_with<R>(
         &self,
         x: &[f32],
         labels: &[f32],
         weights: Option<&[f32]>,
         sequences: Option<Sequences>,
+        dropout: Option<u64>,
         on_grads: impl FnOnce(&[f32], &[Vec<f32>]) -> R,
     ) -> Result<(f64, Vec<f32>, R, DenseGrads), ModelError> {
         if !self.is_direct() {
@@ -507,7 +526,7 @@ impl DenseModel {
             let result = on_grads(&scratch.grad_x, &[]);
             return Ok((loss, logits, result, grads));
         }
-        let logits = self.forward_direct(x, rows, &mut scratch)?;
+        let logits = self.forward_direct(x, rows, dropout, &mut scratch)?;
         let (loss, seed) = if self.heads.is_one_binary() {
             Self::loss_and_seed(&logits, labels, weights)
         } else {

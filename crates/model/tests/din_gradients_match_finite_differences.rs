@@ -41,7 +41,7 @@ fn din_gradients_are_exact() {
         heads.loss_and_seed(&logits, &labels, None).0
     };
     let (out, grads) =
-        model.forward_backward_with(emb.clone(), dense.clone(), &labels, None, Some(&seq(&items))).expect("step");
+        model.forward_backward_with(emb.clone(), dense.clone(), &labels, None, Some(&seq(&items)), None).expect("step");
     assert!((out.loss - loss(&emb, &items)).abs() < 1e-6, "the step's loss is the forward's");
     let h = 1e-2f32;
     let check = |what: &str, analytic: f32, numeric: f64| {

@@ -5,7 +5,8 @@
 //! each history item and of every dense weight, and the weights after two
 //! optimizer steps. With a binary, a weighted binary and a multiclass task
 //! (ESMM: its two binary tasks), masked labels, sample weights, histories
-//! that are empty, one item long and `max_len` long, in both precisions.
+//! that are empty, one item long and `max_len` long, in both precisions,
+//! with and without dropout.
 
 use candle_core::Device;
 use sparrow_core::config::{DenseOptimizerConfig, ModelConfig, ModelKind, Precision, Task, TaskKind};
@@ -34,10 +35,10 @@ fn heads(kind: &str) -> Heads {
 
 /// Experts of two layers (or of one, as the default's).
 fn model(kind: &str, precision: Precision, num_dense: usize) -> DenseModel {
-    model_with(kind, precision, num_dense, &[7, 6])
+    model_with(kind, precision, num_dense, &[7, 6], 0.0)
 }
 
-fn model_with(kind: &str, precision: Precision, num_dense: usize, expert_hidden: &[usize]) -> DenseModel {
+fn model_with(kind: &str, precision: Precision, num_dense: usize, expert_hidden: &[usize], dropout: f32) -> DenseModel {
     let config = ModelConfig {
         kind: ModelKind::named(kind),
         embedding_dim: DIM,
@@ -50,6 +51,7 @@ fn model_with(kind: &str, precision: Precision, num_dense: usize, expert_hidden:
         tower_hidden: vec![5],
         attention_hidden: vec![6, 4],
         precision,
+        dropout,
         ..Default::default()
     };
     let shape = ModelShape { num_fields: FIELDS, num_dense, embedding_dim: DIM };
@@ -84,15 +86,29 @@ fn close(what: &str, a: &[f32], b: &[f32], tolerance: f32) {
 #[test]
 fn the_direct_step_is_the_graphs_for_several_tasks_and_sequences() {
     let deep: &[usize] = &[7, 6];
+    // Each kind also with dropout (`model.dropout`), in both precisions:
+    // both paths drop the same values.
     let cases = ["mlp", "dcn", "mmoe", "ple", "esmm", "din"]
         .into_iter()
-        .flat_map(|k| [(k, Precision::F32, 2, deep), (k, Precision::Bf16, 2, deep), (k, Precision::F32, 0, deep)])
+        .flat_map(|k| {
+            [
+                (k, Precision::F32, 2, deep, 0.0),
+                (k, Precision::Bf16, 2, deep, 0.0),
+                (k, Precision::F32, 0, deep, 0.0),
+                (k, Precision::F32, 2, deep, 0.4),
+                (k, Precision::Bf16, 0, deep, 0.25),
+            ]
+        })
         .chain(["mmoe", "ple"].into_iter().flat_map(|k| {
-            [(k, Precision::F32, 2, &[7][..]), (k, Precision::Bf16, 2, &[7][..]), (k, Precision::F32, 0, &[7][..])]
+            [
+                (k, Precision::F32, 2, &[7][..], 0.0),
+                (k, Precision::Bf16, 2, &[7][..], 0.0),
+                (k, Precision::F32, 0, &[7][..], 0.0),
+            ]
         }));
-    for (kind, precision, num_dense, experts) in cases {
-        let what = format!("{kind} {precision:?} with {num_dense} dense, experts {experts:?}");
-        let model = || model_with(kind, precision, num_dense, experts);
+    for (kind, precision, num_dense, experts, dropout) in cases {
+        let what = format!("{kind} {precision:?} with {num_dense} dense, experts {experts:?}, dropout {dropout}");
+        let model = || model_with(kind, precision, num_dense, experts, dropout);
         let (direct, graph) = (model(), model());
         assert!(direct.packed_row_len().is_some(), "{what}: takes the direct step");
         let (mut opt_d, mut opt_g) = (
@@ -109,14 +125,16 @@ fn the_direct_step_is_the_graphs_for_several_tasks_and_sequences() {
             let weights: Vec<f32> = (0..ROWS).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
             let seq = sequences(if step == 0 { &HISTORY } else { &[0; ROWS] }, &mut rng);
             let seq = (kind == "din").then_some(&seq);
+            let draw = (dropout > 0.0).then_some(900 + step);
             let (a, grads_a) = direct
-                .forward_backward_with(emb.clone(), dense.clone(), &labels, Some(&weights), seq)
+                .forward_backward_with(emb.clone(), dense.clone(), &labels, Some(&weights), seq, draw)
                 .expect("direct step");
             let (b, grads_b) = graph
-                .forward_backward_autograd_with(emb.clone(), dense.clone(), &labels, Some(&weights), seq)
+                .forward_backward_autograd_with(emb.clone(), dense.clone(), &labels, Some(&weights), seq, draw)
                 .expect("graph step");
             let predicted = direct.predict_with(emb, dense, ROWS, seq).expect("predict");
-            assert_eq!(predicted, a.logits, "{what}: predict gives the step's logits");
+            // Predictions drop nothing: the step's logits unless it dropped.
+            assert_eq!(predicted == a.logits, dropout == 0.0, "{what}: predict gives the step's logits");
             assert!((a.loss - b.loss).abs() <= 1e-5 * (1.0 + b.loss.abs()), "{what}: loss {} vs {}", a.loss, b.loss);
             close(&format!("{what}: logits"), &a.logits, &b.logits, 1e-5);
             close(&format!("{what}: d pooled"), &a.emb_grad, &b.emb_grad, 1e-5);
@@ -161,17 +179,17 @@ fn history_items_that_do_not_fit_the_batch_are_refused() {
     let mut past = good.clone();
     past.rows[0][0] = ROWS as u32;
     for bad in [short, past] {
-        let err = din.forward_backward_with(emb.clone(), dense.clone(), &labels, None, Some(&bad)).err();
+        let err = din.forward_backward_with(emb.clone(), dense.clone(), &labels, None, Some(&bad), None).err();
         let err = err.map(|e| e.to_string()).unwrap_or_default();
         assert!(err.contains("history items"), "refused naming the history: {err:?}");
     }
     let mut poisoned = good.clone();
     poisoned.items[0][3] = f32::NAN;
     let weights_before = din.params.flat_values().expect("weights");
-    let err = din.forward_backward_with(emb.clone(), dense.clone(), &labels, None, Some(&poisoned)).err();
+    let err = din.forward_backward_with(emb.clone(), dense.clone(), &labels, None, Some(&poisoned), None).err();
     let err = err.map(|e| e.to_string()).unwrap_or_default();
     assert!(err.contains("non-finite"), "a NaN history item is refused: {err:?}");
     assert_eq!(din.params.flat_values().expect("weights"), weights_before, "nothing moved");
-    let err = din.forward_backward_with(emb, dense, &labels, None, None).err().map(|e| e.to_string());
+    let err = din.forward_backward_with(emb, dense, &labels, None, None, None).err().map(|e| e.to_string());
     assert!(err.unwrap_or_default().contains("behaviour sequence"), "a batch without its sequence is refused");
 }

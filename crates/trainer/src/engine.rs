@@ -320,6 +320,22 @@ pub struct DenseInputs<'a> {
     pub weights: Option<&'a [f32]>,
     /// `embedding.l2`: `row_l2 · w` joins each unique row's gradient.
     pub row_l2: f32,
+    /// `model.dropout`: the step's draw ([`dropout_draw`]); `None`: off.
+    pub dropout: Option<u64>,
+}
+
+/// `model.dropout`'s draw for the whole job (`None`: off), from its seed.
+pub fn dropout_base(config: &sparrow_core::Config) -> Option<u64> {
+    (config.model.dropout > 0.0).then(|| sparrow_core::key::mix64(config.train.seed ^ 0x0064_726f_706f_7574))
+}
+
+/// The dropout draw of the dense step after `steps_taken` steps of worker
+/// `worker` (0 in `sparrow train`): the same step of the same job draws
+/// the same masks, resumed or not, and a one-worker cluster draws
+/// `train`'s; other workers draw other masks.
+pub fn dropout_draw(base: Option<u64>, steps_taken: u64, worker: usize) -> Option<u64> {
+    use sparrow_core::key::mix64;
+    base.map(|b| mix64(b ^ steps_taken.wrapping_mul(0x9e37_79b9_7f4a_7c15)) ^ mix64(worker as u64))
 }
 
 pub struct DenseStepOut {
@@ -375,7 +391,7 @@ pub fn dense_grads(
     inputs: DenseInputs<'_>,
     pooling: Pooling,
 ) -> Result<DenseHalf, TrainError> {
-    let DenseInputs { bags, unique_rows, dense, labels, weights, row_l2 } = inputs;
+    let DenseInputs { bags, unique_rows, dense, labels, weights, row_l2, dropout } = inputs;
     let width = model.width();
     let num_dense = model.shape.num_dense;
     let started = Instant::now();
@@ -393,13 +409,19 @@ pub fn dense_grads(
             let pairs = model.attention();
             let sequences = (!pairs.is_empty()).then(|| gather_sequences(&bags, unique_rows, width, pairs));
             let pooled_at = Instant::now();
-            let (loss, logits, (grads, unpool_secs), dense_grads) =
-                model.forward_backward_packed_with(packed_input, labels, weights, sequences, |grad_x, items| {
+            let (loss, logits, (grads, unpool_secs), dense_grads) = model.forward_backward_packed_with(
+                packed_input,
+                labels,
+                weights,
+                sequences,
+                dropout,
+                |grad_x, items| {
                     let t = Instant::now();
                     let mut grads = unpool_strided(&bags, grad_x, stride, width, pooling);
                     scatter_item_grads(&bags, items, width, pairs, &mut grads);
                     (grads, t.elapsed())
-                })?;
+                },
+            )?;
             (loss, logits, grads, dense_grads, pooled_at, unpool_secs)
         }
         None => {
@@ -409,7 +431,7 @@ pub fn dense_grads(
             let sequences = (!pairs.is_empty()).then(|| gather_sequences(&bags, unique_rows, width, pairs));
             let pooled_at = Instant::now();
             let (out, dense_grads) =
-                model.forward_backward_with(pooled, dense.to_vec(), labels, weights, sequences.as_ref())?;
+                model.forward_backward_with(pooled, dense.to_vec(), labels, weights, sequences.as_ref(), dropout)?;
             let t = Instant::now();
             let mut grads = unpool(&bags, &out.emb_grad, width, pooling);
             scatter_item_grads(&bags, &out.item_grads, width, pairs, &mut grads);

@@ -288,6 +288,7 @@ impl Trainer {
                 labels: &batch.labels,
                 weights: batch.sample_weights.as_deref(),
                 row_l2: config.embedding.l2,
+                dropout: crate::engine::dropout_draw(crate::engine::dropout_base(config), dense_optimizer.step, 0),
             };
             let out = dense_step(model, dense_optimizer, dense_sync, packed_input, inputs, pooling);
             match named_non_finite(out, step_number, plan, &looked.unique_rows, width) {

@@ -1,8 +1,8 @@
-//! `embedding.l2` and `dense_optimizer.kind = "adamw"` do what they say
-//! on a real run: L2 reaches each row a batch looks up once, at the value
-//! it read; AdamW's decay changes the model; both resume bit for bit
-//! (`resumed_run_equals_uninterrupted_run.rs`) and train ≡ launch
-//! (`local_cluster_equals_single_process.rs`).
+//! `embedding.l2`, `dense_optimizer.kind = "adamw"` and `model.dropout` do
+//! what they say on a real run: L2 reaches each row a batch looks up once,
+//! at the value it read; AdamW's decay and dropout change the model; all
+//! resume bit for bit (`resumed_run_equals_uninterrupted_run.rs`) and train
+//! ≡ launch (`local_cluster_equals_single_process.rs`).
 
 mod common;
 
@@ -96,4 +96,47 @@ fn adamw_trains_a_model_of_its_own_and_is_adam_without_decay() {
     // The decay pulls the weights in: a smaller norm than Adam's.
     let norm = |w: &[f32]| w.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>();
     assert!(norm(&adamw) < norm(&adam), "{} vs {}", norm(&adamw), norm(&adam));
+}
+
+/// `model.dropout` changes what a step learns, not what a model predicts:
+/// a run with it trains another model than one without; the test AUC the
+/// run reports is what `evaluate` of its checkpoint computes (evaluation
+/// drops nothing); the same config trains the same model again.
+#[test]
+fn dropout_trains_another_model_and_evaluation_drops_nothing() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let data = tmp.path().join("data");
+    common::small_data(&data, 2000, 300);
+    for kind in ["mlp", "dlrm"] {
+        let mut base = common::small_config(&data, kind);
+        base.train.max_steps = Some(8);
+        let (_, plain) = trained(&base, &tmp.path().join(format!("{kind}-plain")));
+        let mut dropped = base.clone();
+        dropped.model.dropout = 0.3;
+        let dir = tmp.path().join(format!("{kind}-dropout"));
+        let (_, with_dropout) = trained(&dropped, &dir);
+        let (_, again) = trained(&dropped, &tmp.path().join(format!("{kind}-again")));
+        assert_ne!(plain, with_dropout, "{kind}: dropout changed nothing");
+        assert_eq!(with_dropout, again, "{kind}: the same config, another model");
+        let mut c = dropped.clone();
+        c.checkpoint.dir = Some(dir.display().to_string());
+        let run = train(
+            &{
+                let mut c = c.clone();
+                c.checkpoint.dir = Some(tmp.path().join(format!("{kind}-rerun")).display().to_string());
+                c
+            },
+            true,
+        )
+        .expect("train");
+        let eval = sparrow_trainer::evaluate_checkpoint(&dir, &data.join("test.tsv"), &Overrides::none(), None)
+            .expect("evaluate");
+        assert_eq!(
+            run.test_auc.map(f64::to_bits),
+            Some(eval.auc.to_bits()),
+            "{kind}: {:?} vs {}",
+            run.test_auc,
+            eval.auc
+        );
+    }
 }

@@ -47,7 +47,7 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
     // row-wise Adagrad for `mlp-bf16rows`, and stochastic rounding
     // (`embedding.rounding`: its draws count each row's updates, a count
     // the checkpoint keeps) for `dlrm-srf16rows` with Adagrad; and
-    // `embedding.l2` with AdamW (`mlp-regularized`).
+    // `embedding.l2`, AdamW and dropout (`mlp-regularized`).
     let kinds = [
         "dlrm",
         "deepfm",
@@ -82,6 +82,7 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
             base.embedding.l2 = 1e-3;
             base.dense_optimizer.kind = sparrow_core::config::DenseOptimizerKind::AdamW;
             base.dense_optimizer.weight_decay = 0.01;
+            base.model.dropout = 0.2;
         }
         base.train.epochs = 2; // the stop falls in the first epoch, the end in the second
 

@@ -64,6 +64,10 @@ impl Config {
                 return invalid(key, &format!("must be a finite number >= 0, not {value}"));
             }
         }
+        let dropout = self.model.dropout;
+        if !(0.0..1.0).contains(&dropout) {
+            return invalid("model.dropout", &format!("must be a rate in [0, 1), not {dropout}"));
+        }
         if let Some(token) = self.cluster.auth_token.as_deref().filter(|t| !t.is_empty()) {
             crate::token::check(token, "cluster.auth_token")
                 .map_err(|m| ConfigError::Invalid { key: "cluster.auth_token".into(), message: m })?;

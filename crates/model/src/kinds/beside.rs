@@ -22,13 +22,16 @@ impl Beside {
     pub(super) fn build(at: &mut Build<'_>, fm: bool) -> Result<Beside, ModelError> {
         let first = FirstOrder::new(at.ps, at.shape.num_dense, fm)?;
         let sizes = head(&at.config.hidden, at.outputs());
-        Ok(Beside { first, deep: Mlp::new(at.ps, "deep", at.flat_len(), &sizes, false, at.arith)? })
+        Ok(Beside {
+            first,
+            deep: Mlp::new(at.ps, "deep", at.flat_len(), &sizes, false, at.arith)?.with_dropout(at.config.dropout),
+        })
     }
 }
 
 impl Net for Beside {
     fn forward(&self, at: &At, emb: &Tensor, dense: &Tensor, _: &[(Tensor, Tensor)]) -> Result<Tensor, ModelError> {
-        let deep = self.deep.forward(&flat_with_dense(at, &vectors(at, emb)?, dense)?)?;
+        let deep = self.deep.forward(&flat_with_dense(at, &vectors(at, emb)?, dense)?, at.dropout)?;
         Ok(self.first.forward(at, emb, dense)?.broadcast_add(&deep)?)
     }
 
@@ -45,7 +48,7 @@ impl Net for Beside {
 impl Direct for Beside {
     fn forward(&self, at: &At, x: &[f32], rows: usize, s: &mut Scratch) -> Result<Vec<f32>, ModelError> {
         deep_input(at, x, 1, &mut s.x);
-        self.deep.forward_cpu(&s.x, rows, &mut s.deep)?;
+        self.deep.forward_cpu(&s.x, rows, at.dropout, &mut s.deep)?;
         let mut logits = self.first.logits(at, x, &mut s.fm_sums)?;
         logits.iter_mut().zip(&s.deep.output).for_each(|(a, b)| *a += b);
         Ok(logits)

@@ -37,7 +37,8 @@ impl Kind for Dcn {
         let cross = (0..at.config.cross_layers)
             .map(|l| Linear::new(at.ps, &format!("cross.{l}"), x_dim, x_dim))
             .collect::<Result<Vec<_>, _>>()?;
-        let deep = Mlp::new(at.ps, "deep", x_dim, &head(&at.config.hidden, at.outputs()), false, at.arith)?;
+        let deep = Mlp::new(at.ps, "deep", x_dim, &head(&at.config.hidden, at.outputs()), false, at.arith)?
+            .with_dropout(at.config.dropout);
         Ok(Box::new(DcnNet { cross, deep, arith: at.arith }))
     }
 
@@ -65,7 +66,7 @@ impl Net for DcnNet {
         for layer in &self.cross {
             x = crate::mlp::cross(self.arith, &x0, &x, layer.weight().as_tensor(), layer.bias().as_tensor())?;
         }
-        self.deep.forward(&x)
+        self.deep.forward(&x, at.dropout)
     }
 
     fn spec(&self) -> Result<NetSpec, ModelError> {
@@ -95,7 +96,7 @@ impl Direct for DcnNet {
             cross_forward(self.arith, x_dim, (x, input), (w, b), gate, out);
         }
         let input: &[f32] = s.cross_out.last().map_or(x, |v| v);
-        self.deep.forward_cpu(input, rows, &mut s.deep)?;
+        self.deep.forward_cpu(input, rows, at.dropout, &mut s.deep)?;
         Ok(s.deep.output.clone())
     }
 

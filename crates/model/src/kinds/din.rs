@@ -114,7 +114,7 @@ impl DinNet {
             .map(|j| Mlp::new(ps, &format!("attention.{j}"), 4 * d, &score, false, arith))
             .collect::<Result<_, _>>()?;
         let sizes: Vec<usize> = config.hidden.iter().copied().chain([outputs]).collect();
-        let mlp = Mlp::new(ps, "mlp", input, &sizes, false, arith)?;
+        let mlp = Mlp::new(ps, "mlp", input, &sizes, false, arith)?.with_dropout(config.dropout);
         Ok(DinNet { pairs: pairs.to_vec(), units, mlp })
     }
 }
@@ -139,13 +139,7 @@ impl Net for DinNet {
     /// Logits `[B, outputs]` from pooled fields `emb` `[B, F, D]` (a
     /// sequence's own slot is replaced), `dense` `[B, num_dense]` and each
     /// sequence's `items` `[P_j, D]` with the `rows` `[P_j]` (u32) they sit in.
-    fn forward(
-        &self,
-        _at: &At,
-        emb: &Tensor,
-        dense: &Tensor,
-        items: &[(Tensor, Tensor)],
-    ) -> Result<Tensor, ModelError> {
+    fn forward(&self, at: &At, emb: &Tensor, dense: &Tensor, items: &[(Tensor, Tensor)]) -> Result<Tensor, ModelError> {
         let (b, f, d) = emb.dims3()?;
         if items.len() != self.pairs.len() {
             return Err(ModelError::Sequences { expected: self.pairs.len(), found: items.len() });
@@ -157,7 +151,7 @@ impl Net for DinNet {
             } else {
                 let q = emb.narrow(1, query, 1)?.squeeze(1)?.contiguous()?.index_select(rows, 0)?; // [P, D]
                 let features = Tensor::cat(&[&q, keys, &(&q - keys)?, &(&q * keys)?], 1)?;
-                let score = unit.forward(&features)?; // [P, 1]
+                let score = unit.forward(&features, at.dropout)?; // [P, 1]
                 let weighted = keys.broadcast_mul(&score)?;
                 Tensor::zeros((b, d), DType::F32, emb.device())?.index_add(rows, &weighted, 0)?.unsqueeze(1)?
             };
@@ -166,6 +160,6 @@ impl Net for DinNet {
         let slots: Vec<&Tensor> = slots.iter().collect();
         let flat = Tensor::cat(&slots, 1)?.reshape((b, f * d))?;
         let x = if dense.dim(1)? > 0 { Tensor::cat(&[&flat, dense], 1)? } else { flat };
-        self.mlp.forward(&x)
+        self.mlp.forward(&x, at.dropout)
     }
 }

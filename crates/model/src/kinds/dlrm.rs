@@ -42,14 +42,15 @@ impl Kind for Dlrm {
             None
         } else {
             let sizes: Vec<usize> = at.config.bottom_hidden.iter().copied().chain(std::iter::once(d)).collect();
-            Some(Mlp::new(at.ps, "bottom", nd, &sizes, true, at.arith)?)
+            Some(Mlp::new(at.ps, "bottom", nd, &sizes, true, at.arith)?.with_dropout(at.config.dropout))
         };
         let n = f + usize::from(nd > 0);
         let pairs: Vec<u32> = (0..n).flat_map(|i| ((i + 1)..n).map(move |j| (i * n + j) as u32)).collect();
         let num_pairs = pairs.len();
         let pairs = Tensor::from_vec(pairs, num_pairs, at.device)?;
         let top_in = num_pairs + if nd > 0 { d } else { 0 };
-        let top = Mlp::new(at.ps, "top", top_in, &head(&at.config.hidden, at.outputs()), false, at.arith)?;
+        let top = Mlp::new(at.ps, "top", top_in, &head(&at.config.hidden, at.outputs()), false, at.arith)?
+            .with_dropout(at.config.dropout);
         Ok(Box::new(DlrmNet { bottom, top, pairs, n }))
     }
 
@@ -82,7 +83,7 @@ impl Net for DlrmNet {
         let (b, n) = (emb.dim(0)?, self.n);
         let (t, bottom_out) = match &self.bottom {
             Some(mlp) => {
-                let x = mlp.forward(dense)?; // [B, d]
+                let x = mlp.forward(dense, at.dropout)?; // [B, d]
                 (Tensor::cat(&[&x.unsqueeze(1)?, emb], 1)?, Some(x))
             }
             None => (emb.clone(), None),
@@ -97,7 +98,7 @@ impl Net for DlrmNet {
             Some(x) => Tensor::cat(&[&x, &inter], 1)?,
             None => inter,
         };
-        self.top.forward(&top_in)
+        self.top.forward(&top_in, at.dropout)
     }
 
     fn spec(&self) -> Result<NetSpec, ModelError> {
@@ -119,7 +120,7 @@ impl Direct for DlrmNet {
             for x in x.chunks_exact(row) {
                 s.dense.extend_from_slice(&x[f * d..]);
             }
-            mlp.forward_cpu(&s.dense, rows, &mut s.bottom)?;
+            mlp.forward_cpu(&s.dense, rows, at.dropout, &mut s.bottom)?;
         }
         // The top MLP reads [bottom output | pairwise dots of
         // (bottom output, the fields' vectors)].
@@ -132,7 +133,7 @@ impl Direct for DlrmNet {
             top_in[..lead].copy_from_slice(head);
             pairwise_dots_row(simd, Vectors { head, tail: &x[..f * d], d }, &mut top_in[lead..], buf);
         });
-        self.top.forward_cpu(&s.x, rows, &mut s.deep)?;
+        self.top.forward_cpu(&s.x, rows, at.dropout, &mut s.deep)?;
         Ok(s.deep.output.clone())
     }
 

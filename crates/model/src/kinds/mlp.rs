@@ -29,7 +29,9 @@ impl Kind for MlpKind {
 
     fn build(&self, at: &mut Build<'_>) -> Result<Box<dyn Net>, ModelError> {
         let sizes = head(&at.config.hidden, at.outputs());
-        Ok(Box::new(MlpNet { mlp: Mlp::new(at.ps, "mlp", at.flat_len(), &sizes, false, at.arith)? }))
+        Ok(Box::new(MlpNet {
+            mlp: Mlp::new(at.ps, "mlp", at.flat_len(), &sizes, false, at.arith)?.with_dropout(at.config.dropout),
+        }))
     }
 
     fn step_flops_per_sample(&self, config: &ModelConfig, shape: ModelShape) -> f64 {
@@ -45,7 +47,7 @@ impl Kind for MlpKind {
 
 impl Net for MlpNet {
     fn forward(&self, at: &At, emb: &Tensor, dense: &Tensor, _: &[(Tensor, Tensor)]) -> Result<Tensor, ModelError> {
-        self.mlp.forward(&flat_with_dense(at, emb, dense)?)
+        self.mlp.forward(&flat_with_dense(at, emb, dense)?, at.dropout)
     }
 
     fn spec(&self) -> Result<NetSpec, ModelError> {
@@ -58,8 +60,8 @@ impl Net for MlpNet {
 }
 
 impl Direct for MlpNet {
-    fn forward(&self, _at: &At, x: &[f32], rows: usize, s: &mut Scratch) -> Result<Vec<f32>, ModelError> {
-        self.mlp.forward_cpu(x, rows, &mut s.deep)?;
+    fn forward(&self, at: &At, x: &[f32], rows: usize, s: &mut Scratch) -> Result<Vec<f32>, ModelError> {
+        self.mlp.forward_cpu(x, rows, at.dropout, &mut s.deep)?;
         Ok(s.deep.output.clone())
     }
 

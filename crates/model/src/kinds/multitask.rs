@@ -60,9 +60,9 @@ fn experts(
     n: usize,
     input: usize,
     sizes: &[usize],
-    arith: Arith,
+    (arith, dropout): (Arith, f32),
 ) -> Result<Vec<Mlp>, ModelError> {
-    (0..n).map(|e| Mlp::new(ps, &format!("{name}.{e}"), input, sizes, true, arith)).collect()
+    (0..n).map(|e| Ok(Mlp::new(ps, &format!("{name}.{e}"), input, sizes, true, arith)?.with_dropout(dropout))).collect()
 }
 
 impl MultiTask {
@@ -77,7 +77,9 @@ impl MultiTask {
     ) -> Result<MultiTask, ModelError> {
         let tower = |ps: &mut ParamStore, t: usize, input: usize, outputs: usize| {
             let sizes: Vec<usize> = config.tower_hidden.iter().copied().chain([outputs]).collect();
-            Mlp::new(ps, &format!("tower.{t}"), input, &sizes, false, arith)
+            Ok::<_, ModelError>(
+                Mlp::new(ps, &format!("tower.{t}"), input, &sizes, false, arith)?.with_dropout(config.dropout),
+            )
         };
         let tasks = heads.tasks();
         let expert_out = config.expert_hidden.last().copied().unwrap_or(input);
@@ -93,7 +95,8 @@ impl MultiTask {
                 towers.push(tower(ps, 1, input, 1)?);
             }
             Which::Mmoe => {
-                let shared = experts(ps, "expert", config.experts, input, &config.expert_hidden, arith)?;
+                let shared =
+                    experts(ps, "expert", config.experts, input, &config.expert_hidden, (arith, config.dropout))?;
                 let gates = (0..tasks)
                     .map(|t| Linear::new(ps, &format!("gate.{t}"), input, config.experts))
                     .collect::<Result<_, _>>()?;
@@ -112,7 +115,7 @@ impl MultiTask {
                         config.experts,
                         fan_in,
                         &config.expert_hidden,
-                        arith,
+                        (arith, config.dropout),
                     )?;
                     let own = (0..tasks)
                         .map(|t| {
@@ -122,7 +125,7 @@ impl MultiTask {
                                 config.task_experts,
                                 fan_in,
                                 &config.expert_hidden,
-                                arith,
+                                (arith, config.dropout),
                             )
                         })
                         .collect::<Result<Vec<_>, _>>()?;
@@ -157,12 +160,13 @@ impl MultiTask {
         Ok(MultiTask { which, levels, towers, arith })
     }
 
-    /// Logits `[B, outputs]` from input rows `x` `[B, input]`.
-    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
+    /// Logits `[B, outputs]` from input rows `x` `[B, input]`; `draw`: the
+    /// step's dropout draw.
+    pub(super) fn forward(&self, x: &Tensor, draw: Option<u64>) -> Result<Tensor, ModelError> {
         let outs = match self.which {
             Which::Esmm => {
-                let a = self.towers[0].forward(x)?;
-                let b = self.towers[1].forward(x)?;
+                let a = self.towers[0].forward(x, draw)?;
+                let b = self.towers[1].forward(x, draw)?;
                 // −log(e^{−a} + e^{−b} + e^{−a−b}) as −logsumexp(−a, −b, −a−b).
                 let z = Tensor::cat(&[&a.neg()?, &b.neg()?, &(a.neg()? - &b)?], 1)?;
                 let m = z.max_keepdim(D::Minus1)?;
@@ -175,12 +179,12 @@ impl MultiTask {
                 let (mut inputs, mut shared_in) = (vec![x.clone(); tasks], x.clone());
                 for level in &self.levels {
                     let shared: Vec<Tensor> =
-                        level.shared.iter().map(|e| e.forward(&shared_in)).collect::<Result<_, _>>()?;
+                        level.shared.iter().map(|e| e.forward(&shared_in, draw)).collect::<Result<_, _>>()?;
                     let own: Vec<Vec<Tensor>> = level
                         .own
                         .iter()
                         .zip(&inputs)
-                        .map(|(es, x)| es.iter().map(|e| e.forward(x)).collect::<Result<Vec<_>, _>>())
+                        .map(|(es, x)| es.iter().map(|e| e.forward(x, draw)).collect::<Result<Vec<_>, _>>())
                         .collect::<Result<_, _>>()?;
                     let mut next = Vec::with_capacity(tasks);
                     for (t, gate) in level.gates.iter().enumerate() {
@@ -196,7 +200,7 @@ impl MultiTask {
                     }
                     inputs = next;
                 }
-                self.towers.iter().zip(&inputs).map(|(t, x)| t.forward(x)).collect::<Result<_, _>>()?
+                self.towers.iter().zip(&inputs).map(|(t, x)| t.forward(x, draw)).collect::<Result<_, _>>()?
             }
         };
         let outs: Vec<&Tensor> = outs.iter().collect();
@@ -238,7 +242,7 @@ impl super::Net for MultiTask {
         dense: &Tensor,
         _: &[(Tensor, Tensor)],
     ) -> Result<Tensor, ModelError> {
-        MultiTask::forward(self, &super::parts::flat_with_dense(at, emb, dense)?)
+        MultiTask::forward(self, &super::parts::flat_with_dense(at, emb, dense)?, at.dropout)
     }
 
     fn spec(&self) -> Result<crate::spec::NetSpec, ModelError> {
@@ -309,8 +313,11 @@ mod tests {
         let x: Vec<f32> = (0..40).map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.9).collect();
         let x = Tensor::from_vec(x, (10, 4), &Device::Cpu).expect("x");
         let values = |t: Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("values");
-        let out = values(net.forward(&x).expect("forward"));
-        let (a, b) = (values(net.towers[0].forward(&x).expect("ctr")), values(net.towers[1].forward(&x).expect("cvr")));
+        let out = values(net.forward(&x, None).expect("forward"));
+        let (a, b) = (
+            values(net.towers[0].forward(&x, None).expect("ctr")),
+            values(net.towers[1].forward(&x, None).expect("cvr")),
+        );
         let sigmoid = |x: f32| 1.0 / (1.0 + (-f64::from(x)).exp());
         for r in 0..10 {
             assert_eq!(out[2 * r], a[r], "row {r}: the CTR output is the CTR tower's");

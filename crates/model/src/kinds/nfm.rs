@@ -42,7 +42,8 @@ impl Kind for Nfm {
     fn build(&self, at: &mut Build<'_>) -> Result<Box<dyn Net>, ModelError> {
         let first = FirstOrder::new(at.ps, at.shape.num_dense, false)?;
         let input = at.shape.embedding_dim + at.shape.num_dense;
-        let deep = Mlp::new(at.ps, "deep", input, &head(&at.config.hidden, at.outputs()), false, at.arith)?;
+        let deep = Mlp::new(at.ps, "deep", input, &head(&at.config.hidden, at.outputs()), false, at.arith)?
+            .with_dropout(at.config.dropout);
         Ok(Box::new(NfmNet { first, deep, width: 1 + at.shape.embedding_dim }))
     }
 
@@ -65,7 +66,7 @@ impl Net for NfmNet {
         let sum = v.sum(1)?; // [B, d]
         let pooled = ((sum.sqr()? - v.sqr()?.sum(1)?)? * 0.5)?;
         let x = if at.shape.num_dense > 0 { Tensor::cat(&[&pooled, dense], 1)? } else { pooled };
-        let deep = self.deep.forward(&x)?;
+        let deep = self.deep.forward(&x, at.dropout)?;
         Ok(self.first.forward(at, emb, dense)?.broadcast_add(&deep)?)
     }
 

@@ -59,15 +59,22 @@ impl DenseModel {
         Ok(Some(FirstOrderStep { loss, logits, grads: self.in_param_order(grads, labels.len()), finite }))
     }
 
-    /// Logits of a batch of input rows `x` (see [`row_len`](Self::row_len));
-    /// what the backward pass needs stays in `s`.
-    pub(super) fn forward_direct(&self, x: &[f32], rows: usize, s: &mut Scratch) -> Result<Vec<f32>, ModelError> {
+    /// Logits of a batch of input rows `x` (see [`row_len`](Self::row_len)),
+    /// dropout drawn by `draw` (a training step's); what the backward pass
+    /// needs stays in `s`.
+    pub(super) fn forward_direct(
+        &self,
+        x: &[f32],
+        rows: usize,
+        draw: Option<u64>,
+        s: &mut Scratch,
+    ) -> Result<Vec<f32>, ModelError> {
         let row = self.row_len();
         if x.len() != rows * row {
             return Err(ModelError::BadInput { what: "input rows", len: x.len(), rows, per_row: row });
         }
         let direct = self.direct().ok_or(ModelError::NotPacked { kind: self.kind.name() })?;
-        direct.forward(&self.at, x, rows, s)
+        direct.forward(&self.at.drawn(draw), x, rows, s)
     }
 
     /// The backward pass of the last [`forward_direct`](Self::forward_direct)
@@ -143,7 +150,7 @@ mod tests {
                 }
                 let (mut one, mut three) = (Scratch::default(), Scratch::default());
                 let step = model.whole_step(&x, &labels, weights, &mut one).expect("step").expect("LR or FM");
-                let logits = model.forward_direct(&x, rows, &mut three).expect("forward");
+                let logits = model.forward_direct(&x, rows, None, &mut three).expect("forward");
                 let (loss, seed) = DenseModel::loss_and_seed(&logits, &labels, weights);
                 let grads = model.backward_direct(&x, &seed, &mut three).expect("backward");
                 assert_eq!(bits(&step.logits), bits(&logits), "{what}: logits");

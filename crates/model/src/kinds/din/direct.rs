@@ -70,7 +70,7 @@ impl Direct for DinNet {
                     }
                 }
             });
-            unit.forward_cpu(features, positions, &mut ds.units[j])?;
+            unit.forward_cpu(features, positions, at.dropout, &mut ds.units[j])?;
             let scores = &ds.units[j].output;
             for (p, &r) in at_rows.iter().enumerate() {
                 let pooled = &mut input[r as usize * stride + slot * d..r as usize * stride + (slot + 1) * d];
@@ -78,7 +78,7 @@ impl Direct for DinNet {
             }
         }
         s.sequences = sequences;
-        let result = self.mlp.forward_cpu(&input, rows, &mut s.deep);
+        let result = self.mlp.forward_cpu(&input, rows, at.dropout, &mut s.deep);
         s.x = input;
         result?;
         Ok(s.deep.output.clone())
