@@ -110,6 +110,43 @@ fn launch_trains_the_same_model_as_train_and_leaves_nothing_behind() {
     assert_eq!(eval["auc"], two["test_auc"], "the checkpoint holds the evaluated model");
 }
 
+/// The training tools of issue 58 over gRPC: a warmup and cosine decay of
+/// both rates (each push carries its step's factor to the shards),
+/// `embedding.l2`, AdamW and dropout; `launch` trains `train`'s model bit
+/// for bit, and without the schedule's factor on the wire it would not.
+#[test]
+fn a_schedule_and_the_regularizers_train_the_same_model_in_launch() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "6000");
+    let config = write_config(tmp.path(), "");
+    let sets = [
+        "train.schedule.kind=\"cosine\"",
+        "train.schedule.warmup_steps=3",
+        "train.schedule.decay_steps=4",
+        "train.schedule.final_factor=0.25",
+        "embedding.l2=0.001",
+        "dense_optimizer.kind=\"adamw\"",
+        "dense_optimizer.weight_decay=0.01",
+        "model.dropout=0.1",
+    ];
+    let run = |command: &str, schedule: bool| {
+        let mut cmd = sparrow();
+        cmd.args([command, "--config", &config, "--quiet"]);
+        for set in sets.iter().filter(|s| schedule || !s.starts_with("train.schedule")) {
+            cmd.args(["--set", set]);
+        }
+        if command == "launch" {
+            cmd.args(["--shards", "2", "--workers", "1"]);
+        }
+        let out = cmd.output().expect("run");
+        assert!(out.status.success(), "{command}: {}", String::from_utf8_lossy(&out.stderr));
+        last_json(&out)
+    };
+    let (train, launch) = (run("train", true), run("launch", true));
+    assert_eq!(launch["test_auc"], train["test_auc"], "launch vs train");
+    assert_ne!(run("train", false)["test_auc"], train["test_auc"], "the schedule changed nothing");
+}
+
 /// `embedding.dtype = "f16"`: shards store half rows and send half vectors
 /// over gRPC; `launch` still trains `train`'s model bit for bit, its workers
 /// receive fewer bytes from the shards, and its checkpoint is smaller.

@@ -893,7 +893,7 @@ const SSD_TIER_STRIPES: [(&str, &str); 9] = [
     ("crates/embedding/src/table/mod.rs", "lru_cutoff"),
     ("crates/embedding/src/table/mod.rs", "lookup_or_insert"),
     ("crates/embedding/src/table/mod.rs", "prefetch"),
-    ("crates/embedding/src/table/mod.rs", "apply_gradients_at"),
+    ("crates/embedding/src/table/mod.rs", "apply_gradients_scaled"),
     ("crates/embedding/src/table/mod.rs", "put"),
     ("crates/embedding/src/table/walk.rs", "rows_from"),
     ("crates/embedding/src/table/walk.rs", "for_each_row"),

@@ -583,8 +583,8 @@ impl ShardService for LocalShard {
     fn pull(&self, batch_id: u64) -> Result<Vec<f32>, ClusterError> {
         self.0.get()?.pull(batch_id)
     }
-    fn push(&self, batch_id: u64, grads: Vec<f32>) -> Result<(), ClusterError> {
-        self.0.get()?.push(batch_id, grads)
+    fn push(&self, batch_id: u64, grads: Vec<f32>, lr_scale: f32) -> Result<(), ClusterError> {
+        self.0.get()?.push(batch_id, grads, lr_scale)
     }
     fn report(&self) -> Result<ShardReport, ClusterError> {
         self.0.get()?.report()

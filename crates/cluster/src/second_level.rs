@@ -239,6 +239,18 @@ impl SecondLevel {
     /// `keys`, then counts the batch pushed: the last batch of a pass frees
     /// its rows no later pass holds, writing them back into level 1.
     pub fn apply(&self, l1: &EmbeddingTable, batch_id: u64, keys: &[u64], grads: &[f32]) -> Result<(), ClusterError> {
+        self.apply_or_release(l1, batch_id, keys, Some((grads, 1.0)))
+    }
+
+    /// [`apply`](Self::apply) at the rows' learning rate times the factor
+    /// beside the gradients (a step of `[train.schedule]`).
+    pub fn apply_scaled(
+        &self,
+        l1: &EmbeddingTable,
+        batch_id: u64,
+        keys: &[u64],
+        grads: (&[f32], f32),
+    ) -> Result<(), ClusterError> {
         self.apply_or_release(l1, batch_id, keys, Some(grads))
     }
 
@@ -249,8 +261,10 @@ impl SecondLevel {
         l1: &EmbeddingTable,
         batch_id: u64,
         keys: &[u64],
-        grads: Option<&[f32]>,
+        grads: Option<(&[f32], f32)>,
     ) -> Result<(), ClusterError> {
+        let (grads, lr_scale) = grads.map_or((None, 1.0), |(g, s)| (Some(g), s));
+        let optimizer = self.optimizer.scaled(lr_scale);
         let mut guard = self.state.lock();
         let state = &mut *guard;
         if let Some(key) = keys.iter().find(|k| !state.rows.contains_key(k)) {
@@ -260,7 +274,7 @@ impl SecondLevel {
             if let Some(row) = state.rows.get_mut(key) {
                 let (w, opt_state) = row.split_at_mut(self.dim);
                 let stochastic = self.stochastic_seed.map(|seed| (seed, *key));
-                self.format.step_and_round(&self.optimizer, w, opt_state, g, stochastic);
+                self.format.step_and_round(&optimizer, w, opt_state, g, stochastic);
             }
         }
         let Some(pass) = state.batch_pass.remove(&batch_id) else { return Ok(()) };

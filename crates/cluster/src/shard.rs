@@ -268,7 +268,7 @@ impl ShardService for ShardServer {
         Ok(rows)
     }
 
-    fn push(&self, batch_id: u64, grads: Vec<f32>) -> Result<(), ClusterError> {
+    fn push(&self, batch_id: u64, grads: Vec<f32>, lr_scale: f32) -> Result<(), ClusterError> {
         faults::point("shard.push");
         self.check_generation(batch_id)?;
         let _cut = self.cut.work();
@@ -306,7 +306,7 @@ impl ShardService for ShardServer {
             let u = u as usize;
             summed[u * dim..(u + 1) * dim].iter_mut().zip(&grads[i * dim..(i + 1) * dim]).for_each(|(s, g)| *s += g);
         }
-        self.training.push(&self.table, batch_id, &plan, slots, &summed)?;
+        self.training.push(&self.table, batch_id, &plan, slots, (&summed, lr_scale))?;
         // After the update, as `sparrow train` deletes after a step.
         self.bound(newest_record_ms)
     }
@@ -450,14 +450,14 @@ mod tests {
         let shard = ShardServer::new(0, table);
         shard.enqueue(1, vec![10, 11, 10], Mode::Train, None).expect("queued");
         let before = shard.pull(1).expect("pulled");
-        assert!(shard.push(1, vec![0.5; 4]).is_err(), "a wrong-sized push is refused");
+        assert!(shard.push(1, vec![0.5; 4], 1.0).is_err(), "a wrong-sized push is refused");
         assert_eq!(shard.pending_batches(), 1, "and leaves the batch held");
         shard.release(1).expect("released");
         assert_eq!(shard.pending_batches(), 0, "the batch is forgotten");
-        assert!(shard.push(1, vec![0.5; 12]).is_err(), "a released batch takes no push");
+        assert!(shard.push(1, vec![0.5; 12], 1.0).is_err(), "a released batch takes no push");
         shard.enqueue(2, vec![10, 11, 10], Mode::Train, None).expect("queued");
         assert_eq!(shard.pull(2).expect("pulled"), before, "no row moved");
-        shard.push(2, vec![0.5; 12]).expect("pushed");
+        shard.push(2, vec![0.5; 12], 1.0).expect("pushed");
         shard.enqueue(3, vec![10, 11, 10], Mode::Train, None).expect("queued");
         assert_ne!(shard.pull(3).expect("pulled"), before, "a push moves them");
     }
@@ -497,7 +497,7 @@ mod tests {
         for b in batches {
             shard.enqueue(b, skew_keys(b), Mode::Train, None).expect("queued");
             let rows = shard.pull(b).expect("pulled");
-            shard.push(b, skew_grads(&rows)).expect("pushed");
+            shard.push(b, skew_grads(&rows), 1.0).expect("pushed");
         }
     }
 
@@ -517,7 +517,7 @@ mod tests {
             shard.enqueue(0, skew_keys(0), Mode::Train, None).expect("queued");
             let stalled = shard.pull(0).expect("pulled");
             train_batches(shard, 1..301);
-            shard.push(0, skew_grads(&stalled)).expect("the stalled batch's push lands on its own rows");
+            shard.push(0, skew_grads(&stalled), 1.0).expect("the stalled batch's push lands on its own rows");
             // Eviction goes on once nothing is in flight.
             train_batches(shard, 1000..1100);
         }

@@ -186,14 +186,16 @@ pub trait ShardService: Send + Sync {
     /// initial vectors and is forgotten after the pull.
     fn pull(&self, batch_id: u64) -> Result<Vec<f32>, ClusterError>;
     /// Applies the summed gradients of a pulled training batch (enqueue
-    /// order) once per key, then forgets the batch. No gradients at all for
-    /// a batch that has keys here is [`release`](Self::release).
-    fn push(&self, batch_id: u64, grads: Vec<f32>) -> Result<(), ClusterError>;
+    /// order) once per key, at the rows' learning rate times `lr_scale` (the
+    /// step's `[train.schedule]` factor; 1 without one), then forgets the
+    /// batch. No gradients at all for a batch that has keys here is
+    /// [`release`](Self::release).
+    fn push(&self, batch_id: u64, grads: Vec<f32>, lr_scale: f32) -> Result<(), ClusterError>;
     /// Forgets a pulled training batch without updating a row: its worker
     /// skipped it (`train.on_non_finite = "skip_batch"`). On the wire it is
     /// a push with no gradients.
     fn release(&self, batch_id: u64) -> Result<(), ClusterError> {
-        self.push(batch_id, Vec::new())
+        self.push(batch_id, Vec::new(), 1.0)
     }
     /// The shard table's counters: rows held, SSD tier, feature filters.
     fn report(&self) -> Result<ShardReport, ClusterError>;

@@ -36,7 +36,7 @@ use sparrow_data::DataLayout;
 use sparrow_model::{DenseModel, DenseOptimizer};
 use sparrow_trainer::dense_sync::{DenseSync, LocalSync};
 use sparrow_trainer::driver::{Observers, RunLog};
-use sparrow_trainer::engine::{DenseInputs, Looked, Stepped, dense_apply, dense_grads};
+use sparrow_trainer::engine::{DenseInputs, Looked, RowGrads, Stepped, dense_apply, dense_grads, row_lr_scale};
 use sparrow_trainer::evaluation::Scores;
 use sparrow_trainer::pooling::{Bags, gather_sequences, pool};
 
@@ -219,7 +219,8 @@ pub fn new_worker_in(
     generation: Generation,
 ) -> Result<Worker, ClusterError> {
     let model = sparrow_trainer::initial_model(config, layout)?;
-    let optimizer = DenseOptimizer::new(config.dense_optimizer.clone(), config.train.simd);
+    let optimizer = DenseOptimizer::new(config.dense_optimizer.clone(), config.train.simd)
+        .with_schedule(config.train.schedule.clone());
     let mut worker =
         Worker::new(index, model, optimizer, config.model.pooling).with_pipeline_depth(config.train.pipeline_depth);
     worker.generation = generation;
@@ -413,7 +414,7 @@ impl Worker {
 
     /// The dense half of a pulled batch (the step engine's `dense`): its
     /// loss, and the gradients to push (`None`: skipped, see `non_finite.rs`).
-    fn dense(&mut self, looked: &Looked<WorkerBatch, ()>) -> Result<(f64, Option<Vec<f32>>), ClusterError> {
+    fn dense(&mut self, looked: &Looked<WorkerBatch, ()>) -> Result<(f64, Option<RowGrads>), ClusterError> {
         let batch = &looked.batch;
         let inputs = DenseInputs {
             bags: bags(batch),
@@ -440,6 +441,8 @@ impl Worker {
         if let Some(e) = self.non_finite_dense_grads(&half.dense_grads, step) {
             return self.skip_or_fail(batch, e).map(|()| (0.0, None));
         }
+        // The step's rate factor, before the step counts itself.
+        let lr_scale = row_lr_scale(self.optimizer.schedule(), self.optimizer.lr_factor());
         let out = dense_apply(&self.model, &mut self.optimizer, self.sync.as_mut(), half).map_err(named)?;
         self.consumed(batch);
         let stats = &mut self.stats;
@@ -460,7 +463,7 @@ impl Worker {
                 gauges.set_online(&sparrow_trainer::online::OnlineFigures::of(online));
             }
         }
-        Ok((out.loss, Some(out.grads)))
+        Ok((out.loss, Some(RowGrads { values: out.grads, lr_scale })))
     }
 
     /// A batch this worker is done with, trained or skipped: the loader's

@@ -45,7 +45,8 @@ fn config_with(dir: &std::path::Path, kind: &str, overrides: &[&str]) -> Config 
 /// `kind`, or `kind-f16rows` (`embedding.dtype = "f16"`), or
 /// `kind-srf16rows` (f16 rows rounded stochastically), or `kind-bf16`
 /// (`model.precision = "bf16"`), or `kind-regularized` (`embedding.l2`,
-/// AdamW's weight decay and dropout).
+/// AdamW's weight decay and dropout), or `kind-scheduled` (a warmup and
+/// cosine decay of both rates).
 fn variant(dir: &std::path::Path, name: &str) -> Config {
     if let Some(kind) = name.strip_suffix("-srf16rows") {
         config_with(dir, kind, &["embedding.dtype=\"f16\"", "embedding.rounding=\"stochastic\""])
@@ -59,6 +60,14 @@ fn variant(dir: &std::path::Path, name: &str) -> Config {
             "model.dropout=0.2",
         ];
         config_with(dir, kind, &decay)
+    } else if let Some(kind) = name.strip_suffix("-scheduled") {
+        let schedule = [
+            "train.schedule.kind=\"cosine\"",
+            "train.schedule.warmup_steps=5",
+            "train.schedule.decay_steps=15",
+            "train.schedule.final_factor=0.1",
+        ];
+        config_with(dir, kind, &schedule)
     } else if let Some(kind) = name.strip_suffix("-bf16") {
         config_with(dir, kind, &["model.precision=\"bf16\""])
     } else {
@@ -74,7 +83,7 @@ fn variant(dir: &std::path::Path, name: &str) -> Config {
 fn collocated_passes_through_a_second_level_equal_train() {
     let tmp = tempfile::tempdir().expect("tmp");
     sparrow_data::synth::generate(tmp.path(), 3000, 600, 9).expect("generate");
-    let settings: [&[&str]; 5] = [
+    let settings: [&[&str]; 6] = [
         &["cluster.pass_batches=5"],
         &["cluster.pass_batches=5", "cluster.pass_request=\"per_batch\""],
         &["cluster.l2_capacity_rows=8000"],
@@ -82,12 +91,15 @@ fn collocated_passes_through_a_second_level_equal_train() {
         // to nearest or stochastically (the same draws: key, seed, update count).
         &["cluster.pass_batches=5", "embedding.dtype=\"bf16\""],
         &["cluster.pass_batches=5", "embedding.dtype=\"bf16\"", "embedding.rounding=\"stochastic\""],
+        // A warmup: the second level steps its rows at each batch's rate.
+        &["cluster.pass_batches=5", "train.schedule.warmup_steps=10"],
     ];
     for extra in settings {
         let mut overrides = vec!["cluster.mode=\"collocated\""];
         overrides.extend_from_slice(extra);
         let c = config_with(tmp.path(), "dlrm", &overrides);
-        let row_settings: Vec<&str> = extra.iter().copied().filter(|e| e.starts_with("embedding.")).collect();
+        let row_settings: Vec<&str> =
+            extra.iter().copied().filter(|e| e.starts_with("embedding.") || e.starts_with("train.")).collect();
         let single = &sparrow_trainer::train(&config_with(tmp.path(), "dlrm", &row_settings), true).expect("train");
         for shards in [1, 3] {
             let cluster = train_local(&c, shards, 1).expect("collocated");
@@ -127,7 +139,7 @@ fn three_shards_one_worker_equals_train() {
     let tmp = tempfile::tempdir().expect("tmp");
     sparrow_data::synth::generate(tmp.path(), 3000, 600, 9).expect("generate");
     let mut checksums = Vec::new();
-    for kind in ["dlrm", "mlp", "mlp-f16rows", "mlp-srf16rows", "dlrm-bf16", "mlp-regularized"] {
+    for kind in ["dlrm", "mlp", "mlp-f16rows", "mlp-srf16rows", "dlrm-bf16", "mlp-regularized", "dlrm-scheduled"] {
         let c = variant(tmp.path(), kind);
         let single = sparrow_trainer::train(&c, true).expect("train");
         let cluster = train_local(&c, 3, 1).expect("cluster");
@@ -248,14 +260,14 @@ fn shards_refuse_batches_they_do_not_hold() {
     let err = shard.pull(7).expect_err("never queued");
     assert!(matches!(err, ClusterError::UnknownBatch { shard: 2, batch_id: 7 }), "{err}");
     shard.enqueue(7, vec![1, 2, 3], Mode::Train, None).expect("enqueue");
-    let err = shard.push(7, vec![0.0; 12]).expect_err("push before pull");
+    let err = shard.push(7, vec![0.0; 12], 1.0).expect_err("push before pull");
     assert!(err.to_string().contains("shard 2"), "{err}");
     let rows = shard.pull(7).expect("pull");
     assert_eq!(rows.len(), 12);
-    let err = shard.push(7, vec![0.0; 5]).expect_err("wrong size");
+    let err = shard.push(7, vec![0.0; 5], 1.0).expect_err("wrong size");
     assert!(matches!(err, ClusterError::WrongSize { shard: 2, .. }), "{err}");
-    shard.push(7, vec![0.5; 12]).expect("push");
-    assert!(shard.push(7, vec![0.5; 12]).is_err(), "a batch is applied once");
+    shard.push(7, vec![0.5; 12], 1.0).expect("push");
+    assert!(shard.push(7, vec![0.5; 12], 1.0).is_err(), "a batch is applied once");
     // An evaluation batch reads without inserting.
     shard.enqueue(8, vec![1, 99], Mode::Eval, None).expect("enqueue");
     assert_eq!(shard.pull(8).expect("pull").len(), 8);

@@ -96,7 +96,7 @@ proptest! {
                 let (mine, tail) = rest.split_at(plan.shard_keys(s).len() * DIM);
                 rest = tail;
                 if !mine.is_empty() {
-                    server.push(id, mine.to_vec()).expect("push");
+                    server.push(id, mine.to_vec(), 1.0).expect("push");
                 }
             }
             let mut summed: HashMap<u64, [f64; DIM]> = HashMap::new();

@@ -6,6 +6,7 @@ mod cluster;
 mod kinds;
 mod overrides;
 mod reference;
+mod schedule;
 mod schema;
 mod stream;
 mod stream_auth;
@@ -19,6 +20,7 @@ pub use cluster::{
 pub use kinds::ModelKind;
 pub use overrides::Overrides;
 pub use reference::json_schema;
+pub use schedule::{ScheduleConfig, ScheduleKind};
 pub use schema::{DenseTransform, Schema};
 pub use stream::{
     GapPolicy, MAX_FETCH_BYTES, OffsetReset, Partitions, RetentionGap, StreamConfig, StreamKind, StreamStart,
@@ -339,6 +341,8 @@ pub struct TrainConfig {
     /// slower). `SPARROW_SIMD` in the environment sets it for every command
     /// (a `--set` of it wins).
     pub simd: crate::simd::Simd,
+    /// `[train.schedule]`: the learning rates' warmup and decay by dense step.
+    pub schedule: ScheduleConfig,
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
@@ -367,6 +371,7 @@ impl Default for TrainConfig {
             pipeline_depth: 0,
             on_non_finite: OnNonFinite::Stop,
             simd: crate::simd::Simd::Auto,
+            schedule: ScheduleConfig::default(),
         }
     }
 }

@@ -51,6 +51,25 @@ impl SparseOptimizer {
         }
     }
 
+    /// The same optimizer at `factor` times its learning rate (FTRL: its
+    /// alpha); a factor of 1 is itself, bit for bit.
+    pub fn scaled(self, factor: f32) -> SparseOptimizer {
+        if factor == 1.0 {
+            return self;
+        }
+        match self {
+            SparseOptimizer::Sgd { lr } => SparseOptimizer::Sgd { lr: lr * factor },
+            SparseOptimizer::Adagrad { lr, eps } => SparseOptimizer::Adagrad { lr: lr * factor, eps },
+            SparseOptimizer::RowwiseAdagrad { lr, eps } => SparseOptimizer::RowwiseAdagrad { lr: lr * factor, eps },
+            SparseOptimizer::Adam { lr, beta1, beta2, eps } => {
+                SparseOptimizer::Adam { lr: lr * factor, beta1, beta2, eps }
+            }
+            SparseOptimizer::Ftrl { alpha, beta, l1, l2 } => {
+                SparseOptimizer::Ftrl { alpha: alpha * factor, beta, l1, l2 }
+            }
+        }
+    }
+
     pub fn name(&self) -> &'static str {
         match self {
             SparseOptimizer::Sgd { .. } => "sgd",

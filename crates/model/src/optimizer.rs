@@ -9,7 +9,7 @@ use std::cell::Cell;
 
 use candle_core::{CpuStorage, Device, InplaceOp1, Layout, Tensor, Var};
 use rayon::prelude::*;
-use sparrow_core::config::{DenseOptimizerConfig, DenseOptimizerKind};
+use sparrow_core::config::{DenseOptimizerConfig, DenseOptimizerKind, ScheduleConfig};
 use sparrow_core::simd::Simd;
 
 use crate::ModelError;
@@ -204,6 +204,8 @@ pub struct DenseOptimizer {
     config: DenseOptimizerConfig,
     /// `train.simd`: whether its checks and steps may take SIMD kernels.
     simd: Simd,
+    /// `[train.schedule]`: the learning rate's factor by step.
+    schedule: ScheduleConfig,
     /// Adam first and second moments per parameter name.
     moments: HashMap<String, (Vec<f32>, Vec<f32>)>,
     pub step: u64,
@@ -213,7 +215,31 @@ pub struct DenseOptimizer {
 
 impl DenseOptimizer {
     pub fn new(config: DenseOptimizerConfig, simd: Simd) -> Self {
-        DenseOptimizer { config, simd, moments: HashMap::new(), step: 0, samples_stepped: 0 }
+        DenseOptimizer {
+            config,
+            simd,
+            schedule: ScheduleConfig::default(),
+            moments: HashMap::new(),
+            step: 0,
+            samples_stepped: 0,
+        }
+    }
+
+    /// Its learning rate scaled by `schedule` step by step.
+    pub fn with_schedule(mut self, schedule: ScheduleConfig) -> Self {
+        self.schedule = schedule;
+        self
+    }
+
+    /// Its `[train.schedule]`.
+    pub fn schedule(&self) -> &ScheduleConfig {
+        &self.schedule
+    }
+
+    /// The schedule's factor for the next step (1 without a schedule): the
+    /// embedding rows' rate takes it too where `train.schedule.embedding`.
+    pub fn lr_factor(&self) -> f64 {
+        self.schedule.factor(self.step)
     }
 
     /// Whether its checks and steps may take SIMD kernels.
@@ -228,10 +254,12 @@ impl DenseOptimizer {
     /// buffers, for the next step to reuse.
     pub fn apply(&mut self, params: &ParamStore, grads: DenseGrads) -> Result<Vec<Vec<f32>>, ModelError> {
         grads.check_finite(self.simd, params)?;
+        let factor = self.lr_factor();
         self.samples_stepped += grads.rows;
         self.step += 1;
         let c = &self.config;
-        let lr = c.learning_rate as f32;
+        // A factor of 1 leaves the rate's bits as they were.
+        let lr = (c.learning_rate * factor) as f32;
         // AdamW's decay is decoupled from the gradient: a factor on the weight.
         let (wd, decay) = match c.kind {
             DenseOptimizerKind::AdamW => (0.0, 1.0 - lr * c.weight_decay as f32),

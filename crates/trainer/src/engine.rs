@@ -46,8 +46,8 @@ pub trait RowSource: Sync {
     fn look_up(&self, batch: Self::Batch) -> Result<Looked<Self::Batch, Self::Ticket>, Self::Error>;
 
     /// Applies a looked-up batch's summed gradients (per unique key, in the
-    /// lookup's order).
-    fn update(&self, batch: &Self::Batch, ticket: Self::Ticket, grads: Vec<f32>) -> Result<(), Self::Error>;
+    /// lookup's order) at the rows' learning rate times `grads.lr_scale`.
+    fn update(&self, batch: &Self::Batch, ticket: Self::Ticket, grads: RowGrads) -> Result<(), Self::Error>;
 
     /// Lets go of a looked-up batch whose update was skipped (its dense half
     /// was not finite and `train.on_non_finite = "skip_batch"`): nothing is
@@ -103,13 +103,36 @@ pub struct Stepped<R, E> {
 /// The dense half's verdict on a batch: its result for the driver, and the
 /// gradients to hand back to the source (`None`: the batch was skipped and
 /// nothing is updated).
-pub type DenseVerdict<R> = (R, Option<Vec<f32>>);
+pub type DenseVerdict<R> = (R, Option<RowGrads>);
+
+/// A batch's gradients for its rows: the summed gradient per unique key and
+/// the factor on the rows' learning rate of the step that made them
+/// (`[train.schedule]`; 1 without one), which travels with them to the
+/// table or the shards however late the update runs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RowGrads {
+    pub values: Vec<f32>,
+    pub lr_scale: f32,
+}
+
+impl RowGrads {
+    /// Gradients at the configured rate.
+    pub fn at_full_rate(values: Vec<f32>) -> RowGrads {
+        RowGrads { values, lr_scale: 1.0 }
+    }
+}
+
+/// The embedding rows' factor for a step whose dense factor is `dense`:
+/// the same where `train.schedule.embedding`, else 1.
+pub fn row_lr_scale(schedule: &sparrow_core::config::ScheduleConfig, dense: f64) -> f32 {
+    if schedule.embedding { dense as f32 } else { 1.0 }
+}
 
 /// A batch's update, waiting for the next step (d ≥ 1).
 struct Pending<B, T> {
     batch: B,
     ticket: T,
-    grads: Vec<f32>,
+    grads: RowGrads,
 }
 
 /// The lookahead state between steps, for batches of type `B` whose update
@@ -521,7 +544,7 @@ mod tests {
             Ok(Looked { batch, unique_rows: vec![*self.updates.lock() as f32], ticket: () })
         }
 
-        fn update(&self, batch: &u32, _: (), _: Vec<f32>) -> Result<(), TrainError> {
+        fn update(&self, batch: &u32, _: (), _: RowGrads) -> Result<(), TrainError> {
             self.log.lock().push(format!("U{batch}"));
             *self.updates.lock() += 1;
             Ok(())
@@ -552,7 +575,7 @@ mod tests {
             };
             let stepped = engine
                 .step(source, &mut next, |looked: &Looked<u32, ()>| {
-                    Ok(((looked.batch, looked.unique_rows[0] as u32), Some(vec![1.0])))
+                    Ok(((looked.batch, looked.unique_rows[0] as u32), Some(RowGrads::at_full_rate(vec![1.0]))))
                 })
                 .expect("step");
             let Some(stepped) = stepped else { break };
@@ -611,7 +634,7 @@ mod tests {
             Some(Ok(fed))
         };
         let stepped = engine
-            .step(&source, &mut next, |_: &Looked<u32, ()>| Ok(((), Some(vec![1.0]))))
+            .step(&source, &mut next, |_: &Looked<u32, ()>| Ok(((), Some(RowGrads::at_full_rate(vec![1.0])))))
             .expect("step 1 completes")
             .expect("a batch");
         assert!(matches!(stepped.deferred, Some(TrainError::Interrupted { step: 2 })));

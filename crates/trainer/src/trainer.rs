@@ -20,7 +20,7 @@ use sparrow_model::{DenseModel, DenseOptimizer, ModelError};
 
 use crate::TrainError;
 use crate::dense_sync::LocalSync;
-use crate::engine::{DenseInputs, DenseStepOut, Looked, RowSource, StepEngine, dense_step};
+use crate::engine::{DenseInputs, DenseStepOut, Looked, RowGrads, RowSource, StepEngine, dense_step, row_lr_scale};
 use crate::inference::{Model, Scoring};
 pub use crate::inference::{initial_model, model_table, seeds, ttl_floor};
 use crate::pooling::Bags;
@@ -108,8 +108,8 @@ impl RowSource for LocalRows<'_> {
         Ok(Looked { batch, unique_rows, ticket: slots })
     }
 
-    fn update(&self, batch: &PlannedBatch, slots: RowSlots, grads: Vec<f32>) -> Result<(), TrainError> {
-        self.table.apply_gradients_at(&batch.1, &slots, &grads).map_err(|e| {
+    fn update(&self, batch: &PlannedBatch, slots: RowSlots, grads: RowGrads) -> Result<(), TrainError> {
+        self.table.apply_gradients_scaled(&batch.1, &slots, &grads.values, grads.lr_scale).map_err(|e| {
             // Rows before the refused one were updated: no step's state.
             self.torn.store(true, Ordering::Relaxed);
             e.into()
@@ -224,7 +224,8 @@ impl Trainer {
             layout,
             table,
             model,
-            dense_optimizer: DenseOptimizer::new(config.dense_optimizer.clone(), config.train.simd),
+            dense_optimizer: DenseOptimizer::new(config.dense_optimizer.clone(), config.train.simd)
+                .with_schedule(config.train.schedule.clone()),
             step: 0,
             position: DataPosition::default(),
             stream: None,
@@ -281,6 +282,8 @@ impl Trainer {
                 end: batch.end,
                 stream: batch.stream.clone(),
             };
+            // The step's rate factor, before the step counts itself.
+            let lr_scale = row_lr_scale(&config.train.schedule, dense_optimizer.lr_factor());
             let inputs = DenseInputs {
                 bags: Bags::of(batch, plan),
                 unique_rows: &looked.unique_rows,
@@ -297,7 +300,10 @@ impl Trainer {
                         model.heads().with_first_binary(&out.logits, &batch.labels, |x, y| online.add(x, y));
                     }
                     let timings = (out.pool_secs, out.model_secs, out.unpool_secs);
-                    Ok(((counts, DenseOutcome::Trained { loss: out.loss, timings }), Some(out.grads)))
+                    Ok((
+                        (counts, DenseOutcome::Trained { loss: out.loss, timings }),
+                        Some(RowGrads { values: out.grads, lr_scale }),
+                    ))
                 }
                 Err(TrainError::NonFinite { step, what }) if policy == OnNonFinite::SkipBatch => {
                     Ok(((counts, DenseOutcome::Skipped { step, what }), None))

@@ -47,7 +47,8 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
     // row-wise Adagrad for `mlp-bf16rows`, and stochastic rounding
     // (`embedding.rounding`: its draws count each row's updates, a count
     // the checkpoint keeps) for `dlrm-srf16rows` with Adagrad; and
-    // `embedding.l2`, AdamW and dropout (`mlp-regularized`).
+    // `embedding.l2`, AdamW and dropout (`mlp-regularized`); a warmup and
+    // cosine decay of both rates (`dlrm-scheduled`).
     let kinds = [
         "dlrm",
         "deepfm",
@@ -59,6 +60,7 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
         "mlp-bf16rows",
         "dlrm-srf16rows",
         "mlp-regularized",
+        "dlrm-scheduled",
     ];
     for kind in kinds {
         let mut base = common::small_config(&data, kind.split('-').next().expect("kind"));
@@ -83,6 +85,16 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
             base.dense_optimizer.kind = sparrow_core::config::DenseOptimizerKind::AdamW;
             base.dense_optimizer.weight_decay = 0.01;
             base.model.dropout = 0.2;
+        }
+        if kind.ends_with("-scheduled") {
+            // `[train.schedule]`: warmup, then cosine decay, both rates.
+            base.train.schedule = sparrow_core::config::ScheduleConfig {
+                kind: sparrow_core::config::ScheduleKind::Cosine,
+                warmup_steps: 5,
+                decay_steps: 30,
+                final_factor: 0.1,
+                ..Default::default()
+            };
         }
         base.train.epochs = 2; // the stop falls in the first epoch, the end in the second
 

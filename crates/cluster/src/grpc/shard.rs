@@ -115,7 +115,9 @@ impl pb::shard_server::Shard for ShardGrpc {
         self.metrics.count_bytes("in", "worker", r.grads.len());
         let grads = bytes_to_f32s(&r.grads, &self.peer, "gradients").map_err(|e| super::to_status(&e))?;
         let shard = self.shard()?;
-        blocking(move || shard.push(r.batch_id, grads)).await?;
+        // A peer that sends no factor pushes at the configured rate.
+        let lr_scale = r.lr_scale.unwrap_or(1.0);
+        blocking(move || shard.push(r.batch_id, grads, lr_scale)).await?;
         self.done("push", start);
         Ok(Response::new(pb::Empty {}))
     }
@@ -354,8 +356,9 @@ impl ShardService for ShardClient {
         decode_rows(&reply, &self.peer.name, self.simd)
     }
 
-    fn push(&self, batch_id: u64, grads: Vec<f32>) -> Result<(), ClusterError> {
-        let request = pb::PushRequest { batch_id, grads: f32s_to_bytes(&grads) };
+    fn push(&self, batch_id: u64, grads: Vec<f32>, lr_scale: f32) -> Result<(), ClusterError> {
+        let lr_scale = (lr_scale != 1.0).then_some(lr_scale);
+        let request = pb::PushRequest { batch_id, grads: f32s_to_bytes(&grads), lr_scale };
         self.peer.call("push", request, |mut c, r| async move { c.push(r).await })?;
         Ok(())
     }

@@ -23,14 +23,15 @@ pub trait TrainingRows: Send + Sync {
     /// inserted); what its push needs beside the plan.
     fn pull(&self, table: &EmbeddingTable, plan: &KeyPlan, out: &mut [f32]) -> Result<Option<RowSlots>, ClusterError>;
 
-    /// A pulled batch's gradients, summed per unique key of `plan`.
+    /// A pulled batch's gradients, summed per unique key of `plan`, and the
+    /// factor on the rows' learning rate.
     fn push(
         &self,
         table: &EmbeddingTable,
         batch_id: u64,
         plan: &KeyPlan,
         slots: Option<RowSlots>,
-        summed: &[f32],
+        summed: (&[f32], f32),
     ) -> Result<(), ClusterError>;
 
     /// A pulled batch whose worker skipped it: no row is updated; what the
@@ -92,11 +93,11 @@ impl TrainingRows for LevelOne {
         batch_id: u64,
         plan: &KeyPlan,
         slots: Option<RowSlots>,
-        summed: &[f32],
+        (summed, lr_scale): (&[f32], f32),
     ) -> Result<(), ClusterError> {
         let slots = slots.ok_or(ClusterError::UnknownBatch { shard: self.shard, batch_id })?;
         table
-            .apply_gradients_at(plan, &slots, summed)
+            .apply_gradients_scaled(plan, &slots, summed, lr_scale)
             .map_err(|source| ClusterError::Table { shard: self.shard, source })
     }
 }
@@ -115,9 +116,9 @@ impl TrainingRows for SecondLevel {
         batch_id: u64,
         plan: &KeyPlan,
         _: Option<RowSlots>,
-        summed: &[f32],
+        summed: (&[f32], f32),
     ) -> Result<(), ClusterError> {
-        self.apply(table, batch_id, &plan.unique, summed)
+        self.apply_scaled(table, batch_id, &plan.unique, summed)
     }
 
     fn release(

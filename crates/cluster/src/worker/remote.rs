@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 use sparrow_embedding::{KeyPlan, owner};
-use sparrow_trainer::engine::{Looked, RowSource};
+use sparrow_trainer::engine::{Looked, RowGrads, RowSource};
 
 use super::WorkerStats;
 use crate::messages::{Mode, WorkerBatch};
@@ -145,7 +145,7 @@ impl RowSource for RemoteRows<'_> {
         Ok(Looked { batch, unique_rows, ticket: () })
     }
 
-    fn update(&self, batch: &WorkerBatch, _: (), grads: Vec<f32>) -> Result<(), ClusterError> {
+    fn update(&self, batch: &WorkerBatch, _: (), grads: RowGrads) -> Result<(), ClusterError> {
         let mut traffic = ShardTraffic::default();
         push_grads(batch, &grads, self.width, self.shards, &mut traffic)?;
         self.traffic.lock().merge(traffic);
@@ -166,7 +166,7 @@ impl RowSource for RemoteRows<'_> {
 /// key, shard by shard, `width` floats each).
 pub(super) fn push_grads(
     batch: &WorkerBatch,
-    grads: &[f32],
+    grads: &RowGrads,
     width: usize,
     shards: &[Arc<dyn ShardService>],
     traffic: &mut ShardTraffic,
@@ -182,8 +182,8 @@ pub(super) fn push_grads(
         })
         .collect();
     let pushed = each_shard(shards, &batch.shard_counts, |s, shard| {
-        let part = &grads[starts[s]..starts[s] + batch.shard_counts[s] as usize * width];
-        shard.push(batch.batch_id, part.to_vec())
+        let part = &grads.values[starts[s]..starts[s] + batch.shard_counts[s] as usize * width];
+        shard.push(batch.batch_id, part.to_vec(), grads.lr_scale)
     })?;
     traffic.push_secs.extend(pushed.iter().map(|(_, secs)| secs));
     Ok(())

@@ -132,10 +132,23 @@ fn nonsense_numbers_are_refused_naming_the_key() {
         ("train.online_window_samples=1000000000000", "train.online_window_samples"),
         // Record time comes from a stream only.
         ("embedding.ttl_secs=60", "embedding.ttl_secs"),
+        ("embedding.l2=-0.1", "embedding.l2"),
+        ("model.dropout=1.0", "model.dropout"),
+        ("model.dropout=-0.5", "model.dropout"),
+        ("model.dropout=nan", "model.dropout"),
+        ("train.schedule.kind=\"cosine\"", "train.schedule.decay_steps"),
+        ("train.schedule.kind=\"step\"", "train.schedule.step_every"),
+        ("dense_optimizer.kind=\"lamb\"", "dense_optimizer.kind"),
     ] {
         let err = parse("", &[set]).expect_err(set);
         assert!(err.to_string().contains(key), "{set}: {err}");
     }
+    // FTRL keeps its own rates: a schedule of the rows' rate is refused
+    // (a dense-only one is not).
+    let ftrl = ["embedding.optimizer=\"ftrl\"", "train.schedule.warmup_steps=10"];
+    let err = parse("", &ftrl).expect_err("ftrl under a schedule").to_string();
+    assert!(err.contains("train.schedule.embedding"), "{err}");
+    assert!(parse("", &[ftrl[0], ftrl[1], "train.schedule.embedding=false"]).is_ok());
     let c = parse("", &["train.on_non_finite=skip_batch"]).expect("parses");
     assert_eq!(c.train.on_non_finite, OnNonFinite::SkipBatch);
     assert!(parse("", &["train.on_non_finite=ignore"]).is_err());

@@ -64,6 +64,17 @@ impl Config {
                 return invalid(key, &format!("must be a finite number >= 0, not {value}"));
             }
         }
+        self.train.schedule.check()?;
+        if self.train.schedule.embedding
+            && !self.train.schedule.is_constant()
+            && self.embedding.optimizer == SparseOptimizerKind::Ftrl
+        {
+            return invalid(
+                "train.schedule.embedding",
+                "FTRL's rows keep their own per-coordinate rates (embedding.ftrl_beta): set it to false, or pick \
+                 another embedding.optimizer",
+            );
+        }
         let dropout = self.model.dropout;
         if !(0.0..1.0).contains(&dropout) {
             return invalid("model.dropout", &format!("must be a rate in [0, 1), not {dropout}"));

@@ -682,6 +682,19 @@ impl EmbeddingTable {
     /// [`TableError::SlotReused`] (rows before it in its lock shard were
     /// updated: the table is then not any step's state).
     pub fn apply_gradients_at(&self, plan: &KeyPlan, slots: &RowSlots, grads: &[f32]) -> Result<(), TableError> {
+        self.apply_gradients_scaled(plan, slots, grads, 1.0)
+    }
+
+    /// [`apply_gradients_at`](Self::apply_gradients_at) at the optimizer's
+    /// learning rate times `lr_scale` (a step of `[train.schedule]`).
+    pub fn apply_gradients_scaled(
+        &self,
+        plan: &KeyPlan,
+        slots: &RowSlots,
+        grads: &[f32],
+        lr_scale: f32,
+    ) -> Result<(), TableError> {
+        let optimizer = self.optimizer.scaled(lr_scale);
         let layout = self.layout;
         let dim = layout.dim;
         assert_eq!(slots.table_id, self.id(), "slots come from another table");
@@ -712,7 +725,7 @@ impl EmbeddingTable {
                 }
                 let grad = &grads[u * dim..(u + 1) * dim];
                 let stochastic = self.stochastic_seed.map(|seed| (seed, key));
-                update_row(layout, &self.optimizer, shard.packed_mut(layout, slot), grad, &mut scratch, stochastic);
+                update_row(layout, &optimizer, shard.packed_mut(layout, slot), grad, &mut scratch, stochastic);
                 shard.mark_dirty(slot);
             }
             Ok(())
