@@ -550,6 +550,54 @@ fn label_grouped_batches_are_repeatable_resumable_and_launch_alike() {
     }
 }
 
+/// `data.shuffle`: the training rows in a seeded order, windows of 5000
+/// rows. Two runs give the same model; a run stopped at step 13 (inside a
+/// window) and resumed gives the uninterrupted one's; a two-shard cluster
+/// trains it bit for bit; it is another model than the file's order
+/// gives (two epochs each; `shuffle.rs` shows each epoch draws another
+/// order). Bad keys are named.
+#[test]
+fn shuffled_rows_are_repeatable_resumable_and_launch_alike() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    behaviour_data(tmp.path(), "12000");
+    let config = job(tmp.path(), "");
+    let run = |args: &[&str]| {
+        let out = sparrow().args(["train", "--config", &config, "--quiet"]).args(args).output().expect("train");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        last_json(&out)
+    };
+    let two = ["--set", "train.epochs=2"];
+    let ordinary = run(&two);
+    let text = std::fs::read_to_string(&config).expect("config");
+    std::fs::write(&config, text.replace("[data.schema]", "shuffle = true\nshuffle_window_rows = 5000\n[data.schema]"))
+        .expect("write");
+    let ck = |name: &str| format!("checkpoint.dir={:?}", tmp.path().join(name).display().to_string());
+    let shuffled = run(&[&two[..], &["--set", &ck("ck-a")]].concat());
+    assert_ne!(shuffled["tasks"], ordinary["tasks"], "the shuffle changes the batches");
+    assert_eq!(run(&[&two[..], &["--set", &ck("ck-b")]].concat())["tasks"], shuffled["tasks"], "repeatable");
+    run(&[&two[..], &["--set", &ck("ck-r"), "--set", "train.max_steps=13"]].concat());
+    let resume = tmp.path().join("ck-r").display().to_string();
+    let resumed = run(&[&two[..], &["--set", &ck("ck-r"), "--resume", &resume]].concat());
+    assert_eq!(resumed["resumed_from_step"], 13);
+    assert_eq!(resumed["tasks"], shuffled["tasks"], "resumed inside a window");
+    let out = sparrow()
+        .args(["launch", "--config", &config, "--shards", "2", "--workers", "1", "--quiet", "--set", &ck("ck-l")])
+        .args(two)
+        .output()
+        .expect("launch");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(last_json(&out)["tasks"], shuffled["tasks"], "launch");
+    for (set, key) in [
+        ("data.group_by_label=true", "data.shuffle"),
+        ("data.weighting.decay_base=2.0", "data.shuffle"),
+        ("data.shuffle_window_rows=0", "data.shuffle_window_rows"),
+    ] {
+        let out = sparrow().args(["train", "--config", &config, "--quiet", "--set", set]).output().expect("train");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(key), "{set}: {stderr}");
+    }
+}
+
 /// `gen --click-shift X` moves every click logit: −2 takes the click rate
 /// from about 17% to a few percent (what production ads see), the truth
 /// follows it, and a value that is not a number is refused.

@@ -520,14 +520,7 @@ impl LoaderServer {
                     if let Some(test) = test {
                         // Evaluation reads rows as they are: weighting (and
                         // its counters) is training's, even on the same file.
-                        let unweighted = sparrow_core::Config {
-                            data: sparrow_core::config::DataConfig {
-                                weighting: None,
-                                group_by_label: false,
-                                ..job.data.clone()
-                            },
-                            ..job
-                        };
+                        let unweighted = sparrow_core::Config { data: job.data.for_scoring(), ..job };
                         let groups = sparrow_trainer::evaluation::group_field(&unweighted);
                         let stream = BatchStream::spawn(
                             Path::new(&test),

@@ -124,6 +124,25 @@ pub struct DataConfig {
     /// labels in a seeded order. Larger windows mix labels over a longer
     /// stretch of the file and hold more rows in memory.
     pub group_window_rows: usize,
+    /// Reads the training file's rows in a seeded order, drawn anew each
+    /// epoch from `train.seed`: windows of `shuffle_window_rows` rows, each
+    /// permuted in memory, in the file's order (a window at least as large
+    /// as the file is a full shuffle). A resume reads its window again and
+    /// skips what was trained: the same model as an uninterrupted run.
+    /// Files only; not with `group_by_label` (which draws its own order) or
+    /// `[data.weighting]`.
+    pub shuffle: bool,
+    /// `shuffle`: rows read at once and permuted (held in memory).
+    pub shuffle_window_rows: usize,
+}
+
+impl DataConfig {
+    /// The data settings for scoring a file: as read, without what shapes
+    /// training's batches (weighting, label groups, the shuffle), even
+    /// when the file scored is the training file.
+    pub fn for_scoring(&self) -> DataConfig {
+        DataConfig { weighting: None, group_by_label: false, shuffle: false, ..self.clone() }
+    }
 }
 
 /// `[data.weighting]`: identical samples in the same window merge into one
@@ -191,6 +210,8 @@ impl Default for DataConfig {
             group_by_label: false,
             group_task: None,
             group_window_rows: 16384,
+            shuffle: false,
+            shuffle_window_rows: 100_000,
         }
     }
 }

@@ -12,6 +12,8 @@ pub mod labels;
 pub mod layout;
 pub mod parquet_source;
 pub mod reader_thread;
+pub mod regroup;
+pub mod shuffle;
 pub mod source;
 pub mod stream;
 pub mod synth;

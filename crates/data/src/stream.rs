@@ -17,6 +17,7 @@ use crate::label_groups::LabelGroups;
 use crate::layout::DataLayout;
 use crate::parquet_source::ParquetSource;
 use crate::reader_thread::{READER_GRACE, ReaderThread};
+use crate::shuffle::Shuffle;
 use crate::source::BatchSource;
 use crate::text::TextSource;
 
@@ -26,11 +27,14 @@ pub fn open_source(path: &Path, config: &Config, bad: BadRows) -> Result<Box<dyn
         DataFormat::Parquet => Box::new(ParquetSource::open(path, config, bad)?),
         _ => Box::new(TextSource::open(path, config, bad)?),
     };
-    // S0.7 applies to the training file only.
+    // S0.7 and the shuffle apply to the training file only.
     let is_train = config.data.train.as_deref().is_some_and(|t| Path::new(t) == path);
     Ok(match (config.data.group_by_label, is_train, config.group_task()) {
         (true, true, Some(task)) => {
             Box::new(LabelGroups::new(source, task, config.data.group_window_rows, config.train.seed))
+        }
+        (_, true, _) if config.data.shuffle => {
+            Box::new(Shuffle::new(source, config.data.shuffle_window_rows, config.train.seed))
         }
         _ => source,
     })

@@ -50,8 +50,7 @@ pub(crate) fn predict_file(
     data: &DataConfig,
     bad: &BadRows,
 ) -> Result<Scores, TrainError> {
-    let job =
-        &Config { data: DataConfig { weighting: None, group_by_label: false, ..data.clone() }, ..model.config.clone() };
+    let job = &Config { data: data.for_scoring(), ..model.config.clone() };
     let stream =
         BatchStream::spawn(path, job, model.config.train.batch_size.max(1024), Default::default(), 1, bad.clone())?;
     if stream.layout.num_fields != model.layout.num_fields || stream.layout.num_dense != model.layout.num_dense {

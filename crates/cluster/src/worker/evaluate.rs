@@ -40,8 +40,7 @@ impl PeriodicEval {
             return None;
         }
         let mut unweighted = config.clone();
-        unweighted.data.weighting = None;
-        unweighted.data.group_by_label = false;
+        unweighted.data = config.data.for_scoring();
         Some(PeriodicEval { test, config: unweighted, batches: 0 })
     }
 }

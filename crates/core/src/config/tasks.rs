@@ -245,9 +245,29 @@ impl Config {
         Ok(())
     }
 
+    /// `data.shuffle`: files, and one reshaping of the training rows at a time.
+    fn validate_shuffle(&self) -> Result<(), ConfigError> {
+        let d = &self.data;
+        let refuse = |why: &str| Err(ConfigError::Invalid { key: "data.shuffle".into(), message: why.into() });
+        if !d.shuffle {
+            return Ok(());
+        }
+        if d.group_by_label {
+            return refuse("cannot be combined with data.group_by_label, which draws the batches' order itself");
+        }
+        if d.weighting.is_some() {
+            return refuse("cannot be combined with [data.weighting] (both regroup the rows they read)");
+        }
+        if d.stream.is_some() {
+            return refuse("reads files: a stream ([data.stream]) is trained in its records' order");
+        }
+        Ok(())
+    }
+
     /// `data.schema.labels`, `data.schema.sequence` and `model.tasks`.
     pub(super) fn validate_tasks(&self) -> Result<(), ConfigError> {
         self.validate_grouping()?;
+        self.validate_shuffle()?;
         let invalid = |key: &str, message: String| Err(ConfigError::Invalid { key: key.to_string(), message });
         let schema_format = matches!(self.data.format, DataFormat::Csv | DataFormat::Parquet);
         if let Some(s) = &self.data.schema {
