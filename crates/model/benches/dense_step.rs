@@ -27,6 +27,9 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let (numbers, args): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a.parse::<usize>().is_ok());
     let rows = numbers.first().and_then(|n| n.parse().ok()).unwrap_or(1024);
+    // `dropout=0.2`: every step draws its masks (`model.dropout`).
+    let (dropout, args): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a.starts_with("dropout="));
+    let dropout: f32 = dropout.first().and_then(|d| d["dropout=".len()..].parse().ok()).unwrap_or(0.0);
     let (precisions, wanted): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a == "f32" || a == "bf16");
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
     let peaks = sparrow_model::peak::measure(2, Duration::from_millis(300));
@@ -59,6 +62,7 @@ fn main() {
                 hidden: vec![256, 128],
                 precision,
                 tasks: Vec::new(),
+                dropout,
                 ..Default::default()
             };
             let simd = sparrow_core::simd::Simd::Auto;
@@ -77,9 +81,12 @@ fn main() {
                 .collect();
             let sequences = (!pairs.is_empty()).then(|| history(rows, &mut rng));
             let items = sequences.as_ref().map_or(0.0, |s| s.rows[0].len() as f64 / rows as f64);
+            let mut draws = 0u64;
             let mut step = || {
+                draws += 1;
+                let draw = (dropout > 0.0).then_some(draws);
                 let (loss, _, _, grads) = model
-                    .forward_backward_packed_with(&x, &labels, None, sequences.clone(), None, |g, _| g[0])
+                    .forward_backward_packed_with(&x, &labels, None, sequences.clone(), draw, |g, _| g[0])
                     .expect("step");
                 model.recycle(optimizer.apply(&model.params, grads).expect("optimizer"));
                 std::hint::black_box(loss);

@@ -124,10 +124,11 @@ impl Mlp {
     }
 
     /// With inverted dropout at `rate` after each activated layer, where a
-    /// step draws it (training; see `dropout.rs`).
-    pub fn with_dropout(self, rate: f32) -> Mlp {
+    /// step draws it (training; see `dropout.rs`), its masks drawn by the
+    /// kernels `simd` allows.
+    pub fn with_dropout(self, rate: f32, simd: sparrow_core::simd::Simd) -> Mlp {
         let s = &self.shape;
-        let dropout = s.dropout.with_rate(rate);
+        let dropout = s.dropout.with_rate(rate, simd);
         let shape = MlpShape { layers: s.layers.clone(), num_params: s.num_params, arith: s.arith, dropout };
         Mlp { shape: Arc::new(shape), params: self.params }
     }
@@ -961,7 +962,7 @@ mod tests {
         ] {
             let mut ps = ParamStore::new(7, dev.clone());
             let mlp = Mlp::new(&mut ps, "m", 6, &[5, 4, 3], relu_last, arith(Precision::F32)).expect("mlp");
-            let mlp = mlp.with_dropout(dropout);
+            let mlp = mlp.with_dropout(dropout, Default::default());
             let mut rng = Rng::new(2);
             let x: Vec<f32> = (0..rows * 6).map(|_| rng.normal() as f32).collect();
             let x = Var::from_tensor(&Tensor::from_vec(x, (rows, 6), &dev).expect("x")).expect("var");
@@ -982,7 +983,9 @@ mod tests {
     fn dropout_gradients_match_finite_differences() {
         let (rows, input, sizes) = (9, 5, [6usize, 4, 2]);
         let mut ps = ParamStore::new(3, Device::Cpu);
-        let mlp = Mlp::new(&mut ps, "m", input, &sizes, true, arith(Precision::F32)).expect("mlp").with_dropout(0.4);
+        let mlp = Mlp::new(&mut ps, "m", input, &sizes, true, arith(Precision::F32))
+            .expect("mlp")
+            .with_dropout(0.4, Default::default());
         let mut rng = Rng::new(5);
         let x: Vec<f32> = (0..rows * input).map(|_| rng.normal() as f32).collect();
         let g: Vec<f32> = (0..rows * 2).map(|_| rng.normal() as f32).collect();

@@ -24,7 +24,8 @@ impl Beside {
         let sizes = head(&at.config.hidden, at.outputs());
         Ok(Beside {
             first,
-            deep: Mlp::new(at.ps, "deep", at.flat_len(), &sizes, false, at.arith)?.with_dropout(at.config.dropout),
+            deep: Mlp::new(at.ps, "deep", at.flat_len(), &sizes, false, at.arith)?
+                .with_dropout(at.config.dropout, at.simd),
         })
     }
 }

@@ -38,7 +38,7 @@ impl Kind for Dcn {
             .map(|l| Linear::new(at.ps, &format!("cross.{l}"), x_dim, x_dim))
             .collect::<Result<Vec<_>, _>>()?;
         let deep = Mlp::new(at.ps, "deep", x_dim, &head(&at.config.hidden, at.outputs()), false, at.arith)?
-            .with_dropout(at.config.dropout);
+            .with_dropout(at.config.dropout, at.simd);
         Ok(Box::new(DcnNet { cross, deep, arith: at.arith }))
     }
 

@@ -65,7 +65,7 @@ impl Kind for Din {
             return Err(ModelError::Sequences { expected: at.pairs.len().max(1), found: 0 });
         }
         let input = at.flat_len();
-        Ok(Box::new(DinNet::new(at.ps, at.config, at.pairs, input, at.outputs(), at.arith)?))
+        Ok(Box::new(DinNet::new(at.ps, at.config, at.pairs, input, at.outputs(), (at.arith, at.simd))?))
     }
 
     /// The MLP; the attention's work is a history item's
@@ -106,7 +106,7 @@ impl DinNet {
         pairs: &[(usize, usize)],
         input: usize,
         outputs: usize,
-        arith: Arith,
+        (arith, simd): (Arith, sparrow_core::simd::Simd),
     ) -> Result<DinNet, ModelError> {
         let d = config.embedding_dim;
         let score: Vec<usize> = config.attention_hidden.iter().copied().chain([1]).collect();
@@ -114,7 +114,7 @@ impl DinNet {
             .map(|j| Mlp::new(ps, &format!("attention.{j}"), 4 * d, &score, false, arith))
             .collect::<Result<_, _>>()?;
         let sizes: Vec<usize> = config.hidden.iter().copied().chain([outputs]).collect();
-        let mlp = Mlp::new(ps, "mlp", input, &sizes, false, arith)?.with_dropout(config.dropout);
+        let mlp = Mlp::new(ps, "mlp", input, &sizes, false, arith)?.with_dropout(config.dropout, simd);
         Ok(DinNet { pairs: pairs.to_vec(), units, mlp })
     }
 }

@@ -42,7 +42,7 @@ impl Kind for Dlrm {
             None
         } else {
             let sizes: Vec<usize> = at.config.bottom_hidden.iter().copied().chain(std::iter::once(d)).collect();
-            Some(Mlp::new(at.ps, "bottom", nd, &sizes, true, at.arith)?.with_dropout(at.config.dropout))
+            Some(Mlp::new(at.ps, "bottom", nd, &sizes, true, at.arith)?.with_dropout(at.config.dropout, at.simd))
         };
         let n = f + usize::from(nd > 0);
         let pairs: Vec<u32> = (0..n).flat_map(|i| ((i + 1)..n).map(move |j| (i * n + j) as u32)).collect();
@@ -50,7 +50,7 @@ impl Kind for Dlrm {
         let pairs = Tensor::from_vec(pairs, num_pairs, at.device)?;
         let top_in = num_pairs + if nd > 0 { d } else { 0 };
         let top = Mlp::new(at.ps, "top", top_in, &head(&at.config.hidden, at.outputs()), false, at.arith)?
-            .with_dropout(at.config.dropout);
+            .with_dropout(at.config.dropout, at.simd);
         Ok(Box::new(DlrmNet { bottom, top, pairs, n }))
     }
 

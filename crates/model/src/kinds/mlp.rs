@@ -30,7 +30,8 @@ impl Kind for MlpKind {
     fn build(&self, at: &mut Build<'_>) -> Result<Box<dyn Net>, ModelError> {
         let sizes = head(&at.config.hidden, at.outputs());
         Ok(Box::new(MlpNet {
-            mlp: Mlp::new(at.ps, "mlp", at.flat_len(), &sizes, false, at.arith)?.with_dropout(at.config.dropout),
+            mlp: Mlp::new(at.ps, "mlp", at.flat_len(), &sizes, false, at.arith)?
+                .with_dropout(at.config.dropout, at.simd),
         }))
     }
 

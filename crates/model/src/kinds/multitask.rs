@@ -60,9 +60,11 @@ fn experts(
     n: usize,
     input: usize,
     sizes: &[usize],
-    (arith, dropout): (Arith, f32),
+    (arith, dropout, simd): (Arith, f32, sparrow_core::simd::Simd),
 ) -> Result<Vec<Mlp>, ModelError> {
-    (0..n).map(|e| Ok(Mlp::new(ps, &format!("{name}.{e}"), input, sizes, true, arith)?.with_dropout(dropout))).collect()
+    (0..n)
+        .map(|e| Ok(Mlp::new(ps, &format!("{name}.{e}"), input, sizes, true, arith)?.with_dropout(dropout, simd)))
+        .collect()
 }
 
 impl MultiTask {
@@ -73,12 +75,12 @@ impl MultiTask {
         config: &ModelConfig,
         input: usize,
         heads: &Heads,
-        arith: Arith,
+        (arith, simd): (Arith, sparrow_core::simd::Simd),
     ) -> Result<MultiTask, ModelError> {
         let tower = |ps: &mut ParamStore, t: usize, input: usize, outputs: usize| {
             let sizes: Vec<usize> = config.tower_hidden.iter().copied().chain([outputs]).collect();
             Ok::<_, ModelError>(
-                Mlp::new(ps, &format!("tower.{t}"), input, &sizes, false, arith)?.with_dropout(config.dropout),
+                Mlp::new(ps, &format!("tower.{t}"), input, &sizes, false, arith)?.with_dropout(config.dropout, simd),
             )
         };
         let tasks = heads.tasks();
@@ -96,7 +98,7 @@ impl MultiTask {
             }
             Which::Mmoe => {
                 let shared =
-                    experts(ps, "expert", config.experts, input, &config.expert_hidden, (arith, config.dropout))?;
+                    experts(ps, "expert", config.experts, input, &config.expert_hidden, (arith, config.dropout, simd))?;
                 let gates = (0..tasks)
                     .map(|t| Linear::new(ps, &format!("gate.{t}"), input, config.experts))
                     .collect::<Result<_, _>>()?;
@@ -115,7 +117,7 @@ impl MultiTask {
                         config.experts,
                         fan_in,
                         &config.expert_hidden,
-                        (arith, config.dropout),
+                        (arith, config.dropout, simd),
                     )?;
                     let own = (0..tasks)
                         .map(|t| {
@@ -125,7 +127,7 @@ impl MultiTask {
                                 config.task_experts,
                                 fan_in,
                                 &config.expert_hidden,
-                                (arith, config.dropout),
+                                (arith, config.dropout, simd),
                             )
                         })
                         .collect::<Result<Vec<_>, _>>()?;
@@ -257,7 +259,7 @@ impl super::Net for MultiTask {
 /// The network of kind `which` on the flattened fields and dense values.
 pub(super) fn build(which: Which, at: &mut super::Build<'_>) -> Result<Box<dyn super::Net>, ModelError> {
     let input = at.flat_len();
-    Ok(Box::new(MultiTask::new(which, at.ps, at.config, input, at.heads, at.arith)?))
+    Ok(Box::new(MultiTask::new(which, at.ps, at.config, input, at.heads, (at.arith, at.simd))?))
 }
 
 /// MMoE's and PLE's `model.expert_hidden`, which sets the experts' width.
@@ -308,7 +310,7 @@ mod tests {
         let config = ModelConfig { tower_hidden: vec![5], ..ModelConfig::default() };
         let mut ps = ParamStore::new(3, Device::Cpu);
         let arith = Arith::new(config.precision, Default::default());
-        let net = MultiTask::new(Which::Esmm, &mut ps, &config, 4, &heads, arith).expect("esmm");
+        let net = MultiTask::new(Which::Esmm, &mut ps, &config, 4, &heads, (arith, Default::default())).expect("esmm");
         // Inputs large enough that a tower saturates in some rows.
         let x: Vec<f32> = (0..40).map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.9).collect();
         let x = Tensor::from_vec(x, (10, 4), &Device::Cpu).expect("x");

@@ -43,7 +43,7 @@ impl Kind for Nfm {
         let first = FirstOrder::new(at.ps, at.shape.num_dense, false)?;
         let input = at.shape.embedding_dim + at.shape.num_dense;
         let deep = Mlp::new(at.ps, "deep", input, &head(&at.config.hidden, at.outputs()), false, at.arith)?
-            .with_dropout(at.config.dropout);
+            .with_dropout(at.config.dropout, at.simd);
         Ok(Box::new(NfmNet { first, deep, width: 1 + at.shape.embedding_dim }))
     }
 
