@@ -13,23 +13,12 @@ use sparrow_core::Config;
 use sparrow_core::Overrides;
 use sparrow_core::config::{DenseOptimizerKind, SparseOptimizerKind};
 use sparrow_embedding::Initializer;
-use sparrow_trainer::checkpoint::load_trainer;
 use sparrow_trainer::train;
 
-/// Every row of the run's checkpoint in `dir`, by key.
+/// Every row's vector of the run's checkpoint in `dir`, by key, and the dense weights.
 fn trained(c: &Config, dir: &Path) -> (HashMap<u64, Vec<f32>>, Vec<f32>) {
-    let mut c = c.clone();
-    c.checkpoint.dir = Some(dir.display().to_string());
-    train(&c, true).expect("train");
-    let (t, _, _) = load_trainer(dir, &Overrides::none()).expect("load");
-    let mut rows = HashMap::new();
-    t.table
-        .for_each_row(|k, _, r| {
-            rows.insert(k, r[..c.model.embedding_dim].to_vec());
-            Ok(())
-        })
-        .expect("rows");
-    (rows, t.model.params.flat_values().expect("dense"))
+    let (dense, rows) = common::trained_model(c, dir);
+    (rows.into_iter().map(|(k, r)| (k, r[..c.model.embedding_dim].to_vec())).collect(), dense)
 }
 
 /// One SGD step at learning rate η: w₁ = w₀ − η(g + l2·w₀). The step

@@ -9,27 +9,13 @@ mod common;
 use std::path::Path;
 
 use sparrow_core::Config;
-use sparrow_core::Overrides;
 use sparrow_core::config::{ScheduleConfig, ScheduleKind};
-use sparrow_trainer::checkpoint::load_trainer;
-use sparrow_trainer::train;
 
 /// The dense weights and every row's bits after the run of `c` in `dir`.
 fn model(c: &Config, dir: &Path) -> (Vec<u32>, Vec<(u64, Vec<u32>)>) {
-    let mut c = c.clone();
-    c.checkpoint.dir = Some(dir.display().to_string());
-    train(&c, true).expect("train");
-    let (t, _, _) = load_trainer(dir, &Overrides::none()).expect("load");
-    let dense = t.model.params.flat_values().expect("dense").iter().map(|x| x.to_bits()).collect();
-    let mut rows = Vec::new();
-    t.table
-        .for_each_row(|k, _, r| {
-            rows.push((k, r.iter().map(|x| x.to_bits()).collect()));
-            Ok(())
-        })
-        .expect("rows");
-    rows.sort();
-    (dense, rows)
+    let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let (dense, rows) = common::trained_model(c, dir);
+    (bits(&dense), rows.into_iter().map(|(k, r)| (k, bits(&r))).collect())
 }
 
 /// The first step of a 4-step warmup takes a quarter of each rate: the

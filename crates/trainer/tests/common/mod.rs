@@ -31,3 +31,21 @@ pub fn small_config(dir: &Path, kind: &str) -> Config {
     );
     Config::from_toml(&text, "test", &Overrides::none()).expect("config")
 }
+
+/// The model a run of `config` leaves in `dir`: its dense weights and every
+/// row (key, then the row's stored floats, optimizer state included), by key.
+pub fn trained_model(config: &Config, dir: &Path) -> (Vec<f32>, Vec<(u64, Vec<f32>)>) {
+    let mut c = config.clone();
+    c.checkpoint.dir = Some(dir.display().to_string());
+    sparrow_trainer::train(&c, true).expect("train");
+    let (t, _, _) = sparrow_trainer::checkpoint::load_trainer(dir, &Overrides::none()).expect("load");
+    let mut rows = Vec::new();
+    t.table
+        .for_each_row(|k, _, r| {
+            rows.push((k, r.to_vec()));
+            Ok(())
+        })
+        .expect("rows");
+    rows.sort_by_key(|r| r.0);
+    (t.model.params.flat_values().expect("dense"), rows)
+}
