@@ -189,20 +189,16 @@ impl MultiTask {
             let bufs = &mut rest[0];
             let inputs = self.level_inputs(x, below, tasks);
             let fan_in = inputs[0].len() / rows.max(1);
-            // At the level's inputs: the tasks', then the shared one.
+            // At the level's inputs: the tasks', then the shared one. Each
+            // buffer's first contribution is copied in, the rest added: no
+            // zero-filled buffer to add into (6% of MMoE's bf16 step).
             let mut d_in = std::mem::take(&mut m.d_below);
             d_in.resize_with(tasks + 1, Vec::new);
-            d_in.iter_mut().for_each(|d| {
-                d.clear();
-                d.resize(rows * fan_in, 0.0);
-            });
+            let mut d_in_filled = vec![false; tasks + 1];
             let experts: Vec<&Mlp> = level.experts().collect();
             let width = experts[0].outputs();
             bufs.d_experts.resize_with(experts.len(), Vec::new);
-            bufs.d_experts.iter_mut().for_each(|d| {
-                d.clear();
-                d.resize(rows * width, 0.0);
-            });
+            let mut d_experts_filled = vec![false; experts.len()];
             for (g, gate) in level.gates().enumerate() {
                 let d_mix = &m.d_inputs[g];
                 let pool = level.pool(g);
@@ -224,17 +220,27 @@ impl MultiTask {
                     }
                 });
                 // d expert_k += w_k · d mix, each expert's buffer on its own.
-                let mut targets: Vec<(usize, &mut Vec<f32>)> = bufs
+                let mut targets: Vec<(usize, &mut Vec<f32>, &mut bool)> = bufs
                     .d_experts
                     .iter_mut()
+                    .zip(d_experts_filled.iter_mut())
                     .enumerate()
-                    .filter_map(|(e, d)| pool.iter().position(|&p| p == e).map(|j| (j, d)))
+                    .filter_map(|(e, (d, filled))| pool.iter().position(|&p| p == e).map(|j| (j, d, filled)))
                     .collect();
-                targets.par_iter_mut().for_each(|(j, d)| {
+                targets.par_iter_mut().for_each(|(j, d, filled)| {
+                    if !**filled {
+                        sized(d, rows * width);
+                    }
                     for (r, d) in d.chunks_exact_mut(width).enumerate() {
                         let wk = w[r * k + *j];
-                        d.iter_mut().zip(&d_mix[r * width..(r + 1) * width]).for_each(|(d, g)| *d += wk * g);
+                        let g = d_mix[r * width..(r + 1) * width].iter();
+                        if **filled {
+                            d.iter_mut().zip(g).for_each(|(d, g)| *d += wk * g);
+                        } else {
+                            d.iter_mut().zip(g).for_each(|(d, g)| *d = wk * g);
+                        }
                     }
+                    **filled = true;
                 });
                 // The gate's own layer: dW = inᵀ·d logits, db = Σ_rows d logits, d in = d logits·Wᵀ.
                 let input = inputs[if g < tasks { g } else { tasks }];
@@ -243,9 +249,17 @@ impl MultiTask {
                 let (mut dw, mut db) = (vec![0.0f32; fan_in * k], vec![0.0f32; k]);
                 let d_gate_in = sized(&mut m.d_gate_in, rows * fan_in);
                 linear_grads(self.arith, (rows, fan_in, k), input, gw, d_logits, (&mut dw, &mut db), d_gate_in);
-                d_in[if g < tasks { g } else { tasks }].iter_mut().zip(d_gate_in.iter()).for_each(|(a, b)| *a += b);
+                let at = if g < tasks { g } else { tasks };
+                add_or_copy(&mut d_in[at], &mut d_in_filled[at], d_gate_in);
                 grads.push((gate.weight(), dw));
                 grads.push((gate.bias(), db));
+            }
+            // An expert no gate mixes (none today) has no gradient: zeros.
+            for (d, filled) in bufs.d_experts.iter_mut().zip(&d_experts_filled) {
+                if !filled {
+                    d.clear();
+                    d.resize(rows * width, 0.0);
+                }
             }
             let reads = level.expert_inputs(tasks);
             let expert_grads = experts
@@ -257,7 +271,14 @@ impl MultiTask {
                 .collect::<Result<Vec<_>, _>>()?;
             for ((e, g), (s, &i)) in experts.iter().zip(expert_grads).zip(bufs.experts.iter().zip(&reads)) {
                 grads.push((e.params(), g));
-                d_in[i].iter_mut().zip(&s.grad_input).for_each(|(a, b)| *a += b);
+                add_or_copy(&mut d_in[i], &mut d_in_filled[i], &s.grad_input);
+            }
+            // An input nothing read (none today) has no gradient: zeros.
+            for (d, filled) in d_in.iter_mut().zip(&d_in_filled) {
+                if !filled {
+                    d.clear();
+                    d.resize(rows * fan_in, 0.0);
+                }
             }
             m.d_below = std::mem::replace(&mut m.d_inputs, d_in);
         }
@@ -388,5 +409,16 @@ impl Direct for MultiTask {
 
     fn several_outputs(&self) -> bool {
         true
+    }
+}
+
+/// `dst += src`, or `dst = src` for its first contribution (`filled` unset).
+fn add_or_copy(dst: &mut Vec<f32>, filled: &mut bool, src: &[f32]) {
+    if *filled {
+        dst.iter_mut().zip(src).for_each(|(a, b)| *a += b);
+    } else {
+        dst.clear();
+        dst.extend_from_slice(src);
+        *filled = true;
     }
 }
