@@ -45,7 +45,7 @@ fn config_with(dir: &std::path::Path, kind: &str, overrides: &[&str]) -> Config 
 /// `kind`, or `kind-f16rows` (`embedding.dtype = "f16"`), or
 /// `kind-srf16rows` (f16 rows rounded stochastically), or `kind-bf16`
 /// (`model.precision = "bf16"`), or `kind-regularized` (`embedding.l2`,
-/// AdamW's weight decay and dropout), or `kind-scheduled` (a warmup and
+/// AdamW's weight decay, dropout and layer norm), or `kind-scheduled` (a warmup and
 /// cosine decay of both rates).
 fn variant(dir: &std::path::Path, name: &str) -> Config {
     if let Some(kind) = name.strip_suffix("-srf16rows") {
@@ -58,6 +58,7 @@ fn variant(dir: &std::path::Path, name: &str) -> Config {
             "dense_optimizer.kind=\"adamw\"",
             "dense_optimizer.weight_decay=0.01",
             "model.dropout=0.2",
+            "model.norm=\"layer\"",
         ];
         config_with(dir, kind, &decay)
     } else if let Some(kind) = name.strip_suffix("-scheduled") {

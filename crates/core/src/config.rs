@@ -227,6 +227,18 @@ pub enum Precision {
     Bf16,
 }
 
+/// `model.norm`: what normalizes the MLP stacks' activated layers.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Norm {
+    /// Nothing.
+    #[default]
+    None,
+    /// Layer norm of each row's pre-activation (PyTorch's `LayerNorm`, ε 1e-5,
+    /// learned γ and β), before the ReLU.
+    Layer,
+}
+
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Pooling {
@@ -287,6 +299,11 @@ pub struct ModelConfig {
     /// the element: the same model every run, after a resume and in
     /// `launch`. 0: off.
     pub dropout: f32,
+    /// `none`, or `layer`: each activated layer of the same MLP stacks as
+    /// `dropout`'s normalizes its pre-activation over the layer's outputs
+    /// (row by row, learned scale and shift), then takes the ReLU; in
+    /// training, evaluation, serving and ONNX alike (`LayerNormalization`).
+    pub norm: Norm,
 }
 
 impl Default for ModelConfig {
@@ -307,6 +324,7 @@ impl Default for ModelConfig {
             attention_hidden: vec![36],
             tasks: Vec::new(),
             dropout: 0.0,
+            norm: Norm::None,
         }
     }
 }

@@ -145,6 +145,11 @@ impl Build<'_> {
         self.heads.outputs()
     }
 
+    /// Whether the MLP stacks' activated layers are normalized (`model.norm`).
+    pub fn normed(&self) -> bool {
+        self.config.norm == sparrow_core::config::Norm::Layer
+    }
+
     /// The fields' vectors (without a first-order column) and the dense
     /// values, flattened: an MLP's input.
     pub fn flat_len(&self) -> usize {

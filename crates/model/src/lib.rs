@@ -11,6 +11,7 @@ mod dropout;
 pub mod fused;
 pub mod heads;
 pub mod kinds;
+mod layer_norm;
 pub mod matrix;
 pub mod mlp;
 pub mod models;

@@ -29,6 +29,8 @@ struct LayerSlot {
     w: usize,
     b: usize,
     relu: bool,
+    /// `model.norm = "layer"`: γ at this offset, β after it (`fan_out` each).
+    norm: Option<usize>,
 }
 
 #[derive(Debug)]
@@ -103,6 +105,21 @@ impl Mlp {
         relu_last: bool,
         arith: Arith,
     ) -> Result<Mlp, ModelError> {
+        Mlp::new_normed(ps, name, input, sizes, relu_last, arith, false)
+    }
+
+    /// [`new`](Self::new), each activated layer's pre-activation
+    /// layer-normalized where `norm` (`layer_norm.rs`): γ = 1 and β = 0
+    /// after the layer's bias (no draw: the other weights stay as they are).
+    pub fn new_normed(
+        ps: &mut ParamStore,
+        name: &str,
+        input: usize,
+        sizes: &[usize],
+        relu_last: bool,
+        arith: Arith,
+        norm: bool,
+    ) -> Result<Mlp, ModelError> {
         let mut layers = Vec::with_capacity(sizes.len());
         let mut data = Vec::new();
         let mut fan_in = input;
@@ -114,7 +131,13 @@ impl Mlp {
             data.extend(ps.draw_uniform(fan_out, bound));
             // The backward pass splits [W | b] of a layer as one slice.
             debug_assert_eq!(b, w + fan_in * fan_out);
-            layers.push(LayerSlot { fan_in, fan_out, w, b, relu: i + 1 < sizes.len() || relu_last });
+            let relu = i + 1 < sizes.len() || relu_last;
+            let norm = (norm && relu).then(|| {
+                let at = data.len();
+                data.extend(std::iter::repeat_n(1.0f32, fan_out).chain(std::iter::repeat_n(0.0, fan_out)));
+                at
+            });
+            layers.push(LayerSlot { fan_in, fan_out, w, b, relu, norm });
             fan_in = fan_out;
         }
         let num_params = data.len();
@@ -146,6 +169,11 @@ impl Mlp {
                 weight: p[l.w..l.w + l.fan_in * l.fan_out].to_vec(),
                 bias: p[l.b..l.b + l.fan_out].to_vec(),
                 relu: l.relu,
+                norm: l.norm.map(|n| crate::spec::LayerNormSpec {
+                    gamma: p[n..n + l.fan_out].to_vec(),
+                    beta: p[n + l.fan_out..n + 2 * l.fan_out].to_vec(),
+                    eps: crate::layer_norm::EPS,
+                }),
             })
             .collect())
     }
@@ -169,6 +197,12 @@ impl Mlp {
             let w = p.narrow(0, l.w, l.fan_in * l.fan_out)?.reshape((l.fan_in, l.fan_out))?;
             let b = p.narrow(0, l.b, l.fan_out)?;
             h = h.matmul(&w)?.broadcast_add(&b)?;
+            if let Some(n) = l.norm {
+                let (gamma, beta) = (p.narrow(0, n, l.fan_out)?, p.narrow(0, n + l.fan_out, l.fan_out)?);
+                let centred = h.broadcast_sub(&h.mean_keepdim(1)?)?;
+                let inv = (centred.sqr()?.mean_keepdim(1)? + f64::from(crate::layer_norm::EPS))?.sqrt()?.recip()?;
+                h = centred.broadcast_mul(&inv)?.broadcast_mul(&gamma)?.broadcast_add(&beta)?;
+            }
             if l.relu {
                 h = h.relu()?;
                 if draw.is_some() && self.shape.dropout.is_on() {
@@ -269,6 +303,9 @@ pub struct MlpScratch {
     rows: usize,
     /// What the forward pass's dropout scaled kept values by (1: none).
     dropout_scale: f32,
+    /// `model.norm = "layer"`: each layer's x̂ and its rows' 1/σ̂.
+    normed: Vec<Vec<f32>>,
+    inv_std: Vec<Vec<f32>>,
     /// bf16 on a CPU without a bf16 dot product: the pass's rounded operands.
     rounded: crate::bf16_rounded::RoundedOperands,
 }
@@ -300,6 +337,8 @@ fn forward_into(shape: &MlpShape, p: &[f32], x: &[f32], rows: usize, draw: Optio
     scratch.hidden.resize_with(layers.len().saturating_sub(1), Vec::new);
     scratch.rows = rows;
     scratch.dropout_scale = 1.0;
+    scratch.normed.resize_with(layers.len(), Vec::new);
+    scratch.inv_std.resize_with(layers.len(), Vec::new);
     let rounded = rounds_operands(shape.arith);
     for (i, l) in layers.iter().enumerate() {
         let w = &p[l.w..l.w + l.fan_in * l.fan_out];
@@ -312,21 +351,31 @@ fn forward_into(shape: &MlpShape, p: &[f32], x: &[f32], rows: usize, draw: Optio
             sized(&mut scratch.output, rows * l.fan_out)
         };
         let bias = &p[l.b..l.b + l.fan_out];
+        // A normalized layer's ReLU comes after its norm.
+        let relu = l.relu && l.norm.is_none();
         if rounded {
             scratch.rounded.forward(i, (rows, l.fan_in, l.fan_out), input, w, out);
-            add_bias(out, bias, l.relu);
+            add_bias(out, bias, relu);
         } else {
             let (input, w) = (Operand::plain(input), Operand::plain(w));
             match shape.arith {
                 // Bias and ReLU as the product stores each tile.
                 Arith::Bf16(path) => {
-                    let epilogue = crate::bf16::Epilogue { bias: Some(bias), relu: l.relu };
+                    let epilogue = crate::bf16::Epilogue { bias: Some(bias), relu };
                     crate::bf16::gemm_bf16_then(path, rows, l.fan_out, l.fan_in, input, w, out, epilogue);
                 }
                 Arith::F32 => {
                     sgemm(rows, l.fan_out, l.fan_in, input, w, out);
-                    add_bias(out, bias, l.relu);
+                    add_bias(out, bias, relu);
                 }
+            }
+        }
+        if let Some(n) = l.norm {
+            let (gamma, beta) = (&p[n..n + l.fan_out], &p[n + l.fan_out..n + 2 * l.fan_out]);
+            crate::layer_norm::forward(out, l.fan_out, (gamma, beta), &mut scratch.normed[i], &mut scratch.inv_std[i]);
+            if l.relu {
+                out.par_chunks_mut(l.fan_out.max(1) * ROWS_PER_TASK)
+                    .for_each(|o| o.iter_mut().for_each(|v| *v = if *v > 0.0 { *v } else { 0.0 }));
             }
         }
         if l.relu {
@@ -361,11 +410,20 @@ fn backward_into(shape: &MlpShape, p: &[f32], x: &[f32], grad_out: &[f32], scrat
     grad_p.resize(shape.num_params, 0.0);
     for l in layers {
         grad_p[l.b..l.b + l.fan_out].fill(0.0);
+        if let Some(n) = l.norm {
+            grad_p[n..n + 2 * l.fan_out].fill(0.0);
+        }
     }
     let mut g_in = std::mem::take(&mut scratch.grad_next);
     for (i, l) in layers.iter().enumerate().rev() {
         let input: &[f32] = if i == 0 { x } else { &scratch.hidden[i - 1] };
         let (fi, fo) = (l.fan_in, l.fan_out);
+        if let Some(n) = l.norm {
+            // d y → d z through the norm; d γ and d β beside.
+            let (dgamma, dbeta) = grad_p[n..n + 2 * fo].split_at_mut(fo);
+            let norm = (&scratch.normed[i][..], &scratch.inv_std[i][..]);
+            crate::layer_norm::backward(&mut g[..g_len], fo, &p[n..n + fo], norm, (dgamma, dbeta));
+        }
         // W and b are adjacent in the parameter vector (see `Mlp::new`).
         let (dw, db) = grad_p[l.w..l.b + fo].split_at_mut(fi * fo);
         let gi = prefix(&mut g_in, rows * fi);
@@ -952,16 +1010,19 @@ mod tests {
         let dev = Device::Cpu;
         // 300 rows: the bias and ReLU passes split into blocks of
         // ROWS_PER_TASK rows, the last one partial.
-        for (relu_last, rows, dropout, draw) in [
-            (false, 7, 0.0, None),
-            (true, 7, 0.0, None),
-            (true, 300, 0.0, None),
-            (false, 300, 0.3, Some(11)),
-            (true, 7, 0.5, Some(12)),
-            (false, 7, 0.5, None),
+        for (relu_last, rows, dropout, draw, norm) in [
+            (false, 7, 0.0, None, false),
+            (true, 7, 0.0, None, false),
+            (true, 300, 0.0, None, false),
+            (false, 300, 0.3, Some(11), false),
+            (true, 7, 0.5, Some(12), false),
+            (false, 7, 0.5, None, false),
+            (false, 300, 0.0, None, true),
+            (true, 7, 0.3, Some(13), true),
         ] {
             let mut ps = ParamStore::new(7, dev.clone());
-            let mlp = Mlp::new(&mut ps, "m", 6, &[5, 4, 3], relu_last, arith(Precision::F32)).expect("mlp");
+            let mlp =
+                Mlp::new_normed(&mut ps, "m", 6, &[5, 4, 3], relu_last, arith(Precision::F32), norm).expect("mlp");
             let mlp = mlp.with_dropout(dropout, Default::default());
             let mut rng = Rng::new(2);
             let x: Vec<f32> = (0..rows * 6).map(|_| rng.normal() as f32).collect();
@@ -976,16 +1037,26 @@ mod tests {
         }
     }
 
-    /// The fused step with dropout is the derivative of its forward (the
-    /// same draw each time): central differences on every parameter and
-    /// input of a small stack.
+    /// The fused step with dropout, with a layer norm, and with both is
+    /// the derivative of its forward (the same draw each time): central
+    /// differences on every parameter and input of a small stack.
     #[test]
-    fn dropout_gradients_match_finite_differences() {
+    fn dropout_and_layer_norm_gradients_match_finite_differences() {
+        for (norm, dropout) in [(false, 0.4), (true, 0.0), (true, 0.4)] {
+            dropout_and_norm_gradients(norm, dropout);
+        }
+    }
+
+    fn dropout_and_norm_gradients(norm: bool, dropout: f32) {
         let (rows, input, sizes) = (9, 5, [6usize, 4, 2]);
+        // A norm over the 2 outputs would be ±γ + β by the sign of their
+        // difference, a step no finite difference follows: the output
+        // layer stays linear with a norm.
+        let relu_last = !norm;
         let mut ps = ParamStore::new(3, Device::Cpu);
-        let mlp = Mlp::new(&mut ps, "m", input, &sizes, true, arith(Precision::F32))
+        let mlp = Mlp::new_normed(&mut ps, "m", input, &sizes, relu_last, arith(Precision::F32), norm)
             .expect("mlp")
-            .with_dropout(0.4, Default::default());
+            .with_dropout(dropout, Default::default());
         let mut rng = Rng::new(5);
         let x: Vec<f32> = (0..rows * input).map(|_| rng.normal() as f32).collect();
         let g: Vec<f32> = (0..rows * 2).map(|_| rng.normal() as f32).collect();
@@ -1015,7 +1086,12 @@ mod tests {
                 mlp.params().set(&Tensor::from_vec(p, p0.len(), &Device::Cpu).expect("p")).expect("set");
                 loss(&mlp, &x)
             };
-            assert!(matches(&at, f64::from(dp[i])), "param {i}: {}", dp[i]);
+            assert!(
+                matches(&at, f64::from(dp[i])),
+                "norm {norm}, dropout {dropout}: param {i}: {} vs {}",
+                dp[i],
+                (at(1e-3) - at(-1e-3)) / 2e-3
+            );
             checked += usize::from(dp[i] != 0.0);
         }
         mlp.params().set(&Tensor::from_vec(p0.clone(), p0.len(), &Device::Cpu).expect("p")).expect("set");
@@ -1025,12 +1101,19 @@ mod tests {
                 x[i] += d;
                 loss(&mlp, &x)
             };
-            assert!(matches(&at, f64::from(dx[i])), "input {i}: {}", dx[i]);
+            assert!(
+                matches(&at, f64::from(dx[i])),
+                "norm {norm}, dropout {dropout}: input {i}: {} vs {}",
+                dx[i],
+                (at(1e-3) - at(-1e-3)) / 2e-3
+            );
         }
         assert!(checked > p0.len() / 3, "{checked} of {} parameters have a gradient", p0.len());
         // Something was dropped: the output is not the undropped one.
         let mut plain = MlpScratch::default();
         mlp.forward_cpu(&x, rows, None, &mut plain).expect("forward");
-        assert_ne!(plain.output, s.output);
+        assert_eq!(plain.output != s.output, dropout > 0.0);
+        // A norm adds γ and β to each activated layer.
+        assert_eq!(p0.len(), 5 * 6 + 6 + 6 * 4 + 4 + 4 * 2 + 2 + if norm { 2 * (6 + 4) } else { 0 });
     }
 }

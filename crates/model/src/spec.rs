@@ -2,7 +2,7 @@
 //! exporter (ONNX) that rebuilds its forward pass outside Sparrow.
 //! `DenseModel::spec` fills it; the forward it describes is `forward_with`'s.
 
-/// `y = x·W + b`, then ReLU if `relu`; `weight` is `[fan_in, fan_out]`
+/// `y = x·W + b`, then (`norm`) a layer norm, then ReLU if `relu`; `weight` is `[fan_in, fan_out]`
 /// row-major.
 #[derive(Clone, Debug)]
 pub struct DenseLayer {
@@ -11,6 +11,18 @@ pub struct DenseLayer {
     pub weight: Vec<f32>,
     pub bias: Vec<f32>,
     pub relu: bool,
+    /// `model.norm = "layer"`: the pre-activation layer-normalized (before
+    /// the ReLU) over the layer's outputs.
+    pub norm: Option<LayerNormSpec>,
+}
+
+/// y = (z − μ) / √(σ² + eps) · gamma + beta over a row's `fan_out` values
+/// (ONNX's `LayerNormalization`, axis −1).
+#[derive(Clone, Debug)]
+pub struct LayerNormSpec {
+    pub gamma: Vec<f32>,
+    pub beta: Vec<f32>,
+    pub eps: f32,
 }
 
 /// The network between the pooled embeddings `[N, fields, width]` plus the

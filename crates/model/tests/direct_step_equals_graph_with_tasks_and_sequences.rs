@@ -38,7 +38,10 @@ fn model(kind: &str, precision: Precision, num_dense: usize) -> DenseModel {
     model_with(kind, precision, num_dense, &[7, 6], 0.0)
 }
 
+/// A negative `dropout` is no dropout and `model.norm = "layer"`.
 fn model_with(kind: &str, precision: Precision, num_dense: usize, expert_hidden: &[usize], dropout: f32) -> DenseModel {
+    let norm = if dropout < 0.0 { sparrow_core::config::Norm::Layer } else { sparrow_core::config::Norm::None };
+    let dropout = dropout.max(0.0);
     let config = ModelConfig {
         kind: ModelKind::named(kind),
         embedding_dim: DIM,
@@ -52,6 +55,7 @@ fn model_with(kind: &str, precision: Precision, num_dense: usize, expert_hidden:
         attention_hidden: vec![6, 4],
         precision,
         dropout,
+        norm,
         ..Default::default()
     };
     let shape = ModelShape { num_fields: FIELDS, num_dense, embedding_dim: DIM };
@@ -87,7 +91,7 @@ fn close(what: &str, a: &[f32], b: &[f32], tolerance: f32) {
 fn the_direct_step_is_the_graphs_for_several_tasks_and_sequences() {
     let deep: &[usize] = &[7, 6];
     // Each kind also with dropout (`model.dropout`), in both precisions:
-    // both paths drop the same values.
+    // both paths drop the same values; and with `model.norm = "layer"`.
     let cases = ["mlp", "dcn", "mmoe", "ple", "esmm", "din"]
         .into_iter()
         .flat_map(|k| {
@@ -97,6 +101,9 @@ fn the_direct_step_is_the_graphs_for_several_tasks_and_sequences() {
                 (k, Precision::F32, 0, deep, 0.0),
                 (k, Precision::F32, 2, deep, 0.4),
                 (k, Precision::Bf16, 0, deep, 0.25),
+                // `model.norm = "layer"`.
+                (k, Precision::F32, 2, deep, -1.0),
+                (k, Precision::Bf16, 2, deep, -1.0),
             ]
         })
         .chain(["mmoe", "ple"].into_iter().flat_map(|k| {
@@ -126,6 +133,7 @@ fn the_direct_step_is_the_graphs_for_several_tasks_and_sequences() {
             let seq = sequences(if step == 0 { &HISTORY } else { &[0; ROWS] }, &mut rng);
             let seq = (kind == "din").then_some(&seq);
             let draw = (dropout > 0.0).then_some(900 + step);
+            let dropout = dropout.max(0.0);
             let (a, grads_a) = direct
                 .forward_backward_with(emb.clone(), dense.clone(), &labels, Some(&weights), seq, draw)
                 .expect("direct step");

@@ -54,6 +54,15 @@ pub fn int(name: &str, value: i64) -> AttributeProto {
     }
 }
 
+pub fn float(name: &str, value: f32) -> AttributeProto {
+    AttributeProto {
+        name: Some(name.into()),
+        f: Some(value),
+        r#type: Some(AttributeType::Float as i32),
+        ..Default::default()
+    }
+}
+
 pub fn string(name: &str, value: &str) -> AttributeProto {
     AttributeProto {
         name: Some(name.into()),

@@ -3,7 +3,7 @@
 
 use sparrow_model::spec::{DenseLayer, LevelSpec, NetSpec, Op};
 
-use crate::graph::{Dim, FLOAT, Graph, INT64, STRING, int, ints, string, strings};
+use crate::graph::{Dim, FLOAT, Graph, INT64, STRING, float, int, ints, string, strings};
 use crate::{OnnxError, SparseInput};
 
 /// The dense columns, one float `[N]` input each, as one `[N, num_dense]`
@@ -131,7 +131,12 @@ fn layer(g: &mut Graph, x: &str, l: &DenseLayer) -> String {
     let w = g.float_init("w", &[l.fan_in as i64, l.fan_out as i64], l.weight.clone());
     let b = g.float_init("b", &[l.fan_out as i64], l.bias.clone());
     let y = g.node("MatMul", &[x, &w], vec![]);
-    let y = g.node("Add", &[&y, &b], vec![]);
+    let mut y = g.node("Add", &[&y, &b], vec![]);
+    if let Some(n) = &l.norm {
+        let gamma = g.float_init("gamma", &[l.fan_out as i64], n.gamma.clone());
+        let beta = g.float_init("beta", &[l.fan_out as i64], n.beta.clone());
+        y = g.node("LayerNormalization", &[&y, &gamma, &beta], vec![int("axis", -1), float("epsilon", n.eps)]);
+    }
     if l.relu { g.node("Relu", &[&y], vec![]) } else { y }
 }
 

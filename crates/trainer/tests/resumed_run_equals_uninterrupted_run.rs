@@ -47,7 +47,7 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
     // row-wise Adagrad for `mlp-bf16rows`, and stochastic rounding
     // (`embedding.rounding`: its draws count each row's updates, a count
     // the checkpoint keeps) for `dlrm-srf16rows` with Adagrad; and
-    // `embedding.l2`, AdamW and dropout (`mlp-regularized`); a warmup and
+    // `embedding.l2`, AdamW, dropout and layer norm (`mlp-regularized`); a warmup and
     // cosine decay of both rates (`dlrm-scheduled`).
     let kinds = [
         "dlrm",
@@ -85,6 +85,7 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
             base.dense_optimizer.kind = sparrow_core::config::DenseOptimizerKind::AdamW;
             base.dense_optimizer.weight_decay = 0.01;
             base.model.dropout = 0.2;
+            base.model.norm = sparrow_core::config::Norm::Layer;
         }
         if kind.ends_with("-scheduled") {
             // `[train.schedule]`: warmup, then cosine decay, both rates.

@@ -24,7 +24,7 @@ impl Beside {
         let sizes = head(&at.config.hidden, at.outputs());
         Ok(Beside {
             first,
-            deep: Mlp::new(at.ps, "deep", at.flat_len(), &sizes, false, at.arith)?
+            deep: Mlp::new_normed(at.ps, "deep", at.flat_len(), &sizes, false, at.arith, at.normed())?
                 .with_dropout(at.config.dropout, at.simd),
         })
     }

@@ -37,8 +37,16 @@ impl Kind for Dcn {
         let cross = (0..at.config.cross_layers)
             .map(|l| Linear::new(at.ps, &format!("cross.{l}"), x_dim, x_dim))
             .collect::<Result<Vec<_>, _>>()?;
-        let deep = Mlp::new(at.ps, "deep", x_dim, &head(&at.config.hidden, at.outputs()), false, at.arith)?
-            .with_dropout(at.config.dropout, at.simd);
+        let deep = Mlp::new_normed(
+            at.ps,
+            "deep",
+            x_dim,
+            &head(&at.config.hidden, at.outputs()),
+            false,
+            at.arith,
+            at.normed(),
+        )?
+        .with_dropout(at.config.dropout, at.simd);
         Ok(Box::new(DcnNet { cross, deep, arith: at.arith }))
     }
 

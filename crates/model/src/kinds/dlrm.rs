@@ -42,15 +42,26 @@ impl Kind for Dlrm {
             None
         } else {
             let sizes: Vec<usize> = at.config.bottom_hidden.iter().copied().chain(std::iter::once(d)).collect();
-            Some(Mlp::new(at.ps, "bottom", nd, &sizes, true, at.arith)?.with_dropout(at.config.dropout, at.simd))
+            Some(
+                Mlp::new_normed(at.ps, "bottom", nd, &sizes, true, at.arith, at.normed())?
+                    .with_dropout(at.config.dropout, at.simd),
+            )
         };
         let n = f + usize::from(nd > 0);
         let pairs: Vec<u32> = (0..n).flat_map(|i| ((i + 1)..n).map(move |j| (i * n + j) as u32)).collect();
         let num_pairs = pairs.len();
         let pairs = Tensor::from_vec(pairs, num_pairs, at.device)?;
         let top_in = num_pairs + if nd > 0 { d } else { 0 };
-        let top = Mlp::new(at.ps, "top", top_in, &head(&at.config.hidden, at.outputs()), false, at.arith)?
-            .with_dropout(at.config.dropout, at.simd);
+        let top = Mlp::new_normed(
+            at.ps,
+            "top",
+            top_in,
+            &head(&at.config.hidden, at.outputs()),
+            false,
+            at.arith,
+            at.normed(),
+        )?
+        .with_dropout(at.config.dropout, at.simd);
         Ok(Box::new(DlrmNet { bottom, top, pairs, n }))
     }
 

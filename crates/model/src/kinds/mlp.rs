@@ -30,7 +30,7 @@ impl Kind for MlpKind {
     fn build(&self, at: &mut Build<'_>) -> Result<Box<dyn Net>, ModelError> {
         let sizes = head(&at.config.hidden, at.outputs());
         Ok(Box::new(MlpNet {
-            mlp: Mlp::new(at.ps, "mlp", at.flat_len(), &sizes, false, at.arith)?
+            mlp: Mlp::new_normed(at.ps, "mlp", at.flat_len(), &sizes, false, at.arith, at.normed())?
                 .with_dropout(at.config.dropout, at.simd),
         }))
     }

@@ -60,10 +60,13 @@ fn experts(
     n: usize,
     input: usize,
     sizes: &[usize],
-    (arith, dropout, simd): (Arith, f32, sparrow_core::simd::Simd),
+    (arith, dropout, simd, norm): (Arith, f32, sparrow_core::simd::Simd, bool),
 ) -> Result<Vec<Mlp>, ModelError> {
     (0..n)
-        .map(|e| Ok(Mlp::new(ps, &format!("{name}.{e}"), input, sizes, true, arith)?.with_dropout(dropout, simd)))
+        .map(|e| {
+            Ok(Mlp::new_normed(ps, &format!("{name}.{e}"), input, sizes, true, arith, norm)?
+                .with_dropout(dropout, simd))
+        })
         .collect()
 }
 
@@ -77,10 +80,12 @@ impl MultiTask {
         heads: &Heads,
         (arith, simd): (Arith, sparrow_core::simd::Simd),
     ) -> Result<MultiTask, ModelError> {
+        let normed = config.norm == sparrow_core::config::Norm::Layer;
         let tower = |ps: &mut ParamStore, t: usize, input: usize, outputs: usize| {
             let sizes: Vec<usize> = config.tower_hidden.iter().copied().chain([outputs]).collect();
             Ok::<_, ModelError>(
-                Mlp::new(ps, &format!("tower.{t}"), input, &sizes, false, arith)?.with_dropout(config.dropout, simd),
+                Mlp::new_normed(ps, &format!("tower.{t}"), input, &sizes, false, arith, normed)?
+                    .with_dropout(config.dropout, simd),
             )
         };
         let tasks = heads.tasks();
@@ -97,8 +102,14 @@ impl MultiTask {
                 towers.push(tower(ps, 1, input, 1)?);
             }
             Which::Mmoe => {
-                let shared =
-                    experts(ps, "expert", config.experts, input, &config.expert_hidden, (arith, config.dropout, simd))?;
+                let shared = experts(
+                    ps,
+                    "expert",
+                    config.experts,
+                    input,
+                    &config.expert_hidden,
+                    (arith, config.dropout, simd, config.norm == sparrow_core::config::Norm::Layer),
+                )?;
                 let gates = (0..tasks)
                     .map(|t| Linear::new(ps, &format!("gate.{t}"), input, config.experts))
                     .collect::<Result<_, _>>()?;
@@ -117,7 +128,7 @@ impl MultiTask {
                         config.experts,
                         fan_in,
                         &config.expert_hidden,
-                        (arith, config.dropout, simd),
+                        (arith, config.dropout, simd, config.norm == sparrow_core::config::Norm::Layer),
                     )?;
                     let own = (0..tasks)
                         .map(|t| {
@@ -127,7 +138,7 @@ impl MultiTask {
                                 config.task_experts,
                                 fan_in,
                                 &config.expert_hidden,
-                                (arith, config.dropout, simd),
+                                (arith, config.dropout, simd, config.norm == sparrow_core::config::Norm::Layer),
                             )
                         })
                         .collect::<Result<Vec<_>, _>>()?;

@@ -42,8 +42,16 @@ impl Kind for Nfm {
     fn build(&self, at: &mut Build<'_>) -> Result<Box<dyn Net>, ModelError> {
         let first = FirstOrder::new(at.ps, at.shape.num_dense, false)?;
         let input = at.shape.embedding_dim + at.shape.num_dense;
-        let deep = Mlp::new(at.ps, "deep", input, &head(&at.config.hidden, at.outputs()), false, at.arith)?
-            .with_dropout(at.config.dropout, at.simd);
+        let deep = Mlp::new_normed(
+            at.ps,
+            "deep",
+            input,
+            &head(&at.config.hidden, at.outputs()),
+            false,
+            at.arith,
+            at.normed(),
+        )?
+        .with_dropout(at.config.dropout, at.simd);
         Ok(Box::new(NfmNet { first, deep, width: 1 + at.shape.embedding_dim }))
     }
 
