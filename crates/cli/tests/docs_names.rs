@@ -78,6 +78,7 @@ const OTHER_PROJECTS: &[&str] = &[
     "StringSplit",
     "LabelEncoder",
     "Gather",
+    "LayerNormalization",
     "ReduceSum",
     "MatMul",
 ];

@@ -234,7 +234,7 @@ pub enum Norm {
     /// Nothing.
     #[default]
     None,
-    /// Layer norm of each row's pre-activation (PyTorch's `LayerNorm`, ε 1e-5,
+    /// Layer norm of each row's pre-activation (PyTorch's LayerNorm, ε 1e-5,
     /// learned γ and β), before the ReLU.
     Layer,
 }
