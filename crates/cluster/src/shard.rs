@@ -271,6 +271,15 @@ impl ShardService for ShardServer {
     fn push(&self, batch_id: u64, grads: Vec<f32>, lr_scale: f32) -> Result<(), ClusterError> {
         faults::point("shard.push");
         self.check_generation(batch_id)?;
+        // A schedule's factor is in [0, 1]; a NaN, an infinity or a negative
+        // one (a corrupt or hostile push) would poison every row it touched.
+        // Refused before the batch is taken: it stays queued.
+        if !(lr_scale.is_finite() && lr_scale >= 0.0) {
+            return Err(ClusterError::Malformed {
+                peer: format!("the worker pushing to shard {}", self.index),
+                what: format!("batch {batch_id}: learning-rate factor {lr_scale} (must be finite and >= 0)"),
+            });
+        }
         let _cut = self.cut.work();
         let dim = self.table.dim();
         let (plan, slots, newest_record_ms) = {
@@ -442,7 +451,8 @@ mod tests {
     }
 
     /// A batch its worker skipped (`train.on_non_finite = "skip_batch"`) is
-    /// let go with no row updated; a push of the wrong size is still refused.
+    /// let go with no row updated; a push of the wrong size, or with a
+    /// learning-rate factor that is not a finite number >= 0, is refused.
     #[test]
     fn a_released_batch_is_forgotten_without_an_update() {
         let optimizer = SparseOptimizer::Adagrad { lr: 0.5, eps: 1e-8 };
@@ -451,6 +461,10 @@ mod tests {
         shard.enqueue(1, vec![10, 11, 10], Mode::Train, None).expect("queued");
         let before = shard.pull(1).expect("pulled");
         assert!(shard.push(1, vec![0.5; 4], 1.0).is_err(), "a wrong-sized push is refused");
+        for bad in [f32::NAN, f32::INFINITY, -1.0] {
+            let err = shard.push(1, vec![0.5; 12], bad).expect_err("a bad factor").to_string();
+            assert!(err.contains("learning-rate factor"), "{err}");
+        }
         assert_eq!(shard.pending_batches(), 1, "and leaves the batch held");
         shard.release(1).expect("released");
         assert_eq!(shard.pending_batches(), 0, "the batch is forgotten");
