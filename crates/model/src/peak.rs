@@ -296,12 +296,16 @@ pub fn copy_bandwidth(threads: usize, bytes: usize, duration: Duration) -> f64 {
                     let src: Vec<f32> = (0..floats).map(|i| i as f32).collect();
                     let mut dst = vec![0.0f32; floats];
                     let mut moved = 0.0;
-                    while start.elapsed() < duration {
+                    // At least one copy: filling `src` may take the whole
+                    // duration on a busy machine (a figure of 0 B/s).
+                    loop {
                         dst.copy_from_slice(&src);
                         std::hint::black_box(&mut dst);
                         moved += 8.0 * floats as f64;
+                        if start.elapsed() >= duration {
+                            break moved;
+                        }
                     }
-                    moved
                 })
             })
             .collect();
