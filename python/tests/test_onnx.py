@@ -180,7 +180,9 @@ def csv_columns(path, session):
 @pytest.mark.parametrize("kind,model", [("mlp", {}), ("esmm", {}), ("mmoe", {}), ("ple", {}), ("din", {}),
                                         ("dlrm", {"pooling": "mean"}),
                                         ("mlp", {"norm": "layer", "dropout": 0.1}),
-                                        ("mmoe", {"norm": "layer"})])
+                                        ("mmoe", {"norm": "layer"}),
+                                        ("dlrm", {"norm": "batch", "dropout": 0.1}),
+                                        ("ple", {"norm": "batch"})])
 def test_several_tasks_multi_hot_cells_and_sequences_give_an_output_per_task(behaviour, tmp_path, kind, model):
     config = behaviour_config(behaviour, tmp_path / "ck", kind, **model)
     if kind == "din":  # keep only the newest 3 items: the graph must drop the same ones

@@ -79,6 +79,7 @@ const OTHER_PROJECTS: &[&str] = &[
     "LabelEncoder",
     "Gather",
     "LayerNormalization",
+    "BatchNormalization",
     "ReduceSum",
     "MatMul",
 ];

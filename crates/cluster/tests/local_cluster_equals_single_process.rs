@@ -46,7 +46,7 @@ fn config_with(dir: &std::path::Path, kind: &str, overrides: &[&str]) -> Config 
 /// `kind-srf16rows` (f16 rows rounded stochastically), or `kind-bf16`
 /// (`model.precision = "bf16"`), or `kind-regularized` (`embedding.l2`,
 /// AdamW's weight decay, dropout and layer norm), or `kind-scheduled` (a warmup and
-/// cosine decay of both rates).
+/// cosine decay of both rates), or `kind-batchnorm` (`model.norm = "batch"`).
 fn variant(dir: &std::path::Path, name: &str) -> Config {
     if let Some(kind) = name.strip_suffix("-srf16rows") {
         config_with(dir, kind, &["embedding.dtype=\"f16\"", "embedding.rounding=\"stochastic\""])
@@ -61,6 +61,8 @@ fn variant(dir: &std::path::Path, name: &str) -> Config {
             "model.norm=\"layer\"",
         ];
         config_with(dir, kind, &decay)
+    } else if let Some(kind) = name.strip_suffix("-batchnorm") {
+        config_with(dir, kind, &["model.norm=\"batch\"", "model.batch_norm_momentum=0.2"])
     } else if let Some(kind) = name.strip_suffix("-scheduled") {
         let schedule = [
             "train.schedule.kind=\"cosine\"",
@@ -140,7 +142,17 @@ fn three_shards_one_worker_equals_train() {
     let tmp = tempfile::tempdir().expect("tmp");
     sparrow_data::synth::generate(tmp.path(), 3000, 600, 9).expect("generate");
     let mut checksums = Vec::new();
-    for kind in ["dlrm", "mlp", "mlp-f16rows", "mlp-srf16rows", "dlrm-bf16", "mlp-regularized", "dlrm-scheduled"] {
+    let kinds = [
+        "dlrm",
+        "mlp",
+        "mlp-f16rows",
+        "mlp-srf16rows",
+        "dlrm-bf16",
+        "mlp-regularized",
+        "dlrm-scheduled",
+        "dlrm-batchnorm",
+    ];
+    for kind in kinds {
         let c = variant(tmp.path(), kind);
         let single = sparrow_trainer::train(&c, true).expect("train");
         let cluster = train_local(&c, 3, 1).expect("cluster");
@@ -239,7 +251,9 @@ fn a_pipelined_worker_trains_the_single_process_model_of_the_same_depth() {
 fn data_parallel_workers_hold_identical_dense_weights() {
     let tmp = tempfile::tempdir().expect("tmp");
     sparrow_data::synth::generate(tmp.path(), 4000, 800, 11).expect("generate");
-    for kind in ["dlrm", "mlp", "mlp-f16rows", "dlrm-bf16"] {
+    // Batch norm: each worker normalizes its own batch, and the running
+    // statistics move by all of them together, the same on every replica.
+    for kind in ["dlrm", "mlp", "mlp-f16rows", "dlrm-bf16", "mlp-batchnorm"] {
         let c = variant(tmp.path(), kind);
         let single = train_local(&c, 2, 1).expect("one worker");
         let pair = train_local(&c, 2, 3).expect("three workers");
@@ -452,10 +466,13 @@ fn rounds_and_lazy_aggregation_keep_replicas_identical_in_process() {
     // One worker in rounds: sequential training, the same AUC bit for bit.
     let one = train_local(&config_with(tmp.path(), "dlrm", &["cluster.sync=\"round\""]), 2, 1).expect("rounds");
     assert_eq!(one.test_auc.map(f64::to_bits), single.test_auc.map(f64::to_bits));
-    for sync in ["round", "lazy"] {
-        let set = format!("cluster.sync={sync:?}");
-        let three = train_local(&config_with(tmp.path(), "dlrm", &[&set]), 2, 3).expect("cluster");
-        assert_eq!(three.train_rows, 3000, "{sync}: every sample once");
-        assert!(three.dense_checksums.windows(2).all(|w| w[0] == w[1]), "{sync}: {:?}", three.dense_checksums);
+    // With batch norm the running statistics are merged with the weights.
+    for (sync, norm) in [("round", "none"), ("lazy", "none"), ("round", "batch"), ("lazy", "batch")] {
+        let settings = [format!("cluster.sync={sync:?}"), format!("model.norm={norm:?}")];
+        let settings: Vec<&str> = settings.iter().map(String::as_str).collect();
+        let three = train_local(&config_with(tmp.path(), "dlrm", &settings), 2, 3).expect("cluster");
+        assert_eq!(three.train_rows, 3000, "{sync}, {norm}: every sample once");
+        let sums = &three.dense_checksums;
+        assert!(sums.windows(2).all(|w| w[0] == w[1]), "{sync}, {norm}: {sums:?}");
     }
 }

@@ -237,6 +237,11 @@ pub enum Norm {
     /// Layer norm of each row's pre-activation (PyTorch's LayerNorm, ε 1e-5,
     /// learned γ and β), before the ReLU.
     Layer,
+    /// Batch norm of each column of the pre-activation (PyTorch's
+    /// BatchNorm1d, ε 1e-5, learned γ and β), before the ReLU: a training
+    /// step normalizes by its batch's statistics and moves running ones;
+    /// evaluation and serving normalize by the running ones.
+    Batch,
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
@@ -299,11 +304,21 @@ pub struct ModelConfig {
     /// the element: the same model every run, after a resume and in
     /// `launch`. 0: off.
     pub dropout: f32,
-    /// `none`, or `layer`: each activated layer of the same MLP stacks as
-    /// `dropout`'s normalizes its pre-activation over the layer's outputs
-    /// (row by row, learned scale and shift), then takes the ReLU; in
-    /// training, evaluation, serving and ONNX alike (`LayerNormalization`).
+    /// `none`, `layer` or `batch`: each activated layer of the same MLP
+    /// stacks as `dropout`'s normalizes its pre-activation, then takes the
+    /// ReLU (learned scale and shift). `layer`: over the layer's outputs,
+    /// row by row; in training, evaluation, serving and ONNX alike
+    /// (`LayerNormalization`). `batch`: each output over the batch's rows
+    /// while training (in a cluster, each worker over its own batch), by
+    /// running statistics elsewhere (ONNX `BatchNormalization`). The running
+    /// mean and (unbiased) variance are kept with the dense weights: in
+    /// checkpoints, exports, and a cluster's dense sync, where they move by
+    /// the workers' batches together.
     pub norm: Norm,
+    /// `norm = "batch"`: how far a training step moves the running
+    /// statistics towards its batch's, in (0, 1] (PyTorch's `momentum`):
+    /// running ← (1 − m)·running + m·batch.
+    pub batch_norm_momentum: f32,
 }
 
 impl Default for ModelConfig {
@@ -325,6 +340,7 @@ impl Default for ModelConfig {
             tasks: Vec::new(),
             dropout: 0.0,
             norm: Norm::None,
+            batch_norm_momentum: 0.1,
         }
     }
 }

@@ -11,13 +11,13 @@
 //! (a busy neighbour only ever adds time), beside the machine's fp32 and
 //! bf16 ceilings measured in the same run.
 //!
-//! `cargo bench -p sparrow-model --bench dense_step [-- KIND... f32|bf16 ROWS]`
-//! (ROWS: the batch, 1024 unless a number is given).
+//! `cargo bench -p sparrow-model --bench dense_step [-- KIND... f32|bf16 ROWS
+//! dropout=R norm=layer|batch]` (ROWS: the batch, 1024 unless a number is given).
 
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
-use sparrow_core::config::{DenseOptimizerConfig, ModelConfig, ModelKind, Precision};
+use sparrow_core::config::{DenseOptimizerConfig, ModelConfig, ModelKind, Norm, Precision};
 use sparrow_core::config::{Task, TaskKind};
 use sparrow_core::rng::Rng;
 use sparrow_model::kinds::Family;
@@ -30,6 +30,13 @@ fn main() {
     // `dropout=0.2`: every step draws its masks (`model.dropout`).
     let (dropout, args): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a.starts_with("dropout="));
     let dropout: f32 = dropout.first().and_then(|d| d["dropout=".len()..].parse().ok()).unwrap_or(0.0);
+    // `norm=batch`: `model.norm` (none unless given).
+    let (norm, args): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a.starts_with("norm="));
+    let norm = match norm.first().map(|n| &n["norm=".len()..]) {
+        Some("layer") => Norm::Layer,
+        Some("batch") => Norm::Batch,
+        _ => Norm::None,
+    };
     let (precisions, wanted): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a == "f32" || a == "bf16");
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
     let peaks = sparrow_model::peak::measure(2, Duration::from_millis(300));
@@ -63,6 +70,7 @@ fn main() {
                 precision,
                 tasks: Vec::new(),
                 dropout,
+                norm,
                 ..Default::default()
             };
             let simd = sparrow_core::simd::Simd::Auto;

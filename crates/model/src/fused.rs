@@ -486,8 +486,11 @@ pub(crate) fn assert_same_forward_and_backward(a: &Tensor, b: &Tensor, vars: &[&
     let flat = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("values");
     let close = |x: &[f32], y: &[f32], what: &str| {
         assert_eq!(x.len(), y.len(), "{what}: lengths");
-        for (x, y) in x.iter().zip(y) {
-            assert!((x - y).abs() < 1e-5, "{what}: {x} vs {y}");
+        // fp32 rounding scales with the largest value summed into each
+        // (a batch norm's gradients are sums over every row).
+        let (scale, len) = (y.iter().fold(1f32, |m, v| m.max(v.abs())), y.len());
+        for (i, (x, y)) in x.iter().zip(y).enumerate() {
+            assert!((x - y).abs() < 1e-5 * scale, "{what}: {x} vs {y} at {i} of {len}, largest {scale}");
         }
     };
     close(&flat(a), &flat(b), "forward");

@@ -5,8 +5,10 @@
 //! `[batch, num_dense]`; it never knows how embeddings are stored. The gradient
 //! with respect to the pooled embeddings is handed back to the caller.
 
+mod batch_norm;
 pub mod bf16;
 mod bf16_rounded;
+mod cross;
 mod dropout;
 pub mod fused;
 pub mod heads;

@@ -386,7 +386,7 @@ impl DenseModel {
         let (emb, dense) = self.inputs(emb, dense, rows)?;
         let emb = Var::from_tensor(&emb)?;
         let items = self.sequence_inputs(sequences, rows)?;
-        let logits_t = self.forward_drawn(emb.as_tensor(), &dense, &items, dropout)?;
+        let logits_t = self.forward_drawn(emb.as_tensor(), &dense, &items, self.training(dropout))?;
         let logits = logits_t.flatten_all()?.to_vec1::<f32>()?;
         // Seeding the backward pass with the loss gradient (as a constant)
         // gives the exact, stable gradient without building the loss in candle.
@@ -422,7 +422,16 @@ impl DenseModel {
             .iter()
             .map(|(_, var)| grads.get(var.as_tensor()).map(|g| g.flatten_all()?.to_vec1::<f32>()).transpose())
             .collect::<Result<_, _>>()?;
-        Ok((StepOutput { logits, loss, emb_grad, item_grads }, DenseGrads { grads: dense_grads, rows: rows as u64 }))
+        let mut dense_grads = DenseGrads { grads: dense_grads, rows: rows as u64 };
+        self.params.take_batch_statistics(&mut dense_grads)?;
+        Ok((StepOutput { logits, loss, emb_grad, item_grads }, dense_grads))
+    }
+
+    /// A training pass's draw: with running statistics (batch norm) a step
+    /// always draws, as `Some` is what tells the stacks it is training
+    /// (with no dropout, the draw drops nothing).
+    fn training(&self, dropout: Option<u64>) -> Option<u64> {
+        if self.params.has_statistics() { dropout.or(Some(0)) } else { dropout }
     }
 
     /// Forward and backward on CPU, outside candle's graph (every kind):
@@ -526,7 +535,7 @@ impl DenseModel {
             let result = on_grads(&scratch.grad_x, &[]);
             return Ok((loss, logits, result, grads));
         }
-        let logits = self.forward_direct(x, rows, dropout, &mut scratch)?;
+        let logits = self.forward_direct(x, rows, self.training(dropout), &mut scratch)?;
         let (loss, seed) = if self.heads.is_one_binary() {
             Self::loss_and_seed(&logits, labels, weights)
         } else {
@@ -534,7 +543,8 @@ impl DenseModel {
             self.heads.loss_and_seed(&logits, labels, weights)
         };
         self.check_loss(loss)?;
-        let grads = self.backward_direct(x, &seed, &mut scratch)?;
+        let mut grads = self.backward_direct(x, &seed, &mut scratch)?;
+        self.params.take_batch_statistics(&mut grads)?;
         crate::optimizer::check_finite(self.simd, &scratch.grad_x, || "gradient of the embedding inputs".into())?;
         for g in &scratch.item_grads {
             crate::optimizer::check_finite(self.simd, g, || "gradient of the history items".into())?;

@@ -272,10 +272,15 @@ impl DenseOptimizer {
         // ~110k weights, a few tens of microseconds per chunk.
         const CHUNK: usize = 16 * 1024;
         let mut recycled = Vec::new();
-        for ((name, var), g) in params.vars().iter().zip(grads.grads) {
+        for (index, ((name, var), g)) in params.vars().iter().zip(grads.grads).enumerate() {
             let Some(g) = g else {
                 continue;
             };
+            // A running statistic follows its batch values, at no rate.
+            if let Some(m) = params.statistic_momentum(index) {
+                update_in_place(var, |w| w.iter_mut().zip(&g).for_each(|(w, b)| *w = (1.0 - m) * *w + m * b))?;
+                continue;
+            }
             let moments = match c.kind {
                 DenseOptimizerKind::Adam | DenseOptimizerKind::AdamW => Some(
                     self.moments

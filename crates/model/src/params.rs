@@ -1,6 +1,7 @@
 //! Named trainable tensors with deterministic initialisation.
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor, Var};
 use sparrow_core::rng::Rng;
@@ -11,11 +12,63 @@ pub struct ParamStore {
     vars: Vec<(String, Var)>,
     rng: Rng,
     device: Device,
+    /// The running statistics among `vars` (PyTorch's buffers).
+    statistics: Vec<Statistic>,
+}
+
+/// Where a training forward pass leaves its batch's value of a running
+/// statistic, for the step to take ([`ParamStore::take_batch_statistics`]).
+pub type BatchValue = Arc<Mutex<Option<Vec<f32>>>>;
+
+/// A variable that is not learned by gradient but follows the batches: a
+/// step hands its batch's value where a parameter's gradient goes (so a
+/// cluster's dense sync averages it over the workers' batches, weighted by
+/// rows), and the optimizer moves it by `momentum` towards that value
+/// instead of stepping it (`DenseOptimizer::apply`).
+struct Statistic {
+    /// Its place in `vars`.
+    index: usize,
+    momentum: f32,
+    batch: BatchValue,
 }
 
 impl ParamStore {
     pub fn new(seed: u64, device: Device) -> Self {
-        ParamStore { vars: Vec::new(), rng: Rng::new(seed), device }
+        ParamStore { vars: Vec::new(), rng: Rng::new(seed), device, statistics: Vec::new() }
+    }
+
+    /// Registers a running statistic with its initial values (see
+    /// [`Statistic`]); returns it and where its batch values go.
+    pub fn statistic(&mut self, name: String, data: Vec<f32>, momentum: f32) -> Result<(Var, BatchValue), ModelError> {
+        let len = data.len();
+        let var = self.push(name, data, &[len])?;
+        let batch = BatchValue::default();
+        self.statistics.push(Statistic { index: self.vars.len() - 1, momentum, batch: batch.clone() });
+        Ok((var, batch))
+    }
+
+    /// The momentum of the variable at `index` if it is a running
+    /// statistic (`None`: a parameter the optimizer steps).
+    pub fn statistic_momentum(&self, index: usize) -> Option<f32> {
+        self.statistics.iter().find(|s| s.index == index).map(|s| s.momentum)
+    }
+
+    /// Whether any variable is a running statistic.
+    pub fn has_statistics(&self) -> bool {
+        !self.statistics.is_empty()
+    }
+
+    /// Moves each running statistic's batch value, left by the training
+    /// forward pass just run, into its slot of `grads` (`None`: none was
+    /// left, and the statistic stays as it is).
+    pub fn take_batch_statistics(&self, grads: &mut crate::optimizer::DenseGrads) -> Result<(), ModelError> {
+        for s in &self.statistics {
+            let value = s.batch.lock().map_err(|_| ModelError::Poisoned)?.take();
+            if let Some(slot) = grads.grads.get_mut(s.index) {
+                *slot = value;
+            }
+        }
+        Ok(())
     }
 
     pub fn device(&self) -> &Device {

@@ -2,7 +2,7 @@
 //! exporter (ONNX) that rebuilds its forward pass outside Sparrow.
 //! `DenseModel::spec` fills it; the forward it describes is `forward_with`'s.
 
-/// `y = x·W + b`, then (`norm`) a layer norm, then ReLU if `relu`; `weight` is `[fan_in, fan_out]`
+/// `y = x·W + b`, then (`norm`) a layer or batch norm, then ReLU if `relu`; `weight` is `[fan_in, fan_out]`
 /// row-major.
 #[derive(Clone, Debug)]
 pub struct DenseLayer {
@@ -11,18 +11,28 @@ pub struct DenseLayer {
     pub weight: Vec<f32>,
     pub bias: Vec<f32>,
     pub relu: bool,
-    /// `model.norm = "layer"`: the pre-activation layer-normalized (before
-    /// the ReLU) over the layer's outputs.
-    pub norm: Option<LayerNormSpec>,
+    /// `model.norm`: the pre-activation normalized (before the ReLU).
+    pub norm: Option<NormSpec>,
 }
 
-/// y = (z − μ) / √(σ² + eps) · gamma + beta over a row's `fan_out` values
-/// (ONNX's `LayerNormalization`, axis −1).
+/// `running: None` (`model.norm = "layer"`): y = (z − μ) / √(σ² + eps) ·
+/// gamma + beta over a row's `fan_out` values (ONNX's
+/// `LayerNormalization`, axis −1). `running` (`"batch"`, outside
+/// training): the same with each column's running mean and variance
+/// (ONNX's `BatchNormalization`).
 #[derive(Clone, Debug)]
-pub struct LayerNormSpec {
+pub struct NormSpec {
     pub gamma: Vec<f32>,
     pub beta: Vec<f32>,
     pub eps: f32,
+    pub running: Option<RunningStats>,
+}
+
+/// A batch norm's running statistics, one value per column.
+#[derive(Clone, Debug)]
+pub struct RunningStats {
+    pub mean: Vec<f32>,
+    pub var: Vec<f32>,
 }
 
 /// The network between the pooled embeddings `[N, fields, width]` plus the

@@ -9,7 +9,7 @@
 //! with and without dropout.
 
 use candle_core::Device;
-use sparrow_core::config::{DenseOptimizerConfig, ModelConfig, ModelKind, Precision, Task, TaskKind};
+use sparrow_core::config::{DenseOptimizerConfig, ModelConfig, ModelKind, Norm, Precision, Task, TaskKind};
 use sparrow_core::rng::Rng;
 use sparrow_model::{DenseModel, DenseOptimizer, Heads, ModelShape, Sequences};
 
@@ -35,13 +35,16 @@ fn heads(kind: &str) -> Heads {
 
 /// Experts of two layers (or of one, as the default's).
 fn model(kind: &str, precision: Precision, num_dense: usize) -> DenseModel {
-    model_with(kind, precision, num_dense, &[7, 6], 0.0)
+    model_with(kind, precision, num_dense, &[7, 6], (0.0, Norm::None))
 }
 
-/// A negative `dropout` is no dropout and `model.norm = "layer"`.
-fn model_with(kind: &str, precision: Precision, num_dense: usize, expert_hidden: &[usize], dropout: f32) -> DenseModel {
-    let norm = if dropout < 0.0 { sparrow_core::config::Norm::Layer } else { sparrow_core::config::Norm::None };
-    let dropout = dropout.max(0.0);
+fn model_with(
+    kind: &str,
+    precision: Precision,
+    num_dense: usize,
+    expert_hidden: &[usize],
+    (dropout, norm): (f32, Norm),
+) -> DenseModel {
     let config = ModelConfig {
         kind: ModelKind::named(kind),
         embedding_dim: DIM,
@@ -90,32 +93,38 @@ fn close(what: &str, a: &[f32], b: &[f32], tolerance: f32) {
 #[test]
 fn the_direct_step_is_the_graphs_for_several_tasks_and_sequences() {
     let deep: &[usize] = &[7, 6];
+    let plain = (0.0, Norm::None);
     // Each kind also with dropout (`model.dropout`), in both precisions:
-    // both paths drop the same values; and with `model.norm = "layer"`.
+    // both paths drop the same values; and with each `model.norm`.
     let cases = ["mlp", "dcn", "mmoe", "ple", "esmm", "din"]
         .into_iter()
         .flat_map(|k| {
             [
-                (k, Precision::F32, 2, deep, 0.0),
-                (k, Precision::Bf16, 2, deep, 0.0),
-                (k, Precision::F32, 0, deep, 0.0),
-                (k, Precision::F32, 2, deep, 0.4),
-                (k, Precision::Bf16, 0, deep, 0.25),
-                // `model.norm = "layer"`.
-                (k, Precision::F32, 2, deep, -1.0),
-                (k, Precision::Bf16, 2, deep, -1.0),
+                (k, Precision::F32, 2, deep, plain),
+                (k, Precision::Bf16, 2, deep, plain),
+                (k, Precision::F32, 0, deep, plain),
+                (k, Precision::F32, 2, deep, (0.4, Norm::None)),
+                (k, Precision::Bf16, 0, deep, (0.25, Norm::None)),
+                (k, Precision::F32, 2, deep, (0.0, Norm::Layer)),
+                (k, Precision::Bf16, 2, deep, (0.0, Norm::Layer)),
+                // Batch norm: both paths normalize by the batch, hand the
+                // same statistics on, and move the running ones alike.
+                (k, Precision::F32, 2, deep, (0.0, Norm::Batch)),
+                (k, Precision::Bf16, 2, deep, (0.3, Norm::Batch)),
             ]
         })
         .chain(["mmoe", "ple"].into_iter().flat_map(|k| {
             [
-                (k, Precision::F32, 2, &[7][..], 0.0),
-                (k, Precision::Bf16, 2, &[7][..], 0.0),
-                (k, Precision::F32, 0, &[7][..], 0.0),
+                (k, Precision::F32, 2, &[7][..], plain),
+                (k, Precision::Bf16, 2, &[7][..], plain),
+                (k, Precision::F32, 0, &[7][..], plain),
             ]
         }));
-    for (kind, precision, num_dense, experts, dropout) in cases {
-        let what = format!("{kind} {precision:?} with {num_dense} dense, experts {experts:?}, dropout {dropout}");
-        let model = || model_with(kind, precision, num_dense, experts, dropout);
+    for (kind, precision, num_dense, experts, (dropout, norm)) in cases {
+        let what = format!(
+            "{kind} {precision:?} with {num_dense} dense, experts {experts:?}, dropout {dropout}, norm {norm:?}"
+        );
+        let model = || model_with(kind, precision, num_dense, experts, (dropout, norm));
         let (direct, graph) = (model(), model());
         assert!(direct.packed_row_len().is_some(), "{what}: takes the direct step");
         let (mut opt_d, mut opt_g) = (
@@ -133,7 +142,6 @@ fn the_direct_step_is_the_graphs_for_several_tasks_and_sequences() {
             let seq = sequences(if step == 0 { &HISTORY } else { &[0; ROWS] }, &mut rng);
             let seq = (kind == "din").then_some(&seq);
             let draw = (dropout > 0.0).then_some(900 + step);
-            let dropout = dropout.max(0.0);
             let (a, grads_a) = direct
                 .forward_backward_with(emb.clone(), dense.clone(), &labels, Some(&weights), seq, draw)
                 .expect("direct step");
@@ -141,8 +149,11 @@ fn the_direct_step_is_the_graphs_for_several_tasks_and_sequences() {
                 .forward_backward_autograd_with(emb.clone(), dense.clone(), &labels, Some(&weights), seq, draw)
                 .expect("graph step");
             let predicted = direct.predict_with(emb, dense, ROWS, seq).expect("predict");
-            // Predictions drop nothing: the step's logits unless it dropped.
-            assert_eq!(predicted == a.logits, dropout == 0.0, "{what}: predict gives the step's logits");
+            // Predictions drop nothing: the step's logits unless it dropped
+            // (or normalized by the batch where predict takes the running
+            // statistics).
+            let same = dropout == 0.0 && norm != Norm::Batch;
+            assert_eq!(predicted == a.logits, same, "{what}: predict gives the step's logits");
             assert!((a.loss - b.loss).abs() <= 1e-5 * (1.0 + b.loss.abs()), "{what}: loss {} vs {}", a.loss, b.loss);
             close(&format!("{what}: logits"), &a.logits, &b.logits, 1e-5);
             close(&format!("{what}: d pooled"), &a.emb_grad, &b.emb_grad, 1e-5);

@@ -92,16 +92,24 @@ fn loss_is_finite_when_logits_saturate() {
 
 /// Every kind's direct CPU step equals its candle graph (values, gradients
 /// and the weights after two optimizer steps), in both precisions, with and
-/// without dense features (DLRM without them has no bottom MLP).
+/// without dense features (DLRM without them has no bottom MLP), and with
+/// each `model.norm` (batch norm's running statistics included).
 #[test]
 fn direct_path_equals_autograd_path_for_every_model() {
-    for (kind, precision, num_dense) in one_task_kinds()
-        .into_iter()
-        .flat_map(|k| [(k.clone(), Precision::F32, 3), (k.clone(), Precision::Bf16, 3), (k, Precision::F32, 0)])
-    {
+    use sparrow_core::config::Norm;
+    for (kind, precision, num_dense, norm) in one_task_kinds().into_iter().flat_map(|k| {
+        [
+            (k.clone(), Precision::F32, 3, Norm::None),
+            (k.clone(), Precision::Bf16, 3, Norm::None),
+            (k.clone(), Precision::F32, 0, Norm::None),
+            (k.clone(), Precision::F32, 3, Norm::Layer),
+            (k.clone(), Precision::F32, 3, Norm::Batch),
+            (k, Precision::Bf16, 3, Norm::Batch),
+        ]
+    }) {
         let shape = ModelShape { num_fields: 4, num_dense, embedding_dim: 5 };
-        let config = config(kind.clone(), 5, &[16, 8], precision);
-        let what = format!("{kind} {precision:?} with {num_dense} dense");
+        let config = ModelConfig { norm, ..config(kind.clone(), 5, &[16, 8], precision) };
+        let what = format!("{kind} {precision:?} with {num_dense} dense, norm {norm:?}");
         let direct = DenseModel::new(&config, shape, 21, Device::Cpu, sparrow_core::simd::Simd::Auto).expect("model");
         let graph = DenseModel::new(&config, shape, 21, Device::Cpu, sparrow_core::simd::Simd::Auto).expect("model");
         let (mut opt_d, mut opt_g) = (
@@ -117,7 +125,13 @@ fn direct_path_equals_autograd_path_for_every_model() {
             let labels: Vec<f32> = (0..rows).map(|i| (i % 3 == 0) as u8 as f32).collect();
             let (a, grads_a) = direct.forward_backward(emb.clone(), dense.clone(), &labels).expect("direct");
             let (b, grads_b) = graph.forward_backward_autograd(emb.clone(), dense.clone(), &labels).expect("autograd");
-            assert_eq!(direct.predict(emb, dense, rows).expect("predict"), a.logits, "{what}: predict");
+            // Predict normalizes by the running statistics, not the batch's.
+            let predicted = direct.predict(emb, dense, rows).expect("predict");
+            assert_eq!(
+                predicted == a.logits,
+                norm != Norm::Batch || !direct.params.has_statistics(),
+                "{what}: predict"
+            );
             assert!((a.loss - b.loss).abs() < 1e-6, "{what}: loss");
             assert_eq!(a.emb_grad.len(), b.emb_grad.len());
             for (x, y) in a.logits.iter().zip(&b.logits).chain(a.emb_grad.iter().zip(&b.emb_grad)) {

@@ -135,7 +135,14 @@ fn layer(g: &mut Graph, x: &str, l: &DenseLayer) -> String {
     if let Some(n) = &l.norm {
         let gamma = g.float_init("gamma", &[l.fan_out as i64], n.gamma.clone());
         let beta = g.float_init("beta", &[l.fan_out as i64], n.beta.clone());
-        y = g.node("LayerNormalization", &[&y, &gamma, &beta], vec![int("axis", -1), float("epsilon", n.eps)]);
+        y = match &n.running {
+            None => g.node("LayerNormalization", &[&y, &gamma, &beta], vec![int("axis", -1), float("epsilon", n.eps)]),
+            Some(r) => {
+                let mean = g.float_init("running_mean", &[l.fan_out as i64], r.mean.clone());
+                let var = g.float_init("running_var", &[l.fan_out as i64], r.var.clone());
+                g.node("BatchNormalization", &[&y, &gamma, &beta, &mean, &var], vec![float("epsilon", n.eps)])
+            }
+        };
     }
     if l.relu { g.node("Relu", &[&y], vec![]) } else { y }
 }

@@ -61,6 +61,7 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
         "dlrm-srf16rows",
         "mlp-regularized",
         "dlrm-scheduled",
+        "dlrm-batchnorm",
     ];
     for kind in kinds {
         let mut base = common::small_config(&data, kind.split('-').next().expect("kind"));
@@ -86,6 +87,11 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
             base.dense_optimizer.weight_decay = 0.01;
             base.model.dropout = 0.2;
             base.model.norm = sparrow_core::config::Norm::Layer;
+        }
+        if kind.ends_with("-batchnorm") {
+            // The running statistics are in the checkpoint with the weights.
+            base.model.norm = sparrow_core::config::Norm::Batch;
+            base.model.dropout = 0.1;
         }
         if kind.ends_with("-scheduled") {
             // `[train.schedule]`: warmup, then cosine decay, both rates.

@@ -75,6 +75,10 @@ impl Config {
                  another embedding.optimizer",
             );
         }
+        let momentum = self.model.batch_norm_momentum;
+        if !(momentum > 0.0 && momentum <= 1.0) {
+            return invalid("model.batch_norm_momentum", &format!("must be in (0, 1], not {momentum}"));
+        }
         let dropout = self.model.dropout;
         if !(0.0..1.0).contains(&dropout) {
             return invalid("model.dropout", &format!("must be a rate in [0, 1), not {dropout}"));

@@ -114,9 +114,8 @@ impl DinNet {
             .map(|j| Mlp::new(ps, &format!("attention.{j}"), 4 * d, &score, false, arith))
             .collect::<Result<_, _>>()?;
         let sizes: Vec<usize> = config.hidden.iter().copied().chain([outputs]).collect();
-        let mlp =
-            Mlp::new_normed(ps, "mlp", input, &sizes, false, arith, config.norm == sparrow_core::config::Norm::Layer)?
-                .with_dropout(config.dropout, simd);
+        let mlp = Mlp::new_normed(ps, "mlp", input, &sizes, false, arith, crate::mlp::Normalization::of(config))?
+            .with_dropout(config.dropout, simd);
         Ok(DinNet { pairs: pairs.to_vec(), units, mlp })
     }
 }

@@ -60,7 +60,7 @@ fn experts(
     n: usize,
     input: usize,
     sizes: &[usize],
-    (arith, dropout, simd, norm): (Arith, f32, sparrow_core::simd::Simd, bool),
+    (arith, dropout, simd, norm): (Arith, f32, sparrow_core::simd::Simd, crate::mlp::Normalization),
 ) -> Result<Vec<Mlp>, ModelError> {
     (0..n)
         .map(|e| {
@@ -80,7 +80,7 @@ impl MultiTask {
         heads: &Heads,
         (arith, simd): (Arith, sparrow_core::simd::Simd),
     ) -> Result<MultiTask, ModelError> {
-        let normed = config.norm == sparrow_core::config::Norm::Layer;
+        let normed = crate::mlp::Normalization::of(config);
         let tower = |ps: &mut ParamStore, t: usize, input: usize, outputs: usize| {
             let sizes: Vec<usize> = config.tower_hidden.iter().copied().chain([outputs]).collect();
             Ok::<_, ModelError>(
@@ -108,7 +108,7 @@ impl MultiTask {
                     config.experts,
                     input,
                     &config.expert_hidden,
-                    (arith, config.dropout, simd, config.norm == sparrow_core::config::Norm::Layer),
+                    (arith, config.dropout, simd, normed),
                 )?;
                 let gates = (0..tasks)
                     .map(|t| Linear::new(ps, &format!("gate.{t}"), input, config.experts))
@@ -128,7 +128,7 @@ impl MultiTask {
                         config.experts,
                         fan_in,
                         &config.expert_hidden,
-                        (arith, config.dropout, simd, config.norm == sparrow_core::config::Norm::Layer),
+                        (arith, config.dropout, simd, normed),
                     )?;
                     let own = (0..tasks)
                         .map(|t| {
@@ -138,7 +138,7 @@ impl MultiTask {
                                 config.task_experts,
                                 fan_in,
                                 &config.expert_hidden,
-                                (arith, config.dropout, simd, config.norm == sparrow_core::config::Norm::Layer),
+                                (arith, config.dropout, simd, normed),
                             )
                         })
                         .collect::<Result<Vec<_>, _>>()?;

@@ -1,0 +1,127 @@
+//! `model.norm = "batch"`: each activated layer of an MLP stack normalizes
+//! each of its outputs over the batch's rows, as PyTorch's `BatchNorm1d`
+//! does: y = (z − μ_B) / √(σ²_B + ε) · γ + β (σ²_B the batch's biased
+//! variance, ε = 1e-5), then the ReLU. A training step hands the batch's
+//! mean and unbiased variance on (`ParamStore::statistic`): the optimizer
+//! moves the running statistics towards them, and evaluation, serving and
+//! ONNX (`BatchNormalization`) normalize by the running ones. Column sums
+//! run over the rows in order, so any thread split gives the same bits.
+
+use rayon::prelude::*;
+
+pub use crate::layer_norm::EPS;
+
+/// Rows a task normalizes: both threads take part on a batch.
+const ROWS_PER_TASK: usize = 128;
+
+/// x̂ = (z − mean)·inv into `xhat`, and y = x̂·γ + β over `out`'s z,
+/// column by column of each row.
+fn normalize(
+    out: &mut [f32],
+    xhat: &mut [f32],
+    width: usize,
+    (mean, inv): (&[f32], &[f32]),
+    (gamma, beta): (&[f32], &[f32]),
+) {
+    let block = width.max(1) * ROWS_PER_TASK;
+    out.par_chunks_mut(block).zip(xhat.par_chunks_mut(block)).for_each(|(out, xhat)| {
+        for (z, x) in out.chunks_exact_mut(width).zip(xhat.chunks_exact_mut(width)) {
+            for (c, (z, x)) in z.iter_mut().zip(x.iter_mut()).enumerate() {
+                *x = (*z - mean[c]) * inv[c];
+                *z = *x * gamma[c] + beta[c];
+            }
+        }
+    });
+}
+
+/// Σ over rows, in row order, of `f(row)` per column.
+fn column_sums(values: &[f32], width: usize, acc: &mut [f32], f: impl Fn(usize, f32) -> f32) {
+    acc.fill(0.0);
+    for row in values.chunks_exact(width) {
+        for (c, (a, &v)) in acc.iter_mut().zip(row).enumerate() {
+            *a += f(c, v);
+        }
+    }
+}
+
+/// A training step's normalization of `out` (`rows × width`) in place by
+/// the batch's statistics: x̂ is kept in `xhat` and 1/√(σ²_B + ε) per
+/// column in `inv`, for the backward pass; `stats` (`2·width`) gets the
+/// batch's mean, then its unbiased variance (the biased one for one row).
+pub(crate) fn forward_train(
+    out: &mut [f32],
+    width: usize,
+    (gamma, beta): (&[f32], &[f32]),
+    (xhat, inv): (&mut Vec<f32>, &mut Vec<f32>),
+    stats: &mut [f32],
+) {
+    let rows = out.len() / width.max(1);
+    xhat.resize(out.len(), 0.0);
+    inv.resize(width, 0.0);
+    let (mean, var) = stats.split_at_mut(width);
+    let n = rows.max(1) as f32;
+    column_sums(out, width, mean, |_, v| v);
+    mean.iter_mut().for_each(|m| *m /= n);
+    column_sums(out, width, var, |c, v| (v - mean[c]) * (v - mean[c]));
+    for (i, v) in inv.iter_mut().zip(var.iter_mut()) {
+        *i = 1.0 / (*v / n + EPS).sqrt();
+        // PyTorch keeps the unbiased variance as the running one.
+        *v /= if rows > 1 { (rows - 1) as f32 } else { n };
+    }
+    normalize(out, xhat, width, (mean, inv), (gamma, beta));
+}
+
+/// Outside training: `out` normalized by the running statistics
+/// `(mean, var)`, row by row (a row's output depends on nothing else);
+/// x̂ and the columns' 1/√(var + ε) are kept as in training.
+pub(crate) fn forward_running(
+    out: &mut [f32],
+    width: usize,
+    (gamma, beta): (&[f32], &[f32]),
+    (xhat, inv): (&mut Vec<f32>, &mut Vec<f32>),
+    (mean, var): (&[f32], &[f32]),
+) {
+    xhat.resize(out.len(), 0.0);
+    inv.clear();
+    inv.extend(var.iter().map(|v| 1.0 / (v + EPS).sqrt()));
+    normalize(out, xhat, width, (mean, inv), (gamma, beta));
+}
+
+/// From `g` = d loss / d y (replaced by d loss / d z): adds d γ = Σ_rows
+/// g·x̂ and d β = Σ_rows g into `dgamma` and `dbeta`; then, after a
+/// training pass (`by_batch`), d z = γ/σ̂ · (g − (d β + x̂·d γ)/rows), each
+/// column's batch statistics depending on every row; after one by the
+/// running statistics, d z = γ/σ̂ · g.
+pub(crate) fn backward(
+    g: &mut [f32],
+    width: usize,
+    gamma: &[f32],
+    (xhat, inv): (&[f32], &[f32]),
+    (dgamma, dbeta): (&mut [f32], &mut [f32]),
+    by_batch: bool,
+) {
+    let rows = g.len() / width.max(1);
+    let (mut sum_g, mut sum_gx) = (vec![0.0f32; width], vec![0.0f32; width]);
+    for (gr, x) in g.chunks_exact(width).zip(xhat.chunks_exact(width)) {
+        for c in 0..width {
+            sum_g[c] += gr[c];
+            sum_gx[c] += gr[c] * x[c];
+        }
+    }
+    dgamma.iter_mut().zip(&sum_gx).for_each(|(d, s)| *d += s);
+    dbeta.iter_mut().zip(&sum_g).for_each(|(d, s)| *d += s);
+    let n = rows.max(1) as f32;
+    if !by_batch {
+        sum_g.fill(0.0);
+        sum_gx.fill(0.0);
+    }
+    let scale: Vec<f32> = gamma.iter().zip(inv).map(|(g, i)| g * i).collect();
+    let block = width.max(1) * ROWS_PER_TASK;
+    g.par_chunks_mut(block).zip(xhat.par_chunks(block)).for_each(|(g, xhat)| {
+        for (g, x) in g.chunks_exact_mut(width).zip(xhat.chunks_exact(width)) {
+            for c in 0..width {
+                g[c] = scale[c] * (g[c] - (sum_g[c] + x[c] * sum_gx[c]) / n);
+            }
+        }
+    });
+}
