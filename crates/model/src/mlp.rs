@@ -19,8 +19,6 @@ use crate::bf16::Arith;
 use crate::dropout::Dropout;
 
 use crate::ModelError;
-pub(crate) use crate::cross::{CrossGrads, cross_backward, cross_forward};
-pub use crate::cross::{cross, cross_layer};
 pub use crate::matrix::{Operand, sgemm, sgemm_threads};
 use crate::params::{BatchValue, ParamStore};
 
@@ -789,53 +787,6 @@ mod tests {
             for i in 0..m {
                 for j in 0..n {
                     assert!((dst[i * n + j] - naive(i, j)).abs() < 1e-5, "a_t={lt} b_t={rt}");
-                }
-            }
-        }
-    }
-
-    /// The fused cross layer against the same layer from candle's ops (its
-    /// product through `matmul_in`, so in the same precision): the output
-    /// and every gradient, in f32 and in bf16. Only the bias gradient's sum
-    /// over rows may round differently.
-    #[test]
-    fn fused_cross_layer_equals_candle_ops_in_both_precisions() {
-        let (rows, x) = (11, 19);
-        let mut rng = Rng::new(12);
-        let mut draw = |len: usize| -> Vec<f32> { (0..len).map(|_| rng.normal() as f32).collect() };
-        let (x0v, xlv, wv, bv, seedv) = (draw(rows * x), draw(rows * x), draw(x * x), draw(x), draw(rows * x));
-        let dev = Device::Cpu;
-        for precision in [Precision::F32, Precision::Bf16] {
-            let run = |fused: bool| {
-                let var = |v: &Vec<f32>, shape: &[usize]| {
-                    Var::from_tensor(&Tensor::from_vec(v.clone(), shape, &dev).expect("t")).expect("var")
-                };
-                let (x0, xl, w, b) = (var(&x0v, &[rows, x]), var(&xlv, &[rows, x]), var(&wv, &[x, x]), var(&bv, &[x]));
-                let y = if fused {
-                    let wb = Tensor::cat(&[w.as_tensor(), &b.as_tensor().unsqueeze(0).expect("row")], 0).expect("cat");
-                    cross_layer(arith(precision), x0.as_tensor(), xl.as_tensor(), &wb).expect("fused")
-                } else {
-                    let u = matmul_in(arith(precision), xl.as_tensor(), w.as_tensor()).expect("product");
-                    let gate = u.broadcast_add(b.as_tensor()).expect("bias");
-                    ((x0.as_tensor() * gate).expect("gate") + xl.as_tensor()).expect("residual")
-                };
-                let seed = Tensor::from_vec(seedv.clone(), (rows, x), &dev).expect("seed");
-                let g = (&y * &seed).expect("mul").sum_all().expect("sum").backward().expect("backward");
-                let flat = |t: &Tensor| t.flatten_all().expect("flat").to_vec1::<f32>().expect("vec");
-                let grad = |v: &Var| flat(g.get(v.as_tensor()).expect("grad"));
-                [flat(&y), grad(&x0), grad(&xl), grad(&w), grad(&b)]
-            };
-            let (fused, ops) = (run(true), run(false));
-            for (what, a, b) in
-                ["y", "d x0", "d xl", "d W", "d b"].iter().zip(&fused).zip(&ops).map(|((w, a), b)| (w, a, b))
-            {
-                assert_eq!(a.len(), b.len(), "{what}");
-                for (u, v) in a.iter().zip(b) {
-                    if *what == "d b" {
-                        assert!((u - v).abs() <= 1e-5 * (1.0 + v.abs()), "{precision:?} {what}: {u} vs {v}");
-                    } else {
-                        assert_eq!(u.to_bits(), v.to_bits(), "{precision:?} {what}: {u} vs {v}");
-                    }
                 }
             }
         }

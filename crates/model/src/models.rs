@@ -423,7 +423,7 @@ impl DenseModel {
             .map(|(_, var)| grads.get(var.as_tensor()).map(|g| g.flatten_all()?.to_vec1::<f32>()).transpose())
             .collect::<Result<_, _>>()?;
         let mut dense_grads = DenseGrads { grads: dense_grads, rows: rows as u64 };
-        self.params.take_batch_statistics(&mut dense_grads)?;
+        self.params.take_batch_statistics(&mut dense_grads.grads)?;
         Ok((StepOutput { logits, loss, emb_grad, item_grads }, dense_grads))
     }
 
@@ -544,7 +544,7 @@ impl DenseModel {
         };
         self.check_loss(loss)?;
         let mut grads = self.backward_direct(x, &seed, &mut scratch)?;
-        self.params.take_batch_statistics(&mut grads)?;
+        self.params.take_batch_statistics(&mut grads.grads)?;
         crate::optimizer::check_finite(self.simd, &scratch.grad_x, || "gradient of the embedding inputs".into())?;
         for g in &scratch.item_grads {
             crate::optimizer::check_finite(self.simd, g, || "gradient of the history items".into())?;

@@ -59,12 +59,13 @@ impl ParamStore {
     }
 
     /// Moves each running statistic's batch value, left by the training
-    /// forward pass just run, into its slot of `grads` (`None`: none was
-    /// left, and the statistic stays as it is).
-    pub fn take_batch_statistics(&self, grads: &mut crate::optimizer::DenseGrads) -> Result<(), ModelError> {
+    /// forward pass just run, into its slot of `grads` (a step's gradients
+    /// in store order; `None`: none was left, and the statistic stays as
+    /// it is).
+    pub fn take_batch_statistics(&self, grads: &mut [Option<Vec<f32>>]) -> Result<(), ModelError> {
         for s in &self.statistics {
             let value = s.batch.lock().map_err(|_| ModelError::Poisoned)?.take();
-            if let Some(slot) = grads.grads.get_mut(s.index) {
+            if let Some(slot) = grads.get_mut(s.index) {
                 *slot = value;
             }
         }

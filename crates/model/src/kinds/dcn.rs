@@ -10,7 +10,8 @@ use super::parts::{flat_with_dense, head, mlp_params, stack_flops};
 use super::{At, Build, Direct, Grads, Kind, Net};
 use crate::ModelError;
 use crate::bf16::Arith;
-use crate::mlp::{CrossGrads, Mlp, MlpScratch, cpu, cross_backward, cross_forward, sized};
+use crate::cross::{CrossGrads, cross_backward, cross_forward};
+use crate::mlp::{Mlp, MlpScratch, cpu, sized};
 use crate::params::Linear;
 use crate::spec::NetSpec;
 use crate::step::{ModelShape, Scratch, linear_spec};
@@ -72,7 +73,7 @@ impl Net for DcnNet {
         let x0 = flat_with_dense(at, emb, dense)?;
         let mut x = x0.clone();
         for layer in &self.cross {
-            x = crate::mlp::cross(self.arith, &x0, &x, layer.weight().as_tensor(), layer.bias().as_tensor())?;
+            x = crate::cross::cross(self.arith, &x0, &x, layer.weight().as_tensor(), layer.bias().as_tensor())?;
         }
         self.deep.forward(&x, at.dropout)
     }
