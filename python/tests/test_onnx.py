@@ -182,7 +182,11 @@ def csv_columns(path, session):
                                         ("mlp", {"norm": "layer", "dropout": 0.1}),
                                         ("mmoe", {"norm": "layer"}),
                                         ("dlrm", {"norm": "batch", "dropout": 0.1}),
-                                        ("ple", {"norm": "batch"})])
+                                        ("ple", {"norm": "batch"}),
+                                        ("mlp", {"activation": "prelu", "norm": "batch"}),
+                                        ("din", {"activation": "gelu", "attention_activation": "dice"}),
+                                        ("mmoe", {"activation": "silu"}),
+                                        ("dlrm", {"activation": "dice", "dropout": 0.1})])
 def test_several_tasks_multi_hot_cells_and_sequences_give_an_output_per_task(behaviour, tmp_path, kind, model):
     config = behaviour_config(behaviour, tmp_path / "ck", kind, **model)
     if kind == "din":  # keep only the newest 3 items: the graph must drop the same ones

@@ -112,7 +112,8 @@ fn launch_trains_the_same_model_as_train_and_leaves_nothing_behind() {
 
 /// The training tools of issue 58 over gRPC: a warmup and cosine decay of
 /// both rates (each push carries its step's factor to the shards),
-/// `embedding.l2`, AdamW, dropout and layer norm; `launch` trains `train`'s model bit
+/// `embedding.l2`, AdamW, dropout, batch norm and Dice (running statistics
+/// through the workers' dense sync); `launch` trains `train`'s model bit
 /// for bit, and without the schedule's factor on the wire it would not.
 #[test]
 fn a_schedule_and_the_regularizers_train_the_same_model_in_launch() {
@@ -128,7 +129,8 @@ fn a_schedule_and_the_regularizers_train_the_same_model_in_launch() {
         "dense_optimizer.kind=\"adamw\"",
         "dense_optimizer.weight_decay=0.01",
         "model.dropout=0.1",
-        "model.norm=\"layer\"",
+        "model.norm=\"batch\"",
+        "model.activation=\"dice\"",
     ];
     let run = |command: &str, schedule: bool| {
         let mut cmd = sparrow();

@@ -79,7 +79,9 @@ const OTHER_PROJECTS: &[&str] = &[
     "LabelEncoder",
     "Gather",
     "LayerNormalization",
-    "BatchNormalization",
+    "PRelu",
+    "Gelu",
+    "Sigmoid",
     "ReduceSum",
     "MatMul",
 ];

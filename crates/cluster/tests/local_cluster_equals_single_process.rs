@@ -46,7 +46,8 @@ fn config_with(dir: &std::path::Path, kind: &str, overrides: &[&str]) -> Config 
 /// `kind-srf16rows` (f16 rows rounded stochastically), or `kind-bf16`
 /// (`model.precision = "bf16"`), or `kind-regularized` (`embedding.l2`,
 /// AdamW's weight decay, dropout and layer norm), or `kind-scheduled` (a warmup and
-/// cosine decay of both rates), or `kind-batchnorm` (`model.norm = "batch"`).
+/// cosine decay of both rates), or `kind-batchnorm` (`model.norm = "batch"`),
+/// or `kind-dice` (batch norm and Dice's statistics).
 fn variant(dir: &std::path::Path, name: &str) -> Config {
     if let Some(kind) = name.strip_suffix("-srf16rows") {
         config_with(dir, kind, &["embedding.dtype=\"f16\"", "embedding.rounding=\"stochastic\""])
@@ -61,6 +62,8 @@ fn variant(dir: &std::path::Path, name: &str) -> Config {
             "model.norm=\"layer\"",
         ];
         config_with(dir, kind, &decay)
+    } else if let Some(kind) = name.strip_suffix("-dice") {
+        config_with(dir, kind, &["model.norm=\"batch\"", "model.activation=\"dice\""])
     } else if let Some(kind) = name.strip_suffix("-batchnorm") {
         config_with(dir, kind, &["model.norm=\"batch\"", "model.batch_norm_momentum=0.2"])
     } else if let Some(kind) = name.strip_suffix("-scheduled") {
@@ -151,6 +154,7 @@ fn three_shards_one_worker_equals_train() {
         "mlp-regularized",
         "dlrm-scheduled",
         "dlrm-batchnorm",
+        "mlp-dice",
     ];
     for kind in kinds {
         let c = variant(tmp.path(), kind);
@@ -253,7 +257,7 @@ fn data_parallel_workers_hold_identical_dense_weights() {
     sparrow_data::synth::generate(tmp.path(), 4000, 800, 11).expect("generate");
     // Batch norm: each worker normalizes its own batch, and the running
     // statistics move by all of them together, the same on every replica.
-    for kind in ["dlrm", "mlp", "mlp-f16rows", "dlrm-bf16", "mlp-batchnorm"] {
+    for kind in ["dlrm", "mlp", "mlp-f16rows", "dlrm-bf16", "mlp-batchnorm", "dlrm-dice"] {
         let c = variant(tmp.path(), kind);
         let single = train_local(&c, 2, 1).expect("one worker");
         let pair = train_local(&c, 2, 3).expect("three workers");

@@ -244,6 +244,29 @@ pub enum Norm {
     Batch,
 }
 
+/// `model.activation`, `model.attention_activation`: what an MLP stack's
+/// activated layers apply after their norm.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Activation {
+    /// max(z, 0).
+    #[default]
+    Relu,
+    /// z where z > 0, else a·z, one learned slope a a layer (PyTorch's
+    /// PReLU(), a starting at 0.25).
+    Prelu,
+    /// The DIN paper's data-adaptive activation: p = σ(ẑ), y = z·(α + (1 −
+    /// α)·p), ẑ each output batch-normalized without scale or shift
+    /// (running statistics outside training, as batch norm's), α learned
+    /// per output from 0 (DeepCTR-Torch's Dice).
+    Dice,
+    /// z·Φ(z), Φ the standard normal's distribution function (PyTorch's
+    /// GELU(), exact).
+    Gelu,
+    /// z·σ(z) (PyTorch's SiLU).
+    Silu,
+}
+
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Pooling {
@@ -310,7 +333,7 @@ pub struct ModelConfig {
     /// row by row; in training, evaluation, serving and ONNX alike
     /// (`LayerNormalization`). `batch`: each output over the batch's rows
     /// while training (in a cluster, each worker over its own batch), by
-    /// running statistics elsewhere (ONNX `BatchNormalization`). The running
+    /// running statistics elsewhere (in ONNX a subtraction and a product). The running
     /// mean and (unbiased) variance are kept with the dense weights: in
     /// checkpoints, exports, and a cluster's dense sync, where they move by
     /// the workers' batches together.
@@ -319,6 +342,15 @@ pub struct ModelConfig {
     /// statistics towards its batch's, in (0, 1] (PyTorch's `momentum`):
     /// running ← (1 − m)·running + m·batch.
     pub batch_norm_momentum: f32,
+    /// `relu`, `prelu`, `dice`, `gelu` or `silu`: what each activated layer
+    /// of the MLP stacks (those `norm` normalizes) applies after its norm.
+    /// `dice` keeps running statistics as batch norm does (the same
+    /// momentum); `prelu` and `dice` learn their slopes. ONNX lowers each
+    /// (`PRelu`, `Gelu`, a sigmoid's product for `silu` and `dice`).
+    pub activation: Activation,
+    /// `din`: what the hidden layers of the local activation unit apply
+    /// (the same choices; the DIN paper uses `prelu` or `dice` there).
+    pub attention_activation: Activation,
 }
 
 impl Default for ModelConfig {
@@ -341,6 +373,8 @@ impl Default for ModelConfig {
             dropout: 0.0,
             norm: Norm::None,
             batch_norm_momentum: 0.1,
+            activation: Activation::Relu,
+            attention_activation: Activation::Relu,
         }
     }
 }

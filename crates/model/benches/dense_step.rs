@@ -12,12 +12,13 @@
 //! bf16 ceilings measured in the same run.
 //!
 //! `cargo bench -p sparrow-model --bench dense_step [-- KIND... f32|bf16 ROWS
-//! dropout=R norm=layer|batch]` (ROWS: the batch, 1024 unless a number is given).
+//! dropout=R norm=layer|batch activation=prelu|dice|gelu|silu]` (ROWS: the
+//! batch, 1024 unless a number is given).
 
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
-use sparrow_core::config::{DenseOptimizerConfig, ModelConfig, ModelKind, Norm, Precision};
+use sparrow_core::config::{Activation, DenseOptimizerConfig, ModelConfig, ModelKind, Norm, Precision};
 use sparrow_core::config::{Task, TaskKind};
 use sparrow_core::rng::Rng;
 use sparrow_model::kinds::Family;
@@ -36,6 +37,15 @@ fn main() {
         Some("layer") => Norm::Layer,
         Some("batch") => Norm::Batch,
         _ => Norm::None,
+    };
+    // `activation=gelu`: `model.activation` (ReLU unless given).
+    let (activation, args): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a.starts_with("activation="));
+    let activation = match activation.first().map(|a| &a["activation=".len()..]) {
+        Some("prelu") => Activation::Prelu,
+        Some("dice") => Activation::Dice,
+        Some("gelu") => Activation::Gelu,
+        Some("silu") => Activation::Silu,
+        _ => Activation::Relu,
     };
     let (precisions, wanted): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a == "f32" || a == "bf16");
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
@@ -71,6 +81,7 @@ fn main() {
                 tasks: Vec::new(),
                 dropout,
                 norm,
+                activation,
                 ..Default::default()
             };
             let simd = sparrow_core::simd::Simd::Auto;

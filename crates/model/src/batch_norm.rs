@@ -4,7 +4,7 @@
 //! variance, ε = 1e-5), then the ReLU. A training step hands the batch's
 //! mean and unbiased variance on (`ParamStore::statistic`): the optimizer
 //! moves the running statistics towards them, and evaluation, serving and
-//! ONNX (`BatchNormalization`) normalize by the running ones. Column sums
+//! ONNX (a subtraction and a product per column) normalize by the running ones. Column sums
 //! run over the rows in order, so any thread split gives the same bits.
 
 use rayon::prelude::*;

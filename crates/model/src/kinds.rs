@@ -146,8 +146,8 @@ impl Build<'_> {
     }
 
     /// Whether the MLP stacks' activated layers are normalized (`model.norm`).
-    pub fn normed(&self) -> crate::mlp::Normalization {
-        crate::mlp::Normalization::of(self.config)
+    pub fn normed(&self) -> crate::mlp::StackStyle {
+        crate::mlp::StackStyle::of(self.config)
     }
 
     /// The fields' vectors (without a first-order column) and the dense

@@ -5,6 +5,7 @@
 //! `[batch, num_dense]`; it never knows how embeddings are stored. The gradient
 //! with respect to the pooled embeddings is handed back to the caller.
 
+mod activation;
 mod batch_norm;
 pub mod bf16;
 mod bf16_rounded;

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor, Var};
 use rayon::prelude::*;
 
-use sparrow_core::config::{ModelConfig, Norm};
+use sparrow_core::config::{Activation, ModelConfig, Norm};
 
 use crate::bf16::Arith;
 use crate::dropout::Dropout;
@@ -36,6 +36,10 @@ struct LayerSlot {
     /// `model.norm = "batch"`: the running mean at this offset of the
     /// stack's running statistics, the running variance after it.
     running: Option<usize>,
+    /// The activation's learned values (PReLU's slope, Dice's α) at this offset.
+    act: Option<usize>,
+    /// Dice: its running mean and variance at this offset of the running statistics.
+    dice_running: Option<usize>,
 }
 
 #[derive(Debug)]
@@ -47,21 +51,36 @@ struct MlpShape {
     dropout: Dropout,
     /// What normalizes the layers with a `norm` (`layer` or `batch`).
     norm: Norm,
+    /// What every activated layer applies after its norm.
+    activation: Activation,
 }
 
-/// How an MLP stack normalizes its activated layers (`model.norm`).
+/// How an MLP stack's activated layers are built: their norm
+/// (`model.norm`) and activation (`model.activation`).
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Normalization {
-    pub kind: Norm,
-    /// `batch`: the running statistics' momentum (`model.batch_norm_momentum`).
+pub struct StackStyle {
+    pub norm: Norm,
+    /// Running statistics' momentum (`model.batch_norm_momentum`; batch norm and Dice).
     pub momentum: f32,
+    pub activation: Activation,
 }
 
-impl Normalization {
-    pub const NONE: Normalization = Normalization { kind: Norm::None, momentum: 0.1 };
+impl StackStyle {
+    /// No norm, ReLU.
+    pub const PLAIN: StackStyle = StackStyle { norm: Norm::None, momentum: 0.1, activation: Activation::Relu };
 
-    pub fn of(config: &ModelConfig) -> Normalization {
-        Normalization { kind: config.norm, momentum: config.batch_norm_momentum }
+    /// The model's MLP stacks'.
+    pub fn of(config: &ModelConfig) -> StackStyle {
+        StackStyle { norm: config.norm, momentum: config.batch_norm_momentum, activation: config.activation }
+    }
+
+    /// DIN's local activation unit's: no norm, `model.attention_activation`.
+    pub fn attention(config: &ModelConfig) -> StackStyle {
+        StackStyle { activation: config.attention_activation, ..StackStyle::of(config) }.with_norm(Norm::None)
+    }
+
+    fn with_norm(self, norm: Norm) -> StackStyle {
+        StackStyle { norm, ..self }
     }
 }
 
@@ -131,14 +150,16 @@ impl Mlp {
         relu_last: bool,
         arith: Arith,
     ) -> Result<Mlp, ModelError> {
-        Mlp::new_normed(ps, name, input, sizes, relu_last, arith, Normalization::NONE)
+        Mlp::new_normed(ps, name, input, sizes, relu_last, arith, StackStyle::PLAIN)
     }
 
     /// [`new`](Self::new), each activated layer's pre-activation normalized
     /// as `norm` says (`layer_norm.rs`, `batch_norm.rs`): γ = 1 and β = 0
     /// after the layer's bias (no draw: the other weights stay as they
     /// are); with batch norm, the running statistics (mean 0, variance 1)
-    /// in a variable of their own, `<name>.running`, after the parameters.
+    /// in a variable of their own, `<name>.running`, after the parameters;
+    /// each activated layer applies `style.activation` (its learned values
+    /// after γ and β, Dice's running statistics after batch norm's).
     pub fn new_normed(
         ps: &mut ParamStore,
         name: &str,
@@ -146,7 +167,7 @@ impl Mlp {
         sizes: &[usize],
         relu_last: bool,
         arith: Arith,
-        norm: Normalization,
+        style: StackStyle,
     ) -> Result<Mlp, ModelError> {
         let mut layers = Vec::with_capacity(sizes.len());
         let mut data = Vec::new();
@@ -162,19 +183,30 @@ impl Mlp {
             debug_assert_eq!(b, w + fan_in * fan_out);
             let relu = i + 1 < sizes.len() || relu_last;
             let gamma_beta = || std::iter::repeat_n(1.0f32, fan_out).chain(std::iter::repeat_n(0.0, fan_out));
-            let normed = norm.kind != Norm::None && relu;
+            let normed = style.norm != Norm::None && relu;
             let norm_at = normed.then(|| {
                 let at = data.len();
                 data.extend(gamma_beta());
                 at
             });
             // A running mean of 0 and variance of 1: γ and β's pattern.
-            let running_at = (normed && norm.kind == Norm::Batch).then(|| {
-                let at = running.len();
-                running.extend(std::iter::repeat_n(0.0f32, fan_out).chain(std::iter::repeat_n(1.0, fan_out)));
+            let mut keep_running = |keep: bool| {
+                keep.then(|| {
+                    let at = running.len();
+                    running.extend(std::iter::repeat_n(0.0f32, fan_out).chain(std::iter::repeat_n(1.0, fan_out)));
+                    at
+                })
+            };
+            let running_at = keep_running(normed && style.norm == Norm::Batch);
+            let dice_running = keep_running(relu && style.activation == Activation::Dice);
+            let learned = crate::activation::learned(style.activation, fan_out);
+            let act = (relu && !learned.is_empty()).then(|| {
+                let at = data.len();
+                data.extend(learned);
                 at
             });
-            layers.push(LayerSlot { fan_in, fan_out, w, b, relu, norm: norm_at, running: running_at });
+            let norm = norm_at;
+            layers.push(LayerSlot { fan_in, fan_out, w, b, relu, norm, running: running_at, act, dice_running });
             fan_in = fan_out;
         }
         let num_params = data.len();
@@ -182,10 +214,11 @@ impl Mlp {
         let running = if running.is_empty() {
             None
         } else {
-            Some(ps.statistic(format!("{name}.running"), running, norm.momentum)?)
+            Some(ps.statistic(format!("{name}.running"), running, style.momentum)?)
         };
         let dropout = Dropout::new(0.0, name);
-        let shape = MlpShape { layers, num_params, arith, dropout, norm: norm.kind };
+        let (norm, activation) = (style.norm, style.activation);
+        let shape = MlpShape { layers, num_params, arith, dropout, norm, activation };
         Ok(Mlp { shape: Arc::new(shape), params, running })
     }
 
@@ -195,8 +228,8 @@ impl Mlp {
     pub fn with_dropout(self, rate: f32, simd: sparrow_core::simd::Simd) -> Mlp {
         let s = &self.shape;
         let dropout = s.dropout.with_rate(rate, simd);
-        let shape =
-            MlpShape { layers: s.layers.clone(), num_params: s.num_params, arith: s.arith, dropout, norm: s.norm };
+        let (layers, num_params) = (s.layers.clone(), s.num_params);
+        let shape = MlpShape { layers, num_params, arith: s.arith, dropout, norm: s.norm, activation: s.activation };
         Mlp { shape: Arc::new(shape), params: self.params, running: self.running }
     }
 
@@ -230,7 +263,7 @@ impl Mlp {
                 fan_out: l.fan_out,
                 weight: p[l.w..l.w + l.fan_in * l.fan_out].to_vec(),
                 bias: p[l.b..l.b + l.fan_out].to_vec(),
-                relu: l.relu,
+                activation: l.relu.then(|| self.activation_spec(l, &p, &running)),
                 norm: l.norm.map(|n| crate::spec::NormSpec {
                     gamma: p[n..n + l.fan_out].to_vec(),
                     beta: p[n + l.fan_out..n + 2 * l.fan_out].to_vec(),
@@ -242,6 +275,23 @@ impl Mlp {
                 }),
             })
             .collect())
+    }
+
+    fn activation_spec(&self, l: &LayerSlot, p: &[f32], running: &[f32]) -> crate::spec::ActivationSpec {
+        use crate::spec::ActivationSpec;
+        let fo = l.fan_out;
+        match (self.shape.activation, l.act, l.dice_running) {
+            (Activation::Prelu, Some(a), _) => ActivationSpec::Prelu { slope: p[a] },
+            (Activation::Dice, Some(a), Some(r)) => ActivationSpec::Dice {
+                alpha: p[a..a + fo].to_vec(),
+                mean: running[r..r + fo].to_vec(),
+                var: running[r + fo..r + 2 * fo].to_vec(),
+                eps: crate::batch_norm::EPS,
+            },
+            (Activation::Gelu, ..) => ActivationSpec::Gelu,
+            (Activation::Silu, ..) => ActivationSpec::Silu,
+            _ => ActivationSpec::Relu,
+        }
     }
 
     /// Its output on `x: [rows, in]`; `draw`: a training step's dropout
@@ -280,30 +330,11 @@ impl Mlp {
             }
             if let Some(n) = l.norm {
                 let (gamma, beta) = (p.narrow(0, n, l.fan_out)?, p.narrow(0, n + l.fan_out, l.fan_out)?);
-                let eps = f64::from(crate::layer_norm::EPS);
-                let (centred, inv) = match (l.running, &self.running) {
-                    // Training: by the batch's statistics, handed on.
-                    (Some(r), Some(_)) if draw.is_some() => {
-                        let centred = h.broadcast_sub(&h.mean_keepdim(0)?)?;
-                        let var = centred.sqr()?.mean_keepdim(0)?;
-                        let rows = h.dims()[0];
-                        let unbiased = (&var * (rows as f64 / rows.saturating_sub(1).max(1) as f64))?;
-                        let mut stats = batch_stats.take().unwrap_or_default();
-                        stats.resize(self.running.as_ref().map_or(0, |(v, _)| v.elem_count()), 0.0);
-                        stats[r..r + l.fan_out].copy_from_slice(&(h.mean(0)? + &b)?.to_vec1::<f32>()?);
-                        stats[r + l.fan_out..r + 2 * l.fan_out]
-                            .copy_from_slice(&unbiased.flatten_all()?.to_vec1::<f32>()?);
-                        batch_stats = Some(stats);
-                        (centred, (var + eps)?.sqrt()?.recip()?)
-                    }
-                    (Some(r), Some((running, _))) => {
-                        let running = running.as_tensor();
-                        let (mean, var) =
-                            (running.narrow(0, r, l.fan_out)?, running.narrow(0, r + l.fan_out, l.fan_out)?);
-                        (h.broadcast_sub(&mean)?, (var + eps)?.sqrt()?.recip()?)
-                    }
-                    _ => {
+                let (centred, inv) = match l.running {
+                    Some(r) => self.batch_normalized_ops(&h, (r, l.fan_out), draw, Some(&b), &mut batch_stats)?,
+                    None => {
                         let centred = h.broadcast_sub(&h.mean_keepdim(1)?)?;
+                        let eps = f64::from(crate::layer_norm::EPS);
                         let inv = (centred.sqr()?.mean_keepdim(1)? + eps)?.sqrt()?.recip()?;
                         (centred, inv)
                     }
@@ -311,7 +342,20 @@ impl Mlp {
                 h = centred.broadcast_mul(&inv)?.broadcast_mul(&gamma)?.broadcast_add(&beta)?;
             }
             if l.relu {
-                h = h.relu()?;
+                let learned = match (self.shape.activation, l.act) {
+                    (Activation::Prelu, Some(a)) => Some(p.narrow(0, a, 1)?),
+                    (Activation::Dice, Some(a)) => Some(p.narrow(0, a, l.fan_out)?),
+                    _ => None,
+                };
+                let xhat = match l.dice_running {
+                    Some(r) => {
+                        let (centred, inv) =
+                            self.batch_normalized_ops(&h, (r, l.fan_out), draw, None, &mut batch_stats)?;
+                        Some(centred.broadcast_mul(&inv)?)
+                    }
+                    None => None,
+                };
+                h = crate::activation::ops(self.shape.activation, &h, learned.as_ref(), xhat.as_ref())?;
                 if draw.is_some() && self.shape.dropout.is_on() {
                     // The same draws as the fused step: its mask on ones.
                     let mut mask = vec![1.0f32; h.elem_count()];
@@ -325,6 +369,41 @@ impl Mlp {
             self.hand_on(draw, x.dims()[0], &stats)?;
         }
         Ok(h)
+    }
+
+    /// `h` (`[rows, fo]`) centred and each column's 1/√(var + ε): by the
+    /// batch in training (its mean, plus `offset`, and unbiased variance go
+    /// into `stats` at `r`, laid out as the running statistics), else by
+    /// the running statistics at `r`.
+    fn batch_normalized_ops(
+        &self,
+        h: &Tensor,
+        (r, fo): (usize, usize),
+        draw: Option<u64>,
+        offset: Option<&Tensor>,
+        stats: &mut Option<Vec<f32>>,
+    ) -> Result<(Tensor, Tensor), ModelError> {
+        let eps = f64::from(crate::batch_norm::EPS);
+        let Some((running, _)) = &self.running else {
+            return Err(ModelError::Candle(err("batch statistics without running ones")));
+        };
+        if draw.is_none() {
+            let running = running.as_tensor();
+            let (mean, var) = (running.narrow(0, r, fo)?, running.narrow(0, r + fo, fo)?);
+            return Ok((h.broadcast_sub(&mean)?, (var + eps)?.sqrt()?.recip()?));
+        }
+        let centred = h.broadcast_sub(&h.mean_keepdim(0)?)?;
+        let var = centred.sqr()?.mean_keepdim(0)?;
+        let rows = h.dims()[0];
+        let unbiased = (&var * (rows as f64 / rows.saturating_sub(1).max(1) as f64))?;
+        let values = stats.get_or_insert_with(|| vec![0.0; running.elem_count()]);
+        let mean = match offset {
+            Some(b) => (h.mean(0)? + b)?,
+            None => h.mean(0)?,
+        };
+        values[r..r + fo].copy_from_slice(&mean.to_vec1::<f32>()?);
+        values[r + fo..r + 2 * fo].copy_from_slice(&unbiased.flatten_all()?.to_vec1::<f32>()?);
+        Ok((centred, (var + eps)?.sqrt()?.recip()?))
     }
 
     pub fn params(&self) -> &Var {
@@ -424,6 +503,11 @@ pub struct MlpScratch {
     batch_stats: Vec<f32>,
     /// Whether the last forward pass was a training one.
     trained: bool,
+    /// Its dropout draw (an activation other than ReLU reapplies the masks
+    /// to the gradient).
+    draw: Option<u64>,
+    /// What each layer's activation other than ReLU kept.
+    acts: Vec<crate::activation::ActScratch>,
     /// bf16 on a CPU without a bf16 dot product: the pass's rounded operands.
     rounded: crate::bf16_rounded::RoundedOperands,
 }
@@ -461,9 +545,11 @@ fn forward_into(
     scratch: &mut MlpScratch,
 ) {
     let layers = &shape.layers;
-    let running_len = layers.iter().filter(|l| l.running.is_some()).map(|l| 2 * l.fan_out).sum();
-    scratch.batch_stats.resize(running_len, 0.0);
+    let running_len = layers.iter().map(|l| 2 * l.fan_out * (l.running.iter().count() + l.dice_running.iter().count()));
+    scratch.batch_stats.resize(running_len.sum(), 0.0);
     scratch.trained = draw.is_some();
+    scratch.draw = draw;
+    scratch.acts.resize_with(layers.len(), Default::default);
     scratch.hidden.resize_with(layers.len().saturating_sub(1), Vec::new);
     scratch.rows = rows;
     scratch.dropout_scale = 1.0;
@@ -481,8 +567,9 @@ fn forward_into(
             sized(&mut scratch.output, rows * l.fan_out)
         };
         let bias = &p[l.b..l.b + l.fan_out];
-        // A normalized layer's ReLU comes after its norm.
-        let relu = l.relu && l.norm.is_none();
+        // A normalized layer's activation comes after its norm; a ReLU
+        // without one is fused with the bias.
+        let relu = l.relu && l.norm.is_none() && shape.activation == Activation::Relu;
         if rounded {
             scratch.rounded.forward(i, (rows, l.fan_in, l.fan_out), input, w, out);
             add_bias(out, bias, relu);
@@ -513,10 +600,19 @@ fn forward_into(
                 }
                 None => crate::layer_norm::forward(out, fo, gb, kept.0, kept.1),
             }
-            if l.relu {
+            if l.relu && shape.activation == Activation::Relu {
                 out.par_chunks_mut(l.fan_out.max(1) * ROWS_PER_TASK)
                     .for_each(|o| o.iter_mut().for_each(|v| *v = if *v > 0.0 { *v } else { 0.0 }));
             }
+        }
+        if l.relu && shape.activation != Activation::Relu {
+            use crate::activation::DiceStats;
+            let (fo, learned) = (l.fan_out, l.act.map_or(&[][..], |a| &p[a..]));
+            let stats = l.dice_running.map(|r| match draw {
+                Some(_) => DiceStats::Batch(&mut scratch.batch_stats[r..r + 2 * fo]),
+                None => DiceStats::Running(&running[r..r + 2 * fo]),
+            });
+            crate::activation::forward(shape.activation, out, fo, learned, stats, &mut scratch.acts[i]);
         }
         if l.relu {
             scratch.dropout_scale = shape.dropout.apply(draw, i, out);
@@ -537,9 +633,6 @@ fn backward_into(shape: &MlpShape, p: &[f32], x: &[f32], grad_out: &[f32], scrat
     let mut g_len = grad_out.len();
     prefix(&mut g, g_len).copy_from_slice(grad_out);
     let scale = scratch.dropout_scale;
-    if layers.last().is_some_and(|l| l.relu) {
-        g[..g_len].iter_mut().zip(&scratch.output).for_each(|(g, &o)| *g = if o > 0.0 { *g * scale } else { 0.0 });
-    }
     // db is summed into, so zeroed; dW is overwritten by its product, so a
     // reused buffer's stale values stay until then (zeroing all of it was a
     // memset of every weight each step). No rows: no product writes dW.
@@ -553,11 +646,35 @@ fn backward_into(shape: &MlpShape, p: &[f32], x: &[f32], grad_out: &[f32], scrat
         if let Some(n) = l.norm {
             grad_p[n..n + 2 * l.fan_out].fill(0.0);
         }
+        if let Some(a) = l.act {
+            grad_p[a..a + crate::activation::learned(shape.activation, l.fan_out).len()].fill(0.0);
+        }
     }
     let mut g_in = std::mem::take(&mut scratch.grad_next);
     for (i, l) in layers.iter().enumerate().rev() {
         let input: &[f32] = if i == 0 { x } else { &scratch.hidden[i - 1] };
         let (fi, fo) = (l.fan_in, l.fan_out);
+        if l.relu {
+            // d output → d (activation's input), through dropout's masks.
+            let out: &[f32] = if i + 1 == layers.len() { &scratch.output } else { &scratch.hidden[i] };
+            if shape.activation == Activation::Relu {
+                relu_mask(&mut g[..g_len], out, fo, scale);
+            } else {
+                shape.dropout.apply(scratch.draw, i, &mut g[..g_len]);
+                let (learned, dlearned) = match l.act {
+                    Some(a) => (&p[a..], &mut grad_p[a..]),
+                    None => (&[][..], &mut [][..]),
+                };
+                crate::activation::backward(
+                    shape.activation,
+                    &mut g[..g_len],
+                    fo,
+                    learned,
+                    &mut scratch.acts[i],
+                    dlearned,
+                );
+            }
+        }
         if let Some(n) = l.norm {
             // d y → d z through the norm; d γ and d β beside.
             let (dgamma, dbeta) = grad_p[n..n + 2 * fo].split_at_mut(fo);
@@ -583,10 +700,6 @@ fn backward_into(shape: &MlpShape, p: &[f32], x: &[f32], grad_out: &[f32], scrat
         // a full step.
         if l.running.is_some() && scratch.trained {
             grad_p[l.b..l.b + fo].fill(0.0);
-        }
-        // Through the previous layer's ReLU.
-        if i > 0 {
-            relu_mask(gi, input, fi, scale);
         }
         std::mem::swap(&mut g, &mut g_in);
         g_len = rows * fi;
@@ -966,23 +1079,32 @@ mod tests {
         // 300 rows: the bias and ReLU passes split into blocks of
         // ROWS_PER_TASK rows, the last one partial.
         let (none, layer, batch) = (Norm::None, Norm::Layer, Norm::Batch);
-        for (relu_last, rows, dropout, draw, norm) in [
-            (false, 7, 0.0, None, none),
-            (true, 7, 0.0, None, none),
-            (true, 300, 0.0, None, none),
-            (false, 300, 0.3, Some(11), none),
-            (true, 7, 0.5, Some(12), none),
-            (false, 7, 0.5, None, none),
-            (false, 300, 0.0, None, layer),
-            (true, 7, 0.3, Some(13), layer),
+        let relu = Activation::Relu;
+        for (relu_last, rows, dropout, draw, (norm, activation)) in [
+            (false, 7, 0.0, None, (none, relu)),
+            (true, 7, 0.0, None, (none, relu)),
+            (true, 300, 0.0, None, (none, relu)),
+            (false, 300, 0.3, Some(11), (none, relu)),
+            (true, 7, 0.5, Some(12), (none, relu)),
+            (false, 7, 0.5, None, (none, relu)),
+            (false, 300, 0.0, None, (layer, relu)),
+            (true, 7, 0.3, Some(13), (layer, relu)),
             // Batch norm: by the batch where a step draws, else by the
             // running statistics.
-            (false, 300, 0.0, Some(0), batch),
-            (true, 7, 0.3, Some(14), batch),
-            (false, 300, 0.0, None, batch),
+            (false, 300, 0.0, Some(0), (batch, relu)),
+            (true, 7, 0.3, Some(14), (batch, relu)),
+            (false, 300, 0.0, None, (batch, relu)),
+            // The other activations, with and without dropout and norms;
+            // Dice by the batch or by the running statistics.
+            (false, 300, 0.3, Some(15), (none, Activation::Prelu)),
+            (true, 7, 0.0, Some(0), (layer, Activation::Gelu)),
+            (false, 300, 0.2, Some(16), (batch, Activation::Silu)),
+            (true, 7, 0.0, Some(0), (none, Activation::Dice)),
+            (false, 300, 0.3, Some(17), (batch, Activation::Dice)),
+            (true, 300, 0.0, None, (none, Activation::Dice)),
         ] {
             let mut ps = ParamStore::new(7, dev.clone());
-            let normalization = Normalization { kind: norm, momentum: 0.1 };
+            let normalization = StackStyle { norm, activation, ..StackStyle::PLAIN };
             let mlp = Mlp::new_normed(&mut ps, "m", 6, &[5, 4, 3], relu_last, arith(Precision::F32), normalization)
                 .expect("mlp");
             let mlp = mlp.with_dropout(dropout, Default::default());
@@ -1005,7 +1127,8 @@ mod tests {
                     .and_then(|t| t.to_scalar::<f32>())
             };
             let changed = differs(&plain, &undropped).expect("compare") > 0.0;
-            assert_eq!(changed, draw.is_some() && (dropout > 0.0 || norm == batch), "dropout {dropout}, draw {draw:?}");
+            let by_batch = norm == batch || activation == Activation::Dice;
+            assert_eq!(changed, draw.is_some() && (dropout > 0.0 || by_batch), "dropout {dropout}, draw {draw:?}");
             if let (Some((_, slot)), Some(_)) = (&mlp.running, draw) {
                 // Both paths handed the batch's statistics on: the same ones.
                 let fused_stats = {
@@ -1027,7 +1150,7 @@ mod tests {
     #[test]
     fn dropout_and_layer_norm_gradients_match_finite_differences() {
         for (norm, dropout) in [(Norm::None, 0.4), (Norm::Layer, 0.0), (Norm::Layer, 0.4)] {
-            dropout_and_norm_gradients(norm, dropout);
+            dropout_and_norm_gradients(norm, dropout, Activation::Relu);
         }
     }
 
@@ -1036,11 +1159,28 @@ mod tests {
     #[test]
     fn batch_norm_gradients_match_finite_differences() {
         for dropout in [0.0, 0.4] {
-            dropout_and_norm_gradients(Norm::Batch, dropout);
+            dropout_and_norm_gradients(Norm::Batch, dropout, Activation::Relu);
         }
     }
 
-    fn dropout_and_norm_gradients(kind: Norm, dropout: f32) {
+    /// Each activation (its learned slopes included), alone, after dropout
+    /// is drawn, and after a norm; Dice by the batch.
+    #[test]
+    fn activation_gradients_match_finite_differences() {
+        use Activation::{Dice, Gelu, Prelu, Silu};
+        for (norm, dropout, activation) in [
+            (Norm::None, 0.0, Prelu),
+            (Norm::Batch, 0.4, Prelu),
+            (Norm::None, 0.4, Gelu),
+            (Norm::Layer, 0.0, Silu),
+            (Norm::None, 0.0, Dice),
+            (Norm::Batch, 0.4, Dice),
+        ] {
+            dropout_and_norm_gradients(norm, dropout, activation);
+        }
+    }
+
+    fn dropout_and_norm_gradients(kind: Norm, dropout: f32, activation: Activation) {
         let norm = kind != Norm::None;
         let (rows, input, sizes) = (9, 5, [6usize, 4, 2]);
         // A norm over the 2 outputs would be ±γ + β by the sign of their
@@ -1055,7 +1195,7 @@ mod tests {
             &sizes,
             relu_last,
             arith(Precision::F32),
-            Normalization { kind, momentum: 0.1 },
+            StackStyle { norm: kind, activation, ..StackStyle::PLAIN },
         )
         .expect("mlp")
         .with_dropout(dropout, Default::default());
@@ -1093,7 +1233,7 @@ mod tests {
             };
             assert!(
                 matches(&at, f64::from(dp[i])),
-                "norm {kind:?}, dropout {dropout}: param {i}: {} vs {}",
+                "norm {kind:?}, dropout {dropout}, {activation:?}: param {i}: {} vs {}",
                 dp[i],
                 (at(1e-3) - at(-1e-3)) / 2e-3
             );
@@ -1108,7 +1248,7 @@ mod tests {
             };
             assert!(
                 matches(&at, f64::from(dx[i])),
-                "norm {kind:?}, dropout {dropout}: input {i}: {} vs {}",
+                "norm {kind:?}, dropout {dropout}, {activation:?}: input {i}: {} vs {}",
                 dx[i],
                 (at(1e-3) - at(-1e-3)) / 2e-3
             );
@@ -1117,8 +1257,12 @@ mod tests {
         // Something was dropped: the output is not the undropped one.
         let mut plain = MlpScratch::default();
         mlp.forward_cpu(&x, rows, None, &mut plain).expect("forward");
-        assert_eq!(plain.output != s.output, dropout > 0.0 || kind == Norm::Batch);
-        // A norm adds γ and β to each activated layer.
-        assert_eq!(p0.len(), 5 * 6 + 6 + 6 * 4 + 4 + 4 * 2 + 2 + if norm { 2 * (6 + 4) } else { 0 });
+        let by_batch = kind == Norm::Batch || activation == Activation::Dice;
+        assert_eq!(plain.output != s.output, dropout > 0.0 || by_batch);
+        // A norm adds γ and β to each activated layer, PReLU a slope, Dice an α an output.
+        let activated: &[usize] = if relu_last { &[6, 4, 2] } else { &[6, 4] };
+        let learned: usize = activated.iter().map(|&n| crate::activation::learned(activation, n).len()).sum();
+        let normed = if norm { 2 * (6 + 4) } else { 0 };
+        assert_eq!(p0.len(), 5 * 6 + 6 + 6 * 4 + 4 + 4 * 2 + 2 + normed + learned);
     }
 }

@@ -2,24 +2,45 @@
 //! exporter (ONNX) that rebuilds its forward pass outside Sparrow.
 //! `DenseModel::spec` fills it; the forward it describes is `forward_with`'s.
 
-/// `y = x·W + b`, then (`norm`) a layer or batch norm, then ReLU if `relu`; `weight` is `[fan_in, fan_out]`
-/// row-major.
+/// `y = x·W + b`, then (`norm`) a layer or batch norm, then the
+/// `activation` if any; `weight` is `[fan_in, fan_out]` row-major.
 #[derive(Clone, Debug)]
 pub struct DenseLayer {
     pub fan_in: usize,
     pub fan_out: usize,
     pub weight: Vec<f32>,
     pub bias: Vec<f32>,
-    pub relu: bool,
-    /// `model.norm`: the pre-activation normalized (before the ReLU).
+    pub activation: Option<ActivationSpec>,
+    /// `model.norm`: the pre-activation normalized (before the activation).
     pub norm: Option<NormSpec>,
+}
+
+/// `model.activation` on z (see `sparrow_core::config::Activation`).
+#[derive(Clone, Debug)]
+pub enum ActivationSpec {
+    Relu,
+    /// z where z > 0, else `slope`·z.
+    Prelu {
+        slope: f32,
+    },
+    /// z·Φ(z), exact (ONNX's `Gelu`).
+    Gelu,
+    /// z·σ(z).
+    Silu,
+    /// z·(α + (1 − α)·σ(ẑ)), ẑ = (z − mean)/√(var + eps) per column.
+    Dice {
+        alpha: Vec<f32>,
+        mean: Vec<f32>,
+        var: Vec<f32>,
+        eps: f32,
+    },
 }
 
 /// `running: None` (`model.norm = "layer"`): y = (z − μ) / √(σ² + eps) ·
 /// gamma + beta over a row's `fan_out` values (ONNX's
 /// `LayerNormalization`, axis −1). `running` (`"batch"`, outside
 /// training): the same with each column's running mean and variance
-/// (ONNX's `BatchNormalization`).
+/// (in ONNX a subtraction and a product per column).
 #[derive(Clone, Debug)]
 pub struct NormSpec {
     pub gamma: Vec<f32>,

@@ -86,5 +86,12 @@ pub(crate) fn loss_and_seed_row(logit: f32, label: f32, weight: f64, inv_b: f64)
 pub(crate) fn linear_spec(l: &Linear) -> Result<DenseLayer, ModelError> {
     let (w, b) = (l.weight().as_tensor(), l.bias().as_tensor());
     let (fan_in, fan_out) = w.dims2()?;
-    Ok(DenseLayer { fan_in, fan_out, weight: w.flatten_all()?.to_vec1()?, bias: b.to_vec1()?, relu: false, norm: None })
+    Ok(DenseLayer {
+        fan_in,
+        fan_out,
+        weight: w.flatten_all()?.to_vec1()?,
+        bias: b.to_vec1()?,
+        activation: None,
+        norm: None,
+    })
 }

@@ -9,7 +9,7 @@
 //! with and without dropout.
 
 use candle_core::Device;
-use sparrow_core::config::{DenseOptimizerConfig, ModelConfig, ModelKind, Norm, Precision, Task, TaskKind};
+use sparrow_core::config::{Activation, DenseOptimizerConfig, ModelConfig, ModelKind, Norm, Precision, Task, TaskKind};
 use sparrow_core::rng::Rng;
 use sparrow_model::{DenseModel, DenseOptimizer, Heads, ModelShape, Sequences};
 
@@ -35,7 +35,7 @@ fn heads(kind: &str) -> Heads {
 
 /// Experts of two layers (or of one, as the default's).
 fn model(kind: &str, precision: Precision, num_dense: usize) -> DenseModel {
-    model_with(kind, precision, num_dense, &[7, 6], (0.0, Norm::None))
+    model_with(kind, precision, num_dense, &[7, 6], (0.0, Norm::None, Activation::Relu))
 }
 
 fn model_with(
@@ -43,7 +43,7 @@ fn model_with(
     precision: Precision,
     num_dense: usize,
     expert_hidden: &[usize],
-    (dropout, norm): (f32, Norm),
+    (dropout, norm, activation): (f32, Norm, Activation),
 ) -> DenseModel {
     let config = ModelConfig {
         kind: ModelKind::named(kind),
@@ -59,6 +59,9 @@ fn model_with(
         precision,
         dropout,
         norm,
+        activation,
+        // DIN's unit takes its own: Dice there too when the stacks have it.
+        attention_activation: if activation == Activation::Dice { Activation::Dice } else { Activation::Relu },
         ..Default::default()
     };
     let shape = ModelShape { num_fields: FIELDS, num_dense, embedding_dim: DIM };
@@ -93,7 +96,8 @@ fn close(what: &str, a: &[f32], b: &[f32], tolerance: f32) {
 #[test]
 fn the_direct_step_is_the_graphs_for_several_tasks_and_sequences() {
     let deep: &[usize] = &[7, 6];
-    let plain = (0.0, Norm::None);
+    let relu = Activation::Relu;
+    let plain = (0.0, Norm::None, relu);
     // Each kind also with dropout (`model.dropout`), in both precisions:
     // both paths drop the same values; and with each `model.norm`.
     let cases = ["mlp", "dcn", "mmoe", "ple", "esmm", "din"]
@@ -103,14 +107,19 @@ fn the_direct_step_is_the_graphs_for_several_tasks_and_sequences() {
                 (k, Precision::F32, 2, deep, plain),
                 (k, Precision::Bf16, 2, deep, plain),
                 (k, Precision::F32, 0, deep, plain),
-                (k, Precision::F32, 2, deep, (0.4, Norm::None)),
-                (k, Precision::Bf16, 0, deep, (0.25, Norm::None)),
-                (k, Precision::F32, 2, deep, (0.0, Norm::Layer)),
-                (k, Precision::Bf16, 2, deep, (0.0, Norm::Layer)),
+                (k, Precision::F32, 2, deep, (0.4, Norm::None, relu)),
+                (k, Precision::Bf16, 0, deep, (0.25, Norm::None, relu)),
+                (k, Precision::F32, 2, deep, (0.0, Norm::Layer, relu)),
+                (k, Precision::Bf16, 2, deep, (0.0, Norm::Layer, relu)),
                 // Batch norm: both paths normalize by the batch, hand the
                 // same statistics on, and move the running ones alike.
-                (k, Precision::F32, 2, deep, (0.0, Norm::Batch)),
-                (k, Precision::Bf16, 2, deep, (0.3, Norm::Batch)),
+                (k, Precision::F32, 2, deep, (0.0, Norm::Batch, relu)),
+                (k, Precision::Bf16, 2, deep, (0.3, Norm::Batch, relu)),
+                // The other activations (Dice also in DIN's unit).
+                (k, Precision::F32, 2, deep, (0.2, Norm::None, Activation::Prelu)),
+                (k, Precision::Bf16, 2, deep, (0.0, Norm::Layer, Activation::Gelu)),
+                (k, Precision::F32, 2, deep, (0.0, Norm::Batch, Activation::Silu)),
+                (k, Precision::F32, 2, deep, (0.3, Norm::None, Activation::Dice)),
             ]
         })
         .chain(["mmoe", "ple"].into_iter().flat_map(|k| {
@@ -120,11 +129,12 @@ fn the_direct_step_is_the_graphs_for_several_tasks_and_sequences() {
                 (k, Precision::F32, 0, &[7][..], plain),
             ]
         }));
-    for (kind, precision, num_dense, experts, (dropout, norm)) in cases {
+    for (kind, precision, num_dense, experts, (dropout, norm, activation)) in cases {
         let what = format!(
-            "{kind} {precision:?} with {num_dense} dense, experts {experts:?}, dropout {dropout}, norm {norm:?}"
+            "{kind} {precision:?} with {num_dense} dense, experts {experts:?}, dropout {dropout}, norm {norm:?}, \
+             {activation:?}"
         );
-        let model = || model_with(kind, precision, num_dense, experts, (dropout, norm));
+        let model = || model_with(kind, precision, num_dense, experts, (dropout, norm, activation));
         let (direct, graph) = (model(), model());
         assert!(direct.packed_row_len().is_some(), "{what}: takes the direct step");
         let (mut opt_d, mut opt_g) = (
@@ -152,7 +162,7 @@ fn the_direct_step_is_the_graphs_for_several_tasks_and_sequences() {
             // Predictions drop nothing: the step's logits unless it dropped
             // (or normalized by the batch where predict takes the running
             // statistics).
-            let same = dropout == 0.0 && norm != Norm::Batch;
+            let same = dropout == 0.0 && norm != Norm::Batch && activation != Activation::Dice;
             assert_eq!(predicted == a.logits, same, "{what}: predict gives the step's logits");
             assert!((a.loss - b.loss).abs() <= 1e-5 * (1.0 + b.loss.abs()), "{what}: loss {} vs {}", a.loss, b.loss);
             close(&format!("{what}: logits"), &a.logits, &b.logits, 1e-5);

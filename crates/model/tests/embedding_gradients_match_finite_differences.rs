@@ -96,20 +96,25 @@ fn loss_is_finite_when_logits_saturate() {
 /// each `model.norm` (batch norm's running statistics included).
 #[test]
 fn direct_path_equals_autograd_path_for_every_model() {
-    use sparrow_core::config::Norm;
-    for (kind, precision, num_dense, norm) in one_task_kinds().into_iter().flat_map(|k| {
+    use sparrow_core::config::{Activation, Norm};
+    let relu = Activation::Relu;
+    for (kind, precision, num_dense, (norm, activation)) in one_task_kinds().into_iter().flat_map(|k| {
         [
-            (k.clone(), Precision::F32, 3, Norm::None),
-            (k.clone(), Precision::Bf16, 3, Norm::None),
-            (k.clone(), Precision::F32, 0, Norm::None),
-            (k.clone(), Precision::F32, 3, Norm::Layer),
-            (k.clone(), Precision::F32, 3, Norm::Batch),
-            (k, Precision::Bf16, 3, Norm::Batch),
+            (k.clone(), Precision::F32, 3, (Norm::None, relu)),
+            (k.clone(), Precision::Bf16, 3, (Norm::None, relu)),
+            (k.clone(), Precision::F32, 0, (Norm::None, relu)),
+            (k.clone(), Precision::F32, 3, (Norm::Layer, relu)),
+            (k.clone(), Precision::F32, 3, (Norm::Batch, relu)),
+            (k.clone(), Precision::Bf16, 3, (Norm::Batch, relu)),
+            (k.clone(), Precision::F32, 3, (Norm::None, Activation::Prelu)),
+            (k.clone(), Precision::F32, 3, (Norm::Layer, Activation::Gelu)),
+            (k.clone(), Precision::Bf16, 3, (Norm::None, Activation::Silu)),
+            (k, Precision::F32, 3, (Norm::Batch, Activation::Dice)),
         ]
     }) {
         let shape = ModelShape { num_fields: 4, num_dense, embedding_dim: 5 };
-        let config = ModelConfig { norm, ..config(kind.clone(), 5, &[16, 8], precision) };
-        let what = format!("{kind} {precision:?} with {num_dense} dense, norm {norm:?}");
+        let config = ModelConfig { norm, activation, ..config(kind.clone(), 5, &[16, 8], precision) };
+        let what = format!("{kind} {precision:?} with {num_dense} dense, norm {norm:?}, {activation:?}");
         let direct = DenseModel::new(&config, shape, 21, Device::Cpu, sparrow_core::simd::Simd::Auto).expect("model");
         let graph = DenseModel::new(&config, shape, 21, Device::Cpu, sparrow_core::simd::Simd::Auto).expect("model");
         let (mut opt_d, mut opt_g) = (
@@ -127,11 +132,8 @@ fn direct_path_equals_autograd_path_for_every_model() {
             let (b, grads_b) = graph.forward_backward_autograd(emb.clone(), dense.clone(), &labels).expect("autograd");
             // Predict normalizes by the running statistics, not the batch's.
             let predicted = direct.predict(emb, dense, rows).expect("predict");
-            assert_eq!(
-                predicted == a.logits,
-                norm != Norm::Batch || !direct.params.has_statistics(),
-                "{what}: predict"
-            );
+            // (Batch norm and Dice: by their running statistics.)
+            assert_eq!(predicted == a.logits, !direct.params.has_statistics(), "{what}: predict");
             assert!((a.loss - b.loss).abs() < 1e-6, "{what}: loss");
             assert_eq!(a.emb_grad.len(), b.emb_grad.len());
             for (x, y) in a.logits.iter().zip(&b.logits).chain(a.emb_grad.iter().zip(&b.emb_grad)) {

@@ -1,7 +1,7 @@
 //! The inputs and the dense network as ONNX nodes: the same function as
 //! `DenseModel::forward_with` for each kind `NetSpec` describes.
 
-use sparrow_model::spec::{DenseLayer, LevelSpec, NetSpec, Op};
+use sparrow_model::spec::{ActivationSpec, DenseLayer, LevelSpec, NetSpec, Op};
 
 use crate::graph::{Dim, FLOAT, Graph, INT64, STRING, float, int, ints, string, strings};
 use crate::{OnnxError, SparseInput};
@@ -138,13 +138,55 @@ fn layer(g: &mut Graph, x: &str, l: &DenseLayer) -> String {
         y = match &n.running {
             None => g.node("LayerNormalization", &[&y, &gamma, &beta], vec![int("axis", -1), float("epsilon", n.eps)]),
             Some(r) => {
-                let mean = g.float_init("running_mean", &[l.fan_out as i64], r.mean.clone());
-                let var = g.float_init("running_var", &[l.fan_out as i64], r.var.clone());
-                g.node("BatchNormalization", &[&y, &gamma, &beta, &mean, &var], vec![float("epsilon", n.eps)])
+                let xhat = by_running_statistics(g, &y, (&r.mean, &r.var), n.eps);
+                let scaled = g.node("Mul", &[&xhat, &gamma], vec![]);
+                g.node("Add", &[&scaled, &beta], vec![])
             }
         };
     }
-    if l.relu { g.node("Relu", &[&y], vec![]) } else { y }
+    match &l.activation {
+        Some(a) => activation(g, &y, l.fan_out, a),
+        None => y,
+    }
+}
+
+/// (z − mean)·(1/√(var + eps)) over the last axis (any rank: DIN's unit
+/// runs on `[N, items, 4·d]`), the factor computed as the training code
+/// computes it, so the same bits.
+fn by_running_statistics(g: &mut Graph, z: &str, (mean, var): (&[f32], &[f32]), eps: f32) -> String {
+    let columns = [mean.len() as i64];
+    let mean = g.float_init("running_mean", &columns, mean.to_vec());
+    let inv = g.float_init("running_inv_std", &columns, var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect());
+    let centred = g.node("Sub", &[z, &mean], vec![]);
+    g.node("Mul", &[&centred, &inv], vec![])
+}
+
+/// `model.activation` on `z` (`[…, fan_out]`).
+fn activation(g: &mut Graph, z: &str, fan_out: usize, a: &ActivationSpec) -> String {
+    let columns = [fan_out as i64];
+    match a {
+        ActivationSpec::Relu => g.node("Relu", &[z], vec![]),
+        ActivationSpec::Prelu { slope } => {
+            let slope = g.float_init("slope", &[1], vec![*slope]);
+            g.node("PRelu", &[z, &slope], vec![])
+        }
+        ActivationSpec::Gelu => g.node("Gelu", &[z], vec![string("approximate", "none")]),
+        ActivationSpec::Silu => {
+            let p = g.node("Sigmoid", &[z], vec![]);
+            g.node("Mul", &[z, &p], vec![])
+        }
+        ActivationSpec::Dice { alpha, mean, var, eps } => {
+            // ẑ by the running statistics (a batch norm of scale 1, shift 0),
+            // then z·(α + (1 − α)·σ(ẑ)).
+            let zhat = by_running_statistics(g, z, (mean, var), *eps);
+            let p = g.node("Sigmoid", &[&zhat], vec![]);
+            let alpha_init = g.float_init("dice_alpha", &columns, alpha.clone());
+            let rest = g.float_init("dice_one_minus_alpha", &columns, alpha.iter().map(|a| 1.0 - a).collect());
+            let scaled = g.node("Mul", &[&p, &rest], vec![]);
+            let gate = g.node("Add", &[&scaled, &alpha_init], vec![]);
+            g.node("Mul", &[z, &gate], vec![])
+        }
+    }
 }
 
 fn mlp(g: &mut Graph, x: &str, layers: &[DenseLayer]) -> String {

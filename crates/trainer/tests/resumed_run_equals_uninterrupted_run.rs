@@ -62,6 +62,7 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
         "mlp-regularized",
         "dlrm-scheduled",
         "dlrm-batchnorm",
+        "mlp-activations",
     ];
     for kind in kinds {
         let mut base = common::small_config(&data, kind.split('-').next().expect("kind"));
@@ -92,6 +93,11 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
             // The running statistics are in the checkpoint with the weights.
             base.model.norm = sparrow_core::config::Norm::Batch;
             base.model.dropout = 0.1;
+        }
+        if kind.ends_with("-activations") {
+            // Dice: its slopes and running statistics, after a layer norm.
+            base.model.activation = sparrow_core::config::Activation::Dice;
+            base.model.norm = sparrow_core::config::Norm::Layer;
         }
         if kind.ends_with("-scheduled") {
             // `[train.schedule]`: warmup, then cosine decay, both rates.

@@ -111,10 +111,13 @@ impl DinNet {
         let d = config.embedding_dim;
         let score: Vec<usize> = config.attention_hidden.iter().copied().chain([1]).collect();
         let units = (0..pairs.len())
-            .map(|j| Mlp::new(ps, &format!("attention.{j}"), 4 * d, &score, false, arith))
+            .map(|j| {
+                let style = crate::mlp::StackStyle::attention(config);
+                Mlp::new_normed(ps, &format!("attention.{j}"), 4 * d, &score, false, arith, style)
+            })
             .collect::<Result<_, _>>()?;
         let sizes: Vec<usize> = config.hidden.iter().copied().chain([outputs]).collect();
-        let mlp = Mlp::new_normed(ps, "mlp", input, &sizes, false, arith, crate::mlp::Normalization::of(config))?
+        let mlp = Mlp::new_normed(ps, "mlp", input, &sizes, false, arith, crate::mlp::StackStyle::of(config))?
             .with_dropout(config.dropout, simd);
         Ok(DinNet { pairs: pairs.to_vec(), units, mlp })
     }

@@ -60,7 +60,7 @@ fn experts(
     n: usize,
     input: usize,
     sizes: &[usize],
-    (arith, dropout, simd, norm): (Arith, f32, sparrow_core::simd::Simd, crate::mlp::Normalization),
+    (arith, dropout, simd, norm): (Arith, f32, sparrow_core::simd::Simd, crate::mlp::StackStyle),
 ) -> Result<Vec<Mlp>, ModelError> {
     (0..n)
         .map(|e| {
@@ -80,7 +80,7 @@ impl MultiTask {
         heads: &Heads,
         (arith, simd): (Arith, sparrow_core::simd::Simd),
     ) -> Result<MultiTask, ModelError> {
-        let normed = crate::mlp::Normalization::of(config);
+        let normed = crate::mlp::StackStyle::of(config);
         let tower = |ps: &mut ParamStore, t: usize, input: usize, outputs: usize| {
             let sizes: Vec<usize> = config.tower_hidden.iter().copied().chain([outputs]).collect();
             Ok::<_, ModelError>(
