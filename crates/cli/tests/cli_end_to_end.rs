@@ -627,7 +627,10 @@ fn the_kinds_table_reports_the_bytes_floor_beside_the_flops() {
         let allowed = (field("flops_per_sample") * copy / field("bytes_per_sample") / ceiling).min(1.0);
         let got = field("share_of_ceiling_bytes_allow");
         assert!((got - allowed).abs() <= 1e-9 * allowed.max(1e-3), "{k}: {got} vs {allowed}");
-        assert!(got < 1.0, "{k}: LR and FM are bound by their bytes");
+        // At most the ceiling; below it where the copy bandwidth cannot
+        // feed the flops (LR and FM on most CPUs, though not always on an
+        // AVX2-only one, whose ceiling is low beside its cache bandwidth).
+        assert!(got <= 1.0, "{k}: {got}");
     }
 }
 
