@@ -154,7 +154,7 @@ impl Mlp {
     }
 
     /// [`new`](Self::new), each activated layer's pre-activation normalized
-    /// as `norm` says (`layer_norm.rs`, `batch_norm.rs`): γ = 1 and β = 0
+    /// as `style.norm` says (`layer_norm.rs`, `batch_norm.rs`): γ = 1 and β = 0
     /// after the layer's bias (no draw: the other weights stay as they
     /// are); with batch norm, the running statistics (mean 0, variance 1)
     /// in a variable of their own, `<name>.running`, after the parameters;
