@@ -228,7 +228,10 @@ def test_ctrl_c_stops_training_and_saves_the_model(data, tmp_path):
     ckpt = tmp_path / "c"
     script = textwrap.dedent(
         f"""
-        import json, sys, sparrow
+        import json, signal, sys, sparrow
+        # As in a terminal: a shell that starts a job in the background
+        # (CI's, say) hands it SIGINT ignored, and Python then keeps it so.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         def started(update):
             print("started", flush=True)
         try:
@@ -429,6 +432,7 @@ def test_ctrl_c_interrupts_predict_between_chunks(trained, tmp_path):
         f"""
         import json, logging, os, signal, sys
         import numpy as np, sparrow
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (see above)
         scored = []
         class Interrupt(logging.Handler):
             def emit(self, record):
