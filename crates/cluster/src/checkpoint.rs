@@ -208,6 +208,7 @@ pub fn manifest(
         skip,
         stream,
         event_clock: Vec::new(),
+        early_stopping: None,
     })
 }
 
@@ -557,6 +558,7 @@ mod tests {
             skip: Vec::new(),
             stream: None,
             event_clock: Vec::new(),
+            early_stopping: None,
         }
     }
 }

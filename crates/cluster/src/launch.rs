@@ -265,6 +265,7 @@ pub fn launch(
     interrupted: &AtomicBool,
 ) -> Result<LaunchSummary, ClusterError> {
     let wall = Instant::now();
+    crate::refuse_local_only_keys(config)?;
     // Found now, not after training: a checkpoint directory we cannot write,
     // or one another run is using (held until the job ends).
     let _lock = config
@@ -671,6 +672,7 @@ fn merge(
             Some(tallies) if tallies.len() > 1 => sparrow_trainer::online::OnlineReport::merged(&tallies),
             _ => first.online,
         },
+        validation: Default::default(),
         extra: ClusterFields {
             shards: options.nodes.unwrap_or(options.shards),
             workers: options.nodes.unwrap_or(options.workers),

@@ -52,3 +52,20 @@ pub use messages::{Mode, WorkerBatch};
 pub use shard::ShardServer;
 pub use transport::{ClusterError, LoaderService, ShardService};
 pub use worker::Worker;
+
+/// What a cluster job does not do yet, refused before it starts rather
+/// than silently left out: scoring a validation set (`data.validation`)
+/// and stopping on it (`[train.early_stopping]`) are `sparrow train`'s.
+pub fn refuse_local_only_keys(config: &sparrow_core::Config) -> Result<(), ClusterError> {
+    let key = if config.train.early_stopping.is_some() {
+        "train.early_stopping"
+    } else if config.data.validation.is_some() {
+        "data.validation"
+    } else {
+        return Ok(());
+    };
+    Err(ClusterError::Setup(format!(
+        "{key}: a cluster job does not score a validation set or stop early yet; train with `sparrow train`, or \
+         leave data.validation and [train.early_stopping] out"
+    )))
+}

@@ -44,6 +44,7 @@ pub struct LocalSummary {
 pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Result<LocalSummary, ClusterError> {
     let num_workers = num_workers.max(1);
     let num_shards = num_shards.max(1);
+    crate::refuse_local_only_keys(config)?;
     crate::worker::start_metrics_file(config)?;
     let servers: Vec<Arc<ShardServer>> = (0..num_shards)
         .map(|i| {

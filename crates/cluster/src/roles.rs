@@ -163,6 +163,7 @@ pub fn run_coordinator(
     on_event: impl Fn(&Event) + Send + Sync + 'static,
 ) -> Result<(), ClusterError> {
     let CoordinatorArgs { num_shards, num_workers, aggregators, listen, metrics_listen, notices } = args;
+    crate::refuse_local_only_keys(config)?;
     let on_event = Arc::new(on_event);
     let rt = runtime()?;
     let settings = NetSettings::new(&config.cluster, None);

@@ -12,6 +12,7 @@ mod stream;
 mod stream_auth;
 mod tasks;
 mod validate;
+mod validation;
 
 pub use cluster::{
     ClusterConfig, ClusterMode, Combine, LazyConfig, LazySend, PassRequest, ProbeRoles, RoundMergeRule, SyncMode,
@@ -27,6 +28,7 @@ pub use stream::{
 };
 pub use stream_auth::{SaslMechanism, Secret, StreamSasl, StreamTls};
 pub use tasks::{EvalConfig, MAX_CLASSES, MAX_SEQUENCE_LEN, SequenceField, ServedOutput, Task, TaskConfig, TaskKind};
+pub use validation::{EarlyStoppingConfig, RowSplit, StopMetric, ValidationSet, held_out};
 
 use serde::{Deserialize, Serialize};
 
@@ -134,6 +136,18 @@ pub struct DataConfig {
     pub shuffle: bool,
     /// `shuffle`: rows read at once and permuted (held in memory).
     pub shuffle_window_rows: usize,
+    /// The validation set: a file (`"valid.csv"`), or a fraction of
+    /// `data.train`'s rows (`0.1`) held out of training, the same rows for
+    /// every seed. Scored at the end of every epoch and every
+    /// `train.eval_every_steps` (a `validation` line in the metrics); what
+    /// `[train.early_stopping]` watches. `data.test` is then scored once, at
+    /// the end.
+    pub validation: Option<ValidationSet>,
+    /// Which of the training file's rows a reader hands out (the trainer's
+    /// to set: training, validation or scoring).
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub split: RowSplit,
 }
 
 impl DataConfig {
@@ -141,7 +155,22 @@ impl DataConfig {
     /// training's batches (weighting, label groups, the shuffle), even
     /// when the file scored is the training file.
     pub fn for_scoring(&self) -> DataConfig {
-        DataConfig { weighting: None, group_by_label: false, shuffle: false, ..self.clone() }
+        // The validation set's reading stays the held-out rows.
+        let split = if self.split == RowSplit::HeldOut { RowSplit::HeldOut } else { RowSplit::All };
+        DataConfig { weighting: None, group_by_label: false, shuffle: false, split, ..self.clone() }
+    }
+
+    /// The data settings for scoring the validation set: the held-out rows
+    /// of the training file, or the validation file as read; `None`
+    /// without `validation`.
+    pub fn for_validation(&self) -> Option<(String, DataConfig)> {
+        let scoring = self.for_scoring();
+        match self.validation.as_ref()? {
+            ValidationSet::File(path) => Some((path.clone(), scoring)),
+            ValidationSet::Fraction(_) => {
+                Some((self.train.clone()?, DataConfig { split: RowSplit::HeldOut, ..scoring }))
+            }
+        }
     }
 }
 
@@ -212,6 +241,8 @@ impl Default for DataConfig {
             group_window_rows: 16384,
             shuffle: false,
             shuffle_window_rows: 100_000,
+            validation: None,
+            split: RowSplit::Training,
         }
     }
 }
@@ -399,10 +430,12 @@ pub struct TrainConfig {
     /// Per-interval metrics file (JSON lines). Default: none. In a cluster
     /// job every worker appends its lines to it, each tagged with its `worker`.
     pub metrics_path: Option<String>,
-    /// Also evaluate on `data.test` every this many steps (an `eval` line
-    /// in the metrics, a point on the report's and TensorBoard's AUC curve).
-    /// The model trained is the same with or without it. In a cluster job
-    /// worker 0 evaluates as the job's step passes each multiple.
+    /// Also evaluate every this many steps: on `data.validation` when it is
+    /// set (a `validation` line, what early stopping judges), else on
+    /// `data.test` (an `eval` line in the metrics, a point on the report's
+    /// and TensorBoard's AUC curve). The model trained is the same with or
+    /// without it. In a cluster job worker 0 evaluates as the job's step
+    /// passes each multiple.
     pub eval_every_steps: Option<u64>,
     /// Write TensorBoard scalars (an `events.out.tfevents.*` file) into this
     /// directory at every logging interval and evaluation (a cluster job:
@@ -432,6 +465,10 @@ pub struct TrainConfig {
     pub simd: crate::simd::Simd,
     /// `[train.schedule]`: the learning rates' warmup and decay by dense step.
     pub schedule: ScheduleConfig,
+    /// `[train.early_stopping]`: stop once the validation figure has not
+    /// improved for `patience` evaluations, keeping the best model in
+    /// `checkpoint.dir/best`. Default: off.
+    pub early_stopping: Option<EarlyStoppingConfig>,
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
@@ -461,6 +498,7 @@ impl Default for TrainConfig {
             on_non_finite: OnNonFinite::Stop,
             simd: crate::simd::Simd::Auto,
             schedule: ScheduleConfig::default(),
+            early_stopping: None,
         }
     }
 }

@@ -6,6 +6,7 @@
 
 pub mod columns;
 pub mod error;
+pub mod holdout;
 pub mod input;
 pub mod label_groups;
 pub mod labels;

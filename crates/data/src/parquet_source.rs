@@ -41,6 +41,8 @@ pub struct ParquetSource {
     now: i64,
     /// `[data.weighting]`, on the training file.
     weigher: Option<crate::weighting::Weigher>,
+    /// `data.validation = <fraction>`: the rows this reader leaves out.
+    holdout: Option<crate::holdout::Holdout>,
 }
 
 /// A label or dense column must hold one number (or a string of one) per
@@ -171,6 +173,7 @@ impl ParquetSource {
             timestamp,
             now: crate::weighting::now_secs(),
             weigher: None,
+            holdout: crate::holdout::Holdout::of(job, path),
         };
         let is_train = config.train.as_deref().is_some_and(|t| Path::new(t) == path);
         if let (Some(cfg), true) = (&config.weighting, is_train) {
@@ -369,6 +372,9 @@ impl ParquetSource {
                 Some(Ok(row)) => row,
             };
             self.next_row += 1;
+            if self.holdout.is_some_and(|h| h.skips(self.next_row)) {
+                continue;
+            }
             b.begin_row();
             let ok = self
                 .parse_row(&row, &mut b)

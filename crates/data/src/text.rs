@@ -507,6 +507,8 @@ pub struct TextSource {
     bad: BadRows,
     /// `[data.weighting]`, on the training file.
     weigher: Option<crate::weighting::Weigher>,
+    /// `data.validation = <fraction>`: the lines this reader leaves out.
+    holdout: Option<crate::holdout::Holdout>,
 }
 
 impl TextSource {
@@ -567,6 +569,7 @@ impl TextSource {
             buf: Vec::new(),
             bad,
             weigher,
+            holdout: crate::holdout::Holdout::of(job, path),
         })
     }
 }
@@ -677,7 +680,7 @@ impl TextSource {
             }
             let cut_short = self.buf.last() != Some(&b'\n');
             let line = trim_eol(&self.buf);
-            if line.is_empty() {
+            if line.is_empty() || self.holdout.is_some_and(|h| h.skips(line_no)) {
                 continue;
             }
             if cut_short && !self.parser.whole_without_newline(line) {

@@ -332,7 +332,15 @@ impl Observers {
     /// evaluation without `data.test`, a line of nulls).
     pub fn log_eval(&mut self, at: At, figures: Option<&Figures>) -> Result<(), TrainError> {
         match self.log.as_mut() {
-            Some(log) => log.eval(at, figures),
+            Some(log) => log.eval(at, figures, Scored::Test),
+            None => Ok(()),
+        }
+    }
+
+    /// A validation's `validation` line and scalars (`data.validation`).
+    pub fn log_validation(&mut self, at: At, figures: &Figures) -> Result<(), TrainError> {
+        match self.log.as_mut() {
+            Some(log) => log.eval(at, Some(figures), Scored::Validation),
             None => Ok(()),
         }
     }
@@ -343,6 +351,13 @@ impl Default for Observers {
     fn default() -> Observers {
         Observers::new(&Config::default(), At::default(), false, None)
     }
+}
+
+/// Which set an evaluation scored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Scored {
+    Test,
+    Validation,
 }
 
 /// The keys of the run's log, named in its errors.
@@ -434,14 +449,19 @@ impl RunLog {
         board.scalars(at.step, &scalars).map_err(|e| e.of_key(BOARD))
     }
 
-    fn eval(&mut self, at: At, figures: Option<&Figures>) -> Result<(), TrainError> {
+    fn eval(&mut self, at: At, figures: Option<&Figures>, set: Scored) -> Result<(), TrainError> {
+        let (event, prefix) = match set {
+            Scored::Test => ("eval", "test"),
+            Scored::Validation => ("validation", "validation"),
+        };
         let mut line = serde_json::json!({
             "step": at.step,
-            "event": "eval",
+            "event": event,
+            "epoch": at.epoch,
             "samples": at.job_samples,
-            "test_auc": figures.map(|f| f.auc),
-            "test_logloss": figures.map(|f| f.logloss),
-            "test_rows": figures.map_or(0, |f| f.rows),
+            format!("{prefix}_auc"): figures.map(|f| f.auc),
+            format!("{prefix}_logloss"): figures.map(|f| f.logloss),
+            format!("{prefix}_rows"): figures.map_or(0, |f| f.rows),
         });
         if let Some(w) = self.worker {
             line["worker"] = w.into();
@@ -451,9 +471,9 @@ impl RunLog {
         }
         self.write(line)?;
         let (Some(board), Some(f)) = (self.board.as_mut(), figures) else { return Ok(()) };
-        let tagged = crate::evaluation::tagged(&f.tasks);
-        let mut scalars: Vec<(&str, f64)> = tagged.iter().map(|(t, v)| (t.as_str(), *v)).collect();
-        scalars.extend([("test/auc", f.auc), ("test/logloss", f.logloss)]);
+        let mut tagged = crate::evaluation::tagged(prefix, &f.tasks);
+        tagged.extend([(format!("{prefix}/auc"), f.auc), (format!("{prefix}/logloss"), f.logloss)]);
+        let scalars: Vec<(&str, f64)> = tagged.iter().map(|(t, v)| (t.as_str(), *v)).collect();
         board.scalars(at.step, &scalars).map_err(|e| e.of_key(BOARD))
     }
 

@@ -124,8 +124,9 @@ pub fn probabilities(tasks: &[sparrow_core::config::Task], row: &[f32], out: &mu
     }
 }
 
-/// Every task's figures as TensorBoard tags (`test/<task>/<figure>`).
-pub fn tagged(tasks: &BTreeMap<String, TaskFigures>) -> Vec<(String, f64)> {
+/// Every task's figures as TensorBoard tags (`<set>/<task>/<figure>`, the
+/// set `test` or `validation`).
+pub fn tagged(set: &str, tasks: &BTreeMap<String, TaskFigures>) -> Vec<(String, f64)> {
     let mut out = Vec::new();
     for (name, f) in tasks {
         let figures: Vec<(&str, f64)> = match f {
@@ -141,7 +142,7 @@ pub fn tagged(tasks: &BTreeMap<String, TaskFigures>) -> Vec<(String, f64)> {
                 ("logloss", *logloss),
             ],
         };
-        out.extend(figures.into_iter().map(|(k, v)| (format!("test/{name}/{k}"), v)));
+        out.extend(figures.into_iter().map(|(k, v)| (format!("{set}/{name}/{k}"), v)));
     }
     out
 }

@@ -12,6 +12,7 @@ pub mod confined;
 pub mod dense_sync;
 pub mod dir_lock;
 pub mod driver;
+pub mod early_stopping;
 pub mod engine;
 pub mod error;
 pub mod evaluation;
@@ -29,6 +30,7 @@ pub mod run;
 pub mod sizes;
 pub mod tensorboard;
 pub mod trainer;
+pub mod validation;
 
 pub use error::TrainError;
 pub use inference::Model;

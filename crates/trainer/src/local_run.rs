@@ -20,6 +20,7 @@ use crate::online::OnlineFigures;
 use crate::pipeline::PlannedBatches;
 use crate::progress::{Progress, ProgressUpdate};
 use crate::trainer::{PlannedBatch, Trainer};
+use crate::validation::Validation;
 
 /// A local run in progress.
 pub struct LocalRun<'a> {
@@ -47,6 +48,13 @@ pub struct LocalRun<'a> {
     pub trained_for: Duration,
     /// A failure beside the last step, reported once its hooks ran.
     deferred: Option<TrainError>,
+    /// `data.validation`: scored at each epoch's end and every
+    /// `train.eval_every_steps`.
+    pub validation: Option<Validation>,
+    /// The epoch of the batches handed to the step, and the first batch
+    /// of the next one, held back until the epoch's validation.
+    epoch: u64,
+    next_epoch: Option<PlannedBatch>,
 }
 
 impl<'a> LocalRun<'a> {
@@ -61,7 +69,7 @@ impl<'a> LocalRun<'a> {
         progress: Progress,
         callback: &'a (dyn Fn(&ProgressUpdate) + Sync),
     ) -> LocalRun<'a> {
-        let step = trainer.step;
+        let (step, epoch) = (trainer.step, trainer.position.epoch);
         let c = &config.checkpoint;
         LocalRun {
             checkpoints: Cadence::new(c.every_steps, c.every_secs, step),
@@ -81,6 +89,9 @@ impl<'a> LocalRun<'a> {
             started: Instant::now(),
             trained_for: Duration::ZERO,
             deferred: None,
+            validation: Validation::of(config),
+            epoch,
+            next_epoch: None,
         }
     }
 
@@ -111,11 +122,30 @@ impl Run for LocalRun<'_> {
             return Err(self.interrupted());
         }
         let (batches, stop) = (&mut self.batches, self.stop);
+        // With a validation set, an epoch's last batch ends the feed: the
+        // next epoch's first one waits for the epoch's validation (see
+        // `ran_dry`), then comes first once nothing is in hand.
+        let (epoch, held) = (&mut self.epoch, &mut self.next_epoch);
+        let (validates, released) = (self.validation.is_some(), self.validation.as_ref().is_some_and(|v| v.released));
         let mut next = |taken: usize| -> Option<Result<PlannedBatch, TrainError>> {
             if stop_at.is_some_and(|m| step_now + taken as u64 >= m) {
                 return None;
             }
-            batches.next_unless(stop).map(|item| item.map_err(TrainError::from))
+            if held.is_some() {
+                if taken > 0 || !released {
+                    return None;
+                }
+                let first = held.take()?;
+                *epoch = first.0.end.epoch;
+                return Some(Ok(first));
+            }
+            match batches.next_unless(stop)? {
+                Ok(b) if validates && b.0.end.epoch > *epoch => {
+                    *held = Some(b);
+                    None
+                }
+                item => Some(item.map_err(TrainError::from)),
+            }
         };
         match self.trainer.step(&mut next)? {
             Some(report) => {
@@ -133,6 +163,13 @@ impl Run for LocalRun<'_> {
             None if self.stop.load(Ordering::Relaxed) => Err(self.interrupted()),
             None => Ok(None),
         }
+        .inspect(|_| {
+            if let Some(v) = self.validation.as_mut()
+                && self.next_epoch.is_none()
+            {
+                v.released = false;
+            }
+        })
     }
 
     fn at(&self) -> At {
@@ -214,8 +251,15 @@ impl Run for LocalRun<'_> {
         Line { fields, phase_secs: serde_json::to_value(t.phase_secs).unwrap_or_default(), scalars }
     }
 
-    /// The pending update first: the figures are the model's after this step.
+    /// The pending update first: the figures are the model's after this
+    /// step. With `data.validation`, the validation set (its own line,
+    /// early stopping's judgement); `data.test` waits for the end.
     fn evaluate(&mut self) -> Result<Option<Figures>, TrainError> {
+        let at = self.at();
+        if let Some(v) = self.validation.as_mut() {
+            v.run(self.trainer, &mut self.observers, at)?;
+            return Ok(None);
+        }
         let Some(test) = &self.config.data.test else { return Ok(None) };
         self.trainer.flush_update()?;
         let data = &self.config.data;
@@ -240,11 +284,25 @@ impl Run for LocalRun<'_> {
         }
         match self.deferred.take() {
             Some(e) => Err(e),
+            None if self.validation.as_ref().is_some_and(|v| v.stop) => Ok(Flow::Done),
             None => Ok(Flow::Train),
         }
     }
 
+    /// An epoch ended (its last batch trained): the validation set is
+    /// scored, then the next epoch starts unless early stopping says stop.
+    /// The data's end is the last epoch's; a stop at `train.max_steps`
+    /// within an epoch is none (a run cut there to be resumed scores what
+    /// the uninterrupted run scores).
     fn ran_dry(&mut self) -> Result<Flow, TrainError> {
-        Ok(Flow::Done)
+        let at = self.at();
+        let cut = self.config.train.max_steps.is_some_and(|m| at.step >= m) && self.next_epoch.is_none();
+        let Some(v) = self.validation.as_mut().filter(|_| !cut) else { return Ok(Flow::Done) };
+        v.run(self.trainer, &mut self.observers, at)?;
+        if v.stop || self.next_epoch.is_none() {
+            return Ok(Flow::Done);
+        }
+        v.released = true;
+        Ok(Flow::Train)
     }
 }

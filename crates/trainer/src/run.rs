@@ -25,6 +25,7 @@ use crate::local_run::LocalRun;
 use crate::online::OnlineReport;
 use crate::progress::{Progress, ProgressUpdate};
 use crate::trainer::{PhaseSecs, Trainer};
+use crate::validation::{Validation, ValidationReport};
 use crate::{TrainError, peak_rss_bytes};
 
 /// The last stdout line of `sparrow train` and of `sparrow launch`: a
@@ -91,6 +92,9 @@ pub struct RunSummary<P, X> {
     /// Every task's test figures by name (none without `data.test`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub tasks: BTreeMap<String, TaskFigures>,
+    /// `data.validation` and `[train.early_stopping]`.
+    #[serde(flatten)]
+    pub validation: ValidationReport,
     #[serde(flatten)]
     pub extra: X,
 }
@@ -229,6 +233,9 @@ fn train_in_pool(
     if let Some(test) = &config.data.test {
         std::fs::File::open(test).map_err(|e| TrainError::io(Path::new(test), e))?;
     }
+    if let Some(validation) = Validation::of(config) {
+        validation.check_exists()?;
+    }
     // One run per checkpoint directory, and a directory we cannot write is
     // found now, not after training.
     let _lock = config
@@ -260,7 +267,7 @@ fn train_in_pool(
     // A stream's wait for records that never came, after the last step
     // (stop_when_idle_secs), is not training time.
     let waited_at_end = run.started.elapsed().saturating_sub(run.trained_for);
-    let LocalRun { mut observers, bad, progress, mut exports, last_saved, started, .. } = run;
+    let LocalRun { mut observers, bad, progress, mut exports, last_saved, started, validation, .. } = run;
     // A run that trained nothing did not succeed: an empty file, or one whose
     // every row was malformed (a resumed run may find its data used up).
     if outcome.is_ok()
@@ -344,9 +351,23 @@ fn train_in_pool(
 
     let eval_start = Instant::now();
     let (mut figures, mut bayes) = (None, None);
+    let mut report = ValidationReport::of(validation.as_ref(), &trainer);
+    // `restore_best`: the test figures are the best model's (unless the
+    // last one is the best).
+    let best = config.train.early_stopping.as_ref().filter(|r| r.restore_best).and(report.best_step);
+    let best_model = match (&config.data.test, &report.best_checkpoint) {
+        (Some(_), Some(dir)) if best.is_some_and(|step| step != trainer.step) => {
+            Some(load_model(Path::new(dir), &Overrides::default())?.0)
+        }
+        _ => None,
+    };
+    if config.data.test.is_some() {
+        report.test_model = Some(if best_model.is_some() { "best" } else { "last" }.to_string());
+    }
     if let Some(test) = &config.data.test {
         let test = Path::new(test);
-        let scores = predict_file(trainer.scoring(), test, &config.data, &bad)?;
+        let scoring = best_model.as_ref().map_or_else(|| trainer.scoring(), Model::scoring);
+        let scores = predict_file(scoring, test, &config.data, &bad)?;
         let f = Figures::of(config, &scores);
         warn_nan_predictions(f.nan_predictions, test);
         figures = Some(f);
@@ -366,7 +387,7 @@ fn train_in_pool(
     let train_rows = trainer.samples_trained - start_samples;
     let rows = trainer.table.len() as u64;
     // Taken after evaluation, which reads the store without counting.
-    let report = TableReport::of(&trainer.table);
+    let table = TableReport::of(&trainer.table);
     Ok(RunSummary {
         test_auc,
         test_logloss,
@@ -393,7 +414,7 @@ fn train_in_pool(
         train_logloss: observers.last_loss(),
         dedup_ratio: observers.dedup_ratio(),
         shuffle_bytes_per_sample: 8.0 * observers.unique_keys() as f64 / train_rows.max(1) as f64,
-        table: report,
+        table,
         embedding_bytes_per_row: Some(trainer.table.allocated_bytes() as f64 / rows.max(1) as f64),
         checkpoint: checkpoint_dir.map(|d| d.display().to_string()),
         resumed_from_step,
@@ -403,6 +424,7 @@ fn train_in_pool(
         stream: StreamReport::of(trainer.stream.as_deref()),
         online: OnlineReport::of(trainer.online.as_ref()),
         tasks: figures.map(|f| f.tasks).unwrap_or_default(),
+        validation: report,
         extra: NoExtra {},
     })
 }

@@ -54,6 +54,8 @@ pub struct Trainer {
     pub online: Option<ProgressiveEval>,
     /// `embedding.ttl_secs` / `max_rows`: deletes rows after each step.
     pub bounds: Option<TableBounds>,
+    /// `[train.early_stopping]`: the best validation figure so far.
+    pub early_stopping: crate::early_stopping::StoppingState,
     engine: StepEngine<PlannedBatch, RowSlots>,
     dense_sync: LocalSync,
     /// Input buffer of models that take packed rows, reused across steps.
@@ -233,6 +235,7 @@ impl Trainer {
             truncated_sequences: 0,
             phase_secs: PhaseSecs::default(),
             skipped_batches: 0,
+            early_stopping: Default::default(),
             online: config.online_window().map(ProgressiveEval::new),
             bounds: TableBounds::new(&config.embedding),
             engine: StepEngine::new(config.train.pipeline_depth),

@@ -95,6 +95,7 @@ fn checkpoint(root: &Path, c: &Config, tables: &[EmbeddingTable], step: u64, bas
         skip: Vec::new(),
         stream: None,
         event_clock: Vec::new(),
+        early_stopping: None,
     };
     commit(root, &staging, &manifest, 2).expect("commit");
     (bytes, manifest)

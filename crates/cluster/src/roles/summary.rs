@@ -108,6 +108,7 @@ pub fn of_worker(
         stream: sparrow_trainer::input::StreamReport::of(s.last_stream.as_ref()),
         online: sparrow_trainer::online::OnlineReport::of(worker.online.as_ref()),
         tasks: figures.map(|f| f.tasks).unwrap_or_default(),
+        validation: Default::default(),
         extra: WorkerFields {
             worker: worker.index,
             batches: s.batches,
@@ -155,6 +156,7 @@ mod tests {
             model: "mlp".into(),
             stream: sparrow_trainer::input::StreamReport::of(Some(&mark)),
             tasks: [("click".to_string(), one_class)].into_iter().collect(),
+            validation: Default::default(),
             extra: WorkerFields {
                 worker: 1,
                 batches: 8,

@@ -156,3 +156,32 @@ fn nonsense_numbers_are_refused_naming_the_key() {
     assert_eq!(c.train.on_non_finite, OnNonFinite::SkipBatch);
     assert!(parse("", &["train.on_non_finite=ignore"]).is_err());
 }
+
+/// `data.validation` reads a path or a fraction; early stopping without
+/// what it needs, or with values that cannot be right, is refused by key.
+#[test]
+fn validation_and_early_stopping_are_checked_by_key() {
+    let base = "[data]\ntrain = \"a.tsv\"\n";
+    let c = parse(base, &["data.validation=0.1"]).expect("a fraction");
+    assert_eq!(c.data.validation, Some(ValidationSet::Fraction(0.1)));
+    let c = parse(base, &["data.validation=\"v.tsv\""]).expect("a file");
+    assert_eq!(c.data.validation, Some(ValidationSet::File("v.tsv".into())));
+    let ok = ["data.validation=0.2", "checkpoint.dir=\"ck\"", "train.early_stopping.patience=3"];
+    let c = parse(base, &ok).expect("complete");
+    assert_eq!(c.train.early_stopping.as_ref().map(|e| e.patience), Some(3));
+    let refused: [(&[&str], &str); 7] = [
+        (&["data.validation=1.5"], "data.validation"),
+        (&["data.validation=0"], "data.validation"),
+        (&["train.early_stopping.patience=2", "checkpoint.dir=\"ck\""], "needs data.validation"),
+        (&["train.early_stopping.patience=2", "data.validation=0.1"], "needs checkpoint.dir"),
+        (&["data.validation=0.1", "checkpoint.dir=\"ck\"", "train.early_stopping.patience=0"], "patience"),
+        (&["data.validation=0.1", "checkpoint.dir=\"ck\"", "train.early_stopping.task=\"buy\""], "no task is named"),
+        (&["data.validation=0.1", "checkpoint.dir=\"ck\"", "train.early_stopping.metric=\"gauc\""], "metric"),
+    ];
+    for (sets, needle) in refused {
+        let err = parse(base, sets).expect_err(needle).to_string();
+        assert!(err.contains(needle), "{sets:?}: {err}");
+    }
+    let err = parse(base, &["train.eval_every_steps=10"]).expect_err("nothing to evaluate").to_string();
+    assert!(err.contains("data.validation or data.test"), "{err}");
+}

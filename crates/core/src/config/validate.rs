@@ -11,9 +11,13 @@ impl Config {
             |key: &str, message: &str| Err(ConfigError::Invalid { key: key.to_string(), message: message.to_string() });
         super::bounds::check(self)?;
         self.validate_tasks()?;
-        if self.train.eval_every_steps.is_some_and(|n| n > 0) && self.data.test.is_none() {
-            return invalid("train.eval_every_steps", "needs data.test (the file it evaluates on)");
+        if self.train.eval_every_steps.is_some_and(|n| n > 0)
+            && self.data.test.is_none()
+            && self.data.validation.is_none()
+        {
+            return invalid("train.eval_every_steps", "needs data.validation or data.test (the set it evaluates)");
         }
+        self.validate_validation()?;
         if self.checkpoint.export_every_steps.is_some_and(|n| n > 0) && self.checkpoint.dir.is_none() {
             return invalid(
                 "checkpoint.export_every_steps",
