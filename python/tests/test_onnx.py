@@ -110,7 +110,10 @@ def test_an_id_no_file_holds_reads_as_a_zero_vector_and_a_batch_of_one_runs(crit
     assert one.shape == (1,) and np.isfinite(novel).all() and novel[0] != one[0]
 
 
-def test_a_csv_model_takes_its_schemas_columns(tmp_path):
+@pytest.mark.parametrize("transform", ["log1p", "standardize"])
+def test_a_csv_model_takes_its_schemas_columns(tmp_path, transform):
+    """`standardize`: the first pass's means and deviations travel in the
+    checkpoint's config into the graph (a Sub and a Mul by column)."""
     data = tmp_path / "days"
     sparrow.gen(data, train_rows=5_000, test_rows=800, format="csv", days=2)
     dense, sparse = [f"I{i}" for i in range(1, 14)], [f"C{i}" for i in range(1, 27)]
@@ -119,7 +122,7 @@ def test_a_csv_model_takes_its_schemas_columns(tmp_path):
             "format": "csv",
             "train": str(data / "train.csv"),
             "test": str(data / "test.csv"),
-            "schema": {"label": "label", "dense": dense, "sparse": sparse, "dense_transform": "log1p",
+            "schema": {"label": "label", "dense": dense, "sparse": sparse, "dense_transform": transform,
                        "timestamp": "ts"},
         },
         "model": {"kind": "deepfm", "embedding_dim": 8, "hidden": [16]},
@@ -136,6 +139,10 @@ def test_a_csv_model_takes_its_schemas_columns(tmp_path):
     feed.update({n: np.array(col[n], dtype=object) for n in sparse})
     (got,) = session(tmp_path / "onnx" / "model.onnx").run(["probability"], feed)
     np.testing.assert_allclose(got, read_floats(tmp_path / "p.txt"), rtol=0, atol=1e-5)
+    # The Python module reads the columns through the same statistics.
+    model = sparrow.Model.load(tmp_path / "ck")
+    scored = model.predict({n: feed[n] for n in dense + sparse})
+    np.testing.assert_allclose(np.asarray(scored).reshape(-1), read_floats(tmp_path / "p.txt"), rtol=0, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -164,6 +164,8 @@ pub fn run_coordinator(
 ) -> Result<(), ClusterError> {
     let CoordinatorArgs { num_shards, num_workers, aggregators, listen, metrics_listen, notices } = args;
     crate::refuse_local_only_keys(config)?;
+    // Every role takes the job's config from here: with the statistics.
+    let config = &*sparrow_trainer::standardize::with_dense_statistics(config)?;
     let on_event = Arc::new(on_event);
     let rt = runtime()?;
     let settings = NetSettings::new(&config.cluster, None);

@@ -22,7 +22,7 @@ pub use kinds::ModelKind;
 pub use overrides::Overrides;
 pub use reference::json_schema;
 pub use schedule::{ScheduleConfig, ScheduleKind};
-pub use schema::{DenseTransform, Schema};
+pub use schema::{DenseScale, DenseTransform, Schema};
 pub use stream::{
     GapPolicy, MAX_FETCH_BYTES, OffsetReset, Partitions, RetentionGap, StreamConfig, StreamKind, StreamStart,
 };

@@ -9,7 +9,7 @@ use std::borrow::Cow;
 use std::ops::Range;
 
 use sparrow_core::batch::{Batch, DataPosition};
-use sparrow_core::config::{DataConfig, DataFormat, DenseTransform, Schema};
+use sparrow_core::config::{DataConfig, DataFormat, DenseScale, Schema};
 use sparrow_core::{BatchBuilder, feature_key};
 
 use crate::layout::{CRITEO_DENSE, CRITEO_SPARSE, DataLayout};
@@ -153,7 +153,7 @@ impl ModelInputs {
             for column in 0..self.dense.len() {
                 let value = values.dense(column, row)?;
                 self.rules
-                    .push_dense(&mut builder, value)
+                    .push_dense(&mut builder, column, value)
                     .map_err(|e| values.refused(Some(InputColumn::Dense(column)), row, e))?;
             }
             sparse.clear();
@@ -202,7 +202,7 @@ pub enum ColumnRules {
     Criteo,
     /// CSV with a schema: numbers through its `dense_transform`; one key a
     /// field, or with `multi_hot_separator` one per non-empty ID.
-    Csv { transform: DenseTransform, multi_hot: Option<Vec<u8>> },
+    Csv { scale: DenseScale, multi_hot: Option<Vec<u8>> },
 }
 
 impl ColumnRules {
@@ -216,7 +216,7 @@ impl ColumnRules {
 
     pub fn csv(schema: &Schema) -> ColumnRules {
         ColumnRules::Csv {
-            transform: schema.dense_transform,
+            scale: schema.dense_scale(),
             multi_hot: schema.multi_hot_separator.as_ref().map(|s| s.as_bytes().to_vec()),
         }
     }
@@ -239,7 +239,7 @@ impl ColumnRules {
 
     /// The row's next dense value (`None`: the cell is empty, read as 0).
     /// Criteo's must be an integer (the caller checks the range).
-    pub fn push_dense(&self, out: &mut BatchBuilder, value: Option<f64>) -> Result<(), String> {
+    pub fn push_dense(&self, out: &mut BatchBuilder, column: usize, value: Option<f64>) -> Result<(), String> {
         let v = value.unwrap_or(0.0);
         match self {
             ColumnRules::Criteo => {
@@ -248,12 +248,12 @@ impl ColumnRules {
                 }
                 out.push_dense(criteo_dense(v));
             }
-            ColumnRules::Csv { transform, .. } => {
+            ColumnRules::Csv { scale, .. } => {
                 let v = as_file_reads_f32(v);
                 if !v.is_finite() {
                     return Err("value is not finite".into());
                 }
-                out.push_dense(transform.apply(f64::from(v)) as f32);
+                out.push_dense(scale.apply(column, f64::from(v)) as f32);
             }
         }
         Ok(())
@@ -361,7 +361,7 @@ mod tests {
             delimiter: ",".into(),
             header: true,
             multi_hot_separator: Some("|".into()),
-            dense_transform: DenseTransform::Log1p,
+            dense_transform: sparrow_core::config::DenseTransform::Log1p,
             timestamp: None,
             ..Schema::default()
         };

@@ -10,7 +10,7 @@ use parquet::record::reader::RowIter;
 use parquet::record::{Field, Row};
 use sparrow_core::Config;
 use sparrow_core::batch::{BatchBuilder, DataPosition};
-use sparrow_core::config::DenseTransform;
+use sparrow_core::config::DenseScale;
 use sparrow_core::{Batch, feature_key};
 
 use crate::error::{BadRows, DataError};
@@ -32,7 +32,7 @@ pub struct ParquetSource {
     separator: String,
     dense: Vec<(usize, String)>,
     sparse: Vec<usize>,
-    transform: DenseTransform,
+    scale: DenseScale,
     /// Index of the next row (0-based).
     next_row: u64,
     bad: BadRows,
@@ -167,7 +167,7 @@ impl ParquetSource {
             separator: schema.multi_hot_separator.clone().unwrap_or_else(|| "|".into()),
             dense,
             sparse,
-            transform: schema.dense_transform,
+            scale: schema.dense_scale(),
             next_row: 0,
             bad,
             timestamp,
@@ -249,7 +249,7 @@ impl ParquetSource {
         if let Some(ts) = self.timestamp_of(&cols)? {
             out.set_timestamp(ts);
         }
-        for (col, name) in &self.dense {
+        for (i, (col, name)) in self.dense.iter().enumerate() {
             let f = cols.get(*col).ok_or("row is shorter than the schema")?;
             let v = match f {
                 Field::Null => 0.0,
@@ -261,7 +261,7 @@ impl ParquetSource {
             if !v.is_finite() {
                 return Err(format!("column {name}: value is not finite"));
             }
-            out.push_dense(self.transform.apply(v) as f32);
+            out.push_dense(self.scale.apply(i, v) as f32);
         }
         for (fi, &col) in self.sparse.iter().enumerate() {
             let f = cols.get(col).ok_or("row is shorter than the schema")?;

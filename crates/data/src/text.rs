@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use sparrow_core::Config;
 use sparrow_core::batch::{BatchBuilder, DataPosition};
-use sparrow_core::config::{DataFormat, DenseTransform, Schema};
+use sparrow_core::config::{DataFormat, DenseScale, Schema};
 
 use crate::labels::{LabelRules, parse_label};
 use sparrow_core::{Batch, feature_key};
@@ -199,7 +199,7 @@ pub struct CsvParser {
     dense: Vec<(usize, String)>,
     sparse: Vec<usize>,
     multi_hot: Option<Vec<u8>>,
-    transform: DenseTransform,
+    scale: DenseScale,
     width: usize,
     /// Columns a whole row has: the header's, else the schema's widest.
     columns: usize,
@@ -268,7 +268,7 @@ impl CsvParser {
             dense,
             sparse,
             multi_hot: schema.multi_hot_separator.as_ref().map(|s| s.as_bytes().to_vec()),
-            transform: schema.dense_transform,
+            scale: schema.dense_scale(),
             width,
             timestamp,
             now: crate::weighting::now_secs(),
@@ -325,7 +325,7 @@ impl LineParser for CsvParser {
         if let Some(ts) = self.timestamp_of(&cells)? {
             out.set_timestamp(ts);
         }
-        for (col, name) in &self.dense {
+        for (i, (col, name)) in self.dense.iter().enumerate() {
             let raw = cells[*col].as_ref();
             let v = if raw.is_empty() {
                 0.0
@@ -338,7 +338,7 @@ impl LineParser for CsvParser {
             if !v.is_finite() {
                 return Err(format!("column {name}: value is not finite"));
             }
-            out.push_dense(self.transform.apply(f64::from(v)) as f32);
+            out.push_dense(self.scale.apply(i, f64::from(v)) as f32);
         }
         for (f, &col) in self.sparse.iter().enumerate() {
             let raw = cells[col].as_ref();

@@ -86,6 +86,9 @@ pub struct Export<'a> {
     /// Apply log(1 + max(x, 0)) to every dense value (Criteo's counts,
     /// `data.schema.dense_transform = "log1p"`). A NaN (missing) reads 0.
     pub log1p: bool,
+    /// `data.schema.dense_transform = "standardize"`: each dense column's
+    /// mean and 1 / std, applied after a missing value reads 0.
+    pub standardize: Option<Vec<(f32, f32)>>,
     /// The sparse fields, then the sequences: the model's slots in order.
     pub sparse: Vec<SparseInput>,
     /// `model.pooling = "mean"`: a list's rows are averaged, not summed.
@@ -102,7 +105,7 @@ pub struct Export<'a> {
 /// The ONNX model ([`write`] puts it in files).
 pub fn export(e: &Export<'_>) -> Result<proto::ModelProto, OnnxError> {
     let mut g = Graph::new(&e.name);
-    let dense = lower::dense_inputs(&mut g, &e.dense, e.log1p);
+    let dense = lower::dense_inputs(&mut g, &e.dense, e.log1p, e.standardize.as_deref());
     let embedded = e.sparse.iter().any(|s| s.rows.is_some());
     let mut tables: Vec<Option<lower::Table>> = Vec::with_capacity(e.sparse.len());
     for s in &e.sparse {

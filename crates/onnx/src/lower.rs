@@ -8,8 +8,14 @@ use crate::{OnnxError, SparseInput};
 
 /// The dense columns, one float `[N]` input each, as one `[N, num_dense]`
 /// tensor: a NaN (a missing value) reads 0, then log(1 + max(x, 0)) if
-/// `log1p`. `None` without dense columns.
-pub fn dense_inputs(g: &mut Graph, names: &[String], log1p: bool) -> Option<String> {
+/// `log1p`, or (x − mean) · (1 / std) by column with `standardize`'s
+/// (mean, 1 / std) pairs. `None` without dense columns.
+pub fn dense_inputs(
+    g: &mut Graph,
+    names: &[String],
+    log1p: bool,
+    standardize: Option<&[(f32, f32)]>,
+) -> Option<String> {
     if names.is_empty() {
         return None;
     }
@@ -25,6 +31,13 @@ pub fn dense_inputs(g: &mut Graph, names: &[String], log1p: bool) -> Option<Stri
     let zero = g.float_init("zero", &[], vec![0.0]);
     let missing = g.node("IsNaN", &[&x], vec![]);
     let x = g.node("Where", &[&missing, &zero, &x], vec![]);
+    if let Some(stats) = standardize {
+        let width = [stats.len() as i64];
+        let mean = g.float_init("dense_mean", &width, stats.iter().map(|s| s.0).collect());
+        let inverse = g.float_init("dense_inverse_std", &width, stats.iter().map(|s| s.1).collect());
+        let centred = g.node("Sub", &[&x, &mean], vec![]);
+        return Some(g.node("Mul", &[&centred, &inverse], vec![]));
+    }
     if !log1p {
         return Some(x);
     }

@@ -28,6 +28,7 @@ pub mod pooling;
 pub mod progress;
 pub mod run;
 pub mod sizes;
+pub mod standardize;
 pub mod tensorboard;
 pub mod trainer;
 pub mod validation;

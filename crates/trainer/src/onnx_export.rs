@@ -113,6 +113,10 @@ pub fn export_onnx(
         spec: &spec,
         dense: inputs.dense.clone(),
         log1p,
+        standardize: schema
+            .dense_scale()
+            .standardized()
+            .map(|stats| stats.iter().map(|&(mean, inverse)| (mean as f32, inverse as f32)).collect()),
         sparse,
         mean: config.model.pooling == sparrow_core::config::Pooling::Mean,
         width,

@@ -195,7 +195,10 @@ pub fn train_observed(
 ) -> Result<TrainSummary, TrainError> {
     let wall = Instant::now();
     let pool = compute_pool(config.train.threads)?;
-    pool.install(|| train_in_pool(config, quiet, wall, stop, observer))
+    pool.install(|| {
+        let config = crate::standardize::with_dense_statistics(config)?;
+        train_in_pool(&config, quiet, wall, stop, observer)
+    })
 }
 
 /// Says, in one line, how `model.precision = "bf16"` runs on this CPU when

@@ -26,9 +26,17 @@ pub struct Schema {
     pub header: bool,
     /// CSV only: splits one cell into several IDs of the same field (multi-hot).
     pub multi_hot_separator: Option<String>,
-    /// Applied to every dense value: `none`, or `log1p` = log(1 + max(x, 0))
-    /// as the Criteo reader does (for raw counts).
+    /// Applied to every dense value: `none`; `log1p` = log(1 + max(x, 0))
+    /// as the Criteo reader does (for raw counts); or `standardize` =
+    /// (x − mean) / std, each column's mean and (population) standard
+    /// deviation from a first pass over the training rows (a missing cell
+    /// counts as 0, as it reads), kept in `standardize_stats`.
     pub dense_transform: DenseTransform,
+    /// `standardize`: one `[mean, std]` per dense column, in order. Filled
+    /// by the first pass and kept in the checkpoint's and the export's
+    /// config, so evaluation, prediction, serving and ONNX read values as
+    /// training did; give it to skip the pass. A std of 0 divides by 1.
+    pub standardize_stats: Option<Vec<[f64; 2]>>,
     /// The column holding each sample's time (Unix seconds; in Parquet also
     /// a timestamp type), for `[data.weighting]`.
     pub timestamp: Option<String>,
@@ -42,15 +50,45 @@ pub enum DenseTransform {
     #[default]
     None,
     Log1p,
+    Standardize,
 }
 
-impl DenseTransform {
+/// How a reader turns a dense cell into the model's value.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DenseScale {
+    transform: DenseTransform,
+    /// `standardize`: per column, the mean and 1 / std.
+    stats: Vec<(f64, f64)>,
+}
+
+impl DenseScale {
+    /// Column `col`'s value of cell value `x`.
     #[inline]
-    pub fn apply(self, x: f64) -> f64 {
-        match self {
+    pub fn apply(&self, col: usize, x: f64) -> f64 {
+        match self.transform {
             DenseTransform::None => x,
             DenseTransform::Log1p => x.max(0.0).ln_1p(),
+            DenseTransform::Standardize => {
+                let (mean, inverse) = self.stats.get(col).copied().unwrap_or((0.0, 1.0));
+                (x - mean) * inverse
+            }
         }
+    }
+
+    /// `standardize`'s per-column mean and 1 / std (a std of 0 or less: 1).
+    pub fn standardized(&self) -> Option<&[(f64, f64)]> {
+        (self.transform == DenseTransform::Standardize).then_some(&self.stats)
+    }
+}
+
+impl Schema {
+    /// How this schema's dense cells read. `standardize` without its
+    /// statistics yet (the first pass reads raw values through it) is the
+    /// identity.
+    pub fn dense_scale(&self) -> DenseScale {
+        let stats = self.standardize_stats.as_deref().unwrap_or_default();
+        let stats = stats.iter().map(|&[m, s]| (m, if s > 0.0 { 1.0 / s } else { 1.0 })).collect();
+        DenseScale { transform: self.dense_transform, stats }
     }
 }
 
@@ -64,6 +102,7 @@ impl Default for Schema {
             header: true,
             multi_hot_separator: None,
             dense_transform: DenseTransform::None,
+            standardize_stats: None,
             timestamp: None,
             labels: Vec::new(),
             sequence: Vec::new(),

@@ -185,3 +185,20 @@ fn validation_and_early_stopping_are_checked_by_key() {
     let err = parse(base, &["train.eval_every_steps=10"]).expect_err("nothing to evaluate").to_string();
     assert!(err.contains("data.validation or data.test"), "{err}");
 }
+
+/// `standardize` applies to a schema's columns: given statistics must
+/// match them, and a file format without a schema is refused by key.
+#[test]
+fn standardize_settings_are_checked_by_key() {
+    let csv = "[data]\nformat = \"csv\"\ntrain = \"a.csv\"\n[data.schema]\ndense = [\"a\", \"b\"]\n";
+    parse(csv, &["data.schema.dense_transform=\"standardize\""]).expect("csv");
+    let refused: [(&str, &[&str], &str); 3] = [
+        (csv, &["data.schema.standardize_stats=[[0.0, 1.0]]"], "2 dense columns"),
+        (csv, &["data.schema.standardize_stats=[[0.0, 1.0], [1.0, -2.0]]"], "std >= 0"),
+        ("[data]\ntrain = \"a.tsv\"\n", &["data.schema.dense_transform=\"standardize\""], "csv and parquet"),
+    ];
+    for (text, sets, needle) in refused {
+        let err = parse(text, sets).expect_err(needle).to_string();
+        assert!(err.contains(needle) && err.contains("data.schema"), "{sets:?}: {err}");
+    }
+}

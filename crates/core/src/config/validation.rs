@@ -107,6 +107,7 @@ impl Config {
             }
             _ => {}
         }
+        self.validate_standardize()?;
         let Some(stop) = &self.train.early_stopping else { return Ok(()) };
         if self.data.validation.is_none() {
             return invalid(
@@ -131,6 +132,46 @@ impl Config {
         {
             let names: Vec<String> = self.tasks().into_iter().map(|t| t.name).collect();
             return invalid("train.early_stopping.task", format!("no task is named `{task}` (tasks: {names:?})"));
+        }
+        Ok(())
+    }
+}
+
+impl Config {
+    /// `data.schema.dense_transform = "standardize"` and its statistics.
+    fn validate_standardize(&self) -> Result<(), ConfigError> {
+        let Some(schema) = &self.data.schema else { return Ok(()) };
+        let invalid = |key: &str, message: String| Err(ConfigError::Invalid { key: key.to_string(), message });
+        if let Some(stats) = &schema.standardize_stats {
+            if stats.len() != schema.dense.len() {
+                return invalid(
+                    "data.schema.standardize_stats",
+                    format!("holds {} [mean, std] pairs for {} dense columns", stats.len(), schema.dense.len()),
+                );
+            }
+            if let Some(bad) = stats.iter().find(|[m, s]| !m.is_finite() || !s.is_finite() || *s < 0.0) {
+                return invalid(
+                    "data.schema.standardize_stats",
+                    format!("{bad:?}: a mean and a std must be finite, the std >= 0"),
+                );
+            }
+        }
+        if schema.dense_transform != super::DenseTransform::Standardize {
+            return Ok(());
+        }
+        if !matches!(self.data.format, super::DataFormat::Csv | super::DataFormat::Parquet) {
+            return invalid(
+                "data.schema.dense_transform",
+                "applies to csv and parquet files (the schema's dense columns); criteo's counts are read through                  log1p"
+                    .into(),
+            );
+        }
+        if self.data.stream.is_some() && schema.standardize_stats.is_none() {
+            return invalid(
+                "data.schema.dense_transform",
+                "\"standardize\" on a stream has no first pass to take its statistics from: give                  data.schema.standardize_stats"
+                    .into(),
+            );
         }
         Ok(())
     }
