@@ -262,3 +262,45 @@ def test_tables_past_the_inline_limit_go_beside_the_graph_and_onnx_runtime_loads
                        "--max-inline-bytes", "100")
     assert done.returncode == 2 and "--max-table-bytes" in done.stderr and "model file" in done.stderr, done.stderr
     assert not (tmp_path / "tiny").exists()
+
+
+def test_a_bucketized_column_reads_as_its_bucket_in_predict_python_and_the_graph(tmp_path):
+    """`[[data.schema.buckets]]`: a numeric column (some cells empty) read
+    as the bucket its value falls in, by `sparrow predict`, the Python
+    module and the ONNX graph (a float input, compared with the boundaries)."""
+    rng = np.random.default_rng(5)
+    rows = 3000
+    age = rng.uniform(0, 90, rows).round(1)
+    city = rng.integers(0, 30, rows)
+    p = 1 / (1 + np.exp(-(np.where((age >= 25) & (age < 45), 1.5, -1.0) + (city % 3 - 1) * 0.5)))
+    label = (rng.uniform(size=rows) < p).astype(int)
+    lines = ["label,age,city"]
+    for i in range(rows):
+        lines.append(f"{label[i]},{'' if i % 17 == 0 else age[i]},c{city[i]}")
+    (tmp_path / "train.csv").write_text("\n".join(lines[:2501]) + "\n")
+    (tmp_path / "test.csv").write_text("\n".join([lines[0]] + lines[2501:]) + "\n")
+    config = {
+        "data": {
+            "format": "csv",
+            "train": str(tmp_path / "train.csv"),
+            "test": str(tmp_path / "test.csv"),
+            "schema": {"label": "label", "sparse": ["age", "city"],
+                       "buckets": [{"column": "age", "boundaries": [18, 25, 35, 45, 65]}]},
+        },
+        "model": {"kind": "mlp", "embedding_dim": 4, "hidden": [8]},
+        "train": {"epochs": 3, "batch_size": 128},
+        "checkpoint": {"dir": str(tmp_path / "ck")},
+    }
+    summary = sparrow.train(config, progress=False)
+    # The bands carry the signal a raw age string would spread over 900 IDs.
+    assert summary["test_auc"] > 0.7, summary
+    run("export", "--checkpoint", tmp_path / "ck", "--out", tmp_path / "onnx", "--format", "onnx")
+    run("predict", "--checkpoint", tmp_path / "ck", "--data", tmp_path / "test.csv", "--out", tmp_path / "p.txt")
+    expected = read_floats(tmp_path / "p.txt")
+    model = session(tmp_path / "onnx" / "model.onnx")
+    feed = csv_columns(tmp_path / "test.csv", model)
+    assert feed["age"].dtype == np.float32 and np.isnan(feed["age"]).any()
+    (got,) = model.run(["probability"], feed)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
+    scored = sparrow.Model.load(tmp_path / "ck").predict({"age": feed["age"].astype(np.float64), "city": feed["city"]})
+    np.testing.assert_allclose(np.asarray(scored).reshape(-1), expected, rtol=0, atol=1e-6)

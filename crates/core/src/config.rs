@@ -2,6 +2,7 @@
 //! has an explicit default, and units live in the names.
 
 mod bounds;
+mod buckets;
 mod cluster;
 mod kinds;
 mod overrides;
@@ -14,6 +15,7 @@ mod tasks;
 mod validate;
 mod validation;
 
+pub use buckets::{BucketField, bucket_id};
 pub use cluster::{
     ClusterConfig, ClusterMode, Combine, LazyConfig, LazySend, PassRequest, ProbeRoles, RoundMergeRule, SyncMode,
     Utilisation,

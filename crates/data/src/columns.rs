@@ -202,7 +202,7 @@ pub enum ColumnRules {
     Criteo,
     /// CSV with a schema: numbers through its `dense_transform`; one key a
     /// field, or with `multi_hot_separator` one per non-empty ID.
-    Csv { scale: DenseScale, multi_hot: Option<Vec<u8>> },
+    Csv { scale: DenseScale, multi_hot: Option<Vec<u8>>, buckets: Vec<Option<Vec<f64>>> },
 }
 
 impl ColumnRules {
@@ -217,6 +217,7 @@ impl ColumnRules {
     pub fn csv(schema: &Schema) -> ColumnRules {
         ColumnRules::Csv {
             scale: schema.dense_scale(),
+            buckets: schema.bucket_boundaries(),
             multi_hot: schema.multi_hot_separator.as_ref().map(|s| s.as_bytes().to_vec()),
         }
     }
@@ -274,9 +275,14 @@ impl ColumnRules {
                     return Err(format!("a batch of {} fields for {fields} sparse columns", out.num_fields()));
                 }
             }
-            ColumnRules::Csv { multi_hot, .. } => {
+            ColumnRules::Csv { multi_hot, buckets, .. } => {
                 for (f, v) in values.enumerate() {
                     let raw = v.unwrap_or_default();
+                    if let Some(boundaries) = buckets.get(f).and_then(Option::as_ref) {
+                        let id = sparrow_core::config::bucket_id(boundaries, raw)?;
+                        out.push_key(f, feature_key(f as u32, id.as_bytes()), 1.0);
+                        continue;
+                    }
                     match multi_hot {
                         Some(sep) => {
                             for id in split_bytes(raw, sep).filter(|s| !s.is_empty()) {

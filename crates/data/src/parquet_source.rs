@@ -33,6 +33,8 @@ pub struct ParquetSource {
     dense: Vec<(usize, String)>,
     sparse: Vec<usize>,
     scale: DenseScale,
+    /// `[[data.schema.buckets]]`: each sparse field's boundaries, if bucketized.
+    buckets: Vec<Option<Vec<f64>>>,
     /// Index of the next row (0-based).
     next_row: u64,
     bad: BadRows,
@@ -168,6 +170,7 @@ impl ParquetSource {
             dense,
             sparse,
             scale: schema.dense_scale(),
+            buckets: schema.bucket_boundaries(),
             next_row: 0,
             bad,
             timestamp,
@@ -265,6 +268,12 @@ impl ParquetSource {
         }
         for (fi, &col) in self.sparse.iter().enumerate() {
             let f = cols.get(col).ok_or("row is shorter than the schema")?;
+            if let Some(boundaries) = &self.buckets[fi] {
+                let raw = if matches!(f, Field::Null) { Vec::new() } else { id_bytes(f) };
+                let id = sparrow_core::config::bucket_id(boundaries, &raw).map_err(|e| format!("column {col}: {e}"))?;
+                out.push_key(fi, feature_key(fi as u32, id.as_bytes()), 1.0);
+                continue;
+            }
             match f {
                 Field::ListInternal(list) => {
                     for e in list.elements() {

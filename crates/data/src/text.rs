@@ -200,6 +200,10 @@ pub struct CsvParser {
     sparse: Vec<usize>,
     multi_hot: Option<Vec<u8>>,
     scale: DenseScale,
+    /// `[[data.schema.buckets]]`: each sparse field's boundaries, if
+    /// bucketized, and the fields' names (an error names the column).
+    buckets: Vec<Option<Vec<f64>>>,
+    sparse_names: Vec<String>,
     width: usize,
     /// Columns a whole row has: the header's, else the schema's widest.
     columns: usize,
@@ -269,6 +273,8 @@ impl CsvParser {
             sparse,
             multi_hot: schema.multi_hot_separator.as_ref().map(|s| s.as_bytes().to_vec()),
             scale: schema.dense_scale(),
+            buckets: schema.bucket_boundaries(),
+            sparse_names: schema.sparse.clone(),
             width,
             timestamp,
             now: crate::weighting::now_secs(),
@@ -342,6 +348,12 @@ impl LineParser for CsvParser {
         }
         for (f, &col) in self.sparse.iter().enumerate() {
             let raw = cells[col].as_ref();
+            if let Some(boundaries) = &self.buckets[f] {
+                let id = sparrow_core::config::bucket_id(boundaries, raw)
+                    .map_err(|e| format!("column {}: {e}", self.sparse_names[f]))?;
+                out.push_key(f, feature_key(f as u32, id.as_bytes()), 1.0);
+                continue;
+            }
             match &self.multi_hot {
                 Some(sep) => {
                     for id in split_bytes(raw, sep).filter(|s| !s.is_empty()) {

@@ -76,6 +76,9 @@ pub struct SparseInput {
     pub rows: Option<(Vec<String>, Vec<f32>)>,
     /// The row of an ID the vocabulary lacks (`width` floats).
     pub unknown: Vec<f32>,
+    /// `[[data.schema.buckets]]`: the input is a float `[N]` (NaN:
+    /// missing) whose ID is its bucket's number under these boundaries.
+    pub buckets: Option<Vec<f64>>,
 }
 
 /// Everything the graph is built from.

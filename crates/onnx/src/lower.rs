@@ -88,6 +88,10 @@ fn rows_of(g: &mut Graph, ids: &str, table: &Table) -> String {
 /// a list split by its separator and pooled (sum, or `mean`); a sequence
 /// keeps its newest `max_len` IDs.
 pub fn embedded_field(g: &mut Graph, s: &SparseInput, table: &Table, mean: bool) -> Field {
+    if let Some(boundaries) = &s.buckets {
+        let ids = bucket_ids(g, &s.name, boundaries);
+        return Field { pooled: rows_of(g, &ids, table), items: None };
+    }
     g.input(&s.name, STRING, &[Dim::Rows]);
     let Some(separator) = &s.separator else {
         return Field { pooled: rows_of(g, &s.name, table), items: None };
@@ -120,6 +124,24 @@ pub fn embedded_field(g: &mut Graph, s: &SparseInput, table: &Table, mean: bool)
         pooled = g.node("Div", &[&pooled, &count], vec![]);
     }
     Field { pooled, items: Some((items, weights)) }
+}
+
+/// A bucketized field's float input `[N]` as the IDs the readers give it:
+/// the number of boundaries at or below each value, as text; NaN (a
+/// missing value) the empty ID.
+fn bucket_ids(g: &mut Graph, name: &str, boundaries: &[f64]) -> String {
+    g.input(name, FLOAT, &[Dim::Rows]);
+    let axis = g.int64_init("axis1", &[1], vec![1]);
+    let column = g.node("Unsqueeze", &[name, &axis], vec![]);
+    let bounds = boundaries.iter().map(|&b| b as f32).collect::<Vec<_>>();
+    let bounds = g.float_init(&format!("{name}_boundaries"), &[boundaries.len() as i64], bounds);
+    let at_or_below = g.node("GreaterOrEqual", &[&column, &bounds], vec![]);
+    let counted = g.node("Cast", &[&at_or_below], vec![int("to", i64::from(INT64))]);
+    let bucket = g.node("ReduceSum", &[&counted, &axis], vec![int("keepdims", 0)]);
+    let text = g.node("Cast", &[&bucket], vec![int("to", i64::from(STRING))]);
+    let missing = g.node("IsNaN", &[name], vec![]);
+    let empty = g.string_init("empty", "");
+    g.node("Where", &[&missing, &empty, &text], vec![])
 }
 
 fn concat(g: &mut Graph, parts: &[String]) -> String {

@@ -84,7 +84,15 @@ pub fn export_onnx(
     let embedded = total.saturating_mul(width as u64 * 4) <= max_table_bytes;
     let multi_hot = schema.multi_hot_separator.clone().filter(|_| config.data.format == DataFormat::Csv);
     let mut sparse = Vec::with_capacity(inputs.sparse.len() + inputs.sequences.len());
+    let buckets = schema.bucket_boundaries();
     for (field, (name, ids)) in inputs.sparse.iter().zip(ids).enumerate() {
+        // A bucketized field's IDs are its buckets' numbers (and the
+        // missing one), whatever the files' cells.
+        let bucketized = buckets.get(field).cloned().flatten().filter(|_| config.data.format != DataFormat::Criteo);
+        let ids = match &bucketized {
+            Some(b) => std::iter::once(String::new()).chain((0..=b.len()).map(|i| i.to_string())).collect(),
+            None => ids,
+        };
         let rows = if embedded { Some((ids.clone(), rows_of(&trainer, field, &ids)?)) } else { None };
         sparse.push(sparrow_onnx::SparseInput {
             name: name.clone(),
@@ -93,6 +101,7 @@ pub fn export_onnx(
             table: field,
             rows,
             unknown: vec![0.0; width],
+            buckets: bucketized,
         });
     }
     for q in &inputs.sequences {
@@ -103,6 +112,7 @@ pub fn export_onnx(
             table: q.table as usize,
             rows: None,
             unknown: vec![0.0; width],
+            buckets: None,
         });
     }
     let log1p = match config.data.format {

@@ -42,6 +42,10 @@ pub struct Schema {
     pub timestamp: Option<String>,
     /// Columns holding a list of IDs each (behaviour sequences, newest last).
     pub sequence: Vec<SequenceField>,
+    /// `[[data.schema.buckets]]`: sparse columns of numbers read as the
+    /// bucket each value falls in (`column`, `boundaries`), e.g. an age as
+    /// an age band with an embedding of its own.
+    pub buckets: Vec<super::BucketField>,
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
@@ -106,6 +110,7 @@ impl Default for Schema {
             timestamp: None,
             labels: Vec::new(),
             sequence: Vec::new(),
+            buckets: Vec::new(),
         }
     }
 }

@@ -202,3 +202,19 @@ fn standardize_settings_are_checked_by_key() {
         assert!(err.contains(needle) && err.contains("data.schema"), "{sets:?}: {err}");
     }
 }
+
+/// Buckets name a sparse column and increasing finite boundaries.
+#[test]
+fn buckets_are_checked_by_key() {
+    let csv = "[data]\nformat = \"csv\"\ntrain = \"a.csv\"\n[data.schema]\nsparse = [\"age\"]\n";
+    let with = |b: &str| format!("{csv}[[data.schema.buckets]]\n{b}\n");
+    parse(&with("column = \"age\"\nboundaries = [18, 30]"), &[]).expect("good");
+    for (b, needle) in [
+        ("column = \"height\"\nboundaries = [1]", "not a column of data.schema.sparse"),
+        ("column = \"age\"\nboundaries = []", "one or more finite"),
+        ("column = \"age\"\nboundaries = [30, 18]", "must increase"),
+    ] {
+        let err = parse(&with(b), &[]).expect_err(needle).to_string();
+        assert!(err.contains(needle) && err.contains("data.schema.buckets"), "{err}");
+    }
+}

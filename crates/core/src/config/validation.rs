@@ -141,6 +141,14 @@ impl Config {
     /// `data.schema.dense_transform = "standardize"` and its statistics.
     fn validate_standardize(&self) -> Result<(), ConfigError> {
         let Some(schema) = &self.data.schema else { return Ok(()) };
+        schema.check_buckets()?;
+        let schema_format = matches!(self.data.format, super::DataFormat::Csv | super::DataFormat::Parquet);
+        if !schema.buckets.is_empty() && !schema_format {
+            return Err(ConfigError::Invalid {
+                key: "data.schema.buckets".into(),
+                message: "applies to csv and parquet files (the schema's sparse columns)".into(),
+            });
+        }
         let invalid = |key: &str, message: String| Err(ConfigError::Invalid { key: key.to_string(), message });
         if let Some(stats) = &schema.standardize_stats {
             if stats.len() != schema.dense.len() {

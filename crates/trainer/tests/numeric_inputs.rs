@@ -1,8 +1,10 @@
-//! `data.schema.dense_transform = "standardize"`: the first pass's means
-//! and deviations are the columns' (worked out here from the file), they
-//! are kept in the checkpoint's config so evaluation reads as training
-//! did, a resumed run takes them from its checkpoint, and given ones skip
-//! the pass.
+//! Numeric columns read for the model. `data.schema.dense_transform =
+//! "standardize"`: the first pass's means and deviations are the columns'
+//! (worked out here from the file), they are kept in the checkpoint's
+//! config so evaluation reads as training did, a resumed run takes them
+//! from its checkpoint, and given ones skip the pass.
+//! `[[data.schema.buckets]]`: a column of numbers trains the model its
+//! bucket numbers, written out as IDs, train.
 
 use std::path::Path;
 
@@ -132,4 +134,59 @@ fn a_resumed_run_keeps_its_checkpoints_statistics() {
     let resumed = train(&second, true).expect("resumed");
     assert_eq!(resumed.test_auc.map(f64::to_bits), full.test_auc.map(f64::to_bits));
     assert!(close(&saved_stats(&part), &saved_stats(&tmp.path().join("full"))));
+}
+
+/// `path` with a column `band` after the others: `cell(I3's cell)`.
+fn with_band(path: &Path, out: &Path, cell: impl Fn(&str) -> String) {
+    let text = std::fs::read_to_string(path).expect("csv");
+    let mut lines = text.lines();
+    let header = lines.next().expect("header");
+    let i3 = header.split(',').position(|h| h == "I3").expect("I3");
+    let mut written = format!("{header},band\n");
+    for line in lines {
+        let c = line.split(',').nth(i3).expect("cell");
+        written.push_str(&format!("{line},{}\n", cell(c)));
+    }
+    std::fs::write(out, written).expect("write");
+}
+
+#[test]
+fn a_bucketized_column_trains_the_model_of_its_bucket_ids() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let data = tmp.path().join("data");
+    sparrow_data::synth::generate_days(&data, 3000, 500, 1, false, 7).expect("generate");
+    let boundaries = [1.0, 5.0, 20.0, 100.0];
+    let (raw, ids) = (tmp.path().join("raw"), tmp.path().join("ids"));
+    for dir in [&raw, &ids] {
+        std::fs::create_dir_all(dir).expect("dir");
+    }
+    for file in ["train.csv", "test.csv"] {
+        with_band(&data.join(file), &raw.join(file), str::to_string);
+        with_band(&data.join(file), &ids.join(file), |c| {
+            sparrow_core::config::bucket_id(&boundaries, c.as_bytes()).expect("a number")
+        });
+    }
+    let band = |data: &Path, dir: &str| {
+        let mut c = config(data, &tmp.path().join(dir), DenseTransform::None);
+        c.data.schema.as_mut().expect("schema").sparse.push("band".into());
+        c
+    };
+    let mut bucketized = band(&raw, "a");
+    bucketized.data.schema.as_mut().expect("schema").buckets =
+        vec![sparrow_core::config::BucketField { column: "band".into(), boundaries: boundaries.to_vec() }];
+    let a = train(&bucketized, true).expect("bucketized");
+    let b = train(&band(&ids, "b"), true).expect("bucket IDs");
+    assert_eq!(a.test_auc.map(f64::to_bits), b.test_auc.map(f64::to_bits));
+    assert_eq!(a.embedding_rows, b.embedding_rows);
+    // Without the buckets the column is its raw text: other IDs, other rows.
+    let plain = train(&band(&raw, "c"), true).expect("raw");
+    assert!(plain.embedding_rows > a.embedding_rows, "{} vs {}", plain.embedding_rows, a.embedding_rows);
+    // A cell that is no number is a malformed row, named.
+    let text = std::fs::read_to_string(raw.join("train.csv")).expect("csv");
+    let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
+    lines[1] = format!("{},old", lines[1].rsplit_once(',').expect("band").0);
+    std::fs::write(raw.join("train.csv"), lines.join("\n") + "\n").expect("write");
+    bucketized.data.max_bad_rows = 0;
+    let err = train(&bucketized, true).expect_err("malformed").to_string();
+    assert!(err.contains("`old` is not a number") && err.contains("band"), "{err}");
 }
