@@ -482,17 +482,19 @@ fn rounds_and_lazy_aggregation_keep_replicas_identical_in_process() {
 }
 
 /// `data.schema.dense_transform = "standardize"`: the job takes its first
-/// pass once, before any role reads, and trains `train`'s model.
+/// pass once, before any role reads, and trains `train`'s model; so does a
+/// bucketized column (`[[data.schema.buckets]]`, I5 also a field).
 #[test]
-fn standardized_inputs_train_the_single_process_model_on_a_cluster() {
+fn standardized_and_bucketized_inputs_train_the_single_process_model_on_a_cluster() {
     let tmp = tempfile::tempdir().expect("tmp");
     sparrow_data::synth::generate_days(tmp.path(), 2000, 400, 1, false, 9).expect("generate");
     let d = tmp.path().display();
     let dense: Vec<String> = (1..=13).map(|i| format!("\"I{i}\"")).collect();
-    let sparse: Vec<String> = (1..=26).map(|i| format!("\"C{i}\"")).collect();
+    let sparse: Vec<String> = (1..=26).map(|i| format!("\"C{i}\"")).chain(["\"I5\"".to_string()]).collect();
     let text = format!(
         "[data]\nformat = \"csv\"\ntrain = \"{d}/train.csv\"\ntest = \"{d}/test.csv\"\n[data.schema]\n\
-         dense = [{}]\nsparse = [{}]\ndense_transform = \"standardize\"\n[model]\nkind = \"dlrm\"\n\
+         dense = [{}]\nsparse = [{}]\ndense_transform = \"standardize\"\n\
+         [[data.schema.buckets]]\ncolumn = \"I5\"\nboundaries = [1, 3, 10]\n[model]\nkind = \"dlrm\"\n\
          embedding_dim = 4\nhidden = [16]\nbottom_hidden = [8]\n[train]\nbatch_size = 128\nseed = 3\n",
         dense.join(","),
         sparse.join(",")
@@ -501,6 +503,7 @@ fn standardized_inputs_train_the_single_process_model_on_a_cluster() {
     let single = sparrow_trainer::train(&c, true).expect("train");
     let cluster = train_local(&c, 2, 1).expect("cluster");
     assert_eq!(cluster.test_auc.map(f64::to_bits), single.test_auc.map(f64::to_bits));
+    assert_eq!(cluster.embedding_rows, single.embedding_rows);
     let mut raw = c.clone();
     raw.data.schema.as_mut().expect("schema").dense_transform = sparrow_core::config::DenseTransform::None;
     assert_ne!(train_local(&raw, 2, 1).expect("cluster").test_auc, cluster.test_auc, "the statistics are applied");
