@@ -115,8 +115,9 @@ fn early_stopping_keeps_the_best_model_and_stops_once_patience_is_spent() {
     assert_eq!(last.step, stop_at);
 }
 
-/// Cut mid-epoch and right at an epoch's end (its checkpoint written
-/// before that epoch's validation): the resumed run scores what the
+/// Cut mid-epoch, right at an epoch's end (its checkpoint written before
+/// that epoch's validation) and after a whole run of one epoch (its
+/// checkpoint written after it): the resumed run scores what the
 /// uninterrupted one scored, once each, and stops at the same step with
 /// the same best and the same model.
 #[test]
@@ -129,24 +130,36 @@ fn a_resumed_run_stops_where_the_uninterrupted_one_does_with_the_same_model() {
     let full_dir = tmp.path().join("full");
     let full = train(&config(&data, &full_dir, 12, Some(2)), true).expect("full");
     let full_lines = validation_lines(&full_dir.join("metrics.jsonl"));
-    for cut in [per_epoch + 7, 2 * per_epoch] {
-        let dir = tmp.path().join(format!("cut-{cut}"));
-        let mut first = config(&data, &dir, 12, Some(2));
-        first.train.max_steps = Some(cut);
-        first.checkpoint.every_steps = Some(cut);
+    // Cut by train.max_steps mid-epoch and at an epoch's end (checkpoint
+    // before that epoch's validation), and by the data's end after one
+    // epoch (checkpoint after it: the resumed run must not score it again).
+    for (cut, epochs) in [(Some(per_epoch + 7), 12), (Some(2 * per_epoch), 12), (None, 1)] {
+        let dir = tmp.path().join(format!("cut-{cut:?}-{epochs}"));
+        let mut first = config(&data, &dir, epochs, Some(2));
+        first.train.max_steps = cut;
+        first.checkpoint.every_steps = cut;
         train(&first, true).expect("first part");
         let mut second = config(&data, &dir, 12, Some(2));
         second.checkpoint.resume_from = Some(dir.join("ckpt").display().to_string());
         let resumed = train(&second, true).expect("resumed");
-        assert_eq!(resumed.steps, full.steps, "cut at {cut}");
-        assert_eq!(resumed.validation, full.validation.clone().with_dir(&full_dir, &dir), "cut at {cut}");
+        assert_eq!(resumed.steps, full.steps, "cut at {cut:?}, {epochs} epochs");
+        assert_eq!(
+            resumed.validation,
+            full.validation.clone().with_dir(&full_dir, &dir),
+            "cut at {cut:?}, {epochs} epochs"
+        );
         assert_eq!(resumed.test_auc.map(f64::to_bits), full.test_auc.map(f64::to_bits));
         let lines = validation_lines(&dir.join("metrics.jsonl"));
-        assert_eq!(lines, full_lines, "cut at {cut}: the same validations, once each");
+        assert_eq!(lines, full_lines, "cut at {cut:?}, {epochs} epochs: the same validations, once each");
         for (a, b) in [(full_dir.join("ckpt"), dir.join("ckpt")), (full_dir.join("ckpt/best"), dir.join("ckpt/best"))] {
             let (ta, ma, _) = load_trainer(&a, &Overrides::none()).expect("a");
             let (tb, mb, _) = load_trainer(&b, &Overrides::none()).expect("b");
-            assert_eq!((ma.step, ma.early_stopping), (mb.step, mb.early_stopping), "cut at {cut}: {}", b.display());
+            assert_eq!(
+                (ma.step, ma.early_stopping),
+                (mb.step, mb.early_stopping),
+                "cut at {cut:?}, {epochs} epochs: {}",
+                b.display()
+            );
             assert!(ta.model.params.flat_values().expect("a") == tb.model.params.flat_values().expect("b"));
         }
     }
