@@ -45,7 +45,9 @@ pub fn train_local(config: &Config, num_shards: usize, num_workers: usize) -> Re
     let num_workers = num_workers.max(1);
     let num_shards = num_shards.max(1);
     crate::refuse_local_only_keys(config)?;
-    let config = &*sparrow_trainer::standardize::with_dense_statistics(config)?;
+    // No stop flag: a role process exits on a signal (`exit_on_signals`).
+    let never = std::sync::atomic::AtomicBool::new(false);
+    let config = &*sparrow_trainer::standardize::with_dense_statistics(config, &never)?;
     crate::worker::start_metrics_file(config)?;
     let servers: Vec<Arc<ShardServer>> = (0..num_shards)
         .map(|i| {

@@ -165,7 +165,9 @@ pub fn run_coordinator(
     let CoordinatorArgs { num_shards, num_workers, aggregators, listen, metrics_listen, notices } = args;
     crate::refuse_local_only_keys(config)?;
     // Every role takes the job's config from here: with the statistics.
-    let config = &*sparrow_trainer::standardize::with_dense_statistics(config)?;
+    // No stop flag: a role process exits on a signal (`exit_on_signals`).
+    let never = std::sync::atomic::AtomicBool::new(false);
+    let config = &*sparrow_trainer::standardize::with_dense_statistics(config, &never)?;
     let on_event = Arc::new(on_event);
     let rt = runtime()?;
     let settings = NetSettings::new(&config.cluster, None);

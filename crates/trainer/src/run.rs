@@ -196,7 +196,7 @@ pub fn train_observed(
     let wall = Instant::now();
     let pool = compute_pool(config.train.threads)?;
     pool.install(|| {
-        let config = crate::standardize::with_dense_statistics(config)?;
+        let config = crate::standardize::with_dense_statistics(config, stop)?;
         train_in_pool(&config, quiet, wall, stop, observer)
     })
 }

@@ -7,6 +7,7 @@
 
 use std::borrow::Cow;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use sparrow_core::Config;
 use sparrow_core::config::DenseTransform;
@@ -17,7 +18,9 @@ use crate::checkpoint;
 
 /// `config` with its standardization statistics, computed (or taken from
 /// the checkpoint it resumes) where it asks for them and has none yet.
-pub fn with_dense_statistics(config: &Config) -> Result<Cow<'_, Config>, TrainError> {
+/// `stop` (Ctrl-C, SIGTERM) ends the first pass between batches: nothing
+/// is trained yet, so nothing is lost.
+pub fn with_dense_statistics<'a>(config: &'a Config, stop: &AtomicBool) -> Result<Cow<'a, Config>, TrainError> {
     let Some(schema) = config.data.schema.as_ref() else { return Ok(Cow::Borrowed(config)) };
     let standardize = schema.dense_transform == DenseTransform::Standardize;
     if !standardize || schema.standardize_stats.is_some() || schema.dense.is_empty() {
@@ -29,7 +32,7 @@ pub fn with_dense_statistics(config: &Config) -> Result<Cow<'_, Config>, TrainEr
     };
     let stats = match resumed {
         Some(stats) => stats,
-        None => first_pass(config)?,
+        None => first_pass(config, stop)?,
     };
     let mut prepared = config.clone();
     if let Some(schema) = prepared.data.schema.as_mut() {
@@ -49,7 +52,7 @@ fn saved_statistics(from: &Path) -> Result<Option<Vec<[f64; 2]>>, TrainError> {
 /// Each dense column's mean and population standard deviation over the
 /// training rows (the held-out ones left out), as read: a missing cell is
 /// 0. Malformed rows are skipped here and reported by the training pass.
-fn first_pass(config: &Config) -> Result<Vec<[f64; 2]>, TrainError> {
+fn first_pass(config: &Config, stop: &AtomicBool) -> Result<Vec<[f64; 2]>, TrainError> {
     let Some(train) = config.data.train.as_deref() else {
         return Err(TrainError::Config(sparrow_core::ConfigError::Invalid {
             key: "data.schema.dense_transform".into(),
@@ -67,6 +70,9 @@ fn first_pass(config: &Config) -> Result<Vec<[f64; 2]>, TrainError> {
     let columns = stream.layout.num_dense;
     let mut sums = vec![Welford::default(); columns];
     for batch in stream {
+        if stop.load(Ordering::Relaxed) {
+            return Err(TrainError::Interrupted { step: 0 });
+        }
         let batch = batch?;
         for row in batch.dense.chunks_exact(columns.max(1)) {
             for (w, &x) in sums.iter_mut().zip(row) {

@@ -190,3 +190,17 @@ fn a_bucketized_column_trains_the_model_of_its_bucket_ids() {
     let err = train(&bucketized, true).expect_err("malformed").to_string();
     assert!(err.contains("`old` is not a number") && err.contains("band"), "{err}");
 }
+
+/// A signal during the first pass ends it (nothing is trained yet).
+#[test]
+fn a_stop_during_the_first_pass_ends_it() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let data = tmp.path().join("data");
+    sparrow_data::synth::generate_days(&data, 500, 100, 1, false, 7).expect("generate");
+    let c = config(&data, &tmp.path().join("ck"), DenseTransform::Standardize);
+    let stop = std::sync::atomic::AtomicBool::new(true);
+    let err = sparrow_trainer::standardize::with_dense_statistics(&c, &stop).expect_err("stopped");
+    assert!(matches!(err, sparrow_trainer::TrainError::Interrupted { step: 0 }), "{err}");
+    let run = sparrow_trainer::train_until(&c, true, &stop).expect_err("stopped");
+    assert!(matches!(run, sparrow_trainer::TrainError::Interrupted { step: 0 }), "{run}");
+}
