@@ -5,10 +5,12 @@ mod bounds;
 mod buckets;
 mod cluster;
 mod kinds;
+mod norm;
 mod overrides;
 mod reference;
 mod schedule;
 mod schema;
+mod stored;
 mod stream;
 mod stream_auth;
 mod tasks;
@@ -21,6 +23,7 @@ pub use cluster::{
     Utilisation,
 };
 pub use kinds::ModelKind;
+pub use norm::{Norm, NormSetting};
 pub use overrides::Overrides;
 pub use reference::json_schema;
 pub use schedule::{ScheduleConfig, ScheduleKind};
@@ -260,23 +263,6 @@ pub enum Precision {
     Bf16,
 }
 
-/// `model.norm`: what normalizes the MLP stacks' activated layers.
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum Norm {
-    /// Nothing.
-    #[default]
-    None,
-    /// Layer norm of each row's pre-activation (PyTorch's LayerNorm, ε 1e-5,
-    /// learned γ and β), before the ReLU.
-    Layer,
-    /// Batch norm of each column of the pre-activation (PyTorch's
-    /// BatchNorm1d, ε 1e-5, learned γ and β), before the ReLU: a training
-    /// step normalizes by its batch's statistics and moves running ones;
-    /// evaluation and serving normalize by the running ones.
-    Batch,
-}
-
 /// `model.activation`, `model.attention_activation`: what an MLP stack's
 /// activated layers apply after their norm.
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, schemars::JsonSchema, PartialEq, Eq)]
@@ -360,9 +346,10 @@ pub struct ModelConfig {
     /// the element: the same model every run, after a resume and in
     /// `launch`. 0: off.
     pub dropout: f32,
-    /// `none`, `layer` or `batch`: each activated layer of the same MLP
-    /// stacks as `dropout`'s normalizes its pre-activation, then takes the
-    /// ReLU (learned scale and shift). `layer`: over the layer's outputs,
+    /// `auto`, `none`, `layer` or `batch`: each activated layer of the same
+    /// MLP stacks as `dropout`'s normalizes its pre-activation, then takes
+    /// the ReLU (learned scale and shift). `auto` (the default) is `batch`
+    /// for `din` and `none` for every other kind. `layer`: over the layer's outputs,
     /// row by row; in training, evaluation, serving and ONNX alike
     /// (`LayerNormalization`). `batch`: each output over the batch's rows
     /// while training (in a cluster, each worker over its own batch), by
@@ -370,7 +357,7 @@ pub struct ModelConfig {
     /// mean and (unbiased) variance are kept with the dense weights: in
     /// checkpoints, exports, and a cluster's dense sync, where they move by
     /// the workers' batches together.
-    pub norm: Norm,
+    pub norm: NormSetting,
     /// `norm = "batch"`: how far a training step moves the running
     /// statistics towards its batch's, in (0, 1] (PyTorch's `momentum`):
     /// running ← (1 − m)·running + m·batch.
@@ -404,7 +391,7 @@ impl Default for ModelConfig {
             attention_hidden: vec![36],
             tasks: Vec::new(),
             dropout: 0.0,
-            norm: Norm::None,
+            norm: NormSetting::Auto,
             batch_norm_momentum: 0.1,
             activation: Activation::Relu,
             attention_activation: Activation::Relu,
@@ -837,8 +824,13 @@ pub const MAX_EMBEDDING_DIM: usize = 4096;
 impl Config {
     /// Parses TOML text, applies `overrides`, and validates.
     pub fn from_toml(text: &str, source_name: &str, overrides: &Overrides) -> Result<Config, ConfigError> {
-        let mut table: toml::Table = toml::from_str(text)
+        let table: toml::Table = toml::from_str(text)
             .map_err(|e| ConfigError::Parse { source_name: source_name.to_string(), message: e.to_string() })?;
+        Config::from_table(table, source_name, overrides)
+    }
+
+    /// A parsed table, `overrides` applied, validated.
+    fn from_table(mut table: toml::Table, source_name: &str, overrides: &Overrides) -> Result<Config, ConfigError> {
         overrides.apply(&mut table)?;
         let config: Config = toml::Value::Table(table).try_into().map_err(|e: toml::de::Error| ConfigError::Parse {
             source_name: source_name.to_string(),

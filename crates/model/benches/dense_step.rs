@@ -80,7 +80,7 @@ fn main() {
                 precision,
                 tasks: Vec::new(),
                 dropout,
-                norm,
+                norm: norm.into(),
                 activation,
                 ..Default::default()
             };

@@ -10,7 +10,7 @@
 //! are parts in their own files, not kinds.
 
 use candle_core::{Device, Tensor, Var};
-use sparrow_core::config::{ModelConfig, ModelKind};
+use sparrow_core::config::{ModelConfig, ModelKind, Norm};
 use sparrow_core::{Config, ConfigError};
 
 use crate::ModelError;
@@ -94,6 +94,12 @@ pub trait Kind: Sync {
     /// Whether it reads the batch's behaviour sequences unpooled.
     fn attends(&self) -> bool {
         false
+    }
+
+    /// Its MLP stacks' norm when `model.norm` is `auto` (the default). A
+    /// checkpoint stores `auto`, so this is part of its models' format.
+    fn default_norm(&self) -> Norm {
+        Norm::None
     }
 
     /// Its own refusals of a config, each naming the key.

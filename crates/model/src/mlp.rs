@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor, Var};
 use rayon::prelude::*;
 
-use sparrow_core::config::{Activation, ModelConfig, Norm};
+use sparrow_core::config::{Activation, ModelConfig, Norm, NormSetting};
 
 use crate::bf16::Arith;
 use crate::dropout::Dropout;
@@ -71,7 +71,14 @@ impl StackStyle {
 
     /// The model's MLP stacks'.
     pub fn of(config: &ModelConfig) -> StackStyle {
-        StackStyle { norm: config.norm, momentum: config.batch_norm_momentum, activation: config.activation }
+        let norm = match config.norm {
+            // An unknown kind builds nothing; it is refused by name elsewhere.
+            NormSetting::Auto => crate::kinds::find(&config.kind).map_or(Norm::None, |k| k.default_norm()),
+            NormSetting::None => Norm::None,
+            NormSetting::Layer => Norm::Layer,
+            NormSetting::Batch => Norm::Batch,
+        };
+        StackStyle { norm, momentum: config.batch_norm_momentum, activation: config.activation }
     }
 
     /// DIN's local activation unit's: no norm, `model.attention_activation`.

@@ -19,7 +19,7 @@ fn model(momentum: f32) -> DenseModel {
         kind: ModelKind::named("mlp"),
         embedding_dim: 3,
         hidden: vec![4],
-        norm: Norm::Batch,
+        norm: Norm::Batch.into(),
         batch_norm_momentum: momentum,
         ..Default::default()
     };

@@ -3,7 +3,7 @@
 //! dense weights, against finite differences of the summed task loss.
 
 use candle_core::Device;
-use sparrow_core::config::{ModelConfig, ModelKind, Task, TaskKind};
+use sparrow_core::config::{ModelConfig, ModelKind, NormSetting, Task, TaskKind};
 use sparrow_core::rng::Rng;
 use sparrow_model::{DenseModel, Heads, ModelShape, Sequences};
 
@@ -15,6 +15,11 @@ fn model(heads: &Heads) -> DenseModel {
         embedding_dim: 4,
         hidden: vec![8, 5],
         attention_hidden: vec![6],
+        // No norm: the finite differences go through `predict_with`, which
+        // batch norm (DIN's default) would take by its running statistics;
+        // DIN with each norm is checked against the graph's autograd
+        // (`direct_step_equals_graph_with_tasks_and_sequences.rs`).
+        norm: NormSetting::None,
         ..Default::default()
     };
     // Fields: 0 the candidate item, 1 another, 2 the history (its slot).

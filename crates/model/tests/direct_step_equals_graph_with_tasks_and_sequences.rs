@@ -58,7 +58,7 @@ fn model_with(
         attention_hidden: vec![6, 4],
         precision,
         dropout,
-        norm,
+        norm: norm.into(),
         activation,
         // DIN's unit takes its own: Dice there too when the stacks have it.
         attention_activation: if activation == Activation::Dice { Activation::Dice } else { Activation::Relu },

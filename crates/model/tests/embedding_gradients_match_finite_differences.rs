@@ -113,7 +113,7 @@ fn direct_path_equals_autograd_path_for_every_model() {
         ]
     }) {
         let shape = ModelShape { num_fields: 4, num_dense, embedding_dim: 5 };
-        let config = ModelConfig { norm, activation, ..config(kind.clone(), 5, &[16, 8], precision) };
+        let config = ModelConfig { norm: norm.into(), activation, ..config(kind.clone(), 5, &[16, 8], precision) };
         let what = format!("{kind} {precision:?} with {num_dense} dense, norm {norm:?}, {activation:?}");
         let direct = DenseModel::new(&config, shape, 21, Device::Cpu, sparrow_core::simd::Simd::Auto).expect("model");
         let graph = DenseModel::new(&config, shape, 21, Device::Cpu, sparrow_core::simd::Simd::Auto).expect("model");

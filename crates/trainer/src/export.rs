@@ -511,7 +511,7 @@ pub fn export_chain(dir: &Path) -> Result<Vec<(PathBuf, ExportManifest)>, TrainE
 
 /// A fresh in-memory model for an export (no rows, initial weights).
 pub fn empty_model(m: &ExportManifest, source: &Path, overrides: &Overrides) -> Result<Model, TrainError> {
-    let config = Config::from_toml(&m.config, &source.display().to_string(), overrides)?;
+    let config = Config::from_stored_toml(&m.config, &source.display().to_string(), overrides)?;
     let layout = DataLayout {
         num_fields: m.num_fields,
         num_dense: m.num_dense,

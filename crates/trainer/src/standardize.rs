@@ -45,7 +45,7 @@ pub fn with_dense_statistics<'a>(config: &'a Config, stop: &AtomicBool) -> Resul
 fn saved_statistics(from: &Path) -> Result<Option<Vec<[f64; 2]>>, TrainError> {
     let dir = checkpoint::resolve(from)?;
     let manifest = checkpoint::read_manifest(&dir)?;
-    let saved = Config::from_toml(&manifest.config, &dir.display().to_string(), &Default::default())?;
+    let saved = Config::from_stored_toml(&manifest.config, &dir.display().to_string(), &Default::default())?;
     Ok(saved.data.schema.and_then(|s| s.standardize_stats))
 }
 

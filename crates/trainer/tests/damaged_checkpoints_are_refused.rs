@@ -131,6 +131,32 @@ fn rows_of_another_optimizer_or_rounding_are_refused() {
     train(&again, true).expect("the same settings resume");
 }
 
+/// A model of another `model.norm` is refused naming the key and the value
+/// that resumes it (an `mlp` trained with `none` resumed asking for
+/// `batch`), not by its parameters' sizes; `auto` resumes it (none for an
+/// `mlp`). A stored config older than the key reads as `none`
+/// (`config/stored.rs`).
+#[test]
+fn a_model_of_another_norm_is_refused_naming_the_key() {
+    use sparrow_core::config::NormSetting;
+    let tmp = tempfile::tempdir().expect("tmp");
+    let data = tmp.path().join("data");
+    common::small_data(&data, 1500, 300);
+    let mut c = common::small_config(&data, "mlp");
+    c.model.norm = NormSetting::None;
+    let ck = tmp.path().join("ck");
+    c.checkpoint.dir = Some(ck.display().to_string());
+    train(&c, true).expect("train");
+    let mut again = c.clone();
+    again.checkpoint.resume_from = Some(ck.display().to_string());
+    again.model.norm = NormSetting::Batch;
+    let msg = train(&again, true).map(|_| ()).expect_err("refused").to_string();
+    assert!(msg.contains("model.norm = \"none\"") && msg.contains("\"batch\""), "{msg}");
+    // `auto` resolves as the checkpoint's `none` for an mlp: it resumes.
+    again.model.norm = NormSetting::Auto;
+    train(&again, true).expect("auto is none for an mlp");
+}
+
 #[test]
 fn keeps_the_newest_versions_and_latest_points_at_a_complete_one() {
     let tmp = tempfile::tempdir().expect("tmp");

@@ -87,17 +87,17 @@ fn stop_and_resume_gives_the_uninterrupted_model() {
             base.dense_optimizer.kind = sparrow_core::config::DenseOptimizerKind::AdamW;
             base.dense_optimizer.weight_decay = 0.01;
             base.model.dropout = 0.2;
-            base.model.norm = sparrow_core::config::Norm::Layer;
+            base.model.norm = sparrow_core::config::NormSetting::Layer;
         }
         if kind.ends_with("-batchnorm") {
             // The running statistics are in the checkpoint with the weights.
-            base.model.norm = sparrow_core::config::Norm::Batch;
+            base.model.norm = sparrow_core::config::NormSetting::Batch;
             base.model.dropout = 0.1;
         }
         if kind.ends_with("-activations") {
             // Dice: its slopes and running statistics, after a layer norm.
             base.model.activation = sparrow_core::config::Activation::Dice;
-            base.model.norm = sparrow_core::config::Norm::Layer;
+            base.model.norm = sparrow_core::config::NormSetting::Layer;
         }
         if kind.ends_with("-scheduled") {
             // `[train.schedule]`: warmup, then cosine decay, both rates.

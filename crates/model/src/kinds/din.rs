@@ -15,7 +15,7 @@
 //! finite differences and each other.
 
 use candle_core::{DType, Tensor};
-use sparrow_core::config::ModelConfig;
+use sparrow_core::config::{ModelConfig, Norm};
 use sparrow_core::{Config, ConfigError};
 
 use super::parts::{head, mlp_params, stack_flops};
@@ -41,6 +41,14 @@ impl Kind for Din {
 
     fn family(&self) -> Family {
         Family::Sequence
+    }
+
+    /// Batch norm in its MLP, as the DIN paper's and torch-rechub's DIN: the
+    /// attended slot's scale moves with the attention weights, unnormalized
+    /// and summed over up to `max_len` items. On the Instacart log it was
+    /// worth 0.010 of validation AUC (docs/benchmarks.md, "On real logs").
+    fn default_norm(&self) -> Norm {
+        Norm::Batch
     }
 
     fn attends(&self) -> bool {

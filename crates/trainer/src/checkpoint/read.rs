@@ -154,6 +154,7 @@ fn check_compatible(trainer: &Trainer, dir: &Path, m: &Manifest) -> Result<(), T
             format!("holds a `{}` model, the config asks for `{want_kind}`", m.model_kind),
         ));
     }
+    check_same_norm(trainer, dir, m)?;
     let data = (trainer.layout.num_fields, trainer.layout.num_dense);
     if (m.num_fields, m.num_dense) != data {
         return Err(TrainError::DataShape { checkpoint: dir.to_path_buf(), saved: (m.num_fields, m.num_dense), data });
@@ -187,6 +188,36 @@ fn check_compatible(trainer: &Trainer, dir: &Path, m: &Manifest) -> Result<(), T
             format!(
                 "(embedding_dim, row floats) = {shape:?} differs from this run's {ours:?} \
                  (a different model.embedding_dim or embedding.optimizer)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The MLP stacks' norm, as the checkpoint's config and this run's resolve
+/// it (`auto` by the kind): a dense model of another shape would be refused
+/// by its parameters' sizes, without saying which key made them differ.
+fn check_same_norm(trainer: &Trainer, dir: &Path, m: &Manifest) -> Result<(), TrainError> {
+    use sparrow_core::config::Norm;
+    use sparrow_model::mlp::StackStyle;
+    let Ok(saved) = Config::from_stored_toml(&m.config, "the checkpoint's config", &Overrides::none()) else {
+        return Ok(());
+    };
+    let name = |n: Norm| match n {
+        Norm::None => "none",
+        Norm::Layer => "layer",
+        Norm::Batch => "batch",
+    };
+    let (then, now) = (StackStyle::of(&saved.model).norm, StackStyle::of(&trainer.config.model).norm);
+    if then != now {
+        return Err(TrainError::checkpoint(
+            dir,
+            format!(
+                "its model was trained with model.norm = \"{}\", this run's is \"{}\" (`auto`, the default, is \
+                 batch norm for din): set model.norm = \"{}\" to resume it",
+                name(then),
+                name(now),
+                name(then)
             ),
         ));
     }
@@ -472,7 +503,7 @@ fn read_embeddings(
 pub fn load_trainer(path: &Path, overrides: &Overrides) -> Result<(Trainer, Manifest, PathBuf), TrainError> {
     let dir = resolve(path)?;
     let m = read_manifest(&dir)?;
-    let config = Config::from_toml(&m.config, &dir.join(MANIFEST_FILE).display().to_string(), overrides)?;
+    let config = Config::from_stored_toml(&m.config, &dir.join(MANIFEST_FILE).display().to_string(), overrides)?;
     let layout = DataLayout {
         num_fields: m.num_fields,
         num_dense: m.num_dense,
