@@ -3,13 +3,16 @@
 own multi-task models on a log prepared by scripts/real_logs.py, trained with
 each library's own training step, scored on the test split.
 
-    peer_real.py --lib rechub|deepctr --model sharedbottom|mmoe|ple --data DIR
+    peer_real.py --lib rechub|deepctr --model sharedbottom|mmoe|ple|din --data DIR
                  [--epochs 5] [--batch 256] [--dim 16] [--seed 1]
 
 Sizes are torch-rechub's census-income example's: the shared bottom [117]
 with towers [8]; MMoE 8 experts of [16], towers [8]; PLE one level of one
 shared and two per-task experts of [16], towers [8]. Gates are one linear
-layer and a softmax in both libraries. Inputs as both libraries' examples
+layer and a softmax in both libraries. DIN (a log with a behaviour
+sequence): the DIN paper's MLP [200, 80] and an attention unit of [36] with
+Dice, as both libraries default to; the history shares the candidate's
+embedding table. Inputs as both libraries' examples
 make them: each categorical column a vocabulary built on the training rows
 (0: unseen), each multi-hot column padded with 0 and mean-pooled, dense
 columns standardized by the training rows' mean and standard deviation.
@@ -28,7 +31,8 @@ import pandas as pd
 import torch
 from sklearn.metrics import roc_auc_score
 
-SIZES = {"bottom": [117], "tower": [8], "experts": 8, "expert": [16], "ple_specific": 2, "ple_shared": 1}
+SIZES = {"bottom": [117], "tower": [8], "experts": 8, "expert": [16], "ple_specific": 2, "ple_shared": 1,
+         "din_hidden": [200, 80], "attention": [36]}
 
 
 def load(data):
@@ -58,6 +62,23 @@ def load(data):
                 ids = [i for i in ids if i] or []
                 out[r, :len(ids)] = ids
             inputs[p][col] = out
+    sequence = meta.get("sequence")
+    if sequence:
+        # The history takes the candidate's vocabulary (its table's), padded
+        # with 0 on the right; the newest max_len items, as Sparrow keeps.
+        col, table = sequence["field"], sequence["table"]
+        index = {v: i + 1 for i, v in enumerate(sorted(set(train[table])))}
+        width = sequence["max_len"]
+        lengths[col] = width
+        for p, frame in parts.items():
+            out = np.zeros((len(frame), width), dtype=np.int64)
+            seq_len = np.zeros(len(frame), dtype=np.int64)
+            for r, cell in enumerate(frame[col]):
+                ids = [index.get(w, 0) for w in (cell.split(sep) if cell else [])][-width:]
+                out[r, :len(ids)] = ids
+                seq_len[r] = len(ids)
+            inputs[p][col] = out
+            inputs[p]["seq_length"] = seq_len
     for col in meta["dense"]:
         values = {p: frame[col].astype(float).to_numpy() for p, frame in parts.items()}
         mean, std = values["train"].mean(), values["train"].std() or 1.0
@@ -68,8 +89,70 @@ def load(data):
     return meta, inputs, labels, vocab, lengths
 
 
+class Dicts(torch.utils.data.Dataset):
+    """A part's inputs as torch-rechub's DataLoaders hand them: a dict a row."""
+
+    def __init__(self, inputs, labels):
+        self.x = {k: torch.from_numpy(v) for k, v in inputs.items()}
+        self.y = torch.from_numpy(labels)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {k: v[i] for k, v in self.x.items()}, self.y[i]
+
+
+def rechub_din(args, meta, inputs, labels, vocab, lengths):
+    from torch.utils.data import DataLoader
+    from torch_rechub.basic.features import SequenceFeature, SparseFeature
+    from torch_rechub.models.ranking import DIN
+    from torch_rechub.trainers import CTRTrainer
+
+    seq = meta["sequence"]
+    features = [SparseFeature(c, vocab[c], embed_dim=args.dim) for c in meta["sparse"] if c != seq["table"]]
+    target = [SparseFeature(seq["table"], vocab[seq["table"]], embed_dim=args.dim)]
+    history = [SequenceFeature(seq["field"], vocab[seq["table"]], embed_dim=args.dim, pooling="concat",
+                               shared_with=seq["table"])]
+    model = DIN(features, history, target, mlp_params={"dims": SIZES["din_hidden"]},
+                attention_mlp_params={"dims": SIZES["attention"]})
+    trainer = CTRTrainer(model, optimizer_params={"lr": args.lr, "weight_decay": 1e-5}, n_epoch=args.epochs,
+                         device="cpu", model_path=args.scratch)
+    train = DataLoader(Dicts(inputs["train"], labels["train"][:, 0]), batch_size=args.batch, shuffle=True)
+    test = DataLoader(Dicts(inputs["test"], labels["test"][:, 0]), batch_size=4096)
+    start = time.perf_counter()
+    for _ in range(args.epochs):
+        trainer.train_one_epoch(train)
+    train_secs = time.perf_counter() - start
+    model.eval()
+    with torch.no_grad():
+        preds = np.concatenate([model(x).numpy() for x, _ in test])
+    return train_secs, preds[:, None]
+
+
+def deepctr_din(args, meta, inputs, labels, vocab, lengths):
+    from deepctr_torch.inputs import SparseFeat, VarLenSparseFeat
+    from deepctr_torch.models import DIN
+
+    seq = meta["sequence"]
+    # DeepCTR-Torch finds a candidate's history as "hist_" + its name.
+    hist = "hist_" + seq["table"]
+    columns = [SparseFeat(c, vocab[c], embedding_dim=args.dim) for c in meta["sparse"]]
+    columns += [VarLenSparseFeat(SparseFeat(hist, vocab[seq["table"]], embedding_dim=args.dim,
+                                            embedding_name=seq["table"]), maxlen=seq["max_len"],
+                                 length_name="seq_length")]
+    renamed = {p: {hist if k == seq["field"] else k: v for k, v in part.items()} for p, part in inputs.items()}
+    model = DIN(columns, [seq["table"]], dnn_hidden_units=SIZES["din_hidden"], att_hidden_size=SIZES["attention"],
+                att_activation="Dice", seed=args.seed, device="cpu")
+    model.compile(torch.optim.Adam(model.parameters(), lr=args.lr), "binary_crossentropy")
+    start = time.perf_counter()
+    model.fit(renamed["train"], labels["train"][:, 0], batch_size=args.batch, epochs=args.epochs, verbose=0)
+    train_secs = time.perf_counter() - start
+    return train_secs, model.predict(renamed["test"], batch_size=4096)
+
+
 def rechub(args, meta, inputs, labels, vocab, lengths):
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader
     from torch_rechub.basic.features import DenseFeature, SequenceFeature, SparseFeature
     from torch_rechub.models.multi_task import MMOE, PLE, SharedBottom
     from torch_rechub.trainers import MTLTrainer
@@ -92,21 +175,8 @@ def rechub(args, meta, inputs, labels, vocab, lengths):
     trainer = MTLTrainer(model, task_types=types, optimizer_params={"lr": args.lr, "weight_decay": 1e-5},
                          n_epoch=args.epochs, device="cpu", model_path=args.scratch)
 
-    names = list(inputs["train"])
-
-    class Dicts(torch.utils.data.Dataset):
-        def __init__(self, part):
-            self.x = {k: torch.from_numpy(inputs[part][k]) for k in names}
-            self.y = torch.from_numpy(labels[part])
-
-        def __len__(self):
-            return len(self.y)
-
-        def __getitem__(self, i):
-            return {k: v[i] for k, v in self.x.items()}, self.y[i]
-
-    train = DataLoader(Dicts("train"), batch_size=args.batch, shuffle=True)
-    test = DataLoader(Dicts("test"), batch_size=4096)
+    train = DataLoader(Dicts(inputs["train"], labels["train"]), batch_size=args.batch, shuffle=True)
+    test = DataLoader(Dicts(inputs["test"], labels["test"]), batch_size=4096)
     start = time.perf_counter()
     for _ in range(args.epochs):
         trainer.train_one_epoch(train)
@@ -148,7 +218,7 @@ def deepctr(args, meta, inputs, labels, vocab, lengths):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lib", choices=["rechub", "deepctr"], required=True)
-    parser.add_argument("--model", choices=["sharedbottom", "mmoe", "ple"], required=True)
+    parser.add_argument("--model", choices=["sharedbottom", "mmoe", "ple", "din"], required=True)
     parser.add_argument("--data", required=True)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch", type=int, default=256)
@@ -163,7 +233,9 @@ def main():
     torch.set_num_threads(args.threads)
     wall = time.perf_counter()
     meta, inputs, labels, vocab, lengths = load(args.data)
-    train_secs, preds = (rechub if args.lib == "rechub" else deepctr)(args, meta, inputs, labels, vocab, lengths)
+    run = {("rechub", False): rechub, ("deepctr", False): deepctr, ("rechub", True): rechub_din,
+           ("deepctr", True): deepctr_din}[(args.lib, args.model == "din")]
+    train_secs, preds = run(args, meta, inputs, labels, vocab, lengths)
     rows = len(labels["train"]) * args.epochs
     tasks = {t: {"auc": float(roc_auc_score(labels["test"][:, i], preds[:, i]))} for i, t in enumerate(meta["labels"])}
     print(json.dumps({"lib": args.lib, "model": args.model, "log": meta["log"], "seed": args.seed,
