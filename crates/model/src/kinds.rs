@@ -10,14 +10,14 @@
 //! are parts in their own files, not kinds.
 
 use candle_core::{Device, Tensor, Var};
-use sparrow_core::config::{ModelConfig, ModelKind, Norm};
+use sparrow_core::config::{ModelConfig, ModelKind, Norm, NormSetting};
 use sparrow_core::{Config, ConfigError};
 
 use crate::ModelError;
 use crate::bf16::Arith;
 use crate::fused::Simd;
 use crate::heads::Heads;
-use crate::mlp::{Mlp, MlpScratch};
+use crate::mlp::{Mlp, MlpScratch, StackStyle};
 use crate::params::ParamStore;
 use crate::spec::NetSpec;
 use crate::step::{ModelShape, Scratch};
@@ -153,7 +153,7 @@ impl Build<'_> {
 
     /// Whether the MLP stacks' activated layers are normalized (`model.norm`).
     pub fn normed(&self) -> crate::mlp::StackStyle {
-        crate::mlp::StackStyle::of(self.config)
+        stack_style(self.config)
     }
 
     /// The fields' vectors (without a first-order column) and the dense
@@ -276,6 +276,19 @@ pub fn find(kind: &ModelKind) -> Result<&'static dyn Kind, ModelError> {
         .copied()
         .find(|k| kind.is(k.name()))
         .ok_or_else(|| ModelError::UnknownKind { kind: kind.name().to_string(), known: names().join(", ") })
+}
+
+/// The model's MLP stacks' style: `model.norm` as written, or its kind's
+/// own for `auto` (an unknown kind builds nothing; it is refused by name
+/// where the model is built).
+pub fn stack_style(config: &ModelConfig) -> StackStyle {
+    let norm = match config.norm {
+        NormSetting::Auto => find(&config.kind).map_or(Norm::None, |k| k.default_norm()),
+        NormSetting::None => Norm::None,
+        NormSetting::Layer => Norm::Layer,
+        NormSetting::Batch => Norm::Batch,
+    };
+    StackStyle::with(config, norm)
 }
 
 /// The kind `config` names, or a config error naming `model.kind` and the kinds there are.

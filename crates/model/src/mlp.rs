@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor, Var};
 use rayon::prelude::*;
 
-use sparrow_core::config::{Activation, ModelConfig, Norm, NormSetting};
+use sparrow_core::config::{Activation, ModelConfig, Norm};
 
 use crate::bf16::Arith;
 use crate::dropout::Dropout;
@@ -69,25 +69,15 @@ impl StackStyle {
     /// No norm, ReLU.
     pub const PLAIN: StackStyle = StackStyle { norm: Norm::None, momentum: 0.1, activation: Activation::Relu };
 
-    /// The model's MLP stacks'.
-    pub fn of(config: &ModelConfig) -> StackStyle {
-        let norm = match config.norm {
-            // An unknown kind builds nothing; it is refused by name elsewhere.
-            NormSetting::Auto => crate::kinds::find(&config.kind).map_or(Norm::None, |k| k.default_norm()),
-            NormSetting::None => Norm::None,
-            NormSetting::Layer => Norm::Layer,
-            NormSetting::Batch => Norm::Batch,
-        };
+    /// The model's MLP stacks' with `norm`, `model.norm` as the kind
+    /// resolves it (`kinds::stack_style`).
+    pub fn with(config: &ModelConfig, norm: Norm) -> StackStyle {
         StackStyle { norm, momentum: config.batch_norm_momentum, activation: config.activation }
     }
 
     /// DIN's local activation unit's: no norm, `model.attention_activation`.
     pub fn attention(config: &ModelConfig) -> StackStyle {
-        StackStyle { activation: config.attention_activation, ..StackStyle::of(config) }.with_norm(Norm::None)
-    }
-
-    fn with_norm(self, norm: Norm) -> StackStyle {
-        StackStyle { norm, ..self }
+        StackStyle { activation: config.attention_activation, ..StackStyle::with(config, Norm::None) }
     }
 }
 

@@ -4,7 +4,7 @@
 
 use candle_core::Device;
 use sparrow_core::config::{ModelConfig, ModelKind, Norm, NormSetting};
-use sparrow_model::mlp::StackStyle;
+use sparrow_model::kinds::stack_style;
 use sparrow_model::spec::NetSpec;
 use sparrow_model::{DenseModel, Heads, ModelShape};
 
@@ -16,11 +16,11 @@ fn kind(name: &str, norm: NormSetting) -> ModelConfig {
 fn auto_is_batch_norm_for_din_and_none_for_every_other_kind() {
     for name in sparrow_model::kinds::names() {
         let expected = if name == "din" { Norm::Batch } else { Norm::None };
-        assert_eq!(StackStyle::of(&kind(name, NormSetting::Auto)).norm, expected, "{name}");
+        assert_eq!(stack_style(&kind(name, NormSetting::Auto)).norm, expected, "{name}");
         // Written out, the setting is the kind's whatever it is.
-        assert_eq!(StackStyle::of(&kind(name, NormSetting::None)).norm, Norm::None, "{name}");
-        assert_eq!(StackStyle::of(&kind(name, NormSetting::Layer)).norm, Norm::Layer, "{name}");
-        assert_eq!(StackStyle::of(&kind(name, NormSetting::Batch)).norm, Norm::Batch, "{name}");
+        assert_eq!(stack_style(&kind(name, NormSetting::None)).norm, Norm::None, "{name}");
+        assert_eq!(stack_style(&kind(name, NormSetting::Layer)).norm, Norm::Layer, "{name}");
+        assert_eq!(stack_style(&kind(name, NormSetting::Batch)).norm, Norm::Batch, "{name}");
     }
     assert_eq!(ModelConfig::default().norm, NormSetting::Auto);
 }

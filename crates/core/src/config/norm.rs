@@ -1,6 +1,6 @@
 //! `model.norm`: what normalizes the MLP stacks' activated layers, as
 //! written (`NormSetting`, `auto` by default) and as a kind resolves it
-//! (`Norm`; the model crate's `StackStyle::of` asks the kind).
+//! (`Norm`; the model crate's `kinds::stack_style` asks the kind).
 
 use serde::{Deserialize, Serialize};
 

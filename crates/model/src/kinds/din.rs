@@ -125,7 +125,7 @@ impl DinNet {
             })
             .collect::<Result<_, _>>()?;
         let sizes: Vec<usize> = config.hidden.iter().copied().chain([outputs]).collect();
-        let mlp = Mlp::new_normed(ps, "mlp", input, &sizes, false, arith, crate::mlp::StackStyle::of(config))?
+        let mlp = Mlp::new_normed(ps, "mlp", input, &sizes, false, arith, crate::kinds::stack_style(config))?
             .with_dropout(config.dropout, simd);
         Ok(DinNet { pairs: pairs.to_vec(), units, mlp })
     }

@@ -80,7 +80,7 @@ impl MultiTask {
         heads: &Heads,
         (arith, simd): (Arith, sparrow_core::simd::Simd),
     ) -> Result<MultiTask, ModelError> {
-        let normed = crate::mlp::StackStyle::of(config);
+        let normed = crate::kinds::stack_style(config);
         let tower = |ps: &mut ParamStore, t: usize, input: usize, outputs: usize| {
             let sizes: Vec<usize> = config.tower_hidden.iter().copied().chain([outputs]).collect();
             Ok::<_, ModelError>(

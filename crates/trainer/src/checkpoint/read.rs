@@ -199,7 +199,7 @@ fn check_compatible(trainer: &Trainer, dir: &Path, m: &Manifest) -> Result<(), T
 /// by its parameters' sizes, without saying which key made them differ.
 fn check_same_norm(trainer: &Trainer, dir: &Path, m: &Manifest) -> Result<(), TrainError> {
     use sparrow_core::config::Norm;
-    use sparrow_model::mlp::StackStyle;
+    use sparrow_model::kinds::stack_style;
     let Ok(saved) = Config::from_stored_toml(&m.config, "the checkpoint's config", &Overrides::none()) else {
         return Ok(());
     };
@@ -208,7 +208,7 @@ fn check_same_norm(trainer: &Trainer, dir: &Path, m: &Manifest) -> Result<(), Tr
         Norm::Layer => "layer",
         Norm::Batch => "batch",
     };
-    let (then, now) = (StackStyle::of(&saved.model).norm, StackStyle::of(&trainer.config.model).norm);
+    let (then, now) = (stack_style(&saved.model).norm, stack_style(&trainer.config.model).norm);
     if then != now {
         return Err(TrainError::checkpoint(
             dir,
