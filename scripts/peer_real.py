@@ -58,8 +58,7 @@ def load(data):
         for p in parts:
             out = np.zeros((len(split[p]), width), dtype=np.int64)
             for r, ws in enumerate(split[p]):
-                ids = [index.get(w, 0) for w in ws][:width]
-                ids = [i for i in ids if i] or []
+                ids = [i for i in (index.get(w, 0) for w in ws[:width]) if i]
                 out[r, :len(ids)] = ids
             inputs[p][col] = out
     sequence = meta.get("sequence")

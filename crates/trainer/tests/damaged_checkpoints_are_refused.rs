@@ -103,20 +103,13 @@ fn damage_and_mismatch_are_reported() {
 fn rows_of_another_optimizer_or_rounding_are_refused() {
     use sparrow_core::config::{EmbeddingDtype, Rounding, SparseOptimizerKind};
     let tmp = tempfile::tempdir().expect("tmp");
-    let data = tmp.path().join("data");
-    common::small_data(&data, 1500, 300);
-    let mut c = common::small_config(&data, "mlp");
-    c.embedding.dtype = EmbeddingDtype::F16;
-    c.embedding.optimizer = SparseOptimizerKind::Sgd;
-    c.embedding.rounding = Rounding::Stochastic;
-    let ck = tmp.path().join("ck");
-    c.checkpoint.dir = Some(ck.display().to_string());
-    train(&c, true).expect("train");
+    let (c, ck) = mlp_checkpoint(tmp.path(), &|c| {
+        c.embedding.dtype = EmbeddingDtype::F16;
+        c.embedding.optimizer = SparseOptimizerKind::Sgd;
+        c.embedding.rounding = Rounding::Stochastic;
+    });
     let resume = |edit: &dyn Fn(&mut sparrow_core::Config)| {
-        let mut again = c.clone();
-        again.checkpoint.resume_from = Some(ck.display().to_string());
-        edit(&mut again);
-        train(&again, true).map(|_| ()).expect_err("refused").to_string()
+        train(&resuming(&c, &ck, edit), true).map(|_| ()).expect_err("refused").to_string()
     };
     let msg = resume(&|c| {
         c.embedding.optimizer = SparseOptimizerKind::RowwiseAdagrad;
@@ -126,9 +119,27 @@ fn rows_of_another_optimizer_or_rounding_are_refused() {
     let msg = resume(&|c| c.embedding.rounding = Rounding::Nearest);
     assert!(msg.contains("embedding.rounding") && msg.contains("stochastic"), "{msg}");
     // The same settings resume.
+    train(&resuming(&c, &ck, &|_| {}), true).expect("the same settings resume");
+}
+
+/// An `mlp` of `edit`'s settings trained into `tmp/ck`: its config and that directory.
+fn mlp_checkpoint(tmp: &Path, edit: &dyn Fn(&mut sparrow_core::Config)) -> (sparrow_core::Config, PathBuf) {
+    let data = tmp.join("data");
+    common::small_data(&data, 1500, 300);
+    let mut c = common::small_config(&data, "mlp");
+    edit(&mut c);
+    let ck = tmp.join("ck");
+    c.checkpoint.dir = Some(ck.display().to_string());
+    train(&c, true).expect("train");
+    (c, ck)
+}
+
+/// `c` resuming from `ck`, `edit` applied.
+fn resuming(c: &sparrow_core::Config, ck: &Path, edit: &dyn Fn(&mut sparrow_core::Config)) -> sparrow_core::Config {
     let mut again = c.clone();
     again.checkpoint.resume_from = Some(ck.display().to_string());
-    train(&again, true).expect("the same settings resume");
+    edit(&mut again);
+    again
 }
 
 /// A model of another `model.norm` is refused naming the key and the value
@@ -140,21 +151,12 @@ fn rows_of_another_optimizer_or_rounding_are_refused() {
 fn a_model_of_another_norm_is_refused_naming_the_key() {
     use sparrow_core::config::NormSetting;
     let tmp = tempfile::tempdir().expect("tmp");
-    let data = tmp.path().join("data");
-    common::small_data(&data, 1500, 300);
-    let mut c = common::small_config(&data, "mlp");
-    c.model.norm = NormSetting::None;
-    let ck = tmp.path().join("ck");
-    c.checkpoint.dir = Some(ck.display().to_string());
-    train(&c, true).expect("train");
-    let mut again = c.clone();
-    again.checkpoint.resume_from = Some(ck.display().to_string());
-    again.model.norm = NormSetting::Batch;
-    let msg = train(&again, true).map(|_| ()).expect_err("refused").to_string();
+    let (c, ck) = mlp_checkpoint(tmp.path(), &|c| c.model.norm = NormSetting::None);
+    let batch = resuming(&c, &ck, &|c| c.model.norm = NormSetting::Batch);
+    let msg = train(&batch, true).map(|_| ()).expect_err("refused").to_string();
     assert!(msg.contains("model.norm = \"none\"") && msg.contains("\"batch\""), "{msg}");
     // `auto` resolves as the checkpoint's `none` for an mlp: it resumes.
-    again.model.norm = NormSetting::Auto;
-    train(&again, true).expect("auto is none for an mlp");
+    train(&resuming(&c, &ck, &|c| c.model.norm = NormSetting::Auto), true).expect("auto is none for an mlp");
 }
 
 #[test]
