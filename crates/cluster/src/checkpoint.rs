@@ -49,6 +49,9 @@ pub struct WorkerCut {
     pub stream: Option<StreamMark>,
     /// The worker's last meeting (its training ended): a checkpoint, always.
     pub last: bool,
+    /// `[train.early_stopping]` (worker 0's, which validates): where it
+    /// stands after this step, kept in the manifest.
+    pub early_stopping: Option<sparrow_trainer::early_stopping::StoppingState>,
 }
 
 /// Where the job's training data stands: every batch before `position` was
@@ -208,7 +211,7 @@ pub fn manifest(
         skip,
         stream,
         event_clock: Vec::new(),
-        early_stopping: None,
+        early_stopping: cuts.iter().find(|c| c.wrote_dense).and_then(|c| c.early_stopping),
     })
 }
 

@@ -332,6 +332,12 @@ impl Coordinator {
         );
         (self.events)(&Event::Generation { number: s.number, reason: s.reason, replayed: s.replayed, restore });
         self.commits.restore_progress(s.number, s.restore.as_deref());
+        // A best model committed just before a death is kept now.
+        if let Some(dir) = s.restore.as_deref()
+            && let Err(e) = crate::epochs::keep_best(&self.config, dir)
+        {
+            self.fail(format!("keeping the best model of {}: {e}", dir.display()));
+        }
         self.hub.rebuild(&self.config, s.number, s.restore.as_deref());
     }
 
@@ -514,6 +520,15 @@ impl Coordinator {
             return;
         }
         if self.members.worker_finished(role.index, generation) {
+            // `data.validation`: an epoch validated, the next one follows as
+            // a generation of its own from its checkpoint (`epochs.rs`).
+            let committed = self.generations.committed().0.map(|(dir, _)| dir);
+            if let Some(epoch) = crate::epochs::next_epoch(&self.config, committed.as_deref())
+                && self.state() == JobState::Running
+            {
+                self.start_generation(format!("epoch {epoch} validated; epoch {} starts", epoch + 1));
+                return;
+            }
             let mut state = self.state.lock();
             if *state == JobState::Running {
                 tracing::info!("all {} workers finished", self.num_workers);

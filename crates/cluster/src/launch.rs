@@ -265,7 +265,7 @@ pub fn launch(
     interrupted: &AtomicBool,
 ) -> Result<LaunchSummary, ClusterError> {
     let wall = Instant::now();
-    crate::refuse_local_only_keys(config)?;
+    crate::epochs::check(config)?;
     // Found now, not after training: a checkpoint directory we cannot write,
     // or one another run is using (held until the job ends).
     let _lock = config
@@ -672,7 +672,7 @@ fn merge(
             Some(tallies) if tallies.len() > 1 => sparrow_trainer::online::OnlineReport::merged(&tallies),
             _ => first.online,
         },
-        validation: Default::default(),
+        validation: first.validation.clone(),
         extra: ClusterFields {
             shards: options.nodes.unwrap_or(options.shards),
             workers: options.nodes.unwrap_or(options.workers),

@@ -22,6 +22,7 @@
 pub mod aggregator;
 pub mod checkpoint;
 pub mod coordinator;
+pub mod epochs;
 pub mod exports;
 pub mod faults;
 pub mod generation;
@@ -53,9 +54,10 @@ pub use shard::ShardServer;
 pub use transport::{ClusterError, LoaderService, ShardService};
 pub use worker::Worker;
 
-/// What a cluster job does not do yet, refused before it starts rather
-/// than silently left out: scoring a validation set (`data.validation`)
-/// and stopping on it (`[train.early_stopping]`) are `sparrow train`'s.
+/// What the in-process harness (`train_local`) does not do, refused
+/// before it starts rather than silently left out: it runs one generation,
+/// and a job that validates (`data.validation`, `[train.early_stopping]`)
+/// runs one an epoch (`epochs.rs`), as `sparrow launch` and the roles do.
 pub fn refuse_local_only_keys(config: &sparrow_core::Config) -> Result<(), ClusterError> {
     let key = if config.train.early_stopping.is_some() {
         "train.early_stopping"
@@ -65,7 +67,6 @@ pub fn refuse_local_only_keys(config: &sparrow_core::Config) -> Result<(), Clust
         return Ok(());
     };
     Err(ClusterError::Setup(format!(
-        "{key}: a cluster job does not score a validation set or stop early yet; train with `sparrow train`, or \
-         leave data.validation and [train.early_stopping] out"
+        "{key}: the in-process cluster does not validate; `sparrow launch` (or the roles) and `sparrow train` do"
     )))
 }

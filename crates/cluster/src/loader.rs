@@ -36,6 +36,17 @@ pub struct Loader {
     skip: std::collections::HashSet<(u64, u64, u64)>,
     /// Evaluation under `eval.group_by`: the field whose first ID groups rows.
     group_field: Option<usize>,
+    /// `data.validation`: this stream gives one epoch, that of its first
+    /// batch (see [`Loader::one_epoch`]).
+    one_epoch: Option<OneEpoch>,
+}
+
+/// A stream cut at the end of the epoch it starts in.
+#[derive(Clone, Copy, Debug, Default)]
+struct OneEpoch {
+    epoch: Option<u64>,
+    /// A batch of the next epoch was read (and dropped): the stream ended.
+    passed: bool,
 }
 
 impl Loader {
@@ -58,7 +69,17 @@ impl Loader {
             next_start: Default::default(),
             skip: Default::default(),
             group_field: None,
+            one_epoch: None,
         }
+    }
+
+    /// `data.validation` in a cluster: the stream ends with the epoch of
+    /// its first batch, so the job validates there before the next epoch
+    /// (a generation of its own, restored from the epoch's checkpoint). A
+    /// stream restored at an epoch's end starts with the next epoch.
+    pub fn one_epoch(mut self, on: bool) -> Self {
+        self.one_epoch = on.then(OneEpoch::default);
+        self
     }
 
     /// Each batch carries its rows' group numbers (GAUC under `eval.group_by`).
@@ -94,8 +115,18 @@ impl Loader {
     /// The next batch and each shard's unique keys of it (S0 and collocated
     /// modes; none in worker_lookup mode), not yet queued on the shards.
     fn next_planned(&mut self) -> Result<Option<PlannedBatch>, ClusterError> {
+        if self.one_epoch.is_some_and(|o| o.passed) {
+            return Ok(None);
+        }
         let batch = loop {
             let Some(batch) = self.stream.next().transpose()? else { return Ok(None) };
+            if let Some(one) = self.one_epoch.as_mut() {
+                let epoch = *one.epoch.get_or_insert(batch.end.epoch);
+                if batch.end.epoch != epoch {
+                    one.passed = true;
+                    return Ok(None);
+                }
+            }
             let start = std::mem::replace(&mut self.next_start, batch.end);
             if !self.skip.remove(&start.key()) {
                 break (batch, start);
@@ -335,6 +366,10 @@ pub struct LoaderServer {
     /// The training reader's stop flag: set, the data ends at the next
     /// batch (`end_data`).
     stop_reading: Arc<std::sync::atomic::AtomicBool>,
+    /// The training batches ran out at an epoch's end (the stream's end, or
+    /// `data.validation`'s one epoch): not at `train.max_steps`, nor on a
+    /// stop. Set before the workers hear of the end.
+    epoch_end: Arc<std::sync::atomic::AtomicBool>,
     _thread: JoinHandle<()>,
 }
 
@@ -462,12 +497,14 @@ impl LoaderServer {
     ) -> Result<LoaderServer, ClusterError> {
         let bad = BadRows::from_config(&config.data);
         // Resuming: the data continues where the checkpoint's run stopped.
-        let (start, skip, steps_done, mark) = match restore {
+        // A checkpoint whose epoch's validation said stop trains no more.
+        let (start, skip, steps_done, mark, stopped) = match restore {
             Some(dir) => {
                 let m = sparrow_trainer::checkpoint::read_manifest(&dir)?;
-                (m.position, m.skip.iter().map(|s| s.start).collect::<Vec<_>>(), m.step, m.stream)
+                let stopped = crate::epochs::stops_at(config, &m);
+                (m.position, m.skip.iter().map(|s| s.start).collect::<Vec<_>>(), m.step, m.stream, stopped)
             }
-            None => (Default::default(), Vec::new(), 0, None),
+            None => (Default::default(), Vec::new(), 0, None, false),
         };
         let train_stream = match &config.data.stream {
             // A topic, from the checkpoint's offsets (its skip ranges are
@@ -495,13 +532,14 @@ impl LoaderServer {
         let first_train_id = first_batch_id(generation, 0);
         let first_eval_id = first_batch_id(generation, FIRST_EVAL_BATCH_ID);
         let train = Loader::new(train_stream, shards.clone(), Mode::Train, cluster_mode, first_train_id, bad.clone())
-            .resuming(start, &skip);
+            .resuming(start, &skip)
+            .one_epoch(config.data.validation.is_some());
         let depth = config.cluster.loader_queue_batches;
         let (train_tx, train_rx) = bounded(depth);
         let (eval_tx, eval_rx) = bounded(depth);
         let error = Arc::new(Mutex::new(None));
         // train.max_steps counts the resumed run's steps too.
-        let max_batches = config.train.max_steps.map(|m| m.saturating_sub(steps_done));
+        let max_batches = if stopped { Some(0) } else { config.train.max_steps.map(|m| m.saturating_sub(steps_done)) };
         let mut train = match cluster_mode {
             ClusterMode::Collocated => TrainFeed::Passes(PassFeed::spawn(train, &config.cluster, max_batches)?),
             _ => TrainFeed::Batches(Box::new(train)),
@@ -509,13 +547,23 @@ impl LoaderServer {
         let test = config.data.test.clone();
         let (job, eval_batch) = (config.clone(), config.train.batch_size.max(1024));
         let (thread_error, thread_bad) = (error.clone(), bad.clone());
+        let epoch_end = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (ended_at_epoch_end, stopped) = (epoch_end.clone(), stop_reading.clone());
         let thread = std::thread::Builder::new()
             .name("sparrow-loader".into())
             .spawn(move || {
                 let result = (|| -> Result<(), ClusterError> {
-                    if !pump(&mut || train.next_batch(), &train_tx, max_batches)? {
+                    let mut ran_out = false;
+                    let mut next = || {
+                        let next = train.next_batch();
+                        ran_out |= matches!(next, Ok(None));
+                        next
+                    };
+                    if !pump(&mut next, &train_tx, max_batches)? {
                         return Ok(());
                     }
+                    let stop = stopped.load(std::sync::atomic::Ordering::Relaxed);
+                    ended_at_epoch_end.store(ran_out && !stop, std::sync::atomic::Ordering::Relaxed);
                     drop(train_tx);
                     if let Some(test) = test {
                         // Evaluation reads rows as they are: weighting (and
@@ -554,6 +602,7 @@ impl LoaderServer {
             rounds,
             waiting_answers: Default::default(),
             stop_reading,
+            epoch_end,
             _thread: thread,
         })
     }
@@ -757,6 +806,11 @@ impl LoaderService for LoaderServer {
             Mode::Train => self.take(&self.train),
             Mode::Eval => self.take(&self.eval),
         }
+    }
+
+    fn training_ended_at_epoch_end(&self, generation: Generation) -> Result<bool, ClusterError> {
+        self.check_generation(generation)?;
+        Ok(self.epoch_end.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     fn round_queue(&self) -> Option<&dyn RoundQueueService> {

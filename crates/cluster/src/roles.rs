@@ -27,7 +27,6 @@ use sparrow_core::Config;
 use sparrow_core::config::ClusterConfig;
 use sparrow_core::config::SyncMode;
 use sparrow_data::DataLayout;
-use sparrow_trainer::evaluation::Figures;
 use tokio::runtime::Runtime;
 
 use self::links::RoleLinks;
@@ -163,7 +162,7 @@ pub fn run_coordinator(
     on_event: impl Fn(&Event) + Send + Sync + 'static,
 ) -> Result<(), ClusterError> {
     let CoordinatorArgs { num_shards, num_workers, aggregators, listen, metrics_listen, notices } = args;
-    crate::refuse_local_only_keys(config)?;
+    crate::epochs::check(config)?;
     // Every role takes the job's config from here: with the statistics.
     // No stop flag: a role process exits on a signal (`exit_on_signals`).
     let never = std::sync::atomic::AtomicBool::new(false);
@@ -693,6 +692,11 @@ fn run_worker_with(args: &RoleArgs, local: Option<LocalShardHandle>) -> Result<W
             link.wait_change(generation.number, Duration::from_secs(3600));
             continue;
         }
+        // A generation after one this worker finished (`data.validation`'s
+        // next epoch): the job's training time includes the one before.
+        if let Some((_, finished)) = done.take() {
+            given_up_secs = finished.train_secs;
+        }
         link.begin_attempt();
         let env = WorkerEnv {
             config: &config,
@@ -776,6 +780,7 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Attempt) -> Result<Worker
     }
     if let Some(dir) = &generation.restore {
         worker.resume(crate::checkpoint::restore_dense(config, dir)?);
+        worker.restore_validation(dir)?;
         // After a recovery worker 0 counts what the job trained before the
         // checkpoint (not what a resumed job's earlier run trained).
         if index == 0 {
@@ -793,17 +798,19 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Attempt) -> Result<Worker
     link.set_ready(generation.number);
     worker.run_training(&loader, &shards)?;
     let (mut figures, mut eval_secs, mut shards_total) = (None, 0.0, None);
+    let mut validation = Default::default();
     if index == 0 {
         let start = Instant::now();
-        if config.data.test.is_some() {
-            let scores = worker.run_eval(&loader, &shards)?;
-            let f = Figures::of(config, &scores);
-            worker.log_evaluation(&f)?;
-            figures = Some(f);
+        let (f, report) = worker.final_figures(config, &loader, &shards)?;
+        if let Some(f) = &f {
+            worker.log_evaluation(f)?;
         }
+        (figures, validation) = (f, report);
         eval_secs = start.elapsed().as_secs_f64();
         let reports = shards.iter().map(|s| s.report()).collect::<Result<Vec<_>, _>>()?;
         shards_total = Some(ShardReport::sum(&reports));
     }
-    summary::of_worker(config, &worker, figures, eval_secs, shards_total)
+    let mut summary = summary::of_worker(config, &worker, figures, eval_secs, shards_total)?;
+    summary.validation = validation;
+    Ok(summary)
 }

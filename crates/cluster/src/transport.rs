@@ -271,6 +271,12 @@ pub trait LoaderService: Send + Sync {
         Ok(self.next_batch(worker, Mode::Train, generation)?.map_or(Polled::End, |b| Polled::Batch(Box::new(b))))
     }
 
+    /// Whether generation `generation`'s training batches, all handed
+    /// out, ended at an epoch's end (`data.validation` validates there):
+    /// not at `train.max_steps`, nor on a stop. Asked once a worker's
+    /// training data ended.
+    fn training_ended_at_epoch_end(&self, generation: Generation) -> Result<bool, ClusterError>;
+
     /// The loader's round queue (`sync = "round"`), if it serves one.
     fn round_queue(&self) -> Option<&dyn RoundQueueService> {
         None

@@ -14,6 +14,7 @@ mod policy;
 mod remote;
 mod round;
 mod step;
+mod validation;
 
 pub use self::lazy::LazyPolicy;
 pub use self::policy::{SyncLinks, SyncPolicy, sync_policy};
@@ -22,7 +23,7 @@ use self::remote::{look_up_keys, pull_rows};
 pub use self::round::RoundPolicy;
 pub use self::step::StepPolicy;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -165,6 +166,8 @@ pub struct Worker {
     periodic_eval: Option<evaluate::PeriodicEval>,
     /// `train.on_non_finite = "skip_batch"` (`worker/non_finite.rs`).
     skip_non_finite: bool,
+    /// `data.validation`: the epochs' judgement (`worker/validation.rs`).
+    epochs: Option<validation::EpochValidation>,
 }
 
 pub use sparrow_trainer::driver::start_metrics_file;
@@ -229,6 +232,7 @@ pub fn new_worker_in(
     worker.dropout_base = sparrow_trainer::engine::dropout_base(config);
     worker.online = config.online_window().map(ProgressiveEval::new);
     worker.periodic_eval = evaluate::PeriodicEval::new(config, index);
+    worker.epochs = validation::EpochValidation::new(config, index);
     let log = RunLog::open(config, Some(index), worker.at())?;
     worker.observers = Observers::new(config, worker.at(), worker.periodic_eval.is_some(), log);
     worker.skip_non_finite = config.train.on_non_finite == sparrow_core::config::OnNonFinite::SkipBatch;
@@ -264,6 +268,7 @@ impl Worker {
             observers: Observers::default(),
             periodic_eval: None,
             skip_non_finite: false,
+            epochs: None,
         }
     }
 
@@ -301,6 +306,11 @@ impl Worker {
 
     /// Takes a checkpoint's dense state (a resumed job, or a generation
     /// restarted from it).
+    /// Early stopping's state as the checkpoint `dir` left it (`data.validation`).
+    pub fn restore_validation(&mut self, dir: &Path) -> Result<(), ClusterError> {
+        self.epochs.as_mut().map_or(Ok(()), |v| v.restore(dir))
+    }
+
     pub fn resume(&mut self, dense: DenseState) {
         self.model = dense.model;
         self.optimizer.take_state_from(dense.optimizer);
@@ -384,6 +394,7 @@ impl Worker {
             trained: std::mem::take(&mut self.trained_since_cut),
             stream: self.stats.last_stream.clone(),
             last,
+            early_stopping: self.epochs.as_ref().map(|v| v.state),
         };
         let committed = c.sink.checkpoint(cut)?;
         if let Some(c) = &mut self.checkpoints {

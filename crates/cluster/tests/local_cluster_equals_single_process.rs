@@ -314,6 +314,10 @@ fn a_faster_worker_takes_more_batches_and_replicas_stay_identical() {
             }
             self.inner.next_batch(worker, mode, generation)
         }
+
+        fn training_ended_at_epoch_end(&self, generation: Generation) -> Result<bool, ClusterError> {
+            self.inner.training_ended_at_epoch_end(generation)
+        }
     }
     let tmp = tempfile::tempdir().expect("tmp");
     sparrow_data::synth::generate(tmp.path(), 4000, 100, 13).expect("generate");

@@ -49,16 +49,17 @@ fn a_non_finite_weight_is_caught_at_the_log_interval_it_appeared() {
     }
 }
 
-/// A cluster job does not score a validation set yet: it says so, naming
+/// The in-process cluster runs one generation, so it does not validate
+/// (`launch` and the roles do, one epoch a generation): it says so, naming
 /// the key, before it starts (rather than training without it).
 #[test]
-fn a_cluster_job_refuses_validation_and_early_stopping_by_key() {
+fn the_in_process_cluster_refuses_validation_and_early_stopping_by_key() {
     let tmp = tempfile::tempdir().expect("tmp");
     sparrow_data::synth::generate(tmp.path(), 500, 100, 13).expect("generate");
     let mut c = config(tmp.path(), 10);
     c.data.validation = Some(sparrow_core::config::ValidationSet::Fraction(0.1));
     let err = sparrow_cluster::train_local(&c, 1, 1).expect_err("refused").to_string();
-    assert!(err.contains("data.validation") && err.contains("sparrow train"), "{err}");
+    assert!(err.contains("data.validation") && err.contains("sparrow launch"), "{err}");
     c.checkpoint.dir = Some(tmp.path().join("ck").display().to_string());
     c.train.early_stopping = Some(Default::default());
     let err = sparrow_cluster::train_local(&c, 1, 1).expect_err("refused").to_string();

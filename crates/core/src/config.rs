@@ -146,7 +146,8 @@ pub struct DataConfig {
     /// every seed. Scored at the end of every epoch and every
     /// `train.eval_every_steps` (a `validation` line in the metrics); what
     /// `[train.early_stopping]` watches. `data.test` is then scored once, at
-    /// the end.
+    /// the end. A cluster job validates at each epoch's end (each epoch a
+    /// generation from the last one's checkpoint: it needs `checkpoint.dir`).
     pub validation: Option<ValidationSet>,
     /// Which of the training file's rows a reader hands out (the trainer's
     /// to set: training, validation or scoring).

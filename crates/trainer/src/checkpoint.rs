@@ -79,7 +79,7 @@ const DENSE_FILE: &str = "dense.safetensors";
 const EMB_FILE: &str = "embeddings.bin";
 const FILTERS_MAGIC: &[u8; 8] = b"SPRWFLT\x01";
 const FILTERS_FILE: &str = "filters.bin";
-const MANIFEST_FILE: &str = "manifest.json";
+pub const MANIFEST_FILE: &str = "manifest.json";
 const LATEST_FILE: &str = "LATEST";
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]

@@ -44,12 +44,7 @@ pub fn group_keys(batch: &sparrow_core::Batch, field: usize) -> impl Iterator<It
 /// Logits and labels of every good row of `path`, read as they are:
 /// `[data.weighting]` shapes what training consumes, never what is scored
 /// (nor its counters, even when `path` is the training file).
-pub(crate) fn predict_file(
-    model: Scoring<'_>,
-    path: &Path,
-    data: &DataConfig,
-    bad: &BadRows,
-) -> Result<Scores, TrainError> {
+pub fn predict_file(model: Scoring<'_>, path: &Path, data: &DataConfig, bad: &BadRows) -> Result<Scores, TrainError> {
     let job = &Config { data: data.for_scoring(), ..model.config.clone() };
     let stream =
         BatchStream::spawn(path, job, model.config.train.batch_size.max(1024), Default::default(), 1, bad.clone())?;

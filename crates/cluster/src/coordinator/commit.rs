@@ -238,6 +238,7 @@ impl Coordinator {
             })
             .collect();
         self.generations.record_commit(dir.clone(), step, base.is_some());
+        crate::epochs::keep_best(&self.config, &dir)?;
         self.commits.pace.checkpointed();
         tracing::info!(
             "checkpoint at step {step} committed: {} ({bytes} bytes{}, {secs:.3} s)",
@@ -315,6 +316,11 @@ impl Coordinator {
             trained: Vec::new(),
             stream: None,
             last: false,
+            // Early stopping moves only at an epoch's end (a worker's
+            // checkpoint): a backup keeps the last committed one's state.
+            early_stopping: self.generations.committed().0.and_then(|(dir, _)| {
+                sparrow_trainer::checkpoint::read_manifest(&dir).ok().and_then(|m| m.early_stopping)
+            }),
         };
         self.commit(&[worker_cut], true).map(|c| c.dir)
     }

@@ -21,6 +21,7 @@ use crate::metrics::RoleMetrics;
 use crate::rounds::{MergedRound, RoundMerger, RoundUpdate};
 use crate::sync::{Contribution, RoundReply, RoundSummer};
 use crate::transport::ClusterError;
+use sparrow_trainer::early_stopping::{Best, StoppingState};
 
 fn lazy_report_to_pb(r: &crate::lazy::LazyReport) -> pb::LazyReport {
     pb::LazyReport {
@@ -230,6 +231,7 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
                 .collect(),
             stream: r.stream.map(mark_from),
             last: r.last,
+            early_stopping: r.early_stopping.map(stopping_from),
         };
         let coordinator = self.coordinator.clone();
         let committed = blocking(move || coordinator.checkpoint(cut)).await?;
@@ -720,6 +722,7 @@ impl CheckpointSink for CoordinatorClient {
                 .collect(),
             stream: cut.stream.as_ref().map(mark_to_proto),
             last: cut.last,
+            early_stopping: cut.early_stopping.map(stopping_to_proto),
         };
         // Writing every part takes as long as the table is large: no RPC deadline.
         let reply = self.peer.call_unbounded("checkpoint", request, |mut c, r| async move { c.checkpoint(r).await })?;
@@ -729,6 +732,22 @@ impl CheckpointSink for CoordinatorClient {
             checkpoint: !reply.export_only,
         })
     }
+}
+
+fn stopping_to_proto(s: StoppingState) -> pb::StoppingState {
+    pb::StoppingState {
+        has_best: s.best.is_some(),
+        best_metric: s.best.map_or(0.0, |b| b.metric),
+        best_step: s.best.map_or(0, |b| b.step),
+        best_epoch: s.best.map_or(0, |b| b.epoch),
+        since_best: s.since_best,
+        validated_step: s.validated_step,
+    }
+}
+
+fn stopping_from(s: pb::StoppingState) -> StoppingState {
+    let best = s.has_best.then_some(Best { metric: s.best_metric, step: s.best_step, epoch: s.best_epoch });
+    StoppingState { best, since_best: s.since_best, validated_step: s.validated_step }
 }
 
 /// A worker's contribution on the wire (to the scheduler or its aggregator).

@@ -186,6 +186,16 @@ impl pb::loader_server::Loader for LoaderGrpc {
         self.metrics.batches_in_flight.set(queued.queued() as i64);
         Ok(Response::new(reply))
     }
+
+    async fn training_end(
+        &self,
+        request: Request<pb::TrainingEndRequest>,
+    ) -> Result<Response<pb::TrainingEndReply>, Status> {
+        let loader = self.loader.get().map_err(|e| super::to_status(&e))?;
+        let generation = Generation(request.into_inner().generation);
+        let epoch_end = blocking(move || loader.training_ended_at_epoch_end(generation)).await?;
+        Ok(Response::new(pb::TrainingEndReply { epoch_end }))
+    }
 }
 
 pub fn service(
@@ -274,6 +284,12 @@ impl LoaderService for LoaderClient {
             ..Default::default()
         };
         self.polled(request)
+    }
+
+    fn training_ended_at_epoch_end(&self, generation: Generation) -> Result<bool, ClusterError> {
+        let request = pb::TrainingEndRequest { generation: generation.number() };
+        let reply = self.peer.call("training_end", request, |mut c, r| async move { c.training_end(r).await })?;
+        Ok(reply.epoch_end)
     }
 
     /// A remote loader answers whether it serves a round queue itself.

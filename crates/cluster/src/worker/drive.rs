@@ -190,7 +190,12 @@ impl Worker {
             feed.close().and(flushed)
         })?;
         policy.finish(self)?;
-        let end = self.checkpoints.as_ref().is_some_and(|c| self.job_step() > c.last_step || c.export_only);
+        // `data.validation`: an epoch's end is judged before its checkpoint
+        // (`epochs.rs`), which every worker then takes part in.
+        let epoch_end = self.epochs.is_some() && loader.training_ended_at_epoch_end(self.generation)?;
+        let validated = self.validate_epoch(epoch_end, rows.shards)?;
+        let end =
+            validated || self.checkpoints.as_ref().is_some_and(|c| self.job_step() > c.last_step || c.export_only);
         if end { self.checkpoint_now(true) } else { Ok(()) }
     }
 

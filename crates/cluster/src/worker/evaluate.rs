@@ -61,7 +61,7 @@ impl Worker {
     }
 
     /// Scores every row of `test`; also returns the batches read.
-    fn score_file(
+    pub(super) fn score_file(
         &mut self,
         test: &Path,
         config: &Config,

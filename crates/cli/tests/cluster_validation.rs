@@ -1,0 +1,154 @@
+//! `data.validation` and `[train.early_stopping]` in a cluster job
+//! (`crates/cluster/src/epochs.rs`): `launch` validates at each epoch's end
+//! with the model `sparrow train` validates, judges as it does, keeps the
+//! same `best`, stops at the same epoch and scores `data.test` with the
+//! same model; a worker that dies around an epoch's checkpoint changes
+//! none of it; several workers in every sync mode validate too; and what a
+//! cluster cannot do is refused naming the keys.
+
+mod common;
+
+use common::{generate, last_json, sparrow, write_config};
+use serde_json::Value;
+use std::path::Path;
+
+/// Six epochs at a rate that overfits, a quarter of the rows held out,
+/// patience 1: the validation AUC peaks early and the job stops.
+const VALIDATING: &str = "[train.early_stopping]\npatience = 1";
+
+fn job(dir: &Path) -> String {
+    generate(dir, "6000");
+    let config = write_config(dir, VALIDATING);
+    let text = std::fs::read_to_string(&config).expect("config");
+    let text = text
+        .replace("[train]\n", "[train]\nepochs = 6\n")
+        .replace("learning_rate = 0.05", "learning_rate = 0.3")
+        .replace("[model]", "validation = 0.25\n[model]");
+    std::fs::write(&config, text).expect("write config");
+    config
+}
+
+fn run(command: &str, config: &str, dir: &Path, name: &str, args: &[&str], failpoints: &str) -> Value {
+    let mut cmd = sparrow();
+    cmd.args([command, "--config", config, "--quiet"]).args(args);
+    let ckpt = format!("checkpoint.dir={:?}", dir.join(name).display().to_string());
+    let metrics = format!("train.metrics_path={:?}", dir.join(format!("{name}.jsonl")).display().to_string());
+    cmd.args(["--set", &ckpt, "--set", &metrics]);
+    if !failpoints.is_empty() {
+        cmd.env("FAILPOINTS", failpoints);
+    }
+    let out = cmd.output().expect("run");
+    assert!(out.status.success(), "{command} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    last_json(&out)
+}
+
+/// `(epoch, step, validation_auc)` of each `validation` line.
+fn validations(dir: &Path, name: &str) -> Vec<(u64, u64, f64)> {
+    let text = std::fs::read_to_string(dir.join(format!("{name}.jsonl"))).expect("metrics");
+    text.lines()
+        .map(|l| serde_json::from_str::<Value>(l).expect("a json line"))
+        .filter(|v| v["event"] == "validation")
+        .map(|v| {
+            (
+                v["epoch"].as_u64().unwrap_or(99),
+                v["step"].as_u64().unwrap_or(0),
+                v["validation_auc"].as_f64().unwrap_or(0.0),
+            )
+        })
+        .collect()
+}
+
+const REPORTED: [&str; 9] = [
+    "test_auc",
+    "validation_auc",
+    "validation_rows",
+    "best_step",
+    "best_epoch",
+    "best_validation",
+    "stopped_early",
+    "test_model",
+    "train_rows",
+];
+
+#[test]
+fn launch_validates_judges_and_stops_as_train_does_through_a_death() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let config = job(tmp.path());
+    let train = run("train", &config, tmp.path(), "train", &[], "");
+    let cluster = ["--shards", "2", "--workers", "1"];
+    let launch = run("launch", &config, tmp.path(), "launch", &cluster, "");
+    assert_eq!(train["stopped_early"], true, "the job was meant to stop early: {train}");
+    assert!(train["best_epoch"].as_u64().is_some_and(|e| e + 1 < 6), "{train}");
+    assert_eq!(train["test_model"], "best");
+    for key in REPORTED {
+        assert_eq!(launch[key], train[key], "`{key}`: launch vs train");
+    }
+    let each = validations(tmp.path(), "train");
+    assert!(each.len() >= 2, "{each:?}");
+    assert_eq!(validations(tmp.path(), "launch"), each, "the same validation at each epoch's end");
+    // The best model is kept, in train's format: it scores the test AUC reported.
+    let best = launch["best_checkpoint"].as_str().expect("best");
+    assert_eq!(Path::new(best), tmp.path().join("launch/best"));
+    let test = tmp.path().join("data/test.tsv").display().to_string();
+    let eval = sparrow().args(["eval", "--checkpoint", best, "--data", &test]).output().expect("eval");
+    assert!(eval.status.success(), "{}", String::from_utf8_lossy(&eval.stderr));
+    assert_eq!(last_json(&eval)["auc"], launch["test_auc"]);
+
+    // The worker dies at its second checkpoint (the second epoch's, its
+    // judgement made and not yet committed): restarted from the first
+    // epoch's, it trains and judges the second again, once.
+    let died = run("launch", &config, tmp.path(), "died", &cluster, "worker.checkpoint=1*off->return");
+    assert_eq!(died["restarts"]["worker"], 1, "{died}");
+    for key in REPORTED {
+        assert_eq!(died[key], train[key], "`{key}`: after a death vs train");
+    }
+    let lines = validations(tmp.path(), "died");
+    let mut once = lines.clone();
+    once.dedup_by_key(|l| l.1);
+    assert_eq!(once, each, "each epoch's validation, the replayed one scored alike: {lines:?}");
+}
+
+#[test]
+fn several_workers_validate_in_every_sync_mode() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let config = job(tmp.path());
+    let held = 6000 - run("train", &config, tmp.path(), "train", &[], "")["validation_rows"].as_u64().expect("rows");
+    for sync in ["step", "round", "lazy"] {
+        let set = format!("cluster.sync={sync:?}");
+        let args = ["--shards", "2", "--workers", "2", "--set", &set];
+        let out = run("launch", &config, tmp.path(), sync, &args, "");
+        let epochs = validations(tmp.path(), sync);
+        assert!(!epochs.is_empty(), "{sync}: no validation");
+        let at: Vec<u64> = epochs.iter().map(|e| e.0).collect();
+        assert_eq!(at, (0..at.len() as u64).collect::<Vec<_>>(), "{sync}: one validation an epoch: {epochs:?}");
+        assert_eq!(out["train_rows"], held * epochs.len() as u64, "{sync}: whole epochs, none past the stop");
+        assert_eq!(out["validation_auc"].as_f64(), epochs.last().map(|e| e.2), "{sync}");
+        let stopped = out["stopped_early"] == true;
+        assert!(stopped || epochs.len() == 6, "{sync}: {out}");
+        assert!(tmp.path().join(sync).join("best/LATEST").exists(), "{sync}: no best kept");
+    }
+}
+
+#[test]
+fn what_a_cluster_cannot_validate_is_refused_naming_the_keys() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    // Validation alone (early stopping also needs checkpoint.dir, in any run).
+    let config = job(tmp.path());
+    let text = std::fs::read_to_string(&config).expect("config").replace(VALIDATING, "");
+    std::fs::write(&config, text).expect("write config");
+    let refused = |sets: &[&str]| {
+        let mut cmd = sparrow();
+        cmd.args(["launch", "--config", &config, "--shards", "1", "--workers", "1"]);
+        for s in sets {
+            cmd.args(["--set", s]);
+        }
+        let out = cmd.output().expect("launch");
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    let no_dir = refused(&[]);
+    assert!(no_dir.contains("data.validation") && no_dir.contains("checkpoint.dir"), "{no_dir}");
+    let ckpt = format!("checkpoint.dir={:?}", tmp.path().join("c").display().to_string());
+    let every = refused(&[&ckpt, "train.eval_every_steps=5"]);
+    assert!(every.contains("train.eval_every_steps"), "{every}");
+}

@@ -1,0 +1,142 @@
+//! `data.validation` in a cluster job: one epoch a generation.
+//!
+//! `sparrow train` scores the validation set at each epoch's end before
+//! the next epoch's first batch. A cluster does it with the machinery it
+//! has for recovery, so every sync policy keeps its own end of data:
+//! - the loader's stream ends with the epoch it starts in
+//!   (`Loader::one_epoch`), and says whether the training batches ran out
+//!   at an epoch's end (`LoaderService::training_ended_at_epoch_end`);
+//! - the workers meet as at the data's end; once every update is on the
+//!   shards worker 0 scores the validation set through them and judges
+//!   `[train.early_stopping]` (`worker/validation.rs`); every worker then
+//!   takes part in the epoch's checkpoint, which keeps the judgement;
+//! - the coordinator copies a new best to `checkpoint.dir/best` and, when
+//!   every worker finished, starts the next epoch as a generation of its
+//!   own from that checkpoint ([`next_epoch`]), or ends the job (the last
+//!   epoch, patience spent, `train.max_steps`, a stop).
+//!
+//! A role that dies at any point restores the last committed checkpoint as
+//! in any generation: an epoch's checkpoint is only ever written after its
+//! judgement, so nothing is judged twice or skipped.
+
+use std::path::{Path, PathBuf};
+
+use sparrow_core::Config;
+use sparrow_trainer::checkpoint::{Manifest, read_manifest};
+use sparrow_trainer::early_stopping::StoppingState;
+
+use crate::transport::ClusterError;
+
+/// Why a cluster job cannot validate as asked, naming the keys.
+pub fn check(config: &Config) -> Result<(), ClusterError> {
+    if config.data.validation.is_none() {
+        return Ok(());
+    }
+    let refuse = |why: &str| Err(ClusterError::Setup(format!("data.validation in a cluster job: {why}")));
+    if config.checkpoint.dir.is_none() {
+        return refuse(
+            "each epoch ends with a checkpoint the next one starts from (and `best` is kept beside them): set \
+             checkpoint.dir",
+        );
+    }
+    if config.train.eval_every_steps.is_some_and(|n| n > 0) {
+        return refuse(
+            "a cluster validates at each epoch's end only, not every train.eval_every_steps steps: leave \
+             train.eval_every_steps out (or train with `sparrow train`)",
+        );
+    }
+    if config.data.stream.is_some() {
+        return refuse("a [data.stream] has no epochs to validate at the end of");
+    }
+    Ok(())
+}
+
+/// Whether `state` says training stops (patience spent).
+pub fn stopped(config: &Config, state: &StoppingState) -> bool {
+    config.train.early_stopping.as_ref().is_some_and(|rule| state.best.is_some() && state.since_best >= rule.patience)
+}
+
+/// Whether the checkpoint `manifest` was judged at its step and stops there.
+pub fn stops_at(config: &Config, manifest: &Manifest) -> bool {
+    manifest.early_stopping.as_ref().is_some_and(|s| s.validated_step == Some(manifest.step) && stopped(config, s))
+}
+
+/// After every worker finished a generation whose last commit is
+/// `committed`: the epoch it validated, if the next one follows (it
+/// ended at an epoch's end that was not the last, and neither early
+/// stopping nor `train.max_steps` ended the job).
+pub fn next_epoch(config: &Config, committed: Option<&Path>) -> Option<u64> {
+    config.data.validation.as_ref()?;
+    let m = read_manifest(committed?).ok()?;
+    let state = m.early_stopping.as_ref()?;
+    let validated = state.validated_step == Some(m.step);
+    let more = m.position.epoch + 1 < config.train.epochs && config.train.max_steps.is_none_or(|n| m.step < n);
+    (validated && more && !stopped(config, state)).then_some(m.position.epoch)
+}
+
+/// `checkpoint.dir/best`.
+pub fn best_dir(config: &Config) -> Option<PathBuf> {
+    sparrow_trainer::validation::best_dir(config)
+}
+
+/// Keeps the committed version `dir` as `best` if its judgement made it the
+/// best (the coordinator, after a commit; again at a generation's start,
+/// in case it died in between): its files (and the versions an incremental
+/// one builds on) copied, then committed there as a checkpoint of its own.
+pub fn keep_best(config: &Config, dir: &Path) -> Result<(), ClusterError> {
+    let Some(root) = best_dir(config) else { return Ok(()) };
+    let m = read_manifest(dir)?;
+    let is_best = m
+        .early_stopping
+        .as_ref()
+        .is_some_and(|s| s.validated_step == Some(m.step) && s.best.is_some_and(|b| b.step == m.step));
+    let kept = sparrow_trainer::checkpoint::resolve(&root).and_then(|d| read_manifest(&d));
+    if !is_best || kept.is_ok_and(|b| b.step == m.step) {
+        return Ok(());
+    }
+    let io = |p: &Path| {
+        let p = p.to_path_buf();
+        move |e: std::io::Error| ClusterError::Io {
+            what: format!("keeping the best model: {}", p.display()),
+            source: e,
+        }
+    };
+    std::fs::create_dir_all(&root).map_err(io(&root))?;
+    // An incremental version reads its bases from beside it.
+    let versions = dir.parent().ok_or_else(|| ClusterError::Setup(format!("{}: no parent", dir.display())))?;
+    let mut base = m.base.clone();
+    while let Some(name) = base {
+        let (from, to) = (versions.join(&name), root.join(&name));
+        if !to.exists() {
+            copy_dir(&from, &root.join(format!(".tmp-{name}")), true, &io)?;
+            std::fs::rename(root.join(format!(".tmp-{name}")), &to).map_err(io(&to))?;
+        }
+        base = read_manifest(&from)?.base;
+    }
+    let staging = root.join(format!(".tmp-best-{}-{}", m.step, std::process::id()));
+    copy_dir(dir, &staging, false, &io)?;
+    sparrow_trainer::checkpoint::commit(&root, &staging, &m, 1)?;
+    tracing::info!("step {}: the best validation so far; kept in {}", m.step, root.display());
+    Ok(())
+}
+
+/// Copies the files of version `from` into a fresh `to` (its manifest
+/// only `with_manifest`: `commit` writes the top one's).
+fn copy_dir<F>(from: &Path, to: &Path, with_manifest: bool, io: &impl Fn(&Path) -> F) -> Result<(), ClusterError>
+where
+    F: FnOnce(std::io::Error) -> ClusterError,
+{
+    if to.exists() {
+        std::fs::remove_dir_all(to).map_err(io(to))?;
+    }
+    std::fs::create_dir_all(to).map_err(io(to))?;
+    for entry in std::fs::read_dir(from).map_err(io(from))? {
+        let entry = entry.map_err(io(from))?;
+        if !with_manifest && entry.file_name() == sparrow_trainer::checkpoint::MANIFEST_FILE {
+            continue;
+        }
+        let target = to.join(entry.file_name());
+        std::fs::copy(entry.path(), &target).map_err(io(&target))?;
+    }
+    Ok(())
+}
