@@ -3,7 +3,8 @@
 //! with the model `sparrow train` validates, judges as it does, keeps the
 //! same `best`, stops at the same epoch and scores `data.test` with the
 //! same model; a worker that dies around an epoch's checkpoint changes
-//! none of it; several workers in every sync mode validate too; and what a
+//! none of it; several workers in every sync mode (and collocated nodes)
+//! validate too; and what a
 //! cluster cannot do is refused naming the keys.
 
 mod common;
@@ -83,6 +84,13 @@ fn launch_validates_judges_and_stops_as_train_does_through_a_death() {
     for key in REPORTED {
         assert_eq!(launch[key], train[key], "`{key}`: launch vs train");
     }
+    // A periodic checkpoint at an epoch's last step (18 steps an epoch)
+    // comes before its judgement: the epoch's own checkpoint still follows.
+    let every = ["--shards", "1", "--workers", "1", "--set", "checkpoint.every_steps=6"];
+    let periodic = run("launch", &config, tmp.path(), "periodic", &every, "");
+    for key in REPORTED {
+        assert_eq!(periodic[key], train[key], "`{key}`: with periodic checkpoints vs train");
+    }
     let each = validations(tmp.path(), "train");
     assert!(each.len() >= 2, "{each:?}");
     assert_eq!(validations(tmp.path(), "launch"), each, "the same validation at each epoch's end");
@@ -113,10 +121,12 @@ fn several_workers_validate_in_every_sync_mode() {
     let tmp = tempfile::tempdir().expect("tmp");
     let config = job(tmp.path());
     let held = 6000 - run("train", &config, tmp.path(), "train", &[], "")["validation_rows"].as_u64().expect("rows");
-    for sync in ["step", "round", "lazy"] {
+    let collocated = ["--nodes", "2", "--set", "cluster.mode=\"collocated\""];
+    for sync in ["step", "round", "lazy", "collocated"] {
         let set = format!("cluster.sync={sync:?}");
-        let args = ["--shards", "2", "--workers", "2", "--set", &set];
-        let out = run("launch", &config, tmp.path(), sync, &args, "");
+        let workers = ["--shards", "2", "--workers", "2", "--set", &set];
+        let args: &[&str] = if sync == "collocated" { &collocated } else { &workers };
+        let out = run("launch", &config, tmp.path(), sync, args, "");
         let epochs = validations(tmp.path(), sync);
         assert!(!epochs.is_empty(), "{sync}: no validation");
         let at: Vec<u64> = epochs.iter().map(|e| e.0).collect();

@@ -370,6 +370,9 @@ pub struct LoaderServer {
     /// `data.validation`'s one epoch): not at `train.max_steps`, nor on a
     /// stop. Set before the workers hear of the end.
     epoch_end: Arc<std::sync::atomic::AtomicBool>,
+    /// [`end_data`](Self::end_data) was called (`stop_reading` is also
+    /// set when a stream is dropped: a collocated job's pass thread ends).
+    told_to_end: Arc<std::sync::atomic::AtomicBool>,
     _thread: JoinHandle<()>,
 }
 
@@ -548,7 +551,8 @@ impl LoaderServer {
         let (job, eval_batch) = (config.clone(), config.train.batch_size.max(1024));
         let (thread_error, thread_bad) = (error.clone(), bad.clone());
         let epoch_end = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (ended_at_epoch_end, stopped) = (epoch_end.clone(), stop_reading.clone());
+        let told_to_end = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (ended_at_epoch_end, stopped) = (epoch_end.clone(), told_to_end.clone());
         let thread = std::thread::Builder::new()
             .name("sparrow-loader".into())
             .spawn(move || {
@@ -603,6 +607,7 @@ impl LoaderServer {
             waiting_answers: Default::default(),
             stop_reading,
             epoch_end,
+            told_to_end,
             _thread: thread,
         })
     }
@@ -702,6 +707,7 @@ impl LoaderServer {
     /// workers are told the data ended, and the job checkpoints and ends.
     /// How `sparrow launch` stops a job on its first SIGTERM or Ctrl-C.
     pub fn end_data(&self) {
+        self.told_to_end.store(true, std::sync::atomic::Ordering::Relaxed);
         self.stop_reading.store(true, std::sync::atomic::Ordering::Relaxed);
         tracing::info!("loader: asked to end the training data here: the batches read are trained, then the job ends");
     }
