@@ -692,6 +692,14 @@ fn sigterm_stops_launch_and_its_roles_cleanly() {
 
     let mut launch = spawn_in(job.dir(), &["launch", "--config", "job.toml", "--shards", "1", "--workers", "1"]);
     wait_for_workers(&job);
+    // A shard listens after it set its signal handlers: a SIGTERM before
+    // that kills the process outright, a death `launch` recovers from (CI
+    // saw it on a loaded machine).
+    let start = Instant::now();
+    while !std::fs::read_to_string(job.path("bg.stderr")).unwrap_or_default().contains("shard 0: listening on") {
+        assert!(start.elapsed() < MINUTE, "the shard did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let shard = pids_of(&job).into_iter().find(|(name, _)| name == "shard 0").expect("shard 0").1;
     signal(shard, "-TERM");
     let status = launch.wait().expect("wait");
