@@ -91,9 +91,20 @@ fn launch_validates_judges_and_stops_as_train_does_through_a_death() {
     for key in REPORTED {
         assert_eq!(periodic[key], train[key], "`{key}`: with periodic checkpoints vs train");
     }
+    // And when the worker dies between the two (its fourth checkpoint
+    // call, the first epoch's own): restored at that epoch's end, not yet
+    // judged, the job validates it before the next epoch.
+    let after_periodic = run("launch", &config, tmp.path(), "after", &every, "worker.checkpoint=3*off->return");
+    assert_eq!(after_periodic["restarts"]["worker"], 1, "{after_periodic}");
+    for key in REPORTED {
+        assert_eq!(after_periodic[key], train[key], "`{key}`: a death after a periodic checkpoint vs train");
+    }
     let each = validations(tmp.path(), "train");
     assert!(each.len() >= 2, "{each:?}");
     assert_eq!(validations(tmp.path(), "launch"), each, "the same validation at each epoch's end");
+    let mut after = validations(tmp.path(), "after");
+    after.dedup_by_key(|l| l.1);
+    assert_eq!(after, each, "each epoch validated, the first again after the restore, alike");
     // The best model is kept, in train's format: it scores the test AUC reported.
     let best = launch["best_checkpoint"].as_str().expect("best");
     assert_eq!(Path::new(best), tmp.path().join("launch/best"));

@@ -16,8 +16,11 @@
 //!   epoch, patience spent, `train.max_steps`, a stop).
 //!
 //! A role that dies at any point restores the last committed checkpoint as
-//! in any generation: an epoch's checkpoint is only ever written after its
-//! judgement, so nothing is judged twice or skipped.
+//! in any generation: an epoch's own checkpoint is only ever written after
+//! its judgement, so nothing is judged twice. One restored at the end of an
+//! epoch not yet judged (a periodic checkpoint of its last step, a stop
+//! right there) gets a stream that ends at once: that epoch is validated
+//! before the next, as `sparrow train` does on a resume from there.
 
 use std::path::{Path, PathBuf};
 
@@ -56,9 +59,15 @@ pub fn stopped(config: &Config, state: &StoppingState) -> bool {
     config.train.early_stopping.as_ref().is_some_and(|rule| state.best.is_some() && state.since_best >= rule.patience)
 }
 
+/// Whether the checkpoint `manifest` was validated at its step (an
+/// epoch's end whose judgement it keeps).
+pub fn validated_at(manifest: &Manifest) -> bool {
+    manifest.early_stopping.as_ref().is_some_and(|s| s.validated_step == Some(manifest.step))
+}
+
 /// Whether the checkpoint `manifest` was judged at its step and stops there.
 pub fn stops_at(config: &Config, manifest: &Manifest) -> bool {
-    manifest.early_stopping.as_ref().is_some_and(|s| s.validated_step == Some(manifest.step) && stopped(config, s))
+    validated_at(manifest) && manifest.early_stopping.as_ref().is_some_and(|s| stopped(config, s))
 }
 
 /// After every worker finished a generation whose last commit is

@@ -73,12 +73,15 @@ impl Loader {
         }
     }
 
-    /// `data.validation` in a cluster: the stream ends with the epoch of
-    /// its first batch, so the job validates there before the next epoch
-    /// (a generation of its own, restored from the epoch's checkpoint). A
-    /// stream restored at an epoch's end starts with the next epoch.
-    pub fn one_epoch(mut self, on: bool) -> Self {
-        self.one_epoch = on.then(OneEpoch::default);
+    /// `data.validation` in a cluster: the stream ends with one epoch, so
+    /// the job validates there before the next (a generation of its own,
+    /// restored from the epoch's checkpoint). `Some(Some(e))`: epoch `e`,
+    /// where the stream starts (a stream restored at the end of an epoch
+    /// not yet validated then ends at once: its validation comes first);
+    /// `Some(None)`: the epoch of its first batch (restored at the end of
+    /// one validated: the next).
+    pub fn one_epoch(mut self, epoch: Option<Option<u64>>) -> Self {
+        self.one_epoch = epoch.map(|epoch| OneEpoch { epoch, passed: false });
         self
     }
 
@@ -501,13 +504,13 @@ impl LoaderServer {
         let bad = BadRows::from_config(&config.data);
         // Resuming: the data continues where the checkpoint's run stopped.
         // A checkpoint whose epoch's validation said stop trains no more.
-        let (start, skip, steps_done, mark, stopped) = match restore {
+        let (start, skip, steps_done, mark, stopped, validated) = match restore {
             Some(dir) => {
                 let m = sparrow_trainer::checkpoint::read_manifest(&dir)?;
-                let stopped = crate::epochs::stops_at(config, &m);
-                (m.position, m.skip.iter().map(|s| s.start).collect::<Vec<_>>(), m.step, m.stream, stopped)
+                let (stopped, validated) = (crate::epochs::stops_at(config, &m), crate::epochs::validated_at(&m));
+                (m.position, m.skip.iter().map(|s| s.start).collect::<Vec<_>>(), m.step, m.stream, stopped, validated)
             }
-            None => (Default::default(), Vec::new(), 0, None, false),
+            None => (Default::default(), Vec::new(), 0, None, false, false),
         };
         let train_stream = match &config.data.stream {
             // A topic, from the checkpoint's offsets (its skip ranges are
@@ -536,7 +539,7 @@ impl LoaderServer {
         let first_eval_id = first_batch_id(generation, FIRST_EVAL_BATCH_ID);
         let train = Loader::new(train_stream, shards.clone(), Mode::Train, cluster_mode, first_train_id, bad.clone())
             .resuming(start, &skip)
-            .one_epoch(config.data.validation.is_some());
+            .one_epoch(config.data.validation.as_ref().map(|_| (!validated).then_some(start.epoch)));
         let depth = config.cluster.loader_queue_batches;
         let (train_tx, train_rx) = bounded(depth);
         let (eval_tx, eval_rx) = bounded(depth);
