@@ -93,7 +93,7 @@ pub fn best_dir(config: &Config) -> Option<PathBuf> {
 /// in case it died in between): its files (and the versions an incremental
 /// one builds on) copied, then committed there as a checkpoint of its own.
 pub fn keep_best(config: &Config, dir: &Path) -> Result<(), ClusterError> {
-    let Some(root) = best_dir(config) else { return Ok(()) };
+    let Some(root) = best_dir(config).filter(|_| config.train.early_stopping.is_some()) else { return Ok(()) };
     let m = read_manifest(dir)?;
     let is_best = m
         .early_stopping
