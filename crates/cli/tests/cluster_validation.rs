@@ -3,15 +3,17 @@
 //! with the model `sparrow train` validates, judges as it does, keeps the
 //! same `best`, stops at the same epoch and scores `data.test` with the
 //! same model; a worker that dies around an epoch's checkpoint changes
-//! none of it; several workers in every sync mode (and collocated nodes)
+//! none of it, nor does a stop right at an epoch's end; several workers in every sync mode (and collocated nodes)
 //! validate too; and what a
 //! cluster cannot do is refused naming the keys.
 
 mod common;
 
-use common::{generate, last_json, sparrow, write_config};
+use common::{Log, generate, last_json, signal, sparrow, write_config};
 use serde_json::Value;
 use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
 
 /// Six epochs at a rate that overfits, a quarter of the rows held out,
 /// patience 1: the validation AUC peaks early and the job stops.
@@ -127,6 +129,42 @@ fn launch_validates_judges_and_stops_as_train_does_through_a_death() {
     assert_eq!(once, each, "each epoch's validation, the replayed one scored alike: {lines:?}");
 }
 
+/// A stop (SIGTERM to `launch`) as the next epoch's generation starts:
+/// the job ends with 143 and its checkpoint; resumed, it judges and stops
+/// as `train` does. (By hand, before the coordinator's rule that only a
+/// generation that committed starts the next epoch, such a stop restarted
+/// that epoch again and again, each generation told to end at once; this
+/// test does not always land in that window.)
+#[test]
+fn a_stop_at_an_epochs_end_ends_the_job_and_a_resume_judges_as_train() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let config = job(tmp.path());
+    let train = run("train", &config, tmp.path(), "train", &[], "");
+    let ckpt = tmp.path().join("stopped").display().to_string();
+    let mut child = sparrow()
+        .args(["launch", "--config", &config, "--shards", "1", "--workers", "1"])
+        .args(["--set", &format!("checkpoint.dir={ckpt:?}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("launch");
+    let log = Log::default();
+    let reader = log.collect(child.stderr.take().expect("stderr"));
+    log.wait_for_line(&["epoch 0 validated; epoch 1 starts"], Duration::from_secs(60));
+    signal(child.id(), "-TERM");
+    // A hang is the bug: its error line never comes.
+    log.wait_for_line(&["stopped by a signal"], Duration::from_secs(60));
+    let status = child.wait().expect("wait");
+    reader.join().expect("stderr reader");
+    assert_eq!(status.code(), Some(143), "{}", log.text());
+    let resume = format!("checkpoint.resume_from={ckpt:?}");
+    let resumed =
+        run("launch", &config, tmp.path(), "stopped", &["--shards", "1", "--workers", "1", "--set", &resume], "");
+    for key in REPORTED.iter().filter(|k| **k != "train_rows") {
+        assert_eq!(resumed[*key], train[*key], "`{key}`: stopped and resumed vs train");
+    }
+}
+
 #[test]
 fn several_workers_validate_in_every_sync_mode() {
     let tmp = tempfile::tempdir().expect("tmp");
@@ -172,4 +210,8 @@ fn what_a_cluster_cannot_validate_is_refused_naming_the_keys() {
     let ckpt = format!("checkpoint.dir={:?}", tmp.path().join("c").display().to_string());
     let every = refused(&[&ckpt, "train.eval_every_steps=5"]);
     assert!(every.contains("train.eval_every_steps"), "{every}");
+    // A validation file that is not there: named before any training.
+    let missing = tmp.path().join("no-such.tsv").display().to_string();
+    let file = refused(&[&ckpt, &format!("data.validation={missing:?}")]);
+    assert!(file.contains("data.validation") && file.contains(&missing), "{file}");
 }

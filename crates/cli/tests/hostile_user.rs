@@ -2,6 +2,8 @@
 //! every command must end — with a clear error naming the key, file or step
 //! where the input is bad — and never lose what was trained.
 
+mod common;
+
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -656,54 +658,55 @@ fn impossible_sizes_are_refused_naming_the_key() {
 #[test]
 fn sigterm_stops_launch_and_its_roles_cleanly() {
     let job = Job::new(200_000);
-    let pids_of = |job: &Job| -> Vec<(String, u32)> {
-        let err = std::fs::read_to_string(job.path("bg.stderr")).unwrap_or_default();
-        err.lines()
+    // launch's stderr as it comes, each line waking the waits below.
+    let start = || {
+        let mut child = Command::new(sparrow_bin())
+            .args(["launch", "--config", "job.toml", "--shards", "1", "--workers", "1"])
+            .current_dir(job.dir())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn launch");
+        let log = common::Log::default();
+        let reader = log.collect(child.stderr.take().expect("stderr"));
+        (child, log, reader)
+    };
+    let pids_of = |text: &str| -> Vec<(String, u32)> {
+        text.lines()
             .filter_map(|l| {
                 let (name, pid) = l.strip_prefix("launch: ")?.rsplit_once(" is pid ")?;
                 Some((name.to_string(), pid.trim().parse().ok()?))
             })
             .collect()
     };
-    let wait_for_workers = |job: &Job| {
-        let start = Instant::now();
-        while !std::fs::read_to_string(job.path("bg.stderr")).unwrap_or_default().contains("[worker 0]") {
-            assert!(start.elapsed() < MINUTE, "no worker started");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    };
     let gone = |pid: u32| !Path::new(&format!("/proc/{pid}")).exists();
 
-    let mut launch = spawn_in(job.dir(), &["launch", "--config", "job.toml", "--shards", "1", "--workers", "1"]);
-    wait_for_workers(&job);
+    let (mut launch, log, reader) = start();
+    log.wait_for_line(&["[worker 0]"], MINUTE);
     signal(launch.id(), "-TERM");
     let status = launch.wait().expect("wait");
-    let err = std::fs::read_to_string(job.path("bg.stderr")).unwrap_or_default();
+    reader.join().expect("stderr reader");
+    let err = log.text();
     assert_eq!(status.code(), Some(143), "{err}");
     // The data ended where it was and the job checkpointed what it trained.
     assert!(err.contains("the job checkpointed (") && err.contains("continue with --resume"), "{err}");
-    let children = pids_of(&job);
+    let children = pids_of(&err);
     assert_eq!(children.len(), 4, "{children:?}");
-    let start = Instant::now();
-    while !children.iter().all(|(_, pid)| gone(*pid)) {
-        assert!(start.elapsed() < Duration::from_secs(5), "children left behind: {children:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    // launch reaps every child before it exits: none is left to wait for.
+    assert!(children.iter().all(|(_, pid)| gone(*pid)), "children left behind: {children:?}");
 
-    let mut launch = spawn_in(job.dir(), &["launch", "--config", "job.toml", "--shards", "1", "--workers", "1"]);
-    wait_for_workers(&job);
+    let (mut launch, log, reader) = start();
+    log.wait_for_line(&["[worker 0]"], MINUTE);
     // A shard listens after it set its signal handlers: a SIGTERM before
     // that kills the process outright, a death `launch` recovers from (CI
     // saw it on a loaded machine).
-    let start = Instant::now();
-    while !std::fs::read_to_string(job.path("bg.stderr")).unwrap_or_default().contains("shard 0: listening on") {
-        assert!(start.elapsed() < MINUTE, "the shard did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let shard = pids_of(&job).into_iter().find(|(name, _)| name == "shard 0").expect("shard 0").1;
+    log.wait_for_line(&["shard 0: listening on"], MINUTE);
+    let shard = pids_of(&log.text()).into_iter().find(|(name, _)| name == "shard 0").expect("shard 0").1;
     signal(shard, "-TERM");
     let status = launch.wait().expect("wait");
-    let err = std::fs::read_to_string(job.path("bg.stderr")).unwrap_or_default();
+    reader.join().expect("stderr reader");
+    let err = log.text();
     assert_eq!(status.code(), Some(2), "{err}");
     assert!(err.contains("shard 0 exited (exit status: 143)") && err.contains("shard stopped by SIGTERM"), "{err}");
 }

@@ -521,9 +521,12 @@ impl Coordinator {
         }
         if self.members.worker_finished(role.index, generation) {
             // `data.validation`: an epoch validated, the next one follows as
-            // a generation of its own from its checkpoint (`epochs.rs`).
-            let committed = self.generations.committed().0.map(|(dir, _)| dir);
+            // a generation of its own from its checkpoint (`epochs.rs`);
+            // only after one this generation committed (one that trained
+            // nothing, as after a stop, ends the job).
+            let Attempt { restore, committed, .. } = self.generations.attempt();
             if let Some(epoch) = crate::epochs::next_epoch(&self.config, committed.as_deref())
+                && committed != restore
                 && self.state() == JobState::Running
             {
                 self.start_generation(format!("epoch {epoch} validated; epoch {} starts", epoch + 1));

@@ -22,7 +22,7 @@
 //! right there) gets a stream that ends at once: that epoch is validated
 //! before the next, as `sparrow train` does on a resume from there.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use sparrow_core::Config;
 use sparrow_trainer::checkpoint::{Manifest, read_manifest};
@@ -51,12 +51,18 @@ pub fn check(config: &Config) -> Result<(), ClusterError> {
     if config.data.stream.is_some() {
         return refuse("a [data.stream] has no epochs to validate at the end of");
     }
+    // Found now, not after the first epoch's training.
+    if let Some((path, _)) = config.data.for_validation()
+        && let Err(e) = std::fs::File::open(&path)
+    {
+        return refuse(&format!("{path}: {e}"));
+    }
     Ok(())
 }
 
 /// Whether `state` says training stops (patience spent).
 pub fn stopped(config: &Config, state: &StoppingState) -> bool {
-    config.train.early_stopping.as_ref().is_some_and(|rule| state.best.is_some() && state.since_best >= rule.patience)
+    config.train.early_stopping.as_ref().is_some_and(|rule| state.since_best >= rule.patience)
 }
 
 /// Whether the checkpoint `manifest` was validated at its step (an
@@ -77,15 +83,8 @@ pub fn stops_at(config: &Config, manifest: &Manifest) -> bool {
 pub fn next_epoch(config: &Config, committed: Option<&Path>) -> Option<u64> {
     config.data.validation.as_ref()?;
     let m = read_manifest(committed?).ok()?;
-    let state = m.early_stopping.as_ref()?;
-    let validated = state.validated_step == Some(m.step);
     let more = m.position.epoch + 1 < config.train.epochs && config.train.max_steps.is_none_or(|n| m.step < n);
-    (validated && more && !stopped(config, state)).then_some(m.position.epoch)
-}
-
-/// `checkpoint.dir/best`.
-pub fn best_dir(config: &Config) -> Option<PathBuf> {
-    sparrow_trainer::validation::best_dir(config)
+    (validated_at(&m) && more && !stops_at(config, &m)).then_some(m.position.epoch)
 }
 
 /// Keeps the committed version `dir` as `best` if its judgement made it the
@@ -93,7 +92,10 @@ pub fn best_dir(config: &Config) -> Option<PathBuf> {
 /// in case it died in between): its files (and the versions an incremental
 /// one builds on) copied, then committed there as a checkpoint of its own.
 pub fn keep_best(config: &Config, dir: &Path) -> Result<(), ClusterError> {
-    let Some(root) = best_dir(config).filter(|_| config.train.early_stopping.is_some()) else { return Ok(()) };
+    let Some(root) = sparrow_trainer::validation::best_dir(config).filter(|_| config.train.early_stopping.is_some())
+    else {
+        return Ok(());
+    };
     let m = read_manifest(dir)?;
     let is_best = m
         .early_stopping

@@ -36,12 +36,11 @@ pub struct Loader {
     skip: std::collections::HashSet<(u64, u64, u64)>,
     /// Evaluation under `eval.group_by`: the field whose first ID groups rows.
     group_field: Option<usize>,
-    /// `data.validation`: this stream gives one epoch, that of its first
-    /// batch (see [`Loader::one_epoch`]).
+    /// `data.validation`: this stream gives one epoch (see [`Loader::one_epoch`]).
     one_epoch: Option<OneEpoch>,
 }
 
-/// A stream cut at the end of the epoch it starts in.
+/// A stream cut at the end of one epoch.
 #[derive(Clone, Copy, Debug, Default)]
 struct OneEpoch {
     epoch: Option<u64>,

@@ -12,7 +12,7 @@ use sparrow_data::BadRows;
 use crate::TrainError;
 use crate::checkpoint;
 use crate::driver::{At, Observers};
-use crate::early_stopping::{Verdict, watched};
+use crate::early_stopping::{StoppingState, Verdict, watched};
 use crate::evaluation::{Figures, predict_file};
 use crate::trainer::Trainer;
 
@@ -115,17 +115,29 @@ impl ValidationReport {
     /// The report of a finished run; `test_model` is set by the caller.
     pub fn of(validation: Option<&Validation>, trainer: &Trainer) -> ValidationReport {
         let Some(v) = validation else { return ValidationReport::default() };
-        let best = trainer.config.train.early_stopping.as_ref().and(trainer.early_stopping.best);
-        let best_checkpoint = best.and_then(|_| best_dir(&trainer.config)).filter(|d| d.join("LATEST").exists());
+        ValidationReport::from_state(&trainer.config, v.last.as_ref(), &trainer.early_stopping, v.stop)
+    }
+
+    /// The report from the last validation's figures and where early
+    /// stopping stands (a cluster's worker 0 keeps them itself); `best`
+    /// named if it was kept.
+    pub fn from_state(
+        config: &Config,
+        last: Option<&Figures>,
+        state: &StoppingState,
+        stopped_early: bool,
+    ) -> ValidationReport {
+        let best = config.train.early_stopping.as_ref().and(state.best);
+        let best_checkpoint = best.and_then(|_| best_dir(config)).filter(|d| d.join("LATEST").exists());
         ValidationReport {
-            validation_auc: v.last.as_ref().map(|f| f.auc),
-            validation_logloss: v.last.as_ref().map(|f| f.logloss),
-            validation_rows: v.last.as_ref().map(|f| f.rows),
+            validation_auc: last.map(|f| f.auc),
+            validation_logloss: last.map(|f| f.logloss),
+            validation_rows: last.map(|f| f.rows),
             best_step: best.map(|b| b.step),
             best_epoch: best.map(|b| b.epoch),
             best_validation: best.map(|b| b.metric),
             best_checkpoint: best_checkpoint.map(|d| d.display().to_string()),
-            stopped_early: v.stop,
+            stopped_early,
             test_model: None,
         }
     }

@@ -133,18 +133,7 @@ impl Worker {
             }
         }
         let Some(v) = self.epochs.as_ref() else { return Ok(ValidationReport::default()) };
-        let best = config.train.early_stopping.as_ref().and(v.state.best);
-        let best_checkpoint = best.and_then(|_| crate::epochs::best_dir(config)).filter(|d| d.join("LATEST").exists());
-        Ok(ValidationReport {
-            validation_auc: v.last.as_ref().map(|f| f.auc),
-            validation_logloss: v.last.as_ref().map(|f| f.logloss),
-            validation_rows: v.last.as_ref().map(|f| f.rows),
-            best_step: best.map(|b| b.step),
-            best_epoch: best.map(|b| b.epoch),
-            best_validation: best.map(|b| b.metric),
-            best_checkpoint: best_checkpoint.map(|d| d.display().to_string()),
-            stopped_early: crate::epochs::stopped(config, &v.state),
-            test_model: None,
-        })
+        let stopped = crate::epochs::stopped(config, &v.state);
+        Ok(ValidationReport::from_state(config, v.last.as_ref(), &v.state, stopped))
     }
 }
