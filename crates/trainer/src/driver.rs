@@ -251,7 +251,9 @@ impl Observers {
     /// `step` when `evaluates`, and the log (`worker`: the line's tag and
     /// TensorBoard subfolder in a cluster job).
     pub fn new(config: &Config, at: At, evaluates: bool, log: Option<RunLog>) -> Observers {
-        let eval_every = config.train.eval_every_steps.filter(|_| evaluates && config.data.test.is_some());
+        // The set it scores: the validation set if there is one, else the test set.
+        let scored = config.data.validation.is_some() || config.data.test.is_some();
+        let eval_every = config.train.eval_every_steps.filter(|_| evaluates && scored);
         Observers {
             interval: Cadence::new(Some(config.train.log_interval_steps.max(1)), None, at.batches),
             eval: Cadence::new(eval_every, None, at.step),

@@ -76,6 +76,28 @@ fn a_held_out_fraction_is_never_trained_and_is_what_each_epoch_end_scores() {
 }
 
 #[test]
+fn eval_every_steps_validates_at_each_multiple_without_a_test_set() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let data = tmp.path().join("data");
+    common::small_data(&data, 4000, 500);
+    let mut c = config(&data, tmp.path(), 2, None);
+    // The validation set is what `train.eval_every_steps` scores: no
+    // `data.test` is needed (it was, and without one the key did nothing).
+    c.data.test = None;
+    c.train.eval_every_steps = Some(10);
+    let summary = train(&c, true).expect("train");
+    let held = (1..=4000).filter(|&line| held_out(line, 0.25)).count() as u64;
+    let per_epoch = (4000 - held).div_ceil(128);
+    let mut want: Vec<u64> = (1..=2 * per_epoch).filter(|s| s % 10 == 0 || s % per_epoch == 0).collect();
+    want.dedup();
+    let lines = validation_lines(&tmp.path().join("metrics.jsonl"));
+    let at: Vec<u64> = lines.iter().map(|l| l["step"].as_u64().expect("a number")).collect();
+    assert_eq!(at, want, "every 10 steps and at each epoch's end, once a step");
+    assert_eq!(lines.last().and_then(|l| l["validation_auc"].as_f64()), summary.validation.validation_auc);
+    assert_eq!(summary.test_auc, None);
+}
+
+#[test]
 fn early_stopping_keeps_the_best_model_and_stops_once_patience_is_spent() {
     let tmp = tempfile::tempdir().expect("tmp");
     let data = tmp.path().join("data");
