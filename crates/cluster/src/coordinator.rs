@@ -520,16 +520,21 @@ impl Coordinator {
             return;
         }
         if self.members.worker_finished(role.index, generation) {
-            // `data.validation`: an epoch validated, the next one follows as
-            // a generation of its own from its checkpoint (`epochs.rs`);
-            // only after one this generation committed (one that trained
-            // nothing, as after a stop, ends the job).
+            // `data.validation`: an epoch (or `train.eval_every_steps`
+            // steps) validated, training goes on as a generation of its own
+            // from its checkpoint (`epochs.rs`); only after one this
+            // generation committed (one that trained nothing, as after a
+            // stop, ends the job).
             let Attempt { restore, committed, .. } = self.generations.attempt();
-            if let Some(epoch) = crate::epochs::next_epoch(&self.config, committed.as_deref())
+            if let Some((step, epoch)) = crate::epochs::next_generation(&self.config, committed.as_deref())
                 && committed != restore
                 && self.state() == JobState::Running
             {
-                self.start_generation(format!("epoch {epoch} validated; epoch {} starts", epoch + 1));
+                let why = match self.config.train.eval_every_steps.filter(|&n| n > 0) {
+                    None => format!("epoch {epoch} validated; epoch {} starts", epoch + 1),
+                    Some(_) => format!("step {step} (epoch {epoch}) validated; training goes on"),
+                };
+                self.start_generation(why);
                 return;
             }
             let mut state = self.state.lock();

@@ -1,30 +1,36 @@
-//! `data.validation` in a cluster job: one epoch a generation.
+//! `data.validation` in a cluster job: one epoch a generation (or, with
+//! `train.eval_every_steps`, one stretch of that many steps).
 //!
 //! `sparrow train` scores the validation set at each epoch's end before
-//! the next epoch's first batch. A cluster does it with the machinery it
-//! has for recovery, so every sync policy keeps its own end of data:
+//! the next epoch's first batch, and after every `train.eval_every_steps`
+//! steps. A cluster does it with the machinery it has for recovery, so
+//! every sync policy keeps its own end of data:
 //! - the loader's stream ends with the epoch it starts in
-//!   (`Loader::one_epoch`), and says whether the training batches ran out
-//!   at an epoch's end (`LoaderService::training_ended_at_epoch_end`);
+//!   (`Loader::one_epoch`), or at the next multiple of
+//!   `train.eval_every_steps` ([`batches_to_validation`]), and says whether
+//!   the training batches ran out at such a point
+//!   (`LoaderService::training_ended_at_epoch_end`);
 //! - the workers meet as at the data's end; once every update is on the
 //!   shards worker 0 scores the validation set through them and judges
 //!   `[train.early_stopping]` (`worker/validation.rs`); every worker then
-//!   takes part in the epoch's checkpoint, which keeps the judgement;
+//!   takes part in the checkpoint there, which keeps the judgement;
 //! - the coordinator copies a new best to `checkpoint.dir/best` and, when
-//!   every worker finished, starts the next epoch as a generation of its
-//!   own from that checkpoint ([`next_epoch`]), or ends the job (the last
-//!   epoch, patience spent, `train.max_steps`, a stop).
+//!   every worker finished, starts the next stretch as a generation of its
+//!   own from that checkpoint ([`next_generation`]), or ends the job (the
+//!   last epoch, patience spent, `train.max_steps`, a stop).
 //!
 //! A role that dies at any point restores the last committed checkpoint as
-//! in any generation: an epoch's own checkpoint is only ever written after
-//! its judgement, so nothing is judged twice. One restored at the end of an
-//! epoch not yet judged (a periodic checkpoint of its last step, a stop
-//! right there) gets a stream that ends at once: that epoch is validated
-//! before the next, as `sparrow train` does on a resume from there.
+//! in any generation: a validation point's own checkpoint is only ever
+//! written after its judgement, so nothing is judged twice. One restored at
+//! a validation point not yet judged (a periodic checkpoint of its step, a
+//! stop right there) gets a stream that ends at once: that point is
+//! validated before training goes on, as `sparrow train` does on a resume
+//! from there.
 
 use std::path::Path;
 
 use sparrow_core::Config;
+use sparrow_core::config::SyncMode;
 use sparrow_trainer::checkpoint::{Manifest, read_manifest};
 use sparrow_trainer::early_stopping::StoppingState;
 
@@ -40,12 +46,6 @@ pub fn check(config: &Config) -> Result<(), ClusterError> {
         return refuse(
             "each epoch ends with a checkpoint the next one starts from (and `best` is kept beside them): set \
              checkpoint.dir",
-        );
-    }
-    if config.train.eval_every_steps.is_some_and(|n| n > 0) {
-        return refuse(
-            "a cluster validates at each epoch's end only, not every train.eval_every_steps steps: leave \
-             train.eval_every_steps out (or train with `sparrow train`)",
         );
     }
     if config.data.stream.is_some() {
@@ -76,15 +76,38 @@ pub fn stops_at(config: &Config, manifest: &Manifest) -> bool {
     validated_at(manifest) && manifest.early_stopping.as_ref().is_some_and(|s| stopped(config, s))
 }
 
-/// After every worker finished a generation whose last commit is
-/// `committed`: the epoch it validated, if the next one follows (it
-/// ended at an epoch's end that was not the last, and neither early
-/// stopping nor `train.max_steps` ended the job).
-pub fn next_epoch(config: &Config, committed: Option<&Path>) -> Option<u64> {
+/// `train.eval_every_steps` beside `data.validation`: how many batches a
+/// generation restored at job step `step` hands out before its validation
+/// point, the next multiple (none when the checkpoint there is at one not
+/// yet `validated`: it is validated first). A job step is a batch with
+/// one worker, and under `round` and `lazy` sync; under `step` sync it
+/// takes a batch from each of `workers` (more from a faster one, so there
+/// the points come about every so many steps). `None`: epochs' ends only.
+pub fn batches_to_validation(config: &Config, step: u64, validated: bool, workers: usize) -> Option<u64> {
+    config.data.validation.as_ref()?;
+    let every = config.train.eval_every_steps.filter(|&n| n > 0)?;
+    let steps = match step % every {
+        0 if step > 0 && !validated => 0,
+        done => every - done,
+    };
+    let per_step = if config.cluster.sync == SyncMode::Step { workers.max(1) as u64 } else { 1 };
+    Some(steps * per_step)
+}
+
+/// The generation after one whose last commit is `committed`, once every
+/// worker finished it: where it starts (the step validated, and its
+/// epoch), if training goes on (the checkpoint was judged, neither early
+/// stopping nor `train.max_steps` ended the job, and epochs remain: with
+/// `train.eval_every_steps` the last epoch's own end is not told from a
+/// point inside it, so one more generation starts there and trains
+/// nothing, which ends the job).
+pub fn next_generation(config: &Config, committed: Option<&Path>) -> Option<(u64, u64)> {
     config.data.validation.as_ref()?;
     let m = read_manifest(committed?).ok()?;
-    let more = m.position.epoch + 1 < config.train.epochs && config.train.max_steps.is_none_or(|n| m.step < n);
-    (validated_at(&m) && more && !stops_at(config, &m)).then_some(m.position.epoch)
+    let epochs_left = m.position.epoch + 1 < config.train.epochs
+        || (m.position.epoch + 1 == config.train.epochs && config.train.eval_every_steps.is_some_and(|n| n > 0));
+    let more = epochs_left && config.train.max_steps.is_none_or(|n| m.step < n);
+    (validated_at(&m) && more && !stops_at(config, &m)).then_some((m.step, m.position.epoch))
 }
 
 /// Keeps the committed version `dir` as `best` if its judgement made it the

@@ -543,8 +543,18 @@ impl LoaderServer {
         let (train_tx, train_rx) = bounded(depth);
         let (eval_tx, eval_rx) = bounded(depth);
         let error = Arc::new(Mutex::new(None));
-        // train.max_steps counts the resumed run's steps too.
-        let max_batches = if stopped { Some(0) } else { config.train.max_steps.map(|m| m.saturating_sub(steps_done)) };
+        // train.max_steps counts the resumed run's steps too; with
+        // train.eval_every_steps the stream also ends at the next
+        // validation point (`epochs.rs`).
+        let to_validation = crate::epochs::batches_to_validation(config, steps_done, validated, num_workers);
+        let max_batches = if stopped {
+            Some(0)
+        } else {
+            match (config.train.max_steps.map(|m| m.saturating_sub(steps_done)), to_validation) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            }
+        };
         let mut train = match cluster_mode {
             ClusterMode::Collocated => TrainFeed::Passes(PassFeed::spawn(train, &config.cluster, max_batches)?),
             _ => TrainFeed::Batches(Box::new(train)),
@@ -559,17 +569,22 @@ impl LoaderServer {
             .name("sparrow-loader".into())
             .spawn(move || {
                 let result = (|| -> Result<(), ClusterError> {
-                    let mut ran_out = false;
+                    let (mut ran_out, mut sent) = (false, 0u64);
                     let mut next = || {
                         let next = train.next_batch();
                         ran_out |= matches!(next, Ok(None));
+                        sent += matches!(next, Ok(Some(_))) as u64;
                         next
                     };
                     if !pump(&mut next, &train_tx, max_batches)? {
                         return Ok(());
                     }
+                    // An epoch's end, or the next multiple of
+                    // train.eval_every_steps (also where train.max_steps cuts
+                    // right there: `train` validates at it).
                     let stop = stopped.load(std::sync::atomic::Ordering::Relaxed);
-                    ended_at_epoch_end.store(ran_out && !stop, std::sync::atomic::Ordering::Relaxed);
+                    let at_point = ran_out || to_validation == Some(sent);
+                    ended_at_epoch_end.store(at_point && !stop, std::sync::atomic::Ordering::Relaxed);
                     drop(train_tx);
                     if let Some(test) = test {
                         // Evaluation reads rows as they are: weighting (and

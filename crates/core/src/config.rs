@@ -146,8 +146,9 @@ pub struct DataConfig {
     /// every seed. Scored at the end of every epoch and every
     /// `train.eval_every_steps` (a `validation` line in the metrics); what
     /// `[train.early_stopping]` watches. `data.test` is then scored once, at
-    /// the end. A cluster job validates at each epoch's end (each epoch a
-    /// generation from the last one's checkpoint: it needs `checkpoint.dir`).
+    /// the end. A cluster job validates at each epoch's end and every
+    /// `train.eval_every_steps` (each stretch a generation from the last
+    /// one's checkpoint: it needs `checkpoint.dir`).
     pub validation: Option<ValidationSet>,
     /// Which of the training file's rows a reader hands out (the trainer's
     /// to set: training, validation or scoring).
@@ -424,8 +425,12 @@ pub struct TrainConfig {
     /// set (a `validation` line, what early stopping judges), else on
     /// `data.test` (an `eval` line in the metrics, a point on the report's
     /// and TensorBoard's AUC curve). The model trained is the same with or
-    /// without it. In a cluster job worker 0 evaluates as the job's step
-    /// passes each multiple.
+    /// without it. In a cluster job worker 0 evaluates `data.test` as the
+    /// job's step passes each multiple; with `data.validation` each
+    /// stretch of this many steps is a generation of the job, validated at
+    /// its end (under `cluster.sync = "step"` with several workers a step
+    /// takes a batch from each, more from a faster one: about every this
+    /// many steps).
     pub eval_every_steps: Option<u64>,
     /// Write TensorBoard scalars (an `events.out.tfevents.*` file) into this
     /// directory at every logging interval and evaluation (a cluster job:

@@ -35,6 +35,11 @@ impl PeriodicEval {
     /// For worker `worker` of `config`, if it evaluates periodically.
     pub fn new(config: &Config, worker: usize) -> Option<PeriodicEval> {
         config.train.eval_every_steps.filter(|&n| n > 0)?;
+        // With a validation set, `train.eval_every_steps` validates (at the
+        // end of a generation: `epochs.rs`), and `data.test` waits for the end.
+        if config.data.validation.is_some() {
+            return None;
+        }
         let test = PathBuf::from(config.data.test.as_deref()?);
         if worker != 0 {
             return None;
