@@ -128,6 +128,18 @@ fn launch_validates_judges_and_stops_as_train_does_through_a_death() {
     let mut once = lines.clone();
     once.dedup_by_key(|l| l.1);
     assert_eq!(once, each, "each epoch's validation, the replayed one scored alike: {lines:?}");
+
+    // Cut by train.max_steps past the first epoch's end (18 steps): the last
+    // generation validates nothing, and the report is still the last
+    // validation's, as train's (it was the model at the cut, scored anew).
+    let cut = "train.max_steps=23";
+    let train_cut = run("train", &config, tmp.path(), "train-cut", &["--set", cut], "");
+    let launch_cut =
+        run("launch", &config, tmp.path(), "launch-cut", &["--shards", "1", "--workers", "1", "--set", cut], "");
+    assert_eq!(validations(tmp.path(), "train-cut").len(), 1, "{train_cut}");
+    for key in REPORTED {
+        assert_eq!(launch_cut[key], train_cut[key], "`{key}`: cut by train.max_steps, launch vs train");
+    }
 }
 
 /// A stop (SIGTERM to `launch`) as the next epoch's generation starts:

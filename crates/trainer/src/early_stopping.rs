@@ -20,7 +20,21 @@ pub struct Best {
     pub epoch: u64,
 }
 
-/// Where early stopping stands.
+/// The last validation's figures, as the final JSON reports them.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LastValidation {
+    pub auc: f64,
+    pub logloss: f64,
+    pub rows: u64,
+}
+
+impl LastValidation {
+    pub fn of(figures: &Figures) -> LastValidation {
+        LastValidation { auc: figures.auc, logloss: figures.logloss, rows: figures.rows }
+    }
+}
+
+/// Where early stopping stands (and the validation set with it).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct StoppingState {
     pub best: Option<Best>,
@@ -30,6 +44,10 @@ pub struct StoppingState {
     /// checkpoint of an epoch's last step does not score (and count) it twice.
     #[serde(default)]
     pub validated_step: Option<u64>,
+    /// The last validation's figures: what a run resumed (or a cluster's
+    /// next generation) reports when it ends before validating again.
+    #[serde(default)]
+    pub last: Option<LastValidation>,
 }
 
 /// What an evaluation means for the run.

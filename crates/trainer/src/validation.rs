@@ -12,7 +12,7 @@ use sparrow_data::BadRows;
 use crate::TrainError;
 use crate::checkpoint;
 use crate::driver::{At, Observers};
-use crate::early_stopping::{StoppingState, Verdict, watched};
+use crate::early_stopping::{LastValidation, StoppingState, Verdict, watched};
 use crate::evaluation::{Figures, predict_file};
 use crate::trainer::Trainer;
 
@@ -63,6 +63,7 @@ impl Validation {
         let figures = Figures::of(&trainer.config, &scores);
         observers.log_validation(at, &figures)?;
         trainer.early_stopping.validated_step = Some(at.step);
+        trainer.early_stopping.last = Some(LastValidation::of(&figures));
         if let Some(rule) = trainer.config.train.early_stopping.clone() {
             let metric = watched(&trainer.config, &rule, &figures);
             match trainer.early_stopping.judge(&rule, metric, at.step, at.epoch) {
@@ -95,7 +96,7 @@ impl Validation {
 /// (flattened into `sparrow train`'s summary; null without them).
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize, PartialEq)]
 pub struct ValidationReport {
-    /// The validation set's figures with the final model (first task, as `test_auc`).
+    /// The last validation's figures (first task, as `test_auc`).
     pub validation_auc: Option<f64>,
     pub validation_logloss: Option<f64>,
     pub validation_rows: Option<u64>,
@@ -118,9 +119,10 @@ impl ValidationReport {
         ValidationReport::from_state(&trainer.config, v.last.as_ref(), &trainer.early_stopping, v.stop)
     }
 
-    /// The report from the last validation's figures and where early
-    /// stopping stands (a cluster's worker 0 keeps them itself); `best`
-    /// named if it was kept.
+    /// The report from the last validation's figures (this run's, else the
+    /// ones `state` kept from before a resume) and where early stopping
+    /// stands (a cluster's worker 0 keeps them itself); `best` named if it
+    /// was kept.
     pub fn from_state(
         config: &Config,
         last: Option<&Figures>,
@@ -129,6 +131,7 @@ impl ValidationReport {
     ) -> ValidationReport {
         let best = config.train.early_stopping.as_ref().and(state.best);
         let best_checkpoint = best.and_then(|_| best_dir(config)).filter(|d| d.join("LATEST").exists());
+        let last = last.map(LastValidation::of).or(state.last);
         ValidationReport {
             validation_auc: last.map(|f| f.auc),
             validation_logloss: last.map(|f| f.logloss),

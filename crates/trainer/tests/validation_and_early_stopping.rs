@@ -187,6 +187,36 @@ fn a_resumed_run_stops_where_the_uninterrupted_one_does_with_the_same_model() {
     }
 }
 
+/// A run that ends (`train.max_steps`) past its last validation reports that
+/// validation's figures; resumed from a checkpoint after it, it reports the
+/// same ones (the checkpoint keeps them: before, the resumed run reported
+/// none).
+#[test]
+fn the_last_validation_is_reported_after_a_resume_that_validates_no_more() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let data = tmp.path().join("data");
+    common::small_data(&data, 4000, 500);
+    let held = (1..=4000).filter(|&line| held_out(line, 0.25)).count() as u64;
+    let per_epoch = (4000 - held).div_ceil(128);
+    let full_dir = tmp.path().join("full");
+    let mut full = config(&data, &full_dir, 3, Some(2));
+    full.train.max_steps = Some(per_epoch + 7);
+    let full = train(&full, true).expect("full");
+    let lines = validation_lines(&full_dir.join("metrics.jsonl"));
+    assert_eq!(lines.len(), 1, "one epoch's end validated");
+    assert_eq!(full.validation.validation_auc, lines[0]["validation_auc"].as_f64());
+    assert_eq!(full.validation.validation_rows, lines[0]["validation_rows"].as_u64());
+    let dir = tmp.path().join("cut");
+    let mut first = config(&data, &dir, 3, Some(2));
+    first.train.max_steps = Some(per_epoch + 3);
+    train(&first, true).expect("first part");
+    let mut second = config(&data, &dir, 3, Some(2));
+    second.train.max_steps = Some(per_epoch + 7);
+    second.checkpoint.resume_from = Some(dir.join("ckpt").display().to_string());
+    let resumed = train(&second, true).expect("resumed");
+    assert_eq!(resumed.validation, full.validation.with_dir(&full_dir, &dir));
+}
+
 trait WithDir {
     fn with_dir(self, from: &Path, to: &Path) -> Self;
 }

@@ -21,7 +21,7 @@ use crate::metrics::RoleMetrics;
 use crate::rounds::{MergedRound, RoundMerger, RoundUpdate};
 use crate::sync::{Contribution, RoundReply, RoundSummer};
 use crate::transport::ClusterError;
-use sparrow_trainer::early_stopping::{Best, StoppingState};
+use sparrow_trainer::early_stopping::{Best, LastValidation, StoppingState};
 
 fn lazy_report_to_pb(r: &crate::lazy::LazyReport) -> pb::LazyReport {
     pb::LazyReport {
@@ -742,12 +742,17 @@ fn stopping_to_proto(s: StoppingState) -> pb::StoppingState {
         best_epoch: s.best.map_or(0, |b| b.epoch),
         since_best: s.since_best,
         validated_step: s.validated_step,
+        has_last: s.last.is_some(),
+        last_auc: s.last.map_or(0.0, |l| l.auc),
+        last_logloss: s.last.map_or(0.0, |l| l.logloss),
+        last_rows: s.last.map_or(0, |l| l.rows),
     }
 }
 
 fn stopping_from(s: pb::StoppingState) -> StoppingState {
     let best = s.has_best.then_some(Best { metric: s.best_metric, step: s.best_step, epoch: s.best_epoch });
-    StoppingState { best, since_best: s.since_best, validated_step: s.validated_step }
+    let last = s.has_last.then_some(LastValidation { auc: s.last_auc, logloss: s.last_logloss, rows: s.last_rows });
+    StoppingState { best, since_best: s.since_best, validated_step: s.validated_step, last }
 }
 
 /// A worker's contribution on the wire (to the scheduler or its aggregator).

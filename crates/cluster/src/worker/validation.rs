@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use sparrow_core::Config;
-use sparrow_trainer::early_stopping::{StoppingState, Verdict, watched};
+use sparrow_trainer::early_stopping::{LastValidation, StoppingState, Verdict, watched};
 use sparrow_trainer::evaluation::Figures;
 use sparrow_trainer::validation::ValidationReport;
 
@@ -71,6 +71,7 @@ impl Worker {
         let at = self.at();
         self.observers.log_validation(at, &figures)?;
         let Some(v) = self.epochs.as_mut() else { return Ok(true) };
+        v.state.last = Some(LastValidation::of(&figures));
         if let Some(rule) = &config.train.early_stopping {
             let metric = watched(&config, rule, &figures);
             if v.state.judge(rule, metric, step, at.epoch) == Verdict::Stop {
@@ -97,7 +98,7 @@ impl Worker {
         loader: &dyn LoaderService,
         shards: &[Arc<dyn ShardService>],
     ) -> Result<(Option<Figures>, ValidationReport), ClusterError> {
-        let mut report = self.validation_report(config, shards)?;
+        let mut report = self.validation_report(config);
         let Some(test) = config.data.test.as_deref() else { return Ok((None, report)) };
         let best = config.train.early_stopping.as_ref().filter(|r| r.restore_best).and(report.best_step);
         let scores = match &report.best_checkpoint {
@@ -113,27 +114,12 @@ impl Worker {
         Ok((Some(Figures::of(config, &scores)), report))
     }
 
-    /// Worker 0's figures for the final JSON: the last validation (scored
-    /// now if this generation trained nothing and so scored nothing: the
-    /// same model as the checkpoint's), the best evaluation and where it is
-    /// kept.
-    fn validation_report(
-        &mut self,
-        config: &Config,
-        shards: &[Arc<dyn ShardService>],
-    ) -> Result<ValidationReport, ClusterError> {
-        let Some(v) = self.epochs.as_ref() else { return Ok(ValidationReport::default()) };
-        let Some((path, scoring)) = v.scored.clone() else { return Ok(ValidationReport::default()) };
-        if v.last.is_none() {
-            let first_id = first_batch_id(self.generation, VALIDATION_BATCH_ID | (1 << 38));
-            let (scores, _) = self.score_file(&path, &scoring, first_id, shards)?;
-            let figures = Figures::of(&scoring, &scores);
-            if let Some(v) = self.epochs.as_mut() {
-                v.last = Some(figures);
-            }
-        }
-        let Some(v) = self.epochs.as_ref() else { return Ok(ValidationReport::default()) };
+    /// Worker 0's figures for the final JSON: the last validation (this
+    /// generation's, else the one its checkpoint kept, as `sparrow train`
+    /// reports after a resume), the best evaluation and where it is kept.
+    fn validation_report(&self, config: &Config) -> ValidationReport {
+        let Some(v) = self.epochs.as_ref().filter(|v| v.scored.is_some()) else { return ValidationReport::default() };
         let stopped = crate::epochs::stopped(config, &v.state);
-        Ok(ValidationReport::from_state(config, v.last.as_ref(), &v.state, stopped))
+        ValidationReport::from_state(config, v.last.as_ref(), &v.state, stopped)
     }
 }
