@@ -309,10 +309,17 @@ impl Coordinator {
     }
 
     /// Starts the next generation: every role goes back to the last
-    /// committed checkpoint.
+    /// committed checkpoint (after a failure: said as a warning).
     fn start_generation(&self, reason: String) {
         let started = self.generations.next(reason, |n| self.advance_parts(n));
-        self.after_generation(started);
+        self.after_generation(started, true);
+    }
+
+    /// Starts the next generation as planned (`data.validation`: training
+    /// goes on after a validation point), said as information.
+    fn plan_generation(&self, reason: String) {
+        let started = self.generations.next(reason, |n| self.advance_parts(n));
+        self.after_generation(started, false);
     }
 
     /// Under the generations lock: the parts release the old generation's waiters.
@@ -322,14 +329,19 @@ impl Coordinator {
     }
 
     /// Outside every lock: the parts read what the new generation restores.
-    fn after_generation(&self, s: Started) {
+    fn after_generation(&self, s: Started, after_a_failure: bool) {
         let restore = s.restore.as_ref().map(|d| d.display().to_string());
-        tracing::warn!(
+        let said = format!(
             "generation {}: {}; every role goes back to {}",
             s.number,
             s.reason,
             restore.as_deref().unwrap_or("the job's start")
         );
+        if after_a_failure {
+            tracing::warn!("{said}");
+        } else {
+            tracing::info!("{said}");
+        }
         (self.events)(&Event::Generation { number: s.number, reason: s.reason, replayed: s.replayed, restore });
         self.commits.restore_progress(s.number, s.restore.as_deref());
         // A best model committed just before a death is kept now.
@@ -442,7 +454,7 @@ impl Coordinator {
             (self.events)(&Event::Replayed { steps: replayed });
         }
         if let Some(started) = started {
-            self.after_generation(started);
+            self.after_generation(started, true);
         }
     }
 
@@ -534,7 +546,7 @@ impl Coordinator {
                     None => format!("epoch {epoch} validated; epoch {} starts", epoch + 1),
                     Some(_) => format!("step {step} (epoch {epoch}) validated; training goes on"),
                 };
-                self.start_generation(why);
+                self.plan_generation(why);
                 return;
             }
             let mut state = self.state.lock();
