@@ -157,8 +157,9 @@ pub struct Manifest {
     /// uninterrupted one would have.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub event_clock: Vec<(u64, i64)>,
-    /// `[train.early_stopping]`: the best validation figure so far and the
-    /// evaluations since it, so a resumed run stops where this one would.
+    /// `data.validation`: the step last validated and its figures, and under
+    /// `[train.early_stopping]` the best figure so far and the evaluations
+    /// since it, so a resumed run validates, reports and stops as this one would.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub early_stopping: Option<crate::early_stopping::StoppingState>,
 }
@@ -317,7 +318,9 @@ pub fn save(trainer: &Trainer, root: &Path, keep: usize) -> Result<PathBuf, Trai
         skip: Vec::new(),
         stream: trainer.stream.as_deref().cloned(),
         event_clock: trainer.bounds.as_ref().map(|b| b.saved()).unwrap_or_default(),
-        early_stopping: trainer.config.train.early_stopping.as_ref().map(|_| trainer.early_stopping),
+        // With a validation set, early stopping or not: the step last
+        // validated and its figures are what a resumed run reports.
+        early_stopping: trainer.config.data.validation.as_ref().map(|_| trainer.early_stopping),
     };
     commit(root, &tmp, &manifest, keep)
 }

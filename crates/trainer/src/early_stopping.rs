@@ -14,6 +14,7 @@ use crate::evaluation::Figures;
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Best {
     /// The watched figure (`train.early_stopping.metric` of its task).
+    #[serde(with = "exact_f64")]
     pub metric: f64,
     /// The job's step and epoch (from 0, as in the metrics lines) it was taken at.
     pub step: u64,
@@ -23,7 +24,10 @@ pub struct Best {
 /// The last validation's figures, as the final JSON reports them.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LastValidation {
+    /// NaN where undefined (a multiclass first task's AUC).
+    #[serde(with = "exact_f64")]
     pub auc: f64,
+    #[serde(with = "exact_f64")]
     pub logloss: f64,
     pub rows: u64,
 }
@@ -31,6 +35,35 @@ pub struct LastValidation {
 impl LastValidation {
     pub fn of(figures: &Figures) -> LastValidation {
         LastValidation { auc: figures.auc, logloss: figures.logloss, rows: figures.rows }
+    }
+}
+
+/// A figure in a checkpoint's manifest, bit for bit: written as Rust's
+/// shortest round-trip text (`"0.5628"`, `"NaN"`), which parses back to the
+/// same bits (JSON numbers, as `serde_json` parses them by default, may come
+/// back a unit in the last place off, and JSON has no NaN). A number or
+/// null (NaN), as older manifests wrote it, reads too.
+mod exact_f64 {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&v.to_string())
+    }
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Written {
+        Text(String),
+        Number(f64),
+        Null(()),
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        match Written::deserialize(d)? {
+            Written::Text(t) => t.parse().map_err(|e| serde::de::Error::custom(format!("figure {t:?}: {e}"))),
+            Written::Number(v) => Ok(v),
+            Written::Null(()) => Ok(f64::NAN),
+        }
     }
 }
 
@@ -94,6 +127,42 @@ pub fn watched(config: &Config, rule: &EarlyStoppingConfig, figures: &Figures) -
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A NaN figure (a multiclass first task's AUC, a diverged model's
+    /// log-loss) reads back as NaN: the checkpoint that keeps it stays
+    /// readable (as a JSON number it was written as null, which did not read).
+    #[test]
+    fn a_nan_last_validation_survives_the_manifest() {
+        let state = StoppingState {
+            last: Some(LastValidation { auc: f64::NAN, logloss: f64::NAN, rows: 7 }),
+            ..Default::default()
+        };
+        let text = serde_json::to_string(&state).expect("write");
+        let back: StoppingState = serde_json::from_str(&text).expect("read back");
+        let last = back.last.expect("kept");
+        assert!(last.auc.is_nan() && last.logloss.is_nan() && last.rows == 7, "{text}");
+    }
+
+    /// The figures come back bit for bit (this log-loss, written as a JSON
+    /// number, read back one unit in the last place off), and a manifest
+    /// that wrote them as numbers still reads.
+    #[test]
+    fn figures_survive_the_manifest_bit_for_bit() {
+        let (auc, logloss) = (0.56279987205459, 1.3703492875578547);
+        let state = StoppingState {
+            best: Some(Best { metric: logloss, step: 3, epoch: 0 }),
+            last: Some(LastValidation { auc, logloss, rows: 7 }),
+            ..Default::default()
+        };
+        let text = serde_json::to_string(&state).expect("write");
+        let back: StoppingState = serde_json::from_str(&text).expect("read back");
+        let last = back.last.expect("kept");
+        assert_eq!((last.auc.to_bits(), last.logloss.to_bits()), (auc.to_bits(), logloss.to_bits()), "{text}");
+        assert_eq!(back.best.map(|b| b.metric.to_bits()), Some(logloss.to_bits()), "{text}");
+        let old = r#"{"best":{"metric":0.75,"step":3,"epoch":0},"since_best":1,"validated_step":3}"#;
+        let old: StoppingState = serde_json::from_str(old).expect("an older manifest's state");
+        assert_eq!(old.best.map(|b| b.metric), Some(0.75));
+    }
 
     /// Patience counts evaluations without an improvement since the best;
     /// an improvement starts the count again; NaN never improves.

@@ -24,6 +24,17 @@ fn validation_lines(path: &Path) -> Vec<Value> {
         .collect()
 }
 
+/// 4000 rows of small data, a quarter of them held out by `config`: the
+/// folder they are in (under the temporary directory) and how many are held
+/// out (the TSV's lines are numbered from 1, no header).
+fn quarter_held_out() -> (tempfile::TempDir, std::path::PathBuf, u64) {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let data = tmp.path().join("data");
+    common::small_data(&data, 4000, 500);
+    let held = (1..=4000).filter(|&line| held_out(line, 0.25)).count() as u64;
+    (tmp, data, held)
+}
+
 fn config(data: &Path, dir: &Path, epochs: u64, patience: Option<u32>) -> Config {
     let mut c = common::small_config(data, "mlp");
     c.data.validation = Some(ValidationSet::Fraction(0.25));
@@ -77,16 +88,13 @@ fn a_held_out_fraction_is_never_trained_and_is_what_each_epoch_end_scores() {
 
 #[test]
 fn eval_every_steps_validates_at_each_multiple_without_a_test_set() {
-    let tmp = tempfile::tempdir().expect("tmp");
-    let data = tmp.path().join("data");
-    common::small_data(&data, 4000, 500);
+    let (tmp, data, held) = quarter_held_out();
     let mut c = config(&data, tmp.path(), 2, None);
     // The validation set is what `train.eval_every_steps` scores: no
     // `data.test` is needed (it was, and without one the key did nothing).
     c.data.test = None;
     c.train.eval_every_steps = Some(10);
     let summary = train(&c, true).expect("train");
-    let held = (1..=4000).filter(|&line| held_out(line, 0.25)).count() as u64;
     let per_epoch = (4000 - held).div_ceil(128);
     let mut want: Vec<u64> = (1..=2 * per_epoch).filter(|s| s % 10 == 0 || s % per_epoch == 0).collect();
     want.dedup();
@@ -144,10 +152,7 @@ fn early_stopping_keeps_the_best_model_and_stops_once_patience_is_spent() {
 /// the same best and the same model.
 #[test]
 fn a_resumed_run_stops_where_the_uninterrupted_one_does_with_the_same_model() {
-    let tmp = tempfile::tempdir().expect("tmp");
-    let data = tmp.path().join("data");
-    common::small_data(&data, 4000, 500);
-    let held = (1..=4000).filter(|&line| held_out(line, 0.25)).count() as u64;
+    let (tmp, data, held) = quarter_held_out();
     let per_epoch = (4000 - held).div_ceil(128);
     let full_dir = tmp.path().join("full");
     let full = train(&config(&data, &full_dir, 12, Some(2)), true).expect("full");
@@ -189,32 +194,31 @@ fn a_resumed_run_stops_where_the_uninterrupted_one_does_with_the_same_model() {
 
 /// A run that ends (`train.max_steps`) past its last validation reports that
 /// validation's figures; resumed from a checkpoint after it, it reports the
-/// same ones (the checkpoint keeps them: before, the resumed run reported
-/// none).
+/// same ones, with early stopping and without (the checkpoint keeps them:
+/// before, the resumed run reported none).
 #[test]
 fn the_last_validation_is_reported_after_a_resume_that_validates_no_more() {
-    let tmp = tempfile::tempdir().expect("tmp");
-    let data = tmp.path().join("data");
-    common::small_data(&data, 4000, 500);
-    let held = (1..=4000).filter(|&line| held_out(line, 0.25)).count() as u64;
+    let (tmp, data, held) = quarter_held_out();
     let per_epoch = (4000 - held).div_ceil(128);
-    let full_dir = tmp.path().join("full");
-    let mut full = config(&data, &full_dir, 3, Some(2));
-    full.train.max_steps = Some(per_epoch + 7);
-    let full = train(&full, true).expect("full");
-    let lines = validation_lines(&full_dir.join("metrics.jsonl"));
-    assert_eq!(lines.len(), 1, "one epoch's end validated");
-    assert_eq!(full.validation.validation_auc, lines[0]["validation_auc"].as_f64());
-    assert_eq!(full.validation.validation_rows, lines[0]["validation_rows"].as_u64());
-    let dir = tmp.path().join("cut");
-    let mut first = config(&data, &dir, 3, Some(2));
-    first.train.max_steps = Some(per_epoch + 3);
-    train(&first, true).expect("first part");
-    let mut second = config(&data, &dir, 3, Some(2));
-    second.train.max_steps = Some(per_epoch + 7);
-    second.checkpoint.resume_from = Some(dir.join("ckpt").display().to_string());
-    let resumed = train(&second, true).expect("resumed");
-    assert_eq!(resumed.validation, full.validation.with_dir(&full_dir, &dir));
+    for patience in [Some(2), None] {
+        let full_dir = tmp.path().join(format!("full-{patience:?}"));
+        let mut full = config(&data, &full_dir, 3, patience);
+        full.train.max_steps = Some(per_epoch + 7);
+        let full = train(&full, true).expect("full");
+        let lines = validation_lines(&full_dir.join("metrics.jsonl"));
+        assert_eq!(lines.len(), 1, "one epoch's end validated");
+        assert_eq!(full.validation.validation_auc, lines[0]["validation_auc"].as_f64());
+        assert_eq!(full.validation.validation_rows, lines[0]["validation_rows"].as_u64());
+        let dir = tmp.path().join(format!("cut-{patience:?}"));
+        let mut first = config(&data, &dir, 3, patience);
+        first.train.max_steps = Some(per_epoch + 3);
+        train(&first, true).expect("first part");
+        let mut second = config(&data, &dir, 3, patience);
+        second.train.max_steps = Some(per_epoch + 7);
+        second.checkpoint.resume_from = Some(dir.join("ckpt").display().to_string());
+        let resumed = train(&second, true).expect("resumed");
+        assert_eq!(resumed.validation, full.validation.with_dir(&full_dir, &dir), "patience {patience:?}");
+    }
 }
 
 trait WithDir {
