@@ -104,19 +104,12 @@ class Dicts(torch.utils.data.Dataset):
         return {k: v[i] for k, v in self.x.items()}, self.y[i]
 
 
-def rechub_din(args, meta, inputs, labels, vocab, lengths):
+def rechub_ctr(args, model, inputs, labels):
+    """A one-task model through torch-rechub's CTRTrainer: the epochs'
+    seconds and the test rows' predictions."""
     from torch.utils.data import DataLoader
-    from torch_rechub.basic.features import SequenceFeature, SparseFeature
-    from torch_rechub.models.ranking import DIN
     from torch_rechub.trainers import CTRTrainer
 
-    seq = meta["sequence"]
-    features = [SparseFeature(c, vocab[c], embed_dim=args.dim) for c in meta["sparse"] if c != seq["table"]]
-    target = [SparseFeature(seq["table"], vocab[seq["table"]], embed_dim=args.dim)]
-    history = [SequenceFeature(seq["field"], vocab[seq["table"]], embed_dim=args.dim, pooling="concat",
-                               shared_with=seq["table"])]
-    model = DIN(features, history, target, mlp_params={"dims": SIZES["din_hidden"]},
-                attention_mlp_params={"dims": SIZES["attention"]})
     trainer = CTRTrainer(model, optimizer_params={"lr": args.lr, "weight_decay": 1e-5}, n_epoch=args.epochs,
                          device="cpu", model_path=args.scratch)
     train = DataLoader(Dicts(inputs["train"], labels["train"][:, 0]), batch_size=args.batch, shuffle=True)
@@ -129,6 +122,20 @@ def rechub_din(args, meta, inputs, labels, vocab, lengths):
     with torch.no_grad():
         preds = np.concatenate([model(x).numpy() for x, _ in test])
     return train_secs, preds[:, None]
+
+
+def rechub_din(args, meta, inputs, labels, vocab, lengths):
+    from torch_rechub.basic.features import SequenceFeature, SparseFeature
+    from torch_rechub.models.ranking import DIN
+
+    seq = meta["sequence"]
+    features = [SparseFeature(c, vocab[c], embed_dim=args.dim) for c in meta["sparse"] if c != seq["table"]]
+    target = [SparseFeature(seq["table"], vocab[seq["table"]], embed_dim=args.dim)]
+    history = [SequenceFeature(seq["field"], vocab[seq["table"]], embed_dim=args.dim, pooling="concat",
+                               shared_with=seq["table"])]
+    model = DIN(features, history, target, mlp_params={"dims": SIZES["din_hidden"]},
+                attention_mlp_params={"dims": SIZES["attention"]})
+    return rechub_ctr(args, model, inputs, labels)
 
 
 def deepctr_din(args, meta, inputs, labels, vocab, lengths):
@@ -153,26 +160,13 @@ def deepctr_din(args, meta, inputs, labels, vocab, lengths):
 
 
 def rechub_deepfm(args, meta, inputs, labels, vocab, lengths):
-    from torch.utils.data import DataLoader
     from torch_rechub.basic.features import DenseFeature, SparseFeature
     from torch_rechub.models.ranking import DeepFM
-    from torch_rechub.trainers import CTRTrainer
 
     sparse = [SparseFeature(c, vocab[c], embed_dim=args.dim) for c in meta["sparse"]]
     dense = [DenseFeature(c) for c in meta["dense"]]
     model = DeepFM(deep_features=sparse + dense, fm_features=sparse, mlp_params={"dims": SIZES["deepfm_hidden"]})
-    trainer = CTRTrainer(model, optimizer_params={"lr": args.lr, "weight_decay": 1e-5}, n_epoch=args.epochs,
-                         device="cpu", model_path=args.scratch)
-    train = DataLoader(Dicts(inputs["train"], labels["train"][:, 0]), batch_size=args.batch, shuffle=True)
-    test = DataLoader(Dicts(inputs["test"], labels["test"][:, 0]), batch_size=4096)
-    start = time.perf_counter()
-    for _ in range(args.epochs):
-        trainer.train_one_epoch(train)
-    train_secs = time.perf_counter() - start
-    model.eval()
-    with torch.no_grad():
-        preds = np.concatenate([model(x).numpy() for x, _ in test])
-    return train_secs, preds[:, None]
+    return rechub_ctr(args, model, inputs, labels)
 
 
 def deepctr_deepfm(args, meta, inputs, labels, vocab, lengths):
