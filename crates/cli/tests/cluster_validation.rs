@@ -62,6 +62,17 @@ fn validations(dir: &Path, name: &str) -> Vec<(u64, u64, f64)> {
         .collect()
 }
 
+/// `(step, test_auc)` of each `eval` line: `data.test` is scored once, at
+/// the job's end, not at each validation point.
+fn evaluations(dir: &Path, name: &str) -> Vec<(u64, f64)> {
+    let text = std::fs::read_to_string(dir.join(format!("{name}.jsonl"))).expect("metrics");
+    text.lines()
+        .map(|l| serde_json::from_str::<Value>(l).expect("a json line"))
+        .filter(|v| v["event"] == "eval")
+        .map(|v| (v["step"].as_u64().unwrap_or(0), v["test_auc"].as_f64().unwrap_or(0.0)))
+        .collect()
+}
+
 const REPORTED: [&str; 9] = [
     "test_auc",
     "validation_auc",
@@ -105,6 +116,9 @@ fn launch_validates_judges_and_stops_as_train_does_through_a_death() {
     let each = validations(tmp.path(), "train");
     assert!(each.len() >= 2, "{each:?}");
     assert_eq!(validations(tmp.path(), "launch"), each, "the same validation at each epoch's end");
+    let scored = evaluations(tmp.path(), "train");
+    assert_eq!(scored.len(), 1, "{scored:?}");
+    assert_eq!(evaluations(tmp.path(), "launch"), scored, "the test set scored once, at the end");
     let mut after = validations(tmp.path(), "after");
     after.dedup_by_key(|l| l.1);
     assert_eq!(after, each, "each epoch validated, the first again after the restore, alike");
@@ -200,11 +214,17 @@ fn eval_every_steps_validates_inside_epochs_as_train_does() {
     for key in REPORTED {
         assert_eq!(launch[key], train[key], "`{key}`: launch vs train");
     }
+    // The stretches' generations were planned: no role died, nothing recovered.
+    assert_eq!(launch["recovery_secs"], 0.0, "{launch}");
     assert_eq!(validations(tmp.path(), "launch"), each, "the same validations at the same steps");
+    let scored = evaluations(tmp.path(), "train");
+    assert_eq!(scored.len(), 1, "{scored:?}");
+    assert_eq!(evaluations(tmp.path(), "launch"), scored, "the test set scored once, at the end");
     // Dead at its third checkpoint (step 15's, judged, not committed):
     // restored at step 10, it trains and judges 11..15 again, alike.
     let died = run("launch", &config, tmp.path(), "died", &cluster, "worker.checkpoint=2*off->return");
     assert_eq!(died["restarts"]["worker"], 1, "{died}");
+    assert!(died["recovery_secs"].as_f64().is_some_and(|s| s > 0.0), "{died}");
     for key in REPORTED {
         assert_eq!(died[key], train[key], "`{key}`: after a death vs train");
     }

@@ -155,8 +155,14 @@ pub enum Event {
     Replayed { steps: u64 },
     /// A role stopped answering: its process must be restarted.
     Lost { role: RoleKind, index: usize },
-    /// Every role serves the new generation, `secs` after the death was noticed.
-    Resumed { number: Generation, secs: f64 },
+    /// Every role serves the new generation, `secs` after the death was
+    /// noticed (`planned`: after training went on from a validation point).
+    Resumed {
+        number: Generation,
+        secs: f64,
+        #[serde(default)]
+        planned: bool,
+    },
     /// A checkpoint was committed.
     Committed { step: u64, dir: String, bytes: u64, secs: f64, incremental: bool, shard_mb_per_sec: Vec<f64> },
     /// The coordinator's totals, as it stops.
@@ -311,14 +317,14 @@ impl Coordinator {
     /// Starts the next generation: every role goes back to the last
     /// committed checkpoint (after a failure: said as a warning).
     fn start_generation(&self, reason: String) {
-        let started = self.generations.next(reason, |n| self.advance_parts(n));
+        let started = self.generations.next(reason, false, |n| self.advance_parts(n));
         self.after_generation(started, true);
     }
 
     /// Starts the next generation as planned (`data.validation`: training
     /// goes on after a validation point), said as information.
     fn plan_generation(&self, reason: String) {
-        let started = self.generations.next(reason, |n| self.advance_parts(n));
+        let started = self.generations.next(reason, true, |n| self.advance_parts(n));
         self.after_generation(started, false);
     }
 
@@ -475,10 +481,11 @@ impl Coordinator {
         let generation = self.generations.current();
         if self.generations.recovering()
             && self.members.all_ready(generation)
-            && let Some(secs) = self.generations.resumed(generation)
+            && let Some((secs, planned)) = self.generations.resumed(generation)
         {
-            tracing::info!("generation {generation}: every role is back, {secs:.3} s after the death was noticed");
-            (self.events)(&Event::Resumed { number: generation, secs });
+            let since = if planned { "it was planned" } else { "the death was noticed" };
+            tracing::info!("generation {generation}: every role is back, {secs:.3} s after {since}");
+            (self.events)(&Event::Resumed { number: generation, secs, planned });
         }
         Ok((self.state(), self.generation()))
     }
@@ -538,8 +545,7 @@ impl Coordinator {
             // generation committed (one that trained nothing, as after a
             // stop, ends the job).
             let Attempt { restore, committed, .. } = self.generations.attempt();
-            if let Some((step, epoch)) = crate::epochs::next_generation(&self.config, committed.as_deref())
-                && committed != restore
+            if let Some((step, epoch)) = crate::epochs::after(&self.config, committed.as_deref(), restore.as_deref())
                 && self.state() == JobState::Running
             {
                 let why = match self.config.train.eval_every_steps.filter(|&n| n > 0) {
@@ -956,7 +962,8 @@ mod tests {
             Event::Generation { number: Generation(3), reason: "shard 1 died".into(), replayed: 4, restore: None },
             Event::Replayed { steps: 2 },
             Event::Lost { role: RoleKind::Aggregator, index: 1 },
-            Event::Resumed { number: Generation(3), secs: 0.25 },
+            Event::Resumed { number: Generation(3), secs: 0.25, planned: false },
+            Event::Resumed { number: Generation(4), secs: 0.5, planned: true },
             Event::Committed {
                 step: 8,
                 dir: "/c/v8".into(),
@@ -973,7 +980,8 @@ mod tests {
         }
         let lost = serde_json::to_string(&Event::Lost { role: RoleKind::Shard, index: 0 }).expect("json");
         assert_eq!(lost, r#"{"lost":{"role":"shard","index":0}}"#);
-        let generation = serde_json::to_value(Event::Resumed { number: Generation(2), secs: 1.0 }).expect("json");
+        let resumed = Event::Resumed { number: Generation(2), secs: 1.0, planned: false };
+        let generation = serde_json::to_value(resumed).expect("json");
         assert_eq!(generation["resumed"]["number"], 2, "a generation is a plain number on the wire");
     }
 

@@ -16,7 +16,7 @@
 //!   takes part in the checkpoint there, which keeps the judgement;
 //! - the coordinator copies a new best to `checkpoint.dir/best` and, when
 //!   every worker finished, starts the next stretch as a generation of its
-//!   own from that checkpoint ([`next_generation`]), or ends the job (the
+//!   own from that checkpoint ([`after`]), or ends the job (the
 //!   last epoch, patience spent, `train.max_steps`, a stop).
 //!
 //! A role that dies at any point restores the last committed checkpoint as
@@ -101,13 +101,26 @@ pub fn batches_to_validation(config: &Config, step: u64, validated: bool, worker
 /// `train.eval_every_steps` the last epoch's own end is not told from a
 /// point inside it, so one more generation starts there and trains
 /// nothing, which ends the job).
-pub fn next_generation(config: &Config, committed: Option<&Path>) -> Option<(u64, u64)> {
+fn next_generation(config: &Config, committed: Option<&Path>) -> Option<(u64, u64)> {
     config.data.validation.as_ref()?;
     let m = read_manifest(committed?).ok()?;
     let epochs_left = m.position.epoch + 1 < config.train.epochs
         || (m.position.epoch + 1 == config.train.epochs && config.train.eval_every_steps.is_some_and(|n| n > 0));
     let more = epochs_left && config.train.max_steps.is_none_or(|n| m.step < n);
     (validated_at(&m) && more && !stops_at(config, &m)).then_some((m.step, m.position.epoch))
+}
+
+/// The generation after one that restored `restore` and whose newest
+/// commit is `committed`, as [`next_generation`] says, once every worker
+/// finished it; none after one that committed nothing new (it trained
+/// nothing, as after a stop). The coordinator's rule; worker 0 reads it
+/// too, and scores `data.test` in the job's last generation alone, as
+/// `sparrow train` scores it once, at the end.
+pub fn after(config: &Config, committed: Option<&Path>, restore: Option<&Path>) -> Option<(u64, u64)> {
+    if committed == restore {
+        return None;
+    }
+    next_generation(config, committed)
 }
 
 /// Keeps the committed version `dir` as `best` if its judgement made it the

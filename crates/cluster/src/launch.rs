@@ -502,7 +502,9 @@ impl Events {
             match event {
                 Event::Generation { replayed, .. } => self.steps_replayed += replayed,
                 Event::Replayed { steps } => self.steps_replayed += steps,
-                Event::Resumed { secs, .. } => self.recovery_secs += secs,
+                // A planned generation (`data.validation`) is no recovery.
+                Event::Resumed { secs, planned: false, .. } => self.recovery_secs += secs,
+                Event::Resumed { .. } => {}
                 Event::Report(report) => self.role_bytes = report.role_bytes,
                 Event::Committed { step, dir, bytes, secs, incremental, shard_mb_per_sec } => {
                     self.checkpoints_committed += 1;

@@ -799,7 +799,9 @@ fn worker_generation(env: &WorkerEnv<'_>, generation: &Attempt) -> Result<Worker
     worker.run_training(&loader, &shards)?;
     let (mut figures, mut eval_secs, mut shards_total) = (None, 0.0, None);
     let mut validation = Default::default();
-    if index == 0 {
+    // The test set is scored once, at the job's end: not in a generation
+    // a validation point ends when training goes on after it.
+    if index == 0 && !worker.job_goes_on(config, generation.restore.as_deref()) {
         let start = Instant::now();
         let (f, report) = worker.final_figures(config, &loader, &shards)?;
         if let Some(f) = &f {

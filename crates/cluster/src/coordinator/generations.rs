@@ -32,8 +32,10 @@ struct Recovery {
     /// Generations given up → the step up to which their replayed steps
     /// are counted (a worker's last report of one may come late).
     counted_to: BTreeMap<Generation, u64>,
-    /// When the death behind the current recovery was noticed (none: no recovery under way).
-    noticed: Option<Instant>,
+    /// When the current generation was started, until every role serves
+    /// it, and whether it was planned (`data.validation`'s next stretch,
+    /// not a death's recovery).
+    noticed: Option<(Instant, bool)>,
     // Totals of this coordinator's life, for its summary.
     checkpoints_committed: u64,
     steps_replayed: u64,
@@ -131,12 +133,19 @@ impl Generations {
     /// Starts the next generation: every role goes back to the last
     /// committed checkpoint. `advance` is told the new number before any
     /// role can learn it (it releases the old generation's waiters).
-    pub fn next(&self, reason: String, advance: impl FnOnce(Generation)) -> Started {
+    /// `planned`: training goes on after a validation point; its seconds
+    /// are no recovery's.
+    pub fn next(&self, reason: String, planned: bool, advance: impl FnOnce(Generation)) -> Started {
         let mut r = self.recovery.lock();
-        Self::next_locked(&mut r, &self.current, reason, advance)
+        Self::next_locked(&mut r, &self.current, (reason, planned), advance)
     }
 
-    fn next_locked(r: &mut Recovery, current: &AtomicU64, reason: String, advance: impl FnOnce(Generation)) -> Started {
+    fn next_locked(
+        r: &mut Recovery,
+        current: &AtomicU64,
+        (reason, planned): (String, bool),
+        advance: impl FnOnce(Generation),
+    ) -> Started {
         let r_prev = r.generation;
         let number = r.generation.next();
         advance(number);
@@ -154,7 +163,11 @@ impl Generations {
             r.counted_to.pop_first();
         }
         (r.restore, r.high_step) = (restore.clone(), step);
-        r.noticed.get_or_insert_with(Instant::now);
+        // A death during a planned start makes it a recovery from then.
+        match &mut r.noticed {
+            Some((_, was_planned)) => *was_planned &= planned,
+            none => *none = Some((Instant::now(), planned)),
+        }
         Started { number, reason, replayed, restore }
     }
 
@@ -183,7 +196,7 @@ impl Generations {
             return (None, replayed);
         }
         r.generation = known.generation;
-        (Some(Self::next_locked(&mut r, &self.current, reason, advance)), replayed)
+        (Some(Self::next_locked(&mut r, &self.current, (reason, false), advance)), replayed)
     }
 
     /// A worker's step in the current generation (heartbeats).
@@ -211,19 +224,23 @@ impl Generations {
         extra
     }
 
-    /// Every role serves `generation`: the recovery under way, if any, is
-    /// over; its seconds.
-    pub fn resumed(&self, generation: Generation) -> Option<f64> {
+    /// Every role serves `generation`: the start under way, if any, is
+    /// over; its seconds, and whether it was planned (those are not
+    /// counted as recovering).
+    pub fn resumed(&self, generation: Generation) -> Option<(f64, bool)> {
         let mut r = self.recovery.lock();
         if r.generation != generation {
             return None;
         }
-        let secs = r.noticed.take()?.elapsed().as_secs_f64();
-        r.recovery_secs += secs;
-        Some(secs)
+        let (since, planned) = r.noticed.take()?;
+        let secs = since.elapsed().as_secs_f64();
+        if !planned {
+            r.recovery_secs += secs;
+        }
+        Some((secs, planned))
     }
 
-    /// Whether a recovery is under way (a death noticed, not every role back).
+    /// Whether a generation's start is under way (not every role back).
     pub fn recovering(&self) -> bool {
         self.recovery.lock().noticed.is_some()
     }

@@ -89,6 +89,14 @@ impl Worker {
         Ok(true)
     }
 
+    /// Whether the job trains on after this generation, which restored
+    /// `restored` (`epochs::after`, the coordinator's rule, on the version
+    /// this worker last committed).
+    pub(crate) fn job_goes_on(&self, config: &Config, restored: Option<&Path>) -> bool {
+        let committed = self.checkpoints.as_ref().and_then(|c| c.last.as_deref());
+        crate::epochs::after(config, committed, restored).is_some()
+    }
+
     /// Worker 0's end: `data.test` scored with the last model (through the
     /// shards), or under `restore_best` with the best one (loaded whole from
     /// `best`, as `sparrow train` loads it); and the validation report.
