@@ -204,6 +204,9 @@ pub struct Coordinator {
     commits: Commits,
     dialer: Option<Arc<dyn ShardDialer>>,
     events: Box<dyn Fn(&Event) + Send + Sync>,
+    /// How many times the job's generation or state changed: the roles'
+    /// doorbell (`WaitChange`), so that they hear a change at once.
+    changes: tokio::sync::watch::Sender<u64>,
 }
 
 impl Coordinator {
@@ -258,6 +261,7 @@ impl Coordinator {
             commits: Commits::new(config, num_workers, Generation::FIRST, restore),
             generations: Generations::new(start),
             dialer: None,
+            changes: tokio::sync::watch::Sender::new(0),
             events: Box::new(|_| {}),
         })
     }
@@ -312,6 +316,7 @@ impl Coordinator {
         drop(state);
         self.hub.fail(&reason);
         self.commits.fail(&reason);
+        self.ring();
     }
 
     /// Starts the next generation: every role goes back to the last
@@ -357,6 +362,17 @@ impl Coordinator {
             self.fail(format!("keeping the best model of {}: {e}", dir.display()));
         }
         self.hub.rebuild(&self.config, s.number, s.restore.as_deref());
+        self.ring();
+    }
+
+    /// The job's generation or state changed: every role's doorbell rings.
+    fn ring(&self) {
+        self.changes.send_modify(|n| *n += 1);
+    }
+
+    /// The doorbell: how many changes so far, and a way to wait for the next.
+    pub fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changes.subscribe()
     }
 
     /// Role `role` died (its process exited, or it went silent): its slot
@@ -559,6 +575,8 @@ impl Coordinator {
             if *state == JobState::Running {
                 tracing::info!("all {} workers finished", self.num_workers);
                 *state = JobState::Done;
+                drop(state);
+                self.ring();
             }
         }
     }

@@ -4,7 +4,11 @@
 //! know it (restarted, or one that took the role for dead), and treats a
 //! silent coordinator as a possible death: it keeps trying to rejoin for
 //! `cluster.connect_timeout_ms` past the heartbeat timeout, then gives up
-//! (exit 75, [`crate::transport::EXIT_REJOIN`]).
+//! (exit 75, [`crate::transport::EXIT_REJOIN`]). A doorbell thread holds a
+//! call the coordinator answers when the job's generation or state changes,
+//! and asks for a heartbeat then: a role hears a new generation (a
+//! recovery, the next stretch after a validation point) or the job's end at
+//! once, not up to an interval later.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -98,6 +102,15 @@ impl Link {
                 .spawn(move || heartbeats(&client, role, &advertise, &cluster, &shared))
                 .map_err(|e| ClusterError::Io { what: "starting the heartbeat thread".into(), source: e })?
         };
+        // Not joined: it ends within one wait of the link's end (a role
+        // does not wait for it to exit).
+        {
+            let (client, shared, cluster) = (client.clone(), shared.clone(), reg.config.cluster.clone());
+            std::thread::Builder::new()
+                .name("sparrow-doorbell".into())
+                .spawn(move || doorbell(&client, &cluster, &shared))
+                .map_err(|e| ClusterError::Io { what: "starting the doorbell thread".into(), source: e })?;
+        }
         Ok((Link { client, role, shared, thread: Some(thread) }, reg))
     }
 
@@ -122,8 +135,7 @@ impl Link {
     }
 
     fn beat(&self) {
-        self.shared.heard.lock().beat_now = true;
-        self.shared.wake.notify_all();
+        self.shared.beat();
     }
 
     /// After an attempt failed as a peer's death would make it fail: waits
@@ -185,6 +197,12 @@ impl Link {
 }
 
 impl LinkShared {
+    /// The heartbeat thread beats at once.
+    fn beat(&self) {
+        self.heard.lock().beat_now = true;
+        self.wake.notify_all();
+    }
+
     fn answered(&self) {
         let now = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
         self.last_answer_ms.store(now, Ordering::Relaxed);
@@ -314,9 +332,80 @@ fn heartbeats(client: &CoordinatorClient, role: RoleId, advertise: &str, cluster
     }
 }
 
+/// The doorbell thread: holds a `WaitChange` call (half the heartbeat
+/// timeout at most, well inside the RPC timeout); when the coordinator
+/// answers with a change this role has not seen (or for the first time, since
+/// a change may have come before), the heartbeat thread beats at once and
+/// learns it. The heartbeats stay the one source of what the role knows: a
+/// spurious ring costs one beat. An unreachable coordinator, or one without
+/// the call, leaves the role to its heartbeats' interval.
+fn doorbell(client: &CoordinatorClient, cluster: &ClusterConfig, shared: &LinkShared) {
+    let interval = Duration::from_millis(cluster.heartbeat_interval_ms);
+    let wait = Duration::from_millis(cluster.heartbeat_timeout_ms / 2).max(interval);
+    let mut seen: Option<u64> = None;
+    while !shared.stop.load(Ordering::Relaxed) {
+        match client.wait_change(seen.unwrap_or(u64::MAX), wait) {
+            Ok(changes) => {
+                if seen != Some(changes) {
+                    shared.beat();
+                }
+                seen = Some(changes);
+            }
+            Err(ClusterError::Rpc { message, .. }) if message.starts_with("Unimplemented") => return,
+            Err(_) => {
+                // Silent or restarting: heartbeats handle it; try again later.
+                seen = None;
+                let mut heard = shared.heard.lock();
+                if !shared.stop.load(Ordering::Relaxed) {
+                    shared.wake.wait_for(&mut heard, interval);
+                }
+            }
+        }
+    }
+}
+
 /// How long a role whose peer failed waits for the job's next generation
 /// before it calls the failure its own: a death is noticed within the
 /// heartbeat timeout, and the new generation follows at once.
 pub(crate) fn recovery_wait(cluster: &ClusterConfig) -> Duration {
     Duration::from_millis(2 * cluster.heartbeat_timeout_ms + cluster.heartbeat_interval_ms)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::coordinator::Coordinator;
+    use crate::grpc::{NetSettings, bind, server_builder};
+    use crate::metrics::RoleMetrics;
+    use sparrow_core::{Config, Overrides};
+
+    /// Heartbeats a minute apart: a shard's link still hears the generation
+    /// a worker's death starts at once (the doorbell rings), where before it
+    /// heard it only at its next heartbeat.
+    #[test]
+    fn a_new_generation_is_heard_at_once_not_at_the_next_heartbeat() {
+        let sets = ["cluster.heartbeat_interval_ms=60000", "cluster.heartbeat_timeout_ms=600000"];
+        let overrides = Overrides::parse(&sets.map(String::from)).expect("overrides");
+        let config = Config::from_toml("", "test", &overrides).expect("config");
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+        let settings = NetSettings::new(&config.cluster, None);
+        let coordinator = Arc::new(Coordinator::new(&config, 1, 1).expect("coordinator"));
+        let (listener, bound) = rt.block_on(bind("127.0.0.1:0".parse().expect("addr"), &settings)).expect("bind");
+        let service =
+            crate::grpc::coordinator::service(coordinator.clone(), &settings, RoleMetrics::new("coordinator"));
+        let incoming = tonic::transport::server::TcpIncoming::from(listener);
+        rt.spawn(server_builder().add_service(service).serve_with_incoming(incoming));
+        let client =
+            |role| CoordinatorClient::connect(&bound.to_string(), &settings, rt.handle(), RoleMetrics::new(role));
+        let (shard, _) = Link::register(client("shard").expect("client"), RoleKind::Shard, "127.0.0.1:9", None)
+            .expect("shard registers");
+        let (_worker, _) =
+            Link::register(client("worker").expect("client"), RoleKind::Worker, "-", None).expect("worker registers");
+        let first = shard.heard().1.number;
+        coordinator.lost(RoleId::new(RoleKind::Worker, 0), "stopped answering");
+        // The bound is for a failure only: a minute's heartbeat would come later.
+        let (state, heard) = shard.wait_change(first, Duration::from_secs(30));
+        assert_eq!(state, JobState::Running);
+        assert_eq!(heard.number, first.next(), "the new generation, heard at once");
+    }
 }

@@ -10,7 +10,7 @@ use tokio::runtime::Handle;
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 
-use super::coordinator::{aggregated_from, aggregated_reply, contribution_from, contribution_request};
+use super::lazy_wire::{aggregated_from, aggregated_reply, contribution_from, contribution_request};
 use super::{AuthedChannel, CheckToken, NetSettings, Peer, blocking, connect};
 use crate::aggregator::AggregatorServer;
 use crate::lazy::{Aggregated, Contribution};

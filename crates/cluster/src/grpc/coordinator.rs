@@ -12,6 +12,8 @@ use tokio::runtime::Handle;
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 
+use super::lazy_wire::{aggregated_from, aggregated_reply, contribution_from, contribution_request, f64s_to_bytes};
+use super::lazy_wire::{lazy_report_from_pb, lazy_report_to_pb, partial_from};
 use super::{AuthedChannel, CheckToken, NetSettings, Peer, blocking, bytes_to_f32s, connect, f32s_to_bytes};
 use crate::checkpoint::{CheckpointSink, WorkerCut};
 use crate::coordinator::{Attempt, Coordinator, JobState, Known, RoleId, RoleKind, View};
@@ -23,31 +25,8 @@ use crate::sync::{Contribution, RoundReply, RoundSummer};
 use crate::transport::ClusterError;
 use sparrow_trainer::early_stopping::{Best, LastValidation, StoppingState};
 
-fn lazy_report_to_pb(r: &crate::lazy::LazyReport) -> pb::LazyReport {
-    pb::LazyReport {
-        aggregations: r.aggregations,
-        local_iterations: r.local_iterations,
-        samples: r.samples,
-        held_by_utilisation: r.held_by_utilisation,
-        held_by_failure_rate: r.held_by_failure_rate,
-        backups: r.backups,
-        last_utilisation: r.last_utilisation,
-        last_failure_rate: r.last_failure_rate,
-    }
-}
-
-fn lazy_report_from_pb(r: pb::LazyReport) -> crate::lazy::LazyReport {
-    crate::lazy::LazyReport {
-        aggregations: r.aggregations,
-        local_iterations: r.local_iterations,
-        samples: r.samples,
-        held_by_utilisation: r.held_by_utilisation,
-        held_by_failure_rate: r.held_by_failure_rate,
-        backups: r.backups,
-        last_utilisation: r.last_utilisation,
-        last_failure_rate: r.last_failure_rate,
-    }
-}
+/// The longest a doorbell call (`WaitChange`) is held.
+const MAX_DOORBELL_WAIT_MS: u64 = 60_000;
 
 fn generation_to_proto(g: &Attempt) -> pb::Generation {
     let path = |p: &Option<std::path::PathBuf>| p.as_ref().map(|d| d.display().to_string()).unwrap_or_default();
@@ -60,11 +39,11 @@ fn generation_from(g: Option<pb::Generation>) -> Attempt {
     Attempt { number: Generation(g.number), restore: path(g.restore), committed: path(g.committed) }
 }
 
-fn position_to_proto(p: sparrow_core::batch::DataPosition) -> pb::DataPosition {
+pub(super) fn position_to_proto(p: sparrow_core::batch::DataPosition) -> pb::DataPosition {
     pb::DataPosition { epoch: p.epoch, offset: p.offset, line: p.line, skip: p.skip }
 }
 
-fn position_from(p: Option<pb::DataPosition>) -> sparrow_core::batch::DataPosition {
+pub(super) fn position_from(p: Option<pb::DataPosition>) -> sparrow_core::batch::DataPosition {
     let p = p.unwrap_or_default();
     sparrow_core::batch::DataPosition { epoch: p.epoch, offset: p.offset, line: p.line, skip: p.skip }
 }
@@ -141,7 +120,7 @@ struct CoordinatorGrpc {
     metrics: RoleMetrics,
 }
 
-fn status(e: ClusterError) -> Status {
+pub(super) fn status(e: ClusterError) -> Status {
     super::to_status(&e)
 }
 
@@ -185,6 +164,19 @@ impl pb::coordinator_server::Coordinator for CoordinatorGrpc {
         let mut reply = state_reply(&state);
         reply.generation = Some(generation_to_proto(&generation));
         Ok(Response::new(reply))
+    }
+
+    async fn wait_change(
+        &self,
+        request: Request<pb::WaitChangeRequest>,
+    ) -> Result<Response<pb::WaitChangeReply>, Status> {
+        let r = request.into_inner();
+        let mut changes = self.coordinator.changes();
+        // Bounded: an answer within the caller's RPC timeout, never a parked task.
+        let wait = Duration::from_millis(u64::from(r.wait_ms).min(MAX_DOORBELL_WAIT_MS));
+        let _ = tokio::time::timeout(wait, changes.wait_for(|&n| n != r.seen)).await;
+        let changes = *changes.borrow();
+        Ok(Response::new(pb::WaitChangeReply { changes }))
     }
 
     async fn view(&self, request: Request<pb::ViewRequest>) -> Result<Response<pb::ViewReply>, Status> {
@@ -507,6 +499,15 @@ impl CoordinatorClient {
         Ok((state_from(reply.state, reply.message), generation_from(reply.generation)))
     }
 
+    /// The doorbell: waits (at most `wait`) until the job's generation or
+    /// state changed from the count `seen`; the count now.
+    pub fn wait_change(&self, seen: u64, wait: Duration) -> Result<u64, ClusterError> {
+        let wait_ms = u32::try_from(wait.as_millis()).unwrap_or(u32::MAX);
+        let request = pb::WaitChangeRequest { seen, wait_ms };
+        let reply = self.peer.call("wait_change", request, |mut c, r| async move { c.wait_change(r).await })?;
+        Ok(reply.changes)
+    }
+
     /// Generation `generation`'s view, once.
     pub fn view(&self, generation: Generation) -> Result<ViewAnswer, ClusterError> {
         let request = pb::ViewRequest { generation: generation.number() };
@@ -753,105 +754,6 @@ fn stopping_from(s: pb::StoppingState) -> StoppingState {
     let best = s.has_best.then_some(Best { metric: s.best_metric, step: s.best_step, epoch: s.best_epoch });
     let last = s.has_last.then_some(LastValidation { auc: s.last_auc, logloss: s.last_logloss, rows: s.last_rows });
     StoppingState { best, since_best: s.since_best, validated_step: s.validated_step, last }
-}
-
-/// A worker's contribution on the wire (to the scheduler or its aggregator).
-pub fn contribution_request(c: LazyContribution) -> pb::LazyRequest {
-    pb::LazyRequest {
-        worker: c.worker as u32,
-        generation: c.generation.number(),
-        kind: pb::lazy_request::Kind::Contribute as i32,
-        finished: c.finished,
-        instruction: c.instruction,
-        participants: c.participants.iter().map(|&w| w as u32).collect(),
-        values: f32s_to_bytes(&c.values),
-        coefficient: c.coefficient,
-        iterations: c.iterations,
-        samples: c.samples,
-        position: Some(position_to_proto(c.position)),
-        ..Default::default()
-    }
-}
-
-/// A contribution as it arrived (the scheduler's or an aggregator's server).
-pub fn contribution_from(r: pb::LazyRequest) -> Result<LazyContribution, Status> {
-    let worker = r.worker as usize;
-    let values = bytes_to_f32s(&r.values, &format!("worker {worker}"), "contribution").map_err(status)?;
-    Ok(LazyContribution {
-        worker,
-        generation: Generation(r.generation),
-        instruction: r.instruction,
-        participants: r.participants.iter().map(|&w| w as usize).collect(),
-        values,
-        coefficient: r.coefficient,
-        finished: r.finished,
-        position: position_from(r.position),
-        iterations: r.iterations,
-        samples: r.samples,
-    })
-}
-
-/// The answer to a contribution: the new weights (none to a finished
-/// worker) and the job's totals.
-pub fn aggregated_reply(done: Aggregated, weights: Option<Arc<Vec<f32>>>) -> pb::LazyReply {
-    let weights = weights.or(done.weights);
-    pb::LazyReply {
-        has_weights: weights.is_some(),
-        weights: weights.map(|w| f32s_to_bytes(&w)).unwrap_or_default(),
-        job_batches: done.job_batches,
-        job_samples: done.job_samples,
-        committed: done.committed.is_some(),
-        committed_step: done.committed.unwrap_or(0),
-        ..Default::default()
-    }
-}
-
-pub fn aggregated_from(reply: pb::LazyReply, peer: &str) -> Result<Aggregated, ClusterError> {
-    let weights = match reply.has_weights {
-        true => Some(Arc::new(bytes_to_f32s(&reply.weights, peer, "aggregated weights")?)),
-        false => None,
-    };
-    Ok(Aggregated {
-        weights,
-        job_batches: reply.job_batches,
-        job_samples: reply.job_samples,
-        committed: reply.committed.then_some(reply.committed_step),
-    })
-}
-
-fn f64s_to_bytes(values: &[f64]) -> Vec<u8> {
-    values.iter().flat_map(|v| v.to_le_bytes()).collect()
-}
-
-fn partial_from(r: pb::LazyRequest) -> Result<crate::lazy::Partial, Status> {
-    let aggregator = r.worker as usize;
-    if !r.partial.len().is_multiple_of(8) {
-        return Err(Status::invalid_argument(format!(
-            "aggregator {aggregator}: a partial sum of {} bytes is not f64s",
-            r.partial.len()
-        )));
-    }
-    let sum = r.partial.chunks_exact(8).map(|b| f64::from_le_bytes(b.try_into().unwrap_or([0; 8]))).collect();
-    let members = r
-        .members
-        .into_iter()
-        .map(|m| crate::lazy::Member {
-            worker: m.worker as usize,
-            finished: m.finished,
-            position: position_from(m.position),
-            iterations: m.iterations,
-            samples: m.samples,
-            coefficient: m.coefficient,
-        })
-        .collect();
-    Ok(crate::lazy::Partial {
-        aggregator,
-        generation: Generation(r.generation),
-        instruction: r.instruction,
-        sum,
-        weight: r.coefficient,
-        members,
-    })
 }
 
 impl crate::aggregator::PartialSink for CoordinatorClient {

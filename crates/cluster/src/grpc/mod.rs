@@ -9,6 +9,7 @@
 
 pub mod aggregator;
 pub mod coordinator;
+mod lazy_wire;
 pub mod loader;
 pub mod shard;
 
