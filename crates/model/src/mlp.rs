@@ -8,6 +8,9 @@
 //! Other devices use the layer-by-layer candle path ([`Mlp::forward_ops`]),
 //! which gives the same values (tested), so callers never branch on the device.
 
+pub(crate) mod first_product;
+
+use first_product::First;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor, Var};
@@ -536,7 +539,7 @@ fn prefix(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
 fn forward_into(
     shape: &MlpShape,
     (p, running): (&[f32], &[f32]),
-    x: &[f32],
+    mut x: First<'_>,
     rows: usize,
     draw: Option<u64>,
     scratch: &mut MlpScratch,
@@ -553,10 +556,11 @@ fn forward_into(
     scratch.normed.resize_with(layers.len(), Vec::new);
     scratch.inv_std.resize_with(layers.len(), Vec::new);
     let rounded = rounds_operands(shape.arith);
+    let laid = x.laid();
     for (i, l) in layers.iter().enumerate() {
         let w = &p[l.w..l.w + l.fan_in * l.fan_out];
         let (done, rest) = scratch.hidden.split_at_mut(i.min(layers.len() - 1));
-        let input: &[f32] = if i == 0 { x } else { &done[i - 1] };
+        let input: &[f32] = if i == 0 { laid } else { &done[i - 1] };
         // gemm overwrites every element of `out`, stale values included.
         let out = if i + 1 < layers.len() {
             sized(&mut rest[0], rows * l.fan_out)
@@ -567,7 +571,10 @@ fn forward_into(
         // A normalized layer's activation comes after its norm; a ReLU
         // without one is fused with the bias.
         let relu = l.relu && l.norm.is_none() && shape.activation == Activation::Relu;
-        if rounded {
+        if let (0, First::Product(first)) = (i, &mut x) {
+            first.forward(w, rows, l.fan_out, out);
+            add_bias(out, bias, relu);
+        } else if rounded {
             scratch.rounded.forward(i, (rows, l.fan_in, l.fan_out), input, w, out);
             add_bias(out, bias, relu);
         } else {
@@ -619,7 +626,13 @@ fn forward_into(
 
 /// Backward pass from `grad_out` (d loss / d output): d params is returned,
 /// d x is left in `scratch.grad_input`.
-fn backward_into(shape: &MlpShape, p: &[f32], x: &[f32], grad_out: &[f32], scratch: &mut MlpScratch) -> Vec<f32> {
+fn backward_into(
+    shape: &MlpShape,
+    p: &[f32],
+    mut x: First<'_>,
+    grad_out: &[f32],
+    scratch: &mut MlpScratch,
+) -> Vec<f32> {
     let layers = &shape.layers;
     let rows = scratch.rows;
     // `g[..g_len]` is the gradient at the current layer's output, first
@@ -648,8 +661,9 @@ fn backward_into(shape: &MlpShape, p: &[f32], x: &[f32], grad_out: &[f32], scrat
         }
     }
     let mut g_in = std::mem::take(&mut scratch.grad_next);
+    let laid = x.laid();
     for (i, l) in layers.iter().enumerate().rev() {
-        let input: &[f32] = if i == 0 { x } else { &scratch.hidden[i - 1] };
+        let input: &[f32] = if i == 0 { laid } else { &scratch.hidden[i - 1] };
         let (fi, fo) = (l.fan_in, l.fan_out);
         if l.relu {
             // d output → d (activation's input), through dropout's masks.
@@ -687,7 +701,10 @@ fn backward_into(shape: &MlpShape, p: &[f32], x: &[f32], grad_out: &[f32], scrat
         let (dw, db) = grad_p[l.w..l.b + fo].split_at_mut(fi * fo);
         let gi = prefix(&mut g_in, rows * fi);
         let w = &p[l.w..l.w + fi * fo];
-        if rounds_operands(shape.arith) {
+        if let (0, First::Product(first)) = (i, &mut x) {
+            g[..g_len].chunks_exact(fo).for_each(|row| db.iter_mut().zip(row).for_each(|(d, g)| *d += g));
+            first.backward(w, rows, fo, &g[..g_len], dw);
+        } else if rounds_operands(shape.arith) {
             scratch.rounded.backward(i, (rows, fi, fo), &g[..g_len], (dw, db), gi);
         } else {
             linear_grads(shape.arith, (rows, fi, fo), input, w, &g[..g_len], (dw, db), gi);
@@ -729,7 +746,7 @@ impl Mlp {
         let running = if draw.is_some() { Vec::new() } else { self.running_values()? };
         {
             let (ps, pl) = self.params.storage_and_layout();
-            forward_into(&self.shape, (cpu(&ps, pl)?, &running), x, rows, draw, scratch);
+            forward_into(&self.shape, (cpu(&ps, pl)?, &running), First::Input(x), rows, draw, scratch);
         }
         self.hand_on(draw, rows, &scratch.batch_stats)
     }
@@ -739,7 +756,7 @@ impl Mlp {
     pub fn backward_cpu(&self, x: &[f32], grad_out: &[f32], scratch: &mut MlpScratch) -> Result<Vec<f32>, ModelError> {
         self.check_input(x.len(), scratch.rows)?;
         let (ps, pl) = self.params.storage_and_layout();
-        Ok(backward_into(&self.shape, cpu(&ps, pl)?, x, grad_out, scratch))
+        Ok(backward_into(&self.shape, cpu(&ps, pl)?, First::Input(x), grad_out, scratch))
     }
 }
 
@@ -764,7 +781,7 @@ impl CustomOp2 for FusedMlp {
         }
         let rows = xl.dims()[0];
         let mut scratch = self.scratch.lock().map_err(|_| err("poisoned"))?;
-        forward_into(&self.shape, (p, &self.running), x, rows, self.draw, &mut scratch);
+        forward_into(&self.shape, (p, &self.running), First::Input(x), rows, self.draw, &mut scratch);
         if let Some(slot) = self.batch.as_ref().filter(|_| rows > 0) {
             *slot.lock().map_err(|_| err("poisoned"))? = Some(scratch.batch_stats.clone());
         }
@@ -787,7 +804,7 @@ impl CustomOp2 for FusedMlp {
         let (ps, pl) = params.storage_and_layout();
         let (gs, gl) = grad_res.storage_and_layout();
         let (x_data, p, g) = (cpu(&xs, xl)?, cpu(&ps, pl)?, cpu(&gs, gl)?);
-        let grad_p = backward_into(&self.shape, p, x_data, g, &mut scratch);
+        let grad_p = backward_into(&self.shape, p, First::Input(x_data), g, &mut scratch);
         let grad_x = std::mem::take(&mut scratch.grad_input);
         let grad_x = Tensor::from_vec(grad_x, x.shape(), x.device())?;
         let grad_p = Tensor::from_vec(grad_p, params.shape(), params.device())?;

@@ -27,6 +27,7 @@ use crate::params::ParamStore;
 use crate::step::ModelShape;
 
 mod direct;
+mod product;
 
 pub(super) struct Din;
 
@@ -86,6 +87,9 @@ impl Kind for Din {
     /// The attention unit on `[q, k, q − k, q ⊙ k]` (4·d inputs, one
     /// score), and the item's share of the weighted sum (`6·d`: forward, the
     /// score's and the item's gradients); building the features is left out.
+    /// The model's nominal flops: the fp32 step computes the unit's first
+    /// layer from 2·d values an item and d a row (`din/product.rs`), so
+    /// its share of the ceiling counts work it did not do.
     fn step_flops_per_history_item(&self, config: &ModelConfig, shape: ModelShape) -> f64 {
         let d = shape.embedding_dim as f64;
         stack_flops(4.0 * d, &head(&config.attention_hidden, 1)) + 6.0 * d

@@ -10,6 +10,7 @@
 use rayon::prelude::*;
 
 use super::DinNet;
+use super::product::{ProductBufs, UnitInput};
 use crate::ModelError;
 use crate::kinds::{At, Direct, Grads};
 use crate::matrix::dot;
@@ -24,10 +25,15 @@ const POSITIONS_PER_TASK: usize = 256;
 pub(super) struct DinScratch {
     /// Each sequence's attention unit's.
     units: Vec<MlpScratch>,
-    /// Each sequence's features `[positions, 4·d]`.
+    /// Each sequence's features `[positions, 4·d]` (bf16), or its unit's
+    /// first product's buffers (fp32: `product.rs`).
     features: Vec<Vec<f32>>,
+    products: Vec<ProductBufs>,
     /// A sequence's d loss / d score, a position.
     d_scores: Vec<f32>,
+    /// Each sequence's positions' shares of their queries' gradients
+    /// (every element written each step: kept, not zeroed, between steps).
+    d_queries: Vec<Vec<f32>>,
 }
 
 impl Direct for DinNet {
@@ -44,6 +50,7 @@ impl Direct for DinNet {
         let ds: &mut DinScratch = s.of_kind();
         ds.units.resize_with(self.units.len(), MlpScratch::default);
         ds.features.resize_with(self.units.len(), Vec::new);
+        ds.products.resize_with(self.units.len(), ProductBufs::default);
         for (j, (&(slot, query), unit)) in self.pairs.iter().zip(&self.units).enumerate() {
             let (keys, at_rows) = (&sequences.items[j], &sequences.rows[j]);
             let positions = at_rows.len();
@@ -53,24 +60,12 @@ impl Direct for DinNet {
             if positions == 0 {
                 continue;
             }
-            let features = sized(&mut ds.features[j], positions * 4 * d);
-            features.par_chunks_mut(4 * d * POSITIONS_PER_TASK).enumerate().for_each(|(chunk, f)| {
-                for (i, f) in f.chunks_exact_mut(4 * d).enumerate() {
-                    let p = chunk * POSITIONS_PER_TASK + i;
-                    let r = at_rows[p] as usize;
-                    let (q, k) = (&x[r * stride + query * d..r * stride + (query + 1) * d], &keys[p * d..(p + 1) * d]);
-                    let (fq, rest) = f.split_at_mut(d);
-                    let (fk, rest) = rest.split_at_mut(d);
-                    let (fdiff, fprod) = rest.split_at_mut(d);
-                    for c in 0..d {
-                        fq[c] = q[c];
-                        fk[c] = k[c];
-                        fdiff[c] = q[c] - k[c];
-                        fprod[c] = q[c] * k[c];
-                    }
-                }
-            });
-            unit.forward_cpu(features, positions, at.dropout, &mut ds.units[j])?;
+            if unit.is_f32() {
+                let mut first = UnitInput::new((x, stride, rows), (query, d), keys, at_rows, &mut ds.products[j]);
+                unit.forward_cpu_from(&mut first, positions, at.dropout, &mut ds.units[j])?;
+            } else {
+                laid_out_forward(unit, (x, stride), (query, d), (keys, at_rows), at.dropout, (ds, j))?;
+            }
             let scores = &ds.units[j].output;
             for (p, &r) in at_rows.iter().enumerate() {
                 let pooled = &mut input[r as usize * stride + slot * d..r as usize * stride + (slot + 1) * d];
@@ -101,14 +96,14 @@ impl Direct for DinNet {
         item_grads.resize_with(self.pairs.len(), Vec::new);
         let sequences = std::mem::take(&mut s.sequences);
         let ds: &mut DinScratch = s.of_kind();
-        let mut d_query: Vec<(usize, Vec<f32>)> = Vec::with_capacity(self.pairs.len());
+        let mut d_queries = std::mem::take(&mut ds.d_queries);
+        d_queries.resize_with(self.pairs.len(), Vec::new);
         for (j, (&(slot, query), unit)) in self.pairs.iter().zip(&self.units).enumerate() {
             let (keys, at_rows) = (&sequences.items[j], &sequences.rows[j]);
             let positions = at_rows.len();
-            let dk = &mut item_grads[j];
-            dk.clear();
-            dk.resize(positions * d, 0.0);
-            let mut dq = vec![0.0f32; positions * d];
+            // Every element is written below (d score's pass first).
+            let dk = sized(&mut item_grads[j], positions * d);
+            let dq = sized(&mut d_queries[j], positions * d);
             if positions > 0 {
                 let scores = &ds.units[j].output;
                 // d score_p = ⟨d pooled, k_p⟩; d k_p = score_p · d pooled (plus the unit's share, below).
@@ -125,6 +120,18 @@ impl Direct for DinNet {
                         *ds = dot(d_pooled, &keys[p * d..(p + 1) * d]);
                         dk.iter_mut().zip(d_pooled).for_each(|(o, g)| *o = scores[p] * g);
                     });
+                if unit.is_f32() {
+                    // Through the product's parts (`product.rs`); a row's
+                    // share of its query's gradient is added once.
+                    let rows = grad_x.len() / stride.max(1);
+                    let mut first = UnitInput { d, rows, at_rows, bufs: &mut ds.products[j] };
+                    grads.push((unit.params(), unit.backward_cpu_from(&mut first, d_scores, &mut ds.units[j])?));
+                    first.item_and_query_grads(keys, dk, dq);
+                    for (g, dq) in grad_x.chunks_exact_mut(stride).zip(first.bufs.dq_rows.chunks_exact(d)) {
+                        g[query * d..(query + 1) * d].iter_mut().zip(dq).for_each(|(g, dq)| *g += dq);
+                    }
+                    continue;
+                }
                 grads.push((unit.params(), unit.backward_cpu(&ds.features[j], d_scores, &mut ds.units[j])?));
                 // Through [q, k, q − k, q ⊙ k].
                 let d_features = &ds.units[j].grad_input;
@@ -141,20 +148,20 @@ impl Direct for DinNet {
                     },
                 );
             }
-            d_query.push((query, dq));
         }
         for &(slot, _) in &self.pairs {
             for row in grad_x.chunks_exact_mut(stride) {
                 row[slot * d..(slot + 1) * d].fill(0.0);
             }
         }
-        for ((query, dq), at_rows) in d_query.iter().zip(&sequences.rows) {
+        for ((&(_, query), dq), at_rows) in self.pairs.iter().zip(&d_queries).zip(&sequences.rows) {
             for (p, &r) in at_rows.iter().enumerate() {
                 let r = r as usize;
                 let g = &mut grad_x[r * stride + query * d..r * stride + (query + 1) * d];
                 g.iter_mut().zip(&dq[p * d..(p + 1) * d]).for_each(|(g, dq)| *g += dq);
             }
         }
+        s.of_kind::<DinScratch>().d_queries = d_queries;
         s.sequences = sequences;
         s.item_grads = item_grads;
         s.grad_x = grad_x;
@@ -174,4 +181,34 @@ impl Direct for DinNet {
     fn several_outputs(&self) -> bool {
         true
     }
+}
+
+/// The unit's forward pass on `[q, k, q − k, q ⊙ k]` laid out: bf16
+/// products, whose inputs are rounded as the graph's are.
+fn laid_out_forward(
+    unit: &Mlp,
+    (x, stride): (&[f32], usize),
+    (query, d): (usize, usize),
+    (keys, at_rows): (&[f32], &[u32]),
+    draw: Option<u64>,
+    (ds, j): (&mut DinScratch, usize),
+) -> Result<(), ModelError> {
+    let features = sized(&mut ds.features[j], at_rows.len() * 4 * d);
+    features.par_chunks_mut(4 * d * POSITIONS_PER_TASK).enumerate().for_each(|(chunk, f)| {
+        for (i, f) in f.chunks_exact_mut(4 * d).enumerate() {
+            let p = chunk * POSITIONS_PER_TASK + i;
+            let r = at_rows[p] as usize;
+            let (q, k) = (&x[r * stride + query * d..r * stride + (query + 1) * d], &keys[p * d..(p + 1) * d]);
+            let (fq, rest) = f.split_at_mut(d);
+            let (fk, rest) = rest.split_at_mut(d);
+            let (fdiff, fprod) = rest.split_at_mut(d);
+            for c in 0..d {
+                fq[c] = q[c];
+                fk[c] = k[c];
+                fdiff[c] = q[c] - k[c];
+                fprod[c] = q[c] * k[c];
+            }
+        }
+    });
+    unit.forward_cpu(features, at_rows.len(), draw, &mut ds.units[j])
 }

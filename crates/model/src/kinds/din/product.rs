@@ -1,0 +1,163 @@
+//! DIN's local activation unit's first layer without its input laid out.
+//! The unit reads `f = [q, k, q − k, q ⊙ k]` a (row, history item) pair;
+//! with `W = [W_q; W_k; W_d; W_p]` (each `[d, h]`),
+//! `f·W = q·(W_q + W_d) + [k, q ⊙ k]·[W_k − W_d; W_p]`: the first term is
+//! a batch row's, computed once a row instead of once an item, and the
+//! item's product reads `2·d` values, not `4·d`. Backward likewise:
+//! `dW_q = Qᵀ·G_rows`, `[dW_k; dW_p] = [K, Q ⊙ K]ᵀ·G`, `dW_d = dW_q − dW_k`
+//! (`G_rows`: each row's items' gradients summed), and the items' and the
+//! queries' gradients from `G·[W_k − W_d; W_p]ᵀ` and `G_rows·(W_q + W_d)ᵀ`.
+//! The same sums as the laid-out product, in another order (fp32).
+
+use rayon::prelude::*;
+
+use crate::bf16::Arith;
+use crate::matrix::Operand;
+use crate::mlp::first_product::FirstProduct;
+use crate::mlp::{matmul, sized};
+
+/// Positions a task of a pass over history items takes.
+const POSITIONS_PER_TASK: usize = 256;
+
+/// The product's buffers, kept between steps.
+#[derive(Default)]
+pub(super) struct ProductBufs {
+    /// Each batch row's query `[rows, d]`.
+    q_rows: Vec<f32>,
+    /// `[k, q ⊙ k]` a position `[positions, 2·d]`.
+    kq: Vec<f32>,
+    /// `W_q + W_d` `[d, h]`, and `[W_k − W_d; W_p]` `[2·d, h]`.
+    w_row: Vec<f32>,
+    w_item: Vec<f32>,
+    /// `q·(W_q + W_d)` a row `[rows, h]`.
+    qw: Vec<f32>,
+    /// Backward: the items' gradients summed a row `[rows, h]`, and
+    /// `[dW_k; dW_p]` `[2·d, h]`.
+    g_rows: Vec<f32>,
+    dw_item: Vec<f32>,
+    /// Backward: `G·[W_k − W_d; W_p]ᵀ` `[positions, 2·d]` (d k's linear
+    /// part, then d (q ⊙ k)), and d q a row's share `[rows, d]`.
+    pub(super) e: Vec<f32>,
+    pub(super) dq_rows: Vec<f32>,
+}
+
+/// One sequence's unit input in a batch: the queries and items it is
+/// built from, and the buffers.
+pub(super) struct UnitInput<'a> {
+    pub(super) d: usize,
+    pub(super) rows: usize,
+    /// The batch row of each position (ascending).
+    pub(super) at_rows: &'a [u32],
+    pub(super) bufs: &'a mut ProductBufs,
+}
+
+impl<'a> UnitInput<'a> {
+    /// Lays out the queries (the candidate's slot `query` of each of the
+    /// `rows` rows of `x`, `stride` values a row) and `[k, q ⊙ k]`.
+    pub(super) fn new(
+        (x, stride, rows): (&[f32], usize, usize),
+        (query, d): (usize, usize),
+        keys: &[f32],
+        at_rows: &'a [u32],
+        bufs: &'a mut ProductBufs,
+    ) -> UnitInput<'a> {
+        let q_rows = sized(&mut bufs.q_rows, rows * d);
+        for (r, q) in q_rows.chunks_exact_mut(d).enumerate() {
+            q.copy_from_slice(&x[r * stride + query * d..r * stride + (query + 1) * d]);
+        }
+        let q_rows = &bufs.q_rows;
+        let kq = sized(&mut bufs.kq, at_rows.len() * 2 * d);
+        kq.par_chunks_mut(2 * d * POSITIONS_PER_TASK).enumerate().for_each(|(chunk, f)| {
+            for (i, f) in f.chunks_exact_mut(2 * d).enumerate() {
+                let p = chunk * POSITIONS_PER_TASK + i;
+                let r = at_rows[p] as usize;
+                let (q, k) = (&q_rows[r * d..(r + 1) * d], &keys[p * d..(p + 1) * d]);
+                let (fk, fprod) = f.split_at_mut(d);
+                fk.copy_from_slice(k);
+                fprod.iter_mut().zip(q.iter().zip(k)).for_each(|(o, (q, k))| *o = q * k);
+            }
+        });
+        UnitInput { d, rows, at_rows, bufs }
+    }
+
+    /// `W_q + W_d` and `[W_k − W_d; W_p]` from `W` (`[4·d, h]`).
+    fn split_weights(&mut self, w: &[f32], h: usize) {
+        let dh = self.d * h;
+        let (wq, rest) = w.split_at(dh);
+        let (wk, rest) = rest.split_at(dh);
+        let (wd, wp) = rest.split_at(dh);
+        let w_row = sized(&mut self.bufs.w_row, dh);
+        w_row.iter_mut().zip(wq.iter().zip(wd)).for_each(|(o, (q, d))| *o = q + d);
+        let w_item = sized(&mut self.bufs.w_item, 2 * dh);
+        let (item_k, item_p) = w_item.split_at_mut(dh);
+        item_k.iter_mut().zip(wk.iter().zip(wd)).for_each(|(o, (k, d))| *o = k - d);
+        item_p.copy_from_slice(wp);
+    }
+}
+
+impl UnitInput<'_> {
+    /// After [`backward`](FirstProduct::backward): each item's gradient
+    /// (added to `dk`) and each position's share of its query's (`dq`,
+    /// written); the rows' own share is `bufs.dq_rows`.
+    pub(super) fn item_and_query_grads(&self, keys: &[f32], dk: &mut [f32], dq: &mut [f32]) {
+        let d = self.d;
+        let (e, q_rows, at_rows) = (&self.bufs.e, &self.bufs.q_rows, self.at_rows);
+        dq.par_chunks_mut(d).zip(dk.par_chunks_mut(d)).enumerate().with_min_len(POSITIONS_PER_TASK).for_each(
+            |(p, (dq, dk))| {
+                let r = at_rows[p] as usize;
+                let (lin, prod) = e[p * 2 * d..(p + 1) * 2 * d].split_at(d);
+                let (q, k) = (&q_rows[r * d..(r + 1) * d], &keys[p * d..(p + 1) * d]);
+                for c in 0..d {
+                    dk[c] += lin[c] + prod[c] * q[c];
+                    dq[c] = prod[c] * k[c];
+                }
+            },
+        );
+    }
+}
+
+impl FirstProduct for UnitInput<'_> {
+    fn forward(&mut self, w: &[f32], positions: usize, h: usize, out: &mut [f32]) {
+        let (d, rows) = (self.d, self.rows);
+        self.split_weights(w, h);
+        let b = &mut *self.bufs;
+        let qw = sized(&mut b.qw, rows * h);
+        matmul(Arith::F32, None, rows, h, d, Operand::plain(&b.q_rows), Operand::plain(&b.w_row), qw);
+        matmul(Arith::F32, None, positions, h, 2 * d, Operand::plain(&b.kq), Operand::plain(&b.w_item), out);
+        let (qw, at_rows) = (&b.qw, self.at_rows);
+        out.par_chunks_mut(h * POSITIONS_PER_TASK).enumerate().for_each(|(chunk, o)| {
+            for (i, o) in o.chunks_exact_mut(h).enumerate() {
+                let r = at_rows[chunk * POSITIONS_PER_TASK + i] as usize;
+                o.iter_mut().zip(&qw[r * h..(r + 1) * h]).for_each(|(o, a)| *o += a);
+            }
+        });
+    }
+
+    fn backward(&mut self, w: &[f32], positions: usize, h: usize, g: &[f32], dw: &mut [f32]) {
+        let (d, rows) = (self.d, self.rows);
+        self.split_weights(w, h);
+        let b = &mut *self.bufs;
+        // Each row's items' gradients, summed in the items' order.
+        let g_rows = sized(&mut b.g_rows, rows * h);
+        g_rows.fill(0.0);
+        for (p, &r) in self.at_rows.iter().enumerate() {
+            let r = r as usize;
+            g_rows[r * h..(r + 1) * h].iter_mut().zip(&g[p * h..(p + 1) * h]).for_each(|(s, g)| *s += g);
+        }
+        let dh = d * h;
+        let (dwq, rest) = dw.split_at_mut(dh);
+        let (dwk, rest) = rest.split_at_mut(dh);
+        let (dwd, dwp) = rest.split_at_mut(dh);
+        matmul(Arith::F32, None, d, h, rows, Operand::t(&b.q_rows), Operand::plain(&b.g_rows), dwq);
+        let dw_item = sized(&mut b.dw_item, 2 * dh);
+        matmul(Arith::F32, None, 2 * d, h, positions, Operand::t(&b.kq), Operand::plain(g), dw_item);
+        let (item_k, item_p) = dw_item.split_at(dh);
+        dwk.copy_from_slice(item_k);
+        dwp.copy_from_slice(item_p);
+        dwd.iter_mut().zip(dwq.iter().zip(item_k)).for_each(|(o, (q, k))| *o = q - k);
+        let e = sized(&mut b.e, positions * 2 * d);
+        matmul(Arith::F32, None, positions, 2 * d, h, Operand::plain(g), Operand::t(&b.w_item), e);
+        let dq_rows = sized(&mut b.dq_rows, rows * d);
+        matmul(Arith::F32, None, rows, d, h, Operand::plain(&b.g_rows), Operand::t(&b.w_row), dq_rows);
+    }
+}

@@ -1,0 +1,70 @@
+//! An MLP whose first layer's product its caller computes from the
+//! input's parts, the input itself never laid out: DIN's local activation
+//! unit reads `[q, k, q − k, q ⊙ k]`, whose product with `W` is
+//! `q·(W_q + W_d) + [k, q ⊙ k]·[W_k − W_d; W_p]`, the first term once a
+//! row, not once a history item (`kinds/din/product.rs`).
+
+use super::{Mlp, MlpScratch, cpu};
+use crate::ModelError;
+use crate::bf16::Arith;
+
+/// The first layer's product from the input's parts (fp32).
+pub(crate) trait FirstProduct {
+    /// `out = input·W` (`[rows, fan_out]`, the bias added after).
+    fn forward(&mut self, w: &[f32], rows: usize, fan_out: usize, out: &mut [f32]);
+    /// From `g = d loss / d out`: `dW = inputᵀ·g` (every element written),
+    /// and d input as the caller keeps it.
+    fn backward(&mut self, w: &[f32], rows: usize, fan_out: usize, g: &[f32], dw: &mut [f32]);
+}
+
+/// An MLP pass's input: laid out, or computed into the first layer.
+pub(crate) enum First<'a> {
+    Input(&'a [f32]),
+    Product(&'a mut dyn FirstProduct),
+}
+
+impl<'a> First<'a> {
+    /// The laid-out input (none for a product).
+    pub(super) fn laid(&self) -> &'a [f32] {
+        match self {
+            First::Input(x) => x,
+            First::Product(_) => &[],
+        }
+    }
+}
+
+impl Mlp {
+    /// [`forward_cpu`](Self::forward_cpu) with the first layer's product
+    /// computed by `first` (fp32 stacks: [`is_f32`](Self::is_f32)).
+    pub(crate) fn forward_cpu_from(
+        &self,
+        first: &mut dyn FirstProduct,
+        rows: usize,
+        draw: Option<u64>,
+        scratch: &mut MlpScratch,
+    ) -> Result<(), ModelError> {
+        let running = if draw.is_some() { Vec::new() } else { self.running_values()? };
+        {
+            let (ps, pl) = self.params.storage_and_layout();
+            super::forward_into(&self.shape, (cpu(&ps, pl)?, &running), First::Product(first), rows, draw, scratch);
+        }
+        self.hand_on(draw, rows, &scratch.batch_stats)
+    }
+
+    /// Backward pass of the last [`forward_cpu_from`](Self::forward_cpu_from):
+    /// d params; d input is `first`'s to keep.
+    pub(crate) fn backward_cpu_from(
+        &self,
+        first: &mut dyn FirstProduct,
+        grad_out: &[f32],
+        scratch: &mut MlpScratch,
+    ) -> Result<Vec<f32>, ModelError> {
+        let (ps, pl) = self.params.storage_and_layout();
+        Ok(super::backward_into(&self.shape, cpu(&ps, pl)?, First::Product(first), grad_out, scratch))
+    }
+
+    /// Its products are fp32 (`model.precision = "f32"`).
+    pub(crate) fn is_f32(&self) -> bool {
+        self.shape.arith == Arith::F32
+    }
+}
