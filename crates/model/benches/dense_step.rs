@@ -12,8 +12,9 @@
 //! bf16 ceilings measured in the same run.
 //!
 //! `cargo bench -p sparrow-model --bench dense_step [-- KIND... f32|bf16 ROWS
-//! dropout=R norm=layer|batch activation=prelu|dice|gelu|silu]` (ROWS: the
-//! batch, 1024 unless a number is given).
+//! dropout=R norm=layer|batch activation=prelu|dice|gelu|silu dim=D]` (ROWS:
+//! the batch, 1024 unless a number is given; D: the embedding dimension, 16
+//! unless given). `BENCH_THREADS=1` runs the step on one thread (2 unless set).
 
 use std::time::{Duration, Instant};
 
@@ -47,8 +48,14 @@ fn main() {
         Some("silu") => Activation::Silu,
         _ => Activation::Relu,
     };
+    // `dim=8`: the embedding dimension (16 unless given).
+    let (dim, args): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a.starts_with("dim="));
+    let dim: usize = dim.first().and_then(|d| d["dim=".len()..].parse().ok()).unwrap_or(16);
     let (precisions, wanted): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a == "f32" || a == "bf16");
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(std::env::var("BENCH_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(2))
+        .build()
+        .expect("pool");
     let peaks = sparrow_model::peak::measure(2, Duration::from_millis(300));
     let bf16_peak = peaks.bf16_dot.as_ref().map_or(f64::NAN, |p| p.gflops);
     println!("ceilings: fp32 {:.0} GFLOP/s, bf16 {:.0} GFLOP/s", peaks.fp32_fma.gflops, bf16_peak);
@@ -57,9 +64,9 @@ fn main() {
         let has_products = kind.has_products();
         let one_task = kind.family() == Family::OneTask;
         let shape = if one_task {
-            ModelShape { num_fields: 26, num_dense: 13, embedding_dim: 16 }
+            ModelShape { num_fields: 26, num_dense: 13, embedding_dim: dim }
         } else {
-            ModelShape { num_fields: 5, num_dense: 1, embedding_dim: 16 }
+            ModelShape { num_fields: 5, num_dense: 1, embedding_dim: dim }
         };
         let heads = heads(kind.name(), one_task);
         let pairs: &[(usize, usize)] = if kind.attends() { &[(4, 1)] } else { &[] };
@@ -75,7 +82,7 @@ fn main() {
             }
             let config = ModelConfig {
                 kind: kind.clone(),
-                embedding_dim: 16,
+                embedding_dim: dim,
                 hidden: vec![256, 128],
                 precision,
                 tasks: Vec::new(),
