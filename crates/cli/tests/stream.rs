@@ -732,7 +732,7 @@ fn waits_out_an_idle_topic(sync: &str) {
         .replace("stop_when_idle_secs = 1", "stop_when_idle_secs = 25");
     std::fs::write(&config, idle_stop).expect("config");
     // Not --quiet: the loader's log says when the workers wait, and how long.
-    let (child, log) = spawn_logged(
+    let launch = spawn_logged(
         sparrow()
             .args(["launch", "--config", &config, "--shards", "2", "--workers", "2"])
             .args(["--set", "cluster.heartbeat_timeout_ms=1500", "--set", "cluster.progress_timeout_ms=4000"])
@@ -743,11 +743,10 @@ fn waits_out_an_idle_topic(sync: &str) {
     // the topic is quiet; then the loader answered `waiting` 12 times in a
     // row, each after half a call's deadline (3 s): with two workers, over
     // three deadlines of quiet and past the progress timeout (4 s).
-    log.wait_for_line(&["the training data is quiet"], Duration::from_secs(120));
-    log.wait_for_line(&["(12 since the last batch)"], Duration::from_secs(120));
+    launch.log.wait_for_line(&["the training data is quiet"], Duration::from_secs(120));
+    launch.log.wait_for_line(&["(12 since the last batch)"], Duration::from_secs(120));
     broker.produce("quiet", 2, &second);
-    let out = child.wait_with_output().expect("launch");
-    let stderr = log.text();
+    let (out, stderr) = launch.finish();
     assert!(out.status.success(), "{stderr}");
     let json = last_json(&out);
     assert_eq!((&json["stream_records"], &json["train_rows"]), (&8000.into(), &8000.into()), "{json} {stderr}");
@@ -765,7 +764,7 @@ fn a_stalled_broker_is_not_an_idle_topic() {
     let (tmp, broker) = setup("2000");
     broker.produce("stall", 2, &rows(tmp.path(), 0, 1000));
     let config = job(tmp.path(), &broker, Some("stall"), "");
-    let (child, log) = spawn_logged(
+    let launch = spawn_logged(
         sparrow()
             .args(["launch", "--config", &config, "--shards", "1", "--workers", "2"])
             .args(["--set", "data.stream.stop_when_idle_secs=4", "--set", "cluster.heartbeat_timeout_ms=1500"])
@@ -773,38 +772,56 @@ fn a_stalled_broker_is_not_an_idle_topic() {
     );
     // The first half is trained and the workers wait: stall the broker until
     // 16 `waiting` answers (about 6 s, past stop_when_idle_secs) went by.
-    log.wait_for_line(&["the training data is quiet"], Duration::from_secs(120));
+    launch.log.wait_for_line(&["the training data is quiet"], Duration::from_secs(120));
     signal(broker.child.id(), "-STOP");
-    log.wait_for_line(&["(16 since the last batch)"], Duration::from_secs(120));
+    launch.log.wait_for_line(&["(16 since the last batch)"], Duration::from_secs(120));
     signal(broker.child.id(), "-CONT");
     broker.produce("stall", 2, &rows(tmp.path(), 1000, 2000));
-    let out = child.wait_with_output().expect("launch");
-    let stderr = log.text();
+    let (out, stderr) = launch.finish();
     assert!(out.status.success(), "{stderr}");
     let json = last_json(&out);
     assert_eq!((&json["stream_records"], &json["train_rows"]), (&2000.into(), &2000.into()), "{json} {stderr}");
     assert!(stderr.contains("an outage, not counted as idle time"), "{stderr}");
 }
 
+/// A child whose stderr a reader thread gathers into `log`.
+struct Logged {
+    child: Child,
+    log: Log,
+    reader: std::thread::JoinHandle<()>,
+}
+
+impl Logged {
+    /// Waits for the child to exit and for its stderr to close: its output,
+    /// and its log with every line read. (Read at once after the exit, the
+    /// log could still lack the last lines: the "job checkpointed" line
+    /// went missing that way.)
+    fn finish(self) -> (Output, String) {
+        let out = self.child.wait_with_output().expect("sparrow");
+        self.reader.join().expect("log reader");
+        (out, self.log.text())
+    }
+}
+
 /// `command` started with its stdout piped and its stderr collected.
-fn spawn_logged(command: &mut std::process::Command) -> (Child, Log) {
+fn spawn_logged(command: &mut std::process::Command) -> Logged {
     let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("start sparrow");
     let log = Log::default();
-    log.collect(child.stderr.take().expect("stderr"));
-    (child, log)
+    let reader = log.collect(child.stderr.take().expect("stderr"));
+    Logged { child, log, reader }
 }
 
 /// `train` on `config` with `stop_when_idle_secs = idle_secs`, its log
 /// collected, once its reader has read every partition to `offsets` (as
 /// the reader's debug line lists them) and waits for more.
-fn train_waiting_at_the_end(config: &str, idle_secs: u64, offsets: &str) -> (Child, Log) {
+fn train_waiting_at_the_end(config: &str, idle_secs: u64, offsets: &str) -> Logged {
     let text = std::fs::read_to_string(config).expect("config");
     let idle = format!("stop_when_idle_secs = {idle_secs}");
     std::fs::write(config, text.replace("stop_when_idle_secs = 1", &idle)).expect("config");
-    let (child, log) =
+    let logged =
         spawn_logged(sparrow().args(["train", "--config", config]).env("RUST_LOG", "warn,sparrow_stream=debug"));
-    log.wait_for_line(&["every partition read to its end", offsets], Duration::from_secs(120));
-    (child, log)
+    logged.log.wait_for_line(&["every partition read to its end", offsets], Duration::from_secs(120));
+    logged
 }
 
 /// Rows `from..to` of `dir/data/train.tsv` as a file of their own.
@@ -875,11 +892,10 @@ fn a_broker_restarted_empty_during_a_run_is_found_and_every_new_record_trained()
     let (tmp, mut broker) = setup("2500");
     broker.produce("restart", 2, &rows(tmp.path(), 0, 1000));
     let config = job(tmp.path(), &broker, Some("restart"), "on_offset_reset = \"earliest\"");
-    let (child, log) = train_waiting_at_the_end(&config, 4, "0: 500, 1: 500");
+    let train = train_waiting_at_the_end(&config, 4, "0: 500, 1: 500");
     broker.restart_empty();
     broker.produce("restart", 2, &rows(tmp.path(), 1000, 2500));
-    let out = child.wait_with_output().expect("train");
-    let stderr = log.text();
+    let (out, stderr) = train.finish();
     assert!(out.status.success(), "{stderr}");
     let json = last_json(&out);
     assert_eq!(json["stream_offsets"], serde_json::json!({"0": 750, "1": 750}), "{stderr}");
@@ -943,16 +959,15 @@ fn sigterm_to_a_cluster_job_on_a_quiet_topic_checkpoints_its_offsets() {
     let (tmp, broker) = setup("2000");
     broker.produce("stopped", 2, &rows(tmp.path(), 0, 1000));
     let config = job(tmp.path(), &broker, Some("stopped"), "");
-    let (child, log) = spawn_logged(
+    let launch = spawn_logged(
         sparrow()
             .args(["launch", "--config", &config, "--shards", "1", "--workers", "2"])
             .args(["--set", "data.stream.stop_when_idle_secs=0"])
             .env("RUST_LOG", "warn,sparrow_cluster::loader=info"),
     );
-    log.wait_for_line(&["the training data is quiet"], Duration::from_secs(120));
-    signal(child.id(), "-TERM");
-    let out = child.wait_with_output().expect("launch");
-    let stderr = log.text();
+    launch.log.wait_for_line(&["the training data is quiet"], Duration::from_secs(120));
+    signal(launch.child.id(), "-TERM");
+    let (out, stderr) = launch.finish();
     assert_eq!(out.status.code(), Some(143), "{stderr}");
     assert!(stderr.contains("the job checkpointed (") && stderr.contains("continue with --resume"), "{stderr}");
     let json = last_json(&out);
