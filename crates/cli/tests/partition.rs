@@ -102,15 +102,17 @@ fn partition_heals(cut: CutOff, tag: u32) {
     };
     let Scenario { config, whole, tmp: _tmp } = scenario(|text, _| text.replace("epochs = 4", "epochs = 10"));
     let (log, out) = (Log::default(), Log::default());
-    let spawn = |mut cmd: Command, name: &str| -> Child {
+    // Each child with the reader of its stderr (joined before its last
+    // lines are looked for: read at once after its exit, they may be missing).
+    let spawn = |mut cmd: Command, name: &str| -> (Child, std::thread::JoinHandle<()>) {
         let mut child = cmd
             .env("SPARROW_AUTH_TOKEN", TOKEN)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .unwrap_or_else(|e| panic!("{name}: {e}"));
-        log.collect(child.stderr.take().expect("stderr"));
-        child
+        let reader = log.collect(child.stderr.take().expect("stderr"));
+        (child, reader)
     };
     let here = |args: &[&str]| {
         let mut cmd = sparrow();
@@ -119,7 +121,7 @@ fn partition_heals(cut: CutOff, tag: u32) {
     };
     let host = format!("{}:0", netns.host_ip);
     let ns = format!("{}:0", netns.ns_ip);
-    let mut coordinator = spawn(
+    let (mut coordinator, _) = spawn(
         here(&["coordinator", "--config", &config, "--shards", "2", "--workers", "1", "--listen", &host]),
         "coordinator",
     );
@@ -134,10 +136,10 @@ fn partition_heals(cut: CutOff, tag: u32) {
         let cmd = if cut_off { netns.sparrow(args) } else { here(args) };
         spawn(cmd, kind)
     };
-    let mut shard0 = role("shard", "0", false);
-    let mut shard1 = role("shard", "1", cut == CutOff::Shard);
-    let mut loader = role("loader", "", false);
-    let mut worker = role("worker", "0", cut == CutOff::Worker);
+    let (mut shard0, _) = role("shard", "0", false);
+    let (mut shard1, _) = role("shard", "1", cut == CutOff::Shard);
+    let (mut loader, _) = role("loader", "", false);
+    let (mut worker, worker_err) = role("worker", "0", cut == CutOff::Worker);
     let worker_out = Log::default();
     let reader = worker_out.collect(worker.stdout.take().expect("stdout"));
     let wait_for = |needles: &[&str], limit: Duration| log.wait_for_line(needles, limit);
@@ -156,6 +158,7 @@ fn partition_heals(cut: CutOff, tag: u32) {
 
     let status = wait_with_timeout(&mut worker, Duration::from_secs(180));
     reader.join().expect("reader");
+    worker_err.join().expect("the worker's stderr reader");
     let text = log.text();
     assert!(status.success(), "the worker: {status}\n{text}");
     assert!(text.contains("registered again with the coordinator"), "{text}");
@@ -190,6 +193,8 @@ fn a_role_that_cannot_rejoin_exits_75() {
         text.replace("epochs = 4", "epochs = 50").replace("[cluster]", "[cluster]\nconnect_timeout_ms = 1000")
     });
     let (log, out) = (Log::default(), Log::default());
+    // Each child with the reader of its stderr, joined after its exit: its
+    // last line ("giving up") read at once after the exit may be missing.
     let spawn = |args: &[&str]| {
         let mut child = sparrow()
             .args(args)
@@ -198,23 +203,24 @@ fn a_role_that_cannot_rejoin_exits_75() {
             .stderr(Stdio::piped())
             .spawn()
             .expect("role");
-        log.collect(child.stderr.take().expect("stderr"));
-        child
+        let reader = log.collect(child.stderr.take().expect("stderr"));
+        (child, reader)
     };
-    let mut coordinator =
+    let (mut coordinator, _) =
         spawn(&["coordinator", "--config", &config, "--shards", "1", "--workers", "1", "--listen", "127.0.0.1:0"]);
     out.collect(coordinator.stdout.take().expect("stdout"));
     let address = out.wait_for("coordinator address", Duration::from_secs(20), |l| {
         l.strip_prefix("listening on ").map(str::to_string)
     });
-    let mut shard = spawn(&["shard", "--coordinator", &address, "--index", "0"]);
-    let mut loader = spawn(&["loader", "--coordinator", &address]);
-    let mut worker = spawn(&["worker", "--coordinator", &address, "--index", "0"]);
+    let shard = spawn(&["shard", "--coordinator", &address, "--index", "0"]);
+    let loader = spawn(&["loader", "--coordinator", &address]);
+    let worker = spawn(&["worker", "--coordinator", &address, "--index", "0"]);
     log.wait_for_line(&["checkpoint at step 50 committed"], Duration::from_secs(60));
     coordinator.kill().expect("kill the coordinator");
     let _ = coordinator.wait();
-    for (name, child) in [("worker", &mut worker), ("shard", &mut shard), ("loader", &mut loader)] {
-        let status = wait_with_timeout(child, Duration::from_secs(60));
+    for (name, (mut child, reader)) in [("worker", worker), ("shard", shard), ("loader", loader)] {
+        let status = wait_with_timeout(&mut child, Duration::from_secs(60));
+        reader.join().expect("stderr reader");
         let text = log.text();
         assert_eq!(status.code(), Some(75), "{name}: {status}\n{text}");
         assert!(text.contains("giving up") && text.contains("registers again and rejoins"), "{text}");
