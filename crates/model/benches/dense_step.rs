@@ -25,19 +25,31 @@ use sparrow_core::rng::Rng;
 use sparrow_model::kinds::Family;
 use sparrow_model::{DenseModel, DenseOptimizer, Heads, ModelShape, Sequences};
 
+/// Stops the bench naming the setting and the value it cannot take.
+fn refuse(what: &str, found: &str) -> ! {
+    eprintln!("dense_step: {what} cannot be {found:?}");
+    std::process::exit(2)
+}
+
+/// `found` parsed as setting `what` takes it, or the bench stops naming both.
+fn value<T: std::str::FromStr>(what: &str, found: &str) -> T {
+    found.parse().unwrap_or_else(|_| refuse(what, found))
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let (numbers, args): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a.parse::<usize>().is_ok());
     let rows = numbers.first().and_then(|n| n.parse().ok()).unwrap_or(1024);
     // `dropout=0.2`: every step draws its masks (`model.dropout`).
     let (dropout, args): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a.starts_with("dropout="));
-    let dropout: f32 = dropout.first().and_then(|d| d["dropout=".len()..].parse().ok()).unwrap_or(0.0);
+    let dropout: f32 = dropout.first().map_or(0.0, |d| value("dropout", &d["dropout=".len()..]));
     // `norm=batch`: `model.norm` (none unless given).
     let (norm, args): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a.starts_with("norm="));
     let norm = match norm.first().map(|n| &n["norm=".len()..]) {
         Some("layer") => Norm::Layer,
         Some("batch") => Norm::Batch,
-        _ => Norm::None,
+        Some("none") | None => Norm::None,
+        Some(other) => refuse("norm", other),
     };
     // `activation=gelu`: `model.activation` (ReLU unless given).
     let (activation, args): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a.starts_with("activation="));
@@ -46,16 +58,18 @@ fn main() {
         Some("dice") => Activation::Dice,
         Some("gelu") => Activation::Gelu,
         Some("silu") => Activation::Silu,
-        _ => Activation::Relu,
+        Some("relu") | None => Activation::Relu,
+        Some(other) => refuse("activation", other),
     };
     // `dim=8`: the embedding dimension (16 unless given).
     let (dim, args): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a.starts_with("dim="));
-    let dim: usize = dim.first().and_then(|d| d["dim=".len()..].parse().ok()).unwrap_or(16);
+    let dim: usize = dim.first().map_or(16, |d| value("dim", &d["dim=".len()..]));
     let (precisions, wanted): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a == "f32" || a == "bf16");
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(std::env::var("BENCH_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(2))
-        .build()
-        .expect("pool");
+    if let Some(unknown) = wanted.iter().find(|w| !sparrow_model::kinds::KINDS.iter().any(|k| k.name() == w.as_str())) {
+        refuse("a model kind", unknown);
+    }
+    let threads: usize = std::env::var("BENCH_THREADS").map_or(2, |t| value("BENCH_THREADS", &t));
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
     let peaks = sparrow_model::peak::measure(2, Duration::from_millis(300));
     let bf16_peak = peaks.bf16_dot.as_ref().map_or(f64::NAN, |p| p.gflops);
     println!("ceilings: fp32 {:.0} GFLOP/s, bf16 {:.0} GFLOP/s", peaks.fp32_fma.gflops, bf16_peak);
