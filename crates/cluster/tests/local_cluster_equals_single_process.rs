@@ -293,14 +293,30 @@ fn shards_refuse_batches_they_do_not_hold() {
     assert_eq!(shard.table().len(), 3);
 }
 
-/// Worker 1 waits 40 ms for each batch (well above a batch's training time,
-/// even on a loaded 2-core machine): worker 0 trains more batches per round
-/// instead of waiting for it (S2.2), and the replicas stay identical.
+/// Worker 1 is slow: its `n`-th batch waits until worker 0 has taken `2n`
+/// (or has seen the data end), or at most half a second, when worker 0
+/// cannot take more (a step fetches its next batch before it contributes
+/// the one it trained, so worker 0 may be waiting on worker 1's). Worker 0
+/// then finds worker 1 missing from rounds past its patience and trains
+/// more batches in them instead of waiting (S2.2), and the replicas stay
+/// identical. (It slept 40 ms a batch before, which a debug build's batch
+/// on a loaded 2-core machine could outlast: both then took 16.)
 #[test]
 fn a_faster_worker_takes_more_batches_and_replicas_stay_identical() {
+    use std::sync::{Condvar, Mutex};
+    use std::time::Duration;
+
+    /// What worker 0 has taken: batches, and whether it saw the data end.
+    #[derive(Default)]
+    struct Taken {
+        batches: u64,
+        ended: bool,
+    }
     struct SlowFor<'a> {
         inner: &'a dyn LoaderService,
         slow_worker: usize,
+        fast: Mutex<(Taken, u64)>,
+        changed: Condvar,
     }
     impl LoaderService for SlowFor<'_> {
         fn next_batch(
@@ -310,9 +326,24 @@ fn a_faster_worker_takes_more_batches_and_replicas_stay_identical() {
             generation: Generation,
         ) -> Result<Option<sparrow_cluster::WorkerBatch>, ClusterError> {
             if worker == self.slow_worker {
-                std::thread::sleep(std::time::Duration::from_millis(40));
+                let mut guard = self.fast.lock().expect("lock");
+                guard.1 += 1;
+                let wanted = 2 * guard.1;
+                let (guard, _) = self
+                    .changed
+                    .wait_timeout_while(guard, Duration::from_millis(500), |(t, _)| t.batches < wanted && !t.ended)
+                    .expect("lock");
+                drop(guard);
+                return self.inner.next_batch(worker, mode, generation);
             }
-            self.inner.next_batch(worker, mode, generation)
+            let batch = self.inner.next_batch(worker, mode, generation)?;
+            let mut guard = self.fast.lock().expect("lock");
+            match batch {
+                Some(_) => guard.0.batches += 1,
+                None => guard.0.ended = true,
+            }
+            self.changed.notify_all();
+            Ok(batch)
         }
 
         fn training_ended_at_epoch_end(&self, generation: Generation) -> Result<bool, ClusterError> {
@@ -327,7 +358,7 @@ fn a_faster_worker_takes_more_batches_and_replicas_stay_identical() {
         .map(|i| Arc::new(ShardServer::new(i, shard_table(&c, i).expect("table"))) as Arc<dyn ShardService>)
         .collect();
     let loader = LoaderServer::start(&c, shards.clone()).expect("loader");
-    let slow = SlowFor { inner: &loader, slow_worker: 1 };
+    let slow = SlowFor { inner: &loader, slow_worker: 1, fast: Default::default(), changed: Condvar::new() };
     let rounds = Arc::new(RoundSum::new(2));
     let results: Vec<(WorkerStats, u64)> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..2)
@@ -351,7 +382,6 @@ fn a_faster_worker_takes_more_batches_and_replicas_stay_identical() {
     });
     let (fast, slow) = (&results[0].0, &results[1].0);
     assert_eq!(fast.rows + slow.rows, 4000, "every sample trained once");
-    // More, not a fixed ratio: how many more depends on the machine's load.
     assert!(fast.batches > slow.batches, "fast {} batches, slow {}", fast.batches, slow.batches);
     assert_eq!(fast.steps, slow.steps, "one optimizer step per round on both");
     assert!(fast.steps < fast.batches, "rounds held several of the fast worker's batches");
