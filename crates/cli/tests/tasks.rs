@@ -618,3 +618,59 @@ fn gen_moves_the_click_rate_by_its_shift() {
     let out = sparrow().args(["gen", "--out", "x", "--tasks", "--click-shift", "NaN"]).output().expect("gen");
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--click-shift"));
 }
+
+/// `data.validation` with several tasks: the final JSON's
+/// `validation_tasks` gives every task's figures of the last validation
+/// (the `validation` line's `tasks`), `validation_auc` the first task's;
+/// a run resumed past that validation, which validates no more, reports
+/// the same figures from its checkpoint, and so does `launch`, whose
+/// generation after the validation reads them from the manifest the
+/// coordinator wrote (before, both reported no task's figures but the
+/// first's).
+#[test]
+fn every_tasks_validation_figures_are_reported_and_kept_across_a_resume() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    behaviour_data(tmp.path(), "12000");
+    let config = job(tmp.path(), "");
+    let text = std::fs::read_to_string(&config).expect("config");
+    std::fs::write(&config, text.replacen("[data]\n", "[data]\nvalidation = 0.25\n", 1)).expect("write");
+    let set = |key: &str, name: &str| format!("{key}={:?}", tmp.path().join(name).display().to_string());
+    let run = |command: &str, name: &str, args: &[&str]| {
+        let out = sparrow()
+            .args([command, "--config", &config, "--quiet", "--set", &set("checkpoint.dir", name)])
+            .args(["--set", &set("train.metrics_path", &format!("{name}.jsonl"))])
+            .args(args)
+            .output()
+            .expect("run");
+        assert!(out.status.success(), "{command} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        last_json(&out)
+    };
+    let one = run("train", "one", &["--set", "train.epochs=1"]);
+    let per_epoch = one["train_rows"].as_u64().expect("rows").div_ceil(256);
+    // Past the first epoch's validation; the second epoch's end is not reached.
+    let stop = format!("train.max_steps={}", per_epoch + 9);
+    let whole = run("train", "whole", &["--set", &stop]);
+    let text = std::fs::read_to_string(tmp.path().join("whole.jsonl")).expect("metrics");
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).expect("a json line"))
+        .filter(|v| v["event"] == "validation")
+        .collect();
+    assert_eq!(lines.len(), 1, "one validation, at the first epoch's end: {lines:?}");
+    let tasks = &whole["validation_tasks"];
+    assert_eq!(tasks, &lines[0]["tasks"], "the last validation's figures");
+    assert_eq!(tasks.as_object().map(|t| t.len()), Some(3), "{whole}");
+    assert_eq!(whole["validation_auc"], tasks["click"]["auc"]);
+    for (task, key) in [("conversion", "auc"), ("conversion", "gauc"), ("ad_type", "macro_auc")] {
+        assert!(tasks[task][key].as_f64().is_some_and(f64::is_finite), "{task}.{key}: {tasks}");
+    }
+    assert_eq!(tasks["click"]["rows"], whole["validation_rows"]);
+    run("train", "cut", &["--set", &format!("train.max_steps={}", per_epoch + 4)]);
+    let resume = tmp.path().join("cut").display().to_string();
+    let resumed = run("train", "cut", &["--set", &stop, "--resume", &resume]);
+    assert_eq!(resumed["resumed_from_step"], per_epoch + 4);
+    assert_eq!(resumed["validation_tasks"], whole["validation_tasks"], "kept in the checkpoint");
+    let launched = run("launch", "launched", &["--set", &stop, "--shards", "2", "--workers", "1"]);
+    assert_eq!(launched["validation_tasks"], whole["validation_tasks"], "launch");
+    assert_eq!(launched["tasks"], whole["tasks"], "launch");
+}

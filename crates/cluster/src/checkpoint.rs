@@ -211,7 +211,7 @@ pub fn manifest(
         skip,
         stream,
         event_clock: Vec::new(),
-        early_stopping: cuts.iter().find(|c| c.wrote_dense).and_then(|c| c.early_stopping),
+        early_stopping: cuts.iter().find(|c| c.wrote_dense).and_then(|c| c.early_stopping.clone()),
     })
 }
 

@@ -394,7 +394,7 @@ impl Worker {
             trained: std::mem::take(&mut self.trained_since_cut),
             stream: self.stats.last_stream.clone(),
             last,
-            early_stopping: self.epochs.as_ref().map(|v| v.state),
+            early_stopping: self.epochs.as_ref().map(|v| v.state.clone()),
         };
         let committed = c.sink.checkpoint(cut)?;
         if let Some(c) = &mut self.checkpoints {

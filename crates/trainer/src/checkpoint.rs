@@ -320,7 +320,7 @@ pub fn save(trainer: &Trainer, root: &Path, keep: usize) -> Result<PathBuf, Trai
         event_clock: trainer.bounds.as_ref().map(|b| b.saved()).unwrap_or_default(),
         // With a validation set, early stopping or not: the step last
         // validated and its figures are what a resumed run reports.
-        early_stopping: trainer.config.data.validation.as_ref().map(|_| trainer.early_stopping),
+        early_stopping: trainer.config.data.validation.as_ref().map(|_| trainer.early_stopping.clone()),
     };
     commit(root, &tmp, &manifest, keep)
 }

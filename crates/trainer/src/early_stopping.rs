@@ -3,6 +3,8 @@
 //! every checkpoint, so a resumed run stops where the uninterrupted one
 //! would have.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 use sparrow_core::Config;
 use sparrow_core::config::{EarlyStoppingConfig, StopMetric};
@@ -22,7 +24,7 @@ pub struct Best {
 }
 
 /// The last validation's figures, as the final JSON reports them.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LastValidation {
     /// NaN where undefined (a multiclass first task's AUC).
     #[serde(with = "exact_f64")]
@@ -30,11 +32,14 @@ pub struct LastValidation {
     #[serde(with = "exact_f64")]
     pub logloss: f64,
     pub rows: u64,
+    /// Every task's figures by name (empty in a manifest older than them).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty", with = "exact_tasks")]
+    pub tasks: BTreeMap<String, TaskFigures>,
 }
 
 impl LastValidation {
     pub fn of(figures: &Figures) -> LastValidation {
-        LastValidation { auc: figures.auc, logloss: figures.logloss, rows: figures.rows }
+        LastValidation { auc: figures.auc, logloss: figures.logloss, rows: figures.rows, tasks: figures.tasks.clone() }
     }
 }
 
@@ -67,8 +72,93 @@ mod exact_f64 {
     }
 }
 
+/// Every task's figures, each as [`exact_f64`] writes a figure.
+mod exact_tasks {
+    use std::collections::BTreeMap;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use sparrow_core::metrics::tasks::TaskFigures;
+
+    /// A figure as `exact_f64` writes it.
+    #[derive(Clone, Copy, Serialize, Deserialize)]
+    #[serde(transparent)]
+    struct Exact(#[serde(with = "super::exact_f64")] f64);
+
+    /// [`TaskFigures`], its figures exact (a multiclass task has no `auc`,
+    /// which is how an untagged read tells the two apart).
+    #[derive(Serialize, Deserialize)]
+    #[serde(untagged)]
+    enum Kept {
+        Binary {
+            auc: Exact,
+            logloss: Exact,
+            ne: Exact,
+            calibration: Exact,
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            gauc: Option<Exact>,
+            rows: u64,
+        },
+        Multiclass {
+            accuracy: Exact,
+            top_k_accuracy: Exact,
+            macro_auc: Exact,
+            logloss: Exact,
+            rows: u64,
+        },
+    }
+
+    fn kept(f: &TaskFigures) -> Kept {
+        match *f {
+            TaskFigures::Binary { auc, logloss, ne, calibration, gauc, rows } => Kept::Binary {
+                auc: Exact(auc),
+                logloss: Exact(logloss),
+                ne: Exact(ne),
+                calibration: Exact(calibration),
+                gauc: gauc.map(Exact),
+                rows,
+            },
+            TaskFigures::Multiclass { accuracy, top_k_accuracy, macro_auc, logloss, rows } => Kept::Multiclass {
+                accuracy: Exact(accuracy),
+                top_k_accuracy: Exact(top_k_accuracy),
+                macro_auc: Exact(macro_auc),
+                logloss: Exact(logloss),
+                rows,
+            },
+        }
+    }
+
+    fn figures(k: Kept) -> TaskFigures {
+        match k {
+            Kept::Binary { auc, logloss, ne, calibration, gauc, rows } => TaskFigures::Binary {
+                auc: auc.0,
+                logloss: logloss.0,
+                ne: ne.0,
+                calibration: calibration.0,
+                gauc: gauc.map(|g| g.0),
+                rows,
+            },
+            Kept::Multiclass { accuracy, top_k_accuracy, macro_auc, logloss, rows } => TaskFigures::Multiclass {
+                accuracy: accuracy.0,
+                top_k_accuracy: top_k_accuracy.0,
+                macro_auc: macro_auc.0,
+                logloss: logloss.0,
+                rows,
+            },
+        }
+    }
+
+    pub fn serialize<S: Serializer>(tasks: &BTreeMap<String, TaskFigures>, s: S) -> Result<S::Ok, S::Error> {
+        tasks.iter().map(|(name, f)| (name, kept(f))).collect::<BTreeMap<_, _>>().serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<String, TaskFigures>, D::Error> {
+        let kept = BTreeMap::<String, Kept>::deserialize(d)?;
+        Ok(kept.into_iter().map(|(name, k)| (name, figures(k))).collect())
+    }
+}
+
 /// Where early stopping stands (and the validation set with it).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct StoppingState {
     pub best: Option<Best>,
     /// Evaluations since the best one that did not improve on it.
@@ -134,7 +224,7 @@ mod tests {
     #[test]
     fn a_nan_last_validation_survives_the_manifest() {
         let state = StoppingState {
-            last: Some(LastValidation { auc: f64::NAN, logloss: f64::NAN, rows: 7 }),
+            last: Some(LastValidation { auc: f64::NAN, logloss: f64::NAN, rows: 7, tasks: BTreeMap::new() }),
             ..Default::default()
         };
         let text = serde_json::to_string(&state).expect("write");
@@ -151,7 +241,7 @@ mod tests {
         let (auc, logloss) = (0.56279987205459, 1.3703492875578547);
         let state = StoppingState {
             best: Some(Best { metric: logloss, step: 3, epoch: 0 }),
-            last: Some(LastValidation { auc, logloss, rows: 7 }),
+            last: Some(LastValidation { auc, logloss, rows: 7, tasks: BTreeMap::new() }),
             ..Default::default()
         };
         let text = serde_json::to_string(&state).expect("write");
@@ -162,6 +252,69 @@ mod tests {
         let old = r#"{"best":{"metric":0.75,"step":3,"epoch":0},"since_best":1,"validated_step":3}"#;
         let old: StoppingState = serde_json::from_str(old).expect("an older manifest's state");
         assert_eq!(old.best.map(|b| b.metric), Some(0.75));
+    }
+
+    /// Every task's figures come back bit for bit too, a binary task's
+    /// with GAUC and without, a multiclass one's, NaN as NaN; a manifest
+    /// written before them reads with none.
+    #[test]
+    fn every_tasks_figures_survive_the_manifest_bit_for_bit() {
+        let odd = 1.3703492875578547;
+        let tasks = BTreeMap::from([
+            (
+                "click".to_string(),
+                TaskFigures::Binary {
+                    auc: 0.56279987205459,
+                    logloss: odd,
+                    ne: 0.9,
+                    calibration: 1.1,
+                    gauc: Some(odd),
+                    rows: 7,
+                },
+            ),
+            (
+                "cvr".to_string(),
+                TaskFigures::Binary {
+                    auc: f64::NAN,
+                    logloss: odd,
+                    ne: f64::NAN,
+                    calibration: 2.0,
+                    gauc: None,
+                    rows: 7,
+                },
+            ),
+            (
+                "kind".to_string(),
+                TaskFigures::Multiclass {
+                    accuracy: 0.25,
+                    top_k_accuracy: 1.0,
+                    macro_auc: odd,
+                    logloss: f64::NAN,
+                    rows: 7,
+                },
+            ),
+        ]);
+        let last = LastValidation { auc: 0.5, logloss: odd, rows: 7, tasks: tasks.clone() };
+        let text = serde_json::to_string(&StoppingState { last: Some(last), ..Default::default() }).expect("write");
+        let back = serde_json::from_str::<StoppingState>(&text).expect("read back").last.expect("kept").tasks;
+        let bits = |t: &BTreeMap<String, TaskFigures>| -> Vec<(String, Vec<u64>, u64)> {
+            t.iter()
+                .map(|(name, f)| match *f {
+                    TaskFigures::Binary { auc, logloss, ne, calibration, gauc, rows } => {
+                        let gauc = gauc.map_or(vec![], |g| vec![g.to_bits()]);
+                        let figures = [auc, logloss, ne, calibration].map(f64::to_bits);
+                        (name.clone(), [&figures[..], &gauc].concat(), rows)
+                    }
+                    TaskFigures::Multiclass { accuracy, top_k_accuracy, macro_auc, logloss, rows } => {
+                        (name.clone(), [accuracy, top_k_accuracy, macro_auc, logloss].map(f64::to_bits).to_vec(), rows)
+                    }
+                })
+                .collect()
+        };
+        assert_eq!(bits(&back), bits(&tasks), "{text}");
+        let old = r#"{"since_best":0,"last":{"auc":"0.5","logloss":"0.6","rows":7}}"#;
+        let old: StoppingState = serde_json::from_str(old).expect("an older manifest's state");
+        assert!(old.last.is_some_and(|l| l.tasks.is_empty()));
     }
 
     /// Patience counts evaluations without an improvement since the best;

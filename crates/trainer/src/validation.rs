@@ -3,10 +3,12 @@
 //! `[train.early_stopping]` makes of it: the best model saved as
 //! `checkpoint.dir/best`, or the run stopped.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use sparrow_core::Config;
 use sparrow_core::config::DataConfig;
+use sparrow_core::metrics::tasks::TaskFigures;
 use sparrow_data::BadRows;
 
 use crate::TrainError;
@@ -100,6 +102,10 @@ pub struct ValidationReport {
     pub validation_auc: Option<f64>,
     pub validation_logloss: Option<f64>,
     pub validation_rows: Option<u64>,
+    /// The last validation's figures for every task by name, as `tasks`
+    /// gives the test set's.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub validation_tasks: BTreeMap<String, TaskFigures>,
     /// `[train.early_stopping]`: the best evaluation's step, epoch (from
     /// 0, as in the metrics lines) and watched figure, and where that model is.
     pub best_step: Option<u64>,
@@ -131,11 +137,12 @@ impl ValidationReport {
     ) -> ValidationReport {
         let best = config.train.early_stopping.as_ref().and(state.best);
         let best_checkpoint = best.and_then(|_| best_dir(config)).filter(|d| d.join("LATEST").exists());
-        let last = last.map(LastValidation::of).or(state.last);
+        let last = last.map(LastValidation::of).or_else(|| state.last.clone());
         ValidationReport {
-            validation_auc: last.map(|f| f.auc),
-            validation_logloss: last.map(|f| f.logloss),
-            validation_rows: last.map(|f| f.rows),
+            validation_auc: last.as_ref().map(|f| f.auc),
+            validation_logloss: last.as_ref().map(|f| f.logloss),
+            validation_rows: last.as_ref().map(|f| f.rows),
+            validation_tasks: last.map(|f| f.tasks).unwrap_or_default(),
             best_step: best.map(|b| b.step),
             best_epoch: best.map(|b| b.epoch),
             best_validation: best.map(|b| b.metric),

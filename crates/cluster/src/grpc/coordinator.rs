@@ -14,6 +14,7 @@ use tonic::{Request, Response, Status};
 
 use super::lazy_wire::{aggregated_from, aggregated_reply, contribution_from, contribution_request, f64s_to_bytes};
 use super::lazy_wire::{lazy_report_from_pb, lazy_report_to_pb, partial_from};
+use super::stopping_wire::{stopping_from, stopping_to_proto};
 use super::{AuthedChannel, CheckToken, NetSettings, Peer, blocking, bytes_to_f32s, connect, f32s_to_bytes};
 use crate::checkpoint::{CheckpointSink, WorkerCut};
 use crate::coordinator::{Attempt, Coordinator, JobState, Known, RoleId, RoleKind, View};
@@ -23,7 +24,6 @@ use crate::metrics::RoleMetrics;
 use crate::rounds::{MergedRound, RoundMerger, RoundUpdate};
 use crate::sync::{Contribution, RoundReply, RoundSummer};
 use crate::transport::ClusterError;
-use sparrow_trainer::early_stopping::{Best, LastValidation, StoppingState};
 
 /// The longest a doorbell call (`WaitChange`) is held.
 const MAX_DOORBELL_WAIT_MS: u64 = 60_000;
@@ -733,27 +733,6 @@ impl CheckpointSink for CoordinatorClient {
             checkpoint: !reply.export_only,
         })
     }
-}
-
-fn stopping_to_proto(s: StoppingState) -> pb::StoppingState {
-    pb::StoppingState {
-        has_best: s.best.is_some(),
-        best_metric: s.best.map_or(0.0, |b| b.metric),
-        best_step: s.best.map_or(0, |b| b.step),
-        best_epoch: s.best.map_or(0, |b| b.epoch),
-        since_best: s.since_best,
-        validated_step: s.validated_step,
-        has_last: s.last.is_some(),
-        last_auc: s.last.map_or(0.0, |l| l.auc),
-        last_logloss: s.last.map_or(0.0, |l| l.logloss),
-        last_rows: s.last.map_or(0, |l| l.rows),
-    }
-}
-
-fn stopping_from(s: pb::StoppingState) -> StoppingState {
-    let best = s.has_best.then_some(Best { metric: s.best_metric, step: s.best_step, epoch: s.best_epoch });
-    let last = s.has_last.then_some(LastValidation { auc: s.last_auc, logloss: s.last_logloss, rows: s.last_rows });
-    StoppingState { best, since_best: s.since_best, validated_step: s.validated_step, last }
 }
 
 impl crate::aggregator::PartialSink for CoordinatorClient {

@@ -12,6 +12,7 @@ pub mod coordinator;
 mod lazy_wire;
 pub mod loader;
 pub mod shard;
+mod stopping_wire;
 
 use std::error::Error as StdError;
 use std::future::Future;

@@ -139,7 +139,7 @@ pub fn load_dense_into(trainer: &mut Trainer, dir: &Path) -> Result<Manifest, Tr
     trainer.samples_trained = m.samples_trained;
     trainer.position = m.position;
     trainer.stream = m.stream.clone().map(std::sync::Arc::new);
-    trainer.early_stopping = m.early_stopping.unwrap_or_default();
+    trainer.early_stopping = m.early_stopping.clone().unwrap_or_default();
     if let Some(bounds) = trainer.bounds.as_mut() {
         bounds.restore(&m.event_clock);
     }
@@ -271,7 +271,7 @@ fn load_rows(
     trainer.samples_trained = m.samples_trained;
     trainer.position = m.position;
     trainer.stream = m.stream.clone().map(std::sync::Arc::new);
-    trainer.early_stopping = m.early_stopping.unwrap_or_default();
+    trainer.early_stopping = m.early_stopping.clone().unwrap_or_default();
     if let Some(bounds) = trainer.bounds.as_mut() {
         bounds.restore(&m.event_clock);
     }
