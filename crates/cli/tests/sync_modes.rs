@@ -37,10 +37,12 @@ fn a_round_of_one_worker_is_sequential_training_and_workers_of_unequal_speed_sha
         assert_eq!(one["rounds"], 12, "{one}");
     }
 
-    // Two workers, the second slowed by a failpoint (20 ms after each step):
-    // the fast one takes more of every round, each takes at least one, the
+    // Two workers, the second slowed by a failpoint (200 ms after each step,
+    // several of a debug build's steps even on a loaded machine: at 20 ms,
+    // 2 runs of 6 beside two busy loops had the slow one take more): the
+    // fast one takes more of every round, each takes at least one, the
     // replicas end identical and every sample is trained once.
-    let two = launch(&config, "2", &["cluster.sync=\"round\""], Some("worker.1.step=sleep(20)"));
+    let two = launch(&config, "2", &["cluster.sync=\"round\""], Some("worker.1.step=sleep(200)"));
     assert_eq!(two["replicas_identical"], true, "{}", two["dense_checksums"]);
     assert_eq!(two["train_rows"], 12000);
     let items: Vec<f64> = two["items_per_round"].as_array().expect("items").iter().filter_map(|v| v.as_f64()).collect();
