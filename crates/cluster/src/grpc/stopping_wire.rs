@@ -73,7 +73,7 @@ mod tests {
     use super::*;
 
     /// The state crosses the wire whole: every task's figures (GAUC or
-    /// none, a multiclass task's, NaN) bit for bit.
+    /// none, a multiclass task's) as they were.
     #[test]
     fn the_state_crosses_the_wire_whole() {
         let tasks = BTreeMap::from([
