@@ -73,9 +73,10 @@ fn evaluations(dir: &Path, name: &str) -> Vec<(u64, f64)> {
         .collect()
 }
 
-const REPORTED: [&str; 9] = [
+const REPORTED: [&str; 10] = [
     "test_auc",
     "validation_auc",
+    "validation_tasks",
     "validation_rows",
     "best_step",
     "best_epoch",
@@ -95,6 +96,8 @@ fn launch_validates_judges_and_stops_as_train_does_through_a_death() {
     assert_eq!(train["stopped_early"], true, "the job was meant to stop early: {train}");
     assert!(train["best_epoch"].as_u64().is_some_and(|e| e + 1 < 6), "{train}");
     assert_eq!(train["test_model"], "best");
+    let tasks = train["validation_tasks"].as_object().expect("validation_tasks");
+    assert_eq!(tasks.values().map(|t| &t["auc"]).collect::<Vec<_>>(), [&train["validation_auc"]], "{train}");
     for key in REPORTED {
         assert_eq!(launch[key], train[key], "`{key}`: launch vs train");
     }
