@@ -151,9 +151,21 @@ mod exact_tasks {
         tasks.iter().map(|(name, f)| (name, kept(f))).collect::<BTreeMap<_, _>>().serialize(s)
     }
 
+    /// A task whose figures read as neither kind is named (an untagged
+    /// enum's own error says only that no variant matched).
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<String, TaskFigures>, D::Error> {
-        let kept = BTreeMap::<String, Kept>::deserialize(d)?;
-        Ok(kept.into_iter().map(|(name, k)| (name, figures(k))).collect())
+        let written = BTreeMap::<String, serde_json::Value>::deserialize(d)?;
+        written
+            .into_iter()
+            .map(|(name, value)| match serde_json::from_value::<Kept>(value) {
+                Ok(k) => Ok((name, figures(k))),
+                Err(_) => Err(serde::de::Error::custom(format!(
+                    "the last validation's figures of task {name:?}: neither a binary task's (auc, logloss, ne, \
+                     calibration, rows) nor a multiclass task's (accuracy, top_k_accuracy, macro_auc, logloss, \
+                     rows), each figure a number written as text"
+                ))),
+            })
+            .collect()
     }
 }
 
@@ -315,6 +327,9 @@ mod tests {
         let old = r#"{"since_best":0,"last":{"auc":"0.5","logloss":"0.6","rows":7}}"#;
         let old: StoppingState = serde_json::from_str(old).expect("an older manifest's state");
         assert!(old.last.is_some_and(|l| l.tasks.is_empty()));
+        let bad = r#"{"since_best":0,"last":{"auc":"0.5","logloss":"0.6","rows":7,"tasks":{"cvr":{"auc":"x"}}}}"#;
+        let err = serde_json::from_str::<StoppingState>(bad).expect_err("a task's figures that read as neither kind");
+        assert!(err.to_string().contains("task \"cvr\""), "{err}");
     }
 
     /// Patience counts evaluations without an improvement since the best;
