@@ -280,6 +280,28 @@ pub fn measure(threads: usize, duration: Duration) -> Peaks {
     }
 }
 
+/// bf16 products pay for their rounding and packing only where the CPU's
+/// `vdpbf16ps` does clearly more flops than its fp32 FMA (AMD Zen 4: about
+/// 1.85×). Below this ratio they are slower than fp32 end to end.
+pub const BF16_PAYS_OFF_AT: f64 = 1.25;
+
+/// One line for the user where this CPU's bf16 dot product runs at less
+/// than [`BF16_PAYS_OFF_AT`]× its fp32 FMA rate (an Intel Xeon measured
+/// 0.49×: `model.precision = "bf16"` trained slower than f32 there); None
+/// where it pays off or the CPU has none.
+pub fn slow_bf16(peaks: &Peaks) -> Option<String> {
+    let bf16 = peaks.bf16_dot.as_ref()?;
+    let ratio = bf16.gflops / peaks.fp32_fma.gflops;
+    (ratio < BF16_PAYS_OFF_AT).then(|| {
+        format!(
+            "this CPU's bf16 dot product ({}) runs at {ratio:.2}× its fp32 FMA rate ({:.0} against {:.0} GFLOP/s \
+             on {} thread(s)): bf16 products are no faster than fp32 here, and their inputs are rounded; \
+             model.precision = \"f32\" is likely faster",
+            bf16.kernel, bf16.gflops, peaks.fp32_fma.gflops, peaks.threads
+        )
+    })
+}
+
 /// Bytes per second (read and written, counted together) that `threads`
 /// threads sustain copying a buffer of `bytes` bytes of floats into another
 /// of the same size, each thread its own pair (`bytes` split between them),
@@ -425,6 +447,20 @@ mod tests {
             let b = copy_bandwidth(2, bytes, Duration::from_millis(20));
             assert!(b.is_finite() && b > 1e6, "{bytes} bytes: {b} B/s");
         }
+    }
+
+    #[test]
+    fn bf16_is_called_slow_only_where_its_dot_product_trails_fp32s_fma() {
+        let peaks = |fp32: f64, bf16: Option<f64>| Peaks {
+            threads: 1,
+            fp32_fma: Peak { gflops: fp32, kernel: "avx512f vfmadd231ps" },
+            bf16_dot: bf16.map(|gflops| Peak { gflops, kernel: "avx512bf16 vdpbf16ps" }),
+        };
+        // An Intel Xeon's figures (0.49×) and a Zen 4's (1.86×).
+        let xeon = slow_bf16(&peaks(172.0, Some(85.0))).expect("called slow");
+        assert!(xeon.contains("0.49×") && xeon.contains("model.precision = \"f32\""), "{xeon}");
+        assert_eq!(slow_bf16(&peaks(115.0, Some(214.0))), None);
+        assert_eq!(slow_bf16(&peaks(115.0, None)), None, "no bf16 dot product: nothing to compare");
     }
 
     #[test]

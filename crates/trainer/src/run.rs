@@ -203,7 +203,8 @@ pub fn train_observed(
 
 /// Says, in one line, how `model.precision = "bf16"` runs on this CPU when
 /// it is not AVX-512-BF16's own product (the bits then differ from such a
-/// machine's, or the speed is the portable kernel's).
+/// machine's, or the speed is the portable kernel's), or when that product
+/// is no faster than fp32's FMA here (measured: about 20 ms, once a run).
 pub fn note_precision(model: &sparrow_core::config::ModelConfig, simd: sparrow_core::simd::Simd) {
     use sparrow_core::config::Precision;
     let has_products = sparrow_model::kinds::find(&model.kind).is_ok_and(|k| k.has_products());
@@ -211,7 +212,12 @@ pub fn note_precision(model: &sparrow_core::config::ModelConfig, simd: sparrow_c
         return;
     }
     match sparrow_model::bf16::path(simd) {
-        sparrow_model::bf16::Bf16Path::Native => {}
+        sparrow_model::bf16::Bf16Path::Native => {
+            let peaks = sparrow_model::peak::measure(1, std::time::Duration::from_millis(10));
+            if let Some(slow) = sparrow_model::peak::slow_bf16(&peaks) {
+                tracing::warn!("model.precision = \"bf16\": {slow}")
+            }
+        }
         path @ sparrow_model::bf16::Bf16Path::Rounded => {
             tracing::info!("model.precision = \"bf16\": {}", path.describe())
         }
