@@ -31,7 +31,12 @@ fn bf16_says_which_path_it_takes_and_trains_as_fp32_does() {
     let (bf16_run, said) = train("bf16", "auto");
     let lines: Vec<&str> = said.lines().filter(|l| l.contains("model.precision = \"bf16\"")).collect();
     if cpu_has_avx512_bf16() {
-        assert!(lines.is_empty(), "the native path says nothing: {said}");
+        // The native path says nothing, unless this CPU's vdpbf16ps is no
+        // faster than its fp32 FMA (an Intel Xeon: 0.5×), which it measures.
+        assert!(lines.len() <= 1, "at most one line: {said}");
+        if let Some(line) = lines.first() {
+            assert!(line.contains("fp32 FMA rate") && line.contains("model.precision = \"f32\""), "{said}");
+        }
     } else {
         assert_eq!(lines.len(), 1, "one line: {said}");
         assert!(lines[0].contains("bf16-rounded inputs") && lines[0].contains("SPARROW_SIMD=portable"), "{said}");
