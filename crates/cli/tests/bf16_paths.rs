@@ -1,5 +1,6 @@
 //! `model.precision = "bf16"` on the CPU at hand: with AVX-512-BF16 the
-//! native product, silently; without it the fp32 kernels on bf16-rounded
+//! native product, silently unless its dot product is slower than fp32's
+//! FMA there (then a warning); without it the fp32 kernels on bf16-rounded
 //! inputs, said in one line on start; `SPARROW_SIMD=portable` the
 //! bit-exact portable kernel, said too. The rounded path trains to the
 //! accuracy of fp32 (the speed is a benchmark's figure, docs/benchmarks.md).
@@ -33,9 +34,16 @@ fn bf16_says_which_path_it_takes_and_trains_as_fp32_does() {
     if cpu_has_avx512_bf16() {
         // The native path says nothing, unless this CPU's vdpbf16ps is no
         // faster than its fp32 FMA (an Intel Xeon: 0.5×), which it measures.
+        // Measured here too: far from the threshold (1.25×) the line must
+        // be there or not; near it, either.
+        let peaks = sparrow_model::peak::measure(1, std::time::Duration::from_millis(50));
+        let ratio = peaks.bf16_dot.as_ref().map_or(1.25, |b| b.gflops / peaks.fp32_fma.gflops);
         assert!(lines.len() <= 1, "at most one line: {said}");
         if let Some(line) = lines.first() {
             assert!(line.contains("fp32 FMA rate") && line.contains("model.precision = \"f32\""), "{said}");
+            assert!(ratio <= 1.6, "bf16 at {ratio:.2}× fp32 here, yet called slow: {said}");
+        } else {
+            assert!(ratio >= 0.9, "bf16 at {ratio:.2}× fp32 here, and nothing said: {said}");
         }
     } else {
         assert_eq!(lines.len(), 1, "one line: {said}");
