@@ -751,7 +751,13 @@ pub struct DenseOptimizerConfig {
     pub beta1: f64,
     /// Adam: decay of the second moment.
     pub beta2: f64,
-    /// Adam epsilon.
+    /// Adam epsilon. A moment that decays below the smallest normal f32
+    /// (a weight whose gradient stays 0, as a ReLU unit's that no longer
+    /// fires) is stored as 0, since arithmetic on subnormals runs ~10×
+    /// slower on x86: always for the first moment (its share of a step is
+    /// ~10⁻³² of a weight); for the second where eps hides it in the
+    /// step's denominator (eps ≥ 1.1e-10 does from the first step at
+    /// beta2 = 0.999; never eps = 0), so the weights take the same steps.
     pub eps: f64,
     /// `adam` and `sgd`: an L2 penalty, `weight_decay · w` added to each
     /// weight's gradient (PyTorch's `Adam(weight_decay=…)`). `adamw`: the

@@ -6,7 +6,7 @@
 //! data's shape instead (`sparrow bench`'s): 5 fields of dim 16 and a
 //! price, three tasks (a binary, a weighted binary, 4 classes; ESMM its two
 //! binary ones), and DIN a history of 0 to 20 items a row (10 on average),
-//! its flops counted per item. Prints the best and the median step time of 15 runs of 10 steps
+//! its flops counted per item. Prints the best and the median step time of 15 runs of 10 steps (`BENCH_RUNS` runs where set)
 //! and the floor flops (`DenseModel::step_flops_per_sample`) over the best
 //! (a busy neighbour only ever adds time), beside the machine's fp32 and
 //! bf16 ceilings measured in the same run.
@@ -70,6 +70,8 @@ fn main() {
     }
     let threads: usize = std::env::var("BENCH_THREADS").map_or(2, |t| value("BENCH_THREADS", &t));
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
+    // `BENCH_RUNS=500`: more timed runs (a profiler's samples fall mostly in the step).
+    let runs: usize = std::env::var("BENCH_RUNS").map_or(15, |r| value("BENCH_RUNS", &r));
     let peaks = sparrow_model::peak::measure(2, Duration::from_millis(300));
     let bf16_peak = peaks.bf16_dot.as_ref().map_or(f64::NAN, |p| p.gflops);
     println!("ceilings: fp32 {:.0} GFLOP/s, bf16 {:.0} GFLOP/s", peaks.fp32_fma.gflops, bf16_peak);
@@ -133,7 +135,7 @@ fn main() {
             };
             let mut times: Vec<f64> = pool.install(|| {
                 (0..10).for_each(|_| step());
-                (0..15)
+                (0..runs)
                     .map(|_| {
                         let start = Instant::now();
                         (0..10).for_each(|_| step());
