@@ -121,7 +121,7 @@ fn main() {
             let labels: Vec<f32> = (0..rows * tasks)
                 .map(|i| if i % tasks == 2 { (i % 4) as f32 } else { (i % 4 == 0) as u8 as f32 })
                 .collect();
-            let sequences = (!pairs.is_empty()).then(|| history(rows, &mut rng));
+            let sequences = (!pairs.is_empty()).then(|| history(rows, dim, &mut rng));
             let items = sequences.as_ref().map_or(0.0, |s| s.rows[0].len() as f64 / rows as f64);
             let mut draws = 0u64;
             let mut step = || {
@@ -178,9 +178,9 @@ fn heads(kind: &str, one_task: bool) -> Heads {
 }
 
 /// A history of 0 to 20 items a row.
-fn history(batch: usize, rng: &mut Rng) -> Sequences {
+fn history(batch: usize, dim: usize, rng: &mut Rng) -> Sequences {
     let rows: Vec<u32> = (0..batch as u32).flat_map(|r| std::iter::repeat_n(r, rng.below(21) as usize)).collect();
-    let items = (0..rows.len() * 16).map(|_| rng.uniform(-0.1, 0.1) as f32).collect();
+    let items = (0..rows.len() * dim).map(|_| rng.uniform(-0.1, 0.1) as f32).collect();
     Sequences { rows: vec![rows], items: vec![items] }
 }
 
