@@ -184,10 +184,10 @@ fn dice_backward(g: &mut [f32], width: usize, alpha: &[f32], s: &mut ActScratch,
                 .zip(z.chunks_exact(width))
                 .zip(p.chunks_exact(width))
             {
-                for c in 0..width {
-                    let a = alpha[c];
-                    h[c] = g[c] * z[c] * (1.0 - a) * p[c] * (1.0 - p[c]);
-                    g[c] *= a + (1.0 - a) * p[c];
+                // Zipped, not indexed: bounds checks kept the loop scalar.
+                for ((((g, h), &z), &p), &a) in g.iter_mut().zip(h.iter_mut()).zip(z).zip(p).zip(alpha) {
+                    *h = *g * z * (1.0 - a) * p * (1.0 - p);
+                    *g *= a + (1.0 - a) * p;
                 }
             }
         });
