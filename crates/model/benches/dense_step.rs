@@ -72,6 +72,9 @@ fn main() {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
     // `BENCH_RUNS=500`: more timed runs (a profiler's samples fall mostly in the step).
     let runs: usize = std::env::var("BENCH_RUNS").map_or(15, |r| value("BENCH_RUNS", &r));
+    if runs == 0 {
+        refuse("BENCH_RUNS", "0");
+    }
     let peaks = sparrow_model::peak::measure(2, Duration::from_millis(300));
     let bf16_peak = peaks.bf16_dot.as_ref().map_or(f64::NAN, |p| p.gflops);
     println!("ceilings: fp32 {:.0} GFLOP/s, bf16 {:.0} GFLOP/s", peaks.fp32_fma.gflops, bf16_peak);
