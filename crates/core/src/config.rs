@@ -757,7 +757,8 @@ pub struct DenseOptimizerConfig {
     /// slower on x86: always for the first moment (its share of a step is
     /// ~10⁻³² of a weight); for the second where eps hides it in the
     /// step's denominator (eps ≥ 1.1e-10 does from the first step at
-    /// beta2 = 0.999; never eps = 0), so the weights take the same steps.
+    /// beta2 = 0.999; never eps = 0). The weights take the same steps to
+    /// the bit, except a weight itself smaller than ~1e-24 (at the defaults).
     pub eps: f64,
     /// `adam` and `sgd`: an L2 penalty, `weight_decay · w` added to each
     /// weight's gradient (PyTorch's `Adam(weight_decay=…)`). `adamw`: the
