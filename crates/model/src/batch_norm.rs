@@ -37,12 +37,20 @@ fn normalize(
     });
 }
 
-/// Σ over rows, in row order, of `f(v, column's center)` per column.
-fn column_sums(values: &[f32], width: usize, centers: &[f32], acc: &mut [f32], f: impl Fn(f32, f32) -> f32) {
+/// Σ over rows, in row order, of each column's values.
+fn column_sums(values: &[f32], width: usize, acc: &mut [f32]) {
     acc.fill(0.0);
     for row in values.chunks_exact(width) {
-        for ((a, &v), &center) in acc.iter_mut().zip(row).zip(centers) {
-            *a += f(v, center);
+        acc.iter_mut().zip(row).for_each(|(a, &v)| *a += v);
+    }
+}
+
+/// Σ over rows, in row order, of each column's (v − mean)².
+fn column_square_sums(values: &[f32], width: usize, mean: &[f32], acc: &mut [f32]) {
+    acc.fill(0.0);
+    for row in values.chunks_exact(width) {
+        for ((a, &v), &mean) in acc.iter_mut().zip(row).zip(mean) {
+            *a += (v - mean) * (v - mean);
         }
     }
 }
@@ -63,10 +71,9 @@ pub(crate) fn forward_train(
     inv.resize(width, 0.0);
     let (mean, var) = stats.split_at_mut(width);
     let n = rows.max(1) as f32;
-    let zeros = vec![0.0f32; width];
-    column_sums(out, width, &zeros, mean, |v, _| v);
+    column_sums(out, width, mean);
     mean.iter_mut().for_each(|m| *m /= n);
-    column_sums(out, width, mean, var, |v, mean| (v - mean) * (v - mean));
+    column_square_sums(out, width, mean, var);
     for (i, v) in inv.iter_mut().zip(var.iter_mut()) {
         *i = 1.0 / (*v / n + EPS).sqrt();
         // PyTorch keeps the unbiased variance as the running one.
