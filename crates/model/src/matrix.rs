@@ -73,6 +73,7 @@ pub fn sgemm_threads(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_
 }
 
 /// `Σ a_i·b_i` in eight lanes (a plain fold is one: the compiler keeps its order).
+#[inline]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let (a8, a_rest) = a.as_chunks::<8>();
     let (b8, b_rest) = b.as_chunks::<8>();

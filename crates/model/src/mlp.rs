@@ -9,8 +9,10 @@
 //! which gives the same values (tested), so callers never branch on the device.
 
 pub(crate) mod first_product;
+mod relu;
 
 use first_product::First;
+use relu::{add_bias, relu_mask, relu_mask_from};
 use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor, Var};
@@ -450,35 +452,6 @@ pub(crate) fn cpu<'a>(s: &'a Storage, l: &Layout) -> candle_core::Result<&'a [f3
 /// amortise the hand-off.
 const ROWS_PER_TASK: usize = 128;
 
-fn add_bias(out: &mut [f32], b: &[f32], relu: bool) {
-    if b.is_empty() {
-        return;
-    }
-    out.par_chunks_mut(b.len() * ROWS_PER_TASK).for_each(|rows| {
-        for row in rows.chunks_exact_mut(b.len()) {
-            if relu {
-                row.iter_mut().zip(b).for_each(|(o, b)| *o = (*o + b).max(0.0));
-            } else {
-                row.iter_mut().zip(b).for_each(|(o, b)| *o += b);
-            }
-        }
-    });
-}
-
-/// `g` through a ReLU whose output was `a`: zero where `a` is not
-/// positive. After dropout (`scale` ≠ 1) a dropped value is 0 too, and a
-/// kept one was multiplied by `scale`, as its gradient is here.
-fn relu_mask(g: &mut [f32], a: &[f32], width: usize, scale: f32) {
-    let block = width.max(1) * ROWS_PER_TASK;
-    g.par_chunks_mut(block).zip(a.par_chunks(block)).for_each(|(g, a)| {
-        if scale == 1.0 {
-            g.iter_mut().zip(a).for_each(|(g, &a)| *g = if a > 0.0 { *g } else { 0.0 });
-        } else {
-            g.iter_mut().zip(a).for_each(|(g, &a)| *g = if a > 0.0 { *g * scale } else { 0.0 });
-        }
-    });
-}
-
 /// Buffers of one MLP step, kept between steps: a step reuses them instead of
 /// allocating and zero-filling ~5 MB (at batch 1024) every time.
 #[derive(Default)]
@@ -641,8 +614,17 @@ fn backward_into(
     // was zero-filled every step (2 MB at batch 1024, 2% of the f32 step).
     let mut g = std::mem::take(&mut scratch.grad_input);
     let mut g_len = grad_out.len();
-    prefix(&mut g, g_len).copy_from_slice(grad_out);
     let scale = scratch.dropout_scale;
+    // A ReLU on the last layer masks the gradient as it is copied in (one
+    // pass over it, not two: an expert's output gradient is 256 KB at
+    // batch 1024, read back from beyond L2).
+    let masked_in = layers.last().is_some_and(|l| l.relu && shape.activation == Activation::Relu);
+    if masked_in {
+        let width = layers.last().map_or(1, |l| l.fan_out);
+        relu_mask_from(prefix(&mut g, g_len), grad_out, &scratch.output, width, scale);
+    } else {
+        prefix(&mut g, g_len).copy_from_slice(grad_out);
+    }
     // db is summed into, so zeroed; dW is overwritten by its product, so a
     // reused buffer's stale values stay until then (zeroing all of it was a
     // memset of every weight each step). No rows: no product writes dW.
@@ -669,7 +651,9 @@ fn backward_into(
             // d output → d (activation's input), through dropout's masks.
             let out: &[f32] = if i + 1 == layers.len() { &scratch.output } else { &scratch.hidden[i] };
             if shape.activation == Activation::Relu {
-                relu_mask(&mut g[..g_len], out, fo, scale);
+                if !(masked_in && i + 1 == layers.len()) {
+                    relu_mask(&mut g[..g_len], out, fo, scale);
+                }
             } else {
                 shape.dropout.apply(scratch.draw, i, &mut g[..g_len]);
                 let (learned, dlearned) = match l.act {

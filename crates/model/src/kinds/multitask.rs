@@ -26,6 +26,7 @@ use crate::mlp::Mlp;
 use crate::params::{Linear, ParamStore};
 
 mod direct;
+mod gates;
 
 /// One level of experts and their gates.
 struct Level {

@@ -6,10 +6,11 @@
 //! step. Here:
 //! - the experts of a level run side by side (rayon), each its fused MLP
 //!   on buffers kept between steps (bf16 as `model.precision` says);
-//! - a gate is one product, then its softmax and the weighted sum of its
-//!   experts in one pass over a row;
-//! - backward, a gate's softmax adjoint and the experts' output gradients
-//!   are one pass each; the experts' backward passes run side by side;
+//! - a gate is one product; then every gate's softmax and weighted sum of
+//!   its experts are one pass over the rows (`gates.rs`);
+//! - backward, every gate's softmax adjoint and the experts' output
+//!   gradients are one pass; the experts' backward passes run side by
+//!   side; each input's gradient is its parts summed in one pass;
 //! - the towers run side by side, each task's seed its columns of the
 //!   logits' (ESMM: through logit(σ(a)·σ(b))).
 //!
@@ -18,17 +19,14 @@
 
 use rayon::prelude::*;
 
-use super::{Level, MultiTask, Which};
+use super::{Level, MultiTask, Which, gates};
 use crate::ModelError;
 use crate::bf16::Arith;
 use crate::kinds::{At, Direct, Grads};
-use crate::matrix::{Operand, dot};
+use crate::matrix::Operand;
 use crate::mlp::{Mlp, MlpScratch, cpu, linear_grads, matmul, sized};
 use crate::params::Linear;
 use crate::step::Scratch;
-
-/// Rows a task of an element-wise pass takes (as the MLP's).
-const ROWS_PER_TASK: usize = 64;
 
 /// One level's buffers.
 #[derive(Default)]
@@ -55,9 +53,9 @@ pub(super) struct MultiScratch {
     /// the shared one's; the level below's, being summed.
     d_inputs: Vec<Vec<f32>>,
     d_below: Vec<Vec<f32>>,
-    /// A gate's d loss / d logits, and its input gradient.
-    d_logits: Vec<f32>,
-    d_gate_in: Vec<f32>,
+    /// Each gate's d loss / d logits, and its input gradient.
+    d_logits: Vec<Vec<f32>>,
+    d_gate_in: Vec<Vec<f32>>,
 }
 
 impl Level {
@@ -91,40 +89,17 @@ impl Level {
     }
 }
 
-/// `weights = softmax(input·W + b)` a row, then `mix = Σ_k weights_k · pooled_k`.
-fn gate_forward(
+/// `logits = input·W` of a gate of `k` experts (its bias is added with its softmax).
+fn gate_logits(
     arith: Arith,
-    (input, fan_in): (&[f32], usize),
-    gate: &Linear,
-    pooled: &[&[f32]],
-    width: usize,
-    (weights_out, mix): (&mut Vec<f32>, &mut Vec<f32>),
+    (input, rows): (&[f32], usize),
+    (gate, k): (&Linear, usize),
+    logits: &mut Vec<f32>,
 ) -> Result<(), ModelError> {
-    let rows = input.len() / fan_in.max(1);
-    let k = pooled.len();
-    // Read where candle stores them (the guards held to the end).
-    let (ws, bs) = (gate.weight().storage_and_layout(), gate.bias().storage_and_layout());
-    let (w, b) = (cpu(&ws.0, ws.1)?, cpu(&bs.0, bs.1)?);
-    let logits = sized(weights_out, rows * k);
-    matmul(arith, None, rows, k, fan_in, Operand::plain(input), Operand::plain(w), logits);
-    let mix = sized(mix, rows * width);
-    logits.par_chunks_mut(k * ROWS_PER_TASK).zip(mix.par_chunks_mut(width * ROWS_PER_TASK)).enumerate().for_each(
-        |(chunk, (logits, mix))| {
-            for (i, (g, m)) in logits.chunks_exact_mut(k).zip(mix.chunks_exact_mut(width)).enumerate() {
-                let r = chunk * ROWS_PER_TASK + i;
-                // As the graph: bias, less the row's max, exp, over the sum.
-                g.iter_mut().zip(b).for_each(|(g, b)| *g += b);
-                let max = g.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                g.iter_mut().for_each(|v| *v = (*v - max).exp());
-                let sum: f32 = g.iter().sum();
-                g.iter_mut().for_each(|v| *v /= sum);
-                m.fill(0.0);
-                for (&wk, e) in g.iter().zip(pooled) {
-                    m.iter_mut().zip(&e[r * width..(r + 1) * width]).for_each(|(m, e)| *m += wk * e);
-                }
-            }
-        },
-    );
+    let fan_in = input.len() / rows.max(1);
+    let ws = gate.weight().storage_and_layout();
+    let w = cpu(&ws.0, ws.1)?;
+    matmul(arith, None, rows, k, fan_in, Operand::plain(input), Operand::plain(w), sized(logits, rows * k));
     Ok(())
 }
 
@@ -162,13 +137,22 @@ impl MultiTask {
             let gates: Vec<&Linear> = level.gates().collect();
             bufs.weights.resize_with(gates.len(), Vec::new);
             bufs.mixes.resize_with(gates.len(), Vec::new);
+            let width = experts[0].outputs();
+            let pools: Vec<Vec<usize>> = (0..gates.len()).map(|g| level.pool(g)).collect();
             for (g, gate) in gates.iter().enumerate() {
                 let input = inputs[if g < tasks { g } else { tasks }];
-                let pooled: Vec<&[f32]> = level.pool(g).iter().map(|&e| &bufs.experts[e].output[..]).collect();
-                let width = experts[0].outputs();
-                let (w, mix) = (&mut bufs.weights[g], &mut bufs.mixes[g]);
-                gate_forward(self.arith, (input, input.len() / rows.max(1)), gate, &pooled, width, (w, mix))?;
+                gate_logits(self.arith, (input, rows), (gate, pools[g].len()), &mut bufs.weights[g])?;
             }
+            let biases = gates.iter().map(|g| g.bias().storage_and_layout()).collect::<Vec<_>>();
+            let outs: Vec<&[f32]> = bufs.experts.iter().map(|s| &s.output[..]).collect();
+            let mut forward = Vec::with_capacity(gates.len());
+            for (((logits, mix), pool), b) in
+                bufs.weights.iter_mut().zip(bufs.mixes.iter_mut()).zip(&pools).zip(&biases)
+            {
+                let mix = sized(mix, rows * width);
+                forward.push(gates::GateForward { logits, bias: cpu(&b.0, b.1)?, pool, mix });
+            }
+            gates::softmax_mix(&outs, width, forward);
         }
         Ok(())
     }
@@ -189,77 +173,40 @@ impl MultiTask {
             let bufs = &mut rest[0];
             let inputs = self.level_inputs(x, below, tasks);
             let fan_in = inputs[0].len() / rows.max(1);
-            // At the level's inputs: the tasks', then the shared one. Each
-            // buffer's first contribution is copied in, the rest added: no
-            // zero-filled buffer to add into (6% of MMoE's bf16 step).
-            let mut d_in = std::mem::take(&mut m.d_below);
-            d_in.resize_with(tasks + 1, Vec::new);
-            let mut d_in_filled = vec![false; tasks + 1];
             let experts: Vec<&Mlp> = level.experts().collect();
             let width = experts[0].outputs();
+            let gates: Vec<&Linear> = level.gates().collect();
+            let pools: Vec<Vec<usize>> = (0..gates.len()).map(|g| level.pool(g)).collect();
+            // Every gate's d logits and the experts' output gradients, one pass.
             bufs.d_experts.resize_with(experts.len(), Vec::new);
-            let mut d_experts_filled = vec![false; experts.len()];
-            for (g, gate) in level.gates().enumerate() {
-                let d_mix = &m.d_inputs[g];
-                let pool = level.pool(g);
-                let k = pool.len();
-                let w = &bufs.weights[g];
-                // d logits = w ⊙ (d w − Σ_j w_j d w_j), d w_k = ⟨d mix, expert_k⟩.
-                let d_logits = sized(&mut m.d_logits, rows * k);
-                let outs: Vec<&[f32]> = pool.iter().map(|&e| &bufs.experts[e].output[..]).collect();
-                d_logits.par_chunks_mut(k * ROWS_PER_TASK).enumerate().for_each(|(chunk, dl)| {
-                    for (i, dl) in dl.chunks_exact_mut(k).enumerate() {
-                        let r = chunk * ROWS_PER_TASK + i;
-                        let dy = &d_mix[r * width..(r + 1) * width];
-                        for (d, e) in dl.iter_mut().zip(&outs) {
-                            *d = dot(dy, &e[r * width..(r + 1) * width]);
-                        }
-                        let wr = &w[r * k..(r + 1) * k];
-                        let s: f32 = wr.iter().zip(dl.iter()).map(|(w, d)| w * d).sum();
-                        dl.iter_mut().zip(wr).for_each(|(d, w)| *d = w * (*d - s));
-                    }
-                });
-                // d expert_k += w_k · d mix, each expert's buffer on its own.
-                let mut targets: Vec<(usize, &mut Vec<f32>, &mut bool)> = bufs
-                    .d_experts
-                    .iter_mut()
-                    .zip(d_experts_filled.iter_mut())
-                    .enumerate()
-                    .filter_map(|(e, (d, filled))| pool.iter().position(|&p| p == e).map(|j| (j, d, filled)))
-                    .collect();
-                targets.par_iter_mut().for_each(|(j, d, filled)| {
-                    if !**filled {
-                        sized(d, rows * width);
-                    }
-                    for (r, d) in d.chunks_exact_mut(width).enumerate() {
-                        let wk = w[r * k + *j];
-                        let g = d_mix[r * width..(r + 1) * width].iter();
-                        if **filled {
-                            d.iter_mut().zip(g).for_each(|(d, g)| *d += wk * g);
-                        } else {
-                            d.iter_mut().zip(g).for_each(|(d, g)| *d = wk * g);
-                        }
-                    }
-                    **filled = true;
-                });
-                // The gate's own layer: dW = inᵀ·d logits, db = Σ_rows d logits, d in = d logits·Wᵀ.
+            m.d_logits.resize_with(gates.len(), Vec::new);
+            let outs: Vec<&[f32]> = bufs.experts.iter().map(|s| &s.output[..]).collect();
+            let backward = (m.d_logits.iter_mut().zip(&pools).enumerate())
+                .map(|(g, (d_logits, pool))| gates::GateBackward {
+                    weights: &bufs.weights[g],
+                    d_mix: &m.d_inputs[g],
+                    pool,
+                    d_logits: sized(d_logits, rows * pool.len()),
+                })
+                .collect();
+            let pooled = gates::adjoint(&outs, width, backward, &mut bufs.d_experts);
+            // An expert no gate mixes (none today) has no gradient: zeros.
+            for (d, _) in bufs.d_experts.iter_mut().zip(&pooled).filter(|(_, p)| !**p) {
+                d.clear();
+                d.resize(rows * width, 0.0);
+            }
+            // Each gate's own layer: dW = inᵀ·d logits, db = Σ_rows d logits, d in = d logits·Wᵀ.
+            m.d_gate_in.resize_with(gates.len(), Vec::new);
+            for (g, gate) in gates.iter().enumerate() {
+                let k = pools[g].len();
                 let input = inputs[if g < tasks { g } else { tasks }];
                 let gw = gate.weight().storage_and_layout();
                 let gw = cpu(&gw.0, gw.1)?;
                 let (mut dw, mut db) = (vec![0.0f32; fan_in * k], vec![0.0f32; k]);
-                let d_gate_in = sized(&mut m.d_gate_in, rows * fan_in);
-                linear_grads(self.arith, (rows, fan_in, k), input, gw, d_logits, (&mut dw, &mut db), d_gate_in);
-                let at = if g < tasks { g } else { tasks };
-                add_or_copy(&mut d_in[at], &mut d_in_filled[at], d_gate_in);
+                let d_gate_in = sized(&mut m.d_gate_in[g], rows * fan_in);
+                linear_grads(self.arith, (rows, fan_in, k), input, gw, &m.d_logits[g], (&mut dw, &mut db), d_gate_in);
                 grads.push((gate.weight(), dw));
                 grads.push((gate.bias(), db));
-            }
-            // An expert no gate mixes (none today) has no gradient: zeros.
-            for (d, filled) in bufs.d_experts.iter_mut().zip(&d_experts_filled) {
-                if !filled {
-                    d.clear();
-                    d.resize(rows * width, 0.0);
-                }
             }
             let reads = level.expert_inputs(tasks);
             let expert_grads = experts
@@ -269,24 +216,29 @@ impl MultiTask {
                 .zip(reads.par_iter())
                 .map(|(((e, s), d), &i)| e.backward_cpu(inputs[i], d, s))
                 .collect::<Result<Vec<_>, _>>()?;
-            for ((e, g), (s, &i)) in experts.iter().zip(expert_grads).zip(bufs.experts.iter().zip(&reads)) {
+            for (e, g) in experts.iter().zip(expert_grads) {
                 grads.push((e.params(), g));
-                add_or_copy(&mut d_in[i], &mut d_in_filled[i], &s.grad_input);
             }
-            // An input nothing read (none today) has no gradient: zeros.
-            for (d, filled) in d_in.iter_mut().zip(&d_in_filled) {
-                if !filled {
-                    d.clear();
-                    d.resize(rows * fan_in, 0.0);
+            // At the level's inputs (the tasks', then the shared one): the
+            // gradients of the gates that read each, then of its experts.
+            let mut parts: Vec<Vec<&[f32]>> = vec![Vec::new(); tasks + 1];
+            for (g, d) in m.d_gate_in.iter().take(gates.len()).enumerate() {
+                parts[if g < tasks { g } else { tasks }].push(d);
+            }
+            for (s, &i) in bufs.experts.iter().zip(&reads) {
+                parts[i].push(&s.grad_input);
+            }
+            if l == 0 {
+                // At the bottom every input is `x`: its gradient is their sum.
+                gates::sum_of_sums_into(grad_x, x.len(), &parts);
+            } else {
+                let mut d_in = std::mem::take(&mut m.d_below);
+                d_in.resize_with(tasks + 1, Vec::new);
+                for (d, parts) in d_in.iter_mut().zip(&parts) {
+                    gates::sum_into(d, rows * fan_in, parts);
                 }
+                m.d_below = std::mem::replace(&mut m.d_inputs, d_in);
             }
-            m.d_below = std::mem::replace(&mut m.d_inputs, d_in);
-        }
-        // At the bottom every input is `x`: its gradient is their sum.
-        grad_x.clear();
-        grad_x.resize(rows * x.len() / rows.max(1), 0.0);
-        for d in &m.d_inputs {
-            grad_x.iter_mut().zip(d).for_each(|(a, b)| *a += b);
         }
         Ok(())
     }
@@ -390,9 +342,10 @@ impl Direct for MultiTask {
         } else {
             // The top level's mixes are the towers' inputs; it has no shared mix.
             m.d_inputs.resize_with(tasks, Vec::new);
-            for (d, t) in m.d_inputs.iter_mut().zip(&m.towers) {
-                d.clear();
-                d.extend_from_slice(&t.grad_input);
+            // Taken, not copied: the tower's next backward pass refills
+            // the buffer it gets back.
+            for (d, t) in m.d_inputs.iter_mut().zip(&mut m.towers) {
+                std::mem::swap(d, &mut t.grad_input);
             }
             self.backward_levels(x, rows, m, &mut grad_x, grads)?;
         }
@@ -409,16 +362,5 @@ impl Direct for MultiTask {
 
     fn several_outputs(&self) -> bool {
         true
-    }
-}
-
-/// `dst += src`, or `dst = src` for its first contribution (`filled` unset).
-fn add_or_copy(dst: &mut Vec<f32>, filled: &mut bool, src: &[f32]) {
-    if *filled {
-        dst.iter_mut().zip(src).for_each(|(a, b)| *a += b);
-    } else {
-        dst.clear();
-        dst.extend_from_slice(src);
-        *filled = true;
     }
 }

@@ -1,0 +1,324 @@
+//! The multi-task gates' passes over rows, and the sums of a level's input
+//! gradients. At the sizes these kinds run, the step's working set (a
+//! level's expert outputs, their gradients, each input's gradients) is
+//! larger than a core's L2, and these passes wait on reading it back, not
+//! on arithmetic (an AVX-512 build of them measured no faster than the
+//! portable one). So each reads what it needs once:
+//! - forward, every gate of a level in one pass over the rows: each row's
+//!   expert outputs are read once for all the gates that pool them (MMoE's
+//!   three gates each read all four experts before);
+//! - backward, every gate's softmax adjoint and every expert's output
+//!   gradient in one pass;
+//! - an input's gradient is its contributions summed in one pass (they
+//!   were added one buffer at a time), and at the bottom the sum of the
+//!   inputs' sums in one pass.
+//!
+//! Every value is computed by the same operations in the same order as
+//! when the passes were separate, so the step's bits are unchanged.
+
+use rayon::prelude::*;
+
+use crate::matrix::dot;
+
+/// Rows a task of a pass over rows takes.
+const ROWS_PER_TASK: usize = 64;
+
+/// Floats a task of a sum takes.
+const FLOATS_PER_TASK: usize = 1 << 13;
+
+/// One gate of a level, forward: its logits `[rows, k]` (bias not yet
+/// added; its softmax weights once the pass is done), the experts it
+/// pools (indices into the level's outputs) and its mix `[rows, width]`.
+pub(super) struct GateForward<'a> {
+    pub logits: &'a mut [f32],
+    pub bias: &'a [f32],
+    pub pool: &'a [usize],
+    pub mix: &'a mut [f32],
+}
+
+/// One gate of a level, backward: its softmax weights, the gradient of
+/// its mix, the experts it pools, and where its logits' gradient goes.
+pub(super) struct GateBackward<'a> {
+    pub weights: &'a [f32],
+    pub d_mix: &'a [f32],
+    pub pool: &'a [usize],
+    pub d_logits: &'a mut [f32],
+}
+
+/// Every row, every gate in order: `logits += bias`, their softmax (in
+/// place), then `mix = Σ_k weight_k · outs[pool_k]`.
+pub(super) fn softmax_mix(outs: &[&[f32]], width: usize, gates: Vec<GateForward<'_>>) {
+    let Some(rows) = gates.first().map(|g| g.logits.len() / g.pool.len().max(1)) else { return };
+    if rows == 0 || width == 0 || gates.iter().any(|g| g.pool.is_empty()) {
+        return;
+    }
+    // Each task's rows of every gate's logits and mix.
+    let mut blocks: Vec<Vec<GateForward<'_>>> = (0..rows.div_ceil(ROWS_PER_TASK)).map(|_| Vec::new()).collect();
+    for g in gates {
+        let k = g.pool.len();
+        let parts = g.logits.chunks_mut(k * ROWS_PER_TASK).zip(g.mix.chunks_mut(width * ROWS_PER_TASK));
+        for (block, (logits, mix)) in blocks.iter_mut().zip(parts) {
+            block.push(GateForward { logits, bias: g.bias, pool: g.pool, mix });
+        }
+    }
+    blocks.par_iter_mut().enumerate().for_each(|(b, gates)| {
+        let first = b * ROWS_PER_TASK;
+        let rows = gates[0].logits.len() / gates[0].pool.len();
+        for r in 0..rows {
+            let at = (first + r) * width..(first + r + 1) * width;
+            for gate in gates.iter_mut() {
+                let k = gate.pool.len();
+                let g = &mut gate.logits[r * k..(r + 1) * k];
+                // As the graph: bias, less the row's max, exp, over the sum.
+                g.iter_mut().zip(gate.bias).for_each(|(g, b)| *g += b);
+                let max = g.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                g.iter_mut().for_each(|v| *v = (*v - max).exp());
+                let sum: f32 = g.iter().sum();
+                g.iter_mut().for_each(|v| *v /= sum);
+                // `0 + w·e` first: the bits of a sum that starts from zero.
+                let m = &mut gate.mix[r * width..(r + 1) * width];
+                for (j, (&wk, &e)) in g.iter().zip(gate.pool).enumerate() {
+                    let e = &outs[e][at.clone()];
+                    if j == 0 {
+                        m.iter_mut().zip(e).for_each(|(m, e)| *m = 0.0 + wk * e);
+                    } else {
+                        m.iter_mut().zip(e).for_each(|(m, e)| *m += wk * e);
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// Every row, every gate in order: `d_logits = w ⊙ (d w − Σ_j w_j d w_j)`
+/// with `d w_k = ⟨d mix, outs[pool_k]⟩`, and `d_experts[pool_k] += w_k · d
+/// mix` (the first gate that pools an expert writes its gradient, the
+/// later ones add). Returns which experts some gate pools.
+pub(super) fn adjoint(
+    outs: &[&[f32]],
+    width: usize,
+    gates: Vec<GateBackward<'_>>,
+    d_experts: &mut [Vec<f32>],
+) -> Vec<bool> {
+    let mut pooled = vec![false; d_experts.len()];
+    // Whether each (gate, pooled expert) adds to what an earlier gate wrote.
+    let adds: Vec<Vec<bool>> =
+        gates.iter().map(|g| g.pool.iter().map(|&e| std::mem::replace(&mut pooled[e], true)).collect()).collect();
+    let Some(rows) = gates.first().map(|g| g.weights.len() / g.pool.len().max(1)) else { return pooled };
+    if rows == 0 || width == 0 || gates.iter().any(|g| g.pool.is_empty()) {
+        return pooled;
+    }
+    for (d, _) in d_experts.iter_mut().zip(&pooled).filter(|(_, p)| **p) {
+        d.resize(rows * width, 0.0);
+    }
+    // Each task's rows of every gate's logits' gradient and every expert's output gradient.
+    let n = rows.div_ceil(ROWS_PER_TASK);
+    let mut logit_blocks: Vec<Vec<&mut [f32]>> = (0..n).map(|_| Vec::new()).collect();
+    let mut read = Vec::with_capacity(gates.len());
+    for g in gates {
+        let k = g.pool.len();
+        for (block, part) in logit_blocks.iter_mut().zip(g.d_logits.chunks_mut(k * ROWS_PER_TASK)) {
+            block.push(part);
+        }
+        read.push((g.weights, g.d_mix, g.pool));
+    }
+    let gates = read;
+    let mut expert_blocks: Vec<Vec<&mut [f32]>> = (0..n).map(|_| Vec::new()).collect();
+    for d in d_experts.iter_mut() {
+        let mut parts = d.chunks_mut(width * ROWS_PER_TASK);
+        for block in expert_blocks.iter_mut() {
+            block.push(parts.next().unwrap_or(&mut []));
+        }
+    }
+    logit_blocks.par_iter_mut().zip(expert_blocks.par_iter_mut()).enumerate().for_each(|(b, (dls, des))| {
+        let first = b * ROWS_PER_TASK;
+        let rows = dls[0].len() / gates[0].2.len();
+        for r in 0..rows {
+            let (row, at) = (first + r, r * width..(r + 1) * width);
+            for (((w, d_mix, pool), dl), adds) in gates.iter().zip(dls.iter_mut()).zip(&adds) {
+                let k = pool.len();
+                let dy = &d_mix[row * width..(row + 1) * width];
+                let (dl, wr) = (&mut dl[r * k..(r + 1) * k], &w[row * k..(row + 1) * k]);
+                for (d, &e) in dl.iter_mut().zip(pool.iter()) {
+                    *d = dot(dy, &outs[e][row * width..(row + 1) * width]);
+                }
+                let s: f32 = wr.iter().zip(dl.iter()).map(|(w, d)| w * d).sum();
+                dl.iter_mut().zip(wr).for_each(|(d, w)| *d = w * (*d - s));
+                for ((&e, &wk), &add) in pool.iter().zip(wr).zip(adds) {
+                    let de = &mut des[e][at.clone()];
+                    if add {
+                        de.iter_mut().zip(dy).for_each(|(d, g)| *d += wk * g);
+                    } else {
+                        de.iter_mut().zip(dy).for_each(|(d, g)| *d = wk * g);
+                    }
+                }
+            }
+        }
+    });
+    pooled
+}
+
+/// `dst = parts[0] + parts[1] + …`, added in that order (zeros if none).
+pub(super) fn sum_into(dst: &mut Vec<f32>, len: usize, parts: &[&[f32]]) {
+    dst.resize(len, 0.0);
+    sums_into(dst, &[parts.to_vec()], false);
+}
+
+/// `dst = 0 + Σ_i (groups[i][0] + groups[i][1] + …)`, each group summed in
+/// its order, then the groups' sums in theirs (an empty group adds 0).
+pub(super) fn sum_of_sums_into(dst: &mut Vec<f32>, len: usize, groups: &[Vec<&[f32]>]) {
+    dst.resize(len, 0.0);
+    sums_into(dst, groups, true);
+}
+
+/// One pass: each element of `dst` is its groups' sums added to zero
+/// (`from_zero`), or the one group's sum.
+fn sums_into(dst: &mut [f32], groups: &[Vec<&[f32]>], from_zero: bool) {
+    dst.par_chunks_mut(FLOATS_PER_TASK).enumerate().for_each_init(Vec::new, |tmp, (c, d)| {
+        let at = c * FLOATS_PER_TASK..c * FLOATS_PER_TASK + d.len();
+        if !from_zero {
+            return group_sum(d, groups.first().map_or(&[][..], |g| &g[..]), at);
+        }
+        d.fill(0.0);
+        tmp.resize(d.len(), 0.0);
+        for group in groups {
+            group_sum(tmp, group, at.clone());
+            d.iter_mut().zip(tmp.iter()).for_each(|(d, s)| *d += s);
+        }
+    });
+}
+
+/// `out = parts[0][at] + parts[1][at] + …`, added in that order (zeros if none).
+fn group_sum(out: &mut [f32], parts: &[&[f32]], at: std::ops::Range<usize>) {
+    let Some((first, rest)) = parts.split_first() else { return out.fill(0.0) };
+    out.copy_from_slice(&first[at.clone()]);
+    for p in rest {
+        out.iter_mut().zip(&p[at.clone()]).for_each(|(o, p)| *o += p);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sparrow_core::rng::Rng;
+
+    fn values(n: usize, rng: &mut Rng) -> Vec<f32> {
+        (0..n).map(|_| rng.uniform(-2.0, 2.0) as f32).collect()
+    }
+
+    /// PLE's pools at one level: two tasks' gates (their own expert, then
+    /// the two shared), the shared gate (all four); 150 rows, not a
+    /// multiple of a task's 64.
+    const POOLS: [&[usize]; 3] = [&[2, 0, 1], &[3, 0, 1], &[0, 1, 2, 3]];
+    const ROWS: usize = 150;
+    const WIDTH: usize = 24;
+
+    /// Every gate and sum, checked bit for bit against the passes they
+    /// replace: one gate at a time, one contribution added at a time.
+    #[test]
+    fn one_pass_for_every_gate_gives_the_bits_of_a_pass_a_gate() {
+        let mut rng = Rng::new(11);
+        let outs: Vec<Vec<f32>> = (0..4).map(|_| values(ROWS * WIDTH, &mut rng)).collect();
+        let outs: Vec<&[f32]> = outs.iter().map(|o| &o[..]).collect();
+        let biases: Vec<Vec<f32>> = POOLS.iter().map(|p| values(p.len(), &mut rng)).collect();
+        let raw: Vec<Vec<f32>> = POOLS.iter().map(|p| values(ROWS * p.len(), &mut rng)).collect();
+
+        // Forward, one gate at a time (the code this replaces).
+        let mut weights_one = raw.clone();
+        let mut mixes_one = vec![vec![0.0f32; ROWS * WIDTH]; POOLS.len()];
+        for (g, pool) in POOLS.iter().enumerate() {
+            let k = pool.len();
+            for r in 0..ROWS {
+                let w = &mut weights_one[g][r * k..(r + 1) * k];
+                w.iter_mut().zip(&biases[g]).for_each(|(w, b)| *w += b);
+                let max = w.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                w.iter_mut().for_each(|v| *v = (*v - max).exp());
+                let sum: f32 = w.iter().sum();
+                w.iter_mut().for_each(|v| *v /= sum);
+                let m = &mut mixes_one[g][r * WIDTH..(r + 1) * WIDTH];
+                m.fill(0.0);
+                for (&wk, &e) in w.iter().zip(pool.iter()) {
+                    m.iter_mut().zip(&outs[e][r * WIDTH..(r + 1) * WIDTH]).for_each(|(m, e)| *m += wk * e);
+                }
+            }
+        }
+        let mut weights = raw.clone();
+        let mut mixes = vec![vec![7.0f32; ROWS * WIDTH]; POOLS.len()];
+        let forward = (weights.iter_mut().zip(mixes.iter_mut()).zip(&biases).zip(POOLS))
+            .map(|(((logits, mix), bias), pool)| GateForward { logits, bias, pool, mix })
+            .collect();
+        softmax_mix(&outs, WIDTH, forward);
+        let bits = |v: &[Vec<f32>]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&weights), bits(&weights_one), "the gates' softmax weights");
+        assert_eq!(bits(&mixes), bits(&mixes_one), "the gates' mixes");
+
+        // Backward, one gate at a time; an expert's gradient written by
+        // the first gate that pools it, added to by the later ones.
+        let d_mixes: Vec<Vec<f32>> = POOLS.iter().map(|_| values(ROWS * WIDTH, &mut rng)).collect();
+        let mut d_logits_one: Vec<Vec<f32>> = POOLS.iter().map(|p| vec![0.0; ROWS * p.len()]).collect();
+        let mut d_experts_one = vec![vec![0.0f32; ROWS * WIDTH]; 5];
+        let mut filled = [false; 5];
+        for (g, pool) in POOLS.iter().enumerate() {
+            let k = pool.len();
+            for r in 0..ROWS {
+                let dy = &d_mixes[g][r * WIDTH..(r + 1) * WIDTH];
+                let dl = &mut d_logits_one[g][r * k..(r + 1) * k];
+                for (d, &e) in dl.iter_mut().zip(pool.iter()) {
+                    *d = dot(dy, &outs[e][r * WIDTH..(r + 1) * WIDTH]);
+                }
+                let wr = &weights[g][r * k..(r + 1) * k];
+                let s: f32 = wr.iter().zip(dl.iter()).map(|(w, d)| w * d).sum();
+                dl.iter_mut().zip(wr).for_each(|(d, w)| *d = w * (*d - s));
+            }
+            for (j, &e) in pool.iter().enumerate() {
+                for r in 0..ROWS {
+                    let wk = weights[g][r * k + j];
+                    let d = &mut d_experts_one[e][r * WIDTH..(r + 1) * WIDTH];
+                    let dy = d_mixes[g][r * WIDTH..(r + 1) * WIDTH].iter();
+                    if filled[e] {
+                        d.iter_mut().zip(dy).for_each(|(d, g)| *d += wk * g);
+                    } else {
+                        d.iter_mut().zip(dy).for_each(|(d, g)| *d = wk * g);
+                    }
+                }
+                filled[e] = true;
+            }
+        }
+        let mut d_logits: Vec<Vec<f32>> = POOLS.iter().map(|p| vec![9.0; ROWS * p.len()]).collect();
+        // Stale values in the experts' buffers, and a fifth expert no gate pools.
+        let mut d_experts = vec![vec![5.0f32; ROWS * WIDTH]; 5];
+        let backward = (d_logits.iter_mut().zip(&weights).zip(&d_mixes).zip(POOLS))
+            .map(|(((d_logits, weights), d_mix), pool)| GateBackward { weights, d_mix, pool, d_logits })
+            .collect();
+        let pooled = adjoint(&outs, WIDTH, backward, &mut d_experts);
+        assert_eq!(pooled, [true, true, true, true, false]);
+        assert_eq!(bits(&d_logits), bits(&d_logits_one), "the gates' logits' gradients");
+        assert_eq!(bits(&d_experts[..4]), bits(&d_experts_one[..4]), "the experts' output gradients");
+
+        // An input's parts summed in one pass, and the bottom's sum of sums,
+        // against adding one buffer at a time (an empty group adds zeros).
+        let len = ROWS * WIDTH + 3 * FLOATS_PER_TASK;
+        let parts: Vec<Vec<f32>> = (0..4).map(|_| values(len, &mut rng)).collect();
+        let groups: Vec<Vec<&[f32]>> = vec![vec![&parts[0], &parts[1], &parts[2]], vec![], vec![&parts[3]]];
+        let mut one_at_a_time: Vec<Vec<f32>> = Vec::new();
+        for group in &groups {
+            let mut d = group.first().map_or(vec![0.0; len], |p| p.to_vec());
+            for p in group.iter().skip(1) {
+                d.iter_mut().zip(p.iter()).for_each(|(d, p)| *d += p);
+            }
+            one_at_a_time.push(d);
+        }
+        let mut total_one = vec![0.0f32; len];
+        for d in &one_at_a_time {
+            total_one.iter_mut().zip(d).for_each(|(t, d)| *t += d);
+        }
+        for (group, expected) in groups.iter().zip(&one_at_a_time) {
+            let mut d = vec![3.0f32; 10];
+            sum_into(&mut d, len, group);
+            assert_eq!(bits(&[d]), bits(std::slice::from_ref(expected)), "an input's gradient");
+        }
+        let mut total = vec![3.0f32; 2 * len];
+        sum_of_sums_into(&mut total, len, &groups);
+        assert_eq!(bits(&[total]), bits(&[total_one]), "the bottom's gradient");
+    }
+}
