@@ -139,10 +139,14 @@ impl MultiTask {
             bufs.mixes.resize_with(gates.len(), Vec::new);
             let width = experts[0].outputs();
             let pools: Vec<Vec<usize>> = (0..gates.len()).map(|g| level.pool(g)).collect();
-            for (g, gate) in gates.iter().enumerate() {
-                let input = inputs[if g < tasks { g } else { tasks }];
-                gate_logits(self.arith, (input, rows), (gate, pools[g].len()), &mut bufs.weights[g])?;
-            }
+            // Each gate's product is too small to split: the gates take turns
+            // on the threads instead.
+            (gates.par_iter().zip(bufs.weights.par_iter_mut()).enumerate())
+                .map(|(g, (gate, logits))| {
+                    let input = inputs[if g < tasks { g } else { tasks }];
+                    gate_logits(self.arith, (input, rows), (gate, pools[g].len()), logits)
+                })
+                .collect::<Result<Vec<()>, _>>()?;
             let biases = gates.iter().map(|g| g.bias().storage_and_layout()).collect::<Vec<_>>();
             let outs: Vec<&[f32]> = bufs.experts.iter().map(|s| &s.output[..]).collect();
             let mut forward = Vec::with_capacity(gates.len());
@@ -197,14 +201,20 @@ impl MultiTask {
             }
             // Each gate's own layer: dW = inᵀ·d logits, db = Σ_rows d logits, d in = d logits·Wᵀ.
             m.d_gate_in.resize_with(gates.len(), Vec::new);
-            for (g, gate) in gates.iter().enumerate() {
-                let k = pools[g].len();
-                let input = inputs[if g < tasks { g } else { tasks }];
-                let gw = gate.weight().storage_and_layout();
-                let gw = cpu(&gw.0, gw.1)?;
-                let (mut dw, mut db) = (vec![0.0f32; fan_in * k], vec![0.0f32; k]);
-                let d_gate_in = sized(&mut m.d_gate_in[g], rows * fan_in);
-                linear_grads(self.arith, (rows, fan_in, k), input, gw, &m.d_logits[g], (&mut dw, &mut db), d_gate_in);
+            let d_logits = &m.d_logits;
+            let gate_grads = (gates.par_iter().zip(m.d_gate_in.par_iter_mut()).enumerate())
+                .map(|(g, (gate, d_gate_in))| {
+                    let k = pools[g].len();
+                    let input = inputs[if g < tasks { g } else { tasks }];
+                    let gw = gate.weight().storage_and_layout();
+                    let gw = cpu(&gw.0, gw.1)?;
+                    let (mut dw, mut db) = (vec![0.0f32; fan_in * k], vec![0.0f32; k]);
+                    let d_gate_in = sized(d_gate_in, rows * fan_in);
+                    linear_grads(self.arith, (rows, fan_in, k), input, gw, &d_logits[g], (&mut dw, &mut db), d_gate_in);
+                    Ok((dw, db))
+                })
+                .collect::<Result<Vec<_>, ModelError>>()?;
+            for (gate, (dw, db)) in gates.iter().zip(gate_grads) {
                 grads.push((gate.weight(), dw));
                 grads.push((gate.bias(), db));
             }
