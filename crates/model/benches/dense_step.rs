@@ -12,8 +12,9 @@
 //! bf16 ceilings measured in the same run.
 //!
 //! `cargo bench -p sparrow-model --bench dense_step [-- KIND... f32|bf16 ROWS
-//! dropout=R norm=layer|batch activation=prelu|dice|gelu|silu dim=D]` (ROWS:
-//! the batch, 1024 unless a number is given; D: the embedding dimension, 16
+//! dropout=R norm=layer|batch activation=prelu|dice|gelu|silu dim=D
+//! hidden=H,H…]` (ROWS: the batch, 1024 unless a number is given; D: the
+//! embedding dimension, 16 unless given; H: the MLP's layers, 256,128
 //! unless given). `BENCH_THREADS=1` runs the step on one thread (2 unless set).
 
 use std::time::{Duration, Instant};
@@ -61,6 +62,15 @@ fn main() {
         Some("relu") | None => Activation::Relu,
         Some(other) => refuse("activation", other),
     };
+    // `hidden=64,32`: the MLP's layers ([256, 128] unless given).
+    let (hidden, args): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a.starts_with("hidden="));
+    let hidden: Vec<usize> = hidden.first().map_or(vec![256, 128], |h| {
+        let sizes: Vec<usize> = h["hidden=".len()..].split(',').map(|n| value("hidden", n)).collect();
+        if sizes.contains(&0) {
+            refuse("hidden", h);
+        }
+        sizes
+    });
     // `dim=8`: the embedding dimension (16 unless given).
     let (dim, args): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a.starts_with("dim="));
     let dim: usize = dim.first().map_or(16, |d| value("dim", &d["dim=".len()..]));
@@ -102,7 +112,7 @@ fn main() {
             let config = ModelConfig {
                 kind: kind.clone(),
                 embedding_dim: dim,
-                hidden: vec![256, 128],
+                hidden: hidden.clone(),
                 precision,
                 tasks: Vec::new(),
                 dropout,
