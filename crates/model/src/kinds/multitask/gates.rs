@@ -104,12 +104,14 @@ pub(super) fn adjoint(
     // Whether each (gate, pooled expert) adds to what an earlier gate wrote.
     let adds: Vec<Vec<bool>> =
         gates.iter().map(|g| g.pool.iter().map(|&e| std::mem::replace(&mut pooled[e], true)).collect()).collect();
-    let Some(rows) = gates.first().map(|g| g.weights.len() / g.pool.len().max(1)) else { return pooled };
-    if rows == 0 || width == 0 || gates.iter().any(|g| g.pool.is_empty()) {
-        return pooled;
-    }
+    let rows = gates.first().map_or(0, |g| g.weights.len() / g.pool.len().max(1));
+    // Every pooled expert's gradient is `[rows, width]`, of no rows too
+    // (a longer buffer left from a larger batch would be read as its).
     for (d, _) in d_experts.iter_mut().zip(&pooled).filter(|(_, p)| **p) {
         d.resize(rows * width, 0.0);
+    }
+    if rows == 0 || width == 0 || gates.iter().any(|g| g.pool.is_empty()) {
+        return pooled;
     }
     // Each task's rows of every gate's logits' gradient and every expert's output gradient.
     let n = rows.div_ceil(ROWS_PER_TASK);
@@ -320,5 +322,20 @@ mod tests {
         let mut total = vec![3.0f32; 2 * len];
         sum_of_sums_into(&mut total, len, &groups);
         assert_eq!(bits(&[total]), bits(&[total_one]), "the bottom's gradient");
+    }
+
+    /// A batch of no rows leaves every pooled expert's gradient empty, not
+    /// as long as a larger batch left it.
+    #[test]
+    fn no_rows_leave_every_pooled_gradient_empty() {
+        let mut d_logits: Vec<Vec<f32>> = POOLS.iter().map(|_| Vec::new()).collect();
+        let mut d_experts = vec![vec![5.0f32; ROWS * WIDTH]; 5];
+        let outs: Vec<&[f32]> = vec![&[]; 4];
+        let backward = (d_logits.iter_mut().zip(POOLS))
+            .map(|(d_logits, pool)| GateBackward { weights: &[], d_mix: &[], pool, d_logits })
+            .collect();
+        let pooled = adjoint(&outs, WIDTH, backward, &mut d_experts);
+        assert_eq!(pooled, [true, true, true, true, false]);
+        assert!(d_experts[..4].iter().all(Vec::is_empty), "a pooled expert's gradient has no rows");
     }
 }
