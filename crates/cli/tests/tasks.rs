@@ -408,9 +408,10 @@ fn two_binary_tasks(three: &str) -> String {
 
 /// Exactness holds for several tasks and a sequence, pooled by sum (MLP)
 /// or by attention (DIN), and for the multi-task kinds (ESMM on its two
-/// tasks): the SSD tier trains the in-memory model, and a run stopped at
-/// step 40 and resumed ends with the uninterrupted one's figures, bit for
-/// bit.
+/// tasks): the SSD tier trains the in-memory model, a run stopped at step
+/// 40 and resumed ends with the uninterrupted one's figures, and one or
+/// three step threads (`train.threads`; 2 by default) train the same
+/// model, bit for bit.
 #[test]
 fn several_tasks_are_exact_on_the_ssd_tier_and_across_a_resume() {
     let tmp = tempfile::tempdir().expect("tmp");
@@ -450,6 +451,11 @@ fn exact_on_the_ssd_tier_and_across_a_resume(dir: &Path, config: &str) {
     let resumed = run(&["--set", &ck, "--resume", &dir.join("ck-resumed").display().to_string()]);
     assert_eq!(resumed["resumed_from_step"], 40);
     assert_eq!(resumed["tasks"], whole["tasks"]);
+    for threads in [1, 3] {
+        let ck = format!("checkpoint.dir={:?}", dir.join(format!("ck-threads-{threads}")).display().to_string());
+        let other = run(&["--set", &ck, "--set", &format!("train.threads={threads}")]);
+        assert_eq!(other["tasks"], whole["tasks"], "train.threads = {threads}");
+    }
 }
 
 /// Every sync policy takes several tasks, pooled by sum (MLP) or by

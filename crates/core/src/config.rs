@@ -409,7 +409,11 @@ pub struct TrainConfig {
     /// Passes over the training file.
     pub epochs: u64,
     /// Threads of the training step and the embedding lookups (a process's
-    /// compute threads; parsing runs beside them).
+    /// compute threads; parsing runs beside them). The model does not
+    /// depend on it. On a machine of few cores, a small step can train
+    /// faster with fewer: on 2 cores at batch 256, the three-task MLP and
+    /// DIN ran about 20% faster with 1 (the reader then has a core of its
+    /// own), MMoE and PLE faster with 2 (`docs/benchmarks.md`, Issue 56).
     pub threads: usize,
     /// The seed of every random draw (initial weights and rows, shuffles):
     /// the same config and seed give the same model.
