@@ -46,7 +46,9 @@ pub(super) struct GateBackward<'a> {
 }
 
 /// Every row, every gate in order: `logits += bias`, their softmax (in
-/// place), then `mix = Σ_k weight_k · outs[pool_k]`.
+/// place), then `mix = Σ_k weight_k · outs[pool_k]`. Every pool holds the
+/// level's shared experts (`model.experts` is refused below 1), so no
+/// pool is empty; the guard below only keeps a chunk size from being 0.
 pub(super) fn softmax_mix(outs: &[&[f32]], width: usize, gates: Vec<GateForward<'_>>) {
     let Some(rows) = gates.first().map(|g| g.logits.len() / g.pool.len().max(1)) else { return };
     if rows == 0 || width == 0 || gates.iter().any(|g| g.pool.is_empty()) {
