@@ -2,7 +2,11 @@
 //! transposed), and the fp32 product itself ([`sgemm`], on the `gemm`
 //! crate), which `mlp` runs in fp32 and `bf16` runs on bf16-rounded
 //! operands where the CPU has no bf16 dot product; and [`dot`], a short
-//! dot product in lanes (the multi-task gates' and DIN's adjoints).
+//! dot product in lanes (the multi-task gates' and DIN's adjoints). A
+//! product with a narrow right-hand side runs on its own kernel where the
+//! CPU has AVX-512F ([`narrow`]), with `gemm`'s bits.
+
+mod narrow;
 
 /// A row-major matrix operand, used as stored or transposed.
 #[derive(Clone, Copy)]
@@ -37,16 +41,39 @@ pub fn sgemm_threads(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_
     if m == 0 || n == 0 {
         return;
     }
+    // A narrow product's transposed right-hand side is laid out on every
+    // CPU, so that its bits do not depend on which kernel runs it.
+    let laid;
+    let (b, b_t) = if b_t && narrow::fits(m, n, k, a_t) {
+        laid = narrow::laid_out(b, n, k);
+        (&laid[..], false)
+    } else {
+        (b, b_t)
+    };
+    if !b_t && narrow::product((m, n, k), (a, a_t), b, dst, threads) {
+        return;
+    }
+    gemm_product((m, n, k), (a, a_t), (b, b_t), dst, threads);
+}
+
+/// [`sgemm_threads`] on the `gemm` crate (sizes checked by the caller).
+fn gemm_product(
+    (m, n, k): (usize, usize, usize),
+    (a, a_t): (&[f32], bool),
+    (b, b_t): (&[f32], bool),
+    dst: &mut [f32],
+    threads: usize,
+) {
     // Element (i, p) of op(a) sits at i·rs + p·cs.
     let (a_rs, a_cs) = if a_t { (1, m as isize) } else { (k as isize, 1) };
     let (b_rs, b_cs) = if b_t { (1, k as isize) } else { (n as isize, 1) };
     let parallelism =
         if threads > 1 && m * n * k >= 1 << 20 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
     #[expect(unsafe_code, reason = "gemm's raw-pointer API; bounds are asserted above")]
-    // SAFETY: the asserts above guarantee that every (row, column) the strides
-    // address lies inside `a` (m·k), `b` (k·n) and `dst` (m·n); `dst` is a
-    // unique borrow, so it aliases neither input. read_dst = false: dst is
-    // only written, with beta = 1 (dst := a·b).
+    // SAFETY: `sgemm_threads` asserts that `a` is m·k, `b` k·n and `dst`
+    // m·n, so every (row, column) the strides address lies inside them;
+    // `dst` is a unique borrow, so it aliases neither input. read_dst =
+    // false: dst is only written, with beta = 1 (dst := a·b).
     unsafe {
         gemm::gemm(
             m,

@@ -109,16 +109,20 @@ impl Direct for DinNet {
                 // d score_p = ⟨d pooled, k_p⟩; d k_p = score_p · d pooled (plus the unit's share, below).
                 let d_scores = sized(&mut ds.d_scores, positions);
                 let g = &grad_x;
+                // A task's positions in one loop, not a rayon item each.
                 d_scores
-                    .par_iter_mut()
-                    .zip(dk.par_chunks_mut(d))
+                    .par_chunks_mut(POSITIONS_PER_TASK)
+                    .zip(dk.par_chunks_mut(d * POSITIONS_PER_TASK))
                     .enumerate()
-                    .with_min_len(POSITIONS_PER_TASK)
-                    .for_each(|(p, (ds, dk))| {
-                        let r = at_rows[p] as usize;
-                        let d_pooled = &g[r * stride + slot * d..r * stride + (slot + 1) * d];
-                        *ds = dot(d_pooled, &keys[p * d..(p + 1) * d]);
-                        dk.iter_mut().zip(d_pooled).for_each(|(o, g)| *o = scores[p] * g);
+                    .for_each(|(t, (ds, dk))| {
+                        let first = t * POSITIONS_PER_TASK;
+                        let items = keys[first * d..].chunks_exact(d).zip(&scores[first..]).zip(&at_rows[first..]);
+                        for ((ds, dk), ((k, score), &r)) in ds.iter_mut().zip(dk.chunks_exact_mut(d)).zip(items) {
+                            let at = r as usize * stride + slot * d;
+                            let d_pooled = &g[at..at + d];
+                            *ds = dot(d_pooled, k);
+                            dk.iter_mut().zip(d_pooled).for_each(|(o, g)| *o = score * g);
+                        }
                     });
                 if unit.is_f32() {
                     // Through the product's parts (`product.rs`); a row's

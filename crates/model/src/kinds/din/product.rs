@@ -18,6 +18,11 @@ use crate::mlp::{matmul, sized};
 
 /// Positions a task of a pass over history items takes.
 const POSITIONS_PER_TASK: usize = 256;
+/// The items' weights' gradient `[K, Q ⊙ K]ᵀ·G` is summed over parts of
+/// this many positions, each one product, the parts then added in order:
+/// a sum the narrow product takes whole (`matrix::narrow`), and the same
+/// bits on every CPU (`gemm` cuts a longer sum where its caches say).
+const POSITIONS_PER_PART: usize = 512;
 
 /// The product's buffers, kept between steps.
 #[derive(Default)]
@@ -32,9 +37,10 @@ pub(super) struct ProductBufs {
     /// `q·(W_q + W_d)` a row `[rows, h]`.
     qw: Vec<f32>,
     /// Backward: the items' gradients summed a row `[rows, h]`, and
-    /// `[dW_k; dW_p]` `[2·d, h]`.
+    /// `[dW_k; dW_p]` `[2·d, h]` and its parts' `[parts, 2·d, h]`.
     g_rows: Vec<f32>,
     dw_item: Vec<f32>,
+    dw_parts: Vec<f32>,
     /// Backward: `G·[W_k − W_d; W_p]ᵀ` `[positions, 2·d]` (d k's linear
     /// part, then d (q ⊙ k)), and d q a row's share `[rows, d]`.
     pub(super) e: Vec<f32>,
@@ -102,17 +108,24 @@ impl UnitInput<'_> {
     pub(super) fn item_and_query_grads(&self, keys: &[f32], dk: &mut [f32], dq: &mut [f32]) {
         let d = self.d;
         let (e, q_rows, at_rows) = (&self.bufs.e, &self.bufs.q_rows, self.at_rows);
-        dq.par_chunks_mut(d).zip(dk.par_chunks_mut(d)).enumerate().with_min_len(POSITIONS_PER_TASK).for_each(
-            |(p, (dq, dk))| {
-                let r = at_rows[p] as usize;
-                let (lin, prod) = e[p * 2 * d..(p + 1) * 2 * d].split_at(d);
-                let (q, k) = (&q_rows[r * d..(r + 1) * d], &keys[p * d..(p + 1) * d]);
-                for c in 0..d {
-                    dk[c] += lin[c] + prod[c] * q[c];
-                    dq[c] = prod[c] * k[c];
+        // A task's positions in one loop (a rayon item a position cost as
+        // much as the arithmetic at d = 8).
+        let task = d * POSITIONS_PER_TASK;
+        dq.par_chunks_mut(task).zip(dk.par_chunks_mut(task)).enumerate().for_each(|(t, (dq, dk))| {
+            let first = t * POSITIONS_PER_TASK;
+            let e = e[first * 2 * d..].chunks_exact(2 * d);
+            let keys = keys[first * d..].chunks_exact(d);
+            let at = at_rows[first..].iter();
+            for ((((dq, dk), e), k), &r) in dq.chunks_exact_mut(d).zip(dk.chunks_exact_mut(d)).zip(e).zip(keys).zip(at)
+            {
+                let (lin, prod) = e.split_at(d);
+                let q = &q_rows[r as usize * d..(r as usize + 1) * d];
+                for ((((dk, dq), lin), prod), (q, k)) in dk.iter_mut().zip(dq).zip(lin).zip(prod).zip(q.iter().zip(k)) {
+                    *dk += lin + prod * q;
+                    *dq = prod * k;
                 }
-            },
-        );
+            }
+        });
     }
 }
 
@@ -149,8 +162,19 @@ impl FirstProduct for UnitInput<'_> {
         let (dwk, rest) = rest.split_at_mut(dh);
         let (dwd, dwp) = rest.split_at_mut(dh);
         matmul(Arith::F32, None, d, h, rows, Operand::t(&b.q_rows), Operand::plain(&b.g_rows), dwq);
+        let dw_parts = sized(&mut b.dw_parts, positions.div_ceil(POSITIONS_PER_PART) * 2 * dh);
+        let (kq, per_part) = (&b.kq, POSITIONS_PER_PART);
+        dw_parts.par_chunks_mut(2 * dh).zip(kq.par_chunks(2 * d * per_part).zip(g.par_chunks(h * per_part))).for_each(
+            |(part, (kq, g))| {
+                let n = g.len() / h;
+                matmul(Arith::F32, Some(1), 2 * d, h, n, Operand::t(kq), Operand::plain(g), part);
+            },
+        );
         let dw_item = sized(&mut b.dw_item, 2 * dh);
-        matmul(Arith::F32, None, 2 * d, h, positions, Operand::t(&b.kq), Operand::plain(g), dw_item);
+        dw_item.fill(0.0);
+        for part in b.dw_parts.chunks_exact(2 * dh) {
+            dw_item.iter_mut().zip(part).for_each(|(s, p)| *s += p);
+        }
         let (item_k, item_p) = dw_item.split_at(dh);
         dwk.copy_from_slice(item_k);
         dwp.copy_from_slice(item_p);

@@ -1,0 +1,275 @@
+//! The fp32 product for a narrow right-hand side: `n` ≤ 48 columns and
+//! `k` from 3 to 512. DIN's attention unit (a few thousand history items
+//! by `[2·d] → [36]`), the multi-task gates (`→ [experts]`), the small
+//! stacks' layers and their weights' gradients (`xᵀ·g` over a batch's rows)
+//! have these shapes, where the `gemm` crate spends as long packing and
+//! dispatching as it does multiplying (its kernel ran DIN's
+//! `[3379, 16]·[16, 36]` at 70 GFLOP/s on an AVX-512 Xeon; this one at 120).
+//!
+//! Each output row is `R` rows' worth of accumulators held in AVX-512
+//! registers, one per 16 columns (`NV` of them), summed over `k` in order,
+//! one fused multiply-add a step from zero: the operations `gemm`'s kernel
+//! does for a `k` within one of its blocks (it never cuts `k` below 512),
+//! so the product has its bits (tested against it). A transposed left-hand
+//! side is read with its strides; a transposed right-hand side is laid out
+//! first, on every CPU (`gemm` would sum some such shapes as dot products
+//! in lanes: laid out, the bits are the same with this kernel or without).
+//! A `k` below 3 and a single row, where `gemm`'s bits differ (it takes
+//! other paths), stay with it, as does every product on a CPU without
+//! AVX-512F.
+
+use rayon::prelude::*;
+
+/// The widest right-hand side taken here (three 16-lane accumulators a
+/// row): at 64 columns `gemm`'s kernel is as fast.
+const MAX_N: usize = 48;
+/// The most rows of a transposed left-hand side (a layer's inputs, for its
+/// weights' gradient): past it `gemm`, reading `b` once for many rows, is
+/// faster (221 rows by 32 columns: 23 µs against 28).
+const MAX_M_TRANSPOSED: usize = 128;
+/// The deepest: `gemm` sums a `k` up to here in one block on every CPU.
+const MAX_K: usize = 512;
+/// Rows a parallel task takes are a multiple of every kernel's row block.
+const ROW_BLOCK: usize = 24;
+
+/// Whether a product of this shape is this module's to compute.
+pub(super) fn fits(m: usize, n: usize, k: usize, a_transposed: bool) -> bool {
+    let rows = if a_transposed { 2..=MAX_M_TRANSPOSED } else { 2..=usize::MAX };
+    rows.contains(&m) && (2..=MAX_N).contains(&n) && (3..=MAX_K).contains(&k)
+}
+
+/// `b` (`n×k` row-major, a transposed operand) laid out as `k×n`.
+pub(super) fn laid_out(b: &[f32], n: usize, k: usize) -> Vec<f32> {
+    let mut t = vec![0.0; k * n];
+    for (j, col) in b.chunks_exact(k).enumerate() {
+        for (p, v) in col.iter().enumerate() {
+            t[p * n + j] = *v;
+        }
+    }
+    t
+}
+
+/// `dst (m×n) = op(a)·b` (`a` `m×k`, stored `k×m` when transposed; `b`
+/// `k×n` as stored) where [`fits`] and the CPU has AVX-512F, on up to
+/// `threads` threads above the size `gemm` would split; false (nothing
+/// written) elsewhere.
+pub(super) fn product(
+    (m, n, k): (usize, usize, usize),
+    (a, a_transposed): (&[f32], bool),
+    b: &[f32],
+    dst: &mut [f32],
+    threads: usize,
+) -> bool {
+    if !fits(m, n, k, a_transposed) || !avx512f() {
+        return false;
+    }
+    // Element (i, p) of op(a) sits at i·rs + p·cs.
+    let lhs = if a_transposed { Lhs { data: a, rs: 1, cs: m } } else { Lhs { data: a, rs: k, cs: 1 } };
+    if threads > 1 && m * n * k >= 1 << 20 {
+        let rows = m.div_ceil(threads).next_multiple_of(ROW_BLOCK);
+        dst.par_chunks_mut(rows * n).enumerate().for_each(|(t, d)| rows_for_cpu(n, k, lhs, t * rows, b, d));
+    } else {
+        rows_for_cpu(n, k, lhs, 0, b, dst);
+    }
+    true
+}
+
+/// A left-hand side and its strides.
+#[derive(Clone, Copy)]
+struct Lhs<'a> {
+    data: &'a [f32],
+    rs: usize,
+    cs: usize,
+}
+
+fn avx512f() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return std::arch::is_x86_feature_detected!("avx512f");
+    #[cfg(not(target_arch = "x86_64"))]
+    return false;
+}
+
+/// Rows `first..` of `a` (as many as `out` holds) times `b` (`k×n`).
+fn rows_for_cpu(n: usize, k: usize, a: Lhs<'_>, first: usize, b: &[f32], out: &mut [f32]) {
+    assert!((1..=MAX_N).contains(&n) && k > 0, "narrow product: n {n}, k {k}");
+    assert_eq!(b.len(), k * n, "narrow product: rhs size");
+    assert_eq!(out.len() % n, 0, "narrow product: dst size");
+    let rows = out.len() / n;
+    if rows == 0 {
+        return;
+    }
+    let last = (first + rows - 1) * a.rs + (k - 1) * a.cs;
+    assert!(last < a.data.len(), "narrow product: lhs size");
+    #[cfg(target_arch = "x86_64")]
+    {
+        assert!(avx512f(), "narrow product without AVX-512F");
+        // SAFETY: AVX-512F was detected just above. The kernels read `a` at
+        // `(first + r)·rs + p·cs` for `r < rows`, `p < k`, whose largest is
+        // `last`, asserted inside `a`; `b` at `p·n + c` for `c < n` (`b` is
+        // `k×n`, asserted); and write `out` at `r·n + c` (`out` is `rows×n`).
+        // `NV` is `n`'s count of 16-lane vectors, as each kernel requires.
+        #[expect(unsafe_code, reason = "calling a target_feature kernel after run-time detection")]
+        unsafe {
+            let a = (a.data.as_ptr().add(first * a.rs), a.rs, a.cs);
+            match n.div_ceil(16) {
+                1 => x86::rows::<1, 8>((rows, n, k), a, b.as_ptr(), out.as_mut_ptr()),
+                2 => x86::rows::<2, 6>((rows, n, k), a, b.as_ptr(), out.as_mut_ptr()),
+                _ => x86::rows::<3, 6>((rows, n, k), a, b.as_ptr(), out.as_mut_ptr()),
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// `out[r] = a[r]·b` for each of `m` rows: `R` rows at a time, each
+    /// row's `n` outputs in `NV` registers (the last masked to `n`'s tail).
+    ///
+    /// # Safety
+    /// AVX-512F; `NV = ⌈n/16⌉`; `a.0` readable at `r·a.1 + p·a.2` for
+    /// `r < m`, `p < k`; `b` at `p·n + c` and `out` writable at `r·n + c`
+    /// for `c < n`.
+    #[target_feature(enable = "avx512f")]
+    #[expect(unsafe_code, reason = "AVX-512 loads and stores through raw pointers")]
+    #[expect(clippy::needless_range_loop, reason = "row and vector indices pick registers in step")]
+    pub(super) unsafe fn rows<const NV: usize, const R: usize>(
+        (m, n, k): (usize, usize, usize),
+        (a, rs, cs): (*const f32, usize, usize),
+        b: *const f32,
+        out: *mut f32,
+    ) {
+        let tail = n - (NV - 1) * 16;
+        let mut masks = [u16::MAX; NV];
+        masks[NV - 1] = if tail == 16 { u16::MAX } else { (1u16 << tail) - 1 };
+        // SAFETY: the rows read and written are below `m` and `p < k`,
+        // within what the caller guarantees; `b`'s and `out`'s lanes at or
+        // past `n` are masked off (not accessed).
+        unsafe {
+            let mut r0 = 0;
+            while r0 + R <= m {
+                let mut acc = [[_mm512_setzero_ps(); NV]; R];
+                for p in 0..k {
+                    let mut bv = [_mm512_setzero_ps(); NV];
+                    for v in 0..NV {
+                        bv[v] = _mm512_maskz_loadu_ps(masks[v], b.add(p * n + v * 16));
+                    }
+                    for r in 0..R {
+                        let x = _mm512_set1_ps(*a.add((r0 + r) * rs + p * cs));
+                        for v in 0..NV {
+                            acc[r][v] = _mm512_fmadd_ps(x, bv[v], acc[r][v]);
+                        }
+                    }
+                }
+                for r in 0..R {
+                    for v in 0..NV {
+                        _mm512_mask_storeu_ps(out.add((r0 + r) * n + v * 16), masks[v], acc[r][v]);
+                    }
+                }
+                r0 += R;
+            }
+            while r0 < m {
+                let mut acc = [_mm512_setzero_ps(); NV];
+                for p in 0..k {
+                    let x = _mm512_set1_ps(*a.add(r0 * rs + p * cs));
+                    for v in 0..NV {
+                        let bv = _mm512_maskz_loadu_ps(masks[v], b.add(p * n + v * 16));
+                        acc[v] = _mm512_fmadd_ps(x, bv, acc[v]);
+                    }
+                }
+                for v in 0..NV {
+                    _mm512_mask_storeu_ps(out.add(r0 * n + v * 16), masks[v], acc[v]);
+                }
+                r0 += 1;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::matrix::{Operand, sgemm_threads};
+
+    /// Values with many bits set, so that a reordered sum shows.
+    fn values(len: usize, seed: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| match (i * 31 + seed) % 17 {
+                0 => 0.0,
+                1 => -0.0,
+                _ => ((i * 7919 + seed * 104_729) % 1013) as f32 / 997.0 - 0.507,
+            })
+            .collect()
+    }
+
+    fn by_gemm(m: usize, n: usize, k: usize, (a, a_t): (&[f32], bool), b: &[f32]) -> Vec<f32> {
+        let mut dst = vec![f32::NAN; m * n];
+        super::super::gemm_product((m, n, k), (a, a_t), (b, false), &mut dst, 1);
+        dst
+    }
+
+    fn same_bits(x: &[f32], y: &[f32]) -> bool {
+        x.len() == y.len() && x.iter().zip(y).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
+    #[test]
+    fn a_narrow_product_has_the_bits_of_gemm() {
+        let mut products = 0;
+        for m in [2, 3, 7, 25, 64, 128, 257] {
+            for n in 2..=MAX_N + 2 {
+                for k in [3, 4, 16, 17, 41, 64, 97, 256, MAX_K] {
+                    let (a, b) = (values(m * k, 1), values(k * n, 2));
+                    for a_t in [false, true] {
+                        let expected = by_gemm(m, n, k, (&a, a_t), &b);
+                        let mut dst = vec![f32::NAN; m * n];
+                        let taken = product((m, n, k), (&a, a_t), &b, &mut dst, 1);
+                        assert_eq!(taken, avx512f() && fits(m, n, k, a_t), "m {m} n {n} k {k} transposed a {a_t}");
+                        if !taken {
+                            continue;
+                        }
+                        products += 1;
+                        assert!(same_bits(&expected, &dst), "m {m} n {n} k {k} transposed a {a_t}: not gemm's bits");
+                    }
+                }
+            }
+        }
+        assert_eq!(products > 0, avx512f(), "products taken: {products}");
+    }
+
+    #[test]
+    fn a_transposed_right_hand_side_gives_the_bits_of_it_laid_out() {
+        // gemm alone sums some of these (few rows, few columns) in lanes.
+        for (m, n, k) in [(2, 3, 16), (7, 2, 41), (25, 9, 64), (64, 4, 128), (300, 41, 64)] {
+            let (a, b_t) = (values(m * k, 5), values(n * k, 6));
+            let mut via_t = vec![f32::NAN; m * n];
+            sgemm_threads(m, n, k, Operand::plain(&a), Operand::t(&b_t), &mut via_t, 1);
+            let laid = laid_out(&b_t, n, k);
+            assert!(same_bits(&via_t, &by_gemm(m, n, k, (&a, false), &laid)), "m {m} n {n} k {k}");
+        }
+    }
+
+    #[test]
+    fn split_over_threads_it_has_the_same_bits() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().expect("a pool of 3 threads");
+        for ((m, n, k), a_t) in [((3379, 36, 16), false), ((MAX_M_TRANSPOSED, 36, MAX_K), true)] {
+            let (a, b) = (values(m * k, 3), values(k * n, 4));
+            let expected = by_gemm(m, n, k, (&a, a_t), &b);
+            let mut dst = vec![f32::NAN; m * n];
+            let taken = pool.install(|| product((m, n, k), (&a, a_t), &b, &mut dst, 3));
+            assert_eq!(taken, avx512f());
+            if taken {
+                assert!(same_bits(&expected, &dst), "m {m} n {n} k {k}");
+            }
+        }
+    }
+
+    #[test]
+    fn shapes_gemm_sums_otherwise_stay_with_it() {
+        assert!(!fits(1, 16, 16, false), "one row: gemm's vector path");
+        assert!(!fits(64, 16, 2, false) && !fits(64, 16, 1, false), "k below 3: gemm's bits differ");
+        assert!(!fits(64, 16, MAX_K + 1, false), "gemm cuts k past 512");
+        assert!(!fits(64, MAX_N + 1, 16, false) && !fits(MAX_M_TRANSPOSED + 1, 16, 16, true), "gemm is as fast");
+        assert!(fits(2, 2, 3, false) && fits(5000, MAX_N, MAX_K, false) && fits(MAX_M_TRANSPOSED, 2, 3, true));
+    }
+}
