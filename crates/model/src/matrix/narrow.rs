@@ -118,6 +118,8 @@ fn rows_for_cpu(n: usize, k: usize, a: Lhs<'_>, first: usize, b: &[f32], out: &m
             }
         }
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("narrow product without AVX-512F");
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -20,8 +20,9 @@ use crate::mlp::{matmul, sized};
 const POSITIONS_PER_TASK: usize = 256;
 /// The items' weights' gradient `[K, Q ⊙ K]ᵀ·G` is summed over parts of
 /// this many positions, each one product, the parts then added in order:
-/// a sum the narrow product takes whole (`matrix::narrow`), and the same
-/// bits on every CPU (`gemm` cuts a longer sum where its caches say).
+/// a sum the narrow product takes whole (`matrix::narrow`), cut where this
+/// says rather than where `gemm`'s cache sizes say (on the Xeon it was
+/// measured on, `gemm` cut it at 512 too: the same bits as before).
 const POSITIONS_PER_PART: usize = 512;
 
 /// The product's buffers, kept between steps.
