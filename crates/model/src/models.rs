@@ -28,6 +28,12 @@ pub struct DenseModel {
     at: At,
     /// Buffers of the direct step, reused across steps.
     scratch: std::sync::Mutex<crate::step::Scratch>,
+    /// Buffers of direct predictions, one taken a call and given back
+    /// after (held only to take or give one): predictions may run beside
+    /// a step and beside each other (a server's requests), and a batch's
+    /// fresh buffers were faulted in page by page, most of an evaluation's
+    /// time for DIN.
+    predicting: std::sync::Mutex<Vec<crate::step::Scratch>>,
     /// `train.simd`: whether its kernels may take their SIMD versions.
     simd: Simd,
     /// Its outputs, a group per task, and their loss.
@@ -101,7 +107,8 @@ impl DenseModel {
         let net =
             kind.build(&mut Build { ps: &mut ps, config, shape, heads: &heads, pairs, arith, simd, device: &device })?;
         let at = At { shape, width: kind.embedding_width(shape.embedding_dim), simd, dropout: None };
-        Ok(DenseModel { kind, shape, params: ps, net, at, scratch: Default::default(), simd, heads })
+        let (scratch, predicting) = Default::default();
+        Ok(DenseModel { kind, shape, params: ps, net, at, scratch, predicting, simd, heads })
     }
 
     /// The dense step's arithmetic floor, flops per sample: what the model
@@ -180,10 +187,17 @@ impl DenseModel {
     ) -> Result<Vec<f32>, ModelError> {
         if self.is_direct() {
             let x = self.concat_rows(&emb, &dense, rows)?;
-            // Its own buffers: predictions may run beside a training step.
-            let mut scratch = crate::step::Scratch::default();
-            self.sequences_into(sequences.cloned(), rows, &mut scratch)?;
-            return self.forward_direct(&x, rows, None, &mut scratch);
+            // Buffers of its own: predictions may run beside a training step.
+            let taken = self.predicting.lock().ok().and_then(|mut free| free.pop());
+            let mut scratch = taken.unwrap_or_default();
+            let logits = self
+                .sequences_into(sequences.cloned(), rows, &mut scratch)
+                .and_then(|()| self.forward_direct(&x, rows, None, &mut scratch));
+            // Given back whole only (a failed batch's buffers are dropped).
+            if let (Ok(_), Ok(mut free)) = (&logits, self.predicting.lock()) {
+                free.push(scratch);
+            }
+            return logits;
         }
         let (emb, dense) = self.inputs(emb, dense, rows)?;
         let items = self.sequence_inputs(sequences, rows)?;

@@ -222,3 +222,46 @@ fn history_items_that_do_not_fit_the_batch_are_refused() {
     let err = din.forward_backward_with(emb, dense, &labels, None, None, None).err().map(|e| e.to_string());
     assert!(err.unwrap_or_default().contains("behaviour sequence"), "a batch without its sequence is refused");
 }
+
+/// A batch of `rows` rows: embeddings, dense values and (histories of 0 to
+/// 4 items) its sequences.
+fn batch(rows: usize, num_dense: usize, rng: &mut Rng) -> (Vec<f32>, Vec<f32>, Sequences) {
+    let emb = (0..rows * FIELDS * DIM).map(|_| rng.uniform(-0.6, 0.6) as f32).collect();
+    let dense = (0..rows * num_dense).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
+    let histories: Vec<usize> = (0..rows).map(|r| (r * 7 + 3) % 5).collect();
+    (emb, dense, sequences(&histories, rng))
+}
+
+#[test]
+fn a_prediction_is_the_same_after_larger_and_other_batches() {
+    // Predictions reuse buffers from one call to the next: what one batch
+    // leaves in them (more rows, longer histories) must not reach another.
+    let deep: &[usize] = &[7, 6];
+    for (kind, style) in [
+        ("mlp", (0.0, Norm::None, Activation::Relu)),
+        ("dcn", (0.0, Norm::Batch, Activation::Relu)),
+        ("mmoe", (0.0, Norm::Layer, Activation::Prelu)),
+        ("ple", (0.0, Norm::Batch, Activation::Relu)),
+        ("esmm", (0.0, Norm::None, Activation::Relu)),
+        ("din", (0.0, Norm::Batch, Activation::Dice)),
+        ("din", (0.0, Norm::None, Activation::Relu)),
+    ] {
+        let num_dense = 2;
+        let mut rng = Rng::new(31);
+        let small = batch(5, num_dense, &mut rng);
+        let large = batch(300, num_dense, &mut rng);
+        let other = batch(5, num_dense, &mut rng);
+        let predict = |model: &DenseModel, (emb, dense, seq): &(Vec<f32>, Vec<f32>, Sequences), rows| {
+            let seq = (kind == "din").then_some(seq);
+            model.predict_with(emb.clone(), dense.clone(), rows, seq).expect("predict")
+        };
+        let fresh = model_with(kind, Precision::F32, num_dense, deep, style);
+        let expected = predict(&fresh, &small, 5);
+        let reused = model_with(kind, Precision::F32, num_dense, deep, style);
+        predict(&reused, &large, 300);
+        predict(&reused, &other, 5);
+        let again = predict(&reused, &small, 5);
+        let same = expected.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same && expected.len() == again.len(), "{kind} {style:?}: {expected:?} then {again:?}");
+    }
+}
