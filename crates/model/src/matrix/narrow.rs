@@ -40,13 +40,7 @@ pub(super) fn fits(m: usize, n: usize, k: usize, a_transposed: bool) -> bool {
 
 /// `b` (`n×k` row-major, a transposed operand) laid out as `k×n`.
 pub(super) fn laid_out(b: &[f32], n: usize, k: usize) -> Vec<f32> {
-    let mut t = vec![0.0; k * n];
-    for (j, col) in b.chunks_exact(k).enumerate() {
-        for (p, v) in col.iter().enumerate() {
-            t[p * n + j] = *v;
-        }
-    }
-    t
+    (0..k * n).map(|i| b[(i % n) * k + i / n]).collect()
 }
 
 /// `dst (m×n) = op(a)·b` (`a` `m×k`, stored `k×m` when transposed; `b`
@@ -246,9 +240,38 @@ mod tests {
             let (a, b_t) = (values(m * k, 5), values(n * k, 6));
             let mut via_t = vec![f32::NAN; m * n];
             sgemm_threads(m, n, k, Operand::plain(&a), Operand::t(&b_t), &mut via_t, 1);
-            let laid = laid_out(&b_t, n, k);
+            // Laid out here by hand: element (p, j) of b is b_t[j][p].
+            let mut laid = vec![f32::NAN; k * n];
+            for p in 0..k {
+                for j in 0..n {
+                    laid[p * n + j] = b_t[j * k + p];
+                }
+            }
             assert!(same_bits(&via_t, &by_gemm(m, n, k, (&a, false), &laid)), "m {m} n {n} k {k}");
         }
+    }
+
+    #[test]
+    fn a_nan_or_an_infinity_reaches_the_outputs_it_reaches_in_gemm() {
+        // A non-finite input is the gradient check's to report: the product
+        // passes it on where gemm's does, and leaves every other output as
+        // gemm's.
+        let (m, n, k) = (9, 20, 16);
+        let mut a = values(m * k, 7);
+        let b = values(k * n, 8);
+        a[3 * k + 5] = f32::NAN;
+        a[6 * k + 2] = f32::INFINITY;
+        let expected = by_gemm(m, n, k, (&a, false), &b);
+        let mut dst = vec![0.0; m * n];
+        if !product((m, n, k), (&a, false), &b, &mut dst, 1) {
+            assert!(!avx512f());
+            return;
+        }
+        for (i, (x, y)) in expected.iter().zip(&dst).enumerate() {
+            assert_eq!(x.is_nan(), y.is_nan(), "output {i}: {x} against gemm's {y}");
+            assert!(x.is_nan() || x.to_bits() == y.to_bits(), "output {i}: {x} against gemm's {y}");
+        }
+        assert!(dst[3 * n..4 * n].iter().all(|v| v.is_nan()) && dst[6 * n..7 * n].iter().all(|v| !v.is_finite()));
     }
 
     #[test]
