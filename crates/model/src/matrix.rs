@@ -3,9 +3,11 @@
 //! crate), which `mlp` runs in fp32 and `bf16` runs on bf16-rounded
 //! operands where the CPU has no bf16 dot product; and [`dot`], a short
 //! dot product in lanes (the multi-task gates' and DIN's adjoints). A
-//! product with a narrow right-hand side runs on its own kernel where the
-//! CPU has AVX-512F ([`narrow`]), with `gemm`'s bits.
+//! product with a narrow right-hand side, or with one output column and
+//! many rows, runs on a kernel of its own where the CPU has AVX-512F
+//! ([`narrow`], [`column`]), with `gemm`'s bits.
 
+mod column;
 mod narrow;
 
 /// A row-major matrix operand, used as stored or transposed.
@@ -50,6 +52,10 @@ pub fn sgemm_threads(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_
     } else {
         (b, b_t)
     };
+    // One column is the same `k` values stored either way.
+    if column::product((m, n, k), (a, a_t), b, dst, threads) {
+        return;
+    }
     if !b_t && narrow::product((m, n, k), (a, a_t), b, dst, threads) {
         return;
     }

@@ -76,7 +76,7 @@ struct Lhs<'a> {
     cs: usize,
 }
 
-fn avx512f() -> bool {
+pub(super) fn avx512f() -> bool {
     #[cfg(target_arch = "x86_64")]
     return std::arch::is_x86_feature_detected!("avx512f");
     #[cfg(not(target_arch = "x86_64"))]
