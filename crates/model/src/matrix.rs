@@ -56,10 +56,26 @@ pub fn sgemm_threads(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_
     if column::product((m, n, k), (a, a_t), b, dst, threads) {
         return;
     }
+    if k == 1 && m * n > GEMM_HORIZONTAL_MAX {
+        return outer(a, b, dst);
+    }
     if !b_t && narrow::product((m, n, k), (a, a_t), b, dst, threads) {
         return;
     }
     gemm_product((m, n, k), (a, a_t), (b, b_t), dst, threads);
+}
+
+/// `gemm`'s horizontal kernel takes `m·n` up to this (for `k` = 1 too).
+const GEMM_HORIZONTAL_MAX: usize = 256;
+
+/// `dst (m×n) = a·b` for `k` = 1 (`a` `m` values, `b` `n`, stored either
+/// way), row by row: each output is one product, as in `gemm`'s outer
+/// product (`gevv`), which writes it column by column, a cache line a value
+/// (DIN's unit's `[3270, 1]·[1, 36]`: 27 µs there).
+fn outer(a: &[f32], b: &[f32], dst: &mut [f32]) {
+    for (row, &x) in dst.chunks_exact_mut(b.len()).zip(a) {
+        row.iter_mut().zip(b).for_each(|(d, &y)| *d = x * y);
+    }
 }
 
 /// [`sgemm_threads`] on the `gemm` crate (sizes checked by the caller).
@@ -118,4 +134,30 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     }
     let tail: f32 = a_rest.iter().zip(b_rest).map(|(a, b)| a * b).sum();
     lanes.iter().sum::<f32>() + tail
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An outer product (`k` = 1) has `gemm`'s bits, whichever way its
+    /// operands are stored (one column or one row is the same values).
+    #[test]
+    fn an_outer_product_has_the_bits_of_gemm() {
+        let values = |len: usize, seed: usize| -> Vec<f32> {
+            (0..len).map(|i| ((i * 7919 + seed * 104_729) % 1013) as f32 / 997.0 - 0.507).collect()
+        };
+        for (m, n) in [(3270, 36), (1024, 32), (257, 1), (300, 2), (2, 200), (16, 16), (9, 7)] {
+            let (a, b) = (values(m, 1), values(n, 2));
+            let mut expected = vec![f32::NAN; m * n];
+            gemm_product((m, n, 1), (&a, false), (&b, false), &mut expected, 1);
+            for (a_t, b_t) in [(false, false), (true, false), (false, true), (true, true)] {
+                let mut dst = vec![f32::NAN; m * n];
+                let op = |data, t| if t { Operand::t(data) } else { Operand::plain(data) };
+                sgemm_threads(m, n, 1, op(&a, a_t), op(&b, b_t), &mut dst, 1);
+                let same = dst.iter().zip(&expected).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "m {m} n {n} transposed a {a_t} b {b_t}");
+            }
+        }
+    }
 }

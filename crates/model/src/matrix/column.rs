@@ -16,21 +16,33 @@
 //! vectors, lane 0 first: each row's sum is the same adds in the same
 //! order, so the product has `gemm`'s bits (tested against it). `gemm`
 //! takes other paths, with other bits, at 256 rows or fewer (its
-//! horizontal kernel) and at a `k` below 3; those, a transposed left-hand
-//! side and every product on a CPU without AVX-512F stay with it.
+//! horizontal kernel) and at a `k` below 3; those, and every product on a
+//! CPU without AVX-512F, stay with it.
+//!
+//! A transposed left-hand side with one output column is a layer's weight
+//! gradient `xᵀ·g` for its one output (DIN's unit's last layer: `[36]`
+//! over 3.3k items). `gemm` (`mixed_gemv_colmajor`) sums it as
+//! `dst = x₀·g₀`, then `dst += x_p·g_p` fused, for each `p` in order, with
+//! `dst` stored and loaded back at every step (16.6 µs for DIN's). Here
+//! `dst` stays in registers, 64 outputs at a time, through the same
+//! operations.
 
 use rayon::prelude::*;
 
-/// `gemm`'s horizontal kernel takes `m·n` up to this.
-const GEMM_HORIZONTAL_MAX: usize = 256;
+use super::GEMM_HORIZONTAL_MAX;
 /// Rows a parallel task takes are a multiple of the transposed block.
 const ROW_BLOCK: usize = 16;
 /// The deepest: a block's 16 rows are gathered at offsets `r·k` in 32 bits.
 const MAX_K: usize = 1 << 24;
 
-/// Whether a product of this shape is this module's to compute.
+/// Outputs of a transposed left-hand side's product held in registers at once.
+const STRIP: usize = 64;
+
+/// Whether a product of this shape is this module's to compute: with a
+/// transposed `a`, one row is `gemm`'s horizontal kernel's.
 pub(super) fn fits(m: usize, n: usize, k: usize, a_transposed: bool) -> bool {
-    n == 1 && !a_transposed && m > GEMM_HORIZONTAL_MAX && (3..=MAX_K).contains(&k)
+    let rows = if a_transposed { m >= 2 } else { m > GEMM_HORIZONTAL_MAX };
+    n == 1 && rows && (3..=MAX_K).contains(&k)
 }
 
 /// `dst (m×1) = a·b` (`a` `m×k` row-major, `b` `k` values) where [`fits`]
@@ -45,6 +57,15 @@ pub(super) fn product(
 ) -> bool {
     if !fits(m, n, k, a_transposed) || !super::narrow::avx512f() {
         return false;
+    }
+    if a_transposed {
+        let strips = dst.par_chunks_mut(STRIP).enumerate();
+        if threads > 1 && m * k >= 1 << 20 {
+            strips.for_each(|(s, d)| strip_for_cpu((m, k), a, s * STRIP, b, d));
+        } else {
+            dst.chunks_mut(STRIP).enumerate().for_each(|(s, d)| strip_for_cpu((m, k), a, s * STRIP, b, d));
+        }
+        return true;
     }
     if threads > 1 && m * k >= 1 << 20 {
         let rows = m.div_ceil(threads).next_multiple_of(ROW_BLOCK);
@@ -72,6 +93,30 @@ fn rows_for_cpu(k: usize, a: &[f32], b: &[f32], out: &mut [f32]) {
         #[expect(unsafe_code, reason = "calling a target_feature kernel after run-time detection")]
         unsafe {
             x86::rows(out.len(), k, a.as_ptr(), b.as_ptr(), out.as_mut_ptr());
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("one-column product without AVX-512F");
+}
+
+/// Outputs `first..` (as many as `out` holds, at most [`STRIP`]) of
+/// `aᵀ·b`, `a` stored `k×m`.
+fn strip_for_cpu((m, k): (usize, usize), a: &[f32], first: usize, b: &[f32], out: &mut [f32]) {
+    assert!(k > 0 && out.len() <= STRIP && first + out.len() <= m, "one-column product: strip");
+    assert_eq!(b.len(), k, "one-column product: rhs size");
+    assert_eq!(a.len(), m * k, "one-column product: lhs size");
+    if out.is_empty() {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        assert!(super::narrow::avx512f(), "one-column product without AVX-512F");
+        // SAFETY: AVX-512F was detected just above. The kernel reads `a` at
+        // `p·m + first + i` for `p < k`, `i < out.len()` (so below `m·k`,
+        // asserted), `b` at `p < k` and writes `out` at `i < out.len()`.
+        #[expect(unsafe_code, reason = "calling a target_feature kernel after run-time detection")]
+        unsafe {
+            x86::strip((m, k), a.as_ptr().add(first), b.as_ptr(), out);
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -116,6 +161,42 @@ mod x86 {
                 depth += LANES;
             }
             sum
+        }
+    }
+
+    /// `out[i] = Σ_p a[p·m + i]·b[p]` for `i < out.len()` (at most 64): the
+    /// first product alone, then each next one fused in, in order.
+    ///
+    /// # Safety
+    /// AVX-512F; `a` readable at `p·m + i` and `b` at `p` for `p < k`,
+    /// `i < out.len()`.
+    #[target_feature(enable = "avx512f")]
+    #[expect(unsafe_code, reason = "AVX-512 loads through raw pointers")]
+    pub(super) unsafe fn strip((m, k): (usize, usize), a: *const f32, b: *const f32, out: &mut [f32]) {
+        const NV: usize = super::STRIP / LANES;
+        let mut masks = [0u16; NV];
+        for (v, mask) in masks.iter_mut().enumerate() {
+            let lanes = out.len().saturating_sub(v * LANES).min(LANES);
+            *mask = if lanes == LANES { u16::MAX } else { (1u16 << lanes) - 1 };
+        }
+        // SAFETY: every load is masked to the strip's `out.len()` values of
+        // a row `p < k` of `a`, and of `b` at `p < k`.
+        unsafe {
+            let mut acc = [_mm512_setzero_ps(); NV];
+            let g = _mm512_set1_ps(*b);
+            for v in 0..NV {
+                acc[v] = _mm512_mul_ps(_mm512_maskz_loadu_ps(masks[v], a.add(v * LANES)), g);
+            }
+            for p in 1..k {
+                let g = _mm512_set1_ps(*b.add(p));
+                for v in 0..NV {
+                    let x = _mm512_maskz_loadu_ps(masks[v], a.add(p * m + v * LANES));
+                    acc[v] = _mm512_fmadd_ps(x, g, acc[v]);
+                }
+            }
+            for v in 0..NV {
+                _mm512_mask_storeu_ps(out.as_mut_ptr().add(v * LANES), masks[v], acc[v]);
+            }
         }
     }
 
@@ -215,9 +296,9 @@ mod tests {
             .collect()
     }
 
-    fn by_gemm(m: usize, k: usize, a: &[f32], b: &[f32]) -> Vec<f32> {
+    fn by_gemm(m: usize, k: usize, (a, a_t): (&[f32], bool), b: &[f32]) -> Vec<f32> {
         let mut dst = vec![f32::NAN; m];
-        super::super::gemm_product((m, 1, k), (a, false), (b, false), &mut dst, 1);
+        super::super::gemm_product((m, 1, k), (a, a_t), (b, false), &mut dst, 1);
         dst
     }
 
@@ -228,16 +309,18 @@ mod tests {
     #[test]
     fn a_one_column_product_has_the_bits_of_gemm() {
         let mut products = 0;
-        for m in [257, 258, 271, 272, 300, 1024, 3270] {
-            for k in [3, 4, 15, 16, 17, 31, 32, 36, 64, 100, 127, 128, 129, 143, 144, 256, 300, 1000] {
+        let plain = [257, 258, 271, 272, 300, 1024, 3270].map(|m| (m, false));
+        let transposed = [2, 3, 15, 16, 17, 36, 63, 64, 65, 100, 300].map(|m| (m, true));
+        for (m, a_t) in plain.into_iter().chain(transposed) {
+            for k in [3, 4, 15, 16, 17, 31, 32, 36, 64, 100, 127, 128, 129, 143, 144, 256, 300, 1000, 3270] {
                 let (a, b) = (values(m * k, 1), values(k, 2));
-                let expected = by_gemm(m, k, &a, &b);
+                let expected = by_gemm(m, k, (&a, a_t), &b);
                 let mut dst = vec![f32::NAN; m];
-                let taken = product((m, 1, k), (&a, false), &b, &mut dst, 1);
-                assert_eq!(taken, narrow_cpu(), "m {m} k {k}");
+                let taken = product((m, 1, k), (&a, a_t), &b, &mut dst, 1);
+                assert_eq!(taken, narrow_cpu(), "m {m} k {k} transposed a {a_t}");
                 if taken {
                     products += 1;
-                    assert!(same_bits(&expected, &dst), "m {m} k {k}: not gemm's bits");
+                    assert!(same_bits(&expected, &dst), "m {m} k {k} transposed a {a_t}: not gemm's bits");
                 }
             }
         }
@@ -256,41 +339,46 @@ mod tests {
         let (mut plain, mut t) = (vec![f32::NAN; m], vec![f32::NAN; m]);
         sgemm_threads(m, 1, k, Operand::plain(&a), Operand::plain(&b), &mut plain, 1);
         sgemm_threads(m, 1, k, Operand::plain(&a), Operand::t(&b), &mut t, 1);
-        assert!(same_bits(&plain, &t) && same_bits(&plain, &by_gemm(m, k, &a, &b)));
+        assert!(same_bits(&plain, &t) && same_bits(&plain, &by_gemm(m, k, (&a, false), &b)));
     }
 
     #[test]
     fn a_nan_or_an_infinity_reaches_the_rows_it_reaches_in_gemm() {
         let (m, k) = (300, 40);
-        let mut a = values(m * k, 5);
-        let b = values(k, 6);
-        a[3 * k + 5] = f32::NAN;
-        a[17 * k + 38] = f32::INFINITY;
-        a[18 * k + 2] = f32::NEG_INFINITY;
-        let expected = by_gemm(m, k, &a, &b);
-        let mut dst = vec![0.0; m];
-        if !product((m, 1, k), (&a, false), &b, &mut dst, 1) {
-            assert!(!narrow_cpu());
-            return;
+        for a_t in [false, true] {
+            let mut a = values(m * k, 5);
+            let b = values(k, 6);
+            // Element (i, p) of op(a).
+            let at = |i: usize, p: usize| if a_t { p * m + i } else { i * k + p };
+            a[at(3, 5)] = f32::NAN;
+            a[at(17, 38)] = f32::INFINITY;
+            a[at(18, 2)] = f32::NEG_INFINITY;
+            let expected = by_gemm(m, k, (&a, a_t), &b);
+            let mut dst = vec![0.0; m];
+            if !product((m, 1, k), (&a, a_t), &b, &mut dst, 1) {
+                assert!(!narrow_cpu());
+                return;
+            }
+            for (i, (x, y)) in expected.iter().zip(&dst).enumerate() {
+                assert_eq!(x.is_nan(), y.is_nan(), "row {i}: {y} against gemm's {x}");
+                assert!(x.is_nan() || x.to_bits() == y.to_bits(), "row {i}: {y} against gemm's {x}");
+            }
+            assert!(dst[3].is_nan() && !dst[17].is_finite() && !dst[18].is_finite());
         }
-        for (i, (x, y)) in expected.iter().zip(&dst).enumerate() {
-            assert_eq!(x.is_nan(), y.is_nan(), "row {i}: {y} against gemm's {x}");
-            assert!(x.is_nan() || x.to_bits() == y.to_bits(), "row {i}: {y} against gemm's {x}");
-        }
-        assert!(dst[3].is_nan() && !dst[17].is_finite() && !dst[18].is_finite());
     }
 
     #[test]
     fn split_over_threads_it_has_the_same_bits() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().expect("a pool of 3 threads");
-        let (m, k) = (40_000, 36);
-        let (a, b) = (values(m * k, 7), values(k, 8));
-        let expected = by_gemm(m, k, &a, &b);
-        let mut dst = vec![f32::NAN; m];
-        let taken = pool.install(|| product((m, 1, k), (&a, false), &b, &mut dst, 3));
-        assert_eq!(taken, narrow_cpu());
-        if taken {
-            assert!(same_bits(&expected, &dst));
+        for ((m, k), a_t) in [((40_000, 36), false), ((1000, 1100), true)] {
+            let (a, b) = (values(m * k, 7), values(k, 8));
+            let expected = by_gemm(m, k, (&a, a_t), &b);
+            let mut dst = vec![f32::NAN; m];
+            let taken = pool.install(|| product((m, 1, k), (&a, a_t), &b, &mut dst, 3));
+            assert_eq!(taken, narrow_cpu());
+            if taken {
+                assert!(same_bits(&expected, &dst), "m {m} k {k} transposed a {a_t}");
+            }
         }
     }
 
@@ -298,9 +386,9 @@ mod tests {
     fn shapes_gemm_sums_otherwise_stay_with_it() {
         assert!(!fits(GEMM_HORIZONTAL_MAX, 1, 36, false), "256 rows or fewer: gemm's horizontal kernel");
         assert!(!fits(1000, 1, 2, false), "k below 3: gemm's outer product");
-        assert!(!fits(1000, 1, 36, true), "a transposed lhs: gemm's column-major path");
+        assert!(!fits(1, 1, 36, true), "one row: gemm's horizontal kernel");
         assert!(!fits(1000, 2, 36, false), "two columns: not one");
         assert!(!fits(1000, 1, MAX_K + 1, false), "offsets past 32 bits");
-        assert!(fits(GEMM_HORIZONTAL_MAX + 1, 1, 3, false) && fits(100_000, 1, 5000, false));
+        assert!(fits(GEMM_HORIZONTAL_MAX + 1, 1, 3, false) && fits(100_000, 1, 5000, false) && fits(2, 1, 3, true));
     }
 }
