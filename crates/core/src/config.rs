@@ -461,8 +461,8 @@ pub struct TrainConfig {
     /// the CPU has them; `portable`: their portable versions (the same bits,
     /// slower). `SPARROW_SIMD` in the environment sets it for every command
     /// (a `--set` of it wins). The fp32 matrix product picks its kernels by
-    /// CPU either way (the `gemm` crate's, and for a narrow product
-    /// Sparrow's AVX-512 one, with gemm's bits).
+    /// CPU either way (the `gemm` crate's, and for a narrow product or one
+    /// output column Sparrow's AVX-512 ones, with gemm's bits).
     pub simd: crate::simd::Simd,
     /// `[train.schedule]`: the learning rates' warmup and decay by dense step.
     pub schedule: ScheduleConfig,

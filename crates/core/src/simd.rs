@@ -10,7 +10,7 @@
 //! works around a CPU that misreports a feature. `auto` (the default): use
 //! what the CPU has. The machine's measured ceilings (`sparrow bench`)
 //! ignore it, as does the fp32 matrix product (the `gemm` crate picks its
-//! kernels by CPU, and Sparrow's narrow-product kernel gives gemm's bits).
+//! kernels by CPU, and Sparrow's narrow and one-column kernels give gemm's bits).
 //!
 //! The choice is a value: the model, its optimizer and the embedding table
 //! are built with it (from their config) and hand it to each kernel they
