@@ -1,5 +1,5 @@
-//! The fp32 product with one output column (`n` = 1) and a row-major
-//! left-hand side of more than 256 rows: every output layer's forward
+//! The fp32 product with one output column (`n` = 1). With a row-major
+//! left-hand side of more than 256 rows it is every output layer's forward
 //! product at a large batch, and DIN's attention unit's, which scores each
 //! of a batch's few thousand history items.
 //!
@@ -30,12 +30,14 @@
 use rayon::prelude::*;
 
 use super::GEMM_HORIZONTAL_MAX;
+
 /// Rows a parallel task takes are a multiple of the transposed block.
 const ROW_BLOCK: usize = 16;
 /// The deepest: a block's 16 rows are gathered at offsets `r·k` in 32 bits.
 const MAX_K: usize = 1 << 24;
 
-/// Outputs of a transposed left-hand side's product held in registers at once.
+/// Outputs of a transposed left-hand side's product held in registers at
+/// once (four 16-lane accumulators).
 const STRIP: usize = 64;
 
 /// Whether a product of this shape is this module's to compute: with a
@@ -59,11 +61,11 @@ pub(super) fn product(
         return false;
     }
     if a_transposed {
-        let strips = dst.par_chunks_mut(STRIP).enumerate();
+        let strip = |(s, d): (usize, &mut [f32])| strip_for_cpu((m, k), a, s * STRIP, b, d);
         if threads > 1 && m * k >= 1 << 20 {
-            strips.for_each(|(s, d)| strip_for_cpu((m, k), a, s * STRIP, b, d));
+            dst.par_chunks_mut(STRIP).enumerate().for_each(strip);
         } else {
-            dst.chunks_mut(STRIP).enumerate().for_each(|(s, d)| strip_for_cpu((m, k), a, s * STRIP, b, d));
+            dst.chunks_mut(STRIP).enumerate().for_each(strip);
         }
         return true;
     }
@@ -113,10 +115,17 @@ fn strip_for_cpu((m, k): (usize, usize), a: &[f32], first: usize, b: &[f32], out
         assert!(super::narrow::avx512f(), "one-column product without AVX-512F");
         // SAFETY: AVX-512F was detected just above. The kernel reads `a` at
         // `p·m + first + i` for `p < k`, `i < out.len()` (so below `m·k`,
-        // asserted), `b` at `p < k` and writes `out` at `i < out.len()`.
+        // asserted), `b` at `p < k` and writes `out` at `i < out.len()`;
+        // `NV` is `out.len()`'s count of 16-lane vectors, as it requires.
         #[expect(unsafe_code, reason = "calling a target_feature kernel after run-time detection")]
         unsafe {
-            x86::strip((m, k), a.as_ptr().add(first), b.as_ptr(), out);
+            let a = a.as_ptr().add(first);
+            match out.len().div_ceil(16) {
+                1 => x86::strip::<1>((m, k), a, b.as_ptr(), out),
+                2 => x86::strip::<2>((m, k), a, b.as_ptr(), out),
+                3 => x86::strip::<3>((m, k), a, b.as_ptr(), out),
+                _ => x86::strip::<4>((m, k), a, b.as_ptr(), out),
+            }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -164,23 +173,20 @@ mod x86 {
         }
     }
 
-    /// `out[i] = Σ_p a[p·m + i]·b[p]` for `i < out.len()` (at most 64): the
-    /// first product alone, then each next one fused in, in order.
+    /// `out[i] = Σ_p a[p·m + i]·b[p]` for `i < out.len()`: the first
+    /// product alone, then each next one fused in, in order.
     ///
     /// # Safety
-    /// AVX-512F; `a` readable at `p·m + i` and `b` at `p` for `p < k`,
-    /// `i < out.len()`.
+    /// AVX-512F; `NV = ⌈out.len()/16⌉`; `a` readable at `p·m + i` and `b`
+    /// at `p` for `p < k`, `i < out.len()`.
     #[target_feature(enable = "avx512f")]
     #[expect(unsafe_code, reason = "AVX-512 loads through raw pointers")]
-    pub(super) unsafe fn strip((m, k): (usize, usize), a: *const f32, b: *const f32, out: &mut [f32]) {
-        const NV: usize = super::STRIP / LANES;
-        let mut masks = [0u16; NV];
-        for (v, mask) in masks.iter_mut().enumerate() {
-            let lanes = out.len().saturating_sub(v * LANES).min(LANES);
-            *mask = if lanes == LANES { u16::MAX } else { (1u16 << lanes) - 1 };
-        }
-        // SAFETY: every load is masked to the strip's `out.len()` values of
-        // a row `p < k` of `a`, and of `b` at `p < k`.
+    pub(super) unsafe fn strip<const NV: usize>((m, k): (usize, usize), a: *const f32, b: *const f32, out: &mut [f32]) {
+        let mut masks = [u16::MAX; NV];
+        let tail = out.len() - (NV - 1) * LANES;
+        masks[NV - 1] = if tail == LANES { u16::MAX } else { (1u16 << tail) - 1 };
+        // SAFETY: every load is of a row `p < k` of `a` at `v·16` below
+        // `out.len()` (the last vector masked to it), and of `b` at `p < k`.
         unsafe {
             let mut acc = [_mm512_setzero_ps(); NV];
             let g = _mm512_set1_ps(*b);
