@@ -289,27 +289,13 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::matrix::tests::{same_bits, values};
     use crate::matrix::{Operand, sgemm_threads};
-
-    /// Values with many bits set, so that a reordered sum shows.
-    fn values(len: usize, seed: usize) -> Vec<f32> {
-        (0..len)
-            .map(|i| match (i * 31 + seed) % 17 {
-                0 => 0.0,
-                1 => -0.0,
-                _ => ((i * 7919 + seed * 104_729) % 1013) as f32 / 997.0 - 0.507,
-            })
-            .collect()
-    }
 
     fn by_gemm(m: usize, k: usize, (a, a_t): (&[f32], bool), b: &[f32]) -> Vec<f32> {
         let mut dst = vec![f32::NAN; m];
         super::super::gemm_product((m, 1, k), (a, a_t), (b, false), &mut dst, 1);
         dst
-    }
-
-    fn same_bits(x: &[f32], y: &[f32]) -> bool {
-        x.len() == y.len() && x.iter().zip(y).all(|(x, y)| x.to_bits() == y.to_bits())
     }
 
     #[test]
