@@ -248,6 +248,12 @@ mod x86 {
     #[expect(unsafe_code, reason = "AVX-512 loads and stores through raw pointers")]
     pub(super) unsafe fn rows(m: usize, k: usize, a: *const f32, b: *const f32, out: *mut f32) {
         let k_lane = k / LANES * LANES;
+        // A block's rows' offsets from its first, for the gathers below
+        // (`k` ≤ 2²⁴ keeps 15·k in 32 bits).
+        let offsets = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(k as i32),
+        );
         let mut r0 = 0;
         while r0 < m {
             let block = (m - r0).min(LANES);
@@ -265,10 +271,6 @@ mod x86 {
             // The values past the last 16 are fused in one at a time, each
             // a column of the block's rows gathered into one vector.
             let mask: __mmask16 = if block == LANES { u16::MAX } else { (1u16 << block) - 1 };
-            let offsets = _mm512_mullo_epi32(
-                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                _mm512_set1_epi32(k as i32),
-            );
             for p in k_lane..k {
                 // SAFETY: the gather reads `a` at `(r0 + r)·k + p` for the
                 // block's rows `r` (the mask leaves the others), each below

@@ -122,9 +122,10 @@ mod x86 {
 
     /// `out[r] = a[r]·b` for each of `m` rows: `R` rows at a time, each
     /// row's `n` outputs in `NV` registers (the last masked to `n`'s tail),
-    /// then the rows left (fewer than `R`) as one block of their own (one
-    /// row at a time, each step waited on the last: DIN's items' gradient,
-    /// 16 rows by 36 columns, spent a third of its time on its last 4).
+    /// then the rows left (fewer than `R`, at most 8) as one block of their
+    /// own. Row by row, each step would wait on the one before: DIN's
+    /// items' gradient, 16 rows by 36 columns, spent a third of its time on
+    /// its last 4 that way.
     ///
     /// # Safety
     /// AVX-512F; `NV = ⌈n/16⌉`; `a.0` readable at `r·a.1 + p·a.2` for
@@ -141,6 +142,7 @@ mod x86 {
         let tail = n - (NV - 1) * 16;
         let mut masks = [u16::MAX; NV];
         masks[NV - 1] = if tail == 16 { u16::MAX } else { (1u16 << tail) - 1 };
+        const { assert!(R <= 8, "a remainder past 7 rows has no block below") };
         let full = m / R * R;
         // SAFETY: every block's rows are below `m`, as the caller
         // guarantees for `a` and `out`.
@@ -157,11 +159,8 @@ mod x86 {
                 4 => block::<NV, 4>((n, k), (a, rs, cs), b, out, masks),
                 5 => block::<NV, 5>((n, k), (a, rs, cs), b, out, masks),
                 6 => block::<NV, 6>((n, k), (a, rs, cs), b, out, masks),
-                left => {
-                    // `R` is at most 8 below.
-                    debug_assert_eq!(left, 7);
-                    block::<NV, 7>((n, k), (a, rs, cs), b, out, masks);
-                }
+                // Fewer than `R` ≤ 8 rows are left (asserted above).
+                _ => block::<NV, 7>((n, k), (a, rs, cs), b, out, masks),
             }
         }
     }
