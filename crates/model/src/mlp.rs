@@ -545,8 +545,7 @@ fn forward_into(
         // without one is fused with the bias.
         let relu = l.relu && l.norm.is_none() && shape.activation == Activation::Relu;
         if let (0, First::Product(first)) = (i, &mut x) {
-            first.forward(w, rows, l.fan_out, out);
-            add_bias(out, bias, relu);
+            first.forward(w, rows, l.fan_out, (bias, relu), out);
         } else if rounded {
             scratch.rounded.forward(i, (rows, l.fan_in, l.fan_out), input, w, out);
             add_bias(out, bias, relu);
@@ -647,11 +646,14 @@ fn backward_into(
     for (i, l) in layers.iter().enumerate().rev() {
         let input: &[f32] = if i == 0 { laid } else { &scratch.hidden[i - 1] };
         let (fi, fo) = (l.fan_in, l.fan_out);
+        let out: &[f32] = if i + 1 == layers.len() { &scratch.output } else { &scratch.hidden[i] };
+        let relu_here = l.relu && shape.activation == Activation::Relu && !(masked_in && i + 1 == layers.len());
+        // A first layer's product masks by its ReLU as it sums its gradient.
+        let relu_in_product = relu_here && i == 0 && l.norm.is_none() && matches!(x, First::Product(_));
         if l.relu {
             // d output → d (activation's input), through dropout's masks.
-            let out: &[f32] = if i + 1 == layers.len() { &scratch.output } else { &scratch.hidden[i] };
             if shape.activation == Activation::Relu {
-                if !(masked_in && i + 1 == layers.len()) {
+                if relu_here && !relu_in_product {
                     relu_mask(&mut g[..g_len], out, fo, scale);
                 }
             } else {
@@ -686,8 +688,8 @@ fn backward_into(
         let gi = prefix(&mut g_in, rows * fi);
         let w = &p[l.w..l.w + fi * fo];
         if let (0, First::Product(first)) = (i, &mut x) {
-            g[..g_len].chunks_exact(fo).for_each(|row| db.iter_mut().zip(row).for_each(|(d, g)| *d += g));
-            first.backward(w, rows, fo, &g[..g_len], dw);
+            let relu = relu_in_product.then_some((out, scale));
+            first.backward(w, (rows, fo), (&mut g[..g_len], relu), (dw, db));
         } else if rounds_operands(shape.arith) {
             scratch.rounded.backward(i, (rows, fi, fo), &g[..g_len], (dw, db), gi);
         } else {

@@ -27,6 +27,7 @@ use crate::params::ParamStore;
 use crate::step::ModelShape;
 
 mod direct;
+mod positions;
 mod product;
 
 pub(super) struct Din;
@@ -109,6 +110,8 @@ struct DinNet {
     /// One local activation unit per sequence.
     units: Vec<Mlp>,
     mlp: Mlp,
+    /// `train.simd`, for the passes over history items.
+    simd: sparrow_core::simd::Simd,
 }
 
 impl DinNet {
@@ -131,7 +134,7 @@ impl DinNet {
         let sizes: Vec<usize> = config.hidden.iter().copied().chain([outputs]).collect();
         let mlp = Mlp::new_normed(ps, "mlp", input, &sizes, false, arith, crate::kinds::stack_style(config))?
             .with_dropout(config.dropout, simd);
-        Ok(DinNet { pairs: pairs.to_vec(), units, mlp })
+        Ok(DinNet { pairs: pairs.to_vec(), units, mlp, simd })
     }
 }
 

@@ -8,13 +8,27 @@ use super::{Mlp, MlpScratch, cpu};
 use crate::ModelError;
 use crate::bf16::Arith;
 
-/// The first layer's product from the input's parts (fp32).
+/// The first layer's product from the input's parts (fp32). Its bias and
+/// a ReLU right after it (no norm between) are applied in the same pass
+/// over its output as the parts' sum, forward and backward: on DIN's
+/// thousands of history items by `[36]`, each pass of its own cost as
+/// much as the product's arithmetic.
 pub(crate) trait FirstProduct {
-    /// `out = input·W` (`[rows, fan_out]`, the bias added after).
-    fn forward(&mut self, w: &[f32], rows: usize, fan_out: usize, out: &mut [f32]);
-    /// From `g = d loss / d out`: `dW = inputᵀ·g` (every element written),
-    /// and d input as the caller keeps it.
-    fn backward(&mut self, w: &[f32], rows: usize, fan_out: usize, g: &[f32], dw: &mut [f32]);
+    /// `out = input·W + b` (`[rows, fan_out]`), through a ReLU where
+    /// `relu`.
+    fn forward(&mut self, w: &[f32], rows: usize, fan_out: usize, bias_and_relu: (&[f32], bool), out: &mut [f32]);
+    /// From `g = d loss / d out`: first through the ReLU where `relu` is
+    /// given (its output and dropout's scale, as `relu_mask`; `g` is
+    /// rewritten), then `db += Σ_rows g` in the rows' order,
+    /// `dW = inputᵀ·g` (every element written), and d input as the
+    /// caller keeps it.
+    fn backward(
+        &mut self,
+        w: &[f32],
+        rows_and_fan_out: (usize, usize),
+        g_and_relu: (&mut [f32], Option<(&[f32], f32)>),
+        dw_and_db: (&mut [f32], &mut [f32]),
+    );
 }
 
 /// An MLP pass's input: laid out, or computed into the first layer.

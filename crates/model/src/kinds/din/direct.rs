@@ -61,7 +61,8 @@ impl Direct for DinNet {
                 continue;
             }
             if unit.is_f32() {
-                let mut first = UnitInput::new((x, stride, rows), (query, d), keys, at_rows, &mut ds.products[j]);
+                let mut first =
+                    UnitInput::new((x, stride, rows), (query, d), keys, (at_rows, self.simd), &mut ds.products[j]);
                 unit.forward_cpu_from(&mut first, positions, at.dropout, &mut ds.units[j])?;
             } else {
                 laid_out_forward(unit, (x, stride), (query, d), (keys, at_rows), at.dropout, (ds, j))?;
@@ -128,7 +129,7 @@ impl Direct for DinNet {
                     // Through the product's parts (`product.rs`); a row's
                     // share of its query's gradient is added once.
                     let rows = grad_x.len() / stride.max(1);
-                    let mut first = UnitInput { d, rows, at_rows, bufs: &mut ds.products[j] };
+                    let mut first = UnitInput { d, rows, at_rows, bufs: &mut ds.products[j], simd: self.simd };
                     grads.push((unit.params(), unit.backward_cpu_from(&mut first, d_scores, &mut ds.units[j])?));
                     first.item_and_query_grads(keys, dk, dq);
                     for (g, dq) in grad_x.chunks_exact_mut(stride).zip(first.bufs.dq_rows.chunks_exact(d)) {

@@ -11,10 +11,12 @@
 
 use rayon::prelude::*;
 
+use super::positions;
 use crate::bf16::Arith;
 use crate::matrix::Operand;
 use crate::mlp::first_product::FirstProduct;
 use crate::mlp::{matmul, sized};
+use sparrow_core::simd::Simd;
 
 /// Positions a task of a pass over history items takes.
 const POSITIONS_PER_TASK: usize = 256;
@@ -56,6 +58,9 @@ pub(super) struct UnitInput<'a> {
     /// The batch row of each position (ascending).
     pub(super) at_rows: &'a [u32],
     pub(super) bufs: &'a mut ProductBufs,
+    /// `train.simd`: whether the passes over positions may take their
+    /// AVX kernels (`positions.rs`).
+    pub(super) simd: Simd,
 }
 
 impl<'a> UnitInput<'a> {
@@ -65,7 +70,7 @@ impl<'a> UnitInput<'a> {
         (x, stride, rows): (&[f32], usize, usize),
         (query, d): (usize, usize),
         keys: &[f32],
-        at_rows: &'a [u32],
+        (at_rows, simd): (&'a [u32], Simd),
         bufs: &'a mut ProductBufs,
     ) -> UnitInput<'a> {
         let q_rows = sized(&mut bufs.q_rows, rows * d);
@@ -84,7 +89,7 @@ impl<'a> UnitInput<'a> {
                 fprod.iter_mut().zip(q.iter().zip(k)).for_each(|(o, (q, k))| *o = q * k);
             }
         });
-        UnitInput { d, rows, at_rows, bufs }
+        UnitInput { d, rows, at_rows, bufs, simd }
     }
 
     /// `W_q + W_d` and `[W_k − W_d; W_p]` from `W` (`[4·d, h]`).
@@ -114,50 +119,45 @@ impl UnitInput<'_> {
         let task = d * POSITIONS_PER_TASK;
         dq.par_chunks_mut(task).zip(dk.par_chunks_mut(task)).enumerate().for_each(|(t, (dq, dk))| {
             let first = t * POSITIONS_PER_TASK;
-            let e = e[first * 2 * d..].chunks_exact(2 * d);
-            let keys = keys[first * d..].chunks_exact(d);
-            let at = at_rows[first..].iter();
-            for ((((dq, dk), e), k), &r) in dq.chunks_exact_mut(d).zip(dk.chunks_exact_mut(d)).zip(e).zip(keys).zip(at)
-            {
-                let (lin, prod) = e.split_at(d);
-                let q = &q_rows[r as usize * d..(r as usize + 1) * d];
-                for ((((dk, dq), lin), prod), (q, k)) in dk.iter_mut().zip(dq).zip(lin).zip(prod).zip(q.iter().zip(k)) {
-                    *dk += lin + prod * q;
-                    *dq = prod * k;
-                }
-            }
+            let at = &at_rows[first..first + dq.len() / d.max(1)];
+            let items = (&e[first * 2 * d..(first + at.len()) * 2 * d], &keys[first * d..(first + at.len()) * d]);
+            positions::item_and_query(self.simd, d, (items, q_rows), at, (dk, dq));
         });
     }
 }
 
 impl FirstProduct for UnitInput<'_> {
-    fn forward(&mut self, w: &[f32], positions: usize, h: usize, out: &mut [f32]) {
+    fn forward(&mut self, w: &[f32], positions: usize, h: usize, (bias, relu): (&[f32], bool), out: &mut [f32]) {
+        assert_eq!(bias.len(), h, "the unit's first bias");
         let (d, rows) = (self.d, self.rows);
         self.split_weights(w, h);
         let b = &mut *self.bufs;
         let qw = sized(&mut b.qw, rows * h);
         matmul(Arith::F32, None, rows, h, d, Operand::plain(&b.q_rows), Operand::plain(&b.w_row), qw);
         matmul(Arith::F32, None, positions, h, 2 * d, Operand::plain(&b.kq), Operand::plain(&b.w_item), out);
-        let (qw, at_rows) = (&b.qw, self.at_rows);
-        out.par_chunks_mut(h * POSITIONS_PER_TASK).enumerate().for_each(|(chunk, o)| {
-            for (i, o) in o.chunks_exact_mut(h).enumerate() {
-                let r = at_rows[chunk * POSITIONS_PER_TASK + i] as usize;
-                o.iter_mut().zip(&qw[r * h..(r + 1) * h]).for_each(|(o, a)| *o += a);
-            }
+        let (qw, at_rows, simd) = (&b.qw, self.at_rows, self.simd);
+        out.par_chunks_mut(h * POSITIONS_PER_TASK).zip(at_rows.par_chunks(POSITIONS_PER_TASK)).for_each(|(o, at)| {
+            positions::add_row_terms(simd, o, at, qw, (bias, relu));
         });
     }
 
-    fn backward(&mut self, w: &[f32], positions: usize, h: usize, g: &[f32], dw: &mut [f32]) {
+    fn backward(
+        &mut self,
+        w: &[f32],
+        (positions, h): (usize, usize),
+        (g, relu): (&mut [f32], Option<(&[f32], f32)>),
+        (dw, db): (&mut [f32], &mut [f32]),
+    ) {
         let (d, rows) = (self.d, self.rows);
+        assert_eq!((g.len(), db.len()), (positions * h, h), "the unit's first gradients");
         self.split_weights(w, h);
         let b = &mut *self.bufs;
-        // Each row's items' gradients, summed in the items' order.
+        // One pass over the positions: each one's gradient through the
+        // ReLU, then added to the bias's and to its row's.
         let g_rows = sized(&mut b.g_rows, rows * h);
         g_rows.fill(0.0);
-        for (p, &r) in self.at_rows.iter().enumerate() {
-            let r = r as usize;
-            g_rows[r * h..(r + 1) * h].iter_mut().zip(&g[p * h..(p + 1) * h]).for_each(|(s, g)| *s += g);
-        }
+        positions::mask_and_sum(self.simd, (g, relu), self.at_rows, (db, g_rows));
+        let g = &*g;
         let dh = d * h;
         let (dwq, rest) = dw.split_at_mut(dh);
         let (dwk, rest) = rest.split_at_mut(dh);

@@ -1,0 +1,452 @@
+//! The passes over the attention unit's first layer, a `[h]`-wide row a
+//! history item (DIN's default `[36]`, a few thousand items a batch), on
+//! AVX-512F kernels where `h` ≤ 48. Forward: each item's product plus its
+//! batch row's `q·(W_q + W_d)` and the bias, through the ReLU. Backward:
+//! each item's gradient through the ReLU, summed into the bias's gradient
+//! and into its batch row's. Built for the x86-64 baseline these loops
+//! ran four lanes at a time with scalar tails and kept every sum in
+//! memory; the kernels hold the bias, the row's term and the sums in
+//! registers (a row's items are consecutive) and take 16 lanes a step. The
+//! same operations in the same order as the portable loops: the same bits
+//! (tested).
+
+use sparrow_core::simd::Simd;
+
+/// The widest row the kernels take (three 16-lane vectors).
+const MAX_H: usize = 48;
+
+/// `out[p] = out[p] + row_terms[at_rows[p]] + bias` (`[h]` each), then
+/// `max(·, 0)` where `relu`, for each position `p` of `out`.
+pub(super) fn add_row_terms(
+    simd: Simd,
+    out: &mut [f32],
+    at_rows: &[u32],
+    row_terms: &[f32],
+    (bias, relu): (&[f32], bool),
+) {
+    let h = bias.len();
+    assert_eq!(out.len(), at_rows.len() * h, "unit pass: {} positions of {h}", at_rows.len());
+    let rows = row_terms.len() / h.max(1);
+    assert!(at_rows.iter().all(|&r| (r as usize) < rows), "unit pass: a position's row past {rows}");
+    if h == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if kernels(simd, h) {
+        // SAFETY: AVX-512F was detected (`kernels`); `out` holds
+        // `at_rows.len()` rows of `h`, each row index is below `rows`, so
+        // `row_terms` holds its `h` values, and `bias` is `h` long
+        // (asserted above); `NV` is `h`'s count of 16-lane vectors.
+        #[expect(unsafe_code, reason = "calling a target_feature kernel after run-time detection")]
+        unsafe {
+            let (o, t, b) = (out.as_mut_ptr(), row_terms.as_ptr(), bias.as_ptr());
+            match h.div_ceil(16) {
+                1 => x86::add_row_terms::<1>(h, o, at_rows, t, b, relu),
+                2 => x86::add_row_terms::<2>(h, o, at_rows, t, b, relu),
+                _ => x86::add_row_terms::<3>(h, o, at_rows, t, b, relu),
+            }
+        }
+        return;
+    }
+    for (o, &r) in out.chunks_exact_mut(h).zip(at_rows) {
+        let r = r as usize;
+        let terms = o.iter_mut().zip(&row_terms[r * h..(r + 1) * h]).zip(bias);
+        if relu {
+            terms.for_each(|((o, a), b)| *o = (*o + a + b).max(0.0));
+        } else {
+            terms.for_each(|((o, a), b)| *o = *o + a + b);
+        }
+    }
+}
+
+/// Each position's gradient `g[p]` (`[h]`) through a ReLU whose output
+/// was `relu.0` (kept values times dropout's scale `relu.1`, as
+/// `mlp::relu::relu_mask`), where given; then, in the positions' order,
+/// added to `db` and to its batch row's sum `g_rows[at_rows[p]]` (which
+/// the caller zeroes).
+pub(super) fn mask_and_sum(
+    simd: Simd,
+    (g, relu): (&mut [f32], Option<(&[f32], f32)>),
+    at_rows: &[u32],
+    (db, g_rows): (&mut [f32], &mut [f32]),
+) {
+    let h = db.len();
+    assert_eq!(g.len(), at_rows.len() * h, "unit pass: {} positions of {h}", at_rows.len());
+    assert!(relu.is_none_or(|(out, _)| out.len() == g.len()), "unit pass: the ReLU's output");
+    let rows = g_rows.len() / h.max(1);
+    assert!(at_rows.iter().all(|&r| (r as usize) < rows), "unit pass: a position's row past {rows}");
+    if h == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if kernels(simd, h) {
+        // SAFETY: AVX-512F was detected (`kernels`); `g` (and the ReLU's
+        // output, of its length) holds `at_rows.len()` rows of `h`, each
+        // row index is below `rows`, so `g_rows` holds its `h` values, and
+        // `db` is `h` long (asserted above); `NV` is `h`'s count of
+        // 16-lane vectors.
+        #[expect(unsafe_code, reason = "calling a target_feature kernel after run-time detection")]
+        unsafe {
+            let relu = relu.map(|(out, scale)| (out.as_ptr(), scale));
+            let (g, db, sums) = (g.as_mut_ptr(), db.as_mut_ptr(), g_rows.as_mut_ptr());
+            match h.div_ceil(16) {
+                1 => x86::mask_and_sum::<1>(h, (g, relu), at_rows, (db, sums)),
+                2 => x86::mask_and_sum::<2>(h, (g, relu), at_rows, (db, sums)),
+                _ => x86::mask_and_sum::<3>(h, (g, relu), at_rows, (db, sums)),
+            }
+        }
+        return;
+    }
+    for (p, &r) in at_rows.iter().enumerate() {
+        let (r, gp) = (r as usize, &mut g[p * h..(p + 1) * h]);
+        if let Some((out, scale)) = relu {
+            let out = &out[p * h..(p + 1) * h];
+            if scale == 1.0 {
+                gp.iter_mut().zip(out).for_each(|(g, &a)| *g = if a > 0.0 { *g } else { 0.0 });
+            } else {
+                gp.iter_mut().zip(out).for_each(|(g, &a)| *g = if a > 0.0 { *g * scale } else { 0.0 });
+            }
+        }
+        let sums = g_rows[r * h..(r + 1) * h].iter_mut().zip(db.iter_mut());
+        sums.zip(gp.iter()).for_each(|((s, d), g)| {
+            *s += g;
+            *d += g;
+        });
+    }
+}
+
+/// From each position's `e[p] = [l, m]` (`2·d`: the unit's gradient
+/// through the item's linear part and through `q ⊙ k`): the item's
+/// gradient `dk[p] += l + m ⊙ q` (its row's query `q`) and the position's
+/// share of the query's `dq[p] = m ⊙ k` (the item `k = keys[p]`).
+pub(super) fn item_and_query(
+    simd: Simd,
+    d: usize,
+    ((e, keys), q_rows): ((&[f32], &[f32]), &[f32]),
+    at_rows: &[u32],
+    (dk, dq): (&mut [f32], &mut [f32]),
+) {
+    let n = at_rows.len();
+    assert!(e.len() == 2 * n * d && keys.len() == n * d, "unit pass: {n} positions of {d}");
+    assert!(dk.len() == n * d && dq.len() == n * d, "unit pass: {n} positions' gradients of {d}");
+    let rows = q_rows.len() / d.max(1);
+    assert!(at_rows.iter().all(|&r| (r as usize) < rows), "unit pass: a position's row past {rows}");
+    #[cfg(target_arch = "x86_64")]
+    if simd.allows() && d > 0 && d.is_multiple_of(8) && std::arch::is_x86_feature_detected!("avx") {
+        // SAFETY: AVX was detected just above; `e` holds `n` rows of
+        // `2·d`, `keys`, `dk` and `dq` `n` rows of `d`, and each row index
+        // is below `rows`, so `q_rows` holds its `d` values (asserted
+        // above); `d` is a multiple of 8, as the kernel requires.
+        #[expect(unsafe_code, reason = "calling a target_feature kernel after run-time detection")]
+        unsafe {
+            x86::item_and_query(
+                d,
+                (e.as_ptr(), keys.as_ptr(), q_rows.as_ptr()),
+                at_rows,
+                (dk.as_mut_ptr(), dq.as_mut_ptr()),
+            );
+        }
+        return;
+    }
+    let items = e.chunks_exact(2 * d).zip(keys.chunks_exact(d)).zip(at_rows);
+    for ((dq, dk), ((e, k), &r)) in dq.chunks_exact_mut(d).zip(dk.chunks_exact_mut(d)).zip(items) {
+        let (lin, prod) = e.split_at(d);
+        let q = &q_rows[r as usize * d..(r as usize + 1) * d];
+        for ((((dk, dq), lin), prod), (q, k)) in dk.iter_mut().zip(dq).zip(lin).zip(prod).zip(q.iter().zip(k)) {
+            *dk += lin + prod * q;
+            *dq = prod * k;
+        }
+    }
+}
+
+/// Whether the kernels take rows of `h`.
+fn kernels(simd: Simd, h: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return simd.allows() && h <= MAX_H && std::arch::is_x86_feature_detected!("avx512f");
+    #[cfg(not(target_arch = "x86_64"))]
+    return false;
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// The lanes of each of `NV` vectors below `h`.
+    fn masks<const NV: usize>(h: usize) -> [u16; NV] {
+        let mut masks = [u16::MAX; NV];
+        let tail = h - (NV - 1) * 16;
+        masks[NV - 1] = if tail == 16 { u16::MAX } else { (1u16 << tail) - 1 };
+        masks
+    }
+
+    /// [`super::add_row_terms`]; a row's term is loaded once for its
+    /// positions in a run.
+    ///
+    /// # Safety
+    /// AVX-512F; `NV = ⌈h/16⌉`; `out` holds `at_rows.len()·h` values,
+    /// `row_terms` `h` from each `at_rows[p]·h`, `bias` `h`.
+    #[target_feature(enable = "avx512f")]
+    #[expect(unsafe_code, reason = "AVX-512 loads and stores through raw pointers")]
+    pub(super) unsafe fn add_row_terms<const NV: usize>(
+        h: usize,
+        out: *mut f32,
+        at_rows: &[u32],
+        row_terms: *const f32,
+        bias: *const f32,
+        relu: bool,
+    ) {
+        let masks = masks::<NV>(h);
+        // SAFETY: every access is of `h` values (the last vector masked)
+        // at a position's `p·h` in `out`, a row's `r·h` in `row_terms`, or
+        // `bias`, within what the caller guarantees.
+        unsafe {
+            let mut b = [_mm512_setzero_ps(); NV];
+            for v in 0..NV {
+                b[v] = _mm512_maskz_loadu_ps(masks[v], bias.add(v * 16));
+            }
+            let load = |p: usize| {
+                let mut o = [_mm512_setzero_ps(); NV];
+                for v in 0..NV {
+                    o[v] = _mm512_maskz_loadu_ps(masks[v], out.add(p * h + v * 16));
+                }
+                o
+            };
+            let (mut row, mut terms) = (u32::MAX, [_mm512_setzero_ps(); NV]);
+            let mut next = if at_rows.is_empty() { [_mm512_setzero_ps(); NV] } else { load(0) };
+            for (p, &r) in at_rows.iter().enumerate() {
+                if r != row {
+                    row = r;
+                    for v in 0..NV {
+                        terms[v] = _mm512_maskz_loadu_ps(masks[v], row_terms.add(r as usize * h + v * 16));
+                    }
+                }
+                // The next position's values are read before this one's
+                // are stored: a load overlapping a pending masked store
+                // (the tail of a row, a vector past it) waits for it.
+                let o = next;
+                if p + 1 < at_rows.len() {
+                    next = load(p + 1);
+                }
+                for v in 0..NV {
+                    let o = _mm512_add_ps(_mm512_add_ps(o[v], terms[v]), b[v]);
+                    // `max(o, 0)` gives 0 for a NaN `o`, as `f32::max` does.
+                    let o = if relu { _mm512_max_ps(o, _mm512_setzero_ps()) } else { o };
+                    _mm512_mask_storeu_ps(out.add(p * h + v * 16), masks[v], o);
+                }
+            }
+        }
+    }
+
+    /// [`super::item_and_query`], 8 lanes at a time (`d = 8` is one
+    /// vector a part: a 16-lane one would be half empty).
+    ///
+    /// # Safety
+    /// AVX; `d` a multiple of 8; `e` holds `2·d` values a position,
+    /// `keys`, `dk` and `dq` `d`, `q_rows` `d` from each `at_rows[p]·d`.
+    #[target_feature(enable = "avx")]
+    #[expect(unsafe_code, reason = "AVX loads and stores through raw pointers")]
+    pub(super) unsafe fn item_and_query(
+        d: usize,
+        (e, keys, q_rows): (*const f32, *const f32, *const f32),
+        at_rows: &[u32],
+        (dk, dq): (*mut f32, *mut f32),
+    ) {
+        // SAFETY: every access is of 8 values at `c < d` from a
+        // position's `p·d` (`p·2·d` and `p·2·d + d` in `e`) or a row's
+        // `r·d`, within what the caller guarantees.
+        unsafe {
+            for (p, &r) in at_rows.iter().enumerate() {
+                for c in (0..d).step_by(8) {
+                    let lin = _mm256_loadu_ps(e.add(p * 2 * d + c));
+                    let prod = _mm256_loadu_ps(e.add(p * 2 * d + d + c));
+                    let q = _mm256_loadu_ps(q_rows.add(r as usize * d + c));
+                    let k = _mm256_loadu_ps(keys.add(p * d + c));
+                    let at = dk.add(p * d + c);
+                    // dk + (l + m·q), and m·k: no product fused into a sum.
+                    let grad = _mm256_add_ps(_mm256_loadu_ps(at), _mm256_add_ps(lin, _mm256_mul_ps(prod, q)));
+                    _mm256_storeu_ps(at, grad);
+                    _mm256_storeu_ps(dq.add(p * d + c), _mm256_mul_ps(prod, k));
+                }
+            }
+        }
+    }
+
+    /// [`super::mask_and_sum`]: the bias's sums and the current row's
+    /// held in registers, a row's sum added to `g_rows` when its run of
+    /// positions ends.
+    ///
+    /// # Safety
+    /// AVX-512F; `NV = ⌈h/16⌉`; `g` (and the ReLU's output) hold
+    /// `at_rows.len()·h` values, `g_rows` `h` from each `at_rows[p]·h`,
+    /// `db` `h`.
+    #[target_feature(enable = "avx512f")]
+    #[expect(unsafe_code, reason = "AVX-512 loads and stores through raw pointers")]
+    pub(super) unsafe fn mask_and_sum<const NV: usize>(
+        h: usize,
+        (g, relu): (*mut f32, Option<(*const f32, f32)>),
+        at_rows: &[u32],
+        (db, g_rows): (*mut f32, *mut f32),
+    ) {
+        let masks = masks::<NV>(h);
+        // SAFETY: every access is of `h` values (the last vector masked)
+        // at a position's `p·h` in `g` and the ReLU's output, a row's
+        // `r·h` in `g_rows`, or `db`, within what the caller guarantees.
+        unsafe {
+            let zero = _mm512_setzero_ps();
+            let mut db_sum = [zero; NV];
+            for v in 0..NV {
+                db_sum[v] = _mm512_maskz_loadu_ps(masks[v], db.add(v * 16));
+            }
+            // A row's sum: 0 + g₁ + g₂ + …, as its zeroed slot summed in
+            // memory (0 + x is x, a −0 included: both give +0).
+            let flush = |row: u32, sum: &[__m512; NV]| {
+                for v in 0..NV {
+                    let at = g_rows.add(row as usize * h + v * 16);
+                    _mm512_mask_storeu_ps(at, masks[v], _mm512_add_ps(_mm512_maskz_loadu_ps(masks[v], at), sum[v]));
+                }
+            };
+            let load = |p: usize| {
+                let mut x = [zero; NV];
+                for v in 0..NV {
+                    x[v] = _mm512_maskz_loadu_ps(masks[v], g.add(p * h + v * 16));
+                }
+                x
+            };
+            let (mut row, mut row_sum) = (at_rows.first().copied().unwrap_or(0), [zero; NV]);
+            let mut next = if at_rows.is_empty() { [zero; NV] } else { load(0) };
+            for (p, &r) in at_rows.iter().enumerate() {
+                if r != row {
+                    flush(row, &row_sum);
+                    (row, row_sum) = (r, [zero; NV]);
+                }
+                // Read ahead of this position's stores, as forward.
+                let mut x = next;
+                if p + 1 < at_rows.len() {
+                    next = load(p + 1);
+                }
+                for v in 0..NV {
+                    if let Some((out, scale)) = relu {
+                        let kept = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(
+                            _mm512_maskz_loadu_ps(masks[v], out.add(p * h + v * 16)),
+                            zero,
+                        );
+                        if scale != 1.0 {
+                            x[v] = _mm512_mul_ps(x[v], _mm512_set1_ps(scale));
+                        }
+                        x[v] = _mm512_maskz_mov_ps(kept, x[v]);
+                        _mm512_mask_storeu_ps(g.add(p * h + v * 16), masks[v], x[v]);
+                    }
+                    row_sum[v] = _mm512_add_ps(row_sum[v], x[v]);
+                    db_sum[v] = _mm512_add_ps(db_sum[v], x[v]);
+                }
+            }
+            if !at_rows.is_empty() {
+                flush(row, &row_sum);
+            }
+            for v in 0..NV {
+                _mm512_mask_storeu_ps(db.add(v * 16), masks[v], db_sum[v]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::matrix::tests::{same_bits, values};
+
+    /// Rows of 0 to 4 positions (some none), ascending, and one run split
+    /// in two (a row seen again later).
+    fn layout(rows: usize, split: bool) -> Vec<u32> {
+        let mut at: Vec<u32> =
+            (0..rows as u32).flat_map(|r| std::iter::repeat_n(r, (r as usize * 7 + 3) % 5)).collect();
+        if split && !at.is_empty() {
+            at.push(0);
+        }
+        at
+    }
+
+    #[test]
+    fn the_kernels_have_the_portable_bits() {
+        for h in [1, 5, 16, 17, 32, 36, 48, 49] {
+            for (rows, split) in [(0, false), (1, false), (9, false), (40, false), (9, true)] {
+                let at = layout(rows, split);
+                let n = at.len() * h;
+                let (terms, bias) = (values(rows.max(1) * h, 1), values(h, 2));
+                for relu in [false, true] {
+                    let mut outs = [values(n, 3), values(n, 3)];
+                    for (out, simd) in outs.iter_mut().zip([Simd::Auto, Simd::Portable]) {
+                        add_row_terms(simd, out, &at, &terms, (&bias, relu));
+                    }
+                    assert!(same_bits(&outs[0], &outs[1]), "forward h {h} rows {rows} split {split} relu {relu}");
+                }
+                let out = values(n, 4);
+                for relu in [None, Some((&out[..], 1.0)), Some((&out[..], 1.25))] {
+                    let mut g = [values(n, 5), values(n, 5)];
+                    let mut sums =
+                        [(values(h, 6), vec![0.0; rows.max(1) * h]), (values(h, 6), vec![0.0; rows.max(1) * h])];
+                    for ((g, (db, g_rows)), simd) in g.iter_mut().zip(sums.iter_mut()).zip([Simd::Auto, Simd::Portable])
+                    {
+                        mask_and_sum(simd, (g, relu), &at, (db, g_rows));
+                    }
+                    let what = format!("backward h {h} rows {rows} split {split} relu {:?}", relu.map(|r| r.1));
+                    assert!(same_bits(&g[0], &g[1]), "{what}: the gradients");
+                    assert!(same_bits(&sums[0].0, &sums[1].0), "{what}: the bias's");
+                    assert!(same_bits(&sums[0].1, &sums[1].1), "{what}: the rows'");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_item_pass_has_the_portable_bits() {
+        for d in [1, 4, 8, 12, 16, 24] {
+            for rows in [0, 1, 9, 40] {
+                let at = layout(rows, false);
+                let n = at.len();
+                let (e, keys, q_rows) = (values(2 * n * d, 1), values(n * d, 2), values(rows.max(1) * d, 3));
+                let mut grads = [(values(n * d, 4), vec![0.0; n * d]), (values(n * d, 4), vec![0.0; n * d])];
+                for ((dk, dq), simd) in grads.iter_mut().zip([Simd::Auto, Simd::Portable]) {
+                    item_and_query(simd, d, ((&e, &keys), &q_rows), &at, (dk, dq));
+                }
+                assert!(same_bits(&grads[0].0, &grads[1].0), "items' gradients, d {d} rows {rows}");
+                assert!(same_bits(&grads[0].1, &grads[1].1), "queries' shares, d {d} rows {rows}");
+            }
+        }
+        // One position by hand: dk = 1 + (2 + 3·5), dq = 3·7.
+        let e: Vec<f32> = [[2.0; 8], [3.0; 8]].concat();
+        for simd in [Simd::Auto, Simd::Portable] {
+            let (mut dk, mut dq) = ([1.0; 8], [0.0; 8]);
+            item_and_query(simd, 8, ((&e, &[7.0; 8]), &[5.0; 8]), &[0], (&mut dk, &mut dq));
+            assert_eq!((dk, dq), ([18.0; 8], [21.0; 8]), "{simd:?}");
+        }
+    }
+
+    #[test]
+    fn the_passes_compute_what_they_say() {
+        // Two rows, the second with two positions; h = 2.
+        let at = [0u32, 1, 1];
+        let mut out = vec![1.0, -5.0, 2.0, 0.0, -1.0, f32::NAN];
+        let terms = [10.0, 20.0, 100.0, 200.0];
+        for simd in [Simd::Auto, Simd::Portable] {
+            let mut o = out.clone();
+            add_row_terms(simd, &mut o, &at, &terms, (&[0.5, -100.0], true));
+            // A NaN through the ReLU is 0, as `f32::max` gives.
+            assert_eq!(o, [11.5, 0.0, 102.5, 100.0, 99.5, 0.0], "{simd:?}");
+        }
+        out = vec![1.0, 0.0, 0.0, 2.0, 3.0, 0.0];
+        for simd in [Simd::Auto, Simd::Portable] {
+            let (mut g, mut db, mut rows) = (vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], vec![0.5, 0.0], vec![0.0; 4]);
+            mask_and_sum(simd, (&mut g, Some((&out, 2.0))), &at, (&mut db, &mut rows));
+            assert_eq!(g, [2.0, 0.0, 0.0, 8.0, 10.0, 0.0], "{simd:?}");
+            assert_eq!(db, [12.5, 8.0], "{simd:?}");
+            assert_eq!(rows, [2.0, 0.0, 10.0, 8.0], "{simd:?}");
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "a position's row past")]
+    fn a_row_past_the_batch_is_refused() {
+        add_row_terms(Simd::Auto, &mut [0.0; 2], &[3], &[0.0; 4], (&[0.0, 0.0], false));
+    }
+}
