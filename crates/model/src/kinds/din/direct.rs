@@ -10,6 +10,7 @@
 use rayon::prelude::*;
 
 use super::DinNet;
+use super::positions::{self, Slots};
 use super::product::{ProductBufs, UnitInput};
 use crate::ModelError;
 use crate::kinds::{At, Direct, Grads};
@@ -67,11 +68,8 @@ impl Direct for DinNet {
             } else {
                 laid_out_forward(unit, (x, stride), (query, d), (keys, at_rows), at.dropout, (ds, j))?;
             }
-            let scores = &ds.units[j].output;
-            for (p, &r) in at_rows.iter().enumerate() {
-                let pooled = &mut input[r as usize * stride + slot * d..r as usize * stride + (slot + 1) * d];
-                pooled.iter_mut().zip(&keys[p * d..(p + 1) * d]).for_each(|(o, k)| *o += scores[p] * k);
-            }
+            let slots = Slots { values: &mut input, stride, offset: slot * d };
+            positions::add_to_slots(self.simd, d, (keys, Some(&ds.units[j].output)), at_rows, slots);
         }
         s.sequences = sequences;
         let result = self.mlp.forward_cpu(&input, rows, at.dropout, &mut s.deep);
@@ -160,11 +158,8 @@ impl Direct for DinNet {
             }
         }
         for ((&(_, query), dq), at_rows) in self.pairs.iter().zip(&d_queries).zip(&sequences.rows) {
-            for (p, &r) in at_rows.iter().enumerate() {
-                let r = r as usize;
-                let g = &mut grad_x[r * stride + query * d..r * stride + (query + 1) * d];
-                g.iter_mut().zip(&dq[p * d..(p + 1) * d]).for_each(|(g, dq)| *g += dq);
-            }
+            let slots = Slots { values: &mut grad_x, stride, offset: query * d };
+            positions::add_to_slots(self.simd, d, (dq, None), at_rows, slots);
         }
         s.of_kind::<DinScratch>().d_queries = d_queries;
         s.sequences = sequences;

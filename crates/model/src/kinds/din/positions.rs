@@ -132,8 +132,8 @@ pub(super) fn item_and_query(
     let rows = q_rows.len() / d.max(1);
     assert!(at_rows.iter().all(|&r| (r as usize) < rows), "unit pass: a position's row past {rows}");
     #[cfg(target_arch = "x86_64")]
-    if simd.allows() && d > 0 && d.is_multiple_of(8) && std::arch::is_x86_feature_detected!("avx") {
-        // SAFETY: AVX was detected just above; `e` holds `n` rows of
+    if avx_rows(simd, d) {
+        // SAFETY: AVX was detected (`avx_rows`); `e` holds `n` rows of
         // `2·d`, `keys`, `dk` and `dq` `n` rows of `d`, and each row index
         // is below `rows`, so `q_rows` holds its `d` values (asserted
         // above); `d` is a multiple of 8, as the kernel requires.
@@ -157,6 +157,94 @@ pub(super) fn item_and_query(
             *dq = prod * k;
         }
     }
+}
+
+/// A slot of `d` values in each batch row of a matrix, `stride` values a
+/// row, starting at `offset`.
+pub(super) struct Slots<'a> {
+    pub(super) values: &'a mut [f32],
+    pub(super) stride: usize,
+    pub(super) offset: usize,
+}
+
+/// Each position's `d` values `rows[p]` added to its batch row's slot,
+/// times `scale[p]` where given (`slot += s·v`, a product then a sum), in
+/// the positions' order: the attention's weighted sum forward, the
+/// queries' shares of their gradients backward.
+pub(super) fn add_to_slots(
+    simd: Simd,
+    d: usize,
+    (rows, scale): (&[f32], Option<&[f32]>),
+    at_rows: &[u32],
+    slots: Slots<'_>,
+) {
+    let n = at_rows.len();
+    assert!(rows.len() == n * d && scale.is_none_or(|s| s.len() == n), "unit pass: {n} positions of {d}");
+    let batch = slots.values.len() / slots.stride.max(1);
+    assert!(slots.offset + d <= slots.stride, "unit pass: a slot past its row");
+    assert!(at_rows.iter().all(|&r| (r as usize) < batch), "unit pass: a position's row past {batch}");
+    #[cfg(target_arch = "x86_64")]
+    if avx_rows(simd, d) {
+        // SAFETY: AVX was detected (`avx_rows`); `rows` holds `n` rows of
+        // `d` (and `scale` `n` values); each slot, `d` values from
+        // `r·stride + offset` with `offset + d ≤ stride` and `r` below the
+        // batch's rows, is inside `slots.values` (asserted above); `d` is
+        // a multiple of 8.
+        #[expect(unsafe_code, reason = "calling a target_feature kernel after run-time detection")]
+        unsafe {
+            let out = (slots.values.as_mut_ptr(), slots.stride, slots.offset);
+            x86::add_to_slots(d, (rows.as_ptr(), scale.map(<[f32]>::as_ptr)), at_rows, out);
+        }
+        return;
+    }
+    for (p, &r) in at_rows.iter().enumerate() {
+        let at = r as usize * slots.stride + slots.offset;
+        let slot = slots.values[at..at + d].iter_mut().zip(&rows[p * d..(p + 1) * d]);
+        match scale {
+            Some(s) => slot.for_each(|(o, v)| *o += s[p] * v),
+            None => slot.for_each(|(o, v)| *o += v),
+        }
+    }
+}
+
+/// `[k, q ⊙ k]` a position (`2·d`): its item `k = keys[p]` and the
+/// product with its row's query `q = q_rows[at_rows[p]]`.
+pub(super) fn items_and_products(
+    simd: Simd,
+    d: usize,
+    (keys, q_rows): (&[f32], &[f32]),
+    at_rows: &[u32],
+    kq: &mut [f32],
+) {
+    let n = at_rows.len();
+    assert!(keys.len() == n * d && kq.len() == 2 * n * d, "unit pass: {n} positions of {d}");
+    let rows = q_rows.len() / d.max(1);
+    assert!(at_rows.iter().all(|&r| (r as usize) < rows), "unit pass: a position's row past {rows}");
+    #[cfg(target_arch = "x86_64")]
+    if avx_rows(simd, d) {
+        // SAFETY: AVX was detected (`avx_rows`); `keys` holds `n` rows of
+        // `d` and `kq` of `2·d`, each row index is below `rows` (asserted
+        // above); `d` is a multiple of 8.
+        #[expect(unsafe_code, reason = "calling a target_feature kernel after run-time detection")]
+        unsafe {
+            x86::items_and_products(d, (keys.as_ptr(), q_rows.as_ptr()), at_rows, kq.as_mut_ptr());
+        }
+        return;
+    }
+    for ((f, k), &r) in kq.chunks_exact_mut(2 * d).zip(keys.chunks_exact(d)).zip(at_rows) {
+        let q = &q_rows[r as usize * d..(r as usize + 1) * d];
+        let (fk, fprod) = f.split_at_mut(d);
+        fk.copy_from_slice(k);
+        fprod.iter_mut().zip(q.iter().zip(k)).for_each(|(o, (q, k))| *o = q * k);
+    }
+}
+
+/// Whether the 8-lane kernels take rows of `d`.
+fn avx_rows(simd: Simd, d: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return simd.allows() && d > 0 && d.is_multiple_of(8) && std::arch::is_x86_feature_detected!("avx");
+    #[cfg(not(target_arch = "x86_64"))]
+    return false;
 }
 
 /// Whether the kernels take rows of `h`.
@@ -266,6 +354,64 @@ mod x86 {
                     let grad = _mm256_add_ps(_mm256_loadu_ps(at), _mm256_add_ps(lin, _mm256_mul_ps(prod, q)));
                     _mm256_storeu_ps(at, grad);
                     _mm256_storeu_ps(dq.add(p * d + c), _mm256_mul_ps(prod, k));
+                }
+            }
+        }
+    }
+
+    /// [`super::add_to_slots`], 8 lanes at a time.
+    ///
+    /// # Safety
+    /// AVX; `d` a multiple of 8; `rows` holds `d` values a position (and
+    /// `scale` one); `out` `d` from each `at_rows[p]·stride + offset`.
+    #[target_feature(enable = "avx")]
+    #[expect(unsafe_code, reason = "AVX loads and stores through raw pointers")]
+    pub(super) unsafe fn add_to_slots(
+        d: usize,
+        (rows, scale): (*const f32, Option<*const f32>),
+        at_rows: &[u32],
+        (out, stride, offset): (*mut f32, usize, usize),
+    ) {
+        // SAFETY: every access is of 8 values at `c < d` from a
+        // position's `p·d`, a row's slot, or `scale[p]`, within what the
+        // caller guarantees.
+        unsafe {
+            for (p, &r) in at_rows.iter().enumerate() {
+                let slot = out.add(r as usize * stride + offset);
+                for c in (0..d).step_by(8) {
+                    let mut v = _mm256_loadu_ps(rows.add(p * d + c));
+                    if let Some(scale) = scale {
+                        v = _mm256_mul_ps(_mm256_set1_ps(*scale.add(p)), v);
+                    }
+                    _mm256_storeu_ps(slot.add(c), _mm256_add_ps(_mm256_loadu_ps(slot.add(c)), v));
+                }
+            }
+        }
+    }
+
+    /// [`super::items_and_products`], 8 lanes at a time.
+    ///
+    /// # Safety
+    /// AVX; `d` a multiple of 8; `keys` holds `d` values a position and
+    /// `kq` `2·d`; `q_rows` `d` from each `at_rows[p]·d`.
+    #[target_feature(enable = "avx")]
+    #[expect(unsafe_code, reason = "AVX loads and stores through raw pointers")]
+    pub(super) unsafe fn items_and_products(
+        d: usize,
+        (keys, q_rows): (*const f32, *const f32),
+        at_rows: &[u32],
+        kq: *mut f32,
+    ) {
+        // SAFETY: every access is of 8 values at `c < d` from a
+        // position's `p·d` (`p·2·d` and `p·2·d + d` in `kq`) or a row's
+        // `r·d`, within what the caller guarantees.
+        unsafe {
+            for (p, &r) in at_rows.iter().enumerate() {
+                for c in (0..d).step_by(8) {
+                    let k = _mm256_loadu_ps(keys.add(p * d + c));
+                    let q = _mm256_loadu_ps(q_rows.add(r as usize * d + c));
+                    _mm256_storeu_ps(kq.add(p * 2 * d + c), k);
+                    _mm256_storeu_ps(kq.add(p * 2 * d + d + c), _mm256_mul_ps(q, k));
                 }
             }
         }
@@ -419,6 +565,54 @@ mod tests {
             let (mut dk, mut dq) = ([1.0; 8], [0.0; 8]);
             item_and_query(simd, 8, ((&e, &[7.0; 8]), &[5.0; 8]), &[0], (&mut dk, &mut dq));
             assert_eq!((dk, dq), ([18.0; 8], [21.0; 8]), "{simd:?}");
+        }
+    }
+
+    #[test]
+    fn the_slot_and_layout_passes_have_the_portable_bits() {
+        for d in [1, 4, 8, 12, 16, 24] {
+            for (rows, split) in [(0, false), (1, false), (9, false), (40, false), (9, true)] {
+                let at = layout(rows, split);
+                let n = at.len();
+                let (stride, offset) = (3 * d + 2, d + 1);
+                let (items, scores) = (values(n * d, 1), values(n, 2));
+                for scale in [None, Some(&scores[..])] {
+                    let mut outs = [values(rows.max(1) * stride, 3), values(rows.max(1) * stride, 3)];
+                    for (out, simd) in outs.iter_mut().zip([Simd::Auto, Simd::Portable]) {
+                        add_to_slots(simd, d, (&items, scale), &at, Slots { values: out, stride, offset });
+                    }
+                    assert!(same_bits(&outs[0], &outs[1]), "slots, d {d} rows {rows} scaled {}", scale.is_some());
+                }
+                let q_rows = values(rows.max(1) * d, 4);
+                let mut kq = [vec![0.0; 2 * n * d], vec![0.0; 2 * n * d]];
+                for (kq, simd) in kq.iter_mut().zip([Simd::Auto, Simd::Portable]) {
+                    items_and_products(simd, d, (&items, &q_rows), &at, kq);
+                }
+                assert!(same_bits(&kq[0], &kq[1]), "[k, q ⊙ k], d {d} rows {rows}");
+            }
+        }
+        // By hand, d = 8: two positions of row 1, the second scaled by 3.
+        for simd in [Simd::Auto, Simd::Portable] {
+            let mut out = vec![1.0; 2 * 10];
+            let items: Vec<f32> = [[1.0; 8], [2.0; 8]].concat();
+            add_to_slots(
+                simd,
+                8,
+                (&items, Some(&[1.0, 3.0])),
+                &[1, 1],
+                Slots { values: &mut out, stride: 10, offset: 1 },
+            );
+            assert_eq!(out[10..], [1.0, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0, 1.0], "{simd:?}");
+            assert_eq!(out[..10], [1.0; 10], "{simd:?}: row 0 untouched");
+            let mut kq = vec![0.0; 16];
+            items_and_products(
+                simd,
+                8,
+                (&[2.0; 8], &[0.0; 8].iter().chain(&[5.0; 8]).copied().collect::<Vec<_>>()),
+                &[1],
+                &mut kq,
+            );
+            assert_eq!(kq, [[2.0; 8], [10.0; 8]].concat(), "{simd:?}");
         }
     }
 

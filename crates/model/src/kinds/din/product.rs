@@ -79,16 +79,13 @@ impl<'a> UnitInput<'a> {
         }
         let q_rows = &bufs.q_rows;
         let kq = sized(&mut bufs.kq, at_rows.len() * 2 * d);
-        kq.par_chunks_mut(2 * d * POSITIONS_PER_TASK).enumerate().for_each(|(chunk, f)| {
-            for (i, f) in f.chunks_exact_mut(2 * d).enumerate() {
-                let p = chunk * POSITIONS_PER_TASK + i;
-                let r = at_rows[p] as usize;
-                let (q, k) = (&q_rows[r * d..(r + 1) * d], &keys[p * d..(p + 1) * d]);
-                let (fk, fprod) = f.split_at_mut(d);
-                fk.copy_from_slice(k);
-                fprod.iter_mut().zip(q.iter().zip(k)).for_each(|(o, (q, k))| *o = q * k);
-            }
-        });
+        kq.par_chunks_mut(2 * d * POSITIONS_PER_TASK).zip(at_rows.par_chunks(POSITIONS_PER_TASK)).enumerate().for_each(
+            |(chunk, (kq, at))| {
+                let first = chunk * POSITIONS_PER_TASK;
+                let keys = &keys[first * d..(first + at.len()) * d];
+                positions::items_and_products(simd, d, (keys, q_rows), at, kq);
+            },
+        );
         UnitInput { d, rows, at_rows, bufs, simd }
     }
 
