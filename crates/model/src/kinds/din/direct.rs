@@ -14,7 +14,6 @@ use super::positions::{self, Slots};
 use super::product::{ProductBufs, UnitInput};
 use crate::ModelError;
 use crate::kinds::{At, Direct, Grads};
-use crate::matrix::dot;
 use crate::mlp::{Mlp, MlpScratch, sized};
 use crate::step::Scratch;
 
@@ -108,21 +107,20 @@ impl Direct for DinNet {
                 // d score_p = ⟨d pooled, k_p⟩; d k_p = score_p · d pooled (plus the unit's share, below).
                 let d_scores = sized(&mut ds.d_scores, positions);
                 let g = &grad_x;
-                // A task's positions in one loop, not a rayon item each.
-                d_scores
-                    .par_chunks_mut(POSITIONS_PER_TASK)
-                    .zip(dk.par_chunks_mut(d * POSITIONS_PER_TASK))
-                    .enumerate()
-                    .for_each(|(t, (ds, dk))| {
-                        let first = t * POSITIONS_PER_TASK;
-                        let items = keys[first * d..].chunks_exact(d).zip(&scores[first..]).zip(&at_rows[first..]);
-                        for ((ds, dk), ((k, score), &r)) in ds.iter_mut().zip(dk.chunks_exact_mut(d)).zip(items) {
-                            let at = r as usize * stride + slot * d;
-                            let d_pooled = &g[at..at + d];
-                            *ds = dot(d_pooled, k);
-                            dk.iter_mut().zip(d_pooled).for_each(|(o, g)| *o = score * g);
-                        }
-                    });
+                // A task's positions in one call, not a rayon item each.
+                let task = POSITIONS_PER_TASK;
+                d_scores.par_chunks_mut(task).zip(dk.par_chunks_mut(d * task)).enumerate().for_each(|(t, (ds, dk))| {
+                    let items = t * task..t * task + ds.len();
+                    let (keys, scores) = (&keys[items.start * d..items.end * d], &scores[items.clone()]);
+                    positions::score_grads(
+                        self.simd,
+                        d,
+                        (keys, scores),
+                        &at_rows[items],
+                        (g, stride, slot * d),
+                        (ds, dk),
+                    );
+                });
                 if unit.is_f32() {
                     // Through the product's parts (`product.rs`); a row's
                     // share of its query's gradient is added once.

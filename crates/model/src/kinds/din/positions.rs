@@ -239,6 +239,46 @@ pub(super) fn items_and_products(
     }
 }
 
+/// Backward through the weighted sum: each position's `d_scores[p] =
+/// ⟨g_r, k_p⟩` (`crate::matrix::dot`'s sum: its bits) and its item's
+/// gradient `dk[p] = scores[p]·g_r`, with `g_r` its batch row's slot of
+/// the gradient.
+pub(super) fn score_grads(
+    simd: Simd,
+    d: usize,
+    (keys, scores): (&[f32], &[f32]),
+    at_rows: &[u32],
+    g: (&[f32], usize, usize),
+    (d_scores, dk): (&mut [f32], &mut [f32]),
+) {
+    let (n, (g, stride, offset)) = (at_rows.len(), g);
+    assert!(keys.len() == n * d && scores.len() == n, "unit pass: {n} positions of {d}");
+    assert!(d_scores.len() == n && dk.len() == n * d, "unit pass: {n} positions' gradients of {d}");
+    let batch = g.len() / stride.max(1);
+    assert!(offset + d <= stride, "unit pass: a slot past its row");
+    assert!(at_rows.iter().all(|&r| (r as usize) < batch), "unit pass: a position's row past {batch}");
+    #[cfg(target_arch = "x86_64")]
+    if avx_rows(simd, d) {
+        // SAFETY: AVX was detected (`avx_rows`); `keys` and `dk` hold `n`
+        // rows of `d`, `scores` and `d_scores` `n` values; each slot, `d`
+        // values from `r·stride + offset` with `offset + d ≤ stride` and
+        // `r` below the batch's rows, is inside `g` (asserted above); `d`
+        // is a multiple of 8.
+        #[expect(unsafe_code, reason = "calling a target_feature kernel after run-time detection")]
+        unsafe {
+            let slots = (g.as_ptr(), stride, offset);
+            x86::score_grads(d, (keys.as_ptr(), scores), at_rows, slots, (d_scores, dk.as_mut_ptr()));
+        }
+        return;
+    }
+    for (p, &r) in at_rows.iter().enumerate() {
+        let at = r as usize * stride + offset;
+        let (g, k) = (&g[at..at + d], &keys[p * d..(p + 1) * d]);
+        d_scores[p] = crate::matrix::dot(g, k);
+        dk[p * d..(p + 1) * d].iter_mut().zip(g).for_each(|(o, g)| *o = scores[p] * g);
+    }
+}
+
 /// Whether the 8-lane kernels take rows of `d`.
 fn avx_rows(simd: Simd, d: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -385,6 +425,45 @@ mod x86 {
                     }
                     _mm256_storeu_ps(slot.add(c), _mm256_add_ps(_mm256_loadu_ps(slot.add(c)), v));
                 }
+            }
+        }
+    }
+
+    /// [`super::score_grads`], 8 lanes at a time: the dot product's lanes
+    /// as `crate::matrix::dot` sums them (a product, then a sum, from 0),
+    /// then added across in its order.
+    ///
+    /// # Safety
+    /// AVX; `d` a multiple of 8; `keys` and `dk` hold `d` values a
+    /// position, `scores` and `d_scores` one; `g` `d` from each
+    /// `at_rows[p]·stride + offset`.
+    #[target_feature(enable = "avx")]
+    #[expect(unsafe_code, reason = "AVX loads and stores through raw pointers")]
+    pub(super) unsafe fn score_grads(
+        d: usize,
+        (keys, scores): (*const f32, &[f32]),
+        at_rows: &[u32],
+        (g, stride, offset): (*const f32, usize, usize),
+        (d_scores, dk): (&mut [f32], *mut f32),
+    ) {
+        // `dot`'s sum of the values past its last 8 (none here).
+        let tail: f32 = std::iter::empty::<f32>().sum();
+        // SAFETY: every access is of 8 values at `c < d` from a
+        // position's `p·d` or a row's slot, within what the caller
+        // guarantees; `scores` and `d_scores` are indexed below `n`.
+        unsafe {
+            for (p, &r) in at_rows.iter().enumerate() {
+                let slot = g.add(r as usize * stride + offset);
+                let score = _mm256_set1_ps(scores[p]);
+                let mut lanes = _mm256_setzero_ps();
+                for c in (0..d).step_by(8) {
+                    let gv = _mm256_loadu_ps(slot.add(c));
+                    lanes = _mm256_add_ps(lanes, _mm256_mul_ps(gv, _mm256_loadu_ps(keys.add(p * d + c))));
+                    _mm256_storeu_ps(dk.add(p * d + c), _mm256_mul_ps(score, gv));
+                }
+                let mut sum = [0.0f32; 8];
+                _mm256_storeu_ps(sum.as_mut_ptr(), lanes);
+                d_scores[p] = sum.iter().sum::<f32>() + tail;
             }
         }
     }
@@ -583,6 +662,13 @@ mod tests {
                     }
                     assert!(same_bits(&outs[0], &outs[1]), "slots, d {d} rows {rows} scaled {}", scale.is_some());
                 }
+                let g = values(rows.max(1) * stride, 5);
+                let mut grads = [(vec![0.0; n], vec![0.0; n * d]), (vec![0.0; n], vec![0.0; n * d])];
+                for ((d_scores, dk), simd) in grads.iter_mut().zip([Simd::Auto, Simd::Portable]) {
+                    score_grads(simd, d, (&items, &scores), &at, (&g, stride, offset), (d_scores, dk));
+                }
+                assert!(same_bits(&grads[0].0, &grads[1].0), "d scores, d {d} rows {rows}");
+                assert!(same_bits(&grads[0].1, &grads[1].1), "d items, d {d} rows {rows}");
                 let q_rows = values(rows.max(1) * d, 4);
                 let mut kq = [vec![0.0; 2 * n * d], vec![0.0; 2 * n * d]];
                 for (kq, simd) in kq.iter_mut().zip([Simd::Auto, Simd::Portable]) {
@@ -592,6 +678,13 @@ mod tests {
             }
         }
         // By hand, d = 8: two positions of row 1, the second scaled by 3.
+        for simd in [Simd::Auto, Simd::Portable] {
+            let (mut d_scores, mut dk) = (vec![0.0; 1], vec![0.0; 8]);
+            let g: Vec<f32> = (0..10).map(|i| i as f32).collect();
+            score_grads(simd, 8, (&[2.0; 8], &[0.5]), &[0], (&g, 10, 1), (&mut d_scores, &mut dk));
+            assert_eq!(d_scores, [72.0], "{simd:?}: 2·(1 + … + 8)");
+            assert_eq!(dk, [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0], "{simd:?}");
+        }
         for simd in [Simd::Auto, Simd::Portable] {
             let mut out = vec![1.0; 2 * 10];
             let items: Vec<f32> = [[1.0; 8], [2.0; 8]].concat();
