@@ -345,10 +345,10 @@ impl Direct for MultiTask {
             grads.push((t.params(), g));
         }
         if self.levels.is_empty() {
-            // ESMM: both towers read x.
+            // ESMM: both towers read x; their gradients summed in one pass.
+            let (a, b) = (&m.towers[0].grad_input, &m.towers[1].grad_input);
             grad_x.clear();
-            grad_x.extend_from_slice(&m.towers[0].grad_input);
-            grad_x.iter_mut().zip(&m.towers[1].grad_input).for_each(|(a, b)| *a += b);
+            grad_x.extend(a.iter().zip(b).map(|(a, b)| a + b));
         } else {
             // The top level's mixes are the towers' inputs; it has no shared mix.
             m.d_inputs.resize_with(tasks, Vec::new);
