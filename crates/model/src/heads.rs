@@ -129,17 +129,18 @@ impl Heads {
             .zip(labels.par_chunks(t))
             .enumerate()
             .with_min_len(64)
-            .map(|(r, ((seed, x), y))| {
+            .map_init(Vec::new, |exps, (r, ((seed, x), y))| {
                 let w = weights.map_or(1.0, |w| f64::from(w[r]));
-                self.row(x, y, w * inv_b, w, seed)
+                self.row(x, y, (w * inv_b, w), seed, exps)
             })
             .collect();
         (losses.iter().fold(0.0, |sum, l| sum + l) * inv_b, seed)
     }
 
     /// One row: its weighted loss, and its logits' gradients into `seed`
-    /// (`scale`: the row's weight over the batch's rows).
-    fn row(&self, x: &[f32], y: &[f32], scale: f64, weight: f64, seed: &mut [f32]) -> f64 {
+    /// (`scale`: the row's weight over the batch's rows); `exps` holds a
+    /// multiclass head's exponentials (a buffer a task, not one a row).
+    fn row(&self, x: &[f32], y: &[f32], (scale, weight): (f64, f64), seed: &mut [f32], exps: &mut Vec<f64>) -> f64 {
         let mut loss = 0.0;
         for (h, &label) in self.heads.iter().zip(y) {
             if label.is_nan() {
@@ -149,10 +150,11 @@ impl Heads {
             if h.multiclass {
                 let class = label as usize;
                 let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                let exps: Vec<f64> = x.iter().map(|&v| f64::from(v - max).exp()).collect();
+                exps.clear();
+                exps.extend(x.iter().map(|&v| f64::from(v - max).exp()));
                 let sum: f64 = exps.iter().sum();
                 loss += h.weight * weight * (sum.ln() - f64::from(x[class] - max));
-                for (k, (s, e)) in seed.iter_mut().zip(&exps).enumerate() {
+                for (k, (s, e)) in seed.iter_mut().zip(exps.iter()).enumerate() {
                     let target = if k == class { 1.0 } else { 0.0 };
                     *s = ((e / sum - target) * h.weight * scale) as f32;
                 }
