@@ -27,7 +27,7 @@ pub(super) fn add_row_terms(
     let h = bias.len();
     assert_eq!(out.len(), at_rows.len() * h, "unit pass: {} positions of {h}", at_rows.len());
     let rows = row_terms.len() / h.max(1);
-    assert!(at_rows.iter().all(|&r| (r as usize) < rows), "unit pass: a position's row past {rows}");
+    rows_within(at_rows, rows);
     if h == 0 {
         return;
     }
@@ -74,7 +74,7 @@ pub(super) fn mask_and_sum(
     assert_eq!(g.len(), at_rows.len() * h, "unit pass: {} positions of {h}", at_rows.len());
     assert!(relu.is_none_or(|(out, _)| out.len() == g.len()), "unit pass: the ReLU's output");
     let rows = g_rows.len() / h.max(1);
-    assert!(at_rows.iter().all(|&r| (r as usize) < rows), "unit pass: a position's row past {rows}");
+    rows_within(at_rows, rows);
     if h == 0 {
         return;
     }
@@ -130,7 +130,7 @@ pub(super) fn item_and_query(
     assert!(e.len() == 2 * n * d && keys.len() == n * d, "unit pass: {n} positions of {d}");
     assert!(dk.len() == n * d && dq.len() == n * d, "unit pass: {n} positions' gradients of {d}");
     let rows = q_rows.len() / d.max(1);
-    assert!(at_rows.iter().all(|&r| (r as usize) < rows), "unit pass: a position's row past {rows}");
+    rows_within(at_rows, rows);
     #[cfg(target_arch = "x86_64")]
     if avx_rows(simd, d) {
         // SAFETY: AVX was detected (`avx_rows`); `e` holds `n` rows of
@@ -182,7 +182,7 @@ pub(super) fn add_to_slots(
     assert!(rows.len() == n * d && scale.is_none_or(|s| s.len() == n), "unit pass: {n} positions of {d}");
     let batch = slots.values.len() / slots.stride.max(1);
     assert!(slots.offset + d <= slots.stride, "unit pass: a slot past its row");
-    assert!(at_rows.iter().all(|&r| (r as usize) < batch), "unit pass: a position's row past {batch}");
+    rows_within(at_rows, batch);
     #[cfg(target_arch = "x86_64")]
     if avx_rows(simd, d) {
         // SAFETY: AVX was detected (`avx_rows`); `rows` holds `n` rows of
@@ -219,7 +219,7 @@ pub(super) fn items_and_products(
     let n = at_rows.len();
     assert!(keys.len() == n * d && kq.len() == 2 * n * d, "unit pass: {n} positions of {d}");
     let rows = q_rows.len() / d.max(1);
-    assert!(at_rows.iter().all(|&r| (r as usize) < rows), "unit pass: a position's row past {rows}");
+    rows_within(at_rows, rows);
     #[cfg(target_arch = "x86_64")]
     if avx_rows(simd, d) {
         // SAFETY: AVX was detected (`avx_rows`); `keys` holds `n` rows of
@@ -256,7 +256,7 @@ pub(super) fn score_grads(
     assert!(d_scores.len() == n && dk.len() == n * d, "unit pass: {n} positions' gradients of {d}");
     let batch = g.len() / stride.max(1);
     assert!(offset + d <= stride, "unit pass: a slot past its row");
-    assert!(at_rows.iter().all(|&r| (r as usize) < batch), "unit pass: a position's row past {batch}");
+    rows_within(at_rows, batch);
     #[cfg(target_arch = "x86_64")]
     if avx_rows(simd, d) {
         // SAFETY: AVX was detected (`avx_rows`); `keys` and `dk` hold `n`
@@ -277,6 +277,12 @@ pub(super) fn score_grads(
         d_scores[p] = crate::matrix::dot(g, k);
         dk[p * d..(p + 1) * d].iter_mut().zip(g).for_each(|(o, g)| *o = scores[p] * g);
     }
+}
+
+/// Every position's batch row is below `rows` (a batch the kernels'
+/// reads and writes stay inside).
+fn rows_within(at_rows: &[u32], rows: usize) {
+    assert!(at_rows.iter().all(|&r| (r as usize) < rows), "unit pass: a position's row past {rows}");
 }
 
 /// Whether the 8-lane kernels take rows of `d`.
