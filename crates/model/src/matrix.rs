@@ -56,7 +56,7 @@ pub fn sgemm_threads(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_
     if column::product((m, n, k), (a, a_t), b, dst, threads) {
         return;
     }
-    if k == 1 && m * n > GEMM_HORIZONTAL_MAX {
+    if is_outer(m, n, k) {
         return outer(a, b, dst);
     }
     if !b_t && narrow::product((m, n, k), (a, a_t), b, dst, threads) {
@@ -67,6 +67,13 @@ pub fn sgemm_threads(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_
 
 /// `gemm`'s horizontal kernel takes `m·n` up to this (for `k` = 1 too).
 const GEMM_HORIZONTAL_MAX: usize = 256;
+
+/// Whether [`sgemm`] takes an `m×1 · 1×n` product as [`outer`]'s, each
+/// output the one rounded product `a_i·b_j`: a caller may then compute
+/// those values where it reads them, with the same bits.
+pub(crate) fn is_outer(m: usize, n: usize, k: usize) -> bool {
+    k == 1 && m * n > GEMM_HORIZONTAL_MAX
+}
 
 /// `dst (m×n) = a·b` for `k` = 1 (`a` `m` values, `b` `n`, stored either
 /// way), row by row: each output is one product, as in `gemm`'s outer

@@ -11,7 +11,7 @@
 pub(crate) mod first_product;
 mod relu;
 
-use first_product::First;
+use first_product::{First, FirstGrad};
 use relu::{add_bias, relu_mask, relu_mask_from};
 use std::sync::{Arc, Mutex};
 
@@ -121,14 +121,23 @@ pub(crate) fn linear_grads(
     dx: &mut [f32],
 ) {
     rayon::join(
-        || {
-            matmul(arith, Some(1), fan_in, fan_out, rows, Operand::t(x), Operand::plain(g), dw);
-            for row in g.chunks_exact(fan_out) {
-                db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
-            }
-        },
+        || weight_grads(arith, (rows, fan_in, fan_out), x, g, (dw, db)),
         || matmul(arith, Some(1), rows, fan_in, fan_out, Operand::plain(g), Operand::t(w), dx),
     );
+}
+
+/// [`linear_grads`] without d x: `dW = xᵀ·g`, `db += Σ_rows g`.
+fn weight_grads(
+    arith: Arith,
+    (rows, fan_in, fan_out): (usize, usize, usize),
+    x: &[f32],
+    g: &[f32],
+    (dw, db): (&mut [f32], &mut [f32]),
+) {
+    matmul(arith, Some(1), fan_in, fan_out, rows, Operand::t(x), Operand::plain(g), dw);
+    for row in g.chunks_exact(fan_out) {
+        db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
+    }
 }
 
 /// An MLP whose weights are one flat variable (one gradient, one optimizer pass).
@@ -491,6 +500,19 @@ fn rounds_operands(arith: Arith) -> bool {
     arith == Arith::Bf16(crate::bf16::Bf16Path::Rounded)
 }
 
+/// Whether the last layer's d input goes to the first layer's product as
+/// [`FirstGrad::Outer`], not laid out: two layers, the first a product
+/// with at most a ReLU (which the product applies), the last of one output
+/// with no activation or norm (DIN's unit, `[36] → 1`), in fp32 where
+/// `sgemm` takes d input as an outer product.
+fn outer_to_first(shape: &MlpShape, x: &First<'_>, rows: usize) -> bool {
+    let [first, last] = &shape.layers[..] else { return false };
+    let first_plain = first.norm.is_none() && (!first.relu || shape.activation == Activation::Relu);
+    let last_plain = last.fan_out == 1 && !last.relu && last.norm.is_none();
+    let outer = shape.arith == Arith::F32 && crate::matrix::is_outer(rows, last.fan_in, 1);
+    matches!(x, First::Product(_)) && first_plain && last_plain && outer
+}
+
 /// `buf` with exactly `n` elements; only newly grown elements are written.
 pub(crate) fn sized(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
     buf.resize(n, 0.0);
@@ -643,6 +665,7 @@ fn backward_into(
     }
     let mut g_in = std::mem::take(&mut scratch.grad_next);
     let laid = x.laid();
+    let outer_to_first = outer_to_first(shape, &x, rows);
     for (i, l) in layers.iter().enumerate().rev() {
         let input: &[f32] = if i == 0 { laid } else { &scratch.hidden[i - 1] };
         let (fi, fo) = (l.fan_in, l.fan_out);
@@ -685,11 +708,27 @@ fn backward_into(
         }
         // W and b are adjacent in the parameter vector (see `Mlp::new`).
         let (dw, db) = grad_p[l.w..l.b + fo].split_at_mut(fi * fo);
-        let gi = prefix(&mut g_in, rows * fi);
         let w = &p[l.w..l.w + fi * fo];
+        if i == 1 && outer_to_first {
+            // d input (`g ⊗ w`) is the first layer's product's to compute.
+            weight_grads(shape.arith, (rows, fi, fo), input, &g[..g_len], (dw, db));
+            continue;
+        }
+        let gi = prefix(&mut g_in, rows * fi);
         if let (0, First::Product(first)) = (i, &mut x) {
             let relu = relu_in_product.then_some((out, scale));
-            first.backward(w, (rows, fo), (&mut g[..g_len], relu), (dw, db));
+            let grad = match outer_to_first {
+                true => {
+                    let into = prefix(&mut g_in, rows * fo);
+                    FirstGrad::Outer { seed: &g[..g_len], w: &p[layers[1].w..layers[1].b], into }
+                }
+                false => FirstGrad::Laid(&mut g[..g_len]),
+            };
+            first.backward(w, (rows, fo), (grad, relu), (dw, db));
+            if outer_to_first {
+                // The gradient at the first layer's output is in `g_in`.
+                std::mem::swap(&mut g, &mut g_in);
+            }
         } else if rounds_operands(shape.arith) {
             scratch.rounded.backward(i, (rows, fi, fo), &g[..g_len], (dw, db), gi);
         } else {

@@ -35,14 +35,18 @@ fn heads(kind: &str) -> Heads {
 
 /// Experts of two layers (or of one, as the default's).
 fn model(kind: &str, precision: Precision, num_dense: usize) -> DenseModel {
-    model_with(kind, precision, num_dense, &[7, 6], (0.0, Norm::None, Activation::Relu))
+    model_with(kind, precision, num_dense, (&[7, 6], UNIT), (0.0, Norm::None, Activation::Relu))
 }
+
+/// DIN's attention unit: two layers. With one (`[36]`, DIN's default),
+/// the unit's first layer computes its last's input gradient itself.
+const UNIT: &[usize] = &[6, 4];
 
 fn model_with(
     kind: &str,
     precision: Precision,
     num_dense: usize,
-    expert_hidden: &[usize],
+    (expert_hidden, attention_hidden): (&[usize], &[usize]),
     (dropout, norm, activation): (f32, Norm, Activation),
 ) -> DenseModel {
     let config = ModelConfig {
@@ -55,7 +59,7 @@ fn model_with(
         task_experts: 2,
         levels: 2,
         tower_hidden: vec![5],
-        attention_hidden: vec![6, 4],
+        attention_hidden: attention_hidden.to_vec(),
         precision,
         dropout,
         norm: norm.into(),
@@ -104,37 +108,46 @@ fn the_direct_step_is_the_graphs_for_several_tasks_and_sequences() {
         .into_iter()
         .flat_map(|k| {
             [
-                (k, Precision::F32, 2, deep, plain),
-                (k, Precision::Bf16, 2, deep, plain),
-                (k, Precision::F32, 0, deep, plain),
-                (k, Precision::F32, 2, deep, (0.4, Norm::None, relu)),
-                (k, Precision::Bf16, 0, deep, (0.25, Norm::None, relu)),
-                (k, Precision::F32, 2, deep, (0.0, Norm::Layer, relu)),
-                (k, Precision::Bf16, 2, deep, (0.0, Norm::Layer, relu)),
+                (k, Precision::F32, 2, (deep, UNIT), plain),
+                (k, Precision::Bf16, 2, (deep, UNIT), plain),
+                (k, Precision::F32, 0, (deep, UNIT), plain),
+                (k, Precision::F32, 2, (deep, UNIT), (0.4, Norm::None, relu)),
+                (k, Precision::Bf16, 0, (deep, UNIT), (0.25, Norm::None, relu)),
+                (k, Precision::F32, 2, (deep, UNIT), (0.0, Norm::Layer, relu)),
+                (k, Precision::Bf16, 2, (deep, UNIT), (0.0, Norm::Layer, relu)),
                 // Batch norm: both paths normalize by the batch, hand the
                 // same statistics on, and move the running ones alike.
-                (k, Precision::F32, 2, deep, (0.0, Norm::Batch, relu)),
-                (k, Precision::Bf16, 2, deep, (0.3, Norm::Batch, relu)),
+                (k, Precision::F32, 2, (deep, UNIT), (0.0, Norm::Batch, relu)),
+                (k, Precision::Bf16, 2, (deep, UNIT), (0.3, Norm::Batch, relu)),
                 // The other activations (Dice also in DIN's unit).
-                (k, Precision::F32, 2, deep, (0.2, Norm::None, Activation::Prelu)),
-                (k, Precision::Bf16, 2, deep, (0.0, Norm::Layer, Activation::Gelu)),
-                (k, Precision::F32, 2, deep, (0.0, Norm::Batch, Activation::Silu)),
-                (k, Precision::F32, 2, deep, (0.3, Norm::None, Activation::Dice)),
+                (k, Precision::F32, 2, (deep, UNIT), (0.2, Norm::None, Activation::Prelu)),
+                (k, Precision::Bf16, 2, (deep, UNIT), (0.0, Norm::Layer, Activation::Gelu)),
+                (k, Precision::F32, 2, (deep, UNIT), (0.0, Norm::Batch, Activation::Silu)),
+                (k, Precision::F32, 2, (deep, UNIT), (0.3, Norm::None, Activation::Dice)),
             ]
         })
         .chain(["mmoe", "ple"].into_iter().flat_map(|k| {
             [
-                (k, Precision::F32, 2, &[7][..], plain),
-                (k, Precision::Bf16, 2, &[7][..], plain),
-                (k, Precision::F32, 0, &[7][..], plain),
+                (k, Precision::F32, 2, (&[7][..], UNIT), plain),
+                (k, Precision::Bf16, 2, (&[7][..], UNIT), plain),
+                (k, Precision::F32, 0, (&[7][..], UNIT), plain),
             ]
-        }));
-    for (kind, precision, num_dense, experts, (dropout, norm, activation)) in cases {
+        }))
+        // DIN's unit of one layer, fp32: its outer product computed where
+        // its first layer's gradient pass reads it (11 items by 36).
+        .chain([
+            ("din", Precision::F32, 2, (deep, &[36][..]), plain),
+            ("din", Precision::F32, 0, (deep, &[36][..]), (0.4, Norm::None, relu)),
+            ("din", Precision::F32, 2, (deep, &[36][..]), (0.0, Norm::Batch, relu)),
+            ("din", Precision::F32, 2, (deep, &[36][..]), (0.3, Norm::None, Activation::Dice)),
+            ("din", Precision::Bf16, 2, (deep, &[36][..]), plain),
+        ]);
+    for (kind, precision, num_dense, (experts, unit), (dropout, norm, activation)) in cases {
         let what = format!(
-            "{kind} {precision:?} with {num_dense} dense, experts {experts:?}, dropout {dropout}, norm {norm:?}, \
-             {activation:?}"
+            "{kind} {precision:?} with {num_dense} dense, experts {experts:?}, unit {unit:?}, dropout {dropout}, \
+             norm {norm:?}, {activation:?}"
         );
-        let model = || model_with(kind, precision, num_dense, experts, (dropout, norm, activation));
+        let model = || model_with(kind, precision, num_dense, (experts, unit), (dropout, norm, activation));
         let (direct, graph) = (model(), model());
         assert!(direct.packed_row_len().is_some(), "{what}: takes the direct step");
         let (mut opt_d, mut opt_g) = (
@@ -255,9 +268,9 @@ fn a_prediction_is_the_same_after_larger_and_other_batches() {
             let seq = (kind == "din").then_some(seq);
             model.predict_with(emb.clone(), dense.clone(), rows, seq).expect("predict")
         };
-        let fresh = model_with(kind, Precision::F32, num_dense, deep, style);
+        let fresh = model_with(kind, Precision::F32, num_dense, (deep, UNIT), style);
         let expected = predict(&fresh, &small, 5);
-        let reused = model_with(kind, Precision::F32, num_dense, deep, style);
+        let reused = model_with(kind, Precision::F32, num_dense, (deep, UNIT), style);
         predict(&reused, &large, 300);
         predict(&reused, &other, 5);
         let again = predict(&reused, &small, 5);

@@ -19,16 +19,29 @@ pub(crate) trait FirstProduct {
     fn forward(&mut self, w: &[f32], rows: usize, fan_out: usize, bias_and_relu: (&[f32], bool), out: &mut [f32]);
     /// From `g = d loss / d out`: first through the ReLU where `relu` is
     /// given (its output and dropout's scale, as `relu_mask`; `g` is
-    /// rewritten), then `db += Σ_rows g` in the rows' order,
-    /// `dW = inputᵀ·g` (every element written), and d input as the
-    /// caller keeps it.
+    /// written where [`FirstGrad`] says), then `db += Σ_rows g` in the
+    /// rows' order, `dW = inputᵀ·g` (every element written), and d input
+    /// as the caller keeps it.
     fn backward(
         &mut self,
         w: &[f32],
         rows_and_fan_out: (usize, usize),
-        g_and_relu: (&mut [f32], Option<(&[f32], f32)>),
+        g_and_relu: (FirstGrad<'_>, Option<(&[f32], f32)>),
         dw_and_db: (&mut [f32], &mut [f32]),
     );
+}
+
+/// The gradient at the first layer's output.
+pub(crate) enum FirstGrad<'a> {
+    /// Laid out `[rows, fan_out]`, rewritten in place.
+    Laid(&'a mut [f32]),
+    /// Not laid out: the next layer has one output and no activation, so
+    /// `g[r][c] = seed[r]·w[c]` (its output's gradient times its weights,
+    /// one rounded product each, as `matrix::is_outer` says the product
+    /// would be). Computed where the ReLU pass reads it and written to
+    /// `into` (`[rows, fan_out]`): one pass over DIN's `[items, 36]`, not
+    /// two.
+    Outer { seed: &'a [f32], w: &'a [f32], into: &'a mut [f32] },
 }
 
 /// An MLP pass's input: laid out, or computed into the first layer.

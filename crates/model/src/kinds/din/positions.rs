@@ -3,7 +3,9 @@
 //! AVX-512F kernels where `h` ≤ 48. Forward: each item's product plus its
 //! batch row's `q·(W_q + W_d)` and the bias, through the ReLU. Backward:
 //! each item's gradient through the ReLU, summed into the bias's gradient
-//! and into its batch row's. Built for the x86-64 baseline these loops
+//! and into its batch row's; for a unit of one layer (`[36] → 1`) that
+//! gradient is the score's times the last layer's weights, computed here
+//! rather than laid out by a product first and read back. Built for the x86-64 baseline these loops
 //! ran four lanes at a time with scalar tails and kept every sum in
 //! memory; the kernels hold the bias, the row's term and the sums in
 //! registers (a row's items are consecutive) and take 16 lanes a step. The
@@ -11,6 +13,8 @@
 //! (tested).
 
 use sparrow_core::simd::Simd;
+
+use crate::mlp::first_product::FirstGrad;
 
 /// The widest row the kernels take (three 16-lane vectors).
 const MAX_H: usize = 48;
@@ -63,14 +67,22 @@ pub(super) fn add_row_terms(
 /// was `relu.0` (kept values times dropout's scale `relu.1`, as
 /// `mlp::relu::relu_mask`), where given; then, in the positions' order,
 /// added to `db` and to its batch row's sum `g_rows[at_rows[p]]` (which
-/// the caller zeroes).
+/// the caller zeroes). `g` is laid out and rewritten, or each `seed[p]·w`
+/// computed here and written to `into` ([`FirstGrad`]).
 pub(super) fn mask_and_sum(
     simd: Simd,
-    (g, relu): (&mut [f32], Option<(&[f32], f32)>),
+    (g, relu): (FirstGrad<'_>, Option<(&[f32], f32)>),
     at_rows: &[u32],
     (db, g_rows): (&mut [f32], &mut [f32]),
 ) {
     let h = db.len();
+    let (g, outer) = match g {
+        FirstGrad::Laid(g) => (g, None),
+        FirstGrad::Outer { seed, w, into } => {
+            assert_eq!((seed.len(), w.len()), (at_rows.len(), h), "unit pass: the outer product's sides");
+            (into, Some((seed, w)))
+        }
+    };
     assert_eq!(g.len(), at_rows.len() * h, "unit pass: {} positions of {h}", at_rows.len());
     assert!(relu.is_none_or(|(out, _)| out.len() == g.len()), "unit pass: the ReLU's output");
     let rows = g_rows.len() / h.max(1);
@@ -81,24 +93,29 @@ pub(super) fn mask_and_sum(
     #[cfg(target_arch = "x86_64")]
     if kernels(simd, h) {
         // SAFETY: AVX-512F was detected (`kernels`); `g` (and the ReLU's
-        // output, of its length) holds `at_rows.len()` rows of `h`, each
-        // row index is below `rows`, so `g_rows` holds its `h` values, and
-        // `db` is `h` long (asserted above); `NV` is `h`'s count of
-        // 16-lane vectors.
+        // output, of its length) holds `at_rows.len()` rows of `h`, as
+        // the outer product's `seed` holds one value a position and its
+        // `w` `h` values; each row index is below `rows`, so `g_rows`
+        // holds its `h` values, and `db` is `h` long (asserted above);
+        // `NV` is `h`'s count of 16-lane vectors.
         #[expect(unsafe_code, reason = "calling a target_feature kernel after run-time detection")]
         unsafe {
             let relu = relu.map(|(out, scale)| (out.as_ptr(), scale));
+            let outer = outer.map(|(seed, w)| (seed.as_ptr(), w.as_ptr()));
             let (g, db, sums) = (g.as_mut_ptr(), db.as_mut_ptr(), g_rows.as_mut_ptr());
             match h.div_ceil(16) {
-                1 => x86::mask_and_sum::<1>(h, (g, relu), at_rows, (db, sums)),
-                2 => x86::mask_and_sum::<2>(h, (g, relu), at_rows, (db, sums)),
-                _ => x86::mask_and_sum::<3>(h, (g, relu), at_rows, (db, sums)),
+                1 => x86::mask_and_sum::<1>(h, (g, outer, relu), at_rows, (db, sums)),
+                2 => x86::mask_and_sum::<2>(h, (g, outer, relu), at_rows, (db, sums)),
+                _ => x86::mask_and_sum::<3>(h, (g, outer, relu), at_rows, (db, sums)),
             }
         }
         return;
     }
     for (p, &r) in at_rows.iter().enumerate() {
         let (r, gp) = (r as usize, &mut g[p * h..(p + 1) * h]);
+        if let Some((seed, w)) = outer {
+            gp.iter_mut().zip(w).for_each(|(g, &w)| *g = seed[p] * w);
+        }
         if let Some((out, scale)) = relu {
             let out = &out[p * h..(p + 1) * h];
             if scale == 1.0 {
@@ -502,6 +519,9 @@ mod x86 {
         }
     }
 
+    /// An outer product's sides: `seed` (a value a position) and `w`.
+    type Outer = (*const f32, *const f32);
+
     /// [`super::mask_and_sum`]: the bias's sums and the current row's
     /// held in registers, a row's sum added to `g_rows` when its run of
     /// positions ends.
@@ -509,24 +529,29 @@ mod x86 {
     /// # Safety
     /// AVX-512F; `NV = ⌈h/16⌉`; `g` (and the ReLU's output) hold
     /// `at_rows.len()·h` values, `g_rows` `h` from each `at_rows[p]·h`,
-    /// `db` `h`.
+    /// `db` `h`; the outer product's `seed` `at_rows.len()`, its `w` `h`.
     #[target_feature(enable = "avx512f")]
     #[expect(unsafe_code, reason = "AVX-512 loads and stores through raw pointers")]
     pub(super) unsafe fn mask_and_sum<const NV: usize>(
         h: usize,
-        (g, relu): (*mut f32, Option<(*const f32, f32)>),
+        (g, outer, relu): (*mut f32, Option<Outer>, Option<(*const f32, f32)>),
         at_rows: &[u32],
         (db, g_rows): (*mut f32, *mut f32),
     ) {
         let masks = masks::<NV>(h);
         // SAFETY: every access is of `h` values (the last vector masked)
         // at a position's `p·h` in `g` and the ReLU's output, a row's
-        // `r·h` in `g_rows`, or `db`, within what the caller guarantees.
+        // `r·h` in `g_rows`, `db` or `w`, or of `seed[p]`, within what the
+        // caller guarantees.
         unsafe {
             let zero = _mm512_setzero_ps();
             let mut db_sum = [zero; NV];
+            let mut w = [zero; NV];
             for v in 0..NV {
                 db_sum[v] = _mm512_maskz_loadu_ps(masks[v], db.add(v * 16));
+                if let Some((_, wp)) = outer {
+                    w[v] = _mm512_maskz_loadu_ps(masks[v], wp.add(v * 16));
+                }
             }
             // A row's sum: 0 + g₁ + g₂ + …, as its zeroed slot summed in
             // memory (0 + x is x, a −0 included: both give +0).
@@ -536,13 +561,18 @@ mod x86 {
                     _mm512_mask_storeu_ps(at, masks[v], _mm512_add_ps(_mm512_maskz_loadu_ps(masks[v], at), sum[v]));
                 }
             };
+            // A position's gradient: read, or its one product seed·w.
             let load = |p: usize| {
                 let mut x = [zero; NV];
                 for v in 0..NV {
-                    x[v] = _mm512_maskz_loadu_ps(masks[v], g.add(p * h + v * 16));
+                    x[v] = match outer {
+                        Some((seed, _)) => _mm512_mul_ps(_mm512_set1_ps(*seed.add(p)), w[v]),
+                        None => _mm512_maskz_loadu_ps(masks[v], g.add(p * h + v * 16)),
+                    };
                 }
                 x
             };
+            let written = relu.is_some() || outer.is_some();
             let (mut row, mut row_sum) = (at_rows.first().copied().unwrap_or(0), [zero; NV]);
             let mut next = if at_rows.is_empty() { [zero; NV] } else { load(0) };
             for (p, &r) in at_rows.iter().enumerate() {
@@ -565,6 +595,8 @@ mod x86 {
                             x[v] = _mm512_mul_ps(x[v], _mm512_set1_ps(scale));
                         }
                         x[v] = _mm512_maskz_mov_ps(kept, x[v]);
+                    }
+                    if written {
                         _mm512_mask_storeu_ps(g.add(p * h + v * 16), masks[v], x[v]);
                     }
                     row_sum[v] = _mm512_add_ps(row_sum[v], x[v]);
@@ -584,6 +616,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::matrix::Operand;
     use crate::matrix::tests::{same_bits, values};
 
     /// Rows of 0 to 4 positions (some none), ascending, and one run split
@@ -618,12 +651,41 @@ mod tests {
                         [(values(h, 6), vec![0.0; rows.max(1) * h]), (values(h, 6), vec![0.0; rows.max(1) * h])];
                     for ((g, (db, g_rows)), simd) in g.iter_mut().zip(sums.iter_mut()).zip([Simd::Auto, Simd::Portable])
                     {
-                        mask_and_sum(simd, (g, relu), &at, (db, g_rows));
+                        mask_and_sum(simd, (FirstGrad::Laid(g), relu), &at, (db, g_rows));
                     }
                     let what = format!("backward h {h} rows {rows} split {split} relu {:?}", relu.map(|r| r.1));
                     assert!(same_bits(&g[0], &g[1]), "{what}: the gradients");
                     assert!(same_bits(&sums[0].0, &sums[1].0), "{what}: the bias's");
                     assert!(same_bits(&sums[0].1, &sums[1].1), "{what}: the rows'");
+                    // The gradient as an outer product, computed in the pass:
+                    // what the pass gives on the product laid out.
+                    let (seed, w) = (values(at.len(), 7), values(h, 8));
+                    let mut laid = vec![0.0; n];
+                    for (g, s) in laid.chunks_exact_mut(h).zip(&seed) {
+                        g.iter_mut().zip(&w).for_each(|(g, w)| *g = s * w);
+                    }
+                    if crate::matrix::is_outer(at.len(), h, 1) {
+                        let mut by_sgemm = vec![0.0; n];
+                        crate::matrix::sgemm(at.len(), h, 1, Operand::plain(&seed), Operand::t(&w), &mut by_sgemm);
+                        assert!(same_bits(&laid, &by_sgemm), "{what}: sgemm's outer product");
+                    }
+                    let (db, g_rows) = (values(h, 6), vec![0.0; rows.max(1) * h]);
+                    let mut expected = (laid, db.clone(), g_rows.clone());
+                    mask_and_sum(
+                        Simd::Portable,
+                        (FirstGrad::Laid(&mut expected.0), relu),
+                        &at,
+                        (&mut expected.1, &mut expected.2),
+                    );
+                    for simd in [Simd::Auto, Simd::Portable] {
+                        let (mut into, mut db, mut g_rows) = (values(n, 9), db.clone(), g_rows.clone());
+                        let outer = FirstGrad::Outer { seed: &seed, w: &w, into: &mut into };
+                        mask_and_sum(simd, (outer, relu), &at, (&mut db, &mut g_rows));
+                        let what = format!("{what}, outer, {simd:?}");
+                        assert!(same_bits(&into, &expected.0), "{what}: the gradients");
+                        assert!(same_bits(&db, &expected.1), "{what}: the bias's");
+                        assert!(same_bits(&g_rows, &expected.2), "{what}: the rows'");
+                    }
                 }
             }
         }
@@ -730,7 +792,7 @@ mod tests {
         out = vec![1.0, 0.0, 0.0, 2.0, 3.0, 0.0];
         for simd in [Simd::Auto, Simd::Portable] {
             let (mut g, mut db, mut rows) = (vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], vec![0.5, 0.0], vec![0.0; 4]);
-            mask_and_sum(simd, (&mut g, Some((&out, 2.0))), &at, (&mut db, &mut rows));
+            mask_and_sum(simd, (FirstGrad::Laid(&mut g), Some((&out, 2.0))), &at, (&mut db, &mut rows));
             assert_eq!(g, [2.0, 0.0, 0.0, 8.0, 10.0, 0.0], "{simd:?}");
             assert_eq!(db, [12.5, 8.0], "{simd:?}");
             assert_eq!(rows, [2.0, 0.0, 10.0, 8.0], "{simd:?}");

@@ -14,7 +14,7 @@ use rayon::prelude::*;
 use super::positions;
 use crate::bf16::Arith;
 use crate::matrix::Operand;
-use crate::mlp::first_product::FirstProduct;
+use crate::mlp::first_product::{FirstGrad, FirstProduct};
 use crate::mlp::{matmul, sized};
 use sparrow_core::simd::Simd;
 
@@ -142,19 +142,31 @@ impl FirstProduct for UnitInput<'_> {
         &mut self,
         w: &[f32],
         (positions, h): (usize, usize),
-        (g, relu): (&mut [f32], Option<(&[f32], f32)>),
+        (g, relu): (FirstGrad<'_>, Option<(&[f32], f32)>),
         (dw, db): (&mut [f32], &mut [f32]),
     ) {
         let (d, rows) = (self.d, self.rows);
-        assert_eq!((g.len(), db.len()), (positions * h, h), "the unit's first gradients");
+        assert_eq!(db.len(), h, "the unit's first bias's gradient");
         self.split_weights(w, h);
         let b = &mut *self.bufs;
-        // One pass over the positions: each one's gradient through the
-        // ReLU, then added to the bias's and to its row's.
+        // One pass over the positions: each one's gradient (computed, for
+        // an outer product) through the ReLU, then added to the bias's and
+        // to its row's.
         let g_rows = sized(&mut b.g_rows, rows * h);
         g_rows.fill(0.0);
-        positions::mask_and_sum(self.simd, (g, relu), self.at_rows, (db, g_rows));
-        let g = &*g;
+        let g: &[f32] = match g {
+            FirstGrad::Laid(g) => {
+                assert_eq!(g.len(), positions * h, "the unit's first gradients");
+                positions::mask_and_sum(self.simd, (FirstGrad::Laid(&mut *g), relu), self.at_rows, (db, g_rows));
+                g
+            }
+            FirstGrad::Outer { seed, w: w_next, into } => {
+                assert_eq!(into.len(), positions * h, "the unit's first gradients");
+                let outer = FirstGrad::Outer { seed, w: w_next, into: &mut *into };
+                positions::mask_and_sum(self.simd, (outer, relu), self.at_rows, (db, g_rows));
+                into
+            }
+        };
         let dh = d * h;
         let (dwq, rest) = dw.split_at_mut(dh);
         let (dwk, rest) = rest.split_at_mut(dh);
