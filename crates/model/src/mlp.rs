@@ -9,9 +9,12 @@
 //! which gives the same values (tested), so callers never branch on the device.
 
 pub(crate) mod first_product;
+mod linear;
 mod relu;
 
-use first_product::{First, FirstGrad};
+use first_product::{First, FirstGrad, outer_to_first};
+pub(crate) use linear::{linear_grads, matmul};
+use linear::weight_grads;
 use relu::{add_bias, relu_mask, relu_mask_from};
 use std::sync::{Arc, Mutex};
 
@@ -83,60 +86,6 @@ impl StackStyle {
     /// DIN's local activation unit's: no norm, `model.attention_activation`.
     pub fn attention(config: &ModelConfig) -> StackStyle {
         StackStyle { activation: config.attention_activation, ..StackStyle::with(config, Norm::None) }
-    }
-}
-
-/// `dst = op(a)·op(b)` in the model's precision; `threads`: at most that
-/// many threads (fp32; the bf16 kernel splits rows over the current pool).
-#[expect(clippy::too_many_arguments, reason = "a matrix product's shape, operands and where it runs")]
-pub(crate) fn matmul(
-    arith: Arith,
-    threads: Option<usize>,
-    m: usize,
-    n: usize,
-    k: usize,
-    a: Operand<'_>,
-    b: Operand<'_>,
-    dst: &mut [f32],
-) {
-    match (arith, threads) {
-        (Arith::F32, None) => sgemm(m, n, k, a, b, dst),
-        (Arith::F32, Some(t)) => sgemm_threads(m, n, k, a, b, dst, t),
-        (Arith::Bf16(path), t) => crate::bf16::gemm_bf16_threads(path, m, n, k, a, b, dst, t),
-    }
-}
-
-/// The gradients of `y = x·W + b` (`x: [rows, fan_in]`, `W: [fan_in,
-/// fan_out]`) from `g = d loss / d y`: `dW = xᵀ·g`, `db += Σ_rows g`, and
-/// `dx = g·Wᵀ`. The two products are independent and equally large: two
-/// single-threaded gemms side by side scale better than two two-threaded
-/// gemms one after the other (the bf16 kernel splits over the pool anyway).
-pub(crate) fn linear_grads(
-    arith: Arith,
-    (rows, fan_in, fan_out): (usize, usize, usize),
-    x: &[f32],
-    w: &[f32],
-    g: &[f32],
-    (dw, db): (&mut [f32], &mut [f32]),
-    dx: &mut [f32],
-) {
-    rayon::join(
-        || weight_grads(arith, (rows, fan_in, fan_out), x, g, (dw, db)),
-        || matmul(arith, Some(1), rows, fan_in, fan_out, Operand::plain(g), Operand::t(w), dx),
-    );
-}
-
-/// [`linear_grads`] without d x: `dW = xᵀ·g`, `db += Σ_rows g`.
-fn weight_grads(
-    arith: Arith,
-    (rows, fan_in, fan_out): (usize, usize, usize),
-    x: &[f32],
-    g: &[f32],
-    (dw, db): (&mut [f32], &mut [f32]),
-) {
-    matmul(arith, Some(1), fan_in, fan_out, rows, Operand::t(x), Operand::plain(g), dw);
-    for row in g.chunks_exact(fan_out) {
-        db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
     }
 }
 
@@ -498,19 +447,6 @@ pub struct MlpScratch {
 /// (once a step each, see `bf16_rounded`).
 fn rounds_operands(arith: Arith) -> bool {
     arith == Arith::Bf16(crate::bf16::Bf16Path::Rounded)
-}
-
-/// Whether the last layer's d input goes to the first layer's product as
-/// [`FirstGrad::Outer`], not laid out: two layers, the first a product
-/// with at most a ReLU (which the product applies), the last of one output
-/// with no activation or norm (DIN's unit, `[36] → 1`), in fp32 where
-/// `sgemm` takes d input as an outer product.
-fn outer_to_first(shape: &MlpShape, x: &First<'_>, rows: usize) -> bool {
-    let [first, last] = &shape.layers[..] else { return false };
-    let first_plain = first.norm.is_none() && (!first.relu || shape.activation == Activation::Relu);
-    let last_plain = last.fan_out == 1 && !last.relu && last.norm.is_none();
-    let outer = shape.arith == Arith::F32 && crate::matrix::is_outer(rows, last.fan_in, 1);
-    matches!(x, First::Product(_)) && first_plain && last_plain && outer
 }
 
 /// `buf` with exactly `n` elements; only newly grown elements are written.

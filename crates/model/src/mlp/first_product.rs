@@ -4,9 +4,10 @@
 //! `q·(W_q + W_d) + [k, q ⊙ k]·[W_k − W_d; W_p]`, the first term once a
 //! row, not once a history item (`kinds/din/product.rs`).
 
-use super::{Mlp, MlpScratch, cpu};
+use super::{Mlp, MlpScratch, MlpShape, cpu};
 use crate::ModelError;
 use crate::bf16::Arith;
+use sparrow_core::config::Activation;
 
 /// The first layer's product from the input's parts (fp32). Its bias and
 /// a ReLU right after it (no norm between) are applied in the same pass
@@ -94,4 +95,17 @@ impl Mlp {
     pub(crate) fn is_f32(&self) -> bool {
         self.shape.arith == Arith::F32
     }
+}
+
+/// Whether the last layer's d input goes to the first layer's product as
+/// [`FirstGrad::Outer`], not laid out: two layers, the first a product
+/// with at most a ReLU (which the product applies), the last of one output
+/// with no activation or norm (DIN's unit, `[36] → 1`), in fp32 where
+/// `sgemm` takes d input as an outer product.
+pub(super) fn outer_to_first(shape: &MlpShape, x: &First<'_>, rows: usize) -> bool {
+    let [first, last] = &shape.layers[..] else { return false };
+    let first_plain = first.norm.is_none() && (!first.relu || shape.activation == Activation::Relu);
+    let last_plain = last.fan_out == 1 && !last.relu && last.norm.is_none();
+    let outer = shape.arith == Arith::F32 && crate::matrix::is_outer(rows, last.fan_in, 1);
+    matches!(x, First::Product(_)) && first_plain && last_plain && outer
 }

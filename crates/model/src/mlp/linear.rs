@@ -1,0 +1,59 @@
+//! A layer's products: `dst = op(a)·op(b)` in the model's precision, and
+//! the gradients of `y = x·W + b`.
+
+use crate::bf16::Arith;
+use crate::matrix::{Operand, sgemm, sgemm_threads};
+
+/// `dst = op(a)·op(b)` in the model's precision; `threads`: at most that
+/// many threads (fp32; the bf16 kernel splits rows over the current pool).
+#[expect(clippy::too_many_arguments, reason = "a matrix product's shape, operands and where it runs")]
+pub(crate) fn matmul(
+    arith: Arith,
+    threads: Option<usize>,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand<'_>,
+    b: Operand<'_>,
+    dst: &mut [f32],
+) {
+    match (arith, threads) {
+        (Arith::F32, None) => sgemm(m, n, k, a, b, dst),
+        (Arith::F32, Some(t)) => sgemm_threads(m, n, k, a, b, dst, t),
+        (Arith::Bf16(path), t) => crate::bf16::gemm_bf16_threads(path, m, n, k, a, b, dst, t),
+    }
+}
+
+/// The gradients of `y = x·W + b` (`x: [rows, fan_in]`, `W: [fan_in,
+/// fan_out]`) from `g = d loss / d y`: `dW = xᵀ·g`, `db += Σ_rows g`, and
+/// `dx = g·Wᵀ`. The two products are independent and equally large: two
+/// single-threaded gemms side by side scale better than two two-threaded
+/// gemms one after the other (the bf16 kernel splits over the pool anyway).
+pub(crate) fn linear_grads(
+    arith: Arith,
+    (rows, fan_in, fan_out): (usize, usize, usize),
+    x: &[f32],
+    w: &[f32],
+    g: &[f32],
+    (dw, db): (&mut [f32], &mut [f32]),
+    dx: &mut [f32],
+) {
+    rayon::join(
+        || weight_grads(arith, (rows, fan_in, fan_out), x, g, (dw, db)),
+        || matmul(arith, Some(1), rows, fan_in, fan_out, Operand::plain(g), Operand::t(w), dx),
+    );
+}
+
+/// [`linear_grads`] without d x: `dW = xᵀ·g`, `db += Σ_rows g`.
+pub(super) fn weight_grads(
+    arith: Arith,
+    (rows, fan_in, fan_out): (usize, usize, usize),
+    x: &[f32],
+    g: &[f32],
+    (dw, db): (&mut [f32], &mut [f32]),
+) {
+    matmul(arith, Some(1), fan_in, fan_out, rows, Operand::t(x), Operand::plain(g), dw);
+    for row in g.chunks_exact(fan_out) {
+        db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
+    }
+}
