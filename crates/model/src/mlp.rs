@@ -13,8 +13,8 @@ mod linear;
 mod relu;
 
 use first_product::{First, FirstGrad, outer_to_first};
-pub(crate) use linear::{linear_grads, matmul};
 use linear::weight_grads;
+pub(crate) use linear::{linear_grads, matmul};
 use relu::{add_bias, relu_mask, relu_mask_from};
 use std::sync::{Arc, Mutex};
 
