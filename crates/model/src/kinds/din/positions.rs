@@ -5,12 +5,12 @@
 //! each item's gradient through the ReLU, summed into the bias's gradient
 //! and into its batch row's; for a unit of one layer (`[36] → 1`) that
 //! gradient is the score's times the last layer's weights, computed here
-//! rather than laid out by a product first and read back. Built for the x86-64 baseline these loops
-//! ran four lanes at a time with scalar tails and kept every sum in
-//! memory; the kernels hold the bias, the row's term and the sums in
-//! registers (a row's items are consecutive) and take 16 lanes a step. The
-//! same operations in the same order as the portable loops: the same bits
-//! (tested).
+//! rather than laid out by a product first and read back. Built for the
+//! x86-64 baseline these loops ran four lanes at a time with scalar tails
+//! and kept every sum in memory; the kernels hold the bias, the row's term
+//! and the sums in registers (a row's items are consecutive) and take 16
+//! lanes a step. The same operations in the same order as the portable
+//! loops: the same bits (tested).
 
 use sparrow_core::simd::Simd;
 
