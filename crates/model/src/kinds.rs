@@ -267,6 +267,16 @@ pub trait Direct: Sync {
     fn several_outputs(&self) -> bool {
         false
     }
+
+    /// The fewest rows a half of a batch takes where its step may run a
+    /// batch as two halves, one a thread (`models/halves.rs`); `None`
+    /// where it may not. A kind says so where no pass reads the batch as
+    /// a whole or a value's place in it (dropout's masks) and its passes
+    /// are too small to split across threads one by one. The driver also
+    /// checks that no layer keeps batch statistics.
+    fn half_rows(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// The kind `model.kind` names.

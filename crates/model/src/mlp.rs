@@ -193,6 +193,12 @@ impl Mlp {
         Mlp { shape: Arc::new(shape), params: self.params, running: self.running }
     }
 
+    /// Whether a training step drops values (`model.dropout` above 0): its
+    /// masks are drawn by each value's place in the whole batch.
+    pub(crate) fn drops(&self) -> bool {
+        self.shape.dropout.is_on()
+    }
+
     /// The running statistics' values (empty without batch norm).
     fn running_values(&self) -> Result<Vec<f32>, ModelError> {
         match &self.running {

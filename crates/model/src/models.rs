@@ -15,6 +15,7 @@ use crate::kinds::{At, Build, Kind, Net};
 
 mod described;
 mod direct;
+mod halves;
 use crate::optimizer::{DenseGrads, DenseOptimizer};
 use crate::params::ParamStore;
 pub use crate::step::{ModelShape, Scratch, Sequences};
@@ -549,7 +550,13 @@ impl DenseModel {
             let result = on_grads(&scratch.grad_x, &[]);
             return Ok((loss, logits, result, grads));
         }
-        let logits = self.forward_direct(x, rows, self.training(dropout), &mut scratch)?;
+        let halves = self.steps_in_halves(rows);
+        let draw = self.training(dropout);
+        let logits = if halves {
+            self.forward_halves(x, rows, draw, &mut scratch)?
+        } else {
+            self.forward_direct(x, rows, draw, &mut scratch)?
+        };
         let (loss, seed) = if self.heads.is_one_binary() {
             Self::loss_and_seed(&logits, labels, weights)
         } else {
@@ -557,7 +564,11 @@ impl DenseModel {
             self.heads.loss_and_seed(&logits, labels, weights)
         };
         self.check_loss(loss)?;
-        let mut grads = self.backward_direct(x, &seed, &mut scratch)?;
+        let mut grads = if halves {
+            self.backward_halves(x, &seed, &mut scratch)?
+        } else {
+            self.backward_direct(x, &seed, &mut scratch)?
+        };
         self.params.take_batch_statistics(&mut grads.grads)?;
         crate::optimizer::check_finite(self.simd, &scratch.grad_x, || "gradient of the embedding inputs".into())?;
         for g in &scratch.item_grads {

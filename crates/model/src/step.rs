@@ -57,6 +57,9 @@ pub struct Scratch {
     pub(crate) item_grads: Vec<Vec<f32>>,
     /// Buffers of a kind whose step needs its own (the multi-task kinds', DIN's).
     pub(crate) kind: Option<Box<dyn std::any::Any + Send>>,
+    /// A step run as two halves (`models/halves.rs`): the second half's
+    /// buffers (these are the first's).
+    pub(crate) second_half: Option<Box<Scratch>>,
 }
 
 impl Scratch {

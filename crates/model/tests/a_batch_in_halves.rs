@@ -1,0 +1,214 @@
+//! The multi-task kinds (MMoE, PLE, ESMM) run a batch as two halves, one
+//! a thread (`models/halves.rs`), where each half has the work to pay for
+//! waking a thread. That step is still
+//! candle's graph and its autograd: logits, loss, the pooled embeddings'
+//! gradient in the batch's row order, every dense gradient (the halves'
+//! summed) and the weights after two optimizer steps, over an odd batch,
+//! masked labels and sample weights, both precisions and layer norm. Its
+//! bits do not depend on the threads: a pool of one and a pool of two give
+//! the same model.
+
+use candle_core::Device;
+use sparrow_core::config::{DenseOptimizerConfig, ModelConfig, ModelKind, Norm, Precision, Task, TaskKind};
+use sparrow_core::rng::Rng;
+use sparrow_model::{DenseModel, DenseOptimizer, Heads, ModelShape, StepOutput};
+
+const FIELDS: usize = 4;
+const DIM: usize = 5;
+const DENSE: usize = 2;
+
+fn heads(kind: &str) -> Heads {
+    let task = |name: &str, kind, outputs, weight| Task { name: name.into(), kind, outputs, weight };
+    if kind == "esmm" {
+        return Heads::of(&[task("click", TaskKind::Binary, 1, 1.0), task("conversion", TaskKind::Binary, 1, 2.0)]);
+    }
+    Heads::of(&[
+        task("click", TaskKind::Binary, 1, 1.0),
+        task("conversion", TaskKind::Binary, 1, 2.0),
+        task("kind", TaskKind::Multiclass, 3, 0.5),
+    ])
+}
+
+fn model(kind: &str, precision: Precision, norm: Norm) -> DenseModel {
+    model_with(kind, precision, norm, 0.0)
+}
+
+fn model_with(kind: &str, precision: Precision, norm: Norm, dropout: f32) -> DenseModel {
+    let config = ModelConfig {
+        kind: ModelKind::named(kind),
+        embedding_dim: DIM,
+        experts: 3,
+        expert_hidden: vec![48, 6],
+        task_experts: 2,
+        levels: 2,
+        tower_hidden: vec![40],
+        precision,
+        norm: norm.into(),
+        dropout,
+        ..Default::default()
+    };
+    let shape = ModelShape { num_fields: FIELDS, num_dense: DENSE, embedding_dim: DIM };
+    DenseModel::with_attention(&config, shape, heads(kind), &[], 17, Device::Cpu, Default::default()).expect("model")
+}
+
+/// One step's inputs: embeddings, dense values, labels (some masked) and weights.
+struct Batch {
+    emb: Vec<f32>,
+    dense: Vec<f32>,
+    labels: Vec<f32>,
+    weights: Vec<f32>,
+}
+
+/// A batch one row past the fewest `model` runs in halves: odd, so its
+/// halves differ by a row.
+fn rows(model: &DenseModel) -> usize {
+    2 * model.half_rows().expect("runs in halves") + 1
+}
+
+fn batch(rows: usize, tasks: usize, rng: &mut Rng) -> Batch {
+    let emb = (0..rows * FIELDS * DIM).map(|_| rng.uniform(-0.6, 0.6) as f32).collect();
+    let dense = (0..rows * DENSE).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
+    let labels = (0..rows * tasks)
+        .map(|i| match (i % tasks, i % 5) {
+            (_, 3) => f32::NAN,
+            (2, _) => (rng.next_u64() % 3) as f32,
+            _ => (rng.next_u64() % 2) as f32,
+        })
+        .collect();
+    let weights = (0..rows).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
+    Batch { emb, dense, labels, weights }
+}
+
+fn close(what: &str, a: &[f32], b: &[f32], tolerance: f32) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!((x - y).abs() <= tolerance * (1.0 + y.abs()), "{what}[{i}]: halves {x}, graph {y}");
+    }
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+const CASES: [(Precision, Norm); 3] =
+    [(Precision::F32, Norm::None), (Precision::Bf16, Norm::None), (Precision::F32, Norm::Layer)];
+
+/// The multi-task kinds take the halves from twice the rows their work
+/// asks for; not with dropout (its masks are drawn by a value's place in
+/// the whole batch), batch norm (statistics of the whole batch), nor the
+/// kinds whose products are large enough to split one by one.
+#[test]
+fn the_multi_task_kinds_take_the_halves_where_their_rows_are_independent() {
+    for kind in ["mmoe", "ple", "esmm"] {
+        for (precision, norm) in CASES {
+            let m = model(kind, precision, norm);
+            let half = m.half_rows().expect("halves");
+            assert!((64..5000).contains(&half), "{kind}: {half} rows a half");
+            assert!(m.steps_in_halves(2 * half) && !m.steps_in_halves(2 * half - 1), "{kind} {precision:?} {norm:?}");
+        }
+        assert_eq!(model_with(kind, Precision::F32, Norm::None, 0.1).half_rows(), None, "{kind} with dropout");
+        assert_eq!(model(kind, Precision::F32, Norm::Batch).half_rows(), None, "{kind} with batch norm");
+    }
+    assert_eq!(model("mlp", Precision::F32, Norm::None).half_rows(), None, "the MLP");
+    // More work a row, fewer rows a half.
+    let wide = |experts| {
+        let config = ModelConfig { kind: ModelKind::named("mmoe"), embedding_dim: DIM, experts, ..Default::default() };
+        let shape = ModelShape { num_fields: FIELDS, num_dense: DENSE, embedding_dim: DIM };
+        let model = DenseModel::with_attention(&config, shape, heads("mmoe"), &[], 17, Device::Cpu, Default::default());
+        model.expect("model").half_rows().expect("halves")
+    };
+    assert!(wide(8) < wide(2), "8 experts: {} rows, 2: {}", wide(8), wide(2));
+}
+
+#[test]
+fn a_step_in_halves_is_the_graphs() {
+    for kind in ["mmoe", "ple", "esmm"] {
+        for (precision, norm) in CASES {
+            let what = format!("{kind} {precision:?} {norm:?}");
+            let (direct, graph) = (model(kind, precision, norm), model(kind, precision, norm));
+            let new_optimizer = || DenseOptimizer::new(DenseOptimizerConfig::default(), Default::default());
+            let (mut opt_d, mut opt_g) = (new_optimizer(), new_optimizer());
+            let mut rng = Rng::new(29);
+            let rows = rows(&direct);
+            for step in 0..2 {
+                let what = format!("{what}, step {step}");
+                let b = batch(rows, direct.heads().tasks(), &mut rng);
+                let (a, grads_a) = direct
+                    .forward_backward_with(b.emb.clone(), b.dense.clone(), &b.labels, Some(&b.weights), None, None)
+                    .expect("step in halves");
+                let (g, grads_g) = graph
+                    .forward_backward_autograd_with(
+                        b.emb.clone(),
+                        b.dense.clone(),
+                        &b.labels,
+                        Some(&b.weights),
+                        None,
+                        None,
+                    )
+                    .expect("graph step");
+                assert!(
+                    (a.loss - g.loss).abs() <= 1e-5 * (1.0 + g.loss.abs()),
+                    "{what}: loss {} vs {}",
+                    a.loss,
+                    g.loss
+                );
+                close(&format!("{what}: logits"), &a.logits, &g.logits, 1e-5);
+                close(&format!("{what}: d pooled"), &a.emb_grad, &g.emb_grad, 1e-5);
+                // The second half's rows have their gradients too.
+                let second = &a.emb_grad[(rows / 2 + 1) * FIELDS * DIM..];
+                assert!(second.iter().any(|&v| v != 0.0), "{what}: the second half's gradient");
+                assert_eq!(grads_a.rows, rows as u64, "{what}: rows");
+                for (i, (x, y)) in grads_a.grads.iter().zip(&grads_g.grads).enumerate() {
+                    let (x, y) = (x.as_ref().expect("a gradient"), y.as_ref().expect("a gradient"));
+                    close(&format!("{what}: dense gradient {i}"), x, y, 1e-5);
+                }
+                // A prediction runs the batch whole: the same logits, to
+                // the last bits of a product's rounding (a half's products
+                // are blocked by its own rows).
+                let predicted = direct.predict(b.emb, b.dense, rows).expect("predict");
+                close(&format!("{what}: a prediction of the batch"), &predicted, &a.logits, 1e-6);
+                opt_d.apply(&direct.params, grads_a).expect("apply");
+                opt_g.apply(&graph.params, grads_g).expect("apply");
+            }
+            let (v, w) = (direct.params.flat_values().expect("weights"), graph.params.flat_values().expect("weights"));
+            close(&format!("{what}: weights after two steps"), &v, &w, 1e-5);
+        }
+    }
+}
+
+/// Three steps of `kind` on a pool of `threads`: each step's output and the weights after.
+fn trained(kind: &str, (precision, norm): (Precision, Norm), threads: usize) -> (Vec<StepOutput>, Vec<f32>) {
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
+    pool.install(|| {
+        let model = model(kind, precision, norm);
+        let mut optimizer = DenseOptimizer::new(DenseOptimizerConfig::default(), Default::default());
+        let mut rng = Rng::new(37);
+        let mut outputs = Vec::new();
+        let rows = rows(&model);
+        for _ in 0..3 {
+            let b = batch(rows, model.heads().tasks(), &mut rng);
+            let (out, grads) =
+                model.forward_backward_with(b.emb, b.dense, &b.labels, Some(&b.weights), None, None).expect("step");
+            optimizer.apply(&model.params, grads).expect("apply");
+            outputs.push(out);
+        }
+        (outputs, model.params.flat_values().expect("weights"))
+    })
+}
+
+#[test]
+fn the_halves_give_the_same_bits_on_one_thread_and_on_two() {
+    for kind in ["mmoe", "ple", "esmm"] {
+        for case in CASES {
+            let what = format!("{kind} {case:?}");
+            let (one, weights_one) = trained(kind, case, 1);
+            let (two, weights_two) = trained(kind, case, 2);
+            for (step, (a, b)) in one.iter().zip(&two).enumerate() {
+                assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "{what}: loss at step {step}");
+                assert_eq!(bits(&a.logits), bits(&b.logits), "{what}: logits at step {step}");
+                assert_eq!(bits(&a.emb_grad), bits(&b.emb_grad), "{what}: d pooled at step {step}");
+            }
+            assert_eq!(bits(&weights_one), bits(&weights_two), "{what}: the weights");
+        }
+    }
+}
