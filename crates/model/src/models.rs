@@ -191,9 +191,14 @@ impl DenseModel {
             // Buffers of its own: predictions may run beside a training step.
             let taken = self.predicting.lock().ok().and_then(|mut free| free.pop());
             let mut scratch = taken.unwrap_or_default();
-            let logits = self
-                .sequences_into(sequences.cloned(), rows, &mut scratch)
-                .and_then(|()| self.forward_direct(&x, rows, None, &mut scratch));
+            // In halves where the step is (the step's logits, bit for bit).
+            let logits = self.sequences_into(sequences.cloned(), rows, &mut scratch).and_then(|()| {
+                if self.runs_in_halves(rows) {
+                    self.forward_halves(&x, rows, None, &mut scratch)
+                } else {
+                    self.forward_direct(&x, rows, None, &mut scratch)
+                }
+            });
             // Given back whole only (a failed batch's buffers are dropped).
             if let (Ok(_), Ok(mut free)) = (&logits, self.predicting.lock()) {
                 free.push(scratch);
@@ -550,7 +555,7 @@ impl DenseModel {
             let result = on_grads(&scratch.grad_x, &[]);
             return Ok((loss, logits, result, grads));
         }
-        let halves = self.steps_in_halves(rows);
+        let halves = self.runs_in_halves(rows);
         let draw = self.training(dropout);
         let logits = if halves {
             self.forward_halves(x, rows, draw, &mut scratch)?

@@ -12,7 +12,9 @@
 //! has the rows, and so the work, the kind asks for. The halves are cut by
 //! the batch's rows alone and their weight gradients summed first half
 //! first, so the model is the same on any number of threads; a pool of one
-//! runs the halves one after the other.
+//! runs the halves one after the other. A prediction of such a batch runs
+//! in halves too: a half's products are blocked by its own rows, and so
+//! it gives the step's logits bit for bit.
 
 use super::DenseModel;
 use crate::ModelError;
@@ -25,9 +27,10 @@ fn first_half(rows: usize) -> usize {
 }
 
 impl DenseModel {
-    /// Whether a training step on `rows` rows runs as two halves, one a
-    /// thread (see the module's comment for which kinds and settings).
-    pub fn steps_in_halves(&self, rows: usize) -> bool {
+    /// Whether a training step or a prediction on `rows` rows runs as two
+    /// halves, one a thread (see the module's comment for which kinds and
+    /// settings).
+    pub fn runs_in_halves(&self, rows: usize) -> bool {
         self.half_rows().is_some_and(|half| rows >= 2 * half)
     }
 
