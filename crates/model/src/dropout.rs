@@ -50,14 +50,16 @@ impl Dropout {
 
     /// Drops values of layer `layer`'s output `out` for the step drawn
     /// `draw`, scaling the kept ones; returns the scale (1: it did nothing).
-    pub(crate) fn apply(&self, draw: Option<u64>, layer: usize, out: &mut [f32]) -> f32 {
+    /// `out[0]` is value `first` of the layer's output over the whole batch
+    /// (not 0 for the second half of a batch run in halves).
+    pub(crate) fn apply(&self, draw: Option<u64>, layer: usize, first: usize, out: &mut [f32]) -> f32 {
         let Some(draw) = draw.filter(|_| self.is_on()) else { return 1.0 };
         let base = mix64(draw ^ self.salt ^ (layer as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
         let (lo, hi) = (base as u32, (base >> 32) as u32);
         let (threshold, scale, simd) = (self.threshold, self.scale(), self.simd);
         const BLOCK: usize = 16 * 1024;
         out.par_chunks_mut(BLOCK).enumerate().for_each(|(b, block)| {
-            let first = (b * BLOCK) as u32;
+            let first = (first + b * BLOCK) as u32;
             drop_block(simd, block, first, (lo, hi), threshold, scale);
         });
         scale
@@ -119,7 +121,7 @@ mod tests {
         for rate in [0.1f32, 0.5] {
             let d = Dropout::new(rate, "mlp");
             let mut a = ones.clone();
-            let scale = d.apply(Some(7), 0, &mut a);
+            let scale = d.apply(Some(7), 0, 0, &mut a);
             assert!((scale - 1.0 / (1.0 - rate)).abs() < 1e-4, "{scale}");
             let dropped = a.iter().filter(|v| **v == 0.0).count() as f64 / n as f64;
             assert!((dropped - f64::from(rate)).abs() < 0.01, "rate {rate}: {dropped} dropped");
@@ -127,24 +129,46 @@ mod tests {
             let mean = a.iter().map(|v| f64::from(*v)).sum::<f64>() / n as f64;
             assert!((mean - 1.0).abs() < 0.02, "mean {mean}");
             let mut again = ones.clone();
-            d.apply(Some(7), 0, &mut again);
+            d.apply(Some(7), 0, 0, &mut again);
             assert_eq!(a, again);
             for (draw, layer, name) in [(8, 0, "mlp"), (7, 1, "mlp"), (7, 0, "tower.0")] {
                 let mut other = ones.clone();
-                Dropout::new(rate, name).apply(Some(draw), layer, &mut other);
+                Dropout::new(rate, name).apply(Some(draw), layer, 0, &mut other);
                 assert_ne!(a, other, "{draw} {layer} {name}");
             }
         }
         // The portable build draws the same masks.
         for rate in [0.1f32, 0.5] {
             let (mut auto, mut portable) = (ones.clone(), ones.clone());
-            Dropout::new(0.0, "mlp").with_rate(rate, Simd::Auto).apply(Some(3), 1, &mut auto);
-            Dropout::new(0.0, "mlp").with_rate(rate, Simd::Portable).apply(Some(3), 1, &mut portable);
+            Dropout::new(0.0, "mlp").with_rate(rate, Simd::Auto).apply(Some(3), 1, 0, &mut auto);
+            Dropout::new(0.0, "mlp").with_rate(rate, Simd::Portable).apply(Some(3), 1, 0, &mut portable);
             assert_eq!(auto, portable);
         }
         let mut same = ones.clone();
-        assert_eq!(Dropout::new(0.5, "mlp").apply(None, 0, &mut same), 1.0);
-        assert_eq!(Dropout::new(0.0, "mlp").apply(Some(7), 0, &mut same), 1.0);
+        assert_eq!(Dropout::new(0.5, "mlp").apply(None, 0, 0, &mut same), 1.0);
+        assert_eq!(Dropout::new(0.0, "mlp").apply(Some(7), 0, 0, &mut same), 1.0);
         assert_eq!(same, ones);
+    }
+
+    /// A batch's output in two parts, each drawn from its place in the
+    /// whole (`first`), drops what the whole does, across a block's end.
+    #[test]
+    fn a_part_drops_what_the_whole_drops_at_its_place() {
+        let n = 40_000;
+        let ones = vec![1.0f32; n];
+        let d = Dropout::new(0.3, "expert.0");
+        let mut whole = ones.clone();
+        d.apply(Some(11), 2, 0, &mut whole);
+        for cut in [1, 16 * 1024 + 3, 23_457] {
+            let (mut head, mut tail) = (ones[..cut].to_vec(), ones[cut..].to_vec());
+            d.apply(Some(11), 2, 0, &mut head);
+            d.apply(Some(11), 2, cut, &mut tail);
+            head.extend_from_slice(&tail);
+            assert_eq!(head, whole, "cut at {cut}");
+            // Drawn from the part's own start instead, they differ.
+            let mut unplaced = ones[cut..].to_vec();
+            d.apply(Some(11), 2, 0, &mut unplaced);
+            assert_ne!(unplaced, whole[cut..], "cut at {cut}");
+        }
     }
 }

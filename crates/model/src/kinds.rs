@@ -173,12 +173,21 @@ pub struct At {
     /// A training step's dropout draw (`model.dropout`; see `dropout.rs`):
     /// `None` outside training, where nothing is dropped.
     pub dropout: Option<u64>,
+    /// The batch's row the step's input starts at: 0, or where the second
+    /// half starts for a batch run in halves (`models/halves.rs`), so that
+    /// dropout draws each value by its place in the whole batch.
+    pub first_row: usize,
 }
 
 impl At {
     /// The same layout for a step whose dropout draw is `draw`.
     pub fn drawn(self, draw: Option<u64>) -> At {
         At { dropout: draw, ..self }
+    }
+
+    /// The same layout for rows that start at the batch's row `first_row`.
+    pub fn from_row(self, first_row: usize) -> At {
+        At { first_row, ..self }
     }
 
     /// Floats of a packed input row: `[pooled embeddings | dense values]`.
@@ -271,9 +280,9 @@ pub trait Direct: Sync {
     /// The fewest rows a half of a batch takes where its step may run a
     /// batch as two halves, one a thread (`models/halves.rs`); `None`
     /// where it may not. A kind says so where no pass reads the batch as
-    /// a whole or a value's place in it (dropout's masks) and its passes
-    /// are too small to split across threads one by one. The driver also
-    /// checks that no layer keeps batch statistics.
+    /// a whole, its MLPs' dropout is drawn from [`At::first_row`], and its
+    /// passes are too small to split across threads one by one. The
+    /// driver also checks that no layer keeps batch statistics.
     fn half_rows(&self) -> Option<usize> {
         None
     }

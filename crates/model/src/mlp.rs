@@ -193,12 +193,6 @@ impl Mlp {
         Mlp { shape: Arc::new(shape), params: self.params, running: self.running }
     }
 
-    /// Whether a training step drops values (`model.dropout` above 0): its
-    /// masks are drawn by each value's place in the whole batch.
-    pub(crate) fn drops(&self) -> bool {
-        self.shape.dropout.is_on()
-    }
-
     /// The running statistics' values (empty without batch norm).
     fn running_values(&self) -> Result<Vec<f32>, ModelError> {
         match &self.running {
@@ -325,7 +319,7 @@ impl Mlp {
                 if draw.is_some() && self.shape.dropout.is_on() {
                     // The same draws as the fused step: its mask on ones.
                     let mut mask = vec![1.0f32; h.elem_count()];
-                    self.shape.dropout.apply(draw, i, &mut mask);
+                    self.shape.dropout.apply(draw, i, 0, &mut mask);
                     let mask = Tensor::from_vec(mask, h.shape(), h.device())?;
                     h = (h * mask)?;
                 }
@@ -441,8 +435,10 @@ pub struct MlpScratch {
     /// Whether the last forward pass was a training one.
     trained: bool,
     /// Its dropout draw (an activation other than ReLU reapplies the masks
-    /// to the gradient).
+    /// to the gradient), and where its rows start in the batch (the masks
+    /// are drawn by a value's place in the whole batch).
     draw: Option<u64>,
+    first_row: usize,
     /// What each layer's activation other than ReLU kept.
     acts: Vec<crate::activation::ActScratch>,
     /// bf16 on a CPU without a bf16 dot product: the pass's rounded operands.
@@ -477,7 +473,7 @@ fn forward_into(
     shape: &MlpShape,
     (p, running): (&[f32], &[f32]),
     mut x: First<'_>,
-    rows: usize,
+    (rows, first_row): (usize, usize),
     draw: Option<u64>,
     scratch: &mut MlpScratch,
 ) {
@@ -486,6 +482,7 @@ fn forward_into(
     scratch.batch_stats.resize(running_len.sum(), 0.0);
     scratch.trained = draw.is_some();
     scratch.draw = draw;
+    scratch.first_row = first_row;
     scratch.acts.resize_with(layers.len(), Default::default);
     scratch.hidden.resize_with(layers.len().saturating_sub(1), Vec::new);
     scratch.rows = rows;
@@ -555,7 +552,7 @@ fn forward_into(
             crate::activation::forward(shape.activation, out, fo, learned, stats, &mut scratch.acts[i]);
         }
         if l.relu {
-            scratch.dropout_scale = shape.dropout.apply(draw, i, out);
+            scratch.dropout_scale = shape.dropout.apply(draw, i, first_row * l.fan_out, out);
         }
     }
 }
@@ -622,7 +619,7 @@ fn backward_into(
                     relu_mask(&mut g[..g_len], out, fo, scale);
                 }
             } else {
-                shape.dropout.apply(scratch.draw, i, &mut g[..g_len]);
+                shape.dropout.apply(scratch.draw, i, scratch.first_row * fo, &mut g[..g_len]);
                 let (learned, dlearned) = match l.act {
                     Some(a) => (&p[a..], &mut grad_p[a..]),
                     None => (&[][..], &mut [][..]),
@@ -709,11 +706,26 @@ impl Mlp {
         draw: Option<u64>,
         scratch: &mut MlpScratch,
     ) -> Result<(), ModelError> {
+        self.forward_cpu_at(x, (rows, 0), draw, scratch)
+    }
+
+    /// [`forward_cpu`](Self::forward_cpu) on rows that start at row
+    /// `first_row` of the batch (a half of it, `models/halves.rs`): dropout
+    /// draws each value by its place in the whole batch, so the halves drop
+    /// what the whole batch would.
+    pub fn forward_cpu_at(
+        &self,
+        x: &[f32],
+        (rows, first_row): (usize, usize),
+        draw: Option<u64>,
+        scratch: &mut MlpScratch,
+    ) -> Result<(), ModelError> {
         self.check_input(x.len(), rows)?;
         let running = if draw.is_some() { Vec::new() } else { self.running_values()? };
         {
             let (ps, pl) = self.params.storage_and_layout();
-            forward_into(&self.shape, (cpu(&ps, pl)?, &running), First::Input(x), rows, draw, scratch);
+            let p = (cpu(&ps, pl)?, &running[..]);
+            forward_into(&self.shape, p, First::Input(x), (rows, first_row), draw, scratch);
         }
         self.hand_on(draw, rows, &scratch.batch_stats)
     }
@@ -748,7 +760,7 @@ impl CustomOp2 for FusedMlp {
         }
         let rows = xl.dims()[0];
         let mut scratch = self.scratch.lock().map_err(|_| err("poisoned"))?;
-        forward_into(&self.shape, (p, &self.running), First::Input(x), rows, self.draw, &mut scratch);
+        forward_into(&self.shape, (p, &self.running), First::Input(x), (rows, 0), self.draw, &mut scratch);
         if let Some(slot) = self.batch.as_ref().filter(|_| rows > 0) {
             *slot.lock().map_err(|_| err("poisoned"))? = Some(scratch.batch_stats.clone());
         }

@@ -107,7 +107,7 @@ impl DenseModel {
         let mut ps = ParamStore::new(seed, device.clone());
         let net =
             kind.build(&mut Build { ps: &mut ps, config, shape, heads: &heads, pairs, arith, simd, device: &device })?;
-        let at = At { shape, width: kind.embedding_width(shape.embedding_dim), simd, dropout: None };
+        let at = At { shape, width: kind.embedding_width(shape.embedding_dim), simd, dropout: None, first_row: 0 };
         let (scratch, predicting) = Default::default();
         Ok(DenseModel { kind, shape, params: ps, net, at, scratch, predicting, simd, heads })
     }

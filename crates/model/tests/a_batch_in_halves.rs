@@ -4,12 +4,13 @@
 //! logits, loss, the pooled embeddings' gradient in the batch's row order,
 //! every dense gradient (the halves' summed) and the weights after two
 //! optimizer steps, over an odd batch, masked labels and sample weights,
-//! both precisions and layer norm; a prediction of the batch gives the
+//! both precisions, layer norm and dropout (the second half's masks drawn
+//! by their place in the whole batch); a prediction of the batch gives the
 //! step's logits, bit for bit. Its bits do not depend on the threads: a
 //! pool of one and a pool of two give the same model.
 
 use candle_core::Device;
-use sparrow_core::config::{DenseOptimizerConfig, ModelConfig, ModelKind, Norm, Precision, Task, TaskKind};
+use sparrow_core::config::{Activation, DenseOptimizerConfig, ModelConfig, ModelKind, Norm, Precision, Task, TaskKind};
 use sparrow_core::rng::Rng;
 use sparrow_model::{DenseModel, DenseOptimizer, Heads, ModelShape, StepOutput};
 
@@ -30,10 +31,10 @@ fn heads(kind: &str) -> Heads {
 }
 
 fn model(kind: &str, precision: Precision, norm: Norm) -> DenseModel {
-    model_with(kind, precision, norm, 0.0)
+    model_with(kind, (precision, norm, 0.0, Activation::Relu))
 }
 
-fn model_with(kind: &str, precision: Precision, norm: Norm, dropout: f32) -> DenseModel {
+fn model_with(kind: &str, (precision, norm, dropout, activation): Case) -> DenseModel {
     let config = ModelConfig {
         kind: ModelKind::named(kind),
         embedding_dim: DIM,
@@ -45,6 +46,7 @@ fn model_with(kind: &str, precision: Precision, norm: Norm, dropout: f32) -> Den
         precision,
         norm: norm.into(),
         dropout,
+        activation,
         ..Default::default()
     };
     let shape = ModelShape { num_fields: FIELDS, num_dense: DENSE, embedding_dim: DIM };
@@ -90,23 +92,33 @@ fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
 }
 
-const CASES: [(Precision, Norm); 3] =
-    [(Precision::F32, Norm::None), (Precision::Bf16, Norm::None), (Precision::F32, Norm::Layer)];
+/// Precision, norm, dropout rate and activation.
+type Case = (Precision, Norm, f32, Activation);
+
+const CASES: [Case; 6] = [
+    (Precision::F32, Norm::None, 0.0, Activation::Relu),
+    (Precision::Bf16, Norm::None, 0.0, Activation::Relu),
+    (Precision::F32, Norm::Layer, 0.0, Activation::Relu),
+    (Precision::F32, Norm::None, 0.3, Activation::Relu),
+    (Precision::Bf16, Norm::Layer, 0.2, Activation::Relu),
+    // An activation other than ReLU applies the masks to the gradient again.
+    (Precision::F32, Norm::None, 0.3, Activation::Gelu),
+];
 
 /// The multi-task kinds take the halves from twice the rows their work
-/// asks for; not with dropout (its masks are drawn by a value's place in
-/// the whole batch), batch norm (statistics of the whole batch), nor the
-/// kinds whose products are large enough to split one by one.
+/// asks for, with dropout too (its masks drawn by a value's place in the
+/// whole batch); not with batch norm (statistics of the whole batch), nor
+/// the kinds whose products are large enough to split one by one.
 #[test]
 fn the_multi_task_kinds_take_the_halves_where_their_rows_are_independent() {
     for kind in ["mmoe", "ple", "esmm"] {
-        for (precision, norm) in CASES {
-            let m = model(kind, precision, norm);
+        for case in CASES {
+            let (precision, norm, ..) = case;
+            let m = model_with(kind, case);
             let half = m.half_rows().expect("halves");
             assert!((64..5000).contains(&half), "{kind}: {half} rows a half");
             assert!(m.runs_in_halves(2 * half) && !m.runs_in_halves(2 * half - 1), "{kind} {precision:?} {norm:?}");
         }
-        assert_eq!(model_with(kind, Precision::F32, Norm::None, 0.1).half_rows(), None, "{kind} with dropout");
         assert_eq!(model(kind, Precision::F32, Norm::Batch).half_rows(), None, "{kind} with batch norm");
     }
     assert_eq!(model("mlp", Precision::F32, Norm::None).half_rows(), None, "the MLP");
@@ -123,9 +135,11 @@ fn the_multi_task_kinds_take_the_halves_where_their_rows_are_independent() {
 #[test]
 fn a_step_in_halves_is_the_graphs() {
     for kind in ["mmoe", "ple", "esmm"] {
-        for (precision, norm) in CASES {
-            let what = format!("{kind} {precision:?} {norm:?}");
-            let (direct, graph) = (model(kind, precision, norm), model(kind, precision, norm));
+        for case in CASES {
+            let dropout = case.2;
+            let what = format!("{kind} {case:?}");
+            let model = || model_with(kind, case);
+            let (direct, graph) = (model(), model());
             let new_optimizer = || DenseOptimizer::new(DenseOptimizerConfig::default(), Default::default());
             let (mut opt_d, mut opt_g) = (new_optimizer(), new_optimizer());
             let mut rng = Rng::new(29);
@@ -133,8 +147,10 @@ fn a_step_in_halves_is_the_graphs() {
             for step in 0..2 {
                 let what = format!("{what}, step {step}");
                 let b = batch(rows, direct.heads().tasks(), &mut rng);
+                // Both paths drop the same values: the second half's by their place in the batch.
+                let draw = (dropout > 0.0).then_some(900 + step);
                 let (a, grads_a) = direct
-                    .forward_backward_with(b.emb.clone(), b.dense.clone(), &b.labels, Some(&b.weights), None, None)
+                    .forward_backward_with(b.emb.clone(), b.dense.clone(), &b.labels, Some(&b.weights), None, draw)
                     .expect("step in halves");
                 let (g, grads_g) = graph
                     .forward_backward_autograd_with(
@@ -143,7 +159,7 @@ fn a_step_in_halves_is_the_graphs() {
                         &b.labels,
                         Some(&b.weights),
                         None,
-                        None,
+                        draw,
                     )
                     .expect("graph step");
                 assert!(
@@ -162,9 +178,10 @@ fn a_step_in_halves_is_the_graphs() {
                     let (x, y) = (x.as_ref().expect("a gradient"), y.as_ref().expect("a gradient"));
                     close(&format!("{what}: dense gradient {i}"), x, y, 1e-5);
                 }
-                // A prediction of the batch runs in halves too: the step's logits.
+                // A prediction of the batch runs in halves too: the step's
+                // logits, where the step dropped nothing.
                 let predicted = direct.predict(b.emb, b.dense, rows).expect("predict");
-                assert_eq!(bits(&predicted), bits(&a.logits), "{what}: a prediction gives the step's logits");
+                assert_eq!(bits(&predicted) == bits(&a.logits), dropout == 0.0, "{what}: a prediction's logits");
                 opt_d.apply(&direct.params, grads_a).expect("apply");
                 opt_g.apply(&graph.params, grads_g).expect("apply");
             }
@@ -175,18 +192,19 @@ fn a_step_in_halves_is_the_graphs() {
 }
 
 /// Three steps of `kind` on a pool of `threads`: each step's output and the weights after.
-fn trained(kind: &str, (precision, norm): (Precision, Norm), threads: usize) -> (Vec<StepOutput>, Vec<f32>) {
+fn trained(kind: &str, case: Case, threads: usize) -> (Vec<StepOutput>, Vec<f32>) {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
     pool.install(|| {
-        let model = model(kind, precision, norm);
+        let (model, dropout) = (model_with(kind, case), case.2);
         let mut optimizer = DenseOptimizer::new(DenseOptimizerConfig::default(), Default::default());
         let mut rng = Rng::new(37);
         let mut outputs = Vec::new();
         let rows = rows(&model);
-        for _ in 0..3 {
+        for step in 0..3 {
             let b = batch(rows, model.heads().tasks(), &mut rng);
+            let draw = (dropout > 0.0).then_some(70 + step);
             let (out, grads) =
-                model.forward_backward_with(b.emb, b.dense, &b.labels, Some(&b.weights), None, None).expect("step");
+                model.forward_backward_with(b.emb, b.dense, &b.labels, Some(&b.weights), None, draw).expect("step");
             optimizer.apply(&model.params, grads).expect("apply");
             outputs.push(out);
         }

@@ -74,7 +74,14 @@ impl Mlp {
         let running = if draw.is_some() { Vec::new() } else { self.running_values()? };
         {
             let (ps, pl) = self.params.storage_and_layout();
-            super::forward_into(&self.shape, (cpu(&ps, pl)?, &running), First::Product(first), rows, draw, scratch);
+            super::forward_into(
+                &self.shape,
+                (cpu(&ps, pl)?, &running),
+                First::Product(first),
+                (rows, 0),
+                draw,
+                scratch,
+            );
         }
         self.hand_on(draw, rows, &scratch.batch_stats)
     }

@@ -69,12 +69,24 @@ impl DenseModel {
         draw: Option<u64>,
         s: &mut Scratch,
     ) -> Result<Vec<f32>, ModelError> {
+        self.forward_direct_at(x, (rows, 0), draw, s)
+    }
+
+    /// [`forward_direct`](Self::forward_direct) on rows that start at the
+    /// batch's row `first_row` (the second half of a batch run in halves).
+    pub(super) fn forward_direct_at(
+        &self,
+        x: &[f32],
+        (rows, first_row): (usize, usize),
+        draw: Option<u64>,
+        s: &mut Scratch,
+    ) -> Result<Vec<f32>, ModelError> {
         let row = self.row_len();
         if x.len() != rows * row {
             return Err(ModelError::BadInput { what: "input rows", len: x.len(), rows, per_row: row });
         }
         let direct = self.direct().ok_or(ModelError::NotPacked { kind: self.kind.name() })?;
-        direct.forward(&self.at.drawn(draw), x, rows, s)
+        direct.forward(&self.at.drawn(draw).from_row(first_row), x, rows, s)
     }
 
     /// The backward pass of the last [`forward_direct`](Self::forward_direct)

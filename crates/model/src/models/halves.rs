@@ -6,10 +6,11 @@
 //! alone. Here each half of the batch runs forward on a thread of its own,
 //! and backward again after the loss: two meetings a step.
 //!
-//! Only kinds whose rows are independent take it (`Direct::half_rows`: no
-//! dropout, whose masks are drawn by a value's place in the batch), only
-//! without batch statistics (batch norm, Dice), and only where each half
-//! has the rows, and so the work, the kind asks for. The halves are cut by
+//! Only kinds whose rows are independent take it (`Direct::half_rows`;
+//! dropout's masks are drawn by a value's place in the whole batch, the
+//! second half's from `At::first_row`), only without batch statistics
+//! (batch norm, Dice), and only where each half has the rows, and so the
+//! work, the kind asks for. The halves are cut by
 //! the batch's rows alone and their weight gradients summed first half
 //! first, so the model is the same on any number of threads; a pool of one
 //! runs the halves one after the other. A prediction of such a batch runs
@@ -55,7 +56,7 @@ impl DenseModel {
         let mut second = s.second_half.take().unwrap_or_default();
         let (a, b) = rayon::join(
             || self.forward_direct(x0, first, draw, s),
-            || self.forward_direct(x1, rows - first, draw, &mut second),
+            || self.forward_direct_at(x1, (rows - first, first), draw, &mut second),
         );
         s.second_half = Some(second);
         let mut logits = a?;

@@ -123,13 +123,7 @@ impl MultiTask {
         }
     }
 
-    fn forward_levels(
-        &self,
-        x: &[f32],
-        rows: usize,
-        draw: Option<u64>,
-        m: &mut MultiScratch,
-    ) -> Result<(), ModelError> {
+    fn forward_levels(&self, at: &At, x: &[f32], rows: usize, m: &mut MultiScratch) -> Result<(), ModelError> {
         let tasks = self.towers.len();
         m.levels.resize_with(self.levels.len(), LevelBufs::default);
         for (l, level) in self.levels.iter().enumerate() {
@@ -143,7 +137,7 @@ impl MultiTask {
                 .par_iter()
                 .zip(bufs.experts.par_iter_mut())
                 .zip(reads.par_iter())
-                .map(|((e, s), &i)| e.forward_cpu(inputs[i], rows, draw, s))
+                .map(|((e, s), &i)| e.forward_cpu_at(inputs[i], (rows, at.first_row), at.dropout, s))
                 .collect::<Result<Vec<()>, _>>()?;
             let gates: Vec<&Linear> = level.gates().collect();
             bufs.weights.resize_with(gates.len(), Vec::new);
@@ -278,7 +272,7 @@ fn ctcvr(a: f32, b: f32) -> (f32, f32, f32) {
 impl Direct for MultiTask {
     fn forward(&self, at: &At, x: &[f32], rows: usize, s: &mut Scratch) -> Result<Vec<f32>, ModelError> {
         let m: &mut MultiScratch = s.of_kind();
-        self.forward_levels(x, rows, at.dropout, m)?;
+        self.forward_levels(at, x, rows, m)?;
         let tasks = self.towers.len();
         m.towers.resize_with(tasks, MlpScratch::default);
         let inputs: Vec<&[f32]> = match m.levels.last() {
@@ -289,7 +283,7 @@ impl Direct for MultiTask {
             .par_iter()
             .zip(m.towers.par_iter_mut())
             .zip(inputs.par_iter())
-            .map(|((t, s), x)| t.forward_cpu(x, rows, at.dropout, s))
+            .map(|((t, s), x)| t.forward_cpu_at(x, (rows, at.first_row), at.dropout, s))
             .collect::<Result<Vec<()>, _>>()?;
         if self.which == Which::Esmm {
             let (a, b) = (&m.towers[0].output, &m.towers[1].output);
@@ -392,9 +386,6 @@ impl Direct for MultiTask {
     /// a step ([`HALF_FLOPS`]).
     fn half_rows(&self) -> Option<usize> {
         let mlps = || self.levels.iter().flat_map(Level::experts).chain(&self.towers);
-        if mlps().any(Mlp::drops) {
-            return None;
-        }
         let gates = self.levels.iter().flat_map(Level::gates).map(|g| g.weight().elem_count());
         let weights: usize = mlps().map(|m| m.params().elem_count()).chain(gates).sum();
         // A weight's multiply-add a row forward, two backward.
