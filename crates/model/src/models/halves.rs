@@ -10,12 +10,12 @@
 //! dropout's masks are drawn by a value's place in the whole batch, the
 //! second half's from `At::first_row`), only without batch statistics
 //! (batch norm, Dice), and only where each half has the rows, and so the
-//! work, the kind asks for. The halves are cut by
-//! the batch's rows alone and their weight gradients summed first half
-//! first, so the model is the same on any number of threads; a pool of one
-//! runs the halves one after the other. A prediction of such a batch runs
-//! in halves too: a half's products are blocked by its own rows, and so
-//! it gives the step's logits bit for bit.
+//! work, the kind asks for. The halves are cut by the batch's rows alone
+//! and their weight gradients summed first half first, so the model is the
+//! same on any number of threads; a pool of one runs the halves one after
+//! the other. A prediction of such a batch runs in halves too: a half's
+//! products are blocked by its own rows, and so it gives the step's logits
+//! bit for bit.
 
 use super::DenseModel;
 use crate::ModelError;
