@@ -15,7 +15,8 @@
 //! dropout=R norm=layer|batch activation=prelu|dice|gelu|silu dim=D
 //! hidden=H,H…]` (ROWS: the batch, 1024 unless a number is given; D: the
 //! embedding dimension, 16 unless given; H: the MLP's layers, 256,128
-//! unless given). `BENCH_THREADS=1` runs the step on one thread (2 unless set).
+//! unless given). `BENCH_THREADS=1` runs the step on one thread (2 unless set);
+//! `SPARROW_SIMD=portable` takes every kernel's portable build.
 
 use std::time::{Duration, Instant};
 
@@ -41,6 +42,9 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let (numbers, args): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a.parse::<usize>().is_ok());
     let rows = numbers.first().and_then(|n| n.parse().ok()).unwrap_or(1024);
+    // `SPARROW_SIMD=portable`: every kernel's portable build, as `train.simd` says.
+    let simd = sparrow_core::simd::Simd::parse(&std::env::var(sparrow_core::simd::VARIABLE).unwrap_or_default())
+        .unwrap_or_else(|e| panic!("{e}"));
     // `dropout=0.2`: every step draws its masks (`model.dropout`).
     let (dropout, args): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a.starts_with("dropout="));
     let dropout: f32 = dropout.first().map_or(0.0, |d| value("dropout", &d["dropout=".len()..]));
@@ -120,10 +124,9 @@ fn main() {
                 activation,
                 ..Default::default()
             };
-            let simd = sparrow_core::simd::Simd::Auto;
             let model =
                 DenseModel::with_attention(&config, shape, heads.clone(), pairs, 7, Device::Cpu, simd).expect("model");
-            let mut optimizer = DenseOptimizer::new(DenseOptimizerConfig::default(), sparrow_core::simd::Simd::Auto);
+            let mut optimizer = DenseOptimizer::new(DenseOptimizerConfig::default(), simd);
             let mut rng = Rng::new(3);
             let row = model.packed_row_len().expect("CPU models take packed rows");
             let fields = shape.num_fields * model.width();

@@ -53,6 +53,8 @@ pub(super) struct MultiTask {
     towers: Vec<Mlp>,
     /// `model.precision`: the gates' products take it as the experts' do.
     arith: Arith,
+    /// `train.simd`: whether the gates' passes may take their AVX-512 build.
+    simd: sparrow_core::simd::Simd,
 }
 
 fn experts(
@@ -171,7 +173,7 @@ impl MultiTask {
                 }
             }
         }
-        Ok(MultiTask { which, levels, towers, arith })
+        Ok(MultiTask { which, levels, towers, arith, simd })
     }
 
     /// Logits `[B, outputs]` from input rows `x` `[B, input]`; `draw`: the

@@ -161,7 +161,7 @@ impl MultiTask {
                 let mix = sized(mix, rows * width);
                 forward.push(gates::GateForward { logits, bias: cpu(&b.0, b.1)?, pool, mix });
             }
-            gates::softmax_mix(&outs, width, forward);
+            gates::softmax_mix(self.simd, &outs, width, forward);
         }
         Ok(())
     }

@@ -1,12 +1,16 @@
 //! The multi-task gates' passes over rows, and the sums of a level's input
 //! gradients. At the sizes these kinds run, the step's working set (a
 //! level's expert outputs, their gradients, each input's gradients) is
-//! larger than a core's L2, and these passes wait on reading it back, not
-//! on arithmetic (an AVX-512 build of them measured no faster than the
-//! portable one). So each reads what it needs once:
+//! larger than a core's L2, and the backward passes wait on reading it
+//! back, not on arithmetic (an AVX-512 build of them measured no faster
+//! than the portable one). So each reads what it needs once:
 //! - forward, every gate of a level in one pass over the rows: each row's
 //!   expert outputs are read once for all the gates that pool them (MMoE's
-//!   three gates each read all four experts before);
+//!   three gates each read all four experts before). Its softmax runs
+//!   sixteen rows at a time, a row a lane, and a row's mix is summed in
+//!   registers: a row at a time, the few logits' max, sum and divisions
+//!   were chains of dependent scalar operations, and the mix was read and
+//!   written once an expert. This pass has an AVX-512 build;
 //! - backward, every gate's softmax adjoint and every expert's output
 //!   gradient in one pass;
 //! - an input's gradient is its contributions summed in one pass (they
@@ -14,9 +18,12 @@
 //!   inputs' sums in one pass.
 //!
 //! Every value is computed by the same operations in the same order as
-//! when the passes were separate, so the step's bits are unchanged.
+//! when the passes were separate, so the step's bits are unchanged (on
+//! every build: tested).
 
 use rayon::prelude::*;
+
+use sparrow_core::simd::Simd;
 
 use crate::matrix::dot;
 
@@ -49,7 +56,9 @@ pub(super) struct GateBackward<'a> {
 /// place), then `mix = Σ_k weight_k · outs[pool_k]`. Every pool holds the
 /// level's shared experts (`model.experts` is refused below 1), so no
 /// pool is empty; the guard below only keeps a chunk size from being 0.
-pub(super) fn softmax_mix(outs: &[&[f32]], width: usize, gates: Vec<GateForward<'_>>) {
+/// Where `simd` allows and the CPU has AVX-512F, each task runs the same
+/// code compiled for it: the same operations, the same bits (tested).
+pub(super) fn softmax_mix(simd: Simd, outs: &[&[f32]], width: usize, gates: Vec<GateForward<'_>>) {
     let Some(rows) = gates.first().map(|g| g.logits.len() / g.pool.len().max(1)) else { return };
     if rows == 0 || width == 0 || gates.iter().any(|g| g.pool.is_empty()) {
         return;
@@ -63,34 +72,145 @@ pub(super) fn softmax_mix(outs: &[&[f32]], width: usize, gates: Vec<GateForward<
             block.push(GateForward { logits, bias: g.bias, pool: g.pool, mix });
         }
     }
-    blocks.par_iter_mut().enumerate().for_each(|(b, gates)| {
-        let first = b * ROWS_PER_TASK;
-        let rows = gates[0].logits.len() / gates[0].pool.len();
-        for r in 0..rows {
-            let at = (first + r) * width..(first + r + 1) * width;
-            for gate in gates.iter_mut() {
-                let k = gate.pool.len();
-                let g = &mut gate.logits[r * k..(r + 1) * k];
-                // As the graph: bias, less the row's max, exp, over the sum.
-                g.iter_mut().zip(gate.bias).for_each(|(g, b)| *g += b);
-                let max = g.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                g.iter_mut().for_each(|v| *v = (*v - max).exp());
-                let sum: f32 = g.iter().sum();
-                g.iter_mut().for_each(|v| *v /= sum);
-                // `0 + w·e` first: the bits of a sum that starts from zero.
-                let m = &mut gate.mix[r * width..(r + 1) * width];
-                for (j, (&wk, &e)) in g.iter().zip(gate.pool).enumerate() {
-                    let e = &outs[e][at.clone()];
-                    if j == 0 {
-                        m.iter_mut().zip(e).for_each(|(m, e)| *m = 0.0 + wk * e);
-                    } else {
-                        m.iter_mut().zip(e).for_each(|(m, e)| *m += wk * e);
-                    }
-                }
+    let wide = avx512f(simd);
+    blocks.par_iter_mut().enumerate().for_each_init(Vec::new, |lanes, (b, gates)| {
+        let first = b * ROWS_PER_TASK * width;
+        #[cfg(target_arch = "x86_64")]
+        if wide {
+            #[target_feature(enable = "avx512f")]
+            fn block_avx512(gates: &mut [GateForward<'_>], outs: &[&[f32]], at: usize, lanes: &mut Vec<[f32; LANES]>) {
+                block_forward(gates, outs, at, lanes);
             }
+            // SAFETY: `wide` is true only where AVX-512F was detected.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            return unsafe { block_avx512(gates, outs, first, lanes) };
         }
+        block_forward(gates, outs, first, lanes);
     });
 }
+
+/// Whether `simd` allows the AVX-512F build and the CPU has it.
+fn avx512f(simd: Simd) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return simd.allows() && std::arch::is_x86_feature_detected!("avx512f");
+    #[cfg(not(target_arch = "x86_64"))]
+    return false;
+}
+
+/// A task's rows (`gates`' parts; its first row's outputs at `at` in
+/// `outs`), sixteen rows at a time: every gate's softmax, then each row's
+/// mixes (the rows' expert outputs stay in L1 for all the gates).
+#[inline(always)]
+fn block_forward(gates: &mut [GateForward<'_>], outs: &[&[f32]], at: usize, lanes: &mut Vec<[f32; LANES]>) {
+    let rows = gates[0].logits.len() / gates[0].pool.len();
+    let width = gates[0].mix.len() / rows;
+    for first in (0..rows).step_by(LANES) {
+        let group = first..rows.min(first + LANES);
+        for gate in gates.iter_mut() {
+            let k = gate.pool.len();
+            softmax_rows(&mut gate.logits[group.start * k..group.end * k], gate.bias, lanes);
+        }
+        for r in group {
+            for gate in gates.iter_mut() {
+                let k = gate.pool.len();
+                let mix = &mut gate.mix[r * width..(r + 1) * width];
+                mix_row(mix, &gate.logits[r * k..(r + 1) * k], gate.pool, outs, at + r * width);
+            }
+        }
+    }
+}
+
+/// Each row of `logits` (`[rows, k]`, `k` the bias's length; at most
+/// [`LANES`] rows) in place: `+ bias`, less the row's max, exp, over the
+/// row's sum, as the graph. A row a lane: each step is one operation on
+/// every row (a row at a time, its few logits' max, sum and divisions were
+/// chains of dependent scalar operations). The same operations in the
+/// same order as a row at a time: the same bits.
+#[inline(always)]
+fn softmax_rows(logits: &mut [f32], bias: &[f32], lanes: &mut Vec<[f32; LANES]>) {
+    let k = bias.len();
+    let n = logits.len() / k;
+    lanes.resize(k, [0.0; LANES]);
+    for (j, (lane, &b)) in lanes.iter_mut().zip(bias).enumerate() {
+        for (i, v) in lane.iter_mut().enumerate().take(n) {
+            *v = logits[i * k + j] + b;
+        }
+    }
+    let mut max = [f32::NEG_INFINITY; LANES];
+    for lane in lanes.iter() {
+        max.iter_mut().zip(lane).for_each(|(m, &v)| *m = m.max(v));
+    }
+    for lane in lanes.iter_mut() {
+        lane.iter_mut().zip(&max).take(n).for_each(|(v, m)| *v = (*v - m).exp());
+    }
+    // `Iterator::sum`'s bits: it starts from −0.
+    let mut sum = [-0.0f32; LANES];
+    for lane in lanes.iter() {
+        sum.iter_mut().zip(lane).for_each(|(s, &v)| *s += v);
+    }
+    for (j, lane) in lanes.iter().enumerate() {
+        for (i, (&v, s)) in lane.iter().zip(&sum).enumerate().take(n) {
+            logits[i * k + j] = v / s;
+        }
+    }
+}
+
+/// `mix = 0 + w_0·e_0 + w_1·e_1 + …` (`e_j` the row of `outs[pool_j]` at
+/// `at`), added in that order: the bits of a sum that starts from zero.
+/// Sixteen columns at a time in registers, the mix written once (a pass
+/// over the mix an expert read and wrote it `k` times); widths of up to
+/// four such columns are unrolled, every expert's row one read.
+#[inline(always)]
+fn mix_row(mix: &mut [f32], weights: &[f32], pool: &[usize], outs: &[&[f32]], at: usize) {
+    match mix.len() {
+        16 => mix_row_of::<1>(mix, weights, pool, outs, at),
+        32 => mix_row_of::<2>(mix, weights, pool, outs, at),
+        48 => mix_row_of::<3>(mix, weights, pool, outs, at),
+        64 => mix_row_of::<4>(mix, weights, pool, outs, at),
+        _ => mix_row_any(mix, weights, pool, outs, at),
+    }
+}
+
+/// [`mix_row`] for a width of `C` times [`LANES`].
+#[inline(always)]
+fn mix_row_of<const C: usize>(mix: &mut [f32], weights: &[f32], pool: &[usize], outs: &[&[f32]], at: usize) {
+    let mut acc = [[0.0f32; LANES]; C];
+    for (&wk, &e) in weights.iter().zip(pool) {
+        let (e, _) = outs[e][at..at + C * LANES].as_chunks::<LANES>();
+        for (a, e) in acc.iter_mut().zip(e) {
+            a.iter_mut().zip(e).for_each(|(a, e)| *a += wk * e);
+        }
+    }
+    for (m, a) in mix.as_chunks_mut::<LANES>().0.iter_mut().zip(&acc) {
+        *m = *a;
+    }
+}
+
+/// [`mix_row`] for any width: a chunk of [`LANES`] columns at a time, then the rest.
+#[inline(always)]
+fn mix_row_any(mix: &mut [f32], weights: &[f32], pool: &[usize], outs: &[&[f32]], at: usize) {
+    let width = mix.len();
+    let (chunks, rest) = mix.as_chunks_mut::<LANES>();
+    for (c, m) in chunks.iter_mut().enumerate() {
+        let mut acc = [0.0f32; LANES];
+        for (&wk, &e) in weights.iter().zip(pool) {
+            let e = &outs[e][at + c * LANES..at + (c + 1) * LANES];
+            acc.iter_mut().zip(e).for_each(|(a, e)| *a += wk * e);
+        }
+        *m = acc;
+    }
+    let done = width - rest.len();
+    for (i, m) in rest.iter_mut().enumerate() {
+        let mut acc = 0.0f32;
+        for (&wk, &e) in weights.iter().zip(pool) {
+            acc += wk * outs[e][at + done + i];
+        }
+        *m = acc;
+    }
+}
+
+/// Rows (forward) and columns (a mix) a pass holds in registers at a time.
+const LANES: usize = 16;
 
 /// Every row, every gate in order: `d_logits = w ⊙ (d w − Σ_j w_j d w_j)`
 /// with `d w_k = ⟨d mix, outs[pool_k]⟩`, and `d_experts[pool_k] += w_k · d
@@ -217,6 +337,70 @@ mod tests {
     const ROWS: usize = 150;
     const WIDTH: usize = 24;
 
+    /// The gates' forward pass one gate at a time, a row at a time (the
+    /// code `softmax_mix` replaces): their softmax weights and mixes.
+    fn one_gate_at_a_time(
+        outs: &[&[f32]],
+        biases: &[Vec<f32>],
+        raw: &[Vec<f32>],
+        rows: usize,
+        width: usize,
+    ) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+        let mut weights = raw.to_vec();
+        let mut mixes = vec![vec![0.0f32; rows * width]; POOLS.len()];
+        for (g, pool) in POOLS.iter().enumerate() {
+            let k = pool.len();
+            for r in 0..rows {
+                let w = &mut weights[g][r * k..(r + 1) * k];
+                w.iter_mut().zip(&biases[g]).for_each(|(w, b)| *w += b);
+                let max = w.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                w.iter_mut().for_each(|v| *v = (*v - max).exp());
+                let sum: f32 = w.iter().sum();
+                w.iter_mut().for_each(|v| *v /= sum);
+                let m = &mut mixes[g][r * width..(r + 1) * width];
+                m.fill(0.0);
+                for (&wk, &e) in w.iter().zip(pool.iter()) {
+                    m.iter_mut().zip(&outs[e][r * width..(r + 1) * width]).for_each(|(m, e)| *m += wk * e);
+                }
+            }
+        }
+        (weights, mixes)
+    }
+
+    /// The forward pass in lanes of rows, with the widths it unrolls and
+    /// one it does not, on the AVX-512 build (where the CPU has it) and
+    /// the portable one: the bits of a gate at a time, a row at a time.
+    /// Logits far apart (a weight that underflows to 0) and a batch whose
+    /// last task ends in a part of a lane group.
+    #[test]
+    fn the_forward_in_lanes_gives_the_bits_of_a_row_at_a_time_on_every_build() {
+        let mut rng = Rng::new(12);
+        for width in [16, 24, 32, 48, 64, 80] {
+            let outs: Vec<Vec<f32>> = (0..4).map(|_| values(ROWS * width, &mut rng)).collect();
+            let outs: Vec<&[f32]> = outs.iter().map(|o| &o[..]).collect();
+            let biases: Vec<Vec<f32>> = POOLS.iter().map(|p| values(p.len(), &mut rng)).collect();
+            let mut raw: Vec<Vec<f32>> = POOLS.iter().map(|p| values(ROWS * p.len(), &mut rng)).collect();
+            raw[2][7] = -200.0;
+            raw[0][3 * 3 + 1] = 150.0;
+            let (weights_one, mixes_one) = one_gate_at_a_time(&outs, &biases, &raw, ROWS, width);
+            assert_eq!(weights_one[2][7], 0.0, "a weight underflows");
+            for simd in [Simd::Auto, Simd::Portable] {
+                let mut weights = raw.clone();
+                let mut mixes = vec![vec![7.0f32; ROWS * width]; POOLS.len()];
+                let forward = (weights.iter_mut().zip(mixes.iter_mut()).zip(&biases).zip(POOLS))
+                    .map(|(((logits, mix), bias), pool)| GateForward { logits, bias, pool, mix })
+                    .collect();
+                softmax_mix(simd, &outs, width, forward);
+                // The first value whose bits differ, if any.
+                let differs = |a: &[Vec<f32>], b: &[Vec<f32>]| {
+                    a.iter().flatten().zip(b.iter().flatten()).position(|(x, y)| x.to_bits() != y.to_bits())
+                };
+                assert_eq!(differs(&weights, &weights_one), None, "softmax weights, width {width}, {simd:?}");
+                assert_eq!(differs(&mixes, &mixes_one), None, "mixes, width {width}, {simd:?}");
+            }
+        }
+    }
+
     /// Every gate and sum, checked bit for bit against the passes they
     /// replace: one gate at a time, one contribution added at a time.
     #[test]
@@ -228,30 +412,13 @@ mod tests {
         let raw: Vec<Vec<f32>> = POOLS.iter().map(|p| values(ROWS * p.len(), &mut rng)).collect();
 
         // Forward, one gate at a time (the code this replaces).
-        let mut weights_one = raw.clone();
-        let mut mixes_one = vec![vec![0.0f32; ROWS * WIDTH]; POOLS.len()];
-        for (g, pool) in POOLS.iter().enumerate() {
-            let k = pool.len();
-            for r in 0..ROWS {
-                let w = &mut weights_one[g][r * k..(r + 1) * k];
-                w.iter_mut().zip(&biases[g]).for_each(|(w, b)| *w += b);
-                let max = w.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                w.iter_mut().for_each(|v| *v = (*v - max).exp());
-                let sum: f32 = w.iter().sum();
-                w.iter_mut().for_each(|v| *v /= sum);
-                let m = &mut mixes_one[g][r * WIDTH..(r + 1) * WIDTH];
-                m.fill(0.0);
-                for (&wk, &e) in w.iter().zip(pool.iter()) {
-                    m.iter_mut().zip(&outs[e][r * WIDTH..(r + 1) * WIDTH]).for_each(|(m, e)| *m += wk * e);
-                }
-            }
-        }
+        let (weights_one, mixes_one) = one_gate_at_a_time(&outs, &biases, &raw, ROWS, WIDTH);
         let mut weights = raw.clone();
         let mut mixes = vec![vec![7.0f32; ROWS * WIDTH]; POOLS.len()];
         let forward = (weights.iter_mut().zip(mixes.iter_mut()).zip(&biases).zip(POOLS))
             .map(|(((logits, mix), bias), pool)| GateForward { logits, bias, pool, mix })
             .collect();
-        softmax_mix(&outs, WIDTH, forward);
+        softmax_mix(Simd::Auto, &outs, WIDTH, forward);
         let bits = |v: &[Vec<f32>]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&weights), bits(&weights_one), "the gates' softmax weights");
         assert_eq!(bits(&mixes), bits(&mixes_one), "the gates' mixes");
