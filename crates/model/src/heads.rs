@@ -119,9 +119,23 @@ impl Heads {
     /// `logits` is rows × outputs, `labels` rows × tasks, `weights` one
     /// per row.
     pub fn loss_and_seed(&self, logits: &[f32], labels: &[f32], weights: Option<&[f32]>) -> (f64, Vec<f32>) {
-        let (o, t) = (self.outputs(), self.tasks());
-        let rows = labels.len() / t.max(1);
+        let rows = labels.len() / self.tasks().max(1);
         let inv_b = 1.0 / rows.max(1) as f64;
+        let (losses, seed) = self.rows_loss_and_seed(logits, labels, weights, inv_b);
+        (sum_in_order(&losses) * inv_b, seed)
+    }
+
+    /// [`loss_and_seed`](Self::loss_and_seed) of some of a batch's rows
+    /// (`inv_b`: one over the whole batch's rows): each row's weighted
+    /// loss, not yet summed, and the rows' seed.
+    pub(crate) fn rows_loss_and_seed(
+        &self,
+        logits: &[f32],
+        labels: &[f32],
+        weights: Option<&[f32]>,
+        inv_b: f64,
+    ) -> (Vec<f64>, Vec<f32>) {
+        let (o, t) = (self.outputs(), self.tasks());
         let mut seed = vec![0.0f32; logits.len()];
         let losses: Vec<f64> = seed
             .par_chunks_mut(o)
@@ -134,7 +148,7 @@ impl Heads {
                 self.row(x, y, (w * inv_b, w), seed, exps)
             })
             .collect();
-        (losses.iter().fold(0.0, |sum, l| sum + l) * inv_b, seed)
+        (losses, seed)
     }
 
     /// One row: its weighted loss, and its logits' gradients into `seed`
@@ -166,6 +180,12 @@ impl Heads {
         }
         loss
     }
+}
+
+/// Rows' losses summed in row order (the sum of a batch run in halves is
+/// the first half's losses, then the second's: the whole batch's bits).
+pub(crate) fn sum_in_order(losses: &[f64]) -> f64 {
+    losses.iter().fold(0.0, |sum, l| sum + l)
 }
 
 #[cfg(test)]

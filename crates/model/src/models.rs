@@ -284,17 +284,54 @@ impl DenseModel {
     /// its weight, still divided by the batch's row count.
     fn loss_and_seed(logits: &[f32], labels: &[f32], weights: Option<&[f32]>) -> (f64, Vec<f32>) {
         let inv_b = 1.0 / labels.len().max(1) as f64;
-        // Each row's loss and gradient in parallel (an exponential and a
-        // logarithm a row were a tenth of LR's dense step on one thread);
-        // the losses are then summed in row order, as before.
-        let (losses, seed): (Vec<f64>, Vec<f32>) = logits
+        let (losses, seed) = Self::rows_loss_and_seed(logits, labels, weights, inv_b);
+        (crate::heads::sum_in_order(&losses) * inv_b, seed)
+    }
+
+    /// The batch's loss and its logits' seed: the one binary head's, or
+    /// every head's (their labels checked first).
+    fn batch_loss_and_seed(
+        &self,
+        logits: &[f32],
+        labels: &[f32],
+        weights: Option<&[f32]>,
+    ) -> Result<(f64, Vec<f32>), ModelError> {
+        if self.heads.is_one_binary() {
+            return Ok(Self::loss_and_seed(logits, labels, weights));
+        }
+        self.heads.check_labels(labels)?;
+        Ok(self.heads.loss_and_seed(logits, labels, weights))
+    }
+
+    /// [`batch_loss_and_seed`](Self::batch_loss_and_seed) of some of a
+    /// batch's rows, their labels already checked (`inv_b`: one over the
+    /// whole batch's rows): each row's loss, not yet summed, and the seed.
+    fn rows_loss_and_seed_of(
+        &self,
+        logits: &[f32],
+        labels: &[f32],
+        weights: Option<&[f32]>,
+        inv_b: f64,
+    ) -> (Vec<f64>, Vec<f32>) {
+        if self.heads.is_one_binary() {
+            return Self::rows_loss_and_seed(logits, labels, weights, inv_b);
+        }
+        self.heads.rows_loss_and_seed(logits, labels, weights, inv_b)
+    }
+
+    /// [`loss_and_seed`](Self::loss_and_seed) of some of a batch's rows
+    /// (`inv_b`: one over the whole batch's rows): each row's weighted
+    /// loss, not yet summed, and the rows' seed. In parallel (an
+    /// exponential and a logarithm a row were a tenth of LR's dense step on
+    /// one thread); the caller sums the losses in row order.
+    fn rows_loss_and_seed(logits: &[f32], labels: &[f32], weights: Option<&[f32]>, inv_b: f64) -> (Vec<f64>, Vec<f32>) {
+        logits
             .par_iter()
             .zip(labels)
             .enumerate()
             .with_min_len(256)
             .map(|(i, (&x, &y))| crate::step::loss_and_seed_row(x, y, weights.map_or(1.0, |w| f64::from(w[i])), inv_b))
-            .unzip();
-        (losses.iter().fold(0.0, |sum, l| sum + l) * inv_b, seed)
+            .unzip()
     }
 
     /// A NaN or infinite loss stops the step before anything is updated.
@@ -410,12 +447,7 @@ impl DenseModel {
         let logits = logits_t.flatten_all()?.to_vec1::<f32>()?;
         // Seeding the backward pass with the loss gradient (as a constant)
         // gives the exact, stable gradient without building the loss in candle.
-        let (loss, seed) = if self.heads.is_one_binary() {
-            Self::loss_and_seed(&logits, labels, weights)
-        } else {
-            self.heads.check_labels(labels)?;
-            self.heads.loss_and_seed(&logits, labels, weights)
-        };
+        let (loss, seed) = self.batch_loss_and_seed(&logits, labels, weights)?;
         self.check_loss(loss)?;
         let seed = Tensor::from_vec(seed, logits_t.shape(), self.params.device())?;
         let surrogate = (logits_t * seed)?.sum_all()?;
@@ -555,24 +587,14 @@ impl DenseModel {
             let result = on_grads(&scratch.grad_x, &[]);
             return Ok((loss, logits, result, grads));
         }
-        let halves = self.runs_in_halves(rows);
         let draw = self.training(dropout);
-        let logits = if halves {
-            self.forward_halves(x, rows, draw, &mut scratch)?
+        let (loss, logits, mut grads) = if self.runs_in_halves(rows) {
+            self.step_halves(x, (labels, weights), draw, &mut scratch)?
         } else {
-            self.forward_direct(x, rows, draw, &mut scratch)?
-        };
-        let (loss, seed) = if self.heads.is_one_binary() {
-            Self::loss_and_seed(&logits, labels, weights)
-        } else {
-            self.heads.check_labels(labels)?;
-            self.heads.loss_and_seed(&logits, labels, weights)
-        };
-        self.check_loss(loss)?;
-        let mut grads = if halves {
-            self.backward_halves(x, &seed, &mut scratch)?
-        } else {
-            self.backward_direct(x, &seed, &mut scratch)?
+            let logits = self.forward_direct(x, rows, draw, &mut scratch)?;
+            let (loss, seed) = self.batch_loss_and_seed(&logits, labels, weights)?;
+            self.check_loss(loss)?;
+            (loss, logits, self.backward_direct(x, &seed, &mut scratch)?)
         };
         self.params.take_batch_statistics(&mut grads.grads)?;
         crate::optimizer::check_finite(self.simd, &scratch.grad_x, || "gradient of the embedding inputs".into())?;

@@ -168,6 +168,10 @@ fn a_step_in_halves_is_the_graphs() {
                     a.loss,
                     g.loss
                 );
+                // Each half takes its rows' losses: their sum is the whole
+                // batch's loss of those logits, bit for bit.
+                let whole = direct.heads().loss_and_seed(&a.logits, &b.labels, Some(&b.weights)).0;
+                assert_eq!(a.loss.to_bits(), whole.to_bits(), "{what}: the halves' loss is the whole batch's");
                 close(&format!("{what}: logits"), &a.logits, &g.logits, 1e-5);
                 close(&format!("{what}: d pooled"), &a.emb_grad, &g.emb_grad, 1e-5);
                 // The second half's rows have their gradients too.
@@ -226,5 +230,26 @@ fn the_halves_give_the_same_bits_on_one_thread_and_on_two() {
             }
             assert_eq!(bits(&weights_one), bits(&weights_two), "{what}: the weights");
         }
+    }
+}
+
+/// A NaN in the second half makes the batch's loss NaN: the step in halves
+/// reports the loss, naming it, not the NaN gradients its half's backward
+/// pass then made, and returns nothing to apply.
+#[test]
+fn a_nan_loss_in_a_half_stops_the_step_with_the_loss_named() {
+    for kind in ["mmoe", "esmm"] {
+        let model = model(kind, Precision::F32, Norm::None);
+        let rows = rows(&model);
+        let tasks = model.heads().tasks();
+        let mut b = batch(rows, tasks, &mut Rng::new(5));
+        // The last row's weight NaN, its first task's label not masked:
+        // its loss and its seed are NaN, and so its half's gradients.
+        b.weights[rows - 1] = f32::NAN;
+        b.labels[(rows - 1) * tasks] = 1.0;
+        let Err(err) = model.forward_backward_with(b.emb, b.dense, &b.labels, Some(&b.weights), None, None) else {
+            panic!("{kind}: a NaN loss stops the step");
+        };
+        assert!(err.to_string().contains("training loss"), "{kind}: {err}");
     }
 }

@@ -3,8 +3,8 @@
 //! columns) take 10–100 µs each on a batch of 1024; split one by one
 //! across two threads, each split costs a wake-up of the other thread (an
 //! interprocessor interrupt on a VM) and the short ones run on one thread
-//! alone. Here each half of the batch runs forward on a thread of its own,
-//! and backward again after the loss: two meetings a step.
+//! alone. Here each half of the batch runs forward, its rows' loss and
+//! backward on a thread of its own: one meeting a step.
 //!
 //! Only kinds whose rows are independent take it (`Direct::half_rows`;
 //! dropout's masks are drawn by a value's place in the whole batch, the
@@ -64,33 +64,68 @@ impl DenseModel {
         Ok(logits)
     }
 
-    /// The backward pass of the last [`forward_halves`](Self::forward_halves):
-    /// each half's gradients, summed (the first half's plus the
-    /// second's), and d loss / d input of the whole batch in `s.grad_x`.
-    pub(super) fn backward_halves(&self, x: &[f32], seed: &[f32], s: &mut Scratch) -> Result<DenseGrads, ModelError> {
-        let stride = self.row_len().max(1);
-        let rows = x.len() / stride;
+    /// A training step in halves: each half's forward pass, its rows'
+    /// losses and seed, and its backward pass on a thread of its own, so
+    /// the threads meet once a step (the loss over the whole batch between
+    /// the passes made it three times). Returns the batch's loss (the rows'
+    /// losses summed in row order), its logits, and the halves' gradients
+    /// summed (the first's plus the second's); d loss / d input of the
+    /// whole batch is in `s.grad_x`. Every value is the one the batch would
+    /// get with its loss taken whole between passes in halves: a row's seed
+    /// is its own loss's, over the whole batch's rows.
+    pub(super) fn step_halves(
+        &self,
+        x: &[f32],
+        (labels, weights): (&[f32], Option<&[f32]>),
+        draw: Option<u64>,
+        s: &mut Scratch,
+    ) -> Result<(f64, Vec<f32>, DenseGrads), ModelError> {
+        let tasks = self.heads.tasks().max(1);
+        let rows = labels.len() / tasks;
+        let stride = self.row_len();
+        if x.len() != rows * stride {
+            return Err(ModelError::BadInput { what: "input rows", len: x.len(), rows, per_row: stride });
+        }
+        if !self.heads.is_one_binary() {
+            self.heads.check_labels(labels)?;
+        }
+        let inv_b = 1.0 / rows.max(1) as f64;
         let first = first_half(rows);
-        let outputs = seed.len() / rows.max(1);
-        let (x0, x1) = x.split_at((first * stride).min(x.len()));
-        let (seed0, seed1) = seed.split_at((first * outputs).min(seed.len()));
-        let forward = || ModelError::BadInput {
-            what: "a backward pass in halves before its forward",
-            len: 0,
-            rows,
-            per_row: stride,
+        let (x0, x1) = x.split_at(first * stride);
+        let (labels0, labels1) = labels.split_at(first * tasks);
+        let (weights0, weights1) = match weights {
+            Some(w) => {
+                let (a, b) = w.split_at(first.min(w.len()));
+                (Some(a), Some(b))
+            }
+            None => (None, None),
         };
-        let mut second = s.second_half.take().ok_or_else(forward)?;
-        let (a, b) =
-            rayon::join(|| self.backward_direct(x0, seed0, s), || self.backward_direct(x1, seed1, &mut second));
-        let result = a.and_then(|mut grads| {
-            let theirs = b?;
+        // A half's backward pass runs whatever its loss; the batch's loss
+        // is checked first, so a NaN loss is the error a step reports.
+        let half = |x: &[f32], (rows, first_row): (usize, usize), labels, weights, s: &mut Scratch| {
+            let logits = self.forward_direct_at(x, (rows, first_row), draw, s)?;
+            let (losses, seed) = self.rows_loss_and_seed_of(&logits, labels, weights, inv_b);
+            let grads = self.backward_direct(x, &seed, s);
+            Ok::<_, ModelError>((losses, logits, grads))
+        };
+        let mut second = s.second_half.take().unwrap_or_default();
+        let (a, b) = rayon::join(
+            || half(x0, (first, 0), labels0, weights0, s),
+            || half(x1, (rows - first, first), labels1, weights1, &mut second),
+        );
+        let result = a.and_then(|(mut losses, mut logits, grads)| {
+            let (their_losses, their_logits, theirs) = b?;
+            losses.extend_from_slice(&their_losses);
+            let loss = crate::heads::sum_in_order(&losses) * inv_b;
+            self.check_loss(loss)?;
+            let (mut grads, theirs) = (grads?, theirs?);
+            logits.extend_from_slice(&their_logits);
             add_into(&mut grads, &theirs);
             s.grad_x.truncate(first * stride);
             s.grad_x.extend_from_slice(&second.grad_x);
             // The second half's buffers, spent, are its next step's.
             self.recycle_direct(theirs.grads.into_iter().flatten().collect(), &mut second);
-            Ok(grads)
+            Ok((loss, logits, grads))
         });
         s.second_half = Some(second);
         result
