@@ -198,7 +198,7 @@ impl MultiTask {
                     d_logits: sized(d_logits, rows * pool.len()),
                 })
                 .collect();
-            let pooled = gates::adjoint(&outs, width, backward, &mut bufs.d_experts);
+            let pooled = gates::adjoint(self.simd, &outs, width, backward, &mut bufs.d_experts);
             // An expert no gate mixes (none today) has no gradient: zeros.
             for (d, _) in bufs.d_experts.iter_mut().zip(&pooled).filter(|(_, p)| !**p) {
                 d.clear();

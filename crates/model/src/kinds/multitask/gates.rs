@@ -2,24 +2,25 @@
 //! gradients. At the sizes these kinds run, the step's working set (a
 //! level's expert outputs, their gradients, each input's gradients) is
 //! larger than a core's L2, and the backward passes wait on reading it
-//! back, not on arithmetic (an AVX-512 build of them measured no faster
-//! than the portable one). So each reads what it needs once:
+//! back more than on arithmetic (the gates' adjoint built for AVX-512
+//! took 1–2% off PLE's step, no more). So each reads what it needs once:
 //! - forward, every gate of a level in one pass over the rows: each row's
 //!   expert outputs are read once for all the gates that pool them (MMoE's
 //!   three gates each read all four experts before). Its softmax runs
 //!   sixteen rows at a time, a row a lane, and a row's mix is summed in
 //!   registers: a row at a time, the few logits' max, sum and divisions
 //!   were chains of dependent scalar operations, and the mix was read and
-//!   written once an expert. This pass has an AVX-512 build;
+//!   written once an expert;
 //! - backward, every gate's softmax adjoint and every expert's output
 //!   gradient in one pass;
 //! - an input's gradient is its contributions summed in one pass (they
 //!   were added one buffer at a time), and at the bottom the sum of the
 //!   inputs' sums in one pass.
 //!
-//! Every value is computed by the same operations in the same order as
-//! when the passes were separate, so the step's bits are unchanged (on
-//! every build: tested).
+//! Both gate passes have an AVX-512 build of the same code, taken where
+//! `train.simd` allows and the CPU has AVX-512F. Every value is computed by
+//! the same operations in the same order as when the passes were separate,
+//! so the step's bits are unchanged, on every build (tested).
 
 use rayon::prelude::*;
 
@@ -217,6 +218,7 @@ const LANES: usize = 16;
 /// mix` (the first gate that pools an expert writes its gradient, the
 /// later ones add). Returns which experts some gate pools.
 pub(super) fn adjoint(
+    simd: Simd,
     outs: &[&[f32]],
     width: usize,
     gates: Vec<GateBackward<'_>>,
@@ -254,32 +256,62 @@ pub(super) fn adjoint(
             block.push(parts.next().unwrap_or(&mut []));
         }
     }
+    let wide = avx512f(simd);
     logit_blocks.par_iter_mut().zip(expert_blocks.par_iter_mut()).enumerate().for_each(|(b, (dls, des))| {
-        let first = b * ROWS_PER_TASK;
-        let rows = dls[0].len() / gates[0].2.len();
-        for r in 0..rows {
-            let (row, at) = (first + r, r * width..(r + 1) * width);
-            for (((w, d_mix, pool), dl), adds) in gates.iter().zip(dls.iter_mut()).zip(&adds) {
-                let k = pool.len();
-                let dy = &d_mix[row * width..(row + 1) * width];
-                let (dl, wr) = (&mut dl[r * k..(r + 1) * k], &w[row * k..(row + 1) * k]);
-                for (d, &e) in dl.iter_mut().zip(pool.iter()) {
-                    *d = dot(dy, &outs[e][row * width..(row + 1) * width]);
-                }
-                let s: f32 = wr.iter().zip(dl.iter()).map(|(w, d)| w * d).sum();
-                dl.iter_mut().zip(wr).for_each(|(d, w)| *d = w * (*d - s));
-                for ((&e, &wk), &add) in pool.iter().zip(wr).zip(adds) {
-                    let de = &mut des[e][at.clone()];
-                    if add {
-                        de.iter_mut().zip(dy).for_each(|(d, g)| *d += wk * g);
-                    } else {
-                        de.iter_mut().zip(dy).for_each(|(d, g)| *d = wk * g);
-                    }
+        let block = Block { first: b * ROWS_PER_TASK, gates: &gates, adds: &adds, outs, width };
+        #[cfg(target_arch = "x86_64")]
+        if wide {
+            #[target_feature(enable = "avx512f")]
+            fn block_avx512(block: &Block<'_>, dls: &mut [&mut [f32]], des: &mut [&mut [f32]]) {
+                block_adjoint(block, dls, des);
+            }
+            // SAFETY: `wide` is true only where AVX-512F was detected.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            return unsafe { block_avx512(&block, dls, des) };
+        }
+        block_adjoint(&block, dls, des);
+    });
+    pooled
+}
+
+/// What a task of [`adjoint`] reads: its first row, each gate's softmax
+/// weights, mix gradient and pool, whether each (gate, pooled expert) adds
+/// to what an earlier gate wrote, and the experts' outputs.
+struct Block<'a> {
+    first: usize,
+    gates: &'a [(&'a [f32], &'a [f32], &'a [usize])],
+    adds: &'a [Vec<bool>],
+    outs: &'a [&'a [f32]],
+    width: usize,
+}
+
+/// A task's rows of [`adjoint`]: `dls` its rows of each gate's logits'
+/// gradient, `des` of each expert's output gradient.
+#[inline(always)]
+fn block_adjoint(block: &Block<'_>, dls: &mut [&mut [f32]], des: &mut [&mut [f32]]) {
+    let Block { first, gates, adds, outs, width } = *block;
+    let rows = dls[0].len() / gates[0].2.len();
+    for r in 0..rows {
+        let (row, at) = (first + r, r * width..(r + 1) * width);
+        for (((w, d_mix, pool), dl), adds) in gates.iter().zip(dls.iter_mut()).zip(adds) {
+            let k = pool.len();
+            let dy = &d_mix[row * width..(row + 1) * width];
+            let (dl, wr) = (&mut dl[r * k..(r + 1) * k], &w[row * k..(row + 1) * k]);
+            for (d, &e) in dl.iter_mut().zip(pool.iter()) {
+                *d = dot(dy, &outs[e][row * width..(row + 1) * width]);
+            }
+            let s: f32 = wr.iter().zip(dl.iter()).map(|(w, d)| w * d).sum();
+            dl.iter_mut().zip(wr).for_each(|(d, w)| *d = w * (*d - s));
+            for ((&e, &wk), &add) in pool.iter().zip(wr).zip(adds) {
+                let de = &mut des[e][at.clone()];
+                if add {
+                    de.iter_mut().zip(dy).for_each(|(d, g)| *d += wk * g);
+                } else {
+                    de.iter_mut().zip(dy).for_each(|(d, g)| *d = wk * g);
                 }
             }
         }
-    });
-    pooled
+    }
 }
 
 /// `dst = parts[0] + parts[1] + …`, added in that order (zeros if none).
@@ -455,16 +487,19 @@ mod tests {
                 filled[e] = true;
             }
         }
-        let mut d_logits: Vec<Vec<f32>> = POOLS.iter().map(|p| vec![9.0; ROWS * p.len()]).collect();
-        // Stale values in the experts' buffers, and a fifth expert no gate pools.
-        let mut d_experts = vec![vec![5.0f32; ROWS * WIDTH]; 5];
-        let backward = (d_logits.iter_mut().zip(&weights).zip(&d_mixes).zip(POOLS))
-            .map(|(((d_logits, weights), d_mix), pool)| GateBackward { weights, d_mix, pool, d_logits })
-            .collect();
-        let pooled = adjoint(&outs, WIDTH, backward, &mut d_experts);
-        assert_eq!(pooled, [true, true, true, true, false]);
-        assert_eq!(bits(&d_logits), bits(&d_logits_one), "the gates' logits' gradients");
-        assert_eq!(bits(&d_experts[..4]), bits(&d_experts_one[..4]), "the experts' output gradients");
+        // On the AVX-512 build (where the CPU has it) and the portable one.
+        for simd in [Simd::Auto, Simd::Portable] {
+            let mut d_logits: Vec<Vec<f32>> = POOLS.iter().map(|p| vec![9.0; ROWS * p.len()]).collect();
+            // Stale values in the experts' buffers, and a fifth expert no gate pools.
+            let mut d_experts = vec![vec![5.0f32; ROWS * WIDTH]; 5];
+            let backward = (d_logits.iter_mut().zip(&weights).zip(&d_mixes).zip(POOLS))
+                .map(|(((d_logits, weights), d_mix), pool)| GateBackward { weights, d_mix, pool, d_logits })
+                .collect();
+            let pooled = adjoint(simd, &outs, WIDTH, backward, &mut d_experts);
+            assert_eq!(pooled, [true, true, true, true, false]);
+            assert_eq!(bits(&d_logits), bits(&d_logits_one), "the gates' logits' gradients, {simd:?}");
+            assert_eq!(bits(&d_experts[..4]), bits(&d_experts_one[..4]), "the experts' output gradients, {simd:?}");
+        }
 
         // An input's parts summed in one pass, and the bottom's sum of sums,
         // against adding one buffer at a time (an empty group adds zeros).
@@ -503,7 +538,7 @@ mod tests {
         let backward = (d_logits.iter_mut().zip(POOLS))
             .map(|(d_logits, pool)| GateBackward { weights: &[], d_mix: &[], pool, d_logits })
             .collect();
-        let pooled = adjoint(&outs, WIDTH, backward, &mut d_experts);
+        let pooled = adjoint(Simd::Auto, &outs, WIDTH, backward, &mut d_experts);
         assert_eq!(pooled, [true, true, true, true, false]);
         assert!(d_experts[..4].iter().all(Vec::is_empty), "a pooled expert's gradient has no rows");
     }
