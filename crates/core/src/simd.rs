@@ -3,7 +3,8 @@
 //! kernels Sparrow picks at run time by CPU feature (bf16 matrix products
 //! and the portable product's AVX2 build, DLRM's interaction, f16 and bf16
 //! row conversions and steps, dense Adam, the first-order and FM passes, the
-//! finiteness check of gradients) may take their SIMD versions. `portable`
+//! multi-task gates' passes, the finiteness check of gradients) may take
+//! their SIMD versions. `portable`
 //! makes every one of them take its portable version, as on a CPU without
 //! those features: the same bits, slower. It lets one machine show that a
 //! model trained without the features equals the one trained with them, and
