@@ -245,12 +245,12 @@ impl MultiTask {
             }
             if l == 0 {
                 // At the bottom every input is `x`: its gradient is their sum.
-                gates::sum_of_sums_into(grad_x, x.len(), &parts);
+                gates::sum_of_sums_into(self.simd, grad_x, x.len(), &parts);
             } else {
                 let mut d_in = std::mem::take(&mut m.d_below);
                 d_in.resize_with(tasks + 1, Vec::new);
                 for (d, parts) in d_in.iter_mut().zip(&parts) {
-                    gates::sum_into(d, rows * fan_in, parts);
+                    gates::sum_into(self.simd, d, rows * fan_in, parts);
                 }
                 m.d_below = std::mem::replace(&mut m.d_inputs, d_in);
             }

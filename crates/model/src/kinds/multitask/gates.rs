@@ -315,41 +315,74 @@ fn block_adjoint(block: &Block<'_>, dls: &mut [&mut [f32]], des: &mut [&mut [f32
 }
 
 /// `dst = parts[0] + parts[1] + …`, added in that order (zeros if none).
-pub(super) fn sum_into(dst: &mut Vec<f32>, len: usize, parts: &[&[f32]]) {
+pub(super) fn sum_into(simd: Simd, dst: &mut Vec<f32>, len: usize, parts: &[&[f32]]) {
     dst.resize(len, 0.0);
-    sums_into(dst, &[parts.to_vec()], false);
+    sums_into(simd, dst, &[parts.to_vec()], false);
 }
 
 /// `dst = 0 + Σ_i (groups[i][0] + groups[i][1] + …)`, each group summed in
 /// its order, then the groups' sums in theirs (an empty group adds 0).
-pub(super) fn sum_of_sums_into(dst: &mut Vec<f32>, len: usize, groups: &[Vec<&[f32]>]) {
+pub(super) fn sum_of_sums_into(simd: Simd, dst: &mut Vec<f32>, len: usize, groups: &[Vec<&[f32]>]) {
     dst.resize(len, 0.0);
-    sums_into(dst, groups, true);
+    sums_into(simd, dst, groups, true);
 }
 
 /// One pass: each element of `dst` is its groups' sums added to zero
 /// (`from_zero`), or the one group's sum.
-fn sums_into(dst: &mut [f32], groups: &[Vec<&[f32]>], from_zero: bool) {
-    dst.par_chunks_mut(FLOATS_PER_TASK).enumerate().for_each_init(Vec::new, |tmp, (c, d)| {
-        let at = c * FLOATS_PER_TASK..c * FLOATS_PER_TASK + d.len();
-        if !from_zero {
-            return group_sum(d, groups.first().map_or(&[][..], |g| &g[..]), at);
+fn sums_into(simd: Simd, dst: &mut [f32], groups: &[Vec<&[f32]>], from_zero: bool) {
+    let wide = avx512f(simd);
+    dst.par_chunks_mut(FLOATS_PER_TASK).enumerate().for_each(|(c, d)| {
+        let start = c * FLOATS_PER_TASK;
+        #[cfg(target_arch = "x86_64")]
+        if wide {
+            #[target_feature(enable = "avx512f")]
+            fn sums_avx512(d: &mut [f32], start: usize, groups: &[Vec<&[f32]>], from_zero: bool) {
+                sums_at(d, start, groups, from_zero);
+            }
+            // SAFETY: `wide` is true only where AVX-512F was detected.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            return unsafe { sums_avx512(d, start, groups, from_zero) };
         }
-        d.fill(0.0);
-        tmp.resize(d.len(), 0.0);
-        for group in groups {
-            group_sum(tmp, group, at.clone());
-            d.iter_mut().zip(tmp.iter()).for_each(|(d, s)| *d += s);
-        }
+        sums_at(d, start, groups, from_zero);
     });
 }
 
-/// `out = parts[0][at] + parts[1][at] + …`, added in that order (zeros if none).
-fn group_sum(out: &mut [f32], parts: &[&[f32]], at: std::ops::Range<usize>) {
-    let Some((first, rest)) = parts.split_first() else { return out.fill(0.0) };
-    out.copy_from_slice(&first[at.clone()]);
-    for p in rest {
-        out.iter_mut().zip(&p[at.clone()]).for_each(|(o, p)| *o += p);
+/// [`sums_into`]'s values from element `start` on, [`LANES`] at a time in
+/// registers: each part read once and `d` written once (a group's sum was
+/// a copy of its first part and a pass a part into a buffer, then added
+/// to `d`, zeroed first: several times the bytes, for the same values).
+#[inline(always)]
+fn sums_at(d: &mut [f32], start: usize, groups: &[Vec<&[f32]>], from_zero: bool) {
+    let len = d.len();
+    let (chunks, tail) = d.as_chunks_mut::<LANES>();
+    for (i, out) in chunks.iter_mut().enumerate() {
+        let at = start + i * LANES;
+        let mut acc = [0.0f32; LANES];
+        for group in groups {
+            let mut sum = [0.0f32; LANES];
+            if let Some((first, rest)) = group.split_first() {
+                sum.copy_from_slice(&first[at..at + LANES]);
+                for p in rest {
+                    sum.iter_mut().zip(&p[at..at + LANES]).for_each(|(s, p)| *s += p);
+                }
+            }
+            if from_zero {
+                acc.iter_mut().zip(&sum).for_each(|(a, s)| *a += s);
+            } else {
+                acc = sum;
+            }
+        }
+        *out = acc;
+    }
+    let done = start + len - tail.len();
+    for (i, out) in tail.iter_mut().enumerate() {
+        let at = done + i;
+        let mut acc = 0.0f32;
+        for group in groups {
+            let sum = group.split_first().map_or(0.0, |(first, rest)| rest.iter().fold(first[at], |s, p| s + p[at]));
+            acc = if from_zero { acc + sum } else { sum };
+        }
+        *out = acc;
     }
 }
 
@@ -502,9 +535,15 @@ mod tests {
         }
 
         // An input's parts summed in one pass, and the bottom's sum of sums,
-        // against adding one buffer at a time (an empty group adds zeros).
-        let len = ROWS * WIDTH + 3 * FLOATS_PER_TASK;
-        let parts: Vec<Vec<f32>> = (0..4).map(|_| values(len, &mut rng)).collect();
+        // against adding one buffer at a time (an empty group adds zeros),
+        // over three tasks' floats and a tail shorter than a lane group;
+        // negative zeros in one element of a group's parts.
+        let len = ROWS * WIDTH + 3 * FLOATS_PER_TASK + 5;
+        let mut parts: Vec<Vec<f32>> = (0..4).map(|_| values(len, &mut rng)).collect();
+        for p in &mut parts[..3] {
+            p[7] = -0.0;
+            p[len - 2] = -0.0;
+        }
         let groups: Vec<Vec<&[f32]>> = vec![vec![&parts[0], &parts[1], &parts[2]], vec![], vec![&parts[3]]];
         let mut one_at_a_time: Vec<Vec<f32>> = Vec::new();
         for group in &groups {
@@ -514,18 +553,21 @@ mod tests {
             }
             one_at_a_time.push(d);
         }
+        assert!(one_at_a_time[0][7].is_sign_negative(), "a group's sum of negative zeros");
         let mut total_one = vec![0.0f32; len];
         for d in &one_at_a_time {
             total_one.iter_mut().zip(d).for_each(|(t, d)| *t += d);
         }
-        for (group, expected) in groups.iter().zip(&one_at_a_time) {
-            let mut d = vec![3.0f32; 10];
-            sum_into(&mut d, len, group);
-            assert_eq!(bits(&[d]), bits(std::slice::from_ref(expected)), "an input's gradient");
+        for simd in [Simd::Auto, Simd::Portable] {
+            for (group, expected) in groups.iter().zip(&one_at_a_time) {
+                let mut d = vec![3.0f32; 10];
+                sum_into(simd, &mut d, len, group);
+                assert_eq!(bits(&[d]), bits(std::slice::from_ref(expected)), "an input's gradient, {simd:?}");
+            }
+            let mut total = vec![3.0f32; 2 * len];
+            sum_of_sums_into(simd, &mut total, len, &groups);
+            assert_eq!(bits(&[total]), bits(std::slice::from_ref(&total_one)), "the bottom's gradient, {simd:?}");
         }
-        let mut total = vec![3.0f32; 2 * len];
-        sum_of_sums_into(&mut total, len, &groups);
-        assert_eq!(bits(&[total]), bits(&[total_one]), "the bottom's gradient");
     }
 
     /// A batch of no rows leaves every pooled expert's gradient empty, not
