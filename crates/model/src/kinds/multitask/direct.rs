@@ -67,6 +67,9 @@ pub(super) struct MultiScratch {
     /// Each gate's d loss / d logits, and its input gradient.
     d_logits: Vec<Vec<f32>>,
     d_gate_in: Vec<Vec<f32>>,
+    /// ESMM: each row's d ctcvr / d a and d b, from the forward pass (the
+    /// backward pass computed the three exponentials again).
+    ctcvr_slopes: Vec<(f32, f32)>,
 }
 
 impl Level {
@@ -261,12 +264,12 @@ impl MultiTask {
 
 /// ESMM's second logit, logit(σ(a)·σ(b)) = −log(e^{−a} + e^{−b} + e^{−a−b}),
 /// as the graph computes it, and its derivatives in a and b.
-fn ctcvr(a: f32, b: f32) -> (f32, f32, f32) {
+fn ctcvr(a: f32, b: f32) -> (f32, (f32, f32)) {
     let z = [-a, -b, -a - b];
     let max = z.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
     let e = z.map(|z| (z - max).exp());
     let sum = e[0] + e[1] + e[2];
-    (-(sum.ln() + max), (e[0] + e[2]) / sum, (e[1] + e[2]) / sum)
+    (-(sum.ln() + max), ((e[0] + e[2]) / sum, (e[1] + e[2]) / sum))
 }
 
 impl Direct for MultiTask {
@@ -287,7 +290,14 @@ impl Direct for MultiTask {
             .collect::<Result<Vec<()>, _>>()?;
         if self.which == Which::Esmm {
             let (a, b) = (&m.towers[0].output, &m.towers[1].output);
-            return Ok(a.iter().zip(b).flat_map(|(&a, &b)| [a, ctcvr(a, b).0]).collect());
+            m.ctcvr_slopes.clear();
+            let mut logits = Vec::with_capacity(2 * rows);
+            for (&a, &b) in a.iter().zip(b) {
+                let (logit, slopes) = ctcvr(a, b);
+                logits.extend([a, logit]);
+                m.ctcvr_slopes.push(slopes);
+            }
+            return Ok(logits);
         }
         let outputs: usize = self.towers.iter().map(Mlp::outputs).sum();
         let mut logits = vec![0.0f32; rows * outputs];
@@ -320,8 +330,13 @@ impl Direct for MultiTask {
             let (a, b) = (&m.towers[0].output, &m.towers[1].output);
             let (da, db) = m.tower_seeds.split_at_mut(1);
             let (da, db) = (sized(&mut da[0], rows), sized(&mut db[0], rows));
+            // The forward pass's slopes where they are this batch's rows.
+            let kept = m.ctcvr_slopes.len() == rows;
             for (r, s) in seed.chunks_exact(2).enumerate() {
-                let (_, d_a, d_b) = ctcvr(a[r], b[r]);
+                let (d_a, d_b) = match kept {
+                    true => m.ctcvr_slopes[r],
+                    false => ctcvr(a[r], b[r]).1,
+                };
                 da[r] = s[0] + s[1] * d_a;
                 db[r] = s[1] * d_b;
             }
