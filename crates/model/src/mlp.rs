@@ -15,6 +15,7 @@ mod relu;
 use first_product::{First, FirstGrad, outer_to_first};
 use linear::weight_grads;
 pub(crate) use linear::{linear_grads, matmul};
+pub(crate) use relu::through_relu;
 use relu::{add_bias, relu_mask, relu_mask_from};
 use std::sync::{Arc, Mutex};
 
@@ -61,6 +62,14 @@ struct MlpShape {
     norm: Norm,
     /// What every activated layer applies after its norm.
     activation: Activation,
+}
+
+impl MlpShape {
+    /// Whether the last layer ends in a ReLU, which the backward pass
+    /// applies to d loss / d output as it takes it in.
+    fn masks_output(&self) -> bool {
+        self.layers.last().is_some_and(|l| l.relu && self.activation == Activation::Relu)
+    }
 }
 
 /// How an MLP stack's activated layers are built: their norm
@@ -557,13 +566,14 @@ fn forward_into(
     }
 }
 
-/// Backward pass from `grad_out` (d loss / d output): d params is returned,
-/// d x is left in `scratch.grad_input`.
+/// Backward pass from `grad_out` (d loss / d output; `premasked`: already
+/// through the last layer's ReLU, see [`Mlp::output_mask`]): d params is
+/// returned, d x is left in `scratch.grad_input`.
 fn backward_into(
     shape: &MlpShape,
     p: &[f32],
     mut x: First<'_>,
-    grad_out: &[f32],
+    (grad_out, premasked): (&[f32], bool),
     scratch: &mut MlpScratch,
 ) -> Vec<f32> {
     let layers = &shape.layers;
@@ -578,8 +588,8 @@ fn backward_into(
     // A ReLU on the last layer masks the gradient as it is copied in (one
     // pass over it, not two: an expert's output gradient is 256 KB at
     // batch 1024, read back from beyond L2).
-    let masked_in = layers.last().is_some_and(|l| l.relu && shape.activation == Activation::Relu);
-    if masked_in {
+    let masked_in = shape.masks_output();
+    if masked_in && !premasked {
         let width = layers.last().map_or(1, |l| l.fan_out);
         relu_mask_from(prefix(&mut g, g_len), grad_out, &scratch.output, width, scale);
     } else {
@@ -735,7 +745,7 @@ impl Mlp {
     pub fn backward_cpu(&self, x: &[f32], grad_out: &[f32], scratch: &mut MlpScratch) -> Result<Vec<f32>, ModelError> {
         self.check_input(x.len(), scratch.rows)?;
         let (ps, pl) = self.params.storage_and_layout();
-        Ok(backward_into(&self.shape, cpu(&ps, pl)?, First::Input(x), grad_out, scratch))
+        Ok(backward_into(&self.shape, cpu(&ps, pl)?, First::Input(x), (grad_out, false), scratch))
     }
 }
 
@@ -783,7 +793,7 @@ impl CustomOp2 for FusedMlp {
         let (ps, pl) = params.storage_and_layout();
         let (gs, gl) = grad_res.storage_and_layout();
         let (x_data, p, g) = (cpu(&xs, xl)?, cpu(&ps, pl)?, cpu(&gs, gl)?);
-        let grad_p = backward_into(&self.shape, p, First::Input(x_data), g, &mut scratch);
+        let grad_p = backward_into(&self.shape, p, First::Input(x_data), (g, false), &mut scratch);
         let grad_x = std::mem::take(&mut scratch.grad_input);
         let grad_x = Tensor::from_vec(grad_x, x.shape(), x.device())?;
         let grad_p = Tensor::from_vec(grad_p, params.shape(), params.device())?;

@@ -95,7 +95,7 @@ impl Mlp {
         scratch: &mut MlpScratch,
     ) -> Result<Vec<f32>, ModelError> {
         let (ps, pl) = self.params.storage_and_layout();
-        Ok(super::backward_into(&self.shape, cpu(&ps, pl)?, First::Product(first), grad_out, scratch))
+        Ok(super::backward_into(&self.shape, cpu(&ps, pl)?, First::Product(first), (grad_out, false), scratch))
     }
 
     /// Its products are fp32 (`model.precision = "f32"`).

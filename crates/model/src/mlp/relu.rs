@@ -1,9 +1,11 @@
 //! The MLP's bias-and-ReLU pass forward and its ReLU mask backward, in
-//! blocks of rows across the pool.
+//! blocks of rows across the pool; and a caller's way to take an MLP's
+//! output gradient through its last ReLU as it writes it.
 
 use rayon::prelude::*;
 
-use super::ROWS_PER_TASK;
+use super::{First, Mlp, MlpScratch, ROWS_PER_TASK, backward_into, cpu, err};
+use crate::ModelError;
 
 /// `out += b` a row, then ReLU where `relu`.
 pub(super) fn add_bias(out: &mut [f32], b: &[f32], relu: bool) {
@@ -26,13 +28,17 @@ pub(super) fn add_bias(out: &mut [f32], b: &[f32], relu: bool) {
 /// kept one was multiplied by `scale`, as its gradient is here.
 pub(super) fn relu_mask(g: &mut [f32], a: &[f32], width: usize, scale: f32) {
     let block = width.max(1) * ROWS_PER_TASK;
-    g.par_chunks_mut(block).zip(a.par_chunks(block)).for_each(|(g, a)| {
-        if scale == 1.0 {
-            g.iter_mut().zip(a).for_each(|(g, &a)| *g = if a > 0.0 { *g } else { 0.0 });
-        } else {
-            g.iter_mut().zip(a).for_each(|(g, &a)| *g = if a > 0.0 { *g * scale } else { 0.0 });
-        }
-    });
+    g.par_chunks_mut(block).zip(a.par_chunks(block)).for_each(|(g, a)| through_relu(g, a, scale));
+}
+
+/// [`relu_mask`] of a few rows, on the caller's thread.
+#[inline(always)]
+pub(crate) fn through_relu(g: &mut [f32], a: &[f32], scale: f32) {
+    if scale == 1.0 {
+        g.iter_mut().zip(a).for_each(|(g, &a)| *g = if a > 0.0 { *g } else { 0.0 });
+    } else {
+        g.iter_mut().zip(a).for_each(|(g, &a)| *g = if a > 0.0 { *g * scale } else { 0.0 });
+    }
 }
 
 /// [`relu_mask`] of `from`, written to `g`.
@@ -46,4 +52,32 @@ pub(super) fn relu_mask_from(g: &mut [f32], from: &[f32], a: &[f32], width: usiz
             pairs.for_each(|((g, &f), &a)| *g = if a > 0.0 { f * scale } else { 0.0 });
         }
     });
+}
+
+impl Mlp {
+    /// Where the last layer ends in a ReLU, what a caller that writes d
+    /// loss / d output can take it through that ReLU with as it writes it
+    /// ([`through_relu`] with the output and this scale), for [`backward_cpu_masked`](Self::backward_cpu_masked):
+    /// the scale of the last forward pass's dropout (1: none).
+    pub fn output_mask(&self, scratch: &MlpScratch) -> Option<f32> {
+        self.shape.masks_output().then_some(scratch.dropout_scale)
+    }
+
+    /// [`backward_cpu`](Self::backward_cpu) from d loss / d output already
+    /// through the last layer's ReLU ([`output_mask`](Self::output_mask)):
+    /// the pass that masks it is skipped (the multi-task gates' adjoint
+    /// masks each expert's gradient as it writes it).
+    pub fn backward_cpu_masked(
+        &self,
+        x: &[f32],
+        grad_out: &[f32],
+        scratch: &mut MlpScratch,
+    ) -> Result<Vec<f32>, ModelError> {
+        self.check_input(x.len(), scratch.rows)?;
+        if !self.shape.masks_output() {
+            return Err(ModelError::Candle(err("a gradient through the last ReLU, for layers without one")));
+        }
+        let (ps, pl) = self.params.storage_and_layout();
+        Ok(backward_into(&self.shape, cpu(&ps, pl)?, First::Input(x), (grad_out, true), scratch))
+    }
 }

@@ -193,6 +193,8 @@ impl MultiTask {
             bufs.d_experts.resize_with(experts.len(), Vec::new);
             m.d_logits.resize_with(gates.len(), Vec::new);
             let outs: Vec<&[f32]> = bufs.experts.iter().map(|s| &s.output[..]).collect();
+            // The adjoint takes each expert's gradient through its last ReLU.
+            let masks: Vec<Option<f32>> = experts.iter().zip(&bufs.experts).map(|(e, s)| e.output_mask(s)).collect();
             let backward = (m.d_logits.iter_mut().zip(&pools).enumerate())
                 .map(|(g, (d_logits, pool))| gates::GateBackward {
                     weights: &bufs.weights[g],
@@ -201,7 +203,7 @@ impl MultiTask {
                     d_logits: sized(d_logits, rows * pool.len()),
                 })
                 .collect();
-            let pooled = gates::adjoint(self.simd, &outs, width, backward, &mut bufs.d_experts);
+            let pooled = gates::adjoint(self.simd, (&outs, &masks), width, backward, &mut bufs.d_experts);
             // An expert no gate mixes (none today) has no gradient: zeros.
             for (d, _) in bufs.d_experts.iter_mut().zip(&pooled).filter(|(_, p)| !**p) {
                 d.clear();
@@ -232,7 +234,11 @@ impl MultiTask {
                 .zip(bufs.experts.par_iter_mut())
                 .zip(bufs.d_experts.par_iter())
                 .zip(reads.par_iter())
-                .map(|(((e, s), d), &i)| e.backward_cpu(inputs[i], d, s))
+                .zip(&pooled)
+                .map(|((((e, s), d), &i), &pooled)| match e.output_mask(s).is_some() && pooled {
+                    true => e.backward_cpu_masked(inputs[i], d, s),
+                    false => e.backward_cpu(inputs[i], d, s),
+                })
                 .collect::<Result<Vec<_>, _>>()?;
             for (e, g) in experts.iter().zip(expert_grads) {
                 grads.push((e.params(), g));

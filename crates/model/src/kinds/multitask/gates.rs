@@ -27,6 +27,7 @@ use rayon::prelude::*;
 use sparrow_core::simd::Simd;
 
 use crate::matrix::dot;
+use crate::mlp::through_relu;
 
 /// Rows a task of a pass over rows takes.
 const ROWS_PER_TASK: usize = 64;
@@ -216,10 +217,13 @@ const LANES: usize = 16;
 /// Every row, every gate in order: `d_logits = w ⊙ (d w − Σ_j w_j d w_j)`
 /// with `d w_k = ⟨d mix, outs[pool_k]⟩`, and `d_experts[pool_k] += w_k · d
 /// mix` (the first gate that pools an expert writes its gradient, the
-/// later ones add). Returns which experts some gate pools.
+/// later ones add); a pooled expert with a mask (`Mlp::output_mask`: its
+/// last ReLU's dropout scale) has its summed gradient taken through that
+/// ReLU, for its backward pass to skip (`Mlp::backward_cpu_masked`).
+/// Returns which experts some gate pools.
 pub(super) fn adjoint(
     simd: Simd,
-    outs: &[&[f32]],
+    (outs, masks): (&[&[f32]], &[Option<f32>]),
     width: usize,
     gates: Vec<GateBackward<'_>>,
     d_experts: &mut [Vec<f32>],
@@ -256,9 +260,12 @@ pub(super) fn adjoint(
             block.push(parts.next().unwrap_or(&mut []));
         }
     }
+    // Only a pooled expert's gradient is its to mask (another's is zeros).
+    let masks: Vec<Option<f32>> = masks.iter().zip(&pooled).map(|(m, &p)| m.filter(|_| p)).collect();
+    let masks = &masks[..];
     let wide = avx512f(simd);
     logit_blocks.par_iter_mut().zip(expert_blocks.par_iter_mut()).enumerate().for_each(|(b, (dls, des))| {
-        let block = Block { first: b * ROWS_PER_TASK, gates: &gates, adds: &adds, outs, width };
+        let block = Block { first: b * ROWS_PER_TASK, gates: &gates, adds: &adds, outs, masks, width };
         #[cfg(target_arch = "x86_64")]
         if wide {
             #[target_feature(enable = "avx512f")]
@@ -282,6 +289,7 @@ struct Block<'a> {
     gates: &'a [(&'a [f32], &'a [f32], &'a [usize])],
     adds: &'a [Vec<bool>],
     outs: &'a [&'a [f32]],
+    masks: &'a [Option<f32>],
     width: usize,
 }
 
@@ -289,7 +297,7 @@ struct Block<'a> {
 /// gradient, `des` of each expert's output gradient.
 #[inline(always)]
 fn block_adjoint(block: &Block<'_>, dls: &mut [&mut [f32]], des: &mut [&mut [f32]]) {
-    let Block { first, gates, adds, outs, width } = *block;
+    let Block { first, gates, adds, outs, masks, width } = *block;
     let rows = dls[0].len() / gates[0].2.len();
     for r in 0..rows {
         let (row, at) = (first + r, r * width..(r + 1) * width);
@@ -309,6 +317,12 @@ fn block_adjoint(block: &Block<'_>, dls: &mut [&mut [f32]], des: &mut [&mut [f32
                 } else {
                     de.iter_mut().zip(dy).for_each(|(d, g)| *d = wk * g);
                 }
+            }
+        }
+        // Each summed row through its expert's last ReLU, while in L1.
+        for ((de, out), mask) in des.iter_mut().zip(outs).zip(masks) {
+            if let (Some(scale), false) = (mask, de.is_empty()) {
+                through_relu(&mut de[at.clone()], &out[row * width..(row + 1) * width], *scale);
             }
         }
     }
@@ -520,18 +534,41 @@ mod tests {
                 filled[e] = true;
             }
         }
+        // Each expert's gradient through its last ReLU as the MLP's own
+        // pass took it (`relu_mask_from`): zero where its output is not
+        // positive, times dropout's scale where that is not 1.
+        let relu = |d: &[f32], out: &[f32], scale: f32| -> Vec<f32> {
+            let through = |(&g, &a): (&f32, &f32)| match (a > 0.0, scale == 1.0) {
+                (false, _) => 0.0,
+                (true, true) => g,
+                (true, false) => g * scale,
+            };
+            d.iter().zip(out).map(through).collect()
+        };
+        // Without masks; with masks of scale 1 and 1.25 and an expert
+        // without one; a mask for the fifth, unpooled, expert is ignored.
+        let no_masks = [None; 5];
+        let some_masks = [Some(1.0), Some(1.25), None, Some(1.0), Some(2.0)];
         // On the AVX-512 build (where the CPU has it) and the portable one.
-        for simd in [Simd::Auto, Simd::Portable] {
+        for (simd, masks) in [Simd::Auto, Simd::Portable].into_iter().flat_map(|s| [(s, no_masks), (s, some_masks)]) {
+            let what = format!("{simd:?}, masks {masks:?}");
             let mut d_logits: Vec<Vec<f32>> = POOLS.iter().map(|p| vec![9.0; ROWS * p.len()]).collect();
             // Stale values in the experts' buffers, and a fifth expert no gate pools.
             let mut d_experts = vec![vec![5.0f32; ROWS * WIDTH]; 5];
             let backward = (d_logits.iter_mut().zip(&weights).zip(&d_mixes).zip(POOLS))
                 .map(|(((d_logits, weights), d_mix), pool)| GateBackward { weights, d_mix, pool, d_logits })
                 .collect();
-            let pooled = adjoint(simd, &outs, WIDTH, backward, &mut d_experts);
+            let pooled = adjoint(simd, (&outs, &masks), WIDTH, backward, &mut d_experts);
             assert_eq!(pooled, [true, true, true, true, false]);
-            assert_eq!(bits(&d_logits), bits(&d_logits_one), "the gates' logits' gradients, {simd:?}");
-            assert_eq!(bits(&d_experts[..4]), bits(&d_experts_one[..4]), "the experts' output gradients, {simd:?}");
+            assert_eq!(bits(&d_logits), bits(&d_logits_one), "the gates' logits' gradients, {what}");
+            for e in 0..4 {
+                let expected = match masks[e] {
+                    Some(scale) => relu(&d_experts_one[e], outs[e], scale),
+                    None => d_experts_one[e].clone(),
+                };
+                assert_eq!(bits(&d_experts[e..=e]), bits(&[expected]), "expert {e}'s output gradient, {what}");
+            }
+            assert!(d_experts[4].iter().all(|&v| v == 5.0), "the unpooled expert's buffer is not the adjoint's");
         }
 
         // An input's parts summed in one pass, and the bottom's sum of sums,
@@ -580,7 +617,7 @@ mod tests {
         let backward = (d_logits.iter_mut().zip(POOLS))
             .map(|(d_logits, pool)| GateBackward { weights: &[], d_mix: &[], pool, d_logits })
             .collect();
-        let pooled = adjoint(Simd::Auto, &outs, WIDTH, backward, &mut d_experts);
+        let pooled = adjoint(Simd::Auto, (&outs, &[None; 5]), WIDTH, backward, &mut d_experts);
         assert_eq!(pooled, [true, true, true, true, false]);
         assert!(d_experts[..4].iter().all(Vec::is_empty), "a pooled expert's gradient has no rows");
     }
