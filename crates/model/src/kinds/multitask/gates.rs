@@ -1,9 +1,9 @@
 //! The multi-task gates' passes over rows, and the sums of a level's input
 //! gradients. At the sizes these kinds run, the step's working set (a
 //! level's expert outputs, their gradients, each input's gradients) is
-//! larger than a core's L2, and the backward passes wait on reading it
-//! back more than on arithmetic (the gates' adjoint built for AVX-512
-//! took 1–2% off PLE's step, no more). So each reads what it needs once:
+//! larger than a core's L2, and wider arithmetic does little for the
+//! backward passes (the gates' adjoint built for AVX-512 took 1–2% off
+//! PLE's step, no more). So each reads what it needs once:
 //! - forward, every gate of a level in one pass over the rows: each row's
 //!   expert outputs are read once for all the gates that pool them (MMoE's
 //!   three gates each read all four experts before). Its softmax runs
