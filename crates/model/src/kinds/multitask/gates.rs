@@ -12,12 +12,14 @@
 //!   were chains of dependent scalar operations, and the mix was read and
 //!   written once an expert;
 //! - backward, every gate's softmax adjoint and every expert's output
-//!   gradient in one pass;
+//!   gradient in one pass, each expert's taken through its last ReLU as
+//!   it is written (the expert's backward pass then skips its own pass
+//!   over it);
 //! - an input's gradient is its contributions summed in one pass (they
 //!   were added one buffer at a time), and at the bottom the sum of the
 //!   inputs' sums in one pass.
 //!
-//! Both gate passes have an AVX-512 build of the same code, taken where
+//! Each pass has an AVX-512 build of the same code, taken where
 //! `train.simd` allows and the CPU has AVX-512F. Every value is computed by
 //! the same operations in the same order as when the passes were separate,
 //! so the step's bits are unchanged, on every build (tested).
