@@ -81,3 +81,53 @@ impl Mlp {
         Ok(backward_into(&self.shape, cpu(&ps, pl)?, First::Input(x), (grad_out, true), scratch))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+    use sparrow_core::config::Precision;
+    use sparrow_core::rng::Rng;
+    use sparrow_core::simd::Simd;
+
+    use super::*;
+    use crate::bf16::Arith;
+    use crate::params::ParamStore;
+
+    /// A gradient taken through the last ReLU by the caller, with and
+    /// without dropout's scale, gives the bits of the stack's own masking
+    /// pass; a stack whose last layer has no ReLU refuses it by name.
+    #[test]
+    fn a_gradient_masked_by_the_caller_is_the_stacks_own() {
+        for dropout in [0.0, 0.25] {
+            let mut ps = ParamStore::new(3, Device::Cpu);
+            let arith = Arith::new(Precision::F32, Simd::Auto);
+            let mlp = Mlp::new(&mut ps, "m", 7, &[9, 6], true, arith).expect("mlp").with_dropout(dropout, Simd::Auto);
+            let mut rng = Rng::new(6);
+            let rows = 11;
+            let x: Vec<f32> = (0..rows * 7).map(|_| rng.normal() as f32).collect();
+            let grad_out: Vec<f32> = (0..rows * 6).map(|_| rng.normal() as f32).collect();
+            let (mut own, mut masked) = (MlpScratch::default(), MlpScratch::default());
+            let draw = (dropout > 0.0).then_some(17);
+            mlp.forward_cpu(&x, rows, draw, &mut own).expect("forward");
+            mlp.forward_cpu(&x, rows, draw, &mut masked).expect("forward");
+            let scale = mlp.output_mask(&masked).expect("the last layer ends in a ReLU");
+            assert_eq!(scale == 1.0, dropout == 0.0, "dropout's scale");
+            let mut through = grad_out.clone();
+            through_relu(&mut through, &masked.output, scale);
+            assert!(through.iter().any(|&g| g == 0.0) && through.iter().any(|&g| g != 0.0), "some masked, some not");
+            let a = mlp.backward_cpu(&x, &grad_out, &mut own).expect("backward");
+            let b = mlp.backward_cpu_masked(&x, &through, &mut masked).expect("backward, masked");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a), bits(&b), "dropout {dropout}: the weights' gradients");
+            assert_eq!(bits(&own.grad_input), bits(&masked.grad_input), "dropout {dropout}: d input");
+        }
+        let mut ps = ParamStore::new(3, Device::Cpu);
+        let arith = Arith::new(Precision::F32, Simd::Auto);
+        let tower = Mlp::new(&mut ps, "t", 4, &[3, 1], false, arith).expect("mlp");
+        let mut s = MlpScratch::default();
+        tower.forward_cpu(&[0.5; 8], 2, None, &mut s).expect("forward");
+        assert_eq!(tower.output_mask(&s), None, "no last ReLU, no mask");
+        let err = tower.backward_cpu_masked(&[0.5; 8], &[1.0; 2], &mut s).expect_err("refused");
+        assert!(err.to_string().contains("last ReLU"), "{err}");
+    }
+}
