@@ -52,6 +52,16 @@ pub struct StepOutput {
     pub item_grads: Vec<Vec<f32>>,
 }
 
+/// Sample weights, where given, are one a row (a loss indexes them by row).
+fn check_sample_weights(weights: Option<&[f32]>, rows: usize) -> Result<(), ModelError> {
+    match weights {
+        Some(w) if w.len() != rows => {
+            Err(ModelError::BadInput { what: "sample weights", len: w.len(), rows, per_row: 1 })
+        }
+        _ => Ok(()),
+    }
+}
+
 impl DenseModel {
     /// The network `config` describes, its weights drawn from `seed`; its
     /// kernels take their SIMD versions as `simd` allows (`train.simd`).
@@ -440,6 +450,7 @@ impl DenseModel {
         dropout: Option<u64>,
     ) -> Result<(StepOutput, DenseGrads), ModelError> {
         let rows = labels.len() / self.heads.tasks();
+        check_sample_weights(weights, rows)?;
         let (emb, dense) = self.inputs(emb, dense, rows)?;
         let emb = Var::from_tensor(&emb)?;
         let items = self.sequence_inputs(sequences, rows)?;
@@ -573,6 +584,7 @@ impl DenseModel {
             return Err(ModelError::NotPacked { kind: self.kind.name() });
         }
         let rows = labels.len() / self.heads.tasks();
+        check_sample_weights(weights, rows)?;
         let mut scratch = self.scratch.lock().map_err(|_| ModelError::Poisoned)?;
         self.sequences_into(sequences, rows, &mut scratch)?;
         if let Some(direct::FirstOrderStep { loss, logits, grads, finite }) =

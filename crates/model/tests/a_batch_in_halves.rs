@@ -253,3 +253,23 @@ fn a_nan_loss_in_a_half_stops_the_step_with_the_loss_named() {
         assert!(err.to_string().contains("training loss"), "{kind}: {err}");
     }
 }
+
+/// Sample weights that are not one a row are refused by name, in halves
+/// and whole: no index past the end of them.
+#[test]
+fn sample_weights_not_one_a_row_are_refused() {
+    for (kind, halves) in [("mmoe", true), ("esmm", true), ("mmoe", false)] {
+        let model = model(kind, Precision::F32, Norm::None);
+        let rows = if halves { rows(&model) } else { 7 };
+        assert_eq!(model.runs_in_halves(rows), halves, "{kind}");
+        let b = batch(rows, model.heads().tasks(), &mut Rng::new(8));
+        for weights in [&b.weights[..rows - 1], &[1.0; 3][..]] {
+            let Err(err) =
+                model.forward_backward_with(b.emb.clone(), b.dense.clone(), &b.labels, Some(weights), None, None)
+            else {
+                panic!("{kind}: {} weights for {rows} rows were taken", weights.len());
+            };
+            assert!(err.to_string().contains("sample weights"), "{kind}: {err}");
+        }
+    }
+}
