@@ -8,6 +8,7 @@
 use candle_core::Tensor;
 use rayon::prelude::*;
 use sparrow_core::config::Activation;
+use sparrow_core::simd::Simd;
 
 use crate::ModelError;
 
@@ -74,7 +75,7 @@ fn blocks<'a>(
 /// y from z = `out` (rows × `width`) in place; z (and Dice's ẑ and p) kept
 /// in `s`. `learned`: the layer's slopes; `stats`: Dice's normalization.
 pub(crate) fn forward(
-    activation: Activation,
+    (activation, simd): (Activation, Simd),
     out: &mut [f32],
     width: usize,
     learned: &[f32],
@@ -91,11 +92,18 @@ pub(crate) fn forward(
         }
         Activation::Gelu => out.par_iter_mut().for_each(|v| *v *= normal_cdf(*v)),
         Activation::Silu => out.par_iter_mut().for_each(|v| *v *= sigmoid(*v)),
-        Activation::Dice => dice_forward(out, width, learned, stats, s),
+        Activation::Dice => dice_forward(simd, out, width, learned, stats, s),
     }
 }
 
-fn dice_forward(out: &mut [f32], width: usize, alpha: &[f32], stats: Option<DiceStats<'_>>, s: &mut ActScratch) {
+fn dice_forward(
+    simd: Simd,
+    out: &mut [f32],
+    width: usize,
+    alpha: &[f32],
+    stats: Option<DiceStats<'_>>,
+    s: &mut ActScratch,
+) {
     let (ones, zeros) = (vec![1.0f32; width], vec![0.0f32; width]);
     s.p.clear();
     s.p.extend_from_slice(out);
@@ -103,10 +111,11 @@ fn dice_forward(out: &mut [f32], width: usize, alpha: &[f32], stats: Option<Dice
     s.by_batch = matches!(stats, Some(DiceStats::Batch(_)));
     match stats {
         Some(DiceStats::Batch(batch)) => {
-            crate::batch_norm::forward_train(&mut s.p, width, (&ones, &zeros), kept, batch)
+            crate::batch_norm::forward_train(simd, (&mut s.p, width, false), (&ones, &zeros), kept, batch)
         }
         Some(DiceStats::Running(r)) => {
-            crate::batch_norm::forward_running(&mut s.p, width, (&ones, &zeros), kept, (&r[..width], &r[width..]));
+            let running = (&r[..width], &r[width..]);
+            crate::batch_norm::forward_running(simd, (&mut s.p, width, false), (&ones, &zeros), kept, running);
         }
         None => {}
     }
@@ -123,7 +132,7 @@ fn dice_forward(out: &mut [f32], width: usize, alpha: &[f32], stats: Option<Dice
 /// From `g` = d loss / d y (replaced by d loss / d z): adds the slopes'
 /// gradients into `dlearned`.
 pub(crate) fn backward(
-    activation: Activation,
+    (activation, simd): (Activation, Simd),
     g: &mut [f32],
     width: usize,
     learned: &[f32],
@@ -159,13 +168,13 @@ pub(crate) fn backward(
                 *g *= p * (1.0 + z * (1.0 - p));
             });
         }),
-        Activation::Dice => dice_backward(g, width, learned, s, dlearned),
+        Activation::Dice => dice_backward(simd, g, width, learned, s, dlearned),
     }
 }
 
 /// y = z·(α + (1 − α)·p), p = σ(ẑ): d z = g·(α + (1 − α)·p) plus, through
 /// ẑ's normalization, the adjoint of h = g·z·(1 − α)·p·(1 − p); d α = Σ g·z·(1 − p).
-fn dice_backward(g: &mut [f32], width: usize, alpha: &[f32], s: &mut ActScratch, dalpha: &mut [f32]) {
+fn dice_backward(simd: Simd, g: &mut [f32], width: usize, alpha: &[f32], s: &mut ActScratch, dalpha: &mut [f32]) {
     let rows = g.len() / width.max(1);
     s.through_p.resize(g.len(), 0.0);
     for ((g, z), p) in g.chunks_exact(width).zip(s.pre.chunks_exact(width)).zip(s.p.chunks_exact(width)) {
@@ -193,7 +202,7 @@ fn dice_backward(g: &mut [f32], width: usize, alpha: &[f32], s: &mut ActScratch,
         });
     let (ones, mut unused) = (vec![1.0f32; width], vec![0.0f32; 2 * width]);
     let (dg, db) = unused.split_at_mut(width);
-    crate::batch_norm::backward(&mut s.through_p, width, &ones, (&s.xhat, &s.inv), (dg, db), s.by_batch);
+    crate::batch_norm::backward(simd, (&mut s.through_p, width), &ones, (&s.xhat, &s.inv), (dg, db), s.by_batch);
     debug_assert_eq!(s.through_p.len(), rows * width);
     g.par_iter_mut().zip(s.through_p.par_iter()).for_each(|(g, h)| *g += h);
 }

@@ -8,60 +8,70 @@
 //! run over the rows in order, so any thread split gives the same bits.
 
 use rayon::prelude::*;
+use sparrow_core::simd::Simd;
 
+use crate::columns::{Terms, avx512f, column_sums};
 pub use crate::layer_norm::EPS;
 
 /// Rows a task normalizes: both threads take part on a batch.
 const ROWS_PER_TASK: usize = 128;
 
-/// x̂ = (z − mean)·inv into `xhat`, and y = x̂·γ + β over `out`'s z,
-/// column by column of each row. (The loops here zip their columns
-/// rather than index them: an indexed column is bounds-checked, and the
-/// check kept each loop from being vectorised; the arithmetic is the same.)
+/// x̂ = (z − mean)·inv into `xhat`, and y = x̂·γ + β over `out`'s z (then
+/// the ReLU, where `relu`: the pass that took it after this one is this
+/// one), column by column of each row, a block of rows a task.
 fn normalize(
-    out: &mut [f32],
-    xhat: &mut [f32],
+    simd: Simd,
+    (out, xhat): (&mut [f32], &mut [f32]),
     width: usize,
     (mean, inv): (&[f32], &[f32]),
     (gamma, beta): (&[f32], &[f32]),
+    relu: bool,
 ) {
     let block = width.max(1) * ROWS_PER_TASK;
+    let wide = avx512f(simd);
     out.par_chunks_mut(block).zip(xhat.par_chunks_mut(block)).for_each(|(out, xhat)| {
-        for (z, x) in out.chunks_exact_mut(width).zip(xhat.chunks_exact_mut(width)) {
-            let columns = mean.iter().zip(inv).zip(gamma.iter().zip(beta));
-            for ((z, x), ((mean, inv), (gamma, beta))) in z.iter_mut().zip(x.iter_mut()).zip(columns) {
-                *x = (*z - mean) * inv;
-                *z = *x * gamma + beta;
+        let columns = (mean, inv, gamma, beta);
+        #[cfg(target_arch = "x86_64")]
+        if wide {
+            #[target_feature(enable = "avx512f")]
+            fn rows_avx512(out: &mut [f32], xhat: &mut [f32], width: usize, c: Columns<'_>, relu: bool) {
+                normalize_rows(out, xhat, width, c, relu);
             }
+            // SAFETY: `wide` is true only where AVX-512F was detected.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            return unsafe { rows_avx512(out, xhat, width, columns, relu) };
         }
+        normalize_rows(out, xhat, width, columns, relu);
     });
 }
 
-/// Σ over rows, in row order, of each column's values.
-fn column_sums(values: &[f32], width: usize, acc: &mut [f32]) {
-    acc.fill(0.0);
-    for row in values.chunks_exact(width) {
-        acc.iter_mut().zip(row).for_each(|(a, &v)| *a += v);
-    }
-}
+/// Each column's mean, 1/σ̂, γ and β.
+type Columns<'a> = (&'a [f32], &'a [f32], &'a [f32], &'a [f32]);
 
-/// Σ over rows, in row order, of each column's (v − mean)².
-fn column_square_sums(values: &[f32], width: usize, mean: &[f32], acc: &mut [f32]) {
-    acc.fill(0.0);
-    for row in values.chunks_exact(width) {
-        for ((a, &v), &mean) in acc.iter_mut().zip(row).zip(mean) {
-            *a += (v - mean) * (v - mean);
+/// [`normalize`] on a block of rows. (Its loops zip their columns rather
+/// than index them: an indexed column is bounds-checked, and the check
+/// kept each loop from being vectorised; the arithmetic is the same.)
+#[inline(always)]
+fn normalize_rows(out: &mut [f32], xhat: &mut [f32], width: usize, (mean, inv, gamma, beta): Columns<'_>, relu: bool) {
+    for (z, x) in out.chunks_exact_mut(width).zip(xhat.chunks_exact_mut(width)) {
+        let columns = mean.iter().zip(inv).zip(gamma.iter().zip(beta));
+        for ((z, x), ((mean, inv), (gamma, beta))) in z.iter_mut().zip(x.iter_mut()).zip(columns) {
+            *x = (*z - mean) * inv;
+            let y = *x * gamma + beta;
+            *z = if !relu || y > 0.0 { y } else { 0.0 };
         }
     }
 }
 
 /// A training step's normalization of `out` (`rows × width`) in place by
-/// the batch's statistics: x̂ is kept in `xhat` and 1/√(σ²_B + ε) per
-/// column in `inv`, for the backward pass; `stats` (`2·width`) gets the
-/// batch's mean, then its unbiased variance (the biased one for one row).
+/// the batch's statistics (then the ReLU, where `relu`): x̂ is kept in
+/// `xhat` and 1/√(σ²_B + ε) per column in `inv`, for the backward pass;
+/// `stats` (`2·width`) gets the batch's mean, then its unbiased variance
+/// (the biased one for one row). The columns' sums run a tile of columns
+/// a task (`columns.rs`), each over the rows in order.
 pub(crate) fn forward_train(
-    out: &mut [f32],
-    width: usize,
+    simd: Simd,
+    (out, width, relu): (&mut [f32], usize, bool),
     (gamma, beta): (&[f32], &[f32]),
     (xhat, inv): (&mut Vec<f32>, &mut Vec<f32>),
     stats: &mut [f32],
@@ -71,23 +81,24 @@ pub(crate) fn forward_train(
     inv.resize(width, 0.0);
     let (mean, var) = stats.split_at_mut(width);
     let n = rows.max(1) as f32;
-    column_sums(out, width, mean);
+    column_sums(simd, out, width, Terms::Values, mean, &mut []);
     mean.iter_mut().for_each(|m| *m /= n);
-    column_square_sums(out, width, mean, var);
+    column_sums(simd, out, width, Terms::Squares(mean), var, &mut []);
     for (i, v) in inv.iter_mut().zip(var.iter_mut()) {
         *i = 1.0 / (*v / n + EPS).sqrt();
         // PyTorch keeps the unbiased variance as the running one.
         *v /= if rows > 1 { (rows - 1) as f32 } else { n };
     }
-    normalize(out, xhat, width, (mean, inv), (gamma, beta));
+    normalize(simd, (out, xhat), width, (mean, inv), (gamma, beta), relu);
 }
 
 /// Outside training: `out` normalized by the running statistics
-/// `(mean, var)`, row by row (a row's output depends on nothing else);
-/// x̂ and the columns' 1/√(var + ε) are kept as in training.
+/// `(mean, var)` (then the ReLU, where `relu`), row by row (a row's output
+/// depends on nothing else); x̂ and the columns' 1/√(var + ε) are kept as
+/// in training.
 pub(crate) fn forward_running(
-    out: &mut [f32],
-    width: usize,
+    simd: Simd,
+    (out, width, relu): (&mut [f32], usize, bool),
     (gamma, beta): (&[f32], &[f32]),
     (xhat, inv): (&mut Vec<f32>, &mut Vec<f32>),
     (mean, var): (&[f32], &[f32]),
@@ -95,7 +106,7 @@ pub(crate) fn forward_running(
     xhat.resize(out.len(), 0.0);
     inv.clear();
     inv.extend(var.iter().map(|v| 1.0 / (v + EPS).sqrt()));
-    normalize(out, xhat, width, (mean, inv), (gamma, beta));
+    normalize(simd, (out, xhat), width, (mean, inv), (gamma, beta), relu);
 }
 
 /// From `g` = d loss / d y (replaced by d loss / d z): adds d γ = Σ_rows
@@ -104,8 +115,8 @@ pub(crate) fn forward_running(
 /// column's batch statistics depending on every row; after one by the
 /// running statistics, d z = γ/σ̂ · g.
 pub(crate) fn backward(
-    g: &mut [f32],
-    width: usize,
+    simd: Simd,
+    (g, width): (&mut [f32], usize),
     gamma: &[f32],
     (xhat, inv): (&[f32], &[f32]),
     (dgamma, dbeta): (&mut [f32], &mut [f32]),
@@ -113,12 +124,7 @@ pub(crate) fn backward(
 ) {
     let rows = g.len() / width.max(1);
     let (mut sum_g, mut sum_gx) = (vec![0.0f32; width], vec![0.0f32; width]);
-    for (gr, x) in g.chunks_exact(width).zip(xhat.chunks_exact(width)) {
-        for (((sg, sgx), &g), &x) in sum_g.iter_mut().zip(sum_gx.iter_mut()).zip(gr).zip(x) {
-            *sg += g;
-            *sgx += g * x;
-        }
-    }
+    column_sums(simd, g, width, Terms::WithProducts(xhat), &mut sum_g, &mut sum_gx);
     dgamma.iter_mut().zip(&sum_gx).for_each(|(d, s)| *d += s);
     dbeta.iter_mut().zip(&sum_g).for_each(|(d, s)| *d += s);
     let n = rows.max(1) as f32;
@@ -128,12 +134,30 @@ pub(crate) fn backward(
     }
     let scale: Vec<f32> = gamma.iter().zip(inv).map(|(g, i)| g * i).collect();
     let block = width.max(1) * ROWS_PER_TASK;
+    let wide = avx512f(simd);
     g.par_chunks_mut(block).zip(xhat.par_chunks(block)).for_each(|(g, xhat)| {
-        for (g, x) in g.chunks_exact_mut(width).zip(xhat.chunks_exact(width)) {
-            let columns = scale.iter().zip(&sum_g).zip(&sum_gx);
-            for ((g, &x), ((scale, sum_g), sum_gx)) in g.iter_mut().zip(x).zip(columns) {
-                *g = scale * (*g - (sum_g + x * sum_gx) / n);
+        let columns = (&scale[..], &sum_g[..], &sum_gx[..]);
+        #[cfg(target_arch = "x86_64")]
+        if wide {
+            #[target_feature(enable = "avx512f")]
+            fn rows_avx512(g: &mut [f32], xhat: &[f32], width: usize, c: (&[f32], &[f32], &[f32]), n: f32) {
+                backward_rows(g, xhat, width, c, n);
             }
+            // SAFETY: `wide` is true only where AVX-512F was detected.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            return unsafe { rows_avx512(g, xhat, width, columns, n) };
         }
+        backward_rows(g, xhat, width, columns, n);
     });
+}
+
+/// [`backward`]'s d z on a block of rows, from each column's γ/σ̂, Σ g and Σ g·x̂.
+#[inline(always)]
+fn backward_rows(g: &mut [f32], xhat: &[f32], width: usize, (scale, sum_g, sum_gx): (&[f32], &[f32], &[f32]), n: f32) {
+    for (g, x) in g.chunks_exact_mut(width).zip(xhat.chunks_exact(width)) {
+        let columns = scale.iter().zip(sum_g).zip(sum_gx);
+        for ((g, &x), ((scale, sum_g), sum_gx)) in g.iter_mut().zip(x).zip(columns) {
+            *g = scale * (*g - (sum_g + x * sum_gx) / n);
+        }
+    }
 }

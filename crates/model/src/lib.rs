@@ -9,6 +9,7 @@ mod activation;
 mod batch_norm;
 pub mod bf16;
 mod bf16_rounded;
+mod columns;
 mod cross;
 mod dropout;
 pub mod fused;

@@ -62,6 +62,9 @@ struct MlpShape {
     norm: Norm,
     /// What every activated layer applies after its norm.
     activation: Activation,
+    /// The kernels `train.simd` allows the elementwise passes (dropout's
+    /// masks, batch norm, bias gradients).
+    simd: sparrow_core::simd::Simd,
 }
 
 impl MlpShape {
@@ -187,18 +190,20 @@ impl Mlp {
         };
         let dropout = Dropout::new(0.0, name);
         let (norm, activation) = (style.norm, style.activation);
-        let shape = MlpShape { layers, num_params, arith, dropout, norm, activation };
+        let simd = sparrow_core::simd::Simd::Auto;
+        let shape = MlpShape { layers, num_params, arith, dropout, norm, activation, simd };
         Ok(Mlp { shape: Arc::new(shape), params, running })
     }
 
     /// With inverted dropout at `rate` after each activated layer, where a
-    /// step draws it (training; see `dropout.rs`), its masks drawn by the
-    /// kernels `simd` allows.
+    /// step draws it (training; see `dropout.rs`), its masks drawn (and the
+    /// stack's other elementwise passes run) by the kernels `simd` allows.
     pub fn with_dropout(self, rate: f32, simd: sparrow_core::simd::Simd) -> Mlp {
         let s = &self.shape;
         let dropout = s.dropout.with_rate(rate, simd);
         let (layers, num_params) = (s.layers.clone(), s.num_params);
-        let shape = MlpShape { layers, num_params, arith: s.arith, dropout, norm: s.norm, activation: s.activation };
+        let (arith, norm, activation) = (s.arith, s.norm, s.activation);
+        let shape = MlpShape { layers, num_params, arith, dropout, norm, activation, simd };
         Mlp { shape: Arc::new(shape), params: self.params, running: self.running }
     }
 
@@ -536,19 +541,25 @@ fn forward_into(
         if let Some(n) = l.norm {
             let (fo, gb) = (l.fan_out, (&p[n..n + l.fan_out], &p[n + l.fan_out..n + 2 * l.fan_out]));
             let kept = (&mut scratch.normed[i], &mut scratch.inv_std[i]);
+            // Batch norm takes the ReLU in its last pass.
+            let relu = l.relu && shape.activation == Activation::Relu;
+            let simd = shape.simd;
             match l.running {
                 Some(r) if draw.is_some() => {
-                    crate::batch_norm::forward_train(out, fo, gb, kept, &mut scratch.batch_stats[r..r + 2 * fo]);
+                    let stats = &mut scratch.batch_stats[r..r + 2 * fo];
+                    crate::batch_norm::forward_train(simd, (out, fo, relu), gb, kept, stats);
                 }
                 Some(r) => {
                     let stats = (&running[r..r + fo], &running[r + fo..r + 2 * fo]);
-                    crate::batch_norm::forward_running(out, fo, gb, kept, stats);
+                    crate::batch_norm::forward_running(simd, (out, fo, relu), gb, kept, stats);
                 }
-                None => crate::layer_norm::forward(out, fo, gb, kept.0, kept.1),
-            }
-            if l.relu && shape.activation == Activation::Relu {
-                out.par_chunks_mut(l.fan_out.max(1) * ROWS_PER_TASK)
-                    .for_each(|o| o.iter_mut().for_each(|v| *v = if *v > 0.0 { *v } else { 0.0 }));
+                None => {
+                    crate::layer_norm::forward(out, fo, gb, kept.0, kept.1);
+                    if relu {
+                        out.par_chunks_mut(l.fan_out.max(1) * ROWS_PER_TASK)
+                            .for_each(|o| o.iter_mut().for_each(|v| *v = if *v > 0.0 { *v } else { 0.0 }));
+                    }
+                }
             }
         }
         if l.relu && shape.activation != Activation::Relu {
@@ -558,7 +569,8 @@ fn forward_into(
                 Some(_) => DiceStats::Batch(&mut scratch.batch_stats[r..r + 2 * fo]),
                 None => DiceStats::Running(&running[r..r + 2 * fo]),
             });
-            crate::activation::forward(shape.activation, out, fo, learned, stats, &mut scratch.acts[i]);
+            let act = (shape.activation, shape.simd);
+            crate::activation::forward(act, out, fo, learned, stats, &mut scratch.acts[i]);
         }
         if l.relu {
             scratch.dropout_scale = shape.dropout.apply(draw, i, first_row * l.fan_out, out);
@@ -635,7 +647,7 @@ fn backward_into(
                     None => (&[][..], &mut [][..]),
                 };
                 crate::activation::backward(
-                    shape.activation,
+                    (shape.activation, shape.simd),
                     &mut g[..g_len],
                     fo,
                     learned,
@@ -650,7 +662,7 @@ fn backward_into(
             let norm = (&scratch.normed[i][..], &scratch.inv_std[i][..]);
             if l.running.is_some() {
                 let by_batch = scratch.trained;
-                crate::batch_norm::backward(&mut g[..g_len], fo, &p[n..n + fo], norm, (dgamma, dbeta), by_batch);
+                crate::batch_norm::backward(shape.simd, (&mut g[..g_len], fo), &p[n..n + fo], norm, (dgamma, dbeta), by_batch);
             } else {
                 crate::layer_norm::backward(&mut g[..g_len], fo, &p[n..n + fo], norm, (dgamma, dbeta));
             }
@@ -660,7 +672,7 @@ fn backward_into(
         let w = &p[l.w..l.w + fi * fo];
         if i == 1 && outer_to_first {
             // d input (`g ⊗ w`) is the first layer's product's to compute.
-            weight_grads(shape.arith, (rows, fi, fo), input, &g[..g_len], (dw, db));
+            weight_grads((shape.arith, shape.simd), (rows, fi, fo), input, &g[..g_len], (dw, db));
             continue;
         }
         let gi = prefix(&mut g_in, rows * fi);
@@ -681,7 +693,7 @@ fn backward_into(
         } else if rounds_operands(shape.arith) {
             scratch.rounded.backward(i, (rows, fi, fo), &g[..g_len], (dw, db), gi);
         } else {
-            linear_grads(shape.arith, (rows, fi, fo), input, w, &g[..g_len], (dw, db), gi);
+            linear_grads((shape.arith, shape.simd), (rows, fi, fo), input, w, &g[..g_len], (dw, db), gi);
         }
         // A batch norm subtracts the batch's mean, b included: b's gradient
         // is 0, not the rounding noise of Σ d z that Adam would turn into

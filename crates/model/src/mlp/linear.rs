@@ -3,6 +3,7 @@
 
 use crate::bf16::Arith;
 use crate::matrix::{Operand, sgemm, sgemm_threads};
+use sparrow_core::simd::Simd;
 
 /// `dst = op(a)·op(b)` in the model's precision; `threads`: at most that
 /// many threads (fp32; the bf16 kernel splits rows over the current pool).
@@ -30,7 +31,7 @@ pub(crate) fn matmul(
 /// single-threaded gemms side by side scale better than two two-threaded
 /// gemms one after the other (the bf16 kernel splits over the pool anyway).
 pub(crate) fn linear_grads(
-    arith: Arith,
+    (arith, simd): (Arith, Simd),
     (rows, fan_in, fan_out): (usize, usize, usize),
     x: &[f32],
     w: &[f32],
@@ -39,21 +40,20 @@ pub(crate) fn linear_grads(
     dx: &mut [f32],
 ) {
     rayon::join(
-        || weight_grads(arith, (rows, fan_in, fan_out), x, g, (dw, db)),
+        || weight_grads((arith, simd), (rows, fan_in, fan_out), x, g, (dw, db)),
         || matmul(arith, Some(1), rows, fan_in, fan_out, Operand::plain(g), Operand::t(w), dx),
     );
 }
 
-/// [`linear_grads`] without d x: `dW = xᵀ·g`, `db += Σ_rows g`.
+/// [`linear_grads`] without d x: `dW = xᵀ·g`, `db += Σ_rows g` (each
+/// column in row order, a tile of columns in registers: `columns.rs`).
 pub(super) fn weight_grads(
-    arith: Arith,
+    (arith, simd): (Arith, Simd),
     (rows, fan_in, fan_out): (usize, usize, usize),
     x: &[f32],
     g: &[f32],
     (dw, db): (&mut [f32], &mut [f32]),
 ) {
     matmul(arith, Some(1), fan_in, fan_out, rows, Operand::t(x), Operand::plain(g), dw);
-    for row in g.chunks_exact(fan_out) {
-        db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
-    }
+    crate::columns::add_column_sums(simd, g, fan_out, db);
 }

@@ -220,7 +220,8 @@ impl MultiTask {
                     let gw = cpu(&gw.0, gw.1)?;
                     let (mut dw, mut db) = (vec![0.0f32; fan_in * k], vec![0.0f32; k]);
                     let d_gate_in = sized(d_gate_in, rows * fan_in);
-                    linear_grads(self.arith, (rows, fan_in, k), input, gw, &d_logits[g], (&mut dw, &mut db), d_gate_in);
+                    let arith = (self.arith, self.simd);
+                    linear_grads(arith, (rows, fan_in, k), input, gw, &d_logits[g], (&mut dw, &mut db), d_gate_in);
                     Ok((dw, db))
                 })
                 .collect::<Result<Vec<_>, ModelError>>()?;

@@ -28,6 +28,7 @@ use rayon::prelude::*;
 
 use sparrow_core::simd::Simd;
 
+use crate::columns::avx512f;
 use crate::matrix::dot;
 use crate::mlp::through_relu;
 
@@ -91,14 +92,6 @@ pub(super) fn softmax_mix(simd: Simd, outs: &[&[f32]], width: usize, gates: Vec<
         }
         block_forward(gates, outs, first, lanes);
     });
-}
-
-/// Whether `simd` allows the AVX-512F build and the CPU has it.
-fn avx512f(simd: Simd) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return simd.allows() && std::arch::is_x86_feature_detected!("avx512f");
-    #[cfg(not(target_arch = "x86_64"))]
-    return false;
 }
 
 /// A task's rows (`gates`' parts; its first row's outputs at `at` in
