@@ -55,17 +55,24 @@ fn tile_into(simd: Simd, values: &[f32], width: usize, first: usize, terms: Term
     tile_sums(values, width, first, terms, sums);
 }
 
-/// [`tile_into`]'s sums: full tiles of [`TILE`] columns, then narrow ones
-/// of [`EDGE`] (the last zero-padded, its padding's sums dropped).
+/// [`tile_into`]'s sums: tiles of [`TILE`] columns, then of 32 and of
+/// [`EDGE`] (each of its columns' sums a chain of adds, row after row: the
+/// wider a tile, the more chains run side by side), the last of fewer
+/// columns zero-padded, its padding's sums dropped.
 #[inline(always)]
 fn tile_sums(values: &[f32], width: usize, first: usize, terms: Terms<'_>, (sums, products): (&mut [f32], &mut [f32])) {
     let mut at = 0;
     while at < sums.len() {
-        let n = if sums.len() - at >= TILE { TILE } else { (sums.len() - at).min(EDGE) };
+        let n = match sums.len() - at {
+            left if left >= TILE => TILE,
+            left if left >= 32 => 32,
+            left => left.min(EDGE),
+        };
         let cols = first + at..first + at + n;
         let out = (&mut sums[at..at + n], products.get_mut(at..at + n).unwrap_or_default());
         match n {
             TILE => tile::<TILE>(values, width, cols.start, terms, out),
+            32 => tile::<32>(values, width, cols.start, terms, out),
             _ => tile::<EDGE>(values, width, cols.start, terms, out),
         }
         at += n;
@@ -142,7 +149,14 @@ pub(crate) fn add_column_sums(simd: Simd, values: &[f32], width: usize, sums: &m
 /// Every column's sums over the rows in order, from zero, a tile of
 /// [`TILE`] columns a task: `sums` (`width` of them) by `terms`, and
 /// `products` too for [`Terms::WithProducts`] (empty otherwise).
-pub(crate) fn column_sums(simd: Simd, values: &[f32], width: usize, terms: Terms<'_>, sums: &mut [f32], products: &mut [f32]) {
+pub(crate) fn column_sums(
+    simd: Simd,
+    values: &[f32],
+    width: usize,
+    terms: Terms<'_>,
+    sums: &mut [f32],
+    products: &mut [f32],
+) {
     sums.fill(0.0);
     products.fill(0.0);
     let tiles = sums.par_chunks_mut(TILE).enumerate();
@@ -196,7 +210,7 @@ mod tests {
     fn every_pass_gives_the_bits_of_a_row_at_a_time_on_every_build() {
         for simd in [Simd::Auto, Simd::Portable] {
             // Full tiles, a right edge of a narrow tile and a part of one, one column.
-            for width in [1, 6, 16, 36, 64, 100, 128, 256] {
+            for width in [1, 6, 16, 32, 36, 50, 64, 100, 128, 256] {
                 let rows = 37;
                 let (v, x) = (values(rows, width, 1), values(rows, width, 2));
                 let mean: Vec<f32> = (0..width).map(|j| j as f32 * 0.25 - 3.0).collect();

@@ -662,7 +662,14 @@ fn backward_into(
             let norm = (&scratch.normed[i][..], &scratch.inv_std[i][..]);
             if l.running.is_some() {
                 let by_batch = scratch.trained;
-                crate::batch_norm::backward(shape.simd, (&mut g[..g_len], fo), &p[n..n + fo], norm, (dgamma, dbeta), by_batch);
+                crate::batch_norm::backward(
+                    shape.simd,
+                    (&mut g[..g_len], fo),
+                    &p[n..n + fo],
+                    norm,
+                    (dgamma, dbeta),
+                    by_batch,
+                );
             } else {
                 crate::layer_norm::backward(&mut g[..g_len], fo, &p[n..n + fo], norm, (dgamma, dbeta));
             }
