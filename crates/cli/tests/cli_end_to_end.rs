@@ -496,7 +496,7 @@ fn half_rows_export_in_their_own_type_without_loss() {
 
 /// The kernels chosen at run time (bf16 products, DLRM's interaction at
 /// d = 16, f16 and bf16 row conversions and steps, stochastic rounding,
-/// the first-order and FM terms) and their portable versions train the
+/// the first-order and FM terms, batch norm and Dice) and their portable versions train the
 /// same model: with `SPARROW_SIMD=portable` the checkpoint is the same
 /// bytes, on this machine as on a CPU without the features (bf16 products
 /// are the same bytes where the CPU has AVX-512-BF16; without it they run
@@ -521,7 +521,7 @@ fn portable_kernels_train_the_same_model_bit_for_bit() {
         (summary, ckpt)
     };
     let ck = |name: &str| tmp.path().join(name).display().to_string();
-    let modes: [&[&str]; 3] = [
+    let modes: [&[&str]; 4] = [
         &["model.embedding_dim=16", "model.precision=\"bf16\"", "embedding.dtype=\"f16\""],
         &["model.embedding_dim=16", "model.kind=\"fm\"", "embedding.dtype=\"bf16\""],
         &[
@@ -530,6 +530,9 @@ fn portable_kernels_train_the_same_model_bit_for_bit() {
             "embedding.dtype=\"bf16\"",
             "embedding.rounding=\"stochastic\"",
         ],
+        // Batch norm's passes and the bias gradients' column sums (a tile of
+        // 32 and an edge of 8 columns), Dice's batch statistics.
+        &["model.embedding_dim=16", "model.norm=\"batch\"", "model.activation=\"dice\"", "model.hidden=[40]"],
     ];
     // Without AVX-512-BF16, `model.precision = "bf16"` runs the fp32 kernels
     // on bf16-rounded inputs: the same accuracy, other bits (by design).

@@ -3,7 +3,8 @@
 //! kernels Sparrow picks at run time by CPU feature (bf16 matrix products
 //! and the portable product's AVX2 build, DLRM's interaction, f16 and bf16
 //! row conversions and steps, dense Adam, the first-order and FM passes, the
-//! multi-task gates' passes, the finiteness check of gradients) may take
+//! multi-task gates' passes, batch norm's passes and the per-column sums of
+//! bias gradients, the finiteness check of gradients) may take
 //! their SIMD versions. `portable`
 //! makes every one of them take its portable version, as on a CPU without
 //! those features: the same bits, slower. It lets one machine show that a
