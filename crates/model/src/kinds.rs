@@ -344,7 +344,45 @@ pub fn check(config: &Config) -> Result<(), ConfigError> {
             ),
         });
     }
+    check_batch_statistics(kind, config)?;
     kind.check(config)
+}
+
+/// A layer normalized by its batch (batch norm, `model.norm`'s `batch`, as
+/// DIN's `auto` is; Dice's own normalization) needs batches of two rows or
+/// more: one row's variance is 0, so the layer's output is its shift
+/// whatever the input, nothing below it learns, and the running variance
+/// each step moves towards 0 leaves evaluation dividing by √ε (a log-loss
+/// in the hundreds, trained without a word). PyTorch refuses such a batch
+/// too.
+fn check_batch_statistics(kind: &dyn Kind, config: &Config) -> Result<(), ConfigError> {
+    use sparrow_core::config::Activation;
+    let m = &config.model;
+    let (norm, dice) = ("model.norm = \"none\" or \"layer\"", "another activation");
+    let by_batch = if stack_style(m).norm == Norm::Batch {
+        let what = match m.norm {
+            NormSetting::Auto => format!("model.norm = \"auto\" (batch norm for {})", kind.name()),
+            _ => "model.norm = \"batch\"".to_string(),
+        };
+        Some((what, norm))
+    } else if m.activation == Activation::Dice {
+        Some(("model.activation = \"dice\"".to_string(), dice))
+    } else if kind.attends() && m.attention_activation == Activation::Dice {
+        Some(("model.attention_activation = \"dice\"".to_string(), dice))
+    } else {
+        None
+    };
+    match by_batch {
+        Some((what, instead)) if kind.has_products() && config.train.batch_size < 2 => Err(ConfigError::Invalid {
+            key: "train.batch_size".into(),
+            message: format!(
+                "{what} normalizes each column over a batch's rows: a batch of {} row has no variance to \
+                 normalize by (use 2 or more, or {instead})",
+                config.train.batch_size
+            ),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// The registry's kinds in a JSON Schema's `oneOf` (name and line), for

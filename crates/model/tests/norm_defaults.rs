@@ -49,3 +49,38 @@ fn a_din_built_from_the_defaults_batch_norms_its_mlp_and_not_its_attention_unit(
     let (_, plain) = din(NormSetting::None);
     assert!(plain.iter().all(|l| l.norm.is_none()), "`none` written out keeps DIN's MLP plain");
 }
+
+/// A batch of one row under batch statistics (batch norm, DIN's default;
+/// Dice) is refused naming `train.batch_size` and the setting behind it:
+/// one row's variance is 0, and a model trained so evaluated at a
+/// log-loss in the hundreds without a word.
+#[test]
+fn a_batch_of_one_row_is_refused_where_a_layer_normalizes_by_the_batch() {
+    let config = |sets: &[&str]| {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        let overrides = sparrow_core::Overrides::parse(&sets).expect("overrides");
+        // A behaviour job, as DIN needs one (its attention's sequence).
+        let job = "[data]\nformat = \"csv\"\n[data.schema]\nlabels = [\"click\"]\n\
+                   sparse = [\"user_id\", \"item_id\"]\nmulti_hot_separator = \"|\"\n\
+                   sequence = [{ field = \"hist\", table = \"item_id\", max_len = 5 }]\n";
+        sparrow_core::Config::from_toml(job, "test", &overrides).expect("config")
+    };
+    let refused = [
+        (&["model.kind=\"din\"", "train.batch_size=1"][..], "model.norm = \"auto\" (batch norm for din)"),
+        (&["model.norm=\"batch\"", "train.batch_size=1"][..], "model.norm = \"batch\""),
+        (&["model.kind=\"mmoe\"", "model.activation=\"dice\"", "train.batch_size=1"][..], "model.activation"),
+    ];
+    for (sets, named) in refused {
+        let err = sparrow_model::kinds::check(&config(sets)).expect_err("a batch of one row").to_string();
+        assert!(err.contains("train.batch_size") && err.contains(named), "{sets:?}: {err}");
+    }
+    // Two rows, or no batch statistics, or a kind without MLP stacks: trained.
+    for sets in [
+        &["model.kind=\"din\"", "train.batch_size=2"][..],
+        &["model.kind=\"din\"", "model.norm=\"layer\"", "train.batch_size=1"][..],
+        &["model.norm=\"batch\"", "model.kind=\"lr\"", "train.batch_size=1"][..],
+        &["train.batch_size=1"][..],
+    ] {
+        sparrow_model::kinds::check(&config(sets)).unwrap_or_else(|e| panic!("{sets:?}: {e}"));
+    }
+}
