@@ -358,7 +358,8 @@ pub struct ModelConfig {
     /// running statistics elsewhere (in ONNX a subtraction and a product). The running
     /// mean and (unbiased) variance are kept with the dense weights: in
     /// checkpoints, exports, and a cluster's dense sync, where they move by
-    /// the workers' batches together.
+    /// the workers' batches together. Batch norm (and Dice) needs
+    /// `train.batch_size` of 2 or more: one row has no variance.
     pub norm: NormSetting,
     /// `norm = "batch"`: how far a training step moves the running
     /// statistics towards its batch's, in (0, 1] (PyTorch's `momentum`):
