@@ -491,6 +491,10 @@ fn an_empty_or_all_bad_training_file_fails_instead_of_training_nothing() {
     fails_with(&all_bad, &["bad.tsv", "no training row", "all 300 rows were malformed"]);
     let cluster = job.launch("1", "1", &["data.train=\"empty.tsv\"", "checkpoint.dir=\"ck-launch\""]);
     fails_with(&cluster, &["no training row", "empty.tsv"]);
+    // A held-out fraction that leaves no row to train names itself (the
+    // file is not empty: it said so).
+    let held_out = job.train(&["data.validation=0.999999"]);
+    fails_with(&held_out, &["no training row", "no row outside the fraction data.validation = 0.999999"]);
     // A fraction: 300 bad rows among 3000 good ones is 9%.
     let mut mixed = std::fs::read_to_string(job.path("data/train.tsv")).expect("train");
     mixed.push_str(&std::fs::read_to_string(job.path("bad.tsv")).expect("bad"));

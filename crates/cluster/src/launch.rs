@@ -465,7 +465,7 @@ pub fn launch(
             None => format!("data.train = {}", config.data.train.as_deref().unwrap_or_default()),
         };
         let why = match (bad, config.data.stream.is_some()) {
-            (0, false) => "the file holds no row".to_string(),
+            (0, false) => sparrow_core::config::no_row_left(&config.data),
             (0, true) => sparrow_trainer::input::NO_RECORD.to_string(),
             (bad, _) => format!("all {bad} rows were malformed"),
         };

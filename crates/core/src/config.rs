@@ -33,7 +33,7 @@ pub use stream::{
 };
 pub use stream_auth::{SaslMechanism, Secret, StreamSasl, StreamTls};
 pub use tasks::{EvalConfig, MAX_CLASSES, MAX_SEQUENCE_LEN, SequenceField, ServedOutput, Task, TaskConfig, TaskKind};
-pub use validation::{EarlyStoppingConfig, RowSplit, StopMetric, ValidationSet, held_out};
+pub use validation::{EarlyStoppingConfig, RowSplit, StopMetric, ValidationSet, held_out, no_row_left};
 
 use serde::{Deserialize, Serialize};
 

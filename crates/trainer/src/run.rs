@@ -285,7 +285,7 @@ fn train_in_pool(
         && resumed_from_step.is_none()
     {
         let why = match (bad.total(), config.data.stream.is_some()) {
-            (0, false) => "the file holds no row".to_string(),
+            (0, false) => sparrow_core::config::no_row_left(&config.data),
             (0, true) => crate::input::NO_RECORD.to_string(),
             (n, _) => format!("all {n} rows were malformed (the first ones are reported above)"),
         };

@@ -19,6 +19,18 @@ pub enum ValidationSet {
     File(String),
 }
 
+/// Why a training file gave no row where none was malformed: it holds
+/// none, or none outside the fraction `data.validation` holds out (a
+/// fraction near 1 leaves nothing to train; the file itself is not empty).
+pub fn no_row_left(data: &super::DataConfig) -> String {
+    match data.validation {
+        Some(ValidationSet::Fraction(f)) => {
+            format!("the file holds no row outside the fraction data.validation = {f} holds out")
+        }
+        _ => "the file holds no row".to_string(),
+    }
+}
+
 /// Which of the training file's rows a reader hands out: training leaves
 /// a held-out fraction out, validation reads only those, scoring all.
 /// Set by the trainer, never by a config file.
