@@ -497,12 +497,15 @@ mod simd {
     /// stays in L1 while the task's row blocks use it.
     const KB: usize = 128;
 
-    /// One tile over `pairs` pairs: `c[r][0..32] += Σ_p dot(a[r·rs + p·ps],
-    /// b[p][0..32])`, p in order (`c` read first only if `accumulate`). The
-    /// sums go back to `c`, or to `dst` (rows `stride` apart) when given: the
-    /// last pass of a whole tile stores straight into the output.
+    /// One tile over `pairs` pairs: `c[r][0..16·H] += Σ_p dot(a[r·rs + p·ps],
+    /// b[p][0..16·H])`, p in order (`c` read first only if `accumulate`),
+    /// `H` the tile's 16-column halves: 2, or 1 for a tile at the right
+    /// edge of 16 columns or fewer (a product of 36 columns computed 64;
+    /// now 48: each column's chain is the same either way). The sums go
+    /// back to `c`, or to `dst` (rows `stride` apart) when given: the last
+    /// pass of a whole tile stores straight into the output.
     #[target_feature(enable = "avx512bf16,avx512f")]
-    fn tile(
+    fn tile<const H: usize>(
         pairs: usize,
         a: &[u32],
         (rs, ps): (usize, usize),
@@ -511,70 +514,86 @@ mod simd {
         accumulate: bool,
         dst: Option<Store<'_>>,
     ) {
-        assert!(c.len() == MR * NR && b.len() >= pairs * NR && pairs > 0);
+        assert!(c.len() == MR * NR && b.len() >= pairs * NR && pairs > 0 && (1..=2).contains(&H));
         assert!(a.len() > (MR - 1) * rs + (pairs - 1) * ps);
-        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+        let mut acc = [[_mm512_setzero_ps(); H]; MR];
         if accumulate {
             for (r, acc_r) in acc.iter_mut().enumerate() {
-                // SAFETY: row r of `c` holds NR = 32 floats (asserted above).
-                #[expect(unsafe_code, reason = "SIMD loads behind run-time feature detection")]
-                unsafe {
-                    acc_r[0] = _mm512_loadu_ps(c[r * NR..].as_ptr());
-                    acc_r[1] = _mm512_loadu_ps(c[r * NR + 16..].as_ptr());
+                for (h, acc) in acc_r.iter_mut().enumerate() {
+                    // SAFETY: row r of `c` holds NR = 32 floats (asserted
+                    // above), of which this reads 16 from 16·h ≤ 16.
+                    #[expect(unsafe_code, reason = "SIMD loads behind run-time feature detection")]
+                    unsafe {
+                        *acc = _mm512_loadu_ps(c[r * NR + 16 * h..].as_ptr())
+                    };
                 }
             }
         }
         for p in 0..pairs {
+            let row = &b[p * NR..p * NR + NR];
             // SAFETY: `row` is a bounds-checked slice of exactly NR = 32
-            // dwords, read as two unaligned 16-dword vectors.
+            // dwords; half h is read as one unaligned 16-dword vector.
             #[expect(unsafe_code, reason = "SIMD loads behind run-time feature detection")]
-            let (b0, b1) = unsafe {
-                let row = &b[p * NR..p * NR + NR];
-                (
-                    std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(row.as_ptr().cast())),
-                    std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(row[16..].as_ptr().cast())),
-                )
-            };
+            let bh: [__m512bh; H] = std::array::from_fn(|h| unsafe {
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(row[16 * h..].as_ptr().cast()))
+            });
             for (r, acc_r) in acc.iter_mut().enumerate() {
                 // SAFETY: a broadcast dword reinterpreted as bf16 pairs;
                 // every bit pattern is a valid __m512bh.
                 #[expect(unsafe_code, reason = "SIMD reinterpretation behind run-time feature detection")]
                 let x =
                     unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(a[r * rs + p * ps] as i32)) };
-                acc_r[0] = _mm512_dpbf16_ps(acc_r[0], x, b0);
-                acc_r[1] = _mm512_dpbf16_ps(acc_r[1], x, b1);
+                for (acc, &b) in acc_r.iter_mut().zip(&bh) {
+                    *acc = _mm512_dpbf16_ps(*acc, x, b);
+                }
             }
         }
         let (out, stride, bias, relu) = match dst {
             Some(Store { dst, stride, bias, relu }) => (dst, stride, bias, relu),
             None => (c, NR, None, false),
         };
-        assert!(out.len() >= (MR - 1) * stride + NR);
+        assert!(out.len() >= (MR - 1) * stride + 16 * H);
         // The epilogue (see `Epilogue::apply`), on the final sums only.
-        let bias = bias.map(|bias| {
-            let bias = &bias[..NR];
-            // SAFETY: `bias` holds NR = 32 floats, two 16-float loads.
+        let bias: Option<[__m512; H]> = bias.map(|bias| {
+            let bias = &bias[..16 * H];
+            // SAFETY: `bias` holds 16·H floats, a 16-float load a half.
             #[expect(unsafe_code, reason = "SIMD loads behind run-time feature detection")]
-            unsafe {
-                (_mm512_loadu_ps(bias.as_ptr()), _mm512_loadu_ps(bias[16..].as_ptr()))
-            }
+            std::array::from_fn(|h| unsafe { _mm512_loadu_ps(bias[16 * h..].as_ptr()) })
         });
         let zero = _mm512_setzero_ps();
-        for (r, &[mut v0, mut v1]) in acc.iter().enumerate() {
-            if let Some((b0, b1)) = bias {
-                (v0, v1) = (_mm512_add_ps(v0, b0), _mm512_add_ps(v1, b1));
+        for (r, acc_r) in acc.iter().enumerate() {
+            for (h, &acc) in acc_r.iter().enumerate() {
+                let mut v = acc;
+                if let Some(bias) = &bias {
+                    v = _mm512_add_ps(v, bias[h]);
+                }
+                if relu {
+                    v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(v, zero), v);
+                }
+                let out = &mut out[r * stride + 16 * h..r * stride + 16 * (h + 1)];
+                // SAFETY: `out` holds 16 f32, one 16-float store.
+                #[expect(unsafe_code, reason = "SIMD stores behind run-time feature detection")]
+                unsafe {
+                    _mm512_storeu_ps(out.as_mut_ptr(), v)
+                };
             }
-            if relu {
-                v0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(v0, zero), v0);
-                v1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(v1, zero), v1);
-            }
-            let out = &mut out[r * stride..r * stride + NR];
-            // SAFETY: `out` holds NR = 32 f32, two 16-float stores.
-            #[expect(unsafe_code, reason = "SIMD stores behind run-time feature detection")]
-            unsafe {
-                _mm512_storeu_ps(out.as_mut_ptr(), v0);
-                _mm512_storeu_ps(out[16..].as_mut_ptr(), v1);
-            }
+        }
+    }
+
+    /// [`tile`] with the halves a tile `width` columns wide needs.
+    #[target_feature(enable = "avx512bf16,avx512f")]
+    fn tile_of(
+        width: usize,
+        (pairs, a, strides): (usize, &[u32], (usize, usize)),
+        b: &[u32],
+        c: &mut [f32],
+        accumulate: bool,
+        dst: Option<Store<'_>>,
+    ) {
+        if width <= 16 {
+            tile::<1>(pairs, a, strides, b, c, accumulate, dst);
+        } else {
+            tile::<2>(pairs, a, strides, b, c, accumulate, dst);
         }
     }
 
@@ -635,7 +654,9 @@ mod simd {
                     // (`available` was checked before this path was taken).
                     #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
                     unsafe {
-                        tile(kl, a_block, (pa.row_stride, pa.pair_stride), panel, c_tile, k0 > 0, None)
+                        let width = NR.min(n - t * NR);
+                        let a = (kl, a_block, (pa.row_stride, pa.pair_stride));
+                        tile_of(width, a, panel, c_tile, k0 > 0, None)
                     };
                 }
             });
@@ -677,7 +698,8 @@ mod simd {
                         // (`available` was checked before this path was taken).
                         #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
                         unsafe {
-                            tile(kl, a_block, (pa.row_stride, pa.pair_stride), panel, c_tile, k0 > 0, dst)
+                            let a = (kl, a_block, (pa.row_stride, pa.pair_stride));
+                            tile_of(width, a, panel, c_tile, k0 > 0, dst)
                         };
                     }
                 }
@@ -862,6 +884,8 @@ mod tests {
             (1, 1, 1),
             (7, 33, 5),
             (17, 40, 64),
+            (20, 48, 37),
+            (20, 49, 37),
             (64, 256, 429),
             (9, 1, 128),
             (300, 1, 33),
