@@ -17,8 +17,8 @@ pub use crate::layer_norm::EPS;
 const ROWS_PER_TASK: usize = 128;
 
 /// x̂ = (z − mean)·inv into `xhat`, and y = x̂·γ + β over `out`'s z (then
-/// the ReLU, where `relu`: the pass that took it after this one is this
-/// one), column by column of each row, a block of rows a task.
+/// the ReLU, where `relu`, in the same pass: it was a pass of its own),
+/// column by column of each row, a block of rows a task.
 fn normalize(
     simd: Simd,
     (out, xhat): (&mut [f32], &mut [f32]),
