@@ -230,7 +230,9 @@ fn simd_from_env() -> Result<Option<sparrow_core::simd::Simd>, String> {
     match std::env::var(VARIABLE) {
         Err(std::env::VarError::NotPresent) => Ok(None),
         Ok(v) => Simd::parse(&v).map(Some),
-        Err(std::env::VarError::NotUnicode(v)) => Err(format!("{VARIABLE}={v:?}: expected `auto` or `portable`")),
+        Err(std::env::VarError::NotUnicode(v)) => {
+            Err(format!("{VARIABLE}={v:?}: expected `auto`, `avx512` or `portable`"))
+        }
     }
 }
 

@@ -16,7 +16,9 @@ pub(crate) fn simd_from_env() -> anyhow::Result<Option<sparrow_core::simd::Simd>
     match std::env::var(VARIABLE) {
         Err(std::env::VarError::NotPresent) => Ok(None),
         Ok(v) => Simd::parse(&v).map(Some).map_err(|e| anyhow::anyhow!(e)),
-        Err(std::env::VarError::NotUnicode(v)) => anyhow::bail!("{VARIABLE}={v:?}: expected `auto` or `portable`"),
+        Err(std::env::VarError::NotUnicode(v)) => {
+            anyhow::bail!("{VARIABLE}={v:?}: expected `auto`, `avx512` or `portable`")
+        }
     }
 }
 

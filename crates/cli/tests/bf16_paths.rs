@@ -1,6 +1,7 @@
-//! `model.precision = "bf16"` on the CPU at hand: with AVX-512-BF16 the
-//! native product, silently unless its dot product is slower than fp32's
-//! FMA there (then a warning); without it the fp32 kernels on bf16-rounded
+//! `model.precision = "bf16"` on the CPU at hand: with AMX its tiles, said
+//! in one line on start (`train.simd = "avx512"` keeps them out); with
+//! AVX-512-BF16 the native product, silently unless its dot product is
+//! slower than fp32's FMA there (then a warning); without it the fp32 kernels on bf16-rounded
 //! inputs, said in one line on start; `SPARROW_SIMD=portable` the
 //! bit-exact portable kernel, said too. The rounded path trains to the
 //! accuracy of fp32 (the speed is a benchmark's figure, docs/benchmarks.md).
@@ -29,8 +30,20 @@ fn bf16_says_which_path_it_takes_and_trains_as_fp32_does() {
     };
     let (f32_run, said) = train("f32", "auto");
     assert!(!said.contains("bf16"), "{said}");
+    let said_lines = |said: &str| -> Vec<String> {
+        said.lines().filter(|l| l.contains("model.precision = \"bf16\"")).map(str::to_string).collect()
+    };
     let (bf16_run, said) = train("bf16", "auto");
-    let lines: Vec<&str> = said.lines().filter(|l| l.contains("model.precision = \"bf16\"")).collect();
+    // Where AMX runs, the AVX-512-BF16 path is `avx512`'s, checked below.
+    let (native, said) = if sparrow_model::amx::available(sparrow_core::simd::Simd::Auto) {
+        let lines = said_lines(&said);
+        assert_eq!(lines.len(), 1, "one line: {said}");
+        assert!(lines[0].contains("AMX's tiles") && lines[0].contains("train.simd = \"avx512\""), "{said}");
+        train("bf16", "avx512")
+    } else {
+        (bf16_run.clone(), said)
+    };
+    let lines = said_lines(&said);
     if cpu_has_avx512_bf16() {
         // The native path says nothing, unless this CPU's vdpbf16ps is no
         // faster than its fp32 FMA (an Intel Xeon: 0.5×), which it measures.
@@ -51,6 +64,7 @@ fn bf16_says_which_path_it_takes_and_trains_as_fp32_does() {
     }
     let auc = |j: &serde_json::Value| j["test_auc"].as_f64().expect("auc");
     assert!((auc(&bf16_run) - auc(&f32_run)).abs() < 0.01, "bf16 {} against f32 {}", auc(&bf16_run), auc(&f32_run));
+    assert!((auc(&native) - auc(&f32_run)).abs() < 0.01, "bf16 {} against f32 {}", auc(&native), auc(&f32_run));
 
     let (portable, said) = train("bf16", "portable");
     assert!(said.contains("portable kernel, bit for bit AVX-512-BF16's"), "{said}");

@@ -500,8 +500,12 @@ fn half_rows_export_in_their_own_type_without_loss() {
 /// same model: with `SPARROW_SIMD=portable` the checkpoint is the same
 /// bytes, on this machine as on a CPU without the features (bf16 products
 /// are the same bytes where the CPU has AVX-512-BF16; without it they run
-/// the fp32 kernels on rounded inputs, to the same accuracy). A value other
-/// than `auto` or `portable` is refused naming the variable.
+/// the fp32 kernels on rounded inputs, to the same accuracy). The SIMD side
+/// runs `SPARROW_SIMD=avx512`: every SIMD kernel but AMX's tiles (on a CPU
+/// without AMX the same as `auto`). With AMX, bf16 products are AMX's own
+/// sums, other bits by design: `auto` trains them to the same accuracy. A
+/// value other than `auto`, `avx512` or `portable` is refused naming the
+/// variable.
 #[test]
 fn portable_kernels_train_the_same_model_bit_for_bit() {
     let tmp = tempfile::tempdir().expect("tmp");
@@ -539,8 +543,14 @@ fn portable_kernels_train_the_same_model_bit_for_bit() {
     let native_bf16 =
         std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|c| c.split_whitespace().any(|f| f == "avx512_bf16"));
     let mut portable_cks = Vec::new();
+    let amx = sparrow_model::amx::available(sparrow_core::simd::Simd::Auto);
     for (m, sets) in modes.iter().enumerate() {
-        let (simd, simd_ck) = train("auto", &ck(&format!("ck-simd-{m}")), sets);
+        let (simd, simd_ck) = train("avx512", &ck(&format!("ck-simd-{m}")), sets);
+        if amx && sets.contains(&"model.precision=\"bf16\"") {
+            let (on_amx, _) = train("auto", &ck(&format!("ck-amx-{m}")), sets);
+            let auc = |j: &serde_json::Value| j["test_auc"].as_f64().expect("auc");
+            assert!((auc(&simd) - auc(&on_amx)).abs() < 0.01, "{sets:?}: {simd} against AMX's {on_amx}");
+        }
         let (portable, portable_ck) = train("portable", &ck(&format!("ck-portable-{m}")), sets);
         portable_cks.push(portable_ck.clone());
         if sets.contains(&"model.precision=\"bf16\"") && !native_bf16 {

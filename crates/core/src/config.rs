@@ -463,8 +463,10 @@ pub struct TrainConfig {
     /// before that batch), or skip the batch (no update) and go on.
     pub on_non_finite: OnNonFinite,
     /// `auto`: kernels chosen by CPU feature take their SIMD versions where
-    /// the CPU has them; `portable`: their portable versions (the same bits,
-    /// slower). `SPARROW_SIMD` in the environment sets it for every command
+    /// the CPU has them, bf16 products AMX's tiles where it has AMX-BF16;
+    /// `avx512`: the same but for AMX (bf16 products on AVX-512-BF16, whose
+    /// bits the portable kernels give; for comparison); `portable`: their
+    /// portable versions (the same bits, slower). `SPARROW_SIMD` in the environment sets it for every command
     /// (a `--set` of it wins). The fp32 matrix product picks its kernels by
     /// CPU either way (the `gemm` crate's, and for a narrow product or one
     /// output column Sparrow's AVX-512 ones, with gemm's bits).

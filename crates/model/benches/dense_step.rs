@@ -94,8 +94,16 @@ fn main() {
         refuse("BENCH_RUNS", "0");
     }
     let peaks = sparrow_model::peak::measure(2, Duration::from_millis(300));
-    let bf16_peak = peaks.bf16_dot.as_ref().map_or(f64::NAN, |p| p.gflops);
-    println!("ceilings: fp32 {:.0} GFLOP/s, bf16 {:.0} GFLOP/s", peaks.fp32_fma.gflops, bf16_peak);
+    // bf16's share is of the ceiling of the path it takes here (AMX's, or
+    // vdpbf16ps's; `SPARROW_SIMD=avx512` keeps AMX out).
+    let bf16_path = sparrow_model::bf16::path(simd);
+    let bf16_peak = peaks.bf16_ceiling(bf16_path).map_or(f64::NAN, |p| p.gflops);
+    println!(
+        "ceilings: fp32 {:.0} GFLOP/s, bf16 {:.0} GFLOP/s ({})",
+        peaks.fp32_fma.gflops,
+        bf16_peak,
+        bf16_path.name()
+    );
     println!("{:<10} {:<5} {:>8} {:>8} {:>9} {:>8}", "kind", "prec", "best ms", "med ms", "GFLOP/s", "share");
     for kind in sparrow_model::kinds::KINDS {
         let has_products = kind.has_products();

@@ -267,6 +267,11 @@ fn check(m: usize, n: usize, k: usize, a: &Operand<'_>, b: &Operand<'_>, dst: &[
 /// How `model.precision = "bf16"` products run on this CPU ([`path`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Bf16Path {
+    /// AMX's tiles (`tdpbf16ps`, [`crate::amx`]): each output's fp32 sum
+    /// over chunks of 32 products, in the instruction's own order within
+    /// a chunk; the bits differ from the other paths', the accuracy is the
+    /// same. Products smaller than 16×16 take [`Bf16Path::Native`]'s kernel.
+    Amx,
     /// AVX-512-BF16's `vdpbf16ps`: bf16 pairs, each output's fp32 chain.
     Native,
     /// No bf16 dot product on this CPU: the fp32 kernels on bf16-rounded
@@ -283,6 +288,10 @@ impl Bf16Path {
     /// One line for the user: what bf16 runs on here, and what it costs.
     pub fn describe(self) -> &'static str {
         match self {
+            Bf16Path::Amx => {
+                "bf16 products on AMX's tiles (tdpbf16ps; the bits differ from AVX-512-BF16's, which \
+                 train.simd = \"avx512\" takes)"
+            }
             Bf16Path::Native => "bf16 products on AVX-512-BF16 (vdpbf16ps)",
             Bf16Path::Rounded => {
                 "this CPU has no AVX-512-BF16: bf16 runs the fp32 kernels on bf16-rounded inputs (fp32's speed, the \
@@ -297,6 +306,7 @@ impl Bf16Path {
 
     pub fn name(self) -> &'static str {
         match self {
+            Bf16Path::Amx => "amx_bf16",
             Bf16Path::Native => "avx512_bf16",
             Bf16Path::Rounded => "f32_kernels_on_bf16_inputs",
             Bf16Path::Portable => "portable",
@@ -306,6 +316,10 @@ impl Bf16Path {
 
 /// The path bf16 products take on this CPU under `train.simd`.
 pub fn path(simd: Simd) -> Bf16Path {
+    #[cfg(target_arch = "x86_64")]
+    if simd::available(simd) && crate::amx::available(simd) {
+        return Bf16Path::Amx;
+    }
     #[cfg(target_arch = "x86_64")]
     if simd::available(simd) {
         return Bf16Path::Native;
@@ -339,7 +353,8 @@ pub fn gemm_bf16(path: Bf16Path, m: usize, n: usize, k: usize, a: Operand<'_>, b
 }
 
 /// [`gemm_bf16`] on at most `threads` threads where it runs the fp32
-/// kernel (the bf16 kernels split rows over the current pool).
+/// kernel or AMX's (`vdpbf16ps` and the portable kernel split rows over
+/// the current pool).
 #[expect(clippy::too_many_arguments, reason = "a matrix product's path, shape, operands and threads")]
 pub fn gemm_bf16_threads(
     path: Bf16Path,
@@ -351,11 +366,20 @@ pub fn gemm_bf16_threads(
     dst: &mut [f32],
     threads: Option<usize>,
 ) {
-    if path == Bf16Path::Rounded {
-        check(m, n, k, &a, &b, dst);
-        crate::bf16_rounded::gemm(m, n, k, a, b, dst, threads);
-    } else {
-        gemm_bf16(path, m, n, k, a, b, dst);
+    match path {
+        Bf16Path::Rounded => {
+            check(m, n, k, &a, &b, dst);
+            crate::bf16_rounded::gemm(m, n, k, a, b, dst, threads);
+        }
+        Bf16Path::Amx => {
+            check(m, n, k, &a, &b, dst);
+            // On this thread alone where `threads` is 1 (the caller runs
+            // another product beside it); too small for AMX: vdpbf16ps.
+            if !crate::amx::gemm(m, n, k, &a, &b, dst, Epilogue::default(), threads) {
+                gemm_bf16(Bf16Path::Native, m, n, k, a, b, dst);
+            }
+        }
+        _ => gemm_bf16(path, m, n, k, a, b, dst),
     }
 }
 
@@ -371,7 +395,7 @@ impl Epilogue<'_> {
     /// The columns `j0..` of one output row: `v + bias[j]`, then `v > 0 ? v
     /// : 0` (NaN and −0 become +0), as the SIMD store computes it; each a
     /// pass the compiler vectorises.
-    fn row(&self, j0: usize, row: &mut [f32]) {
+    pub(crate) fn row(&self, j0: usize, row: &mut [f32]) {
         if let Some(bias) = self.bias {
             row.iter_mut().zip(&bias[j0..]).for_each(|(v, b)| *v += b);
         }
@@ -399,7 +423,10 @@ pub fn gemm_bf16_then(
     }
     match path {
         #[cfg(target_arch = "x86_64")]
-        Bf16Path::Native => {
+        Bf16Path::Amx | Bf16Path::Native => {
+            if path == Bf16Path::Amx && crate::amx::gemm(m, n, k, &a, &b, dst, epilogue, None) {
+                return;
+            }
             simd::gemm(m, n, k, &a, &b, dst, epilogue);
             return;
         }
@@ -792,9 +819,10 @@ mod tests {
             }
             assert_eq!(bits(&baseline), bits(&want), "baseline build {m}x{n}x{k}");
             extremes += want.iter().filter(|x| !x.is_finite()).count();
+            // The lanes' arithmetic is vdpbf16ps's: AMX's sums are its own.
             let mut fast = vec![f32::NAN; m * n];
-            gemm_bf16(path(Simd::Auto), m, n, k, opa, opb, &mut fast);
-            if path(Simd::Auto) == Bf16Path::Rounded {
+            gemm_bf16(path(Simd::Avx512), m, n, k, opa, opb, &mut fast);
+            if path(Simd::Avx512) == Bf16Path::Rounded {
                 // The fp32 kernel's arithmetic by design (no flush to zero).
                 continue;
             }
@@ -897,30 +925,36 @@ mod tests {
                 let a = random(m * k, (m * 31 + k) as u64, 1.5);
                 let b = random(k * n, (n * 17 + k) as u64, 0.7);
                 let (opa, opb) = (Operand { data: &a, transposed: at }, Operand { data: &b, transposed: bt });
-                let mut fast = vec![0f32; m * n];
                 let mut reference = vec![0f32; m * n];
-                gemm_bf16(path(Simd::Auto), m, n, k, opa, opb, &mut fast);
                 gemm_bf16_portable(Simd::Auto, m, n, k, opa, opb, &mut reference);
                 let chain = chain_reference(m, n, k, opa, opb);
                 assert!(reference.iter().zip(&chain).all(|(x, y)| x.to_bits() == y.to_bits()), "{m}x{n}x{k} chain");
-                // The native kernel is the portable one bit for bit; the
-                // fp32 kernel on rounded inputs (no AVX-512-BF16) is held
-                // to the same bound from the exact sum below.
-                if path(Simd::Auto) != Bf16Path::Rounded {
-                    for (i, (x, y)) in fast.iter().zip(&reference).enumerate() {
-                        assert_eq!(x.to_bits(), y.to_bits(), "{m}x{n}x{k} t=({at},{bt}) [{i}]: {x} vs {y}");
+                // This CPU's path (AMX's where it has it), and AVX-512-BF16's.
+                let mut fasts = Vec::new();
+                for path in [path(Simd::Auto), path(Simd::Avx512)] {
+                    let mut fast = vec![0f32; m * n];
+                    gemm_bf16(path, m, n, k, opa, opb, &mut fast);
+                    // The native kernel is the portable one bit for bit;
+                    // AMX's and the fp32 kernel on rounded inputs (no
+                    // AVX-512-BF16) are held to the same bound from the
+                    // exact sum below.
+                    if path == Bf16Path::Native {
+                        for (i, (x, y)) in fast.iter().zip(&reference).enumerate() {
+                            assert_eq!(x.to_bits(), y.to_bits(), "{m}x{n}x{k} t=({at},{bt}) [{i}]: {x} vs {y}");
+                        }
                     }
-                }
-                // Bias and ReLU in the store: the product's values, passed
-                // through the same epilogue afterwards.
-                let bias = random(n, 7 + n as u64, 2.0);
-                let epilogue = Epilogue { bias: Some(&bias), relu: true };
-                let mut fused = vec![f32::NAN; m * n];
-                gemm_bf16_then(path(Simd::Auto), m, n, k, opa, opb, &mut fused, epilogue);
-                let mut then = fast.clone();
-                then.chunks_mut(n.max(1)).for_each(|row| epilogue.row(0, row));
-                for (i, (x, y)) in fused.iter().zip(&then).enumerate() {
-                    assert_eq!(x.to_bits(), y.to_bits(), "epilogue {m}x{n}x{k} t=({at},{bt}) [{i}]: {x} vs {y}");
+                    // Bias and ReLU in the store: the product's values,
+                    // passed through the same epilogue afterwards.
+                    let bias = random(n, 7 + n as u64, 2.0);
+                    let epilogue = Epilogue { bias: Some(&bias), relu: true };
+                    let mut fused = vec![f32::NAN; m * n];
+                    gemm_bf16_then(path, m, n, k, opa, opb, &mut fused, epilogue);
+                    let mut then = fast.clone();
+                    then.chunks_mut(n.max(1)).for_each(|row| epilogue.row(0, row));
+                    for (i, (x, y)) in fused.iter().zip(&then).enumerate() {
+                        assert_eq!(x.to_bits(), y.to_bits(), "epilogue {path:?} {m}x{n}x{k} t=({at},{bt}) [{i}]");
+                    }
+                    fasts.push(fast);
                 }
                 let bf = |x: f32| f64::from(f32::from_bits(u32::from(round_bf16(x)) << 16));
                 for i in 0..m {
@@ -932,7 +966,7 @@ mod tests {
                                 bf(x) * bf(y)
                             })
                             .sum();
-                        for got in [reference[i * n + j], fast[i * n + j]] {
+                        for got in [reference[i * n + j], fasts[0][i * n + j], fasts[1][i * n + j]] {
                             let got = f64::from(got);
                             let bound = 1e-5 * (1.0 + exact.abs()) * k as f64;
                             assert!((got - exact).abs() <= bound, "{got} vs {exact}");

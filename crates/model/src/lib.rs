@@ -6,6 +6,7 @@
 //! with respect to the pooled embeddings is handed back to the caller.
 
 mod activation;
+pub mod amx;
 mod batch_norm;
 pub mod bf16;
 mod bf16_rounded;

@@ -29,6 +29,23 @@ pub struct Peaks {
     pub fp32_fma: Peak,
     /// None: this CPU has no AVX-512-BF16.
     pub bf16_dot: Option<Peak>,
+    /// AMX's `tdpbf16ps` on tiles in registers. None: this CPU has no
+    /// AMX-BF16, or Linux did not grant its tiles.
+    pub amx_bf16: Option<Peak>,
+}
+
+impl Peaks {
+    /// The ceiling of the kernels a bf16 product takes on `path`: AMX's,
+    /// `vdpbf16ps`'s (the portable kernel emulates it), or fp32's FMA (the
+    /// fp32 kernels on rounded inputs).
+    pub fn bf16_ceiling(&self, path: crate::bf16::Bf16Path) -> Option<&Peak> {
+        use crate::bf16::Bf16Path;
+        match path {
+            Bf16Path::Amx => self.amx_bf16.as_ref(),
+            Bf16Path::Native | Bf16Path::Portable => self.bf16_dot.as_ref(),
+            Bf16Path::Rounded => Some(&self.fp32_fma),
+        }
+    }
 }
 
 /// Independent accumulators per kernel: enough to cover the FMA latency
@@ -277,6 +294,8 @@ pub fn measure(threads: usize, duration: Duration) -> Peaks {
         threads,
         fp32_fma: Peak { gflops: throughput(threads, duration, fp32.0) / 1e9, kernel: fp32.1 },
         bf16_dot: bf16.map(|(block, kernel)| Peak { gflops: throughput(threads, duration, block) / 1e9, kernel }),
+        amx_bf16: crate::amx::ceiling_block()
+            .map(|block| Peak { gflops: throughput(threads, duration, block) / 1e9, kernel: "amx tdpbf16ps" }),
     }
 }
 
@@ -455,6 +474,7 @@ mod tests {
             threads: 1,
             fp32_fma: Peak { gflops: fp32, kernel: "avx512f vfmadd231ps" },
             bf16_dot: bf16.map(|gflops| Peak { gflops, kernel: "avx512bf16 vdpbf16ps" }),
+            amx_bf16: None,
         };
         // An Intel Xeon's figures (0.49×) and a Zen 4's (1.86×).
         let xeon = slow_bf16(&peaks(172.0, Some(85.0))).expect("called slow");

@@ -183,6 +183,8 @@ pub struct Arithmetic {
     /// bf16 ceiling over fp32's (2 on a CPU whose bf16 dot products run at
     /// the FMA rate: the target of `model.precision = "bf16"`).
     pub bf16_over_fp32: Option<f64>,
+    /// AMX's bf16 ceiling over fp32's (where the CPU has AMX-BF16).
+    pub amx_bf16_over_fp32: Option<f64>,
     pub gemm: Vec<GemmBench>,
 }
 
@@ -268,7 +270,7 @@ pub struct BenchReport {
 #[derive(Debug, Serialize)]
 pub struct PrecisionPaths {
     pub f32: &'static str,
-    /// `avx512_bf16`, `f32_kernels_on_bf16_inputs` or `portable`.
+    /// `amx_bf16`, `avx512_bf16`, `f32_kernels_on_bf16_inputs` or `portable`.
     pub bf16: &'static str,
     pub bf16_note: &'static str,
 }
@@ -630,7 +632,7 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
     } else {
         None
     };
-    tracing::info!("bench: fp32 FMA and bf16 dot-product ceilings");
+    tracing::info!("bench: fp32 FMA, bf16 dot-product and AMX ceilings");
     let threads = train_step.as_ref().map_or(2, |t| t.threads);
     let mut peaks = sparrow_model::peak::measure(threads, Duration::from_millis(500));
     tracing::info!("bench: matrix products of the reference MLP's shapes, fp32 and bf16");
@@ -645,9 +647,10 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
         let again = sparrow_model::peak::measure(threads, Duration::from_millis(500));
         peaks = higher_ceilings(peaks, again);
     }
+    let bf16_path = sparrow_model::bf16::path(o.simd);
     for k in &mut kinds {
         let ceiling = match k.precision {
-            "bf16" => peaks.bf16_dot.as_ref().map(|b| b.gflops),
+            "bf16" => peaks.bf16_ceiling(bf16_path).map(|b| b.gflops),
             _ => Some(peaks.fp32_fma.gflops),
         };
         k.share_of_ceiling = ceiling.map(|c| k.dense_gflops / c);
@@ -659,13 +662,14 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
         t.dense_share_of_fp32_peak = Some(t.dense_gflops / peaks.fp32_fma.gflops);
     }
     let bf16_over_fp32 = peaks.bf16_dot.as_ref().map(|b| b.gflops / peaks.fp32_fma.gflops);
+    let amx_bf16_over_fp32 = peaks.amx_bf16.as_ref().map(|b| b.gflops / peaks.fp32_fma.gflops);
     Ok(BenchReport {
         gather_limit: gather,
         embedding,
         memory,
         train_step,
         kinds,
-        arithmetic: Arithmetic { peaks, bf16_over_fp32, gemm },
+        arithmetic: Arithmetic { peaks, bf16_over_fp32, amx_bf16_over_fp32, gemm },
         simd: o.simd.name(),
         precision_paths: PrecisionPaths::here(o.simd),
     })
@@ -678,6 +682,10 @@ fn higher_ceilings(a: sparrow_model::peak::Peaks, b: sparrow_model::peak::Peaks)
         threads: a.threads,
         fp32_fma: higher(a.fp32_fma, b.fp32_fma),
         bf16_dot: match (a.bf16_dot, b.bf16_dot) {
+            (Some(x), Some(y)) => Some(higher(x, y)),
+            (x, y) => x.or(y),
+        },
+        amx_bf16: match (a.amx_bf16, b.amx_bf16) {
             (Some(x), Some(y)) => Some(higher(x, y)),
             (x, y) => x.or(y),
         },

@@ -201,27 +201,33 @@ pub fn train_observed(
     })
 }
 
-/// Says, in one line, how `model.precision = "bf16"` runs on this CPU when
-/// it is not AVX-512-BF16's own product (the bits then differ from such a
-/// machine's, or the speed is the portable kernel's), or when that product
-/// is no faster than fp32's FMA here (measured: about 20 ms, once a run).
+/// Says, in one line, how `model.precision = "bf16"` runs on this CPU:
+/// on AMX's tiles (and that its bits are AMX's), on AVX-512-BF16 (only
+/// where its product is no faster than fp32's FMA, measured: about 20 ms,
+/// once a run; or where the CPU has AMX but Linux refused its tiles), on
+/// the fp32 kernels, or on the portable kernel.
 pub fn note_precision(model: &sparrow_core::config::ModelConfig, simd: sparrow_core::simd::Simd) {
     use sparrow_core::config::Precision;
+    use sparrow_model::bf16::Bf16Path;
     let has_products = sparrow_model::kinds::find(&model.kind).is_ok_and(|k| k.has_products());
     if model.precision != Precision::Bf16 || !has_products {
         return;
     }
     match sparrow_model::bf16::path(simd) {
-        sparrow_model::bf16::Bf16Path::Native => {
+        path @ Bf16Path::Amx => tracing::info!("model.precision = \"bf16\": {}", path.describe()),
+        Bf16Path::Native => {
+            if let (Some(refused), true) = (sparrow_model::amx::refusal(), simd.allows_amx()) {
+                tracing::warn!("model.precision = \"bf16\": this CPU has AMX, but {refused}: AVX-512-BF16 instead");
+            }
             let peaks = sparrow_model::peak::measure(1, std::time::Duration::from_millis(10));
             if let Some(slow) = sparrow_model::peak::slow_bf16(&peaks) {
                 tracing::warn!("model.precision = \"bf16\": {slow}")
             }
         }
-        path @ sparrow_model::bf16::Bf16Path::Rounded => {
+        path @ Bf16Path::Rounded => {
             tracing::info!("model.precision = \"bf16\": {}", path.describe())
         }
-        path @ sparrow_model::bf16::Bf16Path::Portable => {
+        path @ Bf16Path::Portable => {
             tracing::warn!("model.precision = \"bf16\": {}", path.describe())
         }
     }
