@@ -7,6 +7,9 @@ field (IDs hashed into `--hash-size` rows), concatenated with the 13 dense
 values (log(1 + max(x, 0)), as Sparrow reads them), MLP 429-256-128-1;
 per-coordinate Adagrad (lr 0.05) fused into the embedding backward (TorchRec's FusedEmbeddingBagCollection, FBGEMM's TBE kernels),
 Adam (lr 0.001) on the MLP, batch 1024, `--threads` intra-op threads.
+`--bf16`: the MLP under `torch.autocast("cpu", dtype=torch.bfloat16)`, as a
+PyTorch user turns bf16 on (oneDNN's bf16 products: AMX's tiles where the CPU
+has them, AVX-512-BF16 otherwise); the embeddings and the loss stay fp32.
 
 Input: a second process parses the TSV with pandas' C reader in chunks and
 hashes the categorical strings (pandas' vectorised hash), feeding batches
@@ -119,6 +122,7 @@ def main():
         action="store_true",
         help="parse the whole file first, then time the training loop alone (the peer's best case)",
     )
+    p.add_argument("--bf16", action="store_true", help="the MLP under torch.autocast(cpu, bfloat16)")
     args = p.parse_args()
 
     import numpy as np
@@ -164,7 +168,12 @@ def main():
 
     def forward(dense, ids):
         pooled = ebc(features(ids)).values()
-        return mlp(torch.cat([pooled, torch.from_numpy(dense)], dim=1)).squeeze(1)
+        x = torch.cat([pooled, torch.from_numpy(dense)], dim=1)
+        if args.bf16:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = mlp(x)
+            return y.float().squeeze(1)
+        return mlp(x).squeeze(1)
 
     wall = time.perf_counter()
     source = batches(args.train, args.batch_size, args.hash_size, args.max_rows)
@@ -189,6 +198,7 @@ def main():
         "torch": torch.__version__,
         "torchrec": getattr(torchrec, "__version__", "?"),
         "threads": args.threads,
+        "precision": "bf16 autocast" if args.bf16 else "f32",
         "input": "in memory (loop alone)" if args.in_memory else "parsed alongside",
         "parse_secs": parse_secs,
         "train_rows": rows,
