@@ -70,3 +70,33 @@ fn bf16_says_which_path_it_takes_and_trains_as_fp32_does() {
     assert!(said.contains("portable kernel, bit for bit AVX-512-BF16's"), "{said}");
     assert!((auc(&portable) - auc(&f32_run)).abs() < 0.01);
 }
+
+/// Where Linux refuses AMX's tiles (an old kernel, a sandbox; the failpoint
+/// stands in for it), bf16 says so and trains on AVX-512-BF16: the model
+/// `train.simd = "avx512"` trains, to the bit.
+#[test]
+fn a_refused_amx_falls_back_to_avx512_bf16_and_says_so() {
+    if !sparrow_model::amx::available(sparrow_core::simd::Simd::Auto) {
+        return; // no AMX here: nothing to refuse
+    }
+    let tmp = tempfile::tempdir().expect("tmp");
+    generate(tmp.path(), "6000");
+    let config = write_config(tmp.path(), "");
+    let train = |simd: &str, failpoints: &str| {
+        let out = sparrow()
+            .args(["train", "--config", &config, "--quiet", "--set", "model.precision=\"bf16\""])
+            .env("SPARROW_SIMD", simd)
+            .env("FAILPOINTS", failpoints)
+            .output()
+            .expect("train");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        (last_json(&out), String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let (refused, said) = train("auto", "amx.grant=return");
+    assert!(said.contains("this CPU has AMX, but Linux refused") && said.contains("AVX-512-BF16 instead"), "{said}");
+    assert!(!said.contains("AMX's tiles"), "{said}");
+    let (avx512, _) = train("avx512", "");
+    for key in ["test_auc", "test_logloss", "train_logloss"] {
+        assert_eq!(refused[key].as_f64(), avx512[key].as_f64(), "{key}");
+    }
+}

@@ -97,7 +97,7 @@ fn main() {
     // bf16's share is of the ceiling of the path it takes here (AMX's, or
     // vdpbf16ps's; `SPARROW_SIMD=avx512` keeps AMX out).
     let bf16_path = sparrow_model::bf16::path(simd);
-    let bf16_peak = peaks.bf16_ceiling(bf16_path).map_or(f64::NAN, |p| p.gflops);
+    let bf16_peak = bf16_path.ceiling(&peaks).map_or(f64::NAN, |p| p.gflops);
     println!(
         "ceilings: fp32 {:.0} GFLOP/s, bf16 {:.0} GFLOP/s ({})",
         peaks.fp32_fma.gflops,

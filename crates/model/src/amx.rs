@@ -1,6 +1,6 @@
 //! bf16 matrix products on AMX, the CPU's tile unit (`amx_bf16`: Intel
 //! Sapphire Rapids and later). Where a CPU has it, `model.precision =
-//! "bf16"` runs its products here ([`Bf16Path::Amx`]); `train.simd =
+//! "bf16"` runs its products here (`Bf16Path::Amx`); `train.simd =
 //! "avx512"` keeps AVX-512-BF16's `vdpbf16ps` instead, for comparison.
 //!
 //! Both operands are rounded to bf16 as `vdpbf16ps`'s path rounds them,
@@ -25,15 +25,10 @@
 //! stable inline assembly: no C++ library, and the arithmetic is the
 //! instruction's alone (oneDNN would pick its own blocking and
 //! k-splitting by shape and threads).
-//!
-//! [`Bf16Path::Amx`]: crate::bf16::Bf16Path::Amx
-
-use std::sync::OnceLock;
 
 use sparrow_core::simd::Simd;
 
-use crate::bf16::Epilogue;
-use crate::matrix::Operand;
+use crate::matrix::{Epilogue, Operand};
 
 /// Whether bf16 products may run on AMX here under `simd`: the CPU has
 /// it and Linux granted the tiles (asked once a process).
@@ -43,9 +38,9 @@ pub fn available(simd: Simd) -> bool {
 
 /// Why a CPU that has AMX cannot use it here (the kernel refused the
 /// tiles' state); None where it can, or where the CPU has no AMX.
-pub fn refusal() -> Option<&'static str> {
+pub fn refusal() -> Option<String> {
     match grant() {
-        Err(Refused::ByKernel(why)) => Some(why.as_str()),
+        Err(Refused::ByKernel(why)) => Some(why),
         _ => None,
     }
 }
@@ -57,24 +52,35 @@ pub(crate) fn takes(m: usize, n: usize, k: usize) -> bool {
     m >= 16 && n >= 16 && k >= 16
 }
 
+#[derive(Clone)]
 enum Refused {
     /// No AMX-BF16 on this CPU (or not the tile palette written for).
     NoCpu,
     ByKernel(String),
 }
 
-fn grant() -> &'static Result<(), Refused> {
-    static GRANT: OnceLock<Result<(), Refused>> = OnceLock::new();
-    GRANT.get_or_init(|| {
-        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-        {
-            if !x86::cpu_has_amx() {
-                return Err(Refused::NoCpu);
-            }
-            x86::request_tiles().map_err(Refused::ByKernel)
-        }
-        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
-        Err(Refused::NoCpu)
+thread_local! {
+    /// This thread's answer from [`grant`]: asked once a thread (the
+    /// kernel's grant is the process's, and asking again is granted again).
+    static GRANT: std::cell::OnceCell<Result<(), Refused>> = const { std::cell::OnceCell::new() };
+}
+
+/// Whether the CPU has AMX and Linux granted the process its tiles.
+fn grant() -> Result<(), Refused> {
+    GRANT.with(|grant| {
+        grant
+            .get_or_init(|| {
+                #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+                {
+                    if !x86::cpu_has_amx() {
+                        return Err(Refused::NoCpu);
+                    }
+                    x86::request_tiles().map_err(Refused::ByKernel)
+                }
+                #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+                Err(Refused::NoCpu)
+            })
+            .clone()
     })
 }
 
@@ -114,7 +120,7 @@ pub(crate) fn gemm(
 /// flops), for the AMX ceiling (`peak::measure`); None where AMX is not
 /// granted here.
 pub(crate) fn ceiling_block() -> Option<fn() -> f64> {
-    grant().as_ref().ok()?;
+    grant().ok()?;
     #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
     {
         Some(x86::peak_block)
@@ -162,6 +168,8 @@ mod x86 {
     /// Asks Linux for the tiles' state (XTILEDATA, feature 18) for this
     /// process, every thread included.
     pub fn request_tiles() -> Result<(), String> {
+        // A refusal, for the test of the fallback (`FAILPOINTS=amx.grant=return`).
+        fail::fail_point!("amx.grant", |_| Err("Linux refused the AMX tiles' state (failpoint amx.grant)".into()));
         const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
         const XFEATURE_XTILEDATA: libc::c_long = 18;
         // SAFETY: arch_prctl with these arguments only reads its integer
@@ -715,14 +723,10 @@ fn dwords(lines: &mut Vec<Line>, len: usize) -> &mut [u32] {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bf16::round_bf16;
 
     fn here() -> bool {
-        let here = available(Simd::Auto);
-        if !here {
-            eprintln!("this CPU (or its kernel) has no AMX-BF16: nothing to test here");
-        }
-        here
+        // Without AMX-BF16 (or the kernel's grant) there is nothing to test.
+        available(Simd::Auto)
     }
 
     fn values(len: usize, seed: u64) -> Vec<f32> {
@@ -733,8 +737,12 @@ mod tests {
             .collect()
     }
 
+    /// `x` rounded to bf16 as the packing rounds it (to nearest even; the
+    /// values here are finite), read back with a denormal as zero.
     fn widened(x: f32) -> f64 {
-        f64::from(f32::from_bits(u32::from(round_bf16(x)) << 16))
+        let bits = x.to_bits();
+        let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000;
+        if rounded & 0x7f80_0000 == 0 { 0.0 } else { f64::from(f32::from_bits(rounded)) }
     }
 
     /// op(x)[i][j] of a row-major operand `rows`×`cols` as used.

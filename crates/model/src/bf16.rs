@@ -22,6 +22,7 @@ use rayon::prelude::*;
 use sparrow_core::config::Precision;
 use sparrow_core::simd::Simd;
 
+pub use crate::matrix::Epilogue;
 use crate::matrix::Operand;
 use crate::peak::{bf16_daz, dpbf16_lane};
 
@@ -304,6 +305,17 @@ impl Bf16Path {
         }
     }
 
+    /// The ceiling of the kernels a bf16 product takes on this path:
+    /// AMX's, `vdpbf16ps`'s (the portable kernel emulates it), or fp32's
+    /// FMA (the fp32 kernels on rounded inputs).
+    pub fn ceiling(self, peaks: &crate::peak::Peaks) -> Option<&crate::peak::Peak> {
+        match self {
+            Bf16Path::Amx => peaks.amx_bf16.as_ref(),
+            Bf16Path::Native | Bf16Path::Portable => peaks.bf16_dot.as_ref(),
+            Bf16Path::Rounded => Some(&peaks.fp32_fma),
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Bf16Path::Amx => "amx_bf16",
@@ -380,28 +392,6 @@ pub fn gemm_bf16_threads(
             }
         }
         _ => gemm_bf16(path, m, n, k, a, b, dst),
-    }
-}
-
-/// What a product does to each output as it stores it: add a bias per
-/// column, then ReLU. An MLP layer's forward pass in one sweep.
-#[derive(Clone, Copy, Default)]
-pub struct Epilogue<'a> {
-    pub bias: Option<&'a [f32]>,
-    pub relu: bool,
-}
-
-impl Epilogue<'_> {
-    /// The columns `j0..` of one output row: `v + bias[j]`, then `v > 0 ? v
-    /// : 0` (NaN and −0 become +0), as the SIMD store computes it; each a
-    /// pass the compiler vectorises.
-    pub(crate) fn row(&self, j0: usize, row: &mut [f32]) {
-        if let Some(bias) = self.bias {
-            row.iter_mut().zip(&bias[j0..]).for_each(|(v, b)| *v += b);
-        }
-        if self.relu {
-            row.iter_mut().for_each(|v| *v = if *v > 0.0 { *v } else { 0.0 });
-        }
     }
 }
 

@@ -26,6 +26,28 @@ impl<'a> Operand<'a> {
     }
 }
 
+/// What a product does to each output as it stores it: add a bias per
+/// column, then ReLU. An MLP layer's forward pass in one sweep.
+#[derive(Clone, Copy, Default)]
+pub struct Epilogue<'a> {
+    pub bias: Option<&'a [f32]>,
+    pub relu: bool,
+}
+
+impl Epilogue<'_> {
+    /// The columns `j0..` of one output row: `v + bias[j]`, then `v > 0 ? v
+    /// : 0` (NaN and −0 become +0), as the SIMD store computes it; each a
+    /// pass the compiler vectorises.
+    pub(crate) fn row(&self, j0: usize, row: &mut [f32]) {
+        if let Some(bias) = self.bias {
+            row.iter_mut().zip(&bias[j0..]).for_each(|(v, b)| *v += b);
+        }
+        if self.relu {
+            row.iter_mut().for_each(|v| *v = if *v > 0.0 { *v } else { 0.0 });
+        }
+    }
+}
+
 /// `dst (m×n) = op(a)·op(b)`, all row-major. `a` is `m×k` (stored `k×m` when
 /// transposed), `b` is `k×n` (stored `n×k` when transposed). Runs on the
 /// current rayon pool.

@@ -34,20 +34,6 @@ pub struct Peaks {
     pub amx_bf16: Option<Peak>,
 }
 
-impl Peaks {
-    /// The ceiling of the kernels a bf16 product takes on `path`: AMX's,
-    /// `vdpbf16ps`'s (the portable kernel emulates it), or fp32's FMA (the
-    /// fp32 kernels on rounded inputs).
-    pub fn bf16_ceiling(&self, path: crate::bf16::Bf16Path) -> Option<&Peak> {
-        use crate::bf16::Bf16Path;
-        match path {
-            Bf16Path::Amx => self.amx_bf16.as_ref(),
-            Bf16Path::Native | Bf16Path::Portable => self.bf16_dot.as_ref(),
-            Bf16Path::Rounded => Some(&self.fp32_fma),
-        }
-    }
-}
-
 /// Independent accumulators per kernel: enough to cover the FMA latency
 /// (4 cycles) on two pipes.
 const CHAINS: usize = 12;

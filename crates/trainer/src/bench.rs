@@ -650,7 +650,7 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
     let bf16_path = sparrow_model::bf16::path(o.simd);
     for k in &mut kinds {
         let ceiling = match k.precision {
-            "bf16" => peaks.bf16_ceiling(bf16_path).map(|b| b.gflops),
+            "bf16" => bf16_path.ceiling(&peaks).map(|b| b.gflops),
             _ => Some(peaks.fp32_fma.gflops),
         };
         k.share_of_ceiling = ceiling.map(|c| k.dense_gflops / c);
