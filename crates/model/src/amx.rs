@@ -329,7 +329,7 @@ mod x86 {
         let mut pack_a = move || {
             if ahead {
                 // SAFETY: `cpu_has_amx` checked AVX-512F and AVX-512-BF16.
-                unsafe { pack_rows_across(m, k, a.data, chunks, pa_out, min_len) }
+                unsafe { pack_across(a.data, (k, m), chunks, pa_out, true, min_len) }
             }
         };
         #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
@@ -549,29 +549,39 @@ mod x86 {
         }
     }
 
-    /// A transposed `a` (m×k, stored k×m) as row tiles: tile (t, c) at
-    /// `(t·chunks + c)·256`, its row r pairs 16c.. of row 16t + r; zeros
-    /// past m and k (`out` holds whole blocks of two tiles). A chunk's 32
-    /// stored rows give pairs across 16 rows of `a` at a time, a tile's
-    /// columns: each task reads its chunk's rows in order, once, and
-    /// transposes a tile at a time.
+    /// Tiles of pairs across stored rows, from a row-major `src` of `k`
+    /// rows × `width` columns: tile (t, c) at `(t·chunks + c)·256` holds,
+    /// in its row p, the pairs of stored rows 32c + 2p and 32c + 2p + 1 at
+    /// columns 16t..16t + 16 (a right operand's layout), or, `transpose`d,
+    /// those pairs as its columns (a transposed left operand's rows: a
+    /// weight gradient's `xᵀ`). Zeros past k and `width`. Each task reads
+    /// its chunk's 32 stored rows in order, once.
     #[target_feature(enable = "avx512f,avx512bf16")]
-    fn pack_rows_across(m: usize, k: usize, src: &[f32], chunks: usize, out: &mut [u32], min_len: usize) {
+    fn pack_across(
+        src: &[f32],
+        (k, width): (usize, usize),
+        chunks: usize,
+        out: &mut [u32],
+        transpose_tiles: bool,
+        min_len: usize,
+    ) {
         let tiles = out.len() / (chunks * TILE);
         let out = ByChunk::new(out, tiles, chunks);
         (0..chunks).into_par_iter().with_min_len(min_len).for_each(|c| {
             for t in 0..tiles {
-                let (i0, rows) = (t * T, m.saturating_sub(t * T).min(T));
+                let (j0, cols) = (t * T, width.saturating_sub(t * T).min(T));
                 let mut v = [_mm512_setzero_si512(); 16];
-                for (p, v) in v.iter_mut().enumerate().take(if rows > 0 { T } else { 0 }) {
+                for (p, v) in v.iter_mut().enumerate().take(if cols > 0 { T } else { 0 }) {
                     let kk = 2 * (c * T + p);
                     if kk < k {
-                        let even = &src[kk * m + i0..];
-                        let odd = (kk + 1 < k).then(|| &src[(kk + 1) * m + i0..]);
-                        *v = pairs_across(even, odd, rows);
+                        let even = &src[kk * width + j0..];
+                        let odd = (kk + 1 < k).then(|| &src[(kk + 1) * width + j0..]);
+                        *v = pairs_across(even, odd, cols);
                     }
                 }
-                transpose(&mut v);
+                if transpose_tiles {
+                    transpose(&mut v);
+                }
                 // SAFETY: this task owns chunk c's tiles.
                 #[expect(unsafe_code, reason = "a tile of a buffer tasks share by chunk")]
                 store_tile(&v, unsafe { out.tile(t, c) });
@@ -581,7 +591,7 @@ mod x86 {
 
     /// `rows` (≤ 32) rows of a row-major `a` (k wide, from `src`'s start)
     /// as one block's two row tiles, `chunks` tiles each, in the layout of
-    /// [`pack_rows_across`]; zeros past the rows and k.
+    /// [`pack_across`]'s transposed tiles; zeros past the rows and k.
     #[target_feature(enable = "avx512f,avx512bf16")]
     fn pack_block(src: &[f32], (rows, k): (usize, usize), chunks: usize, out: &mut [u32]) {
         for (t, tiles) in out.chunks_exact_mut(chunks * TILE).enumerate() {
@@ -604,27 +614,8 @@ mod x86 {
     fn pack_cols(k: usize, n: usize, b: &Operand<'_>, chunks: usize, out: &mut [u32], min_len: usize) {
         let src = b.data;
         if !b.transposed {
-            // Row-major k×n: a chunk's 32 rows give a tile's rows directly;
-            // each task reads its chunk's rows in order, once.
-            let tiles = out.len() / (chunks * TILE);
-            let out = ByChunk::new(out, tiles, chunks);
-            (0..chunks).into_par_iter().with_min_len(min_len).for_each(|c| {
-                for t in 0..tiles {
-                    let (j0, cols) = (t * T, n.saturating_sub(t * T).min(T));
-                    let mut v = [_mm512_setzero_si512(); 16];
-                    for (p, v) in v.iter_mut().enumerate().take(if cols > 0 { T } else { 0 }) {
-                        let kk = 2 * (c * T + p);
-                        if kk < k {
-                            let even = &src[kk * n + j0..];
-                            let odd = (kk + 1 < k).then(|| &src[(kk + 1) * n + j0..]);
-                            *v = pairs_across(even, odd, cols);
-                        }
-                    }
-                    // SAFETY: this task owns chunk c's tiles.
-                    #[expect(unsafe_code, reason = "a tile of a buffer tasks share by chunk")]
-                    store_tile(&v, unsafe { out.tile(t, c) });
-                }
-            });
+            // Row-major k×n: a chunk's 32 rows give a tile's rows directly.
+            pack_across(src, (k, n), chunks, out, false, min_len);
             return;
         }
         // Stored n×k: a column tile's 16 stored rows are read side by side,
