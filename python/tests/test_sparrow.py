@@ -83,6 +83,20 @@ def test_train_returns_the_cli_summary(cli, data, trained, tmp_path):
     assert summary["test_auc"] > 0.7
 
 
+def test_bf16_from_python_trains_the_clis_model(cli, data, tmp_path):
+    """`model.precision = "bf16"` takes the command's product path from
+    Python too (on a CPU with AMX, its tiles: Linux grants them to the
+    Python process as well, `faulthandler`'s signal stack and all), so the
+    same model, bit for bit."""
+    bf16 = {"model.precision": "bf16"}
+    summary = sparrow.train(CONFIG, progress=False, **overrides(data, tmp_path / "py"), **bf16)
+    sets = {**overrides(data, tmp_path / "cli"), **bf16}
+    args = [a for k, v in sets.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+    expected = cli("train", "--config", CONFIG, "--quiet", *args)
+    for key in ("test_auc", "test_logloss", "train_logloss"):
+        assert summary[key] == expected[key], key
+
+
 def test_a_dict_config_trains_like_its_file(data, trained, tmp_path):
     _, from_file = trained
     config = {
