@@ -8,15 +8,18 @@
 //! Other devices use the layer-by-layer candle path ([`Mlp::forward_ops`]),
 //! which gives the same values (tested), so callers never branch on the device.
 
+mod amx_kept;
 pub(crate) mod first_product;
 mod linear;
 mod relu;
+mod scratch;
 
 use first_product::{First, FirstGrad, outer_to_first};
 use linear::weight_grads;
 pub(crate) use linear::{linear_grads, matmul};
 pub(crate) use relu::through_relu;
 use relu::{add_bias, relu_mask, relu_mask_from};
+pub use scratch::MlpScratch;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor, Var};
@@ -424,41 +427,6 @@ pub(crate) fn cpu<'a>(s: &'a Storage, l: &Layout) -> candle_core::Result<&'a [f3
 /// amortise the hand-off.
 const ROWS_PER_TASK: usize = 128;
 
-/// Buffers of one MLP step, kept between steps: a step reuses them instead of
-/// allocating and zero-filling ~5 MB (at batch 1024) every time.
-#[derive(Default)]
-pub struct MlpScratch {
-    /// Outputs of the hidden layers (after ReLU).
-    hidden: Vec<Vec<f32>>,
-    /// Output of the last layer.
-    pub output: Vec<f32>,
-    /// Gradient at the current layer while going backward; d input at the end.
-    pub grad_input: Vec<f32>,
-    grad_next: Vec<f32>,
-    /// A used parameter gradient handed back (`DenseModel::recycle`) for
-    /// the next backward pass to fill instead of allocating.
-    pub spare_grad: Vec<f32>,
-    rows: usize,
-    /// What the forward pass's dropout scaled kept values by (1: none).
-    dropout_scale: f32,
-    /// `model.norm`: each layer's x̂ and 1/σ̂ (per row for `layer`, per column for `batch`).
-    normed: Vec<Vec<f32>>,
-    inv_std: Vec<Vec<f32>>,
-    /// A training pass's batch statistics, laid out as the running ones.
-    batch_stats: Vec<f32>,
-    /// Whether the last forward pass was a training one.
-    trained: bool,
-    /// Its dropout draw (an activation other than ReLU reapplies the masks
-    /// to the gradient), and where its rows start in the batch (the masks
-    /// are drawn by a value's place in the whole batch).
-    draw: Option<u64>,
-    first_row: usize,
-    /// What each layer's activation other than ReLU kept.
-    acts: Vec<crate::activation::ActScratch>,
-    /// bf16 on a CPU without a bf16 dot product: the pass's rounded operands.
-    rounded: crate::bf16_rounded::RoundedOperands,
-}
-
 /// Whether a bf16 MLP runs the fp32 kernels on operands it rounds itself
 /// (once a step each, see `bf16_rounded`).
 fn rounds_operands(arith: Arith) -> bool {
@@ -504,6 +472,7 @@ fn forward_into(
     scratch.normed.resize_with(layers.len(), Vec::new);
     scratch.inv_std.resize_with(layers.len(), Vec::new);
     let rounded = rounds_operands(shape.arith);
+    scratch.tiles.plan(shape, &x, rows);
     let laid = x.laid();
     for (i, l) in layers.iter().enumerate() {
         let w = &p[l.w..l.w + l.fan_in * l.fan_out];
@@ -521,6 +490,8 @@ fn forward_into(
         let relu = l.relu && l.norm.is_none() && shape.activation == Activation::Relu;
         if let (0, First::Product(first)) = (i, &mut x) {
             first.forward(w, rows, l.fan_out, (bias, relu), out);
+        } else if scratch.tiles.forward(i, (rows, l.fan_in, l.fan_out), input, w, (bias, relu), out) {
+            // Its output is in `out`, or kept as tiles only.
         } else if rounded {
             scratch.rounded.forward(i, (rows, l.fan_in, l.fan_out), input, w, out);
             add_bias(out, bias, relu);
@@ -637,7 +608,8 @@ fn backward_into(
         if l.relu {
             // d output → d (activation's input), through dropout's masks.
             if shape.activation == Activation::Relu {
-                if relu_here && !relu_in_product {
+                // A kept output's gradient was masked as it was stored.
+                if relu_here && !relu_in_product && !scratch.tiles.kept(i) {
                     relu_mask(&mut g[..g_len], out, fo, scale);
                 }
             } else {
@@ -674,8 +646,10 @@ fn backward_into(
                 crate::layer_norm::backward(&mut g[..g_len], fo, &p[n..n + fo], norm, (dgamma, dbeta));
             }
         }
-        // W and b are adjacent in the parameter vector (see `Mlp::new`).
-        let (dw, db) = grad_p[l.w..l.b + fo].split_at_mut(fi * fo);
+        // W and b are adjacent in the parameter vector (see `Mlp::new`),
+        // after the layers before.
+        let (before, here) = grad_p.split_at_mut(l.w);
+        let (dw, db) = here[..l.b + fo - l.w].split_at_mut(fi * fo);
         let w = &p[l.w..l.w + fi * fo];
         if i == 1 && outer_to_first {
             // d input (`g ⊗ w`) is the first layer's product's to compute.
@@ -697,6 +671,15 @@ fn backward_into(
                 // The gradient at the first layer's output is in `g_in`.
                 std::mem::swap(&mut g, &mut g_in);
             }
+        } else if scratch.tiles.backward(
+            (i, shape.simd),
+            (rows, fi, fo),
+            (input, w, &g[..g_len]),
+            (dw, db),
+            i.checked_sub(1).map_or(&mut [][..], |b| &mut before[layers[b].b..layers[b].b + layers[b].fan_out]),
+            gi,
+        ) {
+            // d x is in `gi`, or kept as tiles only.
         } else if rounds_operands(shape.arith) {
             scratch.rounded.backward(i, (rows, fi, fo), &g[..g_len], (dw, db), gi);
         } else {
