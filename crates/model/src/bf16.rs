@@ -378,6 +378,13 @@ pub fn gemm_bf16_threads(
     dst: &mut [f32],
     threads: Option<usize>,
 ) {
+    // One output column or one value along k: a lane per output.
+    if matches!(path, Bf16Path::Amx | Bf16Path::Native) {
+        check(m, n, k, &a, &b, dst);
+        if crate::bf16_narrow::gemm((m, n, k), &a, &b, dst, threads) {
+            return;
+        }
+    }
     match path {
         Bf16Path::Rounded => {
             check(m, n, k, &a, &b, dst);
@@ -417,8 +424,10 @@ pub fn gemm_bf16_then(
             if path == Bf16Path::Amx && crate::amx::gemm(m, n, k, &a, &b, dst, epilogue, None) {
                 return;
             }
-            simd::gemm(m, n, k, &a, &b, dst, epilogue);
-            return;
+            if !crate::bf16_narrow::gemm((m, n, k), &a, &b, dst, None) {
+                simd::gemm(m, n, k, &a, &b, dst, epilogue);
+                return;
+            }
         }
         Bf16Path::Rounded => crate::bf16_rounded::gemm(m, n, k, a, b, dst, None),
         // Portable: the caller's choice, so no SIMD build of it either.
@@ -907,6 +916,11 @@ mod tests {
             (64, 256, 429),
             (9, 1, 128),
             (300, 1, 33),
+            (1024, 1, 128),
+            (128, 1, 1024),
+            (1024, 128, 1),
+            (33, 17, 1),
+            (17, 1, 1),
             (40, 3, 300),
             (5, 0, 4),
             (6, 7, 0),

@@ -9,6 +9,7 @@ mod activation;
 pub mod amx;
 mod batch_norm;
 pub mod bf16;
+mod bf16_narrow;
 mod bf16_rounded;
 mod columns;
 mod cross;
@@ -21,6 +22,8 @@ pub mod matrix;
 pub mod mlp;
 pub mod models;
 pub mod optimizer;
+#[cfg(target_arch = "x86_64")]
+mod pairs;
 pub mod params;
 pub mod peak;
 pub mod spec;
