@@ -161,14 +161,17 @@ impl KeptTiles {
             }),
             false => Out::Values(dx, Epilogue::default()),
         };
+        // `d x` on this thread, `dW` on the one that steals it: the
+        // larger product starts at once, the smaller one once the other
+        // thread wakes (30–40 µs here).
         rayon::join(
+            || amx::product((rows, fan_in, fan_out), g_rows, Right::Values(Operand::t(w)), out, Some(1)),
             || {
                 amx::product((fan_in, fan_out, rows), x_t, g_across, Out::Values(dw, Epilogue::default()), Some(1));
                 if !g_kept {
                     crate::columns::add_column_sums(simd, g, fan_out, db);
                 }
             },
-            || amx::product((rows, fan_in, fan_out), g_rows, Right::Values(Operand::t(w)), out, Some(1)),
         );
         if before_kept {
             plan.grad = 1 - plan.grad;
