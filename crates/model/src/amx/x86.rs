@@ -172,6 +172,25 @@ fn block(
 #[repr(C, align(64))]
 struct Sums([f32; B * B]);
 
+/// A task's buffers: its left operand's block and two blocks of sums.
+struct TaskBuffers {
+    sums: [Sums; 2],
+    own: Vec<super::Line>,
+}
+
+impl Default for TaskBuffers {
+    fn default() -> TaskBuffers {
+        TaskBuffers { sums: [Sums([0.0; B * B]), Sums([0.0; B * B])], own: Vec::new() }
+    }
+}
+
+thread_local! {
+    /// This thread's task buffers, reused task to task (taken while in
+    /// use): a product's tasks are many and small (PLE's experts), and
+    /// zeroing 8 KB of sums and a block buffer for each cost them 5%.
+    static TASK: std::cell::Cell<Option<Box<TaskBuffers>>> = const { std::cell::Cell::new(None) };
+}
+
 /// `out = op(a)·op(b)` (`m×n`, over `k`), the operands packed here or
 /// kept packed by earlier products, on tasks of a few row blocks (all of
 /// it one task where `min_len` is `usize::MAX`).
@@ -249,13 +268,13 @@ pub fn gemm((m, n, k): (usize, usize, usize), a: Left<'_>, b: Right<'_>, out: Ou
     (0..tasks).into_par_iter().with_min_len(min_len).for_each(|task| {
         let first = task * per_task;
         let blocks = first..(first + per_task).min(row_blocks);
-        let mut own = Vec::new();
+        let mut buffers = TASK.take().unwrap_or_default();
+        let TaskBuffers { sums, own } = &mut *buffers;
         let tiles = Tiles::configure();
         // A block's sums are read back one block later: vector loads right
         // after `tilestored` wait for it to leave the core (no store
         // forwarding from the tiles), which cost the largest `d x` 60% of
         // its time. The stores keep their order (column sums included).
-        let mut sums = [Sums([0.0; B * B]), Sums([0.0; B * B])];
         let mut pending: Option<(usize, usize)> = None;
         let mut slot = 0;
         let store_pending = |sums: &mut Sums, pending: Option<(usize, usize)>| {
@@ -274,7 +293,7 @@ pub fn gemm((m, n, k): (usize, usize, usize), a: Left<'_>, b: Right<'_>, out: Ou
                 block(chunks, (a_block, per_block / 2), (&pb[cb * per_block..], per_block / 2), out, stride, &tiles);
                 return;
             }
-            let [first, second] = &mut sums;
+            let [first, second] = &mut *sums;
             let (now, before) = if slot == 0 { (first, second) } else { (second, first) };
             block(chunks, (a_block, per_block / 2), (&pb[cb * per_block..], per_block / 2), &mut now.0, B, &tiles);
             store_pending(before, pending.replace((rb, cb)));
@@ -297,7 +316,7 @@ pub fn gemm((m, n, k): (usize, usize, usize), a: Left<'_>, b: Right<'_>, out: Ou
         } else {
             let data = plain.expect("a plain left operand");
             for rb in blocks {
-                let a_block = super::dwords(&mut own, per_block);
+                let a_block = super::dwords(own, per_block);
                 let i0 = rb * B;
                 // SAFETY: `cpu_has_amx` checked AVX-512F and AVX-512-BF16;
                 // this task alone writes chunk rb of the kept tiles.
@@ -316,6 +335,7 @@ pub fn gemm((m, n, k): (usize, usize, usize), a: Left<'_>, b: Right<'_>, out: Ou
         let last = if slot == 0 { &mut sums[1] } else { &mut sums[0] };
         store_pending(last, pending);
         drop(tiles);
+        TASK.set(Some(buffers));
     });
     super::keep_buffers(lines_a, lines_b);
 }
