@@ -203,29 +203,29 @@ pub fn gemm((m, n, k): (usize, usize, usize), a: Left<'_>, b: Right<'_>, out: Ou
     // chunk of its stored rows a task. A plain one is packed a block of
     // 32 rows at a time by the task that uses it, into a buffer that
     // stays in L1: no pass writing and reading back a packed copy.
-    let (ahead, plain) = match &a {
-        Left::Values(op, _) if op.transposed => (true, None),
-        Left::Values(op, _) => (false, Some(op.data)),
-        Left::Packed(_) => (true, None),
+    let (packed_here, plain) = match &a {
+        Left::Values(op, _) if op.transposed => (Some(op.data), None),
+        Left::Values(op, _) => (None, Some(op.data)),
+        Left::Packed(_) => (None, None),
     };
-    let pa_out = super::dwords(
-        &mut lines_a,
-        if matches!(a, Left::Values(op, _) if op.transposed) { row_blocks * per_block } else { 0 },
-    );
-    let pb_out = super::dwords(&mut lines_b, if matches!(b, Right::Values(_)) { col_blocks * per_block } else { 0 });
-    let (a_src, b_src) = (&a, &b);
+    let ahead = plain.is_none();
+    let b_values = match &b {
+        Right::Values(op) => Some(*op),
+        Right::Packed(_) => None,
+    };
+    let a_len = if packed_here.is_some() { row_blocks * per_block } else { 0 };
+    let b_len = if b_values.is_some() { col_blocks * per_block } else { 0 };
+    let (pa_out, pb_out) = (super::dwords(&mut lines_a, a_len), super::dwords(&mut lines_b, b_len));
     #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
     let mut pack_a = move || {
-        if let Left::Values(op, _) = a_src
-            && op.transposed
-        {
+        if let Some(data) = packed_here {
             // SAFETY: `cpu_has_amx` checked AVX-512F and AVX-512-BF16.
-            unsafe { pack_across(op.data, (k, m), chunks, pa_out, true, min_len) }
+            unsafe { pack_across(data, (k, m), chunks, pa_out, true, min_len) }
         }
     };
     #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
     let mut pack_b = move || {
-        if let Right::Values(op) = b_src {
+        if let Some(op) = &b_values {
             // SAFETY: `cpu_has_amx` checked AVX-512F and AVX-512-BF16.
             unsafe { pack_cols(k, n, op, chunks, pb_out, min_len) }
         }
@@ -238,11 +238,11 @@ pub fn gemm((m, n, k): (usize, usize, usize), a: Left<'_>, b: Right<'_>, out: Ou
     }
     let pa: &[u32] = match &a {
         Left::Packed(p) => p.tiles(row_blocks * per_block),
-        _ => super::dwords(&mut lines_a, if ahead { row_blocks * per_block } else { 0 }),
+        Left::Values(..) => super::dwords(&mut lines_a, a_len),
     };
     let pb: &[u32] = match &b {
         Right::Packed(p) => p.tiles(col_blocks * per_block),
-        Right::Values(_) => super::dwords(&mut lines_b, col_blocks * per_block),
+        Right::Values(_) => super::dwords(&mut lines_b, b_len),
     };
     // A plain `a`'s blocks also kept as its transpose's tiles (chunk rb:
     // rows 32rb.. of `a`), for a later weight gradient.
