@@ -87,6 +87,13 @@ pub fn sgemm_threads(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_
     gemm_product((m, n, k), (a, a_t), (b, b_t), dst, threads);
 }
 
+/// Whether [`sgemm`] takes this product on the narrow kernel, which sums
+/// each output column on its own, whatever `n` (the bits of `gemm`'s
+/// block, [`narrow`]).
+pub(crate) fn narrow_takes(m: usize, n: usize, k: usize, a_transposed: bool) -> bool {
+    narrow::fits(m, n, k, a_transposed) && narrow::avx512f()
+}
+
 /// `gemm`'s horizontal kernel takes `m·n` up to this (for `k` = 1 too).
 const GEMM_HORIZONTAL_MAX: usize = 256;
 

@@ -27,6 +27,7 @@ use crate::params::{Linear, ParamStore};
 
 mod direct;
 mod gates;
+mod one_input_gates;
 
 /// One level of experts and their gates.
 struct Level {

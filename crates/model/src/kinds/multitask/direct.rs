@@ -19,7 +19,7 @@
 
 use rayon::prelude::*;
 
-use super::{Level, MultiTask, Which, gates};
+use super::{Level, MultiTask, Which, gates, one_input_gates};
 use crate::ModelError;
 use crate::bf16::Arith;
 use crate::kinds::{At, Direct, Grads};
@@ -70,6 +70,8 @@ pub(super) struct MultiScratch {
     /// ESMM: each row's d ctcvr / d a and d b, from the forward pass (the
     /// backward pass computed the three exponentials again).
     ctcvr_slopes: Vec<(f32, f32)>,
+    /// A level's gates that read one input, side by side.
+    gates: one_input_gates::SideBySide,
 }
 
 impl Level {
@@ -147,14 +149,26 @@ impl MultiTask {
             bufs.mixes.resize_with(gates.len(), Vec::new);
             let width = experts[0].outputs();
             let pools: Vec<Vec<usize>> = (0..gates.len()).map(|g| level.pool(g)).collect();
-            // Each gate's product is too small to split: the gates take turns
-            // on the threads instead.
-            (gates.par_iter().zip(bufs.weights.par_iter_mut()).enumerate())
-                .map(|(g, (gate, logits))| {
-                    let input = inputs[if g < tasks { g } else { tasks }];
-                    gate_logits(self.arith, (input, rows), (gate, pools[g].len()), logits)
-                })
-                .collect::<Result<Vec<()>, _>>()?;
+            let gate_inputs: Vec<&[f32]> = (0..gates.len()).map(|g| inputs[g.min(tasks)]).collect();
+            let ks: Vec<usize> = pools.iter().map(Vec::len).collect();
+            let fan_in = gate_inputs.first().map_or(0, |i| i.len() / rows.max(1));
+            if one_input_gates::share_an_input(&gate_inputs)
+                && one_input_gates::columns_alike(self.arith, (rows, fan_in, false), &ks)
+            {
+                let stored: Vec<_> = gates.iter().map(|g| g.weight().storage_and_layout()).collect();
+                let weights = (stored.iter().zip(&pools))
+                    .map(|(w, pool)| Ok((cpu(&w.0, w.1)?, pool.len())))
+                    .collect::<Result<Vec<_>, ModelError>>()?;
+                m.gates.logits(self.arith, (gate_inputs[0], rows), &weights, &mut bufs.weights);
+            } else {
+                // Each gate's product is too small to split: the gates take
+                // turns on the threads instead.
+                (gates.par_iter().zip(bufs.weights.par_iter_mut()).enumerate())
+                    .map(|(g, (gate, logits))| {
+                        gate_logits(self.arith, (gate_inputs[g], rows), (gate, pools[g].len()), logits)
+                    })
+                    .collect::<Result<Vec<()>, _>>()?;
+            }
             let biases = gates.iter().map(|g| g.bias().storage_and_layout()).collect::<Vec<_>>();
             let outs: Vec<&[f32]> = bufs.experts.iter().map(|s| &s.output[..]).collect();
             let mut forward = Vec::with_capacity(gates.len());
@@ -167,6 +181,31 @@ impl MultiTask {
             gates::softmax_mix(self.simd, &outs, width, forward);
         }
         Ok(())
+    }
+
+    /// Each gate's own layer, a gate at a time (the gates read inputs of
+    /// their own): `dW = inᵀ·d logits`, `db = Σ_rows d logits` and `d in =
+    /// d logits·Wᵀ` into `d_gate_in`.
+    fn gate_grads(
+        &self,
+        gates: &[&Linear],
+        (inputs, rows): (&[&[f32]], usize),
+        pools: &[Vec<usize>],
+        (d_logits, d_gate_in): (&[Vec<f32>], &mut [Vec<f32>]),
+    ) -> Result<Vec<one_input_gates::GateGrads>, ModelError> {
+        (gates.par_iter().zip(d_gate_in.par_iter_mut()).enumerate())
+            .map(|(g, (gate, d_gate_in))| {
+                let (k, input) = (pools[g].len(), inputs[g]);
+                let fan_in = input.len() / rows.max(1);
+                let gw = gate.weight().storage_and_layout();
+                let gw = cpu(&gw.0, gw.1)?;
+                let (mut dw, mut db) = (vec![0.0f32; fan_in * k], vec![0.0f32; k]);
+                let d_gate_in = sized(d_gate_in, rows * fan_in);
+                let arith = (self.arith, self.simd);
+                linear_grads(arith, (rows, fan_in, k), input, gw, &d_logits[g], (&mut dw, &mut db), d_gate_in);
+                Ok((dw, db))
+            })
+            .collect()
     }
 
     /// d loss / d each input of the levels, from the top's mixes' gradients
@@ -211,20 +250,20 @@ impl MultiTask {
             }
             // Each gate's own layer: dW = inᵀ·d logits, db = Σ_rows d logits, d in = d logits·Wᵀ.
             m.d_gate_in.resize_with(gates.len(), Vec::new);
-            let d_logits = &m.d_logits;
-            let gate_grads = (gates.par_iter().zip(m.d_gate_in.par_iter_mut()).enumerate())
-                .map(|(g, (gate, d_gate_in))| {
-                    let k = pools[g].len();
-                    let input = inputs[if g < tasks { g } else { tasks }];
-                    let gw = gate.weight().storage_and_layout();
-                    let gw = cpu(&gw.0, gw.1)?;
-                    let (mut dw, mut db) = (vec![0.0f32; fan_in * k], vec![0.0f32; k]);
-                    let d_gate_in = sized(d_gate_in, rows * fan_in);
-                    let arith = (self.arith, self.simd);
-                    linear_grads(arith, (rows, fan_in, k), input, gw, &d_logits[g], (&mut dw, &mut db), d_gate_in);
-                    Ok((dw, db))
-                })
-                .collect::<Result<Vec<_>, ModelError>>()?;
+            let gate_inputs: Vec<&[f32]> = (0..gates.len()).map(|g| inputs[g.min(tasks)]).collect();
+            let ks: Vec<usize> = pools.iter().map(Vec::len).collect();
+            let gate_grads = if one_input_gates::share_an_input(&gate_inputs)
+                && one_input_gates::columns_alike(self.arith, (fan_in, rows, true), &ks)
+            {
+                let stored: Vec<_> = gates.iter().map(|g| g.weight().storage_and_layout()).collect();
+                let weights = (stored.iter().zip(&pools))
+                    .map(|(w, pool)| Ok((cpu(&w.0, w.1)?, pool.len())))
+                    .collect::<Result<Vec<_>, ModelError>>()?;
+                let (input, arith) = ((gate_inputs[0], rows), (self.arith, self.simd));
+                m.gates.grads(arith, input, &weights, &mut m.d_logits, &mut m.d_gate_in)
+            } else {
+                self.gate_grads(&gates, (&gate_inputs, rows), &pools, (&m.d_logits, &mut m.d_gate_in))?
+            };
             for (gate, (dw, db)) in gates.iter().zip(gate_grads) {
                 grads.push((gate.weight(), dw));
                 grads.push((gate.bias(), db));
