@@ -75,6 +75,7 @@ impl SideBySide {
         let laid = sized(&mut self.weights, fan_in * width);
         let mut at = 0;
         for &(w, k) in weights {
+            assert_eq!(w.len(), fan_in * k, "a gate's weights are not [{fan_in}, {k}]");
             for (wide, row) in laid.chunks_exact_mut(width).zip(w.chunks_exact(k)) {
                 wide[at..at + k].copy_from_slice(row);
             }
