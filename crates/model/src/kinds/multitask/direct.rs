@@ -105,6 +105,20 @@ impl Level {
     }
 }
 
+/// `then` with each gate's weights as stored (`[fan_in, k]`) and its `k`
+/// (its pool's size).
+fn with_gate_weights<T>(
+    gates: &[&Linear],
+    pools: &[Vec<usize>],
+    then: impl FnOnce(&[(&[f32], usize)]) -> T,
+) -> Result<T, ModelError> {
+    let stored: Vec<_> = gates.iter().map(|g| g.weight().storage_and_layout()).collect();
+    let weights = (stored.iter().zip(pools))
+        .map(|(w, pool)| Ok((cpu(&w.0, w.1)?, pool.len())))
+        .collect::<Result<Vec<_>, ModelError>>()?;
+    Ok(then(&weights))
+}
+
 /// `logits = input·W` of a gate of `k` experts (its bias is added with its softmax).
 fn gate_logits(
     arith: Arith,
@@ -155,11 +169,10 @@ impl MultiTask {
             if one_input_gates::share_an_input(&gate_inputs)
                 && one_input_gates::columns_alike(self.arith, (rows, fan_in, false), &ks)
             {
-                let stored: Vec<_> = gates.iter().map(|g| g.weight().storage_and_layout()).collect();
-                let weights = (stored.iter().zip(&pools))
-                    .map(|(w, pool)| Ok((cpu(&w.0, w.1)?, pool.len())))
-                    .collect::<Result<Vec<_>, ModelError>>()?;
-                m.gates.logits(self.arith, (gate_inputs[0], rows), &weights, &mut bufs.weights);
+                let side = &mut m.gates;
+                with_gate_weights(&gates, &pools, |weights| {
+                    side.logits(self.arith, (gate_inputs[0], rows), weights, &mut bufs.weights)
+                })?;
             } else {
                 // Each gate's product is too small to split: the gates take
                 // turns on the threads instead.
@@ -255,12 +268,9 @@ impl MultiTask {
             let gate_grads = if one_input_gates::share_an_input(&gate_inputs)
                 && one_input_gates::columns_alike(self.arith, (fan_in, rows, true), &ks)
             {
-                let stored: Vec<_> = gates.iter().map(|g| g.weight().storage_and_layout()).collect();
-                let weights = (stored.iter().zip(&pools))
-                    .map(|(w, pool)| Ok((cpu(&w.0, w.1)?, pool.len())))
-                    .collect::<Result<Vec<_>, ModelError>>()?;
                 let (input, arith) = ((gate_inputs[0], rows), (self.arith, self.simd));
-                m.gates.grads(arith, input, &weights, &mut m.d_logits, &mut m.d_gate_in)
+                let (side, d_logits, d_gate_in) = (&mut m.gates, &mut m.d_logits, &mut m.d_gate_in);
+                with_gate_weights(&gates, &pools, |weights| side.grads(arith, input, weights, d_logits, d_gate_in))?
             } else {
                 self.gate_grads(&gates, (&gate_inputs, rows), &pools, (&m.d_logits, &mut m.d_gate_in))?
             };

@@ -5,11 +5,12 @@
 //! of the product's sixteen lanes, and each gate read the whole input
 //! again: three gates took as long as one product three times as wide.
 //!
-//! Each output column is its own sum over the input's columns in order,
-//! as in a product a gate, so the logits and the weights' gradients have
-//! the same bits (tested) where the product takes the narrow kernel, the
-//! bf16 tiles or a `gemm` block; d input stays a product a gate, so its
-//! sums are the same too.
+//! A kernel sums each output column on its own, over the input's columns
+//! in order, as a product a gate does, so the logits and the weights'
+//! gradients have the same bits (tested) wherever one kernel takes each
+//! gate's width and their sum ([`columns_alike`]; elsewhere the caller
+//! runs a product a gate); d input stays a product a gate, so its sums
+//! are the same too.
 
 use rayon::prelude::*;
 
