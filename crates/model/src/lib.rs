@@ -7,6 +7,7 @@
 
 mod activation;
 pub mod amx;
+mod awake;
 mod batch_norm;
 pub mod bf16;
 mod bf16_narrow;

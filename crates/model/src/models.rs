@@ -580,6 +580,18 @@ impl DenseModel {
         dropout: Option<u64>,
         on_grads: impl FnOnce(&[f32], &[Vec<f32>]) -> R,
     ) -> Result<(f64, Vec<f32>, R, DenseGrads), ModelError> {
+        crate::awake::through(|| self.step_packed(x, (labels, weights), sequences, dropout, on_grads))
+    }
+
+    /// [`forward_backward_packed_with`](Self::forward_backward_packed_with)'s step.
+    fn step_packed<R>(
+        &self,
+        x: &[f32],
+        (labels, weights): (&[f32], Option<&[f32]>),
+        sequences: Option<Sequences>,
+        dropout: Option<u64>,
+        on_grads: impl FnOnce(&[f32], &[Vec<f32>]) -> R,
+    ) -> Result<(f64, Vec<f32>, R, DenseGrads), ModelError> {
         if !self.is_direct() {
             return Err(ModelError::NotPacked { kind: self.kind.name() });
         }
