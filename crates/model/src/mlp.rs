@@ -607,6 +607,12 @@ fn backward_into(
     let mut g_in = std::mem::take(&mut scratch.grad_next);
     let laid = x.laid();
     let outer_to_first = outer_to_first(shape, &x, rows);
+    // The last layer's dW summed in the first layer's pass, where its
+    // kernels do (`FirstProduct::sums_next_dw`).
+    let next_dw_in_pass = match (&x, layers.first()) {
+        (First::Product(first), Some(l)) => outer_to_first && first.sums_next_dw(l.fan_out),
+        _ => false,
+    };
     for (i, l) in layers.iter().enumerate().rev() {
         let input: &[f32] = if i == 0 { laid } else { &scratch.hidden[i - 1] };
         let (fi, fo) = (l.fan_in, l.fan_out);
@@ -658,12 +664,17 @@ fn backward_into(
         // W and b are adjacent in the parameter vector (see `Mlp::new`),
         // after the layers before.
         let (before, here) = grad_p.split_at_mut(l.w);
-        let (dw, db) = here[..l.b + fo - l.w].split_at_mut(fi * fo);
+        let (here, after) = here.split_at_mut(l.b + fo - l.w);
+        let (dw, db) = here.split_at_mut(fi * fo);
         let w = &p[l.w..l.w + fi * fo];
         let gs: &[f32] = if read_in_place && i == top { grad_out } else { &g[..g_len] };
         if i == 1 && outer_to_first {
-            // d input (`g ⊗ w`) is the first layer's product's to compute.
-            weight_grads((shape.arith, shape.simd), (rows, fi, fo), input, gs, (dw, db));
+            // d input (`g ⊗ w`) is the first layer's product's to compute,
+            // and dW too where it sums it in its pass over this input.
+            match next_dw_in_pass {
+                true => crate::columns::add_column_sums(shape.simd, gs, fo, db),
+                false => weight_grads((shape.arith, shape.simd), (rows, fi, fo), input, gs, (dw, db)),
+            }
             continue;
         }
         let gi = prefix(&mut g_in, rows * fi);
@@ -672,7 +683,12 @@ fn backward_into(
             let grad = match outer_to_first {
                 true => {
                     let into = prefix(&mut g_in, rows * fo);
-                    FirstGrad::Outer { seed: &g[..g_len], w: &p[layers[1].w..layers[1].b], into }
+                    // The next layer's weights follow this one's (and
+                    // any norm's or activation's) in the vector.
+                    let next = &layers[1];
+                    let next_dw = &mut after[next.w - l.b - fo..next.b - l.b - fo];
+                    let next_dw = next_dw_in_pass.then_some((out, next_dw));
+                    FirstGrad::Outer { seed: &g[..g_len], w: &p[next.w..next.b], into, next_dw }
                 }
                 false => FirstGrad::Laid(&mut g[..g_len]),
             };

@@ -30,6 +30,14 @@ pub(crate) trait FirstProduct {
         g_and_relu: (FirstGrad<'_>, Option<(&[f32], f32)>),
         dw_and_db: (&mut [f32], &mut [f32]),
     );
+    /// Whether [`backward`](Self::backward) sums the next layer's weights'
+    /// gradient ([`FirstGrad::Outer`]'s `next_dw`) for a first layer of
+    /// `fan_out` outputs, with the one-column product's bits and in as
+    /// little time: where its kernels run (else the product does it).
+    fn sums_next_dw(&self, fan_out: usize) -> bool {
+        let _ = fan_out;
+        false
+    }
 }
 
 /// The gradient at the first layer's output.
@@ -41,8 +49,13 @@ pub(crate) enum FirstGrad<'a> {
     /// one rounded product each, as `matrix::is_outer` says the product
     /// would be). Computed where the ReLU pass reads it and written to
     /// `into` (`[rows, fan_out]`): one pass over DIN's `[items, 36]`, not
-    /// two.
-    Outer { seed: &'a [f32], w: &'a [f32], into: &'a mut [f32] },
+    /// two. `next_dw`, where given, is the next layer's input (this
+    /// layer's output, `[rows, fan_out]`) and its weights' gradient
+    /// `xᵀ·seed` to write, summed in the same pass as the product sums
+    /// it (`matrix::column`: the first row's product, then each next one
+    /// fused in, in order): that pass read all of DIN's `[items, 36]`
+    /// again, 6% of its step.
+    Outer { seed: &'a [f32], w: &'a [f32], into: &'a mut [f32], next_dw: Option<(&'a [f32], &'a mut [f32])> },
 }
 
 /// An MLP pass's input: laid out, or computed into the first layer.

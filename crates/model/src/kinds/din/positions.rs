@@ -68,7 +68,8 @@ pub(super) fn add_row_terms(
 /// `mlp::relu::relu_mask`), where given; then, in the positions' order,
 /// added to `db` and to its batch row's sum `g_rows[at_rows[p]]` (which
 /// the caller zeroes). `g` is laid out and rewritten, or each `seed[p]·w`
-/// computed here and written to `into` ([`FirstGrad`]).
+/// computed here and written to `into`, with the next layer's weights'
+/// gradient `Σ_p x[p]·seed[p]` where given ([`FirstGrad`]).
 pub(super) fn mask_and_sum(
     simd: Simd,
     (g, relu): (FirstGrad<'_>, Option<(&[f32], f32)>),
@@ -76,11 +77,14 @@ pub(super) fn mask_and_sum(
     (db, g_rows): (&mut [f32], &mut [f32]),
 ) {
     let h = db.len();
-    let (g, outer) = match g {
-        FirstGrad::Laid(g) => (g, None),
-        FirstGrad::Outer { seed, w, into } => {
+    let (g, outer, mut next_dw) = match g {
+        FirstGrad::Laid(g) => (g, None, None),
+        FirstGrad::Outer { seed, w, into, next_dw } => {
             assert_eq!((seed.len(), w.len()), (at_rows.len(), h), "unit pass: the outer product's sides");
-            (into, Some((seed, w)))
+            if let Some((x, dw)) = &next_dw {
+                assert_eq!((x.len(), dw.len()), (at_rows.len() * h, h), "unit pass: the next layer's input");
+            }
+            (into, Some((seed, w)), next_dw)
         }
     };
     assert_eq!(g.len(), at_rows.len() * h, "unit pass: {} positions of {h}", at_rows.len());
@@ -102,14 +106,25 @@ pub(super) fn mask_and_sum(
         unsafe {
             let relu = relu.map(|(out, scale)| (out.as_ptr(), scale));
             let outer = outer.map(|(seed, w)| (seed.as_ptr(), w.as_ptr()));
+            let next_dw = next_dw.map(|(x, dw)| (x.as_ptr(), dw.as_mut_ptr()));
             let (g, db, sums) = (g.as_mut_ptr(), db.as_mut_ptr(), g_rows.as_mut_ptr());
             match h.div_ceil(16) {
-                1 => x86::mask_and_sum::<1>(h, (g, outer, relu), at_rows, (db, sums)),
-                2 => x86::mask_and_sum::<2>(h, (g, outer, relu), at_rows, (db, sums)),
-                _ => x86::mask_and_sum::<3>(h, (g, outer, relu), at_rows, (db, sums)),
+                1 => x86::mask_and_sum::<1>(h, (g, outer, relu), next_dw, at_rows, (db, sums)),
+                2 => x86::mask_and_sum::<2>(h, (g, outer, relu), next_dw, at_rows, (db, sums)),
+                _ => x86::mask_and_sum::<3>(h, (g, outer, relu), next_dw, at_rows, (db, sums)),
             }
         }
         return;
+    }
+    if let (Some((x, dw)), Some((seed, _))) = (&mut next_dw, outer) {
+        // The one-column product's sum (`matrix::column`).
+        dw.fill(0.0);
+        for (p, (x, &s)) in x.chunks_exact(h).zip(seed).enumerate() {
+            match p {
+                0 => dw.iter_mut().zip(x).for_each(|(d, &x)| *d = x * s),
+                _ => dw.iter_mut().zip(x).for_each(|(d, &x)| *d = x.mul_add(s, *d)),
+            }
+        }
     }
     for (p, &r) in at_rows.iter().enumerate() {
         let (r, gp) = (r as usize, &mut g[p * h..(p + 1) * h]);
@@ -311,6 +326,15 @@ fn avx_rows(simd: Simd, d: usize) -> bool {
 }
 
 /// Whether the kernels take rows of `h`.
+/// Whether [`mask_and_sum`] is the place to sum the next layer's weights'
+/// gradient (`FirstGrad::Outer`'s `next_dw`): on its AVX-512 kernel (its
+/// portable loop, the reference, would call a software `mul_add` a
+/// value), for two inputs or more (one is `gemm`'s horizontal kernel,
+/// other sums).
+pub(super) fn sums_next_dw(simd: Simd, h: usize) -> bool {
+    h >= 2 && kernels(simd, h)
+}
+
 fn kernels(simd: Simd, h: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     return simd.allows() && h <= MAX_H && std::arch::is_x86_feature_detected!("avx512f");
@@ -529,19 +553,23 @@ mod x86 {
     /// # Safety
     /// AVX-512F; `NV = ⌈h/16⌉`; `g` (and the ReLU's output) hold
     /// `at_rows.len()·h` values, `g_rows` `h` from each `at_rows[p]·h`,
-    /// `db` `h`; the outer product's `seed` `at_rows.len()`, its `w` `h`.
+    /// `db` `h`; the outer product's `seed` `at_rows.len()`, its `w` `h`;
+    /// with an outer product only, the next layer's input `next_dw.0`
+    /// `at_rows.len()·h` and its weights' gradient `next_dw.1` `h`.
     #[target_feature(enable = "avx512f")]
     #[expect(unsafe_code, reason = "AVX-512 loads and stores through raw pointers")]
     pub(super) unsafe fn mask_and_sum<const NV: usize>(
         h: usize,
         (g, outer, relu): (*mut f32, Option<Outer>, Option<(*const f32, f32)>),
+        next_dw: Option<(*const f32, *mut f32)>,
         at_rows: &[u32],
         (db, g_rows): (*mut f32, *mut f32),
     ) {
         let masks = masks::<NV>(h);
         // SAFETY: every access is of `h` values (the last vector masked)
-        // at a position's `p·h` in `g` and the ReLU's output, a row's
-        // `r·h` in `g_rows`, `db` or `w`, or of `seed[p]`, within what the
+        // at a position's `p·h` in `g`, the ReLU's output and the next
+        // layer's input, a row's `r·h` in `g_rows`, `db`, `w` or the next
+        // layer's dW, or of `seed[p]`, within what the
         // caller guarantees.
         unsafe {
             let zero = _mm512_setzero_ps();
@@ -573,6 +601,10 @@ mod x86 {
                 x
             };
             let written = relu.is_some() || outer.is_some();
+            // The next layer's weights' gradient: one chain of fused
+            // multiply-adds a column from the first position's product.
+            let next_dw = next_dw.zip(outer.map(|(seed, _)| seed));
+            let mut dw = [zero; NV];
             let (mut row, mut row_sum) = (at_rows.first().copied().unwrap_or(0), [zero; NV]);
             let mut next = if at_rows.is_empty() { [zero; NV] } else { load(0) };
             for (p, &r) in at_rows.iter().enumerate() {
@@ -602,9 +634,21 @@ mod x86 {
                     row_sum[v] = _mm512_add_ps(row_sum[v], x[v]);
                     db_sum[v] = _mm512_add_ps(db_sum[v], x[v]);
                 }
+                if let Some(((input, _), seed)) = next_dw {
+                    let s = _mm512_set1_ps(*seed.add(p));
+                    for v in 0..NV {
+                        let x = _mm512_maskz_loadu_ps(masks[v], input.add(p * h + v * 16));
+                        dw[v] = if p == 0 { _mm512_mul_ps(x, s) } else { _mm512_fmadd_ps(x, s, dw[v]) };
+                    }
+                }
             }
             if !at_rows.is_empty() {
                 flush(row, &row_sum);
+            }
+            if let Some(((_, out), _)) = next_dw {
+                for v in 0..NV {
+                    _mm512_mask_storeu_ps(out.add(v * 16), masks[v], dw[v]);
+                }
             }
             for v in 0..NV {
                 _mm512_mask_storeu_ps(db.add(v * 16), masks[v], db_sum[v]);
@@ -677,14 +721,32 @@ mod tests {
                         &at,
                         (&mut expected.1, &mut expected.2),
                     );
+                    // The next layer's weights' gradient, summed in the
+                    // pass: the bits of its product (`xᵀ·seed`).
+                    let next_x = values(n, 10);
+                    let mut by_product = vec![0.0; h];
+                    if at.len() >= 3 {
+                        let (x, s) = (Operand::t(&next_x), Operand::plain(&seed));
+                        crate::matrix::sgemm_threads(h, 1, at.len(), x, s, &mut by_product, 1);
+                    }
                     for simd in [Simd::Auto, Simd::Portable] {
-                        let (mut into, mut db, mut g_rows) = (values(n, 9), db.clone(), g_rows.clone());
-                        let outer = FirstGrad::Outer { seed: &seed, w: &w, into: &mut into };
-                        mask_and_sum(simd, (outer, relu), &at, (&mut db, &mut g_rows));
-                        let what = format!("{what}, outer, {simd:?}");
-                        assert!(same_bits(&into, &expected.0), "{what}: the gradients");
-                        assert!(same_bits(&db, &expected.1), "{what}: the bias's");
-                        assert!(same_bits(&g_rows, &expected.2), "{what}: the rows'");
+                        for summed in [false, true] {
+                            let (mut into, mut db, mut g_rows) = (values(n, 9), db.clone(), g_rows.clone());
+                            let mut dw = values(h, 11);
+                            let next_dw = summed.then_some((&next_x[..], &mut dw[..]));
+                            let outer = FirstGrad::Outer { seed: &seed, w: &w, into: &mut into, next_dw };
+                            mask_and_sum(simd, (outer, relu), &at, (&mut db, &mut g_rows));
+                            let what = format!("{what}, outer, {simd:?}, next layer's dW {summed}");
+                            assert!(same_bits(&into, &expected.0), "{what}: the gradients");
+                            assert!(same_bits(&db, &expected.1), "{what}: the bias's");
+                            assert!(same_bits(&g_rows, &expected.2), "{what}: the rows'");
+                            // One input (`h` 1) or a `k` below 3 is
+                            // `gemm`'s other path: the caller asks for
+                            // neither (`is_outer`, `sums_next_dw`).
+                            if summed && at.len() >= 3 && h >= 2 {
+                                assert!(same_bits(&dw, &by_product), "{what}: the next layer's dW");
+                            }
+                        }
                     }
                 }
             }

@@ -124,6 +124,10 @@ impl UnitInput<'_> {
 }
 
 impl FirstProduct for UnitInput<'_> {
+    fn sums_next_dw(&self, h: usize) -> bool {
+        positions::sums_next_dw(self.simd, h)
+    }
+
     fn forward(&mut self, w: &[f32], positions: usize, h: usize, (bias, relu): (&[f32], bool), out: &mut [f32]) {
         assert_eq!(bias.len(), h, "the unit's first bias");
         let (d, rows) = (self.d, self.rows);
@@ -160,9 +164,9 @@ impl FirstProduct for UnitInput<'_> {
                 positions::mask_and_sum(self.simd, (FirstGrad::Laid(&mut *g), relu), self.at_rows, (db, g_rows));
                 g
             }
-            FirstGrad::Outer { seed, w: w_next, into } => {
+            FirstGrad::Outer { seed, w: w_next, into, next_dw } => {
                 assert_eq!(into.len(), positions * h, "the unit's first gradients");
-                let outer = FirstGrad::Outer { seed, w: w_next, into: &mut *into };
+                let outer = FirstGrad::Outer { seed, w: w_next, into: &mut *into, next_dw };
                 positions::mask_and_sum(self.simd, (outer, relu), self.at_rows, (db, g_rows));
                 into
             }
