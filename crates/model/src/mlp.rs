@@ -14,7 +14,7 @@ mod linear;
 mod relu;
 mod scratch;
 
-use first_product::{First, FirstGrad, outer_to_first};
+use first_product::{First, FirstGrad, next_dw_in_pass, outer_to_first};
 use linear::weight_grads;
 pub(crate) use linear::{linear_grads, matmul};
 pub(crate) use relu::through_relu;
@@ -607,12 +607,7 @@ fn backward_into(
     let mut g_in = std::mem::take(&mut scratch.grad_next);
     let laid = x.laid();
     let outer_to_first = outer_to_first(shape, &x, rows);
-    // The last layer's dW summed in the first layer's pass, where its
-    // kernels do (`FirstProduct::sums_next_dw`).
-    let next_dw_in_pass = match (&x, layers.first()) {
-        (First::Product(first), Some(l)) => outer_to_first && first.sums_next_dw(l.fan_out),
-        _ => false,
-    };
+    let next_dw_in_pass = next_dw_in_pass(shape, &x, outer_to_first);
     for (i, l) in layers.iter().enumerate().rev() {
         let input: &[f32] = if i == 0 { laid } else { &scratch.hidden[i - 1] };
         let (fi, fo) = (l.fan_in, l.fan_out);

@@ -129,3 +129,14 @@ pub(super) fn outer_to_first(shape: &MlpShape, x: &First<'_>, rows: usize) -> bo
     let outer = shape.arith == Arith::F32 && crate::matrix::is_outer(rows, last.fan_in, 1);
     matches!(x, First::Product(_)) && first_plain && last_plain && outer
 }
+
+/// Whether, with the last layer's d input given to the first layer's
+/// product ([`outer_to_first`]), that product's pass sums the last layer's
+/// dW too (`FirstGrad::Outer`'s `next_dw`), where its kernels do
+/// ([`FirstProduct::sums_next_dw`]).
+pub(super) fn next_dw_in_pass(shape: &MlpShape, x: &First<'_>, outer_to_first: bool) -> bool {
+    match (x, shape.layers.first()) {
+        (First::Product(first), Some(l)) => outer_to_first && first.sums_next_dw(l.fan_out),
+        _ => false,
+    }
+}
