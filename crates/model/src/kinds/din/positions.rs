@@ -325,7 +325,6 @@ fn avx_rows(simd: Simd, d: usize) -> bool {
     return false;
 }
 
-/// Whether the kernels take rows of `h`.
 /// Whether [`mask_and_sum`] is the place to sum the next layer's weights'
 /// gradient (`FirstGrad::Outer`'s `next_dw`): on its AVX-512 kernel (its
 /// portable loop, the reference, would call a software `mul_add` a
@@ -335,6 +334,7 @@ pub(super) fn sums_next_dw(simd: Simd, h: usize) -> bool {
     h >= 2 && kernels(simd, h)
 }
 
+/// Whether the kernels take rows of `h`.
 fn kernels(simd: Simd, h: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     return simd.allows() && h <= MAX_H && std::arch::is_x86_feature_detected!("avx512f");
@@ -569,8 +569,7 @@ mod x86 {
         // SAFETY: every access is of `h` values (the last vector masked)
         // at a position's `p·h` in `g`, the ReLU's output and the next
         // layer's input, a row's `r·h` in `g_rows`, `db`, `w` or the next
-        // layer's dW, or of `seed[p]`, within what the
-        // caller guarantees.
+        // layer's dW, or of `seed[p]`, within what the caller guarantees.
         unsafe {
             let zero = _mm512_setzero_ps();
             let mut db_sum = [zero; NV];
