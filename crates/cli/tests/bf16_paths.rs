@@ -1,7 +1,7 @@
 //! `model.precision = "bf16"` on the CPU at hand: with AMX its tiles, said
 //! in one line on start (`train.simd = "avx512"` keeps them out); with
 //! AVX-512-BF16 the native product, silently unless its dot product is
-//! slower than fp32's FMA there (then a warning); without it the fp32 kernels on bf16-rounded
+//! below 1.25× fp32's FMA there (then a warning); without it the fp32 kernels on bf16-rounded
 //! inputs, said in one line on start; `SPARROW_SIMD=portable` the
 //! bit-exact portable kernel, said too. The rounded path trains to the
 //! accuracy of fp32 (the speed is a benchmark's figure, docs/benchmarks.md).
@@ -19,15 +19,17 @@ fn bf16_says_which_path_it_takes_and_trains_as_fp32_does() {
     let tmp = tempfile::tempdir().expect("tmp");
     generate(tmp.path(), "20000");
     let config = write_config(tmp.path(), "");
-    let train = |precision: &str, simd: &str| {
+    let train_with = |precision: &str, simd: &str, failpoints: &str| {
         let out = sparrow()
             .args(["train", "--config", &config, "--quiet", "--set", &format!("model.precision=\"{precision}\"")])
             .env("SPARROW_SIMD", simd)
+            .env("FAILPOINTS", failpoints)
             .output()
             .expect("train");
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         (last_json(&out), String::from_utf8_lossy(&out.stderr).to_string())
     };
+    let train = |precision: &str, simd: &str| train_with(precision, simd, "");
     let (f32_run, said) = train("f32", "auto");
     assert!(!said.contains("bf16"), "{said}");
     let said_lines = |said: &str| -> Vec<String> {
@@ -45,19 +47,24 @@ fn bf16_says_which_path_it_takes_and_trains_as_fp32_does() {
     };
     let lines = said_lines(&said);
     if cpu_has_avx512_bf16() {
-        // The native path says nothing, unless this CPU's vdpbf16ps is no
-        // faster than its fp32 FMA (an Intel Xeon: 0.5×), which it measures.
-        // Measured here too: far from the threshold (1.25×) the line must
-        // be there or not; near it, either.
-        let peaks = sparrow_model::peak::measure(1, std::time::Duration::from_millis(50));
-        let ratio = peaks.bf16_dot.as_ref().map_or(1.25, |b| b.gflops / peaks.fp32_fma.gflops);
+        // The native path says nothing, unless this CPU's vdpbf16ps runs
+        // below 1.25× its fp32 FMA (an Intel Xeon: 0.5×), as measured at
+        // the start; whichever it measured here, at most its one line.
         assert!(lines.len() <= 1, "at most one line: {said}");
         if let Some(line) = lines.first() {
             assert!(line.contains("fp32 FMA rate") && line.contains("model.precision = \"f32\""), "{said}");
-            assert!(ratio <= 1.6, "bf16 at {ratio:.2}× fp32 here, yet called slow: {said}");
-        } else {
-            assert!(ratio >= 0.9, "bf16 at {ratio:.2}× fp32 here, and nothing said: {said}");
         }
+        // The ratio the line is decided on, set either side of 1.25×
+        // (the measurement itself is a benchmark's, not a test's).
+        let (_, said) = train_with("bf16", "avx512", "peak.bf16_over_fp32=return(0.5)");
+        let lines = said_lines(&said);
+        assert_eq!(lines.len(), 1, "one line: {said}");
+        assert!(
+            lines[0].contains("runs at 0.50× its fp32 FMA rate") && lines[0].contains("model.precision = \"f32\""),
+            "{said}"
+        );
+        let (_, said) = train_with("bf16", "avx512", "peak.bf16_over_fp32=return(1.9)");
+        assert!(said_lines(&said).is_empty(), "bf16 at 1.9× fp32, yet called slow: {said}");
     } else {
         assert_eq!(lines.len(), 1, "one line: {said}");
         assert!(lines[0].contains("bf16-rounded inputs") && lines[0].contains("SPARROW_SIMD=portable"), "{said}");

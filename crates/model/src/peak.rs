@@ -259,10 +259,10 @@ pub fn mlp_step_flops(widths: &[usize]) -> f64 {
 type Block = fn() -> f64;
 type Kernel = (Block, &'static str);
 
-/// Measures both ceilings on `threads` threads, `duration` each.
-pub fn measure(threads: usize, duration: Duration) -> Peaks {
+/// The fp32 kernel and the bf16 one (None: no AVX-512-BF16) this CPU runs.
+fn kernels() -> (Kernel, Option<Kernel>) {
     #[cfg(target_arch = "x86_64")]
-    let (fp32, bf16): (Kernel, Option<Kernel>) = {
+    {
         let fp32: Kernel = if is_x86_feature_detected!("avx512f") {
             (x86::fma512_block, "avx512f vfmadd231ps")
         } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
@@ -273,15 +273,89 @@ pub fn measure(threads: usize, duration: Duration) -> Peaks {
         let bf16 = (is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512f"))
             .then_some((x86::dpbf16_block as Block, "avx512bf16 vdpbf16ps"));
         (fp32, bf16)
-    };
+    }
     #[cfg(not(target_arch = "x86_64"))]
-    let (fp32, bf16): (Kernel, Option<Kernel>) = ((fp32_scalar_block, "scalar mul_add"), None);
+    {
+        ((fp32_scalar_block, "scalar mul_add"), None)
+    }
+}
+
+/// Measures both ceilings on `threads` threads, `duration` each.
+pub fn measure(threads: usize, duration: Duration) -> Peaks {
+    let (fp32, bf16) = kernels();
     Peaks {
         threads,
         fp32_fma: Peak { gflops: throughput(threads, duration, fp32.0) / 1e9, kernel: fp32.1 },
         bf16_dot: bf16.map(|(block, kernel)| Peak { gflops: throughput(threads, duration, block) / 1e9, kernel }),
         amx_bf16: crate::amx::ceiling_block()
             .map(|block| Peak { gflops: throughput(threads, duration, block) / 1e9, kernel: "amx tdpbf16ps" }),
+    }
+}
+
+/// The CPU time the calling thread has run (Linux's per-thread clock);
+/// None where there is none.
+fn thread_cpu_time() -> Option<Duration> {
+    #[cfg(target_os = "linux")]
+    {
+        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        #[expect(unsafe_code, reason = "clock_gettime has no safe wrapper in std")]
+        // SAFETY: `ts` is a valid, writable timespec for the call's duration.
+        let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+        (rc == 0).then(|| Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32))
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        None
+    }
+}
+
+/// `block`'s flops per second on the calling thread for about `duration`
+/// of that thread's own CPU time (wall time where there is no such clock):
+/// time another process takes the core for is not counted against it.
+fn rate_here(duration: Duration, block: Block) -> f64 {
+    let wall = Instant::now();
+    let clock = || thread_cpu_time().unwrap_or_else(|| wall.elapsed());
+    let start = clock();
+    let mut flops = 0.0;
+    loop {
+        flops += block();
+        let spent = clock().saturating_sub(start);
+        if spent >= duration {
+            return flops / spent.as_secs_f64();
+        }
+    }
+}
+
+/// The fp32 FMA and bf16 dot-product ceilings of one thread, each the best
+/// of `rounds` rounds of about `round`, the two taken in turn, on the
+/// thread's own CPU time: what decides [`slow_bf16`] when a run starts,
+/// which a busy machine (other jobs, a test suite) must not sway. A
+/// process that takes the core only lowers a round's figure (the
+/// frequency and the caches it leaves behind), so the best of several,
+/// alternated, is the CPU's. AMX is not measured (None).
+///
+/// The failpoint `peak.bf16_over_fp32` (`return(R)`) reports the bf16 rate
+/// as R× the fp32 one, so that tests can set the ratio the warning reads.
+pub fn measure_one_thread(rounds: usize, round: Duration) -> Peaks {
+    let (fp32, bf16) = kernels();
+    let (mut best_fp32, mut best_bf16) = (0f64, 0f64);
+    for _ in 0..rounds.max(1) {
+        best_fp32 = best_fp32.max(rate_here(round, fp32.0));
+        if let Some((block, _)) = bf16 {
+            best_bf16 = best_bf16.max(rate_here(round, block));
+        }
+    }
+    let fp32_fma = Peak { gflops: best_fp32 / 1e9, kernel: fp32.1 };
+    let set_ratio = || -> Option<f64> {
+        fail::fail_point!("peak.bf16_over_fp32", |ratio: Option<String>| ratio.and_then(|r| r.parse().ok()));
+        None
+    };
+    let bf16_gflops = set_ratio().map_or(best_bf16 / 1e9, |ratio| ratio * fp32_fma.gflops);
+    Peaks {
+        threads: 1,
+        fp32_fma,
+        bf16_dot: bf16.map(|(_, kernel)| Peak { gflops: bf16_gflops, kernel }),
+        amx_bf16: None,
     }
 }
 
@@ -350,6 +424,36 @@ mod tests {
         let bits = x.to_bits();
         let round = 0x7fff + ((bits >> 16) & 1);
         (bits.wrapping_add(round) >> 16) as u16
+    }
+
+    /// The warning reads the ratio of the two ceilings against
+    /// [`BF16_PAYS_OFF_AT`], and names both figures.
+    #[test]
+    fn slow_bf16_warns_below_the_threshold_only() {
+        let peaks = |bf16: Option<f64>| Peaks {
+            threads: 1,
+            fp32_fma: Peak { gflops: 100.0, kernel: "fp32" },
+            bf16_dot: bf16.map(|gflops| Peak { gflops, kernel: "bf16" }),
+            amx_bf16: None,
+        };
+        let slow = slow_bf16(&peaks(Some(49.0))).expect("a warning at 0.49×");
+        assert!(slow.contains("0.49× its fp32 FMA rate (49 against 100 GFLOP/s on 1 thread(s))"), "{slow}");
+        assert!(slow_bf16(&peaks(Some(124.0))).is_some());
+        assert_eq!(slow_bf16(&peaks(Some(125.0))), None);
+        assert_eq!(slow_bf16(&peaks(Some(185.0))), None);
+        assert_eq!(slow_bf16(&peaks(None)), None, "no AVX-512-BF16: nothing to compare");
+    }
+
+    /// Each ceiling of one thread is a positive rate with its kernel named,
+    /// and the bf16 one is there exactly where the CPU has AVX-512-BF16.
+    #[test]
+    fn one_threads_ceilings_are_measured_for_the_kernels_this_cpu_has() {
+        let peaks = measure_one_thread(2, Duration::from_millis(1));
+        assert_eq!(peaks.threads, 1);
+        assert!(peaks.fp32_fma.gflops > 0.0 && peaks.fp32_fma.gflops.is_finite(), "{peaks:?}");
+        assert_eq!(peaks.bf16_dot.is_some(), kernels().1.is_some(), "{peaks:?}");
+        assert!(peaks.bf16_dot.iter().all(|b| b.gflops > 0.0 && b.kernel == "avx512bf16 vdpbf16ps"), "{peaks:?}");
+        assert!(peaks.amx_bf16.is_none());
     }
 
     #[test]

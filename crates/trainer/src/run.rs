@@ -203,7 +203,7 @@ pub fn train_observed(
 
 /// Says, in one line, how `model.precision = "bf16"` runs on this CPU:
 /// on AMX's tiles (and that its bits are AMX's), on AVX-512-BF16 (only
-/// where its product is no faster than fp32's FMA, measured: about 20 ms,
+/// where its product is no faster than fp32's FMA, measured: about 30 ms of its own CPU time,
 /// once a run; or where the CPU has AMX but Linux refused its tiles), on
 /// the fp32 kernels, or on the portable kernel.
 pub fn note_precision(model: &sparrow_core::config::ModelConfig, simd: sparrow_core::simd::Simd) {
@@ -219,7 +219,7 @@ pub fn note_precision(model: &sparrow_core::config::ModelConfig, simd: sparrow_c
             if let (Some(refused), true) = (sparrow_model::amx::refusal(), simd.allows_amx()) {
                 tracing::warn!("model.precision = \"bf16\": this CPU has AMX, but {refused}: AVX-512-BF16 instead");
             }
-            let peaks = sparrow_model::peak::measure(1, std::time::Duration::from_millis(10));
+            let peaks = sparrow_model::peak::measure_one_thread(5, std::time::Duration::from_millis(3));
             if let Some(slow) = sparrow_model::peak::slow_bf16(&peaks) {
                 tracing::warn!("model.precision = \"bf16\": {slow}")
             }
