@@ -4,7 +4,8 @@
 //! across two threads, each split costs a wake-up of the other thread (an
 //! interprocessor interrupt on a VM) and the short ones run on one thread
 //! alone. Here each half of the batch runs forward, its rows' loss and
-//! backward on a thread of its own: one meeting a step.
+//! backward on a thread of its own: one meeting a step, where the thread
+//! done first waits for the other awake (`awake::join`).
 //!
 //! Only kinds whose rows are independent take it (`Direct::half_rows`;
 //! dropout's masks are drawn by a value's place in the whole batch, the
@@ -109,7 +110,7 @@ impl DenseModel {
             Ok::<_, ModelError>((losses, logits, grads))
         };
         let mut second = s.second_half.take().unwrap_or_default();
-        let (a, b) = rayon::join(
+        let (a, b) = crate::awake::join(
             || half(x0, (first, 0), labels0, weights0, s),
             || half(x1, (rows - first, first), labels1, weights1, &mut second),
         );
