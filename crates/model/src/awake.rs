@@ -175,6 +175,7 @@ mod tests {
         });
         assert!(caught, "the step's panic reached the caller");
     }
+
     /// `join` gives both sides' values, whichever thread ran `b`: on
     /// pools of one, two and three threads, off a pool, and inside a held
     /// step (as the halves run).
