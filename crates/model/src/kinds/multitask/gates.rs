@@ -3,7 +3,9 @@
 //! level's expert outputs, their gradients, each input's gradients) is
 //! larger than a core's L2, and wider arithmetic does little for the
 //! backward passes (the gates' adjoint built for AVX-512 took 1–2% off
-//! PLE's step, no more). So each reads what it needs once:
+//! PLE's step, no more; its own kernel, `gates/x86.rs`, which overlaps a
+//! row's dots and writes each expert's row once, took 13–20% off the
+//! adjoint). So each reads what it needs once:
 //! - forward, every gate of a level in one pass over the rows: each row's
 //!   expert outputs are read once for all the gates that pool them (MMoE's
 //!   three gates each read all four experts before). Its softmax runs
@@ -31,6 +33,9 @@ use sparrow_core::simd::Simd;
 use crate::columns::avx512f;
 use crate::matrix::dot;
 use crate::mlp::through_relu;
+
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 /// Rows a task of a pass over rows takes.
 const ROWS_PER_TASK: usize = 64;
@@ -265,13 +270,13 @@ pub(super) fn adjoint(
         if wide {
             #[target_feature(enable = "avx512f")]
             fn block_avx512(block: &Block<'_>, dls: &mut [&mut [f32]], des: &mut [&mut [f32]]) {
-                block_adjoint(block, dls, des);
+                block_adjoint::<true>(block, dls, des);
             }
             // SAFETY: `wide` is true only where AVX-512F was detected.
             #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
             return unsafe { block_avx512(&block, dls, des) };
         }
-        block_adjoint(&block, dls, des);
+        block_adjoint::<false>(&block, dls, des);
     });
     pooled
 }
@@ -291,9 +296,16 @@ struct Block<'a> {
 /// A task's rows of [`adjoint`]: `dls` its rows of each gate's logits'
 /// gradient, `des` of each expert's output gradient.
 #[inline(always)]
-fn block_adjoint(block: &Block<'_>, dls: &mut [&mut [f32]], des: &mut [&mut [f32]]) {
+fn block_adjoint<const AVX512: bool>(block: &Block<'_>, dls: &mut [&mut [f32]], des: &mut [&mut [f32]]) {
     let Block { first, gates, adds, outs, masks, width } = *block;
     let rows = dls[0].len() / gates[0].2.len();
+    #[cfg(target_arch = "x86_64")]
+    if AVX512 && width % x86::LANES == 0 {
+        // SAFETY: `AVX512` is true only in the build for AVX-512F, taken
+        // where the CPU has it, and `width` is a whole number of vectors.
+        #[expect(unsafe_code, reason = "AVX-512 kernels in a build for AVX-512F")]
+        return unsafe { x86::block_adjoint(block, dls, des, rows) };
+    }
     for r in 0..rows {
         let (row, at) = (first + r, r * width..(r + 1) * width);
         for (((w, d_mix, pool), dl), adds) in gates.iter().zip(dls.iter_mut()).zip(adds) {
@@ -303,8 +315,7 @@ fn block_adjoint(block: &Block<'_>, dls: &mut [&mut [f32]], des: &mut [&mut [f32
             for (d, &e) in dl.iter_mut().zip(pool.iter()) {
                 *d = dot(dy, &outs[e][row * width..(row + 1) * width]);
             }
-            let s: f32 = wr.iter().zip(dl.iter()).map(|(w, d)| w * d).sum();
-            dl.iter_mut().zip(wr).for_each(|(d, w)| *d = w * (*d - s));
+            softmax_adjoint(dl, wr);
             for ((&e, &wk), &add) in pool.iter().zip(wr).zip(adds) {
                 let de = &mut des[e][at.clone()];
                 if add {
@@ -321,6 +332,14 @@ fn block_adjoint(block: &Block<'_>, dls: &mut [&mut [f32]], des: &mut [&mut [f32
             }
         }
     }
+}
+
+/// A row of a gate's softmax: `d_w` (d loss / d each weight `w`) becomes
+/// d loss / d each logit, `w ⊙ (d_w − Σ_j w_j d_w_j)`.
+#[inline(always)]
+fn softmax_adjoint(d_w: &mut [f32], w: &[f32]) {
+    let s: f32 = w.iter().zip(d_w.iter()).map(|(w, d)| w * d).sum();
+    d_w.iter_mut().zip(w).for_each(|(d, w)| *d = w * (*d - s));
 }
 
 /// `dst = parts[0] + parts[1] + …`, added in that order (zeros if none).
@@ -475,41 +494,24 @@ mod tests {
         }
     }
 
-    /// Every gate and sum, checked bit for bit against the passes they
-    /// replace: one gate at a time, one contribution added at a time.
-    #[test]
-    fn one_pass_for_every_gate_gives_the_bits_of_a_pass_a_gate() {
-        let mut rng = Rng::new(11);
-        let outs: Vec<Vec<f32>> = (0..4).map(|_| values(ROWS * WIDTH, &mut rng)).collect();
-        let outs: Vec<&[f32]> = outs.iter().map(|o| &o[..]).collect();
-        let biases: Vec<Vec<f32>> = POOLS.iter().map(|p| values(p.len(), &mut rng)).collect();
-        let raw: Vec<Vec<f32>> = POOLS.iter().map(|p| values(ROWS * p.len(), &mut rng)).collect();
-
-        // Forward, one gate at a time (the code this replaces).
-        let (weights_one, mixes_one) = one_gate_at_a_time(&outs, &biases, &raw, ROWS, WIDTH);
-        let mut weights = raw.clone();
-        let mut mixes = vec![vec![7.0f32; ROWS * WIDTH]; POOLS.len()];
-        let forward = (weights.iter_mut().zip(mixes.iter_mut()).zip(&biases).zip(POOLS))
-            .map(|(((logits, mix), bias), pool)| GateForward { logits, bias, pool, mix })
-            .collect();
-        softmax_mix(Simd::Auto, &outs, WIDTH, forward);
+    /// The adjoint on both builds, with and without masks, against one
+    /// gate at a time: an expert's gradient written by the first gate that
+    /// pools it, added to by the later ones, then through its ReLU.
+    fn adjoint_matches_a_pass_a_gate(outs: &[&[f32]], weights: &[Vec<f32>], width: usize, rng: &mut Rng) {
         let bits = |v: &[Vec<f32>]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&weights), bits(&weights_one), "the gates' softmax weights");
-        assert_eq!(bits(&mixes), bits(&mixes_one), "the gates' mixes");
-
         // Backward, one gate at a time; an expert's gradient written by
         // the first gate that pools it, added to by the later ones.
-        let d_mixes: Vec<Vec<f32>> = POOLS.iter().map(|_| values(ROWS * WIDTH, &mut rng)).collect();
+        let d_mixes: Vec<Vec<f32>> = POOLS.iter().map(|_| values(ROWS * width, rng)).collect();
         let mut d_logits_one: Vec<Vec<f32>> = POOLS.iter().map(|p| vec![0.0; ROWS * p.len()]).collect();
-        let mut d_experts_one = vec![vec![0.0f32; ROWS * WIDTH]; 5];
+        let mut d_experts_one = vec![vec![0.0f32; ROWS * width]; 5];
         let mut filled = [false; 5];
         for (g, pool) in POOLS.iter().enumerate() {
             let k = pool.len();
             for r in 0..ROWS {
-                let dy = &d_mixes[g][r * WIDTH..(r + 1) * WIDTH];
+                let dy = &d_mixes[g][r * width..(r + 1) * width];
                 let dl = &mut d_logits_one[g][r * k..(r + 1) * k];
                 for (d, &e) in dl.iter_mut().zip(pool.iter()) {
-                    *d = dot(dy, &outs[e][r * WIDTH..(r + 1) * WIDTH]);
+                    *d = dot(dy, &outs[e][r * width..(r + 1) * width]);
                 }
                 let wr = &weights[g][r * k..(r + 1) * k];
                 let s: f32 = wr.iter().zip(dl.iter()).map(|(w, d)| w * d).sum();
@@ -518,8 +520,8 @@ mod tests {
             for (j, &e) in pool.iter().enumerate() {
                 for r in 0..ROWS {
                     let wk = weights[g][r * k + j];
-                    let d = &mut d_experts_one[e][r * WIDTH..(r + 1) * WIDTH];
-                    let dy = d_mixes[g][r * WIDTH..(r + 1) * WIDTH].iter();
+                    let d = &mut d_experts_one[e][r * width..(r + 1) * width];
+                    let dy = d_mixes[g][r * width..(r + 1) * width].iter();
                     if filled[e] {
                         d.iter_mut().zip(dy).for_each(|(d, g)| *d += wk * g);
                     } else {
@@ -546,14 +548,14 @@ mod tests {
         let some_masks = [Some(1.0), Some(1.25), None, Some(1.0), Some(2.0)];
         // On the AVX-512 build (where the CPU has it) and the portable one.
         for (simd, masks) in [Simd::Auto, Simd::Portable].into_iter().flat_map(|s| [(s, no_masks), (s, some_masks)]) {
-            let what = format!("{simd:?}, masks {masks:?}");
+            let what = format!("width {width}, {simd:?}, masks {masks:?}");
             let mut d_logits: Vec<Vec<f32>> = POOLS.iter().map(|p| vec![9.0; ROWS * p.len()]).collect();
             // Stale values in the experts' buffers, and a fifth expert no gate pools.
-            let mut d_experts = vec![vec![5.0f32; ROWS * WIDTH]; 5];
-            let backward = (d_logits.iter_mut().zip(&weights).zip(&d_mixes).zip(POOLS))
+            let mut d_experts = vec![vec![5.0f32; ROWS * width]; 5];
+            let backward = (d_logits.iter_mut().zip(weights).zip(&d_mixes).zip(POOLS))
                 .map(|(((d_logits, weights), d_mix), pool)| GateBackward { weights, d_mix, pool, d_logits })
                 .collect();
-            let pooled = adjoint(simd, (&outs, &masks), WIDTH, backward, &mut d_experts);
+            let pooled = adjoint(simd, (outs, &masks), width, backward, &mut d_experts);
             assert_eq!(pooled, [true, true, true, true, false]);
             assert_eq!(bits(&d_logits), bits(&d_logits_one), "the gates' logits' gradients, {what}");
             for e in 0..4 {
@@ -564,6 +566,37 @@ mod tests {
                 assert_eq!(bits(&d_experts[e..=e]), bits(&[expected]), "expert {e}'s output gradient, {what}");
             }
             assert!(d_experts[4].iter().all(|&v| v == 5.0), "the unpooled expert's buffer is not the adjoint's");
+        }
+    }
+
+    /// Every gate and sum, checked bit for bit against the passes they
+    /// replace: one gate at a time, one contribution added at a time.
+    #[test]
+    fn one_pass_for_every_gate_gives_the_bits_of_a_pass_a_gate() {
+        let mut rng = Rng::new(11);
+        let outs: Vec<Vec<f32>> = (0..4).map(|_| values(ROWS * WIDTH, &mut rng)).collect();
+        let outs: Vec<&[f32]> = outs.iter().map(|o| &o[..]).collect();
+        let biases: Vec<Vec<f32>> = POOLS.iter().map(|p| values(p.len(), &mut rng)).collect();
+        let raw: Vec<Vec<f32>> = POOLS.iter().map(|p| values(ROWS * p.len(), &mut rng)).collect();
+
+        // Forward, one gate at a time (the code this replaces).
+        let (weights_one, mixes_one) = one_gate_at_a_time(&outs, &biases, &raw, ROWS, WIDTH);
+        let mut weights = raw.clone();
+        let mut mixes = vec![vec![7.0f32; ROWS * WIDTH]; POOLS.len()];
+        let forward = (weights.iter_mut().zip(mixes.iter_mut()).zip(&biases).zip(POOLS))
+            .map(|(((logits, mix), bias), pool)| GateForward { logits, bias, pool, mix })
+            .collect();
+        softmax_mix(Simd::Auto, &outs, WIDTH, forward);
+        let bits = |v: &[Vec<f32>]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&weights), bits(&weights_one), "the gates' softmax weights");
+        assert_eq!(bits(&mixes), bits(&mixes_one), "the gates' mixes");
+
+        // Backward, at the test's width and at widths of whole AVX-512
+        // vectors (one, four, five: the AVX-512 build's own code).
+        for width in [WIDTH, 16, 64, 80] {
+            let outs: Vec<Vec<f32>> = (0..4).map(|_| values(ROWS * width, &mut rng)).collect();
+            let outs: Vec<&[f32]> = outs.iter().map(|o| &o[..]).collect();
+            adjoint_matches_a_pass_a_gate(&outs, &weights, width, &mut rng);
         }
 
         // An input's parts summed in one pass, and the bottom's sum of sums,
