@@ -72,6 +72,22 @@ fn scratch(name: &str, data: &[u8]) -> Option<PathBuf> {
     Some(path)
 }
 
+/// Removes every scratch file and directory this process's targets made
+/// in the temporary directory (`sparrow-fuzz-<pid>-…`), for a caller that
+/// is done with them: a test replaying the corpus leaves nothing behind.
+/// The templates written once a process are not rewritten afterwards, so
+/// call this only when no target runs again in this process.
+pub fn remove_scratch() -> std::io::Result<()> {
+    let prefix = format!("sparrow-fuzz-{}-", std::process::id());
+    for entry in std::fs::read_dir(std::env::temp_dir())?.flatten() {
+        if entry.file_name().to_string_lossy().starts_with(&prefix) {
+            let path = entry.path();
+            if path.is_dir() { std::fs::remove_dir_all(&path)? } else { std::fs::remove_file(&path)? }
+        }
+    }
+    Ok(())
+}
+
 fn read_all(path: &Path, config: &DataConfig) {
     // A bad-row budget large enough that every line is parsed.
     let bad = BadRows::new(u64::MAX, 0);

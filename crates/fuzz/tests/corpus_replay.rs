@@ -5,8 +5,29 @@
 
 use std::path::Path;
 
+/// Removes the targets' scratch under the temporary directory when the
+/// replay ends, a failed one too.
+struct Scratch;
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = sparrow_fuzz::remove_scratch();
+    }
+}
+
+/// This process's scratch entries under the temporary directory.
+fn scratch_entries() -> usize {
+    let prefix = format!("sparrow-fuzz-{}-", std::process::id());
+    std::fs::read_dir(std::env::temp_dir())
+        .expect("temp dir")
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .count()
+}
+
 #[test]
 fn every_corpus_input_is_handled_without_a_panic() {
+    let _cleanup = Scratch;
     let fuzz = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz");
     let mut replayed = 0;
     for (target, run) in sparrow_fuzz::TARGETS {
@@ -29,4 +50,8 @@ fn every_corpus_input_is_handled_without_a_panic() {
         }
     }
     println!("replayed {replayed} inputs");
+    // The targets' files are this test's to remove: none is left behind.
+    assert!(scratch_entries() > 0, "the targets wrote no scratch: nothing to check");
+    sparrow_fuzz::remove_scratch().expect("remove the targets' scratch");
+    assert_eq!(scratch_entries(), 0, "scratch left under {}", std::env::temp_dir().display());
 }
