@@ -147,6 +147,31 @@ fn adam_for_cpu(simd: Simd, k: AdamStep, w: &mut [f32], g: &[f32], m: &mut [f32]
     adam(k, w, g, m, v);
 }
 
+/// One parameter's step: Adam (or AdamW) where it has moments, SGD where
+/// it has none; chunks of a large parameter in parallel on the caller's
+/// pool (the layers are up to ~110k weights, a few tens of microseconds
+/// a chunk).
+fn update_weights(w: &mut [f32], g: &[f32], moments: Option<&mut (Vec<f32>, Vec<f32>)>, k: AdamStep, simd: Simd) {
+    const CHUNK: usize = 16 * 1024;
+    match moments {
+        None => {
+            let (lr, wd) = (k.lr, k.wd);
+            w.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).for_each(|(w, g)| {
+                for (w, g) in w.iter_mut().zip(g) {
+                    *w -= lr * (g + wd * *w);
+                }
+            });
+        }
+        Some((m, v)) => {
+            w.par_chunks_mut(CHUNK)
+                .zip(g.par_chunks(CHUNK))
+                .zip(m.par_chunks_mut(CHUNK))
+                .zip(v.par_chunks_mut(CHUNK))
+                .for_each(|(((w, g), m), v)| adam_for_cpu(simd, k, w, g, m, v));
+        }
+    }
+}
+
 fn update_in_place(var: &Var, update: impl FnOnce(&mut [f32])) -> Result<(), ModelError> {
     if var.device().is_cpu() {
         var.as_tensor().inplace_op1(&InPlace { update: Cell::new(Some(update)) })?;
@@ -293,48 +318,41 @@ impl DenseOptimizer {
         let t = self.step as i32;
         let (b1, b2, eps) = (c.beta1 as f32, c.beta2 as f32, c.eps as f32);
         let (c1, c2) = (1.0 - c.beta1.powi(t) as f32, 1.0 - c.beta2.powi(t) as f32);
-        // Chunks in parallel on the caller's pool: the layers are up to
-        // ~110k weights, a few tens of microseconds per chunk.
-        const CHUNK: usize = 16 * 1024;
-        let mut recycled = Vec::new();
-        for (index, ((name, var), g)) in params.vars().iter().zip(grads.grads).enumerate() {
-            let Some(g) = g else {
-                continue;
-            };
-            // A running statistic follows its batch values, at no rate.
-            if let Some(m) = params.statistic_momentum(index) {
-                update_in_place(var, |w| w.iter_mut().zip(&g).for_each(|(w, b)| *w = (1.0 - m) * *w + m * b))?;
-                continue;
+        // Every parameter's moments exist before the updates run side by side.
+        let adam = matches!(c.kind, DenseOptimizerKind::Adam | DenseOptimizerKind::AdamW);
+        if adam {
+            for (index, ((name, var), g)) in params.vars().iter().zip(&grads.grads).enumerate() {
+                if g.is_some() && params.statistic_momentum(index).is_none() && !self.moments.contains_key(name) {
+                    self.moments.insert(name.clone(), (vec![0.0; var.elem_count()], vec![0.0; var.elem_count()]));
+                }
             }
-            let moments = match c.kind {
-                DenseOptimizerKind::Adam | DenseOptimizerKind::AdamW => Some(
-                    self.moments
-                        .entry(name.clone())
-                        .or_insert_with(|| (vec![0.0; var.elem_count()], vec![0.0; var.elem_count()])),
-                ),
-                DenseOptimizerKind::Sgd => None,
-            };
-            update_in_place(var, |w| match moments {
-                None => {
-                    w.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).for_each(|(w, g)| {
-                        for (w, g) in w.iter_mut().zip(g) {
-                            *w -= lr * (g + wd * *w);
-                        }
-                    });
-                }
-                Some((m, v)) => {
-                    let v_floor = AdamStep::v_floor(eps, c2);
-                    let (step, simd) = (AdamStep { lr, wd, decay, b1, b2, eps, c1, c2, v_floor }, self.simd);
-                    w.par_chunks_mut(CHUNK)
-                        .zip(g.par_chunks(CHUNK))
-                        .zip(m.par_chunks_mut(CHUNK))
-                        .zip(v.par_chunks_mut(CHUNK))
-                        .for_each(|(((w, g), m), v)| adam_for_cpu(simd, step, w, g, m, v));
-                }
-            })?;
-            recycled.push(g);
         }
-        Ok(recycled)
+        let mut moments: HashMap<&str, &mut (Vec<f32>, Vec<f32>)> =
+            self.moments.iter_mut().map(|(name, m)| (name.as_str(), m)).collect();
+        let jobs: Vec<_> = (params.vars().iter().zip(grads.grads).enumerate())
+            .filter_map(|(index, ((name, var), g))| {
+                Some((index, var, g?, moments.remove(name.as_str()).filter(|_| adam)))
+            })
+            .collect();
+        let (v_floor, simd) = (AdamStep::v_floor(eps, c2), self.simd);
+        let step = AdamStep { lr, wd, decay, b1, b2, eps, c1, c2, v_floor };
+        // A model of many small parameters (the multi-task kinds' experts,
+        // gates and towers: a few thousand weights each) had them updated
+        // one after another on one thread; each parameter now is a job of
+        // the caller's pool, and a large one is split in chunks too. Each
+        // weight's update is its own, so the bits do not depend on which
+        // thread runs it.
+        jobs.into_par_iter()
+            .map(|(index, var, g, moments)| {
+                // A running statistic follows its batch values, at no rate.
+                if let Some(m) = params.statistic_momentum(index) {
+                    update_in_place(var, |w| w.iter_mut().zip(&g).for_each(|(w, b)| *w = (1.0 - m) * *w + m * b))?;
+                    return Ok(g);
+                }
+                update_in_place(var, |w| update_weights(w, &g, moments, step, simd))?;
+                Ok(g)
+            })
+            .collect()
     }
 
     /// The first parameter or optimizer moment holding a NaN or an infinity,
@@ -542,6 +560,102 @@ mod tests {
             opt.apply(&params, super::DenseGrads { grads: vec![Some(vec![0.5])], rows: 1 }).expect("a step");
             let w = params.flat_values().expect("values")[0];
             assert!((w - want).abs() < 1e-6, "{kind:?}: {w}, not {want}");
+        }
+    }
+
+    /// Every parameter is its own job of the pool (and a large one is cut
+    /// in chunks): on pools of one and of three threads, the weights and
+    /// moments after three steps are those of each parameter stepped alone
+    /// by the plain loop, bit for bit, for Adam, AdamW and SGD; an SGD
+    /// optimizer holding moments (left by a checkpoint) does not use them.
+    #[test]
+    fn each_parameter_steps_as_it_would_alone_on_any_pool() {
+        use sparrow_core::config::{DenseOptimizerConfig, DenseOptimizerKind};
+        // Many small parameters, as the multi-task kinds have, and one
+        // larger than a chunk.
+        let sizes: Vec<usize> = (1..40).map(|i| i * 7 % 300 + 1).chain([40_000]).collect();
+        let value = |p: usize, i: usize, step: usize| ((p * 131 + i * 17 + step * 7) % 1009) as f32 / 1009.0 - 0.45;
+        let params_of = || {
+            let mut params = crate::params::ParamStore::new(1, candle_core::Device::Cpu);
+            for (p, &n) in sizes.iter().enumerate() {
+                params.push(format!("p{p}"), (0..n).map(|i| value(p, i, 99)).collect(), &[n]).expect("a parameter");
+            }
+            params
+        };
+        let grads = |step: usize| super::DenseGrads {
+            // The fifth parameter has no gradient this step: it stays as it was.
+            grads: sizes
+                .iter()
+                .enumerate()
+                .map(|(p, &n)| (p != 4 || step == 0).then(|| (0..n).map(|i| value(p, i, step)).collect()))
+                .collect(),
+            rows: 8,
+        };
+        for kind in [DenseOptimizerKind::Adam, DenseOptimizerKind::AdamW, DenseOptimizerKind::Sgd] {
+            let config = DenseOptimizerConfig { kind, learning_rate: 0.01, weight_decay: 0.01, ..Default::default() };
+            // The reference: each parameter on its own, the plain loop.
+            let mut expected: Vec<Vec<f32>> =
+                sizes.iter().enumerate().map(|(p, &n)| (0..n).map(|i| value(p, i, 99)).collect()).collect();
+            let mut moments: Vec<(Vec<f32>, Vec<f32>)> = sizes.iter().map(|&n| (vec![0.0; n], vec![0.0; n])).collect();
+            let mut stepped = vec![0i32; sizes.len()];
+            for step in 0..3 {
+                for (p, g) in grads(step).grads.into_iter().enumerate() {
+                    let Some(g) = g else { continue };
+                    let lr = config.learning_rate as f32;
+                    let w = &mut expected[p];
+                    if kind == DenseOptimizerKind::Sgd {
+                        w.iter_mut().zip(&g).for_each(|(w, g)| *w -= lr * (g + 0.01 * *w));
+                        continue;
+                    }
+                    // Steps count the optimizer's, not the parameter's.
+                    stepped[p] = step as i32 + 1;
+                    let t = stepped[p];
+                    let (c1, c2) = (1.0 - 0.9f64.powi(t) as f32, 1.0 - 0.999f64.powi(t) as f32);
+                    let (wd, decay) =
+                        if kind == DenseOptimizerKind::AdamW { (0.0, 1.0 - lr * 0.01) } else { (0.01, 1.0) };
+                    let k = AdamStep {
+                        lr,
+                        wd,
+                        decay,
+                        b1: 0.9,
+                        b2: 0.999,
+                        eps: 1e-8,
+                        c1,
+                        c2,
+                        v_floor: AdamStep::v_floor(1e-8, c2),
+                    };
+                    let (m, v) = &mut moments[p];
+                    adam(k, w, &g, m, v);
+                }
+            }
+            for threads in [1, 3] {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a pool");
+                let params = params_of();
+                let mut opt = super::DenseOptimizer::new(config.clone(), Simd::Auto);
+                if kind == DenseOptimizerKind::Sgd {
+                    // Moments an SGD optimizer must not read.
+                    opt.moments.insert("p0".into(), (vec![1.0; sizes[0]], vec![1.0; sizes[0]]));
+                }
+                pool.install(|| {
+                    for step in 0..3 {
+                        opt.apply(&params, grads(step)).expect("a step");
+                    }
+                });
+                // The first value whose bits differ, if any (`usize::MAX`: the lengths).
+                let differs = |a: &[f32], b: &[f32]| match a.len() == b.len() {
+                    true => a.iter().zip(b).position(|(x, y)| x.to_bits() != y.to_bits()),
+                    false => Some(usize::MAX),
+                };
+                let flat = params.flat_values().expect("values");
+                assert_eq!(differs(&flat, &expected.concat()), None, "{kind:?} weights on {threads} threads");
+                if kind != DenseOptimizerKind::Sgd {
+                    for (p, (m, v)) in moments.iter().enumerate() {
+                        let mine = &opt.moments[&format!("p{p}")];
+                        assert_eq!(differs(&mine.0, m), None, "{kind:?} first moments of p{p}");
+                        assert_eq!(differs(&mine.1, v), None, "{kind:?} second moments of p{p}");
+                    }
+                }
+            }
         }
     }
 }
