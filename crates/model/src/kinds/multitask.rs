@@ -28,6 +28,7 @@ use crate::params::{Linear, ParamStore};
 mod direct;
 mod gates;
 mod one_input_gates;
+mod one_input_towers;
 
 /// One level of experts and their gates.
 struct Level {

@@ -21,8 +21,10 @@ pub(crate) trait FirstProduct {
     /// From `g = d loss / d out`: first through the ReLU where `relu` is
     /// given (its output and dropout's scale, as `relu_mask`; `g` is
     /// written where [`FirstGrad`] says), then `db += Σ_rows g` in the
-    /// rows' order, `dW = inputᵀ·g` (every element written), and d input
-    /// as the caller keeps it.
+    /// rows' order, `dW = inputᵀ·g` (every element written, or left to
+    /// the product's owner to write once the call returns: the towers side
+    /// by side of `one_input_towers.rs`), and d input as the caller keeps
+    /// it.
     fn backward(
         &mut self,
         w: &[f32],
@@ -84,6 +86,18 @@ impl Mlp {
         draw: Option<u64>,
         scratch: &mut MlpScratch,
     ) -> Result<(), ModelError> {
+        self.forward_cpu_from_at(first, (rows, 0), draw, scratch)
+    }
+
+    /// [`forward_cpu_from`](Self::forward_cpu_from) on rows that start at
+    /// row `first_row` of the batch (as [`forward_cpu_at`](Self::forward_cpu_at)).
+    pub(crate) fn forward_cpu_from_at(
+        &self,
+        first: &mut dyn FirstProduct,
+        (rows, first_row): (usize, usize),
+        draw: Option<u64>,
+        scratch: &mut MlpScratch,
+    ) -> Result<(), ModelError> {
         let running = if draw.is_some() { Vec::new() } else { self.running_values()? };
         {
             let (ps, pl) = self.params.storage_and_layout();
@@ -91,7 +105,7 @@ impl Mlp {
                 &self.shape,
                 (cpu(&ps, pl)?, &running),
                 First::Product(first),
-                (rows, 0),
+                (rows, first_row),
                 draw,
                 scratch,
             );
@@ -109,6 +123,12 @@ impl Mlp {
     ) -> Result<Vec<f32>, ModelError> {
         let (ps, pl) = self.params.storage_and_layout();
         Ok(super::backward_into(&self.shape, cpu(&ps, pl)?, First::Product(first), (grad_out, false), scratch))
+    }
+
+    /// Where its first layer's weights `W` (`[fan_in, fan_out]`, row-major)
+    /// sit in its parameters: `(offset, fan_in, fan_out)`.
+    pub(crate) fn first_weights(&self) -> Option<(usize, usize, usize)> {
+        self.shape.layers.first().map(|l| (l.w, l.fan_in, l.fan_out))
     }
 
     /// Its products are fp32 (`model.precision = "f32"`).

@@ -12,14 +12,16 @@
 //!   gradients are one pass; the experts' backward passes run side by
 //!   side; each input's gradient is its parts summed in one pass;
 //! - the towers run side by side, each task's seed its columns of the
-//!   logits' (ESMM: through logit(σ(a)·σ(b))).
+//!   logits' (ESMM: through logit(σ(a)·σ(b))); ESMM's, which read one
+//!   input, take their first layers' products as one each way
+//!   (`one_input_towers.rs`).
 //!
 //! Every buffer is summed in a fixed order, so the step's bits do not
 //! depend on the threads.
 
 use rayon::prelude::*;
 
-use super::{Level, MultiTask, Which, gates, one_input_gates};
+use super::{Level, MultiTask, Which, gates, one_input_gates, one_input_towers};
 use crate::ModelError;
 use crate::bf16::Arith;
 use crate::kinds::{At, Direct, Grads};
@@ -72,6 +74,8 @@ pub(super) struct MultiScratch {
     ctcvr_slopes: Vec<(f32, f32)>,
     /// A level's gates that read one input, side by side.
     gates: one_input_gates::SideBySide,
+    /// ESMM's towers, which read one input: their first products side by side.
+    one_input_towers: one_input_towers::OneInputTowers,
 }
 
 impl Level {
@@ -328,6 +332,14 @@ fn ctcvr(a: f32, b: f32) -> (f32, (f32, f32)) {
     (-(sum.ln() + max), ((e[0] + e[2]) / sum, (e[1] + e[2]) / sum))
 }
 
+impl MultiTask {
+    /// Whether the towers read `x` (ESMM's, there being no experts) and
+    /// take their first products side by side (`one_input_towers.rs`).
+    fn towers_read_x(&self) -> bool {
+        self.levels.is_empty() && one_input_towers::applies(&self.towers)
+    }
+}
+
 impl Direct for MultiTask {
     fn forward(&self, at: &At, x: &[f32], rows: usize, s: &mut Scratch) -> Result<Vec<f32>, ModelError> {
         let m: &mut MultiScratch = s.of_kind();
@@ -338,12 +350,17 @@ impl Direct for MultiTask {
             Some(top) => top.mixes.iter().take(tasks).map(|v| &v[..]).collect(),
             None => vec![x; tasks],
         };
-        self.towers
-            .par_iter()
-            .zip(m.towers.par_iter_mut())
-            .zip(inputs.par_iter())
-            .map(|((t, s), x)| t.forward_cpu_at(x, (rows, at.first_row), at.dropout, s))
-            .collect::<Result<Vec<()>, _>>()?;
+        if self.towers_read_x() {
+            let draw = (at.dropout, self.simd);
+            m.one_input_towers.forward(&self.towers, (x, rows, at.first_row), draw, &mut m.towers)?;
+        } else {
+            self.towers
+                .par_iter()
+                .zip(m.towers.par_iter_mut())
+                .zip(inputs.par_iter())
+                .map(|((t, s), x)| t.forward_cpu_at(x, (rows, at.first_row), at.dropout, s))
+                .collect::<Result<Vec<()>, _>>()?;
+        }
         if self.which == Which::Esmm {
             let (a, b) = (&m.towers[0].output, &m.towers[1].output);
             m.ctcvr_slopes.clear();
@@ -409,23 +426,31 @@ impl Direct for MultiTask {
             Some(top) => top.mixes.iter().take(tasks).map(|v| &v[..]).collect(),
             None => vec![x; tasks],
         };
-        let tower_grads = self
-            .towers
-            .par_iter()
-            .zip(m.towers.par_iter_mut())
-            .zip(m.tower_seeds.par_iter())
-            .zip(inputs.par_iter())
-            .map(|(((t, s), seed), x)| t.backward_cpu(x, seed, s))
-            .collect::<Result<Vec<_>, _>>()?;
+        let side_by_side = self.towers_read_x();
+        let tower_grads = match side_by_side {
+            // d x is every tower's, summed in their products side by side.
+            true => {
+                let seeds = (&m.tower_seeds[..], self.simd);
+                m.one_input_towers.backward(&self.towers, (x, rows), seeds, &mut m.towers, &mut grad_x)?
+            }
+            false => self
+                .towers
+                .par_iter()
+                .zip(m.towers.par_iter_mut())
+                .zip(m.tower_seeds.par_iter())
+                .zip(inputs.par_iter())
+                .map(|(((t, s), seed), x)| t.backward_cpu(x, seed, s))
+                .collect::<Result<Vec<_>, _>>()?,
+        };
         for (t, g) in self.towers.iter().zip(tower_grads) {
             grads.push((t.params(), g));
         }
-        if self.levels.is_empty() {
+        if self.levels.is_empty() && !side_by_side {
             // ESMM: both towers read x; their gradients summed in one pass.
             let (a, b) = (&m.towers[0].grad_input, &m.towers[1].grad_input);
             grad_x.clear();
             grad_x.extend(a.iter().zip(b).map(|(a, b)| a + b));
-        } else {
+        } else if !self.levels.is_empty() {
             // The top level's mixes are the towers' inputs; it has no shared mix.
             m.d_inputs.resize_with(tasks, Vec::new);
             // Taken, not copied: the tower's next backward pass refills
