@@ -213,8 +213,9 @@ mod tests {
     /// gradients of its own pass bit for bit, and d x within rounding of
     /// the towers' own summed: ESMM's towers (`[32] → 1`, whose first
     /// layer takes the next one's gradient as an outer product), deeper
-    /// and wider ones, dropout (a scale), layer norm and PReLU (no ReLU in
-    /// the product), rows from a half's first row, on a pool of two.
+    /// and wider ones, dropout (a scale), layer and batch norm, PReLU and Dice
+    /// (no ReLU in the product), rows from a half's first row, on a pool of
+    /// two.
     #[test]
     fn towers_side_by_side_give_each_towers_own_pass() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
@@ -225,6 +226,8 @@ mod tests {
             (&[32, 1][..], 0.25, plain),
             (&[16, 1][..], 0.0, StackStyle { norm: Norm::Layer, ..plain }),
             (&[32, 1][..], 0.1, StackStyle { activation: Activation::Prelu, ..plain }),
+            (&[16, 1][..], 0.0, StackStyle { norm: Norm::Batch, ..plain }),
+            (&[24, 1][..], 0.0, StackStyle { activation: Activation::Dice, ..plain }),
         ];
         let mut rng = Rng::new(3);
         for (sizes, dropout, style) in styles {
