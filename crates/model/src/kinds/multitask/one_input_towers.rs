@@ -61,6 +61,16 @@ fn columns(towers: &[Mlp]) -> (Vec<usize>, usize) {
     (starts, width)
 }
 
+/// The towers' input width, checked against `x` (`rows` of it): a
+/// mismatch is an error naming it, not a product's failed assertion.
+fn input_width(towers: &[Mlp], x: &[f32], rows: usize) -> Result<usize, ModelError> {
+    let fan_in = towers.first().and_then(Mlp::first_weights).map_or(0, |(_, fan_in, _)| fan_in);
+    if x.len() != rows * fan_in {
+        return Err(ModelError::BadInput { what: "the towers' input", len: x.len(), rows, per_row: fan_in });
+    }
+    Ok(fan_in)
+}
+
 impl OneInputTowers {
     /// Every tower's forward pass on `x` (`[rows, fan_in]`, rows from
     /// `first_row` of the batch), the outputs in `scratches`. The towers
@@ -74,7 +84,7 @@ impl OneInputTowers {
         scratches: &mut [MlpScratch],
     ) -> Result<(), ModelError> {
         let (starts, width) = columns(towers);
-        let fan_in = x.len() / rows.max(1);
+        let fan_in = input_width(towers, x, rows)?;
         let weights = sized(&mut self.weights, fan_in * width);
         for (t, &at) in towers.iter().zip(&starts) {
             let Some((w, t_in, fan_out)) = t.first_weights() else { continue };
@@ -108,7 +118,10 @@ impl OneInputTowers {
         grad_x: &mut Vec<f32>,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let (starts, width) = columns(towers);
-        let fan_in = x.len() / rows.max(1);
+        let fan_in = input_width(towers, x, rows)?;
+        if seeds.len() != towers.len() || scratches.len() != towers.len() {
+            return Err(ModelError::BadInput { what: "the towers' seeds", len: seeds.len(), rows, per_row: 1 });
+        }
         let values = sized(&mut self.values, rows * width);
         let mut grads = Vec::with_capacity(towers.len());
         for (((t, s), seed), &at) in towers.iter().zip(scratches).zip(seeds).zip(&starts) {
@@ -246,7 +259,8 @@ mod tests {
                 let seeds: Vec<Vec<f32>> =
                     (0..2).map(|_| (0..rows * outputs).map(|_| rng.normal() as f32).collect()).collect();
                 let draw = Some(41);
-                let case = format!("{sizes:?}, dropout {dropout}, {:?}, {rows} rows", style.activation);
+                let case =
+                    format!("{sizes:?}, dropout {dropout}, {:?}, {:?}, {rows} rows", style.norm, style.activation);
                 pool.install(|| {
                     let mut own = vec![MlpScratch::default(), MlpScratch::default()];
                     let mut own_grads = Vec::new();
@@ -279,6 +293,23 @@ mod tests {
                 });
             }
         }
+    }
+
+    /// An input of the wrong size is an error naming it, before any product.
+    #[test]
+    fn an_input_of_the_wrong_size_is_refused() {
+        let mut ps = ParamStore::new(7, Device::Cpu);
+        let f32 = crate::bf16::Arith::new(Precision::F32, Simd::Auto);
+        let towers: Vec<Mlp> =
+            (0..2).map(|t| Mlp::new(&mut ps, &format!("t{t}"), 6, &[4, 1], false, f32).expect("t")).collect();
+        let mut side = OneInputTowers::default();
+        let mut scratches = vec![MlpScratch::default(), MlpScratch::default()];
+        let x = vec![0.5f32; 3 * 6 + 1];
+        let err = side.forward(&towers, (&x, 3, 0), (None, Simd::Auto), &mut scratches).expect_err("forward");
+        assert!(err.to_string().contains("the towers' input"), "{err}");
+        let seeds = vec![vec![1.0f32; 3]; 2];
+        let err = side.backward(&towers, (&x, 3), (&seeds, Simd::Auto), &mut scratches, &mut Vec::new());
+        assert!(err.expect_err("backward").to_string().contains("the towers' input"));
     }
 
     /// Towers of other widths in, or in bf16, keep a pass each.
