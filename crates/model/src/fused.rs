@@ -10,7 +10,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
 use rayon::prelude::*;
 pub use sparrow_core::simd::Simd;
 
-fn contiguous_f32<'a>(op: &str, s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
+pub(crate) fn contiguous_f32<'a>(op: &str, s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
     match l.contiguous_offsets() {
         Some((start, end)) => Ok(&s.as_slice::<f32>()?[start..end]),
         None => Err(candle_core::Error::Msg(format!("{op}: input must be contiguous"))),

@@ -15,6 +15,7 @@ mod bf16_rounded;
 mod columns;
 mod cross;
 mod dropout;
+mod exp;
 pub mod fused;
 pub mod heads;
 pub mod kinds;

@@ -303,7 +303,9 @@ pub(super) fn experts_params(config: &ModelConfig, shape: crate::step::ModelShap
 /// Σ_k softmax(gate)_k · expert_k: `gate` `[B, K]`, each expert `[B, H]`.
 fn mix(gate: &Tensor, experts: &[&Tensor]) -> Result<Tensor, ModelError> {
     let m = gate.max_keepdim(D::Minus1)?;
-    let e = gate.broadcast_sub(&m)?.exp()?;
+    // The direct step's exponentials (`exp.rs`), so it is compared with
+    // this graph to its last bits.
+    let e = gate.broadcast_sub(&m)?.contiguous()?.apply_op1(crate::exp::Exp)?;
     let w = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
     let stacked = Tensor::stack(experts, 1)?; // [B, K, H]
     Ok(stacked.broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?)

@@ -31,6 +31,7 @@ use rayon::prelude::*;
 use sparrow_core::simd::Simd;
 
 use crate::columns::avx512f;
+use crate::exp::exp_f32;
 use crate::matrix::dot;
 use crate::mlp::through_relu;
 
@@ -142,8 +143,10 @@ fn softmax_rows(logits: &mut [f32], bias: &[f32], lanes: &mut Vec<[f32; LANES]>)
     for lane in lanes.iter() {
         max.iter_mut().zip(lane).for_each(|(m, &v)| *m = m.max(v));
     }
+    // Every lane (those past `n` hold what they held, and go unread): a
+    // vector of sixteen exponentials.
     for lane in lanes.iter_mut() {
-        lane.iter_mut().zip(&max).take(n).for_each(|(v, m)| *v = (*v - m).exp());
+        lane.iter_mut().zip(&max).for_each(|(v, m)| *v = exp_f32(*v - m));
     }
     // `Iterator::sum`'s bits: it starts from −0.
     let mut sum = [-0.0f32; LANES];
@@ -447,7 +450,7 @@ mod tests {
                 let w = &mut weights[g][r * k..(r + 1) * k];
                 w.iter_mut().zip(&biases[g]).for_each(|(w, b)| *w += b);
                 let max = w.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                w.iter_mut().for_each(|v| *v = (*v - max).exp());
+                w.iter_mut().for_each(|v| *v = exp_f32(*v - max));
                 let sum: f32 = w.iter().sum();
                 w.iter_mut().for_each(|v| *v /= sum);
                 let m = &mut mixes[g][r * width..(r + 1) * width];
