@@ -10,8 +10,10 @@
 use rayon::prelude::*;
 use sparrow_core::simd::Simd;
 
+use crate::ModelError;
 use crate::columns::{Terms, avx512f, column_sums};
 pub use crate::layer_norm::EPS;
+use crate::meet::{Combine, Side};
 
 /// Rows a task normalizes: both threads take part on a batch.
 const ROWS_PER_TASK: usize = 128;
@@ -68,7 +70,9 @@ fn normalize_rows(out: &mut [f32], xhat: &mut [f32], width: usize, (mean, inv, g
 /// `xhat` and 1/√(σ²_B + ε) per column in `inv`, for the backward pass;
 /// `stats` (`2·width`) gets the batch's mean, then its unbiased variance
 /// (the biased one for one row). The columns' sums run a tile of columns
-/// a task (`columns.rs`), each over the rows in order.
+/// a task (`columns.rs`), each over the rows in order. A half of a batch
+/// (`meet`) takes its own rows' mean and squared deviations, and the
+/// whole batch's from the other half's (`meet.rs`).
 pub(crate) fn forward_train(
     simd: Simd,
     (out, width, relu): (&mut [f32], usize, bool),
@@ -76,14 +80,54 @@ pub(crate) fn forward_train(
     (xhat, inv): (&mut Vec<f32>, &mut Vec<f32>),
     stats: &mut [f32],
 ) {
+    let rows = moments(simd, out, width, stats);
+    by_moments(simd, (out, width, relu), (gamma, beta), (xhat, inv), (stats, rows));
+}
+
+/// [`forward_train`] on a half of a batch, where `meet` is given: its own
+/// rows' means and squared deviations, then the whole batch's from the
+/// other half's (`meet.rs`).
+pub(crate) async fn forward_train_met(
+    simd: Simd,
+    (out, width, relu): (&mut [f32], usize, bool),
+    (gamma, beta): (&[f32], &[f32]),
+    (xhat, inv): (&mut Vec<f32>, &mut Vec<f32>),
+    (stats, meet): (&mut [f32], Option<Side<'_>>),
+) -> Result<(), ModelError> {
+    let mut rows = moments(simd, out, width, stats);
+    if let Some(side) = meet {
+        side.exchange(Combine::Moments, stats).await?;
+        rows = side.rows();
+    }
+    by_moments(simd, (out, width, relu), (gamma, beta), (xhat, inv), (stats, rows));
+    Ok(())
+}
+
+/// `stats = [mean | M2]` of `out`'s columns (M2: the squared deviations
+/// from the mean, summed); returns `out`'s rows.
+fn moments(simd: Simd, out: &[f32], width: usize, stats: &mut [f32]) -> usize {
     let rows = out.len() / width.max(1);
-    xhat.resize(out.len(), 0.0);
-    inv.resize(width, 0.0);
     let (mean, var) = stats.split_at_mut(width);
     let n = rows.max(1) as f32;
     column_sums(simd, out, width, Terms::Values, mean, &mut []);
     mean.iter_mut().for_each(|m| *m /= n);
     column_sums(simd, out, width, Terms::Squares(mean), var, &mut []);
+    rows
+}
+
+/// `out` normalized by `[mean | M2]` of `rows` rows, `stats` turned into
+/// `[mean | unbiased variance]`.
+fn by_moments(
+    simd: Simd,
+    (out, width, relu): (&mut [f32], usize, bool),
+    (gamma, beta): (&[f32], &[f32]),
+    (xhat, inv): (&mut Vec<f32>, &mut Vec<f32>),
+    (stats, rows): (&mut [f32], usize),
+) {
+    xhat.resize(out.len(), 0.0);
+    inv.resize(width, 0.0);
+    let (mean, var) = stats.split_at_mut(width);
+    let n = rows.max(1) as f32;
     for (i, v) in inv.iter_mut().zip(var.iter_mut()) {
         *i = 1.0 / (*v / n + EPS).sqrt();
         // PyTorch keeps the unbiased variance as the running one.
@@ -122,11 +166,55 @@ pub(crate) fn backward(
     (dgamma, dbeta): (&mut [f32], &mut [f32]),
     by_batch: bool,
 ) {
-    let rows = g.len() / width.max(1);
-    let (mut sum_g, mut sum_gx) = (vec![0.0f32; width], vec![0.0f32; width]);
-    column_sums(simd, g, width, Terms::WithProducts(xhat), &mut sum_g, &mut sum_gx);
-    dgamma.iter_mut().zip(&sum_gx).for_each(|(d, s)| *d += s);
-    dbeta.iter_mut().zip(&sum_g).for_each(|(d, s)| *d += s);
+    let (sums, rows) = sums(simd, (g, width), xhat, (dgamma, dbeta));
+    by_sums(simd, (g, width), gamma, (xhat, inv), (sums, rows), by_batch);
+}
+
+/// [`backward`] on a half of a batch, where `meet` is given: its d γ and
+/// d β are its own rows' (the step sums the halves' gradients), its d z
+/// takes the whole batch's sums.
+pub(crate) async fn backward_met(
+    simd: Simd,
+    (g, width): (&mut [f32], usize),
+    gamma: &[f32],
+    (xhat, inv): (&[f32], &[f32]),
+    (dgamma, dbeta): (&mut [f32], &mut [f32]),
+    (by_batch, meet): (bool, Option<Side<'_>>),
+) -> Result<(), ModelError> {
+    let (mut sums, mut rows) = sums(simd, (g, width), xhat, (dgamma, dbeta));
+    if let (Some(side), true) = (meet, by_batch) {
+        side.exchange(Combine::Sum, &mut sums).await?;
+        rows = side.rows();
+    }
+    by_sums(simd, (g, width), gamma, (xhat, inv), (sums, rows), by_batch);
+    Ok(())
+}
+
+/// `[Σ g | Σ g·x̂]` of each column, added to d β and d γ; and `g`'s rows.
+fn sums(
+    simd: Simd,
+    (g, width): (&[f32], usize),
+    xhat: &[f32],
+    (dgamma, dbeta): (&mut [f32], &mut [f32]),
+) -> (Vec<f32>, usize) {
+    let mut sums = vec![0.0f32; 2 * width];
+    let (sum_g, sum_gx) = sums.split_at_mut(width);
+    column_sums(simd, g, width, Terms::WithProducts(xhat), sum_g, sum_gx);
+    dgamma.iter_mut().zip(&*sum_gx).for_each(|(d, s)| *d += s);
+    dbeta.iter_mut().zip(&*sum_g).for_each(|(d, s)| *d += s);
+    (sums, g.len() / width.max(1))
+}
+
+/// d z from `g`, given the columns' `[Σ g | Σ g·x̂]` over `rows` rows.
+fn by_sums(
+    simd: Simd,
+    (g, width): (&mut [f32], usize),
+    gamma: &[f32],
+    (xhat, inv): (&[f32], &[f32]),
+    (mut sums, rows): (Vec<f32>, usize),
+    by_batch: bool,
+) {
+    let (sum_g, sum_gx) = sums.split_at_mut(width);
     let n = rows.max(1) as f32;
     if !by_batch {
         sum_g.fill(0.0);

@@ -17,6 +17,7 @@ use crate::ModelError;
 use crate::bf16::Arith;
 use crate::fused::Simd;
 use crate::heads::Heads;
+use crate::meet::Side;
 use crate::mlp::{Mlp, MlpScratch, StackStyle};
 use crate::params::ParamStore;
 use crate::spec::NetSpec;
@@ -199,6 +200,10 @@ impl At {
 /// The gradients of the dense parameters, in any order, keyed by parameter.
 pub type Grads<'a> = Vec<(&'a Var, Vec<f32>)>;
 
+/// A half's pass of a batch run in halves, which may wait to meet the
+/// other half (`meet.rs`).
+pub type Met<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = Result<T, ModelError>> + Send + 'a>>;
+
 /// A built network.
 pub trait Net: Send + Sync {
     /// Logits `[batch, outputs]` (candle's graph: every device, autograd)
@@ -251,6 +256,42 @@ pub trait Direct: Sync {
         grads: &mut Grads<'a>,
     ) -> Result<(), ModelError>;
 
+    /// [`forward`](Self::forward) on a half of a batch run in halves, its
+    /// batch statistics met with the other half's at `meet` where the kind
+    /// [`meets_statistics`](Self::meets_statistics).
+    fn forward_met<'a>(
+        &'a self,
+        at: &'a At,
+        (x, rows): (&'a [f32], usize),
+        s: &'a mut Scratch,
+        _meet: Side<'a>,
+    ) -> Met<'a, Vec<f32>> {
+        Box::pin(async move { self.forward(at, x, rows, s) })
+    }
+
+    /// [`backward`](Self::backward) after a [`forward_met`](Self::forward_met):
+    /// the dense gradients.
+    fn backward_met<'a: 'b, 'b>(
+        &'a self,
+        at: &'b At,
+        (x, seed): (&'b [f32], &'b [f32]),
+        s: &'b mut Scratch,
+        _meet: Side<'b>,
+    ) -> Met<'b, Grads<'a>> {
+        Box::pin(async move {
+            let mut grads = Vec::new();
+            self.backward(at, x, seed, s, &mut grads)?;
+            Ok(grads)
+        })
+    }
+
+    /// Whether its step in halves meets the other half at its batch
+    /// statistics ([`forward_met`](Self::forward_met)): where it does not,
+    /// a model whose layers keep batch statistics runs its batches whole.
+    fn meets_statistics(&self) -> bool {
+        false
+    }
+
     /// Forward, loss and backward in one pass over the batch, where the
     /// kind has such a pass (the first-order kinds); `None` otherwise.
     fn whole_step<'a>(
@@ -282,7 +323,8 @@ pub trait Direct: Sync {
     /// where it may not. A kind says so where no pass reads the batch as
     /// a whole, its MLPs' dropout is drawn from [`At::first_row`], and its
     /// passes are too small to split across threads one by one. The
-    /// driver also checks that no layer keeps batch statistics.
+    /// driver also checks that no layer keeps batch statistics, unless the
+    /// kind [`meets_statistics`](Self::meets_statistics).
     fn half_rows(&self) -> Option<usize> {
         None
     }

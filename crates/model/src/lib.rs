@@ -21,6 +21,7 @@ pub mod heads;
 pub mod kinds;
 mod layer_norm;
 pub mod matrix;
+mod meet;
 pub mod mlp;
 pub mod models;
 pub mod optimizer;
@@ -64,4 +65,7 @@ pub enum ModelError {
     /// A NaN or an infinity where training needs numbers; nothing was updated.
     #[error("non-finite {what}")]
     NonFinite { what: String },
+    /// A bug: the two halves of a step in halves met unevenly.
+    #[error("a step's two halves: {what}")]
+    Halves { what: &'static str },
 }

@@ -11,12 +11,15 @@
 mod amx_kept;
 pub(crate) mod first_product;
 mod linear;
+mod met;
+mod precision;
 mod relu;
 mod scratch;
 
 use first_product::{First, FirstGrad, next_dw_in_pass, outer_to_first};
 use linear::weight_grads;
 pub(crate) use linear::{linear_grads, matmul};
+pub use precision::matmul_in;
 pub(crate) use relu::through_relu;
 use relu::{add_bias, relu_mask, relu_mask_from};
 pub use scratch::MlpScratch;
@@ -32,6 +35,7 @@ use crate::dropout::Dropout;
 
 use crate::ModelError;
 pub use crate::matrix::{Operand, sgemm, sgemm_threads};
+use crate::meet::Side;
 use crate::params::{BatchValue, ParamStore};
 
 /// Where each layer's weights live in the flat parameter vector.
@@ -208,6 +212,11 @@ impl Mlp {
         let (arith, norm, activation) = (s.arith, s.norm, s.activation);
         let shape = MlpShape { layers, num_params, arith, dropout, norm, activation, simd };
         Mlp { shape: Arc::new(shape), params: self.params, running: self.running }
+    }
+
+    /// What its activated layers apply after their norm.
+    pub(crate) fn activation(&self) -> Activation {
+        self.shape.activation
     }
 
     /// The running statistics' values (empty without batch norm).
@@ -451,14 +460,14 @@ fn prefix(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
 /// Forward pass into `scratch`, training where `draw` is a step's (with
 /// dropout, and batch norm by the batch: its statistics in
 /// `scratch.batch_stats`), else batch norm by `running`.
-fn forward_into(
+async fn forward_into(
     shape: &MlpShape,
     (p, running): (&[f32], &[f32]),
     mut x: First<'_>,
     (rows, first_row): (usize, usize),
-    draw: Option<u64>,
+    (draw, meet): (Option<u64>, Option<Side<'_>>),
     scratch: &mut MlpScratch,
-) {
+) -> Result<(), ModelError> {
     let layers = &shape.layers;
     let running_len = layers.iter().map(|l| 2 * l.fan_out * (l.running.iter().count() + l.dice_running.iter().count()));
     scratch.batch_stats.resize(running_len.sum(), 0.0);
@@ -518,7 +527,7 @@ fn forward_into(
             match l.running {
                 Some(r) if draw.is_some() => {
                     let stats = &mut scratch.batch_stats[r..r + 2 * fo];
-                    crate::batch_norm::forward_train(simd, (out, fo, relu), gb, kept, stats);
+                    crate::batch_norm::forward_train_met(simd, (out, fo, relu), gb, kept, (stats, meet)).await?;
                 }
                 Some(r) => {
                     let stats = (&running[r..r + fo], &running[r + fo..r + 2 * fo]);
@@ -547,18 +556,19 @@ fn forward_into(
             scratch.dropout_scale = shape.dropout.apply(draw, i, first_row * l.fan_out, out);
         }
     }
+    Ok(())
 }
 
 /// Backward pass from `grad_out` (d loss / d output; `premasked`: already
 /// through the last layer's ReLU, see [`Mlp::output_mask`]): d params is
 /// returned, d x is left in `scratch.grad_input`.
-fn backward_into(
+async fn backward_into(
     shape: &MlpShape,
     p: &[f32],
     mut x: First<'_>,
     (grad_out, premasked): (&[f32], bool),
-    scratch: &mut MlpScratch,
-) -> Vec<f32> {
+    (scratch, meet): (&mut MlpScratch, Option<Side<'_>>),
+) -> Result<Vec<f32>, ModelError> {
     let layers = &shape.layers;
     let rows = scratch.rows;
     // `g[..g_len]` is the gradient at the current layer's output, first
@@ -644,14 +654,15 @@ fn backward_into(
             let norm = (&scratch.normed[i][..], &scratch.inv_std[i][..]);
             if l.running.is_some() {
                 let by_batch = scratch.trained;
-                crate::batch_norm::backward(
+                crate::batch_norm::backward_met(
                     shape.simd,
                     (&mut g[..g_len], fo),
                     &p[n..n + fo],
                     norm,
                     (dgamma, dbeta),
-                    by_batch,
-                );
+                    (by_batch, meet),
+                )
+                .await?;
             } else {
                 crate::layer_norm::backward(&mut g[..g_len], fo, &p[n..n + fo], norm, (dgamma, dbeta));
             }
@@ -718,7 +729,7 @@ fn backward_into(
     g.truncate(g_len);
     scratch.grad_input = g;
     scratch.grad_next = g_in;
-    grad_p
+    Ok(grad_p)
 }
 
 impl Mlp {
@@ -749,18 +760,18 @@ impl Mlp {
     pub fn forward_cpu_at(
         &self,
         x: &[f32],
-        (rows, first_row): (usize, usize),
+        rows: (usize, usize),
         draw: Option<u64>,
         scratch: &mut MlpScratch,
     ) -> Result<(), ModelError> {
-        self.check_input(x.len(), rows)?;
+        self.check_input(x.len(), rows.0)?;
         let running = if draw.is_some() { Vec::new() } else { self.running_values()? };
         {
             let (ps, pl) = self.params.storage_and_layout();
             let p = (cpu(&ps, pl)?, &running[..]);
-            forward_into(&self.shape, p, First::Input(x), (rows, first_row), draw, scratch);
+            crate::meet::now(forward_into(&self.shape, p, First::Input(x), rows, (draw, None), scratch))?;
         }
-        self.hand_on(draw, rows, &scratch.batch_stats)
+        self.hand_on(draw, rows.0, &scratch.batch_stats)
     }
 
     /// Backward pass of the last [`forward_cpu`](Self::forward_cpu) on the
@@ -768,7 +779,8 @@ impl Mlp {
     pub fn backward_cpu(&self, x: &[f32], grad_out: &[f32], scratch: &mut MlpScratch) -> Result<Vec<f32>, ModelError> {
         self.check_input(x.len(), scratch.rows)?;
         let (ps, pl) = self.params.storage_and_layout();
-        Ok(backward_into(&self.shape, cpu(&ps, pl)?, First::Input(x), (grad_out, false), scratch))
+        let input = (First::Input(x), (grad_out, false));
+        crate::meet::now(backward_into(&self.shape, cpu(&ps, pl)?, input.0, input.1, (scratch, None)))
     }
 }
 
@@ -793,7 +805,9 @@ impl CustomOp2 for FusedMlp {
         }
         let rows = xl.dims()[0];
         let mut scratch = self.scratch.lock().map_err(|_| err("poisoned"))?;
-        forward_into(&self.shape, (p, &self.running), First::Input(x), (rows, 0), self.draw, &mut scratch);
+        let input = (First::Input(x), (rows, 0), (self.draw, None));
+        crate::meet::now(forward_into(&self.shape, (p, &self.running), input.0, input.1, input.2, &mut scratch))
+            .map_err(|e| err(e.to_string()))?;
         if let Some(slot) = self.batch.as_ref().filter(|_| rows > 0) {
             *slot.lock().map_err(|_| err("poisoned"))? = Some(scratch.batch_stats.clone());
         }
@@ -816,83 +830,13 @@ impl CustomOp2 for FusedMlp {
         let (ps, pl) = params.storage_and_layout();
         let (gs, gl) = grad_res.storage_and_layout();
         let (x_data, p, g) = (cpu(&xs, xl)?, cpu(&ps, pl)?, cpu(&gs, gl)?);
-        let grad_p = backward_into(&self.shape, p, First::Input(x_data), (g, false), &mut scratch);
+        let grad_p =
+            crate::meet::now(backward_into(&self.shape, p, First::Input(x_data), (g, false), (&mut scratch, None)))
+                .map_err(|e| err(e.to_string()))?;
         let grad_x = std::mem::take(&mut scratch.grad_input);
         let grad_x = Tensor::from_vec(grad_x, x.shape(), x.device())?;
         let grad_p = Tensor::from_vec(grad_p, params.shape(), params.device())?;
         Ok((Some(grad_x), Some(grad_p)))
-    }
-}
-
-/// `x·w` for `x: [rows, k]` and `w: [k, n]` in the model's precision, with
-/// its backward pass: on CPU one custom op whose three products go through
-/// [`matmul`] (bf16 or the fp32 gemm), elsewhere candle's matmul. DCN-v2's
-/// cross layers use it, so `model.precision` reaches them as it reaches the
-/// MLP stacks.
-pub fn matmul_in(arith: Arith, x: &Tensor, w: &Tensor) -> Result<Tensor, ModelError> {
-    if x.device().is_cpu() && x.dtype() == DType::F32 && w.dtype() == DType::F32 {
-        Ok(x.contiguous()?.apply_op2(&w.contiguous()?, PrecisionMatmul { arith })?)
-    } else {
-        Ok(x.matmul(w)?)
-    }
-}
-
-struct PrecisionMatmul {
-    arith: Arith,
-}
-
-/// `[rows, k]` and `[k, n]` of a product's operands, checked.
-fn product_dims(xl: &Layout, wl: &Layout) -> candle_core::Result<(usize, usize, usize)> {
-    match (xl.dims(), wl.dims()) {
-        (&[rows, k], &[k2, n]) if k == k2 => Ok((rows, k, n)),
-        (x, w) => Err(candle_core::Error::Msg(format!("matmul: shapes {x:?} and {w:?} do not multiply"))),
-    }
-}
-
-impl CustomOp2 for PrecisionMatmul {
-    fn name(&self) -> &'static str {
-        "precision-matmul"
-    }
-
-    fn cpu_fwd(
-        &self,
-        xs: &CpuStorage,
-        xl: &Layout,
-        ws: &CpuStorage,
-        wl: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (rows, k, n) = product_dims(xl, wl)?;
-        let (x, w) = (contiguous(xs, xl)?, contiguous(ws, wl)?);
-        let mut out = vec![0f32; rows * n];
-        matmul(self.arith, None, rows, n, k, Operand::plain(x), Operand::plain(w), &mut out);
-        Ok((CpuStorage::F32(out), Shape::from((rows, n))))
-    }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _res: &Tensor,
-        grad_res: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (grad_x, grad_w) = {
-            let (xs, xl) = x.storage_and_layout();
-            let (ws, wl) = w.storage_and_layout();
-            let grad = grad_res.contiguous()?;
-            let (gs, gl) = grad.storage_and_layout();
-            let (rows, k, n) = product_dims(xl, wl)?;
-            let (x, w, g) = (cpu(&xs, xl)?, cpu(&ws, wl)?, cpu(&gs, gl)?);
-            let (mut grad_x, mut grad_w) = (vec![0f32; rows * k], vec![0f32; k * n]);
-            // As in the MLP's backward pass: the two products side by side.
-            rayon::join(
-                || matmul(self.arith, Some(1), rows, k, n, Operand::plain(g), Operand::t(w), &mut grad_x),
-                || matmul(self.arith, Some(1), k, n, rows, Operand::t(x), Operand::plain(g), &mut grad_w),
-            );
-            (grad_x, grad_w)
-        };
-        let grad_x = Tensor::from_vec(grad_x, x.shape(), x.device())?;
-        let grad_w = Tensor::from_vec(grad_w, w.shape(), w.device())?;
-        Ok((Some(grad_x), Some(grad_w)))
     }
 }
 

@@ -14,7 +14,7 @@ use sparrow_core::config::Activation;
 /// over its output as the parts' sum, forward and backward: on DIN's
 /// thousands of history items by `[36]`, each pass of its own cost as
 /// much as the product's arithmetic.
-pub(crate) trait FirstProduct {
+pub(crate) trait FirstProduct: Send {
     /// `out = input·W + b` (`[rows, fan_out]`), through a ReLU where
     /// `relu`.
     fn forward(&mut self, w: &[f32], rows: usize, fan_out: usize, bias_and_relu: (&[f32], bool), out: &mut [f32]);
@@ -101,14 +101,8 @@ impl Mlp {
         let running = if draw.is_some() { Vec::new() } else { self.running_values()? };
         {
             let (ps, pl) = self.params.storage_and_layout();
-            super::forward_into(
-                &self.shape,
-                (cpu(&ps, pl)?, &running),
-                First::Product(first),
-                (rows, first_row),
-                draw,
-                scratch,
-            );
+            let (p, input) = ((cpu(&ps, pl)?, &running[..]), First::Product(first));
+            crate::meet::now(super::forward_into(&self.shape, p, input, (rows, first_row), (draw, None), scratch))?;
         }
         self.hand_on(draw, rows, &scratch.batch_stats)
     }
@@ -122,7 +116,8 @@ impl Mlp {
         scratch: &mut MlpScratch,
     ) -> Result<Vec<f32>, ModelError> {
         let (ps, pl) = self.params.storage_and_layout();
-        Ok(super::backward_into(&self.shape, cpu(&ps, pl)?, First::Product(first), (grad_out, false), scratch))
+        let input = (First::Product(first), (grad_out, false));
+        crate::meet::now(super::backward_into(&self.shape, cpu(&ps, pl)?, input.0, input.1, (scratch, None)))
     }
 
     /// Where its first layer's weights `W` (`[fan_in, fan_out]`, row-major)

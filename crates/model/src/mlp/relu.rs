@@ -78,7 +78,8 @@ impl Mlp {
             return Err(ModelError::Candle(err("a gradient through the last ReLU, for layers without one")));
         }
         let (ps, pl) = self.params.storage_and_layout();
-        Ok(backward_into(&self.shape, cpu(&ps, pl)?, First::Input(x), (grad_out, true), scratch))
+        let input = (First::Input(x), (grad_out, true));
+        crate::meet::now(backward_into(&self.shape, cpu(&ps, pl)?, input.0, input.1, (scratch, None)))
     }
 }
 

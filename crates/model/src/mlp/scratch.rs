@@ -35,6 +35,8 @@ pub struct MlpScratch {
     pub(super) acts: Vec<crate::activation::ActScratch>,
     /// bf16 on a CPU without a bf16 dot product: the pass's rounded operands.
     pub(super) rounded: crate::bf16_rounded::RoundedOperands,
+    /// A half's pass of a batch run in halves: the weights it read (`met.rs`).
+    pub(super) weights: Vec<f32>,
     /// bf16 on AMX: the pass's outputs kept as tiles.
     pub(super) tiles: amx_kept::KeptTiles,
 }

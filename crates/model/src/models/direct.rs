@@ -28,7 +28,7 @@ pub(super) struct FirstOrderStep {
 impl DenseModel {
     /// Its direct step, where it takes it: on CPU, a kind that has one, for
     /// one binary output or (where the kind takes them) several tasks'.
-    fn direct(&self) -> Option<&dyn Direct> {
+    pub(super) fn direct(&self) -> Option<&dyn Direct> {
         let direct = self.net.direct().filter(|_| self.params.device().is_cpu())?;
         (self.heads.is_one_binary() || direct.several_outputs()).then_some(direct)
     }
@@ -102,7 +102,7 @@ impl DenseModel {
 
     /// The gradients in [`ParamStore`](crate::params::ParamStore) order,
     /// `None` where a parameter has none.
-    fn in_param_order(&self, mut grads: Grads<'_>, rows: usize) -> DenseGrads {
+    pub(super) fn in_param_order(&self, mut grads: Grads<'_>, rows: usize) -> DenseGrads {
         let mut grads_in_order = Vec::with_capacity(self.params.vars().len());
         for (_, var) in self.params.vars() {
             let at = grads.iter().position(|(v, _)| v.as_tensor().id() == var.as_tensor().id());

@@ -3,25 +3,50 @@
 //! columns) take 10–100 µs each on a batch of 1024; split one by one
 //! across two threads, each split costs a wake-up of the other thread (an
 //! interprocessor interrupt on a VM) and the short ones run on one thread
-//! alone. Here each half of the batch runs forward, its rows' loss and
-//! backward on a thread of its own: one meeting a step, where the thread
-//! done first waits for the other awake (`awake::join`).
+//! alone. DIN's serial passes between its products (the unit's last layer,
+//! the weighted sums, the head) read what the other thread wrote. Here
+//! each half of the batch runs forward, its rows' loss and backward on a
+//! thread of its own: one meeting a step, where the thread done first
+//! waits for the other awake (`awake::join`), and one more at each batch
+//! norm layer each way, where the kind's MLP normalizes by the batch
+//! (`meet.rs`: DIN's).
 //!
 //! Only kinds whose rows are independent take it (`Direct::half_rows`;
 //! dropout's masks are drawn by a value's place in the whole batch, the
-//! second half's from `At::first_row`), only without batch statistics
-//! (batch norm, Dice), and only where each half has the rows, and so the
-//! work, the kind asks for. The halves are cut by the batch's rows alone
-//! and their weight gradients summed first half first, so the model is the
-//! same on any number of threads; a pool of one runs the halves one after
-//! the other. A prediction of such a batch runs in halves too: a half's
-//! products are blocked by its own rows, and so it gives the step's logits
-//! bit for bit.
+//! second half's from `At::first_row`; a history item goes with its row's
+//! half), only where any batch statistics meet (`Direct::meets_statistics`:
+//! not Dice's), and only where each half has the rows, and so the work,
+//! the kind asks for. The halves are cut by the batch's rows alone, their
+//! batch statistics combined and their weight gradients summed first half
+//! first, so the model is the same on any number of threads; a pool of one
+//! runs the halves one after the other, up to each meeting. A prediction
+//! of such a batch runs in halves too: a half's products are blocked by its
+//! own rows, and so it gives the step's logits bit for bit (where the step
+//! normalized by nothing of the batch).
 
 use super::DenseModel;
 use crate::ModelError;
+use crate::kinds::{At, Direct, Grads};
+use crate::meet::{self, Meeting, Side};
 use crate::optimizer::DenseGrads;
-use crate::step::Scratch;
+use crate::step::{Scratch, Sequences};
+
+/// The least work of a half of a batch run as two halves, one a thread
+/// (`Direct::half_rows`): on the 2-core VMs measured (session 50) waking
+/// the other thread took 20–30 µs, and a step wakes it twice (forward,
+/// then backward after the loss); 8 Mflop is some 80 µs of one core.
+/// ESMM's towers of 32 on 41 inputs (16k flops a row) split a batch of
+/// 1024 and not one of 256, whose halves measured slower in the median.
+const HALF_FLOPS: usize = 8_000_000;
+
+/// Rows a half takes at least, whatever its work.
+const MIN_HALF_ROWS: usize = 64;
+
+/// The fewest rows a half takes for a kind whose step does `flops_per_row`
+/// a row ([`HALF_FLOPS`], [`MIN_HALF_ROWS`]).
+pub(crate) fn half_rows_for(flops_per_row: usize) -> usize {
+    HALF_FLOPS.div_ceil(flops_per_row.max(1)).max(MIN_HALF_ROWS)
+}
 
 /// The rows of the first half of a batch of `rows` (the second has the rest).
 fn first_half(rows: usize) -> usize {
@@ -40,7 +65,8 @@ impl DenseModel {
     /// halves (from a batch of twice that); `None` where it may not.
     pub fn half_rows(&self) -> Option<usize> {
         let half = self.net.direct().and_then(|d| d.half_rows());
-        half.filter(|_| self.attention().is_empty() && !self.params.has_statistics())
+        let meets = self.net.direct().is_some_and(|d| d.meets_statistics());
+        half.filter(|_| meets || !self.params.has_statistics())
     }
 
     /// [`forward_direct`](Self::forward_direct) on each half, side by side:
@@ -55,6 +81,7 @@ impl DenseModel {
         let first = first_half(rows);
         let (x0, x1) = x.split_at((first * self.row_len()).min(x.len()));
         let mut second = s.second_half.take().unwrap_or_default();
+        split_sequences(&mut s.sequences, (first, self.width()), &mut second.sequences);
         let (a, b) = rayon::join(
             || self.forward_direct(x0, first, draw, s),
             || self.forward_direct_at(x1, (rows - first, first), draw, &mut second),
@@ -101,35 +128,126 @@ impl DenseModel {
             }
             None => (None, None),
         };
-        // A half's backward pass runs whatever its loss; the batch's loss
-        // is checked first, so a NaN loss is the error a step reports.
-        let half = |x: &[f32], (rows, first_row): (usize, usize), labels, weights, s: &mut Scratch| {
-            let logits = self.forward_direct_at(x, (rows, first_row), draw, s)?;
-            let (losses, seed) = self.rows_loss_and_seed_of(&logits, labels, weights, inv_b);
-            let grads = self.backward_direct(x, &seed, s);
-            Ok::<_, ModelError>((losses, logits, grads))
+        let direct = self.direct().ok_or(ModelError::NotPacked { kind: self.kind.name() })?;
+        let half = |(x, rows, at), (labels, weights), s, side| {
+            self.half_step(direct, (x, rows, at), (labels, weights), (inv_b, s, side))
         };
         let mut second = s.second_half.take().unwrap_or_default();
-        let (a, b) = crate::awake::join(
-            || half(x0, (first, 0), labels0, weights0, s),
-            || half(x1, (rows - first, first), labels1, weights1, &mut second),
+        let split = split_sequences(&mut s.sequences, (first, self.width()), &mut second.sequences);
+        let meeting = Meeting::new(first, rows - first);
+        let (at0, at1) = (self.at.drawn(draw), self.at.drawn(draw).from_row(first));
+        let result = meet::both(
+            &meeting,
+            half((x0, first, &at0), (labels0, weights0), s, meeting.side(0)),
+            half((x1, rows - first, &at1), (labels1, weights1), &mut second, meeting.side(1)),
         );
-        let result = a.and_then(|(mut losses, mut logits, grads)| {
-            let (their_losses, their_logits, theirs) = b?;
+        let result = result.and_then(|((mut losses, mut logits, grads), (their_losses, their_logits, theirs))| {
             losses.extend_from_slice(&their_losses);
             let loss = crate::heads::sum_in_order(&losses) * inv_b;
             self.check_loss(loss)?;
-            let (mut grads, theirs) = (grads?, theirs?);
+            let mut grads = self.in_param_order(grads, first);
+            let theirs = self.in_param_order(theirs, rows - first);
             logits.extend_from_slice(&their_logits);
             add_into(&mut grads, &theirs);
             s.grad_x.truncate(first * stride);
             s.grad_x.extend_from_slice(&second.grad_x);
+            join_item_grads(&mut s.item_grads, &second.item_grads, split, self.width());
             // The second half's buffers, spent, are its next step's.
             self.recycle_direct(theirs.grads.into_iter().flatten().collect(), &mut second);
             Ok((loss, logits, grads))
         });
         s.second_half = Some(second);
         result
+    }
+}
+
+impl DenseModel {
+    /// A half's step: its forward pass, its rows' losses and seed (a row's
+    /// seed is its own loss's, over the whole batch's `1 / inv_b` rows) and
+    /// its backward pass, meeting the other half at `side` where the kind
+    /// meets at its batch statistics. A half's backward pass runs whatever
+    /// its loss: the batch's loss is checked first, so a NaN loss is the
+    /// error a step reports.
+    async fn half_step<'a: 'b, 'b>(
+        &'a self,
+        direct: &'a dyn Direct,
+        (x, rows, at): (&'b [f32], usize, &'b At),
+        (labels, weights): (&'b [f32], Option<&'b [f32]>),
+        (inv_b, s, side): (f64, &'b mut Scratch, Side<'b>),
+    ) -> Result<(Vec<f64>, Vec<f32>, Grads<'a>), ModelError> {
+        let logits = direct.forward_met(at, (x, rows), s, side).await?;
+        let (losses, seed) = self.rows_loss_and_seed_of(&logits, labels, weights, inv_b);
+        let grads = direct.backward_met(at, (x, &seed), s, side).await?;
+        Ok((losses, logits, grads))
+    }
+}
+
+/// How the sequences' positions split between the halves: at a position
+/// (positions in row order), or each position's half.
+enum Split {
+    InOrder,
+    ByPosition(Vec<Vec<bool>>),
+}
+
+/// Moves the positions of the second half's rows (from `first` on) into
+/// `second`, their rows counted from the second half's first; the first
+/// half's stay.
+fn split_sequences(seq: &mut Sequences, (first, width): (usize, usize), second: &mut Sequences) -> Split {
+    second.rows.resize_with(seq.rows.len(), Vec::new);
+    second.items.resize_with(seq.items.len(), Vec::new);
+    let in_second = |r: &u32| *r as usize >= first;
+    let sorted = seq.rows.iter().all(|rows| rows.is_sorted());
+    let mut sides = Vec::new();
+    for ((rows, items), (their_rows, their_items)) in
+        seq.rows.iter_mut().zip(&mut seq.items).zip(second.rows.iter_mut().zip(&mut second.items))
+    {
+        their_rows.clear();
+        their_items.clear();
+        if sorted {
+            let cut = rows.partition_point(|r| !in_second(r));
+            their_rows.extend(rows[cut..].iter().map(|&r| r - first as u32));
+            their_items.extend_from_slice(&items[cut * width..]);
+            rows.truncate(cut);
+            items.truncate(cut * width);
+            continue;
+        }
+        let side: Vec<bool> = rows.iter().map(in_second).collect();
+        let (mut kept, mut kept_items) = (Vec::new(), Vec::new());
+        for (p, (&r, &theirs)) in rows.iter().zip(&side).enumerate() {
+            let item = &items[p * width..(p + 1) * width];
+            match theirs {
+                true => {
+                    their_rows.push(r - first as u32);
+                    their_items.extend_from_slice(item);
+                }
+                false => {
+                    kept.push(r);
+                    kept_items.extend_from_slice(item);
+                }
+            }
+        }
+        (*rows, *items) = (kept, kept_items);
+        sides.push(side);
+    }
+    if sorted { Split::InOrder } else { Split::ByPosition(sides) }
+}
+
+/// The halves' history items' gradients as the whole batch's positions had them.
+fn join_item_grads(mine: &mut [Vec<f32>], theirs: &[Vec<f32>], split: Split, width: usize) {
+    match split {
+        Split::InOrder => mine.iter_mut().zip(theirs).for_each(|(m, t)| m.extend_from_slice(t)),
+        Split::ByPosition(sides) => {
+            for ((m, t), side) in mine.iter_mut().zip(theirs).zip(sides) {
+                let (mut a, mut b) = (m.chunks_exact(width), t.chunks_exact(width));
+                let whole: Vec<f32> = side
+                    .iter()
+                    .flat_map(|&theirs| if theirs { b.next() } else { a.next() })
+                    .flatten()
+                    .copied()
+                    .collect();
+                *m = whole;
+            }
+        }
     }
 }
 

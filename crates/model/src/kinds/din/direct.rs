@@ -13,7 +13,8 @@ use super::DinNet;
 use super::positions::{self, Slots};
 use super::product::{ProductBufs, UnitInput};
 use crate::ModelError;
-use crate::kinds::{At, Direct, Grads};
+use crate::kinds::{At, Direct, Grads, Met};
+use crate::meet::Side;
 use crate::mlp::{Mlp, MlpScratch, sized};
 use crate::step::Scratch;
 
@@ -38,6 +39,86 @@ pub(super) struct DinScratch {
 
 impl Direct for DinNet {
     fn forward(&self, at: &At, x: &[f32], rows: usize, s: &mut Scratch) -> Result<Vec<f32>, ModelError> {
+        crate::meet::now(self.forward_with(at, (x, rows), s, None))
+    }
+
+    fn backward<'a>(
+        &'a self,
+        at: &At,
+        _x: &[f32],
+        seed: &[f32],
+        s: &mut Scratch,
+        grads: &mut Grads<'a>,
+    ) -> Result<(), ModelError> {
+        grads.extend(crate::meet::now(self.backward_with(at, seed, s, None))?);
+        Ok(())
+    }
+
+    fn forward_met<'a>(
+        &'a self,
+        at: &'a At,
+        input: (&'a [f32], usize),
+        s: &'a mut Scratch,
+        meet: Side<'a>,
+    ) -> Met<'a, Vec<f32>> {
+        Box::pin(self.forward_with(at, input, s, Some(meet)))
+    }
+
+    fn backward_met<'a: 'b, 'b>(
+        &'a self,
+        at: &'b At,
+        (_x, seed): (&'b [f32], &'b [f32]),
+        s: &'b mut Scratch,
+        meet: Side<'b>,
+    ) -> Met<'b, Grads<'a>> {
+        Box::pin(self.backward_with(at, seed, s, Some(meet)))
+    }
+
+    /// Its MLP's batch norm meets (`meet.rs`); a Dice activation's
+    /// statistics (in the MLP or the unit) do not, and keep its batches
+    /// whole.
+    fn meets_statistics(&self) -> bool {
+        let dice = |m: &Mlp| m.activation() == sparrow_core::config::Activation::Dice;
+        !dice(&self.mlp) && !self.units.iter().any(dice)
+    }
+
+    fn mlps<'s>(&'s self, s: &'s mut Scratch) -> Vec<(&'s Mlp, &'s mut MlpScratch)> {
+        let mut mlps = vec![(&self.mlp, &mut s.deep)];
+        let ds: &mut DinScratch = match s.kind.as_mut().and_then(|k| k.downcast_mut::<DinScratch>()) {
+            Some(ds) => ds,
+            None => return mlps,
+        };
+        mlps.extend(self.units.iter().zip(ds.units.iter_mut()));
+        mlps
+    }
+
+    fn several_outputs(&self) -> bool {
+        true
+    }
+
+    /// A batch's rows split cleanly: each history item is its row's, and
+    /// the MLP's batch norm meets across the halves. The passes between
+    /// DIN's products (the unit's last layer, the weighted sums, the head)
+    /// read what the other thread wrote when split one by one; as halves,
+    /// a row's values stay with the thread that made them. A row's work:
+    /// the MLP's weights and one history item's unit (a multiply-add a
+    /// weight forward, two backward).
+    fn half_rows(&self) -> Option<usize> {
+        let weights: usize = std::iter::once(&self.mlp).chain(&self.units).map(|m| m.params().elem_count()).sum();
+        Some(crate::models::half_rows_for(6 * weights))
+    }
+}
+
+impl DinNet {
+    /// The forward pass; a half of a batch (`meet`) meets the other at its
+    /// MLP's batch norm.
+    async fn forward_with(
+        &self,
+        at: &At,
+        (x, rows): (&[f32], usize),
+        s: &mut Scratch,
+        meet: Option<Side<'_>>,
+    ) -> Result<Vec<f32>, ModelError> {
         let (d, stride) = (at.width, at.row_len());
         if s.sequences.items.len() != self.pairs.len() {
             return Err(ModelError::Sequences { expected: self.pairs.len(), found: s.sequences.items.len() });
@@ -71,22 +152,31 @@ impl Direct for DinNet {
             positions::add_to_slots(self.simd, d, (keys, Some(&ds.units[j].output)), at_rows, slots);
         }
         s.sequences = sequences;
-        let result = self.mlp.forward_cpu(&input, rows, at.dropout, &mut s.deep);
+        let rows = (rows, at.first_row);
+        let result = match meet {
+            Some(meet) => self.mlp.forward_met(&input, rows, (at.dropout, meet), &mut s.deep).await,
+            None => self.mlp.forward_cpu_at(&input, rows, at.dropout, &mut s.deep),
+        };
         s.x = input;
         result?;
         Ok(s.deep.output.clone())
     }
 
-    fn backward<'a>(
+    /// The backward pass of the last [`forward_with`](Self::forward_with):
+    /// the dense gradients.
+    async fn backward_with<'a>(
         &'a self,
         at: &At,
-        _x: &[f32],
         seed: &[f32],
         s: &mut Scratch,
-        grads: &mut Grads<'a>,
-    ) -> Result<(), ModelError> {
+        meet: Option<Side<'_>>,
+    ) -> Result<Grads<'a>, ModelError> {
         let (d, stride) = (at.width, at.row_len());
-        grads.push((self.mlp.params(), self.mlp.backward_cpu(&s.x, seed, &mut s.deep)?));
+        let mlp_grads = match meet {
+            Some(meet) => self.mlp.backward_met(&s.x, seed, &mut s.deep, meet).await?,
+            None => self.mlp.backward_cpu(&s.x, seed, &mut s.deep)?,
+        };
+        let mut grads = vec![(self.mlp.params(), mlp_grads)];
         // d loss / d x: the MLP's, but a sequence's slot (replaced) takes
         // nothing and its candidate also gets the attention's share.
         let mut grad_x = std::mem::replace(&mut s.deep.grad_input, std::mem::take(&mut s.grad_x));
@@ -163,21 +253,7 @@ impl Direct for DinNet {
         s.sequences = sequences;
         s.item_grads = item_grads;
         s.grad_x = grad_x;
-        Ok(())
-    }
-
-    fn mlps<'s>(&'s self, s: &'s mut Scratch) -> Vec<(&'s Mlp, &'s mut MlpScratch)> {
-        let mut mlps = vec![(&self.mlp, &mut s.deep)];
-        let ds: &mut DinScratch = match s.kind.as_mut().and_then(|k| k.downcast_mut::<DinScratch>()) {
-            Some(ds) => ds,
-            None => return mlps,
-        };
-        mlps.extend(self.units.iter().zip(ds.units.iter_mut()));
-        mlps
-    }
-
-    fn several_outputs(&self) -> bool {
-        true
+        Ok(grads)
     }
 }
 

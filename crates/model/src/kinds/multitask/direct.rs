@@ -30,17 +30,6 @@ use crate::mlp::{Mlp, MlpScratch, cpu, linear_grads, matmul, sized};
 use crate::params::Linear;
 use crate::step::Scratch;
 
-/// The least work of a half of a batch run as two halves, one a thread
-/// (`Direct::half_rows`): on the 2-core VMs measured (session 50) waking
-/// the other thread took 20–30 µs, and a step wakes it twice (forward,
-/// then backward after the loss); 8 Mflop is some 80 µs of one core.
-/// ESMM's towers of 32 on 41 inputs (16k flops a row) split a batch of
-/// 1024 and not one of 256, whose halves measured slower in the median.
-const HALF_FLOPS: usize = 8_000_000;
-
-/// Rows a half takes at least, whatever its work.
-const MIN_HALF_ROWS: usize = 64;
-
 /// One level's buffers.
 #[derive(Default)]
 struct LevelBufs {
@@ -479,13 +468,13 @@ impl Direct for MultiTask {
     /// is 10–100 µs, too short to split across threads one by one (a
     /// wake-up each), so the batch's halves take a thread each instead,
     /// where a half has the work to pay for waking the other thread twice
-    /// a step ([`HALF_FLOPS`]).
+    /// a step (`models::half_rows_for`).
     fn half_rows(&self) -> Option<usize> {
         let mlps = || self.levels.iter().flat_map(Level::experts).chain(&self.towers);
         let gates = self.levels.iter().flat_map(Level::gates).map(|g| g.weight().elem_count());
         let weights: usize = mlps().map(|m| m.params().elem_count()).chain(gates).sum();
         // A weight's multiply-add a row forward, two backward.
         let flops_per_row = 6 * weights.max(1);
-        Some(HALF_FLOPS.div_ceil(flops_per_row).max(MIN_HALF_ROWS))
+        Some(crate::models::half_rows_for(flops_per_row))
     }
 }

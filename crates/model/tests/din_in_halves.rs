@@ -1,0 +1,239 @@
+//! DIN runs a batch as two halves, one a thread (`models/halves.rs`), each
+//! history item with its row's half, its MLP's batch norm meeting across
+//! the halves (`meet.rs`: each layer's column statistics forward, Σ d y and
+//! Σ d y·x̂ backward). That step is still candle's graph and its autograd:
+//! logits, loss, the pooled embeddings' and every history item's gradient
+//! in the batch's order, every dense gradient and the running statistics
+//! handed on, and the weights after two optimizer steps; over an odd
+//! batch, histories empty, one item and `max_len` long (in row order or
+//! not), masked labels and sample weights, both precisions, batch and layer
+//! norm, dropout and other activations. Its bits do not depend on the
+//! threads: pools of one, two and three give the same model.
+
+use candle_core::Device;
+use sparrow_core::config::{Activation, DenseOptimizerConfig, ModelConfig, ModelKind, Norm, Precision, Task, TaskKind};
+use sparrow_core::rng::Rng;
+use sparrow_model::{DenseModel, DenseOptimizer, Heads, ModelShape, Sequences, StepOutput};
+
+const FIELDS: usize = 4;
+const DIM: usize = 5;
+const DENSE: usize = 2;
+/// Field 3 is the history's slot, field 0 its candidate.
+const PAIR: (usize, usize) = (3, 0);
+/// Row lengths of the histories, cycled: empty, one item and `max_len` (4) among them.
+const HISTORY: [usize; 7] = [0, 1, 4, 2, 0, 3, 1];
+
+fn heads() -> Heads {
+    let task = |name: &str, kind, outputs, weight| Task { name: name.into(), kind, outputs, weight };
+    Heads::of(&[
+        task("click", TaskKind::Binary, 1, 1.0),
+        task("conversion", TaskKind::Binary, 1, 2.0),
+        task("kind", TaskKind::Multiclass, 3, 0.5),
+    ])
+}
+
+/// Precision, norm, dropout rate and activation.
+type Case = (Precision, Norm, f32, Activation);
+
+const CASES: [Case; 6] = [
+    (Precision::F32, Norm::Batch, 0.0, Activation::Relu),
+    (Precision::Bf16, Norm::Batch, 0.3, Activation::Relu),
+    (Precision::F32, Norm::Batch, 0.2, Activation::Silu),
+    (Precision::F32, Norm::None, 0.0, Activation::Relu),
+    (Precision::F32, Norm::None, 0.3, Activation::Prelu),
+    (Precision::Bf16, Norm::Layer, 0.0, Activation::Gelu),
+];
+
+fn model((precision, norm, dropout, activation): Case) -> DenseModel {
+    let config = ModelConfig {
+        kind: ModelKind::named("din"),
+        embedding_dim: DIM,
+        hidden: vec![40, 12],
+        attention_hidden: vec![6, 4],
+        precision,
+        norm: norm.into(),
+        dropout,
+        activation,
+        attention_activation: if activation == Activation::Dice { Activation::Dice } else { Activation::Relu },
+        ..Default::default()
+    };
+    let shape = ModelShape { num_fields: FIELDS, num_dense: DENSE, embedding_dim: DIM };
+    DenseModel::with_attention(&config, shape, heads(), &[PAIR], 17, Device::Cpu, Default::default()).expect("model")
+}
+
+/// A batch one row past the fewest the model runs in halves: odd, so its
+/// halves differ by a row.
+fn rows(model: &DenseModel) -> usize {
+    2 * model.half_rows().expect("runs in halves") + 1
+}
+
+struct Batch {
+    emb: Vec<f32>,
+    dense: Vec<f32>,
+    labels: Vec<f32>,
+    weights: Vec<f32>,
+    sequences: Sequences,
+}
+
+/// A batch of `rows`; its history positions in row order, or reversed.
+fn batch(rows: usize, tasks: usize, in_order: bool, rng: &mut Rng) -> Batch {
+    let emb = (0..rows * FIELDS * DIM).map(|_| rng.uniform(-0.6, 0.6) as f32).collect();
+    let dense = (0..rows * DENSE).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
+    let labels = (0..rows * tasks)
+        .map(|i| match (i % tasks, i % 5) {
+            (_, 3) => f32::NAN,
+            (2, _) => (rng.next_u64() % 3) as f32,
+            _ => (rng.next_u64() % 2) as f32,
+        })
+        .collect();
+    let weights = (0..rows).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
+    let mut at: Vec<u32> = (0..rows).flat_map(|r| std::iter::repeat_n(r as u32, HISTORY[r % 7])).collect();
+    if !in_order {
+        at.reverse();
+    }
+    let items = (0..at.len() * DIM).map(|_| rng.uniform(-0.8, 0.8) as f32).collect();
+    Batch { emb, dense, labels, weights, sequences: Sequences { rows: vec![at], items: vec![items] } }
+}
+
+/// Each value within 1e-5 (relative, past 1), but for `Tolerance::flips`.
+fn close(what: &str, a: &[f32], b: &[f32], tolerance: Tolerance) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let mut off = 0;
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        let error = (x - y).abs() / (1.0 + y.abs());
+        if error > 1e-5 {
+            off += 1;
+            assert!(error <= tolerance.flipped, "{what}[{i}]: halves {x}, graph {y}");
+        }
+    }
+    let most = (a.len() as f32 * tolerance.share).floor() as usize;
+    assert!(off <= most, "{what}: {off} of {} values past 1e-5 (at most {most})", a.len());
+}
+
+/// How many values (a share) may be further off, and by how much.
+#[derive(Clone, Copy)]
+struct Tolerance {
+    share: f32,
+    flipped: f32,
+}
+
+/// Every value within 1e-5.
+const TIGHT: Tolerance = Tolerance { share: 0.0, flipped: 0.0 };
+
+/// bf16 rounds each layer's inputs: a last-bit difference in batch norm's
+/// statistics (the halves' pairwise combination against one pass over the
+/// rows: 1e-7 in fp32) flips the rounding of one input in tens of
+/// thousands, 2⁻⁸ of it, and with it that row's values downstream.
+const FLIPS: Tolerance = Tolerance { share: 0.01, flipped: 5e-3 };
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// DIN takes the halves from twice the rows its work asks for, with batch
+/// norm too; not with Dice, whose statistics do not meet.
+#[test]
+fn din_takes_the_halves_with_batch_norm_and_not_with_dice() {
+    for case in CASES {
+        let m = model(case);
+        let half = m.half_rows().expect("halves");
+        assert!((64..5000).contains(&half), "{case:?}: {half} rows a half");
+        assert!(m.runs_in_halves(2 * half) && !m.runs_in_halves(2 * half - 1), "{case:?}");
+    }
+    let dice = model((Precision::F32, Norm::Batch, 0.0, Activation::Dice));
+    assert_eq!(dice.half_rows(), None, "Dice");
+}
+
+#[test]
+fn a_din_step_in_halves_is_the_graphs() {
+    for (case, in_order) in CASES.into_iter().map(|c| (c, true)).chain([(CASES[0], false), (CASES[4], false)]) {
+        let (dropout, norm) = (case.2, case.1);
+        let what = format!("{case:?}, positions in row order {in_order}");
+        let tolerance = if case.0 == Precision::Bf16 && norm == Norm::Batch { FLIPS } else { TIGHT };
+        let (direct, graph) = (model(case), model(case));
+        let new_optimizer = || DenseOptimizer::new(DenseOptimizerConfig::default(), Default::default());
+        let (mut opt_d, mut opt_g) = (new_optimizer(), new_optimizer());
+        let mut rng = Rng::new(29);
+        let rows = rows(&direct);
+        for step in 0..2 {
+            let what = format!("{what}, step {step}");
+            let b = batch(rows, direct.heads().tasks(), in_order, &mut rng);
+            let draw = (dropout > 0.0).then_some(900 + step);
+            let seq = Some(&b.sequences);
+            let (a, grads_a) = direct
+                .forward_backward_with(b.emb.clone(), b.dense.clone(), &b.labels, Some(&b.weights), seq, draw)
+                .expect("step in halves");
+            let (g, grads_g) = graph
+                .forward_backward_autograd_with(b.emb.clone(), b.dense.clone(), &b.labels, Some(&b.weights), seq, draw)
+                .expect("graph step");
+            close(&format!("{what}: loss"), &[a.loss as f32], &[g.loss as f32], Tolerance { share: 1.0, ..tolerance });
+            close(&format!("{what}: logits"), &a.logits, &g.logits, tolerance);
+            close(&format!("{what}: d pooled"), &a.emb_grad, &g.emb_grad, tolerance);
+            assert_eq!(a.item_grads.len(), 1, "{what}: one sequence");
+            close(&format!("{what}: d history items"), &a.item_grads[0], &g.item_grads[0], tolerance);
+            // Both halves' items have their gradients.
+            let half_items = b.sequences.rows[0].len() / 2 * DIM;
+            for part in [&a.item_grads[0][..half_items], &a.item_grads[0][half_items..]] {
+                assert!(part.iter().any(|&v| v != 0.0), "{what}: a half's items' gradients");
+            }
+            assert_eq!(grads_a.rows, rows as u64, "{what}: rows");
+            for (i, (x, y)) in grads_a.grads.iter().zip(&grads_g.grads).enumerate() {
+                // Batch norm's running statistics are handed on as gradients' slots.
+                match (x, y) {
+                    (Some(x), Some(y)) => close(&format!("{what}: dense gradient {i}"), x, y, tolerance),
+                    (x, y) => assert_eq!(x.is_some(), y.is_some(), "{what}: gradient {i} on one path only"),
+                }
+            }
+            // A prediction runs in halves too: the step's logits, where
+            // the step dropped nothing and normalized by nothing of the batch.
+            let predicted = direct.predict_with(b.emb, b.dense, rows, Some(&b.sequences)).expect("predict");
+            if dropout == 0.0 && norm != Norm::Batch {
+                assert_eq!(bits(&predicted), bits(&a.logits), "{what}: a prediction's logits");
+            }
+            opt_d.apply(&direct.params, grads_a).expect("apply");
+            opt_g.apply(&graph.params, grads_g).expect("apply");
+        }
+        let (v, w) = (direct.params.flat_values().expect("weights"), graph.params.flat_values().expect("weights"));
+        close(&format!("{what}: weights and running statistics after two steps"), &v, &w, tolerance);
+    }
+}
+
+/// Three steps of DIN on a pool of `threads`: each step's output and the weights after.
+fn trained(case: Case, threads: usize) -> (Vec<StepOutput>, Vec<f32>) {
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
+    pool.install(|| {
+        let (model, dropout) = (model(case), case.2);
+        let mut optimizer = DenseOptimizer::new(DenseOptimizerConfig::default(), Default::default());
+        let mut rng = Rng::new(37);
+        let mut outputs = Vec::new();
+        let rows = rows(&model);
+        for step in 0..3 {
+            let b = batch(rows, model.heads().tasks(), step != 1, &mut rng);
+            let draw = (dropout > 0.0).then_some(70 + step);
+            let seq = Some(&b.sequences);
+            let (out, grads) =
+                model.forward_backward_with(b.emb, b.dense, &b.labels, Some(&b.weights), seq, draw).expect("step");
+            optimizer.apply(&model.params, grads).expect("apply");
+            outputs.push(out);
+        }
+        (outputs, model.params.flat_values().expect("weights"))
+    })
+}
+
+#[test]
+fn din_halves_give_the_same_bits_on_pools_of_one_two_and_three() {
+    for case in [CASES[0], CASES[1], CASES[3]] {
+        let (one, weights_one) = trained(case, 1);
+        for threads in [2, 3] {
+            let what = format!("{case:?}, {threads} threads");
+            let (many, weights_many) = trained(case, threads);
+            for (step, (a, b)) in one.iter().zip(&many).enumerate() {
+                assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "{what}: loss at step {step}");
+                assert_eq!(bits(&a.logits), bits(&b.logits), "{what}: logits at step {step}");
+                assert_eq!(bits(&a.emb_grad), bits(&b.emb_grad), "{what}: d pooled at step {step}");
+                assert_eq!(bits(&a.item_grads[0]), bits(&b.item_grads[0]), "{what}: d items at step {step}");
+            }
+            assert_eq!(bits(&weights_one), bits(&weights_many), "{what}: the weights");
+        }
+    }
+}
