@@ -21,6 +21,13 @@ use crate::step::Scratch;
 /// Positions a task of a pass over history items takes.
 const POSITIONS_PER_TASK: usize = 256;
 
+/// The fewest rows a half of a batch run in halves takes. `dense_step din
+/// f32 ROWS dim=8 hidden=64,32` (the behaviour benchmark's DIN), whole
+/// against halves, an AVX-512 Xeon, two threads, best ms of 60: 32 rows
+/// 0.057 / 0.054–0.056, 64 rows 0.084–0.086 / 0.070–0.075, 128 rows
+/// 0.180–0.192 / 0.124–0.129; at 256 rows 0.372–0.392 / 0.215–0.234.
+const HALF_ROWS: usize = 16;
+
 /// DIN's buffers, kept between steps (`Scratch::of_kind`).
 #[derive(Default)]
 pub(super) struct DinScratch {
@@ -97,15 +104,15 @@ impl Direct for DinNet {
     }
 
     /// A batch's rows split cleanly: each history item is its row's, and
-    /// the MLP's batch norm meets across the halves. The passes between
-    /// DIN's products (the unit's last layer, the weighted sums, the head)
-    /// read what the other thread wrote when split one by one; as halves,
-    /// a row's values stay with the thread that made them. A row's work:
-    /// the MLP's weights and one history item's unit (a multiply-add a
-    /// weight forward, two backward).
+    /// the MLP's batch norm meets across the halves. Run whole, DIN's step
+    /// splits each product across the threads and its passes between them
+    /// (the unit's last layer, the weighted sums, the head) read what the
+    /// other thread wrote; as halves, a row's values stay with the thread
+    /// that made them, and the threads meet at each batch-normed layer
+    /// each way and at the end, not at every product. So the halves pay
+    /// from far fewer rows than the multi-task kinds' ([`HALF_ROWS`]).
     fn half_rows(&self) -> Option<usize> {
-        let weights: usize = std::iter::once(&self.mlp).chain(&self.units).map(|m| m.params().elem_count()).sum();
-        Some(crate::models::half_rows_for(6 * weights))
+        Some(HALF_ROWS)
     }
 }
 
