@@ -330,6 +330,23 @@ pub trait Direct: Sync {
     }
 }
 
+/// The least work of a half of a batch run as two halves, one a thread
+/// (`Direct::half_rows`, `models/halves.rs`): on the 2-core VMs measured (session 50) waking
+/// the other thread took 20–30 µs, and a step wakes it twice (forward,
+/// then backward after the loss); 8 Mflop is some 80 µs of one core.
+/// ESMM's towers of 32 on 41 inputs (16k flops a row) split a batch of
+/// 1024 and not one of 256, whose halves measured slower in the median.
+const HALF_FLOPS: usize = 8_000_000;
+
+/// Rows a half takes at least, whatever its work.
+const MIN_HALF_ROWS: usize = 64;
+
+/// The fewest rows a half takes for a kind whose step does `flops_per_row`
+/// a row ([`HALF_FLOPS`], [`MIN_HALF_ROWS`]).
+pub(crate) fn half_rows_for(flops_per_row: usize) -> usize {
+    HALF_FLOPS.div_ceil(flops_per_row.max(1)).max(MIN_HALF_ROWS)
+}
+
 /// The kind `model.kind` names.
 pub fn find(kind: &ModelKind) -> Result<&'static dyn Kind, ModelError> {
     KINDS

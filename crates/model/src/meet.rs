@@ -12,10 +12,10 @@
 //! A future is how a half stops mid-pass and resumes with its stack (the
 //! layers' loop, a kind's own passes around its MLP) kept, without a
 //! thread of its own; no executor is involved, and a pass that meets no
-//! one completes in one poll ([`now`]).
+//! one completes in one poll ([`unmet`]).
 
 use std::future::Future;
-use std::pin::pin;
+use std::pin::{Pin, pin};
 use std::sync::Mutex;
 use std::task::{Context, Poll, Waker};
 
@@ -123,9 +123,9 @@ impl Side<'_> {
 }
 
 /// A pass that meets no one, run to its end: it completes in one poll.
-pub(crate) fn now<T>(pass: impl Future<Output = T>) -> T {
+pub(crate) fn unmet<T>(pass: impl Future<Output = T>) -> T {
     let mut pass = pin!(pass);
-    match pass.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+    match poll(pass.as_mut()) {
         Poll::Ready(value) => value,
         // Only a half's pass, given a `Side`, ever waits; those run in `both`.
         Poll::Pending => unreachable!("a pass without a side waited to meet"),
@@ -163,8 +163,13 @@ pub(crate) fn both<A: Send, B: Send>(
 }
 
 /// A poll of `half` unless it is `done`.
-fn poll_unless<F: Future>(done: bool, half: std::pin::Pin<&mut F>) -> Option<Poll<F::Output>> {
-    (!done).then(|| half.poll(&mut Context::from_waker(Waker::noop())))
+fn poll_unless<F: Future>(done: bool, half: Pin<&mut F>) -> Option<Poll<F::Output>> {
+    (!done).then(|| poll(half))
+}
+
+/// One poll of a pass, which nothing wakes: its driver polls it again.
+fn poll<F: Future>(pass: Pin<&mut F>) -> Poll<F::Output> {
+    Future::poll(pass, &mut Context::from_waker(Waker::noop()))
 }
 
 #[cfg(test)]

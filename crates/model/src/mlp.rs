@@ -769,7 +769,7 @@ impl Mlp {
         {
             let (ps, pl) = self.params.storage_and_layout();
             let p = (cpu(&ps, pl)?, &running[..]);
-            crate::meet::now(forward_into(&self.shape, p, First::Input(x), rows, (draw, None), scratch))?;
+            crate::meet::unmet(forward_into(&self.shape, p, First::Input(x), rows, (draw, None), scratch))?;
         }
         self.hand_on(draw, rows.0, &scratch.batch_stats)
     }
@@ -780,7 +780,7 @@ impl Mlp {
         self.check_input(x.len(), scratch.rows)?;
         let (ps, pl) = self.params.storage_and_layout();
         let input = (First::Input(x), (grad_out, false));
-        crate::meet::now(backward_into(&self.shape, cpu(&ps, pl)?, input.0, input.1, (scratch, None)))
+        crate::meet::unmet(backward_into(&self.shape, cpu(&ps, pl)?, input.0, input.1, (scratch, None)))
     }
 }
 
@@ -806,7 +806,7 @@ impl CustomOp2 for FusedMlp {
         let rows = xl.dims()[0];
         let mut scratch = self.scratch.lock().map_err(|_| err("poisoned"))?;
         let input = (First::Input(x), (rows, 0), (self.draw, None));
-        crate::meet::now(forward_into(&self.shape, (p, &self.running), input.0, input.1, input.2, &mut scratch))
+        crate::meet::unmet(forward_into(&self.shape, (p, &self.running), input.0, input.1, input.2, &mut scratch))
             .map_err(|e| err(e.to_string()))?;
         if let Some(slot) = self.batch.as_ref().filter(|_| rows > 0) {
             *slot.lock().map_err(|_| err("poisoned"))? = Some(scratch.batch_stats.clone());
@@ -831,7 +831,7 @@ impl CustomOp2 for FusedMlp {
         let (gs, gl) = grad_res.storage_and_layout();
         let (x_data, p, g) = (cpu(&xs, xl)?, cpu(&ps, pl)?, cpu(&gs, gl)?);
         let grad_p =
-            crate::meet::now(backward_into(&self.shape, p, First::Input(x_data), (g, false), (&mut scratch, None)))
+            crate::meet::unmet(backward_into(&self.shape, p, First::Input(x_data), (g, false), (&mut scratch, None)))
                 .map_err(|e| err(e.to_string()))?;
         let grad_x = std::mem::take(&mut scratch.grad_input);
         let grad_x = Tensor::from_vec(grad_x, x.shape(), x.device())?;

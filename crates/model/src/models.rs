@@ -19,7 +19,6 @@ mod halves;
 use crate::optimizer::{DenseGrads, DenseOptimizer};
 use crate::params::ParamStore;
 pub use crate::step::{ModelShape, Scratch, Sequences};
-pub(crate) use halves::half_rows_for;
 
 pub struct DenseModel {
     pub kind: &'static dyn Kind,

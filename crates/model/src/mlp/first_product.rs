@@ -102,7 +102,7 @@ impl Mlp {
         {
             let (ps, pl) = self.params.storage_and_layout();
             let (p, input) = ((cpu(&ps, pl)?, &running[..]), First::Product(first));
-            crate::meet::now(super::forward_into(&self.shape, p, input, (rows, first_row), (draw, None), scratch))?;
+            crate::meet::unmet(super::forward_into(&self.shape, p, input, (rows, first_row), (draw, None), scratch))?;
         }
         self.hand_on(draw, rows, &scratch.batch_stats)
     }
@@ -117,7 +117,7 @@ impl Mlp {
     ) -> Result<Vec<f32>, ModelError> {
         let (ps, pl) = self.params.storage_and_layout();
         let input = (First::Product(first), (grad_out, false));
-        crate::meet::now(super::backward_into(&self.shape, cpu(&ps, pl)?, input.0, input.1, (scratch, None)))
+        crate::meet::unmet(super::backward_into(&self.shape, cpu(&ps, pl)?, input.0, input.1, (scratch, None)))
     }
 
     /// Where its first layer's weights `W` (`[fan_in, fan_out]`, row-major)

@@ -79,7 +79,7 @@ impl Mlp {
         }
         let (ps, pl) = self.params.storage_and_layout();
         let input = (First::Input(x), (grad_out, true));
-        crate::meet::now(backward_into(&self.shape, cpu(&ps, pl)?, input.0, input.1, (scratch, None)))
+        crate::meet::unmet(backward_into(&self.shape, cpu(&ps, pl)?, input.0, input.1, (scratch, None)))
     }
 }
 

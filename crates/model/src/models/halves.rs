@@ -31,23 +31,6 @@ use crate::meet::{self, Meeting, Side};
 use crate::optimizer::DenseGrads;
 use crate::step::{Scratch, Sequences};
 
-/// The least work of a half of a batch run as two halves, one a thread
-/// (`Direct::half_rows`): on the 2-core VMs measured (session 50) waking
-/// the other thread took 20–30 µs, and a step wakes it twice (forward,
-/// then backward after the loss); 8 Mflop is some 80 µs of one core.
-/// ESMM's towers of 32 on 41 inputs (16k flops a row) split a batch of
-/// 1024 and not one of 256, whose halves measured slower in the median.
-const HALF_FLOPS: usize = 8_000_000;
-
-/// Rows a half takes at least, whatever its work.
-const MIN_HALF_ROWS: usize = 64;
-
-/// The fewest rows a half takes for a kind whose step does `flops_per_row`
-/// a row ([`HALF_FLOPS`], [`MIN_HALF_ROWS`]).
-pub(crate) fn half_rows_for(flops_per_row: usize) -> usize {
-    HALF_FLOPS.div_ceil(flops_per_row.max(1)).max(MIN_HALF_ROWS)
-}
-
 /// The rows of the first half of a batch of `rows` (the second has the rest).
 fn first_half(rows: usize) -> usize {
     rows.div_ceil(2)

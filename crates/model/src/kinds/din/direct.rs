@@ -46,7 +46,7 @@ pub(super) struct DinScratch {
 
 impl Direct for DinNet {
     fn forward(&self, at: &At, x: &[f32], rows: usize, s: &mut Scratch) -> Result<Vec<f32>, ModelError> {
-        crate::meet::now(self.forward_with(at, (x, rows), s, None))
+        crate::meet::unmet(self.forward_with(at, (x, rows), s, None))
     }
 
     fn backward<'a>(
@@ -57,7 +57,7 @@ impl Direct for DinNet {
         s: &mut Scratch,
         grads: &mut Grads<'a>,
     ) -> Result<(), ModelError> {
-        grads.extend(crate::meet::now(self.backward_with(at, seed, s, None))?);
+        grads.extend(crate::meet::unmet(self.backward_with(at, seed, s, None))?);
         Ok(())
     }
 

@@ -468,13 +468,13 @@ impl Direct for MultiTask {
     /// is 10–100 µs, too short to split across threads one by one (a
     /// wake-up each), so the batch's halves take a thread each instead,
     /// where a half has the work to pay for waking the other thread twice
-    /// a step (`models::half_rows_for`).
+    /// a step (`kinds::half_rows_for`).
     fn half_rows(&self) -> Option<usize> {
         let mlps = || self.levels.iter().flat_map(Level::experts).chain(&self.towers);
         let gates = self.levels.iter().flat_map(Level::gates).map(|g| g.weight().elem_count());
         let weights: usize = mlps().map(|m| m.params().elem_count()).chain(gates).sum();
         // A weight's multiply-add a row forward, two backward.
         let flops_per_row = 6 * weights.max(1);
-        Some(crate::models::half_rows_for(flops_per_row))
+        Some(crate::kinds::half_rows_for(flops_per_row))
     }
 }
