@@ -412,13 +412,13 @@ pub struct TrainConfig {
     /// Threads of the training step and the embedding lookups (a process's
     /// compute threads; parsing runs beside them). The model does not
     /// depend on it. On a machine of few cores, a small step can train
-    /// faster with fewer: on 2 cores at batch 256, the three-task MLP and
-    /// DIN ran about 20% faster with 1 (the reader then has a core of its
-    /// own), MMoE and PLE faster with 2 (`docs/benchmarks.md`, Issue 56).
-    /// MMoE, PLE and ESMM run each half of a large enough batch on a
-    /// thread of their own (without batch norm); the halves are cut by the
-    /// batch's rows, so one thread runs them in turn and trains the same
-    /// model.
+    /// faster with fewer: on 2 cores at batch 256, the three-task MLP ran
+    /// 20–35% faster with 1 (the reader then has a core of its own), MMoE,
+    /// PLE and DIN faster with 2 (`docs/benchmarks.md`, Issue 56). MMoE,
+    /// PLE and ESMM (without batch norm) and DIN (without Dice) run each
+    /// half of a large enough batch on a thread of their own; the halves
+    /// are cut by the batch's rows, so one thread runs them in turn and
+    /// trains the same model.
     pub threads: usize,
     /// The seed of every random draw (initial weights and rows, shuffles):
     /// the same config and seed give the same model.
