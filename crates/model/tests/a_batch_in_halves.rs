@@ -12,7 +12,10 @@
 use candle_core::Device;
 use sparrow_core::config::{Activation, DenseOptimizerConfig, ModelConfig, ModelKind, Norm, Precision, Task, TaskKind};
 use sparrow_core::rng::Rng;
-use sparrow_model::{DenseModel, DenseOptimizer, Heads, ModelShape, StepOutput};
+use sparrow_model::{DenseModel, DenseOptimizer, Heads, ModelShape};
+
+mod halves_common;
+use halves_common::{Batch, Run, assert_same_bits, bits};
 
 const FIELDS: usize = 4;
 const DIM: usize = 5;
@@ -53,14 +56,6 @@ fn model_with(kind: &str, (precision, norm, dropout, activation): Case) -> Dense
     DenseModel::with_attention(&config, shape, heads(kind), &[], 17, Device::Cpu, Default::default()).expect("model")
 }
 
-/// One step's inputs: embeddings, dense values, labels (some masked) and weights.
-struct Batch {
-    emb: Vec<f32>,
-    dense: Vec<f32>,
-    labels: Vec<f32>,
-    weights: Vec<f32>,
-}
-
 /// A batch one row past the fewest `model` runs in halves: odd, so its
 /// halves differ by a row.
 fn rows(model: &DenseModel) -> usize {
@@ -78,7 +73,7 @@ fn batch(rows: usize, tasks: usize, rng: &mut Rng) -> Batch {
         })
         .collect();
     let weights = (0..rows).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
-    Batch { emb, dense, labels, weights }
+    Batch { emb, dense, labels, weights, sequences: None }
 }
 
 fn close(what: &str, a: &[f32], b: &[f32], tolerance: f32) {
@@ -86,10 +81,6 @@ fn close(what: &str, a: &[f32], b: &[f32], tolerance: f32) {
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
         assert!((x - y).abs() <= tolerance * (1.0 + y.abs()), "{what}[{i}]: halves {x}, graph {y}");
     }
-}
-
-fn bits(x: &[f32]) -> Vec<u32> {
-    x.iter().map(|v| v.to_bits()).collect()
 }
 
 /// Precision, norm, dropout rate and activation.
@@ -195,25 +186,14 @@ fn a_step_in_halves_is_the_graphs() {
     }
 }
 
-/// Three steps of `kind` on a pool of `threads`: each step's output and the weights after.
-fn trained(kind: &str, case: Case, threads: usize) -> (Vec<StepOutput>, Vec<f32>) {
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
-    pool.install(|| {
-        let (model, dropout) = (model_with(kind, case), case.2);
-        let mut optimizer = DenseOptimizer::new(DenseOptimizerConfig::default(), Default::default());
-        let mut rng = Rng::new(37);
-        let mut outputs = Vec::new();
-        let rows = rows(&model);
-        for step in 0..3 {
-            let b = batch(rows, model.heads().tasks(), &mut rng);
-            let draw = (dropout > 0.0).then_some(70 + step);
-            let (out, grads) =
-                model.forward_backward_with(b.emb, b.dense, &b.labels, Some(&b.weights), None, draw).expect("step");
-            optimizer.apply(&model.params, grads).expect("apply");
-            outputs.push(out);
-        }
-        (outputs, model.params.flat_values().expect("weights"))
-    })
+/// Three steps of `kind` on a pool of `threads`.
+fn trained(kind: &str, case: Case, threads: usize) -> Run {
+    let mut rng = Rng::new(37);
+    let step = |model: &DenseModel, step| {
+        let draw = (case.2 > 0.0).then_some(70 + step);
+        (batch(rows(model), model.heads().tasks(), &mut rng), draw)
+    };
+    halves_common::trained(threads, || model_with(kind, case), step)
 }
 
 #[test]
@@ -221,14 +201,7 @@ fn the_halves_give_the_same_bits_on_one_thread_and_on_two() {
     for kind in ["mmoe", "ple", "esmm"] {
         for case in CASES {
             let what = format!("{kind} {case:?}");
-            let (one, weights_one) = trained(kind, case, 1);
-            let (two, weights_two) = trained(kind, case, 2);
-            for (step, (a, b)) in one.iter().zip(&two).enumerate() {
-                assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "{what}: loss at step {step}");
-                assert_eq!(bits(&a.logits), bits(&b.logits), "{what}: logits at step {step}");
-                assert_eq!(bits(&a.emb_grad), bits(&b.emb_grad), "{what}: d pooled at step {step}");
-            }
-            assert_eq!(bits(&weights_one), bits(&weights_two), "{what}: the weights");
+            assert_same_bits(&what, &trained(kind, case, 1), &trained(kind, case, 2));
         }
     }
 }

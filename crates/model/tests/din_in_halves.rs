@@ -13,7 +13,10 @@
 use candle_core::Device;
 use sparrow_core::config::{Activation, DenseOptimizerConfig, ModelConfig, ModelKind, Norm, Precision, Task, TaskKind};
 use sparrow_core::rng::Rng;
-use sparrow_model::{DenseModel, DenseOptimizer, Heads, ModelShape, Sequences, StepOutput};
+use sparrow_model::{DenseModel, DenseOptimizer, Heads, ModelShape, Sequences};
+
+mod halves_common;
+use halves_common::{Batch, Run, assert_same_bits, bits};
 
 const FIELDS: usize = 4;
 const DIM: usize = 5;
@@ -66,14 +69,6 @@ fn rows(model: &DenseModel) -> usize {
     8 * model.half_rows().expect("runs in halves") + 1
 }
 
-struct Batch {
-    emb: Vec<f32>,
-    dense: Vec<f32>,
-    labels: Vec<f32>,
-    weights: Vec<f32>,
-    sequences: Sequences,
-}
-
 /// Where a batch's history positions are.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Layout {
@@ -101,7 +96,7 @@ fn batch(rows: usize, tasks: usize, layout: Layout, rng: &mut Rng) -> Batch {
         at.reverse();
     }
     let items = (0..at.len() * DIM).map(|_| rng.uniform(-0.8, 0.8) as f32).collect();
-    Batch { emb, dense, labels, weights, sequences: Sequences { rows: vec![at], items: vec![items] } }
+    Batch { emb, dense, labels, weights, sequences: Some(Sequences { rows: vec![at], items: vec![items] }) }
 }
 
 /// Each value within 1e-5 (relative, past 1), but for `Tolerance::flips`.
@@ -135,10 +130,6 @@ const TIGHT: Tolerance = Tolerance { share: 0.0, flipped: 0.0 };
 /// thousands, 2⁻⁸ of it, and with it that row's values downstream.
 const FLIPS: Tolerance = Tolerance { share: 0.01, flipped: 5e-3 };
 
-fn bits(x: &[f32]) -> Vec<u32> {
-    x.iter().map(|v| v.to_bits()).collect()
-}
-
 /// DIN takes the halves from twice the rows its work asks for, with batch
 /// norm too; not with Dice, whose statistics do not meet.
 #[test]
@@ -169,7 +160,7 @@ fn a_din_step_in_halves_is_the_graphs() {
             let what = format!("{what}, step {step}");
             let b = batch(rows, direct.heads().tasks(), layout, &mut rng);
             let draw = (dropout > 0.0).then_some(900 + step);
-            let seq = Some(&b.sequences);
+            let seq = b.sequences.as_ref();
             let (a, grads_a) = direct
                 .forward_backward_with(b.emb.clone(), b.dense.clone(), &b.labels, Some(&b.weights), seq, draw)
                 .expect("step in halves");
@@ -182,7 +173,7 @@ fn a_din_step_in_halves_is_the_graphs() {
             assert_eq!(a.item_grads.len(), 1, "{what}: one sequence");
             close(&format!("{what}: d history items"), &a.item_grads[0], &g.item_grads[0], tolerance);
             // Both halves' items have their gradients.
-            let half_items = b.sequences.rows[0].len() / 2 * DIM;
+            let half_items = seq.map_or(0, |q| q.rows[0].len()) / 2 * DIM;
             for part in [&a.item_grads[0][..half_items], &a.item_grads[0][half_items..]] {
                 assert!(part.iter().any(|&v| v != 0.0), "{what}: items' gradients");
             }
@@ -196,7 +187,7 @@ fn a_din_step_in_halves_is_the_graphs() {
             }
             // A prediction runs in halves too: the step's logits, where
             // the step dropped nothing and normalized by nothing of the batch.
-            let predicted = direct.predict_with(b.emb, b.dense, rows, Some(&b.sequences)).expect("predict");
+            let predicted = direct.predict_with(b.emb.clone(), b.dense.clone(), rows, seq).expect("predict");
             if dropout == 0.0 && norm != Norm::Batch {
                 assert_eq!(bits(&predicted), bits(&a.logits), "{what}: a prediction's logits");
             }
@@ -208,43 +199,24 @@ fn a_din_step_in_halves_is_the_graphs() {
     }
 }
 
-/// Three steps of DIN on a pool of `threads`: each step's output and the weights after.
-fn trained(case: Case, threads: usize) -> (Vec<StepOutput>, Vec<f32>) {
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
-    pool.install(|| {
-        let (model, dropout) = (model(case), case.2);
-        let mut optimizer = DenseOptimizer::new(DenseOptimizerConfig::default(), Default::default());
-        let mut rng = Rng::new(37);
-        let mut outputs = Vec::new();
-        let rows = rows(&model);
-        for step in 0..3 {
-            let layout = [Layout::InRowOrder, Layout::Reversed, Layout::FirstHalfOnly][step as usize];
-            let b = batch(rows, model.heads().tasks(), layout, &mut rng);
-            let draw = (dropout > 0.0).then_some(70 + step);
-            let seq = Some(&b.sequences);
-            let (out, grads) =
-                model.forward_backward_with(b.emb, b.dense, &b.labels, Some(&b.weights), seq, draw).expect("step");
-            optimizer.apply(&model.params, grads).expect("apply");
-            outputs.push(out);
-        }
-        (outputs, model.params.flat_values().expect("weights"))
-    })
+/// Three steps of DIN on a pool of `threads`, its histories laid out
+/// each of the three ways.
+fn trained(case: Case, threads: usize) -> Run {
+    let mut rng = Rng::new(37);
+    let step = |model: &DenseModel, step: u64| {
+        let layout = [Layout::InRowOrder, Layout::Reversed, Layout::FirstHalfOnly][step as usize];
+        let draw = (case.2 > 0.0).then_some(70 + step);
+        (batch(rows(model), model.heads().tasks(), layout, &mut rng), draw)
+    };
+    halves_common::trained(threads, || model(case), step)
 }
 
 #[test]
 fn din_halves_give_the_same_bits_on_pools_of_one_two_and_three() {
     for case in [CASES[0], CASES[1], CASES[3]] {
-        let (one, weights_one) = trained(case, 1);
+        let one = trained(case, 1);
         for threads in [2, 3] {
-            let what = format!("{case:?}, {threads} threads");
-            let (many, weights_many) = trained(case, threads);
-            for (step, (a, b)) in one.iter().zip(&many).enumerate() {
-                assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "{what}: loss at step {step}");
-                assert_eq!(bits(&a.logits), bits(&b.logits), "{what}: logits at step {step}");
-                assert_eq!(bits(&a.emb_grad), bits(&b.emb_grad), "{what}: d pooled at step {step}");
-                assert_eq!(bits(&a.item_grads[0]), bits(&b.item_grads[0]), "{what}: d items at step {step}");
-            }
-            assert_eq!(bits(&weights_one), bits(&weights_many), "{what}: the weights");
+            assert_same_bits(&format!("{case:?}, {threads} threads"), &one, &trained(case, threads));
         }
     }
 }

@@ -142,9 +142,7 @@ impl DenseModel {
         s.second_half = Some(second);
         result
     }
-}
 
-impl DenseModel {
     /// A half's step: its forward pass, its rows' losses and seed (a row's
     /// seed is its own loss's, over the whole batch's `1 / inv_b` rows) and
     /// its backward pass, meeting the other half at `side` where the kind
