@@ -63,17 +63,7 @@ fn rows(model: &DenseModel) -> usize {
 }
 
 fn batch(rows: usize, tasks: usize, rng: &mut Rng) -> Batch {
-    let emb = (0..rows * FIELDS * DIM).map(|_| rng.uniform(-0.6, 0.6) as f32).collect();
-    let dense = (0..rows * DENSE).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
-    let labels = (0..rows * tasks)
-        .map(|i| match (i % tasks, i % 5) {
-            (_, 3) => f32::NAN,
-            (2, _) => (rng.next_u64() % 3) as f32,
-            _ => (rng.next_u64() % 2) as f32,
-        })
-        .collect();
-    let weights = (0..rows).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
-    Batch { emb, dense, labels, weights, sequences: None }
+    halves_common::batch(rows, tasks, (FIELDS * DIM, DENSE), rng)
 }
 
 fn close(what: &str, a: &[f32], b: &[f32], tolerance: f32) {

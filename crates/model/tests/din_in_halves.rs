@@ -80,23 +80,15 @@ enum Layout {
 
 /// A batch of `rows`, its history positions laid out as `layout` says.
 fn batch(rows: usize, tasks: usize, layout: Layout, rng: &mut Rng) -> Batch {
-    let emb = (0..rows * FIELDS * DIM).map(|_| rng.uniform(-0.6, 0.6) as f32).collect();
-    let dense = (0..rows * DENSE).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
-    let labels = (0..rows * tasks)
-        .map(|i| match (i % tasks, i % 5) {
-            (_, 3) => f32::NAN,
-            (2, _) => (rng.next_u64() % 3) as f32,
-            _ => (rng.next_u64() % 2) as f32,
-        })
-        .collect();
-    let weights = (0..rows).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
+    let mut b = halves_common::batch(rows, tasks, (FIELDS * DIM, DENSE), rng);
     let length = |r: usize| if layout == Layout::FirstHalfOnly && r >= rows / 2 { 0 } else { HISTORY[r % 7] };
     let mut at: Vec<u32> = (0..rows).flat_map(|r| std::iter::repeat_n(r as u32, length(r))).collect();
     if layout == Layout::Reversed {
         at.reverse();
     }
     let items = (0..at.len() * DIM).map(|_| rng.uniform(-0.8, 0.8) as f32).collect();
-    Batch { emb, dense, labels, weights, sequences: Some(Sequences { rows: vec![at], items: vec![items] }) }
+    b.sequences = Some(Sequences { rows: vec![at], items: vec![items] });
+    b
 }
 
 /// Each value within 1e-5 (relative, past 1), but for `Tolerance::flips`.

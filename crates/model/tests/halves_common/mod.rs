@@ -3,6 +3,7 @@
 //! threads, and the check that two such runs have the same bits.
 
 use sparrow_core::config::DenseOptimizerConfig;
+use sparrow_core::rng::Rng;
 use sparrow_model::{DenseModel, DenseOptimizer, StepOutput};
 
 /// One step's inputs: embeddings, dense values, labels, weights and,
@@ -13,6 +14,23 @@ pub struct Batch {
     pub labels: Vec<f32>,
     pub weights: Vec<f32>,
     pub sequences: Option<sparrow_model::Sequences>,
+}
+
+/// A batch of `rows` without sequences: `width` pooled values and `dense`
+/// dense values a row, labels of `tasks` tasks (every fifth masked, the
+/// third task's a class of three) and sample weights.
+pub fn batch(rows: usize, tasks: usize, (width, dense): (usize, usize), rng: &mut Rng) -> Batch {
+    let emb = (0..rows * width).map(|_| rng.uniform(-0.6, 0.6) as f32).collect();
+    let dense = (0..rows * dense).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
+    let labels = (0..rows * tasks)
+        .map(|i| match (i % tasks, i % 5) {
+            (_, 3) => f32::NAN,
+            (2, _) => (rng.next_u64() % 3) as f32,
+            _ => (rng.next_u64() % 2) as f32,
+        })
+        .collect();
+    let weights = (0..rows).map(|_| rng.uniform(0.0, 2.0) as f32).collect();
+    Batch { emb, dense, labels, weights, sequences: None }
 }
 
 pub fn bits(x: &[f32]) -> Vec<u32> {
