@@ -407,19 +407,25 @@ fn two_binary_tasks(three: &str) -> String {
 
 /// Exactness holds for several tasks and a sequence, pooled by sum (MLP)
 /// or by attention (DIN), and for the multi-task kinds (ESMM on its two
-/// tasks): the SSD tier trains the in-memory model, a run stopped at step
-/// 40 and resumed ends with the uninterrupted one's figures, and one or
-/// three step threads (`train.threads`; 2 by default) train the same
+/// tasks), MMoE also batch-normed (its batches of 256 run in halves whose
+/// statistics meet): the SSD tier trains the in-memory model, a run stopped
+/// at step 40 and resumed ends with the uninterrupted one's figures, and
+/// one or three step threads (`train.threads`; 2 by default) train the same
 /// model, bit for bit.
 #[test]
 fn several_tasks_are_exact_on_the_ssd_tier_and_across_a_resume() {
     let tmp = tempfile::tempdir().expect("tmp");
     behaviour_data(tmp.path(), "12000");
-    for kind in ["mlp", "din", "mmoe", "ple", "esmm"] {
+    for kind in ["mlp", "din", "mmoe", "ple", "esmm", "mmoe-batch"] {
         let (dir, config) = kind_job(tmp.path(), kind);
-        if kind == "esmm" {
-            let text = std::fs::read_to_string(&config).expect("config");
-            std::fs::write(&config, two_binary_tasks(&text)).expect("write");
+        let text = std::fs::read_to_string(&config).expect("config");
+        match kind {
+            "esmm" => std::fs::write(&config, two_binary_tasks(&text)).expect("write"),
+            "mmoe-batch" => {
+                let text = text.replace(r#"kind = "mmoe-batch""#, "kind = \"mmoe\"\nnorm = \"batch\"");
+                std::fs::write(&config, text).expect("write");
+            }
+            _ => {}
         }
         exact_on_the_ssd_tier_and_across_a_resume(&dir, &config);
     }

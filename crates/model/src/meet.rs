@@ -9,6 +9,11 @@
 //! run one after the other up to each meeting, so the model is the same on
 //! any number of threads: the arithmetic is fixed by the batch's rows.
 //!
+//! A half whose passes run side by side (a level's experts) polls each in
+//! turn up to its meeting ([`side_by_side`]): every share it posted is
+//! numbered, the two halves' shares of one number combine, and the halves
+//! meet once for all the passes.
+//!
 //! A future is how a half stops mid-pass and resumes with its stack (the
 //! layers' loop, a kind's own passes around its MLP) kept, without a
 //! thread of its own; no executor is involved, and a pass that meets no
@@ -17,6 +22,7 @@
 use std::future::Future;
 use std::pin::{Pin, pin};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll, Waker};
 
 use crate::ModelError;
@@ -33,22 +39,34 @@ pub(crate) enum Combine {
     Moments,
 }
 
-/// What a half posted, and what it gets back.
+/// What a half posted since the last meeting, and what it gets back. A
+/// half may post several shares before it waits (its passes run side by
+/// side, [`side_by_side`]): each is numbered by the half's posts so far, and the
+/// two halves' shares of one number are combined.
 #[derive(Default)]
 struct Post {
-    sent: Option<(Combine, Vec<f32>)>,
-    back: Option<Vec<f32>>,
+    posted: usize,
+    sent: Vec<(usize, Combine, Vec<f32>)>,
+    back: Vec<(usize, Vec<f32>)>,
 }
 
 /// Where the two halves of a batch of `rows[0] + rows[1]` rows meet.
 pub struct Meeting {
     rows: [usize; 2],
     posts: [Mutex<Post>; 2],
+    /// How many times the halves met (for tests and benchmarks).
+    meetings: AtomicUsize,
 }
 
 impl Meeting {
     pub(crate) fn new(first: usize, second: usize) -> Meeting {
-        Meeting { rows: [first, second], posts: Default::default() }
+        Meeting { rows: [first, second], posts: Default::default(), meetings: AtomicUsize::new(0) }
+    }
+
+    /// How many times the halves have met.
+    #[cfg(test)]
+    pub(crate) fn meetings(&self) -> usize {
+        self.meetings.load(Ordering::Relaxed)
     }
 
     /// Either side's end of it: 0 the first half, 1 the second.
@@ -56,23 +74,30 @@ impl Meeting {
         Side { meeting: self, index }
     }
 
-    /// The two shares posted, combined, handed back to both; an error
-    /// where the halves did not post alike (a bug: they run one code).
+    /// The shares posted, each combined with the other half's of its
+    /// number, handed back to both; an error where the halves did not post
+    /// alike (a bug: they run one code), or posted nothing (both waiting,
+    /// neither for a meeting).
     fn combine(&self) -> Result<(), ModelError> {
         let uneven = || ModelError::Halves { what: "one half met where the other did not" };
         let [a, b] = &self.posts;
         let (mut a, mut b) = (a.lock().map_err(|_| ModelError::Poisoned)?, b.lock().map_err(|_| ModelError::Poisoned)?);
-        let ((how, mine), (theirs_how, theirs)) =
-            (a.sent.take().ok_or_else(uneven)?, b.sent.take().ok_or_else(uneven)?);
-        if how != theirs_how || mine.len() != theirs.len() {
+        let (mine, theirs) = (std::mem::take(&mut a.sent), std::mem::take(&mut b.sent));
+        if mine.is_empty() || mine.len() != theirs.len() {
             return Err(uneven());
         }
-        let whole = match how {
-            Combine::Sum => mine.iter().zip(&theirs).map(|(a, b)| a + b).collect(),
-            Combine::Moments => moments(&mine, &theirs, self.rows),
-        };
-        b.back = Some(whole.clone());
-        a.back = Some(whole);
+        self.meetings.fetch_add(1, Ordering::Relaxed);
+        for ((number, how, mine), (their_number, their_how, theirs)) in mine.into_iter().zip(theirs) {
+            if number != their_number || how != their_how || mine.len() != theirs.len() {
+                return Err(uneven());
+            }
+            let whole = match how {
+                Combine::Sum => mine.iter().zip(&theirs).map(|(a, b)| a + b).collect(),
+                Combine::Moments => moments(&mine, &theirs, self.rows),
+            };
+            b.back.push((number, whole.clone()));
+            a.back.push((number, whole));
+        }
         Ok(())
     }
 }
@@ -111,15 +136,49 @@ impl Side<'_> {
     /// `values` becomes the whole batch's, combined as `how` says.
     pub(crate) async fn exchange(self, how: Combine, values: &mut [f32]) -> Result<(), ModelError> {
         let post = &self.meeting.posts[self.index];
-        post.lock().map_err(|_| ModelError::Poisoned)?.sent = Some((how, values.to_vec()));
+        let number = {
+            let mut post = post.lock().map_err(|_| ModelError::Poisoned)?;
+            let number = post.posted;
+            post.posted += 1;
+            post.sent.push((number, how, values.to_vec()));
+            number
+        };
         let whole = std::future::poll_fn(|_| match post.lock() {
-            Ok(mut post) => post.back.take().map_or(Poll::Pending, |whole| Poll::Ready(Ok(whole))),
+            Ok(mut post) => match post.back.iter().position(|(n, _)| *n == number) {
+                Some(i) => Poll::Ready(Ok(post.back.swap_remove(i).1)),
+                None => Poll::Pending,
+            },
             Err(_) => Poll::Ready(Err(ModelError::Poisoned)),
         })
         .await?;
         values.copy_from_slice(&whole);
         Ok(())
     }
+}
+
+/// A half's passes side by side (a level's experts, say): each polled in
+/// turn, in their order, until it waits or ends, so the half posts their
+/// shares in one order and meets the other half once for all of them.
+/// Their values in order, or the first error.
+pub(crate) async fn side_by_side<T, F: Future<Output = Result<T, ModelError>>>(
+    passes: Vec<F>,
+) -> Result<Vec<T>, ModelError> {
+    let mut passes: Vec<Pin<Box<F>>> = passes.into_iter().map(Box::pin).collect();
+    let mut done: Vec<Option<T>> = passes.iter().map(|_| None).collect();
+    std::future::poll_fn(|_| {
+        for (pass, done) in passes.iter_mut().zip(done.iter_mut()).filter(|(_, d)| d.is_none()) {
+            match poll(pass.as_mut()) {
+                Poll::Ready(Ok(value)) => *done = Some(value),
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => {}
+            }
+        }
+        match done.iter().all(Option::is_some) {
+            true => Poll::Ready(Ok(done.iter_mut().filter_map(Option::take).collect())),
+            false => Poll::Pending,
+        }
+    })
+    .await
 }
 
 /// A pass that meets no one, run to its end: it completes in one poll.
@@ -238,6 +297,41 @@ mod tests {
                 .expect("the halves");
             assert_eq!(a, ([3.0, 30.0], [12.0, 0.0], 5), "{threads} threads");
             assert_eq!(a, b, "{threads} threads: both halves get the whole batch's");
+        }
+    }
+
+    /// A pass that posts twice and, with `third`, once more.
+    async fn pass(side: Side<'_>, mine: f32, third: bool) -> Result<([f32; 2], [f32; 2], f32), ModelError> {
+        let (a, b, _) = twice(side, mine).await?;
+        let mut v = [mine];
+        if !third {
+            return Ok((a, b, 0.0));
+        }
+        side.exchange(Combine::Sum, &mut v).await?;
+        Ok((a, b, v[0]))
+    }
+
+    /// A half's two passes side by side.
+    async fn two_passes(side: Side<'_>, mine: f32) -> Result<Vec<([f32; 2], [f32; 2], f32)>, ModelError> {
+        super::side_by_side(vec![pass(side, mine, true), pass(side, 100.0 * mine, false)]).await
+    }
+
+    /// A half's two passes side by side ([`side_by_side`]), each posting twice and
+    /// the first once more: a meeting combines every share of a number,
+    /// so the halves meet three times, not five, and each pass gets its
+    /// own share's whole, on a pool of one as on two.
+    #[test]
+    fn a_halfs_passes_side_by_side_meet_the_others_at_once() {
+        for threads in [1, 2] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
+            let meeting = Meeting::new(2, 3);
+            let (a, b) = pool
+                .install(|| both(&meeting, two_passes(meeting.side(0), 1.0), two_passes(meeting.side(1), 2.0)))
+                .expect("the halves");
+            assert_eq!(a[0], ([3.0, 30.0], [12.0, 0.0], 3.0), "{threads} threads: the first pass");
+            assert_eq!(a[1], ([300.0, 3000.0], [1200.0, 0.0], 0.0), "{threads} threads: the second pass");
+            assert_eq!(a, b, "{threads} threads: both halves get the whole batch's");
+            assert_eq!(meeting.meetings(), 3, "{threads} threads: meetings");
         }
     }
 

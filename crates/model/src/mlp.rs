@@ -16,7 +16,8 @@ mod precision;
 mod relu;
 mod scratch;
 
-use first_product::{First, FirstGrad, next_dw_in_pass, outer_to_first};
+pub(crate) use first_product::First;
+use first_product::{FirstGrad, next_dw_in_pass, outer_to_first};
 use linear::weight_grads;
 pub(crate) use linear::{linear_grads, matmul};
 pub use precision::matmul_in;

@@ -16,7 +16,7 @@ use sparrow_core::rng::Rng;
 use sparrow_model::{DenseModel, DenseOptimizer, Heads, ModelShape, Sequences};
 
 mod halves_common;
-use halves_common::{Batch, Run, assert_same_bits, bits};
+use halves_common::{Batch, FLIPS, Run, TIGHT, Tolerance, assert_same_bits, bits, close};
 
 const FIELDS: usize = 4;
 const DIM: usize = 5;
@@ -90,37 +90,6 @@ fn batch(rows: usize, tasks: usize, layout: Layout, rng: &mut Rng) -> Batch {
     b.sequences = Some(Sequences { rows: vec![at], items: vec![items] });
     b
 }
-
-/// Each value within 1e-5 (relative, past 1), but for `Tolerance::flips`.
-fn close(what: &str, a: &[f32], b: &[f32], tolerance: Tolerance) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    let mut off = 0;
-    for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        let error = (x - y).abs() / (1.0 + y.abs());
-        if error > 1e-5 {
-            off += 1;
-            assert!(error <= tolerance.flipped, "{what}[{i}]: halves {x}, graph {y}");
-        }
-    }
-    let most = (a.len() as f32 * tolerance.share).floor() as usize;
-    assert!(off <= most, "{what}: {off} of {} values past 1e-5 (at most {most})", a.len());
-}
-
-/// How many values (a share) may be further off, and by how much.
-#[derive(Clone, Copy)]
-struct Tolerance {
-    share: f32,
-    flipped: f32,
-}
-
-/// Every value within 1e-5.
-const TIGHT: Tolerance = Tolerance { share: 0.0, flipped: 0.0 };
-
-/// bf16 rounds each layer's inputs: a last-bit difference in batch norm's
-/// statistics (the halves' pairwise combination against one pass over the
-/// rows: 1e-7 in fp32) flips the rounding of one input in tens of
-/// thousands, 2⁻⁸ of it, and with it that row's values downstream.
-const FLIPS: Tolerance = Tolerance { share: 0.01, flipped: 5e-3 };
 
 /// DIN takes the halves from twice the rows its work asks for, with batch
 /// norm too; not with Dice, whose statistics do not meet.

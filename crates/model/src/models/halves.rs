@@ -8,8 +8,9 @@
 //! each half of the batch runs forward, its rows' loss and backward on a
 //! thread of its own: one meeting a step, where the thread done first
 //! waits for the other awake (`awake::join`), and one more at each batch
-//! norm layer each way, where the kind's MLP normalizes by the batch
-//! (`meet.rs`: DIN's).
+//! norm layer each way, where the kind's stacks normalize by the batch
+//! (`meet.rs`: DIN's MLP; the multi-task kinds' experts, a level's at one
+//! meeting, and towers).
 //!
 //! Only kinds whose rows are independent take it (`Direct::half_rows`;
 //! dropout's masks are drawn by a value's place in the whole batch, the

@@ -15,7 +15,7 @@ use super::product::{ProductBufs, UnitInput};
 use crate::ModelError;
 use crate::kinds::{At, Direct, Grads, Met};
 use crate::meet::Side;
-use crate::mlp::{Mlp, MlpScratch, sized};
+use crate::mlp::{First, Mlp, MlpScratch, sized};
 use crate::step::Scratch;
 
 /// Positions a task of a pass over history items takes.
@@ -161,7 +161,7 @@ impl DinNet {
         s.sequences = sequences;
         let rows = (rows, at.first_row);
         let result = match meet {
-            Some(meet) => self.mlp.forward_met(&input, rows, (at.dropout, meet), &mut s.deep).await,
+            Some(meet) => self.mlp.forward_met(First::Input(&input), rows, (at.dropout, meet), &mut s.deep).await,
             None => self.mlp.forward_cpu_at(&input, rows, at.dropout, &mut s.deep),
         };
         s.x = input;
@@ -180,7 +180,7 @@ impl DinNet {
     ) -> Result<Grads<'a>, ModelError> {
         let (d, stride) = (at.width, at.row_len());
         let mlp_grads = match meet {
-            Some(meet) => self.mlp.backward_met(&s.x, seed, &mut s.deep, meet).await?,
+            Some(meet) => self.mlp.backward_met(First::Input(&s.x), (seed, false), &mut s.deep, meet).await?,
             None => self.mlp.backward_cpu(&s.x, seed, &mut s.deep)?,
         };
         let mut grads = vec![(self.mlp.params(), mlp_grads)];

@@ -14,7 +14,13 @@
 //! - the towers run side by side, each task's seed its columns of the
 //!   logits' (ESMM: through logit(σ(a)·σ(b))); ESMM's, which read one
 //!   input, take their first layers' products as one each way
-//!   (`one_input_towers.rs`).
+//!   (`one_input_towers.rs`);
+//! - on a half of a batch (`models/halves.rs`), batch-normed experts and
+//!   towers meet the other half's at their statistics (`meet.rs`): a
+//!   level's experts run one after another on the half's thread, each up
+//!   to its meeting, and the halves meet once for all of them
+//!   (`meet::side_by_side`); without batch norm they take the pool side by
+//!   side, as on a whole batch.
 //!
 //! Every buffer is summed in a fixed order, so the step's bits do not
 //! depend on the threads.
@@ -24,9 +30,10 @@ use rayon::prelude::*;
 use super::{Level, MultiTask, Which, gates, one_input_gates, one_input_towers};
 use crate::ModelError;
 use crate::bf16::Arith;
-use crate::kinds::{At, Direct, Grads};
+use crate::kinds::{At, Direct, Grads, Met};
 use crate::matrix::Operand;
-use crate::mlp::{Mlp, MlpScratch, cpu, linear_grads, matmul, sized};
+use crate::meet::{self, Side};
+use crate::mlp::{First, Mlp, MlpScratch, cpu, linear_grads, matmul, sized};
 use crate::params::Linear;
 use crate::step::Scratch;
 
@@ -135,7 +142,15 @@ impl MultiTask {
         }
     }
 
-    fn forward_levels(&self, at: &At, x: &[f32], rows: usize, m: &mut MultiScratch) -> Result<(), ModelError> {
+    /// The levels' forward passes; on a half of a batch (`meet`), the
+    /// experts' batch norm meets the other half's, every expert's at once.
+    async fn forward_levels(
+        &self,
+        at: &At,
+        (x, rows): (&[f32], usize),
+        m: &mut MultiScratch,
+        meet: Option<Side<'_>>,
+    ) -> Result<(), ModelError> {
         let tasks = self.towers.len();
         m.levels.resize_with(self.levels.len(), LevelBufs::default);
         for (l, level) in self.levels.iter().enumerate() {
@@ -145,12 +160,21 @@ impl MultiTask {
             let experts: Vec<&Mlp> = level.experts().collect();
             bufs.experts.resize_with(experts.len(), MlpScratch::default);
             let reads = level.expert_inputs(tasks);
-            experts
-                .par_iter()
-                .zip(bufs.experts.par_iter_mut())
-                .zip(reads.par_iter())
-                .map(|((e, s), &i)| e.forward_cpu_at(inputs[i], (rows, at.first_row), at.dropout, s))
-                .collect::<Result<Vec<()>, _>>()?;
+            let rows_at = (rows, at.first_row);
+            match meet {
+                None => experts
+                    .par_iter()
+                    .zip(bufs.experts.par_iter_mut())
+                    .zip(reads.par_iter())
+                    .map(|((e, s), &i)| e.forward_cpu_at(inputs[i], rows_at, at.dropout, s))
+                    .collect::<Result<Vec<()>, _>>()
+                    .map(drop)?,
+                Some(meet) => {
+                    let passes = (experts.iter().zip(bufs.experts.iter_mut()).zip(&reads))
+                        .map(|((e, s), &i)| e.forward_met(First::Input(inputs[i]), rows_at, (at.dropout, meet), s));
+                    meet::side_by_side(passes.collect()).await.map(drop)?;
+                }
+            }
             let gates: Vec<&Linear> = level.gates().collect();
             bufs.weights.resize_with(gates.len(), Vec::new);
             bufs.mixes.resize_with(gates.len(), Vec::new);
@@ -216,13 +240,13 @@ impl MultiTask {
 
     /// d loss / d each input of the levels, from the top's mixes' gradients
     /// in `m.d_inputs`; the bottom's summed into `grad_x`.
-    fn backward_levels<'a>(
+    async fn backward_levels<'a>(
         &'a self,
-        x: &[f32],
-        rows: usize,
+        (x, rows): (&[f32], usize),
         m: &mut MultiScratch,
         grad_x: &mut Vec<f32>,
         grads: &mut Grads<'a>,
+        meet: Option<Side<'_>>,
     ) -> Result<(), ModelError> {
         let tasks = self.towers.len();
         for (l, level) in self.levels.iter().enumerate().rev() {
@@ -272,17 +296,28 @@ impl MultiTask {
                 grads.push((gate.bias(), db));
             }
             let reads = level.expert_inputs(tasks);
-            let expert_grads = experts
-                .par_iter()
-                .zip(bufs.experts.par_iter_mut())
-                .zip(bufs.d_experts.par_iter())
-                .zip(reads.par_iter())
-                .zip(&pooled)
-                .map(|((((e, s), d), &i), &pooled)| match e.output_mask(s).is_some() && pooled {
-                    true => e.backward_cpu_masked(inputs[i], d, s),
-                    false => e.backward_cpu(inputs[i], d, s),
-                })
-                .collect::<Result<Vec<_>, _>>()?;
+            let expert_grads = match meet {
+                None => experts
+                    .par_iter()
+                    .zip(bufs.experts.par_iter_mut())
+                    .zip(bufs.d_experts.par_iter())
+                    .zip(reads.par_iter())
+                    .zip(&pooled)
+                    .map(|((((e, s), d), &i), &pooled)| match e.output_mask(s).is_some() && pooled {
+                        true => e.backward_cpu_masked(inputs[i], d, s),
+                        false => e.backward_cpu(inputs[i], d, s),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?,
+                Some(meet) => {
+                    let passes = (experts.iter().zip(bufs.experts.iter_mut()).zip(&bufs.d_experts).zip(&reads))
+                        .zip(&pooled)
+                        .map(|((((e, s), d), &i), &pooled)| {
+                            let masked = e.output_mask(s).is_some() && pooled;
+                            e.backward_met(First::Input(inputs[i]), (d, masked), s, meet)
+                        });
+                    meet::side_by_side(passes.collect()).await?
+                }
+            };
             for (e, g) in experts.iter().zip(expert_grads) {
                 grads.push((e.params(), g));
             }
@@ -329,25 +364,48 @@ impl MultiTask {
     }
 }
 
-impl Direct for MultiTask {
-    fn forward(&self, at: &At, x: &[f32], rows: usize, s: &mut Scratch) -> Result<Vec<f32>, ModelError> {
+impl MultiTask {
+    /// Whether any of its stacks normalizes by the batch: on a half of a
+    /// batch, those meet the other half's (a stack without batch norm
+    /// meets no one, and its experts take the pool side by side).
+    fn batch_normed(&self) -> bool {
+        let mut mlps = self.levels.iter().flat_map(Level::experts).chain(&self.towers);
+        mlps.any(Mlp::batch_normed)
+    }
+
+    /// The forward pass: the logits. On a half of a batch (`meet`) the
+    /// stacks' batch norm meets the other half's: every expert of a level
+    /// at once, then every tower (ESMM's, which read one input, one by one).
+    async fn forward_with(
+        &self,
+        at: &At,
+        (x, rows): (&[f32], usize),
+        s: &mut Scratch,
+        meet: Option<Side<'_>>,
+    ) -> Result<Vec<f32>, ModelError> {
+        let meet = meet.filter(|_| self.batch_normed());
         let m: &mut MultiScratch = s.of_kind();
-        self.forward_levels(at, x, rows, m)?;
+        self.forward_levels(at, (x, rows), m, meet).await?;
         let tasks = self.towers.len();
         m.towers.resize_with(tasks, MlpScratch::default);
         let inputs: Vec<&[f32]> = match m.levels.last() {
             Some(top) => top.mixes.iter().take(tasks).map(|v| &v[..]).collect(),
             None => vec![x; tasks],
         };
+        let rows_at = (rows, at.first_row);
         if self.towers_read_x() {
             let draw = (at.dropout, self.simd);
-            m.one_input_towers.forward(&self.towers, (x, rows, at.first_row), draw, &mut m.towers)?;
+            m.one_input_towers.forward(&self.towers, (x, rows_at), draw, &mut m.towers, meet).await?;
+        } else if let Some(meet) = meet {
+            let passes = (self.towers.iter().zip(m.towers.iter_mut()).zip(&inputs))
+                .map(|((t, s), x)| t.forward_met(First::Input(x), rows_at, (at.dropout, meet), s));
+            meet::side_by_side(passes.collect()).await?;
         } else {
             self.towers
                 .par_iter()
                 .zip(m.towers.par_iter_mut())
                 .zip(inputs.par_iter())
-                .map(|((t, s), x)| t.forward_cpu_at(x, (rows, at.first_row), at.dropout, s))
+                .map(|((t, s), x)| t.forward_cpu_at(x, rows_at, at.dropout, s))
                 .collect::<Result<Vec<()>, _>>()?;
         }
         if self.which == Which::Esmm {
@@ -374,14 +432,17 @@ impl Direct for MultiTask {
         Ok(logits)
     }
 
-    fn backward<'a>(
+    /// The backward pass of the last [`forward_with`](Self::forward_with),
+    /// meeting where it met: the dense gradients.
+    async fn backward_with<'a>(
         &'a self,
-        _at: &At,
         x: &[f32],
         seed: &[f32],
         s: &mut Scratch,
-        grads: &mut Grads<'a>,
-    ) -> Result<(), ModelError> {
+        meet: Option<Side<'_>>,
+    ) -> Result<Grads<'a>, ModelError> {
+        let meet = meet.filter(|_| self.batch_normed());
+        let mut grads = Vec::new();
         let mut grad_x = std::mem::take(&mut s.grad_x);
         let m: &mut MultiScratch = s.of_kind();
         let tasks = self.towers.len();
@@ -416,20 +477,22 @@ impl Direct for MultiTask {
             None => vec![x; tasks],
         };
         let side_by_side = self.towers_read_x();
-        let tower_grads = match side_by_side {
+        let tower_grads = if side_by_side {
             // d x is every tower's, summed in their products side by side.
-            true => {
-                let seeds = (&m.tower_seeds[..], self.simd);
-                m.one_input_towers.backward(&self.towers, (x, rows), seeds, &mut m.towers, &mut grad_x)?
-            }
-            false => self
-                .towers
+            let seeds = (&m.tower_seeds[..], self.simd);
+            m.one_input_towers.backward(&self.towers, (x, rows), seeds, (&mut m.towers, &mut grad_x), meet).await?
+        } else if let Some(meet) = meet {
+            let passes = (self.towers.iter().zip(m.towers.iter_mut()).zip(&m.tower_seeds).zip(&inputs))
+                .map(|(((t, s), seed), x)| t.backward_met(First::Input(x), (seed, false), s, meet));
+            meet::side_by_side(passes.collect()).await?
+        } else {
+            self.towers
                 .par_iter()
                 .zip(m.towers.par_iter_mut())
                 .zip(m.tower_seeds.par_iter())
                 .zip(inputs.par_iter())
                 .map(|(((t, s), seed), x)| t.backward_cpu(x, seed, s))
-                .collect::<Result<Vec<_>, _>>()?,
+                .collect::<Result<Vec<_>, _>>()?
         };
         for (t, g) in self.towers.iter().zip(tower_grads) {
             grads.push((t.params(), g));
@@ -447,10 +510,55 @@ impl Direct for MultiTask {
             for (d, t) in m.d_inputs.iter_mut().zip(&mut m.towers) {
                 std::mem::swap(d, &mut t.grad_input);
             }
-            self.backward_levels(x, rows, m, &mut grad_x, grads)?;
+            self.backward_levels((x, rows), m, &mut grad_x, &mut grads, meet).await?;
         }
         s.grad_x = grad_x;
+        Ok(grads)
+    }
+}
+
+impl Direct for MultiTask {
+    fn forward(&self, at: &At, x: &[f32], rows: usize, s: &mut Scratch) -> Result<Vec<f32>, ModelError> {
+        meet::unmet(self.forward_with(at, (x, rows), s, None))
+    }
+
+    fn backward<'a>(
+        &'a self,
+        _at: &At,
+        x: &[f32],
+        seed: &[f32],
+        s: &mut Scratch,
+        grads: &mut Grads<'a>,
+    ) -> Result<(), ModelError> {
+        grads.extend(meet::unmet(self.backward_with(x, seed, s, None))?);
         Ok(())
+    }
+
+    fn forward_met<'a>(
+        &'a self,
+        at: &'a At,
+        input: (&'a [f32], usize),
+        s: &'a mut Scratch,
+        meet: Side<'a>,
+    ) -> Met<'a, Vec<f32>> {
+        Box::pin(self.forward_with(at, input, s, Some(meet)))
+    }
+
+    fn backward_met<'a: 'b, 'b>(
+        &'a self,
+        _at: &'b At,
+        (x, seed): (&'b [f32], &'b [f32]),
+        s: &'b mut Scratch,
+        meet: Side<'b>,
+    ) -> Met<'b, Grads<'a>> {
+        Box::pin(self.backward_with(x, seed, s, Some(meet)))
+    }
+
+    /// Its stacks' batch norm meets (`meet.rs`); a Dice activation's
+    /// statistics do not, and keep its batches whole.
+    fn meets_statistics(&self) -> bool {
+        let mut mlps = self.levels.iter().flat_map(Level::experts).chain(&self.towers);
+        mlps.all(|m| m.activation() != sparrow_core::config::Activation::Dice)
     }
 
     fn mlps<'s>(&'s self, s: &'s mut Scratch) -> Vec<(&'s Mlp, &'s mut MlpScratch)> {

@@ -22,8 +22,9 @@
 
 use crate::ModelError;
 use crate::matrix::{Operand, sgemm, sgemm_threads};
+use crate::meet::Side;
 use crate::mlp::first_product::{FirstGrad, FirstProduct};
-use crate::mlp::{Mlp, MlpScratch, cpu, sized, through_relu};
+use crate::mlp::{First, Mlp, MlpScratch, cpu, sized, through_relu};
 use sparrow_core::simd::Simd;
 
 /// Buffers kept between steps.
@@ -75,13 +76,16 @@ impl OneInputTowers {
     /// Every tower's forward pass on `x` (`[rows, fan_in]`, rows from
     /// `first_row` of the batch), the outputs in `scratches`. The towers
     /// take their columns one after the other: the product, which is most
-    /// of the work, runs on the pool.
-    pub(super) fn forward(
+    /// of the work, runs on the pool. On a half of a batch (`meet`) each
+    /// tower's batch norm meets the other half's, a tower at a time (each
+    /// reads the one buffer of columns).
+    pub(super) async fn forward(
         &mut self,
         towers: &[Mlp],
-        (x, rows, first_row): (&[f32], usize, usize),
+        (x, (rows, first_row)): (&[f32], (usize, usize)),
         (draw, simd): (Option<u64>, Simd),
         scratches: &mut [MlpScratch],
+        meet: Option<Side<'_>>,
     ) -> Result<(), ModelError> {
         let (starts, width) = columns(towers);
         let fan_in = input_width(towers, x, rows)?;
@@ -101,7 +105,10 @@ impl OneInputTowers {
         sgemm(rows, width, fan_in, Operand::plain(x), Operand::plain(&self.weights), values);
         for ((t, s), &at) in towers.iter().zip(scratches).zip(&starts) {
             let mut first = Columns { values: &mut self.values, width, at, simd };
-            t.forward_cpu_from_at(&mut first, (rows, first_row), draw, s)?;
+            match meet {
+                None => t.forward_cpu_from_at(&mut first, (rows, first_row), draw, s)?,
+                Some(meet) => t.forward_met(First::Product(&mut first), (rows, first_row), (draw, meet), s).await?,
+            }
         }
         Ok(())
     }
@@ -109,13 +116,13 @@ impl OneInputTowers {
     /// Every tower's backward pass of the last [`forward`](Self::forward),
     /// from d loss / d each one's output (`seeds`): their parameters'
     /// gradients, in order; d loss / d x (every tower's summed) in `grad_x`.
-    pub(super) fn backward(
+    pub(super) async fn backward(
         &mut self,
         towers: &[Mlp],
         (x, rows): (&[f32], usize),
         (seeds, simd): (&[Vec<f32>], Simd),
-        scratches: &mut [MlpScratch],
-        grad_x: &mut Vec<f32>,
+        (scratches, grad_x): (&mut [MlpScratch], &mut Vec<f32>),
+        meet: Option<Side<'_>>,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let (starts, width) = columns(towers);
         let fan_in = input_width(towers, x, rows)?;
@@ -126,7 +133,10 @@ impl OneInputTowers {
         let mut grads = Vec::with_capacity(towers.len());
         for (((t, s), seed), &at) in towers.iter().zip(scratches).zip(seeds).zip(&starts) {
             let mut first = Columns { values: &mut *values, width, at, simd };
-            grads.push(t.backward_cpu_from(&mut first, seed, s)?);
+            grads.push(match meet {
+                None => t.backward_cpu_from(&mut first, seed, s)?,
+                Some(meet) => t.backward_met(First::Product(&mut first), (seed, false), s, meet).await?,
+            });
         }
         let (values, weights) = (&self.values[..rows * width], &self.weights[..fan_in * width]);
         let dw = sized(&mut self.weight_grads, fan_in * width);
@@ -275,13 +285,15 @@ mod tests {
                     let mut dx = vec![f32::NAN; 3];
                     // Twice: the second step reuses every buffer.
                     for _ in 0..2 {
-                        side.forward(&towers, (&x, rows, first_row), (draw, Simd::Auto), &mut scratches)
-                            .expect("forward");
+                        let forward =
+                            side.forward(&towers, (&x, (rows, first_row)), (draw, Simd::Auto), &mut scratches, None);
+                        crate::meet::unmet(forward).expect("forward");
                         for (s, o) in scratches.iter().zip(&own) {
                             assert!(same_bits(&s.output, &o.output), "{case}: outputs");
                         }
-                        let grads = side.backward(&towers, (&x, rows), (&seeds, Simd::Auto), &mut scratches, &mut dx);
-                        for (g, o) in grads.expect("backward").iter().zip(&own_grads) {
+                        let grads =
+                            side.backward(&towers, (&x, rows), (&seeds, Simd::Auto), (&mut scratches, &mut dx), None);
+                        for (g, o) in crate::meet::unmet(grads).expect("backward").iter().zip(&own_grads) {
                             let first = g.iter().zip(o).position(|(a, b)| a.to_bits() != b.to_bits());
                             assert!(same_bits(g, o), "{case}: parameters' gradients, first difference at {first:?}");
                         }
@@ -305,11 +317,13 @@ mod tests {
         let mut side = OneInputTowers::default();
         let mut scratches = vec![MlpScratch::default(), MlpScratch::default()];
         let x = vec![0.5f32; 3 * 6 + 1];
-        let err = side.forward(&towers, (&x, 3, 0), (None, Simd::Auto), &mut scratches).expect_err("forward");
+        let forward = side.forward(&towers, (&x, (3, 0)), (None, Simd::Auto), &mut scratches, None);
+        let err = crate::meet::unmet(forward).expect_err("forward");
         assert!(err.to_string().contains("the towers' input"), "{err}");
         let seeds = vec![vec![1.0f32; 3]; 2];
-        let err = side.backward(&towers, (&x, 3), (&seeds, Simd::Auto), &mut scratches, &mut Vec::new());
-        assert!(err.expect_err("backward").to_string().contains("the towers' input"));
+        let mut dx = Vec::new();
+        let err = side.backward(&towers, (&x, 3), (&seeds, Simd::Auto), (&mut scratches, &mut dx), None);
+        assert!(crate::meet::unmet(err).expect_err("backward").to_string().contains("the towers' input"));
     }
 
     /// Towers of other widths in, or in bf16, keep a pass each.
