@@ -407,8 +407,9 @@ fn two_binary_tasks(three: &str) -> String {
 
 /// Exactness holds for several tasks and a sequence, pooled by sum (MLP)
 /// or by attention (DIN), and for the multi-task kinds (ESMM on its two
-/// tasks), MMoE also batch-normed (its batches of 256 run in halves whose
-/// statistics meet): the SSD tier trains the in-memory model, a run stopped
+/// tasks), MMoE also batch-normed and DIN also with Dice in its MLP and its
+/// attention unit (their batches of 256 run in halves whose statistics
+/// meet): the SSD tier trains the in-memory model, a run stopped
 /// at step 40 and resumed ends with the uninterrupted one's figures, and
 /// one or three step threads (`train.threads`; 2 by default) train the same
 /// model, bit for bit.
@@ -416,7 +417,7 @@ fn two_binary_tasks(three: &str) -> String {
 fn several_tasks_are_exact_on_the_ssd_tier_and_across_a_resume() {
     let tmp = tempfile::tempdir().expect("tmp");
     behaviour_data(tmp.path(), "12000");
-    for kind in ["mlp", "din", "mmoe", "ple", "esmm", "mmoe-batch"] {
+    for kind in ["mlp", "din", "mmoe", "ple", "esmm", "mmoe-batch", "din-dice"] {
         let (dir, config) = kind_job(tmp.path(), kind);
         let text = std::fs::read_to_string(&config).expect("config");
         match kind {
@@ -424,6 +425,10 @@ fn several_tasks_are_exact_on_the_ssd_tier_and_across_a_resume() {
             "mmoe-batch" => {
                 let text = text.replace(r#"kind = "mmoe-batch""#, "kind = \"mmoe\"\nnorm = \"batch\"");
                 std::fs::write(&config, text).expect("write");
+            }
+            "din-dice" => {
+                let dice = "kind = \"din\"\nactivation = \"dice\"\nattention_activation = \"dice\"";
+                std::fs::write(&config, text.replace(r#"kind = "din-dice""#, dice)).expect("write");
             }
             _ => {}
         }

@@ -415,9 +415,9 @@ pub struct TrainConfig {
     /// faster with fewer: on 2 cores at batch 256, the three-task MLP ran
     /// 20–35% faster with 1 (the reader then has a core of its own), MMoE,
     /// PLE and DIN faster with 2 (`docs/benchmarks.md`, Issue 56). MMoE,
-    /// PLE, ESMM and DIN (without Dice) run each half of a large enough
-    /// batch on a thread of their own, batch norm's statistics meeting
-    /// across the halves; the halves are cut by the batch's rows, so one
+    /// PLE, ESMM and DIN run each half of a large enough batch on a thread
+    /// of their own, batch norm's and Dice's statistics meeting across the
+    /// halves; the halves are cut by the batch's rows, so one
     /// thread runs them in turn and trains the same model.
     pub threads: usize,
     /// The seed of every random draw (initial weights and rows, shuffles):

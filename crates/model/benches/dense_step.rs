@@ -12,7 +12,8 @@
 //! bf16 ceilings measured in the same run.
 //!
 //! `cargo bench -p sparrow-model --bench dense_step [-- KIND... f32|bf16 ROWS
-//! dropout=R norm=auto|none|layer|batch activation=prelu|dice|gelu|silu dim=D
+//! dropout=R norm=auto|none|layer|batch activation=prelu|dice|gelu|silu
+//! attention_activation=prelu|dice|gelu|silu dim=D
 //! hidden=H,H…]` (ROWS: the batch, 1024 unless a number is given; D: the
 //! embedding dimension, 16 unless given; H: the MLP's layers, 256,128
 //! unless given; the norm each kind's own, `auto`, unless given: batch
@@ -60,16 +61,21 @@ fn main() {
         Some("auto") | None => NormSetting::Auto,
         Some(other) => refuse("norm", other),
     };
-    // `activation=gelu`: `model.activation` (ReLU unless given).
-    let (activation, args): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a.starts_with("activation="));
-    let activation = match activation.first().map(|a| &a["activation=".len()..]) {
+    // `activation=gelu`: `model.activation`; `attention_activation=dice`:
+    // DIN's unit's (ReLU unless given).
+    let named = |what: &str, found: Option<&str>| match found {
         Some("prelu") => Activation::Prelu,
         Some("dice") => Activation::Dice,
         Some("gelu") => Activation::Gelu,
         Some("silu") => Activation::Silu,
         Some("relu") | None => Activation::Relu,
-        Some(other) => refuse("activation", other),
+        Some(other) => refuse(what, other),
     };
+    let (unit, args): (Vec<String>, Vec<String>) =
+        args.into_iter().partition(|a| a.starts_with("attention_activation="));
+    let attention_activation = named("attention_activation", unit.first().map(|a| &a["attention_activation=".len()..]));
+    let (activation, args): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a.starts_with("activation="));
+    let activation = named("activation", activation.first().map(|a| &a["activation=".len()..]));
     // `hidden=64,32`: the MLP's layers ([256, 128] unless given).
     let (hidden, args): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a.starts_with("hidden="));
     let hidden: Vec<usize> = hidden.first().map_or(vec![256, 128], |h| {
@@ -134,6 +140,7 @@ fn main() {
                 dropout,
                 norm,
                 activation,
+                attention_activation,
                 ..Default::default()
             };
             let model =

@@ -11,6 +11,7 @@ use sparrow_core::config::Activation;
 use sparrow_core::simd::Simd;
 
 use crate::ModelError;
+use crate::meet::Side;
 
 /// Rows an elementwise pass gives each task.
 const ROWS_PER_TASK: usize = 128;
@@ -73,15 +74,17 @@ fn blocks<'a>(
 }
 
 /// y from z = `out` (rows × `width`) in place; z (and Dice's ẑ and p) kept
-/// in `s`. `learned`: the layer's slopes; `stats`: Dice's normalization.
-pub(crate) fn forward(
+/// in `s`. `learned`: the layer's slopes; `stats`: Dice's normalization,
+/// whose batch statistics on a half of a batch (`meet`) meet the other
+/// half's, as batch norm's do.
+pub(crate) async fn forward(
     (activation, simd): (Activation, Simd),
     out: &mut [f32],
     width: usize,
     learned: &[f32],
-    stats: Option<DiceStats<'_>>,
+    (stats, meet): (Option<DiceStats<'_>>, Option<Side<'_>>),
     s: &mut ActScratch,
-) {
+) -> Result<(), ModelError> {
     s.pre.clear();
     s.pre.extend_from_slice(out);
     match activation {
@@ -92,18 +95,19 @@ pub(crate) fn forward(
         }
         Activation::Gelu => out.par_iter_mut().for_each(|v| *v *= normal_cdf(*v)),
         Activation::Silu => out.par_iter_mut().for_each(|v| *v *= sigmoid(*v)),
-        Activation::Dice => dice_forward(simd, out, width, learned, stats, s),
+        Activation::Dice => dice_forward(simd, out, width, learned, (stats, meet), s).await?,
     }
+    Ok(())
 }
 
-fn dice_forward(
+async fn dice_forward(
     simd: Simd,
     out: &mut [f32],
     width: usize,
     alpha: &[f32],
-    stats: Option<DiceStats<'_>>,
+    (stats, meet): (Option<DiceStats<'_>>, Option<Side<'_>>),
     s: &mut ActScratch,
-) {
+) -> Result<(), ModelError> {
     let (ones, zeros) = (vec![1.0f32; width], vec![0.0f32; width]);
     s.p.clear();
     s.p.extend_from_slice(out);
@@ -111,7 +115,8 @@ fn dice_forward(
     s.by_batch = matches!(stats, Some(DiceStats::Batch(_)));
     match stats {
         Some(DiceStats::Batch(batch)) => {
-            crate::batch_norm::forward_train(simd, (&mut s.p, width, false), (&ones, &zeros), kept, batch)
+            let normed = (&mut s.p[..], width, false);
+            crate::batch_norm::forward_train_met(simd, normed, (&ones, &zeros), kept, (batch, meet)).await?;
         }
         Some(DiceStats::Running(r)) => {
             let running = (&r[..width], &r[width..]);
@@ -127,18 +132,20 @@ fn dice_forward(
             }
         }
     });
+    Ok(())
 }
 
 /// From `g` = d loss / d y (replaced by d loss / d z): adds the slopes'
-/// gradients into `dlearned`.
-pub(crate) fn backward(
+/// gradients into `dlearned`; Dice's sums over the batch meet the other
+/// half's on a half of a batch (`meet`).
+pub(crate) async fn backward(
     (activation, simd): (Activation, Simd),
     g: &mut [f32],
     width: usize,
     learned: &[f32],
-    s: &mut ActScratch,
+    (s, meet): (&mut ActScratch, Option<Side<'_>>),
     dlearned: &mut [f32],
-) {
+) -> Result<(), ModelError> {
     match activation {
         Activation::Relu => blocks(g, &s.pre, width).for_each(|(g, z)| {
             g.iter_mut().zip(z).for_each(|(g, &z)| *g = if z > 0.0 { *g } else { 0.0 });
@@ -168,13 +175,20 @@ pub(crate) fn backward(
                 *g *= p * (1.0 + z * (1.0 - p));
             });
         }),
-        Activation::Dice => dice_backward(simd, g, width, learned, s, dlearned),
+        Activation::Dice => dice_backward(simd, (g, width), learned, (s, meet), dlearned).await?,
     }
+    Ok(())
 }
 
 /// y = z·(α + (1 − α)·p), p = σ(ẑ): d z = g·(α + (1 − α)·p) plus, through
 /// ẑ's normalization, the adjoint of h = g·z·(1 − α)·p·(1 − p); d α = Σ g·z·(1 − p).
-fn dice_backward(simd: Simd, g: &mut [f32], width: usize, alpha: &[f32], s: &mut ActScratch, dalpha: &mut [f32]) {
+async fn dice_backward(
+    simd: Simd,
+    (g, width): (&mut [f32], usize),
+    alpha: &[f32],
+    (s, meet): (&mut ActScratch, Option<Side<'_>>),
+    dalpha: &mut [f32],
+) -> Result<(), ModelError> {
     let rows = g.len() / width.max(1);
     s.through_p.resize(g.len(), 0.0);
     for ((g, z), p) in g.chunks_exact(width).zip(s.pre.chunks_exact(width)).zip(s.p.chunks_exact(width)) {
@@ -202,9 +216,11 @@ fn dice_backward(simd: Simd, g: &mut [f32], width: usize, alpha: &[f32], s: &mut
         });
     let (ones, mut unused) = (vec![1.0f32; width], vec![0.0f32; 2 * width]);
     let (dg, db) = unused.split_at_mut(width);
-    crate::batch_norm::backward(simd, (&mut s.through_p, width), &ones, (&s.xhat, &s.inv), (dg, db), s.by_batch);
+    let (normed, by_batch) = ((&s.xhat[..], &s.inv[..]), s.by_batch);
+    crate::batch_norm::backward_met(simd, (&mut s.through_p, width), &ones, normed, (dg, db), (by_batch, meet)).await?;
     debug_assert_eq!(s.through_p.len(), rows * width);
     g.par_iter_mut().zip(s.through_p.par_iter()).for_each(|(g, h)| *g += h);
+    Ok(())
 }
 
 /// The same function from candle's ops: `learned` the layer's slopes (a

@@ -73,20 +73,6 @@ fn normalize_rows(out: &mut [f32], xhat: &mut [f32], width: usize, (mean, inv, g
 /// a task (`columns.rs`), each over the rows in order. A half of a batch
 /// (`meet`) takes its own rows' mean and squared deviations, and the
 /// whole batch's from the other half's (`meet.rs`).
-pub(crate) fn forward_train(
-    simd: Simd,
-    (out, width, relu): (&mut [f32], usize, bool),
-    (gamma, beta): (&[f32], &[f32]),
-    (xhat, inv): (&mut Vec<f32>, &mut Vec<f32>),
-    stats: &mut [f32],
-) {
-    let rows = moments(simd, out, width, stats);
-    by_moments(simd, (out, width, relu), (gamma, beta), (xhat, inv), (stats, rows));
-}
-
-/// [`forward_train`] on a half of a batch, where `meet` is given: its own
-/// rows' means and squared deviations, then the whole batch's from the
-/// other half's (`meet.rs`).
 pub(crate) async fn forward_train_met(
     simd: Simd,
     (out, width, relu): (&mut [f32], usize, bool),
@@ -96,8 +82,7 @@ pub(crate) async fn forward_train_met(
 ) -> Result<(), ModelError> {
     let mut rows = moments(simd, out, width, stats);
     if let Some(side) = meet {
-        side.exchange(Combine::Moments, stats).await?;
-        rows = side.rows();
+        rows = side.exchange(Combine::Moments, stats, rows).await?;
     }
     by_moments(simd, (out, width, relu), (gamma, beta), (xhat, inv), (stats, rows));
     Ok(())
@@ -157,22 +142,9 @@ pub(crate) fn forward_running(
 /// g·x̂ and d β = Σ_rows g into `dgamma` and `dbeta`; then, after a
 /// training pass (`by_batch`), d z = γ/σ̂ · (g − (d β + x̂·d γ)/rows), each
 /// column's batch statistics depending on every row; after one by the
-/// running statistics, d z = γ/σ̂ · g.
-pub(crate) fn backward(
-    simd: Simd,
-    (g, width): (&mut [f32], usize),
-    gamma: &[f32],
-    (xhat, inv): (&[f32], &[f32]),
-    (dgamma, dbeta): (&mut [f32], &mut [f32]),
-    by_batch: bool,
-) {
-    let (sums, rows) = sums(simd, (g, width), xhat, (dgamma, dbeta));
-    by_sums(simd, (g, width), gamma, (xhat, inv), (sums, rows), by_batch);
-}
-
-/// [`backward`] on a half of a batch, where `meet` is given: its d γ and
-/// d β are its own rows' (the step sums the halves' gradients), its d z
-/// takes the whole batch's sums.
+/// running statistics, d z = γ/σ̂ · g. A half of a batch (`meet`) takes
+/// its d γ and d β of its own rows (the step sums the halves' gradients) and
+/// its d z from the whole batch's sums.
 pub(crate) async fn backward_met(
     simd: Simd,
     (g, width): (&mut [f32], usize),
@@ -183,8 +155,7 @@ pub(crate) async fn backward_met(
 ) -> Result<(), ModelError> {
     let (mut sums, mut rows) = sums(simd, (g, width), xhat, (dgamma, dbeta));
     if let (Some(side), true) = (meet, by_batch) {
-        side.exchange(Combine::Sum, &mut sums).await?;
-        rows = side.rows();
+        rows = side.exchange(Combine::Sum, &mut sums, rows).await?;
     }
     by_sums(simd, (g, width), gamma, (xhat, inv), (sums, rows), by_batch);
     Ok(())
@@ -239,7 +210,7 @@ fn by_sums(
     });
 }
 
-/// [`backward`]'s d z on a block of rows, from each column's γ/σ̂, Σ g and Σ g·x̂.
+/// [`backward_met`]'s d z on a block of rows, from each column's γ/σ̂, Σ g and Σ g·x̂.
 #[inline(always)]
 fn backward_rows(g: &mut [f32], xhat: &[f32], width: usize, (scale, sum_g, sum_gx): (&[f32], &[f32], &[f32]), n: f32) {
     for (g, x) in g.chunks_exact_mut(width).zip(xhat.chunks_exact(width)) {

@@ -46,21 +46,25 @@ pub(crate) enum Combine {
 #[derive(Default)]
 struct Post {
     posted: usize,
-    sent: Vec<(usize, Combine, Vec<f32>)>,
-    back: Vec<(usize, Vec<f32>)>,
+    sent: Vec<(usize, Combine, Share)>,
+    back: Vec<(usize, Share)>,
 }
 
-/// Where the two halves of a batch of `rows[0] + rows[1]` rows meet.
+/// A half's values and the rows (or history items) they are of; once
+/// combined, the whole batch's.
+type Share = (Vec<f32>, usize);
+
+/// Where the two halves of a batch meet.
+#[derive(Default)]
 pub struct Meeting {
-    rows: [usize; 2],
     posts: [Mutex<Post>; 2],
     /// How many times the halves met (for tests and benchmarks).
     meetings: AtomicUsize,
 }
 
 impl Meeting {
-    pub(crate) fn new(first: usize, second: usize) -> Meeting {
-        Meeting { rows: [first, second], posts: Default::default(), meetings: AtomicUsize::new(0) }
+    pub(crate) fn new() -> Meeting {
+        Meeting::default()
     }
 
     /// How many times the halves have met.
@@ -87,22 +91,23 @@ impl Meeting {
             return Err(uneven());
         }
         self.meetings.fetch_add(1, Ordering::Relaxed);
-        for ((number, how, mine), (their_number, their_how, theirs)) in mine.into_iter().zip(theirs) {
+        for ((number, how, (mine, n1)), (their_number, their_how, (theirs, n2))) in mine.into_iter().zip(theirs) {
             if number != their_number || how != their_how || mine.len() != theirs.len() {
                 return Err(uneven());
             }
             let whole = match how {
                 Combine::Sum => mine.iter().zip(&theirs).map(|(a, b)| a + b).collect(),
-                Combine::Moments => moments(&mine, &theirs, self.rows),
+                Combine::Moments => moments(&mine, &theirs, [n1, n2]),
             };
-            b.back.push((number, whole.clone()));
-            a.back.push((number, whole));
+            b.back.push((number, (whole.clone(), n1 + n2)));
+            a.back.push((number, (whole, n1 + n2)));
         }
         Ok(())
     }
 }
 
-/// [`Combine::Moments`] of two halves' `[mean | M2]` of `rows[0]` and `rows[1]` rows.
+/// [`Combine::Moments`] of two halves' `[mean | M2]` of `rows[0]` and
+/// `rows[1]` rows (either may be none: its mean and M2 are zeros).
 fn moments(first: &[f32], second: &[f32], rows: [usize; 2]) -> Vec<f32> {
     let width = first.len() / 2;
     let (n1, n2) = (rows[0] as f32, rows[1] as f32);
@@ -127,23 +132,19 @@ pub struct Side<'a> {
 }
 
 impl Side<'_> {
-    /// Rows of the whole batch (both halves).
-    pub(crate) fn rows(&self) -> usize {
-        self.meeting.rows.iter().sum()
-    }
-
-    /// Posts `values`, this half's share, and waits for the other half's:
-    /// `values` becomes the whole batch's, combined as `how` says.
-    pub(crate) async fn exchange(self, how: Combine, values: &mut [f32]) -> Result<(), ModelError> {
+    /// Posts `values`, this half's share of its `rows` (or history items),
+    /// and waits for the other half's: `values` becomes the whole batch's,
+    /// combined as `how` says. Returns the whole batch's rows.
+    pub(crate) async fn exchange(self, how: Combine, values: &mut [f32], rows: usize) -> Result<usize, ModelError> {
         let post = &self.meeting.posts[self.index];
         let number = {
             let mut post = post.lock().map_err(|_| ModelError::Poisoned)?;
             let number = post.posted;
             post.posted += 1;
-            post.sent.push((number, how, values.to_vec()));
+            post.sent.push((number, how, (values.to_vec(), rows)));
             number
         };
-        let whole = std::future::poll_fn(|_| match post.lock() {
+        let (whole, rows) = std::future::poll_fn(|_| match post.lock() {
             Ok(mut post) => match post.back.iter().position(|(n, _)| *n == number) {
                 Some(i) => Poll::Ready(Ok(post.back.swap_remove(i).1)),
                 None => Poll::Pending,
@@ -152,7 +153,7 @@ impl Side<'_> {
         })
         .await?;
         values.copy_from_slice(&whole);
-        Ok(())
+        Ok(rows)
     }
 }
 
@@ -237,7 +238,8 @@ mod tests {
     use crate::ModelError;
 
     /// Two halves' `[mean | M2]` combine into the whole batch's, as an f64
-    /// pass over all its rows has them: halves even and not, one of a row.
+    /// pass over all its rows has them: halves even and not, one of a row,
+    /// one of none (DIN's history items may all be in one half).
     #[test]
     fn the_halves_moments_are_the_whole_batchs() {
         let mut state = 7u64;
@@ -245,10 +247,14 @@ mod tests {
             state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             (state >> 40) as f32 / (1u64 << 24) as f32 * 4.0 + 10.0
         };
-        for (n1, n2) in [(50, 50), (51, 50), (1, 90), (200, 3)] {
+        for (n1, n2) in [(50, 50), (51, 50), (1, 90), (200, 3), (0, 7), (9, 0)] {
             let width = 3;
             let values: Vec<Vec<f32>> = (0..n1 + n2).map(|_| (0..width).map(|_| next()).collect()).collect();
             let of = |rows: &[Vec<f32>]| {
+                if rows.is_empty() {
+                    // A half of no rows posts zeros (`batch_norm::moments`).
+                    return vec![0.0; 2 * width];
+                }
                 let n = rows.len() as f32;
                 let mean: Vec<f32> = (0..width).map(|c| rows.iter().map(|r| r[c]).sum::<f32>() / n).collect();
                 let m2 = (0..width).map(|c| rows.iter().map(|r| (r[c] - mean[c]).powi(2)).sum::<f32>());
@@ -271,18 +277,19 @@ mod tests {
     }
 
     /// A half that posts `[mine, 10·mine]`, then twice the first sum.
-    async fn twice(side: Side<'_>, mine: f32) -> Result<([f32; 2], [f32; 2], usize), ModelError> {
+    /// `rows`: the half's; returns the whole batch's with the values.
+    async fn twice(side: Side<'_>, mine: f32, rows: usize) -> Result<([f32; 2], [f32; 2], usize), ModelError> {
         let mut v = [mine, 10.0 * mine];
-        side.exchange(Combine::Sum, &mut v).await?;
+        side.exchange(Combine::Sum, &mut v, rows).await?;
         let first = v;
         v = [v[0] * 2.0, 0.0];
-        side.exchange(Combine::Sum, &mut v).await?;
-        Ok((first, v, side.rows()))
+        let whole = side.exchange(Combine::Sum, &mut v, rows).await?;
+        Ok((first, v, whole))
     }
 
     /// A half that posts `len` ones once.
     async fn posts(side: Side<'_>, len: usize) -> Result<(), ModelError> {
-        side.exchange(Combine::Sum, &mut vec![1.0; len]).await
+        side.exchange(Combine::Sum, &mut vec![1.0; len], 1).await.map(drop)
     }
 
     /// Halves that meet twice get the combined values back each time, on
@@ -291,9 +298,9 @@ mod tests {
     fn the_halves_meet_as_often_as_they_post_on_any_pool() {
         for threads in [1, 2] {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
-            let meeting = Meeting::new(2, 3);
+            let meeting = Meeting::new();
             let (a, b) = pool
-                .install(|| both(&meeting, twice(meeting.side(0), 1.0), twice(meeting.side(1), 2.0)))
+                .install(|| both(&meeting, twice(meeting.side(0), 1.0, 2), twice(meeting.side(1), 2.0, 3)))
                 .expect("the halves");
             assert_eq!(a, ([3.0, 30.0], [12.0, 0.0], 5), "{threads} threads");
             assert_eq!(a, b, "{threads} threads: both halves get the whole batch's");
@@ -302,12 +309,12 @@ mod tests {
 
     /// A pass that posts twice and, with `third`, once more.
     async fn pass(side: Side<'_>, mine: f32, third: bool) -> Result<([f32; 2], [f32; 2], f32), ModelError> {
-        let (a, b, _) = twice(side, mine).await?;
+        let (a, b, _) = twice(side, mine, 1).await?;
         let mut v = [mine];
         if !third {
             return Ok((a, b, 0.0));
         }
-        side.exchange(Combine::Sum, &mut v).await?;
+        side.exchange(Combine::Sum, &mut v, 1).await?;
         Ok((a, b, v[0]))
     }
 
@@ -324,7 +331,7 @@ mod tests {
     fn a_halfs_passes_side_by_side_meet_the_others_at_once() {
         for threads in [1, 2] {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
-            let meeting = Meeting::new(2, 3);
+            let meeting = Meeting::new();
             let (a, b) = pool
                 .install(|| both(&meeting, two_passes(meeting.side(0), 1.0), two_passes(meeting.side(1), 2.0)))
                 .expect("the halves");
@@ -339,14 +346,14 @@ mod tests {
     /// while the other waits, ends the step with an error, not a hang.
     #[test]
     fn halves_that_meet_unevenly_end_with_an_error() {
-        let meeting = Meeting::new(1, 1);
+        let meeting = Meeting::new();
         let err = both(&meeting, posts(meeting.side(0), 1), async { Ok(()) }).expect_err("uneven");
         assert!(err.to_string().contains("waited to meet"), "{err}");
-        let meeting = Meeting::new(1, 1);
+        let meeting = Meeting::new();
         let fails = async { Err::<(), _>(ModelError::NonFinite { what: "a half's loss".into() }) };
         let err = both(&meeting, fails, posts(meeting.side(1), 1)).expect_err("its error");
         assert!(err.to_string().contains("a half's loss"), "{err}");
-        let meeting = Meeting::new(1, 1);
+        let meeting = Meeting::new();
         let err = both(&meeting, posts(meeting.side(0), 2), posts(meeting.side(1), 3)).expect_err("lengths");
         assert!(err.to_string().contains("did not"), "{err}");
     }

@@ -215,11 +215,6 @@ impl Mlp {
         Mlp { shape: Arc::new(shape), params: self.params, running: self.running }
     }
 
-    /// What its activated layers apply after their norm.
-    pub(crate) fn activation(&self) -> Activation {
-        self.shape.activation
-    }
-
     /// The running statistics' values (empty without batch norm).
     fn running_values(&self) -> Result<Vec<f32>, ModelError> {
         match &self.running {
@@ -551,7 +546,7 @@ async fn forward_into(
                 None => DiceStats::Running(&running[r..r + 2 * fo]),
             });
             let act = (shape.activation, shape.simd);
-            crate::activation::forward(act, out, fo, learned, stats, &mut scratch.acts[i]);
+            crate::activation::forward(act, out, fo, learned, (stats, meet), &mut scratch.acts[i]).await?;
         }
         if l.relu {
             scratch.dropout_scale = shape.dropout.apply(draw, i, first_row * l.fan_out, out);
@@ -644,9 +639,10 @@ async fn backward_into(
                     &mut g[..g_len],
                     fo,
                     learned,
-                    &mut scratch.acts[i],
+                    (&mut scratch.acts[i], meet),
                     dlearned,
-                );
+                )
+                .await?;
             }
         }
         if let Some(n) = l.norm {

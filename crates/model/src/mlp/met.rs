@@ -68,9 +68,9 @@ impl Mlp {
 }
 
 impl Mlp {
-    /// Whether its layers normalize by the batch (`model.norm = "batch"`):
-    /// on a half of a batch they meet the other half's.
-    pub(crate) fn batch_normed(&self) -> bool {
-        self.shape.layers.iter().any(|l| l.running.is_some())
+    /// Whether its training pass reads statistics of the batch (batch
+    /// norm, Dice): on a half of a batch they meet the other half's.
+    pub(crate) fn batch_statistics(&self) -> bool {
+        self.shape.layers.iter().any(|l| l.running.is_some() || l.dice_running.is_some())
     }
 }

@@ -16,7 +16,7 @@
 //! dropout's masks are drawn by a value's place in the whole batch, the
 //! second half's from `At::first_row`; a history item goes with its row's
 //! half), only where any batch statistics meet (`Direct::meets_statistics`:
-//! not Dice's), and only where each half has the rows, and so the work,
+//! batch norm's and Dice's do), and only where each half has the rows, and so the work,
 //! the kind asks for. The halves are cut by the batch's rows alone, their
 //! batch statistics combined and their weight gradients summed first half
 //! first, so the model is the same on any number of threads; a pool of one
@@ -118,7 +118,7 @@ impl DenseModel {
         };
         let mut second = s.second_half.take().unwrap_or_default();
         let split = split_sequences(&mut s.sequences, (first, self.width()), &mut second.sequences);
-        let meeting = Meeting::new(first, rows - first);
+        let meeting = Meeting::new();
         let (at0, at1) = (self.at.drawn(draw), self.at.drawn(draw).from_row(first));
         let result = meet::both(
             &meeting,

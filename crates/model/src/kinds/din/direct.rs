@@ -81,12 +81,10 @@ impl Direct for DinNet {
         Box::pin(self.backward_with(at, seed, s, Some(meet)))
     }
 
-    /// Its MLP's batch norm meets (`meet.rs`); a Dice activation's
-    /// statistics (in the MLP or the unit) do not, and keep its batches
-    /// whole.
+    /// Its MLP's batch norm and Dice's statistics, in the MLP or a unit,
+    /// meet across the halves (`meet.rs`).
     fn meets_statistics(&self) -> bool {
-        let dice = |m: &Mlp| m.activation() == sparrow_core::config::Activation::Dice;
-        !dice(&self.mlp) && !self.units.iter().any(dice)
+        true
     }
 
     fn mlps<'s>(&'s self, s: &'s mut Scratch) -> Vec<(&'s Mlp, &'s mut MlpScratch)> {
@@ -118,7 +116,9 @@ impl Direct for DinNet {
 
 impl DinNet {
     /// The forward pass; a half of a batch (`meet`) meets the other at its
-    /// MLP's batch norm.
+    /// MLP's batch norm and at Dice's statistics (in the MLP or a unit: a
+    /// unit's over the history items of the whole batch, so a half with
+    /// none of a sequence's items still meets, with a share of none).
     async fn forward_with(
         &self,
         at: &At,
@@ -145,15 +145,32 @@ impl DinNet {
             for row in input.chunks_exact_mut(stride) {
                 row[slot * d..(slot + 1) * d].fill(0.0);
             }
+            let unit_meets = meet.filter(|_| unit.batch_statistics());
             if positions == 0 {
+                if let Some(meet) = unit_meets {
+                    unit.forward_met(First::Input(&[]), (0, 0), (at.dropout, meet), &mut ds.units[j]).await?;
+                }
                 continue;
             }
             if unit.is_f32() {
                 let mut first =
                     UnitInput::new((x, stride, rows), (query, d), keys, (at_rows, self.simd), &mut ds.products[j]);
-                unit.forward_cpu_from(&mut first, positions, at.dropout, &mut ds.units[j])?;
+                match unit_meets {
+                    Some(meet) => {
+                        let first = First::Product(&mut first);
+                        unit.forward_met(first, (positions, 0), (at.dropout, meet), &mut ds.units[j]).await?;
+                    }
+                    None => unit.forward_cpu_from(&mut first, positions, at.dropout, &mut ds.units[j])?,
+                }
             } else {
-                laid_out_forward(unit, (x, stride), (query, d), (keys, at_rows), at.dropout, (ds, j))?;
+                lay_out_features(&mut ds.features[j], (x, stride), (query, d), (keys, at_rows));
+                let features = First::Input(&ds.features[j]);
+                match unit_meets {
+                    Some(meet) => {
+                        unit.forward_met(features, (positions, 0), (at.dropout, meet), &mut ds.units[j]).await?
+                    }
+                    None => unit.forward_cpu(&ds.features[j], positions, at.dropout, &mut ds.units[j])?,
+                }
             }
             let slots = Slots { values: &mut input, stride, offset: slot * d };
             positions::add_to_slots(self.simd, d, (keys, Some(&ds.units[j].output)), at_rows, slots);
@@ -199,6 +216,13 @@ impl DinNet {
             // Every element is written below (d score's pass first).
             let dk = sized(&mut item_grads[j], positions * d);
             let dq = sized(&mut d_queries[j], positions * d);
+            let unit_meets = meet.filter(|_| unit.batch_statistics());
+            if positions == 0
+                && let Some(meet) = unit_meets
+            {
+                // No items here, but the other half's meet this one's share of none.
+                unit.backward_met(First::Input(&[]), (&[], false), &mut ds.units[j], meet).await?;
+            }
             if positions > 0 {
                 let scores = &ds.units[j].output;
                 // d score_p = ⟨d pooled, k_p⟩; d k_p = score_p · d pooled (plus the unit's share, below).
@@ -223,14 +247,28 @@ impl DinNet {
                     // share of its query's gradient is added once.
                     let rows = grad_x.len() / stride.max(1);
                     let mut first = UnitInput { d, rows, at_rows, bufs: &mut ds.products[j], simd: self.simd };
-                    grads.push((unit.params(), unit.backward_cpu_from(&mut first, d_scores, &mut ds.units[j])?));
+                    let unit_grads = match unit_meets {
+                        Some(meet) => {
+                            let input = First::Product(&mut first);
+                            unit.backward_met(input, (d_scores, false), &mut ds.units[j], meet).await?
+                        }
+                        None => unit.backward_cpu_from(&mut first, d_scores, &mut ds.units[j])?,
+                    };
+                    grads.push((unit.params(), unit_grads));
                     first.item_and_query_grads(keys, dk, dq);
                     for (g, dq) in grad_x.chunks_exact_mut(stride).zip(first.bufs.dq_rows.chunks_exact(d)) {
                         g[query * d..(query + 1) * d].iter_mut().zip(dq).for_each(|(g, dq)| *g += dq);
                     }
                     continue;
                 }
-                grads.push((unit.params(), unit.backward_cpu(&ds.features[j], d_scores, &mut ds.units[j])?));
+                let unit_grads = match unit_meets {
+                    Some(meet) => {
+                        let input = First::Input(&ds.features[j]);
+                        unit.backward_met(input, (d_scores, false), &mut ds.units[j], meet).await?
+                    }
+                    None => unit.backward_cpu(&ds.features[j], d_scores, &mut ds.units[j])?,
+                };
+                grads.push((unit.params(), unit_grads));
                 // Through [q, k, q − k, q ⊙ k].
                 let d_features = &ds.units[j].grad_input;
                 let features = &ds.features[j];
@@ -264,17 +302,15 @@ impl DinNet {
     }
 }
 
-/// The unit's forward pass on `[q, k, q − k, q ⊙ k]` laid out: bf16
+/// The unit's input `[q, k, q − k, q ⊙ k]` laid out, for its bf16
 /// products, whose inputs are rounded as the graph's are.
-fn laid_out_forward(
-    unit: &Mlp,
+fn lay_out_features(
+    features: &mut Vec<f32>,
     (x, stride): (&[f32], usize),
     (query, d): (usize, usize),
     (keys, at_rows): (&[f32], &[u32]),
-    draw: Option<u64>,
-    (ds, j): (&mut DinScratch, usize),
-) -> Result<(), ModelError> {
-    let features = sized(&mut ds.features[j], at_rows.len() * 4 * d);
+) {
+    let features = sized(features, at_rows.len() * 4 * d);
     features.par_chunks_mut(4 * d * POSITIONS_PER_TASK).enumerate().for_each(|(chunk, f)| {
         for (i, f) in f.chunks_exact_mut(4 * d).enumerate() {
             let p = chunk * POSITIONS_PER_TASK + i;
@@ -291,5 +327,4 @@ fn laid_out_forward(
             }
         }
     });
-    unit.forward_cpu(features, at_rows.len(), draw, &mut ds.units[j])
 }

@@ -365,12 +365,13 @@ impl MultiTask {
 }
 
 impl MultiTask {
-    /// Whether any of its stacks normalizes by the batch: on a half of a
-    /// batch, those meet the other half's (a stack without batch norm
-    /// meets no one, and its experts take the pool side by side).
-    fn batch_normed(&self) -> bool {
+    /// Whether any of its stacks reads statistics of the batch (batch
+    /// norm, Dice): on a half of a batch, those meet the other half's (a
+    /// stack without meets no one, and its experts take the pool side by
+    /// side).
+    fn batch_statistics(&self) -> bool {
         let mut mlps = self.levels.iter().flat_map(Level::experts).chain(&self.towers);
-        mlps.any(Mlp::batch_normed)
+        mlps.any(Mlp::batch_statistics)
     }
 
     /// The forward pass: the logits. On a half of a batch (`meet`) the
@@ -383,7 +384,7 @@ impl MultiTask {
         s: &mut Scratch,
         meet: Option<Side<'_>>,
     ) -> Result<Vec<f32>, ModelError> {
-        let meet = meet.filter(|_| self.batch_normed());
+        let meet = meet.filter(|_| self.batch_statistics());
         let m: &mut MultiScratch = s.of_kind();
         self.forward_levels(at, (x, rows), m, meet).await?;
         let tasks = self.towers.len();
@@ -441,7 +442,7 @@ impl MultiTask {
         s: &mut Scratch,
         meet: Option<Side<'_>>,
     ) -> Result<Grads<'a>, ModelError> {
-        let meet = meet.filter(|_| self.batch_normed());
+        let meet = meet.filter(|_| self.batch_statistics());
         let mut grads = Vec::new();
         let mut grad_x = std::mem::take(&mut s.grad_x);
         let m: &mut MultiScratch = s.of_kind();
@@ -554,11 +555,10 @@ impl Direct for MultiTask {
         Box::pin(self.backward_with(x, seed, s, Some(meet)))
     }
 
-    /// Its stacks' batch norm meets (`meet.rs`); a Dice activation's
-    /// statistics do not, and keep its batches whole.
+    /// Its stacks' batch norm and Dice's statistics meet across the
+    /// halves (`meet.rs`).
     fn meets_statistics(&self) -> bool {
-        let mut mlps = self.levels.iter().flat_map(Level::experts).chain(&self.towers);
-        mlps.all(|m| m.activation() != sparrow_core::config::Activation::Dice)
+        true
     }
 
     fn mlps<'s>(&'s self, s: &'s mut Scratch) -> Vec<(&'s Mlp, &'s mut MlpScratch)> {
