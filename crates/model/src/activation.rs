@@ -13,6 +13,8 @@ use sparrow_core::simd::Simd;
 use crate::ModelError;
 use crate::meet::Side;
 
+mod dice;
+
 /// Rows an elementwise pass gives each task.
 const ROWS_PER_TASK: usize = 128;
 
@@ -124,14 +126,7 @@ async fn dice_forward(
         }
         None => {}
     }
-    s.p.par_iter_mut().for_each(|v| *v = sigmoid(*v));
-    blocks(out, &s.p, width).for_each(|(out, p)| {
-        for (y, p) in out.chunks_exact_mut(width).zip(p.chunks_exact(width)) {
-            for ((y, p), a) in y.iter_mut().zip(p).zip(alpha) {
-                *y *= a + (1.0 - a) * p;
-            }
-        }
-    });
+    dice::gate(simd, out, &mut s.p, width, alpha);
     Ok(())
 }
 
@@ -191,35 +186,13 @@ async fn dice_backward(
 ) -> Result<(), ModelError> {
     let rows = g.len() / width.max(1);
     s.through_p.resize(g.len(), 0.0);
-    for ((g, z), p) in g.chunks_exact(width).zip(s.pre.chunks_exact(width)).zip(s.p.chunks_exact(width)) {
-        for (((d, &g), &z), &p) in dalpha.iter_mut().zip(g).zip(z).zip(p) {
-            *d += g * z * (1.0 - p);
-        }
-    }
-    let block = width.max(1) * ROWS_PER_TASK;
-    g.par_chunks_mut(block)
-        .zip(s.through_p.par_chunks_mut(block))
-        .zip(s.pre.par_chunks(block).zip(s.p.par_chunks(block)))
-        .for_each(|((g, h), (z, p))| {
-            for (((g, h), z), p) in g
-                .chunks_exact_mut(width)
-                .zip(h.chunks_exact_mut(width))
-                .zip(z.chunks_exact(width))
-                .zip(p.chunks_exact(width))
-            {
-                // Zipped, not indexed: bounds checks kept the loop scalar.
-                for ((((g, h), &z), &p), &a) in g.iter_mut().zip(h.iter_mut()).zip(z).zip(p).zip(alpha) {
-                    *h = *g * z * (1.0 - a) * p * (1.0 - p);
-                    *g *= a + (1.0 - a) * p;
-                }
-            }
-        });
+    dice::through_gate(simd, (g, &mut s.through_p), (&s.pre, &s.p), width, (alpha, dalpha));
     let (ones, mut unused) = (vec![1.0f32; width], vec![0.0f32; 2 * width]);
     let (dg, db) = unused.split_at_mut(width);
     let (normed, by_batch) = ((&s.xhat[..], &s.inv[..]), s.by_batch);
     crate::batch_norm::backward_met(simd, (&mut s.through_p, width), &ones, normed, (dg, db), (by_batch, meet)).await?;
     debug_assert_eq!(s.through_p.len(), rows * width);
-    g.par_iter_mut().zip(s.through_p.par_iter()).for_each(|(g, h)| *g += h);
+    dice::add(g, &s.through_p, width);
     Ok(())
 }
 
@@ -246,7 +219,8 @@ pub(crate) fn ops(
         }
         Activation::Dice => {
             let xhat = xhat.ok_or_else(|| missing("ẑ"))?;
-            let p = (xhat.neg()?.exp()? + 1.0)?.recip()?;
+            // The direct pass's exponential (`dice.rs`), so both give one sigmoid.
+            let p = (xhat.neg()?.contiguous()?.apply_op1(crate::exp::Exp)? + 1.0)?.recip()?;
             // α + (1 − α)·p = p + α·(1 − p)
             let gate = (&p + (p.ones_like()? - &p)?.broadcast_mul(learned()?)?)?;
             (z * gate)?

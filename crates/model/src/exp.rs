@@ -24,7 +24,8 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     // Rounded to the nearest integer, ties to even, by adding and taking
     // away 1.5·2^23 (`round_ties_even` is a libm call without SSE4.1).
     const ROUND: f32 = 12_582_912.0;
-    let n = (x * LOG2_E + ROUND) - ROUND;
+    let t = x * LOG2_E + ROUND;
+    let n = t - ROUND;
     let r = (x - n * C1) - n * C2;
     let p = ((((((1.987_569_1e-4 * r + 1.398_2e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 1.666_666_5e-1)
         * r
@@ -32,8 +33,11 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
         * (r * r)
         + r)
         + 1.0;
-    // 2^n as two normal powers (n in [−150, 128]); a NaN's n casts to 0.
-    let n = n as i32;
+    // 2^n as two normal powers (n in [−150, 128]). n as an integer is
+    // `t`'s last bits (t = 1.5·2^23 + n, one exponent for every such n):
+    // `n as i32`, a saturating cast, took each lane out of its vector to
+    // convert it. A NaN's n is garbage, and its result NaN all the same.
+    let n = t.to_bits() as i32 - ROUND.to_bits() as i32;
     let half = n >> 1;
     let scale = |e: i32| f32::from_bits(((e + 127) as u32) << 23);
     p * scale(half) * scale(n - half)
