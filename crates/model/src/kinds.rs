@@ -239,9 +239,17 @@ pub struct WholeStep<'a> {
 /// kind that attends reads the batch's sequences from `Scratch::sequences`
 /// (the driver moves them in, checked) and leaves their items' gradients
 /// in `Scratch::item_grads`.
+///
+/// A kind implements [`forward`](Direct::forward) and
+/// [`backward`](Direct::backward), or, where its step in halves meets at
+/// batch statistics, [`forward_met`](Direct::forward_met) and
+/// [`backward_met`](Direct::backward_met): each pair's defaults run the
+/// other's.
 pub trait Direct: Sync {
     /// Logits of `rows` input rows `x`; what the backward pass needs stays in `s`.
-    fn forward(&self, at: &At, x: &[f32], rows: usize, s: &mut Scratch) -> Result<Vec<f32>, ModelError>;
+    fn forward(&self, at: &At, x: &[f32], rows: usize, s: &mut Scratch) -> Result<Vec<f32>, ModelError> {
+        crate::meet::unmet(self.forward_met(at, (x, rows), s, None))
+    }
 
     /// The backward pass of the last [`forward`](Self::forward) on the same
     /// input and scratch from `seed = d loss / d logits`: the dense
@@ -254,17 +262,20 @@ pub trait Direct: Sync {
         seed: &[f32],
         s: &mut Scratch,
         grads: &mut Grads<'a>,
-    ) -> Result<(), ModelError>;
+    ) -> Result<(), ModelError> {
+        grads.extend(crate::meet::unmet(self.backward_met(at, (x, seed), s, None))?);
+        Ok(())
+    }
 
-    /// [`forward`](Self::forward) on a half of a batch run in halves, its
-    /// batch statistics met with the other half's at `meet` where the kind
-    /// [`meets_statistics`](Self::meets_statistics).
+    /// [`forward`](Self::forward), on a half of a batch run in halves
+    /// (`meet`), its batch statistics met with the other half's where the
+    /// kind [`meets_statistics`](Self::meets_statistics).
     fn forward_met<'a>(
         &'a self,
         at: &'a At,
         (x, rows): (&'a [f32], usize),
         s: &'a mut Scratch,
-        _meet: Side<'a>,
+        _meet: Option<Side<'a>>,
     ) -> Met<'a, Vec<f32>> {
         Box::pin(async move { self.forward(at, x, rows, s) })
     }
@@ -276,7 +287,7 @@ pub trait Direct: Sync {
         at: &'b At,
         (x, seed): (&'b [f32], &'b [f32]),
         s: &'b mut Scratch,
-        _meet: Side<'b>,
+        _meet: Option<Side<'b>>,
     ) -> Met<'b, Grads<'a>> {
         Box::pin(async move {
             let mut grads = Vec::new();

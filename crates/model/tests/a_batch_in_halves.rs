@@ -209,11 +209,13 @@ fn the_halves_give_the_same_bits_on_pools_of_one_two_and_three() {
 
 /// A NaN in the second half makes the batch's loss NaN: the step in halves
 /// reports the loss, naming it, not the NaN gradients its half's backward
-/// pass then made, and returns nothing to apply.
+/// pass then made, and returns nothing to apply; with batch norm or Dice
+/// too, whose meetings carry the NaN to both halves (an error, no hang).
 #[test]
 fn a_nan_loss_in_a_half_stops_the_step_with_the_loss_named() {
-    for kind in ["mmoe", "esmm"] {
-        let model = model(kind, Precision::F32, Norm::None);
+    let cases = [(Norm::None, Activation::Relu), (Norm::Batch, Activation::Relu), (Norm::None, Activation::Dice)];
+    for (kind, (norm, activation)) in ["mmoe", "esmm"].into_iter().flat_map(|k| cases.map(|c| (k, c))) {
+        let model = model_with(kind, (Precision::F32, norm, 0.0, activation));
         let rows = rows(&model);
         let tasks = model.heads().tasks();
         let mut b = batch(rows, tasks, &mut Rng::new(5));
@@ -222,9 +224,9 @@ fn a_nan_loss_in_a_half_stops_the_step_with_the_loss_named() {
         b.weights[rows - 1] = f32::NAN;
         b.labels[(rows - 1) * tasks] = 1.0;
         let Err(err) = model.forward_backward_with(b.emb, b.dense, &b.labels, Some(&b.weights), None, None) else {
-            panic!("{kind}: a NaN loss stops the step");
+            panic!("{kind} {norm:?} {activation:?}: a NaN loss stops the step");
         };
-        assert!(err.to_string().contains("training loss"), "{kind}: {err}");
+        assert!(err.to_string().contains("training loss"), "{kind} {norm:?} {activation:?}: {err}");
     }
 }
 

@@ -157,9 +157,9 @@ impl DenseModel {
         (labels, weights): (&'b [f32], Option<&'b [f32]>),
         (inv_b, s, side): (f64, &'b mut Scratch, Side<'b>),
     ) -> Result<(Vec<f64>, Vec<f32>, Grads<'a>), ModelError> {
-        let logits = direct.forward_met(at, (x, rows), s, side).await?;
+        let logits = direct.forward_met(at, (x, rows), s, Some(side)).await?;
         let (losses, seed) = self.rows_loss_and_seed_of(&logits, labels, weights, inv_b);
-        let grads = direct.backward_met(at, (x, &seed), s, side).await?;
+        let grads = direct.backward_met(at, (x, &seed), s, Some(side)).await?;
         Ok((losses, logits, grads))
     }
 }

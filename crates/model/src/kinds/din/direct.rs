@@ -45,30 +45,14 @@ pub(super) struct DinScratch {
 }
 
 impl Direct for DinNet {
-    fn forward(&self, at: &At, x: &[f32], rows: usize, s: &mut Scratch) -> Result<Vec<f32>, ModelError> {
-        crate::meet::unmet(self.forward_with(at, (x, rows), s, None))
-    }
-
-    fn backward<'a>(
-        &'a self,
-        at: &At,
-        _x: &[f32],
-        seed: &[f32],
-        s: &mut Scratch,
-        grads: &mut Grads<'a>,
-    ) -> Result<(), ModelError> {
-        grads.extend(crate::meet::unmet(self.backward_with(at, seed, s, None))?);
-        Ok(())
-    }
-
     fn forward_met<'a>(
         &'a self,
         at: &'a At,
         input: (&'a [f32], usize),
         s: &'a mut Scratch,
-        meet: Side<'a>,
+        meet: Option<Side<'a>>,
     ) -> Met<'a, Vec<f32>> {
-        Box::pin(self.forward_with(at, input, s, Some(meet)))
+        Box::pin(self.forward_with(at, input, s, meet))
     }
 
     fn backward_met<'a: 'b, 'b>(
@@ -76,9 +60,9 @@ impl Direct for DinNet {
         at: &'b At,
         (_x, seed): (&'b [f32], &'b [f32]),
         s: &'b mut Scratch,
-        meet: Side<'b>,
+        meet: Option<Side<'b>>,
     ) -> Met<'b, Grads<'a>> {
-        Box::pin(self.backward_with(at, seed, s, Some(meet)))
+        Box::pin(self.backward_with(at, seed, s, meet))
     }
 
     /// Its MLP's batch norm and Dice's statistics, in the MLP or a unit,

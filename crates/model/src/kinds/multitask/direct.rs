@@ -519,30 +519,14 @@ impl MultiTask {
 }
 
 impl Direct for MultiTask {
-    fn forward(&self, at: &At, x: &[f32], rows: usize, s: &mut Scratch) -> Result<Vec<f32>, ModelError> {
-        meet::unmet(self.forward_with(at, (x, rows), s, None))
-    }
-
-    fn backward<'a>(
-        &'a self,
-        _at: &At,
-        x: &[f32],
-        seed: &[f32],
-        s: &mut Scratch,
-        grads: &mut Grads<'a>,
-    ) -> Result<(), ModelError> {
-        grads.extend(meet::unmet(self.backward_with(x, seed, s, None))?);
-        Ok(())
-    }
-
     fn forward_met<'a>(
         &'a self,
         at: &'a At,
         input: (&'a [f32], usize),
         s: &'a mut Scratch,
-        meet: Side<'a>,
+        meet: Option<Side<'a>>,
     ) -> Met<'a, Vec<f32>> {
-        Box::pin(self.forward_with(at, input, s, Some(meet)))
+        Box::pin(self.forward_with(at, input, s, meet))
     }
 
     fn backward_met<'a: 'b, 'b>(
@@ -550,9 +534,9 @@ impl Direct for MultiTask {
         _at: &'b At,
         (x, seed): (&'b [f32], &'b [f32]),
         s: &'b mut Scratch,
-        meet: Side<'b>,
+        meet: Option<Side<'b>>,
     ) -> Met<'b, Grads<'a>> {
-        Box::pin(self.backward_with(x, seed, s, Some(meet)))
+        Box::pin(self.backward_with(x, seed, s, meet))
     }
 
     /// Its stacks' batch norm and Dice's statistics meet across the
