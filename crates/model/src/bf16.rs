@@ -378,10 +378,12 @@ pub fn gemm_bf16_threads(
     dst: &mut [f32],
     threads: Option<usize>,
 ) {
-    // One output column or one value along k: a lane per output.
+    // A few output columns or one value along k: a lane per output row
+    // (AMX's tiles take more than one column).
     if matches!(path, Bf16Path::Amx | Bf16Path::Native) {
         check(m, n, k, &a, &b, dst);
-        if crate::bf16_narrow::gemm((m, n, k), &a, &b, dst, threads) {
+        let columns = if path == Bf16Path::Native { crate::bf16_narrow::MAX_COLUMNS } else { 1 };
+        if crate::bf16_narrow::gemm((m, n, k), &a, &b, dst, threads, columns) {
             return;
         }
     }
@@ -424,7 +426,7 @@ pub fn gemm_bf16_then(
             if path == Bf16Path::Amx && crate::amx::gemm(m, n, k, &a, &b, dst, epilogue, None) {
                 return;
             }
-            if !crate::bf16_narrow::gemm((m, n, k), &a, &b, dst, None) {
+            if !crate::bf16_narrow::gemm((m, n, k), &a, &b, dst, None, crate::bf16_narrow::MAX_COLUMNS) {
                 simd::gemm(m, n, k, &a, &b, dst, epilogue);
                 return;
             }
@@ -922,6 +924,17 @@ mod tests {
             (33, 17, 1),
             (17, 1, 1),
             (40, 3, 300),
+            (512, 4, 32),
+            (81, 12, 512),
+            (300, 16, 81),
+            (37, 7, 33),
+            (130, 22, 81),
+            (64, 24, 17),
+            (64, 25, 40),
+            (512, 81, 4),
+            (70, 64, 7),
+            (17, 40, 16),
+            (20, 5, 3),
             (5, 0, 4),
             (6, 7, 0),
         ] {
