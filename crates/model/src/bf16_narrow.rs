@@ -223,7 +223,15 @@ mod x86 {
             .collect();
         // a's pairs, a row's together (`a_pairs[i·pairs + q]`).
         let mut a_pairs = vec![0u32; m * pairs];
-        if a.transposed {
+        if k == 1 {
+            // One value a row, in order either way: 16 rows to a conversion.
+            for (out, a) in a_pairs.chunks_mut(16).zip(a.data.chunks(16)) {
+                // SAFETY: as above.
+                #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+                let lone = dwords(unsafe { pairs_across(a, None, out.len()) });
+                out.copy_from_slice(&lone[..out.len()]);
+            }
+        } else if a.transposed {
             for (block, out) in a_pairs.chunks_mut(16 * pairs).enumerate() {
                 let (i0, len) = (16 * block, out.len() / pairs);
                 for q in 0..pairs {
