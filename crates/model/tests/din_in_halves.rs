@@ -53,11 +53,25 @@ const CASES: [Case; 9] = [
     (Precision::Bf16, Norm::None, 0.0, Activation::Dice),
 ];
 
-/// How close `case`'s step in halves comes to the graph's: bf16 with batch
-/// norm flips roundings (`FLIPS`); Dice's statistics, in bf16 too, keep
-/// every value within 1e-5 here.
+/// bf16: the unit runs in fp32 whatever the precision (`kinds/din.rs`),
+/// its first product summed from its parts on the step and from the
+/// laid-out features on the graph, so the MLP's bf16 inputs can differ in
+/// a last bit and flip roundings (`FLIPS`; measured with layer norm: 5 of
+/// 645 logits past 1e-5, within 2.1e-4). With batch norm a flipped value
+/// also moves its column's statistics and with them every row's gradient
+/// a little: 212 of a weight gradient's 1,581 values past 1e-5, each
+/// within 1.4e-4, 4.7e-6 on average.
+const UNIT_FLIPS: Tolerance = Tolerance { share: 0.2, ..FLIPS };
+
+/// How close `case`'s step in halves comes to the graph's: bf16 flips
+/// roundings (`FLIPS`, `UNIT_FLIPS` with batch norm); Dice's statistics,
+/// in bf16 too, keep every value within 1e-5 here.
 fn tolerance((precision, norm, ..): Case) -> Tolerance {
-    if precision == Precision::Bf16 && norm == Norm::Batch { FLIPS } else { TIGHT }
+    match (precision, norm) {
+        (Precision::Bf16, Norm::Batch) => UNIT_FLIPS,
+        (Precision::Bf16, _) => FLIPS,
+        _ => TIGHT,
+    }
 }
 
 fn model((precision, norm, dropout, activation): Case) -> DenseModel {

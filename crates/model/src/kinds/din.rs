@@ -128,7 +128,13 @@ impl DinNet {
         let units = (0..pairs.len())
             .map(|j| {
                 let style = crate::mlp::StackStyle::attention(config);
-                Mlp::new_normed(ps, &format!("attention.{j}"), 4 * d, &score, false, arith, style)
+                // fp32 whatever `model.precision` says: the unit's products
+                // are narrow (a few dozen columns over 2d or 4d values, a
+                // product a history item) and its first one is taken from
+                // its parts only in fp32 (`din/product.rs`); with the unit in
+                // bf16, DIN's step was slower than in fp32 on every CPU
+                // measured (1.7× this fp32 unit's time on an AMD Zen 5).
+                Mlp::new_normed(ps, &format!("attention.{j}"), 4 * d, &score, false, Arith::F32, style)
             })
             .collect::<Result<_, _>>()?;
         let sizes: Vec<usize> = config.hidden.iter().copied().chain([outputs]).collect();

@@ -33,9 +33,7 @@ const HALF_ROWS: usize = 16;
 pub(super) struct DinScratch {
     /// Each sequence's attention unit's.
     units: Vec<MlpScratch>,
-    /// Each sequence's features `[positions, 4·d]` (bf16), or its unit's
-    /// first product's buffers (fp32: `product.rs`).
-    features: Vec<Vec<f32>>,
+    /// Each sequence's unit's first product's buffers (`product.rs`).
     products: Vec<ProductBufs>,
     /// A sequence's d loss / d score, a position.
     d_scores: Vec<f32>,
@@ -121,7 +119,6 @@ impl DinNet {
         let sequences = std::mem::take(&mut s.sequences);
         let ds: &mut DinScratch = s.of_kind();
         ds.units.resize_with(self.units.len(), MlpScratch::default);
-        ds.features.resize_with(self.units.len(), Vec::new);
         ds.products.resize_with(self.units.len(), ProductBufs::default);
         for (j, (&(slot, query), unit)) in self.pairs.iter().zip(&self.units).enumerate() {
             let (keys, at_rows) = (&sequences.items[j], &sequences.rows[j]);
@@ -136,25 +133,15 @@ impl DinNet {
                 }
                 continue;
             }
-            if unit.is_f32() {
-                let mut first =
-                    UnitInput::new((x, stride, rows), (query, d), keys, (at_rows, self.simd), &mut ds.products[j]);
-                match unit_meets {
-                    Some(meet) => {
-                        let first = First::Product(&mut first);
-                        unit.forward_met(first, (positions, 0), (at.dropout, meet), &mut ds.units[j]).await?;
-                    }
-                    None => unit.forward_cpu_from(&mut first, positions, at.dropout, &mut ds.units[j])?,
+            // The unit is fp32 (`kinds/din.rs`): its first layer from its parts.
+            let mut first =
+                UnitInput::new((x, stride, rows), (query, d), keys, (at_rows, self.simd), &mut ds.products[j]);
+            match unit_meets {
+                Some(meet) => {
+                    let first = First::Product(&mut first);
+                    unit.forward_met(first, (positions, 0), (at.dropout, meet), &mut ds.units[j]).await?;
                 }
-            } else {
-                lay_out_features(&mut ds.features[j], (x, stride), (query, d), (keys, at_rows));
-                let features = First::Input(&ds.features[j]);
-                match unit_meets {
-                    Some(meet) => {
-                        unit.forward_met(features, (positions, 0), (at.dropout, meet), &mut ds.units[j]).await?
-                    }
-                    None => unit.forward_cpu(&ds.features[j], positions, at.dropout, &mut ds.units[j])?,
-                }
+                None => unit.forward_cpu_from(&mut first, positions, at.dropout, &mut ds.units[j])?,
             }
             let slots = Slots { values: &mut input, stride, offset: slot * d };
             positions::add_to_slots(self.simd, d, (keys, Some(&ds.units[j].output)), at_rows, slots);
@@ -226,47 +213,22 @@ impl DinNet {
                         (ds, dk),
                     );
                 });
-                if unit.is_f32() {
-                    // Through the product's parts (`product.rs`); a row's
-                    // share of its query's gradient is added once.
-                    let rows = grad_x.len() / stride.max(1);
-                    let mut first = UnitInput { d, rows, at_rows, bufs: &mut ds.products[j], simd: self.simd };
-                    let unit_grads = match unit_meets {
-                        Some(meet) => {
-                            let input = First::Product(&mut first);
-                            unit.backward_met(input, (d_scores, false), &mut ds.units[j], meet).await?
-                        }
-                        None => unit.backward_cpu_from(&mut first, d_scores, &mut ds.units[j])?,
-                    };
-                    grads.push((unit.params(), unit_grads));
-                    first.item_and_query_grads(keys, dk, dq);
-                    for (g, dq) in grad_x.chunks_exact_mut(stride).zip(first.bufs.dq_rows.chunks_exact(d)) {
-                        g[query * d..(query + 1) * d].iter_mut().zip(dq).for_each(|(g, dq)| *g += dq);
-                    }
-                    continue;
-                }
+                // Through the product's parts (`product.rs`); a row's share
+                // of its query's gradient is added once.
+                let rows = grad_x.len() / stride.max(1);
+                let mut first = UnitInput { d, rows, at_rows, bufs: &mut ds.products[j], simd: self.simd };
                 let unit_grads = match unit_meets {
                     Some(meet) => {
-                        let input = First::Input(&ds.features[j]);
+                        let input = First::Product(&mut first);
                         unit.backward_met(input, (d_scores, false), &mut ds.units[j], meet).await?
                     }
-                    None => unit.backward_cpu(&ds.features[j], d_scores, &mut ds.units[j])?,
+                    None => unit.backward_cpu_from(&mut first, d_scores, &mut ds.units[j])?,
                 };
                 grads.push((unit.params(), unit_grads));
-                // Through [q, k, q − k, q ⊙ k].
-                let d_features = &ds.units[j].grad_input;
-                let features = &ds.features[j];
-                dq.par_chunks_mut(d).zip(dk.par_chunks_mut(d)).enumerate().with_min_len(POSITIONS_PER_TASK).for_each(
-                    |(p, (dq, dk))| {
-                        let f = &d_features[p * 4 * d..(p + 1) * 4 * d];
-                        let (q, k) = (&features[p * 4 * d..p * 4 * d + d], &features[p * 4 * d + d..p * 4 * d + 2 * d]);
-                        for c in 0..d {
-                            let (fq, fk, fdiff, fprod) = (f[c], f[d + c], f[2 * d + c], f[3 * d + c]);
-                            dq[c] = fq + fdiff + fprod * k[c];
-                            dk[c] += fk - fdiff + fprod * q[c];
-                        }
-                    },
-                );
+                first.item_and_query_grads(keys, dk, dq);
+                for (g, dq) in grad_x.chunks_exact_mut(stride).zip(first.bufs.dq_rows.chunks_exact(d)) {
+                    g[query * d..(query + 1) * d].iter_mut().zip(dq).for_each(|(g, dq)| *g += dq);
+                }
             }
         }
         for &(slot, _) in &self.pairs {
@@ -284,31 +246,4 @@ impl DinNet {
         s.grad_x = grad_x;
         Ok(grads)
     }
-}
-
-/// The unit's input `[q, k, q − k, q ⊙ k]` laid out, for its bf16
-/// products, whose inputs are rounded as the graph's are.
-fn lay_out_features(
-    features: &mut Vec<f32>,
-    (x, stride): (&[f32], usize),
-    (query, d): (usize, usize),
-    (keys, at_rows): (&[f32], &[u32]),
-) {
-    let features = sized(features, at_rows.len() * 4 * d);
-    features.par_chunks_mut(4 * d * POSITIONS_PER_TASK).enumerate().for_each(|(chunk, f)| {
-        for (i, f) in f.chunks_exact_mut(4 * d).enumerate() {
-            let p = chunk * POSITIONS_PER_TASK + i;
-            let r = at_rows[p] as usize;
-            let (q, k) = (&x[r * stride + query * d..r * stride + (query + 1) * d], &keys[p * d..(p + 1) * d]);
-            let (fq, rest) = f.split_at_mut(d);
-            let (fk, rest) = rest.split_at_mut(d);
-            let (fdiff, fprod) = rest.split_at_mut(d);
-            for c in 0..d {
-                fq[c] = q[c];
-                fk[c] = k[c];
-                fdiff[c] = q[c] - k[c];
-                fprod[c] = q[c] * k[c];
-            }
-        }
-    });
 }
