@@ -126,9 +126,9 @@ impl Mlp {
         self.shape.layers.first().map(|l| (l.w, l.fan_in, l.fan_out))
     }
 
-    /// Its products are fp32 (`model.precision = "f32"`).
-    pub(crate) fn is_f32(&self) -> bool {
-        self.shape.arith == Arith::F32
+    /// How its products run.
+    pub(crate) fn arith(&self) -> Arith {
+        self.shape.arith
     }
 }
 

@@ -14,17 +14,20 @@
 //! AVX-512 Xeon: the towers' six first-layer products and the sum took
 //! 103 µs, the three products side by side 86.
 //!
-//! Each output of the forward product and of the weights' gradient is the
+//! In fp32, and in bf16 on `vdpbf16ps` (AMX's path keeps a bf16 stack's
+//! products as tiles of its own, the rounded path its rounded operands):
+//! each output of the forward product and of the weights' gradient is the
 //! one chain over the input's columns (or the rows) that the tower's own
 //! product sums, so those have the bits they had (tested); the input's
 //! gradient is one chain over every tower's columns, so its last bits
 //! differ from two products added.
 
 use crate::ModelError;
-use crate::matrix::{Operand, sgemm, sgemm_threads};
+use crate::bf16::{Arith, Bf16Path};
+use crate::matrix::{Operand, sgemm_threads};
 use crate::meet::Side;
 use crate::mlp::first_product::{FirstGrad, FirstProduct};
-use crate::mlp::{First, Mlp, MlpScratch, cpu, sized, through_relu};
+use crate::mlp::{First, Mlp, MlpScratch, cpu, matmul, sized, through_relu};
 use sparrow_core::simd::Simd;
 
 /// Buffers kept between steps.
@@ -40,12 +43,17 @@ pub(super) struct OneInputTowers {
 }
 
 /// Whether towers that read one input take their first products side by
-/// side: several, fp32 (a bf16 stack's products round their operands, and
-/// keep AMX tiles, on paths of their own), with first layers of one width
-/// in.
+/// side: several, of one arithmetic, fp32 or bf16 on `vdpbf16ps` (AMX's
+/// path keeps a bf16 stack's products as tiles, the rounded path its
+/// rounded operands, on paths of their own), with first layers of one
+/// width in.
 pub(super) fn applies(towers: &[Mlp]) -> bool {
     let fan_in = |t: &Mlp| t.first_weights().map(|(_, fan_in, _)| fan_in);
-    towers.len() > 1 && towers.iter().all(|t| t.is_f32() && fan_in(t).is_some() && fan_in(t) == fan_in(&towers[0]))
+    let arith = towers.first().map(Mlp::arith);
+    let side_by_side = matches!(arith, Some(Arith::F32 | Arith::Bf16(Bf16Path::Native)));
+    towers.len() > 1
+        && side_by_side
+        && towers.iter().all(|t| Some(t.arith()) == arith && fan_in(t).is_some() && fan_in(t) == fan_in(&towers[0]))
 }
 
 /// Where each tower's columns start, and the width of them all.
@@ -102,7 +110,8 @@ impl OneInputTowers {
             }
         }
         let values = sized(&mut self.values, rows * width);
-        sgemm(rows, width, fan_in, Operand::plain(x), Operand::plain(&self.weights), values);
+        let arith = towers[0].arith();
+        matmul(arith, None, rows, width, fan_in, Operand::plain(x), Operand::plain(&self.weights), values);
         for ((t, s), &at) in towers.iter().zip(scratches).zip(&starts) {
             let mut first = Columns { values: &mut self.values, width, at, simd };
             match meet {
@@ -144,9 +153,10 @@ impl OneInputTowers {
         if rows == 0 {
             dw.fill(0.0);
         } else {
+            let arith = towers[0].arith();
             rayon::join(
-                || sgemm_threads(fan_in, width, rows, Operand::t(x), Operand::plain(values), dw, 1),
-                || sgemm_threads(rows, fan_in, width, Operand::plain(values), Operand::t(weights), dx, 1),
+                || matmul(arith, Some(1), fan_in, width, rows, Operand::t(x), Operand::plain(values), dw),
+                || matmul(arith, Some(1), rows, fan_in, width, Operand::plain(values), Operand::t(weights), dx),
             );
         }
         for ((t, g), &at) in towers.iter().zip(&mut grads).zip(&starts) {
@@ -238,7 +248,7 @@ mod tests {
     /// layer takes the next one's gradient as an outer product), deeper
     /// and wider ones, dropout (a scale), layer and batch norm, PReLU and Dice
     /// (no ReLU in the product), rows from a half's first row, on a pool of
-    /// two.
+    /// two; in fp32, and in bf16 on `vdpbf16ps` where the CPU has it.
     #[test]
     fn towers_side_by_side_give_each_towers_own_pass() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
@@ -253,10 +263,14 @@ mod tests {
             (&[24, 1][..], 0.0, StackStyle { activation: Activation::Dice, ..plain }),
         ];
         let mut rng = Rng::new(3);
-        for (sizes, dropout, style) in styles {
+        let mut ariths = vec![Arith::F32];
+        if crate::bf16::path(Simd::Avx512) == Bf16Path::Native {
+            ariths.push(Arith::Bf16(Bf16Path::Native));
+        }
+        let cases = ariths.into_iter().flat_map(|arith| styles.map(|style| (arith, style)));
+        for (arith, (sizes, dropout, style)) in cases {
             for (rows, first_row, fan_in) in [(512, 512, 81), (37, 0, 41), (100, 3, 16)] {
                 let mut ps = ParamStore::new(7, Device::Cpu);
-                let arith = crate::bf16::Arith::new(Precision::F32, Simd::Auto);
                 let towers: Vec<Mlp> = (0..2)
                     .map(|t| {
                         let tower = Mlp::new_normed(&mut ps, &format!("tower.{t}"), fan_in, sizes, false, arith, style);
@@ -269,8 +283,8 @@ mod tests {
                 let seeds: Vec<Vec<f32>> =
                     (0..2).map(|_| (0..rows * outputs).map(|_| rng.normal() as f32).collect()).collect();
                 let draw = Some(41);
-                let case =
-                    format!("{sizes:?}, dropout {dropout}, {:?}, {:?}, {rows} rows", style.norm, style.activation);
+                let (norm, activation) = (style.norm, style.activation);
+                let case = format!("{arith:?} {sizes:?}, dropout {dropout}, {norm:?}, {activation:?}, {rows} rows");
                 pool.install(|| {
                     let mut own = vec![MlpScratch::default(), MlpScratch::default()];
                     let mut own_grads = Vec::new();
@@ -326,22 +340,20 @@ mod tests {
         assert!(crate::meet::unmet(err).expect_err("backward").to_string().contains("the towers' input"));
     }
 
-    /// Towers of other widths in, or in bf16, keep a pass each.
+    /// Towers of other widths in, of two arithmetics, or in bf16 on AMX's
+    /// tiles or rounded operands keep a pass each.
     #[test]
-    fn only_fp32_towers_on_one_width_go_side_by_side() {
+    fn only_towers_of_one_width_and_arithmetic_go_side_by_side() {
         let mut ps = ParamStore::new(7, Device::Cpu);
-        let f32 = crate::bf16::Arith::new(Precision::F32, Simd::Auto);
-        let bf16 = crate::bf16::Arith::new(Precision::Bf16, Simd::Auto);
-        let tower = |ps: &mut ParamStore, name: &str, fan_in, arith| Mlp::new(ps, name, fan_in, &[8, 1], false, arith);
-        let a = tower(&mut ps, "a", 10, f32).expect("a");
-        let b = tower(&mut ps, "b", 10, f32).expect("b");
-        let c = tower(&mut ps, "c", 12, f32).expect("c");
-        let d = tower(&mut ps, "d", 10, bf16).expect("d");
-        assert!(applies(&[a, b]));
-        let a = tower(&mut ps, "a2", 10, f32).expect("a");
-        assert!(!applies(&[a]), "one tower");
-        let (a, b) = (tower(&mut ps, "a3", 10, f32).expect("a"), tower(&mut ps, "b3", 10, f32).expect("b"));
-        assert!(!applies(&[a, c]), "widths in");
-        assert!(!applies(&[b, d]), "bf16");
+        let mut tower = |fan_in, arith| Mlp::new(&mut ps, "t", fan_in, &[8, 1], false, arith).expect("tower");
+        let (f32, native) = (Arith::F32, Arith::Bf16(Bf16Path::Native));
+        assert!(applies(&[tower(10, f32), tower(10, f32)]));
+        assert!(applies(&[tower(10, native), tower(10, native)]));
+        assert!(!applies(&[tower(10, f32)]), "one tower");
+        assert!(!applies(&[tower(10, f32), tower(12, f32)]), "widths in");
+        assert!(!applies(&[tower(10, f32), tower(10, native)]), "two arithmetics");
+        for path in [Bf16Path::Amx, Bf16Path::Rounded, Bf16Path::Portable] {
+            assert!(!applies(&[tower(10, Arith::Bf16(path)), tower(10, Arith::Bf16(path))]), "{path:?}");
+        }
     }
 }
