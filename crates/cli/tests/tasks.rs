@@ -513,11 +513,17 @@ fn under_every_sync_policy_and_in_bf16(dir: &Path, config: &str, kind: &str) {
         .expect("train");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let bf16 = last_json(&out);
-    for task in ["click", "conversion"] {
+    // Close figures at the test set's resolution: 4,000 rows, about 680
+    // clicks and 200 conversions, an AUC's standard error about 0.01 and
+    // 0.02. DIN's bf16 and fp32 conversion AUCs differed by up to 0.040
+    // over seeds 0–5 (clicks: 0.018); chance is 0.5 ± 0.01.
+    for (task, within) in [("click", 0.03), ("conversion", 0.06)] {
         let (a, b) =
             (bf16["tasks"][task]["auc"].as_f64().expect("auc"), whole["tasks"][task]["auc"].as_f64().expect("auc"));
-        assert!((a - b).abs() < 0.02, "{kind}: {task}: bf16 {a}, f32 {b}");
+        assert!((a - b).abs() < within, "{kind}: {task}: bf16 {a}, f32 {b}");
     }
+    let clicks = bf16["tasks"]["click"]["auc"].as_f64().expect("auc");
+    assert!(clicks > 0.55, "{kind}: bf16 learned clicks: {clicks}");
 }
 
 /// S0.7: `data.group_by_label` batches the training rows by the class of
