@@ -188,3 +188,33 @@ impl Net for DinNet {
         self.mlp.forward(&x, at.dropout)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+    use sparrow_core::config::{ModelConfig, ModelKind};
+    use sparrow_core::simd::Simd;
+
+    use super::*;
+    use crate::bf16::Bf16Path;
+
+    /// A bf16 DIN runs its MLP in bf16 and its attention units in fp32, on
+    /// every bf16 path.
+    #[test]
+    fn a_bf16_din_keeps_its_attention_units_in_fp32() {
+        let config = ModelConfig {
+            kind: ModelKind::named("din"),
+            embedding_dim: 4,
+            hidden: vec![8],
+            attention_hidden: vec![6],
+            ..Default::default()
+        };
+        for path in [Bf16Path::Amx, Bf16Path::Native, Bf16Path::Rounded, Bf16Path::Portable] {
+            let mut ps = ParamStore::new(7, Device::Cpu);
+            let arith = Arith::Bf16(path);
+            let din = DinNet::new(&mut ps, &config, &[(2, 0), (3, 1)], 17, 1, (arith, Simd::Auto)).expect("din");
+            assert_eq!(din.mlp.arith(), arith, "{path:?}: the MLP");
+            assert!(din.units.iter().all(|u| u.arith() == Arith::F32), "{path:?}: the units");
+        }
+    }
+}
