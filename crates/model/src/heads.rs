@@ -8,7 +8,9 @@
 
 use rayon::prelude::*;
 use sparrow_core::config::{Task, TaskKind};
-use sparrow_core::metrics::logistic_loss_and_sigmoid;
+use sparrow_core::simd::Simd;
+
+use crate::logistic::{self, Column, Scale};
 
 /// One task's slice of a row's logits.
 #[derive(Clone, Debug, PartialEq)]
@@ -119,9 +121,21 @@ impl Heads {
     /// `logits` is rows × outputs, `labels` rows × tasks, `weights` one
     /// per row.
     pub fn loss_and_seed(&self, logits: &[f32], labels: &[f32], weights: Option<&[f32]>) -> (f64, Vec<f32>) {
+        self.loss_and_seed_in(Simd::Auto, logits, labels, weights)
+    }
+
+    /// [`loss_and_seed`](Self::loss_and_seed) with the instructions
+    /// `train.simd` allows (the same bits with any).
+    pub(crate) fn loss_and_seed_in(
+        &self,
+        simd: Simd,
+        logits: &[f32],
+        labels: &[f32],
+        weights: Option<&[f32]>,
+    ) -> (f64, Vec<f32>) {
         let rows = labels.len() / self.tasks().max(1);
         let inv_b = 1.0 / rows.max(1) as f64;
-        let (losses, seed) = self.rows_loss_and_seed(logits, labels, weights, inv_b);
+        let (losses, seed) = self.rows_loss_and_seed(simd, logits, labels, weights, inv_b);
         (sum_in_order(&losses) * inv_b, seed)
     }
 
@@ -130,55 +144,70 @@ impl Heads {
     /// loss, not yet summed, and the rows' seed.
     pub(crate) fn rows_loss_and_seed(
         &self,
+        simd: Simd,
         logits: &[f32],
         labels: &[f32],
         weights: Option<&[f32]>,
         inv_b: f64,
     ) -> (Vec<f64>, Vec<f32>) {
+        const ROWS: usize = 64;
         let (o, t) = (self.outputs(), self.tasks());
+        let rows = labels.len() / t.max(1);
         let mut seed = vec![0.0f32; logits.len()];
-        let losses: Vec<f64> = seed
-            .par_chunks_mut(o)
-            .zip(logits.par_chunks(o))
-            .zip(labels.par_chunks(t))
+        let mut losses = vec![0.0f64; rows];
+        // A task at a time over a block of rows, so each row's loss adds
+        // its tasks' in task order, as a row at a time did.
+        (losses.par_chunks_mut(ROWS).zip(seed.par_chunks_mut(ROWS * o)))
+            .zip(logits.par_chunks(ROWS * o).zip(labels.par_chunks(ROWS * t)))
             .enumerate()
-            .with_min_len(64)
-            .map_init(Vec::new, |exps, (r, ((seed, x), y))| {
-                let w = weights.map_or(1.0, |w| f64::from(w[r]));
-                self.row(x, y, (w * inv_b, w), seed, exps)
-            })
-            .collect();
+            .for_each_init(Vec::new, |exps, (b, ((losses, seed), (x, y)))| {
+                let weights = weights.map(|w| &w[b * ROWS..][..losses.len()]);
+                for (task, h) in self.heads.iter().enumerate() {
+                    if h.multiclass {
+                        self.multiclass_rows(h, (x, &y[task..]), (weights, inv_b), seed, exps, losses);
+                        continue;
+                    }
+                    let column =
+                        Column { x: &x[h.offset..], y: &y[task..], seed: &mut seed[h.offset..], strides: (o, t) };
+                    let scale = Scale { task_weight: h.weight, weights, inv_b, one_task: false };
+                    logistic::add_column(simd, column, scale, losses);
+                }
+            });
         (losses, seed)
     }
 
-    /// One row: its weighted loss, and its logits' gradients into `seed`
-    /// (`scale`: the row's weight over the batch's rows); `exps` holds a
-    /// multiclass head's exponentials (a buffer a task, not one a row).
-    fn row(&self, x: &[f32], y: &[f32], (scale, weight): (f64, f64), seed: &mut [f32], exps: &mut Vec<f64>) -> f64 {
-        let mut loss = 0.0;
-        for (h, &label) in self.heads.iter().zip(y) {
+    /// A multiclass task's rows (`y` its labels, a row's `tasks` apart):
+    /// each one's weighted softmax cross-entropy added to its loss, its
+    /// logits' gradients into `seed`; `exps` holds a row's exponentials.
+    fn multiclass_rows(
+        &self,
+        h: &Head,
+        (x, y): (&[f32], &[f32]),
+        (weights, inv_b): (Option<&[f32]>, f64),
+        seed: &mut [f32],
+        exps: &mut Vec<f64>,
+        losses: &mut [f64],
+    ) {
+        let (o, t) = (self.outputs(), self.tasks());
+        for (r, loss) in losses.iter_mut().enumerate() {
+            let label = y[r * t];
             if label.is_nan() {
                 continue;
             }
-            let (x, seed) = (&x[h.offset..h.offset + h.outputs], &mut seed[h.offset..h.offset + h.outputs]);
-            if h.multiclass {
-                let class = label as usize;
-                let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                exps.clear();
-                exps.extend(x.iter().map(|&v| f64::from(v - max).exp()));
-                let sum: f64 = exps.iter().sum();
-                loss += h.weight * weight * (sum.ln() - f64::from(x[class] - max));
-                for (k, (s, e)) in seed.iter_mut().zip(exps.iter()).enumerate() {
-                    let target = if k == class { 1.0 } else { 0.0 };
-                    *s = ((e / sum - target) * h.weight * scale) as f32;
-                }
-            } else {
-                let (l, p) = logistic_loss_and_sigmoid(f64::from(x[0]), f64::from(label));
-                loss += h.weight * weight * l;
-                seed[0] = ((p - f64::from(label)) * h.weight * scale) as f32;
+            let weight = weights.map_or(1.0, |w| f64::from(w[r]));
+            let scale = weight * inv_b;
+            let (x, seed) = (&x[r * o + h.offset..][..h.outputs], &mut seed[r * o + h.offset..][..h.outputs]);
+            let class = label as usize;
+            let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            exps.clear();
+            exps.extend(x.iter().map(|&v| f64::from(v - max).exp()));
+            let sum: f64 = exps.iter().sum();
+            *loss += h.weight * weight * (sum.ln() - f64::from(x[class] - max));
+            for (k, (s, e)) in seed.iter_mut().zip(exps.iter()).enumerate() {
+                let target = if k == class { 1.0 } else { 0.0 };
+                *s = ((e / sum - target) * h.weight * scale) as f32;
             }
         }
-        loss
     }
 }
 

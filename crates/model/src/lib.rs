@@ -20,6 +20,7 @@ pub mod fused;
 pub mod heads;
 pub mod kinds;
 mod layer_norm;
+mod logistic;
 pub mod matrix;
 mod meet;
 pub mod mlp;

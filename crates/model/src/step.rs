@@ -2,8 +2,6 @@
 //! (`models.rs`) share, below both: the input's shape, the direct step's
 //! buffers, one row's loss, a linear layer as exported data.
 
-use sparrow_core::metrics::logistic_loss_and_sigmoid;
-
 use crate::ModelError;
 use crate::mlp::MlpScratch;
 use crate::params::Linear;
@@ -81,7 +79,7 @@ pub(crate) fn loss_and_seed_row(logit: f32, label: f32, weight: f64, inv_b: f64)
     if label.is_nan() {
         return (0.0, 0.0);
     }
-    let (loss, p) = logistic_loss_and_sigmoid(f64::from(logit), f64::from(label));
+    let (loss, p) = crate::logistic::loss_and_sigmoid(f64::from(logit), f64::from(label));
     (weight * loss, ((p - f64::from(label)) * weight * inv_b) as f32)
 }
 
