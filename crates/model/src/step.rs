@@ -71,18 +71,6 @@ impl Scratch {
     }
 }
 
-/// One row of `DenseModel::loss_and_seed`: its loss times
-/// `weight`, and d (mean loss) / d logit (`inv_b`: one over the rows).
-#[inline]
-pub(crate) fn loss_and_seed_row(logit: f32, label: f32, weight: f64, inv_b: f64) -> (f64, f32) {
-    // A masked label (`data.schema.labels`, an empty cell) adds nothing.
-    if label.is_nan() {
-        return (0.0, 0.0);
-    }
-    let (loss, p) = crate::logistic::loss_and_sigmoid(f64::from(logit), f64::from(label));
-    (weight * loss, ((p - f64::from(label)) * weight * inv_b) as f32)
-}
-
 /// A linear layer's weights as exported data.
 pub(crate) fn linear_spec(l: &Linear) -> Result<DenseLayer, ModelError> {
     let (w, b) = (l.weight().as_tensor(), l.bias().as_tensor());

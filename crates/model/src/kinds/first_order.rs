@@ -10,11 +10,12 @@ use rayon::prelude::*;
 use super::{At, Grads, WholeStep};
 use crate::ModelError;
 use crate::fused::{FM_ROWS_AT_ONCE, FirstOrderFm, GradRows, Simd, first_order_fm_grad_rows, first_order_fm_rows};
+use crate::logistic;
 use crate::mlp::sized;
 use crate::optimizer::all_finite;
 use crate::params::{Linear, ParamStore};
 use crate::spec::DenseLayer;
-use crate::step::{Scratch, loss_and_seed_row};
+use crate::step::Scratch;
 
 /// Rows a task of the first-order and FM passes takes.
 const ROWS_PER_TASK: usize = 4 * FM_ROWS_AT_ONCE;
@@ -322,12 +323,14 @@ impl super::Direct for FirstOrder {
             for (block, (((((logits, seed), losses), x), sums), grad)) in blocks {
                 terms.logits(x, sums, logits);
                 let first_row = task * ROWS_PER_TASK + block * FM_ROWS_AT_ONCE;
-                for (r, ((&logit, seed), loss)) in logits.iter().zip(seed.iter_mut()).zip(losses.iter_mut()).enumerate()
-                {
-                    let i = first_row + r;
-                    let weight = weights.map_or(1.0, |w| f64::from(w[i]));
-                    (*loss, *seed) = loss_and_seed_row(logit, labels[i], weight, inv_b);
-                }
+                // The block's rows side by side (a row at a time, the
+                // loss's arithmetic is a chain of dependent operations).
+                let n = logits.len();
+                let y = &labels[first_row..first_row + n];
+                let weights = weights.map(|w| &w[first_row..first_row + n]);
+                let column = logistic::Column { x: logits, y, seed, strides: (1, 1) };
+                let scale = logistic::Scale { task_weight: 1.0, weights, inv_b, one_task: true };
+                logistic::add_column(at.simd, column, scale, losses);
                 finite &= terms.input_grads(x, seed, sums, grad);
             }
             finite
