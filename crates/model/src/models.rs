@@ -4,7 +4,6 @@
 //! per key is the kind's (`Kind::embedding_width`).
 
 use candle_core::{D, Device, Tensor, Var};
-use rayon::prelude::*;
 use sparrow_core::config::{ModelConfig, Precision};
 
 use crate::ModelError;
@@ -12,7 +11,6 @@ use crate::bf16::Arith;
 use crate::fused::Simd;
 use crate::heads::Heads;
 use crate::kinds::{At, Build, Kind, Net};
-use crate::logistic;
 
 mod described;
 mod direct;
@@ -289,16 +287,6 @@ impl DenseModel {
         Ok(x)
     }
 
-    /// Mean stable logistic loss and its gradient w.r.t. the logits:
-    /// d/dx [max(x,0) − x·y + log(1+e^{−|x|})] = σ(x) − y, over the batch size.
-    /// With sample `weights` each row's loss (and gradient) is multiplied by
-    /// its weight, still divided by the batch's row count.
-    fn loss_and_seed(simd: Simd, logits: &[f32], labels: &[f32], weights: Option<&[f32]>) -> (f64, Vec<f32>) {
-        let inv_b = 1.0 / labels.len().max(1) as f64;
-        let (losses, seed) = Self::rows_loss_and_seed(simd, logits, labels, weights, inv_b);
-        (crate::heads::sum_in_order(&losses) * inv_b, seed)
-    }
-
     /// The batch's loss and its logits' seed: the one binary head's, or
     /// every head's (their labels checked first).
     fn batch_loss_and_seed(
@@ -307,10 +295,9 @@ impl DenseModel {
         labels: &[f32],
         weights: Option<&[f32]>,
     ) -> Result<(f64, Vec<f32>), ModelError> {
-        if self.heads.is_one_binary() {
-            return Ok(Self::loss_and_seed(self.simd, logits, labels, weights));
+        if !self.heads.is_one_binary() {
+            self.heads.check_labels(labels)?;
         }
-        self.heads.check_labels(labels)?;
         Ok(self.heads.loss_and_seed_in(self.simd, logits, labels, weights))
     }
 
@@ -324,36 +311,7 @@ impl DenseModel {
         weights: Option<&[f32]>,
         inv_b: f64,
     ) -> (Vec<f64>, Vec<f32>) {
-        if self.heads.is_one_binary() {
-            return Self::rows_loss_and_seed(self.simd, logits, labels, weights, inv_b);
-        }
         self.heads.rows_loss_and_seed(self.simd, logits, labels, weights, inv_b)
-    }
-
-    /// [`loss_and_seed`](Self::loss_and_seed) of some of a batch's rows
-    /// (`inv_b`: one over the whole batch's rows): each row's weighted
-    /// loss, not yet summed, and the rows' seed. In parallel (an
-    /// exponential and a logarithm a row were a tenth of LR's dense step on
-    /// one thread); the caller sums the losses in row order.
-    fn rows_loss_and_seed(
-        simd: Simd,
-        logits: &[f32],
-        labels: &[f32],
-        weights: Option<&[f32]>,
-        inv_b: f64,
-    ) -> (Vec<f64>, Vec<f32>) {
-        const ROWS: usize = 256;
-        let mut losses = vec![0.0f64; labels.len()];
-        let mut seed = vec![0.0f32; labels.len()];
-        (losses.par_chunks_mut(ROWS).zip(seed.par_chunks_mut(ROWS)))
-            .zip(logits.par_chunks(ROWS).zip(labels.par_chunks(ROWS)))
-            .enumerate()
-            .for_each(|(b, ((losses, seed), (x, y)))| {
-                let weights = weights.map(|w| &w[b * ROWS..][..losses.len()]);
-                let scale = logistic::Scale { task_weight: 1.0, weights, inv_b, one_task: true };
-                logistic::add_column(simd, logistic::Column { x, y, seed, strides: (1, 1) }, scale, losses);
-            });
-        (losses, seed)
     }
 
     /// A NaN or infinite loss stops the step before anything is updated.

@@ -128,7 +128,6 @@ mod tests {
     use candle_core::Device;
     use sparrow_core::config::{ModelConfig, ModelKind};
     use sparrow_core::rng::Rng;
-    use sparrow_core::simd::Simd;
 
     use super::{DenseModel, Scratch};
     use crate::ModelShape;
@@ -164,7 +163,7 @@ mod tests {
                 let (mut one, mut three) = (Scratch::default(), Scratch::default());
                 let step = model.whole_step(&x, &labels, weights, &mut one).expect("step").expect("LR or FM");
                 let logits = model.forward_direct(&x, rows, None, &mut three).expect("forward");
-                let (loss, seed) = DenseModel::loss_and_seed(Simd::Auto, &logits, &labels, weights);
+                let (loss, seed) = model.heads().loss_and_seed(&logits, &labels, weights);
                 let grads = model.backward_direct(&x, &seed, &mut three).expect("backward");
                 assert_eq!(bits(&step.logits), bits(&logits), "{what}: logits");
                 assert_eq!(step.loss.to_bits(), loss.to_bits(), "{what}: loss");
