@@ -152,8 +152,6 @@ impl Heads {
     ) -> (Vec<f64>, Vec<f32>) {
         const ROWS: usize = 64;
         let (o, t) = (self.outputs(), self.tasks());
-        // A model without tasks keeps its seed's rounding (`Scale::one_task`).
-        let one_task = self.is_one_binary();
         let rows = labels.len() / t.max(1);
         let mut seed = vec![0.0f32; logits.len()];
         let mut losses = vec![0.0f64; rows];
@@ -171,7 +169,7 @@ impl Heads {
                     }
                     let column =
                         Column { x: &x[h.offset..], y: &y[task..], seed: &mut seed[h.offset..], strides: (o, t) };
-                    let scale = Scale { task_weight: h.weight, weights, inv_b, one_task };
+                    let scale = Scale { task_weight: h.weight, weights, inv_b };
                     logistic::add_column(simd, column, scale, losses);
                 }
             });

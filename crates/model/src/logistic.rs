@@ -12,7 +12,10 @@
 //! a series in odd powers, taking `ln 2 + ln(1 + (e − 1)/2)` above ½ so the
 //! series' argument stays below 1/5. No fused multiply-add: the same bits
 //! on every build and CPU. Within two units in the last place of libm's
-//! `exp` and three of its `log1p` (tested); the sigmoid, which the gradients read, goes to f32 after.
+//! `exp` and three of its `log1p` (tested); the sigmoid, which the
+//! gradients read, goes to f32 after. A row's seed is `((σ − y)·task
+//! weight)·(w / rows)` for a model without tasks too (it was `((σ − y)·w)
+//! / rows`: with sample weights its last bit may differ from before).
 
 use sparrow_core::simd::Simd;
 
@@ -66,14 +69,11 @@ fn ln_1p_unit(e: f64) -> f64 {
 /// as `sparrow_core::metrics::logistic_loss_and_sigmoid` gives them
 /// (within a few units in the last place).
 #[inline(always)]
-pub(crate) fn loss_and_sigmoid(logit: f64, label: f64) -> (f64, f64) {
+fn loss_and_sigmoid(logit: f64, label: f64) -> (f64, f64) {
     let e = exp_neg(logit.abs());
     let loss = logit.max(0.0) - logit * label + ln_1p_unit(e);
     let p = if logit >= 0.0 { 1.0 / (1.0 + e) } else { e / (1.0 + e) };
-    // A NaN logit gives one NaN: which of an operation's operands a NaN
-    // keeps its sign from depends on how the compiler ordered them, and
-    // a block and a row at a time order them differently.
-    if logit.is_nan() { (f64::NAN, f64::NAN) } else { (loss, p) }
+    (loss, p)
 }
 
 /// Rows of one binary task: `loss[r] += task_weight · w_r · l_r` and
@@ -95,10 +95,6 @@ pub(crate) struct Scale<'a> {
     pub task_weight: f64,
     pub weights: Option<&'a [f32]>,
     pub inv_b: f64,
-    /// The one binary task of a model without tasks: its seed is `((σ − y)·w)
-    /// / rows`, a task's `((σ − y)·task_weight)·(w / rows)` (the two paths'
-    /// roundings, as they were).
-    pub one_task: bool,
 }
 
 /// [`Column`]'s rows, their losses added to `losses` (one a row).
@@ -124,7 +120,7 @@ pub(crate) fn add_column(simd: Simd, column: Column<'_>, scale: Scale<'_>, losse
 fn rows(column: Column<'_>, scale: Scale<'_>, losses: &mut [f64]) {
     const BLOCK: usize = 8;
     let Column { x, y, seed, strides: (xs, ys) } = column;
-    let Scale { task_weight, weights, inv_b, one_task } = scale;
+    let Scale { task_weight, weights, inv_b } = scale;
     for (b, losses) in losses.chunks_mut(BLOCK).enumerate() {
         let first = b * BLOCK;
         let (mut lx, mut ly, mut lw) = ([0.0f64; BLOCK], [0.0f64; BLOCK], [1.0f64; BLOCK]);
@@ -138,7 +134,7 @@ fn rows(column: Column<'_>, scale: Scale<'_>, losses: &mut [f64]) {
             let (loss, p) = loss_and_sigmoid(lx[i], ly[i]);
             l[i] = task_weight * lw[i] * loss;
             let d = p - ly[i];
-            s[i] = if one_task { d * lw[i] * inv_b } else { d * task_weight * (lw[i] * inv_b) } as f32;
+            s[i] = (d * task_weight * (lw[i] * inv_b)) as f32;
         }
         for (i, loss) in losses.iter_mut().enumerate() {
             if !ly[i].is_nan() {
@@ -162,7 +158,7 @@ mod tests {
     fn the_exponential_and_logarithm_are_within_three_units_in_the_last_place_of_libm() {
         let mut worst = (0u64, 0u64);
         for i in 0..=2_000_000u32 {
-            // a over [0, 745], denser near 0, and the halfway points of n.
+            // a over [0, 745], denser near 0; v over [0, 1].
             let a = 745.0 * (f64::from(i) / 2e6).powi(2);
             let e = exp_neg(a);
             worst.0 = worst.0.max(ulps(e, (-a).exp()));
@@ -210,7 +206,7 @@ mod tests {
             let mut seed = vec![9.0f32; rows * 3];
             let mut losses = vec![1.0f64; rows];
             let column = Column { x: &x[1..], y: &y[1..], seed: &mut seed[1..], strides: (3, 2) };
-            let scale = Scale { task_weight: 2.0, weights: Some(&w), inv_b: 1.0 / 64.0, one_task: false };
+            let scale = Scale { task_weight: 2.0, weights: Some(&w), inv_b: 1.0 / 64.0 };
             add_column(simd, column, scale, &mut losses);
             for r in 0..rows {
                 let (xr, yr) = (f64::from(x[1 + 3 * r]), f64::from(y[1 + 2 * r]));

@@ -329,7 +329,7 @@ impl super::Direct for FirstOrder {
                 let y = &labels[first_row..first_row + n];
                 let weights = weights.map(|w| &w[first_row..first_row + n]);
                 let column = logistic::Column { x: logits, y, seed, strides: (1, 1) };
-                let scale = logistic::Scale { task_weight: 1.0, weights, inv_b, one_task: true };
+                let scale = logistic::Scale { task_weight: 1.0, weights, inv_b };
                 logistic::add_column(at.simd, column, scale, losses);
                 finite &= terms.input_grads(x, seed, sums, grad);
             }
