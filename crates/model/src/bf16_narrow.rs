@@ -34,14 +34,7 @@ pub(crate) fn gemm(
     threads: Option<usize>,
     max_columns: usize,
 ) -> bool {
-    // A transposed `a` (a weight gradient's `xᵀ`, many pairs along k) reads
-    // its pairs across two stored rows each, 16 rows a block: for more than
-    // one column the tile kernel's packing is faster.
-    let columns = n == 1 || (n <= max_columns.min(MAX_COLUMNS) && k > 2 * MAX_ROW_PAIRS && !a.transposed);
-    let rows = !columns && k <= 2 * MAX_ROW_PAIRS && (k == 1 || max_columns > 1);
-    if m == 0 || n == 0 || k == 0 || !(columns || rows) {
-        return false;
-    }
+    let Some(columns) = kernel((m, n, k), a.transposed, max_columns) else { return false };
     #[cfg(target_arch = "x86_64")]
     if crate::pairs::available() {
         assert!(a.data.len() >= m * k && b.data.len() >= k * n && dst.len() >= m * n);
@@ -53,8 +46,26 @@ pub(crate) fn gemm(
         }
         return true;
     }
-    let _ = (a, b, dst, threads);
+    let _ = (a, b, dst, threads, columns);
     false
+}
+
+/// Which of [`gemm`]'s kernels takes a product of that shape: `Some(true)`
+/// the lane kernel (a lane per output row), `Some(false)` the row kernel,
+/// None neither (the tile kernel's then).
+fn kernel((m, n, k): (usize, usize, usize), a_transposed: bool, max_columns: usize) -> Option<bool> {
+    // A transposed `a` (a weight gradient's `xᵀ`, many pairs along k) reads
+    // its pairs across two stored rows each, 16 rows a block: for more than
+    // one column the tile kernel's packing is faster.
+    let columns = n == 1 || (n <= max_columns.min(MAX_COLUMNS) && k > 2 * MAX_ROW_PAIRS && !a_transposed);
+    let rows = !columns && k <= 2 * MAX_ROW_PAIRS && (k == 1 || max_columns > 1);
+    (m > 0 && n > 0 && k > 0 && (columns || rows)).then_some(columns)
+}
+
+/// Whether [`gemm`] takes a product of that shape (where the CPU has
+/// AVX-512-BF16), so the tile kernel does not.
+pub(crate) fn takes(shape: (usize, usize, usize), a_transposed: bool, max_columns: usize) -> bool {
+    kernel(shape, a_transposed, max_columns).is_some()
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -29,7 +29,7 @@ use rayon::prelude::*;
 
 use super::{Level, MultiTask, Which, gates, one_input_gates, one_input_towers};
 use crate::ModelError;
-use crate::bf16::Arith;
+use crate::bf16::{Arith, LentInput, Read};
 use crate::kinds::{At, Direct, Grads, Met};
 use crate::matrix::Operand;
 use crate::meet::{self, Side};
@@ -134,6 +134,35 @@ fn gate_logits(
 }
 
 impl MultiTask {
+    /// `then()` with each input that more than one of a level's experts
+    /// read (`inputs[reads[e]]`, `[rows, ·]`) packed once for their first
+    /// layers' bf16 products, read as `read` (`bf16/lent.rs`): MMoE's
+    /// experts packed `x` four times each way.
+    fn lending<T>(
+        &self,
+        experts: &[&Mlp],
+        (inputs, rows): (&[&[f32]], usize),
+        reads: &[usize],
+        read: Read,
+        then: impl FnOnce() -> T,
+    ) -> T {
+        let Arith::Bf16(path) = self.arith else { return then() };
+        let mut lent: Vec<LentInput<'_>> = Vec::new();
+        for (e, &i) in reads.iter().enumerate() {
+            // One slice may stand for several inputs (each is `x` at the bottom).
+            let x = inputs[i];
+            let readers = reads.iter().filter(|&&j| std::ptr::eq(inputs[j], x)).count();
+            if readers < 2 || lent.iter().any(|l| std::ptr::eq(l.x, x)) {
+                continue;
+            }
+            // The experts reading one input have one shape (`model.expert_hidden`).
+            if let Some((_, _, n)) = experts[e].first_weights() {
+                lent.push(LentInput { x, rows, read, n });
+            }
+        }
+        crate::bf16::lend(path, &lent, then)
+    }
+
     /// Each task's tower input and the shared one at level `l` (`x` at the bottom).
     fn level_inputs<'a>(&self, x: &'a [f32], below: &'a [LevelBufs], tasks: usize) -> Vec<&'a [f32]> {
         match below.last() {
@@ -162,13 +191,15 @@ impl MultiTask {
             let reads = level.expert_inputs(tasks);
             let rows_at = (rows, at.first_row);
             match meet {
-                None => experts
-                    .par_iter()
-                    .zip(bufs.experts.par_iter_mut())
-                    .zip(reads.par_iter())
-                    .map(|((e, s), &i)| e.forward_cpu_at(inputs[i], rows_at, at.dropout, s))
-                    .collect::<Result<Vec<()>, _>>()
-                    .map(drop)?,
+                None => self.lending(&experts, (&inputs, rows), &reads, Read::Forward, || {
+                    experts
+                        .par_iter()
+                        .zip(bufs.experts.par_iter_mut())
+                        .zip(reads.par_iter())
+                        .map(|((e, s), &i)| e.forward_cpu_at(inputs[i], rows_at, at.dropout, s))
+                        .collect::<Result<Vec<()>, _>>()
+                        .map(drop)
+                })?,
                 Some(meet) => {
                     let passes = (experts.iter().zip(bufs.experts.iter_mut()).zip(&reads))
                         .map(|((e, s), &i)| e.forward_met(First::Input(inputs[i]), rows_at, (at.dropout, meet), s));
@@ -297,17 +328,19 @@ impl MultiTask {
             }
             let reads = level.expert_inputs(tasks);
             let expert_grads = match meet {
-                None => experts
-                    .par_iter()
-                    .zip(bufs.experts.par_iter_mut())
-                    .zip(bufs.d_experts.par_iter())
-                    .zip(reads.par_iter())
-                    .zip(&pooled)
-                    .map(|((((e, s), d), &i), &pooled)| match e.output_mask(s).is_some() && pooled {
-                        true => e.backward_cpu_masked(inputs[i], d, s),
-                        false => e.backward_cpu(inputs[i], d, s),
-                    })
-                    .collect::<Result<Vec<_>, _>>()?,
+                None => self.lending(&experts, (&inputs, rows), &reads, Read::WeightGrads, || {
+                    experts
+                        .par_iter()
+                        .zip(bufs.experts.par_iter_mut())
+                        .zip(bufs.d_experts.par_iter())
+                        .zip(reads.par_iter())
+                        .zip(&pooled)
+                        .map(|((((e, s), d), &i), &pooled)| match e.output_mask(s).is_some() && pooled {
+                            true => e.backward_cpu_masked(inputs[i], d, s),
+                            false => e.backward_cpu(inputs[i], d, s),
+                        })
+                        .collect::<Result<Vec<_>, _>>()
+                })?,
                 Some(meet) => {
                     let passes = (experts.iter().zip(bufs.experts.iter_mut()).zip(&bufs.d_experts).zip(&reads))
                         .zip(&pooled)
