@@ -228,35 +228,17 @@ mod tests {
         let (rows, cols, n) = (64, 40, 48);
         let x = values(rows * cols, 4);
         let w = values(cols * n, 5);
-        let mut reference = vec![0f32; (rows / 2) * n];
         // The first half of x: the same address, another length.
         let half = &x[..rows / 2 * cols];
-        gemm_bf16_then(
-            path,
-            rows / 2,
-            n,
-            cols,
-            Operand::plain(half),
-            Operand::plain(&w),
-            &mut reference,
-            Epilogue::default(),
-        );
-        let inputs = [Input { x: &x, rows, read: Read::Forward, n }];
-        let got = lend(path, &inputs, || {
+        let product = || {
             let mut out = vec![0f32; (rows / 2) * n];
-            gemm_bf16_then(
-                path,
-                rows / 2,
-                n,
-                cols,
-                Operand::plain(half),
-                Operand::plain(&w),
-                &mut out,
-                Epilogue::default(),
-            );
+            let (a, b) = (Operand::plain(half), Operand::plain(&w));
+            gemm_bf16_then(path, rows / 2, n, cols, a, b, &mut out, Epilogue::default());
             out
-        });
-        assert_eq!(got, reference);
+        };
+        let reference = product();
+        let inputs = [Input { x: &x, rows, read: Read::Forward, n }];
+        assert_eq!(lend(path, &inputs, product), reference);
     }
 
     #[test]
