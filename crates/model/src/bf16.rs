@@ -23,7 +23,7 @@ use sparrow_core::config::Precision;
 use sparrow_core::simd::Simd;
 
 mod lent;
-pub(crate) use lent::{Input as LentInput, Read, lend};
+pub(crate) use lent::{PackedLeft, Read, pack_once};
 
 pub use crate::matrix::Epilogue;
 use crate::matrix::Operand;
@@ -419,7 +419,23 @@ pub fn gemm_bf16_then(
     dst: &mut [f32],
     epilogue: Epilogue<'_>,
 ) {
+    gemm_bf16_lent(path, (m, n, k), (a, None), b, dst, epilogue);
+}
+
+/// [`gemm_bf16_then`] with `a`'s bf16 pairs packed beforehand ([`pack_once`]:
+/// an input several products read), which the tile kernel reads where they
+/// are `a`'s; the same bits.
+pub(crate) fn gemm_bf16_lent(
+    path: Bf16Path,
+    (m, n, k): (usize, usize, usize),
+    (a, packed): (Operand<'_>, Option<&PackedLeft>),
+    b: Operand<'_>,
+    dst: &mut [f32],
+    epilogue: Epilogue<'_>,
+) {
     check(m, n, k, &a, &b, dst);
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = packed;
     if let Some(bias) = epilogue.bias {
         assert_eq!(bias.len(), n, "gemm_bf16: bias size");
     }
@@ -430,7 +446,7 @@ pub fn gemm_bf16_then(
                 return;
             }
             if !crate::bf16_narrow::gemm((m, n, k), &a, &b, dst, None, crate::bf16_narrow::MAX_COLUMNS) {
-                simd::gemm(m, n, k, &a, &b, dst, epilogue);
+                simd::gemm(m, n, k, (&a, packed), &b, dst, epilogue);
                 return;
             }
         }
@@ -632,7 +648,7 @@ mod simd {
         m: usize,
         n: usize,
         k: usize,
-        a: &Operand<'_>,
+        (a, packed): (&Operand<'_>, Option<&super::PackedLeft>),
         b: &Operand<'_>,
         dst: &mut [f32],
         epilogue: Epilogue<'_>,
@@ -649,10 +665,10 @@ mod simd {
                 Operand { data: a.data, transposed: !a.transposed },
             );
             if n == 1 {
-                gemm(n, m, k, &at, &bt, dst, Epilogue::default());
+                gemm(n, m, k, (&at, None), &bt, dst, Epilogue::default());
             } else {
                 let mut transposed = vec![0f32; m * n];
-                gemm(n, m, k, &at, &bt, &mut transposed, Epilogue::default());
+                gemm(n, m, k, (&at, None), &bt, &mut transposed, Epilogue::default());
                 for (j, column) in transposed.chunks_exact(m).enumerate() {
                     for (i, &v) in column.iter().enumerate() {
                         dst[i * n + j] = v;
@@ -670,12 +686,13 @@ mod simd {
         }
         let (row_blocks, tiles) = (m.div_ceil(MR), n.div_ceil(NR));
         let (buf_a, buf_b) = super::BUFFERS.take();
-        // The left operand as a scope lent it packed (`lent.rs`), or packed here.
-        let (own, lent) = match super::lent::lent(a, m, k) {
-            Some(lent) => (super::PackedRows { data: buf_a, row_stride: 0, pair_stride: 0 }, Some(lent)),
-            None => (pack_rows(m, k, a, row_blocks * MR, Convert::Simd, buf_a), None),
+        // The left operand as the caller packed it (`lent.rs`), or packed here.
+        let packed = packed.filter(|p| p.fits(a, m, k));
+        let own = match packed {
+            Some(_) => super::PackedRows { data: buf_a, row_stride: 0, pair_stride: 0 },
+            None => pack_rows(m, k, a, row_blocks * MR, Convert::Simd, buf_a),
         };
-        let pa = lent.as_deref().unwrap_or(&own);
+        let pa = packed.map_or(&own, |p| &p.rows);
         let pb = pack_cols(k, n, b, NR, Convert::Simd, buf_b);
         if row_blocks == 1 && tiles > 1 {
             // One row block (the narrow products, turned round): the panels

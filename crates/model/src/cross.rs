@@ -89,7 +89,7 @@ pub(crate) fn cross_backward(
     );
     // The bias's sums give the same bits on every build.
     let arith = (arith, sparrow_core::simd::Simd::Auto);
-    linear_grads(arith, (rows, x, x), xl, w, grad_gate, (grads.w, grads.b), grads.xl);
+    linear_grads(arith, (rows, x, x), (xl, None), w, grad_gate, (grads.w, grads.b), grads.xl);
     grads.xl.iter_mut().zip(g).for_each(|(d, g)| *d += g);
 }
 

@@ -506,7 +506,8 @@ async fn forward_into(
                 // Bias and ReLU as the product stores each tile.
                 Arith::Bf16(path) => {
                     let epilogue = crate::bf16::Epilogue { bias: Some(bias), relu };
-                    crate::bf16::gemm_bf16_then(path, rows, l.fan_out, l.fan_in, input, w, out, epilogue);
+                    let packed = x.packed().filter(|_| i == 0);
+                    crate::bf16::gemm_bf16_lent(path, (rows, l.fan_out, l.fan_in), (input, packed), w, out, epilogue);
                 }
                 Arith::F32 => {
                     sgemm(rows, l.fan_out, l.fan_in, input, w, out);
@@ -676,7 +677,7 @@ async fn backward_into(
             // and dW too where it sums it in its pass over this input.
             match next_dw_in_pass {
                 true => crate::columns::add_column_sums(shape.simd, gs, fo, db),
-                false => weight_grads((shape.arith, shape.simd), (rows, fi, fo), input, gs, (dw, db)),
+                false => weight_grads((shape.arith, shape.simd), (rows, fi, fo), (input, None), gs, (dw, db)),
             }
             continue;
         }
@@ -712,6 +713,7 @@ async fn backward_into(
         } else if rounds_operands(shape.arith) {
             scratch.rounded.backward(i, (rows, fi, fo), gs, (dw, db), gi);
         } else {
+            let input = (input, x.packed().filter(|_| i == 0));
             linear_grads((shape.arith, shape.simd), (rows, fi, fo), input, w, gs, (dw, db), gi);
         }
         // A batch norm subtracts the batch's mean, b included: b's gradient
@@ -761,12 +763,24 @@ impl Mlp {
         draw: Option<u64>,
         scratch: &mut MlpScratch,
     ) -> Result<(), ModelError> {
-        self.check_input(x.len(), rows.0)?;
+        self.forward_laid_at(First::Input(x), rows, draw, scratch)
+    }
+
+    /// [`forward_cpu_at`](Self::forward_cpu_at) on a laid-out input, its
+    /// bf16 pairs perhaps packed by the caller ([`First::Packed`]).
+    pub(crate) fn forward_laid_at(
+        &self,
+        x: First<'_>,
+        rows: (usize, usize),
+        draw: Option<u64>,
+        scratch: &mut MlpScratch,
+    ) -> Result<(), ModelError> {
+        self.check_input(x.laid().len(), rows.0)?;
         let running = if draw.is_some() { Vec::new() } else { self.running_values()? };
         {
             let (ps, pl) = self.params.storage_and_layout();
             let p = (cpu(&ps, pl)?, &running[..]);
-            crate::meet::unmet(forward_into(&self.shape, p, First::Input(x), rows, (draw, None), scratch))?;
+            crate::meet::unmet(forward_into(&self.shape, p, x, rows, (draw, None), scratch))?;
         }
         self.hand_on(draw, rows.0, &scratch.batch_stats)
     }
@@ -774,10 +788,21 @@ impl Mlp {
     /// Backward pass of the last [`forward_cpu`](Self::forward_cpu) on the
     /// same `x` and scratch: returns d params; d x is `scratch.grad_input`.
     pub fn backward_cpu(&self, x: &[f32], grad_out: &[f32], scratch: &mut MlpScratch) -> Result<Vec<f32>, ModelError> {
-        self.check_input(x.len(), scratch.rows)?;
+        self.backward_laid(First::Input(x), (grad_out, false), scratch)
+    }
+
+    /// [`backward_cpu`](Self::backward_cpu) on a laid-out input (perhaps
+    /// packed, [`First::Packed`]); `premasked`: `grad_out` has been through
+    /// the last ReLU ([`backward_cpu_masked`](Self::backward_cpu_masked)).
+    pub(crate) fn backward_laid(
+        &self,
+        x: First<'_>,
+        (grad_out, premasked): (&[f32], bool),
+        scratch: &mut MlpScratch,
+    ) -> Result<Vec<f32>, ModelError> {
+        self.check_input(x.laid().len(), scratch.rows)?;
         let (ps, pl) = self.params.storage_and_layout();
-        let input = (First::Input(x), (grad_out, false));
-        crate::meet::unmet(backward_into(&self.shape, cpu(&ps, pl)?, input.0, input.1, (scratch, None)))
+        crate::meet::unmet(backward_into(&self.shape, cpu(&ps, pl)?, x, (grad_out, premasked), (scratch, None)))
     }
 }
 

@@ -4,49 +4,17 @@
 //! `x·W` and backward as `xᵀ·g`. In MMoE's bf16 step packing left operands
 //! was 12% of the time, the experts' copies of `x` about half of it.
 //!
-//! The caller lends the input for a scope ([`lend`]); a product in it whose
-//! left operand is that slice (the same address and length, shape and
-//! layout) reads the packed pairs instead of packing its own. The borrow
-//! keeps the slice unchanged while the scope runs, and its entry goes when
-//! the scope ends (a panic included), so no later slice at that address
-//! can meet it. The pairs are the ones the product would have packed: the
-//! bits do not change.
+//! The caller packs the input ([`pack_once`]) and hands the pairs to each
+//! product with the operand ([`gemm_bf16_lent`](super::gemm_bf16_lent));
+//! a product reads them only where they are that operand's (the same
+//! address and length, shape and layout) and else packs its own. The
+//! pairs are the ones the product would have packed: the bits do not
+//! change.
 
-#[cfg(target_arch = "x86_64")]
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
-
-use super::Bf16Path;
-#[cfg(target_arch = "x86_64")]
-use super::{Convert, PackedRows, pack_rows};
-#[cfg(target_arch = "x86_64")]
+use super::{Bf16Path, PackedRows};
 use crate::matrix::Operand;
 
-/// A left operand as a product sees it.
-#[cfg(target_arch = "x86_64")]
-#[derive(Clone, Copy, PartialEq, Eq)]
-struct Key {
-    at: usize,
-    len: usize,
-    m: usize,
-    k: usize,
-    transposed: bool,
-}
-
-#[cfg(target_arch = "x86_64")]
-impl Key {
-    fn of(a: &Operand<'_>, m: usize, k: usize) -> Key {
-        Key { at: a.data.as_ptr() as usize, len: a.data.len(), m, k, transposed: a.transposed }
-    }
-}
-
-/// The inputs lent now, each packed.
-#[cfg(target_arch = "x86_64")]
-static LENT: RwLock<Vec<(Key, Arc<PackedRows>)>> = RwLock::new(Vec::new());
-/// Buffers of ended scopes, for the next (fresh ones cost page faults).
-#[cfg(target_arch = "x86_64")]
-static SPARE: Mutex<Vec<Vec<u32>>> = Mutex::new(Vec::new());
-
-/// How the products in a scope read a lent input `x` (`[rows, cols]`).
+/// How the products read a packed input `x` (`[rows, cols]`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Read {
     /// `x·W` (`W`: `[cols, n]`): a layer's forward product.
@@ -55,31 +23,59 @@ pub(crate) enum Read {
     WeightGrads,
 }
 
-/// An input to lend: `x` (`[rows, cols]`), read as `read` by products of
-/// `n` output columns.
-pub(crate) struct Input<'a> {
-    pub x: &'a [f32],
-    pub rows: usize,
-    pub read: Read,
-    pub n: usize,
+/// A left operand packed as bf16 pairs, and which operand it is.
+pub(crate) struct PackedLeft {
+    pub(super) rows: PackedRows,
+    at: usize,
+    len: usize,
+    m: usize,
+    k: usize,
+    transposed: bool,
 }
 
-impl Input<'_> {
-    /// The product's shape (m, k) and its left operand.
-    #[cfg(target_arch = "x86_64")]
-    fn operand(&self) -> ((usize, usize), Operand<'_>) {
-        let cols = self.x.len() / self.rows.max(1);
-        match self.read {
-            Read::Forward => ((self.rows, cols), Operand::plain(self.x)),
-            Read::WeightGrads => ((cols, self.rows), Operand::t(self.x)),
-        }
+impl PackedLeft {
+    /// Whether these are the pairs of `a` (`m`×`k`) as a product packs them.
+    pub(super) fn fits(&self, a: &Operand<'_>, m: usize, k: usize) -> bool {
+        let operand = (a.data.as_ptr() as usize, a.data.len(), a.transposed);
+        operand == (self.at, self.len, self.transposed) && (m, k) == (self.m, self.k)
+    }
+
+    /// Its buffer, for the next packing.
+    pub(crate) fn into_buffer(self) -> Vec<u32> {
+        self.rows.data
     }
 }
 
+/// `x` (`[rows, cols]`) packed as the products that read it as `read`, of
+/// `n` output columns, take their left operand, into `buf`; None (and
+/// `buf` back) where they would not pack it: another path than
+/// AVX-512-BF16's tile kernel, a narrow product, or one turned round (its
+/// left operand packed as the right one).
+pub(crate) fn pack_once(
+    path: Bf16Path,
+    (x, rows): (&[f32], usize),
+    (read, n): (Read, usize),
+    buf: Vec<u32>,
+) -> Result<PackedLeft, Vec<u32>> {
+    let cols = x.len() / rows.max(1);
+    let ((m, k), a) = match read {
+        Read::Forward => ((rows, cols), Operand::plain(x)),
+        Read::WeightGrads => ((cols, rows), Operand::t(x)),
+    };
+    #[cfg(target_arch = "x86_64")]
+    if packs_left(path, (m, n, k), a.transposed) {
+        let rows_to = m.div_ceil(super::simd::MR) * super::simd::MR;
+        let rows = super::pack_rows(m, k, &a, rows_to, super::Convert::Simd, buf);
+        let (at, len, transposed) = (x.as_ptr() as usize, x.len(), a.transposed);
+        return Ok(PackedLeft { rows, at, len, m, k, transposed });
+    }
+    let _ = (path, m, n, k, a);
+    Err(buf)
+}
+
 /// Whether a product of that shape on `path` packs its left operand in the
-/// tile kernel (the one that reads lent inputs): AVX-512-BF16's path,
-/// neither narrow kernel, and not turned round (a narrow product's left
-/// operand is packed as the right one).
+/// tile kernel: AVX-512-BF16's path (and this CPU has it), neither narrow
+/// kernel, and not turned round.
 #[cfg(target_arch = "x86_64")]
 fn packs_left(path: Bf16Path, (m, n, k): (usize, usize, usize), a_transposed: bool) -> bool {
     path == Bf16Path::Native
@@ -91,81 +87,10 @@ fn packs_left(path: Bf16Path, (m, n, k): (usize, usize, usize), a_transposed: bo
         && !(n < super::simd::NR && m > n)
 }
 
-/// Removes its scope's entries when the scope ends.
-#[cfg(target_arch = "x86_64")]
-struct Scope(Vec<Key>);
-
-#[cfg(target_arch = "x86_64")]
-impl Drop for Scope {
-    fn drop(&mut self) {
-        let mut lent = LENT.write().unwrap_or_else(PoisonError::into_inner);
-        let mut spare = Vec::new();
-        lent.retain_mut(|(key, rows)| {
-            let ours = self.0.contains(key);
-            if ours && let Some(rows) = Arc::get_mut(rows) {
-                spare.push(std::mem::take(&mut rows.data));
-            }
-            !ours
-        });
-        drop(lent);
-        SPARE.lock().unwrap_or_else(PoisonError::into_inner).extend(spare);
-    }
-}
-
-/// `then()` with each of `inputs` that its products pack (see
-/// `packs_left`) packed once and lent to them; on any other path, or
-/// for an input no product packs, `then()` alone.
-#[cfg(target_arch = "x86_64")]
-pub(crate) fn lend<T>(path: Bf16Path, inputs: &[Input<'_>], then: impl FnOnce() -> T) -> T {
-    let packed: Vec<(Key, PackedRows)> = inputs
-        .iter()
-        .filter_map(|input| {
-            let ((m, k), a) = input.operand();
-            packs_left(path, (m, input.n, k), a.transposed).then(|| {
-                let buf = SPARE.lock().unwrap_or_else(PoisonError::into_inner).pop().unwrap_or_default();
-                let rows_to = m.div_ceil(super::simd::MR) * super::simd::MR;
-                (Key::of(&a, m, k), pack_rows(m, k, &a, rows_to, Convert::Simd, buf))
-            })
-        })
-        .collect();
-    if packed.is_empty() {
-        return then();
-    }
-    let scope = Scope(packed.iter().map(|(key, _)| *key).collect());
-    LENT.write()
-        .unwrap_or_else(PoisonError::into_inner)
-        .extend(packed.into_iter().map(|(key, rows)| (key, Arc::new(rows))));
-    let out = then();
-    drop(scope);
-    out
-}
-
-/// Without x86's kernels nothing packs: `then()`.
-#[cfg(not(target_arch = "x86_64"))]
-pub(crate) fn lend<T>(path: Bf16Path, inputs: &[Input<'_>], then: impl FnOnce() -> T) -> T {
-    let _ = (path, inputs);
-    then()
-}
-
-/// The packed pairs of `a` (`m`×`k`) where a scope lent it.
-#[cfg(target_arch = "x86_64")]
-pub(super) fn lent(a: &Operand<'_>, m: usize, k: usize) -> Option<Arc<PackedRows>> {
-    let key = Key::of(a, m, k);
-    let lent = LENT.read().unwrap_or_else(PoisonError::into_inner);
-    lent.iter().find(|(k, _)| *k == key).map(|(_, rows)| Arc::clone(rows))
-}
-
-/// How many layouts of `x` are lent now.
-#[cfg(all(test, target_arch = "x86_64"))]
-fn lent_now(x: &[f32]) -> usize {
-    let lent = LENT.read().unwrap_or_else(PoisonError::into_inner);
-    lent.iter().filter(|(key, _)| key.at == x.as_ptr() as usize).count()
-}
-
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
-    use crate::bf16::{Epilogue, gemm_bf16_then};
+    use crate::bf16::{Epilogue, gemm_bf16_lent, gemm_bf16_then};
 
     fn values(len: usize, seed: u32) -> Vec<f32> {
         let mut s = seed.wrapping_mul(2_654_435_761).max(1);
@@ -184,70 +109,67 @@ mod tests {
         (path == Bf16Path::Native || path == Bf16Path::Amx).then_some(Bf16Path::Native)
     }
 
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// `op(a)·b` (`m`×`k` by `k`×`n`), reading `packed` where given.
+    fn product(
+        path: Bf16Path,
+        (m, n, k): (usize, usize, usize),
+        (a, packed): (Operand<'_>, Option<&PackedLeft>),
+        b: &[f32],
+    ) -> Vec<f32> {
+        let mut out = vec![0f32; m * n];
+        gemm_bf16_lent(path, (m, n, k), (a, packed), Operand::plain(b), &mut out, Epilogue::default());
+        out
+    }
+
     #[test]
-    fn a_lent_input_gives_the_products_bits_and_goes_with_its_scope() {
+    fn a_packed_input_gives_each_products_bits() {
         let Some(path) = native() else {
-            eprintln!("no AVX-512-BF16 here: the products do not pack their left operands");
             return;
         };
         let (rows, cols, n) = (100, 81, 64);
-        let mut x = values(rows * cols, 1);
-        let w = values(cols * n, 2);
-        let g = values(rows * n, 3);
-        let forward = |x: &[f32]| {
-            let mut out = vec![0f32; rows * n];
-            gemm_bf16_then(path, rows, n, cols, Operand::plain(x), Operand::plain(&w), &mut out, Epilogue::default());
-            out
-        };
-        let grads = |x: &[f32]| {
-            let mut dw = vec![0f32; cols * n];
-            gemm_bf16_then(path, cols, n, rows, Operand::t(x), Operand::plain(&g), &mut dw, Epilogue::default());
-            dw
-        };
-        let (y, dw) = (forward(&x), grads(&x));
-        let inputs = [Input { x: &x, rows, read: Read::Forward, n }, Input { x: &x, rows, read: Read::WeightGrads, n }];
-        let (lent_y, lent_dw, entries) = lend(path, &inputs, || (forward(&x), grads(&x), lent_now(&x)));
-        assert_eq!(entries, 2, "both layouts lent");
-        assert_eq!(
-            lent_y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-            y.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-        );
-        assert_eq!(
-            lent_dw.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-            dw.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-        );
-        // Once the scope ends the same slice, changed, is packed afresh.
-        x.iter_mut().for_each(|v| *v = -*v);
-        let negated: Vec<u32> = y.iter().map(|v| (-v).to_bits()).collect();
-        assert_eq!(forward(&x).iter().map(|v| v.to_bits()).collect::<Vec<_>>(), negated);
+        let x = values(rows * cols, 1);
+        let (w, g) = (values(cols * n, 2), values(rows * n, 3));
+        let forward = pack_once(path, (&x, rows), (Read::Forward, n), Vec::new()).expect("packed");
+        let grads = pack_once(path, (&x, rows), (Read::WeightGrads, n), Vec::new()).expect("packed");
+        let mut y = vec![0f32; rows * n];
+        gemm_bf16_then(path, rows, n, cols, Operand::plain(&x), Operand::plain(&w), &mut y, Epilogue::default());
+        let mut dw = vec![0f32; cols * n];
+        gemm_bf16_then(path, cols, n, rows, Operand::t(&x), Operand::plain(&g), &mut dw, Epilogue::default());
+        let lent_y = product(path, (rows, n, cols), (Operand::plain(&x), Some(&forward)), &w);
+        let lent_dw = product(path, (cols, n, rows), (Operand::t(&x), Some(&grads)), &g);
+        assert_eq!(bits(&lent_y), bits(&y));
+        assert_eq!(bits(&lent_dw), bits(&dw));
+        // Pairs that are not the operand's are not read: the other layout's,
+        // or another slice's (a copy of x, negated).
+        let crossed = product(path, (rows, n, cols), (Operand::plain(&x), Some(&grads)), &w);
+        assert_eq!(bits(&crossed), bits(&y));
+        let negated: Vec<f32> = x.iter().map(|v| -v).collect();
+        let other = product(path, (rows, n, cols), (Operand::plain(&negated), Some(&forward)), &w);
+        assert_eq!(bits(&other), y.iter().map(|v| (-v).to_bits()).collect::<Vec<_>>());
     }
 
     #[test]
-    fn a_lent_input_is_read_only_by_products_of_its_shape() {
+    fn a_packed_input_is_read_only_by_products_of_its_shape() {
         let Some(path) = native() else { return };
         let (rows, cols, n) = (64, 40, 48);
         let x = values(rows * cols, 4);
-        let w = values(cols * n, 5);
-        // The first half of x: the same address, another length.
-        let half = &x[..rows / 2 * cols];
-        let product = || {
-            let mut out = vec![0f32; (rows / 2) * n];
-            let (a, b) = (Operand::plain(half), Operand::plain(&w));
-            gemm_bf16_then(path, rows / 2, n, cols, a, b, &mut out, Epilogue::default());
-            out
-        };
-        let reference = product();
-        let inputs = [Input { x: &x, rows, read: Read::Forward, n }];
-        assert_eq!(lend(path, &inputs, product), reference);
+        let w = values(2 * cols * n, 5);
+        let packed = pack_once(path, (&x, rows), (Read::Forward, n), Vec::new()).expect("packed");
+        // The same slice as half the rows, each twice as long.
+        let shape = (rows / 2, n, 2 * cols);
+        let reference = product(path, shape, (Operand::plain(&x), None), &w);
+        assert_eq!(bits(&product(path, shape, (Operand::plain(&x), Some(&packed)), &w)), bits(&reference));
     }
 
     #[test]
-    fn a_narrow_or_other_path_lends_nothing() {
+    fn a_narrow_product_or_another_path_packs_nothing() {
         let x = values(64 * 16, 6);
-        let narrow = [Input { x: &x, rows: 64, read: Read::Forward, n: 8 }];
-        assert_eq!(lend(Bf16Path::Native, &narrow, || lent_now(&x)), 0);
-        let wide = [Input { x: &x, rows: 64, read: Read::Forward, n: 64 }];
-        assert_eq!(lend(Bf16Path::Rounded, &wide, || lent_now(&x)), 0);
-        assert_eq!(lent_now(&x), 0);
+        let narrow = pack_once(Bf16Path::Native, (&x, 64), (Read::Forward, 8), vec![7]);
+        assert_eq!(narrow.err(), Some(vec![7]), "given back untouched");
+        assert!(pack_once(Bf16Path::Rounded, (&x, 64), (Read::Forward, 64), Vec::new()).is_err());
     }
 }

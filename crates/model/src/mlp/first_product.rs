@@ -6,7 +6,7 @@
 
 use super::{Mlp, MlpScratch, MlpShape, cpu};
 use crate::ModelError;
-use crate::bf16::Arith;
+use crate::bf16::{Arith, PackedLeft};
 use sparrow_core::config::Activation;
 
 /// The first layer's product from the input's parts (fp32). Its bias and
@@ -63,14 +63,26 @@ pub(crate) enum FirstGrad<'a> {
 /// An MLP pass's input: laid out, or computed into the first layer.
 pub(crate) enum First<'a> {
     Input(&'a [f32]),
+    /// Laid out, and packed as bf16 pairs for the first layer's product
+    /// of this pass (forward `x·W` or backward `xᵀ·g`) by a caller that
+    /// runs several stacks on it (`bf16/lent.rs`).
+    Packed(&'a [f32], &'a PackedLeft),
     Product(&'a mut dyn FirstProduct),
 }
 
 impl<'a> First<'a> {
+    /// The first layer's operand packed by the caller, if any.
+    pub(super) fn packed(&self) -> Option<&'a PackedLeft> {
+        match self {
+            First::Packed(_, packed) => Some(packed),
+            _ => None,
+        }
+    }
+
     /// The laid-out input (none for a product).
     pub(super) fn laid(&self) -> &'a [f32] {
         match self {
-            First::Input(x) => x,
+            First::Input(x) | First::Packed(x, _) => x,
             First::Product(_) => &[],
         }
     }

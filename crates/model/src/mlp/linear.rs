@@ -1,7 +1,7 @@
 //! A layer's products: `dst = op(a)·op(b)` in the model's precision, and
 //! the gradients of `y = x·W + b`.
 
-use crate::bf16::Arith;
+use crate::bf16::{Arith, PackedLeft};
 use crate::matrix::{Operand, sgemm, sgemm_threads};
 use sparrow_core::simd::Simd;
 
@@ -30,10 +30,11 @@ pub(crate) fn matmul(
 /// `dx = g·Wᵀ`. The two products are independent and equally large: two
 /// single-threaded gemms side by side scale better than two two-threaded
 /// gemms one after the other (the bf16 kernel splits over the pool anyway).
+/// `x` comes with its bf16 pairs for `xᵀ` where its caller packed them.
 pub(crate) fn linear_grads(
     (arith, simd): (Arith, Simd),
     (rows, fan_in, fan_out): (usize, usize, usize),
-    x: &[f32],
+    x: (&[f32], Option<&PackedLeft>),
     w: &[f32],
     g: &[f32],
     (dw, db): (&mut [f32], &mut [f32]),
@@ -50,10 +51,18 @@ pub(crate) fn linear_grads(
 pub(super) fn weight_grads(
     (arith, simd): (Arith, Simd),
     (rows, fan_in, fan_out): (usize, usize, usize),
-    x: &[f32],
+    (x, packed): (&[f32], Option<&PackedLeft>),
     g: &[f32],
     (dw, db): (&mut [f32], &mut [f32]),
 ) {
-    matmul(arith, Some(1), fan_in, fan_out, rows, Operand::t(x), Operand::plain(g), dw);
+    let (xt, g_op) = (Operand::t(x), Operand::plain(g));
+    match (arith, packed) {
+        // Pairs packed for the tile kernel, which is where this product runs.
+        (Arith::Bf16(path), Some(packed)) => {
+            let epilogue = crate::bf16::Epilogue::default();
+            crate::bf16::gemm_bf16_lent(path, (fan_in, fan_out, rows), (xt, Some(packed)), g_op, dw, epilogue);
+        }
+        _ => matmul(arith, Some(1), fan_in, fan_out, rows, xt, g_op, dw),
+    }
     crate::columns::add_column_sums(simd, g, fan_out, db);
 }

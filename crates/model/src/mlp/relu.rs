@@ -4,7 +4,7 @@
 
 use rayon::prelude::*;
 
-use super::{First, Mlp, MlpScratch, ROWS_PER_TASK, backward_into, cpu, err};
+use super::{First, Mlp, MlpScratch, ROWS_PER_TASK, err};
 use crate::ModelError;
 
 /// `out += b` a row, then ReLU where `relu`.
@@ -73,13 +73,21 @@ impl Mlp {
         grad_out: &[f32],
         scratch: &mut MlpScratch,
     ) -> Result<Vec<f32>, ModelError> {
-        self.check_input(x.len(), scratch.rows)?;
+        self.backward_masked_laid(First::Input(x), grad_out, scratch)
+    }
+
+    /// [`backward_cpu_masked`](Self::backward_cpu_masked) on a laid-out
+    /// input, perhaps packed ([`First::Packed`]).
+    pub(crate) fn backward_masked_laid(
+        &self,
+        x: First<'_>,
+        grad_out: &[f32],
+        scratch: &mut MlpScratch,
+    ) -> Result<Vec<f32>, ModelError> {
         if !self.shape.masks_output() {
             return Err(ModelError::Candle(err("a gradient through the last ReLU, for layers without one")));
         }
-        let (ps, pl) = self.params.storage_and_layout();
-        let input = (First::Input(x), (grad_out, true));
-        crate::meet::unmet(backward_into(&self.shape, cpu(&ps, pl)?, input.0, input.1, (scratch, None)))
+        self.backward_laid(x, (grad_out, true), scratch)
     }
 }
 

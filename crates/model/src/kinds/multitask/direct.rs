@@ -29,7 +29,7 @@ use rayon::prelude::*;
 
 use super::{Level, MultiTask, Which, gates, one_input_gates, one_input_towers};
 use crate::ModelError;
-use crate::bf16::{Arith, LentInput, Read};
+use crate::bf16::{Arith, PackedLeft, Read};
 use crate::kinds::{At, Direct, Grads, Met};
 use crate::matrix::Operand;
 use crate::meet::{self, Side};
@@ -70,6 +70,8 @@ pub(super) struct MultiScratch {
     ctcvr_slopes: Vec<(f32, f32)>,
     /// A level's gates that read one input, side by side.
     gates: one_input_gates::SideBySide,
+    /// Buffers for the inputs several experts read, packed once (`pack_shared`).
+    packed_spare: Vec<Vec<u32>>,
     /// ESMM's towers, which read one input: their first products side by side.
     one_input_towers: one_input_towers::OneInputTowers,
 }
@@ -134,35 +136,6 @@ fn gate_logits(
 }
 
 impl MultiTask {
-    /// `then()` with each input that more than one of a level's experts
-    /// read (`inputs[reads[e]]`, `[rows, ·]`) packed once for their first
-    /// layers' bf16 products, read as `read` (`bf16/lent.rs`): MMoE's
-    /// experts packed `x` four times each way.
-    fn lending<T>(
-        &self,
-        experts: &[&Mlp],
-        (inputs, rows): (&[&[f32]], usize),
-        reads: &[usize],
-        read: Read,
-        then: impl FnOnce() -> T,
-    ) -> T {
-        let Arith::Bf16(path) = self.arith else { return then() };
-        let mut lent: Vec<LentInput<'_>> = Vec::new();
-        for (e, &i) in reads.iter().enumerate() {
-            // One slice may stand for several inputs (each is `x` at the bottom).
-            let x = inputs[i];
-            let readers = reads.iter().filter(|&&j| std::ptr::eq(inputs[j], x)).count();
-            if readers < 2 || lent.iter().any(|l| std::ptr::eq(l.x, x)) {
-                continue;
-            }
-            // The experts reading one input have one shape (`model.expert_hidden`).
-            if let Some((_, _, n)) = experts[e].first_weights() {
-                lent.push(LentInput { x, rows, read, n });
-            }
-        }
-        crate::bf16::lend(path, &lent, then)
-    }
-
     /// Each task's tower input and the shared one at level `l` (`x` at the bottom).
     fn level_inputs<'a>(&self, x: &'a [f32], below: &'a [LevelBufs], tasks: usize) -> Vec<&'a [f32]> {
         match below.last() {
@@ -191,15 +164,15 @@ impl MultiTask {
             let reads = level.expert_inputs(tasks);
             let rows_at = (rows, at.first_row);
             match meet {
-                None => self.lending(&experts, (&inputs, rows), &reads, Read::Forward, || {
-                    experts
-                        .par_iter()
-                        .zip(bufs.experts.par_iter_mut())
-                        .zip(reads.par_iter())
-                        .map(|((e, s), &i)| e.forward_cpu_at(inputs[i], rows_at, at.dropout, s))
-                        .collect::<Result<Vec<()>, _>>()
-                        .map(drop)
-                })?,
+                None => {
+                    let spare = &mut m.packed_spare;
+                    let packed = pack_shared(self.arith, &experts, (&inputs, rows), (&reads, Read::Forward), spare);
+                    let passes = (experts.par_iter().zip(bufs.experts.par_iter_mut()).zip(reads.par_iter()))
+                        .map(|((e, s), &i)| e.forward_laid_at(first_of(inputs[i], &packed), rows_at, at.dropout, s))
+                        .collect::<Result<Vec<()>, _>>();
+                    spare.extend(packed.into_iter().map(|(_, p)| p.into_buffer()));
+                    passes.map(drop)?
+                }
                 Some(meet) => {
                     let passes = (experts.iter().zip(bufs.experts.iter_mut()).zip(&reads))
                         .map(|((e, s), &i)| e.forward_met(First::Input(inputs[i]), rows_at, (at.dropout, meet), s));
@@ -263,7 +236,7 @@ impl MultiTask {
                 let (mut dw, mut db) = (vec![0.0f32; fan_in * k], vec![0.0f32; k]);
                 let d_gate_in = sized(d_gate_in, rows * fan_in);
                 let arith = (self.arith, self.simd);
-                linear_grads(arith, (rows, fan_in, k), input, gw, &d_logits[g], (&mut dw, &mut db), d_gate_in);
+                linear_grads(arith, (rows, fan_in, k), (input, None), gw, &d_logits[g], (&mut dw, &mut db), d_gate_in);
                 Ok((dw, db))
             })
             .collect()
@@ -328,19 +301,22 @@ impl MultiTask {
             }
             let reads = level.expert_inputs(tasks);
             let expert_grads = match meet {
-                None => self.lending(&experts, (&inputs, rows), &reads, Read::WeightGrads, || {
-                    experts
-                        .par_iter()
-                        .zip(bufs.experts.par_iter_mut())
-                        .zip(bufs.d_experts.par_iter())
-                        .zip(reads.par_iter())
-                        .zip(&pooled)
-                        .map(|((((e, s), d), &i), &pooled)| match e.output_mask(s).is_some() && pooled {
-                            true => e.backward_cpu_masked(inputs[i], d, s),
-                            false => e.backward_cpu(inputs[i], d, s),
+                None => {
+                    let spare = &mut m.packed_spare;
+                    let packed = pack_shared(self.arith, &experts, (&inputs, rows), (&reads, Read::WeightGrads), spare);
+                    let passes = (experts.par_iter().zip(bufs.experts.par_iter_mut()).zip(bufs.d_experts.par_iter()))
+                        .zip(reads.par_iter().zip(&pooled))
+                        .map(|(((e, s), d), (&i, &pooled))| {
+                            let x = first_of(inputs[i], &packed);
+                            match e.output_mask(s).is_some() && pooled {
+                                true => e.backward_masked_laid(x, d, s),
+                                false => e.backward_laid(x, (d, false), s),
+                            }
                         })
-                        .collect::<Result<Vec<_>, _>>()
-                })?,
+                        .collect::<Result<Vec<_>, _>>();
+                    spare.extend(packed.into_iter().map(|(_, p)| p.into_buffer()));
+                    passes?
+                }
                 Some(meet) => {
                     let passes = (experts.iter().zip(bufs.experts.iter_mut()).zip(&bufs.d_experts).zip(&reads))
                         .zip(&pooled)
@@ -376,6 +352,45 @@ impl MultiTask {
             }
         }
         Ok(())
+    }
+}
+
+/// Each input that more than one of a level's experts read
+/// (`inputs[reads[e]]`, `[rows, ·]`; one slice may stand for several
+/// inputs, each is `x` at the bottom), packed once for their first layers'
+/// bf16 products read as `read` (`bf16/lent.rs`), into buffers from
+/// `spare`: MMoE's four experts packed `x` four times each way. None in
+/// fp32, or where the products would not pack it.
+fn pack_shared<'a>(
+    arith: Arith,
+    experts: &[&Mlp],
+    (inputs, rows): (&[&'a [f32]], usize),
+    (reads, read): (&[usize], Read),
+    spare: &mut Vec<Vec<u32>>,
+) -> Vec<(&'a [f32], PackedLeft)> {
+    let Arith::Bf16(path) = arith else { return Vec::new() };
+    let mut packed: Vec<(&[f32], PackedLeft)> = Vec::new();
+    for (e, &i) in reads.iter().enumerate() {
+        let x = inputs[i];
+        let readers = reads.iter().filter(|&&j| std::ptr::eq(inputs[j], x)).count();
+        if readers < 2 || packed.iter().any(|(y, _)| std::ptr::eq(*y, x)) {
+            continue;
+        }
+        // The experts reading one input have one shape (`model.expert_hidden`).
+        let Some((_, _, n)) = experts[e].first_weights() else { continue };
+        match crate::bf16::pack_once(path, (x, rows), (read, n), spare.pop().unwrap_or_default()) {
+            Ok(p) => packed.push((x, p)),
+            Err(buf) => spare.push(buf),
+        }
+    }
+    packed
+}
+
+/// An expert's input `x`, with its pairs where [`pack_shared`] packed it.
+fn first_of<'b>(x: &'b [f32], packed: &'b [(&[f32], PackedLeft)]) -> First<'b> {
+    match packed.iter().find(|(y, _)| std::ptr::eq(*y, x)) {
+        Some((_, p)) => First::Packed(x, p),
+        None => First::Input(x),
     }
 }
 

@@ -213,7 +213,15 @@ mod tests {
                             let (mut dw, mut db, mut dx) =
                                 (vec![0.0; fan_in * k], vec![0.0; k], vec![0.0; rows * fan_in]);
                             let shape = (rows, fan_in, k);
-                            linear_grads((arith, Simd::Auto), shape, &x, w, &d_logits[g], (&mut dw, &mut db), &mut dx);
+                            linear_grads(
+                                (arith, Simd::Auto),
+                                shape,
+                                (&x, None),
+                                w,
+                                &d_logits[g],
+                                (&mut dw, &mut db),
+                                &mut dx,
+                            );
                             let what = format!("{arith:?} {ks:?} {rows}x{fan_in}: gate {g}'s");
                             assert!(same_bits(&dw, &got[g].0), "{what} dW");
                             assert!(same_bits(&db, &got[g].1), "{what} db");
