@@ -163,22 +163,21 @@ impl MultiTask {
             bufs.experts.resize_with(experts.len(), MlpScratch::default);
             let reads = level.expert_inputs(tasks);
             let rows_at = (rows, at.first_row);
-            match meet {
-                None => {
-                    let spare = &mut m.packed_spare;
-                    let packed = pack_shared(self.arith, &experts, (&inputs, rows), (&reads, Read::Forward), spare);
-                    let passes = (experts.par_iter().zip(bufs.experts.par_iter_mut()).zip(reads.par_iter()))
-                        .map(|((e, s), &i)| e.forward_laid_at(first_of(inputs[i], &packed), rows_at, at.dropout, s))
-                        .collect::<Result<Vec<()>, _>>();
-                    spare.extend(packed.into_iter().map(|(_, p)| p.into_buffer()));
-                    passes.map(drop)?
-                }
+            let spare = &mut m.packed_spare;
+            let packed = pack_shared(self.arith, &experts, (&inputs, rows), (&reads, Read::Forward), spare);
+            let passes = match meet {
+                None => (experts.par_iter().zip(bufs.experts.par_iter_mut()).zip(reads.par_iter()))
+                    .map(|((e, s), &i)| e.forward_laid_at(first_of(inputs[i], &packed), rows_at, at.dropout, s))
+                    .collect::<Result<Vec<()>, _>>(),
                 Some(meet) => {
-                    let passes = (experts.iter().zip(bufs.experts.iter_mut()).zip(&reads))
-                        .map(|((e, s), &i)| e.forward_met(First::Input(inputs[i]), rows_at, (at.dropout, meet), s));
-                    meet::side_by_side(passes.collect()).await.map(drop)?;
+                    let passes = (experts.iter().zip(bufs.experts.iter_mut()).zip(&reads)).map(|((e, s), &i)| {
+                        e.forward_met(first_of(inputs[i], &packed), rows_at, (at.dropout, meet), s)
+                    });
+                    meet::side_by_side(passes.collect()).await
                 }
-            }
+            };
+            spare.extend(packed.into_iter().map(|(_, p)| p.into_buffer()));
+            passes?;
             let gates: Vec<&Linear> = level.gates().collect();
             bufs.weights.resize_with(gates.len(), Vec::new);
             bufs.mixes.resize_with(gates.len(), Vec::new);
@@ -300,33 +299,31 @@ impl MultiTask {
                 grads.push((gate.bias(), db));
             }
             let reads = level.expert_inputs(tasks);
+            let spare = &mut m.packed_spare;
+            let packed = pack_shared(self.arith, &experts, (&inputs, rows), (&reads, Read::WeightGrads), spare);
             let expert_grads = match meet {
-                None => {
-                    let spare = &mut m.packed_spare;
-                    let packed = pack_shared(self.arith, &experts, (&inputs, rows), (&reads, Read::WeightGrads), spare);
-                    let passes = (experts.par_iter().zip(bufs.experts.par_iter_mut()).zip(bufs.d_experts.par_iter()))
-                        .zip(reads.par_iter().zip(&pooled))
-                        .map(|(((e, s), d), (&i, &pooled))| {
-                            let x = first_of(inputs[i], &packed);
-                            match e.output_mask(s).is_some() && pooled {
-                                true => e.backward_masked_laid(x, d, s),
-                                false => e.backward_laid(x, (d, false), s),
-                            }
-                        })
-                        .collect::<Result<Vec<_>, _>>();
-                    spare.extend(packed.into_iter().map(|(_, p)| p.into_buffer()));
-                    passes?
-                }
+                None => (experts.par_iter().zip(bufs.experts.par_iter_mut()).zip(bufs.d_experts.par_iter()))
+                    .zip(reads.par_iter().zip(&pooled))
+                    .map(|(((e, s), d), (&i, &pooled))| {
+                        let x = first_of(inputs[i], &packed);
+                        match e.output_mask(s).is_some() && pooled {
+                            true => e.backward_masked_laid(x, d, s),
+                            false => e.backward_laid(x, (d, false), s),
+                        }
+                    })
+                    .collect::<Result<Vec<_>, _>>(),
                 Some(meet) => {
                     let passes = (experts.iter().zip(bufs.experts.iter_mut()).zip(&bufs.d_experts).zip(&reads))
                         .zip(&pooled)
                         .map(|((((e, s), d), &i), &pooled)| {
                             let masked = e.output_mask(s).is_some() && pooled;
-                            e.backward_met(First::Input(inputs[i]), (d, masked), s, meet)
+                            e.backward_met(first_of(inputs[i], &packed), (d, masked), s, meet)
                         });
-                    meet::side_by_side(passes.collect()).await?
+                    meet::side_by_side(passes.collect()).await
                 }
             };
+            spare.extend(packed.into_iter().map(|(_, p)| p.into_buffer()));
+            let expert_grads = expert_grads?;
             for (e, g) in experts.iter().zip(expert_grads) {
                 grads.push((e.params(), g));
             }
