@@ -8,8 +8,8 @@
 //!
 //! The fast path packs the left operand as pairs (row by row, or pair by
 //! pair when it is transposed, so both read memory in order) and the right
-//! one in panels of 32 columns (`vcvtne2ps2bf16`/`vcvtneps2bf16`), into
-//! buffers each thread keeps; 8×32 tiles then run passes of 128 pairs over
+//! one in panels of 32 columns (`vcvtne2ps2bf16`, then `vpermw` where two
+//! rows make the pairs: `bf16/pack.rs`), into buffers each thread keeps; 8×32 tiles then run passes of 128 pairs over
 //! a task's row blocks while a panel slice stays in L1, the last pass
 //! storing straight into the output.
 //!
@@ -23,7 +23,9 @@ use sparrow_core::config::Precision;
 use sparrow_core::simd::Simd;
 
 mod lent;
+mod pack;
 pub(crate) use lent::{PackedLeft, Read, pack_once};
+use pack::{Convert, PackedRows, pack_cols, pack_rows};
 
 pub use crate::matrix::Epilogue;
 use crate::matrix::Operand;
@@ -49,142 +51,12 @@ fn pair(lo: f32, hi: f32) -> u32 {
     u32::from(round_bf16(lo)) | (u32::from(round_bf16(hi)) << 16)
 }
 
-/// Which code converts f32 to bf16 pairs: the same bits either way.
-#[derive(Clone, Copy)]
-enum Convert {
-    Portable,
-    #[cfg(target_arch = "x86_64")]
-    Simd,
-}
-
-impl Convert {
-    /// `out[p]` = the pair `(src[2p], src[2p+1])`, 0 past the end of `src`.
-    fn row_pairs(self, src: &[f32], out: &mut [u32]) {
-        assert_eq!(out.len(), src.len().div_ceil(2), "row_pairs: sizes");
-        match self {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Simd` is only chosen after `simd::available()`.
-            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
-            Convert::Simd => unsafe { simd::row_pairs(src, out) },
-            Convert::Portable => {
-                let mut two = src.chunks_exact(2);
-                for (o, c) in out.iter_mut().zip(&mut two) {
-                    *o = pair(c[0], c[1]);
-                }
-                if let [last] = two.remainder() {
-                    out[src.len() / 2] = pair(*last, 0.0);
-                }
-            }
-        }
-    }
-
-    /// `out[j]` = the pair `(even[j], odd[j])`; `odd` None: 0.
-    fn interleave(self, even: &[f32], odd: Option<&[f32]>, out: &mut [u32]) {
-        assert!(even.len() >= out.len() && odd.is_none_or(|o| o.len() >= out.len()), "interleave: sizes");
-        match self {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Simd` is only chosen after `simd::available()`.
-            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
-            Convert::Simd => unsafe { simd::interleave(even, odd, out) },
-            Convert::Portable => match odd {
-                Some(odd) => out.iter_mut().zip(even.iter().zip(odd)).for_each(|(o, (&lo, &hi))| *o = pair(lo, hi)),
-                None => out.iter_mut().zip(even).for_each(|(o, &lo)| *o = pair(lo, 0.0)),
-            },
-        }
-    }
-}
-
-/// The left operand as bf16 pairs along k: pair p of row i at
-/// `i·row_stride + p·pair_stride`.
-struct PackedRows {
-    data: Vec<u32>,
-    row_stride: usize,
-    pair_stride: usize,
-}
-
-impl PackedRows {
-    fn at(&self, i: usize, p: usize) -> u32 {
-        self.data[i * self.row_stride + p * self.pair_stride]
-    }
-}
-
-/// `a` (m×k) as bf16 pairs along k, `rows_to` rows (those past m are 0);
-/// an odd k is padded with 0. A plain operand is packed row by row (pairs
-/// of a row adjacent); a transposed one (stored k×m) pair by pair, each
-/// from two stored rows side by side (the rows of a pair adjacent).
-fn pack_rows(m: usize, k: usize, a: &Operand<'_>, rows_to: usize, convert: Convert, buf: Vec<u32>) -> PackedRows {
-    let pairs = k.div_ceil(2);
-    let mut data = sized(buf, rows_to * pairs);
-    let src = a.data;
-    if a.transposed {
-        data.par_chunks_mut(rows_to.max(1)).enumerate().for_each(|(p, out)| {
-            let even = &src[2 * p * m..][..m];
-            let odd = (2 * p + 1 < k).then(|| &src[(2 * p + 1) * m..][..m]);
-            convert.interleave(even, odd, &mut out[..m]);
-            out[m..].fill(0);
-        });
-        PackedRows { data, row_stride: 1, pair_stride: rows_to }
-    } else {
-        if pairs > 0 {
-            data[..m * pairs]
-                .par_chunks_mut(pairs)
-                .zip(src.par_chunks(k))
-                .for_each(|(out, row)| convert.row_pairs(row, out));
-        }
-        data[m * pairs..].fill(0);
-        PackedRows { data, row_stride: pairs, pair_stride: 1 }
-    }
-}
-
 thread_local! {
     /// Packing buffers reused by this thread's products (a step makes the
     /// same ones every time; fresh ones cost page faults and zero-filling).
     /// Taken while in use: a product nested on the same thread (rayon runs
     /// stolen work while it waits) allocates its own.
     static BUFFERS: Cell<(Vec<u32>, Vec<u32>)> = const { Cell::new((Vec::new(), Vec::new())) };
-}
-
-/// `buf` holding `len` dwords, which the packing then writes, every one.
-fn sized(mut buf: Vec<u32>, len: usize) -> Vec<u32> {
-    buf.resize(len, 0);
-    buf
-}
-
-/// `b` (k×n) as bf16 pairs along k, in panels of `width` columns: pair p
-/// of column j at `((j / width)·pairs + p)·width + j % width` (columns past
-/// n are 0), so a kernel reads one panel's rows in order. Panels in
-/// parallel; a plain operand interleaves rows 2p and 2p+1, a transposed one
-/// (stored n×k, each column's values adjacent) is read column by column.
-fn pack_cols(k: usize, n: usize, b: &Operand<'_>, width: usize, convert: Convert, buf: Vec<u32>) -> Vec<u32> {
-    let pairs = k.div_ceil(2);
-    let width = width.max(1);
-    let mut out = sized(buf, n.div_ceil(width) * pairs * width);
-    if n == 0 || pairs == 0 {
-        return out;
-    }
-    let data = b.data;
-    out.par_chunks_mut(pairs * width).enumerate().for_each(|(t, panel)| {
-        let (j0, cols) = (t * width, width.min(n - t * width));
-        if cols < width {
-            panel.chunks_exact_mut(width).for_each(|row| row[cols..].fill(0));
-        }
-        if b.transposed {
-            let mut strip = vec![0u32; pairs];
-            for c in 0..cols {
-                convert.row_pairs(&data[(j0 + c) * k..][..k], &mut strip);
-                for (p, &v) in strip.iter().enumerate() {
-                    panel[p * width + c] = v;
-                }
-            }
-        } else {
-            for p in 0..pairs {
-                let even = &data[2 * p * n + j0..][..cols];
-                let odd = (2 * p + 1 < k).then(|| &data[(2 * p + 1) * n + j0..][..cols]);
-                convert.interleave(even, odd, &mut panel[p * width..][..cols]);
-            }
-        }
-    });
-    out
 }
 
 /// The portable product: every output's chain of pairs in order with
@@ -463,7 +335,7 @@ mod simd {
 
     use rayon::prelude::*;
 
-    use super::{Convert, Epilogue, pack_cols, pack_rows};
+    use super::{Convert, Epilogue, PackedRows, pack_cols, pack_rows};
     use crate::matrix::Operand;
 
     /// A tile: 8 rows × 32 columns, 16 accumulators.
@@ -471,63 +343,12 @@ mod simd {
     pub(super) const NR: usize = 32;
 
     pub fn available(simd: sparrow_core::simd::Simd) -> bool {
-        simd.allows() && is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512f")
-    }
-
-    /// Lanes `0..n` of a 16-lane mask.
-    fn lanes(n: usize) -> __mmask16 {
-        if n >= 16 { 0xffff } else { (1u16 << n) - 1 }
-    }
-
-    /// [`Convert::row_pairs`] with `vcvtne2ps2bf16`: 32 floats in order are
-    /// 16 pairs in order.
-    #[target_feature(enable = "avx512bf16,avx512f")]
-    pub fn row_pairs(src: &[f32], out: &mut [u32]) {
-        assert_eq!(out.len(), src.len().div_ceil(2), "row_pairs: sizes");
-        for (src, out) in src.chunks(32).zip(out.chunks_mut(16)) {
-            let (lo, hi) = (src.len().min(16), src.len().saturating_sub(16));
-            // SAFETY: the masked loads read lanes 0..lo of `src` and
-            // lo..lo+hi (≤ 32 in all, within `src`); masked-off lanes are not
-            // accessed. The masked store writes out.len() = ⌈src.len()/2⌉ ≤ 16
-            // dwords of `out`.
-            #[expect(unsafe_code, reason = "SIMD loads and stores behind run-time feature detection")]
-            unsafe {
-                let low = _mm512_maskz_loadu_ps(lanes(lo), src.as_ptr());
-                let high = _mm512_maskz_loadu_ps(lanes(hi), src.as_ptr().add(lo));
-                let packed = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(high, low));
-                _mm512_mask_storeu_epi32(out.as_mut_ptr().cast(), lanes(out.len()), packed);
-            }
-        }
-    }
-
-    /// [`Convert::interleave`] with `vcvtneps2bf16`, 16 pairs at a time.
-    #[target_feature(enable = "avx512bf16,avx512f")]
-    pub fn interleave(even: &[f32], odd: Option<&[f32]>, out: &mut [u32]) {
-        assert!(even.len() >= out.len() && odd.is_none_or(|o| o.len() >= out.len()), "interleave: sizes");
-        for j in (0..out.len()).step_by(16) {
-            let mask = lanes(out.len() - j);
-            // bf16 of 16 floats (masked lanes read as 0), widened to dwords.
-            let widen = |src: &[f32]| {
-                // SAFETY: the masked load reads lanes j..j+16 that lie below
-                // out.len() ≤ src.len(); the others are not accessed.
-                #[expect(unsafe_code, reason = "SIMD loads behind run-time feature detection")]
-                let v = unsafe { _mm512_maskz_loadu_ps(mask, src.as_ptr().add(j)) };
-                // SAFETY: a bf16 vector reinterpreted as 16-bit integers.
-                #[expect(unsafe_code, reason = "SIMD reinterpretation behind run-time feature detection")]
-                let halves = unsafe { std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(v)) };
-                _mm512_cvtepu16_epi32(halves)
-            };
-            let low = widen(even);
-            let packed = match odd {
-                Some(odd) => _mm512_or_si512(low, _mm512_slli_epi32::<16>(widen(odd))),
-                None => low,
-            };
-            // SAFETY: writes the dwords j..j+16 below out.len() (the mask).
-            #[expect(unsafe_code, reason = "SIMD stores behind run-time feature detection")]
-            unsafe {
-                _mm512_mask_storeu_epi32(out.as_mut_ptr().add(j).cast(), mask, packed)
-            };
-        }
+        // AVX-512BW for the packing's word permutes (every CPU with
+        // AVX-512-BF16 has it).
+        simd.allows()
+            && is_x86_feature_detected!("avx512bf16")
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
     }
 
     /// Where a tile's last pass stores its sums: rows `stride` apart in the
@@ -689,7 +510,7 @@ mod simd {
         // The left operand as the caller packed it (`lent.rs`), or packed here.
         let packed = packed.filter(|p| p.fits(a, m, k));
         let own = match packed {
-            Some(_) => super::PackedRows { data: buf_a, row_stride: 0, pair_stride: 0 },
+            Some(_) => PackedRows { data: buf_a, row_stride: 0, pair_stride: 0 },
             None => pack_rows(m, k, a, row_blocks * MR, Convert::Simd, buf_a),
         };
         let pa = packed.map_or(&own, |p| &p.rows);
