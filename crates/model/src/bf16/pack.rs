@@ -356,35 +356,41 @@ mod x86 {
         (out, out_stride): (&mut [u32], usize),
     ) {
         let order = pair_order();
-        // The pairs with both rows, their whole vectors in a loop of their
-        // own (a call a pair, two vectors each, spent most of its time
-        // outside them); their tails and a last pair of one row after.
+        // The pairs with both rows, their vectors in a loop of their own (a
+        // call a pair, two vectors each, spent most of its time outside
+        // them). A tail of a row of 16 or more is the row's last 16 again,
+        // overlapping what is written with the same values (a masked store
+        // a pair was a third of packing rows of 81). Rows shorter than a
+        // vector, and a last pair of one row, after.
         let both = pairs.start..pairs.end.min(k / 2).max(pairs.start);
-        let full = len / 16 * 16;
+        let (full, overlap) = (len / 16 * 16, len >= 16 && !len.is_multiple_of(16));
         for (i, p) in both.clone().enumerate() {
             let first = 2 * p * stride + at;
             // SAFETY: rows 2p and 2p + 1 < k of `src` hold `at + len`
             // floats from their starts (the caller checked `src`'s length),
-            // and row i of `out` `len ≤ out_stride` dwords (checked too).
+            // and row i of `out` `len ≤ out_stride` dwords (checked too);
+            // the overlapping vector starts at len − 16 ≥ 0.
             #[expect(unsafe_code, reason = "SIMD loads and stores within checked bounds")]
             unsafe {
                 let (e, o, to) = (src.as_ptr().add(first), src.as_ptr().add(first + stride), out.as_mut_ptr());
                 let to = to.add(i * out_stride);
-                for j in (0..full).step_by(16) {
+                let starts = (0..full).step_by(16).chain(overlap.then(|| len - 16));
+                for j in starts {
                     let (e, o) = (_mm512_loadu_ps(e.add(j)), _mm512_loadu_ps(o.add(j)));
                     let halves = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(o, e));
                     _mm512_storeu_si512(to.add(j).cast(), _mm512_permutexvar_epi16(order, halves));
                 }
             }
         }
+        let done_with_both = if len >= 16 { len } else { 0 };
         for (i, p) in pairs.clone().enumerate() {
-            let done = if both.contains(&p) { full } else { 0 };
+            let done = if both.contains(&p) { done_with_both } else { 0 };
             if done == len {
                 continue;
             }
-            let even = &src[2 * p * stride + at + done..][..len - done];
-            let odd = (2 * p + 1 < k).then(|| &src[(2 * p + 1) * stride + at + done..][..len - done]);
-            interleave_in(order, even, odd, &mut out[i * out_stride + done..][..len - done]);
+            let even = &src[2 * p * stride + at..][..len];
+            let odd = (2 * p + 1 < k).then(|| &src[(2 * p + 1) * stride + at..][..len]);
+            interleave_in(order, even, odd, &mut out[i * out_stride..][..len]);
         }
     }
 }
