@@ -355,12 +355,21 @@ mod simd {
 
     /// Where a tile's last pass stores its sums: rows `stride` apart in the
     /// output, through the product's epilogue (`bias` from the tile's
-    /// first column).
+    /// first column); its first `rows` rows and `cols` columns, the rest
+    /// past the output's edge (a tile at an edge went through a buffer and
+    /// was copied a row at a time: 2% of MMoE's bf16 step).
     struct Store<'a> {
         dst: &'a mut [f32],
         stride: usize,
         bias: Option<&'a [f32]>,
         relu: bool,
+        rows: usize,
+        cols: usize,
+    }
+
+    /// Lanes `0..n` of a 16-lane mask.
+    fn lanes(n: usize) -> __mmask16 {
+        if n >= 16 { 0xffff } else { (1u16 << n) - 1 }
     }
 
     /// Pairs per pass over a tile: a panel slice of KB×NR dwords (16 KB)
@@ -418,20 +427,25 @@ mod simd {
                 }
             }
         }
-        let (out, stride, bias, relu) = match dst {
-            Some(Store { dst, stride, bias, relu }) => (dst, stride, bias, relu),
-            None => (c, NR, None, false),
+        let (out, stride, bias, relu, (rows, cols)) = match dst {
+            Some(Store { dst, stride, bias, relu, rows, cols }) => (dst, stride, bias, relu, (rows, cols)),
+            None => (c, NR, None, false, (MR, 16 * H)),
         };
-        assert!(out.len() >= (MR - 1) * stride + 16 * H);
+        assert!((1..=MR).contains(&rows) && (1..=16 * H).contains(&cols));
+        assert!(out.len() >= (rows - 1) * stride + cols);
+        // Each half's columns below `cols`: a whole vector stored unmasked
+        // (a masked store is slow on AMD's cores whatever its mask).
+        let masks: [__mmask16; H] = std::array::from_fn(|h| lanes(cols.saturating_sub(16 * h)));
         // The epilogue (see `Epilogue::apply`), on the final sums only.
         let bias: Option<[__m512; H]> = bias.map(|bias| {
-            let bias = &bias[..16 * H];
-            // SAFETY: `bias` holds 16·H floats, a 16-float load a half.
+            let bias = &bias[..cols];
+            // SAFETY: the masked load reads the lanes of the half's columns
+            // below `cols`, within `bias`; the others are not accessed.
             #[expect(unsafe_code, reason = "SIMD loads behind run-time feature detection")]
-            std::array::from_fn(|h| unsafe { _mm512_loadu_ps(bias[16 * h..].as_ptr()) })
+            std::array::from_fn(|h| unsafe { _mm512_maskz_loadu_ps(masks[h], bias.as_ptr().add(16 * h)) })
         });
         let zero = _mm512_setzero_ps();
-        for (r, acc_r) in acc.iter().enumerate() {
+        for (r, acc_r) in acc.iter().enumerate().take(rows) {
             for (h, &acc) in acc_r.iter().enumerate() {
                 let mut v = acc;
                 if let Some(bias) = &bias {
@@ -440,11 +454,17 @@ mod simd {
                 if relu {
                     v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(v, zero), v);
                 }
-                let out = &mut out[r * stride + 16 * h..r * stride + 16 * (h + 1)];
-                // SAFETY: `out` holds 16 f32, one 16-float store.
+                let at = r * stride + 16 * h;
+                // SAFETY: row r < rows holds `cols` floats from r·stride
+                // (asserted above): a whole half's 16, or its masked lanes
+                // below `cols` (none: nothing is written).
                 #[expect(unsafe_code, reason = "SIMD stores behind run-time feature detection")]
                 unsafe {
-                    _mm512_storeu_ps(out.as_mut_ptr(), v)
+                    match masks[h] {
+                        0xffff => _mm512_storeu_ps(out[at..at + 16].as_mut_ptr(), v),
+                        0 => {}
+                        mask => _mm512_mask_storeu_ps(out[at..].as_mut_ptr(), mask, v),
+                    }
                 };
             }
         }
@@ -555,11 +575,12 @@ mod simd {
             let rows = out.len() / n;
             let blocks = rows.div_ceil(MR);
             let first = task * per_task;
-            // Partial sums: only where a tile takes more than one pass or
-            // lies at an edge; else every tile stores straight to `out` and
-            // one scratch tile (never read) stands in (zeroing the task's
+            // Partial sums: only where a tile takes more than one pass;
+            // else every tile stores straight to `out` (at an edge, its
+            // rows and columns inside it) and one scratch tile (never
+            // read) stands in (zeroing the task's
             // whole buffer cost 1.5% of MMoE's bf16 step).
-            let partial = pairs > KB || !n.is_multiple_of(NR) || !rows.is_multiple_of(MR);
+            let partial = pairs > KB;
             // The thread's own, not zeroed: a tile's first pass writes its
             // sums without reading them (a fresh zeroed buffer a task, its
             // allocation, zeroing and freeing, was 1.6% of MMoE's bf16 step).
@@ -573,12 +594,13 @@ mod simd {
                     for rb in 0..blocks {
                         let c_tile = &mut c[if partial { rb } else { 0 } * MR * NR..][..MR * NR];
                         let a_block = &pa.data[(first + rb) * MR * pa.row_stride + k0 * pa.pair_stride..];
-                        let whole = width == NR && (rb + 1) * MR <= rows;
-                        let dst = (k0 + kl == pairs && whole).then(|| Store {
+                        let dst = (k0 + kl == pairs).then(|| Store {
                             dst: &mut out[rb * MR * n + t * NR..],
                             stride: n,
                             bias: epilogue.bias.map(|b| &b[t * NR..]),
                             relu: epilogue.relu,
+                            rows: MR.min(rows - rb * MR),
+                            cols: width,
                         });
                         // SAFETY: the CPU has AVX-512F and AVX-512-BF16
                         // (`available` was checked before this path was taken).
@@ -587,13 +609,6 @@ mod simd {
                             let a = (kl, a_block, (pa.row_stride, pa.pair_stride));
                             tile_of(width, a, panel, c_tile, k0 > 0, dst)
                         };
-                    }
-                }
-                // Tiles at the edges went to `c`: their valid part, row by row.
-                for (r, row) in out.chunks_exact_mut(n).enumerate() {
-                    if width < NR || r >= rows / MR * MR {
-                        row[t * NR..][..width].copy_from_slice(&c[r * NR..][..width]);
-                        epilogue.row(t * NR, &mut row[t * NR..][..width]);
                     }
                 }
             }
