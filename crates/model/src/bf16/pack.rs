@@ -135,13 +135,14 @@ pub(super) fn pack_rows(
 ) -> PackedRows {
     let pairs = k.div_ceil(2);
     let mut data = sized(buf, rows_to * pairs);
+    let len = rows_to * pairs;
     let src = a.data;
     if a.transposed {
         if rows_to == 0 {
             return PackedRows { data, row_stride: 1, pair_stride: 0 };
         }
         let per_task = PAIRS_PER_TASK.div_ceil(rows_to);
-        data.par_chunks_mut(per_task * rows_to).enumerate().for_each(|(t, out)| {
+        data[..len].par_chunks_mut(per_task * rows_to).enumerate().for_each(|(t, out)| {
             let first = t * per_task;
             let here = first..first + out.len() / rows_to;
             convert.interleave_rows(src, (k, m, 0, m), here, (out, rows_to));
@@ -163,14 +164,19 @@ pub(super) fn pack_rows(
                     .for_each(|(out, src)| convert.rows_pairs(src, k, out));
             }
         }
-        data[m * pairs..].fill(0);
+        data[m * pairs..len].fill(0);
         PackedRows { data, row_stride: pairs, pair_stride: 1 }
     }
 }
 
-/// `buf` holding `len` dwords, which the packing then writes, every one.
+/// `buf` holding at least `len` dwords, of which the packing then writes
+/// the first `len`, every one. A longer buffer keeps its length: the
+/// products of a step take turns with a thread's buffers, and one cut to a
+/// smaller product's size was zeroed again as it grew back.
 fn sized(mut buf: Vec<u32>, len: usize) -> Vec<u32> {
-    buf.resize(len, 0);
+    if buf.len() < len {
+        buf.resize(len, 0);
+    }
     buf
 }
 
@@ -189,12 +195,13 @@ pub(super) fn pack_cols(
 ) -> Vec<u32> {
     let pairs = k.div_ceil(2);
     let width = width.max(1);
-    let mut out = sized(buf, n.div_ceil(width) * pairs * width);
+    let len = n.div_ceil(width) * pairs * width;
+    let mut out = sized(buf, len);
     if n == 0 || pairs == 0 {
         return out;
     }
     let data = b.data;
-    out.par_chunks_mut(pairs * width).enumerate().for_each(|(t, panel)| {
+    out[..len].par_chunks_mut(pairs * width).enumerate().for_each(|(t, panel)| {
         let (j0, cols) = (t * width, width.min(n - t * width));
         if cols < width {
             panel.chunks_exact_mut(width).for_each(|row| row[cols..].fill(0));
@@ -422,11 +429,14 @@ mod tests {
                 let fast = pack_rows(m, k, &op, rows_to, Convert::Simd, dirty.clone());
                 let slow = pack_rows(m, k, &op, rows_to, Convert::Portable, Vec::new());
                 assert_eq!((fast.row_stride, fast.pair_stride), (slow.row_stride, slow.pair_stride));
-                assert!(fast.data == slow.data, "pack_rows {m}x{k}, transposed: {transposed}");
+                // A longer buffer keeps its tail.
+                let (packed, tail) = fast.data.split_at(slow.data.len());
+                assert!(packed == slow.data, "pack_rows {m}x{k}, transposed: {transposed}");
+                assert!(tail.iter().all(|&d| d == 0xdead_beef), "pack_rows {m}x{k}: past the packed pairs");
                 // As the right operand: k×n with n = m.
                 let fast = pack_cols(k, m, &op, 32, Convert::Simd, dirty.clone());
                 let slow = pack_cols(k, m, &op, 32, Convert::Portable, Vec::new());
-                assert!(fast == slow, "pack_cols {k}x{m}, transposed: {transposed}");
+                assert!(fast[..slow.len()] == slow, "pack_cols {k}x{m}, transposed: {transposed}");
             }
         }
     }
