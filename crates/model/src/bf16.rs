@@ -9,9 +9,10 @@
 //! The fast path packs the left operand as pairs (row by row, or pair by
 //! pair when it is transposed, so both read memory in order) and the right
 //! one in panels of 32 columns (`vcvtne2ps2bf16`, then `vpermw` where two
-//! rows make the pairs: `bf16/pack.rs`), into buffers each thread keeps; 8×32 tiles then run passes of 128 pairs over
-//! a task's row blocks while a panel slice stays in L1, the last pass
-//! storing straight into the output.
+//! rows make the pairs: `bf16/pack.rs`), into buffers each thread keeps;
+//! 8×32 tiles then run passes of 128 pairs over a task's row blocks while
+//! a panel slice stays in L1, the last pass storing straight into the
+//! output (a tile at an edge, its rows and columns inside it).
 //!
 //! [`dpbf16_portable`]: crate::peak::dpbf16_portable
 

@@ -408,10 +408,11 @@ mod tests {
     use sparrow_core::simd::Simd;
 
     fn values(len: usize, seed: u32) -> Vec<f32> {
-        (0..len as u32).map(|i| f32::from_bits(i.wrapping_add(seed).wrapping_mul(0x9e37_79b9) >> 2)).collect()
+        (0..len as u32).map(|i| f32::from_bits(i.wrapping_add(seed).wrapping_mul(0x9e37_79b9))).collect()
     }
 
     /// The SIMD packing (where the CPU has it) writes the portable bits
+    /// (values of every kind: NaNs, infinities, denormals, both signs)
     /// into every dword of a buffer left dirty by a larger product: both
     /// layouts of each operand, odd and even k, a run of pairs longer than
     /// a task, rows padded past m, panels narrower than their width.
