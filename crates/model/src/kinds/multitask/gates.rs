@@ -427,9 +427,11 @@ mod tests {
     }
 
     /// PLE's pools at one level: two tasks' gates (their own expert, then
-    /// the two shared), the shared gate (all four); 150 rows, not a
-    /// multiple of a task's 64.
-    const POOLS: [&[usize]; 3] = [&[2, 0, 1], &[3, 0, 1], &[0, 1, 2, 3]];
+    /// the two shared), the shared gate (all four), and a gate of six (PLE's
+    /// shared gate of seven: more than a group of four); 150 rows, not a
+    /// multiple of a task's 64. One more expert no gate pools.
+    const POOLS: [&[usize]; 4] = [&[2, 0, 1], &[3, 0, 1], &[0, 1, 2, 3], &[5, 4, 3, 2, 1, 0]];
+    const POOLED: usize = 6;
     const ROWS: usize = 150;
     const WIDTH: usize = 24;
 
@@ -472,7 +474,7 @@ mod tests {
     fn the_forward_in_lanes_gives_the_bits_of_a_row_at_a_time_on_every_build() {
         let mut rng = Rng::new(12);
         for width in [16, 24, 32, 48, 64, 80] {
-            let outs: Vec<Vec<f32>> = (0..4).map(|_| values(ROWS * width, &mut rng)).collect();
+            let outs: Vec<Vec<f32>> = (0..POOLED).map(|_| values(ROWS * width, &mut rng)).collect();
             let outs: Vec<&[f32]> = outs.iter().map(|o| &o[..]).collect();
             let biases: Vec<Vec<f32>> = POOLS.iter().map(|p| values(p.len(), &mut rng)).collect();
             let mut raw: Vec<Vec<f32>> = POOLS.iter().map(|p| values(ROWS * p.len(), &mut rng)).collect();
@@ -506,8 +508,8 @@ mod tests {
         // the first gate that pools it, added to by the later ones.
         let d_mixes: Vec<Vec<f32>> = POOLS.iter().map(|_| values(ROWS * width, rng)).collect();
         let mut d_logits_one: Vec<Vec<f32>> = POOLS.iter().map(|p| vec![0.0; ROWS * p.len()]).collect();
-        let mut d_experts_one = vec![vec![0.0f32; ROWS * width]; 5];
-        let mut filled = [false; 5];
+        let mut d_experts_one = vec![vec![0.0f32; ROWS * width]; POOLED + 1];
+        let mut filled = [false; POOLED + 1];
         for (g, pool) in POOLS.iter().enumerate() {
             let k = pool.len();
             for r in 0..ROWS {
@@ -546,29 +548,29 @@ mod tests {
             d.iter().zip(out).map(through).collect()
         };
         // Without masks; with masks of scale 1 and 1.25 and an expert
-        // without one; a mask for the fifth, unpooled, expert is ignored.
-        let no_masks = [None; 5];
-        let some_masks = [Some(1.0), Some(1.25), None, Some(1.0), Some(2.0)];
+        // without one; a mask for the last, unpooled, expert is ignored.
+        let no_masks = [None; POOLED + 1];
+        let some_masks = [Some(1.0), Some(1.25), None, Some(1.0), Some(1.5), Some(1.0), Some(2.0)];
         // On the AVX-512 build (where the CPU has it) and the portable one.
         for (simd, masks) in [Simd::Auto, Simd::Portable].into_iter().flat_map(|s| [(s, no_masks), (s, some_masks)]) {
             let what = format!("width {width}, {simd:?}, masks {masks:?}");
             let mut d_logits: Vec<Vec<f32>> = POOLS.iter().map(|p| vec![9.0; ROWS * p.len()]).collect();
-            // Stale values in the experts' buffers, and a fifth expert no gate pools.
-            let mut d_experts = vec![vec![5.0f32; ROWS * width]; 5];
+            // Stale values in the experts' buffers, and an expert no gate pools.
+            let mut d_experts = vec![vec![5.0f32; ROWS * width]; POOLED + 1];
             let backward = (d_logits.iter_mut().zip(weights).zip(&d_mixes).zip(POOLS))
                 .map(|(((d_logits, weights), d_mix), pool)| GateBackward { weights, d_mix, pool, d_logits })
                 .collect();
             let pooled = adjoint(simd, (outs, &masks), width, backward, &mut d_experts);
-            assert_eq!(pooled, [true, true, true, true, false]);
+            assert_eq!(pooled, [true, true, true, true, true, true, false]);
             assert_eq!(bits(&d_logits), bits(&d_logits_one), "the gates' logits' gradients, {what}");
-            for e in 0..4 {
+            for e in 0..POOLED {
                 let expected = match masks[e] {
                     Some(scale) => relu(&d_experts_one[e], outs[e], scale),
                     None => d_experts_one[e].clone(),
                 };
                 assert_eq!(bits(&d_experts[e..=e]), bits(&[expected]), "expert {e}'s output gradient, {what}");
             }
-            assert!(d_experts[4].iter().all(|&v| v == 5.0), "the unpooled expert's buffer is not the adjoint's");
+            assert!(d_experts[POOLED].iter().all(|&v| v == 5.0), "the unpooled expert's buffer is not the adjoint's");
         }
     }
 
@@ -577,7 +579,7 @@ mod tests {
     #[test]
     fn one_pass_for_every_gate_gives_the_bits_of_a_pass_a_gate() {
         let mut rng = Rng::new(11);
-        let outs: Vec<Vec<f32>> = (0..4).map(|_| values(ROWS * WIDTH, &mut rng)).collect();
+        let outs: Vec<Vec<f32>> = (0..POOLED).map(|_| values(ROWS * WIDTH, &mut rng)).collect();
         let outs: Vec<&[f32]> = outs.iter().map(|o| &o[..]).collect();
         let biases: Vec<Vec<f32>> = POOLS.iter().map(|p| values(p.len(), &mut rng)).collect();
         let raw: Vec<Vec<f32>> = POOLS.iter().map(|p| values(ROWS * p.len(), &mut rng)).collect();
@@ -597,7 +599,7 @@ mod tests {
         // Backward, at the test's width and at widths of whole AVX-512
         // vectors (one, four, five: the AVX-512 build's own code).
         for width in [WIDTH, 16, 64, 80] {
-            let outs: Vec<Vec<f32>> = (0..4).map(|_| values(ROWS * width, &mut rng)).collect();
+            let outs: Vec<Vec<f32>> = (0..POOLED).map(|_| values(ROWS * width, &mut rng)).collect();
             let outs: Vec<&[f32]> = outs.iter().map(|o| &o[..]).collect();
             adjoint_matches_a_pass_a_gate(&outs, &weights, width, &mut rng);
         }
@@ -643,13 +645,13 @@ mod tests {
     #[test]
     fn no_rows_leave_every_pooled_gradient_empty() {
         let mut d_logits: Vec<Vec<f32>> = POOLS.iter().map(|_| Vec::new()).collect();
-        let mut d_experts = vec![vec![5.0f32; ROWS * WIDTH]; 5];
-        let outs: Vec<&[f32]> = vec![&[]; 4];
+        let mut d_experts = vec![vec![5.0f32; ROWS * WIDTH]; POOLED + 1];
+        let outs: Vec<&[f32]> = vec![&[]; POOLED];
         let backward = (d_logits.iter_mut().zip(POOLS))
             .map(|(d_logits, pool)| GateBackward { weights: &[], d_mix: &[], pool, d_logits })
             .collect();
-        let pooled = adjoint(Simd::Auto, (&outs, &[None; 5]), WIDTH, backward, &mut d_experts);
-        assert_eq!(pooled, [true, true, true, true, false]);
-        assert!(d_experts[..4].iter().all(Vec::is_empty), "a pooled expert's gradient has no rows");
+        let pooled = adjoint(Simd::Auto, (&outs, &[None; POOLED + 1]), WIDTH, backward, &mut d_experts);
+        assert_eq!(pooled, [true, true, true, true, true, true, false]);
+        assert!(d_experts[..POOLED].iter().all(Vec::is_empty), "a pooled expert's gradient has no rows");
     }
 }
