@@ -79,7 +79,8 @@ pub(super) unsafe fn block_adjoint(block: &Block<'_>, dls: &mut [&mut [f32]], de
         })
         .collect();
     for (terms, (de, out)) in terms.iter().zip(des.iter().zip(outs)) {
-        assert!(terms.is_empty() || de.is_empty() || (de.len() == rows * width && out.len() >= end * width));
+        let fits = de.len() == rows * width && out.len() >= end * width;
+        assert!(terms.is_empty() || de.is_empty() || fits, "an expert's rows");
     }
     // Row by row, every expert's row while the row's `d_mix` is in L1.
     for r in 0..rows {
@@ -97,20 +98,21 @@ pub(super) unsafe fn block_adjoint(block: &Block<'_>, dls: &mut [&mut [f32]], de
 /// Four [`dot`](crate::matrix::dot)s of `width` floats, `a`'s with each
 /// `b[i]`'s, each with its bits: eight lanes multiplied then added, the
 /// lanes summed in order (`((l0 + l1) + l2) + … + l7`, what
-/// `Iterator::sum`'s start from −0 gives), then the tail. `a` is read once
+/// `Iterator::sum`'s start from −0 gives; `dot`'s tail is empty). `a` is read once
 /// for the four, and their lanes are transposed so that each step of the
 /// lanes' sum is one add for all four.
 ///
 /// # Safety
-/// AVX-512F; each pointer starts `width` readable floats.
+/// AVX-512F; each pointer starts `width` readable floats, a multiple of 8
+/// (the caller's rows are whole vectors).
 #[inline]
 #[target_feature(enable = "avx512f")]
 #[expect(unsafe_code, reason = "AVX loads through raw pointers")]
 unsafe fn dots4(a: *const f32, b: [*const f32; 4], width: usize) -> [f32; 4] {
-    let full = width / 8 * 8;
+    debug_assert!(width.is_multiple_of(8), "dots4: whole lanes");
     let mut l = [_mm256_setzero_ps(); 4];
     let mut c = 0;
-    while c < full {
+    while c < width {
         // SAFETY: `c + 8 <= width`.
         let x = unsafe { _mm256_loadu_ps(a.add(c)) };
         for (l, b) in l.iter_mut().zip(b) {
@@ -135,15 +137,6 @@ unsafe fn dots4(a: *const f32, b: [*const f32; 4], width: usize) -> [f32; 4] {
     let mut out = [0.0f32; 4];
     // SAFETY: `out` holds four floats.
     unsafe { _mm_storeu_ps(out.as_mut_ptr(), sum) };
-    if full < width {
-        // SAFETY: the last `width - full` of `a`'s `width` floats.
-        let x = unsafe { std::slice::from_raw_parts(a.add(full), width - full) };
-        for (out, b) in out.iter_mut().zip(b) {
-            // SAFETY: likewise `b`'s.
-            let y = unsafe { std::slice::from_raw_parts(b.add(full), width - full) };
-            *out += x.iter().zip(y).map(|(a, b)| a * b).sum::<f32>();
-        }
-    }
     out
 }
 
