@@ -314,13 +314,13 @@ pub struct ModelConfig {
     pub cross_layers: usize,
     /// How the IDs of one multi-hot field are combined.
     pub pooling: Pooling,
-    /// `f32`, or `bf16`: the MLP stacks' (experts and towers among them),
-    /// the multi-task gates' and DCN-v2's cross layers' matrix products
-    /// (forward and both gradients) take bf16-rounded inputs (nearest even,
-    /// denormals to zero) and accumulate in fp32; weights and optimizer
-    /// state stay f32. DIN's attention units stay fp32: their products are
-    /// narrow (one a history item), and with them in bf16 DIN's step was
-    /// slower than in fp32 on every CPU measured. AVX-512-BF16 runs it where the CPU has it;
+    /// `f32`, or `bf16`: the MLP stacks' (experts and towers among them)
+    /// and DCN-v2's cross layers' matrix products (forward and both
+    /// gradients) take bf16-rounded inputs (nearest even, denormals to
+    /// zero) and accumulate in fp32; weights and optimizer state stay f32.
+    /// DIN's attention units and the multi-task gates stay fp32: their
+    /// products are narrow (one a history item; one column an expert a
+    /// gate mixes), and in bf16 they ran slower than in fp32. AVX-512-BF16 runs it where the CPU has it;
     /// elsewhere a portable product gives the same bits 12-20× slower than
     /// f32's with AVX2 (`bf16_portable_gflops` in `sparrow bench`): on a CPU
     /// without AVX-512-BF16 keep f32 (a warning says so). LR and FM have no
