@@ -427,10 +427,11 @@ mod tests {
     }
 
     /// PLE's pools at one level: two tasks' gates (their own expert, then
-    /// the two shared), the shared gate (all four), and a gate of six (PLE's
-    /// shared gate of seven: more than a group of four); 150 rows, not a
-    /// multiple of a task's 64. One more expert no gate pools.
-    const POOLS: [&[usize]; 4] = [&[2, 0, 1], &[3, 0, 1], &[0, 1, 2, 3], &[5, 4, 3, 2, 1, 0]];
+    /// the two shared), the shared gate (all four), a gate of six (PLE's
+    /// shared gate of seven: more than a group of four) and one of five
+    /// (a group of four and one of one); 150 rows, not a multiple of a
+    /// task's 64. One more expert no gate pools.
+    const POOLS: [&[usize]; 5] = [&[2, 0, 1], &[3, 0, 1], &[0, 1, 2, 3], &[5, 4, 3, 2, 1, 0], &[1, 5, 0, 4, 2]];
     const POOLED: usize = 6;
     const ROWS: usize = 150;
     const WIDTH: usize = 24;

@@ -45,14 +45,20 @@ pub(super) unsafe fn block_adjoint(block: &Block<'_>, dls: &mut [&mut [f32]], de
             // SAFETY: row < end (asserted above).
             let a = unsafe { d_mix.as_ptr().add(row * width) };
             // A gate's experts four at a time, `d_mix`'s row read once for
-            // them; a group of fewer takes its last expert again.
+            // them; a group of fewer computes only its own (PLE's gates of
+            // five took eight dots' work where they padded a group).
             for (group, dl) in pool.chunks(4).zip(dl.chunks_mut(4)) {
-                let b = std::array::from_fn(|i| {
-                    // SAFETY: row < end; each pooled expert's output holds `end` rows.
-                    unsafe { outs[group[i.min(group.len() - 1)]].as_ptr().add(row * width) }
-                });
+                // SAFETY: row < end; each pooled expert's output holds `end` rows.
+                let b = |i: usize| unsafe { outs[group[i]].as_ptr().add(row * width) };
                 // SAFETY: each pointer starts `width` floats (asserted above).
-                let dots = unsafe { dots4(a, b, width) };
+                let dots = unsafe {
+                    match group.len() {
+                        4 => dots4(a, [b(0), b(1), b(2), b(3)], width),
+                        3 => dots4(a, [b(0), b(1), b(2)], width),
+                        2 => dots4(a, [b(0), b(1)], width),
+                        _ => dots4(a, [b(0)], width),
+                    }
+                };
                 dl.copy_from_slice(&dots[..dl.len()]);
             }
         }
@@ -95,12 +101,13 @@ pub(super) unsafe fn block_adjoint(block: &Block<'_>, dls: &mut [&mut [f32]], de
     }
 }
 
-/// Four [`dot`](crate::matrix::dot)s of `width` floats, `a`'s with each
-/// `b[i]`'s, each with its bits: eight lanes multiplied then added, the
-/// lanes summed in order (`((l0 + l1) + l2) + … + l7`, what
-/// `Iterator::sum`'s start from −0 gives; `dot`'s tail is empty). `a` is read once
-/// for the four, and their lanes are transposed so that each step of the
-/// lanes' sum is one add for all four.
+/// `N` (1 to 4) [`dot`](crate::matrix::dot)s of `width` floats, `a`'s
+/// with each `b[i]`'s, each with its bits: eight lanes multiplied then
+/// added, the lanes summed in order (`((l0 + l1) + l2) + … + l7`, what
+/// `Iterator::sum`'s start from −0 gives; `dot`'s tail is empty), in the
+/// first `N` of the four floats returned. `a` is read once for them, and
+/// their lanes are transposed (with zeros past `N`) so that each step of
+/// the lanes' sum is one add for all of them.
 ///
 /// # Safety
 /// AVX-512F; each pointer starts `width` readable floats, a multiple of 8
@@ -108,7 +115,7 @@ pub(super) unsafe fn block_adjoint(block: &Block<'_>, dls: &mut [&mut [f32]], de
 #[inline]
 #[target_feature(enable = "avx512f")]
 #[expect(unsafe_code, reason = "AVX loads through raw pointers")]
-unsafe fn dots4(a: *const f32, b: [*const f32; 4], width: usize) -> [f32; 4] {
+unsafe fn dots4<const N: usize>(a: *const f32, b: [*const f32; N], width: usize) -> [f32; 4] {
     debug_assert!(width.is_multiple_of(8), "dots4: whole lanes");
     let mut l = [_mm256_setzero_ps(); 4];
     let mut c = 0;
