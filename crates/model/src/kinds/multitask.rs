@@ -359,7 +359,7 @@ mod tests {
 
     /// In a bf16 model the gates' logits are fp32's `x·W + b` ([`GATES`]);
     /// the experts' products take bf16 (the direct step is the graph's:
-    /// `direct_step_equals_graph_with_tasks_and_sequences`).
+    /// `a_step_in_halves_is_the_graphs` fails when only one takes fp32).
     #[test]
     fn a_bf16_models_gates_are_fp32() {
         use sparrow_core::config::{Precision, Task, TaskKind};

@@ -116,6 +116,7 @@ pub(super) unsafe fn block_adjoint(block: &Block<'_>, dls: &mut [&mut [f32]], de
 #[target_feature(enable = "avx512f")]
 #[expect(unsafe_code, reason = "AVX loads through raw pointers")]
 unsafe fn dots4<const N: usize>(a: *const f32, b: [*const f32; N], width: usize) -> [f32; 4] {
+    const { assert!(N >= 1 && N <= 4, "dots4: one to four dots") };
     debug_assert!(width.is_multiple_of(8), "dots4: whole lanes");
     let mut l = [_mm256_setzero_ps(); 4];
     let mut c = 0;
