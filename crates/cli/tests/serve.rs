@@ -144,7 +144,9 @@ fn a_served_export_answers_kserve_requests_with_predicts_figures() {
 
 /// `sparrow serve --watch` over `checkpoint.dir/exports` while training
 /// writes incremental exports (`checkpoint.export_every_steps`): every
-/// request is answered (200) through full and incremental swaps, the
+/// request is answered (200) through full and incremental swaps (one of
+/// each brought about by events: LATEST moved along a chain, and a resumed
+/// run's new chain, not by the watcher keeping pace with training), the
 /// versions answering only move forward, and once training ends the server
 /// answers with the final checkpoint's predictions.
 #[test]
@@ -172,7 +174,31 @@ fn a_watching_server_follows_training_without_failing_a_request() {
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert!(!refused.status.success() && stderr.contains("--watch") && stderr.contains("LATEST"), "{stderr}");
 
+    // The server starts on the chain's first export (step 4) and is then
+    // pointed at step 8, a delta of it: one incremental swap, whatever the
+    // watcher's timing (a watcher starved past a chain while training runs
+    // loads the newer chain whole).
+    let point = |name: &str| {
+        let tmp = format!("{exports}/.LATEST.test");
+        std::fs::write(&tmp, format!("{name}\n")).expect("LATEST");
+        std::fs::rename(&tmp, format!("{exports}/LATEST")).expect("LATEST");
+    };
+    point("000000000004");
     let (_server, addr) = start(&exports, &["--watch", "--watch-interval-ms", "20", "--name", "ctr"]);
+    let served = || -> String {
+        let (_, meta) = http(&addr, "GET", "/v2/models/ctr", b"");
+        let meta: Value = serde_json::from_str(&meta).expect("metadata");
+        meta["versions"][0].as_str().expect("a version").to_string()
+    };
+    assert_eq!(served(), "4");
+    point("000000000008");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while served() != "8" {
+        assert!(std::time::Instant::now() < deadline, "the delta to step 8 was not served");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let (_, metrics) = http(&addr, "GET", "/metrics", b"");
+    assert!(metrics.contains("sparrow_serve_swaps_total{kind=\"delta\"} 1"), "{metrics}");
     let test = tmp.path().join("data/test.tsv");
     let text = std::fs::read_to_string(&test).expect("test");
     let lines: Vec<&str> = text.lines().take(200).collect();
@@ -196,7 +222,8 @@ fn a_watching_server_follows_training_without_failing_a_request() {
             answers
         })
     };
-    // The rest of the run (resumed: its first export is full, then deltas).
+    // The rest of the run (resumed: its first export is full, a chain that
+    // does not hold step 8, so the first swap from here is a full one).
     train(&["--resume", &ck]);
     let final_step = 79; // 20000 rows in batches of 256
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
