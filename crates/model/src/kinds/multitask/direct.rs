@@ -397,7 +397,8 @@ fn first_of<'b>(x: &'b [f32], packed: &'b [(&[f32], PackedLeft)]) -> First<'b> {
 fn ctcvr(a: f32, b: f32) -> (f32, (f32, f32)) {
     let z = [-a, -b, -a - b];
     let max = z.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let e = z.map(|z| (z - max).exp());
+    // e⁰ is 1 exactly: the largest term's exponential is not taken.
+    let e = z.map(|z| if z == max && max.is_finite() { 1.0 } else { (z - max).exp() });
     let sum = e[0] + e[1] + e[2];
     (-(sum.ln() + max), ((e[0] + e[2]) / sum, (e[1] + e[2]) / sum))
 }
