@@ -318,9 +318,11 @@ pub struct ModelConfig {
     /// and DCN-v2's cross layers' matrix products (forward and both
     /// gradients) take bf16-rounded inputs (nearest even, denormals to
     /// zero) and accumulate in fp32; weights and optimizer state stay f32.
-    /// DIN's attention units and the multi-task gates stay fp32: their
-    /// products are narrow (one a history item; one column an expert a
-    /// gate mixes), and in bf16 they ran slower than in fp32. AVX-512-BF16 runs it where the CPU has it;
+    /// DIN's attention units, the multi-task gates and a stack's head (a
+    /// layer after its first of at most 4 outputs: a task's logit or
+    /// classes) stay fp32: their products are narrow (one a history item;
+    /// one column an expert a gate mixes; a column an output), and in bf16
+    /// they ran slower than in fp32. AVX-512-BF16 runs it where the CPU has it;
     /// elsewhere a portable product gives the same bits 12-20× slower than
     /// f32's with AVX2 (`bf16_portable_gflops` in `sparrow bench`): on a CPU
     /// without AVX-512-BF16 keep f32 (a warning says so). LR and FM have no

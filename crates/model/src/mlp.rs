@@ -57,7 +57,20 @@ struct LayerSlot {
     act: Option<usize>,
     /// Dice: its running mean and variance at this offset of the running statistics.
     dice_running: Option<usize>,
+    /// How its products run: the stack's, but fp32 for a layer of at most
+    /// [`NARROW_OUTPUTS`] outputs after the first (a task's head).
+    arith: Arith,
 }
+
+/// A layer after a stack's first with at most this many outputs (a task's
+/// head: one logit, or a few classes') takes its products in fp32 whatever
+/// `model.precision` says, as the gates do (`kinds/multitask.rs`): at that
+/// width a bf16 product packs both operands to pairs for a handful of
+/// dots, and ran slower than fp32's (ESMM's heads, `[512, 32]·[32, 1]`,
+/// its dW and d x: 13.9% of a half's time in bf16, docs/benchmarks.md).
+/// A stack's first layer keeps the stack's: a kind's own first products
+/// (`first_product.rs`) read the input in its precision.
+const NARROW_OUTPUTS: usize = 4;
 
 #[derive(Debug)]
 struct MlpShape {
@@ -186,7 +199,8 @@ impl Mlp {
                 at
             });
             let norm = norm_at;
-            layers.push(LayerSlot { fan_in, fan_out, w, b, relu, norm, running: running_at, act, dice_running });
+            let arith = if i > 0 && fan_out <= NARROW_OUTPUTS { Arith::F32 } else { arith };
+            layers.push(LayerSlot { fan_in, fan_out, w, b, relu, norm, running: running_at, act, dice_running, arith });
             fan_in = fan_out;
         }
         let num_params = data.len();
@@ -476,7 +490,6 @@ async fn forward_into(
     scratch.dropout_scale = 1.0;
     scratch.normed.resize_with(layers.len(), Vec::new);
     scratch.inv_std.resize_with(layers.len(), Vec::new);
-    let rounded = rounds_operands(shape.arith);
     scratch.tiles.plan(shape, &x, rows);
     let laid = x.laid();
     for (i, l) in layers.iter().enumerate() {
@@ -497,12 +510,12 @@ async fn forward_into(
             first.forward(w, rows, l.fan_out, (bias, relu), out);
         } else if scratch.tiles.forward(i, (rows, l.fan_in, l.fan_out), input, w, (bias, relu), out) {
             // Its output is in `out`, or kept as tiles only.
-        } else if rounded {
+        } else if rounds_operands(l.arith) {
             scratch.rounded.forward(i, (rows, l.fan_in, l.fan_out), input, w, out);
             add_bias(out, bias, relu);
         } else {
             let (input, w) = (Operand::plain(input), Operand::plain(w));
-            match shape.arith {
+            match l.arith {
                 // Bias and ReLU as the product stores each tile.
                 Arith::Bf16(path) => {
                     let epilogue = crate::bf16::Epilogue { bias: Some(bias), relu };
@@ -677,7 +690,7 @@ async fn backward_into(
             // and dW too where it sums it in its pass over this input.
             match next_dw_in_pass {
                 true => crate::columns::add_column_sums(shape.simd, gs, fo, db),
-                false => weight_grads((shape.arith, shape.simd), (rows, fi, fo), (input, None), gs, (dw, db)),
+                false => weight_grads((l.arith, shape.simd), (rows, fi, fo), (input, None), gs, (dw, db)),
             }
             continue;
         }
@@ -710,11 +723,11 @@ async fn backward_into(
             gi,
         ) {
             // d x is in `gi`, or kept as tiles only.
-        } else if rounds_operands(shape.arith) {
+        } else if rounds_operands(l.arith) {
             scratch.rounded.backward(i, (rows, fi, fo), gs, (dw, db), gi);
         } else {
             let input = (input, x.packed().filter(|_| i == 0));
-            linear_grads((shape.arith, shape.simd), (rows, fi, fo), input, w, gs, (dw, db), gi);
+            linear_grads((l.arith, shape.simd), (rows, fi, fo), input, w, gs, (dw, db), gi);
         }
         // A batch norm subtracts the batch's mean, b included: b's gradient
         // is 0, not the rounding noise of Σ d z that Adam would turn into
@@ -954,12 +967,15 @@ mod tests {
     /// `model.precision = "bf16"`: the fused forward and backward against an
     /// f64 reference that rounds every product's inputs to bf16 (activations,
     /// weights, gradients), each layer's output kept in f32 as the fused
-    /// path keeps it. Only the accumulation differs (fp32 against f64).
+    /// path keeps it; but the head's (3 outputs, [`NARROW_OUTPUTS`]), whose
+    /// products are fp32's. Only the accumulation differs (fp32 against f64).
     #[test]
     fn bf16_forward_and_backward_match_an_f64_reference_with_bf16_inputs() {
-        let bf = |x: f32| f64::from(f32::from_bits(u32::from(crate::bf16::round_bf16(x)) << 16));
+        let rounded = |x: f32| f64::from(f32::from_bits(u32::from(crate::bf16::round_bf16(x)) << 16));
         let dev = Device::Cpu;
-        let (rows, sizes, input) = (9, [13usize, 7, 3], 11usize);
+        let (rows, sizes, input) = (9, [13usize, 5, 3], 11usize);
+        // The layers in bf16: all but the head.
+        let in_bf16 = |layer: usize| layer < 2;
         let mut ps = ParamStore::new(5, dev.clone());
         let mlp = Mlp::new(&mut ps, "m", input, &sizes, false, arith(Precision::Bf16)).expect("mlp");
         let f32_mlp = {
@@ -973,7 +989,8 @@ mod tests {
 
         // The reference, layer by layer.
         let mut acts: Vec<Vec<f32>> = vec![x.clone()];
-        for l in &mlp.shape.layers {
+        for (li, l) in mlp.shape.layers.iter().enumerate() {
+            let bf = |x: f32| if in_bf16(li) { rounded(x) } else { f64::from(x) };
             let a = acts.last().expect("input");
             let mut out = vec![0f32; rows * l.fan_out];
             for r in 0..rows {
@@ -989,6 +1006,7 @@ mod tests {
         let mut g = grad_out.clone();
         let mut grad_p = vec![0f64; p.len()];
         for (li, l) in mlp.shape.layers.iter().enumerate().rev() {
+            let bf = |x: f32| if in_bf16(li) { rounded(x) } else { f64::from(x) };
             let a = &acts[li];
             for i in 0..l.fan_in {
                 for j in 0..l.fan_out {

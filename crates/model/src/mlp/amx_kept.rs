@@ -68,7 +68,9 @@ impl KeptTiles {
         let plain = plain && !self.unkept;
         self.plan = plain.then(|| {
             let layers = &shape.layers;
-            let tiles: Vec<bool> = layers.iter().map(|l| amx::takes(rows, l.fan_out, l.fan_in)).collect();
+            // A layer in fp32 (a head, `NARROW_OUTPUTS`) is not AMX's.
+            let on_amx = |l: &super::LayerSlot| l.arith == shape.arith && amx::takes(rows, l.fan_out, l.fan_in);
+            let tiles: Vec<bool> = layers.iter().map(on_amx).collect();
             let kept = (0..layers.len()).map(|i| i + 1 < layers.len() && layers[i].relu && tiles[i] && tiles[i + 1]);
             let kept = kept.collect();
             Plan { tiles, kept, grad: 0 }
