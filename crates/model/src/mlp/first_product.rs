@@ -147,13 +147,14 @@ impl Mlp {
 /// Whether the last layer's d input goes to the first layer's product as
 /// [`FirstGrad::Outer`], not laid out: two layers, the first a product
 /// with at most a ReLU (which the product applies), the last of one output
-/// with no activation or norm (DIN's unit, `[36] → 1`), in fp32 where
-/// `sgemm` takes d input as an outer product.
+/// with no activation or norm (DIN's unit, `[36] → 1`; ESMM's towers,
+/// `[32] → 1`), in fp32 where `sgemm` takes d input as an outer product
+/// (a head is fp32 in a bf16 stack too, `NARROW_OUTPUTS`: the same bits).
 pub(super) fn outer_to_first(shape: &MlpShape, x: &First<'_>, rows: usize) -> bool {
     let [first, last] = &shape.layers[..] else { return false };
     let first_plain = first.norm.is_none() && (!first.relu || shape.activation == Activation::Relu);
     let last_plain = last.fan_out == 1 && !last.relu && last.norm.is_none();
-    let outer = shape.arith == Arith::F32 && crate::matrix::is_outer(rows, last.fan_in, 1);
+    let outer = last.arith == Arith::F32 && crate::matrix::is_outer(rows, last.fan_in, 1);
     matches!(x, First::Product(_)) && first_plain && last_plain && outer
 }
 
