@@ -184,19 +184,27 @@ fn a_watching_server_follows_training_without_failing_a_request() {
         std::fs::rename(&tmp, format!("{exports}/LATEST")).expect("LATEST");
     };
     point("000000000004");
-    let (_server, addr) = start(&exports, &["--watch", "--watch-interval-ms", "20", "--name", "ctr"]);
-    let served = || -> String {
-        let (_, meta) = http(&addr, "GET", "/v2/models/ctr", b"");
-        let meta: Value = serde_json::from_str(&meta).expect("metadata");
-        meta["versions"][0].as_str().expect("a version").to_string()
+    let (_server, addr, log) =
+        common::start_serve_logged(&exports, &["--watch", "--watch-interval-ms", "20", "--name", "ctr"]);
+    // The server logs each swap as it makes it ("serving step N from …"):
+    // the test waits on those lines, not on time (the bound only turns a
+    // swap that never comes into a failure).
+    let swapped_to = |step: u64| -> String {
+        let prefix = format!("serving step {step} from");
+        loop {
+            match log.recv_timeout(std::time::Duration::from_secs(120)) {
+                Ok(line) if line.starts_with(&prefix) => return line,
+                Ok(_) => {}
+                Err(e) => panic!("no swap to step {step}: {e}"),
+            }
+        }
     };
-    assert_eq!(served(), "4");
+    let (_, meta) = http(&addr, "GET", "/v2/models/ctr", b"");
+    let meta: Value = serde_json::from_str(&meta).expect("metadata");
+    assert_eq!(meta["versions"][0].as_str(), Some("4"), "{meta}");
     point("000000000008");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while served() != "8" {
-        assert!(std::time::Instant::now() < deadline, "the delta to step 8 was not served");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let line = swapped_to(8);
+    assert!(line.contains("1 incremental export(s)"), "{line}");
     let (_, metrics) = http(&addr, "GET", "/metrics", b"");
     assert!(metrics.contains("sparrow_serve_swaps_total{kind=\"delta\"} 1"), "{metrics}");
     let test = tmp.path().join("data/test.tsv");
@@ -204,11 +212,11 @@ fn a_watching_server_follows_training_without_failing_a_request() {
     let lines: Vec<&str> = text.lines().take(200).collect();
     let one = inputs(&lines[..1]).to_string();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    // The version of the requester's latest answer: the test stops it once
-    // an answer came from the final model (an event, not a time).
-    let answered = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    // Each answer's version, as the requester gets it: the test stops it
+    // once an answer came from the final model (an event, not a time).
+    let (answered, versions_seen) = std::sync::mpsc::channel::<u64>();
     let requester = {
-        let (stop, answered, addr, one) = (stop.clone(), answered.clone(), addr.clone(), one.clone());
+        let (stop, addr, one) = (stop.clone(), addr.clone(), one.clone());
         std::thread::spawn(move || {
             let mut answers = Vec::new();
             while !stop.load(std::sync::atomic::Ordering::SeqCst) {
@@ -216,7 +224,7 @@ fn a_watching_server_follows_training_without_failing_a_request() {
                 let version = serde_json::from_str::<Value>(&reply)
                     .ok()
                     .and_then(|r| r["model_version"].as_str().and_then(|v| v.parse::<u64>().ok()));
-                answered.store(version.unwrap_or(0), std::sync::atomic::Ordering::SeqCst);
+                let _ = answered.send(version.unwrap_or(0));
                 answers.push((status, version, reply));
             }
             answers
@@ -226,17 +234,13 @@ fn a_watching_server_follows_training_without_failing_a_request() {
     // does not hold step 8, so the first swap from here is a full one).
     train(&["--resume", &ck]);
     let final_step = 79; // 20000 rows in batches of 256
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    swapped_to(final_step);
     loop {
-        let (_, meta) = http(&addr, "GET", "/v2/models/ctr", b"");
-        let meta: Value = serde_json::from_str(&meta).expect("metadata");
-        if meta["versions"][0].as_str() == Some(final_step.to_string().as_str())
-            && answered.load(std::sync::atomic::Ordering::SeqCst) == final_step
-        {
-            break;
+        match versions_seen.recv_timeout(std::time::Duration::from_secs(120)) {
+            Ok(version) if version == final_step => break,
+            Ok(_) => {}
+            Err(e) => panic!("no answer from step {final_step}: {e}"),
         }
-        assert!(std::time::Instant::now() < deadline, "still serving {meta}");
-        std::thread::sleep(std::time::Duration::from_millis(20));
     }
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let answers = requester.join().expect("requester");

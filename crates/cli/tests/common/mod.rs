@@ -263,6 +263,32 @@ pub fn start_serve(model: &str, extra: &[&str]) -> (ServeChild, String) {
     (ServeChild(child), started["listening"].as_str().expect("address").to_string())
 }
 
+/// [`start_serve`] with its log (stderr) read as it is written: each line
+/// sent on the channel, by a thread that drains it until the server ends.
+pub fn start_serve_logged(model: &str, extra: &[&str]) -> (ServeChild, String, std::sync::mpsc::Receiver<String>) {
+    let mut child = sparrow()
+        .args(["serve", "--model", model, "--listen", "127.0.0.1:0"])
+        .args(extra)
+        .env_remove("SPARROW_AUTH_TOKEN")
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("serve");
+    let stderr = child.stderr.take().expect("stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            // The test may have stopped listening: the pipe is drained anyway.
+            let _ = tx.send(line);
+        }
+    });
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("first line");
+    let started: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: `{line}`"));
+    (ServeChild(child), started["listening"].as_str().expect("address").to_string(), rx)
+}
+
 /// Runs `command` (stdout discarded) until it ends, failing the test if
 /// that takes past `limit` (a hang): its exit status and stderr.
 pub fn ends_within(command: &mut Command, limit: Duration) -> (std::process::ExitStatus, String) {
