@@ -116,7 +116,7 @@ fn direct_product((m, n, k): (usize, usize, usize), a: Operand<'_>, b: Operand<'
     // A narrow product's transposed right-hand side is laid out on every
     // CPU, so that its bits do not depend on which kernel runs it.
     let laid;
-    let (b, b_t) = if b_t && narrow::fits(m, n, k, a_t) {
+    let (b, b_t) = if b_t && narrow::fits_laid_out(m, n, k, a_t) {
         laid = narrow::laid_out(b, n, k);
         (&laid[..], false)
     } else {

@@ -1,8 +1,8 @@
-//! The fp32 product for a narrow right-hand side: `n` ≤ 48 columns and
+//! The fp32 product for a narrow right-hand side: `n` ≤ 64 columns and
 //! `k` from 3 to 512. DIN's attention unit (a few thousand history items
-//! by `[2·d] → [36]`), the multi-task gates (`→ [experts]`), the small
-//! stacks' layers and their weights' gradients (`xᵀ·g` over a batch's rows)
-//! have these shapes, where the `gemm` crate spends as long packing and
+//! by `[2·d] → [36]`), the multi-task gates (`→ [experts]`), the experts
+//! and the small stacks' layers, and their weights' gradients (`xᵀ·g` over
+//! a batch's rows) have these shapes, where the `gemm` crate spends as long packing and
 //! dispatching as it does multiplying (its kernel ran DIN's
 //! `[3379, 16]·[16, 36]` at 70 GFLOP/s on an AVX-512 Xeon; this one at 120).
 //!
@@ -11,18 +11,26 @@
 //! one fused multiply-add a step from zero: the operations `gemm`'s kernel
 //! does for a `k` within one of its blocks (it never cuts `k` below 512),
 //! so the product has its bits (tested against it). A transposed left-hand
-//! side is read with its strides; a transposed right-hand side is laid out
-//! first, on every CPU (`gemm` would sum some such shapes as dot products
-//! in lanes: laid out, the bits are the same with this kernel or without).
+//! side is read with its strides; a transposed right-hand side of up to 48
+//! columns is laid out first, on every CPU (`gemm` would sum some such
+//! shapes as dot products in lanes: laid out, the bits are the same with
+//! this kernel or without), a wider one stays with `gemm`.
 //! A `k` below 3 and a single row, where `gemm`'s bits differ (it takes
 //! other paths), stay with it, as does every product on a CPU without
 //! AVX-512F.
 
 use rayon::prelude::*;
 
-/// The widest right-hand side taken here (three 16-lane accumulators a
-/// row): at 64 columns `gemm`'s kernel is as fast.
-const MAX_N: usize = 48;
+/// The widest right-hand side taken here (four 16-lane accumulators a
+/// row). At 64 columns this kernel is still faster than `gemm`'s where
+/// the right-hand side is stored as it is read (a Zen 4, one thread: `[128,
+/// 64]·[64, 64]` 9.2 µs against 9.8, `[64, 128]ᵀ·[128, 64]` 9.1 against
+/// 10.0, `[81, 512]ᵀ·[512, 64]` 46.5 against 48.6).
+const MAX_N: usize = 64;
+/// The widest transposed right-hand side laid out for this kernel: past
+/// it, laying `b` out costs more than the kernel saves (`[128, 64]·[64,
+/// 64]ᵀ`: 11.7 µs laid out, 11.0 in `gemm`), and `gemm` reads it as it is.
+const MAX_N_LAID_OUT: usize = 48;
 /// The most rows of a transposed left-hand side (a layer's inputs, for its
 /// weights' gradient): past it `gemm`, reading `b` once for many rows, is
 /// faster (221 rows by 32 columns: 23 µs against 28).
@@ -36,6 +44,13 @@ const ROW_BLOCK: usize = 24;
 pub(super) fn fits(m: usize, n: usize, k: usize, a_transposed: bool) -> bool {
     let rows = if a_transposed { 2..=MAX_M_TRANSPOSED } else { 2..=usize::MAX };
     rows.contains(&m) && (2..=MAX_N).contains(&n) && (3..=MAX_K).contains(&k)
+}
+
+/// Whether a product of this shape with a transposed right-hand side has
+/// it laid out for this module ([`laid_out`]); a wider one stays with
+/// `gemm`, which reads it transposed.
+pub(super) fn fits_laid_out(m: usize, n: usize, k: usize, a_transposed: bool) -> bool {
+    fits(m, n, k, a_transposed) && n <= MAX_N_LAID_OUT
 }
 
 /// `b` (`n×k` row-major, a transposed operand) laid out as `k×n`: read
@@ -117,7 +132,10 @@ fn rows_for_cpu(n: usize, k: usize, a: Lhs<'_>, first: usize, b: &[f32], out: &m
             match n.div_ceil(16) {
                 1 => x86::rows::<1, 8>((rows, n, k), a, b.as_ptr(), out.as_mut_ptr()),
                 2 => x86::rows::<2, 6>((rows, n, k), a, b.as_ptr(), out.as_mut_ptr()),
-                _ => x86::rows::<3, 6>((rows, n, k), a, b.as_ptr(), out.as_mut_ptr()),
+                3 => x86::rows::<3, 6>((rows, n, k), a, b.as_ptr(), out.as_mut_ptr()),
+                // Four rows: 16 accumulators, 4 of `b` and a broadcast in
+                // the 32 registers (six rows' 24 ran no faster).
+                _ => x86::rows::<4, 4>((rows, n, k), a, b.as_ptr(), out.as_mut_ptr()),
             }
         }
     }
@@ -315,5 +333,6 @@ mod tests {
         assert!(!fits(64, 16, MAX_K + 1, false), "gemm cuts k past 512");
         assert!(!fits(64, MAX_N + 1, 16, false) && !fits(MAX_M_TRANSPOSED + 1, 16, 16, true), "gemm is as fast");
         assert!(fits(2, 2, 3, false) && fits(5000, MAX_N, MAX_K, false) && fits(MAX_M_TRANSPOSED, 2, 3, true));
+        assert!(fits_laid_out(128, MAX_N_LAID_OUT, 64, false) && !fits_laid_out(128, MAX_N_LAID_OUT + 1, 64, false));
     }
 }

@@ -42,7 +42,7 @@ pub(super) fn share_an_input(inputs: &[&[f32]]) -> bool {
 /// kernel at each gate's `n` and at their sum, so that each column of the
 /// product side by side is the sum the gate's own product gives: AMX
 /// takes products of 16 columns or more (fewer: `vdpbf16ps`), the fp32
-/// narrow kernel up to 48 (`gemm` itself may sum a small product in
+/// narrow kernel up to 64 (`gemm` itself may sum a small product in
 /// lanes), and one column or one value along k has kernels of its own.
 /// `vdpbf16ps` (and its portable form) sums each output in one chain.
 pub(super) fn columns_alike(arith: Arith, (m, k, a_t): (usize, usize, bool), ns: &[usize]) -> bool {
@@ -246,8 +246,8 @@ mod tests {
         assert!(!columns_alike(Arith::Bf16(Bf16Path::Amx), (512, 81, false), &[5, 5, 5, 7]));
         assert!(columns_alike(Arith::Bf16(Bf16Path::Amx), (512, 81, false), &[4, 4, 4]));
         assert!(columns_alike(Arith::Bf16(Bf16Path::Amx), (512, 81, false), &[16, 20]));
-        // Past 48 columns fp32 leaves the narrow kernel for `gemm`.
-        assert!(!columns_alike(Arith::F32, (512, 81, false), &[30, 30]));
+        // Past 64 columns fp32 leaves the narrow kernel for `gemm`.
+        assert!(!columns_alike(Arith::F32, (512, 81, false), &[40, 30]));
         // The weights' gradient sums over the rows: past 512, `gemm` cuts them.
         assert!(!columns_alike(Arith::F32, (81, 1024, true), &[4, 4, 4]));
         assert_eq!(
