@@ -93,6 +93,9 @@ thread_local! {
     /// taken while in use, so a product nested in it (a rayon task run
     /// while it waits) gets a buffer of its own.
     static TRANSPOSED: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+    /// A narrow product's transposed right-hand side laid out
+    /// ([`narrow::laid_out`]), kept between products; taken while in use.
+    static LAID: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// `dst (m×n) = aᵀ·b` (`a` stored `k×m`, `b` `k×n`) as `(bᵀ·a)ᵀ`.
@@ -115,13 +118,13 @@ fn direct_product((m, n, k): (usize, usize, usize), a: Operand<'_>, b: Operand<'
     let (a, b) = (a.data, b.data);
     // A narrow product's transposed right-hand side is laid out on every
     // CPU, so that its bits do not depend on which kernel runs it.
-    let laid;
-    let (b, b_t) = if b_t && narrow::fits_laid_out(m, n, k, a_t) {
-        laid = narrow::laid_out(b, n, k);
-        (&laid[..], false)
-    } else {
-        (b, b_t)
-    };
+    if b_t && narrow::fits(m, n, k, a_t) {
+        let mut laid = LAID.take();
+        narrow::laid_out(b, n, k, &mut laid);
+        direct_product((m, n, k), Operand { data: a, transposed: a_t }, Operand::plain(&laid), dst, threads);
+        LAID.set(laid);
+        return;
+    }
     // One column is the same `k` values stored either way.
     if column::product((m, n, k), (a, a_t), b, dst, threads) {
         return;
