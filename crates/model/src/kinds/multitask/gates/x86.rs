@@ -22,6 +22,39 @@ use super::{Block, softmax_adjoint};
 /// Floats in an AVX-512 vector.
 pub(super) const LANES: usize = 16;
 
+/// A gate's mix of one row, `mix = 0 + w_0·e_0 + w_1·e_1 + …` (`e_j` the
+/// row of `outs[pool_j]` at `at`), `C` vectors wide: the portable
+/// `mix_row_of`'s operations in its order (a product, then a sum from
+/// zero, an expert at a time), its sums held in registers.
+///
+/// # Safety
+/// AVX-512F.
+#[target_feature(enable = "avx512f")]
+#[expect(unsafe_code, reason = "AVX-512 loads and stores of whole vectors inside checked slices")]
+pub(super) unsafe fn mix_row<const C: usize>(
+    mix: &mut [f32],
+    weights: &[f32],
+    pool: &[usize],
+    outs: &[&[f32]],
+    at: usize,
+) {
+    let mut acc = [_mm512_setzero_ps(); C];
+    for (&wk, &e) in weights.iter().zip(pool) {
+        let row = &outs[e][at..at + C * LANES];
+        let w = _mm512_set1_ps(wk);
+        for (c, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: `row` holds `C` vectors (sliced above).
+            let v = unsafe { _mm512_loadu_ps(row.as_ptr().add(c * LANES)) };
+            *acc = _mm512_add_ps(*acc, _mm512_mul_ps(w, v));
+        }
+    }
+    let mix = &mut mix[..C * LANES];
+    for (c, acc) in acc.iter().enumerate() {
+        // SAFETY: `mix` holds `C` vectors (sliced above).
+        unsafe { _mm512_storeu_ps(mix.as_mut_ptr().add(c * LANES), *acc) };
+    }
+}
+
 /// [`super::block_adjoint`]'s rows: every row's dots, then every row's
 /// softmax adjoints, then every row's experts (see the module's doc).
 ///
