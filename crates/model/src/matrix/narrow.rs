@@ -154,62 +154,31 @@ mod x86 {
 
     /// `laid[p·n + j] = b[j·k + p]` for `j < n`, `p < k`: 16×16 tiles, each
     /// 16 rows of `b` loaded (masked past `n` and `k`), transposed in
-    /// registers and stored as 16 rows of `laid` (masked likewise).
+    /// registers (`pairs::transpose`, the bf16 packing's) and stored as 16
+    /// rows of `laid` (masked likewise).
     ///
     /// # Safety
     /// AVX-512F; `b` readable for `n·k` values, `laid` writable for `k·n`.
     #[target_feature(enable = "avx512f")]
     #[expect(unsafe_code, reason = "AVX-512 loads and stores through raw pointers")]
     pub(super) unsafe fn transpose(b: *const f32, (n, k): (usize, usize), laid: *mut f32) {
-        let mask = |left: usize| if left >= 16 { u16::MAX } else { (1u16 << left) - 1 };
         for j0 in (0..n).step_by(16) {
-            let columns = mask(n - j0);
+            let columns = crate::pairs::lanes(n - j0);
             for p0 in (0..k).step_by(16) {
-                let along = mask(k - p0);
-                let mut r = [_mm512_setzero_ps(); 16];
+                let along = crate::pairs::lanes(k - p0);
+                // Floats moved as the dwords they are (the casts are free).
+                let mut r = [_mm512_setzero_si512(); 16];
                 for (i, r) in r.iter_mut().enumerate().take((n - j0).min(16)) {
                     // SAFETY: row `j0 + i` < n, lanes masked to `p0 + l` < k.
-                    *r = unsafe { _mm512_maskz_loadu_ps(along, b.add((j0 + i) * k + p0)) };
+                    *r = _mm512_castps_si512(unsafe { _mm512_maskz_loadu_ps(along, b.add((j0 + i) * k + p0)) });
                 }
-                let t = tile(r);
-                for (l, t) in t.iter().enumerate().take((k - p0).min(16)) {
+                crate::pairs::transpose(&mut r);
+                for (l, t) in r.iter().enumerate().take((k - p0).min(16)) {
                     // SAFETY: row `p0 + l` < k of `laid`, lanes masked to `j0 + i` < n.
-                    unsafe { _mm512_mask_storeu_ps(laid.add((p0 + l) * n + j0), columns, *t) };
+                    unsafe { _mm512_mask_storeu_ps(laid.add((p0 + l) * n + j0), columns, _mm512_castsi512_ps(*t)) };
                 }
             }
         }
-    }
-
-    /// A 16×16 tile transposed: lane `i` of output `l` is lane `l` of
-    /// input `i`. Pairs interleaved, then pairs of pairs, then 128-bit
-    /// quarters twice.
-    #[target_feature(enable = "avx512f")]
-    fn tile(r: [__m512; 16]) -> [__m512; 16] {
-        let mut t = [_mm512_setzero_ps(); 16];
-        for i in 0..8 {
-            t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-            t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-        }
-        let mut u = [_mm512_setzero_ps(); 16];
-        for i in 0..4 {
-            u[4 * i] = _mm512_shuffle_ps::<0x44>(t[4 * i], t[4 * i + 2]);
-            u[4 * i + 1] = _mm512_shuffle_ps::<0xEE>(t[4 * i], t[4 * i + 2]);
-            u[4 * i + 2] = _mm512_shuffle_ps::<0x44>(t[4 * i + 1], t[4 * i + 3]);
-            u[4 * i + 3] = _mm512_shuffle_ps::<0xEE>(t[4 * i + 1], t[4 * i + 3]);
-        }
-        let mut v = [_mm512_setzero_ps(); 16];
-        for half in [0, 8] {
-            for i in 0..4 {
-                v[half + i] = _mm512_shuffle_f32x4::<0x88>(u[half + i], u[half + 4 + i]);
-                v[half + 4 + i] = _mm512_shuffle_f32x4::<0xDD>(u[half + i], u[half + 4 + i]);
-            }
-        }
-        let mut out = [_mm512_setzero_ps(); 16];
-        for i in 0..8 {
-            out[i] = _mm512_shuffle_f32x4::<0x88>(v[i], v[8 + i]);
-            out[8 + i] = _mm512_shuffle_f32x4::<0xDD>(v[i], v[8 + i]);
-        }
-        out
     }
 
     /// `out[r] = a[r]·b` for each of `m` rows: `R` rows at a time, each
