@@ -2,8 +2,8 @@
 //! `k` from 3 to 512. DIN's attention unit (a few thousand history items
 //! by `[2·d] → [36]`), the multi-task gates (`→ [experts]`), the experts
 //! and the small stacks' layers, and their weights' gradients (`xᵀ·g` over
-//! a batch's rows) have these shapes, where the `gemm` crate spends as long packing and
-//! dispatching as it does multiplying (its kernel ran DIN's
+//! a batch's rows) have these shapes, where the `gemm` crate spends as
+//! long packing and dispatching as it does multiplying (its kernel ran DIN's
 //! `[3379, 16]·[16, 36]` at 70 GFLOP/s on an AVX-512 Xeon; this one at 120).
 //!
 //! Each output row is `R` rows' worth of accumulators held in AVX-512
