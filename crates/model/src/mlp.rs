@@ -512,7 +512,7 @@ async fn forward_into(
             // Its output is in `out`, or kept as tiles only.
         } else if rounds_operands(l.arith) {
             scratch.rounded.forward(i, (rows, l.fan_in, l.fan_out), input, w, out);
-            add_bias(out, bias, relu);
+            add_bias(shape.simd, out, bias, relu);
         } else {
             let (input, w) = (Operand::plain(input), Operand::plain(w));
             match l.arith {
@@ -524,7 +524,7 @@ async fn forward_into(
                 }
                 Arith::F32 => {
                     sgemm(rows, l.fan_out, l.fan_in, input, w, out);
-                    add_bias(out, bias, relu);
+                    add_bias(shape.simd, out, bias, relu);
                 }
             }
         }
@@ -603,7 +603,7 @@ async fn backward_into(
         && !(top == 0 && matches!(x, First::Product(_)));
     if masked_in && !premasked {
         let width = layers.last().map_or(1, |l| l.fan_out);
-        relu_mask_from(prefix(&mut g, g_len), grad_out, &scratch.output, width, scale);
+        relu_mask_from(shape.simd, prefix(&mut g, g_len), grad_out, &scratch.output, width, scale);
     } else if !read_in_place {
         prefix(&mut g, g_len).copy_from_slice(grad_out);
     }
@@ -640,7 +640,7 @@ async fn backward_into(
             if shape.activation == Activation::Relu {
                 // A kept output's gradient was masked as it was stored.
                 if relu_here && !relu_in_product && !scratch.tiles.kept(i) {
-                    relu_mask(&mut g[..g_len], out, fo, scale);
+                    relu_mask(shape.simd, &mut g[..g_len], out, fo, scale);
                 }
             } else {
                 shape.dropout.apply(scratch.draw, i, scratch.first_row * fo, &mut g[..g_len]);

@@ -3,55 +3,124 @@
 //! output gradient through its last ReLU as it writes it.
 
 use rayon::prelude::*;
+use sparrow_core::simd::Simd;
 
 use super::{First, Mlp, MlpScratch, ROWS_PER_TASK, err};
 use crate::ModelError;
+use crate::columns::avx512f;
 
-/// `out += b` a row, then ReLU where `relu`.
-pub(super) fn add_bias(out: &mut [f32], b: &[f32], relu: bool) {
+/// `out += b` a row, then ReLU where `relu`; in the AVX-512F build where
+/// `simd` allows and the CPU has it (the crate's baseline build took
+/// these passes four floats at a time).
+pub(super) fn add_bias(simd: Simd, out: &mut [f32], b: &[f32], relu: bool) {
     if b.is_empty() {
         return;
     }
+    let wide = avx512f(simd);
     out.par_chunks_mut(b.len() * ROWS_PER_TASK).for_each(|rows| {
-        for row in rows.chunks_exact_mut(b.len()) {
-            if relu {
-                row.iter_mut().zip(b).for_each(|(o, b)| *o = (*o + b).max(0.0));
-            } else {
-                row.iter_mut().zip(b).for_each(|(o, b)| *o += b);
+        #[cfg(target_arch = "x86_64")]
+        if wide {
+            #[target_feature(enable = "avx512f")]
+            fn bias_avx512(rows: &mut [f32], b: &[f32], relu: bool) {
+                bias_rows(rows, b, relu);
+            }
+            // SAFETY: `wide` is true only where AVX-512F was detected.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            return unsafe { bias_avx512(rows, b, relu) };
+        }
+        bias_rows(rows, b, relu);
+    });
+}
+
+/// [`add_bias`] of a block of rows. Loops by index, not `for_each`,
+/// whose `fold` can be compiled apart from the AVX-512 build calling it.
+#[inline(always)]
+fn bias_rows(rows: &mut [f32], b: &[f32], relu: bool) {
+    let n = b.len();
+    for row in rows.chunks_exact_mut(n) {
+        let row = &mut row[..n];
+        if relu {
+            for j in 0..n {
+                row[j] = (row[j] + b[j]).max(0.0);
+            }
+        } else {
+            for j in 0..n {
+                row[j] += b[j];
             }
         }
-    });
+    }
 }
 
 /// `g` through a ReLU whose output was `a`: zero where `a` is not
 /// positive. After dropout (`scale` ≠ 1) a dropped value is 0 too, and a
 /// kept one was multiplied by `scale`, as its gradient is here.
-pub(super) fn relu_mask(g: &mut [f32], a: &[f32], width: usize, scale: f32) {
+pub(super) fn relu_mask(simd: Simd, g: &mut [f32], a: &[f32], width: usize, scale: f32) {
     let block = width.max(1) * ROWS_PER_TASK;
-    g.par_chunks_mut(block).zip(a.par_chunks(block)).for_each(|(g, a)| through_relu(g, a, scale));
+    let wide = avx512f(simd);
+    g.par_chunks_mut(block).zip(a.par_chunks(block)).for_each(|(g, a)| {
+        #[cfg(target_arch = "x86_64")]
+        if wide {
+            #[target_feature(enable = "avx512f")]
+            fn mask_avx512(g: &mut [f32], a: &[f32], scale: f32) {
+                through_relu(g, a, scale);
+            }
+            // SAFETY: `wide` is true only where AVX-512F was detected.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            return unsafe { mask_avx512(g, a, scale) };
+        }
+        through_relu(g, a, scale);
+    });
 }
 
 /// [`relu_mask`] of a few rows, on the caller's thread.
 #[inline(always)]
 pub(crate) fn through_relu(g: &mut [f32], a: &[f32], scale: f32) {
+    let n = g.len().min(a.len());
+    let (g, a) = (&mut g[..n], &a[..n]);
     if scale == 1.0 {
-        g.iter_mut().zip(a).for_each(|(g, &a)| *g = if a > 0.0 { *g } else { 0.0 });
+        for i in 0..n {
+            g[i] = if a[i] > 0.0 { g[i] } else { 0.0 };
+        }
     } else {
-        g.iter_mut().zip(a).for_each(|(g, &a)| *g = if a > 0.0 { *g * scale } else { 0.0 });
+        for i in 0..n {
+            g[i] = if a[i] > 0.0 { g[i] * scale } else { 0.0 };
+        }
     }
 }
 
 /// [`relu_mask`] of `from`, written to `g`.
-pub(super) fn relu_mask_from(g: &mut [f32], from: &[f32], a: &[f32], width: usize, scale: f32) {
+pub(super) fn relu_mask_from(simd: Simd, g: &mut [f32], from: &[f32], a: &[f32], width: usize, scale: f32) {
     let block = width.max(1) * ROWS_PER_TASK;
+    let wide = avx512f(simd);
     g.par_chunks_mut(block).zip(from.par_chunks(block)).zip(a.par_chunks(block)).for_each(|((g, from), a)| {
-        let pairs = g.iter_mut().zip(from).zip(a);
-        if scale == 1.0 {
-            pairs.for_each(|((g, &f), &a)| *g = if a > 0.0 { f } else { 0.0 });
-        } else {
-            pairs.for_each(|((g, &f), &a)| *g = if a > 0.0 { f * scale } else { 0.0 });
+        #[cfg(target_arch = "x86_64")]
+        if wide {
+            #[target_feature(enable = "avx512f")]
+            fn mask_from_avx512(g: &mut [f32], from: &[f32], a: &[f32], scale: f32) {
+                mask_from(g, from, a, scale);
+            }
+            // SAFETY: `wide` is true only where AVX-512F was detected.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            return unsafe { mask_from_avx512(g, from, a, scale) };
         }
+        mask_from(g, from, a, scale);
     });
+}
+
+/// [`relu_mask_from`] of a block of rows.
+#[inline(always)]
+fn mask_from(g: &mut [f32], from: &[f32], a: &[f32], scale: f32) {
+    let n = g.len().min(from.len()).min(a.len());
+    let (g, from, a) = (&mut g[..n], &from[..n], &a[..n]);
+    if scale == 1.0 {
+        for i in 0..n {
+            g[i] = if a[i] > 0.0 { from[i] } else { 0.0 };
+        }
+    } else {
+        for i in 0..n {
+            g[i] = if a[i] > 0.0 { from[i] * scale } else { 0.0 };
+        }
+    }
 }
 
 impl Mlp {
@@ -138,5 +207,43 @@ mod tests {
         assert_eq!(tower.output_mask(&s), None, "no last ReLU, no mask");
         let err = tower.backward_cpu_masked(&[0.5; 8], &[1.0; 2], &mut s).expect_err("refused");
         assert!(err.to_string().contains("last ReLU"), "{err}");
+    }
+
+    /// The bias-and-ReLU pass and the masks give the portable build's bits
+    /// in the AVX-512F build (where the CPU has it), NaN, infinities and
+    /// signed zeros included, at widths of whole vectors and not, with and
+    /// without dropout's scale.
+    #[test]
+    fn the_passes_give_the_portable_bits_on_every_build() {
+        let mut rng = Rng::new(9);
+        let odd = [f32::NAN, -0.0, 0.0, f32::INFINITY, f32::NEG_INFINITY, f32::MIN_POSITIVE / 4.0];
+        let mut value = |i: usize| if i.is_multiple_of(11) { odd[i / 11 % odd.len()] } else { rng.normal() as f32 };
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for width in [1, 5, 16, 41, 64] {
+            let rows = 70;
+            let out: Vec<f32> = (0..rows * width).map(&mut value).collect();
+            let bias: Vec<f32> = (0..width).map(|i| value(i + 3)).collect();
+            let (g, a): (Vec<f32>, Vec<f32>) = (0..rows * width).map(|i| (value(i + 1), value(i + 5))).unzip();
+            for relu in [false, true] {
+                let [mut wide, mut portable] = [out.clone(), out.clone()];
+                add_bias(Simd::Auto, &mut wide, &bias, relu);
+                add_bias(Simd::Portable, &mut portable, &bias, relu);
+                assert_eq!(bits(&wide), bits(&portable), "add_bias, width {width}, relu {relu}");
+            }
+            for scale in [1.0, 1.25] {
+                let [mut wide, mut portable] = [g.clone(), g.clone()];
+                relu_mask(Simd::Auto, &mut wide, &a, width, scale);
+                relu_mask(Simd::Portable, &mut portable, &a, width, scale);
+                assert_eq!(bits(&wide), bits(&portable), "relu_mask, width {width}, scale {scale}");
+                let mut by_rows = g.clone();
+                through_relu(&mut by_rows, &a, scale);
+                assert_eq!(bits(&wide), bits(&by_rows), "relu_mask and through_relu, width {width}");
+                let [mut wide, mut portable] = [vec![7.0; g.len()], vec![7.0; g.len()]];
+                relu_mask_from(Simd::Auto, &mut wide, &g, &a, width, scale);
+                relu_mask_from(Simd::Portable, &mut portable, &g, &a, width, scale);
+                assert_eq!(bits(&wide), bits(&portable), "relu_mask_from, width {width}, scale {scale}");
+                assert_eq!(bits(&wide), bits(&by_rows), "relu_mask_from and relu_mask, width {width}");
+            }
+        }
     }
 }
