@@ -69,6 +69,29 @@ pub fn sgemm_threads(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_
     direct_product((m, n, k), a, b, dst, threads);
 }
 
+/// `dst = a·b` with each output row's `bias` added and (where `relu`) its
+/// ReLU taken, `max(v, +0)`, where the narrow kernel takes the product:
+/// as it stores each output, in place of a pass over them after it (the
+/// bits of [`sgemm`] then `v = (v + b).max(0.0)`, tested). False, and
+/// nothing written, where it does not (`a` and `b` as stored).
+pub(crate) fn sgemm_with_bias(
+    (m, n, k): (usize, usize, usize),
+    (a, b): (&[f32], &[f32]),
+    dst: &mut [f32],
+    (bias, relu): (&[f32], bool),
+) -> bool {
+    assert_eq!(a.len(), m * k, "sgemm: lhs size");
+    assert_eq!(b.len(), k * n, "sgemm: rhs size");
+    assert_eq!(dst.len(), m * n, "sgemm: dst size");
+    // `direct_product`'s way to the narrow kernel: no column kernel (it
+    // takes one column), no outer product (`k` = 1) before it.
+    if bias.len() != n || column::fits(m, n, k, false) || is_outer(m, n, k) {
+        return false;
+    }
+    let then = Epilogue { bias: Some(bias), relu };
+    narrow::product_then((m, n, k), (a, false), b, (dst, then), rayon::current_num_threads())
+}
+
 /// Whether `aᵀ·b` (a layer's weights' gradient `xᵀ·g`: `m` inputs, `n`
 /// outputs, summed over `k` rows) is computed as `(bᵀ·a)ᵀ`, with `n` and
 /// `m` swapped: where `n` is narrow, `m` a whole number of 16-lane vectors
@@ -227,6 +250,59 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+
+    /// A product with its bias added and ReLU taken as the narrow kernel
+    /// stores it has the bits of the product and then `v + b` and
+    /// `(v + b).max(0.0)` (`add_bias`'s), NaN and a sum of −0 included,
+    /// on one thread and two; a product the kernel does not take (one
+    /// column, `k` = 1, too wide, no AVX-512F) is left to the caller.
+    #[test]
+    fn a_product_with_its_bias_has_the_bits_of_the_pass_after_it() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
+        let mut taken = 0;
+        for (m, n, k) in [(7, 5, 41), (128, 64, 41), (300, 41, 64), (25, 17, 3), (2, 2, 16), (130, 33, 512)] {
+            let (mut a, b) = (values(m * k, 3), values(k * n, 4));
+            let mut bias = values(n, 5);
+            // A sum of −0 at (0, 1) (a product rounding to −0 from +0,
+            // then −0s added) and a bias of −0 there; NaN through row 1.
+            a[..k].iter_mut().for_each(|v| *v = -0.0);
+            a[0] = -1e-30;
+            let b = b.iter().enumerate().map(|(i, &v)| if i % n == 1 { 1e-30 } else { v }).collect::<Vec<_>>();
+            bias[1] = -0.0;
+            a[k] = f32::NAN;
+            for relu in [false, true] {
+                let mut want = vec![0.0f32; m * n];
+                sgemm_threads(m, n, k, Operand::plain(&a), Operand::plain(&b), &mut want, 1);
+                assert_eq!(want[1].to_bits(), (-0.0f32).to_bits(), "the case of a sum of −0");
+                for row in want.chunks_exact_mut(n) {
+                    for (v, b) in row.iter_mut().zip(&bias) {
+                        *v = if relu { (*v + b).max(0.0) } else { *v + b };
+                    }
+                }
+                for threads in [1, 2] {
+                    let mut got = vec![f32::NAN; m * n];
+                    let mut run = || sgemm_with_bias((m, n, k), (&a, &b), &mut got, (&bias, relu));
+                    let took = if threads == 1 { run() } else { pool.install(run) };
+                    assert_eq!(took, narrow_takes(m, n, k, false), "m {m} n {n} k {k}");
+                    if !took {
+                        continue;
+                    }
+                    taken += 1;
+                    for (i, (x, y)) in got.iter().zip(&want).enumerate() {
+                        let same = x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
+                        assert!(same, "m {m} n {n} k {k} relu {relu}, output {i}: {x} against {y}");
+                    }
+                }
+            }
+        }
+        assert_eq!(taken > 0, narrow::avx512f(), "products taken: {taken}");
+        let mut dst = vec![0.0f32; 400];
+        for (m, n, k) in [(400, 1, 16), (20, 20, 1), (4, 100, 4)] {
+            let (a, b, bias) = (values(m * k, 1), values(k * n, 2), values(n, 3));
+            let dst = &mut dst[..m * n];
+            assert!(!sgemm_with_bias((m, n, k), (&a, &b), dst, (&bias, true)), "m {m} n {n} k {k}: not the kernel's");
+        }
+    }
 
     /// Values with many bits set (and signed zeros), so that a reordered
     /// sum shows: the kernels' tests against `gemm`.

@@ -523,8 +523,12 @@ async fn forward_into(
                     crate::bf16::gemm_bf16_lent(path, (rows, l.fan_out, l.fan_in), (input, packed), w, out, epilogue);
                 }
                 Arith::F32 => {
-                    sgemm(rows, l.fan_out, l.fan_in, input, w, out);
-                    add_bias(shape.simd, out, bias, relu);
+                    // The narrow kernel adds the bias as it stores.
+                    let dims = (rows, l.fan_out, l.fan_in);
+                    if !crate::matrix::sgemm_with_bias(dims, (input.data, w.data), out, (bias, relu)) {
+                        sgemm(rows, l.fan_out, l.fan_in, input, w, out);
+                        add_bias(shape.simd, out, bias, relu);
+                    }
                 }
             }
         }

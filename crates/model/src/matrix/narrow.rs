@@ -22,6 +22,8 @@
 
 use rayon::prelude::*;
 
+use super::Epilogue;
+
 /// The widest right-hand side taken here (four 16-lane accumulators a
 /// row). At 64 columns this kernel is still faster than `gemm`'s (a Zen
 /// 4, one thread: `[128, 64]·[64, 64]` 9.2 µs against 9.8, `[64, 128]ᵀ·
@@ -83,16 +85,31 @@ pub(super) fn product(
     dst: &mut [f32],
     threads: usize,
 ) -> bool {
+    product_then((m, n, k), (a, a_transposed), b, (dst, Epilogue::default()), threads)
+}
+
+/// [`product`], each output through `then` as it is stored (`relu`:
+/// `max(v, +0)`, which is `Epilogue::row`'s `v > 0 ? v : 0` and
+/// `f32::max`'s bits, NaN and −0 becoming +0).
+pub(super) fn product_then(
+    (m, n, k): (usize, usize, usize),
+    (a, a_transposed): (&[f32], bool),
+    b: &[f32],
+    (dst, then): (&mut [f32], Epilogue<'_>),
+    threads: usize,
+) -> bool {
     if !fits(m, n, k, a_transposed) || !avx512f() {
         return false;
     }
+    assert!(then.bias.is_none_or(|bias| bias.len() == n), "narrow product: a bias of {n} columns");
     // Element (i, p) of op(a) sits at i·rs + p·cs.
     let lhs = if a_transposed { Lhs { data: a, rs: 1, cs: m } } else { Lhs { data: a, rs: k, cs: 1 } };
     if threads > 1 && m * n * k >= 1 << 20 {
         let rows = m.div_ceil(threads).next_multiple_of(ROW_BLOCK);
-        dst.par_chunks_mut(rows * n).enumerate().for_each(|(t, d)| rows_for_cpu(n, k, lhs, t * rows, b, d));
+        let parts = dst.par_chunks_mut(rows * n).enumerate();
+        parts.for_each(|(t, d)| rows_for_cpu(n, k, lhs, t * rows, b, (d, then)));
     } else {
-        rows_for_cpu(n, k, lhs, 0, b, dst);
+        rows_for_cpu(n, k, lhs, 0, b, (dst, then));
     }
     true
 }
@@ -113,7 +130,7 @@ pub(super) fn avx512f() -> bool {
 }
 
 /// Rows `first..` of `a` (as many as `out` holds) times `b` (`k×n`).
-fn rows_for_cpu(n: usize, k: usize, a: Lhs<'_>, first: usize, b: &[f32], out: &mut [f32]) {
+fn rows_for_cpu(n: usize, k: usize, a: Lhs<'_>, first: usize, b: &[f32], (out, then): (&mut [f32], Epilogue<'_>)) {
     assert!((1..=MAX_N).contains(&n) && k > 0, "narrow product: n {n}, k {k}");
     assert_eq!(b.len(), k * n, "narrow product: rhs size");
     assert_eq!(out.len() % n, 0, "narrow product: dst size");
@@ -130,17 +147,19 @@ fn rows_for_cpu(n: usize, k: usize, a: Lhs<'_>, first: usize, b: &[f32], out: &m
         // `(first + r)·rs + p·cs` for `r < rows`, `p < k`, whose largest is
         // `last`, asserted inside `a`; `b` at `p·n + c` for `c < n` (`b` is
         // `k×n`, asserted); and write `out` at `r·n + c` (`out` is `rows×n`).
-        // `NV` is `n`'s count of 16-lane vectors, as each kernel requires.
+        // `NV` is `n`'s count of 16-lane vectors, as each kernel requires;
+        // a bias holds `n` values (asserted by `product_then`).
         #[expect(unsafe_code, reason = "calling a target_feature kernel after run-time detection")]
         unsafe {
             let a = (a.data.as_ptr().add(first * a.rs), a.rs, a.cs);
+            let out = (out.as_mut_ptr(), then.bias.map(<[f32]>::as_ptr), then.relu);
             match n.div_ceil(16) {
-                1 => x86::rows::<1, 8>((rows, n, k), a, b.as_ptr(), out.as_mut_ptr()),
-                2 => x86::rows::<2, 6>((rows, n, k), a, b.as_ptr(), out.as_mut_ptr()),
-                3 => x86::rows::<3, 6>((rows, n, k), a, b.as_ptr(), out.as_mut_ptr()),
+                1 => x86::rows::<1, 8>((rows, n, k), a, b.as_ptr(), out),
+                2 => x86::rows::<2, 6>((rows, n, k), a, b.as_ptr(), out),
+                3 => x86::rows::<3, 6>((rows, n, k), a, b.as_ptr(), out),
                 // Four rows: 16 accumulators, 4 of `b` and a broadcast in
                 // the 32 registers (six rows' 24 ran no faster).
-                _ => x86::rows::<4, 4>((rows, n, k), a, b.as_ptr(), out.as_mut_ptr()),
+                _ => x86::rows::<4, 4>((rows, n, k), a, b.as_ptr(), out),
             }
         }
     }
@@ -188,49 +207,68 @@ mod x86 {
     /// items' gradient, 16 rows by 36 columns, spent a third of its time on
     /// its last 4 that way.
     ///
+    /// `out.1`, where given, is a bias added to each output row, and
+    /// `out.2` a ReLU after it (`max(v, +0)`), before each store.
+    ///
     /// # Safety
     /// AVX-512F; `NV = ⌈n/16⌉`; `a.0` readable at `r·a.1 + p·a.2` for
-    /// `r < m`, `p < k`; `b` at `p·n + c` and `out` writable at `r·n + c`
-    /// for `c < n`.
+    /// `r < m`, `p < k`; `b` at `p·n + c`, a bias at `c`, and `out`
+    /// writable at `r·n + c` for `c < n`.
     #[target_feature(enable = "avx512f")]
     #[expect(unsafe_code, reason = "AVX-512 loads and stores through raw pointers")]
     pub(super) unsafe fn rows<const NV: usize, const R: usize>(
         (m, n, k): (usize, usize, usize),
         (a, rs, cs): (*const f32, usize, usize),
         b: *const f32,
-        out: *mut f32,
+        (out, bias, relu): (*mut f32, Option<*const f32>, bool),
     ) {
         let tail = n - (NV - 1) * 16;
         let mut masks = [u16::MAX; NV];
         masks[NV - 1] = if tail == 16 { u16::MAX } else { (1u16 << tail) - 1 };
+        // The bias in registers, masked past `n` (zeros there go unstored).
+        let mut add = None;
+        if let Some(bias) = bias {
+            // SAFETY: the bias holds `n` values, lanes masked to them.
+            add = Some(std::array::from_fn(|v| unsafe { _mm512_maskz_loadu_ps(masks[v], bias.add(v * 16)) }));
+        }
+        let then = Store { masks, add, relu };
         const { assert!(R <= 8, "a remainder past 7 rows has no block below") };
         let full = m / R * R;
         // SAFETY: every block's rows are below `m`, as the caller
         // guarantees for `a` and `out`.
         unsafe {
             for r0 in (0..full).step_by(R) {
-                block::<NV, R>((n, k), (a.add(r0 * rs), rs, cs), b, out.add(r0 * n), masks);
+                block::<NV, R>((n, k), (a.add(r0 * rs), rs, cs), b, out.add(r0 * n), then);
             }
             let (a, out) = (a.add(full * rs), out.add(full * n));
             match m - full {
                 0 => {}
-                1 => block::<NV, 1>((n, k), (a, rs, cs), b, out, masks),
-                2 => block::<NV, 2>((n, k), (a, rs, cs), b, out, masks),
-                3 => block::<NV, 3>((n, k), (a, rs, cs), b, out, masks),
-                4 => block::<NV, 4>((n, k), (a, rs, cs), b, out, masks),
-                5 => block::<NV, 5>((n, k), (a, rs, cs), b, out, masks),
-                6 => block::<NV, 6>((n, k), (a, rs, cs), b, out, masks),
+                1 => block::<NV, 1>((n, k), (a, rs, cs), b, out, then),
+                2 => block::<NV, 2>((n, k), (a, rs, cs), b, out, then),
+                3 => block::<NV, 3>((n, k), (a, rs, cs), b, out, then),
+                4 => block::<NV, 4>((n, k), (a, rs, cs), b, out, then),
+                5 => block::<NV, 5>((n, k), (a, rs, cs), b, out, then),
+                6 => block::<NV, 6>((n, k), (a, rs, cs), b, out, then),
                 // Fewer than `R` ≤ 8 rows are left (asserted above).
-                _ => block::<NV, 7>((n, k), (a, rs, cs), b, out, masks),
+                _ => block::<NV, 7>((n, k), (a, rs, cs), b, out, then),
             }
         }
     }
 
+    /// How a block stores its rows: the vectors' lanes below `n`, then
+    /// (where given) a bias to add and a ReLU.
+    #[derive(Clone, Copy)]
+    struct Store<const NV: usize> {
+        masks: [u16; NV],
+        add: Option<[__m512; NV]>,
+        relu: bool,
+    }
+
     /// `out[r] = a[r]·b` for `R` rows, summed over `k` in order, one fused
-    /// multiply-add a step from zero.
+    /// multiply-add a step from zero, then through `then` as stored.
     ///
     /// # Safety
-    /// As [`rows`], for `m` = `R`; `masks` are the vectors' lanes below `n`.
+    /// As [`rows`], for `m` = `R`; `then.masks` are the vectors' lanes below `n`.
     #[target_feature(enable = "avx512f")]
     #[inline]
     #[expect(unsafe_code, reason = "AVX-512 loads and stores through raw pointers")]
@@ -240,8 +278,9 @@ mod x86 {
         (a, rs, cs): (*const f32, usize, usize),
         b: *const f32,
         out: *mut f32,
-        masks: [u16; NV],
+        then: Store<NV>,
     ) {
+        let masks = then.masks;
         // SAFETY: the rows read and written are below `R` and `p < k`,
         // within what the caller guarantees; `b`'s and `out`'s lanes at or
         // past `n` are masked off (not accessed).
@@ -261,7 +300,16 @@ mod x86 {
             }
             for r in 0..R {
                 for v in 0..NV {
-                    _mm512_mask_storeu_ps(out.add(r * n + v * 16), masks[v], acc[r][v]);
+                    let mut sum = acc[r][v];
+                    if let Some(add) = then.add {
+                        sum = _mm512_add_ps(sum, add[v]);
+                    }
+                    if then.relu {
+                        // +0 where `sum` is NaN or either zero: `vmaxps`
+                        // returns its second operand there, as `f32::max`.
+                        sum = _mm512_max_ps(sum, _mm512_setzero_ps());
+                    }
+                    _mm512_mask_storeu_ps(out.add(r * n + v * 16), masks[v], sum);
                 }
             }
         }
