@@ -32,20 +32,18 @@ pub(super) fn add_bias(simd: Simd, out: &mut [f32], b: &[f32], relu: bool) {
     });
 }
 
-/// [`add_bias`] of a block of rows. Loops by index, not `for_each`,
-/// whose `fold` can be compiled apart from the AVX-512 build calling it.
+/// [`add_bias`] of a block of rows, in `for` loops (no `for_each`, whose
+/// `fold` can be compiled apart from the AVX-512 build calling it).
 #[inline(always)]
 fn bias_rows(rows: &mut [f32], b: &[f32], relu: bool) {
-    let n = b.len();
-    for row in rows.chunks_exact_mut(n) {
-        let row = &mut row[..n];
+    for row in rows.chunks_exact_mut(b.len()) {
         if relu {
-            for j in 0..n {
-                row[j] = (row[j] + b[j]).max(0.0);
+            for (o, b) in row.iter_mut().zip(b) {
+                *o = (*o + b).max(0.0);
             }
         } else {
-            for j in 0..n {
-                row[j] += b[j];
+            for (o, b) in row.iter_mut().zip(b) {
+                *o += b;
             }
         }
     }
@@ -72,18 +70,19 @@ pub(super) fn relu_mask(simd: Simd, g: &mut [f32], a: &[f32], width: usize, scal
     });
 }
 
-/// [`relu_mask`] of a few rows, on the caller's thread.
+/// [`relu_mask`] of a few rows, on the caller's thread. `for` loops over
+/// the pairs: vectorized in either build (indexing them was not, in the
+/// baseline build), and no `for_each` whose `fold` may be compiled apart
+/// from an AVX-512 caller.
 #[inline(always)]
 pub(crate) fn through_relu(g: &mut [f32], a: &[f32], scale: f32) {
-    let n = g.len().min(a.len());
-    let (g, a) = (&mut g[..n], &a[..n]);
     if scale == 1.0 {
-        for i in 0..n {
-            g[i] = if a[i] > 0.0 { g[i] } else { 0.0 };
+        for (g, &a) in g.iter_mut().zip(a) {
+            *g = if a > 0.0 { *g } else { 0.0 };
         }
     } else {
-        for i in 0..n {
-            g[i] = if a[i] > 0.0 { g[i] * scale } else { 0.0 };
+        for (g, &a) in g.iter_mut().zip(a) {
+            *g = if a > 0.0 { *g * scale } else { 0.0 };
         }
     }
 }
@@ -110,15 +109,14 @@ pub(super) fn relu_mask_from(simd: Simd, g: &mut [f32], from: &[f32], a: &[f32],
 /// [`relu_mask_from`] of a block of rows.
 #[inline(always)]
 fn mask_from(g: &mut [f32], from: &[f32], a: &[f32], scale: f32) {
-    let n = g.len().min(from.len()).min(a.len());
-    let (g, from, a) = (&mut g[..n], &from[..n], &a[..n]);
+    let pairs = g.iter_mut().zip(from).zip(a);
     if scale == 1.0 {
-        for i in 0..n {
-            g[i] = if a[i] > 0.0 { from[i] } else { 0.0 };
+        for ((g, &f), &a) in pairs {
+            *g = if a > 0.0 { f } else { 0.0 };
         }
     } else {
-        for i in 0..n {
-            g[i] = if a[i] > 0.0 { from[i] * scale } else { 0.0 };
+        for ((g, &f), &a) in pairs {
+            *g = if a > 0.0 { f * scale } else { 0.0 };
         }
     }
 }
