@@ -473,7 +473,7 @@ impl MultiTask {
         for (tower, s) in self.towers.iter().zip(&m.towers) {
             let o = tower.outputs();
             for (row, out) in logits.chunks_exact_mut(outputs).zip(s.output.chunks_exact(o)) {
-                row[offset..offset + o].copy_from_slice(out);
+                gates::copy_few(&mut row[offset..offset + o], out);
             }
             offset += o;
         }
@@ -551,8 +551,13 @@ impl MultiTask {
             grad_x.clear();
             grad_x.extend(a.iter().zip(b).map(|(a, b)| a + b));
         } else if !self.levels.is_empty() {
-            // The top level's mixes are the towers' inputs; it has no shared mix.
-            m.d_inputs.resize_with(tasks, Vec::new);
+            // The top level's mixes are the towers' inputs; it has no shared
+            // mix. A buffer past the tasks' (the shared input's gradient
+            // of the step before) stays, unread here, for the level below
+            // to refill: dropped, it was allocated and zeroed again a step.
+            if m.d_inputs.len() < tasks {
+                m.d_inputs.resize_with(tasks, Vec::new);
+            }
             // Taken, not copied: the tower's next backward pass refills
             // the buffer it gets back.
             for (d, t) in m.d_inputs.iter_mut().zip(&mut m.towers) {

@@ -14,6 +14,7 @@
 
 use rayon::prelude::*;
 
+use super::gates::copy_few;
 use crate::amx;
 use crate::bf16::{Arith, Bf16Path};
 use crate::matrix::{Operand, narrow_takes};
@@ -63,8 +64,8 @@ pub(super) fn columns_alike(arith: Arith, (m, k, a_t): (usize, usize, bool), ns:
 fn columns(to: &mut [f32], width: usize, from: &mut [f32], (at, k): (usize, usize), back: bool) {
     for (wide, narrow) in to.chunks_exact_mut(width).zip(from.chunks_exact_mut(k)) {
         match back {
-            false => wide[at..at + k].copy_from_slice(narrow),
-            true => narrow.copy_from_slice(&wide[at..at + k]),
+            false => copy_few(&mut wide[at..at + k], narrow),
+            true => copy_few(narrow, &wide[at..at + k]),
         }
     }
 }
@@ -78,7 +79,7 @@ impl SideBySide {
         for &(w, k) in weights {
             assert_eq!(w.len(), fan_in * k, "a gate's weights are not [{fan_in}, {k}]");
             for (wide, row) in laid.chunks_exact_mut(width).zip(w.chunks_exact(k)) {
-                wide[at..at + k].copy_from_slice(row);
+                copy_few(&mut wide[at..at + k], row);
             }
             at += k;
         }

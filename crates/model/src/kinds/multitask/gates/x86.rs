@@ -92,7 +92,7 @@ pub(super) unsafe fn block_adjoint(block: &Block<'_>, dls: &mut [&mut [f32]], de
                         _ => dots4(a, [b(0)], width),
                     }
                 };
-                dl.copy_from_slice(&dots[..dl.len()]);
+                super::copy_few(dl, &dots[..dl.len()]);
             }
         }
     }
