@@ -709,6 +709,35 @@ mod tests {
         }
     }
 
+    /// Gates of seven, eight and eleven experts (a group of eight dots and
+    /// one of three) at a width of whole vectors: the AVX-512 build's bits
+    /// are the portable build's (the same where the CPU lacks AVX-512F).
+    #[test]
+    fn gates_of_more_than_a_group_of_dots_give_the_portable_bits() {
+        let mut rng = Rng::new(13);
+        let (rows, width) = (70, 32);
+        let pools: [&[usize]; 3] =
+            [&[6, 0, 1, 2, 3, 4, 5], &[7, 1, 0, 3, 2, 5, 4, 6], &[10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0]];
+        let outs: Vec<Vec<f32>> = (0..11).map(|_| values(rows * width, &mut rng)).collect();
+        let outs: Vec<&[f32]> = outs.iter().map(|o| &o[..]).collect();
+        let weights: Vec<Vec<f32>> = pools.iter().map(|p| values(rows * p.len(), &mut rng)).collect();
+        let d_mixes: Vec<Vec<f32>> = pools.iter().map(|_| values(rows * width, &mut rng)).collect();
+        let masks = [Some(1.0); 11];
+        let run = |simd: Simd| {
+            let mut d_logits: Vec<Vec<f32>> = pools.iter().map(|p| vec![0.0; rows * p.len()]).collect();
+            let mut d_experts = vec![Vec::new(); 11];
+            let backward = (d_logits.iter_mut().zip(&weights).zip(&d_mixes).zip(pools))
+                .map(|(((d_logits, weights), d_mix), pool)| GateBackward { weights, d_mix, pool, d_logits })
+                .collect();
+            adjoint(simd, (&outs, &masks), width, backward, &mut d_experts);
+            let bits = |v: &[Vec<f32>]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+            (bits(&d_logits), bits(&d_experts))
+        };
+        let (auto, portable) = (run(Simd::Auto), run(Simd::Portable));
+        assert_eq!(auto.0, portable.0, "the gates' logits' gradients");
+        assert_eq!(auto.1, portable.1, "the experts' output gradients");
+    }
+
     /// A batch of no rows leaves every pooled expert's gradient empty, not
     /// as long as a larger batch left it.
     #[test]

@@ -1,10 +1,12 @@
 //! The gates' adjoint in the AVX-512F build, with the portable code's bits
 //! (`block_adjoint`), in three passes over a task's rows:
-//! - each gate's dots, four of its experts at a time, each still multiplied
-//!   then added in eight lanes and its lanes summed in `dot`'s order: the
-//!   gate's row of `d_mix` read once for the four, and the four dots' lanes
+//! - each gate's dots, up to eight of its experts at a time, each still
+//!   multiplied then added in eight lanes and its lanes summed in `dot`'s
+//!   order: the gate's row of `d_mix` read once for them, and their lanes
 //!   transposed so that each step of their sum is one vector add (a dot's
-//!   lanes summed through memory, one at a time, were half the dots' time);
+//!   lanes summed through memory, one at a time, were half the dots' time;
+//!   four at a time, PLE's gates of five and seven took two groups each,
+//!   the second of one or three dots, and the adjoint 3–4% longer);
 //! - each row's softmax adjoint, a row's short scalar chains independent of
 //!   the next row's (after each row's own dots, they waited on them);
 //! - each expert's row, summed over the gates that pool it in registers, in
@@ -77,19 +79,22 @@ pub(super) unsafe fn block_adjoint(block: &Block<'_>, dls: &mut [&mut [f32]], de
             let dl = &mut dl[r * k..(r + 1) * k];
             // SAFETY: row < end (asserted above).
             let a = unsafe { d_mix.as_ptr().add(row * width) };
-            // A gate's experts four at a time, `d_mix`'s row read once for
-            // them; a group of fewer computes only its own (PLE's gates of
-            // five took eight dots' work where they padded a group).
-            for (group, dl) in pool.chunks(4).zip(dl.chunks_mut(4)) {
+            // A gate's experts eight at a time, `d_mix`'s row read once for
+            // them; a group of fewer multiplies only its own.
+            for (group, dl) in pool.chunks(8).zip(dl.chunks_mut(8)) {
                 // SAFETY: row < end; each pooled expert's output holds `end` rows.
                 let b = |i: usize| unsafe { outs[group[i]].as_ptr().add(row * width) };
                 // SAFETY: each pointer starts `width` floats (asserted above).
                 let dots = unsafe {
                     match group.len() {
-                        4 => dots4(a, [b(0), b(1), b(2), b(3)], width),
-                        3 => dots4(a, [b(0), b(1), b(2)], width),
-                        2 => dots4(a, [b(0), b(1)], width),
-                        _ => dots4(a, [b(0)], width),
+                        8 => dots8(a, [b(0), b(1), b(2), b(3), b(4), b(5), b(6), b(7)], width),
+                        7 => dots8(a, [b(0), b(1), b(2), b(3), b(4), b(5), b(6)], width),
+                        6 => dots8(a, [b(0), b(1), b(2), b(3), b(4), b(5)], width),
+                        5 => dots8(a, [b(0), b(1), b(2), b(3), b(4)], width),
+                        4 => dots8(a, [b(0), b(1), b(2), b(3)], width),
+                        3 => dots8(a, [b(0), b(1), b(2)], width),
+                        2 => dots8(a, [b(0), b(1)], width),
+                        _ => dots8(a, [b(0)], width),
                     }
                 };
                 super::copy_few(dl, &dots[..dl.len()]);
@@ -134,11 +139,11 @@ pub(super) unsafe fn block_adjoint(block: &Block<'_>, dls: &mut [&mut [f32]], de
     }
 }
 
-/// `N` (1 to 4) [`dot`](crate::matrix::dot)s of `width` floats, `a`'s
+/// `N` (1 to 8) [`dot`](crate::matrix::dot)s of `width` floats, `a`'s
 /// with each `b[i]`'s, each with its bits: eight lanes multiplied then
 /// added, the lanes summed in order (`((l0 + l1) + l2) + … + l7`, what
 /// `Iterator::sum`'s start from −0 gives; `dot`'s tail is empty), in the
-/// first `N` of the four floats returned. `a` is read once for them, and
+/// first `N` of the eight floats returned. `a` is read once for them, and
 /// their lanes are transposed (with zeros past `N`) so that each step of
 /// the lanes' sum is one add for all of them.
 ///
@@ -148,10 +153,10 @@ pub(super) unsafe fn block_adjoint(block: &Block<'_>, dls: &mut [&mut [f32]], de
 #[inline]
 #[target_feature(enable = "avx512f")]
 #[expect(unsafe_code, reason = "AVX loads through raw pointers")]
-unsafe fn dots4<const N: usize>(a: *const f32, b: [*const f32; N], width: usize) -> [f32; 4] {
-    const { assert!(N >= 1 && N <= 4, "dots4: one to four dots") };
-    debug_assert!(width.is_multiple_of(8), "dots4: whole lanes");
-    let mut l = [_mm256_setzero_ps(); 4];
+unsafe fn dots8<const N: usize>(a: *const f32, b: [*const f32; N], width: usize) -> [f32; 8] {
+    const { assert!(N >= 1 && N <= 8, "dots8: one to eight dots") };
+    debug_assert!(width.is_multiple_of(8), "dots8: whole lanes");
+    let mut l = [_mm256_setzero_ps(); 8];
     let mut c = 0;
     while c < width {
         // SAFETY: `c + 8 <= width`.
@@ -162,22 +167,29 @@ unsafe fn dots4<const N: usize>(a: *const f32, b: [*const f32; N], width: usize)
         }
         c += 8;
     }
-    // `lane[j]` holds lane j of each dot in its low half, j + 4 in its high.
-    let (t0, t1) = (_mm256_unpacklo_ps(l[0], l[1]), _mm256_unpackhi_ps(l[0], l[1]));
-    let (t2, t3) = (_mm256_unpacklo_ps(l[2], l[3]), _mm256_unpackhi_ps(l[2], l[3]));
-    let lane = [
-        _mm256_shuffle_ps::<0x44>(t0, t2),
-        _mm256_shuffle_ps::<0xEE>(t0, t2),
-        _mm256_shuffle_ps::<0x44>(t1, t3),
-        _mm256_shuffle_ps::<0xEE>(t1, t3),
+    // `t`: pairs of dots' lanes interleaved. `q[j]` (j < 4): lane j of
+    // dots 0–3 in its low half, lane j + 4 in its high; `q[j + 4]` the
+    // same for dots 4–7.
+    let t = [0, 2, 4, 6].map(|i| (_mm256_unpacklo_ps(l[i], l[i + 1]), _mm256_unpackhi_ps(l[i], l[i + 1])));
+    let q = [
+        _mm256_shuffle_ps::<0x44>(t[0].0, t[1].0),
+        _mm256_shuffle_ps::<0xEE>(t[0].0, t[1].0),
+        _mm256_shuffle_ps::<0x44>(t[0].1, t[1].1),
+        _mm256_shuffle_ps::<0xEE>(t[0].1, t[1].1),
+        _mm256_shuffle_ps::<0x44>(t[2].0, t[3].0),
+        _mm256_shuffle_ps::<0xEE>(t[2].0, t[3].0),
+        _mm256_shuffle_ps::<0x44>(t[2].1, t[3].1),
+        _mm256_shuffle_ps::<0xEE>(t[2].1, t[3].1),
     ];
-    let low = lane.map(|v| _mm256_castps256_ps128(v));
-    let high = lane.map(|v| _mm256_extractf128_ps::<1>(v));
+    // `lane[j]`: lane j of every dot.
+    let low = |j: usize| _mm256_permute2f128_ps::<0x20>(q[j], q[j + 4]);
+    let high = |j: usize| _mm256_permute2f128_ps::<0x31>(q[j], q[j + 4]);
+    let lane = [low(0), low(1), low(2), low(3), high(0), high(1), high(2), high(3)];
     // −0 + l0 is l0, bit for bit: the sum may start from lane 0.
-    let sum = low[1..].iter().chain(&high).fold(low[0], |s, &v| _mm_add_ps(s, v));
-    let mut out = [0.0f32; 4];
-    // SAFETY: `out` holds four floats.
-    unsafe { _mm_storeu_ps(out.as_mut_ptr(), sum) };
+    let sum = lane[1..].iter().fold(lane[0], |s, &v| _mm256_add_ps(s, v));
+    let mut out = [0.0f32; 8];
+    // SAFETY: `out` holds eight floats.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), sum) };
     out
 }
 
@@ -260,5 +272,49 @@ unsafe fn expert_vectors<const N: usize>(
         }
         // SAFETY: `at + LANES <= de.len()`.
         unsafe { _mm512_storeu_ps(de.as_mut_ptr().add(at), sum) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sparrow_core::rng::Rng;
+
+    /// One to eight dots at once, at widths of one to eight lane groups:
+    /// each the bits of `dot` on the same rows (where the CPU has AVX-512F;
+    /// elsewhere the kernel cannot run and the portable build is the one).
+    #[test]
+    fn up_to_eight_dots_at_once_have_the_bits_of_dot() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            eprintln!("no AVX-512F here: dots8 is not taken");
+            return;
+        }
+        let mut rng = Rng::new(5);
+        for width in (8..=64).step_by(8) {
+            let a: Vec<f32> = (0..width).map(|_| rng.uniform(-3.0, 3.0) as f32).collect();
+            let b: Vec<Vec<f32>> =
+                (0..8).map(|_| (0..width).map(|_| rng.uniform(-3.0, 3.0) as f32).collect()).collect();
+            let p: Vec<*const f32> = b.iter().map(|b| b.as_ptr()).collect();
+            // SAFETY: the CPU has AVX-512F (checked above); every row holds `width` floats, a multiple of 8.
+            #[expect(unsafe_code, reason = "calling the kernel under test")]
+            let got: Vec<[f32; 8]> = unsafe {
+                vec![
+                    dots8(a.as_ptr(), [p[0]], width),
+                    dots8(a.as_ptr(), [p[0], p[1]], width),
+                    dots8(a.as_ptr(), [p[0], p[1], p[2]], width),
+                    dots8(a.as_ptr(), [p[0], p[1], p[2], p[3]], width),
+                    dots8(a.as_ptr(), [p[0], p[1], p[2], p[3], p[4]], width),
+                    dots8(a.as_ptr(), [p[0], p[1], p[2], p[3], p[4], p[5]], width),
+                    dots8(a.as_ptr(), [p[0], p[1], p[2], p[3], p[4], p[5], p[6]], width),
+                    dots8(a.as_ptr(), [p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]], width),
+                ]
+            };
+            for (n, got) in got.iter().enumerate() {
+                for (i, b) in b.iter().enumerate().take(n + 1) {
+                    let expected = crate::matrix::dot(&a, b);
+                    assert_eq!(got[i].to_bits(), expected.to_bits(), "dot {i} of {}, width {width}", n + 1);
+                }
+            }
+        }
     }
 }
