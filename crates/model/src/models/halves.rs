@@ -25,6 +25,8 @@
 //! own rows, and so it gives the step's logits bit for bit (where the step
 //! normalized by nothing of the batch).
 
+use rayon::prelude::*;
+
 use super::DenseModel;
 use crate::ModelError;
 use crate::kinds::{At, Direct, Grads};
@@ -234,14 +236,14 @@ fn join_item_grads(mine: &mut [Vec<f32>], theirs: &[Vec<f32>], split: Split, wid
 }
 
 /// `grads += theirs`, parameter by parameter (a parameter only one half
-/// has a gradient for takes that one).
+/// has a gradient for takes that one), the parameters side by side on the
+/// caller's pool: one thread summed PLE's 56k weights while the other
+/// waited.
 fn add_into(grads: &mut DenseGrads, theirs: &DenseGrads) {
-    for (mine, theirs) in grads.grads.iter_mut().zip(&theirs.grads) {
-        match (mine, theirs) {
-            (Some(mine), Some(theirs)) => mine.iter_mut().zip(theirs).for_each(|(m, t)| *m += t),
-            (mine @ None, Some(theirs)) => *mine = Some(theirs.clone()),
-            (_, None) => {}
-        }
-    }
+    grads.grads.par_iter_mut().zip(&theirs.grads).for_each(|(mine, theirs)| match (mine, theirs) {
+        (Some(mine), Some(theirs)) => mine.iter_mut().zip(theirs).for_each(|(m, t)| *m += t),
+        (mine @ None, Some(theirs)) => *mine = Some(theirs.clone()),
+        (_, None) => {}
+    });
     grads.rows += theirs.rows;
 }
