@@ -26,6 +26,7 @@ mod meet;
 pub mod mlp;
 pub mod models;
 pub mod optimizer;
+mod own_threads;
 #[cfg(target_arch = "x86_64")]
 mod pairs;
 pub mod params;

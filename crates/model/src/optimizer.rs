@@ -13,6 +13,7 @@ use sparrow_core::config::{DenseOptimizerConfig, DenseOptimizerKind, ScheduleCon
 use sparrow_core::simd::Simd;
 
 use crate::ModelError;
+use crate::own_threads::on_own_threads;
 use crate::params::ParamStore;
 
 /// One batch's dense gradients: per parameter in [`ParamStore`] order, the
@@ -32,17 +33,18 @@ impl DenseGrads {
     }
 
     /// `Err(NonFinite)` naming the first parameter whose gradient is not
-    /// finite. The parameters are read side by side on the caller's pool:
-    /// the multi-task kinds' hundred-odd small ones were read on one thread
-    /// while the other waited.
+    /// finite. Each parameter is read on its own thread of the caller's
+    /// pool (`own_threads.rs`): the multi-task kinds' hundred-odd small
+    /// ones were read on one thread while the other waited.
     pub fn check_finite(&self, simd: Simd, params: &ParamStore) -> Result<(), ModelError> {
-        let first_bad = (params.vars().par_iter().zip(&self.grads).enumerate())
-            .filter_map(|(i, ((name, _), g))| {
-                let g = g.as_ref()?;
-                check_finite(simd, g, || format!("gradient of dense parameter `{name}`")).err().map(|e| (i, e))
-            })
-            .min_by_key(|(i, _)| *i);
-        first_bad.map_or(Ok(()), |(_, e)| Err(e))
+        let sizes: Vec<usize> = params.vars().iter().map(|(_, v)| v.elem_count()).collect();
+        let jobs: Vec<_> = (params.vars().iter().zip(&self.grads).enumerate())
+            .filter_map(|(i, ((name, _), g))| Some((i, (name, g.as_ref()?))))
+            .collect();
+        let checked = on_own_threads(&sizes, jobs, |(name, g)| {
+            check_finite(simd, g, || format!("gradient of dense parameter `{name}`"))
+        });
+        checked.into_iter().collect()
     }
 
     /// Every parameter's gradient of the summed loss (rows × mean), flattened
@@ -373,17 +375,19 @@ impl DenseOptimizer {
         // the caller's pool, and a large one is split in chunks too. Each
         // weight's update is its own, so the bits do not depend on which
         // thread runs it.
-        jobs.into_par_iter()
-            .map(|(index, var, g, moments)| {
-                // A running statistic follows its batch values, at no rate.
-                if let Some(m) = params.statistic_momentum(index) {
-                    update_in_place(var, |w| w.iter_mut().zip(&g).for_each(|(w, b)| *w = (1.0 - m) * *w + m * b))?;
-                    return Ok(g);
-                }
-                update_in_place(var, |w| update_weights(w, &g, moments, step, simd))?;
-                Ok(g)
-            })
-            .collect()
+        // Each on the thread that updated it the step before (`own_threads.rs`).
+        let sizes: Vec<usize> = params.vars().iter().map(|(_, v)| v.elem_count()).collect();
+        let jobs = jobs.into_iter().map(|job| (job.0, job)).collect();
+        let updated = on_own_threads(&sizes, jobs, |(index, var, g, moments)| {
+            // A running statistic follows its batch values, at no rate.
+            if let Some(m) = params.statistic_momentum(index) {
+                update_in_place(var, |w| w.iter_mut().zip(&g).for_each(|(w, b)| *w = (1.0 - m) * *w + m * b))?;
+                return Ok(g);
+            }
+            update_in_place(var, |w| update_weights(w, &g, moments, step, simd))?;
+            Ok(g)
+        });
+        updated.into_iter().collect()
     }
 
     /// The first parameter or optimizer moment holding a NaN or an infinity,

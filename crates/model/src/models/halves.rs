@@ -25,13 +25,12 @@
 //! own rows, and so it gives the step's logits bit for bit (where the step
 //! normalized by nothing of the batch).
 
-use rayon::prelude::*;
-
 use super::DenseModel;
 use crate::ModelError;
 use crate::kinds::{At, Direct, Grads};
 use crate::meet::{self, Meeting, Side};
 use crate::optimizer::DenseGrads;
+use crate::own_threads::on_own_threads;
 use crate::step::{Scratch, Sequences};
 
 /// The rows of the first half of a batch of `rows` (the second has the rest).
@@ -134,7 +133,8 @@ impl DenseModel {
             let mut grads = self.in_param_order(grads, first);
             let theirs = self.in_param_order(theirs, rows - first);
             logits.extend_from_slice(&their_logits);
-            add_into(&mut grads, &theirs);
+            let sizes: Vec<usize> = self.params.vars().iter().map(|(_, v)| v.elem_count()).collect();
+            add_into(&sizes, &mut grads, &theirs);
             s.grad_x.truncate(first * stride);
             s.grad_x.extend_from_slice(&second.grad_x);
             join_item_grads(&mut s.item_grads, &second.item_grads, split, self.width());
@@ -236,11 +236,12 @@ fn join_item_grads(mine: &mut [Vec<f32>], theirs: &[Vec<f32>], split: Split, wid
 }
 
 /// `grads += theirs`, parameter by parameter (a parameter only one half
-/// has a gradient for takes that one), the parameters side by side on the
-/// caller's pool: one thread summed PLE's 56k weights while the other
-/// waited.
-fn add_into(grads: &mut DenseGrads, theirs: &DenseGrads) {
-    grads.grads.par_iter_mut().zip(&theirs.grads).for_each(|(mine, theirs)| match (mine, theirs) {
+/// has a gradient for takes that one), each on its own thread of the
+/// caller's pool (`own_threads.rs`), the one its Adam step runs on: one
+/// thread summed PLE's 56k weights while the other waited.
+fn add_into(sizes: &[usize], grads: &mut DenseGrads, theirs: &DenseGrads) {
+    let jobs = grads.grads.iter_mut().zip(&theirs.grads).enumerate().collect();
+    on_own_threads(sizes, jobs, |(mine, theirs)| match (mine, theirs) {
         (Some(mine), Some(theirs)) => mine.iter_mut().zip(theirs).for_each(|(m, t)| *m += t),
         (mine @ None, Some(theirs)) => *mine = Some(theirs.clone()),
         (_, None) => {}
