@@ -562,6 +562,12 @@ mod tests {
         }
     }
 
+    /// A step at the default betas and eps: `lr`, (coupled L2, decoupled
+    /// decay factor), the bias corrections.
+    fn default_betas(lr: f32, (wd, decay): (f32, f32), (c1, c2): (f32, f32)) -> AdamStep {
+        AdamStep { lr, wd, decay, b1: 0.9, b2: 0.999, eps: 1e-8, c1, c2, v_floor: AdamStep::v_floor(1e-8, c2) }
+    }
+
     /// The loop without a bias correction of 1 gives the bits of Adam's
     /// whole formula (each correction divided by), on every build, at
     /// corrections of 1 and not; and f32's corrections are 1 from the
@@ -587,17 +593,7 @@ mod tests {
         };
         for t in [3, 164, 165, 5_000, 17_320, 17_321, 40_000] {
             let (c1, c2) = (c(0.9, t), c(0.999, t));
-            let k = AdamStep {
-                lr: 0.001,
-                wd: 0.01,
-                decay: 1.0,
-                b1: 0.9,
-                b2: 0.999,
-                eps: 1e-8,
-                c1,
-                c2,
-                v_floor: AdamStep::v_floor(1e-8, c2),
-            };
+            let k = default_betas(0.001, (0.01, 1.0), (c1, c2));
             let (w, g, m) = (values(1037, 1.0), values(1037, 1e-3), values(1037, 1e-4));
             let v: Vec<f32> = values(1037, 1e-6).iter().map(|x| x * x).collect();
             let (mut w0, mut m0, mut v0) = (w.clone(), m.clone(), v.clone());
@@ -737,17 +733,7 @@ mod tests {
                     let (c1, c2) = (1.0 - 0.9f64.powi(t) as f32, 1.0 - 0.999f64.powi(t) as f32);
                     let (wd, decay) =
                         if kind == DenseOptimizerKind::AdamW { (0.0, 1.0 - lr * 0.01) } else { (0.01, 1.0) };
-                    let k = AdamStep {
-                        lr,
-                        wd,
-                        decay,
-                        b1: 0.9,
-                        b2: 0.999,
-                        eps: 1e-8,
-                        c1,
-                        c2,
-                        v_floor: AdamStep::v_floor(1e-8, c2),
-                    };
+                    let k = default_betas(lr, (wd, decay), (c1, c2));
                     let (m, v) = &mut moments[p];
                     adam(k, w, &g, m, v);
                 }
