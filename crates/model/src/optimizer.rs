@@ -13,7 +13,7 @@ use sparrow_core::config::{DenseOptimizerConfig, DenseOptimizerKind, ScheduleCon
 use sparrow_core::simd::Simd;
 
 use crate::ModelError;
-use crate::own_threads::on_own_threads;
+use crate::own_threads::{on_own_threads, param_sizes};
 use crate::params::ParamStore;
 
 /// One batch's dense gradients: per parameter in [`ParamStore`] order, the
@@ -37,11 +37,10 @@ impl DenseGrads {
     /// pool (`own_threads.rs`): the multi-task kinds' hundred-odd small
     /// ones were read on one thread while the other waited.
     pub fn check_finite(&self, simd: Simd, params: &ParamStore) -> Result<(), ModelError> {
-        let sizes: Vec<usize> = params.vars().iter().map(|(_, v)| v.elem_count()).collect();
         let jobs: Vec<_> = (params.vars().iter().zip(&self.grads).enumerate())
             .filter_map(|(i, ((name, _), g))| Some((i, (name, g.as_ref()?))))
             .collect();
-        let checked = on_own_threads(&sizes, jobs, |(name, g)| {
+        let checked = on_own_threads(&param_sizes(params), jobs, |(name, g)| {
             check_finite(simd, g, || format!("gradient of dense parameter `{name}`"))
         });
         checked.into_iter().collect()
@@ -371,14 +370,12 @@ impl DenseOptimizer {
         let step = AdamStep { lr, wd, decay, b1, b2, eps, c1, c2, v_floor };
         // A model of many small parameters (the multi-task kinds' experts,
         // gates and towers: a few thousand weights each) had them updated
-        // one after another on one thread; each parameter now is a job of
-        // the caller's pool, and a large one is split in chunks too. Each
-        // weight's update is its own, so the bits do not depend on which
-        // thread runs it.
-        // Each on the thread that updated it the step before (`own_threads.rs`).
-        let sizes: Vec<usize> = params.vars().iter().map(|(_, v)| v.elem_count()).collect();
+        // one after another on one thread; each parameter now is a job on
+        // the pool thread that updated it the step before (`own_threads.rs`),
+        // and a large one is split in chunks too. Each weight's update is
+        // its own, so the bits do not depend on which thread runs it.
         let jobs = jobs.into_iter().map(|job| (job.0, job)).collect();
-        let updated = on_own_threads(&sizes, jobs, |(index, var, g, moments)| {
+        let updated = on_own_threads(&param_sizes(params), jobs, |(index, var, g, moments)| {
             // A running statistic follows its batch values, at no rate.
             if let Some(m) = params.statistic_momentum(index) {
                 update_in_place(var, |w| w.iter_mut().zip(&g).for_each(|(w, b)| *w = (1.0 - m) * *w + m * b))?;
@@ -496,6 +493,16 @@ mod tests {
                     let err = got.expect_err("a bad gradient").to_string();
                     assert!(err.contains(&format!("`p{first}`")), "{bad:?}: {err}");
                 }
+            }
+            if !bad.is_empty() {
+                // Nothing moves: not the weights, not the optimizer's step.
+                let mut opt =
+                    super::DenseOptimizer::new(sparrow_core::config::DenseOptimizerConfig::default(), Simd::Auto);
+                let before = params.vars()[1].1.as_tensor().flatten_all().and_then(|t| t.to_vec1::<f32>());
+                assert!(pool.install(|| opt.apply(&params, grads.clone())).is_err(), "{bad:?}: refused");
+                let after = params.vars()[1].1.as_tensor().flatten_all().and_then(|t| t.to_vec1::<f32>());
+                assert_eq!(before.expect("values"), after.expect("values"), "{bad:?}: weights kept");
+                assert_eq!((opt.step, opt.moments.len()), (0, 0), "{bad:?}: no step taken");
             }
             let mut without = grads.clone();
             bad.iter().for_each(|&p| without.grads[p] = None);

@@ -18,6 +18,12 @@ use std::sync::{Mutex, PoisonError};
 
 use rayon::prelude::*;
 
+/// Each parameter's weights, in `params`' order: what [`on_own_threads`]
+/// shares out.
+pub(crate) fn param_sizes(params: &crate::params::ParamStore) -> Vec<usize> {
+    params.vars().iter().map(|(_, v)| v.elem_count()).collect()
+}
+
 /// Thread `t`'s parameters: `shares[t]`, contiguous, about `1 / threads`
 /// of the weights each (a parameter is not split).
 fn shares(sizes: &[usize], threads: usize) -> Vec<Range<usize>> {

@@ -30,7 +30,7 @@ use crate::ModelError;
 use crate::kinds::{At, Direct, Grads};
 use crate::meet::{self, Meeting, Side};
 use crate::optimizer::DenseGrads;
-use crate::own_threads::on_own_threads;
+use crate::own_threads::{on_own_threads, param_sizes};
 use crate::step::{Scratch, Sequences};
 
 /// The rows of the first half of a batch of `rows` (the second has the rest).
@@ -133,8 +133,7 @@ impl DenseModel {
             let mut grads = self.in_param_order(grads, first);
             let theirs = self.in_param_order(theirs, rows - first);
             logits.extend_from_slice(&their_logits);
-            let sizes: Vec<usize> = self.params.vars().iter().map(|(_, v)| v.elem_count()).collect();
-            add_into(&sizes, &mut grads, &theirs);
+            add_into(&param_sizes(&self.params), &mut grads, &theirs);
             s.grad_x.truncate(first * stride);
             s.grad_x.extend_from_slice(&second.grad_x);
             join_item_grads(&mut s.item_grads, &second.item_grads, split, self.width());
