@@ -40,6 +40,15 @@ pub(crate) fn linear_grads(
     (dw, db): (&mut [f32], &mut [f32]),
     dx: &mut [f32],
 ) {
+    // A head's few outputs (`NARROW_OUTPUTS`): both on this thread. Split,
+    // `d x` landed in the other core's cache, and the layer below read it
+    // back from there: the reference MLP's head (128 → 1, batch 1024) took
+    // 72 µs on two threads against 46 on one (an AMX Xeon, bf16 step).
+    if fan_out <= super::NARROW_OUTPUTS {
+        weight_grads((arith, simd), (rows, fan_in, fan_out), x, g, (dw, db));
+        matmul(arith, Some(1), rows, fan_in, fan_out, Operand::plain(g), Operand::t(w), dx);
+        return;
+    }
     rayon::join(
         || weight_grads((arith, simd), (rows, fan_in, fan_out), x, g, (dw, db)),
         || matmul(arith, Some(1), rows, fan_in, fan_out, Operand::plain(g), Operand::t(w), dx),
