@@ -26,6 +26,8 @@
 //! instruction's alone (oneDNN would pick its own blocking and
 //! k-splitting by shape and threads).
 
+use std::sync::atomic::AtomicBool;
+
 use sparrow_core::simd::Simd;
 
 use crate::matrix::{Epilogue, Operand};
@@ -173,6 +175,11 @@ pub(crate) enum Out<'a> {
     /// bf16 tiles only, through a ReLU: a hidden layer's output, or the
     /// gradient at one, kept for the products that read it next.
     Packed(Kept<'a>),
+    /// fp32 values with no epilogue, each task then checking that the rows
+    /// it wrote are all finite while they are in its core's cache (a pass
+    /// of its own after the product read them back from memory, or from
+    /// the other core's): `finite` is cleared where one is not.
+    Checked(&'a mut [f32], &'a AtomicBool),
 }
 
 /// The tiles of a product's outputs `y` (`m×n`): `rows`, `y` as a plain
@@ -379,6 +386,39 @@ mod tests {
         for (r, i) in rows.enumerate() {
             for (c, j) in cols.clone().enumerate() {
                 assert_eq!(sub[r * sn + c].to_bits(), whole[i * n + j].to_bits(), "[{i}][{j}]");
+            }
+        }
+    }
+
+    /// A checked product's flag is cleared by any non-finite output, in
+    /// whichever task's rows it lies (first, middle, last and partial row
+    /// blocks; one thread or two), and left set where all are finite; the
+    /// values are the unchecked product's.
+    #[test]
+    fn a_checked_product_finds_a_non_finite_output_in_any_row() {
+        if !here() {
+            return;
+        }
+        let (m, n, k) = (1000, 40, 64);
+        let (mut a, b) = (values(m * k, 11), values(k * n, 12));
+        let mut plain = vec![0f32; m * n];
+        let product = |a: &[f32], out: Out<'_>| {
+            product((m, n, k), Left::Values(Operand::plain(a), None), Right::Values(Operand::plain(&b)), out, None)
+        };
+        product(&a, Out::Values(&mut plain, Epilogue::default()));
+        for threads in [1, 2] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
+            for poisoned in [None, Some(0), Some(31), Some(500), Some(990), Some(m - 1)] {
+                let at = poisoned.map(|row| row * k + 3);
+                let clean = at.map(|i| std::mem::replace(&mut a[i], f32::INFINITY));
+                let (mut dst, finite) = (vec![0f32; m * n], AtomicBool::new(true));
+                pool.install(|| product(&a, Out::Checked(&mut dst, &finite)));
+                assert_eq!(finite.into_inner(), poisoned.is_none(), "row {poisoned:?} poisoned, {threads} threads");
+                if let (Some(i), Some(clean)) = (at, clean) {
+                    a[i] = clean;
+                } else {
+                    assert!(dst.iter().zip(&plain).all(|(x, y)| x.to_bits() == y.to_bits()), "checked ≠ unchecked");
+                }
             }
         }
     }

@@ -582,7 +582,9 @@ impl DenseModel {
             return Ok((loss, logits, result, grads));
         }
         let draw = self.training(dropout);
-        let (loss, logits, mut grads) = if self.runs_in_halves(rows) {
+        scratch.grad_x_finite = false;
+        let halves = self.runs_in_halves(rows);
+        let (loss, logits, mut grads) = if halves {
             self.step_halves(x, (labels, weights), draw, &mut scratch)?
         } else {
             let logits = self.forward_direct(x, rows, draw, &mut scratch)?;
@@ -591,7 +593,11 @@ impl DenseModel {
             (loss, logits, self.backward_direct(x, &seed, &mut scratch)?)
         };
         self.params.take_batch_statistics(&mut grads.grads)?;
-        crate::optimizer::check_finite(self.simd, &scratch.grad_x, || "gradient of the embedding inputs".into())?;
+        // A backward pass that checked its input gradient as it wrote it
+        // spares the pass over it here (a whole step's halves never do).
+        if halves || !scratch.grad_x_finite {
+            crate::optimizer::check_finite(self.simd, &scratch.grad_x, || "gradient of the embedding inputs".into())?;
+        }
         for g in &scratch.item_grads {
             crate::optimizer::check_finite(self.simd, g, || "gradient of the history items".into())?;
         }

@@ -43,6 +43,9 @@ pub struct Scratch {
     pub(crate) fm_sums: Vec<f32>,
     /// d loss / d input, in the input's layout: what the step hands back.
     pub(crate) grad_x: Vec<f32>,
+    /// Whether the backward pass found every value of `grad_x` finite as it
+    /// wrote it (false: not checked there; the step checks it after).
+    pub(crate) grad_x_finite: bool,
     /// Backward buffers: DCN-v2's gradients at a layer's input and at its
     /// gate; DLRM's at the bottom MLP's output.
     pub(crate) grad_in: Vec<f32>,

@@ -2,6 +2,7 @@
 
 use std::arch::asm;
 use std::arch::x86_64::*;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use rayon::prelude::*;
 
@@ -334,6 +335,11 @@ pub fn gemm((m, n, k): (usize, usize, usize), a: Left<'_>, b: Right<'_>, out: Ou
         }
         let last = if slot == 0 { &mut sums[1] } else { &mut sums[0] };
         store_pending(last, pending);
+        // SAFETY: this task stored these row blocks, all of them by now.
+        #[expect(unsafe_code, reason = "reading back a task's own row blocks")]
+        unsafe {
+            outputs.check(first..(first + per_task).min(row_blocks))
+        };
         drop(tiles);
         TASK.set(Some(buffers));
     });
@@ -372,6 +378,8 @@ impl<V> Disjoint<V> {
 struct Outputs<'a> {
     shape: (usize, usize),
     to: Target<'a>,
+    /// [`Out::Checked`]'s flag: each task checks the rows it wrote.
+    finite: Option<&'a AtomicBool>,
 }
 
 enum Target<'a> {
@@ -394,10 +402,16 @@ enum ReluAt<'a> {
 
 impl<'a> Outputs<'a> {
     fn new((m, n): (usize, usize), out: Out<'a>, row_blocks: usize, col_blocks: usize) -> Outputs<'a> {
+        let mut finite = None;
         let to = match out {
             Out::Values(dst, epilogue) => {
                 assert!(dst.len() >= m * n);
                 Target::Values(Disjoint::new(&mut dst[..m * n]), epilogue)
+            }
+            Out::Checked(dst, flag) => {
+                assert!(dst.len() >= m * n);
+                finite = Some(flag);
+                Target::Values(Disjoint::new(&mut dst[..m * n]), Epilogue::default())
             }
             Out::Packed(kept) => {
                 let rows =
@@ -419,7 +433,24 @@ impl<'a> Outputs<'a> {
                 Target::Packed { rows, across, transposed: kept.transposed, relu }
             }
         };
-        Outputs { shape: (m, n), to }
+        Outputs { shape: (m, n), to, finite }
+    }
+
+    /// [`Out::Checked`]: whether row blocks `blocks`, which this task
+    /// stored, are all finite, the flag cleared where not.
+    ///
+    /// # Safety
+    /// As [`store`](Self::store), and every store to them done.
+    #[expect(unsafe_code, reason = "reading back a task's own row blocks")]
+    unsafe fn check(&self, blocks: std::ops::Range<usize>) {
+        let (Some(flag), Target::Values(dst, _)) = (self.finite, &self.to) else { return };
+        let (m, n) = self.shape;
+        let rows = blocks.start * B..(blocks.end * B).min(m);
+        // SAFETY: these rows are this task's, and written (the contract).
+        let written = unsafe { dst.part(rows.start * n, rows.len() * n) };
+        if !crate::optimizer::all_finite(sparrow_core::simd::Simd::Auto, written) {
+            flag.store(false, Ordering::Relaxed);
+        }
     }
 
     /// Where block (rb, cb) may be stored by the tiles themselves, and

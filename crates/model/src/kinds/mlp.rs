@@ -77,6 +77,7 @@ impl Direct for MlpNet {
         grads.push((self.mlp.params(), self.mlp.backward_cpu(x, seed, &mut s.deep)?));
         // The MLP's input is the model's: its gradient is the step's.
         std::mem::swap(&mut s.grad_x, &mut s.deep.grad_input);
+        s.grad_x_finite = s.deep.grad_input_finite();
         Ok(())
     }
 

@@ -17,6 +17,8 @@
 //! and each output is the same chain of `tdpbf16ps`: the model is the
 //! unkept path's bit for bit (tested), only fewer bytes move.
 
+use std::sync::atomic::AtomicBool;
+
 use sparrow_core::config::Activation;
 
 use super::{First, MlpShape};
@@ -42,6 +44,10 @@ pub(crate) struct KeptTiles {
     /// The gradient at a kept output (as a left operand, and across its
     /// rows as a right one); the two pairs take turns going back.
     grads: [(Packed, Packed); 2],
+    /// Whether the last backward pass found the first layer's `d x` (the
+    /// step's input gradient) all finite, checked as its product stored it
+    /// (false: not checked, or not finite).
+    input_grad_finite: bool,
 }
 
 /// Which products run on AMX, and which outputs are kept as tiles.
@@ -76,6 +82,7 @@ impl KeptTiles {
             Plan { tiles, kept, grad: 0 }
         });
         let layers = shape.layers.len();
+        self.input_grad_finite = false;
         self.outputs.resize_with(layers, Packed::default);
         self.outputs_t.resize_with(layers, Packed::default);
         self.passed.resize_with(layers, Vec::new);
@@ -84,6 +91,12 @@ impl KeptTiles {
     /// Whether layer `layer`'s output is kept as tiles (no fp32 values).
     pub(super) fn kept(&self, layer: usize) -> bool {
         self.plan.as_ref().is_some_and(|p| p.kept[layer])
+    }
+
+    /// Whether the last backward pass checked the first layer's `d x` and
+    /// found every value finite (false: not checked, or not finite).
+    pub(super) fn input_grad_finite(&self) -> bool {
+        self.input_grad_finite
     }
 
     /// Layer `layer`'s forward product where the plan has it on AMX
@@ -154,6 +167,15 @@ impl KeptTiles {
             true => (Left::Packed(&now.0), Right::Packed(&now.1)),
             false => (Left::Values(Operand::plain(g), None), Right::Values(Operand::plain(g))),
         };
+        // `d x` from this thread, `dW` from the one that steals it: the
+        // larger product starts at once, the other once the other thread
+        // wakes (30–40 µs here), and each takes the other's tasks once
+        // done with its own; `d x` summing into `db_before` stays on one.
+        // The first layer's `d x` (the step's input gradient) is checked
+        // finite by each task as it stores its rows, while they are in its
+        // core's cache (a pass after the step took 50 µs of a 1 ms step
+        // on an AMX Xeon).
+        let input_finite = AtomicBool::new(true);
         let out = match before_kept {
             true => Out::Packed(Kept {
                 rows: &mut next.0,
@@ -161,15 +183,21 @@ impl KeptTiles {
                 transposed: false,
                 relu: Relu::Mask { passed: &self.passed[layer - 1], sums: db_before },
             }),
+            false if layer == 0 => Out::Checked(dx, &input_finite),
             false => Out::Values(dx, Epilogue::default()),
         };
-        // `d x` on this thread, `dW` on the one that steals it: the
-        // larger product starts at once, the smaller one once the other
-        // thread wakes (30–40 µs here).
         rayon::join(
-            || amx::product((rows, fan_in, fan_out), g_rows, Right::Values(Operand::t(w)), out, Some(1)),
             || {
-                amx::product((fan_in, fan_out, rows), x_t, g_across, Out::Values(dw, Epilogue::default()), Some(1));
+                amx::product(
+                    (rows, fan_in, fan_out),
+                    g_rows,
+                    Right::Values(Operand::t(w)),
+                    out,
+                    before_kept.then_some(1),
+                );
+            },
+            || {
+                amx::product((fan_in, fan_out, rows), x_t, g_across, Out::Values(dw, Epilogue::default()), None);
                 if !g_kept {
                     crate::columns::add_column_sums(simd, g, fan_out, db);
                 }
@@ -178,6 +206,7 @@ impl KeptTiles {
         if before_kept {
             plan.grad = 1 - plan.grad;
         }
+        self.input_grad_finite = layer == 0 && !before_kept && input_finite.into_inner();
         true
     }
 }
@@ -206,6 +235,8 @@ mod tests {
         if !amx::available(Simd::Auto) {
             return; // Without AMX nothing is kept.
         }
+        // Whether a `d x` checked on the tiles' path was found not finite, and finite.
+        let mut checked = [false; 2];
         for (fan_in, layers, relu_last, rows) in [
             (45, &[40, 33, 1][..], false, 50),
             (429, &[256, 128, 1][..], false, 1024),
@@ -229,7 +260,13 @@ mod tests {
                 };
                 let x: Vec<f32> = (0..rows * fan_in).map(|i| value(i, &mut rng)).collect();
                 let out = *layers.last().expect("a layer");
-                let grad_out: Vec<f32> = (0..rows * out).map(|_| rng.normal() as f32).collect();
+                // The third step's output gradient has an infinity too:
+                // `d x` is not all finite.
+                let seed = |i: usize, rng: &mut Rng| match i {
+                    1 if step == 2 => f32::INFINITY,
+                    _ => rng.normal() as f32,
+                };
+                let grad_out: Vec<f32> = (0..rows * out).map(|i| seed(i, &mut rng)).collect();
                 let run = |scratch: &mut MlpScratch| {
                     mlp.forward_cpu(&x, rows, None, scratch).expect("forward");
                     let output = scratch.output.clone();
@@ -243,10 +280,17 @@ mod tests {
                 assert_eq!(bits(&got.0), bits(&want.0), "{what}: outputs");
                 assert_eq!(bits(&got.1), bits(&want.1), "{what}: parameter gradients");
                 assert_eq!(bits(&got.2), bits(&want.2), "{what}: d input");
+                // The first layer's `d x` was checked where it was written,
+                // and the check saw what is there.
+                let finite = got.2.iter().all(|v| v.is_finite());
+                assert_eq!(kept.grad_input_finite(), plan.tiles[0] && finite, "{what}: d input checked");
+                assert!(!unkept.grad_input_finite(), "{what}: nothing checked without tiles");
+                checked[usize::from(finite)] |= plan.tiles[0];
                 // (A NaN in most rows leaves the ReLUs nothing to pass.)
                 let some = |v: &[f32]| v.iter().any(|&g| g != 0.0);
                 assert!(step == 2 || (some(&got.1) && some(&got.2)), "{what}: no gradient");
             }
         }
+        assert_eq!(checked, [true, true], "a d input checked both ways");
     }
 }

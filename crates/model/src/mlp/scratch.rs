@@ -40,3 +40,11 @@ pub struct MlpScratch {
     /// bf16 on AMX: the pass's outputs kept as tiles.
     pub(super) tiles: amx_kept::KeptTiles,
 }
+
+impl MlpScratch {
+    /// Whether the last backward pass checked `grad_input` and found every
+    /// value finite (false: not checked there, or not finite).
+    pub(crate) fn grad_input_finite(&self) -> bool {
+        self.tiles.input_grad_finite()
+    }
+}
