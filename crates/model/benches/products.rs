@@ -1,0 +1,70 @@
+//! One fp32 product alone, as the dense steps call it (`matrix::sgemm_threads`):
+//! the narrow kernel where it takes the shape, `gemm` elsewhere. Prints the
+//! best and median of `BENCH_RUNS` runs (15 unless set) of 50 products, and
+//! GFLOP/s by the best.
+//!
+//! `cargo bench -p sparrow-model --bench products [-- M N K [t|nt] ...]`:
+//! each shape `dst [M, N] = op(a)·op(b)` with a sum over K; `t` reads `a`
+//! transposed (a weights' gradient `xᵀ·g`), `nt` reads `b` transposed (an
+//! input's gradient `g·Wᵀ`). Without shapes, ESMM's first layers at a half
+//! batch of 512 rows: forward, weights' gradient, input gradient.
+//! `BENCH_THREADS` threads (1 unless set).
+
+use std::time::Instant;
+
+use sparrow_model::matrix::{Operand, sgemm_threads};
+
+fn op(d: &[f32], transposed: bool) -> Operand<'_> {
+    if transposed { Operand::t(d) } else { Operand::plain(d) }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let mut shapes = Vec::new();
+    let mut at = 0;
+    while at + 2 < args.len() {
+        let dim = |i: usize| {
+            args[at + i].parse::<usize>().unwrap_or_else(|_| {
+                eprintln!("products: {:?} is not a size", args[at + i]);
+                std::process::exit(2)
+            })
+        };
+        let (m, n, k) = (dim(0), dim(1), dim(2));
+        at += 3;
+        let how = match args.get(at).map(String::as_str) {
+            Some(h @ ("t" | "nt")) => {
+                at += 1;
+                h.to_string()
+            }
+            _ => String::new(),
+        };
+        shapes.push((m, n, k, how));
+    }
+    if shapes.is_empty() {
+        shapes = vec![(512, 64, 81, String::new()), (81, 64, 512, "t".into()), (512, 81, 64, "nt".into())];
+    }
+    let threads: usize = std::env::var("BENCH_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
+    let runs: usize = std::env::var("BENCH_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(15);
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a pool");
+    println!("shape                  best µs   med µs   GFLOP/s");
+    for (m, n, k, how) in shapes {
+        let a: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| ((i * 5 % 11) as f32 - 5.0) / 9.0).collect();
+        let mut dst = vec![0.0f32; m * n];
+        let (a_t, b_t) = (how == "t", how == "nt");
+        let mut times = Vec::new();
+        pool.install(|| {
+            for _ in 0..runs {
+                let start = Instant::now();
+                for _ in 0..50 {
+                    sgemm_threads(m, n, k, op(&a, a_t), op(&b, b_t), &mut dst, threads);
+                }
+                times.push(start.elapsed().as_secs_f64() / 50.0);
+            }
+        });
+        times.sort_by(f64::total_cmp);
+        let (best, med) = (times[0], times[times.len() / 2]);
+        let shape = format!("{m}x{n}x{k} {how}");
+        println!("{shape:20} {:9.2} {:8.2} {:9.1}", best * 1e6, med * 1e6, 2.0 * (m * n * k) as f64 / best / 1e9);
+    }
+}
