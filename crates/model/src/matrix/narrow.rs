@@ -378,7 +378,7 @@ mod tests {
     #[test]
     fn a_narrow_product_has_the_bits_of_gemm() {
         let mut products = 0;
-        for m in [2, 3, 7, 14, 25, 64, 128, 257] {
+        for m in [2, 3, 7, 9, 10, 11, 14, 23, 25, 64, 128, 257] {
             for n in 2..=MAX_N + 2 {
                 for k in [3, 4, 16, 17, 41, 64, 97, 256, MAX_K] {
                     let (a, b) = (values(m * k, 1), values(k * n, 2));
