@@ -40,11 +40,15 @@ fn main() {
         };
         shapes.push((m, n, k, how));
     }
+    if at != args.len() {
+        eprintln!("products: {:?} is not a whole shape (M N K, then t or nt if transposed)", &args[at..]);
+        std::process::exit(2)
+    }
     if shapes.is_empty() {
         shapes = vec![(512, 64, 81, String::new()), (81, 64, 512, "t".into()), (512, 81, 64, "nt".into())];
     }
-    let threads: usize = std::env::var("BENCH_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
-    let runs: usize = std::env::var("BENCH_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(15);
+    let threads: usize = std::env::var("BENCH_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(1).max(1);
+    let runs: usize = std::env::var("BENCH_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(15).max(1);
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a pool");
     println!("shape                  best µs   med µs   GFLOP/s");
     for (m, n, k, how) in shapes {

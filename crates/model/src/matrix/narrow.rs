@@ -165,16 +165,17 @@ fn rows_for_cpu(n: usize, k: usize, a: Lhs<'_>, first: usize, b: &[f32], (out, t
             let a = (a.data.as_ptr().add(first * a.rs), a.rs, a.cs);
             let out = (out.as_mut_ptr(), then.bias.map(<[f32]>::as_ptr), then.relu);
             // As many rows a block as the 32 registers hold: `R·NV`
-            // accumulators, `NV` of `b` and a broadcast (the most a
-            // remainder block takes is 11; one vector a row: 12 rows ran
-            // 3–12% faster than 8, `[128, 41]·[41, 5]` 1.43 µs against
-            // 1.28–1.33, `[128, 64]·[64, 16]` 2.19–2.26 against 2.00–2.08).
-            // One thread, an AVX-512 Xeon
-            // with AMX, alternated: 16 and 18 accumulators (four and six
-            // rows) ran 5–14% slower than 24 (`[128, 64]·[64, 64]` 6.6–7.0
-            // µs against 6.1–6.2; `[128, 41]·[41, 48]` 3.3 against 2.9–3.0;
-            // `[64, 512]ᵀ·[512, 64]` 27.5–27.8 against 24–26). An earlier
-            // CPU ran four rows of four vectors no slower than six.
+            // accumulators, `NV` of `b` and a broadcast (a remainder block
+            // takes at most 11 rows). One thread, an AVX-512 Xeon with AMX,
+            // alternated:
+            // - two to four vectors a row: 16 and 18 accumulators (four and
+            //   six rows) ran 5–14% slower than 24 (`[128, 64]·[64, 64]`
+            //   6.6–7.0 µs against 6.1–6.2; `[128, 41]·[41, 48]` 3.3 against
+            //   2.9–3.0; `[64, 512]ᵀ·[512, 64]` 27.5–27.8 against 24–26); an
+            //   earlier CPU ran four rows of four vectors no slower than six;
+            // - one vector a row: 12 rows ran 3–12% faster than 8 (`[128,
+            //   41]·[41, 5]` 1.43 µs against 1.28–1.33, `[128, 64]·[64, 16]`
+            //   2.19–2.26 against 2.00–2.08).
             match n.div_ceil(16) {
                 1 => x86::rows::<1, 12>((rows, n, k), a, b.as_ptr(), out),
                 2 => x86::rows::<2, 8>((rows, n, k), a, b.as_ptr(), out),
