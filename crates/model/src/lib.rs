@@ -7,7 +7,7 @@
 
 mod activation;
 pub mod amx;
-mod awake;
+pub mod awake;
 mod batch_norm;
 pub mod bf16;
 mod bf16_narrow;

@@ -254,8 +254,20 @@ impl Trainer {
     }
 
     /// One step of the step engine on the next batch `next(taken)` gives
-    /// (see [`StepEngine::step`]); `None` once the data is used up.
+    /// (see [`StepEngine::step`]); `None` once the data is used up. The
+    /// compute pool's other threads are held awake through it
+    /// (`sparrow_model::awake::through_step`), so its parallel sections
+    /// (lookup, the dense step, the update) do not each start by waking
+    /// a sleeping thread.
     pub fn step(
+        &mut self,
+        next: &mut dyn FnMut(usize) -> Option<Result<PlannedBatch, TrainError>>,
+    ) -> Result<Option<StepReport>, TrainError> {
+        sparrow_model::awake::through_step(|| self.step_held(next))
+    }
+
+    /// [`step`](Self::step)'s work.
+    fn step_held(
         &mut self,
         next: &mut dyn FnMut(usize) -> Option<Result<PlannedBatch, TrainError>>,
     ) -> Result<Option<StepReport>, TrainError> {
