@@ -106,8 +106,12 @@ impl Heads {
     /// checked here, before any index is taken from it.
     pub fn check_labels(&self, labels: &[f32]) -> Result<(), crate::ModelError> {
         let t = self.tasks().max(1);
-        for (i, &y) in labels.iter().enumerate() {
-            let h = &self.heads[i % t];
+        // Row by row, a task's head beside its label (no `i % t` a label:
+        // a division each, 3% of ESMM's dense step).
+        let rows = labels.chunks_exact(t);
+        let tail = rows.remainder();
+        for (y, h) in rows.flat_map(|row| row.iter().zip(&self.heads)).chain(tail.iter().zip(&self.heads)) {
+            let y = *y;
             let fits = y.is_nan()
                 || if h.multiclass { y >= 0.0 && y.fract() == 0.0 && (y as usize) < h.outputs } else { y.is_finite() };
             if !fits {
@@ -276,5 +280,9 @@ mod tests {
             let err = h.check_labels(&bad).expect_err("refused").to_string();
             assert!(err.contains(if bad[0].is_finite() { "`kind`" } else { "`click`" }), "{bad:?}: {err}");
         }
+        // In a later row, each label still read against its own task's head.
+        let err = h.check_labels(&[1.0, 0.0, 0.0, 1.0, 1.0, 3.0]).expect_err("refused").to_string();
+        assert!(err.contains("`kind`"), "{err}");
+        assert!(h.check_labels(&[1.0, 3.0, 0.0]).is_err(), "a class id past the classes refused in any row");
     }
 }
