@@ -18,6 +18,7 @@ mod dropout;
 mod exp;
 pub mod fused;
 pub mod heads;
+mod input_grad;
 pub mod kinds;
 mod layer_norm;
 mod logistic;
@@ -35,6 +36,7 @@ pub mod spec;
 pub mod step;
 
 pub use heads::Heads;
+pub use input_grad::InputGrad;
 pub use models::{DenseModel, ModelShape, Sequences, StepOutput};
 pub use optimizer::{DenseGrads, DenseOptimizer, check_finite};
 pub use params::ParamStore;

@@ -10,6 +10,7 @@ use crate::ModelError;
 use crate::bf16::Arith;
 use crate::fused::Simd;
 use crate::heads::Heads;
+use crate::input_grad::InputGrad;
 use crate::kinds::{At, Build, Kind, Net};
 
 mod described;
@@ -485,7 +486,7 @@ impl DenseModel {
         let (loss, logits, (emb_grad, item_grads), grads) =
             self.forward_backward_packed_with(&x, labels, weights, sequences, dropout, |grad_x, item_grads| {
                 let mut emb_grad = Vec::with_capacity(rows * fw);
-                for row in grad_x.chunks_exact(stride) {
+                for row in grad_x.rows(stride) {
                     emb_grad.extend_from_slice(&row[..fw]);
                 }
                 (emb_grad, item_grads.to_vec())
@@ -513,13 +514,14 @@ impl DenseModel {
     /// Forward and backward on a packed input `x` (see
     /// [`packed_row_len`](Self::packed_row_len)): no concatenation, and
     /// d loss / d x (same layout) is handed to `on_input_grad` in place
-    /// instead of being copied out. Returns the mean loss, the logits, what
+    /// instead of being copied out (in two parts where the step ran in
+    /// halves: [`InputGrad`]). Returns the mean loss, the logits, what
     /// `on_input_grad` returned and the dense gradients.
     pub fn forward_backward_packed<R>(
         &self,
         x: &[f32],
         labels: &[f32],
-        on_input_grad: impl FnOnce(&[f32]) -> R,
+        on_input_grad: impl FnOnce(InputGrad<'_>) -> R,
     ) -> Result<(f64, Vec<f32>, R, DenseGrads), ModelError> {
         self.forward_backward_packed_weighted(x, labels, None, on_input_grad)
     }
@@ -530,14 +532,14 @@ impl DenseModel {
         x: &[f32],
         labels: &[f32],
         weights: Option<&[f32]>,
-        on_input_grad: impl FnOnce(&[f32]) -> R,
+        on_input_grad: impl FnOnce(InputGrad<'_>) -> R,
     ) -> Result<(f64, Vec<f32>, R, DenseGrads), ModelError> {
         self.forward_backward_packed_with(x, labels, weights, None, None, |grad_x, _| on_input_grad(grad_x))
     }
 
     /// [`forward_backward_packed_weighted`](Self::forward_backward_packed_weighted)
     /// with the batch's behaviour sequences, unpooled, for a model that
-    /// attends over them: `on_grads` gets d loss / d x and d loss / d each
+    /// attends over them: `on_grads` gets d loss / d x ([`InputGrad`]) and d loss / d each
     /// history item (as [`Sequences::items`]; empty for a model that does
     /// not attend). `labels` are rows × tasks; `dropout` is the step's
     /// dropout draw (`None`: nothing dropped).
@@ -548,7 +550,7 @@ impl DenseModel {
         weights: Option<&[f32]>,
         sequences: Option<Sequences>,
         dropout: Option<u64>,
-        on_grads: impl FnOnce(&[f32], &[Vec<f32>]) -> R,
+        on_grads: impl FnOnce(InputGrad<'_>, &[Vec<f32>]) -> R,
     ) -> Result<(f64, Vec<f32>, R, DenseGrads), ModelError> {
         crate::awake::through(|| self.step_packed(x, (labels, weights), sequences, dropout, on_grads))
     }
@@ -560,7 +562,7 @@ impl DenseModel {
         (labels, weights): (&[f32], Option<&[f32]>),
         sequences: Option<Sequences>,
         dropout: Option<u64>,
-        on_grads: impl FnOnce(&[f32], &[Vec<f32>]) -> R,
+        on_grads: impl FnOnce(InputGrad<'_>, &[Vec<f32>]) -> R,
     ) -> Result<(f64, Vec<f32>, R, DenseGrads), ModelError> {
         if !self.is_direct() {
             return Err(ModelError::NotPacked { kind: self.kind.name() });
@@ -578,7 +580,7 @@ impl DenseModel {
                     "gradient of the embedding inputs".into()
                 })?;
             }
-            let result = on_grads(&scratch.grad_x, &[]);
+            let result = on_grads(InputGrad::whole(&scratch.grad_x), &[]);
             return Ok((loss, logits, result, grads));
         }
         let draw = self.training(dropout);
@@ -593,15 +595,11 @@ impl DenseModel {
             (loss, logits, self.backward_direct(x, &seed, &mut scratch)?)
         };
         self.params.take_batch_statistics(&mut grads.grads)?;
-        // A backward pass that checked its input gradient as it wrote it
-        // spares the pass over it here (a whole step's halves never do).
-        if halves || !scratch.grad_x_finite {
-            crate::optimizer::check_finite(self.simd, &scratch.grad_x, || "gradient of the embedding inputs".into())?;
-        }
+        let input_grad = halves::checked_input_grad(&scratch, halves, self.simd)?;
         for g in &scratch.item_grads {
             crate::optimizer::check_finite(self.simd, g, || "gradient of the history items".into())?;
         }
-        let result = on_grads(&scratch.grad_x, &scratch.item_grads);
+        let result = on_grads(input_grad, &scratch.item_grads);
         Ok((loss, logits, result, grads))
     }
 }

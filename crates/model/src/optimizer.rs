@@ -242,20 +242,24 @@ impl<F: FnOnce(&mut [f32])> InplaceOp1 for InPlace<F> {
 
 /// `Err(NonFinite)` naming `what` (built only on failure) if `values` holds a NaN or an infinity.
 pub fn check_finite(simd: Simd, values: &[f32], what: impl FnOnce() -> String) -> Result<(), ModelError> {
-    // A batch's input gradient (FM: 1024 rows × 455 floats) is read at
-    // memory speed: both threads read half; small vectors stay on this one.
-    const PER_THREAD: usize = 1 << 16;
-    let all_finite = if values.len() > PER_THREAD {
-        values.par_chunks(PER_THREAD).all(|c| all_finite(simd, c))
-    } else {
-        all_finite(simd, values)
-    };
-    if all_finite {
+    if all_finite_on_pool(simd, values) {
         return Ok(());
     }
     match values.iter().position(|v| !v.is_finite()) {
         Some(i) => Err(ModelError::NonFinite { what: format!("{} (element {i} is {})", what(), values[i]) }),
         None => Ok(()),
+    }
+}
+
+/// [`all_finite`], a large buffer read on the pool's threads.
+pub(crate) fn all_finite_on_pool(simd: Simd, values: &[f32]) -> bool {
+    // A batch's input gradient (FM: 1024 rows × 455 floats) is read at
+    // memory speed: both threads read half; small vectors stay on this one.
+    const PER_THREAD: usize = 1 << 16;
+    if values.len() > PER_THREAD {
+        values.par_chunks(PER_THREAD).all(|c| all_finite(simd, c))
+    } else {
+        all_finite(simd, values)
     }
 }
 

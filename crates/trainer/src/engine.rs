@@ -31,7 +31,7 @@ use sparrow_model::{DenseModel, DenseOptimizer};
 
 use crate::TrainError;
 use crate::dense_sync::DenseSync;
-use crate::pooling::{Bags, gather_sequences, pool, pool_into, scatter_item_grads, unpool, unpool_strided};
+use crate::pooling::{Bags, gather_sequences, pool, pool_into, scatter_item_grads, unpool, unpool_rows};
 
 /// Where a step's embedding rows come from and where its gradients go.
 pub trait RowSource: Sync {
@@ -440,7 +440,7 @@ pub fn dense_grads(
                 dropout,
                 |grad_x, items| {
                     let t = Instant::now();
-                    let mut grads = unpool_strided(&bags, grad_x, stride, width, pooling);
+                    let mut grads = unpool_rows(&bags, grad_x.rows(stride), width, pooling);
                     scatter_item_grads(&bags, items, width, pairs, &mut grads);
                     (grads, t.elapsed())
                 },

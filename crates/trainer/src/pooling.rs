@@ -132,14 +132,25 @@ pub fn pool(bags: &Bags<'_>, unique_rows: &[f32], width: usize, pooling: Pooling
 /// Adjoint of [`pool_into`]: gradients per unique key, duplicates summed
 /// (S3.7), from `grad` laid out like `pool_into`'s output.
 pub fn unpool_strided(bags: &Bags<'_>, grad: &[f32], row_stride: usize, width: usize, pooling: Pooling) -> Vec<f32> {
+    unpool_rows(bags, grad.chunks_exact(row_stride.max(1)), width, pooling)
+}
+
+/// [`unpool_strided`] from the rows' gradients one at a time, in order
+/// (each row's fields' `width` values from its start): a step in halves
+/// leaves its input gradient in two parts (`InputGrad::rows`).
+pub fn unpool_rows<'a>(
+    bags: &Bags<'_>,
+    rows: impl Iterator<Item = &'a [f32]>,
+    width: usize,
+    pooling: Pooling,
+) -> Vec<f32> {
     let f = bags.num_fields;
     let mut out = vec![0.0f32; bags.num_unique * width];
-    for row in 0..bags.rows {
+    for (row, grad) in (0..bags.rows).zip(rows) {
         for field in 0..f {
             let range = bags.bag(row, field);
             let scale = bag_scale(pooling, range.len());
-            let at = row * row_stride + field * width;
-            let g = &grad[at..at + width];
+            let g = &grad[field * width..(field + 1) * width];
             for i in range {
                 let u = bags.inverse[i] as usize;
                 let w = bags.weight(i) * scale;

@@ -23,10 +23,15 @@
 //! runs the halves one after the other, up to each meeting. A prediction
 //! of such a batch runs in halves too: a half's products are blocked by its
 //! own rows, and so it gives the step's logits bit for bit (where the step
-//! normalized by nothing of the batch).
+//! normalized by nothing of the batch). Each half's input gradient stays
+//! in its own buffer, checked there, and the step hands the two on as the
+//! parts of one [`InputGrad`].
+
+use sparrow_core::simd::Simd;
 
 use super::DenseModel;
 use crate::ModelError;
+use crate::input_grad::InputGrad;
 use crate::kinds::{At, Direct, Grads};
 use crate::meet::{self, Meeting, Side};
 use crate::optimizer::DenseGrads;
@@ -83,7 +88,9 @@ impl DenseModel {
     /// the passes made it three times). Returns the batch's loss (the rows'
     /// losses summed in row order), its logits, and the halves' gradients
     /// summed (the first's plus the second's); d loss / d input of the
-    /// whole batch is in `s.grad_x`. Every value is the one the batch would
+    /// first half's rows is in `s.grad_x`, of the second's in its own
+    /// scratch's (`s.second_half`), each checked for values that are not
+    /// finite (`grad_x_finite`). Every value is the one the batch would
     /// get with its loss taken whole between passes in halves: a row's seed
     /// is its own loss's, over the whole batch's rows.
     pub(super) fn step_halves(
@@ -134,8 +141,13 @@ impl DenseModel {
             let theirs = self.in_param_order(theirs, rows - first);
             logits.extend_from_slice(&their_logits);
             add_into(&param_sizes(&self.params), &mut grads, &theirs);
+            // Each half's input gradient stays in its buffer: the step
+            // hands them on as two parts (`InputGrad`), not joined.
             s.grad_x.truncate(first * stride);
-            s.grad_x.extend_from_slice(&second.grad_x);
+            second.grad_x.truncate((rows - first) * stride);
+            if s.grad_x.len() + second.grad_x.len() != rows * stride {
+                return Err(ModelError::Halves { what: "the halves' input gradients do not cover the batch's rows" });
+            }
             join_item_grads(&mut s.item_grads, &second.item_grads, split, self.width());
             // The second half's buffers, spent, are its next step's.
             self.recycle_direct(theirs.grads.into_iter().flatten().collect(), &mut second);
@@ -161,8 +173,28 @@ impl DenseModel {
         let logits = direct.forward_met(at, (x, rows), s, Some(side)).await?;
         let (losses, seed) = self.rows_loss_and_seed_of(&logits, labels, weights, inv_b);
         let grads = direct.backward_met(at, (x, &seed), s, Some(side)).await?;
+        // Each half checks its own input gradient, on its own thread.
+        s.grad_x_finite = crate::optimizer::all_finite(self.simd, &s.grad_x);
         Ok((losses, logits, grads))
     }
+}
+
+/// d loss / d the input rows the last step left in `s`: a step in halves
+/// (`halves`) hands on each half's where it is, the second's in
+/// `s.second_half`. A part a backward pass checked as it wrote it
+/// (`grad_x_finite`: each half checks its own) spares the pass over it
+/// here; one not checked that holds a NaN or an infinity is an error
+/// naming its element in the whole.
+pub(super) fn checked_input_grad(s: &Scratch, halves: bool, simd: Simd) -> Result<InputGrad<'_>, ModelError> {
+    let second = s.second_half.as_deref().filter(|_| halves);
+    let input_grad = match second {
+        Some(second) => InputGrad::in_parts(&s.grad_x, &second.grad_x),
+        None => InputGrad::whole(&s.grad_x),
+    };
+    if !(s.grad_x_finite && second.is_none_or(|s| s.grad_x_finite)) {
+        input_grad.check_finite(simd, "gradient of the embedding inputs")?;
+    }
+    Ok(input_grad)
 }
 
 /// How the sequences' positions split between the halves: at a position
@@ -246,4 +278,73 @@ fn add_into(sizes: &[usize], grads: &mut DenseGrads, theirs: &DenseGrads) {
         (_, None) => {}
     });
     grads.rows += theirs.rows;
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+    use sparrow_core::config::{ModelConfig, ModelKind, Task, TaskKind};
+    use sparrow_core::rng::Rng;
+
+    use super::*;
+    use crate::{Heads, ModelShape};
+
+    /// Each half flags its own input gradient as it finds it: a NaN
+    /// sample weight on a row of the second half (its loss and its seed
+    /// NaN, the step refused) leaves the first half's flagged finite and
+    /// the second's not.
+    #[test]
+    fn each_half_checks_its_own_input_gradient() {
+        let config = ModelConfig {
+            kind: ModelKind::named("esmm"),
+            embedding_dim: 4,
+            tower_hidden: vec![8],
+            ..Default::default()
+        };
+        let task = |name: &str| Task { name: name.into(), kind: TaskKind::Binary, outputs: 1, weight: 1.0 };
+        let heads = Heads::of(&[task("click"), task("conversion")]);
+        let shape = ModelShape { num_fields: 3, num_dense: 1, embedding_dim: 4 };
+        let model = DenseModel::with_attention(&config, shape, heads, &[], 5, Device::Cpu, Simd::Auto).expect("model");
+        let rows = 2 * model.half_rows().expect("esmm runs in halves");
+        let row = model.row_len();
+        let mut rng = Rng::new(9);
+        let labels: Vec<f32> = (0..2 * rows).map(|i| (i % 3 == 0) as u8 as f32).collect();
+        let x: Vec<f32> = (0..rows * row).map(|_| rng.uniform(-0.5, 0.5) as f32).collect();
+        for poisoned in [None, Some(rows - 2)] {
+            let mut weights = vec![1.0f32; rows];
+            if let Some(r) = poisoned {
+                weights[r] = f32::NAN;
+            }
+            let mut s = Scratch::default();
+            let step = model.step_halves(&x, (&labels, Some(&weights)), None, &mut s);
+            let second = s.second_half.as_deref().expect("the second half's buffers");
+            assert_eq!(step.is_ok(), poisoned.is_none(), "{poisoned:?}");
+            assert!(s.grad_x_finite, "{poisoned:?}: the first half's input gradient is finite");
+            assert_eq!(second.grad_x_finite, poisoned.is_none(), "{poisoned:?}: the second half's");
+            if poisoned.is_none() {
+                let whole = checked_input_grad(&s, true, Simd::Auto).expect("finite");
+                assert_eq!(whole.len(), rows * row);
+                assert_eq!(whole.parts()[1].as_ptr(), second.grad_x.as_ptr(), "the second half's, not copied");
+            }
+        }
+    }
+
+    /// The input gradient a step left: in two parts after a step in halves
+    /// (only then: a second half's buffers left from an earlier step are
+    /// not read); a part not flagged finite is read, and a NaN there is an
+    /// error naming its element in the whole batch.
+    #[test]
+    fn the_input_gradient_is_checked_where_no_half_checked_it() {
+        let mut s = Scratch { grad_x: vec![1.0; 6], grad_x_finite: true, ..Default::default() };
+        let second = Scratch { grad_x: vec![2.0, f32::NAN, 2.0], grad_x_finite: false, ..Default::default() };
+        s.second_half = Some(Box::new(second));
+        let err = checked_input_grad(&s, true, Simd::Auto).expect_err("a NaN in the second part").to_string();
+        assert!(err.contains("gradient of the embedding inputs (element 7 is NaN)"), "{err}");
+        let whole = checked_input_grad(&s, false, Simd::Auto).expect("a whole step's own buffer");
+        assert_eq!(whole.to_vec(), vec![1.0; 6]);
+        s.grad_x[2] = f32::INFINITY;
+        s.grad_x_finite = false;
+        let err = checked_input_grad(&s, false, Simd::Auto).expect_err("an infinity").to_string();
+        assert!(err.contains("element 2 is inf"), "{err}");
+    }
 }
