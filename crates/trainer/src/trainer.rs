@@ -373,11 +373,15 @@ impl Trainer {
     }
 
     /// One step on `batch` (planned here), at the configured depth: a
-    /// convenience for benchmarks and tests that hold their batches.
+    /// convenience for benchmarks and tests that hold their batches. The
+    /// batch is planned and taken as the step's first work, as a training
+    /// run takes its next batch from the loader: the pool's other threads
+    /// are held through it, not left to fall asleep and be woken at the
+    /// step's first parallel section.
     pub fn train_batch(&mut self, batch: &Batch) -> Result<StepStats, TrainError> {
-        let plan = self.table.plan(&batch.keys);
-        let mut one = Some((batch.clone(), plan));
-        match self.step(&mut |_| one.take().map(Ok))? {
+        let partitioner = self.table.partitioner();
+        let mut one = Some(batch);
+        match self.step(&mut |_| one.take().map(|b| Ok((b.clone(), partitioner.plan(&b.keys)))))? {
             Some(StepReport { deferred: Some(e), .. }) => Err(e),
             Some(StepReport { stats, deferred: None }) => Ok(stats),
             None => Ok(StepStats::default()),

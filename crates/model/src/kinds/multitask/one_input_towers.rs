@@ -312,6 +312,7 @@ mod tests {
             (&[32usize, 1][..], 0.0f32, plain),
             (&[24, 16, 2][..], 0.0, plain),
             (&[32, 1][..], 0.25, plain),
+            (&[40, 1][..], 0.25, plain),
             (&[16, 1][..], 0.0, StackStyle { norm: Norm::Layer, ..plain }),
             (&[32, 1][..], 0.1, StackStyle { activation: Activation::Prelu, ..plain }),
             (&[16, 1][..], 0.0, StackStyle { norm: Norm::Batch, ..plain }),
