@@ -18,6 +18,8 @@
 //! embedding dimension, 16 unless given; H: the MLP's layers, 256,128
 //! unless given; the norm each kind's own, `auto`, unless given: batch
 //! norm for DIN). `BENCH_THREADS=1` runs the step on one thread (2 unless set);
+//! `BENCH_EVICT_KB=N` writes N KiB of other memory before each step, the
+//! pool held through both, as a training step's embedding phases do;
 //! `SPARROW_SIMD=portable` takes every kernel's portable build.
 
 use std::time::{Duration, Instant};
@@ -99,6 +101,12 @@ fn main() {
     if runs == 0 {
         refuse("BENCH_RUNS", "0");
     }
+    // `BENCH_EVICT_KB=4096`: before each step, write that much memory of
+    // its own, inside a hold of the pool (`awake::through_step`), as a
+    // training step's lookup, pooling and update run before its dense
+    // step and leave the caches to their rows; each step is timed alone.
+    let evict_kb: usize = std::env::var("BENCH_EVICT_KB").map_or(0, |e| value("BENCH_EVICT_KB", &e));
+    let mut evict = vec![0.0f32; evict_kb * 256];
     let peaks = sparrow_model::peak::measure(2, Duration::from_millis(300));
     // bf16's share is of the ceiling of the path it takes here (AMX's, or
     // vdpbf16ps's; `SPARROW_SIMD=avx512` keeps AMX out).
@@ -172,9 +180,22 @@ fn main() {
                 (0..10).for_each(|_| step());
                 (0..runs)
                     .map(|_| {
-                        let start = Instant::now();
-                        (0..10).for_each(|_| step());
-                        start.elapsed().as_secs_f64() / 10.0
+                        if evict.is_empty() {
+                            let start = Instant::now();
+                            (0..10).for_each(|_| step());
+                            return start.elapsed().as_secs_f64() / 10.0;
+                        }
+                        let mut secs = 0.0;
+                        for _ in 0..10 {
+                            secs += sparrow_model::awake::through_step(|| {
+                                evict.iter_mut().for_each(|v| *v += 1.0);
+                                let start = Instant::now();
+                                step();
+                                start.elapsed().as_secs_f64()
+                            });
+                        }
+                        std::hint::black_box(&evict);
+                        secs / 10.0
                     })
                     .collect()
             });
