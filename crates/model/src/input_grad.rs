@@ -64,8 +64,10 @@ impl<'a> InputGrad<'a> {
     pub(crate) fn check_finite(&self, simd: Simd, what: &str) -> Result<(), ModelError> {
         let mut offset = 0;
         for part in self.parts {
-            if !crate::optimizer::all_finite_on_pool(simd, part) {
-                let i = part.iter().position(|v| !v.is_finite()).unwrap_or(0);
+            let bad = (!crate::optimizer::all_finite_on_pool(simd, part))
+                .then(|| part.iter().position(|v| !v.is_finite()))
+                .flatten();
+            if let Some(i) = bad {
                 let what = format!("{what} (element {} is {})", offset + i, part[i]);
                 return Err(ModelError::NonFinite { what });
             }

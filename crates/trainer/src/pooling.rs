@@ -140,13 +140,17 @@ pub fn unpool_strided(bags: &Bags<'_>, grad: &[f32], row_stride: usize, width: u
 /// leaves its input gradient in two parts (`InputGrad::rows`).
 pub fn unpool_rows<'a>(
     bags: &Bags<'_>,
-    rows: impl Iterator<Item = &'a [f32]>,
+    mut rows: impl Iterator<Item = &'a [f32]>,
     width: usize,
     pooling: Pooling,
 ) -> Vec<f32> {
     let f = bags.num_fields;
     let mut out = vec![0.0f32; bags.num_unique * width];
-    for (row, grad) in (0..bags.rows).zip(rows) {
+    for row in 0..bags.rows {
+        // The step hands on every row's gradient (`DenseModel` checks the
+        // halves cover the batch): one missing is a bug, as an index past
+        // a buffer was.
+        let grad = rows.next().expect("unpool: the input gradient has fewer rows than the batch");
         for field in 0..f {
             let range = bags.bag(row, field);
             let scale = bag_scale(pooling, range.len());
