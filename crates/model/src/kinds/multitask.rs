@@ -27,6 +27,7 @@ use crate::params::{Linear, ParamStore};
 
 mod direct;
 mod gates;
+mod lay_columns;
 mod one_input_gates;
 mod one_input_towers;
 

@@ -22,6 +22,7 @@
 //! gradient is one chain over every tower's columns, so its last bits
 //! differ from two products added.
 
+use super::lay_columns::{RowGrad, lay_in_columns};
 use crate::ModelError;
 use crate::bf16::{Arith, Bf16Path};
 use crate::matrix::{Operand, sgemm_threads};
@@ -205,82 +206,17 @@ impl FirstProduct for Columns<'_> {
         let place = (&mut *self.values, (width, at, fan_out));
         match g {
             FirstGrad::Laid(g) => {
-                let g = &g[..rows * fan_out];
-                lay_in_columns(self.simd, place, (rows, relu), db, |r, to| {
-                    to.copy_from_slice(&g[r * fan_out..(r + 1) * fan_out])
-                });
+                lay_in_columns(self.simd, place, (rows, relu), db, RowGrad::Laid(&g[..rows * fan_out]));
             }
             FirstGrad::Outer { seed, w, into: _, next_dw } => {
                 if let Some((next_in, next_dw)) = next_dw {
                     sgemm_threads(fan_out, 1, rows, Operand::t(next_in), Operand::plain(seed), next_dw, 1);
                 }
                 // Each the one rounded product the outer product gives.
-                lay_in_columns(self.simd, place, (rows, relu), db, |r, to| {
-                    to.iter_mut().zip(w).for_each(|(d, &w)| *d = seed[r] * w)
-                });
+                lay_in_columns(self.simd, place, (rows, relu), db, RowGrad::Outer { seed, w });
             }
         }
     }
-}
-
-/// A tower's gradient at its first layer's output laid in its columns of
-/// `values` (`[rows, width]`, from column `at`), row by row: each row's
-/// `fan_out` values written by `row_grad`, then through the ReLU as
-/// `relu_mask` takes it (its output and dropout's scale, where given),
-/// then added to `db` (its bias's gradient, summed in row order as
-/// `add_column_sums` sums). One pass, where a buffer of its own, a pass
-/// through the ReLU, one summing and one copying were four: 8% of ESMM's
-/// dense step.
-fn lay_in_columns(
-    simd: Simd,
-    (values, (width, at, fan_out)): (&mut [f32], (usize, usize, usize)),
-    (rows, relu): (usize, Option<(&[f32], f32)>),
-    db: &mut [f32],
-    row_grad: impl Fn(usize, &mut [f32]),
-) {
-    #[inline(always)]
-    fn rows_into(
-        (values, (width, at, fan_out)): (&mut [f32], (usize, usize, usize)),
-        (rows, relu): (usize, Option<(&[f32], f32)>),
-        db: &mut [f32],
-        row_grad: &impl Fn(usize, &mut [f32]),
-    ) {
-        let db = &mut db[..fan_out];
-        for (r, to) in values.chunks_exact_mut(width).take(rows).enumerate() {
-            let to = &mut to[at..at + fan_out];
-            row_grad(r, to);
-            match relu {
-                Some((out, 1.0)) => {
-                    let a = &out[r * fan_out..(r + 1) * fan_out];
-                    to.iter_mut().zip(a).for_each(|(g, &a)| *g = if a > 0.0 { *g } else { 0.0 });
-                }
-                Some((out, scale)) => {
-                    let a = &out[r * fan_out..(r + 1) * fan_out];
-                    to.iter_mut().zip(a).for_each(|(g, &a)| *g = if a > 0.0 { *g * scale } else { 0.0 });
-                }
-                None => {}
-            }
-            db.iter_mut().zip(&*to).for_each(|(d, g)| *d += g);
-        }
-    }
-    let place = (values, (width, at, fan_out));
-    #[cfg(target_arch = "x86_64")]
-    if crate::columns::avx512f(simd) {
-        #[target_feature(enable = "avx512f")]
-        fn rows_avx512(
-            place: (&mut [f32], (usize, usize, usize)),
-            rows_relu: (usize, Option<(&[f32], f32)>),
-            db: &mut [f32],
-            row_grad: &impl Fn(usize, &mut [f32]),
-        ) {
-            rows_into(place, rows_relu, db, row_grad);
-        }
-        // SAFETY: `avx512f` is true only where AVX-512F was detected.
-        #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
-        return unsafe { rows_avx512(place, (rows, relu), db, &row_grad) };
-    }
-    let _ = simd;
-    rows_into(place, (rows, relu), db, &row_grad);
 }
 
 #[cfg(test)]
