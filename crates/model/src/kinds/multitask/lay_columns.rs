@@ -137,7 +137,8 @@ mod x86 {
         let tail = fan_out - 16 * (NV - 1);
         let masks: [__mmask16; NV] =
             std::array::from_fn(|v| if v + 1 == NV { ((1u32 << tail) - 1) as __mmask16 } else { 0xffff });
-        // SAFETY (each block): the bounds the caller promises.
+        // SAFETY: the bounds the caller promises; each load and store is
+        // masked to the tower's `fan_out` columns.
         unsafe {
             let mut sums: [__m512; NV] = std::array::from_fn(|v| _mm512_maskz_loadu_ps(masks[v], db.add(16 * v)));
             let (laid, seed, w) = match grad {
