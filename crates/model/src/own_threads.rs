@@ -20,6 +20,11 @@ use rayon::prelude::*;
 
 /// Each parameter's weights, in `params`' order: what [`on_own_threads`]
 /// shares out.
+/// Below this many weights in all, the passes run on the calling thread:
+/// handing a share to the other thread (a spawn, its take, its results
+/// back) took longer than the share's work.
+const SMALL_WEIGHTS: usize = 16 << 10;
+
 pub(crate) fn param_sizes(params: &crate::params::ParamStore) -> Vec<usize> {
     params.vars().iter().map(|(_, v)| v.elem_count()).collect()
 }
@@ -60,6 +65,9 @@ pub(crate) fn on_own_threads<J: Send, R: Send>(
     let threads = rayon::current_num_threads();
     if threads < 2 || rayon::current_thread_index().is_none() {
         return jobs.into_par_iter().map(|(_, j)| op(j)).collect();
+    }
+    if sizes.iter().sum::<usize>() < SMALL_WEIGHTS {
+        return jobs.into_iter().map(|(_, j)| op(j)).collect();
     }
     let shares = shares(sizes, threads);
     let mut parts: Vec<Vec<J>> = shares.iter().map(|_| Vec::new()).collect();
@@ -119,7 +127,9 @@ mod tests {
     /// after step; a pool of one runs every share.
     #[test]
     fn each_thread_takes_the_share_of_its_index() {
-        let sizes: Vec<usize> = (0..40).map(|i| 100 + 37 * (i % 7)).collect();
+        // 40 parameters of 2,000 to 4,220 weights: over `SMALL_WEIGHTS`.
+        let sizes: Vec<usize> = (0..40).map(|i| 2000 + 370 * (i % 7)).collect();
+        assert!(sizes.iter().sum::<usize>() >= SMALL_WEIGHTS);
         let firsts: Vec<usize> = shares(&sizes, 3).iter().map(|r| r.start).collect();
         let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().expect("a pool");
         let barrier = std::sync::Barrier::new(3);
@@ -148,5 +158,32 @@ mod tests {
         }
         let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("a pool");
         assert_eq!(run(&one).len(), run(&pool).len());
+    }
+
+    /// A model of few weights has its passes run on the calling thread, in
+    /// order, as many results as jobs, while the pool's other thread is
+    /// held awake looking for work (which takes a larger model's share).
+    #[test]
+    fn few_weights_stay_on_the_calling_thread() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a pool");
+        // A job long enough for the held thread to take its share's spawn.
+        let slow = |i: usize| {
+            let start = std::time::Instant::now();
+            while start.elapsed() < std::time::Duration::from_micros(200) {
+                std::hint::spin_loop();
+            }
+            (i, rayon::current_thread_index())
+        };
+        let run = |sizes: &[usize; 4]| {
+            pool.install(|| {
+                let me = rayon::current_thread_index();
+                let got = crate::awake::through(|| on_own_threads(sizes, (0..4).map(|i| (i, i)).collect(), slow));
+                assert_eq!(got.iter().map(|&(i, _)| i).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+                got.iter().all(|&(_, thread)| thread == me)
+            })
+        };
+        for _ in 0..20 {
+            assert!(run(&[SMALL_WEIGHTS / 4 - 1; 4]), "a small model's passes left the calling thread");
+        }
     }
 }
