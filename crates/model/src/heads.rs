@@ -106,6 +106,16 @@ impl Heads {
     /// checked here, before any index is taken from it.
     pub fn check_labels(&self, labels: &[f32]) -> Result<(), crate::ModelError> {
         let t = self.tasks().max(1);
+        // Binary and regression heads take any label but an infinity: one
+        // pass over the bits first (the row-by-row loop below, which names
+        // the task, was 2% of ESMM's dense step).
+        if self.heads.iter().all(|h| !h.multiclass) {
+            // No early exit: the fold vectorizes, `all` did not.
+            let infinite = |y: &f32| y.to_bits() & !(1 << 31) == f32::INFINITY.to_bits();
+            if !labels.iter().fold(false, |any, y| any | infinite(y)) {
+                return Ok(());
+            }
+        }
         // Row by row, a task's head beside its label (no `i % t` a label:
         // a division each, 3% of ESMM's dense step).
         let rows = labels.chunks_exact(t);
@@ -287,5 +297,17 @@ mod tests {
         // against its own task's head.
         let err = h.check_labels(&[1.0, 0.0, f32::INFINITY]).expect_err("refused").to_string();
         assert!(err.contains("`click`"), "{err}");
+        // Binary tasks alone (the pass over the bits first): NaN and any
+        // finite label pass, either infinity in a later row is refused
+        // naming its task.
+        let binary = |name: &str| Task { name: name.into(), kind: TaskKind::Binary, outputs: 1, weight: 1.0 };
+        let two = Heads::of(&[binary("click"), binary("buy")]);
+        let mut labels: Vec<f32> = (0..40).map(|i| [0.0, 1.0, f32::NAN, -0.0, 2.5, f32::MAX][i % 6]).collect();
+        assert!(two.check_labels(&labels).is_ok());
+        for infinity in [f32::INFINITY, f32::NEG_INFINITY] {
+            labels[33] = infinity;
+            let err = two.check_labels(&labels).expect_err("refused").to_string();
+            assert!(err.contains("`buy`"), "{err}");
+        }
     }
 }
