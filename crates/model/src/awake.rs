@@ -31,14 +31,21 @@
 //! (its dense phase 0.308 → 0.260 s), PLE 264k → 279k (its update
 //! 0.174 → 0.117 s), MMoE 472k → 493k, the MLP 955k → 1,032k, DIN level.
 
+use std::cell::RefCell;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+
+thread_local! {
+    /// The count of threads held by the hold this thread is inside, if any.
+    static HOLDING: RefCell<Option<Arc<AtomicUsize>>> = const { RefCell::new(None) };
+}
 
 /// `op()` with the current pool's other threads kept awake until it
 /// returns (or unwinds). Off a pool, or on a pool of one thread, it is
 /// `op()` alone.
 pub(crate) fn through<R>(op: impl FnOnce() -> R) -> R {
-    held((None, &AtomicUsize::new(0)), op)
+    held((None, Arc::default()), op)
 }
 
 /// How long a thread held through a training step looks for a job before
@@ -51,17 +58,27 @@ pub const STEP_IDLE: Duration = Duration::from_millis(1);
 /// for [`STEP_IDLE`] stops holding, and the step's later parallel
 /// sections wake it as they would have unheld.
 pub fn through_step<R>(op: impl FnOnce() -> R) -> R {
-    held((Some(STEP_IDLE), &AtomicUsize::new(0)), op)
+    held((Some(STEP_IDLE), Arc::default()), op)
 }
 
 /// `op()` with the pool's other threads held: each until `op` returns, or
 /// (`idle`) until it has found no job for that long. `holding` counts
-/// the threads held at each moment.
-fn held<R>((idle, holding): (Option<Duration>, &AtomicUsize), op: impl FnOnce() -> R) -> R {
+/// the threads held at each moment. Inside a hold of this thread's that
+/// still holds every other thread (a dense step in a training step's),
+/// `op()` runs as it is: a second hold's spinner, nested in the first's,
+/// cost 1.5–2 µs a step, and a step waited for it to end, milliseconds
+/// where its thread was switched out (`sparrow bench`'s kinds table, an
+/// AMX Xeon VM).
+fn held<R>((idle, holding): (Option<Duration>, Arc<AtomicUsize>), op: impl FnOnce() -> R) -> R {
     let threads = rayon::current_num_threads();
     if threads < 2 || rayon::current_thread_index().is_none() {
         return op();
     }
+    let outer = HOLDING.with_borrow(Option::clone);
+    if outer.is_some_and(|outer| outer.load(Ordering::Acquire) + 1 >= threads) {
+        return op();
+    }
+    let _inside = Inside::enter(holding.clone());
     let done = AtomicBool::new(false);
     rayon::in_place_scope(|s| {
         // The spinners sit at the bottom of this thread's deque, beneath
@@ -88,6 +105,22 @@ fn held<R>((idle, holding): (Option<Duration>, &AtomicUsize), op: impl FnOnce() 
         let _done = Done(&done);
         op()
     })
+}
+
+/// This thread inside a hold (its held threads' count) until dropped,
+/// when the hold it was inside before is restored.
+struct Inside(Option<Arc<AtomicUsize>>);
+
+impl Inside {
+    fn enter(holding: Arc<AtomicUsize>) -> Inside {
+        Inside(HOLDING.replace(Some(holding)))
+    }
+}
+
+impl Drop for Inside {
+    fn drop(&mut self) {
+        HOLDING.set(self.0.take());
+    }
 }
 
 /// Sets its flag when dropped: on return and on unwinding alike.
@@ -219,8 +252,8 @@ mod tests {
     fn a_training_steps_hold_lets_an_idle_thread_go() {
         let value = returns("a step waiting for its held thread to go", || {
             pool(2).install(|| {
-                let holding = AtomicUsize::new(0);
-                held((Some(Duration::from_millis(1)), &holding), || {
+                let holding = Arc::new(AtomicUsize::new(0));
+                held((Some(Duration::from_millis(1)), holding.clone()), || {
                     until(&holding, 1);
                     until(&holding, 0);
                     7
@@ -236,8 +269,8 @@ mod tests {
     fn a_dense_steps_hold_lasts_the_step() {
         let still_held = returns("a dense step", || {
             pool(2).install(|| {
-                let holding = AtomicUsize::new(0);
-                held((None, &holding), || {
+                let holding = Arc::new(AtomicUsize::new(0));
+                held((None, holding.clone()), || {
                     until(&holding, 1);
                     let start = std::time::Instant::now();
                     while start.elapsed() < 20 * STEP_IDLE {
@@ -248,6 +281,42 @@ mod tests {
             })
         });
         assert_eq!(still_held, 1, "the held thread let go before the step ended");
+    }
+
+    /// A hold inside one that holds every other thread spawns no spinner
+    /// of its own (its count stays 0 while the held thread looks for work
+    /// for 50 ms, where a spinner of its would be taken in microseconds);
+    /// inside one whose thread has let go, it holds the thread itself.
+    #[test]
+    fn a_hold_inside_a_full_hold_adds_none() {
+        let inner_held = returns("a hold inside a full hold", || {
+            pool(2).install(|| {
+                let outer = Arc::new(AtomicUsize::new(0));
+                held((None, outer.clone()), || {
+                    until(&outer, 1);
+                    let inner = Arc::new(AtomicUsize::new(0));
+                    held((None, inner.clone()), || {
+                        let start = Instant::now();
+                        while inner.load(Ordering::Acquire) == 0 && start.elapsed() < Duration::from_millis(50) {
+                            std::hint::spin_loop();
+                        }
+                        inner.load(Ordering::Acquire)
+                    })
+                })
+            })
+        });
+        assert_eq!(inner_held, 0, "the inner hold held a thread the outer one held");
+        returns("a hold inside one that let go", || {
+            pool(2).install(|| {
+                let outer = Arc::new(AtomicUsize::new(0));
+                held((Some(Duration::from_millis(1)), outer.clone()), || {
+                    until(&outer, 1);
+                    until(&outer, 0);
+                    let inner = Arc::new(AtomicUsize::new(0));
+                    held((None, inner.clone()), || until(&inner, 1));
+                })
+            })
+        });
     }
 
     /// A step that panics lets its held workers go, and its panic reaches
