@@ -36,7 +36,7 @@ fn bench(c: &mut Criterion) {
             b.iter(|| {
                 let k = i % batches.len();
                 let bags = Bags::of(&batches[k], &plans[k]);
-                pool.install(|| pool_into(&bags, &unique[k], width, Pooling::Sum, &mut packed, stride));
+                pool.install(|| pool_into(&bags, &unique[k], width, Pooling::Sum, (&mut packed, stride), None));
                 i += 1;
             })
         });

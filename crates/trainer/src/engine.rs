@@ -27,7 +27,7 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use sparrow_core::config::Pooling;
-use sparrow_model::{DenseModel, DenseOptimizer};
+use sparrow_model::{DenseModel, DenseOptimizer, ModelError};
 
 use crate::TrainError;
 use crate::dense_sync::DenseSync;
@@ -423,11 +423,11 @@ pub fn dense_grads(
         // buffer and unpool straight from the input gradient.
         Some(stride) => {
             packed_input.resize(bags.rows * stride, 0.0);
-            pool_into(&bags, unique_rows, width, pooling, packed_input, stride);
-            let fw = bags.num_fields * width;
-            for (row, d) in packed_input.chunks_exact_mut(stride).zip(dense.chunks_exact(num_dense.max(1))) {
-                row[fw..].copy_from_slice(&d[..num_dense]);
+            if dense.len() != bags.rows * num_dense {
+                let (len, rows, per_row) = (dense.len(), bags.rows, num_dense);
+                return Err(TrainError::Model(ModelError::BadInput { what: "dense features", len, rows, per_row }));
             }
+            pool_into(&bags, unique_rows, width, pooling, (packed_input, stride), Some(dense));
             // A model that attends (`din`) reads its sequences' items unpooled.
             let pairs = model.attention();
             let sequences = (!pairs.is_empty()).then(|| gather_sequences(&bags, unique_rows, width, pairs));

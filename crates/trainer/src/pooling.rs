@@ -57,18 +57,25 @@ fn bag_scale(pooling: Pooling, len: usize) -> f32 {
 
 /// Pools into `out`, whose rows are `row_stride` floats apart: row r's
 /// fields fill `out[r·row_stride .. r·row_stride + fields·width]` and the rest
-/// of the row is set to zero (the caller writes dense values there after).
-/// `out` can be reused across steps.
+/// of the row is row r's dense values (`dense`, `row_stride − fields·width`
+/// a row), or zeros where `dense` is `None`. `out` can be reused across steps.
+/// Each row is written whole by the thread that pools it: a model that
+/// runs a batch's halves on two threads (`sparrow_model`'s `halves.rs`)
+/// reads the second half's rows on the thread that most likely pooled
+/// them, where the dense values copied afterwards on the caller's thread
+/// pulled a line of every row into its cache.
 pub fn pool_into(
     bags: &Bags<'_>,
     unique_rows: &[f32],
     width: usize,
     pooling: Pooling,
-    out: &mut [f32],
-    row_stride: usize,
+    (out, row_stride): (&mut [f32], usize),
+    dense: Option<&[f32]>,
 ) {
     let f = bags.num_fields;
     assert!(row_stride >= f * width && out.len() == bags.rows * row_stride, "pool_into: output layout");
+    let num_dense = row_stride - f * width;
+    assert!(dense.is_none_or(|d| d.len() == bags.rows * num_dense), "pool_into: dense values");
     const ROWS_PER_TASK: usize = 64;
     out.par_chunks_mut(row_stride * ROWS_PER_TASK).enumerate().for_each(|(chunk, rows)| {
         // Zero the task's rows in one block first: a large fill writes
@@ -80,6 +87,9 @@ pub fn pool_into(
         rows.fill(0.0);
         for (r, row_out) in rows.chunks_mut(row_stride).enumerate() {
             let row = chunk * ROWS_PER_TASK + r;
+            if let Some(dense) = dense {
+                row_out[f * width..].copy_from_slice(&dense[row * num_dense..(row + 1) * num_dense]);
+            }
             for (field, slot) in row_out[..f * width].chunks_mut(width).enumerate() {
                 let range = bags.bag(row, field);
                 if range.is_empty() {
@@ -125,7 +135,7 @@ fn copy_vector(dst: &mut [f32], src: &[f32]) {
 pub fn pool(bags: &Bags<'_>, unique_rows: &[f32], width: usize, pooling: Pooling) -> Vec<f32> {
     let stride = bags.num_fields * width;
     let mut out = vec![0.0f32; bags.rows * stride];
-    pool_into(bags, unique_rows, width, pooling, &mut out, stride);
+    pool_into(bags, unique_rows, width, pooling, (&mut out, stride), None);
     out
 }
 
@@ -238,7 +248,7 @@ mod tests {
             let x: Vec<f32> = (0..plan.num_unique() * width).map(|i| i as f32 * 0.25 - 3.0).collect();
             let stride = 3 * width + 2;
             let mut out = vec![f32::NAN; batch.rows() * stride];
-            pool_into(&bags, &x, width, Pooling::Sum, &mut out, stride);
+            pool_into(&bags, &x, width, Pooling::Sum, (&mut out, stride), None);
             for (r, keys) in rows.iter().enumerate() {
                 for field in 0..3 {
                     let mut want = vec![0.0f32; width];
@@ -312,11 +322,18 @@ mod tests {
         // Strided layout (as the packed model input): same values, same adjoint.
         let stride = 2 * width + 3;
         let mut packed = vec![7.0f32; batch.rows() * stride];
-        pool_into(&bags, &x, width, Pooling::Mean, &mut packed, stride);
+        pool_into(&bags, &x, width, Pooling::Mean, (&mut packed, stride), None);
         let plain = pool(&bags, &x, width, Pooling::Mean);
         for r in 0..batch.rows() {
             assert_eq!(&packed[r * stride..r * stride + 2 * width], &plain[r * 2 * width..(r + 1) * 2 * width]);
             assert_eq!(&packed[r * stride + 2 * width..(r + 1) * stride], &[0.0; 3], "dense part zeroed");
+        }
+        // With the rows' dense values: each row's tail is its own three.
+        let dense: Vec<f32> = (0..batch.rows() * 3).map(|i| i as f32 + 0.5).collect();
+        pool_into(&bags, &x, width, Pooling::Mean, (&mut packed, stride), Some(&dense));
+        for r in 0..batch.rows() {
+            assert_eq!(&packed[r * stride..r * stride + 2 * width], &plain[r * 2 * width..(r + 1) * 2 * width]);
+            assert_eq!(&packed[r * stride + 2 * width..(r + 1) * stride], &dense[r * 3..(r + 1) * 3], "row {r}");
         }
         let mut g_packed = vec![0.0f32; batch.rows() * stride];
         for r in 0..batch.rows() {
