@@ -18,8 +18,10 @@
 //! embedding dimension, 16 unless given; H: the MLP's layers, 256,128
 //! unless given; the norm each kind's own, `auto`, unless given: batch
 //! norm for DIN). `BENCH_THREADS=1` runs the step on one thread (2 unless set);
-//! `BENCH_EVICT_KB=N` writes N KiB of other memory before each step, the
-//! pool held through both, as a training step's embedding phases do;
+//! each step runs in a hold of the pool's other thread, as a training
+//! step does (`awake::through_step`); `BENCH_EVICT_KB=N` writes N KiB of
+//! other memory before each step inside it, as a training step's
+//! embedding phases do;
 //! `SPARROW_SIMD=portable` takes every kernel's portable build.
 
 use std::time::{Duration, Instant};
@@ -178,13 +180,14 @@ fn main() {
             };
             let mut times: Vec<f64> = pool.install(|| {
                 (0..10).for_each(|_| step());
+                // Each step in a hold of the pool's other thread, as a
+                // training step holds it (`Trainer::step`): unheld, a step
+                // whose optimizer runs on one thread (fewer than 16 Ki
+                // weights, `own_threads.rs`) let that thread fall asleep
+                // before the next, and timed its wake-up, which no training
+                // step pays (ESMM's median 0.19 → 0.22–0.34 ms).
                 (0..runs)
                     .map(|_| {
-                        if evict.is_empty() {
-                            let start = Instant::now();
-                            (0..10).for_each(|_| step());
-                            return start.elapsed().as_secs_f64() / 10.0;
-                        }
                         let mut secs = 0.0;
                         for _ in 0..10 {
                             secs += sparrow_model::awake::through_step(|| {
