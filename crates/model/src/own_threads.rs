@@ -18,13 +18,13 @@ use std::sync::{Mutex, PoisonError};
 
 use rayon::prelude::*;
 
-/// Each parameter's weights, in `params`' order: what [`on_own_threads`]
-/// shares out.
 /// Below this many weights in all, the passes run on the calling thread:
 /// handing a share to the other thread (a spawn, its take, its results
 /// back) took longer than the share's work.
 const SMALL_WEIGHTS: usize = 16 << 10;
 
+/// Each parameter's weights, in `params`' order: what [`on_own_threads`]
+/// shares out.
 pub(crate) fn param_sizes(params: &crate::params::ParamStore) -> Vec<usize> {
     params.vars().iter().map(|(_, v)| v.elem_count()).collect()
 }
