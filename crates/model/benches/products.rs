@@ -8,7 +8,13 @@
 //! transposed (a weights' gradient `xᵀ·g`), `nt` reads `b` transposed (an
 //! input's gradient `g·Wᵀ`). Without shapes, ESMM's first layers at a half
 //! batch of 512 rows: forward, weights' gradient, input gradient.
-//! `BENCH_THREADS` threads (1 unless set).
+//! `BENCH_THREADS` threads (1 unless set). `BENCH_COPIES=C` (1 unless set)
+//! takes the 50 products in turn from C copies of the operands and
+//! outputs, so that with enough copies each one's are out of the core's
+//! caches when its turn comes, as in a training step, where each of a
+//! step's many products reads what the ones before it pushed out (in
+//! PLE's training step its main shapes ran up to a quarter slower than
+//! here with one copy).
 
 use std::time::Instant;
 
@@ -49,19 +55,22 @@ fn main() {
     }
     let threads: usize = std::env::var("BENCH_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(1).max(1);
     let runs: usize = std::env::var("BENCH_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(15).max(1);
+    let copies: usize = std::env::var("BENCH_COPIES").ok().and_then(|v| v.parse().ok()).unwrap_or(1).max(1);
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a pool");
     println!("shape                  best µs   med µs   GFLOP/s");
     for (m, n, k, how) in shapes {
         let a: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0).collect();
         let b: Vec<f32> = (0..k * n).map(|i| ((i * 5 % 11) as f32 - 5.0) / 9.0).collect();
-        let mut dst = vec![0.0f32; m * n];
+        let (a, b) = (vec![a; copies], vec![b; copies]);
+        let mut dst = vec![vec![0.0f32; m * n]; copies];
         let (a_t, b_t) = (how == "t", how == "nt");
         let mut times = Vec::new();
         pool.install(|| {
             for _ in 0..runs {
                 let start = Instant::now();
-                for _ in 0..50 {
-                    sgemm_threads(m, n, k, op(&a, a_t), op(&b, b_t), &mut dst, threads);
+                for i in 0..50 {
+                    let c = i % copies;
+                    sgemm_threads(m, n, k, op(&a[c], a_t), op(&b[c], b_t), &mut dst[c], threads);
                 }
                 times.push(start.elapsed().as_secs_f64() / 50.0);
             }
