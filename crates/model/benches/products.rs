@@ -24,6 +24,21 @@ fn op(d: &[f32], transposed: bool) -> Operand<'_> {
     if transposed { Operand::t(d) } else { Operand::plain(d) }
 }
 
+/// A positive count from the environment variable `name` (`default` when
+/// unset); anything else stops the bench, naming the variable.
+fn count(name: &str, default: usize) -> usize {
+    match std::env::var(name) {
+        Err(_) => default,
+        Ok(v) => match v.parse::<usize>() {
+            Ok(n) if n > 0 => n,
+            _ => {
+                eprintln!("products: {name}={v:?} is not a positive whole number");
+                std::process::exit(2)
+            }
+        },
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let mut shapes = Vec::new();
@@ -53,9 +68,7 @@ fn main() {
     if shapes.is_empty() {
         shapes = vec![(512, 64, 81, String::new()), (81, 64, 512, "t".into()), (512, 81, 64, "nt".into())];
     }
-    let threads: usize = std::env::var("BENCH_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(1).max(1);
-    let runs: usize = std::env::var("BENCH_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(15).max(1);
-    let copies: usize = std::env::var("BENCH_COPIES").ok().and_then(|v| v.parse().ok()).unwrap_or(1).max(1);
+    let (threads, runs, copies) = (count("BENCH_THREADS", 1), count("BENCH_RUNS", 15), count("BENCH_COPIES", 1));
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a pool");
     println!("shape                  best µs   med µs   GFLOP/s");
     for (m, n, k, how) in shapes {
@@ -65,11 +78,14 @@ fn main() {
         let mut dst = vec![vec![0.0f32; m * n]; copies];
         let (a_t, b_t) = (how == "t", how == "nt");
         let mut times = Vec::new();
+        // The copies in turn across runs too: every one is used, however many.
+        let mut turn = 0;
         pool.install(|| {
             for _ in 0..runs {
                 let start = Instant::now();
-                for i in 0..50 {
-                    let c = i % copies;
+                for _ in 0..50 {
+                    let c = turn % copies;
+                    turn += 1;
                     sgemm_threads(m, n, k, op(&a[c], a_t), op(&b[c], b_t), &mut dst[c], threads);
                 }
                 times.push(start.elapsed().as_secs_f64() / 50.0);
