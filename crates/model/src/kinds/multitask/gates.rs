@@ -22,9 +22,12 @@
 //!   inputs' sums in one pass.
 //!
 //! Each pass has an AVX-512 build of the same code, taken where
-//! `train.simd` allows and the CPU has AVX-512F. Every value is computed by
-//! the same operations in the same order as when the passes were separate,
-//! so the step's bits are unchanged, on every build (tested).
+//! `train.simd` allows and the CPU has AVX-512F; the forward pass and the
+//! adjoint also an AVX2 build, taken where it has AVX2 but not AVX-512F
+//! (a Zen 3), whose mixes and adjoint run `x86.rs`'s kernels on eight
+//! floats ([`Build`]). Every value is computed by the same operations in
+//! the same order as when the passes were separate, so the step's bits
+//! are unchanged, on every build (tested).
 
 use rayon::prelude::*;
 
@@ -63,13 +66,41 @@ pub(super) struct GateBackward<'a> {
     pub d_logits: &'a mut [f32],
 }
 
+/// The build a pass over rows runs: the portable code, or the same code
+/// compiled for AVX2 or AVX-512F with `x86.rs`'s kernels on its vectors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Build {
+    Portable,
+    Avx2,
+    Avx512,
+}
+
+impl Build {
+    /// The widest build `simd` allows and the CPU has.
+    pub(super) fn of(simd: Simd) -> Build {
+        if avx512f(simd) {
+            return Build::Avx512;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if simd.allows() && std::arch::is_x86_feature_detected!("avx2") {
+            return Build::Avx2;
+        }
+        Build::Portable
+    }
+}
+
 /// Every row, every gate in order: `logits += bias`, their softmax (in
 /// place), then `mix = Σ_k weight_k · outs[pool_k]`. Every pool holds the
 /// level's shared experts (`model.experts` is refused below 1), so no
 /// pool is empty; the guard below only keeps a chunk size from being 0.
-/// Where `simd` allows and the CPU has AVX-512F, each task runs the same
-/// code compiled for it: the same operations, the same bits (tested).
+/// Where `simd` allows and the CPU has AVX-512F or AVX2, each task runs the
+/// same code compiled for it: the same operations, the same bits (tested).
 pub(super) fn softmax_mix(simd: Simd, outs: &[&[f32]], width: usize, gates: Vec<GateForward<'_>>) {
+    softmax_mix_on(Build::of(simd), outs, width, gates);
+}
+
+/// [`softmax_mix`] on `build` (one the CPU has).
+fn softmax_mix_on(build: Build, outs: &[&[f32]], width: usize, gates: Vec<GateForward<'_>>) {
     let Some(rows) = gates.first().map(|g| g.logits.len() / g.pool.len().max(1)) else { return };
     if rows == 0 || width == 0 || gates.iter().any(|g| g.pool.is_empty()) {
         return;
@@ -83,29 +114,52 @@ pub(super) fn softmax_mix(simd: Simd, outs: &[&[f32]], width: usize, gates: Vec<
             block.push(GateForward { logits, bias: g.bias, pool: g.pool, mix });
         }
     }
-    let wide = avx512f(simd);
     blocks.par_iter_mut().enumerate().for_each_init(Vec::new, |lanes, (b, gates)| {
         let first = b * ROWS_PER_TASK * width;
         #[cfg(target_arch = "x86_64")]
-        if wide {
-            #[target_feature(enable = "avx512f")]
-            fn block_avx512(gates: &mut [GateForward<'_>], outs: &[&[f32]], at: usize, lanes: &mut Vec<[f32; LANES]>) {
-                block_forward::<true>(gates, outs, at, lanes);
+        match build {
+            Build::Avx512 => {
+                #[target_feature(enable = "avx512f")]
+                fn block_avx512(
+                    gates: &mut [GateForward<'_>],
+                    outs: &[&[f32]],
+                    at: usize,
+                    lanes: &mut Vec<[f32; LANES]>,
+                ) {
+                    block_forward::<16>(gates, outs, at, lanes);
+                }
+                // SAFETY: `Build::Avx512` only where AVX-512F was detected.
+                #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+                return unsafe { block_avx512(gates, outs, first, lanes) };
             }
-            // SAFETY: `wide` is true only where AVX-512F was detected.
-            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
-            return unsafe { block_avx512(gates, outs, first, lanes) };
+            Build::Avx2 => {
+                #[target_feature(enable = "avx2")]
+                fn block_avx2(
+                    gates: &mut [GateForward<'_>],
+                    outs: &[&[f32]],
+                    at: usize,
+                    lanes: &mut Vec<[f32; LANES]>,
+                ) {
+                    block_forward::<8>(gates, outs, at, lanes);
+                }
+                // SAFETY: `Build::Avx2` only where AVX2 was detected.
+                #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+                return unsafe { block_avx2(gates, outs, first, lanes) };
+            }
+            Build::Portable => {}
         }
-        block_forward::<false>(gates, outs, first, lanes);
+        block_forward::<0>(gates, outs, first, lanes);
     });
 }
 
 /// A task's rows (`gates`' parts; its first row's outputs at `at` in
 /// `outs`), sixteen rows at a time: every gate's softmax, then each row's
 /// mixes (the rows' expert outputs stay in L1 for all the gates).
-/// `AVX512`: built for AVX-512F, whose mixes keep their sums in registers.
+/// `VECTOR`: the floats in a vector of the build (16 for AVX-512F, 8 for
+/// AVX2, 0 for the portable one); the x86 builds keep a mix's sums in
+/// registers.
 #[inline(always)]
-fn block_forward<const AVX512: bool>(
+fn block_forward<const VECTOR: usize>(
     gates: &mut [GateForward<'_>],
     outs: &[&[f32]],
     at: usize,
@@ -123,7 +177,7 @@ fn block_forward<const AVX512: bool>(
             for gate in gates.iter_mut() {
                 let k = gate.pool.len();
                 let mix = &mut gate.mix[r * width..(r + 1) * width];
-                mix_row::<AVX512>(mix, &gate.logits[r * k..(r + 1) * k], gate.pool, outs, at + r * width);
+                mix_row::<VECTOR>(mix, &gate.logits[r * k..(r + 1) * k], gate.pool, outs, at + r * width);
             }
         }
     }
@@ -171,25 +225,27 @@ fn softmax_rows(logits: &mut [f32], bias: &[f32], lanes: &mut Vec<[f32; LANES]>)
 /// Sixteen columns at a time in registers, the mix written once (a pass
 /// over the mix an expert read and wrote it `k` times); widths of up to
 /// four such columns are unrolled, every expert's row one read.
-/// In the AVX-512F build (`AVX512`) the sums are held in registers
+/// In the x86 builds (`VECTOR`) the sums are held in registers
 /// (`x86::mix_row`: the arrays below went through the stack between
 /// experts, a third of the forward pass on a Zen 4), with the same
 /// operations in the same order.
 #[inline(always)]
-fn mix_row<const AVX512: bool>(mix: &mut [f32], weights: &[f32], pool: &[usize], outs: &[&[f32]], at: usize) {
+fn mix_row<const VECTOR: usize>(mix: &mut [f32], weights: &[f32], pool: &[usize], outs: &[&[f32]], at: usize) {
     #[cfg(target_arch = "x86_64")]
-    if AVX512 {
-        // SAFETY: `AVX512` is true only in the AVX-512F build, called
-        // where the CPU has it (`softmax_mix`).
-        #[expect(unsafe_code, reason = "calling a target_feature function from the build made for it")]
-        unsafe {
-            match mix.len() {
-                16 => return x86::mix_row::<1>(mix, weights, pool, outs, at),
-                32 => return x86::mix_row::<2>(mix, weights, pool, outs, at),
-                48 => return x86::mix_row::<3>(mix, weights, pool, outs, at),
-                64 => return x86::mix_row::<4>(mix, weights, pool, outs, at),
-                _ => {}
+    {
+        use std::arch::x86_64::{__m256, __m512};
+        // SAFETY: `VECTOR` is 16 only in the AVX-512F build and 8 only in
+        // the AVX2 one, each called where the CPU has it (`softmax_mix`).
+        #[expect(unsafe_code, reason = "calling the kernels of the build made for them")]
+        let done = unsafe {
+            match VECTOR {
+                16 => x86::mix_row_if_whole::<__m512>(mix, weights, pool, outs, at),
+                8 => x86::mix_row_if_whole::<__m256>(mix, weights, pool, outs, at),
+                _ => false,
             }
+        };
+        if done {
+            return;
         }
     }
     match mix.len() {
@@ -286,6 +342,17 @@ pub(super) fn adjoint(
     gates: Vec<GateBackward<'_>>,
     d_experts: &mut [Vec<f32>],
 ) -> Vec<bool> {
+    adjoint_on(Build::of(simd), (outs, masks), width, gates, d_experts)
+}
+
+/// [`adjoint`] on `build` (one the CPU has).
+fn adjoint_on(
+    build: Build,
+    (outs, masks): (&[&[f32]], &[Option<f32>]),
+    width: usize,
+    gates: Vec<GateBackward<'_>>,
+    d_experts: &mut [Vec<f32>],
+) -> Vec<bool> {
     let mut pooled = vec![false; d_experts.len()];
     // Whether each (gate, pooled expert) adds to what an earlier gate wrote.
     let adds: Vec<Vec<bool>> =
@@ -321,20 +388,31 @@ pub(super) fn adjoint(
     // Only a pooled expert's gradient is its to mask (another's is zeros).
     let masks: Vec<Option<f32>> = masks.iter().zip(&pooled).map(|(m, &p)| m.filter(|_| p)).collect();
     let masks = &masks[..];
-    let wide = avx512f(simd);
     logit_blocks.par_iter_mut().zip(expert_blocks.par_iter_mut()).enumerate().for_each(|(b, (dls, des))| {
         let block = Block { first: b * ROWS_PER_TASK, gates: &gates, adds: &adds, outs, masks, width };
         #[cfg(target_arch = "x86_64")]
-        if wide {
-            #[target_feature(enable = "avx512f")]
-            fn block_avx512(block: &Block<'_>, dls: &mut [&mut [f32]], des: &mut [&mut [f32]]) {
-                block_adjoint::<true>(block, dls, des);
+        match build {
+            Build::Avx512 => {
+                #[target_feature(enable = "avx512f")]
+                fn block_avx512(block: &Block<'_>, dls: &mut [&mut [f32]], des: &mut [&mut [f32]]) {
+                    block_adjoint::<16>(block, dls, des);
+                }
+                // SAFETY: `Build::Avx512` only where AVX-512F was detected.
+                #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+                return unsafe { block_avx512(&block, dls, des) };
             }
-            // SAFETY: `wide` is true only where AVX-512F was detected.
-            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
-            return unsafe { block_avx512(&block, dls, des) };
+            Build::Avx2 => {
+                #[target_feature(enable = "avx2")]
+                fn block_avx2(block: &Block<'_>, dls: &mut [&mut [f32]], des: &mut [&mut [f32]]) {
+                    block_adjoint::<8>(block, dls, des);
+                }
+                // SAFETY: `Build::Avx2` only where AVX2 was detected.
+                #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+                return unsafe { block_avx2(&block, dls, des) };
+            }
+            Build::Portable => {}
         }
-        block_adjoint::<false>(&block, dls, des);
+        block_adjoint::<0>(&block, dls, des);
     });
     pooled
 }
@@ -354,15 +432,23 @@ struct Block<'a> {
 /// A task's rows of [`adjoint`]: `dls` its rows of each gate's logits'
 /// gradient, `des` of each expert's output gradient.
 #[inline(always)]
-fn block_adjoint<const AVX512: bool>(block: &Block<'_>, dls: &mut [&mut [f32]], des: &mut [&mut [f32]]) {
+fn block_adjoint<const VECTOR: usize>(block: &Block<'_>, dls: &mut [&mut [f32]], des: &mut [&mut [f32]]) {
     let Block { first, gates, adds, outs, masks, width } = *block;
     let rows = dls[0].len() / gates[0].2.len();
     #[cfg(target_arch = "x86_64")]
-    if AVX512 && width % x86::LANES == 0 {
-        // SAFETY: `AVX512` is true only in the build for AVX-512F, taken
-        // where the CPU has it, and `width` is a whole number of vectors.
-        #[expect(unsafe_code, reason = "AVX-512 kernels in a build for AVX-512F")]
-        return unsafe { x86::block_adjoint(block, dls, des, rows) };
+    if VECTOR > 0 && width.is_multiple_of(VECTOR) {
+        use std::arch::x86_64::{__m256, __m512};
+        // SAFETY: `VECTOR` is 16 only in the build for AVX-512F and 8 only
+        // in the one for AVX2, each taken where the CPU has it, and `width`
+        // is a whole number of its vectors.
+        #[expect(unsafe_code, reason = "vector kernels in the build made for them")]
+        unsafe {
+            match VECTOR {
+                16 => return x86::block_adjoint::<__m512>(block, dls, des, rows),
+                8 => return x86::block_adjoint::<__m256>(block, dls, des, rows),
+                _ => {}
+            }
+        }
     }
     for r in 0..rows {
         let (row, at) = (first + r, r * width..(r + 1) * width);
@@ -490,6 +576,22 @@ mod tests {
         }
     }
 
+    /// Every build this CPU can run: the portable one, and AVX2's and
+    /// AVX-512F's where it has them.
+    fn builds() -> Vec<Build> {
+        let mut builds = vec![Build::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                builds.push(Build::Avx2);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                builds.push(Build::Avx512);
+            }
+        }
+        builds
+    }
+
     fn values(n: usize, rng: &mut Rng) -> Vec<f32> {
         (0..n).map(|_| rng.uniform(-2.0, 2.0) as f32).collect()
     }
@@ -535,14 +637,15 @@ mod tests {
     }
 
     /// The forward pass in lanes of rows, with the widths it unrolls and
-    /// one it does not, on the AVX-512 build (where the CPU has it) and
-    /// the portable one: the bits of a gate at a time, a row at a time.
+    /// ones it does not, on every build the CPU has (AVX-512's vectors of
+    /// 16 and AVX2's of 8 take a width of whole vectors up to 64): the
+    /// bits of a gate at a time, a row at a time.
     /// Logits far apart (a weight that underflows to 0) and a batch whose
     /// last task ends in a part of a lane group.
     #[test]
     fn the_forward_in_lanes_gives_the_bits_of_a_row_at_a_time_on_every_build() {
         let mut rng = Rng::new(12);
-        for width in [16, 24, 32, 48, 64, 80] {
+        for width in [8, 16, 24, 32, 48, 56, 64, 80] {
             let outs: Vec<Vec<f32>> = (0..POOLED).map(|_| values(ROWS * width, &mut rng)).collect();
             let outs: Vec<&[f32]> = outs.iter().map(|o| &o[..]).collect();
             let biases: Vec<Vec<f32>> = POOLS.iter().map(|p| values(p.len(), &mut rng)).collect();
@@ -551,24 +654,24 @@ mod tests {
             raw[0][3 * 3 + 1] = 150.0;
             let (weights_one, mixes_one) = one_gate_at_a_time(&outs, &biases, &raw, ROWS, width);
             assert_eq!(weights_one[2][7], 0.0, "a weight underflows");
-            for simd in [Simd::Auto, Simd::Portable] {
+            for build in builds() {
                 let mut weights = raw.clone();
                 let mut mixes = vec![vec![7.0f32; ROWS * width]; POOLS.len()];
                 let forward = (weights.iter_mut().zip(mixes.iter_mut()).zip(&biases).zip(POOLS))
                     .map(|(((logits, mix), bias), pool)| GateForward { logits, bias, pool, mix })
                     .collect();
-                softmax_mix(simd, &outs, width, forward);
+                softmax_mix_on(build, &outs, width, forward);
                 // The first value whose bits differ, if any.
                 let differs = |a: &[Vec<f32>], b: &[Vec<f32>]| {
                     a.iter().flatten().zip(b.iter().flatten()).position(|(x, y)| x.to_bits() != y.to_bits())
                 };
-                assert_eq!(differs(&weights, &weights_one), None, "softmax weights, width {width}, {simd:?}");
-                assert_eq!(differs(&mixes, &mixes_one), None, "mixes, width {width}, {simd:?}");
+                assert_eq!(differs(&weights, &weights_one), None, "softmax weights, width {width}, {build:?}");
+                assert_eq!(differs(&mixes, &mixes_one), None, "mixes, width {width}, {build:?}");
             }
         }
     }
 
-    /// The adjoint on both builds, with and without masks, against one
+    /// The adjoint on every build, with and without masks, against one
     /// gate at a time: an expert's gradient written by the first gate that
     /// pools it, added to by the later ones, then through its ReLU.
     fn adjoint_matches_a_pass_a_gate(outs: &[&[f32]], weights: &[Vec<f32>], width: usize, rng: &mut Rng) {
@@ -620,16 +723,16 @@ mod tests {
         // without one; a mask for the last, unpooled, expert is ignored.
         let no_masks = [None; POOLED + 1];
         let some_masks = [Some(1.0), Some(1.25), None, Some(1.0), Some(1.5), Some(1.0), Some(2.0)];
-        // On the AVX-512 build (where the CPU has it) and the portable one.
-        for (simd, masks) in [Simd::Auto, Simd::Portable].into_iter().flat_map(|s| [(s, no_masks), (s, some_masks)]) {
-            let what = format!("width {width}, {simd:?}, masks {masks:?}");
+        // On every build the CPU has.
+        for (build, masks) in builds().into_iter().flat_map(|b| [(b, no_masks), (b, some_masks)]) {
+            let what = format!("width {width}, {build:?}, masks {masks:?}");
             let mut d_logits: Vec<Vec<f32>> = POOLS.iter().map(|p| vec![9.0; ROWS * p.len()]).collect();
             // Stale values in the experts' buffers, and an expert no gate pools.
             let mut d_experts = vec![vec![5.0f32; ROWS * width]; POOLED + 1];
             let backward = (d_logits.iter_mut().zip(weights).zip(&d_mixes).zip(POOLS))
                 .map(|(((d_logits, weights), d_mix), pool)| GateBackward { weights, d_mix, pool, d_logits })
                 .collect();
-            let pooled = adjoint(simd, (outs, &masks), width, backward, &mut d_experts);
+            let pooled = adjoint_on(build, (outs, &masks), width, backward, &mut d_experts);
             assert_eq!(pooled, [true, true, true, true, true, true, false]);
             assert_eq!(bits(&d_logits), bits(&d_logits_one), "the gates' logits' gradients, {what}");
             for e in 0..POOLED {
@@ -665,9 +768,10 @@ mod tests {
         assert_eq!(bits(&weights), bits(&weights_one), "the gates' softmax weights");
         assert_eq!(bits(&mixes), bits(&mixes_one), "the gates' mixes");
 
-        // Backward, at the test's width and at widths of whole AVX-512
-        // vectors (one, four, five: the AVX-512 build's own code).
-        for width in [WIDTH, 16, 64, 80] {
+        // Backward, at the test's width (three AVX2 vectors) and at widths
+        // of whole AVX-512 vectors (one, four, five) and of one AVX2
+        // vector: the x86 builds' own code.
+        for width in [WIDTH, 8, 16, 64, 80] {
             let outs: Vec<Vec<f32>> = (0..POOLED).map(|_| values(ROWS * width, &mut rng)).collect();
             let outs: Vec<&[f32]> = outs.iter().map(|o| &o[..]).collect();
             adjoint_matches_a_pass_a_gate(&outs, &weights, width, &mut rng);
@@ -710,8 +814,8 @@ mod tests {
     }
 
     /// Gates of seven, eight and eleven experts (a group of eight dots and
-    /// one of three) at a width of whole vectors: the AVX-512 build's bits
-    /// are the portable build's (the same where the CPU lacks AVX-512F).
+    /// one of three) at a width of whole vectors: each x86 build's bits
+    /// are the portable build's (where the CPU has it).
     #[test]
     fn gates_of_more_than_a_group_of_dots_give_the_portable_bits() {
         let mut rng = Rng::new(13);
@@ -723,19 +827,22 @@ mod tests {
         let weights: Vec<Vec<f32>> = pools.iter().map(|p| values(rows * p.len(), &mut rng)).collect();
         let d_mixes: Vec<Vec<f32>> = pools.iter().map(|_| values(rows * width, &mut rng)).collect();
         let masks = [Some(1.0); 11];
-        let run = |simd: Simd| {
+        let run = |build: Build| {
             let mut d_logits: Vec<Vec<f32>> = pools.iter().map(|p| vec![0.0; rows * p.len()]).collect();
             let mut d_experts = vec![Vec::new(); 11];
             let backward = (d_logits.iter_mut().zip(&weights).zip(&d_mixes).zip(pools))
                 .map(|(((d_logits, weights), d_mix), pool)| GateBackward { weights, d_mix, pool, d_logits })
                 .collect();
-            adjoint(simd, (&outs, &masks), width, backward, &mut d_experts);
+            adjoint_on(build, (&outs, &masks), width, backward, &mut d_experts);
             let bits = |v: &[Vec<f32>]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
             (bits(&d_logits), bits(&d_experts))
         };
-        let (auto, portable) = (run(Simd::Auto), run(Simd::Portable));
-        assert_eq!(auto.0, portable.0, "the gates' logits' gradients");
-        assert_eq!(auto.1, portable.1, "the experts' output gradients");
+        let portable = run(Build::Portable);
+        for build in builds() {
+            let got = run(build);
+            assert_eq!(got.0, portable.0, "the gates' logits' gradients, {build:?}");
+            assert_eq!(got.1, portable.1, "the experts' output gradients, {build:?}");
+        }
     }
 
     /// A batch of no rows leaves every pooled expert's gradient empty, not

@@ -1,5 +1,9 @@
-//! The gates' adjoint in the AVX-512F build, with the portable code's bits
-//! (`block_adjoint`), in three passes over a task's rows:
+//! The gates' mix and adjoint on x86 vectors, with the portable code's bits
+//! (`mix_row_of`, `block_adjoint`): AVX-512F's sixteen floats or, on a CPU
+//! without it (a Zen 3), AVX2's eight ([`Vector`]). The AVX2 build of the
+//! portable code alone, without these kernels, was no faster than the
+//! baseline's (1% of MMoE's and PLE's step). The adjoint runs in three
+//! passes over a task's rows:
 //! - each gate's dots, up to eight of its experts at a time, each still
 //!   multiplied then added in eight lanes and its lanes summed in `dot`'s
 //!   order: the gate's row of `d_mix` read once for them, and their lanes
@@ -21,8 +25,145 @@ use std::arch::x86_64::*;
 
 use super::{Block, softmax_adjoint};
 
-/// Floats in an AVX-512 vector.
-pub(super) const LANES: usize = 16;
+/// A vector of floats the kernels below are written on, and the few
+/// operations they take: each one instruction of its ISA, so a kernel's
+/// operations, lane by lane, are the portable code's in its order.
+///
+/// # Safety
+/// Each method needs its ISA (AVX-512F for `__m512`, AVX for `__m256`):
+/// they are inlined into functions built for it and called where the CPU
+/// has it.
+#[expect(unsafe_code, reason = "each method needs its ISA")]
+pub(super) trait Vector: Copy {
+    /// Floats in the vector.
+    const LANES: usize;
+    unsafe fn zero() -> Self;
+    unsafe fn splat(v: f32) -> Self;
+    /// `LANES` floats from `p`.
+    unsafe fn load(p: *const f32) -> Self;
+    unsafe fn store(p: *mut f32, v: Self);
+    unsafe fn add(a: Self, b: Self) -> Self;
+    unsafe fn mul(a: Self, b: Self) -> Self;
+    /// `v`'s lanes where `o`'s are above 0 (ordered: not NaN), else +0.
+    unsafe fn where_positive(o: Self, v: Self) -> Self;
+}
+
+#[expect(unsafe_code, reason = "AVX-512F intrinsics, inlined into the AVX-512F build")]
+impl Vector for __m512 {
+    const LANES: usize = 16;
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        // SAFETY: the trait's: the caller has the ISA.
+        unsafe { _mm512_setzero_ps() }
+    }
+    #[inline(always)]
+    unsafe fn splat(v: f32) -> Self {
+        // SAFETY: the trait's: the caller has the ISA.
+        unsafe { _mm512_set1_ps(v) }
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        // SAFETY: the trait's: the ISA, and `LANES` floats readable at `p`.
+        unsafe { _mm512_loadu_ps(p) }
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: Self) {
+        // SAFETY: the trait's: the ISA, and `LANES` floats writable at `p`.
+        unsafe { _mm512_storeu_ps(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn add(a: Self, b: Self) -> Self {
+        // SAFETY: the trait's: the caller has the ISA.
+        unsafe { _mm512_add_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn mul(a: Self, b: Self) -> Self {
+        // SAFETY: the trait's: the caller has the ISA.
+        unsafe { _mm512_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn where_positive(o: Self, v: Self) -> Self {
+        // SAFETY: the trait's: the caller has the ISA.
+        unsafe { _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(o, _mm512_setzero_ps()), v) }
+    }
+}
+
+#[expect(unsafe_code, reason = "AVX intrinsics, inlined into the AVX2 build")]
+impl Vector for __m256 {
+    const LANES: usize = 8;
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        // SAFETY: the trait's: the caller has the ISA.
+        unsafe { _mm256_setzero_ps() }
+    }
+    #[inline(always)]
+    unsafe fn splat(v: f32) -> Self {
+        // SAFETY: the trait's: the caller has the ISA.
+        unsafe { _mm256_set1_ps(v) }
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        // SAFETY: the trait's: the ISA, and `LANES` floats readable at `p`.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: Self) {
+        // SAFETY: the trait's: the ISA, and `LANES` floats writable at `p`.
+        unsafe { _mm256_storeu_ps(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn add(a: Self, b: Self) -> Self {
+        // SAFETY: the trait's: the caller has the ISA.
+        unsafe { _mm256_add_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn mul(a: Self, b: Self) -> Self {
+        // SAFETY: the trait's: the caller has the ISA.
+        unsafe { _mm256_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn where_positive(o: Self, v: Self) -> Self {
+        // All ones where above 0, so `and` keeps `v`'s bits there; +0 elsewhere.
+        // SAFETY: the trait's: the caller has the ISA.
+        unsafe { _mm256_and_ps(_mm256_cmp_ps::<_CMP_GT_OQ>(o, _mm256_setzero_ps()), v) }
+    }
+}
+
+/// [`mix_row`] where a kernel takes the row's width: a whole number of
+/// `V`'s vectors, at most 64 floats; false (nothing written) elsewhere.
+///
+/// # Safety
+/// `V`'s ISA (inlined into a build for it); `mix` and each pooled row at
+/// `at` hold `mix.len()` floats.
+#[inline(always)]
+#[expect(unsafe_code, reason = "calling the kernels of the caller's ISA")]
+pub(super) unsafe fn mix_row_if_whole<V: Vector>(
+    mix: &mut [f32],
+    weights: &[f32],
+    pool: &[usize],
+    outs: &[&[f32]],
+    at: usize,
+) -> bool {
+    let width = mix.len();
+    if !width.is_multiple_of(V::LANES) || width > 64 {
+        return false;
+    }
+    // SAFETY: the caller's.
+    unsafe {
+        match width / V::LANES {
+            1 => mix_row::<V, 1>(mix, weights, pool, outs, at),
+            2 => mix_row::<V, 2>(mix, weights, pool, outs, at),
+            3 => mix_row::<V, 3>(mix, weights, pool, outs, at),
+            4 => mix_row::<V, 4>(mix, weights, pool, outs, at),
+            5 => mix_row::<V, 5>(mix, weights, pool, outs, at),
+            6 => mix_row::<V, 6>(mix, weights, pool, outs, at),
+            7 => mix_row::<V, 7>(mix, weights, pool, outs, at),
+            8 => mix_row::<V, 8>(mix, weights, pool, outs, at),
+            _ => return false,
+        }
+    }
+    true
+}
 
 /// A gate's mix of one row, `mix = 0 + w_0·e_0 + w_1·e_1 + …` (`e_j` the
 /// row of `outs[pool_j]` at `at`), `C` vectors wide: the portable
@@ -30,30 +171,31 @@ pub(super) const LANES: usize = 16;
 /// zero, an expert at a time), its sums held in registers.
 ///
 /// # Safety
-/// AVX-512F.
-#[target_feature(enable = "avx512f")]
-#[expect(unsafe_code, reason = "AVX-512 loads and stores of whole vectors inside checked slices")]
-pub(super) unsafe fn mix_row<const C: usize>(
+/// `V`'s ISA (inlined into a build for it).
+#[inline(always)]
+#[expect(unsafe_code, reason = "vector loads and stores of whole vectors inside checked slices")]
+unsafe fn mix_row<V: Vector, const C: usize>(
     mix: &mut [f32],
     weights: &[f32],
     pool: &[usize],
     outs: &[&[f32]],
     at: usize,
 ) {
-    let mut acc = [_mm512_setzero_ps(); C];
+    // SAFETY: `V`'s ISA, the caller's.
+    let mut acc = [unsafe { V::zero() }; C];
     for (&wk, &e) in weights.iter().zip(pool) {
-        let row = &outs[e][at..at + C * LANES];
-        let w = _mm512_set1_ps(wk);
+        let row = &outs[e][at..at + C * V::LANES];
+        // SAFETY: `V`'s ISA, the caller's.
+        let w = unsafe { V::splat(wk) };
         for (c, acc) in acc.iter_mut().enumerate() {
             // SAFETY: `row` holds `C` vectors (sliced above).
-            let v = unsafe { _mm512_loadu_ps(row.as_ptr().add(c * LANES)) };
-            *acc = _mm512_add_ps(*acc, _mm512_mul_ps(w, v));
+            unsafe { *acc = V::add(*acc, V::mul(w, V::load(row.as_ptr().add(c * V::LANES)))) };
         }
     }
-    let mix = &mut mix[..C * LANES];
+    let mix = &mut mix[..C * V::LANES];
     for (c, acc) in acc.iter().enumerate() {
         // SAFETY: `mix` holds `C` vectors (sliced above).
-        unsafe { _mm512_storeu_ps(mix.as_mut_ptr().add(c * LANES), *acc) };
+        unsafe { V::store(mix.as_mut_ptr().add(c * V::LANES), *acc) };
     }
 }
 
@@ -61,10 +203,16 @@ pub(super) unsafe fn mix_row<const C: usize>(
 /// softmax adjoints, then every row's experts (see the module's doc).
 ///
 /// # Safety
-/// AVX-512F; `block.width` is a multiple of [`LANES`].
-#[target_feature(enable = "avx512f")]
-#[expect(unsafe_code, reason = "AVX-512 kernels on slices of whole vectors")]
-pub(super) unsafe fn block_adjoint(block: &Block<'_>, dls: &mut [&mut [f32]], des: &mut [&mut [f32]], rows: usize) {
+/// `V`'s ISA (inlined into a build for it); `block.width` is a multiple
+/// of `V::LANES`.
+#[inline(always)]
+#[expect(unsafe_code, reason = "vector kernels on slices of whole vectors")]
+pub(super) unsafe fn block_adjoint<V: Vector>(
+    block: &Block<'_>,
+    dls: &mut [&mut [f32]],
+    des: &mut [&mut [f32]],
+    rows: usize,
+) {
     let Block { first, gates, outs, masks, width, .. } = *block;
     let end = first + rows;
     // The pointers below read within these bounds.
@@ -133,8 +281,8 @@ pub(super) unsafe fn block_adjoint(block: &Block<'_>, dls: &mut [&mut [f32]], de
                 continue;
             }
             // SAFETY: the rows lie within every buffer (asserted above);
-            // `width` is a multiple of LANES.
-            unsafe { expert_row(&mut de[r * width..(r + 1) * width], (terms, first + r), out, *mask) };
+            // `width` is a multiple of `V::LANES`.
+            unsafe { expert_row::<V>(&mut de[r * width..(r + 1) * width], (terms, first + r), out, *mask) };
         }
     }
 }
@@ -148,10 +296,10 @@ pub(super) unsafe fn block_adjoint(block: &Block<'_>, dls: &mut [&mut [f32]], de
 /// the lanes' sum is one add for all of them.
 ///
 /// # Safety
-/// AVX-512F; each pointer starts `width` readable floats, a multiple of 8
+/// AVX; each pointer starts `width` readable floats, a multiple of 8
 /// (the caller's rows are whole vectors).
 #[inline]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx")]
 #[expect(unsafe_code, reason = "AVX loads through raw pointers")]
 unsafe fn dots8<const N: usize>(a: *const f32, b: [*const f32; N], width: usize) -> [f32; 8] {
     const { assert!(N >= 1 && N <= 8, "dots8: one to eight dots") };
@@ -200,28 +348,27 @@ unsafe fn dots8<const N: usize>(a: *const f32, b: [*const f32; N], width: usize)
 /// mask (`scale` where the output is above 0, else 0), stored once.
 ///
 /// # Safety
-/// AVX-512F; `terms` is not empty; `row` lies within every term's weights
+/// `V`'s ISA; `terms` is not empty; `row` lies within every term's weights
 /// and `d_mix` and within `out`, each row `de.len()` floats, a multiple of
-/// [`LANES`].
-#[inline]
-#[target_feature(enable = "avx512f")]
-#[expect(unsafe_code, reason = "AVX-512 loads and stores through checked pointers")]
-unsafe fn expert_row(
+/// `V::LANES`.
+#[inline(always)]
+#[expect(unsafe_code, reason = "vector loads and stores through checked pointers")]
+unsafe fn expert_row<V: Vector>(
     de: &mut [f32],
     (terms, row): (&[(*const f32, usize, *const f32)], usize),
     out: &[f32],
     mask: Option<f32>,
 ) {
-    let vectors = de.len() / LANES;
+    let vectors = de.len() / V::LANES;
     let mut v = 0;
     while v + 4 <= vectors {
         // SAFETY: vectors v..v + 4 lie within each row (the caller's bounds).
-        unsafe { expert_vectors::<4>(de, (terms, row), out, mask, v * LANES) };
+        unsafe { expert_vectors::<V, 4>(de, (terms, row), out, mask, v * V::LANES) };
         v += 4;
     }
     while v < vectors {
         // SAFETY: vector v lies within each row.
-        unsafe { expert_vectors::<1>(de, (terms, row), out, mask, v * LANES) };
+        unsafe { expert_vectors::<V, 1>(de, (terms, row), out, mask, v * V::LANES) };
         v += 1;
     }
 }
@@ -229,11 +376,10 @@ unsafe fn expert_row(
 /// [`expert_row`]'s `N` vectors from float `at` of the row.
 ///
 /// # Safety
-/// [`expert_row`]'s, and `at + N·LANES <= de.len()`.
-#[inline]
-#[target_feature(enable = "avx512f")]
-#[expect(unsafe_code, reason = "AVX-512 loads and stores through checked pointers")]
-unsafe fn expert_vectors<const N: usize>(
+/// [`expert_row`]'s, and `at + N·V::LANES <= de.len()`.
+#[inline(always)]
+#[expect(unsafe_code, reason = "vector loads and stores through checked pointers")]
+unsafe fn expert_vectors<V: Vector, const N: usize>(
     de: &mut [f32],
     (terms, row): (&[(*const f32, usize, *const f32)], usize),
     out: &[f32],
@@ -244,34 +390,37 @@ unsafe fn expert_vectors<const N: usize>(
     // A term's weight, broadcast, and where its `N` vectors start.
     let term = |&(w, k, d_mix): &(*const f32, usize, *const f32)| {
         // SAFETY: `row` lies within the term's weights and `d_mix` (the caller's bounds).
-        unsafe { (_mm512_set1_ps(*w.add(row * k)), d_mix.add(row * width + at)) }
+        unsafe { (V::splat(*w.add(row * k)), d_mix.add(row * width + at)) }
     };
     // `N` vectors from `d` (within the row: the caller's bounds).
     let load = |d: *const f32, i: usize| {
-        // SAFETY: `at + N·LANES <= width`, `i < N`.
-        unsafe { _mm512_loadu_ps(d.add(i * LANES)) }
+        // SAFETY: `at + N·V::LANES <= width`, `i < N`.
+        unsafe { V::load(d.add(i * V::LANES)) }
     };
     let (w, d) = term(&terms[0]);
-    let mut sum: [__m512; N] = std::array::from_fn(|i| _mm512_mul_ps(w, load(d, i)));
+    // SAFETY: `V`'s ISA, the caller's.
+    let mut sum: [V; N] = std::array::from_fn(|i| unsafe { V::mul(w, load(d, i)) });
     for t in &terms[1..] {
         let (w, d) = term(t);
         for (i, sum) in sum.iter_mut().enumerate() {
-            *sum = _mm512_add_ps(*sum, _mm512_mul_ps(w, load(d, i)));
+            // SAFETY: `V`'s ISA, the caller's.
+            *sum = unsafe { V::add(*sum, V::mul(w, load(d, i))) };
         }
     }
     for (i, mut sum) in sum.into_iter().enumerate() {
-        let at = at + i * LANES;
+        let at = at + i * V::LANES;
         if let Some(scale) = mask {
             // SAFETY: `out` holds the row (the caller's bounds).
-            let o = unsafe { _mm512_loadu_ps(out.as_ptr().add(row * width + at)) };
-            let above = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(o, _mm512_setzero_ps());
+            let o = unsafe { V::load(out.as_ptr().add(row * width + at)) };
             if scale != 1.0 {
-                sum = _mm512_mul_ps(sum, _mm512_set1_ps(scale));
+                // SAFETY: `V`'s ISA, the caller's.
+                sum = unsafe { V::mul(sum, V::splat(scale)) };
             }
-            sum = _mm512_maskz_mov_ps(above, sum);
+            // SAFETY: `V`'s ISA, the caller's.
+            sum = unsafe { V::where_positive(o, sum) };
         }
-        // SAFETY: `at + LANES <= de.len()`.
-        unsafe { _mm512_storeu_ps(de.as_mut_ptr().add(at), sum) };
+        // SAFETY: `at + V::LANES <= de.len()`.
+        unsafe { V::store(de.as_mut_ptr().add(at), sum) };
     }
 }
 
@@ -281,13 +430,13 @@ mod tests {
     use sparrow_core::rng::Rng;
 
     /// One to eight dots at once, at widths of one to eight lane groups:
-    /// each the bits of `dot` on the same rows (where the CPU has AVX-512F;
+    /// each the bits of `dot` on the same rows (where the CPU has AVX;
     /// elsewhere the kernel cannot run and the portable build is the one).
     #[test]
     fn up_to_eight_dots_at_once_have_the_bits_of_dot() {
-        // Without AVX-512F the kernel cannot run (the gates' tests still
-        // check the portable build).
-        if !std::arch::is_x86_feature_detected!("avx512f") {
+        // Without AVX the kernel cannot run (the gates' tests still check
+        // the portable build).
+        if !std::arch::is_x86_feature_detected!("avx") {
             return;
         }
         let mut rng = Rng::new(5);
@@ -296,7 +445,7 @@ mod tests {
             let b: Vec<Vec<f32>> =
                 (0..8).map(|_| (0..width).map(|_| rng.uniform(-3.0, 3.0) as f32).collect()).collect();
             let p: Vec<*const f32> = b.iter().map(|b| b.as_ptr()).collect();
-            // SAFETY: the CPU has AVX-512F (checked above); every row holds `width` floats, a multiple of 8.
+            // SAFETY: the CPU has AVX (checked above); every row holds `width` floats, a multiple of 8.
             #[expect(unsafe_code, reason = "calling the kernel under test")]
             let got: Vec<[f32; 8]> = unsafe {
                 vec![
