@@ -429,6 +429,63 @@ mod tests {
     use super::*;
     use sparrow_core::rng::Rng;
 
+    /// `where_positive` on both vectors keeps `v` exactly where the
+    /// portable ReLU mask (`through_relu`) does: not at ±0, a NaN or
+    /// below 0, yes at the smallest subnormal and at infinity; elsewhere +0.
+    #[test]
+    fn where_positive_masks_as_the_portable_relu_on_both_vectors() {
+        let o: [f32; 16] = [
+            f32::NAN,
+            -0.0,
+            0.0,
+            -1.0,
+            1.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::from_bits(1),
+            -f32::from_bits(1),
+            2.5,
+            -2.5,
+            f32::MIN_POSITIVE,
+            f32::MAX,
+            -f32::NAN,
+            3.0,
+            -3.0,
+        ];
+        let v: [f32; 16] = std::array::from_fn(|i| if i == 9 { f32::NAN } else { -(i as f32) - 0.5 });
+        let mut expected = v;
+        crate::mlp::through_relu(&mut expected, &o, 1.0);
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let mut got = [7.0f32; 16];
+        if std::arch::is_x86_feature_detected!("avx") {
+            for half in 0..2 {
+                let at = half * 8;
+                // SAFETY: the CPU has AVX (checked above); each array holds 16 floats.
+                #[expect(unsafe_code, reason = "calling the kernel under test")]
+                unsafe {
+                    let kept = <__m256 as Vector>::where_positive(
+                        <__m256 as Vector>::load(o.as_ptr().add(at)),
+                        <__m256 as Vector>::load(v.as_ptr().add(at)),
+                    );
+                    <__m256 as Vector>::store(got.as_mut_ptr().add(at), kept);
+                }
+            }
+            assert_eq!(bits(&got), bits(&expected), "__m256");
+        }
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F (checked above); each array holds 16 floats.
+            #[expect(unsafe_code, reason = "calling the kernel under test")]
+            unsafe {
+                let kept = <__m512 as Vector>::where_positive(
+                    <__m512 as Vector>::load(o.as_ptr()),
+                    <__m512 as Vector>::load(v.as_ptr()),
+                );
+                <__m512 as Vector>::store(got.as_mut_ptr(), kept);
+            }
+            assert_eq!(bits(&got), bits(&expected), "__m512");
+        }
+    }
+
     /// One to eight dots at once, at widths of one to eight lane groups:
     /// each the bits of `dot` on the same rows (where the CPU has AVX;
     /// elsewhere the kernel cannot run and the portable build is the one).
