@@ -109,13 +109,15 @@ fn main() {
     // step and leave the caches to their rows; each step is timed alone.
     let evict_kb: usize = std::env::var("BENCH_EVICT_KB").map_or(0, |e| value("BENCH_EVICT_KB", &e));
     let mut evict = vec![0.0f32; evict_kb * 256];
-    let peaks = sparrow_model::peak::measure(2, Duration::from_millis(300));
+    // The ceilings of as many threads as the step runs on: one thread's
+    // share of two cores' ceiling read half what it is.
+    let peaks = sparrow_model::peak::measure(threads, Duration::from_millis(300));
     // bf16's share is of the ceiling of the path it takes here (AMX's, or
     // vdpbf16ps's; `SPARROW_SIMD=avx512` keeps AMX out).
     let bf16_path = sparrow_model::bf16::path(simd);
     let bf16_peak = bf16_path.ceiling(&peaks).map_or(f64::NAN, |p| p.gflops);
     println!(
-        "ceilings: fp32 {:.0} GFLOP/s, bf16 {:.0} GFLOP/s ({})",
+        "ceilings on {threads} thread(s): fp32 {:.0} GFLOP/s, bf16 {:.0} GFLOP/s ({})",
         peaks.fp32_fma.gflops,
         bf16_peak,
         bf16_path.name()
