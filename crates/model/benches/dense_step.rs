@@ -9,7 +9,7 @@
 //! its flops counted per item. Prints the best and the median step time of 15 runs of 10 steps (`BENCH_RUNS` runs where set)
 //! and the floor flops (`DenseModel::step_flops_per_sample`) over the best
 //! (a busy neighbour only ever adds time), beside the machine's fp32 and
-//! bf16 ceilings measured in the same run.
+//! bf16 ceilings measured in the same run, on as many threads as the step.
 //!
 //! `cargo bench -p sparrow-model --bench dense_step [-- KIND... f32|bf16 ROWS
 //! dropout=R norm=auto|none|layer|batch activation=prelu|dice|gelu|silu
