@@ -3,9 +3,10 @@
 //! crate), which `mlp` runs in fp32 and `bf16` runs on bf16-rounded
 //! operands where the CPU has no bf16 dot product; and [`dot`], a short
 //! dot product in lanes (the multi-task gates' and DIN's adjoints). A
-//! product with a narrow right-hand side, or with one output column and
-//! many rows, runs on a kernel of its own where the CPU has AVX-512F
-//! ([`narrow`], [`column`]), with `gemm`'s bits.
+//! product with a narrow right-hand side runs on a kernel of its own where
+//! the CPU has AVX-512F or AVX2 with FMA ([`narrow`]), and one with one
+//! output column and many rows where it has AVX-512F ([`column`]), with
+//! `gemm`'s bits.
 
 mod column;
 mod narrow;
@@ -165,7 +166,7 @@ fn direct_product((m, n, k): (usize, usize, usize), a: Operand<'_>, b: Operand<'
 /// each output column on its own, whatever `n` (the bits of `gemm`'s
 /// block, [`narrow`]).
 pub(crate) fn narrow_takes(m: usize, n: usize, k: usize, a_transposed: bool) -> bool {
-    narrow::fits(m, n, k, a_transposed) && narrow::avx512f()
+    narrow::fits(m, n, k, a_transposed) && narrow::kernel().is_some()
 }
 
 /// `gemm`'s horizontal kernel takes `m·n` up to this (for `k` = 1 too).
@@ -255,7 +256,7 @@ pub(crate) mod tests {
     /// stores it has the bits of the product and then `v + b` and
     /// `(v + b).max(0.0)` (`add_bias`'s), NaN and a sum of −0 included,
     /// on one thread and two; a product the kernel does not take (one
-    /// column, `k` = 1, too wide, no AVX-512F) is left to the caller.
+    /// column, `k` = 1, too wide, no kernel for the CPU) is left to the caller.
     #[test]
     fn a_product_with_its_bias_has_the_bits_of_the_pass_after_it() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
@@ -295,7 +296,7 @@ pub(crate) mod tests {
                 }
             }
         }
-        assert_eq!(taken > 0, narrow::avx512f(), "products taken: {taken}");
+        assert_eq!(taken > 0, narrow::kernel().is_some(), "products taken: {taken}");
         let mut dst = vec![0.0f32; 400];
         for (m, n, k) in [(400, 1, 16), (20, 20, 1), (4, 100, 4)] {
             let (a, b, bias) = (values(m * k, 1), values(k * n, 2), values(n, 3));

@@ -17,12 +17,16 @@
 //! 16×16 tiles at a time: laid out and multiplied here, `[128, 64]·[64,
 //! 64]ᵀ` took 9.9 µs on a Zen 4, 10.8 in `gemm` reading it transposed.
 //! A `k` below 3 and a single row, where `gemm`'s bits differ (it takes
-//! other paths), stay with it, as does every product on a CPU without
-//! AVX-512F.
+//! other paths), stay with it. A CPU with AVX2 and FMA but not AVX-512F
+//! (a Zen 3) runs the same sums on 8-lane vectors (`narrow/avx2.rs`);
+//! one with neither leaves every product to `gemm`.
 
 use rayon::prelude::*;
 
 use super::Epilogue;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 
 /// The widest right-hand side taken here (four 16-lane accumulators a
 /// row). At 64 columns this kernel is still faster than `gemm`'s (a Zen
@@ -86,7 +90,7 @@ pub(super) fn laid_out(b: &[f32], n: usize, k: usize, laid: &mut Vec<f32>) {
 }
 
 /// `dst (m×n) = op(a)·b` (`a` `m×k`, stored `k×m` when transposed; `b`
-/// `k×n` as stored) where [`fits`] and the CPU has AVX-512F, on up to
+/// `k×n` as stored) where [`fits`] and the CPU has a [`Kernel`], on up to
 /// `threads` threads above the size `gemm` would split; false (nothing
 /// written) elsewhere.
 pub(super) fn product(
@@ -109,7 +113,22 @@ pub(super) fn product_then(
     (dst, then): (&mut [f32], Epilogue<'_>),
     threads: usize,
 ) -> bool {
-    if !fits(m, n, k, a_transposed) || !avx512f() {
+    match kernel() {
+        Some(kernel) => product_on(kernel, (m, n, k), (a, a_transposed), b, (dst, then), threads),
+        None => false,
+    }
+}
+
+/// [`product_then`] on `kernel` (one the CPU has).
+fn product_on(
+    kernel: Kernel,
+    (m, n, k): (usize, usize, usize),
+    (a, a_transposed): (&[f32], bool),
+    b: &[f32],
+    (dst, then): (&mut [f32], Epilogue<'_>),
+    threads: usize,
+) -> bool {
+    if !fits(m, n, k, a_transposed) {
         return false;
     }
     assert!(then.bias.is_none_or(|bias| bias.len() == n), "narrow product: a bias of {n} columns");
@@ -118,9 +137,9 @@ pub(super) fn product_then(
     if threads > 1 && m * n * k >= 1 << 20 {
         let rows = m.div_ceil(threads).next_multiple_of(ROW_BLOCK);
         let parts = dst.par_chunks_mut(rows * n).enumerate();
-        parts.for_each(|(t, d)| rows_for_cpu(n, k, lhs, t * rows, b, (d, then)));
+        parts.for_each(|(t, d)| rows_for_cpu(kernel, n, k, lhs, t * rows, b, (d, then)));
     } else {
-        rows_for_cpu(n, k, lhs, 0, b, (dst, then));
+        rows_for_cpu(kernel, n, k, lhs, 0, b, (dst, then));
     }
     true
 }
@@ -140,8 +159,40 @@ pub(super) fn avx512f() -> bool {
     return false;
 }
 
-/// Rows `first..` of `a` (as many as `out` holds) times `b` (`k×n`).
-fn rows_for_cpu(n: usize, k: usize, a: Lhs<'_>, first: usize, b: &[f32], (out, then): (&mut [f32], Epilogue<'_>)) {
+/// The build of the kernel a CPU runs: AVX-512F's 16-lane vectors, or
+/// AVX2's 8 with FMA. Each sums every output the same way: the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kernel {
+    Avx512,
+    Avx2,
+}
+
+/// The widest [`Kernel`] the CPU has, if any.
+pub(super) fn kernel() -> Option<Kernel> {
+    if avx512f() {
+        return Some(Kernel::Avx512);
+    }
+    avx2_fma().then_some(Kernel::Avx2)
+}
+
+/// Whether the CPU has AVX2 and FMA.
+fn avx2_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
+    #[cfg(not(target_arch = "x86_64"))]
+    return false;
+}
+
+/// Rows `first..` of `a` (as many as `out` holds) times `b` (`k×n`), on `kernel`.
+fn rows_for_cpu(
+    kernel: Kernel,
+    n: usize,
+    k: usize,
+    a: Lhs<'_>,
+    first: usize,
+    b: &[f32],
+    (out, then): (&mut [f32], Epilogue<'_>),
+) {
     assert!((1..=MAX_N).contains(&n) && k > 0, "narrow product: n {n}, k {k}");
     assert_eq!(b.len(), k * n, "narrow product: rhs size");
     assert_eq!(out.len() % n, 0, "narrow product: dst size");
@@ -153,6 +204,18 @@ fn rows_for_cpu(n: usize, k: usize, a: Lhs<'_>, first: usize, b: &[f32], (out, t
     assert!(last < a.data.len(), "narrow product: lhs size");
     #[cfg(target_arch = "x86_64")]
     {
+        if kernel == Kernel::Avx2 {
+            assert!(avx2_fma(), "narrow product without AVX2 and FMA");
+            // SAFETY: AVX2 and FMA were detected just above; `a`, `b`, the
+            // bias and `out` are read and written as for AVX-512 below.
+            #[expect(unsafe_code, reason = "calling a target_feature kernel after run-time detection")]
+            unsafe {
+                let a = (a.data.as_ptr().add(first * a.rs), a.rs, a.cs);
+                let out = (out.as_mut_ptr(), then.bias.map(<[f32]>::as_ptr), then.relu);
+                avx2::rows((rows, n, k), a, b.as_ptr(), out);
+            }
+            return;
+        }
         assert!(avx512f(), "narrow product without AVX-512F");
         // SAFETY: AVX-512F was detected just above. The kernels read `a` at
         // `(first + r)·rs + p·cs` for `r < rows`, `p < k`, whose largest is
@@ -185,7 +248,7 @@ fn rows_for_cpu(n: usize, k: usize, a: Lhs<'_>, first: usize, b: &[f32], (out, t
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("narrow product without AVX-512F");
+    unreachable!("narrow product without a kernel: {kernel:?}");
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -376,6 +439,27 @@ mod tests {
         dst
     }
 
+    /// Every build of the kernel this CPU has: an AVX-512 machine runs the
+    /// AVX2 build's tests too.
+    fn kernels() -> Vec<Kernel> {
+        let mut all = Vec::new();
+        if avx512f() {
+            all.push(Kernel::Avx512);
+        }
+        if avx2_fma() {
+            all.push(Kernel::Avx2);
+        }
+        all
+    }
+
+    #[test]
+    fn the_widest_kernel_the_cpu_has_is_taken() {
+        assert_eq!(kernel(), kernels().first().copied());
+        let (m, n, k) = (9, 20, 16);
+        let mut dst = vec![f32::NAN; m * n];
+        assert_eq!(product((m, n, k), (&values(m * k, 1), false), &values(k * n, 2), &mut dst, 1), kernel().is_some());
+    }
+
     #[test]
     fn a_narrow_product_has_the_bits_of_gemm() {
         let mut products = 0;
@@ -385,19 +469,54 @@ mod tests {
                     let (a, b) = (values(m * k, 1), values(k * n, 2));
                     for a_t in [false, true] {
                         let expected = by_gemm(m, n, k, (&a, a_t), &b);
-                        let mut dst = vec![f32::NAN; m * n];
-                        let taken = product((m, n, k), (&a, a_t), &b, &mut dst, 1);
-                        assert_eq!(taken, avx512f() && fits(m, n, k, a_t), "m {m} n {n} k {k} transposed a {a_t}");
-                        if !taken {
-                            continue;
+                        for kernel in kernels() {
+                            let mut dst = vec![f32::NAN; m * n];
+                            let taken =
+                                product_on(kernel, (m, n, k), (&a, a_t), &b, (&mut dst, Epilogue::default()), 1);
+                            let what = format!("{kernel:?}, m {m} n {n} k {k} transposed a {a_t}");
+                            assert_eq!(taken, fits(m, n, k, a_t), "{what}");
+                            if !taken {
+                                continue;
+                            }
+                            products += 1;
+                            assert!(same_bits(&expected, &dst), "{what}: not gemm's bits");
                         }
-                        products += 1;
-                        assert!(same_bits(&expected, &dst), "m {m} n {n} k {k} transposed a {a_t}: not gemm's bits");
                     }
                 }
             }
         }
-        assert_eq!(products > 0, avx512f(), "products taken: {products}");
+        assert_eq!(products > 0, kernel().is_some(), "products taken: {products}");
+    }
+
+    /// Each build's bias and ReLU, stored with the last slice of `k` (a
+    /// `b` past `WHOLE_BYTES`, summed in slices, too), against `gemm`'s
+    /// product and then the pass after it: −0 sums and biases, a NaN row,
+    /// columns past the last whole vector of either build.
+    #[test]
+    fn each_build_stores_through_the_bias_and_relu_as_the_pass_after_gemm() {
+        let mut products = 0;
+        for (m, n, k) in [(7, 5, 41), (128, 64, 41), (30, 41, 64), (25, 17, 3), (13, 36, 512), (40, 64, 256)] {
+            let (mut a, b) = (values(m * k, 3), values(k * n, 4));
+            let mut bias = values(n, 5);
+            bias[1] = -0.0;
+            a[..k].iter_mut().for_each(|v| *v = -0.0);
+            a[k] = f32::NAN;
+            for relu in [false, true] {
+                let mut want = by_gemm(m, n, k, (&a, false), &b);
+                let then = Epilogue { bias: Some(&bias), relu };
+                want.chunks_exact_mut(n).for_each(|row| then.row(0, row));
+                for kernel in kernels() {
+                    let mut got = vec![f32::NAN; m * n];
+                    assert!(product_on(kernel, (m, n, k), (&a, false), &b, (&mut got, then), 1));
+                    products += 1;
+                    for (i, (x, y)) in got.iter().zip(&want).enumerate() {
+                        let same = x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
+                        assert!(same, "{kernel:?}, m {m} n {n} k {k} relu {relu}, output {i}: {x} against {y}");
+                    }
+                }
+            }
+        }
+        assert_eq!(products > 0, kernel().is_some(), "products taken: {products}");
     }
 
     #[test]
@@ -454,16 +573,15 @@ mod tests {
         a[3 * k + 5] = f32::NAN;
         a[6 * k + 2] = f32::INFINITY;
         let expected = by_gemm(m, n, k, (&a, false), &b);
-        let mut dst = vec![0.0; m * n];
-        if !product((m, n, k), (&a, false), &b, &mut dst, 1) {
-            assert!(!avx512f());
-            return;
+        for kernel in kernels() {
+            let mut dst = vec![0.0; m * n];
+            assert!(product_on(kernel, (m, n, k), (&a, false), &b, (&mut dst, Epilogue::default()), 1));
+            for (i, (x, y)) in expected.iter().zip(&dst).enumerate() {
+                assert_eq!(x.is_nan(), y.is_nan(), "{kernel:?}, output {i}: {x} against gemm's {y}");
+                assert!(x.is_nan() || x.to_bits() == y.to_bits(), "{kernel:?}, output {i}: {x} against gemm's {y}");
+            }
+            assert!(dst[3 * n..4 * n].iter().all(|v| v.is_nan()) && dst[6 * n..7 * n].iter().all(|v| !v.is_finite()));
         }
-        for (i, (x, y)) in expected.iter().zip(&dst).enumerate() {
-            assert_eq!(x.is_nan(), y.is_nan(), "output {i}: {x} against gemm's {y}");
-            assert!(x.is_nan() || x.to_bits() == y.to_bits(), "output {i}: {x} against gemm's {y}");
-        }
-        assert!(dst[3 * n..4 * n].iter().all(|v| v.is_nan()) && dst[6 * n..7 * n].iter().all(|v| !v.is_finite()));
     }
 
     #[test]
@@ -472,11 +590,11 @@ mod tests {
         for ((m, n, k), a_t) in [((3379, 36, 16), false), ((MAX_M_TRANSPOSED, 36, MAX_K), true)] {
             let (a, b) = (values(m * k, 3), values(k * n, 4));
             let expected = by_gemm(m, n, k, (&a, a_t), &b);
-            let mut dst = vec![f32::NAN; m * n];
-            let taken = pool.install(|| product((m, n, k), (&a, a_t), &b, &mut dst, 3));
-            assert_eq!(taken, avx512f());
-            if taken {
-                assert!(same_bits(&expected, &dst), "m {m} n {n} k {k}");
+            for kernel in kernels() {
+                let mut dst = vec![f32::NAN; m * n];
+                let then = (&mut dst[..], Epilogue::default());
+                assert!(pool.install(|| product_on(kernel, (m, n, k), (&a, a_t), &b, then, 3)));
+                assert!(same_bits(&expected, &dst), "{kernel:?}, m {m} n {n} k {k}");
             }
         }
     }
