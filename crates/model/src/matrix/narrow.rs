@@ -64,22 +64,42 @@ pub(super) fn fits(m: usize, n: usize, k: usize, a_transposed: bool) -> bool {
 /// `laid` (resized to that; every value is written, so a buffer kept
 /// between products needs no clearing). Where the CPU has AVX-512F, 16×16
 /// tiles transposed in registers (`[41, 64]` took 1.55 µs an element at a
-/// time in a new buffer, a sixth of the product it feeds); elsewhere a
-/// column of `b` at a time written across the rows. Only values move: the
-/// same result on every CPU.
+/// time in a new buffer, a sixth of the product it feeds); where it has
+/// AVX2, 8×8 tiles (`avx2::transpose`); elsewhere a column of `b` at a
+/// time written across the rows. Only values move: the same result on
+/// every CPU.
 pub(super) fn laid_out(b: &[f32], n: usize, k: usize, laid: &mut Vec<f32>) {
+    laid_out_on(kernel(), b, n, k, laid);
+}
+
+/// [`laid_out`] on `kernel` (one the CPU has), or a value at a time.
+fn laid_out_on(kernel: Option<Kernel>, b: &[f32], n: usize, k: usize, laid: &mut Vec<f32>) {
     assert_eq!(b.len(), n * k, "laid_out: b is not n×k");
     laid.resize(k * n, 0.0);
     let laid = &mut laid[..k * n];
     #[cfg(target_arch = "x86_64")]
-    if avx512f() {
-        // SAFETY: AVX-512F was detected just above; `b` is `n×k` (asserted)
-        // and `laid` `k×n`, as the kernel requires.
-        #[expect(unsafe_code, reason = "calling a target_feature kernel after run-time detection")]
-        unsafe {
-            x86::transpose(b.as_ptr(), (n, k), laid.as_mut_ptr())
-        };
-        return;
+    match kernel {
+        Some(Kernel::Avx512) => {
+            assert!(avx512f(), "a transpose without AVX-512F");
+            // SAFETY: AVX-512F was detected just above; `b` is `n×k`
+            // (asserted) and `laid` `k×n`, as the kernel requires.
+            #[expect(unsafe_code, reason = "calling a target_feature kernel after run-time detection")]
+            unsafe {
+                x86::transpose(b.as_ptr(), (n, k), laid.as_mut_ptr())
+            };
+            return;
+        }
+        Some(Kernel::Avx2) => {
+            assert!(avx2_fma(), "a transpose without AVX2");
+            // SAFETY: AVX2 was detected just above; `b` is `n×k`
+            // (asserted) and `laid` `k×n`, as the kernel requires.
+            #[expect(unsafe_code, reason = "calling a target_feature kernel after run-time detection")]
+            unsafe {
+                avx2::transpose(b.as_ptr(), (n, k), laid.as_mut_ptr())
+            };
+            return;
+        }
+        None => {}
     }
     // Dividing each index by `n` made this copy 2% of a multi-task step.
     for (j, column) in b.chunks_exact(k.max(1)).take(n).enumerate() {
@@ -549,14 +569,22 @@ mod tests {
 
     #[test]
     fn laid_out_moves_every_value_to_its_place() {
-        // Whole tiles, tails of every size along both sides, and fewer than 16 of either.
-        for (n, k) in [(16, 16), (41, 64), (64, 64), (5, 64), (41, 5), (1, 3), (17, 33), (48, 512), (3, 1)] {
-            let b = values(n * k, 9);
-            let mut laid = vec![f32::NAN; 3];
-            laid_out(&b, n, k, &mut laid);
-            for j in 0..n {
-                for p in 0..k {
-                    assert_eq!(laid[p * n + j].to_bits(), b[j * k + p].to_bits(), "n {n} k {k}: ({p}, {j})");
+        // Whole tiles, tails of every size along both sides, and fewer
+        // than 8 or 16 of either; on every build the CPU has, and a value
+        // at a time.
+        let shapes =
+            [(16, 16), (41, 64), (64, 64), (5, 64), (41, 5), (1, 3), (17, 33), (48, 512), (3, 1), (8, 8), (9, 15)];
+        for kernel in kernels().into_iter().map(Some).chain([None]) {
+            for (n, k) in shapes {
+                let b = values(n * k, 9);
+                let mut laid = vec![f32::NAN; 3];
+                laid_out_on(kernel, &b, n, k, &mut laid);
+                assert_eq!(laid.len(), n * k);
+                for j in 0..n {
+                    for p in 0..k {
+                        let what = format!("{kernel:?}, n {n} k {k}: ({p}, {j})");
+                        assert_eq!(laid[p * n + j].to_bits(), b[j * k + p].to_bits(), "{what}");
+                    }
                 }
             }
         }
