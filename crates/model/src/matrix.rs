@@ -169,6 +169,17 @@ pub(crate) fn narrow_takes(m: usize, n: usize, k: usize, a_transposed: bool) -> 
     narrow::fits(m, n, k, a_transposed) && narrow::kernel().is_some()
 }
 
+/// The narrow product's kernel on this CPU, as `sparrow bench` names it:
+/// `avx512`, `avx2` (AVX2 and FMA without AVX-512F, a Zen 3), or `gemm`
+/// (no kernel of its own: every product on the `gemm` crate).
+pub fn narrow_kernel() -> &'static str {
+    match narrow::kernel() {
+        Some(narrow::Kernel::Avx512) => "avx512",
+        Some(narrow::Kernel::Avx2) => "avx2",
+        None => "gemm",
+    }
+}
+
 /// `gemm`'s horizontal kernel takes `m·n` up to this (for `k` = 1 too).
 const GEMM_HORIZONTAL_MAX: usize = 256;
 

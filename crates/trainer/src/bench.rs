@@ -270,6 +270,10 @@ pub struct BenchReport {
 #[derive(Debug, Serialize)]
 pub struct PrecisionPaths {
     pub f32: &'static str,
+    /// The kernel of fp32's narrow products (the experts', gates', towers'
+    /// and DIN's unit's, up to 64 columns): `avx512`, `avx2` (a CPU with
+    /// AVX2 and FMA but not AVX-512F) or `gemm` (the `gemm` crate's).
+    pub f32_narrow: &'static str,
     /// `amx_bf16`, `avx512_bf16`, `f32_kernels_on_bf16_inputs` or `portable`.
     pub bf16: &'static str,
     pub bf16_note: &'static str,
@@ -278,7 +282,8 @@ pub struct PrecisionPaths {
 impl PrecisionPaths {
     pub fn here(simd: Simd) -> PrecisionPaths {
         let bf16 = sparrow_model::bf16::path(simd);
-        PrecisionPaths { f32: "fp32_gemm", bf16: bf16.name(), bf16_note: bf16.describe() }
+        let f32_narrow = sparrow_model::matrix::narrow_kernel();
+        PrecisionPaths { f32: "fp32_gemm", f32_narrow, bf16: bf16.name(), bf16_note: bf16.describe() }
     }
 }
 

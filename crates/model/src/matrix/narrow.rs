@@ -478,6 +478,12 @@ mod tests {
     #[test]
     fn the_widest_kernel_the_cpu_has_is_taken() {
         assert_eq!(kernel(), kernels().first().copied());
+        let named = match kernels().first() {
+            Some(Kernel::Avx512) => "avx512",
+            Some(Kernel::Avx2) => "avx2",
+            None => "gemm",
+        };
+        assert_eq!(crate::matrix::narrow_kernel(), named);
         let (m, n, k) = (9, 20, 16);
         let mut dst = vec![f32::NAN; m * n];
         assert_eq!(product((m, n, k), (&values(m * k, 1), false), &values(k * n, 2), &mut dst, 1), kernel().is_some());
