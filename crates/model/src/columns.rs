@@ -7,8 +7,9 @@
 //! row, four floats at a time in the baseline build (a bias of one column
 //! made that one float a row, each add waiting on the last store). Batch
 //! norm's passes take a tile a task, so both threads sum a batch. An
-//! AVX-512F build is taken where `train.simd` allows and the CPU has it:
-//! the same operations, sixteen lanes.
+//! AVX-512F build is taken where `train.simd` allows and the CPU has it,
+//! else an AVX2 build where it has AVX2 and FMA (a Zen 3): the same
+//! operations, sixteen or eight lanes.
 
 use rayon::prelude::*;
 use sparrow_core::simd::Simd;
@@ -26,6 +27,37 @@ pub(crate) fn avx512f(simd: Simd) -> bool {
     return false;
 }
 
+/// Whether `simd` allows an AVX2 build and the CPU has AVX2 and FMA.
+pub(crate) fn avx2_fma(simd: Simd) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return simd.allows() && std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
+    #[cfg(not(target_arch = "x86_64"))]
+    return false;
+}
+
+/// The build a pass over columns runs: the same code compiled for
+/// AVX-512F, for AVX2 and FMA, or the crate's baseline (four floats a
+/// vector).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wide {
+    Avx512,
+    Avx2,
+    Baseline,
+}
+
+impl Wide {
+    /// The widest build `simd` allows and the CPU has.
+    fn of(simd: Simd) -> Wide {
+        if avx512f(simd) {
+            Wide::Avx512
+        } else if avx2_fma(simd) {
+            Wide::Avx2
+        } else {
+            Wide::Baseline
+        }
+    }
+}
+
 /// What a pass adds a row's value of a column to its sums with.
 #[derive(Clone, Copy)]
 pub(crate) enum Terms<'a> {
@@ -41,16 +73,34 @@ pub(crate) enum Terms<'a> {
 /// Columns `first..first + sums.len()` of `values` (rows of `width`)
 /// summed over the rows in order into `sums` (and `products`, for
 /// [`Terms::WithProducts`]), each starting from its value there.
-fn tile_into(simd: Simd, values: &[f32], width: usize, first: usize, terms: Terms<'_>, sums: (&mut [f32], &mut [f32])) {
+fn tile_into(wide: Wide, values: &[f32], width: usize, first: usize, terms: Terms<'_>, sums: (&mut [f32], &mut [f32])) {
     #[cfg(target_arch = "x86_64")]
-    if avx512f(simd) {
-        #[target_feature(enable = "avx512f")]
-        fn tile_avx512(values: &[f32], width: usize, first: usize, terms: Terms<'_>, sums: (&mut [f32], &mut [f32])) {
-            tile_sums(values, width, first, terms, sums);
+    match wide {
+        Wide::Avx512 => {
+            #[target_feature(enable = "avx512f")]
+            fn tile_avx512(
+                values: &[f32],
+                width: usize,
+                first: usize,
+                terms: Terms<'_>,
+                sums: (&mut [f32], &mut [f32]),
+            ) {
+                tile_sums(values, width, first, terms, sums);
+            }
+            // SAFETY: `Wide::Avx512` only where AVX-512F was detected.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            return unsafe { tile_avx512(values, width, first, terms, sums) };
         }
-        // SAFETY: `avx512f` is true only where AVX-512F was detected.
-        #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
-        return unsafe { tile_avx512(values, width, first, terms, sums) };
+        Wide::Avx2 => {
+            #[target_feature(enable = "avx2,fma")]
+            fn tile_avx2(values: &[f32], width: usize, first: usize, terms: Terms<'_>, sums: (&mut [f32], &mut [f32])) {
+                tile_sums(values, width, first, terms, sums);
+            }
+            // SAFETY: `Wide::Avx2` only where AVX2 and FMA were detected.
+            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+            return unsafe { tile_avx2(values, width, first, terms, sums) };
+        }
+        Wide::Baseline => {}
     }
     tile_sums(values, width, first, terms, sums);
 }
@@ -178,7 +228,7 @@ fn tile<const N: usize>(
 /// `sums[j] += Σ_rows values[r][j]`, in row order, on this thread (a bias's
 /// gradient: its callers run beside other work).
 pub(crate) fn add_column_sums(simd: Simd, values: &[f32], width: usize, sums: &mut [f32]) {
-    tile_into(simd, values, width, 0, Terms::Values, (sums, &mut []));
+    tile_into(Wide::of(simd), values, width, 0, Terms::Values, (sums, &mut []));
 }
 
 /// Every column's sums over the rows in order, from zero, a tile of
@@ -195,11 +245,12 @@ pub(crate) fn column_sums(
     sums.fill(0.0);
     products.fill(0.0);
     let tiles = sums.par_chunks_mut(TILE).enumerate();
+    let wide = Wide::of(simd);
     if matches!(terms, Terms::WithProducts(_)) {
         let tiles = tiles.zip(products.par_chunks_mut(TILE));
-        tiles.for_each(|((t, s), p)| tile_into(simd, values, width, t * TILE, terms, (s, p)));
+        tiles.for_each(|((t, s), p)| tile_into(wide, values, width, t * TILE, terms, (s, p)));
     } else {
-        tiles.for_each(|(t, s)| tile_into(simd, values, width, t * TILE, terms, (s, &mut [])));
+        tiles.for_each(|(t, s)| tile_into(wide, values, width, t * TILE, terms, (s, &mut [])));
     }
 }
 
@@ -239,6 +290,37 @@ mod tests {
                 _ => rng.uniform(-1.0, 1.0) as f32 * 1e-3,
             })
             .collect()
+    }
+
+    /// Each build of the tiles the CPU has (an AVX-512 machine runs the
+    /// AVX2 build too), from the values in `sums`: the bits of a row at a
+    /// time.
+    #[test]
+    fn each_build_of_the_tiles_gives_the_bits_of_a_row_at_a_time() {
+        let mut builds = vec![Wide::Baseline];
+        if avx512f(Simd::Auto) {
+            builds.push(Wide::Avx512);
+        }
+        if avx2_fma(Simd::Auto) {
+            builds.push(Wide::Avx2);
+        }
+        for width in [1, 6, 16, 32, 36, 50, 64, 100] {
+            let rows = 37;
+            let (v, x) = (values(rows, width, 3), values(rows, width, 4));
+            let mean: Vec<f32> = (0..width).map(|j| j as f32 * 0.5 - 7.0).collect();
+            for terms in [Terms::Values, Terms::Squares(&mean), Terms::WithProducts(&x)] {
+                let (want_s, want_p) = by_rows(&v, width, terms, -0.0);
+                for &wide in &builds {
+                    let (mut s, mut p) = (vec![-0.0; width], vec![-0.0; width]);
+                    let products = if matches!(terms, Terms::WithProducts(_)) { &mut p[..] } else { &mut [] };
+                    tile_into(wide, &v, width, 0, terms, (&mut s, products));
+                    assert_eq!(bits(&s), bits(&want_s), "sums, width {width}, {wide:?}");
+                    if matches!(terms, Terms::WithProducts(_)) {
+                        assert_eq!(bits(&p), bits(&want_p), "products, width {width}, {wide:?}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -52,13 +52,36 @@ pub(super) fn add_row_terms(
         }
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if crate::columns::avx2_fma(simd) {
+        #[target_feature(enable = "avx2,fma")]
+        fn terms_avx2(out: &mut [f32], at_rows: &[u32], row_terms: &[f32], (bias, relu): (&[f32], bool)) {
+            add_row_terms_loop(out, at_rows, row_terms, (bias, relu));
+        }
+        // SAFETY: `avx2_fma` is true only where AVX2 and FMA were detected.
+        #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+        return unsafe { terms_avx2(out, at_rows, row_terms, (bias, relu)) };
+    }
+    add_row_terms_loop(out, at_rows, row_terms, (bias, relu));
+}
+
+/// [`add_row_terms`]' values, a position at a time (`for` loops, so that
+/// the AVX2 build compiles them for its vectors: a `for_each`'s `fold`
+/// may be compiled apart from it).
+#[inline(always)]
+fn add_row_terms_loop(out: &mut [f32], at_rows: &[u32], row_terms: &[f32], (bias, relu): (&[f32], bool)) {
+    let h = bias.len();
     for (o, &r) in out.chunks_exact_mut(h).zip(at_rows) {
         let r = r as usize;
         let terms = o.iter_mut().zip(&row_terms[r * h..(r + 1) * h]).zip(bias);
         if relu {
-            terms.for_each(|((o, a), b)| *o = (*o + a + b).max(0.0));
+            for ((o, a), b) in terms {
+                *o = (*o + a + b).max(0.0);
+            }
         } else {
-            terms.for_each(|((o, a), b)| *o = *o + a + b);
+            for ((o, a), b) in terms {
+                *o = *o + a + b;
+            }
         }
     }
 }
@@ -77,7 +100,7 @@ pub(super) fn mask_and_sum(
     (db, g_rows): (&mut [f32], &mut [f32]),
 ) {
     let h = db.len();
-    let (g, outer, mut next_dw) = match g {
+    let (g, outer, next_dw) = match g {
         FirstGrad::Laid(g) => (g, None, None),
         FirstGrad::Outer { seed, w, into, next_dw } => {
             assert_eq!((seed.len(), w.len()), (at_rows.len(), h), "unit pass: the outer product's sides");
@@ -116,34 +139,73 @@ pub(super) fn mask_and_sum(
         }
         return;
     }
-    if let (Some((x, dw)), Some((seed, _))) = (&mut next_dw, outer) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::columns::avx2_fma(simd) {
+        #[target_feature(enable = "avx2,fma")]
+        fn mask_avx2(
+            (g, outer, relu): (&mut [f32], Option<Seeded<'_>>, Option<Relu<'_>>),
+            next_dw: Option<(&[f32], &mut [f32])>,
+            at_rows: &[u32],
+            (db, g_rows): (&mut [f32], &mut [f32]),
+        ) {
+            mask_and_sum_loop((g, outer, relu), next_dw, at_rows, (db, g_rows));
+        }
+        // SAFETY: `avx2_fma` is true only where AVX2 and FMA were detected.
+        #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+        return unsafe { mask_avx2((g, outer, relu), next_dw, at_rows, (db, g_rows)) };
+    }
+    mask_and_sum_loop((g, outer, relu), next_dw, at_rows, (db, g_rows));
+}
+
+/// An outer product's sides: each position's seed and the weights.
+type Seeded<'a> = (&'a [f32], &'a [f32]);
+/// A ReLU's output and its dropout scale.
+type Relu<'a> = (&'a [f32], f32);
+
+/// [`mask_and_sum`]'s values, a position at a time (`for` loops, so that
+/// the AVX2 build compiles them for its vectors, its `mul_add` one fused
+/// multiply-add).
+#[inline(always)]
+fn mask_and_sum_loop(
+    (g, outer, relu): (&mut [f32], Option<Seeded<'_>>, Option<Relu<'_>>),
+    next_dw: Option<(&[f32], &mut [f32])>,
+    at_rows: &[u32],
+    (db, g_rows): (&mut [f32], &mut [f32]),
+) {
+    let h = db.len();
+    if let (Some((x, dw)), Some((seed, _))) = (next_dw, outer) {
         // The one-column product's sum (`matrix::column`).
         dw.fill(0.0);
         for (p, (x, &s)) in x.chunks_exact(h).zip(seed).enumerate() {
-            match p {
-                0 => dw.iter_mut().zip(x).for_each(|(d, &x)| *d = x * s),
-                _ => dw.iter_mut().zip(x).for_each(|(d, &x)| *d = x.mul_add(s, *d)),
+            for (d, &x) in dw.iter_mut().zip(x) {
+                *d = if p == 0 { x * s } else { x.mul_add(s, *d) };
             }
         }
     }
     for (p, &r) in at_rows.iter().enumerate() {
         let (r, gp) = (r as usize, &mut g[p * h..(p + 1) * h]);
         if let Some((seed, w)) = outer {
-            gp.iter_mut().zip(w).for_each(|(g, &w)| *g = seed[p] * w);
+            for (g, &w) in gp.iter_mut().zip(w) {
+                *g = seed[p] * w;
+            }
         }
         if let Some((out, scale)) = relu {
             let out = &out[p * h..(p + 1) * h];
             if scale == 1.0 {
-                gp.iter_mut().zip(out).for_each(|(g, &a)| *g = if a > 0.0 { *g } else { 0.0 });
+                for (g, &a) in gp.iter_mut().zip(out) {
+                    *g = if a > 0.0 { *g } else { 0.0 };
+                }
             } else {
-                gp.iter_mut().zip(out).for_each(|(g, &a)| *g = if a > 0.0 { *g * scale } else { 0.0 });
+                for (g, &a) in gp.iter_mut().zip(out) {
+                    *g = if a > 0.0 { *g * scale } else { 0.0 };
+                }
             }
         }
         let sums = g_rows[r * h..(r + 1) * h].iter_mut().zip(db.iter_mut());
-        sums.zip(gp.iter()).for_each(|((s, d), g)| {
+        for ((s, d), g) in sums.zip(gp.iter()) {
             *s += g;
             *d += g;
-        });
+        }
     }
 }
 
