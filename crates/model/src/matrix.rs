@@ -90,7 +90,7 @@ pub(crate) fn sgemm_with_bias(
         return false;
     }
     let then = Epilogue { bias: Some(bias), relu };
-    narrow::product_then((m, n, k), (a, false), b, (dst, then), rayon::current_num_threads())
+    narrow::product_on(narrow::kernel(), (m, n, k), (a, false), b, (dst, then), rayon::current_num_threads())
 }
 
 /// Whether `aᵀ·b` (a layer's weights' gradient `xᵀ·g`: `m` inputs, `n`

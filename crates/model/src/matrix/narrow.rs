@@ -72,34 +72,33 @@ pub(super) fn laid_out(b: &[f32], n: usize, k: usize, laid: &mut Vec<f32>) {
     laid_out_on(kernel(), b, n, k, laid);
 }
 
+/// A build's transpose: `b` (`n×k`) laid out `k×n` at the pointer given.
+#[cfg(target_arch = "x86_64")]
+type Transpose = unsafe fn(*const f32, (usize, usize), *mut f32);
+
 /// [`laid_out`] on `kernel` (one the CPU has), or a value at a time.
 fn laid_out_on(kernel: Option<Kernel>, b: &[f32], n: usize, k: usize, laid: &mut Vec<f32>) {
     assert_eq!(b.len(), n * k, "laid_out: b is not n×k");
     laid.resize(k * n, 0.0);
     let laid = &mut laid[..k * n];
     #[cfg(target_arch = "x86_64")]
-    match kernel {
-        Some(Kernel::Avx512) => {
-            assert!(avx512f(), "a transpose without AVX-512F");
-            // SAFETY: AVX-512F was detected just above; `b` is `n×k`
-            // (asserted) and `laid` `k×n`, as the kernel requires.
+    {
+        // Each build's tiles, where the CPU has it.
+        let tiles: Option<Transpose> = match kernel {
+            Some(Kernel::Avx512) if avx512f() => Some(x86::transpose),
+            Some(Kernel::Avx2) if avx2_fma() => Some(avx2::transpose),
+            Some(kernel) => panic!("a transpose on {kernel:?}, which the CPU does not have"),
+            None => None,
+        };
+        if let Some(tiles) = tiles {
+            // SAFETY: the kernel's features were detected just above; `b`
+            // is `n×k` (asserted) and `laid` `k×n`, as each requires.
             #[expect(unsafe_code, reason = "calling a target_feature kernel after run-time detection")]
             unsafe {
-                x86::transpose(b.as_ptr(), (n, k), laid.as_mut_ptr())
+                tiles(b.as_ptr(), (n, k), laid.as_mut_ptr())
             };
             return;
         }
-        Some(Kernel::Avx2) => {
-            assert!(avx2_fma(), "a transpose without AVX2");
-            // SAFETY: AVX2 was detected just above; `b` is `n×k`
-            // (asserted) and `laid` `k×n`, as the kernel requires.
-            #[expect(unsafe_code, reason = "calling a target_feature kernel after run-time detection")]
-            unsafe {
-                avx2::transpose(b.as_ptr(), (n, k), laid.as_mut_ptr())
-            };
-            return;
-        }
-        None => {}
     }
     // Elsewhere no kernel is ever detected.
     #[cfg(not(target_arch = "x86_64"))]
@@ -123,34 +122,22 @@ pub(super) fn product(
     dst: &mut [f32],
     threads: usize,
 ) -> bool {
-    product_then((m, n, k), (a, a_transposed), b, (dst, Epilogue::default()), threads)
+    product_on(kernel(), (m, n, k), (a, a_transposed), b, (dst, Epilogue::default()), threads)
 }
 
-/// [`product`], each output through `then` as it is stored (`relu`:
-/// `max(v, +0)`, which is `Epilogue::row`'s `v > 0 ? v : 0` and
-/// `f32::max`'s bits, NaN and −0 becoming +0).
-pub(super) fn product_then(
+/// [`product`] on `kernel` (one the CPU has; none: false), each output
+/// through `then` as it is stored (`relu`: `max(v, +0)`, which is
+/// `Epilogue::row`'s `v > 0 ? v : 0` and `f32::max`'s bits, NaN and −0
+/// becoming +0).
+pub(super) fn product_on(
+    kernel: Option<Kernel>,
     (m, n, k): (usize, usize, usize),
     (a, a_transposed): (&[f32], bool),
     b: &[f32],
     (dst, then): (&mut [f32], Epilogue<'_>),
     threads: usize,
 ) -> bool {
-    match kernel() {
-        Some(kernel) => product_on(kernel, (m, n, k), (a, a_transposed), b, (dst, then), threads),
-        None => false,
-    }
-}
-
-/// [`product_then`] on `kernel` (one the CPU has).
-fn product_on(
-    kernel: Kernel,
-    (m, n, k): (usize, usize, usize),
-    (a, a_transposed): (&[f32], bool),
-    b: &[f32],
-    (dst, then): (&mut [f32], Epilogue<'_>),
-    threads: usize,
-) -> bool {
+    let Some(kernel) = kernel else { return false };
     if !fits(m, n, k, a_transposed) {
         return false;
     }
@@ -245,7 +232,7 @@ fn rows_for_cpu(
         // `last`, asserted inside `a`; `b` at `p·n + c` for `c < n` (`b` is
         // `k×n`, asserted); and write `out` at `r·n + c` (`out` is `rows×n`).
         // `NV` is `n`'s count of 16-lane vectors, as each kernel requires;
-        // a bias holds `n` values (asserted by `product_then`).
+        // a bias holds `n` values (asserted by `product_on`).
         #[expect(unsafe_code, reason = "calling a target_feature kernel after run-time detection")]
         unsafe {
             let a = (a.data.as_ptr().add(first * a.rs), a.rs, a.cs);
@@ -501,7 +488,7 @@ mod tests {
                         for kernel in kernels() {
                             let mut dst = vec![f32::NAN; m * n];
                             let taken =
-                                product_on(kernel, (m, n, k), (&a, a_t), &b, (&mut dst, Epilogue::default()), 1);
+                                product_on(Some(kernel), (m, n, k), (&a, a_t), &b, (&mut dst, Epilogue::default()), 1);
                             let what = format!("{kernel:?}, m {m} n {n} k {k} transposed a {a_t}");
                             assert_eq!(taken, fits(m, n, k, a_t), "{what}");
                             if !taken {
@@ -536,7 +523,7 @@ mod tests {
                 want.chunks_exact_mut(n).for_each(|row| then.row(0, row));
                 for kernel in kernels() {
                     let mut got = vec![f32::NAN; m * n];
-                    assert!(product_on(kernel, (m, n, k), (&a, false), &b, (&mut got, then), 1));
+                    assert!(product_on(Some(kernel), (m, n, k), (&a, false), &b, (&mut got, then), 1));
                     products += 1;
                     for (i, (x, y)) in got.iter().zip(&want).enumerate() {
                         let same = x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
@@ -612,7 +599,7 @@ mod tests {
         let expected = by_gemm(m, n, k, (&a, false), &b);
         for kernel in kernels() {
             let mut dst = vec![0.0; m * n];
-            assert!(product_on(kernel, (m, n, k), (&a, false), &b, (&mut dst, Epilogue::default()), 1));
+            assert!(product_on(Some(kernel), (m, n, k), (&a, false), &b, (&mut dst, Epilogue::default()), 1));
             for (i, (x, y)) in expected.iter().zip(&dst).enumerate() {
                 assert_eq!(x.is_nan(), y.is_nan(), "{kernel:?}, output {i}: {x} against gemm's {y}");
                 assert!(x.is_nan() || x.to_bits() == y.to_bits(), "{kernel:?}, output {i}: {x} against gemm's {y}");
@@ -630,7 +617,7 @@ mod tests {
             for kernel in kernels() {
                 let mut dst = vec![f32::NAN; m * n];
                 let then = (&mut dst[..], Epilogue::default());
-                assert!(pool.install(|| product_on(kernel, (m, n, k), (&a, a_t), &b, then, 3)));
+                assert!(pool.install(|| product_on(Some(kernel), (m, n, k), (&a, a_t), &b, then, 3)));
                 assert!(same_bits(&expected, &dst), "{kernel:?}, m {m} n {n} k {k}");
             }
         }
