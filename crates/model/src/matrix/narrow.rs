@@ -185,12 +185,10 @@ pub(super) fn kernel() -> Option<Kernel> {
     avx2_fma().then_some(Kernel::Avx2)
 }
 
-/// Whether the CPU has AVX2 and FMA.
+/// Whether the CPU has AVX2 and FMA (the products take the widest kernel
+/// whatever `train.simd` says: each has `gemm`'s bits).
 fn avx2_fma() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
-    #[cfg(not(target_arch = "x86_64"))]
-    return false;
+    crate::columns::avx2_fma(sparrow_core::simd::Simd::Auto)
 }
 
 /// Rows `first..` of `a` (as many as `out` holds) times `b` (`k×n`), on `kernel`.
