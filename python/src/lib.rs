@@ -231,7 +231,7 @@ fn simd_from_env() -> Result<Option<sparrow_core::simd::Simd>, String> {
         Err(std::env::VarError::NotPresent) => Ok(None),
         Ok(v) => Simd::parse(&v).map(Some),
         Err(std::env::VarError::NotUnicode(v)) => {
-            Err(format!("{VARIABLE}={v:?}: expected `auto`, `avx512` or `portable`"))
+            Err(format!("{VARIABLE}={v:?}: expected `auto`, `avx512`, `avx2` or `portable`"))
         }
     }
 }
@@ -600,7 +600,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     }
     // Library logs go to Python's `logging` (a second import keeps the first logger).
     let _ = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::LoggersAndLevels)?.install();
-    // As the `sparrow` binary: a SPARROW_SIMD value other than auto/portable fails the import.
+    // As the `sparrow` binary: a SPARROW_SIMD value other than auto/avx512/avx2/portable fails the import.
     simd_from_env().map_err(pyo3::exceptions::PyValueError::new_err)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(train, m)?)?;

@@ -10,14 +10,14 @@ use anyhow::Context;
 use sparrow_core::{Config, Overrides};
 
 /// `SPARROW_SIMD`, read here at the edge: `train.simd` for every config
-/// this process builds (a value other than auto or portable is an error).
+/// this process builds (a value other than auto, avx512, avx2 or portable is an error).
 pub(crate) fn simd_from_env() -> anyhow::Result<Option<sparrow_core::simd::Simd>> {
     use sparrow_core::simd::{Simd, VARIABLE};
     match std::env::var(VARIABLE) {
         Err(std::env::VarError::NotPresent) => Ok(None),
         Ok(v) => Simd::parse(&v).map(Some).map_err(|e| anyhow::anyhow!(e)),
         Err(std::env::VarError::NotUnicode(v)) => {
-            anyhow::bail!("{VARIABLE}={v:?}: expected `auto`, `avx512` or `portable`")
+            anyhow::bail!("{VARIABLE}={v:?}: expected `auto`, `avx512`, `avx2` or `portable`")
         }
     }
 }

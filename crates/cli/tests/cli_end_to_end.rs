@@ -504,7 +504,7 @@ fn half_rows_export_in_their_own_type_without_loss() {
 /// runs `SPARROW_SIMD=avx512`: every SIMD kernel but AMX's tiles (on a CPU
 /// without AMX the same as `auto`). With AMX, bf16 products are AMX's own
 /// sums, other bits by design: `auto` trains them to the same accuracy. A
-/// value other than `auto`, `avx512` or `portable` is refused naming the
+/// value other than `auto`, `avx512`, `avx2` or `portable` is refused naming the
 /// variable.
 #[test]
 fn portable_kernels_train_the_same_model_bit_for_bit() {

@@ -469,11 +469,16 @@ pub struct TrainConfig {
     /// `auto`: kernels chosen by CPU feature take their SIMD versions where
     /// the CPU has them, bf16 products AMX's tiles where it has AMX-BF16;
     /// `avx512`: the same but for AMX (bf16 products on AVX-512-BF16, whose
-    /// bits the portable kernels give; for comparison); `portable`: their
-    /// portable versions (the same bits, slower). `SPARROW_SIMD` in the environment sets it for every command
-    /// (a `--set` of it wins). The fp32 matrix product picks its kernels by
-    /// CPU either way (the `gemm` crate's, and for a narrow product or one
-    /// output column Sparrow's AVX-512 ones, with gemm's bits).
+    /// bits the portable kernels give; for comparison); `avx2`: what a CPU
+    /// with AVX2 and FMA but no AVX-512 takes (an AMD Zen 3), the narrow fp32
+    /// product's AVX2 build too, bf16 products on the fp32 kernels, to time
+    /// that path on any machine (in fp32 the same model as `auto`, bit for
+    /// bit); `portable`: their portable versions (the same bits, slower).
+    /// `SPARROW_SIMD` in the environment sets it for every command (a
+    /// `--set` of it wins). The fp32 matrix product otherwise picks its
+    /// kernels by CPU (the `gemm` crate's, and for a narrow product or one
+    /// output column Sparrow's AVX-512 ones, with gemm's bits); `gemm`'s own
+    /// keep the CPU's widest under `avx2` too.
     pub simd: crate::simd::Simd,
     /// `[train.schedule]`: the learning rates' warmup and decay by dense step.
     pub schedule: ScheduleConfig,

@@ -406,7 +406,7 @@ mod simd {
 
         #[inline]
         pub(crate) fn has_avx512(simd: Simd) -> bool {
-            simd.allows()
+            simd.allows_avx512()
                 && is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512dq")
                 && is_x86_feature_detected!("avx512vl")

@@ -22,7 +22,9 @@
 //! step does (`awake::through_step`); `BENCH_EVICT_KB=N` writes N KiB of
 //! other memory before each step inside it, as a training step's
 //! embedding phases do;
-//! `SPARROW_SIMD=portable` takes every kernel's portable build.
+//! `SPARROW_SIMD=portable` takes every kernel's portable build;
+//! `SPARROW_SIMD=avx2` every kernel's build for a CPU without AVX-512 (and
+//! the ceilings of 256-bit FMAs).
 
 use std::time::{Duration, Instant};
 
@@ -48,7 +50,8 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let (numbers, args): (Vec<String>, Vec<String>) = args.into_iter().partition(|a| a.parse::<usize>().is_ok());
     let rows = numbers.first().and_then(|n| n.parse().ok()).unwrap_or(1024);
-    // `SPARROW_SIMD=portable`: every kernel's portable build, as `train.simd` says.
+    // `SPARROW_SIMD=portable`: every kernel's portable build, as `train.simd`
+    // says; `avx2`: every kernel as on a CPU without AVX-512.
     let simd = sparrow_core::simd::Simd::parse(&std::env::var(sparrow_core::simd::VARIABLE).unwrap_or_default())
         .unwrap_or_else(|e| panic!("{e}"));
     // `dropout=0.2`: every step draws its masks (`model.dropout`).
@@ -111,7 +114,7 @@ fn main() {
     let mut evict = vec![0.0f32; evict_kb * 256];
     // The ceilings of as many threads as the step runs on: one thread's
     // share of two cores' ceiling read half what it is.
-    let peaks = sparrow_model::peak::measure(threads, Duration::from_millis(300));
+    let peaks = sparrow_model::peak::measure(simd, threads, Duration::from_millis(300));
     // bf16's share is of the ceiling of the path it takes here (AMX's, or
     // vdpbf16ps's; `SPARROW_SIMD=avx512` keeps AMX out).
     let bf16_path = sparrow_model::bf16::path(simd);

@@ -14,7 +14,8 @@
 //! caches when its turn comes, as in a training step, where each of a
 //! step's many products reads what the ones before it pushed out (in
 //! PLE's training step its main shapes ran up to a quarter slower than
-//! here with one copy).
+//! here with one copy). `SPARROW_SIMD=avx2` takes the narrow kernel's
+//! AVX2 build, as a CPU without AVX-512 does.
 
 use std::time::Instant;
 
@@ -69,6 +70,8 @@ fn main() {
         shapes = vec![(512, 64, 81, String::new()), (81, 64, 512, "t".into()), (512, 81, 64, "nt".into())];
     }
     let (threads, runs, copies) = (count("BENCH_THREADS", 1), count("BENCH_RUNS", 15), count("BENCH_COPIES", 1));
+    let simd = sparrow_core::simd::Simd::parse(&std::env::var(sparrow_core::simd::VARIABLE).unwrap_or_default())
+        .unwrap_or_else(|e| panic!("{e}"));
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a pool");
     println!("shape                  best µs   med µs   GFLOP/s");
     for (m, n, k, how) in shapes {
@@ -86,7 +89,7 @@ fn main() {
                 for _ in 0..50 {
                     let c = turn % copies;
                     turn += 1;
-                    sgemm_threads(m, n, k, op(&a[c], a_t), op(&b[c], b_t), &mut dst[c], threads);
+                    sgemm_threads(simd, m, n, k, op(&a[c], a_t), op(&b[c], b_t), &mut dst[c], threads);
                 }
                 times.push(start.elapsed().as_secs_f64() / 50.0);
             }

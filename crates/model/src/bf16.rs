@@ -153,11 +153,12 @@ pub enum Bf16Path {
     Amx,
     /// AVX-512-BF16's `vdpbf16ps`: bf16 pairs, each output's fp32 chain.
     Native,
-    /// No bf16 dot product on this CPU: the fp32 kernels on bf16-rounded
-    /// operands. The products are exact in fp32 as in `vdpbf16ps`, so the
-    /// accuracy is the same and the speed fp32's; the sums' order is the
-    /// fp32 kernel's, so the bits differ from [`Bf16Path::Native`]'s.
-    Rounded,
+    /// No bf16 dot product on this CPU (or `train.simd = "avx2"`): the fp32
+    /// kernels on bf16-rounded operands, those `simd` allows. The products
+    /// are exact in fp32 as in `vdpbf16ps`, so the accuracy is the same and
+    /// the speed fp32's; the sums' order is the fp32 kernel's, so the bits
+    /// differ from [`Bf16Path::Native`]'s.
+    Rounded(Simd),
     /// `SPARROW_SIMD=portable`: `vdpbf16ps`'s arithmetic written out, bit
     /// for bit the native path, ten or more times slower than fp32.
     Portable,
@@ -172,9 +173,10 @@ impl Bf16Path {
                  train.simd = \"avx512\" takes)"
             }
             Bf16Path::Native => "bf16 products on AVX-512-BF16 (vdpbf16ps)",
-            Bf16Path::Rounded => {
-                "this CPU has no AVX-512-BF16: bf16 runs the fp32 kernels on bf16-rounded inputs (fp32's speed, the \
-                 same accuracy; the bits differ from an AVX-512-BF16 machine's, SPARROW_SIMD=portable gives those)"
+            Bf16Path::Rounded(_) => {
+                "no AVX-512-BF16 here (the CPU lacks it, or train.simd = \"avx2\" keeps it out): bf16 runs the \
+                 fp32 kernels on bf16-rounded inputs (fp32's speed, the same accuracy; the bits differ from an \
+                 AVX-512-BF16 machine's, SPARROW_SIMD=portable gives those)"
             }
             Bf16Path::Portable => {
                 "SPARROW_SIMD=portable: bf16 runs the portable kernel, bit for bit AVX-512-BF16's and ten or \
@@ -190,7 +192,7 @@ impl Bf16Path {
         match self {
             Bf16Path::Amx => peaks.amx_bf16.as_ref(),
             Bf16Path::Native | Bf16Path::Portable => peaks.bf16_dot.as_ref(),
-            Bf16Path::Rounded => Some(&peaks.fp32_fma),
+            Bf16Path::Rounded(_) => Some(&peaks.fp32_fma),
         }
     }
 
@@ -198,7 +200,7 @@ impl Bf16Path {
         match self {
             Bf16Path::Amx => "amx_bf16",
             Bf16Path::Native => "avx512_bf16",
-            Bf16Path::Rounded => "f32_kernels_on_bf16_inputs",
+            Bf16Path::Rounded(_) => "f32_kernels_on_bf16_inputs",
             Bf16Path::Portable => "portable",
         }
     }
@@ -214,24 +216,44 @@ pub fn path(simd: Simd) -> Bf16Path {
     if simd::available(simd) {
         return Bf16Path::Native;
     }
-    if simd.allows() { Bf16Path::Rounded } else { Bf16Path::Portable }
+    if simd.allows() { Bf16Path::Rounded(simd) } else { Bf16Path::Portable }
 }
 
 /// How a model's matrix products run: `model.precision`, and for bf16 the
 /// [`Bf16Path`] this CPU and `train.simd` give it (chosen once, when the
-/// model is built, and handed to every product).
+/// model is built, and handed to every product). fp32 products carry
+/// `train.simd` too: `avx2` keeps their narrow kernel to its AVX2 build.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arith {
-    F32,
+    F32(Simd),
     Bf16(Bf16Path),
 }
 
 impl Arith {
     pub fn new(precision: Precision, simd: Simd) -> Arith {
         match precision {
-            Precision::F32 => Arith::F32,
+            Precision::F32 => Arith::F32(simd),
             Precision::Bf16 => Arith::Bf16(path(simd)),
         }
+    }
+
+    /// The `train.simd` its fp32 products take their kernels by (bf16 on
+    /// `vdpbf16ps` or AMX: a CPU with AVX-512, whose widest they take).
+    pub fn simd(self) -> Simd {
+        match self {
+            Arith::F32(simd) | Arith::Bf16(Bf16Path::Rounded(simd)) => simd,
+            Arith::Bf16(_) => Simd::Auto,
+        }
+    }
+
+    /// fp32 on the kernels this one's fp32 products take: a part kept in
+    /// fp32 whatever `model.precision` says (the gates, a narrow head).
+    pub fn in_f32(self) -> Arith {
+        Arith::F32(self.simd())
+    }
+
+    pub fn is_f32(self) -> bool {
+        matches!(self, Arith::F32(_))
     }
 }
 
@@ -266,9 +288,9 @@ pub fn gemm_bf16_threads(
         }
     }
     match path {
-        Bf16Path::Rounded => {
+        Bf16Path::Rounded(simd) => {
             check(m, n, k, &a, &b, dst);
-            crate::bf16_rounded::gemm(m, n, k, a, b, dst, threads);
+            crate::bf16_rounded::gemm(simd, m, n, k, a, b, dst, threads);
         }
         Bf16Path::Amx => {
             check(m, n, k, &a, &b, dst);
@@ -325,7 +347,7 @@ pub(crate) fn gemm_bf16_lent(
                 return;
             }
         }
-        Bf16Path::Rounded => crate::bf16_rounded::gemm(m, n, k, a, b, dst, None),
+        Bf16Path::Rounded(simd) => crate::bf16_rounded::gemm(simd, m, n, k, a, b, dst, None),
         // Portable: the caller's choice, so no SIMD build of it either.
         _ => gemm_bf16_portable(Simd::Portable, m, n, k, a, b, dst),
     }
@@ -348,7 +370,7 @@ mod simd {
     pub fn available(simd: sparrow_core::simd::Simd) -> bool {
         // AVX-512BW for the packing's word permutes (every CPU with
         // AVX-512-BF16 has it).
-        simd.allows()
+        simd.allows_avx512()
             && is_x86_feature_detected!("avx512bf16")
             && is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512bw")
@@ -698,7 +720,7 @@ mod tests {
             // The lanes' arithmetic is vdpbf16ps's: AMX's sums are its own.
             let mut fast = vec![f32::NAN; m * n];
             gemm_bf16(path(Simd::Avx512), m, n, k, opa, opb, &mut fast);
-            if path(Simd::Avx512) == Bf16Path::Rounded {
+            if matches!(path(Simd::Avx512), Bf16Path::Rounded(_)) {
                 // The fp32 kernel's arithmetic by design (no flush to zero).
                 continue;
             }

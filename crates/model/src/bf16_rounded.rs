@@ -10,6 +10,7 @@
 use std::cell::Cell;
 
 use rayon::prelude::*;
+use sparrow_core::simd::Simd;
 
 use crate::matrix::{Operand, sgemm, sgemm_threads};
 
@@ -49,7 +50,9 @@ thread_local! {
 
 /// The fp32 product of the operands rounded to bf16 (widened back exactly;
 /// denormals read as zero, as `vdpbf16ps` reads them).
+#[expect(clippy::too_many_arguments, reason = "a matrix product's kernels, shape, operands and threads")]
 pub(crate) fn gemm(
+    simd: Simd,
     m: usize,
     n: usize,
     k: usize,
@@ -63,8 +66,8 @@ pub(crate) fn gemm(
     round_into(b.data, &mut rb);
     let (a, b) = (Operand { data: &ra, transposed: a.transposed }, Operand { data: &rb, transposed: b.transposed });
     match threads {
-        Some(t) => crate::matrix::sgemm_threads(m, n, k, a, b, dst, t),
-        None => crate::matrix::sgemm(m, n, k, a, b, dst),
+        Some(t) => crate::matrix::sgemm_threads(simd, m, n, k, a, b, dst, t),
+        None => crate::matrix::sgemm(simd, m, n, k, a, b, dst),
     }
     ROUNDED.with(|r| r.set((ra, rb)));
 }
@@ -84,6 +87,7 @@ impl RoundedOperands {
     /// fan_in` by `fan_in × fan_out`), keeping both rounded operands.
     pub(crate) fn forward(
         &mut self,
+        simd: Simd,
         layer: usize,
         (rows, fan_in, fan_out): (usize, usize, usize),
         input: &[f32],
@@ -96,7 +100,15 @@ impl RoundedOperands {
         }
         round_into(input, &mut self.inputs[layer]);
         round_into(w, &mut self.weights[layer]);
-        sgemm(rows, fan_out, fan_in, Operand::plain(&self.inputs[layer]), Operand::plain(&self.weights[layer]), out);
+        sgemm(
+            simd,
+            rows,
+            fan_out,
+            fan_in,
+            Operand::plain(&self.inputs[layer]),
+            Operand::plain(&self.weights[layer]),
+            out,
+        );
     }
 
     /// Backward products of layer `layer` (after its forward pass): `dW =
@@ -104,6 +116,7 @@ impl RoundedOperands {
     /// products side by side as the fp32 path runs them.
     pub(crate) fn backward(
         &mut self,
+        simd: Simd,
         layer: usize,
         (rows, fan_in, fan_out): (usize, usize, usize),
         g: &[f32],
@@ -114,12 +127,12 @@ impl RoundedOperands {
         let (x, w, rg) = (&self.inputs[layer], &self.weights[layer], &self.grad);
         rayon::join(
             || {
-                sgemm_threads(fan_in, fan_out, rows, Operand::t(x), Operand::plain(rg), dw, 1);
+                sgemm_threads(simd, fan_in, fan_out, rows, Operand::t(x), Operand::plain(rg), dw, 1);
                 for row in g.chunks_exact(fan_out) {
                     db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
                 }
             },
-            || sgemm_threads(rows, fan_in, fan_out, Operand::plain(rg), Operand::t(w), dx, 1),
+            || sgemm_threads(simd, rows, fan_in, fan_out, Operand::plain(rg), Operand::t(w), dx, 1),
         );
     }
 }

@@ -22,7 +22,7 @@ const EDGE: usize = 16;
 /// Whether `simd` allows the AVX-512F build and the CPU has it.
 pub(crate) fn avx512f(simd: Simd) -> bool {
     #[cfg(target_arch = "x86_64")]
-    return simd.allows() && std::arch::is_x86_feature_detected!("avx512f");
+    return simd.allows_avx512() && std::arch::is_x86_feature_detected!("avx512f");
     #[cfg(not(target_arch = "x86_64"))]
     return false;
 }

@@ -91,7 +91,7 @@ mod wide {
 
     impl Avx512 {
         pub(super) fn detected(simd: sparrow_core::simd::Simd) -> Option<Self> {
-            (simd.allows() && std::arch::is_x86_feature_detected!("avx512f")).then_some(Avx512(()))
+            (simd.allows_avx512() && std::arch::is_x86_feature_detected!("avx512f")).then_some(Avx512(()))
         }
     }
 

@@ -11,6 +11,8 @@
 mod column;
 mod narrow;
 
+use sparrow_core::simd::Simd;
+
 /// A row-major matrix operand, used as stored or transposed.
 #[derive(Clone, Copy)]
 pub struct Operand<'a> {
@@ -51,23 +53,34 @@ impl Epilogue<'_> {
 
 /// `dst (m×n) = op(a)·op(b)`, all row-major. `a` is `m×k` (stored `k×m` when
 /// transposed), `b` is `k×n` (stored `n×k` when transposed). Runs on the
-/// current rayon pool.
-pub fn sgemm(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_>, dst: &mut [f32]) {
-    sgemm_threads(m, n, k, a, b, dst, rayon::current_num_threads());
+/// current rayon pool; `simd` only keeps the narrow kernel to its AVX2
+/// build where it says `avx2` (the same bits either way).
+pub fn sgemm(simd: Simd, m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_>, dst: &mut [f32]) {
+    sgemm_threads(simd, m, n, k, a, b, dst, rayon::current_num_threads());
 }
 
 /// [`sgemm`] on at most `threads` threads of the current pool.
-pub fn sgemm_threads(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_>, dst: &mut [f32], threads: usize) {
+#[expect(clippy::too_many_arguments, reason = "a matrix product's kernels, shape, operands and threads")]
+pub fn sgemm_threads(
+    simd: Simd,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand<'_>,
+    b: Operand<'_>,
+    dst: &mut [f32],
+    threads: usize,
+) {
     assert_eq!(a.data.len(), m * k, "sgemm: lhs size");
     assert_eq!(b.data.len(), k * n, "sgemm: rhs size");
     assert_eq!(dst.len(), m * n, "sgemm: dst size");
     if m == 0 || n == 0 {
         return;
     }
-    if a.transposed && !b.transposed && takes_transposed(m, n, k) {
-        return transposed_product((m, n, k), a.data, b.data, dst, threads);
+    if a.transposed && !b.transposed && takes_transposed(simd, m, n, k) {
+        return transposed_product(simd, (m, n, k), a.data, b.data, dst, threads);
     }
-    direct_product((m, n, k), a, b, dst, threads);
+    direct_product(simd, (m, n, k), a, b, dst, threads);
 }
 
 /// `dst = a·b` with each output row's `bias` added and (where `relu`) its
@@ -76,6 +89,7 @@ pub fn sgemm_threads(m: usize, n: usize, k: usize, a: Operand<'_>, b: Operand<'_
 /// bits of [`sgemm`] then `v = (v + b).max(0.0)`, tested). False, and
 /// nothing written, where it does not (`a` and `b` as stored).
 pub(crate) fn sgemm_with_bias(
+    simd: Simd,
     (m, n, k): (usize, usize, usize),
     (a, b): (&[f32], &[f32]),
     dst: &mut [f32],
@@ -90,13 +104,14 @@ pub(crate) fn sgemm_with_bias(
         return false;
     }
     let then = Epilogue { bias: Some(bias), relu };
-    narrow::product_on(narrow::kernel(), (m, n, k), (a, false), b, (dst, then), rayon::current_num_threads())
+    narrow::product_on(narrow::kernel(simd), (m, n, k), (a, false), b, (dst, then), rayon::current_num_threads())
 }
 
 /// Whether `aᵀ·b` (a layer's weights' gradient `xᵀ·g`: `m` inputs, `n`
 /// outputs, summed over `k` rows) is computed as `(bᵀ·a)ᵀ`, with `n` and
 /// `m` swapped: where `n` is narrow, `m` a whole number of 16-lane vectors
-/// wider than it, and `k` deep, on a CPU with AVX-512F. Each output is the
+/// wider than it, and `k` deep, on a CPU with AVX-512F (`simd` not `avx2`).
+/// Each output is the
 /// same fused multiply-adds in the same order either way, so the bits are
 /// the same: one chain over `k` from zero, cut into blocks by `k` and by
 /// whether both `m` and `n` are at most 64, which the swap keeps; `gemm`'s
@@ -108,8 +123,9 @@ pub(crate) fn sgemm_with_bias(
 /// 512]·[512, 8]` 74 and 23. Wider outputs (`[128, 64]`, 0.95×), inputs
 /// of no whole vectors (`[81, 32]`, 0.86×) and short sums (`k` = 20,
 /// 0.8×) stay as they are.
-fn takes_transposed(m: usize, n: usize, k: usize) -> bool {
-    (2..=48).contains(&n) && n < m && m.is_multiple_of(16) && k >= 128 && narrow::avx512f()
+fn takes_transposed(simd: Simd, m: usize, n: usize, k: usize) -> bool {
+    let avx512 = narrow::kernel(simd) == Some(narrow::Kernel::Avx512);
+    (2..=48).contains(&n) && n < m && m.is_multiple_of(16) && k >= 128 && avx512
 }
 
 thread_local! {
@@ -123,11 +139,18 @@ thread_local! {
 }
 
 /// `dst (m×n) = aᵀ·b` (`a` stored `k×m`, `b` `k×n`) as `(bᵀ·a)ᵀ`.
-fn transposed_product((m, n, k): (usize, usize, usize), a: &[f32], b: &[f32], dst: &mut [f32], threads: usize) {
+fn transposed_product(
+    simd: Simd,
+    (m, n, k): (usize, usize, usize),
+    a: &[f32],
+    b: &[f32],
+    dst: &mut [f32],
+    threads: usize,
+) {
     let mut t = TRANSPOSED.take();
     t.resize(m * n, 0.0);
     let t_out = &mut t[..m * n];
-    direct_product((n, m, k), Operand::t(b), Operand::plain(a), t_out, threads);
+    direct_product(simd, (n, m, k), Operand::t(b), Operand::plain(a), t_out, threads);
     for (j, column) in t_out.chunks_exact(m).enumerate() {
         for (row, &v) in dst.chunks_exact_mut(n).zip(column) {
             row[j] = v;
@@ -137,26 +160,33 @@ fn transposed_product((m, n, k): (usize, usize, usize), a: &[f32], b: &[f32], ds
 }
 
 /// [`sgemm_threads`] as asked (sizes checked by the caller).
-fn direct_product((m, n, k): (usize, usize, usize), a: Operand<'_>, b: Operand<'_>, dst: &mut [f32], threads: usize) {
+fn direct_product(
+    simd: Simd,
+    (m, n, k): (usize, usize, usize),
+    a: Operand<'_>,
+    b: Operand<'_>,
+    dst: &mut [f32],
+    threads: usize,
+) {
     let (a_t, b_t) = (a.transposed, b.transposed);
     let (a, b) = (a.data, b.data);
     // A narrow product's transposed right-hand side is laid out on every
     // CPU, so that its bits do not depend on which kernel runs it.
     if b_t && narrow::fits(m, n, k, a_t) {
         let mut laid = LAID.take();
-        narrow::laid_out(b, n, k, &mut laid);
-        direct_product((m, n, k), Operand { data: a, transposed: a_t }, Operand::plain(&laid), dst, threads);
+        narrow::laid_out(simd, b, n, k, &mut laid);
+        direct_product(simd, (m, n, k), Operand { data: a, transposed: a_t }, Operand::plain(&laid), dst, threads);
         LAID.set(laid);
         return;
     }
     // One column is the same `k` values stored either way.
-    if column::product((m, n, k), (a, a_t), b, dst, threads) {
+    if column::product(simd, (m, n, k), (a, a_t), b, dst, threads) {
         return;
     }
     if is_outer(m, n, k) {
         return outer(a, b, dst);
     }
-    if !b_t && narrow::product((m, n, k), (a, a_t), b, dst, threads) {
+    if !b_t && narrow::product(simd, (m, n, k), (a, a_t), b, dst, threads) {
         return;
     }
     gemm_product((m, n, k), (a, a_t), (b, b_t), dst, threads);
@@ -165,15 +195,16 @@ fn direct_product((m, n, k): (usize, usize, usize), a: Operand<'_>, b: Operand<'
 /// Whether [`sgemm`] takes this product on the narrow kernel, which sums
 /// each output column on its own, whatever `n` (the bits of `gemm`'s
 /// block, [`narrow`]).
-pub(crate) fn narrow_takes(m: usize, n: usize, k: usize, a_transposed: bool) -> bool {
-    narrow::fits(m, n, k, a_transposed) && narrow::kernel().is_some()
+pub(crate) fn narrow_takes(simd: Simd, m: usize, n: usize, k: usize, a_transposed: bool) -> bool {
+    narrow::fits(m, n, k, a_transposed) && narrow::kernel(simd).is_some()
 }
 
-/// The narrow product's kernel on this CPU, as `sparrow bench` names it:
-/// `avx512`, `avx2` (AVX2 and FMA without AVX-512F, a Zen 3), or `gemm`
-/// (no kernel of its own: every product on the `gemm` crate).
-pub fn narrow_kernel() -> &'static str {
-    match narrow::kernel() {
+/// The narrow product's kernel on this CPU under `simd`, as `sparrow bench`
+/// names it: `avx512`, `avx2` (AVX2 and FMA without AVX-512F, a Zen 3, or
+/// `simd` saying `avx2`), or `gemm` (no kernel of its own: every product on
+/// the `gemm` crate).
+pub fn narrow_kernel(simd: Simd) -> &'static str {
+    match narrow::kernel(simd) {
         Some(narrow::Kernel::Avx512) => "avx512",
         Some(narrow::Kernel::Avx2) => "avx2",
         None => "gemm",
@@ -284,7 +315,7 @@ pub(crate) mod tests {
             a[k] = f32::NAN;
             for relu in [false, true] {
                 let mut want = vec![0.0f32; m * n];
-                sgemm_threads(m, n, k, Operand::plain(&a), Operand::plain(&b), &mut want, 1);
+                sgemm_threads(Simd::Auto, m, n, k, Operand::plain(&a), Operand::plain(&b), &mut want, 1);
                 assert_eq!(want[1].to_bits(), (-0.0f32).to_bits(), "the case of a sum of −0");
                 for row in want.chunks_exact_mut(n) {
                     for (v, b) in row.iter_mut().zip(&bias) {
@@ -293,9 +324,9 @@ pub(crate) mod tests {
                 }
                 for threads in [1, 2] {
                     let mut got = vec![f32::NAN; m * n];
-                    let mut run = || sgemm_with_bias((m, n, k), (&a, &b), &mut got, (&bias, relu));
+                    let mut run = || sgemm_with_bias(Simd::Auto, (m, n, k), (&a, &b), &mut got, (&bias, relu));
                     let took = if threads == 1 { run() } else { pool.install(run) };
-                    assert_eq!(took, narrow_takes(m, n, k, false), "m {m} n {n} k {k}");
+                    assert_eq!(took, narrow_takes(Simd::Auto, m, n, k, false), "m {m} n {n} k {k}");
                     if !took {
                         continue;
                     }
@@ -307,12 +338,13 @@ pub(crate) mod tests {
                 }
             }
         }
-        assert_eq!(taken > 0, narrow::kernel().is_some(), "products taken: {taken}");
+        assert_eq!(taken > 0, narrow::kernel(Simd::Auto).is_some(), "products taken: {taken}");
         let mut dst = vec![0.0f32; 400];
         for (m, n, k) in [(400, 1, 16), (20, 20, 1), (4, 100, 4)] {
             let (a, b, bias) = (values(m * k, 1), values(k * n, 2), values(n, 3));
             let dst = &mut dst[..m * n];
-            assert!(!sgemm_with_bias((m, n, k), (&a, &b), dst, (&bias, true)), "m {m} n {n} k {k}: not the kernel's");
+            let taken = sgemm_with_bias(Simd::Auto, (m, n, k), (&a, &b), dst, (&bias, true));
+            assert!(!taken, "m {m} n {n} k {k}: not the kernel's");
         }
     }
 
@@ -339,14 +371,15 @@ pub(crate) mod tests {
     fn a_gradient_taken_transposed_has_the_bits_of_the_product_as_asked() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
         for (m, n, k) in [(64, 5, 512), (64, 32, 512), (32, 4, 1024), (128, 48, 300), (16, 2, 128), (432, 8, 2048)] {
-            assert_eq!(takes_transposed(m, n, k), narrow::avx512f(), "[{m}, {n}] over {k}");
+            assert_eq!(takes_transposed(Simd::Auto, m, n, k), narrow::avx512f(), "[{m}, {n}] over {k}");
+            assert!(!takes_transposed(Simd::Avx2, m, n, k), "[{m}, {n}] over {k}: an AVX-512F rule under avx2");
             let (x, g) = (values(k * m, 3), values(k * n, 4));
             for threads in [1, 2] {
                 let mut asked = vec![f32::NAN; m * n];
                 let mut taken = vec![f32::NAN; m * n];
                 pool.install(|| {
-                    direct_product((m, n, k), Operand::t(&x), Operand::plain(&g), &mut asked, threads);
-                    sgemm_threads(m, n, k, Operand::t(&x), Operand::plain(&g), &mut taken, threads);
+                    direct_product(Simd::Auto, (m, n, k), Operand::t(&x), Operand::plain(&g), &mut asked, threads);
+                    sgemm_threads(Simd::Auto, m, n, k, Operand::t(&x), Operand::plain(&g), &mut taken, threads);
                 });
                 assert!(same_bits(&asked, &taken), "[{m}, {n}] over {k} on {threads} threads");
             }
@@ -366,7 +399,7 @@ pub(crate) mod tests {
             for (a_t, b_t) in [(false, false), (true, false), (false, true), (true, true)] {
                 let mut dst = vec![f32::NAN; m * n];
                 let op = |data, t| if t { Operand::t(data) } else { Operand::plain(data) };
-                sgemm_threads(m, n, 1, op(&a, a_t), op(&b, b_t), &mut dst, 1);
+                sgemm_threads(Simd::Auto, m, n, 1, op(&a, a_t), op(&b, b_t), &mut dst, 1);
                 assert!(same_bits(&dst, &expected), "m {m} n {n} transposed a {a_t} b {b_t}");
             }
         }

@@ -199,7 +199,7 @@ impl Mlp {
                 at
             });
             let norm = norm_at;
-            let arith = if i > 0 && fan_out <= NARROW_OUTPUTS { Arith::F32 } else { arith };
+            let arith = if i > 0 && fan_out <= NARROW_OUTPUTS { arith.in_f32() } else { arith };
             layers.push(LayerSlot { fan_in, fan_out, w, b, relu, norm, running: running_at, act, dice_running, arith });
             fan_in = fan_out;
         }
@@ -449,7 +449,7 @@ const ROWS_PER_TASK: usize = 128;
 /// Whether a bf16 MLP runs the fp32 kernels on operands it rounds itself
 /// (once a step each, see `bf16_rounded`).
 fn rounds_operands(arith: Arith) -> bool {
-    arith == Arith::Bf16(crate::bf16::Bf16Path::Rounded)
+    matches!(arith, Arith::Bf16(crate::bf16::Bf16Path::Rounded(_)))
 }
 
 /// `buf` with exactly `n` elements; only newly grown elements are written.
@@ -511,7 +511,7 @@ async fn forward_into(
         } else if scratch.tiles.forward(i, (rows, l.fan_in, l.fan_out), input, w, (bias, relu), out) {
             // Its output is in `out`, or kept as tiles only.
         } else if rounds_operands(l.arith) {
-            scratch.rounded.forward(i, (rows, l.fan_in, l.fan_out), input, w, out);
+            scratch.rounded.forward(l.arith.simd(), i, (rows, l.fan_in, l.fan_out), input, w, out);
             add_bias(shape.simd, out, bias, relu);
         } else {
             let (input, w) = (Operand::plain(input), Operand::plain(w));
@@ -522,11 +522,11 @@ async fn forward_into(
                     let packed = x.packed().filter(|_| i == 0);
                     crate::bf16::gemm_bf16_lent(path, (rows, l.fan_out, l.fan_in), (input, packed), w, out, epilogue);
                 }
-                Arith::F32 => {
+                Arith::F32(simd) => {
                     // The narrow kernel adds the bias as it stores.
                     let dims = (rows, l.fan_out, l.fan_in);
-                    if !crate::matrix::sgemm_with_bias(dims, (input.data, w.data), out, (bias, relu)) {
-                        sgemm(rows, l.fan_out, l.fan_in, input, w, out);
+                    if !crate::matrix::sgemm_with_bias(simd, dims, (input.data, w.data), out, (bias, relu)) {
+                        sgemm(simd, rows, l.fan_out, l.fan_in, input, w, out);
                         add_bias(shape.simd, out, bias, relu);
                     }
                 }
@@ -728,7 +728,7 @@ async fn backward_into(
         ) {
             // d x is in `gi`, or kept as tiles only.
         } else if rounds_operands(l.arith) {
-            scratch.rounded.backward(i, (rows, fi, fo), gs, (dw, db), gi);
+            scratch.rounded.backward(l.arith.simd(), i, (rows, fi, fo), gs, (dw, db), gi);
         } else {
             let input = (input, x.packed().filter(|_| i == 0));
             linear_grads((l.arith, shape.simd), (rows, fi, fo), input, w, gs, (dw, db), gi);

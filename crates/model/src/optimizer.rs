@@ -164,7 +164,7 @@ fn adam_corrected<const C1_IS_ONE: bool, const C2_IS_ONE: bool>(
 /// same bits (tested).
 fn adam_for_cpu(simd: Simd, k: AdamStep, w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if simd.allows() && std::arch::is_x86_feature_detected!("avx512f") {
+    if simd.allows_avx512() && std::arch::is_x86_feature_detected!("avx512f") {
         #[target_feature(enable = "avx512f")]
         fn adam_avx512(k: AdamStep, w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
             adam(k, w, g, m, v);

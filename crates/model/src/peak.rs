@@ -13,6 +13,7 @@
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
+use sparrow_core::simd::Simd;
 
 /// One measured ceiling.
 #[derive(Clone, Debug, Serialize)]
@@ -259,36 +260,43 @@ pub fn mlp_step_flops(widths: &[usize]) -> f64 {
 type Block = fn() -> f64;
 type Kernel = (Block, &'static str);
 
-/// The fp32 kernel and the bf16 one (None: no AVX-512-BF16) this CPU runs.
-fn kernels() -> (Kernel, Option<Kernel>) {
+/// The fp32 kernel and the bf16 one (None: no AVX-512-BF16) this CPU runs;
+/// under `train.simd = "avx2"` those of a CPU without AVX-512 (the
+/// ceilings of the path its kernels take). Any other setting measures the
+/// machine's own.
+fn kernels(simd: Simd) -> (Kernel, Option<Kernel>) {
     #[cfg(target_arch = "x86_64")]
     {
-        let fp32: Kernel = if is_x86_feature_detected!("avx512f") {
+        let avx512 = !simd.products_at_most_avx2();
+        let fp32: Kernel = if avx512 && is_x86_feature_detected!("avx512f") {
             (x86::fma512_block, "avx512f vfmadd231ps")
         } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
             (x86::fma256_block, "avx2 vfmadd231ps")
         } else {
             (fp32_scalar_block, "scalar mul_add")
         };
-        let bf16 = (is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512f"))
+        let bf16 = (avx512 && is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512f"))
             .then_some((x86::dpbf16_block as Block, "avx512bf16 vdpbf16ps"));
         (fp32, bf16)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
+        let _ = simd;
         ((fp32_scalar_block, "scalar mul_add"), None)
     }
 }
 
-/// Measures both ceilings on `threads` threads, `duration` each.
-pub fn measure(threads: usize, duration: Duration) -> Peaks {
-    let (fp32, bf16) = kernels();
+/// Measures the ceilings on `threads` threads, `duration` each: the
+/// machine's, or under `avx2` those of a CPU without AVX-512 (no bf16 dot
+/// product, no AMX).
+pub fn measure(simd: Simd, threads: usize, duration: Duration) -> Peaks {
+    let (fp32, bf16) = kernels(simd);
+    let amx = crate::amx::ceiling_block().filter(|_| !simd.products_at_most_avx2());
     Peaks {
         threads,
         fp32_fma: Peak { gflops: throughput(threads, duration, fp32.0) / 1e9, kernel: fp32.1 },
         bf16_dot: bf16.map(|(block, kernel)| Peak { gflops: throughput(threads, duration, block) / 1e9, kernel }),
-        amx_bf16: crate::amx::ceiling_block()
-            .map(|block| Peak { gflops: throughput(threads, duration, block) / 1e9, kernel: "amx tdpbf16ps" }),
+        amx_bf16: amx.map(|block| Peak { gflops: throughput(threads, duration, block) / 1e9, kernel: "amx tdpbf16ps" }),
     }
 }
 
@@ -337,7 +345,7 @@ fn rate_here(duration: Duration, block: Block) -> f64 {
 /// The failpoint `peak.bf16_over_fp32` (`return(R)`) reports the bf16 rate
 /// as R× the fp32 one, so that tests can set the ratio the warning reads.
 pub fn measure_one_thread(rounds: usize, round: Duration) -> Peaks {
-    let (fp32, bf16) = kernels();
+    let (fp32, bf16) = kernels(Simd::Auto);
     let (mut best_fp32, mut best_bf16) = (0f64, 0f64);
     for _ in 0..rounds.max(1) {
         best_fp32 = best_fp32.max(rate_here(round, fp32.0));
@@ -451,7 +459,7 @@ mod tests {
         let peaks = measure_one_thread(2, Duration::from_millis(1));
         assert_eq!(peaks.threads, 1);
         assert!(peaks.fp32_fma.gflops > 0.0 && peaks.fp32_fma.gflops.is_finite(), "{peaks:?}");
-        assert_eq!(peaks.bf16_dot.is_some(), kernels().1.is_some(), "{peaks:?}");
+        assert_eq!(peaks.bf16_dot.is_some(), kernels(Simd::Auto).1.is_some(), "{peaks:?}");
         assert!(peaks.bf16_dot.iter().all(|b| b.gflops > 0.0 && b.kernel == "avx512bf16 vdpbf16ps"), "{peaks:?}");
         assert!(peaks.amx_bf16.is_none());
     }
@@ -575,7 +583,7 @@ mod tests {
 
     #[test]
     fn the_ceilings_are_measured() {
-        let peaks = measure(1, Duration::from_millis(50));
+        let peaks = measure(Simd::Auto, 1, Duration::from_millis(50));
         assert!(peaks.fp32_fma.gflops.is_finite() && peaks.fp32_fma.gflops > 0.0, "{peaks:?}");
         if let Some(bf16) = &peaks.bf16_dot {
             assert!(bf16.gflops.is_finite() && bf16.gflops > 0.0, "{peaks:?}");

@@ -217,8 +217,8 @@ fn bench_gemm(simd: Simd, m: usize, n: usize, k: usize, threads: usize) -> Resul
         }
         2.0 * (m * n * k) as f64 * f64::from(runs) / start.elapsed().as_secs_f64() / 1e9
     };
-    let fp32 =
-        pool.install(|| time(&mut |c| sparrow_model::mlp::sgemm(m, n, k, Operand::plain(&a), Operand::plain(&b), c)));
+    let fp32 = pool
+        .install(|| time(&mut |c| sparrow_model::mlp::sgemm(simd, m, n, k, Operand::plain(&a), Operand::plain(&b), c)));
     let path = sparrow_model::bf16::path(simd);
     let bf16 = pool.install(|| {
         time(&mut |c| sparrow_model::bf16::gemm_bf16(path, m, n, k, Operand::plain(&a), Operand::plain(&b), c))
@@ -258,8 +258,9 @@ pub struct BenchReport {
     /// Every model kind's dense step against its flop floor.
     pub kinds: Vec<KindBench>,
     pub arithmetic: Arithmetic,
-    /// `SPARROW_SIMD` for this run: `auto`, or `portable` (every kernel
-    /// chosen at run time took its portable version, the ceilings aside).
+    /// `SPARROW_SIMD` for this run: `auto`, `avx512`, `avx2` (every kernel
+    /// as on a CPU without AVX-512, the ceilings too) or `portable` (every
+    /// kernel chosen at run time took its portable version, the ceilings aside).
     pub simd: &'static str,
     /// The path each `model.precision` takes on this CPU.
     pub precision_paths: PrecisionPaths,
@@ -272,7 +273,8 @@ pub struct PrecisionPaths {
     pub f32: &'static str,
     /// The kernel of fp32's narrow products (the experts', gates', towers'
     /// and DIN's unit's, up to 64 columns): `avx512`, `avx2` (a CPU with
-    /// AVX2 and FMA but not AVX-512F) or `gemm` (the `gemm` crate's).
+    /// AVX2 and FMA but not AVX-512F, or `SPARROW_SIMD=avx2`) or `gemm`
+    /// (the `gemm` crate's).
     pub f32_narrow: &'static str,
     /// `amx_bf16`, `avx512_bf16`, `f32_kernels_on_bf16_inputs` or `portable`.
     pub bf16: &'static str,
@@ -282,7 +284,7 @@ pub struct PrecisionPaths {
 impl PrecisionPaths {
     pub fn here(simd: Simd) -> PrecisionPaths {
         let bf16 = sparrow_model::bf16::path(simd);
-        let f32_narrow = sparrow_model::matrix::narrow_kernel();
+        let f32_narrow = sparrow_model::matrix::narrow_kernel(simd);
         PrecisionPaths { f32: "fp32_gemm", f32_narrow, bf16: bf16.name(), bf16_note: bf16.describe() }
     }
 }
@@ -639,7 +641,7 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
     };
     tracing::info!("bench: fp32 FMA, bf16 dot-product and AMX ceilings");
     let threads = train_step.as_ref().map_or(2, |t| t.threads);
-    let mut peaks = sparrow_model::peak::measure(threads, Duration::from_millis(500));
+    let mut peaks = sparrow_model::peak::measure(o.simd, threads, Duration::from_millis(500));
     tracing::info!("bench: matrix products of the reference MLP's shapes, fp32 and bf16");
     let gemm = [(o.batch_size, 256, 429), (o.batch_size, 128, 256)]
         .iter()
@@ -649,7 +651,7 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
     if !kinds.is_empty() {
         // The ceilings once more, after the kinds' rounds: a busy stretch
         // only ever reads lower, so the higher of the two is the ceiling.
-        let again = sparrow_model::peak::measure(threads, Duration::from_millis(500));
+        let again = sparrow_model::peak::measure(o.simd, threads, Duration::from_millis(500));
         peaks = higher_ceilings(peaks, again);
     }
     let bf16_path = sparrow_model::bf16::path(o.simd);

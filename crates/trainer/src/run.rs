@@ -224,7 +224,7 @@ pub fn note_precision(model: &sparrow_core::config::ModelConfig, simd: sparrow_c
                 tracing::warn!("model.precision = \"bf16\": {slow}")
             }
         }
-        path @ Bf16Path::Rounded => {
+        path @ Bf16Path::Rounded(_) => {
             tracing::info!("model.precision = \"bf16\": {}", path.describe())
         }
         path @ Bf16Path::Portable => {
@@ -240,6 +240,12 @@ fn train_in_pool(
     stop: &AtomicBool,
     observer: &(dyn Fn(&ProgressUpdate) + Sync),
 ) -> Result<TrainSummary, TrainError> {
+    if config.train.simd == sparrow_core::simd::Simd::Avx2 {
+        tracing::info!(
+            "train.simd = \"avx2\": Sparrow's kernels run as on a CPU without AVX-512 (the gemm crate's few products \
+             keep this CPU's widest kernels); in fp32 the same model as \"auto\", at that path's speed"
+        );
+    }
     note_precision(&config.model, config.train.simd);
     if config.checkpoint.incremental {
         tracing::warn!("checkpoint.incremental applies to sparrow launch; sparrow train writes full checkpoints");

@@ -170,6 +170,9 @@ mod tests {
         let x = values(64 * 16, 6);
         let narrow = pack_once(Bf16Path::Native, (&x, 64), (Read::Forward, 8), vec![7]);
         assert_eq!(narrow.err(), Some(vec![7]), "given back untouched");
-        assert!(pack_once(Bf16Path::Rounded, (&x, 64), (Read::Forward, 64), Vec::new()).is_err());
+        assert!(
+            pack_once(Bf16Path::Rounded(sparrow_core::simd::Simd::Auto), (&x, 64), (Read::Forward, 64), Vec::new())
+                .is_err()
+        );
     }
 }

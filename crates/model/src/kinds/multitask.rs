@@ -50,8 +50,11 @@ struct Level {
 /// gates' `dW` `[64, 512]·[512, 5]` 1.7 against 8.4 µs, their `d x`
 /// `[512, 5]·[5, 64]` 3.4 against 7.7, the bottom's four gates' `dW`
 /// side by side `[81, 512]·[512, 22]` 13.2 against 15.7; with the gates
-/// in fp32 PLE's bf16 step took 8–10% less.
-const GATES: Arith = Arith::F32;
+/// in fp32 PLE's bf16 step took 8–10% less. On the kernels `train.simd`
+/// allows, as the model's own fp32 products.
+fn gates_arith(simd: sparrow_core::simd::Simd) -> Arith {
+    Arith::F32(simd)
+}
 
 /// Which of the multi-task kinds a [`MultiTask`] is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -239,9 +242,9 @@ impl MultiTask {
 }
 
 impl MultiTask {
-    /// A gate's logits `x·W + b`, the product in fp32 ([`GATES`]).
+    /// A gate's logits `x·W + b`, the product in fp32 ([`gates_arith`]).
     fn gate(&self, gate: &Linear, x: &Tensor) -> Result<Tensor, ModelError> {
-        let product = crate::mlp::matmul_in(GATES, x, gate.weight().as_tensor())?;
+        let product = crate::mlp::matmul_in(gates_arith(self.simd), x, gate.weight().as_tensor())?;
         Ok(product.broadcast_add(gate.bias().as_tensor())?)
     }
 
@@ -358,7 +361,7 @@ mod tests {
         }
     }
 
-    /// In a bf16 model the gates' logits are fp32's `x·W + b` ([`GATES`]);
+    /// In a bf16 model the gates' logits are fp32's `x·W + b` ([`gates_arith`]);
     /// the experts' products take bf16 (the direct step is the graph's:
     /// `a_step_in_halves_is_the_graphs` fails when only one takes fp32).
     #[test]

@@ -29,6 +29,8 @@
 
 use rayon::prelude::*;
 
+use sparrow_core::simd::Simd;
+
 use super::GEMM_HORIZONTAL_MAX;
 
 /// Rows a parallel task takes are a multiple of the transposed block.
@@ -51,13 +53,15 @@ pub(super) fn fits(m: usize, n: usize, k: usize, a_transposed: bool) -> bool {
 /// and the CPU has AVX-512F, on up to `threads` threads above the size
 /// `gemm` would split a product at; false (nothing written) elsewhere.
 pub(super) fn product(
+    simd: Simd,
     (m, n, k): (usize, usize, usize),
     (a, a_transposed): (&[f32], bool),
     b: &[f32],
     dst: &mut [f32],
     threads: usize,
 ) -> bool {
-    if !fits(m, n, k, a_transposed) || !super::narrow::avx512f() {
+    // AVX-512F's alone: under `avx2` the product goes on as on a CPU without it.
+    if !fits(m, n, k, a_transposed) || !super::narrow::avx512f() || simd.products_at_most_avx2() {
         return false;
     }
     if a_transposed {
@@ -310,7 +314,7 @@ mod tests {
                 let (a, b) = (values(m * k, 1), values(k, 2));
                 let expected = by_gemm(m, k, (&a, a_t), &b);
                 let mut dst = vec![f32::NAN; m];
-                let taken = product((m, 1, k), (&a, a_t), &b, &mut dst, 1);
+                let taken = product(Simd::Auto, (m, 1, k), (&a, a_t), &b, &mut dst, 1);
                 assert_eq!(taken, narrow_cpu(), "m {m} k {k} transposed a {a_t}");
                 if taken {
                     products += 1;
@@ -331,8 +335,8 @@ mod tests {
         let (m, k) = (700, 36);
         let (a, b) = (values(m * k, 3), values(k, 4));
         let (mut plain, mut t) = (vec![f32::NAN; m], vec![f32::NAN; m]);
-        sgemm_threads(m, 1, k, Operand::plain(&a), Operand::plain(&b), &mut plain, 1);
-        sgemm_threads(m, 1, k, Operand::plain(&a), Operand::t(&b), &mut t, 1);
+        sgemm_threads(Simd::Auto, m, 1, k, Operand::plain(&a), Operand::plain(&b), &mut plain, 1);
+        sgemm_threads(Simd::Auto, m, 1, k, Operand::plain(&a), Operand::t(&b), &mut t, 1);
         assert!(same_bits(&plain, &t) && same_bits(&plain, &by_gemm(m, k, (&a, false), &b)));
     }
 
@@ -349,7 +353,7 @@ mod tests {
             a[at(18, 2)] = f32::NEG_INFINITY;
             let expected = by_gemm(m, k, (&a, a_t), &b);
             let mut dst = vec![0.0; m];
-            if !product((m, 1, k), (&a, a_t), &b, &mut dst, 1) {
+            if !product(Simd::Auto, (m, 1, k), (&a, a_t), &b, &mut dst, 1) {
                 assert!(!narrow_cpu());
                 return;
             }
@@ -368,7 +372,7 @@ mod tests {
             let (a, b) = (values(m * k, 7), values(k, 8));
             let expected = by_gemm(m, k, (&a, a_t), &b);
             let mut dst = vec![f32::NAN; m];
-            let taken = pool.install(|| product((m, 1, k), (&a, a_t), &b, &mut dst, 3));
+            let taken = pool.install(|| product(Simd::Auto, (m, 1, k), (&a, a_t), &b, &mut dst, 3));
             assert_eq!(taken, narrow_cpu());
             if taken {
                 assert!(same_bits(&expected, &dst), "m {m} k {k} transposed a {a_t}");

@@ -23,6 +23,8 @@
 
 use rayon::prelude::*;
 
+use sparrow_core::simd::Simd;
+
 use super::Epilogue;
 
 #[cfg(target_arch = "x86_64")]
@@ -68,8 +70,8 @@ pub(super) fn fits(m: usize, n: usize, k: usize, a_transposed: bool) -> bool {
 /// AVX2, 8×8 tiles (`avx2::transpose`); elsewhere a column of `b` at a
 /// time written across the rows. Only values move: the same result on
 /// every CPU.
-pub(super) fn laid_out(b: &[f32], n: usize, k: usize, laid: &mut Vec<f32>) {
-    laid_out_on(kernel(), b, n, k, laid);
+pub(super) fn laid_out(simd: Simd, b: &[f32], n: usize, k: usize, laid: &mut Vec<f32>) {
+    laid_out_on(kernel(simd), b, n, k, laid);
 }
 
 /// A build's transpose: `b` (`n×k`) laid out `k×n` at the pointer given.
@@ -116,13 +118,14 @@ fn laid_out_on(kernel: Option<Kernel>, b: &[f32], n: usize, k: usize, laid: &mut
 /// `threads` threads above the size `gemm` would split; false (nothing
 /// written) elsewhere.
 pub(super) fn product(
+    simd: Simd,
     (m, n, k): (usize, usize, usize),
     (a, a_transposed): (&[f32], bool),
     b: &[f32],
     dst: &mut [f32],
     threads: usize,
 ) -> bool {
-    product_on(kernel(), (m, n, k), (a, a_transposed), b, (dst, Epilogue::default()), threads)
+    product_on(kernel(simd), (m, n, k), (a, a_transposed), b, (dst, Epilogue::default()), threads)
 }
 
 /// [`product`] on `kernel` (one the CPU has; none: false), each output
@@ -162,6 +165,7 @@ struct Lhs<'a> {
     cs: usize,
 }
 
+/// Whether the CPU has AVX-512F.
 pub(super) fn avx512f() -> bool {
     #[cfg(target_arch = "x86_64")]
     return std::arch::is_x86_feature_detected!("avx512f");
@@ -177,9 +181,10 @@ pub(super) enum Kernel {
     Avx2,
 }
 
-/// The widest [`Kernel`] the CPU has, if any.
-pub(super) fn kernel() -> Option<Kernel> {
-    if avx512f() {
+/// The widest [`Kernel`] the CPU has, if any; at most AVX2's where `simd`
+/// says `avx2` (as a CPU without AVX-512F runs it: the same bits).
+pub(super) fn kernel(simd: Simd) -> Option<Kernel> {
+    if avx512f() && !simd.products_at_most_avx2() {
         return Some(Kernel::Avx512);
     }
     avx2_fma().then_some(Kernel::Avx2)
@@ -462,16 +467,18 @@ mod tests {
 
     #[test]
     fn the_widest_kernel_the_cpu_has_is_taken() {
-        assert_eq!(kernel(), kernels().first().copied());
+        assert_eq!(kernel(Simd::Auto), kernels().first().copied());
+        assert_eq!(kernel(Simd::Avx2), avx2_fma().then_some(Kernel::Avx2), "avx2: at most AVX2's build");
         let named = match kernels().first() {
             Some(Kernel::Avx512) => "avx512",
             Some(Kernel::Avx2) => "avx2",
             None => "gemm",
         };
-        assert_eq!(crate::matrix::narrow_kernel(), named);
+        assert_eq!(crate::matrix::narrow_kernel(Simd::Auto), named);
         let (m, n, k) = (9, 20, 16);
         let mut dst = vec![f32::NAN; m * n];
-        assert_eq!(product((m, n, k), (&values(m * k, 1), false), &values(k * n, 2), &mut dst, 1), kernel().is_some());
+        let (a, b) = (values(m * k, 1), values(k * n, 2));
+        assert_eq!(product(Simd::Auto, (m, n, k), (&a, false), &b, &mut dst, 1), kernel(Simd::Auto).is_some());
     }
 
     #[test]
@@ -499,7 +506,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(products > 0, kernel().is_some(), "products taken: {products}");
+        assert_eq!(products > 0, kernel(Simd::Auto).is_some(), "products taken: {products}");
     }
 
     /// Each build's bias and ReLU, stored with the last slice of `k` (a
@@ -530,7 +537,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(products > 0, kernel().is_some(), "products taken: {products}");
+        assert_eq!(products > 0, kernel(Simd::Auto).is_some(), "products taken: {products}");
     }
 
     #[test]
@@ -549,7 +556,7 @@ mod tests {
         ] {
             let (a, b_t) = (values(m * k, 5), values(n * k, 6));
             let mut via_t = vec![f32::NAN; m * n];
-            sgemm_threads(m, n, k, Operand::plain(&a), Operand::t(&b_t), &mut via_t, 1);
+            sgemm_threads(Simd::Auto, m, n, k, Operand::plain(&a), Operand::t(&b_t), &mut via_t, 1);
             // Laid out here by hand: element (p, j) of b is b_t[j][p].
             let mut laid = vec![f32::NAN; k * n];
             for p in 0..k {

@@ -154,7 +154,7 @@ pub(super) fn outer_to_first(shape: &MlpShape, x: &First<'_>, rows: usize) -> bo
     let [first, last] = &shape.layers[..] else { return false };
     let first_plain = first.norm.is_none() && (!first.relu || shape.activation == Activation::Relu);
     let last_plain = last.fan_out == 1 && !last.relu && last.norm.is_none();
-    let outer = last.arith == Arith::F32 && crate::matrix::is_outer(rows, last.fan_in, 1);
+    let outer = last.arith.is_f32() && crate::matrix::is_outer(rows, last.fan_in, 1);
     matches!(x, First::Product(_)) && first_plain && last_plain && outer
 }
 

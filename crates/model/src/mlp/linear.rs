@@ -19,8 +19,8 @@ pub(crate) fn matmul(
     dst: &mut [f32],
 ) {
     match (arith, threads) {
-        (Arith::F32, None) => sgemm(m, n, k, a, b, dst),
-        (Arith::F32, Some(t)) => sgemm_threads(m, n, k, a, b, dst, t),
+        (Arith::F32(simd), None) => sgemm(simd, m, n, k, a, b, dst),
+        (Arith::F32(simd), Some(t)) => sgemm_threads(simd, m, n, k, a, b, dst, t),
         (Arith::Bf16(path), t) => crate::bf16::gemm_bf16_threads(path, m, n, k, a, b, dst, t),
     }
 }

@@ -28,7 +28,15 @@ fn sgemm_handles_every_transpose() {
         [(&a, false, &b, false), (&at, true, &b, false), (&a, false, &bt, true), (&at, true, &bt, true)]
     {
         let mut dst = vec![9.0; m * n];
-        sgemm(m, n, k, Operand { data: lhs, transposed: lt }, Operand { data: rhs, transposed: rt }, &mut dst);
+        sgemm(
+            Simd::Auto,
+            m,
+            n,
+            k,
+            Operand { data: lhs, transposed: lt },
+            Operand { data: rhs, transposed: rt },
+            &mut dst,
+        );
         for i in 0..m {
             for j in 0..n {
                 assert!((dst[i * n + j] - naive(i, j)).abs() < 1e-5, "a_t={lt} b_t={rt}");

@@ -399,7 +399,7 @@ pub(super) fn sums_next_dw(simd: Simd, h: usize) -> bool {
 /// Whether the kernels take rows of `h`.
 fn kernels(simd: Simd, h: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
-    return simd.allows() && h <= MAX_H && std::arch::is_x86_feature_detected!("avx512f");
+    return simd.allows_avx512() && h <= MAX_H && std::arch::is_x86_feature_detected!("avx512f");
     #[cfg(not(target_arch = "x86_64"))]
     return false;
 }
@@ -771,7 +771,15 @@ mod tests {
                     }
                     if crate::matrix::is_outer(at.len(), h, 1) {
                         let mut by_sgemm = vec![0.0; n];
-                        crate::matrix::sgemm(at.len(), h, 1, Operand::plain(&seed), Operand::t(&w), &mut by_sgemm);
+                        crate::matrix::sgemm(
+                            Simd::Auto,
+                            at.len(),
+                            h,
+                            1,
+                            Operand::plain(&seed),
+                            Operand::t(&w),
+                            &mut by_sgemm,
+                        );
                         assert!(same_bits(&laid, &by_sgemm), "{what}: sgemm's outer product");
                     }
                     let (db, g_rows) = (values(h, 6), vec![0.0; rows.max(1) * h]);
@@ -788,7 +796,7 @@ mod tests {
                     let mut by_product = vec![0.0; h];
                     if at.len() >= 3 {
                         let (x, s) = (Operand::t(&next_x), Operand::plain(&seed));
-                        crate::matrix::sgemm_threads(h, 1, at.len(), x, s, &mut by_product, 1);
+                        crate::matrix::sgemm_threads(Simd::Auto, h, 1, at.len(), x, s, &mut by_product, 1);
                     }
                     for simd in [Simd::Auto, Simd::Portable] {
                         for summed in [false, true] {

@@ -134,8 +134,8 @@ impl FirstProduct for UnitInput<'_> {
         self.split_weights(w, h);
         let b = &mut *self.bufs;
         let qw = sized(&mut b.qw, rows * h);
-        matmul(Arith::F32, None, rows, h, d, Operand::plain(&b.q_rows), Operand::plain(&b.w_row), qw);
-        matmul(Arith::F32, None, positions, h, 2 * d, Operand::plain(&b.kq), Operand::plain(&b.w_item), out);
+        matmul(Arith::F32(self.simd), None, rows, h, d, Operand::plain(&b.q_rows), Operand::plain(&b.w_row), qw);
+        matmul(Arith::F32(self.simd), None, positions, h, 2 * d, Operand::plain(&b.kq), Operand::plain(&b.w_item), out);
         let (qw, at_rows, simd) = (&b.qw, self.at_rows, self.simd);
         out.par_chunks_mut(h * POSITIONS_PER_TASK).zip(at_rows.par_chunks(POSITIONS_PER_TASK)).for_each(|(o, at)| {
             positions::add_row_terms(simd, o, at, qw, (bias, relu));
@@ -175,13 +175,13 @@ impl FirstProduct for UnitInput<'_> {
         let (dwq, rest) = dw.split_at_mut(dh);
         let (dwk, rest) = rest.split_at_mut(dh);
         let (dwd, dwp) = rest.split_at_mut(dh);
-        matmul(Arith::F32, None, d, h, rows, Operand::t(&b.q_rows), Operand::plain(&b.g_rows), dwq);
+        matmul(Arith::F32(self.simd), None, d, h, rows, Operand::t(&b.q_rows), Operand::plain(&b.g_rows), dwq);
         let dw_parts = sized(&mut b.dw_parts, positions.div_ceil(POSITIONS_PER_PART) * 2 * dh);
         let (kq, per_part) = (&b.kq, POSITIONS_PER_PART);
         dw_parts.par_chunks_mut(2 * dh).zip(kq.par_chunks(2 * d * per_part).zip(g.par_chunks(h * per_part))).for_each(
             |(part, (kq, g))| {
                 let n = g.len() / h;
-                matmul(Arith::F32, Some(1), 2 * d, h, n, Operand::t(kq), Operand::plain(g), part);
+                matmul(Arith::F32(self.simd), Some(1), 2 * d, h, n, Operand::t(kq), Operand::plain(g), part);
             },
         );
         let dw_item = sized(&mut b.dw_item, 2 * dh);
@@ -194,8 +194,8 @@ impl FirstProduct for UnitInput<'_> {
         dwp.copy_from_slice(item_p);
         dwd.iter_mut().zip(dwq.iter().zip(item_k)).for_each(|(o, (q, k))| *o = q - k);
         let e = sized(&mut b.e, positions * 2 * d);
-        matmul(Arith::F32, None, positions, 2 * d, h, Operand::plain(g), Operand::t(&b.w_item), e);
+        matmul(Arith::F32(self.simd), None, positions, 2 * d, h, Operand::plain(g), Operand::t(&b.w_item), e);
         let dq_rows = sized(&mut b.dq_rows, rows * d);
-        matmul(Arith::F32, None, rows, d, h, Operand::plain(&b.g_rows), Operand::t(&b.w_row), dq_rows);
+        matmul(Arith::F32(self.simd), None, rows, d, h, Operand::plain(&b.g_rows), Operand::t(&b.w_row), dq_rows);
     }
 }

@@ -6,7 +6,7 @@
 //! step. Here:
 //! - the experts of a level run side by side (rayon), each its fused MLP
 //!   on buffers kept between steps (bf16 as `model.precision` says);
-//! - a gate is one product (fp32 whatever the precision: `GATES`); then
+//! - a gate is one product (fp32 whatever the precision: `gates_arith`); then
 //!   every gate's softmax and weighted sum of its experts are one pass
 //!   over the rows (`gates.rs`);
 //! - backward, every gate's softmax adjoint and the experts' output
@@ -28,7 +28,7 @@
 
 use rayon::prelude::*;
 
-use super::{GATES, Level, MultiTask, Which, gates, one_input_gates, one_input_towers};
+use super::{Level, MultiTask, Which, gates, gates_arith, one_input_gates, one_input_towers};
 use crate::ModelError;
 use crate::bf16::{Arith, PackedLeft, Read};
 use crate::kinds::{At, Direct, Grads, Met};
@@ -188,18 +188,18 @@ impl MultiTask {
             let ks: Vec<usize> = pools.iter().map(Vec::len).collect();
             let fan_in = gate_inputs.first().map_or(0, |i| i.len() / rows.max(1));
             if one_input_gates::share_an_input(&gate_inputs)
-                && one_input_gates::columns_alike(GATES, (rows, fan_in, false), &ks)
+                && one_input_gates::columns_alike(gates_arith(self.simd), (rows, fan_in, false), &ks)
             {
                 let side = &mut m.gates;
                 with_gate_weights(&gates, &pools, |weights| {
-                    side.logits(GATES, (gate_inputs[0], rows), weights, &mut bufs.weights)
+                    side.logits(gates_arith(self.simd), (gate_inputs[0], rows), weights, &mut bufs.weights)
                 })?;
             } else {
                 // Each gate's product is too small to split: the gates take
                 // turns on the threads instead.
                 (gates.par_iter().zip(bufs.weights.par_iter_mut()).enumerate())
                     .map(|(g, (gate, logits))| {
-                        gate_logits(GATES, (gate_inputs[g], rows), (gate, pools[g].len()), logits)
+                        gate_logits(gates_arith(self.simd), (gate_inputs[g], rows), (gate, pools[g].len()), logits)
                     })
                     .collect::<Result<Vec<()>, _>>()?;
             }
@@ -235,7 +235,7 @@ impl MultiTask {
                 let gw = cpu(&gw.0, gw.1)?;
                 let (mut dw, mut db) = (vec![0.0f32; fan_in * k], vec![0.0f32; k]);
                 let d_gate_in = sized(d_gate_in, rows * fan_in);
-                let arith = (GATES, self.simd);
+                let arith = (gates_arith(self.simd), self.simd);
                 linear_grads(arith, (rows, fan_in, k), (input, None), gw, &d_logits[g], (&mut dw, &mut db), d_gate_in);
                 Ok((dw, db))
             })
@@ -287,9 +287,9 @@ impl MultiTask {
             let gate_inputs: Vec<&[f32]> = (0..gates.len()).map(|g| inputs[g.min(tasks)]).collect();
             let ks: Vec<usize> = pools.iter().map(Vec::len).collect();
             let gate_grads = if one_input_gates::share_an_input(&gate_inputs)
-                && one_input_gates::columns_alike(GATES, (fan_in, rows, true), &ks)
+                && one_input_gates::columns_alike(gates_arith(self.simd), (fan_in, rows, true), &ks)
             {
-                let (input, arith) = ((gate_inputs[0], rows), (GATES, self.simd));
+                let (input, arith) = ((gate_inputs[0], rows), (gates_arith(self.simd), self.simd));
                 let (side, d_logits, d_gate_in) = (&mut m.gates, &mut m.d_logits, &mut m.d_gate_in);
                 with_gate_weights(&gates, &pools, |weights| side.grads(arith, input, weights, d_logits, d_gate_in))?
             } else {

@@ -53,7 +53,7 @@ pub(super) fn columns_alike(arith: Arith, (m, k, a_t): (usize, usize, bool), ns:
         return false;
     }
     match arith {
-        Arith::F32 | Arith::Bf16(Bf16Path::Rounded) => widths().all(|n| narrow_takes(m, n, k, a_t)),
+        Arith::F32(simd) | Arith::Bf16(Bf16Path::Rounded(simd)) => widths().all(|n| narrow_takes(simd, m, n, k, a_t)),
         Arith::Bf16(Bf16Path::Amx) => widths().all(|n| amx::takes(m, n, k) == amx::takes(m, total, k)),
         Arith::Bf16(Bf16Path::Native | Bf16Path::Portable) => true,
     }
@@ -173,7 +173,8 @@ mod tests {
     /// AVX-512-BF16 (where present), fp32 kernels on rounded inputs and
     /// the portable form.
     fn ariths() -> Vec<Arith> {
-        let mut all = vec![Arith::F32, Arith::Bf16(Bf16Path::Rounded), Arith::Bf16(Bf16Path::Portable)];
+        let mut all =
+            vec![Arith::F32(Simd::Auto), Arith::Bf16(Bf16Path::Rounded(Simd::Auto)), Arith::Bf16(Bf16Path::Portable)];
         for p in [path(Simd::Auto), path(Simd::Avx512)] {
             if !all.contains(&Arith::Bf16(p)) {
                 all.push(Arith::Bf16(p));
@@ -248,12 +249,12 @@ mod tests {
         assert!(columns_alike(Arith::Bf16(Bf16Path::Amx), (512, 81, false), &[4, 4, 4]));
         assert!(columns_alike(Arith::Bf16(Bf16Path::Amx), (512, 81, false), &[16, 20]));
         // Past 64 columns fp32 leaves the narrow kernel for `gemm`.
-        assert!(!columns_alike(Arith::F32, (512, 81, false), &[40, 30]));
+        assert!(!columns_alike(Arith::F32(Simd::Auto), (512, 81, false), &[40, 30]));
         // The weights' gradient sums over the rows: past 512, `gemm` cuts them.
-        assert!(!columns_alike(Arith::F32, (81, 1024, true), &[4, 4, 4]));
+        assert!(!columns_alike(Arith::F32(Simd::Auto), (81, 1024, true), &[4, 4, 4]));
         assert_eq!(
-            columns_alike(Arith::F32, (81, 512, true), &[4, 4, 4]),
-            crate::matrix::narrow_takes(81, 12, 512, true)
+            columns_alike(Arith::F32(Simd::Auto), (81, 512, true), &[4, 4, 4]),
+            crate::matrix::narrow_takes(Simd::Auto, 81, 12, 512, true)
         );
     }
 }

@@ -51,7 +51,7 @@ pub(super) struct OneInputTowers {
 pub(super) fn applies(towers: &[Mlp]) -> bool {
     let fan_in = |t: &Mlp| t.first_weights().map(|(_, fan_in, _)| fan_in);
     let arith = towers.first().map(Mlp::arith);
-    let side_by_side = matches!(arith, Some(Arith::F32 | Arith::Bf16(Bf16Path::Native)));
+    let side_by_side = matches!(arith, Some(Arith::F32(_) | Arith::Bf16(Bf16Path::Native)));
     towers.len() > 1
         && side_by_side
         && towers.iter().all(|t| Some(t.arith()) == arith && fan_in(t).is_some() && fan_in(t) == fan_in(&towers[0]))
@@ -210,7 +210,7 @@ impl FirstProduct for Columns<'_> {
             }
             FirstGrad::Outer { seed, w, into: _, next_dw } => {
                 if let Some((next_in, next_dw)) = next_dw {
-                    sgemm_threads(fan_out, 1, rows, Operand::t(next_in), Operand::plain(seed), next_dw, 1);
+                    sgemm_threads(self.simd, fan_out, 1, rows, Operand::t(next_in), Operand::plain(seed), next_dw, 1);
                 }
                 // Each the one rounded product the outer product gives.
                 lay_in_columns(self.simd, place, (rows, relu), db, RowGrad::Outer { seed, w });
@@ -255,7 +255,7 @@ mod tests {
             (&[24, 1][..], 0.0, StackStyle { activation: Activation::Dice, ..plain }),
         ];
         let mut rng = Rng::new(3);
-        let mut ariths = vec![Arith::F32];
+        let mut ariths = vec![Arith::F32(Simd::Auto)];
         if crate::bf16::path(Simd::Avx512) == Bf16Path::Native {
             ariths.push(Arith::Bf16(Bf16Path::Native));
         }
@@ -338,13 +338,13 @@ mod tests {
     fn only_towers_of_one_width_and_arithmetic_go_side_by_side() {
         let mut ps = ParamStore::new(7, Device::Cpu);
         let mut tower = |fan_in, arith| Mlp::new(&mut ps, "t", fan_in, &[8, 1], false, arith).expect("tower");
-        let (f32, native) = (Arith::F32, Arith::Bf16(Bf16Path::Native));
+        let (f32, native) = (Arith::F32(Simd::Auto), Arith::Bf16(Bf16Path::Native));
         assert!(applies(&[tower(10, f32), tower(10, f32)]));
         assert!(applies(&[tower(10, native), tower(10, native)]));
         assert!(!applies(&[tower(10, f32)]), "one tower");
         assert!(!applies(&[tower(10, f32), tower(12, f32)]), "widths in");
         assert!(!applies(&[tower(10, f32), tower(10, native)]), "two arithmetics");
-        for path in [Bf16Path::Amx, Bf16Path::Rounded, Bf16Path::Portable] {
+        for path in [Bf16Path::Amx, Bf16Path::Rounded(Simd::Auto), Bf16Path::Portable] {
             assert!(!applies(&[tower(10, Arith::Bf16(path)), tower(10, Arith::Bf16(path))]), "{path:?}");
         }
     }
