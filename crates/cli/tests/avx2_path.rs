@@ -8,7 +8,8 @@
 //! inputs, as on such a CPU, to the same accuracy, and says why.) `avx2`
 //! is seen to take hold: the run says so, and `sparrow bench` names the
 //! AVX2 narrow kernel and measures the fp32 ceiling on 256-bit FMAs, with
-//! no bf16 or AMX ceiling.
+//! no bf16 or AMX ceiling; the `gemm` crate's own kernels, which it does
+//! not reach (products wider than 64 columns), are named as they are.
 
 mod common;
 
@@ -101,4 +102,13 @@ fn avx2_kernels_train_the_same_model_bit_for_bit() {
     if cpu_has("avx2") && cpu_has("fma") {
         assert_eq!(bench["precision_paths"]["f32_narrow"], "avx2", "{bench}");
     }
+    // `gemm`'s own kernels are out of its reach, and named as they are.
+    let gemm = if cpu_has("avx512f") {
+        "avx512f"
+    } else if cpu_has("avx2") && cpu_has("fma") {
+        "avx2_fma"
+    } else {
+        "baseline"
+    };
+    assert_eq!(bench["precision_paths"]["f32_gemm"], gemm, "{bench}");
 }

@@ -21,7 +21,8 @@
 //! what the CPU has. The fp32 matrix product ignores it but for `avx2` (the
 //! `gemm` crate picks its kernels by CPU whatever it says, and Sparrow's
 //! narrow and one-column kernels give gemm's bits; `avx2` takes the narrow
-//! kernel's AVX2 build, `gemm`'s few products still the CPU's widest). The
+//! kernel's AVX2 build; `gemm`'s products, wider than 64 columns, still the
+//! CPU's widest). The
 //! machine's measured ceilings (`sparrow bench`) ignore it but for `avx2`,
 //! whose fp32 ceiling is measured on 256-bit FMAs.
 //!

@@ -199,6 +199,22 @@ pub(crate) fn narrow_takes(simd: Simd, m: usize, n: usize, k: usize, a_transpose
     narrow::fits(m, n, k, a_transposed) && narrow::kernel(simd).is_some()
 }
 
+/// The `gemm` crate's kernels on this CPU, as `sparrow bench` names them:
+/// `avx512f` (its AVX-512 build, the workspace's `x86-v4` feature),
+/// `avx2_fma` or `baseline`. `train.simd` does not reach them.
+pub fn gemm_kernels() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if narrow::avx512f() {
+            return "avx512f";
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            return "avx2_fma";
+        }
+    }
+    "baseline"
+}
+
 /// The narrow product's kernel on this CPU under `simd`, as `sparrow bench`
 /// names it: `avx512`, `avx2` (AVX2 and FMA without AVX-512F, a Zen 3, or
 /// `simd` saying `avx2`), or `gemm` (no kernel of its own: every product on

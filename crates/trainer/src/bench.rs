@@ -276,6 +276,13 @@ pub struct PrecisionPaths {
     /// AVX2 and FMA but not AVX-512F, or `SPARROW_SIMD=avx2`) or `gemm`
     /// (the `gemm` crate's).
     pub f32_narrow: &'static str,
+    /// The `gemm` crate's kernels on this CPU (`avx512f`, `avx2_fma` or
+    /// `baseline`), which take every other fp32 product (wider than 64
+    /// columns, or deeper than 512: the reference MLP's layers): `train.simd`
+    /// does not reach them, so under `avx2` on an AVX-512 CPU a kind built
+    /// of such products reads faster than an AVX2 CPU runs it (its share of
+    /// the AVX2 ceiling can pass 1).
+    pub f32_gemm: &'static str,
     /// `amx_bf16`, `avx512_bf16`, `f32_kernels_on_bf16_inputs` or `portable`.
     pub bf16: &'static str,
     pub bf16_note: &'static str,
@@ -285,7 +292,8 @@ impl PrecisionPaths {
     pub fn here(simd: Simd) -> PrecisionPaths {
         let bf16 = sparrow_model::bf16::path(simd);
         let f32_narrow = sparrow_model::matrix::narrow_kernel(simd);
-        PrecisionPaths { f32: "fp32_gemm", f32_narrow, bf16: bf16.name(), bf16_note: bf16.describe() }
+        let f32_gemm = sparrow_model::matrix::gemm_kernels();
+        PrecisionPaths { f32: "fp32_gemm", f32_narrow, f32_gemm, bf16: bf16.name(), bf16_note: bf16.describe() }
     }
 }
 

@@ -242,8 +242,9 @@ fn train_in_pool(
 ) -> Result<TrainSummary, TrainError> {
     if config.train.simd == sparrow_core::simd::Simd::Avx2 {
         tracing::info!(
-            "train.simd = \"avx2\": Sparrow's kernels run as on a CPU without AVX-512 (the gemm crate's few products \
-             keep this CPU's widest kernels); in fp32 the same model as \"auto\", at that path's speed"
+            "train.simd = \"avx2\": Sparrow's kernels run as on a CPU without AVX-512, in fp32 the same model as \
+             \"auto\" at that path's speed; the gemm crate's products (layers wider than 64 outputs) keep this \
+             CPU's widest kernels"
         );
     }
     note_precision(&config.model, config.train.simd);
