@@ -110,10 +110,10 @@ pub(crate) fn sgemm_with_bias(
 /// Whether `aᵀ·b` (a layer's weights' gradient `xᵀ·g`: `m` inputs, `n`
 /// outputs, summed over `k` rows) is computed as `(bᵀ·a)ᵀ`, with `n` and
 /// `m` swapped: where `n` is narrow, `m` a whole number of 16-lane vectors
-/// wider than it, and `k` deep, on a CPU with AVX-512F (`simd` not `avx2`).
-/// Each output is the
-/// same fused multiply-adds in the same order either way, so the bits are
-/// the same: one chain over `k` from zero, cut into blocks by `k` and by
+/// wider than it, and `k` deep, on a CPU with AVX-512F (`simd` not
+/// `avx2`). Each output is the same fused multiply-adds in the same order
+/// either way, so the bits are the same: one chain over `k` from zero, cut
+/// into blocks by `k` and by
 /// whether both `m` and `n` are at most 64, which the swap keeps; `gemm`'s
 /// paths that sum otherwise take `k` ≤ 2, one row or one column, or a
 /// left-hand side read along its rows with a right-hand side read down its
