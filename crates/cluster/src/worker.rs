@@ -410,6 +410,7 @@ impl Worker {
     /// Adds a step's phase times to the stats; the error the step deferred (a failed push), if any.
     fn record_phases<R>(&mut self, stepped: Stepped<R, ClusterError>) -> Result<(), ClusterError> {
         let phases = &mut self.stats.phase_secs;
+        phases.next_batch += stepped.next_batch_secs;
         phases.pull += stepped.lookup_secs;
         phases.dense += stepped.dense_secs;
         phases.push += stepped.update_secs;

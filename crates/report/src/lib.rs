@@ -20,7 +20,7 @@ pub enum ReportError {
 }
 
 /// The phases of a training step, as `train`'s metrics name them.
-const PHASES: [&str; 5] = ["lookup", "pool", "dense", "unpool", "update"];
+const PHASES: [&str; 6] = ["lookup", "pool", "dense", "unpool", "update", "next_batch"];
 const COLORS: [&str; 8] = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
 
 /// One logging interval of a run.
@@ -31,7 +31,7 @@ struct Interval {
     logloss: f64,
     rate: f64,
     /// Seconds per phase since the run began (None in older metrics files).
-    phases: Option<[f64; 5]>,
+    phases: Option<[f64; 6]>,
     /// Progressive validation over the window (`online_window`): AUC,
     /// normalized entropy, calibration; None when it is off.
     online: Option<[f64; 3]>,
@@ -340,7 +340,7 @@ fn line_chart(
 
 /// Milliseconds per step in each phase, one stacked bar per run.
 fn phase_chart(runs: &[Run]) -> String {
-    let bars: Vec<(&str, [f64; 5])> = runs
+    let bars: Vec<(&str, [f64; 6])> = runs
         .iter()
         .filter_map(|r| {
             let last = r.intervals.iter().rev().find(|i| i.phases.is_some())?;
@@ -388,8 +388,10 @@ fn phase_chart(runs: &[Run]) -> String {
             phases.iter().sum::<f64>()
         );
     }
+    // The legend across the whole width: six phases do not fit right of the bars' labels.
+    let spacing = (W - 2.0 * 20.0) / PHASES.len() as f64;
     for (k, phase) in PHASES.iter().enumerate() {
-        let x = left + 90.0 * k as f64;
+        let x = 20.0 + spacing * k as f64;
         let y = height - 18.0;
         let _ = write!(
             svg,

@@ -24,7 +24,7 @@
 //! taken then holds exactly that step.
 
 use std::collections::VecDeque;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use sparrow_core::config::Pooling;
 use sparrow_model::{DenseModel, DenseOptimizer, ModelError};
@@ -91,6 +91,9 @@ pub struct Stepped<R, E> {
     /// Seconds waited for lookups outside the dense step's shadow (d = 0:
     /// the lookup; d ≥ 1: start-up, and the branch outlasting the dense step).
     pub lookup_secs: f64,
+    /// Seconds waited for the driver's next batches (`next`): a reader or
+    /// a loader that did not keep ahead. Counted in no other span.
+    pub next_batch_secs: f64,
     /// Seconds of the dense half.
     pub dense_secs: f64,
     /// Seconds of updates (beside the dense step at d ≥ 1).
@@ -146,6 +149,14 @@ pub struct StepEngine<B, T> {
     staged: Option<B>,
 }
 
+/// `next(taken)`, the time it took added to `waited`.
+fn timed<T>(next: &mut dyn FnMut(usize) -> Option<T>, taken: usize, waited: &mut Duration) -> Option<T> {
+    let t = Instant::now();
+    let batch = next(taken);
+    *waited += t.elapsed();
+    batch
+}
+
 /// Runs `dense` on this thread and `side` beside it: on the compute pool
 /// (`rayon::join`), or on a thread of its own when `side` blocks.
 fn beside<A: Send, B: Send>(blocks: bool, dense: impl FnOnce() -> A + Send, side: impl FnOnce() -> B + Send) -> (A, B) {
@@ -199,9 +210,10 @@ impl<B: Send + Sync, T: Send + Sync> StepEngine<B, T> {
         next: &mut dyn FnMut(usize) -> Option<Result<S::Batch, S::Error>>,
         dense: impl FnOnce(&Looked<S::Batch, S::Ticket>) -> Result<DenseVerdict<R>, S::Error> + Send,
     ) -> Result<Option<Stepped<R, S::Error>>, S::Error> {
+        let mut waited = Duration::ZERO;
         let batch = match self.staged.take() {
             Some(batch) => batch,
-            None => match next(0) {
+            None => match timed(next, 0, &mut waited) {
                 Some(batch) => batch?,
                 None => return Ok(None),
             },
@@ -210,9 +222,10 @@ impl<B: Send + Sync, T: Send + Sync> StepEngine<B, T> {
         let looked = source.look_up(batch)?;
         let t1 = Instant::now();
         let mut deferred = None;
+        let waited_before = waited;
         let (verdict, staged) = if source.stages() {
             // A read error of the next batch is reported after this one trains.
-            let upcoming = match next(1) {
+            let upcoming = match timed(next, 1, &mut waited) {
                 Some(Ok(b)) => Some(b),
                 Some(Err(e)) => {
                     deferred = Some(e);
@@ -246,7 +259,10 @@ impl<B: Send + Sync, T: Send + Sync> StepEngine<B, T> {
         Ok(Some(Stepped {
             out,
             lookup_secs: (t1 - t0).as_secs_f64(),
-            dense_secs: (t2 - t1).as_secs_f64(),
+            next_batch_secs: waited.as_secs_f64(),
+            // The next batch, taken before its staging beside the dense
+            // step, counts as `next_batch_secs` alone.
+            dense_secs: (t2 - t1).saturating_sub(waited - waited_before).as_secs_f64(),
             update_secs,
             deferred,
         }))
@@ -259,16 +275,17 @@ impl<B: Send + Sync, T: Send + Sync> StepEngine<B, T> {
         dense: impl FnOnce(&Looked<S::Batch, S::Ticket>) -> Result<DenseVerdict<R>, S::Error> + Send,
     ) -> Result<Option<Stepped<R, S::Error>>, S::Error> {
         let t0 = Instant::now();
+        let mut taking = Duration::ZERO;
         // Start-up: the first d batches are looked up one after another.
         while self.ahead.len() < self.depth {
-            match next(self.ahead.len()) {
+            match timed(next, self.ahead.len(), &mut taking) {
                 Some(batch) => self.ahead.push_back(source.look_up(batch?)?),
                 None => break,
             }
         }
         let Some(looked) = self.ahead.pop_front() else { return Ok(None) };
         let mut deferred = None;
-        let upcoming = match next(1 + self.ahead.len()) {
+        let upcoming = match timed(next, 1 + self.ahead.len(), &mut taking) {
             Some(Ok(b)) => Some(b),
             // A read error of the batch d ahead: reported after this one trains.
             Some(Err(e)) => {
@@ -319,7 +336,9 @@ impl<B: Send + Sync, T: Send + Sync> StepEngine<B, T> {
         }
         Ok(Some(Stepped {
             out,
-            lookup_secs: (t1 - t0).as_secs_f64() + waited.as_secs_f64(),
+            // The batches taken between t0 and t1 count as `next_batch_secs` alone.
+            lookup_secs: ((t1 - t0).saturating_sub(taking) + waited).as_secs_f64(),
+            next_batch_secs: taking.as_secs_f64(),
             dense_secs: (dense_done - t1).as_secs_f64(),
             update_secs,
             deferred,
@@ -620,6 +639,44 @@ mod tests {
         let source = Counter { stages: true, ..Counter::default() };
         assert_eq!(run(&source, 0, 3, 100), vec![(1, 0), (2, 1), (3, 2)]);
         assert_eq!(*source.log.lock(), ["L1", "S2", "U1", "L2", "S3", "U2", "L3", "U3"]);
+    }
+
+    /// The time spent taking batches (a reader that did not keep ahead)
+    /// is `next_batch_secs` and counted in no other span: the spans a step
+    /// reports are disjoint, so they sum to no more than the step took.
+    /// Before, at d ≥ 1 the lookup's span held the batches taken in it,
+    /// and at d = 0 with staging the dense span held the next one.
+    #[test]
+    fn waiting_for_batches_is_its_own_span() {
+        const TAKING: Duration = Duration::from_millis(15);
+        for (depth, stages) in [(0, false), (0, true), (1, false), (2, false)] {
+            let source = Counter { stages, ..Counter::default() };
+            let mut engine = StepEngine::new(depth);
+            let mut fed = 0u32;
+            // A slow reader: each batch takes `TAKING` (spun, not slept).
+            let mut next = |_: usize| {
+                let t = Instant::now();
+                while t.elapsed() < TAKING {
+                    std::hint::spin_loop();
+                }
+                (fed < 4).then(|| {
+                    fed += 1;
+                    Ok(fed)
+                })
+            };
+            for step in 1..=3 {
+                let t = Instant::now();
+                let stepped = engine
+                    .step(&source, &mut next, |_: &Looked<u32, ()>| Ok(((), Some(RowGrads::at_full_rate(vec![1.0])))))
+                    .expect("step")
+                    .expect("a batch");
+                let took = t.elapsed().as_secs_f64();
+                let what = format!("depth {depth}, staging {stages}, step {step}");
+                assert!(stepped.next_batch_secs >= TAKING.as_secs_f64(), "{what}: {}", stepped.next_batch_secs);
+                let spans = stepped.next_batch_secs + stepped.lookup_secs + stepped.dense_secs;
+                assert!(spans <= took, "{what}: the spans ({spans} s) overlap: the step took {took} s");
+            }
+        }
     }
 
     /// A lookahead that fails after the dense step does not undo the step:

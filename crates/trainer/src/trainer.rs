@@ -139,6 +139,9 @@ pub struct PhaseSecs {
     pub dense: f64,
     pub unpool: f64,
     pub update: f64,
+    /// Waiting for the reader's next batch (parsing that did not keep
+    /// ahead of the step): in no phase above.
+    pub next_batch: f64,
 }
 
 #[derive(Default)]
@@ -330,6 +333,7 @@ impl Trainer {
         let (counts, outcome) = stepped.out;
         let p = &mut self.phase_secs;
         p.lookup += stepped.lookup_secs;
+        p.next_batch += stepped.next_batch_secs;
         p.update += stepped.update_secs;
         let stats = match outcome {
             DenseOutcome::Trained { loss, timings: (pool, dense, unpool) } => {

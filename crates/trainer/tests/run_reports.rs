@@ -35,6 +35,8 @@ fn periodic_evaluation_and_tensorboard_leave_the_model_unchanged() {
     let interval = lines.iter().find(|l| l["event"].is_null()).expect("an interval line");
     assert!(interval["dedup_ratio"].as_f64().is_some_and(|d| d >= 1.0), "{interval}");
     assert!(interval["phase_secs"]["dense"].as_f64().is_some_and(|d| d > 0.0), "{interval}");
+    // The wait for the reader's batches is a phase of its own (zero or more).
+    assert!(interval["phase_secs"]["next_batch"].as_f64().is_some_and(|w| w >= 0.0), "{interval}");
 
     let files: Vec<_> = std::fs::read_dir(&board).expect("tb").map(|e| e.expect("entry").path()).collect();
     assert_eq!(files.len(), 1);
@@ -44,7 +46,15 @@ fn periodic_evaluation_and_tensorboard_leave_the_model_unchanged() {
         .iter()
         .flat_map(|e| e.summary.iter().flat_map(move |s| s.value.iter().map(move |v| (e.step, v.tag.clone()))))
         .collect();
-    for tag in ["train/logloss", "train/samples_per_sec", "train/dedup_ratio", "step_ms/dense", "test/auc"] {
+    let tags = [
+        "train/logloss",
+        "train/samples_per_sec",
+        "train/dedup_ratio",
+        "step_ms/dense",
+        "step_ms/next_batch",
+        "test/auc",
+    ];
+    for tag in tags {
         assert!(scalars.iter().any(|(_, t)| t == tag), "{tag} missing");
     }
     let auc_steps: Vec<i64> = scalars.iter().filter(|(_, t)| t == "test/auc").map(|(s, _)| *s).collect();

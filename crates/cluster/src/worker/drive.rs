@@ -8,7 +8,6 @@
 //! policy (`policy.rs`).
 
 use std::sync::atomic::Ordering;
-use std::time::Instant;
 
 use sparrow_trainer::driver::{At, IntervalFigures, Line, Observers, Run};
 pub use sparrow_trainer::driver::{Flow, StepDone};
@@ -78,13 +77,7 @@ impl Run for WorkerRun<'_, '_> {
 
     fn step(&mut self) -> Result<Option<StepDone>, ClusterError> {
         let (w, feed) = (&mut *self.worker, &mut *self.feed);
-        let mut next_batch_secs = 0.0;
-        let mut next = |ahead: usize| {
-            let waited = Instant::now();
-            let next = feed.next(ahead).transpose();
-            next_batch_secs += waited.elapsed().as_secs_f64();
-            next
-        };
+        let mut next = |ahead: usize| feed.next(ahead).transpose();
         let mut done = StepDone::default();
         let stepped = self.engine.step(self.rows, &mut next, |looked| {
             let batch = &looked.batch;
@@ -97,7 +90,6 @@ impl Run for WorkerRun<'_, '_> {
             }
             Ok(((), grads))
         });
-        w.stats.phase_secs.next_batch += next_batch_secs;
         let Some(stepped) = stepped? else { return Ok(None) };
         w.record_phases(stepped)?;
         w.mark_step()?;
