@@ -147,6 +147,9 @@ pub struct StepEngine<B, T> {
     pending: Option<Pending<B, T>>,
     /// d = 0 with staging: the next batch, its rows staged.
     staged: Option<B>,
+    /// Waited for batches by steps that found none left (the data's end):
+    /// no `Stepped` reports it ([`take_end_wait`](Self::take_end_wait)).
+    end_wait: Duration,
 }
 
 /// `next(taken)`, the time it took added to `waited`.
@@ -173,7 +176,19 @@ fn beside<A: Send, B: Send>(blocks: bool, dense: impl FnOnce() -> A + Send, side
 
 impl<B: Send + Sync, T: Send + Sync> StepEngine<B, T> {
     pub fn new(depth: usize) -> Self {
-        StepEngine { depth, ahead: VecDeque::with_capacity(depth), pending: None, staged: None }
+        StepEngine {
+            depth,
+            ahead: VecDeque::with_capacity(depth),
+            pending: None,
+            staged: None,
+            end_wait: Duration::ZERO,
+        }
+    }
+
+    /// Seconds waited for batches by the steps that found none (the wait
+    /// for the data's end, a `next_batch` no step reported), since the last call.
+    pub fn take_end_wait(&mut self) -> f64 {
+        std::mem::take(&mut self.end_wait).as_secs_f64()
     }
 
     /// Whether a batch's update is still waiting (d ≥ 1).
@@ -215,7 +230,10 @@ impl<B: Send + Sync, T: Send + Sync> StepEngine<B, T> {
             Some(batch) => batch,
             None => match timed(next, 0, &mut waited) {
                 Some(batch) => batch?,
-                None => return Ok(None),
+                None => {
+                    self.end_wait += waited;
+                    return Ok(None);
+                }
             },
         };
         let t0 = Instant::now();
@@ -283,7 +301,10 @@ impl<B: Send + Sync, T: Send + Sync> StepEngine<B, T> {
                 None => break,
             }
         }
-        let Some(looked) = self.ahead.pop_front() else { return Ok(None) };
+        let Some(looked) = self.ahead.pop_front() else {
+            self.end_wait += taking;
+            return Ok(None);
+        };
         let mut deferred = None;
         let upcoming = match timed(next, 1 + self.ahead.len(), &mut taking) {
             Some(Ok(b)) => Some(b),
@@ -645,7 +666,8 @@ mod tests {
     /// is `next_batch_secs` and counted in no other span: the spans a step
     /// reports are disjoint, so they sum to no more than the step took.
     /// Before, at d ≥ 1 the lookup's span held the batches taken in it,
-    /// and at d = 0 with staging the dense span held the next one.
+    /// and at d = 0 with staging the dense span held the next one. The
+    /// step that finds the data's end reports its wait apart.
     #[test]
     fn waiting_for_batches_is_its_own_span() {
         const TAKING: Duration = Duration::from_millis(15);
@@ -664,18 +686,27 @@ mod tests {
                     Ok(fed)
                 })
             };
-            for step in 1..=3 {
+            let mut steps = 0;
+            loop {
                 let t = Instant::now();
                 let stepped = engine
                     .step(&source, &mut next, |_: &Looked<u32, ()>| Ok(((), Some(RowGrads::at_full_rate(vec![1.0])))))
-                    .expect("step")
-                    .expect("a batch");
+                    .expect("step");
                 let took = t.elapsed().as_secs_f64();
-                let what = format!("depth {depth}, staging {stages}, step {step}");
+                let what = format!("depth {depth}, staging {stages}, step {}", steps + 1);
+                let Some(stepped) = stepped else {
+                    // The step that found the data's end waited for it too.
+                    let end = engine.take_end_wait();
+                    assert!(end >= TAKING.as_secs_f64() && end <= took, "{what}: the end's wait {end} s");
+                    assert_eq!(engine.take_end_wait(), 0.0, "{what}: taken once");
+                    break;
+                };
+                steps += 1;
                 assert!(stepped.next_batch_secs >= TAKING.as_secs_f64(), "{what}: {}", stepped.next_batch_secs);
                 let spans = stepped.next_batch_secs + stepped.lookup_secs + stepped.dense_secs;
                 assert!(spans <= took, "{what}: the spans ({spans} s) overlap: the step took {took} s");
             }
+            assert_eq!(steps, 4, "depth {depth}, staging {stages}: every batch trained");
         }
     }
 

@@ -329,7 +329,10 @@ impl Trainer {
                 Err(e) => Err(e),
             }
         })?;
-        let Some(stepped) = stepped else { return Ok(None) };
+        let Some(stepped) = stepped else {
+            self.phase_secs.next_batch += self.engine.take_end_wait();
+            return Ok(None);
+        };
         let (counts, outcome) = stepped.out;
         let p = &mut self.phase_secs;
         p.lookup += stepped.lookup_secs;

@@ -90,7 +90,11 @@ impl Run for WorkerRun<'_, '_> {
             }
             Ok(((), grads))
         });
-        let Some(stepped) = stepped? else { return Ok(None) };
+        let Some(stepped) = stepped? else {
+            // The step that found no batch left still waited for the loader to say so.
+            w.stats.phase_secs.next_batch += self.engine.take_end_wait();
+            return Ok(None);
+        };
         w.record_phases(stepped)?;
         w.mark_step()?;
         Ok(Some(done))
