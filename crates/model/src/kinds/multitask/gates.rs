@@ -500,20 +500,34 @@ pub(super) fn sum_of_sums_into(simd: Simd, dst: &mut Vec<f32>, len: usize, group
 }
 
 /// One pass: each element of `dst` is its groups' sums added to zero
-/// (`from_zero`), or the one group's sum.
+/// (`from_zero`), or the one group's sum. Compiled for AVX-512F or AVX2
+/// where `simd` allows and the CPU has it: the same adds in the same
+/// order, the same bits (tested).
 fn sums_into(simd: Simd, dst: &mut [f32], groups: &[Vec<&[f32]>], from_zero: bool) {
-    let wide = avx512f(simd);
+    let build = Build::of(simd);
     dst.par_chunks_mut(FLOATS_PER_TASK).enumerate().for_each(|(c, d)| {
         let start = c * FLOATS_PER_TASK;
         #[cfg(target_arch = "x86_64")]
-        if wide {
-            #[target_feature(enable = "avx512f")]
-            fn sums_avx512(d: &mut [f32], start: usize, groups: &[Vec<&[f32]>], from_zero: bool) {
-                sums_at(d, start, groups, from_zero);
+        match build {
+            Build::Avx512 => {
+                #[target_feature(enable = "avx512f")]
+                fn sums_avx512(d: &mut [f32], start: usize, groups: &[Vec<&[f32]>], from_zero: bool) {
+                    sums_at(d, start, groups, from_zero);
+                }
+                // SAFETY: `Build::Avx512` only where AVX-512F was detected.
+                #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+                return unsafe { sums_avx512(d, start, groups, from_zero) };
             }
-            // SAFETY: `wide` is true only where AVX-512F was detected.
-            #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
-            return unsafe { sums_avx512(d, start, groups, from_zero) };
+            Build::Avx2 => {
+                #[target_feature(enable = "avx2")]
+                fn sums_avx2(d: &mut [f32], start: usize, groups: &[Vec<&[f32]>], from_zero: bool) {
+                    sums_at(d, start, groups, from_zero);
+                }
+                // SAFETY: `Build::Avx2` only where AVX2 was detected.
+                #[expect(unsafe_code, reason = "calling a target_feature function after run-time detection")]
+                return unsafe { sums_avx2(d, start, groups, from_zero) };
+            }
+            Build::Portable => {}
         }
         sums_at(d, start, groups, from_zero);
     });
@@ -599,10 +613,21 @@ mod tests {
     /// PLE's pools at one level: two tasks' gates (their own expert, then
     /// the two shared), the shared gate (all four), a gate of six (PLE's
     /// shared gate of seven: more than a group of four) and one of five
-    /// (a group of four and one of one); 150 rows, not a multiple of a
-    /// task's 64. One more expert no gate pools.
-    const POOLS: [&[usize]; 5] = [&[2, 0, 1], &[3, 0, 1], &[0, 1, 2, 3], &[5, 4, 3, 2, 1, 0], &[1, 5, 0, 4, 2]];
-    const POOLED: usize = 6;
+    /// (a group of four and one of one), and gates of two, seven (PLE's
+    /// shared gate at the benchmarks' shape) and eight (a whole group of
+    /// dots); 150 rows, not a multiple of a task's 64. One more expert no
+    /// gate pools.
+    const POOLS: [&[usize]; 8] = [
+        &[2, 0, 1],
+        &[3, 0, 1],
+        &[0, 1, 2, 3],
+        &[5, 4, 3, 2, 1, 0],
+        &[1, 5, 0, 4, 2],
+        &[6, 7],
+        &[7, 6, 5, 4, 3, 2, 1],
+        &[0, 1, 2, 3, 4, 5, 6, 7],
+    ];
+    const POOLED: usize = 8;
     const ROWS: usize = 150;
     const WIDTH: usize = 24;
 
@@ -722,7 +747,7 @@ mod tests {
         // Without masks; with masks of scale 1 and 1.25 and an expert
         // without one; a mask for the last, unpooled, expert is ignored.
         let no_masks = [None; POOLED + 1];
-        let some_masks = [Some(1.0), Some(1.25), None, Some(1.0), Some(1.5), Some(1.0), Some(2.0)];
+        let some_masks = [Some(1.0), Some(1.25), None, Some(1.0), Some(1.5), Some(1.0), None, Some(1.25), Some(2.0)];
         // On every build the CPU has.
         for (build, masks) in builds().into_iter().flat_map(|b| [(b, no_masks), (b, some_masks)]) {
             let what = format!("width {width}, {build:?}, masks {masks:?}");
@@ -733,7 +758,7 @@ mod tests {
                 .map(|(((d_logits, weights), d_mix), pool)| GateBackward { weights, d_mix, pool, d_logits })
                 .collect();
             let pooled = adjoint_on(build, (outs, &masks), width, backward, &mut d_experts);
-            assert_eq!(pooled, [true, true, true, true, true, true, false]);
+            assert_eq!(pooled, [true, true, true, true, true, true, true, true, false]);
             assert_eq!(bits(&d_logits), bits(&d_logits_one), "the gates' logits' gradients, {what}");
             for e in 0..POOLED {
                 let expected = match masks[e] {
@@ -801,7 +826,8 @@ mod tests {
         for d in &one_at_a_time {
             total_one.iter_mut().zip(d).for_each(|(t, d)| *t += d);
         }
-        for simd in [Simd::Auto, Simd::Portable] {
+        // Every build: AVX-512F's (where the CPU has it), AVX2's, the baseline's.
+        for simd in [Simd::Auto, Simd::Avx2, Simd::Portable] {
             for (group, expected) in groups.iter().zip(&one_at_a_time) {
                 let mut d = vec![3.0f32; 10];
                 sum_into(simd, &mut d, len, group);
@@ -856,7 +882,7 @@ mod tests {
             .map(|(d_logits, pool)| GateBackward { weights: &[], d_mix: &[], pool, d_logits })
             .collect();
         let pooled = adjoint(Simd::Auto, (&outs, &[None; POOLED + 1]), WIDTH, backward, &mut d_experts);
-        assert_eq!(pooled, [true, true, true, true, true, true, false]);
+        assert_eq!(pooled, [true, true, true, true, true, true, true, true, false]);
         assert!(d_experts[..POOLED].iter().all(Vec::is_empty), "a pooled expert's gradient has no rows");
     }
 }
