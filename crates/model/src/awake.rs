@@ -245,6 +245,21 @@ mod tests {
         }
     }
 
+    /// Inside a hold with an idle time: returns once the held thread has
+    /// held (it runs `b`, this thread in `a` until it has) and let go.
+    /// Waiting to see the count at 1 and then at 0 hung where this thread
+    /// was switched out while the other held and let go (a busy machine).
+    fn held_then_let_go(holding: &AtomicUsize) {
+        let ran = AtomicBool::new(false);
+        let wait = || {
+            while !ran.load(Ordering::Acquire) {
+                std::hint::spin_loop();
+            }
+        };
+        rayon::join(wait, || ran.store(true, Ordering::Release));
+        until(holding, 0);
+    }
+
     /// A training step's hold lets a thread go once it has found no job
     /// for its idle time, while the step still runs (a step blocked on
     /// its data): a hold that ignored it would hang this step.
@@ -254,8 +269,7 @@ mod tests {
             pool(2).install(|| {
                 let holding = Arc::new(AtomicUsize::new(0));
                 held((Some(Duration::from_millis(1)), holding.clone()), || {
-                    until(&holding, 1);
-                    until(&holding, 0);
+                    held_then_let_go(&holding);
                     7
                 })
             })
@@ -310,8 +324,7 @@ mod tests {
             pool(2).install(|| {
                 let outer = Arc::new(AtomicUsize::new(0));
                 held((Some(Duration::from_millis(1)), outer.clone()), || {
-                    until(&outer, 1);
-                    until(&outer, 0);
+                    held_then_let_go(&outer);
                     let inner = Arc::new(AtomicUsize::new(0));
                     held((None, inner.clone()), || until(&inner, 1));
                 })

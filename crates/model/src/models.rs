@@ -456,7 +456,7 @@ impl DenseModel {
             .iter()
             .map(|(_, var)| grads.get(var.as_tensor()).map(|g| g.flatten_all()?.to_vec1::<f32>()).transpose())
             .collect::<Result<_, _>>()?;
-        let mut dense_grads = DenseGrads { grads: dense_grads, rows: rows as u64 };
+        let mut dense_grads = DenseGrads::new(dense_grads, rows as u64);
         self.params.take_batch_statistics(&mut dense_grads.grads)?;
         Ok((StepOutput { logits, loss, emb_grad, item_grads }, dense_grads))
     }
@@ -594,7 +594,12 @@ impl DenseModel {
             self.check_loss(loss)?;
             (loss, logits, self.backward_direct(x, &seed, &mut scratch)?)
         };
-        self.params.take_batch_statistics(&mut grads.grads)?;
+        if self.params.has_statistics() {
+            // The batch's statistics go where their gradients would: values
+            // no pass has checked.
+            self.params.take_batch_statistics(&mut grads.grads)?;
+            grads.found_finite = false;
+        }
         let input_grad = halves::checked_input_grad(&scratch, halves, self.simd)?;
         for g in &scratch.item_grads {
             crate::optimizer::check_finite(self.simd, g, || "gradient of the history items".into())?;

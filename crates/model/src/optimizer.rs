@@ -24,19 +24,32 @@ use crate::params::ParamStore;
 pub struct DenseGrads {
     pub grads: Vec<Option<Vec<f32>>>,
     pub rows: u64,
+    /// The pass that wrote `grads` found every value finite (a step in
+    /// halves checks each parameter's sum as it writes it, in cache), so
+    /// [`check_finite`](Self::check_finite) has nothing to read. Whatever
+    /// writes `grads` after that pass clears it.
+    pub(crate) found_finite: bool,
 }
 
 impl DenseGrads {
+    pub fn new(grads: Vec<Option<Vec<f32>>>, rows: u64) -> DenseGrads {
+        DenseGrads { grads, rows, found_finite: false }
+    }
+
     /// A replica without a batch: no gradient, no rows.
     pub fn idle(params: &ParamStore) -> DenseGrads {
-        DenseGrads { grads: vec![None; params.vars().len()], rows: 0 }
+        DenseGrads::new(vec![None; params.vars().len()], 0)
     }
 
     /// `Err(NonFinite)` naming the first parameter whose gradient is not
     /// finite. Each parameter is read on its own thread of the caller's
     /// pool (`own_threads.rs`): the multi-task kinds' hundred-odd small
-    /// ones were read on one thread while the other waited.
+    /// ones were read on one thread while the other waited. Gradients the
+    /// pass that wrote them found finite are not read again.
     pub fn check_finite(&self, simd: Simd, params: &ParamStore) -> Result<(), ModelError> {
+        if self.found_finite {
+            return Ok(());
+        }
         let jobs: Vec<_> = (params.vars().iter().zip(&self.grads).enumerate())
             .filter_map(|(i, ((name, _), g))| Some((i, (name, g.as_ref()?))))
             .collect();
@@ -70,7 +83,7 @@ impl DenseGrads {
             grads.push(Some(mine.iter().map(|g| g * inv).collect()));
             rest = tail;
         }
-        DenseGrads { grads, rows }
+        DenseGrads::new(grads, rows)
     }
 }
 
@@ -506,6 +519,7 @@ mod tests {
                     })
                     .collect(),
                 rows: 8,
+                found_finite: false,
             };
             let got = pool.install(|| grads.check_finite(Simd::Auto, &params));
             match bad.first() {
@@ -708,7 +722,7 @@ mod tests {
             params.push("w".into(), vec![1.0], &[1]).expect("a parameter");
             let config = DenseOptimizerConfig { kind, learning_rate: 0.1, weight_decay: 0.1, ..Default::default() };
             let mut opt = super::DenseOptimizer::new(config, Simd::Auto);
-            opt.apply(&params, super::DenseGrads { grads: vec![Some(vec![0.5])], rows: 1 }).expect("a step");
+            opt.apply(&params, super::DenseGrads::new(vec![Some(vec![0.5])], 1)).expect("a step");
             let w = params.flat_values().expect("values")[0];
             assert!((w - want).abs() < 1e-6, "{kind:?}: {w}, not {want}");
         }
@@ -741,6 +755,7 @@ mod tests {
                 .map(|(p, &n)| (p != 4 || step == 0).then(|| (0..n).map(|i| value(p, i, step)).collect()))
                 .collect(),
             rows: 8,
+            found_finite: false,
         };
         for kind in [DenseOptimizerKind::Adam, DenseOptimizerKind::AdamW, DenseOptimizerKind::Sgd] {
             let config = DenseOptimizerConfig { kind, learning_rate: 0.01, weight_decay: 0.01, ..Default::default() };

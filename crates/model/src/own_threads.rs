@@ -14,6 +14,7 @@
 //! the pool).
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use rayon::prelude::*;
@@ -87,13 +88,39 @@ pub(crate) fn on_own_threads<J: Send, R: Send>(
             }
         }
     };
+    // The caller, done with its shares, waits for the others awake (as
+    // `awake::join`'s does): in the scope's own wait it fell asleep and was
+    // woken, 6–8 µs of PLE's Adam pass of about 60 (`dense_step`, `avx2`).
+    let finished = AtomicUsize::new(1);
     rayon::in_place_scope(|s| {
         for _ in 1..threads {
-            s.spawn(|_| work());
+            s.spawn(|_| {
+                // Counted on unwinding too: the scope resumes the panic.
+                let _finished = Finished(&finished);
+                work();
+            });
         }
         work();
+        // A share's job no thread took is this thread's newest: the first
+        // `yield_now` runs it (it finds every share taken). A thief takes
+        // the oldest job first, so one that took a share's job took every
+        // older one (a hold's spinners) before it: this loop runs none.
+        while finished.load(Ordering::Acquire) < threads {
+            if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                std::thread::yield_now();
+            }
+        }
     });
     done.into_iter().flat_map(|d| d.into_inner().unwrap_or_else(PoisonError::into_inner)).collect()
+}
+
+/// Counts a share's job finished when dropped.
+struct Finished<'a>(&'a AtomicUsize);
+
+impl Drop for Finished<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::Release);
+    }
 }
 
 #[cfg(test)]
@@ -185,5 +212,36 @@ mod tests {
         for _ in 0..20 {
             assert!(run(&[SMALL_WEIGHTS / 4 - 1; 4]), "a small model's passes left the calling thread");
         }
+    }
+
+    /// A share's job that panics on the other thread ends the pass with
+    /// that panic, on the caller, which waited for it awake: it does not
+    /// wait for good. Each share's first job waits at a barrier for both
+    /// threads, so the panic is on the thread that is not the caller.
+    #[test]
+    fn a_panicking_share_ends_the_pass_with_its_panic() {
+        let sizes: Vec<usize> = vec![SMALL_WEIGHTS; 4];
+        let firsts: Vec<usize> = shares(&sizes, 2).iter().map(|r| r.start).collect();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a pool");
+            let barrier = std::sync::Barrier::new(2);
+            let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                pool.install(|| {
+                    let caller = rayon::current_thread_index();
+                    on_own_threads(&sizes, (0..4).map(|i| (i, i)).collect(), |i| {
+                        if firsts.contains(&i) {
+                            barrier.wait();
+                        }
+                        assert!(rayon::current_thread_index() == caller, "job {i} panics off the caller");
+                        i
+                    })
+                })
+            }));
+            let _ = tx.send(got.map_err(|p| p.downcast_ref::<String>().cloned().unwrap_or_default()));
+        });
+        let got = rx.recv_timeout(std::time::Duration::from_secs(60)).expect("the pass ended");
+        let message = got.expect_err("the other thread's share panicked");
+        assert!(message.contains("panics off the caller"), "{message}");
     }
 }

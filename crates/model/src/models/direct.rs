@@ -108,7 +108,7 @@ impl DenseModel {
             let at = grads.iter().position(|(v, _)| v.as_tensor().id() == var.as_tensor().id());
             grads_in_order.push(at.map(|i| std::mem::take(&mut grads[i].1)));
         }
-        DenseGrads { grads: grads_in_order, rows: rows as u64 }
+        DenseGrads::new(grads_in_order, rows as u64)
     }
 
     /// Each MLP's buffers with the gradient buffer of its size, if one came back.
