@@ -32,6 +32,7 @@ pub struct DenseGrads {
 }
 
 impl DenseGrads {
+    /// Gradients of the mean loss over `rows` samples, not yet checked.
     pub fn new(grads: Vec<Option<Vec<f32>>>, rows: u64) -> DenseGrads {
         DenseGrads { grads, rows, found_finite: false }
     }
