@@ -660,6 +660,51 @@ fn the_kinds_table_reports_the_bytes_floor_beside_the_flops() {
     }
 }
 
+/// A bf16 row of the kinds table also reads against the AVX-512-BF16
+/// ceiling where the run measured it (on an AMX CPU `share_of_ceiling`
+/// divides by AMX's), and an f32 row has no such share.
+#[test]
+fn a_bf16_kind_reads_against_the_bf16_dot_ceiling_too() {
+    let out = sparrow(&[
+        "bench",
+        "--dims",
+        "8",
+        "--table-rows",
+        "1000",
+        "--batches",
+        "1",
+        "--optimizers",
+        "sgd",
+        "--dtypes",
+        "f32",
+        "--train-steps",
+        "0",
+        "--memory-rows",
+        "0",
+        "--kind-steps",
+        "5",
+        "--kinds",
+        "esmm",
+    ]);
+    ok(&out);
+    let report = last_json(&out);
+    let dot = report["arithmetic"]["peaks"]["bf16_dot"]["gflops"].as_f64();
+    let kinds = report["kinds"].as_array().expect("kinds");
+    let precisions: Vec<&str> = kinds.iter().map(|k| k["precision"].as_str().expect("precision")).collect();
+    assert_eq!(precisions, ["f32", "bf16"], "{report}");
+    for k in kinds {
+        let share = &k["share_of_bf16_dot_ceiling"];
+        match (k["precision"].as_str(), dot) {
+            (Some("bf16"), Some(dot)) => {
+                let want = k["dense_gflops"].as_f64().expect("dense_gflops") / dot;
+                let got = share.as_f64().unwrap_or_else(|| panic!("share_of_bf16_dot_ceiling in {k}"));
+                assert!((got - want).abs() <= 1e-9 * want, "{k}: {got} vs {want}");
+            }
+            _ => assert!(share.is_null(), "{k}"),
+        }
+    }
+}
+
 /// `sparrow config --defaults` prints every key with its default, as TOML a
 /// job reads back unchanged; `--config F --set k=v` prints F as the job
 /// reads it; a wrong key is refused naming it, and neither flag is an error.

@@ -669,6 +669,8 @@ pub fn run(o: &BenchOptions) -> Result<BenchReport, TrainError> {
             _ => Some(peaks.fp32_fma.gflops),
         };
         k.share_of_ceiling = ceiling.map(|c| k.dense_gflops / c);
+        let bf16_dot = peaks.bf16_dot.as_ref().filter(|_| k.precision == "bf16");
+        k.share_of_bf16_dot_ceiling = bf16_dot.map(|b| k.dense_gflops / b.gflops);
         k.best_round_share_of_ceiling = ceiling.map(|c| k.best_round_dense_gflops / c);
         let bytes_bound_gflops = k.flops_per_sample * k.copy_gbytes_per_sec / k.bytes_per_sample;
         k.share_of_ceiling_bytes_allow = ceiling.map(|c| (bytes_bound_gflops / c).min(1.0));

@@ -45,6 +45,13 @@ pub struct KindBench {
     /// The same two in the fastest of the rounds the kinds took turns in.
     pub best_round_dense_gflops: f64,
     pub best_round_share_of_ceiling: Option<f64>,
+    /// A bf16 row's `dense_gflops` over the AVX-512-BF16 (`vdpbf16ps`)
+    /// ceiling measured in the same run, whichever path it took: on a CPU
+    /// with AMX, whose ceiling `share_of_ceiling` divides by, this reads the
+    /// step against the bf16 dot products it would otherwise run on. None
+    /// for an f32 row, or where that ceiling was not measured (no
+    /// AVX-512-BF16, or `simd` keeping it out).
+    pub share_of_bf16_dot_ceiling: Option<f64>,
     /// The bytes the dense step cannot avoid moving a sample: its input
     /// row read and that row's gradient written (f32), weights and
     /// activations left out.
@@ -183,6 +190,7 @@ pub(super) fn bench_kinds(o: &BenchOptions) -> Result<Vec<KindBench>, TrainError
                     share_of_ceiling: None,
                     best_round_dense_gflops,
                     best_round_share_of_ceiling: None,
+                    share_of_bf16_dot_ceiling: None,
                     bytes_per_sample,
                     dense_gbytes_per_sec,
                     copy_gbytes_per_sec: copy,
