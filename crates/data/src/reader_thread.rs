@@ -12,8 +12,10 @@
 //! back and forth (30k–73k context switches a run against 5k). The MLP on
 //! `scripts/bench-tasks`' data ran at 0.75M–0.90M samples/s in such runs
 //! and 1.2M–1.3M in the others (its `lookup` phase 0.44–0.60 s against
-//! 0.18–0.21 s); under `SCHED_BATCH` every run was of the second kind
-//! (docs/benchmarks.md, "the MLP's slow runs").
+//! 0.18–0.21 s); under `SCHED_BATCH` no run's `lookup` was slow, and the
+//! MLP's median rose 5–9% (every kind's 2–6%). Some runs are still slower
+//! where the loaders sit on both cores (docs/benchmarks.md, "the MLP's
+//! slow runs").
 
 use std::thread::JoinHandle;
 use std::time::Duration;
