@@ -612,29 +612,7 @@ fn bf16_on_a_kind_without_matrix_products_is_named() {
 /// size measured in the same run.
 #[test]
 fn the_kinds_table_reports_the_bytes_floor_beside_the_flops() {
-    let out = sparrow(&[
-        "bench",
-        "--dims",
-        "8",
-        "--table-rows",
-        "1000",
-        "--batches",
-        "1",
-        "--optimizers",
-        "sgd",
-        "--dtypes",
-        "f32",
-        "--train-steps",
-        "0",
-        "--memory-rows",
-        "0",
-        "--kind-steps",
-        "5",
-        "--kinds",
-        "lr,fm",
-    ]);
-    ok(&out);
-    let report = last_json(&out);
+    let report = kinds_table("lr,fm");
     let kinds = report["kinds"].as_array().expect("kinds");
     let bytes: Vec<(&str, f64)> = kinds
         .iter()
@@ -660,11 +638,9 @@ fn the_kinds_table_reports_the_bytes_floor_beside_the_flops() {
     }
 }
 
-/// A bf16 row of the kinds table also reads against the AVX-512-BF16
-/// ceiling where the run measured it (on an AMX CPU `share_of_ceiling`
-/// divides by AMX's), and an f32 row has no such share.
-#[test]
-fn a_bf16_kind_reads_against_the_bf16_dot_ceiling_too() {
+/// `sparrow bench`'s kinds table alone for `kinds`, five steps each, on a
+/// small embedding table: the report.
+fn kinds_table(kinds: &str) -> serde_json::Value {
     let out = sparrow(&[
         "bench",
         "--dims",
@@ -684,10 +660,18 @@ fn a_bf16_kind_reads_against_the_bf16_dot_ceiling_too() {
         "--kind-steps",
         "5",
         "--kinds",
-        "esmm",
+        kinds,
     ]);
     ok(&out);
-    let report = last_json(&out);
+    last_json(&out)
+}
+
+/// A bf16 row of the kinds table also reads against the AVX-512-BF16
+/// ceiling where the run measured it (on an AMX CPU `share_of_ceiling`
+/// divides by AMX's), and an f32 row has no such share.
+#[test]
+fn a_bf16_kind_reads_against_the_bf16_dot_ceiling_too() {
+    let report = kinds_table("esmm");
     let dot = report["arithmetic"]["peaks"]["bf16_dot"]["gflops"].as_f64();
     let kinds = report["kinds"].as_array().expect("kinds");
     let precisions: Vec<&str> = kinds.iter().map(|k| k["precision"].as_str().expect("precision")).collect();
