@@ -128,6 +128,12 @@ fn nonsense_numbers_are_refused_naming_the_key() {
         ("data.num_fields=0", "data.num_fields"),
         ("checkpoint.keep=0", "checkpoint.keep"),
         ("checkpoint.dir=\"\"", "checkpoint.dir"),
+        ("data.train=\"\"", "data.train"),
+        ("data.test=\" \"", "data.test"),
+        ("train.metrics_path=\"\"", "train.metrics_path"),
+        ("train.tensorboard_dir=\"\"", "train.tensorboard_dir"),
+        ("embedding.path=\"\"", "embedding.path"),
+        ("checkpoint.resume_from=\"\"", "checkpoint.resume_from"),
         ("checkpoint.export_every_secs=5", "checkpoint.export_every_secs"),
         ("train.online_window_samples=1000000000000", "train.online_window_samples"),
         // Record time comes from a stream only.

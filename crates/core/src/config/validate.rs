@@ -39,6 +39,22 @@ impl Config {
                 "is empty: name a directory, or leave the key out to write no checkpoint",
             );
         }
+        // An empty path was read as the working directory (an SSD tier's
+        // shard files and TensorBoard's events were written there) or
+        // failed with an error that named no key.
+        let paths = [
+            ("data.train", &self.data.train, "the training data file"),
+            ("data.test", &self.data.test, "the test data file, or leave the key out to test on none"),
+            ("train.metrics_path", &self.train.metrics_path, "a file, or leave the key out to write no metrics"),
+            ("train.tensorboard_dir", &self.train.tensorboard_dir, "a directory, or leave the key out"),
+            ("embedding.path", &self.embedding.path, "the SSD tier's directory"),
+            ("checkpoint.resume_from", &self.checkpoint.resume_from, "the checkpoint to resume from"),
+        ];
+        if let Some((key, _, what)) =
+            paths.iter().find(|(_, path, _)| path.as_deref().is_some_and(|p| p.trim().is_empty()))
+        {
+            return invalid(key, &format!("is empty: name {what}"));
+        }
         if self.data.max_bad_fraction.is_some_and(|f| !(0.0..=1.0).contains(&f)) {
             return invalid("data.max_bad_fraction", "must be between 0 and 1");
         }
