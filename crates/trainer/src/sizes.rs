@@ -35,11 +35,19 @@ fn dense_bytes(kind: &dyn Kind, config: &Config, layout: &DataLayout) -> u128 {
 fn dense_culprit(kind: &dyn Kind, config: &Config, layout: &DataLayout) -> &'static str {
     /// Sets one key back to its default.
     type Reset = fn(&mut Config);
-    let candidates: [(&'static str, Reset); 4] = [
+    // Every key a kind's dense parameters grow with: a key no candidate
+    // names ties them all, and the first was named in its place.
+    let candidates: [(&'static str, Reset); 10] = [
         ("model.embedding_dim", |c| c.model.embedding_dim = ModelConfig::default().embedding_dim),
         ("model.hidden", |c| c.model.hidden = ModelConfig::default().hidden),
         ("model.cross_layers", |c| c.model.cross_layers = ModelConfig::default().cross_layers),
         ("model.bottom_hidden", |c| c.model.bottom_hidden = ModelConfig::default().bottom_hidden),
+        ("model.experts", |c| c.model.experts = ModelConfig::default().experts),
+        ("model.expert_hidden", |c| c.model.expert_hidden = ModelConfig::default().expert_hidden),
+        ("model.task_experts", |c| c.model.task_experts = ModelConfig::default().task_experts),
+        ("model.levels", |c| c.model.levels = ModelConfig::default().levels),
+        ("model.tower_hidden", |c| c.model.tower_hidden = ModelConfig::default().tower_hidden),
+        ("model.attention_hidden", |c| c.model.attention_hidden = ModelConfig::default().attention_hidden),
     ];
     candidates
         .iter()
@@ -156,6 +164,48 @@ mod tests {
         check_against(&dcn, &layout, memory).expect_err("cross layers of 26 × 4096 inputs");
         // Large but possible: a batch of 65536 rows.
         check_against(&config(&["train.batch_size=65536"]), &layout, memory).expect("fits");
+    }
+
+    /// The multi-task and sequence kinds' own keys, each named where it
+    /// alone makes the model too large: each was named `model.hidden` or
+    /// `model.cross_layers`, keys these kinds do not read.
+    #[test]
+    fn the_kinds_own_keys_are_named_when_too_large() {
+        const TWO_TASKS: &str = r#"
+            [data]
+            format = "csv"
+            [data.schema]
+            labels = ["click", "conversion"]
+            sparse = ["user", "item"]
+            multi_hot_separator = "|"
+            sequence = [{ field = "history", table = "item", max_len = 20 }]
+            [[model.tasks]]
+            name = "click"
+            [[model.tasks]]
+            name = "conversion"
+        "#;
+        let cases: [(&str, &str, &str); 6] = [
+            ("mmoe", "model.expert_hidden=[60000]", "model.expert_hidden"),
+            ("mmoe", "model.tower_hidden=[100000,100000]", "model.tower_hidden"),
+            ("ple", "model.expert_hidden=[100000]", "model.expert_hidden"),
+            ("esmm", "model.tower_hidden=[100000,100000]", "model.tower_hidden"),
+            ("din", "model.attention_hidden=[100000,100000]", "model.attention_hidden"),
+            // Large but possible.
+            ("ple", "model.levels=64", ""),
+        ];
+        for (kind, set, key) in cases {
+            let sets = vec![format!("model.kind=\"{kind}\""), set.to_string()];
+            let c = Overrides::parse(&sets).and_then(|o| Config::from_toml(TWO_TASKS, "test", &o)).expect(set);
+            let layout = DataLayout::from_config(&c.data);
+            let checked = check_against(&c, &layout, 24 << 30);
+            match key {
+                "" => checked.expect(set),
+                key => {
+                    let err = checked.expect_err(set).to_string();
+                    assert!(err.starts_with(&format!("config: {key}: too large")), "{kind} {set}: {err}");
+                }
+            }
+        }
     }
 
     /// An unknown kind is refused here (before any allocation) naming
