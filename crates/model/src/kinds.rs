@@ -127,8 +127,11 @@ pub trait Kind: Sync {
     fn dense_params(&self, config: &Config, shape: ModelShape) -> u128;
 
     /// Floats a batch row needs in the step beyond the pooled rows and the
-    /// widest layer (DCN-v2's cross inputs), for the memory estimate.
-    fn step_floats_per_row(&self, _shape: ModelShape) -> u128 {
+    /// widest layer (DCN-v2's cross inputs; the multi-task kinds' experts,
+    /// mixes and towers; DIN's attention over each history item), for the
+    /// memory estimate: each layer's outputs and their gradients, a bound
+    /// from below.
+    fn step_floats_per_row(&self, _config: &Config, _shape: ModelShape) -> u128 {
         0
     }
 }

@@ -63,7 +63,7 @@ impl Kind for Dcn {
     }
 
     /// The cross layers' input and its gradient.
-    fn step_floats_per_row(&self, shape: ModelShape) -> u128 {
+    fn step_floats_per_row(&self, _config: &Config, shape: ModelShape) -> u128 {
         2 * (shape.num_fields * shape.embedding_dim + shape.num_dense) as u128
     }
 }

@@ -53,4 +53,10 @@ impl Kind for Esmm {
         let x = (shape.num_fields * shape.embedding_dim + shape.num_dense) as u128;
         2 * mlp_params(x, &config.model.tower_hidden)
     }
+
+    /// Two towers' layers: 3 floats a unit and row each (peak memory grew
+    /// by 6.03 floats a row for each unit of `[h]` towers, batch 65536).
+    fn step_floats_per_row(&self, config: &Config, _shape: ModelShape) -> u128 {
+        6 * config.model.tower_hidden.iter().map(|&h| h as u128).sum::<u128>()
+    }
 }

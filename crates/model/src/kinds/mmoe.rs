@@ -5,7 +5,7 @@
 use sparrow_core::config::ModelConfig;
 use sparrow_core::{Config, ConfigError};
 
-use super::multitask::{self, Which, check_experts, experts_params};
+use super::multitask::{self, Which, check_experts, experts_params, experts_step_floats};
 use super::parts::{head, stack_flops};
 use super::{Build, Family, Kind, Net};
 use crate::ModelError;
@@ -46,5 +46,9 @@ impl Kind for Mmoe {
 
     fn dense_params(&self, config: &Config, shape: ModelShape) -> u128 {
         experts_params(&config.model, shape, 1)
+    }
+
+    fn step_floats_per_row(&self, config: &Config, _shape: ModelShape) -> u128 {
+        experts_step_floats(&config.model, 1, (0, false))
     }
 }

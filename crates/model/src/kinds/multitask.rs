@@ -315,6 +315,25 @@ pub(super) fn experts_params(config: &ModelConfig, shape: crate::step::ModelShap
         + 8 * mlp_params(width, &config.tower_hidden)
 }
 
+/// Floats a row of MMoE's step (one level, no task experts, no shared
+/// gate) or PLE's holds beyond its input, for the memory estimate: each
+/// expert's and tower's layers, outputs and their gradients (MMoE's peak
+/// memory grew by 2.07 floats a row for each expert unit), and each gate's
+/// logits and mix.
+pub(super) fn experts_step_floats(
+    config: &ModelConfig,
+    levels: u128,
+    (task_experts, shared_gate): (u128, bool),
+) -> u128 {
+    let tasks = config.tasks.len().max(1) as u128;
+    let layers: u128 = config.expert_hidden.iter().map(|&h| h as u128).sum();
+    let width = config.expert_hidden.last().copied().unwrap_or(1) as u128;
+    let experts = config.experts as u128 + tasks * task_experts;
+    let gates = tasks + u128::from(shared_gate);
+    let towers: u128 = config.tower_hidden.iter().map(|&h| h as u128).sum();
+    levels * (2 * experts * layers + gates * (experts + width)) + 2 * tasks * towers
+}
+
 /// Σ_k softmax(gate)_k · expert_k: `gate` `[B, K]`, each expert `[B, H]`.
 fn mix(gate: &Tensor, experts: &[&Tensor]) -> Result<Tensor, ModelError> {
     let m = gate.max_keepdim(D::Minus1)?;

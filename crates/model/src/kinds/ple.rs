@@ -6,7 +6,7 @@
 use sparrow_core::config::ModelConfig;
 use sparrow_core::{Config, ConfigError};
 
-use super::multitask::{self, Which, check_experts, experts_params};
+use super::multitask::{self, Which, check_experts, experts_params, experts_step_floats};
 use super::parts::{head, stack_flops};
 use super::{Build, Family, Kind, Net};
 use crate::ModelError;
@@ -58,5 +58,10 @@ impl Kind for Ple {
 
     fn dense_params(&self, config: &Config, shape: ModelShape) -> u128 {
         experts_params(&config.model, shape, config.model.levels as u128)
+    }
+
+    fn step_floats_per_row(&self, config: &Config, _shape: ModelShape) -> u128 {
+        let m = &config.model;
+        experts_step_floats(m, m.levels as u128, (m.task_experts as u128, m.levels > 1))
     }
 }
