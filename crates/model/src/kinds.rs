@@ -129,8 +129,9 @@ pub trait Kind: Sync {
     /// Floats a batch row needs in the step beyond the pooled rows and the
     /// widest layer (DCN-v2's cross inputs; the multi-task kinds' experts,
     /// mixes and towers; DIN's attention over each history item), for the
-    /// memory estimate: each layer's outputs and their gradients, a bound
-    /// from below.
+    /// memory estimate: floats a unit and row at or below what the step was
+    /// measured to hold (peak memory), so a refusal is of a job that could
+    /// not fit.
     fn step_floats_per_row(&self, _config: &Config, _shape: ModelShape) -> u128 {
         0
     }

@@ -18,7 +18,7 @@ use candle_core::{DType, Tensor};
 use sparrow_core::config::{ModelConfig, Norm};
 use sparrow_core::{Config, ConfigError};
 
-use super::parts::{head, mlp_params, stack_flops};
+use super::parts::{head, mlp_params, stack_flops, units};
 use super::{At, Build, Family, Kind, Net};
 use crate::ModelError;
 use crate::bf16::Arith;
@@ -107,8 +107,7 @@ impl Kind for Din {
     /// floats a unit at each of a sequence's `max_len` items (peak memory
     /// grew by 3.48 a unit of `[h]`, `max_len` 20, batch 256).
     fn step_floats_per_row(&self, config: &Config, shape: ModelShape) -> u128 {
-        let unit =
-            4 * shape.embedding_dim as u128 + config.model.attention_hidden.iter().map(|&h| h as u128).sum::<u128>();
+        let unit = 4 * shape.embedding_dim as u128 + units(&config.model.attention_hidden);
         config.sequence_fields().iter().map(|s| 3 * s.max_len as u128 * unit).sum()
     }
 }

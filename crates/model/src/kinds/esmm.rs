@@ -6,7 +6,7 @@ use sparrow_core::config::ModelConfig;
 use sparrow_core::{Config, ConfigError};
 
 use super::multitask::{self, Which};
-use super::parts::{head, mlp_params, stack_flops};
+use super::parts::{head, mlp_params, stack_flops, units};
 use super::{Build, Family, Kind, Net};
 use crate::ModelError;
 use crate::step::ModelShape;
@@ -57,6 +57,6 @@ impl Kind for Esmm {
     /// Two towers' layers: 3 floats a unit and row each (peak memory grew
     /// by 6.03 floats a row for each unit of `[h]` towers, batch 65536).
     fn step_floats_per_row(&self, config: &Config, _shape: ModelShape) -> u128 {
-        6 * config.model.tower_hidden.iter().map(|&h| h as u128).sum::<u128>()
+        6 * units(&config.model.tower_hidden)
     }
 }

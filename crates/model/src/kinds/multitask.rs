@@ -326,11 +326,11 @@ pub(super) fn experts_step_floats(
     (task_experts, shared_gate): (u128, bool),
 ) -> u128 {
     let tasks = config.tasks.len().max(1) as u128;
-    let layers: u128 = config.expert_hidden.iter().map(|&h| h as u128).sum();
+    let layers = super::parts::units(&config.expert_hidden);
     let width = config.expert_hidden.last().copied().unwrap_or(1) as u128;
     let experts = config.experts as u128 + tasks * task_experts;
     let gates = tasks + u128::from(shared_gate);
-    let towers: u128 = config.tower_hidden.iter().map(|&h| h as u128).sum();
+    let towers = super::parts::units(&config.tower_hidden);
     levels * (2 * experts * layers + gates * (experts + width)) + 2 * tasks * towers
 }
 

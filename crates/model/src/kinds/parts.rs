@@ -29,6 +29,11 @@ pub(crate) fn stack_flops(input: f64, sizes: &[usize]) -> f64 {
     total
 }
 
+/// Units of a stack's layers, all together.
+pub(crate) fn units(sizes: &[usize]) -> u128 {
+    sizes.iter().map(|&s| s as u128).sum()
+}
+
 /// Weights and biases of an MLP `input → sizes… → 1`.
 pub(crate) fn mlp_params(input: u128, sizes: &[usize]) -> u128 {
     let mut fan_in = input;
